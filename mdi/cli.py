@@ -1,0 +1,177 @@
+"""Command-line entry points: mdi-start, mdi-worker, mdi-prepare.
+
+User errors (bad YAML, missing files, wrong partitions, unreachable nodes) print one line
+starting with "mdi: error:" and exit non-zero (2 for configuration errors); no tracebacks.
+"""
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from .config import ConfigError, GenerationSpec, ModelSpec, RunConfig, RuntimeSpec, NodeSpec, load_config
+
+EXIT_CONFIG = 2
+EXIT_RUN = 1
+
+
+def _fail(message: str, code: int) -> int:
+    print("mdi: error: %s" % message, file=sys.stderr)
+    return code
+
+
+def start_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mdi-start",
+        description="Run a model split across the nodes of a YAML config (a one-node config runs "
+                    "standalone). Flags override the file.",
+        epilog="Example: mdi-start --config configs/ring3.yaml --prompt 'The capital of France is' "
+               "--n-tokens 16 --temperature 0")
+    p.add_argument("--config", help="run configuration (YAML); see README 'Configuration'")
+    p.add_argument("--model", help="model path (prepared mdi dir, HF dir, .gguf or nanoGPT ckpt.pt); "
+                                   "overrides model.path")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="a prompt; give several times for several samples")
+    p.add_argument("--n-samples", type=int, help="samples in flight; prompts are repeated to fill them")
+    p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default 100)")
+    p.add_argument("--temperature", type=float, help="0 for greedy decoding (default 0.8)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
+    p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
+    p.add_argument("--threads", type=int, help="torch threads on the starter")
+    p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
+    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    return p
+
+
+def _config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.config:
+        cfg = load_config(args.config)
+    elif args.model:
+        cfg = RunConfig(ModelSpec(args.model), [NodeSpec("starter")], GenerationSpec(), RuntimeSpec())
+    else:
+        raise ConfigError("give --config FILE.yaml or --model PATH")
+    if args.model:
+        cfg.model.path = args.model
+    g = cfg.generation
+    for flag, key in (("n_tokens", "n_tokens"), ("temperature", "temperature"), ("top_k", "top_k"),
+                      ("top_p", "top_p"), ("seed", "seed")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(g, key, value)
+    if args.dtype:
+        cfg.model.dtype = args.dtype
+    if args.device:
+        cfg.starter.device = args.device
+    if args.threads:
+        cfg.runtime.threads = args.threads
+    from .config import _check_generation
+    _check_generation("command line", g)
+    return cfg
+
+
+def resolve_prompts(cfg: RunConfig, cli_prompts: List[str], cli_n_samples: Optional[int]) -> List[str]:
+    prompts = cli_prompts or cfg.generation.prompts
+    if not prompts:
+        raise ConfigError("no prompt: give --prompt TEXT (or generation.prompts in %s)" % cfg.source)
+    if cli_n_samples is not None:
+        if cli_n_samples < len(prompts):
+            raise ConfigError("--n-samples %d is smaller than the %d prompts given" % (cli_n_samples, len(prompts)))
+        n = cli_n_samples
+    else:
+        n = max(cfg.generation.n_samples or 0, len(prompts))
+    if n < 1:
+        raise ConfigError("--n-samples must be at least 1")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def start_main(argv: Optional[List[str]] = None) -> int:
+    args = start_parser().parse_args(argv)
+    from .checkpoints import CheckpointError
+    from .tokenizers import TokenizerError
+    try:
+        cfg = _config_from_args(args)
+        prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
+        from . import starter
+        result = starter.run(cfg, prompts, log=lambda m: print(m, file=sys.stderr))
+    except (ConfigError, CheckpointError, TokenizerError) as e:
+        return _fail(str(e), EXIT_CONFIG)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except RuntimeError as e:
+        return _fail(str(e), EXIT_RUN)
+    if not args.quiet:
+        for i, (sample, text) in enumerate(zip(result.samples, result.texts)):
+            print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason))
+            print(sample.prompt + text)
+    print(summary_line(result))
+    if args.metrics_out:
+        write_json(args.metrics_out, result.metrics())
+    return 0
+
+
+def summary_line(result) -> str:
+    return ("mdi: %d tokens in %.2f s, %.2f tokens/s, %d samples, %d nodes"
+            % (result.n_tokens, result.elapsed, result.tokens_per_s, len(result.samples), len(result.nodes)))
+
+
+def write_json(path: str, record) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mdi-worker",
+        description="Serve one chunk of a model in an mdi ring. Starts blank; the starter sends "
+                    "the layer range, neighbours and weights over HTTP. Serves run after run.")
+    p.add_argument("--port", type=int, default=8081, help="HTTP control port (default 8081); the "
+                   "data-plane port is chosen by the starter's config (default port + 1000)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N; overrides what the starter asks for")
+    p.add_argument("--threads", type=int, help="torch threads for this node")
+    p.add_argument("--max-memory", type=float, metavar="GB",
+                   help="refuse runs whose KV cache would exceed this many GB (default: available RAM)")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    return p
+
+
+def worker_main(argv: Optional[List[str]] = None) -> int:
+    args = worker_parser().parse_args(argv)
+    import logging
+    import threading
+    from werkzeug.serving import make_server
+    import torch
+    from .worker import Worker, create_app
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
+    worker = Worker(args.host, args.port, args.device, max_memory)
+    try:
+        server = make_server(args.host, args.port, create_app(worker), threaded=True)
+    except OSError as e:
+        return _fail("cannot listen on %s:%d: %s" % (args.host, args.port, e.strerror or e), EXIT_RUN)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    print("mdi-worker %s listening on http://%s:%d" % (__import__("mdi").__version__, args.host, args.port),
+          flush=True)
+    try:
+        while not worker.shutdown_requested.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    worker.end_run()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(start_main())

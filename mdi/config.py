@@ -1,0 +1,243 @@
+"""Run configuration: the YAML file users write, validated on load.
+
+Every error is a `ConfigError` whose message names the file, the key and what was expected,
+so the CLI can print one line and exit with code 2.
+"""
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_HTTP_PORT = 8080
+DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_HTTP_PORT
+    layers: Optional[int] = None  # None: share the layers evenly ("balanced")
+    data_port: Optional[int] = None
+    device: Optional[str] = None  # overrides model.device for this node
+    weights: Optional[str] = None  # path on the node's own disk (pre-cut chunk or model dir)
+
+    @property
+    def address(self) -> str:
+        return "%s:%d" % (self.host, self.port)
+
+    @property
+    def ring_port(self) -> int:
+        return self.data_port if self.data_port is not None else self.port + DATA_PORT_OFFSET
+
+
+@dataclass
+class ModelSpec:
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    compute_dtype: Optional[str] = None  # e.g. store float16, compute float32 (old GPUs)
+
+
+@dataclass
+class GenerationSpec:
+    n_samples: Optional[int] = None
+    n_tokens: int = 100
+    temperature: float = 0.8
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 1
+    prompts: List[str] = field(default_factory=list)
+
+
+@dataclass
+class RuntimeSpec:
+    threads: Optional[int] = None  # torch threads per node; None leaves torch's default
+    connect_timeout: float = 5.0  # seconds to reach a node's control plane
+    init_timeout: float = 600.0  # seconds for a node to load its weights
+    ring_timeout: float = 30.0  # seconds without any frame before the ring is declared stuck
+    token: Optional[str] = None  # never from the file: filled from the environment/secret file
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec
+    nodes: List[NodeSpec]
+    generation: GenerationSpec
+    runtime: RuntimeSpec
+    source: str = "<flags>"
+
+    @property
+    def starter(self) -> NodeSpec:
+        return self.nodes[0]
+
+    @property
+    def workers(self) -> List[NodeSpec]:
+        return self.nodes[1:]
+
+
+def _check_keys(where: str, data: Any, allowed: Dict[str, Any], required=()) -> Dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError("%s: expected a mapping, got %s" % (where, type(data).__name__))
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError("%s: unknown key %r (expected one of: %s)"
+                          % (where, unknown[0], ", ".join(sorted(allowed))))
+    for key in required:
+        if key not in data or data[key] is None:
+            raise ConfigError("%s.%s: required key is missing" % (where, key))
+    out = {}
+    for key, value in data.items():
+        kinds = allowed[key]
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in kinds:
+            raise ConfigError("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
+        if not isinstance(value, kinds):
+            raise ConfigError("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
+        out[key] = value
+    return out
+
+
+def _names(kinds) -> str:
+    return " or ".join({int: "an integer", float: "a number", str: "a string", list: "a list",
+                        bool: "true/false", dict: "a mapping"}[k] for k in kinds)
+
+
+NUM = (int, float)
+
+
+def parse_config(data: Any, source: str) -> RunConfig:
+    top = _check_keys(source, data if data is not None else {},
+                      {"model": (dict,), "nodes": (list,), "generation": (dict,), "runtime": (dict,)},
+                      required=("model",))
+    m = _check_keys(source + ": model", top["model"],
+                    {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,)},
+                    required=("path",))
+    model = ModelSpec(**m)
+    for key in ("dtype", "compute_dtype"):
+        value = getattr(model, key)
+        if value is not None and value not in DTYPES:
+            raise ConfigError("%s: model.%s: expected one of %s, got %r" % (source, key, ", ".join(DTYPES), value))
+    _check_device("%s: model.device" % source, model.device)
+
+    nodes = []
+    for i, raw in enumerate(top.get("nodes") or [{"name": "starter"}]):
+        where = "%s: nodes[%d]" % (source, i)
+        n = _check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
+                                     "data_port": (int,), "device": (str,), "weights": (str,)})
+        n.setdefault("name", "starter" if i == 0 else "node%d" % i)
+        node = NodeSpec(**n)
+        for key in ("port", "data_port"):
+            value = getattr(node, key)
+            if value is not None and not 0 < value < 65536:
+                raise ConfigError("%s.%s: expected a TCP port 1-65535, got %d" % (where, key, value))
+        if node.layers is not None and node.layers < 1:
+            raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
+        if node.device is not None:
+            _check_device(where + ".device", node.device)
+        nodes.append(node)
+    _check_nodes(source, nodes)
+
+    g = _check_keys(source + ": generation", top.get("generation") or {},
+                    {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
+                     "top_p": NUM, "seed": (int,), "prompts": (list,)})
+    gen = GenerationSpec(**g)
+    _check_generation(source + ": generation", gen)
+
+    r = _check_keys(source + ": runtime", top.get("runtime") or {},
+                    {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM})
+    runtime = RuntimeSpec(**r)
+    for key in ("connect_timeout", "init_timeout", "ring_timeout"):
+        if getattr(runtime, key) <= 0:
+            raise ConfigError("%s: runtime.%s: expected a positive number of seconds" % (source, key))
+    return RunConfig(model, nodes, gen, runtime, source)
+
+
+def _check_device(where: str, device: str) -> None:
+    if device == "cpu" or device == "cuda":
+        return
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return
+    raise ConfigError("%s: expected cpu, cuda or cuda:N, got %r" % (where, device))
+
+
+def _check_nodes(source: str, nodes: List[NodeSpec]) -> None:
+    names, addresses, data = set(), set(), set()
+    for i, node in enumerate(nodes):
+        where = "%s: nodes[%d]" % (source, i)
+        if node.name in names:
+            raise ConfigError("%s.name: node %r is listed twice" % (where, node.name))
+        if i > 0 and node.address in addresses:
+            raise ConfigError("%s: address %s is listed twice" % (where, node.address))
+        if i > 0 and (node.host, node.ring_port) in data:
+            raise ConfigError("%s: data port %d on %s is used twice" % (where, node.ring_port, node.host))
+        names.add(node.name)
+        addresses.add(node.address)
+        data.add((node.host, node.ring_port))
+    given = [n.layers is not None for n in nodes]
+    if any(given) and not all(given):
+        raise ConfigError("%s: nodes: give 'layers' for every node or for none (balanced split)" % source)
+
+
+def _check_generation(where: str, gen: GenerationSpec) -> None:
+    if gen.n_samples is not None and gen.n_samples < 1:
+        raise ConfigError("%s.n_samples: expected a positive integer" % where)
+    if gen.n_tokens < 1:
+        raise ConfigError("%s.n_tokens: expected a positive integer" % where)
+    if gen.temperature < 0:
+        raise ConfigError("%s.temperature: expected a number >= 0" % where)
+    if gen.top_k is not None and gen.top_k < 1:
+        raise ConfigError("%s.top_k: expected a positive integer" % where)
+    if gen.top_p is not None and not 0 < gen.top_p <= 1:
+        raise ConfigError("%s.top_p: expected a number in (0, 1]" % where)
+    if not all(isinstance(p, str) for p in gen.prompts):
+        raise ConfigError("%s.prompts: expected a list of strings" % where)
+
+
+def load_config(path: str) -> RunConfig:
+    if not os.path.isfile(path):
+        raise ConfigError("%s: config file not found" % path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = " at line %d" % (mark.line + 1) if mark is not None else ""
+        raise ConfigError("%s: invalid YAML%s: %s" % (path, at, getattr(e, "problem", None) or e))
+    cfg = parse_config(data, path)
+    cfg.model.path = resolve_model_path(cfg.model.path, path)
+    return cfg
+
+
+def resolve_model_path(model_path: str, config_path: str) -> str:
+    """Relative model paths are tried from the current directory, then from the config's
+    directory and its parent (so `configs/x.yaml` may say `models/...`)."""
+    if os.path.isabs(model_path) or os.path.exists(model_path):
+        return model_path
+    here = os.path.dirname(os.path.abspath(config_path))
+    for base in (here, os.path.dirname(here)):
+        candidate = os.path.join(base, model_path)
+        if os.path.exists(candidate):
+            return candidate
+    return model_path
+
+
+def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> List[int]:
+    """Layer counts per node: as given (must sum to the model's layers) or balanced."""
+    if nodes[0].layers is None:
+        if len(nodes) > n_layer:
+            raise ConfigError("%s: %d nodes but the model has only %d layers" % (source, len(nodes), n_layer))
+        base, extra = divmod(n_layer, len(nodes))
+        return [base + (1 if i < extra else 0) for i in range(len(nodes))]
+    counts = [n.layers for n in nodes]
+    if sum(counts) != n_layer:
+        raise ConfigError("%s: nodes.layers: %s sums to %d, but the model has %d layers"
+                          % (source, "+".join(map(str, counts)), sum(counts), n_layer))
+    return counts

