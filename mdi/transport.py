@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import zmq
 
@@ -34,6 +34,8 @@ class RingEndpoint:
         self.outbox = queue.Queue()  # type: queue.Queue
         self.bytes_sent = 0
         self.messages_sent = 0
+        self.bytes_by_kind = {}  # type: Dict[str, int]
+        self.messages_by_kind = {}  # type: Dict[str, int]
         self.frames_received = 0
         self.bad_frames = 0
         self.last_error = None  # type: Optional[str]
@@ -87,6 +89,18 @@ class RingEndpoint:
                 t.join(timeout=2)
         self.pull.close(linger=0)
 
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.messages_sent += 1
+        self.bytes_sent += nbytes
+        self.messages_by_kind[kind] = self.messages_by_kind.get(kind, 0) + 1
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+
+    def traffic(self) -> Dict[str, Any]:
+        """Counters for the metrics record."""
+        return {"bytes_sent": self.bytes_sent, "messages_sent": self.messages_sent,
+                "bytes_sent_by_kind": dict(self.bytes_by_kind),
+                "messages_sent_by_kind": dict(self.messages_by_kind)}
+
     # --- threads ---------------------------------------------------------------------
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
@@ -120,8 +134,7 @@ class RingEndpoint:
                     # Bounded wait so a vanished neighbour cannot wedge this thread forever.
                     if push.poll(POLL_MS, zmq.POLLOUT):
                         push.send_multipart(parts, copy=False)
-                        self.messages_sent += 1
-                        self.bytes_sent += sum(len(p) for p in parts)
+                        self._count(frame.kind, sum(len(p) for p in parts))
                         break
                 self.outbox.task_done()
         finally:

@@ -248,9 +248,9 @@ class Worker:
             }
             if run is not None:
                 ep = run.endpoint
-                out["counters"] = {"frames_received": ep.frames_received, "frames_done": run.frames_done,
-                                   "bytes_sent": ep.bytes_sent, "messages_sent": ep.messages_sent,
-                                   "bad_frames": ep.bad_frames, "last_bad_frame": ep.last_error}
+                out["counters"] = dict(ep.traffic(), frames_received=ep.frames_received,
+                                       frames_done=run.frames_done, bad_frames=ep.bad_frames,
+                                       last_bad_frame=ep.last_error)
             return out
 
 

@@ -121,6 +121,19 @@ class Attention(nn.Module):
         y = y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
         return self.proj(y)
 
+    def forward_batch(self, x: torch.Tensor, rope: Optional[RotaryEmbedding]) -> torch.Tensor:
+        """Causal attention over whole sequences x [B, T, C] without a cache (training)."""
+        B, T, _ = x.shape
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        k = k.view(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
+        v = v.view(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
+        if rope is not None:
+            q, k = rope(q, 0), rope(k, 0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -151,6 +164,10 @@ class Block(nn.Module):
 
     def forward(self, x, k_cache, v_cache, start, rope):
         x = x + self.attn(self.norm1(x), k_cache, v_cache, start, rope)
+        return x + self.mlp(self.norm2(x))
+
+    def forward_batch(self, x, rope):
+        x = x + self.attn.forward_batch(self.norm1(x), rope)
         return x + self.mlp(self.norm2(x))
 
 
@@ -228,6 +245,18 @@ class ModelChunk(nn.Module):
         for j, block in enumerate(self.blocks.values()):
             x = block(x, cache.k[j, slot], cache.v[j, slot], start, self.rope)
         return x
+
+    def forward_batch(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits for whole sequences ids [B, T], no cache: the training path (full model only)."""
+        if not (self.with_embedding and self.with_head and self.first == 0 and self.last == self.config.n_layer):
+            raise RuntimeError("forward_batch needs the full model")
+        B, T = ids.shape
+        x = self.tok_emb(ids)
+        if self.config.family == "gpt2":
+            x = x + self.pos_emb(torch.arange(T, device=ids.device))
+        for block in self.blocks.values():
+            x = block.forward_batch(x, self.rope)
+        return self.head(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm_f(x)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the environment with the test dependencies and run the whole test suite.
+# Extra arguments go to pytest, e.g. ./scripts/test.sh -k ring
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh test
+exec python -m pytest tests -q "$@"

@@ -1,0 +1,105 @@
+"""Bad input gets one clear line and a non-zero exit, never a traceback."""
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import BIN, free_ports
+
+STARTER = os.path.join(BIN, "mdi-start")
+
+
+def mdi_start(*args, timeout=60):
+    return subprocess.run([STARTER] + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc, *needles, code=2):
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mdi: error:"), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("model: {dtype: float32}\n", ["model.path", "missing"]),
+    ("model: {path: x, dtpye: float32}\n", ["dtpye", "unknown key"]),
+    ("model: {path: x, dtype: float64}\n", ["model.dtype", "float64"]),
+    ("model: {path: x}\ngeneration: {n_tokens: ten}\n", ["generation.n_tokens", "integer"]),
+    ("model: {path: x}\ngeneration: {temperature: true}\n", ["generation.temperature"]),
+    ("model: {path: x}\nnodes:\n  - {name: a, port: 1}\n  - {name: a, port: 2}\n", ["listed twice"]),
+    ("model: {path: x}\nnodes:\n  - {name: a, port: 1}\n  - {name: b, port: 7}\n  - {name: c, port: 7}\n",
+     ["listed twice"]),
+    ("model: {path: x}\nnodes:\n  - {name: a, layers: 2}\n  - {name: b, port: 9}\n", ["every node"]),
+    ("model: [unclosed\n", ["invalid YAML", "line"]),
+    ("- just\n- a list\n", ["expected a mapping"]),
+])
+def test_config_errors_name_the_key(tmp_path, text, needles):
+    path = write(tmp_path, text)
+    proc = mdi_start("--config", path, "--prompt", "x")
+    assert_one_line_error(proc, path, *needles)
+
+
+def test_missing_config_file(tmp_path):
+    assert_one_line_error(mdi_start("--config", str(tmp_path / "nope.yaml"), "--prompt", "x"), "not found")
+
+
+def test_missing_checkpoint(tmp_path):
+    path = write(tmp_path, "model: {path: %s}\n" % (tmp_path / "no-model"))
+    assert_one_line_error(mdi_start("--config", path, "--prompt", "x"), "does not exist")
+
+
+def test_partition_must_sum_to_layers(tmp_path, tiny_models):
+    path = write(tmp_path, "model: {path: %s}\nnodes:\n  - {name: s, layers: 2}\n  - {name: w, port: 9, layers: 3}\n"
+                 % tiny_models["gpt2"])
+    assert_one_line_error(mdi_start("--config", path, "--prompt", "x"), "sums to 5", "4 layers")
+
+
+def test_prompt_longer_than_context(tmp_path, tiny_models):
+    path = write(tmp_path, "model: {path: %s}\n" % tiny_models["llama"])
+    assert_one_line_error(mdi_start("--config", path, "--prompt", "x" * 500), "context")
+
+
+def test_unknown_character_for_char_tokenizer(tmp_path, tiny_models):
+    path = write(tmp_path, "model: {path: %s}\n" % tiny_models["llama"])
+    proc = mdi_start("--config", path, "--prompt", "snow \u2603")
+    assert_one_line_error(proc)
+
+
+def test_worker_not_running_is_reported_quickly(tmp_path, tiny_models):
+    port, data = free_ports(2)
+    path = write(tmp_path, "model: {path: %s}\nnodes:\n  - {name: s, data_port: %d}\n  - {name: board9, port: %d}\n"
+                 % (tiny_models["gpt2"], data, port))
+    t0 = time.monotonic()
+    proc = mdi_start("--config", path, "--prompt", "x")
+    assert time.monotonic() - t0 < 10
+    assert_one_line_error(proc, "board9", "127.0.0.1:%d" % port, code=1)
+
+
+def test_n_samples_repeats_prompts_and_standalone_metrics(tmp_path, tiny_models):
+    import json
+    path = write(tmp_path, "model: {path: %s}\ngeneration: {n_tokens: 5, temperature: 0}\n" % tiny_models["gpt2"])
+    metrics = tmp_path / "m.json"
+    proc = mdi_start("--config", path, "--prompt", "ab", "--prompt", "cd", "--n-samples", "3",
+                     "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(metrics.read_text())
+    assert [s["prompt"] for s in record["samples"]] == ["ab", "cd", "ab"]
+    assert record["samples"][0]["token_ids"] == record["samples"][2]["token_ids"]
+    assert record["n_nodes"] == 1 and record["nodes"][0]["layers"] == [0, 3]
+    assert "mdi: 15 tokens" in proc.stdout
+
+
+def test_help_explains_flags():
+    proc = subprocess.run([STARTER, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--n-samples" in proc.stdout and "--metrics-out" in proc.stdout
+    proc = subprocess.run([os.path.join(BIN, "mdi-worker"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--port" in proc.stdout
