@@ -43,6 +43,9 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads on the starter")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    p.add_argument("--check", action="store_true",
+                   help="pre-flight check: contact every node and report reachability, version, device, "
+                        "free memory and whether its layers and KV cache fit; generates nothing")
     return p
 
 
@@ -91,25 +94,37 @@ def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
     from .checkpoints import CheckpointError
     from .tokenizers import TokenizerError
+    from . import starter
+    from .auth import TokenError, load_token
     try:
         cfg = _config_from_args(args)
+        cfg.runtime.token = load_token(cfg.runtime.token_file)
+        if args.check:
+            from .preflight import preflight
+            return preflight(cfg, args.prompt or cfg.generation.prompts)
         prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
-        from . import starter
         result = starter.run(cfg, prompts, log=lambda m: print(m, file=sys.stderr))
-    except (ConfigError, CheckpointError, TokenizerError) as e:
+    except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)
+    except starter.RunFailed as e:
+        report(e.result, args)  # the partial texts and metrics are not lost
+        return _fail(str(e), EXIT_RUN)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     except RuntimeError as e:
         return _fail(str(e), EXIT_RUN)
+    report(result, args)
+    return 0
+
+
+def report(result, args: argparse.Namespace) -> None:
     if not args.quiet:
         for i, (sample, text) in enumerate(zip(result.samples, result.texts)):
-            print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason))
+            print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason or "unfinished"))
             print(sample.prompt + text)
-    print(summary_line(result))
+    print(summary_line(result), flush=True)
     if args.metrics_out:
         write_json(args.metrics_out, result.metrics())
-    return 0
 
 
 def summary_line(result) -> str:
@@ -138,8 +153,22 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads for this node")
     p.add_argument("--max-memory", type=float, metavar="GB",
                    help="refuse runs whose KV cache would exceed this many GB (default: available RAM)")
+    p.add_argument("--token-file", help="file holding the shared secret required on every request "
+                   "(default: $MDI_TOKEN_FILE, else $MDI_TOKEN; never pass the secret itself on the command line)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening on a non-loopback address without a shared secret")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
     return p
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def worker_main(argv: Optional[List[str]] = None) -> int:
@@ -154,7 +183,15 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
-    worker = Worker(args.host, args.port, args.device, max_memory)
+    from .auth import TokenError, load_token
+    try:
+        token = load_token(args.token_file)
+    except TokenError as e:
+        return _fail(str(e), EXIT_CONFIG)
+    if token is None and not args.insecure and not _is_loopback(args.host):
+        return _fail("refusing to listen on %s without a shared secret: set MDI_TOKEN or --token-file "
+                     "(or pass --insecure on a trusted network)" % args.host, EXIT_CONFIG)
+    worker = Worker(args.host, args.port, args.device, max_memory, token)
     try:
         server = make_server(args.host, args.port, create_app(worker), threaded=True)
     except OSError as e:

@@ -62,7 +62,10 @@ class RuntimeSpec:
     connect_timeout: float = 5.0  # seconds to reach a node's control plane
     init_timeout: float = 600.0  # seconds for a node to load its weights
     ring_timeout: float = 30.0  # seconds without any frame before the ring is declared stuck
-    token: Optional[str] = None  # never from the file: filled from the environment/secret file
+    heartbeat_interval: float = 1.0  # seconds between the starter's /status polls of each worker
+    heartbeat_timeout: float = 8.0  # seconds a worker waits for a sign of the starter before ending a run
+    token_file: Optional[str] = None  # file holding the shared secret (else $MDI_TOKEN_FILE / $MDI_TOKEN)
+    token: Optional[str] = None  # the secret itself: never from the YAML, read via token_file/env
 
 
 @dataclass
@@ -152,9 +155,10 @@ def parse_config(data: Any, source: str) -> RunConfig:
     _check_generation(source + ": generation", gen)
 
     r = _check_keys(source + ": runtime", top.get("runtime") or {},
-                    {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM})
+                    {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
+                     "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,)})
     runtime = RuntimeSpec(**r)
-    for key in ("connect_timeout", "init_timeout", "ring_timeout"):
+    for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
         if getattr(runtime, key) <= 0:
             raise ConfigError("%s: runtime.%s: expected a positive number of seconds" % (source, key))
     return RunConfig(model, nodes, gen, runtime, source)

@@ -48,8 +48,9 @@ class ControlClient:
     def health(self) -> Dict[str, Any]:
         return self._call("GET", "/health")
 
-    def status(self) -> Dict[str, Any]:
-        return self._call("GET", "/status")
+    def status(self, timeout: Optional[float] = None, run_id: Optional[int] = None) -> Dict[str, Any]:
+        """The worker's status; naming the current run also serves as the starter's heartbeat."""
+        return self._call("GET", "/status" if run_id is None else "/status?run=%d" % run_id, timeout)
 
     def init(self, spec: Dict[str, Any]) -> Dict[str, Any]:
         return self._call("POST", "/init", self.init_timeout, json=spec)

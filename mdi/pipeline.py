@@ -65,11 +65,13 @@ class LocalLoop:
 class Pipeline:
     def __init__(self, chunk: ModelChunk, transport, run_id: int, params: SamplingParams,
                  eos_id: Optional[int], recv_timeout: float = 30.0,
-                 on_token: Optional[Callable[[Sample, int], None]] = None) -> None:
+                 on_token: Optional[Callable[[Sample, int], None]] = None,
+                 watch: Optional[Callable[[], None]] = None) -> None:
         self.chunk, self.transport, self.run_id = chunk, transport, run_id
         self.params, self.eos_id = params, eos_id
         self.recv_timeout = recv_timeout
         self.on_token = on_token
+        self.watch = watch  # raises when a node is known to have failed
         self.device = next(chunk.parameters()).device
         self.t0 = 0.0
 
@@ -91,6 +93,19 @@ class Pipeline:
         if self.on_token is not None:
             self.on_token(sample, token)
 
+    def _next_frame(self) -> Frame:
+        """Wait for the next frame in short slices, asking the watchdog in between, so a dead
+        node is reported by name instead of after the whole ring timeout."""
+        deadline = time.monotonic() + self.recv_timeout
+        while True:
+            try:
+                return self.transport.recv(min(0.2, self.recv_timeout))
+            except RingTimeout:
+                if self.watch is not None:
+                    self.watch()
+                if time.monotonic() > deadline:
+                    raise RingTimeout("no activations came back round the ring for %.0f s" % self.recv_timeout)
+
     def run(self, samples: List[Sample], t0: Optional[float] = None) -> None:
         """Generate until every sample hits EOS or its token limit."""
         self.t0 = time.perf_counter() if t0 is None else t0
@@ -103,13 +118,17 @@ class Pipeline:
                     self._send_pass(s, s.prompt_ids + s.token_ids, 0)
                     in_flight += 1
             while in_flight:
-                frame = self.transport.recv(self.recv_timeout)
+                frame = self._next_frame()
+                if frame.tensor is None:
+                    continue  # a stray stop/reset: nothing to finish
                 # Rows are either every position of every sample or only each one's last.
                 all_rows = frame.tensor.shape[0] == sum(frame.count)
                 row = 0
                 for idx, count in zip(frame.samples, frame.count):
                     row += count if all_rows else 1
-                    sample = by_index[idx]
+                    sample = by_index.get(idx)
+                    if sample is None or sample.done:
+                        continue  # not ours to finish (validated frames only name our slots)
                     self._finish_pass(sample, frame.tensor[row - 1:row])
                     if sample.done:
                         in_flight -= 1

@@ -2,10 +2,12 @@
 and at the end send the stop frame round and collect each node's counters."""
 import hashlib
 import threading
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .auth import ring_password
 from .config import RunConfig
 from .control import ControlClient, NodeError
 from .loading import ModelSource
@@ -24,6 +26,9 @@ class RingSession:
         self.clients = [ControlClient(n, rt.connect_timeout, rt.init_timeout, rt.token) for n in cfg.workers]
         self.endpoint = None  # type: Optional[RingEndpoint]
         self.init_replies = [{} for _ in cfg.workers]  # type: List[Dict]
+        self.failure = None  # type: Optional[NodeError]
+        self._watching = threading.Event()
+        self._watcher = None  # type: Optional[threading.Thread]
 
     def _init_spec(self, i: int) -> Dict:
         node = self.cfg.workers[i]
@@ -32,6 +37,7 @@ class RingSession:
             "run_id": self.run_id, "model": self.source.config.to_dict(), "layers": self.ranges[i + 1],
             "dtype": DTYPE_NAMES[self.dtype], "device": node.device or self.cfg.model.device,
             "n_slots": self.n_slots, "max_len": self.max_len,
+            "heartbeat_timeout": self.cfg.runtime.heartbeat_timeout,
             "data": {"bind_port": node.ring_port, "next_host": nxt.host, "next_port": nxt.ring_port,
                      "is_last": i == len(self.cfg.workers) - 1},
         }
@@ -58,10 +64,12 @@ class RingSession:
         """Configure all workers in parallel, then open the starter's data-plane endpoint."""
         starter = self.cfg.starter
         config = self.source.config
+        token = self.cfg.runtime.token
         self.endpoint = RingEndpoint(
             "starter", starter.host, starter.ring_port,
             lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
-                                 n_slots=self.n_slots, max_len=self.max_len))
+                                 n_slots=self.n_slots, max_len=self.max_len),
+            ring_password(token, self.run_id) if token else None)
         errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
         threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
                    for i in range(len(self.clients))]
@@ -75,10 +83,49 @@ class RingSession:
             raise failed[0] if isinstance(failed[0], NodeError) else NodeError(str(failed[0]))
         first = self.cfg.workers[0]
         self.endpoint.connect(first.host, first.ring_port)
+        self._watching.set()
+        self._watcher = threading.Thread(target=self._watch, name="mdi-watchdog", daemon=True)
+        self._watcher.start()
         return self.endpoint
+
+    # --- failure detection -----------------------------------------------------------
+    def _watch(self) -> None:
+        """Poll every worker's /status: a dead, hung or failed node is named within seconds
+        (this polling is also the heartbeat that tells workers the starter is alive)."""
+        misses = [0] * len(self.clients)
+        interval = self.cfg.runtime.heartbeat_interval
+        while self._watching.is_set() and self.failure is None:
+            for i, client in enumerate(self.clients):
+                problem = self._probe(client)
+                misses[i] = misses[i] + 1 if problem else 0
+                # A refused connection is certain; a timeout gets one more chance.
+                if problem and (misses[i] >= 2 or "cannot connect" in problem):
+                    self.failure = NodeError(problem)
+                    return
+            time.sleep(interval)
+
+    def _probe(self, client: ControlClient) -> Optional[str]:
+        where = "node %s (%s)" % (client.node.name, client.node.address)
+        try:
+            status = client.status(timeout=self.cfg.runtime.heartbeat_interval * 2, run_id=self.run_id)
+        except NodeError as e:
+            return str(e)
+        if not self._watching.is_set():
+            return None
+        if status.get("error"):
+            return "%s: compute failed: %s" % (where, status["error"])
+        if status.get("run_id") != self.run_id:
+            return "%s: is no longer serving this run (restarted?)" % where
+        return None
+
+    def check(self) -> None:
+        """Raise the first failure the watchdog found; called while waiting for frames."""
+        if self.failure is not None:
+            raise self.failure
 
     def finish(self) -> List[Dict]:
         """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
+        self._watching.clear()
         ep = self.endpoint
         ep.send(Frame("stop", self.run_id))
         try:
@@ -101,6 +148,7 @@ class RingSession:
 
     def abort(self) -> None:
         """Best effort: end the run on every worker and close our endpoint."""
+        self._watching.clear()
         for client in self.clients:
             try:
                 client.stop()

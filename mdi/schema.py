@@ -9,6 +9,23 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_WEIGHTS_BYTES = 64 * 1024 ** 3
 
 
+SAFETENSORS_SLACK = 1 << 20  # room for the safetensors header on top of the tensor bytes
+
+
+def expected_weight_bytes(config: ModelConfig, layers, dtype: str) -> int:
+    """Tensor bytes of a worker's layer range, so pushed weights cannot be oversized."""
+    from .checkpoints import expected_shapes
+    itemsize = 4 if dtype == "float32" else 2
+    shapes = expected_shapes(config, (layers[0], layers[1]), False, False)
+    total = 0
+    for shape in shapes.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * itemsize
+    return total
+
+
 class RequestError(ValueError):
     """A control-plane request that cannot be honoured; the message says why."""
 
@@ -39,7 +56,7 @@ def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
 
 def validate_init(body: Any) -> Dict[str, Any]:
     spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
-                                "data", "weights"), ("cache_budget_bytes",))
+                                "data", "weights"), ("cache_budget_bytes", "heartbeat_timeout"))
     _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     try:
         if not isinstance(spec["model"], dict):
@@ -63,6 +80,9 @@ def validate_init(body: Any) -> Dict[str, Any]:
     _int("max_len", spec["max_len"], 1, config.block_size)
     if spec.get("cache_budget_bytes") is not None:
         _int("cache_budget_bytes", spec["cache_budget_bytes"], 0, 2 ** 62)
+    hb = spec.get("heartbeat_timeout")
+    if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float)) or not 0.5 <= hb <= 3600):
+        raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
     data = _keys("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
     _int("data.bind_port", data["bind_port"], 1, 65535)
     _int("data.next_port", data["next_port"], 1, 65535)
@@ -76,7 +96,8 @@ def validate_init(body: Any) -> Dict[str, Any]:
     else:
         _keys("weights", weights, ("push",))
         push = _keys("weights.push", weights["push"], ("nbytes", "sha256"))
-        _int("weights.push.nbytes", push["nbytes"], 1, MAX_WEIGHTS_BYTES)
+        limit = min(MAX_WEIGHTS_BYTES, expected_weight_bytes(config, layers, spec["dtype"]) + SAFETENSORS_SLACK)
+        _int("weights.push.nbytes", push["nbytes"], 1, limit)
         if not isinstance(push["sha256"], str) or not HEX64.match(push["sha256"]):
             raise RequestError("weights.push.sha256 must be 64 lowercase hex digits")
     return spec

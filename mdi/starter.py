@@ -112,19 +112,39 @@ def run(cfg: RunConfig, prompts: List[str], log: Callable[[str], None] = print,
         transport = ring.start()
     else:
         transport = LocalLoop()
-    pipeline = Pipeline(chunk, transport, run_id, params, eos, cfg.runtime.ring_timeout, on_token)
+    pipeline = Pipeline(chunk, transport, run_id, params, eos, cfg.runtime.ring_timeout, on_token,
+                        ring.check if ring is not None else None)
     t0 = time.perf_counter()
+    worker_stats = []  # type: List[Dict[str, Any]]
     try:
         pipeline.run(samples, t0)
         elapsed = time.perf_counter() - t0
-        worker_stats = ring.finish() if ring is not None else []
-    except BaseException:
+        if ring is not None:
+            worker_stats = ring.finish()
+    except (RuntimeError, KeyboardInterrupt) as e:
+        # Keep what was generated: the caller still prints it and writes the metrics.
         if ring is not None:
             ring.abort()
-        raise
+        partial = _result(cfg, source, samples, time.perf_counter() - t0, ranges, chunk, transport, [])
+        partial.extra["error"] = str(e) or type(e).__name__
+        raise RunFailed(partial.extra["error"], partial)
+    return _result(cfg, source, samples, elapsed, ranges, chunk, transport, worker_stats)
+
+
+class RunFailed(RuntimeError):
+    """The run stopped early; `result` holds everything generated until then."""
+
+    def __init__(self, message: str, result: RunResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _result(cfg: RunConfig, source: ModelSource, samples: List[Sample], elapsed: float,
+            ranges: List[List[int]], chunk, transport, worker_stats: List[Dict[str, Any]]) -> RunResult:
+    first, last = ranges[0]
     starter_node = {"name": cfg.starter.name, "layers": [first, last - 1], "peak_memory_bytes": peak_rss_bytes(),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0}
-    starter_node.update(transport.traffic() if ring else {"bytes_sent": 0, "messages_sent": 0})
+    starter_node.update(transport.traffic() if hasattr(transport, "traffic") else {"bytes_sent": 0, "messages_sent": 0})
     nodes = [starter_node]
     chunk.free_cache()
     for node, (a, b), stats in zip(cfg.workers, ranges[1:], worker_stats):

@@ -13,22 +13,30 @@ from typing import Any, Callable, Dict, List, Optional
 
 import zmq
 
+from .auth import plain_authenticator
 from .pipeline import RingTimeout
-from .wire import Frame, FrameError, encode
+from .wire import DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, FrameError, encode
 
 log = logging.getLogger("mdi.transport")
 
 POLL_MS = 50
+MAX_MESSAGE_BYTES = DEFAULT_MAX_PAYLOAD + MAX_HEADER_BYTES
 
 
 class RingEndpoint:
     def __init__(self, name: str, bind_host: str, bind_port: int,
-                 validate: Callable[[List[zmq.Frame]], Frame]) -> None:
+                 validate: Callable[[List[zmq.Frame]], Frame], password: Optional[str] = None) -> None:
         self.name = name
         self.validate = validate
+        self.password = password
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops larger messages itself
+        if password is not None:
+            # zmq PLAIN handshake: only peers that know this run's password may connect.
+            plain_authenticator(self.ctx).configure_plain(domain="*", passwords={"mdi": password})
+            self.pull.plain_server = True
         self._bind(bind_host, bind_port)
         self.inbox = queue.Queue()  # type: queue.Queue
         self.outbox = queue.Queue()  # type: queue.Queue
@@ -122,6 +130,9 @@ class RingEndpoint:
     def _send_loop(self) -> None:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
+        if self.password is not None:
+            push.plain_username = b"mdi"
+            push.plain_password = self.password.encode()
         push.connect(self._next)
         try:
             while not self._stop.is_set():

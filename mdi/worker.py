@@ -18,6 +18,7 @@ from flask import Flask, jsonify, request
 from safetensors.torch import load as safetensors_load
 
 from . import __version__
+from .auth import ring_password, token_matches
 from .checkpoints import expected_keys, load_weights
 from .loading import build_chunk, torch_dtype
 from .models.config import ModelConfig
@@ -31,6 +32,7 @@ from . import schema
 log = logging.getLogger("mdi.worker")
 
 MAX_JSON_BYTES = 1 << 20
+DEFAULT_HEARTBEAT_TIMEOUT = 8.0  # seconds without any sign of the starter before a run ends
 
 
 def available_memory_bytes() -> Optional[int]:
@@ -112,8 +114,10 @@ class Run:
 
 class Worker:
     def __init__(self, host: str, port: int, device: Optional[str] = None,
-                 max_memory: Optional[int] = None) -> None:
+                 max_memory: Optional[int] = None, token: Optional[str] = None) -> None:
         self.host, self.port = host, port
+        self.token = token
+        self.last_contact = time.monotonic()
         self.device_override = device
         self.max_memory = max_memory
         self.lock = threading.RLock()
@@ -122,17 +126,49 @@ class Worker:
         self.loaded = None  # type: Optional[Dict[str, Any]]  # key of the weights in `chunk`
         self.chunk = None  # type: Optional[ModelChunk]
         self.runs_served = 0
+        self.loading = False
         self.shutdown_requested = threading.Event()
+        threading.Thread(target=self._watch_starter, name="mdi-heartbeat", daemon=True).start()
+
+    def touch(self) -> None:
+        self.last_contact = time.monotonic()
+
+    def _watch_starter(self) -> None:
+        """End a run whose starter went silent (it died or lost the network): the caches are
+        freed and the worker waits for the next /init instead of serving a dead ring."""
+        frames_seen = 0
+        while not self.shutdown_requested.wait(0.5):
+            run = self.run
+            if run is None or run.stopped.is_set():
+                continue
+            if run.endpoint.frames_received != frames_seen:
+                frames_seen = run.endpoint.frames_received
+                self.touch()
+            silent = time.monotonic() - self.last_contact
+            if silent > run.spec.get("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT):
+                log.warning("starter silent for %.1f s: ending run %d", silent, run.id)
+                self.end_run(run)
 
     # --- run lifecycle ---------------------------------------------------------------
-    def end_run(self) -> None:
+    def end_run(self, only: Optional[Run] = None) -> None:
+        """End the current run (or only `only`, if it is still the current one)."""
         with self.lock:
+            if only is not None and self.run is not only:
+                return
             if self.run is not None:
                 self.run.stop()
                 self.run = None
             self.pending = None
 
     def init(self, spec: Dict[str, Any]) -> Dict[str, Any]:
+        with self.lock:
+            self.loading = True
+            try:
+                return self._init(spec)
+            finally:
+                self.loading = False
+
+    def _init(self, spec: Dict[str, Any]) -> Dict[str, Any]:
         with self.lock:
             self.end_run()
             config = ModelConfig.from_dict(spec["model"])
@@ -160,6 +196,14 @@ class Worker:
             return {"ok": True, "need_weights": True, "cache_bytes": cache_bytes}
 
     def receive_weights(self, data: bytes) -> Dict[str, Any]:
+        with self.lock:
+            self.loading = True
+            try:
+                return self._receive_weights(data)
+            finally:
+                self.loading = False
+
+    def _receive_weights(self, data: bytes) -> Dict[str, Any]:
         with self.lock:
             spec = self.pending
             if spec is None:
@@ -213,45 +257,49 @@ class Worker:
         data = spec["data"]
         config = chunk.config
         run_id, n_slots, max_len = spec["run_id"], spec["n_slots"], spec["max_len"]
+        password = ring_password(self.token, run_id) if self.token else None
         try:
             endpoint = RingEndpoint(
                 "worker:%d" % self.port, self.host, data["bind_port"],
-                lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=n_slots, max_len=max_len))
+                lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=n_slots, max_len=max_len),
+                password)
         except RuntimeError as e:
             chunk.free_cache()
             raise schema.RequestError(str(e))
         endpoint.connect(data["next_host"], data["next_port"])
         self.run = Run(spec, chunk, endpoint)
+        self.touch()
         self.run.thread.start()
         self.runs_served += 1
 
     # --- reporting -------------------------------------------------------------------
     def status(self) -> Dict[str, Any]:
-        with self.lock:
-            run = self.run
+        # No lock: /status must answer while /init holds it to load weights for minutes.
+        run, chunk, loaded = self.run, self.chunk, self.loaded
+        if self.loading or self.pending is not None:
+            state = "loading"
+        elif run is not None:
+            state = "stopped" if run.stopped.is_set() else "running"
+        else:
             state = "idle"
-            if self.pending is not None:
-                state = "loading"
-            elif run is not None:
-                state = "stopped" if run.stopped.is_set() else "running"
-            cache = self.chunk.cache if self.chunk is not None else None
-            out = {
-                "state": state, "version": __version__, "port": self.port,
-                "layers": self.loaded["layers"] if self.loaded else None,
-                "device": self.loaded["device"] if self.loaded else (self.device_override or "cpu"),
-                "run_id": run.id if run else None, "runs_served": self.runs_served,
-                "memory": {"rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
-                           "available_bytes": available_memory_bytes()},
-                "cache": {"slots": cache.n_slots if cache else 0, "max_len": cache.max_len if cache else 0,
-                          "bytes": cache.nbytes if cache else 0},
-                "counters": {}, "error": run.error if run else None,
-            }
-            if run is not None:
-                ep = run.endpoint
-                out["counters"] = dict(ep.traffic(), frames_received=ep.frames_received,
-                                       frames_done=run.frames_done, bad_frames=ep.bad_frames,
-                                       last_bad_frame=ep.last_error)
-            return out
+        cache = chunk.cache if chunk is not None else None
+        out = {
+            "state": state, "version": __version__, "port": self.port,
+            "layers": loaded["layers"] if loaded else None,
+            "device": loaded["device"] if loaded else (self.device_override or "cpu"),
+            "run_id": run.id if run else None, "runs_served": self.runs_served,
+            "memory": {"rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+                       "available_bytes": available_memory_bytes()},
+            "cache": {"slots": cache.n_slots if cache else 0, "max_len": cache.max_len if cache else 0,
+                      "bytes": cache.nbytes if cache else 0},
+            "counters": {}, "error": run.error if run else None,
+        }
+        if run is not None:
+            ep = run.endpoint
+            out["counters"] = dict(ep.traffic(), frames_received=ep.frames_received,
+                                   frames_done=run.frames_done, bad_frames=ep.bad_frames,
+                                   last_bad_frame=ep.last_error)
+        return out
 
 
 def create_app(worker: Worker) -> Flask:
@@ -267,6 +315,12 @@ def create_app(worker: Worker) -> Flask:
         if data is None:
             raise schema.RequestError("body is not valid JSON")
         return data
+
+    @app.before_request
+    def authenticate():
+        if not token_matches(worker.token, request.headers.get("Authorization")):
+            return jsonify({"ok": False, "error": "missing or wrong token"}), 401
+        return None
 
     @app.errorhandler(schema.RequestError)
     def bad_request(e):
@@ -287,6 +341,10 @@ def create_app(worker: Worker) -> Flask:
 
     @app.route("/status", methods=["GET"])
     def status():
+        # The starter's watchdog names its run: that poll is the heartbeat keeping the run alive.
+        run = worker.run
+        if run is not None and request.args.get("run") == str(run.id):
+            worker.touch()
         return jsonify(worker.status())
 
     @app.route("/init", methods=["POST"])

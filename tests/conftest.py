@@ -67,8 +67,9 @@ def tiny_models(tmp_path_factory):
 
 
 class WorkerProcess:
-    def __init__(self, port: int, extra=(), env=None) -> None:
+    def __init__(self, port: int, extra=(), env=None, token=None) -> None:
         self.port = port
+        self.headers = {"Authorization": "Bearer " + token} if token else {}
         self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-worker-%d.log" % port), "w+")
         self.proc = subprocess.Popen([os.path.join(BIN, "mdi-worker"), "--port", str(port), "--threads", "1"]
                                      + list(extra), stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -80,7 +81,7 @@ class WorkerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError("worker on port %d exited: %s" % (self.port, self.output()))
             try:
-                if requests.get(self.url + "/health", timeout=1).ok:
+                if requests.get(self.url + "/health", headers=self.headers, timeout=1).ok:
                     return self
             except requests.RequestException:
                 time.sleep(0.1)
@@ -94,7 +95,7 @@ class WorkerProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
-                requests.post(self.url + "/shutdown", timeout=2)
+                requests.post(self.url + "/shutdown", headers=self.headers, timeout=2)
                 self.proc.wait(timeout=5)
             except (requests.RequestException, subprocess.TimeoutExpired):
                 self.proc.send_signal(signal.SIGKILL)

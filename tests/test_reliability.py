@@ -1,0 +1,162 @@
+"""Failures with real processes: a node killed mid-run, a dead starter, wrong tokens, and
+lingering ports. Nothing hangs, every failure names the node, nothing generated is lost."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import requests
+
+from conftest import BIN, WorkerProcess, free_ports
+from mdi import starter
+from mdi.config import parse_config
+
+
+def write_ring(tmp_path, model, workers, data_ports, n_tokens=100, n_samples=5, extra=""):
+    lines = ["model: {path: %s}" % model, "nodes:", "  - {name: starter, data_port: %d}" % data_ports[0]]
+    for i, w in enumerate(workers):
+        lines.append("  - {name: board%d, port: %d, data_port: %d}" % (i + 1, w.port, data_ports[i + 1]))
+    lines.append("generation: {n_tokens: %d, n_samples: %d, temperature: 0}" % (n_tokens, n_samples))
+    lines.append("runtime: {threads: 1%s}" % extra)
+    path = tmp_path / "ring.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def start_run(config, metrics, env=None):
+    return subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "Once upon",
+                             "--metrics-out", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_frames(worker, at_least=10, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counters = requests.get(worker.url + "/status", timeout=2).json().get("counters") or {}
+        if counters.get("frames_done", 0) >= at_least:
+            return
+        time.sleep(0.01)
+    raise AssertionError("no frames flowed through the worker on port %d" % worker.port)
+
+
+def wait_idle(worker, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if requests.get(worker.url + "/status", timeout=2).json()["state"] == "idle":
+            return time.monotonic()
+        time.sleep(0.1)
+    raise AssertionError("worker on port %d did not return to idle within %.0f s" % (worker.port, timeout))
+
+
+def reference_ids(model, prompt, n_tokens):
+    cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0}}, "ref")
+    return starter.run(cfg, [prompt], log=lambda m: None).samples[0].token_ids
+
+
+def fresh_run_matches(model, workers, data_ports):
+    nodes = [{"name": "starter", "data_port": data_ports[0]}]
+    nodes += [{"name": "w%d" % i, "port": w.port, "data_port": data_ports[i + 1]} for i, w in enumerate(workers)]
+    cfg = parse_config({"model": {"path": model}, "nodes": nodes,
+                        "generation": {"n_tokens": 20, "temperature": 0}}, "fresh")
+    got = starter.run(cfg, ["Once upon"], log=lambda m: None).samples[0].token_ids
+    assert got == reference_ids(model, "Once upon", 20)
+
+
+@pytest.fixture
+def two_workers():
+    procs = [WorkerProcess(p) for p in free_ports(2)]
+    try:
+        yield [w.wait_ready() for w in procs]
+    finally:
+        for w in procs:
+            w.stop()
+
+
+def test_killed_worker_is_named_partial_output_kept_and_survivor_reusable(tmp_path, tiny_models, two_workers):
+    model = tiny_models["llama"]
+    ports = free_ports(3)
+    metrics = tmp_path / "m.json"
+    run = start_run(write_ring(tmp_path, model, two_workers, ports), metrics)
+    victim, survivor = two_workers[1], two_workers[0]
+    wait_for_frames(victim)
+    victim.proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, err = run.communicate(timeout=30)
+    assert time.monotonic() - killed_at < 15
+    assert run.returncode == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "board2" in lines[-1] and "127.0.0.1:%d" % victim.port in lines[-1], err
+    record = json.loads(metrics.read_text())
+    generated = [len(s["token_ids"]) for s in record["samples"]]
+    assert 0 < sum(generated) < 5 * 100 and "error" in record
+    assert "board2" in record["error"]
+    assert "mdi:" in out  # the summary of what was generated is printed
+    wait_idle(survivor, 15)
+    fresh_run_matches(model, [survivor], free_ports(2))
+
+
+def test_workers_survive_a_killed_starter(tmp_path, tiny_models, two_workers):
+    model = tiny_models["gpt2"]
+    ports = free_ports(3)
+    run = start_run(write_ring(tmp_path, model, two_workers, ports, extra=", heartbeat_timeout: 4"),
+                    tmp_path / "m.json")
+    wait_for_frames(two_workers[0])
+    run.send_signal(signal.SIGKILL)
+    run.communicate(timeout=10)
+    killed_at = time.monotonic()
+    for w in two_workers:
+        assert wait_idle(w, 15) - killed_at < 15
+    fresh_run_matches(model, two_workers, free_ports(3))
+
+
+def test_wrong_token_is_refused_quickly_and_right_token_works(tmp_path, tiny_models):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret-token\n")
+    env = dict(os.environ, MDI_TOKEN_FILE=str(secret))
+    worker = WorkerProcess(free_ports(1)[0], env=env, token="s3cret-token")
+    try:
+        worker.wait_ready()
+        assert requests.get(worker.url + "/health", timeout=2).status_code == 401
+        assert requests.get(worker.url + "/status", headers={"Authorization": "Bearer nope"}, timeout=2).status_code == 401
+        config = write_ring(tmp_path, tiny_models["gpt2"], [worker], free_ports(2), n_tokens=8, n_samples=2)
+        wrong = dict(os.environ, MDI_TOKEN="not-it")
+        t0 = time.monotonic()
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
+                              capture_output=True, text=True, env=wrong, timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert proc.returncode == 1 and "board1" in proc.stderr and "token" in proc.stderr, proc.stderr
+        # The right token works end to end, data-plane handshake included.
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "16 tokens" in proc.stdout
+    finally:
+        worker.stop()
+
+
+def test_worker_refuses_public_address_without_token():
+    proc = subprocess.run([os.path.join(BIN, "mdi-worker"), "--host", "0.0.0.0", "--port", str(free_ports(1)[0])],
+                          capture_output=True, text=True, timeout=30,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MDI_TOKEN")})
+    assert proc.returncode == 2 and "shared secret" in proc.stderr and "--insecure" in proc.stderr
+
+
+def test_port_is_free_again_right_after_a_killed_worker(tiny_models, tmp_path):
+    port, data = free_ports(2)
+    first = WorkerProcess(port).wait_ready()
+    config = write_ring(tmp_path, tiny_models["gpt2"], [first], [free_ports(1)[0], data], n_tokens=4, n_samples=1)
+    assert subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
+                          capture_output=True, timeout=60).returncode == 0
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    second = WorkerProcess(port)
+    try:
+        second.wait_ready(timeout=10)
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        second.stop()
+        first.log.close()
