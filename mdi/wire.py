@@ -5,6 +5,7 @@ carries, at which positions, and its dtype and shape; the payload is the tensor'
 and received without copies. `decode` validates every field before touching the buffer, so a
 malformed or hostile frame raises `FrameError` and never allocates attacker-chosen memory.
 """
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -18,6 +19,9 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 512 * 1024 * 1024
+# Received buffers are read-only; activations are never written in place, so torch's warning
+# about wrapping a non-writable buffer does not apply.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 _HEADER_KEYS = {"v", "kind", "run", "samples", "start", "count", "dtype", "shape", "codec"}
 
 

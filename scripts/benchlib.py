@@ -1,0 +1,298 @@
+"""Helpers shared by the benchmark scripts (bench_standalone.py, bench_ring.py).
+
+Statistics (median + spread of repeats), per-token timing from `token_times`, plain-text
+tables, the JSON record, machine context, cgroup v1 CPU quotas and worker processes.
+Python 3.8 compatible; imports only the standard library at module level.
+"""
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(ROOT, "models", "smollm2-135m")
+DEFAULT_PROMPT = "Once upon a time"  # SmolLM2-135M writes > 100 tokens without EOS (greedy)
+BIN = os.path.dirname(sys.executable)
+
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# --------------------------------------------------------------------------- statistics
+
+def summarize(values: Sequence[float]) -> Dict[str, Any]:
+    """Median, min and max of repeats, plus the raw values."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0, "values": []}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "n": len(vals), "values": vals}
+
+
+def fmt_stat(s: Dict[str, Any], fmt: str = "%.1f", scale: float = 1.0) -> str:
+    """'median [min, max]' of a summarize() record."""
+    if s["median"] is None:
+        return "n/a"
+    return "%s [%s, %s]" % (fmt % (s["median"] * scale), fmt % (s["min"] * scale), fmt % (s["max"] * scale))
+
+
+def decode_timing(token_times: Sequence[float]) -> Dict[str, float]:
+    """Decode-only timing of one sample: prefill (the first token) is excluded.
+
+    mean_s: (t_last - t_first) / (n - 1), the plain decode rate's inverse.
+    median_s: median gap between consecutive tokens (robust to a neighbour's CPU burst).
+    """
+    t = list(token_times)
+    if len(t) < 2:
+        raise ValueError("need at least 2 tokens to time decoding, got %d" % len(t))
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    mean = (t[-1] - t[0]) / (len(t) - 1)
+    return {"first_token_s": t[0], "mean_s": mean, "median_s": statistics.median(gaps),
+            "tokens_per_s": 1.0 / mean, "n_gaps": len(gaps)}
+
+
+def steady_rate(all_token_times: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """Aggregate decode tokens/s of several samples in flight, over the window where every
+    sample is decoding: from the last sample's first token to the first sample's last token.
+    With one sample this is (n - 1) / (t_last - t_first)."""
+    lists = [list(t) for t in all_token_times if len(t) >= 2]
+    if not lists:
+        raise ValueError("no sample has 2 tokens")
+    start = max(t[0] for t in lists)
+    end = min(t[-1] for t in lists)
+    n = sum(1 for t in lists for x in t if start < x <= end)
+    if end <= start or n == 0:
+        raise ValueError("samples never decode at the same time")
+    return {"tokens_per_s": n / (end - start), "window_s": end - start, "window_tokens": n}
+
+
+# --------------------------------------------------------------------------- output
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = "  ".join("-" * w for w in widths)
+    print("\n" + title)
+    print(line)
+    for j, r in enumerate(cells):
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            print(line)
+    print(line, flush=True)
+
+
+def save_record(path: str, record: Dict[str, Any]) -> None:
+    from mdi.cli import write_json
+    write_json(path, record)
+    print("\nraw numbers written to %s" % path)
+
+
+def machine_info(threads: int) -> Dict[str, Any]:
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "threads_per_process": threads,
+            "loadavg_start": list(os.getloadavg()), "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import mdi
+        info["mdi"] = mdi.__version__
+    except (ImportError, AttributeError):
+        pass
+    return info
+
+
+def finish_machine_info(info: Dict[str, Any]) -> None:
+    info["loadavg_end"] = list(os.getloadavg())
+
+
+def note_load(info: Dict[str, Any]) -> str:
+    return ("machine: %s CPUs, load average %.2f at start, %.2f at end (other tenants' work counts "
+            "too: this box is shared)" % (info["cpu_count"], info["loadavg_start"][0],
+                                           info.get("loadavg_end", os.getloadavg())[0]))
+
+
+# --------------------------------------------------------------------------- mdi configs
+
+def free_ports(n: int) -> List[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int,
+                    temperature: float = 0.0) -> Dict[str, Any]:
+    """A RunConfig as a YAML-like dict (for mdi.config.parse_config)."""
+    return {"model": {"path": model, "dtype": "float32", "device": "cpu"},
+            "nodes": nodes,
+            "generation": {"n_tokens": n_tokens, "temperature": temperature, "seed": 1},
+            "runtime": {"threads": threads}}
+
+
+# --------------------------------------------------------------------------- cgroup v1
+
+CGROUP_CPU = "/sys/fs/cgroup/cpu"
+
+
+def cgroup_unavailable_reason() -> Optional[str]:
+    """None when cgroup v1 CPU quotas can be used, else why not."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "not running as root"
+    if not os.path.isfile(os.path.join(CGROUP_CPU, "cpu.cfs_quota_us")):
+        return "no cgroup v1 cpu controller at %s" % CGROUP_CPU
+    if not os.access(CGROUP_CPU, os.W_OK):
+        return "%s is not writable" % CGROUP_CPU
+    return None
+
+
+def _write(path: str, value: Any) -> None:
+    with open(path, "w") as f:
+        f.write("%s\n" % value)
+
+
+def _own_cpu_cgroup() -> str:
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if "cpu" in controllers.split(","):
+                return os.path.join(CGROUP_CPU, path.lstrip("/"))
+    return CGROUP_CPU
+
+
+class CpuCgroups:
+    """cgroup v1 `cpu` groups made by this benchmark under one parent; cleanup() removes them.
+
+    A group's quota is given in cores (0.5 = 50 ms of CPU per 100 ms period); None = no limit.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.base = os.path.join(CGROUP_CPU, "%s_%d" % (prefix, os.getpid()))
+        self.home = _own_cpu_cgroup()  # where this process came from
+        self.groups = []  # type: List[str]
+        os.mkdir(self.base)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.base, name)
+
+    def create(self, name: str) -> str:
+        p = self.path(name)
+        os.mkdir(p)
+        self.groups.append(name)
+        return p
+
+    def set_quota(self, name: str, cores: Optional[float]) -> None:
+        p = self.path(name)
+        with open(os.path.join(p, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        _write(os.path.join(p, "cpu.cfs_quota_us"), -1 if cores is None else max(1000, int(cores * period)))
+
+    def quota_cores(self, name: str) -> Optional[float]:
+        p = self.path(name)
+        with open(os.path.join(p, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(p, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota < 0 else quota / float(period)
+
+    def stat(self, name: str) -> Dict[str, int]:
+        out = {}
+        with open(os.path.join(self.path(name), "cpu.stat")) as f:
+            for line in f:
+                key, value = line.split()
+                out[key] = int(value)
+        return out
+
+    def preexec(self, name: str) -> Callable[[], None]:
+        """For subprocess.Popen(preexec_fn=...): the child joins the group before exec."""
+        procs = os.path.join(self.path(name), "cgroup.procs")
+        return lambda: _write(procs, os.getpid())
+
+    def join(self, name: str) -> None:
+        """Move this whole process (all its threads) into a group."""
+        _write(os.path.join(self.path(name), "cgroup.procs"), os.getpid())
+
+    def leave(self) -> None:
+        _write(os.path.join(self.home, "cgroup.procs"), os.getpid())
+
+    def cleanup(self) -> List[str]:
+        """Remove the groups (they must be empty: stop the processes first). Returns problems."""
+        problems = []
+        try:
+            self.leave()
+        except OSError as e:
+            problems.append("cannot move back to %s: %s" % (self.home, e))
+        for name in reversed(self.groups):
+            try:
+                os.rmdir(self.path(name))
+            except OSError as e:
+                problems.append("cannot remove %s: %s" % (self.path(name), e))
+        try:
+            os.rmdir(self.base)
+        except OSError as e:
+            problems.append("cannot remove %s: %s" % (self.base, e))
+        return problems
+
+
+# --------------------------------------------------------------------------- workers
+
+class WorkerProcess:
+    """One `mdi-worker --threads 1` subprocess on free ports, optionally in a cgroup."""
+
+    def __init__(self, name: str, threads: int, log_dir: str,
+                 preexec: Optional[Callable[[], None]] = None) -> None:
+        self.name = name
+        self.port, self.data_port = free_ports(2)
+        self.log_path = os.path.join(log_dir, "%s.log" % name)
+        self.log = open(self.log_path, "w")
+        cmd = [os.path.join(BIN, "mdi-worker"), "--port", str(self.port), "--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        self.url = "http://127.0.0.1:%d" % self.port
+
+    def node(self, weights: Optional[str] = None) -> Dict[str, Any]:
+        entry = {"name": self.name, "host": "127.0.0.1", "port": self.port, "data_port": self.data_port}
+        if weights:
+            entry["weights"] = weights
+        return entry
+
+    def wait_healthy(self, timeout: float) -> None:
+        import requests
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("worker %s exited with code %s (log: %s)"
+                                   % (self.name, self.proc.returncode, self.log_path))
+            try:
+                if requests.get(self.url + "/health", timeout=1).ok:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("worker %s did not answer /health within %.0f s" % (self.name, timeout))
+
+    def stop(self) -> None:
+        """POST /shutdown, then terminate/kill this PID only if it does not exit."""
+        import requests
+        if self.proc.poll() is None:
+            try:
+                requests.post(self.url + "/shutdown", timeout=3)
+            except requests.RequestException:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self.log.close()

@@ -1,0 +1,187 @@
+"""Fuzzing the two network inputs: the frame decoder and the worker's HTTP routes. Random and
+mutated inputs are rejected cleanly; the worker keeps answering and computing correctly."""
+import json
+import os
+
+import msgpack
+import pytest
+import requests
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import WorkerProcess, free_ports
+from mdi import starter, wire
+from mdi.config import parse_config
+
+FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12)
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12)
+
+
+def valid_frame(rows=3, hidden=8):
+    return wire.Frame("prefill", 5, [1], [0], [rows], torch.randn(rows, hidden))
+
+
+def decode_or_reject(parts, **expect):
+    try:
+        frame = wire.decode(parts, **expect)
+    except wire.FrameError:
+        return None
+    if frame.tensor is not None:
+        assert frame.tensor.numel() * frame.tensor.element_size() == len(parts[1])
+    return frame
+
+
+def test_valid_frames_round_trip():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        frame = wire.Frame("decode", 9, [0, 3], [4, 7], [1, 1], torch.randn(2, 16).to(dtype))
+        header, payload = wire.encode(frame)
+        got = wire.decode([header, bytes(payload)], run=9, hidden=16, n_slots=4, max_len=32)
+        assert got.samples == [0, 3] and got.start == [4, 7] and torch.equal(got.tensor, frame.tensor)
+
+
+@settings(max_examples=4000, **FUZZ)
+@given(header=st.binary(max_size=200), payload=st.binary(max_size=200))
+def test_random_bytes_are_rejected(header, payload):
+    decode_or_reject([header, payload], run=5, hidden=8, n_slots=4, max_len=64)
+
+
+@settings(max_examples=6000, **FUZZ)
+@given(key=st.sampled_from(["v", "kind", "run", "samples", "start", "count", "dtype", "shape", "codec", "extra"]),
+       value=msgpack_values, drop=st.booleans(), cut=st.integers(0, 200))
+def test_mutated_valid_frames_are_rejected_or_consistent(key, value, drop, cut):
+    header_bytes, payload = wire.encode(valid_frame())
+    header = msgpack.unpackb(header_bytes)
+    if drop and key in header:
+        del header[key]
+    else:
+        header[key] = value
+    try:
+        mutated = msgpack.packb(header)
+    except (TypeError, ValueError, OverflowError):
+        return
+    payload = bytes(payload)
+    for body in (payload, payload[:cut]):
+        frame = decode_or_reject([mutated, body], run=5, hidden=8, n_slots=4, max_len=64)
+        if frame is not None:
+            assert frame.run == 5 and all(0 <= s < 4 for s in frame.samples)
+
+
+def test_oversized_and_stale_frames_are_rejected():
+    header, payload = wire.encode(valid_frame())
+    with pytest.raises(wire.FrameError, match="stale"):
+        wire.decode([header, payload], run=6)
+    with pytest.raises(wire.FrameError, match="limit"):
+        wire.decode([header, payload], run=5, max_payload=10)
+    huge = msgpack.packb(dict(msgpack.unpackb(header), shape=[1 << 24, 1 << 24]))
+    with pytest.raises(wire.FrameError):
+        wire.decode([huge, payload], run=5)
+
+
+def init_spec(model_dir, port, data_port):
+    with open(os.path.join(model_dir, "mdi_config.json")) as f:
+        model = json.load(f)["model"]
+    return {"run_id": 1, "model": model, "layers": [2, 4], "dtype": "float32", "device": "cpu",
+            "n_slots": 2, "max_len": 64,
+            "data": {"bind_port": data_port, "next_host": "127.0.0.1", "next_port": free_ports(1)[0],
+                     "is_last": True},
+            "weights": {"push": {"nbytes": 1000, "sha256": "0" * 64}}}
+
+
+@pytest.fixture(scope="module")
+def fuzz_worker():
+    w = WorkerProcess(free_ports(1)[0]).wait_ready()
+    yield w
+    w.stop()
+
+
+def test_http_routes_survive_fuzzing_then_serve_correctly(fuzz_worker, tiny_models):
+    url = fuzz_worker.url
+    session = requests.Session()
+    data_port = free_ports(1)[0]
+    spec = init_spec(tiny_models["gpt2"], fuzz_worker.port, data_port)
+    seen = {}
+
+    @settings(max_examples=2500, **FUZZ)
+    @given(route=st.sampled_from([("POST", "/init"), ("POST", "/weights"), ("PUT", "/stop"), ("GET", "/status"),
+                                  ("GET", "/health"), ("POST", "/nope"), ("DELETE", "/init")]),
+           body=json_values, key=st.sampled_from(sorted(spec) + ["data", "weights"]), mutate=st.booleans(),
+           raw=st.binary(max_size=64))
+    def fuzz(route, body, key, mutate, raw):
+        method, path = route
+        if path == "/weights":
+            r = session.request(method, url + path, data=raw, timeout=10,
+                                headers={"Content-Type": "application/octet-stream"})
+        elif mutate and path == "/init":
+            r = session.request(method, url + path, json=dict(spec, **{key: body}), timeout=10)
+        elif mutate:
+            r = session.request(method, url + path, data=raw, timeout=10, headers={"Content-Type": "application/json"})
+        else:
+            r = session.request(method, url + path, json=body, timeout=10)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400, 404, 405, 413), (path, r.status_code, r.text[:300])
+        assert r.headers.get("Content-Type", "").startswith("application/json") or r.status_code in (404, 405)
+
+    fuzz()
+    assert seen.get(400, 0) > 100
+    assert session.get(url + "/health", timeout=5).json()["ok"] is True
+    session.put(url + "/stop", timeout=5)
+    check_ring_still_correct(fuzz_worker, tiny_models["gpt2"])
+
+
+def test_data_port_garbage_is_dropped_and_counted(fuzz_worker, tiny_models):
+    """Random frames on a worker's data port during a configured run are logged and dropped."""
+    data_port = free_ports(1)[0]
+    spec = init_spec(tiny_models["gpt2"], fuzz_worker.port, data_port)
+    from safetensors.torch import save
+    from mdi.checkpoints import load_weights
+    import hashlib
+    blob = save(load_weights(tiny_models["gpt2"], (2, 4), False, False, torch.float32))
+    spec["weights"] = {"push": {"nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
+    url = fuzz_worker.url
+    assert requests.post(url + "/init", json=spec, timeout=30).json()["need_weights"] in (True, False)
+    requests.post(url + "/weights", data=blob, timeout=30, headers={"Content-Type": "application/octet-stream"})
+    assert requests.get(url + "/status", timeout=5).json()["state"] == "running"
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect("tcp://127.0.0.1:%d" % data_port)
+    rng = torch.Generator().manual_seed(0)
+    header, payload = wire.encode(valid_frame(hidden=64))
+    sent = 0
+    for i in range(300):
+        junk = torch.randint(0, 256, (int(torch.randint(0, 64, (1,), generator=rng)),), generator=rng,
+                             dtype=torch.uint8).numpy().tobytes()
+        parts = [[junk, junk], [header, junk], [junk], [header, bytes(payload)], [header, bytes(payload), junk]][i % 5]
+        push.send_multipart(parts)
+        sent += 1
+    push.close(linger=5000)  # deliver everything queued before closing
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        counters = requests.get(url + "/status?run=1", timeout=5).json()["counters"]
+        if counters.get("bad_frames", 0) >= sent:
+            break
+        time.sleep(0.1)
+    assert counters["bad_frames"] == sent  # every one rejected (run id 5 is not run 1)
+    requests.put(url + "/stop", timeout=5)
+    check_ring_still_correct(fuzz_worker, tiny_models["gpt2"])
+
+
+def check_ring_still_correct(worker, model):
+    ports = free_ports(2)
+    nodes = [{"name": "s", "data_port": ports[0]}, {"name": "w", "port": worker.port, "data_port": ports[1]}]
+    gen = {"n_tokens": 12, "temperature": 0}
+    ring = parse_config({"model": {"path": model}, "nodes": nodes, "generation": gen}, "ring")
+    alone = parse_config({"model": {"path": model}, "generation": gen}, "alone")
+    got = starter.run(ring, ["fuzz"], log=lambda m: None).samples[0].token_ids
+    assert got == starter.run(alone, ["fuzz"], log=lambda m: None).samples[0].token_ids
