@@ -66,6 +66,8 @@ class RuntimeSpec:
     heartbeat_timeout: float = 8.0  # seconds a worker waits for a sign of the starter before ending a run
     token_file: Optional[str] = None  # file holding the shared secret (else $MDI_TOKEN_FILE / $MDI_TOKEN)
     token: Optional[str] = None  # the secret itself: never from the YAML, read via token_file/env
+    # Re-plans after a node failure; None: 2 when spares are listed, else 0 (fail at once).
+    recovery_attempts: Optional[int] = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ class RunConfig:
     generation: GenerationSpec
     runtime: RuntimeSpec
     source: str = "<flags>"
+    spares: List[NodeSpec] = field(default_factory=list)  # idle workers that can replace a dead one
 
     @property
     def starter(self) -> NodeSpec:
@@ -83,6 +86,11 @@ class RunConfig:
     @property
     def workers(self) -> List[NodeSpec]:
         return self.nodes[1:]
+
+    @property
+    def recovery_attempts(self) -> int:
+        given = self.runtime.recovery_attempts
+        return given if given is not None else (2 if self.spares else 0)
 
 
 def _check_keys(where: str, data: Any, allowed: Dict[str, Any], required=()) -> Dict[str, Any]:
@@ -118,7 +126,8 @@ NUM = (int, float)
 
 def parse_config(data: Any, source: str) -> RunConfig:
     top = _check_keys(source, data if data is not None else {},
-                      {"model": (dict,), "nodes": (list,), "generation": (dict,), "runtime": (dict,)},
+                      {"model": (dict,), "nodes": (list,), "spares": (list,), "generation": (dict,),
+                       "runtime": (dict,)},
                       required=("model",))
     m = _check_keys(source + ": model", top["model"],
                     {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,)},
@@ -130,23 +139,15 @@ def parse_config(data: Any, source: str) -> RunConfig:
             raise ConfigError("%s: model.%s: expected one of %s, got %r" % (source, key, ", ".join(DTYPES), value))
     _check_device("%s: model.device" % source, model.device)
 
-    nodes = []
-    for i, raw in enumerate(top.get("nodes") or [{"name": "starter"}]):
-        where = "%s: nodes[%d]" % (source, i)
-        n = _check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
-                                     "data_port": (int,), "device": (str,), "weights": (str,)})
-        n.setdefault("name", "starter" if i == 0 else "node%d" % i)
-        node = NodeSpec(**n)
-        for key in ("port", "data_port"):
-            value = getattr(node, key)
-            if value is not None and not 0 < value < 65536:
-                raise ConfigError("%s.%s: expected a TCP port 1-65535, got %d" % (where, key, value))
-        if node.layers is not None and node.layers < 1:
-            raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
-        if node.device is not None:
-            _check_device(where + ".device", node.device)
-        nodes.append(node)
-    _check_nodes(source, nodes)
+    nodes = [_parse_node("%s: nodes[%d]" % (source, i), raw, "starter" if i == 0 else "node%d" % i)
+             for i, raw in enumerate(top.get("nodes") or [{"name": "starter"}])]
+    spares = [_parse_node("%s: spares[%d]" % (source, i), raw, "spare%d" % (i + 1))
+              for i, raw in enumerate(top.get("spares") or [])]
+    for i, spare in enumerate(spares):
+        if spare.layers is not None:
+            raise ConfigError("%s: spares[%d].layers: a spare takes the layers of the node it replaces"
+                              % (source, i))
+    _check_nodes(source, nodes, spares)
 
     g = _check_keys(source + ": generation", top.get("generation") or {},
                     {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
@@ -156,12 +157,31 @@ def parse_config(data: Any, source: str) -> RunConfig:
 
     r = _check_keys(source + ": runtime", top.get("runtime") or {},
                     {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
-                     "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,)})
+                     "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
+                     "recovery_attempts": (int,)})
     runtime = RuntimeSpec(**r)
+    if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
+        raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
         if getattr(runtime, key) <= 0:
             raise ConfigError("%s: runtime.%s: expected a positive number of seconds" % (source, key))
-    return RunConfig(model, nodes, gen, runtime, source)
+    return RunConfig(model, nodes, gen, runtime, source, spares)
+
+
+def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
+    n = _check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
+                                 "data_port": (int,), "device": (str,), "weights": (str,)})
+    n.setdefault("name", default_name)
+    node = NodeSpec(**n)
+    for key in ("port", "data_port"):
+        value = getattr(node, key)
+        if value is not None and not 0 < value < 65536:
+            raise ConfigError("%s.%s: expected a TCP port 1-65535, got %d" % (where, key, value))
+    if node.layers is not None and node.layers < 1:
+        raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
+    if node.device is not None:
+        _check_device(where + ".device", node.device)
+    return node
 
 
 def _check_device(where: str, device: str) -> None:
@@ -172,10 +192,11 @@ def _check_device(where: str, device: str) -> None:
     raise ConfigError("%s: expected cpu, cuda or cuda:N, got %r" % (where, device))
 
 
-def _check_nodes(source: str, nodes: List[NodeSpec]) -> None:
+def _check_nodes(source: str, nodes: List[NodeSpec], spares: List[NodeSpec]) -> None:
     names, addresses, data = set(), set(), set()
-    for i, node in enumerate(nodes):
-        where = "%s: nodes[%d]" % (source, i)
+    listed = [("nodes[%d]" % i, n) for i, n in enumerate(nodes)] + [("spares[%d]" % i, n) for i, n in enumerate(spares)]
+    for i, (label, node) in enumerate(listed):
+        where = "%s: %s" % (source, label)
         if node.name in names:
             raise ConfigError("%s.name: node %r is listed twice" % (where, node.name))
         if i > 0 and node.address in addresses:

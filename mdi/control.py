@@ -8,7 +8,11 @@ from .config import NodeSpec
 
 
 class NodeError(RuntimeError):
-    pass
+    """A node failed; `node` is its name when known (recovery replaces that node)."""
+
+    def __init__(self, message: str, node: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 class ControlClient:
@@ -32,9 +36,9 @@ class ControlClient:
             r = self.session.request(method, self.base + route, timeout=timeout, **kwargs)
         except requests.exceptions.ConnectionError as e:
             raise NodeError("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
-                            % (where, what, self.node.port)) from e
+                            % (where, what, self.node.port), self.node.name) from e
         except requests.exceptions.Timeout as e:
-            raise NodeError("%s: %s timed out" % (where, what)) from e
+            raise NodeError("%s: %s timed out" % (where, what), self.node.name) from e
         try:
             body = r.json()
         except ValueError:
@@ -42,7 +46,7 @@ class ControlClient:
         if r.status_code != 200 or not isinstance(body, dict) or not body.get("ok", True):
             reason = body.get("error") if isinstance(body, dict) else None
             raise NodeError("%s: %s failed with HTTP %d: %s"
-                            % (where, what, r.status_code, reason or r.text[:200].strip()))
+                            % (where, what, r.status_code, reason or r.text[:200].strip()), self.node.name)
         return body
 
     def health(self) -> Dict[str, Any]:

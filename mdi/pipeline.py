@@ -28,9 +28,16 @@ class Sample:
     prompt_ids: List[int]
     max_new_tokens: int
     rng: torch.Generator
+    slot: int = -1  # KV cache slot on every node; defaults to the index
+    params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
     token_ids: List[int] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos" | "length"
+    finish_reason: Optional[str] = None  # "eos" | "length" | "cancelled"
+    cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.index
 
     @property
     def done(self) -> bool:
@@ -63,27 +70,58 @@ class LocalLoop:
 
 
 class Pipeline:
+    """Keeps one pass of every admitted sample travelling the ring.
+
+    `admit` sends a sample's prefill; `step` waits for the next frame to come back, samples
+    each returning sample's next token and sends its next pass at once. `run` does both for a
+    fixed batch; the serving scheduler calls them itself to admit requests between steps.
+    """
+
     def __init__(self, chunk: ModelChunk, transport, run_id: int, params: SamplingParams,
                  eos_id: Optional[int], recv_timeout: float = 30.0,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  watch: Optional[Callable[[], None]] = None) -> None:
-        self.chunk, self.transport, self.run_id = chunk, transport, run_id
-        self.params, self.eos_id = params, eos_id
+        self.chunk, self.params, self.eos_id = chunk, params, eos_id
         self.recv_timeout = recv_timeout
         self.on_token = on_token
         self.watch = watch  # raises when a node is known to have failed
         self.device = next(chunk.parameters()).device
-        self.t0 = 0.0
+        self.active = {}  # type: Dict[int, Sample]  # cache slot -> sample with a pass in flight
+        self.t0 = time.perf_counter()
+        self.reconnect(transport, run_id)
+
+    def reconnect(self, transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
+        """Continue on a new ring (after a node failed): the passes in flight are lost, so
+        the samples that had one are returned for the caller to `admit` again."""
+        self.transport, self.run_id = transport, run_id
+        if chunk is not None:
+            self.chunk = chunk
+        lost = sorted(self.active.values(), key=lambda s: s.index)
+        self.active = {}
+        return lost
+
+    @property
+    def free_slots(self) -> List[int]:
+        return [i for i in range(self.chunk.cache.n_slots) if i not in self.active]
+
+    def admit(self, sample: Sample) -> None:
+        """Send the sample's prefill: its prompt plus any tokens it already has (a replay
+        after a failure rebuilds every node's cache from the starter's history)."""
+        if sample.slot in self.active:
+            raise ValueError("cache slot %d is busy" % sample.slot)
+        self.active[sample.slot] = sample
+        with torch.inference_mode():
+            self._send_pass(sample, sample.prompt_ids + sample.token_ids, 0)
 
     def _send_pass(self, sample: Sample, ids: List[int], start: int) -> None:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        x = self.chunk.forward_blocks(self.chunk.embed(ids_t, start), sample.index, start)
+        x = self.chunk.forward_blocks(self.chunk.embed(ids_t, start), sample.slot, start)
         kind = "prefill" if start == 0 else "decode"
-        self.transport.send(Frame(kind, self.run_id, [sample.index], [start], [len(ids)], x))
+        self.transport.send(Frame(kind, self.run_id, [sample.slot], [start], [len(ids)], x))
 
     def _finish_pass(self, sample: Sample, last_hidden: torch.Tensor) -> None:
         logits = self.chunk.head(last_hidden.to(self.device))[-1]
-        token = sample_next(logits, self.params, sample.rng)
+        token = sample_next(logits, self.params if sample.params is None else sample.params, sample.rng)
         sample.token_ids.append(token)
         sample.token_times.append(time.perf_counter() - self.t0)
         if self.eos_id is not None and token == self.eos_id:
@@ -93,44 +131,54 @@ class Pipeline:
         if self.on_token is not None:
             self.on_token(sample, token)
 
-    def _next_frame(self) -> Frame:
+    def _next_frame(self, timeout: float) -> Optional[Frame]:
         """Wait for the next frame in short slices, asking the watchdog in between, so a dead
         node is reported by name instead of after the whole ring timeout."""
-        deadline = time.monotonic() + self.recv_timeout
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.transport.recv(min(0.2, self.recv_timeout))
+                return self.transport.recv(max(0.0, min(0.2, deadline - time.monotonic())))
             except RingTimeout:
                 if self.watch is not None:
                     self.watch()
-                if time.monotonic() > deadline:
-                    raise RingTimeout("no activations came back round the ring for %.0f s" % self.recv_timeout)
+                if time.monotonic() >= deadline:
+                    return None
 
-    def run(self, samples: List[Sample], t0: Optional[float] = None) -> None:
-        """Generate until every sample hits EOS or its token limit."""
-        self.t0 = time.perf_counter() if t0 is None else t0
-        by_index = {s.index: s for s in samples}  # type: Dict[int, Sample]
-        in_flight = 0
+    def step(self, timeout: Optional[float] = None) -> List[Sample]:
+        """Handle the next frame back from the ring; return the samples it advanced. With a
+        timeout, return [] when nothing came back in time; without one, a ring silent for
+        `recv_timeout` raises RingTimeout."""
+        frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
+        if frame is None:
+            if timeout is None and self.active:
+                raise RingTimeout("no activations came back round the ring for %.0f s" % self.recv_timeout)
+            return []
+        if frame.tensor is None:
+            return []  # a stray stop/reset: nothing to finish
+        advanced = []
+        # Rows are either every position of every sample or only each one's last.
+        all_rows = frame.tensor.shape[0] == sum(frame.count)
+        row = 0
         with torch.inference_mode():
-            for s in samples:
-                if not s.done:
-                    # The prompt plus any tokens already generated (a replayed sample).
-                    self._send_pass(s, s.prompt_ids + s.token_ids, 0)
-                    in_flight += 1
-            while in_flight:
-                frame = self._next_frame()
-                if frame.tensor is None:
-                    continue  # a stray stop/reset: nothing to finish
-                # Rows are either every position of every sample or only each one's last.
-                all_rows = frame.tensor.shape[0] == sum(frame.count)
-                row = 0
-                for idx, count in zip(frame.samples, frame.count):
-                    row += count if all_rows else 1
-                    sample = by_index.get(idx)
-                    if sample is None or sample.done:
-                        continue  # not ours to finish (validated frames only name our slots)
+            for slot, count in zip(frame.samples, frame.count):
+                row += count if all_rows else 1
+                sample = self.active.pop(slot, None)
+                if sample is None:
+                    continue  # not ours to finish (validated frames only name our slots)
+                if sample.cancelled and not sample.done:
+                    sample.finish_reason = "cancelled"
+                if not sample.done:
                     self._finish_pass(sample, frame.tensor[row - 1:row])
-                    if sample.done:
-                        in_flight -= 1
-                    else:
+                    if not sample.done:
+                        self.active[slot] = sample
                         self._send_pass(sample, [sample.token_ids[-1]], sample.length - 1)
+                advanced.append(sample)
+        return advanced
+
+    def run(self, samples: List[Sample]) -> None:
+        """Generate until every sample hits EOS or its token limit."""
+        for s in samples:
+            if not s.done:
+                self.admit(s)
+        while self.active:
+            self.step()

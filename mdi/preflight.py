@@ -6,7 +6,7 @@ from .config import RunConfig, partition
 from .control import ControlClient, NodeError
 from .loading import ModelSource, torch_dtype
 from .models.model import KVCache
-from .starter import layer_ranges
+from .engine import layer_ranges
 from .worker import available_memory_bytes
 
 MB = 1024 * 1024

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .auth import ring_password
-from .config import RunConfig
+from .config import NodeSpec, RunConfig
 from .control import ControlClient, NodeError
 from .loading import ModelSource
 from .pipeline import RingTimeout
@@ -16,34 +16,40 @@ from .transport import RingEndpoint
 from .wire import DTYPE_NAMES, Frame, decode
 
 
+def client_for(cfg: RunConfig, node: NodeSpec) -> ControlClient:
+    rt = cfg.runtime
+    return ControlClient(node, rt.connect_timeout, rt.init_timeout, rt.token)
+
+
 class RingSession:
-    def __init__(self, cfg: RunConfig, source: ModelSource, ranges: List[List[int]], run_id: int,
-                 n_slots: int, max_len: int, dtype: torch.dtype, log: Callable[[str], None]) -> None:
-        self.cfg, self.source, self.ranges = cfg, source, ranges
+    """One ring: `nodes` in ring order (the starter first) with their layer `ranges`."""
+
+    def __init__(self, cfg: RunConfig, nodes: List[NodeSpec], source: ModelSource, ranges: List[List[int]],
+                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype) -> None:
+        self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
-        self.log = log
-        rt = cfg.runtime
-        self.clients = [ControlClient(n, rt.connect_timeout, rt.init_timeout, rt.token) for n in cfg.workers]
+        self.workers = nodes[1:]
+        self.clients = [client_for(cfg, n) for n in self.workers]
         self.endpoint = None  # type: Optional[RingEndpoint]
-        self.init_replies = [{} for _ in cfg.workers]  # type: List[Dict]
+        self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
         self.failure = None  # type: Optional[NodeError]
         self._watching = threading.Event()
         self._watcher = None  # type: Optional[threading.Thread]
 
     def _init_spec(self, i: int) -> Dict:
-        node = self.cfg.workers[i]
-        nxt = self.cfg.nodes[(i + 2) % len(self.cfg.nodes)]
+        node = self.workers[i]
+        nxt = self.nodes[(i + 2) % len(self.nodes)]
         return {
             "run_id": self.run_id, "model": self.source.config.to_dict(), "layers": self.ranges[i + 1],
             "dtype": DTYPE_NAMES[self.dtype], "device": node.device or self.cfg.model.device,
             "n_slots": self.n_slots, "max_len": self.max_len,
             "heartbeat_timeout": self.cfg.runtime.heartbeat_timeout,
             "data": {"bind_port": node.ring_port, "next_host": nxt.host, "next_port": nxt.ring_port,
-                     "is_last": i == len(self.cfg.workers) - 1},
+                     "is_last": i == len(self.workers) - 1},
         }
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
-        client, node = self.clients[i], self.cfg.workers[i]
+        client, node = self.clients[i], self.workers[i]
         try:
             client.health()
             spec = self._init_spec(i)
@@ -57,12 +63,14 @@ class RingSession:
             self.init_replies[i] = client.init(spec)
             if self.init_replies[i].get("need_weights"):
                 client.push_weights(blob)
-        except BaseException as e:  # reported by the caller, naming the node
+        except NodeError as e:
             errors[i] = e
+        except BaseException as e:  # reported by the caller, naming the node
+            errors[i] = NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name)
 
     def start(self) -> RingEndpoint:
         """Configure all workers in parallel, then open the starter's data-plane endpoint."""
-        starter = self.cfg.starter
+        starter = self.nodes[0]
         config = self.source.config
         token = self.cfg.runtime.token
         self.endpoint = RingEndpoint(
@@ -80,8 +88,8 @@ class RingSession:
         failed = [e for e in errors if e is not None]
         if failed:
             self.abort()
-            raise failed[0] if isinstance(failed[0], NodeError) else NodeError(str(failed[0]))
-        first = self.cfg.workers[0]
+            raise failed[0]
+        first = self.workers[0]
         self.endpoint.connect(first.host, first.ring_port)
         self._watching.set()
         self._watcher = threading.Thread(target=self._watch, name="mdi-watchdog", daemon=True)
@@ -100,7 +108,7 @@ class RingSession:
                 misses[i] = misses[i] + 1 if problem else 0
                 # A refused connection is certain; a timeout gets one more chance.
                 if problem and (misses[i] >= 2 or "cannot connect" in problem):
-                    self.failure = NodeError(problem)
+                    self.failure = NodeError(problem, client.node.name)
                     return
             time.sleep(interval)
 

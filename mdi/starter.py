@@ -1,5 +1,4 @@
 """The starter: loads its chunk, configures the workers, drives the ring, gathers metrics."""
-import random
 import resource
 import time
 from dataclasses import dataclass, field
@@ -7,15 +6,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .config import ConfigError, RunConfig, partition
-from .loading import ModelSource, build_chunk, torch_dtype
-from .pipeline import LocalLoop, Pipeline, Sample, make_samples
+from .config import ConfigError, RunConfig
+from .engine import Engine
+from .loading import ModelSource
+from .pipeline import Sample, make_samples
 from .sampling import SamplingParams
-from .wire import Frame
-
-
-class RunError(RuntimeError):
-    """A run that failed; the message names the node and what went wrong."""
 
 
 @dataclass
@@ -51,16 +46,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def layer_ranges(counts: List[int]) -> List[List[int]]:
-    """Half-open [first, last) ranges for consecutive layer counts."""
-    ranges, first = [], 0
-    for c in counts:
-        ranges.append([first, first + c])
-        first += c
-    return ranges
-
-
-def encode_prompts(source: ModelSource, prompts: List[str], n_tokens: int) -> List[List[int]]:
+def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
     tok = source.tokenizer
     if tok is None:
         raise ConfigError("%s: no tokenizer found for this model" % source.path)
@@ -86,49 +72,27 @@ def run(cfg: RunConfig, prompts: List[str], log: Callable[[str], None] = print,
         torch.set_num_threads(cfg.runtime.threads)
     source = ModelSource(cfg.model.path)
     config = source.config
-    counts = partition(config.n_layer, cfg.nodes, cfg.source)
-    ranges = layer_ranges(counts)
-    dtype = torch_dtype(cfg.model.dtype)
-    device = cfg.starter.device or cfg.model.device
     gen = cfg.generation
-    prompt_ids = encode_prompts(source, prompts, gen.n_tokens)
+    prompt_ids = encode_prompts(source, prompts)
     # A sample stops at the context end even if n_tokens asks for more.
     max_new = min(gen.n_tokens, config.block_size - max(len(ids) for ids in prompt_ids))
     max_len = max(len(ids) for ids in prompt_ids) + max_new
     samples = make_samples(prompts, prompt_ids, max_new, gen.seed)
-
-    first, last = ranges[0]
-    chunk = build_chunk(config, source.weights(first, last, True, True, dtype),
-                        first, last, True, True, dtype, device)
-    chunk.allocate_cache(len(samples), max_len)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
-    eos = source.tokenizer.eos_id if source.tokenizer is not None else config.eos_token_id
-    run_id = random.getrandbits(62)
 
-    ring = None
-    if cfg.workers:
-        from .ring_starter import RingSession
-        ring = RingSession(cfg, source, ranges, run_id, len(samples), max_len, dtype, log)
-        transport = ring.start()
-    else:
-        transport = LocalLoop()
-    pipeline = Pipeline(chunk, transport, run_id, params, eos, cfg.runtime.ring_timeout, on_token,
-                        ring.check if ring is not None else None)
-    t0 = time.perf_counter()
-    worker_stats = []  # type: List[Dict[str, Any]]
+    engine = Engine(cfg, source, len(samples), max_len, params, log, on_token)
+    engine.open()
     try:
-        pipeline.run(samples, t0)
-        elapsed = time.perf_counter() - t0
-        if ring is not None:
-            worker_stats = ring.finish()
+        engine.run(samples)
+        elapsed = time.perf_counter() - engine.t0
+        worker_stats = engine.close()
     except (RuntimeError, KeyboardInterrupt) as e:
         # Keep what was generated: the caller still prints it and writes the metrics.
-        if ring is not None:
-            ring.abort()
-        partial = _result(cfg, source, samples, time.perf_counter() - t0, ranges, chunk, transport, [])
+        engine.abort()
+        partial = _result(engine, samples, time.perf_counter() - engine.t0, [])
         partial.extra["error"] = str(e) or type(e).__name__
         raise RunFailed(partial.extra["error"], partial)
-    return _result(cfg, source, samples, elapsed, ranges, chunk, transport, worker_stats)
+    return _result(engine, samples, elapsed, worker_stats)
 
 
 class RunFailed(RuntimeError):
@@ -139,20 +103,24 @@ class RunFailed(RuntimeError):
         self.result = result
 
 
-def _result(cfg: RunConfig, source: ModelSource, samples: List[Sample], elapsed: float,
-            ranges: List[List[int]], chunk, transport, worker_stats: List[Dict[str, Any]]) -> RunResult:
-    first, last = ranges[0]
-    starter_node = {"name": cfg.starter.name, "layers": [first, last - 1], "peak_memory_bytes": peak_rss_bytes(),
+def _result(engine: Engine, samples: List[Sample], elapsed: float,
+            worker_stats: List[Dict[str, Any]]) -> RunResult:
+    chunk = engine.chunk
+    transport = engine.pipeline.transport
+    starter = engine.nodes[0]
+    first, last = engine.ranges[0]
+    starter_node = {"name": starter.name, "layers": [first, last - 1], "peak_memory_bytes": peak_rss_bytes(),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0}
     starter_node.update(transport.traffic() if hasattr(transport, "traffic") else {"bytes_sent": 0, "messages_sent": 0})
     nodes = [starter_node]
     chunk.free_cache()
-    for node, (a, b), stats in zip(cfg.workers, ranges[1:], worker_stats):
+    for node, (a, b), stats in zip(engine.nodes[1:], engine.ranges[1:], worker_stats):
         entry = {"name": node.name, "layers": [a, b - 1]}
         entry.update(stats)
         nodes.append(entry)
-    texts = [decode_generated(source, s) for s in samples]
-    return RunResult(samples, texts, elapsed, nodes)
+    texts = [decode_generated(engine.source, s) for s in samples]
+    extra = {"recoveries": engine.recoveries} if engine.recoveries else {}
+    return RunResult(samples, texts, elapsed, nodes, extra)
 
 
 def decode_generated(source: ModelSource, sample: Sample) -> str:

@@ -56,6 +56,13 @@ def current_rss_bytes() -> int:
         return 0
 
 
+def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
+    """Bytes of the weights this worker holds (the KV cache is counted apart)."""
+    if chunk is None:
+        return 0
+    return sum(p.numel() * p.element_size() for p in chunk.parameters())
+
+
 class Run:
     """One run's state on this worker: its id, data-plane endpoint and compute thread."""
 
@@ -289,7 +296,8 @@ class Worker:
             "device": loaded["device"] if loaded else (self.device_override or "cpu"),
             "run_id": run.id if run else None, "runs_served": self.runs_served,
             "memory": {"rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
-                       "available_bytes": available_memory_bytes()},
+                       "available_bytes": available_memory_bytes(), "max_memory_bytes": self.max_memory,
+                       "chunk_bytes": chunk_nbytes(chunk)},
             "cache": {"slots": cache.n_slots if cache else 0, "max_len": cache.max_len if cache else 0,
                       "bytes": cache.nbytes if cache else 0},
             "counters": {}, "error": run.error if run else None,

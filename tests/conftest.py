@@ -75,7 +75,7 @@ class WorkerProcess:
                                      + list(extra), stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = "http://127.0.0.1:%d" % port
 
-    def wait_ready(self, timeout: float = 30.0) -> "WorkerProcess":
+    def wait_ready(self, timeout: float = 90.0) -> "WorkerProcess":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

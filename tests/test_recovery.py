@@ -1,0 +1,109 @@
+"""Recovery with real processes: a worker SIGKILLed mid-run is replaced by a spare or its layers
+move to its neighbours, and every sample ends with exactly the tokens of an uninterrupted run."""
+import os
+import random
+import signal
+
+import pytest
+
+from conftest import WorkerProcess, free_ports
+from mdi import starter
+from mdi.config import parse_config
+
+N_TOKENS = 64
+PROMPTS = ["Once upon", "The cat", "Hello"]
+
+
+@pytest.fixture
+def four_workers():
+    procs = [WorkerProcess(p) for p in free_ports(4)]
+    try:
+        yield [w.wait_ready() for w in procs]
+    finally:
+        for w in procs:
+            w.stop()
+
+
+def ring_config(model, workers, spares=(), sampling=None, attempts=None):
+    ports = free_ports(1 + len(workers) + len(spares))
+    node = lambda name, w, dp: {"name": name, "port": w.port, "data_port": dp}  # noqa: E731
+    data = {"model": {"path": model},
+            "nodes": [{"name": "starter", "data_port": ports[0]}]
+            + [node("board%d" % (i + 1), w, ports[1 + i]) for i, w in enumerate(workers)],
+            "spares": [node("spare%d" % (i + 1), w, ports[1 + len(workers) + i]) for i, w in enumerate(spares)],
+            "generation": dict({"n_tokens": N_TOKENS, "temperature": 0}, **(sampling or {})),
+            "runtime": {"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 10}}
+    if attempts is not None:
+        data["runtime"]["recovery_attempts"] = attempts
+    return parse_config(data, "recovery-test")
+
+
+def reference(model, sampling=None):
+    """The same prompts, standalone and uninterrupted."""
+    cfg = parse_config({"model": {"path": model},
+                        "generation": dict({"n_tokens": N_TOKENS, "temperature": 0}, **(sampling or {}))}, "ref")
+    return [s.token_ids for s in starter.run(cfg, PROMPTS, log=lambda m: None).samples]
+
+
+def run_killing(cfg, kills):
+    """Run, SIGKILLing kills[i][1] once kills[i][0] tokens in total have been generated."""
+    pending = sorted(kills, key=lambda k: k[0])
+    count = [0]
+
+    def on_token(sample, token):
+        count[0] += 1
+        while pending and count[0] >= pending[0][0]:
+            os.kill(pending.pop(0)[1].proc.pid, signal.SIGKILL)
+
+    logs = []
+    result = starter.run(cfg, PROMPTS, log=logs.append, on_token=on_token)
+    assert not pending, "the run ended before every kill happened"
+    return result, logs
+
+
+SAMPLINGS = [None, {"temperature": 0.9, "top_k": 20, "seed": 7}]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_spare_replaces_killed_worker(tiny_models, four_workers, sampling):
+    model = tiny_models["llama"]
+    board1, board2, spare, _ = four_workers
+    at = random.Random().randint(10, N_TOKENS * len(PROMPTS) - 20)
+    cfg = ring_config(model, [board1, board2], [spare], sampling)
+    result, logs = run_killing(cfg, [(at, board1)])
+    assert [s.token_ids for s in result.samples] == reference(model, sampling), "killed at token %d" % at
+    (rec,) = result.extra["recoveries"]
+    assert "board1" in rec["cause"] and "spare1" in rec["action"]
+    assert [n["name"] for n in result.nodes] == ["starter", "spare1", "board2"]
+    assert any("recovered" in line for line in logs)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_neighbours_take_the_layers_without_a_spare(tiny_models, four_workers, family):
+    model = tiny_models[family]
+    board1, board2 = four_workers[:2]
+    at = random.Random().randint(10, N_TOKENS * len(PROMPTS) - 20)
+    victim = random.Random().choice([board1, board2])
+    cfg = ring_config(model, [board1, board2], attempts=1)
+    result, _ = run_killing(cfg, [(at, victim)])
+    assert [s.token_ids for s in result.samples] == reference(model), "killed at token %d" % at
+    assert len(result.nodes) == 2 and len(result.extra["recoveries"]) == 1
+    assert sum(n["layers"][1] - n["layers"][0] + 1 for n in result.nodes) == 4  # every layer still served
+
+
+def test_two_failures_one_spare(tiny_models, four_workers):
+    model = tiny_models["llama"]
+    board1, board2, board3, spare = four_workers
+    sampling = {"temperature": 0.8, "seed": 3}
+    cfg = ring_config(model, [board1, board2, board3], [spare], sampling)
+    result, _ = run_killing(cfg, [(30, board2), (110, board1)])
+    assert [s.token_ids for s in result.samples] == reference(model, sampling)
+    assert len(result.extra["recoveries"]) == 2
+
+
+def test_without_recovery_the_run_fails_naming_the_node(tiny_models, four_workers):
+    model = tiny_models["gpt2"]
+    board1, board2 = four_workers[:2]
+    cfg = ring_config(model, [board1, board2])  # no spares: recovery is off by default
+    with pytest.raises(starter.RunFailed, match="board2"):
+        run_killing(cfg, [(20, board2)])
