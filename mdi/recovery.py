@@ -29,11 +29,13 @@ class Plan:
 
 
 def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int,
-                       dtype: torch.dtype) -> int:
-    """Weights plus KV cache of a worker holding `layers` (half-open range)."""
+                       dtype: torch.dtype, with_ends: bool = False) -> int:
+    """Weights plus KV cache of a node holding `layers` (half-open range); `with_ends` adds
+    the starter's embedding and head."""
     first, last = layers
     elem = torch.tensor([], dtype=dtype).element_size()
-    weights = sum(_numel(s) for s in expected_shapes(config, (first, last), False, False).values()) * elem
+    shapes = expected_shapes(config, (first, last), with_ends, with_ends)
+    weights = sum(_numel(s) for s in shapes.values()) * elem
     return weights + KVCache.nbytes_for(config, last - first, n_slots, max_len, dtype)
 
 

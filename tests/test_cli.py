@@ -5,7 +5,9 @@ import time
 
 import pytest
 
-from conftest import BIN, free_ports
+import requests
+
+from conftest import BIN, WorkerProcess, free_ports
 
 STARTER = os.path.join(BIN, "mdi-start")
 
@@ -103,3 +105,23 @@ def test_help_explains_flags():
     assert proc.returncode == 0 and "--n-samples" in proc.stdout and "--metrics-out" in proc.stdout
     proc = subprocess.run([os.path.join(BIN, "mdi-worker"), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--port" in proc.stdout
+
+
+def test_check_reports_every_node_without_generating(tmp_path, tiny_models, workers):
+    dead, limited = free_ports(2)
+    small = WorkerProcess(limited, extra=("--max-memory", "0.00001")).wait_ready()  # ~10 kB
+    try:
+        nodes = "\n".join("  - {name: %s, port: %d}" % (n, p) for n, p in
+                          [("starter", 8080), ("ok1", workers[0].port), ("tiny", limited)])
+        path = write(tmp_path, "model: {path: %s}\nnodes:\n%s\nspares:\n  - {name: gone, port: %d}\n"
+                     % (tiny_models["llama"], nodes, dead))
+        proc = mdi_start("--config", path, "--check", "--prompt", "hello")
+    finally:
+        small.stop()
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "fits" in lines["ok1"] and "v" in lines["ok1"] and "cpu" in lines["ok1"]
+    assert "DOES NOT FIT" in lines["tiny"]
+    assert "UNREACHABLE" in lines["gone"] and str(dead) in lines["gone"]
+    assert "problems found" in proc.stdout
+    assert requests.get(workers[0].url + "/status", timeout=5).json()["state"] in ("idle", "stopped")
