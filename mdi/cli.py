@@ -39,6 +39,9 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
+    p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
+                   help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
+                        "float32 compute on GPUs without fast half arithmetic such as the TX2)")
     p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
     p.add_argument("--threads", type=int, help="torch threads on the starter")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
@@ -66,6 +69,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
             setattr(g, key, value)
     if args.dtype:
         cfg.model.dtype = args.dtype
+    if args.compute_dtype:
+        cfg.model.compute_dtype = args.compute_dtype
     if args.device:
         cfg.starter.device = args.device
     if args.threads:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .config import RunConfig, partition
 from .control import NodeError
+from .devices import resolve_compute_dtype
 from .loading import ModelSource, build_chunk, torch_dtype
 from .models.model import ModelChunk
 from .pipeline import LocalLoop, Pipeline, RingTimeout, Sample
@@ -69,8 +70,12 @@ class Engine:
 
     def _starter_chunk(self, layers: List[int]) -> ModelChunk:
         first, last = layers
+        asked = self.cfg.model.compute_dtype
+        compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
+        if note:
+            self.log("mdi: starter: %s" % note)
         chunk = build_chunk(self.source.config, self.source.weights(first, last, True, True, self.dtype),
-                            first, last, True, True, self.dtype, self.device)
+                            first, last, True, True, self.dtype, self.device, compute)
         chunk.allocate_cache(self.n_slots, self.max_len)
         return chunk
 

@@ -67,7 +67,8 @@ def _raw_tokenizer(path: str) -> Optional[Tokenizer]:
 
 
 def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: int, last: int,
-                with_embedding: bool, with_head: bool, dtype: torch.dtype, device: str) -> ModelChunk:
+                with_embedding: bool, with_head: bool, dtype: torch.dtype, device: str,
+                compute_dtype: Optional[torch.dtype] = None) -> ModelChunk:
     with torch.device("meta"):
         chunk = ModelChunk(config, first, last, with_embedding, with_head)
     # Materialise on the target device without a throwaway random initialisation.
@@ -78,4 +79,5 @@ def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: in
     if chunk.rope is not None:
         from .models.model import RotaryEmbedding
         chunk.rope = RotaryEmbedding(config).to(device)
+    chunk.compute_dtype = compute_dtype if compute_dtype != dtype else None
     return chunk.eval()

@@ -42,6 +42,7 @@ class RingSession:
         return {
             "run_id": self.run_id, "model": self.source.config.to_dict(), "layers": self.ranges[i + 1],
             "dtype": DTYPE_NAMES[self.dtype], "device": node.device or self.cfg.model.device,
+            "compute_dtype": self.cfg.model.compute_dtype,
             "n_slots": self.n_slots, "max_len": self.max_len,
             "heartbeat_timeout": self.cfg.runtime.heartbeat_timeout,
             "data": {"bind_port": node.ring_port, "next_host": nxt.host, "next_port": nxt.ring_port,

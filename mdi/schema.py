@@ -56,7 +56,7 @@ def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
 
 def validate_init(body: Any) -> Dict[str, Any]:
     spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
-                                "data", "weights"), ("cache_budget_bytes", "heartbeat_timeout"))
+                                "data", "weights"), ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype"))
     _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     try:
         if not isinstance(spec["model"], dict):
@@ -71,8 +71,9 @@ def validate_init(body: Any) -> Dict[str, Any]:
         raise RequestError("layers must be [first, last) as two integers")
     _int("layers[0]", layers[0], 0, config.n_layer - 1)
     _int("layers[1]", layers[1], layers[0] + 1, config.n_layer)
-    if spec["dtype"] not in DTYPES:
-        raise RequestError("dtype must be one of %s" % ", ".join(DTYPES))
+    for key in ("dtype", "compute_dtype"):
+        if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPES:
+            raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPES)))
     device = _str("device", spec["device"], 32)
     if not (device in ("cpu", "cuda") or re.match(r"^cuda:\d+$", device)):
         raise RequestError("device must be cpu, cuda or cuda:N")

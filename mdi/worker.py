@@ -20,6 +20,7 @@ from safetensors.torch import load as safetensors_load
 from . import __version__
 from .auth import ring_password, token_matches
 from .checkpoints import expected_keys, load_weights
+from .devices import resolve_compute_dtype
 from .loading import build_chunk, torch_dtype
 from .models.config import ModelConfig
 from .models.model import KVCache, ModelChunk
@@ -101,8 +102,8 @@ class Run:
             self.chunk.free_cache()  # a finished or failed run gives its cache memory back
 
     def _forward(self, frame: Frame) -> Frame:
-        device = next(self.chunk.parameters()).device
-        x = frame.tensor.to(device)
+        p = next(self.chunk.parameters())
+        x = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
         outs, row = [], 0
         for slot, start, count in zip(frame.samples, frame.start, frame.count):
             y = self.chunk.forward_blocks(x[row:row + count], slot, start)
@@ -184,7 +185,12 @@ class Worker:
                 raise schema.RequestError("layers [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
             dtype = torch_dtype(spec["dtype"])
             device = self.device_override or spec["device"]
-            cache_bytes = KVCache.nbytes_for(config, last - first, spec["n_slots"], spec["max_len"], dtype)
+            asked = spec.get("compute_dtype")
+            compute, note = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
+            if note:
+                log.warning(note)
+            spec = dict(spec, _compute_dtype=compute)
+            cache_bytes = KVCache.nbytes_for(config, last - first, spec["n_slots"], spec["max_len"], compute)
             self._check_budget(spec, cache_bytes)
             key = {"model": spec["model"], "layers": [first, last], "dtype": spec["dtype"], "device": device,
                    "weights": spec["weights"]}
@@ -257,6 +263,8 @@ class Worker:
 
     def _start_run(self, spec: Dict[str, Any]) -> None:
         chunk = self.chunk
+        compute = spec["_compute_dtype"]
+        chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
         try:
             chunk.allocate_cache(spec["n_slots"], spec["max_len"])
         except (RuntimeError, ValueError) as e:

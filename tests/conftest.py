@@ -46,8 +46,9 @@ def tiny_config(family: str) -> ModelConfig:
                        n_head=8, n_kv_head=2, intermediate_size=128, block_size=128, tied_head=False)
 
 
-def make_tiny_model(path: str, family: str, seed: int = 0) -> str:
-    """A random model with a character tokenizer, saved as a prepared mdi directory."""
+def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = False) -> str:
+    """A random model with a character tokenizer, saved as a prepared mdi directory.
+    `half_exact`: every weight is a float16 value, so float16 storage loses nothing."""
     torch.manual_seed(seed)
     model = full_model(tiny_config(family))
     # Wider than default init so that greedy decoding does not collapse to one token.
@@ -55,6 +56,8 @@ def make_tiny_model(path: str, family: str, seed: int = 0) -> str:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.3)
+            if half_exact:
+                p.copy_(p.half().float())
     save_model_dir(path, model.config, model.state_dict(), "tests/conftest.py")
     char_tokenizer(CHARS).save(path)
     return path

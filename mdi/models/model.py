@@ -19,6 +19,21 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 
+# Weights may be stored in a narrower dtype than the activations (float16 storage with
+# float32 compute on GPUs without fast half arithmetic): layers cast their weights to the
+# activations' dtype, which is free when the two already match.
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
 class RMSNorm(nn.Module):
     # Hand-written: torch.nn.RMSNorm does not exist in torch 2.0 (JetPack 5).
     def __init__(self, dim: int, eps: float) -> None:
@@ -30,12 +45,12 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 like the reference implementations, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight.to(x.dtype) * xf.to(x.dtype)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.family == "gpt2":
-        return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+        return LayerNorm(config.n_embd, eps=config.norm_eps)
     return RMSNorm(config.n_embd, config.norm_eps)
 
 
@@ -89,9 +104,9 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
+        self.qkv = Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
                              bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:
@@ -140,12 +155,12 @@ class MLP(nn.Module):
         super().__init__()
         self.family = config.family
         if config.family == "gpt2":
-            self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=True)
-            self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=True)
+            self.fc = Linear(config.n_embd, config.intermediate_size, bias=True)
+            self.proj = Linear(config.intermediate_size, config.n_embd, bias=True)
             self.gelu_approximate = config.gelu_approximate
         else:
-            self.gate_up = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
-            self.down = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+            self.gate_up = Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
+            self.down = Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "gpt2":
@@ -190,8 +205,9 @@ class ModelChunk(nn.Module):
         if with_head:
             self.norm_f = make_norm(config)
             if not config.tied_head:
-                self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+                self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.cache = None  # type: Optional[KVCache]
+        self.compute_dtype = None  # type: Optional[torch.dtype]  # None: the weights' dtype
 
     @property
     def n_layers(self) -> int:
@@ -214,7 +230,7 @@ class ModelChunk(nn.Module):
 
     def allocate_cache(self, n_slots: int, max_len: int) -> KVCache:
         p = next(self.parameters(), None)
-        dtype = p.dtype if p is not None else torch.float32
+        dtype = self.compute_dtype or (p.dtype if p is not None else torch.float32)
         device = p.device if p is not None else torch.device("cpu")
         self.cache = None  # free the previous run's cache before allocating the next one
         self.cache = KVCache(self.config, self.n_layers, n_slots, max_len, dtype, device)
@@ -228,7 +244,7 @@ class ModelChunk(nn.Module):
         x = self.tok_emb(ids)
         if self.config.family == "gpt2":
             x = x + self.pos_emb(torch.arange(start, start + ids.shape[0], device=ids.device))
-        return x
+        return x.to(self.compute_dtype) if self.compute_dtype is not None else x
 
     def forward_blocks(self, x: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         """Run this chunk's blocks on one sample's activations x [T, C] at positions start.."""
@@ -261,7 +277,7 @@ class ModelChunk(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm_f(x)
         if self.config.tied_head:
-            return F.linear(x, self.tok_emb.weight)
+            return F.linear(x, self.tok_emb.weight.to(x.dtype))
         return self.lm_head(x)
 
 

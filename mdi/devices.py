@@ -1,0 +1,42 @@
+"""Which dtype a node computes in, given its device and the dtype its weights are stored in.
+
+Pascal GPUs (Jetson TX2, compute capability 6.2) store float16 fine but have no fast float16
+arithmetic, and bfloat16 needs Ampere (8.0, Jetson Orin). `compute_dtype` lets a node keep
+half-precision weights (half the memory) while computing in float32.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+FAST_FP16_CAPABILITY = (7, 0)
+BF16_CAPABILITY = (8, 0)
+
+
+def cuda_capability(device: str) -> Optional[Tuple[int, int]]:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(torch.device(device))
+
+
+def resolve_compute_dtype(device: str, dtype: torch.dtype, compute_dtype: Optional[torch.dtype],
+                          capability: Optional[Tuple[int, int]] = None) -> Tuple[torch.dtype, Optional[str]]:
+    """The dtype to compute in, and a message for the log when the choice needs explaining.
+
+    An explicit compute_dtype is honoured. Without one, bfloat16 weights on a GPU older than
+    8.0 are computed in float32 (it has no bfloat16 arithmetic at all); float16 on one older
+    than 7.0 works but slowly, so the message suggests compute_dtype: float32.
+    """
+    if capability is None:
+        capability = cuda_capability(device)
+    if compute_dtype is not None:
+        return compute_dtype, None
+    if capability is None:
+        return dtype, None
+    sm = "sm_%d%d" % capability
+    if dtype == torch.bfloat16 and capability < BF16_CAPABILITY:
+        return torch.float32, ("%s (%s) has no bfloat16 arithmetic: weights stay bfloat16, "
+                               "computing in float32" % (device, sm))
+    if dtype == torch.float16 and capability < FAST_FP16_CAPABILITY:
+        return dtype, ("%s (%s) has no fast float16 arithmetic: set model.compute_dtype: float32 "
+                       "to keep float16 weights and compute in float32" % (device, sm))
+    return dtype, None

@@ -1,0 +1,56 @@
+"""Half-precision storage with float32 compute (old Jetson GPUs), checked on CPU."""
+import os
+
+import pytest
+import torch
+
+from mdi import starter
+from mdi.config import parse_config
+from mdi.devices import resolve_compute_dtype
+from conftest import ROOT, free_ports, make_tiny_model
+
+
+def greedy(model, dtype, compute=None, nodes=None):
+    data = {"model": {"path": model, "dtype": dtype}, "generation": {"n_tokens": 24, "temperature": 0}}
+    if compute:
+        data["model"]["compute_dtype"] = compute
+    if nodes:
+        data["nodes"] = nodes
+    result = starter.run(parse_config(data, "t"), ["Once upon", "The"], log=lambda m: None)
+    return [s.token_ids for s in result.samples], result
+
+
+SHIPPED = os.path.join(ROOT, "models", "nanogpt-shakespeare")
+
+
+def test_fp16_storage_fp32_compute_keeps_the_trained_model_greedy_tokens():
+    reference, _ = greedy(SHIPPED, "float32")
+    assert greedy(SHIPPED, "float16", "float32")[0] == reference
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fp16_storage_fp32_compute_equals_fp32_on_a_ring(tmp_path, workers, family):
+    # Weights that float16 holds exactly: any difference would come from computing in half.
+    model = make_tiny_model(str(tmp_path / family), family, seed=3, half_exact=True)
+    reference, _ = greedy(model, "float32")
+    assert greedy(model, "float16", "float32")[0] == reference
+    ports = free_ports(2)
+    ring = [{"name": "s", "data_port": ports[0]}, {"name": "w", "port": workers[0].port, "data_port": ports[1]}]
+    ids, result = greedy(model, "float16", "float32", ring)
+    assert ids == reference
+    # Activations travel in the compute dtype: 4 bytes per value on every decode hop.
+    starter_node = result.nodes[0]
+    decode_bytes = starter_node["bytes_sent_by_kind"]["decode"] / starter_node["messages_sent_by_kind"]["decode"]
+    assert decode_bytes >= 64 * 4
+
+
+def test_compute_dtype_choice_per_gpu_generation():
+    tx2, xavier, orin = (6, 2), (7, 2), (8, 7)
+    assert resolve_compute_dtype("cpu", torch.float16, None, None) == (torch.float16, None)
+    assert resolve_compute_dtype("cuda", torch.float16, torch.float32, tx2) == (torch.float32, None)
+    dtype, note = resolve_compute_dtype("cuda", torch.float16, None, tx2)
+    assert dtype == torch.float16 and "compute_dtype: float32" in note and "sm_62" in note
+    dtype, note = resolve_compute_dtype("cuda:0", torch.bfloat16, None, xavier)
+    assert dtype == torch.float32 and "bfloat16" in note
+    assert resolve_compute_dtype("cuda", torch.bfloat16, None, orin) == (torch.bfloat16, None)
+    assert resolve_compute_dtype("cuda", torch.float16, None, xavier) == (torch.float16, None)
