@@ -1,8 +1,8 @@
 """Which dtype a node computes in, given its device and the dtype its weights are stored in.
 
-Pascal GPUs (Jetson TX2, compute capability 6.2) store float16 fine but have no fast float16
-arithmetic, and bfloat16 needs Ampere (8.0, Jetson Orin). `compute_dtype` lets a node keep
-half-precision weights (half the memory) while computing in float32.
+Below compute capability 7.0 (Pascal: Jetson TX2 is 6.2) torch's float16 kernels gain little
+(no tensor cores), and bfloat16 arithmetic needs 8.0 (Ampere: Jetson Orin). `compute_dtype`
+lets a node keep half-precision weights (half the memory) while computing in float32.
 """
 from typing import Optional, Tuple
 
@@ -37,6 +37,7 @@ def resolve_compute_dtype(device: str, dtype: torch.dtype, compute_dtype: Option
         return torch.float32, ("%s (%s) has no bfloat16 arithmetic: weights stay bfloat16, "
                                "computing in float32" % (device, sm))
     if dtype == torch.float16 and capability < FAST_FP16_CAPABILITY:
-        return dtype, ("%s (%s) has no fast float16 arithmetic: set model.compute_dtype: float32 "
-                       "to keep float16 weights and compute in float32" % (device, sm))
+        return dtype, ("%s (%s) has no tensor cores for float16: if it is slow, set "
+                       "model.compute_dtype: float32 to keep float16 weights and compute in float32"
+                       % (device, sm))
     return dtype, None

@@ -1,5 +1,4 @@
 """The starter: loads its chunk, configures the workers, drives the ring, gathers metrics."""
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -11,6 +10,7 @@ from .engine import Engine
 from .loading import ModelSource
 from .pipeline import Sample, make_samples
 from .sampling import SamplingParams
+from .tegra import unified_memory_bytes
 
 
 @dataclass
@@ -40,10 +40,6 @@ class RunResult:
         }
         record.update(self.extra)
         return record
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
@@ -109,7 +105,7 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     transport = engine.pipeline.transport
     starter = engine.nodes[0]
     first, last = engine.ranges[0]
-    starter_node = {"name": starter.name, "layers": [first, last - 1], "peak_memory_bytes": peak_rss_bytes(),
+    starter_node = {"name": starter.name, "layers": [first, last - 1], "peak_memory_bytes": unified_memory_bytes(peak=True),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0}
     starter_node.update(transport.traffic() if hasattr(transport, "traffic") else {"bytes_sent": 0, "messages_sent": 0})
     nodes = [starter_node]

@@ -8,7 +8,6 @@ after run without restarting; weights already loaded for the same layers are reu
 """
 import hashlib
 import logging
-import os
 import threading
 import time
 from typing import Any, Dict, Optional
@@ -25,7 +24,7 @@ from .loading import build_chunk, torch_dtype
 from .models.config import ModelConfig
 from .models.model import KVCache, ModelChunk
 from .pipeline import RingTimeout
-from .starter import peak_rss_bytes
+from .tegra import meminfo, rss_bytes, unified_memory_bytes
 from .transport import RingEndpoint
 from .wire import Frame, decode
 from . import schema
@@ -37,24 +36,9 @@ DEFAULT_HEARTBEAT_TIMEOUT = 8.0  # seconds without any sign of the starter befor
 
 
 def available_memory_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo (Jetson RAM is shared by CPU and GPU, so this is the
-    figure that matters there too); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def current_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+    """MemAvailable (Jetson RAM is shared by CPU and GPU, so this is the figure that matters
+    there too); None where it cannot be read."""
+    return meminfo().get("MemAvailable")
 
 
 def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
@@ -257,7 +241,7 @@ class Worker:
         limit = self.max_memory
         if limit is None:
             avail = available_memory_bytes()
-            limit = avail + current_rss_bytes() if avail is not None else None
+            limit = avail + rss_bytes() if avail is not None else None
         if limit is not None and cache_bytes > limit:
             raise schema.RequestError("KV cache of %d bytes does not fit in %d bytes of memory" % (cache_bytes, limit))
 
@@ -303,7 +287,8 @@ class Worker:
             "layers": loaded["layers"] if loaded else None,
             "device": loaded["device"] if loaded else (self.device_override or "cpu"),
             "run_id": run.id if run else None, "runs_served": self.runs_served,
-            "memory": {"rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
+            # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.tegra).
+            "memory": {"rss_bytes": rss_bytes(), "peak_rss_bytes": unified_memory_bytes(peak=True),
                        "available_bytes": available_memory_bytes(), "max_memory_bytes": self.max_memory,
                        "chunk_bytes": chunk_nbytes(chunk)},
             "cache": {"slots": cache.n_slots if cache else 0, "max_len": cache.max_len if cache else 0,
