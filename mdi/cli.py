@@ -49,6 +49,15 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="pre-flight check: contact every node and report reachability, version, device, "
                         "free memory and whether its layers and KV cache fit; generates nothing")
+    p.add_argument("--serve", action="store_true",
+                   help="keep the ring up and serve an OpenAI-compatible HTTP API (POST /v1/completions, "
+                        "/v1/chat/completions; GET /v1/models, /metrics) with iteration-level scheduling; "
+                        "see the YAML's serve: section")
+    p.add_argument("--host", help="with --serve: address to listen on (default serve.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="with --serve: HTTP port (default serve.port, else the starter "
+                                            "node's port)")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --serve: allow a non-loopback --host without a shared secret")
     return p
 
 
@@ -107,6 +116,10 @@ def start_main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             from .preflight import preflight
             return preflight(cfg, args.prompt or cfg.generation.prompts)
+        if args.serve:
+            return _serve(cfg, args)
+        if args.host or args.port is not None or args.insecure:
+            raise ConfigError("--host, --port and --insecure go with --serve")
         prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
         result = starter.run(cfg, prompts, log=lambda m: print(m, file=sys.stderr))
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
@@ -120,6 +133,20 @@ def start_main(argv: Optional[List[str]] = None) -> int:
         return _fail(str(e), EXIT_RUN)
     report(result, args)
     return 0
+
+
+def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
+    if args.prompt or args.n_samples is not None or args.metrics_out:
+        raise ConfigError("--prompt, --n-samples and --metrics-out do not apply to --serve (requests bring "
+                          "their own prompts; GET /metrics reports)")
+    from .config import check_serve
+    if args.host:
+        cfg.serve.host = args.host
+    if args.port is not None:
+        cfg.serve.port = args.port
+    check_serve("command line: serve", cfg.serve)
+    from .serve import serve
+    return serve(cfg, insecure=args.insecure, log_fn=lambda m: print(m, file=sys.stderr))
 
 
 def report(result, args: argparse.Namespace) -> None:

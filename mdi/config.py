@@ -70,6 +70,22 @@ class RuntimeSpec:
     recovery_attempts: Optional[int] = None
 
 
+ADMISSION_POLICIES = ("iteration", "static")
+
+
+@dataclass
+class ServeSpec:
+    """`mdi-start --serve`: the HTTP API and the scheduler (see mdi/serve.py, mdi/scheduler.py)."""
+    host: str = "127.0.0.1"
+    port: Optional[int] = None  # None: the starter node's `port`
+    max_in_flight: Optional[int] = None  # samples in flight (KV slots); None: what fits, at most 16
+    max_len: Optional[int] = None  # positions per slot (prompt + max_tokens); None: min(context, 2048)
+    max_queue: int = 256  # requests waiting for a slot beyond this are refused (HTTP 429)
+    model_name: Optional[str] = None  # id in /v1/models; None: the model folder's name
+    admission: str = "iteration"  # iteration: a freed slot is refilled at the next step;
+    #                               static: whole batches (a baseline for benchmarks)
+
+
 @dataclass
 class RunConfig:
     model: ModelSpec
@@ -78,6 +94,7 @@ class RunConfig:
     runtime: RuntimeSpec
     source: str = "<flags>"
     spares: List[NodeSpec] = field(default_factory=list)  # idle workers that can replace a dead one
+    serve: ServeSpec = field(default_factory=ServeSpec)
 
     @property
     def starter(self) -> NodeSpec:
@@ -127,7 +144,7 @@ NUM = (int, float)
 def parse_config(data: Any, source: str) -> RunConfig:
     top = _check_keys(source, data if data is not None else {},
                       {"model": (dict,), "nodes": (list,), "spares": (list,), "generation": (dict,),
-                       "runtime": (dict,)},
+                       "runtime": (dict,), "serve": (dict,)},
                       required=("model",))
     m = _check_keys(source + ": model", top["model"],
                     {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,)},
@@ -165,7 +182,35 @@ def parse_config(data: Any, source: str) -> RunConfig:
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
         if getattr(runtime, key) <= 0:
             raise ConfigError("%s: runtime.%s: expected a positive number of seconds" % (source, key))
-    return RunConfig(model, nodes, gen, runtime, source, spares)
+    serve = _parse_serve(source, top.get("serve") or {})
+    return RunConfig(model, nodes, gen, runtime, source, spares, serve)
+
+
+def _parse_serve(source: str, raw: Any) -> ServeSpec:
+    s = _check_keys(source + ": serve", raw,
+                    {"host": (str,), "port": (int,), "max_in_flight": (int,), "max_len": (int,),
+                     "max_queue": (int,), "model_name": (str,), "admission": (str,)})
+    serve = ServeSpec(**s)
+    check_serve(source + ": serve", serve)
+    return serve
+
+
+def check_serve(where: str, serve: ServeSpec) -> None:
+    if not serve.host:
+        raise ConfigError("%s.host: expected a host name or address" % where)
+    if serve.port is not None and not 0 < serve.port < 65536:
+        raise ConfigError("%s.port: expected a TCP port 1-65535, got %d" % (where, serve.port))
+    if serve.max_in_flight is not None and serve.max_in_flight < 1:
+        raise ConfigError("%s.max_in_flight: expected a positive integer" % where)
+    if serve.max_len is not None and serve.max_len < 2:
+        raise ConfigError("%s.max_len: expected an integer >= 2" % where)
+    if serve.max_queue < 1:
+        raise ConfigError("%s.max_queue: expected a positive integer" % where)
+    if serve.model_name is not None and not serve.model_name.strip():
+        raise ConfigError("%s.model_name: expected a non-empty string" % where)
+    if serve.admission not in ADMISSION_POLICIES:
+        raise ConfigError("%s.admission: expected one of %s, got %r"
+                          % (where, ", ".join(ADMISSION_POLICIES), serve.admission))
 
 
 def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:

@@ -1,0 +1,385 @@
+"""`mdi-start --serve` with real processes: a 3-node loopback ring (the starter-server and two
+`mdi-worker`s), concurrent streaming clients, cancellation, the official `openai` client,
+request validation and the shared secret. Assertions compare texts and event order, never
+durations (the machine is shared)."""
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import BIN, CHARS, free_ports, tiny_config
+from mdi import starter
+from mdi.checkpoints import save_model_dir
+from mdi.config import parse_config
+from mdi.models.model import full_model
+from mdi.scheduler import held_back
+from mdi.tokenizers import char_tokenizer
+
+BLOCK = 1024  # context of the test model: long enough for streams that outlast the others
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer and a 1024-token context."""
+    path = str(tmp_path_factory.mktemp("serve") / "llama1k")
+    torch.manual_seed(3)
+    net = full_model(dataclasses.replace(tiny_config("llama"), name="tiny-llama-1k", block_size=BLOCK))
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    save_model_dir(path, net.config, net.state_dict(), "tests/test_serve.py")
+    char_tokenizer(CHARS).save(path)
+    return path
+
+
+class Server:
+    """`mdi-start --config C --serve` as a subprocess."""
+
+    def __init__(self, config: str, env=None, token=None) -> None:
+        self.port = free_ports(1)[0]
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.headers = {"Authorization": "Bearer " + token} if token else {}
+        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-serve-%d.log" % self.port), "w+")
+        self.proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", config, "--serve",
+                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 90.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited with %s: %s" % (self.proc.returncode, self.output()))
+            try:
+                if requests.get(self.url + "/health", headers=self.headers, timeout=2).ok:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server not ready in %.0f s: %s" % (timeout, self.output()))
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def metrics(self) -> dict:
+        text = requests.get(self.url + "/metrics", headers=self.headers, timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(model, workers, tmp_path_factory):
+    data = free_ports(3)
+    path = tmp_path_factory.mktemp("serve-cfg") / "ring3.yaml"
+    path.write_text(
+        "model: {path: %s}\n"
+        "nodes:\n"
+        "  - {name: starter, port: 1, data_port: %d, layers: 2}\n"
+        "  - {name: board1, port: %d, data_port: %d, layers: 1}\n"
+        "  - {name: board2, port: %d, data_port: %d, layers: 1}\n"
+        "generation: {temperature: 0}\n"
+        "runtime: {threads: 1, ring_timeout: 30}\n"
+        "serve: {max_in_flight: %d, model_name: tiny}\n"
+        % (model, data[0], workers[0].port, data[1], workers[1].port, data[2], SLOTS))
+    srv = Server(str(path))
+    try:
+        yield srv.wait_ready()
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.output()
+
+
+_references = {}
+
+
+def reference(model, prompt, n_tokens):
+    """The text of a standalone (one-node, one-sample) greedy run of the same prompt."""
+    key = (prompt, n_tokens)
+    if key not in _references:
+        cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0},
+                            "runtime": {"threads": 1}}, "reference")
+        _references[key] = starter.run(cfg, [prompt], log=lambda m: None).texts[0]
+    return _references[key]
+
+
+def sse_events(resp):
+    """Parsed `data:` payloads of a server-sent event stream, as they arrive."""
+    buf = b""
+    for chunk in resp.iter_content(chunk_size=None):
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.decode("utf-8").splitlines():
+                if line.startswith("data: "):
+                    yield line[len("data: "):]
+
+
+class Stream(threading.Thread):
+    """One streaming /v1/completions client; logs ("first"|"done"|"closed", name) in order."""
+
+    def __init__(self, url, name, prompt, max_tokens, log, lock, close=None):
+        super().__init__(daemon=True)
+        self.url, self.name, self.prompt, self.max_tokens = url, name, prompt, max_tokens
+        self.log, self.lock, self.close = log, lock, close
+        self.text, self.finish_reason, self.usage, self.error = "", None, None, None
+        self.started = threading.Event()
+
+    def note(self, what):
+        with self.lock:
+            self.log.append((what, self.name))
+
+    def run(self):
+        try:
+            body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True}
+            with requests.post(self.url + "/v1/completions", json=body, stream=True, timeout=(5, 120)) as r:
+                assert r.status_code == 200, r.text
+                for data in sse_events(r):
+                    if data == "[DONE]":
+                        break
+                    choice = json.loads(data)["choices"][0]
+                    if choice["text"]:
+                        if not self.text:
+                            self.note("first")
+                            self.started.set()
+                        self.text += choice["text"]
+                    if choice["finish_reason"]:
+                        self.finish_reason, self.usage = choice["finish_reason"], json.loads(data).get("usage")
+                        self.note("done")
+                    if self.close is not None and self.close.is_set():
+                        self.note("closed")
+                        return  # leaving the with-block drops the connection
+        except Exception as e:  # reported by the test
+            self.error = e
+
+
+PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be, that is the question", "0123",
+           "abc def ghi jkl mno", "Once upon a time", "x", "Lorem ipsum dolor sit amet"]
+LENGTHS = [5, 40, 12, 90, 3, 60, 25, 150]
+
+
+def test_eight_concurrent_streams_match_standalone(server, model):
+    """8 clients, 4 slots: requests queue, slots are reused, every greedy text is the
+    standalone text of its prompt and each client gets its own usage counts."""
+    log, lock = [], threading.Lock()
+    clients = [Stream(server.url, i, p, n, log, lock) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=120)
+    for c, prompt, n in zip(clients, PROMPTS, LENGTHS):
+        assert c.error is None, c.error
+        assert c.finish_reason == "length"
+        assert c.text == reference(model, prompt, n), "client %d" % c.name
+        assert c.usage == {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+    m = server.metrics()
+    assert m["mdi_slots"] == SLOTS and m["mdi_samples_in_flight"] == 0 and m["mdi_queue_length"] == 0
+    assert m["mdi_generated_tokens_total"] >= sum(LENGTHS)
+    assert m['mdi_node_step_seconds{node="starter"}'] > 0
+    assert all(m['mdi_node_up{node="%s"}' % n] == 1 for n in ("board1", "board2"))
+    assert all(m['mdi_node_frames_total{node="%s"}' % n] > 0 for n in ("board1", "board2"))
+    assert "mdi_tokens_per_second" in m
+
+
+def test_late_request_streams_before_running_ones_finish(server, model):
+    log, lock, close = [], threading.Lock(), threading.Event()
+    long_ones = [Stream(server.url, "long%d" % i, PROMPTS[i], BLOCK - 64, log, lock, close) for i in range(3)]
+    for c in long_ones:
+        c.start()
+    for c in long_ones:
+        assert c.started.wait(60), c.error
+    late = Stream(server.url, "late", "Hi there", 8, log, lock)
+    late.start()
+    late.join(timeout=60)
+    close.set()  # the long streams are not needed any more: hang up (this cancels them)
+    for c in long_ones:
+        c.join(timeout=60)
+        assert c.error is None, c.error
+    assert late.error is None and late.text == reference(model, "Hi there", 8)
+    order = [e for e in log if e[0] != "closed"]
+    late_first = order.index(("first", "late"))
+    assert all(e != ("done", c.name) for e in order[:late_first] for c in long_ones), order
+    assert order.index(("done", "late")) < min(
+        [order.index(("done", c.name)) for c in long_ones if ("done", c.name) in order] or [len(order)])
+    _wait_in_flight(server, 0)
+
+
+def _wait_in_flight(server, n, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["mdi_samples_in_flight"] == n:
+            return m
+        time.sleep(0.2)
+    raise AssertionError("samples in flight did not come down to %d: %s" % (n, m))
+
+
+def test_cancelled_stream_frees_its_slot(server, model):
+    before = server.metrics()['mdi_requests_total{finish_reason="cancelled"}']
+    log, lock, close = [], threading.Lock(), threading.Event()
+    c = Stream(server.url, "c", "Cancel me", BLOCK - 64, log, lock, close)
+    c.start()
+    assert c.started.wait(60), c.error
+    assert server.metrics()["mdi_samples_in_flight"] == 1
+    close.set()
+    c.join(timeout=30)
+    assert ("closed", "c") in log and ("done", "c") not in log
+    m = _wait_in_flight(server, 0)
+    assert m['mdi_requests_total{finish_reason="cancelled"}'] == before + 1
+    # Every slot is usable again.
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "After", "max_tokens": 10}, timeout=60)
+    assert r.json()["choices"][0]["text"] == reference(model, "After", 10)
+
+
+def test_client_gone_cancels_a_non_streaming_request(server):
+    import socket
+    before = server.metrics()['mdi_requests_total{finish_reason="cancelled"}']
+    body = json.dumps({"prompt": "Hang up", "max_tokens": BLOCK - 64}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 60
+    while server.metrics()["mdi_samples_in_flight"] != 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    sock.close()
+    m = _wait_in_flight(server, 0)
+    assert m['mdi_requests_total{finish_reason="cancelled"}'] == before + 1
+
+
+def test_openai_client(server, model):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    ref = reference(model, "Hello there", 12)
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (11, 12, 23)
+    chunks = list(client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+
+    # Stop strings end the text before them, streamed or not.
+    stop = ref[4:7]
+    want = ref[:ref.index(stop)]
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+    # Chat: the model has no chat template, so the documented fallback is used.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat_ref = reference(model, "system: Be brief.\nuser: Hi\nassistant:", 10)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == chat_ref and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+    # A seed makes sampling repeatable; a different seed changes it.
+    texts = [client.completions.create(model="tiny", prompt="Seeded", max_tokens=20, temperature=1.0, seed=s)
+             .choices[0].text for s in (5, 5, 6)]
+    assert texts[0] == texts[1] != texts[2]
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=BLOCK)
+    assert err.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("route,body,status,needle", [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", b"[" * 50000 + b"]" * 50000, 400, "nested"),
+    ("/v1/completions", {"prompt": "a", "bogus": 1}, 400, "bogus"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "'n'"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"prompt": [1, 100000]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": "\u00e9t\u00e9"}, 400, "tokenize"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": BLOCK}, 400, "context length"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {}}, 400,
+     "stream_options"),
+    ("/v1/nothing", {}, 404, "no such route"),
+    ("/v1/completions", b"x" * ((1 << 20) + 1), 413, "larger than"),
+])
+def test_bad_requests_get_openai_shaped_errors(server, route, body, status, needle):
+    if isinstance(body, bytes):
+        r = requests.post(server.url + route, data=body, headers={"Content-Type": "application/json"}, timeout=10)
+    else:
+        r = requests.post(server.url + route, json=body, timeout=10)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_wrong_method_and_content_type(server):
+    r = requests.get(server.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+    r = requests.post(server.url + "/v1/completions", data="prompt=a", timeout=10)
+    assert r.status_code == 400 and "application/json" in r.json()["error"]["message"]
+
+
+def test_held_back_keeps_possible_stop_prefixes():
+    assert held_back("hello wor", ["world"]) == 3
+    assert held_back("hello", ["xyz"]) == 0
+    assert held_back("ab", ["b!", "ab?"]) == 2
+
+
+def test_shared_secret_and_public_bind(model, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MDI_TOKEN")}
+    path = tmp_path / "one.yaml"
+    path.write_text("model: {path: %s}\nruntime: {threads: 1}\nserve: {max_in_flight: 2, max_len: 64}\n" % model)
+    # No secret: refuse a non-loopback address before loading anything.
+    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(path), "--serve", "--host", "0.0.0.0",
+                           "--port", str(free_ports(1)[0])], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "without a shared secret" in proc.stderr
+    srv = Server(str(path), env=dict(env, MDI_TOKEN="s3cret"), token="s3cret").wait_ready()
+    try:
+        for route in ("/v1/models", "/metrics"):
+            r = requests.get(srv.url + route, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4},
+                          headers={"Authorization": "Bearer wrong"}, timeout=10)
+        assert r.status_code == 401
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
+                          headers=srv.headers, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(model, "Hi", 4)
+        assert re.search(r"^mdi_slots 2$", requests.get(srv.url + "/metrics", headers=srv.headers, timeout=10).text,
+                         re.M)
+    finally:
+        assert srv.stop() == 0, srv.output()
