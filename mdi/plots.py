@@ -1,0 +1,180 @@
+"""PNG plots of an mdi-bench output folder (results.csv, summary.csv and runs/*.json).
+
+matplotlib is imported only when plotting, with the Agg backend (no display needed):
+mdi itself does not depend on it (pip install mdi[bench]).
+"""
+import json
+import os
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+Row = Dict[str, str]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install matplotlib (or mdi[bench])")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_all(out: str, rows: List[Row], summary: List[Row]) -> List[str]:
+    """Write the three figures into `out`; returns their paths."""
+    plt = _pyplot()
+    good = [r for r in rows if r.get("status", "").startswith("ok") and r.get("decode_tokens_per_s")]
+    if not good:
+        return []
+    models = _ordered(r["model"] for r in good)
+    paths = [time_vs_tokens(plt, out, good, models),
+             throughput_vs_samples(plt, out, summary, models),
+             memory_per_node(plt, out, good, models)]
+    return paths
+
+
+def _ordered(items) -> List[str]:
+    seen = []  # type: List[str]
+    for x in items:
+        if x not in seen:
+            seen.append(x)
+    return seen
+
+
+def _rings(rows: Sequence[Row]) -> List[Tuple[int, str]]:
+    return sorted({(int(r["nodes"]), r["partition"]) for r in rows})
+
+
+def _ring_label(n: int, part: str) -> str:
+    return "%d node%s (%s)" % (n, "s" if n > 1 else "", part)
+
+
+def _median_run(rows: Sequence[Row]) -> Optional[Row]:
+    """The repeat whose decode rate is the median one (a real run, not an average)."""
+    if not rows:
+        return None
+    rates = sorted(rows, key=lambda r: float(r["decode_tokens_per_s"]))
+    return rates[(len(rates) - 1) // 2]
+
+
+def _token_times(out: str, row: Row) -> List[float]:
+    try:
+        with open(os.path.join(out, row["metrics_file"]), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError, KeyError):
+        return []
+    return sorted(t for s in record.get("samples", []) for t in s.get("token_times") or [])
+
+
+def time_vs_tokens(plt, out: str, rows: List[Row], models: List[str]) -> str:
+    """As in the MDI-LLM thesis: seconds to generate k tokens, one line per ring, with one
+    sample (left) and with S = N samples in flight (right), all samples' tokens counted."""
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        mrows = [r for r in rows if r["model"] == model]
+        for j, title in enumerate(("1 sample", "S = N samples in flight")):
+            ax = axes[i][j]
+            for n, part in _rings(mrows):
+                s = 1 if j == 0 else n
+                run = _median_run([r for r in mrows if int(r["nodes"]) == n and r["partition"] == part
+                                   and int(r["samples"]) == s])
+                times = _token_times(out, run) if run else []
+                if times:
+                    ax.plot(range(1, len(times) + 1), times, label=_ring_label(n, part))
+            ax.set_title("%s: %s" % (model, title), fontsize=10)
+            ax.set_xlabel("generated tokens (all samples)")
+            ax.set_ylabel("time since start (s)")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    return _save(fig, plt, out, "time_vs_tokens.png")
+
+
+def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) -> str:
+    """Aggregate decode tokens/s against samples in flight (median, bars = min..max of repeats),
+    and the pipeline efficiency S-rate / (N x 1-sample rate)."""
+    from matplotlib.ticker import MaxNLocator
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        mrows = [r for r in summary if r["model"] == model]
+        ax, ax2 = axes[i]
+        for c, (n, part) in enumerate(_rings(mrows)):
+            color = "C%d" % c  # the same ring has the same colour in both panels
+            rs = sorted((r for r in mrows if int(r["nodes"]) == n and r["partition"] == part),
+                        key=lambda r: int(r["samples"]))
+            xs = [int(r["samples"]) for r in rs]
+            med = [float(r["decode_tokens_per_s_median"]) for r in rs]
+            lo = [m - float(r["decode_tokens_per_s_min"]) for m, r in zip(med, rs)]
+            hi = [float(r["decode_tokens_per_s_max"]) - m for m, r in zip(med, rs)]
+            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, color=color, label=_ring_label(n, part))
+            eff = [(x, float(r["efficiency_median"])) for x, r in zip(xs, rs) if r["efficiency_median"]]
+            if n > 1 and eff:
+                ax2.plot([x for x, _ in eff], [e for _, e in eff], marker="o", color=color, label=_ring_label(n, part))
+        ax.set_title("%s: aggregate decode throughput" % model, fontsize=10)
+        ax.set_xlabel("samples in flight S")
+        ax.set_ylabel("tokens/s")
+        ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax2.set_title("%s: pipeline efficiency" % model, fontsize=10)
+        ax2.set_xlabel("samples in flight S")
+        ax2.set_ylabel("rate(S) / (N x rate(1))")
+        for a in (ax, ax2):
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+            a.grid(alpha=0.3)
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8)
+    return _save(fig, plt, out, "throughput_vs_samples.png")
+
+
+def _cells(cell: str) -> List[float]:
+    return [float(x) if x else 0.0 for x in cell.split(";")] if cell else []
+
+
+def _node_medians(rows: Sequence[Row], column: str) -> List[float]:
+    lists = [_cells(r[column]) for r in rows if r.get(column)]
+    return [statistics.median(col) for col in zip(*lists)] if lists else []
+
+
+def memory_per_node(plt, out: str, rows: List[Row], models: List[str]) -> str:
+    """Peak resident memory of every node of every ring (the run with the most samples in
+    flight, median of repeats), split into weights, KV cache and the rest."""
+    fig, axes = plt.subplots(len(models), 1, figsize=(11, 3.8 * len(models)), squeeze=False)
+    colors = {"weights": "#4c72b0", "KV cache": "#dd8452", "other (runtime, buffers)": "#b0b0b0"}
+    for i, model in enumerate(models):
+        ax = axes[i][0]
+        mrows = [r for r in rows if r["model"] == model]
+        x, ticks, labels = 0.0, [], []
+        for n, part in _rings(mrows):
+            ring = [r for r in mrows if int(r["nodes"]) == n and r["partition"] == part]
+            top = max(int(r["samples"]) for r in ring)
+            at_top = [r for r in ring if int(r["samples"]) == top]
+            peak, weights, cache = (_node_medians(at_top, c) for c in ("peak_memory_mb", "weights_mb", "cache_mb"))
+            for k, p in enumerate(peak):
+                w = weights[k] if k < len(weights) else 0.0
+                c = cache[k] if k < len(cache) else 0.0
+                parts = (("weights", w), ("KV cache", c), ("other (runtime, buffers)", max(0.0, p - w - c)))
+                bottom = 0.0
+                for name, v in parts:
+                    ax.bar(x, v, bottom=bottom, width=0.8, color=colors[name], label=name if not ticks and k == 0 else None)
+                    bottom += v
+                ax.text(x, p, "%.0f" % p, ha="center", va="bottom", fontsize=7)
+                x += 1
+            ticks.append(x - (len(peak) + 1) / 2.0)
+            labels.append("%s\nS=%d" % (_ring_label(n, part), top))
+            x += 1  # a gap between rings
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel("peak RSS per node (MB)")
+        ax.set_title("%s: memory per node (bars: starter first, then workers in ring order)" % model, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the value labels
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, plt, out, "memory_per_node.png")
+
+
+def _save(fig: Any, plt: Any, out: str, name: str) -> str:
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
