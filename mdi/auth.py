@@ -3,6 +3,7 @@ line, where other users could see it in the process list), checked on every HTTP
 and bound into each run's data-plane handshake."""
 import hashlib
 import hmac
+import ipaddress
 import os
 import threading
 from typing import Optional
@@ -55,3 +56,13 @@ def plain_authenticator(ctx):
             _authenticator = ThreadAuthenticator(ctx)
             _authenticator.start()
         return _authenticator
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only reaches this machine: binding anywhere else needs the secret."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -193,16 +193,6 @@ def worker_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def worker_main(argv: Optional[List[str]] = None) -> int:
     args = worker_parser().parse_args(argv)
     import logging
@@ -215,12 +205,12 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
-    from .auth import TokenError, load_token
+    from .auth import TokenError, is_loopback, load_token
     try:
         token = load_token(args.token_file)
     except TokenError as e:
         return _fail(str(e), EXIT_CONFIG)
-    if token is None and not args.insecure and not _is_loopback(args.host):
+    if token is None and not args.insecure and not is_loopback(args.host):
         return _fail("refusing to listen on %s without a shared secret: set MDI_TOKEN or --token-file "
                      "(or pass --insecure on a trusted network)" % args.host, EXIT_CONFIG)
     worker = Worker(args.host, args.port, args.device, max_memory, token)

@@ -271,17 +271,21 @@ def _check_generation(where: str, gen: GenerationSpec) -> None:
         raise ConfigError("%s.prompts: expected a list of strings" % where)
 
 
-def load_config(path: str) -> RunConfig:
+def read_yaml(path: str, error: type = ConfigError, what: str = "config") -> Any:
+    """A YAML file's data (safe_load only), or one `error` line naming the file and the line."""
     if not os.path.isfile(path):
-        raise ConfigError("%s: config file not found" % path)
+        raise error("%s: %s file not found" % (path, what))
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            return yaml.safe_load(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = " at line %d" % (mark.line + 1) if mark is not None else ""
-        raise ConfigError("%s: invalid YAML%s: %s" % (path, at, getattr(e, "problem", None) or e))
-    cfg = parse_config(data, path)
+        raise error("%s: invalid YAML%s: %s" % (path, at, getattr(e, "problem", None) or e))
+
+
+def load_config(path: str) -> RunConfig:
+    cfg = parse_config(read_yaml(path), path)
     cfg.model.path = resolve_model_path(cfg.model.path, path)
     return cfg
 

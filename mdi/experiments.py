@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from .config import read_yaml
 from .emulation import Emulation, EmulationError, EmulationSettings, peak_rss_bytes, remove_leftovers, reset_peak_rss
 
 EXIT_CONFIG = 2
@@ -272,16 +273,7 @@ def _check_top(source: str, exp: Experiment) -> None:
 
 
 def load_experiment(path: str) -> Experiment:
-    if not os.path.isfile(path):
-        raise ExperimentError("%s: experiment file not found" % path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = " at line %d" % (mark.line + 1) if mark is not None else ""
-        raise ExperimentError("%s: invalid YAML%s: %s" % (path, at, getattr(e, "problem", None) or e))
-    return parse_experiment(data, path)
+    return parse_experiment(read_yaml(path, ExperimentError, "experiment"), path)
 
 
 # --------------------------------------------------------------------------- models
@@ -433,6 +425,7 @@ def plan_rings(entry: ModelEntry, where: str, n_layer: int) -> List[Tuple[int, L
 # --------------------------------------------------------------------------- processes
 
 def free_ports(n: int) -> List[int]:
+    """n TCP ports free on loopback right now (the OS picks them; bound together, so distinct)."""
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()

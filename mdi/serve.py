@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from .auth import token_matches
+from .auth import is_loopback, token_matches
 from .config import ConfigError, RunConfig
 from .loading import ModelSource
 from .sampling import SamplingParams
@@ -537,16 +537,6 @@ def metrics_text(sched: Scheduler) -> str:
 
 
 # --------------------------------------------------------------------------- mdi-start --serve
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
 
 def default_model_id(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))

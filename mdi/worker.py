@@ -59,6 +59,7 @@ class Run:
         self.is_last = spec["data"]["is_last"]
         self.stopped = threading.Event()
         self.frames_done = 0
+        self.compute_seconds = 0.0  # time spent in _forward: per-node step time for /metrics
         self.error = None  # type: Optional[str]
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -76,7 +77,10 @@ class Run:
                             self.endpoint.flush(timeout=5)
                             self.stopped.set()
                         continue
-                    self.endpoint.send(self._forward(frame))
+                    t0 = time.perf_counter()
+                    out = self._forward(frame)
+                    self.compute_seconds += time.perf_counter() - t0
+                    self.endpoint.send(out)
                     self.frames_done += 1
         except Exception as e:  # report, never die silently
             self.error = "%s: %s" % (type(e).__name__, e)
@@ -298,7 +302,8 @@ class Worker:
         if run is not None:
             ep = run.endpoint
             out["counters"] = dict(ep.traffic(), frames_received=ep.frames_received,
-                                   frames_done=run.frames_done, bad_frames=ep.bad_frames,
+                                   frames_done=run.frames_done, compute_seconds=round(run.compute_seconds, 6),
+                                   bad_frames=ep.bad_frames,
                                    last_bad_frame=ep.last_error)
         return out
 

@@ -6,7 +6,6 @@ Python 3.8 compatible; imports only the standard library at module level.
 """
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -117,16 +116,7 @@ def note_load(info: Dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- mdi configs
 
-def free_ports(n: int) -> List[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+from mdi.experiments import free_ports  # noqa: E402,F401  (shared with mdi-bench)
 
 
 def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int,

@@ -1,7 +1,6 @@
 """Shared fixtures: tiny random models saved as mdi directories, and real worker processes."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,23 +18,12 @@ from mdi.checkpoints import save_model_dir  # noqa: E402
 from mdi.models.config import ModelConfig  # noqa: E402
 from mdi.models.model import full_model  # noqa: E402
 from mdi.tokenizers import char_tokenizer  # noqa: E402
+from mdi.experiments import free_ports  # noqa: E402,F401  (tests import it from here)
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 BIN = os.path.dirname(sys.executable)
-
-
-def free_ports(n: int) -> List[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def tiny_config(family: str) -> ModelConfig:

@@ -202,6 +202,7 @@ def test_eight_concurrent_streams_match_standalone(server, model):
     assert m['mdi_node_step_seconds{node="starter"}'] > 0
     assert all(m['mdi_node_up{node="%s"}' % n] == 1 for n in ("board1", "board2"))
     assert all(m['mdi_node_frames_total{node="%s"}' % n] > 0 for n in ("board1", "board2"))
+    assert all(m['mdi_node_step_seconds{node="%s"}' % n] > 0 for n in ("board1", "board2"))
     assert "mdi_tokens_per_second" in m
 
 
