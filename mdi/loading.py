@@ -3,9 +3,8 @@
 A prepared mdi directory is read lazily (a node loads only its own tensors); a raw source
 (Hugging Face directory, GGUF, nanoGPT ckpt.pt) is converted in memory once.
 """
-import io
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from safetensors.torch import save as safetensors_save

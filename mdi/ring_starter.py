@@ -3,7 +3,7 @@ and at the end send the stop frame round and collect each node's counters."""
 import hashlib
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 

@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 

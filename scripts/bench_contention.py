@@ -19,11 +19,10 @@ Needs root for the quotas; without root (or with --quota 0) copies run unconstra
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 import benchlib
 from benchlib import DEFAULT_MODEL, CpuCgroups, cgroup_unavailable_reason, print_table, summarize

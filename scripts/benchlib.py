@@ -116,7 +116,7 @@ def note_load(info: Dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- mdi configs
 
-from mdi.experiments import free_ports  # noqa: E402,F401  (shared with mdi-bench)
+from mdi.bench.nodes import free_ports  # noqa: E402,F401  (shared with mdi-bench)
 
 
 def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int,
@@ -130,9 +130,8 @@ def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, thre
 
 # --------------------------------------------------------------------------- cgroup v1
 
-# CPU quota groups live in mdi/emulation.py (used by mdi-bench too); re-exported here unchanged.
-from mdi.emulation import (CGROUP_CPU, CpuCgroups, _own_cpu_cgroup, _write,  # noqa: E402,F401
-                           cgroup_unavailable_reason)
+# CPU quota groups live in mdi/emulation.py (used by mdi-bench too); the scripts import them from here.
+from mdi.emulation import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- workers

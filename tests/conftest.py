@@ -4,7 +4,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List
 
 import pytest
 import requests
@@ -18,7 +17,7 @@ from mdi.checkpoints import save_model_dir  # noqa: E402
 from mdi.models.config import ModelConfig  # noqa: E402
 from mdi.models.model import full_model  # noqa: E402
 from mdi.tokenizers import char_tokenizer  # noqa: E402
-from mdi.experiments import free_ports  # noqa: E402,F401  (tests import it from here)
+from mdi.bench.nodes import free_ports  # noqa: E402,F401  (tests import it from here)
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)

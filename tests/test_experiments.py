@@ -17,8 +17,8 @@ SMOKE = os.path.join(ROOT, "configs", "experiments", "smoke.yaml")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 from mdi.emulation import DelayProxy, Emulation, EmulationSettings  # noqa: E402
-from mdi.experiments import (CSV_COLUMNS, ExperimentError, parse_experiment, plan_rings,  # noqa: E402
-                             samples_for, steady_rate, summarize)
+from mdi.bench.report import CSV_COLUMNS, steady_rate, summarize  # noqa: E402
+from mdi.bench.spec import ExperimentError, parse_experiment, plan_rings, samples_for  # noqa: E402
 
 GOOD = {"models": [{"name": "m", "path": "models/m"}]}
 

@@ -9,8 +9,7 @@ Attention reads and writes a `KVCache` with one preallocated slot per in-flight 
 call names its slot and the absolute position of its first token, so prefill and decode are
 the same code path and nothing is ever recomputed.
 """
-import math
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.nn as nn

@@ -1,0 +1,1 @@
+"""mdi-bench's parts; the command itself is mdi/experiments.py."""
