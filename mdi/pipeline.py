@@ -88,6 +88,7 @@ class Pipeline:
         self.device = next(chunk.parameters()).device
         self.active = {}  # type: Dict[int, Sample]  # cache slot -> sample with a pass in flight
         self.t0 = time.perf_counter()
+        self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
@@ -114,16 +115,21 @@ class Pipeline:
             self._send_pass(sample, sample.prompt_ids + sample.token_ids, 0)
 
     def _send_pass(self, sample: Sample, ids: List[int], start: int) -> None:
+        t0 = time.perf_counter()
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         x = self.chunk.forward_blocks(self.chunk.embed(ids_t, start), sample.slot, start)
+        self.compute_seconds += time.perf_counter() - t0
         kind = "prefill" if start == 0 else "decode"
         self.transport.send(Frame(kind, self.run_id, [sample.slot], [start], [len(ids)], x))
 
     def _finish_pass(self, sample: Sample, last_hidden: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         logits = self.chunk.head(last_hidden.to(self.device))[-1]
         token = sample_next(logits, self.params if sample.params is None else sample.params, sample.rng)
+        now = time.perf_counter()
+        self.compute_seconds += now - t0
         sample.token_ids.append(token)
-        sample.token_times.append(time.perf_counter() - self.t0)
+        sample.token_times.append(now - self.t0)
         if self.eos_id is not None and token == self.eos_id:
             sample.finish_reason = "eos"
         elif len(sample.token_ids) >= sample.max_new_tokens:

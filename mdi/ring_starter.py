@@ -151,6 +151,7 @@ class RingSession:
                      "cache_bytes": reply.get("cache_bytes", 0)}
             for key in ("bytes_sent", "messages_sent", "bytes_sent_by_kind", "messages_sent_by_kind"):
                 entry[key] = counters.get(key, 0 if key.endswith("sent") else {})
+            entry["compute_seconds"] = counters.get("compute_seconds", 0.0)
             stats.append(entry)
         ep.close()
         return stats

@@ -105,8 +105,10 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     transport = engine.pipeline.transport
     starter = engine.nodes[0]
     first, last = engine.ranges[0]
-    starter_node = {"name": starter.name, "layers": [first, last - 1], "peak_memory_bytes": unified_memory_bytes(peak=True),
-                    "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0}
+    starter_node = {"name": starter.name, "layers": [first, last - 1],
+                    "peak_memory_bytes": unified_memory_bytes(peak=True),
+                    "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
+                    "compute_seconds": round(engine.pipeline.compute_seconds, 6)}
     starter_node.update(transport.traffic() if hasattr(transport, "traffic") else {"bytes_sent": 0, "messages_sent": 0})
     nodes = [starter_node]
     chunk.free_cache()

@@ -184,6 +184,8 @@ def test_smoke_sweep_writes_csv_and_plots(tmp_path):
         assert float(r["tokens_per_s"]) > 0 and float(r["ttft_s"]) > 0
         assert int(r["generated_tokens"]) == 6 * int(r["samples"])
         assert len(r["peak_memory_mb"].split(";")) == int(r["nodes"])
+        busy = [float(x) for x in r["node_busy"].split(";")]  # each node's compute time / run time
+        assert len(busy) == int(r["nodes"]) and all(0 < b <= 1.05 for b in busy), r["node_busy"]
         assert (out / r["metrics_file"]).is_file()
     # a decode hop carries one hidden state: 64 floats plus a small header
     two = [r for r in rows if r["nodes"] == "2"]

@@ -105,5 +105,6 @@ def test_cli_ring_metrics_and_reuse(tiny_models, workers, data_ports, tmp_path):
         assert all(len(s["token_times"]) == 10 for s in record["samples"])
         assert record["n_nodes"] == 3 and record["tokens_per_s"] > 0
         assert all(n["peak_memory_bytes"] > 0 and n["messages_sent"] > 0 for n in record["nodes"])
+        assert all(0 < n["compute_seconds"] < record["seconds"] for n in record["nodes"])
         outputs.append([s["token_ids"] for s in record["samples"]])
     assert outputs[0] == outputs[1]

@@ -6,7 +6,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .nodes import RunOutcome
 from .spec import Experiment, RingPlan
@@ -17,14 +17,14 @@ CSV_COLUMNS = [
     "model", "nodes", "partition", "samples", "tokens", "tokens_per_s", "ttft_s",
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
     "decode_tokens_per_s", "generated_tokens", "seconds", "ttft_max_s", "partition_kind", "dtype",
-    "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "emulation", "starter_mode",
+    "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy", "emulation", "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
 ]
 SUMMARY_COLUMNS = [
     "model", "nodes", "partition", "samples", "tokens", "runs_ok",
     "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
     "tokens_per_s_median", "ttft_s_median", "efficiency_median", "efficiency_min", "efficiency_max",
-    "speedup_vs_1_node", "peak_memory_mb_max",
+    "speedup_vs_1_node", "peak_memory_mb_max", "node_busy_median",
 ]
 
 
@@ -59,6 +59,13 @@ def decode_bytes_per_hop(nodes: List[Dict[str, Any]]) -> Optional[float]:
     return sent / msgs if msgs else None
 
 
+def _busy(node: Dict[str, Any], seconds: Optional[float]) -> str:
+    """Share of the run a node spent computing (its layers; the starter also its head and
+    sampling): near 1 for the bottleneck of a full pipeline, lower where nodes wait."""
+    busy = node.get("compute_seconds")
+    return "%.3f" % (busy / seconds) if isinstance(busy, (int, float)) and seconds else ""
+
+
 def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome: RunOutcome, emu_tag: str,
              metrics_file: str) -> Dict[str, str]:
     row = {c: "" for c in CSV_COLUMNS}
@@ -83,6 +90,7 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
                cgroup_memory_mb=_joined(_mb(c) for c in outcome.cgroup_peak) if any(outcome.cgroup_peak) else "",
                decode_bytes_per_hop=_num(decode_bytes_per_hop(nodes), "%.1f"),
                bytes_sent=_joined(n.get("bytes_sent", "") for n in nodes),
+               node_busy=_joined(_busy(n, m.get("seconds")) for n in nodes),
                status="ok", metrics_file=metrics_file)
     short = [s for s in m["samples"] if len(s.get("token_ids") or []) < plan.model.tokens]
     if short:
@@ -133,6 +141,7 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
             "efficiency_min": _num(min(eff) if eff else None), "efficiency_max": _num(max(eff) if eff else None),
             "speedup_vs_1_node": _num(statistics.median(dec) / statistics.median(one) if one else None),
             "peak_memory_mb_max": _joined("%.1f" % p for p in peaks),
+            "node_busy_median": _joined("%.2f" % b for b in _median_per_node([r.get("node_busy", "") for r in rs])),
         })
     return out
 
@@ -142,9 +151,18 @@ def _median(xs: List[Optional[float]]) -> Optional[float]:
     return statistics.median(vals) if vals else None
 
 
-def _max_per_node(cells: List[str]) -> List[float]:
+def _per_node(cells: List[str]) -> List[Tuple[float, ...]]:
+    """';'-joined per-node cells of several rows -> one tuple of values per node."""
     lists = [[float(x) for x in c.split(";") if x] for c in cells if c]
-    return [max(col) for col in zip(*lists)] if lists else []
+    return list(zip(*lists)) if lists else []
+
+
+def _max_per_node(cells: List[str]) -> List[float]:
+    return [max(col) for col in _per_node(cells)]
+
+
+def _median_per_node(cells: List[str]) -> List[float]:
+    return [statistics.median(col) for col in _per_node(cells)]
 
 
 def write_csv(path: str, columns: List[str], rows: List[Dict[str, str]]) -> None:
