@@ -79,23 +79,55 @@ class RingSession:
             lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
                                  n_slots=self.n_slots, max_len=self.max_len),
             ring_password(token, self.run_id) if token else None)
-        errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
-        threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
-                   for i in range(len(self.clients))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        failed = [e for e in errors if e is not None]
-        if failed:
-            self.abort()
-            raise failed[0]
-        first = self.workers[0]
-        self.endpoint.connect(first.host, first.ring_port)
-        self._watching.set()
-        self._watcher = threading.Thread(target=self._watch, name="mdi-watchdog", daemon=True)
-        self._watcher.start()
+        try:
+            errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
+            threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
+                       for i in range(len(self.clients))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            failed = [e for e in errors if e is not None]
+            if failed:
+                raise failed[0]
+            first = self.workers[0]
+            self.endpoint.connect(first.host, first.ring_port)
+            self._watching.set()
+            self._watcher = threading.Thread(target=self._watch, name="mdi-watchdog", daemon=True)
+            self._watcher.start()
+            self._await_ring()
+        except BaseException:
+            self.abort()  # the workers' runs end and our data port is free for the next ring
+            raise
         return self.endpoint
+
+    def _await_ring(self) -> None:
+        """Send a reset frame round until one comes back, before any sample enters the ring.
+
+        Workers are configured in parallel, so a node may connect to its neighbour's port
+        while the previous run's socket is still bound there (or through a proxy that still
+        holds a dead connection), and what it sends on that link is lost. Frames of another
+        run are dropped at every node, so once a probe of this run has come back, every link
+        is between this run's sockets. Extra probes that come back later are ignored."""
+        ep = self.endpoint
+        timeout = self.cfg.runtime.ring_timeout
+        deadline = time.monotonic() + timeout
+        wait = 0.2
+        while True:
+            ep.send(Frame("reset", self.run_id))
+            until = min(deadline, time.monotonic() + wait)
+            while time.monotonic() < until:
+                self.check()  # a node the watchdog found dead ends this at once, named
+                try:
+                    if ep.recv(max(0.0, min(0.05, until - time.monotonic()))).kind == "reset":
+                        return
+                except RingTimeout:
+                    pass
+            if time.monotonic() >= deadline:
+                ring = " -> ".join("%s (data %s:%d)" % (n.name, n.host, n.ring_port) for n in self.nodes)
+                raise NodeError("no probe came back round the ring %s -> %s within %.0f s: a node cannot "
+                                "reach its next neighbour's data port" % (ring, self.nodes[0].name, timeout))
+            wait = min(2 * wait, 2.0)
 
     # --- failure detection -----------------------------------------------------------
     def _watch(self) -> None:

@@ -88,6 +88,9 @@ class Run:
         finally:
             self.stopped.set()
             self.chunk.free_cache()  # a finished or failed run gives its cache memory back
+            # Unbind the data port now, not at the next /init: a neighbour configured for the
+            # next run must find nothing there (and retry) rather than this run's socket.
+            self.endpoint.close()
 
     def _forward(self, frame: Frame) -> Frame:
         p = next(self.chunk.parameters())

@@ -3,7 +3,10 @@
 
 (a) Per-hop overhead, plain loopback, no CPU quotas: for N nodes,
         (1-sample ring per-token time - standalone per-token time) / N hops
-    with per-token time = the median gap between consecutive tokens. Use a small model
+    with per-token time = the median gap between consecutive tokens. It is split, from each
+    node's compute_seconds, into the same layers computing slower once spread over several
+    processes, and the time per hop when no node computes (transport and thread handoffs;
+    scripts/bench_transport.py measures the transport alone). Use a small model
     (--model models/nanogpt-shakespeare) to see the overhead itself: with SmolLM2 a token takes
     ~70 ms and the machine's noise is larger than the hops.
     (a token's activations cross N links per round). Repeats are interleaved: standalone,
@@ -86,6 +89,8 @@ def one_run(model: str, workers: List[WorkerProcess], counts: Optional[List[int]
            "tokens_per_s": steady_rate(times)["tokens_per_s"]}
     if n_samples == 1:
         out["per_token_s"] = decode_timing(times[0])["median_s"]  # robust to a neighbour's burst
+        # Every node's own compute (layers, head, sampling) per token, from the metrics.
+        out["compute_per_token_s"] = sum(n["compute_seconds"] for n in result.nodes) / len(times[0])
     return out
 
 
@@ -106,14 +111,21 @@ def hop_overhead(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any
         one_run(args.model, workers, counts, 1, 4)  # load weights once; later runs reuse them
         alone, ring = [], []
         for _ in range(args.repeats):
-            alone.append(one_run(args.model, [], None, 1, args.tokens)["per_token_s"])
-            ring.append(one_run(args.model, workers, counts, 1, args.tokens)["per_token_s"])
+            alone.append(one_run(args.model, [], None, 1, args.tokens))
+            ring.append(one_run(args.model, workers, counts, 1, args.tokens))
     finally:
         for w in workers:
             w.stop()
-    per_hop = [(r - a) / n for r, a in zip(ring, alone)]
-    return {"nodes": n, "partition": counts, "standalone_per_token_s": summarize(alone),
-            "ring_per_token_s": summarize(ring), "per_hop_overhead_s": summarize(per_hop)}
+    per_hop = [(r["per_token_s"] - a["per_token_s"]) / n for r, a in zip(ring, alone)]
+    # Split the overhead: the same layers computing slower when spread over processes (cold
+    # caches, CPUs woken from idle) vs the time between computations (transport, handoffs).
+    slower = [(r["compute_per_token_s"] - a["compute_per_token_s"]) / n for r, a in zip(ring, alone)]
+    between = [(r["per_token_s"] - r["compute_per_token_s"]) / n for r in ring]
+    return {"nodes": n, "partition": counts,
+            "standalone_per_token_s": summarize([a["per_token_s"] for a in alone]),
+            "ring_per_token_s": summarize([r["per_token_s"] for r in ring]),
+            "per_hop_overhead_s": summarize(per_hop),
+            "compute_slowdown_per_hop_s": summarize(slower), "between_compute_per_hop_s": summarize(between)}
 
 
 def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
@@ -167,10 +179,12 @@ def main(argv=None) -> int:
     benchlib.finish_machine_info(info)
 
     print_table("(a) per-hop overhead, 1 sample, plain loopback (median [min, max] of %d)" % args.repeats,
-                ["N", "partition", "standalone ms/token", "ring ms/token", "overhead us/hop"],
+                ["N", "partition", "standalone ms/token", "ring ms/token", "overhead us/hop",
+                 "of which slower compute", "not computing us/hop"],
                 [[h["nodes"], "+".join(map(str, h["partition"])),
                   fmt_stat(h["standalone_per_token_s"], "%.2f", 1e3), fmt_stat(h["ring_per_token_s"], "%.2f", 1e3),
-                  fmt_stat(h["per_hop_overhead_s"], "%.0f", 1e6)] for h in hops])
+                  fmt_stat(h["per_hop_overhead_s"], "%.0f", 1e6), fmt_stat(h["compute_slowdown_per_hop_s"], "%.0f", 1e6),
+                  fmt_stat(h["between_compute_per_hop_s"], "%.0f", 1e6)] for h in hops])
     rows = []
     for e in effs:
         by = e["tokens_per_s_by_samples"]
