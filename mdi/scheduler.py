@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
 import torch
 
@@ -95,28 +95,6 @@ class Request:
             return self.events.get(timeout=timeout)
         except queue.Empty:
             return None
-
-
-class _TimedTransport:
-    """Wraps the pipeline's transport to count the time `step` spends waiting for frames, so
-    the starter's own compute per step is the step's duration minus that wait."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.waited = 0.0
-
-    def recv(self, timeout: float):
-        t = time.perf_counter()
-        try:
-            return self.inner.recv(timeout)
-        finally:
-            self.waited += time.perf_counter() - t
-
-    def send(self, frame) -> None:
-        self.inner.send(frame)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 class Stats:
@@ -442,26 +420,23 @@ class Scheduler:
             req.sample, req.decoder = sample, StreamDecoder(self.tokenizer)
             req.admitted = time.monotonic()
             self._running[sample.index] = req
-            t = time.perf_counter()
+            busy = pipe.compute_seconds
             if not pipe.active:
                 self._progress = time.monotonic()
             self.engine.admit(sample)
-            self.stats.starter_busy(time.perf_counter() - t)
+            self.stats.starter_busy(pipe.compute_seconds - busy)
             room -= 1
 
     def _step(self) -> None:
         engine = self.engine
-        timed = engine.pipeline.transport
-        if not isinstance(timed, _TimedTransport):  # a new ring after a recovery
-            timed = engine.pipeline.transport = _TimedTransport(timed)
-        waited, t = timed.waited, time.perf_counter()
+        busy = engine.pipeline.compute_seconds  # the starter's own layers, head and sampling
         advanced = engine.step(timeout=STEP_TIMEOUT)
         if len(engine.recoveries) != self._recoveries_seen:  # the engine rebuilt the ring
             self._recoveries_seen = len(engine.recoveries)
             self.nodes = list(engine.nodes)
             self._progress = time.monotonic()
         if advanced:
-            self.stats.starter_step(time.perf_counter() - t - (timed.waited - waited), len(advanced))
+            self.stats.starter_step(engine.pipeline.compute_seconds - busy, len(advanced))
             self._progress = time.monotonic()
         elif engine.pipeline.active and time.monotonic() - self._progress > self.cfg.runtime.ring_timeout:
             # step(timeout) returns [] instead of raising when the ring is silent: a lost frame
