@@ -12,7 +12,7 @@ from safetensors.torch import save as safetensors_save
 from . import checkpoints
 from .models.config import ModelConfig
 from .models.model import ModelChunk
-from .tokenizers import (Tokenizer, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir)
+from .tokenizers import (Tokenizer, TokenizerError, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,6 +39,8 @@ class ModelSource:
         else:
             self.config, self._full = checkpoints.read_checkpoint(path)
             self.tokenizer = _raw_tokenizer(path)
+        if self.tokenizer is not None:
+            check_vocab(self.tokenizer, self.config)
 
     def weights(self, first: int, last: int, with_embedding: bool, with_head: bool,
                 dtype: torch.dtype) -> Dict[str, torch.Tensor]:
@@ -51,6 +53,13 @@ class ModelSource:
         """A worker's weights as safetensors bytes, to push over the control plane."""
         w = self.weights(first, last, False, False, dtype)
         return safetensors_save({k: v.contiguous() for k, v in w.items()})
+
+
+def check_vocab(tokenizer: Tokenizer, config: ModelConfig) -> None:
+    """Every id the tokenizer can produce must have an embedding row (a request's token ids
+    are bounded by the tokenizer's vocabulary)."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise TokenizerError("tokenizer has %d tokens but the model only %d" % (tokenizer.vocab_size, config.vocab_size))
 
 
 def _raw_tokenizer(path: str) -> Optional[Tokenizer]:

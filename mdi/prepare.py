@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from . import checkpoints
 from .checkpoints import CheckpointError
+from .loading import check_vocab
 from .tokenizers import (Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer,
                          tokenizer_from_gguf, tokenizer_from_hf_dir)
 
@@ -51,8 +52,7 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     if source in PACKAGED:
         config.name = source
     tokenizer = source_tokenizer(path, vocab, config.family)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise TokenizerError("tokenizer has %d tokens but the model only %d" % (tokenizer.vocab_size, config.vocab_size))
+    check_vocab(tokenizer, config)
     checkpoints.save_model_dir(out, config, state, source)
     tokenizer.save(out)
     log("wrote %s (%s, %d layers)" % (out, config.family, config.n_layer))

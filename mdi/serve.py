@@ -259,15 +259,9 @@ def _prompt_ids(body: Dict[str, Any], tokenizer: Tokenizer) -> List[int]:
 
 def _encode(tokenizer: Tokenizer, text: str) -> List[int]:
     try:
-        ids = tokenizer.encode(text)
+        return tokenizer.encode_prompt(text)
     except TokenizerError as e:
         raise ApiError(400, "cannot tokenize the prompt: %s" % e, "prompt")
-    if not ids:
-        start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
-        if start is None:
-            raise ApiError(400, "the prompt is empty and the tokenizer has no BOS/EOS token to start from", "prompt")
-        ids = [start]
-    return ids
 
 
 def _budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int], max_len: int) -> int:

@@ -49,12 +49,7 @@ def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
     block = source.config.block_size
     out = []
     for p in prompts:
-        ids = tok.encode(p)
-        if not ids:
-            start = tok.bos_id if tok.bos_id is not None else tok.eos_id
-            if start is None:
-                raise ConfigError("prompt is empty and the tokenizer has no BOS/EOS token to start from")
-            ids = [start]
+        ids = tok.encode_prompt(p)
         if len(ids) >= block:
             raise ConfigError("prompt of %d tokens does not fit the model's context of %d tokens"
                               % (len(ids), block))

@@ -62,6 +62,17 @@ class Tokenizer:
         ids = self._encode(text)
         return [self.bos_id] + ids if self.add_bos else ids
 
+    def encode_prompt(self, text: str) -> List[int]:
+        """`encode`, never empty: a model needs a first token, so an empty prompt starts from
+        BOS (else EOS)."""
+        ids = self.encode(text)
+        if ids:
+            return ids
+        start = self.bos_id if self.bos_id is not None else self.eos_id
+        if start is None:
+            raise TokenizerError("the prompt is empty and the tokenizer has no BOS/EOS token to start from")
+        return [start]
+
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
         for i in ids:
