@@ -167,20 +167,6 @@ class CpuCgroups(_Cgroups):
         period = _read_int(os.path.join(p, "cpu.cfs_period_us"))
         _write(os.path.join(p, "cpu.cfs_quota_us"), -1 if cores is None else max(1000, int(cores * period)))
 
-    def quota_cores(self, name: str) -> Optional[float]:
-        p = self.path(name)
-        quota = _read_int(os.path.join(p, "cpu.cfs_quota_us"))
-        period = _read_int(os.path.join(p, "cpu.cfs_period_us"))
-        return None if quota < 0 else quota / float(period)
-
-    def stat(self, name: str) -> Dict[str, int]:
-        out = {}
-        with open(os.path.join(self.path(name), "cpu.stat")) as f:
-            for line in f:
-                key, value = line.split()
-                out[key] = int(value)
-        return out
-
 
 class MemoryCgroups(_Cgroups):
     """cgroup v1 `memory` groups, made under this process's own memory cgroup."""
@@ -200,9 +186,6 @@ class MemoryCgroups(_Cgroups):
     def peak_bytes(self, name: str) -> int:
         """Peak usage since the last reset: resident memory plus page cache charged here."""
         return _read_int(os.path.join(self.path(name), "memory.max_usage_in_bytes"))
-
-    def failcnt(self, name: str) -> int:
-        return _read_int(os.path.join(self.path(name), "memory.failcnt"))
 
 
 # --------------------------------------------------------------------------- peak RSS of a process

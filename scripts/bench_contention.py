@@ -22,7 +22,7 @@ import json
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional  # noqa: F401  (type comments)
 
 import benchlib
 from benchlib import DEFAULT_MODEL, CpuCgroups, cgroup_unavailable_reason, print_table, summarize
@@ -44,13 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def child(model: str, seconds: float) -> int:
     """One copy: load, prefill, say 'ready', wait for 'go', decode for `seconds`, print JSON."""
     import torch
-    from mdi.loading import ModelSource, build_chunk
     torch.set_num_threads(1)
-    src = ModelSource(model)
-    cfg = src.config
-    chunk = build_chunk(cfg, src.weights(0, cfg.n_layer, True, True, torch.float32), 0, cfg.n_layer,
-                        True, True, torch.float32, "cpu")
-    max_len = min(cfg.block_size, 256)
+    src, chunk = benchlib.load_mdi(model)
+    max_len = min(src.config.block_size, 256)
     chunk.allocate_cache(1, max_len)
     with torch.inference_mode():
         ids = torch.tensor([1, 2, 3, 4])

@@ -17,7 +17,7 @@
 
 The starter runs in this process (it joins its own cgroup); workers are `mdi-worker
 --threads 1` subprocesses started and stopped here. Decode rates exclude prefill: see
-benchlib.decode_timing / steady_rate.
+benchlib.decode_timing / mdi.bench.report.steady_rate.
 
     python scripts/bench_ring.py                       # SmolLM2-135M, N = 2 and 3
     python scripts/bench_ring.py --model models/nanogpt-shakespeare --nodes 2 --tokens 64
@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional
 
 import benchlib
 from benchlib import (DEFAULT_MODEL, CpuCgroups, WorkerProcess, cgroup_unavailable_reason, decode_timing,
-                      fmt_stat, print_table, run_config_dict, steady_rate, summarize)
+                      fmt_stat, print_table, run_config_dict, summarize)
+from mdi.bench.report import steady_rate
 
 PROMPT = "Once upon a time"
 
@@ -85,8 +86,10 @@ def one_run(model: str, workers: List[WorkerProcess], counts: Optional[List[int]
     times = [s.token_times for s in result.samples]
     if any(len(t) < tokens for t in times):
         raise RuntimeError("a sample stopped early (EOS); pick a prompt or model that runs %d tokens" % tokens)
-    out = {"n_samples": n_samples, "token_times": times,
-           "tokens_per_s": steady_rate(times)["tokens_per_s"]}
+    rate = steady_rate(times)
+    if rate is None:
+        raise RuntimeError("the samples never decoded at the same time")
+    out = {"n_samples": n_samples, "token_times": times, "tokens_per_s": rate}
     if n_samples == 1:
         out["per_token_s"] = decode_timing(times[0])["median_s"]  # robust to a neighbour's burst
         # Every node's own compute (layers, head, sampling) per token, from the metrics.

@@ -52,17 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --------------------------------------------------------------------------- mdi
 
-def load_mdi(path: str):
-    """The whole model as one chunk (embedding + all blocks + head), and the tokenizer."""
-    import torch
-    from mdi.loading import ModelSource, build_chunk
-    source = ModelSource(path)
-    n = source.config.n_layer
-    weights = source.weights(0, n, True, True, torch.float32)
-    chunk = build_chunk(source.config, weights, 0, n, True, True, torch.float32, "cpu")
-    return source, chunk
-
-
 def mdi_generate(chunk, prompt_ids: List[int], n_tokens: int) -> Tuple[List[int], List[float]]:
     """Greedy, EOS disabled; returns the new ids and each token's time since the call began."""
     from mdi.pipeline import LocalLoop, Pipeline, make_samples
@@ -234,7 +223,7 @@ def main(argv=None) -> int:
     import transformers
     info["transformers"] = transformers.__version__
     print("loading %s into mdi and transformers ..." % args.model, flush=True)
-    source, chunk = load_mdi(args.model)
+    source, chunk = benchlib.load_mdi(args.model)
     model = load_hf(args.model, source)
     prompt_ids = source.tokenizer.encode(args.prompt)
     print("prompt %r = %d tokens; %d warm-up + %d timed runs each" % (args.prompt, len(prompt_ids), 1, args.repeats),

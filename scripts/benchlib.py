@@ -54,21 +54,6 @@ def decode_timing(token_times: Sequence[float]) -> Dict[str, float]:
             "tokens_per_s": 1.0 / mean, "n_gaps": len(gaps)}
 
 
-def steady_rate(all_token_times: Sequence[Sequence[float]]) -> Dict[str, float]:
-    """Aggregate decode tokens/s of several samples in flight, over the window where every
-    sample is decoding: from the last sample's first token to the first sample's last token.
-    With one sample this is (n - 1) / (t_last - t_first)."""
-    lists = [list(t) for t in all_token_times if len(t) >= 2]
-    if not lists:
-        raise ValueError("no sample has 2 tokens")
-    start = max(t[0] for t in lists)
-    end = min(t[-1] for t in lists)
-    n = sum(1 for t in lists for x in t if start < x <= end)
-    if end <= start or n == 0:
-        raise ValueError("samples never decode at the same time")
-    return {"tokens_per_s": n / (end - start), "window_s": end - start, "window_tokens": n}
-
-
 # --------------------------------------------------------------------------- output
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -114,7 +99,19 @@ def note_load(info: Dict[str, Any]) -> str:
                                            info.get("loadavg_end", os.getloadavg())[0]))
 
 
-# --------------------------------------------------------------------------- mdi configs
+# --------------------------------------------------------------------------- mdi models and configs
+
+def load_mdi(path: str):
+    """The whole model as one chunk (embedding + all blocks + head), and the tokenizer."""
+    import torch
+    from mdi.loading import ModelSource, build_chunk
+    source = ModelSource(path)
+    n = source.config.n_layer
+    weights = source.weights(0, n, True, True, torch.float32)
+    chunk = build_chunk(source.config, weights, 0, n, True, True, torch.float32, "cpu")
+    return source, chunk
+
+
 
 from mdi.bench.nodes import free_ports  # noqa: E402,F401  (shared with mdi-bench)
 

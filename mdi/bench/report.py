@@ -6,8 +6,9 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
+from ..tegra import meminfo
 from .nodes import RunOutcome
 from .spec import Experiment, RingPlan
 
@@ -151,10 +152,12 @@ def _median(xs: List[Optional[float]]) -> Optional[float]:
     return statistics.median(vals) if vals else None
 
 
-def _per_node(cells: List[str]) -> List[Tuple[float, ...]]:
-    """';'-joined per-node cells of several rows -> one tuple of values per node."""
-    lists = [[float(x) for x in c.split(";") if x] for c in cells if c]
-    return list(zip(*lists)) if lists else []
+def _per_node(cells: List[str]) -> List[List[float]]:
+    """';'-joined per-node cells of several rows -> the values of each node, by position (an
+    empty entry, a node that reported nothing, is skipped without shifting the others)."""
+    rows = [c.split(";") for c in cells if c]
+    cols = [[float(x) for x in col if x] for col in zip(*rows)]
+    return [col for col in cols if col]
 
 
 def _max_per_node(cells: List[str]) -> List[float]:
@@ -275,11 +278,5 @@ def machine_record(source: str) -> Dict[str, Any]:
 
 
 def _meminfo_mb() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) // 1024
-    except OSError:
-        pass
-    return None
+    total = meminfo().get("MemTotal")
+    return total // 2 ** 20 if total is not None else None

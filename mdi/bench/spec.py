@@ -252,6 +252,10 @@ class RingPlan:
     def label(self) -> str:
         return partition_label(self.counts)
 
+    def work(self, samples: int) -> int:
+        """sample-tokens x weight kB: a proxy for a run's compute, for the progress estimate."""
+        return samples * self.model.tokens * max(1, sum(self.weights) // 1000)
+
 
 def partition_label(counts: Sequence[int]) -> str:
     return "+".join(str(c) for c in counts)

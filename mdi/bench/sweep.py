@@ -104,7 +104,7 @@ class Sweep:
     def run_list(self, plans: List[List[RingPlan]]) -> List[Tuple[str, int]]:
         """(model, work) per run; work = sample-tokens x weight bytes, a proxy for its compute
         that lets the estimate carry over from one model to the next."""
-        return [(p.model.name, s * p.model.tokens * max(1, sum(p.weights) // 1000))
+        return [(p.model.name, p.work(s))
                 for rings in plans for _ in range(self.exp.repeats) for p in rings for s in p.samples]
 
     # --- running ---------------------------------------------------------------------
@@ -150,7 +150,7 @@ class Sweep:
         row = make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(), os.path.join("runs", name))
         self.rows.append(row)
         write_csv(self.csv_path, CSV_COLUMNS, self.rows)  # rewritten each run: an interrupted sweep keeps its rows
-        progress.end(p.model.name, samples * p.model.tokens * max(1, sum(p.weights) // 1000), outcome.wall_s)
+        progress.end(p.model.name, p.work(samples), outcome.wall_s)
         if row["status"].startswith("ok"):
             self.log("mdi-bench:     %s tok/s decode, %s tok/s overall, ttft %s s, %.1f s wall"
                      % (row["decode_tokens_per_s"], row["tokens_per_s"], row["ttft_s"], outcome.wall_s))
