@@ -8,7 +8,7 @@ step. A one-node run uses the same loop with a local loopback instead of sockets
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Deque, Dict, List, Optional  # noqa: F401  (type comments)
 
 import torch
 

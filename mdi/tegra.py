@@ -14,7 +14,7 @@ import re
 import resource
 import subprocess
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional  # noqa: F401  (type comments)
 
 TEGRA_RELEASE = "/etc/nv_tegra_release"
 SENSOR_OFF_C = -256.0  # tegrastats prints this for a thermal zone that is powered down
