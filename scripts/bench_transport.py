@@ -1,38 +1,44 @@
 #!/usr/bin/env python
 """The data plane alone: how long does one hop take with no model at all?
 
-Two processes, each with a real `RingEndpoint` (receive thread -> input FIFO -> the caller ->
-output FIFO -> send thread, zmq over loopback), pass one decode-sized frame back and forth.
-Each round trip is two hops, so
+Two processes pass one decode-sized frame back and forth over loopback zmq; each round trip
+is two hops, so per-hop latency = median round-trip time / 2. Three endpoints, interleaved in
+one run so that slow phases of the machine hit all alike:
 
-    per-hop latency = median round-trip time / 2
+  ring     mdi's `RingEndpoint`: an idle node receives and sends on its own thread, the
+           receive/send threads take over only while frames queue up
+  handoff  every frame through a receive thread -> input FIFO -> the caller -> output FIFO ->
+           send thread (mdi's first design, and MDI-LLM's)
+  direct   the caller owns the zmq sockets, no threads at all: the floor
 
-This is the floor under bench_ring.py's per-hop overhead (which adds the worker's compute
-loop around it) and shows how much of that overhead the transport itself is. In the same run,
-the same ping-pong with the caller owning the zmq sockets (same encoding and validation, no
-receive/send threads or FIFOs) shows what those threads cost.
+All three use the same encoding and validation. This is the floor under bench_ring.py's
+per-hop overhead, which adds the node's own work around it.
 
     python scripts/bench_transport.py                   # hidden 576 (SmolLM2), float32
     python scripts/bench_transport.py --hidden 128 --rounds 5000
 """
 import argparse
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from typing import Dict, List  # noqa: F401  (type comments)
 
 import benchlib
 from benchlib import free_ports
+
+VARIANTS = ("ring", "handoff", "direct")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=576, help="floats per frame (default 576, SmolLM2)")
     p.add_argument("--rounds", type=int, default=2000, help="round trips timed (default 2000)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of --rounds each (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of --rounds each, per endpoint (default 3)")
     p.add_argument("--out", help="write the record as JSON here")
-    p.add_argument("--echo", nargs=2, type=int, metavar=("BIND", "NEXT"), help=argparse.SUPPRESS)
-    p.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--echo", nargs=3, metavar=("BIND", "NEXT", "VARIANT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -64,20 +70,62 @@ class DirectEndpoint:
         self.push.close(linger=1000)
 
 
-def endpoint(name: str, bind: int, nxt: int, hidden: int, direct: bool):
+class HandoffEndpoint(DirectEndpoint):
+    """Every frame through a receive thread and a send thread, each owning one socket."""
+
+    def __init__(self, bind: int, nxt: int, validate) -> None:
+        super().__init__(bind, nxt, validate)
+        self.inbox, self.outbox = queue.SimpleQueue(), queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._receive, self._send)]
+        for t in self.threads:
+            t.start()
+
+    def _receive(self) -> None:
+        while not self.stop.is_set():
+            if self.pull.poll(50):
+                self.inbox.put(self.validate(self.pull.recv_multipart(copy=False)))
+
+    def _send(self) -> None:
+        while not self.stop.is_set():
+            try:
+                DirectEndpoint.send(self, self.outbox.get(timeout=0.05))
+            except queue.Empty:
+                pass
+
+    def send(self, frame) -> None:
+        self.outbox.put(frame)
+
+    def recv(self, timeout: float):
+        return self.inbox.get(timeout=timeout)
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.flush(5)
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=2)
+        super().close()
+
+
+def endpoint(name: str, bind: int, nxt: int, hidden: int, variant: str):
     from mdi.transport import RingEndpoint
     from mdi.wire import decode
     validate = lambda parts: decode(parts, run=1, hidden=hidden, n_slots=1)  # noqa: E731
-    if direct:
-        return DirectEndpoint(bind, nxt, validate)
+    if variant != "ring":
+        return (DirectEndpoint if variant == "direct" else HandoffEndpoint)(bind, nxt, validate)
     ep = RingEndpoint(name, "127.0.0.1", bind, validate)
     ep.connect("127.0.0.1", nxt)
     return ep
 
 
-def echo(bind: int, nxt: int, hidden: int, direct: bool) -> int:
+def echo(bind: int, nxt: int, hidden: int, variant: str) -> int:
     """The other end: send every frame straight back, until a stop frame."""
-    ep = endpoint("echo", bind, nxt, hidden, direct)
+    ep = endpoint("echo", bind, nxt, hidden, variant)
     print("ready", flush=True)
     while True:
         frame = ep.recv(timeout=60)
@@ -88,17 +136,17 @@ def echo(bind: int, nxt: int, hidden: int, direct: bool) -> int:
             return 0
 
 
-def one_run(args, direct: bool) -> float:
+def one_run(args, variant: str) -> float:
     """Per-hop seconds: median round trip / 2 over --rounds, with a fresh echo process."""
     import torch
     from mdi.wire import Frame
     mine, theirs = free_ports(2)
-    cmd = [sys.executable, __file__, "--hidden", str(args.hidden), "--echo", str(theirs), str(mine)]
-    child = subprocess.Popen(cmd + (["--direct"] if direct else []), stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, __file__, "--hidden", str(args.hidden), "--echo", str(theirs), str(mine), variant]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError("the echo process did not start")
-        ep = endpoint("bench", mine, theirs, args.hidden, direct)
+        ep = endpoint("bench", mine, theirs, args.hidden, variant)
         x = torch.randn(1, args.hidden)
         for _ in range(200):  # warm-up: connections, allocator, caches
             ep.send(Frame("decode", 1, [0], [5], [1], x))
@@ -124,23 +172,25 @@ def one_run(args, direct: bool) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.echo:
-        return echo(args.echo[0], args.echo[1], args.hidden, args.direct)
+        return echo(int(args.echo[0]), int(args.echo[1]), args.hidden, args.echo[2])
     info = benchlib.machine_info(1)
-    threaded, direct = [], []
-    for r in range(args.repeats):  # interleaved, so slow phases of the machine hit both
-        threaded.append(one_run(args, direct=False))
-        direct.append(one_run(args, direct=True))
-        print("  run %d: RingEndpoint %.0f us per hop, caller-owned sockets %.0f us (median of %d round trips / 2)"
-              % (r + 1, threaded[-1] * 1e6, direct[-1] * 1e6, args.rounds), flush=True)
-    s, d = benchlib.summarize(threaded), benchlib.summarize(direct)
-    ratio = benchlib.summarize([t / x for t, x in zip(threaded, direct)])
+    per_hop = {v: [] for v in VARIANTS}  # type: Dict[str, List[float]]
+    for r in range(args.repeats):  # interleaved, so slow phases of the machine hit all alike
+        for v in VARIANTS:
+            per_hop[v].append(one_run(args, v))
+        print("  run %d: %s (us per hop, median of %d round trips / 2)" % (
+            r + 1, ", ".join("%s %.0f" % (v, per_hop[v][-1] * 1e6) for v in VARIANTS), args.rounds), flush=True)
+    stats = {v: benchlib.summarize(per_hop[v]) for v in VARIANTS}
+    ratios = {v: benchlib.summarize([x / d for x, d in zip(per_hop[v], per_hop["direct"])]) for v in VARIANTS}
     benchlib.finish_machine_info(info)
-    print("\nper-hop latency, %d floats float32: RingEndpoint %s us, caller-owned sockets %s us, ratio %s\n%s" % (
-        args.hidden, benchlib.fmt_stat(s, "%.0f", 1e6), benchlib.fmt_stat(d, "%.0f", 1e6),
-        benchlib.fmt_stat(ratio, "%.2f"), benchlib.note_load(info)))
+    benchlib.print_table("per-hop latency, %d floats float32 (median [min, max] of %d)" % (args.hidden, args.repeats),
+                         ["endpoint", "us per hop", "/ direct"],
+                         [[v, benchlib.fmt_stat(stats[v], "%.0f", 1e6), benchlib.fmt_stat(ratios[v], "%.2f")]
+                          for v in VARIANTS])
+    print(benchlib.note_load(info))
     if args.out:
         benchlib.save_record(args.out, {"benchmark": "bench_transport", "args": vars(args), "machine": info,
-                                        "per_hop_s": s, "direct_per_hop_s": d, "ratio": ratio})
+                                        "per_hop_s": stats, "ratio_to_direct": ratios})
     return 0
 
 

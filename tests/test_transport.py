@@ -1,0 +1,110 @@
+"""The data-plane endpoint on its own: nothing lost, nothing reordered, whichever thread
+holds each socket (the compute loop when idle, the receive/send threads when busy)."""
+import random
+import time
+
+import msgpack
+import torch
+import zmq
+
+from conftest import free_ports
+from mdi.transport import RingEndpoint
+from mdi.wire import Frame, decode
+
+HIDDEN = 8
+
+
+def endpoint(name, bind_port, next_port):
+    ep = RingEndpoint(name, "127.0.0.1", bind_port,
+                      lambda parts: decode(parts, run=7, hidden=HIDDEN, n_slots=4, max_len=1 << 20))
+    ep.connect("127.0.0.1", next_port)
+    return ep
+
+
+def numbered(i):
+    """A decode frame whose position is its sequence number and whose tensor repeats it."""
+    return Frame("decode", 7, [i % 4], [i], [1], torch.full((1, HIDDEN), float(i)))
+
+
+def check(frame, i):
+    assert (frame.start[0], frame.samples[0]) == (i, i % 4)
+    assert torch.equal(frame.tensor, torch.full((1, HIDDEN), float(i)))
+
+
+def test_frames_arrive_in_order_whether_the_receiver_waits_or_computes():
+    a_port, b_port = free_ports(2)
+    a, b = endpoint("a", a_port, b_port), endpoint("b", b_port, a_port)
+    # A third party sends malformed messages to b in between: dropped and counted, never delivered.
+    intruder = zmq.Context.instance().socket(zmq.PUSH)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.connect("tcp://127.0.0.1:%d" % b_port)
+    rng = random.Random(3)
+    try:
+        sent = got = bad = 0
+        total = 3000
+        while got < total:
+            # Bursts pile frames up while b "computes" (the receive thread takes them) and
+            # gaps leave b waiting on the socket itself; both must keep the order.
+            for _ in range(min(rng.choice([0, 1, 1, 5, 40]), total - sent)):
+                a.send(numbered(sent))
+                sent += 1
+            if rng.random() < 0.05:
+                intruder.send_multipart([msgpack.packb({"v": 1, "kind": "decode"}), b"x"])
+                bad += 1
+            if sent > got:
+                check(b.recv(timeout=10), got)
+                got += 1
+                if rng.random() < 0.3:
+                    time.sleep(rng.choice([0.0002, 0.002]))
+        assert b.frames_received == total
+        deadline = time.monotonic() + 10
+        while b.bad_frames < bad and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last intruder messages may still be on their way
+        assert b.bad_frames == bad and "header" in b.last_error
+        assert a.flush(5) and a.messages_sent == total
+    finally:
+        intruder.close(linger=0)
+        a.close()
+        b.close()
+
+
+def test_a_blocked_link_hands_frames_to_the_send_thread_in_order_and_send_never_blocks():
+    a_port, b_port = free_ports(2)
+    a = RingEndpoint("a", "127.0.0.1", a_port, lambda parts: decode(parts, run=7))
+    a.connect("127.0.0.1", b_port)  # nobody listens there yet: zmq queues, then would block
+    b = None
+    try:
+        total = 2500  # more than zmq's send queue holds (high-water mark 1000)
+        for i in range(total):
+            a.send(numbered(i))
+        assert not a.flush(0.2)  # frames wait in the outbox: the link is blocked
+        b = RingEndpoint("b", "127.0.0.1", b_port,
+                         lambda parts: decode(parts, run=7, hidden=HIDDEN, n_slots=4, max_len=1 << 20))
+        b.connect("127.0.0.1", a_port)
+        for i in range(total):
+            check(b.recv(timeout=10), i)
+        assert a.flush(10)
+        for i in range(total, total + 50):  # the link is free again: straight to zmq
+            a.send(numbered(i))
+            check(b.recv(timeout=10), i)
+        assert a.messages_sent == total + 50
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_recv_times_out_naming_the_node():
+    a_port, b_port = free_ports(2)
+    a = endpoint("starter", a_port, b_port)
+    try:
+        t0 = time.monotonic()
+        try:
+            a.recv(timeout=0.3)
+        except RuntimeError as e:
+            assert "starter" in str(e)
+        else:
+            raise AssertionError("recv returned without a frame")
+        assert time.monotonic() - t0 >= 0.25
+    finally:
+        a.close()
