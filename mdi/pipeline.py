@@ -89,12 +89,14 @@ class Pipeline:
         self.active = {}  # type: Dict[int, Sample]  # cache slot -> sample with a pass in flight
         self.t0 = time.perf_counter()
         self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
+        self.last_progress = time.monotonic()  # a pass came back, or the ring went from idle to busy
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
         """Continue on a new ring (after a node failed): the passes in flight are lost, so
         the samples that had one are returned for the caller to `admit` again."""
         self.transport, self.run_id = transport, run_id
+        self.last_progress = time.monotonic()
         if chunk is not None:
             self.chunk = chunk
         lost = sorted(self.active.values(), key=lambda s: s.index)
@@ -110,6 +112,8 @@ class Pipeline:
         after a failure rebuilds every node's cache from the starter's history)."""
         if sample.slot in self.active:
             raise ValueError("cache slot %d is busy" % sample.slot)
+        if not self.active:
+            self.last_progress = time.monotonic()
         self.active[sample.slot] = sample
         with torch.inference_mode():
             self._send_pass(sample, sample.prompt_ids + sample.token_ids, 0)
@@ -151,16 +155,18 @@ class Pipeline:
                     return None
 
     def step(self, timeout: Optional[float] = None) -> List[Sample]:
-        """Handle the next frame back from the ring; return the samples it advanced. With a
-        timeout, return [] when nothing came back in time; without one, a ring silent for
-        `recv_timeout` raises RingTimeout."""
+        """Handle the next frame back from the ring; return the samples it advanced, or []
+        when nothing came back within `timeout` (default `recv_timeout`). A ring with passes
+        in flight that has been silent for `recv_timeout` raises RingTimeout, however the
+        wait was sliced: a lost frame must not hang its samples for ever."""
         frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
         if frame is None:
-            if timeout is None and self.active:
+            if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:
                 raise RingTimeout("no activations came back round the ring for %.0f s" % self.recv_timeout)
             return []
         if frame.tensor is None:
             return []  # a stray stop/reset: nothing to finish
+        self.last_progress = time.monotonic()
         advanced = []
         # Rows are either every position of every sample or only each one's last.
         all_rows = frame.tensor.shape[0] == sum(frame.count)

@@ -26,7 +26,7 @@ from .control import ControlClient, NodeError
 from .engine import Engine, layer_ranges
 from .loading import ModelSource, torch_dtype
 from .models.model import KVCache
-from .pipeline import RingTimeout, Sample
+from .pipeline import Sample
 from .recovery import chunk_bytes_needed, worker_capacity
 from .ring_starter import client_for
 from .sampling import SamplingParams, sample_generator
@@ -217,7 +217,6 @@ class Scheduler:
         self._stop = threading.Event()
         self._next_index = 0
         self._recoveries_seen = 0
-        self._progress = time.monotonic()  # last time a frame came back (or a sample was admitted)
         self._thread = None  # type: Optional[threading.Thread]
         self._scraped = {}  # type: Dict[str, Tuple[int, float, Optional[float]]]  # node -> last scrape
 
@@ -421,8 +420,6 @@ class Scheduler:
             req.admitted = time.monotonic()
             self._running[sample.index] = req
             busy = pipe.compute_seconds
-            if not pipe.active:
-                self._progress = time.monotonic()
             self.engine.admit(sample)
             self.stats.starter_busy(pipe.compute_seconds - busy)
             room -= 1
@@ -434,14 +431,8 @@ class Scheduler:
         if len(engine.recoveries) != self._recoveries_seen:  # the engine rebuilt the ring
             self._recoveries_seen = len(engine.recoveries)
             self.nodes = list(engine.nodes)
-            self._progress = time.monotonic()
         if advanced:
             self.stats.starter_step(engine.pipeline.compute_seconds - busy, len(advanced))
-            self._progress = time.monotonic()
-        elif engine.pipeline.active and time.monotonic() - self._progress > self.cfg.runtime.ring_timeout:
-            # step(timeout) returns [] instead of raising when the ring is silent: a lost frame
-            # would hang its samples for ever, so the scheduler applies runtime.ring_timeout.
-            raise RingTimeout("no activations came back round the ring for %.0f s" % self.cfg.runtime.ring_timeout)
         for sample in advanced:
             if sample.done:
                 req = self._running.pop(sample.index, None)

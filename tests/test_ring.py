@@ -108,3 +108,31 @@ def test_cli_ring_metrics_and_reuse(tiny_models, workers, data_ports, tmp_path):
         assert all(0 < n["compute_seconds"] < record["seconds"] for n in record["nodes"])
         outputs.append([s["token_ids"] for s in record["samples"]])
     assert outputs[0] == outputs[1]
+
+
+def test_a_lost_pass_times_out_however_finely_the_wait_is_sliced():
+    """The serving loop steps with short timeouts to admit requests in between; a pass lost
+    on the way must still end in RingTimeout after recv_timeout (which starts recovery)."""
+    import time
+    from conftest import tiny_config
+    from mdi.models.model import full_model
+    from mdi.pipeline import Pipeline, RingTimeout, make_samples
+    from mdi.sampling import SamplingParams
+
+    class LosingTransport:  # every frame vanishes
+        def send(self, frame):
+            pass
+
+        def recv(self, timeout):
+            time.sleep(timeout)
+            raise RingTimeout("nothing")
+
+    chunk = full_model(tiny_config("gpt2"))
+    chunk.allocate_cache(1, 64)
+    pipe = Pipeline(chunk, LosingTransport(), 1, SamplingParams(temperature=0.0), None, recv_timeout=0.5)
+    pipe.admit(make_samples(["ab"], [[3, 4]], 4, seed=0)[0])
+    t0 = time.monotonic()
+    with pytest.raises(RingTimeout):
+        while time.monotonic() - t0 < 5:
+            assert pipe.step(timeout=0.05) == []
+    assert time.monotonic() - t0 >= 0.45
