@@ -166,9 +166,14 @@ class RingEndpoint:
         for t in (self._receiver, self._sender):
             if t.is_alive():
                 t.join(timeout=2)
+        # Closing a socket under a thread that is using it would crash libzmq: wait (briefly)
+        # for a compute loop still waiting on the PULL socket to let go of it.
+        holding = self._pull_lock.acquire(timeout=2)
         for sock in (self.pull, self._push, self._wake_rx, self._wake_tx):
             if sock is not None:
                 sock.close(linger=0)
+        if holding:
+            self._pull_lock.release()
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.messages_sent += 1
