@@ -48,14 +48,16 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
-# Fields accepted only at a value that changes nothing.
+# Fields accepted only at a value that changes nothing: what to say, and the check.
 _NEUTRAL = {
-    "n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": lambda v: v is False,
-    "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
-    "logit_bias": lambda v: v == {}, "logprobs": lambda v: v is False, "top_logprobs": lambda v: v == 0,
-    "suffix": lambda v: v == "", "user": lambda v: isinstance(v, str),
-    "response_format": lambda v: v == {"type": "text"}, "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none", "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "n": ("1", lambda v: v == 1), "best_of": ("1", lambda v: v == 1), "echo": ("false", lambda v: v is False),
+    "frequency_penalty": ("0", lambda v: v == 0), "presence_penalty": ("0", lambda v: v == 0),
+    "logit_bias": ("{}", lambda v: v == {}), "logprobs": ("false/null", lambda v: v is False),
+    "top_logprobs": ("0", lambda v: v == 0), "suffix": ("an empty string", lambda v: v == ""),
+    "user": ("a string", lambda v: isinstance(v, str)),
+    "response_format": ('{"type": "text"}', lambda v: v == {"type": "text"}), "tools": ("[]", lambda v: v == []),
+    "tool_choice": ('"none"', lambda v: v == "none"),
+    "parallel_tool_calls": ("true/false", lambda v: isinstance(v, bool)),
 }
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
            "n", "user", "frequency_penalty", "presence_penalty", "logit_bias")
@@ -95,16 +97,9 @@ def _check_keys(body: Dict[str, Any], allowed: frozenset) -> None:
     for key in sorted(body):
         if key not in allowed:
             raise ApiError(400, "unrecognized request argument: '%s'" % key, key)
-        check = _NEUTRAL.get(key)
-        if check is not None and body[key] is not None and not check(body[key]):
-            raise ApiError(400, "'%s': only %s is supported" % (key, _neutral_value(key)), key)
-
-
-def _neutral_value(key: str) -> str:
-    return {"n": "1", "best_of": "1", "echo": "false", "frequency_penalty": "0", "presence_penalty": "0",
-            "logit_bias": "{}", "logprobs": "false/null", "top_logprobs": "0", "suffix": "an empty string",
-            "user": "a string", "response_format": '{"type": "text"}', "tools": "[]",
-            "tool_choice": '"none"', "parallel_tool_calls": "true/false"}[key]
+        neutral = _NEUTRAL.get(key)
+        if neutral is not None and body[key] is not None and not neutral[1](body[key]):
+            raise ApiError(400, "'%s': only %s is supported" % (key, neutral[0]), key)
 
 
 def _stops(body: Dict[str, Any]) -> List[str]:
