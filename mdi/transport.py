@@ -59,9 +59,10 @@ class RingEndpoint:
         self.bad_frames = 0
         self.last_error = None  # type: Optional[str]
         self._stop = threading.Event()
-        # Receiving: the PULL socket belongs to whoever holds _pull_lock. The receive thread
-        # takes it while _lent is set (the compute loop is computing); the compute loop takes
-        # it back by clearing _lent and waking the receive thread's poll through an inproc pair.
+        # Receiving: the PULL socket belongs to whoever holds _pull_lock. The compute loop
+        # lends it (sets _lent) when it finds frames queued up behind the one it took, so the
+        # receive thread validates them while it computes; it takes the socket back by clearing
+        # _lent and waking the receive thread's poll through an inproc pair.
         self._pull_lock = threading.Lock()
         self._lent = threading.Event()
         wake = "inproc://mdi-wake-%d" % next(_endpoint_ids)
