@@ -212,7 +212,6 @@ class Scheduler:
         self._waiting = collections.deque()  # type: Deque[Request]
         self._running = {}  # type: Dict[int, Request]  # sample index -> request
         self._queued = 0  # submitted and not yet admitted (guarded by _lock)
-        self._in_flight = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next_index = 0
@@ -256,7 +255,10 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        """Requests admitted to the ring and not finished: counted from admission, so a first
+        token already streamed is always counted (a pass is briefly out of the pipeline's
+        table while its token is handled)."""
+        return len(self._running)
 
     # --- the scheduler thread --------------------------------------------------------
     def _main(self) -> None:
@@ -298,7 +300,6 @@ class Scheduler:
                     self._step()
             except Exception as e:  # the engine already tried to recover
                 self._ring_failed(e)
-            self._in_flight = len(pipe.active) if self.engine is not None else 0
 
     def _open(self) -> None:
         cfg = self.cfg
@@ -509,7 +510,6 @@ class Scheduler:
         self._drain_inbox(False)
         self._fail_all("the server is shutting down")
         engine, self.engine = self.engine, None
-        self._in_flight = 0
         if engine is None:
             return
         try:
