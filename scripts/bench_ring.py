@@ -6,7 +6,11 @@
     with per-token time = the median gap between consecutive tokens. It is split, from each
     node's compute_seconds, into the same layers computing slower once spread over several
     processes, and the time per hop when no node computes (transport and thread handoffs;
-    scripts/bench_transport.py measures the transport alone). Use a small model
+    scripts/bench_transport.py measures the transport alone). An idle control runs every
+    node's part of a decode step in this one process, back to back (as standalone does) and
+    each after a sleep as long as that node idles in the ring: the difference is how much
+    slower the same layers compute on a CPU that has been idle, with no network at all (on
+    this VM that alone explains most of the "slower compute"). Use a small model
     (--model models/nanogpt-shakespeare) to see the overhead itself: with SmolLM2 a token takes
     ~70 ms and the machine's noise is larger than the hops.
     (a token's activations cross N links per round). Repeats are interleaved: standalone,
@@ -25,10 +29,11 @@ benchlib.decode_timing / mdi.bench.report.steady_rate.
 import argparse
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import benchlib
 from benchlib import (DEFAULT_MODEL, CpuCgroups, WorkerProcess, cgroup_unavailable_reason, decode_timing,
@@ -108,6 +113,55 @@ def start_workers(n: int, log_dir: str, cgroups: Optional[CpuCgroups]) -> List[W
     return workers
 
 
+def node_steps(model: str, counts: List[int]) -> List[Callable[[int], Any]]:
+    """Each node's part of one decode step (the starter's with its embedding and LM head),
+    loaded in this process, as functions of the position."""
+    import torch
+    from mdi.loading import ModelSource, build_chunk
+    source = ModelSource(model)
+    config = source.config
+    steps, first = [], 0
+    for k, count in enumerate(counts):
+        ends = k == 0
+        weights = source.weights(first, first + count, ends, ends, torch.float32)
+        chunk = build_chunk(config, weights, first, first + count, ends, ends, torch.float32, "cpu")
+        chunk.allocate_cache(1, min(config.block_size, 64))
+        hidden = torch.randn(1, config.n_embd)
+        if ends:
+            steps.append(lambda p, c=chunk: c.head(c.forward_blocks(c.embed(torch.tensor([1]), p), 0, p)))
+        else:
+            steps.append(lambda p, c=chunk, x=hidden: c.forward_blocks(x, 0, p))
+        first += count
+    return steps
+
+
+def idle_control(model: str, counts: List[int], ring_per_token_s: float, rounds: int) -> float:
+    """Seconds per token by which the nodes' layers compute slower after idling as long as
+    they idle in the ring, measured in one process without any network (see the docstring)."""
+    import torch
+    steps = node_steps(model, counts)
+    hot = [[] for _ in steps]  # type: List[List[float]]
+    idle = [[] for _ in steps]  # type: List[List[float]]
+
+    def timed(step: Callable[[int], Any], pos: int) -> float:
+        t0 = time.perf_counter()
+        step(pos)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        for r in range(rounds + 3):  # the first 3 rounds warm caches and the allocator
+            back_to_back = [timed(step, r % 64) for step in steps]
+            after_idle = []
+            for step, busy in zip(steps, back_to_back):
+                time.sleep(max(0.0, ring_per_token_s - busy))  # the other nodes and the hops work
+                after_idle.append(timed(step, r % 64))
+            if r >= 3:
+                for k in range(len(steps)):
+                    hot[k].append(back_to_back[k])
+                    idle[k].append(after_idle[k])
+    return sum(statistics.median(i) - statistics.median(h) for h, i in zip(hot, idle))
+
+
 def hop_overhead(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
     workers = start_workers(n - 1, log_dir, None)
     try:
@@ -124,11 +178,14 @@ def hop_overhead(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any
     # caches, CPUs woken from idle) vs the time between computations (transport, handoffs).
     slower = [(r["compute_per_token_s"] - a["compute_per_token_s"]) / n for r, a in zip(ring, alone)]
     between = [(r["per_token_s"] - r["compute_per_token_s"]) / n for r in ring]
+    ring_token = statistics.median(r["per_token_s"] for r in ring)
+    control = [idle_control(args.model, counts, ring_token, args.tokens) / n for _ in range(args.repeats)]
     return {"nodes": n, "partition": counts,
             "standalone_per_token_s": summarize([a["per_token_s"] for a in alone]),
             "ring_per_token_s": summarize([r["per_token_s"] for r in ring]),
             "per_hop_overhead_s": summarize(per_hop),
-            "compute_slowdown_per_hop_s": summarize(slower), "between_compute_per_hop_s": summarize(between)}
+            "compute_slowdown_per_hop_s": summarize(slower), "between_compute_per_hop_s": summarize(between),
+            "idle_control_per_hop_s": summarize(control)}
 
 
 def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
@@ -183,11 +240,12 @@ def main(argv=None) -> int:
 
     print_table("(a) per-hop overhead, 1 sample, plain loopback (median [min, max] of %d)" % args.repeats,
                 ["N", "partition", "standalone ms/token", "ring ms/token", "overhead us/hop",
-                 "of which slower compute", "not computing us/hop"],
+                 "of which slower compute", "not computing us/hop", "idle control us/hop"],
                 [[h["nodes"], "+".join(map(str, h["partition"])),
                   fmt_stat(h["standalone_per_token_s"], "%.2f", 1e3), fmt_stat(h["ring_per_token_s"], "%.2f", 1e3),
                   fmt_stat(h["per_hop_overhead_s"], "%.0f", 1e6), fmt_stat(h["compute_slowdown_per_hop_s"], "%.0f", 1e6),
-                  fmt_stat(h["between_compute_per_hop_s"], "%.0f", 1e6)] for h in hops])
+                  fmt_stat(h["between_compute_per_hop_s"], "%.0f", 1e6),
+                  fmt_stat(h["idle_control_per_hop_s"], "%.0f", 1e6)] for h in hops])
     rows = []
     for e in effs:
         by = e["tokens_per_s_by_samples"]
