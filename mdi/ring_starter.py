@@ -3,7 +3,7 @@ and at the end send the stop frame round and collect each node's counters."""
 import hashlib
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -33,9 +33,6 @@ class RingSession:
         self.endpoint = None  # type: Optional[RingEndpoint]
         self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
         self.failure = None  # type: Optional[NodeError]
-        # The watchdog's latest /status answer from each worker (node name -> (monotonic time,
-        # status)); /metrics reads it instead of polling every worker once more.
-        self.last_status = {}  # type: Dict[str, Tuple[float, Dict]]
         self._watching = threading.Event()
         self._watcher = None  # type: Optional[threading.Thread]
 
@@ -154,7 +151,6 @@ class RingSession:
             status = client.status(timeout=self.cfg.runtime.heartbeat_interval * 2, run_id=self.run_id)
         except NodeError as e:
             return str(e)
-        self.last_status[client.node.name] = (time.monotonic(), status)
         if not self._watching.is_set():
             return None
         if status.get("error"):

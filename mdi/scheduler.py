@@ -531,12 +531,15 @@ class Scheduler:
                         "step_seconds": snap["starter_step_seconds"]})
         for node in nodes[1:]:
             entry = {"node": node.name}  # type: Dict[str, Any]
-            status = self._worker_status(node, timeout)
-            if status is None:
+            client = ControlClient(node, timeout, timeout, self.cfg.runtime.token)
+            try:
+                counters = client.status(timeout=timeout).get("counters") or {}
+            except NodeError:
                 entry["up"] = 0
                 out.append(entry)
                 continue
-            counters = status.get("counters") or {}
+            finally:
+                client.session.close()
             entry["up"] = 1
             if "frames_done" in counters:
                 entry["frames"] = counters["frames_done"]
@@ -545,22 +548,6 @@ class Scheduler:
                 entry["step_seconds"] = self._step_since_last_scrape(node.name, entry)
             out.append(entry)
         return out
-
-    def _worker_status(self, node: Any, timeout: float) -> Optional[Dict[str, Any]]:
-        """The ring watchdog's latest /status of this worker while it is recent (it polls every
-        heartbeat), else a /status of our own; None when the worker does not answer."""
-        engine = self.engine
-        ring = engine.ring if engine is not None else None
-        seen = ring.last_status.get(node.name) if ring is not None else None
-        if seen is not None and time.monotonic() - seen[0] <= 2 * self.cfg.runtime.heartbeat_interval:
-            return seen[1]
-        client = ControlClient(node, timeout, timeout, self.cfg.runtime.token)
-        try:
-            return client.status(timeout=timeout)
-        except NodeError:
-            return None
-        finally:
-            client.session.close()
 
     def _step_since_last_scrape(self, name: str, entry: Dict[str, Any]) -> Optional[float]:
         """Mean compute seconds per frame since the previous scrape (the previous figure when

@@ -47,8 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def ring_config(args, workers: List[WorkerProcess], spares: List[WorkerProcess]):
     from mdi.config import parse_config
-    taken = {p for w in workers + spares for p in (w.port, w.data_port)}
-    data_port = next(p for p in benchlib.free_ports(len(taken) + 1) if p not in taken)
+    data_port = benchlib.ports_besides(workers + spares)[0]
     data = benchlib.run_config_dict(args.model, [{"name": "starter", "data_port": data_port}]
                                     + [w.node() for w in workers], args.tokens, threads=1)
     data["spares"] = [w.node() for w in spares]

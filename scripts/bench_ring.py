@@ -80,8 +80,7 @@ def one_run(model: str, workers: List[WorkerProcess], counts: Optional[List[int]
             tokens: int) -> Dict[str, Any]:
     from mdi import starter
     from mdi.config import parse_config
-    taken = {w.data_port for w in workers} | {w.port for w in workers}
-    data_port = next(p for p in benchlib.free_ports(len(taken) + 1) if p not in taken)
+    data_port = benchlib.ports_besides(workers)[0]
     nodes = [{"name": "starter", "data_port": data_port}] + [w.node() for w in workers]
     if counts:
         for node, c in zip(nodes, counts):

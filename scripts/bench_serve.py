@@ -31,7 +31,7 @@ import time
 from typing import Any, Dict, List
 
 import benchlib
-from benchlib import DEFAULT_MODEL, BIN, WorkerProcess, free_ports, print_table
+from benchlib import DEFAULT_MODEL, BIN, WorkerProcess, ports_besides, print_table
 
 import requests
 
@@ -66,8 +66,8 @@ def make_trace(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def write_config(path: str, model: str, workers: List[WorkerProcess], slots: int, policy: str, port: int,
-                 max_len: int) -> None:
-    nodes = ["  - {name: starter, host: 127.0.0.1, port: %d, data_port: %d}" % (port, free_ports(1)[0])]
+                 data_port: int, max_len: int) -> None:
+    nodes = ["  - {name: starter, host: 127.0.0.1, port: %d, data_port: %d}" % (port, data_port)]
     nodes += ["  - {name: %s, host: 127.0.0.1, port: %d, data_port: %d}" % (w.name, w.port, w.data_port)
               for w in workers]
     with open(path, "w") as f:
@@ -134,9 +134,9 @@ def replay(url: str, trace: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def run_policy(args, policy: str, workers: List[WorkerProcess], trace, tmp: str, max_len: int) -> Dict[str, Any]:
-    port = free_ports(1)[0]
+    port, data_port = ports_besides(workers, 2)
     cfg = os.path.join(tmp, "%s.yaml" % policy)
-    write_config(cfg, os.path.abspath(args.model), workers, args.slots, policy, port, max_len)
+    write_config(cfg, os.path.abspath(args.model), workers, args.slots, policy, port, data_port, max_len)
     log = open(os.path.join(tmp, "server-%s.log" % policy), "w+")
     proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", cfg, "--serve"],
                             stdout=log, stderr=subprocess.STDOUT)

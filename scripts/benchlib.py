@@ -113,7 +113,14 @@ def load_mdi(path: str):
 
 
 
-from mdi.bench.nodes import free_ports  # noqa: E402,F401  (shared with mdi-bench)
+from mdi.bench.nodes import free_ports  # noqa: E402  (shared with mdi-bench)
+
+
+def ports_besides(workers: Sequence["WorkerProcess"], n: int = 1) -> List[int]:
+    """n free loopback ports that no worker was given: a worker's data port is chosen when it
+    starts but bound only at /init, so the OS may still offer it."""
+    taken = {p for w in workers for p in (w.port, w.data_port)}
+    return [p for p in free_ports(len(taken) + n) if p not in taken][:n]
 
 
 def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int,
