@@ -370,11 +370,11 @@ class Scheduler:
             kind, req = item
             if kind == "submit":
                 if req.cancelled:
-                    self._dequeued()
                     self._close(req, "cancelled")
-                elif self.engine is None:
                     self._dequeued()
+                elif self.engine is None:
                     self._close(req, "error", self.error or "the ring is down")
+                    self._dequeued()
                 else:
                     self._waiting.append(req)
             elif kind == "cancel":
@@ -391,12 +391,12 @@ class Scheduler:
     def _cancel(self, req: Request) -> None:
         if req.closed:
             return
+        if req.sample is not None:
+            req.sample.cancelled = True  # its slot frees when the pass in flight comes back
+        self._close(req, "cancelled")  # counted before the gauges drop (see serve.metrics_text)
         if req in self._waiting:
             self._waiting.remove(req)
             self._dequeued()
-        elif req.sample is not None:
-            req.sample.cancelled = True  # its slot frees when the pass in flight comes back
-        self._close(req, "cancelled")
 
     def _admit(self) -> None:
         pipe = self.engine.pipeline
@@ -436,9 +436,10 @@ class Scheduler:
             self.stats.starter_step(engine.pipeline.compute_seconds - busy, len(advanced))
         for sample in advanced:
             if sample.done:
-                req = self._running.pop(sample.index, None)
+                req = self._running.get(sample.index)
                 if req is not None and not req.closed:
                     self._close(req, "stop" if sample.finish_reason == "eos" else sample.finish_reason)
+                self._running.pop(sample.index, None)  # after _close: /metrics relies on that order
 
     def _on_token(self, sample: Sample, token: int) -> None:
         """Engine callback (scheduler thread): stream the new text, watch for stop strings."""

@@ -480,6 +480,9 @@ def _label(value: str) -> str:
 
 
 def metrics_text(sched: Scheduler) -> str:
+    # Gauges first, then counters: a request is counted as finished before it leaves the
+    # ring, so a scrape that shows it gone also counts it. Workers are polled last (slow).
+    in_flight, queued = sched.in_flight, sched.queue_length
     snap = sched.stats.snapshot()
     nodes = sched.node_counters()
     out = []  # type: List[str]
@@ -504,9 +507,9 @@ def metrics_text(sched: Scheduler) -> str:
     metric("mdi_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
            [("", snap["prompt_tokens_total"])])
     metric("mdi_samples_in_flight", "gauge", "Samples holding a KV cache slot on the ring.",
-           [("", sched.in_flight)])
+           [("", in_flight)])
     metric("mdi_slots", "gauge", "Samples in flight at most (KV cache slots per node).", [("", sched.slots)])
-    metric("mdi_queue_length", "gauge", "Requests waiting for a slot.", [("", sched.queue_length)])
+    metric("mdi_queue_length", "gauge", "Requests waiting for a slot.", [("", queued)])
     metric("mdi_requests_total", "counter", "Finished requests by finish reason.",
            [('{finish_reason="%s"}' % r, n) for r, n in sorted(snap["requests"].items())])
     metric("mdi_request_duration_seconds", "summary", "Arrival to last token.",
