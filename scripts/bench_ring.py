@@ -134,11 +134,10 @@ def node_steps(model: str, counts: List[int]) -> List[Callable[[int], Any]]:
     return steps
 
 
-def idle_control(model: str, counts: List[int], ring_per_token_s: float, rounds: int) -> float:
-    """Seconds per token by which the nodes' layers compute slower after idling as long as
-    they idle in the ring, measured in one process without any network (see the docstring)."""
+def idle_control(steps: List[Callable[[int], Any]], ring_per_token_s: float, rounds: int) -> float:
+    """Seconds per token by which the nodes' layers (`node_steps`) compute slower after idling
+    as long as they idle in the ring, in one process without any network (see the docstring)."""
     import torch
-    steps = node_steps(model, counts)
     hot = [[] for _ in steps]  # type: List[List[float]]
     idle = [[] for _ in steps]  # type: List[List[float]]
 
@@ -178,7 +177,8 @@ def hop_overhead(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any
     slower = [(r["compute_per_token_s"] - a["compute_per_token_s"]) / n for r, a in zip(ring, alone)]
     between = [(r["per_token_s"] - r["compute_per_token_s"]) / n for r in ring]
     ring_token = statistics.median(r["per_token_s"] for r in ring)
-    control = [idle_control(args.model, counts, ring_token, args.tokens) / n for _ in range(args.repeats)]
+    steps = node_steps(args.model, counts)
+    control = [idle_control(steps, ring_token, args.tokens) / n for _ in range(args.repeats)]
     return {"nodes": n, "partition": counts,
             "standalone_per_token_s": summarize([a["per_token_s"] for a in alone]),
             "ring_per_token_s": summarize([r["per_token_s"] for r in ring]),
