@@ -83,8 +83,11 @@ class Run:
                     self.endpoint.send(out)
                     self.frames_done += 1
         except Exception as e:  # report, never die silently
-            self.error = "%s: %s" % (type(e).__name__, e)
-            log.exception("compute loop failed")
+            if self.stopped.is_set():  # the run was ended under a long computation: not its failure
+                log.info("compute loop ended after its run was stopped: %s", e)
+            else:
+                self.error = "%s: %s" % (type(e).__name__, e)
+                log.exception("compute loop failed")
         finally:
             self.stopped.set()
             self.chunk.free_cache()  # a finished or failed run gives its cache memory back
