@@ -23,7 +23,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ import time
 from typing import Any, Dict, List
 
 import benchlib
-from benchlib import DEFAULT_MODEL, BIN, WorkerProcess, ports_besides, print_table
+from benchlib import DEFAULT_MODEL, BIN, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
 
 import requests
 
@@ -137,35 +136,20 @@ def run_policy(args, policy: str, workers: List[WorkerProcess], trace, tmp: str,
     port, data_port = ports_besides(workers, 2)
     cfg = os.path.join(tmp, "%s.yaml" % policy)
     write_config(cfg, os.path.abspath(args.model), workers, args.slots, policy, port, data_port, max_len)
-    log = open(os.path.join(tmp, "server-%s.log" % policy), "w+")
-    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", cfg, "--serve"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    server = NodeProcess("server (%s)" % policy, [os.path.join(BIN, "mdi-start"), "--config", cfg, "--serve"],
+                         os.path.join(tmp, "server-%s.log" % policy), dict(os.environ))
     url = "http://127.0.0.1:%d" % port
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError("server (%s) did not come up: %s" % (policy, log.read()[-2000:]))
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
+        wait_healthy(url, None, server, 300)
         requests.post(url + "/v1/completions", json={"prompt": "Warm up", "max_tokens": 4}, timeout=120)
         result = replay(url, trace)
         result["policy"] = policy
         result["loadavg_end"] = list(os.getloadavg())
         return result
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        if server.alive():
+            server.proc.terminate()  # mdi-start --serve closes the ring and exits on SIGTERM
+        server.stop(grace=60.0)
 
 
 def main(argv=None) -> int:

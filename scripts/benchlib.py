@@ -7,7 +7,6 @@ Python 3.8 compatible; imports only the standard library at module level.
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -113,7 +112,7 @@ def load_mdi(path: str):
 
 
 
-from mdi.bench.nodes import free_ports  # noqa: E402  (shared with mdi-bench)
+from mdi.bench.nodes import NodeProcess, free_ports, post_shutdown, wait_healthy  # noqa: E402  (shared with mdi-bench)
 
 
 def ports_besides(workers: Sequence["WorkerProcess"], n: int = 1) -> List[int]:
@@ -141,17 +140,16 @@ from mdi.emulation import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,F4
 # --------------------------------------------------------------------------- workers
 
 class WorkerProcess:
-    """One `mdi-worker --threads 1` subprocess on free ports, optionally in a cgroup."""
+    """One `mdi-worker --threads N` subprocess on free ports, optionally in a cgroup."""
 
     def __init__(self, name: str, threads: int, log_dir: str,
                  preexec: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self.port, self.data_port = free_ports(2)
-        self.log_path = os.path.join(log_dir, "%s.log" % name)
-        self.log = open(self.log_path, "w")
-        cmd = [os.path.join(BIN, "mdi-worker"), "--port", str(self.port), "--threads", str(threads)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec)
         self.url = "http://127.0.0.1:%d" % self.port
+        cmd = [os.path.join(BIN, "mdi-worker"), "--port", str(self.port), "--threads", str(threads)]
+        self.proc = NodeProcess(name, cmd, os.path.join(log_dir, "%s.log" % name), dict(os.environ),
+                                preexec=preexec)
 
     def node(self, weights: Optional[str] = None) -> Dict[str, Any]:
         entry = {"name": self.name, "host": "127.0.0.1", "port": self.port, "data_port": self.data_port}
@@ -160,35 +158,10 @@ class WorkerProcess:
         return entry
 
     def wait_healthy(self, timeout: float) -> None:
-        import requests
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("worker %s exited with code %s (log: %s)"
-                                   % (self.name, self.proc.returncode, self.log_path))
-            try:
-                if requests.get(self.url + "/health", timeout=1).ok:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("worker %s did not answer /health within %.0f s" % (self.name, timeout))
+        wait_healthy(self.url, None, self.proc, timeout)
 
     def stop(self) -> None:
         """POST /shutdown, then terminate/kill this PID only if it does not exit."""
-        import requests
-        if self.proc.poll() is None:
-            try:
-                requests.post(self.url + "/shutdown", timeout=3)
-            except requests.RequestException:
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-        self.log.close()
+        if self.proc.alive():
+            post_shutdown(self.url, None)
+        self.proc.stop(grace=10.0)

@@ -39,12 +39,14 @@ def free_ports(n: int) -> List[int]:
 class NodeProcess:
     """One node process this tool started; only its own PID is ever signalled."""
 
-    def __init__(self, name: str, cmd: List[str], log_path: str, env: Dict[str, str], pipes: bool = False) -> None:
+    def __init__(self, name: str, cmd: List[str], log_path: str, env: Dict[str, str], pipes: bool = False,
+                 preexec: Optional[Callable[[], None]] = None) -> None:
         self.name, self.log_path = name, log_path
         self.log = open(log_path, "ab")
         extra = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if pipes else {"stdout": self.log}
         # A session of its own: Ctrl-C reaches only mdi-bench, which then stops the nodes in order.
-        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env, start_new_session=True, **extra)
+        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env, start_new_session=True, preexec_fn=preexec,
+                                     **extra)
 
     @property
     def pid(self) -> int:
