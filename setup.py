@@ -18,7 +18,7 @@ setup(
     entry_points={"console_scripts": [
         "mdi-start=mdi.cli:start_main",
         "mdi-worker=mdi.cli:worker_main",
-        "mdi-prepare=mdi.prepare:main",
-        "mdi-bench=mdi.experiments:main",
+        "mdi-prepare=mdi.cli:prepare_main",
+        "mdi-bench=mdi.lab.cli:main",
     ]},
 )

@@ -17,10 +17,10 @@ import sys
 import time
 
 try:
-    from mdi import tegra
+    from mdi.system import tegra
 except ImportError:  # run from a checkout without mdi installed: mdi.tegra needs only the stdlib
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from mdi import tegra
+    from mdi.system import tegra
 
 
 class Summary:

@@ -1,15 +1,17 @@
-"""Command-line entry points: mdi-start, mdi-worker, mdi-prepare.
+"""Command-line entry points: mdi-start, mdi-worker and mdi-prepare (mdi-bench is mdi.lab.cli).
 
 User errors (bad YAML, missing files, wrong partitions, unreachable nodes) print one line
 starting with "mdi: error:" and exit non-zero (2 for configuration errors); no tracebacks.
 """
 import argparse
-import json
 import os
 import sys
 from typing import List, Optional
 
-from .config import ConfigError, GenerationSpec, ModelSpec, RunConfig, RuntimeSpec, NodeSpec, load_config
+from mdi.model.layout import CheckpointError
+from mdi.model.tokenizers import TokenizerError
+from mdi.system.files import write_json
+from mdi.runconfig import ConfigError, GenerationSpec, ModelSpec, RunConfig, RuntimeSpec, NodeSpec, load_config
 
 EXIT_CONFIG = 2
 EXIT_RUN = 1
@@ -84,7 +86,7 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.starter.device = args.device
     if args.threads:
         cfg.runtime.threads = args.threads
-    from .config import _check_generation
+    from mdi.runconfig import _check_generation
     _check_generation("command line", g)
     return cfg
 
@@ -106,25 +108,23 @@ def resolve_prompts(cfg: RunConfig, cli_prompts: List[str], cli_n_samples: Optio
 
 def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
-    from .checkpoints import CheckpointError
-    from .tokenizers import TokenizerError
-    from . import starter
-    from .auth import TokenError, load_token
+    from mdi.starter import batch
+    from mdi.ring.auth import TokenError, load_token
     try:
         cfg = _config_from_args(args)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         if args.check:
-            from .preflight import preflight
+            from mdi.starter.preflight import preflight
             return preflight(cfg, args.prompt or cfg.generation.prompts)
         if args.serve:
             return _serve(cfg, args)
         if args.host or args.port is not None or args.insecure:
             raise ConfigError("--host, --port and --insecure go with --serve")
         prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
-        result = starter.run(cfg, prompts, log=lambda m: print(m, file=sys.stderr))
+        result = batch.run(cfg, prompts, log=lambda m: print(m, file=sys.stderr))
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)
-    except starter.RunFailed as e:
+    except batch.RunFailed as e:
         report(e.result, args)  # the partial texts and metrics are not lost
         return _fail(str(e), EXIT_RUN)
     except KeyboardInterrupt:
@@ -139,13 +139,13 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
     if args.prompt or args.n_samples is not None or args.metrics_out:
         raise ConfigError("--prompt, --n-samples and --metrics-out do not apply to --serve (requests bring "
                           "their own prompts; GET /metrics reports)")
-    from .config import check_serve
+    from mdi.runconfig import check_serve
     if args.host:
         cfg.serve.host = args.host
     if args.port is not None:
         cfg.serve.port = args.port
     check_serve("command line: serve", cfg.serve)
-    from .serve import serve
+    from mdi.serving.api import serve
     return serve(cfg, insecure=args.insecure, log_fn=lambda m: print(m, file=sys.stderr))
 
 
@@ -162,15 +162,6 @@ def report(result, args: argparse.Namespace) -> None:
 def summary_line(result) -> str:
     return ("mdi: %d tokens in %.2f s, %.2f tokens/s, %d samples, %d nodes"
             % (result.n_tokens, result.elapsed, result.tokens_per_s, len(result.samples), len(result.nodes)))
-
-
-def write_json(path: str, record) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -199,13 +190,13 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     import threading
     from werkzeug.serving import make_server
     import torch
-    from .worker import Worker, create_app
+    from mdi.worker.node import Worker, create_app
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
-    from .auth import TokenError, is_loopback, load_token
+    from mdi.ring.auth import TokenError, is_loopback, load_token
     try:
         token = load_token(args.token_file)
     except TokenError as e:
@@ -229,6 +220,35 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
         pass
     worker.end_run()
     server.shutdown()
+    return 0
+
+
+
+def prepare_parser() -> argparse.ArgumentParser:
+    from mdi.model import prepare
+    doc = prepare.__doc__
+    p = argparse.ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(doc.split("\n")[2:]))
+    p.add_argument("source", help="packaged model name (%s), HF dir, .gguf or nanoGPT ckpt.pt"
+                   % ", ".join(prepare.PACKAGED))
+    p.add_argument("--out", help="output directory (default models/<name>)")
+    p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
+                   help="also cut per-node chunk files for this partition (layer counts); repeatable")
+    p.add_argument("--vocab", help="JSON list of characters (character-level nanoGPT models)")
+    return p
+
+
+def prepare_main(argv: Optional[List[str]] = None) -> int:
+    from mdi.model import prepare
+    args = prepare_parser().parse_args(argv)
+    name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
+    out = args.out or os.path.join("models", name)
+    try:
+        prepare.prepare(args.source, out, args.chunks, args.vocab)
+    except (CheckpointError, TokenizerError, OSError, ValueError) as e:
+        print("mdi-prepare: error: %s" % e, file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 

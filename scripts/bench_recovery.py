@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def ring_config(args, workers: List[WorkerProcess], spares: List[WorkerProcess]):
-    from mdi.config import parse_config
+    from mdi.runconfig import parse_config
     data_port = benchlib.ports_besides(workers + spares)[0]
     data = benchlib.run_config_dict(args.model, [{"name": "starter", "data_port": data_port}]
                                     + [w.node() for w in workers], args.tokens, threads=1)
@@ -57,7 +57,7 @@ def ring_config(args, workers: List[WorkerProcess], spares: List[WorkerProcess])
 
 def timed_run(cfg, prompts: List[str], victim: Optional[WorkerProcess], kill_after: int) -> Dict[str, Any]:
     """Run once; SIGKILL `victim` after `kill_after` tokens; time every token on one clock."""
-    from mdi import starter
+    from mdi.starter import batch
     stamps = []  # type: List[float]
     killed = []  # type: List[float]
 
@@ -67,7 +67,7 @@ def timed_run(cfg, prompts: List[str], victim: Optional[WorkerProcess], kill_aft
             os.kill(victim.proc.pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
-    result = starter.run(cfg, prompts, log=lambda m: None, on_token=on_token)
+    result = batch.run(cfg, prompts, log=lambda m: None, on_token=on_token)
     # From the first token to the last: loading and configuring the ring are not generation.
     out = {"ids": [s.token_ids for s in result.samples], "tokens": len(stamps),
            "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional
 import benchlib
 from benchlib import (DEFAULT_MODEL, CpuCgroups, WorkerProcess, cgroup_unavailable_reason, decode_timing,
                       fmt_stat, print_table, run_config_dict, summarize)
-from mdi.bench.report import steady_rate
+from mdi.lab.report import steady_rate
 
 PROMPT = "Once upon a time"
 
@@ -69,7 +69,8 @@ def head_aware_partition(n_layer: int, n: int, head_layers: float) -> List[int]:
 
 def head_cost_in_layers(model: str) -> float:
     """LM head parameters / one block's parameters (decode is memory-bound: bytes ~ time)."""
-    from mdi.checkpoints import expected_shapes, read_mdi_config
+    from mdi.model.checkpoints import read_mdi_config
+    from mdi.model.layout import expected_shapes
     config = read_mdi_config(model)
     block = sum(math.prod(s) for s in expected_shapes(config, (0, 1), False, False).values())
     head = config.vocab_size * config.n_embd
@@ -78,15 +79,15 @@ def head_cost_in_layers(model: str) -> float:
 
 def one_run(model: str, workers: List[WorkerProcess], counts: Optional[List[int]], n_samples: int,
             tokens: int) -> Dict[str, Any]:
-    from mdi import starter
-    from mdi.config import parse_config
+    from mdi.starter import batch
+    from mdi.runconfig import parse_config
     data_port = benchlib.ports_besides(workers)[0]
     nodes = [{"name": "starter", "data_port": data_port}] + [w.node() for w in workers]
     if counts:
         for node, c in zip(nodes, counts):
             node["layers"] = c
     cfg = parse_config(run_config_dict(model, nodes, tokens, threads=1), "bench_ring")
-    result = starter.run(cfg, [PROMPT] * n_samples, log=lambda m: None)
+    result = batch.run(cfg, [PROMPT] * n_samples, log=lambda m: None)
     times = [s.token_times for s in result.samples]
     if any(len(t) < tokens for t in times):
         raise RuntimeError("a sample stopped early (EOS); pick a prompt or model that runs %d tokens" % tokens)
@@ -116,7 +117,7 @@ def node_steps(model: str, counts: List[int]) -> List[Callable[[int], Any]]:
     """Each node's part of one decode step (the starter's with its embedding and LM head),
     loaded in this process, as functions of the position."""
     import torch
-    from mdi.loading import ModelSource, build_chunk
+    from mdi.model.source import ModelSource, build_chunk
     source = ModelSource(model)
     config = source.config
     steps, first = [], 0
@@ -219,7 +220,7 @@ def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mdi.checkpoints import read_mdi_config
+    from mdi.model.checkpoints import read_mdi_config
     n_layer = read_mdi_config(args.model).n_layer
     head = head_cost_in_layers(args.model)
     info = benchlib.machine_info(1)

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         print("bench_serve: bad arguments", file=sys.stderr)
         return 2
     trace = make_trace(args)
-    from mdi.loading import ModelSource
+    from mdi.model.source import ModelSource
     source = ModelSource(args.model)
     longest = max(len(source.tokenizer.encode(p)) for p in PROMPTS)
     max_len = min(source.config.block_size, longest + args.max_tokens + 8)

@@ -54,8 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def mdi_generate(chunk, prompt_ids: List[int], n_tokens: int) -> Tuple[List[int], List[float]]:
     """Greedy, EOS disabled; returns the new ids and each token's time since the call began."""
-    from mdi.pipeline import LocalLoop, Pipeline, make_samples
-    from mdi.sampling import SamplingParams
+    from mdi.ring.transport import LocalLoop
+    from mdi.starter.pipeline import Pipeline, make_samples
+    from mdi.model.sampling import SamplingParams
     chunk.allocate_cache(1, len(prompt_ids) + n_tokens)
     samples = make_samples([""], [prompt_ids], n_tokens, seed=1)
     Pipeline(chunk, LocalLoop(), 0, SamplingParams(temperature=0.0), eos_id=None).run(samples)
@@ -89,7 +90,7 @@ def load_hf(path: str, source):
     """transformers LlamaForCausalLM holding exactly mdi's prepared weights (float32)."""
     import torch
     import transformers
-    from mdi.checkpoints import load_weights
+    from mdi.model.checkpoints import load_weights
     c = source.config
     if c.family != "llama" or c.bias:
         sys.exit("bench_standalone: only bias-free Llama-family models map to transformers (got %s)" % c.family)

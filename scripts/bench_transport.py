@@ -54,7 +54,7 @@ class DirectEndpoint:
         self.validate = validate
 
     def send(self, frame) -> None:
-        from mdi.wire import encode
+        from mdi.ring.wire import encode
         self.push.send_multipart(encode(frame), copy=False)
 
     def recv(self, timeout: float):
@@ -113,8 +113,8 @@ class HandoffEndpoint(DirectEndpoint):
 
 
 def endpoint(name: str, bind: int, nxt: int, hidden: int, variant: str):
-    from mdi.transport import RingEndpoint
-    from mdi.wire import decode
+    from mdi.ring.transport import RingEndpoint
+    from mdi.ring.wire import decode
     validate = lambda parts: decode(parts, run=1, hidden=hidden, n_slots=1)  # noqa: E731
     if variant != "ring":
         return (DirectEndpoint if variant == "direct" else HandoffEndpoint)(bind, nxt, validate)
@@ -139,7 +139,7 @@ def echo(bind: int, nxt: int, hidden: int, variant: str) -> int:
 def one_run(args, variant: str) -> float:
     """Per-hop seconds: median round trip / 2 over --rounds, with a fresh echo process."""
     import torch
-    from mdi.wire import Frame
+    from mdi.ring.wire import Frame
     mine, theirs = free_ports(2)
     cmd = [sys.executable, __file__, "--hidden", str(args.hidden), "--echo", str(theirs), str(mine), variant]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

@@ -69,7 +69,7 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 
 
 def save_record(path: str, record: Dict[str, Any]) -> None:
-    from mdi.cli import write_json
+    from mdi.system.files import write_json
     write_json(path, record)
     print("\nraw numbers written to %s" % path)
 
@@ -103,7 +103,7 @@ def note_load(info: Dict[str, Any]) -> str:
 def load_mdi(path: str):
     """The whole model as one chunk (embedding + all blocks + head), and the tokenizer."""
     import torch
-    from mdi.loading import ModelSource, build_chunk
+    from mdi.model.source import ModelSource, build_chunk
     source = ModelSource(path)
     n = source.config.n_layer
     weights = source.weights(0, n, True, True, torch.float32)
@@ -112,7 +112,7 @@ def load_mdi(path: str):
 
 
 
-from mdi.bench.nodes import NodeProcess, free_ports, post_shutdown, wait_healthy  # noqa: E402  (shared with mdi-bench)
+from mdi.lab.nodes import NodeProcess, free_ports, post_shutdown, wait_healthy  # noqa: E402  (shared with mdi-bench)
 
 
 def ports_besides(workers: Sequence["WorkerProcess"], n: int = 1) -> List[int]:
@@ -134,7 +134,7 @@ def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, thre
 # --------------------------------------------------------------------------- cgroup v1
 
 # CPU quota groups live in mdi/emulation.py (used by mdi-bench too); the scripts import them from here.
-from mdi.emulation import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,F401
+from mdi.lab.emulation import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- workers

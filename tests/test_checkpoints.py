@@ -5,12 +5,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mdi.checkpoints import (
-    CheckpointError, expected_keys, load_weights, packaged_gguf_path, read_checkpoint,
-    read_gguf, read_hf_dir, read_mdi_config, read_nanogpt_ckpt, save_model_dir, split_layers,
-    state_dict_nbytes, write_chunks,
+from mdi.model.checkpoints import (
+    load_weights, packaged_gguf_path, read_checkpoint, read_gguf, read_hf_dir, read_mdi_config,
+    read_nanogpt_ckpt, save_model_dir, write_chunks,
 )
-from mdi.models.config import ModelConfig
+from mdi.model.layout import CheckpointError, expected_keys, split_layers, state_dict_nbytes
+from mdi.model.config import ModelConfig
 
 
 def _hf_state_dict(path):

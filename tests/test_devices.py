@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
-from mdi import starter
-from mdi.config import parse_config
-from mdi.devices import resolve_compute_dtype
+from mdi.starter import batch
+from mdi.runconfig import parse_config
+from mdi.system.devices import resolve_compute_dtype
 from conftest import ROOT, free_ports, make_tiny_model
 
 
@@ -16,7 +16,7 @@ def greedy(model, dtype, compute=None, nodes=None):
         data["model"]["compute_dtype"] = compute
     if nodes:
         data["nodes"] = nodes
-    result = starter.run(parse_config(data, "t"), ["Once upon", "The"], log=lambda m: None)
+    result = batch.run(parse_config(data, "t"), ["Once upon", "The"], log=lambda m: None)
     return [s.token_ids for s in result.samples], result
 
 

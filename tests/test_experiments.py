@@ -16,9 +16,9 @@ BIN = os.path.dirname(sys.executable)
 SMOKE = os.path.join(ROOT, "configs", "experiments", "smoke.yaml")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-from mdi.emulation import DelayProxy, Emulation, EmulationSettings  # noqa: E402
-from mdi.bench.report import CSV_COLUMNS, steady_rate, summarize  # noqa: E402
-from mdi.bench.spec import ExperimentError, parse_experiment, plan_rings, samples_for  # noqa: E402
+from mdi.lab.emulation import DelayProxy, Emulation, EmulationSettings  # noqa: E402
+from mdi.lab.report import CSV_COLUMNS, steady_rate, summarize  # noqa: E402
+from mdi.lab.spec import ExperimentError, parse_experiment, plan_rings, samples_for  # noqa: E402
 
 GOOD = {"models": [{"name": "m", "path": "models/m"}]}
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import BIN, ROOT
-from mdi import tegra
+from mdi.system import memory, tegra
 from mdi.cli import worker_parser
 
 JETSON = os.path.join(ROOT, "jetson")
@@ -227,21 +227,22 @@ def test_memory_helpers(tmp_path):
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:        7858228 kB\nMemAvailable:    3012340 kB\nNvMapMemUsed:     805068 kB\n"
                     "HugePages_Total:       0\n")
-    m = tegra.meminfo(str(info))
+    m = memory.meminfo(str(info))
     assert m["MemTotal"] == 7858228 * 1024 and m["NvMapMemUsed"] == 805068 * 1024 and m["HugePages_Total"] == 0
-    assert tegra.meminfo(str(tmp_path / "missing")) == {}
+    assert memory.meminfo(str(tmp_path / "missing")) == {}
     # No CUDA here: unified memory is the RSS alone, and asking did not initialise CUDA.
     import torch
-    assert tegra.cuda_reserved_bytes() == 0 and not torch.cuda.is_initialized()
-    assert tegra.unified_memory_bytes() >= tegra.rss_bytes() > 0
-    assert tegra.unified_memory_bytes(peak=True) >= tegra.rss_bytes()
-    report = tegra.memory_report()
+    assert memory.cuda_reserved_bytes() == 0 and not torch.cuda.is_initialized()
+    assert memory.unified_memory_bytes() >= memory.rss_bytes() > 0
+    assert memory.unified_memory_bytes(peak=True) >= memory.rss_bytes()
+    report = memory.memory_report()
     assert report["used_bytes"] == report["total_bytes"] - report["available_bytes"]
 
 
-def test_tegra_module_is_stdlib_only():
+@pytest.mark.parametrize("module", ["tegra.py", "memory.py"])
+def test_system_probe_modules_are_stdlib_only(module):
     # Importable by the probe on a board without torch: no third-party import at module level.
-    code = open(os.path.join(ROOT, "mdi", "tegra.py"), encoding="utf-8").read()
+    code = open(os.path.join(ROOT, "mdi", "system", module), encoding="utf-8").read()
     imports = re.findall(r"^(?:import|from) (\w+)", code, re.M)
     assert set(imports) <= {"os", "re", "resource", "subprocess", "sys", "typing"}, imports
 
@@ -389,7 +390,7 @@ def test_setup_dry_run_from_an_index_pins_the_version(tmp_path):
 
 
 def test_worked_example_config():
-    from mdi.config import load_config, partition
+    from mdi.runconfig import load_config, partition
     path = os.path.join(JETSON, "ring3.example.yaml")
     cfg = load_config(path)
     assert [n.name for n in cfg.nodes] == ["jetson1", "jetson2", "jetson3"]

@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mdi.checkpoints import read_hf_dir  # noqa: E402
-from mdi.loading import build_chunk  # noqa: E402
+from mdi.model.checkpoints import read_hf_dir  # noqa: E402
+from mdi.model.source import build_chunk  # noqa: E402
 
 PREFILL, DECODE, GREEDY = 24, 20, 32
 

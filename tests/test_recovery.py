@@ -7,8 +7,8 @@ import signal
 import pytest
 
 from conftest import WorkerProcess, free_ports
-from mdi import starter
-from mdi.config import parse_config
+from mdi.starter import batch
+from mdi.runconfig import parse_config
 
 N_TOKENS = 64
 PROMPTS = ["Once upon", "The cat", "Hello"]
@@ -42,7 +42,7 @@ def reference(model, sampling=None):
     """The same prompts, standalone and uninterrupted."""
     cfg = parse_config({"model": {"path": model},
                         "generation": dict({"n_tokens": N_TOKENS, "temperature": 0}, **(sampling or {}))}, "ref")
-    return [s.token_ids for s in starter.run(cfg, PROMPTS, log=lambda m: None).samples]
+    return [s.token_ids for s in batch.run(cfg, PROMPTS, log=lambda m: None).samples]
 
 
 def run_killing(cfg, kills):
@@ -56,7 +56,7 @@ def run_killing(cfg, kills):
             os.kill(pending.pop(0)[1].proc.pid, signal.SIGKILL)
 
     logs = []
-    result = starter.run(cfg, PROMPTS, log=logs.append, on_token=on_token)
+    result = batch.run(cfg, PROMPTS, log=logs.append, on_token=on_token)
     assert not pending, "the run ended before every kill happened"
     return result, logs
 
@@ -105,5 +105,5 @@ def test_without_recovery_the_run_fails_naming_the_node(tiny_models, four_worker
     model = tiny_models["gpt2"]
     board1, board2 = four_workers[:2]
     cfg = ring_config(model, [board1, board2])  # no spares: recovery is off by default
-    with pytest.raises(starter.RunFailed, match="board2"):
+    with pytest.raises(batch.RunFailed, match="board2"):
         run_killing(cfg, [(20, board2)])

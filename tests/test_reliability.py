@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from conftest import BIN, WorkerProcess, free_ports
-from mdi import starter
-from mdi.config import parse_config
+from mdi.starter import batch
+from mdi.runconfig import parse_config
 
 
 def write_ring(tmp_path, model, workers, data_ports, n_tokens=100, n_samples=5, extra=""):
@@ -52,7 +52,7 @@ def wait_idle(worker, timeout):
 
 def reference_ids(model, prompt, n_tokens):
     cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0}}, "ref")
-    return starter.run(cfg, [prompt], log=lambda m: None).samples[0].token_ids
+    return batch.run(cfg, [prompt], log=lambda m: None).samples[0].token_ids
 
 
 def fresh_run_matches(model, workers, data_ports):
@@ -60,7 +60,7 @@ def fresh_run_matches(model, workers, data_ports):
     nodes += [{"name": "w%d" % i, "port": w.port, "data_port": data_ports[i + 1]} for i, w in enumerate(workers)]
     cfg = parse_config({"model": {"path": model}, "nodes": nodes,
                         "generation": {"n_tokens": 20, "temperature": 0}}, "fresh")
-    got = starter.run(cfg, ["Once upon"], log=lambda m: None).samples[0].token_ids
+    got = batch.run(cfg, ["Once upon"], log=lambda m: None).samples[0].token_ids
     assert got == reference_ids(model, "Once upon", 20)
 
 

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from conftest import BIN, free_ports
-from mdi.config import parse_config
-from mdi import starter
+from mdi.runconfig import parse_config
+from mdi.starter import batch
 
 PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be", "0123", "abc def ghi jkl mno"]
 PARTITIONS = {1: [4], 2: [2, 2], 3: [1, 2, 1], 4: [1, 1, 1, 1]}
@@ -31,7 +31,7 @@ def ring_config(model: str, workers, data_ports, counts, temperature=0.0, n_toke
 
 
 def run_ids(cfg, prompts):
-    result = starter.run(cfg, prompts, log=lambda m: None)
+    result = batch.run(cfg, prompts, log=lambda m: None)
     return [s.token_ids for s in result.samples], result
 
 
@@ -55,12 +55,12 @@ def test_seeded_sampling_is_identical_across_partitions(family, tiny_models, wor
     texts = []
     for n_nodes in (1, 2, 4):
         cfg = ring_config(model, workers, data_ports, PARTITIONS[n_nodes], temperature=0.9, n_tokens=20)
-        result = starter.run(cfg, prompts, log=lambda m: None)
+        result = batch.run(cfg, prompts, log=lambda m: None)
         texts.append(result.texts)
     assert texts[0] == texts[1] == texts[2]
     # Different samples of the same run draw from different generators.
     cfg = ring_config(model, workers, data_ports, PARTITIONS[2], temperature=0.9, n_tokens=20)
-    same_prompt = starter.run(cfg, [prompts[0]] * 2, log=lambda m: None).texts
+    same_prompt = batch.run(cfg, [prompts[0]] * 2, log=lambda m: None).texts
     assert same_prompt[0] != same_prompt[1]
 
 
@@ -115,9 +115,10 @@ def test_a_lost_pass_times_out_however_finely_the_wait_is_sliced():
     on the way must still end in RingTimeout after recv_timeout (which starts recovery)."""
     import time
     from conftest import tiny_config
-    from mdi.models.model import full_model
-    from mdi.pipeline import Pipeline, RingTimeout, make_samples
-    from mdi.sampling import SamplingParams
+    from mdi.model.transformer import full_model
+    from mdi.ring.transport import RingTimeout
+    from mdi.starter.pipeline import Pipeline, make_samples
+    from mdi.model.sampling import SamplingParams
 
     class LosingTransport:  # every frame vanishes
         def send(self, frame):

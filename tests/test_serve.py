@@ -16,12 +16,12 @@ import requests
 import torch
 
 from conftest import BIN, CHARS, free_ports, tiny_config
-from mdi import starter
-from mdi.checkpoints import save_model_dir
-from mdi.config import parse_config
-from mdi.models.model import full_model
-from mdi.scheduler import held_back
-from mdi.tokenizers import char_tokenizer
+from mdi.starter import batch
+from mdi.model.checkpoints import save_model_dir
+from mdi.runconfig import parse_config
+from mdi.model.transformer import full_model
+from mdi.serving.scheduler import held_back
+from mdi.model.tokenizers import char_tokenizer
 
 BLOCK = 1024  # context of the test model: long enough for streams that outlast the others
 SLOTS = 4
@@ -123,7 +123,7 @@ def reference(model, prompt, n_tokens):
     if key not in _references:
         cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0},
                             "runtime": {"threads": 1}}, "reference")
-        _references[key] = starter.run(cfg, [prompt], log=lambda m: None).texts[0]
+        _references[key] = batch.run(cfg, [prompt], log=lambda m: None).texts[0]
     return _references[key]
 
 

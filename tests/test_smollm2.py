@@ -15,7 +15,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    from mdi.checkpoints import CheckpointError, packaged_gguf_path
+    from mdi.model.checkpoints import packaged_gguf_path
+    from mdi.model.layout import CheckpointError
     try:
         return packaged_gguf_path("smollm2-135m")
     except CheckpointError as e:
@@ -32,12 +33,12 @@ def prepared(gguf_path):
 def test_greedy_tokens_match_transformers_on_the_gguf(gguf_path, prepared):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from mdi.config import parse_config
-    from mdi import starter
+    from mdi.runconfig import parse_config
+    from mdi.starter import batch
     n = 24
     cfg = parse_config({"model": {"path": prepared}, "generation": {"n_tokens": n, "temperature": 0},
                         "runtime": {"threads": 1}}, "test")
-    ours = starter.run(cfg, [PROMPT], log=lambda m: None).samples[0]
+    ours = batch.run(cfg, [PROMPT], log=lambda m: None).samples[0]
     folder, name = os.path.split(gguf_path)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)

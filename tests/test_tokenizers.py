@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mdi.tokenizers import _bytes_to_unicode
-from mdi.tokenizers import (
+from mdi.model.tokenizers import _bytes_to_unicode
+from mdi.model.tokenizers import (
     HFTokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError, byte_level_bpe, char_tokenizer,
     gpt2_tokenizer, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir,
 )

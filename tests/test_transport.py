@@ -8,8 +8,8 @@ import torch
 import zmq
 
 from conftest import free_ports
-from mdi.transport import RingEndpoint
-from mdi.wire import Frame, decode
+from mdi.ring.transport import RingEndpoint
+from mdi.ring.wire import Frame, decode
 
 HIDDEN = 8
 

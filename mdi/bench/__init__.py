@@ -1,1 +1,0 @@
-"""mdi-bench's parts; the command itself is mdi/experiments.py."""

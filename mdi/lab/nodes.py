@@ -1,0 +1,392 @@
+"""The processes of one ring under test: workers and a warm starter, started inside the
+board emulation, configured once and run again and again."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import queue
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import yaml
+
+from mdi.lab.emulation import Emulation, peak_rss_bytes, reset_peak_rss
+from mdi.lab.spec import EXIT_CONFIG, EXIT_RUN, Experiment, RingPlan
+
+
+# The warm starter's command line; `mdi-bench --cleanup` recognises its leftovers by it.
+STARTER_SERVICE_MODULE = "mdi.lab.cli"
+STARTER_SERVICE_CMD = [sys.executable, "-m", STARTER_SERVICE_MODULE, "--serve-starter"]
+BIN = os.path.dirname(os.path.abspath(sys.executable))
+
+
+# --------------------------------------------------------------------------- processes
+
+def free_ports(n: int) -> List[int]:
+    """n TCP ports free on loopback right now (the OS picks them; bound together, so distinct)."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class NodeProcess:
+    """One node process this tool started; only its own PID is ever signalled."""
+
+    def __init__(self, name: str, cmd: List[str], log_path: str, env: Dict[str, str], pipes: bool = False,
+                 preexec: Optional[Callable[[], None]] = None) -> None:
+        self.name, self.log_path = name, log_path
+        self.log = open(log_path, "ab")
+        extra = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if pipes else {"stdout": self.log}
+        # A session of its own: Ctrl-C reaches only mdi-bench, which then stops the nodes in order.
+        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env, start_new_session=True, preexec_fn=preexec,
+                                     **extra)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Wait `grace` s for it to exit, then SIGTERM, then SIGKILL (this PID only)."""
+        for action, wait in ((None, grace), (self.proc.terminate, 5.0), (self.proc.kill, 5.0)):
+            if self.proc.poll() is not None:
+                break
+            if action is not None:
+                action()
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        self.log.close()
+
+    def tail(self, n: int = 3) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])
+
+
+class StarterService:
+    """A warm starter: `python -m mdi.lab.cli --serve-starter` runs mdi-start's own main
+    once per request, so torch's import and process start are paid once per ring."""
+
+    def __init__(self, proc: NodeProcess) -> None:
+        self.proc = proc
+        self.replies = queue.Queue()  # type: queue.Queue
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.proc.stdout:
+            try:
+                self.replies.put(json.loads(line.decode()))
+            except ValueError:
+                continue
+        self.replies.put(None)  # the process ended
+
+    def _reply(self, timeout: float) -> Dict[str, Any]:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError("starter did not answer within %.0f s" % timeout)
+        if reply is None:
+            raise RuntimeError("starter process exited (%s)" % self.proc.tail())
+        return reply
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._reply(timeout).get("ready"):
+            raise RuntimeError("starter did not report ready")
+
+    def run(self, argv: List[str], timeout: float) -> Dict[str, Any]:
+        try:
+            self.proc.proc.stdin.write((json.dumps({"argv": argv}) + "\n").encode())
+            self.proc.proc.stdin.flush()
+        except OSError:
+            raise RuntimeError("starter process is gone (%s)" % self.proc.tail())
+        return self._reply(timeout)
+
+    def stop(self) -> None:
+        try:
+            self.proc.proc.stdin.close()  # the service ends when its input ends
+        except OSError:
+            pass
+        self.proc.stop(grace=5.0)
+
+
+def _auth(token: Optional[str]) -> Dict[str, str]:
+    return {"Authorization": "Bearer " + token} if token else {}
+
+
+def wait_healthy(url: str, token: Optional[str], proc: NodeProcess, timeout: float) -> None:
+    import requests
+    session = requests.Session()
+    session.trust_env = False  # never through an HTTP proxy from the environment
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError("%s exited with code %s: %s" % (proc.name, proc.proc.returncode, proc.tail()))
+        try:
+            if session.get(url + "/health", headers=_auth(token), timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("%s did not answer %s/health within %.0f s" % (proc.name, url, timeout))
+
+
+def post_shutdown(url: str, token: Optional[str]) -> None:
+    import requests
+    try:
+        requests.post(url + "/shutdown", headers=_auth(token), timeout=3,
+                      proxies={"http": None, "https": None})
+    except requests.RequestException:
+        pass
+
+
+@dataclass
+class RunOutcome:
+    code: int
+    error: Optional[str]
+    metrics: Optional[Dict[str, Any]]
+    peak_rss: List[Optional[int]]  # per node, measured by mdi-bench (None: use the metrics' value)
+    cgroup_peak: List[Optional[int]]
+    load_1min: float
+    wall_s: float
+
+
+class Ring:
+    """The processes of one ring: a starter (persistent or per run) and its workers."""
+
+    def __init__(self, plan: RingPlan, exp: Experiment, emu: Emulation, token: Optional[str], work: str,
+                 log: Callable[[str], None]) -> None:
+        self.plan, self.exp, self.emu, self.token, self.work, self.log = plan, exp, emu, token, work, log
+        self.keys = ["g%dk%d" % (plan.index, k) for k in range(plan.n_nodes)]
+        self.workers = []  # type: List[NodeProcess]
+        self.service = None  # type: Optional[StarterService]
+        self.config_path = os.path.join(work, "ring%d.yaml" % plan.index)
+        self.hosts, self.ports, self.data_ports = self._addresses()
+        self.env = dict(os.environ)
+        for key in ("MDI_TOKEN", "MDI_TOKEN_FILE"):
+            self.env.pop(key, None)
+        if token:
+            self.env["MDI_TOKEN"] = token
+
+    def _addresses(self) -> Tuple[List[str], List[int], List[int]]:
+        n = self.plan.n_nodes
+        hosts = [self.emu.host(k) for k in range(n)]
+        if self.emu.net is not None:
+            # One namespace per node index: the ring's index keeps its ports apart from other rings'.
+            port = 8100 + self.plan.index
+            return hosts, [port] * n, [port + 1000] * n
+        ports = free_ports(2 * n)
+        return hosts, ports[:n], ports[n:]
+
+    def url(self, k: int) -> str:
+        return "http://%s:%d" % (self.hosts[k], self.ports[k])
+
+    def run_config(self) -> Dict[str, Any]:
+        p = self.plan
+        nodes = []
+        for k in range(p.n_nodes):
+            node = {"name": "starter" if k == 0 else "node%d" % k, "host": self.hosts[k],
+                    "port": self.ports[k], "data_port": self.data_ports[k]}
+            if p.kind == "explicit":
+                node["layers"] = p.counts[k]
+            if k > 0 and p.local_weights and p.model.weights == "local":
+                node["weights"] = p.path  # as a board with the model on its own disk
+            nodes.append(node)
+        return {"model": {"path": p.path, "dtype": p.model.dtype, "device": "cpu"}, "nodes": nodes,
+                "generation": {"n_tokens": p.model.tokens, "temperature": self.exp.temperature, "seed": 1,
+                               "prompts": [p.model.prompt]},
+                # heartbeat_timeout: a throttled, shared machine must not end runs by mistake
+                "runtime": {"threads": 1, "connect_timeout": 10, "init_timeout": self.exp.start_timeout,
+                            "ring_timeout": 120, "heartbeat_timeout": 60}}
+
+    # --- life cycle ------------------------------------------------------------------
+    def start(self) -> None:
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(self.run_config(), f, sort_keys=False)
+        for k, key in enumerate(self.keys):
+            self.emu.prepare_process(key)
+        for k in range(1, self.plan.n_nodes):
+            cmd = [_tool("mdi-worker"), "--port", str(self.ports[k]), "--host", self.hosts[k], "--threads", "1"]
+            if not self.token and self.hosts[k] != "127.0.0.1":
+                cmd.append("--insecure")  # a private namespace network that this tool made
+            self.workers.append(self._spawn("node%d" % k, cmd, k))
+        if self.exp.starter == "persistent":
+            cmd = STARTER_SERVICE_CMD
+            self.service = StarterService(self._spawn("starter", cmd, 0, pipes=True))
+        self._add_delays()
+
+    def _spawn(self, name: str, cmd: List[str], k: int, pipes: bool = False) -> NodeProcess:
+        log_path = os.path.join(self.work, "ring%d-%s.log" % (self.plan.index, name))
+        return NodeProcess("ring %d %s" % (self.plan.index, name), self.emu.command(cmd, self.keys[k], k),
+                           log_path, self.env, pipes)
+
+    def _add_delays(self) -> None:
+        """Delay proxies for every connection a node opens: starter -> each worker's control
+        port, and each node -> the next node's data port."""
+        n = self.plan.n_nodes
+        for k in range(1, n):
+            self.emu.add_delay(0, k, self.ports[k])
+        for k in range(n):
+            if n > 1:
+                nxt = (k + 1) % n
+                self.emu.add_delay(k, nxt, self.data_ports[nxt])
+
+    def wait_ready(self, timeout: float) -> None:
+        for k, w in enumerate(self.workers, start=1):
+            wait_healthy(self.url(k), self.token, w, timeout)
+        if self.service is not None:
+            self.service.wait_ready(timeout)
+
+    def limit(self) -> None:
+        for key in self.keys:
+            self.emu.limit_cpu(key, True)
+
+    def processes(self) -> List[Optional[NodeProcess]]:
+        """Per node index; the starter is None when it is a fresh mdi-start per run."""
+        return [self.service.proc if self.service else None] + self.workers
+
+    def stop(self) -> None:
+        for k, w in enumerate(self.workers, start=1):
+            if w.alive():
+                post_shutdown(self.url(k), self.token)
+        if self.service is not None:
+            self.service.stop()
+        for w in self.workers:
+            w.stop()
+        for key in self.keys:
+            self.emu.release_process(key)
+
+    # --- one run ---------------------------------------------------------------------
+    def starter_argv(self, samples: int, tokens: int, metrics_path: str) -> List[str]:
+        return ["--config", self.config_path, "--prompt", self.plan.model.prompt, "--n-samples", str(samples),
+                "--n-tokens", str(tokens), "--temperature", repr(self.exp.temperature), "--seed", "1",
+                "--metrics-out", metrics_path, "--quiet"]
+
+    def run(self, samples: int, tokens: int, metrics_path: str) -> RunOutcome:
+        try:
+            self._restart_starter()
+        except RuntimeError as e:
+            return RunOutcome(EXIT_RUN, str(e), None, [], [], os.getloadavg()[0], 0.0)
+        procs = self.processes()
+        for k, p in enumerate(procs):
+            if p is not None:
+                reset_peak_rss(p.pid)
+            self.emu.reset_memory_peak(self.keys[k])
+        if os.path.exists(metrics_path):
+            os.remove(metrics_path)
+        load = os.getloadavg()[0]
+        t0 = time.monotonic()
+        code, error = self._start_run(self.starter_argv(samples, tokens, metrics_path))
+        wall = time.monotonic() - t0
+        peaks = [peak_rss_bytes(p.pid) if p is not None else None for p in procs]
+        cg = [self.emu.memory_peak(key) for key in self.keys]
+        metrics = read_json(metrics_path) if code == 0 else None
+        return RunOutcome(code, error, metrics, peaks, cg, load, wall)
+
+    def _restart_starter(self) -> None:
+        """A starter that died (killed at its memory limit, say) fails its run; the next run
+        gets a new one."""
+        if self.service is None or self.service.proc.alive():
+            return
+        self.log("mdi-bench: ring %d: starter exited (%s); starting a new one"
+                 % (self.plan.index, self.service.proc.tail(1)))
+        self.service.stop()
+        cmd = STARTER_SERVICE_CMD
+        self.service = StarterService(self._spawn("starter", cmd, 0, pipes=True))
+        self.service.wait_ready(self.exp.start_timeout)
+
+    def _start_run(self, argv: List[str]) -> Tuple[int, Optional[str]]:
+        timeout = self.exp.run_timeout
+        if self.service is not None:
+            try:
+                reply = self.service.run(argv, timeout)
+            except RuntimeError as e:
+                return EXIT_RUN, str(e)
+            return int(reply.get("code", EXIT_RUN)), reply.get("error")
+        cmd = self.emu.command([_tool("mdi-start")] + argv, self.keys[0], 0)
+        try:
+            r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return EXIT_RUN, "mdi-start did not finish within %.0f s" % timeout
+        return r.returncode, _error_line(r.stderr.decode(errors="replace")) if r.returncode else None
+
+
+def _tool(name: str) -> str:
+    here = os.path.join(BIN, name)
+    return here if os.path.exists(here) else (shutil.which(name) or name)
+
+
+def read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _error_line(text: str) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    errors = [l for l in lines if l.startswith("mdi: error:")]
+    return (errors or lines or ["no message"])[-1]
+
+
+# --------------------------------------------------------------------------- the warm starter
+
+def serve_starter() -> int:
+    """Answer JSON lines {"argv": [...]} on stdin by running mdi-start's main with those
+    arguments; reply {"code", "error"} on stdout. Everything else goes to stderr (the log)."""
+    import contextlib
+    import io
+    from mdi import cli
+    import torch  # noqa: F401  (the import is the slow part; do it before saying ready)
+    replies = sys.stdout
+    sys.stdout = sys.stderr
+
+    def reply(obj: Dict[str, Any]) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    reply({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        try:
+            argv = json.loads(line)["argv"]
+            if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                raise ValueError("argv must be a list of strings")
+        except (ValueError, KeyError, TypeError) as e:
+            reply({"code": EXIT_CONFIG, "error": "bad request: %s" % e})
+            continue
+        captured = io.StringIO()
+        with contextlib.redirect_stderr(captured):
+            code = cli.start_main(argv)
+        sys.stderr.write(captured.getvalue())
+        sys.stderr.flush()
+        _release_memory()  # so the next run starts from what a fresh mdi-start would hold
+        reply({"code": code, "error": _error_line(captured.getvalue()) if code else None})
+    return 0
+
+
+def _release_memory() -> None:
+    """Free the finished run's tensors and hand the freed heap back to the OS (glibc)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,277 @@
+"""The experiment YAML (models, node counts, partitions, samples in flight, emulation) and
+the rings it asks for; every error names the file and the key."""
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mdi.model.layout import DTYPE_NAMES, balanced, partition_label
+from mdi.runconfig import read_yaml
+from mdi.lab.emulation import EmulationSettings
+
+from mdi.cli import EXIT_CONFIG, EXIT_RUN  # noqa: F401  (mdi-bench exits like mdi-start)
+
+
+class ExperimentError(ValueError):
+    """A bad experiment file; the message names the file and the key."""
+
+
+# --------------------------------------------------------------------------- schema
+
+@dataclass
+class ModelEntry:
+    name: str
+    path: str
+    random: Optional[Dict[str, Any]] = None  # build a random-initialised model there if missing
+    prompt: str = "Once upon a time"
+    tokens: int = 32
+    samples: List[Any] = field(default_factory=lambda: ["1..2N"])
+    nodes: List[int] = field(default_factory=lambda: [1, 2, 3])
+    partitions: List[Any] = field(default_factory=lambda: ["balanced"])
+    dtype: str = "float32"
+    weights: str = "local"  # local: workers read their layers from the model dir; push: over HTTP
+
+
+@dataclass
+class Experiment:
+    name: str
+    source: str
+    models: List[ModelEntry]
+    output: str
+    repeats: int = 3
+    temperature: float = 0.0
+    warmup: bool = True
+    starter: str = "persistent"  # persistent: one starter process per ring; process: mdi-start per run
+    run_timeout: float = 600.0
+    start_timeout: float = 300.0
+    emulation: EmulationSettings = field(default_factory=EmulationSettings)
+    description: str = ""
+    auth: bool = False  # shared secret (MDI_TOKEN) on the control plane and the ring
+
+
+NUM = (int, float)
+MODEL_KEYS = {"name": (str,), "path": (str,), "random": (dict,), "prompt": (str,), "tokens": (int,),
+              "samples": (list,), "nodes": (list,), "partitions": (list,), "dtype": (str,), "weights": (str,)}
+SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights")
+TOP_KEYS = {"name": (str,), "description": (str,), "output": (str,), "models": (list,), "repeats": (int,),
+            "temperature": NUM, "warmup": (bool,), "starter": (str,), "run_timeout": NUM,
+            "start_timeout": NUM, "emulation": (dict,), "auth": (bool,)}
+TOP_KEYS.update({k: MODEL_KEYS[k] for k in SHARED_KEYS})
+EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": NUM, "cpu_period_us": (int,), "memory_limit_mb": (int,),
+                  "bandwidth_mbit": NUM, "latency_ms": NUM}
+RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": (int,), "n_kv_head": (int,),
+               "intermediate_size": (int,), "block_size": (int,), "seed": (int,), "std": NUM}
+KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true/false",
+              dict: "a mapping"}
+
+
+def _fields(where: str, data: Any, allowed: Dict[str, Tuple[type, ...]], required: Sequence[str] = ()) -> Dict[str, Any]:
+    """Check a mapping's keys and value types; every error names `where` and the key."""
+    if not isinstance(data, dict):
+        raise ExperimentError("%s: expected a mapping, got %s" % (where, type(data).__name__))
+    for key in data:
+        if key not in allowed:
+            raise ExperimentError("%s: unknown key %r (expected one of: %s)" % (where, key, ", ".join(sorted(allowed))))
+    for key in required:
+        if data.get(key) is None:
+            raise ExperimentError("%s.%s: required key is missing" % (where, key))
+    out = {}
+    for key, value in data.items():
+        kinds = allowed[key]
+        if value is None:
+            continue
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise ExperimentError("%s.%s: expected %s, got %r"
+                                  % (where, key, " or ".join(KIND_NAMES[k] for k in kinds), value))
+        out[key] = value
+    return out
+
+
+SAMPLE_TERM = r"(\d*)(N?)"
+
+
+def _sample_term(text: str, n: int) -> int:
+    m = re.fullmatch(SAMPLE_TERM, text.strip())
+    if not m or not (m.group(1) or m.group(2)):
+        raise ValueError(text)
+    k = int(m.group(1)) if m.group(1) else 1
+    return k * n if m.group(2) else k
+
+
+def samples_for(items: Sequence[Any], n: int) -> List[int]:
+    """Samples in flight for a ring of n nodes: items are integers, 'kN' or ranges 'A..B'."""
+    out = set()
+    for item in items:
+        if isinstance(item, int):
+            out.add(item)
+        elif ".." in item:
+            lo, hi = item.split("..", 1)
+            out.update(range(_sample_term(lo, n), _sample_term(hi, n) + 1))
+        else:
+            out.add(_sample_term(item, n))
+    return sorted(s for s in out if s >= 1)
+
+
+def _check_samples(where: str, items: List[Any]) -> None:
+    for i, item in enumerate(items):
+        ok = isinstance(item, int) and not isinstance(item, bool) and item >= 1
+        if isinstance(item, str):
+            try:
+                ok = bool(samples_for([item], 1))
+            except ValueError:
+                ok = False
+        if not ok:
+            raise ExperimentError("%s[%d]: expected a positive integer, 'N', '2N' or a range like '1..2N', got %r"
+                                  % (where, i, item))
+    if not items:
+        raise ExperimentError("%s: expected at least one entry" % where)
+
+
+def _check_nodes(where: str, items: List[Any]) -> None:
+    if not items:
+        raise ExperimentError("%s: expected at least one node count" % where)
+    for i, n in enumerate(items):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ExperimentError("%s[%d]: expected a positive integer (number of nodes), got %r" % (where, i, n))
+
+
+def _check_partitions(where: str, items: List[Any]) -> None:
+    if not items:
+        raise ExperimentError("%s: expected at least one partition" % where)
+    for i, p in enumerate(items):
+        if p == "balanced":
+            continue
+        if not isinstance(p, list) or not p or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                                         for c in p):
+            raise ExperimentError("%s[%d]: expected 'balanced' or a list of layer counts like [6, 12, 12], got %r"
+                                  % (where, i, p))
+
+
+def _parse_model(where: str, raw: Any, defaults: Dict[str, Any]) -> ModelEntry:
+    m = _fields(where, raw, MODEL_KEYS, required=("name", "path"))
+    for key in SHARED_KEYS:
+        if key not in m and key in defaults:
+            m[key] = defaults[key]
+    entry = ModelEntry(**m)
+    _check_common(where, entry)
+    if entry.random is not None:
+        _fields(where + ".random", entry.random, RANDOM_KEYS, required=("family", "n_layer", "n_embd", "n_head"))
+    return entry
+
+
+def _check_common(where: str, e: ModelEntry) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", e.name):
+        raise ExperimentError("%s.name: expected letters, digits, '-', '_' or '.', got %r" % (where, e.name))
+    if e.tokens < 1:
+        raise ExperimentError("%s.tokens: expected a positive integer" % where)
+    if e.dtype not in DTYPE_NAMES:
+        raise ExperimentError("%s.dtype: expected one of %s, got %r" % (where, ", ".join(DTYPE_NAMES), e.dtype))
+    if e.weights not in ("local", "push"):
+        raise ExperimentError("%s.weights: expected 'local' or 'push', got %r" % (where, e.weights))
+    _check_samples(where + ".samples", e.samples)
+    _check_nodes(where + ".nodes", e.nodes)
+    _check_partitions(where + ".partitions", e.partitions)
+
+
+def _parse_emulation(where: str, raw: Any) -> EmulationSettings:
+    e = _fields(where, raw or {}, EMULATION_KEYS)
+    enabled = e.pop("enabled", "auto")
+    # YAML reads on/off/yes/no as booleans: accept both spellings.
+    mode = {True: "on", False: "off"}.get(enabled, enabled) if isinstance(enabled, bool) else enabled
+    if mode not in ("auto", "on", "off"):
+        raise ExperimentError("%s.enabled: expected auto, on (true) or off (false), got %r" % (where, enabled))
+    s = EmulationSettings(mode=mode, **e)
+    if s.cpu_quota is not None and not 0.01 <= s.cpu_quota <= 64:
+        raise ExperimentError("%s.cpu_quota: expected cores per node between 0.01 and 64, got %r" % (where, s.cpu_quota))
+    if not 1000 <= s.cpu_period_us <= 1000000:
+        raise ExperimentError("%s.cpu_period_us: expected 1000 to 1000000 microseconds" % where)
+    if s.memory_limit_mb is not None and s.memory_limit_mb < 64:
+        raise ExperimentError("%s.memory_limit_mb: expected at least 64 MB" % where)
+    if s.bandwidth_mbit is not None and s.bandwidth_mbit <= 0:
+        raise ExperimentError("%s.bandwidth_mbit: expected a positive number" % where)
+    if s.latency_ms < 0 or s.latency_ms > 10000:
+        raise ExperimentError("%s.latency_ms: expected 0 to 10000 ms" % where)
+    return s
+
+
+def parse_experiment(data: Any, source: str) -> Experiment:
+    top = _fields(source, data if data is not None else {}, TOP_KEYS, required=("models",))
+    defaults = {k: top[k] for k in SHARED_KEYS if k in top}
+    template = ModelEntry("defaults", "-", **defaults)
+    _check_common(source, template)  # top-level defaults are checked even if every model overrides them
+    models = [_parse_model("%s: models[%d]" % (source, i), raw, defaults) for i, raw in enumerate(top["models"])]
+    if not models:
+        raise ExperimentError("%s: models: expected at least one model" % source)
+    names = [m.name for m in models]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ExperimentError("%s: models[%d].name: model %r is listed twice" % (source, i, name))
+    name = top.get("name") or os.path.splitext(os.path.basename(source))[0]
+    exp = Experiment(name=name, source=source, models=models, output=top.get("output") or os.path.join("results", name),
+                     repeats=top.get("repeats", 3), temperature=float(top.get("temperature", 0.0)),
+                     warmup=top.get("warmup", True), starter=top.get("starter", "persistent"),
+                     run_timeout=float(top.get("run_timeout", 600)), start_timeout=float(top.get("start_timeout", 300)),
+                     emulation=_parse_emulation(source + ": emulation", top.get("emulation")),
+                     description=top.get("description", ""), auth=top.get("auth", False))
+    _check_top(source, exp)
+    return exp
+
+
+def _check_top(source: str, exp: Experiment) -> None:
+    if exp.repeats < 1:
+        raise ExperimentError("%s: repeats: expected a positive integer" % source)
+    if exp.temperature < 0:
+        raise ExperimentError("%s: temperature: expected a number >= 0" % source)
+    if exp.starter not in ("persistent", "process"):
+        raise ExperimentError("%s: starter: expected 'persistent' or 'process', got %r" % (source, exp.starter))
+    for key in ("run_timeout", "start_timeout"):
+        if getattr(exp, key) <= 0:
+            raise ExperimentError("%s: %s: expected a positive number of seconds" % (source, key))
+
+
+def load_experiment(path: str) -> Experiment:
+    return parse_experiment(read_yaml(path, ExperimentError, "experiment"), path)
+
+
+# --------------------------------------------------------------------------- plan
+
+@dataclass
+class RingPlan:
+    index: int  # unique over the whole sweep (ports and cgroup names derive from it)
+    model: ModelEntry
+    path: str
+    n_nodes: int
+    counts: List[int]
+    kind: str  # balanced | explicit
+    samples: List[int]
+    local_weights: bool = True
+    weights: List[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return partition_label(self.counts)
+
+    def work(self, samples: int) -> int:
+        """sample-tokens x weight kB: a proxy for a run's compute, for the progress estimate."""
+        return samples * self.model.tokens * max(1, sum(self.weights) // 1000)
+
+
+def plan_rings(entry: ModelEntry, where: str, n_layer: int) -> List[Tuple[int, List[int], str]]:
+    """(nodes, layer counts, kind) for every ring of one model, in node-count order."""
+    rings, seen = [], set()
+    for i, p in enumerate(entry.partitions):
+        if p != "balanced" and sum(p) != n_layer:
+            raise ExperimentError("%s.partitions[%d]: %s sums to %d, but %s has %d layers"
+                                  % (where, i, partition_label(p), sum(p), entry.name, n_layer))
+    for n in entry.nodes:
+        if n > n_layer:
+            raise ExperimentError("%s.nodes: %d nodes but %s has only %d layers" % (where, n, entry.name, n_layer))
+        for p in entry.partitions:
+            counts = balanced(n_layer, n) if p == "balanced" else list(p)
+            if len(counts) != n or (n, tuple(counts)) in seen:
+                continue  # an explicit partition is for the node count of its length
+            seen.add((n, tuple(counts)))
+            rings.append((n, counts, "balanced" if p == "balanced" else "explicit"))
+    if not rings:
+        raise ExperimentError("%s.partitions: no partition matches any of the node counts %s" % (where, entry.nodes))
+    return rings

@@ -1,0 +1,279 @@
+"""Running a whole experiment: every ring of every model, repeats interleaved, with progress,
+a state file for --cleanup, and the outputs at the end.
+
+Run order: for each model, every ring (node count x partition) is started once and kept up;
+then repeat by repeat, ring by ring, samples ascending. Interleaving the repeats across rings
+spreads a noisy neighbour's load over every configuration instead of one.
+"""
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+from mdi.system.files import write_json
+from mdi.lab.emulation import Emulation, remove_leftovers
+from mdi.lab.model_setup import ensure_model, model_layout, weight_bytes
+from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
+from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, cmd_text, machine_record, make_row, read_rows,
+                     scaling_lines, summarize, write_csv, write_report)
+from mdi.lab.spec import EXIT_RUN, Experiment, ExperimentError, RingPlan, plan_rings, samples_for
+
+
+# --------------------------------------------------------------------------- progress
+
+class Progress:
+    """Which run, how many left, and an estimate from the seconds per sample-token measured
+    so far on the same model (plus what is left of the rings' start-ups)."""
+
+    def __init__(self, plan: List[Tuple[str, int]], log: Callable[[str], None]) -> None:
+        self.plan = plan  # (model, samples x tokens) per run, in order
+        self.log = log
+        self.done = 0
+        self.t0 = time.monotonic()
+        self.spent = {}  # type: Dict[str, List[float]]  # model -> [seconds, work]
+
+    def begin(self, text: str) -> None:
+        left = len(self.plan) - self.done
+        self.log("mdi-bench: [%d/%d] %s  (%s elapsed, %d runs left%s)"
+                 % (self.done + 1, len(self.plan), text, _duration(time.monotonic() - self.t0), left,
+                    self._eta()))
+
+    def end(self, model: str, work: int, seconds: float) -> None:
+        s = self.spent.setdefault(model, [0.0, 0.0])
+        s[0] += seconds
+        s[1] += work
+        self.done += 1
+
+    def _eta(self) -> str:
+        total = [sum(v[0] for v in self.spent.values()), sum(v[1] for v in self.spent.values())]
+        if not total[1]:
+            return ""
+        eta = 0.0
+        for model, work in self.plan[self.done:]:
+            seconds, done_work = self.spent.get(model) or total
+            eta += work * seconds / done_work if done_work else 0.0
+        return ", ~%s to go" % _duration(eta)
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return "%dm%02ds" % (s // 60, s % 60) if s >= 60 else "%ds" % s
+
+
+# --------------------------------------------------------------------------- the sweep
+
+class Sweep:
+    def __init__(self, exp: Experiment, out: str, log: Callable[[str], None]) -> None:
+        self.exp, self.out, self.log = exp, out, log
+        self.runs_dir = os.path.join(out, "runs")
+        self.csv_path = os.path.join(out, "results.csv")
+        self.rows = []  # type: List[Dict[str, str]]
+        self.rings = []  # type: List[Ring]
+        # No shared secret by default: nodes listen on loopback or on the private namespace
+        # network made here. auth: true turns it on (the zmq PLAIN handshake on every link).
+        self.token = secrets.token_hex(16) if exp.auth else None
+        self.work = tempfile.mkdtemp(prefix="mdi-bench-")
+        self.emu = Emulation(exp.emulation, max(max(m.nodes) for m in exp.models), log)
+        self.state_path = os.path.join(tempfile.gettempdir(), "mdi-bench-state-%d.json" % os.getpid())
+        self.failed = 0
+        self.ring_index = 0
+
+    # --- planning --------------------------------------------------------------------
+    def prepare(self) -> List[List[RingPlan]]:
+        """Models built or found, rings planned; every error names the key before anything runs."""
+        plans = []
+        for i, entry in enumerate(self.exp.models):
+            where = "%s: models[%d]" % (self.exp.source, i)
+            path = ensure_model(entry, where, self.exp.source, self.log)
+            try:
+                config, local = model_layout(path)
+            except (ValueError, OSError) as e:  # CheckpointError, TokenizerError: the model cannot be read
+                raise ExperimentError("%s.path: %s" % (where, e))
+            rings = []
+            for n, counts, kind in plan_rings(entry, where, config.n_layer):
+                rings.append(RingPlan(self.ring_index, entry, path, n, counts, kind, samples_for(entry.samples, n),
+                                      local, weight_bytes(config, counts, entry.dtype)))
+                self.ring_index += 1
+            plans.append(rings)
+        return plans
+
+    def run_list(self, plans: List[List[RingPlan]]) -> List[Tuple[str, int]]:
+        """(model, work) per run; work = sample-tokens x weight bytes, a proxy for its compute
+        that lets the estimate carry over from one model to the next."""
+        return [(p.model.name, p.work(s))
+                for rings in plans for _ in range(self.exp.repeats) for p in rings for s in p.samples]
+
+    # --- running ---------------------------------------------------------------------
+    def run(self, plans: List[List[RingPlan]]) -> None:
+        os.makedirs(self.runs_dir, exist_ok=True)
+        self.emu.start()
+        self._save_state()
+        self.log("mdi-bench: " + self.emu.describe())
+        quota = self.exp.emulation.cpu_quota
+        if self.emu.active("cpu") and quota * self.emu.max_nodes > (os.cpu_count() or 1):
+            self.log("mdi-bench: warning: %d nodes x %.2f core > %d CPUs: nodes will compete for CPUs"
+                     % (self.emu.max_nodes, quota, os.cpu_count() or 1))
+        progress = Progress(self.run_list(plans), self.log)
+        write_csv(self.csv_path, CSV_COLUMNS, [])
+        for rings in plans:
+            self._run_model(rings, progress)
+
+    def _run_model(self, plans: List[RingPlan], progress: Progress) -> None:
+        self.log("mdi-bench: starting %d ring(s) for %s" % (len(plans), plans[0].model.name))
+        self.rings = [Ring(p, self.exp, self.emu, self.token, self.work, self.log) for p in plans]
+        try:
+            for ring in self.rings:
+                ring.start()
+                self._save_state()
+            for ring in self.rings:
+                ring.wait_ready(self.exp.start_timeout)
+                ring.limit()  # from here on every node runs under its quota
+                if self.exp.warmup:
+                    ring.run(1, min(4, ring.plan.model.tokens), os.path.join(self.work, "warmup.json"))
+            for repeat in range(1, self.exp.repeats + 1):
+                for ring in self.rings:
+                    for s in ring.plan.samples:
+                        self._one_run(ring, s, repeat, progress)
+        finally:
+            self._stop_rings()
+
+    def _one_run(self, ring: Ring, samples: int, repeat: int, progress: Progress) -> None:
+        p = ring.plan
+        progress.begin("%s N=%d %s S=%d repeat %d/%d" % (p.model.name, p.n_nodes, p.label, samples, repeat,
+                                                        self.exp.repeats))
+        name = "%s_n%d_%s_s%d_r%d.json" % (p.model.name, p.n_nodes, p.label.replace("+", "-"), samples, repeat)
+        outcome = ring.run(samples, p.model.tokens, os.path.join(self.runs_dir, name))
+        row = make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(), os.path.join("runs", name))
+        self.rows.append(row)
+        write_csv(self.csv_path, CSV_COLUMNS, self.rows)  # rewritten each run: an interrupted sweep keeps its rows
+        progress.end(p.model.name, p.work(samples), outcome.wall_s)
+        if row["status"].startswith("ok"):
+            self.log("mdi-bench:     %s tok/s decode, %s tok/s overall, ttft %s s, %.1f s wall"
+                     % (row["decode_tokens_per_s"], row["tokens_per_s"], row["ttft_s"], outcome.wall_s))
+        else:
+            self.failed += 1
+            self.log("mdi-bench:     %s" % row["status"])
+
+    def _stop_rings(self) -> None:
+        for ring in self.rings:
+            try:
+                ring.stop()
+            except Exception as e:  # keep stopping the others; report what went wrong
+                self.log("mdi-bench: warning: stopping ring %d: %s" % (ring.plan.index, e))
+        self.rings = []
+        self.emu.clear_delays()
+        self._save_state()
+
+    # --- state file and teardown -----------------------------------------------------
+    def _save_state(self) -> None:
+        """What exists, so `mdi-bench --cleanup` can remove it if this process is killed."""
+        pids = [p.pid for r in self.rings for p in r.processes() if p is not None]
+        state = {"pid": os.getpid(), "children": pids, "work": self.work}
+        state.update(self.emu.resources())
+        with open(self.state_path, "w") as f:
+            json.dump(state, f)
+
+    def close(self, keep_work: bool) -> None:
+        self._stop_rings()
+        for problem in self.emu.close():
+            self.log("mdi-bench: warning: teardown: %s" % problem)
+        if os.path.exists(self.state_path):
+            os.remove(self.state_path)
+        if keep_work:
+            self.log("mdi-bench: node logs kept in %s" % self.work)
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def finish_outputs(out: str, machine: Dict[str, Any], log: Callable[[str], None]) -> None:
+    """summary.csv, report.md and the PNGs from results.csv (also what --plot-only does)."""
+    rows = read_rows(os.path.join(out, "results.csv"))
+    summary = summarize(rows)
+    write_csv(os.path.join(out, "summary.csv"), SUMMARY_COLUMNS, summary)
+    write_report(os.path.join(out, "report.md"), summary, machine)
+    from mdi.lab import plots
+    for path in plots.plot_all(out, rows, summary):
+        log("mdi-bench: wrote %s" % path)
+    for line in scaling_lines(summary):
+        log("mdi-bench: " + line[2:])
+
+
+def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int:
+    os.makedirs(out, exist_ok=True)
+    shutil.copyfile(exp.source, os.path.join(out, "experiment.yaml"))
+    machine = machine_record(exp.source)
+    machine["experiment"] = {"name": exp.name, "description": exp.description, "repeats": exp.repeats,
+                             "starter": exp.starter, "temperature": exp.temperature}
+    sweep = Sweep(exp, out, log)
+    interrupted = False
+    try:
+        plans = sweep.prepare()
+        sweep.run(plans)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("mdi-bench: interrupted; stopping the nodes and removing the emulation")
+    finally:
+        machine["emulation"] = sweep.emu.record()
+        sweep.close(keep_work=interrupted or sweep.failed > 0)
+    machine.update(time_end=time.strftime("%Y-%m-%d %H:%M:%S %z"), loadavg_end=list(os.getloadavg()),
+                   uptime_end=cmd_text(["uptime"]), runs=len(sweep.rows), runs_failed=sweep.failed,
+                   interrupted=interrupted)
+    write_json(os.path.join(out, "machine.json"), machine)
+    if sweep.rows:
+        finish_outputs(out, machine, log)
+    if interrupted:
+        return 130
+    return EXIT_RUN if sweep.failed else 0
+
+
+def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
+    sweep = Sweep(exp, exp.output, log)
+    try:
+        plans = sweep.prepare()
+    finally:
+        shutil.rmtree(sweep.work, ignore_errors=True)
+    for rings in plans:
+        for p in rings:
+            log("%s: %d node(s), partition %s (%s), samples %s, %d tokens, %d repeats"
+                % (p.model.name, p.n_nodes, p.label, p.kind, p.samples, p.model.tokens, exp.repeats))
+    log("%d runs in all" % len(sweep.run_list(plans)))
+    return 0
+
+
+def cleanup_stale(log: Callable[[str], None]) -> int:
+    """Remove what killed mdi-bench processes left: their node processes (by the PIDs they
+    recorded, and only if still an mdi process), namespaces, bridge and cgroups."""
+    base = tempfile.gettempdir()
+    found = 0
+    for name in sorted(os.listdir(base)):
+        m = re.fullmatch(r"mdi-bench-state-(\d+)\.json", name)
+        if not m or os.path.exists("/proc/%s" % m.group(1)):
+            continue
+        found += 1
+        state = read_json(os.path.join(base, name)) or {}
+        for pid in state.get("children") or []:
+            if _is_mdi_process(pid):
+                os.kill(pid, signal.SIGKILL)
+                log("mdi-bench: killed leftover node process %d" % pid)
+        time.sleep(0.5)
+        for problem in remove_leftovers(state):
+            log("mdi-bench: warning: %s" % problem)
+        if state.get("work"):
+            shutil.rmtree(state["work"], ignore_errors=True)
+        os.remove(os.path.join(base, name))
+    log("mdi-bench: cleaned up after %d stale run(s)" % found)
+    return 0
+
+
+def _is_mdi_process(pid: int) -> bool:
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmd = f.read().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"mdi-worker" in cmd or STARTER_SERVICE_MODULE.encode() in cmd or b"mdi-start" in cmd

@@ -1,0 +1,85 @@
+"""Open a model from any supported source and build the chunk a node needs.
+
+A prepared mdi directory is read lazily (a node loads only its own tensors); a raw source
+(Hugging Face directory, GGUF, nanoGPT ckpt.pt) is converted in memory once.
+"""
+import os
+from typing import Dict, Optional
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from mdi.model import checkpoints
+from mdi.model.config import ModelConfig
+from mdi.model.layout import CheckpointError, expected_keys
+from mdi.model.transformer import ModelChunk
+from mdi.model.tokenizers import (Tokenizer, TokenizerError, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir)
+
+def is_mdi_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "mdi_config.json"))
+
+
+class ModelSource:
+    """A model's config, tokenizer and a way to fetch any node's weights."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.exists(path):
+            raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
+        self.path = path
+        self._full = None  # type: Optional[Dict[str, torch.Tensor]]
+        if is_mdi_dir(path):
+            self.config = checkpoints.read_mdi_config(path)
+            self.tokenizer = load_tokenizer(path)  # type: Optional[Tokenizer]
+        else:
+            self.config, self._full = checkpoints.read_checkpoint(path)
+            self.tokenizer = _raw_tokenizer(path)
+        if self.tokenizer is not None:
+            check_vocab(self.tokenizer, self.config)
+
+    def weights(self, first: int, last: int, with_embedding: bool, with_head: bool,
+                dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+        if self._full is None:
+            return checkpoints.load_weights(self.path, (first, last), with_embedding, with_head, dtype)
+        keys = expected_keys(self.config, (first, last), with_embedding, with_head)
+        return {k: self._full[k].to(dtype) for k in keys}
+
+    def chunk_bytes(self, first: int, last: int, dtype: torch.dtype) -> bytes:
+        """A worker's weights as safetensors bytes, to push over the control plane."""
+        w = self.weights(first, last, False, False, dtype)
+        return safetensors_save({k: v.contiguous() for k, v in w.items()})
+
+
+def check_vocab(tokenizer: Tokenizer, config: ModelConfig) -> None:
+    """Every id the tokenizer can produce must have an embedding row (a request's token ids
+    are bounded by the tokenizer's vocabulary)."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise TokenizerError("tokenizer has %d tokens but the model only %d" % (tokenizer.vocab_size, config.vocab_size))
+
+
+def _raw_tokenizer(path: str) -> Optional[Tokenizer]:
+    if path.endswith(".gguf"):
+        return tokenizer_from_gguf(path)
+    if os.path.isdir(path):
+        return tokenizer_from_hf_dir(path)
+    # nanoGPT ckpt.pt: a prepared vocabulary may sit beside it
+    here = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(here, "tokenizer_mdi.json")):
+        return load_tokenizer(here)
+    return None
+
+
+def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: int, last: int,
+                with_embedding: bool, with_head: bool, dtype: torch.dtype, device: str,
+                compute_dtype: Optional[torch.dtype] = None) -> ModelChunk:
+    with torch.device("meta"):
+        chunk = ModelChunk(config, first, last, with_embedding, with_head)
+    # Materialise on the target device without a throwaway random initialisation.
+    chunk = chunk.to_empty(device=device)
+    chunk.load_weights({k: v.to(dtype) for k, v in weights.items()})
+    chunk.to(dtype=dtype)
+    # Buffers (RoPE tables) were on meta: recompute them for real.
+    if chunk.rope is not None:
+        from mdi.model.transformer import RotaryEmbedding
+        chunk.rope = RotaryEmbedding(config).to(device)
+    chunk.compute_dtype = compute_dtype if compute_dtype != dtype else None
+    return chunk.eval()

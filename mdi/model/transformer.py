@@ -1,0 +1,288 @@
+"""One transformer for the GPT-2 and Llama families, cut-able into contiguous chunks.
+
+A `ModelChunk` holds blocks [first, last) of the network and, optionally, the input side
+(token + position embeddings) and the output side (final norm + LM head). The starter holds
+embedding + first blocks + head; a worker holds a middle range. Block indices stay global so
+that a chunk's state dict uses the same keys as the full model (`blocks.{i}....`).
+
+Attention reads and writes a `KVCache` with one preallocated slot per in-flight sample; a
+call names its slot and the absolute position of its first token, so prefill and decode are
+the same code path and nothing is ever recomputed.
+"""
+from typing import Dict, Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mdi.model.config import ModelConfig
+
+
+# Weights may be stored in a narrower dtype than the activations (float16 storage with
+# float32 compute on GPUs without fast half arithmetic): layers cast their weights to the
+# activations' dtype, which is free when the two already match.
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+class RMSNorm(nn.Module):
+    # Hand-written: torch.nn.RMSNorm does not exist in torch 2.0 (JetPack 5).
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * xf.to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.family == "gpt2":
+        return LayerNorm(config.n_embd, eps=config.norm_eps)
+    return RMSNorm(config.n_embd, config.norm_eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face Llama layout), tables computed once per chunk."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        t = torch.arange(config.block_size, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        # x: [heads, T, head_dim]
+        T = x.shape[-2]
+        cos = self.cos[start:start + T].to(x.dtype)
+        sin = self.sin[start:start + T].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class KVCache:
+    """Keys and values for a chunk's layers: [layers, slots, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, config: ModelConfig, n_layers: int, n_slots: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if max_len > config.block_size:
+            raise ValueError("cache length %d exceeds the model context %d" % (max_len, config.block_size))
+        shape = (n_layers, n_slots, config.n_kv_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_slots = n_slots
+        self.max_len = max_len
+
+    @staticmethod
+    def nbytes_for(config: ModelConfig, n_layers: int, n_slots: int, max_len: int, dtype: torch.dtype) -> int:
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        return 2 * n_layers * n_slots * config.n_kv_head * max_len * config.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.qkv = Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
+                             bias=config.bias)
+        self.proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                rope: Optional[RotaryEmbedding]) -> torch.Tensor:
+        # x: [T, C] for one sample; k_cache/v_cache: [kv_heads, max_len, head_dim] (its slot)
+        T = x.shape[0]
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(T, H, D).transpose(0, 1)
+        k = k.view(T, KV, D).transpose(0, 1)
+        v = v.view(T, KV, D).transpose(0, 1)
+        if rope is not None:
+            q, k = rope(q, start), rope(k, start)
+        end = start + T
+        k_cache[:, start:end] = k
+        v_cache[:, start:end] = v
+        keys, values = k_cache[:, :end], v_cache[:, :end]
+        # Grouped-query attention without repeating K/V: fold the G query heads that share a
+        # KV head into the query-length axis, rows ordered (g, t).
+        G = H // KV
+        q = q.reshape(KV, G * T, D)
+        mask = None
+        if T > 1:
+            t = torch.arange(T, device=x.device).repeat(G)
+            mask = torch.arange(end, device=x.device)[None, :] <= (start + t)[:, None]
+        y = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                           attn_mask=mask)
+        y = y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
+        return self.proj(y)
+
+    def forward_batch(self, x: torch.Tensor, rope: Optional[RotaryEmbedding]) -> torch.Tensor:
+        """Causal attention over whole sequences x [B, T, C] without a cache (training)."""
+        B, T, _ = x.shape
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        k = k.view(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
+        v = v.view(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
+        if rope is not None:
+            q, k = rope(q, 0), rope(k, 0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.family = config.family
+        if config.family == "gpt2":
+            self.fc = Linear(config.n_embd, config.intermediate_size, bias=True)
+            self.proj = Linear(config.intermediate_size, config.n_embd, bias=True)
+            self.gelu_approximate = config.gelu_approximate
+        else:
+            self.gate_up = Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
+            self.down = Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.family == "gpt2":
+            return self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = make_norm(config)
+        self.attn = Attention(config)
+        self.norm2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, k_cache, v_cache, start, rope):
+        x = x + self.attn(self.norm1(x), k_cache, v_cache, start, rope)
+        return x + self.mlp(self.norm2(x))
+
+    def forward_batch(self, x, rope):
+        x = x + self.attn.forward_batch(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class ModelChunk(nn.Module):
+    """Blocks [first, last) plus, optionally, the embeddings and the final norm + head."""
+
+    def __init__(self, config: ModelConfig, first: int, last: int,
+                 with_embedding: bool = False, with_head: bool = False) -> None:
+        super().__init__()
+        if not 0 <= first <= last <= config.n_layer:
+            raise ValueError("layer range [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
+        self.config, self.first, self.last = config, first, last
+        self.with_embedding, self.with_head = with_embedding, with_head
+        if with_embedding or (with_head and config.tied_head):
+            self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        if with_embedding and config.family == "gpt2":
+            self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(first, last)})
+        self.rope = RotaryEmbedding(config) if config.family == "llama" and last > first else None
+        if with_head:
+            self.norm_f = make_norm(config)
+            if not config.tied_head:
+                self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.cache = None  # type: Optional[KVCache]
+        self.compute_dtype = None  # type: Optional[torch.dtype]  # None: the weights' dtype
+
+    @property
+    def n_layers(self) -> int:
+        return self.last - self.first
+
+    # --- state ---------------------------------------------------------------------
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Load canonical weights, failing with the names of missing or unexpected tensors."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(weights))
+        unexpected = sorted(set(weights) - set(own))
+        if missing or unexpected:
+            raise ValueError("weights do not match layers [%d, %d): missing %s; unexpected %s"
+                             % (self.first, self.last, missing[:5] or "none", unexpected[:5] or "none"))
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError("tensor %s has shape %s, expected %s"
+                                 % (name, tuple(tensor.shape), tuple(own[name].shape)))
+        self.load_state_dict(weights, strict=True)
+
+    def allocate_cache(self, n_slots: int, max_len: int) -> KVCache:
+        p = next(self.parameters(), None)
+        dtype = self.compute_dtype or (p.dtype if p is not None else torch.float32)
+        device = p.device if p is not None else torch.device("cpu")
+        self.cache = None  # free the previous run's cache before allocating the next one
+        self.cache = KVCache(self.config, self.n_layers, n_slots, max_len, dtype, device)
+        return self.cache
+
+    def free_cache(self) -> None:
+        self.cache = None
+
+    # --- compute -------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        x = self.tok_emb(ids)
+        if self.config.family == "gpt2":
+            x = x + self.pos_emb(torch.arange(start, start + ids.shape[0], device=ids.device))
+        return x.to(self.compute_dtype) if self.compute_dtype is not None else x
+
+    def forward_blocks(self, x: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+        """Run this chunk's blocks on one sample's activations x [T, C] at positions start.."""
+        if self.n_layers == 0:
+            return x
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("no KV cache allocated")
+        if not 0 <= slot < cache.n_slots:
+            raise ValueError("sample slot %d outside the %d allocated" % (slot, cache.n_slots))
+        if start < 0 or start + x.shape[0] > cache.max_len:
+            raise ValueError("positions [%d, %d) exceed the cache length %d"
+                             % (start, start + x.shape[0], cache.max_len))
+        for j, block in enumerate(self.blocks.values()):
+            x = block(x, cache.k[j, slot], cache.v[j, slot], start, self.rope)
+        return x
+
+    def forward_batch(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits for whole sequences ids [B, T], no cache: the training path (full model only)."""
+        if not (self.with_embedding and self.with_head and self.first == 0 and self.last == self.config.n_layer):
+            raise RuntimeError("forward_batch needs the full model")
+        B, T = ids.shape
+        x = self.tok_emb(ids)
+        if self.config.family == "gpt2":
+            x = x + self.pos_emb(torch.arange(T, device=ids.device))
+        for block in self.blocks.values():
+            x = block.forward_batch(x, self.rope)
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm_f(x)
+        if self.config.tied_head:
+            return F.linear(x, self.tok_emb.weight.to(x.dtype))
+        return self.lm_head(x)
+
+
+def full_model(config: ModelConfig) -> ModelChunk:
+    return ModelChunk(config, 0, config.n_layer, with_embedding=True, with_head=True)
+
+
+def parameter_count(weights: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() for t in weights)

@@ -1,0 +1,90 @@
+"""Validation of control-plane requests: every field checked before anything is used."""
+import re
+from typing import Any, Dict
+
+from mdi.model.config import ModelConfig
+from mdi.model.layout import DTYPE_NAMES, weight_bytes
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_WEIGHTS_BYTES = 64 * 1024 ** 3
+
+
+SAFETENSORS_SLACK = 1 << 20  # room for the safetensors header on top of the tensor bytes
+
+
+class RequestError(ValueError):
+    """A control-plane request that cannot be honoured; the message says why."""
+
+
+def _int(where: str, value: Any, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise RequestError("%s must be an integer in [%d, %d]" % (where, lo, hi))
+    return value
+
+
+def _str(where: str, value: Any, max_len: int = 4096) -> str:
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise RequestError("%s must be a non-empty string" % where)
+    return value
+
+
+def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
+    if not isinstance(data, dict):
+        raise RequestError("%s must be an object" % where)
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise RequestError("%s: missing key %r" % (where, missing[0]))
+    unknown = sorted(set(data) - set(required) - set(optional))
+    if unknown:
+        raise RequestError("%s: unknown key %r" % (where, unknown[0]))
+    return data
+
+
+def validate_init(body: Any) -> Dict[str, Any]:
+    spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
+                                "data", "weights"), ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype"))
+    _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
+    try:
+        if not isinstance(spec["model"], dict):
+            raise ValueError("must be an object")
+        config = ModelConfig.from_dict(spec["model"])
+    except (TypeError, ValueError) as e:
+        raise RequestError("model: %s" % e)
+    for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
+        _int("model." + key, getattr(config, key), 1, 1 << 24)
+    layers = spec["layers"]
+    if not isinstance(layers, list) or len(layers) != 2:
+        raise RequestError("layers must be [first, last) as two integers")
+    _int("layers[0]", layers[0], 0, config.n_layer - 1)
+    _int("layers[1]", layers[1], layers[0] + 1, config.n_layer)
+    for key in ("dtype", "compute_dtype"):
+        if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPE_NAMES:
+            raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPE_NAMES)))
+    device = _str("device", spec["device"], 32)
+    if not (device in ("cpu", "cuda") or re.match(r"^cuda:\d+$", device)):
+        raise RequestError("device must be cpu, cuda or cuda:N")
+    _int("n_slots", spec["n_slots"], 1, 4096)
+    _int("max_len", spec["max_len"], 1, config.block_size)
+    if spec.get("cache_budget_bytes") is not None:
+        _int("cache_budget_bytes", spec["cache_budget_bytes"], 0, 2 ** 62)
+    hb = spec.get("heartbeat_timeout")
+    if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float)) or not 0.5 <= hb <= 3600):
+        raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
+    data = _keys("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
+    _int("data.bind_port", data["bind_port"], 1, 65535)
+    _int("data.next_port", data["next_port"], 1, 65535)
+    _str("data.next_host", data["next_host"], 255)
+    if not isinstance(data["is_last"], bool):
+        raise RequestError("data.is_last must be true or false")
+    weights = spec["weights"]
+    if isinstance(weights, dict) and "path" in weights:
+        _keys("weights", weights, ("path",))
+        _str("weights.path", weights["path"])
+    else:
+        _keys("weights", weights, ("push",))
+        push = _keys("weights.push", weights["push"], ("nbytes", "sha256"))
+        limit = min(MAX_WEIGHTS_BYTES, weight_bytes(config, layers, spec["dtype"]) + SAFETENSORS_SLACK)
+        _int("weights.push.nbytes", push["nbytes"], 1, limit)
+        if not isinstance(push["sha256"], str) or not HEX64.match(push["sha256"]):
+            raise RequestError("weights.push.sha256 must be 64 lowercase hex digits")
+    return spec

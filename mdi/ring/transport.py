@@ -1,0 +1,269 @@
+"""Data-plane endpoint: one persistent zmq connection from each node to the next.
+
+A node binds a PULL socket (its previous neighbour connects to it) and connects a PUSH socket
+to its next neighbour. A receive thread validates frames into an input FIFO while frames queue
+up for a busy compute loop; a send thread drains an output FIFO whenever zmq cannot take a
+frame at once. The compute loop never blocks on the network.
+
+On the path of a frame through an idle node nothing hands off between threads: a compute
+loop with nothing to do waits on the PULL socket itself, and a frame with nothing queued
+before it goes straight into zmq's send queue (zmq's own I/O thread moves bytes in the
+background either way). Each hand-off wakes a thread, which costs ~100 us per hop on a 2-CPU
+machine (scripts/bench_transport.py: 227 vs 118 us per hop). zmq sockets are not thread-safe,
+so each socket has exactly one user at a time, handed over as described where it happens.
+"""
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol  # noqa: F401  (type comments)
+
+import zmq
+
+from mdi.ring.auth import plain_authenticator
+from mdi.ring.wire import DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, FrameError, encode
+
+log = logging.getLogger("mdi.transport")
+
+POLL_MS = 50
+MAX_MESSAGE_BYTES = DEFAULT_MAX_PAYLOAD + MAX_HEADER_BYTES
+_endpoint_ids = itertools.count()
+
+
+class RingTimeout(RuntimeError):
+    """No frame arrived within the wait; the message says how long and where."""
+
+
+class Transport(Protocol):
+    """What the starter's pipeline needs of a data plane: a ring of sockets or a local loop."""
+
+    def send(self, frame: Frame) -> None: ...
+
+    def recv(self, timeout: float) -> Frame: ...
+
+    def traffic(self) -> Dict[str, Any]: ...
+
+
+class LocalLoop:
+    """Transport of a one-node ring: what the starter sends comes straight back."""
+
+    def __init__(self) -> None:
+        self.queue = collections.deque()  # type: Deque[Frame]
+
+    def send(self, frame: Frame) -> None:
+        self.queue.append(frame)
+
+    def recv(self, timeout: float) -> Frame:
+        if not self.queue:
+            raise RingTimeout("local loop is empty")
+        return self.queue.popleft()
+
+    def traffic(self) -> Dict[str, Any]:
+        return {"bytes_sent": 0, "messages_sent": 0}
+
+
+class RingEndpoint:
+    """One node's data plane. send/recv/flush are for one caller thread: the compute loop."""
+
+    def __init__(self, name: str, bind_host: str, bind_port: int,
+                 validate: Callable[[List[zmq.Frame]], Frame], password: Optional[str] = None) -> None:
+        self.name = name
+        self.validate = validate
+        self.password = password
+        self.ctx = zmq.Context.instance()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops larger messages itself
+        if password is not None:
+            # zmq PLAIN handshake: only peers that know this run's password may connect.
+            plain_authenticator(self.ctx).configure_plain(domain="*", passwords={"mdi": password})
+            self.pull.plain_server = True
+        self._bind(bind_host, bind_port)
+        self.inbox = queue.SimpleQueue()  # type: queue.SimpleQueue
+        self.outbox = queue.SimpleQueue()  # type: queue.SimpleQueue
+        self.bytes_sent = 0
+        self.messages_sent = 0
+        self.bytes_by_kind = {}  # type: Dict[str, int]
+        self.messages_by_kind = {}  # type: Dict[str, int]
+        self.frames_received = 0
+        self.bad_frames = 0
+        self.last_error = None  # type: Optional[str]
+        self._stop = threading.Event()
+        # Receiving: the PULL socket belongs to whoever holds _pull_lock. The compute loop
+        # lends it (sets _lent) when it finds frames queued up behind the one it took, so the
+        # receive thread validates them while it computes; it takes the socket back by clearing
+        # _lent and waking the receive thread's poll through an inproc pair.
+        self._pull_lock = threading.Lock()
+        self._lent = threading.Event()
+        wake = "inproc://mdi-wake-%d" % next(_endpoint_ids)
+        self._wake_rx = self.ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(wake)
+        self._wake_tx = self.ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(wake)
+        # Sending: the send thread uses the PUSH socket only while frames wait in the outbox
+        # (_queued > _left, each counter written by one side); otherwise the compute loop does.
+        self._push = None  # type: Optional[zmq.Socket]
+        self._queued = 0  # frames put in the outbox (by the compute loop)
+        self._left = 0  # outbox frames handed to zmq (by the send thread)
+        self._receiver = threading.Thread(target=self._receive_loop, name=name + "-recv", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name=name + "-send", daemon=True)
+        self._receiver.start()
+
+    def _bind(self, host: str, port: int, patience: float = 3.0) -> None:
+        # zmq closes sockets asynchronously, so the previous run's socket on this port may
+        # still be going away: retry briefly instead of failing the run.
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                self.pull.bind("tcp://%s:%d" % (host, port))
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    self.pull.close(linger=0)
+                    raise RuntimeError("%s: cannot bind data port %s:%d: %s" % (self.name, host, port, e))
+                time.sleep(0.05)
+
+    def connect(self, host: str, port: int) -> None:
+        """Start sending to the next node (zmq reconnects by itself if it restarts)."""
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        if self.password is not None:
+            push.plain_username = b"mdi"
+            push.plain_password = self.password.encode()
+        push.connect("tcp://%s:%d" % (host, port))
+        self._push = push
+        self._sender.start()
+
+    # --- called by the compute loop --------------------------------------------------
+    def send(self, frame: Frame) -> None:
+        """Queue a frame for the next node; never blocks. With nothing queued before it and
+        room in zmq's queue it is handed to zmq here, else to the send thread."""
+        if self._push is not None and self._queued == self._left:
+            parts = encode(frame)
+            try:
+                self._push.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                self._count(frame.kind, sum(len(p) for p in parts))
+                return
+            except zmq.Again:  # zmq's queue is full: the neighbour is slow or gone
+                pass
+        self._queued += 1
+        self.outbox.put(frame)
+
+    def recv(self, timeout: float) -> Frame:
+        """The next valid frame; RingTimeout after `timeout` seconds without one."""
+        try:
+            return self.inbox.get_nowait()  # the receive thread has been filling it
+        except queue.Empty:
+            return self._recv_from_socket(timeout)
+
+    def _recv_from_socket(self, timeout: float) -> Frame:
+        deadline = time.monotonic() + timeout
+        if self._lent.is_set():
+            self._lent.clear()
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # wake-ups are already waiting for the receive thread
+        if not self._pull_lock.acquire(timeout=timeout):
+            raise RingTimeout("%s: the receive thread did not hand the socket back in %.1f s" % (self.name, timeout))
+        try:
+            try:
+                return self.inbox.get_nowait()  # taken by the receive thread before it let go
+            except queue.Empty:
+                pass
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.pull.poll(max(1, int(remaining * 1000))):
+                    raise RingTimeout("%s: no frame received for %.1f s" % (self.name, timeout))
+                frame = self._read_frame()
+                if frame is not None:
+                    if self.pull.poll(0):
+                        # More frames wait already: the node is saturated, so the receive
+                        # thread validates them into the inbox while the caller computes.
+                        self._lent.set()
+                    return frame
+        finally:
+            self._pull_lock.release()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued frame has left; False if that took longer than timeout."""
+        deadline = time.monotonic() + timeout
+        while self._left < self._queued and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self._left >= self._queued
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in (self._receiver, self._sender):
+            if t.is_alive():
+                t.join(timeout=2)
+        # Closing a socket under a thread that is using it would crash libzmq: wait (briefly)
+        # for a compute loop still waiting on the PULL socket to let go of it.
+        holding = self._pull_lock.acquire(timeout=2)
+        for sock in (self.pull, self._push, self._wake_rx, self._wake_tx):
+            if sock is not None:
+                sock.close(linger=0)
+        if holding:
+            self._pull_lock.release()
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.messages_sent += 1
+        self.bytes_sent += nbytes
+        self.messages_by_kind[kind] = self.messages_by_kind.get(kind, 0) + 1
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+
+    def traffic(self) -> Dict[str, Any]:
+        """Counters for the metrics record."""
+        return {"bytes_sent": self.bytes_sent, "messages_sent": self.messages_sent,
+                "bytes_sent_by_kind": dict(self.bytes_by_kind),
+                "messages_sent_by_kind": dict(self.messages_by_kind)}
+
+    def _read_frame(self) -> Optional[Frame]:
+        """Receive and validate one message (the caller holds the socket); None if dropped."""
+        parts = self.pull.recv_multipart(copy=False)
+        try:
+            frame = self.validate(parts)
+        except FrameError as e:
+            self.bad_frames += 1
+            self.last_error = str(e)
+            log.warning("%s: dropped a frame: %s", self.name, e)
+            return None
+        self.frames_received += 1
+        return frame
+
+    # --- threads ---------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not self._lent.wait(POLL_MS / 1000.0):
+                continue
+            with self._pull_lock:
+                while self._lent.is_set() and not self._stop.is_set():
+                    ready = dict(poller.poll(POLL_MS))
+                    if self._wake_rx in ready:
+                        while self._wake_rx.poll(0):
+                            self._wake_rx.recv()
+                    if self.pull in ready:
+                        frame = self._read_frame()
+                        if frame is not None:
+                            self.inbox.put(frame)
+
+    def _send_loop(self) -> None:
+        push = self._push
+        while not self._stop.is_set():
+            try:
+                frame = self.outbox.get(timeout=POLL_MS / 1000.0)
+            except queue.Empty:
+                continue
+            parts = encode(frame)
+            while not self._stop.is_set():
+                # Bounded wait so a vanished neighbour cannot wedge this thread forever.
+                if push.poll(POLL_MS, zmq.POLLOUT):
+                    push.send_multipart(parts, copy=False)
+                    self._count(frame.kind, sum(len(p) for p in parts))
+                    break
+            self._left += 1

@@ -1,0 +1,317 @@
+"""Run configuration: the YAML file users write, validated on load.
+
+Every error is a `ConfigError` whose message names the file, the key and what was expected,
+so the CLI can print one line and exit with code 2.
+"""
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from mdi.model.layout import DTYPE_NAMES, balanced
+
+DEFAULT_HTTP_PORT = 8080
+DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_HTTP_PORT
+    layers: Optional[int] = None  # None: share the layers evenly ("balanced")
+    data_port: Optional[int] = None
+    device: Optional[str] = None  # overrides model.device for this node
+    weights: Optional[str] = None  # path on the node's own disk (pre-cut chunk or model dir)
+
+    @property
+    def address(self) -> str:
+        return "%s:%d" % (self.host, self.port)
+
+    @property
+    def ring_port(self) -> int:
+        return self.data_port if self.data_port is not None else self.port + DATA_PORT_OFFSET
+
+
+@dataclass
+class ModelSpec:
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    compute_dtype: Optional[str] = None  # e.g. store float16, compute float32 (old GPUs)
+
+
+@dataclass
+class GenerationSpec:
+    n_samples: Optional[int] = None
+    n_tokens: int = 100
+    temperature: float = 0.8
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 1
+    prompts: List[str] = field(default_factory=list)
+
+
+@dataclass
+class RuntimeSpec:
+    threads: Optional[int] = None  # torch threads per node; None leaves torch's default
+    connect_timeout: float = 5.0  # seconds to reach a node's control plane
+    init_timeout: float = 600.0  # seconds for a node to load its weights
+    ring_timeout: float = 30.0  # seconds without any frame before the ring is declared stuck
+    heartbeat_interval: float = 1.0  # seconds between the starter's /status polls of each worker
+    heartbeat_timeout: float = 8.0  # seconds a worker waits for a sign of the starter before ending a run
+    token_file: Optional[str] = None  # file holding the shared secret (else $MDI_TOKEN_FILE / $MDI_TOKEN)
+    token: Optional[str] = None  # the secret itself: never from the YAML, read via token_file/env
+    # Re-plans after a node failure; None: 2 when spares are listed, else 0 (fail at once).
+    recovery_attempts: Optional[int] = None
+
+
+ADMISSION_POLICIES = ("iteration", "static")
+
+
+@dataclass
+class ServeSpec:
+    """`mdi-start --serve`: the HTTP API and the scheduler (see mdi/serve.py, mdi/scheduler.py)."""
+    host: str = "127.0.0.1"
+    port: Optional[int] = None  # None: the starter node's `port`
+    max_in_flight: Optional[int] = None  # samples in flight (KV slots); None: what fits, at most 16
+    max_len: Optional[int] = None  # positions per slot (prompt + max_tokens); None: min(context, 2048)
+    max_queue: int = 256  # requests waiting for a slot beyond this are refused (HTTP 429)
+    model_name: Optional[str] = None  # id in /v1/models; None: the model folder's name
+    admission: str = "iteration"  # iteration: a freed slot is refilled at the next step;
+    #                               static: whole batches (a baseline for benchmarks)
+
+
+@dataclass
+class RunConfig:
+    model: ModelSpec
+    nodes: List[NodeSpec]
+    generation: GenerationSpec
+    runtime: RuntimeSpec
+    source: str = "<flags>"
+    spares: List[NodeSpec] = field(default_factory=list)  # idle workers that can replace a dead one
+    serve: ServeSpec = field(default_factory=ServeSpec)
+
+    @property
+    def starter(self) -> NodeSpec:
+        return self.nodes[0]
+
+    @property
+    def workers(self) -> List[NodeSpec]:
+        return self.nodes[1:]
+
+    @property
+    def recovery_attempts(self) -> int:
+        given = self.runtime.recovery_attempts
+        return given if given is not None else (2 if self.spares else 0)
+
+
+def _check_keys(where: str, data: Any, allowed: Dict[str, Any], required=()) -> Dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError("%s: expected a mapping, got %s" % (where, type(data).__name__))
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError("%s: unknown key %r (expected one of: %s)"
+                          % (where, unknown[0], ", ".join(sorted(allowed))))
+    for key in required:
+        if key not in data or data[key] is None:
+            raise ConfigError("%s.%s: required key is missing" % (where, key))
+    out = {}
+    for key, value in data.items():
+        kinds = allowed[key]
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in kinds:
+            raise ConfigError("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
+        if not isinstance(value, kinds):
+            raise ConfigError("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
+        out[key] = value
+    return out
+
+
+def _names(kinds) -> str:
+    return " or ".join({int: "an integer", float: "a number", str: "a string", list: "a list",
+                        bool: "true/false", dict: "a mapping"}[k] for k in kinds)
+
+
+NUM = (int, float)
+
+
+def parse_config(data: Any, source: str) -> RunConfig:
+    top = _check_keys(source, data if data is not None else {},
+                      {"model": (dict,), "nodes": (list,), "spares": (list,), "generation": (dict,),
+                       "runtime": (dict,), "serve": (dict,)},
+                      required=("model",))
+    m = _check_keys(source + ": model", top["model"],
+                    {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,)},
+                    required=("path",))
+    model = ModelSpec(**m)
+    for key in ("dtype", "compute_dtype"):
+        value = getattr(model, key)
+        if value is not None and value not in DTYPE_NAMES:
+            raise ConfigError("%s: model.%s: expected one of %s, got %r" % (source, key, ", ".join(DTYPE_NAMES), value))
+    _check_device("%s: model.device" % source, model.device)
+
+    nodes = [_parse_node("%s: nodes[%d]" % (source, i), raw, "starter" if i == 0 else "node%d" % i)
+             for i, raw in enumerate(top.get("nodes") or [{"name": "starter"}])]
+    spares = [_parse_node("%s: spares[%d]" % (source, i), raw, "spare%d" % (i + 1))
+              for i, raw in enumerate(top.get("spares") or [])]
+    for i, spare in enumerate(spares):
+        if spare.layers is not None:
+            raise ConfigError("%s: spares[%d].layers: a spare takes the layers of the node it replaces"
+                              % (source, i))
+    _check_nodes(source, nodes, spares)
+
+    g = _check_keys(source + ": generation", top.get("generation") or {},
+                    {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
+                     "top_p": NUM, "seed": (int,), "prompts": (list,)})
+    gen = GenerationSpec(**g)
+    _check_generation(source + ": generation", gen)
+
+    r = _check_keys(source + ": runtime", top.get("runtime") or {},
+                    {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
+                     "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
+                     "recovery_attempts": (int,)})
+    runtime = RuntimeSpec(**r)
+    if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
+        raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
+    for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
+        if getattr(runtime, key) <= 0:
+            raise ConfigError("%s: runtime.%s: expected a positive number of seconds" % (source, key))
+    serve = _parse_serve(source, top.get("serve") or {})
+    return RunConfig(model, nodes, gen, runtime, source, spares, serve)
+
+
+def _parse_serve(source: str, raw: Any) -> ServeSpec:
+    s = _check_keys(source + ": serve", raw,
+                    {"host": (str,), "port": (int,), "max_in_flight": (int,), "max_len": (int,),
+                     "max_queue": (int,), "model_name": (str,), "admission": (str,)})
+    serve = ServeSpec(**s)
+    check_serve(source + ": serve", serve)
+    return serve
+
+
+def check_serve(where: str, serve: ServeSpec) -> None:
+    if not serve.host:
+        raise ConfigError("%s.host: expected a host name or address" % where)
+    if serve.port is not None and not 0 < serve.port < 65536:
+        raise ConfigError("%s.port: expected a TCP port 1-65535, got %d" % (where, serve.port))
+    if serve.max_in_flight is not None and serve.max_in_flight < 1:
+        raise ConfigError("%s.max_in_flight: expected a positive integer" % where)
+    if serve.max_len is not None and serve.max_len < 2:
+        raise ConfigError("%s.max_len: expected an integer >= 2" % where)
+    if serve.max_queue < 1:
+        raise ConfigError("%s.max_queue: expected a positive integer" % where)
+    if serve.model_name is not None and not serve.model_name.strip():
+        raise ConfigError("%s.model_name: expected a non-empty string" % where)
+    if serve.admission not in ADMISSION_POLICIES:
+        raise ConfigError("%s.admission: expected one of %s, got %r"
+                          % (where, ", ".join(ADMISSION_POLICIES), serve.admission))
+
+
+def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
+    n = _check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
+                                 "data_port": (int,), "device": (str,), "weights": (str,)})
+    n.setdefault("name", default_name)
+    node = NodeSpec(**n)
+    for key in ("port", "data_port"):
+        value = getattr(node, key)
+        if value is not None and not 0 < value < 65536:
+            raise ConfigError("%s.%s: expected a TCP port 1-65535, got %d" % (where, key, value))
+    if node.layers is not None and node.layers < 1:
+        raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
+    if node.device is not None:
+        _check_device(where + ".device", node.device)
+    return node
+
+
+def _check_device(where: str, device: str) -> None:
+    if device == "cpu" or device == "cuda":
+        return
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return
+    raise ConfigError("%s: expected cpu, cuda or cuda:N, got %r" % (where, device))
+
+
+def _check_nodes(source: str, nodes: List[NodeSpec], spares: List[NodeSpec]) -> None:
+    names, addresses, data = set(), set(), set()
+    listed = [("nodes[%d]" % i, n) for i, n in enumerate(nodes)] + [("spares[%d]" % i, n) for i, n in enumerate(spares)]
+    for i, (label, node) in enumerate(listed):
+        where = "%s: %s" % (source, label)
+        if node.name in names:
+            raise ConfigError("%s.name: node %r is listed twice" % (where, node.name))
+        if i > 0 and node.address in addresses:
+            raise ConfigError("%s: address %s is listed twice" % (where, node.address))
+        if i > 0 and (node.host, node.ring_port) in data:
+            raise ConfigError("%s: data port %d on %s is used twice" % (where, node.ring_port, node.host))
+        names.add(node.name)
+        addresses.add(node.address)
+        data.add((node.host, node.ring_port))
+    given = [n.layers is not None for n in nodes]
+    if any(given) and not all(given):
+        raise ConfigError("%s: nodes: give 'layers' for every node or for none (balanced split)" % source)
+
+
+def _check_generation(where: str, gen: GenerationSpec) -> None:
+    if gen.n_samples is not None and gen.n_samples < 1:
+        raise ConfigError("%s.n_samples: expected a positive integer" % where)
+    if gen.n_tokens < 1:
+        raise ConfigError("%s.n_tokens: expected a positive integer" % where)
+    if gen.temperature < 0:
+        raise ConfigError("%s.temperature: expected a number >= 0" % where)
+    if gen.top_k is not None and gen.top_k < 1:
+        raise ConfigError("%s.top_k: expected a positive integer" % where)
+    if gen.top_p is not None and not 0 < gen.top_p <= 1:
+        raise ConfigError("%s.top_p: expected a number in (0, 1]" % where)
+    if not all(isinstance(p, str) for p in gen.prompts):
+        raise ConfigError("%s.prompts: expected a list of strings" % where)
+
+
+def read_yaml(path: str, error: type = ConfigError, what: str = "config") -> Any:
+    """A YAML file's data (safe_load only), or one `error` line naming the file and the line."""
+    if not os.path.isfile(path):
+        raise error("%s: %s file not found" % (path, what))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = " at line %d" % (mark.line + 1) if mark is not None else ""
+        raise error("%s: invalid YAML%s: %s" % (path, at, getattr(e, "problem", None) or e))
+
+
+def load_config(path: str) -> RunConfig:
+    cfg = parse_config(read_yaml(path), path)
+    cfg.model.path = resolve_model_path(cfg.model.path, path)
+    return cfg
+
+
+def resolve_model_path(model_path: str, config_path: str) -> str:
+    """Relative model paths are tried from the current directory, then from the config's
+    directory and its parent (so `configs/x.yaml` may say `models/...`)."""
+    if os.path.isabs(model_path) or os.path.exists(model_path):
+        return model_path
+    here = os.path.dirname(os.path.abspath(config_path))
+    for base in (here, os.path.dirname(here)):
+        candidate = os.path.join(base, model_path)
+        if os.path.exists(candidate):
+            return candidate
+    return model_path
+
+
+def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> List[int]:
+    """Layer counts per node: as given (must sum to the model's layers) or balanced."""
+    if nodes[0].layers is None:
+        if len(nodes) > n_layer:
+            raise ConfigError("%s: %d nodes but the model has only %d layers" % (source, len(nodes), n_layer))
+        return balanced(n_layer, len(nodes))
+    counts = [n.layers for n in nodes]
+    if sum(counts) != n_layer:
+        raise ConfigError("%s: nodes.layers: %s sums to %d, but the model has %d layers"
+                          % (source, "+".join(map(str, counts)), sum(counts), n_layer))
+    return counts

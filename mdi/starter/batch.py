@@ -1,0 +1,123 @@
+"""The starter: loads its chunk, configures the workers, drives the ring, gathers metrics."""
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from mdi.runconfig import ConfigError, RunConfig
+from mdi.starter.engine import Engine
+from mdi.model.source import ModelSource
+from mdi.starter.pipeline import Sample, make_samples
+from mdi.model.sampling import SamplingParams
+from mdi.system.memory import unified_memory_bytes
+
+
+@dataclass
+class RunResult:
+    samples: List[Sample]
+    texts: List[str]
+    elapsed: float
+    nodes: List[Dict[str, Any]]
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def metrics(self) -> Dict[str, Any]:
+        record = {
+            "samples": [{"prompt": s.prompt, "prompt_ids": s.prompt_ids, "token_ids": s.token_ids,
+                         "text": text, "token_times": [round(t, 6) for t in s.token_times],
+                         "finish_reason": s.finish_reason}
+                        for s, text in zip(self.samples, self.texts)],
+            "n_tokens": self.n_tokens, "seconds": self.elapsed,
+            "tokens_per_s": self.tokens_per_s, "n_nodes": len(self.nodes), "nodes": self.nodes,
+        }
+        record.update(self.extra)
+        return record
+
+
+def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
+    tok = source.tokenizer
+    if tok is None:
+        raise ConfigError("%s: no tokenizer found for this model" % source.path)
+    block = source.config.block_size
+    out = []
+    for p in prompts:
+        ids = tok.encode_prompt(p)
+        if len(ids) >= block:
+            raise ConfigError("prompt of %d tokens does not fit the model's context of %d tokens"
+                              % (len(ids), block))
+        out.append(ids)
+    return out
+
+
+def run(cfg: RunConfig, prompts: List[str], log: Callable[[str], None] = print,
+        on_token: Optional[Callable[[Sample, int], None]] = None) -> RunResult:
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    source = ModelSource(cfg.model.path)
+    config = source.config
+    gen = cfg.generation
+    prompt_ids = encode_prompts(source, prompts)
+    # A sample stops at the context end even if n_tokens asks for more.
+    max_new = min(gen.n_tokens, config.block_size - max(len(ids) for ids in prompt_ids))
+    max_len = max(len(ids) for ids in prompt_ids) + max_new
+    samples = make_samples(prompts, prompt_ids, max_new, gen.seed)
+    params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
+
+    engine = Engine(cfg, source, len(samples), max_len, params, log, on_token)
+    engine.open()
+    try:
+        engine.run(samples)
+        elapsed = time.perf_counter() - engine.t0
+        worker_stats = engine.close()
+    except (RuntimeError, KeyboardInterrupt) as e:
+        # Keep what was generated: the caller still prints it and writes the metrics.
+        engine.abort()
+        partial = _result(engine, samples, time.perf_counter() - engine.t0, [])
+        partial.extra["error"] = str(e) or type(e).__name__
+        raise RunFailed(partial.extra["error"], partial)
+    return _result(engine, samples, elapsed, worker_stats)
+
+
+class RunFailed(RuntimeError):
+    """The run stopped early; `result` holds everything generated until then."""
+
+    def __init__(self, message: str, result: RunResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _result(engine: Engine, samples: List[Sample], elapsed: float,
+            worker_stats: List[Dict[str, Any]]) -> RunResult:
+    chunk = engine.chunk
+    transport = engine.pipeline.transport
+    starter = engine.nodes[0]
+    first, last = engine.ranges[0]
+    starter_node = {"name": starter.name, "layers": [first, last - 1],
+                    "peak_memory_bytes": unified_memory_bytes(peak=True),
+                    "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
+                    "compute_seconds": round(engine.pipeline.compute_seconds, 6)}
+    starter_node.update(transport.traffic())
+    nodes = [starter_node]
+    chunk.free_cache()
+    for node, (a, b), stats in zip(engine.nodes[1:], engine.ranges[1:], worker_stats):
+        entry = {"name": node.name, "layers": [a, b - 1]}
+        entry.update(stats)
+        nodes.append(entry)
+    texts = [decode_generated(engine.source, s) for s in samples]
+    extra = {"recoveries": engine.recoveries} if engine.recoveries else {}
+    return RunResult(samples, texts, elapsed, nodes, extra)
+
+
+def decode_generated(source: ModelSource, sample: Sample) -> str:
+    ids = sample.token_ids
+    if sample.finish_reason == "eos":
+        ids = ids[:-1]  # the EOS token ends the text; it is not part of it
+    return source.tokenizer.decode(ids)

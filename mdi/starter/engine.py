@@ -1,0 +1,180 @@
+"""The starter's engine: its own chunk, the ring (or a local loop) and the pipeline over them.
+
+A batch run (`starter.run`) and the serving scheduler both drive it through `admit` and
+`step`. When a worker dies the engine re-plans the ring (a spare, or the neighbours take its
+layers), re-prefills every sample that had a pass in flight from the starter's token history,
+and goes on: the output is what it would have been without the failure.
+"""
+import random
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from mdi.model.layout import layer_ranges, torch_dtype
+from mdi.runconfig import RunConfig, partition
+from mdi.starter.control import NodeError
+from mdi.system.devices import resolve_compute_dtype
+from mdi.model.source import ModelSource, build_chunk
+from mdi.model.transformer import ModelChunk
+from mdi.ring.transport import LocalLoop, RingTimeout
+from mdi.starter.pipeline import Pipeline, Sample
+from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
+from mdi.starter.recovery import RecoveryImpossible, plan_recovery
+from mdi.starter.session import RingSession, client_for
+from mdi.model.sampling import SamplingParams
+
+
+class Engine:
+    def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int,
+                 params: SamplingParams, log: Callable[[str], None] = print,
+                 on_token: Optional[Callable[[Sample, int], None]] = None) -> None:
+        self.cfg, self.source, self.log = cfg, source, log
+        self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
+        self.nodes = list(cfg.nodes)
+        self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
+        self.spares = list(cfg.spares)
+        self.dtype = torch_dtype(cfg.model.dtype)
+        self.device = cfg.starter.device or cfg.model.device
+        tok = source.tokenizer
+        self.eos_id = tok.eos_id if tok is not None else source.config.eos_token_id
+        self.recoveries = []  # type: List[Dict[str, Any]]
+        self.ring = None  # type: Any  # RingSession while workers are in the ring
+        self.chunk = None  # type: Optional[ModelChunk]
+        self.pipeline = None  # type: Optional[Pipeline]
+        self.t0 = time.perf_counter()
+
+    # --- lifecycle -------------------------------------------------------------------
+    def open(self) -> None:
+        for node in self.nodes[1:]:  # fail fast, before spending time on our own weights
+            client_for(self.cfg, node).health()
+        self.chunk = self._starter_chunk(self.ranges[0])
+        transport, run_id = self._connect()
+        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.eos_id,
+                                 self.cfg.runtime.ring_timeout, self.on_token, self._check)
+
+    def close(self) -> List[Dict[str, Any]]:
+        """Send the stop frame round the ring; return each worker's counters."""
+        stats = self.ring.finish() if self.ring is not None else []
+        self.ring = None
+        return stats
+
+    def abort(self) -> None:
+        if self.ring is not None:
+            self.ring.abort()
+            self.ring = None
+
+    def _starter_chunk(self, layers: List[int]) -> ModelChunk:
+        first, last = layers
+        asked = self.cfg.model.compute_dtype
+        compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
+        if note:
+            self.log("mdi: starter: %s" % note)
+        chunk = build_chunk(self.source.config, self.source.weights(first, last, True, True, self.dtype),
+                            first, last, True, True, self.dtype, self.device, compute)
+        chunk.allocate_cache(self.n_slots, self.max_len)
+        return chunk
+
+    def _connect(self):
+        run_id = random.getrandbits(62)
+        if len(self.nodes) == 1:
+            return LocalLoop(), run_id
+        self.ring = RingSession(self.cfg, self.nodes, self.source, self.ranges, run_id,
+                                self.n_slots, self.max_len, self.dtype)
+        return self.ring.start(), run_id
+
+    def _check(self) -> None:
+        if self.ring is not None:
+            self.ring.check()
+
+    # --- generation ------------------------------------------------------------------
+    def admit(self, sample: Sample) -> None:
+        self.pipeline.admit(sample)
+
+    def step(self, timeout: Optional[float] = None) -> List[Sample]:
+        """One frame's worth of progress; a node failure is recovered from when allowed."""
+        try:
+            return self.pipeline.step(timeout)
+        except (NodeError, RingTimeout) as e:
+            self._recover(e)
+            return []
+
+    def run(self, samples: List[Sample]) -> None:
+        self.t0 = self.pipeline.t0 = time.perf_counter()
+        for s in samples:
+            if not s.done:
+                self.admit(s)
+        while self.pipeline.active:
+            self.step()
+
+    # --- recovery --------------------------------------------------------------------
+    def _recover(self, cause: BaseException) -> None:
+        while True:
+            if len(self.recoveries) >= self.cfg.recovery_attempts:
+                raise cause
+            started = time.perf_counter()
+            self.log("mdi: %s; recovering (attempt %d of %d)"
+                     % (cause, len(self.recoveries) + 1, self.cfg.recovery_attempts))
+            self.abort()
+            try:
+                how = self._replan(cause)
+                transport, run_id = self._connect()
+            except (NodeError, RecoveryImpossible) as e:
+                self._record(cause, "failed: %s" % e, started)
+                cause = e
+                continue
+            chunk = self.chunk if self.chunk.first == self.ranges[0][0] and self.chunk.last == self.ranges[0][1] \
+                else None
+            if chunk is None:
+                self.chunk.free_cache()
+                self.chunk = chunk = self._starter_chunk(self.ranges[0])
+            for sample in self.pipeline.reconnect(transport, run_id, chunk):
+                self.pipeline.admit(sample)
+            self._record(cause, how, started)
+            self.log("mdi: recovered in %.2f s: %s" % (time.perf_counter() - started, how))
+            return
+
+    def _record(self, cause: BaseException, how: str, started: float) -> None:
+        self.recoveries.append({"cause": str(cause), "action": how,
+                                "at_s": round(started - self.t0, 6),
+                                "seconds": round(time.perf_counter() - started, 6)})
+
+    def _replan(self, cause: BaseException) -> str:
+        """Find the dead worker and change `nodes`/`ranges` (and `spares`) around it."""
+        dead = self._dead_worker(cause)
+        if dead is None:
+            return "every node answers: the ring is rebuilt as it was"
+        spares = [s for s in self.spares if self._alive(s)]
+        plan = plan_recovery(self.nodes, self.ranges, dead, spares, self._fits)
+        if plan.spare is not None:
+            self.spares.remove(plan.spare)
+        self.nodes, self.ranges = plan.nodes, plan.ranges
+        return plan.how
+
+    def _dead_worker(self, cause: BaseException) -> Optional[str]:
+        named = getattr(cause, "node", None)
+        if named is not None and any(n.name == named for n in self.nodes[1:]) \
+                and not self._alive(self._node(named)):
+            return named
+        for node in self.nodes[1:]:
+            if not self._alive(node):
+                return node.name
+        return None
+
+    def _node(self, name: str):
+        return next(n for n in self.nodes if n.name == name)
+
+    def _alive(self, node) -> bool:
+        try:
+            client_for(self.cfg, node).health()
+            return True
+        except NodeError:
+            return False
+
+    def _fits(self, i: int, node, layers: List[int]) -> bool:
+        if i == 0:
+            return True  # the starter: its memory is ours to spend
+        try:
+            capacity = worker_capacity(client_for(self.cfg, node).status())
+        except NodeError:
+            return False
+        need = chunk_bytes_needed(self.source.config, layers, self.n_slots, self.max_len, self.dtype)
+        return capacity is None or need <= capacity

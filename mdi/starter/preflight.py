@@ -1,0 +1,55 @@
+"""`mdi-start --check`: contact every node and say whether the run would fit, generating nothing."""
+from typing import List, Optional
+
+from mdi.runconfig import NodeSpec, RunConfig, partition
+from mdi.starter.control import NodeError
+from mdi.model.layout import layer_ranges, torch_dtype
+from mdi.model.source import ModelSource
+from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
+from mdi.starter.session import client_for
+from mdi.system.memory import available_memory_bytes
+
+MB = 1024 * 1024
+
+
+def preflight(cfg: RunConfig, prompts: List[str]) -> int:
+    source = ModelSource(cfg.model.path)
+    config = source.config
+    ranges = layer_ranges(partition(config.n_layer, cfg.nodes, cfg.source))
+    dtype = torch_dtype(cfg.model.dtype)
+    gen = cfg.generation
+    longest = max([len(source.tokenizer.encode(p)) for p in prompts] or [0]) if source.tokenizer else 0
+    max_len = min(config.block_size, longest + gen.n_tokens)
+    n_slots = max(gen.n_samples or 1, len(prompts), 1)
+    print("model %s: %s, %d layers, %s; %d samples x %d positions" % (
+        cfg.model.path, config.family, config.n_layer, cfg.model.dtype, n_slots, max_len))
+    ok = True
+    for i, (node, layers) in enumerate(zip(cfg.nodes, ranges)):
+        need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=i == 0)
+        where = "%-10s %-21s layers %3d-%-3d needs %7.1f MB" % (
+            node.name, node.address if i else "(this machine)", layers[0], layers[1] - 1, need / MB)
+        ok = _report(cfg, node if i else None, where, need) and ok
+    for spare in cfg.spares:
+        ok = _report(cfg, spare, "%-10s %-21s spare" % (spare.name, spare.address), None) and ok
+    print("check: %s" % ("all nodes ready" if ok else "problems found"))
+    return 0 if ok else 1
+
+
+def _report(cfg: RunConfig, node: Optional[NodeSpec], where: str, need: Optional[int]) -> bool:
+    """Print one node's line; False if it is unreachable or its layers do not fit."""
+    if node is None:
+        free, info = available_memory_bytes(), "starter"
+    else:
+        try:
+            client = client_for(cfg, node)
+            health = client.health()
+            status = client.status()
+        except NodeError as e:
+            print("%s  UNREACHABLE: %s" % (where, e))
+            return False
+        free = worker_capacity(status)
+        info = "v%s %s %s" % (health.get("version"), status.get("device"), status.get("state"))
+    fits = need is None or free is None or need <= free
+    print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
+                                   info, "fits" if fits else "DOES NOT FIT"))
+    return fits

@@ -1,0 +1,201 @@
+"""The starter's view of the ring: configure every worker over HTTP, connect the data plane,
+and at the end send the stop frame round and collect each node's counters."""
+import hashlib
+import threading
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from mdi.ring.auth import ring_password
+from mdi.runconfig import NodeSpec, RunConfig
+from mdi.starter.control import ControlClient, NodeError
+from mdi.model.source import ModelSource
+from mdi.ring.transport import RingTimeout
+from mdi.ring.transport import RingEndpoint
+from mdi.model.layout import dtype_name
+from mdi.ring.wire import Frame, decode
+
+
+def client_for(cfg: RunConfig, node: NodeSpec) -> ControlClient:
+    rt = cfg.runtime
+    return ControlClient(node, rt.connect_timeout, rt.init_timeout, rt.token)
+
+
+class RingSession:
+    """One ring: `nodes` in ring order (the starter first) with their layer `ranges`."""
+
+    def __init__(self, cfg: RunConfig, nodes: List[NodeSpec], source: ModelSource, ranges: List[List[int]],
+                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype) -> None:
+        self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
+        self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
+        self.workers = nodes[1:]
+        self.clients = [client_for(cfg, n) for n in self.workers]
+        self.endpoint = None  # type: Optional[RingEndpoint]
+        self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
+        self.failure = None  # type: Optional[NodeError]
+        self._watching = threading.Event()
+        self._watcher = None  # type: Optional[threading.Thread]
+
+    def _init_spec(self, i: int) -> Dict:
+        node = self.workers[i]
+        nxt = self.nodes[(i + 2) % len(self.nodes)]
+        return {
+            "run_id": self.run_id, "model": self.source.config.to_dict(), "layers": self.ranges[i + 1],
+            "dtype": dtype_name(self.dtype), "device": node.device or self.cfg.model.device,
+            "compute_dtype": self.cfg.model.compute_dtype,
+            "n_slots": self.n_slots, "max_len": self.max_len,
+            "heartbeat_timeout": self.cfg.runtime.heartbeat_timeout,
+            "data": {"bind_port": node.ring_port, "next_host": nxt.host, "next_port": nxt.ring_port,
+                     "is_last": i == len(self.workers) - 1},
+        }
+
+    def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
+        client, node = self.clients[i], self.workers[i]
+        try:
+            client.health()
+            spec = self._init_spec(i)
+            if node.weights:
+                spec["weights"] = {"path": node.weights}
+                self.init_replies[i] = client.init(spec)
+                return
+            first, last = self.ranges[i + 1]
+            blob = self.source.chunk_bytes(first, last, self.dtype)
+            spec["weights"] = {"push": {"nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
+            self.init_replies[i] = client.init(spec)
+            if self.init_replies[i].get("need_weights"):
+                client.push_weights(blob)
+        except NodeError as e:
+            errors[i] = e
+        except BaseException as e:  # reported by the caller, naming the node
+            errors[i] = NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name)
+
+    def start(self) -> RingEndpoint:
+        """Configure all workers in parallel, then open the starter's data-plane endpoint."""
+        starter = self.nodes[0]
+        config = self.source.config
+        token = self.cfg.runtime.token
+        self.endpoint = RingEndpoint(
+            "starter", starter.host, starter.ring_port,
+            lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
+                                 n_slots=self.n_slots, max_len=self.max_len),
+            ring_password(token, self.run_id) if token else None)
+        try:
+            errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
+            threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
+                       for i in range(len(self.clients))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            failed = [e for e in errors if e is not None]
+            if failed:
+                raise failed[0]
+            first = self.workers[0]
+            self.endpoint.connect(first.host, first.ring_port)
+            self._watching.set()
+            self._watcher = threading.Thread(target=self._watch, name="mdi-watchdog", daemon=True)
+            self._watcher.start()
+            self._await_ring()
+        except BaseException:
+            self.abort()  # the workers' runs end and our data port is free for the next ring
+            raise
+        return self.endpoint
+
+    def _await_ring(self) -> None:
+        """Send a reset frame round until one comes back, before any sample enters the ring.
+
+        Workers are configured in parallel, so a node may connect to its neighbour's port
+        while the previous run's socket is still bound there (or through a proxy that still
+        holds a dead connection), and what it sends on that link is lost. Frames of another
+        run are dropped at every node, so once a probe of this run has come back, every link
+        is between this run's sockets. Extra probes that come back later are ignored."""
+        ep = self.endpoint
+        timeout = self.cfg.runtime.ring_timeout
+        deadline = time.monotonic() + timeout
+        wait = 0.2
+        while True:
+            ep.send(Frame("reset", self.run_id))
+            until = min(deadline, time.monotonic() + wait)
+            while time.monotonic() < until:
+                self.check()  # a node the watchdog found dead ends this at once, named
+                try:
+                    if ep.recv(max(0.0, min(0.05, until - time.monotonic()))).kind == "reset":
+                        return
+                except RingTimeout:
+                    pass
+            if time.monotonic() >= deadline:
+                ring = " -> ".join("%s (data %s:%d)" % (n.name, n.host, n.ring_port) for n in self.nodes)
+                raise NodeError("no probe came back round the ring %s -> %s within %.0f s: a node cannot "
+                                "reach its next neighbour's data port" % (ring, self.nodes[0].name, timeout))
+            wait = min(2 * wait, 2.0)
+
+    # --- failure detection -----------------------------------------------------------
+    def _watch(self) -> None:
+        """Poll every worker's /status: a dead, hung or failed node is named within seconds
+        (this polling is also the heartbeat that tells workers the starter is alive)."""
+        misses = [0] * len(self.clients)
+        interval = self.cfg.runtime.heartbeat_interval
+        while self._watching.is_set() and self.failure is None:
+            for i, client in enumerate(self.clients):
+                problem = self._probe(client)
+                misses[i] = misses[i] + 1 if problem else 0
+                # A refused connection is certain; a timeout gets one more chance.
+                if problem and (misses[i] >= 2 or "cannot connect" in problem):
+                    self.failure = NodeError(problem, client.node.name)
+                    return
+            time.sleep(interval)
+
+    def _probe(self, client: ControlClient) -> Optional[str]:
+        where = "node %s (%s)" % (client.node.name, client.node.address)
+        try:
+            status = client.status(timeout=self.cfg.runtime.heartbeat_interval * 2, run_id=self.run_id)
+        except NodeError as e:
+            return str(e)
+        if not self._watching.is_set():
+            return None
+        if status.get("error"):
+            return "%s: compute failed: %s" % (where, status["error"])
+        if status.get("run_id") != self.run_id:
+            return "%s: is no longer serving this run (restarted?)" % where
+        return None
+
+    def check(self) -> None:
+        """Raise the first failure the watchdog found; called while waiting for frames."""
+        if self.failure is not None:
+            raise self.failure
+
+    def finish(self) -> List[Dict]:
+        """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
+        self._watching.clear()
+        ep = self.endpoint
+        ep.send(Frame("stop", self.run_id))
+        try:
+            while ep.recv(self.cfg.runtime.ring_timeout).kind != "stop":
+                pass
+        except RingTimeout:
+            raise NodeError("the stop frame did not come back round the ring within %.0f s"
+                            % self.cfg.runtime.ring_timeout)
+        stats = []
+        for client, reply in zip(self.clients, self.init_replies):
+            status = client.status()
+            counters = status.get("counters", {})
+            entry = {"peak_memory_bytes": status["memory"]["peak_rss_bytes"],
+                     "cache_bytes": reply.get("cache_bytes", 0)}
+            for key in ("bytes_sent", "messages_sent", "bytes_sent_by_kind", "messages_sent_by_kind"):
+                entry[key] = counters.get(key, 0 if key.endswith("sent") else {})
+            entry["compute_seconds"] = counters.get("compute_seconds", 0.0)
+            stats.append(entry)
+        ep.close()
+        return stats
+
+    def abort(self) -> None:
+        """Best effort: end the run on every worker and close our endpoint."""
+        self._watching.clear()
+        for client in self.clients:
+            try:
+                client.stop()
+            except NodeError:
+                pass
+        if self.endpoint is not None:
+            self.endpoint.close()

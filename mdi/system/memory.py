@@ -1,0 +1,98 @@
+"""How much memory this process and this board hold: RSS, MemAvailable, CUDA allocations.
+
+Stdlib only at import time (torch is asked only if some other module imported it), Python 3.8
+compatible: every board imports it, and the Jetson probe runs it without torch.
+
+Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What CUDA allocates
+(torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
+but it is not in the process's RSS: see `unified_memory_bytes`.
+"""
+import os
+import resource
+import sys
+from typing import Dict, Optional
+
+
+def meminfo(path: str = "/proc/meminfo") -> Dict[str, int]:
+    """/proc/meminfo in bytes ({"MemTotal": ..., "MemAvailable": ..., ...}); {} if unreadable.
+
+    L4T kernels add NvMapMemUsed: the RAM currently handed to the GPU (nvmap) by all processes.
+    """
+    out = {}  # type: Dict[str, int]
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for row in f:
+                key, _, rest = row.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    out[key.strip()] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable (Jetson RAM is shared by CPU and GPU, so this is the figure that matters
+    there too); None where it cannot be read."""
+    return meminfo().get("MemAvailable")
+
+
+def rss_bytes() -> int:
+    """This process's resident set (CPU pages only; see `unified_memory_bytes`)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    # ru_maxrss (KiB on Linux) is updated lazily by the kernel and can trail the current RSS.
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes())
+
+
+def cuda_reserved_bytes(peak: bool = False) -> int:
+    """Bytes torch's CUDA caching allocator holds now (or at its peak), over all devices.
+
+    0 when torch was never imported or CUDA never initialised: asking would import torch or
+    create a CUDA context, which itself costs hundreds of MB on a Jetson.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    try:
+        if not torch.cuda.is_initialized():
+            return 0
+        query = torch.cuda.max_memory_reserved if peak else torch.cuda.memory_reserved
+        return sum(int(query(d)) for d in range(torch.cuda.device_count()))
+    except (RuntimeError, AttributeError):
+        return 0
+
+
+def unified_memory_bytes(peak: bool = False) -> int:
+    """RAM this process holds on a unified-memory board: RSS plus CUDA allocations.
+
+    On a Jetson the GPU has no memory of its own: cudaMalloc takes pages from the same RAM
+    through the nvmap driver. Those pages are not mapped as ordinary process memory, so they do
+    not show in RSS (ps, /proc/self/statm, ru_maxrss) -- a worker holding 3 GB of fp16 weights on
+    the GPU reports a few hundred MB of RSS -- and NVML, which would count them on a discrete
+    GPU, does not work on Tegra. Count them as RSS + torch.cuda.memory_reserved() (reserved,
+    not memory_allocated(): the allocator's cached blocks occupy RAM too). With peak=True the
+    sum of the two peaks is returned, an upper bound since they need not coincide.
+
+    System-wide, /proc/meminfo is already right on a Jetson: MemTotal - MemAvailable includes
+    GPU allocations (NvMapMemUsed shows their share), and so does tegrastats' RAM figure. On a
+    discrete GPU the result is host + device memory, two different pools.
+    """
+    return (peak_rss_bytes() if peak else rss_bytes()) + cuda_reserved_bytes(peak)
+
+
+def memory_report() -> Dict[str, Optional[int]]:
+    """This process and the board, in bytes: what a worker's /status or a probe can print."""
+    info = meminfo()
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    return {"rss_bytes": rss_bytes(), "cuda_reserved_bytes": cuda_reserved_bytes(),
+            "unified_bytes": unified_memory_bytes(), "peak_unified_bytes": unified_memory_bytes(peak=True),
+            "total_bytes": total, "available_bytes": avail,
+            "used_bytes": total - avail if total is not None and avail is not None else None,
+            "nvmap_used_bytes": info.get("NvMapMemUsed")}

@@ -1,0 +1,126 @@
+"""The package's layering rule, checked on every import statement (top-level and inside
+functions), so it cannot erode silently.
+
+    system                      memory, tegrastats, devices, files: the bottom
+    model                       may use system
+    ring, runconfig             may use model, system
+    worker                      may use ring, model, system
+    starter                     may use ring, runconfig, model, system
+    serving                     may use starter and everything below it
+    cli                         may use everything but lab
+    lab                         may use anything; nothing imports it
+"""
+import ast
+import importlib.util
+import os
+from typing import Dict, List, Set  # noqa: F401  (type comments)
+
+from conftest import ROOT
+
+BELOW = {
+    "system": set(),
+    "model": {"system"},
+    "ring": {"model", "system"},
+    "runconfig": {"model", "system"},
+    "worker": {"ring", "model", "system"},
+    "starter": {"ring", "runconfig", "model", "system"},
+    "serving": {"starter", "ring", "runconfig", "model", "system"},
+    "cli": {"serving", "worker", "starter", "ring", "runconfig", "model", "system"},
+}  # type: Dict[str, Set[str]]
+TOP = "lab"  # may import anything; nothing may import it
+
+
+def _part(module: str) -> str:
+    """mdi.model.layout -> model; mdi.cli -> cli; mdi -> '' (the root: version only)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: str, module: str) -> List[str]:
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            # `from mdi import x` / `from mdi.ring import x` may name a submodule: check it
+            # (the root's own attributes, like __version__, belong to no layer)
+            found += [name + "." + a.name if name.count(".") <= 1 and not a.name.startswith("__") else name
+                      for a in node.names]
+    return [n for n in found if n == "mdi" or n.startswith("mdi.")]
+
+
+def layering_violations(package_dir: str) -> List[str]:
+    """'file: importer imports imported' for every import that breaks the rule."""
+    root = os.path.dirname(package_dir)
+    out = []
+    for folder, _, files in os.walk(package_dir):
+        for fn in sorted(files):
+            if not fn.endswith(".py"):
+                continue
+            path = os.path.join(folder, fn)
+            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            module = module[:-len(".__init__")] if module.endswith(".__init__") else module
+            here = _part(module)
+            for imported in _imports(path, module):
+                there = _part(imported)
+                if not there or there == here or here == TOP:
+                    continue
+                if there == TOP or there not in BELOW.get(here, set()):
+                    out.append("%s: %s imports %s" % (os.path.relpath(path, root), here or "mdi", imported))
+    return out
+
+
+def test_mdi_follows_the_layering_rule():
+    assert layering_violations(os.path.join(ROOT, "mdi")) == []
+
+
+def test_every_package_has_a_place_in_the_rule():
+    parts = {n[:-3] if n.endswith(".py") else n for n in os.listdir(os.path.join(ROOT, "mdi"))
+             if not n.startswith("__") and (n.endswith(".py") or os.path.isdir(os.path.join(ROOT, "mdi", n)))}
+    assert parts <= set(BELOW) | {TOP}, sorted(parts - set(BELOW) - {TOP})
+
+
+def _fake_package(tmp_path, files: Dict[str, str]) -> str:
+    pkg = tmp_path / "mdi"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(pkg)
+
+
+def test_the_checker_catches_upward_and_lab_imports(tmp_path):
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "model/__init__.py": "",
+        "model/layout.py": "from mdi.system.files import write_json\n",  # fine: down
+        "model/bad.py": "def f():\n    from mdi.starter.engine import Engine\n",  # lazy, still up
+        "ring/wire.py": "from ..worker import node\n",  # relative, up
+        "worker/node.py": "from mdi.starter import pipeline\n",  # sideways between roles
+        "serving/api.py": "import mdi.lab.nodes\n",  # nothing imports the lab
+        "lab/sweep.py": "from mdi.serving import api\nfrom mdi import cli\n",  # the lab may
+        "cli.py": "from mdi import starter\nfrom . import lab\n",
+    })
+    found = layering_violations(pkg)
+    text = "\n".join(found)
+    assert "model/bad.py: model imports mdi.starter.engine" in text
+    assert "ring/wire.py: ring imports mdi.worker" in text
+    assert "worker/node.py: worker imports mdi.starter" in text
+    assert "serving/api.py: serving imports mdi.lab.nodes" in text
+    assert "cli.py: cli imports mdi.lab" in text
+    assert "layout.py" not in text and "lab/sweep.py" not in text and "cli imports mdi.starter" not in text
+    assert len(found) == 5, found
+
+
+def test_the_bench_starter_service_module_exists():
+    # mdi-bench starts its warm starter with `python -m` this module and --cleanup matches it
+    # in /proc/PID/cmdline: a stale name would silently stop both.
+    from mdi.lab.nodes import STARTER_SERVICE_MODULE
+    assert importlib.util.find_spec(STARTER_SERVICE_MODULE) is not None
