@@ -265,7 +265,7 @@ run "$VPY" -m pip install -c "$TORCH_PIN" "${DEPS[@]}" "numpy<2"
 run "$VPY" -m pip install --no-deps "$ROOT"
 
 # --- check that torch survived and mdi imports ---------------------------------------------------
-CHECK='import torch, mdi, mdi.worker.node
+CHECK='import torch, mdi, mdi.worker.app
 cuda = torch.cuda.is_available()
 print("setup: mdi %s, torch %s, CUDA %s" % (mdi.__version__, torch.__version__,
       torch.cuda.get_device_name(0) if cuda else "not available (CPU only)"))'

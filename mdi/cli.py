@@ -17,6 +17,21 @@ EXIT_CONFIG = 2
 EXIT_RUN = 1
 
 
+def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", threads: Optional[int] = None) -> None:
+    """What only an entry point may decide for the whole process: where log messages go,
+    which warnings are noise, and how many threads torch uses."""
+    import logging
+    import warnings
+    logging.basicConfig(level=log_level.upper(), format=log_format, stream=sys.stderr)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    # Received frames wrap zmq's read-only buffers (mdi/ring/wire.py says why): nothing writes
+    # to them, so torch's warning about non-writable tensors does not apply.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+
+
 def _fail(message: str, code: int) -> int:
     print("mdi: error: %s" % message, file=sys.stderr)
     return code
@@ -113,6 +128,7 @@ def start_main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = _config_from_args(args)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
+        setup_process(threads=cfg.runtime.threads)
         if args.check:
             from mdi.starter.preflight import preflight
             return preflight(cfg, args.prompt or cfg.generation.prompts)
@@ -121,7 +137,7 @@ def start_main(argv: Optional[List[str]] = None) -> int:
         if args.host or args.port is not None or args.insecure:
             raise ConfigError("--host, --port and --insecure go with --serve")
         prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
-        result = batch.run(cfg, prompts, log=lambda m: print(m, file=sys.stderr))
+        result = batch.run(cfg, prompts)
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)
     except batch.RunFailed as e:
@@ -146,7 +162,7 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg.serve.port = args.port
     check_serve("command line: serve", cfg.serve)
     from mdi.serving.api import serve
-    return serve(cfg, insecure=args.insecure, log_fn=lambda m: print(m, file=sys.stderr))
+    return serve(cfg, insecure=args.insecure)
 
 
 def report(result, args: argparse.Namespace) -> None:
@@ -186,15 +202,11 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def worker_main(argv: Optional[List[str]] = None) -> int:
     args = worker_parser().parse_args(argv)
-    import logging
     import threading
     from werkzeug.serving import make_server
-    import torch
-    from mdi.worker.node import Worker, create_app
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from mdi.worker.app import create_app
+    from mdi.worker.node import Worker
+    setup_process(args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", args.threads)
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
     from mdi.ring.auth import TokenError, is_loopback, load_token
     try:
@@ -242,6 +254,7 @@ def prepare_parser() -> argparse.ArgumentParser:
 def prepare_main(argv: Optional[List[str]] = None) -> int:
     from mdi.model import prepare
     args = prepare_parser().parse_args(argv)
+    setup_process()
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
     out = args.out or os.path.join("models", name)
     try:

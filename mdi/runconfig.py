@@ -3,6 +3,7 @@
 Every error is a `ConfigError` whose message names the file, the key and what was expected,
 so the CLI can print one line and exit with code 2.
 """
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -262,11 +263,11 @@ def _check_generation(where: str, gen: GenerationSpec) -> None:
         raise ConfigError("%s.n_samples: expected a positive integer" % where)
     if gen.n_tokens < 1:
         raise ConfigError("%s.n_tokens: expected a positive integer" % where)
-    if gen.temperature < 0:
-        raise ConfigError("%s.temperature: expected a number >= 0" % where)
+    if not (math.isfinite(gen.temperature) and gen.temperature >= 0):  # YAML's .nan passes `< 0`
+        raise ConfigError("%s.temperature: expected a finite number >= 0" % where)
     if gen.top_k is not None and gen.top_k < 1:
         raise ConfigError("%s.top_k: expected a positive integer" % where)
-    if gen.top_p is not None and not 0 < gen.top_p <= 1:
+    if gen.top_p is not None and not (math.isfinite(gen.top_p) and 0 < gen.top_p <= 1):
         raise ConfigError("%s.top_p: expected a number in (0, 1]" % where)
     if not all(isinstance(p, str) for p in gen.prompts):
         raise ConfigError("%s.prompts: expected a list of strings" % where)

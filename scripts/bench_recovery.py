@@ -67,7 +67,7 @@ def timed_run(cfg, prompts: List[str], victim: Optional[WorkerProcess], kill_aft
             os.kill(victim.proc.pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
-    result = batch.run(cfg, prompts, log=lambda m: None, on_token=on_token)
+    result = batch.run(cfg, prompts, on_token=on_token)
     # From the first token to the last: loading and configuring the ring are not generation.
     out = {"ids": [s.token_ids for s in result.samples], "tokens": len(stamps),
            "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}

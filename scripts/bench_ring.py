@@ -69,7 +69,7 @@ def head_aware_partition(n_layer: int, n: int, head_layers: float) -> List[int]:
 
 def head_cost_in_layers(model: str) -> float:
     """LM head parameters / one block's parameters (decode is memory-bound: bytes ~ time)."""
-    from mdi.model.checkpoints import read_mdi_config
+    from mdi.model.store import read_mdi_config
     from mdi.model.layout import expected_shapes
     config = read_mdi_config(model)
     block = sum(math.prod(s) for s in expected_shapes(config, (0, 1), False, False).values())
@@ -87,7 +87,7 @@ def one_run(model: str, workers: List[WorkerProcess], counts: Optional[List[int]
         for node, c in zip(nodes, counts):
             node["layers"] = c
     cfg = parse_config(run_config_dict(model, nodes, tokens, threads=1), "bench_ring")
-    result = batch.run(cfg, [PROMPT] * n_samples, log=lambda m: None)
+    result = batch.run(cfg, [PROMPT] * n_samples)
     times = [s.token_times for s in result.samples]
     if any(len(t) < tokens for t in times):
         raise RuntimeError("a sample stopped early (EOS); pick a prompt or model that runs %d tokens" % tokens)
@@ -220,7 +220,7 @@ def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mdi.model.checkpoints import read_mdi_config
+    from mdi.model.store import read_mdi_config
     n_layer = read_mdi_config(args.model).n_layer
     head = head_cost_in_layers(args.model)
     info = benchlib.machine_info(1)

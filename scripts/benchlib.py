@@ -111,8 +111,9 @@ def load_mdi(path: str):
     return source, chunk
 
 
-
-from mdi.lab.nodes import NodeProcess, free_ports, post_shutdown, wait_healthy  # noqa: E402  (shared with mdi-bench)
+# Processes are started, health-checked and stopped as mdi-bench does (mdi/lab/processes.py).
+from mdi.lab.processes import NodeProcess, free_ports, post_shutdown, wait_healthy  # noqa: E402,F401
+from mdi.lab.processes import WorkerProcess as _Worker  # noqa: E402
 
 
 def ports_besides(workers: Sequence["WorkerProcess"], n: int = 1) -> List[int]:
@@ -133,35 +134,21 @@ def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, thre
 
 # --------------------------------------------------------------------------- cgroup v1
 
-# CPU quota groups live in mdi/emulation.py (used by mdi-bench too); the scripts import them from here.
-from mdi.lab.emulation import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,F401
+# CPU quota groups live in mdi/lab/cgroups.py (used by mdi-bench too); the scripts import them from here.
+from mdi.lab.cgroups import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- workers
 
-class WorkerProcess:
-    """One `mdi-worker --threads N` subprocess on free ports, optionally in a cgroup."""
+class WorkerProcess(_Worker):
+    """One `mdi-worker --threads N` subprocess on free loopback ports (its data port chosen
+    too), its log in log_dir/NAME.log, optionally in a cgroup (`preexec` joins it)."""
 
     def __init__(self, name: str, threads: int, log_dir: str,
                  preexec: Optional[Callable[[], None]] = None) -> None:
-        self.name = name
-        self.port, self.data_port = free_ports(2)
-        self.url = "http://127.0.0.1:%d" % self.port
-        cmd = [os.path.join(BIN, "mdi-worker"), "--port", str(self.port), "--threads", str(threads)]
-        self.proc = NodeProcess(name, cmd, os.path.join(log_dir, "%s.log" % name), dict(os.environ),
-                                preexec=preexec)
-
-    def node(self, weights: Optional[str] = None) -> Dict[str, Any]:
-        entry = {"name": self.name, "host": "127.0.0.1", "port": self.port, "data_port": self.data_port}
-        if weights:
-            entry["weights"] = weights
-        return entry
+        port, data_port = free_ports(2)
+        super().__init__(port, os.path.join(log_dir, "%s.log" % name), name, threads=threads,
+                         env=dict(os.environ), data_port=data_port, preexec=preexec)
 
     def wait_healthy(self, timeout: float) -> None:
-        wait_healthy(self.url, None, self.proc, timeout)
-
-    def stop(self) -> None:
-        """POST /shutdown, then terminate/kill this PID only if it does not exit."""
-        if self.proc.alive():
-            post_shutdown(self.url, None)
-        self.proc.stop(grace=10.0)
+        self.wait_ready(timeout)

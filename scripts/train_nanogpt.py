@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mdi.model.checkpoints import save_model_dir
+from mdi.model.store import save_model_dir
 from mdi.model.config import ModelConfig
 from mdi.model.transformer import ModelChunk, full_model, parameter_count
 from mdi.model.tokenizers import char_tokenizer

@@ -1,23 +1,20 @@
 """Shared fixtures: tiny random models saved as mdi directories, and real worker processes."""
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
-import requests
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mdi.model.checkpoints import save_model_dir  # noqa: E402
+from mdi.model.store import save_model_dir  # noqa: E402
 from mdi.model.config import ModelConfig  # noqa: E402
 from mdi.model.transformer import full_model  # noqa: E402
 from mdi.model.tokenizers import char_tokenizer  # noqa: E402
-from mdi.lab.nodes import free_ports  # noqa: E402,F401  (tests import it from here)
+from mdi.lab import processes  # noqa: E402
+from mdi.lab.processes import free_ports  # noqa: E402,F401  (tests import it from here)
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)
@@ -56,41 +53,20 @@ def tiny_models(tmp_path_factory):
     return {f: make_tiny_model(str(base / f), f) for f in ("gpt2", "llama")}
 
 
-class WorkerProcess:
+class WorkerProcess(processes.WorkerProcess):
+    """`mdi-worker --port PORT --threads 1 EXTRA...` on loopback for a test (mdi-bench's own
+    wrapper): its output in $TMPDIR/mdi-worker-PORT.log (see output()), wait_ready() until
+    /health answers, stop() with POST /shutdown, then SIGTERM/SIGKILL of its PID only.
+    `token` goes on the requests; the worker reads its own from `env`."""
+
+    tail_lines = 40  # a test that fails to start a worker shows most of its output
+
     def __init__(self, port: int, extra=(), env=None, token=None) -> None:
-        self.port = port
-        self.headers = {"Authorization": "Bearer " + token} if token else {}
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-worker-%d.log" % port), "w+")
-        self.proc = subprocess.Popen([os.path.join(BIN, "mdi-worker"), "--port", str(port), "--threads", "1"]
-                                     + list(extra), stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = "http://127.0.0.1:%d" % port
+        log = os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-worker-%d.log" % port)
+        super().__init__(port, log, extra=extra, env=env, token=token, append=False, new_session=False)
 
-    def wait_ready(self, timeout: float = 90.0) -> "WorkerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("worker on port %d exited: %s" % (self.port, self.output()))
-            try:
-                if requests.get(self.url + "/health", headers=self.headers, timeout=1).ok:
-                    return self
-            except requests.RequestException:
-                time.sleep(0.1)
-        raise RuntimeError("worker on port %d not ready in %.0f s" % (self.port, timeout))
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                requests.post(self.url + "/shutdown", headers=self.headers, timeout=2)
-                self.proc.wait(timeout=5)
-            except (requests.RequestException, subprocess.TimeoutExpired):
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        self.log.close()
+    def stop(self, grace: float = 5.0) -> None:
+        super().stop(grace)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ def greedy(model, dtype, compute=None, nodes=None):
         data["model"]["compute_dtype"] = compute
     if nodes:
         data["nodes"] = nodes
-    result = batch.run(parse_config(data, "t"), ["Once upon", "The"], log=lambda m: None)
+    result = batch.run(parse_config(data, "t"), ["Once upon", "The"])
     return [s.token_ids for s in result.samples], result
 
 

@@ -1,5 +1,6 @@
-"""mdi-bench: the experiment schema, the sweep expansion, the delay proxy, and a smoke sweep
-of tiny random models end to end (CSV columns, summary, PNGs). Needs no root: emulation is off."""
+"""mdi-bench: the experiment schema, the sweep expansion, the delay proxy, the plots, a dry
+run, and a smoke sweep of tiny random models end to end (CSV columns, summary, PNGs). Needs
+no root: emulation is off (one test runs on emulated boards when root)."""
 import csv
 import os
 import socket
@@ -16,7 +17,8 @@ BIN = os.path.dirname(sys.executable)
 SMOKE = os.path.join(ROOT, "configs", "experiments", "smoke.yaml")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-from mdi.lab.emulation import DelayProxy, Emulation, EmulationSettings  # noqa: E402
+from mdi.lab.delay_proxy import DelayProxy  # noqa: E402
+from mdi.lab.emulation import Emulation, EmulationSettings  # noqa: E402
 from mdi.lab.report import CSV_COLUMNS, steady_rate, summarize  # noqa: E402
 from mdi.lab.spec import ExperimentError, parse_experiment, plan_rings, samples_for  # noqa: E402
 
@@ -143,9 +145,31 @@ def test_delay_proxy_adds_latency_both_ways():
         srv.close()
 
 
-def _bench(*args, timeout=120):
+def _bench(*args, timeout=120, env=None):
     return subprocess.run([os.path.join(BIN, "mdi-bench")] + list(args), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, timeout=timeout, cwd=ROOT)
+                          stderr=subprocess.PIPE, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _bench_error(r):
+    """mdi-bench's own error line (else its last line of output)."""
+    lines = [line for line in r.stderr.decode(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("mdi-bench: error:")]
+    return (errors or lines or ["(no output)"])[-1]
+
+
+def _bench_statuses(r, out):
+    """The status of every run in OUT/results.csv. Where mdi-bench wrote none (it stopped
+    before the first run: a bad file, emulation that cannot be set up inside this network
+    namespace), the test fails with mdi-bench's own error line, not a FileNotFoundError."""
+    path = os.path.join(str(out), "results.csv")
+    if not os.path.isfile(path):
+        pytest.fail("mdi-bench wrote no results.csv (exit %d): %s" % (r.returncode, _bench_error(r)))
+    with open(path, newline="") as f:
+        return [row["status"] for row in csv.DictReader(f)]
+
+
+def _tree(path):
+    return sorted(os.path.join(d, f) for d, dirs, files in os.walk(str(path)) for f in dirs + files)
 
 
 def test_bad_experiment_is_one_line(tmp_path):
@@ -155,6 +179,95 @@ def test_bad_experiment_is_one_line(tmp_path):
     assert r.returncode == 2
     err = r.stderr.decode().strip()
     assert err.count("\n") == 0 and err.startswith("mdi-bench: error: ") and "models[0].nodes[0]" in err
+
+
+def test_a_bench_that_stopped_early_fails_with_its_own_error(tmp_path):
+    config = tmp_path / "gone.yaml"
+    config.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(tmp_path / "no-such-model")}],
+                                      "output": str(tmp_path / "out")}))
+    r = _bench("--experiment", str(config), "--emulation", "off")
+    assert r.returncode == 2
+    with pytest.raises(pytest.fail.Exception) as e:
+        _bench_statuses(r, tmp_path / "out")  # was open(out / "results.csv"): FileNotFoundError
+    assert "mdi-bench: error: " in str(e.value) and "no-such-model does not exist" in str(e.value)
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    """Not the missing random model, not the output folder, not even a work folder."""
+    with open(SMOKE) as f:
+        data = yaml.safe_load(f)
+    for m in data["models"]:
+        m["path"] = str(tmp_path / "models" / m["name"])
+    data["output"] = str(tmp_path / "out")
+    config = tmp_path / "smoke.yaml"
+    config.write_text(yaml.safe_dump(data))
+    (tmp_path / "tmp").mkdir()
+    before = _tree(tmp_path)
+    r = _bench("--experiment", str(config), "--dry-run", env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+    log = r.stderr.decode()
+    assert r.returncode == 0, log
+    assert _tree(tmp_path) == before
+    assert "4 runs in all" in log and "tiny-llama: 2 node(s), partition 1+3 (explicit)" in log
+    assert "would build random model tiny-gpt2" in log
+
+
+def _ok_row(nodes, partition, samples, rate, metrics_file="", peak=""):
+    return {"model": "m", "nodes": str(nodes), "partition": partition, "samples": str(samples), "tokens": "4",
+            "repeat": "1", "status": "ok", "decode_tokens_per_s": rate, "tokens_per_s": rate, "ttft_s": "0.1",
+            "peak_memory_mb": peak, "weights_mb": "", "cache_mb": "", "metrics_file": metrics_file}
+
+
+@pytest.fixture
+def figures(tmp_path, monkeypatch):
+    """plots.plot_all over some rows, its figures kept open (by file name) instead of saved."""
+    from mdi.lab import plots
+    figs = {}
+
+    def keep(fig, plt, out, name):
+        figs[name] = fig
+        return name
+
+    monkeypatch.setattr(plots, "_save", keep)
+
+    def plot(rows):
+        plots.plot_all(str(tmp_path), rows, summarize(rows))
+        return figs
+    yield plot
+    for fig in figs.values():
+        plots._pyplot().close(fig)
+
+
+def _notes(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def test_empty_plot_panels_say_no_data(tmp_path, figures):
+    # one 2-node ring run at S=2 only: no 1-sample run, no efficiency, no memory figures
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a.json").write_text('{"samples": [{"token_times": [0.1, 0.2]}, {"token_times": [0.15, 0.3]}]}')
+    figs = figures([_ok_row(2, "2+2", 2, "10", "runs/a.json")])
+    one_sample, in_flight = figs["time_vs_tokens.png"].axes
+    rate, efficiency = figs["throughput_vs_samples.png"].axes
+    (memory,) = figs["memory_per_node.png"].axes
+    for ax in (one_sample, efficiency, memory):
+        assert _notes(ax) == ["no data"], ax.get_title()
+    for ax in (in_flight, rate):
+        assert "no data" not in _notes(ax) and ax.get_legend() is not None, ax.get_title()
+
+
+def test_samples_in_flight_axes_have_integer_ticks(figures):
+    figs = figures([_ok_row(1, "4", 1, "10", peak="50"), _ok_row(2, "2+2", 2, "12", peak="30;30"),
+                    _ok_row(2, "2+2", 1, "8", peak="30;30")])
+    rate, efficiency = figs["throughput_vs_samples.png"].axes
+    for ax in (rate, efficiency):
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(t == int(t) for t in ticks), (ax.get_title(), ticks)
+    # a lone point: one tick, at its own value (was 1.900 ... 2.100)
+    figs = figures([_ok_row(2, "2+2", 2, "10")])
+    rate = figs["throughput_vs_samples.png"].axes[0]
+    lo, hi = rate.get_xlim()
+    assert [t for t in rate.get_xticks() if lo <= t <= hi] == [2.0]
 
 
 @pytest.mark.timeout(120)
@@ -217,6 +330,5 @@ def test_back_to_back_authenticated_runs_on_emulated_boards(tmp_path):
     config = tmp_path / "auth.yaml"
     config.write_text(yaml.safe_dump(data))
     r = _bench("--experiment", str(config), "--emulation", "on", timeout=580)
-    with open(tmp_path / "out" / "results.csv", newline="") as f:
-        statuses = [row["status"] for row in csv.DictReader(f)]
-    assert r.returncode == 0 and statuses == ["ok"] * 60, [s for s in statuses if s != "ok"][:3]
+    statuses = _bench_statuses(r, tmp_path / "out")
+    assert r.returncode == 0 and statuses == ["ok"] * 60, (_bench_error(r), [s for s in statuses if s != "ok"][:3])

@@ -144,7 +144,7 @@ def test_data_port_garbage_is_dropped_and_counted(fuzz_worker, tiny_models):
     data_port = free_ports(1)[0]
     spec = init_spec(tiny_models["gpt2"], fuzz_worker.port, data_port)
     from safetensors.torch import save
-    from mdi.model.checkpoints import load_weights
+    from mdi.model.store import load_weights
     import hashlib
     blob = save(load_weights(tiny_models["gpt2"], (2, 4), False, False, torch.float32))
     spec["weights"] = {"push": {"nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
@@ -184,5 +184,5 @@ def check_ring_still_correct(worker, model):
     gen = {"n_tokens": 12, "temperature": 0}
     ring = parse_config({"model": {"path": model}, "nodes": nodes, "generation": gen}, "ring")
     alone = parse_config({"model": {"path": model}, "generation": gen}, "alone")
-    got = batch.run(ring, ["fuzz"], log=lambda m: None).samples[0].token_ids
-    assert got == batch.run(alone, ["fuzz"], log=lambda m: None).samples[0].token_ids
+    got = batch.run(ring, ["fuzz"]).samples[0].token_ids
+    assert got == batch.run(alone, ["fuzz"]).samples[0].token_ids

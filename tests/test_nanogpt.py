@@ -16,7 +16,7 @@ def run(nodes=None, n_tokens=80):
     data = {"model": {"path": MODEL}, "generation": {"n_tokens": n_tokens, "temperature": 0}}
     if nodes:
         data["nodes"] = nodes
-    return batch.run(parse_config(data, "nanogpt"), ["ROMEO:", "JULIET:"], log=lambda m: None)
+    return batch.run(parse_config(data, "nanogpt"), ["ROMEO:", "JULIET:"])
 
 
 def test_shipped_checkpoint_is_small_and_trained():
@@ -47,4 +47,4 @@ def test_training_script_writes_a_loadable_model(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = parse_config({"model": {"path": str(out)}, "generation": {"n_tokens": 5, "temperature": 0}}, "t")
-    assert len(batch.run(cfg, ["ROMEO:"], log=lambda m: None).samples[0].token_ids) == 5
+    assert len(batch.run(cfg, ["ROMEO:"]).samples[0].token_ids) == 5

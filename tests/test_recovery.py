@@ -1,5 +1,6 @@
 """Recovery with real processes: a worker SIGKILLed mid-run is replaced by a spare or its layers
 move to its neighbours, and every sample ends with exactly the tokens of an uninterrupted run."""
+import logging
 import os
 import random
 import signal
@@ -42,7 +43,7 @@ def reference(model, sampling=None):
     """The same prompts, standalone and uninterrupted."""
     cfg = parse_config({"model": {"path": model},
                         "generation": dict({"n_tokens": N_TOKENS, "temperature": 0}, **(sampling or {}))}, "ref")
-    return [s.token_ids for s in batch.run(cfg, PROMPTS, log=lambda m: None).samples]
+    return [s.token_ids for s in batch.run(cfg, PROMPTS).samples]
 
 
 def run_killing(cfg, kills):
@@ -55,10 +56,28 @@ def run_killing(cfg, kills):
         while pending and count[0] >= pending[0][0]:
             os.kill(pending.pop(0)[1].proc.pid, signal.SIGKILL)
 
-    logs = []
-    result = batch.run(cfg, PROMPTS, log=logs.append, on_token=on_token)
+    logs = _Collect()
+    logger = logging.getLogger("mdi")
+    logger.addHandler(logs)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        result = batch.run(cfg, PROMPTS, on_token=on_token)
+    finally:
+        logger.removeHandler(logs)
+        logger.setLevel(level)
     assert not pending, "the run ended before every kill happened"
-    return result, logs
+    return result, logs.lines
+
+
+class _Collect(logging.Handler):
+    """The run's log messages (recovery lines among them), as the CLI would print them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 SAMPLINGS = [None, {"temperature": 0.9, "top_k": 20, "seed": 7}]

@@ -52,7 +52,7 @@ def wait_idle(worker, timeout):
 
 def reference_ids(model, prompt, n_tokens):
     cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0}}, "ref")
-    return batch.run(cfg, [prompt], log=lambda m: None).samples[0].token_ids
+    return batch.run(cfg, [prompt]).samples[0].token_ids
 
 
 def fresh_run_matches(model, workers, data_ports):
@@ -60,7 +60,7 @@ def fresh_run_matches(model, workers, data_ports):
     nodes += [{"name": "w%d" % i, "port": w.port, "data_port": data_ports[i + 1]} for i, w in enumerate(workers)]
     cfg = parse_config({"model": {"path": model}, "nodes": nodes,
                         "generation": {"n_tokens": 20, "temperature": 0}}, "fresh")
-    got = batch.run(cfg, ["Once upon"], log=lambda m: None).samples[0].token_ids
+    got = batch.run(cfg, ["Once upon"]).samples[0].token_ids
     assert got == reference_ids(model, "Once upon", 20)
 
 
@@ -160,3 +160,65 @@ def test_port_is_free_again_right_after_a_killed_worker(tiny_models, tmp_path):
     finally:
         second.stop()
         first.log.close()
+
+
+def test_control_client_says_what_happened_by_type():
+    """A refused connection is NodeUnreachable; a node that takes the connection and then
+    hangs (mid-request or while we push weights) is NodeTimeout saying it timed out."""
+    import socket
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.control import ControlClient, NodeTimeout, NodeUnreachable
+    hung = socket.socket()  # listens, never accepts: a frozen worker
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(1)
+    dead = free_ports(1)[0]
+    try:
+        client = ControlClient(NodeSpec("frozen", port=hung.getsockname()[1]), connect_timeout=0.5, init_timeout=0.5)
+        with pytest.raises(NodeTimeout, match="frozen.*GET /status timed out") as err:
+            client.status()
+        assert err.value.node == "frozen"
+        with pytest.raises(NodeTimeout, match="POST /weights timed out"):
+            client.push_weights(b"x" * (64 << 20))  # more than the socket buffers take
+        with pytest.raises(NodeUnreachable, match="gone.*cannot connect"):
+            ControlClient(NodeSpec("gone", port=dead), connect_timeout=0.5).health()
+    finally:
+        hung.close()
+
+
+def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chance():
+    from types import SimpleNamespace
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.control import NodeError, NodeTimeout, NodeUnreachable
+    from mdi.starter.session import RingSession
+
+    class Stub:
+        def __init__(self, name, errors):
+            self.node, self.errors, self.calls = NodeSpec(name), list(errors), 0
+
+        def status(self, timeout=None, run_id=None):
+            self.calls += 1
+            if self.errors:
+                error = self.errors.pop(0)
+                if error is not None:
+                    raise error
+            return {"run_id": 1, "error": None}
+
+    def watch(errors):
+        session = RingSession.__new__(RingSession)  # only what the watchdog uses
+        session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
+        session.run_id, session.failure = 1, None
+        session.clients = [Stub("a", errors)]
+        session._watching = __import__("threading").Event()
+        session._watching.set()
+        session._watch()  # returns once it has named a failure
+        return session.failure, session.clients[0].calls
+
+    # A message mentioning "cannot connect" is no longer taken for an unreachable node.
+    slow = NodeTimeout("node a: timed out, cannot connect", "a")
+    failure, calls = watch([slow, None, slow, slow])
+    assert failure is slow and calls == 4
+    gone = NodeUnreachable("node a: cannot connect", "a")
+    failure, calls = watch([gone])
+    assert failure is gone and calls == 1
+    failure, _ = watch([NodeError("node a: HTTP 500", "a")] * 2)
+    assert isinstance(failure, NodeError) and failure.node == "a"

@@ -31,7 +31,7 @@ def ring_config(model: str, workers, data_ports, counts, temperature=0.0, n_toke
 
 
 def run_ids(cfg, prompts):
-    result = batch.run(cfg, prompts, log=lambda m: None)
+    result = batch.run(cfg, prompts)
     return [s.token_ids for s in result.samples], result
 
 
@@ -55,12 +55,12 @@ def test_seeded_sampling_is_identical_across_partitions(family, tiny_models, wor
     texts = []
     for n_nodes in (1, 2, 4):
         cfg = ring_config(model, workers, data_ports, PARTITIONS[n_nodes], temperature=0.9, n_tokens=20)
-        result = batch.run(cfg, prompts, log=lambda m: None)
+        result = batch.run(cfg, prompts)
         texts.append(result.texts)
     assert texts[0] == texts[1] == texts[2]
     # Different samples of the same run draw from different generators.
     cfg = ring_config(model, workers, data_ports, PARTITIONS[2], temperature=0.9, n_tokens=20)
-    same_prompt = batch.run(cfg, [prompts[0]] * 2, log=lambda m: None).texts
+    same_prompt = batch.run(cfg, [prompts[0]] * 2).texts
     assert same_prompt[0] != same_prompt[1]
 
 
@@ -137,3 +137,41 @@ def test_a_lost_pass_times_out_however_finely_the_wait_is_sliced():
         while time.monotonic() - t0 < 5:
             assert pipe.step(timeout=0.05) == []
     assert time.monotonic() - t0 >= 0.45
+
+
+def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
+    """In process: an /init request built on the starter's side goes through JSON and the
+    worker's validator unchanged, starts a run, is reused for the same layers, and the worker
+    never writes its own state into it (its lock is taken once per call: a plain Lock)."""
+    import copy
+    from mdi.model.config import ModelConfig
+    from mdi.ring.init_request import DataPlane, InitRequest, RequestError, Weights, validate_init
+    from mdi.worker.node import Worker
+    with open(os.path.join(tiny_models["gpt2"], "mdi_config.json")) as f:
+        model = ModelConfig.from_dict(json.load(f)["model"])
+    bind, nxt = free_ports(2)
+    request = InitRequest(run_id=4, model=model, layers=[1, 3], dtype="float32", device="cpu", n_slots=2,
+                          max_len=32, data=DataPlane(bind, "127.0.0.1", nxt, True),
+                          weights=Weights(path=tiny_models["gpt2"]), heartbeat_timeout=30.0)
+    assert validate_init(json.loads(json.dumps(request.to_json()))) == request
+    worker = Worker("127.0.0.1", free_ports(1)[0])
+    try:
+        sent = copy.deepcopy(request)
+        assert worker.init(request) == {"ok": True, "need_weights": False, "cache_bytes": worker.chunk.cache.nbytes}
+        assert request == sent and worker.run.request is request and worker.run.heartbeat_timeout == 30.0
+        status = worker.status()
+        assert status["state"] == "running" and status["layers"] == [1, 3] and status["run_id"] == 4
+        chunk = worker.chunk
+        again = copy.deepcopy(request)
+        again.run_id = 5
+        assert worker.init(again)["need_weights"] is False and worker.chunk is chunk  # weights reused
+        assert worker.runs_served == 2 and worker.status()["run_id"] == 5
+        bad = copy.deepcopy(request)
+        bad.weights = Weights(path=os.path.join(tiny_models["gpt2"], "missing"))
+        with pytest.raises(RequestError, match="cannot load weights"):
+            worker.init(bad)
+        assert not worker.loading and worker.run is None and worker.status()["state"] == "idle"
+        worker.end_run()  # the lock was released on the failure
+    finally:
+        worker.end_run()
+        worker.shutdown_requested.set()

@@ -17,10 +17,12 @@ import torch
 
 from conftest import BIN, CHARS, free_ports, tiny_config
 from mdi.starter import batch
-from mdi.model.checkpoints import save_model_dir
+from mdi.model.store import save_model_dir
 from mdi.runconfig import parse_config
 from mdi.model.transformer import full_model
-from mdi.serving.scheduler import held_back
+from mdi.serving.streaming import TextStream, held_back
+from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, parse_options
+from mdi.model.sampling import SamplingParams
 from mdi.model.tokenizers import char_tokenizer
 
 BLOCK = 1024  # context of the test model: long enough for streams that outlast the others
@@ -123,7 +125,7 @@ def reference(model, prompt, n_tokens):
     if key not in _references:
         cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0},
                             "runtime": {"threads": 1}}, "reference")
-        _references[key] = batch.run(cfg, [prompt], log=lambda m: None).texts[0]
+        _references[key] = batch.run(cfg, [prompt]).texts[0]
     return _references[key]
 
 
@@ -256,6 +258,39 @@ def test_cancelled_stream_frees_its_slot(server, model):
     assert r.json()["choices"][0]["text"] == reference(model, "After", 10)
 
 
+EXTREME_SAMPLING = [{"temperature": 1e-45}, {"temperature": 1e-40, "top_k": 1}, {"temperature": 1.0, "top_p": 1e-45},
+                    {"temperature": 1.0, "top_k": 1}, {"temperature": 2.0, "top_p": 1e-45, "seed": 3}]
+
+
+def test_extreme_sampling_settings_do_not_disturb_other_requests(server, model):
+    """A request whose temperature underflows (1e-45) used to turn the shared scheduler step
+    into NaN and fail every request in flight; now it behaves as greedy and its neighbours
+    stream on, unchanged, with the ring healthy throughout."""
+    log, lock = [], threading.Lock()
+    others = [Stream(server.url, i, PROMPTS[i], 60, log, lock) for i in range(2)]
+    for c in others:
+        c.start()
+    for c in others:
+        assert c.started.wait(60), c.error
+    for params in EXTREME_SAMPLING:
+        body = dict({"model": "tiny", "prompt": "Hi", "max_tokens": 6}, **params)
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, (params, r.text)
+        if params.get("top_k") == 1 or params.get("top_p") == 1e-45 or params["temperature"] < 1e-30:
+            assert r.json()["choices"][0]["text"] == reference(model, "Hi", 6), params  # the best token each time
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    for c, prompt in zip(others, PROMPTS):
+        c.join(timeout=120)
+        assert c.error is None and c.finish_reason == "length", c.error
+        assert c.text == reference(model, prompt, 60)
+    assert server.metrics()['mdi_requests_total{finish_reason="error"}'] == 0
+    for raw in ('NaN', 'Infinity', '-Infinity'):  # Python's json would accept these
+        body = '{"prompt": "Hi", "max_tokens": 2, "temperature": %s}' % raw
+        r = requests.post(server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"},
+                          timeout=30)
+        assert r.status_code == 400 and "temperature" in r.text, (raw, r.text)
+
+
 def test_client_gone_cancels_a_non_streaming_request(server):
     import socket
     before = server.metrics()['mdi_requests_total{finish_reason="cancelled"}']
@@ -359,6 +394,53 @@ def test_held_back_keeps_possible_stop_prefixes():
     assert held_back("hello wor", ["world"]) == 3
     assert held_back("hello", ["xyz"]) == 0
     assert held_back("ab", ["b!", "ab?"]) == 2
+
+
+def test_text_stream_cuts_at_stop_strings_and_holds_back_their_starts():
+    tok = char_tokenizer(CHARS)
+
+    def feed(stream, text, finish=None):
+        return [(u.text, u.hit_stop) for u in (stream.push(t, finish) for t in tok.encode(text))]
+
+    stream = TextStream(tok, ["lo w", ""])
+    assert feed(stream, "helox") == [("h", False), ("e", False), ("", False), ("", False), ("lox", False)]
+    assert feed(stream, "lo w") == [("", False), ("", False), ("", False), ("", True)]
+    stream = TextStream(tok, ["zz"])
+    assert feed(stream, "az") == [("a", False), ("", False)]
+    assert feed(stream, "y", "length") == [("zy", False)]  # the last token releases what was held
+
+
+@pytest.mark.parametrize("route,body,message", [
+    (COMPLETIONS, {"prompt": "a", "max_tokens": 0}, "'max_tokens': expected an integer >= 1"),
+    (COMPLETIONS, {"prompt": "a", "top_p": 0}, "'top_p': expected a number in (0, 1]"),
+    (COMPLETIONS, {"prompt": "a", "temperature": 2.5}, "'temperature': expected a number in [0, 2]"),
+    (COMPLETIONS, {"prompt": "a", "top_k": 1.5}, "'top_k': expected an integer, got 1.5"),
+    (COMPLETIONS, {"prompt": "a", "stream": 1}, "'stream': expected true or false, got 1"),
+    (COMPLETIONS, {"prompt": "a", "echo": True}, "'echo': only false is supported"),
+    (COMPLETIONS, {"prompt": "a", "tools": []}, "unrecognized request argument: 'tools'"),
+    (CHAT, {"messages": [], "max_completion_tokens": -1}, "'max_completion_tokens': expected an integer >= 1"),
+    (CHAT, {"messages": "hi"}, "'messages': expected a non-empty list of messages, got \"hi\""),
+    (CHAT, {"messages": [], "stream": True, "stream_options": {"x": 1}}, "'stream_options': unknown key 'x'"),
+    (CHAT, {"messages": [], "stop": ["a", 1]}, "'stop': expected a string or a list of strings"),
+    (COMPLETIONS, {}, "'prompt': expected a string or a list of token ids"),
+])
+def test_the_field_table_names_the_field_and_what_was_expected(route, body, message):
+    with pytest.raises(ApiError) as err:
+        parse_options(body, route, SamplingParams(0.8, None, None))
+    assert err.value.status == 400 and err.value.message == message
+
+
+def test_the_field_table_fills_defaults():
+    defaults = SamplingParams(0.7, 40, 0.9)
+    opts, fields = parse_options({"messages": [], "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0,
+                                  "stop": "x", "stream": True, "stream_options": {"include_usage": True},
+                                  "n": 1, "tool_choice": "none", "user": "u"}, CHAT, defaults)
+    assert (opts.max_tokens, opts.params, opts.stop, opts.stream, opts.include_usage) == (
+        7, SamplingParams(0.0, 40, 0.9), ["x"], True, True)
+    opts, fields = parse_options({"prompt": [1, 2], "seed": None}, COMPLETIONS, defaults)
+    assert (opts.max_tokens, opts.params, opts.seed, list(opts.stop), opts.stream, opts.include_usage) == (
+        None, defaults, None, [], False, False)
+    assert fields["prompt"] == [1, 2]
 
 
 def test_shared_secret_and_public_bind(model, tmp_path):

@@ -15,7 +15,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    from mdi.model.checkpoints import packaged_gguf_path
+    from mdi.model.gguf import packaged_gguf_path
     from mdi.model.layout import CheckpointError
     try:
         return packaged_gguf_path("smollm2-135m")
@@ -38,7 +38,7 @@ def test_greedy_tokens_match_transformers_on_the_gguf(gguf_path, prepared):
     n = 24
     cfg = parse_config({"model": {"path": prepared}, "generation": {"n_tokens": n, "temperature": 0},
                         "runtime": {"threads": 1}}, "test")
-    ours = batch.run(cfg, [PROMPT], log=lambda m: None).samples[0]
+    ours = batch.run(cfg, [PROMPT]).samples[0]
     folder, name = os.path.split(gguf_path)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)

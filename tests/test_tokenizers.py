@@ -1,4 +1,4 @@
-"""Tests for mdi.tokenizers: GPT-2 (tiktoken), SmolLM2's GGUF tokenizer vs transformers,
+"""Tests for mdi.model.tokenizers and tokenizer_import: GPT-2 (tiktoken), SmolLM2's GGUF tokenizer vs transformers,
 SentencePiece, HF tokenizer.json, char-level, save/load round trips and streaming decode."""
 import importlib.util
 import io
@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mdi.model.tokenizers import _bytes_to_unicode
+from mdi.model.tokenizer_import import byte_level_bpe, tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import (
-    HFTokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError, byte_level_bpe, char_tokenizer,
-    gpt2_tokenizer, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir,
+    HFTokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError, bytes_to_unicode, char_tokenizer,
+    gpt2_tokenizer, load_tokenizer,
 )
 
-_BYTE_SPELLING = _bytes_to_unicode()
+_BYTE_SPELLING = bytes_to_unicode()
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Any text, weighted towards what breaks byte-level and byte-fallback decoding: multi-byte chars.
 TRICKY = list("日本語中文한국어éüß€∑😀🎉👍🏽🇫🇷\u200d \t\n\r  ")

@@ -6,8 +6,9 @@ combination mdi-bench starts the node processes itself, runs the starter, keeps 
 metrics JSON, and writes one CSV row per run, a summary with the pipeline efficiency, a short
 report, the machine and emulation record, and PNG plots, all in one output folder.
 
-The parts live in mdi/bench/: spec (the YAML), model_setup, nodes (a ring's processes),
-sweep (running it all), report (CSV, summary, report.md).
+The parts live in mdi/lab/: spec (the YAML), model_setup, processes and nodes (a ring's processes),
+emulation (with cgroups, netns, delay_proxy), sweep (running it all), report (CSV, summary,
+report.md) and plots.
 """
 import argparse
 import os
@@ -40,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="override emulation.enabled: auto uses what works, on fails if a part cannot be set up, "
                         "off runs plain loopback")
     p.add_argument("--repeats", type=int, help="override the number of repeats")
-    p.add_argument("--dry-run", action="store_true", help="check the file, build missing random models, list the runs")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the file and list the runs; writes nothing (random models are built by the real run)")
     p.add_argument("--plot-only", action="store_true",
                    help="no runs: rebuild summary.csv, report.md and the PNGs from DIR/results.csv")
     p.add_argument("--cleanup", action="store_true",

@@ -1,7 +1,7 @@
 """The models a sweep runs: found on disk, or built with random weights from a `random:` spec."""
 import json
 import os
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from mdi.lab.spec import ExperimentError, ModelEntry
 from mdi.model import layout
@@ -35,16 +35,20 @@ def random_model_config(name: str, spec: Dict[str, Any]):
     return ModelConfig(name=name, vocab_size=len(CHARS), **kw)
 
 
+def _checked_random_config(name: str, spec: Dict[str, Any], where: str):
+    try:
+        return random_model_config(name, spec)
+    except (TypeError, ValueError) as e:
+        raise ExperimentError("%s.random: %s" % (where, e))
+
+
 def build_random_model(path: str, name: str, spec: Dict[str, Any], where: str) -> None:
     """A random-initialised model with a character tokenizer, saved as a prepared mdi dir."""
     import torch
-    from mdi.model.checkpoints import save_model_dir
+    from mdi.model.store import save_model_dir
     from mdi.model.transformer import full_model
     from mdi.model.tokenizers import char_tokenizer
-    try:
-        config = random_model_config(name, spec)
-    except (TypeError, ValueError) as e:
-        raise ExperimentError("%s.random: %s" % (where, e))
+    config = _checked_random_config(name, spec, where)
     torch.manual_seed(spec.get("seed", 0))
     model = full_model(config)
     with torch.no_grad():
@@ -69,8 +73,25 @@ def ensure_model(entry: ModelEntry, where: str, source: str, log: Callable[[str]
     return path
 
 
+def sweep_model(entry: ModelEntry, where: str, source: str, log: Callable[[str], None],
+                build: bool = True) -> Tuple[str, Any, bool]:
+    """(path, ModelConfig, whether workers can read their own layers from it) for one model
+    of a sweep. A missing random model is built first; with build=False (a dry run) it is
+    planned from its spec instead and nothing is written."""
+    path = resolve_path(entry.path, source)
+    if not build and entry.random is not None and not os.path.exists(path):
+        log("mdi-bench: would build random model %s at %s" % (entry.name, path))
+        return path, _checked_random_config(entry.name, entry.random, where), True
+    path = ensure_model(entry, where, source, log)
+    try:
+        config, local = model_layout(path)
+    except (ValueError, OSError) as e:  # CheckpointError, TokenizerError: the model cannot be read
+        raise ExperimentError("%s.path: %s" % (where, e))
+    return path, config, local
+
+
 def _check_random_matches(path: str, entry: ModelEntry, where: str) -> None:
-    from mdi.model.checkpoints import read_mdi_config
+    from mdi.model.store import read_mdi_config
     try:
         have = read_mdi_config(path).to_dict()
     except Exception:  # not a prepared dir: certainly not what 'random' builds

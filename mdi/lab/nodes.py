@@ -2,83 +2,28 @@
 board emulation, configured once and run again and again."""
 import json
 import os
-import shutil
-import socket
+import queue
 import subprocess
 import sys
 import threading
 import time
-import queue
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
-from mdi.lab.emulation import Emulation, peak_rss_bytes, reset_peak_rss
+from mdi.lab.cgroups import peak_rss_bytes, reset_peak_rss
+from mdi.lab.emulation import Emulation
+from mdi.lab.processes import NodeProcess, WorkerProcess, free_ports, tool
 from mdi.lab.spec import EXIT_CONFIG, EXIT_RUN, Experiment, RingPlan
 
 
 # The warm starter's command line; `mdi-bench --cleanup` recognises its leftovers by it.
 STARTER_SERVICE_MODULE = "mdi.lab.cli"
 STARTER_SERVICE_CMD = [sys.executable, "-m", STARTER_SERVICE_MODULE, "--serve-starter"]
-BIN = os.path.dirname(os.path.abspath(sys.executable))
 
 
-# --------------------------------------------------------------------------- processes
-
-def free_ports(n: int) -> List[int]:
-    """n TCP ports free on loopback right now (the OS picks them; bound together, so distinct)."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-class NodeProcess:
-    """One node process this tool started; only its own PID is ever signalled."""
-
-    def __init__(self, name: str, cmd: List[str], log_path: str, env: Dict[str, str], pipes: bool = False,
-                 preexec: Optional[Callable[[], None]] = None) -> None:
-        self.name, self.log_path = name, log_path
-        self.log = open(log_path, "ab")
-        extra = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if pipes else {"stdout": self.log}
-        # A session of its own: Ctrl-C reaches only mdi-bench, which then stops the nodes in order.
-        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env, start_new_session=True, preexec_fn=preexec,
-                                     **extra)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, grace: float = 10.0) -> None:
-        """Wait `grace` s for it to exit, then SIGTERM, then SIGKILL (this PID only)."""
-        for action, wait in ((None, grace), (self.proc.terminate, 5.0), (self.proc.kill, 5.0)):
-            if self.proc.poll() is not None:
-                break
-            if action is not None:
-                action()
-            try:
-                self.proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        self.log.close()
-
-    def tail(self, n: int = 3) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                lines = f.read().decode(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(lines[-n:])
-
+# --------------------------------------------------------------------------- the warm starter
 
 class StarterService:
     """A warm starter: `python -m mdi.lab.cli --serve-starter` runs mdi-start's own main
@@ -126,36 +71,6 @@ class StarterService:
         self.proc.stop(grace=5.0)
 
 
-def _auth(token: Optional[str]) -> Dict[str, str]:
-    return {"Authorization": "Bearer " + token} if token else {}
-
-
-def wait_healthy(url: str, token: Optional[str], proc: NodeProcess, timeout: float) -> None:
-    import requests
-    session = requests.Session()
-    session.trust_env = False  # never through an HTTP proxy from the environment
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError("%s exited with code %s: %s" % (proc.name, proc.proc.returncode, proc.tail()))
-        try:
-            if session.get(url + "/health", headers=_auth(token), timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("%s did not answer %s/health within %.0f s" % (proc.name, url, timeout))
-
-
-def post_shutdown(url: str, token: Optional[str]) -> None:
-    import requests
-    try:
-        requests.post(url + "/shutdown", headers=_auth(token), timeout=3,
-                      proxies={"http": None, "https": None})
-    except requests.RequestException:
-        pass
-
-
 @dataclass
 class RunOutcome:
     code: int
@@ -174,7 +89,7 @@ class Ring:
                  log: Callable[[str], None]) -> None:
         self.plan, self.exp, self.emu, self.token, self.work, self.log = plan, exp, emu, token, work, log
         self.keys = ["g%dk%d" % (plan.index, k) for k in range(plan.n_nodes)]
-        self.workers = []  # type: List[NodeProcess]
+        self.workers = []  # type: List[WorkerProcess]
         self.service = None  # type: Optional[StarterService]
         self.config_path = os.path.join(work, "ring%d.yaml" % plan.index)
         self.hosts, self.ports, self.data_ports = self._addresses()
@@ -193,9 +108,6 @@ class Ring:
             return hosts, [port] * n, [port + 1000] * n
         ports = free_ports(2 * n)
         return hosts, ports[:n], ports[n:]
-
-    def url(self, k: int) -> str:
-        return "http://%s:%d" % (self.hosts[k], self.ports[k])
 
     def run_config(self) -> Dict[str, Any]:
         p = self.plan
@@ -219,22 +131,28 @@ class Ring:
     def start(self) -> None:
         with open(self.config_path, "w") as f:
             yaml.safe_dump(self.run_config(), f, sort_keys=False)
-        for k, key in enumerate(self.keys):
+        for key in self.keys:
             self.emu.prepare_process(key)
         for k in range(1, self.plan.n_nodes):
-            cmd = [_tool("mdi-worker"), "--port", str(self.ports[k]), "--host", self.hosts[k], "--threads", "1"]
-            if not self.token and self.hosts[k] != "127.0.0.1":
-                cmd.append("--insecure")  # a private namespace network that this tool made
-            self.workers.append(self._spawn("node%d" % k, cmd, k))
+            # --insecure: no token on a private namespace network that this tool made
+            extra = ["--insecure"] if not self.token and self.hosts[k] != "127.0.0.1" else []
+            self.workers.append(WorkerProcess(
+                self.ports[k], self._log_path("node%d" % k), self._name("node%d" % k), self.hosts[k], extra=extra,
+                env=self.env, token=self.token, wrap=lambda cmd, k=k: self.emu.command(cmd, self.keys[k], k)))
         if self.exp.starter == "persistent":
-            cmd = STARTER_SERVICE_CMD
-            self.service = StarterService(self._spawn("starter", cmd, 0, pipes=True))
+            self.service = self._start_service()
         self._add_delays()
 
-    def _spawn(self, name: str, cmd: List[str], k: int, pipes: bool = False) -> NodeProcess:
-        log_path = os.path.join(self.work, "ring%d-%s.log" % (self.plan.index, name))
-        return NodeProcess("ring %d %s" % (self.plan.index, name), self.emu.command(cmd, self.keys[k], k),
-                           log_path, self.env, pipes)
+    def _name(self, node: str) -> str:
+        return "ring %d %s" % (self.plan.index, node)
+
+    def _log_path(self, node: str) -> str:
+        return os.path.join(self.work, "ring%d-%s.log" % (self.plan.index, node))
+
+    def _start_service(self) -> "StarterService":
+        cmd = self.emu.command(STARTER_SERVICE_CMD, self.keys[0], 0)
+        return StarterService(NodeProcess(self._name("starter"), cmd, self._log_path("starter"), self.env,
+                                          pipes=True))
 
     def _add_delays(self) -> None:
         """Delay proxies for every connection a node opens: starter -> each worker's control
@@ -248,8 +166,8 @@ class Ring:
                 self.emu.add_delay(k, nxt, self.data_ports[nxt])
 
     def wait_ready(self, timeout: float) -> None:
-        for k, w in enumerate(self.workers, start=1):
-            wait_healthy(self.url(k), self.token, w, timeout)
+        for w in self.workers:
+            w.wait_ready(timeout)
         if self.service is not None:
             self.service.wait_ready(timeout)
 
@@ -262,9 +180,8 @@ class Ring:
         return [self.service.proc if self.service else None] + self.workers
 
     def stop(self) -> None:
-        for k, w in enumerate(self.workers, start=1):
-            if w.alive():
-                post_shutdown(self.url(k), self.token)
+        for w in self.workers:
+            w.shutdown()  # all at once; then the starter, then wait for each
         if self.service is not None:
             self.service.stop()
         for w in self.workers:
@@ -307,8 +224,7 @@ class Ring:
         self.log("mdi-bench: ring %d: starter exited (%s); starting a new one"
                  % (self.plan.index, self.service.proc.tail(1)))
         self.service.stop()
-        cmd = STARTER_SERVICE_CMD
-        self.service = StarterService(self._spawn("starter", cmd, 0, pipes=True))
+        self.service = self._start_service()
         self.service.wait_ready(self.exp.start_timeout)
 
     def _start_run(self, argv: List[str]) -> Tuple[int, Optional[str]]:
@@ -319,17 +235,12 @@ class Ring:
             except RuntimeError as e:
                 return EXIT_RUN, str(e)
             return int(reply.get("code", EXIT_RUN)), reply.get("error")
-        cmd = self.emu.command([_tool("mdi-start")] + argv, self.keys[0], 0)
+        cmd = self.emu.command([tool("mdi-start")] + argv, self.keys[0], 0)
         try:
             r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, timeout=timeout)
         except subprocess.TimeoutExpired:
             return EXIT_RUN, "mdi-start did not finish within %.0f s" % timeout
         return r.returncode, _error_line(r.stderr.decode(errors="replace")) if r.returncode else None
-
-
-def _tool(name: str) -> str:
-    here = os.path.join(BIN, name)
-    return here if os.path.exists(here) else (shutil.which(name) or name)
 
 
 def read_json(path: str) -> Optional[Dict[str, Any]]:

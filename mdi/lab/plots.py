@@ -6,9 +6,12 @@ mdi itself does not depend on it (pip install mdi[bench]).
 import json
 import os
 import statistics
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
+
+from mdi.lab.report import ok_rows, per_node, rings_of
 
 Row = Dict[str, str]
+NO_DATA = "no data"
 
 
 def _pyplot():
@@ -24,7 +27,7 @@ def _pyplot():
 def plot_all(out: str, rows: List[Row], summary: List[Row]) -> List[str]:
     """Write the three figures into `out`; returns their paths."""
     plt = _pyplot()
-    good = [r for r in rows if r.get("status", "").startswith("ok") and r.get("decode_tokens_per_s")]
+    good = ok_rows(rows)
     if not good:
         return []
     models = _ordered(r["model"] for r in good)
@@ -42,8 +45,8 @@ def _ordered(items) -> List[str]:
     return seen
 
 
-def _rings(rows: Sequence[Row]) -> List[Tuple[int, str]]:
-    return sorted({(int(r["nodes"]), r["partition"]) for r in rows})
+def _of_ring(rows: Sequence[Row], n: int, part: str) -> List[Row]:
+    return [r for r in rows if int(r["nodes"]) == n and r["partition"] == part]
 
 
 def _ring_label(n: int, part: str) -> str:
@@ -75,35 +78,35 @@ def time_vs_tokens(plt, out: str, rows: List[Row], models: List[str]) -> str:
         mrows = [r for r in rows if r["model"] == model]
         for j, title in enumerate(("1 sample", "S = N samples in flight")):
             ax = axes[i][j]
-            for n, part in _rings(mrows):
+            lines = 0
+            for n, part in rings_of(mrows):
                 s = 1 if j == 0 else n
-                run = _median_run([r for r in mrows if int(r["nodes"]) == n and r["partition"] == part
-                                   and int(r["samples"]) == s])
+                run = _median_run([r for r in _of_ring(mrows, n, part) if int(r["samples"]) == s])
                 times = _token_times(out, run) if run else []
                 if times:
                     ax.plot(range(1, len(times) + 1), times, label=_ring_label(n, part))
+                    lines += 1
             ax.set_title("%s: %s" % (model, title), fontsize=10)
             ax.set_xlabel("generated tokens (all samples)")
             ax.set_ylabel("time since start (s)")
             ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8)
+            _finish_panel(ax, lines > 0)
     return _save(fig, plt, out, "time_vs_tokens.png")
 
 
 def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) -> str:
     """Aggregate decode tokens/s against samples in flight (median, bars = min..max of repeats),
     and the pipeline efficiency S-rate / (N x 1-sample rate)."""
-    from matplotlib.ticker import MaxNLocator
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
     for i, model in enumerate(models):
         mrows = [r for r in summary if r["model"] == model]
         ax, ax2 = axes[i]
-        for c, (n, part) in enumerate(_rings(mrows)):
+        xs_all, eff_xs = [], []  # type: List[int], List[int]
+        for c, (n, part) in enumerate(rings_of(mrows)):
             color = "C%d" % c  # the same ring has the same colour in both panels
-            rs = sorted((r for r in mrows if int(r["nodes"]) == n and r["partition"] == part),
-                        key=lambda r: int(r["samples"]))
+            rs = sorted(_of_ring(mrows, n, part), key=lambda r: int(r["samples"]))
             xs = [int(r["samples"]) for r in rs]
+            xs_all += xs
             med = [float(r["decode_tokens_per_s_median"]) for r in rs]
             lo = [m - float(r["decode_tokens_per_s_min"]) for m, r in zip(med, rs)]
             hi = [float(r["decode_tokens_per_s_max"]) - m for m, r in zip(med, rs)]
@@ -111,28 +114,45 @@ def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) 
             eff = [(x, float(r["efficiency_median"])) for x, r in zip(xs, rs) if r["efficiency_median"]]
             if n > 1 and eff:
                 ax2.plot([x for x, _ in eff], [e for _, e in eff], marker="o", color=color, label=_ring_label(n, part))
+                eff_xs += [x for x, _ in eff]
         ax.set_title("%s: aggregate decode throughput" % model, fontsize=10)
-        ax.set_xlabel("samples in flight S")
         ax.set_ylabel("tokens/s")
-        ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax2.set_title("%s: pipeline efficiency" % model, fontsize=10)
-        ax2.set_xlabel("samples in flight S")
         ax2.set_ylabel("rate(S) / (N x rate(1))")
-        for a in (ax, ax2):
-            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if eff_xs:
+            ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
+        for a, xs in ((ax, xs_all), (ax2, eff_xs)):
+            a.set_xlabel("samples in flight S")
             a.grid(alpha=0.3)
-            if a.get_legend_handles_labels()[0]:
-                a.legend(fontsize=8)
+            if xs:
+                _samples_axis(a, xs)
+            _finish_panel(a, bool(xs))
     return _save(fig, plt, out, "throughput_vs_samples.png")
 
 
-def _cells(cell: str) -> List[float]:
-    return [float(x) if x else 0.0 for x in cell.split(";")] if cell else []
+def _samples_axis(ax: Any, xs: Sequence[int]) -> None:
+    """Samples in flight are whole numbers: integer ticks only, and a lone value centred
+    (not 1.900 ... 2.100 around it)."""
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if len(set(xs)) == 1:
+        ax.set_xlim(xs[0] - 0.5, xs[0] + 0.5)
+
+
+def _finish_panel(ax: Any, has_data: bool, **legend: Any) -> None:
+    """A legend where there is something to name; a 'no data' note instead of an empty,
+    meaningless axis where there is nothing to show."""
+    if not has_data:
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.text(0.5, 0.5, NO_DATA, transform=ax.transAxes, ha="center", va="center", color="gray", fontsize=11)
+    elif ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, **legend)
 
 
 def _node_medians(rows: Sequence[Row], column: str) -> List[float]:
-    lists = [_cells(r[column]) for r in rows if r.get(column)]
-    return [statistics.median(col) for col in zip(*lists)] if lists else []
+    """Median of each node's values in a per-node column (0 for a node that never reported)."""
+    return [statistics.median(col) if col else 0.0 for col in per_node([r.get(column, "") for r in rows])]
 
 
 def memory_per_node(plt, out: str, rows: List[Row], models: List[str]) -> str:
@@ -143,32 +163,36 @@ def memory_per_node(plt, out: str, rows: List[Row], models: List[str]) -> str:
     for i, model in enumerate(models):
         ax = axes[i][0]
         mrows = [r for r in rows if r["model"] == model]
-        x, ticks, labels = 0.0, [], []
-        for n, part in _rings(mrows):
-            ring = [r for r in mrows if int(r["nodes"]) == n and r["partition"] == part]
+        x, ticks, labels, bars = 0.0, [], [], 0
+        for n, part in rings_of(mrows):
+            ring = _of_ring(mrows, n, part)
             top = max(int(r["samples"]) for r in ring)
             at_top = [r for r in ring if int(r["samples"]) == top]
             peak, weights, cache = (_node_medians(at_top, c) for c in ("peak_memory_mb", "weights_mb", "cache_mb"))
+            if not peak:
+                continue
             for k, p in enumerate(peak):
                 w = weights[k] if k < len(weights) else 0.0
                 c = cache[k] if k < len(cache) else 0.0
                 parts = (("weights", w), ("KV cache", c), ("other (runtime, buffers)", max(0.0, p - w - c)))
                 bottom = 0.0
                 for name, v in parts:
-                    ax.bar(x, v, bottom=bottom, width=0.8, color=colors[name], label=name if not ticks and k == 0 else None)
+                    ax.bar(x, v, bottom=bottom, width=0.8, color=colors[name], label=None if bars else name)
                     bottom += v
                 ax.text(x, p, "%.0f" % p, ha="center", va="bottom", fontsize=7)
                 x += 1
+                bars += 1
             ticks.append(x - (len(peak) + 1) / 2.0)
             labels.append("%s\nS=%d" % (_ring_label(n, part), top))
             x += 1  # a gap between rings
-        ax.set_xticks(ticks)
-        ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel("peak RSS per node (MB)")
         ax.set_title("%s: memory per node (bars: starter first, then workers in ring order)" % model, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the value labels
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        if bars:
+            ax.set_xticks(ticks)
+            ax.set_xticklabels(labels, fontsize=8)
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the value labels
+        _finish_panel(ax, bars > 0, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, plt, out, "memory_per_node.png")
 
 

@@ -3,12 +3,12 @@ and the machine record."""
 import csv
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
 from mdi.system.memory import meminfo
+from mdi.lab.commands import command_text
 from mdi.lab.nodes import RunOutcome
 from mdi.lab.spec import Experiment, RingPlan
 
@@ -152,20 +152,25 @@ def _median(xs: List[Optional[float]]) -> Optional[float]:
     return statistics.median(vals) if vals else None
 
 
-def _per_node(cells: List[str]) -> List[List[float]]:
+def per_node(cells: List[str]) -> List[List[float]]:
     """';'-joined per-node cells of several rows -> the values of each node, by position (an
-    empty entry, a node that reported nothing, is skipped without shifting the others)."""
+    empty entry, a node that reported nothing, is skipped without shifting the others; a
+    node that never reported has an empty list)."""
     rows = [c.split(";") for c in cells if c]
-    cols = [[float(x) for x in col if x] for col in zip(*rows)]
-    return [col for col in cols if col]
+    return [[float(x) for x in col if x] for col in zip(*rows)]
 
 
 def _max_per_node(cells: List[str]) -> List[float]:
-    return [max(col) for col in _per_node(cells)]
+    return [max(col) for col in per_node(cells) if col]
 
 
 def _median_per_node(cells: List[str]) -> List[float]:
-    return [statistics.median(col) for col in _per_node(cells)]
+    return [statistics.median(col) for col in per_node(cells) if col]
+
+
+def rings_of(rows: Sequence[Dict[str, str]]) -> List[Tuple[int, str]]:
+    """The (nodes, partition) rings that rows speak of, in order."""
+    return sorted({(int(r["nodes"]), r["partition"]) for r in rows})
 
 
 def write_csv(path: str, columns: List[str], rows: List[Dict[str, str]]) -> None:
@@ -221,7 +226,7 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
 
 def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
     samples = sorted({int(r["samples"]) for r in rows})
-    rings = sorted({(int(r["nodes"]), r["partition"]) for r in rows})
+    rings = rings_of(rows)
     out = ["## %s" % model, "",
            "Decode tokens/s, median [min-max] of repeats, and pipeline efficiency "
            "(S-sample rate / (N x 1-sample rate), same ring, paired by repeat).", "",
@@ -245,13 +250,6 @@ def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
 
 # --------------------------------------------------------------------------- machine record
 
-def cmd_text(cmd: List[str]) -> str:
-    try:
-        return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10).stdout.decode().strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
 def machine_record(source: str) -> Dict[str, Any]:
     import platform
     import mdi
@@ -266,9 +264,9 @@ def machine_record(source: str) -> Dict[str, Any]:
            "python": platform.python_version(), "mdi": mdi.__version__, "platform": platform.platform(),
            "machine": platform.machine(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
            "memory_total_mb": _meminfo_mb(), "loadavg_start": list(os.getloadavg()),
-           "uptime_start": cmd_text(["uptime"]), "threads_per_node": 1, "experiment_file": source,
-           "git_commit": cmd_text(["git", "-C", repo, "rev-parse", "HEAD"]),
-           "git_dirty": bool(cmd_text(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"]))}
+           "uptime_start": command_text(["uptime"]), "threads_per_node": 1, "experiment_file": source,
+           "git_commit": command_text(["git", "-C", repo, "rev-parse", "HEAD"]),
+           "git_dirty": bool(command_text(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"]))}
     try:
         import torch
         rec["torch"] = torch.__version__

@@ -16,12 +16,13 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 from mdi.system.files import write_json
+from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
-from mdi.lab.model_setup import ensure_model, model_layout, weight_bytes
+from mdi.lab.model_setup import sweep_model, weight_bytes
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
-from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, cmd_text, machine_record, make_row, read_rows,
-                     scaling_lines, summarize, write_csv, write_report)
-from mdi.lab.spec import EXIT_RUN, Experiment, ExperimentError, RingPlan, plan_rings, samples_for
+from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, machine_record, make_row, read_rows, scaling_lines,
+                            summarize, write_csv, write_report)
+from mdi.lab.spec import EXIT_RUN, Experiment, RingPlan, plan_rings, samples_for
 
 
 # --------------------------------------------------------------------------- progress
@@ -65,6 +66,30 @@ def _duration(s: float) -> str:
     return "%dm%02ds" % (s // 60, s % 60) if s >= 60 else "%ds" % s
 
 
+# --------------------------------------------------------------------------- the plan
+
+def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) -> List[List[RingPlan]]:
+    """The rings of every model, models built or found (build=False: nothing is written);
+    every error names the key before anything runs."""
+    plans, index = [], 0
+    for i, entry in enumerate(exp.models):
+        where = "%s: models[%d]" % (exp.source, i)
+        path, config, local = sweep_model(entry, where, exp.source, log, build)
+        rings = []
+        for n, counts, kind in plan_rings(entry, where, config.n_layer):
+            rings.append(RingPlan(index, entry, path, n, counts, kind, samples_for(entry.samples, n),
+                                  local, weight_bytes(config, counts, entry.dtype)))
+            index += 1
+        plans.append(rings)
+    return plans
+
+
+def run_list(exp: Experiment, plans: List[List[RingPlan]]) -> List[Tuple[str, int]]:
+    """(model, work) per run; work = sample-tokens x weight bytes, a proxy for its compute
+    that lets the estimate carry over from one model to the next."""
+    return [(p.model.name, p.work(s)) for rings in plans for _ in range(exp.repeats) for p in rings for s in p.samples]
+
+
 # --------------------------------------------------------------------------- the sweep
 
 class Sweep:
@@ -81,32 +106,9 @@ class Sweep:
         self.emu = Emulation(exp.emulation, max(max(m.nodes) for m in exp.models), log)
         self.state_path = os.path.join(tempfile.gettempdir(), "mdi-bench-state-%d.json" % os.getpid())
         self.failed = 0
-        self.ring_index = 0
 
-    # --- planning --------------------------------------------------------------------
     def prepare(self) -> List[List[RingPlan]]:
-        """Models built or found, rings planned; every error names the key before anything runs."""
-        plans = []
-        for i, entry in enumerate(self.exp.models):
-            where = "%s: models[%d]" % (self.exp.source, i)
-            path = ensure_model(entry, where, self.exp.source, self.log)
-            try:
-                config, local = model_layout(path)
-            except (ValueError, OSError) as e:  # CheckpointError, TokenizerError: the model cannot be read
-                raise ExperimentError("%s.path: %s" % (where, e))
-            rings = []
-            for n, counts, kind in plan_rings(entry, where, config.n_layer):
-                rings.append(RingPlan(self.ring_index, entry, path, n, counts, kind, samples_for(entry.samples, n),
-                                      local, weight_bytes(config, counts, entry.dtype)))
-                self.ring_index += 1
-            plans.append(rings)
-        return plans
-
-    def run_list(self, plans: List[List[RingPlan]]) -> List[Tuple[str, int]]:
-        """(model, work) per run; work = sample-tokens x weight bytes, a proxy for its compute
-        that lets the estimate carry over from one model to the next."""
-        return [(p.model.name, p.work(s))
-                for rings in plans for _ in range(self.exp.repeats) for p in rings for s in p.samples]
+        return plan_sweep(self.exp, self.log)
 
     # --- running ---------------------------------------------------------------------
     def run(self, plans: List[List[RingPlan]]) -> None:
@@ -118,7 +120,7 @@ class Sweep:
         if self.emu.active("cpu") and quota * self.emu.max_nodes > (os.cpu_count() or 1):
             self.log("mdi-bench: warning: %d nodes x %.2f core > %d CPUs: nodes will compete for CPUs"
                      % (self.emu.max_nodes, quota, os.cpu_count() or 1))
-        progress = Progress(self.run_list(plans), self.log)
+        progress = Progress(run_list(self.exp, plans), self.log)
         write_csv(self.csv_path, CSV_COLUMNS, [])
         for rings in plans:
             self._run_model(rings, progress)
@@ -221,7 +223,7 @@ def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int
         machine["emulation"] = sweep.emu.record()
         sweep.close(keep_work=interrupted or sweep.failed > 0)
     machine.update(time_end=time.strftime("%Y-%m-%d %H:%M:%S %z"), loadavg_end=list(os.getloadavg()),
-                   uptime_end=cmd_text(["uptime"]), runs=len(sweep.rows), runs_failed=sweep.failed,
+                   uptime_end=command_text(["uptime"]), runs=len(sweep.rows), runs_failed=sweep.failed,
                    interrupted=interrupted)
     write_json(os.path.join(out, "machine.json"), machine)
     if sweep.rows:
@@ -232,16 +234,13 @@ def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int
 
 
 def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
-    sweep = Sweep(exp, exp.output, log)
-    try:
-        plans = sweep.prepare()
-    finally:
-        shutil.rmtree(sweep.work, ignore_errors=True)
+    """Check the file and list the runs; writes nothing (no models, no output, no work folder)."""
+    plans = plan_sweep(exp, log, build=False)
     for rings in plans:
         for p in rings:
             log("%s: %d node(s), partition %s (%s), samples %s, %d tokens, %d repeats"
                 % (p.model.name, p.n_nodes, p.label, p.kind, p.samples, p.model.tokens, exp.repeats))
-    log("%d runs in all" % len(sweep.run_list(plans)))
+    log("%d runs in all" % len(run_list(exp, plans)))
     return 0
 
 

@@ -47,10 +47,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_head * self.head_dim
-
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 

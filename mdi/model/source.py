@@ -9,14 +9,15 @@ from typing import Dict, Optional
 import torch
 from safetensors.torch import save as safetensors_save
 
-from mdi.model import checkpoints
+from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
 from mdi.model.layout import CheckpointError, expected_keys
 from mdi.model.transformer import ModelChunk
-from mdi.model.tokenizers import (Tokenizer, TokenizerError, load_tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir)
+from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 
 def is_mdi_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "mdi_config.json"))
+    return os.path.isfile(os.path.join(path, store.MDI_CONFIG))
 
 
 class ModelSource:
@@ -28,7 +29,7 @@ class ModelSource:
         self.path = path
         self._full = None  # type: Optional[Dict[str, torch.Tensor]]
         if is_mdi_dir(path):
-            self.config = checkpoints.read_mdi_config(path)
+            self.config = store.read_mdi_config(path)
             self.tokenizer = load_tokenizer(path)  # type: Optional[Tokenizer]
         else:
             self.config, self._full = checkpoints.read_checkpoint(path)
@@ -39,7 +40,7 @@ class ModelSource:
     def weights(self, first: int, last: int, with_embedding: bool, with_head: bool,
                 dtype: torch.dtype) -> Dict[str, torch.Tensor]:
         if self._full is None:
-            return checkpoints.load_weights(self.path, (first, last), with_embedding, with_head, dtype)
+            return store.load_weights(self.path, (first, last), with_embedding, with_head, dtype)
         keys = expected_keys(self.config, (first, last), with_embedding, with_head)
         return {k: self._full[k].to(dtype) for k in keys}
 

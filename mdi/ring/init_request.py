@@ -1,6 +1,9 @@
-"""Validation of control-plane requests: every field checked before anything is used."""
+"""The /init request: one definition for both ends. The starter builds an `InitRequest` and
+sends `to_json()`; the worker turns the JSON body back into one with `validate_init`, which
+checks every field before anything is used (a bad field is a `RequestError`, HTTP 400)."""
 import re
-from typing import Any, Dict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 from mdi.model.config import ModelConfig
 from mdi.model.layout import DTYPE_NAMES, weight_bytes
@@ -14,6 +17,65 @@ SAFETENSORS_SLACK = 1 << 20  # room for the safetensors header on top of the ten
 
 class RequestError(ValueError):
     """A control-plane request that cannot be honoured; the message says why."""
+
+
+@dataclass
+class DataPlane:
+    """Where this node listens for frames and where it sends its output (the next node)."""
+    bind_port: int
+    next_host: str
+    next_port: int
+    is_last: bool  # the last worker sends only each sample's last position back to the starter
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"bind_port": self.bind_port, "next_host": self.next_host, "next_port": self.next_port,
+                "is_last": self.is_last}
+
+
+@dataclass
+class PushedWeights:
+    """Weights the starter will POST to /weights after /init: announced by size and hash."""
+    nbytes: int
+    sha256: str
+
+
+@dataclass
+class Weights:
+    """Exactly one of: a safetensors file on the worker (`path`), or bytes pushed later (`push`)."""
+    path: Optional[str] = None
+    push: Optional[PushedWeights] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        if self.path is not None:
+            return {"path": self.path}
+        assert self.push is not None, "weights need a path or a push"
+        return {"push": {"nbytes": self.push.nbytes, "sha256": self.push.sha256}}
+
+
+@dataclass
+class InitRequest:
+    run_id: int
+    model: ModelConfig
+    layers: List[int]  # [first, last): half-open, inside the model
+    dtype: str  # weight dtype, one of DTYPE_NAMES
+    device: str  # cpu, cuda or cuda:N (the worker's --device overrides it)
+    n_slots: int
+    max_len: int
+    data: DataPlane
+    weights: Weights
+    cache_budget_bytes: Optional[int] = None
+    heartbeat_timeout: Optional[float] = None  # None: the worker's default
+    compute_dtype: Optional[str] = None  # None: the worker picks from dtype and device
+
+    def to_json(self) -> Dict[str, Any]:
+        out = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
+               "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
+               "data": self.data.to_json(), "weights": self.weights.to_json()}  # type: Dict[str, Any]
+        # Optional fields are left out rather than sent as null: the validator accepts both.
+        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 def _int(where: str, value: Any, lo: int, hi: int) -> int:
@@ -40,7 +102,8 @@ def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
     return data
 
 
-def validate_init(body: Any) -> Dict[str, Any]:
+def validate_init(body: Any) -> InitRequest:
+    """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
     spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                 "data", "weights"), ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype"))
     _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
@@ -79,7 +142,7 @@ def validate_init(body: Any) -> Dict[str, Any]:
     weights = spec["weights"]
     if isinstance(weights, dict) and "path" in weights:
         _keys("weights", weights, ("path",))
-        _str("weights.path", weights["path"])
+        source = Weights(path=_str("weights.path", weights["path"]))
     else:
         _keys("weights", weights, ("push",))
         push = _keys("weights.push", weights["push"], ("nbytes", "sha256"))
@@ -87,4 +150,10 @@ def validate_init(body: Any) -> Dict[str, Any]:
         _int("weights.push.nbytes", push["nbytes"], 1, limit)
         if not isinstance(push["sha256"], str) or not HEX64.match(push["sha256"]):
             raise RequestError("weights.push.sha256 must be 64 lowercase hex digits")
-    return spec
+        source = Weights(push=PushedWeights(push["nbytes"], push["sha256"]))
+    return InitRequest(
+        run_id=spec["run_id"], model=config, layers=[layers[0], layers[1]], dtype=spec["dtype"], device=device,
+        n_slots=spec["n_slots"], max_len=spec["max_len"],
+        data=DataPlane(data["bind_port"], data["next_host"], data["next_port"], data["is_last"]),
+        weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
+        heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"))

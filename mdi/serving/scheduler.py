@@ -10,37 +10,32 @@ old behaviour (a new batch only once the whole previous batch is done) as a base
 Every engine call happens on the scheduler's own thread. HTTP handler threads talk to it only
 through `submit`/`cancel` (a queue into the scheduler) and each request's event queue (out of
 it): ("text", str) pieces, then ("done", finish_reason) or ("error", message).
+How the ring is sized and opened is `mdi.starter.serving_plan`; the text a token adds (stop
+strings) is `streaming`; what /metrics shows is `metrics`.
 """
 import collections
+import logging
 import queue
 import random
 import threading
 import time
 import uuid
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
-import torch
-
-from mdi.runconfig import ConfigError, RunConfig, partition
-from mdi.starter.control import ControlClient, NodeError
-from mdi.starter.engine import Engine
-from mdi.model.layout import layer_ranges, torch_dtype
-from mdi.model.source import ModelSource
-from mdi.model.transformer import KVCache
-from mdi.starter.pipeline import Sample
-from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
-from mdi.starter.session import client_for
 from mdi.model.sampling import SamplingParams, sample_generator
-from mdi.model.tokenizers import StreamDecoder
+from mdi.model.source import ModelSource
+from mdi.runconfig import ConfigError, RunConfig
+from mdi.serving.metrics import Stats
+from mdi.serving.streaming import TextStream, finish_reason_of
+from mdi.starter.engine import Engine  # noqa: F401  (type comment)
+from mdi.starter.pipeline import Sample
+from mdi.starter.serving_plan import open_serving_ring, resolve_max_len
 
-DEFAULT_MAX_IN_FLIGHT = 16  # when serve.max_in_flight is not set (and memory allows)
-DEFAULT_MAX_LEN = 2048  # positions per slot when serve.max_len is not set (capped by the context)
 STEP_TIMEOUT = 0.05  # seconds an engine step waits for a frame before the scheduler looks again
 IDLE_WAIT = 0.5  # seconds the idle scheduler sleeps on its inbox
 REOPEN_DELAY = 5.0  # seconds between attempts to rebuild a failed ring
-RATE_WINDOW = 10.0  # seconds of history behind tokens/s
-RECENT = 256  # step times and token intervals averaged in /metrics
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerError(RuntimeError):
@@ -58,7 +53,7 @@ class Unavailable(SchedulerError):
 
 class Request:
     """One generation request as the scheduler sees it. Built on an HTTP thread; after
-    `submit` only the scheduler thread touches it, except `cancel()` and `next_event()`."""
+    `submit` only the scheduler thread touches it, except `mark_cancelled()` and `next_event()`."""
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
                  seed: Optional[int] = None, stop: Sequence[str] = ()) -> None:
@@ -69,22 +64,27 @@ class Request:
         self.seed = seed
         self.stop = [s for s in stop if s]
         self.created = int(time.time())
-        self.arrived = time.monotonic()
-        self.admitted = None  # type: Optional[float]
-        self.first_token = None  # type: Optional[float]
-        self.finished = None  # type: Optional[float]
-        self.finish_reason = None  # type: Optional[str]  # stop | length | cancelled | error
+        self.arrived_at = time.monotonic()
+        self.first_token_at = None  # type: Optional[float]
+        self.finished_at = None  # type: Optional[float]
+        # stop | length | cancelled | error, set once (by `Scheduler._finish`): the client has its last event
+        self.finish_reason = None  # type: Optional[str]
         self.completion_tokens = 0
-        self.sample = None  # type: Optional[Sample]
-        self.decoder = None  # type: Optional[StreamDecoder]
-        self.pending = ""  # decoded text held back: it may be the start of a stop string
-        self.closed = False  # the client has its final event (scheduler thread only)
+        self.sample = None  # type: Optional[Sample]  # once admitted
+        self.text = None  # type: Optional[TextStream]  # once admitted
         self.events = queue.Queue()  # type: queue.Queue
         self._cancel = threading.Event()
 
     @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    def mark_cancelled(self) -> None:
+        self._cancel.set()
 
     @property
     def usage(self) -> Dict[str, int]:
@@ -98,103 +98,11 @@ class Request:
             return None
 
 
-class Stats:
-    """Counters behind /metrics; written by the scheduler thread, read by HTTP threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.started = time.monotonic()
-        self.tokens_total = 0
-        self.prompt_tokens_total = 0
-        self.requests = collections.Counter()  # type: collections.Counter
-        self.token_times = collections.deque()  # type: Deque[float]
-        self.starter_steps = collections.deque(maxlen=RECENT)  # type: Deque[float]
-        self.starter_frames = 0
-        self.starter_seconds = 0.0
-        self.intervals = collections.deque(maxlen=RECENT)  # type: Deque[float]
-        self.latency_sum = 0.0
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
-
-    def token(self, now: float, interval: Optional[float]) -> None:
-        with self.lock:
-            self.tokens_total += 1
-            self.token_times.append(now)
-            if interval is not None:
-                self.intervals.append(interval)
-            self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self.token_times and self.token_times[0] < now - RATE_WINDOW:
-            self.token_times.popleft()
-
-    def starter_step(self, seconds: float, frames: int) -> None:
-        with self.lock:
-            self.starter_frames += frames
-            self.starter_seconds += seconds
-            if frames:
-                self.starter_steps.append(seconds / frames)
-
-    def starter_busy(self, seconds: float) -> None:
-        with self.lock:
-            self.starter_seconds += seconds
-
-    def finished(self, req: Request) -> None:
-        with self.lock:
-            self.requests[req.finish_reason] += 1
-            self.prompt_tokens_total += len(req.prompt_ids)
-            self.latency_sum += req.finished - req.arrived
-            if req.first_token is not None:
-                self.ttft_sum += req.first_token - req.arrived
-                self.ttft_count += 1
-
-    def snapshot(self) -> Dict[str, Any]:
-        now = time.monotonic()
-        with self.lock:
-            self._trim(now)
-            span = min(RATE_WINDOW, max(now - self.started, 1e-6))
-            return {
-                "tokens_per_second": len(self.token_times) / span,
-                "tokens_total": self.tokens_total, "prompt_tokens_total": self.prompt_tokens_total,
-                "requests": dict((r, self.requests.get(r, 0)) for r in FINISH_REASONS),
-                "starter_step_seconds": _mean(self.starter_steps),
-                "starter_frames": self.starter_frames, "starter_seconds": self.starter_seconds,
-                "token_interval_seconds": _mean(self.intervals),
-                "latency_sum": self.latency_sum, "latency_count": sum(self.requests.values()),
-                "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,
-            }
-
-
-def _mean(values: Sequence[float]) -> Optional[float]:
-    return sum(values) / len(values) if values else None
-
-
-def resolve_max_len(cfg: RunConfig, block_size: int) -> int:
-    asked = cfg.serve.max_len
-    if asked is None:
-        return min(block_size, DEFAULT_MAX_LEN)
-    if asked > block_size:
-        raise ConfigError("%s: serve.max_len: %d is longer than the model's context of %d tokens"
-                          % (cfg.source, asked, block_size))
-    return asked
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that could still grow into one of `stops`."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(text), len(s) - 1), best, -1):
-            if s.startswith(text[-k:]):
-                best = k
-                break
-    return best
-
-
 class Scheduler:
-    def __init__(self, cfg: RunConfig, source: ModelSource, log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: RunConfig, source: ModelSource) -> None:
         if source.tokenizer is None:
             raise ConfigError("%s: no tokenizer found for this model" % source.path)
-        self.cfg, self.source, self.log = cfg, source, log
+        self.cfg, self.source = cfg, source
         self.tokenizer = source.tokenizer
         self.policy = cfg.serve.admission
         self.max_queue = cfg.serve.max_queue
@@ -218,7 +126,6 @@ class Scheduler:
         self._next_index = 0
         self._recoveries_seen = 0
         self._thread = None  # type: Optional[threading.Thread]
-        self._scraped = {}  # type: Dict[str, Tuple[int, float, Optional[float]]]  # node -> last scrape
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
@@ -236,7 +143,7 @@ class Scheduler:
 
     def cancel(self, req: Request) -> None:
         """The client went away: drop the request from the queue or cancel its sample."""
-        req._cancel.set()
+        req.mark_cancelled()
         self._inbox.put(("cancel", req))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -248,6 +155,11 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def serving(self) -> bool:
+        """The ring is up and the scheduler thread runs (what /health and mdi_up report)."""
+        return self.state == "up" and self.alive
 
     @property
     def queue_length(self) -> int:
@@ -274,7 +186,7 @@ class Scheduler:
         try:
             self._loop()
         except BaseException as e:  # never leave clients waiting on a dead thread
-            self.log("mdi: serve: scheduler failed: %s: %s" % (type(e).__name__, e))
+            log.error("mdi: serve: scheduler failed: %s: %s", type(e).__name__, e)
             self._fail_all("scheduler failed: %s" % e)
             raise
         finally:
@@ -288,10 +200,10 @@ class Scheduler:
                 self._drain_inbox(False)
                 try:
                     self._open()
-                    self.log("mdi: serve: ring rebuilt; serving again")
+                    log.info("mdi: serve: ring rebuilt; serving again")
                 except Exception as e:
                     self.error = str(e)
-                    self.log("mdi: serve: cannot rebuild the ring: %s" % e)
+                    log.warning("mdi: serve: cannot rebuild the ring: %s", e)
                 continue
             pipe = self.engine.pipeline
             self._drain_inbox(block=not pipe.active and not self._waiting)
@@ -303,64 +215,13 @@ class Scheduler:
                 self._ring_failed(e)
 
     def _open(self) -> None:
-        cfg = self.cfg
-        if cfg.runtime.threads:
-            torch.set_num_threads(cfg.runtime.threads)
-        config = self.source.config
-        nodes = list(cfg.nodes)
-        ranges = layer_ranges(partition(config.n_layer, nodes, cfg.source))
-        slots = self._plan_slots(nodes, ranges)
-        engine = Engine(cfg, self.source, slots, self.max_len, self.params, self.log, self._on_token)
-        try:
-            engine.open()
-            reported = self._reported_slots(engine)
-        except BaseException:
-            engine.abort()
-            raise
-        self.slots = min([slots] + reported)
-        self.engine = engine
-        self.nodes = list(engine.nodes)
-        self._recoveries_seen = len(engine.recoveries)
+        ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token)
+        self.slots = ring.slots
+        self.engine = ring.engine
+        self.nodes = list(ring.engine.nodes)
+        self._recoveries_seen = len(ring.engine.recoveries)
         self.error = None
         self.state = "up"
-
-    def _plan_slots(self, nodes: List[Any], ranges: List[List[int]]) -> int:
-        """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of
-        `max_len` positions that fit in every node's memory next to its weights."""
-        from mdi.system.memory import available_memory_bytes
-        asked = self.cfg.serve.max_in_flight
-        limit = asked or DEFAULT_MAX_IN_FLIGHT
-        config = self.source.config
-        dtype = torch_dtype(self.cfg.model.dtype)
-        for i, (node, layers) in enumerate(zip(nodes, ranges)):
-            capacity = available_memory_bytes() if i == 0 else worker_capacity(client_for(self.cfg, node).status())
-            if capacity is None:
-                continue
-            weights = chunk_bytes_needed(config, layers, 0, self.max_len, dtype, with_ends=i == 0)
-            per_slot = KVCache.nbytes_for(config, layers[1] - layers[0], 1, self.max_len, dtype)
-            fit = (capacity - weights) // per_slot if per_slot > 0 else limit
-            if fit < 1:
-                raise ConfigError("node %s: %.0f MB of memory cannot hold its layers and one KV cache slot of "
-                                  "%d positions; lower serve.max_len" % (node.name, capacity / 2 ** 20, self.max_len))
-            if fit < limit:
-                if asked:
-                    self.log("mdi: serve: max_in_flight %d lowered to %d: node %s has memory for %d slots of "
-                             "%d positions" % (asked, fit, node.name, fit, self.max_len))
-                limit = int(fit)
-        return limit
-
-    def _reported_slots(self, engine: Engine) -> List[int]:
-        """The KV slots each worker says it allocated (what bounds the samples in flight)."""
-        slots = []
-        for node in engine.nodes[1:]:
-            cache = client_for(self.cfg, node).status().get("cache", {})
-            if cache.get("max_len", self.max_len) < self.max_len:
-                raise NodeError("node %s allocated %s positions per slot, not %d"
-                                % (node.name, cache.get("max_len"), self.max_len), node.name)
-            slots.append(int(cache.get("slots", 0)))
-        if slots and min(slots) < 1:
-            raise NodeError("a worker reports no KV cache slot")
-        return slots
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -371,10 +232,10 @@ class Scheduler:
             kind, req = item
             if kind == "submit":
                 if req.cancelled:
-                    self._close(req, "cancelled")
+                    self._finish(req, "cancelled")
                     self._dequeued()
                 elif self.engine is None:
-                    self._close(req, "error", self.error or "the ring is down")
+                    self._finish(req, "error", self.error or "the ring is down")
                     self._dequeued()
                 else:
                     self._waiting.append(req)
@@ -390,11 +251,11 @@ class Scheduler:
             self._queued -= 1
 
     def _cancel(self, req: Request) -> None:
-        if req.closed:
+        if req.finished:
             return
         if req.sample is not None:
             req.sample.cancelled = True  # its slot frees when the pass in flight comes back
-        self._close(req, "cancelled")  # counted before the gauges drop (see serve.metrics_text)
+        self._finish(req, "cancelled")  # counted before the gauges drop (see metrics_text)
         if req in self._waiting:
             self._waiting.remove(req)
             self._dequeued()
@@ -409,20 +270,19 @@ class Scheduler:
             req = self._waiting.popleft()
             self._dequeued()
             if req.cancelled:
-                self._close(req, "cancelled")
+                self._finish(req, "cancelled")
                 continue
             if len(req.prompt_ids) + req.max_tokens > self.max_len:  # the HTTP layer checks first
-                self._close(req, "error", "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
+                self._finish(req, "error", "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
                             sample_generator(seed, 0), slot=free.pop(0), params=req.params)
             self._next_index += 1
-            req.sample, req.decoder = sample, StreamDecoder(self.tokenizer)
-            req.admitted = time.monotonic()
+            req.sample, req.text = sample, TextStream(self.tokenizer, req.stop)
             self._running[sample.index] = req
             busy = pipe.compute_seconds
-            self.engine.admit(sample)
+            self.engine.admit(sample)  # prefills the prompt on the starter's layers
             self.stats.starter_busy(pipe.compute_seconds - busy)
             room -= 1
 
@@ -438,9 +298,9 @@ class Scheduler:
         for sample in advanced:
             if sample.done:
                 req = self._running.get(sample.index)
-                if req is not None and not req.closed:
-                    self._close(req, "stop" if sample.finish_reason == "eos" else sample.finish_reason)
-                self._running.pop(sample.index, None)  # after _close: /metrics relies on that order
+                if req is not None:
+                    self._finish(req, finish_reason_of(sample), sample.error)
+                self._running.pop(sample.index, None)  # after _finish: /metrics relies on that order
 
     def _on_token(self, sample: Sample, token: int) -> None:
         """Engine callback (scheduler thread): stream the new text, watch for stop strings."""
@@ -448,62 +308,50 @@ class Scheduler:
         now = time.monotonic()
         times = sample.token_times
         self.stats.token(now, times[-1] - times[-2] if len(times) > 1 else None)
-        if req is None or req.closed:
+        if req is None or req.finished:
             return
-        if req.first_token is None:
-            req.first_token = now
+        if req.first_token_at is None:
+            req.first_token_at = now
         req.completion_tokens = len(sample.token_ids)
-        piece = "" if sample.finish_reason == "eos" else req.decoder.push(token)
-        if sample.done:
-            piece += req.decoder.flush()
-        text = req.pending + piece
-        req.pending = ""
-        if req.stop:
-            cuts = [i for i in (text.find(s) for s in req.stop) if i >= 0]
-            if cuts:
-                if min(cuts):
-                    req.events.put(("text", text[:min(cuts)]))
-                sample.cancelled = True  # no more tokens; the slot frees when its pass returns
-                self._close(req, "stop")
-                return
-            if not sample.done:
-                keep = held_back(text, req.stop)
-                if keep:
-                    text, req.pending = text[:len(text) - keep], text[len(text) - keep:]
-        if text:
-            req.events.put(("text", text))
-        if sample.done:
-            self._close(req, "stop" if sample.finish_reason == "eos" else "length")
+        update = req.text.push(token, sample.finish_reason)
+        if update.text:
+            req.events.put(("text", update.text))
+        if update.hit_stop:
+            sample.cancelled = True  # no more tokens; the slot frees when its pass returns
+            self._finish(req, "stop")
+        elif sample.done:
+            self._finish(req, finish_reason_of(sample))
 
-    def _close(self, req: Request, reason: str, error: Optional[str] = None) -> None:
-        if req.closed:
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        """Give the client its last event; the first reason given is the one that counts."""
+        if req.finished:
             return
-        req.closed = True
         req.finish_reason = reason
-        req.finished = time.monotonic()
+        req.finished_at = time.monotonic()
         if req.sample is not None:
             req.completion_tokens = len(req.sample.token_ids)
-        self.stats.finished(req)
+        ttft = req.first_token_at - req.arrived_at if req.first_token_at is not None else None
+        self.stats.request_finished(reason, len(req.prompt_ids), req.finished_at - req.arrived_at, ttft)
         req.events.put(("error", error) if reason == "error" else ("done", reason))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._running.values()) + list(self._waiting):
-            self._close(req, "error", message)
+            self._finish(req, "error", message)
         with self._lock:
             self._queued -= len(self._waiting)
         self._running, self._waiting = {}, collections.deque()
 
     def _ring_failed(self, cause: BaseException) -> None:
         self.error = "%s" % cause
-        self.log("mdi: serve: the ring failed: %s; failing %d requests and rebuilding"
-                 % (cause, len(self._running) + len(self._waiting)))
+        log.error("mdi: serve: the ring failed: %s; failing %d requests and rebuilding",
+                  cause, len(self._running) + len(self._waiting))
         self.state = "down"
         self._fail_all("the ring failed: %s" % cause)
         engine, self.engine = self.engine, None
         try:
             engine.abort()
-        except Exception:
-            pass
+        except (RuntimeError, OSError) as e:  # NodeError included; the ring is broken anyway
+            log.warning("mdi: serve: aborting the failed ring: %s", e)
         if engine.chunk is not None:
             engine.chunk.free_cache()
 
@@ -517,51 +365,5 @@ class Scheduler:
         try:
             engine.close()
         except Exception as e:
-            self.log("mdi: serve: closing the ring: %s" % e)
+            log.warning("mdi: serve: closing the ring: %s", e)
             engine.abort()
-
-    # --- /metrics (HTTP threads) -----------------------------------------------------
-    def node_counters(self, timeout: float = 1.0) -> List[Dict[str, Any]]:
-        """Each node's name, frames handled and compute seconds (workers: from /status, when
-        they report `compute_seconds`; the starter: measured here)."""
-        snap = self.stats.snapshot()
-        nodes = list(self.nodes)
-        out = []
-        if nodes:
-            out.append({"node": nodes[0].name, "frames": snap["starter_frames"],
-                        "compute_seconds": snap["starter_seconds"],
-                        "step_seconds": snap["starter_step_seconds"]})
-        for node in nodes[1:]:
-            entry = {"node": node.name}  # type: Dict[str, Any]
-            client = ControlClient(node, timeout, timeout, self.cfg.runtime.token)
-            try:
-                counters = client.status(timeout=timeout).get("counters") or {}
-            except NodeError:
-                entry["up"] = 0
-                out.append(entry)
-                continue
-            finally:
-                client.session.close()
-            entry["up"] = 1
-            if "frames_done" in counters:
-                entry["frames"] = counters["frames_done"]
-            if isinstance(counters.get("compute_seconds"), (int, float)) and "frames" in entry:
-                entry["compute_seconds"] = counters["compute_seconds"]
-                entry["step_seconds"] = self._step_since_last_scrape(node.name, entry)
-            out.append(entry)
-        return out
-
-    def _step_since_last_scrape(self, name: str, entry: Dict[str, Any]) -> Optional[float]:
-        """Mean compute seconds per frame since the previous scrape (the previous figure when
-        no frame was done since; the whole run's mean on the first scrape or a new run)."""
-        frames, seconds = entry["frames"], entry["compute_seconds"]
-        with self._lock:
-            last = self._scraped.get(name)
-            if last is not None and last[0] < frames and last[1] <= seconds:
-                step = (seconds - last[1]) / (frames - last[0])  # type: Optional[float]
-            elif last is not None and last[0] == frames:
-                step = last[2]
-            else:
-                step = seconds / frames if frames > 0 else None
-            self._scraped[name] = (frames, seconds, step)
-        return step

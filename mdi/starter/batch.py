@@ -3,8 +3,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
-
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.engine import Engine
 from mdi.model.source import ModelSource
@@ -33,7 +31,7 @@ class RunResult:
         record = {
             "samples": [{"prompt": s.prompt, "prompt_ids": s.prompt_ids, "token_ids": s.token_ids,
                          "text": text, "token_times": [round(t, 6) for t in s.token_times],
-                         "finish_reason": s.finish_reason}
+                         "finish_reason": s.finish_reason, **({"error": s.error} if s.error else {})}
                         for s, text in zip(self.samples, self.texts)],
             "n_tokens": self.n_tokens, "seconds": self.elapsed,
             "tokens_per_s": self.tokens_per_s, "n_nodes": len(self.nodes), "nodes": self.nodes,
@@ -57,10 +55,8 @@ def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
     return out
 
 
-def run(cfg: RunConfig, prompts: List[str], log: Callable[[str], None] = print,
+def run(cfg: RunConfig, prompts: List[str],
         on_token: Optional[Callable[[Sample, int], None]] = None) -> RunResult:
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
     source = ModelSource(cfg.model.path)
     config = source.config
     gen = cfg.generation
@@ -71,7 +67,7 @@ def run(cfg: RunConfig, prompts: List[str], log: Callable[[str], None] = print,
     samples = make_samples(prompts, prompt_ids, max_new, gen.seed)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
-    engine = Engine(cfg, source, len(samples), max_len, params, log, on_token)
+    engine = Engine(cfg, source, len(samples), max_len, params, on_token)
     engine.open()
     try:
         engine.run(samples)

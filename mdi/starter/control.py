@@ -1,9 +1,18 @@
 """The starter's HTTP client for a worker's control plane. Every call has a timeout and every
-failure is a `NodeError` naming the node (name, host:port) and what failed."""
+failure is a `NodeError` naming the node (name, host:port) and what failed; its type says what
+happened, so callers decide without reading the message:
+
+    NodeUnreachable   nothing answered the connection: the worker is not running or not there
+    NodeTimeout       connected, but no answer in time: the worker is hung or overloaded
+    NodeError         the worker answered with an error (or another step failed)
+"""
+import socket
 from typing import Any, Dict, Optional
 
 import requests
+import urllib3
 
+from mdi.ring.init_request import InitRequest
 from mdi.runconfig import NodeSpec
 
 
@@ -13,6 +22,33 @@ class NodeError(RuntimeError):
     def __init__(self, message: str, node: Optional[str] = None) -> None:
         super().__init__(message)
         self.node = node
+
+
+class NodeUnreachable(NodeError):
+    """The node's control port could not be reached: certain, no point asking again soon."""
+
+
+class NodeTimeout(NodeError):
+    """The node took the connection but did not answer in time: it may only be slow."""
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a timeout lies under `error`. requests reports a peer that stops reading our
+    request body, or stops mid-reply, as a ConnectionError wrapping the socket timeout."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, urllib3.exceptions.NewConnectionError):
+            continue  # no connection at all (urllib3 derives it from ConnectTimeoutError: skip it)
+        # socket.timeout is TimeoutError only from Python 3.10 on: name both.
+        if isinstance(e, (socket.timeout, TimeoutError, urllib3.exceptions.ReadTimeoutError)):
+            return True
+        todo += [a for a in e.args if isinstance(a, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return False
 
 
 class ControlClient:
@@ -31,14 +67,20 @@ class ControlClient:
               **kwargs: Any) -> Dict[str, Any]:
         what = "%s %s" % (method, route)
         where = "node %s (%s)" % (self.node.name, self.node.address)
-        timeout = (self.connect_timeout, read_timeout or self.connect_timeout)
+        read_timeout = read_timeout or self.connect_timeout
         try:
-            r = self.session.request(method, self.base + route, timeout=timeout, **kwargs)
-        except requests.exceptions.ConnectionError as e:
-            raise NodeError("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
-                            % (where, what, self.node.port), self.node.name) from e
-        except requests.exceptions.Timeout as e:
-            raise NodeError("%s: %s timed out" % (where, what), self.node.name) from e
+            r = self.session.request(method, self.base + route, timeout=(self.connect_timeout, read_timeout),
+                                     **kwargs)
+        except requests.exceptions.ConnectTimeout as e:
+            # Checked first: ConnectTimeout is also a ConnectionError. Nothing took the connection.
+            raise NodeUnreachable("%s: %s failed: cannot connect within %g s (is the board up and reachable?)"
+                                  % (where, what, self.connect_timeout), self.node.name) from e
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+            if isinstance(e, requests.exceptions.Timeout) or _timed_out(e):
+                raise NodeTimeout("%s: %s timed out (no answer within %g s)" % (where, what, read_timeout),
+                                  self.node.name) from e
+            raise NodeUnreachable("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
+                                  % (where, what, self.node.port), self.node.name) from e
         try:
             body = r.json()
         except ValueError:
@@ -56,8 +98,8 @@ class ControlClient:
         """The worker's status; naming the current run also serves as the starter's heartbeat."""
         return self._call("GET", "/status" if run_id is None else "/status?run=%d" % run_id, timeout)
 
-    def init(self, spec: Dict[str, Any]) -> Dict[str, Any]:
-        return self._call("POST", "/init", self.init_timeout, json=spec)
+    def init(self, request: InitRequest) -> Dict[str, Any]:
+        return self._call("POST", "/init", self.init_timeout, json=request.to_json())
 
     def push_weights(self, blob: bytes) -> Dict[str, Any]:
         return self._call("POST", "/weights", self.init_timeout, data=blob,

@@ -5,6 +5,7 @@ A batch run (`starter.run`) and the serving scheduler both drive it through `adm
 layers), re-prefills every sample that had a pass in flight from the starter's token history,
 and goes on: the output is what it would have been without the failure.
 """
+import logging
 import random
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -22,12 +23,14 @@ from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 from mdi.starter.session import RingSession, client_for
 from mdi.model.sampling import SamplingParams
 
+log = logging.getLogger("mdi.starter")
+
 
 class Engine:
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int,
-                 params: SamplingParams, log: Callable[[str], None] = print,
+                 params: SamplingParams,
                  on_token: Optional[Callable[[Sample, int], None]] = None) -> None:
-        self.cfg, self.source, self.log = cfg, source, log
+        self.cfg, self.source = cfg, source
         self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
         self.nodes = list(cfg.nodes)
         self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
@@ -67,7 +70,7 @@ class Engine:
         asked = self.cfg.model.compute_dtype
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:
-            self.log("mdi: starter: %s" % note)
+            log.warning("mdi: starter: %s", note)
         chunk = build_chunk(self.source.config, self.source.weights(first, last, True, True, self.dtype),
                             first, last, True, True, self.dtype, self.device, compute)
         chunk.allocate_cache(self.n_slots, self.max_len)
@@ -99,11 +102,7 @@ class Engine:
 
     def run(self, samples: List[Sample]) -> None:
         self.t0 = self.pipeline.t0 = time.perf_counter()
-        for s in samples:
-            if not s.done:
-                self.admit(s)
-        while self.pipeline.active:
-            self.step()
+        self.pipeline.run(samples, self.step)
 
     # --- recovery --------------------------------------------------------------------
     def _recover(self, cause: BaseException) -> None:
@@ -111,8 +110,8 @@ class Engine:
             if len(self.recoveries) >= self.cfg.recovery_attempts:
                 raise cause
             started = time.perf_counter()
-            self.log("mdi: %s; recovering (attempt %d of %d)"
-                     % (cause, len(self.recoveries) + 1, self.cfg.recovery_attempts))
+            log.warning("mdi: %s; recovering (attempt %d of %d)", cause, len(self.recoveries) + 1,
+                        self.cfg.recovery_attempts)
             self.abort()
             try:
                 how = self._replan(cause)
@@ -129,7 +128,7 @@ class Engine:
             for sample in self.pipeline.reconnect(transport, run_id, chunk):
                 self.pipeline.admit(sample)
             self._record(cause, how, started)
-            self.log("mdi: recovered in %.2f s: %s" % (time.perf_counter() - started, how))
+            log.warning("mdi: recovered in %.2f s: %s", time.perf_counter() - started, how)
             return
 
     def _record(self, cause: BaseException, how: str, started: float) -> None:

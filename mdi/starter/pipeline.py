@@ -5,6 +5,7 @@ ring. When a sample's activations come back it runs the head, samples the next t
 immediately sends that sample's next pass, so every node works on a different sample at every
 step. A one-node run uses the same loop with a local loopback instead of sockets.
 """
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional  # noqa: F401  (type comments)
@@ -12,9 +13,11 @@ from typing import Callable, Dict, List, Optional  # noqa: F401  (type comments)
 import torch
 
 from mdi.model.transformer import ModelChunk
-from mdi.model.sampling import SamplingParams, sample_generator, sample_next
+from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame
+
+log = logging.getLogger("mdi.starter")
 
 
 @dataclass
@@ -28,7 +31,8 @@ class Sample:
     params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
     token_ids: List[int] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos" | "length" | "cancelled"
+    finish_reason: Optional[str] = None  # "eos" | "length" | "cancelled" | "error"
+    error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
     cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
 
     def __post_init__(self) -> None:
@@ -110,7 +114,14 @@ class Pipeline:
     def _finish_pass(self, sample: Sample, last_hidden: torch.Tensor) -> None:
         t0 = time.perf_counter()
         logits = self.chunk.head(last_hidden.to(self.device))[-1]
-        token = sample_next(logits, self.params if sample.params is None else sample.params, sample.rng)
+        try:
+            token = sample_next(logits, self.params if sample.params is None else sample.params, sample.rng)
+        except SamplingError as e:
+            # This sample ends here; its neighbours in the frame and the ring go on.
+            self.compute_seconds += time.perf_counter() - t0
+            sample.finish_reason, sample.error = "error", "sample %d: %s" % (sample.index, e)
+            log.warning("mdi: %s", sample.error)
+            return
         now = time.perf_counter()
         self.compute_seconds += now - t0
         sample.token_ids.append(token)
@@ -168,10 +179,11 @@ class Pipeline:
                 advanced.append(sample)
         return advanced
 
-    def run(self, samples: List[Sample]) -> None:
-        """Generate until every sample hits EOS or its token limit."""
+    def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None) -> None:
+        """Generate until every sample hits EOS or its token limit; `step` wraps `self.step`
+        (the engine's adds recovery from node failures)."""
         for s in samples:
             if not s.done:
                 self.admit(s)
         while self.active:
-            self.step()
+            (step or self.step)()

@@ -9,7 +9,8 @@ import torch
 
 from mdi.ring.auth import ring_password
 from mdi.runconfig import NodeSpec, RunConfig
-from mdi.starter.control import ControlClient, NodeError
+from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
+from mdi.starter.control import ControlClient, NodeError, NodeUnreachable
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
 from mdi.ring.transport import RingEndpoint
@@ -37,32 +38,30 @@ class RingSession:
         self._watching = threading.Event()
         self._watcher = None  # type: Optional[threading.Thread]
 
-    def _init_spec(self, i: int) -> Dict:
+    def _init_spec(self, i: int, weights: Weights) -> InitRequest:
         node = self.workers[i]
         nxt = self.nodes[(i + 2) % len(self.nodes)]
-        return {
-            "run_id": self.run_id, "model": self.source.config.to_dict(), "layers": self.ranges[i + 1],
-            "dtype": dtype_name(self.dtype), "device": node.device or self.cfg.model.device,
-            "compute_dtype": self.cfg.model.compute_dtype,
-            "n_slots": self.n_slots, "max_len": self.max_len,
-            "heartbeat_timeout": self.cfg.runtime.heartbeat_timeout,
-            "data": {"bind_port": node.ring_port, "next_host": nxt.host, "next_port": nxt.ring_port,
-                     "is_last": i == len(self.workers) - 1},
-        }
+        return InitRequest(
+            run_id=self.run_id, model=self.source.config, layers=list(self.ranges[i + 1]),
+            dtype=dtype_name(self.dtype), device=node.device or self.cfg.model.device,
+            compute_dtype=self.cfg.model.compute_dtype,
+            n_slots=self.n_slots, max_len=self.max_len,
+            heartbeat_timeout=self.cfg.runtime.heartbeat_timeout,
+            data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
+                           is_last=i == len(self.workers) - 1),
+            weights=weights)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
         client, node = self.clients[i], self.workers[i]
         try:
             client.health()
-            spec = self._init_spec(i)
             if node.weights:
-                spec["weights"] = {"path": node.weights}
-                self.init_replies[i] = client.init(spec)
+                self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights)))
                 return
             first, last = self.ranges[i + 1]
             blob = self.source.chunk_bytes(first, last, self.dtype)
-            spec["weights"] = {"push": {"nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
-            self.init_replies[i] = client.init(spec)
+            pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+            self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
             if self.init_replies[i].get("need_weights"):
                 client.push_weights(blob)
         except NodeError as e:
@@ -139,25 +138,26 @@ class RingSession:
         while self._watching.is_set() and self.failure is None:
             for i, client in enumerate(self.clients):
                 problem = self._probe(client)
-                misses[i] = misses[i] + 1 if problem else 0
-                # A refused connection is certain; a timeout gets one more chance.
-                if problem and (misses[i] >= 2 or "cannot connect" in problem):
-                    self.failure = NodeError(problem, client.node.name)
+                misses[i] = misses[i] + 1 if problem is not None else 0
+                # An unreachable node is certain; anything else (a timeout above all) gets one
+                # more chance.
+                if problem is not None and (misses[i] >= 2 or isinstance(problem, NodeUnreachable)):
+                    self.failure = problem
                     return
             time.sleep(interval)
 
-    def _probe(self, client: ControlClient) -> Optional[str]:
+    def _probe(self, client: ControlClient) -> Optional[NodeError]:
         where = "node %s (%s)" % (client.node.name, client.node.address)
         try:
             status = client.status(timeout=self.cfg.runtime.heartbeat_interval * 2, run_id=self.run_id)
         except NodeError as e:
-            return str(e)
+            return e
         if not self._watching.is_set():
             return None
         if status.get("error"):
-            return "%s: compute failed: %s" % (where, status["error"])
+            return NodeError("%s: compute failed: %s" % (where, status["error"]), client.node.name)
         if status.get("run_id") != self.run_id:
-            return "%s: is no longer serving this run (restarted?)" % where
+            return NodeError("%s: is no longer serving this run (restarted?)" % where, client.node.name)
         return None
 
     def check(self) -> None:

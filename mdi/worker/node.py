@@ -1,38 +1,35 @@
-"""mdi-worker: starts blank, is configured by the starter over HTTP, then serves the ring.
+"""The worker node: its state between runs (the weights it holds) and each run's compute loop.
 
-Control plane (Flask, JSON only): GET /health, GET /status, POST /init, POST /weights
-(safetensors bytes when the starter pushes them), PUT /stop, POST /shutdown.
-Data plane: a `RingEndpoint`; the compute loop pops a frame, selects that sample's KV cache
-slot, runs this node's blocks and pushes the result to the next node. A worker serves run
-after run without restarting; weights already loaded for the same layers are reused.
+Configured by the starter over HTTP (mdi.worker.app is that control plane), it then serves
+the ring's data plane: a `RingEndpoint`; the compute loop pops a frame, selects that sample's
+KV cache slot, runs this node's blocks and pushes the result to the next node. A worker serves
+run after run without restarting; weights already loaded for the same layers are reused.
 """
 import hashlib
 import logging
 import threading
 import time
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import torch
-from flask import Flask, jsonify, request
 from safetensors.torch import load as safetensors_load
 
 from mdi import __version__
-from mdi.ring.auth import ring_password, token_matches
-from mdi.model.checkpoints import load_weights
-from mdi.model.layout import expected_keys, torch_dtype
-from mdi.system.devices import resolve_compute_dtype
-from mdi.model.source import build_chunk
+from mdi.model.store import load_weights
 from mdi.model.config import ModelConfig
+from mdi.model.layout import expected_keys, torch_dtype
+from mdi.model.source import build_chunk
 from mdi.model.transformer import KVCache, ModelChunk
-from mdi.ring.transport import RingTimeout
-from mdi.system.memory import available_memory_bytes, rss_bytes, unified_memory_bytes
-from mdi.ring.transport import RingEndpoint
+from mdi.ring.auth import ring_password
+from mdi.ring.init_request import InitRequest, RequestError, Weights
+from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, decode
-from mdi.ring import init_request as schema
+from mdi.system.devices import resolve_compute_dtype
+from mdi.system.memory import available_memory_bytes, rss_bytes, unified_memory_bytes
 
-log = logging.getLogger("mdi.worker")
+log = logging.getLogger(__name__)
 
-MAX_JSON_BYTES = 1 << 20
 DEFAULT_HEARTBEAT_TIMEOUT = 8.0  # seconds without any sign of the starter before a run ends
 
 
@@ -43,15 +40,36 @@ def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
     return sum(p.numel() * p.element_size() for p in chunk.parameters())
 
 
+@dataclass
+class LoadedWeights:
+    """What the chunk in memory was built from: an /init asking for the same reuses it."""
+    model: ModelConfig
+    layers: List[int]
+    dtype: str
+    device: str  # where the chunk lives: the worker's --device, else the request's
+    weights: Weights
+
+
+@dataclass
+class Setup:
+    """One /init as this worker resolved it: the request as received plus what the worker
+    derived from it (kept here, never written into the request)."""
+    request: InitRequest
+    compute_dtype: torch.dtype
+    key: LoadedWeights
+
+
 class Run:
     """One run's state on this worker: its id, data-plane endpoint and compute thread."""
 
-    def __init__(self, spec: Dict[str, Any], chunk: ModelChunk, endpoint: RingEndpoint) -> None:
-        self.spec = spec
-        self.id = spec["run_id"]
+    def __init__(self, request: InitRequest, chunk: ModelChunk, endpoint: RingEndpoint) -> None:
+        self.request = request
+        self.id = request.run_id
         self.chunk = chunk
         self.endpoint = endpoint
-        self.is_last = spec["data"]["is_last"]
+        self.is_last = request.data.is_last
+        hb = request.heartbeat_timeout
+        self.heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT if hb is None else hb
         self.stopped = threading.Event()
         self.frames_done = 0
         self.compute_seconds = 0.0  # time spent in _forward: per-node step time for /metrics
@@ -117,10 +135,12 @@ class Worker:
         self.last_contact = time.monotonic()
         self.device_override = device
         self.max_memory = max_memory
-        self.lock = threading.RLock()
+        # Held by /init, /weights and ending a run; taken once per call (the helpers named
+        # _locked expect it held). /status never takes it: it must answer during a long load.
+        self.lock = threading.Lock()
         self.run = None  # type: Optional[Run]
-        self.pending = None  # type: Optional[Dict[str, Any]]  # /init waiting for pushed weights
-        self.loaded = None  # type: Optional[Dict[str, Any]]  # key of the weights in `chunk`
+        self.pending = None  # type: Optional[Setup]  # /init waiting for pushed weights
+        self.loaded = None  # type: Optional[LoadedWeights]  # what `chunk` holds
         self.chunk = None  # type: Optional[ModelChunk]
         self.runs_served = 0
         self.loading = False
@@ -142,7 +162,7 @@ class Worker:
                 frames_seen = run.endpoint.frames_received
                 self.touch()
             silent = time.monotonic() - self.last_contact
-            if silent > run.spec.get("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT):
+            if silent > run.heartbeat_timeout:
                 log.warning("starter silent for %.1f s: ending run %d", silent, run.id)
                 self.end_run(run)
 
@@ -152,126 +172,126 @@ class Worker:
         with self.lock:
             if only is not None and self.run is not only:
                 return
-            if self.run is not None:
-                self.run.stop()
-                self.run = None
-            self.pending = None
+            self._end_run_locked()
 
-    def init(self, spec: Dict[str, Any]) -> Dict[str, Any]:
+    def _end_run_locked(self) -> None:
+        if self.run is not None:
+            self.run.stop()
+            self.run = None
+        self.pending = None
+
+    def init(self, request: InitRequest) -> Dict[str, Any]:
         with self.lock:
             self.loading = True
             try:
-                return self._init(spec)
+                return self._init_locked(request)
             finally:
                 self.loading = False
 
-    def _init(self, spec: Dict[str, Any]) -> Dict[str, Any]:
-        with self.lock:
-            self.end_run()
-            config = ModelConfig.from_dict(spec["model"])
-            first, last = spec["layers"]
-            if not 0 <= first < last <= config.n_layer:
-                raise schema.RequestError("layers [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
-            dtype = torch_dtype(spec["dtype"])
-            device = self.device_override or spec["device"]
-            asked = spec.get("compute_dtype")
-            compute, note = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
-            if note:
-                log.warning(note)
-            spec = dict(spec, _compute_dtype=compute)
-            cache_bytes = KVCache.nbytes_for(config, last - first, spec["n_slots"], spec["max_len"], compute)
-            self._check_budget(spec, cache_bytes)
-            key = {"model": spec["model"], "layers": [first, last], "dtype": spec["dtype"], "device": device,
-                   "weights": spec["weights"]}
-            if self.chunk is not None and self.loaded == key:
-                self._start_run(spec)
-                return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
-            self.chunk, self.loaded = None, None  # free old weights before loading new ones
-            if "path" in spec["weights"]:
-                try:
-                    weights = load_weights(spec["weights"]["path"], (first, last), False, False, dtype)
-                except (OSError, ValueError) as e:
-                    raise schema.RequestError("cannot load weights: %s" % e)
-                self._load(spec, weights, key)
-                return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
-            self.pending = dict(spec, _key=key)
-            return {"ok": True, "need_weights": True, "cache_bytes": cache_bytes}
+    def _init_locked(self, request: InitRequest) -> Dict[str, Any]:
+        self._end_run_locked()
+        config = request.model
+        first, last = request.layers
+        if not 0 <= first < last <= config.n_layer:
+            raise RequestError("layers [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
+        dtype = torch_dtype(request.dtype)
+        device = self.device_override or request.device
+        asked = request.compute_dtype
+        compute, note = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
+        if note:
+            log.warning(note)
+        cache_bytes = KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute)
+        self._check_budget(request, cache_bytes)
+        setup = Setup(request, compute, LoadedWeights(config, [first, last], request.dtype, device, request.weights))
+        if self.chunk is not None and self.loaded == setup.key:
+            self._start_run_locked(setup)
+            return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
+        self.chunk, self.loaded = None, None  # free old weights before loading new ones
+        if request.weights.path is not None:
+            try:
+                weights = load_weights(request.weights.path, (first, last), False, False, dtype)
+            except (OSError, ValueError) as e:
+                raise RequestError("cannot load weights: %s" % e)
+            self._load_locked(setup, weights)
+            return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
+        self.pending = setup
+        return {"ok": True, "need_weights": True, "cache_bytes": cache_bytes}
 
     def receive_weights(self, data: bytes) -> Dict[str, Any]:
         with self.lock:
             self.loading = True
             try:
-                return self._receive_weights(data)
+                return self._receive_weights_locked(data)
             finally:
                 self.loading = False
 
-    def _receive_weights(self, data: bytes) -> Dict[str, Any]:
-        with self.lock:
-            spec = self.pending
-            if spec is None:
-                raise schema.RequestError("no /init is waiting for weights")
-            announced = spec["weights"]["push"]
-            if len(data) != announced["nbytes"]:
-                raise schema.RequestError("weights have %d bytes, /init announced %d" % (len(data), announced["nbytes"]))
-            if hashlib.sha256(data).hexdigest() != announced["sha256"]:
-                raise schema.RequestError("weights sha256 does not match the one announced in /init")
-            try:
-                weights = safetensors_load(data)
-            except Exception as e:
-                raise schema.RequestError("weights are not valid safetensors: %s" % e)
-            self._load(spec, weights, spec["_key"])
-            self.pending = None
-            return {"ok": True}
+    def _receive_weights_locked(self, data: bytes) -> Dict[str, Any]:
+        setup = self.pending
+        if setup is None or setup.request.weights.push is None:
+            raise RequestError("no /init is waiting for weights")
+        announced = setup.request.weights.push
+        if len(data) != announced.nbytes:
+            raise RequestError("weights have %d bytes, /init announced %d" % (len(data), announced.nbytes))
+        if hashlib.sha256(data).hexdigest() != announced.sha256:
+            raise RequestError("weights sha256 does not match the one announced in /init")
+        try:
+            weights = safetensors_load(data)
+        except Exception as e:
+            raise RequestError("weights are not valid safetensors: %s" % e)
+        self._load_locked(setup, weights)
+        self.pending = None
+        return {"ok": True}
 
-    def _load(self, spec: Dict[str, Any], weights: Dict[str, torch.Tensor], key: Dict[str, Any]) -> None:
-        config = ModelConfig.from_dict(spec["model"])
-        first, last = spec["layers"]
+    def _load_locked(self, setup: Setup, weights: Dict[str, torch.Tensor]) -> None:
+        key = setup.key
+        config = key.model
+        first, last = key.layers
         want = set(expected_keys(config, (first, last), False, False))
         if set(weights) != want:
             missing, extra = sorted(want - set(weights)), sorted(set(weights) - want)
-            raise schema.RequestError("weights do not match layers [%d, %d): missing %s, unexpected %s"
-                                      % (first, last, missing[:3], extra[:3]))
+            raise RequestError("weights do not match layers [%d, %d): missing %s, unexpected %s"
+                               % (first, last, missing[:3], extra[:3]))
         try:
-            self.chunk = build_chunk(config, weights, first, last, False, False,
-                                     torch_dtype(spec["dtype"]), key["device"])
+            self.chunk = build_chunk(config, weights, first, last, False, False, torch_dtype(key.dtype), key.device)
         except ValueError as e:
-            raise schema.RequestError(str(e))
+            raise RequestError(str(e))
         self.loaded = key
-        self._start_run(spec)
+        self._start_run_locked(setup)
 
-    def _check_budget(self, spec: Dict[str, Any], cache_bytes: int) -> None:
-        budget = spec.get("cache_budget_bytes")
+    def _check_budget(self, request: InitRequest, cache_bytes: int) -> None:
+        budget = request.cache_budget_bytes
         if budget is not None and cache_bytes > budget:
-            raise schema.RequestError("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
+            raise RequestError("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
         limit = self.max_memory
         if limit is None:
             avail = available_memory_bytes()
             limit = avail + rss_bytes() if avail is not None else None
         if limit is not None and cache_bytes > limit:
-            raise schema.RequestError("KV cache of %d bytes does not fit in %d bytes of memory" % (cache_bytes, limit))
+            raise RequestError("KV cache of %d bytes does not fit in %d bytes of memory" % (cache_bytes, limit))
 
-    def _start_run(self, spec: Dict[str, Any]) -> None:
+    def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
-        compute = spec["_compute_dtype"]
+        request = setup.request
+        compute = setup.compute_dtype
         chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
         try:
-            chunk.allocate_cache(spec["n_slots"], spec["max_len"])
+            chunk.allocate_cache(request.n_slots, request.max_len)
         except (RuntimeError, ValueError) as e:
-            raise schema.RequestError("cannot allocate the KV cache: %s" % e)
-        data = spec["data"]
+            raise RequestError("cannot allocate the KV cache: %s" % e)
+        data = request.data
         config = chunk.config
-        run_id, n_slots, max_len = spec["run_id"], spec["n_slots"], spec["max_len"]
+        run_id, n_slots, max_len = request.run_id, request.n_slots, request.max_len
         password = ring_password(self.token, run_id) if self.token else None
         try:
             endpoint = RingEndpoint(
-                "worker:%d" % self.port, self.host, data["bind_port"],
+                "worker:%d" % self.port, self.host, data.bind_port,
                 lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=n_slots, max_len=max_len),
                 password)
         except RuntimeError as e:
             chunk.free_cache()
-            raise schema.RequestError(str(e))
-        endpoint.connect(data["next_host"], data["next_port"])
-        self.run = Run(spec, chunk, endpoint)
+            raise RequestError(str(e))
+        endpoint.connect(data.next_host, data.next_port)
+        self.run = Run(request, chunk, endpoint)
         self.touch()
         self.run.thread.start()
         self.runs_served += 1
@@ -289,8 +309,8 @@ class Worker:
         cache = chunk.cache if chunk is not None else None
         out = {
             "state": state, "version": __version__, "port": self.port,
-            "layers": loaded["layers"] if loaded else None,
-            "device": loaded["device"] if loaded else (self.device_override or "cpu"),
+            "layers": list(loaded.layers) if loaded else None,
+            "device": loaded.device if loaded else (self.device_override or "cpu"),
             "run_id": run.id if run else None, "runs_served": self.runs_served,
             # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.tegra).
             "memory": {"rss_bytes": rss_bytes(), "peak_rss_bytes": unified_memory_bytes(peak=True),
@@ -307,77 +327,3 @@ class Worker:
                                    bad_frames=ep.bad_frames,
                                    last_bad_frame=ep.last_error)
         return out
-
-
-def create_app(worker: Worker) -> Flask:
-    app = Flask("mdi-worker")
-    app.config["MAX_CONTENT_LENGTH"] = None  # checked per route below
-
-    def body_json() -> Dict[str, Any]:
-        if request.content_length is None or request.content_length > MAX_JSON_BYTES:
-            raise schema.RequestError("JSON body missing or larger than %d bytes" % MAX_JSON_BYTES)
-        if not request.is_json:
-            raise schema.RequestError("expected Content-Type: application/json")
-        data = request.get_json(silent=True)
-        if data is None:
-            raise schema.RequestError("body is not valid JSON")
-        return data
-
-    @app.before_request
-    def authenticate():
-        if not token_matches(worker.token, request.headers.get("Authorization")):
-            return jsonify({"ok": False, "error": "missing or wrong token"}), 401
-        return None
-
-    @app.errorhandler(schema.RequestError)
-    def bad_request(e):
-        return jsonify({"ok": False, "error": str(e)}), 400
-
-    @app.errorhandler(Exception)
-    def failed(e):
-        # Answer every failure in JSON with its reason; HTTP errors keep their own status.
-        code = getattr(e, "code", None)
-        if isinstance(code, int):
-            return jsonify({"ok": False, "error": "%s" % getattr(e, "description", e)}), code
-        log.exception("request failed")
-        return jsonify({"ok": False, "error": "%s: %s" % (type(e).__name__, e)}), 500
-
-    @app.route("/health", methods=["GET"])
-    def health():
-        return jsonify({"ok": True, "version": __version__})
-
-    @app.route("/status", methods=["GET"])
-    def status():
-        # The starter's watchdog names its run: that poll is the heartbeat keeping the run alive.
-        run = worker.run
-        if run is not None and request.args.get("run") == str(run.id):
-            worker.touch()
-        return jsonify(worker.status())
-
-    @app.route("/init", methods=["POST"])
-    def init():
-        spec = schema.validate_init(body_json())
-        return jsonify(worker.init(spec))
-
-    @app.route("/weights", methods=["POST"])
-    def weights():
-        pending = worker.pending
-        if pending is None:
-            raise schema.RequestError("no /init is waiting for weights")
-        n = pending["weights"]["push"]["nbytes"]
-        if request.content_length != n:
-            raise schema.RequestError("Content-Length %s does not match the %d bytes announced" % (request.content_length, n))
-        return jsonify(worker.receive_weights(request.get_data(cache=False)))
-
-    @app.route("/stop", methods=["PUT"])
-    def stop():
-        worker.end_run()
-        return jsonify({"ok": True})
-
-    @app.route("/shutdown", methods=["POST"])
-    def shutdown():
-        worker.end_run()
-        worker.shutdown_requested.set()
-        return jsonify({"ok": True})
-
-    return app

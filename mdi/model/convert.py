@@ -1,0 +1,103 @@
+"""From a checkpoint's own tensor names to mdi's canonical ones (see `mdi.model.layout`),
+shared by every reader, and the check that a state dict matches the model."""
+import re
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from mdi.model.config import ModelConfig
+from mdi.model.layout import CheckpointError, expected_shapes
+
+StateDict = Dict[str, torch.Tensor]
+Getter = Callable[[str], torch.Tensor]
+
+
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
+                     layer_range: Optional[Tuple[int, int]] = None, with_embedding: bool = True,
+                     with_head: bool = True, where: str = "state dict") -> None:
+    """Raise CheckpointError on missing, unexpected or wrongly shaped tensors."""
+    shapes = expected_shapes(config, layer_range or (0, config.n_layer), with_embedding, with_head)
+    missing = [k for k in shapes if k not in state_dict]
+    extra = sorted(k for k in state_dict if k not in shapes)
+    if missing or extra:
+        raise CheckpointError("%s does not match the model: missing %s; unexpected %s"
+                              % (where, short(missing), short(extra)))
+    bad = ["%s %s != %s" % (k, tuple(state_dict[k].shape), s) for k, s in shapes.items()
+           if tuple(state_dict[k].shape) != s]
+    if bad:
+        raise CheckpointError("%s has wrong tensor shapes: %s" % (where, short(bad)))
+
+
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def short(items: Sequence[str], n: int = 6) -> str:
+    if not items:
+        return "none"
+    return ", ".join(items[:n]) + (" (+%d more)" % (len(items) - n) if len(items) > n else "")
+
+
+# ----------------------------------------------------------------------------- shared converters
+
+def convert_gpt2(config: ModelConfig, get: Getter, has: Callable[[str], bool],
+                  conv1d: bool) -> StateDict:
+    """GPT-2 names (prefix already stripped) -> canonical. HF's Conv1D stores [in, out]."""
+    def w(name: str) -> torch.Tensor:
+        t = get(name)
+        return t.t().contiguous() if conv1d and t.dim() == 2 else t
+
+    def b(name: str, like: torch.Tensor) -> torch.Tensor:
+        # nanoGPT with bias=False has no bias tensors: zeros compute the same function
+        return get(name) if has(name) else torch.zeros(like.shape[0], dtype=like.dtype)
+
+    sd = {"tok_emb.weight": get("wte.weight"), "pos_emb.weight": get("wpe.weight")}
+    pairs = [("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+             ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")]
+    for i in range(config.n_layer):
+        for src, dst in pairs:
+            src, dst = "h.%d.%s" % (i, src), "blocks.%d.%s" % (i, dst)
+            weight = get(src + ".weight") if src.endswith(("ln_1", "ln_2")) else w(src + ".weight")
+            sd[dst + ".weight"] = weight
+            sd[dst + ".bias"] = b(src + ".bias", weight)
+    sd["norm_f.weight"] = get("ln_f.weight")
+    sd["norm_f.bias"] = b("ln_f.bias", sd["norm_f.weight"])
+    return sd
+
+
+def convert_llama(config: ModelConfig, get: Getter) -> StateDict:
+    """HF Llama names (``model.`` prefix stripped) -> canonical; q/k/v and gate/up fused."""
+    sd = {"tok_emb.weight": get("embed_tokens.weight")}
+    for i in range(config.n_layer):
+        s, d = "layers.%d." % i, "blocks.%d." % i
+        sd[d + "norm1.weight"] = get(s + "input_layernorm.weight")
+        parts = ("weight", "bias") if config.bias else ("weight",)
+        for part in parts:
+            sd[d + "attn.qkv." + part] = torch.cat(
+                [get(s + "self_attn.%s_proj.%s" % (x, part)) for x in "qkv"], 0)
+            sd[d + "attn.proj." + part] = get(s + "self_attn.o_proj." + part)
+        sd[d + "norm2.weight"] = get(s + "post_attention_layernorm.weight")
+        sd[d + "mlp.gate_up.weight"] = torch.cat(
+            [get(s + "mlp.gate_proj.weight"), get(s + "mlp.up_proj.weight")], 0)
+        sd[d + "mlp.down.weight"] = get(s + "mlp.down_proj.weight")
+    sd["norm_f.weight"] = get("norm.weight")
+    if not config.tied_head:
+        sd["lm_head.weight"] = get("lm_head.weight")
+    return sd
+
+
+def make_getter(tensors: Mapping[str, Callable[[], torch.Tensor]], dtype: torch.dtype,
+                 where: str, used: set) -> Getter:
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise CheckpointError("%s: tensor %r is missing" % (where, name))
+        used.add(name)
+        return tensors[name]().to(dtype)
+    return get
+
+
+def check_unused(names: Sequence[str], used: set, ignore: Optional[str], where: str) -> None:
+    """Unknown tensors mean a layout we do not model (e.g. extra biases): refuse, don't drop."""
+    extra = sorted(n for n in names if n not in used and not (ignore and re.search(ignore, n)))
+    if extra:
+        raise CheckpointError("%s: unsupported tensors %s" % (where, short(extra)))

@@ -1,0 +1,137 @@
+"""A request's prompt as token ids: a completion prompt (text or ids), or chat messages rendered
+with the model's chat template; and the token budget that must fit one KV cache slot."""
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+from mdi.model.tokenizers import Tokenizer, TokenizerError
+from mdi.serving.validation import ApiError
+
+MAX_MESSAGES = 1024
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")
+
+log = logging.getLogger(__name__)
+
+
+class ChatTemplate:
+    """The model's chat template (Jinja, sandboxed as transformers renders it) or the fallback."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        self.tokenizer = tokenizer
+        self.source = "fallback"
+        self.template = None
+        if tokenizer.chat_template:
+            try:
+                self.template = env.from_string(tokenizer.chat_template)
+                self.source = "model"
+            except TemplateError as e:
+                log.warning("mdi: serve: the model's chat template does not compile (%s); using the fallback", e)
+        if self.template is None:
+            self.template = env.from_string(FALLBACK_CHAT_TEMPLATE)
+        self.bos = self._token_text(tokenizer.bos_id)
+        self.eos = self._token_text(tokenizer.eos_id)
+
+    def _token_text(self, token_id: Optional[int]) -> str:
+        if token_id is None:
+            return ""
+        try:
+            return self.tokenizer.decode([token_id])
+        except TokenizerError:
+            return ""
+
+    def render(self, messages: List[Dict[str, str]]) -> str:
+        from jinja2 import TemplateError
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True,
+                                        bos_token=self.bos, eos_token=self.eos)
+        except TemplateError as e:
+            raise ApiError(400, "the chat template refused these messages: %s" % e, "messages")
+        if self.tokenizer.add_bos and self.bos and text.startswith(self.bos):
+            text = text[len(self.bos):]  # the tokenizer adds BOS itself
+        return text
+
+
+def chat_messages(raw: List[Any]) -> List[Dict[str, str]]:
+    """The `messages` list (already known to be a list) as role/content pairs for the template."""
+    if not raw:
+        raise ApiError(400, "'messages': expected a non-empty list of messages", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise ApiError(400, "'messages': at most %d messages" % MAX_MESSAGES, "messages")
+    return [_message(m, "messages[%d]" % i) for i, m in enumerate(raw)]
+
+
+def _message(m: Any, where: str) -> Dict[str, str]:
+    if not isinstance(m, dict):
+        raise ApiError(400, "'%s': expected an object with 'role' and 'content'" % where, where)
+    unknown = sorted(set(m) - set(MESSAGE_KEYS))
+    if unknown:
+        raise ApiError(400, "'%s': unknown key '%s'" % (where, unknown[0]), where)
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise ApiError(400, "'%s.role': expected one of %s" % (where, ", ".join(CHAT_ROLES)), where + ".role")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "'%s.content': only text parts are supported" % where, where + ".content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise ApiError(400, "'%s.content': expected a string" % where, where + ".content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def prompt_ids(prompt: Any, tokenizer: Tokenizer) -> List[int]:
+    """The completion prompt as token ids: a string, [string] or token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return encode(tokenizer, prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < tokenizer.vocab_size for t in prompt):
+            raise ApiError(400, "'prompt': token ids must be in [0, %d)" % tokenizer.vocab_size, "prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "'prompt': one prompt per request (send several requests: they run concurrently)",
+                       "prompt")
+    raise ApiError(400, "'prompt': expected a string or a list of token ids", "prompt")
+
+
+def encode(tokenizer: Tokenizer, text: str) -> List[int]:
+    try:
+        return tokenizer.encode_prompt(text)
+    except TokenizerError as e:
+        raise ApiError(400, "cannot tokenize the prompt: %s" % e, "prompt")
+
+
+def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int], max_len: int) -> int:
+    """max_tokens for this request (`default` when unset; None: the rest of the slot), or a 400
+    when prompt + max_tokens cannot fit a slot of `max_len` positions."""
+    room = max_len - n_prompt
+    if room < 1:
+        raise ApiError(400, "this server's maximum context length is %d tokens, but the prompt has %d tokens"
+                       % (max_len, n_prompt), "messages" if default is None else "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        return room if default is None else min(default, room)
+    if max_tokens > room:
+        raise ApiError(400, "this server's maximum context length is %d tokens; you requested %d tokens "
+                       "(%d in the prompt, %d for the completion)" % (max_len, n_prompt + max_tokens, n_prompt,
+                                                                     max_tokens),
+                       "max_tokens", "context_length_exceeded")
+    return max_tokens

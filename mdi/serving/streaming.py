@@ -1,0 +1,56 @@
+"""A sample's tokens as the text its client sees: detokenized as they arrive, cut before the
+first stop string, and never showing the start of a stop string that may still complete."""
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from mdi.model.tokenizers import StreamDecoder, Tokenizer
+from mdi.starter.pipeline import Sample
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")  # what a request's finish_reason can be
+
+
+def finish_reason_of(sample: Sample) -> str:
+    """OpenAI's name for why a finished sample ended: its end-of-sequence token is a "stop"."""
+    return "stop" if sample.finish_reason == "eos" else sample.finish_reason
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could still grow into one of `stops`."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(text), len(s) - 1), best, -1):
+            if s.startswith(text[-k:]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class TextUpdate:
+    text: str  # to send now ("" for nothing)
+    hit_stop: bool  # a stop string appeared: `text` is what came before it and the request is over
+
+
+class TextStream:
+    """One request's text, fed one token at a time (scheduler thread only)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = [s for s in stops if s]
+        self.pending = ""  # decoded text held back: it may be the start of a stop string
+
+    def push(self, token: int, sample_finish: Optional[str]) -> TextUpdate:
+        """`sample_finish` is the sample's finish_reason after this token (None: more follow)."""
+        piece = "" if sample_finish == "eos" else self.decoder.push(token)  # EOS shows no text
+        if sample_finish is not None:
+            piece += self.decoder.flush()
+        text, self.pending = self.pending + piece, ""
+        if self.stops:
+            cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            if cuts:
+                return TextUpdate(text[:min(cuts)], True)
+            if sample_finish is None:
+                keep = held_back(text, self.stops)
+                if keep:
+                    text, self.pending = text[:len(text) - keep], text[len(text) - keep:]
+        return TextUpdate(text, False)

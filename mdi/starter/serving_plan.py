@@ -1,0 +1,101 @@
+"""Setting the ring up for serving: how many positions a KV cache slot holds, how many slots
+fit in every node's memory, and the engine opened with them.
+
+Starter-level logic with no HTTP in it: `mdi.serving.scheduler` calls `open_serving_ring`
+each time it (re)builds the ring.
+"""
+import logging
+from dataclasses import dataclass
+from typing import Callable, List
+
+from mdi.model.layout import layer_ranges, torch_dtype
+from mdi.model.sampling import SamplingParams
+from mdi.model.source import ModelSource
+from mdi.model.transformer import KVCache
+from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
+from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
+from mdi.starter.control import NodeError
+from mdi.starter.engine import Engine
+from mdi.starter.pipeline import Sample
+from mdi.starter.session import client_for
+
+log = logging.getLogger("mdi.starter")
+
+DEFAULT_MAX_IN_FLIGHT = 16  # when serve.max_in_flight is not set (and memory allows)
+DEFAULT_MAX_LEN = 2048  # positions per slot when serve.max_len is not set (capped by the context)
+
+
+@dataclass
+class ServingRing:
+    """An opened engine and the samples it may hold in flight (KV cache slots on every node)."""
+    engine: Engine
+    slots: int
+
+
+def resolve_max_len(cfg: RunConfig, block_size: int) -> int:
+    """Positions per KV cache slot: serve.max_len, else the context capped at DEFAULT_MAX_LEN."""
+    asked = cfg.serve.max_len
+    if asked is None:
+        return min(block_size, DEFAULT_MAX_LEN)
+    if asked > block_size:
+        raise ConfigError("%s: serve.max_len: %d is longer than the model's context of %d tokens"
+                          % (cfg.source, asked, block_size))
+    return asked
+
+
+def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams,
+                      on_token: Callable[[Sample, int], None]) -> ServingRing:
+    """Plan the slots from memory, open the engine, and lower the slots to what the workers
+    actually allocated. Nothing is left open when this raises."""
+    nodes = list(cfg.nodes)
+    ranges = layer_ranges(partition(source.config.n_layer, nodes, cfg.source))
+    slots = plan_slots(cfg, source, nodes, ranges, max_len)
+    engine = Engine(cfg, source, slots, max_len, params, on_token)
+    try:
+        engine.open()
+        reported = reported_slots(cfg, engine, max_len)
+    except BaseException:
+        engine.abort()
+        raise
+    return ServingRing(engine, min([slots] + reported))
+
+
+def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], ranges: List[List[int]],
+               max_len: int) -> int:
+    """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of `max_len`
+    positions that fit in every node's memory next to its weights."""
+    from mdi.system.memory import available_memory_bytes
+    asked = cfg.serve.max_in_flight
+    limit = asked or DEFAULT_MAX_IN_FLIGHT
+    config = source.config
+    dtype = torch_dtype(cfg.model.dtype)
+    for i, (node, layers) in enumerate(zip(nodes, ranges)):
+        capacity = available_memory_bytes() if i == 0 else worker_capacity(client_for(cfg, node).status())
+        if capacity is None:
+            continue
+        weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0)
+        per_slot = KVCache.nbytes_for(config, layers[1] - layers[0], 1, max_len, dtype)
+        fit = (capacity - weights) // per_slot if per_slot > 0 else limit
+        if fit < 1:
+            raise ConfigError("node %s: %.0f MB of memory cannot hold its layers and one KV cache slot of "
+                              "%d positions; lower serve.max_len" % (node.name, capacity / 2 ** 20, max_len))
+        if fit < limit:
+            if asked:
+                log.warning("mdi: serve: max_in_flight %d lowered to %d: node %s has memory for %d slots of "
+                            "%d positions", asked, fit, node.name, fit, max_len)
+            limit = int(fit)
+    return limit
+
+
+def reported_slots(cfg: RunConfig, engine: Engine, max_len: int) -> List[int]:
+    """The KV slots each worker says it allocated (what bounds the samples in flight)."""
+    slots = []
+    for node in engine.nodes[1:]:
+        cache = client_for(cfg, node).status().get("cache", {})
+        if cache.get("max_len", max_len) < max_len:
+            raise NodeError("node %s allocated %s positions per slot, not %d"
+                            % (node.name, cache.get("max_len"), max_len), node.name)
+        slots.append(int(cache.get("slots", 0)))
+    if slots and min(slots) < 1:
+        raise NodeError("a worker reports no KV cache slot")
+    return slots

@@ -1,0 +1,96 @@
+"""mdi-worker's control plane (Flask, JSON only) over one `Worker`:
+
+    GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
+    pushes them), PUT /stop, POST /shutdown.
+
+Every request needs the shared token when one is set; a bad request is answered 400 with its
+reason, any other failure in JSON too (never an HTML error page).
+"""
+import logging
+from typing import Any, Dict
+
+from flask import Flask, jsonify, request
+
+from mdi import __version__
+from mdi.ring.auth import token_matches
+from mdi.ring.init_request import RequestError, validate_init
+from mdi.worker.node import Worker
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_BYTES = 1 << 20
+
+
+def create_app(worker: Worker) -> Flask:
+    app = Flask("mdi-worker")
+    app.config["MAX_CONTENT_LENGTH"] = None  # checked per route below
+
+    def body_json() -> Dict[str, Any]:
+        if request.content_length is None or request.content_length > MAX_JSON_BYTES:
+            raise RequestError("JSON body missing or larger than %d bytes" % MAX_JSON_BYTES)
+        if not request.is_json:
+            raise RequestError("expected Content-Type: application/json")
+        data = request.get_json(silent=True)
+        if data is None:
+            raise RequestError("body is not valid JSON")
+        return data
+
+    @app.before_request
+    def authenticate():
+        if not token_matches(worker.token, request.headers.get("Authorization")):
+            return jsonify({"ok": False, "error": "missing or wrong token"}), 401
+        return None
+
+    @app.errorhandler(RequestError)
+    def bad_request(e):
+        return jsonify({"ok": False, "error": str(e)}), 400
+
+    @app.errorhandler(Exception)
+    def failed(e):
+        # Answer every failure in JSON with its reason; HTTP errors keep their own status.
+        code = getattr(e, "code", None)
+        if isinstance(code, int):
+            return jsonify({"ok": False, "error": "%s" % getattr(e, "description", e)}), code
+        log.exception("request failed")
+        return jsonify({"ok": False, "error": "%s: %s" % (type(e).__name__, e)}), 500
+
+    @app.route("/health", methods=["GET"])
+    def health():
+        return jsonify({"ok": True, "version": __version__})
+
+    @app.route("/status", methods=["GET"])
+    def status():
+        # The starter's watchdog names its run: that poll is the heartbeat keeping the run alive.
+        run = worker.run
+        if run is not None and request.args.get("run") == str(run.id):
+            worker.touch()
+        return jsonify(worker.status())
+
+    @app.route("/init", methods=["POST"])
+    def init():
+        return jsonify(worker.init(validate_init(body_json())))
+
+    @app.route("/weights", methods=["POST"])
+    def weights():
+        # Checked before reading the body, so a wrong upload is refused unread; the worker
+        # checks again under its lock (another /init may have come in between).
+        pending = worker.pending
+        if pending is None or pending.request.weights.push is None:
+            raise RequestError("no /init is waiting for weights")
+        n = pending.request.weights.push.nbytes
+        if request.content_length != n:
+            raise RequestError("Content-Length %s does not match the %d bytes announced" % (request.content_length, n))
+        return jsonify(worker.receive_weights(request.get_data(cache=False)))
+
+    @app.route("/stop", methods=["PUT"])
+    def stop():
+        worker.end_run()
+        return jsonify({"ok": True})
+
+    @app.route("/shutdown", methods=["POST"])
+    def shutdown():
+        worker.end_run()
+        worker.shutdown_requested.set()
+        return jsonify({"ok": True})
+
+    return app

@@ -1,0 +1,115 @@
+"""Sampling stays well defined for every accepted setting, and one sample whose logits go bad
+fails alone (the hardening issue's HIGH item: a tiny temperature used to turn a shared step
+into NaN and fail every request in it)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import BIN, tiny_config
+from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
+from mdi.model.transformer import full_model
+from mdi.ring.transport import LocalLoop
+from mdi.starter.pipeline import Pipeline, make_samples
+
+TINY = [1e-45, 1e-40, 1e-38, 1e-30, 1e-8]
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_tiny_temperatures_behave_as_greedy(temperature):
+    gen = sample_generator(3, 0)
+    for seed in range(20):
+        logits = torch.randn(500, generator=torch.Generator().manual_seed(seed)) * 8
+        assert sample_next(logits, SamplingParams(temperature), gen) == int(logits.argmax())
+        # with the other filters at their extremes too
+        params = SamplingParams(temperature, top_k=1, top_p=1e-45)
+        assert sample_next(logits, params, gen) == int(logits.argmax())
+
+
+def test_extreme_filters_keep_the_best_token():
+    gen = sample_generator(1, 0)
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(5))
+    best = int(logits.argmax())
+    for params in (SamplingParams(1.0, top_p=1e-45), SamplingParams(1.0, top_k=1), SamplingParams(1e30, top_k=1)):
+        assert all(sample_next(logits, params, gen) == best for _ in range(20))
+    # a huge temperature is a valid (near uniform) distribution, not NaN
+    assert 0 <= sample_next(logits, SamplingParams(1e300), gen) < 300
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_non_finite_or_negative_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(bad)
+    if bad != -1.0:
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(1.0, top_p=bad)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_non_finite_logits_raise_a_sampling_error(temperature):
+    logits = torch.tensor([0.1, float("nan"), 0.3])
+    with pytest.raises(SamplingError, match="non-finite logits"):
+        sample_next(logits, SamplingParams(temperature), sample_generator(0, 0))
+
+
+def _generate(poison_call=None):
+    """Three samples through one pipeline on a local loop; the head's output for its
+    `poison_call`-th call (counting from 0) is replaced by NaN."""
+    torch.manual_seed(0)
+    chunk = full_model(tiny_config("llama"))
+    with torch.no_grad():
+        for p in chunk.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    head, calls = chunk.head, [0]
+
+    def head_with_fault(x):
+        out = head(x)
+        calls[0] += 1
+        return out.fill_(float("nan")) if calls[0] - 1 == poison_call else out
+
+    chunk.head = head_with_fault
+    chunk.allocate_cache(3, 64)
+    samples = make_samples(["a", "b", "c"], [[3, 4, 5], [6, 7], [8]], 12, seed=1)
+    Pipeline(chunk, LocalLoop(), 0, SamplingParams(temperature=0.8, top_k=20), eos_id=None).run(samples)
+    return samples
+
+
+def test_a_sample_with_bad_logits_fails_alone():
+    clean = _generate()
+    assert all(s.finish_reason == "length" and len(s.token_ids) == 12 for s in clean)
+    hurt = _generate(poison_call=7)  # mid-run, while all three are in flight
+    failed = [s for s in hurt if s.finish_reason == "error"]
+    assert len(failed) == 1 and "non-finite logits" in failed[0].error
+    for before, after in zip(clean, hurt):
+        if after is failed[0]:
+            # it keeps the tokens it had; nothing after the fault
+            assert after.token_ids == before.token_ids[:len(after.token_ids)] and len(after.token_ids) < 12
+        else:
+            assert after.token_ids == before.token_ids and after.finish_reason == "length"
+
+
+def test_batch_run_with_a_tiny_temperature_matches_greedy(tmp_path, tiny_models):
+    def run(temperature):
+        out = tmp_path / ("m-%s.json" % temperature)
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("model: {path: %s}\ngeneration: {n_tokens: 8, seed: 3}\n" % tiny_models["gpt2"])
+        proc = subprocess.run([BIN + "/mdi-start", "--config", str(cfg), "--prompt", "Once", "--temperature",
+                               temperature, "--metrics-out", str(out)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(out.read_text())["samples"][0]["token_ids"]
+
+    assert run("1e-40") == run("0")
+
+
+def test_yaml_nan_temperature_is_a_config_error(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: x}\ngeneration: {temperature: .nan}\n")
+    proc = subprocess.run([BIN + "/mdi-start", "--config", str(cfg), "--prompt", "x"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert proc.returncode == 2 and "generation.temperature" in proc.stderr, proc.stderr
+    assert math.isnan(float("nan")) and sys.executable
