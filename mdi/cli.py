@@ -5,7 +5,9 @@ starting with "mdi: error:" and exit non-zero (2 for configuration errors); no t
 """
 import argparse
 import os
+import signal
 import sys
+import time
 from typing import List, Optional
 
 from mdi.model.layout import CheckpointError
@@ -124,6 +126,19 @@ def resolve_prompts(cfg: RunConfig, cli_prompts: List[str], cli_n_samples: Optio
 def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
     from mdi.starter import batch
+
+    def terminate(signum, frame):
+        raise batch.Interrupted(signum)
+
+    # SIGTERM (systemd, kill) stops the ring like Ctrl-C: workers are told at once.
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        return _start(args, batch)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _start(args: argparse.Namespace, batch) -> int:
     from mdi.ring.auth import TokenError, load_token
     try:
         cfg = _config_from_args(args)
@@ -137,14 +152,21 @@ def start_main(argv: Optional[List[str]] = None) -> int:
         if args.host or args.port is not None or args.insecure:
             raise ConfigError("--host, --port and --insecure go with --serve")
         prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
-        result = batch.run(cfg, prompts)
+        progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None
+        try:
+            result = batch.run(cfg, prompts, on_token=progress)
+        finally:
+            if progress is not None:
+                progress.close()
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)
     except batch.RunFailed as e:
         report(e.result, args)  # the partial texts and metrics are not lost
-        return _fail(str(e), EXIT_RUN)
+        return _fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return _fail("interrupted", 128 + signal.SIGINT)
+    except batch.Interrupted as e:
+        return _fail("interrupted by %s" % signal.Signals(e.signum).name, 128 + e.signum)
     except RuntimeError as e:
         return _fail(str(e), EXIT_RUN)
     report(result, args)
@@ -163,6 +185,31 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
     check_serve("command line: serve", cfg.serve)
     from mdi.serving.api import serve
     return serve(cfg, insecure=args.insecure)
+
+
+class Progress:
+    """One self-overwriting line on a terminal while a batch run generates (on_token callback)."""
+
+    EVERY = 0.25  # seconds between redraws
+
+    def __init__(self, n_samples: int, n_tokens: int) -> None:
+        self.total = n_samples * n_tokens
+        self.tokens = 0
+        self.t0 = self.shown = time.monotonic()
+
+    def __call__(self, sample, token: int) -> None:
+        self.tokens += 1
+        now = time.monotonic()
+        if now - self.shown >= self.EVERY:
+            self.shown = now
+            rate = self.tokens / max(now - self.t0, 1e-9)
+            sys.stderr.write("\rmdi: %d/%d tokens, %.1f tokens/s " % (self.tokens, self.total, rate))
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown > self.t0:  # something was drawn: leave the line clean for what follows
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
 
 
 def report(result, args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -140,6 +141,25 @@ def test_nanogpt(tmp_path, bias):
     else:
         assert not out["blocks.1.mlp.fc.bias"].any() and not out["norm_f.bias"].any()
     assert read_nanogpt_ckpt(path)[0] == config
+
+
+@pytest.mark.parametrize("old", ["2.0.0", "2.1.2+cu121", "2.5.1"])
+def test_pickled_checkpoints_are_refused_before_torch_2_6(tmp_path, monkeypatch, old):
+    # weights_only=True has known bypasses before torch 2.6 (CVE-2025-32434): never unpickle there.
+    sd = _nanogpt_state_dict(1, 16, 65, 8, True, compiled=False)
+    path = str(tmp_path / "ckpt.pt")
+    torch.save({"model": sd, "model_args": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, bias=True,
+                                                vocab_size=65)}, path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 16,
+                                                             "n_head": 2, "vocab_size": 65, "n_positions": 8}))
+    torch.save({}, str(tmp_path / "hf" / "pytorch_model.bin"))
+    monkeypatch.setattr(torch, "__version__", old)
+    for source in (path, str(tmp_path / "hf")):
+        with pytest.raises(CheckpointError, match=r"refusing to unpickle.*%s.*torch >= 2.6" % re.escape(old)):
+            read_checkpoint(source)
+    monkeypatch.setattr(torch, "__version__", "2.6.0")
+    assert read_checkpoint(path)[0].n_layer == 1
 
 
 def test_model_dir_and_chunks(hf_llama, tmp_path):

@@ -40,9 +40,31 @@ def _hf_tensor_loaders(path: str) -> Dict[str, Callable[[], torch.Tensor]]:
         return loaders
     bin_file = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(bin_file):
-        sd = torch.load(bin_file, map_location="cpu", weights_only=True)
+        sd = load_pickled_weights(bin_file)
         return {k: (lambda t=t: t) for k, t in sd.items()}
     raise CheckpointError("%s: no *.safetensors or pytorch_model.bin weights found" % path)
+
+
+# torch.load(weights_only=True) has known bypasses before 2.6 (CVE-2025-32434): older torch
+# (JetPack boards) must not unpickle a checkpoint at all.
+SAFE_UNPICKLING_TORCH = (2, 6)
+
+
+def torch_version() -> Tuple[int, int]:
+    return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])  # type: ignore
+
+
+def load_pickled_weights(path: str) -> object:
+    """torch.load with weights_only=True, refused outright where that is not safe."""
+    if torch_version() < SAFE_UNPICKLING_TORCH:
+        raise CheckpointError("%s: refusing to unpickle a torch checkpoint with torch %s (weights_only has known "
+                              "bypasses before torch 2.6, CVE-2025-32434): convert it with mdi-prepare on a machine "
+                              "with torch >= 2.6 and copy the prepared directory (safetensors) here"
+                              % (path, torch.__version__))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt file or pickled objects weights_only refuses
+        raise CheckpointError("%s: cannot load as a weights-only torch checkpoint (%s)" % (path, first_line(e)))
 
 
 def _hf_config(path: str, raw: Dict) -> ModelConfig:
@@ -92,10 +114,7 @@ def read_nanogpt_ckpt(path: str, dtype: torch.dtype = torch.float32) -> Tuple[Mo
     A bias=False nanoGPT has no bias tensors at all (linear or LayerNorm): we return
     ``bias=True`` with zero biases, which computes exactly the same function.
     """
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file or pickled objects weights_only refuses
-        raise CheckpointError("%s: cannot load as a weights-only torch checkpoint (%s)" % (path, first_line(e)))
+    ckpt = load_pickled_weights(path)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
         raise CheckpointError("%s: not a nanoGPT checkpoint (needs 'model' and 'model_args')" % path)
     args = ckpt["model_args"]

@@ -126,9 +126,12 @@ def balanced(n_layer: int, n_nodes: int) -> List[int]:
 def parse_partition(counts: Union[str, Sequence[int]]) -> List[int]:
     """"10-10-10" or [10, 10, 10] -> [10, 10, 10]."""
     try:
-        return [int(x) for x in counts.split("-")] if isinstance(counts, str) else [int(x) for x in counts]
+        out = [int(x) for x in counts.split("-")] if isinstance(counts, str) else [int(x) for x in counts]
     except ValueError:
-        raise CheckpointError("bad partition %r: expected layer counts like '10-10-10'" % (counts,)) from None
+        out = []
+    if not out or min(out) < 1:
+        raise CheckpointError("bad partition %r: expected positive layer counts like '10-10-10'" % (counts,))
+    return out
 
 
 def partition_label(counts: Sequence[int]) -> str:

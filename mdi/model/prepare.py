@@ -11,7 +11,7 @@ import os
 from typing import List, Optional
 
 from mdi.model import checkpoints, gguf, store
-from mdi.model.layout import CheckpointError
+from mdi.model.layout import CheckpointError, parse_partition, split_layers
 from mdi.model.source import check_vocab
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer
@@ -41,17 +41,24 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
         return load_tokenizer(here)
     if family == "gpt2":
         return gpt2_tokenizer()  # GPT-2 checkpoints without tokenizer files use GPT-2's BPE
-    raise TokenizerError("no tokenizer found for %s; give --vocab for a character-level model" % path)
+    where = path if os.path.isdir(path) else here
+    raise TokenizerError("no tokenizer files in %s (looked for tokenizer.json, tokenizer.model and tokenizer_mdi.json): "
+                         "copy the model's tokenizer files there, or give --vocab vocab.json (a JSON list of "
+                         "characters) for a character-level model" % where)
 
 
 def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = None) -> str:
     path = gguf.packaged_gguf_path(source) if source in PACKAGED else source
     if not os.path.exists(path):
         raise CheckpointError("%s does not exist (and is not a packaged model: %s)" % (path, ", ".join(PACKAGED)))
+    for partition in chunks:
+        parse_partition(partition)  # a typo fails now, not after the whole model is written
     log.info("reading %s" % path)
     config, state = checkpoints.read_checkpoint(path)
     if source in PACKAGED:
         config.name = source
+    for partition in chunks:
+        split_layers(config.n_layer, partition)
     tokenizer = source_tokenizer(path, vocab, config.family)
     check_vocab(tokenizer, config)
     store.save_model_dir(out, config, state, source)

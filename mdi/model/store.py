@@ -10,6 +10,7 @@ metadata, so a board can load its chunk without the rest of the directory.
 """
 import hashlib
 import json
+import logging
 import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -18,7 +19,9 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, short
 from mdi.model.layout import CheckpointError, expected_keys, expected_shapes, split_layers
-from mdi.system.files import write_json
+from mdi.system.files import use_umask, write_json
+
+log = logging.getLogger("mdi.prepare")
 
 MDI_CONFIG = "mdi_config.json"
 MODEL_FILE = "model.safetensors"
@@ -32,6 +35,7 @@ def _save(tensors: Mapping[str, torch.Tensor], path: str, metadata: Dict[str, st
 
     tmp = path + ".tmp"  # write then rename: a crash never leaves a half-written file
     save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata=metadata)
+    use_umask(tmp)
     os.replace(tmp, path)
 
 
@@ -95,6 +99,8 @@ def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
                     "with_head": str(int(ends))}
             _save({x: f.get_tensor(x) for x in keys}, fn, meta)
             files.append(fn)
+            log.info("cut node %d of %s: layers %d-%d, %.1f MB", k, partition, first, last - 1,
+                     os.path.getsize(fn) / 1e6)
             nodes.append({"node": k, "file": os.path.basename(fn), "layers": [first, last],
                           "with_embedding": ends, "with_head": ends,
                           "bytes": os.path.getsize(fn), "sha256": _sha256(fn)})

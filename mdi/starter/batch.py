@@ -1,4 +1,5 @@
 """The starter: loads its chunk, configures the workers, drives the ring, gathers metrics."""
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -68,26 +69,44 @@ def run(cfg: RunConfig, prompts: List[str],
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
     engine = Engine(cfg, source, len(samples), max_len, params, on_token)
-    engine.open()
+    try:
+        engine.open()
+    except (KeyboardInterrupt, Interrupted):
+        engine.abort()  # workers configured so far drop the run now
+        raise
     try:
         engine.run(samples)
         elapsed = time.perf_counter() - engine.t0
         worker_stats = engine.close()
-    except (RuntimeError, KeyboardInterrupt) as e:
-        # Keep what was generated: the caller still prints it and writes the metrics.
+    except (RuntimeError, KeyboardInterrupt, Interrupted) as e:
+        # Keep what was generated: the caller still prints it and writes the metrics. Ending
+        # the ring tells every worker at once, instead of after its heartbeat timeout.
         engine.abort()
         partial = _result(engine, samples, time.perf_counter() - engine.t0, [])
-        partial.extra["error"] = str(e) or type(e).__name__
-        raise RunFailed(partial.extra["error"], partial)
+        signum = e.signum if isinstance(e, Interrupted) else (signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
+        partial.extra["error"] = ("interrupted by %s" % signal.Signals(signum).name if signum is not None
+                                  else str(e) or type(e).__name__)
+        raise RunFailed(partial.extra["error"], partial, signum)
     return _result(engine, samples, elapsed, worker_stats)
 
 
-class RunFailed(RuntimeError):
-    """The run stopped early; `result` holds everything generated until then."""
+class Interrupted(BaseException):
+    """Raised in the main thread by a signal handler (the CLI's, for SIGTERM): stop the run
+    as Ctrl-C does. A BaseException, like KeyboardInterrupt, so no `except Exception` eats it."""
 
-    def __init__(self, message: str, result: RunResult) -> None:
+    def __init__(self, signum: int) -> None:
+        super().__init__("signal %d" % signum)
+        self.signum = signum
+
+
+class RunFailed(RuntimeError):
+    """The run stopped early; `result` holds everything generated until then, `signum` the
+    signal that stopped it (None for a failure)."""
+
+    def __init__(self, message: str, result: RunResult, signum: Optional[int] = None) -> None:
         super().__init__(message)
         self.result = result
+        self.signum = signum
 
 
 def _result(engine: Engine, samples: List[Sample], elapsed: float,
@@ -103,9 +122,10 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     starter_node.update(transport.traffic())
     nodes = [starter_node]
     chunk.free_cache()
-    for node, (a, b), stats in zip(engine.nodes[1:], engine.ranges[1:], worker_stats):
+    # Every node of the ring is listed; a run that failed has no counters from the workers.
+    for i, (node, (a, b)) in enumerate(zip(engine.nodes[1:], engine.ranges[1:])):
         entry = {"name": node.name, "layers": [a, b - 1]}
-        entry.update(stats)
+        entry.update(worker_stats[i] if i < len(worker_stats) else {})
         nodes.append(entry)
     texts = [decode_generated(engine.source, s) for s in samples]
     extra = {"recoveries": engine.recoveries} if engine.recoveries else {}

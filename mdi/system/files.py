@@ -4,6 +4,27 @@ import os
 from typing import Any
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (os.umask can only set it, which would
+    race with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def use_umask(path: str) -> None:
+    """Give a file written by a library that creates it 0600 (safetensors does) the mode any
+    new file would get: 0666 less the umask."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def write_json(path: str, obj: Any) -> None:
     """Write `obj` as UTF-8 JSON: to a temporary file first, then renamed into place."""
     parent = os.path.dirname(os.path.abspath(path))

@@ -1,0 +1,69 @@
+"""Ctrl-C and SIGTERM stop a batch run cleanly: the ring is ended at once (workers do not wait
+for their heartbeat timeout), the partial texts and summary are printed for every node of the
+ring, and the exit code says which signal it was (130 / 143)."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import BIN, CHARS
+from mdi.model.config import ModelConfig
+from mdi.model.store import save_model_dir
+from mdi.model.tokenizers import char_tokenizer
+from mdi.model.transformer import full_model
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """Big enough that 900 tokens take seconds, so a signal lands mid-run."""
+    path = str(tmp_path_factory.mktemp("slow") / "m")
+    torch.manual_seed(0)
+    config = ModelConfig(name="slow", family="llama", vocab_size=len(CHARS), n_layer=4, n_embd=256, n_head=8,
+                         n_kv_head=2, intermediate_size=768, block_size=1024, tied_head=True)
+    model = full_model(config)
+    save_model_dir(path, config, model.state_dict(), "tests/test_signals.py")
+    char_tokenizer(CHARS).save(path)
+    return path
+
+
+def _state(worker):
+    return requests.get("http://127.0.0.1:%d/status" % worker.port, timeout=5).json()["state"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_ring_at_once_and_keeps_the_partial_run(tmp_path, slow_model, workers, signum):
+    worker = workers[0]
+    cfg = tmp_path / "ring2.yaml"
+    cfg.write_text("model: {path: %s}\n"
+                   "nodes:\n  - {name: starter, port: 1, layers: 2}\n  - {name: board1, port: %d, layers: 2}\n"
+                   "generation: {n_tokens: 900, temperature: 0}\n"
+                   "runtime: {threads: 1, heartbeat_timeout: 120}\n" % (slow_model, worker.port))
+    metrics = tmp_path / "m.json"
+    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", str(cfg), "--prompt", "a", "--prompt", "b",
+                             "--metrics-out", str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            universal_newlines=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _state(worker) != "running":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)  # some tokens are generated
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, (proc.returncode, out, err)
+    assert "Traceback" not in err
+    assert "mdi: error: interrupted by %s" % signal.Signals(signum).name in err, err
+    assert "2 nodes" in out, out  # the summary counts the whole ring, not only the starter
+    record = json.loads(metrics.read_text())
+    assert [n["name"] for n in record["nodes"]] == ["starter", "board1"]
+    assert record["error"].startswith("interrupted") and record["n_tokens"] > 0
+    # The worker was told to stop (its heartbeat timeout is 120 s).
+    assert _state(worker) in ("stopped", "idle")
