@@ -190,6 +190,7 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
     from mdi.runconfig import NodeSpec
     from mdi.starter.control import NodeError, NodeTimeout, NodeUnreachable
     from mdi.starter.session import RingSession
+    from mdi.ring.status import StatusReply
 
     class Stub:
         def __init__(self, name, errors):
@@ -201,7 +202,7 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
                 error = self.errors.pop(0)
                 if error is not None:
                     raise error
-            return {"run_id": 1, "error": None}
+            return StatusReply("running", "0", 1, "cpu", run_id=1)
 
     def watch(errors):
         session = RingSession.__new__(RingSession)  # only what the watchdog uses

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from conftest import BIN, free_ports
+from mdi.ring.status import StatusReply
 from mdi.runconfig import parse_config
 from mdi.starter import batch
 
@@ -160,17 +161,18 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
         assert worker.init(request) == {"ok": True, "need_weights": False, "cache_bytes": worker.chunk.cache.nbytes}
         assert request == sent and worker.run.request is request and worker.run.heartbeat_timeout == 30.0
         status = worker.status()
-        assert status["state"] == "running" and status["layers"] == [1, 3] and status["run_id"] == 4
+        assert status.state == "running" and status.layers == [1, 3] and status.run_id == 4
+        assert StatusReply.from_json(json.loads(json.dumps(status.to_json()))) == status  # the wire round trip
         chunk = worker.chunk
         again = copy.deepcopy(request)
         again.run_id = 5
         assert worker.init(again)["need_weights"] is False and worker.chunk is chunk  # weights reused
-        assert worker.runs_served == 2 and worker.status()["run_id"] == 5
+        assert worker.runs_served == 2 and worker.status().run_id == 5
         bad = copy.deepcopy(request)
         bad.weights = Weights(path=os.path.join(tiny_models["gpt2"], "missing"))
         with pytest.raises(RequestError, match="cannot load weights"):
             worker.init(bad)
-        assert not worker.loading and worker.run is None and worker.status()["state"] == "idle"
+        assert not worker.loading and worker.run is None and worker.status().state == "idle"
         worker.end_run()  # the lock was released on the failure
     finally:
         worker.end_run()

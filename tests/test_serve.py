@@ -372,6 +372,8 @@ def test_openai_client(server, model):
      "stream_options"),
     ("/v1/nothing", {}, 404, "no such route"),
     ("/v1/completions", b"x" * ((1 << 20) + 1), 413, "larger than"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "surrogate"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server, route, body, status, needle):
     if isinstance(body, bytes):
@@ -381,6 +383,22 @@ def test_bad_requests_get_openai_shaped_errors(server, route, body, status, need
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_chunked_body_over_the_limit_is_413(server):
+    # No Content-Length: the limit must still be enforced on what arrives, not by truncation.
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+    r = requests.post(server.url + "/v1/completions", data=body(), headers={"Content-Type": "application/json"},
+                      timeout=30)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"], r.text
+    # and a small chunked body still works
+    r = requests.post(server.url + "/v1/completions", data=iter([b'{"prompt": "Hi", ', b'"max_tokens": 2}']),
+                      headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_wrong_method_and_content_type(server):

@@ -5,6 +5,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import socket
 import threading
 from typing import Optional
 
@@ -65,4 +66,8 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        pass
+    try:  # the short forms inet_aton accepts and the OS binds: 127.1, 127.0.1
+        return ipaddress.ip_address(socket.inet_aton(host)).is_loopback
+    except OSError:
         return False

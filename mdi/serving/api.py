@@ -249,9 +249,18 @@ def _json_body() -> Dict[str, Any]:
         raise ApiError(400, "expected Content-Type: application/json")
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise ApiError(413, "request body larger than %d bytes" % MAX_BODY_BYTES)
-    raw = request.get_data(cache=False)
+    # Read at most one byte past the limit ourselves: a chunked body has no Content-Length, and
+    # werkzeug's own limit (MAX_CONTENT_LENGTH, left unset for that reason) would cut it at the
+    # limit and leave the JSON parser to fail on half a body.
+    raw = request.stream.read(MAX_BODY_BYTES + 1)
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, "request body larger than %d bytes" % MAX_BODY_BYTES)
     try:
         data = json.loads(raw.decode("utf-8"))
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"): no tokenizer can encode that text.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text")
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, "the body is not valid JSON: %s" % e)
     except RecursionError:
@@ -263,7 +272,6 @@ def _json_body() -> Dict[str, Any]:
 
 def create_app(sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> Flask:
     app = Flask("mdi-serve")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     Routes(sched, model_id, token, template).register(app)
     return app
 

@@ -109,7 +109,7 @@ class WorkerScraper:
             entry = {"node": node.name}  # type: Dict[str, Any]
             client = ControlClient(node, timeout, timeout, self.token)
             try:
-                counters = client.status(timeout=timeout).get("counters") or {}
+                counters = client.status(timeout=timeout).counters
             except NodeError:
                 entry["up"] = 0
                 out.append(entry)
@@ -117,11 +117,9 @@ class WorkerScraper:
             finally:
                 client.session.close()
             entry["up"] = 1
-            if "frames_done" in counters:
-                entry["frames"] = counters["frames_done"]
-            if isinstance(counters.get("compute_seconds"), (int, float)) and "frames" in entry:
-                entry["compute_seconds"] = counters["compute_seconds"]
-                entry["step_seconds"] = self._step_since_last_scrape(node.name, entry)
+            entry["frames"] = counters.frames_done
+            entry["compute_seconds"] = counters.compute_seconds
+            entry["step_seconds"] = self._step_since_last_scrape(node.name, entry)
             out.append(entry)
         return out
 

@@ -1,5 +1,6 @@
-"""Memory planning: what a node's layers and KV cache need, and what a worker can give."""
-from typing import Optional, Sequence
+"""Memory planning: what a node's layers and KV cache need (what a worker can give is
+`StatusReply.capacity_bytes`, from its /status)."""
+from typing import Sequence
 
 import torch
 
@@ -15,15 +16,3 @@ def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int,
     first, last = layers
     weights = weight_bytes(config, (first, last), dtype_name(dtype), with_ends)
     return weights + KVCache.nbytes_for(config, last - first, n_slots, max_len, dtype)
-
-
-def worker_capacity(status: dict) -> Optional[int]:
-    """Bytes a worker can give to a chunk: its --max-memory if set, else the memory the OS
-    has available plus what its current weights and cache already hold (freed on /init)."""
-    mem = status.get("memory", {})
-    held = mem.get("chunk_bytes", 0) + status.get("cache", {}).get("bytes", 0)
-    if mem.get("max_memory_bytes"):
-        return mem["max_memory_bytes"]
-    if mem.get("available_bytes") is None:
-        return None
-    return mem["available_bytes"] + held

@@ -13,6 +13,7 @@ import requests
 import urllib3
 
 from mdi.ring.init_request import InitRequest
+from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
 
 
@@ -94,9 +95,14 @@ class ControlClient:
     def health(self) -> Dict[str, Any]:
         return self._call("GET", "/health")
 
-    def status(self, timeout: Optional[float] = None, run_id: Optional[int] = None) -> Dict[str, Any]:
+    def status(self, timeout: Optional[float] = None, run_id: Optional[int] = None) -> StatusReply:
         """The worker's status; naming the current run also serves as the starter's heartbeat."""
-        return self._call("GET", "/status" if run_id is None else "/status?run=%d" % run_id, timeout)
+        body = self._call("GET", "/status" if run_id is None else "/status?run=%d" % run_id, timeout)
+        try:
+            return StatusReply.from_json(body)
+        except StatusError as e:
+            raise NodeError("node %s (%s): bad /status reply: %s" % (self.node.name, self.node.address, e),
+                            self.node.name) from None
 
     def init(self, request: InitRequest) -> Dict[str, Any]:
         return self._call("POST", "/init", self.init_timeout, json=request.to_json())

@@ -18,7 +18,7 @@ from mdi.model.source import ModelSource, build_chunk
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
-from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
+from mdi.starter.capacity import chunk_bytes_needed
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 from mdi.starter.session import RingSession, client_for
 from mdi.model.sampling import SamplingParams
@@ -172,7 +172,7 @@ class Engine:
         if i == 0:
             return True  # the starter: its memory is ours to spend
         try:
-            capacity = worker_capacity(client_for(self.cfg, node).status())
+            capacity = client_for(self.cfg, node).status().capacity_bytes()
         except NodeError:
             return False
         need = chunk_bytes_needed(self.source.config, layers, self.n_slots, self.max_len, self.dtype)

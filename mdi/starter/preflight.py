@@ -5,7 +5,7 @@ from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
-from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
+from mdi.starter.capacity import chunk_bytes_needed
 from mdi.starter.session import client_for
 from mdi.system.memory import available_memory_bytes
 
@@ -47,8 +47,8 @@ def _report(cfg: RunConfig, node: Optional[NodeSpec], where: str, need: Optional
         except NodeError as e:
             print("%s  UNREACHABLE: %s" % (where, e))
             return False
-        free = worker_capacity(status)
-        info = "v%s %s %s" % (health.get("version"), status.get("device"), status.get("state"))
+        free = status.capacity_bytes()
+        info = "v%s %s %s" % (health.get("version"), status.device, status.state)
     fits = need is None or free is None or need <= free
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))

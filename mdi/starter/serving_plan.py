@@ -13,7 +13,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
-from mdi.starter.capacity import chunk_bytes_needed, worker_capacity
+from mdi.starter.capacity import chunk_bytes_needed
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Sample
@@ -70,7 +70,7 @@ def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], range
     config = source.config
     dtype = torch_dtype(cfg.model.dtype)
     for i, (node, layers) in enumerate(zip(nodes, ranges)):
-        capacity = available_memory_bytes() if i == 0 else worker_capacity(client_for(cfg, node).status())
+        capacity = available_memory_bytes() if i == 0 else client_for(cfg, node).status().capacity_bytes()
         if capacity is None:
             continue
         weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0)
@@ -91,11 +91,11 @@ def reported_slots(cfg: RunConfig, engine: Engine, max_len: int) -> List[int]:
     """The KV slots each worker says it allocated (what bounds the samples in flight)."""
     slots = []
     for node in engine.nodes[1:]:
-        cache = client_for(cfg, node).status().get("cache", {})
-        if cache.get("max_len", max_len) < max_len:
-            raise NodeError("node %s allocated %s positions per slot, not %d"
-                            % (node.name, cache.get("max_len"), max_len), node.name)
-        slots.append(int(cache.get("slots", 0)))
+        cache = client_for(cfg, node).status().cache
+        if cache.max_len < max_len:
+            raise NodeError("node %s allocated %d positions per slot, not %d" % (node.name, cache.max_len, max_len),
+                            node.name)
+        slots.append(cache.slots)
     if slots and min(slots) < 1:
         raise NodeError("a worker reports no KV cache slot")
     return slots

@@ -154,10 +154,11 @@ class RingSession:
             return e
         if not self._watching.is_set():
             return None
-        if status.get("error"):
-            return NodeError("%s: compute failed: %s" % (where, status["error"]), client.node.name)
-        if status.get("run_id") != self.run_id:
-            return NodeError("%s: is no longer serving this run (restarted?)" % where, client.node.name)
+        if status.error:
+            return NodeError("%s: compute failed: %s" % (where, status.error), client.node.name)
+        if status.run_id != self.run_id or status.state != "running":
+            return NodeError("%s: is no longer serving this run (restarted, or its heartbeat timeout passed?)"
+                             % where, client.node.name)
         return None
 
     def check(self) -> None:
@@ -179,13 +180,11 @@ class RingSession:
         stats = []
         for client, reply in zip(self.clients, self.init_replies):
             status = client.status()
-            counters = status.get("counters", {})
-            entry = {"peak_memory_bytes": status["memory"]["peak_rss_bytes"],
-                     "cache_bytes": reply.get("cache_bytes", 0)}
-            for key in ("bytes_sent", "messages_sent", "bytes_sent_by_kind", "messages_sent_by_kind"):
-                entry[key] = counters.get(key, 0 if key.endswith("sent") else {})
-            entry["compute_seconds"] = counters.get("compute_seconds", 0.0)
-            stats.append(entry)
+            c = status.counters
+            stats.append({"peak_memory_bytes": status.memory.peak_rss_bytes, "cache_bytes": reply.get("cache_bytes", 0),
+                          "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
+                          "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind,
+                          "compute_seconds": c.compute_seconds, "threads": status.threads})
         ep.close()
         return stats
 

@@ -64,7 +64,7 @@ def create_app(worker: Worker) -> Flask:
         run = worker.run
         if run is not None and request.args.get("run") == str(run.id):
             worker.touch()
-        return jsonify(worker.status())
+        return jsonify(worker.status().to_json())
 
     @app.route("/init", methods=["POST"])
     def init():

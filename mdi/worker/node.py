@@ -23,6 +23,7 @@ from mdi.model.source import build_chunk
 from mdi.model.transformer import KVCache, ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, RequestError, Weights
+from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, decode
 from mdi.system.devices import resolve_compute_dtype
@@ -297,33 +298,29 @@ class Worker:
         self.runs_served += 1
 
     # --- reporting -------------------------------------------------------------------
-    def status(self) -> Dict[str, Any]:
+    def status(self) -> StatusReply:
         # No lock: /status must answer while /init holds it to load weights for minutes.
         run, chunk, loaded = self.run, self.chunk, self.loaded
         if self.loading or self.pending is not None:
             state = "loading"
-        elif run is not None:
-            state = "stopped" if run.stopped.is_set() else "running"
+        elif run is not None and not run.stopped.is_set():
+            state = "running"
         else:
-            state = "idle"
+            state = "idle"  # the counters, if any, are the last run's
         cache = chunk.cache if chunk is not None else None
-        out = {
-            "state": state, "version": __version__, "port": self.port,
-            "layers": list(loaded.layers) if loaded else None,
-            "device": loaded.device if loaded else (self.device_override or "cpu"),
-            "run_id": run.id if run else None, "runs_served": self.runs_served,
-            # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.tegra).
-            "memory": {"rss_bytes": rss_bytes(), "peak_rss_bytes": unified_memory_bytes(peak=True),
-                       "available_bytes": available_memory_bytes(), "max_memory_bytes": self.max_memory,
-                       "chunk_bytes": chunk_nbytes(chunk)},
-            "cache": {"slots": cache.n_slots if cache else 0, "max_len": cache.max_len if cache else 0,
-                      "bytes": cache.nbytes if cache else 0},
-            "counters": {}, "error": run.error if run else None,
-        }
+        reply = StatusReply(
+            state=state, version=__version__, port=self.port,
+            layers=list(loaded.layers) if loaded else None,
+            device=loaded.device if loaded else (self.device_override or "cpu"),
+            run_id=run.id if run else None, runs_served=self.runs_served, threads=torch.get_num_threads(),
+            # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
+            memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=available_memory_bytes(),
+                              max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk)),
+            cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
+            error=run.error if run else None)
         if run is not None:
             ep = run.endpoint
-            out["counters"] = dict(ep.traffic(), frames_received=ep.frames_received,
-                                   frames_done=run.frames_done, compute_seconds=round(run.compute_seconds, 6),
-                                   bad_frames=ep.bad_frames,
-                                   last_bad_frame=ep.last_error)
-        return out
+            reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
+                                          compute_seconds=round(run.compute_seconds, 6), bad_frames=ep.bad_frames,
+                                          last_bad_frame=ep.last_error, **ep.traffic())
+        return reply

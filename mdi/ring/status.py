@@ -1,0 +1,126 @@
+"""The worker's GET /status reply (contract): built by the worker, parsed once by the starter.
+
+The starter reads it for its heartbeat (is the node still serving this run, did its compute
+fail), for memory planning (what the node can hold), for the metrics (traffic and compute
+counters) and for `--check`. Parsing checks every field's type, so a wrong or hostile reply
+is one clear error naming the field, never a KeyError deep in the starter.
+"""
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints  # 3.8+
+
+STATES = ("idle", "loading", "running")
+
+
+class StatusError(ValueError):
+    """A /status reply that does not have the expected shape; the message names the field."""
+
+
+@dataclass
+class NodeMemory:
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0  # with CUDA allocations: on a Jetson they live in the same RAM
+    available_bytes: Optional[int] = None  # MemAvailable; None where it cannot be read
+    max_memory_bytes: Optional[int] = None  # the worker's --max-memory
+    chunk_bytes: int = 0  # the weights it holds now
+
+
+@dataclass
+class NodeCache:
+    slots: int = 0
+    max_len: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class NodeCounters:
+    """Data-plane and compute counters of the worker's current (or, when idle, last) run."""
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    bytes_sent_by_kind: Dict[str, int] = field(default_factory=dict)
+    messages_sent_by_kind: Dict[str, int] = field(default_factory=dict)
+    frames_received: int = 0
+    frames_done: int = 0
+    compute_seconds: float = 0.0  # time in its own layers: its busy time
+    bad_frames: int = 0
+    last_bad_frame: Optional[str] = None
+
+
+@dataclass
+class StatusReply:
+    state: str  # idle | loading | running
+    version: str
+    port: int
+    device: str
+    layers: Optional[List[int]] = None  # half-open range of the weights it holds
+    run_id: Optional[int] = None  # the current run, or the last one when idle
+    runs_served: int = 0
+    threads: Optional[int] = None  # torch threads it computes with
+    memory: NodeMemory = field(default_factory=NodeMemory)
+    cache: NodeCache = field(default_factory=NodeCache)
+    counters: NodeCounters = field(default_factory=NodeCounters)
+    error: Optional[str] = None  # why its run's compute failed
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "StatusReply":
+        return _parse(cls, data, "status")
+
+    def capacity_bytes(self) -> Optional[int]:
+        """Bytes the worker can give to a chunk: its --max-memory if set, else the memory the OS
+        has available plus what its current weights and cache hold (freed on /init)."""
+        if self.memory.max_memory_bytes:
+            return self.memory.max_memory_bytes
+        if self.memory.available_bytes is None:
+            return None
+        return self.memory.available_bytes + self.memory.chunk_bytes + self.cache.bytes
+
+
+_NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters}
+
+
+def _parse(cls: Any, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise StatusError("%s: expected an object, got %s" % (where, type(data).__name__))
+    hints = get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue  # an older worker may not send every field: the default stands
+        key = "%s.%s" % (where, f.name)
+        if f.name in _NESTED:
+            values[f.name] = _parse(_NESTED[f.name], data[f.name], key)
+        else:
+            values[f.name] = _check(key, hints[f.name], data[f.name])
+    if cls is StatusReply:
+        for required in ("state", "version", "port", "device"):
+            if required not in values:
+                raise StatusError("%s.%s: missing" % (where, required))
+        if values["state"] not in STATES:
+            raise StatusError("%s.state: expected one of %s, got %r" % (where, ", ".join(STATES), values["state"]))
+    return cls(**values)
+
+
+def _check(key: str, kind: Any, value: Any) -> Any:
+    """`value` against a field's type: int, float, str, List[X], Dict[K, V], Optional[...]."""
+    if get_origin(kind) is Union:  # Optional[X]
+        if value is None:
+            return None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    origin, args = get_origin(kind), get_args(kind)
+    if origin is list:
+        ok = isinstance(value, list) and all(_is(args[0], v) for v in value)
+    elif origin is dict:
+        ok = isinstance(value, dict) and all(_is(args[0], k) and _is(args[1], v) for k, v in value.items())
+    else:
+        ok = _is(kind, value)
+    if not ok:
+        raise StatusError("%s: unexpected value %r" % (key, value))
+    return value
+
+
+def _is(kind: type, value: Any) -> bool:
+    if isinstance(value, bool):  # JSON true is not a number
+        return kind is bool
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
