@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Memory and power probe for Jetson boards: runs `tegrastats` and prints one JSON object per
-line (RAM/SWAP in MB, per-rail power in mW, GPU load, temperatures), parsed by mdi.tegra.
+line (RAM/SWAP in MB, per-rail power in mW, GPU load, temperatures), parsed by mdi.system.tegra.
 
 NVML does not work on Jetson, so this is where power and GPU figures come from. tegrastats'
 RAM figure is system-wide and already includes GPU allocations (unified memory).
@@ -18,7 +18,7 @@ import time
 
 try:
     from mdi.system import tegra
-except ImportError:  # run from a checkout without mdi installed: mdi.tegra needs only the stdlib
+except ImportError:  # run from a checkout without mdi installed: mdi.system.tegra needs only the stdlib
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from mdi.system import tegra
 

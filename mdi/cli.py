@@ -227,23 +227,63 @@ def summary_line(result) -> str:
             % (result.n_tokens, result.elapsed, result.tokens_per_s, len(result.samples), len(result.nodes)))
 
 
+def _tcp_port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:  # the OS would take 80000 modulo 65536 and bind another port
+        raise argparse.ArgumentTypeError("expected a TCP port 1-65535, got %r" % text)
+    return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError("expected an integer >= 1, got %r" % text)
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("expected a number > 0, got %r" % text)
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mdi-worker",
         description="Serve one chunk of a model in an mdi ring. Starts blank; the starter sends "
                     "the layer range, neighbours and weights over HTTP. Serves run after run.")
-    p.add_argument("--port", type=int, default=8081, help="HTTP control port (default 8081); the "
+    p.add_argument("--port", type=_tcp_port, default=8081, help="HTTP control port (default 8081); the "
                    "data-plane port is chosen by the starter's config (default port + 1000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--device", help="cpu, cuda or cuda:N; overrides what the starter asks for")
-    p.add_argument("--threads", type=int, help="torch threads for this node")
-    p.add_argument("--max-memory", type=float, metavar="GB",
-                   help="refuse runs whose KV cache would exceed this many GB (default: available RAM)")
+    p.add_argument("--threads", type=_positive_int,
+                   help="torch threads for this node; wins over the run's runtime.threads (default: that, "
+                        "else torch's default)")
+    p.add_argument("--max-memory", type=_positive_float, metavar="GB",
+                   help="refuse runs whose KV cache, or pushed weights plus KV cache, would exceed this many "
+                        "GB (default: available RAM)")
+    p.add_argument("--models-dir", metavar="DIR",
+                   help="the only directory whose files a run's weights.path may name (symlinks resolved; "
+                        "relative paths are taken from the working directory); default: ./models")
     p.add_argument("--token-file", help="file holding the shared secret required on every request "
                    "(default: $MDI_TOKEN_FILE, else $MDI_TOKEN; never pass the secret itself on the command line)")
     p.add_argument("--insecure", action="store_true",
                    help="allow listening on a non-loopback address without a shared secret")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    p.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                   help="DEBUG, INFO, WARNING (default) or ERROR")
     return p
 
 
@@ -263,7 +303,9 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     if token is None and not args.insecure and not is_loopback(args.host):
         return _fail("refusing to listen on %s without a shared secret: set MDI_TOKEN or --token-file "
                      "(or pass --insecure on a trusted network)" % args.host, EXIT_CONFIG)
-    worker = Worker(args.host, args.port, args.device, max_memory, token)
+    if args.models_dir is not None and not os.path.isdir(args.models_dir):
+        return _fail("--models-dir %s is not a directory" % args.models_dir, EXIT_CONFIG)
+    worker = Worker(args.host, args.port, args.device, max_memory, token, args.models_dir, args.threads)
     try:
         server = make_server(args.host, args.port, create_app(worker), threaded=True)
     except OSError as e:

@@ -77,7 +77,7 @@ ADMISSION_POLICIES = ("iteration", "static")
 
 @dataclass
 class ServeSpec:
-    """`mdi-start --serve`: the HTTP API and the scheduler (see mdi/serve.py, mdi/scheduler.py)."""
+    """`mdi-start --serve`: the HTTP API and the scheduler (see mdi/serving/)."""
     host: str = "127.0.0.1"
     port: Optional[int] = None  # None: the starter node's `port`
     max_in_flight: Optional[int] = None  # samples in flight (KV slots); None: what fits, at most 16
@@ -112,25 +112,26 @@ class RunConfig:
         return given if given is not None else (2 if self.spares else 0)
 
 
-def _check_keys(where: str, data: Any, allowed: Dict[str, Any], required=()) -> Dict[str, Any]:
+def check_keys(where: str, data: Any, allowed: Dict[str, Any], required=(), error: type = ConfigError) -> Dict[str, Any]:
+    """A YAML mapping's keys and value types checked against `allowed` (key -> accepted types);
+    every error names `where` and the key. mdi-bench's experiment files use it too (`error`)."""
     if not isinstance(data, dict):
-        raise ConfigError("%s: expected a mapping, got %s" % (where, type(data).__name__))
+        raise error("%s: expected a mapping, got %s" % (where, type(data).__name__))
     unknown = sorted(set(data) - set(allowed))
     if unknown:
-        raise ConfigError("%s: unknown key %r (expected one of: %s)"
-                          % (where, unknown[0], ", ".join(sorted(allowed))))
+        raise error("%s: unknown key %r (expected one of: %s)" % (where, unknown[0], ", ".join(sorted(allowed))))
     for key in required:
         if key not in data or data[key] is None:
-            raise ConfigError("%s.%s: required key is missing" % (where, key))
+            raise error("%s.%s: required key is missing" % (where, key))
     out = {}
     for key, value in data.items():
         kinds = allowed[key]
         if value is None:
             continue
         if isinstance(value, bool) and bool not in kinds:
-            raise ConfigError("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
+            raise error("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
         if not isinstance(value, kinds):
-            raise ConfigError("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
+            raise error("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
         out[key] = value
     return out
 
@@ -144,11 +145,11 @@ NUM = (int, float)
 
 
 def parse_config(data: Any, source: str) -> RunConfig:
-    top = _check_keys(source, data if data is not None else {},
+    top = check_keys(source, data if data is not None else {},
                       {"model": (dict,), "nodes": (list,), "spares": (list,), "generation": (dict,),
                        "runtime": (dict,), "serve": (dict,)},
                       required=("model",))
-    m = _check_keys(source + ": model", top["model"],
+    m = check_keys(source + ": model", top["model"],
                     {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,)},
                     required=("path",))
     model = ModelSpec(**m)
@@ -168,17 +169,19 @@ def parse_config(data: Any, source: str) -> RunConfig:
                               % (source, i))
     _check_nodes(source, nodes, spares)
 
-    g = _check_keys(source + ": generation", top.get("generation") or {},
+    g = check_keys(source + ": generation", top.get("generation") or {},
                     {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
                      "top_p": NUM, "seed": (int,), "prompts": (list,)})
     gen = GenerationSpec(**g)
     _check_generation(source + ": generation", gen)
 
-    r = _check_keys(source + ": runtime", top.get("runtime") or {},
+    r = check_keys(source + ": runtime", top.get("runtime") or {},
                     {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
                      "recovery_attempts": (int,)})
     runtime = RuntimeSpec(**r)
+    if runtime.threads is not None and runtime.threads < 1:  # sent to every worker in /init
+        raise ConfigError("%s: runtime.threads: expected an integer >= 1" % source)
     if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
         raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -189,7 +192,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
 
 
 def _parse_serve(source: str, raw: Any) -> ServeSpec:
-    s = _check_keys(source + ": serve", raw,
+    s = check_keys(source + ": serve", raw,
                     {"host": (str,), "port": (int,), "max_in_flight": (int,), "max_len": (int,),
                      "max_queue": (int,), "model_name": (str,), "admission": (str,)})
     serve = ServeSpec(**s)
@@ -216,7 +219,7 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 
 
 def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
-    n = _check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
+    n = check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
                                  "data_port": (int,), "device": (str,), "weights": (str,)})
     n.setdefault("name", default_name)
     node = NodeSpec(**n)

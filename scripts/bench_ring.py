@@ -21,7 +21,7 @@
 
 The starter runs in this process (it joins its own cgroup); workers are `mdi-worker
 --threads 1` subprocesses started and stopped here. Decode rates exclude prefill: see
-benchlib.decode_timing / mdi.bench.report.steady_rate.
+benchlib.decode_timing / mdi.lab.report.steady_rate.
 
     python scripts/bench_ring.py                       # SmolLM2-135M, N = 2 and 3
     python scripts/bench_ring.py --model models/nanogpt-shakespeare --nodes 2 --tokens 64

@@ -8,7 +8,7 @@ N new tokens with EOS disabled on both sides (so both always generate exactly N 
 
 Decode-only rate: prefill is excluded by timing from the first generated token to the last,
 (N - 1) / (t_last - t_first). mdi timestamps each token in its pipeline (Sample.token_times,
-the mdi.pipeline API with a local loop, i.e. exactly what a one-node `starter.run` executes);
+the mdi.starter.pipeline API with a local loop, i.e. exactly what a one-node `batch.run` executes);
 transformers timestamps each token through a streamer passed to generate() (its put() is
 called once per new token, right after the token is chosen). The median gap between tokens is
 recorded as a noise-robust second figure.
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     report(args, s, info)
     record = {"benchmark": "standalone", "args": vars(args), "machine": info, "prompt_ids": prompt_ids,
               "method": {"decode_rate": "(N-1)/(t_last - t_first) per run, prefill excluded",
-                         "mdi": "mdi.pipeline.Pipeline + LocalLoop on the whole-model chunk (what a one-node "
+                         "mdi": "mdi.starter.pipeline.Pipeline + LocalLoop on the whole-model chunk (what a one-node "
                                 "starter.run executes), Sample.token_times",
                          "transformers": "LlamaForCausalLM(mdi weights).generate(greedy, eos off), "
                                          "per-token times from a streamer",

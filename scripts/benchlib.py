@@ -125,7 +125,7 @@ def ports_besides(workers: Sequence["WorkerProcess"], n: int = 1) -> List[int]:
 
 def run_config_dict(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int,
                     temperature: float = 0.0) -> Dict[str, Any]:
-    """A RunConfig as a YAML-like dict (for mdi.config.parse_config)."""
+    """A RunConfig as a YAML-like dict (for mdi.runconfig.parse_config)."""
     return {"model": {"path": model, "dtype": "float32", "device": "cpu"},
             "nodes": nodes,
             "generation": {"n_tokens": n_tokens, "temperature": temperature, "seed": 1},

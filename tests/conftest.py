@@ -57,13 +57,14 @@ class WorkerProcess(processes.WorkerProcess):
     """`mdi-worker --port PORT --threads 1 EXTRA...` on loopback for a test (mdi-bench's own
     wrapper): its output in $TMPDIR/mdi-worker-PORT.log (see output()), wait_ready() until
     /health answers, stop() with POST /shutdown, then SIGTERM/SIGKILL of its PID only.
-    `token` goes on the requests; the worker reads its own from `env`."""
+    `token` goes on the requests; the worker reads its own from `env`. threads=None: no --threads."""
 
     tail_lines = 40  # a test that fails to start a worker shows most of its output
 
-    def __init__(self, port: int, extra=(), env=None, token=None) -> None:
+    def __init__(self, port: int, extra=(), env=None, token=None, threads=1) -> None:
         log = os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-worker-%d.log" % port)
-        super().__init__(port, log, extra=extra, env=env, token=token, append=False, new_session=False)
+        super().__init__(port, log, threads=threads, extra=extra, env=env, token=token, append=False,
+                         new_session=False)
 
     def stop(self, grace: float = 5.0) -> None:
         super().stop(grace)

@@ -125,3 +125,15 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
     assert "UNREACHABLE" in lines["gone"] and str(dead) in lines["gone"]
     assert "problems found" in proc.stdout
     assert requests.get(workers[0].url + "/status", timeout=5).json()["state"] in ("idle", "stopped")
+
+
+def test_progress_line_on_a_terminal(capsys, monkeypatch):
+    # A batch run on a terminal shows tokens and tokens/s as it goes (one self-overwriting line).
+    from mdi.cli import Progress
+    progress = Progress(n_samples=2, n_tokens=5)
+    monkeypatch.setattr(Progress, "EVERY", 0.0)
+    for _ in range(3):
+        progress(None, 7)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "\rmdi: 3/10 tokens" in err and "tokens/s" in err and err.endswith("\r\033[K")

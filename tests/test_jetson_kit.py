@@ -1,5 +1,5 @@
 """The Jetson board kit (jetson/): shell scripts pass shellcheck, the systemd unit passes
-`systemd-analyze verify` and yields a valid mdi-worker command line, mdi.tegra parses tegrastats
+`systemd-analyze verify` and yields a valid mdi-worker command line, mdi.system.tegra parses tegrastats
 lines of TX2, Xavier, Nano and Orin boards, the probe replays a capture, and setup.sh refuses
 an unpinned torch. None of it needs a Jetson."""
 import glob
@@ -153,7 +153,7 @@ def test_unit_settings_and_command_line():
     assert worker_parser().parse_args(extra[1:]).max_memory == 6.0
 
 
-# --- mdi.tegra -------------------------------------------------------------------------------
+# --- mdi.system.tegra -------------------------------------------------------------------------------
 
 def test_parse_tx2():
     r = tegra.parse_tegrastats(TX2_IDLE)

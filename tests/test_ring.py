@@ -155,7 +155,7 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
                           max_len=32, data=DataPlane(bind, "127.0.0.1", nxt, True),
                           weights=Weights(path=tiny_models["gpt2"]), heartbeat_timeout=30.0)
     assert validate_init(json.loads(json.dumps(request.to_json()))) == request
-    worker = Worker("127.0.0.1", free_ports(1)[0])
+    worker = Worker("127.0.0.1", free_ports(1)[0], models_dir=os.path.dirname(tiny_models["gpt2"]))
     try:
         sent = copy.deepcopy(request)
         assert worker.init(request) == {"ok": True, "need_weights": False, "cache_bytes": worker.chunk.cache.nbytes}
@@ -166,10 +166,12 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
         chunk = worker.chunk
         again = copy.deepcopy(request)
         again.run_id = 5
+        worker.end_run()  # run 4 ends first: while it holds the worker, another run's /init is refused
         assert worker.init(again)["need_weights"] is False and worker.chunk is chunk  # weights reused
         assert worker.runs_served == 2 and worker.status().run_id == 5
         bad = copy.deepcopy(request)
         bad.weights = Weights(path=os.path.join(tiny_models["gpt2"], "missing"))
+        worker.end_run()
         with pytest.raises(RequestError, match="cannot load weights"):
             worker.init(bad)
         assert not worker.loading and worker.run is None and worker.status().state == "idle"

@@ -136,6 +136,9 @@ class Ring:
         for k in range(1, self.plan.n_nodes):
             # --insecure: no token on a private namespace network that this tool made
             extra = ["--insecure"] if not self.token and self.hosts[k] != "127.0.0.1" else []
+            if self.plan.local_weights and self.plan.model.weights == "local":
+                # The worker reads only under its --models-dir: the model's own folder's parent.
+                extra += ["--models-dir", os.path.dirname(os.path.abspath(self.plan.path))]
             self.workers.append(WorkerProcess(
                 self.ports[k], self._log_path("node%d" % k), self._name("node%d" % k), self.hosts[k], extra=extra,
                 env=self.env, token=self.token, wrap=lambda cmd, k=k: self.emu.command(cmd, self.keys[k], k)))

@@ -129,7 +129,7 @@ class WorkerProcess(NodeProcess):
     """
 
     def __init__(self, port: int, log_path: str, name: Optional[str] = None, host: Optional[str] = None,
-                 threads: int = 1, extra: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+                 threads: Optional[int] = 1, extra: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
                  token: Optional[str] = None, data_port: Optional[int] = None,
                  wrap: Optional[Callable[[List[str]], List[str]]] = None, **kw) -> None:
         self.port, self.data_port, self.host, self.token = port, data_port, host or LOOPBACK, token
@@ -137,7 +137,7 @@ class WorkerProcess(NodeProcess):
         self.headers = auth_headers(token)
         self._shutdown_sent = False
         cmd = [tool("mdi-worker"), "--port", str(port)] + (["--host", host] if host else [])
-        cmd += ["--threads", str(threads)] + list(extra)
+        cmd += (["--threads", str(threads)] if threads else []) + list(extra)  # None: no --threads
         super().__init__(name or "worker on port %d" % port, wrap(cmd) if wrap else cmd, log_path, env, **kw)
 
     def wait_ready(self, timeout: float = 90.0) -> "WorkerProcess":

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.layout import DTYPE_NAMES, balanced, partition_label
-from mdi.runconfig import read_yaml
+from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings
 
 from mdi.cli import EXIT_CONFIG, EXIT_RUN  # noqa: F401  (mdi-bench exits like mdi-start)
@@ -61,30 +61,8 @@ EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": NUM, "cpu_period_us": (in
                   "bandwidth_mbit": NUM, "latency_ms": NUM}
 RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": (int,), "n_kv_head": (int,),
                "intermediate_size": (int,), "block_size": (int,), "seed": (int,), "std": NUM}
-KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list", bool: "true/false",
-              dict: "a mapping"}
-
-
 def _fields(where: str, data: Any, allowed: Dict[str, Tuple[type, ...]], required: Sequence[str] = ()) -> Dict[str, Any]:
-    """Check a mapping's keys and value types; every error names `where` and the key."""
-    if not isinstance(data, dict):
-        raise ExperimentError("%s: expected a mapping, got %s" % (where, type(data).__name__))
-    for key in data:
-        if key not in allowed:
-            raise ExperimentError("%s: unknown key %r (expected one of: %s)" % (where, key, ", ".join(sorted(allowed))))
-    for key in required:
-        if data.get(key) is None:
-            raise ExperimentError("%s.%s: required key is missing" % (where, key))
-    out = {}
-    for key, value in data.items():
-        kinds = allowed[key]
-        if value is None:
-            continue
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            raise ExperimentError("%s.%s: expected %s, got %r"
-                                  % (where, key, " or ".join(KIND_NAMES[k] for k in kinds), value))
-        out[key] = value
-    return out
+    return check_keys(where, data, allowed, required, error=ExperimentError)
 
 
 SAMPLE_TERM = r"(\d*)(N?)"

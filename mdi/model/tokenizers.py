@@ -5,14 +5,13 @@ see `mdi.model.tokenizer_import` for reading a checkpoint's own tokenizer files)
 A prepared mdi model directory holds `tokenizer_mdi.json` (kind, bos/eos ids, add_bos, chat
 template) plus the kind's own file, so `load_tokenizer(dir)` needs nothing from the network.
 """
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
-from mdi.system.files import write_json
+from mdi.system.files import sha256_file, write_json
 
 META_FILE = "tokenizer_mdi.json"
 KINDS = ("char", "gpt2", "sentencepiece", "hf")
@@ -303,8 +302,7 @@ def _check_sha256(path: str, expected: str) -> str:
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise TokenizerError("GPT-2 vocabulary file %s is missing" % path)
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    digest = sha256_file(path)
     if digest != expected:
         raise TokenizerError("%s has SHA-256 %s, expected GPT-2's %s" % (path, digest, expected))
     return path

@@ -16,7 +16,22 @@ SAFETENSORS_SLACK = 1 << 20  # room for the safetensors header on top of the ten
 
 
 class RequestError(ValueError):
-    """A control-plane request that cannot be honoured; the message says why."""
+    """A control-plane request that cannot be honoured; the message says why. `status` is the
+    HTTP status the worker answers with."""
+    status = 400
+
+
+class NodeBusy(RequestError):
+    """Another run holds this worker (HTTP 409): the message names the holder."""
+    status = 409
+
+
+class TooLarge(RequestError):
+    """What was announced does not fit this worker (HTTP 413): the message names both sizes."""
+    status = 413
+
+
+MAX_THREADS = 1024
 
 
 @dataclass
@@ -66,13 +81,14 @@ class InitRequest:
     cache_budget_bytes: Optional[int] = None
     heartbeat_timeout: Optional[float] = None  # None: the worker's default
     compute_dtype: Optional[str] = None  # None: the worker picks from dtype and device
+    threads: Optional[int] = None  # torch threads (runtime.threads); the worker's own --threads wins
 
     def to_json(self) -> Dict[str, Any]:
         out = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
                "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
                "data": self.data.to_json(), "weights": self.weights.to_json()}  # type: Dict[str, Any]
         # Optional fields are left out rather than sent as null: the validator accepts both.
-        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype"):
+        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -105,7 +121,8 @@ def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
 def validate_init(body: Any) -> InitRequest:
     """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
     spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
-                                "data", "weights"), ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype"))
+                                "data", "weights"),
+                 ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads"))
     _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     try:
         if not isinstance(spec["model"], dict):
@@ -133,6 +150,8 @@ def validate_init(body: Any) -> InitRequest:
     hb = spec.get("heartbeat_timeout")
     if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float)) or not 0.5 <= hb <= 3600):
         raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
+    if spec.get("threads") is not None:
+        _int("threads", spec["threads"], 1, MAX_THREADS)
     data = _keys("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
     _int("data.bind_port", data["bind_port"], 1, 65535)
     _int("data.next_port", data["next_port"], 1, 65535)
@@ -156,4 +175,5 @@ def validate_init(body: Any) -> InitRequest:
         n_slots=spec["n_slots"], max_len=spec["max_len"],
         data=DataPlane(data["bind_port"], data["next_host"], data["next_port"], data["is_last"]),
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
-        heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"))
+        heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
+        threads=spec.get("threads"))

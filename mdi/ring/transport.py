@@ -25,7 +25,7 @@ import zmq
 from mdi.ring.auth import plain_authenticator
 from mdi.ring.wire import DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, FrameError, encode
 
-log = logging.getLogger("mdi.transport")
+log = logging.getLogger(__name__)
 
 POLL_MS = 50
 MAX_MESSAGE_BYTES = DEFAULT_MAX_PAYLOAD + MAX_HEADER_BYTES

@@ -4,6 +4,8 @@ Routes (JSON only; bodies up to 1 MiB; errors in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`):
   POST /v1/completions, POST /v1/chat/completions   (`stream: true` answers server-sent events)
   GET  /v1/models, GET /health, GET /metrics (Prometheus text format)
+  GET  /v1/mdi/state (the dashboard's JSON: the same snapshot as /metrics), GET / and /ui/<file>
+       (the dashboard page: `dashboard`; the only routes that need no token, they hold no data)
 With a shared secret (MDI_TOKEN / MDI_TOKEN_FILE / runtime.token_file) every route needs
 `Authorization: Bearer <secret>`, as on the workers' control plane.
 
@@ -29,7 +31,9 @@ from werkzeug.exceptions import HTTPException
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback, token_matches
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.serving.metrics import WorkerScraper, metrics_text
+from mdi.serving.dashboard import (PUBLIC_ENDPOINTS, STATE_PATH, asset_response, metrics_response, page_response,
+                                   state_response)
+from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
 from mdi.serving.scheduler import Request, Scheduler, SchedulerError
@@ -112,7 +116,7 @@ class Routes:
 
     def __init__(self, sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> None:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
-        self.scraper = WorkerScraper(sched.cfg.runtime.token)
+        self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
 
     def register(self, app: Flask) -> None:
         app.before_request(self.check_token)
@@ -122,11 +126,16 @@ class Routes:
         app.add_url_rule("/health", "health", self.health, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self.models, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self.metrics, methods=["GET"])
+        app.add_url_rule(STATE_PATH, "state", self.state, methods=["GET"])
+        app.add_url_rule("/", "dashboard", self.dashboard, methods=["GET"])
+        app.add_url_rule("/ui/<name>", "asset", self.asset, methods=["GET"])
         app.add_url_rule("/v1/completions", "completions", self.completions, methods=["POST"])
         app.add_url_rule("/v1/chat/completions", "chat_completions", self.chat_completions, methods=["POST"])
 
     # --- guards and errors -------------------------------------------------------------
     def check_token(self) -> Optional[Response]:
+        if request.endpoint in PUBLIC_ENDPOINTS:
+            return None
         if not token_matches(self.token, request.headers.get("Authorization")):
             return _json(ApiError(401, "missing or wrong bearer token", code="invalid_api_key").body(), 401)
         return None
@@ -157,7 +166,16 @@ class Routes:
              "max_model_len": self.sched.max_len}]})
 
     def metrics(self) -> Response:
-        return Response(metrics_text(self.sched, self.scraper), mimetype="text/plain; version=0.0.4; charset=utf-8")
+        return metrics_response(self.observer)
+
+    def state(self) -> Response:
+        return state_response(self.observer)
+
+    def dashboard(self) -> Response:
+        return page_response()
+
+    def asset(self, name: str) -> Response:
+        return asset_response(name)
 
     def completions(self) -> Response:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)

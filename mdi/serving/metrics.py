@@ -1,20 +1,37 @@
-"""GET /metrics: the scheduler's counters (`Stats`), each worker's counters scraped from its
-/status (`WorkerScraper`), and both in Prometheus' text format (`metrics_text`)."""
+"""What the starter knows about the ring, as one snapshot: GET /metrics renders it in
+Prometheus' text format (`metrics_text`), GET /v1/mdi/state returns it as JSON (the dashboard
+polls it), so both always show the same numbers.
+
+- `Stats`: the scheduler's counters (tokens, requests, the starter's own frames and compute),
+  written by the scheduler thread (or a batch run's token callback), read by HTTP threads.
+- `NodeScraper`: each worker's typed /status (`mdi.ring.status.StatusReply`), scraped in
+  parallel and cached for `SCRAPE_TTL` seconds however many clients poll.
+- `Observer.snapshot()`: the whole picture: gauges, counters, every node (in the ring, replaced
+  after a failure, spare) with its rates over the last `NODE_WINDOW` seconds, the recoveries
+  and the last error. It reads a *view*: the serving `Scheduler`, or a batch run's
+  `mdi.serving.dashboard.BatchMonitor`, which have the same attributes (see `Observer`).
+"""
 import collections
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401
 
+from mdi.model.layout import dtype_name
+from mdi.ring.status import StatusReply  # noqa: F401  (type comment)
 from mdi.runconfig import NodeSpec
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
+from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
 
 if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
     from mdi.serving.scheduler import Scheduler  # noqa: F401
 
-RATE_WINDOW = 10.0  # seconds of history behind tokens/s
+RATE_WINDOW = 10.0  # seconds of history behind tokens/s and the recent time to first token
 RECENT = 256  # step times and token intervals averaged in /metrics
 SCRAPE_TIMEOUT = 1.0  # seconds a worker has to answer /status during a scrape
+SCRAPE_TTL = 0.5  # seconds a scrape is reused: many viewers cost the workers one /status each
+NODE_WINDOW = 5.0  # seconds behind each node's busy share, frames/s and step time
+SNAPSHOT_VERSION = 1
 
 
 class Stats:
@@ -31,6 +48,7 @@ class Stats:
         self.starter_frames = 0
         self.starter_seconds = 0.0
         self.intervals = collections.deque(maxlen=RECENT)  # type: Deque[float]
+        self.first_tokens = collections.deque(maxlen=RECENT)  # type: Deque[Tuple[float, float]]  # (when, ttft)
         self.latency_sum = 0.0
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -46,6 +64,12 @@ class Stats:
     def _trim(self, now: float) -> None:
         while self.token_times and self.token_times[0] < now - RATE_WINDOW:
             self.token_times.popleft()
+
+    def first_token(self, now: float, ttft: float) -> None:
+        """A request's first token came out `ttft` seconds after it arrived (the live chart;
+        the TTFT summary counts it when the request finishes)."""
+        with self.lock:
+            self.first_tokens.append((now, ttft))
 
     def starter_step(self, seconds: float, frames: int) -> None:
         with self.lock:
@@ -72,6 +96,7 @@ class Stats:
         with self.lock:
             self._trim(now)
             span = min(RATE_WINDOW, max(now - self.started, 1e-6))
+            recent_ttft = [t for at, t in self.first_tokens if at >= now - RATE_WINDOW]
             return {
                 "tokens_per_second": len(self.token_times) / span,
                 "tokens_total": self.tokens_total, "prompt_tokens_total": self.prompt_tokens_total,
@@ -79,8 +104,10 @@ class Stats:
                 "starter_step_seconds": _mean(self.starter_steps),
                 "starter_frames": self.starter_frames, "starter_seconds": self.starter_seconds,
                 "token_interval_seconds": _mean(self.intervals),
+                "ttft_recent_seconds": _mean(recent_ttft),
                 "latency_sum": self.latency_sum, "latency_count": sum(self.requests.values()),
                 "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,
+                "uptime_seconds": now - self.started,
             }
 
 
@@ -88,55 +115,248 @@ def _mean(values: Sequence[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-class WorkerScraper:
-    """Each node's frames and compute seconds: the starter's from `Stats`, the workers' from
-    their /status (when they report `compute_seconds`). Keeps the previous scrape of every
-    worker to turn its running totals into a recent step time."""
+class NodeScraper:
+    """Workers' /status replies, fetched in parallel and kept `SCRAPE_TTL` seconds."""
 
-    def __init__(self, token: Optional[str]) -> None:
-        self.token = token
-        self._lock = threading.Lock()  # HTTP threads may scrape at once
-        self._last = {}  # type: Dict[str, Tuple[int, float, Optional[float]]]  # node -> frames, seconds, step
+    def __init__(self, token: Optional[str], timeout: float = SCRAPE_TIMEOUT) -> None:
+        self.token, self.timeout = token, timeout
+        self._lock = threading.Lock()
+        self._cache = {}  # type: Dict[str, Tuple[float, Optional[StatusReply], Optional[str]]]
 
-    def node_counters(self, nodes: List[NodeSpec], snap: Dict[str, Any],
-                      timeout: float = SCRAPE_TIMEOUT) -> List[Dict[str, Any]]:
-        out = []
-        if nodes:
-            out.append({"node": nodes[0].name, "frames": snap["starter_frames"],
-                        "compute_seconds": snap["starter_seconds"],
-                        "step_seconds": snap["starter_step_seconds"]})
-        for node in nodes[1:]:
-            entry = {"node": node.name}  # type: Dict[str, Any]
-            client = ControlClient(node, timeout, timeout, self.token)
-            try:
-                counters = client.status(timeout=timeout).counters
-            except NodeError:
-                entry["up"] = 0
-                out.append(entry)
-                continue
-            finally:
-                client.session.close()
-            entry["up"] = 1
-            entry["frames"] = counters.frames_done
-            entry["compute_seconds"] = counters.compute_seconds
-            entry["step_seconds"] = self._step_since_last_scrape(node.name, entry)
-            out.append(entry)
+    def scrape(self, nodes: Sequence[NodeSpec]) -> Dict[str, Tuple[Optional[StatusReply], Optional[str]]]:
+        """address -> (its /status, or None and why it did not answer)."""
+        now = time.monotonic()
+        out = {}  # type: Dict[str, Tuple[Optional[StatusReply], Optional[str]]]
+        todo = []  # type: List[NodeSpec]
+        with self._lock:
+            for node in nodes:
+                hit = self._cache.get(node.address)
+                if hit is not None and now - hit[0] < SCRAPE_TTL:
+                    out[node.address] = hit[1:]
+                elif node.address not in (n.address for n in todo):
+                    todo.append(node)
+        if todo:
+            results = {}  # type: Dict[str, Tuple[Optional[StatusReply], Optional[str]]]
+            threads = [threading.Thread(target=self._one, args=(node, results), daemon=True) for node in todo]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(self.timeout * 3)
+            now = time.monotonic()
+            with self._lock:
+                for node in todo:
+                    result = results.get(node.address, (None, "no answer within %.1f s" % self.timeout))
+                    self._cache[node.address] = (now,) + result
+                    out[node.address] = result
         return out
 
-    def _step_since_last_scrape(self, name: str, entry: Dict[str, Any]) -> Optional[float]:
-        """Mean compute seconds per frame since the previous scrape (the previous figure when
-        no frame was done since; the whole run's mean on the first scrape or a new run)."""
-        frames, seconds = entry["frames"], entry["compute_seconds"]
+    def _one(self, node: NodeSpec, results: Dict[str, Tuple[Optional[StatusReply], Optional[str]]]) -> None:
+        client = ControlClient(node, self.timeout, self.timeout, self.token)
+        try:
+            results[node.address] = (client.status(timeout=self.timeout), None)
+        except NodeError as e:
+            results[node.address] = (None, str(e))
+        finally:
+            client.session.close()
+
+
+class _Rates:
+    """A node's busy share, frames/s and compute seconds per frame over the last NODE_WINDOW
+    seconds, from its running totals (frames done, compute seconds)."""
+
+    def __init__(self) -> None:
+        self.points = collections.deque()  # type: Deque[Tuple[float, int, float]]
+        self.step = None  # type: Optional[float]
+        self.busy = None  # type: Optional[float]
+        self.fps = None  # type: Optional[float]
+
+    def add(self, now: float, frames: int, seconds: float) -> None:
+        if self.points and (frames < self.points[-1][1] or seconds < self.points[-1][2]):
+            self.points.clear()  # a new run: its counters started again from zero
+        if self.points and now - self.points[-1][0] < 0.05:
+            return  # the same (cached) reading
+        self.points.append((now, frames, seconds))
+        while len(self.points) > 2 and self.points[1][0] <= now - NODE_WINDOW:
+            self.points.popleft()
+        t0, f0, s0 = self.points[0]
+        if now - t0 > 0.2:
+            self.busy = min(1.0, max(0.0, (seconds - s0) / (now - t0)))
+            self.fps = (frames - f0) / (now - t0)
+            if frames > f0:
+                self.step = (seconds - s0) / (frames - f0)
+        if self.step is None and frames > 0:
+            self.step = seconds / frames  # the run's mean until a window has passed
+
+
+def _inclusive(layers: Optional[Sequence[int]]) -> Optional[List[int]]:
+    """[first, last) -> [first, last] (the metrics file's convention)."""
+    return [int(layers[0]), int(layers[1]) - 1] if layers else None
+
+
+class Observer:
+    """Builds snapshots of a view: the serving `Scheduler` or a batch `BatchMonitor`, which
+    both have `cfg`, `stats` (Stats), `state`, `serving`, `error`, `slots`, `max_len`,
+    `in_flight`, `queue_length`, `nodes` (the ring's NodeSpecs, starter first) and `engine`
+    (the open `mdi.starter.engine.Engine`, or None); a batch monitor also has `mode` and
+    `progress`. Keeps what one snapshot cannot see: nodes that left the ring, recoveries of
+    earlier engines, the last error."""
+
+    MAX_RECOVERIES = 100
+
+    def __init__(self, view: Any, model_id: str, token: Optional[str]) -> None:
+        self.view, self.model_id = view, model_id
+        self.scraper = NodeScraper(token)
+        self._lock = threading.Lock()
+        self._rates = {}  # type: Dict[Tuple[str, Any], _Rates]
+        self._seen = collections.OrderedDict()  # type: collections.OrderedDict  # name -> (NodeSpec, layers)
+        self._recoveries = []  # type: List[Dict[str, Any]]
+        self._engine_seen = None  # type: Any
+        self._engine_recoveries = 0
+        self._last_error = None  # type: Optional[Dict[str, Any]]
+
+    def _rate(self, key: Tuple[str, Any], now: float, frames: Optional[int], seconds: Optional[float]) -> _Rates:
         with self._lock:
-            last = self._last.get(name)
-            if last is not None and last[0] < frames and last[1] <= seconds:
-                step = (seconds - last[1]) / (frames - last[0])  # type: Optional[float]
-            elif last is not None and last[0] == frames:
-                step = last[2]
-            else:
-                step = seconds / frames if frames > 0 else None
-            self._last[name] = (frames, seconds, step)
-        return step
+            rates = self._rates.setdefault(key, _Rates())
+            if frames is not None and seconds is not None:
+                rates.add(now, frames, seconds)
+            return rates
+
+    def _note_error(self, message: Optional[str], where: str) -> None:
+        if message and (self._last_error is None or self._last_error["message"] != message):
+            self._last_error = {"message": message, "where": where, "time": time.time()}
+
+    def snapshot(self) -> Dict[str, Any]:
+        view = self.view
+        # Gauges first, then counters: a request is counted as finished before it leaves the
+        # ring, so a snapshot that shows it gone also counts it. Workers are polled last (slow).
+        in_flight, queued = view.in_flight, view.queue_length
+        stats = view.stats.snapshot()
+        engine = view.engine
+        cfg = view.cfg
+        ring = list(engine.nodes) if engine is not None else list(view.nodes or cfg.nodes)
+        ranges = list(engine.ranges) if engine is not None else []
+        spares = list(engine.spares) if engine is not None else list(cfg.spares)
+        self._track_recoveries(engine)
+        with self._lock:
+            for i, node in enumerate(ring):
+                self._seen[node.name] = (node, ranges[i] if i < len(ranges) else None)
+            gone = [(spec, layers) for name, (spec, layers) in self._seen.items()
+                    if name not in {n.name for n in ring}]
+        scraped = self.scraper.scrape(ring[1:] + [spec for spec, _ in gone] + spares)
+        now = time.monotonic()
+
+        nodes = []  # type: List[Dict[str, Any]]
+        if ring:
+            nodes.append(self._starter(ring[0], ranges[0] if ranges else None, engine, stats, now))
+        for i, node in enumerate(ring[1:], 1):
+            nodes.append(self._worker(node, "worker", i, ranges[i] if i < len(ranges) else None,
+                                      scraped.get(node.address), engine, now))
+        for spec, layers in gone:
+            nodes.append(self._worker(spec, "replaced", None, layers, scraped.get(spec.address), engine, now))
+        for spec in spares:
+            nodes.append(self._worker(spec, "spare", None, None, scraped.get(spec.address), engine, now))
+
+        self._note_error(view.error, "ring")
+        with self._lock:
+            recoveries = list(self._recoveries)
+            last_error = dict(self._last_error) if self._last_error else None
+        snap = {
+            "version": SNAPSHOT_VERSION, "mode": getattr(view, "mode", "serve"), "model": self.model_id,
+            "time": time.time(), "state": view.state, "serving": bool(view.serving), "error": view.error,
+            "last_error": last_error,
+            "slots": view.slots, "max_len": view.max_len, "in_flight": in_flight, "queue_length": queued,
+            "nodes": nodes, "recoveries": recoveries,
+        }
+        snap.update((k, v) for k, v in stats.items() if not k.startswith("starter_"))
+        progress = getattr(view, "progress", None)
+        if progress is not None:
+            snap["progress"] = progress
+        return snap
+
+    def _track_recoveries(self, engine: Any) -> None:
+        if engine is None:
+            return
+        with self._lock:
+            if engine is not self._engine_seen:
+                self._engine_seen, self._engine_recoveries = engine, 0
+            new = list(engine.recoveries[self._engine_recoveries:])
+            self._engine_recoveries += len(new)
+            for rec in new:
+                self._recoveries.append(dict(rec))
+                self._note_error(rec.get("cause"), "recovery")
+            del self._recoveries[:-self.MAX_RECOVERIES]
+
+    def _dtypes(self, engine: Any) -> Tuple[str, Optional[str]]:
+        cfg = self.view.cfg
+        dtype = dtype_name(engine.dtype) if engine is not None else cfg.model.dtype
+        return dtype, cfg.model.compute_dtype
+
+    def _starter(self, node: NodeSpec, layers: Optional[Sequence[int]], engine: Any,
+                 stats: Dict[str, Any], now: float) -> Dict[str, Any]:
+        dtype, compute = self._dtypes(engine)
+        frames, seconds = stats["starter_frames"], stats["starter_seconds"]
+        rates = self._rate((node.name, "starter"), now, frames, seconds)
+        used = unified_memory_bytes()
+        avail = available_memory_bytes()
+        board = board_memory()
+        pipeline = engine.pipeline if engine is not None else None
+        chunk = engine.chunk if engine is not None else None
+        cache = chunk.cache if chunk is not None else None
+        transport = pipeline.transport if pipeline is not None else None
+        return {
+            "name": node.name, "host": node.host, "port": node.port, "role": "starter", "position": 0,
+            "state": "up", "reachable": True, "worker_state": None,
+            "device": engine.device if engine is not None else (node.device or self.view.cfg.model.device),
+            "dtype": dtype, "compute_dtype": compute, "layers": _inclusive(layers),
+            "frames": frames, "compute_seconds": seconds, "step_seconds": stats["starter_step_seconds"],
+            "busy_share": rates.busy, "frames_per_second": rates.fps,
+            "memory_used_bytes": used, "memory_limit_bytes": used + avail if avail is not None else None,
+            "board_memory_used_bytes": board["used_bytes"], "board_memory_total_bytes": board["total_bytes"],
+            "board_memory_source": board["source"],
+            "cache_bytes": cache.nbytes if cache is not None else 0,
+            "bytes_sent": getattr(transport, "bytes_sent", 0), "messages_sent": getattr(transport, "messages_sent", 0),
+            "error": None,
+        }
+
+    def _worker(self, node: NodeSpec, role: str, position: Optional[int], layers: Optional[Sequence[int]],
+                scraped: Optional[Tuple[Optional[StatusReply], Optional[str]]], engine: Any,
+                now: float) -> Dict[str, Any]:
+        status, problem = scraped if scraped is not None else (None, "not scraped")
+        dtype, compute = self._dtypes(engine)
+        state = {"worker": "up", "replaced": "replaced", "spare": "spare"}[role]
+        if role == "worker" and status is None:
+            state = "down"
+        entry = {
+            "name": node.name, "host": node.host, "port": node.port, "role": role, "position": position,
+            "state": state, "reachable": status is not None,
+            "worker_state": status.state if status is not None else None,
+            "device": status.device if status is not None else (node.device or self.view.cfg.model.device),
+            "dtype": dtype if role != "spare" else None, "compute_dtype": compute if role != "spare" else None,
+            "layers": _inclusive(layers), "error": problem if status is None else status.error,
+        }  # type: Dict[str, Any]
+        if status is None:
+            if role == "worker":
+                self._note_error(problem, node.name)
+            return entry
+        self._note_error(status.error, node.name)
+        mem, c = status.memory, status.counters
+        in_this_ring = role == "worker" and engine is not None and status.state == "running"
+        frames, seconds = (c.frames_done, c.compute_seconds) if in_this_ring else (None, None)
+        rates = self._rate((node.name, status.run_id), now, frames, seconds)
+        used = getattr(mem, "unified_bytes", None) or mem.rss_bytes
+        limit = mem.max_memory_bytes or (used + mem.available_bytes if mem.available_bytes is not None else None)
+        entry.update({
+            "frames": c.frames_done, "compute_seconds": c.compute_seconds,
+            "step_seconds": rates.step if in_this_ring else None,
+            "busy_share": rates.busy if in_this_ring else None,
+            "frames_per_second": rates.fps if in_this_ring else None,
+            "memory_used_bytes": used, "memory_limit_bytes": limit,
+            "board_memory_used_bytes": getattr(mem, "board_used_bytes", None),
+            "board_memory_total_bytes": getattr(mem, "board_total_bytes", None),
+            "board_memory_source": getattr(mem, "board_source", None),
+            "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
+        })
+        return entry
 
 
 def _label(value: str) -> str:
@@ -156,44 +376,57 @@ class _Exposition:
         self.lines.append("# HELP %s %s" % (name, text))
         self.lines.append("# TYPE %s %s" % (name, kind))
         for labels, value in samples:
+            if isinstance(value, bool):
+                value = int(value)
             self.lines.append("%s%s %s" % (name, labels, repr(float(value)) if isinstance(value, float) else value))
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
 
-def metrics_text(sched: "Scheduler", scraper: WorkerScraper) -> str:
-    # Gauges first, then counters: a request is counted as finished before it leaves the
-    # ring, so a scrape that shows it gone also counts it. Workers are polled last (slow).
-    in_flight, queued = sched.in_flight, sched.queue_length
-    snap = sched.stats.snapshot()
-    nodes = scraper.node_counters(list(sched.nodes), snap)
+def metrics_text(snap: Dict[str, Any]) -> str:
+    """A snapshot (`Observer.snapshot`) in Prometheus' text format."""
+    ring = [n for n in snap["nodes"] if n["role"] in ("starter", "worker")]
 
-    def per_node(key: str) -> List[Tuple[str, Any]]:
-        return [('{node="%s"}' % _label(n["node"]), n.get(key)) for n in nodes]
+    def per_node(key: str, nodes: Optional[List[Dict[str, Any]]] = None) -> List[Tuple[str, Any]]:
+        return [('{node="%s"}' % _label(n["name"]), n.get(key)) for n in (ring if nodes is None else nodes)]
 
     out = _Exposition()
-    out.add("mdi_up", "gauge", "1 while the ring is up and serving.", [("", 1 if sched.serving else 0)])
+    out.add("mdi_up", "gauge", "1 while the ring is up and serving.", [("", 1 if snap["serving"] else 0)])
     out.add("mdi_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
             [("", snap["tokens_per_second"])])
     out.add("mdi_generated_tokens_total", "counter", "Tokens generated.", [("", snap["tokens_total"])])
     out.add("mdi_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
             [("", snap["prompt_tokens_total"])])
-    out.add("mdi_samples_in_flight", "gauge", "Samples holding a KV cache slot on the ring.", [("", in_flight)])
-    out.add("mdi_slots", "gauge", "Samples in flight at most (KV cache slots per node).", [("", sched.slots)])
-    out.add("mdi_queue_length", "gauge", "Requests waiting for a slot.", [("", queued)])
+    out.add("mdi_samples_in_flight", "gauge", "Samples holding a KV cache slot on the ring.", [("", snap["in_flight"])])
+    out.add("mdi_slots", "gauge", "Samples in flight at most (KV cache slots per node).", [("", snap["slots"])])
+    out.add("mdi_queue_length", "gauge", "Requests waiting for a slot.", [("", snap["queue_length"])])
     out.add("mdi_requests_total", "counter", "Finished requests by finish reason.",
             [('{finish_reason="%s"}' % r, n) for r, n in sorted(snap["requests"].items())])
     out.add("mdi_request_duration_seconds", "summary", "Arrival to last token.",
             [("_sum", snap["latency_sum"]), ("_count", snap["latency_count"])])
     out.add("mdi_time_to_first_token_seconds", "summary", "Arrival to first token.",
             [("_sum", snap["ttft_sum"]), ("_count", snap["ttft_count"])])
+    out.add("mdi_time_to_first_token_recent_seconds", "gauge",
+            "Mean time to first token of the requests whose first token came in the last 10 s.",
+            [("", snap["ttft_recent_seconds"])])
     out.add("mdi_token_interval_seconds", "gauge", "Mean time between two tokens of one sample (recent).",
             [("", snap["token_interval_seconds"])])
+    out.add("mdi_recoveries_total", "counter", "Times the ring was re-planned after a node failure.",
+            [("", len(snap["recoveries"]))])
     out.add("mdi_node_step_seconds", "gauge", "Compute seconds per frame on each node (recent mean; workers "
             "that report compute_seconds).", per_node("step_seconds"))
+    out.add("mdi_node_busy_ratio", "gauge", "Share of the last 5 s each node spent computing.", per_node("busy_share"))
+    out.add("mdi_node_frames_per_second", "gauge", "Frames each node computed per second (last 5 s).",
+            per_node("frames_per_second"))
     out.add("mdi_node_frames_total", "counter", "Frames each node computed.", per_node("frames"))
     out.add("mdi_node_compute_seconds_total", "counter", "Seconds each node spent computing frames.",
             per_node("compute_seconds"))
-    out.add("mdi_node_up", "gauge", "1 when the worker answered /status.", per_node("up"))
+    out.add("mdi_node_sent_bytes_total", "counter", "Data-plane bytes each node sent.", per_node("bytes_sent"))
+    out.add("mdi_node_memory_used_bytes", "gauge", "Memory each node's process holds (RSS, plus CUDA "
+            "allocations where it reports them).", per_node("memory_used_bytes"))
+    out.add("mdi_node_memory_limit_bytes", "gauge", "Memory each node's process may grow to (--max-memory, "
+            "else what it holds plus MemAvailable).", per_node("memory_limit_bytes"))
+    out.add("mdi_node_up", "gauge", "1 when the node answered /status (workers, replaced nodes and spares).",
+            per_node("reachable", snap["nodes"]))
     return out.text()

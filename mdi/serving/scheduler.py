@@ -11,7 +11,7 @@ Every engine call happens on the scheduler's own thread. HTTP handler threads ta
 through `submit`/`cancel` (a queue into the scheduler) and each request's event queue (out of
 it): ("text", str) pieces, then ("done", finish_reason) or ("error", message).
 How the ring is sized and opened is `mdi.starter.serving_plan`; the text a token adds (stop
-strings) is `streaming`; what /metrics shows is `metrics`.
+strings) is `streaming`; what /metrics and the dashboard show is `metrics`.
 """
 import collections
 import logging
@@ -312,6 +312,7 @@ class Scheduler:
             return
         if req.first_token_at is None:
             req.first_token_at = now
+            self.stats.first_token(now, now - req.arrived_at)
         req.completion_tokens = len(sample.token_ids)
         update = req.text.push(token, sample.finish_reason)
         if update.text:

@@ -111,8 +111,9 @@ class ControlClient:
         return self._call("POST", "/weights", self.init_timeout, data=blob,
                           headers={"Content-Type": "application/octet-stream"})
 
-    def stop(self) -> Dict[str, Any]:
-        return self._call("PUT", "/stop")
+    def stop(self, run_id: Optional[int] = None) -> Dict[str, Any]:
+        """End the worker's run; with `run_id` only if that run holds it (never another starter's)."""
+        return self._call("PUT", "/stop" if run_id is None else "/stop?run=%d" % run_id)
 
     def shutdown(self) -> Dict[str, Any]:
         return self._call("POST", "/shutdown")

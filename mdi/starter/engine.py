@@ -23,7 +23,7 @@ from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 from mdi.starter.session import RingSession, client_for
 from mdi.model.sampling import SamplingParams
 
-log = logging.getLogger("mdi.starter")
+log = logging.getLogger(__name__)
 
 
 class Engine:

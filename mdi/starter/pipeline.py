@@ -17,7 +17,7 @@ from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, 
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame
 
-log = logging.getLogger("mdi.starter")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Sample
 from mdi.starter.session import client_for
 
-log = logging.getLogger("mdi.starter")
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT = 16  # when serve.max_in_flight is not set (and memory allows)
 DEFAULT_MAX_LEN = 2048  # positions per slot when serve.max_len is not set (capped by the context)

@@ -47,6 +47,7 @@ class RingSession:
             compute_dtype=self.cfg.model.compute_dtype,
             n_slots=self.n_slots, max_len=self.max_len,
             heartbeat_timeout=self.cfg.runtime.heartbeat_timeout,
+            threads=self.cfg.runtime.threads or None,  # runtime.threads reaches every worker
             data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
                            is_last=i == len(self.workers) - 1),
             weights=weights)
@@ -189,11 +190,12 @@ class RingSession:
         return stats
 
     def abort(self) -> None:
-        """Best effort: end the run on every worker and close our endpoint."""
+        """Best effort: end the run on every worker and close our endpoint. Only this run: a
+        worker that refused it (409, busy with another starter's run) keeps that run."""
         self._watching.clear()
         for client in self.clients:
             try:
-                client.stop()
+                client.stop(self.run_id)
             except NodeError:
                 pass
         if self.endpoint is not None:

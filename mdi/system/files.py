@@ -1,7 +1,17 @@
 """Writing files so that a crash never leaves half of one behind."""
+import hashlib
 import json
 import os
 from typing import Any
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (model files do not fit in memory twice)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def current_umask() -> int:

@@ -10,7 +10,7 @@ but it is not in the process's RSS: see `unified_memory_bytes`.
 import os
 import resource
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 
 def meminfo(path: str = "/proc/meminfo") -> Dict[str, int]:
@@ -96,3 +96,21 @@ def memory_report() -> Dict[str, Optional[int]]:
             "total_bytes": total, "available_bytes": avail,
             "used_bytes": total - avail if total is not None and avail is not None else None,
             "nvmap_used_bytes": info.get("NvMapMemUsed")}
+
+
+def board_memory() -> Dict[str, Any]:
+    """The board's RAM in use and in total, in bytes, and where the figures come from:
+    "tegrastats" on a Jetson where it runs (its RAM figure is the unified pool, CPU and GPU
+    together; the first call starts a background reader, see `tegra.shared_reader`), else
+    "meminfo" (MemTotal - MemAvailable, which on a Jetson also counts GPU allocations).
+    Values are None where neither can be read."""
+    from mdi.system import tegra
+    reader = tegra.shared_reader()
+    stats = reader.latest() if reader is not None else None
+    if stats is not None:
+        return {"used_bytes": stats["ram_used_mb"] << 20, "total_bytes": stats["ram_total_mb"] << 20,
+                "source": "tegrastats"}
+    info = meminfo()
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
+    return {"used_bytes": total - avail if total is not None and avail is not None else None,
+            "total_bytes": total, "source": "meminfo" if total is not None else None}

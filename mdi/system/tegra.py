@@ -7,7 +7,10 @@ rails and temperatures come from `tegrastats`, which prints one line per interva
 """
 import os
 import re
+import shutil
 import subprocess
+import threading
+import time
 from typing import Any, Dict, Iterator, List, Optional  # noqa: F401  (type comments)
 
 TEGRA_RELEASE = "/etc/nv_tegra_release"
@@ -147,3 +150,51 @@ def run_tegrastats(interval_ms: int = 1000, command: str = "tegrastats") -> Iter
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+class TegraStatsReader:
+    """The latest tegrastats line, kept by a daemon thread reading `tegrastats --interval MS`.
+
+    For figures asked for over and over (a worker's /status, the dashboard) without starting
+    tegrastats each time: `latest()` returns the newest parsed line, or None before the first
+    one, when it is older than `stale` seconds, or when tegrastats cannot run.
+    """
+
+    def __init__(self, interval_ms: int = 1000, command: str = "tegrastats", stale: float = 10.0) -> None:
+        self.interval_ms, self.command, self.stale = interval_ms, command, stale
+        self._latest = None  # type: Optional[Dict[str, Any]]
+        self._at = 0.0
+        self.failed = None  # type: Optional[str]  # why tegrastats is not running
+        self._thread = threading.Thread(target=self._read, name="mdi-tegrastats", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in run_tegrastats(self.interval_ms, self.command):
+                try:
+                    parsed = parse_tegrastats(line)
+                except ValueError:
+                    continue
+                self._latest, self._at = parsed, time.monotonic()
+            self.failed = "tegrastats exited"
+        except (OSError, subprocess.SubprocessError) as e:
+            self.failed = "cannot run %s: %s" % (self.command, e)
+
+    def latest(self) -> Optional[Dict[str, Any]]:
+        if self._latest is None or time.monotonic() - self._at > self.stale:
+            return None
+        return self._latest
+
+
+_reader_lock = threading.Lock()
+_reader = None  # type: Optional[TegraStatsReader]
+
+
+def shared_reader() -> Optional[TegraStatsReader]:
+    """One `TegraStatsReader` per process, started on the first call on a Jetson that has
+    tegrastats on its PATH; None elsewhere (no process is started off a Jetson)."""
+    global _reader
+    with _reader_lock:
+        if _reader is None and is_jetson() and shutil.which("tegrastats"):
+            _reader = TegraStatsReader()
+        return _reader

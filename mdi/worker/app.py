@@ -1,7 +1,7 @@
 """mdi-worker's control plane (Flask, JSON only) over one `Worker`:
 
     GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
-    pushes them), PUT /stop, POST /shutdown.
+    pushes them), PUT /stop (?run=ID: only that run), POST /shutdown.
 
 Every request needs the shared token when one is set; a bad request is answered 400 with its
 reason, any other failure in JSON too (never an HTML error page).
@@ -43,7 +43,7 @@ def create_app(worker: Worker) -> Flask:
 
     @app.errorhandler(RequestError)
     def bad_request(e):
-        return jsonify({"ok": False, "error": str(e)}), 400
+        return jsonify({"ok": False, "error": str(e)}), e.status  # 400; 409 busy; 413 too large
 
     @app.errorhandler(Exception)
     def failed(e):
@@ -68,7 +68,8 @@ def create_app(worker: Worker) -> Flask:
 
     @app.route("/init", methods=["POST"])
     def init():
-        return jsonify(worker.init(validate_init(body_json())))
+        # The peer address names this run's starter when another run is refused (409).
+        return jsonify(worker.init(validate_init(body_json()), request.remote_addr or "?"))
 
     @app.route("/weights", methods=["POST"])
     def weights():
@@ -80,12 +81,18 @@ def create_app(worker: Worker) -> Flask:
         n = pending.request.weights.push.nbytes
         if request.content_length != n:
             raise RequestError("Content-Length %s does not match the %d bytes announced" % (request.content_length, n))
-        return jsonify(worker.receive_weights(request.get_data(cache=False)))
+        # Streamed to a temporary file while hashed: never buffered whole in memory.
+        return jsonify(worker.receive_weights(request.stream, n))
 
     @app.route("/stop", methods=["PUT"])
     def stop():
-        worker.end_run()
-        return jsonify({"ok": True})
+        # ?run=ID ends only that run: a starter aborting its own run never ends another's.
+        run = request.args.get("run")
+        try:
+            run_id = int(run) if run is not None else None
+        except ValueError:
+            raise RequestError("run must be a run id (an integer)")
+        return jsonify({"ok": True, "stopped": worker.stop_run(run_id)})
 
     @app.route("/shutdown", methods=["POST"])
     def shutdown():

@@ -7,22 +7,24 @@ run after run without restarting; weights already loaded for the same layers are
 """
 import hashlib
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
-from safetensors.torch import load as safetensors_load
 
 from mdi import __version__
-from mdi.model.store import load_weights
+from mdi.model.store import MODEL_FILE
 from mdi.model.config import ModelConfig
-from mdi.model.layout import expected_keys, torch_dtype
-from mdi.model.source import build_chunk
+from mdi.model.layout import CheckpointError, torch_dtype
+from mdi.model.source import build_chunk_from_file
 from mdi.model.transformer import KVCache, ModelChunk
 from mdi.ring.auth import ring_password
-from mdi.ring.init_request import InitRequest, RequestError, Weights
+from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, decode
@@ -32,6 +34,12 @@ from mdi.system.memory import available_memory_bytes, rss_bytes, unified_memory_
 log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT = 8.0  # seconds without any sign of the starter before a run ends
+PUSH_BLOCK = 1 << 20  # pushed weights go from the socket to disk in blocks of this size
+
+
+def models_dir_default() -> str:
+    """mdi-worker's --models-dir when none is given: models/ under its working directory."""
+    return os.path.join(os.getcwd(), "models")
 
 
 def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
@@ -58,27 +66,42 @@ class Setup:
     request: InitRequest
     compute_dtype: torch.dtype
     key: LoadedWeights
+    peer: str = "?"  # the starter's address as this worker saw it (named when another run is refused)
+    weights_file: Optional[str] = None  # weights.path resolved inside the models directory
 
 
 class Run:
     """One run's state on this worker: its id, data-plane endpoint and compute thread."""
 
-    def __init__(self, request: InitRequest, chunk: ModelChunk, endpoint: RingEndpoint) -> None:
+    def __init__(self, request: InitRequest, chunk: ModelChunk, endpoint: RingEndpoint, peer: str = "?",
+                 threads: Optional[int] = None) -> None:
         self.request = request
         self.id = request.run_id
         self.chunk = chunk
         self.endpoint = endpoint
+        self.peer = peer
+        self.threads = threads
         self.is_last = request.data.is_last
         hb = request.heartbeat_timeout
         self.heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT if hb is None else hb
         self.stopped = threading.Event()
+        # Set before the stop frame is passed on: from then on the run no longer holds the
+        # worker (its starter may send the next /init before this thread has finished).
+        self.ending = threading.Event()
         self.frames_done = 0
         self.compute_seconds = 0.0  # time spent in _forward: per-node step time for /metrics
         self.error = None  # type: Optional[str]
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
+    def holds_worker(self) -> bool:
+        """Whether this run still holds the worker: not stopped, no stop frame seen."""
+        return not (self.stopped.is_set() or self.ending.is_set())
+
     def _compute_loop(self) -> None:
         try:
+            if self.threads:
+                # torch reads its thread count per thread on first use: set it in this thread too.
+                torch.set_num_threads(self.threads)
             with torch.inference_mode():
                 while not self.stopped.is_set():
                     try:
@@ -86,6 +109,8 @@ class Run:
                     except RingTimeout:
                         continue
                     if frame.kind in ("stop", "reset"):
+                        if frame.kind == "stop":
+                            self.ending.set()
                         self.endpoint.send(frame)
                         if frame.kind == "stop":
                             self.endpoint.flush(timeout=5)
@@ -130,12 +155,17 @@ class Run:
 
 class Worker:
     def __init__(self, host: str, port: int, device: Optional[str] = None,
-                 max_memory: Optional[int] = None, token: Optional[str] = None) -> None:
+                 max_memory: Optional[int] = None, token: Optional[str] = None,
+                 models_dir: Optional[str] = None, threads: Optional[int] = None) -> None:
         self.host, self.port = host, port
         self.token = token
         self.last_contact = time.monotonic()
         self.device_override = device
         self.max_memory = max_memory
+        # weights.path in /init must resolve inside this directory (symlinks followed first).
+        self.models_dir = os.path.realpath(models_dir or models_dir_default())
+        self.threads_override = threads  # --threads: wins over the run's runtime.threads
+        self.threads = threads  # what torch was last told; None: torch's default
         # Held by /init, /weights and ending a run; taken once per call (the helpers named
         # _locked expect it held). /status never takes it: it must answer during a long load.
         self.lock = threading.Lock()
@@ -153,9 +183,13 @@ class Worker:
 
     def _watch_starter(self) -> None:
         """End a run whose starter went silent (it died or lost the network): the caches are
-        freed and the worker waits for the next /init instead of serving a dead ring."""
+        freed and the worker waits for the next /init instead of serving a dead ring. An /init
+        whose weights never came is dropped the same way."""
         frames_seen = 0
         while not self.shutdown_requested.wait(0.5):
+            pending = self.pending
+            if pending is not None:
+                self._drop_if_silent(pending)
             run = self.run
             if run is None or run.stopped.is_set():
                 continue
@@ -167,6 +201,19 @@ class Worker:
                 log.warning("starter silent for %.1f s: ending run %d", silent, run.id)
                 self.end_run(run)
 
+    def _drop_if_silent(self, pending: Setup) -> None:
+        hb = pending.request.heartbeat_timeout
+        silent = time.monotonic() - self.last_contact
+        # A push in progress holds the lock (and touches the heartbeat): never dropped under it.
+        if silent > (DEFAULT_HEARTBEAT_TIMEOUT if hb is None else hb) and self.lock.acquire(blocking=False):
+            try:
+                if self.pending is pending:
+                    log.warning("starter %s silent for %.1f s: dropping run %d, whose weights never came",
+                                pending.peer, silent, pending.request.run_id)
+                    self.pending = None
+            finally:
+                self.lock.release()
+
     # --- run lifecycle ---------------------------------------------------------------
     def end_run(self, only: Optional[Run] = None) -> None:
         """End the current run (or only `only`, if it is still the current one)."""
@@ -175,21 +222,54 @@ class Worker:
                 return
             self._end_run_locked()
 
+    def stop_run(self, run_id: Optional[int] = None) -> bool:
+        """PUT /stop: end the current run (and any /init waiting for weights); with `run_id`,
+        only if that is the run, so a starter ending its own failed run never ends another's."""
+        with self.lock:
+            if run_id is not None:
+                current = [s.id for s in (self.run,) if s is not None]
+                current += [p.request.run_id for p in (self.pending,) if p is not None]
+                if run_id not in current:
+                    return False
+            self._end_run_locked()
+            return True
+
     def _end_run_locked(self) -> None:
         if self.run is not None:
             self.run.stop()
             self.run = None
         self.pending = None
 
-    def init(self, request: InitRequest) -> Dict[str, Any]:
+    def init(self, request: InitRequest, peer: str = "?") -> Dict[str, Any]:
         with self.lock:
+            self._check_holder_locked(request, peer)
             self.loading = True
             try:
-                return self._init_locked(request)
+                return self._init_locked(request, peer)
             finally:
                 self.loading = False
 
-    def _init_locked(self, request: InitRequest) -> Dict[str, Any]:
+    def _check_holder_locked(self, request: InitRequest, peer: str) -> None:
+        """Refuse (409) an /init of another run while a live run, or an /init waiting for its
+        weights, holds this worker; its starter's heartbeat lapsing releases it."""
+        run, pending = self.run, self.pending
+        if run is not None and run.holds_worker():
+            holder, by, timeout = run.id, run.peer, run.heartbeat_timeout
+        elif pending is not None:
+            hb = pending.request.heartbeat_timeout
+            holder, by, timeout = pending.request.run_id, pending.peer, DEFAULT_HEARTBEAT_TIMEOUT if hb is None else hb
+        else:
+            return
+        if holder == request.run_id:
+            return  # its own starter configuring it again
+        silent = time.monotonic() - self.last_contact
+        if silent <= timeout:
+            raise NodeBusy("busy with run %d of the starter at %s (heard from %.1f s ago); it is free once that "
+                           "run ends, or after %g s without a sign of its starter" % (holder, by, silent, timeout))
+        log.warning("run %d (from %s) takes over from run %d of %s, silent for %.1f s",
+                    request.run_id, peer, holder, by, silent)
+
+    def _init_locked(self, request: InitRequest, peer: str) -> Dict[str, Any]:
         self._end_run_locked()
         config = request.model
         first, last = request.layers
@@ -203,59 +283,127 @@ class Worker:
             log.warning(note)
         cache_bytes = KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute)
         self._check_budget(request, cache_bytes)
-        setup = Setup(request, compute, LoadedWeights(config, [first, last], request.dtype, device, request.weights))
+        setup = Setup(request, compute, LoadedWeights(config, [first, last], request.dtype, device, request.weights),
+                      peer)
+        if request.weights.path is not None:
+            setup.weights_file = self._weights_file(request.weights.path)
         if self.chunk is not None and self.loaded == setup.key:
             self._start_run_locked(setup)
             return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
+        if request.weights.push is not None:
+            # Refused here, before a byte of the push is read (the weights held now are freed first).
+            self._check_push_fits(request.weights.push.nbytes, cache_bytes)
         self.chunk, self.loaded = None, None  # free old weights before loading new ones
-        if request.weights.path is not None:
-            try:
-                weights = load_weights(request.weights.path, (first, last), False, False, dtype)
-            except (OSError, ValueError) as e:
-                raise RequestError("cannot load weights: %s" % e)
-            self._load_locked(setup, weights)
+        if setup.weights_file is not None:
+            if not os.path.isfile(setup.weights_file):
+                raise RequestError("cannot load weights: weights file %s does not exist" % setup.weights_file)
+            self._load_locked(setup, setup.weights_file, exact=False)
             return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
         self.pending = setup
+        self.touch()  # the heartbeat of an /init waiting for its weights starts now
         return {"ok": True, "need_weights": True, "cache_bytes": cache_bytes}
 
-    def receive_weights(self, data: bytes) -> Dict[str, Any]:
+    def _weights_file(self, path: str) -> str:
+        """weights.path as a file inside --models-dir (a model directory means its
+        model.safetensors). Relative paths are taken from the worker's working directory;
+        symlinks are resolved before the check, so none leads out. Anything outside gets one
+        answer that does not say whether it exists."""
+        base = self.models_dir
+
+        def inside(p: str) -> bool:
+            return os.path.commonpath([base, p]) == base
+
+        try:
+            real = os.path.realpath(os.path.abspath(path))
+            if inside(real) and os.path.isdir(real):
+                real = os.path.realpath(os.path.join(real, MODEL_FILE))
+            ok = inside(real)
+        except (OSError, ValueError):  # a NUL byte, a name too long
+            ok = False
+        if not ok:
+            raise RequestError("weights.path %r is not inside this worker's models directory %s "
+                               "(mdi-worker --models-dir)" % (path, base))
+        return real
+
+    def _memory_limit(self):
+        """(bytes, what): the most memory this worker gives a run: its --max-memory, else the
+        memory available plus the weights it holds now (freed before new ones load)."""
+        if self.max_memory is not None:
+            return self.max_memory, "--max-memory"
+        avail = available_memory_bytes()
+        if avail is None:
+            return None, "unknown"
+        return avail + chunk_nbytes(self.chunk), "available memory"
+
+    def _check_push_fits(self, nbytes: int, cache_bytes: int) -> None:
+        limit, what = self._memory_limit()
+        if limit is not None and nbytes + cache_bytes > limit:
+            raise TooLarge("weights of %d bytes announced for the push, plus a KV cache of %d bytes, exceed this "
+                           "worker's limit of %d bytes (%s)" % (nbytes, cache_bytes, limit, what))
+        tmp = tempfile.gettempdir()
+        free = shutil.disk_usage(tmp).free
+        if nbytes > free:
+            raise TooLarge("weights of %d bytes announced for the push do not fit in the %d bytes free in %s "
+                           "(the worker's TMPDIR)" % (nbytes, free, tmp))
+
+    def receive_weights(self, stream: Any, nbytes: int) -> Dict[str, Any]:
+        """POST /weights: the body read from `stream` (`nbytes` long) goes to a temporary file
+        while it is hashed, then the chunk is read from that file: memory holds the weights
+        once, whatever the announced size. Any failure, an aborted push included, drops the
+        waiting /init: the worker is idle again."""
         with self.lock:
             self.loading = True
             try:
-                return self._receive_weights_locked(data)
+                return self._receive_weights_locked(stream, nbytes)
             finally:
                 self.loading = False
 
-    def _receive_weights_locked(self, data: bytes) -> Dict[str, Any]:
+    def _receive_weights_locked(self, stream: Any, nbytes: int) -> Dict[str, Any]:
         setup = self.pending
         if setup is None or setup.request.weights.push is None:
             raise RequestError("no /init is waiting for weights")
-        announced = setup.request.weights.push
-        if len(data) != announced.nbytes:
-            raise RequestError("weights have %d bytes, /init announced %d" % (len(data), announced.nbytes))
-        if hashlib.sha256(data).hexdigest() != announced.sha256:
-            raise RequestError("weights sha256 does not match the one announced in /init")
         try:
-            weights = safetensors_load(data)
-        except Exception as e:
-            raise RequestError("weights are not valid safetensors: %s" % e)
-        self._load_locked(setup, weights)
+            announced = setup.request.weights.push
+            if nbytes != announced.nbytes:
+                raise RequestError("weights have %d bytes, /init announced %d" % (nbytes, announced.nbytes))
+            fd, path = tempfile.mkstemp(prefix="mdi-weights-", suffix=".safetensors")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    got, digest = self._copy_body(stream, f, announced.nbytes)
+                if got != announced.nbytes:
+                    raise RequestError("the push ended after %d of the %d bytes announced" % (got, announced.nbytes))
+                if digest != announced.sha256:
+                    raise RequestError("weights sha256 does not match the one announced in /init")
+                self._load_locked(setup, path, exact=True)
+            finally:
+                os.unlink(path)
+        except BaseException:
+            self.pending = None  # the worker is idle again, not stuck in `loading`
+            raise
         self.pending = None
         return {"ok": True}
 
-    def _load_locked(self, setup: Setup, weights: Dict[str, torch.Tensor]) -> None:
+    def _copy_body(self, stream: Any, out: Any, nbytes: int):
+        digest = hashlib.sha256()
+        got = 0
+        while got < nbytes:
+            block = stream.read(min(PUSH_BLOCK, nbytes - got))
+            if not block:
+                break  # the client went away
+            digest.update(block)
+            out.write(block)
+            got += len(block)
+            self.touch()  # a long push keeps its /init alive
+        return got, digest.hexdigest()
+
+    def _load_locked(self, setup: Setup, fn: str, exact: bool) -> None:
         key = setup.key
-        config = key.model
         first, last = key.layers
-        want = set(expected_keys(config, (first, last), False, False))
-        if set(weights) != want:
-            missing, extra = sorted(want - set(weights)), sorted(set(weights) - want)
-            raise RequestError("weights do not match layers [%d, %d): missing %s, unexpected %s"
-                               % (first, last, missing[:3], extra[:3]))
         try:
-            self.chunk = build_chunk(config, weights, first, last, False, False, torch_dtype(key.dtype), key.device)
-        except ValueError as e:
-            raise RequestError(str(e))
+            self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact)
+        except (CheckpointError, OSError, ValueError, RuntimeError) as e:
+            where = "pushed weights" if exact else "weights"
+            raise RequestError("cannot load %s for layers [%d, %d): %s" % (where, first, last, e))
         self.loaded = key
         self._start_run_locked(setup)
 
@@ -292,7 +440,12 @@ class Worker:
             chunk.free_cache()
             raise RequestError(str(e))
         endpoint.connect(data.next_host, data.next_port)
-        self.run = Run(request, chunk, endpoint)
+        # The run's runtime.threads, unless this worker was started with its own --threads.
+        threads = self.threads_override or request.threads
+        if threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+        self.run = Run(request, chunk, endpoint, setup.peer, threads)
         self.touch()
         self.run.thread.start()
         self.runs_served += 1
@@ -312,7 +465,8 @@ class Worker:
             state=state, version=__version__, port=self.port,
             layers=list(loaded.layers) if loaded else None,
             device=loaded.device if loaded else (self.device_override or "cpu"),
-            run_id=run.id if run else None, runs_served=self.runs_served, threads=torch.get_num_threads(),
+            run_id=run.id if run else None, runs_served=self.runs_served,
+            threads=self.threads or torch.get_num_threads(),
             # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
             memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=available_memory_bytes(),
                               max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk)),

@@ -1,0 +1,233 @@
+"""The dashboard: one page (the files in mdi/serving/web/, shipped as package data: no CDN, no
+build step) that draws the ring working and talks to it, and GET /v1/mdi/state, the JSON it
+polls: `metrics.Observer.snapshot()`, the same snapshot GET /metrics renders.
+
+`mdi-start --serve` registers these routes next to the OpenAI API (`api.Routes`); a batch run
+with `--dashboard [PORT]` serves them alone (`start_batch_dashboard`) while it generates,
+watching the run through a `BatchMonitor`.
+
+Security: the page and its script hold no data and no secret, so they need no token; every
+data route does. With a shared secret the page asks for it once, keeps it in the tab's
+sessionStorage and sends it as `Authorization: Bearer` on every request (never in a URL).
+A strict Content-Security-Policy allows the page's own script and style and nothing else.
+"""
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from mdi.ring.auth import is_loopback, token_matches
+from mdi.runconfig import ConfigError, RunConfig
+from mdi.serving.metrics import Observer, Stats, metrics_text
+from mdi.serving.streaming import finish_reason_of
+
+log = logging.getLogger(__name__)
+
+WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")
+ASSETS = {  # what GET /ui/<name> may serve, and as what
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
+}
+PUBLIC_ENDPOINTS = ("dashboard", "asset")  # the page itself: no data in it, no token needed
+STATE_PATH = "/v1/mdi/state"
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def _page_headers(resp: Response) -> Response:
+    resp.headers["Content-Security-Policy"] = CSP
+    resp.headers["X-Content-Type-Options"] = "nosniff"
+    resp.headers["Referrer-Policy"] = "no-referrer"
+    resp.headers["Cache-Control"] = "no-cache"
+    return resp
+
+
+def _read(name: str) -> Optional[bytes]:
+    try:
+        with open(os.path.join(WEB_DIR, name), "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def page_response() -> Response:
+    """GET /: the dashboard's HTML."""
+    body = _read("index.html")
+    if body is None:
+        return Response("the dashboard's files are missing from this install (%s)\n" % WEB_DIR, status=404,
+                        mimetype="text/plain")
+    return _page_headers(Response(body, mimetype="text/html"))
+
+
+def asset_response(name: str) -> Response:
+    """GET /ui/<name>: one of the page's files (only those in ASSETS)."""
+    body = _read(name) if name in ASSETS else None
+    if body is None:
+        return Response("no such file\n", status=404, mimetype="text/plain")
+    resp = Response(body)
+    resp.headers["Content-Type"] = ASSETS[name]
+    return _page_headers(resp)
+
+
+def state_response(observer: Observer) -> Response:
+    """GET /v1/mdi/state: the snapshot as JSON."""
+    resp = Response(json.dumps(observer.snapshot()), mimetype="application/json")
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+def metrics_response(observer: Observer) -> Response:
+    """GET /metrics: the snapshot in Prometheus' text format."""
+    return Response(metrics_text(observer.snapshot()), mimetype="text/plain; version=0.0.4; charset=utf-8")
+
+
+# --------------------------------------------------------------------------- a batch run's view
+
+class BatchMonitor:
+    """A batch run as the dashboard sees it: the attributes `metrics.Observer` reads, fed by
+    the run's token callback (`on_token`) and the engine it opens (`attach`)."""
+
+    mode = "batch"
+
+    def __init__(self, cfg: RunConfig, n_samples: int, n_tokens: int) -> None:
+        self.cfg = cfg
+        self.stats = Stats()
+        self.state = "starting"  # starting | running | done | failed
+        self.error = None  # type: Optional[str]
+        self.engine = None  # type: Any
+        self.nodes = list(cfg.nodes)
+        self.slots, self.max_len, self.queue_length = n_samples, 0, 0
+        self._total = n_samples * n_tokens
+        self._finished = 0
+        self._busy = 0.0
+
+    def attach(self, engine: Any) -> None:
+        """The run's engine, before it opens the ring."""
+        self.engine = engine
+        self.slots, self.max_len = engine.n_slots, engine.max_len
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def in_flight(self) -> int:
+        engine = self.engine
+        pipeline = engine.pipeline if engine is not None else None
+        return len(pipeline.active) if pipeline is not None else 0
+
+    @property
+    def progress(self) -> Dict[str, int]:
+        return {"tokens": self.stats.tokens_total, "tokens_max": self._total, "samples": self.slots,
+                "samples_done": self._finished}
+
+    def on_token(self, sample: Any, token: int) -> None:
+        """The engine's token callback (the run's thread)."""
+        self.state = "running"
+        now = time.monotonic()
+        times = sample.token_times
+        self.stats.token(now, times[-1] - times[-2] if len(times) > 1 else None)
+        pipeline = self.engine.pipeline if self.engine is not None else None
+        if pipeline is not None:
+            busy = pipeline.compute_seconds
+            self.stats.starter_step(max(0.0, busy - self._busy), 1)
+            self._busy = busy
+        if len(sample.token_ids) == 1:
+            self.stats.first_token(now, times[0])
+        if sample.done:
+            self._finished += 1
+            self.stats.request_finished(finish_reason_of(sample), len(sample.prompt_ids), times[-1], times[0])
+
+    def finished(self, error: Optional[str] = None) -> None:
+        self.state = "failed" if error else "done"
+        self.error = error
+
+
+class DashboardRoutes:
+    """The dashboard's routes alone (a batch run): /, /ui/<name>, /v1/mdi/state, /metrics,
+    /health; the same token rule and error shape as the serving API."""
+
+    def __init__(self, observer: Observer, token: Optional[str]) -> None:
+        self.observer, self.token = observer, token
+
+    def register(self, app: Flask) -> None:
+        app.before_request(self.check_token)
+        app.register_error_handler(HTTPException, self.http_error)
+        app.add_url_rule("/", "dashboard", self.dashboard, methods=["GET"])
+        app.add_url_rule("/ui/<name>", "asset", self.asset, methods=["GET"])
+        app.add_url_rule(STATE_PATH, "state", self.state, methods=["GET"])
+        app.add_url_rule("/metrics", "metrics", self.metrics, methods=["GET"])
+        app.add_url_rule("/health", "health", self.health, methods=["GET"])
+
+    def check_token(self) -> Optional[Response]:
+        if request.endpoint in PUBLIC_ENDPOINTS:
+            return None
+        if not token_matches(self.token, request.headers.get("Authorization")):
+            return _error(401, "missing or wrong bearer token", "invalid_api_key")
+        return None
+
+    def http_error(self, e: HTTPException) -> Response:
+        return _error(e.code or 500, "%s %s: %s" % (request.method, request.path, e.name))
+
+    def dashboard(self) -> Response:
+        return page_response()
+
+    def asset(self, name: str) -> Response:
+        return asset_response(name)
+
+    def state(self) -> Response:
+        return state_response(self.observer)
+
+    def metrics(self) -> Response:
+        return metrics_response(self.observer)
+
+    def health(self) -> Response:
+        view = self.observer.view
+        body = {"ok": view.state in ("starting", "running", "done"), "state": view.state, "error": view.error}
+        return Response(json.dumps(body), status=200 if body["ok"] else 503, mimetype="application/json")
+
+
+def _error(status: int, message: str, code: Optional[str] = None) -> Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def dashboard_address(cfg: RunConfig, port: Optional[int], host: Optional[str], insecure: bool) -> Tuple[str, int]:
+    """Where a batch run's dashboard listens: `port`, else serve.port, else the starter node's
+    port, on `host` (default serve.host); refused off loopback without a shared secret."""
+    host = host or cfg.serve.host
+    port = port if port is not None else (cfg.serve.port or cfg.starter.port)
+    if not 0 < port < 65536:
+        raise ConfigError("--dashboard: expected a TCP port 1-65535, got %d" % port)
+    if cfg.runtime.token is None and not insecure and not is_loopback(host):
+        raise ConfigError("refusing to show the dashboard on %s without a shared secret: set MDI_TOKEN or "
+                          "runtime.token_file (or pass --insecure on a trusted network)" % host)
+    return host, port
+
+
+class BatchDashboard:
+    """The dashboard of a batch run, served from daemon threads until `close()`."""
+
+    def __init__(self, cfg: RunConfig, monitor: BatchMonitor, model_id: str, host: str, port: int) -> None:
+        from werkzeug.serving import make_server
+        app = Flask("mdi-dashboard")
+        DashboardRoutes(Observer(monitor, model_id, cfg.runtime.token), cfg.runtime.token).register(app)
+        try:
+            self.server = make_server(host, port, app, threaded=True)
+        except OSError as e:
+            raise RuntimeError("--dashboard: cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
+        self.server.daemon_threads = True
+        self.url = "http://%s:%d/" % (host if ":" not in host else "[%s]" % host, port)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
+                                       name="mdi-dashboard", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

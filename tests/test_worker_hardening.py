@@ -1,0 +1,373 @@
+"""A worker under hostile or careless starters: pushed weights are streamed to disk (an aborted
+push leaves it idle, an oversized one is refused unread, a push does not double its memory),
+a second starter is refused while a run holds it, `weights.path` stays inside --models-dir,
+runtime.threads reaches every worker, and bad mdi-worker flags are one-line usage errors."""
+import copy
+import glob
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import BIN, CHARS, WorkerProcess, free_ports
+from mdi.cli import worker_parser
+from mdi.model.config import ModelConfig
+from mdi.model.layout import torch_dtype
+from mdi.model.source import ModelSource
+from mdi.model.store import save_model_dir
+from mdi.model.tokenizers import char_tokenizer
+from mdi.model.transformer import full_model
+from mdi.ring.init_request import DataPlane, InitRequest, NodeBusy, PushedWeights, Weights
+from mdi.runconfig import NodeSpec, parse_config
+from mdi.starter import batch
+from mdi.starter.control import ControlClient, NodeError
+
+
+def model_config(path):
+    with open(os.path.join(path, "mdi_config.json")) as f:
+        return ModelConfig.from_dict(json.load(f)["model"])
+
+
+def init_request(model_dir, run_id, weights, layers=(2, 4), threads=None):
+    bind, nxt = free_ports(2)
+    return InitRequest(run_id=run_id, model=model_config(model_dir), layers=list(layers), dtype="float32",
+                       device="cpu", n_slots=1, max_len=16, data=DataPlane(bind, "127.0.0.1", nxt, True),
+                       weights=weights, heartbeat_timeout=60.0, threads=threads)
+
+
+def push_request(model_dir, run_id, layers=(2, 4)):
+    """An /init announcing a push, and the blob to push (as the starter makes them)."""
+    blob = ModelSource(model_dir).chunk_bytes(layers[0], layers[1], torch_dtype("float32"))
+    push = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    return init_request(model_dir, run_id, Weights(push=push), layers), blob
+
+
+def status(worker):
+    return requests.get(worker.url + "/status", timeout=10).json()
+
+
+def wait_state(worker, state, timeout=60):
+    deadline = time.monotonic() + timeout
+    while status(worker)["state"] != state:
+        assert time.monotonic() < deadline, "worker on port %d never became %s" % (worker.port, state)
+        time.sleep(0.05)
+
+
+def client(worker, name="w"):
+    return ControlClient(NodeSpec(name, port=worker.port), connect_timeout=10, init_timeout=120)
+
+
+def post_raw(port, head, body=b"", read_reply=True):
+    """An HTTP request written by hand on a socket: the body may stop short of Content-Length.
+    Returns (status line, reply body)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        s.sendall(head.encode("ascii") + body)
+        if not read_reply:
+            return b"", b""
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            data = s.recv(65536)
+            assert data, "connection closed before a reply: %r" % reply
+            reply += data
+        headers, _, rest = reply.partition(b"\r\n\r\n")
+        length = re.search(br"(?im)^content-length:\s*(\d+)", headers)
+        while length and len(rest) < int(length.group(1)):
+            data = s.recv(65536)
+            if not data:
+                break
+            rest += data
+        return headers.split(b"\r\n")[0], rest
+    finally:
+        s.close()
+
+
+def ring_cfg(model, workers, data_ports, threads=None, heartbeat_timeout=30, n_tokens=8):
+    nodes = [{"name": "starter", "data_port": data_ports[0]}]
+    nodes += [{"name": "w%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1]} for i, w in enumerate(workers)]
+    runtime = {"heartbeat_timeout": heartbeat_timeout, "ring_timeout": 60}
+    if threads is not None:
+        runtime["threads"] = threads
+    return {"model": {"path": model}, "nodes": nodes,
+            "generation": {"n_tokens": n_tokens, "temperature": 0}, "runtime": runtime}
+
+
+def reference_ids(model, prompt, n_tokens):
+    cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0}}, "ref")
+    return batch.run(cfg, [prompt]).samples[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models, tmp_path_factory):
+    """Two workers that may read the tiny models (--models-dir), each with its own TMPDIR."""
+    models = os.path.dirname(tiny_models["gpt2"])
+    procs = []
+    for port in free_ports(2):
+        tmp = str(tmp_path_factory.mktemp("worker-tmp"))
+        procs.append(WorkerProcess(port, extra=("--models-dir", models), env=dict(os.environ, TMPDIR=tmp)))
+        procs[-1].tmp = tmp
+    try:
+        yield [w.wait_ready() for w in procs]
+    finally:
+        for w in procs:
+            w.stop()
+
+
+# --- 4: pushed weights ------------------------------------------------------------------------
+
+def test_aborted_push_leaves_the_worker_idle_and_able_to_run(tiny_models, pair):
+    model = tiny_models["gpt2"]
+    worker = pair[0]
+    request, blob = push_request(model, 101)
+    assert client(worker).init(request)["need_weights"] is True
+    assert status(worker)["state"] == "loading"
+    # Half the body, then the starter is gone (its connection closes).
+    head = ("POST /weights HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+            "Content-Length: %d\r\n\r\n" % len(blob))
+    post_raw(worker.port, head, blob[:len(blob) // 2], read_reply=False)
+    wait_state(worker, "idle")
+    assert glob.glob(os.path.join(worker.tmp, "mdi-weights-*")) == []  # its temporary file is gone
+    # The worker serves the next run, weights pushed afresh.
+    cfg = parse_config(ring_cfg(model, [worker], free_ports(2)), "after-abort")
+    got = batch.run(cfg, ["Once upon"]).samples[0].token_ids
+    assert got == reference_ids(model, "Once upon", 8)
+    assert glob.glob(os.path.join(worker.tmp, "mdi-weights-*")) == []
+
+
+def test_a_bad_push_frees_the_worker(tiny_models, pair):
+    worker = pair[0]
+    request, blob = push_request(tiny_models["gpt2"], 102, layers=(1, 4))  # not the weights it holds
+    c = client(worker)
+    assert c.init(request)["need_weights"] is True
+    with pytest.raises(NodeError, match="sha256"):
+        c.push_weights(bytes([blob[0] ^ 1]) + blob[1:])
+    assert status(worker)["state"] == "idle"
+    assert glob.glob(os.path.join(worker.tmp, "mdi-weights-*")) == []
+
+
+def test_oversized_push_is_refused_before_any_byte_is_read(tiny_models):
+    model = tiny_models["gpt2"]
+    request, blob = push_request(model, 103)
+    limit = int(0.0001 * 1024 ** 3)  # --max-memory 0.0001 GB: less than these weights
+    assert len(blob) > limit
+    worker = WorkerProcess(free_ports(1)[0], extra=("--max-memory", "0.0001")).wait_ready()
+    try:
+        r = requests.post(worker.url + "/init", json=request.to_json(), timeout=30)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert str(len(blob)) in error and str(limit) in error and "--max-memory" in error, error
+        assert status(worker)["state"] == "idle"
+        # Nothing waits for weights: a push is answered without its body being sent at all.
+        head = ("POST /weights HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                "Content-Length: %d\r\n\r\n" % (64 << 30))
+        line, body = post_raw(worker.port, head)
+        assert re.match(br"HTTP/1\.[01] 400", line) and b"no /init is waiting" in body, (line, body)
+    finally:
+        worker.stop()
+
+
+def _vm(pid, key):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """About 50 MB of float32 weights in 16 small blocks: a push big enough to measure."""
+    path = str(tmp_path_factory.mktemp("wide") / "m")
+    torch.manual_seed(0)
+    config = ModelConfig(name="wide", family="gpt2", vocab_size=len(CHARS), n_layer=17, n_embd=256, n_head=4,
+                         block_size=64, bias=True, tied_head=True, gelu_approximate="tanh")
+    save_model_dir(path, config, full_model(config).state_dict(), "tests/test_worker_hardening.py")
+    char_tokenizer(CHARS).save(path)
+    return path
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_a_pushed_chunk_does_not_double_the_workers_memory(wide_model, tiny_models):
+    request, blob = push_request(wide_model, 104, layers=(1, 17))
+    worker = WorkerProcess(free_ports(1)[0]).wait_ready()
+    try:
+        # A small push first: torch's and werkzeug's code paths, paged in once, are not the push's.
+        warm, small = push_request(tiny_models["gpt2"], 105)
+        c = client(worker)
+        assert c.init(warm)["need_weights"] is True
+        c.push_weights(small)
+        c.stop(warm.run_id)
+        pid = worker.pid
+        try:
+            with open("/proc/%d/clear_refs" % pid, "w") as f:
+                f.write("5")  # resets the peak (VmHWM) to the current RSS
+        except OSError:
+            pytest.skip("cannot reset the worker's peak RSS")
+        before = _vm(pid, "VmRSS")
+        assert c.init(request)["need_weights"] is True
+        c.push_weights(blob)
+        assert status(worker)["state"] == "running"
+        peak = _vm(pid, "VmHWM") - before
+        # Buffered whole, the push held the body, a parsed copy and the chunk: about 3x.
+        assert peak < 1.6 * len(blob), "peak RSS grew by %.1f MB for %.1f MB of weights" % (peak / 1e6, len(blob) / 1e6)
+        c.stop(request.run_id)
+    finally:
+        worker.stop()
+
+
+# --- 5: two starters on the same workers ------------------------------------------------------
+
+def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, pair, tmp_path):
+    from mdi.model.sampling import SamplingParams
+    from mdi.starter.engine import Engine
+    from mdi.starter.pipeline import make_samples
+    model = tiny_models["llama"]
+    cfg_a = parse_config(ring_cfg(model, pair, free_ports(3)), "run A")
+    source = ModelSource(model)
+    prompt_ids = batch.encode_prompts(source, ["Once upon"])
+    engine = Engine(cfg_a, source, 1, len(prompt_ids[0]) + 8, SamplingParams(0.0))
+    engine.open()  # run A holds both workers; its watchdog is their heartbeat
+    try:
+        run_a = engine.ring.run_id
+        path_b = tmp_path / "b.yaml"
+        path_b.write_text(json.dumps(ring_cfg(model, pair, free_ports(3))))
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(path_b), "--prompt", "x"],
+                              capture_output=True, text=True, timeout=120)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert "w1" in lines[0] and "HTTP 409" in lines[0] and "run %d" % run_a in lines[0], lines[0]
+        assert "127.0.0.1" in lines[0], lines[0]  # the holder's address as the worker saw it
+        # Run B's failure ended only run B: run A goes on and its stop frame comes back round.
+        assert all(status(w)["run_id"] == run_a and status(w)["state"] == "running" for w in pair)
+        samples = make_samples(["Once upon"], prompt_ids, 8, 1)
+        engine.run(samples)
+        stats = engine.close()
+        assert samples[0].token_ids == reference_ids(model, "Once upon", 8) and len(stats) == 2
+    finally:
+        engine.abort()
+    # The stop frame freed both workers at once: run B now runs.
+    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(path_b), "--prompt", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_lapsed_heartbeat_lets_another_run_take_over(tiny_models):
+    from mdi.worker.node import Worker
+    model = tiny_models["gpt2"]
+    worker = Worker("127.0.0.1", free_ports(1)[0], models_dir=os.path.dirname(model))
+    worker.shutdown_requested.set()  # no watchdog: the lapse is simulated below
+    try:
+        first = init_request(model, 1, Weights(path=model))
+        worker.init(first, "10.0.0.7")
+        second = copy.deepcopy(first)
+        second.run_id = 2
+        with pytest.raises(NodeBusy, match=r"run 1 of the starter at 10\.0\.0\.7") as err:
+            worker.init(second, "10.0.0.8")
+        assert err.value.status == 409 and worker.run.id == 1
+        assert worker.init(first, "10.0.0.7")["ok"]  # its own starter may configure it again
+        assert worker.stop_run(2) is False and worker.run.id == 1  # another run's stop ends nothing
+        worker.last_contact -= 61  # run 1's starter silent past its heartbeat_timeout of 60 s
+        worker.init(second, "10.0.0.8")
+        assert worker.run.id == 2 and worker.run.peer == "10.0.0.8"
+        assert worker.stop_run(2) is True and worker.run is None
+    finally:
+        worker.end_run()
+
+
+# --- 6: weights.path stays inside --models-dir -----------------------------------------------
+
+def test_weights_path_outside_the_models_dir_is_refused_alike(tiny_models, pair, tmp_path):
+    model = tiny_models["gpt2"]
+    worker = pair[1]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = os.path.join(os.path.dirname(model), "link-out-%d" % os.getpid())
+
+    def init(path):
+        body = init_request(model, 201, Weights(path=path)).to_json()
+        return requests.post(worker.url + "/init", json=body, timeout=60)
+
+    replies = {}
+    for path in ("../../../../etc/passwd", "/etc/passwd", "/etc/no-such-file-here", str(outside),
+                 os.path.join(model, "..", "..", "x"), "/proc/self/environ"):
+        r = init(path)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        replies[path] = r.json()["error"].replace(repr(path), "PATH")
+    assert len(set(replies.values())) == 1 and "models directory" in replies["/etc/passwd"], replies
+    # A symlink out of the models directory is refused too...
+    (outside / "model.safetensors").write_bytes(open(os.path.join(model, "model.safetensors"), "rb").read())
+    os.symlink(str(outside), link)
+    try:
+        r = init(link)
+        assert r.status_code == 400 and "models directory" in r.json()["error"], r.text
+    finally:
+        os.remove(link)
+    # ...while a path inside it loads, relative ones from the worker's working directory.
+    r = init(os.path.relpath(model, os.getcwd()))
+    assert r.status_code == 200 and r.json()["need_weights"] is False, r.text
+    requests.put(worker.url + "/stop?run=201", timeout=10)
+    # Inside, a file that is not safetensors is a 400 naming the problem, not a 500.
+    junk = os.path.join(os.path.dirname(model), "junk-%d.safetensors" % os.getpid())
+    with open(junk, "wb") as f:
+        f.write(b"\xff" * 64)
+    try:
+        r = init(junk)
+        assert r.status_code == 400 and "cannot load weights" in r.json()["error"], r.text
+    finally:
+        os.remove(junk)
+    assert status(worker)["state"] == "idle"
+
+
+# --- 9: runtime.threads reaches the workers ---------------------------------------------------
+
+def test_runtime_threads_reach_workers_unless_they_have_their_own(tiny_models):
+    model = tiny_models["gpt2"]
+    # OMP_NUM_THREADS=2: torch's default here is 2 whatever the machine's cores.
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    plain, own = free_ports(2)
+    procs = [WorkerProcess(plain, env=env, threads=None), WorkerProcess(own, env=env, threads=2)]
+    try:
+        workers = [w.wait_ready() for w in procs]
+        assert status(workers[0])["threads"] == 2
+        cfg = parse_config(ring_cfg(model, workers, free_ports(3), threads=1), "threads")
+        result = batch.run(cfg, ["Once upon"])
+        assert [n["threads"] for n in result.nodes[1:]] == [1, 2]  # the metrics record's nodes
+        assert [status(w)["threads"] for w in workers] == [1, 2]
+    finally:
+        for w in procs:
+            w.stop()
+
+
+# --- mdi-worker flags -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--port", "80000"], "--port"), (["--port", "0"], "--port"), (["--threads", "-2"], "--threads"),
+    (["--threads", "0"], "--threads"), (["--log-level", "bogus"], "--log-level"),
+    (["--max-memory", "-1"], "--max-memory"),
+])
+def test_bad_worker_flags_are_usage_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        worker_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("mdi-worker: error: argument %s" % needle), err
+
+
+def test_good_worker_flags():
+    args = worker_parser().parse_args(["--port", "65535", "--threads", "2", "--log-level", "debug",
+                                       "--models-dir", "/srv/models"])
+    assert (args.port, args.threads, args.log_level, args.models_dir) == (65535, 2, "DEBUG", "/srv/models")
+
+
+def test_missing_models_dir_is_one_line(tmp_path):
+    proc = subprocess.run([os.path.join(BIN, "mdi-worker"), "--port", str(free_ports(1)[0]),
+                           "--models-dir", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "mdi: error: --models-dir %s is not a directory" % (
+        tmp_path / "nope"), proc.stderr
