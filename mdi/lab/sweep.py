@@ -100,7 +100,7 @@ class Sweep:
         self.rows = []  # type: List[Dict[str, str]]
         self.rings = []  # type: List[Ring]
         # No shared secret by default: nodes listen on loopback or on the private namespace
-        # network made here. auth: true turns it on (the zmq PLAIN handshake on every link).
+        # network made here. auth: true turns it on (signed control requests, zmq CURVE on every link).
         self.token = secrets.token_hex(16) if exp.auth else None
         self.work = tempfile.mkdtemp(prefix="mdi-bench-")
         self.emu = Emulation(exp.emulation, max(max(m.nodes) for m in exp.models), log)

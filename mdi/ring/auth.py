@@ -1,16 +1,39 @@
 """The optional shared secret: read from the environment or a file (never from the command
-line, where other users could see it in the process list), checked on every HTTP request
-and bound into each run's data-plane handshake."""
+line, where other users could see it in the process list). The secret itself never crosses
+the network:
+
+- control plane (HTTP): every request carries an HMAC-SHA256 signature over its method, path,
+  body hash, a timestamp and a nonce (`sign_request`, checked by `RequestVerifier`), in
+  `Authorization: MDI-HMAC t=<unix time>, n=<nonce>, s=<hex signature>`; a request is accepted
+  once, within `REPLAY_WINDOW` seconds of the worker's clock;
+- data plane (zmq): each run's CURVE key pairs derive from the secret and the run id
+  (`ring_password` -> `ring_keys`), so only nodes that know both can connect, every frame is
+  encrypted, and what a neighbour sends cannot be read or altered on the way.
+"""
 import hashlib
+import heapq
 import hmac
 import ipaddress
 import os
+import re
+import secrets
 import socket
 import threading
-from typing import Optional
+import time
+from typing import Dict, List, NamedTuple, Optional, Tuple  # noqa: F401  (type comments)
 
 TOKEN_ENV = "MDI_TOKEN"
 TOKEN_FILE_ENV = "MDI_TOKEN_FILE"
+
+SCHEME = "MDI-HMAC"
+CONTENT_HEADER = "X-MDI-Content-SHA256"  # the body's sha256 (hex), signed; or UNSIGNED_PAYLOAD
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"  # only for POST /weights: its sha256 was announced in /init
+TIME_HEADER = "X-MDI-Time"  # a worker's clock, sent back with a signed but stale request
+REPLAY_WINDOW = 60.0  # seconds either side of the worker's clock
+MAX_NONCES = 1 << 16  # nonces remembered at most (requests within one window)
+
+_HEADER = re.compile(r"^MDI-HMAC t=(\d{1,12}), n=([0-9a-f]{16,64}), s=([0-9a-f]{64})$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class TokenError(ValueError):
@@ -33,22 +56,132 @@ def load_token(token_file: Optional[str] = None) -> Optional[str]:
 
 
 def token_matches(expected: Optional[str], authorization: Optional[str]) -> bool:
+    """`Authorization: Bearer <secret>`: only for the OpenAI-compatible API (`--serve`), whose
+    clients send their API key that way; the workers' control plane uses `RequestVerifier`."""
     if expected is None:
         return True
     given = (authorization or "")[len("Bearer "):] if (authorization or "").startswith("Bearer ") else ""
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+# --- control plane: signed requests ---------------------------------------------------------
+
+def _derive(key: str, label: bytes) -> bytes:
+    return hmac.new(key.encode(), label, hashlib.sha256).digest()
+
+
+def body_sha256(body: Optional[bytes]) -> str:
+    return hashlib.sha256(body or b"").hexdigest()
+
+
+def _message(method: str, path: str, content_sha256: str, t: str, nonce: str) -> bytes:
+    return "\n".join((SCHEME, method.upper(), path, content_sha256, t, nonce)).encode("utf-8")
+
+
+def sign_request(token: str, method: str, path: str, content_sha256: str, now: Optional[float] = None,
+                 nonce: Optional[str] = None) -> str:
+    """The Authorization header of one request. `path` includes the query (`/status?run=3`);
+    `content_sha256` is `body_sha256(body)` or UNSIGNED_PAYLOAD (also sent in CONTENT_HEADER)."""
+    t = "%d" % int(time.time() if now is None else now)
+    n = nonce or secrets.token_hex(16)
+    s = hmac.new(_derive(token, b"mdi-control-v1"), _message(method, path, content_sha256, t, n),
+                 hashlib.sha256).hexdigest()
+    return "%s t=%s, n=%s, s=%s" % (SCHEME, t, n, s)
+
+
+class AuthError(ValueError):
+    """A control request that is not signed with the shared secret (or is a replay). `stale`:
+    the signature is right but its time is outside the window (the clocks disagree)."""
+
+    def __init__(self, message: str, stale: bool = False) -> None:
+        super().__init__(message)
+        self.stale = stale
+
+
+class RequestVerifier:
+    """Checks signed control requests: signature (constant-time), time window, and that no
+    nonce is accepted twice. Memory is bounded: a nonce is kept only until its timestamp
+    leaves the window, and at most `max_nonces` at a time."""
+
+    def __init__(self, token: str, window: float = REPLAY_WINDOW, max_nonces: int = MAX_NONCES) -> None:
+        self._key = _derive(token, b"mdi-control-v1")
+        self.window, self.max_nonces = window, max_nonces
+        self._lock = threading.Lock()
+        self._seen = set()  # type: set
+        self._expiry = []  # type: List[Tuple[float, str]]  # heap of (forget after, nonce)
+
+    def verify(self, method: str, path: str, authorization: Optional[str], content_sha256: Optional[str],
+               now: Optional[float] = None) -> None:
+        """Returns if the request is authentic and new; raises AuthError otherwise."""
+        m = _HEADER.match(authorization or "")
+        if m is None:
+            raise AuthError("no %s signature" % SCHEME)
+        if content_sha256 != UNSIGNED_PAYLOAD and not _HEX64.match(content_sha256 or ""):
+            raise AuthError("missing or malformed %s header" % CONTENT_HEADER)
+        t, nonce, sig = m.groups()
+        expected = hmac.new(self._key, _message(method, path, content_sha256 or "", t, nonce),
+                            hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(expected.encode(), sig.encode()):
+            raise AuthError("bad signature")
+        now = time.time() if now is None else now
+        if abs(now - int(t)) > self.window:
+            raise AuthError("signed %+.0f s from this node's clock (window %.0f s)" % (int(t) - now, self.window),
+                            stale=True)
+        with self._lock:
+            while self._expiry and self._expiry[0][0] < now:
+                self._seen.discard(heapq.heappop(self._expiry)[1])
+            if nonce in self._seen:
+                raise AuthError("replayed request")
+            if len(self._seen) >= self.max_nonces:
+                raise AuthError("too many requests within %.0f s" % self.window)
+            self._seen.add(nonce)
+            heapq.heappush(self._expiry, (int(t) + self.window, nonce))
+
+
+# --- data plane: CURVE keys -----------------------------------------------------------------
+
 def ring_password(token: str, run_id: int) -> str:
-    """Per-run data-plane password: a frame sender must know the token and the current run."""
+    """The per-run data-plane secret: never sent, it only seeds the run's CURVE keys
+    (`ring_keys`), so a node must know the token and the current run to join the ring."""
     return hmac.new(token.encode(), b"mdi-ring-%d" % run_id, hashlib.sha256).hexdigest()
+
+
+class RingKeys(NamedTuple):
+    """Z85-encoded curve25519 keys of one run: every node's PULL socket is the server, every
+    PUSH socket the client; each side checks the other's public key."""
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def ring_keys(ring_secret: str) -> RingKeys:
+    """Both key pairs, derived deterministically (HMAC-SHA256 with distinct labels -> 32-byte
+    curve25519 secret keys; libzmq computes the public halves)."""
+    import zmq
+    from zmq.utils import z85
+    pairs = []
+    for label in (b"mdi-curve-server-v1", b"mdi-curve-client-v1"):
+        secret = z85.encode(_derive(ring_secret, label))
+        pairs += [zmq.curve_public(secret), secret]
+    return RingKeys(*pairs)
+
+
+class _AllowKey:
+    """CURVE callback of one endpoint's ZAP domain: only this run's client key may connect."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public)
 
 
 _auth_lock = threading.Lock()
 _authenticator = None
 
 
-def plain_authenticator(ctx):
+def ring_authenticator(ctx):
     """One ZAP authenticator per process (zmq allows one per context)."""
     global _authenticator
     with _auth_lock:
@@ -57,6 +190,15 @@ def plain_authenticator(ctx):
             _authenticator = ThreadAuthenticator(ctx)
             _authenticator.start()
         return _authenticator
+
+
+def allow_client(ctx, domain: str, client_public: Optional[bytes]) -> None:
+    """Let only `client_public` connect to sockets of ZAP `domain` (None: forget the domain)."""
+    auth = ring_authenticator(ctx)
+    if client_public is None:
+        auth.credentials_providers.pop(domain, None)
+    else:
+        auth.configure_curve_callback(domain, _AllowKey(client_public))
 
 
 def is_loopback(host: str) -> bool:

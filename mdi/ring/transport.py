@@ -11,6 +11,11 @@ before it goes straight into zmq's send queue (zmq's own I/O thread moves bytes 
 background either way). Each hand-off wakes a thread, which costs ~100 us per hop on a 2-CPU
 machine (scripts/bench_transport.py: 227 vs 118 us per hop). zmq sockets are not thread-safe,
 so each socket has exactly one user at a time, handed over as described where it happens.
+
+With a shared secret every link runs zmq's CURVE mechanism with the run's keys
+(`mdi.ring.auth.ring_keys`): the PULL socket only admits a client holding the run's client key,
+the PUSH socket only talks to a server holding the run's server key, and frames are encrypted
+(scripts/bench_transport.py measures what that costs per hop).
 """
 import collections
 import itertools
@@ -22,7 +27,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol  # noqa:
 
 import zmq
 
-from mdi.ring.auth import plain_authenticator
+from mdi.ring.auth import allow_client, ring_keys
 from mdi.ring.wire import DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, FrameError, encode
 
 log = logging.getLogger(__name__)
@@ -76,11 +81,26 @@ class RingEndpoint:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops larger messages itself
+        self.keys = None
+        self._zap_domain = "mdi-ring-%d" % next(_endpoint_ids)
         if password is not None:
-            # zmq PLAIN handshake: only peers that know this run's password may connect.
-            plain_authenticator(self.ctx).configure_plain(domain="*", passwords={"mdi": password})
-            self.pull.plain_server = True
-        self._bind(bind_host, bind_port)
+            # CURVE: only nodes that derived this run's keys may connect; frames are encrypted.
+            if not zmq.has("curve"):
+                self.pull.close(linger=0)
+                raise RuntimeError("%s: this libzmq has no CURVE support, so the data plane cannot be "
+                                   "authenticated (install pyzmq from its wheel, which bundles it)" % name)
+            self.keys = ring_keys(password)
+            allow_client(self.ctx, self._zap_domain, self.keys.client_public)
+            self.pull.zap_domain = self._zap_domain.encode()
+            self.pull.curve_server = True
+            self.pull.curve_secretkey = self.keys.server_secret
+            self.pull.curve_publickey = self.keys.server_public
+        try:
+            self._bind(bind_host, bind_port)
+        except RuntimeError:
+            if self.keys is not None:
+                allow_client(self.ctx, self._zap_domain, None)
+            raise
         self.inbox = queue.SimpleQueue()  # type: queue.SimpleQueue
         self.outbox = queue.SimpleQueue()  # type: queue.SimpleQueue
         self.bytes_sent = 0
@@ -129,9 +149,10 @@ class RingEndpoint:
         """Start sending to the next node (zmq reconnects by itself if it restarts)."""
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        if self.password is not None:
-            push.plain_username = b"mdi"
-            push.plain_password = self.password.encode()
+        if self.keys is not None:
+            push.curve_secretkey = self.keys.client_secret
+            push.curve_publickey = self.keys.client_public
+            push.curve_serverkey = self.keys.server_public
         push.connect("tcp://%s:%d" % (host, port))
         self._push = push
         self._sender.start()
@@ -207,6 +228,8 @@ class RingEndpoint:
                 sock.close(linger=0)
         if holding:
             self._pull_lock.release()
+        if self.keys is not None:
+            allow_client(self.ctx, self._zap_domain, None)
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.messages_sent += 1

@@ -4,10 +4,13 @@ Routes (JSON only; bodies up to 1 MiB; errors in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`):
   POST /v1/completions, POST /v1/chat/completions   (`stream: true` answers server-sent events)
   GET  /v1/models, GET /health, GET /metrics (Prometheus text format)
-  GET  /v1/mdi/state (the dashboard's JSON: the same snapshot as /metrics), GET / and /ui/<file>
-       (the dashboard page: `dashboard`; the only routes that need no token, they hold no data)
+  GET  /v1/mdi/state (the dashboard's JSON: the same snapshot as /metrics); GET /, /ui/<file> and
+       /v1/mdi/info (the dashboard page, see `dashboard`: the only routes that need no token, they
+       hold no data)
 With a shared secret (MDI_TOKEN / MDI_TOKEN_FILE / runtime.token_file) every route needs
-`Authorization: Bearer <secret>`, as on the workers' control plane.
+`Authorization: Bearer <secret>`: the API key OpenAI clients send. Over plain HTTP it crosses
+the network in clear, so --serve belongs behind TLS (a reverse proxy) or on a trusted network;
+the workers' control plane never sends the secret (it signs requests, mdi/ring/auth.py).
 
 Request fields: see the tables in `validation` (max_tokens defaults to 16 for completions and
 to the rest of the slot for chat; unset sampling fields take the YAML's `generation` values).
@@ -31,8 +34,8 @@ from werkzeug.exceptions import HTTPException
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback, token_matches
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.serving.dashboard import (PUBLIC_ENDPOINTS, STATE_PATH, asset_response, metrics_response, page_response,
-                                   state_response)
+from mdi.serving.dashboard import (INFO_PATH, PUBLIC_ENDPOINTS, STATE_PATH, asset_response, info_response,
+                                   metrics_response, page_response, state_response)
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
@@ -56,7 +59,10 @@ def _sse(obj: Dict[str, Any]) -> str:
 
 def _client_gone(environ: Dict[str, Any]) -> bool:
     """True when the client of a waiting request has closed its connection."""
-    sock = environ.get("werkzeug.socket")
+    gone = environ.get("waitress.client_disconnected")  # mdi's server (mdi/system/http_server.py)
+    if gone is not None:
+        return bool(gone())
+    sock = environ.get("werkzeug.socket")  # werkzeug's development server (tests, embedding)
     if sock is None:
         return False
     try:
@@ -127,6 +133,7 @@ class Routes:
         app.add_url_rule("/v1/models", "models", self.models, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self.metrics, methods=["GET"])
         app.add_url_rule(STATE_PATH, "state", self.state, methods=["GET"])
+        app.add_url_rule(INFO_PATH, "info", self.info, methods=["GET"])
         app.add_url_rule("/", "dashboard", self.dashboard, methods=["GET"])
         app.add_url_rule("/ui/<name>", "asset", self.asset, methods=["GET"])
         app.add_url_rule("/v1/completions", "completions", self.completions, methods=["POST"])
@@ -170,6 +177,9 @@ class Routes:
 
     def state(self) -> Response:
         return state_response(self.observer)
+
+    def info(self) -> Response:
+        return info_response(self.token, "serve")
 
     def dashboard(self) -> Response:
         return page_response()
@@ -313,24 +323,26 @@ def serve(cfg: RunConfig, host: Optional[str] = None, port: Optional[int] = None
 
 
 def _serve(cfg: RunConfig, host: str, port: int) -> int:
-    from werkzeug.serving import make_server
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    from mdi.system.http_server import HttpServer
     source = ModelSource(cfg.model.path)
     sched = Scheduler(cfg, source)
     model_id = cfg.serve.model_name or default_model_id(cfg.model.path)
     app = create_app(sched, model_id, cfg.runtime.token, ChatTemplate(source.tokenizer))
+    # A request holds a thread while it waits for a slot and while it streams: enough for
+    # every slot and every queued request, plus a few for /health, /metrics and the dashboard.
+    threads = (cfg.serve.max_in_flight or 16) + cfg.serve.max_queue + 8
     try:
-        server = make_server(host, port, app, threaded=True)
+        server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
+                            max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
+                            client_gone=True)
     except OSError as e:
         raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
-    server.daemon_threads = True
     stop = threading.Event()
     try:
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     except ValueError:  # not the main thread (embedded use): stop with KeyboardInterrupt only
         previous = None
-    http = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="mdi-http", daemon=True)
-    http.start()
+    server.start()
     code = 0
     try:
         sched.start()
@@ -350,9 +362,8 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.shutdown()
-        sched.stop()
-        server.server_close()
+        sched.stop()  # requests still waiting or streaming end with an error event
+        server.close(grace=2.0)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return code

@@ -14,7 +14,6 @@ A strict Content-Security-Policy allows the page's own script and style and noth
 import json
 import logging
 import os
-import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,8 +33,9 @@ ASSETS = {  # what GET /ui/<name> may serve, and as what
     "style.css": "text/css; charset=utf-8",
     "favicon.svg": "image/svg+xml",
 }
-PUBLIC_ENDPOINTS = ("dashboard", "asset")  # the page itself: no data in it, no token needed
+PUBLIC_ENDPOINTS = ("dashboard", "asset", "info")  # the page and whether it needs a token: no data
 STATE_PATH = "/v1/mdi/state"
+INFO_PATH = "/v1/mdi/info"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
@@ -73,6 +73,14 @@ def asset_response(name: str) -> Response:
     resp = Response(body)
     resp.headers["Content-Type"] = ASSETS[name]
     return _page_headers(resp)
+
+
+def info_response(token: Optional[str], mode: str) -> Response:
+    """GET /v1/mdi/info (public): whether the data routes need a token, and the kind of run,
+    so that the page asks for the token before its first request instead of after a 401."""
+    resp = Response(json.dumps({"auth": token is not None, "mode": mode}), mimetype="application/json")
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
 
 
 def state_response(observer: Observer) -> Response:
@@ -150,8 +158,8 @@ class BatchMonitor:
 
 
 class DashboardRoutes:
-    """The dashboard's routes alone (a batch run): /, /ui/<name>, /v1/mdi/state, /metrics,
-    /health; the same token rule and error shape as the serving API."""
+    """The dashboard's routes alone (a batch run): /, /ui/<name>, /v1/mdi/info, /v1/mdi/state,
+    /metrics, /health; the same token rule and error shape as the serving API."""
 
     def __init__(self, observer: Observer, token: Optional[str]) -> None:
         self.observer, self.token = observer, token
@@ -161,6 +169,7 @@ class DashboardRoutes:
         app.register_error_handler(HTTPException, self.http_error)
         app.add_url_rule("/", "dashboard", self.dashboard, methods=["GET"])
         app.add_url_rule("/ui/<name>", "asset", self.asset, methods=["GET"])
+        app.add_url_rule(INFO_PATH, "info", self.info, methods=["GET"])
         app.add_url_rule(STATE_PATH, "state", self.state, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self.metrics, methods=["GET"])
         app.add_url_rule("/health", "health", self.health, methods=["GET"])
@@ -180,6 +189,9 @@ class DashboardRoutes:
 
     def asset(self, name: str) -> Response:
         return asset_response(name)
+
+    def info(self) -> Response:
+        return info_response(self.token, "batch")
 
     def state(self) -> Response:
         return state_response(self.observer)
@@ -212,22 +224,20 @@ def dashboard_address(cfg: RunConfig, port: Optional[int], host: Optional[str], 
 
 
 class BatchDashboard:
-    """The dashboard of a batch run, served from daemon threads until `close()`."""
+    """The dashboard of a batch run, served on threads of its own (mdi's HTTP server, as for
+    --serve) until `close()`."""
 
     def __init__(self, cfg: RunConfig, monitor: BatchMonitor, model_id: str, host: str, port: int) -> None:
-        from werkzeug.serving import make_server
+        from mdi.system.http_server import HttpServer
+        self.monitor = monitor
         app = Flask("mdi-dashboard")
         DashboardRoutes(Observer(monitor, model_id, cfg.runtime.token), cfg.runtime.token).register(app)
         try:
-            self.server = make_server(host, port, app, threaded=True)
+            self.server = HttpServer(app, host, port, "mdi-dashboard", threads=8, max_connections=64)
         except OSError as e:
             raise RuntimeError("--dashboard: cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
-        self.server.daemon_threads = True
         self.url = "http://%s:%d/" % (host if ":" not in host else "[%s]" % host, port)
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
-                                       name="mdi-dashboard", daemon=True)
-        self.thread.start()
+        self.server.start()
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close(grace=0.5)

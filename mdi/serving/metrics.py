@@ -14,7 +14,7 @@ polls it), so both always show the same numbers.
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
 from mdi.model.layout import dtype_name
 from mdi.ring.status import StatusReply  # noqa: F401  (type comment)
@@ -22,9 +22,6 @@ from mdi.runconfig import NodeSpec
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
-
-if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
-    from mdi.serving.scheduler import Scheduler  # noqa: F401
 
 RATE_WINDOW = 10.0  # seconds of history behind tokens/s and the recent time to first token
 RECENT = 256  # step times and token intervals averaged in /metrics
@@ -343,7 +340,7 @@ class Observer:
         in_this_ring = role == "worker" and engine is not None and status.state == "running"
         frames, seconds = (c.frames_done, c.compute_seconds) if in_this_ring else (None, None)
         rates = self._rate((node.name, status.run_id), now, frames, seconds)
-        used = getattr(mem, "unified_bytes", None) or mem.rss_bytes
+        used = mem.unified_bytes if mem.unified_bytes is not None else mem.rss_bytes  # older workers: RSS
         limit = mem.max_memory_bytes or (used + mem.available_bytes if mem.available_bytes is not None else None)
         entry.update({
             "frames": c.frames_done, "compute_seconds": c.compute_seconds,
@@ -351,9 +348,8 @@ class Observer:
             "busy_share": rates.busy if in_this_ring else None,
             "frames_per_second": rates.fps if in_this_ring else None,
             "memory_used_bytes": used, "memory_limit_bytes": limit,
-            "board_memory_used_bytes": getattr(mem, "board_used_bytes", None),
-            "board_memory_total_bytes": getattr(mem, "board_total_bytes", None),
-            "board_memory_source": getattr(mem, "board_source", None),
+            "board_memory_used_bytes": mem.board_used_bytes, "board_memory_total_bytes": mem.board_total_bytes,
+            "board_memory_source": mem.board_source,
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
         })
         return entry

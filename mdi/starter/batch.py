@@ -57,7 +57,10 @@ def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
 
 
 def run(cfg: RunConfig, prompts: List[str],
-        on_token: Optional[Callable[[Sample, int], None]] = None) -> RunResult:
+        on_token: Optional[Callable[[Sample, int], None]] = None,
+        on_engine: Optional[Callable[[Engine], None]] = None) -> RunResult:
+    """Generate every prompt's sample; `on_token` is called after each token, `on_engine` with
+    the engine before it opens the ring (a dashboard watches the run through it)."""
     source = ModelSource(cfg.model.path)
     config = source.config
     gen = cfg.generation
@@ -69,6 +72,8 @@ def run(cfg: RunConfig, prompts: List[str],
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
     engine = Engine(cfg, source, len(samples), max_len, params, on_token)
+    if on_engine is not None:
+        on_engine(engine)
     try:
         engine.open()
     except (KeyboardInterrupt, Interrupted):

@@ -5,13 +5,18 @@ happened, so callers decide without reading the message:
     NodeUnreachable   nothing answered the connection: the worker is not running or not there
     NodeTimeout       connected, but no answer in time: the worker is hung or overloaded
     NodeError         the worker answered with an error (or another step failed)
+
+With a shared secret every request is signed (`HmacAuth`); the secret itself is never sent.
 """
 import socket
+import time
 from typing import Any, Dict, Optional
+from urllib.parse import unquote
 
 import requests
 import urllib3
 
+from mdi.ring.auth import CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, body_sha256, sign_request
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
@@ -52,6 +57,52 @@ def _timed_out(error: BaseException) -> bool:
     return False
 
 
+def _dropped(error: BaseException) -> bool:
+    """Whether `error` is a kept-alive connection the worker closed (it closes idle ones) just
+    as a request went out on it: nothing was processed, so asking again is safe."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, urllib3.exceptions.NewConnectionError):
+            return False
+        if isinstance(e, (ConnectionResetError, BrokenPipeError)) or type(e).__name__ == "RemoteDisconnected":
+            return True
+        todo += [a for a in e.args if isinstance(a, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return False
+
+
+class HmacAuth(requests.auth.AuthBase):
+    """Signs each request with the shared secret (mdi/ring/auth.py: method, path and query,
+    the body's sha256, time, nonce), which never leaves this process. A body that is not
+    bytes (a file or a stream), or one whose request says so in its X-MDI-Content-SHA256
+    header, goes unsigned, which only POST /weights may do: its sha256 is announced in the
+    signed /init. `offset`: seconds added to our clock, learnt from a worker whose clock
+    disagrees with ours (see ControlClient._call)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.offset = 0.0
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        body = r.body
+        if r.headers.get(CONTENT_HEADER) == UNSIGNED_PAYLOAD:
+            content = UNSIGNED_PAYLOAD
+        elif body is None or isinstance(body, (bytes, str)):
+            content = body_sha256(body.encode("utf-8") if isinstance(body, str) else body)
+        else:
+            content = UNSIGNED_PAYLOAD
+        path, _, query = (r.path_url or "/").partition("?")
+        signed_path = unquote(path) + ("?" + query if query else "")
+        r.headers[CONTENT_HEADER] = content
+        r.headers["Authorization"] = sign_request(self.token, r.method or "GET", signed_path, content,
+                                                  now=time.time() + self.offset)
+        return r
+
+
 class ControlClient:
     def __init__(self, node: NodeSpec, connect_timeout: float = 5.0, init_timeout: float = 600.0,
                  token: Optional[str] = None) -> None:
@@ -61,17 +112,45 @@ class ControlClient:
         self.init_timeout = init_timeout
         self.session = requests.Session()
         self.session.trust_env = False  # never route ring control traffic through a proxy
-        if token:
-            self.session.headers["Authorization"] = "Bearer " + token
+        self.auth = HmacAuth(token) if token else None
+        self.session.auth = self.auth
 
     def _call(self, method: str, route: str, read_timeout: Optional[float] = None,
               **kwargs: Any) -> Dict[str, Any]:
+        read_timeout = read_timeout or self.connect_timeout
+        # A request goes out a second time only where the worker cannot have acted on the
+        # first: it closed the kept-alive connection as the request went out (GET and PUT
+        # only), or it refused the request's time stamp (then stamped by the worker's clock).
+        r = self._send(method, route, read_timeout, method in ("GET", "PUT"), **kwargs)
+        stamp = r.headers.get(TIME_HEADER) if r is not None else None
+        if r is None or (r.status_code == 401 and stamp and self.auth is not None
+                         and isinstance(kwargs.get("data"), (bytes, type(None)))):
+            if r is not None:
+                try:
+                    self.auth.offset = float(stamp) - time.time()
+                except ValueError:
+                    pass
+            r = self._send(method, route, read_timeout, False, **kwargs)
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code != 200 or not isinstance(body, dict) or not body.get("ok", True):
+            reason = body.get("error") if isinstance(body, dict) else None
+            raise NodeError("node %s (%s): %s %s failed with HTTP %d: %s"
+                            % (self.node.name, self.node.address, method, route, r.status_code,
+                               reason or r.text[:200].strip()), self.node.name)
+        return body
+
+    def _send(self, method: str, route: str, read_timeout: float, retry_dropped: bool,
+              **kwargs: Any) -> Optional[requests.Response]:
+        """The worker's answer; None when it closed the connection under a request that may go
+        again (`retry_dropped`); a NodeError subclass saying what happened otherwise."""
         what = "%s %s" % (method, route)
         where = "node %s (%s)" % (self.node.name, self.node.address)
-        read_timeout = read_timeout or self.connect_timeout
         try:
-            r = self.session.request(method, self.base + route, timeout=(self.connect_timeout, read_timeout),
-                                     **kwargs)
+            return self.session.request(method, self.base + route, timeout=(self.connect_timeout, read_timeout),
+                                        **kwargs)
         except requests.exceptions.ConnectTimeout as e:
             # Checked first: ConnectTimeout is also a ConnectionError. Nothing took the connection.
             raise NodeUnreachable("%s: %s failed: cannot connect within %g s (is the board up and reachable?)"
@@ -80,17 +159,10 @@ class ControlClient:
             if isinstance(e, requests.exceptions.Timeout) or _timed_out(e):
                 raise NodeTimeout("%s: %s timed out (no answer within %g s)" % (where, what, read_timeout),
                                   self.node.name) from e
+            if retry_dropped and _dropped(e):
+                return None
             raise NodeUnreachable("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
                                   % (where, what, self.node.port), self.node.name) from e
-        try:
-            body = r.json()
-        except ValueError:
-            body = {}
-        if r.status_code != 200 or not isinstance(body, dict) or not body.get("ok", True):
-            reason = body.get("error") if isinstance(body, dict) else None
-            raise NodeError("%s: %s failed with HTTP %d: %s"
-                            % (where, what, r.status_code, reason or r.text[:200].strip()), self.node.name)
-        return body
 
     def health(self) -> Dict[str, Any]:
         return self._call("GET", "/health")
@@ -108,8 +180,9 @@ class ControlClient:
         return self._call("POST", "/init", self.init_timeout, json=request.to_json())
 
     def push_weights(self, blob: bytes) -> Dict[str, Any]:
+        # Unsigned: the worker checks the bytes against the sha256 announced in /init.
         return self._call("POST", "/weights", self.init_timeout, data=blob,
-                          headers={"Content-Type": "application/octet-stream"})
+                          headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
 
     def stop(self, run_id: Optional[int] = None) -> Dict[str, Any]:
         """End the worker's run; with `run_id` only if that run holds it (never another starter's)."""

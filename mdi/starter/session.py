@@ -84,10 +84,15 @@ class RingSession:
             errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
             threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
                        for i in range(len(self.clients))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            configured = threading.Event()
+            threading.Thread(target=self._keepalive, args=(configured,), name="mdi-keepalive", daemon=True).start()
+            try:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            finally:
+                configured.set()
             failed = [e for e in errors if e is not None]
             if failed:
                 raise failed[0]
@@ -101,6 +106,20 @@ class RingSession:
             self.abort()  # the workers' runs end and our data port is free for the next ring
             raise
         return self.endpoint
+
+    def _keepalive(self, configured: threading.Event) -> None:
+        """While the workers load or receive their weights (minutes on a board), name this run
+        in /status polls: the heartbeat that keeps each worker's /init of it alive. The worker
+        cannot see a push arrive (its HTTP server hands the request over once all of it is
+        in), and another starter may take over a worker whose starter went silent."""
+        clients = [client_for(self.cfg, n) for n in self.workers]  # not shared with the pushing threads
+        interval = self.cfg.runtime.heartbeat_interval
+        while not configured.wait(interval):
+            for client in clients:
+                try:
+                    client.status(timeout=interval * 2, run_id=self.run_id)
+                except NodeError:
+                    pass  # the configuring thread reports what is wrong with this node
 
     def _await_ring(self) -> None:
         """Send a reset frame round until one comes back, before any sample enters the ring.

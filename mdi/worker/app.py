@@ -3,22 +3,27 @@
     GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
     pushes them), PUT /stop (?run=ID: only that run), POST /shutdown.
 
-Every request needs the shared token when one is set; a bad request is answered 400 with its
-reason, any other failure in JSON too (never an HTML error page).
+With a shared secret every request must be signed with it (`Authorization: MDI-HMAC ...`, see
+mdi/ring/auth.py; the secret itself never crosses the network) and is accepted once; a bad
+request is answered 400 with its reason, any other failure in JSON too (never an HTML error page).
 """
 import logging
+import time
 from typing import Any, Dict
 
 from flask import Flask, jsonify, request
 
 from mdi import __version__
-from mdi.ring.auth import token_matches
+from mdi.ring.auth import (CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthError, RequestVerifier,
+                           body_sha256)
+from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.worker.node import Worker
 
 log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 1 << 20
+MAX_BODY_BYTES = MAX_WEIGHTS_BYTES + SAFETENSORS_SLACK  # the largest /weights push (the server's limit)
 
 
 def create_app(worker: Worker) -> Flask:
@@ -35,10 +40,36 @@ def create_app(worker: Worker) -> Flask:
             raise RequestError("body is not valid JSON")
         return data
 
+    verifier = RequestVerifier(worker.token) if worker.token else None
+
+    def check_signature() -> None:
+        content = request.headers.get(CONTENT_HEADER)
+        query = request.query_string.decode("latin-1")
+        verifier.verify(request.method, request.path + ("?" + query if query else ""),
+                        request.headers.get("Authorization"), content)
+        if content == UNSIGNED_PAYLOAD:
+            # Only the weights push leaves its body out: it is checked against the sha256
+            # announced in the (signed) /init, while it streams in.
+            if (request.method, request.path) != ("POST", "/weights"):
+                raise AuthError("only POST /weights may leave its body unsigned")
+            return
+        if request.content_length is not None and request.content_length > MAX_JSON_BYTES:
+            raise AuthError("a signed body must be at most %d bytes" % MAX_JSON_BYTES)
+        body = request.get_data(cache=True) if request.content_length else b""
+        if body_sha256(body) != content:
+            raise AuthError("the body does not match its signed sha256")
+
     @app.before_request
     def authenticate():
-        if not token_matches(worker.token, request.headers.get("Authorization")):
-            return jsonify({"ok": False, "error": "missing or wrong token"}), 401
+        if verifier is None:
+            return None
+        try:
+            check_signature()
+        except AuthError as e:
+            reply = jsonify({"ok": False, "error": "missing or wrong token (%s)" % e})
+            if e.stale:  # signed with the secret, but our clocks disagree: say what ours reads
+                reply.headers[TIME_HEADER] = "%.3f" % time.time()
+            return reply, 401
         return None
 
     @app.errorhandler(RequestError)
@@ -60,10 +91,9 @@ def create_app(worker: Worker) -> Flask:
 
     @app.route("/status", methods=["GET"])
     def status():
-        # The starter's watchdog names its run: that poll is the heartbeat keeping the run alive.
-        run = worker.run
-        if run is not None and request.args.get("run") == str(run.id):
-            worker.touch()
+        # The starter names its run: that poll is the heartbeat keeping the run (or its /init
+        # waiting for weights) alive.
+        worker.heartbeat(request.args.get("run"))
         return jsonify(worker.status().to_json())
 
     @app.route("/init", methods=["POST"])

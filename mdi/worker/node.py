@@ -29,7 +29,7 @@ from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, decode
 from mdi.system.devices import resolve_compute_dtype
-from mdi.system.memory import available_memory_bytes, rss_bytes, unified_memory_bytes
+from mdi.system.memory import available_memory_bytes, board_memory, rss_bytes, unified_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,16 @@ class Worker:
 
     def touch(self) -> None:
         self.last_contact = time.monotonic()
+
+    def heartbeat(self, run_id: Optional[str]) -> None:
+        """GET /status?run=ID: a sign of life from the starter of the run, or of the /init
+        waiting for its weights, that holds this worker (a push can take minutes and the HTTP
+        server may hand it over only once all of it has arrived)."""
+        run, pending = self.run, self.pending
+        held = [str(run.id)] if run is not None else []
+        held += [str(pending.request.run_id)] if pending is not None else []
+        if run_id is not None and run_id in held:
+            self.touch()
 
     def _watch_starter(self) -> None:
         """End a run whose starter went silent (it died or lost the network): the caches are
@@ -461,6 +471,7 @@ class Worker:
         else:
             state = "idle"  # the counters, if any, are the last run's
         cache = chunk.cache if chunk is not None else None
+        board = board_memory()  # tegrastats' unified RAM on a Jetson, else /proc/meminfo (the dashboard)
         reply = StatusReply(
             state=state, version=__version__, port=self.port,
             layers=list(loaded.layers) if loaded else None,
@@ -469,7 +480,9 @@ class Worker:
             threads=self.threads or torch.get_num_threads(),
             # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
             memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=available_memory_bytes(),
-                              max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk)),
+                              max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk),
+                              unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
+                              board_total_bytes=board["total_bytes"], board_source=board["source"]),
             cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
             error=run.error if run else None)
         if run is not None:

@@ -1,0 +1,180 @@
+"""The HTTP server under the worker's control plane and `mdi-start --serve`: waitress, a
+production pure-Python WSGI server, with bounded connections and idle timeouts.
+
+waitress reads every request on one event-loop thread and hands only complete requests to
+its worker threads, so a connection that sends nothing (or its headers a byte at a time)
+costs a file descriptor, never a thread. File descriptors are bounded too: at most
+`max_connections` connections are kept (fewer when the open-file limit is low: a reserve stays
+free for the model's files, zmq's sockets and logs). When a new connection arrives and all are
+taken, one with no request running is closed to make room: first those that never sent a
+whole request, then the one idle longest; any connection idle for `idle_timeout` seconds is
+closed anyway. So idle connections cannot starve the control plane: a real client's
+connection is accepted at once and the request it sends right away is served. (werkzeug's
+development server starts a thread per connection and has no timeouts: 1100 idle
+connections against a worker limited to 1024 open files blocked every new run.)
+
+    server = HttpServer(app, host, port, threads=8)   # listening on return (OSError if it cannot)
+    server.start()                                    # serves on a thread of its own
+    server.close(grace=1.0)                           # lets running requests finish, then stops
+"""
+import heapq
+import logging
+import resource
+import socket
+import threading
+import time
+from typing import Any, Callable, Optional  # noqa: F401  (type comments)
+
+log = logging.getLogger(__name__)
+
+FD_RESERVE = 128  # open files kept free for everything but HTTP connections
+BURST = 8  # connections accepted past the limit before the idlest ones have been closed
+
+
+def connection_cap(wanted: int, threads: int) -> int:
+    """`wanted`, lowered so that connections never exhaust the process's open-file limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(8, min(wanted, soft - FD_RESERVE - threads - BURST))
+
+
+def _server_class():
+    from waitress.channel import HTTPChannel
+    from waitress.server import TcpWSGIServer
+
+    class Channel(HTTPChannel):
+        served = False  # has completed a request: closed after those that never did
+
+        def service(self) -> None:
+            self.served = True
+            super().service()
+
+    class EvictingServer(TcpWSGIServer):
+        """waitress stops accepting at its connection limit, which leaves a real client queued
+        behind idle connections until they time out; this one closes the idlest instead
+        (first those that never sent a whole request)."""
+
+        channel_class = Channel
+
+        def readable(self) -> bool:
+            now = time.time()
+            if now >= self.next_channel_cleanup:
+                self.next_channel_cleanup = now + self.adj.cleanup_interval
+                self.maintenance(now)  # closes connections idle for channel_timeout
+            if not self.accepting:
+                return False
+            excess = len(self.active_channels) + 1 - self.adj.connection_limit
+            if excess > 0:
+                idle = [c for c in self.active_channels.values() if not c.requests and not c.will_close]
+                for channel in heapq.nsmallest(excess, idle, key=lambda c: (c.served, c.total_outbufs_len > 0,
+                                                                              c.last_activity)):
+                    channel.will_close = True  # closed in this turn of the loop (it is writable)
+            return len(self.active_channels) < self.adj.connection_limit + BURST
+
+    return EvictingServer
+
+
+class HttpServer:
+    """One listening socket served by waitress on a thread; see the module's docstring.
+
+    Every write leaves at once (server-sent events: each token when it is generated).
+    client_gone: fill `environ["waitress.client_disconnected"]` (waitress checks for a closed
+    connection while a request runs, which needs it to read ahead one request).
+    """
+
+    def __init__(self, app: Callable, host: str, port: int, name: str = "http", threads: int = 8,
+                 max_connections: int = 128, idle_timeout: int = 30, max_body_bytes: int = 1 << 30,
+                 client_gone: bool = False) -> None:
+        from waitress.adjustments import Adjustments
+        from waitress.task import ThreadedTaskDispatcher
+        self.name = name
+        try:
+            adj = Adjustments(
+                host=host, port=port, threads=threads, ident="mdi",
+                connection_limit=connection_cap(max_connections, threads),
+                channel_timeout=idle_timeout, cleanup_interval=max(1, min(5, idle_timeout // 2)),
+                backlog=1024, asyncore_use_poll=True,  # select() fails on descriptors past 1023
+                max_request_body_size=max_body_bytes,
+                channel_request_lookahead=1 if client_gone else 0, log_socket_errors=False)
+        except ValueError as e:  # an address that does not resolve
+            raise OSError("%s (%s)" % (e, host)) from None
+        adj.send_bytes = 1  # flush each write at once: waitress's default, a deprecated option
+        # One address (as the development server did): IPv4 first when a name has both.
+        listen = sorted(adj.listen, key=lambda info: info[0] != socket.AF_INET)[0]
+        dispatcher = ThreadedTaskDispatcher()
+        dispatcher.set_thread_count(threads)
+        self._map = {}  # type: dict
+        try:
+            self.server = _server_class()(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
+        except BaseException:
+            dispatcher.shutdown(timeout=1)
+            raise
+        self.host, self.port = self.server.effective_host, int(self.server.effective_port)
+        self.connection_limit = adj.connection_limit
+        self._state = "new"  # new -> running -> draining -> closed; only the loop thread acts on it
+        self._drain_until = 0.0
+        self._thread = None  # type: Optional[threading.Thread]
+
+    def start(self) -> "HttpServer":
+        self._state = "running"
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, grace: float = 1.0) -> None:
+        """Stop accepting, give running requests `grace` seconds to finish and their answers
+        to leave, then close every connection and stop the threads."""
+        if self._thread is None:
+            self._close_all()
+            return
+        if self._state == "running":
+            self._drain_until = time.monotonic() + grace
+            self._state = "draining"
+            self.server.pull_trigger()  # wake the loop
+        self._thread.join(grace + 10)
+
+    # --- the loop thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        from waitress import wasyncore
+        server = self.server
+        try:
+            while self._state == "running":
+                wasyncore.loop(timeout=1.0, use_poll=True, map=self._map, count=1)
+            server.accepting = False
+            server.del_channel(self._map)  # the listening socket: no new connections
+            server.socket.close()
+            while time.monotonic() < self._drain_until and self._busy():
+                wasyncore.loop(timeout=0.05, use_poll=True, map=self._map, count=1)
+        except Exception:
+            log.exception("%s: the HTTP server loop failed", self.name)
+        finally:
+            self._close_all()
+
+    def _busy(self) -> bool:
+        return any(c.requests or c.total_outbufs_len for c in list(self.server.active_channels.values()))
+
+    def _close_all(self) -> None:
+        for obj in list(self._map.values()):
+            try:
+                if obj is self.server.trigger:
+                    continue
+                if obj is self.server:
+                    obj.socket.close()
+                    obj.del_channel(self._map)
+                else:
+                    obj.handle_close()  # wakes a request thread waiting to write to it
+            except Exception:  # closing anyway
+                pass
+        try:
+            self.server.trigger.close()
+        except Exception:
+            pass
+        self._state = "closed"
+        self.server.task_dispatcher.shutdown(cancel_pending=True, timeout=5)
+
+    def __enter__(self) -> "HttpServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
