@@ -70,7 +70,9 @@ class LocalLoop:
 
 
 class RingEndpoint:
-    """One node's data plane. send/recv/flush are for one caller thread: the compute loop."""
+    """One node's data plane. send/recv/flush are for one caller thread: the compute loop.
+    `password`: the run's data-plane secret (`ring_password`), which only seeds the run's CURVE
+    keys and is never sent; None: no authentication, no encryption."""
 
     def __init__(self, name: str, bind_host: str, bind_port: int,
                  validate: Callable[[List[zmq.Frame]], Frame], password: Optional[str] = None) -> None:
