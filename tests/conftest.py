@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random models saved as mdi directories, and real worker processes."""
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
+import requests
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,3 +83,60 @@ def workers():
     finally:
         for w in procs:
             w.stop()
+
+
+class ServeProcess:
+    """`mdi-start --config C --serve --port P` as a subprocess (a free port unless given); its
+    output in $TMPDIR/mdi-serve-P.log (see output()); `token` goes on this client's requests."""
+
+    def __init__(self, config: str, env=None, token=None, port=None) -> None:
+        self.port = port or free_ports(1)[0]
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.headers = {"Authorization": "Bearer " + token} if token else {}
+        self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-serve-%d.log" % self.port)
+        self.log = open(self.log_path, "w+")
+        self.proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", config, "--serve",
+                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServeProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited with %s: %s" % (self.proc.returncode, self.output()))
+            try:
+                if requests.get(self.url + "/health", headers=self.headers, timeout=2).ok:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server not ready in %.0f s: %s" % (timeout, self.output()))
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def get(self, route: str, auth: bool = True, **kw):
+        return requests.get(self.url + route, headers=self.headers if auth else {}, timeout=30, **kw)
+
+    def metrics(self) -> dict:
+        out = {}
+        for line in self.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> int:
+        """SIGTERM (the server stops its ring), SIGKILL if it does not exit; its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+        return self.proc.returncode
+

@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from conftest import BIN, ROOT, WorkerProcess, free_ports
+from conftest import ServeProcess as Server
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m")
 SECRET = "dashboard-test-secret-7f3a"
@@ -182,60 +183,6 @@ def ask(driver, question, max_tokens):
 
 
 # --------------------------------------------------------------------------- the ring
-
-class Server:
-    """`mdi-start --config C --serve --port P` as a subprocess, with the shared secret."""
-
-    def __init__(self, config, env, token, port):
-        self.port = port
-        self.url = "http://127.0.0.1:%d" % self.port
-        self.headers = {"Authorization": "Bearer " + token}
-        self.log_path = os.path.join(tempfile.gettempdir(), "mdi-dashboard-serve-%d.log" % self.port)
-        self.log = open(self.log_path, "w+")
-        self.proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", config, "--serve",
-                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout=180.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited with %s: %s" % (self.proc.returncode, self.output()))
-            try:
-                if requests.get(self.url + "/health", headers=self.headers, timeout=2).ok:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("server not ready in %.0f s: %s" % (timeout, self.output()))
-
-    def output(self):
-        if not self.log.closed:
-            self.log.flush()
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def get(self, route, auth=True, **kw):
-        return requests.get(self.url + route, headers=self.headers if auth else {}, timeout=30, **kw)
-
-    def metrics(self):
-        out = {}
-        for line in self.get("/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
-        return self.proc.returncode
-
 
 class Ring:
     def __init__(self, server, workers):

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -16,6 +15,7 @@ import requests
 import torch
 
 from conftest import BIN, CHARS, free_ports, tiny_config
+from conftest import ServeProcess as Server
 from mdi.starter import batch
 from mdi.model.store import save_model_dir
 from mdi.runconfig import parse_config
@@ -42,56 +42,6 @@ def model(tmp_path_factory):
     save_model_dir(path, net.config, net.state_dict(), "tests/test_serve.py")
     char_tokenizer(CHARS).save(path)
     return path
-
-
-class Server:
-    """`mdi-start --config C --serve` as a subprocess."""
-
-    def __init__(self, config: str, env=None, token=None) -> None:
-        self.port = free_ports(1)[0]
-        self.url = "http://127.0.0.1:%d" % self.port
-        self.headers = {"Authorization": "Bearer " + token} if token else {}
-        self.log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-serve-%d.log" % self.port), "w+")
-        self.proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", config, "--serve",
-                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 90.0) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited with %s: %s" % (self.proc.returncode, self.output()))
-            try:
-                if requests.get(self.url + "/health", headers=self.headers, timeout=2).ok:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server not ready in %.0f s: %s" % (timeout, self.output()))
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def metrics(self) -> dict:
-        text = requests.get(self.url + "/metrics", headers=self.headers, timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

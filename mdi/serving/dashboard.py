@@ -22,7 +22,8 @@ from werkzeug.exceptions import HTTPException
 
 from mdi.ring.auth import is_loopback, token_matches
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.serving.metrics import Observer, Stats, metrics_text
+from mdi.serving.metrics import Observer, Stats
+from mdi.serving.prometheus import metrics_text
 from mdi.serving.streaming import finish_reason_of
 
 log = logging.getLogger(__name__)

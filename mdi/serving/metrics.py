@@ -1,5 +1,5 @@
 """What the starter knows about the ring, as one snapshot: GET /metrics renders it in
-Prometheus' text format (`metrics_text`), GET /v1/mdi/state returns it as JSON (the dashboard
+Prometheus' text format (`mdi.serving.prometheus.metrics_text`), GET /v1/mdi/state returns it as JSON (the dashboard
 polls it), so both always show the same numbers.
 
 - `Stats`: the scheduler's counters (tokens, requests, the starter's own frames and compute),
@@ -353,76 +353,3 @@ class Observer:
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
         })
         return entry
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
-
-
-class _Exposition:
-    """Prometheus' text format, one metric family at a time."""
-
-    def __init__(self) -> None:
-        self.lines = []  # type: List[str]
-
-    def add(self, name: str, kind: str, text: str, samples: List[Tuple[str, Any]]) -> None:
-        samples = [(labels, v) for labels, v in samples if v is not None]
-        if not samples:
-            return
-        self.lines.append("# HELP %s %s" % (name, text))
-        self.lines.append("# TYPE %s %s" % (name, kind))
-        for labels, value in samples:
-            if isinstance(value, bool):
-                value = int(value)
-            self.lines.append("%s%s %s" % (name, labels, repr(float(value)) if isinstance(value, float) else value))
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def metrics_text(snap: Dict[str, Any]) -> str:
-    """A snapshot (`Observer.snapshot`) in Prometheus' text format."""
-    ring = [n for n in snap["nodes"] if n["role"] in ("starter", "worker")]
-
-    def per_node(key: str, nodes: Optional[List[Dict[str, Any]]] = None) -> List[Tuple[str, Any]]:
-        return [('{node="%s"}' % _label(n["name"]), n.get(key)) for n in (ring if nodes is None else nodes)]
-
-    out = _Exposition()
-    out.add("mdi_up", "gauge", "1 while the ring is up and serving.", [("", 1 if snap["serving"] else 0)])
-    out.add("mdi_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
-            [("", snap["tokens_per_second"])])
-    out.add("mdi_generated_tokens_total", "counter", "Tokens generated.", [("", snap["tokens_total"])])
-    out.add("mdi_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-            [("", snap["prompt_tokens_total"])])
-    out.add("mdi_samples_in_flight", "gauge", "Samples holding a KV cache slot on the ring.", [("", snap["in_flight"])])
-    out.add("mdi_slots", "gauge", "Samples in flight at most (KV cache slots per node).", [("", snap["slots"])])
-    out.add("mdi_queue_length", "gauge", "Requests waiting for a slot.", [("", snap["queue_length"])])
-    out.add("mdi_requests_total", "counter", "Finished requests by finish reason.",
-            [('{finish_reason="%s"}' % r, n) for r, n in sorted(snap["requests"].items())])
-    out.add("mdi_request_duration_seconds", "summary", "Arrival to last token.",
-            [("_sum", snap["latency_sum"]), ("_count", snap["latency_count"])])
-    out.add("mdi_time_to_first_token_seconds", "summary", "Arrival to first token.",
-            [("_sum", snap["ttft_sum"]), ("_count", snap["ttft_count"])])
-    out.add("mdi_time_to_first_token_recent_seconds", "gauge",
-            "Mean time to first token of the requests whose first token came in the last 10 s.",
-            [("", snap["ttft_recent_seconds"])])
-    out.add("mdi_token_interval_seconds", "gauge", "Mean time between two tokens of one sample (recent).",
-            [("", snap["token_interval_seconds"])])
-    out.add("mdi_recoveries_total", "counter", "Times the ring was re-planned after a node failure.",
-            [("", len(snap["recoveries"]))])
-    out.add("mdi_node_step_seconds", "gauge", "Compute seconds per frame on each node (recent mean; workers "
-            "that report compute_seconds).", per_node("step_seconds"))
-    out.add("mdi_node_busy_ratio", "gauge", "Share of the last 5 s each node spent computing.", per_node("busy_share"))
-    out.add("mdi_node_frames_per_second", "gauge", "Frames each node computed per second (last 5 s).",
-            per_node("frames_per_second"))
-    out.add("mdi_node_frames_total", "counter", "Frames each node computed.", per_node("frames"))
-    out.add("mdi_node_compute_seconds_total", "counter", "Seconds each node spent computing frames.",
-            per_node("compute_seconds"))
-    out.add("mdi_node_sent_bytes_total", "counter", "Data-plane bytes each node sent.", per_node("bytes_sent"))
-    out.add("mdi_node_memory_used_bytes", "gauge", "Memory each node's process holds (RSS, plus CUDA "
-            "allocations where it reports them).", per_node("memory_used_bytes"))
-    out.add("mdi_node_memory_limit_bytes", "gauge", "Memory each node's process may grow to (--max-memory, "
-            "else what it holds plus MemAvailable).", per_node("memory_limit_bytes"))
-    out.add("mdi_node_up", "gauge", "1 when the node answered /status (workers, replaced nodes and spares).",
-            per_node("reachable", snap["nodes"]))
-    return out.text()

@@ -10,7 +10,7 @@ With a shared secret every request is signed (`HmacAuth`); the secret itself is 
 """
 import socket
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 from urllib.parse import unquote
 
 import requests
@@ -38,41 +38,38 @@ class NodeTimeout(NodeError):
     """The node took the connection but did not answer in time: it may only be slow."""
 
 
-def _timed_out(error: BaseException) -> bool:
-    """Whether a timeout lies under `error`. requests reports a peer that stops reading our
-    request body, or stops mid-reply, as a ConnectionError wrapping the socket timeout."""
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error` and every exception under it (args, __cause__, __context__), once each. A failed
+    connection (NewConnectionError) is yielded but not looked into: nothing was sent on it."""
     todo, seen = [error], set()
     while todo:
         e = todo.pop()
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, urllib3.exceptions.NewConnectionError):
-            continue  # no connection at all (urllib3 derives it from ConnectTimeoutError: skip it)
-        # socket.timeout is TimeoutError only from Python 3.10 on: name both.
-        if isinstance(e, (socket.timeout, TimeoutError, urllib3.exceptions.ReadTimeoutError)):
-            return True
-        todo += [a for a in e.args if isinstance(a, BaseException)]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return False
+        yield e
+        if not isinstance(e, urllib3.exceptions.NewConnectionError):
+            todo += [a for a in e.args if isinstance(a, BaseException)]
+            todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a timeout lies under `error`. requests reports a peer that stops reading our
+    request body, or stops mid-reply, as a ConnectionError wrapping the socket timeout.
+    urllib3 derives "connection refused" (NewConnectionError) from its connect timeout: not one."""
+    # socket.timeout is TimeoutError only from Python 3.10 on: name both.
+    return any(isinstance(e, (socket.timeout, TimeoutError, urllib3.exceptions.ReadTimeoutError))
+               and not isinstance(e, urllib3.exceptions.NewConnectionError) for e in _causes(error))
 
 
 def _dropped(error: BaseException) -> bool:
     """Whether `error` is a kept-alive connection the worker closed (it closes idle ones) just
     as a request went out on it: nothing was processed, so asking again is safe."""
-    todo, seen = [error], set()
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, urllib3.exceptions.NewConnectionError):
-            return False
-        if isinstance(e, (ConnectionResetError, BrokenPipeError)) or type(e).__name__ == "RemoteDisconnected":
-            return True
-        todo += [a for a in e.args if isinstance(a, BaseException)]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return False
+    causes = list(_causes(error))
+    if any(isinstance(e, urllib3.exceptions.NewConnectionError) for e in causes):
+        return False
+    return any(isinstance(e, (ConnectionResetError, BrokenPipeError)) or type(e).__name__ == "RemoteDisconnected"
+               for e in causes)
 
 
 class HmacAuth(requests.auth.AuthBase):
