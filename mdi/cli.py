@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
@@ -268,34 +268,23 @@ def summary_line(result) -> str:
             % (result.n_tokens, result.elapsed, result.tokens_per_s, len(result.samples), len(result.nodes)))
 
 
-def _tcp_port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:  # the OS would take 80000 modulo 65536 and bind another port
-        raise argparse.ArgumentTypeError("expected a TCP port 1-65535, got %r" % text)
-    return port
+def _arg_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse `type=`: `convert`, then `ok`, else argparse's one-line usage error."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError("expected %s, got %r" % (expected, text))
+        return value
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError("expected an integer >= 1, got %r" % text)
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError("expected a number > 0, got %r" % text)
-    return value
+# The OS would take port 80000 modulo 65536 and bind another port.
+_tcp_port = _arg_type(int, lambda p: 1 <= p <= 65535, "a TCP port 1-65535")
+_positive_int = _arg_type(int, lambda v: v >= 1, "an integer >= 1")
+_positive_float = _arg_type(float, lambda v: 0 < v < float("inf"), "a number > 0")  # NaN fails too
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

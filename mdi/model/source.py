@@ -69,19 +69,24 @@ def _raw_tokenizer(path: str) -> Optional[Tokenizer]:
     return None
 
 
+def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
+                 dtype: torch.dtype, device: str) -> ModelChunk:
+    """A chunk with uninitialised `dtype` parameters on `device` (no throwaway random
+    initialisation) and real RoPE tables, ready to be filled with weights."""
+    with torch.device("meta"):
+        chunk = ModelChunk(config, first, last, with_embedding, with_head)
+    chunk = chunk.to(dtype=dtype).to_empty(device=device)
+    if chunk.rope is not None:  # its buffers were on meta: compute them for real
+        from mdi.model.transformer import RotaryEmbedding
+        chunk.rope = RotaryEmbedding(config).to(device)
+    return chunk
+
+
 def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: int, last: int,
                 with_embedding: bool, with_head: bool, dtype: torch.dtype, device: str,
                 compute_dtype: Optional[torch.dtype] = None) -> ModelChunk:
-    with torch.device("meta"):
-        chunk = ModelChunk(config, first, last, with_embedding, with_head)
-    # Materialise on the target device without a throwaway random initialisation.
-    chunk = chunk.to_empty(device=device)
+    chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device)
     chunk.load_weights({k: v.to(dtype) for k, v in weights.items()})
-    chunk.to(dtype=dtype)
-    # Buffers (RoPE tables) were on meta: recompute them for real.
-    if chunk.rope is not None:
-        from mdi.model.transformer import RotaryEmbedding
-        chunk.rope = RotaryEmbedding(config).to(device)
     chunk.compute_dtype = compute_dtype if compute_dtype != dtype else None
     return chunk.eval()
 
@@ -92,11 +97,6 @@ def build_chunk_from_file(config: ModelConfig, fn: str, first: int, last: int, d
     file `fn` tensor by tensor into its parameters: peak memory is the chunk plus its largest
     tensor, never a second copy of the weights (store.read_tensors_into). `exact`: the file
     holds exactly these tensors (a pushed chunk); else it may hold more (a full model)."""
-    with torch.device("meta"):
-        chunk = ModelChunk(config, first, last, False, False)
-    chunk = chunk.to(dtype=dtype).to_empty(device=device)
+    chunk = _empty_chunk(config, first, last, False, False, dtype, device)
     store.read_tensors_into(fn, chunk.state_dict(), exact=exact)  # detached views of the parameters
-    if chunk.rope is not None:  # its tables were on meta: compute them for real, as build_chunk does
-        from mdi.model.transformer import RotaryEmbedding
-        chunk.rope = RotaryEmbedding(config).to(device)
     return chunk.eval()

@@ -143,7 +143,7 @@ class RequestVerifier:
 def ring_password(token: str, run_id: int) -> str:
     """The per-run data-plane secret: never sent, it only seeds the run's CURVE keys
     (`ring_keys`), so a node must know the token and the current run to join the ring."""
-    return hmac.new(token.encode(), b"mdi-ring-%d" % run_id, hashlib.sha256).hexdigest()
+    return _derive(token, b"mdi-ring-%d" % run_id).hex()
 
 
 class RingKeys(NamedTuple):

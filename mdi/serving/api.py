@@ -32,10 +32,9 @@ from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from mdi.model.source import ModelSource
-from mdi.ring.auth import is_loopback, token_matches
+from mdi.ring.auth import is_loopback
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.serving.dashboard import (INFO_PATH, PUBLIC_ENDPOINTS, STATE_PATH, asset_response, info_response,
-                                   metrics_response, page_response, state_response)
+from mdi.serving.dashboard import register_dashboard
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
@@ -125,28 +124,16 @@ class Routes:
         self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
 
     def register(self, app: Flask) -> None:
-        app.before_request(self.check_token)
+        register_dashboard(app, self.observer, self.token, "serve")  # also the token rule for every route
         app.register_error_handler(ApiError, self.api_error)
         app.register_error_handler(HTTPException, self.http_error)
         app.register_error_handler(Exception, self.internal_error)
         app.add_url_rule("/health", "health", self.health, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self.models, methods=["GET"])
-        app.add_url_rule("/metrics", "metrics", self.metrics, methods=["GET"])
-        app.add_url_rule(STATE_PATH, "state", self.state, methods=["GET"])
-        app.add_url_rule(INFO_PATH, "info", self.info, methods=["GET"])
-        app.add_url_rule("/", "dashboard", self.dashboard, methods=["GET"])
-        app.add_url_rule("/ui/<name>", "asset", self.asset, methods=["GET"])
         app.add_url_rule("/v1/completions", "completions", self.completions, methods=["POST"])
         app.add_url_rule("/v1/chat/completions", "chat_completions", self.chat_completions, methods=["POST"])
 
-    # --- guards and errors -------------------------------------------------------------
-    def check_token(self) -> Optional[Response]:
-        if request.endpoint in PUBLIC_ENDPOINTS:
-            return None
-        if not token_matches(self.token, request.headers.get("Authorization")):
-            return _json(ApiError(401, "missing or wrong bearer token", code="invalid_api_key").body(), 401)
-        return None
-
+    # --- errors ----------------------------------------------------------------------
     def api_error(self, e: ApiError) -> Response:
         return _json(e.body(), e.status)
 
@@ -171,21 +158,6 @@ class Routes:
         return _json({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mdi",
              "max_model_len": self.sched.max_len}]})
-
-    def metrics(self) -> Response:
-        return metrics_response(self.observer)
-
-    def state(self) -> Response:
-        return state_response(self.observer)
-
-    def info(self) -> Response:
-        return info_response(self.token, "serve")
-
-    def dashboard(self) -> Response:
-        return page_response()
-
-    def asset(self, name: str) -> Response:
-        return asset_response(name)
 
     def completions(self) -> Response:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)

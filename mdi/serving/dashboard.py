@@ -25,6 +25,7 @@ from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.metrics import Observer, Stats
 from mdi.serving.prometheus import metrics_text
 from mdi.serving.streaming import finish_reason_of
+from mdi.serving.validation import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,28 @@ def metrics_response(observer: Observer) -> Response:
     return Response(metrics_text(observer.snapshot()), mimetype="text/plain; version=0.0.4; charset=utf-8")
 
 
+def error_response(e: ApiError) -> Response:
+    return Response(json.dumps(e.body()), status=e.status, mimetype="application/json")
+
+
+def register_dashboard(app: Flask, observer: Observer, token: Optional[str], mode: str) -> None:
+    """The page, its files and its data routes (/metrics too), behind the one token rule: every
+    route but the page's own (PUBLIC_ENDPOINTS) needs the shared secret. Used by `--serve`
+    (next to the OpenAI routes) and by a batch run's dashboard alone."""
+
+    def check_token() -> Optional[Response]:
+        if request.endpoint in PUBLIC_ENDPOINTS or token_matches(token, request.headers.get("Authorization")):
+            return None
+        return error_response(ApiError(401, "missing or wrong bearer token", code="invalid_api_key"))
+
+    app.before_request(check_token)
+    app.add_url_rule("/", "dashboard", page_response, methods=["GET"])
+    app.add_url_rule("/ui/<name>", "asset", asset_response, methods=["GET"])
+    app.add_url_rule(INFO_PATH, "info", lambda: info_response(token, mode), methods=["GET"])
+    app.add_url_rule(STATE_PATH, "state", lambda: state_response(observer), methods=["GET"])
+    app.add_url_rule("/metrics", "metrics", lambda: metrics_response(observer), methods=["GET"])
+
+
 # --------------------------------------------------------------------------- a batch run's view
 
 class BatchMonitor:
@@ -158,57 +181,22 @@ class BatchMonitor:
         self.error = error
 
 
-class DashboardRoutes:
-    """The dashboard's routes alone (a batch run): /, /ui/<name>, /v1/mdi/info, /v1/mdi/state,
-    /metrics, /health; the same token rule and error shape as the serving API."""
+def batch_dashboard_app(observer: Observer, token: Optional[str]) -> Flask:
+    """A batch run's dashboard alone: the dashboard's routes plus /health, errors in the same shape."""
+    app = Flask("mdi-dashboard")
+    register_dashboard(app, observer, token, "batch")
 
-    def __init__(self, observer: Observer, token: Optional[str]) -> None:
-        self.observer, self.token = observer, token
+    def http_error(e: HTTPException) -> Response:
+        return error_response(ApiError(e.code or 500, "%s %s: %s" % (request.method, request.path, e.name)))
 
-    def register(self, app: Flask) -> None:
-        app.before_request(self.check_token)
-        app.register_error_handler(HTTPException, self.http_error)
-        app.add_url_rule("/", "dashboard", self.dashboard, methods=["GET"])
-        app.add_url_rule("/ui/<name>", "asset", self.asset, methods=["GET"])
-        app.add_url_rule(INFO_PATH, "info", self.info, methods=["GET"])
-        app.add_url_rule(STATE_PATH, "state", self.state, methods=["GET"])
-        app.add_url_rule("/metrics", "metrics", self.metrics, methods=["GET"])
-        app.add_url_rule("/health", "health", self.health, methods=["GET"])
-
-    def check_token(self) -> Optional[Response]:
-        if request.endpoint in PUBLIC_ENDPOINTS:
-            return None
-        if not token_matches(self.token, request.headers.get("Authorization")):
-            return _error(401, "missing or wrong bearer token", "invalid_api_key")
-        return None
-
-    def http_error(self, e: HTTPException) -> Response:
-        return _error(e.code or 500, "%s %s: %s" % (request.method, request.path, e.name))
-
-    def dashboard(self) -> Response:
-        return page_response()
-
-    def asset(self, name: str) -> Response:
-        return asset_response(name)
-
-    def info(self) -> Response:
-        return info_response(self.token, "batch")
-
-    def state(self) -> Response:
-        return state_response(self.observer)
-
-    def metrics(self) -> Response:
-        return metrics_response(self.observer)
-
-    def health(self) -> Response:
-        view = self.observer.view
+    def health() -> Response:
+        view = observer.view
         body = {"ok": view.state in ("starting", "running", "done"), "state": view.state, "error": view.error}
         return Response(json.dumps(body), status=200 if body["ok"] else 503, mimetype="application/json")
 
-
-def _error(status: int, message: str, code: Optional[str] = None) -> Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    return Response(json.dumps(body), status=status, mimetype="application/json")
+    app.register_error_handler(HTTPException, http_error)
+    app.add_url_rule("/health", "health", health, methods=["GET"])
+    return app
 
 
 def dashboard_address(cfg: RunConfig, port: Optional[int], host: Optional[str], insecure: bool) -> Tuple[str, int]:
@@ -231,8 +219,7 @@ class BatchDashboard:
     def __init__(self, cfg: RunConfig, monitor: BatchMonitor, model_id: str, host: str, port: int) -> None:
         from mdi.system.http_server import HttpServer
         self.monitor = monitor
-        app = Flask("mdi-dashboard")
-        DashboardRoutes(Observer(monitor, model_id, cfg.runtime.token), cfg.runtime.token).register(app)
+        app = batch_dashboard_app(Observer(monitor, model_id, cfg.runtime.token), cfg.runtime.token)
         try:
             self.server = HttpServer(app, host, port, "mdi-dashboard", threads=8, max_connections=64)
         except OSError as e:
