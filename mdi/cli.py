@@ -13,7 +13,8 @@ from typing import Any, Callable, List, Optional
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.system.files import write_json
-from mdi.runconfig import ConfigError, GenerationSpec, ModelSpec, RunConfig, RuntimeSpec, NodeSpec, load_config
+from mdi.runconfig import (ConfigError, GenerationSpec, ModelSpec, NodeSpec, RunConfig, RuntimeSpec, check_quant,
+                           load_config)
 
 EXIT_CONFIG = 2
 EXIT_RUN = 1
@@ -61,6 +62,8 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
                         "float32 compute on GPUs without fast half arithmetic such as the TX2)")
+    add_quant_arguments(p)
+    add_kernel_argument(p)
     p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
     p.add_argument("--threads", type=int, help="torch threads on the starter")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
@@ -82,6 +85,14 @@ def start_parser() -> argparse.ArgumentParser:
                                             "node's port)")
     p.add_argument("--insecure", action="store_true",
                    help="with --serve or --dashboard: allow a non-loopback --host without a shared secret")
+    p.add_argument("--perplexity", metavar="FILE.txt",
+                   help="measure the model's perplexity on this UTF-8 text file instead of generating (as llama.cpp's "
+                        "llama-perplexity does: windows of --ppl-ctx tokens, the second half of each scored), "
+                        "standalone or over the ring; prints perplexity and tokens/s")
+    p.add_argument("--ppl-ctx", type=_positive_int, metavar="N",
+                   help="with --perplexity: window length in tokens (default: the model's context, at most 512)")
+    p.add_argument("--ppl-max-windows", type=_positive_int, metavar="N",
+                   help="with --perplexity: score only the first N windows")
     return p
 
 
@@ -104,6 +115,15 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.model.dtype = args.dtype
     if args.compute_dtype:
         cfg.model.compute_dtype = args.compute_dtype
+    if args.quant:
+        cfg.model.quant = args.quant
+        for node in cfg.nodes:  # the flag is for the whole ring
+            node.quant = None
+    if args.group_size:
+        cfg.model.group_size = args.group_size
+    if args.quant_kernel:
+        cfg.runtime.quant_kernel = args.quant_kernel
+    check_quant("--quant", cfg.model)
     if args.device:
         cfg.starter.device = args.device
     if args.threads:
@@ -149,6 +169,10 @@ def _start(args: argparse.Namespace, batch) -> int:
         cfg = _config_from_args(args)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
+        if args.perplexity is not None:
+            return _perplexity(cfg, args)
+        if args.ppl_ctx is not None or args.ppl_max_windows is not None:
+            raise ConfigError("--ppl-ctx and --ppl-max-windows go with --perplexity FILE")
         if args.check:
             from mdi.starter.preflight import preflight
             return preflight(cfg, args.prompt or cfg.generation.prompts)
@@ -228,6 +252,38 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
     return serve(cfg, insecure=args.insecure)
 
 
+def _perplexity(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """`--perplexity FILE`: score the file, print perplexity and tokens/s, write --metrics-out."""
+    for flag, given in (("--check", args.check), ("--serve", args.serve), ("--dashboard", args.dashboard is not None),
+                        ("--prompt", bool(args.prompt)), ("--n-samples", args.n_samples is not None),
+                        ("--n-tokens", args.n_tokens is not None)):
+        if given:
+            raise ConfigError("%s does not go with --perplexity" % flag)
+    from mdi.starter import perplexity
+    progress = PerplexityProgress() if sys.stderr.isatty() else None
+    try:
+        result = perplexity.run(cfg, args.perplexity, args.ppl_ctx, args.ppl_max_windows, on_window=progress)
+    except perplexity.PerplexityFailed as e:
+        if progress is not None:
+            progress.close()
+        _report_perplexity(e.result, args)  # the windows scored so far are not lost
+        return _fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
+    if progress is not None:
+        progress.close()
+    _report_perplexity(result, args)
+    return 0
+
+
+def _report_perplexity(result, args: argparse.Namespace) -> None:
+    if result.n_windows:
+        print("mdi: perplexity %.4f over %d windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, %d nodes%s"
+              % (result.perplexity, result.n_windows, result.ctx, result.n_scored, result.elapsed,
+                 result.tokens_per_s, len(result.nodes), ", partial" if "error" in result.extra else ""),
+              flush=True)
+    if args.metrics_out:
+        write_json(args.metrics_out, result.metrics())
+
+
 class Progress:
     """One self-overwriting line on a terminal while a batch run generates (on_token callback)."""
 
@@ -250,6 +306,20 @@ class Progress:
     def close(self) -> None:
         if self.shown > self.t0:  # something was drawn: leave the line clean for what follows
             sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+class PerplexityProgress(Progress):
+    """The progress line of a --perplexity run (its on_window callback)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 0)
+
+    def __call__(self, done: int, total: int, ppl: float, tokens_per_s: float) -> None:  # type: ignore[override]
+        now = time.monotonic()
+        if now - self.shown >= self.EVERY or done == total:
+            self.shown = now
+            sys.stderr.write("\rmdi: window %d/%d, perplexity %.4f, %.1f tokens/s " % (done, total, ppl, tokens_per_s))
             sys.stderr.flush()
 
 
@@ -365,7 +435,27 @@ def prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
                    help="also cut per-node chunk files for this partition (layer counts); repeatable")
     p.add_argument("--vocab", help="JSON list of characters (character-level nanoGPT models)")
+    add_quant_arguments(p)
     return p
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    from mdi.model.layout import INT4_GROUPS, QUANT_MODES
+    p.add_argument("--quant", choices=QUANT_MODES,
+                   help="weights in memory, on disk and on the wire: none (float), int8, int4, or auto (the "
+                        "default: a GGUF's own precision class, Q8_0 -> int8, Q4_* -> int4; float stays float)")
+    p.add_argument("--group-size", type=_arg_type(int, lambda v: v >= 2, "an integer >= 2"), metavar="G",
+                   help="with --quant int8/int4: values sharing one scale (int4: %s, default 32; int8: default "
+                        "one scale per output channel)" % "/".join(str(g) for g in INT4_GROUPS))
+
+
+def add_kernel_argument(p: argparse.ArgumentParser) -> None:
+    from mdi.model.qkernels import POLICY_NAMES
+    p.add_argument("--quant-kernel", choices=POLICY_NAMES, metavar="POLICY",
+                   help="how quantized layers multiply (runtime.quant_kernel): exact (default: float32 maths, the "
+                        "same numbers as the dequantized model), fast (also bfloat16 packed kernels, measured per "
+                        "shape: several times faster on CPU, ~1%% logit error), or a kernel: "
+                        + ", ".join(POLICY_NAMES[2:]))
 
 
 def prepare_main(argv: Optional[List[str]] = None) -> int:
@@ -375,7 +465,7 @@ def prepare_main(argv: Optional[List[str]] = None) -> int:
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
     out = args.out or os.path.join("models", name)
     try:
-        prepare.prepare(args.source, out, args.chunks, args.vocab)
+        prepare.prepare(args.source, out, args.chunks, args.vocab, args.quant or "auto", args.group_size)
     except (CheckpointError, TokenizerError, OSError, ValueError) as e:
         print("mdi-prepare: error: %s" % e, file=sys.stderr)
         return EXIT_CONFIG

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from mdi.model.layout import DTYPE_NAMES, balanced
+from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, balanced
+from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
 
 DEFAULT_HTTP_PORT = 8080
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
@@ -29,6 +30,7 @@ class NodeSpec:
     data_port: Optional[int] = None
     device: Optional[str] = None  # overrides model.device for this node
     weights: Optional[str] = None  # path on the node's own disk (pre-cut chunk or model dir)
+    quant: Optional[str] = None  # overrides model.quant for this node's layers
 
     @property
     def address(self) -> str:
@@ -45,6 +47,8 @@ class ModelSpec:
     dtype: str = "float32"
     device: str = "cpu"
     compute_dtype: Optional[str] = None  # e.g. store float16, compute float32 (old GPUs)
+    quant: str = "auto"  # none | int8 | int4 | auto (as stored: a GGUF's own precision class)
+    group_size: Optional[int] = None  # int8/int4 groups; None: int8 per channel, int4 32
 
 
 @dataclass
@@ -70,6 +74,7 @@ class RuntimeSpec:
     token: Optional[str] = None  # the secret itself: never from the YAML, read via token_file/env
     # Re-plans after a node failure; None: 2 when spares are listed, else 0 (fail at once).
     recovery_attempts: Optional[int] = None
+    quant_kernel: str = DEFAULT_POLICY  # exact | fast (bfloat16 kernels allowed) | a kernel's name (mdi.model.qkernels)
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -150,9 +155,11 @@ def parse_config(data: Any, source: str) -> RunConfig:
                        "runtime": (dict,), "serve": (dict,)},
                       required=("model",))
     m = check_keys(source + ": model", top["model"],
-                    {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,)},
+                    {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,), "quant": (str,),
+                     "group_size": (int,)},
                     required=("path",))
     model = ModelSpec(**m)
+    check_quant("%s: model.quant" % source, model)
     for key in ("dtype", "compute_dtype"):
         value = getattr(model, key)
         if value is not None and value not in DTYPE_NAMES:
@@ -178,10 +185,13 @@ def parse_config(data: Any, source: str) -> RunConfig:
     r = check_keys(source + ": runtime", top.get("runtime") or {},
                     {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
-                     "recovery_attempts": (int,)})
+                     "recovery_attempts": (int,), "quant_kernel": (str,)})
     runtime = RuntimeSpec(**r)
     if runtime.threads is not None and runtime.threads < 1:  # sent to every worker in /init
         raise ConfigError("%s: runtime.threads: expected an integer >= 1" % source)
+    if runtime.quant_kernel not in POLICY_NAMES:
+        raise ConfigError("%s: runtime.quant_kernel: expected one of %s, got %r"
+                          % (source, ", ".join(POLICY_NAMES), runtime.quant_kernel))
     if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
         raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -220,7 +230,7 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 
 def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
     n = check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
-                                 "data_port": (int,), "device": (str,), "weights": (str,)})
+                                 "data_port": (int,), "device": (str,), "weights": (str,), "quant": (str,)})
     n.setdefault("name", default_name)
     node = NodeSpec(**n)
     for key in ("port", "data_port"):
@@ -231,7 +241,17 @@ def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
         raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
     if node.device is not None:
         _check_device(where + ".device", node.device)
+    if node.quant is not None and node.quant not in QUANT_MODES:
+        raise ConfigError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), node.quant))
     return node
+
+
+def check_quant(where: str, model: ModelSpec) -> None:
+    if model.quant not in QUANT_MODES:
+        raise ConfigError("%s: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), model.quant))
+    if model.group_size is not None and (model.quant not in ("int8", "int4") or model.group_size < 2):
+        raise ConfigError("%s: group_size %d needs quant int8 or int4 and is at least 2"
+                          % (where, model.group_size))
 
 
 def _check_device(where: str, device: str) -> None:

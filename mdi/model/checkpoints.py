@@ -7,7 +7,7 @@ import glob
 import json
 import os
 import re
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,6 +16,7 @@ from mdi.model.convert import (StateDict, check_state_dict, check_unused, conver
                                make_getter)
 from mdi.model.gguf import read_gguf
 from mdi.model.layout import CheckpointError
+from mdi.model.quant import convert
 from mdi.model.store import MDI_CONFIG, load_weights, read_mdi_config
 
 
@@ -138,14 +139,18 @@ def read_nanogpt_ckpt(path: str, dtype: torch.dtype = torch.float32) -> Tuple[Mo
     return config, sd
 
 
-def read_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfig, StateDict]:
-    """Read any supported checkpoint: mdi model dir, HF dir, nanoGPT dir/ckpt, GGUF file."""
+def read_checkpoint(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = False,
+                    requantized: Optional[List[str]] = None) -> Tuple[ModelConfig, StateDict]:
+    """Read any supported checkpoint: mdi model dir, HF dir, nanoGPT dir/ckpt, GGUF file.
+    `keep_quant`: quantized weights (a quantized mdi dir, a GGUF's blocks) stay quantized, as
+    `quant.QParts`; else they are dequantized to `dtype`."""
     if not os.path.exists(path):
         raise CheckpointError("checkpoint %s does not exist" % path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, MDI_CONFIG)):
             config = read_mdi_config(path)
-            return config, load_weights(path, (0, config.n_layer), True, True, dtype)
+            stored = load_weights(path, (0, config.n_layer), True, True, dtype)
+            return config, stored if keep_quant else convert(stored, {}, dtype)
         if os.path.isfile(os.path.join(path, "config.json")):
             return read_hf_dir(path, dtype)
         if os.path.isfile(os.path.join(path, "ckpt.pt")):
@@ -153,7 +158,7 @@ def read_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> Tuple[Mode
         raise CheckpointError("%s: directory has no mdi_config.json, config.json or ckpt.pt" % path)
     ext = os.path.splitext(path)[1].lower()
     if ext == ".gguf":
-        return read_gguf(path, dtype)
+        return read_gguf(path, dtype, keep_quant, requantized)
     if ext in (".pt", ".pth", ".ckpt"):
         return read_nanogpt_ckpt(path, dtype)
     raise CheckpointError("%s: unrecognised checkpoint (expected a directory, .gguf or .pt)" % path)

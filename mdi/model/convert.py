@@ -7,8 +7,9 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.layout import CheckpointError, expected_shapes
+from mdi.model.quant import QParts, cat_rows
 
-StateDict = Dict[str, torch.Tensor]
+StateDict = Dict[str, torch.Tensor]  # canonical names -> tensors (a weight may be a quant.QParts)
 Getter = Callable[[str], torch.Tensor]
 
 
@@ -73,12 +74,10 @@ def convert_llama(config: ModelConfig, get: Getter) -> StateDict:
         sd[d + "norm1.weight"] = get(s + "input_layernorm.weight")
         parts = ("weight", "bias") if config.bias else ("weight",)
         for part in parts:
-            sd[d + "attn.qkv." + part] = torch.cat(
-                [get(s + "self_attn.%s_proj.%s" % (x, part)) for x in "qkv"], 0)
+            sd[d + "attn.qkv." + part] = cat_rows([get(s + "self_attn.%s_proj.%s" % (x, part)) for x in "qkv"])
             sd[d + "attn.proj." + part] = get(s + "self_attn.o_proj." + part)
         sd[d + "norm2.weight"] = get(s + "post_attention_layernorm.weight")
-        sd[d + "mlp.gate_up.weight"] = torch.cat(
-            [get(s + "mlp.gate_proj.weight"), get(s + "mlp.up_proj.weight")], 0)
+        sd[d + "mlp.gate_up.weight"] = cat_rows([get(s + "mlp.gate_proj.weight"), get(s + "mlp.up_proj.weight")])
         sd[d + "mlp.down.weight"] = get(s + "mlp.down_proj.weight")
     sd["norm_f.weight"] = get("norm.weight")
     if not config.tied_head:
@@ -92,7 +91,8 @@ def make_getter(tensors: Mapping[str, Callable[[], torch.Tensor]], dtype: torch.
         if name not in tensors:
             raise CheckpointError("%s: tensor %r is missing" % (where, name))
         used.add(name)
-        return tensors[name]().to(dtype)
+        t = tensors[name]()
+        return t if isinstance(t, QParts) else t.to(dtype)  # quantized weights stay quantized
     return get
 
 

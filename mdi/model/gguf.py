@@ -1,18 +1,22 @@
 """GGUF files (llama.cpp's format): metadata, tensors and the packaged default model.
 
-Tensors are dequantised with the `gguf` package; llama.cpp's converters permute Q and K of
-the `llama` architecture for its RoPE layout, which is undone here.
+With `keep_quant`, Q8_0 / Q4_0 / Q4_1 tensors are taken over as mdi int8 / int4 blocks without
+loss (mdi.model.quant) and K-quants are re-quantized to their nearest mdi format; otherwise
+tensors are dequantised with the `gguf` package. llama.cpp's converters permute Q and K of the
+`llama` architecture for its RoPE layout, which is undone here (rows only, so it applies to
+quantized rows too).
 """
 import importlib.util
 import os
 import re
-from typing import Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, check_unused, convert_llama, first_line, make_getter
-from mdi.model.layout import CheckpointError
+from mdi.model.layout import CheckpointError, QuantSpec
+from mdi.model.quant import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, QParts, from_gguf_blocks, quantize
 
 # name -> (importable package holding the file, file name, pip distribution name)
 PACKAGED_GGUF = {
@@ -29,12 +33,14 @@ GGUF_NAMES = {  # llama.cpp tensor name -> HF Llama name (prefix-stripped)
 }
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute(w, n_head: int):
     """Invert convert_hf_to_gguf's ``permute`` of q/k rows (same as transformers'
     ``LlamaTensorProcessor._reverse_permute_weights``): llama.cpp interleaves the two
     rotate-half halves of each head; this restores HF's [first half, second half]."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    n = w.shape[0]
+    half = n // n_head // 2
+    order = torch.arange(n).reshape(n_head, half, 2).transpose(1, 2).reshape(n)
+    return w.rows(order) if isinstance(w, QParts) else w[order]
 
 
 def _gguf_value(reader, key: str, default=None):
@@ -42,15 +48,12 @@ def _gguf_value(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfig, StateDict]:
-    """Read a llama-architecture GGUF file, dequantising every tensor to ``dtype``.
-
-    Everything is dequantised up front (float32 numpy, then cast), so peak memory is
-    about the float32 model size plus the memory-mapped file.
-    """
-    import numpy as np
+def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = False,
+              requantized: Optional[List[str]] = None) -> Tuple[ModelConfig, StateDict]:
+    """Read a llama-architecture GGUF file. Float tensors come back as ``dtype``; quantized ones
+    are dequantised, or with `keep_quant` kept quantized (a `QParts`: peak memory is then about
+    the file's size). `requantized` collects 'tensor TYPE -> spec' for K-quants re-quantized."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     try:
         reader = GGUFReader(path)
@@ -101,12 +104,8 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfi
         hf = ("layers.%s." % m.group(1) if m.group(1) else "") + GGUF_NAMES[m.group(2)] + ".weight"
         heads = {"attn_q": config.n_head, "attn_k": config.n_kv_head}.get(m.group(2))
 
-        def load(t=t, heads=heads) -> torch.Tensor:
-            # GGUF dims are innermost-first: reversed they give torch's [out, in]
-            a = dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
-            if not a.flags.writeable:  # F32/F16 come back as views of the read-only mmap
-                a = np.array(a)
-            w = torch.from_numpy(a)
+        def load(t=t, heads=heads):
+            w = _load_tensor(path, t, keep_quant, requantized)
             return _unpermute(w, heads) if heads else w
         loaders[hf], hf_name[name] = load, hf
 
@@ -115,6 +114,33 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfi
     check_unused(list(tensors), {g for g, h in hf_name.items() if h in used}, None, path)
     check_state_dict(config, sd, where=path)
     return config, sd
+
+
+def _load_tensor(path: str, t, keep_quant: bool, requantized: Optional[List[str]]):
+    import numpy as np
+    from gguf.quants import dequantize
+
+    kind = t.tensor_type.name
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF dims are innermost-first: reversed, torch's [out, in]
+    matrix = len(shape) == 2 and shape[1] % 32 == 0
+    if keep_quant and matrix and kind in GGUF_DIRECT:
+        return from_gguf_blocks(t.data, kind, shape[0], shape[1])
+    if keep_quant and matrix and kind not in GGUF_FLOAT and kind not in GGUF_NEAREST:
+        raise CheckpointError("%s: tensor %s has quant type %s, which mdi cannot map (it maps %s; and re-quantizes %s)"
+                              % (path, t.name, kind, ", ".join(sorted(GGUF_DIRECT)), ", ".join(sorted(GGUF_NEAREST))))
+    try:
+        a = dequantize(t.data, t.tensor_type).reshape(shape)
+    except (NotImplementedError, ValueError, KeyError) as e:
+        raise CheckpointError("%s: tensor %s has quant type %s, which cannot be read (%s)" % (path, t.name, kind, e))
+    if not a.flags.writeable:  # F32/F16 come back as views of the read-only mmap
+        a = np.array(a)
+    w = torch.from_numpy(a)
+    if keep_quant and matrix and kind in GGUF_NEAREST:
+        spec = QuantSpec(GGUF_NEAREST[kind], 32)
+        if requantized is not None:
+            requantized.append("%s %s -> %s" % (t.name, kind, spec.label()))
+        return QParts(spec, quantize(w, spec), shape[1])
+    return w
 
 
 def packaged_gguf_path(name: str = "smollm2-135m") -> str:

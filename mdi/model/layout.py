@@ -4,7 +4,8 @@ how layers are cut into per-node ranges.
 Everything that needs one of these (the run YAML, the wire format, the /init check, memory
 planning, recovery, mdi-bench) asks here, so no table or split rule is written twice.
 """
-from typing import Dict, List, Mapping, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -26,6 +27,100 @@ class CheckpointError(ValueError):
     """A checkpoint or partition that is missing, unrecognised, or does not match the expected layout."""
 
 
+# ----------------------------------------------------------------------------- quantized weights
+
+QUANT_KINDS = ("int8", "int4")
+QUANT_MODES = ("none", "auto") + QUANT_KINDS  # what model.quant / --quant accept
+INT4_GROUPS = (32, 64, 128)  # int4 group sizes mdi writes (GGUF's Q4 blocks are 32)
+# One quantized weight `X` ([out, in]) is stored as these tensors instead of `X.weight`:
+#   X.qweight  int8 [out, in]  (int8: w = q * scale)  or  uint8 [out, in/2]  (int4: two values per
+#              byte, the even column in the low nibble; w = q * scale + min, q in 0..15)
+#   X.scales   float16 [out, in/group]      X.mins  float16 [out, in/group]  (int4 only)
+QUANT_SUFFIXES = ("qweight", "scales", "mins")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one weight matrix is quantized: `kind` int8 (symmetric) or int4 (scale + min), with
+    one scale per `group_size` consecutive input columns (int8 per output channel: the width)."""
+    kind: str
+    group_size: int
+
+    def tensor_shapes(self, n_out: int, n_in: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """suffix -> (shape, dtype) of the stored tensors of an [n_out, n_in] weight."""
+        groups = (n_out, n_in // self.group_size)
+        if self.kind == "int8":
+            return {"qweight": ((n_out, n_in), torch.int8), "scales": (groups, torch.float16)}
+        return {"qweight": ((n_out, n_in // 2), torch.uint8), "scales": (groups, torch.float16),
+                "mins": (groups, torch.float16)}
+
+    def nbytes(self, n_out: int, n_in: int) -> int:
+        return sum(numel(shape) * torch.tensor([], dtype=dt).element_size()
+                   for shape, dt in self.tensor_shapes(n_out, n_in).values())
+
+    def check(self, name: str, n_in: int) -> None:
+        """A group size that does not divide the layer's width cannot be stored: say which layer."""
+        if self.kind not in QUANT_KINDS:
+            raise CheckpointError("%s: unknown quantization %r (expected %s)" % (name, self.kind, ", ".join(QUANT_KINDS)))
+        if self.group_size < 2 or n_in % self.group_size or (self.kind == "int4" and self.group_size % 2):
+            raise CheckpointError("%s: %s group size %d does not divide its width %d (try --group-size %s)"
+                                  % (name, self.kind, self.group_size, n_in,
+                                     " or ".join(str(g) for g in INT4_GROUPS if n_in % g == 0) or "of a divisor"))
+
+    def label(self) -> str:
+        return "%s/g%d" % (self.kind, self.group_size)
+
+    def to_json(self) -> List:
+        return [self.kind, self.group_size]
+
+    @staticmethod
+    def from_json(value) -> "QuantSpec":
+        if (not isinstance(value, list) or len(value) != 2 or value[0] not in QUANT_KINDS
+                or not isinstance(value[1], int) or isinstance(value[1], bool) or not 2 <= value[1] <= 1 << 20):
+            raise ValueError("a quantization is [\"int8\" or \"int4\", group size], not %r" % (value,))
+        return QuantSpec(value[0], value[1])
+
+
+QuantLayout = Mapping[str, QuantSpec]  # weight name without ".weight" (blocks.3.attn.qkv, tok_emb) -> spec
+
+
+def quantizable(config: "ModelConfig", layer_range: Range, with_embedding: bool,
+                with_head: bool) -> Dict[str, Tuple[int, int]]:
+    """The matrices mdi may quantize -> [out, in]: every linear layer of the blocks, the token
+    embedding (the tied head) and an untied head. Norms, biases and GPT-2's positions stay float."""
+    return {k[:-len(".weight")]: s for k, s in expected_shapes(config, layer_range, with_embedding, with_head).items()
+            if k.endswith(".weight") and len(s) == 2 and not k.startswith("pos_emb")}
+
+
+def layout_to_json(layout: QuantLayout) -> Dict[str, List]:
+    return {base: spec.to_json() for base, spec in sorted(layout.items())}
+
+
+def layout_from_json(data) -> Dict[str, QuantSpec]:
+    if not isinstance(data, dict):
+        raise ValueError("a quantization layout is a mapping of weight names to [kind, group size]")
+    return {str(k): QuantSpec.from_json(v) for k, v in data.items()}
+
+
+def stored_layout(tensors: Mapping[str, Tuple[Sequence[int], torch.dtype]]) -> Dict[str, QuantSpec]:
+    """The quantization of each weight in a stored state dict (name -> (shape, dtype)), read off
+    its tensors: int8 vs packed uint8 `qweight`, the group from the width over the scale count."""
+    out = {}
+    for key, (shape, dtype) in tensors.items():
+        if not key.endswith(".qweight"):
+            continue
+        base = key[:-len(".qweight")]
+        scales = tensors.get(base + ".scales")
+        if scales is None or len(shape) != 2 or len(scales[0]) != 2 or not scales[0][1]:
+            raise CheckpointError("%s has no matching %s.scales" % (key, base))
+        kind = "int8" if dtype == torch.int8 else "int4" if dtype == torch.uint8 else None
+        if kind is None:
+            raise CheckpointError("%s has dtype %s, expected int8 or uint8" % (key, dtype))
+        width = shape[1] * (2 if kind == "int4" else 1)
+        out[base] = QuantSpec(kind, width // scales[0][1])
+    return out
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name][0]
 
@@ -41,12 +136,13 @@ def dtype_bytes(name: str) -> int:
 # ----------------------------------------------------------------------------- canonical tensors
 
 def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: bool,
-                    with_head: bool) -> Dict[str, Tuple[int, ...]]:
+                    with_head: bool, quant: Optional[QuantLayout] = None) -> Dict[str, Tuple[int, ...]]:
     """Canonical tensor names and shapes for blocks [first, last) plus the optional ends.
 
     ``with_head`` needs the final norm and the LM head; with a tied head that is
     ``tok_emb.weight``, so it is listed even when ``with_embedding`` is False.
-    Linear-layer biases follow ``config.bias``; gpt2 norms always have biases.
+    Linear-layer biases follow ``config.bias``; gpt2 norms always have biases. A weight named
+    in `quant` is listed as its quantized tensors (QuantSpec.tensor_shapes) instead.
     """
     c = config
     first, last = layer_range
@@ -87,12 +183,22 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
         norm("norm_f")
         if not c.tied_head:
             out["lm_head.weight"] = (V, E)
-    return out
+    if not quant:
+        return out
+    quantized = {}  # type: Dict[str, Tuple[int, ...]]
+    for key, shape in out.items():
+        spec = quant.get(key[:-len(".weight")]) if key.endswith(".weight") else None
+        if spec is None:
+            quantized[key] = shape
+        else:
+            for suffix, (qshape, _) in spec.tensor_shapes(*shape).items():
+                quantized[key[:-len("weight")] + suffix] = qshape
+    return quantized
 
 
 def expected_keys(config: ModelConfig, layer_range: Range, with_embedding: bool,
-                  with_head: bool) -> List[str]:
-    return list(expected_shapes(config, layer_range, with_embedding, with_head))
+                  with_head: bool, quant: Optional[QuantLayout] = None) -> List[str]:
+    return list(expected_shapes(config, layer_range, with_embedding, with_head, quant))
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -102,11 +208,16 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
-def weight_bytes(config: ModelConfig, layer_range: Sequence[int], dtype: str, with_ends: bool = False) -> int:
-    """Bytes of the weights of blocks [first, last) in `dtype`; `with_ends` adds the starter's
-    embedding, final norm and head."""
+def weight_bytes(config: ModelConfig, layer_range: Sequence[int], dtype: str, with_ends: bool = False,
+                 quant: Optional[QuantLayout] = None) -> int:
+    """Bytes of the weights of blocks [first, last) in `dtype`, the weights named in `quant`
+    at their quantized size; `with_ends` adds the starter's embedding, final norm and head."""
     shapes = expected_shapes(config, (layer_range[0], layer_range[1]), with_ends, with_ends)
-    return sum(numel(s) for s in shapes.values()) * dtype_bytes(dtype)
+    total = 0
+    for key, shape in shapes.items():
+        spec = (quant or {}).get(key[:-len(".weight")]) if key.endswith(".weight") else None
+        total += spec.nbytes(*shape) if spec is not None else numel(shape) * dtype_bytes(dtype)
+    return total
 
 
 def state_dict_nbytes(state_dict: Mapping[str, torch.Tensor]) -> int:

@@ -3,6 +3,7 @@
 A prepared mdi directory is read lazily (a node loads only its own tensors); a raw source
 (Hugging Face directory, GGUF, nanoGPT ckpt.pt) is converted in memory once.
 """
+import logging
 import os
 from typing import Dict, Optional
 
@@ -11,10 +12,14 @@ from safetensors.torch import save as safetensors_save
 
 from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
-from mdi.model.layout import CheckpointError, expected_keys
+from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
+from mdi.model.quant import Stored, convert, restrict, uniform_layout, weights_layout
 from mdi.model.transformer import ModelChunk
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+
+log = logging.getLogger(__name__)
+
 
 def is_mdi_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, store.MDI_CONFIG))
@@ -27,27 +32,48 @@ class ModelSource:
         if not os.path.exists(path):
             raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
         self.path = path
-        self._full = None  # type: Optional[Dict[str, torch.Tensor]]
+        self._full = None  # type: Optional[Dict[str, Stored]]
         if is_mdi_dir(path):
             self.config = store.read_mdi_config(path)
             self.tokenizer = load_tokenizer(path)  # type: Optional[Tokenizer]
-        else:
-            self.config, self._full = checkpoints.read_checkpoint(path)
+            self.stored_quant = store.file_layout(path)  # type: Dict[str, QuantSpec]
+        else:  # a GGUF keeps its Q8_0 / Q4 blocks quantized in memory
+            self.config, self._full = checkpoints.read_checkpoint(path, keep_quant=True)
             self.tokenizer = _raw_tokenizer(path)
+            self.stored_quant = weights_layout(self._full)
         if self.tokenizer is not None:
             check_vocab(self.tokenizer, self.config)
 
-    def weights(self, first: int, last: int, with_embedding: bool, with_head: bool,
-                dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-        if self._full is None:
-            return store.load_weights(self.path, (first, last), with_embedding, with_head, dtype)
-        keys = expected_keys(self.config, (first, last), with_embedding, with_head)
-        return {k: self._full[k].to(dtype) for k in keys}
+    def layout(self, first: int, last: int, with_ends: bool, mode: str,
+               group_size: Optional[int] = None) -> Dict[str, QuantSpec]:
+        """Which weights of blocks [first, last) (+ the starter's ends) a node keeps quantized,
+        and how: `mode` none, auto (as stored: a GGUF's own precision class) or int8 / int4
+        (`group_size` None: per output channel for int8, 32 for int4)."""
+        bases = list(quantizable(self.config, (first, last), with_ends, with_ends))
+        if mode == "none":
+            return {}
+        if mode == "auto":
+            return restrict(self.stored_quant, bases)
+        return uniform_layout(self.config, (first, last), with_ends, with_ends, mode, group_size)
 
-    def chunk_bytes(self, first: int, last: int, dtype: torch.dtype) -> bytes:
+    def weights(self, first: int, last: int, with_embedding: bool, with_head: bool,
+                dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> Dict[str, torch.Tensor]:
+        """The flat state dict of a node: float tensors in `dtype`, the weights named in
+        `quant` quantized (as stored when they already are, else quantized here)."""
+        if self._full is None:
+            stored = store.load_weights(self.path, (first, last), with_embedding, with_head)
+        else:
+            stored = {k: self._full[k] for k in expected_keys(self.config, (first, last), with_embedding, with_head)}
+        return convert(stored, quant or {}, dtype, _log_requantize)
+
+    def chunk_bytes(self, first: int, last: int, dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> bytes:
         """A worker's weights as safetensors bytes, to push over the control plane."""
-        w = self.weights(first, last, False, False, dtype)
+        w = self.weights(first, last, False, False, dtype, quant)
         return safetensors_save({k: v.contiguous() for k, v in w.items()})
+
+
+def _log_requantize(key: str, have: QuantSpec, want: QuantSpec) -> None:
+    log.info("re-quantizing %s from %s to %s", key, have.label(), want.label())
 
 
 def check_vocab(tokenizer: Tokenizer, config: ModelConfig) -> None:
@@ -70,12 +96,16 @@ def _raw_tokenizer(path: str) -> Optional[Tokenizer]:
 
 
 def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
-                 dtype: torch.dtype, device: str) -> ModelChunk:
+                 dtype: torch.dtype, device: str, quant: Optional[QuantLayout] = None) -> ModelChunk:
     """A chunk with uninitialised `dtype` parameters on `device` (no throwaway random
-    initialisation) and real RoPE tables, ready to be filled with weights."""
+    initialisation) and real RoPE tables, ready to be filled with weights. Quantized layers'
+    tensors keep their own dtypes (int8 / uint8 codes, float16 scales)."""
     with torch.device("meta"):
-        chunk = ModelChunk(config, first, last, with_embedding, with_head)
-    chunk = chunk.to(dtype=dtype).to_empty(device=device)
+        chunk = ModelChunk(config, first, last, with_embedding, with_head, quant)
+    for module in chunk.modules():
+        for name, p in module.named_parameters(recurse=False):
+            setattr(module, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
+    chunk = chunk.to_empty(device=device)
     if chunk.rope is not None:  # its buffers were on meta: compute them for real
         from mdi.model.transformer import RotaryEmbedding
         chunk.rope = RotaryEmbedding(config).to(device)
@@ -84,19 +114,22 @@ def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
 
 def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: int, last: int,
                 with_embedding: bool, with_head: bool, dtype: torch.dtype, device: str,
-                compute_dtype: Optional[torch.dtype] = None) -> ModelChunk:
-    chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device)
-    chunk.load_weights({k: v.to(dtype) for k, v in weights.items()})
+                compute_dtype: Optional[torch.dtype] = None, quant: Optional[QuantLayout] = None) -> ModelChunk:
+    chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device, quant)
+    chunk.load_weights({k: v if k.rsplit(".", 1)[-1] in QUANT_SUFFIXES else v.to(dtype) for k, v in weights.items()})
     chunk.compute_dtype = compute_dtype if compute_dtype != dtype else None
+    chunk.pick_kernels()
     return chunk.eval()
 
 
 def build_chunk_from_file(config: ModelConfig, fn: str, first: int, last: int, dtype: torch.dtype, device: str,
-                          exact: bool = False) -> ModelChunk:
+                          exact: bool = False, quant: Optional[QuantLayout] = None) -> ModelChunk:
     """A worker's chunk (blocks [first, last), no embedding or head) read from the safetensors
     file `fn` tensor by tensor into its parameters: peak memory is the chunk plus its largest
     tensor, never a second copy of the weights (store.read_tensors_into). `exact`: the file
-    holds exactly these tensors (a pushed chunk); else it may hold more (a full model)."""
-    chunk = _empty_chunk(config, first, last, False, False, dtype, device)
+    holds exactly these tensors (a pushed chunk); else it may hold more (a full model).
+    `quant`: the weights the file holds quantized, and so the chunk."""
+    chunk = _empty_chunk(config, first, last, False, False, dtype, device, quant)
     store.read_tensors_into(fn, chunk.state_dict(), exact=exact)  # detached views of the parameters
+    chunk.pick_kernels()
     return chunk.eval()

@@ -1,7 +1,9 @@
 """The mdi model directory, written by ``mdi-prepare`` and read by every node::
 
-    <dir>/mdi_config.json                       {"format": "mdi-model", "version": 1, "model": {...}, "source": ...}
-    <dir>/model.safetensors                     full canonical state dict (tied head stored once)
+    <dir>/mdi_config.json                       {"format": "mdi-model", "version": 1, "model": {...}, "source": ...,
+                                                 "quant": [{"kind", "group_size", "weights"}, ...]}
+    <dir>/model.safetensors                     full canonical state dict (tied head stored once); a
+                                                quantized weight X as X.qweight, X.scales[, X.mins]
     <dir>/chunks/<partition>/node<k>.safetensors  one contiguous layer chunk per node
     <dir>/chunks/<partition>/manifest.json      layer ranges, sizes and sha256 of the chunk files
 
@@ -17,7 +19,9 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, short
-from mdi.model.layout import CheckpointError, expected_keys, expected_shapes, split_layers
+from mdi.model.layout import (CheckpointError, QuantSpec, expected_keys, expected_shapes, split_layers,
+                              stored_layout)
+from mdi.model.quant import flatten, gather, weights_layout
 from mdi.system.files import sha256_file, use_umask, write_json
 
 log = logging.getLogger(__name__)
@@ -40,14 +44,19 @@ def _save(tensors: Mapping[str, torch.Tensor], path: str, metadata: Dict[str, st
 
 def save_model_dir(path: str, config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
                    source: str) -> None:
-    """Write mdi_config.json and model.safetensors (the full canonical state dict)."""
+    """Write mdi_config.json and model.safetensors (the full canonical state dict; its
+    quantized weights, `quant.QParts`, as their stored tensors)."""
     check_state_dict(config, state_dict, where="state dict for %s" % path)
     os.makedirs(path, exist_ok=True)
     meta = {"format": "pt", "mdi_config": json.dumps(config.to_dict()),
             "layers": "0-%d" % config.n_layer, "with_embedding": "1", "with_head": "1"}
-    _save(state_dict, os.path.join(path, MODEL_FILE), meta)
+    _save(flatten(state_dict), os.path.join(path, MODEL_FILE), meta)
+    counts = {}  # type: Dict[QuantSpec, int]
+    for spec in weights_layout(state_dict).values():
+        counts[spec] = counts.get(spec, 0) + 1
+    quant = [{"kind": s.kind, "group_size": s.group_size, "weights": n} for s, n in sorted(counts.items(), key=str)]
     write_json(os.path.join(path, MDI_CONFIG), {"format": "mdi-model", "version": FORMAT_VERSION,
-                                                 "model": config.to_dict(), "source": str(source)})
+                                                 "model": config.to_dict(), "source": str(source), "quant": quant})
 
 
 def read_mdi_config(path: str) -> ModelConfig:
@@ -62,6 +71,27 @@ def read_mdi_config(path: str) -> ModelConfig:
     return ModelConfig.from_dict(d["model"])
 
 
+_HEADER_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                  "I8": torch.int8, "U8": torch.uint8}
+
+
+def file_layout(path: str) -> Dict[str, QuantSpec]:
+    """The quantized weights of a safetensors file (or an mdi dir's model.safetensors), read
+    from its header alone."""
+    from safetensors import safe_open
+
+    fn = os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
+    try:
+        with safe_open(fn, framework="pt") as f:
+            info = {}
+            for k in f.keys():
+                sl = f.get_slice(k)
+                info[k] = (tuple(sl.get_shape()), _HEADER_DTYPES.get(sl.get_dtype()))
+    except Exception as e:  # SafetensorError is no OSError or ValueError
+        raise CheckpointError("%s is not a readable safetensors file: %s" % (fn, e))
+    return stored_layout(info)
+
+
 def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
     """Cut model.safetensors into chunks/<partition>/node<k>.safetensors + manifest.json.
 
@@ -72,6 +102,7 @@ def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
 
     config = read_mdi_config(path)
     ranges = split_layers(config.n_layer, counts)
+    layout = file_layout(path)
     partition = "-".join(str(b - a) for a, b in ranges)
     out_dir = os.path.join(path, CHUNKS_DIR, partition)
     os.makedirs(out_dir, exist_ok=True)
@@ -80,7 +111,7 @@ def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
         have = set(f.keys())
         for k, (first, last) in enumerate(ranges):
             ends = k == 0  # the starter node embeds tokens and produces logits
-            keys = expected_keys(config, (first, last), ends, ends)
+            keys = expected_keys(config, (first, last), ends, ends, layout)
             missing = [x for x in keys if x not in have]
             if missing:
                 raise CheckpointError("%s is missing %s" % (MODEL_FILE, short(missing)))
@@ -103,11 +134,12 @@ def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
 
 def load_weights(path: str, layer_range: Tuple[int, int], with_embedding: bool, with_head: bool,
                  dtype: Optional[torch.dtype] = None, config: Optional[ModelConfig] = None) -> StateDict:
-    """Load only the tensors for blocks [first, last) (+ embedding / head) with global names.
+    """Load only the tensors for blocks [first, last) (+ embedding / head) with global names,
+    each quantized weight as one `quant.QParts` under its `.weight` name.
 
     ``path`` is an mdi model directory (reads its model.safetensors) or a chunk file; the
     config comes from ``config``, the file's metadata, or the directory's mdi_config.json.
-    ``dtype=None`` keeps the stored dtype.
+    ``dtype`` converts the float tensors (None keeps the stored dtype); quantized ones stay.
     """
     from safetensors import safe_open
 
@@ -121,7 +153,7 @@ def load_weights(path: str, layer_range: Tuple[int, int], with_embedding: bool, 
                 config = ModelConfig.from_dict(json.loads(meta["mdi_config"]))
             else:
                 config = read_mdi_config(os.path.dirname(os.path.abspath(fn)))
-        shapes = expected_shapes(config, tuple(layer_range), with_embedding, with_head)
+        shapes = expected_shapes(config, tuple(layer_range), with_embedding, with_head, file_layout(fn))
         have = set(f.keys())
         missing = [k for k in shapes if k not in have]
         if missing:
@@ -132,12 +164,10 @@ def load_weights(path: str, layer_range: Tuple[int, int], with_embedding: bool, 
             t = f.get_tensor(k)
             if tuple(t.shape) != shape:
                 raise CheckpointError("%s: %s has shape %s, expected %s" % (fn, k, tuple(t.shape), shape))
-            sd[k] = t if dtype is None else t.to(dtype)
-    return sd
+            sd[k] = t if dtype is None or not t.is_floating_point() or k.endswith((".scales", ".mins")) else t.to(dtype)
+    return gather(sd)
 
 
-# safetensors dtype names -> torch dtypes that mdi stores weights in.
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
 
 
@@ -179,13 +209,15 @@ def read_tensors_into(fn: str, targets: Mapping[str, torch.Tensor], exact: bool 
         for name, target in targets.items():
             entry = header.get(name) if isinstance(header, dict) else None
             try:
-                dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                dtype = _HEADER_DTYPES[entry["dtype"]]
                 shape = tuple(int(d) for d in entry["shape"])
                 begin, end = (int(o) for o in entry["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError("%s: %s has a dtype or layout mdi does not read" % (fn, name))
             if shape != tuple(target.shape):
                 raise CheckpointError("%s: %s has shape %s, expected %s" % (fn, name, shape, tuple(target.shape)))
+            if dtype != target.dtype and not (dtype.is_floating_point and target.dtype.is_floating_point):
+                raise CheckpointError("%s: %s is %s, expected %s" % (fn, name, dtype, target.dtype))
             numel = 1
             for d in shape:
                 numel *= d

@@ -9,13 +9,15 @@ Attention reads and writes a `KVCache` with one preallocated slot per in-flight 
 call names its slot and the absolute position of its first token, so prefill and decode are
 the same code path and nothing is ever recomputed.
 """
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mdi.model.config import ModelConfig
+from mdi.model.layout import QuantLayout, QuantSpec
+from mdi.model.quant import dequantize
 
 
 # Weights may be stored in a narrower dtype than the activations (float16 storage with
@@ -26,6 +28,70 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays quantized (`QuantSpec`). Loading fills the canonical
+    tensors (qweight, scales[, mins]); `pick_kernel` then chooses how to multiply by measurement
+    (mdi.model.qkernels) and keeps only what that kernel reads: never a float copy of the weight."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, spec: QuantSpec) -> None:
+        super().__init__()
+        self.n_in, self.n_out, self.spec = n_in, n_out, spec
+        for suffix, (shape, dtype) in spec.tensor_shapes(n_out, n_in).items():
+            self.register_buffer(suffix, torch.empty(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+        self.kernel = None  # type: Optional[object]  # a qkernels.Kernel once chosen
+        self.packed = {}  # type: Dict[str, torch.Tensor]
+
+    def canonical(self) -> Dict[str, torch.Tensor]:
+        return {s: getattr(self, s) for s in self.spec.tensor_shapes(1, self.spec.group_size)}
+
+    def pick_kernel(self, where: str, keep_canonical: bool = False) -> None:
+        from mdi.model import qkernels
+        canonical = self.canonical()
+        self.kernel, self.packed = qkernels.choose(canonical, self.spec, self.n_in, self.qweight.device, where)
+        if not (self.kernel.needs_canonical or keep_canonical):
+            for suffix in canonical:
+                setattr(self, suffix, None)  # the packed form replaces it
+        for name, t in self.packed.items():  # registered so memory reports count them
+            if not any(t is c for c in canonical.values()):
+                self.register_buffer("packed_" + name, t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError("quantized layer used before its kernel was chosen")
+        flat = x.reshape(-1, self.n_in)
+        y = self.kernel.run(flat, self.packed, self.spec, self.n_in).reshape(x.shape[:-1] + (self.n_out,))
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+class Embedding(nn.Embedding):
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied LM head: x @ embedding.T."""
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class QuantEmbedding(QuantLinear):
+    """A quantized token embedding: a lookup dequantizes only the rows it reads; as the tied
+    head it multiplies like any QuantLinear (keeping the canonical rows for lookups)."""
+
+    def __init__(self, n_vocab: int, n_embd: int, spec: QuantSpec) -> None:
+        super().__init__(n_embd, n_vocab, False, spec)
+
+    def pick_kernel(self, where: str, keep_canonical: bool = True) -> None:
+        super().pick_kernel(where, keep_canonical=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = {s: t[ids.reshape(-1)] for s, t in self.canonical().items()}
+        return dequantize(rows, self.spec, self.n_in).reshape(ids.shape + (self.n_in,))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantLinear.forward(self, x)
+
+
+def make_linear(n_in: int, n_out: int, bias: bool, spec: Optional[QuantSpec]) -> nn.Module:
+    return Linear(n_in, n_out, bias=bias) if spec is None else QuantLinear(n_in, n_out, bias, spec)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -100,12 +166,12 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
-                             bias=config.bias)
-        self.proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.qkv = make_linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
+                               config.bias, quant.get(prefix + "qkv"))
+        self.proj = make_linear(config.n_embd, config.n_embd, config.bias, quant.get(prefix + "proj"))
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:
@@ -150,16 +216,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
         super().__init__()
         self.family = config.family
+        E, I = config.n_embd, config.intermediate_size
         if config.family == "gpt2":
-            self.fc = Linear(config.n_embd, config.intermediate_size, bias=True)
-            self.proj = Linear(config.intermediate_size, config.n_embd, bias=True)
+            self.fc = make_linear(E, I, True, quant.get(prefix + "fc"))
+            self.proj = make_linear(I, E, True, quant.get(prefix + "proj"))
             self.gelu_approximate = config.gelu_approximate
         else:
-            self.gate_up = Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
-            self.down = Linear(config.intermediate_size, config.n_embd, bias=False)
+            self.gate_up = make_linear(E, 2 * I, False, quant.get(prefix + "gate_up"))
+            self.down = make_linear(I, E, False, quant.get(prefix + "down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.family == "gpt2":
@@ -169,12 +236,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
         super().__init__()
         self.norm1 = make_norm(config)
-        self.attn = Attention(config)
+        self.attn = Attention(config, quant, prefix + "attn.")
         self.norm2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, quant, prefix + "mlp.")
 
     def forward(self, x, k_cache, v_cache, start, rope):
         x = x + self.attn(self.norm1(x), k_cache, v_cache, start, rope)
@@ -186,25 +253,30 @@ class Block(nn.Module):
 
 
 class ModelChunk(nn.Module):
-    """Blocks [first, last) plus, optionally, the embeddings and the final norm + head."""
+    """Blocks [first, last) plus, optionally, the embeddings and the final norm + head.
+    `quant` names the weights kept quantized (mdi.model.layout.QuantLayout)."""
 
     def __init__(self, config: ModelConfig, first: int, last: int,
-                 with_embedding: bool = False, with_head: bool = False) -> None:
+                 with_embedding: bool = False, with_head: bool = False,
+                 quant: Optional[QuantLayout] = None) -> None:
         super().__init__()
         if not 0 <= first <= last <= config.n_layer:
             raise ValueError("layer range [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
+        quant = dict(quant or {})
         self.config, self.first, self.last = config, first, last
         self.with_embedding, self.with_head = with_embedding, with_head
         if with_embedding or (with_head and config.tied_head):
-            self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+            spec = quant.get("tok_emb")
+            self.tok_emb = Embedding(config.vocab_size, config.n_embd) if spec is None \
+                else QuantEmbedding(config.vocab_size, config.n_embd, spec)
         if with_embedding and config.family == "gpt2":
             self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(first, last)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, quant, "blocks.%d." % i) for i in range(first, last)})
         self.rope = RotaryEmbedding(config) if config.family == "llama" and last > first else None
         if with_head:
             self.norm_f = make_norm(config)
             if not config.tied_head:
-                self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+                self.lm_head = make_linear(config.n_embd, config.vocab_size, False, quant.get("lm_head"))
         self.cache = None  # type: Optional[KVCache]
         self.compute_dtype = None  # type: Optional[torch.dtype]  # None: the weights' dtype
 
@@ -226,6 +298,12 @@ class ModelChunk(nn.Module):
                 raise ValueError("tensor %s has shape %s, expected %s"
                                  % (name, tuple(tensor.shape), tuple(own[name].shape)))
         self.load_state_dict(weights, strict=True)
+
+    def pick_kernels(self) -> None:
+        """After loading: each quantized layer chooses how it multiplies (by measurement)."""
+        for name, module in self.named_modules():
+            if isinstance(module, QuantLinear):
+                module.pick_kernel(name)
 
     def allocate_cache(self, n_slots: int, max_len: int) -> KVCache:
         p = next(self.parameters(), None)
@@ -276,7 +354,7 @@ class ModelChunk(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm_f(x)
         if self.config.tied_head:
-            return F.linear(x, self.tok_emb.weight.to(x.dtype))
+            return self.tok_emb.logits(x)
         return self.lm_head(x)
 
 

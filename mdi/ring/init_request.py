@@ -2,11 +2,12 @@
 sends `to_json()`; the worker turns the JSON body back into one with `validate_init`, which
 checks every field before anything is used (a bad field is a `RequestError`, HTTP 400)."""
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import DTYPE_NAMES, weight_bytes
+from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_from_json, layout_to_json, quantizable, weight_bytes
+from mdi.model.qkernels import POLICY_NAMES
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_WEIGHTS_BYTES = 64 * 1024 ** 3
@@ -82,15 +83,19 @@ class InitRequest:
     heartbeat_timeout: Optional[float] = None  # None: the worker's default
     compute_dtype: Optional[str] = None  # None: the worker picks from dtype and device
     threads: Optional[int] = None  # torch threads (runtime.threads); the worker's own --threads wins
+    quant: Dict[str, QuantSpec] = field(default_factory=dict)  # weights kept quantized (layout.QuantLayout)
+    quant_kernel: Optional[str] = None  # runtime.quant_kernel; None: the default policy
 
     def to_json(self) -> Dict[str, Any]:
         out = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
                "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
                "data": self.data.to_json(), "weights": self.weights.to_json()}  # type: Dict[str, Any]
         # Optional fields are left out rather than sent as null: the validator accepts both.
-        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads"):
+        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.quant:
+            out["quant"] = layout_to_json(self.quant)
         return out
 
 
@@ -122,7 +127,7 @@ def validate_init(body: Any) -> InitRequest:
     """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
     spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                 "data", "weights"),
-                 ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads"))
+                 ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant", "quant_kernel"))
     _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     try:
         if not isinstance(spec["model"], dict):
@@ -152,6 +157,10 @@ def validate_init(body: Any) -> InitRequest:
         raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
     if spec.get("threads") is not None:
         _int("threads", spec["threads"], 1, MAX_THREADS)
+    quant = _quant_layout(spec.get("quant"), config, layers)
+    kernel = spec.get("quant_kernel")
+    if kernel is not None and kernel not in POLICY_NAMES:
+        raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
     data = _keys("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
     _int("data.bind_port", data["bind_port"], 1, 65535)
     _int("data.next_port", data["next_port"], 1, 65535)
@@ -165,7 +174,7 @@ def validate_init(body: Any) -> InitRequest:
     else:
         _keys("weights", weights, ("push",))
         push = _keys("weights.push", weights["push"], ("nbytes", "sha256"))
-        limit = min(MAX_WEIGHTS_BYTES, weight_bytes(config, layers, spec["dtype"]) + SAFETENSORS_SLACK)
+        limit = min(MAX_WEIGHTS_BYTES, weight_bytes(config, layers, spec["dtype"], quant=quant) + SAFETENSORS_SLACK)
         _int("weights.push.nbytes", push["nbytes"], 1, limit)
         if not isinstance(push["sha256"], str) or not HEX64.match(push["sha256"]):
             raise RequestError("weights.push.sha256 must be 64 lowercase hex digits")
@@ -176,4 +185,25 @@ def validate_init(body: Any) -> InitRequest:
         data=DataPlane(data["bind_port"], data["next_host"], data["next_port"], data["is_last"]),
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
-        threads=spec.get("threads"))
+        threads=spec.get("threads"), quant=quant, quant_kernel=kernel)
+
+
+def _quant_layout(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:
+    """`quant` names only this node's weight matrices, each with a spec its width allows."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or len(data) > 100000:
+        raise RequestError("quant must be a mapping of weight names to [kind, group size]")
+    try:
+        quant = layout_from_json(data)
+    except ValueError as e:
+        raise RequestError("quant: %s" % e)
+    shapes = quantizable(config, (layers[0], layers[1]), False, False)
+    for base, qspec in quant.items():
+        if base not in shapes:
+            raise RequestError("quant: %r is not a weight matrix of layers [%d, %d)" % (base[:80], layers[0], layers[1]))
+        try:
+            qspec.check(base, shapes[base][1])
+        except ValueError as e:
+            raise RequestError("quant: %s" % e)
+    return quant

@@ -14,7 +14,9 @@ import torch
 from mdi.model.layout import DTYPES, dtype_name
 
 PROTOCOL_VERSION = 1
-KINDS = ("prefill", "decode", "stop", "reset")
+# prefill/decode: a generation pass (the last node returns each sample's last position only);
+# score: a pass whose every position comes back (perplexity), so its rows always equal sum(count).
+KINDS = ("prefill", "decode", "score", "stop", "reset")
 CODECS = ("raw",)
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 512 * 1024 * 1024
@@ -129,7 +131,8 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     rows, width = _int_list(header, "shape", 2, 1, 1 << 24)
     if hidden is not None and width != hidden:
         raise FrameError("hidden size %d, expected %d" % (width, hidden))
-    if rows not in (sum(count), n):  # all positions, or only each sample's last one
+    if rows not in ((sum(count),) if kind == "score" else (sum(count), n)):
+        # All positions, or (generation passes only) each sample's last one.
         raise FrameError("shape rows %d do not match the token counts %s" % (rows, count))
     expected = rows * width * torch.tensor([], dtype=dtype).element_size()
     if expected > max_payload:

@@ -1,18 +1,26 @@
 """Memory planning: what a node's layers and KV cache need (what a worker can give is
-`StatusReply.capacity_bytes`, from its /status)."""
-from typing import Sequence
+`StatusReply.capacity_bytes`, from its /status), weights counted at their quantized size."""
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import dtype_name, weight_bytes
+from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, weight_bytes
+from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
+from mdi.runconfig import NodeSpec, RunConfig
+
+
+def node_quant(cfg: RunConfig, source: ModelSource, node: NodeSpec, layers: Sequence[int],
+               with_ends: bool = False) -> Dict[str, QuantSpec]:
+    """The weights `node` keeps quantized for `layers`: its own `quant:`, else model.quant."""
+    return source.layout(layers[0], layers[1], with_ends, node.quant or cfg.model.quant, cfg.model.group_size)
 
 
 def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int,
-                       dtype: torch.dtype, with_ends: bool = False) -> int:
+                       dtype: torch.dtype, with_ends: bool = False, quant: Optional[QuantLayout] = None) -> int:
     """Weights plus KV cache of a node holding `layers` (half-open range); `with_ends` adds
     the starter's embedding and head."""
     first, last = layers
-    weights = weight_bytes(config, (first, last), dtype_name(dtype), with_ends)
+    weights = weight_bytes(config, (first, last), dtype_name(dtype), with_ends, quant)
     return weights + KVCache.nbytes_for(config, last - first, n_slots, max_len, dtype)

@@ -10,6 +10,7 @@ import random
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from mdi.model import qkernels
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.runconfig import RunConfig, partition
 from mdi.starter.control import NodeError
@@ -18,7 +19,7 @@ from mdi.model.source import ModelSource, build_chunk
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
-from mdi.starter.capacity import chunk_bytes_needed
+from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 from mdi.starter.session import RingSession, client_for
 from mdi.model.sampling import SamplingParams
@@ -71,8 +72,10 @@ class Engine:
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:
             log.warning("mdi: starter: %s", note)
-        chunk = build_chunk(self.source.config, self.source.weights(first, last, True, True, self.dtype),
-                            first, last, True, True, self.dtype, self.device, compute)
+        quant = node_quant(self.cfg, self.source, self.nodes[0], layers, with_ends=True)
+        qkernels.set_preference(self.cfg.runtime.quant_kernel)
+        chunk = build_chunk(self.source.config, self.source.weights(first, last, True, True, self.dtype, quant),
+                            first, last, True, True, self.dtype, self.device, compute, quant)
         chunk.allocate_cache(self.n_slots, self.max_len)
         return chunk
 
@@ -175,5 +178,6 @@ class Engine:
             capacity = client_for(self.cfg, node).status().capacity_bytes()
         except NodeError:
             return False
-        need = chunk_bytes_needed(self.source.config, layers, self.n_slots, self.max_len, self.dtype)
+        need = chunk_bytes_needed(self.source.config, layers, self.n_slots, self.max_len, self.dtype,
+                                  quant=node_quant(self.cfg, self.source, node, layers))
         return capacity is None or need <= capacity

@@ -5,7 +5,7 @@ from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
-from mdi.starter.capacity import chunk_bytes_needed
+from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.session import client_for
 from mdi.system.memory import available_memory_bytes
 
@@ -21,11 +21,12 @@ def preflight(cfg: RunConfig, prompts: List[str]) -> int:
     longest = max([len(source.tokenizer.encode(p)) for p in prompts] or [0]) if source.tokenizer else 0
     max_len = min(config.block_size, longest + gen.n_tokens)
     n_slots = max(gen.n_samples or 1, len(prompts), 1)
-    print("model %s: %s, %d layers, %s; %d samples x %d positions" % (
-        cfg.model.path, config.family, config.n_layer, cfg.model.dtype, n_slots, max_len))
+    print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
+        cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, n_slots, max_len))
     ok = True
     for i, (node, layers) in enumerate(zip(cfg.nodes, ranges)):
-        need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=i == 0)
+        quant = node_quant(cfg, source, node, layers, with_ends=i == 0)
+        need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=i == 0, quant=quant)
         where = "%-10s %-21s layers %3d-%-3d needs %7.1f MB" % (
             node.name, node.address if i else "(this machine)", layers[0], layers[1] - 1, need / MB)
         ok = _report(cfg, node if i else None, where, need) and ok

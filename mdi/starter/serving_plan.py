@@ -13,7 +13,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
-from mdi.starter.capacity import chunk_bytes_needed
+from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Sample
@@ -73,7 +73,8 @@ def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], range
         capacity = available_memory_bytes() if i == 0 else client_for(cfg, node).status().capacity_bytes()
         if capacity is None:
             continue
-        weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0)
+        weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0,
+                                     quant=node_quant(cfg, source, node, layers, with_ends=i == 0))
         per_slot = KVCache.nbytes_for(config, layers[1] - layers[0], 1, max_len, dtype)
         fit = (capacity - weights) // per_slot if per_slot > 0 else limit
         if fit < 1:

@@ -15,6 +15,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
 from mdi.ring.transport import RingEndpoint
 from mdi.model.layout import dtype_name
+from mdi.starter.capacity import node_quant
 from mdi.ring.wire import Frame, decode
 
 
@@ -31,6 +32,8 @@ class RingSession:
         self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
         self.workers = nodes[1:]
+        # What each worker keeps quantized (sent in /init; pushed weights come that way).
+        self.quant = [node_quant(cfg, source, node, layers) for node, layers in zip(self.workers, ranges[1:])]
         self.clients = [client_for(cfg, n) for n in self.workers]
         self.endpoint = None  # type: Optional[RingEndpoint]
         self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
@@ -42,6 +45,7 @@ class RingSession:
         node = self.workers[i]
         nxt = self.nodes[(i + 2) % len(self.nodes)]
         return InitRequest(
+            quant=self.quant[i], quant_kernel=self.cfg.runtime.quant_kernel,
             run_id=self.run_id, model=self.source.config, layers=list(self.ranges[i + 1]),
             dtype=dtype_name(self.dtype), device=node.device or self.cfg.model.device,
             compute_dtype=self.cfg.model.compute_dtype,
@@ -60,7 +64,7 @@ class RingSession:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights)))
                 return
             first, last = self.ranges[i + 1]
-            blob = self.source.chunk_bytes(first, last, self.dtype)
+            blob = self.source.chunk_bytes(first, last, self.dtype, self.quant[i])
             pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
             self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
             if self.init_replies[i].get("need_weights"):

@@ -20,7 +20,8 @@ import torch
 from mdi import __version__
 from mdi.model.store import MODEL_FILE
 from mdi.model.config import ModelConfig
-from mdi.model.layout import CheckpointError, torch_dtype
+from mdi.model import qkernels
+from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype
 from mdi.model.source import build_chunk_from_file
 from mdi.model.transformer import KVCache, ModelChunk
 from mdi.ring.auth import ring_password
@@ -43,10 +44,11 @@ def models_dir_default() -> str:
 
 
 def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
-    """Bytes of the weights this worker holds (the KV cache is counted apart)."""
+    """Bytes of the weights this worker holds, quantized ones as their kernel keeps them (the
+    KV cache is counted apart)."""
     if chunk is None:
         return 0
-    return sum(p.numel() * p.element_size() for p in chunk.parameters())
+    return sum(t.numel() * t.element_size() for t in list(chunk.parameters()) + list(chunk.buffers()))
 
 
 @dataclass
@@ -57,6 +59,8 @@ class LoadedWeights:
     dtype: str
     device: str  # where the chunk lives: the worker's --device, else the request's
     weights: Weights
+    quant: Dict[str, Any]  # the quantized weights, as their JSON (comparable)
+    quant_kernel: Optional[str] = None
 
 
 @dataclass
@@ -210,8 +214,9 @@ class Worker:
             log.warning(note)
         cache_bytes = KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute)
         self._check_budget(request, cache_bytes)
-        setup = Setup(request, compute, LoadedWeights(config, [first, last], request.dtype, device, request.weights),
-                      peer)
+        key = LoadedWeights(config, [first, last], request.dtype, device, request.weights,
+                            layout_to_json(request.quant), request.quant_kernel)
+        setup = Setup(request, compute, key, peer)
         if request.weights.path is not None:
             setup.weights_file = self._weights_file(request.weights.path)
         if self.chunk is not None and self.loaded == setup.key:
@@ -326,8 +331,11 @@ class Worker:
     def _load_locked(self, setup: Setup, fn: str, exact: bool) -> None:
         key = setup.key
         first, last = key.layers
+        self._set_threads(setup.request)  # kernels are measured with the threads the run will use
+        qkernels.set_preference(key.quant_kernel)
         try:
-            self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact)
+            self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
+                                               setup.request.quant)
         except (CheckpointError, OSError, ValueError, RuntimeError) as e:
             where = "pushed weights" if exact else "weights"
             raise RequestError("cannot load %s for layers [%d, %d): %s" % (where, first, last, e))
@@ -367,15 +375,19 @@ class Worker:
             chunk.free_cache()
             raise RequestError(str(e))
         endpoint.connect(data.next_host, data.next_port)
-        # The run's runtime.threads, unless this worker was started with its own --threads.
-        threads = self.threads_override or request.threads
-        if threads:
-            torch.set_num_threads(threads)
-            self.threads = threads
+        threads = self._set_threads(request)
         self.run = Run(request, chunk, endpoint, setup.peer, threads)
         self.touch()
         self.run.thread.start()
         self.runs_served += 1
+
+    def _set_threads(self, request: InitRequest) -> Optional[int]:
+        """The run's runtime.threads, unless this worker was started with its own --threads."""
+        threads = self.threads_override or request.threads
+        if threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
 
     # --- reporting -------------------------------------------------------------------
     def status(self) -> StatusReply:

@@ -84,12 +84,14 @@ class Run:
     def _forward(self, frame: Frame) -> Frame:
         p = next(self.chunk.parameters())
         x = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
+        # For generation the starter needs only each sample's last position to pick the next
+        # token; a score pass (perplexity) needs every position's.
+        last_only = self.is_last and frame.kind != "score"
         outs, row = [], 0
         for slot, start, count in zip(frame.samples, frame.start, frame.count):
             y = self.chunk.forward_blocks(x[row:row + count], slot, start)
             row += count
-            # The starter needs only each sample's last position to pick the next token.
-            outs.append(y[-1:] if self.is_last else y)
+            outs.append(y[-1:] if last_only else y)
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, torch.cat(outs))
 
     def stop(self) -> None:

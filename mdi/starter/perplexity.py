@@ -1,0 +1,296 @@
+"""Perplexity of a text file (`mdi-start --perplexity FILE`), the usual measure of what a
+quantization costs, standalone or over the ring.
+
+The file is tokenized as plain text (BOS first when the tokenizer adds one, as llama.cpp's
+`llama-perplexity` does) and cut into non-overlapping windows of `ctx` tokens. Each window is
+run from position 0 as a "score" pass, whose every position comes back round the ring; the
+starter's head gives float32 log-probabilities and only the second half of a window's tokens
+is scored (in the first window, every token after the first), so a scored token has at least
+ctx/2 tokens of context. One window per KV cache slot is in flight, one slot per node, so every
+node works on a different window at every step; a window that starts at position 0 overwrites
+its slot's cache. Perplexity is exp(mean NLL) over every scored token.
+"""
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from mdi.model.sampling import SamplingParams
+from mdi.model.source import ModelSource
+from mdi.ring.transport import RingTimeout
+from mdi.ring.wire import Frame
+from mdi.runconfig import ConfigError, RunConfig
+from mdi.starter.batch import Interrupted
+from mdi.starter.control import NodeError
+from mdi.starter.engine import Engine
+from mdi.system.memory import unified_memory_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CTX = 512  # llama-perplexity's default context; capped at the model's block size
+MIN_CTX = 4
+HEAD_ROWS = 256  # positions per head call: bounds the [rows, vocab] float32 logits in memory
+
+
+def scored_range(window: int, ctx: int) -> Tuple[int, int]:
+    """The positions [a, ctx) of window `window` whose tokens are scored, each predicted from
+    the positions before it: the second half of the window, every token but the first in the
+    first window (which has nothing before it to lose context to)."""
+    return (1 if window == 0 else ctx // 2), ctx
+
+
+@dataclass
+class PerplexityResult:
+    path: str
+    ctx: int
+    n_text_tokens: int  # tokens in the file (BOS included)
+    window_nll: List[float]  # per window scored: the sum of its tokens' NLL (nats), window order
+    window_scored: List[int]  # per window scored: how many tokens it scored
+    elapsed: float  # seconds from the first window sent to the last one scored
+    nodes: List[Dict[str, Any]]
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.window_nll)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens run through the model (every position of every window)."""
+        return self.n_windows * self.ctx
+
+    @property
+    def n_scored(self) -> int:
+        return sum(self.window_scored)
+
+    @property
+    def nll_mean(self) -> Optional[float]:
+        return math.fsum(self.window_nll) / self.n_scored if self.n_scored else None
+
+    @property
+    def perplexity(self) -> Optional[float]:
+        nll = self.nll_mean
+        return math.exp(nll) if nll is not None else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def metrics(self) -> Dict[str, Any]:
+        record = {"perplexity": self.perplexity, "nll_mean": self.nll_mean, "file": self.path,
+                  "ctx": self.ctx, "n_windows": self.n_windows, "n_tokens": self.n_tokens,
+                  "n_scored": self.n_scored, "n_text_tokens": self.n_text_tokens,
+                  "window_nll_mean": [n / c for n, c in zip(self.window_nll, self.window_scored)],
+                  "seconds": self.elapsed, "tokens_per_s": self.tokens_per_s,
+                  "n_nodes": len(self.nodes), "nodes": self.nodes}
+        record.update(self.extra)
+        return record
+
+
+class PerplexityFailed(RuntimeError):
+    """The run stopped early; `result` holds the windows scored until then, `signum` the
+    signal that stopped it (None for a failure)."""
+
+    def __init__(self, message: str, result: PerplexityResult, signum: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.signum = signum
+
+
+def read_tokens(source: ModelSource, path: str) -> List[int]:
+    """The file's tokens as plain text (no chat template); BOS first if the tokenizer adds one."""
+    tok = source.tokenizer
+    if tok is None:
+        raise ConfigError("%s: no tokenizer found for this model" % source.path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError("--perplexity %s: no such file" % path)
+    except UnicodeDecodeError as e:
+        raise ConfigError("--perplexity %s: not UTF-8 text (byte %d)" % (path, e.start))
+    except OSError as e:
+        raise ConfigError("--perplexity %s: cannot read it: %s" % (path, e.strerror or e))
+    if not text.strip():
+        raise ConfigError("--perplexity %s: the file is empty" % path)
+    return tok.encode(text)
+
+
+def resolve_ctx(source: ModelSource, ctx: Optional[int]) -> int:
+    block = source.config.block_size
+    if ctx is None:
+        return min(block, DEFAULT_CTX)
+    if not MIN_CTX <= ctx <= block:
+        raise ConfigError("--ppl-ctx %d: expected %d to the model's context of %d tokens" % (ctx, MIN_CTX, block))
+    return ctx
+
+
+def plan_windows(n_tokens: int, ctx: int, max_windows: Optional[int], path: str) -> int:
+    """How many windows to score; like llama-perplexity, at least two windows' worth of text."""
+    if n_tokens < 2 * ctx:
+        raise ConfigError("--perplexity %s: %d tokens, too short for a context of %d (at least %d tokens; "
+                          "lower --ppl-ctx)" % (path, n_tokens, ctx, 2 * ctx))
+    n = n_tokens // ctx
+    return min(n, max_windows) if max_windows is not None else n
+
+
+def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optional[int] = None,
+        on_window: Optional[Callable[[int, int, float, float], None]] = None) -> PerplexityResult:
+    """Score `path`. `on_window(windows done, windows, perplexity so far, tokens/s)` is called
+    after each window is scored (a progress line)."""
+    if max_windows is not None and max_windows < 1:
+        raise ConfigError("--ppl-max-windows must be at least 1")
+    source = ModelSource(cfg.model.path)
+    ids = read_tokens(source, path)
+    ctx = resolve_ctx(source, ctx)
+    n_windows = plan_windows(len(ids), ctx, max_windows, path)
+    n_slots = min(len(cfg.nodes), n_windows)
+    log.info("mdi: perplexity of %s: %d tokens, %d windows of %d, %d in flight",
+             path, len(ids), n_windows, ctx, n_slots)
+    engine = Engine(cfg, source, n_slots, ctx, SamplingParams(temperature=0.0))
+    try:
+        engine.open()
+    except (KeyboardInterrupt, Interrupted):
+        engine.abort()  # workers configured so far drop the run now
+        raise
+    scorer = _Scorer(engine, ids, ctx, n_windows, path, on_window)
+    try:
+        scorer.run()
+        elapsed = time.perf_counter() - scorer.t0
+        worker_stats = engine.close()
+    except (RuntimeError, KeyboardInterrupt, Interrupted) as e:
+        engine.abort()  # every worker drops the run now, not after its heartbeat timeout
+        partial = scorer.result(time.perf_counter() - scorer.t0, [])
+        signum = e.signum if isinstance(e, Interrupted) else (signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
+        partial.extra["error"] = ("interrupted by %s" % signal.Signals(signum).name if signum is not None
+                                  else str(e) or type(e).__name__)
+        raise PerplexityFailed(partial.extra["error"], partial, signum)
+    return scorer.result(elapsed, worker_stats)
+
+
+class _Scorer:
+    """Keeps one window per cache slot travelling the ring and scores each as it returns."""
+
+    def __init__(self, engine: Engine, ids: List[int], ctx: int, n_windows: int, path: str,
+                 on_window: Optional[Callable[[int, int, float, float], None]]) -> None:
+        self.engine, self.ids, self.ctx, self.n_windows, self.path = engine, ids, ctx, n_windows, path
+        self.on_window = on_window
+        self.nll = {}  # type: Dict[int, Tuple[float, int]]  # window -> (NLL sum, tokens scored)
+        self.in_flight = {}  # type: Dict[int, int]  # cache slot -> window
+        self.next_window = 0
+        self.compute_seconds = 0.0  # the starter's own work: its layers and the head
+        self.t0 = time.perf_counter()
+
+    @property
+    def chunk(self):
+        return self.engine.chunk  # replaced when a recovery moves the starter's layers
+
+    def run(self) -> None:
+        self.t0 = time.perf_counter()
+        with torch.inference_mode():
+            for slot in range(self.engine.n_slots):
+                self._send_next(slot)
+            while self.in_flight:
+                try:
+                    frame = self._next_frame()
+                except (NodeError, RingTimeout) as e:
+                    self._recover(e)
+                    continue
+                self._score(frame)
+
+    def _window_ids(self, window: int) -> torch.Tensor:
+        a = window * self.ctx
+        return torch.tensor(self.ids[a:a + self.ctx], dtype=torch.long, device=next(self.chunk.parameters()).device)
+
+    def _send(self, slot: int, window: int) -> None:
+        t0 = time.perf_counter()
+        x = self.chunk.forward_blocks(self.chunk.embed(self._window_ids(window), 0), slot, 0)
+        self.compute_seconds += time.perf_counter() - t0
+        pipeline = self.engine.pipeline
+        pipeline.transport.send(Frame("score", pipeline.run_id, [slot], [0], [self.ctx], x))
+        self.in_flight[slot] = window
+
+    def _send_next(self, slot: int) -> None:
+        if self.next_window < self.n_windows:
+            self.next_window += 1
+            self._send(slot, self.next_window - 1)
+
+    def _next_frame(self) -> Frame:
+        """The next frame back, waiting in short slices and asking the watchdog in between, so
+        a dead node is reported by name instead of after the whole ring timeout."""
+        timeout = self.engine.cfg.runtime.ring_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.engine.pipeline.transport.recv(max(0.0, min(0.2, deadline - time.monotonic())))
+            except RingTimeout:
+                self.engine._check()
+                if time.monotonic() >= deadline:
+                    raise RingTimeout("no activations came back round the ring for %.0f s" % timeout)
+
+    def _score(self, frame: Frame) -> None:
+        if frame.kind != "score" or frame.tensor is None:
+            return  # a stray stop/reset: nothing to score
+        p = next(self.chunk.parameters())
+        hidden = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
+        row = 0
+        for slot, count in zip(frame.samples, frame.count):
+            rows, row = hidden[row:row + count], row + count
+            window = self.in_flight.pop(slot, None)
+            if window is None:
+                continue  # not in flight (validated frames only name our slots)
+            t0 = time.perf_counter()
+            self.nll[window] = self._window_nll(window, rows)
+            self.compute_seconds += time.perf_counter() - t0
+            self._send_next(slot)
+            if self.on_window is not None:
+                done = len(self.nll)
+                nll = math.fsum(n for n, _ in self.nll.values()) / sum(c for _, c in self.nll.values())
+                elapsed = time.perf_counter() - self.t0
+                self.on_window(done, self.n_windows, math.exp(nll), done * self.ctx / max(elapsed, 1e-9))
+
+    def _window_nll(self, window: int, hidden: torch.Tensor) -> Tuple[float, int]:
+        """(sum of NLL, tokens scored): position i's logits predict the token at i + 1."""
+        a, b = scored_range(window, self.ctx)
+        targets = self._window_ids(window)
+        total = 0.0
+        for i in range(a - 1, b - 1, HEAD_ROWS):
+            j = min(i + HEAD_ROWS, b - 1)
+            logp = torch.log_softmax(self.chunk.head(hidden[i:j]).float(), dim=-1)
+            total -= logp.gather(1, targets[i + 1:j + 1, None]).double().sum().item()
+        return total, b - a
+
+    def _recover(self, cause: BaseException) -> None:
+        """A node failed: the engine re-plans the ring (or re-raises when it may not) and every
+        window in flight is sent again from position 0 on the new ring."""
+        self.engine._recover(cause)
+        lost = sorted(self.in_flight.items())
+        self.in_flight = {}
+        for slot, window in lost:
+            self._send(slot, window)
+
+    def result(self, elapsed: float, worker_stats: List[Dict[str, Any]]) -> PerplexityResult:
+        done = sorted(self.nll)
+        engine = self.engine
+        first, last = engine.ranges[0]
+        starter = {"name": engine.nodes[0].name, "layers": [first, last - 1],
+                   "peak_memory_bytes": unified_memory_bytes(peak=True),
+                   "cache_bytes": engine.chunk.cache.nbytes if engine.chunk is not None and engine.chunk.cache is not None
+                   else 0,
+                   "compute_seconds": round(self.compute_seconds, 6)}
+        if engine.pipeline is not None:
+            starter.update(engine.pipeline.transport.traffic())
+        nodes = [starter]
+        # Every node of the ring is listed; a run that failed has no counters from the workers.
+        for i, (node, (a, b)) in enumerate(zip(engine.nodes[1:], engine.ranges[1:])):
+            entry = {"name": node.name, "layers": [a, b - 1]}
+            entry.update(worker_stats[i] if i < len(worker_stats) else {})
+            nodes.append(entry)
+        extra = {"recoveries": engine.recoveries} if engine.recoveries else {}
+        return PerplexityResult(self.path, self.ctx, len(self.ids),
+                                [self.nll[w][0] for w in done], [self.nll[w][1] for w in done],
+                                elapsed, nodes, extra)
