@@ -32,6 +32,8 @@ PY
 done
 
 if [ "$#" -eq 0 ]; then
-    set -- --prompt "The capital of France is" --n-tokens 32 --temperature 0
+    # The model keeps its GGUF's int4 blocks; `fast` lets them use torch's packed kernels
+    # (bfloat16 rounding, several times faster on CPU than the exact default).
+    set -- --prompt "The capital of France is" --n-tokens 32 --temperature 0 --quant-kernel fast
 fi
 mdi-start --config configs/ring3.yaml "$@"

@@ -332,3 +332,130 @@ def test_back_to_back_authenticated_runs_on_emulated_boards(tmp_path):
     r = _bench("--experiment", str(config), "--emulation", "on", timeout=580)
     statuses = _bench_statuses(r, tmp_path / "out")
     assert r.returncode == 0 and statuses == ["ok"] * 60, (_bench_error(r), [s for s in statuses if s != "ok"][:3])
+
+
+# --------------------------------------------------------------------------- quantized random models
+
+TINY_Q = {"family": "llama", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "intermediate_size": 128,
+          "vocab_size": 160, "block_size": 64, "seed": 3, "quant": "int4", "group_size": 32}
+
+
+@pytest.mark.parametrize("random, needle", [
+    (dict(TINY_Q, quant="int3"), "models[0].random.quant: expected one of int8, int4"),
+    ({k: v for k, v in TINY_Q.items() if k != "quant"}, "models[0].random.group_size: needs quant"),
+    (dict(TINY_Q, group_size=48), "models[0].random.group_size: expected one of 32, 64, 128"),
+])
+def test_random_quant_schema_errors(random, needle):
+    with pytest.raises(ExperimentError) as e:
+        parse(model={"random": random})
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("model, needle", [
+    ({"quant": "int2"}, "models[0].quant: expected one of none, auto, int8, int4"),
+    ({"quant_kernel": "fastest"}, "models[0].quant_kernel: expected one of exact, fast"),
+])
+def test_run_quant_schema_errors(model, needle):
+    with pytest.raises(ExperimentError) as e:
+        parse(model=model)
+    assert needle in str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_quantized_random_model_is_built_without_its_float_twin_and_runs(tmp_path, monkeypatch):
+    """`random: {quant: int4}`: every quantizable weight stored as int4 (the sizes that
+    layout.weight_bytes plans with), made one block of rows at a time (no float model), the
+    same bytes on a rebuild, and mdi-start --model DIR --quant auto runs it."""
+    import torch
+    from safetensors import safe_open
+    from mdi.lab import model_setup
+    from mdi.lab.sweep import plan_sweep
+    from mdi.model import layout, transformer
+    from mdi.model.store import file_layout, read_mdi_config
+
+    monkeypatch.setattr(transformer, "full_model", lambda *a, **k: pytest.fail("built the float model"))
+    from mdi.model import quant
+    blocks = []
+    real_quantize = quant.quantize
+
+    def counting_quantize(w, spec):
+        blocks.append(tuple(w.shape))
+        return real_quantize(w, spec)
+    monkeypatch.setattr(quant, "quantize", counting_quantize)
+    monkeypatch.setattr(model_setup, "ROWS_PER_BLOCK", 100)
+    exp = parse(model={"path": str(tmp_path / "q"), "random": TINY_Q, "nodes": [2], "quant": "auto"})
+    plans = plan_sweep(exp, lambda m: None)
+    # quantized as drawn, 100 rows at a time at most: the 160-row head and embedding in two blocks
+    assert (100, 64) in blocks and (60, 64) in blocks and max(rows for rows, _ in blocks) == 100
+
+    path = str(tmp_path / "q")
+    config = read_mdi_config(path)
+    assert config.vocab_size == 160 and config.n_layer == 2
+    stored = file_layout(path)
+    want = set(layout.quantizable(config, (0, 2), True, True))
+    # every quantizable weight, as mdi's int4 policy has it (quant.uniform_layout: the blocks
+    # int4 in groups of 32; the embedding and head as that policy says)
+    assert set(stored) == want and stored == quant.uniform_layout(config, (0, 2), True, True, "int4", 32)
+    assert {s.label() for b, s in stored.items() if b.startswith("blocks.")} == {"int4/g32"}
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert tensors["blocks.0.mlp.down.qweight"].dtype == torch.uint8
+    assert tuple(tensors["blocks.0.mlp.down.qweight"].shape) == (64, 64)  # [out, in / 2]
+    assert tensors["blocks.1.attn.qkv.scales"].dtype == torch.float16
+    assert tuple(tensors["blocks.1.attn.qkv.mins"].shape) == (128, 2)  # [out, in / 32]: q, k, v = 64 + 2 x 32 rows
+    assert not any(k.endswith(".weight") and k[:-7] in want for k in tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert total == layout.weight_bytes(config, (0, 2), "float32", with_ends=True, quant=stored)
+    # the sweep plans each node's weights at the quantized size too
+    ring = plans[0][0]
+    assert ring.weights == [layout.weight_bytes(config, r, "float32", with_ends=k == 0, quant=stored)
+                            for k, r in enumerate(layout.layer_ranges(ring.counts))]
+    # the tokenizer covers the whole vocabulary: every id the model samples decodes
+    from mdi.model.tokenizers import load_tokenizer
+    assert load_tokenizer(path).vocab_size == 160
+
+    # deterministic: the same spec builds the same tensors; another spec at that path is refused
+    again = str(tmp_path / "again")
+    model_setup.build_random_model(again, "m", TINY_Q, "x.yaml")
+    with safe_open(os.path.join(again, "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(tensors) and all(torch.equal(f.get_tensor(k), tensors[k]) for k in tensors)
+    with pytest.raises(ExperimentError, match="exists but is not this random model"):
+        plan_sweep(parse(model={"path": path, "random": dict(TINY_Q, group_size=64), "nodes": [2]}), print)
+
+    metrics = tmp_path / "m.json"
+    monkeypatch.undo()
+    r = subprocess.run([os.path.join(BIN, "mdi-start"), "--model", path, "--quant", "auto", "--prompt", "Hi",
+                        "--n-tokens", "5", "--temperature", "0", "--metrics-out", str(metrics), "--quiet"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=100, cwd=ROOT)
+    assert r.returncode == 0, r.stderr.decode()
+    import json
+    record = json.loads(metrics.read_text())
+    assert record["n_tokens"] == 5 and len(record["samples"][0]["token_ids"]) == 5
+
+
+def test_quantized_random_gpt2_keeps_positions_float(tmp_path):
+    """int8 per channel (no group_size); GPT-2's positions stay float, its biases are zeros."""
+    from safetensors import safe_open
+    from mdi.lab.model_setup import build_random_model
+    from mdi.model import layout
+    from mdi.model.store import file_layout, read_mdi_config
+    spec = {"family": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16, "quant": "int8"}
+    build_random_model(str(tmp_path), "g", spec, "x.yaml")
+    config, stored = read_mdi_config(str(tmp_path)), file_layout(str(tmp_path))
+    shapes = layout.quantizable(config, (0, 1), True, True)
+    assert set(stored) == set(shapes) and "tok_emb" in stored  # the tied head
+    assert all(s.kind == "int8" and s.group_size == shapes[b][1] for b, s in stored.items())  # per channel
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("pos_emb.weight").dtype.is_floating_point
+        assert not f.get_tensor("blocks.0.attn.qkv.bias").any()
+        total = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert total == layout.weight_bytes(config, (0, 1), "float32", with_ends=True, quant=stored)
+
+
+def test_unquantized_random_spec_is_unchanged():
+    """Without quant: the character vocabulary, no quantized weights (as before)."""
+    from mdi.lab.model_setup import CHARS, random_model_config, random_quant_layout
+    spec = {"family": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "seed": 0}
+    config = random_model_config("m", spec)
+    assert config.vocab_size == len(CHARS) and config.block_size == 256 and config.tied_head
+    assert random_quant_layout(config, spec, "x") == {}

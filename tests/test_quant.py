@@ -55,6 +55,7 @@ def test_group_size_that_does_not_divide_is_refused_naming_the_layer():
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_are_taken_over_without_loss(type_name):
+    pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
@@ -121,7 +122,11 @@ def test_every_available_kernel_matches_the_reference():
         for kernel in qkernels.KERNELS:
             if not kernel.supports(spec, n_out, n_in, device):
                 continue
-            y = kernel.run(x, kernel.pack(parts, spec, n_in), spec, n_in)
+            try:
+                y = kernel.run(x, kernel.pack(parts, spec, n_in), spec, n_in)
+            except (RuntimeError, NotImplementedError) as e:  # an op this torch build has only for CUDA
+                assert "not implemented" in str(e).lower() or "could not run" in str(e).lower(), e
+                continue
             err = float((y.T - ref).abs().max() / ref.abs().max())
             assert err <= (1e-6 if kernel.exact else qkernels.TOLERANCE), (kernel.name, spec, err)
 
@@ -164,7 +169,8 @@ def test_prepare_quantized_dir_and_chunks(tmp_path):
     float_size = os.path.getsize(os.path.join(src, "model.safetensors"))
     assert os.path.getsize(os.path.join(out, "model.safetensors")) < float_size / 3
     source = ModelSource(out)
-    assert set(source.stored_quant.values()) == {QuantSpec("int4", 64)}
+    assert set(source.stored_quant.values()) == {QuantSpec("int4", 64), QuantSpec("int8", 64)}
+    assert source.stored_quant["lm_head"] == QuantSpec("int8", 64)  # the head stays int8 (per channel)
     assert source.layout(2, 4, False, "auto") == {k: QuantSpec("int4", 64)
                                                   for k in quantizable(source.config, (2, 4), False, False)}
     assert source.layout(2, 4, False, "none") == {}

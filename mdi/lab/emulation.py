@@ -131,6 +131,10 @@ class Emulation:
         if self.cpu is not None:
             self.cpu.set_quota(key, self.settings.cpu_quota if on else None)
 
+    def memory_limit_bytes(self) -> Optional[int]:
+        """Each node process's memory limit while the memory emulation is on, else None."""
+        return self.settings.memory_limit_mb * 1024 * 1024 if self.memory is not None else None
+
     def reset_memory_peak(self, key: str) -> None:
         if self.memory is not None:
             self.memory.reset_peak(key)

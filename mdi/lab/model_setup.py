@@ -1,7 +1,7 @@
 """The models a sweep runs: found on disk, or built with random weights from a `random:` spec."""
 import json
 import os
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.lab.spec import ExperimentError, ModelEntry
 from mdi.model import layout
@@ -22,41 +22,112 @@ def resolve_path(path: str, source: str) -> str:
 
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+PAD_CHARS_FROM = 0x4E00  # a random model's vocabulary beyond CHARS: one CJK (then Yi, Hangul...) character per id
+RANDOM_BUILD_KEYS = ("seed", "std", "quant", "group_size")  # how the weights are made, not the model's shape
+ROWS_PER_BLOCK = 2048  # rows of one matrix generated (and quantized) at a time in a quantized build
 
 
 def random_model_config(name: str, spec: Dict[str, Any]):
     from mdi.model.config import ModelConfig
-    kw = {k: v for k, v in spec.items() if k not in ("seed", "std")}
+    kw = {k: v for k, v in spec.items() if k not in RANDOM_BUILD_KEYS}
     kw.setdefault("block_size", 256)
+    kw.setdefault("vocab_size", len(CHARS))
+    if kw["vocab_size"] < len(CHARS):
+        raise ValueError("vocab_size %d is smaller than the %d characters of the random model's tokenizer"
+                         % (kw["vocab_size"], len(CHARS)))
     if kw["family"] == "gpt2":
         kw.update(bias=True, tied_head=True, gelu_approximate="tanh")
     else:
         kw.setdefault("tied_head", False)
-    return ModelConfig(name=name, vocab_size=len(CHARS), **kw)
+    return ModelConfig(name=name, **kw)
+
+
+def random_vocabulary(vocab_size: int) -> List[str]:
+    """The character tokenizer of a random model: printable ASCII and newline, then (for a
+    vocabulary as large as a real model's, e.g. 32000) one distinct placeholder character for
+    every further id, so that every token the model can sample decodes."""
+    if vocab_size - len(CHARS) > 0xD800 - PAD_CHARS_FROM:  # stop short of the surrogates
+        raise ValueError("vocab_size %d: a random model's character vocabulary holds at most %d"
+                         % (vocab_size, len(CHARS) + 0xD800 - PAD_CHARS_FROM))
+    return CHARS + [chr(PAD_CHARS_FROM + i) for i in range(vocab_size - len(CHARS))]
 
 
 def _checked_random_config(name: str, spec: Dict[str, Any], where: str):
     try:
-        return random_model_config(name, spec)
+        config = random_model_config(name, spec)
+        random_vocabulary(config.vocab_size)
+        return config
     except (TypeError, ValueError) as e:
         raise ExperimentError("%s.random: %s" % (where, e))
 
 
+def random_quant_layout(config, spec: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """What a `random:` spec's `quant:` (+ `group_size`) stores quantized: every quantizable
+    weight (QuantSpec by weight name); {} without quant. ExperimentError naming the layer when
+    a group size does not divide its width."""
+    from mdi.model.quant import uniform_layout
+    if not spec.get("quant"):
+        return {}
+    try:
+        return uniform_layout(config, (0, config.n_layer), True, True, spec["quant"], spec.get("group_size"))
+    except ValueError as e:  # CheckpointError
+        raise ExperimentError("%s.random.group_size: %s" % (where, e))
+
+
 def build_random_model(path: str, name: str, spec: Dict[str, Any], where: str) -> None:
-    """A random-initialised model with a character tokenizer, saved as a prepared mdi dir."""
+    """A random-initialised model with a character tokenizer, saved as a prepared mdi dir.
+    With `quant:` its weights are made quantized one matrix at a time (random_quantized_weights)."""
     import torch
     from mdi.model.store import save_model_dir
-    from mdi.model.transformer import full_model
     from mdi.model.tokenizers import char_tokenizer
     config = _checked_random_config(name, spec, where)
-    torch.manual_seed(spec.get("seed", 0))
-    model = full_model(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, float(spec.get("std", 0.02)))
-    save_model_dir(path, config, model.state_dict(), "mdi-bench random: %s" % json.dumps(spec, sort_keys=True))
-    char_tokenizer(CHARS).save(path)
+    layout = random_quant_layout(config, spec, where)
+    if layout:
+        weights = random_quantized_weights(config, layout, spec.get("seed", 0), float(spec.get("std", 0.02)))
+    else:
+        from mdi.model.transformer import full_model
+        torch.manual_seed(spec.get("seed", 0))
+        model = full_model(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, float(spec.get("std", 0.02)))
+        weights = model.state_dict()
+    save_model_dir(path, config, weights, "mdi-bench random: %s" % json.dumps(spec, sort_keys=True))
+    char_tokenizer(random_vocabulary(config.vocab_size)).save(path)
+
+
+def random_quantized_weights(config, layout: Dict[str, Any], seed: int, std: float,
+                             rows: Optional[int] = None) -> Dict[str, Any]:
+    """The canonical state dict of a random model whose weights named in `layout` are
+    `quant.QParts`, made without the float model: each matrix is drawn N(0, std) `rows` output
+    rows at a time, each block quantized (rows are independent) straight into the matrix's
+    preallocated quantized tensors. Peak memory: the quantized model plus one block of float
+    rows and its temporaries. Matrices not in `layout` (GPT-2's positions) are float N(0, std),
+    norm weights 1, biases 0."""
+    import torch
+    from mdi.model.layout import expected_shapes
+    from mdi.model.quant import QParts, quantize
+    rows = rows or ROWS_PER_BLOCK
+    gen = torch.Generator().manual_seed(seed)
+    out = {}  # type: Dict[str, Any]
+    for key, shape in expected_shapes(config, (0, config.n_layer), True, True).items():
+        spec = layout.get(key[:-len(".weight")]) if key.endswith(".weight") else None
+        if spec is None:
+            if len(shape) == 2:
+                out[key] = torch.empty(shape).normal_(0, std, generator=gen)
+            else:
+                out[key] = torch.zeros(shape) if key.endswith(".bias") else torch.ones(shape)
+            continue
+        n_out, n_in = shape
+        parts = {s: torch.empty(sh, dtype=dt) for s, (sh, dt) in spec.tensor_shapes(n_out, n_in).items()}
+        for a in range(0, n_out, rows):
+            block = torch.empty(min(rows, n_out - a), n_in).normal_(0, std, generator=gen)
+            for s, t in quantize(block, spec).items():
+                parts[s][a:a + block.shape[0]] = t
+            del block
+        out[key] = QParts(spec, parts, n_in)
+    return out
 
 
 def ensure_model(entry: ModelEntry, where: str, source: str, log: Callable[[str], None]) -> str:
@@ -74,20 +145,22 @@ def ensure_model(entry: ModelEntry, where: str, source: str, log: Callable[[str]
 
 
 def sweep_model(entry: ModelEntry, where: str, source: str, log: Callable[[str], None],
-                build: bool = True) -> Tuple[str, Any, bool]:
-    """(path, ModelConfig, whether workers can read their own layers from it) for one model
-    of a sweep. A missing random model is built first; with build=False (a dry run) it is
-    planned from its spec instead and nothing is written."""
+                build: bool = True) -> Tuple[str, Any, bool, Dict[str, Any]]:
+    """(path, ModelConfig, whether workers can read their own layers from it, the weights a
+    run keeps quantized) for one model of a sweep. A missing random model is built first; with
+    build=False (a dry run) it is planned from its spec instead and nothing is written."""
     path = resolve_path(entry.path, source)
     if not build and entry.random is not None and not os.path.exists(path):
         log("mdi-bench: would build random model %s at %s" % (entry.name, path))
-        return path, _checked_random_config(entry.name, entry.random, where), True
+        config = _checked_random_config(entry.name, entry.random, where)
+        return path, config, True, run_quant_layout(entry, config, random_quant_layout(config, entry.random, where),
+                                                    where)
     path = ensure_model(entry, where, source, log)
     try:
-        config, local = model_layout(path)
+        config, local, stored = model_layout(path)
     except (ValueError, OSError) as e:  # CheckpointError, TokenizerError: the model cannot be read
         raise ExperimentError("%s.path: %s" % (where, e))
-    return path, config, local
+    return path, config, local, run_quant_layout(entry, config, stored, where)
 
 
 def _check_random_matches(path: str, entry: ModelEntry, where: str) -> None:
@@ -96,18 +169,50 @@ def _check_random_matches(path: str, entry: ModelEntry, where: str) -> None:
         have = read_mdi_config(path).to_dict()
     except Exception:  # not a prepared dir: certainly not what 'random' builds
         have = None
-    want = random_model_config(entry.name, entry.random).to_dict()
-    if have != want:
+    config = _checked_random_config(entry.name, entry.random, where)
+    want_quant = _quant_labels(random_quant_layout(config, entry.random, where))
+    if have != config.to_dict() or _stored_quant(path) != want_quant:
         raise ExperimentError("%s.random: %s exists but is not this random model; delete it or change path"
                               % (where, path))
 
 
+def _quant_labels(layout: Dict[str, Any]) -> Dict[str, str]:
+    return {base: spec.label() for base, spec in layout.items()}
+
+
+def _stored_quant(path: str) -> Optional[Dict[str, str]]:
+    from mdi.model.store import file_layout
+    try:
+        return _quant_labels(file_layout(path))
+    except ValueError:  # CheckpointError: no readable model.safetensors
+        return None
+
+
 def model_layout(path: str):
-    """(ModelConfig, whether workers can read their own layers from `path`)."""
+    """(ModelConfig, whether workers can read their own layers from `path`, the weights it
+    stores quantized)."""
     from mdi.model.source import ModelSource, is_mdi_dir
-    return ModelSource(path).config, is_mdi_dir(path)
+    source = ModelSource(path)
+    return source.config, is_mdi_dir(path), dict(source.stored_quant)
 
 
-def weight_bytes(config, counts: List[int], dtype: str) -> List[int]:
-    """Bytes of each node's weights (the starter holds the embedding, final norm and head)."""
-    return [layout.weight_bytes(config, r, dtype, with_ends=k == 0) for k, r in enumerate(layout.layer_ranges(counts))]
+def run_quant_layout(entry: ModelEntry, config, stored: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """The weights a run of `entry` keeps quantized (whole model, by weight name), as mdi-start
+    plans them (capacity.node_quant): model.quant `auto` as `stored`, int8 / int4 everything
+    quantizable, none nothing."""
+    from mdi.model.quant import uniform_layout
+    if entry.quant == "auto":
+        return dict(stored)
+    if entry.quant == "none":
+        return {}
+    try:
+        return uniform_layout(config, (0, config.n_layer), True, True, entry.quant)
+    except ValueError as e:  # CheckpointError: a width the default group does not divide
+        raise ExperimentError("%s.quant: %s" % (where, e))
+
+
+def weight_bytes(config, counts: List[int], dtype: str, quant: Optional[Dict[str, Any]] = None) -> List[int]:
+    """Bytes of each node's weights (the starter holds the embedding, final norm and head),
+    the weights named in `quant` at their quantized size."""
+    return [layout.weight_bytes(config, r, dtype, with_ends=k == 0, quant=quant)
+            for k, r in enumerate(layout.layer_ranges(counts))]

@@ -120,12 +120,13 @@ class Ring:
             if k > 0 and p.local_weights and p.model.weights == "local":
                 node["weights"] = p.path  # as a board with the model on its own disk
             nodes.append(node)
-        return {"model": {"path": p.path, "dtype": p.model.dtype, "device": "cpu"}, "nodes": nodes,
+        return {"model": {"path": p.path, "dtype": p.model.dtype, "device": "cpu", "quant": p.model.quant},
+                "nodes": nodes,
                 "generation": {"n_tokens": p.model.tokens, "temperature": self.exp.temperature, "seed": 1,
                                "prompts": [p.model.prompt]},
                 # heartbeat_timeout: a throttled, shared machine must not end runs by mistake
                 "runtime": {"threads": 1, "connect_timeout": 10, "init_timeout": self.exp.start_timeout,
-                            "ring_timeout": 120, "heartbeat_timeout": 60}}
+                            "ring_timeout": 120, "heartbeat_timeout": 60, "quant_kernel": p.model.quant_kernel}}
 
     # --- life cycle ------------------------------------------------------------------
     def start(self) -> None:

@@ -18,7 +18,8 @@ CSV_COLUMNS = [
     "model", "nodes", "partition", "samples", "tokens", "tokens_per_s", "ttft_s",
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
     "decode_tokens_per_s", "generated_tokens", "seconds", "ttft_max_s", "partition_kind", "dtype",
-    "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy", "emulation", "starter_mode",
+    "quant", "quant_kernel", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy", "emulation",
+    "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
 ]
 SUMMARY_COLUMNS = [
@@ -72,6 +73,7 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
     row = {c: "" for c in CSV_COLUMNS}
     row.update(model=plan.model.name, nodes=str(plan.n_nodes), partition=plan.label, samples=str(samples),
                tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind, dtype=plan.model.dtype,
+               quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
                weights_mb=_joined(_mb(b) for b in plan.weights), emulation=emu_tag, starter_mode=exp.starter,
                load_1min="%.2f" % outcome.load_1min, experiment=exp.name)
     m = outcome.metrics

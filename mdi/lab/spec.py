@@ -5,7 +5,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mdi.model.layout import DTYPE_NAMES, balanced, partition_label
+from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
+from mdi.model.qkernels import POLICY_NAMES
 from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings
 
@@ -30,6 +31,8 @@ class ModelEntry:
     partitions: List[Any] = field(default_factory=lambda: ["balanced"])
     dtype: str = "float32"
     weights: str = "local"  # local: workers read their layers from the model dir; push: over HTTP
+    quant: str = "auto"  # the run's model.quant: none | auto (as stored) | int8 | int4
+    quant_kernel: str = "exact"  # the run's runtime.quant_kernel: exact | fast | a kernel's name
 
 
 @dataclass
@@ -51,8 +54,9 @@ class Experiment:
 
 NUM = (int, float)
 MODEL_KEYS = {"name": (str,), "path": (str,), "random": (dict,), "prompt": (str,), "tokens": (int,),
-              "samples": (list,), "nodes": (list,), "partitions": (list,), "dtype": (str,), "weights": (str,)}
-SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights")
+              "samples": (list,), "nodes": (list,), "partitions": (list,), "dtype": (str,), "weights": (str,),
+              "quant": (str,), "quant_kernel": (str,)}
+SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights", "quant", "quant_kernel")
 TOP_KEYS = {"name": (str,), "description": (str,), "output": (str,), "models": (list,), "repeats": (int,),
             "temperature": NUM, "warmup": (bool,), "starter": (str,), "run_timeout": NUM,
             "start_timeout": NUM, "emulation": (dict,), "auth": (bool,)}
@@ -60,7 +64,8 @@ TOP_KEYS.update({k: MODEL_KEYS[k] for k in SHARED_KEYS})
 EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": NUM, "cpu_period_us": (int,), "memory_limit_mb": (int,),
                   "bandwidth_mbit": NUM, "latency_ms": NUM}
 RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": (int,), "n_kv_head": (int,),
-               "intermediate_size": (int,), "block_size": (int,), "seed": (int,), "std": NUM}
+               "intermediate_size": (int,), "block_size": (int,), "seed": (int,), "std": NUM,
+               "vocab_size": (int,), "quant": (str,), "group_size": (int,)}
 def _fields(where: str, data: Any, allowed: Dict[str, Tuple[type, ...]], required: Sequence[str] = ()) -> Dict[str, Any]:
     return check_keys(where, data, allowed, required, error=ExperimentError)
 
@@ -134,7 +139,23 @@ def _parse_model(where: str, raw: Any, defaults: Dict[str, Any]) -> ModelEntry:
     _check_common(where, entry)
     if entry.random is not None:
         _fields(where + ".random", entry.random, RANDOM_KEYS, required=("family", "n_layer", "n_embd", "n_head"))
+        _check_random_quant(where + ".random", entry.random)
     return entry
+
+
+def _check_random_quant(where: str, spec: Dict[str, Any]) -> None:
+    """`quant: int8 | int4` (+ `group_size`) builds the random model quantized, one weight at a
+    time: the float model never exists (a 7B float32 one would need 27 GB)."""
+    quant = spec.get("quant")
+    if quant is not None and quant not in QUANT_KINDS:
+        raise ExperimentError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_KINDS), quant))
+    group = spec.get("group_size")
+    if group is not None:
+        if quant is None:
+            raise ExperimentError("%s.group_size: needs quant int8 or int4" % where)
+        if group < 2 or (quant == "int4" and group not in INT4_GROUPS):
+            raise ExperimentError("%s.group_size: expected %s, got %d" % (
+                where, "one of %s" % ", ".join(map(str, INT4_GROUPS)) if quant == "int4" else "at least 2", group))
 
 
 def _check_common(where: str, e: ModelEntry) -> None:
@@ -146,6 +167,11 @@ def _check_common(where: str, e: ModelEntry) -> None:
         raise ExperimentError("%s.dtype: expected one of %s, got %r" % (where, ", ".join(DTYPE_NAMES), e.dtype))
     if e.weights not in ("local", "push"):
         raise ExperimentError("%s.weights: expected 'local' or 'push', got %r" % (where, e.weights))
+    if e.quant not in QUANT_MODES:
+        raise ExperimentError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), e.quant))
+    if e.quant_kernel not in POLICY_NAMES:
+        raise ExperimentError("%s.quant_kernel: expected one of %s, got %r"
+                              % (where, ", ".join(POLICY_NAMES), e.quant_kernel))
     _check_samples(where + ".samples", e.samples)
     _check_nodes(where + ".nodes", e.nodes)
     _check_partitions(where + ".partitions", e.partitions)

@@ -74,11 +74,11 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
     plans, index = [], 0
     for i, entry in enumerate(exp.models):
         where = "%s: models[%d]" % (exp.source, i)
-        path, config, local = sweep_model(entry, where, exp.source, log, build)
+        path, config, local, quant = sweep_model(entry, where, exp.source, log, build)
         rings = []
         for n, counts, kind in plan_rings(entry, where, config.n_layer):
             rings.append(RingPlan(index, entry, path, n, counts, kind, samples_for(entry.samples, n),
-                                  local, weight_bytes(config, counts, entry.dtype)))
+                                  local, weight_bytes(config, counts, entry.dtype, quant)))
             index += 1
         plans.append(rings)
     return plans
@@ -120,10 +120,22 @@ class Sweep:
         if self.emu.active("cpu") and quota * self.emu.max_nodes > (os.cpu_count() or 1):
             self.log("mdi-bench: warning: %d nodes x %.2f core > %d CPUs: nodes will compete for CPUs"
                      % (self.emu.max_nodes, quota, os.cpu_count() or 1))
+        self._warn_over_limit(plans)
         progress = Progress(run_list(self.exp, plans), self.log)
         write_csv(self.csv_path, CSV_COLUMNS, [])
         for rings in plans:
             self._run_model(rings, progress)
+
+    def _warn_over_limit(self, plans: List[List[RingPlan]]) -> None:
+        """Say which nodes' weights alone (at their quantized size) exceed a board's memory:
+        those runs should be refused by mdi-start or the worker, else the kernel kills them."""
+        limit = self.emu.memory_limit_bytes()
+        for p in (p for rings in plans for p in rings) if limit is not None else ():
+            for k, nbytes in enumerate(p.weights):
+                if nbytes > limit:
+                    self.log("mdi-bench: warning: %s N=%d %s: node %d's weights are %.0f MB, over the %.0f MB "
+                             "memory of an emulated board" % (p.model.name, p.n_nodes, p.label, k, nbytes / 2 ** 20,
+                                                              limit / 2 ** 20))
 
     def _run_model(self, plans: List[RingPlan], progress: Progress) -> None:
         self.log("mdi-bench: starting %d ring(s) for %s" % (len(plans), plans[0].model.name))

@@ -9,7 +9,7 @@ quantized rows too).
 import importlib.util
 import os
 import re
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

@@ -9,7 +9,8 @@
 --quant auto (the default) keeps a GGUF's own precision class without loss (Q8_0 -> int8,
 Q4_0/Q4_1 -> int4, K-quants re-quantized to the nearest, F16/F32 float) and a float
 checkpoint float; int8 (per output channel unless --group-size) and int4 (groups of 32 unless
---group-size: 32, 64 or 128) quantize every linear layer and the embedding / LM head.
+--group-size: 32, 64 or 128; the embedding / LM head int8) quantize every linear layer and the
+embedding / LM head.
 """
 import json
 import logging

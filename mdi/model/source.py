@@ -5,7 +5,7 @@ A prepared mdi directory is read lazily (a node loads only its own tensors); a r
 """
 import logging
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Mapping, Optional
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -13,7 +13,7 @@ from safetensors.torch import save as safetensors_save
 from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
-from mdi.model.quant import Stored, convert, restrict, uniform_layout, weights_layout
+from mdi.model.quant import Stored, convert, gather, restrict, uniform_layout, weights_layout
 from mdi.model.transformer import ModelChunk
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
@@ -66,6 +66,54 @@ class ModelSource:
             stored = {k: self._full[k] for k in expected_keys(self.config, (first, last), with_embedding, with_head)}
         return convert(stored, quant or {}, dtype, _log_requantize)
 
+    def load_chunk(self, first: int, last: int, with_embedding: bool, with_head: bool, dtype: torch.dtype,
+                   device: str, compute_dtype: Optional[torch.dtype] = None,
+                   quant: Optional[QuantLayout] = None) -> ModelChunk:
+        """`build_chunk(config, self.weights(...), ...)` without the dict in between: the
+        chunk's tensors are allocated first and filled one weight at a time (`fill`), so
+        loading peaks at the chunk plus one weight, not the chunk plus a copy of the model."""
+        chunk = _empty_chunk(self.config, first, last, with_embedding, with_head, dtype, device, quant)
+        self.fill(chunk.state_dict(), first, last, with_embedding, with_head, dtype, quant)
+        return _finish_chunk(chunk, dtype, compute_dtype)
+
+    def fill(self, targets: Mapping[str, torch.Tensor], first: int, last: int, with_embedding: bool,
+             with_head: bool, dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> None:
+        """Fill `targets` (a chunk's state_dict(): name -> preallocated tensor) with exactly
+        what `weights` would return, one weight at a time. A prepared directory's tensors that
+        are stored as the node wants them are read straight into place (store.read_tensors_into);
+        a weight to (de/re)quantize is read alone, converted (quant.convert) and copied in."""
+        quant = quant or {}
+        want = expected_keys(self.config, (first, last), with_embedding, with_head, quant)
+        missing, unexpected = sorted(set(targets) - set(want)), sorted(set(want) - set(targets))
+        if missing or unexpected:  # worded as ModelChunk.load_weights words it
+            raise ValueError("weights do not match layers [%d, %d): missing %s; unexpected %s"
+                             % (first, last, missing[:5] or "none", unexpected[:5] or "none"))
+        canonical = expected_keys(self.config, (first, last), with_embedding, with_head)
+        if self._full is not None:  # a raw checkpoint held in memory: convert one weight at a time
+            for key in canonical:
+                _copy_into(targets, convert({key: self._full[key]}, quant, dtype, _log_requantize))
+            return
+        fn = os.path.join(self.path, store.MODEL_FILE)
+        direct = {}  # type: Dict[str, torch.Tensor]
+        converted = []  # type: List[str]
+        for key in canonical:
+            base = key[:-len(".weight")] if key.endswith(".weight") else None
+            spec = quant.get(base) if base is not None else None
+            have = self.stored_quant.get(base) if base is not None else None
+            if spec != have:
+                converted.append(key)
+            elif spec is None:
+                direct[key] = targets[key]
+            else:
+                for suffix in spec.tensor_shapes(1, spec.group_size):
+                    direct[base + "." + suffix] = targets[base + "." + suffix]
+        store.read_tensors_into(fn, direct)
+        for key in converted:
+            base = key[:-len(".weight")]
+            spec = self.stored_quant.get(base)
+            names = [key] if spec is None else [base + "." + s for s in spec.tensor_shapes(1, spec.group_size)]
+            _copy_into(targets, convert(gather(store.read_tensors(fn, names)), quant, dtype, _log_requantize))
+
     def chunk_bytes(self, first: int, last: int, dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> bytes:
         """A worker's weights as safetensors bytes, to push over the control plane."""
         w = self.weights(first, last, False, False, dtype, quant)
@@ -102,24 +150,43 @@ def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
     tensors keep their own dtypes (int8 / uint8 codes, float16 scales)."""
     with torch.device("meta"):
         chunk = ModelChunk(config, first, last, with_embedding, with_head, quant)
+    rope, chunk.rope = chunk.rope, None  # real tables (RotaryEmbedding computes them on the CPU): kept
+    # torch.empty rather than Module.to_empty: its empty_like on meta tensors runs through
+    # torch._refs and imports sympy and torch.fx (~60 MB of RSS for nothing).
     for module in chunk.modules():
         for name, p in module.named_parameters(recurse=False):
-            setattr(module, name, torch.nn.Parameter(p.to(dtype), requires_grad=False))
-    chunk = chunk.to_empty(device=device)
-    if chunk.rope is not None:  # its buffers were on meta: compute them for real
-        from mdi.model.transformer import RotaryEmbedding
-        chunk.rope = RotaryEmbedding(config).to(device)
+            setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+                                                     requires_grad=False))
+        for name, b in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+    chunk.rope = rope.to(device) if rope is not None else None
     return chunk
 
 
 def build_chunk(config: ModelConfig, weights: Dict[str, torch.Tensor], first: int, last: int,
                 with_embedding: bool, with_head: bool, dtype: torch.dtype, device: str,
                 compute_dtype: Optional[torch.dtype] = None, quant: Optional[QuantLayout] = None) -> ModelChunk:
+    """A chunk holding `weights` (a flat state dict, e.g. `ModelSource.weights`); loading
+    from a source without that dict in memory is `ModelSource.load_chunk`."""
     chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device, quant)
     chunk.load_weights({k: v if k.rsplit(".", 1)[-1] in QUANT_SUFFIXES else v.to(dtype) for k, v in weights.items()})
+    return _finish_chunk(chunk, dtype, compute_dtype)
+
+
+def _finish_chunk(chunk: ModelChunk, dtype: torch.dtype, compute_dtype: Optional[torch.dtype]) -> ModelChunk:
     chunk.compute_dtype = compute_dtype if compute_dtype != dtype else None
     chunk.pick_kernels()
     return chunk.eval()
+
+
+def _copy_into(targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy a converted weight's tensors into the chunk's (`Module.load_state_dict` copies the same way)."""
+    with torch.no_grad():
+        for name, t in tensors.items():
+            target = targets[name]
+            if tuple(t.shape) != tuple(target.shape):
+                raise ValueError("tensor %s has shape %s, expected %s" % (name, tuple(t.shape), tuple(target.shape)))
+            target.copy_(t)
 
 
 def build_chunk_from_file(config: ModelConfig, fn: str, first: int, last: int, dtype: torch.dtype, device: str,

@@ -180,57 +180,102 @@ def read_tensors_into(fn: str, targets: Mapping[str, torch.Tensor], exact: bool 
     into a dict first would hold a second copy of every weight (a Jetson shares this RAM with
     its GPU). `exact`: the file must hold these tensors and no others (a pushed chunk).
     CheckpointError names the file and the first problem."""
-    import ctypes
-    import struct
-
-    from safetensors import safe_open
-
-    try:  # the library validates the header (offsets inside the file, sizes, dtypes)
-        with safe_open(fn, framework="pt") as f:
-            have = set(f.keys())
-    except Exception as e:  # SafetensorError is no OSError or ValueError
-        raise CheckpointError("%s is not a valid safetensors file: %s" % (fn, e))
+    have = _checked_keys(fn)
     missing = sorted(set(targets) - have)
     extra = sorted(have - set(targets)) if exact else []
     if missing or extra:
         raise CheckpointError("%s does not hold the expected tensors: missing %s, unexpected %s"
                               % (fn, short(missing), short(extra)))
-    with open(fn, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < n <= min(MAX_SAFETENSORS_HEADER, size - 8):
-            raise CheckpointError("%s: bad safetensors header length" % fn)
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except ValueError as e:
-            raise CheckpointError("%s: bad safetensors header: %s" % (fn, e))
-        base = 8 + n
+    with _TensorReader(fn) as reader:
         for name, target in targets.items():
-            entry = header.get(name) if isinstance(header, dict) else None
+            reader.read(name, target)
+
+
+def read_tensors(fn: str, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The named tensors of the safetensors file `fn`, each read into a fresh tensor of its
+    stored dtype and shape (plain reads as `read_tensors_into`: no mmap left behind)."""
+    have = _checked_keys(fn)
+    missing = sorted(set(names) - have)
+    if missing:
+        raise CheckpointError("%s does not hold the expected tensors: missing %s" % (fn, short(missing)))
+    with _TensorReader(fn) as reader:
+        return {name: reader.read(name) for name in names}
+
+
+def _checked_keys(fn: str) -> set:
+    from safetensors import safe_open
+
+    try:  # the library validates the header (offsets inside the file, sizes, dtypes)
+        with safe_open(fn, framework="pt") as f:
+            return set(f.keys())
+    except Exception as e:  # SafetensorError is no OSError or ValueError
+        raise CheckpointError("%s is not a valid safetensors file: %s" % (fn, e))
+
+
+class _TensorReader:
+    """One open safetensors file read tensor by tensor with plain reads (its header parsed once)."""
+
+    def __init__(self, fn: str) -> None:
+        import struct
+
+        self.fn = fn
+        self.f = open(fn, "rb")
+        try:
+            self.size = os.fstat(self.f.fileno()).st_size
+            head = self.f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_SAFETENSORS_HEADER, self.size - 8):
+                raise CheckpointError("%s: bad safetensors header length" % fn)
             try:
-                dtype = _HEADER_DTYPES[entry["dtype"]]
-                shape = tuple(int(d) for d in entry["shape"])
-                begin, end = (int(o) for o in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError("%s: %s has a dtype or layout mdi does not read" % (fn, name))
+                self.header = json.loads(self.f.read(n).decode("utf-8"))
+            except ValueError as e:
+                raise CheckpointError("%s: bad safetensors header: %s" % (fn, e))
+            self.base = 8 + n
+        except BaseException:
+            self.f.close()
+            raise
+
+    def __enter__(self) -> "_TensorReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+    def read(self, name: str, target: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tensor `name` into `target` (its shape; a float dtype is converted), or into a new
+        tensor of the stored dtype and shape when `target` is None; returns what was filled."""
+        import ctypes
+
+        fn, header = self.fn, self.header
+        entry = header.get(name) if isinstance(header, dict) else None
+        try:
+            dtype = _HEADER_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError("%s: %s has a dtype or layout mdi does not read" % (fn, name))
+        if target is not None:
             if shape != tuple(target.shape):
                 raise CheckpointError("%s: %s has shape %s, expected %s" % (fn, name, shape, tuple(target.shape)))
             if dtype != target.dtype and not (dtype.is_floating_point and target.dtype.is_floating_point):
                 raise CheckpointError("%s: %s is %s, expected %s" % (fn, name, dtype, target.dtype))
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * torch.tensor([], dtype=dtype).element_size()
-            if end - begin != nbytes or begin < 0 or base + end > size:
-                raise CheckpointError("%s: %s has data offsets outside its %d bytes" % (fn, name, nbytes))
-            direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
-            buf = target if direct else torch.empty(shape, dtype=dtype)
-            if nbytes:
-                f.seek(base + begin)
-                view = (ctypes.c_char * nbytes).from_address(buf.data_ptr())
-                if f.readinto(view) != nbytes:
-                    raise CheckpointError("%s: %s is cut short" % (fn, name))
-            if not direct:
-                target.copy_(buf)
-                del buf
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0 or self.base + end > self.size:
+            raise CheckpointError("%s: %s has data offsets outside its %d bytes" % (fn, name, nbytes))
+        direct = target is not None and target.dtype == dtype and target.device.type == "cpu" \
+            and target.is_contiguous()
+        buf = target if direct else torch.empty(shape, dtype=dtype)
+        if nbytes:
+            self.f.seek(self.base + begin)
+            view = (ctypes.c_char * nbytes).from_address(buf.data_ptr())
+            if self.f.readinto(view) != nbytes:
+                raise CheckpointError("%s: %s is cut short" % (fn, name))
+        if target is None:
+            return buf
+        if not direct:
+            target.copy_(buf)
+            del buf
+        return target

@@ -67,6 +67,13 @@ class QuantLinear(nn.Module):
 
 
 class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        # A chunk is built on "meta" and loaded afterwards (mdi.model.source._empty_chunk): a
+        # random initialisation there is thrown away, and normal_ on meta imports torch's
+        # Python meta kernels (~60 MB of RSS).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head: x @ embedding.T."""
         return F.linear(x, self.weight.to(x.dtype))
@@ -125,8 +132,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        t = torch.arange(config.block_size, dtype=torch.float32)
+        # On the CPU even where the default device is "meta" (chunks are built there before
+        # loading): computing on meta would import torch's Python meta kernels, ~60 MB of RSS.
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+        t = torch.arange(config.block_size, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -270,7 +279,7 @@ class ModelChunk(nn.Module):
             self.tok_emb = Embedding(config.vocab_size, config.n_embd) if spec is None \
                 else QuantEmbedding(config.vocab_size, config.n_embd, spec)
         if with_embedding and config.family == "gpt2":
-            self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+            self.pos_emb = Embedding(config.block_size, config.n_embd)
         self.blocks = nn.ModuleDict({str(i): Block(config, quant, "blocks.%d." % i) for i in range(first, last)})
         self.rope = RotaryEmbedding(config) if config.family == "llama" and last > first else None
         if with_head:

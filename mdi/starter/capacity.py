@@ -8,7 +8,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, weight_bytes
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
-from mdi.runconfig import NodeSpec, RunConfig
+from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 
 
 def node_quant(cfg: RunConfig, source: ModelSource, node: NodeSpec, layers: Sequence[int],
@@ -24,3 +24,21 @@ def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int,
     first, last = layers
     weights = weight_bytes(config, (first, last), dtype_name(dtype), with_ends, quant)
     return weights + KVCache.nbytes_for(config, last - first, n_slots, max_len, dtype)
+
+
+MB = 1024 * 1024
+
+
+def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int, dtype: torch.dtype,
+                    quant: QuantLayout) -> None:
+    """Refuse, before a byte is loaded, a starter chunk that this machine's free memory (its
+    cgroup's, when limited) cannot hold: a clear error, never an out-of-memory kill."""
+    from mdi.system.memory import available_memory_bytes
+    need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant)
+    free = available_memory_bytes()
+    if free is not None and need > free:
+        weights = weight_bytes(config, layers, dtype_name(dtype), True, quant)
+        raise ConfigError("starter: layers %d-%d with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
+                          "%.0f MB) but only %.0f MB of memory is available here: quantize (--quant int4), use "
+                          "fewer positions or samples, or give layers to more nodes"
+                          % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB))

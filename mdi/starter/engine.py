@@ -15,11 +15,11 @@ from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.runconfig import RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.system.devices import resolve_compute_dtype
-from mdi.model.source import ModelSource, build_chunk
+from mdi.model.source import ModelSource
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
-from mdi.starter.capacity import chunk_bytes_needed, node_quant
+from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 from mdi.starter.session import RingSession, client_for
 from mdi.model.sampling import SamplingParams
@@ -73,9 +73,9 @@ class Engine:
         if note:
             log.warning("mdi: starter: %s", note)
         quant = node_quant(self.cfg, self.source, self.nodes[0], layers, with_ends=True)
+        check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
-        chunk = build_chunk(self.source.config, self.source.weights(first, last, True, True, self.dtype, quant),
-                            first, last, True, True, self.dtype, self.device, compute, quant)
+        chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)
         chunk.allocate_cache(self.n_slots, self.max_len)
         return chunk
 

@@ -5,11 +5,11 @@ from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
-from mdi.starter.capacity import chunk_bytes_needed, node_quant
+from mdi.starter.capacity import MB, chunk_bytes_needed, node_quant
 from mdi.starter.session import client_for
 from mdi.system.memory import available_memory_bytes
 
-MB = 1024 * 1024
+
 
 
 def preflight(cfg: RunConfig, prompts: List[str]) -> int:

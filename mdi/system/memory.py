@@ -33,8 +33,63 @@ def meminfo(path: str = "/proc/meminfo") -> Dict[str, int]:
 
 def available_memory_bytes() -> Optional[int]:
     """MemAvailable (Jetson RAM is shared by CPU and GPU, so this is the figure that matters
-    there too); None where it cannot be read."""
-    return meminfo().get("MemAvailable")
+    there too), or less where this process's cgroup allows less (a container, mdi-bench's
+    emulated boards); None where it cannot be read."""
+    avail = meminfo().get("MemAvailable")
+    limited = cgroup_memory_free()
+    if limited is None:
+        return avail
+    return limited if avail is None else min(avail, limited)
+
+
+# (limit file, usage file, page-cache key in memory.stat) of cgroup v2 and v1.
+_CGROUP_MEMORY_FILES = (("", "memory.max", "memory.current", "file"),
+                        ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache"))
+
+
+def cgroup_memory_free(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """What this process's memory cgroup (v2, or v1's `memory` controller) and its ancestors
+    still allow: the tightest limit minus what is used there, page cache not counted (the
+    kernel reclaims it first); None without a limit."""
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    best = None  # type: Optional[int]
+    for controller, limit_file, usage_file, cache_key in _CGROUP_MEMORY_FILES:
+        rel = next((e[2] for e in entries if e[1] == controller and (controller or e[0] == "0")), None)
+        if rel is None:
+            continue
+        top = os.path.join(root, controller) if controller else root
+        path = os.path.normpath(top + "/" + rel.lstrip("/"))
+        while path.startswith(top):
+            free = _cgroup_free(path, limit_file, usage_file, cache_key)
+            if free is not None:
+                best = free if best is None else min(best, free)
+            if path == top:
+                break
+            path = os.path.dirname(path)
+    return max(best, 0) if best is not None else None
+
+
+def _cgroup_free(path: str, limit_file: str, usage_file: str, cache_key: str) -> Optional[int]:
+    try:
+        with open(os.path.join(path, limit_file)) as f:
+            limit = f.read().strip()
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        with open(os.path.join(path, usage_file)) as f:
+            used = int(f.read())
+        cache = 0
+        with open(os.path.join(path, "memory.stat")) as f:
+            for row in f:
+                key, _, value = row.partition(" ")
+                if key == cache_key:
+                    cache = int(value)
+        return int(limit) - used + cache
+    except (OSError, ValueError):
+        return None
 
 
 def rss_bytes() -> int:

@@ -21,7 +21,7 @@ from mdi import __version__
 from mdi.model.store import MODEL_FILE
 from mdi.model.config import ModelConfig
 from mdi.model import qkernels
-from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype
+from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.source import build_chunk_from_file
 from mdi.model.transformer import KVCache, ModelChunk
 from mdi.ring.auth import ring_password
@@ -229,6 +229,11 @@ class Worker:
         if setup.weights_file is not None:
             if not os.path.isfile(setup.weights_file):
                 raise RequestError("cannot load weights: weights file %s does not exist" % setup.weights_file)
+            need = weight_bytes(config, [first, last], request.dtype, quant=request.quant)
+            limit, what = self._memory_limit()
+            if limit is not None and need + cache_bytes > limit:
+                raise TooLarge("layers [%d, %d) need %d bytes of weights plus a KV cache of %d bytes, over this "
+                               "worker's limit of %d bytes (%s)" % (first, last, need, cache_bytes, limit, what))
             self._load_locked(setup, setup.weights_file, exact=False)
             return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
         self.pending = setup

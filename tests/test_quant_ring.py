@@ -1,0 +1,89 @@
+"""Quantized models end to end: SmolLM2's Q4_1 GGUF kept quantized computes what its
+dequantized float32 twin computes, standalone and over a 3-node ring of real workers; pushed
+weights, /status and per-node overrides at quantized sizes."""
+import os
+
+import pytest
+import requests
+import torch
+
+from conftest import ROOT, free_ports
+from mdi.model import qkernels
+from mdi.model.layout import QuantSpec, weight_bytes
+from mdi.model.source import ModelSource, build_chunk
+from mdi.runconfig import parse_config
+from mdi.starter import batch
+
+SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m")
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_q():
+    if not os.path.isfile(os.path.join(SMOLLM2, "mdi_config.json")):
+        pytest.skip("models/smollm2-135m is not prepared (scripts/setup_env.sh does it)")
+    source = ModelSource(SMOLLM2)
+    if not source.stored_quant:
+        pytest.skip("models/smollm2-135m was prepared without quantization")
+    return source
+
+
+def _full_chunk(source, mode):
+    c = source.config
+    quant = source.layout(0, c.n_layer, True, mode)
+    weights = source.weights(0, c.n_layer, True, True, torch.float32, quant)
+    chunk = build_chunk(c, weights, 0, c.n_layer, True, True, torch.float32, "cpu", quant=quant)
+    chunk.allocate_cache(1, 64)
+    return chunk
+
+
+def test_gguf_q4_1_taken_over_gives_the_float_models_logits(smollm2_q):
+    qkernels.set_preference("exact")  # the default
+    stored = smollm2_q.stored_quant
+    assert stored["blocks.0.attn.qkv"] == QuantSpec("int4", 32) and stored["tok_emb"] == QuantSpec("int8", 32)
+    quantized, dequantized = _full_chunk(smollm2_q, "auto"), _full_chunk(smollm2_q, "none")
+    for prompt in PROMPTS:
+        ids = torch.tensor(smollm2_q.tokenizer.encode(prompt))
+        with torch.no_grad():
+            a = quantized.head(quantized.forward_blocks(quantized.embed(ids, 0), 0, 0))
+            b = dequantized.head(dequantized.forward_blocks(dequantized.embed(ids, 0), 0, 0))
+        assert float((a - b).abs().max()) <= 1e-3 * float(b.max() - b.min()), prompt
+
+
+def _config(quant, workers=(), data_ports=(), overrides=None, n_tokens=64):
+    nodes = [{"name": "starter", "port": 1, "layers": 30 if not workers else 10}]
+    if data_ports:
+        nodes[0]["data_port"] = data_ports[0]
+    for i, w in enumerate(workers):
+        node = {"name": "board%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1], "layers": 10}
+        node.update((overrides or {}).get(i, {}))
+        nodes.append(node)
+    return parse_config({"model": {"path": SMOLLM2, "quant": quant}, "nodes": nodes,
+                         "generation": {"n_tokens": n_tokens, "temperature": 0},
+                         "runtime": {"ring_timeout": 60, "threads": 1}}, "test")
+
+
+def _ids(cfg):
+    result = batch.run(cfg, PROMPTS)
+    assert all(s.finish_reason in ("length", "eos") for s in result.samples)
+    return [s.token_ids for s in result.samples]
+
+
+def _chunk_bytes(worker):
+    return requests.get("http://127.0.0.1:%d/status" % worker.port, timeout=10).json()["memory"]["chunk_bytes"]
+
+
+def test_ring_of_quantized_nodes_matches_the_float_model(smollm2_q, workers):
+    reference = _ids(_config("none", n_tokens=64))  # standalone, float32 dequantized
+    ports = free_ports(3)
+    assert _ids(_config("auto", workers[:2], ports)) == reference  # 3 nodes, Q4_1 kept as int4
+    config = smollm2_q.config
+    quantized = weight_bytes(config, (10, 20), "float32", quant=smollm2_q.layout(10, 20, False, "auto"))
+    held = _chunk_bytes(workers[0])
+    assert quantized <= held < weight_bytes(config, (10, 20), "float32") / 4
+    # one board told to hold floats (quant: none) still gives the same tokens, at float size
+    got = _ids(_config("auto", workers[:2], ports, {1: {"quant": "none"}}, n_tokens=16))
+    assert got == [ids[:16] for ids in reference]
+    assert _chunk_bytes(workers[1]) >= weight_bytes(config, (20, 30), "float32")
+    assert _chunk_bytes(workers[0]) < weight_bytes(config, (10, 20), "float32") / 4
