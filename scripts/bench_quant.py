@@ -277,6 +277,25 @@ def planned_bytes(path: str, dtype: str, quant: str) -> Dict[str, Any]:
             "layout": describe(layout, len(quantizable(c, (0, c.n_layer), True, True)))}
 
 
+# A small process between this one and mdi-start: Linux carries a process's peak RSS (ru_maxrss)
+# over fork and exec, so a child of this benchmark (which holds GBs after the kernel rounds) would
+# report at least our own peak. The launcher's fork of itself is small; it writes the child's
+# ru_maxrss (KiB) to argv[1] and exits with its status.
+_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+"""
+
+
 def decode_run(path: str, dtype: str, quant: str, kernel: Optional[str], n_tokens: int,
                args: argparse.Namespace) -> Dict[str, Any]:
     """One `mdi-start` child; its decode timing from --metrics-out and its peak RSS."""
@@ -287,18 +306,21 @@ def decode_run(path: str, dtype: str, quant: str, kernel: Optional[str], n_token
            "--dtype", dtype, "--quant", quant, "--quiet", "--metrics-out", metrics]
     if kernel:
         cmd += ["--quant-kernel", kernel]
+    fd, peak_file = tempfile.mkstemp(suffix=".txt", prefix="bench_quant_")
+    os.close(fd)
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS (ru_maxrss, KiB)
-        proc.returncode = rc = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        rc = subprocess.call([sys.executable, "-c", _LAUNCHER, peak_file] + cmd, stdout=subprocess.DEVNULL, stderr=log)
         wall = time.perf_counter() - t0
         if rc != 0:
             log.seek(0)
             raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), rc, log.read().decode(errors="replace")[-2000:]))
     with open(metrics) as f:
         m = json.load(f)
+    with open(peak_file) as f:
+        peak_kib = int(f.read())
     os.unlink(metrics)
+    os.unlink(peak_file)
     sample = m["samples"][0]
     timing = benchlib.decode_timing(sample["token_times"])
     starter = m["nodes"][0]
@@ -306,7 +328,7 @@ def decode_run(path: str, dtype: str, quant: str, kernel: Optional[str], n_token
             "token_ids": sample["token_ids"], "finish_reason": sample["finish_reason"],
             "decode_tokens_per_s": timing["tokens_per_s"], "ms_per_token_median_gap": 1e3 * timing["median_s"],
             "first_token_s": timing["first_token_s"], "metrics_tokens_per_s": m["tokens_per_s"],
-            "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "peak_rss_bytes": peak_kib * 1024,
             "metrics_peak_memory_bytes": starter.get("peak_memory_bytes"), "kv_bytes": starter.get("cache_bytes")}
 
 

@@ -419,7 +419,8 @@ def test_quantized_random_model_is_built_without_its_float_twin_and_runs(tmp_pat
     model_setup.build_random_model(again, "m", TINY_Q, "x.yaml")
     with safe_open(os.path.join(again, "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(tensors) and all(torch.equal(f.get_tensor(k), tensors[k]) for k in tensors)
-    with pytest.raises(ExperimentError, match="exists but is not this random model"):
+    with pytest.raises(ExperimentError, match=r"exists but is not this random model \(its weights are stored as "
+                                              r".*int4/g32 x 8.*, this spec gives .*int4/g64 x 8"):
         plan_sweep(parse(model={"path": path, "random": dict(TINY_Q, group_size=64), "nodes": [2]}), print)
 
     metrics = tmp_path / "m.json"

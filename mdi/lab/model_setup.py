@@ -170,10 +170,25 @@ def _check_random_matches(path: str, entry: ModelEntry, where: str) -> None:
     except Exception:  # not a prepared dir: certainly not what 'random' builds
         have = None
     config = _checked_random_config(entry.name, entry.random, where)
-    want_quant = _quant_labels(random_quant_layout(config, entry.random, where))
-    if have != config.to_dict() or _stored_quant(path) != want_quant:
-        raise ExperimentError("%s.random: %s exists but is not this random model; delete it or change path"
-                              % (where, path))
+    want_quant = random_quant_layout(config, entry.random, where)
+    stored = _stored_quant(path)
+    if have != config.to_dict():
+        differs = "its model config differs"
+    elif stored is not None and stored != _quant_labels(want_quant):
+        # e.g. built before mdi's int4 layout changed (quant.uniform_layout)
+        differs = "its weights are stored as %s, this spec gives %s" % (
+            _describe_labels(stored), _describe_labels(_quant_labels(want_quant)))
+    else:
+        return
+    raise ExperimentError("%s.random: %s exists but is not this random model (%s); delete it or change path"
+                          % (where, path, differs))
+
+
+def _describe_labels(labels: Dict[str, str]) -> str:
+    counts = {}  # type: Dict[str, int]
+    for label in labels.values():
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join("%s x %d" % kv for kv in sorted(counts.items())) or "float"
 
 
 def _quant_labels(layout: Dict[str, Any]) -> Dict[str, str]:

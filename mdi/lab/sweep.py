@@ -13,7 +13,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.system.files import write_json
 from mdi.lab.commands import command_text
@@ -84,6 +84,19 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
     return plans
 
 
+def over_limit(plans: List[List[RingPlan]], limit: Optional[int]) -> List[str]:
+    """The nodes whose weights alone (at their quantized size) exceed a board's memory `limit`
+    (bytes; None: no limit): mdi-start or the worker should refuse those runs, naming what they
+    need, else the kernel kills them."""
+    lines = []
+    for p in (p for rings in plans for p in rings) if limit is not None else ():
+        for k, nbytes in enumerate(p.weights):
+            if nbytes > limit:
+                lines.append("%s N=%d %s: node %d's weights are %.0f MB, over the %.0f MB of memory of an emulated "
+                             "board" % (p.model.name, p.n_nodes, p.label, k, nbytes / 2 ** 20, limit / 2 ** 20))
+    return lines
+
+
 def run_list(exp: Experiment, plans: List[List[RingPlan]]) -> List[Tuple[str, int]]:
     """(model, work) per run; work = sample-tokens x weight bytes, a proxy for its compute
     that lets the estimate carry over from one model to the next."""
@@ -127,15 +140,8 @@ class Sweep:
             self._run_model(rings, progress)
 
     def _warn_over_limit(self, plans: List[List[RingPlan]]) -> None:
-        """Say which nodes' weights alone (at their quantized size) exceed a board's memory:
-        those runs should be refused by mdi-start or the worker, else the kernel kills them."""
-        limit = self.emu.memory_limit_bytes()
-        for p in (p for rings in plans for p in rings) if limit is not None else ():
-            for k, nbytes in enumerate(p.weights):
-                if nbytes > limit:
-                    self.log("mdi-bench: warning: %s N=%d %s: node %d's weights are %.0f MB, over the %.0f MB "
-                             "memory of an emulated board" % (p.model.name, p.n_nodes, p.label, k, nbytes / 2 ** 20,
-                                                              limit / 2 ** 20))
+        for line in over_limit(plans, self.emu.memory_limit_bytes()):
+            self.log("mdi-bench: warning: " + line)
 
     def _run_model(self, plans: List[RingPlan], progress: Progress) -> None:
         self.log("mdi-bench: starting %d ring(s) for %s" % (len(plans), plans[0].model.name))
@@ -252,6 +258,9 @@ def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
         for p in rings:
             log("%s: %d node(s), partition %s (%s), samples %s, %d tokens, %d repeats"
                 % (p.model.name, p.n_nodes, p.label, p.kind, p.samples, p.model.tokens, exp.repeats))
+    mb = exp.emulation.memory_limit_mb if exp.emulation.mode != "off" else None
+    for line in over_limit(plans, mb * 2 ** 20 if mb else None):
+        log("warning: " + line)
     log("%d runs in all" % len(run_list(exp, plans)))
     return 0
 

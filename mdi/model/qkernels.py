@@ -68,8 +68,15 @@ def _int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tenso
     return torch.stack((scales.float(), zeros.float()), -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
-def _int4_pack_cpu(q: torch.Tensor) -> torch.Tensor:
-    return _op("_convert_weight_to_int4pack_for_cpu")(q.to(torch.int32).contiguous(), 1)
+PACK_ROWS = 1024  # rows packed at a time (a multiple of the CPU layout's 64-row tiles)
+
+
+def _int4_pack_cpu_rows(values: Callable[[int, int], torch.Tensor], n_out: int) -> torch.Tensor:
+    """Pack `values(a, b)` (rows a..b as 0..15) PACK_ROWS rows at a time: the op wants one
+    int32 per value, and a whole matrix of those is 8x its int4 size (655 MB for a 7B head)."""
+    op = _op("_convert_weight_to_int4pack_for_cpu")
+    return torch.cat([op(values(a, min(a + PACK_ROWS, n_out)).to(torch.int32).contiguous(), 1)
+                      for a in range(0, n_out, PACK_ROWS)])
 
 
 def _int4_pack_cuda(q: torch.Tensor) -> torch.Tensor:
@@ -94,23 +101,27 @@ def _int4_supports(device_type: str):
             return False
         if device_type == "cuda":  # tinygemm: sm80+ (Orin yes, Xavier and TX2 no)
             return torch.cuda.get_device_capability(device) >= (8, 0) and n_in % 1024 == 0 and n_out % 8 == 0
-        return True
+        return n_out % 16 == 0  # the CPU packing's own requirement
     return supports
 
 
 def _int4_pack(device_type: str):
-    packer = _int4_pack_cpu if device_type == "cpu" else _int4_pack_cuda
+    def packer(values: Callable[[int, int], torch.Tensor], n_out: int) -> torch.Tensor:
+        if device_type == "cpu":
+            return _int4_pack_cpu_rows(values, n_out)
+        return _int4_pack_cuda(values(0, n_out))
 
     def pack(t, spec, n_in):
+        q, n_out = t["qweight"], t["qweight"].shape[0]
         if spec.kind == "int4":
-            u, scales, zeros = unpack_int4(t["qweight"]), t["scales"], t["mins"].float() + 8 * t["scales"].float()
-            return {"w": packer(u), "sz": _int4_scales_zeros(scales, zeros)}
+            zeros = t["mins"].float() + 8 * t["scales"].float()
+            return {"w": packer(lambda a, b: unpack_int4(q[a:b]), n_out), "sz": _int4_scales_zeros(t["scales"], zeros)}
         # int8 as two int4 halves: q = 16 * hi + lo with lo = q & 15 in 0..15 and hi in -8..7, so
         # W = (16 s) * hi + s * lo: u_hi = hi + 8 with zero 0, u_lo = lo with zero 8 s. Exact.
-        q = t["qweight"].to(torch.int32)
         s = t["scales"].float()
-        return {"w": packer((q >> 4) + 8), "sz": _int4_scales_zeros(16 * s, torch.zeros_like(s)),
-                "w2": packer(q & 15), "sz2": _int4_scales_zeros(s, 8 * s)}
+        return {"w": packer(lambda a, b: (q[a:b].to(torch.int32) >> 4) + 8, n_out),
+                "sz": _int4_scales_zeros(16 * s, torch.zeros_like(s)),
+                "w2": packer(lambda a, b: q[a:b].to(torch.int32) & 15, n_out), "sz2": _int4_scales_zeros(s, 8 * s)}
     return pack
 
 

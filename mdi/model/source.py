@@ -5,7 +5,7 @@ A prepared mdi directory is read lazily (a node loads only its own tensors); a r
 """
 import logging
 import os
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -13,8 +13,8 @@ from safetensors.torch import save as safetensors_save
 from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
-from mdi.model.quant import Stored, convert, gather, restrict, uniform_layout, weights_layout
-from mdi.model.transformer import ModelChunk
+from mdi.model.quant import convert, gather, restrict, uniform_layout, weights_layout
+from mdi.model.transformer import ModelChunk, release_freed_memory
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 
@@ -92,6 +92,7 @@ class ModelSource:
         if self._full is not None:  # a raw checkpoint held in memory: convert one weight at a time
             for key in canonical:
                 _copy_into(targets, convert({key: self._full[key]}, quant, dtype, _log_requantize))
+            release_freed_memory()
             return
         fn = os.path.join(self.path, store.MODEL_FILE)
         direct = {}  # type: Dict[str, torch.Tensor]
@@ -113,6 +114,8 @@ class ModelSource:
             spec = self.stored_quant.get(base)
             names = [key] if spec is None else [base + "." + s for s in spec.tensor_shapes(1, spec.group_size)]
             _copy_into(targets, convert(gather(store.read_tensors(fn, names)), quant, dtype, _log_requantize))
+        if converted:
+            release_freed_memory()  # the conversions' temporaries
 
     def chunk_bytes(self, first: int, last: int, dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> bytes:
         """A worker's weights as safetensors bytes, to push over the control plane."""

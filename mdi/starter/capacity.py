@@ -39,6 +39,7 @@ def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, ma
     if free is not None and need > free:
         weights = weight_bytes(config, layers, dtype_name(dtype), True, quant)
         raise ConfigError("starter: layers %d-%d with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
-                          "%.0f MB) but only %.0f MB of memory is available here: quantize (--quant int4), use "
-                          "fewer positions or samples, or give layers to more nodes"
-                          % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB))
+                          "%.0f MB) but only %.0f MB of memory is available here: %suse fewer positions or "
+                          "samples, or give layers to more nodes"
+                          % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB,
+                             "" if quant else "quantize (--quant int4), "))

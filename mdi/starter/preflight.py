@@ -10,8 +10,6 @@ from mdi.starter.session import client_for
 from mdi.system.memory import available_memory_bytes
 
 
-
-
 def preflight(cfg: RunConfig, prompts: List[str]) -> int:
     source = ModelSource(cfg.model.path)
     config = source.config
