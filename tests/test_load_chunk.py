@@ -67,3 +67,12 @@ def test_load_chunk_names_a_layout_that_does_not_match(dirs):
     with pytest.raises(ValueError, match="missing"):
         source.fill(chunk.state_dict(), 0, 1, False, False, torch.float32,
                     {"blocks.0.mlp.down": QuantSpec("int8", 128)})
+
+
+def test_converting_reads_go_through_a_small_bounce_buffer(dirs, monkeypatch):
+    from mdi.model import store
+    source = ModelSource(dirs["llama"])
+    want = build_chunk(source.config, source.weights(0, 4, True, True, torch.float16), 0, 4, True, True,
+                       torch.float16, "cpu")
+    monkeypatch.setattr(store, "BOUNCE_BYTES", 100)  # 25 float32 values at a time: many pieces per tensor
+    _same(want, source.load_chunk(0, 4, True, True, torch.float16, "cpu"))

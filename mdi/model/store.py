@@ -212,6 +212,9 @@ def _checked_keys(fn: str) -> set:
         raise CheckpointError("%s is not a valid safetensors file: %s" % (fn, e))
 
 
+BOUNCE_BYTES = 16 << 20  # what read_tensors_into converts (dtype, device) at a time
+
+
 class _TensorReader:
     """One open safetensors file read tensor by tensor with plain reads (its header parsed once)."""
 
@@ -241,11 +244,19 @@ class _TensorReader:
     def __exit__(self, *exc) -> None:
         self.f.close()
 
+    def _read(self, name: str, buf: torch.Tensor, begin: int, nbytes: int) -> None:
+        """`nbytes` from data offset `begin` into the contiguous CPU tensor `buf`."""
+        import ctypes
+
+        if nbytes:
+            self.f.seek(self.base + begin)
+            view = (ctypes.c_char * nbytes).from_address(buf.data_ptr())
+            if self.f.readinto(view) != nbytes:
+                raise CheckpointError("%s: %s is cut short" % (self.fn, name))
+
     def read(self, name: str, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Tensor `name` into `target` (its shape; a float dtype is converted), or into a new
         tensor of the stored dtype and shape when `target` is None; returns what was filled."""
-        import ctypes
-
         fn, header = self.fn, self.header
         entry = header.get(name) if isinstance(header, dict) else None
         try:
@@ -267,15 +278,24 @@ class _TensorReader:
             raise CheckpointError("%s: %s has data offsets outside its %d bytes" % (fn, name, nbytes))
         direct = target is not None and target.dtype == dtype and target.device.type == "cpu" \
             and target.is_contiguous()
-        buf = target if direct else torch.empty(shape, dtype=dtype)
-        if nbytes:
-            self.f.seek(self.base + begin)
-            view = (ctypes.c_char * nbytes).from_address(buf.data_ptr())
-            if self.f.readinto(view) != nbytes:
-                raise CheckpointError("%s: %s is cut short" % (fn, name))
-        if target is None:
-            return buf
-        if not direct:
-            target.copy_(buf)
-            del buf
+        if direct or target is None or not target.is_contiguous() or not numel:
+            buf = target if direct else torch.empty(shape, dtype=dtype)
+            self._read(name, buf, begin, nbytes)
+            if target is None:
+                return buf
+            if not direct:
+                target.copy_(buf)
+                del buf
+            return target
+        # Another dtype or device: through a bounce buffer of at most BOUNCE_BYTES, never a
+        # stored-dtype copy of the whole tensor (a float32 head is 262 MB on TinyLlama).
+        flat = target.view(-1)
+        itemsize = nbytes // numel
+        step = max(1, BOUNCE_BYTES // itemsize)
+        buf = torch.empty(min(step, numel), dtype=dtype)
+        for a in range(0, numel, step):
+            n = min(step, numel - a)
+            self._read(name, buf[:n], begin + a * itemsize, n * itemsize)
+            flat[a:a + n].copy_(buf[:n])
+        del buf
         return target
