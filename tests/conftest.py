@@ -74,15 +74,20 @@ class WorkerProcess(processes.WorkerProcess):
         super().stop(grace)
 
 
-@pytest.fixture(scope="session")
-def workers():
-    """Three worker processes shared by the ring tests (a worker serves run after run)."""
-    procs = [WorkerProcess(p) for p in free_ports(3)]
+def worker_pool(n: int):
+    """Yield `n` ready worker processes on free ports; stop them all afterwards (a fixture's body)."""
+    procs = [WorkerProcess(p) for p in free_ports(n)]
     try:
         yield [w.wait_ready() for w in procs]
     finally:
         for w in procs:
             w.stop()
+
+
+@pytest.fixture(scope="session")
+def workers():
+    """Three worker processes shared by the ring tests (a worker serves run after run)."""
+    yield from worker_pool(3)
 
 
 class ServeProcess:

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import BIN, ROOT, WorkerProcess, free_ports
+from conftest import BIN, ROOT, free_ports, worker_pool
 from mdi import cli
 from mdi.model.source import ModelSource
 from mdi.model.transformer import full_model
@@ -219,12 +219,7 @@ def test_score_frames_come_back_whole():
 @pytest.fixture
 def own_workers():
     """Workers of this test's own, which it may kill."""
-    procs = [WorkerProcess(p) for p in free_ports(3)]
-    try:
-        yield [w.wait_ready() for w in procs]
-    finally:
-        for w in procs:
-            w.stop()
+    yield from worker_pool(3)
 
 
 def _run_killing(cfg, path, victim, after):

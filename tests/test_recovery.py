@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from conftest import WorkerProcess, free_ports
+from conftest import free_ports, worker_pool
 from mdi.starter import batch
 from mdi.runconfig import parse_config
 
@@ -17,12 +17,7 @@ PROMPTS = ["Once upon", "The cat", "Hello"]
 
 @pytest.fixture
 def four_workers():
-    procs = [WorkerProcess(p) for p in free_ports(4)]
-    try:
-        yield [w.wait_ready() for w in procs]
-    finally:
-        for w in procs:
-            w.stop()
+    yield from worker_pool(4)
 
 
 def ring_config(model, workers, spares=(), sampling=None, attempts=None):

@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from conftest import BIN, WorkerProcess, free_ports
+from conftest import BIN, WorkerProcess, free_ports, worker_pool
 from mdi.starter import batch
 from mdi.runconfig import parse_config
 
@@ -66,12 +66,7 @@ def fresh_run_matches(model, workers, data_ports):
 
 @pytest.fixture
 def two_workers():
-    procs = [WorkerProcess(p) for p in free_ports(2)]
-    try:
-        yield [w.wait_ready() for w in procs]
-    finally:
-        for w in procs:
-            w.stop()
+    yield from worker_pool(2)
 
 
 def test_killed_worker_is_named_partial_output_kept_and_survivor_reusable(tmp_path, tiny_models, two_workers):

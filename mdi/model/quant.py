@@ -16,7 +16,7 @@ from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, Quant
 
 log = logging.getLogger(__name__)
 
-DEQUANT_ROWS = 4096  # rows dequantized at a time: a temporary of at most this many rows, never a whole layer
+DEQUANT_ELEMENTS = 1 << 21  # values dequantized at a time (8 MB of float32), never a whole layer
 
 
 @dataclass
@@ -87,15 +87,16 @@ def dequantize(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int,
 
 
 def quantized_linear(x: torch.Tensor, tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int) -> torch.Tensor:
-    """x @ W.T with W dequantized DEQUANT_ROWS output rows at a time: exact (float32 maths) and
-    on every torch version, at the cost of dequantizing on each call."""
+    """x @ W.T with W dequantized DEQUANT_ELEMENTS values (whole output rows) at a time: exact
+    (float32 maths) and on every torch version, at the cost of dequantizing on each call."""
     n_out = tensors["qweight"].shape[0]
-    if n_out <= DEQUANT_ROWS:
+    block = max(1, DEQUANT_ELEMENTS // n_in)
+    if n_out <= block:
         return torch.nn.functional.linear(x, dequantize(tensors, spec, n_in, x.dtype))
     out = x.new_empty(x.shape[:-1] + (n_out,))
-    for a in range(0, n_out, DEQUANT_ROWS):
-        rows = {k: t[a:a + DEQUANT_ROWS] for k, t in tensors.items()}
-        out[..., a:a + DEQUANT_ROWS] = torch.nn.functional.linear(x, dequantize(rows, spec, n_in, x.dtype))
+    for a in range(0, n_out, block):
+        rows = {k: t[a:a + block] for k, t in tensors.items()}
+        out[..., a:a + block] = torch.nn.functional.linear(x, dequantize(rows, spec, n_in, x.dtype))
     return out
 
 

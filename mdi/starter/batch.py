@@ -105,10 +105,11 @@ class Interrupted(BaseException):
 
 
 class RunFailed(RuntimeError):
-    """The run stopped early; `result` holds everything generated until then, `signum` the
-    signal that stopped it (None for a failure)."""
+    """The run stopped early; `result` holds everything done until then (a RunResult here,
+    a PerplexityResult for mdi.starter.perplexity), `signum` the signal that stopped it (None
+    for a failure)."""
 
-    def __init__(self, message: str, result: RunResult, signum: Optional[int] = None) -> None:
+    def __init__(self, message: str, result: Any, signum: Optional[int] = None) -> None:
         super().__init__(message)
         self.result = result
         self.signum = signum

@@ -24,7 +24,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.starter.batch import Interrupted
+from mdi.starter.batch import Interrupted, RunFailed
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.system.memory import unified_memory_bytes
@@ -91,14 +91,8 @@ class PerplexityResult:
         return record
 
 
-class PerplexityFailed(RuntimeError):
-    """The run stopped early; `result` holds the windows scored until then, `signum` the
-    signal that stopped it (None for a failure)."""
-
-    def __init__(self, message: str, result: PerplexityResult, signum: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.result = result
-        self.signum = signum
+class PerplexityFailed(RunFailed):
+    """The scoring stopped early; `result` is the PerplexityResult of the windows scored."""
 
 
 def read_tokens(source: ModelSource, path: str) -> List[int]:
