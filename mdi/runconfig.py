@@ -12,9 +12,11 @@ import yaml
 
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, balanced
 from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
+from mdi.ring.wire import CODECS as WIRE_CODECS
 
 DEFAULT_HTTP_PORT = 8080
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class ConfigError(ValueError):
@@ -75,6 +77,13 @@ class RuntimeSpec:
     # Re-plans after a node failure; None: 2 when spares are listed, else 0 (fail at once).
     recovery_attempts: Optional[int] = None
     quant_kernel: str = DEFAULT_POLICY  # exact | fast (bfloat16 kernels allowed) | a kernel's name (mdi.model.qkernels)
+    # Samples per frame (one forward per node over all of them); "auto": samples in flight / nodes,
+    # so they travel as about one group per node; 1: every sample alone (the unbatched ring).
+    max_batch: Any = "auto"
+    # A prompt longer than this travels in passes of this many tokens, so decode steps of other
+    # samples keep flowing between them (chunked prefill).
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    wire_codec: str = "raw"  # activations on the wire: raw | float16 | bfloat16 | int8 (mdi.ring.wire)
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -110,6 +119,14 @@ class RunConfig:
     @property
     def workers(self) -> List[NodeSpec]:
         return self.nodes[1:]
+
+    def max_batch(self, in_flight: int, n_nodes: int) -> int:
+        """Samples per frame for `in_flight` samples on a ring of `n_nodes` (runtime.max_batch
+        resolved): "auto" makes them travel as about one group per node."""
+        given = self.runtime.max_batch
+        if given != "auto":
+            return min(given, max(1, in_flight))
+        return max(1, math.ceil(in_flight / n_nodes))
 
     @property
     def recovery_attempts(self) -> int:
@@ -185,13 +202,21 @@ def parse_config(data: Any, source: str) -> RunConfig:
     r = check_keys(source + ": runtime", top.get("runtime") or {},
                     {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
-                     "recovery_attempts": (int,), "quant_kernel": (str,)})
+                     "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
+                     "prefill_chunk": (int,), "wire_codec": (str,)})
     runtime = RuntimeSpec(**r)
     if runtime.threads is not None and runtime.threads < 1:  # sent to every worker in /init
         raise ConfigError("%s: runtime.threads: expected an integer >= 1" % source)
     if runtime.quant_kernel not in POLICY_NAMES:
         raise ConfigError("%s: runtime.quant_kernel: expected one of %s, got %r"
                           % (source, ", ".join(POLICY_NAMES), runtime.quant_kernel))
+    if runtime.max_batch != "auto" and not (isinstance(runtime.max_batch, int) and runtime.max_batch >= 1):
+        raise ConfigError("%s: runtime.max_batch: expected an integer >= 1 or auto, got %r" % (source, runtime.max_batch))
+    if runtime.prefill_chunk < 1:
+        raise ConfigError("%s: runtime.prefill_chunk: expected an integer >= 1 (tokens per prefill pass)" % source)
+    if runtime.wire_codec not in WIRE_CODECS:
+        raise ConfigError("%s: runtime.wire_codec: expected one of %s, got %r"
+                          % (source, ", ".join(WIRE_CODECS), runtime.wire_codec))
     if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
         raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):

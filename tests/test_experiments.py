@@ -270,6 +270,208 @@ def test_samples_in_flight_axes_have_integer_ticks(figures):
     assert [t for t in rate.get_xticks() if lo <= t <= hi] == [2.0]
 
 
+# --------------------------------------------------------------------------- batched passes (issue 16)
+
+BATCHING = os.path.join(ROOT, "configs", "experiments", "batching.yaml")
+
+
+def test_batching_keys_default_and_override():
+    m = parse().models[0]
+    assert (m.max_batch, m.prefill_chunk, m.wire_codec) == (["auto"], None, "raw")
+    m = parse({"max_batch": [1, "auto", 4], "prefill_chunk": 64, "wire_codec": "raw"},
+              {"max_batch": [1, 1, 2]}).models[0]
+    assert (m.max_batch, m.prefill_chunk, m.wire_codec) == ([1, 1, 2], 64, "raw")  # the model's own axis wins
+    from mdi.lab.spec import max_batches
+    assert max_batches(m.max_batch) == [1, 2]
+
+
+@pytest.mark.parametrize("extra, model, needle", [
+    ({"max_batch": [0]}, None, "x.yaml.max_batch[0]: expected a positive integer (1 = unbatched) or 'auto', got 0"),
+    ({"max_batch": [1, "fast"]}, None, "x.yaml.max_batch[1]: expected a positive integer"),
+    ({"max_batch": [True]}, None, "x.yaml.max_batch[0]"),
+    ({"max_batch": []}, None, "x.yaml.max_batch: expected at least one entry"),
+    ({"max_batch": "auto"}, None, "x.yaml.max_batch: expected a list"),
+    (None, {"max_batch": [2.5]}, "models[0].max_batch[0]"),
+    ({"prefill_chunk": 0}, None, "x.yaml.prefill_chunk: expected a positive integer"),
+    (None, {"prefill_chunk": "all"}, "models[0].prefill_chunk: expected an integer"),
+    ({"wire_codec": "zstd"}, None, "x.yaml.wire_codec: expected one of raw"),
+    (None, {"wire_codec": "gzip"}, "models[0].wire_codec: expected one of raw"),
+])
+def test_batching_key_errors_name_the_key(extra, model, needle):
+    with pytest.raises(ExperimentError) as e:
+        parse(extra, model)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _batching_plan(tmp_path, **top):
+    """The shipped batching.yaml, its model a tiny random one (never built: plan only)."""
+    from mdi.lab.sweep import plan_sweep
+    with open(BATCHING) as f:
+        data = yaml.safe_load(f)
+    data["models"] = [{"name": "tiny", "path": str(tmp_path / "tiny"),
+                       "random": {"family": "llama", "n_layer": 3, "n_embd": 32, "n_head": 4, "n_kv_head": 2,
+                                  "intermediate_size": 64, "block_size": 128, "seed": 0}}]
+    data.update(top)
+    exp = parse_experiment(data, "batching.yaml")
+    return exp, plan_sweep(exp, lambda m: None, build=False)
+
+
+def test_batching_sweep_runs_both_max_batch_values_at_every_s(tmp_path):
+    from mdi.lab.sweep import run_list
+    exp, plans = _batching_plan(tmp_path)
+    m = exp.models[0]
+    assert (m.max_batch, m.nodes, m.tokens, m.dtype, m.quant, exp.repeats, exp.temperature) == (
+        [1, "auto"], [3], 32, "float32", "none", 2, 0.0)
+    assert exp.emulation.cpu_quota == 0.5 and exp.output == "results/batching"
+    (ring,) = [p for rings in plans for p in rings]
+    assert ring.n_nodes == 3 and ring.kind == "balanced" and ring.samples == [1, 2, 3, 6, 12, 18, 24]
+    runs = ring.runs()
+    assert len(runs) == 14 and len(set(runs)) == 14
+    for s in ring.samples:  # each S with and without batching, one after the other
+        assert [b for b, s2 in runs if s2 == s] == [1, "auto"]
+    assert len(run_list(exp, plans)) == 2 * 14 and not tmp_path.joinpath("tiny").exists()
+
+
+def test_batching_run_config_per_max_batch(tmp_path):
+    """One run configuration per max_batch value, each a valid mdi-start config; prefill_chunk
+    only when the experiment gives it."""
+    from mdi.lab.nodes import Ring
+    from mdi.runconfig import parse_config
+    from mdi.lab.sweep import run_file_name
+    exp, plans = _batching_plan(tmp_path)
+    ring = Ring(plans[0][0], exp, Emulation(EmulationSettings(mode="off"), 3), None, str(tmp_path), print)
+    runtimes = {}
+    for b in (1, "auto"):
+        config = ring.run_config(b)
+        runtimes[b] = config["runtime"]
+        assert parse_config(config, "ring.yaml").runtime.max_batch == b
+    assert runtimes[1]["max_batch"] == 1 and runtimes["auto"]["wire_codec"] == "raw"
+    assert "prefill_chunk" not in runtimes[1]
+    assert ring.config_path(1) != ring.config_path("auto")
+    argv = ring.starter_argv(3, 4, "m.json", 1)
+    assert argv[argv.index("--config") + 1] == ring.config_path(1)
+    assert run_file_name(ring.plan, 12, "auto", 2) == "tiny_n3_1-1-1_bauto_s12_r2.json"
+
+    exp, plans = _batching_plan(tmp_path, prefill_chunk=16)
+    ring = Ring(plans[0][0], exp, Emulation(EmulationSettings(mode="off"), 3), None, str(tmp_path), print)
+    assert parse_config(ring.run_config("auto"), "ring.yaml").runtime.prefill_chunk == 16
+
+
+def _outcome(nodes, samples=2, tokens=4):
+    from mdi.lab.nodes import RunOutcome
+    record = {"n_tokens": samples * tokens, "tokens_per_s": 8.0, "seconds": 1.0, "nodes": nodes,
+              "samples": [{"token_ids": [1] * tokens, "token_times": [0.1 * (k + 1) + 0.01 * i for k in range(tokens)]}
+                          for i in range(samples)]}
+    return RunOutcome(0, None, record, [None] * len(nodes), [None] * len(nodes), 0.5, 1.0)
+
+
+def test_csv_row_has_the_batching_columns(tmp_path):
+    from mdi.lab.report import make_row
+    exp, plans = _batching_plan(tmp_path)
+    plan = plans[0][0]
+    nodes = [{"compute_seconds": 0.5, "forwards": 10, "rows_per_forward_mean": 2.5, "rows_per_forward_max": 9,
+              "samples_per_forward_mean": 1.75, "samples_per_forward_max": 2},
+             {"compute_seconds": 0.25, "forwards": 12, "rows_per_forward_mean": 2.0, "rows_per_forward_max": 8,
+              "samples_per_forward_mean": 1.5, "samples_per_forward_max": 2},
+             {"compute_seconds": 0.25}]  # a node whose record lacks them: an empty entry, in its place
+    row = make_row(exp, plan, 2, 1, _outcome(nodes, tokens=plan.model.tokens), "off", "runs/x.json", "auto")
+    assert set(row) == set(CSV_COLUMNS)
+    assert (row["status"], row["max_batch"], row["wire_codec"], row["samples"]) == ("ok", "auto", "raw", "2")
+    assert row["rows_per_forward_mean"] == "2.50;2.00;"
+    assert row["rows_per_forward_max"] == "9;8;"
+    assert row["samples_per_forward_mean"] == "1.75;1.50;"
+    assert row["samples_per_forward_max"] == "2;2;"
+    assert row["node_busy"] == "0.500;0.250;0.250"
+    # an old record (no batching keys at all): the columns are empty, the row is still ok
+    old = make_row(exp, plan, 2, 1, _outcome([{"compute_seconds": 0.5}] * 3, tokens=plan.model.tokens), "off", "runs/y.json", 1)
+    assert old["status"] == "ok" and old["max_batch"] == "1"
+    assert all(old[c] == "" for c in ("rows_per_forward_mean", "rows_per_forward_max", "samples_per_forward_mean",
+                                      "samples_per_forward_max"))
+
+
+def _batched_rows(rates, nodes=3, partition="1+1+1"):
+    """{(max_batch, S): rate} -> ok rows of one repeat."""
+    rows = []
+    for (mb, s), rate in sorted(rates.items(), key=lambda kv: (kv[0][1], str(kv[0][0]))):
+        row = _ok_row(nodes, partition, s, str(rate), peak="10;10;10")
+        row.update(max_batch=str(mb), samples_per_forward_mean="1.00;1.00;1.00" if mb == 1 else "4.00;4.00;4.00")
+        rows.append(row)
+    return rows
+
+
+BATCH_RATES = {(1, 1): 10, ("auto", 1): 10, (1, 3): 24, ("auto", 3): 24, (1, 12): 20, ("auto", 12): 60}
+
+
+def test_summary_keeps_batched_and_unbatched_apart():
+    from mdi.lab.report import batching_lines
+    summary = summarize(_batched_rows(BATCH_RATES))
+    by = {(r["max_batch"], r["samples"]): r for r in summary}
+    assert len(summary) == 6 and [(r["max_batch"], r["samples"]) for r in summary][:3] == [
+        ("1", "1"), ("1", "3"), ("1", "12")]  # unbatched first, S ascending
+    assert float(by["1", "12"]["decode_tokens_per_s_median"]) == 20
+    assert float(by["auto", "12"]["decode_tokens_per_s_median"]) == 60
+    # efficiency against the 1-sample runs of the same max_batch
+    assert float(by["auto", "12"]["efficiency_median"]) == pytest.approx(60 / (3 * 10))
+    assert float(by["auto", "12"]["speedup_vs_unbatched"]) == pytest.approx(3.0)
+    assert by["1", "12"]["speedup_vs_unbatched"] == ""
+    assert by["auto", "12"]["samples_per_forward_median"] == "4.00;4.00;4.00"
+    (line,) = batching_lines(summary)
+    assert "batched (auto): S=12 (4N) 60.00 tok/s = 3.00x unbatched at the same S" in line
+    assert "2.50x the best unbatched (24.00 tok/s at S=3)" in line
+
+    # without its own 1-sample runs a max_batch is measured against the unbatched ones
+    rates = {k: v for k, v in BATCH_RATES.items() if k != ("auto", 1)}
+    by = {(r["max_batch"], r["samples"]): r for r in summarize(_batched_rows(rates))}
+    assert float(by["auto", "12"]["efficiency_median"]) == pytest.approx(60 / (3 * 10))
+
+    # rows from before the max_batch column: one group per S as before
+    old = [_ok_row(2, "1+1", s, r) for s, r in ((1, "10"), (2, "15"))]
+    assert [(r["max_batch"], r["samples"]) for r in summarize(old)] == [("", "1"), ("", "2")]
+    assert batching_lines(summarize(old)) == []
+
+
+def test_report_table_has_a_max_batch_column(tmp_path):
+    from mdi.lab.report import write_report
+    path = tmp_path / "report.md"
+    write_report(str(path), summarize(_batched_rows(BATCH_RATES)), {"experiment": {"name": "batching"}})
+    text = path.read_text()
+    assert "| nodes | partition | max_batch | S=1 | S=3 | S=12 |" in text
+    assert "| 3 | 1+1+1 | 1 | " in text and "| 3 | 1+1+1 | auto | " in text
+    assert "Batched against unbatched" in text and "3.00x unbatched at the same S" in text
+
+
+def test_throughput_plot_draws_one_line_per_max_batch(figures):
+    figs = figures(_batched_rows(BATCH_RATES))
+    rate, efficiency = figs["throughput_vs_samples.png"].axes
+    for ax in (rate, efficiency):
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["unbatched", "batched (auto)"], ax.get_title()
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(t == int(t) for t in ticks), ticks
+    # two rings and two max_batch values: the ring and the batching in each label
+    rows = _batched_rows(BATCH_RATES) + _batched_rows({(1, 1): 8, (4, 1): 8, (1, 2): 12, (4, 2): 15}, 2, "2+1")
+    figs = figures(rows)
+    labels = [t.get_text() for t in figs["throughput_vs_samples.png"].axes[0].get_legend().get_texts()]
+    assert labels == ["2 nodes (2+1), unbatched", "2 nodes (2+1), batched (4)",
+                      "3 nodes (1+1+1), unbatched", "3 nodes (1+1+1), batched (auto)"]
+    # one max_batch only: one line per ring, as before
+    figs = figures([r for r in _batched_rows(BATCH_RATES) if r["max_batch"] == "auto"])
+    assert [t.get_text() for t in figs["throughput_vs_samples.png"].axes[0].get_legend().get_texts()] == [
+        "3 nodes (1+1+1)"]
+
+
+def test_throughput_plot_file_with_two_max_batch_values(tmp_path):
+    from mdi.lab import plots
+    rows = _batched_rows(BATCH_RATES)
+    path = plots.throughput_vs_samples(plots._pyplot(), str(tmp_path), summarize(rows), ["m"])
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    paths = plots.plot_all(str(tmp_path), rows, summarize(rows))  # the memory and time figures take them too
+    assert [os.path.basename(p) for p in paths] == ["time_vs_tokens.png", "throughput_vs_samples.png",
+                                                    "memory_per_node.png"]
+
+
 @pytest.mark.timeout(120)
 def test_smoke_sweep_writes_csv_and_plots(tmp_path):
     with open(SMOKE) as f:

@@ -38,7 +38,10 @@ def decode_or_reject(parts, **expect):
     except wire.FrameError:
         return None
     if frame.tensor is not None:
-        assert frame.tensor.numel() * frame.tensor.element_size() == len(parts[1])
+        # Whatever the codec, the payload had exactly the bytes its header promised.
+        codec = msgpack.unpackb(parts[0])["codec"]
+        rows, width = frame.tensor.shape
+        assert wire.payload_nbytes(rows, width, frame.tensor.dtype, codec) == len(parts[1])
     return frame
 
 
@@ -75,6 +78,72 @@ def test_mutated_valid_frames_are_rejected_or_consistent(key, value, drop, cut):
         frame = decode_or_reject([mutated, body], run=5, hidden=8, n_slots=4, max_len=64)
         if frame is not None:
             assert frame.run == 5 and all(0 <= s < 4 for s in frame.samples)
+
+
+HIDDEN = 40  # not a multiple of the int8 block: every row has a short last block
+
+
+@st.composite
+def multi_sample_frames(draw):
+    """A valid frame of several samples with their own start/count; rows = every position or
+    (generation passes) each sample's last one; any codec and activation dtype."""
+    kind = draw(st.sampled_from(["prefill", "decode", "score"]))
+    n = draw(st.integers(1, 4))
+    samples = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n, unique=True))
+    count = [1] * n if kind == "decode" else draw(st.lists(st.integers(1, 6), min_size=n, max_size=n))
+    start = [draw(st.integers(0, 64 - c)) for c in count]
+    rows = sum(count) if kind == "score" or draw(st.booleans()) else n
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    x = (torch.randn(rows, HIDDEN, generator=g) * draw(st.sampled_from([0.0, 1e-3, 1.0, 300.0]))).to(dtype)
+    return wire.Frame(kind, 5, samples, start, count, x), draw(st.sampled_from(wire.CODECS))
+
+
+@settings(max_examples=400, **FUZZ)
+@given(case=multi_sample_frames())
+def test_multi_sample_frames_round_trip_with_every_codec(case):
+    frame, codec = case
+    header, payload = wire.encode(frame, codec)
+    got = decode_or_reject([header, bytes(payload)], run=5, hidden=HIDDEN, n_slots=4, max_len=64)
+    assert got is not None
+    assert (got.kind, got.samples, got.start, got.count) == (frame.kind, frame.samples, frame.start, frame.count)
+    x = frame.tensor
+    assert got.tensor.dtype == x.dtype and got.tensor.shape == x.shape
+    if codec == "raw":
+        assert torch.equal(got.tensor, x)
+    elif codec == "int8":
+        assert torch.equal(got.tensor, wire.dequantize_int8(wire.quantize_int8(x), HIDDEN, x.dtype))
+    else:
+        assert torch.equal(got.tensor, x.to(getattr(torch, codec)).to(x.dtype))
+
+
+@settings(max_examples=2000, **FUZZ)
+@given(case=multi_sample_frames(),
+       key=st.sampled_from(["v", "kind", "samples", "start", "count", "dtype", "shape", "codec", "extra"]),
+       value=msgpack_values | st.sampled_from(list(wire.CODECS) + ["float32", "int4", 1, 2])
+       | st.lists(st.integers(-1, 70), max_size=5),
+       drop=st.booleans(), cut=st.integers(0, 400), junk=st.binary(min_size=1, max_size=3))
+def test_mutated_multi_sample_frames_with_codecs_are_rejected_or_consistent(case, key, value, drop, cut, junk):
+    frame, codec = case
+    header_bytes, payload = wire.encode(frame, codec)
+    header = msgpack.unpackb(header_bytes)
+    if drop and key in header:
+        del header[key]
+    else:
+        header[key] = value
+    try:
+        mutated = msgpack.packb(header)
+    except (TypeError, ValueError, OverflowError):
+        return
+    payload = bytes(payload)
+    for head, body in ((mutated, payload), (mutated, payload[:cut]), (header_bytes, payload[:cut]),
+                       (header_bytes, payload + junk)):
+        got = decode_or_reject([head, body], run=5, hidden=HIDDEN, n_slots=4, max_len=64)
+        if got is not None:
+            assert got.run == 5 and all(0 <= s < 4 for s in got.samples)
+            assert all(s + c <= 64 for s, c in zip(got.start, got.count))
+            if got.tensor is not None:
+                assert got.tensor.shape[1] == HIDDEN and got.tensor.shape[0] in (sum(got.count), len(got.samples))
 
 
 def test_oversized_and_stale_frames_are_rejected():

@@ -4,12 +4,13 @@ import random
 import time
 
 import msgpack
+import pytest
 import torch
 import zmq
 
 from conftest import free_ports
 from mdi.ring.transport import RingEndpoint
-from mdi.ring.wire import Frame, decode
+from mdi.ring.wire import INT8_BLOCK, Frame, decode, encode, quantize_int8_blocks
 
 HIDDEN = 8
 
@@ -108,3 +109,37 @@ def test_recv_times_out_naming_the_node():
         assert time.monotonic() - t0 >= 0.25
     finally:
         a.close()
+
+
+def test_int8_endpoints_pass_frames_within_the_codecs_tolerance():
+    """The sender encodes with its own codec; the receiver reads the codec from the header."""
+    a_port, b_port = free_ports(2)
+    hidden = 100  # a short last block in every row
+    a = RingEndpoint("a", "127.0.0.1", a_port, lambda parts: decode(parts, run=7), codec="int8")
+    b = RingEndpoint("b", "127.0.0.1", b_port, lambda parts: decode(parts, run=7, hidden=hidden, n_slots=4),
+                     codec="int8")
+    a.connect("127.0.0.1", b_port)
+    b.connect("127.0.0.1", a_port)
+    try:
+        assert (a.codec, b.codec) == ("int8", "int8")
+        x = torch.randn(5, hidden) * 4
+        x[1, :32] = 0
+        frame = Frame("prefill", 7, [0, 3], [0, 9], [2, 3], x)
+        a.send(frame)
+        got = b.recv(timeout=10)
+        assert (got.samples, got.start, got.count) == ([0, 3], [0, 9], [2, 3])
+        assert got.tensor.dtype == torch.float32 and got.tensor.shape == (5, hidden)
+        _, scales = quantize_int8_blocks(x)
+        half_scale = scales.float().repeat_interleave(INT8_BLOCK, dim=1)[:, :hidden] / 2
+        assert ((got.tensor - x).abs() <= half_scale + x.abs() * 2 ** -11).all()
+        assert (got.tensor[1, :32] == 0).all() and not torch.equal(got.tensor, x)
+        assert a.flush(5) and a.bytes_sent == sum(len(p) for p in encode(frame, "int8"))
+        assert a.bytes_sent < 5 * hidden * 4 / 3  # int8 + scales, not float32
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unknown_codec_is_refused_before_binding():
+    with pytest.raises(ValueError, match="unknown data-plane codec 'int4'"):
+        RingEndpoint("a", "127.0.0.1", free_ports(1)[0], lambda parts: decode(parts), codec="int4")

@@ -91,7 +91,6 @@ class Ring:
         self.keys = ["g%dk%d" % (plan.index, k) for k in range(plan.n_nodes)]
         self.workers = []  # type: List[WorkerProcess]
         self.service = None  # type: Optional[StarterService]
-        self.config_path = os.path.join(work, "ring%d.yaml" % plan.index)
         self.hosts, self.ports, self.data_ports = self._addresses()
         self.env = dict(os.environ)
         for key in ("MDI_TOKEN", "MDI_TOKEN_FILE"):
@@ -109,8 +108,18 @@ class Ring:
         ports = free_ports(2 * n)
         return hosts, ports[:n], ports[n:]
 
-    def run_config(self) -> Dict[str, Any]:
+    def config_path(self, max_batch: Any) -> str:
+        """The run configuration for runs at this max_batch (one file per value: the persistent
+        starter reads --config again on every run)."""
+        return os.path.join(self.work, "ring%d-b%s.yaml" % (self.plan.index, max_batch))
+
+    def run_config(self, max_batch: Any = "auto") -> Dict[str, Any]:
         p = self.plan
+        runtime = {"threads": 1, "connect_timeout": 10, "init_timeout": self.exp.start_timeout, "ring_timeout": 120,
+                   "heartbeat_timeout": 60, "quant_kernel": p.model.quant_kernel, "max_batch": max_batch,
+                   "wire_codec": p.model.wire_codec}
+        if p.model.prefill_chunk is not None:
+            runtime["prefill_chunk"] = p.model.prefill_chunk
         nodes = []
         for k in range(p.n_nodes):
             node = {"name": "starter" if k == 0 else "node%d" % k, "host": self.hosts[k],
@@ -125,13 +134,13 @@ class Ring:
                 "generation": {"n_tokens": p.model.tokens, "temperature": self.exp.temperature, "seed": 1,
                                "prompts": [p.model.prompt]},
                 # heartbeat_timeout: a throttled, shared machine must not end runs by mistake
-                "runtime": {"threads": 1, "connect_timeout": 10, "init_timeout": self.exp.start_timeout,
-                            "ring_timeout": 120, "heartbeat_timeout": 60, "quant_kernel": p.model.quant_kernel}}
+                "runtime": runtime}
 
     # --- life cycle ------------------------------------------------------------------
     def start(self) -> None:
-        with open(self.config_path, "w") as f:
-            yaml.safe_dump(self.run_config(), f, sort_keys=False)
+        for max_batch in self.plan.max_batch:
+            with open(self.config_path(max_batch), "w") as f:
+                yaml.safe_dump(self.run_config(max_batch), f, sort_keys=False)
         for key in self.keys:
             self.emu.prepare_process(key)
         for k in range(1, self.plan.n_nodes):
@@ -194,12 +203,13 @@ class Ring:
             self.emu.release_process(key)
 
     # --- one run ---------------------------------------------------------------------
-    def starter_argv(self, samples: int, tokens: int, metrics_path: str) -> List[str]:
-        return ["--config", self.config_path, "--prompt", self.plan.model.prompt, "--n-samples", str(samples),
+    def starter_argv(self, samples: int, tokens: int, metrics_path: str, max_batch: Any = "auto") -> List[str]:
+        return ["--config", self.config_path(max_batch), "--prompt", self.plan.model.prompt,
+                "--n-samples", str(samples),
                 "--n-tokens", str(tokens), "--temperature", repr(self.exp.temperature), "--seed", "1",
                 "--metrics-out", metrics_path, "--quiet"]
 
-    def run(self, samples: int, tokens: int, metrics_path: str) -> RunOutcome:
+    def run(self, samples: int, tokens: int, metrics_path: str, max_batch: Any = "auto") -> RunOutcome:
         try:
             self._restart_starter()
         except RuntimeError as e:
@@ -213,7 +223,7 @@ class Ring:
             os.remove(metrics_path)
         load = os.getloadavg()[0]
         t0 = time.monotonic()
-        code, error = self._start_run(self.starter_argv(samples, tokens, metrics_path))
+        code, error = self._start_run(self.starter_argv(samples, tokens, metrics_path, max_batch))
         wall = time.monotonic() - t0
         peaks = [peak_rss_bytes(p.pid) if p is not None else None for p in procs]
         cg = [self.emu.memory_peak(key) for key in self.keys]

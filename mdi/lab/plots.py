@@ -8,7 +8,7 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
-from mdi.lab.report import ok_rows, per_node, rings_of
+from mdi.lab.report import batch_label, batches_of, max_batch_of, ok_rows, per_node, rings_of, series_of
 
 Row = Dict[str, str]
 NO_DATA = "no data"
@@ -53,6 +53,25 @@ def _ring_label(n: int, part: str) -> str:
     return "%d node%s (%s)" % (n, "s" if n > 1 else "", part)
 
 
+def _of_series(rows: Sequence[Row], n: int, part: str, mb: str) -> List[Row]:
+    return [r for r in _of_ring(rows, n, part) if max_batch_of(r) == mb]
+
+
+def _series(rows: Sequence[Row]) -> List[Any]:
+    """(nodes, partition, max_batch, label) of each line to draw: one per ring, and one per
+    max_batch as well when the rows have more than one ('unbatched', 'batched (auto)', ...)."""
+    several_rings, several_batches = len(rings_of(rows)) > 1, len(batches_of(rows)) > 1
+    out = []
+    for n, part, mb in series_of(rows):
+        batch = batch_label(mb) if several_batches else ""
+        if batch and not several_rings:
+            label = batch
+        else:
+            label = ", ".join(x for x in (_ring_label(n, part), batch) if x)
+        out.append((n, part, mb, label))
+    return out
+
+
 def _median_run(rows: Sequence[Row]) -> Optional[Row]:
     """The repeat whose decode rate is the median one (a real run, not an average)."""
     if not rows:
@@ -79,12 +98,12 @@ def time_vs_tokens(plt, out: str, rows: List[Row], models: List[str]) -> str:
         for j, title in enumerate(("1 sample", "S = N samples in flight")):
             ax = axes[i][j]
             lines = 0
-            for n, part in rings_of(mrows):
+            for n, part, mb, label in _series(mrows):
                 s = 1 if j == 0 else n
-                run = _median_run([r for r in _of_ring(mrows, n, part) if int(r["samples"]) == s])
+                run = _median_run([r for r in _of_series(mrows, n, part, mb) if int(r["samples"]) == s])
                 times = _token_times(out, run) if run else []
                 if times:
-                    ax.plot(range(1, len(times) + 1), times, label=_ring_label(n, part))
+                    ax.plot(range(1, len(times) + 1), times, label=label)
                     lines += 1
             ax.set_title("%s: %s" % (model, title), fontsize=10)
             ax.set_xlabel("generated tokens (all samples)")
@@ -96,24 +115,25 @@ def time_vs_tokens(plt, out: str, rows: List[Row], models: List[str]) -> str:
 
 def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) -> str:
     """Aggregate decode tokens/s against samples in flight (median, bars = min..max of repeats),
-    and the pipeline efficiency S-rate / (N x 1-sample rate)."""
+    and the pipeline efficiency S-rate / (N x 1-sample rate): one line per ring, and per
+    max_batch when the experiment ran more than one (batched against unbatched)."""
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
     for i, model in enumerate(models):
         mrows = [r for r in summary if r["model"] == model]
         ax, ax2 = axes[i]
         xs_all, eff_xs = [], []  # type: List[int], List[int]
-        for c, (n, part) in enumerate(rings_of(mrows)):
-            color = "C%d" % c  # the same ring has the same colour in both panels
-            rs = sorted(_of_ring(mrows, n, part), key=lambda r: int(r["samples"]))
+        for c, (n, part, mb, label) in enumerate(_series(mrows)):
+            color = "C%d" % c  # the same line has the same colour in both panels
+            rs = sorted(_of_series(mrows, n, part, mb), key=lambda r: int(r["samples"]))
             xs = [int(r["samples"]) for r in rs]
             xs_all += xs
             med = [float(r["decode_tokens_per_s_median"]) for r in rs]
             lo = [m - float(r["decode_tokens_per_s_min"]) for m, r in zip(med, rs)]
             hi = [float(r["decode_tokens_per_s_max"]) - m for m, r in zip(med, rs)]
-            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, color=color, label=_ring_label(n, part))
-            eff = [(x, float(r["efficiency_median"])) for x, r in zip(xs, rs) if r["efficiency_median"]]
+            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, color=color, label=label)
+            eff = [(x, float(r["efficiency_median"])) for x, r in zip(xs, rs) if r.get("efficiency_median")]
             if n > 1 and eff:
-                ax2.plot([x for x, _ in eff], [e for _, e in eff], marker="o", color=color, label=_ring_label(n, part))
+                ax2.plot([x for x, _ in eff], [e for _, e in eff], marker="o", color=color, label=label)
                 eff_xs += [x for x, _ in eff]
         ax.set_title("%s: aggregate decode throughput" % model, fontsize=10)
         ax.set_ylabel("tokens/s")
@@ -157,15 +177,17 @@ def _node_medians(rows: Sequence[Row], column: str) -> List[float]:
 
 def memory_per_node(plt, out: str, rows: List[Row], models: List[str]) -> str:
     """Peak resident memory of every node of every ring (the run with the most samples in
-    flight, median of repeats), split into weights, KV cache and the rest."""
+    flight, median of repeats; per max_batch when there are several), split into weights,
+    KV cache and the rest."""
     fig, axes = plt.subplots(len(models), 1, figsize=(11, 3.8 * len(models)), squeeze=False)
     colors = {"weights": "#4c72b0", "KV cache": "#dd8452", "other (runtime, buffers)": "#b0b0b0"}
     for i, model in enumerate(models):
         ax = axes[i][0]
         mrows = [r for r in rows if r["model"] == model]
         x, ticks, labels, bars = 0.0, [], [], 0
-        for n, part in rings_of(mrows):
-            ring = _of_ring(mrows, n, part)
+        several_batches = len(batches_of(mrows)) > 1
+        for n, part, mb, _ in _series(mrows):
+            ring = _of_series(mrows, n, part, mb)
             top = max(int(r["samples"]) for r in ring)
             at_top = [r for r in ring if int(r["samples"]) == top]
             peak, weights, cache = (_node_medians(at_top, c) for c in ("peak_memory_mb", "weights_mb", "cache_mb"))
@@ -183,7 +205,8 @@ def memory_per_node(plt, out: str, rows: List[Row], models: List[str]) -> str:
                 x += 1
                 bars += 1
             ticks.append(x - (len(peak) + 1) / 2.0)
-            labels.append("%s\nS=%d" % (_ring_label(n, part), top))
+            batch = "\n" + batch_label(mb) if several_batches and mb else ""
+            labels.append("%s%s\nS=%d" % (_ring_label(n, part), batch, top))
             x += 1  # a gap between rings
         ax.set_ylabel("peak RSS per node (MB)")
         ax.set_title("%s: memory per node (bars: starter first, then workers in ring order)" % model, fontsize=10)

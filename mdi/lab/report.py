@@ -13,21 +13,51 @@ from mdi.lab.nodes import RunOutcome
 from mdi.lab.spec import Experiment, RingPlan
 
 
+# The batching the metrics record reports per node (mdi-start --metrics-out, "nodes"), each a
+# per-node CSV column: token rows and samples per forward pass, mean and max. Absent in records
+# of rings without batching: the cells are then empty.
+FORWARD_COLUMNS = ["rows_per_forward_mean", "rows_per_forward_max", "samples_per_forward_mean",
+                   "samples_per_forward_max"]
+
 # One row per run. List-valued cells (one value per node, starter first) are joined with ";".
+# A run is identified by (model, nodes, partition, max_batch, samples, repeat).
 CSV_COLUMNS = [
-    "model", "nodes", "partition", "samples", "tokens", "tokens_per_s", "ttft_s",
+    "model", "nodes", "partition", "samples", "max_batch", "tokens", "tokens_per_s", "ttft_s",
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
     "decode_tokens_per_s", "generated_tokens", "seconds", "ttft_max_s", "partition_kind", "dtype",
-    "quant", "quant_kernel", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy", "emulation",
-    "starter_mode",
+    "quant", "quant_kernel", "wire_codec", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy",
+] + FORWARD_COLUMNS + [
+    "emulation", "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
 ]
 SUMMARY_COLUMNS = [
-    "model", "nodes", "partition", "samples", "tokens", "runs_ok",
+    "model", "nodes", "partition", "max_batch", "samples", "tokens", "runs_ok",
     "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
     "tokens_per_s_median", "ttft_s_median", "efficiency_median", "efficiency_min", "efficiency_max",
-    "speedup_vs_1_node", "peak_memory_mb_max", "node_busy_median",
+    "speedup_vs_1_node", "speedup_vs_unbatched", "peak_memory_mb_max", "node_busy_median",
+    "samples_per_forward_median",
 ]
+UNBATCHED = "1"
+
+
+def batch_label(max_batch: Any) -> str:
+    """How plots and reports name a max_batch value ('' for rows from before the column)."""
+    v = str(max_batch)
+    if v == "":
+        return ""
+    return "unbatched" if v == UNBATCHED else "batched (%s)" % v
+
+
+def batch_order(max_batch: str) -> Tuple[int, int, str]:
+    """Sort key: unknown (''), then numbers ascending (1 = unbatched first), then auto."""
+    v = str(max_batch)
+    if v == "":
+        return (0, 0, "")
+    return (1, int(v), "") if v.isdigit() else (2, 0, v)
+
+
+def max_batch_of(row: Dict[str, str]) -> str:
+    return row.get("max_batch") or ""
 
 
 # --------------------------------------------------------------------------- rows
@@ -68,12 +98,20 @@ def _busy(node: Dict[str, Any], seconds: Optional[float]) -> str:
     return "%.3f" % (busy / seconds) if isinstance(busy, (int, float)) and seconds else ""
 
 
+def _per_node(nodes: List[Dict[str, Any]], key: str, fmt: str) -> str:
+    """A per-node cell of a metrics key; empty when no node reports it (an older record)."""
+    if not any(isinstance(n.get(key), (int, float)) for n in nodes):
+        return ""
+    return _joined(fmt % n[key] if isinstance(n.get(key), (int, float)) else "" for n in nodes)
+
+
 def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome: RunOutcome, emu_tag: str,
-             metrics_file: str) -> Dict[str, str]:
+             metrics_file: str, max_batch: Any = "auto") -> Dict[str, str]:
     row = {c: "" for c in CSV_COLUMNS}
     row.update(model=plan.model.name, nodes=str(plan.n_nodes), partition=plan.label, samples=str(samples),
-               tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind, dtype=plan.model.dtype,
-               quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
+               max_batch=str(max_batch), tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind,
+               dtype=plan.model.dtype, quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
+               wire_codec=plan.model.wire_codec,
                weights_mb=_joined(_mb(b) for b in plan.weights), emulation=emu_tag, starter_mode=exp.starter,
                load_1min="%.2f" % outcome.load_1min, experiment=exp.name)
     m = outcome.metrics
@@ -95,6 +133,8 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
                bytes_sent=_joined(n.get("bytes_sent", "") for n in nodes),
                node_busy=_joined(_busy(n, m.get("seconds")) for n in nodes),
                status="ok", metrics_file=metrics_file)
+    for key in FORWARD_COLUMNS:
+        row[key] = _per_node(nodes, key, "%.2f" if key.endswith("_mean") else "%g")
     short = [s for s in m["samples"] if len(s.get("token_ids") or []) < plan.model.tokens]
     if short:
         row["status"] = "ok (%d samples stopped early: %s)" % (len(short), short[0].get("finish_reason"))
@@ -119,23 +159,51 @@ def ok_rows(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
     return [r for r in rows if r.get("status", "").startswith("ok") and _float(r.get("decode_tokens_per_s")) is not None]
 
 
+Group = Tuple[str, int, str, str, int]  # model, nodes, partition, max_batch, samples
+
+
+def _group_order(key: Group) -> Tuple[Any, ...]:
+    model, n, part, mb, s = key
+    return (model, n, part, batch_order(mb), s)
+
+
+def _baseline(groups: Dict[Group, List[Dict[str, str]]], model: str, n: int, part: str,
+              mb: str) -> List[Dict[str, str]]:
+    """The 1-sample runs that a (ring, max_batch)'s efficiency is measured against: those of the
+    same max_batch; one sample travels alone whatever max_batch says, so without them the
+    ring's unbatched (then any) 1-sample runs."""
+    same = groups.get((model, n, part, mb, 1))
+    if same:
+        return same
+    others = sorted((k for k in groups if k[:3] == (model, n, part) and k[4] == 1), key=_group_order)
+    unbatched = [k for k in others if k[3] == UNBATCHED]
+    return groups[(unbatched or others)[0]] if others else []
+
+
 def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
-    """Median and spread per (model, nodes, partition, samples), with the pipeline efficiency
-    (S-sample tokens/s / (N x 1-sample tokens/s) on the same ring, paired by repeat)."""
+    """Median and spread per (model, nodes, partition, max_batch, samples), with the pipeline
+    efficiency (S-sample tokens/s / (N x 1-sample tokens/s) on the same ring at the same
+    max_batch, paired by repeat) and, for batched runs, the speedup over the unbatched runs
+    (max_batch 1) of the same ring and S."""
     good = ok_rows(rows)
-    groups = {}  # type: Dict[Tuple[str, int, str, int], List[Dict[str, str]]]
+    groups = {}  # type: Dict[Group, List[Dict[str, str]]]
     for r in good:
-        groups.setdefault((r["model"], int(r["nodes"]), r["partition"], int(r["samples"])), []).append(r)
+        key = (r["model"], int(r["nodes"]), r["partition"], max_batch_of(r), int(r["samples"]))
+        groups.setdefault(key, []).append(r)
     out = []
-    for (model, n, part, s), rs in sorted(groups.items()):
+    for (model, n, part, mb, s), rs in sorted(groups.items(), key=lambda kv: _group_order(kv[0])):
         dec = [float(r["decode_tokens_per_s"]) for r in rs]
-        base = {r["repeat"]: float(r["decode_tokens_per_s"]) for r in groups.get((model, n, part, 1), [])}
+        base = {r["repeat"]: float(r["decode_tokens_per_s"]) for r in _baseline(groups, model, n, part, mb)}
         eff = [float(r["decode_tokens_per_s"]) / (n * base[r["repeat"]]) for r in rs if r["repeat"] in base]
-        one = [float(r["decode_tokens_per_s"]) for (m2, n2, _, s2), g in groups.items()
+        one = [float(r["decode_tokens_per_s"]) for (m2, n2, _, _, s2), g in groups.items()
                if m2 == model and n2 == 1 and s2 == 1 for r in g]
+        unbatched = [float(r["decode_tokens_per_s"]) for r in groups.get((model, n, part, UNBATCHED, s), [])]
+        vs_unbatched = (statistics.median(dec) / statistics.median(unbatched)
+                        if unbatched and mb not in ("", UNBATCHED) else None)
         peaks = _max_per_node([r["peak_memory_mb"] for r in rs])
         out.append({
-            "model": model, "nodes": str(n), "partition": part, "samples": str(s), "tokens": rs[0]["tokens"],
+            "model": model, "nodes": str(n), "partition": part, "max_batch": mb, "samples": str(s),
+            "tokens": rs[0]["tokens"],
             "runs_ok": str(len(rs)), "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
             "decode_tokens_per_s_min": "%.3f" % min(dec), "decode_tokens_per_s_max": "%.3f" % max(dec),
             "tokens_per_s_median": _num(_median([_float(r["tokens_per_s"]) for r in rs])),
@@ -143,8 +211,11 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
             "efficiency_median": _num(statistics.median(eff) if eff else None),
             "efficiency_min": _num(min(eff) if eff else None), "efficiency_max": _num(max(eff) if eff else None),
             "speedup_vs_1_node": _num(statistics.median(dec) / statistics.median(one) if one else None),
+            "speedup_vs_unbatched": _num(vs_unbatched),
             "peak_memory_mb_max": _joined("%.1f" % p for p in peaks),
             "node_busy_median": _joined("%.2f" % b for b in _median_per_node([r.get("node_busy", "") for r in rs])),
+            "samples_per_forward_median": _joined(
+                "%.2f" % b for b in _median_per_node([r.get("samples_per_forward_mean", "") for r in rs])),
         })
     return out
 
@@ -175,6 +246,17 @@ def rings_of(rows: Sequence[Dict[str, str]]) -> List[Tuple[int, str]]:
     return sorted({(int(r["nodes"]), r["partition"]) for r in rows})
 
 
+def batches_of(rows: Sequence[Dict[str, str]]) -> List[str]:
+    """The max_batch values that rows speak of, in order ('' for rows without the column)."""
+    return sorted({max_batch_of(r) for r in rows}, key=batch_order)
+
+
+def series_of(rows: Sequence[Dict[str, str]]) -> List[Tuple[int, str, str]]:
+    """The (nodes, partition, max_batch) series that rows speak of, ring by ring."""
+    keys = {(int(r["nodes"]), r["partition"], max_batch_of(r)) for r in rows}
+    return sorted(keys, key=lambda k: (k[0], k[1], batch_order(k[2])))
+
+
 def write_csv(path: str, columns: List[str], rows: List[Dict[str, str]]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", newline="", encoding="utf-8") as f:
@@ -185,7 +267,8 @@ def write_csv(path: str, columns: List[str], rows: List[Dict[str, str]]) -> None
 
 
 def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
-    """Per model: the best S >= N throughput for each node count, and whether it rises with N."""
+    """Per model: the best S >= N throughput for each node count (any max_batch), and whether
+    it rises with N."""
     lines = []
     for model in sorted({r["model"] for r in summary}):
         best = {}  # type: Dict[int, Tuple[float, Dict[str, str]]]
@@ -196,8 +279,9 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
                 if n not in best or v > best[n][0]:
                     best[n] = (v, r)
         ns = sorted(best)
-        parts = ["%d node%s %.2f tok/s (S=%s, %s)" % (n, "s" if n > 1 else "", best[n][0], best[n][1]["samples"],
-                                                       best[n][1]["partition"]) for n in ns]
+        parts = ["%d node%s %.2f tok/s (S=%s, %s%s)" % (n, "s" if n > 1 else "", best[n][0], best[n][1]["samples"],
+                                                         best[n][1]["partition"], _batch_note(best[n][1]))
+                 for n in ns]
         if len(ns) < 2:
             verdict = "one node count only"
         elif all(best[a][0] < best[b][0] for a, b in zip(ns, ns[1:])):
@@ -205,6 +289,42 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
         else:
             verdict = "does NOT rise with N"
         lines.append("- %s: %s: %s" % (model, "; ".join(parts), verdict))
+    return lines
+
+
+def _batch_note(row: Dict[str, str]) -> str:
+    mb = row.get("max_batch") or ""
+    return ", %s" % batch_label(mb) if mb else ""
+
+
+def batching_lines(summary: List[Dict[str, str]]) -> List[str]:
+    """Per ring run both unbatched (max_batch 1) and batched: each batched max_batch at S = 4N
+    (else at its best S) against the unbatched runs at the same S and the best unbatched S
+    (issue 16: batched S = 4N >= 2x unbatched at the same S and >= 1.5x the best unbatched)."""
+    lines = []
+
+    def rate(r: Dict[str, str]) -> float:
+        return float(r["decode_tokens_per_s_median"])
+    for model in sorted({r["model"] for r in summary}):
+        mrows = [r for r in summary if r["model"] == model]
+        for n, part in rings_of(mrows):
+            ring = [r for r in mrows if int(r["nodes"]) == n and r["partition"] == part]
+            unbatched = {int(r["samples"]): r for r in ring if max_batch_of(r) == UNBATCHED}
+            if not unbatched:
+                continue
+            best_u = max(unbatched.values(), key=rate)
+            for mb in batches_of(ring):
+                if mb in ("", UNBATCHED):
+                    continue
+                batched = {int(r["samples"]): r for r in ring if max_batch_of(r) == mb}
+                s = 4 * n if 4 * n in batched else max(batched, key=lambda k: rate(batched[k]))
+                b = batched[s]
+                same = ("%.2fx unbatched at the same S" % (rate(b) / rate(unbatched[s]))
+                        if s in unbatched and rate(unbatched[s]) > 0 else "no unbatched run at this S")
+                best = "%.2fx the best unbatched (%.2f tok/s at S=%d)" % (
+                    rate(b) / rate(best_u) if rate(best_u) > 0 else float("nan"), rate(best_u), int(best_u["samples"]))
+                lines.append("- %s N=%d %s %s: S=%d%s %.2f tok/s = %s, %s" % (
+                    model, n, part, batch_label(mb), s, " (4N)" if s == 4 * n else "", rate(b), same, best))
     return lines
 
 
@@ -220,6 +340,9 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
             "/".join("%.2f" % x for x in load[0]), "/".join("%.2f" % x for x in load[1]), machine.get("cpu_count")), ""]
     lines += ["Best decode throughput with S >= N samples in flight (median of repeats):", ""]
     lines += scaling_lines(summary) + [""]
+    batching = batching_lines(summary)
+    if batching:
+        lines += ["Batched against unbatched decode throughput (median of repeats):", ""] + batching + [""]
     for model in sorted({r["model"] for r in summary}):
         lines += _model_table(model, [r for r in summary if r["model"] == model])
     with open(path, "w", encoding="utf-8") as f:
@@ -228,16 +351,16 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
 
 def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
     samples = sorted({int(r["samples"]) for r in rows})
-    rings = rings_of(rows)
     out = ["## %s" % model, "",
            "Decode tokens/s, median [min-max] of repeats, and pipeline efficiency "
-           "(S-sample rate / (N x 1-sample rate), same ring, paired by repeat).", "",
-           "| nodes | partition | " + " | ".join("S=%d" % s for s in samples) + " |",
-           "|---|---|" + "---|" * len(samples)]
-    for n, part in rings:
+           "(S-sample rate / (N x 1-sample rate), same ring and max_batch, paired by repeat).", "",
+           "| nodes | partition | max_batch | " + " | ".join("S=%d" % s for s in samples) + " |",
+           "|---|---|---|" + "---|" * len(samples)]
+    for n, part, mb in series_of(rows):
         cells = []
         for s in samples:
-            r = next((r for r in rows if int(r["nodes"]) == n and r["partition"] == part and int(r["samples"]) == s), None)
+            r = next((r for r in rows if int(r["nodes"]) == n and r["partition"] == part and max_batch_of(r) == mb
+                      and int(r["samples"]) == s), None)
             if r is None:
                 cells.append("")
                 continue
@@ -246,7 +369,7 @@ def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
             if r["efficiency_median"] and n > 1:
                 cell += " eff %.2f" % float(r["efficiency_median"])
             cells.append(cell)
-        out.append("| %d | %s | %s |" % (n, part, " | ".join(cells)))
+        out.append("| %d | %s | %s | %s |" % (n, part, mb or "-", " | ".join(cells)))
     return out + [""]
 
 

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
 from mdi.model.qkernels import POLICY_NAMES
+from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings
 
@@ -33,6 +34,11 @@ class ModelEntry:
     weights: str = "local"  # local: workers read their layers from the model dir; push: over HTTP
     quant: str = "auto"  # the run's model.quant: none | auto (as stored) | int8 | int4
     quant_kernel: str = "exact"  # the run's runtime.quant_kernel: exact | fast | a kernel's name
+    # The runs' runtime.max_batch, an axis like samples: 1 = every sample alone (unbatched),
+    # k = at most k samples per forward, auto = samples in flight / nodes.
+    max_batch: List[Any] = field(default_factory=lambda: ["auto"])
+    prefill_chunk: Optional[int] = None  # the runs' runtime.prefill_chunk; None: mdi's default
+    wire_codec: str = "raw"  # the runs' runtime.wire_codec (mdi.ring.wire.CODECS)
 
 
 @dataclass
@@ -55,8 +61,10 @@ class Experiment:
 NUM = (int, float)
 MODEL_KEYS = {"name": (str,), "path": (str,), "random": (dict,), "prompt": (str,), "tokens": (int,),
               "samples": (list,), "nodes": (list,), "partitions": (list,), "dtype": (str,), "weights": (str,),
-              "quant": (str,), "quant_kernel": (str,)}
-SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights", "quant", "quant_kernel")
+              "quant": (str,), "quant_kernel": (str,), "max_batch": (list,), "prefill_chunk": (int,),
+              "wire_codec": (str,)}
+SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights", "quant", "quant_kernel",
+               "max_batch", "prefill_chunk", "wire_codec")
 TOP_KEYS = {"name": (str,), "description": (str,), "output": (str,), "models": (list,), "repeats": (int,),
             "temperature": NUM, "warmup": (bool,), "starter": (str,), "run_timeout": NUM,
             "start_timeout": NUM, "emulation": (dict,), "auth": (bool,)}
@@ -130,6 +138,24 @@ def _check_partitions(where: str, items: List[Any]) -> None:
                                   % (where, i, p))
 
 
+def max_batches(items: Sequence[Any]) -> List[Any]:
+    """The max_batch axis without repeats, in the order given."""
+    out = []  # type: List[Any]
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def _check_max_batch(where: str, items: List[Any]) -> None:
+    if not items:
+        raise ExperimentError("%s: expected at least one entry (1 = unbatched, auto or a positive integer)" % where)
+    for i, item in enumerate(items):
+        if item != "auto" and (isinstance(item, bool) or not isinstance(item, int) or item < 1):
+            raise ExperimentError("%s[%d]: expected a positive integer (1 = unbatched) or 'auto', got %r"
+                                  % (where, i, item))
+
+
 def _parse_model(where: str, raw: Any, defaults: Dict[str, Any]) -> ModelEntry:
     m = _fields(where, raw, MODEL_KEYS, required=("name", "path"))
     for key in SHARED_KEYS:
@@ -172,6 +198,12 @@ def _check_common(where: str, e: ModelEntry) -> None:
     if e.quant_kernel not in POLICY_NAMES:
         raise ExperimentError("%s.quant_kernel: expected one of %s, got %r"
                               % (where, ", ".join(POLICY_NAMES), e.quant_kernel))
+    if e.prefill_chunk is not None and e.prefill_chunk < 1:
+        raise ExperimentError("%s.prefill_chunk: expected a positive integer (tokens per prefill pass), got %r"
+                              % (where, e.prefill_chunk))
+    if e.wire_codec not in CODECS:
+        raise ExperimentError("%s.wire_codec: expected one of %s, got %r" % (where, ", ".join(CODECS), e.wire_codec))
+    _check_max_batch(where + ".max_batch", e.max_batch)
     _check_samples(where + ".samples", e.samples)
     _check_nodes(where + ".nodes", e.nodes)
     _check_partitions(where + ".partitions", e.partitions)
@@ -250,6 +282,12 @@ class RingPlan:
     samples: List[int]
     local_weights: bool = True
     weights: List[int] = field(default_factory=list)
+    max_batch: List[Any] = field(default_factory=lambda: ["auto"])  # runs at every S with each of these
+
+    def runs(self) -> List[Tuple[Any, int]]:
+        """(max_batch, samples) of every run on this ring, in run order: samples ascending, and
+        at each S every max_batch one after the other (so the runs compared run close in time)."""
+        return [(b, s) for s in self.samples for b in self.max_batch]
 
     @property
     def label(self) -> str:

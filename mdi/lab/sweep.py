@@ -2,7 +2,7 @@
 a state file for --cleanup, and the outputs at the end.
 
 Run order: for each model, every ring (node count x partition) is started once and kept up;
-then repeat by repeat, ring by ring, samples ascending. Interleaving the repeats across rings
+then repeat by repeat, ring by ring, samples ascending, each S once per max_batch value. Interleaving the repeats across rings
 spreads a noisy neighbour's load over every configuration instead of one.
 """
 import json
@@ -20,9 +20,9 @@ from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
 from mdi.lab.model_setup import sweep_model, weight_bytes
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
-from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, machine_record, make_row, read_rows, scaling_lines,
-                            summarize, write_csv, write_report)
-from mdi.lab.spec import EXIT_RUN, Experiment, RingPlan, plan_rings, samples_for
+from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, batching_lines, machine_record, make_row,
+                            read_rows, scaling_lines, summarize, write_csv, write_report)
+from mdi.lab.spec import EXIT_RUN, Experiment, RingPlan, max_batches, plan_rings, samples_for
 
 
 # --------------------------------------------------------------------------- progress
@@ -78,7 +78,8 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
         rings = []
         for n, counts, kind in plan_rings(entry, where, config.n_layer):
             rings.append(RingPlan(index, entry, path, n, counts, kind, samples_for(entry.samples, n),
-                                  local, weight_bytes(config, counts, entry.dtype, quant)))
+                                  local, weight_bytes(config, counts, entry.dtype, quant),
+                                  max_batches(entry.max_batch)))
             index += 1
         plans.append(rings)
     return plans
@@ -100,7 +101,14 @@ def over_limit(plans: List[List[RingPlan]], limit: Optional[int]) -> List[str]:
 def run_list(exp: Experiment, plans: List[List[RingPlan]]) -> List[Tuple[str, int]]:
     """(model, work) per run; work = sample-tokens x weight bytes, a proxy for its compute
     that lets the estimate carry over from one model to the next."""
-    return [(p.model.name, p.work(s)) for rings in plans for _ in range(exp.repeats) for p in rings for s in p.samples]
+    return [(p.model.name, p.work(s)) for rings in plans for _ in range(exp.repeats) for p in rings
+            for _, s in p.runs()]
+
+
+def run_file_name(p: RingPlan, samples: int, max_batch: Any, repeat: int) -> str:
+    """runs/<name>: one metrics record per (ring, max_batch, samples, repeat)."""
+    return "%s_n%d_%s_b%s_s%d_r%d.json" % (p.model.name, p.n_nodes, p.label.replace("+", "-"), max_batch, samples,
+                                           repeat)
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -154,21 +162,24 @@ class Sweep:
                 ring.wait_ready(self.exp.start_timeout)
                 ring.limit()  # from here on every node runs under its quota
                 if self.exp.warmup:
-                    ring.run(1, min(4, ring.plan.model.tokens), os.path.join(self.work, "warmup.json"))
+                    ring.run(1, min(4, ring.plan.model.tokens), os.path.join(self.work, "warmup.json"),
+                             ring.plan.max_batch[0])
             for repeat in range(1, self.exp.repeats + 1):
                 for ring in self.rings:
-                    for s in ring.plan.samples:
-                        self._one_run(ring, s, repeat, progress)
+                    for max_batch, s in ring.plan.runs():
+                        self._one_run(ring, s, max_batch, repeat, progress)
         finally:
             self._stop_rings()
 
-    def _one_run(self, ring: Ring, samples: int, repeat: int, progress: Progress) -> None:
+    def _one_run(self, ring: Ring, samples: int, max_batch: Any, repeat: int, progress: Progress) -> None:
         p = ring.plan
-        progress.begin("%s N=%d %s S=%d repeat %d/%d" % (p.model.name, p.n_nodes, p.label, samples, repeat,
-                                                        self.exp.repeats))
-        name = "%s_n%d_%s_s%d_r%d.json" % (p.model.name, p.n_nodes, p.label.replace("+", "-"), samples, repeat)
-        outcome = ring.run(samples, p.model.tokens, os.path.join(self.runs_dir, name))
-        row = make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(), os.path.join("runs", name))
+        batch = " max_batch %s" % max_batch if len(p.max_batch) > 1 else ""
+        progress.begin("%s N=%d %s S=%d%s repeat %d/%d" % (p.model.name, p.n_nodes, p.label, samples, batch, repeat,
+                                                          self.exp.repeats))
+        name = run_file_name(p, samples, max_batch, repeat)
+        outcome = ring.run(samples, p.model.tokens, os.path.join(self.runs_dir, name), max_batch)
+        row = make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(), os.path.join("runs", name),
+                       max_batch)
         self.rows.append(row)
         write_csv(self.csv_path, CSV_COLUMNS, self.rows)  # rewritten each run: an interrupted sweep keeps its rows
         progress.end(p.model.name, p.work(samples), outcome.wall_s)
@@ -219,7 +230,7 @@ def finish_outputs(out: str, machine: Dict[str, Any], log: Callable[[str], None]
     from mdi.lab import plots
     for path in plots.plot_all(out, rows, summary):
         log("mdi-bench: wrote %s" % path)
-    for line in scaling_lines(summary):
+    for line in scaling_lines(summary) + batching_lines(summary):
         log("mdi-bench: " + line[2:])
 
 
@@ -256,8 +267,9 @@ def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
     plans = plan_sweep(exp, log, build=False)
     for rings in plans:
         for p in rings:
-            log("%s: %d node(s), partition %s (%s), samples %s, %d tokens, %d repeats"
-                % (p.model.name, p.n_nodes, p.label, p.kind, p.samples, p.model.tokens, exp.repeats))
+            log("%s: %d node(s), partition %s (%s), samples %s, max_batch %s, %d tokens, %d repeats"
+                % (p.model.name, p.n_nodes, p.label, p.kind, p.samples,
+                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats))
     mb = exp.emulation.memory_limit_mb if exp.emulation.mode != "off" else None
     for line in over_limit(plans, mb * 2 ** 20 if mb else None):
         log("warning: " + line)

@@ -8,9 +8,14 @@ that a chunk's state dict uses the same keys as the full model (`blocks.{i}....`
 Attention reads and writes a `KVCache` with one preallocated slot per in-flight sample; a
 call names its slot and the absolute position of its first token, so prefill and decode are
 the same code path and nothing is ever recomputed.
+
+Several samples go through one forward as a `RowBatch` (ORCA's selective batching): their
+token rows are stacked, so every linear layer and norm reads its weights once for all of them,
+and only attention runs per sample, against that sample's own cache slot and positions.
 """
 import ctypes
-from typing import Dict, Iterable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -159,13 +164,51 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        # x: [heads, T, head_dim]
+        # x: [..., T, head_dim] at positions start..start+T
         T = x.shape[-2]
-        cos = self.cos[start:start + T].to(x.dtype)
-        sin = self.sin[start:start + T].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return _rotate(x, self.cos[start:start + T].to(x.dtype), self.sin[start:start + T].to(x.dtype))
+
+    def at_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [rows, heads, head_dim], each row at its own position
+        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+        return _rotate(x, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class RowBatch:
+    """Which samples a stack of token rows belongs to: sample i owns `counts[i]` consecutive
+    rows, at positions starts[i].., and its keys and values live in cache slot `slots[i]`."""
+    slots: List[int]
+    starts: List[int]
+    counts: List[int]
+    positions: torch.Tensor  # [rows] the absolute position of every row
+
+    @classmethod
+    def of(cls, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+           device: Optional[torch.device] = None) -> "RowBatch":
+        if not (len(slots) == len(starts) == len(counts)) or not slots:
+            raise ValueError("a row batch needs as many slots, starts and counts, at least one")
+        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
+        return cls(list(slots), list(starts), list(counts), positions.to(device) if device is not None else positions)
+
+    @property
+    def rows(self) -> int:
+        return int(sum(self.counts))
+
+    def last_rows(self) -> List[int]:
+        """The index of each sample's last row (the one a generation pass samples from)."""
+        out, row = [], 0
+        for c in self.counts:
+            row += c
+            out.append(row - 1)
+        return out
 
 
 class KVCache:
@@ -199,33 +242,41 @@ class Attention(nn.Module):
                                config.bias, quant.get(prefix + "qkv"))
         self.proj = make_linear(config.n_embd, config.n_embd, config.bias, quant.get(prefix + "proj"))
 
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:
-        # x: [T, C] for one sample; k_cache/v_cache: [kv_heads, max_len, head_dim] (its slot)
-        T = x.shape[0]
+        # x: [rows, C] for the samples of `batch`; k_cache/v_cache: [slots, kv_heads, max_len, head_dim]
+        R = x.shape[0]
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        q = q.view(T, H, D).transpose(0, 1)
-        k = k.view(T, KV, D).transpose(0, 1)
-        v = v.view(T, KV, D).transpose(0, 1)
+        q, k, v = self.qkv(x).view(R, H + 2 * KV, D).split([H, KV, KV], dim=1)
         if rope is not None:
-            q, k = rope(q, start), rope(k, start)
+            q, k = rope.at_rows(q, batch.positions), rope.at_rows(k, batch.positions)
+        ys, row = [], 0
+        for slot, start, T in zip(batch.slots, batch.starts, batch.counts):
+            ys.append(self._attend(q[row:row + T], k[row:row + T], v[row:row + T],
+                                   k_cache[slot], v_cache[slot], start))
+            row += T
+        return self.proj(ys[0] if len(ys) == 1 else torch.cat(ys))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, start: int) -> torch.Tensor:
+        """One sample's T rows against its own cache slot: q [T, H, D], k/v [T, KV, D]."""
+        T = q.shape[0]
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
         end = start + T
-        k_cache[:, start:end] = k
-        v_cache[:, start:end] = v
+        k_cache[:, start:end] = k.transpose(0, 1)
+        v_cache[:, start:end] = v.transpose(0, 1)
         keys, values = k_cache[:, :end], v_cache[:, :end]
         # Grouped-query attention without repeating K/V: fold the G query heads that share a
         # KV head into the query-length axis, rows ordered (g, t).
         G = H // KV
-        q = q.reshape(KV, G * T, D)
+        q = q.transpose(0, 1).reshape(KV, G * T, D)
         mask = None
         if T > 1:
-            t = torch.arange(T, device=x.device).repeat(G)
-            mask = torch.arange(end, device=x.device)[None, :] <= (start + t)[:, None]
+            t = torch.arange(T, device=q.device).repeat(G)
+            mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
         y = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                            attn_mask=mask)
-        y = y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
-        return self.proj(y)
+        return y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
 
     def forward_batch(self, x: torch.Tensor, rope: Optional[RotaryEmbedding]) -> torch.Tensor:
         """Causal attention over whole sequences x [B, T, C] without a cache (training)."""
@@ -269,8 +320,8 @@ class Block(nn.Module):
         self.norm2 = make_norm(config)
         self.mlp = MLP(config, quant, prefix + "mlp.")
 
-    def forward(self, x, k_cache, v_cache, start, rope):
-        x = x + self.attn(self.norm1(x), k_cache, v_cache, start, rope)
+    def forward(self, x, k_cache, v_cache, batch, rope):
+        x = x + self.attn(self.norm1(x), k_cache, v_cache, batch, rope)
         return x + self.mlp(self.norm2(x))
 
     def forward_batch(self, x, rope):
@@ -347,25 +398,39 @@ class ModelChunk(nn.Module):
 
     # --- compute -------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One sample's tokens at positions start.."""
+        return self.embed_rows(ids, torch.arange(start, start + ids.shape[0], device=ids.device))
+
+    def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token rows [rows] at their own positions (several samples stacked: a RowBatch)."""
         x = self.tok_emb(ids)
         if self.config.family == "gpt2":
-            x = x + self.pos_emb(torch.arange(start, start + ids.shape[0], device=ids.device))
+            x = x + self.pos_emb(positions.to(ids.device))
         return x.to(self.compute_dtype) if self.compute_dtype is not None else x
 
     def forward_blocks(self, x: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         """Run this chunk's blocks on one sample's activations x [T, C] at positions start.."""
+        return self.forward_rows(x, RowBatch.of([slot], [start], [x.shape[0]], x.device))
+
+    def forward_rows(self, x: torch.Tensor, batch: RowBatch) -> torch.Tensor:
+        """Run this chunk's blocks once over the stacked rows x [batch.rows, C] of several
+        samples: linear layers see every row, attention each sample's own slot."""
         if self.n_layers == 0:
             return x
         cache = self.cache
         if cache is None:
             raise RuntimeError("no KV cache allocated")
-        if not 0 <= slot < cache.n_slots:
-            raise ValueError("sample slot %d outside the %d allocated" % (slot, cache.n_slots))
-        if start < 0 or start + x.shape[0] > cache.max_len:
-            raise ValueError("positions [%d, %d) exceed the cache length %d"
-                             % (start, start + x.shape[0], cache.max_len))
+        if x.shape[0] != batch.rows:
+            raise ValueError("%d rows of activations for %d tokens" % (x.shape[0], batch.rows))
+        if len(set(batch.slots)) != len(batch.slots):
+            raise ValueError("a sample slot appears twice in one batch")
+        for slot, start, count in zip(batch.slots, batch.starts, batch.counts):
+            if not 0 <= slot < cache.n_slots:
+                raise ValueError("sample slot %d outside the %d allocated" % (slot, cache.n_slots))
+            if start < 0 or start + count > cache.max_len:
+                raise ValueError("positions [%d, %d) exceed the cache length %d" % (start, start + count, cache.max_len))
         for j, block in enumerate(self.blocks.values()):
-            x = block(x, cache.k[j, slot], cache.v[j, slot], start, self.rope)
+            x = block(x, cache.k[j], cache.v[j], batch, self.rope)
         return x
 
     def forward_batch(self, ids: torch.Tensor) -> torch.Tensor:

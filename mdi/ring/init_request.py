@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 from mdi.model.config import ModelConfig
 from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_from_json, layout_to_json, quantizable, weight_bytes
 from mdi.model.qkernels import POLICY_NAMES
+from mdi.ring.wire import CODECS
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_WEIGHTS_BYTES = 64 * 1024 ** 3
@@ -33,6 +34,7 @@ class TooLarge(RequestError):
 
 
 MAX_THREADS = 1024
+MAX_ROWS = 1 << 16  # token rows in one forward: a prefill chunk plus decode rows
 
 
 @dataclass
@@ -85,11 +87,15 @@ class InitRequest:
     threads: Optional[int] = None  # torch threads (runtime.threads); the worker's own --threads wins
     quant: Dict[str, QuantSpec] = field(default_factory=dict)  # weights kept quantized (layout.QuantLayout)
     quant_kernel: Optional[str] = None  # runtime.quant_kernel; None: the default policy
+    max_batch: int = 1  # samples one forward may take: queued frames are merged up to this many
+    max_rows: int = MAX_ROWS  # token rows one forward may take (merged frames stay under it)
+    wire_codec: str = "raw"  # how this node encodes the activations it sends (mdi.ring.wire.CODECS)
 
     def to_json(self) -> Dict[str, Any]:
         out = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
                "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
-               "data": self.data.to_json(), "weights": self.weights.to_json()}  # type: Dict[str, Any]
+               "data": self.data.to_json(), "weights": self.weights.to_json(),
+               "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec}  # type: Dict[str, Any]
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel"):
             if getattr(self, key) is not None:
@@ -127,7 +133,8 @@ def validate_init(body: Any) -> InitRequest:
     """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
     spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                 "data", "weights"),
-                 ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant", "quant_kernel"))
+                 ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant", "quant_kernel",
+                  "max_batch", "max_rows", "wire_codec"))
     _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     try:
         if not isinstance(spec["model"], dict):
@@ -161,6 +168,11 @@ def validate_init(body: Any) -> InitRequest:
     kernel = spec.get("quant_kernel")
     if kernel is not None and kernel not in POLICY_NAMES:
         raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
+    max_batch = _int("max_batch", spec.get("max_batch", 1), 1, spec["n_slots"])
+    max_rows = _int("max_rows", spec.get("max_rows", MAX_ROWS), 1, MAX_ROWS)
+    codec = spec.get("wire_codec", "raw")
+    if codec not in CODECS:
+        raise RequestError("wire_codec must be one of %s" % ", ".join(CODECS))
     data = _keys("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
     _int("data.bind_port", data["bind_port"], 1, 65535)
     _int("data.next_port", data["next_port"], 1, 65535)
@@ -185,7 +197,7 @@ def validate_init(body: Any) -> InitRequest:
         data=DataPlane(data["bind_port"], data["next_host"], data["next_port"], data["is_last"]),
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
-        threads=spec.get("threads"), quant=quant, quant_kernel=kernel)
+        threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows, wire_codec=codec)
 
 
 def _quant_layout(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:

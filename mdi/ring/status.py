@@ -36,6 +36,32 @@ class NodeCache:
 
 
 @dataclass
+class BatchCounter:
+    """How much batching one node's forwards got: token rows and samples per forward."""
+    forwards: int = 0
+    rows: int = 0
+    samples: int = 0
+    max_rows: int = 0
+    max_samples: int = 0
+
+    def add(self, rows: int, samples: int) -> None:
+        self.forwards += 1
+        self.rows += rows
+        self.samples += samples
+        self.max_rows = max(self.max_rows, rows)
+        self.max_samples = max(self.max_samples, samples)
+
+    def metrics(self) -> Dict[str, Any]:
+        """The keys of a node's entry in the metrics record (--metrics-out, mdi-bench's CSV)."""
+        n = self.forwards
+        return {"forwards": n,
+                "rows_per_forward_mean": round(self.rows / n, 3) if n else None,
+                "rows_per_forward_max": self.max_rows,
+                "samples_per_forward_mean": round(self.samples / n, 3) if n else None,
+                "samples_per_forward_max": self.max_samples}
+
+
+@dataclass
 class NodeCounters:
     """Data-plane and compute counters of the worker's current (or, when idle, last) run."""
     bytes_sent: int = 0
@@ -47,6 +73,7 @@ class NodeCounters:
     compute_seconds: float = 0.0  # time in its own layers: its busy time
     bad_frames: int = 0
     last_bad_frame: Optional[str] = None
+    batching: BatchCounter = field(default_factory=BatchCounter)
 
 
 @dataclass
@@ -81,7 +108,7 @@ class StatusReply:
         return self.memory.available_bytes + self.memory.chunk_bytes + self.cache.bytes
 
 
-_NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters}
+_NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter}
 
 
 def _parse(cls: Any, data: Any, where: str) -> Any:

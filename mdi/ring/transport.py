@@ -28,7 +28,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Protocol  # noqa:
 import zmq
 
 from mdi.ring.auth import allow_client, ring_keys
-from mdi.ring.wire import DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, FrameError, encode
+from mdi.ring.wire import CODECS, DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, FrameError, encode
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,16 @@ class LocalLoop:
 class RingEndpoint:
     """One node's data plane. send/recv/flush are for one caller thread: the compute loop.
     `password`: the run's data-plane secret (`ring_password`), which only seeds the run's CURVE
-    keys and is never sent; None: no authentication, no encryption."""
+    keys and is never sent; None: no authentication, no encryption. `codec`: how this node encodes
+    the activations it sends (`mdi.ring.wire.CODECS`); receivers read it from each frame's header."""
 
     def __init__(self, name: str, bind_host: str, bind_port: int,
-                 validate: Callable[[List[zmq.Frame]], Frame], password: Optional[str] = None) -> None:
+                 validate: Callable[[List[zmq.Frame]], Frame], password: Optional[str] = None,
+                 codec: str = "raw") -> None:
+        if codec not in CODECS:
+            raise ValueError("%s: unknown data-plane codec %r (known: %s)" % (name, codec, ", ".join(CODECS)))
         self.name = name
+        self.codec = codec
         self.validate = validate
         self.password = password
         self.ctx = zmq.Context.instance()
@@ -164,7 +169,7 @@ class RingEndpoint:
         """Queue a frame for the next node; never blocks. With nothing queued before it and
         room in zmq's queue it is handed to zmq here, else to the send thread."""
         if self._push is not None and self._queued == self._left:
-            parts = encode(frame)
+            parts = encode(frame, self.codec)
             try:
                 self._push.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
                 self._count(frame.kind, sum(len(p) for p in parts))
@@ -180,6 +185,25 @@ class RingEndpoint:
             return self.inbox.get_nowait()  # the receive thread has been filling it
         except queue.Empty:
             return self._recv_from_socket(timeout)
+
+    def recv_nowait(self) -> Optional[Frame]:
+        """A valid frame that is already here, else None at once (a compute loop gathering
+        the frames queued behind the one it took, to run them in one forward)."""
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        # Lent: the receive thread reads the socket and puts what comes into the inbox.
+        if self._lent.is_set() or not self._pull_lock.acquire(blocking=False):
+            return None
+        try:
+            while self.pull.poll(0):
+                frame = self._read_frame()
+                if frame is not None:
+                    return frame
+            return None
+        finally:
+            self._pull_lock.release()
 
     def _recv_from_socket(self, timeout: float) -> Frame:
         deadline = time.monotonic() + timeout
@@ -284,7 +308,7 @@ class RingEndpoint:
                 frame = self.outbox.get(timeout=POLL_MS / 1000.0)
             except queue.Empty:
                 continue
-            parts = encode(frame)
+            parts = encode(frame, self.codec)
             while not self._stop.is_set():
                 # Bounded wait so a vanished neighbour cannot wedge this thread forever.
                 if push.poll(POLL_MS, zmq.POLLOUT):

@@ -1,23 +1,50 @@
-"""Data-plane wire format: a small msgpack header + one raw tensor buffer (contract).
+"""Data-plane wire format: a small msgpack header + one tensor buffer (contract).
 
 A message is two zmq frames: [header, payload]. The header says which samples the payload
-carries, at which positions, and its dtype and shape; the payload is the tensor's bytes, sent
-and received without copies. `decode` validates every field before touching the buffer, so a
-malformed or hostile frame raises `FrameError` and never allocates attacker-chosen memory.
+carries, at which positions, the activation's dtype and shape, and the codec the payload is
+encoded with; the raw payload is the tensor's bytes, sent and received without copies. `decode`
+validates every field before touching the buffer, so a malformed or hostile frame raises
+`FrameError` and never allocates attacker-chosen memory.
+
+Codecs (header "codec"; header "dtype" is always the activation dtype that `decode` returns):
+  raw       the tensor's own bytes (zero-copy both ways).
+  float16   the values cast to float16, 2 bytes each; decoded = x.to(float16).to(dtype).
+  bfloat16  the same with bfloat16.
+  int8      blockwise absmax, like GGUF's Q8_0, plus each row's outliers kept exact-ish: the
+            INT8_OUTLIERS = 2 values of largest magnitude of every row are sent apart (int16
+            column, float16 value) and zeroed before the blocks are made. The rest of the row
+            is cut into blocks of INT8_BLOCK = 32 values (a row's last block is shorter when
+            width % 32 != 0); each block has one float16 scale = absmax / 127 and values
+            round(x / scale) in [-127, 127]. Payload, one contiguous buffer, each part
+            row-major: the int8 values (rows * width bytes), the float16 scales
+            (rows * ceil(width / 32) * 2), the outliers' int16 columns (rows * 2 * 2), their
+            float16 values (rows * 2 * 2). A 576-wide float32 decode hop shrinks to 0.269 of
+            its raw size. Why the outliers: the residual stream has a few "massive" channels
+            (SmolLM2: ~100x the median value of a row); a block holding one rounds its 31
+            neighbours to a few levels, and plain Q8_0 activations changed a third of
+            SmolLM2's greedy tokens (scripts/bench_wire_codec.py), two outliers per row ~1.7%.
 """
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
+import torch.nn.functional as F
 
 from mdi.model.layout import DTYPES, dtype_name
 
-PROTOCOL_VERSION = 1
+# v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
+PROTOCOL_VERSION = 2
 # prefill/decode: a generation pass (the last node returns each sample's last position only);
 # score: a pass whose every position comes back (perplexity), so its rows always equal sum(count).
 KINDS = ("prefill", "decode", "score", "stop", "reset")
-CODECS = ("raw",)
+GENERATION_KINDS = ("prefill", "decode")
+CODECS = ("raw", "float16", "bfloat16", "int8")
+INT8_BLOCK = 32
+INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
+INT8_MAX_WIDTH = 32767
+_CAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # codecs that are a plain cast
+_FP16_MAX = 65504.0  # largest finite float16: scales are clamped to it rather than becoming inf
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 512 * 1024 * 1024
 _HEADER_KEYS = {"v", "kind", "run", "samples", "start", "count", "dtype", "shape", "codec"}
@@ -41,21 +68,105 @@ class Frame:
         return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
 
 
-def encode(frame: Frame) -> List[Any]:
-    """Header bytes + a zero-copy view of the tensor's memory."""
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def payload_nbytes(rows: int, width: int, dtype: Union[torch.dtype, str], codec: str) -> int:
+    """Bytes of a [rows, width] activation of `dtype` encoded with `codec` (the one home of the
+    size arithmetic: encode's output and decode's check agree through it)."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise FrameError("dtype %r not in %s" % (dtype, sorted(DTYPES)))
+        dtype = DTYPES[dtype][0]
+    if codec not in CODECS:
+        raise FrameError("unknown codec %r (known: %s)" % (codec, ", ".join(CODECS)))
+    if codec == "raw":
+        return rows * width * _element_size(dtype)
+    if not dtype.is_floating_point:
+        raise FrameError("codec %s needs a float dtype, not %s" % (codec, dtype))
+    if codec in _CAST:
+        return rows * width * 2
+    if width > INT8_MAX_WIDTH:
+        raise FrameError("codec int8 carries rows of at most %d values, not %d" % (INT8_MAX_WIDTH, width))
+    # int8 values + float16 block scales + (int16 column, float16 value) per outlier
+    return rows * width + rows * -(-width // INT8_BLOCK) * 2 + rows * _outliers(width) * 4
+
+
+def _outliers(width: int) -> int:
+    return min(INT8_OUTLIERS, width)
+
+
+def quantize_int8_blocks(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[rows, width] float -> (int8 [rows, width], float16 scales [rows, ceil(width / 32)]).
+    Values are rounded against the float16 scale as stored, so what is sent is what was rounded
+    against: each decoded value is within half its block's scale (absmax blocks at float16's
+    limit excepted: scales clamp at 65504, so values beyond 127 * 65504 saturate)."""
+    if x.dim() != 2:
+        raise ValueError("int8 blocks need a [rows, width] tensor, got shape %s" % list(x.shape))
+    rows, width = x.shape
+    blocks = -(-width // INT8_BLOCK)
+    pad = blocks * INT8_BLOCK - width
+    g = x.detach().float()
+    if pad:
+        g = F.pad(g, (0, pad))  # zeros change no block's absmax
+    g = g.reshape(rows, blocks, INT8_BLOCK)
+    scales = (g.abs().amax(-1) / 127.0).clamp_(max=_FP16_MAX).half()
+    s = scales.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero (or underflowing) block: q = 0, not 0/0
+    q = torch.div(g, s[..., None])  # a new tensor: g may be the caller's own float32 memory
+    q = q.round_().clamp_(-127, 127).to(torch.int8).view(rows, blocks * INT8_BLOCK)
+    if pad:
+        q = q[:, :width].contiguous()
+    return q, scales
+
+
+def dequantize_int8_blocks(q: torch.Tensor, scales: torch.Tensor, width: int,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of `quantize_int8_blocks`: int8 values (any shape holding rows * width, e.g.
+    a flat wire buffer) and their float16 block scales -> a new [rows, width] tensor of `dtype`."""
+    rows = q.numel() // width
+    blocks = -(-width // INT8_BLOCK)
+    pad = blocks * INT8_BLOCK - width
+    v = q.reshape(rows, width).float()
+    if pad:
+        v = F.pad(v, (0, pad))
+    v = v.view(rows, blocks, INT8_BLOCK).mul_(scales.reshape(rows, blocks, 1).float())
+    v = v.view(rows, blocks * INT8_BLOCK)
+    if pad:
+        v = v[:, :width]
+    return v.to(dtype).contiguous()
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    # A byte view works for every dtype, bfloat16 included (numpy has no bfloat16).
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def encode(frame: Frame, codec: str = "raw") -> List[Any]:
+    """Header bytes + the payload: a zero-copy view of the tensor's memory for raw, one
+    converted copy for the other codecs."""
+    if codec not in CODECS:
+        raise ValueError("unknown codec %r (known: %s)" % (codec, ", ".join(CODECS)))
     t = frame.tensor
     header = {"v": PROTOCOL_VERSION, "kind": frame.kind, "run": frame.run, "samples": frame.samples,
-              "start": frame.start, "count": frame.count, "codec": "raw",
+              "start": frame.start, "count": frame.count, "codec": codec,
               "dtype": dtype_name(t.dtype) if t is not None else None,
               "shape": list(t.shape) if t is not None else None}
     if t is None:
         return [msgpack.packb(header), b""]
+    if codec != "raw" and not t.dtype.is_floating_point:
+        raise ValueError("codec %s needs a float tensor, not %s" % (codec, t.dtype))
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    # A byte view works for every dtype, bfloat16 included (numpy has no bfloat16).
-    return [msgpack.packb(header), memoryview(t.view(torch.uint8).reshape(-1).numpy())]
+    if codec == "raw":
+        payload = _byte_view(t)
+    elif codec in _CAST:
+        payload = _byte_view(t.to(_CAST[codec]))
+    else:
+        payload = _encode_int8(t)
+    return [msgpack.packb(header), payload]
 
 
 def _int_list(header: Dict[str, Any], key: str, n: int, lo: int, hi: int) -> List[int]:
@@ -68,11 +179,71 @@ def _int_list(header: Dict[str, Any], key: str, n: int, lo: int, hi: int) -> Lis
     return value
 
 
+def _decode_payload(buf: Any, rows: int, width: int, dtype: torch.dtype, codec: str) -> torch.Tensor:
+    # zmq's buffer is read-only and nothing writes activations in place, so wrapping it without
+    # a copy is safe (torch warns about it once; entry points silence that warning).
+    if codec == "raw":
+        return torch.frombuffer(buf, dtype=dtype).view(rows, width)
+    if codec in _CAST:
+        return torch.frombuffer(buf, dtype=_CAST[codec]).view(rows, width).to(dtype)
+    return _decode_int8(buf, rows, width, dtype)
+
+
+@dataclass
+class Int8Rows:
+    """The int8 codec's parts for [rows, width] activations (see the module docstring)."""
+    q: torch.Tensor  # int8 [rows, width], the outliers' places zero
+    scales: torch.Tensor  # float16 [rows, ceil(width / 32)]
+    columns: torch.Tensor  # int64 [rows, k]: where each row's outliers are
+    values: torch.Tensor  # float16 [rows, k]: the outliers
+
+
+def quantize_int8(x: torch.Tensor) -> Int8Rows:
+    rows, width = x.shape
+    if width > INT8_MAX_WIDTH:
+        raise ValueError("codec int8 carries rows of at most %d values, not %d" % (INT8_MAX_WIDTH, width))
+    g = x.detach().float().clone()  # the outliers are zeroed in this copy, not in the caller's tensor
+    columns = g.abs().topk(_outliers(width), dim=1).indices
+    values = g.gather(1, columns).clamp(-_FP16_MAX, _FP16_MAX).half()
+    g.scatter_(1, columns, 0.0)
+    q, scales = quantize_int8_blocks(g)
+    return Int8Rows(q, scales, columns, values)
+
+
+def dequantize_int8(parts: Int8Rows, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = dequantize_int8_blocks(parts.q, parts.scales, width, torch.float32)
+    x.scatter_(1, parts.columns, parts.values.float())
+    return x.to(dtype)
+
+
+def _encode_int8(t: torch.Tensor) -> memoryview:
+    p = quantize_int8(t)
+    parts = [p.q.view(torch.uint8), p.scales.view(torch.uint8), p.columns.to(torch.int16).view(torch.uint8),
+             p.values.view(torch.uint8)]
+    return memoryview(torch.cat([part.reshape(-1) for part in parts]).numpy())
+
+
+def _decode_int8(buf: Any, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    n, k = rows * width, _outliers(width)
+    n_scales = rows * -(-width // INT8_BLOCK)
+    q = torch.frombuffer(buf, dtype=torch.int8, count=n)
+    # The parts after the values may start at odd byte offsets: copy them (1/16 of the values'
+    # bytes and less) rather than read float16/int16 at unaligned addresses.
+    tail = torch.frombuffer(buf, dtype=torch.uint8, offset=n).clone()
+    scales = tail[:2 * n_scales].view(torch.float16)
+    columns = tail[2 * n_scales:2 * n_scales + 2 * rows * k].view(torch.int16).view(rows, k).long()
+    values = tail[2 * n_scales + 2 * rows * k:].view(torch.float16).view(rows, k)
+    if rows and (int(columns.min()) < 0 or int(columns.max()) >= width):
+        raise FrameError("int8 outlier column outside [0, %d)" % width)
+    return dequantize_int8(Int8Rows(q, scales, columns, values), width, dtype)
+
+
 def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int] = None,
            n_slots: Optional[int] = None, max_len: int = 1 << 20,
            max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
     """Validate and decode [header, payload]. `run`, `hidden`, `n_slots` and `max_len` are what
-    this node expects; frames that disagree are rejected."""
+    this node expects; frames that disagree are rejected. `max_payload` bounds both the bytes
+    received and the decoded tensor's."""
     if len(parts) != 2:
         raise FrameError("expected 2 parts (header, payload), got %d" % len(parts))
     raw_header, payload = parts
@@ -97,8 +268,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
         raise FrameError("run id must be an integer")
     if run is not None and frame_run != run:
         raise FrameError("stale frame from run %d (current run %d)" % (frame_run, run))
-    if header["codec"] not in CODECS:
-        raise FrameError("unknown codec %r" % (header["codec"],))
+    codec = header["codec"]
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise FrameError("unknown codec %r (known: %s)" % (codec, ", ".join(CODECS)))
     samples = header["samples"]
     if not isinstance(samples, list):
         raise FrameError("samples must be a list")
@@ -125,6 +297,8 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     dtype = DTYPES[header["dtype"]][0] if isinstance(header["dtype"], str) and header["dtype"] in DTYPES else None
     if dtype is None:
         raise FrameError("dtype %r not in %s" % (header["dtype"], sorted(DTYPES)))
+    if codec != "raw" and not dtype.is_floating_point:
+        raise FrameError("codec %s needs a float dtype, not %s" % (codec, header["dtype"]))
     shape = header["shape"]
     if not isinstance(shape, list) or len(shape) != 2:
         raise FrameError("shape must be [rows, hidden]")
@@ -134,13 +308,13 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     if rows not in ((sum(count),) if kind == "score" else (sum(count), n)):
         # All positions, or (generation passes only) each sample's last one.
         raise FrameError("shape rows %d do not match the token counts %s" % (rows, count))
-    expected = rows * width * torch.tensor([], dtype=dtype).element_size()
-    if expected > max_payload:
-        raise FrameError("payload of %d bytes exceeds the %d-byte limit" % (expected, max_payload))
+    expected = payload_nbytes(rows, width, dtype, codec)
+    # The decoded tensor can be ~4x the payload (int8 -> float32): bound both.
+    for what, size in (("payload", expected), ("decoded tensor", payload_nbytes(rows, width, dtype, "raw"))):
+        if size > max_payload:
+            raise FrameError("%s of %d bytes exceeds the %d-byte limit" % (what, size, max_payload))
     if pbytes != expected:
-        raise FrameError("payload has %d bytes, shape x dtype needs %d" % (pbytes, expected))
+        raise FrameError("payload has %d bytes, shape x dtype x codec %s needs %d" % (pbytes, codec, expected))
     buf = payload.buffer if hasattr(payload, "buffer") else payload
-    # zmq's buffer is read-only and nothing writes activations in place, so wrapping it without
-    # a copy is safe (torch warns about it once; entry points silence that warning).
-    frame.tensor = torch.frombuffer(buf, dtype=dtype).view(rows, width)
+    frame.tensor = _decode_payload(buf, rows, width, dtype, codec)
     return frame

@@ -17,7 +17,7 @@ import time
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
 from mdi.model.layout import dtype_name
-from mdi.ring.status import StatusReply  # noqa: F401  (type comment)
+from mdi.ring.status import BatchCounter, StatusReply  # noqa: F401  (type comment)
 from mdi.runconfig import NodeSpec
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
@@ -313,6 +313,7 @@ class Observer:
             "cache_bytes": cache.nbytes if cache is not None else 0,
             "bytes_sent": getattr(transport, "bytes_sent", 0), "messages_sent": getattr(transport, "messages_sent", 0),
             "error": None,
+            **(pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics()),
         }
 
     def _worker(self, node: NodeSpec, role: str, position: Optional[int], layers: Optional[Sequence[int]],
@@ -351,5 +352,6 @@ class Observer:
             "board_memory_used_bytes": mem.board_used_bytes, "board_memory_total_bytes": mem.board_total_bytes,
             "board_memory_source": mem.board_source,
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
+            **c.batching.metrics(),
         })
         return entry

@@ -65,6 +65,14 @@ def metrics_text(snap: Dict[str, Any]) -> str:
     out.add("mdi_node_frames_total", "counter", "Frames each node computed.", per_node("frames"))
     out.add("mdi_node_compute_seconds_total", "counter", "Seconds each node spent computing frames.",
             per_node("compute_seconds"))
+    out.add("mdi_node_forwards_total", "counter", "Forwards each node ran (one per frame, merged frames once).",
+            per_node("forwards"))
+    out.add("mdi_node_rows_per_forward", "gauge", "Token rows per forward on each node (mean over the run).",
+            per_node("rows_per_forward_mean"))
+    out.add("mdi_node_rows_per_forward_max", "gauge", "Most token rows in one forward on each node.",
+            per_node("rows_per_forward_max"))
+    out.add("mdi_node_samples_per_forward", "gauge", "Samples per forward on each node (mean over the run).",
+            per_node("samples_per_forward_mean"))
     out.add("mdi_node_sent_bytes_total", "counter", "Data-plane bytes each node sent.", per_node("bytes_sent"))
     out.add("mdi_node_memory_used_bytes", "gauge", "Memory each node's process holds (RSS, plus CUDA "
             "allocations where it reports them).", per_node("memory_used_bytes"))

@@ -124,7 +124,8 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     starter_node = {"name": starter.name, "layers": [first, last - 1],
                     "peak_memory_bytes": unified_memory_bytes(peak=True),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
-                    "compute_seconds": round(engine.pipeline.compute_seconds, 6)}
+                    "compute_seconds": round(engine.pipeline.compute_seconds, 6),
+                    **engine.pipeline.batching.metrics()}
     starter_node.update(transport.traffic())
     nodes = [starter_node]
     chunk.free_cache()

@@ -53,7 +53,9 @@ class Engine:
         self.chunk = self._starter_chunk(self.ranges[0])
         transport, run_id = self._connect()
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.eos_id,
-                                 self.cfg.runtime.ring_timeout, self.on_token, self._check)
+                                 self.cfg.runtime.ring_timeout, self.on_token, self._check,
+                                 max_batch=self.cfg.max_batch(self.n_slots, len(self.nodes)),
+                                 prefill_chunk=self.cfg.runtime.prefill_chunk)
 
     def close(self) -> List[Dict[str, Any]]:
         """Send the stop frame round the ring; return each worker's counters."""

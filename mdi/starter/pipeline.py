@@ -2,8 +2,14 @@
 
 With S samples in flight the starter keeps one pass of every unfinished sample travelling the
 ring. When a sample's activations come back it runs the head, samples the next token and
-immediately sends that sample's next pass, so every node works on a different sample at every
+immediately sends that sample's next pass, so every node works on a different group at every
 step. A one-node run uses the same loop with a local loopback instead of sockets.
+
+Samples travel in groups (ORCA's selective batching): the passes ready at one moment, up to
+`max_batch` samples, share one frame, so each node reads its weights once for all of them.
+A prompt longer than `prefill_chunk` tokens is sent in passes of that many (chunked prefill);
+a frame carries at most that many prompt tokens, so the decode steps sharing the ring with a
+long prompt wait for one chunk, not for the whole prompt.
 """
 import logging
 import time
@@ -12,8 +18,9 @@ from typing import Callable, Dict, List, Optional  # noqa: F401  (type comments)
 
 import torch
 
-from mdi.model.transformer import ModelChunk
+from mdi.model.transformer import ModelChunk, RowBatch
 from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
+from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame
 
@@ -34,6 +41,7 @@ class Sample:
     finish_reason: Optional[str] = None  # "eos" | "length" | "cancelled" | "error"
     error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
     cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
+    fed: int = 0  # tokens (prompt, then generated) already sent through the ring: in every node's cache
 
     def __post_init__(self) -> None:
         if self.slot < 0:
@@ -47,6 +55,11 @@ class Sample:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
 
+    @property
+    def unsent(self) -> int:
+        """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
+        return self.length - self.fed
+
 
 def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens: int,
                  seed: int) -> List[Sample]:
@@ -57,23 +70,30 @@ def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens
 class Pipeline:
     """Keeps one pass of every admitted sample travelling the ring.
 
-    `admit` sends a sample's prefill; `step` waits for the next frame to come back, samples
-    each returning sample's next token and sends its next pass at once. `run` does both for a
-    fixed batch; the serving scheduler calls them itself to admit requests between steps.
+    `admit` queues a sample's prefill; `step` sends what is queued, waits for the next frames
+    to come back, samples each returning sample's next token and sends the next passes at once.
+    `run` does both for a fixed batch; the serving scheduler calls them itself to admit
+    requests between steps.
     """
 
     def __init__(self, chunk: ModelChunk, transport: Transport, run_id: int, params: SamplingParams,
                  eos_id: Optional[int], recv_timeout: float = 30.0,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
-                 watch: Optional[Callable[[], None]] = None) -> None:
+                 watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
+                 prefill_chunk: int = 256) -> None:
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.chunk, self.params, self.eos_id = chunk, params, eos_id
         self.recv_timeout = recv_timeout
         self.on_token = on_token
         self.watch = watch  # raises when a node is known to have failed
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.device = next(chunk.parameters()).device
-        self.active = {}  # type: Dict[int, Sample]  # cache slot -> sample with a pass in flight
+        self.active = {}  # type: Dict[int, Sample]  # cache slot -> admitted, unfinished sample
+        self.ready = []  # type: List[Sample]  # samples whose next pass waits to be sent
         self.t0 = time.perf_counter()
         self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
+        self.batching = BatchCounter()  # rows and samples per forward of the starter's layers
         self.last_progress = time.monotonic()  # a pass came back, or the ring went from idle to busy
         self.reconnect(transport, run_id)
 
@@ -85,7 +105,7 @@ class Pipeline:
         if chunk is not None:
             self.chunk = chunk
         lost = sorted(self.active.values(), key=lambda s: s.index)
-        self.active = {}
+        self.active, self.ready = {}, []
         return lost
 
     @property
@@ -93,45 +113,79 @@ class Pipeline:
         return [i for i in range(self.chunk.cache.n_slots) if i not in self.active]
 
     def admit(self, sample: Sample) -> None:
-        """Send the sample's prefill: its prompt plus any tokens it already has (a replay
-        after a failure rebuilds every node's cache from the starter's history)."""
+        """Queue the sample's prefill: its prompt plus any tokens it already has (a replay
+        after a failure rebuilds every node's cache from the starter's history). It leaves
+        with the next `step`, grouped with the other passes ready then."""
         if sample.slot in self.active:
             raise ValueError("cache slot %d is busy" % sample.slot)
         if not self.active:
             self.last_progress = time.monotonic()
+        sample.fed = 0
         self.active[sample.slot] = sample
-        with torch.inference_mode():
-            self._send_pass(sample, sample.prompt_ids + sample.token_ids, 0)
+        self.ready.append(sample)
 
-    def _send_pass(self, sample: Sample, ids: List[int], start: int) -> None:
+    # --- sending -------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Send every ready pass, in frames of at most `max_batch` samples and `prefill_chunk`
+        prompt tokens (a decode row always fits)."""
+        ready, self.ready = self.ready, []
+        while ready:
+            group, counts, budget, rest = [], [], self.prefill_chunk, []
+            for sample in ready:
+                want = sample.unsent
+                take = 1 if want == 1 else min(want, self.prefill_chunk, budget)
+                if len(group) >= self.max_batch or take < 1:
+                    rest.append(sample)
+                    continue
+                group.append(sample)
+                counts.append(take)
+                budget -= take
+            self._send_pass(group, counts)
+            ready = rest
+
+    def _send_pass(self, group: List[Sample], counts: List[int]) -> None:
         t0 = time.perf_counter()
+        ids, starts = [], []
+        # A decode frame carries one generated token per sample; anything else is a prefill.
+        decoding = all(c == 1 and s.fed >= len(s.prompt_ids) for s, c in zip(group, counts))
+        kind = "decode" if decoding else "prefill"
+        for sample, count in zip(group, counts):
+            everything = sample.prompt_ids + sample.token_ids
+            ids.extend(everything[sample.fed:sample.fed + count])
+            starts.append(sample.fed)
+            sample.fed += count
+        slots = [s.slot for s in group]
+        batch = RowBatch.of(slots, starts, counts, self.device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        x = self.chunk.forward_blocks(self.chunk.embed(ids_t, start), sample.slot, start)
+        x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions), batch)
+        self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
-        kind = "prefill" if start == 0 else "decode"
-        self.transport.send(Frame(kind, self.run_id, [sample.slot], [start], [len(ids)], x))
+        self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x))
 
-    def _finish_pass(self, sample: Sample, last_hidden: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        logits = self.chunk.head(last_hidden.to(self.device))[-1]
-        try:
-            token = sample_next(logits, self.params if sample.params is None else sample.params, sample.rng)
-        except SamplingError as e:
-            # This sample ends here; its neighbours in the frame and the ring go on.
-            self.compute_seconds += time.perf_counter() - t0
-            sample.finish_reason, sample.error = "error", "sample %d: %s" % (sample.index, e)
-            log.warning("mdi: %s", sample.error)
+    # --- receiving -----------------------------------------------------------------
+    def _sample_all(self, pending: List[Sample], rows: List[torch.Tensor]) -> None:
+        """The head over every row that samples, at once, then each sample's own next token."""
+        if not pending:
             return
-        now = time.perf_counter()
-        self.compute_seconds += now - t0
-        sample.token_ids.append(token)
-        sample.token_times.append(now - self.t0)
-        if self.eos_id is not None and token == self.eos_id:
-            sample.finish_reason = "eos"
-        elif len(sample.token_ids) >= sample.max_new_tokens:
-            sample.finish_reason = "length"
-        if self.on_token is not None:
-            self.on_token(sample, token)
+        t0 = time.perf_counter()
+        logits = self.chunk.head(torch.stack(rows).to(self.device))
+        for sample, row_logits in zip(pending, logits):
+            try:
+                token = sample_next(row_logits, self.params if sample.params is None else sample.params, sample.rng)
+            except SamplingError as e:
+                # This sample ends here; its neighbours in the frame and the ring go on.
+                sample.finish_reason, sample.error = "error", "sample %d: %s" % (sample.index, e)
+                log.warning("mdi: %s", sample.error)
+                continue
+            sample.token_ids.append(token)
+            sample.token_times.append(time.perf_counter() - self.t0)
+            if self.eos_id is not None and token == self.eos_id:
+                sample.finish_reason = "eos"
+            elif len(sample.token_ids) >= sample.max_new_tokens:
+                sample.finish_reason = "length"
+            if self.on_token is not None:
+                self.on_token(sample, token)
+        self.compute_seconds += time.perf_counter() - t0
 
     def _next_frame(self, timeout: float) -> Optional[Frame]:
         """Wait for the next frame in short slices, asking the watchdog in between, so a dead
@@ -146,37 +200,60 @@ class Pipeline:
                 if time.monotonic() >= deadline:
                     return None
 
+    def _more_frames(self, frames: List[Frame]) -> None:
+        """Frames already waiting join the first one, up to `max_batch` samples: their next
+        passes then share one forward here and one frame round the ring."""
+        n = sum(len(f.samples) for f in frames)
+        while n < self.max_batch:
+            try:
+                frame = self.transport.recv(0.0)
+            except RingTimeout:
+                return
+            frames.append(frame)
+            n += len(frame.samples)
+
     def step(self, timeout: Optional[float] = None) -> List[Sample]:
-        """Handle the next frame back from the ring; return the samples it advanced, or []
-        when nothing came back within `timeout` (default `recv_timeout`). A ring with passes
-        in flight that has been silent for `recv_timeout` raises RingTimeout, however the
-        wait was sliced: a lost frame must not hang its samples for ever."""
+        """Send the passes ready, then handle the next frames back from the ring; return the
+        samples they advanced, or [] when nothing came back within `timeout` (default
+        `recv_timeout`). A ring with passes in flight that has been silent for `recv_timeout`
+        raises RingTimeout, however the wait was sliced: a lost frame must not hang its
+        samples for ever."""
+        with torch.inference_mode():
+            self._dispatch()
         frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
         if frame is None:
             if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:
                 raise RingTimeout("no activations came back round the ring for %.0f s" % self.recv_timeout)
             return []
-        if frame.tensor is None:
-            return []  # a stray stop/reset: nothing to finish
+        frames = [frame]
+        self._more_frames(frames)
         self.last_progress = time.monotonic()
-        advanced = []
-        # Rows are either every position of every sample or only each one's last.
-        all_rows = frame.tensor.shape[0] == sum(frame.count)
-        row = 0
-        with torch.inference_mode():
+        advanced, sampling, rows = [], [], []
+        for frame in frames:
+            if frame.tensor is None:
+                continue  # a stray stop/reset: nothing to finish
+            # Rows are either every position of every sample or only each one's last.
+            all_rows = frame.tensor.shape[0] == sum(frame.count)
+            row = 0
             for slot, count in zip(frame.samples, frame.count):
                 row += count if all_rows else 1
-                sample = self.active.pop(slot, None)
+                sample = self.active.get(slot)
                 if sample is None:
                     continue  # not ours to finish (validated frames only name our slots)
                 if sample.cancelled and not sample.done:
                     sample.finish_reason = "cancelled"
-                if not sample.done:
-                    self._finish_pass(sample, frame.tensor[row - 1:row])
-                    if not sample.done:
-                        self.active[slot] = sample
-                        self._send_pass(sample, [sample.token_ids[-1]], sample.length - 1)
+                if not sample.done and sample.unsent == 0:
+                    sampling.append(sample)
+                    rows.append(frame.tensor[row - 1])
                 advanced.append(sample)
+        with torch.inference_mode():
+            self._sample_all(sampling, rows)
+            for sample in advanced:
+                if sample.done:
+                    self.active.pop(sample.slot, None)
+                else:
+                    self.ready.append(sample)  # its next token, or the next chunk of its prompt
+            self._dispatch()
         return advanced
 
     def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None) -> None:

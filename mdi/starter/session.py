@@ -31,6 +31,7 @@ class RingSession:
                  run_id: int, n_slots: int, max_len: int, dtype: torch.dtype) -> None:
         self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
+        self.max_batch = cfg.max_batch(n_slots, len(nodes))
         self.workers = nodes[1:]
         # What each worker keeps quantized (sent in /init; pushed weights come that way).
         self.quant = [node_quant(cfg, source, node, layers) for node, layers in zip(self.workers, ranges[1:])]
@@ -54,7 +55,8 @@ class RingSession:
             threads=self.cfg.runtime.threads or None,  # runtime.threads reaches every worker
             data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
                            is_last=i == len(self.workers) - 1),
-            weights=weights)
+            weights=weights, max_batch=self.max_batch, max_rows=self.max_batch + self.cfg.runtime.prefill_chunk,
+            wire_codec=self.cfg.runtime.wire_codec)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
         client, node = self.clients[i], self.workers[i]
@@ -83,7 +85,7 @@ class RingSession:
             "starter", starter.host, starter.ring_port,
             lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
                                  n_slots=self.n_slots, max_len=self.max_len),
-            ring_password(token, self.run_id) if token else None)
+            ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
             errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
             threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
@@ -208,7 +210,8 @@ class RingSession:
             stats.append({"peak_memory_bytes": status.memory.peak_rss_bytes, "cache_bytes": reply.get("cache_bytes", 0),
                           "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
                           "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind,
-                          "compute_seconds": c.compute_seconds, "threads": status.threads})
+                          "compute_seconds": c.compute_seconds, "threads": status.threads,
+                          **c.batching.metrics()})
         ep.close()
         return stats
 

@@ -375,7 +375,7 @@ class Worker:
             endpoint = RingEndpoint(
                 "worker:%d" % self.port, self.host, data.bind_port,
                 lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=n_slots, max_len=max_len),
-                password)
+                password, codec=request.wire_codec)
         except RuntimeError as e:
             chunk.free_cache()
             raise RequestError(str(e))
@@ -422,6 +422,7 @@ class Worker:
         if run is not None:
             ep = run.endpoint
             reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
-                                          compute_seconds=round(run.compute_seconds, 6), bad_frames=ep.bad_frames,
-                                          last_bad_frame=ep.last_error, **ep.traffic())
+                                          compute_seconds=round(run.compute_seconds, 6),
+                                          bad_frames=ep.bad_frames + run.bad_frames,
+                                          last_bad_frame=ep.last_error, batching=run.batching, **ep.traffic())
         return reply

@@ -3,14 +3,15 @@ selects each sample's KV cache slot, runs this node's blocks and pushes the resu
 import logging
 import threading
 import time
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from mdi.model.transformer import ModelChunk
+from mdi.model.transformer import ModelChunk, RowBatch
 from mdi.ring.init_request import InitRequest
+from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
-from mdi.ring.wire import Frame
+from mdi.ring.wire import GENERATION_KINDS, Frame
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class Run:
         self.ending = threading.Event()
         self.frames_done = 0
         self.compute_seconds = 0.0  # time spent in _forward: per-node step time for /metrics
+        self.batching = BatchCounter()
+        self.max_batch = request.max_batch
+        self.max_rows = request.max_rows
+        self.bad_frames = 0  # frames that passed the wire checks but not this node's (rows vs counts)
         self.error = None  # type: Optional[str]
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -50,11 +55,15 @@ class Run:
                 # torch reads its thread count per thread on first use: set it in this thread too.
                 torch.set_num_threads(self.threads)
             with torch.inference_mode():
+                held = None  # type: Optional[Frame]  # met while gathering frames: handled next
                 while not self.stopped.is_set():
-                    try:
-                        frame = self.endpoint.recv(timeout=0.1)
-                    except RingTimeout:
-                        continue
+                    if held is not None:
+                        frame, held = held, None
+                    else:
+                        try:
+                            frame = self.endpoint.recv(timeout=0.1)
+                        except RingTimeout:
+                            continue
                     if frame.kind in ("stop", "reset"):
                         if frame.kind == "stop":
                             self.ending.set()
@@ -63,11 +72,14 @@ class Run:
                             self.endpoint.flush(timeout=5)
                             self.stopped.set()
                         continue
+                    if frame.kind in GENERATION_KINDS:
+                        frame, held = self._gather(frame)
                     t0 = time.perf_counter()
                     out = self._forward(frame)
                     self.compute_seconds += time.perf_counter() - t0
-                    self.endpoint.send(out)
-                    self.frames_done += 1
+                    if out is not None:
+                        self.endpoint.send(out)
+                        self.frames_done += 1
         except Exception as e:  # report, never die silently
             if self.stopped.is_set():  # the run was ended under a long computation: not its failure
                 log.info("compute loop ended after its run was stopped: %s", e)
@@ -81,18 +93,41 @@ class Run:
             # next run must find nothing there (and retry) rather than this run's socket.
             self.endpoint.close()
 
-    def _forward(self, frame: Frame) -> Frame:
+    def _gather(self, frame: Frame):
+        """Opportunistic batching: generation frames already queued behind `frame` join it,
+        up to `max_batch` samples and `max_rows` rows, so one forward serves them all. Returns
+        the merged frame and the first frame that could not join (or None)."""
+        frames = [frame]
+        n, rows, slots = len(frame.samples), sum(frame.count), set(frame.samples)
+        while n < self.max_batch:
+            more = self.endpoint.recv_nowait()
+            if more is None:
+                break
+            if (more.kind not in GENERATION_KINDS or n + len(more.samples) > self.max_batch
+                    or rows + sum(more.count) > self.max_rows or slots & set(more.samples)):
+                return _merge(frames), more
+            frames.append(more)
+            n, rows = n + len(more.samples), rows + sum(more.count)
+            slots.update(more.samples)
+        return _merge(frames), None
+
+    def _forward(self, frame: Frame) -> Optional[Frame]:
+        if frame.tensor.shape[0] != sum(frame.count):
+            # Only the last node cuts rows; a frame cut before it cannot be computed on.
+            self.bad_frames += 1
+            log.warning("dropped a %s frame of %d rows for %d tokens", frame.kind, frame.tensor.shape[0],
+                        sum(frame.count))
+            return None
         p = next(self.chunk.parameters())
         x = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
+        batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device)
+        y = self.chunk.forward_rows(x, batch)
+        self.batching.add(batch.rows, len(frame.samples))
         # For generation the starter needs only each sample's last position to pick the next
         # token; a score pass (perplexity) needs every position's.
-        last_only = self.is_last and frame.kind != "score"
-        outs, row = [], 0
-        for slot, start, count in zip(frame.samples, frame.start, frame.count):
-            y = self.chunk.forward_blocks(x[row:row + count], slot, start)
-            row += count
-            outs.append(y[-1:] if last_only else y)
-        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, torch.cat(outs))
+        if self.is_last and frame.kind != "score":
+            y = y[batch.last_rows()]
+        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, y)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -100,3 +135,15 @@ class Run:
             self.thread.join(timeout=5)
         self.endpoint.close()
         self.chunk.free_cache()
+
+
+def _merge(frames: List[Frame]) -> Frame:
+    """One frame holding the samples (and rows) of several, in order."""
+    if len(frames) == 1:
+        return frames[0]
+    samples = [s for f in frames for s in f.samples]
+    start = [s for f in frames for s in f.start]
+    count = [c for f in frames for c in f.count]
+    tensor = torch.cat([f.tensor for f in frames])
+    kind = "decode" if all(f.kind == "decode" for f in frames) else "prefill"
+    return Frame(kind, frames[0].run, samples, start, count, tensor)

@@ -1,0 +1,245 @@
+"""Batched passes: several samples in one forward give what each gives alone.
+
+A forward over stacked rows (prefill chunks and decode rows of samples at different positions)
+matches each sample's own forward within 1e-4; the pipeline's greedy ids and seeded texts do not
+depend on max_batch or prefill_chunk, on one node and on a ring of real worker processes; a
+worker merges the frames queued behind the one it takes.
+"""
+import types
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from mdi.model.sampling import SamplingParams, sample_generator
+from mdi.model.transformer import ModelChunk, RowBatch, full_model
+from mdi.ring.status import BatchCounter
+from mdi.ring.transport import LocalLoop
+from mdi.ring.wire import Frame
+from mdi.runconfig import parse_config
+from mdi.starter import batch
+from mdi.starter.pipeline import Pipeline, Sample
+from mdi.worker.run import Run
+
+PROMPTS = ["The quick brown fox jumps", "Hi", "To be, or not to be, that is", "0123", "abc def ghi jkl mno pqr",
+           "x", "Once upon a time there", "ring"]
+
+
+def random_chunk(family: str, seed: int = 0) -> ModelChunk:
+    torch.manual_seed(seed)
+    chunk = full_model(tiny_config(family))
+    with torch.no_grad():
+        for p in chunk.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return chunk.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@torch.no_grad()
+def test_a_mixed_batch_matches_each_sample_alone(family):
+    chunk = random_chunk(family)
+    chunk.allocate_cache(8, 64)
+    torch.manual_seed(1)
+    # Slots 0-3 are served in batches, slots 4-7 one sample at a time: same histories.
+    history = {0: 9, 1: 0, 2: 3, 3: 20}  # tokens already in each sample's cache
+    ids = {s: torch.randint(0, 90, (40,)) for s in history}
+    for slot, n in history.items():
+        if n:
+            for offset in (0, 4):
+                chunk.forward_blocks(chunk.embed(ids[slot][:n], 0), slot + offset, 0)
+    # One pass mixing a decode row, a whole prompt, a prompt chunk and another decode row.
+    counts = {0: 1, 1: 7, 2: 5, 3: 1}
+    rows = torch.cat([ids[s][history[s]:history[s] + counts[s]] for s in history])
+    batch_ = RowBatch.of(list(history), [history[s] for s in history], [counts[s] for s in history])
+    batched = chunk.head(chunk.forward_rows(chunk.embed_rows(rows, batch_.positions), batch_))
+    alone = torch.cat([chunk.head(chunk.forward_blocks(
+        chunk.embed(ids[s][history[s]:history[s] + counts[s]], history[s]), s + 4, history[s])) for s in history])
+    assert (batched - alone).abs().max().item() <= 1e-4
+    # The caches the batch wrote are the ones single passes wrote.
+    assert torch.allclose(chunk.cache.k[:, :4], chunk.cache.k[:, 4:], atol=1e-5)
+
+
+def test_row_batch_refuses_a_slot_twice_and_counts_that_disagree():
+    chunk = random_chunk("llama")
+    chunk.allocate_cache(2, 16)
+    x = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match="twice"):
+        chunk.forward_rows(x, RowBatch.of([0, 0], [0, 0], [1, 2]))
+    with pytest.raises(ValueError, match="rows"):
+        chunk.forward_rows(x, RowBatch.of([0, 1], [0, 0], [1, 1]))
+    assert RowBatch.of([1, 0], [5, 0], [1, 3]).positions.tolist() == [5, 0, 1, 2]
+    assert RowBatch.of([1, 0], [5, 0], [1, 3]).last_rows() == [0, 3]
+
+
+def local_ids(chunk, prompts, max_batch, prefill_chunk, temperature=0.0, n_tokens=10):
+    """Generate on one node (a local loop) and return each sample's ids and the pipeline."""
+    chunk.allocate_cache(len(prompts), 64)
+    samples = [Sample(i, p, [ord(c) - 32 for c in p], n_tokens, sample_generator(3, i))
+               for i, p in enumerate(prompts)]
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(temperature, 20, None), None,
+                    max_batch=max_batch, prefill_chunk=prefill_chunk)
+    with torch.no_grad():
+        pipe.run(samples)
+    return [s.token_ids for s in samples], pipe
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_one_node_ids_do_not_depend_on_batching_or_chunking(family):
+    chunk = random_chunk(family)
+    for n in (1, 2, 5, 8):
+        prompts = PROMPTS[:n]
+        reference, _ = local_ids(chunk, prompts, max_batch=1, prefill_chunk=256)
+        for max_batch, prefill_chunk in ((n, 256), (3, 4), (n, 1)):
+            got, pipe = local_ids(chunk, prompts, max_batch, prefill_chunk)
+            assert got == reference, (n, max_batch, prefill_chunk)
+            assert pipe.batching.max_samples <= max_batch
+            if prefill_chunk == 256:  # every prompt in the first pass: the samples go as one group
+                assert pipe.batching.max_samples == min(max_batch, n)
+            assert pipe.batching.max_rows <= prefill_chunk + max_batch
+    sampled = [local_ids(chunk, PROMPTS, mb, pc, temperature=0.9)[0] for mb, pc in ((1, 256), (8, 5))]
+    assert sampled[0] == sampled[1]
+
+
+def test_chunked_prefill_sends_long_prompts_in_pieces():
+    chunk = random_chunk("llama")
+    prompts = ["a" * 30, "b"]
+    _, pipe = local_ids(chunk, prompts, max_batch=2, prefill_chunk=8, n_tokens=3)
+    # 30 + 1 prompt tokens, then 2 decode rows for each of the two samples: no forward held
+    # more than 8 prompt tokens, and the short prompt went with the first chunk.
+    assert pipe.batching.max_rows <= 8 + 2
+    assert pipe.batching.rows == 30 + 1 + 2 * 2
+    assert pipe.batching.forwards == 4 + 2
+
+
+class QueuedEndpoint:
+    """What a worker's compute loop sees of its endpoint: frames already queued."""
+
+    def __init__(self, frames):
+        self.frames = list(frames)
+
+    def recv_nowait(self):
+        return self.frames.pop(0) if self.frames else None
+
+
+def frame(kind, slots, counts, width=64):
+    rows = sum(counts)
+    return Frame(kind, 1, slots, [0] * len(slots), counts, torch.full((rows, width), float(slots[0])))
+
+
+def test_a_worker_merges_queued_frames_up_to_its_limits():
+    run = Run.__new__(Run)
+    run.max_batch, run.max_rows = 4, 20
+    run.endpoint = QueuedEndpoint([frame("decode", [1], [1]), frame("prefill", [2, 3], [5, 1]),
+                                   frame("decode", [4], [1])])
+    merged, held = run._gather(frame("decode", [0], [1]))
+    assert merged.samples == [0, 1, 2, 3] and merged.count == [1, 1, 5, 1] and merged.kind == "prefill"
+    assert merged.tensor[:, 0].tolist() == [0, 1, 2, 2, 2, 2, 2, 2]
+    assert held is None and len(run.endpoint.frames) == 1  # the fifth sample waits: max_batch
+    # A stop frame, a slot already in the forward or too many rows end the gathering.
+    for blocker in (Frame("stop", 1), frame("decode", [0], [1]), frame("prefill", [7], [30])):
+        run.endpoint = QueuedEndpoint([blocker, frame("decode", [5], [1])])
+        merged, held = run._gather(frame("decode", [0], [1]))
+        assert merged.samples == [0] and held is blocker
+
+
+def test_batch_counter_metrics():
+    c = BatchCounter()
+    assert c.metrics()["rows_per_forward_mean"] is None
+    for rows, samples in ((1, 1), (9, 3)):
+        c.add(rows, samples)
+    assert c.metrics() == {"forwards": 2, "rows_per_forward_mean": 5.0, "rows_per_forward_max": 9,
+                           "samples_per_forward_mean": 2.0, "samples_per_forward_max": 3}
+
+
+def ring_config(model, workers, data_ports, max_batch, prefill_chunk=256, temperature=0.0, codec="raw"):
+    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": 1},
+             {"name": "w1", "port": workers[0].port, "data_port": data_ports[1], "layers": 2},
+             {"name": "w2", "port": workers[1].port, "data_port": data_ports[2], "layers": 1}]
+    return parse_config({"model": {"path": model}, "nodes": nodes,
+                         "generation": {"n_tokens": 12, "temperature": temperature, "seed": 7, "top_k": 20},
+                         "runtime": {"ring_timeout": 20, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
+                                     "wire_codec": codec}}, "test")
+
+
+@pytest.fixture(scope="module")
+def data_ports():
+    from conftest import free_ports
+    return free_ports(3)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_ring_ids_do_not_depend_on_batching(family, tiny_models, workers, data_ports):
+    model = tiny_models[family]
+    for n in (1, 3, 8):
+        prompts = PROMPTS[:n]
+        reference = batch.run(ring_config(model, workers, data_ports, 1), prompts)
+        for max_batch, prefill_chunk in (("auto", 256), (n, 4)):
+            cfg = ring_config(model, workers, data_ports, max_batch, prefill_chunk)
+            result = batch.run(cfg, prompts)
+            assert [s.token_ids for s in result.samples] == [s.token_ids for s in reference.samples], \
+                (n, max_batch, prefill_chunk)
+            if cfg.max_batch(n, 3) > 1:  # auto: about one group per node
+                assert max(node["samples_per_forward_max"] for node in result.nodes) > 1
+        assert all(node["samples_per_forward_max"] == 1 for node in reference.nodes)
+        assert all(node["forwards"] > 0 for node in reference.nodes)
+
+
+def test_ring_seeded_sampling_does_not_depend_on_batching(tiny_models, workers, data_ports):
+    texts = [batch.run(ring_config(tiny_models["llama"], workers, data_ports, mb, pc, temperature=0.9),
+                       PROMPTS[:6]).texts for mb, pc in ((1, 256), ("auto", 5))]
+    assert texts[0] == texts[1]
+
+
+def test_worker_status_reports_batching(tiny_models, workers, data_ports):
+    from mdi.starter.session import client_for
+    cfg = ring_config(tiny_models["gpt2"], workers, data_ports, "auto")
+    batch.run(cfg, PROMPTS[:6])
+    status = client_for(cfg, cfg.nodes[1]).status()
+    assert status.counters.batching.forwards > 0
+    assert status.counters.batching.max_samples >= 2
+    assert isinstance(types.SimpleNamespace(**status.to_json()["counters"]["batching"]).rows, int)
+
+
+@pytest.mark.parametrize("policy,tol", [("exact", 1e-4), ("fast", 5e-2)])
+@torch.no_grad()
+def test_quantized_chunks_batch_like_float_ones(policy, tol):
+    """int4 weights with their kernels: a batched forward gives each sample's own logits."""
+    from mdi.model import qkernels
+    from mdi.model.quant import convert, gather, uniform_layout
+    from mdi.model.source import build_chunk
+    config = tiny_config("llama")
+    layout = uniform_layout(config, (0, config.n_layer), True, True, "int4", 32)
+    stored = gather(convert(random_chunk("llama").state_dict(), layout, torch.float32))
+    qkernels.set_preference(policy)
+    try:
+        chunk = build_chunk(config, convert(stored, layout, torch.float32), 0, config.n_layer, True, True,
+                            torch.float32, "cpu", quant=layout)
+    finally:
+        qkernels.set_preference(None)
+    chunk.allocate_cache(6, 32)
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 90, (n,)) for n in (5, 1, 9)]
+    rows = torch.cat(prompts)
+    batch_ = RowBatch.of([0, 1, 2], [0, 0, 0], [len(p) for p in prompts])
+    batched = chunk.head(chunk.forward_rows(chunk.embed_rows(rows, batch_.positions), batch_))
+    alone = torch.cat([chunk.head(chunk.forward_blocks(chunk.embed(p, 0), 3 + i, 0)) for i, p in enumerate(prompts)])
+    assert (batched - alone).abs().max().item() <= tol * (alone.max() - alone.min()).item()
+
+
+def test_ring_with_each_wire_codec(tiny_models, workers, data_ports):
+    """The codec reaches every hop: decode hops shrink as payload_nbytes says, and the ids
+    stay those of raw activations (float16 exactly here; int8 almost)."""
+    from mdi.ring.wire import CODECS, payload_nbytes
+    ids, hop = {}, {}
+    for codec in CODECS:
+        result = batch.run(ring_config(tiny_models["llama"], workers, data_ports, "auto", codec=codec), PROMPTS[:3])
+        ids[codec] = [s.token_ids for s in result.samples]
+        hop[codec] = [n["bytes_sent_by_kind"]["decode"] / n["messages_sent_by_kind"]["decode"] for n in result.nodes]
+    for codec in CODECS:
+        grew = [h - raw for h, raw in zip(hop[codec], hop["raw"])]
+        saved = payload_nbytes(1, 64, torch.float32, "raw") - payload_nbytes(1, 64, torch.float32, codec)
+        assert all(abs(g + saved) <= 8 for g in grew), (codec, hop[codec], hop["raw"])  # headers differ a little
+    assert ids["float16"] == ids["raw"]
+    same = sum(a == b for got, ref in zip(ids["int8"], ids["raw"]) for a, b in zip(got, ref))
+    assert same >= 0.9 * sum(len(r) for r in ids["raw"])
