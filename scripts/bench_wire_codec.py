@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional  # noqa: F401  (type comments)
 
 import benchlib
 from benchlib import DEFAULT_MODEL, WorkerProcess, print_table
