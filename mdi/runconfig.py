@@ -16,7 +16,10 @@ from mdi.ring.wire import CODECS as WIRE_CODECS
 
 DEFAULT_HTTP_PORT = 8080
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
-DEFAULT_PREFILL_CHUNK = 256
+# Tokens per prefill pass. A short request arriving during a long prefill waits about one chunk
+# at each node: on this 2-core machine (SmolLM2, 3 nodes) 64 keeps its time to first token at
+# 1.75x an idle ring's, 128 gives 2.65x, 256 5.4x (scripts/bench_serve.py --compare ttft).
+DEFAULT_PREFILL_CHUNK = 64
 
 
 class ConfigError(ValueError):

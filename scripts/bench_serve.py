@@ -3,7 +3,7 @@
 
 --compare batching (default; issue 16, criterion a): batched passes against the unbatched ring.
   --clients closed-loop clients (default 16, one KV slot each: serve.max_in_flight = --clients)
-  each send --per-client streaming /v1/completions requests back to back (greedy, output
+  each send --per-client (default 1) streaming /v1/completions requests back to back (greedy, output
   lengths drawn uniformly from [--min-tokens, --max-tokens], default 32-48, the same for both
   runs). The same trace is replayed on the same ring with runtime.max_batch auto (ceil(slots /
   nodes) samples per frame) and with max_batch 1 (every sample travels alone). Reported per
@@ -93,8 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--rate", type=float, default=0.6, help="mean arrivals per second (default: 0.6)")
     g = p.add_argument_group("batching")
     g.add_argument("--clients", type=int, default=16, help="concurrent closed-loop clients (default: 16)")
-    g.add_argument("--per-client", type=int, default=2,
-                   help="requests each client sends back to back (default: 2)")
+    g.add_argument("--per-client", type=int, default=1,
+                   help="requests each client sends back to back (default: 1: --clients requests at once; "
+                        "the unbatched ring is slow, 2 doubles a run's ~8 minutes with --repeats 3)")
     g = p.add_argument_group("ttft")
     g.add_argument("--chunks", default="default,none,32,64,128",
                    help="runtime.prefill_chunk values, comma-separated; 'default' = mdi's default, 'none' = "
@@ -260,8 +261,8 @@ class Server:
             nodes = requests.get(self.url + "/v1/mdi/state", timeout=30).json().get("nodes", [])
         except (requests.RequestException, ValueError):
             return []
-        keys = ("name", "role", "forwards", "rows_per_forward_mean", "rows_per_forward_max",
-                "samples_per_forward_mean", "samples_per_forward_max")
+        keys = ("name", "role", "frames", "compute_seconds", "forwards", "rows_per_forward_mean",
+                "rows_per_forward_max", "samples_per_forward_mean", "samples_per_forward_max")
         return [{k: n.get(k) for k in keys} for n in nodes if n.get("role") in ("starter", "worker")]
 
 

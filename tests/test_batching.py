@@ -103,13 +103,18 @@ def test_one_node_ids_do_not_depend_on_batching_or_chunking(family):
 
 def test_chunked_prefill_sends_long_prompts_in_pieces():
     chunk = random_chunk("llama")
-    prompts = ["a" * 30, "b"]
-    _, pipe = local_ids(chunk, prompts, max_batch=2, prefill_chunk=8, n_tokens=3)
-    # 30 + 1 prompt tokens, then 2 decode rows for each of the two samples: no forward held
-    # more than 8 prompt tokens, and the short prompt went with the first chunk.
+    chunk.allocate_cache(2, 64)
+    long_, short = (Sample(i, p, [ord(c) - 32 for c in p], 3, sample_generator(3, i))
+                    for i, p in enumerate(["a" * 30, "b"]))
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, max_batch=2, prefill_chunk=8)
+    with torch.no_grad():
+        pipe.run([long_, short])
+    # No forward held more than 8 prompt tokens (+ decode rows); every token went through once.
     assert pipe.batching.max_rows <= 8 + 2
     assert pipe.batching.rows == 30 + 1 + 2 * 2
-    assert pipe.batching.forwards == 4 + 2
+    # The short prompt did not wait for the long one: it was done before the long one's first token.
+    assert short.token_times[-1] < long_.token_times[0]
+    assert len(long_.token_ids) == len(short.token_ids) == 3
 
 
 class QueuedEndpoint:

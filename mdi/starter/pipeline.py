@@ -23,6 +23,7 @@ from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, 
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame
+from mdi.runconfig import DEFAULT_PREFILL_CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Pipeline:
                  eos_id: Optional[int], recv_timeout: float = 30.0,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
-                 prefill_chunk: int = 256) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.chunk, self.params, self.eos_id = chunk, params, eos_id
@@ -127,8 +128,11 @@ class Pipeline:
     # --- sending -------------------------------------------------------------------
     def _dispatch(self) -> None:
         """Send every ready pass, in frames of at most `max_batch` samples and `prefill_chunk`
-        prompt tokens (a decode row always fits)."""
-        ready, self.ready = self.ready, []
+        prompt tokens (a decode row always fits). Shortest first: decode steps and short
+        prompts leave in the first frames, and nodes serve frames in order, so they do not
+        queue behind a long prompt's chunk."""
+        ready = sorted(self.ready, key=lambda s: s.unsent)  # stable: arrival order among equals
+        self.ready = []
         while ready:
             group, counts, budget, rest = [], [], self.prefill_chunk, []
             for sample in ready:

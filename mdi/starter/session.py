@@ -9,7 +9,7 @@ import torch
 
 from mdi.ring.auth import ring_password
 from mdi.runconfig import NodeSpec, RunConfig
-from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
+from mdi.ring.init_request import MAX_ROWS, DataPlane, InitRequest, PushedWeights, Weights
 from mdi.starter.control import ControlClient, NodeError, NodeUnreachable
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
@@ -55,7 +55,7 @@ class RingSession:
             threads=self.cfg.runtime.threads or None,  # runtime.threads reaches every worker
             data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
                            is_last=i == len(self.workers) - 1),
-            weights=weights, max_batch=self.max_batch, max_rows=self.max_batch + self.cfg.runtime.prefill_chunk,
+            weights=weights, max_batch=self.max_batch, max_rows=min(MAX_ROWS, self.max_batch + self.cfg.runtime.prefill_chunk),
             wire_codec=self.cfg.runtime.wire_codec)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
