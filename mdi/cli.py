@@ -58,6 +58,9 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it")
+    p.add_argument("--context-shift", action="store_true",
+                   help="a sample that reaches the model's context drops the oldest half of its generated "
+                        "tokens and goes on (generation.context_shift); without it, it stops there")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
@@ -111,6 +114,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
         value = getattr(args, flag)
         if value is not None:
             setattr(g, key, value)
+    if args.context_shift:
+        g.context_shift = True
     if args.dtype:
         cfg.model.dtype = args.dtype
     if args.compute_dtype:
@@ -329,8 +334,22 @@ def report(result, args: argparse.Namespace) -> None:
             print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason or "unfinished"))
             print(sample.prompt + text)
     print(summary_line(result), flush=True)
+    note = context_note(result)
+    if note:
+        print(note, file=sys.stderr)
     if args.metrics_out:
         write_json(args.metrics_out, result.metrics())
+
+
+def context_note(result) -> Optional[str]:
+    """One line when samples stopped at the model's context before their token budget."""
+    cut = [s for s in result.samples if s.finish_reason == "context"]
+    if not cut:
+        return None
+    return ("mdi: %d of %d samples stopped at the model's context (%s positions): asked for %d new tokens, got %s; "
+            "generation.context_shift: true keeps going with a rolling window"
+            % (len(cut), len(result.samples), result.extra.get("context", "?"), cut[0].max_new_tokens,
+               "/".join(str(len(s.token_ids)) for s in cut)))
 
 
 def summary_line(result) -> str:

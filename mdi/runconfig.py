@@ -10,9 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, balanced
+from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, balanced
 from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
-from mdi.ring.wire import CODECS as WIRE_CODECS
 
 DEFAULT_HTTP_PORT = 8080
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
@@ -65,6 +64,9 @@ class GenerationSpec:
     top_p: Optional[float] = None
     seed: int = 1
     prompts: List[str] = field(default_factory=list)
+    # At the end of the context: stop the sample (finish_reason "context"), or drop the oldest
+    # half of its generated tokens and go on (llama.cpp's context shift; re-prefilled).
+    context_shift: bool = False
 
 
 @dataclass
@@ -198,7 +200,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
 
     g = check_keys(source + ": generation", top.get("generation") or {},
                     {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
-                     "top_p": NUM, "seed": (int,), "prompts": (list,)})
+                     "top_p": NUM, "seed": (int,), "prompts": (list,), "context_shift": (bool,)})
     gen = GenerationSpec(**g)
     _check_generation(source + ": generation", gen)
 

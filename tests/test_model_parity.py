@@ -23,7 +23,43 @@ def hf_llama(path):
     return cfg, transformers.LlamaForCausalLM(cfg)
 
 
-@pytest.fixture(params=[hf_gpt2, hf_llama], ids=["gpt2", "llama-gqa"])
+def hf_llama3(path):
+    # RoPE scaled as Llama 3.1/3.2 are, over a context 8x the "original" one, all of it used
+    cfg = transformers.LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=True, rope_theta=500000.0,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    return cfg, transformers.LlamaForCausalLM(cfg)
+
+
+def hf_qwen2(path):
+    cfg = transformers.Qwen2Config(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=True, rope_theta=1000000.0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random q/k/v biases (they start at zero), so a missing bias would show
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)
+    return cfg, model
+
+
+def hf_qwen3(path):
+    # head_dim 16 while hidden / heads = 8: Qwen3's heads are wider than n_embd / n_head
+    cfg = transformers.Qwen3Config(vocab_size=500, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, tie_word_embeddings=False, rope_theta=1000000.0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # q/k norms start at one: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("_norm.weight") and "self_attn" in name:
+                p.uniform_(0.5, 1.5)
+    return cfg, model
+
+
+@pytest.fixture(params=[hf_gpt2, hf_llama, hf_llama3, hf_qwen2, hf_qwen3],
+                ids=["gpt2", "llama-gqa", "llama3-rope-scaling", "qwen2", "qwen3"])
 def pair(request, tmp_path):
     torch.manual_seed(0)
     _, hf = request.param(tmp_path)
@@ -56,15 +92,21 @@ def test_greedy_generation_matches(pair):
     prompt = torch.tensor([5, 17, 99, 3, 250, 42])
     expected = hf.generate(prompt[None], max_new_tokens=GREEDY, do_sample=False, min_new_tokens=GREEDY,
                            pad_token_id=0)[0, len(prompt):].tolist()
-    ours.allocate_cache(1, len(prompt) + GREEDY)
-    x = ours.forward_blocks(ours.embed(prompt, 0), 0, 0)
+    assert greedy(ours, prompt) == expected
+
+
+@torch.no_grad()
+def greedy(chunk, prompt, n=GREEDY):
+    """n greedy ids after `prompt` on a full-model chunk, one cached step at a time."""
+    chunk.allocate_cache(1, len(prompt) + n)
+    x = chunk.forward_blocks(chunk.embed(prompt, 0), 0, 0)
     got = []
-    for _ in range(GREEDY):
-        token = int(ours.head(x[-1:]).argmax())
+    for _ in range(n):
+        token = int(chunk.head(x[-1:]).argmax())
         got.append(token)
         pos = len(prompt) + len(got) - 1
-        x = ours.forward_blocks(ours.embed(torch.tensor([token]), pos), 0, pos)
-    assert got == expected
+        x = chunk.forward_blocks(chunk.embed(torch.tensor([token]), pos), 0, pos)
+    return got
 
 
 @torch.no_grad()

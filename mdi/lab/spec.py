@@ -73,7 +73,11 @@ EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": NUM, "cpu_period_us": (in
                   "bandwidth_mbit": NUM, "latency_ms": NUM}
 RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": (int,), "n_kv_head": (int,),
                "intermediate_size": (int,), "block_size": (int,), "seed": (int,), "std": NUM,
-               "vocab_size": (int,), "quant": (str,), "group_size": (int,)}
+               "vocab_size": (int,), "quant": (str,), "group_size": (int,),
+               # the family variants (mdi.model.config): Qwen2 q/k/v biases, Qwen3 q/k norms and
+               # wide heads, Llama 3 RoPE scaling
+               "qkv_bias": (bool,), "qk_norm": (bool,), "head_size": (int,), "rope_theta": NUM,
+               "rope_scaling": (dict,), "tied_head": (bool,)}
 def _fields(where: str, data: Any, allowed: Dict[str, Tuple[type, ...]], required: Sequence[str] = ()) -> Dict[str, Any]:
     return check_keys(where, data, allowed, required, error=ExperimentError)
 

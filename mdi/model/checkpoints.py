@@ -69,22 +69,14 @@ def load_pickled_weights(path: str) -> object:
 
 
 def _hf_config(path: str, raw: Dict) -> ModelConfig:
-    raw = dict(raw)
-    # transformers 5 writes rope_parameters instead of rope_theta / rope_scaling
-    rope = raw.get("rope_parameters")
-    if isinstance(rope, dict):
-        if rope.get("rope_type", "default") != "default":
-            raise CheckpointError("%s: rope_type %r is not supported" % (path, rope.get("rope_type")))
-        raw.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     if raw.get("mlp_bias"):
         raise CheckpointError("%s: mlp_bias=True is not supported" % path)
     try:
         config = ModelConfig.from_hf(raw, name=os.path.basename(os.path.normpath(path)))
     except (ValueError, KeyError) as e:
         raise CheckpointError("%s: unsupported config.json (%s)" % (path, e))
-    head_dim = raw.get("head_dim")
-    if config.family == "llama" and head_dim and head_dim != config.head_dim:
-        raise CheckpointError("%s: head_dim %d != hidden_size / num_attention_heads" % (path, head_dim))
+    if raw.get("use_sliding_window"):
+        raise CheckpointError("%s: sliding-window attention (use_sliding_window) is not supported" % path)
     return config
 
 

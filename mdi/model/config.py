@@ -2,10 +2,13 @@
 
 Family "gpt2" covers GPT-2 and NanoGPT (learned positions, LayerNorm, GELU MLP, biases,
 tied head); family "llama" covers Llama / TinyLlama / SmolLM2 / Mistral-style models
-(RoPE, RMSNorm, SwiGLU, grouped-query attention).
+(RoPE, RMSNorm, SwiGLU, grouped-query attention) and the variants of that block people run:
+Llama 3 (RoPE scaled by `rope_scaling` type llama3), Qwen2 / Qwen2.5 (biases on q, k, v:
+`qkv_bias`) and Qwen3 (RMSNorm on each head's q and k: `qk_norm`; heads wider than
+n_embd / n_head: `head_size`).
 """
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 FAMILIES = ("gpt2", "llama")
 
@@ -28,6 +31,14 @@ class ModelConfig:
     gelu_approximate: str = "tanh"  # GPT-2 uses tanh-GELU ("gelu_new"); nanoGPT exact ("none")
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    head_size: Optional[int] = None  # None = n_embd // n_head (Qwen3 sets its own)
+    qkv_bias: bool = False  # biases on the q/k/v projections only (Qwen2); `bias` means every linear layer
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # {"type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_context"}
+    rope_scaling: Optional[Dict[str, Any]] = None
+    # Per-frequency divisors of RoPE's inverse frequencies, as a GGUF's rope_freqs tensor holds
+    # them (llama.cpp writes Llama 3's scaling that way): head_dim / 2 positive numbers.
+    rope_factors: Optional[List[float]] = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -36,8 +47,20 @@ class ModelConfig:
             self.n_kv_head = self.n_head
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.n_embd
-        if self.n_embd % self.n_head:
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError("n_embd (%d) must be divisible by n_head (%d)" % (self.n_embd, self.n_head))
+        if self.head_size is not None and (not isinstance(self.head_size, int) or not 2 <= self.head_size <= 4096
+                                           or self.head_size % 2):
+            raise ValueError("head_size must be an even integer in [2, 4096], got %r" % (self.head_size,))
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
+        if self.rope_factors is not None:
+            f = self.rope_factors
+            if (not isinstance(f, list) or len(f) != self.head_dim // 2
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f)):
+                raise ValueError("rope_factors must be head_dim / 2 = %d positive numbers" % (self.head_dim // 2))
+            if self.rope_scaling is not None:
+                raise ValueError("rope_factors and rope_scaling are two forms of one thing: give one")
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError("gelu_approximate must be 'tanh' or 'none'")
         if self.n_head % self.n_kv_head:
@@ -45,7 +68,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size if self.head_size is not None else self.n_embd // self.n_head
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -78,10 +101,9 @@ class ModelConfig:
                 gelu_approximate="none" if hf.get("activation_function") == "gelu" else "tanh",
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
             )
-        if model_type in ("llama", "mistral"):
-            if hf.get("rope_scaling"):
-                raise ValueError("rope_scaling is not supported yet (config %s)" % name)
+        if model_type in ("llama", "mistral", "qwen2", "qwen3"):
             eos = hf.get("eos_token_id")
+            head_dim = hf.get("head_dim")
             return cls(
                 name=name, family="llama", vocab_size=hf["vocab_size"],
                 n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"],
@@ -89,13 +111,61 @@ class ModelConfig:
                 n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                 intermediate_size=hf["intermediate_size"],
                 block_size=hf.get("max_position_embeddings", 2048),
-                norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 10000.0),
-                bias=bool(hf.get("attention_bias", False)),
+                norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
+                bias=bool(hf.get("attention_bias", False)) and model_type != "qwen3",
+                qkv_bias=model_type == "qwen2",
+                qk_norm=model_type == "qwen3",
+                head_size=head_dim if head_dim and head_dim != hf["hidden_size"] // hf["num_attention_heads"] else None,
+                rope_scaling=_rope_scaling(hf),
                 tied_head=bool(hf.get("tie_word_embeddings", False)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
             )
         raise ValueError("unsupported Hugging Face model_type %r" % model_type)
+
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_context")
+
+
+def check_rope_scaling(scaling: Any) -> None:
+    """Only Llama 3's scaling is modelled: anything else is refused, naming what it got."""
+    if not isinstance(scaling, dict) or scaling.get("type") != "llama3":
+        raise ValueError("rope_scaling: only type llama3 is supported, got %r" % (scaling,))
+    for key in ROPE_SCALING_KEYS:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError("rope_scaling.%s must be a positive number, got %r" % (key, value))
+    if sorted(scaling) != sorted(("type",) + ROPE_SCALING_KEYS):
+        raise ValueError("rope_scaling: expected the keys type, %s" % ", ".join(ROPE_SCALING_KEYS))
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("rope_scaling: high_freq_factor must exceed low_freq_factor")
+
+
+def _rope_params(hf: Dict[str, Any]) -> Dict[str, Any]:
+    # transformers >= 5 writes rope_parameters; before, rope_theta and rope_scaling
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, dict):
+        return rope
+    out = dict(hf.get("rope_scaling") or {})
+    if "rope_theta" in hf:
+        out["rope_theta"] = hf["rope_theta"]
+    return out
+
+
+def _rope_theta(hf: Dict[str, Any]) -> float:
+    return float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling(hf: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    rope = _rope_params(hf)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError("rope type %r is not supported (only default and llama3)" % kind)
+    return {"type": "llama3", "factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
+            "high_freq_factor": rope["high_freq_factor"],
+            "original_context": rope["original_max_position_embeddings"]}
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int, **kw: Any) -> Dict[str, Any]:
@@ -107,6 +177,28 @@ def _gpt2(n_layer: int, n_embd: int, n_head: int, **kw: Any) -> Dict[str, Any]:
 
 def _llama(**kw: Any) -> Dict[str, Any]:
     d = dict(family="llama", bias=False)
+    d.update(kw)
+    return d
+
+
+def _llama3(n_layer: int, n_embd: int, n_head: int, n_kv_head: int, intermediate: int, factor: float,
+            **kw: Any) -> Dict[str, Any]:
+    return _llama(vocab_size=128256, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
+                  intermediate_size=intermediate, block_size=131072, norm_eps=1e-5, rope_theta=500000.0,
+                  rope_scaling={"type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_context": 8192},
+                  bos_token_id=128000, eos_token_id=128001, **kw)
+
+
+def _qwen(version: int, n_layer: int, n_embd: int, n_head: int, n_kv_head: int, intermediate: int,
+          **kw: Any) -> Dict[str, Any]:
+    d = _llama(vocab_size=151936, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
+               intermediate_size=intermediate, block_size=32768, norm_eps=1e-6, rope_theta=1000000.0,
+               eos_token_id=151643)
+    if version == 2:
+        d["qkv_bias"] = True
+    else:
+        d.update(qk_norm=True, head_size=128)
     d.update(kw)
     return d
 
@@ -132,6 +224,19 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "smollm2-135m": _llama(vocab_size=49152, n_layer=30, n_embd=576, n_head=9, n_kv_head=3,
                            intermediate_size=1536, block_size=8192, norm_eps=1e-5,
                            rope_theta=100000.0, tied_head=True, bos_token_id=1, eos_token_id=2),
+    # Llama 3.x (RoPE scaled: llama3 type, original context 8192)
+    "llama-3.2-1b": _llama3(16, 2048, 32, 8, 8192, factor=32.0, tied_head=True),
+    "llama-3.2-3b": _llama3(28, 3072, 24, 8, 8192, factor=32.0, tied_head=True),
+    "llama-3.1-8b": _llama3(32, 4096, 32, 8, 14336, factor=8.0, tied_head=False),
+    # Qwen2.5 (biases on q/k/v) and Qwen3 (q/k norms, 128-wide heads)
+    "qwen2.5-0.5b": _qwen(2, 24, 896, 14, 2, 4864, tied_head=True),
+    "qwen2.5-1.5b": _qwen(2, 28, 1536, 12, 2, 8960, tied_head=True),
+    "qwen2.5-3b": _qwen(2, 36, 2048, 16, 2, 11008, tied_head=True),
+    "qwen2.5-7b": _qwen(2, 28, 3584, 28, 4, 18944, tied_head=False, vocab_size=152064),
+    "qwen3-0.6b": _qwen(3, 28, 1024, 16, 8, 3072, tied_head=True, block_size=40960),
+    "qwen3-1.7b": _qwen(3, 28, 2048, 16, 8, 6144, tied_head=True, block_size=40960),
+    "qwen3-4b": _qwen(3, 36, 2560, 32, 8, 9728, tied_head=True, block_size=40960),
+    "qwen3-8b": _qwen(3, 36, 4096, 32, 8, 12288, tied_head=False, block_size=40960),
     # Like the MDI-LLM thesis' NanoLlama: a Llama-shaped ~304M model
     "nanollama-304m": _llama(vocab_size=32000, n_layer=12, n_embd=1024, n_head=16, n_kv_head=16,
                              intermediate_size=5632, block_size=2048, norm_eps=1e-5,

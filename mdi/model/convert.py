@@ -67,15 +67,19 @@ def convert_gpt2(config: ModelConfig, get: Getter, has: Callable[[str], bool],
 
 
 def convert_llama(config: ModelConfig, get: Getter) -> StateDict:
-    """HF Llama names (``model.`` prefix stripped) -> canonical; q/k/v and gate/up fused."""
+    """HF Llama / Qwen2 / Qwen3 names (``model.`` prefix stripped) -> canonical; q/k/v and
+    gate/up fused."""
     sd = {"tok_emb.weight": get("embed_tokens.weight")}
     for i in range(config.n_layer):
         s, d = "layers.%d." % i, "blocks.%d." % i
         sd[d + "norm1.weight"] = get(s + "input_layernorm.weight")
-        parts = ("weight", "bias") if config.bias else ("weight",)
-        for part in parts:
+        for part in ("weight", "bias") if config.bias or config.qkv_bias else ("weight",):
             sd[d + "attn.qkv." + part] = cat_rows([get(s + "self_attn.%s_proj.%s" % (x, part)) for x in "qkv"])
+        for part in ("weight", "bias") if config.bias else ("weight",):
             sd[d + "attn.proj." + part] = get(s + "self_attn.o_proj." + part)
+        if config.qk_norm:
+            sd[d + "attn.q_norm.weight"] = get(s + "self_attn.q_norm.weight")
+            sd[d + "attn.k_norm.weight"] = get(s + "self_attn.k_norm.weight")
         sd[d + "norm2.weight"] = get(s + "post_attention_layernorm.weight")
         sd[d + "mlp.gate_up.weight"] = cat_rows([get(s + "mlp.gate_proj.weight"), get(s + "mlp.up_proj.weight")])
         sd[d + "mlp.down.weight"] = get(s + "mlp.down_proj.weight")

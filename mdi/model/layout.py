@@ -18,6 +18,9 @@ DTYPES = {
     "bfloat16": (torch.bfloat16, 2),
 }
 DTYPE_NAMES = tuple(DTYPES)
+# How activations may be encoded on the wire (mdi.ring.wire): here, below both the ring and the
+# run configuration that validates runtime.wire_codec.
+WIRE_CODECS = ("raw", "float16", "bfloat16", "int8")
 _NAME_OF = {t: name for name, (t, _) in DTYPES.items()}
 
 Range = Tuple[int, int]
@@ -141,7 +144,7 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
 
     ``with_head`` needs the final norm and the LM head; with a tied head that is
     ``tok_emb.weight``, so it is listed even when ``with_embedding`` is False.
-    Linear-layer biases follow ``config.bias``; gpt2 norms always have biases. A weight named
+    Linear-layer biases follow ``config.bias`` (q/k/v also ``qkv_bias``); gpt2 norms always have biases. A weight named
     in `quant` is listed as its quantized tensors (QuantSpec.tensor_shapes) instead.
     """
     c = config
@@ -153,9 +156,9 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
     qkv = (c.n_head + 2 * c.n_kv_head) * c.head_dim
     out = {}  # type: Dict[str, Tuple[int, ...]]
 
-    def linear(name: str, n_out: int, n_in: int) -> None:
+    def linear(name: str, n_out: int, n_in: int, bias: bool = c.bias) -> None:
         out[name + ".weight"] = (n_out, n_in)
-        if c.bias:
+        if bias:
             out[name + ".bias"] = (n_out,)
 
     def norm(name: str) -> None:
@@ -170,8 +173,11 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
     for i in range(first, last):
         p = "blocks.%d." % i
         norm(p + "norm1")
-        linear(p + "attn.qkv", qkv, E)
-        linear(p + "attn.proj", E, E)
+        linear(p + "attn.qkv", qkv, E, c.bias or c.qkv_bias)
+        linear(p + "attn.proj", E, c.n_head * c.head_dim)
+        if c.qk_norm:
+            out[p + "attn.q_norm.weight"] = (c.head_dim,)
+            out[p + "attn.k_norm.weight"] = (c.head_dim,)
         norm(p + "norm2")
         if gpt2:
             linear(p + "mlp.fc", I, E)

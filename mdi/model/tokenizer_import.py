@@ -1,14 +1,19 @@
 """Build a tokenizer from a checkpoint's own files: a Hugging Face directory (tokenizer.json or
 tokenizer.model with tokenizer_config.json) or the vocabulary embedded in a GGUF file, the way
-transformers builds it, so both give the same ids."""
+transformers builds it, so both give the same ids. A GGUF vocabulary gets the pre-tokenizer its
+`tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM: "smollm", ...),
+so it tokenizes as the model's tokenizer.json does; an unknown name is an error."""
 import os
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence  # noqa: F401  (type comments)
 
 from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
                                   read_json_if)
 
-# Pre-tokenizer splits that transformers substitutes for some GGUF `tokenizer.ggml.pre` values
-# (transformers/integrations/gguf/gguf_tokenizer_mapping.py); any other value keeps GPT-2's regex.
+# llama.cpp's `tokenizer.ggml.pre` names the pre-tokenizer a "gpt2" (byte-level BPE) vocabulary was
+# trained with. The regexes are the models' own tokenizer.json ones, as transformers uses them
+# (TikTokenConverter / gguf_tokenizer_mapping.py for Llama 3, models/qwen2/tokenization_qwen2.py
+# PRETOKENIZE_REGEX for Qwen2) and as llama.cpp quotes them (src/llama-vocab.cpp, "original regex
+# from tokenizer.json"): Llama 3 groups up to 3 digits, Qwen2 (also Qwen2.5, Qwen3) splits every digit.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -17,16 +22,52 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-GGUF_PRE_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
+
+
+class GGUFPre(NamedTuple):
+    """How one `tokenizer.ggml.pre` value tokenizes."""
+    split: Optional[str] = None  # regex split before ByteLevel(use_regex=False); None: GPT-2's regex
+    digits: bool = False  # every digit its own pre-token first (SmolLM's tokenizer.json: Digits + ByteLevel)
+    nfc: bool = False  # NFC normalizer (Qwen2/2.5/3 tokenizer.json; llama.cpp does not normalize)
+    ignore_merges: bool = False  # a pre-token that is a whole vocabulary entry is that token (tiktoken, Llama 3)
+    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2_PRE = GGUFPre()
+_LLAMA3_PRE = GGUFPre(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)  # llama.cpp's LLAMA3 pre type
+GGUF_PRE_TOKENIZERS = {
+    "default": _GPT2_PRE, "gpt-2": _GPT2_PRE, "phi-2": _GPT2_PRE,
+    "smollm": GGUFPre(digits=True),
+    "llama3": _LLAMA3_PRE, "llama-v3": _LLAMA3_PRE, "llama-bpe": _LLAMA3_PRE, "falcon3": _LLAMA3_PRE,
+    "dbrx": GGUFPre(_LLAMA3_SPLIT), "smaug-bpe": GGUFPre(_LLAMA3_SPLIT),
+    "qwen2": GGUFPre(_QWEN2_SPLIT, nfc=True), "deepseek-r1-qwen": GGUFPre(_QWEN2_SPLIT),
+}  # type: Dict[str, GGUFPre]
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
 
 
+def gguf_pre_tokenizer(pre: Optional[str]) -> GGUFPre:
+    """The pre-tokenizer for a `tokenizer.ggml.pre` value (None, a file without the key: GPT-2's,
+    as llama.cpp's "default" and transformers do); an unknown name is an error, not a guess."""
+    if pre is None:
+        return _GPT2_PRE
+    spec = GGUF_PRE_TOKENIZERS.get(pre)
+    if spec is None:
+        raise TokenizerError("unsupported GGUF pre-tokenizer tokenizer.ggml.pre %r (supported: %s)"
+                             % (pre, ", ".join(sorted(GGUF_PRE_TOKENIZERS))))
+    return spec
+
 
 def tokenizer_from_hf_dir(path: str) -> Tokenizer:
+    """A Hugging Face directory's tokenizer: tokenizer.json (or tokenizer.model), BOS/EOS and
+    add_bos from tokenizer_config.json, the chat template from chat_template.jinja or
+    tokenizer_config.json.
+
+    mdi stops generating on one EOS id: tokenizer_config.json's `eos_token`, which is the token the
+    release's chat template ends an assistant turn with (Llama 3.1/3.2/3.3 Instruct: <|eot_id|>;
+    Qwen2.5/Qwen3 Instruct: <|im_end|>) and a base release's end of text (<|end_of_text|>,
+    <|endoftext|>). generation_config.json may list several (Llama 3.1 Instruct: <|end_of_text|>,
+    <|eom_id|>, <|eot_id|>): it is read only when the tokenizer files name no EOS, and then its
+    first id is used."""
     cfg = read_json_if(os.path.join(path, "tokenizer_config.json")) or {}
     special_map = read_json_if(os.path.join(path, "special_tokens_map.json")) or {}
     meta = {"chat_template": _chat_template(path, cfg)}  # type: Dict[str, Any]
@@ -40,6 +81,8 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
         for key in ("bos", "eos"):
             name = _token_content(cfg.get(key + "_token", special_map.get(key + "_token")))
             meta[key + "_id"] = tk.token_to_id(name) if name is not None else None
+        if meta["eos_id"] is None:
+            meta["eos_id"] = _generation_eos(path, tk.get_vocab_size(with_added_tokens=True))
         if "add_bos" not in meta:
             # No flag: add BOS exactly when the tokenizer.json post-processor would (e.g. Llama 3).
             bos = meta["bos_id"]
@@ -53,8 +96,10 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
 
 
 def tokenizer_from_gguf(path: str) -> Tokenizer:
-    """The byte-level BPE tokenizer of a GGUF file, built the way transformers builds it
-    (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), so both give the same ids."""
+    """The byte-level BPE tokenizer of a GGUF file, built as the model's own tokenizer.json
+    tokenizes (the pre-tokenizer `tokenizer.ggml.pre` names; ids equal transformers'
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` except where that ignores what the name
+    implies: Llama 3's ignore_merges and Qwen2's NFC)."""
     md = _gguf_metadata(path)
     model = md.get("tokenizer.ggml.model")
     if model != "gpt2":
@@ -63,12 +108,25 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     tokens = md.get("tokenizer.ggml.tokens")
     if not tokens:
         raise TokenizerError("GGUF file %s has no tokenizer.ggml.tokens" % path)
-    tk = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges") or [],
-                        md.get("tokenizer.ggml.token_type") or [], md.get("tokenizer.ggml.pre"),
-                        [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("bos", "eos", "unknown", "padding")])
-    return HFTokenizer(tk, bos_id=md.get("tokenizer.ggml.bos_token_id"),
-                       eos_id=md.get("tokenizer.ggml.eos_token_id"),
-                       add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+    try:
+        pre = gguf_pre_tokenizer(md.get("tokenizer.ggml.pre"))
+    except TokenizerError as e:
+        raise TokenizerError("%s in %s" % (e, path)) from None
+    ids = {}  # type: Dict[str, Optional[int]]
+    for key in ("bos", "eos", "unknown", "padding"):
+        i = md.get("tokenizer.ggml.%s_token_id" % key)
+        if i is not None and not 0 <= i < len(tokens):
+            raise TokenizerError("GGUF tokenizer.ggml.%s_token_id %d is outside the %d-token vocabulary of %s"
+                                 % (key, i, len(tokens), path))
+        ids[key] = i
+    tk = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges") or [], md.get("tokenizer.ggml.token_type") or [],
+                        md.get("tokenizer.ggml.pre"), [ids[k] for k in ("bos", "eos", "unknown", "padding")])
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's default for this pre-tokenizer (Llama 3: yes), when there is a BOS
+        add_bos = pre.add_bos and ids["bos"] is not None
+    # EOS is the file's tokenizer.ggml.eos_token_id: llama.cpp's converter takes it from the
+    # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
+    return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"], add_bos=bool(add_bos),
                        chat_template=md.get("tokenizer.chat_template"))
 
 
@@ -76,19 +134,32 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
                    pre: Optional[str] = None, named_special_ids: Sequence[Optional[int]] = ()) -> Any:
     """HF `tokenizers.Tokenizer` for llama.cpp's "gpt2" vocabulary, mirroring transformers'
     GGUF conversion: GPT2Tokenizer's BPE + ByteLevel pre-tokenizer/decoder, control tokens as
-    special added tokens, user-defined ones as plain added tokens, optional regex split by `pre`."""
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    special added tokens, user-defined ones as plain added tokens; the pre-tokenizer, normalizer
+    and ignore_merges are those `pre` (tokenizer.ggml.pre) names (`gguf_pre_tokenizer`)."""
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as HFTok
     from tokenizers.models import BPE
 
+    spec = gguf_pre_tokenizer(pre)
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # Tokens outside the byte alphabet are respelled from their UTF-8 bytes (as transformers does).
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
+    options = {"ignore_merges": True} if spec.ignore_merges else {}  # type: Dict[str, Any]
     tk = HFTok(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, **options))
+    if spec.nfc:
+        tk.normalizer = normalizers.NFC()
+    steps = []  # type: List[Any]
+    if spec.digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if spec.split is not None:
+        steps += [pre_tokenizers.Split(Regex(spec.split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False))
+    tk.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     tk.decoder = decoders.ByteLevel()
     typed = list(zip(tokens, token_types))
     # A control token spelled outside the byte alphabet is a llama.cpp mislabel: transformers skips it.
@@ -101,11 +172,6 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     user = [t for t, ty in typed if ty == _GGUF_USER_DEFINED and t in vocab]
     if user:
         tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    split = GGUF_PRE_SPLITS.get(pre or "")
-    if split is not None:
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return tk
 
 
@@ -133,6 +199,16 @@ def _gguf_metadata(path: str) -> Dict[str, Any]:
         else:
             md[key] = value(field, field.types[0], field.data[0])
     return md
+
+
+def _generation_eos(path: str, vocab_size: int) -> Optional[int]:
+    """generation_config.json's eos_token_id (an id or a list of ids: the first)."""
+    eos = (read_json_if(os.path.join(path, "generation_config.json")) or {}).get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab_size:
+        return None
+    return eos
 
 
 def _chat_template(path: str, cfg: Dict[str, Any]) -> Optional[str]:

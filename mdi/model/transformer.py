@@ -14,6 +14,7 @@ token rows are stacked, so every linear layer and norm reads its weights once fo
 and only attention runs per sample, against that sample's own cache slot and positions.
 """
 import ctypes
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -157,6 +158,10 @@ class RotaryEmbedding(nn.Module):
         # On the CPU even where the default device is "meta" (chunks are built there before
         # loading): computing on meta would import torch's Python meta kernels, ~60 MB of RSS.
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+        if config.rope_scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
+        if config.rope_factors is not None:  # the same scaling, as a GGUF stores it
+            inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32, device="cpu")
         t = torch.arange(config.block_size, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -173,6 +178,20 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin[positions].to(x.dtype).unsqueeze(1)
         return _rotate(x, cos, sin)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling: Dict) -> torch.Tensor:
+    """Llama 3's RoPE scaling: wavelengths longer than the original context / low_freq_factor
+    are stretched by `factor`, those shorter than original / high_freq_factor kept, and the
+    band between blended smoothly (as Meta's reference and transformers do)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_context"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    middle = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(middle, blended, out)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,8 +258,12 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.qkv = make_linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
-                               config.bias, quant.get(prefix + "qkv"))
-        self.proj = make_linear(config.n_embd, config.n_embd, config.bias, quant.get(prefix + "proj"))
+                               config.bias or config.qkv_bias, quant.get(prefix + "qkv"))
+        self.proj = make_linear(config.n_head * config.head_dim, config.n_embd, config.bias, quant.get(prefix + "proj"))
+        if config.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:
@@ -248,6 +271,8 @@ class Attention(nn.Module):
         R = x.shape[0]
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).view(R, H + 2 * KV, D).split([H, KV, KV], dim=1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope.at_rows(q, batch.positions), rope.at_rows(k, batch.positions)
         ys, row = [], 0
@@ -282,10 +307,12 @@ class Attention(nn.Module):
         """Causal attention over whole sequences x [B, T, C] without a cache (training)."""
         B, T, _ = x.shape
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)
-        k = k.view(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
-        v = v.view(B, T, KV, D).transpose(1, 2).repeat_interleave(H // KV, dim=1)
+        q, k, v = self.qkv(x).view(B, T, H + 2 * KV, D).split([H, KV, KV], dim=2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2).repeat_interleave(H // KV, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(H // KV, dim=1)
         if rope is not None:
             q, k = rope(q, 0), rope(k, 0)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

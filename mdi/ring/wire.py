@@ -31,7 +31,7 @@ import msgpack
 import torch
 import torch.nn.functional as F
 
-from mdi.model.layout import DTYPES, dtype_name
+from mdi.model.layout import DTYPES, WIRE_CODECS, dtype_name
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
 PROTOCOL_VERSION = 2
@@ -39,7 +39,7 @@ PROTOCOL_VERSION = 2
 # score: a pass whose every position comes back (perplexity), so its rows always equal sum(count).
 KINDS = ("prefill", "decode", "score", "stop", "reset")
 GENERATION_KINDS = ("prefill", "decode")
-CODECS = ("raw", "float16", "bfloat16", "int8")
+CODECS = WIRE_CODECS
 INT8_BLOCK = 32
 INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
 INT8_MAX_WIDTH = 32767

@@ -65,10 +65,10 @@ def run(cfg: RunConfig, prompts: List[str],
     config = source.config
     gen = cfg.generation
     prompt_ids = encode_prompts(source, prompts)
-    # A sample stops at the context end even if n_tokens asks for more.
-    max_new = min(gen.n_tokens, config.block_size - max(len(ids) for ids in prompt_ids))
-    max_len = max(len(ids) for ids in prompt_ids) + max_new
-    samples = make_samples(prompts, prompt_ids, max_new, gen.seed)
+    # A cache slot holds at most the model's context: a sample that reaches its end stops there
+    # (finish_reason "context"), or with generation.context_shift goes on with a rolling window.
+    max_len = min(config.block_size, max(len(ids) for ids in prompt_ids) + gen.n_tokens)
+    samples = make_samples(prompts, prompt_ids, gen.n_tokens, gen.seed)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
     engine = Engine(cfg, source, len(samples), max_len, params, on_token)
@@ -136,6 +136,9 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
         nodes.append(entry)
     texts = [decode_generated(engine.source, s) for s in samples]
     extra = {"recoveries": engine.recoveries} if engine.recoveries else {}
+    extra["context"] = engine.source.config.block_size
+    if engine.pipeline.context_shifts:
+        extra["context_shifts"] = engine.pipeline.context_shifts
     return RunResult(samples, texts, elapsed, nodes, extra)
 
 

@@ -55,7 +55,8 @@ class Engine:
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.eos_id,
                                  self.cfg.runtime.ring_timeout, self.on_token, self._check,
                                  max_batch=self.cfg.max_batch(self.n_slots, len(self.nodes)),
-                                 prefill_chunk=self.cfg.runtime.prefill_chunk)
+                                 prefill_chunk=self.cfg.runtime.prefill_chunk,
+                                 context_shift=self.cfg.generation.context_shift)
 
     def close(self) -> List[Dict[str, Any]]:
         """Send the stop frame round the ring; return each worker's counters."""

@@ -39,10 +39,12 @@ class Sample:
     params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
     token_ids: List[int] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos" | "length" | "cancelled" | "error"
+    finish_reason: Optional[str] = None  # "eos" | "length" | "context" | "cancelled" | "error"
     error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
     cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
-    fed: int = 0  # tokens (prompt, then generated) already sent through the ring: in every node's cache
+    fed: int = 0  # tokens of `window` already sent through the ring: in every node's cache
+    dropped: int = 0  # generated tokens left out of the window by context shifts
+    shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
 
     def __post_init__(self) -> None:
         if self.slot < 0:
@@ -57,9 +59,23 @@ class Sample:
         return len(self.prompt_ids) + len(self.token_ids)
 
     @property
+    def window(self) -> List[int]:
+        """What the caches hold (or will): the prompt and the generated tokens not shifted out."""
+        return self.prompt_ids + self.token_ids[self.dropped:]
+
+    @property
     def unsent(self) -> int:
         """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
-        return self.length - self.fed
+        return len(self.prompt_ids) + len(self.token_ids) - self.dropped - self.fed
+
+    def shift_context(self) -> None:
+        """Drop the oldest half of the generated tokens still in the window (llama.cpp's context
+        shift) and send the rest again from position 0: every node rebuilds this sample's cache
+        from the shorter window, so its positions (RoPE or learned) stay within the context."""
+        kept = len(self.token_ids) - self.dropped
+        self.dropped += max(1, kept // 2)
+        self.shifts.append(len(self.token_ids))
+        self.fed = 0
 
 
 def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens: int,
@@ -81,7 +97,7 @@ class Pipeline:
                  eos_id: Optional[int], recv_timeout: float = 30.0,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, context_shift: bool = False) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.chunk, self.params, self.eos_id = chunk, params, eos_id
@@ -89,6 +105,8 @@ class Pipeline:
         self.on_token = on_token
         self.watch = watch  # raises when a node is known to have failed
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.context_shift = context_shift  # a full cache slot shifts the window instead of ending the sample
+        self.context_shifts = 0
         self.device = next(chunk.parameters()).device
         self.active = {}  # type: Dict[int, Sample]  # cache slot -> admitted, unfinished sample
         self.ready = []  # type: List[Sample]  # samples whose next pass waits to be sent
@@ -122,6 +140,9 @@ class Pipeline:
         if not self.active:
             self.last_progress = time.monotonic()
         sample.fed = 0
+        if len(sample.window) > self.chunk.cache.max_len:
+            raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
+                             % (sample.index, len(sample.window), self.chunk.cache.max_len))
         self.active[sample.slot] = sample
         self.ready.append(sample)
 
@@ -154,8 +175,7 @@ class Pipeline:
         decoding = all(c == 1 and s.fed >= len(s.prompt_ids) for s, c in zip(group, counts))
         kind = "decode" if decoding else "prefill"
         for sample, count in zip(group, counts):
-            everything = sample.prompt_ids + sample.token_ids
-            ids.extend(everything[sample.fed:sample.fed + count])
+            ids.extend(sample.window[sample.fed:sample.fed + count])
             starts.append(sample.fed)
             sample.fed += count
         slots = [s.slot for s in group]
@@ -187,6 +207,12 @@ class Pipeline:
                 sample.finish_reason = "eos"
             elif len(sample.token_ids) >= sample.max_new_tokens:
                 sample.finish_reason = "length"
+            elif len(sample.window) > self.chunk.cache.max_len:  # its next position is past the slot
+                if self.context_shift:
+                    sample.shift_context()
+                    self.context_shifts += 1
+                else:
+                    sample.finish_reason = "context"
             if self.on_token is not None:
                 self.on_token(sample, token)
         self.compute_seconds += time.perf_counter() - t0

@@ -1,0 +1,71 @@
+"""Generation past the model's context: a sample stops there and says so (finish_reason
+"context", one line on stderr), or with generation.context_shift drops the oldest half of its
+generated tokens and goes on, each later token being what the model gives on the shorter window."""
+import os
+import subprocess
+
+import torch
+
+from conftest import BIN, free_ports
+from mdi.model.source import ModelSource
+from mdi.runconfig import parse_config
+from mdi.starter import batch
+
+PROMPT = "To be, or not to be"  # 19 characters: 109 positions left of the tiny models' 128
+
+
+def config(model, n_tokens, shift, nodes=None, data_ports=None, workers=None):
+    raw = {"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0, "context_shift": shift},
+           "runtime": {"ring_timeout": 20}}
+    if workers:
+        raw["nodes"] = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": 2},
+                        {"name": "w1", "port": workers[0].port, "data_port": data_ports[1], "layers": 1},
+                        {"name": "w2", "port": workers[1].port, "data_port": data_ports[2], "layers": 1}]
+    return parse_config(raw, "test")
+
+
+def test_a_sample_stops_at_the_context_and_says_why(tiny_models):
+    result = batch.run(config(tiny_models["gpt2"], 300, False), [PROMPT, "Hi"])
+    for sample in result.samples:
+        assert sample.finish_reason == "context"
+        assert len(sample.prompt_ids) + len(sample.token_ids) == 128 + 1  # the last token is never fed
+    assert result.metrics()["samples"][0]["finish_reason"] == "context"
+    # within the budget nothing changes
+    short = batch.run(config(tiny_models["gpt2"], 20, False), [PROMPT])
+    assert short.samples[0].finish_reason == "length" and len(short.samples[0].token_ids) == 20
+
+
+def test_the_cli_says_it_in_one_line(tiny_models, tmp_path):
+    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--model", tiny_models["llama"], "--prompt", PROMPT,
+                           "--n-tokens", "300", "--temperature", "0", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "context" in line]
+    assert len(lines) == 1 and "asked for 300 new tokens, got 110" in lines[0] and "context_shift" in lines[0]
+    assert "(110 tokens, context)" in proc.stdout
+
+
+@torch.no_grad()
+def test_context_shift_goes_on_with_the_later_half(tiny_models):
+    model = tiny_models["llama"]
+    result = batch.run(config(model, 300, True), [PROMPT])
+    sample = result.samples[0]
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 300
+    assert len(sample.shifts) >= 2 and result.extra["context_shifts"] == len(sample.shifts)
+    # After the last shift each token is the model's greedy choice on the window it had.
+    source = ModelSource(model)
+    full = source.load_chunk(0, source.config.n_layer, True, True, torch.float32, "cpu")
+    last = sample.shifts[-1]
+    for k in range(last, min(last + 4, 300)):
+        window = sample.prompt_ids + sample.token_ids[sample.dropped:k]
+        assert len(window) <= 128
+        logits = full.forward_batch(torch.tensor([window]))[0, -1]
+        assert int(logits.argmax()) == sample.token_ids[k], k
+
+
+def test_context_shift_over_a_ring_gives_the_one_node_ids(tiny_models, workers):
+    ports = free_ports(3)
+    alone = batch.run(config(tiny_models["llama"], 260, True), [PROMPT, "abc"])
+    ring = batch.run(config(tiny_models["llama"], 260, True, data_ports=ports, workers=workers), [PROMPT, "abc"])
+    assert [s.token_ids for s in ring.samples] == [s.token_ids for s in alone.samples]
+    assert all(s.shifts for s in ring.samples)
