@@ -69,3 +69,20 @@ def test_context_shift_over_a_ring_gives_the_one_node_ids(tiny_models, workers):
     ring = batch.run(config(tiny_models["llama"], 260, True, data_ports=ports, workers=workers), [PROMPT, "abc"])
     assert [s.token_ids for s in ring.samples] == [s.token_ids for s in alone.samples]
     assert all(s.shifts for s in ring.samples)
+
+
+def test_every_end_of_generation_id_ends_a_sample(tiny_models, tmp_path):
+    """A tokenizer's stop ids (generation_config.json's list, a GGUF's eot/eom) end a sample as
+    EOS does: the first id a greedy run of the tiny model would produce is made a stop id."""
+    import shutil
+    from mdi.model.tokenizers import load_tokenizer
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_models["llama"], model)
+    free = batch.run(config(model, 12, False), [PROMPT]).samples[0]
+    tok = load_tokenizer(model)
+    stop = free.token_ids[3]
+    tok.stop_ids = [stop]
+    tok.save(model)
+    assert load_tokenizer(model).end_ids[-1] == stop
+    sample = batch.run(config(model, 12, False), [PROMPT]).samples[0]
+    assert sample.finish_reason == "eos" and sample.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]

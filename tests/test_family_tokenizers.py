@@ -282,6 +282,9 @@ def test_hf_dir_metadata(family):
         assert (tok.bos_id, tok.eos_id, tok.add_bos) == (None, tk.token_to_id("<|im_end|>"), False)
     assert tok.chat_template == (LLAMA3_TEMPLATE if name == "llama3" else QWEN_TEMPLATE)
     assert tok.vocab_size == tk.get_vocab_size(with_added_tokens=True)
+    # every id generation_config.json lists ends a generation too
+    ends = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>") if name == "llama3" else ("<|im_end|>", "<|endoftext|>")
+    assert sorted(tok.end_ids) == sorted(tk.token_to_id(t) for t in ends)
 
 
 def test_hf_dir_round_trip(family):

@@ -62,12 +62,11 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
     add_bos from tokenizer_config.json, the chat template from chat_template.jinja or
     tokenizer_config.json.
 
-    mdi stops generating on one EOS id: tokenizer_config.json's `eos_token`, which is the token the
-    release's chat template ends an assistant turn with (Llama 3.1/3.2/3.3 Instruct: <|eot_id|>;
-    Qwen2.5/Qwen3 Instruct: <|im_end|>) and a base release's end of text (<|end_of_text|>,
-    <|endoftext|>). generation_config.json may list several (Llama 3.1 Instruct: <|end_of_text|>,
-    <|eom_id|>, <|eot_id|>): it is read only when the tokenizer files name no EOS, and then its
-    first id is used."""
+    EOS is tokenizer_config.json's `eos_token`, the token the release's chat template ends an
+    assistant turn with (Llama 3.1/3.2/3.3 Instruct: <|eot_id|>; Qwen2.5/Qwen3 Instruct:
+    <|im_end|>) or a base release's end of text (<|end_of_text|>, <|endoftext|>); without one,
+    generation_config.json's first eos_token_id. Every id generation_config.json lists (Llama 3.1
+    Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>) also ends a generation (`stop_ids`)."""
     cfg = read_json_if(os.path.join(path, "tokenizer_config.json")) or {}
     special_map = read_json_if(os.path.join(path, "special_tokens_map.json")) or {}
     meta = {"chat_template": _chat_template(path, cfg)}  # type: Dict[str, Any]
@@ -81,8 +80,10 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
         for key in ("bos", "eos"):
             name = _token_content(cfg.get(key + "_token", special_map.get(key + "_token")))
             meta[key + "_id"] = tk.token_to_id(name) if name is not None else None
-        if meta["eos_id"] is None:
-            meta["eos_id"] = _generation_eos(path, tk.get_vocab_size(with_added_tokens=True))
+        listed = _generation_eos(path, tk.get_vocab_size(with_added_tokens=True))
+        if meta["eos_id"] is None and listed:
+            meta["eos_id"] = listed[0]
+        meta["stop_ids"] = listed
         if "add_bos" not in meta:
             # No flag: add BOS exactly when the tokenizer.json post-processor would (e.g. Llama 3).
             bos = meta["bos_id"]
@@ -126,8 +127,11 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
         add_bos = pre.add_bos and ids["bos"] is not None
     # EOS is the file's tokenizer.ggml.eos_token_id: llama.cpp's converter takes it from the
     # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
+    # llama.cpp's end-of-generation set: EOS plus the end-of-turn / end-of-message ids it names.
+    stops = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom")]
+    stops = [i for i in stops if isinstance(i, int) and 0 <= i < len(tokens)]
     return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"], add_bos=bool(add_bos),
-                       chat_template=md.get("tokenizer.chat_template"))
+                       chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
 
 
 def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
@@ -201,14 +205,11 @@ def _gguf_metadata(path: str) -> Dict[str, Any]:
     return md
 
 
-def _generation_eos(path: str, vocab_size: int) -> Optional[int]:
-    """generation_config.json's eos_token_id (an id or a list of ids: the first)."""
+def _generation_eos(path: str, vocab_size: int) -> List[int]:
+    """generation_config.json's eos_token_id (an id or a list of ids), the valid ones in order."""
     eos = (read_json_if(os.path.join(path, "generation_config.json")) or {}).get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab_size:
-        return None
-    return eos
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size]
 
 
 def _chat_template(path: str, cfg: Dict[str, Any]) -> Optional[str]:

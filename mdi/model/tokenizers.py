@@ -33,14 +33,26 @@ class Tokenizer:
     kind = ""
 
     def __init__(self, vocab_size: int, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
-                 add_bos: bool = False, chat_template: Optional[str] = None) -> None:
+                 add_bos: bool = False, chat_template: Optional[str] = None,
+                 stop_ids: Optional[Sequence[int]] = None) -> None:
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_id = eos_id
+        # Other ids that end a generation as EOS does (Llama 3.1 Instruct: <|end_of_text|>,
+        # <|eom_id|> besides <|eot_id|>), as llama.cpp's end-of-generation set.
+        self.stop_ids = sorted({int(i) for i in stop_ids or ()} - {eos_id})
+        for i in self.stop_ids:
+            if not 0 <= i < vocab_size:
+                raise TokenizerError("stop token id %d out of range for a vocabulary of %d" % (i, vocab_size))
         self.add_bos = bool(add_bos)
         self.chat_template = chat_template
         if self.add_bos and bos_id is None:
             raise TokenizerError("add_bos is set but the %s tokenizer has no BOS token" % self.kind)
+
+    @property
+    def end_ids(self) -> List[int]:
+        """Every id that ends a generation: EOS and the stop ids."""
+        return ([self.eos_id] if self.eos_id is not None else []) + self.stop_ids
 
     def encode(self, text: str) -> List[int]:
         ids = self._encode(text)
@@ -70,6 +82,8 @@ class Tokenizer:
         self._save_files(model_dir)
         meta = {"kind": self.kind, "bos_id": self.bos_id, "eos_id": self.eos_id,
                 "add_bos": self.add_bos, "chat_template": self.chat_template}
+        if self.stop_ids:
+            meta["stop_ids"] = self.stop_ids
         write_json(os.path.join(model_dir, META_FILE), meta)
 
     def __repr__(self) -> str:
@@ -250,7 +264,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     kind = meta.pop("kind", None)
     if kind not in KINDS:
         raise TokenizerError("unknown tokenizer kind %r in %s" % (kind, meta_path))
-    unknown = sorted(set(meta) - {"bos_id", "eos_id", "add_bos", "chat_template"})
+    unknown = sorted(set(meta) - {"bos_id", "eos_id", "add_bos", "chat_template", "stop_ids"})
     if unknown:
         raise TokenizerError("unknown keys in %s: %s" % (meta_path, ", ".join(unknown)))
     files = {"char": "vocab.json", "gpt2": "vocab.bpe", "sentencepiece": "tokenizer.model", "hf": "tokenizer.json"}

@@ -39,7 +39,8 @@ class Engine:
         self.dtype = torch_dtype(cfg.model.dtype)
         self.device = cfg.starter.device or cfg.model.device
         tok = source.tokenizer
-        self.eos_id = tok.eos_id if tok is not None else source.config.eos_token_id
+        # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
+        self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
         self.recoveries = []  # type: List[Dict[str, Any]]
         self.ring = None  # type: Any  # RingSession while workers are in the ring
         self.chunk = None  # type: Optional[ModelChunk]
@@ -52,7 +53,7 @@ class Engine:
             client_for(self.cfg, node).health()
         self.chunk = self._starter_chunk(self.ranges[0])
         transport, run_id = self._connect()
-        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.eos_id,
+        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
                                  self.cfg.runtime.ring_timeout, self.on_token, self._check,
                                  max_batch=self.cfg.max_batch(self.n_slots, len(self.nodes)),
                                  prefill_chunk=self.cfg.runtime.prefill_chunk,

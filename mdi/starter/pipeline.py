@@ -14,7 +14,7 @@ long prompt wait for one chunk, not for the whole prompt.
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional  # noqa: F401  (type comments)
+from typing import Any, Callable, Dict, List, Optional  # noqa: F401  (type comments)
 
 import torch
 
@@ -94,13 +94,15 @@ class Pipeline:
     """
 
     def __init__(self, chunk: ModelChunk, transport: Transport, run_id: int, params: SamplingParams,
-                 eos_id: Optional[int], recv_timeout: float = 30.0,
+                 eos_id: Any, recv_timeout: float = 30.0,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, context_shift: bool = False) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
-        self.chunk, self.params, self.eos_id = chunk, params, eos_id
+        self.chunk, self.params = chunk, params
+        # The ids that end a sample ("eos"): one id, several (EOS and end-of-turn ids), or none.
+        self.end_ids = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
         self.recv_timeout = recv_timeout
         self.on_token = on_token
         self.watch = watch  # raises when a node is known to have failed
@@ -203,7 +205,7 @@ class Pipeline:
                 continue
             sample.token_ids.append(token)
             sample.token_times.append(time.perf_counter() - self.t0)
-            if self.eos_id is not None and token == self.eos_id:
+            if token in self.end_ids:
                 sample.finish_reason = "eos"
             elif len(sample.token_ids) >= sample.max_new_tokens:
                 sample.finish_reason = "length"
