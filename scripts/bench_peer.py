@@ -21,8 +21,8 @@ packed int4 kernels).
    exact float32 kernels, 64 tokens.
 3. 3 processes x 1 thread, S samples in flight (1, 3, 6, 12): llama-batched-bench with -t 1 over
    two ggml-rpc-server processes (-t 1, 127.0.0.1): `-npp 16 -ntg 128 -npl 1,3,6,12`, and
-   -ngl 21, so layers 0-9 stay on the local CPU and 10-29 plus the head go to the two servers:
-   10 layers per process, like mdi's ring3 (starter + 2 mdi-worker --threads 1; max_batch auto).
+   -ngl 21, so layers 0-9 stay on the local CPU, 10-20 go to one server and 21-29 plus the head
+   to the other (checked with -v): about 10 layers per process, like mdi's ring3 (starter + 2 mdi-worker --threads 1; max_batch auto).
    Aggregate decode tok/s: llama.cpp's S_TG (pl*ntg / t_tg); mdi's all samples' tokens after
    their first / (last token - first sample's first token).
 4. results/bench_peer.json (every figure, ratios mdi / llama.cpp), results/bench_peer.png.
@@ -185,10 +185,11 @@ def build_llama(cache: str) -> Dict[str, Any]:
         info["version_output"] = (out.stdout + out.stderr).strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         info["version_output"] = "llama-bench --version failed: %s" % e
-    m = re.search(r"version:\s*(\d+)\s*\(([^)]*)\)", info["version_output"])
-    info["build_id"] = "llama.cpp %s (llama-cpp-python %s sdist%s)" % (
-        m.group(2) if m else info.get("llama_cpp_commit"), info.get("llama_cpp_python_version"),
-        ", build number %s" % m.group(1) if m and m.group(1) != "0" else "")
+    # e.g. "version: 0.5.0-dev (build 1, commit 0c1e570)": the commit is the one passed to cmake
+    m = re.search(r"version:\s*(\S+)\s*\(build (\d+), commit (\w+)\)", info["version_output"])
+    info["build_id"] = "llama.cpp %s (libllama %s; llama-cpp-python %s sdist)" % (
+        m.group(3) if m else info.get("llama_cpp_commit"), m.group(1) if m else "?",
+        info.get("llama_cpp_python_version"))
     info["available"] = True
     return info
 
@@ -352,18 +353,27 @@ def mdi_ring(model: str, workers, n_samples: int, n_tokens: int) -> Dict[str, An
 
 
 def profile_mdi(model: str, threads: int, n_tokens: int) -> Dict[str, Any]:
-    """Top torch ops by self CPU time during a one-node decode (where mdi's time goes)."""
+    """Where mdi's decode time goes: torch ops' self CPU time in a one-node run of 4 + n_tokens
+    tokens minus that of a 4-token run (the model load, kernel packing and prefill cancel out),
+    per decoded token. The profiler's own overhead inflates small ops."""
     from torch.profiler import ProfilerActivity, profile
+
+    def ops(n: int) -> Tuple[Dict[str, Tuple[float, int]], float]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            res = mdi_local(model, [SHORT_PROMPT], n, threads)
+        t = res.samples[0].token_times
+        return {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}, t[-1] - t[0]
+
     mdi_local(model, [SHORT_PROMPT], 4, threads)  # warm
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        res = mdi_local(model, [SHORT_PROMPT], n_tokens, threads)
-    s = res.samples[0]
-    window = s.token_times[-1] - s.token_times[0]
-    total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
-    rows = sorted(((e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()),
-                  key=lambda r: -r[1])[:12]
-    return {"decode_window_s_profiled": window, "ops_self_cpu_s_total": total, "n_tokens": n_tokens,
-            "top_ops": [{"op": k, "self_cpu_s": round(v, 4), "calls": c} for k, v, c in rows]}
+    short, _ = ops(4)
+    long_, window = ops(4 + n_tokens)
+    diff = {k: (v[0] - short.get(k, (0.0, 0))[0], v[1] - short.get(k, (0.0, 0))[1]) for k, v in long_.items()}
+    rows = sorted(diff.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in diff.values())
+    return {"threads": threads, "decode_tokens": n_tokens, "ms_per_token_profiled": 1000 * window / (n_tokens + 3),
+            "ops_ms_per_token_total": 1000 * total / n_tokens,
+            "top_ops": [{"op": k, "ms_per_token": round(1000 * v / n_tokens, 3), "calls_per_token": round(c / n_tokens, 1),
+                         "share": round(v / total, 3) if total else None} for k, (v, c) in rows[:12]]}
 
 
 # --------------------------------------------------------------------------- measurement
@@ -572,6 +582,11 @@ def report(record: Dict[str, Any]) -> None:
               % (fe["equal_positions"], fe["compared"],
                  "" if fe["identical"] else ", first difference at token %d" % fe["first_difference"],
                  fe["exact_decode_tokens_per_s"], fe["fast_decode_tokens_per_s"]))
+    prof = record.get("mdi_profile_1_thread") or {}
+    if prof.get("top_ops"):
+        print("mdi one-node decode, 1 thread, under the profiler: %.1f ms/token; top ops (self CPU ms/token): %s"
+              % (prof["ms_per_token_profiled"], ", ".join("%s %.2f" % (o["op"].replace("aten::", ""), o["ms_per_token"])
+                                                       for o in prof["top_ops"][:6])))
     print(benchlib.note_load(record["machine"]))
 
 
@@ -618,8 +633,8 @@ def main(argv=None) -> int:
                                     "from %r; prefill = %d / time to first token of a %d-token prompt "
                                     "(prefill_chunk %d, one pass)" % (args.n_tokens, SHORT_PROMPT, n_prefill,
                                                                       n_prefill, max(n_prefill, 64)),
-                  "ring_llama": "llama-batched-bench -t 1 --rpc (2 x ggml-rpc-server -t 1) -ngl 21 (layers 0-9 "
-                                "local, 10-29 + head on the servers) -npp %d -ntg %d -npl %s; S_TG = pl*ntg/t_tg"
+                  "ring_llama": "llama-batched-bench -t 1 --rpc (2 x ggml-rpc-server -t 1) -ngl 21 (checked with -v: layers 0-9 "
+                                "and the embedding local, 10-20 on RPC0, 21-29 + head on RPC1) -npp %d -ntg %d -npl %s; S_TG = pl*ntg/t_tg"
                                 % (args.ring_prompt_tokens, args.n_tokens, args.samples),
                   "ring_mdi": "starter (this process, 1 torch thread) + 2 mdi-worker --threads 1, balanced "
                               "layers, max_batch auto, quant_kernel fast; S copies of %r (greedy), %d tokens "
@@ -634,8 +649,8 @@ def main(argv=None) -> int:
         record["ring3"] = ring_sweep(args, bins, gguf, log_dir)
         record["ring3"]["log_dir"] = log_dir
     try:
-        log("profiling one mdi decode (1 thread, 32 tokens) for where the time goes")
-        record["mdi_profile_1_thread"] = profile_mdi(args.model, 1, 32)
+        log("profiling mdi's one-node decode (1 thread, 64 tokens) for where the time goes")
+        record["mdi_profile_1_thread"] = profile_mdi(args.model, 1, 64)
     except Exception as e:  # noqa: BLE001 - a profile is a bonus
         record["mdi_profile_1_thread"] = {"error": str(e)}
     try:
