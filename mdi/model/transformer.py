@@ -142,7 +142,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_rms_norm is not None and x.dtype == torch.float32:
+        if _fused_rms_norm is not None and x.dtype == torch.float32 and self.weight.dtype == x.dtype:
             return _fused_rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one op instead of six
         # Normalise in fp32 like the reference implementations, then cast back.
         xf = x.float()
