@@ -142,6 +142,13 @@ def test_a_worker_merges_queued_frames_up_to_its_limits():
     assert merged.tensor[:, 0].tolist() == [0, 1, 2, 2, 2, 2, 2, 2]
     assert held is None and len(run.endpoint.frames) == 1  # the fifth sample waits: max_batch
     # A stop frame, a slot already in the forward or too many rows end the gathering.
+    # A frame cut to each sample's last row (only the last node sends those) is dropped alone,
+    # and the gathering goes on past it.
+    run.bad_frames = 0
+    cut = Frame("prefill", 1, [6], [0], [4], torch.zeros(1, 64))
+    run.endpoint = QueuedEndpoint([cut, frame("decode", [5], [1])])
+    merged, held = run._gather(frame("decode", [0], [1]))
+    assert merged.samples == [0, 5] and held is None and run.bad_frames == 1
     for blocker in (Frame("stop", 1), frame("decode", [0], [1]), frame("prefill", [7], [30])):
         run.endpoint = QueuedEndpoint([blocker, frame("decode", [5], [1])])
         merged, held = run._gather(frame("decode", [0], [1]))

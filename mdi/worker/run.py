@@ -72,14 +72,15 @@ class Run:
                             self.endpoint.flush(timeout=5)
                             self.stopped.set()
                         continue
+                    if not self._computable(frame):
+                        continue
                     if frame.kind in GENERATION_KINDS:
                         frame, held = self._gather(frame)
                     t0 = time.perf_counter()
                     out = self._forward(frame)
                     self.compute_seconds += time.perf_counter() - t0
-                    if out is not None:
-                        self.endpoint.send(out)
-                        self.frames_done += 1
+                    self.endpoint.send(out)
+                    self.frames_done += 1
         except Exception as e:  # report, never die silently
             if self.stopped.is_set():  # the run was ended under a long computation: not its failure
                 log.info("compute loop ended after its run was stopped: %s", e)
@@ -103,6 +104,8 @@ class Run:
             more = self.endpoint.recv_nowait()
             if more is None:
                 break
+            if not self._computable(more):
+                continue
             if (more.kind not in GENERATION_KINDS or n + len(more.samples) > self.max_batch
                     or rows + sum(more.count) > self.max_rows or slots & set(more.samples)):
                 return _merge(frames), more
@@ -111,13 +114,17 @@ class Run:
             slots.update(more.samples)
         return _merge(frames), None
 
-    def _forward(self, frame: Frame) -> Optional[Frame]:
-        if frame.tensor.shape[0] != sum(frame.count):
-            # Only the last node cuts rows; a frame cut before it cannot be computed on.
+    def _computable(self, frame: Frame) -> bool:
+        """Only the last node cuts rows: a frame cut before it cannot be computed on. Checked on
+        arrival, so a bad frame is dropped alone, never with the frames merged with it."""
+        if frame.tensor is not None and frame.tensor.shape[0] != sum(frame.count):
             self.bad_frames += 1
             log.warning("dropped a %s frame of %d rows for %d tokens", frame.kind, frame.tensor.shape[0],
                         sum(frame.count))
-            return None
+            return False
+        return True
+
+    def _forward(self, frame: Frame) -> Frame:
         p = next(self.chunk.parameters())
         x = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
         batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device)
