@@ -42,7 +42,7 @@ class Sample:
     finish_reason: Optional[str] = None  # "eos" | "length" | "context" | "cancelled" | "error"
     error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
     cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
-    fed: int = 0  # tokens of `window` already sent through the ring: in every node's cache
+    fed: int = 0  # tokens of its window already sent through the ring: in every node's cache
     dropped: int = 0  # generated tokens left out of the window by context shifts
     shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
 
@@ -55,18 +55,23 @@ class Sample:
         return self.finish_reason is not None
 
     @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.token_ids)
+    def window_len(self) -> int:
+        """Tokens the caches hold (or will): the prompt and the generated tokens not shifted out."""
+        return len(self.prompt_ids) + len(self.token_ids) - self.dropped
 
-    @property
-    def window(self) -> List[int]:
-        """What the caches hold (or will): the prompt and the generated tokens not shifted out."""
-        return self.prompt_ids + self.token_ids[self.dropped:]
+    def window_tokens(self, start: int, count: int) -> List[int]:
+        """Tokens [start, start + count) of that window, without building all of it."""
+        prompt = self.prompt_ids[start:start + count]
+        rest = count - len(prompt)
+        if rest <= 0:
+            return prompt
+        first = self.dropped + max(0, start - len(self.prompt_ids))
+        return prompt + self.token_ids[first:first + rest]
 
     @property
     def unsent(self) -> int:
         """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
-        return len(self.prompt_ids) + len(self.token_ids) - self.dropped - self.fed
+        return self.window_len - self.fed
 
     def shift_context(self) -> None:
         """Drop the oldest half of the generated tokens still in the window (llama.cpp's context
@@ -142,9 +147,9 @@ class Pipeline:
         if not self.active:
             self.last_progress = time.monotonic()
         sample.fed = 0
-        if len(sample.window) > self.chunk.cache.max_len:
+        if sample.window_len > self.chunk.cache.max_len:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
-                             % (sample.index, len(sample.window), self.chunk.cache.max_len))
+                             % (sample.index, sample.window_len, self.chunk.cache.max_len))
         self.active[sample.slot] = sample
         self.ready.append(sample)
 
@@ -177,7 +182,7 @@ class Pipeline:
         decoding = all(c == 1 and s.fed >= len(s.prompt_ids) for s, c in zip(group, counts))
         kind = "decode" if decoding else "prefill"
         for sample, count in zip(group, counts):
-            ids.extend(sample.window[sample.fed:sample.fed + count])
+            ids.extend(sample.window_tokens(sample.fed, count))
             starts.append(sample.fed)
             sample.fed += count
         slots = [s.slot for s in group]
@@ -209,7 +214,7 @@ class Pipeline:
                 sample.finish_reason = "eos"
             elif len(sample.token_ids) >= sample.max_new_tokens:
                 sample.finish_reason = "length"
-            elif len(sample.window) > self.chunk.cache.max_len:  # its next position is past the slot
+            elif sample.window_len > self.chunk.cache.max_len:  # its next position is past the slot
                 if self.context_shift:
                     sample.shift_context()
                     self.context_shifts += 1
