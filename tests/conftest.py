@@ -34,8 +34,8 @@ def tiny_config(family: str) -> ModelConfig:
                        n_head=8, n_kv_head=2, intermediate_size=128, block_size=128, tied_head=False)
 
 
-def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = False) -> str:
-    """A random model with a character tokenizer, saved as a prepared mdi directory.
+def tiny_model(family: str, seed: int = 0, half_exact: bool = False):
+    """The full random model of tiny_config(family), in memory (eval mode).
     `half_exact`: every weight is a float16 value, so float16 storage loses nothing."""
     torch.manual_seed(seed)
     model = full_model(tiny_config(family))
@@ -46,6 +46,12 @@ def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = Fa
                 p.normal_(0, 0.3)
             if half_exact:
                 p.copy_(p.half().float())
+    return model.eval()
+
+
+def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = False) -> str:
+    """tiny_model(family) with a character tokenizer, saved as a prepared mdi directory."""
+    model = tiny_model(family, seed, half_exact)
     save_model_dir(path, model.config, model.state_dict(), "tests/conftest.py")
     char_tokenizer(CHARS).save(path)
     return path

@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_model
 from mdi.model.sampling import SamplingParams, sample_generator
-from mdi.model.transformer import ModelChunk, RowBatch, full_model
+from mdi.model.transformer import RowBatch
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
@@ -25,20 +25,10 @@ PROMPTS = ["The quick brown fox jumps", "Hi", "To be, or not to be, that is", "0
            "x", "Once upon a time there", "ring"]
 
 
-def random_chunk(family: str, seed: int = 0) -> ModelChunk:
-    torch.manual_seed(seed)
-    chunk = full_model(tiny_config(family))
-    with torch.no_grad():
-        for p in chunk.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    return chunk.eval()
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @torch.no_grad()
 def test_a_mixed_batch_matches_each_sample_alone(family):
-    chunk = random_chunk(family)
+    chunk = tiny_model(family)
     chunk.allocate_cache(8, 64)
     torch.manual_seed(1)
     # Slots 0-3 are served in batches, slots 4-7 one sample at a time: same histories.
@@ -61,7 +51,7 @@ def test_a_mixed_batch_matches_each_sample_alone(family):
 
 
 def test_row_batch_refuses_a_slot_twice_and_counts_that_disagree():
-    chunk = random_chunk("llama")
+    chunk = tiny_model("llama")
     chunk.allocate_cache(2, 16)
     x = torch.zeros(3, 64)
     with pytest.raises(ValueError, match="twice"):
@@ -86,7 +76,7 @@ def local_ids(chunk, prompts, max_batch, prefill_chunk, temperature=0.0, n_token
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_one_node_ids_do_not_depend_on_batching_or_chunking(family):
-    chunk = random_chunk(family)
+    chunk = tiny_model(family)
     for n in (1, 2, 5, 8):
         prompts = PROMPTS[:n]
         reference, _ = local_ids(chunk, prompts, max_batch=1, prefill_chunk=256)
@@ -102,7 +92,7 @@ def test_one_node_ids_do_not_depend_on_batching_or_chunking(family):
 
 
 def test_chunked_prefill_sends_long_prompts_in_pieces():
-    chunk = random_chunk("llama")
+    chunk = tiny_model("llama")
     chunk.allocate_cache(2, 64)
     long_, short = (Sample(i, p, [ord(c) - 32 for c in p], 3, sample_generator(3, i))
                     for i, p in enumerate(["a" * 30, "b"]))
@@ -222,7 +212,7 @@ def test_quantized_chunks_batch_like_float_ones(policy, tol):
     from mdi.model.source import build_chunk
     config = tiny_config("llama")
     layout = uniform_layout(config, (0, config.n_layer), True, True, "int4", 32)
-    stored = gather(convert(random_chunk("llama").state_dict(), layout, torch.float32))
+    stored = gather(convert(tiny_model("llama").state_dict(), layout, torch.float32))
     qkernels.set_preference(policy)
     try:
         chunk = build_chunk(config, convert(stored, layout, torch.float32), 0, config.n_layer, True, True,

@@ -24,6 +24,7 @@ import pytest
 
 from mdi.model.tokenizer_import import GGUF_PRE_TOKENIZERS, tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import TokenizerError, load_tokenizer
+from test_tokenizers import write_tokenizer_gguf
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -194,8 +195,6 @@ def _write_gguf(path, tk, pre, bos, eos, add_bos=None, pad_to=None, padding=None
     """The tokenizer as llama.cpp's convert_hf_to_gguf.py writes a "gpt2" vocabulary: tokens in id
     order (byte-level spelling), added special tokens CONTROL (3), other added tokens USER_DEFINED
     (4), the vocabulary padded to the embedding size with [PADn] UNUSED (5) tokens."""
-    import gguf
-
     data = json.loads(tk.to_str())
     added = {t["id"]: t for t in data["added_tokens"]}
     n = tk.get_vocab_size(with_added_tokens=True)
@@ -205,24 +204,8 @@ def _write_gguf(path, tk, pre, bos, eos, add_bos=None, pad_to=None, padding=None
         tokens.append("[PAD%d]" % i)
         types.append(5)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(bos)
-    w.add_eos_token_id(eos)
-    if padding is not None:
-        w.add_pad_token_id(padding)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    if template:
-        w.add_chat_template(template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tokenizer_gguf(path, "gpt2", tokens, merges, types, pre=pre, bos=bos, eos=eos, template=template,
+                         add_bos=add_bos, padding=padding)
     return path
 
 

