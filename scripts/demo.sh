@@ -4,7 +4,7 @@
 # Extra arguments go to mdi-start, e.g. ./scripts/demo.sh --prompt "Once upon a time" --n-tokens 64
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+source scripts/setup_env.sh ""  # no extras; without the "" it would read demo.sh's own arguments as extras
 
 PIDS=()
 cleanup() {
