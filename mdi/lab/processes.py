@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from mdi.runconfig import DATA_PORT_OFFSET
+
 BIN = os.path.dirname(os.path.abspath(sys.executable))
 LOOPBACK = "127.0.0.1"
 
@@ -19,8 +21,60 @@ def tool(name: str) -> str:
     return here if os.path.exists(here) else (shutil.which(name) or name)
 
 
+_LOWEST = 10000
+_reserved = set()  # ports this process has handed out (and their data ports), never given twice
+_cursor = [0]
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out as a client's source port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    s = socket.socket()
+    try:
+        s.bind((LOOPBACK, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 def free_ports(n: int) -> List[int]:
-    """n TCP ports free on loopback right now (the OS picks them; bound together, so distinct)."""
+    """n distinct TCP ports free on loopback now, each with its data port (port + 1000) free too.
+
+    Why not let the OS pick (bind to port 0): it picks from the ephemeral range, the same range
+    every outgoing connection takes its source port from, so between the pick and a worker's
+    bind at /init some HTTP client could own the port ("Address already in use" in CI). Ports
+    below that range are only ever taken by an explicit bind. The walk starts at a place drawn
+    from the PID, so two runs on one machine rarely probe the same ports."""
+    top = _ephemeral_floor() - 1 - DATA_PORT_OFFSET
+    span = top - _LOWEST
+    if span < 100:  # an unusual ip_local_port_range: fall back to the OS's choice
+        return _os_picked(n)
+    if not _cursor[0]:
+        _cursor[0] = (os.getpid() * 7919 + int(time.time())) % span
+    ports: List[int] = []
+    for _ in range(span):
+        port = _LOWEST + _cursor[0] % span
+        _cursor[0] += 1
+        if port in _reserved or port + DATA_PORT_OFFSET in _reserved:
+            continue
+        if _bindable(port) and _bindable(port + DATA_PORT_OFFSET):
+            _reserved.update((port, port + DATA_PORT_OFFSET))
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError("no %d free loopback ports between %d and %d" % (n, _LOWEST, top + DATA_PORT_OFFSET))
+
+
+def _os_picked(n: int) -> List[int]:
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
