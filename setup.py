@@ -25,5 +25,6 @@ setup(
         "mdi-worker=mdi.cli:worker_main",
         "mdi-prepare=mdi.cli:prepare_main",
         "mdi-bench=mdi.lab.cli:main",
+        "mdi-plan=mdi.cli:plan_main",
     ]},
 )

@@ -1,4 +1,4 @@
-"""Command-line entry points: mdi-start, mdi-worker and mdi-prepare (mdi-bench is mdi.lab.cli).
+"""Command-line entry points: mdi-start, mdi-worker, mdi-prepare and mdi-plan (mdi-bench is mdi.lab.cli).
 
 User errors (bad YAML, missing files, wrong partitions, unreachable nodes) print one line
 starting with "mdi: error:" and exit non-zero (2 for configuration errors); no tracebacks.
@@ -489,6 +489,89 @@ def prepare_main(argv: Optional[List[str]] = None) -> int:
         print("mdi-prepare: error: %s" % e, file=sys.stderr)
         return EXIT_CONFIG
     return 0
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mdi-plan",
+        description="Split a model's layers over a config's nodes by their measured speed, memory and links: "
+                    "every worker times the model's blocks (random weights, nothing of the model is sent), the "
+                    "starter its own and the head, then the split with the fastest slowest stage wins. A node "
+                    "that would slow the ring gets no layers and is left out. Prints the plan as a table and "
+                    "as YAML; `layers: auto` in a config makes mdi-start plan the same way at start.",
+        epilog="Example: mdi-plan --config configs/ring3.yaml --samples 6 --write configs/ring3-planned.yaml")
+    p.add_argument("--config", required=True, help="run configuration (YAML): its nodes, model and runtime")
+    p.add_argument("--samples", type=_positive_int, metavar="S",
+                   help="samples in flight to plan for (default: generation.n_samples, else the prompts, else 2 "
+                        "per node: enough to keep every node busy)")
+    p.add_argument("--max-len", type=_positive_int, metavar="N",
+                   help="positions per KV cache slot to budget memory for (default: the longest prompt + "
+                        "generation.n_tokens, at most the model's context)")
+    p.add_argument("--write", metavar="PLAN.yaml", help="also write the config with the planned layers here")
+    p.add_argument("--refresh", action="store_true",
+                   help="measure again instead of using the cached profiles ($MDI_PROFILE_CACHE, ~/.cache/mdi)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (for scripts) instead of a table")
+    return p
+
+
+def plan_main(argv: Optional[List[str]] = None) -> int:
+    args = plan_parser().parse_args(argv)
+    from mdi.model.source import ModelSource
+    from mdi.ring.auth import TokenError, load_token
+    from mdi.starter.autoplan import apply_plan, plan_ring
+    from mdi.starter.control import NodeError
+    from mdi.starter.planner import format_plan
+    try:
+        cfg = load_config(args.config)
+        cfg.runtime.token = load_token(cfg.runtime.token_file)
+        setup_process(threads=cfg.runtime.threads)
+        source = ModelSource(cfg.model.path)
+        gen = cfg.generation
+        samples = args.samples or gen.n_samples or len(gen.prompts) or 2 * len(cfg.nodes)
+        tok = source.tokenizer
+        longest = max([len(tok.encode(t)) for t in gen.prompts] or [0]) if tok is not None else 0
+        max_len = min(source.config.block_size, args.max_len or max(longest, 1) + gen.n_tokens)
+        plan, _ = plan_ring(cfg, source, samples, max_len, samples, refresh=args.refresh,
+                            say=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
+        return _fail(str(e), EXIT_CONFIG)
+    except NodeError as e:
+        return _fail(str(e), EXIT_RUN)
+    planned = apply_plan(cfg, plan)
+    text = _plan_yaml(args.config, planned, plan)
+    if args.json:
+        import json
+        print(json.dumps(plan.metrics([n.name for n in cfg.nodes]), indent=1))
+    else:
+        print(format_plan(plan))
+        for name, why in plan.dropped.items():
+            print("%s: %s" % (name, why))
+        print("\n" + text)
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(text)
+        print("mdi-plan: wrote %s" % args.write, file=sys.stderr)
+    return 0
+
+
+def _plan_yaml(config_path: str, planned: RunConfig, plan) -> str:
+    """The user's config file with each kept node's planned layer count and the left-out nodes
+    removed (their names in a comment); everything else as they wrote it."""
+    import yaml
+    from mdi.runconfig import read_yaml
+    data = read_yaml(config_path)
+    counts = {n.name: n.layers for n in planned.nodes}
+    nodes = []
+    for i, raw in enumerate(data.get("nodes") or []):
+        name = raw.get("name") or ("starter" if i == 0 else "node%d" % i)
+        if name in counts:
+            nodes.append(dict(raw, layers=counts[name]))
+    data["nodes"] = nodes
+    head = "# planned by mdi-plan for %d samples in flight: slowest stage %.2f ms, %.1f tokens/s predicted\n" % (
+        plan.samples, plan.bottleneck_ms, plan.predicted_tokens_per_s)
+    if plan.dropped:
+        head += "# left out: %s\n" % ", ".join(sorted(plan.dropped))
+    return head + yaml.safe_dump(data, sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, balanced
 from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
 
 DEFAULT_HTTP_PORT = 8080
+AUTO_LAYERS = "auto"  # nodes[].layers: split by the planner (mdi.starter.planner) from measured speeds
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
 # Tokens per prefill pass. A short request arriving during a long prefill waits about one chunk
 # at each node: on this 2-core machine (SmolLM2, 3 nodes) 64 keeps its time to first token at
@@ -30,7 +31,7 @@ class NodeSpec:
     name: str
     host: str = "127.0.0.1"
     port: int = DEFAULT_HTTP_PORT
-    layers: Optional[int] = None  # None: share the layers evenly ("balanced")
+    layers: Any = None  # a count; None: share the layers evenly ("balanced"); "auto": the planner splits them
     data_port: Optional[int] = None
     device: Optional[str] = None  # overrides model.device for this node
     weights: Optional[str] = None  # path on the node's own disk (pre-cut chunk or model dir)
@@ -132,6 +133,11 @@ class RunConfig:
         if given != "auto":
             return min(given, max(1, in_flight))
         return max(1, math.ceil(in_flight / n_nodes))
+
+    @property
+    def auto_layers(self) -> bool:
+        """Whether the planner splits the layers at start (`layers: auto` on the nodes)."""
+        return self.nodes[0].layers == AUTO_LAYERS
 
     @property
     def recovery_attempts(self) -> int:
@@ -259,7 +265,7 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 
 
 def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
-    n = check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int,),
+    n = check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int, str),
                                  "data_port": (int,), "device": (str,), "weights": (str,), "quant": (str,)})
     n.setdefault("name", default_name)
     node = NodeSpec(**n)
@@ -267,7 +273,10 @@ def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
         value = getattr(node, key)
         if value is not None and not 0 < value < 65536:
             raise ConfigError("%s.%s: expected a TCP port 1-65535, got %d" % (where, key, value))
-    if node.layers is not None and node.layers < 1:
+    if isinstance(node.layers, str) and node.layers != AUTO_LAYERS:
+        raise ConfigError("%s.layers: expected a positive integer or auto (the planner splits the layers by "
+                          "measured speed, mdi-plan), got %r" % (where, node.layers))
+    if isinstance(node.layers, int) and node.layers < 1:
         raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
     if node.device is not None:
         _check_device(where + ".device", node.device)
@@ -309,6 +318,10 @@ def _check_nodes(source: str, nodes: List[NodeSpec], spares: List[NodeSpec]) -> 
     given = [n.layers is not None for n in nodes]
     if any(given) and not all(given):
         raise ConfigError("%s: nodes: give 'layers' for every node or for none (balanced split)" % source)
+    auto = [n.layers == AUTO_LAYERS for n in nodes]
+    if any(auto) and not all(auto):
+        raise ConfigError("%s: nodes: layers: auto goes on every node (the planner splits all the layers) or on none"
+                          % source)
 
 
 def _check_generation(where: str, gen: GenerationSpec) -> None:
@@ -360,6 +373,8 @@ def resolve_model_path(model_path: str, config_path: str) -> str:
 
 def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> List[int]:
     """Layer counts per node: as given (must sum to the model's layers) or balanced."""
+    if nodes[0].layers == AUTO_LAYERS:
+        raise ConfigError("%s: layers: auto must be planned first (mdi.starter.planner.resolve_layers)" % source)
     if nodes[0].layers is None:
         if len(nodes) > n_layer:
             raise ConfigError("%s: %d nodes but the model has only %d layers" % (source, len(nodes), n_layer))

@@ -9,27 +9,70 @@ per node on a bridge, shaped with tc tbf) and delay_proxy.py (latency without ne
 """
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 from mdi.lab.cgroups import (CGROUP_ROOT, CpuCgroups, MemoryCgroups, cgroup_unavailable_reason,
                              memory_cgroup_unavailable_reason, own_cpu_cgroup, rmdir_patiently)
 from mdi.lab.commands import EmulationError, try_run
 from mdi.lab.netns import NETNS_DIR, NetworkLab, network_unavailable_reason
 
-__all__ = ["EmulationError", "EmulationSettings", "Emulation", "remove_leftovers"]
+__all__ = ["EmulationError", "EmulationSettings", "Emulation", "remove_leftovers", "per_node", "per_node_text"]
+
+# A per-node setting: one value for every node, or a list with one value per node index in
+# ring order (index 0 = the starter; None = no limit for that node): heterogeneous boards.
+PerNode = Union[None, int, float, List[Any]]
+
+
+def per_node(value: PerNode, k: int) -> Any:
+    """The value of a per-node setting for node index k."""
+    if not isinstance(value, list):
+        return value
+    if k >= len(value):  # the experiment's plan checks this before anything runs
+        raise EmulationError("a per-node emulation list has %d entries, no value for node %d" % (len(value), k))
+    return value[k]
+
+
+def per_node_text(value: PerNode, fmt: str = "%g") -> str:
+    """'0.5', or '1/0.5/0.25' for a list ('-' for a node without a limit)."""
+    values = value if isinstance(value, list) else [value]
+    return "/".join("-" if v is None else fmt % v for v in values)
+
+
+def _asked(value: PerNode) -> bool:
+    return any(v is not None for v in (value if isinstance(value, list) else [value]))
 
 
 @dataclass
 class EmulationSettings:
     mode: str = "auto"  # auto: use what works; on: all asked parts or fail; off: plain loopback
-    cpu_quota: Optional[float] = None  # cores per node process
+    cpu_quota: PerNode = None  # cores per node process (a list: per node index)
     cpu_period_us: int = 100000
-    memory_limit_mb: Optional[int] = None  # per node process
+    memory_limit_mb: PerNode = None  # per node process (a list: per node index)
     bandwidth_mbit: Optional[float] = None  # per node link, each direction
     latency_ms: float = 0.0  # one-way, added per hop by the delay proxy
 
     def wants_network(self) -> bool:
         return bool(self.bandwidth_mbit) or self.latency_ms > 0
+
+    def wants_cpu(self) -> bool:
+        return _asked(self.cpu_quota)
+
+    def wants_memory(self) -> bool:
+        return _asked(self.memory_limit_mb)
+
+    def cpu_quota_of(self, k: int) -> Optional[float]:
+        """Cores of node index k (None: no quota)."""
+        return per_node(self.cpu_quota, k)
+
+    def memory_limit_of(self, k: int) -> Optional[int]:
+        """Bytes of memory of node index k (None: no limit)."""
+        mb = per_node(self.memory_limit_mb, k)
+        return None if mb is None else mb * 1024 * 1024
+
+    def node_lists(self) -> Dict[str, int]:
+        """The settings given as per-node lists: key -> number of entries."""
+        return {key: len(v) for key, v in (("cpu_quota", self.cpu_quota), ("memory_limit_mb", self.memory_limit_mb))
+                if isinstance(v, list)}
 
 
 class Emulation:
@@ -50,8 +93,8 @@ class Emulation:
             for part in ("cpu", "memory", "network"):
                 self.status[part] = "off: emulation disabled"
             return
-        self._try_part("cpu", s.cpu_quota is not None, cgroup_unavailable_reason, self._start_cpu)
-        self._try_part("memory", s.memory_limit_mb is not None, memory_cgroup_unavailable_reason,
+        self._try_part("cpu", s.wants_cpu(), cgroup_unavailable_reason, self._start_cpu)
+        self._try_part("memory", s.wants_memory(), memory_cgroup_unavailable_reason,
                        self._start_memory)
         self._try_part("network", s.wants_network(), network_unavailable_reason, self._start_network)
 
@@ -74,12 +117,16 @@ class Emulation:
     def _start_cpu(self) -> str:
         self.cpu = CpuCgroups(self.tag, own_cpu_cgroup())
         s = self.settings
-        return "%.2f core per node (cgroup v1 cpu.cfs_quota_us %d / cpu.cfs_period_us %d)" % (
-            s.cpu_quota, int(s.cpu_quota * s.cpu_period_us), s.cpu_period_us)
+        quotas = s.cpu_quota if isinstance(s.cpu_quota, list) else [s.cpu_quota]
+        return "%s core per node%s (cgroup v1 cpu.cfs_quota_us %s / cpu.cfs_period_us %d)" % (
+            per_node_text(s.cpu_quota, "%.2f"), " index" if isinstance(s.cpu_quota, list) else "",
+            per_node_text([None if q is None else int(q * s.cpu_period_us) for q in quotas], "%d"), s.cpu_period_us)
 
     def _start_memory(self) -> str:
         self.memory = MemoryCgroups(self.tag)
-        return "%d MB per node (cgroup v1 memory.limit_in_bytes)" % self.settings.memory_limit_mb
+        mb = self.settings.memory_limit_mb
+        return "%s MB per node%s (cgroup v1 memory.limit_in_bytes)" % (
+            per_node_text(mb, "%d"), " index" if isinstance(mb, list) else "")
 
     def _start_network(self) -> str:
         s = self.settings
@@ -106,15 +153,15 @@ class Emulation:
         """The address node index k listens on."""
         return self.net.address(k) if self.net is not None else "127.0.0.1"
 
-    def prepare_process(self, key: str) -> None:
-        """Cgroups for one node process (`key` names it), with no CPU limit yet: process start
-        and weight loading are not measured, and a quota would only make them slow."""
+    def prepare_process(self, key: str, k: int = 0) -> None:
+        """Cgroups for the process of node index k (`key` names it), with no CPU limit yet:
+        process start and weight loading are not measured, and a quota would only make them slow."""
         if self.cpu is not None:
             self.cpu.create(key)
             self.cpu.set_quota(key, None, self.settings.cpu_period_us)
         if self.memory is not None:
             self.memory.create(key)
-            self.memory.set_limit(key, self.settings.memory_limit_mb * 1024 * 1024)
+            self.memory.set_limit(key, self.settings.memory_limit_of(k))
 
     def command(self, cmd: List[str], key: str, k: int) -> List[str]:
         """`cmd` wrapped to run in node k's namespace and in `key`'s cgroups. A shell joins the
@@ -127,13 +174,14 @@ class Emulation:
         join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 97; shift; done; shift; exec "$@"'
         return ["sh", "-c", join, "mdi-node"] + procs + ["--"] + cmd
 
-    def limit_cpu(self, key: str, on: bool) -> None:
+    def limit_cpu(self, key: str, on: bool, k: int = 0) -> None:
+        """Node index k's quota on (or off) for the process `key` names."""
         if self.cpu is not None:
-            self.cpu.set_quota(key, self.settings.cpu_quota if on else None)
+            self.cpu.set_quota(key, self.settings.cpu_quota_of(k) if on else None)
 
-    def memory_limit_bytes(self) -> Optional[int]:
-        """Each node process's memory limit while the memory emulation is on, else None."""
-        return self.settings.memory_limit_mb * 1024 * 1024 if self.memory is not None else None
+    def memory_limit_bytes(self, k: int = 0) -> Optional[int]:
+        """Node index k's memory limit while the memory emulation is on, else None."""
+        return self.settings.memory_limit_of(k) if self.memory is not None else None
 
     def reset_memory_peak(self, key: str) -> None:
         if self.memory is not None:
@@ -170,9 +218,9 @@ class Emulation:
         """A compact description for the CSV's `emulation` column."""
         s, bits = self.settings, []
         if self.active("cpu"):
-            bits.append("cpu=%gcore" % s.cpu_quota)
+            bits.append("cpu=%score" % per_node_text(s.cpu_quota))
         if self.active("memory"):
-            bits.append("mem=%dMB" % s.memory_limit_mb)
+            bits.append("mem=%sMB" % per_node_text(s.memory_limit_mb, "%d"))
         if self.active("network"):
             if s.bandwidth_mbit:
                 bits.append("bw=%gMbit" % s.bandwidth_mbit)
@@ -182,6 +230,7 @@ class Emulation:
 
     def record(self) -> Dict[str, Any]:
         s = self.settings
+        # cpu_quota_cores and memory_limit_mb: a number, or a list per node index
         out = {"mode": s.mode, "settings": {"cpu_quota_cores": s.cpu_quota, "cpu_period_us": s.cpu_period_us,
                                             "memory_limit_mb": s.memory_limit_mb,
                                             "bandwidth_mbit": s.bandwidth_mbit, "latency_ms": s.latency_ms},

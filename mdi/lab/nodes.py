@@ -97,6 +97,10 @@ class Ring:
             self.env.pop(key, None)
         if token:
             self.env["MDI_TOKEN"] = token
+        if plan.kind == "auto":
+            # The planner's node profiles, one cache per ring: never another ring's (or the
+            # user's ~/.cache/mdi) measurements of other boards.
+            self.env["MDI_PROFILE_CACHE"] = os.path.join(work, "profiles-ring%d" % plan.index)
 
     def _addresses(self) -> Tuple[List[str], List[int], List[int]]:
         n = self.plan.n_nodes
@@ -126,6 +130,8 @@ class Ring:
                     "port": self.ports[k], "data_port": self.data_ports[k]}
             if p.kind == "explicit":
                 node["layers"] = p.counts[k]
+            elif p.kind == "auto":
+                node["layers"] = "auto"  # mdi-start profiles the nodes and picks (p.counts is only an estimate)
             if k > 0 and p.local_weights and p.model.weights == "local":
                 node["weights"] = p.path  # as a board with the model on its own disk
             nodes.append(node)
@@ -141,8 +147,8 @@ class Ring:
         for max_batch in self.plan.max_batch:
             with open(self.config_path(max_batch), "w") as f:
                 yaml.safe_dump(self.run_config(max_batch), f, sort_keys=False)
-        for key in self.keys:
-            self.emu.prepare_process(key)
+        for k, key in enumerate(self.keys):
+            self.emu.prepare_process(key, k)
         for k in range(1, self.plan.n_nodes):
             # --insecure: no token on a private namespace network that this tool made
             extra = ["--insecure"] if not self.token and self.hosts[k] != "127.0.0.1" else []
@@ -185,8 +191,8 @@ class Ring:
             self.service.wait_ready(timeout)
 
     def limit(self) -> None:
-        for key in self.keys:
-            self.emu.limit_cpu(key, True)
+        for k, key in enumerate(self.keys):
+            self.emu.limit_cpu(key, True, k)
 
     def processes(self) -> List[Optional[NodeProcess]]:
         """Per node index; the starter is None when it is a fresh mdi-start per run."""

@@ -29,6 +29,9 @@ CSV_COLUMNS = [
 ] + FORWARD_COLUMNS + [
     "emulation", "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
+    # Rings with `layers: auto` (partition "auto"): the counts mdi-start's planner chose, '+'-joined
+    # in ring order (0: a node left out), and the tokens/s it predicted; empty for other rings.
+    "plan", "predicted_tokens_per_s",
 ]
 SUMMARY_COLUMNS = [
     "model", "nodes", "partition", "max_batch", "samples", "tokens", "runs_ok",
@@ -81,6 +84,10 @@ def _num(x: Optional[float], fmt: str = "%.3f") -> str:
     return "" if x is None else fmt % x
 
 
+def _number(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 def _joined(values: Sequence[Any]) -> str:
     return ";".join(str(v) for v in values)
 
@@ -105,16 +112,45 @@ def _per_node(nodes: List[Dict[str, Any]], key: str, fmt: str) -> str:
     return _joined(fmt % n[key] if isinstance(n.get(key), (int, float)) else "" for n in nodes)
 
 
+def chosen_plan(metrics: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The planner's record in a run's metrics ("plan": counts, predicted_tokens_per_s, ...),
+    None for a run without one (fixed layer counts)."""
+    plan = (metrics or {}).get("plan")
+    return plan if isinstance(plan, dict) else None
+
+
+def plan_counts(plan: Optional[Dict[str, Any]]) -> Optional[List[int]]:
+    counts = (plan or {}).get("counts")
+    if isinstance(counts, list) and counts and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        return counts
+    return None
+
+
+def _weights_cell(plan: RingPlan, chosen: Optional[Dict[str, Any]]) -> str:
+    """Each node's weights; an auto ring's from the counts its planner chose (the plan's
+    own balanced estimate would be wrong), empty until a run says them."""
+    if plan.kind != "auto":
+        return _joined(_mb(b) for b in plan.weights)
+    counts = plan_counts(chosen)
+    if counts is None or plan.weigh is None or len(counts) != plan.n_nodes or sum(counts) != sum(plan.counts):
+        return ""
+    return _joined(_mb(b) for b in plan.weigh(counts))
+
+
 def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome: RunOutcome, emu_tag: str,
              metrics_file: str, max_batch: Any = "auto") -> Dict[str, str]:
     row = {c: "" for c in CSV_COLUMNS}
+    m = outcome.metrics
+    chosen = chosen_plan(m)
+    counts = plan_counts(chosen)
     row.update(model=plan.model.name, nodes=str(plan.n_nodes), partition=plan.label, samples=str(samples),
                max_batch=str(max_batch), tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind,
                dtype=plan.model.dtype, quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
                wire_codec=plan.model.wire_codec,
-               weights_mb=_joined(_mb(b) for b in plan.weights), emulation=emu_tag, starter_mode=exp.starter,
-               load_1min="%.2f" % outcome.load_1min, experiment=exp.name)
-    m = outcome.metrics
+               weights_mb=_weights_cell(plan, chosen), emulation=emu_tag, starter_mode=exp.starter,
+               load_1min="%.2f" % outcome.load_1min, experiment=exp.name,
+               plan="+".join(str(c) for c in counts) if counts else "",
+               predicted_tokens_per_s=_num(_number((chosen or {}).get("predicted_tokens_per_s"))))
     if outcome.code != 0 or m is None:
         row["status"] = "failed: %s" % (outcome.error or "exit code %d" % outcome.code)
         return row

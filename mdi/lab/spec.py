@@ -1,9 +1,11 @@
 """The experiment YAML (models, node counts, partitions, samples in flight, emulation) and
 the rings it asks for; every error names the file and the key."""
+import itertools
+import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
 from mdi.model.qkernels import POLICY_NAMES
@@ -29,7 +31,9 @@ class ModelEntry:
     tokens: int = 32
     samples: List[Any] = field(default_factory=lambda: ["1..2N"])
     nodes: List[int] = field(default_factory=lambda: [1, 2, 3])
+    # balanced | auto (mdi-start's planner picks the counts) | all (every split) | [counts]
     partitions: List[Any] = field(default_factory=lambda: ["balanced"])
+    partition_step: int = 1  # `all` makes only the splits whose counts are multiples of this
     dtype: str = "float32"
     weights: str = "local"  # local: workers read their layers from the model dir; push: over HTTP
     quant: str = "auto"  # the run's model.quant: none | auto (as stored) | int8 | int4
@@ -62,15 +66,17 @@ NUM = (int, float)
 MODEL_KEYS = {"name": (str,), "path": (str,), "random": (dict,), "prompt": (str,), "tokens": (int,),
               "samples": (list,), "nodes": (list,), "partitions": (list,), "dtype": (str,), "weights": (str,),
               "quant": (str,), "quant_kernel": (str,), "max_batch": (list,), "prefill_chunk": (int,),
-              "wire_codec": (str,)}
+              "wire_codec": (str,), "partition_step": (int,)}
 SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights", "quant", "quant_kernel",
-               "max_batch", "prefill_chunk", "wire_codec")
+               "max_batch", "prefill_chunk", "wire_codec", "partition_step")
 TOP_KEYS = {"name": (str,), "description": (str,), "output": (str,), "models": (list,), "repeats": (int,),
             "temperature": NUM, "warmup": (bool,), "starter": (str,), "run_timeout": NUM,
             "start_timeout": NUM, "emulation": (dict,), "auth": (bool,)}
 TOP_KEYS.update({k: MODEL_KEYS[k] for k in SHARED_KEYS})
-EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": NUM, "cpu_period_us": (int,), "memory_limit_mb": (int,),
-                  "bandwidth_mbit": NUM, "latency_ms": NUM}
+# cpu_quota and memory_limit_mb: one value for every node, or a list per node index (starter first)
+EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": (int, float, list), "cpu_period_us": (int,),
+                  "memory_limit_mb": (int, list), "bandwidth_mbit": NUM, "latency_ms": NUM}
+MAX_ALL_RINGS = 2000  # `partitions: [all]` refuses to make more rings than this
 RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": (int,), "n_kv_head": (int,),
                "intermediate_size": (int,), "block_size": (int,), "seed": (int,), "std": NUM,
                "vocab_size": (int,), "quant": (str,), "group_size": (int,),
@@ -130,16 +136,19 @@ def _check_nodes(where: str, items: List[Any]) -> None:
             raise ExperimentError("%s[%d]: expected a positive integer (number of nodes), got %r" % (where, i, n))
 
 
+PARTITION_WORDS = ("balanced", "auto", "all")
+
+
 def _check_partitions(where: str, items: List[Any]) -> None:
     if not items:
         raise ExperimentError("%s: expected at least one partition" % where)
     for i, p in enumerate(items):
-        if p == "balanced":
+        if isinstance(p, str) and p in PARTITION_WORDS:
             continue
         if not isinstance(p, list) or not p or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
                                                          for c in p):
-            raise ExperimentError("%s[%d]: expected 'balanced' or a list of layer counts like [6, 12, 12], got %r"
-                                  % (where, i, p))
+            raise ExperimentError("%s[%d]: expected 'balanced', 'auto', 'all' or a list of layer counts like "
+                                  "[6, 12, 12], got %r" % (where, i, p))
 
 
 def max_batches(items: Sequence[Any]) -> List[Any]:
@@ -205,6 +214,9 @@ def _check_common(where: str, e: ModelEntry) -> None:
     if e.prefill_chunk is not None and e.prefill_chunk < 1:
         raise ExperimentError("%s.prefill_chunk: expected a positive integer (tokens per prefill pass), got %r"
                               % (where, e.prefill_chunk))
+    if e.partition_step < 1:
+        raise ExperimentError("%s.partition_step: expected a positive integer (layers), got %r"
+                              % (where, e.partition_step))
     if e.wire_codec not in CODECS:
         raise ExperimentError("%s.wire_codec: expected one of %s, got %r" % (where, ", ".join(CODECS), e.wire_codec))
     _check_max_batch(where + ".max_batch", e.max_batch)
@@ -221,17 +233,40 @@ def _parse_emulation(where: str, raw: Any) -> EmulationSettings:
     if mode not in ("auto", "on", "off"):
         raise ExperimentError("%s.enabled: expected auto, on (true) or off (false), got %r" % (where, enabled))
     s = EmulationSettings(mode=mode, **e)
-    if s.cpu_quota is not None and not 0.01 <= s.cpu_quota <= 64:
-        raise ExperimentError("%s.cpu_quota: expected cores per node between 0.01 and 64, got %r" % (where, s.cpu_quota))
+    _check_per_node(where + ".cpu_quota", s.cpu_quota, NUM, lambda q: 0.01 <= q <= 64,
+                    "cores per node between 0.01 and 64")
     if not 1000 <= s.cpu_period_us <= 1000000:
         raise ExperimentError("%s.cpu_period_us: expected 1000 to 1000000 microseconds" % where)
-    if s.memory_limit_mb is not None and s.memory_limit_mb < 64:
-        raise ExperimentError("%s.memory_limit_mb: expected at least 64 MB" % where)
+    _check_per_node(where + ".memory_limit_mb", s.memory_limit_mb, (int,), lambda mb: mb >= 64, "at least 64 MB")
     if s.bandwidth_mbit is not None and s.bandwidth_mbit <= 0:
         raise ExperimentError("%s.bandwidth_mbit: expected a positive number" % where)
     if s.latency_ms < 0 or s.latency_ms > 10000:
         raise ExperimentError("%s.latency_ms: expected 0 to 10000 ms" % where)
     return s
+
+
+def _check_per_node(where: str, value: Any, kinds: Tuple[type, ...], ok: Callable[[Any], bool], expected: str) -> None:
+    """A number for every node, or a list with one per node index (null: no limit for that node)."""
+    if not isinstance(value, list):
+        if value is not None and not ok(value):
+            raise ExperimentError("%s: expected %s, got %r" % (where, expected, value))
+        return
+    if not value:
+        raise ExperimentError("%s: expected a number or a list with one per node (starter first), got []" % where)
+    for i, v in enumerate(value):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kinds) or not ok(v)):
+            raise ExperimentError("%s[%d]: expected %s (or null: no limit), got %r" % (where, i, expected, v))
+
+
+def check_node_lists(exp: Experiment) -> None:
+    """Every ring has an entry of each per-node emulation list for each of its nodes."""
+    for key, length in sorted(exp.emulation.node_lists().items()):
+        for i, m in enumerate(exp.models):
+            if max(m.nodes) > length:
+                raise ExperimentError("%s: emulation.%s: %d %s (one per node index) but models[%d] (%s) has "
+                                      "rings of %d nodes" % (exp.source, key, length,
+                                                             "entry" if length == 1 else "entries", i, m.name,
+                                                             max(m.nodes)))
 
 
 def parse_experiment(data: Any, source: str) -> Experiment:
@@ -254,6 +289,7 @@ def parse_experiment(data: Any, source: str) -> Experiment:
                      emulation=_parse_emulation(source + ": emulation", top.get("emulation")),
                      description=top.get("description", ""), auth=top.get("auth", False))
     _check_top(source, exp)
+    check_node_lists(exp)
     return exp
 
 
@@ -281,12 +317,14 @@ class RingPlan:
     model: ModelEntry
     path: str
     n_nodes: int
-    counts: List[int]
-    kind: str  # balanced | explicit
+    counts: List[int]  # auto: the balanced split, an estimate until mdi-start's planner picks
+    kind: str  # balanced | explicit | auto
     samples: List[int]
     local_weights: bool = True
     weights: List[int] = field(default_factory=list)
     max_batch: List[Any] = field(default_factory=lambda: ["auto"])  # runs at every S with each of these
+    # bytes of each node's weights for given layer counts (an auto ring's, once its planner chose)
+    weigh: Optional[Callable[[List[int]], List[int]]] = field(default=None, repr=False, compare=False)
 
     def runs(self) -> List[Tuple[Any, int]]:
         """(max_batch, samples) of every run on this ring, in run order: samples ascending, and
@@ -295,29 +333,70 @@ class RingPlan:
 
     @property
     def label(self) -> str:
-        return partition_label(self.counts)
+        return "auto" if self.kind == "auto" else partition_label(self.counts)
 
     def work(self, samples: int) -> int:
         """sample-tokens x weight kB: a proxy for a run's compute, for the progress estimate."""
         return samples * self.model.tokens * max(1, sum(self.weights) // 1000)
 
 
+def all_splits(n_layer: int, n: int, step: int = 1) -> List[List[int]]:
+    """Every split of n_layer layers over n nodes into positive multiples of `step`."""
+    units = n_layer // step
+    return [[(b - a) * step for a, b in zip((0,) + cuts, cuts + (units,))]
+            for cuts in itertools.combinations(range(1, units), n - 1)]
+
+
+def _check_all(entry: ModelEntry, where: str, n_layer: int, i: int) -> None:
+    """`all` at partitions[i]: the step divides the layers and the rings stay countable."""
+    step = entry.partition_step
+    if n_layer % step:
+        raise ExperimentError("%s.partition_step: %d does not divide the %d layers of %s"
+                              % (where, step, n_layer, entry.name))
+    units = n_layer // step
+    for n in entry.nodes:
+        if n > units:
+            raise ExperimentError("%s.partitions[%d]: 'all' has no split of %s's %d layers over %d nodes in steps of "
+                                  "%d (partition_step)" % (where, i, entry.name, n_layer, n, step))
+    total = sum(math.comb(units - 1, n - 1) for n in set(entry.nodes))
+    if total > MAX_ALL_RINGS:
+        raise ExperimentError("%s.partitions[%d]: 'all' makes %d rings (%s's %d layers over %s nodes in steps of %d), "
+                              "more than %d: raise partition_step" % (where, i, total, entry.name, n_layer,
+                                                                       "/".join(map(str, sorted(set(entry.nodes)))),
+                                                                       step, MAX_ALL_RINGS))
+
+
 def plan_rings(entry: ModelEntry, where: str, n_layer: int) -> List[Tuple[int, List[int], str]]:
-    """(nodes, layer counts, kind) for every ring of one model, in node-count order."""
+    """(nodes, layer counts, kind) for every ring of one model, in node-count order. An auto
+    ring's counts are the balanced split: an estimate, mdi-start's planner picks its own."""
     rings, seen = [], set()
     for i, p in enumerate(entry.partitions):
-        if p != "balanced" and sum(p) != n_layer:
+        if isinstance(p, list) and sum(p) != n_layer:
             raise ExperimentError("%s.partitions[%d]: %s sums to %d, but %s has %d layers"
                                   % (where, i, partition_label(p), sum(p), entry.name, n_layer))
+        if p == "all":
+            _check_all(entry, where, n_layer, i)
     for n in entry.nodes:
         if n > n_layer:
             raise ExperimentError("%s.nodes: %d nodes but %s has only %d layers" % (where, n, entry.name, n_layer))
         for p in entry.partitions:
-            counts = balanced(n_layer, n) if p == "balanced" else list(p)
-            if len(counts) != n or (n, tuple(counts)) in seen:
-                continue  # an explicit partition is for the node count of its length
-            seen.add((n, tuple(counts)))
-            rings.append((n, counts, "balanced" if p == "balanced" else "explicit"))
+            if p == "auto":
+                if (n, "auto") not in seen:
+                    seen.add((n, "auto"))
+                    rings.append((n, balanced(n_layer, n), "auto"))
+                continue
+            even = balanced(n_layer, n)
+            if p == "all":
+                splits = all_splits(n_layer, n, entry.partition_step)
+            else:
+                splits = [even if p == "balanced" else list(p)]
+            for counts in splits:
+                if len(counts) != n or (n, tuple(counts)) in seen:
+                    continue  # an explicit partition is for the node count of its length
+                seen.add((n, tuple(counts)))
+                # the balanced split that `all` makes is the balanced ring, whatever the order
+                kind = "balanced" if p == "balanced" or (p == "all" and counts == even) else "explicit"
+                rings.append((n, counts, kind))
     if not rings:
         raise ExperimentError("%s.partitions: no partition matches any of the node counts %s" % (where, entry.nodes))
     return rings

@@ -3,7 +3,9 @@ a state file for --cleanup, and the outputs at the end.
 
 Run order: for each model, every ring (node count x partition) is started once and kept up;
 then repeat by repeat, ring by ring, samples ascending, each S once per max_batch value. Interleaving the repeats across rings
-spreads a noisy neighbour's load over every configuration instead of one.
+spreads a noisy neighbour's load over every configuration instead of one. With one repeat
+there is nothing to interleave: each ring is started, run and stopped before the next (a
+`partitions: [all]` sweep has hundreds of rings, too many to keep up at once).
 """
 import json
 import os
@@ -22,7 +24,7 @@ from mdi.lab.model_setup import sweep_model, weight_bytes
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
 from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, batching_lines, machine_record, make_row,
                             read_rows, scaling_lines, summarize, write_csv, write_report)
-from mdi.lab.spec import EXIT_RUN, Experiment, RingPlan, max_batches, plan_rings, samples_for
+from mdi.lab.spec import EXIT_RUN, Experiment, RingPlan, check_node_lists, max_batches, plan_rings, samples_for
 
 
 # --------------------------------------------------------------------------- progress
@@ -71,30 +73,34 @@ def _duration(s: float) -> str:
 def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) -> List[List[RingPlan]]:
     """The rings of every model, models built or found (build=False: nothing is written);
     every error names the key before anything runs."""
+    check_node_lists(exp)  # before any model is built
     plans, index = [], 0
     for i, entry in enumerate(exp.models):
         where = "%s: models[%d]" % (exp.source, i)
         path, config, local, quant = sweep_model(entry, where, exp.source, log, build)
         rings = []
+        def weigh(counts: List[int], config: Any = config, entry: Any = entry, quant: Any = quant) -> List[int]:
+            return weight_bytes(config, counts, entry.dtype, quant)
         for n, counts, kind in plan_rings(entry, where, config.n_layer):
             rings.append(RingPlan(index, entry, path, n, counts, kind, samples_for(entry.samples, n),
-                                  local, weight_bytes(config, counts, entry.dtype, quant),
-                                  max_batches(entry.max_batch)))
+                                  local, weigh(counts), max_batches(entry.max_batch), weigh))
             index += 1
         plans.append(rings)
     return plans
 
 
-def over_limit(plans: List[List[RingPlan]], limit: Optional[int]) -> List[str]:
-    """The nodes whose weights alone (at their quantized size) exceed a board's memory `limit`
-    (bytes; None: no limit): mdi-start or the worker should refuse those runs, naming what they
-    need, else the kernel kills them."""
+def over_limit(plans: List[List[RingPlan]], limit: Callable[[int], Optional[int]]) -> List[str]:
+    """The nodes whose weights alone (at their quantized size) exceed their board's memory
+    (`limit` of the node index: bytes, None: no limit): mdi-start or the worker should refuse
+    those runs, naming what they need, else the kernel kills them. Auto rings are left out:
+    their counts are not known yet, and the planner fits them to each board's memory."""
     lines = []
-    for p in (p for rings in plans for p in rings) if limit is not None else ():
+    for p in (p for rings in plans for p in rings if p.kind != "auto"):
         for k, nbytes in enumerate(p.weights):
-            if nbytes > limit:
+            board = limit(k)
+            if board is not None and nbytes > board:
                 lines.append("%s N=%d %s: node %d's weights are %.0f MB, over the %.0f MB of memory of an emulated "
-                             "board" % (p.model.name, p.n_nodes, p.label, k, nbytes / 2 ** 20, limit / 2 ** 20))
+                             "board" % (p.model.name, p.n_nodes, p.label, k, nbytes / 2 ** 20, board / 2 ** 20))
     return lines
 
 
@@ -137,10 +143,13 @@ class Sweep:
         self.emu.start()
         self._save_state()
         self.log("mdi-bench: " + self.emu.describe())
-        quota = self.exp.emulation.cpu_quota
-        if self.emu.active("cpu") and quota * self.emu.max_nodes > (os.cpu_count() or 1):
-            self.log("mdi-bench: warning: %d nodes x %.2f core > %d CPUs: nodes will compete for CPUs"
-                     % (self.emu.max_nodes, quota, os.cpu_count() or 1))
+        # a node without a quota runs one torch thread: one core
+        cores = [self.exp.emulation.cpu_quota_of(k) for k in range(self.emu.max_nodes)]
+        total = sum(1.0 if c is None else c for c in cores)
+        if self.emu.active("cpu") and total > (os.cpu_count() or 1):
+            self.log("mdi-bench: warning: %d nodes with %s cores = %.2f > %d CPUs: nodes will compete for CPUs"
+                     % (self.emu.max_nodes, "+".join("-" if c is None else "%g" % c for c in cores), total,
+                        os.cpu_count() or 1))
         self._warn_over_limit(plans)
         progress = Progress(run_list(self.exp, plans), self.log)
         write_csv(self.csv_path, CSV_COLUMNS, [])
@@ -148,11 +157,20 @@ class Sweep:
             self._run_model(rings, progress)
 
     def _warn_over_limit(self, plans: List[List[RingPlan]]) -> None:
-        for line in over_limit(plans, self.emu.memory_limit_bytes()):
+        for line in over_limit(plans, self.emu.memory_limit_bytes):
             self.log("mdi-bench: warning: " + line)
 
     def _run_model(self, plans: List[RingPlan], progress: Progress) -> None:
+        if self.exp.repeats == 1:  # nothing to interleave: one ring up at a time
+            self.log("mdi-bench: %d ring(s) for %s, one at a time" % (len(plans), plans[0].model.name))
+            for p in plans:
+                self._run_rings([p], progress)
+            return
         self.log("mdi-bench: starting %d ring(s) for %s" % (len(plans), plans[0].model.name))
+        self._run_rings(plans, progress)
+
+    def _run_rings(self, plans: List[RingPlan], progress: Progress) -> None:
+        """Start these rings together, run every repeat of each, interleaved, and stop them."""
         self.rings = [Ring(p, self.exp, self.emu, self.token, self.work, self.log) for p in plans]
         try:
             for ring in self.rings:
@@ -270,8 +288,8 @@ def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
             log("%s: %d node(s), partition %s (%s), samples %s, max_batch %s, %d tokens, %d repeats"
                 % (p.model.name, p.n_nodes, p.label, p.kind, p.samples,
                    ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats))
-    mb = exp.emulation.memory_limit_mb if exp.emulation.mode != "off" else None
-    for line in over_limit(plans, mb * 2 ** 20 if mb else None):
+    on = exp.emulation.mode != "off"
+    for line in over_limit(plans, lambda k: exp.emulation.memory_limit_of(k) if on else None):
         log("warning: " + line)
     log("%d runs in all" % len(run_list(exp, plans)))
     return 0

@@ -182,6 +182,30 @@ def _finish_chunk(chunk: ModelChunk, dtype: torch.dtype, compute_dtype: Optional
     return chunk.eval()
 
 
+def random_chunk(config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
+                 dtype: torch.dtype, device: str, compute_dtype: Optional[torch.dtype] = None,
+                 quant: Optional[QuantLayout] = None, seed: int = 0) -> ModelChunk:
+    """A chunk of the real shapes, dtype and quantization filled with random values a trained
+    model could have (norms 1, weights ~0.02, quantized codes uniform): what a board times
+    before any weight is sent (mdi.model.profile). A kernel's speed does not depend on the
+    values, but NaN or denormal activations could slow it."""
+    chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device, quant)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in chunk.state_dict().items():
+            module, suffix = name.rsplit(".", 2)[-2:]
+            if suffix == "qweight":
+                lo, hi = (-127, 128) if t.dtype == torch.int8 else (0, 256)
+                t.copy_(torch.randint(lo, hi, t.shape, generator=g, dtype=torch.int16))
+            elif suffix in ("scales", "mins"):
+                t.fill_(0.002 if suffix == "scales" else -0.015)
+            elif "norm" in module or module.startswith("ln"):
+                t.fill_(1.0 if suffix == "weight" else 0.0)
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * 0.02)
+    return _finish_chunk(chunk, dtype, compute_dtype)
+
+
 def _copy_into(targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy a converted weight's tensors into the chunk's (`Module.load_state_dict` copies the same way)."""
     with torch.no_grad():

@@ -105,19 +105,19 @@ class InitRequest:
         return out
 
 
-def _int(where: str, value: Any, lo: int, hi: int) -> int:
+def int_field(where: str, value: Any, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise RequestError("%s must be an integer in [%d, %d]" % (where, lo, hi))
     return value
 
 
-def _str(where: str, value: Any, max_len: int = 4096) -> str:
+def str_field(where: str, value: Any, max_len: int = 4096) -> str:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise RequestError("%s must be a non-empty string" % where)
     return value
 
 
-def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
+def object_fields(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise RequestError("%s must be an object" % where)
     missing = [k for k in required if k not in data]
@@ -129,13 +129,19 @@ def _keys(where: str, data: Any, required, optional=()) -> Dict[str, Any]:
     return data
 
 
+def check_device(device: str) -> str:
+    if not (device in ("cpu", "cuda") or re.match(r"^cuda:\d+$", device)):
+        raise RequestError("device must be cpu, cuda or cuda:N")
+    return device
+
+
 def validate_init(body: Any) -> InitRequest:
     """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
-    spec = _keys("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
+    spec = object_fields("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                 "data", "weights"),
                  ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant", "quant_kernel",
                   "max_batch", "max_rows", "wire_codec"))
-    _int("run_id", spec["run_id"], 0, 2 ** 63 - 1)
+    int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     try:
         if not isinstance(spec["model"], dict):
             raise ValueError("must be an object")
@@ -143,51 +149,49 @@ def validate_init(body: Any) -> InitRequest:
     except (TypeError, ValueError) as e:
         raise RequestError("model: %s" % e)
     for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
-        _int("model." + key, getattr(config, key), 1, 1 << 24)
+        int_field("model." + key, getattr(config, key), 1, 1 << 24)
     layers = spec["layers"]
     if not isinstance(layers, list) or len(layers) != 2:
         raise RequestError("layers must be [first, last) as two integers")
-    _int("layers[0]", layers[0], 0, config.n_layer - 1)
-    _int("layers[1]", layers[1], layers[0] + 1, config.n_layer)
+    int_field("layers[0]", layers[0], 0, config.n_layer - 1)
+    int_field("layers[1]", layers[1], layers[0] + 1, config.n_layer)
     for key in ("dtype", "compute_dtype"):
         if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPE_NAMES:
             raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPE_NAMES)))
-    device = _str("device", spec["device"], 32)
-    if not (device in ("cpu", "cuda") or re.match(r"^cuda:\d+$", device)):
-        raise RequestError("device must be cpu, cuda or cuda:N")
-    _int("n_slots", spec["n_slots"], 1, 4096)
-    _int("max_len", spec["max_len"], 1, config.block_size)
+    device = check_device(str_field("device", spec["device"], 32))
+    int_field("n_slots", spec["n_slots"], 1, 4096)
+    int_field("max_len", spec["max_len"], 1, config.block_size)
     if spec.get("cache_budget_bytes") is not None:
-        _int("cache_budget_bytes", spec["cache_budget_bytes"], 0, 2 ** 62)
+        int_field("cache_budget_bytes", spec["cache_budget_bytes"], 0, 2 ** 62)
     hb = spec.get("heartbeat_timeout")
     if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float)) or not 0.5 <= hb <= 3600):
         raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
     if spec.get("threads") is not None:
-        _int("threads", spec["threads"], 1, MAX_THREADS)
-    quant = _quant_layout(spec.get("quant"), config, layers)
+        int_field("threads", spec["threads"], 1, MAX_THREADS)
+    quant = quant_field(spec.get("quant"), config, layers)
     kernel = spec.get("quant_kernel")
     if kernel is not None and kernel not in POLICY_NAMES:
         raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
-    max_batch = _int("max_batch", spec.get("max_batch", 1), 1, spec["n_slots"])
-    max_rows = _int("max_rows", spec.get("max_rows", MAX_ROWS), 1, MAX_ROWS)
+    max_batch = int_field("max_batch", spec.get("max_batch", 1), 1, spec["n_slots"])
+    max_rows = int_field("max_rows", spec.get("max_rows", MAX_ROWS), 1, MAX_ROWS)
     codec = spec.get("wire_codec", "raw")
     if codec not in CODECS:
         raise RequestError("wire_codec must be one of %s" % ", ".join(CODECS))
-    data = _keys("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
-    _int("data.bind_port", data["bind_port"], 1, 65535)
-    _int("data.next_port", data["next_port"], 1, 65535)
-    _str("data.next_host", data["next_host"], 255)
+    data = object_fields("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
+    int_field("data.bind_port", data["bind_port"], 1, 65535)
+    int_field("data.next_port", data["next_port"], 1, 65535)
+    str_field("data.next_host", data["next_host"], 255)
     if not isinstance(data["is_last"], bool):
         raise RequestError("data.is_last must be true or false")
     weights = spec["weights"]
     if isinstance(weights, dict) and "path" in weights:
-        _keys("weights", weights, ("path",))
-        source = Weights(path=_str("weights.path", weights["path"]))
+        object_fields("weights", weights, ("path",))
+        source = Weights(path=str_field("weights.path", weights["path"]))
     else:
-        _keys("weights", weights, ("push",))
-        push = _keys("weights.push", weights["push"], ("nbytes", "sha256"))
+        object_fields("weights", weights, ("push",))
+        push = object_fields("weights.push", weights["push"], ("nbytes", "sha256"))
         limit = min(MAX_WEIGHTS_BYTES, weight_bytes(config, layers, spec["dtype"], quant=quant) + SAFETENSORS_SLACK)
-        _int("weights.push.nbytes", push["nbytes"], 1, limit)
+        int_field("weights.push.nbytes", push["nbytes"], 1, limit)
         if not isinstance(push["sha256"], str) or not HEX64.match(push["sha256"]):
             raise RequestError("weights.push.sha256 must be 64 lowercase hex digits")
         source = Weights(push=PushedWeights(push["nbytes"], push["sha256"]))
@@ -200,7 +204,7 @@ def validate_init(body: Any) -> InitRequest:
         threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows, wire_codec=codec)
 
 
-def _quant_layout(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:
+def quant_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:
     """`quant` names only this node's weight matrices, each with a spec its width allows."""
     if data is None:
         return {}

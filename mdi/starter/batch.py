@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from mdi.runconfig import ConfigError, RunConfig
+from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.model.source import ModelSource
 from mdi.starter.pipeline import Sample, make_samples
@@ -71,7 +72,10 @@ def run(cfg: RunConfig, prompts: List[str],
     samples = make_samples(prompts, prompt_ids, gen.n_tokens, gen.seed)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
-    engine = Engine(cfg, source, len(samples), max_len, params, on_token)
+    planned = [n.name for n in cfg.nodes]
+    cfg, plan, costs = resolve_layers(cfg, source, len(samples), max_len, params)  # layers: auto
+    engine = Engine(cfg, source, len(samples), max_len, params, on_token, costs=costs)
+    plan_record = {"plan": plan.metrics(planned)} if plan is not None else {}
     if on_engine is not None:
         on_engine(engine)
     try:
@@ -88,11 +92,14 @@ def run(cfg: RunConfig, prompts: List[str],
         # the ring tells every worker at once, instead of after its heartbeat timeout.
         engine.abort()
         partial = _result(engine, samples, time.perf_counter() - engine.t0, [])
+        partial.extra.update(plan_record)
         signum = e.signum if isinstance(e, Interrupted) else (signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
         partial.extra["error"] = ("interrupted by %s" % signal.Signals(signum).name if signum is not None
                                   else str(e) or type(e).__name__)
         raise RunFailed(partial.extra["error"], partial, signum)
-    return _result(engine, samples, elapsed, worker_stats)
+    result = _result(engine, samples, elapsed, worker_stats)
+    result.extra.update(plan_record)
+    return result
 
 
 class Interrupted(BaseException):

@@ -18,6 +18,7 @@ import urllib3
 
 from mdi.ring.auth import CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, body_sha256, sign_request
 from mdi.ring.init_request import InitRequest
+from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
 
@@ -180,6 +181,23 @@ class ControlClient:
         # Unsigned: the worker checks the bytes against the sha256 announced in /init.
         return self._call("POST", "/weights", self.init_timeout, data=blob,
                           headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
+
+    def profile(self, request: ProfileRequest) -> ProfileReply:
+        """How fast the worker runs the model's blocks (a few seconds of timing there; a slow
+        board gets init_timeout, as a load would)."""
+        body = self._call("POST", "/profile", self.init_timeout, json=request.to_json())
+        try:
+            return ProfileReply.from_json(body)
+        except ValueError as e:
+            raise NodeError("node %s (%s): bad /profile reply: %s" % (self.node.name, self.node.address, e),
+                            self.node.name) from None
+
+    def probe(self, nbytes: int) -> float:
+        """Seconds to send `nbytes` to the worker and hear back (POST /probe): the link's round
+        trip with nbytes 0, plus the transfer with more."""
+        t0 = time.perf_counter()
+        self._call("POST", "/probe", data=bytes(nbytes), headers={"Content-Type": "application/octet-stream"})
+        return time.perf_counter() - t0
 
     def stop(self, run_id: Optional[int] = None) -> Dict[str, Any]:
         """End the worker's run; with `run_id` only if that run holds it (never another starter's)."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mdi.model import qkernels
 from mdi.model.layout import layer_ranges, torch_dtype
-from mdi.runconfig import RunConfig, partition
+from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.system.devices import resolve_compute_dtype
 from mdi.model.source import ModelSource
@@ -20,6 +20,8 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
 from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant
+from mdi.starter.planner import NodeCost, PlanError, make_plan
+from mdi.starter.profiling import Profiler
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 from mdi.starter.session import RingSession, client_for
 from mdi.model.sampling import SamplingParams
@@ -30,8 +32,11 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int,
                  params: SamplingParams,
-                 on_token: Optional[Callable[[Sample, int], None]] = None) -> None:
+                 on_token: Optional[Callable[[Sample, int], None]] = None,
+                 costs: Optional[List[NodeCost]] = None) -> None:
         self.cfg, self.source = cfg, source
+        # The planner's measured costs of every node (layers: auto): a failure re-plans with them.
+        self.costs = {c.name: c for c in costs or []}
         self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
         self.nodes = list(cfg.nodes)
         self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
@@ -149,11 +154,39 @@ class Engine:
         if dead is None:
             return "every node answers: the ring is rebuilt as it was"
         spares = [s for s in self.spares if self._alive(s)]
+        if self.costs:
+            return self._replan_measured(dead, spares)
         plan = plan_recovery(self.nodes, self.ranges, dead, spares, self._fits)
         if plan.spare is not None:
             self.spares.remove(plan.spare)
         self.nodes, self.ranges = plan.nodes, plan.ranges
         return plan.how
+
+    def _replan_measured(self, dead: str, spares: List[NodeSpec]) -> str:
+        """The planner again, on the measured costs: the first live spare (measured now) takes
+        the dead node's place, or the survivors share its layers as their speeds say."""
+        i = next(k for k, n in enumerate(self.nodes) if n.name == dead)
+        nodes = self.nodes[:i] + self.nodes[i + 1:]
+        spare = spares[0] if spares else None
+        if spare is not None:
+            nodes.insert(i, spare)
+            if spare.name not in self.costs:
+                profiler = Profiler(self.cfg, self.source, self.n_slots, self.max_len, self.n_slots, self.params)
+                self.costs[spare.name] = profiler.costs([self.nodes[0], spare])[1]
+        costs = [self.costs[n.name] for n in nodes if n.name in self.costs]
+        if len(costs) != len(nodes):
+            raise RecoveryImpossible("no measured costs for %s" % ", ".join(n.name for n in nodes
+                                                                             if n.name not in self.costs))
+        try:
+            plan = make_plan(costs, self.source.config.n_layer, self.n_slots, self.cfg.runtime.max_batch)
+        except PlanError as e:
+            raise RecoveryImpossible(str(e))
+        if spare is not None:
+            self.spares.remove(spare)
+        self.nodes = [n for n, k in zip(nodes, plan.counts) if k > 0]
+        self.ranges = [r.layers for r in plan.rows if r.layers is not None]
+        return "re-planned without %s%s: %s" % (dead, " with spare %s" % spare.name if spare else "",
+                                                 "+".join(str(k) for k in plan.counts if k > 0))
 
     def _dead_worker(self, cause: BaseException) -> Optional[str]:
         named = getattr(cause, "node", None)

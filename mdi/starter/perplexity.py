@@ -26,6 +26,7 @@ from mdi.ring.wire import Frame
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.batch import Interrupted, RunFailed
 from mdi.starter.control import NodeError
+from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.system.memory import unified_memory_bytes
 
@@ -145,7 +146,8 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
     n_slots = min(len(cfg.nodes), n_windows)
     log.info("mdi: perplexity of %s: %d tokens, %d windows of %d, %d in flight",
              path, len(ids), n_windows, ctx, n_slots)
-    engine = Engine(cfg, source, n_slots, ctx, SamplingParams(temperature=0.0))
+    cfg, _, costs = resolve_layers(cfg, source, n_slots, ctx, SamplingParams(temperature=0.0))  # layers: auto
+    engine = Engine(cfg, source, n_slots, ctx, SamplingParams(temperature=0.0), costs=costs)
     try:
         engine.open()
     except (KeyboardInterrupt, Interrupted):

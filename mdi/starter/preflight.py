@@ -5,7 +5,9 @@ from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
+from mdi.starter.autoplan import resolve_layers
 from mdi.starter.capacity import MB, chunk_bytes_needed, node_quant
+from mdi.starter.planner import format_plan
 from mdi.starter.session import client_for
 from mdi.system.memory import available_memory_bytes
 
@@ -13,12 +15,20 @@ from mdi.system.memory import available_memory_bytes
 def preflight(cfg: RunConfig, prompts: List[str]) -> int:
     source = ModelSource(cfg.model.path)
     config = source.config
-    ranges = layer_ranges(partition(config.n_layer, cfg.nodes, cfg.source))
     dtype = torch_dtype(cfg.model.dtype)
     gen = cfg.generation
     longest = max([len(source.tokenizer.encode(p)) for p in prompts] or [0]) if source.tokenizer else 0
     max_len = min(config.block_size, longest + gen.n_tokens)
     n_slots = max(gen.n_samples or 1, len(prompts), 1)
+    if cfg.auto_layers:  # the plan the run would make (measured, or from the profile cache)
+        try:
+            cfg, plan, _ = resolve_layers(cfg, source, n_slots, max_len)
+        except NodeError as e:
+            print("plan: UNREACHABLE: %s" % e)
+            print("check: problems found")
+            return 1
+        print(format_plan(plan))
+    ranges = layer_ranges(partition(config.n_layer, cfg.nodes, cfg.source))
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, n_slots, max_len))
     ok = True

@@ -13,6 +13,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
+from mdi.starter.autoplan import resolve_layers
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
@@ -47,10 +48,11 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
                       on_token: Callable[[Sample, int], None]) -> ServingRing:
     """Plan the slots from memory, open the engine, and lower the slots to what the workers
     actually allocated. Nothing is left open when this raises."""
+    cfg, _, costs = resolve_layers(cfg, source, cfg.serve.max_in_flight or DEFAULT_MAX_IN_FLIGHT, max_len, params)
     nodes = list(cfg.nodes)
     ranges = layer_ranges(partition(source.config.n_layer, nodes, cfg.source))
     slots = plan_slots(cfg, source, nodes, ranges, max_len)
-    engine = Engine(cfg, source, slots, max_len, params, on_token)
+    engine = Engine(cfg, source, slots, max_len, params, on_token, costs=costs)
     try:
         engine.open()
         reported = reported_slots(cfg, engine, max_len)

@@ -1,7 +1,9 @@
 """mdi-worker's control plane (Flask, JSON only) over one `Worker`:
 
     GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
-    pushes them), PUT /stop (?run=ID: only that run), POST /shutdown.
+    pushes them), POST /profile (time the model's blocks here, mdi.ring.profile_request), POST /probe
+    (a body timed by the starter to measure the link),
+    PUT /stop (?run=ID: only that run), POST /shutdown.
 
 With a shared secret every request must be signed with it (`Authorization: MDI-HMAC ...`, see
 mdi/ring/auth.py; the secret itself never crosses the network) and is accepted once; a bad
@@ -18,6 +20,7 @@ from mdi.ring.auth import (CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthEr
                            body_sha256)
 from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
+from mdi.ring.profile_request import MAX_PROBE_BYTES, validate_profile
 from mdi.worker.node import Worker
 
 log = logging.getLogger(__name__)
@@ -100,6 +103,18 @@ def create_app(worker: Worker) -> Flask:
     def init():
         # The peer address names this run's starter when another run is refused (409).
         return jsonify(worker.init(validate_init(body_json()), request.remote_addr or "?"))
+
+    @app.route("/profile", methods=["POST"])
+    def profile():
+        return jsonify(worker.profile(validate_profile(body_json())).to_json())
+
+    @app.route("/probe", methods=["POST"])
+    def probe():
+        # The starter times this to measure the link (round trip, bandwidth): read and dropped.
+        n = request.content_length
+        if n is None or n > MAX_PROBE_BYTES:
+            raise RequestError("a probe body is 0 to %d bytes with its Content-Length" % MAX_PROBE_BYTES)
+        return jsonify({"ok": True, "bytes": len(request.get_data(cache=False))})
 
     @app.route("/weights", methods=["POST"])
     def weights():

@@ -26,11 +26,13 @@ from mdi.model.source import build_chunk_from_file
 from mdi.model.transformer import KVCache, ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
+from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import available_memory_bytes, board_memory, rss_bytes, unified_memory_bytes
+from mdi.worker.profiling import profile_here
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,27 @@ class Worker:
                 return self._init_locked(request, peer)
             finally:
                 self.loading = False
+
+    def profile(self, request: ProfileRequest) -> ProfileReply:
+        """Time the asked model's blocks here (POST /profile). Refused (409) while a run or a
+        load holds this worker: it would slow that run, and the run would skew the numbers."""
+        if not self.lock.acquire(timeout=1.0):
+            raise NodeBusy("busy loading weights; profile it between runs")
+        try:
+            run = self.run
+            if run is not None and run.holds_worker():
+                raise NodeBusy("busy with run %d of the starter at %s; profile it between runs" % (run.id, run.peer))
+            if self.pending is not None:
+                raise NodeBusy("run %d is waiting for its weights; profile it between runs"
+                               % self.pending.request.run_id)
+            self.touch()
+            self._set_threads(request)
+            try:
+                return profile_here(request, self.device_override or request.device)
+            except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
+                raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
+        finally:
+            self.lock.release()
 
     def _check_holder_locked(self, request: InitRequest, peer: str) -> None:
         """Refuse (409) an /init of another run while a live run, or an /init waiting for its
@@ -386,7 +409,7 @@ class Worker:
         self.run.thread.start()
         self.runs_served += 1
 
-    def _set_threads(self, request: InitRequest) -> Optional[int]:
+    def _set_threads(self, request: Any) -> Optional[int]:
         """The run's runtime.threads, unless this worker was started with its own --threads."""
         threads = self.threads_override or request.threads
         if threads:

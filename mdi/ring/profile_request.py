@@ -1,0 +1,137 @@
+"""POST /profile (contract): the starter asks an idle worker how fast it runs a model's blocks,
+before any weight is sent; the planner (mdi.starter.planner) splits the layers by the answers.
+
+One definition for both ends, as for /init: `ProfileRequest.to_json` / `validate_profile` on
+the way in (every field checked before use: a `RequestError`, HTTP 400), `ProfileReply.to_json`
+/ `ProfileReply.from_json` on the way back (a wrong or hostile reply is one `ValueError` naming
+the field, never a KeyError in the planner).
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from mdi.model.config import ModelConfig
+from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_to_json
+import torch
+
+from mdi.model.profile import PROFILE_LAYERS, seconds_per_call
+from mdi.model.qkernels import POLICY_NAMES
+from mdi.ring.wire import Frame, decode, encode
+from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, int_field, object_fields, quant_field,
+                                   str_field)
+
+MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
+MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
+MAX_PROBE_BYTES = 1 << 20  # POST /probe: the body the starter times a link with
+
+
+@dataclass
+class ProfileRequest:
+    model: ModelConfig
+    dtype: str
+    device: str
+    batch_sizes: List[int]  # decode passes of this many samples (one row each) are timed
+    context: int  # the position those rows decode at (attention reads this many keys)
+    prefill_tokens: int  # one prefill pass of this many tokens is timed
+    threads: Optional[int] = None  # the run's torch threads; the worker's own --threads wins
+    compute_dtype: Optional[str] = None
+    quant: Dict[str, QuantSpec] = field(default_factory=dict)  # for blocks [0, PROFILE_LAYERS)
+    quant_kernel: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        out = {"model": self.model.to_dict(), "dtype": self.dtype, "device": self.device,
+               "batch_sizes": list(self.batch_sizes), "context": self.context,
+               "prefill_tokens": self.prefill_tokens}  # type: Dict[str, Any]
+        for key in ("threads", "compute_dtype", "quant_kernel"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.quant:
+            out["quant"] = layout_to_json(self.quant)
+        return out
+
+
+def validate_profile(body: Any) -> ProfileRequest:
+    """The /profile JSON body as a `ProfileRequest`, or a `RequestError` naming the first bad field."""
+    spec = object_fields("profile", body, ("model", "dtype", "device", "batch_sizes", "context", "prefill_tokens"),
+                 ("threads", "compute_dtype", "quant", "quant_kernel"))
+    try:
+        if not isinstance(spec["model"], dict):
+            raise ValueError("must be an object")
+        config = ModelConfig.from_dict(spec["model"])
+    except (TypeError, ValueError) as e:
+        raise RequestError("model: %s" % e)
+    for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
+        int_field("model." + key, getattr(config, key), 1, 1 << 24)
+    for key in ("dtype", "compute_dtype"):
+        if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPE_NAMES:
+            raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPE_NAMES)))
+    device = check_device(str_field("device", spec["device"], 32))
+    sizes = spec["batch_sizes"]
+    if not isinstance(sizes, list) or not 1 <= len(sizes) <= MAX_BATCH_SIZES:
+        raise RequestError("batch_sizes must be a list of 1 to %d integers" % MAX_BATCH_SIZES)
+    for i, b in enumerate(sizes):
+        int_field("batch_sizes[%d]" % i, b, 1, MAX_PROFILE_ROWS)
+    int_field("context", spec["context"], 0, config.block_size - 1)
+    int_field("prefill_tokens", spec["prefill_tokens"], 1, min(MAX_PROFILE_ROWS, config.block_size))
+    if spec.get("threads") is not None:
+        int_field("threads", spec["threads"], 1, MAX_THREADS)
+    kernel = spec.get("quant_kernel")
+    if kernel is not None and kernel not in POLICY_NAMES:
+        raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
+    quant = quant_field(spec.get("quant"), config, [0, min(PROFILE_LAYERS, config.n_layer)])
+    return ProfileRequest(config, spec["dtype"], device, sorted(set(sizes)), spec["context"], spec["prefill_tokens"],
+                          spec.get("threads"), spec.get("compute_dtype"), quant, kernel)
+
+
+@dataclass
+class ProfileReply:
+    """Seconds on the worker (keys of the dicts: rows per decode pass)."""
+    layer_s: Dict[int, float]  # one block, one decode pass
+    prefill_token_s: float  # one block, per prompt token
+    frame_s: Dict[int, float]  # receiving and sending one frame of that many rows (decode + encode)
+    threads: int
+    device: str
+    seconds: float  # how long profiling took
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
+                "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
+                "device": self.device, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "ProfileReply":
+        if not isinstance(data, dict):
+            raise ValueError("profile reply: expected an object")
+
+        def seconds(where: str, v: Any) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 3600:
+                raise ValueError("profile reply: %s must be seconds in [0, 3600), got %r" % (where, v))
+            return float(v)
+
+        def table(key: str) -> Dict[int, float]:
+            raw = data.get(key)
+            if not isinstance(raw, dict) or not raw or len(raw) > MAX_BATCH_SIZES:
+                raise ValueError("profile reply: %s must map 1 to %d batch sizes to seconds" % (key, MAX_BATCH_SIZES))
+            out = {}
+            for k, v in raw.items():
+                if not (isinstance(k, str) and k.isdigit() and 1 <= int(k) <= MAX_PROFILE_ROWS):
+                    raise ValueError("profile reply: %s has a bad batch size %r" % (key, k))
+                out[int(k)] = seconds("%s[%s]" % (key, k), v)
+            return out
+        threads, device = data.get("threads"), data.get("device")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise ValueError("profile reply: threads must be an integer in [1, %d]" % MAX_THREADS)
+        if not isinstance(device, str) or not device or len(device) > 32:
+            raise ValueError("profile reply: device must be a short string")
+        return cls(table("layer_s"), seconds("prefill_token_s", data.get("prefill_token_s")), table("frame_s"),
+                   threads, device, seconds("seconds", data.get("seconds")))
+
+
+def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:
+    """Encoding one frame of `rows` activations and decoding (validating) it again: what a node
+    spends on every hop besides its blocks and the socket."""
+    frame = Frame("decode", 1, list(range(rows)), [0] * rows, [1] * rows, torch.zeros(rows, width, dtype=dtype))
+
+    def hop() -> Frame:
+        return decode([bytes(p) for p in encode(frame)], run=1, hidden=width, n_slots=rows, max_len=2)
+    return seconds_per_call(hop, min_window=0.05)

@@ -1,0 +1,207 @@
+"""What the planner plans on: every node's measured speed, memory and link, as `NodeCost`s.
+
+Workers time the model's blocks themselves (POST /profile, mdi.ring.profile_request), the
+starter times its own blocks, embedding, head and sampling in its process, and times a small
+and a larger body to each worker (POST /probe) for the link's round trip and bandwidth. Nothing
+of the model's weights moves. The timings are cached per (node, address, model shape, dtype,
+quantization, device, threads, ...) in $MDI_PROFILE_CACHE/profiles.json (default ~/.cache/mdi),
+so a second plan is instant; `refresh` measures again (a board was changed or is busy).
+Memory is read fresh every time (GET /status): it changes with what else runs there.
+"""
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from mdi import __version__
+from mdi.model.layout import dtype_name, layout_to_json, torch_dtype
+from mdi.model.profile import PROFILE_LAYERS, time_chunk
+from mdi.model.sampling import SamplingParams
+from mdi.model.source import ModelSource
+from mdi.ring.profile_request import ProfileReply, ProfileRequest, frame_seconds
+from mdi.ring.wire import payload_nbytes
+from mdi.runconfig import NodeSpec, RunConfig
+from mdi.starter.capacity import chunk_bytes_needed, node_quant
+from mdi.starter.planner import NodeCost
+from mdi.starter.session import client_for
+from mdi.system.devices import resolve_compute_dtype
+from mdi.system.files import write_json
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 256 * 1024  # the larger probe body: enough to see a slow link's bandwidth
+PROBE_REPEATS = 5
+CACHE_FILE = "profiles.json"
+
+
+def cache_dir() -> str:
+    return os.environ.get("MDI_PROFILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mdi")
+
+
+def _read_cache() -> Dict[str, Any]:
+    try:
+        with open(os.path.join(cache_dir(), CACHE_FILE), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # none yet, or damaged: measured again and rewritten
+
+
+def _write_cache(entries: Dict[str, Any]) -> None:
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        write_json(os.path.join(cache_dir(), CACHE_FILE), entries)
+    except OSError as e:  # a read-only home is no reason to fail the run
+        log.warning("mdi: plan: cannot write the profile cache in %s: %s", cache_dir(), e)
+
+
+def batch_sizes(samples: int, n_nodes: int) -> List[int]:
+    """Rows per decode pass to time: one sample alone, and the groups `samples` in flight make
+    on this ring or on one with a node less (the planner may leave one out)."""
+    sizes = {1, 2, max(1, math.ceil(samples / n_nodes)), max(1, math.ceil(samples / max(1, n_nodes - 1)))}
+    return sorted(sizes)[:8]
+
+
+def _key(parts: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class Profiler:
+    """Measures (or finds in the cache) the NodeCost of each node for one run's model and shapes."""
+
+    def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, samples: int,
+                 params: Optional[SamplingParams] = None, refresh: bool = False,
+                 say: Callable[[str], None] = log.info) -> None:
+        self.cfg, self.source, self.n_slots, self.max_len = cfg, source, n_slots, max_len
+        self.params = params or SamplingParams(cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p)
+        self.samples, self.refresh, self.say = samples, refresh, say
+        self.config = source.config
+        self.dtype = torch_dtype(cfg.model.dtype)
+        self.sizes = batch_sizes(samples, len(cfg.nodes))
+        self.context = max(0, min(self.config.block_size - 1, max_len // 2))  # a run's average position
+        self.prefill_tokens = max(1, min(cfg.runtime.prefill_chunk, self.config.block_size, 256))
+        self.cache = _read_cache()
+        self.seconds = 0.0  # spent measuring (0 when everything came from the cache)
+        self.cache_dirty = False
+        self._bytes = {}  # type: Dict[Optional[str], List[int]]  # node quant -> layer bytes
+
+    def costs(self, nodes: Sequence[NodeSpec]) -> List[NodeCost]:
+        """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""
+        t0 = time.perf_counter()
+        links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
+        out = []
+        for i, node in enumerate(nodes):
+            timing = self._starter_timing() if i == 0 else self._worker_timing(node)
+            # A node's output goes to the next one: the slower of the two links to the starter
+            # stands for the path between them (boards usually hang off one switch).
+            nxt = links[(i + 1) % len(nodes)]
+            link = [l for l in (links[i], nxt) if l is not None]
+            out.append(self._cost(i, node, timing, link))
+        if self.cache_dirty:
+            _write_cache(self.cache)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    # --- measuring -------------------------------------------------------------------
+    def _cached(self, what: str, parts: Dict[str, Any], measure: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+        key = _key(dict(parts, what=what, mdi=__version__))
+        entry = self.cache.get(key)
+        if entry is None or self.refresh:
+            node = parts.get("node", "?")
+            self.say("mdi: plan: " + {"worker": "timing %s's blocks" % node, "link": "timing the link to %s" % node,
+                                      "starter": "timing the starter's blocks, head and sampling"}[what])
+            entry = measure()
+            self.cache[key] = entry
+            self.cache_dirty = True
+        return entry
+
+    def _shape(self, node: NodeSpec, with_ends: bool) -> Dict[str, Any]:
+        cfg = self.cfg
+        layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
+        return {"model": self.config.to_dict(), "dtype": cfg.model.dtype, "compute_dtype": cfg.model.compute_dtype,
+                "device": node.device or cfg.model.device, "threads": cfg.runtime.threads,
+                "quant": layout_to_json(node_quant(cfg, self.source, node, layers, with_ends)),
+                "quant_kernel": cfg.runtime.quant_kernel, "sizes": self.sizes, "context": self.context,
+                "prefill_tokens": self.prefill_tokens}
+
+    def _worker_timing(self, node: NodeSpec) -> Dict[str, Any]:
+        shape = self._shape(node, False)
+
+        def measure() -> Dict[str, Any]:
+            layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
+            request = ProfileRequest(self.config, self.cfg.model.dtype, shape["device"], self.sizes, self.context,
+                                     self.prefill_tokens, self.cfg.runtime.threads, self.cfg.model.compute_dtype,
+                                     dict(node_quant(self.cfg, self.source, node, layers)),
+                                     self.cfg.runtime.quant_kernel)
+            return client_for(self.cfg, node).profile(request).to_json()
+        return self._cached("worker", dict(shape, node=node.name, address=node.address), measure)
+
+    def _starter_timing(self) -> Dict[str, Any]:
+        node = self.cfg.nodes[0]
+        shape = self._shape(node, True)
+
+        def measure() -> Dict[str, Any]:
+            device = shape["device"]
+            asked = self.cfg.model.compute_dtype
+            compute, _ = resolve_compute_dtype(device, self.dtype, torch_dtype(asked) if asked else None)
+            layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
+            from mdi.model import qkernels
+            qkernels.set_preference(self.cfg.runtime.quant_kernel)
+            t = time_chunk(self.config, self.dtype, device, node_quant(self.cfg, self.source, node, layers, True),
+                           self.sizes, self.context, self.prefill_tokens, compute, with_ends=True, params=self.params)
+            frames = {b: frame_seconds(b, self.config.n_embd, compute) for b in self.sizes}
+            reply = ProfileReply(t.layer_s, t.prefill_token_s, frames, torch.get_num_threads(), device, t.seconds)
+            return dict(reply.to_json(), ends_s={str(k): v for k, v in t.ends_s.items()})
+        sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
+        return self._cached("starter", dict(shape, node=node.name, sampling=sampling), measure)
+
+    def _link(self, node: NodeSpec) -> Dict[str, float]:
+        def measure() -> Dict[str, float]:
+            client = client_for(self.cfg, node)
+            client.probe(0)  # a connection kept alive from here on, as the ring's are
+            rtt = min(client.probe(0) for _ in range(PROBE_REPEATS))
+            big = min(client.probe(PROBE_BYTES) for _ in range(3))
+            # Bytes per second on top of the round trip; a link faster than we can time is "fast".
+            bandwidth = PROBE_BYTES / (big - rtt) if big > rtt * 1.05 else 1e10
+            return {"rtt_s": rtt, "bytes_per_s": bandwidth}
+        return self._cached("link", {"node": node.name, "address": node.address}, measure)
+
+    # --- in the planner's terms ------------------------------------------------------
+    def _cost(self, i: int, node: NodeSpec, timing: Dict[str, Any], links: List[Dict[str, float]]) -> NodeCost:
+        reply = ProfileReply.from_json({k: v for k, v in timing.items() if k != "ends_s"})
+        fixed = dict(reply.frame_s)
+        if i == 0:
+            for k, v in timing["ends_s"].items():
+                fixed[int(k)] = fixed.get(int(k), 0.0) + float(v)
+        hop = {}
+        for rows in self.sizes:
+            nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)
+            hop[rows] = max([l["rtt_s"] / 2 + nbytes / l["bytes_per_s"] for l in links] or [0.0])
+        layer_bytes = self._layer_bytes(node)
+        ends = 0
+        if i == 0:
+            with_ends = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, True,
+                                           node_quant(self.cfg, self.source, node, [0, 1], True))
+            ends = with_ends - layer_bytes[0]
+        capacity = self._capacity(i, node)
+        return NodeCost(node.name, reply.layer_s, fixed, hop, layer_bytes, ends, capacity, reply.prefill_token_s)
+
+    def _layer_bytes(self, node: NodeSpec) -> List[int]:
+        """Weights + KV cache of each layer as this node would hold it (its own quant)."""
+        if node.quant not in self._bytes:
+            self._bytes[node.quant] = [
+                chunk_bytes_needed(self.config, [j, j + 1], self.n_slots, self.max_len, self.dtype, False,
+                                   node_quant(self.cfg, self.source, node, [j, j + 1]))
+                for j in range(self.config.n_layer)]
+        return self._bytes[node.quant]
+
+    def _capacity(self, i: int, node: NodeSpec) -> Optional[int]:
+        if i == 0:
+            from mdi.system.memory import available_memory_bytes
+            return available_memory_bytes()
+        return client_for(self.cfg, node).status().capacity_bytes()

@@ -1,0 +1,130 @@
+"""`layers: auto` and mdi-plan on loopback with real workers: the nodes are profiled over
+POST /profile and /probe, the plan is cached, the planned ring generates what the model
+generates alone, and a ring that cannot hold the model fails before any weight is sent."""
+import json
+import os
+import subprocess
+
+import pytest
+import requests
+import yaml
+
+from conftest import BIN, WorkerProcess, free_ports
+from mdi.ring.profile_request import ProfileRequest
+from mdi.model.source import ModelSource
+from mdi.runconfig import ConfigError, load_config, parse_config
+from mdi.starter import batch
+
+PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be"]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    path = str(tmp_path / "profiles")
+    monkeypatch.setenv("MDI_PROFILE_CACHE", path)
+    return path
+
+
+def write_config(path, model, workers, layers="auto", data_ports=None, n_tokens=10):
+    data_ports = data_ports or free_ports(1 + len(workers))
+    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": layers}]
+    nodes += [{"name": "w%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1], "layers": layers}
+              for i, w in enumerate(workers)]
+    data = {"model": {"path": model}, "nodes": nodes,
+            "generation": {"n_tokens": n_tokens, "temperature": 0, "prompts": PROMPTS},
+            "runtime": {"threads": 1, "ring_timeout": 30}}
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return str(path)
+
+
+def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_models, workers, tmp_path, cache_dir):
+    model = tiny_models["llama"]
+    n_layer = ModelSource(model).config.n_layer
+    alone = batch.run(parse_config({"model": {"path": model}, "generation": {"n_tokens": 10, "temperature": 0}},
+                                   "alone"), PROMPTS)
+    cfg = load_config(write_config(tmp_path / "auto.yaml", model, workers[:2]))
+    assert cfg.auto_layers
+    result = batch.run(cfg, PROMPTS)
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in alone.samples]
+    plan = result.metrics()["plan"]
+    assert sum(plan["counts"]) == n_layer and plan["counts"][0] >= 1
+    assert plan["nodes"] == ["starter", "w1", "w2"] and plan["predicted_tokens_per_s"] > 0
+    used = [c for c in plan["counts"] if c]
+    assert [n["layers"][1] - n["layers"][0] + 1 for n in result.nodes] == used
+    assert set(plan["dropped"]) == {name for name, c in zip(plan["nodes"], plan["counts"]) if c == 0}
+    cached = json.load(open(os.path.join(cache_dir, "profiles.json")))
+    assert len(cached) == 5  # the starter, two workers, two links
+    # The second plan comes from the cache: nothing is measured again.
+    before = {k: v for k, v in cached.items()}
+    again = batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS)
+    assert json.load(open(os.path.join(cache_dir, "profiles.json"))) == before
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in alone.samples]
+
+
+def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp_path, cache_dir):
+    model = tiny_models["gpt2"]
+    config = write_config(tmp_path / "auto.yaml", model, workers[:2])
+    out = tmp_path / "planned.yaml"
+    r = subprocess.run([os.path.join(BIN, "mdi-plan"), "--config", config, "--samples", "3", "--write", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert "slowest stage" in r.stdout and "predicted tokens/s" in r.stdout and "memory use / limit" in r.stdout
+    planned = load_config(str(out))
+    assert not planned.auto_layers
+    assert sum(n.layers for n in planned.nodes) == ModelSource(model).config.n_layer
+    result = batch.run(planned, PROMPTS)
+    assert all(len(s.token_ids) == 10 for s in result.samples)
+    j = subprocess.run([os.path.join(BIN, "mdi-plan"), "--config", config, "--samples", "3", "--json"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert j.returncode == 0, j.stderr
+    assert "timing" not in j.stderr  # cached by the first call
+    assert [c for c in json.loads(j.stdout)["counts"] if c] == [n.layers for n in planned.nodes]
+
+
+def test_a_worker_without_memory_for_a_layer_is_left_out(tiny_models, tmp_path, cache_dir):
+    small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", "0.00001"]).wait_ready()  # ~10 kB
+    try:
+        config = write_config(tmp_path / "auto.yaml", tiny_models["llama"], [small])
+        r = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--quiet"],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
+        assert r.returncode == 0, r.stderr
+        assert "w1" in r.stderr and "left out" in r.stderr
+        status = requests.get("http://127.0.0.1:%d/status" % small.port, timeout=10).json()
+        assert status["runs_served"] == 0 and status["memory"]["chunk_bytes"] == 0
+    finally:
+        small.stop()
+
+
+def test_a_ring_too_small_for_the_model_fails_before_any_weight_is_sent(tiny_models, tmp_path, cache_dir,
+                                                                        monkeypatch):
+    import mdi.system.memory
+    small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", "0.00001"]).wait_ready()  # ~10 kB
+    try:
+        cfg = load_config(write_config(tmp_path / "auto.yaml", tiny_models["llama"], [small]))
+        # This machine stands for a board with 20 kB free: the ring has 30 kB in all.
+        monkeypatch.setattr(mdi.system.memory, "available_memory_bytes", lambda: 20 * 1024)
+        with pytest.raises(ConfigError) as e:
+            batch.run(cfg, PROMPTS)
+        msg = str(e.value)
+        assert "cannot hold the model" in msg and "missing" in msg and "starter 20 kB" in msg and "w1 10 kB" in msg
+        status = requests.get("http://127.0.0.1:%d/status" % small.port, timeout=10).json()
+        assert status["runs_served"] == 0 and status["state"] == "idle"
+    finally:
+        small.stop()
+
+
+def test_profile_requests_are_validated(workers, tiny_models):
+    config = ModelSource(tiny_models["llama"]).config
+    good = ProfileRequest(config, "float32", "cpu", [1, 2], 8, 4, threads=1).to_json()
+    url = "http://127.0.0.1:%d/profile" % workers[2].port
+    r = requests.post(url, json=good, timeout=120)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert set(reply["layer_s"]) == {"1", "2"} and reply["prefill_token_s"] > 0
+    for bad, word in ((dict(good, batch_sizes=[0]), "batch_sizes"), (dict(good, context=10 ** 6), "context"),
+                      (dict(good, device="tpu"), "device"), (dict(good, dtype="int3"), "dtype"),
+                      (dict(good, quant={"blocks.9.attn.qkv": ["int4", 32]}), "quant"),
+                      (dict(good, extra=1), "unknown key")):
+        r = requests.post(url, json=bad, timeout=30)
+        assert r.status_code == 400 and word in r.json()["error"], (bad, r.text)
