@@ -169,6 +169,20 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
         worker.end_run()  # run 4 ends first: while it holds the worker, another run's /init is refused
         assert worker.init(again)["need_weights"] is False and worker.chunk is chunk  # weights reused
         assert worker.runs_served == 2 and worker.status().run_id == 5
+        # Another split: the old weights are gone before the new ones load (no run, thread or
+        # local still holds them: a board near its memory limit cannot hold both).
+        import gc
+        import time
+        import weakref
+        old = weakref.ref(worker.chunk)
+        del chunk
+        time.sleep(0.6)  # the heartbeat watcher has looked at run 5 at least once
+        other = copy.deepcopy(request)
+        other.run_id, other.layers = 6, [0, 2]
+        worker.end_run()
+        worker.init(other)
+        gc.collect()
+        assert old() is None and worker.status().layers == [0, 2]
         bad = copy.deepcopy(request)
         bad.weights = Weights(path=os.path.join(tiny_models["gpt2"], "missing"))
         worker.end_run()

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -27,6 +28,7 @@ from mdi.ring.profile_request import ProfileReply, ProfileRequest, frame_seconds
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
+from mdi.starter.control import NodeError
 from mdi.starter.planner import NodeCost
 from mdi.starter.session import client_for
 from mdi.system.devices import resolve_compute_dtype
@@ -65,6 +67,15 @@ def batch_sizes(samples: int, n_nodes: int) -> List[int]:
     on this ring or on one with a node less (the planner may leave one out)."""
     sizes = {1, 2, max(1, math.ceil(samples / n_nodes)), max(1, math.ceil(samples / max(1, n_nodes - 1)))}
     return sorted(sizes)[:8]
+
+
+def _connect_seconds(node: NodeSpec, timeout: float) -> float:
+    t0 = time.perf_counter()
+    try:
+        socket.create_connection((node.host, node.port), timeout=timeout).close()
+    except OSError as e:
+        raise NodeError("node %s (%s): cannot connect to time the link: %s" % (node.name, node.address, e), node.name)
+    return time.perf_counter() - t0
 
 
 def _key(parts: Dict[str, Any]) -> str:
@@ -162,12 +173,15 @@ class Profiler:
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
+            # The round trip from TCP connects (answered by the board's kernel: no Python there,
+            # as on the data plane); the bandwidth from a large probe body less a small one
+            # (the HTTP handling costs both the same).
+            rtt = min(_connect_seconds(node, self.cfg.runtime.connect_timeout) for _ in range(PROBE_REPEATS))
             client = client_for(self.cfg, node)
-            client.probe(0)  # a connection kept alive from here on, as the ring's are
-            rtt = min(client.probe(0) for _ in range(PROBE_REPEATS))
+            client.probe(0)  # a connection kept alive from here on
+            small = min(client.probe(0) for _ in range(3))
             big = min(client.probe(PROBE_BYTES) for _ in range(3))
-            # Bytes per second on top of the round trip; a link faster than we can time is "fast".
-            bandwidth = PROBE_BYTES / (big - rtt) if big > rtt * 1.05 else 1e10
+            bandwidth = PROBE_BYTES / (big - small) if big > small * 1.05 else 1e10  # faster than we can time
             return {"rtt_s": rtt, "bytes_per_s": bandwidth}
         return self._cached("link", {"node": node.name, "address": node.address}, measure)
 

@@ -42,15 +42,19 @@ def available_memory_bytes() -> Optional[int]:
     return limited if avail is None else min(avail, limited)
 
 
-# (limit file, usage file, page-cache key in memory.stat) of cgroup v2 and v1.
-_CGROUP_MEMORY_FILES = (("", "memory.max", "memory.current", "file"),
-                        ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache"))
+# (limit file, usage file, reclaimable page-cache key in memory.stat) of cgroup v2 and v1. Only
+# the inactive file pages count as free (the working set, as the kubelet computes it): the
+# active ones include the mapped code of torch's libraries, ~100 MB that a process in use
+# cannot give back without thrashing. Counting all the cache as free overstated a 400 MB
+# board's room by that much, and its next load was OOM-killed.
+_CGROUP_MEMORY_FILES = (("", "memory.max", "memory.current", "inactive_file"),
+                        ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
 
 
 def cgroup_memory_free(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
     """What this process's memory cgroup (v2, or v1's `memory` controller) and its ancestors
-    still allow: the tightest limit minus what is used there, page cache not counted (the
-    kernel reclaims it first); None without a limit."""
+    still allow: the tightest limit minus what is used there, inactive page cache not counted
+    (the kernel reclaims it first); None without a limit."""
     try:
         with open(proc_cgroup) as f:
             entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]

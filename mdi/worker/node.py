@@ -5,6 +5,7 @@ the ring's data plane: a `RingEndpoint`; the compute loop pops a frame, selects 
 KV cache slot, runs this node's blocks and pushes the result to the next node. A worker serves
 run after run without restarting; weights already loaded for the same layers are reused.
 """
+import gc
 import hashlib
 import logging
 import os
@@ -23,7 +24,7 @@ from mdi.model.config import ModelConfig
 from mdi.model import qkernels
 from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.source import build_chunk_from_file
-from mdi.model.transformer import KVCache, ModelChunk
+from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
@@ -118,21 +119,26 @@ class Worker:
         """End a run whose starter went silent (it died or lost the network): the caches are
         freed and the worker waits for the next /init instead of serving a dead ring. An /init
         whose weights never came is dropped the same way."""
-        frames_seen = 0
+        frames_seen = [0]
         while not self.shutdown_requested.wait(0.5):
             pending = self.pending
             if pending is not None:
                 self._drop_if_silent(pending)
-            run = self.run
-            if run is None or run.stopped.is_set():
-                continue
-            if run.endpoint.frames_received != frames_seen:
-                frames_seen = run.endpoint.frames_received
-                self.touch()
-            silent = time.monotonic() - self.last_contact
-            if silent > run.heartbeat_timeout:
-                log.warning("starter silent for %.1f s: ending run %d", silent, run.id)
-                self.end_run(run)
+            # In a call of its own: no local of this loop keeps an ended run (and its weights)
+            # alive while the next /init loads new ones.
+            self._check_silence(frames_seen)
+
+    def _check_silence(self, frames_seen: List[int]) -> None:
+        run = self.run
+        if run is None or run.stopped.is_set():
+            return
+        if run.endpoint.frames_received != frames_seen[0]:
+            frames_seen[0] = run.endpoint.frames_received
+            self.touch()
+        silent = time.monotonic() - self.last_contact
+        if silent > run.heartbeat_timeout:
+            log.warning("starter silent for %.1f s: ending run %d", silent, run.id)
+            self.end_run(run)
 
     def _drop_if_silent(self, pending: Setup) -> None:
         hb = pending.request.heartbeat_timeout
@@ -200,6 +206,9 @@ class Worker:
                 return profile_here(request, self.device_override or request.device)
             except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
                 raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
+            finally:
+                gc.collect()
+                release_freed_memory()  # the random blocks' memory goes back before the weights come
         finally:
             self.lock.release()
 
@@ -248,7 +257,7 @@ class Worker:
         if request.weights.push is not None:
             # Refused here, before a byte of the push is read (the weights held now are freed first).
             self._check_push_fits(request.weights.push.nbytes, cache_bytes)
-        self.chunk, self.loaded = None, None  # free old weights before loading new ones
+        self._drop_chunk_locked()  # free old weights before loading new ones
         if setup.weights_file is not None:
             if not os.path.isfile(setup.weights_file):
                 raise RequestError("cannot load weights: weights file %s does not exist" % setup.weights_file)
@@ -262,6 +271,15 @@ class Worker:
         self.pending = setup
         self.touch()  # the heartbeat of an /init waiting for its weights starts now
         return {"ok": True, "need_weights": True, "cache_bytes": cache_bytes}
+
+    def _drop_chunk_locked(self) -> None:
+        """Let go of the weights held now and hand their memory back to the OS at once. The
+        next weights are loaded by another HTTP thread, in another glibc arena: memory freed
+        but kept in this one is not reused there, and a board near its limit was OOM-killed
+        loading a new split beside the last one (seen under a memory cgroup)."""
+        self.chunk, self.loaded = None, None
+        gc.collect()
+        release_freed_memory()
 
     def _weights_file(self, path: str) -> str:
         """weights.path as a file inside --models-dir (a model directory means its

@@ -25,7 +25,7 @@ class Run:
                  threads: Optional[int] = None) -> None:
         self.request = request
         self.id = request.run_id
-        self.chunk = chunk
+        self.chunk = chunk  # type: Optional[ModelChunk]  # None once the run is stopped
         self.endpoint = endpoint
         self.peer = peer
         self.threads = threads
@@ -89,7 +89,9 @@ class Run:
                 log.exception("compute loop failed")
         finally:
             self.stopped.set()
-            self.chunk.free_cache()  # a finished or failed run gives its cache memory back
+            chunk = self.chunk
+            if chunk is not None:
+                chunk.free_cache()  # a finished or failed run gives its cache memory back
             # Unbind the data port now, not at the next /init: a neighbour configured for the
             # next run must find nothing there (and retry) rather than this run's socket.
             self.endpoint.close()
@@ -141,7 +143,9 @@ class Run:
         if self.thread.is_alive():
             self.thread.join(timeout=5)
         self.endpoint.close()
-        self.chunk.free_cache()
+        chunk, self.chunk = self.chunk, None  # the worker owns the weights: an ended run keeps none
+        if chunk is not None:
+            chunk.free_cache()
 
 
 def _merge(frames: List[Frame]) -> Frame:
