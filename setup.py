@@ -16,7 +16,7 @@ setup(
         "waitress>=3.0.1,<4; python_version >= '3.9'", "waitress>=3.0.0,<4; python_version < '3.9'",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "protobuf", "vermin",
+        "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "peft", "protobuf", "vermin",
                  "matplotlib", "openai", "selenium>=4.11"],
         "bench": ["matplotlib"],
     },

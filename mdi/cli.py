@@ -52,6 +52,9 @@ def start_parser() -> argparse.ArgumentParser:
                                    "overrides model.path")
     p.add_argument("--prompt", action="append", default=[],
                    help="a prompt; give several times for several samples")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME",
+                   help="the LoRA adapter (a name under the config's adapters:) of the prompt at the same "
+                        "position; give it once per --prompt, 'base' for none; later prompts run on the base")
     p.add_argument("--n-samples", type=int, help="samples in flight; prompts are repeated to fill them")
     p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default 100)")
     p.add_argument("--temperature", type=float, help="0 for greedy decoding (default 0.8)")
@@ -193,7 +196,7 @@ def _start(args: argparse.Namespace, batch) -> int:
         monitor = dashboard.monitor if dashboard is not None else None
         try:
             result = batch.run(cfg, prompts, on_token=_each(progress, monitor.on_token if monitor else None),
-                               on_engine=monitor.attach if monitor else None)
+                               on_engine=monitor.attach if monitor else None, adapters=args.adapter)
         except BaseException as e:
             if monitor is not None:
                 monitor.finished(str(e) or type(e).__name__)
@@ -454,6 +457,9 @@ def prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
                    help="also cut per-node chunk files for this partition (layer counts); repeatable")
     p.add_argument("--vocab", help="JSON list of characters (character-level nanoGPT models)")
+    p.add_argument("--merge-adapter", metavar="PATH",
+                   help="merge this LoRA adapter (a PEFT directory or a LoRA GGUF) into the weights before they "
+                        "are written (and quantized as --quant says): a model for a ring that serves one task")
     add_quant_arguments(p)
     return p
 
@@ -484,7 +490,8 @@ def prepare_main(argv: Optional[List[str]] = None) -> int:
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
     out = args.out or os.path.join("models", name)
     try:
-        prepare.prepare(args.source, out, args.chunks, args.vocab, args.quant or "auto", args.group_size)
+        prepare.prepare(args.source, out, args.chunks, args.vocab, args.quant or "auto", args.group_size,
+                        args.merge_adapter)
     except (CheckpointError, TokenizerError, OSError, ValueError) as e:
         print("mdi-prepare: error: %s" % e, file=sys.stderr)
         return EXIT_CONFIG

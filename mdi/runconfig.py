@@ -5,6 +5,7 @@ so the CLI can print one line and exit with code 2.
 """
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -117,6 +118,8 @@ class RunConfig:
     source: str = "<flags>"
     spares: List[NodeSpec] = field(default_factory=list)  # idle workers that can replace a dead one
     serve: ServeSpec = field(default_factory=ServeSpec)
+    # LoRA adapters over the base, name -> PEFT directory or LoRA GGUF; ids 1..K in this order.
+    adapters: Dict[str, str] = field(default_factory=dict)
 
     @property
     def starter(self) -> NodeSpec:
@@ -180,7 +183,7 @@ NUM = (int, float)
 def parse_config(data: Any, source: str) -> RunConfig:
     top = check_keys(source, data if data is not None else {},
                       {"model": (dict,), "nodes": (list,), "spares": (list,), "generation": (dict,),
-                       "runtime": (dict,), "serve": (dict,)},
+                       "runtime": (dict,), "serve": (dict,), "adapters": (dict,)},
                       required=("model",))
     m = check_keys(source + ": model", top["model"],
                     {"path": (str,), "dtype": (str,), "device": (str,), "compute_dtype": (str,), "quant": (str,),
@@ -234,7 +237,23 @@ def parse_config(data: Any, source: str) -> RunConfig:
         if getattr(runtime, key) <= 0:
             raise ConfigError("%s: runtime.%s: expected a positive number of seconds" % (source, key))
     serve = _parse_serve(source, top.get("serve") or {})
-    return RunConfig(model, nodes, gen, runtime, source, spares, serve)
+    adapters = _parse_adapters(source, top.get("adapters") or {})
+    return RunConfig(model, nodes, gen, runtime, source, spares, serve, adapters)
+
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _parse_adapters(source: str, raw: Dict[Any, Any]) -> Dict[str, str]:
+    out = {}
+    for name, path in raw.items():
+        if not isinstance(name, str) or not ADAPTER_NAME.match(name) or name == "base":
+            raise ConfigError("%s: adapters: %r is not an adapter name (letters, digits, '_', '.', '-'; not 'base')"
+                              % (source, name))
+        if not isinstance(path, str) or not path:
+            raise ConfigError("%s: adapters.%s: expected the path of a PEFT directory or a LoRA GGUF" % (source, name))
+        out[name] = path
+    return out
 
 
 def _parse_serve(source: str, raw: Any) -> ServeSpec:
@@ -355,6 +374,7 @@ def read_yaml(path: str, error: type = ConfigError, what: str = "config") -> Any
 def load_config(path: str) -> RunConfig:
     cfg = parse_config(read_yaml(path), path)
     cfg.model.path = resolve_model_path(cfg.model.path, path)
+    cfg.adapters = {name: resolve_model_path(p, path) for name, p in cfg.adapters.items()}
     return cfg
 
 

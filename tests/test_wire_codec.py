@@ -194,12 +194,31 @@ def test_unknown_codec_is_rejected():
         wire.encode(prefill(torch.randn(3, 64)), "q4")
 
 
-def test_a_v1_peer_is_refused():
-    assert wire.PROTOCOL_VERSION == 2
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_peer_is_refused(version):
+    assert wire.PROTOCOL_VERSION == 3
     header, payload = wire.encode(prefill(torch.randn(3, 64)))
-    old = msgpack.packb(dict(msgpack.unpackb(header), v=1))
-    with pytest.raises(wire.FrameError, match="protocol version 1, expected 2"):
+    old = msgpack.packb(dict(msgpack.unpackb(header), v=version))
+    with pytest.raises(wire.FrameError, match="protocol version %d, expected 3" % version):
         wire.decode([old, bytes(payload)])
+
+
+def test_adapter_ids_travel_only_when_used_and_are_checked():
+    x = torch.randn(3, 64)
+    base = wire.Frame("prefill", 7, [0, 1], [0, 0], [1, 2], x)
+    header, payload = wire.encode(base)
+    assert "adapter" not in msgpack.unpackb(header)
+    assert wire.decode([header, bytes(payload)]).adapters == []
+    mixed = wire.Frame("prefill", 7, [0, 1], [0, 0], [1, 2], x, adapters=[2, 0])
+    header, payload = wire.encode(mixed)
+    assert msgpack.unpackb(header)["adapter"] == [2, 0]
+    assert wire.decode([header, bytes(payload)], adapters={2}).adapters == [2, 0]
+    with pytest.raises(wire.FrameError, match="adapter 2 is not loaded here"):
+        wire.decode([header, bytes(payload)], adapters={1})
+    for bad in ([2], [2, -1], [2, wire.MAX_ADAPTER_ID + 1], [2, "x"]):
+        forged = msgpack.packb(dict(msgpack.unpackb(header), adapter=bad))
+        with pytest.raises(wire.FrameError, match="adapter"):
+            wire.decode([forged, bytes(payload)])
 
 
 def test_the_limit_bounds_both_the_payload_and_the_decoded_tensor():

@@ -57,8 +57,21 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
                          "characters) for a character-level model" % where)
 
 
+def _merged(state, adapter_path: str, config):
+    """The stored weights with the adapter merged in: its layers dequantized first (the layout
+    computed before, from the stored weights, quantizes them again on the way out)."""
+    from mdi.model.adapters import load_adapter, load_gguf_lora, merge_adapter
+    adapter = (load_gguf_lora if adapter_path.endswith(".gguf") else load_adapter)(adapter_path, config)
+    targets = {name + ".weight": state[name + ".weight"] for name in adapter.weights}
+    merged = merge_adapter(convert(targets, {}, torch.float32), adapter)
+    log.info("merged adapter %s (rank %d) into %d weights", adapter_path, adapter.rank, len(targets))
+    return dict(state, **merged)
+
+
 def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = None, quant: str = "auto",
-            group_size: Optional[int] = None) -> str:
+            group_size: Optional[int] = None, merge: Optional[str] = None) -> str:
+    """`merge`: a LoRA adapter (PEFT directory or LoRA GGUF) merged into the weights (W += B A)
+    before they are quantized as asked: a model for a ring that serves that task only."""
     path = gguf.packaged_gguf_path(source) if source in PACKAGED else source
     if not os.path.exists(path):
         raise CheckpointError("%s does not exist (and is not a packaged model: %s)" % (path, ", ".join(PACKAGED)))
@@ -82,6 +95,8 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
         layout = {}
     else:
         layout = uniform_layout(config, full, True, True, quant, group_size)  # a bad group size fails here
+    if merge:
+        state = _merged(state, merge, config)
     tokenizer = source_tokenizer(path, vocab, config.family)
     check_vocab(tokenizer, config)
     if requantized and quant == "auto":

@@ -16,7 +16,7 @@ and only attention runs per sample, against that sample's own cache slot and pos
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -31,10 +31,37 @@ from mdi.model.quant import dequantize
 # float32 compute on GPUs without fast half arithmetic): layers cast their weights to the
 # activations' dtype, which is free when the two already match.
 
+class LoraDeltas:
+    """The low-rank adapters a chunk holds, and which rows use which during one forward.
+
+    `adapters[id][name] = (A [r, in], B [out, r])` for the linear layer `name` (e.g.
+    "blocks.3.attn.qkv"; the scale is folded into B). During `ModelChunk.forward_rows`,
+    `groups` lists (id, row indices) for every adapter some sample of the batch uses: each
+    linear layer runs once over every row, then adds x[rows] @ A.T @ B.T per adapter (the
+    Punica / S-LoRA gather), so the cost grows with the adapters in a batch, not its samples."""
+
+    def __init__(self) -> None:
+        self.adapters = {}  # type: Dict[int, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
+        self.groups = []  # type: List[Tuple[int, torch.Tensor]]
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        for adapter, rows in self.groups:
+            ab = self.adapters[adapter].get(name)
+            if ab is not None:
+                a, b = ab
+                flat_y.index_add_(0, rows, (flat_x[rows] @ a.to(x.dtype).t()) @ b.to(x.dtype).t())
+        return y
+
+
 class Linear(nn.Linear):
+    lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
+    lora_name = ""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        y = F.linear(x, self.weight.to(x.dtype), bias)
+        return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
 
 
 class QuantLinear(nn.Module):
@@ -50,6 +77,8 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
         self.kernel = None  # type: Optional[object]  # a qkernels.Kernel once chosen
         self.packed = {}  # type: Dict[str, torch.Tensor]
+        self.lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
+        self.lora_name = ""
 
     def canonical(self) -> Dict[str, torch.Tensor]:
         return {s: getattr(self, s) for s in self.spec.tensor_shapes(1, self.spec.group_size)}
@@ -70,7 +99,8 @@ class QuantLinear(nn.Module):
             raise RuntimeError("quantized layer used before its kernel was chosen")
         flat = x.reshape(-1, self.n_in)
         y = self.kernel.run(flat, self.packed, self.spec, self.n_in).reshape(x.shape[:-1] + (self.n_out,))
-        return y + self.bias.to(y.dtype) if self.bias is not None else y
+        y = y + self.bias.to(y.dtype) if self.bias is not None else y
+        return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
 
 
 _malloc_trim = []  # type: list  # [glibc's malloc_trim or None], looked up once
@@ -219,14 +249,30 @@ class RowBatch:
     counts: List[int]
     positions: torch.Tensor  # [rows] the absolute position of every row
     rope_tables: Optional[tuple] = None  # (cos, sin) of those positions, filled by the first layer
+    adapters: Optional[List[int]] = None  # each sample's adapter id (0: the base model alone)
 
     @classmethod
     def of(cls, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
-           device: Optional[torch.device] = None) -> "RowBatch":
+           device: Optional[torch.device] = None, adapters: Optional[Sequence[int]] = None) -> "RowBatch":
         if not (len(slots) == len(starts) == len(counts)) or not slots:
             raise ValueError("a row batch needs as many slots, starts and counts, at least one")
+        if adapters is not None and len(adapters) != len(slots):
+            raise ValueError("a row batch needs one adapter id per sample")
         positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
-        return cls(list(slots), list(starts), list(counts), positions.to(device) if device is not None else positions)
+        return cls(list(slots), list(starts), list(counts), positions.to(device) if device is not None else positions,
+                   adapters=list(adapters) if adapters is not None and any(adapters) else None)
+
+    def adapter_rows(self, device: torch.device) -> List[Tuple[int, torch.Tensor]]:
+        """(adapter id, the rows of its samples) for every adapter used (the base alone: none)."""
+        if not self.adapters:
+            return []
+        rows = {}  # type: Dict[int, List[int]]
+        row = 0
+        for adapter, count in zip(self.adapters, self.counts):
+            if adapter:
+                rows.setdefault(adapter, []).extend(range(row, row + count))
+            row += count
+        return [(a, torch.tensor(r, dtype=torch.long, device=device)) for a, r in sorted(rows.items())]
 
     @property
     def rows(self) -> int:
@@ -394,10 +440,40 @@ class ModelChunk(nn.Module):
                 self.lm_head = make_linear(config.n_embd, config.vocab_size, False, quant.get("lm_head"))
         self.cache = None  # type: Optional[KVCache]
         self.compute_dtype = None  # type: Optional[torch.dtype]  # None: the weights' dtype
+        self.lora = LoraDeltas()
+        for name, module in self.named_modules():
+            if isinstance(module, (Linear, QuantLinear)) and name.startswith("blocks."):
+                module.lora, module.lora_name = self.lora, name
 
     @property
     def n_layers(self) -> int:
         return self.last - self.first
+
+    def set_adapter(self, adapter: int, weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hold adapter `adapter` (> 0): (A, B) per linear layer name of this chunk's blocks,
+        the scale folded into B. Layers it does not name run as the base."""
+        if adapter <= 0:
+            raise ValueError("adapter ids start at 1 (0 is the base model)")
+        layers = {m.lora_name: m for m in self.modules() if isinstance(m, (Linear, QuantLinear)) and m.lora is self.lora}
+        for name, (a, b) in weights.items():
+            layer = layers.get(name)
+            if layer is None:
+                raise ValueError("adapter %d names %s, not a linear layer of blocks [%d, %d)"
+                                 % (adapter, name, self.first, self.last))
+            n_in, n_out = (layer.in_features, layer.out_features) if isinstance(layer, Linear) else (layer.n_in, layer.n_out)
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape[0] != n_out or a.shape[0] != b.shape[1]:
+                raise ValueError("adapter %d: %s has lora_A %s and lora_B %s; this layer needs [r, %d] and [%d, r]"
+                                 % (adapter, name, list(a.shape), list(b.shape), n_in, n_out))
+        p = next(self.parameters())
+        work = self.compute_dtype or (p.dtype if p.dtype.is_floating_point else torch.float32)
+        self.lora.adapters[adapter] = {k: (a.to(p.device, work), b.to(p.device, work)) for k, (a, b) in weights.items()}
+
+    def drop_adapter(self, adapter: int) -> None:
+        self.lora.adapters.pop(adapter, None)
+
+    @property
+    def adapter_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for w in self.lora.adapters.values() for ab in w.values() for t in ab)
 
     # --- state ---------------------------------------------------------------------
     def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
@@ -467,8 +543,16 @@ class ModelChunk(nn.Module):
                 raise ValueError("sample slot %d outside the %d allocated" % (slot, cache.n_slots))
             if start < 0 or start + count > cache.max_len:
                 raise ValueError("positions [%d, %d) exceed the cache length %d" % (start, start + count, cache.max_len))
-        for j, block in enumerate(self.blocks.values()):
-            x = block(x, cache.k[j], cache.v[j], batch, self.rope)
+        if batch.adapters:
+            missing = sorted({a for a in batch.adapters if a and a not in self.lora.adapters})
+            if missing:
+                raise ValueError("adapter %d is not loaded on layers [%d, %d)" % (missing[0], self.first, self.last))
+        self.lora.groups = batch.adapter_rows(x.device)
+        try:
+            for j, block in enumerate(self.blocks.values()):
+                x = block(x, cache.k[j], cache.v[j], batch, self.rope)
+        finally:
+            self.lora.groups = []
         return x
 
     def forward_batch(self, ids: torch.Tensor) -> torch.Tensor:

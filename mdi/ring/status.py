@@ -22,6 +22,7 @@ class NodeMemory:
     available_bytes: Optional[int] = None  # MemAvailable; None where it cannot be read
     max_memory_bytes: Optional[int] = None  # the worker's --max-memory
     chunk_bytes: int = 0  # the weights it holds now
+    adapter_bytes: int = 0  # the low-rank adapters' A/B matrices for its layers
     unified_bytes: Optional[int] = None  # RSS + CUDA allocations now (a Jetson's GPU memory is its RAM)
     board_used_bytes: Optional[int] = None  # the board's RAM in use (mdi.system.memory.board_memory)
     board_total_bytes: Optional[int] = None

@@ -25,7 +25,7 @@ Codecs (header "codec"; header "dtype" is always the activation dtype that `deco
             SmolLM2's greedy tokens (scripts/bench_wire_codec.py), two outliers per row ~1.7%.
 """
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Container, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgpack
 import torch
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from mdi.model.layout import DTYPES, WIRE_CODECS, dtype_name
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
-PROTOCOL_VERSION = 2
+# v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
+PROTOCOL_VERSION = 3
 # prefill/decode: a generation pass (the last node returns each sample's last position only);
 # score: a pass whose every position comes back (perplexity), so its rows always equal sum(count).
 KINDS = ("prefill", "decode", "score", "stop", "reset")
@@ -48,6 +49,9 @@ _FP16_MAX = 65504.0  # largest finite float16: scales are clamped to it rather t
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 512 * 1024 * 1024
 _HEADER_KEYS = {"v", "kind", "run", "samples", "start", "count", "dtype", "shape", "codec"}
+# "adapter" (each sample's adapter id) is there only when a sample runs with one: the base
+# alone costs no header bytes.
+MAX_ADAPTER_ID = 1 << 16  # adapter ids 1..this (mdi.ring.adapter_request); 0 is the base
 
 
 class FrameError(ValueError):
@@ -62,6 +66,10 @@ class Frame:
     start: List[int] = field(default_factory=list)  # first position of each sample's tokens
     count: List[int] = field(default_factory=list)  # tokens per sample (rows in the tensor)
     tensor: Optional[torch.Tensor] = None  # [sum(count), hidden]
+    adapters: List[int] = field(default_factory=list)  # each sample's adapter id (0: the base); [] = all 0
+
+    def adapter_ids(self) -> List[int]:
+        return list(self.adapters) if self.adapters else [0] * len(self.samples)
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +161,8 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
               "start": frame.start, "count": frame.count, "codec": codec,
               "dtype": dtype_name(t.dtype) if t is not None else None,
               "shape": list(t.shape) if t is not None else None}
+    if any(frame.adapters):
+        header["adapter"] = frame.adapter_ids()
     if t is None:
         return [msgpack.packb(header), b""]
     if codec != "raw" and not t.dtype.is_floating_point:
@@ -240,10 +250,11 @@ def _decode_int8(buf: Any, rows: int, width: int, dtype: torch.dtype) -> torch.T
 
 def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int] = None,
            n_slots: Optional[int] = None, max_len: int = 1 << 20,
-           max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
-    """Validate and decode [header, payload]. `run`, `hidden`, `n_slots` and `max_len` are what
-    this node expects; frames that disagree are rejected. `max_payload` bounds both the bytes
-    received and the decoded tensor's."""
+           max_payload: int = DEFAULT_MAX_PAYLOAD, adapters: Optional[Container[int]] = None) -> Frame:
+    """Validate and decode [header, payload]. `run`, `hidden`, `n_slots`, `max_len` and
+    `adapters` (the adapter ids loaded here, read at each call) are what this node expects;
+    frames that disagree are rejected. `max_payload` bounds both the bytes received and the
+    decoded tensor's."""
     if len(parts) != 2:
         raise FrameError("expected 2 parts (header, payload), got %d" % len(parts))
     raw_header, payload = parts
@@ -256,8 +267,8 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
                                  max_array_len=4096, max_map_len=32)
     except Exception as e:  # msgpack raises several unrelated exception types
         raise FrameError("header is not valid msgpack: %s" % type(e).__name__)
-    if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
-        raise FrameError("header must be a map with exactly the keys %s" % sorted(_HEADER_KEYS))
+    if not isinstance(header, dict) or set(header) - {"adapter"} != _HEADER_KEYS:
+        raise FrameError("header must be a map with exactly the keys %s (and adapter)" % sorted(_HEADER_KEYS))
     if header["v"] != PROTOCOL_VERSION:
         raise FrameError("protocol version %r, expected %d" % (header["v"], PROTOCOL_VERSION))
     kind = header["kind"]
@@ -284,8 +295,12 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     for s, c in zip(start, count):
         if s + c > max_len:
             raise FrameError("positions [%d, %d) exceed the cache length %d" % (s, s + c, max_len))
+    adapter = _int_list(header, "adapter", n, 0, MAX_ADAPTER_ID) if "adapter" in header else [0] * n
+    unknown = [a for a in adapter if a and adapters is not None and a not in adapters]
+    if unknown:
+        raise FrameError("adapter %d is not loaded here" % unknown[0])
     pbytes = len(payload.buffer if hasattr(payload, "buffer") else payload)
-    frame = Frame(kind, frame_run, samples, start, count)
+    frame = Frame(kind, frame_run, samples, start, count, adapters=adapter if any(adapter) else [])
     if kind in ("stop", "reset"):
         if header["dtype"] is not None or header["shape"] is not None or pbytes:
             raise FrameError("%s frames carry no tensor" % kind)

@@ -3,7 +3,9 @@
 Routes (JSON only; bodies up to 1 MiB; errors in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`):
   POST /v1/completions, POST /v1/chat/completions   (`stream: true` answers server-sent events)
-  GET  /v1/models, GET /health, GET /metrics (Prometheus text format)
+  GET  /v1/models (the model and its LoRA adapters), GET /health, GET /metrics (Prometheus text format)
+  POST /v1/mdi/adapters {"name", "path"}, DELETE /v1/mdi/adapters/<name>: load or unload a LoRA
+       adapter while the ring serves (a request picks one by "model" or llama.cpp's "lora")
   GET  /v1/mdi/state (the dashboard's JSON: the same snapshot as /metrics); GET /, /ui/<file> and
        /v1/mdi/info (the dashboard page, see `dashboard`: the only routes that need no token, they
        hold no data)
@@ -26,7 +28,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -121,6 +123,10 @@ class Routes:
 
     def __init__(self, sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> None:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
+        # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters'.
+        cfg = sched.cfg
+        self.adapter_dirs = sorted({os.path.dirname(os.path.realpath(p))
+                                    for p in [cfg.model.path] + list(cfg.adapters.values())})
         self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
 
     def register(self, app: Flask) -> None:
@@ -132,6 +138,8 @@ class Routes:
         app.add_url_rule("/v1/models", "models", self.models, methods=["GET"])
         app.add_url_rule("/v1/completions", "completions", self.completions, methods=["POST"])
         app.add_url_rule("/v1/chat/completions", "chat_completions", self.chat_completions, methods=["POST"])
+        app.add_url_rule("/v1/mdi/adapters", "load_adapter", self.load_adapter, methods=["POST"])
+        app.add_url_rule("/v1/mdi/adapters/<name>", "unload_adapter", self.unload_adapter, methods=["DELETE"])
 
     # --- errors ----------------------------------------------------------------------
     def api_error(self, e: ApiError) -> Response:
@@ -155,21 +163,83 @@ class Routes:
         return _json(body, 200 if sched.serving else 503)
 
     def models(self) -> Response:
-        return _json({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mdi",
-             "max_model_len": self.sched.max_len}]})
+        base = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mdi",
+                "max_model_len": self.sched.max_len}
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "mdi", "parent": self.model_id,
+                     "max_model_len": self.sched.max_len, "lora_id": i}
+                    for i, (_, name) in enumerate(self._adapters())]
+        return _json({"object": "list", "data": [base] + adapters})
 
     def completions(self) -> Response:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)
+        adapter = self._adapter_of(fields)
         ids = prompt_ids(fields["prompt"], self.sched.tokenizer)
         max_tokens = token_budget(len(ids), opts.max_tokens, DEFAULT_COMPLETION_TOKENS, self.sched.max_len)
-        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop), opts, chat=False)
+        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
+        adapter = self._adapter_of(fields)
         ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])))
         max_tokens = token_budget(len(ids), opts.max_tokens, None, self.sched.max_len)
-        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop), opts, chat=True)
+        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=True)
+
+    # --- adapters ------------------------------------------------------------------------
+    def _adapters(self) -> List[Tuple[int, str]]:
+        engine = self.sched.engine
+        return engine.adapters.loaded() if engine is not None and engine.adapters else []
+
+    def _adapter_of(self, fields: Dict[str, Any]) -> int:
+        """The request's adapter id: llama.cpp's `lora: [{"id": i}]` (i indexes the adapters of
+        GET /v1/models), else `model` naming an adapter; the served model's own name (or any
+        name, when no adapter is loaded) is the base."""
+        loaded = self._adapters()
+        if fields["lora"]:
+            index = fields["lora"][0]["id"]
+            if not 0 <= index < len(loaded):
+                raise ApiError(400, "lora id %d: %d adapters are loaded (ids 0 to %d)"
+                               % (index, len(loaded), len(loaded) - 1), "lora")
+            return loaded[index][0]
+        name = fields["model"]
+        if name is None or name in (self.model_id, "base") or not loaded:
+            return 0
+        for adapter, known in loaded:
+            if known == name:
+                return adapter
+        raise ApiError(400, "unknown model %r: this server has %s" % (name[:80], ", ".join(
+            [self.model_id] + [n for _, n in loaded])), "model", code="model_not_found")
+
+    def load_adapter(self) -> Response:
+        body = _json_body()
+        name, path = body.get("name"), body.get("path")
+        if set(body) - {"name", "path"} or not isinstance(name, str) or not isinstance(path, str):
+            raise ApiError(400, 'expected {"name": string, "path": string}')
+        engine = self.sched.engine
+        if engine is None:
+            raise ApiError(503, "the ring is %s" % self.sched.state, kind="server_error")
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, d]) == d for d in self.adapter_dirs):
+            raise ApiError(400, "path: adapters load only from %s" % " or ".join(self.adapter_dirs), "path")
+        try:
+            adapter = engine.add_adapter(name, real)
+        except ConfigError as e:
+            raise ApiError(400, str(e), "path")
+        except RuntimeError as e:  # a worker refused it (NodeError): named in the message
+            raise ApiError(502, str(e), kind="server_error")
+        log.info("mdi: serve: adapter %s loaded from %s (id %d)", name, real, adapter)
+        return _json({"ok": True, "name": name, "id": adapter})
+
+    def unload_adapter(self, name: str) -> Response:
+        engine = self.sched.engine
+        if engine is None or not engine.adapters or name not in [n for _, n in engine.adapters.loaded()]:
+            raise ApiError(404, "no adapter %r is loaded" % name[:80], code="model_not_found")
+        if self.sched.adapter_in_use(engine.adapters.id_of(name)):
+            raise ApiError(409, "adapter %r is in use by requests in flight; try again when they end" % name)
+        try:
+            engine.remove_adapter(name)
+        except RuntimeError as e:
+            raise ApiError(502, str(e), kind="server_error")
+        return _json({"ok": True, "name": name})
 
     # --- one generation ----------------------------------------------------------------
     def _generate(self, req: Request, opts: Options, chat: bool) -> Response:

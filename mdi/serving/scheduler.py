@@ -56,8 +56,9 @@ class Request:
     `submit` only the scheduler thread touches it, except `mark_cancelled()` and `next_event()`."""
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
-                 seed: Optional[int] = None, stop: Sequence[str] = ()) -> None:
+                 seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0) -> None:
         self.id = uuid.uuid4().hex[:24]
+        self.adapter = adapter  # the LoRA adapter's id (0: the base model)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.max_tokens = int(max_tokens)
         self.params = params
@@ -140,6 +141,11 @@ class Scheduler:
                 raise QueueFull("%d requests are already waiting; try again later" % self._queued)
             self._queued += 1
         self._inbox.put(("submit", req))
+
+    def adapter_in_use(self, adapter: int) -> bool:
+        """Whether a waiting or running request names this adapter (read from an HTTP thread:
+        a snapshot, the scheduler thread may change both)."""
+        return any(r.adapter == adapter for r in list(self._waiting) + list(self._running.values()))
 
     def cancel(self, req: Request) -> None:
         """The client went away: drop the request from the queue or cancel its sample."""
@@ -277,7 +283,7 @@ class Scheduler:
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
-                            sample_generator(seed, 0), slot=free.pop(0), params=req.params)
+                            sample_generator(seed, 0), slot=free.pop(0), params=req.params, adapter=req.adapter)
             self._next_index += 1
             req.sample, req.text = sample, TextStream(self.tokenizer, req.stop)
             self._running[sample.index] = req

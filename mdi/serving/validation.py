@@ -46,6 +46,24 @@ def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:
     return [s for s in stops if s]
 
 
+def _lora(value: Any, _: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """llama.cpp's per-request adapters: [{"id": index in GET /v1/models' adapters, "scale": s}].
+    mdi runs one adapter per sample at its trained scale; an entry with scale 0 is left out."""
+    used = []
+    for entry in value:
+        if not isinstance(entry, dict) or set(entry) - {"id", "scale"} or not isinstance(entry.get("id"), int) \
+                or isinstance(entry.get("id"), bool):
+            raise _bad("lora", 'expected a list of {"id": integer, "scale": number}')
+        scale = entry.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale not in (0, 1):
+            raise _bad("lora", "only scales 1 (on) and 0 (off) are supported, got %s" % json.dumps(scale)[:20])
+        if scale:
+            used.append(entry)
+    if len(used) > 1:
+        raise _bad("lora", "one adapter per request (several at once are not supported yet)")
+    return used
+
+
 def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str, Any]:
     if not checked["stream"]:
         raise _bad("stream_options", "only allowed with stream: true")
@@ -81,7 +99,8 @@ class Field:
 
 
 FIELDS = (  # in checking order: a check may read the fields above it
-    Field("model", (str,), "a string"),  # any name: the answer names the served model
+    Field("model", (str,), "a string"),  # the served model or one of its adapters (any name without adapters)
+    Field("lora", (list,), "a list", default=[], check=_lora),
     Field("prompt", (str, list), "a string or a list of token ids", routes=(COMPLETIONS,), required=True),
     Field("messages", (list,), "a non-empty list of messages", routes=(CHAT,), required=True),
     Field("max_tokens", (int,), "an integer", low=1),  # default: 16 for completions, the slot for chat

@@ -2,9 +2,10 @@
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi.runconfig import ConfigError, RunConfig
+from mdi.starter.adapters import adapter_ids
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.model.source import ModelSource
@@ -33,7 +34,8 @@ class RunResult:
         record = {
             "samples": [{"prompt": s.prompt, "prompt_ids": s.prompt_ids, "token_ids": s.token_ids,
                          "text": text, "token_times": [round(t, 6) for t in s.token_times],
-                         "finish_reason": s.finish_reason, **({"error": s.error} if s.error else {})}
+                         "finish_reason": s.finish_reason, **({"error": s.error} if s.error else {}),
+                         **({"adapter": s.adapter} if s.adapter else {})}
                         for s, text in zip(self.samples, self.texts)],
             "n_tokens": self.n_tokens, "seconds": self.elapsed,
             "tokens_per_s": self.tokens_per_s, "n_nodes": len(self.nodes), "nodes": self.nodes,
@@ -59,9 +61,11 @@ def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
 
 def run(cfg: RunConfig, prompts: List[str],
         on_token: Optional[Callable[[Sample, int], None]] = None,
-        on_engine: Optional[Callable[[Engine], None]] = None) -> RunResult:
+        on_engine: Optional[Callable[[Engine], None]] = None,
+        adapters: Sequence[str] = ()) -> RunResult:
     """Generate every prompt's sample; `on_token` is called after each token, `on_engine` with
-    the engine before it opens the ring (a dashboard watches the run through it)."""
+    the engine before it opens the ring (a dashboard watches the run through it). `adapters`:
+    the adapter name of each prompt in turn (the rest run on the base)."""
     source = ModelSource(cfg.model.path)
     config = source.config
     gen = cfg.generation
@@ -75,6 +79,8 @@ def run(cfg: RunConfig, prompts: List[str],
     planned = [n.name for n in cfg.nodes]
     cfg, plan, costs = resolve_layers(cfg, source, len(samples), max_len, params)  # layers: auto
     engine = Engine(cfg, source, len(samples), max_len, params, on_token, costs=costs)
+    for sample, adapter in zip(samples, adapter_ids(engine.adapters, adapters, len(samples))):
+        sample.adapter = adapter
     plan_record = {"plan": plan.metrics(planned)} if plan is not None else {}
     if on_engine is not None:
         on_engine(engine)

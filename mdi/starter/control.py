@@ -192,6 +192,14 @@ class ControlClient:
             raise NodeError("node %s (%s): bad /profile reply: %s" % (self.node.name, self.node.address, e),
                             self.node.name) from None
 
+    def post_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
+        """A LoRA's matrices for this worker's layers (mdi.ring.adapter_request)."""
+        return self._call("POST", "/adapters/%d" % adapter, self.init_timeout, data=body,
+                          headers={"Content-Type": "application/octet-stream"})
+
+    def drop_adapter(self, adapter: int) -> Dict[str, Any]:
+        return self._call("DELETE", "/adapters/%d" % adapter)
+
     def probe(self, nbytes: int) -> float:
         """Seconds to send `nbytes` to the worker and hear back (POST /probe): the link's round
         trip with nbytes 0, plus the transfer with more."""

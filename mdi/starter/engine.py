@@ -12,13 +12,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mdi.model import qkernels
 from mdi.model.layout import layer_ranges, torch_dtype
-from mdi.runconfig import NodeSpec, RunConfig, partition
+from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.system.devices import resolve_compute_dtype
 from mdi.model.source import ModelSource
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
+from mdi.starter.adapters import AdapterSet, read_adapter
 from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant
 from mdi.starter.planner import NodeCost, PlanError, make_plan
 from mdi.starter.profiling import Profiler
@@ -37,6 +38,8 @@ class Engine:
         self.cfg, self.source = cfg, source
         # The planner's measured costs of every node (layers: auto): a failure re-plans with them.
         self.costs = {c.name: c for c in costs or []}
+        # LoRA adapters (config `adapters:`), numbered 1..K; samples name theirs (Sample.adapter).
+        self.adapters = AdapterSet(cfg.adapters, source.config) if cfg.adapters else None
         self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
         self.nodes = list(cfg.nodes)
         self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
@@ -86,6 +89,8 @@ class Engine:
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)
         chunk.allocate_cache(self.n_slots, self.max_len)
+        if self.adapters:
+            self.adapters.install(chunk)
         return chunk
 
     def _connect(self):
@@ -93,8 +98,37 @@ class Engine:
         if len(self.nodes) == 1:
             return LocalLoop(), run_id
         self.ring = RingSession(self.cfg, self.nodes, self.source, self.ranges, run_id,
-                                self.n_slots, self.max_len, self.dtype)
+                                self.n_slots, self.max_len, self.dtype, self.adapters)
         return self.ring.start(), run_id
+
+    # --- adapters at run time (--serve's POST /v1/mdi/adapters) ---------------------------
+    def add_adapter(self, name: str, path: str) -> int:
+        """Load an adapter and give every node its layers' part, while samples keep flowing
+        (a sample names its adapter per frame: none names this one before it is everywhere)."""
+        adapter = read_adapter(name, path, self.source.config)
+        if self.adapters is None:
+            self.adapters = AdapterSet({}, self.source.config)
+        ids = self.adapters.add(name, adapter)
+        try:
+            weights = adapter.for_layers(self.chunk.first, self.chunk.last)
+            if weights:
+                self.chunk.set_adapter(ids, weights)
+            if self.ring is not None:
+                self.ring.send_adapter(ids, self.adapters)
+        except BaseException:
+            self.adapters.remove(name)
+            self.chunk.drop_adapter(ids)
+            raise
+        return ids
+
+    def remove_adapter(self, name: str) -> int:
+        if self.adapters is None:
+            raise ConfigError("unknown adapter %r: none is loaded" % name)
+        adapter = self.adapters.remove(name)
+        self.chunk.drop_adapter(adapter)
+        if self.ring is not None:
+            self.ring.drop_adapter(adapter)
+        return adapter
 
     def _check(self) -> None:
         if self.ring is not None:

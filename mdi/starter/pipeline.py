@@ -45,6 +45,7 @@ class Sample:
     fed: int = 0  # tokens of its window already sent through the ring: in every node's cache
     dropped: int = 0  # generated tokens left out of the window by context shifts
     shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
+    adapter: int = 0  # the LoRA adapter it runs with on every node (0: the base model alone)
 
     def __post_init__(self) -> None:
         if self.slot < 0:
@@ -186,12 +187,13 @@ class Pipeline:
             starts.append(sample.fed)
             sample.fed += count
         slots = [s.slot for s in group]
-        batch = RowBatch.of(slots, starts, counts, self.device)
+        adapters = [s.adapter for s in group]
+        batch = RowBatch.of(slots, starts, counts, self.device, adapters)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions), batch)
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
-        self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x))
+        self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else []))
 
     # --- receiving -----------------------------------------------------------------
     def _sample_all(self, pending: List[Sample], rows: List[torch.Tensor]) -> None:

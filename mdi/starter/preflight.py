@@ -5,6 +5,7 @@ from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
+from mdi.starter.adapters import adapter_layer_bytes
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.capacity import MB, chunk_bytes_needed, node_quant
 from mdi.starter.planner import format_plan
@@ -29,12 +30,14 @@ def preflight(cfg: RunConfig, prompts: List[str]) -> int:
             return 1
         print(format_plan(plan))
     ranges = layer_ranges(partition(config.n_layer, cfg.nodes, cfg.source))
+    adapter_bytes = adapter_layer_bytes(cfg.adapters, config)  # each node holds its layers' part
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, n_slots, max_len))
     ok = True
     for i, (node, layers) in enumerate(zip(cfg.nodes, ranges)):
         quant = node_quant(cfg, source, node, layers, with_ends=i == 0)
-        need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=i == 0, quant=quant)
+        need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=i == 0, quant=quant) \
+            + sum(adapter_bytes[layers[0]:layers[1]])
         where = "%-10s %-21s layers %3d-%-3d needs %7.1f MB" % (
             node.name, node.address if i else "(this machine)", layers[0], layers[1] - 1, need / MB)
         ok = _report(cfg, node if i else None, where, need) and ok

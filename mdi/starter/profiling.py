@@ -27,6 +27,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, frame_seconds
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
+from mdi.starter.adapters import adapter_layer_bytes
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
 from mdi.starter.planner import NodeCost
@@ -100,6 +101,7 @@ class Profiler:
         self.seconds = 0.0  # spent measuring (0 when everything came from the cache)
         self.cache_dirty = False
         self._bytes = {}  # type: Dict[Optional[str], List[int]]  # node quant -> layer bytes
+        self._adapter_bytes = None  # type: Optional[List[int]]
 
     def costs(self, nodes: Sequence[NodeSpec]) -> List[NodeCost]:
         """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""
@@ -208,9 +210,11 @@ class Profiler:
     def _layer_bytes(self, node: NodeSpec) -> List[int]:
         """Weights + KV cache of each layer as this node would hold it (its own quant)."""
         if node.quant not in self._bytes:
+            if self._adapter_bytes is None:  # the adapters' matrices of each layer go with it
+                self._adapter_bytes = adapter_layer_bytes(self.cfg.adapters, self.config)
             self._bytes[node.quant] = [
                 chunk_bytes_needed(self.config, [j, j + 1], self.n_slots, self.max_len, self.dtype, False,
-                                   node_quant(self.cfg, self.source, node, [j, j + 1]))
+                                   node_quant(self.cfg, self.source, node, [j, j + 1])) + self._adapter_bytes[j]
                 for j in range(self.config.n_layer)]
         return self._bytes[node.quant]
 

@@ -3,12 +3,13 @@ and at the end send the stop frame round and collect each node's counters."""
 import hashlib
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from mdi.ring.auth import ring_password
 from mdi.runconfig import NodeSpec, RunConfig
+from mdi.ring.adapter_request import adapter_body
 from mdi.ring.init_request import MAX_ROWS, DataPlane, InitRequest, PushedWeights, Weights
 from mdi.starter.control import ControlClient, NodeError, NodeUnreachable
 from mdi.model.source import ModelSource
@@ -28,8 +29,9 @@ class RingSession:
     """One ring: `nodes` in ring order (the starter first) with their layer `ranges`."""
 
     def __init__(self, cfg: RunConfig, nodes: List[NodeSpec], source: ModelSource, ranges: List[List[int]],
-                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype) -> None:
+                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype, adapters: Any = None) -> None:
         self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
+        self.adapters = adapters  # mdi.starter.adapters.AdapterSet or None
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
         self.max_batch = cfg.max_batch(n_slots, len(nodes))
         self.workers = nodes[1:]
@@ -62,19 +64,33 @@ class RingSession:
         client, node = self.clients[i], self.workers[i]
         try:
             client.health()
+            first, last = self.ranges[i + 1]
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights)))
-                return
-            first, last = self.ranges[i + 1]
-            blob = self.source.chunk_bytes(first, last, self.dtype, self.quant[i])
-            pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
-            self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
-            if self.init_replies[i].get("need_weights"):
-                client.push_weights(blob)
+            else:
+                blob = self.source.chunk_bytes(first, last, self.dtype, self.quant[i])
+                pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+                self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
+                if self.init_replies[i].get("need_weights"):
+                    client.push_weights(blob)
+            # Each adapter's matrices for this worker's layers only (new weights start with none).
+            for adapter, body in self.adapters.bodies(first, last) if self.adapters else []:
+                client.post_adapter(adapter, body)
         except NodeError as e:
             errors[i] = e
         except BaseException as e:  # reported by the caller, naming the node
             errors[i] = NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name)
+
+    def send_adapter(self, adapter: int, adapters: Any) -> None:
+        """One adapter, loaded while the ring runs, to every worker whose layers it changes."""
+        for client, (first, last) in zip(self.clients, self.ranges[1:]):
+            weights = adapters.one_for_layers(adapter, first, last)
+            if weights:
+                client.post_adapter(adapter, adapter_body(weights))
+
+    def drop_adapter(self, adapter: int) -> None:
+        for client in self.clients:
+            client.drop_adapter(adapter)
 
     def start(self) -> RingEndpoint:
         """Configure all workers in parallel, then open the starter's data-plane endpoint."""

@@ -2,7 +2,8 @@
 
     GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
     pushes them), POST /profile (time the model's blocks here, mdi.ring.profile_request), POST /probe
-    (a body timed by the starter to measure the link),
+    (a body timed by the starter to measure the link), POST / DELETE /adapters/<id> (a LoRA's
+    matrices for this worker's layers, mdi.ring.adapter_request),
     PUT /stop (?run=ID: only that run), POST /shutdown.
 
 With a shared secret every request must be signed with it (`Authorization: MDI-HMAC ...`, see
@@ -21,6 +22,8 @@ from mdi.ring.auth import (CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthEr
 from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.ring.profile_request import MAX_PROBE_BYTES, validate_profile
+from mdi.ring.adapter_request import MAX_ADAPTER_BYTES
+from mdi.ring.wire import MAX_ADAPTER_ID
 from mdi.worker.node import Worker
 
 log = logging.getLogger(__name__)
@@ -56,8 +59,9 @@ def create_app(worker: Worker) -> Flask:
             if (request.method, request.path) != ("POST", "/weights"):
                 raise AuthError("only POST /weights may leave its body unsigned")
             return
-        if request.content_length is not None and request.content_length > MAX_JSON_BYTES:
-            raise AuthError("a signed body must be at most %d bytes" % MAX_JSON_BYTES)
+        limit = MAX_ADAPTER_BYTES if request.path.startswith("/adapters/") else MAX_JSON_BYTES
+        if request.content_length is not None and request.content_length > limit:
+            raise AuthError("a signed body must be at most %d bytes" % limit)
         body = request.get_data(cache=True) if request.content_length else b""
         if body_sha256(body) != content:
             raise AuthError("the body does not match its signed sha256")
@@ -107,6 +111,18 @@ def create_app(worker: Worker) -> Flask:
     @app.route("/profile", methods=["POST"])
     def profile():
         return jsonify(worker.profile(validate_profile(body_json())).to_json())
+
+    @app.route("/adapters/<int:adapter>", methods=["POST", "DELETE"])
+    def adapters(adapter: int):
+        if not 1 <= adapter <= MAX_ADAPTER_ID:
+            raise RequestError("adapter ids are 1 to %d" % MAX_ADAPTER_ID)
+        if request.method == "DELETE":
+            return jsonify(worker.drop_adapter(adapter))
+        n = request.content_length
+        if n is None or not 0 < n <= MAX_ADAPTER_BYTES:
+            raise RequestError("an adapter body is 1 to %d bytes of safetensors with its Content-Length"
+                               % MAX_ADAPTER_BYTES)
+        return jsonify(worker.load_adapter(adapter, request.get_data(cache=True)))
 
     @app.route("/probe", methods=["POST"])
     def probe():

@@ -28,6 +28,7 @@ from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
+from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
@@ -211,6 +212,28 @@ class Worker:
                 release_freed_memory()  # the random blocks' memory goes back before the weights come
         finally:
             self.lock.release()
+
+    def load_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
+        """POST /adapters/<id>: a low-rank adapter's A/B matrices for this worker's layers, as
+        safetensors ("<layer>.lora_A" [r, in], "<layer>.lora_B" [out, r], scale folded in).
+        It joins the weights held now, run in progress or not (a sample names it per frame),
+        and goes with them: new weights (another /init) start with no adapter."""
+        tensors = read_adapter_tensors(body)
+        with self.lock:
+            chunk = self.chunk
+            if chunk is None:
+                raise RequestError("no weights loaded: an adapter comes after /init")
+            try:
+                chunk.set_adapter(adapter, tensors)
+            except ValueError as e:
+                raise RequestError(str(e))
+            return {"ok": True, "adapter": adapter, "bytes": chunk.adapter_bytes}
+
+    def drop_adapter(self, adapter: int) -> Dict[str, Any]:
+        with self.lock:
+            if self.chunk is not None:
+                self.chunk.drop_adapter(adapter)
+            return {"ok": True, "adapter": adapter}
 
     def _check_holder_locked(self, request: InitRequest, peer: str) -> None:
         """Refuse (409) an /init of another run while a live run, or an /init waiting for its
@@ -415,7 +438,8 @@ class Worker:
         try:
             endpoint = RingEndpoint(
                 "worker:%d" % self.port, self.host, data.bind_port,
-                lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=n_slots, max_len=max_len),
+                lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=n_slots, max_len=max_len,
+                                     adapters=chunk.lora.adapters),
                 password, codec=request.wire_codec)
         except RuntimeError as e:
             chunk.free_cache()
@@ -456,6 +480,7 @@ class Worker:
             # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
             memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=available_memory_bytes(),
                               max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk),
+                              adapter_bytes=chunk.adapter_bytes if chunk is not None else 0,
                               unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
                               board_total_bytes=board["total_bytes"], board_source=board["source"]),
             cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),

@@ -129,14 +129,14 @@ class Run:
     def _forward(self, frame: Frame) -> Frame:
         p = next(self.chunk.parameters())
         x = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
-        batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device)
+        batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device, frame.adapters or None)
         y = self.chunk.forward_rows(x, batch)
         self.batching.add(batch.rows, len(frame.samples))
         # For generation the starter needs only each sample's last position to pick the next
         # token; a score pass (perplexity) needs every position's.
         if self.is_last and frame.kind != "score":
             y = y[batch.last_rows()]
-        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, y)
+        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, y, frame.adapters)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -157,4 +157,5 @@ def _merge(frames: List[Frame]) -> Frame:
     count = [c for f in frames for c in f.count]
     tensor = torch.cat([f.tensor for f in frames])
     kind = "decode" if all(f.kind == "decode" for f in frames) else "prefill"
-    return Frame(kind, frames[0].run, samples, start, count, tensor)
+    adapters = [a for f in frames for a in f.adapter_ids()]
+    return Frame(kind, frames[0].run, samples, start, count, tensor, adapters if any(adapters) else [])

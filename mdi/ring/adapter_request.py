@@ -1,0 +1,48 @@
+"""POST /adapters/<id> (contract): one adapter's low-rank matrices for the layers a worker holds,
+as safetensors bytes: "<layer>.lora_A" [r, in] and "<layer>.lora_B" [out, r] for each linear
+layer it changes (mdi's names, e.g. "blocks.3.attn.qkv"; the scale folded into B). Safetensors
+only, nothing that runs code when read. Both ends use these two functions."""
+from typing import Dict, Mapping, Tuple
+
+import torch
+from safetensors.torch import load as safetensors_load, save as safetensors_save
+
+from mdi.ring.init_request import RequestError
+
+MAX_ADAPTER_BYTES = 256 * 1024 * 1024
+MAX_RANK = 4096
+
+
+def adapter_body(weights: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+    tensors = {}
+    for name, (a, b) in weights.items():
+        tensors[name + ".lora_A"] = a.detach().float().contiguous().cpu()
+        tensors[name + ".lora_B"] = b.detach().float().contiguous().cpu()
+    return safetensors_save(tensors)
+
+
+def read_adapter_tensors(body: bytes) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """The body as {layer: (A, B)}, or a RequestError naming what is wrong."""
+    if not body or len(body) > MAX_ADAPTER_BYTES:
+        raise RequestError("an adapter body is 1 to %d bytes of safetensors" % MAX_ADAPTER_BYTES)
+    try:
+        tensors = safetensors_load(bytes(body))
+    except Exception as e:  # safetensors raises its own error types on a bad header
+        raise RequestError("adapter body is not a safetensors file: %s" % e)
+    out = {}
+    for key in tensors:
+        base, _, part = key.rpartition(".")
+        if part not in ("lora_A", "lora_B") or not base:
+            raise RequestError("adapter tensor %r: expected <layer>.lora_A or <layer>.lora_B" % key[:120])
+        a, b = tensors.get(base + ".lora_A"), tensors.get(base + ".lora_B")
+        if a is None or b is None:
+            raise RequestError("adapter layer %r needs both lora_A and lora_B" % base[:120])
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or not 1 <= a.shape[0] <= MAX_RANK:
+            raise RequestError("adapter layer %r: lora_A %s and lora_B %s are not [r, in] and [out, r]"
+                               % (base[:120], list(a.shape), list(b.shape)))
+        if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+            raise RequestError("adapter layer %r: float tensors expected" % base[:120])
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise RequestError("adapter layer %r holds NaN or infinite values" % base[:120])
+        out[base] = (a, b)
+    return out

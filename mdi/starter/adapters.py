@@ -1,0 +1,116 @@
+"""The run's LoRA adapters on the starter's side: loaded from the config's `adapters: {name:
+path}`, numbered 1..K in that order (0 is the base model), installed on the starter's own
+blocks and sent to each worker for its layers only (POST /adapters/<id>)."""
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mdi.model.config import ModelConfig
+from mdi.model.transformer import ModelChunk
+from mdi.ring.adapter_request import adapter_body
+from mdi.runconfig import ConfigError
+
+log = logging.getLogger(__name__)
+
+BASE = "base"  # the name that picks no adapter
+
+
+def read_adapter(name: str, path: str, config: ModelConfig) -> Any:
+    """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.adapters.Adapter (ConfigError naming it)."""
+    from mdi.model.adapters import load_adapter, load_gguf_lora
+    loader = load_gguf_lora if path.endswith(".gguf") else load_adapter
+    try:
+        return loader(path, config, name)
+    except (OSError, ValueError) as e:
+        raise ConfigError("adapters.%s: %s" % (name, e))
+
+
+class AdapterSet:
+    """Adapters by id: ids 1..K in the config's order, then one more per adapter loaded at run
+    time; an unloaded adapter leaves its id unused (a sample never meets another's)."""
+
+    def __init__(self, paths: Dict[str, str], config: ModelConfig) -> None:
+        self.config = config
+        self.names = []  # type: List[Optional[str]]  # id i + 1 is names[i]; None: unloaded
+        self.adapters = []  # type: List[Any]  # mdi.model.adapters.Adapter, in id order
+        for name, path in paths.items():
+            self.add(name, read_adapter(name, path, config))
+
+    def __bool__(self) -> bool:
+        return any(a is not None for a in self.adapters)
+
+    def add(self, name: str, adapter: Any) -> int:
+        if name == BASE or name in self.names:
+            raise ConfigError("adapter %r is already loaded" % name)
+        self.names.append(name)
+        self.adapters.append(adapter)
+        return len(self.names)
+
+    def remove(self, name: str) -> int:
+        adapter = self.id_of(name)
+        if adapter == 0:
+            raise ConfigError("the base model cannot be unloaded")
+        self.names[adapter - 1], self.adapters[adapter - 1] = None, None
+        return adapter
+
+    def loaded(self) -> List[Tuple[int, str]]:
+        """(id, name) of every adapter held now, in id order."""
+        return [(i + 1, n) for i, n in enumerate(self.names) if n is not None]
+
+    def id_of(self, name: Optional[str]) -> int:
+        """The id a sample runs with: 0 for the base (None or "base"), else 1..K."""
+        if name is None or name == BASE:
+            return 0
+        if name not in self.names:
+            raise ConfigError("unknown adapter %r (known: %s)"
+                              % (name, ", ".join([BASE] + [n for _, n in self.loaded()])))
+        return self.names.index(name) + 1
+
+    def one_for_layers(self, adapter: int, first: int, last: int) -> Dict[str, Any]:
+        return self.adapters[adapter - 1].for_layers(first, last)
+
+    def for_layers(self, first: int, last: int) -> List[Tuple[int, Dict[str, Any]]]:
+        """(id, {layer: (A, B)}) of every adapter that changes one of blocks [first, last)."""
+        out = []
+        for adapter, _ in self.loaded():
+            weights = self.one_for_layers(adapter, first, last)
+            if weights:
+                out.append((adapter, weights))
+        return out
+
+    def install(self, chunk: ModelChunk) -> None:
+        for adapter, weights in self.for_layers(chunk.first, chunk.last):
+            chunk.set_adapter(adapter, weights)
+
+    def bodies(self, first: int, last: int) -> List[Tuple[int, bytes]]:
+        """What POST /adapters/<id> sends a worker holding blocks [first, last)."""
+        return [(adapter, adapter_body(weights)) for adapter, weights in self.for_layers(first, last)]
+
+    def metrics(self) -> Dict[str, Any]:
+        return {name: {"id": i, "rank": self.adapters[i - 1].rank, "bytes": self.adapters[i - 1].nbytes()}
+                for i, name in self.loaded()}
+
+
+def adapter_ids(adapters: Optional[AdapterSet], given: Sequence[str], n_samples: int) -> List[int]:
+    """Each sample's adapter id from `mdi-start --adapter NAME`, one per prompt in order;
+    samples past the last one given run on the base model."""
+    if len(given) > n_samples:
+        raise ConfigError("%d --adapter for %d samples: give at most one per --prompt" % (len(given), n_samples))
+    if not adapters:
+        named = [g for g in given if g != BASE]
+        if named:
+            raise ConfigError("--adapter %s: the config lists no adapters (adapters: {name: path})" % named[0])
+        return [0] * n_samples
+    return [adapters.id_of(g) for g in given] + [0] * (n_samples - len(given))
+
+
+def adapter_layer_bytes(cfg_adapters: Dict[str, str], config: ModelConfig) -> List[int]:
+    """Bytes of the configured adapters' matrices per layer: what each node holds besides its
+    weights and KV cache (the planner and --check count it)."""
+    per_layer = [0] * config.n_layer
+    if cfg_adapters:
+        adapters = AdapterSet(cfg_adapters, config)
+        for _, name in adapters.loaded():
+            adapter = adapters.adapters[adapters.id_of(name) - 1]
+            for j in range(config.n_layer):
+                per_layer[j] += adapter.nbytes(adapter.for_layers(j, j + 1))
+    return per_layer

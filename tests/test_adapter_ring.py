@@ -1,0 +1,143 @@
+"""LoRA adapters over the ring with real workers: samples with different adapters (and the
+base) share frames and forwards, and each gets exactly the tokens it gets alone with its
+adapter; each worker holds only its own layers' matrices."""
+import json
+import os
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save_file
+
+from conftest import free_ports
+from mdi.model.source import ModelSource
+from mdi.runconfig import ConfigError, parse_config
+from mdi.starter import batch
+
+PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be", "0123", "abc def", "xyz"]
+ADAPTERS = ["chat", "tools", "poet"]
+# Sample i's adapter: three adapters and the base, mixed (the same adapter on several samples).
+CHOICE = ["chat", "base", "tools", "poet", "chat", "base"]
+
+
+def write_peft_lora(path, config, seed, rank=4):
+    """A PEFT LoRA directory for an mdi tiny model (as `save_pretrained` writes one), every
+    linear layer of the blocks targeted, B not zero."""
+    g = torch.Generator().manual_seed(seed)
+    E, L = config.n_embd, config.n_layer
+    tensors = {}
+
+    def add(prefix, n_in, n_out):
+        tensors[prefix + ".lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.2
+        tensors[prefix + ".lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.2
+    if config.family == "gpt2":
+        targets = ["c_attn", "c_proj", "c_fc"]
+        for i in range(L):
+            p = "base_model.model.transformer.h.%d." % i
+            add(p + "attn.c_attn", E, 3 * E)
+            add(p + "attn.c_proj", E, E)
+            add(p + "mlp.c_fc", E, config.intermediate_size)
+            add(p + "mlp.c_proj", config.intermediate_size, E)
+    else:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        H, KV, D, I = config.n_head, config.n_kv_head, config.head_dim, config.intermediate_size
+        for i in range(L):
+            p = "base_model.model.model.layers.%d." % i
+            for name, n_in, n_out in (("self_attn.q_proj", E, H * D), ("self_attn.k_proj", E, KV * D),
+                                      ("self_attn.v_proj", E, KV * D), ("self_attn.o_proj", H * D, E),
+                                      ("mlp.gate_proj", E, I), ("mlp.up_proj", E, I), ("mlp.down_proj", I, E)):
+                add(p + name, n_in, n_out)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+                   "fan_in_fan_out": config.family == "gpt2", "bias": "none", "lora_dropout": 0.0}, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_models, tmp_path_factory):
+    base = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for family, model in tiny_models.items():
+        config = ModelSource(model).config
+        out[family] = {name: write_peft_lora(str(base / family / name), config, seed=i + 1)
+                       for i, name in enumerate(ADAPTERS)}
+    return out
+
+
+def config_for(model, adapters, workers=(), counts=None, max_batch="auto", n_tokens=10):
+    ports = free_ports(1 + len(workers))
+    nodes = [{"name": "starter", "port": 1, "data_port": ports[0]}]
+    nodes += [{"name": "w%d" % (i + 1), "port": w.port, "data_port": ports[i + 1]} for i, w in enumerate(workers)]
+    if counts:
+        for node, c in zip(nodes, counts):
+            node["layers"] = c
+    return parse_config({"model": {"path": model}, "nodes": nodes, "adapters": adapters,
+                         "generation": {"n_tokens": n_tokens, "temperature": 0},
+                         "runtime": {"ring_timeout": 30, "max_batch": max_batch}}, "test")
+
+
+def alone(model, adapters, prompt, name):
+    """One sample alone on one node with its adapter: the reference."""
+    result = batch.run(config_for(model, adapters), [prompt], adapters=[name])
+    return result.samples[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_mixed_adapters_in_one_run_match_each_sample_alone(family, tiny_models, adapter_dirs, workers):
+    model, adapters = tiny_models[family], adapter_dirs[family]
+    reference = [alone(model, adapters, p, a) for p, a in zip(PROMPTS, CHOICE)]
+    base = alone(model, adapters, PROMPTS[0], "base")
+    assert reference[0] != base, "the adapter must change the text for this test to mean anything"
+    n_layer = ModelSource(model).config.n_layer
+    rings = [((), None), (workers[:2], [1, 1, n_layer - 2])]
+    for ring_workers, counts in rings:
+        for max_batch in (1, "auto"):
+            result = batch.run(config_for(model, adapters, ring_workers, counts, max_batch), PROMPTS, adapters=CHOICE)
+            got = [s.token_ids for s in result.samples]
+            assert got == reference, "%d nodes, max_batch %s" % (len(ring_workers) + 1, max_batch)
+            if max_batch == "auto" and ring_workers:
+                # Samples of different adapters shared forwards.
+                assert max(n.get("samples_per_forward_max", 0) for n in result.nodes) > 1
+            assert [s.get("adapter", 0) for s in result.metrics()["samples"]] == \
+                [0 if a == "base" else ADAPTERS.index(a) + 1 for a in CHOICE]
+
+
+def test_each_worker_holds_only_its_layers_adapters(tiny_models, adapter_dirs, workers):
+    model, adapters = tiny_models["llama"], adapter_dirs["llama"]
+    n_layer = ModelSource(model).config.n_layer
+    counts = [1, 1, n_layer - 2]
+    batch.run(config_for(model, adapters, workers[:2], counts), PROMPTS[:2], adapters=["chat"])
+    held = [requests.get("http://127.0.0.1:%d/status" % w.port, timeout=10).json()["memory"]["adapter_bytes"]
+            for w in workers[:2]]
+    # Three adapters, rank 4, float32: each worker holds exactly its layers' share.
+    from mdi.model.adapters import load_adapter
+    config = ModelSource(model).config
+    loaded = [load_adapter(adapters[n], config, n) for n in ADAPTERS]
+    want = [sum(a.nbytes(a.for_layers(first, last)) for a in loaded) for first, last in ((1, 2), (2, n_layer))]
+    assert held == want and held[1] == (n_layer - 2) * held[0]
+
+
+def test_unknown_adapter_names_the_known_ones(tiny_models, adapter_dirs):
+    model, adapters = tiny_models["gpt2"], adapter_dirs["gpt2"]
+    with pytest.raises(ConfigError) as e:
+        batch.run(config_for(model, adapters), ["Hi"], adapters=["nope"])
+    assert "nope" in str(e.value) and "chat" in str(e.value) and "base" in str(e.value)
+    with pytest.raises(ConfigError, match="lists no adapters"):
+        batch.run(config_for(model, {}), ["Hi"], adapters=["chat"])
+
+
+def test_mdi_prepare_merges_an_adapter(tiny_models, adapter_dirs, tmp_path):
+    import subprocess
+    from conftest import BIN
+    model, adapters = tiny_models["llama"], adapter_dirs["llama"]
+    out = str(tmp_path / "merged")
+    r = subprocess.run([os.path.join(BIN, "mdi-prepare"), model, "--out", out, "--merge-adapter", adapters["tools"]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    merged = batch.run(config_for(out, {}), PROMPTS[:2])
+    assert [s.token_ids for s in merged.samples] == [alone(model, adapters, p, "tools") for p in PROMPTS[:2]]
+    wrong = subprocess.run([os.path.join(BIN, "mdi-prepare"), tiny_models["gpt2"], "--out", str(tmp_path / "x"),
+                            "--merge-adapter", adapters["tools"]], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and "mdi-prepare: error:" in wrong.stderr

@@ -1,0 +1,119 @@
+"""LoRA adapters under --serve on a real 3-node ring: GET /v1/models lists them, a request
+picks one by "model" or llama.cpp's "lora", two adapters stream at once through the official
+openai client, and loading one while requests stream disturbs none of them."""
+import os
+import threading
+
+import pytest
+import requests
+
+from conftest import ServeProcess, free_ports
+from mdi.model.source import ModelSource
+from mdi.runconfig import parse_config
+from mdi.starter import batch
+from test_adapter_ring import write_peft_lora
+
+PROMPT = "The quick brown fox"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, workers, tmp_path_factory):
+    model = tiny_models["llama"]
+    config = ModelSource(model).config
+    # Adapters under the model's folder: where POST /v1/mdi/adapters may load from.
+    base = os.path.dirname(model)
+    dirs = {name: write_peft_lora(os.path.join(base, "lora-" + name), config, seed)
+            for seed, name in enumerate(["chat", "tools", "late"], start=11)}
+    data = free_ports(3)
+    path = tmp_path_factory.mktemp("serve-adapters") / "ring3.yaml"
+    path.write_text(
+        "model: {path: %s}\n"
+        "adapters: {chat: %s, tools: %s}\n"
+        "nodes:\n"
+        "  - {name: starter, port: 1, data_port: %d, layers: 1}\n"
+        "  - {name: board1, port: %d, data_port: %d, layers: 1}\n"
+        "  - {name: board2, port: %d, data_port: %d, layers: 2}\n"
+        "generation: {temperature: 0}\n"
+        "runtime: {threads: 1, ring_timeout: 30}\n"
+        "serve: {max_in_flight: 4, model_name: tiny}\n"
+        % (model, dirs["chat"], dirs["tools"], data[0], workers[0].port, data[1], workers[1].port, data[2]))
+    server = ServeProcess(str(path)).wait_ready()
+    try:
+        yield server, model, dirs
+    finally:
+        server.proc.terminate()
+        server.proc.wait(30)
+
+
+def alone(model, dirs, name):
+    cfg = parse_config({"model": {"path": model}, "adapters": dirs,
+                        "generation": {"n_tokens": N, "temperature": 0}}, "alone")
+    return batch.run(cfg, [PROMPT], adapters=[name]).texts[0]
+
+
+def complete(server, **body):
+    r = requests.post(server.url + "/v1/completions", json=dict({"prompt": PROMPT, "max_tokens": N}, **body),
+                      timeout=120)
+    return r
+
+
+def test_models_lists_the_adapters_and_requests_pick_them(setup):
+    server, model, dirs = setup
+    ids = [m["id"] for m in server.get("/v1/models").json()["data"]]
+    assert ids == ["tiny", "chat", "tools"]
+    want = {name: alone(model, {"chat": dirs["chat"], "tools": dirs["tools"]}, name)
+            for name in ("base", "chat", "tools")}
+    assert len(set(want.values())) == 3
+    assert complete(server, model="tiny").json()["choices"][0]["text"] == want["base"]
+    assert complete(server, model="chat").json()["choices"][0]["text"] == want["chat"]
+    assert complete(server, lora=[{"id": 1, "scale": 1}]).json()["choices"][0]["text"] == want["tools"]
+    bad = complete(server, model="nope")
+    assert bad.status_code == 400 and "tiny, chat, tools" in bad.json()["error"]["message"]
+    assert complete(server, lora=[{"id": 7}]).status_code == 400
+    assert complete(server, lora=[{"id": 0, "scale": 0.5}]).status_code == 400
+
+
+def test_two_adapters_stream_at_once_through_openai(setup):
+    openai = pytest.importorskip("openai")
+    server, model, dirs = setup
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    texts = {}
+
+    def stream(name):
+        parts = [c.choices[0].text for c in client.completions.create(model=name, prompt=PROMPT, max_tokens=N,
+                                                                       temperature=0, stream=True)]
+        texts[name] = "".join(parts)
+    threads = [threading.Thread(target=stream, args=(n,)) for n in ("chat", "tools")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    configured = {"chat": dirs["chat"], "tools": dirs["tools"]}
+    assert texts == {n: alone(model, configured, n) for n in ("chat", "tools")}
+
+
+def test_loading_an_adapter_while_requests_stream(setup):
+    server, model, dirs = setup
+    results = {}
+
+    def run(i):
+        results[i] = complete(server, model="chat", max_tokens=40).json()["choices"][0]["text"]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "late", "path": dirs["late"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    for t in threads:
+        t.join(120)
+    cfg = parse_config({"model": {"path": model}, "adapters": {"chat": dirs["chat"]},
+                        "generation": {"n_tokens": 40, "temperature": 0}}, "alone")
+    want = batch.run(cfg, [PROMPT], adapters=["chat"]).texts[0]
+    assert results == {0: want, 1: want, 2: want}
+    assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["tiny", "chat", "tools", "late"]
+    late = complete(server, model="late").json()["choices"][0]["text"]
+    assert late == alone(model, {"late": dirs["late"]}, "late")
+    outside = requests.post(server.url + "/v1/mdi/adapters", json={"name": "x", "path": "/etc"}, timeout=30)
+    assert outside.status_code == 400
+    assert requests.delete(server.url + "/v1/mdi/adapters/late", timeout=30).status_code == 200
+    assert complete(server, model="late").status_code == 400
