@@ -223,6 +223,73 @@ def is_targeted(cfg: Mapping, key: str) -> bool:
     return _layer_of(key, cfg.get("layers_pattern")) in layers
 
 
+@dataclass
+class SoftPrompt:
+    """A PEFT prompt-tuning adapter: learned embeddings of `n` virtual tokens put before every
+    prompt (positions 0..n-1). It changes no layer: only the starter, which embeds, holds it."""
+    name: str
+    path: str
+    embeddings: torch.Tensor  # [n, n_embd]
+    kind: str = "prompt"
+    rank: int = 0
+
+    @property
+    def n_virtual(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    def layers(self) -> Set[int]:
+        return set()
+
+    def for_layers(self, first: int, last: int) -> Dict[str, Pair]:
+        return {}
+
+    def nbytes(self, weights: Optional[Mapping[str, Pair]] = None) -> int:
+        return 0 if weights is not None else self.embeddings.numel() * self.embeddings.element_size()
+
+
+def _soft_prompt(cfg: Mapping, path: str, config: ModelConfig, name: str, where: str, cfg_path: str,
+                 st_path: str) -> SoftPrompt:
+    from safetensors.torch import load_file
+    n, dim, parts = cfg.get("num_virtual_tokens"), cfg.get("token_dim"), cfg.get("num_transformer_submodules", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
+        raise AdapterError("%s: %s: num_virtual_tokens must be an integer in [1, 4096], got %r" % (where, cfg_path, n))
+    if parts not in (1, None):
+        raise AdapterError("%s: %s: num_transformer_submodules %r (encoder-decoder models) is not supported"
+                           % (where, cfg_path, parts))
+    if dim is not None and dim != config.n_embd:
+        raise AdapterError("%s: %s: token_dim %r, the base model's embeddings are %d wide"
+                           % (where, cfg_path, dim, config.n_embd))
+    try:
+        tensors = load_file(st_path, device="cpu")
+    except Exception as e:  # safetensors' own error type
+        raise AdapterError("%s: %s is not a readable safetensors file (%s)" % (where, st_path, e))
+    emb = tensors.get("prompt_embeddings")
+    if emb is None or set(tensors) != {"prompt_embeddings"}:
+        raise AdapterError("%s: %s: expected one tensor, prompt_embeddings, got %s" % (where, st_path, sorted(tensors)[:3]))
+    if tuple(emb.shape) != (n, config.n_embd) or not emb.dtype.is_floating_point:
+        raise AdapterError("%s: %s: prompt_embeddings has shape %s, the base model needs [%d, %d]"
+                           % (where, st_path, list(emb.shape), n, config.n_embd))
+    return SoftPrompt(name, path, emb.float())
+
+
+def load_any(path: str, config: ModelConfig, name: Optional[str] = None):
+    """A LoRA (`load_adapter`, GGUF included) or a prompt-tuning adapter (`SoftPrompt`), by what
+    its adapter_config.json says."""
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, CONFIG_FILE)) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            cfg = None  # load_adapter says what is wrong
+        if isinstance(cfg, dict) and cfg.get("peft_type") == "PROMPT_TUNING":
+            name = name or os.path.basename(os.path.normpath(path))
+            st_path = os.path.join(path, WEIGHTS_FILE)
+            if not os.path.isfile(st_path):
+                raise AdapterError("adapter %s: %s is missing" % (name, st_path))
+            return _soft_prompt(cfg, path, config, name, "adapter %s" % name, os.path.join(path, CONFIG_FILE), st_path)
+    return load_adapter(path, config, name)
+
+
 def load_adapter(path: str, config: ModelConfig, name: Optional[str] = None) -> Adapter:
     """Read a PEFT LoRA directory (or, for a .gguf file, `load_gguf_lora`) for the base model
     `config`: the Adapter in mdi names, or AdapterError naming the file and the key or tensor."""

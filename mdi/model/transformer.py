@@ -515,9 +515,16 @@ class ModelChunk(nn.Module):
         """One sample's tokens at positions start.."""
         return self.embed_rows(ids, torch.arange(start, start + ids.shape[0], device=ids.device))
 
-    def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token rows [rows] at their own positions (several samples stacked: a RowBatch)."""
+    def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor,
+                   virtual: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Token rows [rows] at their own positions (several samples stacked: a RowBatch);
+        `virtual` (rows, embeddings) replaces those rows' token embeddings (a soft prompt's
+        virtual tokens; positions are added to them as to any token, as PEFT does)."""
         x = self.tok_emb(ids)
+        if virtual is not None:
+            rows, values = virtual
+            x = x.clone()
+            x[rows.to(x.device)] = values.to(x.device, x.dtype)
         if self.config.family == "gpt2":
             x = x + self.pos_emb(positions.to(ids.device))
         return x.to(self.compute_dtype) if self.compute_dtype is not None else x

@@ -37,6 +37,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.dashboard import register_dashboard
+from mdi.starter.adapters import virtual_tokens
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
@@ -174,20 +175,25 @@ class Routes:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)
         adapter = self._adapter_of(fields)
         ids = prompt_ids(fields["prompt"], self.sched.tokenizer)
-        max_tokens = token_budget(len(ids), opts.max_tokens, DEFAULT_COMPLETION_TOKENS, self.sched.max_len)
+        max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
+                                  self.sched.max_len)
         return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
         ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])))
-        max_tokens = token_budget(len(ids), opts.max_tokens, None, self.sched.max_len)
+        max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=True)
 
     # --- adapters ------------------------------------------------------------------------
     def _adapters(self) -> List[Tuple[int, str]]:
         engine = self.sched.engine
         return engine.adapters.loaded() if engine is not None and engine.adapters else []
+
+    def _virtual(self, adapter: int) -> int:
+        engine = self.sched.engine
+        return virtual_tokens(engine.adapters if engine is not None else None, adapter)
 
     def _adapter_of(self, fields: Dict[str, Any]) -> int:
         """The request's adapter id: llama.cpp's `lora: [{"id": i}]` (i indexes the adapters of

@@ -29,6 +29,7 @@ from mdi.serving.metrics import Stats
 from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine import Engine  # noqa: F401  (type comment)
 from mdi.starter.pipeline import Sample
+from mdi.starter.adapters import virtual_tokens
 from mdi.starter.serving_plan import open_serving_ring, resolve_max_len
 
 STEP_TIMEOUT = 0.05  # seconds an engine step waits for a frame before the scheduler looks again
@@ -278,12 +279,15 @@ class Scheduler:
             if req.cancelled:
                 self._finish(req, "cancelled")
                 continue
-            if len(req.prompt_ids) + req.max_tokens > self.max_len:  # the HTTP layer checks first
+            virtual = virtual_tokens(self.engine.adapters, req.adapter)  # a soft prompt's, before the prompt
+            if virtual + len(req.prompt_ids) + req.max_tokens > self.max_len:  # the HTTP layer checks first
                 self._finish(req, "error", "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
-                            sample_generator(seed, 0), slot=free.pop(0), params=req.params, adapter=req.adapter)
+                            sample_generator(seed, 0), slot=free.pop(0), params=req.params)
+            if self.engine.adapters:
+                self.engine.adapters.prepare(sample, req.adapter)
             self._next_index += 1
             req.sample, req.text = sample, TextStream(self.tokenizer, req.stop)
             self._running[sample.index] = req

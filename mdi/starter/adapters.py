@@ -16,10 +16,9 @@ BASE = "base"  # the name that picks no adapter
 
 def read_adapter(name: str, path: str, config: ModelConfig) -> Any:
     """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.adapters.Adapter (ConfigError naming it)."""
-    from mdi.model.adapters import load_adapter, load_gguf_lora
-    loader = load_gguf_lora if path.endswith(".gguf") else load_adapter
+    from mdi.model.adapters import load_any
     try:
-        return loader(path, config, name)
+        return load_any(path, config, name)
     except (OSError, ValueError) as e:
         raise ConfigError("adapters.%s: %s" % (name, e))
 
@@ -65,6 +64,11 @@ class AdapterSet:
                               % (name, ", ".join([BASE] + [n for _, n in self.loaded()])))
         return self.names.index(name) + 1
 
+    def soft_prompt(self, adapter: int) -> Optional[Any]:
+        """The virtual tokens' embeddings [n, n_embd] of a prompt-tuning adapter, else None."""
+        a = self.adapters[adapter - 1] if adapter else None
+        return a.embeddings if a is not None and a.kind == "prompt" else None
+
     def one_for_layers(self, adapter: int, first: int, last: int) -> Dict[str, Any]:
         return self.adapters[adapter - 1].for_layers(first, last)
 
@@ -76,6 +80,17 @@ class AdapterSet:
             if weights:
                 out.append((adapter, weights))
         return out
+
+    def prepare(self, sample: Any, adapter: int) -> None:
+        """Give `sample` its adapter; a prompt-tuning one puts its virtual tokens (placeholder
+        ids whose embeddings the starter replaces, mdi.starter.pipeline) before the prompt."""
+        soft = self.soft_prompt(adapter)
+        if soft is None:
+            sample.adapter = adapter
+            return
+        # No layer changes: the sample travels as the base (id 0) once its virtual tokens are embedded.
+        sample.soft_prompt = soft
+        sample.prompt_ids = [0] * soft.shape[0] + list(sample.prompt_ids)
 
     def install(self, chunk: ModelChunk) -> None:
         for adapter, weights in self.for_layers(chunk.first, chunk.last):
@@ -101,6 +116,11 @@ def adapter_ids(adapters: Optional[AdapterSet], given: Sequence[str], n_samples:
             raise ConfigError("--adapter %s: the config lists no adapters (adapters: {name: path})" % named[0])
         return [0] * n_samples
     return [adapters.id_of(g) for g in given] + [0] * (n_samples - len(given))
+
+
+def virtual_tokens(adapters: Optional[AdapterSet], adapter: int) -> int:
+    soft = adapters.soft_prompt(adapter) if adapters else None
+    return 0 if soft is None else int(soft.shape[0])
 
 
 def adapter_layer_bytes(cfg_adapters: Dict[str, str], config: ModelConfig) -> List[int]:

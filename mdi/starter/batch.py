@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.starter.adapters import adapter_ids
+from mdi.starter.adapters import AdapterSet, adapter_ids
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.model.source import ModelSource
@@ -32,10 +32,11 @@ class RunResult:
 
     def metrics(self) -> Dict[str, Any]:
         record = {
-            "samples": [{"prompt": s.prompt, "prompt_ids": s.prompt_ids, "token_ids": s.token_ids,
+            "samples": [{"prompt": s.prompt, "prompt_ids": s.prompt_ids[s.virtual:], "token_ids": s.token_ids,
                          "text": text, "token_times": [round(t, 6) for t in s.token_times],
                          "finish_reason": s.finish_reason, **({"error": s.error} if s.error else {}),
-                         **({"adapter": s.adapter} if s.adapter else {})}
+                         **({"adapter": s.adapter} if s.adapter else {}),
+                         **({"virtual_tokens": s.virtual} if s.virtual else {})}
                         for s, text in zip(self.samples, self.texts)],
             "n_tokens": self.n_tokens, "seconds": self.elapsed,
             "tokens_per_s": self.tokens_per_s, "n_nodes": len(self.nodes), "nodes": self.nodes,
@@ -70,17 +71,23 @@ def run(cfg: RunConfig, prompts: List[str],
     config = source.config
     gen = cfg.generation
     prompt_ids = encode_prompts(source, prompts)
+    samples = make_samples(prompts, prompt_ids, gen.n_tokens, gen.seed)
+    adapter_set = AdapterSet(cfg.adapters, config) if cfg.adapters else None
+    for sample, adapter in zip(samples, adapter_ids(adapter_set, adapters, len(samples))):
+        if adapter_set is not None:
+            adapter_set.prepare(sample, adapter)  # a soft prompt's virtual tokens go before the prompt
     # A cache slot holds at most the model's context: a sample that reaches its end stops there
     # (finish_reason "context"), or with generation.context_shift goes on with a rolling window.
-    max_len = min(config.block_size, max(len(ids) for ids in prompt_ids) + gen.n_tokens)
-    samples = make_samples(prompts, prompt_ids, gen.n_tokens, gen.seed)
+    longest = max(len(s.prompt_ids) for s in samples)
+    if longest >= config.block_size:
+        raise ConfigError("prompt of %d tokens (with its adapter's virtual tokens) does not fit the model's context "
+                          "of %d tokens" % (longest, config.block_size))
+    max_len = min(config.block_size, longest + gen.n_tokens)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
     planned = [n.name for n in cfg.nodes]
     cfg, plan, costs = resolve_layers(cfg, source, len(samples), max_len, params)  # layers: auto
-    engine = Engine(cfg, source, len(samples), max_len, params, on_token, costs=costs)
-    for sample, adapter in zip(samples, adapter_ids(engine.adapters, adapters, len(samples))):
-        sample.adapter = adapter
+    engine = Engine(cfg, source, len(samples), max_len, params, on_token, costs=costs, adapters=adapter_set)
     plan_record = {"plan": plan.metrics(planned)} if plan is not None else {}
     if on_engine is not None:
         on_engine(engine)

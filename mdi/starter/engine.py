@@ -34,12 +34,12 @@ class Engine:
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int,
                  params: SamplingParams,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
-                 costs: Optional[List[NodeCost]] = None) -> None:
+                 costs: Optional[List[NodeCost]] = None, adapters: Optional[AdapterSet] = None) -> None:
         self.cfg, self.source = cfg, source
         # The planner's measured costs of every node (layers: auto): a failure re-plans with them.
         self.costs = {c.name: c for c in costs or []}
         # LoRA adapters (config `adapters:`), numbered 1..K; samples name theirs (Sample.adapter).
-        self.adapters = AdapterSet(cfg.adapters, source.config) if cfg.adapters else None
+        self.adapters = adapters or (AdapterSet(cfg.adapters, source.config) if cfg.adapters else None)
         self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
         self.nodes = list(cfg.nodes)
         self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))

@@ -46,6 +46,13 @@ class Sample:
     dropped: int = 0  # generated tokens left out of the window by context shifts
     shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
     adapter: int = 0  # the LoRA adapter it runs with on every node (0: the base model alone)
+    # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
+    # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
+    soft_prompt: Optional[torch.Tensor] = None
+
+    @property
+    def virtual(self) -> int:
+        return 0 if self.soft_prompt is None else int(self.soft_prompt.shape[0])
 
     def __post_init__(self) -> None:
         if self.slot < 0:
@@ -88,6 +95,21 @@ def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens
                  seed: int) -> List[Sample]:
     return [Sample(i, p, ids, max_new_tokens, sample_generator(seed, i))
             for i, (p, ids) in enumerate(zip(prompts, prompt_ids))]
+
+
+def _virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
+    """(rows, embeddings) of the virtual tokens a pass carries (soft prompts), else None."""
+    rows, values, row = [], [], 0
+    for sample, start, count in zip(group, starts, counts):
+        n = sample.virtual
+        if start < n:
+            end = min(n, start + count)
+            rows.extend(range(row, row + end - start))
+            values.append(sample.soft_prompt[start:end])
+        row += count
+    if not rows:
+        return None
+    return torch.tensor(rows, dtype=torch.long), torch.cat(values)
 
 
 class Pipeline:
@@ -190,7 +212,8 @@ class Pipeline:
         adapters = [s.adapter for s in group]
         batch = RowBatch.of(slots, starts, counts, self.device, adapters)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions), batch)
+        x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, _virtual_rows(group, starts, counts)),
+                                    batch)
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
         self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else []))
