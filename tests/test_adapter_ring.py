@@ -1,15 +1,13 @@
 """LoRA adapters over the ring with real workers: samples with different adapters (and the
 base) share frames and forwards, and each gets exactly the tokens it gets alone with its
 adapter; each worker holds only its own layers' matrices."""
-import json
 import os
 
 import pytest
 import requests
-import torch
-from safetensors.torch import save_file
 
 from conftest import free_ports
+from mdi.lab.adapters import write_random_lora
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, parse_config
 from mdi.starter import batch
@@ -21,38 +19,8 @@ CHOICE = ["chat", "base", "tools", "poet", "chat", "base"]
 
 
 def write_peft_lora(path, config, seed, rank=4):
-    """A PEFT LoRA directory for an mdi tiny model (as `save_pretrained` writes one), every
-    linear layer of the blocks targeted, B not zero."""
-    g = torch.Generator().manual_seed(seed)
-    E, L = config.n_embd, config.n_layer
-    tensors = {}
-
-    def add(prefix, n_in, n_out):
-        tensors[prefix + ".lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.2
-        tensors[prefix + ".lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.2
-    if config.family == "gpt2":
-        targets = ["c_attn", "c_proj", "c_fc"]
-        for i in range(L):
-            p = "base_model.model.transformer.h.%d." % i
-            add(p + "attn.c_attn", E, 3 * E)
-            add(p + "attn.c_proj", E, E)
-            add(p + "mlp.c_fc", E, config.intermediate_size)
-            add(p + "mlp.c_proj", config.intermediate_size, E)
-    else:
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        H, KV, D, I = config.n_head, config.n_kv_head, config.head_dim, config.intermediate_size
-        for i in range(L):
-            p = "base_model.model.model.layers.%d." % i
-            for name, n_in, n_out in (("self_attn.q_proj", E, H * D), ("self_attn.k_proj", E, KV * D),
-                                      ("self_attn.v_proj", E, KV * D), ("self_attn.o_proj", H * D, E),
-                                      ("mlp.gate_proj", E, I), ("mlp.up_proj", E, I), ("mlp.down_proj", I, E)):
-                add(p + name, n_in, n_out)
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
-                   "fan_in_fan_out": config.family == "gpt2", "bias": "none", "lora_dropout": 0.0}, f)
-    return str(path)
+    """A PEFT LoRA directory for an mdi tiny model, every linear layer of the blocks targeted."""
+    return write_random_lora(str(path), config, seed, rank)
 
 
 @pytest.fixture(scope="module")
