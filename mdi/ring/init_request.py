@@ -129,6 +129,26 @@ def object_fields(where: str, data: Any, required, optional=()) -> Dict[str, Any
     return data
 
 
+def model_field(value: Any) -> ModelConfig:
+    """A request's `model` (ModelConfig.to_dict()) with its sizes bounded."""
+    try:
+        if not isinstance(value, dict):
+            raise ValueError("must be an object")
+        config = ModelConfig.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise RequestError("model: %s" % e)
+    for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
+        int_field("model." + key, getattr(config, key), 1, 1 << 24)
+    return config
+
+
+def dtype_fields(spec: Dict[str, Any]) -> None:
+    """`dtype` (required) and `compute_dtype` (optional): names of DTYPE_NAMES."""
+    for key in ("dtype", "compute_dtype"):
+        if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPE_NAMES:
+            raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPE_NAMES)))
+
+
 def check_device(device: str) -> str:
     if not (device in ("cpu", "cuda") or re.match(r"^cuda:\d+$", device)):
         raise RequestError("device must be cpu, cuda or cuda:N")
@@ -138,26 +158,17 @@ def check_device(device: str) -> str:
 def validate_init(body: Any) -> InitRequest:
     """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
     spec = object_fields("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
-                                "data", "weights"),
-                 ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant", "quant_kernel",
-                  "max_batch", "max_rows", "wire_codec"))
+                                        "data", "weights"),
+                         ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant",
+                          "quant_kernel", "max_batch", "max_rows", "wire_codec"))
     int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
-    try:
-        if not isinstance(spec["model"], dict):
-            raise ValueError("must be an object")
-        config = ModelConfig.from_dict(spec["model"])
-    except (TypeError, ValueError) as e:
-        raise RequestError("model: %s" % e)
-    for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
-        int_field("model." + key, getattr(config, key), 1, 1 << 24)
+    config = model_field(spec["model"])
     layers = spec["layers"]
     if not isinstance(layers, list) or len(layers) != 2:
         raise RequestError("layers must be [first, last) as two integers")
     int_field("layers[0]", layers[0], 0, config.n_layer - 1)
     int_field("layers[1]", layers[1], layers[0] + 1, config.n_layer)
-    for key in ("dtype", "compute_dtype"):
-        if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPE_NAMES:
-            raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPE_NAMES)))
+    dtype_fields(spec)
     device = check_device(str_field("device", spec["device"], 32))
     int_field("n_slots", spec["n_slots"], 1, 4096)
     int_field("max_len", spec["max_len"], 1, config.block_size)

@@ -10,15 +10,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mdi.model.config import ModelConfig
-from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_to_json
 import torch
 
+from mdi.model.config import ModelConfig
+from mdi.model.layout import QuantSpec, layout_to_json
 from mdi.model.profile import PROFILE_LAYERS, seconds_per_call
 from mdi.model.qkernels import POLICY_NAMES
 from mdi.ring.wire import Frame, decode, encode
-from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, int_field, object_fields, quant_field,
-                                   str_field)
+from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, int_field, model_field,
+                                   object_fields, quant_field, str_field)
 
 MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
 MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
@@ -53,18 +53,9 @@ class ProfileRequest:
 def validate_profile(body: Any) -> ProfileRequest:
     """The /profile JSON body as a `ProfileRequest`, or a `RequestError` naming the first bad field."""
     spec = object_fields("profile", body, ("model", "dtype", "device", "batch_sizes", "context", "prefill_tokens"),
-                 ("threads", "compute_dtype", "quant", "quant_kernel"))
-    try:
-        if not isinstance(spec["model"], dict):
-            raise ValueError("must be an object")
-        config = ModelConfig.from_dict(spec["model"])
-    except (TypeError, ValueError) as e:
-        raise RequestError("model: %s" % e)
-    for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
-        int_field("model." + key, getattr(config, key), 1, 1 << 24)
-    for key in ("dtype", "compute_dtype"):
-        if (key == "dtype" or spec.get(key) is not None) and spec.get(key) not in DTYPE_NAMES:
-            raise RequestError("%s must be one of %s" % (key, ", ".join(DTYPE_NAMES)))
+                         ("threads", "compute_dtype", "quant", "quant_kernel"))
+    config = model_field(spec["model"])
+    dtype_fields(spec)
     device = check_device(str_field("device", spec["device"], 32))
     sizes = spec["batch_sizes"]
     if not isinstance(sizes, list) or not 1 <= len(sizes) <= MAX_BATCH_SIZES:
