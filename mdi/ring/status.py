@@ -101,12 +101,12 @@ class StatusReply:
 
     def capacity_bytes(self) -> Optional[int]:
         """Bytes the worker can give to a chunk: its --max-memory if set, else the memory the OS
-        has available plus what its current weights and cache hold (freed on /init)."""
+        has available plus what its current weights, adapters and cache hold (freed on /init)."""
         if self.memory.max_memory_bytes:
             return self.memory.max_memory_bytes
         if self.memory.available_bytes is None:
             return None
-        return self.memory.available_bytes + self.memory.chunk_bytes + self.cache.bytes
+        return self.memory.available_bytes + self.memory.chunk_bytes + self.memory.adapter_bytes + self.cache.bytes
 
 
 _NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter}

@@ -35,7 +35,7 @@ from werkzeug.exceptions import HTTPException
 
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback
-from mdi.runconfig import ConfigError, RunConfig
+from mdi.runconfig import ADAPTER_NAME, ConfigError, RunConfig
 from mdi.serving.dashboard import register_dashboard
 from mdi.starter.adapters import virtual_tokens
 from mdi.serving.metrics import Observer
@@ -220,6 +220,9 @@ class Routes:
         name, path = body.get("name"), body.get("path")
         if set(body) - {"name", "path"} or not isinstance(name, str) or not isinstance(path, str):
             raise ApiError(400, 'expected {"name": string, "path": string}')
+        if not ADAPTER_NAME.match(name) or name in (self.model_id, "base"):
+            raise ApiError(400, "name: letters, digits, '_', '.' or '-' (at most 64), not %r or 'base'"
+                           % self.model_id, "name")
         engine = self.sched.engine
         if engine is None:
             raise ApiError(503, "the ring is %s" % self.sched.state, kind="server_error")

@@ -128,6 +128,7 @@ class Scheduler:
         self._next_index = 0
         self._recoveries_seen = 0
         self._thread = None  # type: Optional[threading.Thread]
+        self._adapters = None  # type: Any  # the last engine's AdapterSet (kept across rebuilds)
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
@@ -222,7 +223,9 @@ class Scheduler:
                 self._ring_failed(e)
 
     def _open(self) -> None:
-        ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token)
+        # A rebuilt ring keeps the adapters loaded at run time, under the same ids.
+        kept = self._adapters
+        ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token, kept)
         self.slots = ring.slots
         self.engine = ring.engine
         self.nodes = list(ring.engine.nodes)
@@ -279,15 +282,19 @@ class Scheduler:
             if req.cancelled:
                 self._finish(req, "cancelled")
                 continue
-            virtual = virtual_tokens(self.engine.adapters, req.adapter)  # a soft prompt's, before the prompt
+            adapters = self.engine.adapters
+            if req.adapter and (adapters is None or not adapters.has(req.adapter)):
+                self._finish(req, "error", "its adapter was unloaded before the request started")
+                continue
+            virtual = virtual_tokens(adapters, req.adapter)  # a soft prompt's, before the prompt
             if virtual + len(req.prompt_ids) + req.max_tokens > self.max_len:  # the HTTP layer checks first
                 self._finish(req, "error", "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
                             sample_generator(seed, 0), slot=free.pop(0), params=req.params)
-            if self.engine.adapters:
-                self.engine.adapters.prepare(sample, req.adapter)
+            if adapters:
+                adapters.prepare(sample, req.adapter)
             self._next_index += 1
             req.sample, req.text = sample, TextStream(self.tokenizer, req.stop)
             self._running[sample.index] = req
@@ -359,6 +366,7 @@ class Scheduler:
         self.state = "down"
         self._fail_all("the ring failed: %s" % cause)
         engine, self.engine = self.engine, None
+        self._adapters = engine.adapters  # the next ring gets them all again
         try:
             engine.abort()
         except (RuntimeError, OSError) as e:  # NodeError included; the ring is broken anyway

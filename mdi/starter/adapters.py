@@ -2,7 +2,8 @@
 path}`, numbered 1..K in that order (0 is the base model), installed on the starter's own
 blocks and sent to each worker for its layers only (POST /adapters/<id>)."""
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple  # noqa: F401  (type comments)
 
 from mdi.model.config import ModelConfig
 from mdi.model.transformer import ModelChunk
@@ -25,44 +26,61 @@ def read_adapter(name: str, path: str, config: ModelConfig) -> Any:
 
 class AdapterSet:
     """Adapters by id: ids 1..K in the config's order, then one more per adapter loaded at run
-    time; an unloaded adapter leaves its id unused (a sample never meets another's)."""
+    time; an unloaded adapter leaves its id unused (a sample never meets another's). An adapter
+    added while the ring runs stays pending (unknown to requests) until every node holds it.
+    Every node knows every LoRA id, with no matrices where the adapter leaves its layers alone:
+    a frame naming an id a node does not know is refused there."""
 
     def __init__(self, paths: Dict[str, str], config: ModelConfig) -> None:
         self.config = config
         self.names = []  # type: List[Optional[str]]  # id i + 1 is names[i]; None: unloaded
-        self.adapters = []  # type: List[Any]  # mdi.model.adapters.Adapter, in id order
+        self.adapters = []  # type: List[Any]  # mdi.model.adapters.Adapter or SoftPrompt, in id order
+        self.pending = set()  # type: Set[int]
+        self.lock = threading.Lock()  # adds and removes from HTTP threads
         for name, path in paths.items():
             self.add(name, read_adapter(name, path, config))
 
     def __bool__(self) -> bool:
         return any(a is not None for a in self.adapters)
 
-    def add(self, name: str, adapter: Any) -> int:
-        if name == BASE or name in self.names:
-            raise ConfigError("adapter %r is already loaded" % name)
-        self.names.append(name)
-        self.adapters.append(adapter)
-        return len(self.names)
+    def add(self, name: str, adapter: Any, pending: bool = False) -> int:
+        with self.lock:
+            if name == BASE or name in self.names:
+                raise ConfigError("adapter %r is already loaded" % name)
+            self.names.append(name)
+            self.adapters.append(adapter)
+            adapter_id = len(self.names)
+            if pending:
+                self.pending.add(adapter_id)
+            return adapter_id
+
+    def ready(self, adapter: int) -> None:
+        self.pending.discard(adapter)
 
     def remove(self, name: str) -> int:
-        adapter = self.id_of(name)
-        if adapter == 0:
-            raise ConfigError("the base model cannot be unloaded")
-        self.names[adapter - 1], self.adapters[adapter - 1] = None, None
-        return adapter
+        with self.lock:
+            adapter = self.id_of(name, pending_too=True)
+            if adapter == 0:
+                raise ConfigError("the base model cannot be unloaded")
+            self.names[adapter - 1], self.adapters[adapter - 1] = None, None
+            self.pending.discard(adapter)
+            return adapter
 
     def loaded(self) -> List[Tuple[int, str]]:
-        """(id, name) of every adapter held now, in id order."""
-        return [(i + 1, n) for i, n in enumerate(self.names) if n is not None]
+        """(id, name) of every adapter requests may use now, in id order."""
+        return [(i + 1, n) for i, n in enumerate(self.names) if n is not None and i + 1 not in self.pending]
 
-    def id_of(self, name: Optional[str]) -> int:
+    def has(self, adapter: int) -> bool:
+        return adapter == 0 or (0 < adapter <= len(self.names) and self.names[adapter - 1] is not None
+                                and adapter not in self.pending)
+
+    def id_of(self, name: Optional[str], pending_too: bool = False) -> int:
         """The id a sample runs with: 0 for the base (None or "base"), else 1..K."""
         if name is None or name == BASE:
             return 0
-        if name not in self.names:
-            raise ConfigError("unknown adapter %r (known: %s)"
-                              % (name, ", ".join([BASE] + [n for _, n in self.loaded()])))
-        return self.names.index(name) + 1
+        if name in self.names and (pending_too or self.names.index(name) + 1 not in self.pending):
+            return self.names.index(name) + 1
+        raise ConfigError("unknown adapter %r (known: %s)" % (name, ", ".join([BASE] + [n for _, n in self.loaded()])))
 
     def soft_prompt(self, adapter: int) -> Optional[Any]:
         """The virtual tokens' embeddings [n, n_embd] of a prompt-tuning adapter, else None."""
@@ -73,17 +91,16 @@ class AdapterSet:
         return self.adapters[adapter - 1].for_layers(first, last)
 
     def for_layers(self, first: int, last: int) -> List[Tuple[int, Dict[str, Any]]]:
-        """(id, {layer: (A, B)}) of every adapter that changes one of blocks [first, last)."""
-        out = []
-        for adapter, _ in self.loaded():
-            weights = self.one_for_layers(adapter, first, last)
-            if weights:
-                out.append((adapter, weights))
-        return out
+        """(id, {layer: (A, B)}) of every LoRA held (pending ones too), for blocks [first, last):
+        empty where it leaves those blocks alone (the node must still know the id)."""
+        return [(i + 1, a.for_layers(first, last)) for i, a in enumerate(self.adapters)
+                if a is not None and a.kind != "prompt"]
 
     def prepare(self, sample: Any, adapter: int) -> None:
         """Give `sample` its adapter; a prompt-tuning one puts its virtual tokens (placeholder
         ids whose embeddings the starter replaces, mdi.starter.pipeline) before the prompt."""
+        if not self.has(adapter):
+            raise ConfigError("adapter %d is not loaded (it was unloaded, or is still being loaded)" % adapter)
         soft = self.soft_prompt(adapter)
         if soft is None:
             sample.adapter = adapter

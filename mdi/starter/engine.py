@@ -103,23 +103,28 @@ class Engine:
 
     # --- adapters at run time (--serve's POST /v1/mdi/adapters) ---------------------------
     def add_adapter(self, name: str, path: str) -> int:
-        """Load an adapter and give every node its layers' part, while samples keep flowing
-        (a sample names its adapter per frame: none names this one before it is everywhere)."""
+        """Load an adapter and give every node its layers' part, while samples keep flowing. It
+        stays pending (no request can name it) until every node holds it."""
         adapter = read_adapter(name, path, self.source.config)
         if self.adapters is None:
             self.adapters = AdapterSet({}, self.source.config)
-        ids = self.adapters.add(name, adapter)
+        adapter_id = self.adapters.add(name, adapter, pending=True)
         try:
-            weights = adapter.for_layers(self.chunk.first, self.chunk.last)
-            if weights:
-                self.chunk.set_adapter(ids, weights)
-            if self.ring is not None:
-                self.ring.send_adapter(ids, self.adapters)
+            if adapter.kind != "prompt":  # a soft prompt lives in the samples, on the starter alone
+                self.chunk.set_adapter(adapter_id, adapter.for_layers(self.chunk.first, self.chunk.last))
+                if self.ring is not None:
+                    self.ring.send_adapter(adapter_id, self.adapters)
         except BaseException:
             self.adapters.remove(name)
-            self.chunk.drop_adapter(ids)
+            self.chunk.drop_adapter(adapter_id)
+            if self.ring is not None:
+                try:
+                    self.ring.drop_adapter(adapter_id)  # from the workers that took it
+                except NodeError:
+                    pass
             raise
-        return ids
+        self.adapters.ready(adapter_id)
+        return adapter_id
 
     def remove_adapter(self, name: str) -> int:
         if self.adapters is None:
@@ -204,9 +209,14 @@ class Engine:
         spare = spares[0] if spares else None
         if spare is not None:
             nodes.insert(i, spare)
-            if spare.name not in self.costs:
-                profiler = Profiler(self.cfg, self.source, self.n_slots, self.max_len, self.n_slots, self.params)
-                self.costs[spare.name] = profiler.costs([self.nodes[0], spare])[1]
+            if spare.name not in self.costs:  # timed alone, at the rows per pass its peers were
+                sizes = sorted(next(iter(self.costs.values())).layer_s)
+                profiler = Profiler(self.cfg, self.source, self.n_slots, self.max_len, self.n_slots, self.params,
+                                    sizes=sizes)
+                try:
+                    self.costs[spare.name] = profiler.worker_cost(spare)
+                except ConfigError as e:
+                    raise RecoveryImpossible("spare %s: %s" % (spare.name, e))
         costs = [self.costs[n.name] for n in nodes if n.name in self.costs]
         if len(costs) != len(nodes):
             raise RecoveryImpossible("no measured costs for %s" % ", ".join(n.name for n in nodes

@@ -52,6 +52,7 @@ class NodeCost:
     fixed_bytes: int = 0  # the starter's embedding and head
     capacity_bytes: Optional[int] = None  # what it can hold; None: unknown (not checked)
     prefill_token_s: float = 0.0  # one block, per prompt token (reported, not planned on)
+    note: str = ""  # why it cannot be used at all (its stage times are then infinite)
 
     def stage_s(self, n_layers: int, rows: float) -> float:
         return (interpolate(self.fixed_s, rows) + n_layers * interpolate(self.layer_s, rows)
@@ -232,7 +233,9 @@ def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="
         except PlanError:
             everyone, why = None, "no split that gives every node a layer fits in memory"
         for c, k in zip(costs, split.counts):
-            if k == 0:
+            if k == 0 and c.note:
+                dropped[c.name] = "left out: %s" % c.note
+            elif k == 0:
                 alone = c.stage_s(1, rows) * 1e3
                 dropped[c.name] = "left out: even one layer there takes %.1f ms per pass; %s" % (alone, why)
     used = [(c, k) for c, k in zip(costs, split.counts) if k > 0]

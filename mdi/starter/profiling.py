@@ -24,7 +24,7 @@ from mdi.model.layout import dtype_name, layout_to_json, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS, time_chunk
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.ring.profile_request import ProfileReply, ProfileRequest, frame_seconds
+from mdi.ring.profile_request import MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, frame_seconds
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
@@ -63,11 +63,13 @@ def _write_cache(entries: Dict[str, Any]) -> None:
         log.warning("mdi: plan: cannot write the profile cache in %s: %s", cache_dir(), e)
 
 
-def batch_sizes(samples: int, n_nodes: int) -> List[int]:
+def batch_sizes(samples: int, n_nodes: int, max_batch: Any = "auto") -> List[int]:
     """Rows per decode pass to time: one sample alone, and the groups `samples` in flight make
-    on this ring or on one with a node less (the planner may leave one out)."""
+    on this ring or on one with a node less (the planner may leave one out), within
+    runtime.max_batch and what /profile takes (the planner extends the rest)."""
     sizes = {1, 2, max(1, math.ceil(samples / n_nodes)), max(1, math.ceil(samples / max(1, n_nodes - 1)))}
-    return sorted(sizes)[:8]
+    cap = MAX_PROFILE_ROWS if max_batch == "auto" else min(MAX_PROFILE_ROWS, int(max_batch))
+    return sorted({min(b, cap) for b in sizes})
 
 
 def _connect_seconds(node: NodeSpec, timeout: float) -> float:
@@ -88,13 +90,14 @@ class Profiler:
 
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, samples: int,
                  params: Optional[SamplingParams] = None, refresh: bool = False,
-                 say: Callable[[str], None] = log.info) -> None:
+                 say: Callable[[str], None] = log.info, sizes: Sequence[int] = ()) -> None:
         self.cfg, self.source, self.n_slots, self.max_len = cfg, source, n_slots, max_len
         self.params = params or SamplingParams(cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p)
         self.samples, self.refresh, self.say = samples, refresh, say
         self.config = source.config
         self.dtype = torch_dtype(cfg.model.dtype)
-        self.sizes = batch_sizes(samples, len(cfg.nodes))
+        # The rows per pass timed: given (a spare joining a planned ring is timed as its peers were).
+        self.sizes = list(sizes) if sizes else batch_sizes(samples, len(cfg.nodes), cfg.runtime.max_batch)
         self.context = max(0, min(self.config.block_size - 1, max_len // 2))  # a run's average position
         self.prefill_tokens = max(1, min(cfg.runtime.prefill_chunk, self.config.block_size, 256))
         self.cache = _read_cache()
@@ -119,6 +122,14 @@ class Profiler:
             _write_cache(self.cache)
         self.seconds += time.perf_counter() - t0
         return out
+
+    def worker_cost(self, node: NodeSpec) -> NodeCost:
+        """One worker alone (a spare joining the ring): its blocks, its link and its memory."""
+        link = self._link(node)
+        cost = self._cost(1, node, self._worker_timing(node), [link])
+        if self.cache_dirty:
+            _write_cache(self.cache)
+        return cost
 
     # --- measuring -------------------------------------------------------------------
     def _cached(self, what: str, parts: Dict[str, Any], measure: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -152,7 +163,16 @@ class Profiler:
                                      dict(node_quant(self.cfg, self.source, node, layers)),
                                      self.cfg.runtime.quant_kernel)
             return client_for(self.cfg, node).profile(request).to_json()
-        return self._cached("worker", dict(shape, node=node.name, address=node.address), measure)
+        # The worker's own --device wins over the run's: part of what is timed. (Its own --threads
+        # too, but /status cannot tell an override from the last run's setting: --refresh.)
+        device = client_for(self.cfg, node).status().device
+        try:
+            return self._cached("worker", dict(shape, node=node.name, address=node.address, worker_device=device),
+                                measure)
+        except NodeError as e:
+            if "HTTP 413" not in str(e):
+                raise
+            return {"unusable": "too little memory to time even two blocks (%s)" % str(e).split(": ")[-1]}
 
     def _starter_timing(self) -> Dict[str, Any]:
         node = self.cfg.nodes[0]
@@ -189,6 +209,10 @@ class Profiler:
 
     # --- in the planner's terms ------------------------------------------------------
     def _cost(self, i: int, node: NodeSpec, timing: Dict[str, Any], links: List[Dict[str, float]]) -> NodeCost:
+        if "unusable" in timing:  # the planner leaves it out, saying why
+            never = {1: float("inf")}
+            return NodeCost(node.name, never, never, never, [0] * self.config.n_layer,
+                            capacity_bytes=self._capacity(i, node), note=timing["unusable"])
         reply = ProfileReply.from_json({k: v for k, v in timing.items() if k != "ends_s"})
         fixed = dict(reply.frame_s)
         if i == 0:
@@ -201,9 +225,10 @@ class Profiler:
         layer_bytes = self._layer_bytes(node)
         ends = 0
         if i == 0:
-            with_ends = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, True,
-                                           node_quant(self.cfg, self.source, node, [0, 1], True))
-            ends = with_ends - layer_bytes[0]
+            quant = node_quant(self.cfg, self.source, node, [0, 1], True)
+            plain = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, False,
+                                       node_quant(self.cfg, self.source, node, [0, 1]))
+            ends = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, True, quant) - plain
         capacity = self._capacity(i, node)
         return NodeCost(node.name, reply.layer_s, fixed, hop, layer_bytes, ends, capacity, reply.prefill_token_s)
 

@@ -6,7 +6,7 @@ each time it (re)builds the ring.
 """
 import logging
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Any, Callable, List
 
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.sampling import SamplingParams
@@ -14,6 +14,7 @@ from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
 from mdi.starter.autoplan import resolve_layers
+from mdi.starter.planner import PlanError
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
@@ -45,14 +46,15 @@ def resolve_max_len(cfg: RunConfig, block_size: int) -> int:
 
 
 def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams,
-                      on_token: Callable[[Sample, int], None]) -> ServingRing:
+                      on_token: Callable[[Sample, int], None], adapters: Any = None) -> ServingRing:
     """Plan the slots from memory, open the engine, and lower the slots to what the workers
-    actually allocated. Nothing is left open when this raises."""
-    cfg, _, costs = resolve_layers(cfg, source, cfg.serve.max_in_flight or DEFAULT_MAX_IN_FLIGHT, max_len, params)
+    actually allocated. Nothing is left open when this raises. `adapters`: an AdapterSet to
+    keep (a rebuilt ring keeps the adapters loaded at run time)."""
+    cfg, costs = _planned(cfg, source, max_len, params)
     nodes = list(cfg.nodes)
     ranges = layer_ranges(partition(source.config.n_layer, nodes, cfg.source))
     slots = plan_slots(cfg, source, nodes, ranges, max_len)
-    engine = Engine(cfg, source, slots, max_len, params, on_token, costs=costs)
+    engine = Engine(cfg, source, slots, max_len, params, on_token, costs=costs, adapters=adapters)
     try:
         engine.open()
         reported = reported_slots(cfg, engine, max_len)
@@ -60,6 +62,21 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
         engine.abort()
         raise
     return ServingRing(engine, min([slots] + reported))
+
+
+def _planned(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams):
+    """`layers: auto` for serving: planned for serve.max_in_flight slots, or, when the ring
+    cannot hold that many, for half as many down to one (plan_slots lowers them the same way
+    for a fixed split)."""
+    slots = cfg.serve.max_in_flight or DEFAULT_MAX_IN_FLIGHT
+    while True:
+        try:
+            planned, _, costs = resolve_layers(cfg, source, slots, max_len, params)
+            return planned, costs
+        except PlanError:
+            if slots == 1:
+                raise
+            slots = max(1, slots // 2)
 
 
 def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], ranges: List[List[int]],

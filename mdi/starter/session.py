@@ -82,11 +82,10 @@ class RingSession:
             errors[i] = NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name)
 
     def send_adapter(self, adapter: int, adapters: Any) -> None:
-        """One adapter, loaded while the ring runs, to every worker whose layers it changes."""
+        """One adapter, loaded while the ring runs, to every worker: its layers' matrices, or
+        none where it leaves them alone (the id must still be known there)."""
         for client, (first, last) in zip(self.clients, self.ranges[1:]):
-            weights = adapters.one_for_layers(adapter, first, last)
-            if weights:
-                client.post_adapter(adapter, adapter_body(weights))
+            client.post_adapter(adapter, adapter_body(adapters.one_for_layers(adapter, first, last)))
 
     def drop_adapter(self, adapter: int) -> None:
         for client in self.clients:

@@ -27,6 +27,7 @@ from mdi.model.source import build_chunk_from_file
 from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
+from mdi.model.profile import PROFILE_LAYERS
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
@@ -202,6 +203,7 @@ class Worker:
                 raise NodeBusy("run %d is waiting for its weights; profile it between runs"
                                % self.pending.request.run_id)
             self.touch()
+            self._check_profile_fits(request)
             self._set_threads(request)
             try:
                 return profile_here(request, self.device_override or request.device)
@@ -212,6 +214,20 @@ class Worker:
                 release_freed_memory()  # the random blocks' memory goes back before the weights come
         finally:
             self.lock.release()
+
+    def _check_profile_fits(self, request: ProfileRequest) -> None:
+        """Refuse (413) a profile whose random blocks and cache would not fit beside the weights
+        held now: a board at its limit is killed by the kernel, not told."""
+        config = request.model
+        n = min(PROFILE_LAYERS, config.n_layer)
+        positions = min(config.block_size, max(request.context + 1, request.prefill_tokens))
+        need = (weight_bytes(config, [0, n], request.dtype, quant=request.quant)
+                + KVCache.nbytes_for(config, n, max(request.batch_sizes), positions, torch_dtype(request.dtype)))
+        limit, what = self._memory_limit()
+        free = limit - chunk_nbytes(self.chunk) if limit is not None else None
+        if free is not None and need > free:
+            raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
+                           % (need, n, free, what))
 
     def load_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
         """POST /adapters/<id>: a low-rank adapter's A/B matrices for this worker's layers, as
@@ -424,6 +440,9 @@ class Worker:
 
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
+        # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
+        # per run, and a kept chunk's last adapters may mean something else now).
+        chunk.lora.adapters.clear()
         request = setup.request
         compute = setup.compute_dtype
         chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
