@@ -109,3 +109,15 @@ def test_mdi_prepare_merges_an_adapter(tiny_models, adapter_dirs, tmp_path):
     wrong = subprocess.run([os.path.join(BIN, "mdi-prepare"), tiny_models["gpt2"], "--out", str(tmp_path / "x"),
                             "--merge-adapter", adapters["tools"]], capture_output=True, text=True, timeout=300)
     assert wrong.returncode != 0 and "mdi-prepare: error:" in wrong.stderr
+
+
+def test_an_adapter_that_leaves_a_node_s_layers_alone(tiny_models, workers, tmp_path):
+    """Only layer 0 adapted: the workers hold no matrix of it but must still know its id."""
+    model = tiny_models["llama"]
+    config = ModelSource(model).config
+    adapters = {"first": write_random_lora(str(tmp_path / "first"), config, seed=3, rank=4, layers=[0])}
+    reference = [alone(model, adapters, p, "first") for p in PROMPTS[:3]]
+    ring = config_for(model, adapters, workers[:2], [1, 1, config.n_layer - 2])
+    got = batch.run(ring, PROMPTS[:3], adapters=["first", "base", "first"])
+    assert [s.token_ids for s in got.samples] == [reference[0], alone(model, adapters, PROMPTS[1], "base"),
+                                                  reference[2]]
