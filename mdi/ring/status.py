@@ -106,7 +106,16 @@ class StatusReply:
             return self.memory.max_memory_bytes
         if self.memory.available_bytes is None:
             return None
-        return self.memory.available_bytes + self.memory.chunk_bytes + self.memory.adapter_bytes + self.cache.bytes
+        held = self.memory.chunk_bytes + self.memory.adapter_bytes + self.cache.bytes
+        return max(0, self.memory.available_bytes + held - LOAD_HEADROOM_BYTES)
+
+
+# Memory a worker keeps free besides the weights and cache it is asked to hold: loading passes
+# through a temporary file and one tensor at a time, and the allocator keeps some slack. With
+# nothing kept, an emulated 300 MB board told it could hold 149.5 MB took 143 MB of weights and
+# was killed by the kernel while loading them. Both ends use it (the worker's checks, the
+# starter's capacity figure), so a plan never fills a board to its last byte.
+LOAD_HEADROOM_BYTES = 32 * 1024 * 1024
 
 
 _NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter}

@@ -30,7 +30,7 @@ from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge,
 from mdi.model.profile import PROFILE_LAYERS
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.adapter_request import read_adapter_tensors
-from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
+from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype
@@ -344,13 +344,15 @@ class Worker:
 
     def _memory_limit(self):
         """(bytes, what): the most memory this worker gives a run: its --max-memory, else the
-        memory available plus the weights it holds now (freed before new ones load)."""
+        memory available plus the weights it holds now (freed before new ones load), less the
+        headroom loading needs (LOAD_HEADROOM_BYTES)."""
         if self.max_memory is not None:
             return self.max_memory, "--max-memory"
         avail = available_memory_bytes()
         if avail is None:
             return None, "unknown"
-        return avail + chunk_nbytes(self.chunk), "available memory"
+        return (max(0, avail + chunk_nbytes(self.chunk) - LOAD_HEADROOM_BYTES),
+                "available memory less %d MB to load" % (LOAD_HEADROOM_BYTES >> 20))
 
     def _check_push_fits(self, nbytes: int, cache_bytes: int) -> None:
         limit, what = self._memory_limit()
