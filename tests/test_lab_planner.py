@@ -425,7 +425,11 @@ def test_planner_experiment_parses_and_plans(tmp_path):
         data = yaml.safe_load(f)
     exp = parse_experiment(data, PLANNER)
     assert exp.emulation.cpu_quota == [1.0, 0.5, 0.25] and exp.emulation.cpu_period_us == 10000
-    assert isinstance(exp.emulation.memory_limit_mb, list) and exp.repeats == 1
+    assert exp.emulation.memory_limit_mb is None and exp.repeats == 1
+    # The memory-bound case is its own experiment: the 0.5-core board alone limited.
+    with open(os.path.join(os.path.dirname(PLANNER), "planner-memory.yaml")) as f:
+        memory = parse_experiment(yaml.safe_load(f), "planner-memory.yaml")
+    assert memory.emulation.memory_limit_mb == [None, 300, None]
     names = [m.name for m in exp.models]
     assert names == ["smollm2", "gpt2-random"]
     for m in exp.models:
