@@ -2,21 +2,26 @@
 before any weight is sent; the planner (mdi.starter.planner) splits the layers by the answers.
 
 One definition for both ends, as for /init: `ProfileRequest.to_json` / `validate_profile` on
-the way in (every field checked before use: a `RequestError`, HTTP 400), `ProfileReply.to_json`
-/ `ProfileReply.from_json` on the way back (a wrong or hostile reply is one `ValueError` naming
+the way in (every field checked before use: a `RequestError`, HTTP 400), `profile_here` to
+measure (the worker for /profile, the starter for itself), `ProfileReply.to_json` /
+`ProfileReply.from_json` on the way back (a wrong or hostile reply is one `ValueError` naming
 the field, never a KeyError in the planner).
 """
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import QuantSpec, layout_to_json
-from mdi.model.profile import PROFILE_LAYERS, seconds_per_call
+from mdi.model import qkernels
+from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
+from mdi.model.profile import PROFILE_LAYERS, seconds_per_call, time_chunk
 from mdi.model.qkernels import POLICY_NAMES
+from mdi.model.sampling import SamplingParams
 from mdi.ring.wire import Frame, decode, encode
+from mdi.system.devices import resolve_compute_dtype
 from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, int_field, model_field,
                                    object_fields, quant_field, str_field)
 
@@ -83,11 +88,15 @@ class ProfileReply:
     threads: int
     device: str
     seconds: float  # how long profiling took
+    ends_s: Dict[int, float] = field(default_factory=dict)  # the starter's own: embedding, head, sampling
 
     def to_json(self) -> Dict[str, Any]:
-        return {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
-                "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
-                "device": self.device, "seconds": self.seconds}
+        out = {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
+               "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
+               "device": self.device, "seconds": self.seconds}  # type: Dict[str, Any]
+        if self.ends_s:
+            out["ends_s"] = {str(k): v for k, v in self.ends_s.items()}
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> "ProfileReply":
@@ -115,7 +124,25 @@ class ProfileReply:
         if not isinstance(device, str) or not device or len(device) > 32:
             raise ValueError("profile reply: device must be a short string")
         return cls(table("layer_s"), seconds("prefill_token_s", data.get("prefill_token_s")), table("frame_s"),
-                   threads, device, seconds("seconds", data.get("seconds")))
+                   threads, device, seconds("seconds", data.get("seconds")),
+                   table("ends_s") if "ends_s" in data else {})
+
+
+def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
+                 params: Optional[SamplingParams] = None) -> ProfileReply:
+    """Time the request's passes on `device` with torch's current thread count: what a worker
+    answers POST /profile with, and (`with_ends`: its quant layout then names the embedding and
+    head too) what the starter measures of itself."""
+    t0 = time.perf_counter()
+    qkernels.set_preference(request.quant_kernel)
+    dtype = torch_dtype(request.dtype)
+    asked = request.compute_dtype
+    compute, _ = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
+    timing = time_chunk(request.model, dtype, device, request.quant, request.batch_sizes, request.context,
+                        request.prefill_tokens, compute_dtype=compute, with_ends=with_ends, params=params)
+    frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
+    return ProfileReply(timing.layer_s, timing.prefill_token_s, frames, torch.get_num_threads(), device,
+                        time.perf_counter() - t0, timing.ends_s)
 
 
 def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:

@@ -17,14 +17,12 @@ import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import torch
-
 from mdi import __version__
-from mdi.model.layout import dtype_name, layout_to_json, torch_dtype
-from mdi.model.profile import PROFILE_LAYERS, time_chunk
+from mdi.model.layout import dtype_name, torch_dtype
+from mdi.model.profile import PROFILE_LAYERS
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.ring.profile_request import MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, frame_seconds
+from mdi.ring.profile_request import MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, profile_here
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
@@ -32,7 +30,6 @@ from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
 from mdi.starter.planner import NodeCost
 from mdi.starter.session import client_for
-from mdi.system.devices import resolve_compute_dtype
 from mdi.system.files import write_json
 
 log = logging.getLogger(__name__)
@@ -112,12 +109,16 @@ class Profiler:
         links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
         out = []
         for i, node in enumerate(nodes):
-            timing = self._starter_timing() if i == 0 else self._worker_timing(node)
+            if i == 0:
+                timing, capacity = self._starter_timing(), self._starter_capacity()
+            else:
+                status = client_for(self.cfg, node).status()  # one read: its device and its memory
+                timing, capacity = self._worker_timing(node, status.device), status.capacity_bytes()
             # A node's output goes to the next one: the slower of the two links to the starter
             # stands for the path between them (boards usually hang off one switch).
             nxt = links[(i + 1) % len(nodes)]
             link = [l for l in (links[i], nxt) if l is not None]
-            out.append(self._cost(i, node, timing, link))
+            out.append(self._cost(i, node, timing, link, capacity))
         if self.cache_dirty:
             _write_cache(self.cache)
         self.seconds += time.perf_counter() - t0
@@ -126,7 +127,8 @@ class Profiler:
     def worker_cost(self, node: NodeSpec) -> NodeCost:
         """One worker alone (a spare joining the ring): its blocks, its link and its memory."""
         link = self._link(node)
-        cost = self._cost(1, node, self._worker_timing(node), [link])
+        status = client_for(self.cfg, node).status()
+        cost = self._cost(1, node, self._worker_timing(node, status.device), [link], status.capacity_bytes())
         if self.cache_dirty:
             _write_cache(self.cache)
         return cost
@@ -144,31 +146,23 @@ class Profiler:
             self.cache_dirty = True
         return entry
 
-    def _shape(self, node: NodeSpec, with_ends: bool) -> Dict[str, Any]:
-        cfg = self.cfg
+    def _request(self, node: NodeSpec, with_ends: bool) -> ProfileRequest:
         layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
-        return {"model": self.config.to_dict(), "dtype": cfg.model.dtype, "compute_dtype": cfg.model.compute_dtype,
-                "device": node.device or cfg.model.device, "threads": cfg.runtime.threads,
-                "quant": layout_to_json(node_quant(cfg, self.source, node, layers, with_ends)),
-                "quant_kernel": cfg.runtime.quant_kernel, "sizes": self.sizes, "context": self.context,
-                "prefill_tokens": self.prefill_tokens}
+        cfg = self.cfg
+        return ProfileRequest(self.config, cfg.model.dtype, node.device or cfg.model.device, self.sizes, self.context,
+                              self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype,
+                              dict(node_quant(cfg, self.source, node, layers, with_ends)), cfg.runtime.quant_kernel)
 
-    def _worker_timing(self, node: NodeSpec) -> Dict[str, Any]:
-        shape = self._shape(node, False)
-
+    def _worker_timing(self, node: NodeSpec, device: str) -> Dict[str, Any]:
+        """`device`: the one the worker reports; its own --device wins over the run's, so it is
+        part of what is timed. (Its own --threads too, but /status cannot tell an override from
+        the last run's setting: --refresh.)"""
         def measure() -> Dict[str, Any]:
-            layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
-            request = ProfileRequest(self.config, self.cfg.model.dtype, shape["device"], self.sizes, self.context,
-                                     self.prefill_tokens, self.cfg.runtime.threads, self.cfg.model.compute_dtype,
-                                     dict(node_quant(self.cfg, self.source, node, layers)),
-                                     self.cfg.runtime.quant_kernel)
-            return client_for(self.cfg, node).profile(request).to_json()
-        # The worker's own --device wins over the run's: part of what is timed. (Its own --threads
-        # too, but /status cannot tell an override from the last run's setting: --refresh.)
-        device = client_for(self.cfg, node).status().device
+            return client_for(self.cfg, node).profile(self._request(node, False)).to_json()
         try:
-            return self._cached("worker", dict(shape, node=node.name, address=node.address, worker_device=device),
-                                measure)
+            # The key: all the request says (model shape, dtype, quant, device, threads, rows...).
+            return self._cached("worker", dict(self._request(node, False).to_json(), node=node.name,
+                                               address=node.address, worker_device=device), measure)
         except NodeError as e:
             if "HTTP 413" not in str(e):
                 raise
@@ -176,22 +170,13 @@ class Profiler:
 
     def _starter_timing(self) -> Dict[str, Any]:
         node = self.cfg.nodes[0]
-        shape = self._shape(node, True)
 
         def measure() -> Dict[str, Any]:
-            device = shape["device"]
-            asked = self.cfg.model.compute_dtype
-            compute, _ = resolve_compute_dtype(device, self.dtype, torch_dtype(asked) if asked else None)
-            layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
-            from mdi.model import qkernels
-            qkernels.set_preference(self.cfg.runtime.quant_kernel)
-            t = time_chunk(self.config, self.dtype, device, node_quant(self.cfg, self.source, node, layers, True),
-                           self.sizes, self.context, self.prefill_tokens, compute, with_ends=True, params=self.params)
-            frames = {b: frame_seconds(b, self.config.n_embd, compute) for b in self.sizes}
-            reply = ProfileReply(t.layer_s, t.prefill_token_s, frames, torch.get_num_threads(), device, t.seconds)
-            return dict(reply.to_json(), ends_s={str(k): v for k, v in t.ends_s.items()})
+            request = self._request(node, True)
+            return profile_here(request, request.device, with_ends=True, params=self.params).to_json()
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
-        return self._cached("starter", dict(shape, node=node.name, sampling=sampling), measure)
+        return self._cached("starter", dict(self._request(node, True).to_json(), node=node.name, sampling=sampling),
+                            measure)
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
@@ -208,16 +193,14 @@ class Profiler:
         return self._cached("link", {"node": node.name, "address": node.address}, measure)
 
     # --- in the planner's terms ------------------------------------------------------
-    def _cost(self, i: int, node: NodeSpec, timing: Dict[str, Any], links: List[Dict[str, float]]) -> NodeCost:
+    def _cost(self, i: int, node: NodeSpec, timing: Dict[str, Any], links: List[Dict[str, float]],
+              capacity: Optional[int]) -> NodeCost:
         if "unusable" in timing:  # the planner leaves it out, saying why
             never = {1: float("inf")}
-            return NodeCost(node.name, never, never, never, [0] * self.config.n_layer,
-                            capacity_bytes=self._capacity(i, node), note=timing["unusable"])
-        reply = ProfileReply.from_json({k: v for k, v in timing.items() if k != "ends_s"})
-        fixed = dict(reply.frame_s)
-        if i == 0:
-            for k, v in timing["ends_s"].items():
-                fixed[int(k)] = fixed.get(int(k), 0.0) + float(v)
+            return NodeCost(node.name, never, never, never, [0] * self.config.n_layer, capacity_bytes=capacity,
+                            note=timing["unusable"])
+        reply = ProfileReply.from_json(timing)
+        fixed = {rows: s + reply.ends_s.get(rows, 0.0) for rows, s in reply.frame_s.items()}
         hop = {}
         for rows in self.sizes:
             nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)
@@ -229,7 +212,6 @@ class Profiler:
             plain = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, False,
                                        node_quant(self.cfg, self.source, node, [0, 1]))
             ends = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, True, quant) - plain
-        capacity = self._capacity(i, node)
         return NodeCost(node.name, reply.layer_s, fixed, hop, layer_bytes, ends, capacity, reply.prefill_token_s)
 
     def _layer_bytes(self, node: NodeSpec) -> List[int]:
@@ -243,8 +225,7 @@ class Profiler:
                 for j in range(self.config.n_layer)]
         return self._bytes[node.quant]
 
-    def _capacity(self, i: int, node: NodeSpec) -> Optional[int]:
-        if i == 0:
-            from mdi.system.memory import available_memory_bytes
-            return available_memory_bytes()
-        return client_for(self.cfg, node).status().capacity_bytes()
+    @staticmethod
+    def _starter_capacity() -> Optional[int]:
+        from mdi.system.memory import available_memory_bytes
+        return available_memory_bytes()

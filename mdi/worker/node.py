@@ -28,14 +28,13 @@ from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
 from mdi.model.profile import PROFILE_LAYERS
-from mdi.ring.profile_request import ProfileReply, ProfileRequest
+from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here
 from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import available_memory_bytes, board_memory, rss_bytes, unified_memory_bytes
-from mdi.worker.profiling import profile_here
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 
 log = logging.getLogger(__name__)
