@@ -97,8 +97,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             raise RuntimeError("quantized layer used before its kernel was chosen")
-        flat = x.reshape(-1, self.n_in)
-        y = self.kernel.run(flat, self.packed, self.spec, self.n_in).reshape(x.shape[:-1] + (self.n_out,))
+        if x.dim() == 2:  # [rows, n_in], the ring's shape: no reshapes (each op costs µs per token)
+            y = self.kernel.run(x, self.packed, self.spec, self.n_in)
+        else:
+            y = self.kernel.run(x.reshape(-1, self.n_in), self.packed, self.spec, self.n_in)
+            y = y.reshape(x.shape[:-1] + (self.n_out,))
         y = y + self.bias.to(y.dtype) if self.bias is not None else y
         return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
 
@@ -201,14 +204,14 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32, device="cpu")
         t = torch.arange(config.block_size, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
+        # sin with its first half negated: rotate-half becomes a roll (see _rotate)
+        self.register_buffer("sin_signed", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         # x: [..., T, head_dim] at positions start..start+T
         T = x.shape[-2]
-        return _rotate(x, self.cos[start:start + T].to(x.dtype), self.sin[start:start + T].to(x.dtype))
+        return _rotate(x, self.cos[start:start + T].to(x.dtype), self.sin_signed[start:start + T].to(x.dtype))
 
     def at_rows(self, x: torch.Tensor, batch: "RowBatch") -> torch.Tensor:
         # x: [rows, heads, head_dim], each row at its own position; the rows' tables are
@@ -216,7 +219,7 @@ class RotaryEmbedding(nn.Module):
         tables = batch.rope_tables
         if tables is None or tables[0].dtype != x.dtype:
             tables = batch.rope_tables = (self.cos[batch.positions].to(x.dtype).unsqueeze(1),
-                                          self.sin[batch.positions].to(x.dtype).unsqueeze(1))
+                                          self.sin_signed[batch.positions].to(x.dtype).unsqueeze(1))
         return _rotate(x, *tables)
 
 
@@ -234,10 +237,10 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: Dict) -> torch.Tensor:
     return torch.where(middle, blended, out)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # rotate_half(x) * sin == roll(x, half) * [-sin, sin], bit for bit (negation is exact):
+    # 3 ops instead of 6, ~18 µs less per layer in a decode step
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 @dataclass
@@ -297,6 +300,7 @@ class KVCache:
         shape = (n_layers, n_slots, config.n_kv_head, max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # (k, v) views per layer, indexed once
         self.n_slots = n_slots
         self.max_len = max_len
 
@@ -324,41 +328,47 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:
-        # x: [rows, C] for the samples of `batch`; k_cache/v_cache: [slots, kv_heads, max_len, head_dim]
+        # x: [rows, C] for the samples of `batch`; k_cache/v_cache: [slots, kv_heads, max_len, head_dim].
+        # A decode step is a few µs per op and ~30 ops per layer: q and k travel together
+        # (one RoPE pass over both) and a one-sample batch is not sliced.
         R = x.shape[0]
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).view(R, H + 2 * KV, D).split([H, KV, KV], dim=1)
+        qkv = self.qkv(x).view(R, H + 2 * KV, D)
+        qk, v = qkv[:, :H + KV], qkv[:, H + KV:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         if rope is not None:
-            q, k = rope.at_rows(q, batch), rope.at_rows(k, batch)
-        ys, row = [], 0
-        for slot, start, T in zip(batch.slots, batch.starts, batch.counts):
-            ys.append(self._attend(q[row:row + T], k[row:row + T], v[row:row + T],
-                                   k_cache[slot], v_cache[slot], start))
-            row += T
-        return self.proj(ys[0] if len(ys) == 1 else torch.cat(ys))
+            qk = rope.at_rows(qk, batch)
+        if len(batch.slots) == 1:
+            y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0])
+        else:
+            ys, row = [], 0
+            for slot, start, T in zip(batch.slots, batch.starts, batch.counts):
+                ys.append(self._attend(qk[row:row + T], v[row:row + T], k_cache[slot], v_cache[slot], start))
+                row += T
+            y = torch.cat(ys)
+        return self.proj(y)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, start: int) -> torch.Tensor:
-        """One sample's T rows against its own cache slot: q [T, H, D], k/v [T, KV, D]."""
-        T = q.shape[0]
+    def _attend(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                start: int) -> torch.Tensor:
+        """One sample's T rows against its own cache slot: qk [T, H + KV, D], v [T, KV, D]."""
+        T = qk.shape[0]
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
         end = start + T
-        k_cache[:, start:end] = k.transpose(0, 1)
+        k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
         v_cache[:, start:end] = v.transpose(0, 1)
-        keys, values = k_cache[:, :end], v_cache[:, :end]
         # Grouped-query attention without repeating K/V: fold the G query heads that share a
         # KV head into the query-length axis, rows ordered (g, t).
         G = H // KV
-        q = q.transpose(0, 1).reshape(KV, G * T, D)
         mask = None
-        if T > 1:
+        if T == 1:
+            q = qk[:, :H].reshape(KV, G, D)
+        else:
+            q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
             t = torch.arange(T, device=q.device).repeat(G)
             mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
-        y = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                           attn_mask=mask)
-        return y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
+        y = F.scaled_dot_product_attention(q, k_cache[:, :end], v_cache[:, :end], attn_mask=mask)
+        return y.reshape(1, H * D) if T == 1 else y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
 
     def forward_batch(self, x: torch.Tensor, rope: Optional[RotaryEmbedding]) -> torch.Tensor:
         """Causal attention over whole sequences x [B, T, C] without a cache (training)."""
@@ -556,8 +566,8 @@ class ModelChunk(nn.Module):
                 raise ValueError("adapter %d is not loaded on layers [%d, %d)" % (missing[0], self.first, self.last))
         self.lora.groups = batch.adapter_rows(x.device)
         try:
-            for j, block in enumerate(self.blocks.values()):
-                x = block(x, cache.k[j], cache.v[j], batch, self.rope)
+            for block, (k, v) in zip(self.blocks.values(), cache.layers):
+                x = block(x, k, v, batch, self.rope)
         finally:
             self.lora.groups = []
         return x
