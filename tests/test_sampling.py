@@ -39,6 +39,48 @@ def test_extreme_filters_keep_the_best_token():
     assert 0 <= sample_next(logits, SamplingParams(1e300), gen) < 300
 
 
+def _nucleus_by_sorting(probs, top_p):
+    """The top-p rule written the plain way (a full sort), as the reference."""
+    values, order = torch.sort(probs, descending=True)
+    drop = (values.cumsum(0) - values) >= top_p
+    return torch.zeros_like(drop).scatter(0, order, drop)
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999, 0.99999])
+@pytest.mark.parametrize("sharpness", [0.5, 3.0, 12.0])
+def test_nucleus_keeps_what_a_full_sort_keeps(top_p, sharpness):
+    # flat and peaked distributions over a vocabulary bigger than the first candidates looked
+    # at, so the search has to widen (sharpness 0.5 and top_p near 1: most of the vocabulary)
+    from mdi.model.sampling import _nucleus
+    for seed in range(5):
+        probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(seed)) * sharpness, 0)
+        kept = _nucleus(probs, top_p) > 0
+        assert torch.equal(kept, ~_nucleus_by_sorting(probs, top_p))
+        assert kept.any()
+
+
+def test_draws_follow_the_distribution_and_skip_impossible_tokens():
+    logits = torch.tensor([2.0, -1e4, 1.0, 0.0, -1.0, -1e4])  # -1e4: probability exactly 0 in float32
+    probs = torch.softmax(logits, 0)
+    assert probs[1] == 0 and probs[5] == 0
+    gen = sample_generator(7, 0)
+    draws = [sample_next(logits, SamplingParams(1.0), gen) for _ in range(20000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=6).double() / len(draws)
+    assert counts[1] == 0 and counts[5] == 0
+    assert torch.allclose(counts, probs.double(), atol=0.015)
+    # top-p 0.8 keeps the two best (0.665 + 0.245 of the mass): nothing else is ever drawn
+    draws = [sample_next(torch.tensor([2.0, 1.0, 0.0, -1.0]), SamplingParams(1.0, top_p=0.8), gen)
+             for _ in range(5000)]
+    assert set(draws) == {0, 1}
+
+
+def test_same_seed_same_draws():
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(1)) * 4
+    for params in (SamplingParams(0.8), SamplingParams(1.0, top_k=40), SamplingParams(0.7, top_p=0.9)):
+        a, b = sample_generator(5, 2), sample_generator(5, 2)
+        assert [sample_next(logits, params, a) for _ in range(30)] == [sample_next(logits, params, b) for _ in range(30)]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
 def test_non_finite_or_negative_settings_are_refused(bad):
     with pytest.raises(ValueError, match="temperature"):

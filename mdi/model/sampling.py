@@ -40,9 +40,14 @@ def sample_generator(seed: int, sample_index: int) -> torch.Generator:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """Pick the next token id from 1-D logits; SamplingError if they are not finite."""
+    """Pick the next token id from 1-D logits; SamplingError if they are not finite.
+    Nothing here sorts or scans the vocabulary more than a few times: on a 49152-token
+    vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
+    SmolLM2 layer pass (measured, 1 thread)."""
     logits = logits.float().cpu()
-    if not bool(torch.isfinite(logits).all()):
+    # One float64 sum finds any NaN or infinity (it cannot overflow on float32 inputs): a
+    # tenth of torch.isfinite(logits).all()'s time.
+    if not math.isfinite(float(logits.sum(dtype=torch.float64))):
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
                             % (int((~torch.isfinite(logits)).sum()), logits.numel()))
     if params.temperature == 0:
@@ -53,11 +58,40 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     if params.top_k is not None and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop tokens once the mass before them already reaches top_p; the first always stays.
-        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    if params.top_p is not None and params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
+    return _draw(probs, gen)
+
+
+NUCLEUS_FIRST_K = 64  # candidates looked at first; 4x more while their mass is short of top_p
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` with every token outside the top-p nucleus zeroed: tokens in descending order
+    are dropped once the mass before them reaches top_p (the first always stays). The nucleus
+    is found among the k most probable tokens (topk), k growing only when their mass falls
+    short, instead of sorting the whole vocabulary."""
+    n = probs.numel()
+    k = min(NUCLEUS_FIRST_K, n)
+    while True:
+        values, order = torch.topk(probs, k)  # descending
+        cum = values.cumsum(0)
+        if k == n or float(cum[-1]) >= top_p:  # the (k+1)th token and all after it are dropped
+            break
+        k = min(4 * k, n)
+    kept = order[(cum - values) < top_p]
+    return torch.zeros_like(probs).index_copy_(0, kept, probs[kept])
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from (unnormalised) probabilities by inverting their cumulative sum with one
+    uniform draw from the sample's generator: torch.multinomial's distribution at 1/20 of
+    its cost. A token of probability 0 is never drawn (searchsorted's right side skips the
+    flat steps of the cumulative sum)."""
+    cdf = probs.cumsum(0, dtype=torch.float64)
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.numel():  # u rounded up to the total: the last token that has any probability
+        i = int(torch.nonzero(probs).max())
+    return i

@@ -367,7 +367,9 @@ class Attention(nn.Module):
             q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
             t = torch.arange(T, device=q.device).repeat(G)
             mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
-        y = F.scaled_dot_product_attention(q, k_cache[:, :end], v_cache[:, :end], attn_mask=mask)
+        # 4-D: torch's CPU SDPA takes its fast path with a batch axis (3-D inputs: 1.7x the time)
+        y = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :end].unsqueeze(0),
+                                           v_cache[:, :end].unsqueeze(0), attn_mask=mask)
         return y.reshape(1, H * D) if T == 1 else y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
 
     def forward_batch(self, x: torch.Tensor, rope: Optional[RotaryEmbedding]) -> torch.Tensor:
