@@ -121,3 +121,23 @@ def test_an_adapter_that_leaves_a_node_s_layers_alone(tiny_models, workers, tmp_
     got = batch.run(ring, PROMPTS[:3], adapters=["first", "base", "first"])
     assert [s.token_ids for s in got.samples] == [reference[0], alone(model, adapters, PROMPTS[1], "base"),
                                                   reference[2]]
+
+
+def test_adapter_mixes_are_held_once_and_go_with_their_parts(tiny_models, adapter_dirs):
+    from mdi.starter.adapters import AdapterSet
+    config = ModelSource(tiny_models["llama"]).config
+    adapters = AdapterSet(adapter_dirs["llama"], config)
+    chat, tools, poet = (adapters.id_of(n) for n in ADAPTERS)
+    assert adapters.mix([(chat, 0.0)])[1] == 0  # every scale 0: the base
+    assert adapters.mix([(tools, 1.0), (chat, 0.0)])[1] == tools  # one adapter at scale 1: itself
+    key, held, mix = adapters.mix([(tools, -0.5), (chat, 2.0)])
+    assert held is None and key == ((chat, 2.0), (tools, -0.5)) and mix.rank == 2 * adapters.adapters[0].rank
+    mix_id = adapters.add(mix.name, mix)  # what Engine.mix_adapters does once every node holds it
+    adapters.mixes[key] = mix_id
+    assert adapters.mix([(chat, 2.0), (tools, -0.5)])[1] == mix_id
+    assert [n for _, n in adapters.loaded()] == ADAPTERS  # a mix is never listed
+    assert adapters.mixes_with(tools) == [(mix_id, mix.name)] and adapters.mixes_with(poet) == []
+    adapters.remove(mix.name)
+    assert not adapters.mixes and adapters.mix([(chat, 2.0), (tools, -0.5)])[1] is None
+    with pytest.raises(ConfigError, match="adapter 99 is not loaded"):
+        adapters.mix([(99, 1.0)])

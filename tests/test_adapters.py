@@ -182,6 +182,40 @@ def test_split_chunks_take_their_layers(case):
     assert (got - want).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_ring_logits_match_peft(family, workers, tmp_path, monkeypatch):
+    """Over a real 3-node ring (starter + 2 worker processes, each holding only its layers'
+    A/B matrices): the logits the starter's head computes for a 20-token prompt and each
+    cached decode step equal PeftModel's on the same ids within 1e-4."""
+    from mdi.model.transformer import ModelChunk
+    from mdi.starter import batch
+    from test_adapter_ring import config_for
+    make, lora = CASES[family]
+    base_dir, adapter_dir = make_adapter(tmp_path, make, **lora)
+    from tokenizers import Tokenizer, models  # any tokenizer over the vocabulary: the ids are given
+    Tokenizer(models.WordLevel({"t%d" % i: i for i in range(VOCAB)}, unk_token="t0")).save(
+        os.path.join(base_dir, "tokenizer.json"))
+    ids = ids_of(seed=4, n=PREFILL)
+    monkeypatch.setattr(batch, "encode_prompts", lambda source, prompts: [ids.tolist()])
+    heads = []
+    plain_head = ModelChunk.head
+
+    def recording_head(self, x):  # the starter runs in this process: record what it samples from
+        out = plain_head(self, x)
+        heads.append(out.detach().clone())
+        return out
+    monkeypatch.setattr(ModelChunk, "head", recording_head)
+    n_layer = read_hf_dir(base_dir)[0].n_layer
+    cfg = config_for(base_dir, {"a": adapter_dir}, workers[:2], counts=[1, 1, n_layer - 2], n_tokens=DECODE)
+    sample = batch.run(cfg, ["(ids given above)"], adapters=["a"]).samples[0]
+    assert len(heads) == len(sample.token_ids) >= 2
+    seen = torch.cat([ids, torch.tensor(sample.token_ids[:-1])])
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(hf_model(base_dir), adapter_dir).eval()(input_ids=seen[None]).logits[0]
+    got = torch.cat(heads)
+    assert (got - want[PREFILL - 1:]).abs().max() <= 1e-4
+
+
 # ----------------------------------------------------------------------------- refusals
 
 @pytest.fixture
@@ -273,6 +307,27 @@ def test_unsupported_adapters_are_refused(llama_adapter, edit, match):
     with pytest.raises(AdapterError, match=match) as e:
         load_adapter(adapter_dir, base_config(base_dir))
     assert "\n" not in str(e.value) and str(e.value).startswith("adapter adapter: ")
+
+
+def test_a_mix_adds_the_scaled_deltas(llama_adapter, tmp_path):
+    from mdi.lab.adapters import write_random_lora
+    from mdi.model.adapters import SoftPrompt, mix_adapters
+    base_dir, adapter_dir = llama_adapter
+    config = base_config(base_dir)
+    one = load_adapter(adapter_dir, config)
+    # the second adapter leaves layer 0 alone: a mix holds each layer its parts touch
+    other = load_adapter(write_random_lora(str(tmp_path / "other"), config, seed=9, rank=3,
+                                           layers=range(1, config.n_layer)), config)
+    mix = mix_adapters([(one, 0.5), (other, -2.0)], "mix")
+    assert set(mix.weights) == set(one.weights) | set(other.weights)
+    for name, (a, b) in mix.weights.items():
+        want = sum(s * (x.weights[name][1] @ x.weights[name][0]) for x, s in ((one, 0.5), (other, -2.0))
+                   if name in x.weights)
+        assert torch.allclose(b @ a, want, atol=1e-6), name
+    assert mix.rank == one.rank + other.rank
+    soft = SoftPrompt("soft", "p", torch.zeros(2, config.n_embd))
+    with pytest.raises(AdapterError, match="soft is a prompt-tuning adapter"):
+        mix_adapters([(one, 1.0), (soft, 1.0)], "bad")
 
 
 def test_merge_refuses_quantized_weights(llama_adapter):

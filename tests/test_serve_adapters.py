@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import requests
+import torch
 
 from conftest import ServeProcess, free_ports
 from mdi.model.source import ModelSource
@@ -71,7 +72,50 @@ def test_models_lists_the_adapters_and_requests_pick_them(setup):
     bad = complete(server, model="nope")
     assert bad.status_code == 400 and "tiny, chat, tools" in bad.json()["error"]["message"]
     assert complete(server, lora=[{"id": 7}]).status_code == 400
-    assert complete(server, lora=[{"id": 0, "scale": 0.5}]).status_code == 400
+    for bad_lora in ([{"id": 0, "scale": "x"}], [{"id": 0, "scale": 1e9}], [{"id": 0}, {"id": 0, "scale": 2}]):
+        assert complete(server, lora=bad_lora).status_code == 400, bad_lora
+
+
+def write_mixed_peft(path, parts):
+    """The PEFT LoRA that adds sum scale_i * delta_i, written by hand from the parts' own files
+    (ranks side by side, each part's alpha / r and scale folded into its B, lora_alpha = r):
+    the reference for a request's lora mix."""
+    import json
+    from safetensors.torch import load_file, save_file
+    loaded = []
+    for d, scale in parts:
+        with open(os.path.join(d, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        assert not cfg.get("use_rslora") and not cfg.get("fan_in_fan_out")
+        loaded.append((cfg, load_file(os.path.join(d, "adapter_model.safetensors")), scale))
+    tensors, rank = {}, sum(cfg["r"] for cfg, _, _ in loaded)
+    for key in loaded[0][1]:
+        if key.endswith(".lora_A.weight"):
+            tensors[key] = torch.cat([t[key] for _, t, _ in loaded])
+        else:
+            tensors[key] = torch.cat([t[key] * (s * cfg["lora_alpha"] / cfg["r"]) for cfg, t, s in loaded], dim=1)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(dict(loaded[0][0], r=rank, lora_alpha=rank), f)
+    return path
+
+
+def test_lora_scales_and_mixes(setup, tmp_path):
+    server, model, dirs = setup
+    chat_id, tools_id = 0, 1  # their places in GET /v1/models' adapters
+    mixed = write_mixed_peft(str(tmp_path / "mix"), [(dirs["chat"], 0.5), (dirs["tools"], -1.5)])
+    want = alone(model, {"mix": mixed}, "mix")
+    lora = [{"id": chat_id, "scale": 0.5}, {"id": tools_id, "scale": -1.5}]
+    assert complete(server, lora=lora).json()["choices"][0]["text"] == want
+    # the same mix again (listed the other way round) reuses the one loaded; it is never listed
+    assert complete(server, lora=lora[::-1]).json()["choices"][0]["text"] == want
+    assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["tiny", "chat", "tools"]
+    base = alone(model, {"chat": dirs["chat"]}, "base")
+    assert complete(server, lora=[{"id": chat_id, "scale": 0}]).json()["choices"][0]["text"] == base
+    half = write_mixed_peft(str(tmp_path / "half"), [(dirs["chat"], 0.5)])
+    assert complete(server, lora=[{"id": chat_id, "scale": 0.5}]).json()["choices"][0]["text"] == \
+        alone(model, {"half": half}, "half")
 
 
 def test_two_adapters_stream_at_once_through_openai(setup):

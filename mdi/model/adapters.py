@@ -520,6 +520,26 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
 
 # ----------------------------------------------------------------------------- merging
 
+def mix_adapters(parts: Sequence[Tuple[Adapter, float]], name: str) -> Adapter:
+    """One LoRA that adds sum_i scale_i * B_i @ A_i to every layer (llama.cpp's per-request
+    `lora: [{id, scale}, ...]`): the parts' A rows stacked and their scaled B columns side by
+    side, so a layer's delta is one gather over the summed rank, exactly the sum of the scaled
+    deltas. Prompt-tuning adapters change no layer and cannot be scaled: refused."""
+    if not parts:
+        raise AdapterError("an adapter mix needs at least one adapter")
+    for adapter, scale in parts:
+        if adapter.kind != "lora":
+            raise AdapterError("adapter %s is a prompt-tuning adapter: it cannot be scaled or mixed" % adapter.name)
+        if not math.isfinite(scale):
+            raise AdapterError("adapter %s: scale %r is not a finite number" % (adapter.name, scale))
+    weights = {}  # type: Dict[str, Pair]
+    for layer in sorted(set().union(*(a.weights for a, _ in parts))):
+        pairs = [(a.weights[layer][0], scale * a.weights[layer][1]) for a, scale in parts if layer in a.weights]
+        weights[layer] = (torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], dim=1))
+    return Adapter(name=name, path=", ".join(a.path for a, _ in parts), kind="lora",
+                   rank=sum(a.rank for a, _ in parts), alpha=0.0, weights=weights)  # alphas folded into B
+
+
 def merge_adapter(state_dict: Mapping[str, torch.Tensor], adapter: Adapter) -> Dict[str, torch.Tensor]:
     """A new state dict (mdi names) with W += B @ A for each layer of `adapter` whose block the
     state dict holds (a chunk's state dict: the other blocks are another node's). Computed in

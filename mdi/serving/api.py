@@ -196,16 +196,26 @@ class Routes:
         return virtual_tokens(engine.adapters if engine is not None else None, adapter)
 
     def _adapter_of(self, fields: Dict[str, Any]) -> int:
-        """The request's adapter id: llama.cpp's `lora: [{"id": i}]` (i indexes the adapters of
-        GET /v1/models), else `model` naming an adapter; the served model's own name (or any
-        name, when no adapter is loaded) is the base."""
-        loaded = self._adapters()
+        """The request's adapter id: llama.cpp's `lora: [{"id": i, "scale": s}, ...]` (i indexes
+        the adapters of GET /v1/models; several, or a scale other than 1, run as a mix loaded
+        on every node once), else `model` naming an adapter; the served model's own name (or
+        any name, when no adapter is loaded) is the base."""
+        engine = self.sched.engine  # once: a rebuilt ring replaces it
+        loaded = engine.adapters.loaded() if engine is not None and engine.adapters else []
         if fields["lora"]:
-            index = fields["lora"][0]["id"]
-            if not 0 <= index < len(loaded):
-                raise ApiError(400, "lora id %d: %d adapters are loaded (ids 0 to %d)"
-                               % (index, len(loaded), len(loaded) - 1), "lora")
-            return loaded[index][0]
+            entries = []
+            for entry in fields["lora"]:
+                index = entry["id"]
+                if not 0 <= index < len(loaded):
+                    raise ApiError(400, "lora id %d: %d adapters are loaded (ids 0 to %d)"
+                                   % (index, len(loaded), len(loaded) - 1), "lora")
+                entries.append((loaded[index][0], entry["scale"]))
+            try:
+                return engine.mix_adapters(entries)
+            except ConfigError as e:
+                raise ApiError(400, str(e), "lora")
+            except RuntimeError as e:  # a worker refused the mix (NodeError): named in the message
+                raise ApiError(502, str(e), kind="server_error")
         name = fields["model"]
         if name is None or name in (self.model_id, "base") or not loaded:
             return 0
@@ -242,7 +252,8 @@ class Routes:
         engine = self.sched.engine
         if engine is None or not engine.adapters or name not in [n for _, n in engine.adapters.loaded()]:
             raise ApiError(404, "no adapter %r is loaded" % name[:80], code="model_not_found")
-        if self.sched.adapter_in_use(engine.adapters.id_of(name)):
+        adapter = engine.adapters.id_of(name)
+        if any(self.sched.adapter_in_use(a) for a in [adapter] + [m for m, _ in engine.adapters.mixes_with(adapter)]):
             raise ApiError(409, "adapter %r is in use by requests in flight; try again when they end" % name)
         try:
             engine.remove_adapter(name)

@@ -6,6 +6,7 @@ clients that always send them keep working. Any other key is refused. JSON null 
 absent everywhere. Prompts and messages are only type-checked here: `prompts` reads them.
 """
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -46,21 +47,29 @@ def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:
     return [s for s in stops if s]
 
 
+MAX_LORA_ENTRIES = 8
+MAX_LORA_SCALE = 100.0  # beyond this a delta swamps the base; almost certainly a typo
+
+
 def _lora(value: Any, _: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """llama.cpp's per-request adapters: [{"id": index in GET /v1/models' adapters, "scale": s}].
-    mdi runs one adapter per sample at its trained scale; an entry with scale 0 is left out."""
-    used = []
+    """llama.cpp's per-request adapters: [{"id": index in GET /v1/models' adapters, "scale": s}]
+    (scale 1 when left out). Several entries mix their scaled adapters; scale 0 leaves one out."""
+    used, seen = [], set()
+    if len(value) > MAX_LORA_ENTRIES:
+        raise _bad("lora", "at most %d entries" % MAX_LORA_ENTRIES)
     for entry in value:
         if not isinstance(entry, dict) or set(entry) - {"id", "scale"} or not isinstance(entry.get("id"), int) \
                 or isinstance(entry.get("id"), bool):
             raise _bad("lora", 'expected a list of {"id": integer, "scale": number}')
         scale = entry.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale not in (0, 1):
-            raise _bad("lora", "only scales 1 (on) and 0 (off) are supported, got %s" % json.dumps(scale)[:20])
-        if scale:
-            used.append(entry)
-    if len(used) > 1:
-        raise _bad("lora", "one adapter per request (several at once are not supported yet)")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                or abs(scale) > MAX_LORA_SCALE:
+            raise _bad("lora", "scale: expected a number from -%g to %g, got %s"
+                       % (MAX_LORA_SCALE, MAX_LORA_SCALE, json.dumps(scale)[:20]))
+        if entry["id"] in seen:
+            raise _bad("lora", "id %d is listed twice" % entry["id"])
+        seen.add(entry["id"])
+        used.append({"id": entry["id"], "scale": float(scale)})
     return used
 
 

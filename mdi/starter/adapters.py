@@ -36,6 +36,7 @@ class AdapterSet:
         self.names = []  # type: List[Optional[str]]  # id i + 1 is names[i]; None: unloaded
         self.adapters = []  # type: List[Any]  # mdi.model.adapters.Adapter or SoftPrompt, in id order
         self.pending = set()  # type: Set[int]
+        self.mixes = {}  # type: Dict[Tuple[Tuple[int, float], ...], int]  # ((id, scale), ...) -> its mix's id
         self.lock = threading.Lock()  # adds and removes from HTTP threads
         for name, path in paths.items():
             self.add(name, read_adapter(name, path, config))
@@ -64,11 +65,20 @@ class AdapterSet:
                 raise ConfigError("the base model cannot be unloaded")
             self.names[adapter - 1], self.adapters[adapter - 1] = None, None
             self.pending.discard(adapter)
+            for key, mix in list(self.mixes.items()):
+                if mix == adapter:
+                    del self.mixes[key]
             return adapter
 
     def loaded(self) -> List[Tuple[int, str]]:
-        """(id, name) of every adapter requests may use now, in id order."""
-        return [(i + 1, n) for i, n in enumerate(self.names) if n is not None and i + 1 not in self.pending]
+        """(id, name) of every adapter requests may name now, in id order (mixes are not named)."""
+        mixes = set(self.mixes.values())
+        return [(i + 1, n) for i, n in enumerate(self.names)
+                if n is not None and i + 1 not in self.pending and i + 1 not in mixes]
+
+    def mixes_with(self, adapter: int) -> List[Tuple[int, str]]:
+        """(id, name) of the held mixes that `adapter` is part of."""
+        return [(mix, self.names[mix - 1]) for key, mix in self.mixes.items() if any(a == adapter for a, _ in key)]
 
     def has(self, adapter: int) -> bool:
         return adapter == 0 or (0 < adapter <= len(self.names) and self.names[adapter - 1] is not None
@@ -117,9 +127,39 @@ class AdapterSet:
         """What POST /adapters/<id> sends a worker holding blocks [first, last)."""
         return [(adapter, adapter_body(weights)) for adapter, weights in self.for_layers(first, last)]
 
+    def mix(self, entries: Sequence[Tuple[int, float]]) -> Tuple[Tuple[Tuple[int, float], ...], Optional[int], Any]:
+        """What a request's (adapter id, scale) list runs with: (key, id, None) when it is the
+        base (every scale 0), one adapter at scale 1 or a mix already held; else (key, None,
+        the mix to load under the name mix_name(key)). ConfigError for unknown ids or a
+        prompt-tuning adapter scaled or mixed."""
+        from mdi.model.adapters import AdapterError, mix_adapters
+        key = tuple(sorted((a, float(s)) for a, s in entries if s != 0))
+        for adapter, _ in key:
+            if adapter == 0 or not self.has(adapter) or adapter in self.mixes.values():
+                raise ConfigError("adapter %d is not loaded" % adapter)
+        if not key:
+            return key, 0, None
+        if len(key) == 1 and key[0][1] == 1.0:
+            return key, key[0][0], None
+        held = self.mixes.get(key)
+        if held is not None:
+            return key, held, None
+        try:
+            return key, None, mix_adapters([(self.adapters[a - 1], s) for a, s in key], mix_name(key))
+        except AdapterError as e:
+            raise ConfigError(str(e))
+
     def metrics(self) -> Dict[str, Any]:
         return {name: {"id": i, "rank": self.adapters[i - 1].rank, "bytes": self.adapters[i - 1].nbytes()}
                 for i, name in self.loaded()}
+
+
+MAX_MIXES = 16  # adapter mixes held at once (each is a LoRA of the summed rank on every node)
+
+
+def mix_name(key: Sequence[Tuple[int, float]]) -> str:
+    """A mix's name: never a valid adapter name (':' is not allowed there)."""
+    return "mix:" + "+".join("%d*%g" % (a, s) for a, s in key)
 
 
 def adapter_ids(adapters: Optional[AdapterSet], given: Sequence[str], n_samples: int) -> List[int]:

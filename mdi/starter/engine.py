@@ -7,8 +7,9 @@ and goes on: the output is what it would have been without the failure.
 """
 import logging
 import random
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model import qkernels
 from mdi.model.layout import layer_ranges, torch_dtype
@@ -19,7 +20,7 @@ from mdi.model.source import ModelSource
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
-from mdi.starter.adapters import AdapterSet, read_adapter
+from mdi.starter.adapters import MAX_MIXES, AdapterSet, read_adapter
 from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant
 from mdi.starter.planner import NodeCost, PlanError, make_plan
 from mdi.starter.profiling import Profiler
@@ -40,6 +41,7 @@ class Engine:
         self.costs = {c.name: c for c in costs or []}
         # LoRA adapters (config `adapters:`), numbered 1..K; samples name theirs (Sample.adapter).
         self.adapters = adapters or (AdapterSet(cfg.adapters, source.config) if cfg.adapters else None)
+        self._mix_lock = threading.Lock()
         self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
         self.nodes = list(cfg.nodes)
         self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
@@ -105,7 +107,9 @@ class Engine:
     def add_adapter(self, name: str, path: str) -> int:
         """Load an adapter and give every node its layers' part, while samples keep flowing. It
         stays pending (no request can name it) until every node holds it."""
-        adapter = read_adapter(name, path, self.source.config)
+        return self._install_adapter(name, read_adapter(name, path, self.source.config))
+
+    def _install_adapter(self, name: str, adapter: Any) -> int:
         if self.adapters is None:
             self.adapters = AdapterSet({}, self.source.config)
         adapter_id = self.adapters.add(name, adapter, pending=True)
@@ -126,9 +130,33 @@ class Engine:
         self.adapters.ready(adapter_id)
         return adapter_id
 
+    def mix_adapters(self, entries: List[Tuple[int, float]]) -> int:
+        """The adapter id for llama.cpp's `lora: [{id, scale}, ...]` (here as (adapter id,
+        scale)): the base, one adapter, or a mix of scaled adapters loaded once on every node
+        like any adapter (mdi.model.adapters.mix_adapters) and reused by later requests."""
+        if self.adapters is None:
+            raise ConfigError("no adapter is loaded")
+        with self._mix_lock:  # two requests asking for one new mix load it once
+            key, held, mix = self.adapters.mix(entries)
+            if held is not None:
+                return held
+            if len(self.adapters.mixes) >= MAX_MIXES:
+                raise ConfigError("%d adapter mixes are held already (the most at once); unload an adapter "
+                                  "to drop the mixes it is part of" % MAX_MIXES)
+            adapter_id = self._install_adapter(mix.name, mix)
+            self.adapters.mixes[key] = adapter_id
+            return adapter_id
+
     def remove_adapter(self, name: str) -> int:
+        """Unload an adapter, and every mix it is part of, from every node."""
         if self.adapters is None:
             raise ConfigError("unknown adapter %r: none is loaded" % name)
+        adapter = self.adapters.id_of(name, pending_too=True)
+        for _, mix in self.adapters.mixes_with(adapter):
+            self._drop_adapter(mix)
+        return self._drop_adapter(name)
+
+    def _drop_adapter(self, name: str) -> int:
         adapter = self.adapters.remove(name)
         self.chunk.drop_adapter(adapter)
         if self.ring is not None:
