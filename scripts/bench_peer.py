@@ -25,9 +25,15 @@ packed int4 kernels).
    to the other (checked with -v): about 10 layers per process, like mdi's ring3 (starter + 2 mdi-worker --threads 1; max_batch auto).
    Aggregate decode tok/s: llama.cpp's S_TG (pl*ntg / t_tg); mdi's all samples' tokens after
    their first / (last token - first sample's first token).
-4. results/bench_peer.json (every figure, ratios mdi / llama.cpp), results/bench_peer.png.
+4. A 1.1B Llama shape (TinyLlama's dims, SmolLM2's tokenizer): a Q4_1 GGUF of random weights
+   written once with the `gguf` package into the cache folder; llama-bench and mdi decode from
+   that same file at each thread count (`--no-big` skips it).
+5. Where mdi's decode milliseconds go: each part of a step (matmuls per layer kind, norms,
+   RoPE, KV write + attention, the head, sampling) timed over the model's layers, the whole
+   step, and the glue between (step - parts); plus a torch-profiler op table (1 thread).
+6. results/bench_peer.json (every figure, ratios mdi / llama.cpp), results/bench_peer.png.
 
-    python scripts/bench_peer.py                     # ~10 minutes on a 2-core machine, plus the build
+    python scripts/bench_peer.py                     # ~15 minutes on a 2-core machine, plus the build
     python scripts/bench_peer.py --build-only
     python scripts/bench_peer.py --no-llama          # mdi alone
 """
@@ -72,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ring-repeats", type=int, default=2, help="repeats of the 3-process sweep")
     p.add_argument("--no-llama", action="store_true", help="measure mdi alone")
     p.add_argument("--no-ring", action="store_true", help="skip the 3-process sweep")
+    p.add_argument("--no-big", action="store_true", help="skip the 1.1B-shape comparison")
+    p.add_argument("--big-tokens", type=int, default=32, help="decode tokens for the 1.1B shape")
+    p.add_argument("--big-repeats", type=int, default=2, help="repeats of the 1.1B shape (alternating)")
     p.add_argument("--build-only", action="store_true", help="build llama.cpp and stop")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_peer.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "results", "bench_peer.png"))
@@ -325,10 +334,14 @@ def exact_prompt(tokenizer, n: int) -> Tuple[str, int]:
 
 
 def mdi_prefill(model: str, threads: int, prompt: str, n_prompt: int) -> Dict[str, Any]:
-    res = mdi_local(model, [prompt], 2, threads, "fast", prefill_chunk=max(n_prompt, 64))
-    s = res.samples[0]
-    return {"prefill_tokens_per_s": n_prompt / s.token_times[0], "first_token_ms": 1000 * s.token_times[0],
-            "prompt_tokens": len(s.prompt_ids)}
+    """Prefill tok/s in one pass (as llama-bench's) and in the default chunks (mdi's own)."""
+    from mdi.runconfig import DEFAULT_PREFILL_CHUNK
+    out = {}  # type: Dict[str, Any]
+    for key, chunk in (("prefill", max(n_prompt, DEFAULT_PREFILL_CHUNK)), ("prefill_chunked", DEFAULT_PREFILL_CHUNK)):
+        s = mdi_local(model, [prompt], 2, threads, "fast", prefill_chunk=chunk).samples[0]
+        out.update({key + "_tokens_per_s": n_prompt / s.token_times[0], key + "_first_token_ms": 1000 * s.token_times[0]})
+    out["prompt_tokens"] = len(s.prompt_ids)
+    return out
 
 
 def mdi_ring(model: str, workers, n_samples: int, n_tokens: int) -> Dict[str, Any]:
@@ -376,6 +389,200 @@ def profile_mdi(model: str, threads: int, n_tokens: int) -> Dict[str, Any]:
                          "share": round(v / total, 3) if total else None} for k, (v, c) in rows[:12]]}
 
 
+def decode_breakdown(model: str, threads: int, context: int = 64, repeats: int = 200) -> Dict[str, Any]:
+    """Where one decode token's milliseconds go on a one-node mdi, part by part: each part of
+    every layer timed in a loop over the model's own layers (their own weights, so caches are
+    as cold as in a real step), the head, sampling, then the whole step (blocks + head +
+    sampling). The step minus the parts is the glue between them: module calls, views, the
+    per-sample loop. Medians of `repeats`, at a position `context` into a sample."""
+    import statistics
+    import torch
+    import torch.nn.functional as F
+    from mdi.model import qkernels
+    from mdi.model.sampling import SamplingParams, sample_generator, sample_next
+    from mdi.model.source import ModelSource
+    from mdi.model.transformer import RowBatch
+    torch.set_num_threads(threads)
+    qkernels.set_preference("fast")
+    source = ModelSource(model)
+    c = source.config
+    chunk = source.load_chunk(0, c.n_layer, True, True, torch.float32, "cpu", None,
+                              source.layout(0, c.n_layer, True, "auto"))
+    chunk.allocate_cache(1, context + 8)
+    blocks = list(chunk.blocks.values())
+    gen = torch.Generator().manual_seed(0)
+    params, rng = SamplingParams(temperature=0.0), sample_generator(0, 0)  # greedy, as the decode runs
+
+    def ms(fn: Any) -> float:
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times)
+
+    with torch.inference_mode():
+        prompt = torch.randint(0, c.vocab_size, (context,), generator=gen)
+        chunk.forward_rows(chunk.embed_rows(prompt, torch.arange(context)), RowBatch.of([0], [0], [context]))
+        ids, pos = torch.randint(0, c.vocab_size, (1,), generator=gen), torch.tensor([context])
+        batch = RowBatch.of([0], [context], [1])
+        x = chunk.embed_rows(ids, pos)
+        h = blocks[0].norm1(x)
+        qkv = blocks[0].attn.qkv(h)
+        H, KV, D = c.n_head, c.n_kv_head, c.head_dim
+        qk, v = qkv.view(1, H + 2 * KV, D)[:, :H + KV], qkv.view(1, H + 2 * KV, D)[:, H + KV:]
+        mid = F.silu(blocks[0].mlp.gate_up(h).chunk(2, dim=-1)[0])
+        logits = chunk.head(x)
+        attn = blocks[0].attn
+
+        def each(fn):
+            return lambda: [fn(b, j) for j, b in enumerate(blocks)]
+
+        parts = {
+            "embedding": ms(lambda: chunk.embed_rows(ids, pos)),
+            "norms (2 per layer)": ms(each(lambda b, j: (b.norm1(x), b.norm2(x)))),
+            "matmul qkv": ms(each(lambda b, j: b.attn.qkv(h))),
+            "matmul attn out": ms(each(lambda b, j: b.attn.proj(h))),
+            "matmul gate+up": ms(each(lambda b, j: b.mlp.gate_up(h))),
+            "matmul down": ms(each(lambda b, j: b.mlp.down(mid))),
+            "RoPE (q and k)": ms(each(lambda b, j: chunk.rope.at_rows(qk, batch))) if chunk.rope is not None else 0.0,
+            "KV write + attention": ms(each(lambda b, j: attn._attend(qk, v, chunk.cache.layers[j][0][0],
+                                                                      chunk.cache.layers[j][1][0], context))),
+            "SiLU x up": ms(each(lambda b, j: F.silu(mid) * mid)),
+            "residual adds": ms(each(lambda b, j: (x + x, x + x))),
+            "head (final norm + LM head)": ms(lambda: chunk.head(x)),
+            "sampling": ms(lambda: sample_next(logits[0], params, rng)),
+        }
+        step = ms(lambda: sample_next(chunk.head(chunk.forward_rows(chunk.embed_rows(ids, pos), batch))[0], params, rng))
+    parts_sum = sum(parts.values())
+    e2e = mdi_decode(model, threads, 64)
+    return {"threads": threads, "context": context, "parts_ms": {k: round(v, 3) for k, v in parts.items()},
+            "parts_sum_ms": round(parts_sum, 3), "step_ms": round(step, 3),
+            "glue_ms": round(step - parts_sum, 3),
+            "pipeline_ms": round(e2e["median_gap_ms"] - step, 3),  # Pipeline bookkeeping around the step
+            "token_gap_ms": round(e2e["median_gap_ms"], 3)}
+
+
+# --------------------------------------------------------------------------- a 1.1B shape
+
+BIG_SHAPE = "tinyllama-1.1b"  # mdi.model.config.CONFIGS' dims; SmolLM2's tokenizer (49152 tokens)
+
+
+def write_big_gguf(path: str, tokenizer_gguf: str, seed: int = 0) -> Dict[str, Any]:
+    """A Q4_1 GGUF of BIG_SHAPE's dims with random weights (N(0, 0.02), norms 1), written with
+    the `gguf` package as llama.cpp's converter lays a Llama out. Every 2-D weight, the
+    embedding and the head included, is Q4_1: mdi reads the very same blocks as its int4 (a
+    scale and a minimum per 32 weights), so both systems run identical weights. The tokenizer
+    is SmolLM2's, copied from `tokenizer_gguf` (its vocabulary sets the embedding's rows)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+    from mdi.model.config import CONFIGS
+    shape = dict(CONFIGS[BIG_SHAPE])
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    tok = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+    vocab = len(tok["tokenizer.ggml.tokens"])
+    L, E, H, KV, I = shape["n_layer"], shape["n_embd"], shape["n_head"], shape["n_kv_head"], shape["intermediate_size"]
+    D = E // H
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("random %s dims, Q4_1 (mdi bench_peer)" % BIG_SHAPE)
+    w.add_block_count(L)
+    w.add_context_length(shape["block_size"])
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(I)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_dimension_count(D)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(shape["norm_eps"])
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.merges" in tok:
+        w.add_token_merges(tok["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.pre" in tok:
+        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("padding_token_id", w.add_pad_token_id), ("unknown_token_id", w.add_unk_token_id)):
+        if "tokenizer.ggml." + key in tok:
+            add(int(tok["tokenizer.ggml." + key]))
+    rng = np.random.default_rng(seed)
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, quantize((0.02 * rng.standard_normal((rows, cols), dtype=np.float32)), q4_1), raw_dtype=q4_1)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(E, dtype=np.float32))
+
+    matrix("token_embd.weight", vocab, E)
+    for i in range(L):
+        b = "blk.%d." % i
+        norm(b + "attn_norm.weight")
+        matrix(b + "attn_q.weight", H * D, E)
+        matrix(b + "attn_k.weight", KV * D, E)
+        matrix(b + "attn_v.weight", KV * D, E)
+        matrix(b + "attn_output.weight", E, H * D)
+        norm(b + "ffn_norm.weight")
+        matrix(b + "ffn_gate.weight", I, E)
+        matrix(b + "ffn_up.weight", I, E)
+        matrix(b + "ffn_down.weight", E, I)
+    norm("output_norm.weight")
+    matrix("output.weight", vocab, E)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"shape": BIG_SHAPE, "n_layer": L, "n_embd": E, "n_head": H, "n_kv_head": KV, "intermediate_size": I,
+            "vocab_size": vocab, "type": "Q4_1 (every 2-D weight), norms F32", "seed": seed}
+
+
+def big_model(args, bins: Optional[str]) -> Dict[str, Any]:
+    """Standalone decode of the 1.1B shape from one Q4_1 GGUF: llama-bench vs mdi reading the
+    same file (model.quant auto keeps its blocks), alternating, at each thread count."""
+    from mdi.model.gguf import packaged_gguf_path
+    path = os.path.join(args.cache, "%s-random-q4_1.gguf" % BIG_SHAPE)
+    spec_path = path + ".json"
+    if not (os.path.exists(path) and os.path.exists(spec_path)):
+        log("writing %s (random weights, Q4_1) with the gguf package" % path)
+        os.makedirs(args.cache, exist_ok=True)
+        spec = write_big_gguf(path + ".part", packaged_gguf_path("smollm2-135m"))
+        os.replace(path + ".part", path)
+        with open(spec_path, "w") as f:
+            json.dump(spec, f, indent=1)
+    with open(spec_path) as f:
+        out = {"gguf": os.path.relpath(path, ROOT), "gguf_bytes": os.path.getsize(path), "model": json.load(f),
+               "n_tokens": args.big_tokens}  # type: Dict[str, Any]
+    for T in args.threads:
+        log("1.1B shape, %d thread(s): warm-up" % T)
+        mdi_decode(path, T, 4)
+        runs = {"mdi": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
+        for r in range(args.big_repeats):
+            for name in (["mdi", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "mdi"]):
+                if name == "mdi":
+                    d = mdi_decode(path, T, args.big_tokens)
+                    d.pop("token_ids")
+                    runs["mdi"].append(d)
+                elif bins:
+                    runs["llama.cpp"].append(llama_bench(bins, path, T, 0, args.big_tokens))
+            log("  repeat %d/%d: mdi %.2f tok/s%s" % (r + 1, args.big_repeats, runs["mdi"][-1]["decode_tokens_per_s"],
+                                                      "; llama.cpp %.2f" % runs["llama.cpp"][-1]["decode_tokens_per_s"]
+                                                      if runs["llama.cpp"] else ""))
+        entry = {"runs": runs}  # type: Dict[str, Any]
+        for name, rs in runs.items():
+            if rs:
+                entry[name] = {"decode_tokens_per_s": summarize([x["decode_tokens_per_s"] for x in rs])}
+        if runs["llama.cpp"]:
+            entry["ratio_mdi_over_llama_decode"] = summarize(
+                [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["llama.cpp"])])
+        out[str(T)] = entry
+    return out
+
+
 # --------------------------------------------------------------------------- measurement
 
 def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_prefill: int) -> Dict[str, Any]:
@@ -404,6 +611,8 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
         for name, rs in runs.items():
             if rs:
                 entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+        entry["mdi_chunked_over_one_pass_prefill"] = summarize(
+            [x["prefill_chunked_tokens_per_s"] / x["prefill_tokens_per_s"] for x in runs["mdi"]])
         if runs["llama.cpp"]:
             for k in ("decode_tokens_per_s", "prefill_tokens_per_s"):
                 entry["ratio_mdi_over_llama_" + k.replace("_tokens_per_s", "")] = summarize(
@@ -568,10 +777,19 @@ def report(record: Dict[str, Any]) -> None:
             rows.append(["1 node, %s thr, %s" % (T, lab), fmt_stat(e["mdi"][key]) if "mdi" in e else "n/a",
                          fmt_stat(e["llama.cpp"][key]) if "llama.cpp" in e else "n/a",
                          _ratio(e, "ratio_mdi_over_llama_" + k)])
+        if e.get("mdi_chunked_over_one_pass_prefill"):
+            rows.append(["1 node, %s thr, mdi prefill in 64-token chunks / one pass" % T,
+                         fmt_stat(e["mdi_chunked_over_one_pass_prefill"], "%.2f"), "", ""])
     for S, e in sorted(((int(k), v) for k, v in record.get("ring3", {}).get("by_samples", {}).items())):
         rows.append(["3 proc x 1 thr, S=%d, aggr. decode tok/s" % S,
                      fmt_stat(e["mdi"]["decode_tokens_per_s"]) if "mdi" in e else "n/a",
                      fmt_stat(e["llama.cpp"]["decode_tokens_per_s"]) if "llama.cpp" in e else "n/a",
+                     _ratio(e, "ratio_mdi_over_llama_decode")])
+    big = record.get("big_model") or {}
+    for T, e in sorted((k, v) for k, v in big.items() if k.isdigit()):
+        rows.append(["1.1B shape (random Q4_1), 1 node, %s thr, decode tok/s" % T,
+                     fmt_stat(e["mdi"]["decode_tokens_per_s"], "%.2f") if "mdi" in e else "n/a",
+                     fmt_stat(e["llama.cpp"]["decode_tokens_per_s"], "%.2f") if "llama.cpp" in e else "n/a",
                      _ratio(e, "ratio_mdi_over_llama_decode")])
     print_table("mdi vs llama.cpp %s, SmolLM2-135M Q4_1; median [min, max]"
                 % record.get("llama_cpp", {}).get("build_id", "(not available)"),
@@ -582,6 +800,10 @@ def report(record: Dict[str, Any]) -> None:
               % (fe["equal_positions"], fe["compared"],
                  "" if fe["identical"] else ", first difference at token %d" % fe["first_difference"],
                  fe["exact_decode_tokens_per_s"], fe["fast_decode_tokens_per_s"]))
+    for T, b in sorted((record.get("mdi_decode_breakdown") or {}).items()):
+        parts = sorted(b["parts_ms"].items(), key=lambda kv: -kv[1])
+        print("mdi decode step, %s thread(s): %.2f ms = %s, glue %.2f; pipeline around it %.2f ms"
+              % (T, b["step_ms"], ", ".join("%s %.2f" % kv for kv in parts), b["glue_ms"], b["pipeline_ms"]))
     prof = record.get("mdi_profile_1_thread") or {}
     if prof.get("top_ops"):
         print("mdi one-node decode, 1 thread, under the profiler: %.1f ms/token; top ops (self CPU ms/token): %s"
@@ -640,14 +862,25 @@ def main(argv=None) -> int:
                               "layers, max_batch auto, quant_kernel fast; S copies of %r (greedy), %d tokens "
                               "each; aggregate decode = sum(n_i - 1) / (max t_last - min t_first)"
                               % (RING_PROMPT, args.n_tokens),
+                  "big_model": "a %s-dims Q4_1 GGUF of random weights written with the gguf package "
+                               "(write_big_gguf); llama-bench -p 0 -n %d vs mdi reading the same file "
+                               "(model.quant auto, quant_kernel fast), %d alternating repeats"
+                               % (BIG_SHAPE, args.big_tokens, args.big_repeats),
+                  "decode_breakdown": "decode_breakdown(): each part timed over all layers (median of 200), "
+                                      "the whole step (blocks + head + greedy sampling) likewise; glue = step - "
+                                      "parts; pipeline = the run's median token gap - step",
                   "repeats": "standalone: %d, alternating order; ring sweep: %d, alternating order"
                              % (args.repeats, args.ring_repeats)}}
     record["standalone"] = standalone(args, bins, gguf, prefill_prompt, n_prefill)
     record["fast_vs_exact"] = fast_vs_exact(args)
+    if not args.no_big:
+        record["big_model"] = big_model(args, bins)
     if not args.no_ring and args.ring_repeats > 0:
         log_dir = tempfile.mkdtemp(prefix="bench-peer-")
         record["ring3"] = ring_sweep(args, bins, gguf, log_dir)
         record["ring3"]["log_dir"] = log_dir
+    log("mdi's decode step part by part")
+    record["mdi_decode_breakdown"] = {str(T): decode_breakdown(args.model, T) for T in args.threads}
     try:
         log("profiling mdi's one-node decode (1 thread, 64 tokens) for where the time goes")
         record["mdi_profile_1_thread"] = profile_mdi(args.model, 1, 64)
