@@ -50,6 +50,32 @@ def test_a_mixed_batch_matches_each_sample_alone(family):
     assert torch.allclose(chunk.cache.k[:, :4], chunk.cache.k[:, 4:], atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@torch.no_grad()
+def test_decode_rows_of_several_samples_match_each_alone(family):
+    """The one-SDPA path for frames of one-row samples (each at its own position, slots out of
+    order, one at position 0) gives what each sample's own pass gives, and writes the same cache."""
+    chunk = tiny_model(family)
+    chunk.allocate_cache(8, 64)
+    torch.manual_seed(2)
+    history = {3: 17, 0: 5, 2: 0, 1: 30}
+    ids = {s: torch.randint(0, 90, (40,)) for s in history}
+    for slot, n in history.items():
+        for offset in (0, 4):
+            if n:
+                chunk.forward_blocks(chunk.embed(ids[slot][:n], 0), slot + offset, 0)
+    for step in range(3):  # three decode steps in a row, each sample one token further
+        rows = torch.stack([ids[s][history[s]] for s in history])
+        batch_ = RowBatch.of(list(history), list(history.values()), [1] * len(history))
+        batched = chunk.head(chunk.forward_rows(chunk.embed_rows(rows, batch_.positions), batch_))
+        alone = torch.cat([chunk.head(chunk.forward_blocks(chunk.embed(ids[s][history[s]:history[s] + 1], history[s]),
+                                                           s + 4, history[s])) for s in history])
+        assert (batched - alone).abs().max().item() <= 1e-4, step
+        history = {s: n + 1 for s, n in history.items()}
+    assert torch.allclose(chunk.cache.k[:, :4], chunk.cache.k[:, 4:], atol=1e-5)
+    assert torch.allclose(chunk.cache.v[:, :4], chunk.cache.v[:, 4:], atol=1e-5)
+
+
 def test_row_batch_refuses_a_slot_twice_and_counts_that_disagree():
     chunk = tiny_model("llama")
     chunk.allocate_cache(2, 16)
