@@ -114,6 +114,14 @@ def test_logits_match_peft(case):
     assert (run(chunk, ids, 0) - base).abs().max() <= 1e-4
 
 
+def test_adapter_rows_are_slices_where_consecutive():
+    cpu = torch.device("cpu")
+    side_by_side = RowBatch.of([0, 1, 2, 3], [0, 0, 0, 0], [2, 1, 3, 1], adapters=[1, 1, 0, 2]).adapter_rows(cpu)
+    assert side_by_side == [(1, slice(0, 3)), (2, slice(6, 7))]
+    apart = RowBatch.of([0, 1, 2], [0, 0, 0], [2, 1, 1], adapters=[1, 2, 1]).adapter_rows(cpu)
+    assert apart[0][0] == 1 and apart[0][1].tolist() == [0, 1, 3] and apart[1] == (2, slice(2, 3))
+
+
 @torch.no_grad()
 def test_mixed_batch_equals_each_alone(case):
     chunk = case["chunk"]
@@ -127,6 +135,28 @@ def test_mixed_batch_equals_each_alone(case):
     second = chunk.head(chunk.forward_rows(x, RowBatch.of([0, 1], [6, 4], [1, 1], adapters=[1, 0])))
     assert torch.allclose(torch.cat([first[:6], second[:1]]), alone[0], atol=1e-5)
     assert torch.allclose(torch.cat([first[6:], second[1:]]), alone[1], atol=1e-5)
+
+
+@torch.no_grad()
+def test_an_adapter_s_rows_apart_in_a_batch(case):
+    """A worker merging frames may put one adapter's samples apart: the gather path."""
+    chunk = case["chunk"]
+    chunk.set_adapter(1, case["adapter"].weights)
+    seqs = [ids_of(5, 4), ids_of(6, 3), ids_of(7, 5)]
+    alone = [run_alone(chunk, q, a) for q, a in zip(seqs, [1, 0, 1])]
+    chunk.allocate_cache(3, 8)
+    x = torch.cat([chunk.embed(q[:-1], 0) for q in seqs])
+    batch_ = RowBatch.of([0, 1, 2], [0, 0, 0], [len(q) - 1 for q in seqs], adapters=[1, 0, 1])
+    assert not isinstance(batch_.adapter_rows(torch.device("cpu"))[0][1], slice)
+    first = chunk.head(chunk.forward_rows(x, batch_))
+    x = torch.cat([chunk.embed(q[-1:], len(q) - 1) for q in seqs])
+    last = chunk.head(chunk.forward_rows(x, RowBatch.of([0, 1, 2], [len(q) - 1 for q in seqs], [1, 1, 1],
+                                                        adapters=[1, 0, 1])))
+    row = 0
+    for i, q in enumerate(seqs):
+        got = torch.cat([first[row:row + len(q) - 1], last[i:i + 1]])
+        assert torch.allclose(got, alone[i], atol=1e-5), i
+        row += len(q) - 1
 
 
 @torch.no_grad()

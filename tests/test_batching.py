@@ -171,6 +171,19 @@ def test_a_worker_merges_queued_frames_up_to_its_limits():
         assert merged.samples == [0] and held is blocker
 
 
+def test_merged_frames_put_each_adapter_s_samples_together():
+    from mdi.worker.run import _merge
+    a = Frame("decode", 1, [0, 1], [5, 7], [1, 1], torch.tensor([[0.0], [1.0]]), [2, 0])
+    b = Frame("prefill", 1, [2, 3], [0, 3], [2, 1], torch.tensor([[2.0], [3.0], [4.0]]), [1, 2])
+    m = _merge([a, b])
+    assert m.kind == "prefill" and m.adapters == [0, 1, 2, 2]
+    assert (m.samples, m.start, m.count) == ([1, 2, 0, 3], [7, 0, 5, 3], [1, 2, 1, 1])
+    assert m.tensor[:, 0].tolist() == [1.0, 2.0, 3.0, 0.0, 4.0]  # each sample's rows moved with it
+    plain = _merge([Frame("decode", 1, [0], [5], [1], torch.zeros(1, 1)), Frame("decode", 1, [1], [2], [1],
+                                                                               torch.ones(1, 1))])
+    assert plain.samples == [0, 1] and plain.adapters == []
+
+
 def test_batch_counter_metrics():
     c = BatchCounter()
     assert c.metrics()["rows_per_forward_mean"] is None

@@ -200,6 +200,9 @@ class Pipeline:
 
     def _send_pass(self, group: List[Sample], counts: List[int]) -> None:
         t0 = time.perf_counter()
+        if any(s.adapter for s in group):  # samples of one adapter side by side: nodes add its delta to a slice
+            order = sorted(range(len(group)), key=lambda i: group[i].adapter)
+            group, counts = [group[i] for i in order], [counts[i] for i in order]
         ids, starts = [], []
         # A decode frame carries one generated token per sample; anything else is a prefill.
         decoding = all(c == 1 and s.fed >= len(s.prompt_ids) for s, c in zip(group, counts))

@@ -149,13 +149,19 @@ class Run:
 
 
 def _merge(frames: List[Frame]) -> Frame:
-    """One frame holding the samples (and rows) of several, in order."""
+    """One frame holding the samples (and rows) of several: in order, or, when some use an
+    adapter, ordered by adapter (stable), so each adapter's rows are one slice (LoraDeltas)."""
     if len(frames) == 1:
         return frames[0]
-    samples = [s for f in frames for s in f.samples]
-    start = [s for f in frames for s in f.start]
-    count = [c for f in frames for c in f.count]
-    tensor = torch.cat([f.tensor for f in frames])
+    pieces = []  # (adapter, sample, start, count, rows) per sample
+    for f in frames:
+        row = 0
+        for sample, start, count, adapter in zip(f.samples, f.start, f.count, f.adapter_ids()):
+            pieces.append((adapter, sample, start, count, f.tensor[row:row + count]))
+            row += count
+    if any(p[0] for p in pieces):
+        pieces.sort(key=lambda p: p[0])
     kind = "decode" if all(f.kind == "decode" for f in frames) else "prefill"
-    adapters = [a for f in frames for a in f.adapter_ids()]
-    return Frame(kind, frames[0].run, samples, start, count, tensor, adapters if any(adapters) else [])
+    adapters = [p[0] for p in pieces]
+    return Frame(kind, frames[0].run, [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
+                 torch.cat([p[4] for p in pieces]), adapters if any(adapters) else [])
