@@ -339,7 +339,8 @@ def mdi_prefill(model: str, threads: int, prompt: str, n_prompt: int) -> Dict[st
     out = {}  # type: Dict[str, Any]
     for key, chunk in (("prefill", max(n_prompt, DEFAULT_PREFILL_CHUNK)), ("prefill_chunked", DEFAULT_PREFILL_CHUNK)):
         s = mdi_local(model, [prompt], 2, threads, "fast", prefill_chunk=chunk).samples[0]
-        out.update({key + "_tokens_per_s": n_prompt / s.token_times[0], key + "_first_token_ms": 1000 * s.token_times[0]})
+        out.update({key + "_tokens_per_s": n_prompt / s.token_times[0],
+                    key + "_first_token_ms": 1000 * s.token_times[0]})
     out["prompt_tokens"] = len(s.prompt_ids)
     return out
 
@@ -455,7 +456,8 @@ def decode_breakdown(model: str, threads: int, context: int = 64, repeats: int =
             "head (final norm + LM head)": ms(lambda: chunk.head(x)),
             "sampling": ms(lambda: sample_next(logits[0], params, rng)),
         }
-        step = ms(lambda: sample_next(chunk.head(chunk.forward_rows(chunk.embed_rows(ids, pos), batch))[0], params, rng))
+        step = ms(lambda: sample_next(chunk.head(chunk.forward_rows(chunk.embed_rows(ids, pos), batch))[0],
+                                      params, rng))
     parts_sum = sum(parts.values())
     e2e = mdi_decode(model, threads, 64)
     return {"threads": threads, "context": context, "parts_ms": {k: round(v, 3) for k, v in parts.items()},

@@ -78,7 +78,8 @@ def test_same_seed_same_draws():
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(1)) * 4
     for params in (SamplingParams(0.8), SamplingParams(1.0, top_k=40), SamplingParams(0.7, top_p=0.9)):
         a, b = sample_generator(5, 2), sample_generator(5, 2)
-        assert [sample_next(logits, params, a) for _ in range(30)] == [sample_next(logits, params, b) for _ in range(30)]
+        draws = [[sample_next(logits, params, g) for _ in range(30)] for g in (a, b)]
+        assert draws[0] == draws[1]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])

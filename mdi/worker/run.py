@@ -153,15 +153,16 @@ def _merge(frames: List[Frame]) -> Frame:
     adapter, ordered by adapter (stable), so each adapter's rows are one slice (LoraDeltas)."""
     if len(frames) == 1:
         return frames[0]
+    kind = "decode" if all(f.kind == "decode" for f in frames) else "prefill"
+    if not any(f.adapters for f in frames):
+        return Frame(kind, frames[0].run, [s for f in frames for s in f.samples], [s for f in frames for s in f.start],
+                     [c for f in frames for c in f.count], torch.cat([f.tensor for f in frames]), [])
     pieces = []  # (adapter, sample, start, count, rows) per sample
     for f in frames:
         row = 0
         for sample, start, count, adapter in zip(f.samples, f.start, f.count, f.adapter_ids()):
             pieces.append((adapter, sample, start, count, f.tensor[row:row + count]))
             row += count
-    if any(p[0] for p in pieces):
-        pieces.sort(key=lambda p: p[0])
-    kind = "decode" if all(f.kind == "decode" for f in frames) else "prefill"
-    adapters = [p[0] for p in pieces]
+    pieces.sort(key=lambda p: p[0])
     return Frame(kind, frames[0].run, [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
-                 torch.cat([p[4] for p in pieces]), adapters if any(adapters) else [])
+                 torch.cat([p[4] for p in pieces]), [p[0] for p in pieces])
