@@ -38,7 +38,8 @@ def write_config(path, model, workers, layers="auto", data_ports=None, n_tokens=
     return str(path)
 
 
-def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_models, workers, tmp_path, cache_dir):
+def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_models, workers, tmp_path, cache_dir,
+                                                                     monkeypatch):
     model = tiny_models["llama"]
     n_layer = ModelSource(model).config.n_layer
     alone = batch.run(parse_config({"model": {"path": model}, "generation": {"n_tokens": 10, "temperature": 0}},
@@ -60,6 +61,11 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     again = batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS)
     assert json.load(open(os.path.join(cache_dir, "profiles.json"))) == before
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in alone.samples]
+    # Other code (a faster kernel, say) makes those profiles stale: measured again.
+    from mdi.starter import profiling
+    monkeypatch.setattr(profiling, "_code_ids", ["other code"])
+    batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS)
+    assert len(json.load(open(os.path.join(cache_dir, "profiles.json")))) == 10
 
 
 def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp_path, cache_dir):

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -82,6 +83,23 @@ def _key(parts: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
+_SPEED_CODE = ("transformer", "qkernels", "quant", "sampling", "profile")  # mdi.model modules that set a pass's time
+_code_ids = []  # type: List[str]  # computed once per process
+
+
+def code_id() -> str:
+    """A hash of the code that sets how fast a node runs a pass: a profile measured by other
+    code (before a speed-up, say) is stale, and mdi's version does not change with every one."""
+    if not _code_ids:
+        digest = hashlib.sha256()
+        model_dir = os.path.dirname(os.path.abspath(sys.modules[ModelSource.__module__].__file__))
+        for name in _SPEED_CODE:
+            with open(os.path.join(model_dir, name + ".py"), "rb") as f:
+                digest.update(f.read())
+        _code_ids.append(digest.hexdigest()[:16])
+    return _code_ids[0]
+
+
 class Profiler:
     """Measures (or finds in the cache) the NodeCost of each node for one run's model and shapes."""
 
@@ -135,7 +153,7 @@ class Profiler:
 
     # --- measuring -------------------------------------------------------------------
     def _cached(self, what: str, parts: Dict[str, Any], measure: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
-        key = _key(dict(parts, what=what, mdi=__version__))
+        key = _key(dict(parts, what=what, mdi=__version__, code=code_id()))
         entry = self.cache.get(key)
         if entry is None or self.refresh:
             node = parts.get("node", "?")
