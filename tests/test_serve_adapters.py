@@ -137,7 +137,12 @@ def test_two_adapters_stream_at_once_through_openai(setup):
     assert texts == {n: alone(model, configured, n) for n in ("chat", "tools")}
 
 
-def test_loading_an_adapter_while_requests_stream(setup):
+def adapter_bytes(workers):
+    return [requests.get("http://127.0.0.1:%d/status" % w.port, timeout=10).json()["memory"]["adapter_bytes"]
+            for w in workers[:2]]
+
+
+def test_loading_an_adapter_while_requests_stream(setup, workers):
     server, model, dirs = setup
     results = {}
 
@@ -159,5 +164,11 @@ def test_loading_an_adapter_while_requests_stream(setup):
     assert late == alone(model, {"late": dirs["late"]}, "late")
     outside = requests.post(server.url + "/v1/mdi/adapters", json={"name": "x", "path": "/etc"}, timeout=30)
     assert outside.status_code == 400
+    # a mix with "late" in it is held by the workers until "late" is unloaded, then dropped with it
+    with_late = adapter_bytes(workers)
+    assert complete(server, lora=[{"id": 0, "scale": 1}, {"id": 2, "scale": 0.25}]).status_code == 200
+    with_mix = adapter_bytes(workers)
+    assert all(m > w for m, w in zip(with_mix, with_late))
     assert requests.delete(server.url + "/v1/mdi/adapters/late", timeout=30).status_code == 200
     assert complete(server, model="late").status_code == 400
+    assert all(a < w for a, w in zip(adapter_bytes(workers), with_late))  # late and its mix both gone
