@@ -4,7 +4,7 @@ Sources: a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors,
 ``PeftModel.save_pretrained`` writes it) and a LoRA GGUF (llama.cpp's convert_lora_to_gguf.py).
 Either becomes an `Adapter`: per linear layer of mdi's blocks (e.g. "blocks.3.attn.qkv") a pair
 (A [r, in], B [out, r]) in float32 with the LoRA scale folded into B, which
-`ModelChunk.set_adapter` takes as is and `merge_adapter` adds into float weights (W += B @ A).
+`ModelChunk.set_adapter` takes without a copy and `merge_adapter` adds into float weights (W += B @ A).
 
 mdi fuses some layers the checkpoints keep apart (q/k/v into attn.qkv, gate/up into
 mlp.gate_up). The LoRA of a fused layer is the parts' LoRAs side by side: A stacks the parts'
@@ -47,6 +47,12 @@ class Adapter:
     rank: int  # the largest rank of any module (before fusing)
     alpha: float  # lora_alpha as the source gives it (per-module alphas may differ: alpha_pattern)
     weights: Dict[str, Pair] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A and B are held as views of contiguous A.T and B.T, the layout ModelChunk.set_adapter
+        # computes with: the starter's chunk then shares these tensors for its own layers
+        # instead of keeping a transposed second copy beside them.
+        self.weights = {k: (a.t().contiguous().t(), b.t().contiguous().t()) for k, (a, b) in self.weights.items()}
 
     def layers(self) -> Set[int]:
         """The block indices the adapter changes."""

@@ -35,7 +35,7 @@ from werkzeug.exceptions import HTTPException
 
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback
-from mdi.runconfig import ADAPTER_NAME, ConfigError, RunConfig
+from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError, RunConfig
 from mdi.serving.dashboard import register_dashboard
 from mdi.starter.adapters import virtual_tokens
 from mdi.serving.metrics import Observer
@@ -187,8 +187,9 @@ class Routes:
         return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=True)
 
     # --- adapters ------------------------------------------------------------------------
-    def _adapters(self) -> List[Tuple[int, str]]:
-        engine = self.sched.engine
+    def _adapters(self, engine: Any = None) -> List[Tuple[int, str]]:
+        """(id, name) of the adapters requests may name on `engine` (default: the current one)."""
+        engine = engine or self.sched.engine
         return engine.adapters.loaded() if engine is not None and engine.adapters else []
 
     def _virtual(self, adapter: int) -> int:
@@ -201,7 +202,7 @@ class Routes:
         on every node once), else `model` naming an adapter; the served model's own name (or
         any name, when no adapter is loaded) is the base."""
         engine = self.sched.engine  # once: a rebuilt ring replaces it
-        loaded = engine.adapters.loaded() if engine is not None and engine.adapters else []
+        loaded = self._adapters(engine)
         if fields["lora"]:
             entries = []
             for entry in fields["lora"]:
@@ -217,7 +218,7 @@ class Routes:
             except RuntimeError as e:  # a worker refused the mix (NodeError): named in the message
                 raise ApiError(502, str(e), kind="server_error")
         name = fields["model"]
-        if name is None or name in (self.model_id, "base") or not loaded:
+        if name is None or name in (self.model_id, BASE_ADAPTER) or not loaded:
             return 0
         for adapter, known in loaded:
             if known == name:
@@ -230,7 +231,7 @@ class Routes:
         name, path = body.get("name"), body.get("path")
         if set(body) - {"name", "path"} or not isinstance(name, str) or not isinstance(path, str):
             raise ApiError(400, 'expected {"name": string, "path": string}')
-        if not ADAPTER_NAME.match(name) or name in (self.model_id, "base"):
+        if not ADAPTER_NAME.match(name) or name in (self.model_id, BASE_ADAPTER):
             raise ApiError(400, "name: letters, digits, '_', '.' or '-' (at most 64), not %r or 'base'"
                            % self.model_id, "name")
         engine = self.sched.engine

@@ -8,12 +8,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple  # noqa: F401
 from mdi.model.config import ModelConfig
 from mdi.model.transformer import ModelChunk
 from mdi.ring.adapter_request import adapter_body
-from mdi.runconfig import ConfigError
+from mdi.runconfig import BASE_ADAPTER, ConfigError
 
 log = logging.getLogger(__name__)
-
-BASE = "base"  # the name that picks no adapter
-
 
 def read_adapter(name: str, path: str, config: ModelConfig) -> Any:
     """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.adapters.Adapter (ConfigError naming it)."""
@@ -46,7 +43,7 @@ class AdapterSet:
 
     def add(self, name: str, adapter: Any, pending: bool = False) -> int:
         with self.lock:
-            if name == BASE or name in self.names:
+            if name == BASE_ADAPTER or name in self.names:
                 raise ConfigError("adapter %r is already loaded" % name)
             self.names.append(name)
             self.adapters.append(adapter)
@@ -86,11 +83,12 @@ class AdapterSet:
 
     def id_of(self, name: Optional[str], pending_too: bool = False) -> int:
         """The id a sample runs with: 0 for the base (None or "base"), else 1..K."""
-        if name is None or name == BASE:
+        if name is None or name == BASE_ADAPTER:
             return 0
         if name in self.names and (pending_too or self.names.index(name) + 1 not in self.pending):
             return self.names.index(name) + 1
-        raise ConfigError("unknown adapter %r (known: %s)" % (name, ", ".join([BASE] + [n for _, n in self.loaded()])))
+        known = [BASE_ADAPTER] + [n for _, n in self.loaded()]
+        raise ConfigError("unknown adapter %r (known: %s)" % (name, ", ".join(known)))
 
     def soft_prompt(self, adapter: int) -> Optional[Any]:
         """The virtual tokens' embeddings [n, n_embd] of a prompt-tuning adapter, else None."""
@@ -168,7 +166,7 @@ def adapter_ids(adapters: Optional[AdapterSet], given: Sequence[str], n_samples:
     if len(given) > n_samples:
         raise ConfigError("%d --adapter for %d samples: give at most one per --prompt" % (len(given), n_samples))
     if not adapters:
-        named = [g for g in given if g != BASE]
+        named = [g for g in given if g != BASE_ADAPTER]
         if named:
             raise ConfigError("--adapter %s: the config lists no adapters (adapters: {name: path})" % named[0])
         return [0] * n_samples

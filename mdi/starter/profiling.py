@@ -9,12 +9,12 @@ so a second plan is instant; `refresh` measures again (a board was changed or is
 Memory is read fresh every time (GET /status): it changes with what else runs there.
 """
 import hashlib
+import importlib
 import json
 import logging
 import math
 import os
 import socket
-import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -92,9 +92,8 @@ def code_id() -> str:
     code (before a speed-up, say) is stale, and mdi's version does not change with every one."""
     if not _code_ids:
         digest = hashlib.sha256()
-        model_dir = os.path.dirname(os.path.abspath(sys.modules[ModelSource.__module__].__file__))
         for name in _SPEED_CODE:
-            with open(os.path.join(model_dir, name + ".py"), "rb") as f:
+            with open(importlib.import_module("mdi.model." + name).__file__, "rb") as f:
                 digest.update(f.read())
         _code_ids.append(digest.hexdigest()[:16])
     return _code_ids[0]
@@ -175,12 +174,14 @@ class Profiler:
         """`device`: the one the worker reports; its own --device wins over the run's, so it is
         part of what is timed. (Its own --threads too, but /status cannot tell an override from
         the last run's setting: --refresh.)"""
+        request = self._request(node, False)
+
         def measure() -> Dict[str, Any]:
-            return client_for(self.cfg, node).profile(self._request(node, False)).to_json()
+            return client_for(self.cfg, node).profile(request).to_json()
         try:
             # The key: all the request says (model shape, dtype, quant, device, threads, rows...).
-            return self._cached("worker", dict(self._request(node, False).to_json(), node=node.name,
-                                               address=node.address, worker_device=device), measure)
+            return self._cached("worker", dict(request.to_json(), node=node.name, address=node.address,
+                                               worker_device=device), measure)
         except NodeError as e:
             if "HTTP 413" not in str(e):
                 raise
@@ -188,13 +189,12 @@ class Profiler:
 
     def _starter_timing(self) -> Dict[str, Any]:
         node = self.cfg.nodes[0]
+        request = self._request(node, True)
 
         def measure() -> Dict[str, Any]:
-            request = self._request(node, True)
             return profile_here(request, request.device, with_ends=True, params=self.params).to_json()
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
-        return self._cached("starter", dict(self._request(node, True).to_json(), node=node.name, sampling=sampling),
-                            measure)
+        return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling), measure)
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
