@@ -390,16 +390,17 @@ def profile_mdi(model: str, threads: int, n_tokens: int) -> Dict[str, Any]:
                          "share": round(v / total, 3) if total else None} for k, (v, c) in rows[:12]]}
 
 
-def decode_breakdown(model: str, threads: int, context: int = 64, repeats: int = 200) -> Dict[str, Any]:
+def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, Any]:
     """Where one decode token's milliseconds go on a one-node mdi, part by part: each part of
     every layer timed in a loop over the model's own layers (their own weights, so caches are
     as cold as in a real step), the head, sampling, then the whole step (blocks + head +
     sampling). The step minus the parts is the glue between them: module calls, views, the
-    per-sample loop. Medians of `repeats`, at a position `context` into a sample."""
-    import statistics
+    per-sample loop. mdi.model.profile.seconds_per_call's timing (the median of 3 windows'
+    mean), at a position `context` into a sample."""
     import torch
     import torch.nn.functional as F
     from mdi.model import qkernels
+    from mdi.model.profile import seconds_per_call
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
     from mdi.model.source import ModelSource
     from mdi.model.transformer import RowBatch
@@ -415,14 +416,7 @@ def decode_breakdown(model: str, threads: int, context: int = 64, repeats: int =
     params, rng = SamplingParams(temperature=0.0), sample_generator(0, 0)  # greedy, as the decode runs
 
     def ms(fn: Any) -> float:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(times)
+        return 1000 * seconds_per_call(fn, min_window=0.1)
 
     with torch.inference_mode():
         prompt = torch.randint(0, c.vocab_size, (context,), generator=gen)
@@ -868,7 +862,7 @@ def main(argv=None) -> int:
                                "(write_big_gguf); llama-bench -p 0 -n %d vs mdi reading the same file "
                                "(model.quant auto, quant_kernel fast), %d alternating repeats"
                                % (BIG_SHAPE, args.big_tokens, args.big_repeats),
-                  "decode_breakdown": "decode_breakdown(): each part timed over all layers (median of 200), "
+                  "decode_breakdown": "decode_breakdown(): each part timed over all layers (seconds_per_call, 0.1 s windows), "
                                       "the whole step (blocks + head + greedy sampling) likewise; glue = step - "
                                       "parts; pipeline = the run's median token gap - step",
                   "repeats": "standalone: %d, alternating order; ring sweep: %d, alternating order"
