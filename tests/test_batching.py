@@ -184,6 +184,47 @@ def test_merged_frames_put_each_adapter_s_samples_together():
     assert plain.samples == [0, 1] and plain.adapters == []
 
 
+class RecordingLoop(LocalLoop):
+    """A one-node loop that keeps every frame's adapters."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = []
+
+    def send(self, frame):
+        self.sent.append((frame.kind, list(frame.adapters)))
+        super().send(frame)
+
+
+def test_frames_hold_few_distinct_adapters_and_ids_do_not_change(tmp_path):
+    from mdi.lab.adapters import write_random_lora
+    from mdi.model.adapters import load_adapter
+    chunk = tiny_model("llama")
+    for i in range(4):
+        path = write_random_lora(str(tmp_path / ("lora%d" % i)), chunk.config, seed=i, rank=4)
+        chunk.set_adapter(i + 1, load_adapter(path, chunk.config).weights)
+    prompts = ["abc", "hello", "xyz", "a b c", "qqq", "the cat", "zz", "mdi"]
+    choice = [1, 2, 3, 4, 1, 2, 3, 4]  # the order requests for 4 adapters usually arrive in
+
+    def run(max_batch):
+        chunk.allocate_cache(len(prompts), 64)
+        samples = [Sample(i, p, [ord(c) - 32 for c in p], 6, sample_generator(3, i), adapter=a)
+                   for i, (p, a) in enumerate(zip(prompts, choice))]
+        loop = RecordingLoop()
+        pipe = Pipeline(chunk, loop, 1, SamplingParams(0.0), None, max_batch=max_batch, prefill_chunk=64)
+        with torch.no_grad():
+            pipe.run(samples)
+        return [s.token_ids for s in samples], loop.sent
+
+    alone, _ = run(1)
+    together, sent = run(3)
+    assert together == alone
+    # 8 samples over 4 adapters in frames of 3: 2 + 2 + 1 distinct adapters, not 3 + 3 + 2.
+    full = [a for kind, a in sent if len(a) == 3]
+    assert full and all(len(set(a)) <= 2 for a in full), sent
+    assert all(a == sorted(a) for _, a in sent)  # and each adapter's samples side by side
+
+
 def test_batch_counter_metrics():
     c = BatchCounter()
     assert c.metrics()["rows_per_forward_mean"] is None

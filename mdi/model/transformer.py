@@ -47,11 +47,12 @@ class LoraDeltas:
         self.groups = []  # type: List[Tuple[int, Any]]  # (adapter id, slice or row indices)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
-        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        # The ring's rows are 2-D already; each skipped op is µs per layer and adapter
+        flat_x, flat_y = (x, y) if x.dim() == 2 else (x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]))
         for adapter, rows in self.groups:
             ab = self.adapters[adapter].get(name)
             if ab is not None:
-                at, bt = ab[0].to(x.dtype), ab[1].to(x.dtype)
+                at, bt = ab if ab[0].dtype == x.dtype else (ab[0].to(x.dtype), ab[1].to(x.dtype))
                 if isinstance(rows, slice):  # consecutive rows: views, one in-place addmm, no copies
                     flat_y[rows].addmm_(flat_x[rows] @ at, bt)
                 else:
