@@ -20,7 +20,7 @@ EXIT_CONFIG = 2
 EXIT_RUN = 1
 
 
-def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", threads: Optional[int] = None) -> None:
+def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", threads: Any = None) -> None:
     """What only an entry point may decide for the whole process: where log messages go,
     which warnings are noise, and how many threads torch uses."""
     import logging
@@ -30,7 +30,7 @@ def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", thre
     # Received frames wrap zmq's read-only buffers (mdi/ring/wire.py says why): nothing writes
     # to them, so torch's warning about non-writable tensors does not apply.
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    if threads:
+    if isinstance(threads, int) and threads > 0:  # "auto" is decided once the model is loaded
         import torch
         torch.set_num_threads(threads)
 

@@ -73,7 +73,9 @@ class GenerationSpec:
 
 @dataclass
 class RuntimeSpec:
-    threads: Optional[int] = None  # torch threads per node; None leaves torch's default
+    # torch threads per node: an integer; "auto", each node times passes of its own loaded chunk
+    # at 1, 2, 4... threads and keeps the fastest (mdi.model.threads); None leaves torch's default
+    threads: Any = None
     connect_timeout: float = 5.0  # seconds to reach a node's control plane
     init_timeout: float = 600.0  # seconds for a node to load its weights
     ring_timeout: float = 30.0  # seconds without any frame before the ring is declared stuck
@@ -214,13 +216,14 @@ def parse_config(data: Any, source: str) -> RunConfig:
     _check_generation(source + ": generation", gen)
 
     r = check_keys(source + ": runtime", top.get("runtime") or {},
-                    {"threads": (int,), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
+                    {"threads": (int, str), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
                      "prefill_chunk": (int,), "wire_codec": (str,)})
     runtime = RuntimeSpec(**r)
-    if runtime.threads is not None and runtime.threads < 1:  # sent to every worker in /init
-        raise ConfigError("%s: runtime.threads: expected an integer >= 1" % source)
+    if runtime.threads is not None and runtime.threads != "auto" and not (
+            isinstance(runtime.threads, int) and not isinstance(runtime.threads, bool) and runtime.threads >= 1):  # sent to every worker in /init
+        raise ConfigError("%s: runtime.threads: expected an integer >= 1 or auto, got %r" % (source, runtime.threads))
     if runtime.quant_kernel not in POLICY_NAMES:
         raise ConfigError("%s: runtime.quant_kernel: expected one of %s, got %r"
                           % (source, ", ".join(POLICY_NAMES), runtime.quant_kernel))

@@ -23,6 +23,7 @@ from mdi.model.layout import torch_dtype
 from mdi.model.source import ModelSource
 from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
+from mdi.model.threads import candidates, usable_cpus
 from mdi.model.transformer import full_model
 from mdi.ring.init_request import (MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK, DataPlane, InitRequest, NodeBusy,
                                    PushedWeights, Weights)
@@ -336,7 +337,8 @@ def test_runtime_threads_reach_workers_unless_they_have_their_own(tiny_models):
     # OMP_NUM_THREADS=2: torch's default here is 2 whatever the machine's cores.
     env = dict(os.environ, OMP_NUM_THREADS="2")
     plain, own = free_ports(2)
-    procs = [WorkerProcess(plain, env=env, threads=None), WorkerProcess(own, env=env, threads=2)]
+    procs = [WorkerProcess(plain, ["--log-level", "info"], env=env, threads=None),
+             WorkerProcess(own, ["--log-level", "info"], env=env, threads=2)]
     try:
         workers = [w.wait_ready() for w in procs]
         assert status(workers[0])["threads"] == 2
@@ -344,6 +346,15 @@ def test_runtime_threads_reach_workers_unless_they_have_their_own(tiny_models):
         result = batch.run(cfg, ["Once upon"])
         assert [n["threads"] for n in result.nodes[1:]] == [1, 2]  # the metrics record's nodes
         assert [status(w)["threads"] for w in workers] == [1, 2]
+        # auto: the plain worker times its chunk at 1, 2, ... threads and keeps one of them,
+        # saying so; the one started with --threads keeps its own; the text does not change.
+        auto = batch.run(parse_config(ring_cfg(model, workers, free_ports(3), threads="auto"), "threads"),
+                         ["Once upon"])
+        assert auto.samples[0].token_ids == result.samples[0].token_ids
+        assert status(workers[1])["threads"] == 2 and "threads: auto" not in procs[1].output()
+        chose = [line for line in procs[0].output().splitlines() if "threads: auto chose" in line]
+        assert len(chose) == 1 and status(workers[0])["threads"] in candidates(usable_cpus()), chose
+        assert "1: " in chose[0] and "ms per pass" in chose[0]
     finally:
         for w in procs:
             w.stop()

@@ -84,7 +84,7 @@ class InitRequest:
     cache_budget_bytes: Optional[int] = None
     heartbeat_timeout: Optional[float] = None  # None: the worker's default
     compute_dtype: Optional[str] = None  # None: the worker picks from dtype and device
-    threads: Optional[int] = None  # torch threads (runtime.threads); the worker's own --threads wins
+    threads: Any = None  # torch threads (runtime.threads: an integer or "auto"); the worker's own --threads wins
     quant: Dict[str, QuantSpec] = field(default_factory=dict)  # weights kept quantized (layout.QuantLayout)
     quant_kernel: Optional[str] = None  # runtime.quant_kernel; None: the default policy
     max_batch: int = 1  # samples one forward may take: queued frames are merged up to this many
@@ -108,6 +108,16 @@ class InitRequest:
 def int_field(where: str, value: Any, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise RequestError("%s must be an integer in [%d, %d]" % (where, lo, hi))
+    return value
+
+
+def threads_field(value: Any) -> Any:
+    """runtime.threads as sent: absent, an integer, or "auto" (the node times its own chunk)."""
+    if value is not None and value != "auto":
+        try:
+            int_field("threads", value, 1, MAX_THREADS)
+        except RequestError:
+            raise RequestError("threads must be an integer in [1, %d] or \"auto\"" % MAX_THREADS)
     return value
 
 
@@ -177,8 +187,7 @@ def validate_init(body: Any) -> InitRequest:
     hb = spec.get("heartbeat_timeout")
     if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float)) or not 0.5 <= hb <= 3600):
         raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
-    if spec.get("threads") is not None:
-        int_field("threads", spec["threads"], 1, MAX_THREADS)
+    threads_field(spec.get("threads"))
     quant = quant_field(spec.get("quant"), config, layers)
     kernel = spec.get("quant_kernel")
     if kernel is not None and kernel not in POLICY_NAMES:

@@ -23,7 +23,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.ring.wire import Frame, decode, encode
 from mdi.system.devices import resolve_compute_dtype
 from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, int_field, model_field,
-                                   object_fields, quant_field, str_field)
+                                   object_fields, quant_field, str_field, threads_field)
 
 MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
 MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
@@ -38,7 +38,7 @@ class ProfileRequest:
     batch_sizes: List[int]  # decode passes of this many samples (one row each) are timed
     context: int  # the position those rows decode at (attention reads this many keys)
     prefill_tokens: int  # one prefill pass of this many tokens is timed
-    threads: Optional[int] = None  # the run's torch threads; the worker's own --threads wins
+    threads: Any = None  # the run's torch threads (an integer or "auto": what it has now); --threads wins
     compute_dtype: Optional[str] = None
     quant: Dict[str, QuantSpec] = field(default_factory=dict)  # for blocks [0, PROFILE_LAYERS)
     quant_kernel: Optional[str] = None
@@ -69,8 +69,7 @@ def validate_profile(body: Any) -> ProfileRequest:
         int_field("batch_sizes[%d]" % i, b, 1, MAX_PROFILE_ROWS)
     int_field("context", spec["context"], 0, config.block_size - 1)
     int_field("prefill_tokens", spec["prefill_tokens"], 1, min(MAX_PROFILE_ROWS, config.block_size))
-    if spec.get("threads") is not None:
-        int_field("threads", spec["threads"], 1, MAX_THREADS)
+    threads_field(spec.get("threads"))
     kernel = spec.get("quant_kernel")
     if kernel is not None and kernel not in POLICY_NAMES:
         raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))

@@ -17,6 +17,7 @@ from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
 from mdi.system.devices import resolve_compute_dtype
 from mdi.model.source import ModelSource
+from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
@@ -91,6 +92,9 @@ class Engine:
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)
         chunk.allocate_cache(self.n_slots, self.max_len)
+        if self.cfg.runtime.threads == AUTO:  # timed before any sample or adapter uses the chunk
+            choice = choose_threads(chunk, self.cfg.max_batch(self.n_slots, len(self.nodes)))
+            log.info("mdi: starter: threads: auto chose %s", choice.describe())
         if self.adapters:
             self.adapters.install(chunk)
         return chunk

@@ -24,6 +24,7 @@ from mdi.model.config import ModelConfig
 from mdi.model import qkernels
 from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.source import build_chunk_from_file
+from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
@@ -465,15 +466,23 @@ class Worker:
             chunk.free_cache()
             raise RequestError(str(e))
         endpoint.connect(data.next_host, data.next_port)
-        threads = self._set_threads(request)
+        threads = self._set_threads(request, chunk)
         self.run = Run(request, chunk, endpoint, setup.peer, threads)
         self.touch()
         self.run.thread.start()
         self.runs_served += 1
 
-    def _set_threads(self, request: Any) -> Optional[int]:
-        """The run's runtime.threads, unless this worker was started with its own --threads."""
+    def _set_threads(self, request: Any, chunk: Optional[ModelChunk] = None) -> Optional[int]:
+        """The run's runtime.threads, unless this worker was started with its own --threads.
+        "auto": the count whose passes through `chunk` are fastest here (timed before the run
+        starts); with no chunk to time (a /profile), what torch has now."""
         threads = self.threads_override or request.threads
+        if threads == AUTO:
+            if chunk is None:
+                return None
+            choice = choose_threads(chunk, request.max_batch)
+            log.info("mdi: worker %d: threads: auto chose %s", self.port, choice.describe())
+            threads = choice.threads
         if threads:
             torch.set_num_threads(threads)
             self.threads = threads
