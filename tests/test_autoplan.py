@@ -134,3 +134,33 @@ def test_profile_requests_are_validated(workers, tiny_models):
                       (dict(good, extra=1), "unknown key")):
         r = requests.post(url, json=bad, timeout=30)
         assert r.status_code == 400 and word in r.json()["error"], (bad, r.text)
+
+
+def test_the_starter_times_its_whole_loop_and_plans_with_it(tiny_models):
+    """The starter's pass in its real pipeline loop (frames out and back through its own
+    data-plane endpoint) is timed per batch size, and the planner's starter stage holds what
+    that loop costs beyond the timed blocks (a malformed cached entry is ignored)."""
+    import torch
+    from mdi.model.profile import PROFILE_LAYERS
+    from mdi.model.sampling import SamplingParams
+    from mdi.model.source import random_chunk
+    from mdi.starter.loop_timing import time_starter_loop
+    from mdi.starter.profiling import Profiler, _loop_table
+    source = ModelSource(tiny_models["llama"])
+    chunk = random_chunk(source.config, 0, 2, True, True, torch.float32, "cpu")
+    for token in (None, "secret"):  # plain and CURVE-encrypted, as the run would send
+        seconds = time_starter_loop(chunk, [1, 3], SamplingParams(0.0), token=token)
+        assert sorted(seconds) == [1, 3] and all(0 < s < 5 for s in seconds.values())
+        assert chunk.cache is None  # freed after timing
+    cfg = parse_config({"model": {"path": tiny_models["llama"]}}, "t")
+    profiler = Profiler(cfg, source, 2, 32, 2)
+    timing = {"layer_s": {"1": 0.001}, "prefill_token_s": 0.0, "frame_s": {"1": 0.0001}, "threads": 1,
+              "device": "cpu", "seconds": 1.0, "ends_s": {"1": 0.0002}}
+    plain = profiler._cost(0, cfg.nodes[0], timing, [], None)
+    assert plain.fixed_s[1] == pytest.approx(0.0003)
+    blocks = min(PROFILE_LAYERS, source.config.n_layer)
+    looped = profiler._cost(0, cfg.nodes[0], dict(timing, loop_s={"1": 0.005}), [], None)
+    assert looped.fixed_s[1] == pytest.approx(0.005 - blocks * 0.001)
+    assert profiler._cost(0, cfg.nodes[0], dict(timing, loop_s={"1": 0.0001}), [], None).fixed_s[1] == \
+        pytest.approx(0.0003)  # never less than the parts measured alone
+    assert _loop_table({"loop_s": {"1": "fast", "x": 1.0, "2": float("nan"), "3": 0.5}}) == {3: 0.5}

@@ -22,15 +22,17 @@ from mdi import __version__
 from mdi.model.layout import dtype_name, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS
 from mdi.model.sampling import SamplingParams
-from mdi.model.source import ModelSource
+from mdi.model.source import ModelSource, random_chunk
 from mdi.ring.profile_request import MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, profile_here
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
+from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.planner import NodeCost
 from mdi.starter.session import client_for
+from mdi.system.devices import resolve_compute_dtype
 from mdi.system.files import write_json
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,9 @@ def _key(parts: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-_SPEED_CODE = ("transformer", "qkernels", "quant", "sampling", "profile")  # mdi.model modules that set a pass's time
+# the modules that set a pass's time
+_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "qkernels", "quant", "sampling", "profile")) + (
+    "mdi.starter.pipeline", "mdi.starter.loop_timing")
 _code_ids = []  # type: List[str]  # computed once per process
 
 
@@ -93,10 +97,23 @@ def code_id() -> str:
     if not _code_ids:
         digest = hashlib.sha256()
         for name in _SPEED_CODE:
-            with open(importlib.import_module("mdi.model." + name).__file__, "rb") as f:
+            with open(importlib.import_module(name).__file__, "rb") as f:
                 digest.update(f.read())
         _code_ids.append(digest.hexdigest()[:16])
     return _code_ids[0]
+
+
+def _loop_table(timing: Dict[str, Any]) -> Dict[int, float]:
+    """`loop_s` of a starter profile from the cache (a file anyone could have edited): the
+    well-formed entries only."""
+    raw = timing.get("loop_s")
+    out = {}  # type: Dict[int, float]
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            if isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and math.isfinite(v) and 0 <= v < 3600:
+                out[int(k)] = float(v)
+    return out
 
 
 class Profiler:
@@ -192,9 +209,21 @@ class Profiler:
         request = self._request(node, True)
 
         def measure() -> Dict[str, Any]:
-            return profile_here(request, request.device, with_ends=True, params=self.params).to_json()
+            out = profile_here(request, request.device, with_ends=True, params=self.params).to_json()
+            out["loop_s"] = {str(k): v for k, v in self._loop_seconds(request).items()}
+            return out
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling), measure)
+
+    def _loop_seconds(self, request: ProfileRequest) -> Dict[int, float]:
+        """The starter's whole pass at each batch size (mdi.starter.loop_timing)."""
+        dtype = torch_dtype(request.dtype)
+        asked = request.compute_dtype
+        compute, _ = resolve_compute_dtype(request.device, dtype, torch_dtype(asked) if asked else None)
+        chunk = random_chunk(self.config, 0, min(PROFILE_LAYERS, self.config.n_layer), True, True, dtype,
+                             request.device, compute, request.quant)
+        return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
+                                 self.cfg.runtime.token)
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
@@ -219,6 +248,11 @@ class Profiler:
                             note=timing["unusable"])
         reply = ProfileReply.from_json(timing)
         fixed = {rows: s + reply.ends_s.get(rows, 0.0) for rows, s in reply.frame_s.items()}
+        if i == 0:  # the starter's whole pass less its timed blocks, where that is more
+            blocks = min(PROFILE_LAYERS, self.config.n_layer)
+            for rows, seconds in _loop_table(timing).items():
+                if rows in fixed and rows in reply.layer_s:
+                    fixed[rows] = max(fixed[rows], seconds - blocks * reply.layer_s[rows])
         hop = {}
         for rows in self.sizes:
             nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)

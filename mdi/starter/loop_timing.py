@@ -1,0 +1,86 @@
+"""The starter's whole pass, timed: what the planner's profile of blocks, head and sampling
+leaves out.
+
+Per pass the starter also runs the pipeline's own Python (grouping samples, building the
+batch, bookkeeping each token), hands the frame to zmq, wakes on the frame coming back, and
+shares its CPU with its send and receive threads. On a small model whose stages take a few ms
+that was a quarter of the starter's stage (GPT-2 12L/384 on a 1-core emulated board: 14 ms per
+pass in the ring against 10 ms profiled), and the plan predicted 1.3-2x the tokens/s the ring
+made. So the starter runs its real loop, a `Pipeline` over random blocks with the embedding and
+head, its frames going out and straight back through a data-plane endpoint connected to itself
+on loopback, and times a pass at each batch size.
+"""
+import socket
+import time
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from mdi.model.profile import MIN_WINDOW_S, ROUNDS
+from mdi.model.sampling import SamplingParams, sample_generator
+from mdi.model.transformer import ModelChunk
+from mdi.ring.auth import ring_password
+from mdi.ring.transport import RingEndpoint
+from mdi.ring.wire import decode
+from mdi.starter.pipeline import Pipeline, Sample
+
+MAX_STEPS = 256  # decode passes per timed round (positions 1..MAX_STEPS: a short context)
+WAIT_S = 10.0  # for a pass to come back round the loop
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_starter_loop(chunk: ModelChunk, batch_sizes: Sequence[int], params: SamplingParams,
+                      codec: str = "raw", token: Optional[str] = None) -> Dict[int, float]:
+    """Seconds per decode pass of the starter's loop over `chunk` (embedding, its blocks and
+    head) for each number of samples in `batch_sizes`, the frames looping back to itself."""
+    config = chunk.config
+    rows_max = max(batch_sizes)
+    max_len = min(config.block_size, MAX_STEPS + 4)
+    chunk.allocate_cache(rows_max, max_len)
+    run_id, port = 1, _free_port()
+    endpoint = RingEndpoint("profile", "127.0.0.1", port,
+                            lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=rows_max,
+                                                 max_len=max_len),
+                            ring_password(token, run_id) if token else None, codec=codec)
+    try:
+        endpoint.connect("127.0.0.1", port)  # the next node is itself
+        out = {}
+        for rows in sorted(set(batch_sizes)):
+            rounds = sorted(_one_round(chunk, endpoint, run_id, rows, params, max_len) for _ in range(ROUNDS))
+            out[rows] = rounds[len(rounds) // 2]
+        return out
+    finally:
+        endpoint.close()
+        chunk.free_cache()
+
+
+def _one_round(chunk: ModelChunk, endpoint: RingEndpoint, run_id: int, rows: int, params: SamplingParams,
+               max_len: int) -> float:
+    pipe = Pipeline(chunk, endpoint, run_id, params, None, recv_timeout=WAIT_S, max_batch=rows)
+    for i in range(rows):
+        pipe.admit(Sample(i, "", [i % chunk.config.vocab_size], max_len, sample_generator(1, i)))
+    steps = max_len - 3
+    for _ in range(2):  # the one-token prefill, then a first decode pass: not timed
+        _step(pipe)
+        steps -= 1
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or (time.perf_counter() - t0 < MIN_WINDOW_S and n < steps):
+        _step(pipe)
+        n += 1
+    elapsed = (time.perf_counter() - t0) / n
+    for sample in pipe.active.values():  # nothing is left travelling for the next round
+        sample.cancelled = True
+    while pipe.active:
+        _step(pipe)
+    return elapsed
+
+
+def _step(pipe: Pipeline) -> None:
+    with torch.inference_mode():
+        if not pipe.step(WAIT_S):
+            raise RuntimeError("the starter's timing loop got no frame back within %.0f s" % WAIT_S)
