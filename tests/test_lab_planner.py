@@ -142,6 +142,19 @@ def test_cpu_status_says_each_nodes_quota(monkeypatch):
     assert emu._start_cpu() == ("1.00/0.50/0.25 core per node index (cgroup v1 cpu.cfs_quota_us 10000/5000/2500 / "
                                 "cpu.cfs_period_us 10000)")
     assert per_node_text([None, 448], "%d") == "-/448" and per_node_text(0.5) == "0.5"
+    # A quota under the kernel's 1 ms lengthens that node's period and keeps its share.
+    emu = Emulation(EmulationSettings(cpu_quota=[1.0, 0.05], cpu_period_us=10000), 2)
+    assert emu._start_cpu() == ("1.00/0.05 core per node index (cgroup v1 cpu.cfs_quota_us 10000/1000 / "
+                                "cpu.cfs_period_us 10000/20000)")
+
+
+def test_quota_and_period_keep_the_share_above_the_kernel_minimum():
+    from mdi.lab.cgroups import quota_and_period
+    assert quota_and_period(0.5, 10000) == (5000, 10000)
+    assert quota_and_period(0.1, 10000) == (1000, 10000)
+    assert quota_and_period(0.05, 10000) == (1000, 20000)  # not 1000 / 10000: 0.1 core
+    assert quota_and_period(0.03, 10000) == (1000, 33334)
+    assert quota_and_period(2.0, 10000) == (20000, 10000)
 
 
 # --------------------------------------------------------------------------- partitions

@@ -6,9 +6,10 @@
   are made under this process's own memory cgroup so whoever accounts for it still does.
 Both need root; the *_unavailable_reason() functions say why they cannot be used.
 """
+import math
 import os
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from mdi.lab.commands import is_root
 
@@ -136,11 +137,32 @@ class CpuCgroups(_Cgroups):
     controller = "cpu"
 
     def set_quota(self, name: str, cores: Optional[float], period_us: Optional[int] = None) -> None:
+        """`period_us`: the period asked for (None: the group's current one); a quota the kernel
+        would refuse as too short lengthens the group's period instead (quota_and_period)."""
         p = self.path(name)
-        if period_us is not None:
-            _write(os.path.join(p, "cpu.cfs_period_us"), int(period_us))
-        period = _read_int(os.path.join(p, "cpu.cfs_period_us"))
-        _write(os.path.join(p, "cpu.cfs_quota_us"), -1 if cores is None else max(1000, int(cores * period)))
+        period = int(period_us) if period_us is not None else _read_int(os.path.join(p, "cpu.cfs_period_us"))
+        if cores is None:
+            if period_us is not None:
+                _write(os.path.join(p, "cpu.cfs_period_us"), period)
+            _write(os.path.join(p, "cpu.cfs_quota_us"), -1)
+            return
+        quota, period = quota_and_period(cores, period)
+        _write(os.path.join(p, "cpu.cfs_quota_us"), -1)  # a period shorter than the quota is refused
+        _write(os.path.join(p, "cpu.cfs_period_us"), period)
+        _write(os.path.join(p, "cpu.cfs_quota_us"), quota)
+
+
+MIN_QUOTA_US = 1000  # the kernel refuses a shorter cpu.cfs_quota_us (EINVAL)
+
+
+def quota_and_period(cores: float, period_us: int) -> Tuple[int, int]:
+    """(quota, period) in µs for `cores` of CPU: the period asked for, unless the quota would be
+    under the kernel's 1 ms; then a 1 ms quota over a period that long enough to keep the share
+    (0.05 core over 10 ms periods: 1 ms per 20 ms, not the 1 ms per 10 ms, 0.1 core, it was)."""
+    quota = int(round(cores * period_us))
+    if quota >= MIN_QUOTA_US:
+        return quota, int(period_us)
+    return MIN_QUOTA_US, int(math.ceil(MIN_QUOTA_US / cores))
 
 
 class MemoryCgroups(_Cgroups):

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from mdi.lab.cgroups import (CGROUP_ROOT, CpuCgroups, MemoryCgroups, cgroup_unavailable_reason,
+from mdi.lab.cgroups import (CGROUP_ROOT, CpuCgroups, MemoryCgroups, cgroup_unavailable_reason, quota_and_period,
                              memory_cgroup_unavailable_reason, own_cpu_cgroup, rmdir_patiently)
 from mdi.lab.commands import EmulationError, try_run
 from mdi.lab.netns import NETNS_DIR, NetworkLab, network_unavailable_reason
@@ -36,6 +36,10 @@ def per_node_text(value: PerNode, fmt: str = "%g") -> str:
     """'0.5', or '1/0.5/0.25' for a list ('-' for a node without a limit)."""
     values = value if isinstance(value, list) else [value]
     return "/".join("-" if v is None else fmt % v for v in values)
+
+
+def _one_if_equal(values: List[Any]) -> Any:
+    return values[0] if len(set(values)) == 1 else values
 
 
 def _asked(value: PerNode) -> bool:
@@ -118,9 +122,11 @@ class Emulation:
         self.cpu = CpuCgroups(self.tag, own_cpu_cgroup())
         s = self.settings
         quotas = s.cpu_quota if isinstance(s.cpu_quota, list) else [s.cpu_quota]
-        return "%s core per node%s (cgroup v1 cpu.cfs_quota_us %s / cpu.cfs_period_us %d)" % (
+        written = [None if q is None else quota_and_period(q, s.cpu_period_us) for q in quotas]
+        return "%s core per node%s (cgroup v1 cpu.cfs_quota_us %s / cpu.cfs_period_us %s)" % (
             per_node_text(s.cpu_quota, "%.2f"), " index" if isinstance(s.cpu_quota, list) else "",
-            per_node_text([None if q is None else int(q * s.cpu_period_us) for q in quotas], "%d"), s.cpu_period_us)
+            per_node_text([None if w is None else w[0] for w in written], "%d"),
+            per_node_text(_one_if_equal([s.cpu_period_us if w is None else w[1] for w in written]), "%d"))
 
     def _start_memory(self) -> str:
         self.memory = MemoryCgroups(self.tag)
@@ -177,7 +183,7 @@ class Emulation:
     def limit_cpu(self, key: str, on: bool, k: int = 0) -> None:
         """Node index k's quota on (or off) for the process `key` names."""
         if self.cpu is not None:
-            self.cpu.set_quota(key, self.settings.cpu_quota_of(k) if on else None)
+            self.cpu.set_quota(key, self.settings.cpu_quota_of(k) if on else None, self.settings.cpu_period_us)
 
     def memory_limit_bytes(self, k: int = 0) -> Optional[int]:
         """Node index k's memory limit while the memory emulation is on, else None."""
