@@ -136,22 +136,27 @@ def test_profile_requests_are_validated(workers, tiny_models):
         assert r.status_code == 400 and word in r.json()["error"], (bad, r.text)
 
 
-def test_the_starter_times_its_whole_loop_and_plans_with_it(tiny_models):
-    """The starter's pass in its real pipeline loop (frames out and back through its own
-    data-plane endpoint) is timed per batch size, and the planner's starter stage holds what
-    that loop costs beyond the timed blocks (a malformed cached entry is ignored)."""
+def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):
+    """The starter's pass in its real pipeline loop and a worker's relay (frames out and back
+    through the node's own data-plane endpoint) are timed per batch size, and the planner's
+    stages hold what that loop costs beyond the timed blocks (a malformed reply is refused)."""
     import torch
     from mdi.model.profile import PROFILE_LAYERS
     from mdi.model.sampling import SamplingParams
     from mdi.model.source import random_chunk
     from mdi.starter.loop_timing import time_starter_loop
-    from mdi.starter.profiling import Profiler, _loop_table
+    from mdi.ring.profile_request import ProfileReply
+    from mdi.ring.relay_timing import time_relay
+    from mdi.starter.profiling import Profiler
     source = ModelSource(tiny_models["llama"])
     chunk = random_chunk(source.config, 0, 2, True, True, torch.float32, "cpu")
+    blocks_only = random_chunk(source.config, 0, 2, False, False, torch.float32, "cpu")
     for token in (None, "secret"):  # plain and CURVE-encrypted, as the run would send
         seconds = time_starter_loop(chunk, [1, 3], SamplingParams(0.0), token=token)
         assert sorted(seconds) == [1, 3] and all(0 < s < 5 for s in seconds.values())
-        assert chunk.cache is None  # freed after timing
+        relay = time_relay(blocks_only, [2, 1], context=5, token=token)
+        assert sorted(relay) == [1, 2] and all(0 < s < 5 for s in relay.values())
+        assert chunk.cache is None and blocks_only.cache is None  # freed after timing
     cfg = parse_config({"model": {"path": tiny_models["llama"]}}, "t")
     profiler = Profiler(cfg, source, 2, 32, 2)
     timing = {"layer_s": {"1": 0.001}, "prefill_token_s": 0.0, "frame_s": {"1": 0.0001}, "threads": 1,
@@ -163,4 +168,10 @@ def test_the_starter_times_its_whole_loop_and_plans_with_it(tiny_models):
     assert looped.fixed_s[1] == pytest.approx(0.005 - blocks * 0.001)
     assert profiler._cost(0, cfg.nodes[0], dict(timing, loop_s={"1": 0.0001}), [], None).fixed_s[1] == \
         pytest.approx(0.0003)  # never less than the parts measured alone
-    assert _loop_table({"loop_s": {"1": "fast", "x": 1.0, "2": float("nan"), "3": 0.5}}) == {3: 0.5}
+    plain_worker = {k: v for k, v in timing.items() if k != "ends_s"}
+    worker = profiler._cost(1, cfg.nodes[0], dict(plain_worker, loop_s={"1": 0.004}), [], None)
+    assert worker.fixed_s[1] == pytest.approx(0.004 - blocks * 0.001)
+    for bad in ({"1": "fast"}, {"x": 1.0}, {"2": float("nan")}, {"3": -1.0}):
+        with pytest.raises(ValueError) as e:
+            ProfileReply.from_json(dict(timing, loop_s=bad))
+        assert "loop_s" in str(e.value)

@@ -20,6 +20,8 @@ from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS, seconds_per_call, time_chunk
 from mdi.model.qkernels import POLICY_NAMES
 from mdi.model.sampling import SamplingParams
+from mdi.model.source import random_chunk
+from mdi.ring.relay_timing import time_relay
 from mdi.ring.wire import Frame, decode, encode
 from mdi.system.devices import resolve_compute_dtype
 from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, int_field, model_field,
@@ -88,13 +90,17 @@ class ProfileReply:
     device: str
     seconds: float  # how long profiling took
     ends_s: Dict[int, float] = field(default_factory=dict)  # the starter's own: embedding, head, sampling
+    # The node's whole pass over PROFILE_LAYERS blocks in its real loop, frames looping back to
+    # itself (mdi.ring.relay_timing; the starter's: mdi.starter.loop_timing). Absent: not timed.
+    loop_s: Dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         out = {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
                "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
                "device": self.device, "seconds": self.seconds}  # type: Dict[str, Any]
-        if self.ends_s:
-            out["ends_s"] = {str(k): v for k, v in self.ends_s.items()}
+        for key in ("ends_s", "loop_s"):
+            if getattr(self, key):
+                out[key] = {str(k): v for k, v in getattr(self, key).items()}
         return out
 
     @classmethod
@@ -124,14 +130,15 @@ class ProfileReply:
             raise ValueError("profile reply: device must be a short string")
         return cls(table("layer_s"), seconds("prefill_token_s", data.get("prefill_token_s")), table("frame_s"),
                    threads, device, seconds("seconds", data.get("seconds")),
-                   table("ends_s") if "ends_s" in data else {})
+                   table("ends_s") if "ends_s" in data else {}, table("loop_s") if "loop_s" in data else {})
 
 
 def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
-                 params: Optional[SamplingParams] = None) -> ProfileReply:
+                 params: Optional[SamplingParams] = None, token: Optional[str] = None) -> ProfileReply:
     """Time the request's passes on `device` with torch's current thread count: what a worker
-    answers POST /profile with, and (`with_ends`: its quant layout then names the embedding and
-    head too) what the starter measures of itself."""
+    answers POST /profile with (its whole loop too, encrypted as its runs are when it has a
+    `token`), and (`with_ends`: its quant layout then names the embedding and head too; the
+    starter times its own loop itself) what the starter measures of itself."""
     t0 = time.perf_counter()
     qkernels.set_preference(request.quant_kernel)
     dtype = torch_dtype(request.dtype)
@@ -140,8 +147,13 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     timing = time_chunk(request.model, dtype, device, request.quant, request.batch_sizes, request.context,
                         request.prefill_tokens, compute_dtype=compute, with_ends=with_ends, params=params)
     frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
+    loop = {}  # type: Dict[int, float]
+    if not with_ends:
+        blocks = random_chunk(request.model, 0, min(PROFILE_LAYERS, request.model.n_layer), False, False, dtype,
+                              device, compute, request.quant)
+        loop = time_relay(blocks, request.batch_sizes, request.context, token=token)
     return ProfileReply(timing.layer_s, timing.prefill_token_s, frames, torch.get_num_threads(), device,
-                        time.perf_counter() - t0, timing.ends_s)
+                        time.perf_counter() - t0, timing.ends_s, loop)
 
 
 def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:

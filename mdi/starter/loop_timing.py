@@ -8,9 +8,9 @@ that was a quarter of the starter's stage (GPT-2 12L/384 on a 1-core emulated bo
 pass in the ring against 10 ms profiled), and the plan predicted 1.3-2x the tokens/s the ring
 made. So the starter runs its real loop, a `Pipeline` over random blocks with the embedding and
 head, its frames going out and straight back through a data-plane endpoint connected to itself
-on loopback, and times a pass at each batch size.
+on loopback (mdi.ring.relay_timing, which times a worker's pass the same way), and times a pass
+at each batch size.
 """
-import socket
 import time
 from typing import Dict, Optional, Sequence
 
@@ -19,19 +19,11 @@ import torch
 from mdi.model.profile import MIN_WINDOW_S, ROUNDS
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.transformer import ModelChunk
-from mdi.ring.auth import ring_password
+from mdi.ring.relay_timing import RUN_ID, WAIT_S, looped_endpoint
 from mdi.ring.transport import RingEndpoint
-from mdi.ring.wire import decode
 from mdi.starter.pipeline import Pipeline, Sample
 
 MAX_STEPS = 256  # decode passes per timed round (positions 1..MAX_STEPS: a short context)
-WAIT_S = 10.0  # for a pass to come back round the loop
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_starter_loop(chunk: ModelChunk, batch_sizes: Sequence[int], params: SamplingParams,
@@ -42,16 +34,11 @@ def time_starter_loop(chunk: ModelChunk, batch_sizes: Sequence[int], params: Sam
     rows_max = max(batch_sizes)
     max_len = min(config.block_size, MAX_STEPS + 4)
     chunk.allocate_cache(rows_max, max_len)
-    run_id, port = 1, _free_port()
-    endpoint = RingEndpoint("profile", "127.0.0.1", port,
-                            lambda parts: decode(parts, run=run_id, hidden=config.n_embd, n_slots=rows_max,
-                                                 max_len=max_len),
-                            ring_password(token, run_id) if token else None, codec=codec)
+    endpoint = looped_endpoint(config.n_embd, rows_max, max_len, codec, token)
     try:
-        endpoint.connect("127.0.0.1", port)  # the next node is itself
         out = {}
         for rows in sorted(set(batch_sizes)):
-            rounds = sorted(_one_round(chunk, endpoint, run_id, rows, params, max_len) for _ in range(ROUNDS))
+            rounds = sorted(_one_round(chunk, endpoint, RUN_ID, rows, params, max_len) for _ in range(ROUNDS))
             out[rows] = rounds[len(rounds) // 2]
         return out
     finally:

@@ -87,7 +87,7 @@ def _key(parts: Dict[str, Any]) -> str:
 
 # the modules that set a pass's time
 _SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "qkernels", "quant", "sampling", "profile")) + (
-    "mdi.starter.pipeline", "mdi.starter.loop_timing")
+    "mdi.ring.relay_timing", "mdi.starter.pipeline", "mdi.starter.loop_timing")
 _code_ids = []  # type: List[str]  # computed once per process
 
 
@@ -101,19 +101,6 @@ def code_id() -> str:
                 digest.update(f.read())
         _code_ids.append(digest.hexdigest()[:16])
     return _code_ids[0]
-
-
-def _loop_table(timing: Dict[str, Any]) -> Dict[int, float]:
-    """`loop_s` of a starter profile from the cache (a file anyone could have edited): the
-    well-formed entries only."""
-    raw = timing.get("loop_s")
-    out = {}  # type: Dict[int, float]
-    if isinstance(raw, dict):
-        for k, v in raw.items():
-            if isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) \
-                    and math.isfinite(v) and 0 <= v < 3600:
-                out[int(k)] = float(v)
-    return out
 
 
 class Profiler:
@@ -248,11 +235,10 @@ class Profiler:
                             note=timing["unusable"])
         reply = ProfileReply.from_json(timing)
         fixed = {rows: s + reply.ends_s.get(rows, 0.0) for rows, s in reply.frame_s.items()}
-        if i == 0:  # the starter's whole pass less its timed blocks, where that is more
-            blocks = min(PROFILE_LAYERS, self.config.n_layer)
-            for rows, seconds in _loop_table(timing).items():
-                if rows in fixed and rows in reply.layer_s:
-                    fixed[rows] = max(fixed[rows], seconds - blocks * reply.layer_s[rows])
+        blocks = min(PROFILE_LAYERS, self.config.n_layer)
+        for rows, seconds in reply.loop_s.items():  # the node's whole pass less its timed blocks, where that is more
+            if rows in fixed and rows in reply.layer_s:
+                fixed[rows] = max(fixed[rows], seconds - blocks * reply.layer_s[rows])
         hop = {}
         for rows in self.sizes:
             nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)

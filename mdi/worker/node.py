@@ -206,7 +206,7 @@ class Worker:
             self._check_profile_fits(request)
             self._set_threads(request)
             try:
-                return profile_here(request, self.device_override or request.device)
+                return profile_here(request, self.device_override or request.device, token=self.token)
             except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
                 raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
             finally:

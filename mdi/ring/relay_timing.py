@@ -1,0 +1,82 @@
+"""A node's whole pass, timed on a data plane looped back to itself.
+
+Besides its blocks a node pays, per pass, for the frame: zmq taking it in and handing it out,
+the receive thread validating it, the send thread, the Python around the forward. On a board
+under a CPU quota those threads eat into the same quota as the blocks: a 0.5-core board ran 4
+layers of a small GPT-2 in 9-13 ms and passed a frame on every ~17 ms in the ring, where blocks
+and codec alone were profiled at ~12.5 ms. So /profile also times the real thing: an endpoint
+connected to itself, each frame that comes back run through random blocks and sent again.
+"""
+import socket
+import time
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from mdi.model.profile import MIN_WINDOW_S, ROUNDS
+from mdi.model.transformer import ModelChunk, RowBatch
+from mdi.ring.auth import ring_password
+from mdi.ring.transport import RingEndpoint
+from mdi.ring.wire import Frame, decode
+
+WAIT_S = 10.0  # for a frame to come back round the loop
+RUN_ID = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def looped_endpoint(hidden: int, n_slots: int, max_len: int, codec: str = "raw",
+                    token: Optional[str] = None) -> RingEndpoint:
+    """A data-plane endpoint on a free loopback port whose next node is itself, validating as a
+    run's would (CURVE-encrypted when the node has a token, as its runs are)."""
+    port = _free_port()
+    endpoint = RingEndpoint("profile", "127.0.0.1", port,
+                            lambda parts: decode(parts, run=RUN_ID, hidden=hidden, n_slots=n_slots, max_len=max_len),
+                            ring_password(token, RUN_ID) if token else None, codec=codec)
+    endpoint.connect("127.0.0.1", port)
+    return endpoint
+
+
+def time_relay(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, codec: str = "raw",
+               token: Optional[str] = None) -> Dict[int, float]:
+    """Seconds per pass of a worker's loop over `chunk`: a frame of `rows` one-row samples at
+    position `context` received, run through the blocks and sent on, for each size."""
+    config = chunk.config
+    rows_max = max(batch_sizes)
+    max_len = min(config.block_size, context + 1)
+    context = max_len - 1
+    dtype = chunk.compute_dtype or next(p for p in chunk.parameters() if p.dtype.is_floating_point).dtype
+    device = next(chunk.parameters()).device
+    chunk.allocate_cache(rows_max, max_len)
+    endpoint = looped_endpoint(config.n_embd, rows_max, max_len, codec, token)
+    out = {}
+    try:
+        with torch.inference_mode():
+            for rows in sorted(set(batch_sizes)):
+                slots = list(range(rows))
+                endpoint.send(Frame("decode", RUN_ID, slots, [context] * rows, [1] * rows,
+                                    torch.zeros(rows, config.n_embd, dtype=dtype)))
+
+                def relay() -> None:
+                    frame = endpoint.recv(WAIT_S)
+                    batch = RowBatch.of(frame.samples, frame.start, frame.count, device)
+                    y = chunk.forward_rows(frame.tensor.to(device, dtype), batch)
+                    endpoint.send(Frame("decode", RUN_ID, frame.samples, frame.start, frame.count, y.to("cpu")))
+                relay()  # warm
+                rounds = []
+                for _ in range(ROUNDS):
+                    n, t0 = 0, time.perf_counter()
+                    while n < 2 or time.perf_counter() - t0 < MIN_WINDOW_S:
+                        relay()
+                        n += 1
+                    rounds.append((time.perf_counter() - t0) / n)
+                out[rows] = sorted(rounds)[len(rounds) // 2]
+                endpoint.recv(WAIT_S)  # the frame still travelling
+        return out
+    finally:
+        endpoint.close()
+        chunk.free_cache()
