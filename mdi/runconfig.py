@@ -221,8 +221,9 @@ def parse_config(data: Any, source: str) -> RunConfig:
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
                      "prefill_chunk": (int,), "wire_codec": (str,)})
     runtime = RuntimeSpec(**r)
+    # sent to every worker in /init (check_keys refused booleans already)
     if runtime.threads is not None and runtime.threads != "auto" and not (
-            isinstance(runtime.threads, int) and not isinstance(runtime.threads, bool) and runtime.threads >= 1):  # sent to every worker in /init
+            isinstance(runtime.threads, int) and runtime.threads >= 1):
         raise ConfigError("%s: runtime.threads: expected an integer >= 1 or auto, got %r" % (source, runtime.threads))
     if runtime.quant_kernel not in POLICY_NAMES:
         raise ConfigError("%s: runtime.quant_kernel: expected one of %s, got %r"

@@ -52,21 +52,26 @@ def seconds_per_call(fn: Callable[[], object], min_window: float = MIN_WINDOW_S,
     return statistics.median(means)
 
 
-def time_chunk(config: ModelConfig, dtype: torch.dtype, device: str, quant: Optional[QuantLayout],
-               batch_sizes: Sequence[int], context: int, prefill_tokens: int,
-               compute_dtype: Optional[torch.dtype] = None, with_ends: bool = False,
+def profile_chunk(config: ModelConfig, dtype: torch.dtype, device: str, quant: Optional[QuantLayout],
+                  compute_dtype: Optional[torch.dtype] = None, with_ends: bool = False) -> ModelChunk:
+    """PROFILE_LAYERS random blocks of the model's shapes, dtype and quantization (`with_ends`:
+    the embedding and head too, as the starter holds them): what a node times."""
+    return random_chunk(config, 0, min(PROFILE_LAYERS, config.n_layer), with_ends, with_ends, dtype, device,
+                        compute_dtype, quant)
+
+
+def time_chunk(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, prefill_tokens: int,
                params: Optional[SamplingParams] = None) -> ChunkTiming:
     """Decode passes of every size in `batch_sizes` (each sample one row at position `context`)
-    and one prefill pass of `prefill_tokens`, through PROFILE_LAYERS random blocks."""
+    and one prefill pass of `prefill_tokens`, through a `profile_chunk` (with its head: the
+    starter's embedding, head and sampling per pass too)."""
     t_start = time.perf_counter()
-    n_layers = min(PROFILE_LAYERS, config.n_layer)
-    chunk = random_chunk(config, 0, n_layers, with_ends, with_ends, dtype, device, compute_dtype, quant)
+    config, n_layers, with_ends = chunk.config, chunk.n_layers, chunk.with_head
     rows_max = max(batch_sizes)
     max_len = min(config.block_size, max(context + 1, prefill_tokens))
     context = min(context, max_len - 1)
-    chunk.allocate_cache(rows_max, max_len)
-    work = compute_dtype or dtype
-    dev = torch.device(device)
+    cache = chunk.allocate_cache(rows_max, max_len)
+    work, dev = cache.k.dtype, cache.k.device  # the activations' dtype and device
     layer_s = {}  # type: Dict[int, float]
     ends_s = {}  # type: Dict[int, float]
     with torch.inference_mode():

@@ -66,8 +66,7 @@ def choose_threads(chunk: ModelChunk, max_batch: int = 1, cpus: int = 0) -> Thre
     if len(options) == 1 or cache is None or (chunk.n_layers == 0 and not chunk.with_head):
         torch.set_num_threads(options[-1])
         return ThreadChoice(options[-1])
-    config, device = chunk.config, next(chunk.parameters()).device
-    dtype = chunk.compute_dtype or next(p for p in chunk.parameters() if p.dtype.is_floating_point).dtype
+    config, dtype, device = chunk.config, cache.k.dtype, cache.k.device  # the activations' dtype and device
     sizes = sorted({1, max(1, min(max_batch, cache.n_slots))})
 
     def one_pass() -> None:

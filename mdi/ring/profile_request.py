@@ -10,17 +10,17 @@ the field, never a KeyError in the planner).
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model import qkernels
 from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
-from mdi.model.profile import PROFILE_LAYERS, seconds_per_call, time_chunk
+from mdi.model.profile import PROFILE_LAYERS, profile_chunk, seconds_per_call, time_chunk
 from mdi.model.qkernels import POLICY_NAMES
 from mdi.model.sampling import SamplingParams
-from mdi.model.source import random_chunk
+from mdi.model.transformer import ModelChunk
 from mdi.ring.relay_timing import time_relay
 from mdi.ring.wire import Frame, decode, encode
 from mdi.system.devices import resolve_compute_dtype
@@ -134,24 +134,25 @@ class ProfileReply:
 
 
 def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
-                 params: Optional[SamplingParams] = None, token: Optional[str] = None) -> ProfileReply:
-    """Time the request's passes on `device` with torch's current thread count: what a worker
-    answers POST /profile with (its whole loop too, encrypted as its runs are when it has a
-    `token`), and (`with_ends`: its quant layout then names the embedding and head too; the
-    starter times its own loop itself) what the starter measures of itself."""
+                 params: Optional[SamplingParams] = None, token: Optional[str] = None,
+                 time_loop: Optional[Callable[[ModelChunk], Dict[int, float]]] = None) -> ProfileReply:
+    """Time the request's passes on `device` with torch's current thread count, then the node's
+    whole loop over the same random blocks: what a worker answers POST /profile with (its relay,
+    encrypted as its runs are when it has a `token`), and (`with_ends`: its quant layout then
+    names the embedding and head too; `time_loop`: its pipeline loop) what the starter measures
+    of itself."""
     t0 = time.perf_counter()
     qkernels.set_preference(request.quant_kernel)
     dtype = torch_dtype(request.dtype)
     asked = request.compute_dtype
     compute, _ = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
-    timing = time_chunk(request.model, dtype, device, request.quant, request.batch_sizes, request.context,
-                        request.prefill_tokens, compute_dtype=compute, with_ends=with_ends, params=params)
+    chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends)
+    timing = time_chunk(chunk, request.batch_sizes, request.context, request.prefill_tokens, params=params)
     frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
-    loop = {}  # type: Dict[int, float]
-    if not with_ends:
-        blocks = random_chunk(request.model, 0, min(PROFILE_LAYERS, request.model.n_layer), False, False, dtype,
-                              device, compute, request.quant)
-        loop = time_relay(blocks, request.batch_sizes, request.context, token=token)
+    if time_loop is None:
+        loop = time_relay(chunk, request.batch_sizes, request.context, token=token)
+    else:
+        loop = time_loop(chunk)
     return ProfileReply(timing.layer_s, timing.prefill_token_s, frames, torch.get_num_threads(), device,
                         time.perf_counter() - t0, timing.ends_s, loop)
 

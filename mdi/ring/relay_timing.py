@@ -49,9 +49,8 @@ def time_relay(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, code
     rows_max = max(batch_sizes)
     max_len = min(config.block_size, context + 1)
     context = max_len - 1
-    dtype = chunk.compute_dtype or next(p for p in chunk.parameters() if p.dtype.is_floating_point).dtype
-    device = next(chunk.parameters()).device
-    chunk.allocate_cache(rows_max, max_len)
+    cache = chunk.allocate_cache(rows_max, max_len)
+    dtype, device = cache.k.dtype, cache.k.device  # the activations' dtype and device
     endpoint = looped_endpoint(config.n_embd, rows_max, max_len, codec, token)
     out = {}
     try:

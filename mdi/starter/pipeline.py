@@ -121,25 +121,15 @@ def _adapters_together(ready: List[Sample], max_batch: int) -> List[Sample]:
     that circulate together after prefill keep this grouping."""
     if len(ready) <= max_batch or not any(s.adapter for s in ready):
         return ready
-    chosen, wanted, rest = [], set(), []  # type: List[Sample], set, List[Sample]
-    for sample in ready:
-        if not chosen or sample.adapter in wanted:
-            chosen.append(sample)
-            wanted.add(sample.adapter)
-        else:
-            rest.append(sample)
-        if len(chosen) >= max_batch:
-            break
-    # Not enough of those adapters: the frame is topped up with the next shortest passes, and
-    # the adapters of those pull in their own fellows.
-    while len(chosen) < max_batch and rest:
+    chosen, rest = [], list(ready)  # type: List[Sample], List[Sample]
+    while rest and len(chosen) < max_batch:
+        # The shortest pass left leads (or tops the frame up) and pulls in its adapter's fellows.
         head = rest.pop(0)
-        chosen.append(head)
-        same = [s for s in rest if s.adapter == head.adapter][:max_batch - len(chosen)]
-        chosen.extend(same)
-        rest = [s for s in rest if s not in same]
-    taken = set(id(s) for s in chosen)
-    return chosen + [s for s in ready if id(s) not in taken]
+        same = [s for s in rest if s.adapter == head.adapter][:max_batch - len(chosen) - 1]
+        chosen += [head] + same
+        taken = set(id(s) for s in same)  # by identity: a Sample's == compares its tensors
+        rest = [s for s in rest if id(s) not in taken]
+    return chosen + rest
 
 
 class Pipeline:

@@ -22,7 +22,7 @@ from mdi import __version__
 from mdi.model.layout import dtype_name, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS
 from mdi.model.sampling import SamplingParams
-from mdi.model.source import ModelSource, random_chunk
+from mdi.model.source import ModelSource
 from mdi.ring.profile_request import MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, profile_here
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
@@ -32,7 +32,6 @@ from mdi.starter.control import NodeError
 from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.planner import NodeCost
 from mdi.starter.session import client_for
-from mdi.system.devices import resolve_compute_dtype
 from mdi.system.files import write_json
 
 log = logging.getLogger(__name__)
@@ -196,21 +195,13 @@ class Profiler:
         request = self._request(node, True)
 
         def measure() -> Dict[str, Any]:
-            out = profile_here(request, request.device, with_ends=True, params=self.params).to_json()
-            out["loop_s"] = {str(k): v for k, v in self._loop_seconds(request).items()}
-            return out
+            def time_loop(chunk: Any) -> Dict[int, float]:
+                return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
+                                         self.cfg.runtime.token)
+            return profile_here(request, request.device, with_ends=True, params=self.params,
+                                time_loop=time_loop).to_json()
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling), measure)
-
-    def _loop_seconds(self, request: ProfileRequest) -> Dict[int, float]:
-        """The starter's whole pass at each batch size (mdi.starter.loop_timing)."""
-        dtype = torch_dtype(request.dtype)
-        asked = request.compute_dtype
-        compute, _ = resolve_compute_dtype(request.device, dtype, torch_dtype(asked) if asked else None)
-        chunk = random_chunk(self.config, 0, min(PROFILE_LAYERS, self.config.n_layer), True, True, dtype,
-                             request.device, compute, request.quant)
-        return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
-                                 self.cfg.runtime.token)
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
