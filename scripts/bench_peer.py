@@ -17,8 +17,10 @@ packed int4 kernels).
    one-node mdi run (mdi.starter.batch.run): decode tok/s of 128 greedy tokens from a short
    prompt, (N-1) / (t_last - t_first); prefill tok/s = 128 / time to the first token of a
    128-token prompt (prefill_chunk 128: one pass, as llama-bench's). Repeats alternate
-   mdi / llama.cpp (and which goes first). Also: mdi's greedy ids with fast kernels against its
-   exact float32 kernels, 64 tokens.
+   mdi / llama.cpp (and which goes first), with a third run in the rotation: mdi's decode with
+   the eager blocks (MDI_FUSED_DECODE=0's path), for the before/after ratio of
+   mdi.model.fused_decode. Also: mdi's greedy ids with fast kernels against its exact float32
+   kernels, 64 tokens.
 3. 3 processes x 1 thread, S samples in flight (1, 3, 6, 12): llama-batched-bench with -t 1 over
    two ggml-rpc-server processes (-t 1, 127.0.0.1): `-npp 16 -ntg 128 -npl 1,3,6,12`, and
    -ngl 21, so layers 0-9 stay on the local CPU, 10-20 go to one server and 21-29 plus the head
@@ -30,7 +32,8 @@ packed int4 kernels).
    that same file at each thread count (`--no-big` skips it).
 5. Where mdi's decode milliseconds go: each part of a step (matmuls per layer kind, norms,
    RoPE, KV write + attention, the head, sampling) timed over the model's layers, the whole
-   step, and the glue between (step - parts); plus a torch-profiler op table (1 thread).
+   step with the eager blocks and as one TorchScript call, and the glue between (eager step -
+   parts); plus a torch-profiler op table (1 thread).
 6. results/bench_peer.json (every figure, ratios mdi / llama.cpp), results/bench_peer.png.
 
     python scripts/bench_peer.py                     # ~15 minutes on a 2-core machine, plus the build
@@ -297,17 +300,24 @@ def mdi_config(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: 
 
 
 def mdi_local(model: str, prompts: List[str], n_tokens: int, threads: int, kernel: str = "fast",
-              prefill_chunk: Optional[int] = None):
+              prefill_chunk: Optional[int] = None, fused: bool = True):
+    """A one-node run; `fused`: decode steps as one TorchScript call (mdi.model.fused_decode),
+    else the eager blocks, the path before it."""
     import torch
+    from mdi.model import fused_decode
     from mdi.starter import batch
     torch.set_num_threads(threads)
     port = benchlib.free_ports(1)[0]
     cfg = mdi_config(model, [{"name": "starter", "data_port": port}], n_tokens, threads, kernel, prefill_chunk)
-    return batch.run(cfg, prompts)
+    was, fused_decode.enabled = fused_decode.enabled, fused
+    try:
+        return batch.run(cfg, prompts)
+    finally:
+        fused_decode.enabled = was
 
 
-def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast") -> Dict[str, Any]:
-    res = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, kernel)
+def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fused: bool = True) -> Dict[str, Any]:
+    res = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, kernel, fused=fused)
     s = res.samples[0]
     t = benchlib.decode_timing(s.token_times)
     return {"decode_tokens_per_s": (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0]),
@@ -399,7 +409,7 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
     mean), at a position `context` into a sample."""
     import torch
     import torch.nn.functional as F
-    from mdi.model import qkernels
+    from mdi.model import fused_decode, qkernels
     from mdi.model.profile import seconds_per_call
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
     from mdi.model.source import ModelSource
@@ -450,14 +460,22 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
             "head (final norm + LM head)": ms(lambda: chunk.head(x)),
             "sampling": ms(lambda: sample_next(logits[0], params, rng)),
         }
-        step = ms(lambda: sample_next(chunk.head(chunk.forward_rows(chunk.embed_rows(ids, pos), batch))[0],
-                                      params, rng))
+        def step_ms(fused: bool) -> float:
+            was, fused_decode.enabled = fused_decode.enabled, fused
+            chunk._decode_script.clear()
+            chunk.allocate_cache(1, context + 8)  # (re)builds the scripted blocks, or not
+            fused_decode.enabled = was
+            chunk.forward_rows(chunk.embed_rows(prompt, torch.arange(context)), RowBatch.of([0], [0], [context]))
+            return ms(lambda: sample_next(chunk.head(chunk.forward_rows(chunk.embed_rows(ids, pos), batch))[0],
+                                          params, rng))
+        eager, fused = step_ms(False), step_ms(True)
     parts_sum = sum(parts.values())
     e2e = mdi_decode(model, threads, 64)
     return {"threads": threads, "context": context, "parts_ms": {k: round(v, 3) for k, v in parts.items()},
-            "parts_sum_ms": round(parts_sum, 3), "step_ms": round(step, 3),
-            "glue_ms": round(step - parts_sum, 3),
-            "pipeline_ms": round(e2e["median_gap_ms"] - step, 3),  # Pipeline bookkeeping around the step
+            "parts_sum_ms": round(parts_sum, 3), "step_eager_ms": round(eager, 3), "step_ms": round(fused, 3),
+            "glue_ms": round(eager - parts_sum, 3),  # the parts are eager ops: glue of the eager step
+            "fused_saves_ms": round(eager - fused, 3),
+            "pipeline_ms": round(e2e["median_gap_ms"] - fused, 3),  # Pipeline bookkeeping around the step
             "token_gap_ms": round(e2e["median_gap_ms"], 3)}
 
 
@@ -586,27 +604,35 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
     for T in args.threads:
         log("standalone, %d thread(s): warm-up" % T)
         mdi_decode(args.model, T, 8)  # kernel choice for this thread count, allocator, thread pool
-        runs = {"mdi": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
+        runs = {"mdi": [], "mdi_eager": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
+        names = ["mdi", "mdi_eager", "llama.cpp"]
         for r in range(args.repeats):
-            order = ["mdi", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "mdi"]
+            order = names[r % 3:] + names[:r % 3]
             for name in order:
                 if name == "mdi":
                     d = mdi_decode(args.model, T, args.n_tokens)
                     p = mdi_prefill(args.model, T, prefill_prompt, n_prefill)
                     d.pop("token_ids")
                     runs["mdi"].append(dict(d, **p))
+                elif name == "mdi_eager":  # the decode path before mdi.model.fused_decode
+                    d = mdi_decode(args.model, T, args.n_tokens, fused=False)
+                    d.pop("token_ids")
+                    runs["mdi_eager"].append(d)
                 elif bins:
                     runs["llama.cpp"].append(llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens))
-            log("  repeat %d/%d (%s first): mdi decode %.1f prefill %.1f tok/s%s" % (
+            log("  repeat %d/%d (%s first): mdi decode %.1f (eager blocks %.1f) prefill %.1f tok/s%s" % (
                 r + 1, args.repeats, order[0], runs["mdi"][-1]["decode_tokens_per_s"],
-                runs["mdi"][-1]["prefill_tokens_per_s"],
+                runs["mdi_eager"][-1]["decode_tokens_per_s"], runs["mdi"][-1]["prefill_tokens_per_s"],
                 "; llama.cpp decode %.1f prefill %.1f tok/s" % (runs["llama.cpp"][-1]["decode_tokens_per_s"],
                                                                runs["llama.cpp"][-1]["prefill_tokens_per_s"])
                 if runs["llama.cpp"] else ""))
         entry = {"runs": runs}  # type: Dict[str, Any]
         for name, rs in runs.items():
             if rs:
-                entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+                entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")
+                               if k in rs[0]}
+        entry["ratio_mdi_fused_over_eager_decode"] = summarize(
+            [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_eager"])])
         entry["mdi_chunked_over_one_pass_prefill"] = summarize(
             [x["prefill_chunked_tokens_per_s"] / x["prefill_tokens_per_s"] for x in runs["mdi"]])
         if runs["llama.cpp"]:
@@ -773,6 +799,9 @@ def report(record: Dict[str, Any]) -> None:
             rows.append(["1 node, %s thr, %s" % (T, lab), fmt_stat(e["mdi"][key]) if "mdi" in e else "n/a",
                          fmt_stat(e["llama.cpp"][key]) if "llama.cpp" in e else "n/a",
                          _ratio(e, "ratio_mdi_over_llama_" + k)])
+            if k == "decode" and e.get("mdi_eager"):
+                rows.append(["1 node, %s thr, decode tok/s, eager blocks (before fused_decode)" % T,
+                             fmt_stat(e["mdi_eager"][key]), "", "fused / eager " + _ratio(e, "ratio_mdi_fused_over_eager_decode")])
         if e.get("mdi_chunked_over_one_pass_prefill"):
             rows.append(["1 node, %s thr, mdi prefill in 64-token chunks / one pass" % T,
                          fmt_stat(e["mdi_chunked_over_one_pass_prefill"], "%.2f"), "", ""])
@@ -798,8 +827,10 @@ def report(record: Dict[str, Any]) -> None:
                  fe["exact_decode_tokens_per_s"], fe["fast_decode_tokens_per_s"]))
     for T, b in sorted((record.get("mdi_decode_breakdown") or {}).items()):
         parts = sorted(b["parts_ms"].items(), key=lambda kv: -kv[1])
-        print("mdi decode step, %s thread(s): %.2f ms = %s, glue %.2f; pipeline around it %.2f ms"
-              % (T, b["step_ms"], ", ".join("%s %.2f" % kv for kv in parts), b["glue_ms"], b["pipeline_ms"]))
+        print("mdi decode step, %s thread(s), eager blocks: %.2f ms = %s, glue %.2f; as one TorchScript call: %.2f ms "
+              "(%.2f less); pipeline around it %.2f ms"
+              % (T, b["step_eager_ms"], ", ".join("%s %.2f" % kv for kv in parts), b["glue_ms"], b["step_ms"],
+                 b["fused_saves_ms"], b["pipeline_ms"]))
     prof = record.get("mdi_profile_1_thread") or {}
     if prof.get("top_ops"):
         print("mdi one-node decode, 1 thread, under the profiler: %.1f ms/token; top ops (self CPU ms/token): %s"
@@ -849,8 +880,9 @@ def main(argv=None) -> int:
                   "standalone_mdi": "one-node mdi.starter.batch.run, model.quant auto, quant_kernel fast, "
                                     "torch threads T; decode = (N-1)/(t_last - t_first) of %d greedy tokens "
                                     "from %r; prefill = %d / time to first token of a %d-token prompt "
-                                    "(prefill_chunk %d, one pass)" % (args.n_tokens, SHORT_PROMPT, n_prefill,
-                                                                      n_prefill, max(n_prefill, 64)),
+                                    "(prefill_chunk %d, one pass); mdi_eager: the same decode with "
+                                    "mdi.model.fused_decode off (the eager blocks), in the same rotation"
+                                    % (args.n_tokens, SHORT_PROMPT, n_prefill, n_prefill, max(n_prefill, 64)),
                   "ring_llama": "llama-batched-bench -t 1 --rpc (2 x ggml-rpc-server -t 1) -ngl 21 (checked with -v: layers 0-9 "
                                 "and the embedding local, 10-20 on RPC0, 21-29 + head on RPC1) -npp %d -ntg %d -npl %s; S_TG = pl*ntg/t_tg"
                                 % (args.ring_prompt_tokens, args.n_tokens, args.samples),
@@ -863,7 +895,8 @@ def main(argv=None) -> int:
                                "(model.quant auto, quant_kernel fast), %d alternating repeats"
                                % (BIG_SHAPE, args.big_tokens, args.big_repeats),
                   "decode_breakdown": "decode_breakdown(): each part timed over all layers (seconds_per_call, 0.1 s windows), "
-                                      "the whole step (blocks + head + greedy sampling) likewise; glue = step - "
+                                      "the whole step (blocks + head + greedy sampling) likewise, with the eager blocks "
+                                      "(step_eager_ms) and as one TorchScript call (step_ms); glue = eager step - "
                                       "parts; pipeline = the run's median token gap - step",
                   "repeats": "standalone: %d, alternating order; ring sweep: %d, alternating order"
                              % (args.repeats, args.ring_repeats)}}

@@ -1,0 +1,198 @@
+"""A decode step over a chunk's blocks as one TorchScript call.
+
+A decode token runs ~40 small ops per block. In eager PyTorch each one also costs Python
+argument parsing and a module call, which on SmolLM2-135M int4 (576 wide) takes as long as the
+int4 matmuls themselves. The same ops, in the same order, compiled once with `torch.jit.script`
+skip that: one block's decode step measured 0.68x the eager time at 2 threads and 0.76x at 1
+(see results/README, "Decode as one TorchScript call"). Nothing is fused or reordered, so the
+result is the eager path's, bit for bit (tests/test_fused_decode.py checks it).
+
+It covers Llama-family blocks (RMSNorm, RoPE, SiLU-gated MLP; a qkv bias as in Qwen2.5, q/k
+norms as in Qwen3) whose linear layers are float32 or use the CPU int4 packed kernels, with
+float32 activations on the CPU, for frames where every sample brings one row (decode) and no
+adapter is in use. Everything else (prefill, GPT-2, the `exact` dequantizing kernels, CUDA,
+torch without `torch.rms_norm` such as JetPack 5's 2.0) runs the eager blocks, which stay the
+reference. `MDI_FUSED_DECODE=0` turns it off, to compare.
+"""
+import logging
+import os
+import warnings
+from typing import Any, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+FLOAT, INT4, INT8_AS_INT4 = 0, 1, 2
+KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi.model.qkernels names
+enabled = os.environ.get("MDI_FUSED_DECODE", "1") != "0"
+
+
+class _Linear(torch.nn.Module):
+    """QuantLinear / Linear's forward for one kernel, as eager computes it."""
+
+    def __init__(self, mode: int, tensors: List[torch.Tensor], bias: Optional[torch.Tensor], group_size: int) -> None:
+        super().__init__()
+        empty = torch.empty(0)
+        self.mode = mode
+        self.group_size = group_size
+        self.w = tensors[0]
+        self.sz = tensors[1] if len(tensors) > 1 else empty
+        self.w2 = tensors[2] if len(tensors) > 2 else empty
+        self.sz2 = tensors[3] if len(tensors) > 3 else empty
+        self.has_bias = bias is not None
+        self.bias = bias if bias is not None else empty
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == 0:
+            return F.linear(x, self.w.to(x.dtype), self.bias.to(x.dtype) if self.has_bias else None)
+        xb = x.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w, self.group_size, self.sz)
+        if self.mode == 2:
+            y = y.float() + torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.w2, self.group_size, self.sz2).float()
+        y = y.to(x.dtype)
+        if self.has_bias:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+class _Block(torch.nn.Module):
+    """transformer.Block's forward for decode rows (Attention._attend with one row, or
+    Attention._attend_decode_rows for several samples), op for op."""
+
+    def __init__(self, block: Any, linears: List[_Linear]) -> None:
+        super().__init__()
+        attn = block.attn
+        self.H, self.KV, self.D = attn.n_head, attn.n_kv_head, attn.head_dim
+        self.C = int(block.norm1.weight.shape[0])
+        self.eps1, self.eps2 = float(block.norm1.eps), float(block.norm2.eps)
+        self.n1, self.n2 = block.norm1.weight, block.norm2.weight
+        self.qkv, self.proj, self.gate_up, self.down = linears
+        self.qk_norm = bool(attn.qk_norm)
+        empty = torch.empty(0)
+        self.q_norm = attn.q_norm.weight if self.qk_norm else empty
+        self.k_norm = attn.k_norm.weight if self.qk_norm else empty
+        self.q_eps = float(attn.q_norm.eps) if self.qk_norm else 0.0
+        self.k_eps = float(attn.k_norm.eps) if self.qk_norm else 0.0
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slot: int, start: int, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                several: bool) -> torch.Tensor:
+        R = x.shape[0]
+        H, KV, D = self.H, self.KV, self.D
+        qkv = self.qkv(torch.rms_norm(x, [self.C], self.n1, self.eps1)).view(R, H + 2 * KV, D)
+        qk, vv = qkv[:, :H + KV], qkv[:, H + KV:]
+        if self.qk_norm:
+            qk = torch.cat((torch.rms_norm(qk[:, :H], [D], self.q_norm, self.q_eps),
+                            torch.rms_norm(qk[:, H:], [D], self.k_norm, self.k_eps)), dim=1)
+        qk = qk * cos + qk.roll(D // 2, -1) * sin
+        if several:
+            k[slots, :, positions] = qk[:, H:]
+            v[slots, :, positions] = vv
+            end = mask.shape[-1]
+            keys = k[:, :, :end].index_select(0, slots)
+            values = v[:, :, :end].index_select(0, slots)
+            q = qk[:, :H].reshape(R, KV, H // KV, D)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(R, H * D)
+        else:
+            k_slot, v_slot = k[slot], v[slot]
+            end = start + 1
+            k_slot[:, start:end] = qk[:, H:].transpose(0, 1)
+            v_slot[:, start:end] = vv.transpose(0, 1)
+            q = qk[:, :H].reshape(KV, H // KV, D)
+            y = F.scaled_dot_product_attention(q.unsqueeze(0), k_slot[:, :end].unsqueeze(0),
+                                               v_slot[:, :end].unsqueeze(0)).reshape(1, H * D)
+        x = x + self.proj(y)
+        gate, up = self.gate_up(torch.rms_norm(x, [self.C], self.n2, self.eps2)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, blocks: List[_Block]) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slot: int, start: int, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                several: bool) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, k[i], v[i], cos, sin, slot, start, slots, positions, mask, several)
+        return x
+
+
+def _linear(layer: Any) -> Optional[_Linear]:
+    """The scripted form of a Linear or QuantLinear, or None when its kernel is not covered."""
+    from mdi.model.transformer import Linear, QuantLinear
+    if isinstance(layer, Linear):
+        if layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu" \
+                or (layer.bias is not None and layer.bias.dtype != torch.float32):
+            return None
+        return _Linear(FLOAT, [layer.weight], layer.bias, 0)
+    if isinstance(layer, QuantLinear) and layer.kernel is not None and layer.kernel.name in KERNEL_MODES:
+        mode = KERNEL_MODES[layer.kernel.name]
+        names = ("w", "sz") if mode == INT4 else ("w", "sz", "w2", "sz2")
+        return _Linear(mode, [layer.packed[n] for n in names], layer.bias, layer.spec.group_size)
+    return None
+
+
+def why_not(chunk: Any) -> str:
+    """Why this chunk's blocks cannot decode as one call ("" when they can)."""
+    from mdi.model.transformer import RMSNorm
+    if not enabled:
+        return "turned off (MDI_FUSED_DECODE=0)"
+    if not hasattr(torch, "rms_norm") or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return "this torch has no torch.rms_norm or int4 packed kernel"
+    if chunk.config.family != "llama" or chunk.rope is None:
+        return "not a Llama-family chunk with blocks"
+    if chunk.compute_dtype not in (None, torch.float32):
+        return "activations are not float32"
+    for name, block in chunk.blocks.items():
+        norms = [block.norm1, block.norm2] + ([block.attn.q_norm, block.attn.k_norm] if block.attn.qk_norm else [])
+        if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"
+                   for n in norms):
+            return "block %s: norms are not float32 on the CPU" % name
+        for layer in (block.attn.qkv, block.attn.proj, block.mlp.gate_up, block.mlp.down):
+            if _linear(layer) is None:
+                how = layer.kernel.name if getattr(layer, "kernel", None) is not None else "its %s weight" % layer.weight.dtype
+                return "%s multiplies with %s" % (layer.lora_name, how)
+    return ""
+
+
+def build(chunk: Any) -> Optional[torch.jit.ScriptModule]:
+    """The chunk's blocks as one scripted module, or None (logged) when they are not covered
+    or this torch cannot script them."""
+    reason = why_not(chunk)
+    if not reason:
+        try:
+            blocks = [_Block(b, [_linear(l) for l in (b.attn.qkv, b.attn.proj, b.mlp.gate_up, b.mlp.down)])
+                      for b in chunk.blocks.values()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation notice: the fallback is eager
+                return torch.jit.script(_Blocks(blocks))
+        except Exception as e:  # an older or newer TorchScript that rejects this code: eager it is
+            reason = "TorchScript failed: %s" % str(e).splitlines()[0][:120]
+    log.debug("decode steps of layers [%d, %d) run eagerly: %s", chunk.first, chunk.last, reason)
+    return None
+
+
+def forward(scripted: torch.jit.ScriptModule, chunk: Any, x: torch.Tensor, batch: Any,
+            one_call_max_cache: int) -> Optional[torch.Tensor]:
+    """The blocks over a decode frame's rows, or None when the frame is not one (prefill,
+    adapters, rows that are not float32 on the CPU, several samples past one_call_max_cache)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or chunk.lora.groups \
+            or not all(count == 1 for count in batch.counts):
+        return None
+    cache = chunk.cache
+    several = len(batch.slots) > 1
+    if several and (max(batch.starts) + 1) * cache.k.shape[2] * cache.k.shape[4] > one_call_max_cache:
+        return None
+    cos, sin = chunk.rope.row_tables(batch, x.dtype)
+    # TorchScript's optimizing executor spends ~0.5 s on its passes at the second call and,
+    # with nothing here it may fuse, gains nothing: the plain executor runs (a per-thread flag).
+    with torch.jit.optimized_execution(False):
+        if several:
+            slots, positions, mask = batch.decode_index(x.device)
+            return scripted(x, cache.k, cache.v, cos, sin, 0, 0, slots, positions, mask, True)
+        empty = cos[:0]
+        return scripted(x, cache.k, cache.v, cos, sin, batch.slots[0], batch.starts[0], empty, empty, empty, False)
