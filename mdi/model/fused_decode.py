@@ -16,6 +16,7 @@ reference. `MDI_FUSED_DECODE=0` turns it off, to compare.
 """
 import logging
 import os
+import time
 import warnings
 from typing import Any, List, Optional
 
@@ -167,9 +168,13 @@ def build(chunk: Any) -> Optional[torch.jit.ScriptModule]:
         try:
             blocks = [_Block(b, [_linear(l) for l in (b.attn.qkv, b.attn.proj, b.mlp.gate_up, b.mlp.down)])
                       for b in chunk.blocks.values()]
+            t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: the fallback is eager
-                return torch.jit.script(_Blocks(blocks))
+                scripted = torch.jit.script(_Blocks(blocks))
+            log.info("mdi: layers [%d, %d): decode steps as one TorchScript call (scripted in %.2f s)",
+                     chunk.first, chunk.last, time.perf_counter() - t0)
+            return scripted
         except Exception as e:  # an older or newer TorchScript that rejects this code: eager it is
             reason = "TorchScript failed: %s" % str(e).splitlines()[0][:120]
     log.debug("decode steps of layers [%d, %d) run eagerly: %s", chunk.first, chunk.last, reason)
