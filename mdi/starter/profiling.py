@@ -85,7 +85,8 @@ def _key(parts: Dict[str, Any]) -> str:
 
 
 # the modules that set a pass's time
-_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "qkernels", "quant", "sampling", "profile")) + (
+_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "fused_decode", "qkernels", "quant", "sampling",
+                                                 "profile")) + (
     "mdi.ring.relay_timing", "mdi.starter.pipeline", "mdi.starter.loop_timing")
 _code_ids = []  # type: List[str]  # computed once per process
 
