@@ -30,6 +30,24 @@ KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi
 enabled = os.environ.get("MDI_FUSED_DECODE", "1") != "0"
 
 
+def attend_decode_rows(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                       n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
+    """S samples with one row each (qk [S, H + KV, D], v [S, KV, D]) in one SDPA call: their
+    keys and values written with one indexed copy each, their caches [slots, KV, len, D]
+    gathered up to the longest position (mask [S, 1, 1, longest]) and the rest masked. Called
+    by the eager Attention and, compiled, by the scripted blocks: one home for both."""
+    S = qk.shape[0]
+    H, KV, D = n_head, n_kv_head, head_dim
+    k_cache[slots, :, positions] = qk[:, H:]
+    v_cache[slots, :, positions] = v
+    end = mask.shape[-1]
+    keys = k_cache[:, :, :end].index_select(0, slots)
+    values = v_cache[:, :, :end].index_select(0, slots)
+    q = qk[:, :H].reshape(S, KV, H // KV, D)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(S, H * D)
+
+
 class _Linear(torch.nn.Module):
     """QuantLinear / Linear's forward for one kernel, as eager computes it."""
 
@@ -89,13 +107,7 @@ class _Block(torch.nn.Module):
                             torch.rms_norm(qk[:, H:], [D], self.k_norm, self.k_eps)), dim=1)
         qk = qk * cos + qk.roll(D // 2, -1) * sin
         if several:
-            k[slots, :, positions] = qk[:, H:]
-            v[slots, :, positions] = vv
-            end = mask.shape[-1]
-            keys = k[:, :, :end].index_select(0, slots)
-            values = v[:, :, :end].index_select(0, slots)
-            q = qk[:, :H].reshape(R, KV, H // KV, D)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(R, H * D)
+            y = attend_decode_rows(qk, vv, k, v, slots, positions, mask, H, KV, D)
         else:
             k_slot, v_slot = k[slot], v[slot]
             end = start + 1
