@@ -184,7 +184,8 @@ def build(chunk: Any) -> Optional[torch.jit.ScriptModule]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: the fallback is eager
                 scripted = torch.jit.script(_Blocks(blocks))
-            log.info("mdi: layers [%d, %d): decode steps as one TorchScript call (scripted in %.2f s)",
+            # debug: a run's stderr is its output and errors (one line each), not its internals
+            log.debug("layers [%d, %d): decode steps as one TorchScript call (scripted in %.2f s)",
                      chunk.first, chunk.last, time.perf_counter() - t0)
             return scripted
         except Exception as e:  # an older or newer TorchScript that rejects this code: eager it is
