@@ -248,10 +248,7 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: Dict) -> torch.Tensor:
     return torch.where(middle, blended, out)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # rotate_half(x) * sin == roll(x, half) * [-sin, sin], bit for bit (negation is exact):
-    # 3 ops instead of 6, ~18 µs less per layer in a decode step
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+_rotate = fused_decode.rotate  # shared with the scripted decode blocks
 
 
 @dataclass
@@ -349,6 +346,11 @@ class KVCache:
 ONE_CALL_MAX_CACHE = 1 << 16
 
 
+def attends_in_one_call(batch: "RowBatch", kv_values_per_position: int) -> bool:
+    """Whether a batch of one-row samples attends in one SDPA call (ONE_CALL_MAX_CACHE)."""
+    return batch.rows == len(batch.slots) and (max(batch.starts) + 1) * kv_values_per_position <= ONE_CALL_MAX_CACHE
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
         super().__init__()
@@ -376,7 +378,7 @@ class Attention(nn.Module):
             qk = rope.at_rows(qk, batch)
         if len(batch.slots) == 1:
             y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0])
-        elif R == len(batch.slots) and (max(batch.starts) + 1) * KV * D <= ONE_CALL_MAX_CACHE:
+        elif attends_in_one_call(batch, KV * D):
             y = self._attend_decode_rows(qk, v, k_cache, v_cache, batch)  # several one-row samples at once
         else:
             ys, row = [], 0
@@ -388,26 +390,9 @@ class Attention(nn.Module):
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 start: int) -> torch.Tensor:
-        """One sample's T rows against its own cache slot: qk [T, H + KV, D], v [T, KV, D]."""
-        T = qk.shape[0]
-        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        end = start + T
-        k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
-        v_cache[:, start:end] = v.transpose(0, 1)
-        # Grouped-query attention without repeating K/V: fold the G query heads that share a
-        # KV head into the query-length axis, rows ordered (g, t).
-        G = H // KV
-        mask = None
-        if T == 1:
-            q = qk[:, :H].reshape(KV, G, D)
-        else:
-            q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
-            t = torch.arange(T, device=q.device).repeat(G)
-            mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
-        # 4-D: torch's CPU SDPA takes its fast path with a batch axis (3-D inputs: 1.7x the time)
-        y = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :end].unsqueeze(0),
-                                           v_cache[:, :end].unsqueeze(0), attn_mask=mask)
-        return y.reshape(1, H * D) if T == 1 else y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
+        """One sample's T rows against its own cache slot (fused_decode.attend_sample, which the
+        scripted blocks run too)."""
+        return fused_decode.attend_sample(qk, v, k_cache, v_cache, start, self.n_head, self.n_kv_head, self.head_dim)
 
     def _attend_decode_rows(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: RowBatch) -> torch.Tensor:
@@ -633,7 +618,10 @@ class ModelChunk(nn.Module):
     def _fused_decode(self, x: torch.Tensor, batch: RowBatch) -> Optional[torch.Tensor]:
         """The blocks as one TorchScript call where this frame is a decode step they cover."""
         module = self._decode_script.get("module")
-        return None if module is None else fused_decode.forward(module, self, x, batch, ONE_CALL_MAX_CACHE)
+        if module is None:
+            return None
+        kv_width = self.config.n_kv_head * self.config.head_dim
+        return fused_decode.forward(module, self, x, batch, attends_in_one_call(batch, kv_width))
 
     def forward_batch(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits for whole sequences ids [B, T], no cache: the training path (full model only)."""
