@@ -97,10 +97,12 @@ class Ring:
             self.env.pop(key, None)
         if token:
             self.env["MDI_TOKEN"] = token
+        self.profile_cache = None  # type: Optional[str]
         if plan.kind == "auto":
             # The planner's node profiles, one cache per ring: never another ring's (or the
             # user's ~/.cache/mdi) measurements of other boards.
-            self.env["MDI_PROFILE_CACHE"] = os.path.join(work, "profiles-ring%d" % plan.index)
+            self.profile_cache = os.path.join(work, "profiles-ring%d" % plan.index)
+            self.env["MDI_PROFILE_CACHE"] = self.profile_cache
 
     def _addresses(self) -> Tuple[List[str], List[int], List[int]]:
         n = self.plan.n_nodes

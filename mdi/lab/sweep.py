@@ -210,6 +210,7 @@ class Sweep:
 
     def _stop_rings(self) -> None:
         for ring in self.rings:
+            self._keep_profiles(ring)
             try:
                 ring.stop()
             except Exception as e:  # keep stopping the others; report what went wrong
@@ -217,6 +218,14 @@ class Sweep:
         self.rings = []
         self.emu.clear_delays()
         self._save_state()
+
+    def _keep_profiles(self, ring: Ring) -> None:
+        """An auto ring's node profiles go with the results: what its plans were made from."""
+        cache = os.path.join(ring.profile_cache or "", "profiles.json")
+        if ring.profile_cache and os.path.exists(cache):
+            os.makedirs(os.path.join(self.out, "profiles"), exist_ok=True)
+            shutil.copyfile(cache, os.path.join(self.out, "profiles", "%s-ring%d.json"
+                                                % (ring.plan.model.name, ring.plan.index)))
 
     # --- state file and teardown -----------------------------------------------------
     def _save_state(self) -> None:

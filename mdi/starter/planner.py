@@ -216,6 +216,7 @@ class Plan:
         return {"counts": list(self.counts), "nodes": list(names), "dropped": sorted(self.dropped),
                 "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 3),
                 "bottleneck_ms": round(self.bottleneck_ms, 3), "ring_ms": round(self.ring_ms, 3),
+                "stage_ms": [round(r.stage_ms, 3) for r in self.rows],
                 "samples_to_fill": self.samples_to_fill, "samples": self.samples,
                 "predicted": {str(k): round(v, 3) for k, v in sorted(self.predicted.items())}}
 
