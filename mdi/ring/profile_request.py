@@ -17,7 +17,7 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model import qkernels
 from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
-from mdi.model.profile import PROFILE_LAYERS, profile_chunk, seconds_per_call, time_chunk
+from mdi.model.profile import PROFILE_LAYERS, profile_blocks, profile_chunk, seconds_per_call, time_chunk
 from mdi.model.qkernels import POLICY_NAMES
 from mdi.model.sampling import SamplingParams
 from mdi.model.transformer import ModelChunk
@@ -29,6 +29,7 @@ from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtyp
 
 MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
 MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
+MAX_PROFILE_BLOCKS = 4096  # more than any model's layers
 MAX_PROBE_BYTES = 1 << 20  # POST /probe: the body the starter times a link with
 
 
@@ -90,14 +91,15 @@ class ProfileReply:
     device: str
     seconds: float  # how long profiling took
     ends_s: Dict[int, float] = field(default_factory=dict)  # the starter's own: embedding, head, sampling
-    # The node's whole pass over PROFILE_LAYERS blocks in its real loop, frames looping back to
-    # itself (mdi.ring.relay_timing; the starter's: mdi.starter.loop_timing). Absent: not timed.
+    # The node's whole pass over the `blocks` timed blocks in its real loop, frames looping back
+    # to itself (mdi.ring.relay_timing; the starter's: mdi.starter.loop_timing). Absent: not timed.
     loop_s: Dict[int, float] = field(default_factory=dict)
+    blocks: int = PROFILE_LAYERS  # random blocks timed (mdi.model.profile.profile_blocks)
 
     def to_json(self) -> Dict[str, Any]:
         out = {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
                "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
-               "device": self.device, "seconds": self.seconds}  # type: Dict[str, Any]
+               "device": self.device, "seconds": self.seconds, "blocks": self.blocks}  # type: Dict[str, Any]
         for key in ("ends_s", "loop_s"):
             if getattr(self, key):
                 out[key] = {str(k): v for k, v in getattr(self, key).items()}
@@ -128,25 +130,31 @@ class ProfileReply:
             raise ValueError("profile reply: threads must be an integer in [1, %d]" % MAX_THREADS)
         if not isinstance(device, str) or not device or len(device) > 32:
             raise ValueError("profile reply: device must be a short string")
+        blocks = data.get("blocks", PROFILE_LAYERS)
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= MAX_PROFILE_BLOCKS:
+            raise ValueError("profile reply: blocks must be an integer in [1, %d]" % MAX_PROFILE_BLOCKS)
         return cls(table("layer_s"), seconds("prefill_token_s", data.get("prefill_token_s")), table("frame_s"),
                    threads, device, seconds("seconds", data.get("seconds")),
-                   table("ends_s") if "ends_s" in data else {}, table("loop_s") if "loop_s" in data else {})
+                   table("ends_s") if "ends_s" in data else {}, table("loop_s") if "loop_s" in data else {}, blocks)
 
 
 def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
                  params: Optional[SamplingParams] = None, token: Optional[str] = None,
-                 time_loop: Optional[Callable[[ModelChunk], Dict[int, float]]] = None) -> ProfileReply:
+                 time_loop: Optional[Callable[[ModelChunk], Dict[int, float]]] = None,
+                 n_blocks: Optional[int] = None) -> ProfileReply:
     """Time the request's passes on `device` with torch's current thread count, then the node's
-    whole loop over the same random blocks: what a worker answers POST /profile with (its relay,
-    encrypted as its runs are when it has a `token`), and (`with_ends`: its quant layout then
-    names the embedding and head too; `time_loop`: its pipeline loop) what the starter measures
-    of itself."""
+    whole loop over the same random blocks (`n_blocks`, default `profile_blocks`): what a worker
+    answers POST /profile with (its relay, encrypted as its runs are when it has a `token`), and
+    (`with_ends`: its quant layout then names the embedding and head too; `time_loop`: its
+    pipeline loop) what the starter measures of itself."""
     t0 = time.perf_counter()
     qkernels.set_preference(request.quant_kernel)
     dtype = torch_dtype(request.dtype)
     asked = request.compute_dtype
     compute, _ = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
-    chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends)
+    if n_blocks is None:
+        n_blocks = profile_blocks(request.model, request.dtype, request.quant, device)
+    chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
     timing = time_chunk(chunk, request.batch_sizes, request.context, request.prefill_tokens, params=params)
     frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
     if time_loop is None:
@@ -154,7 +162,7 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     else:
         loop = time_loop(chunk)
     return ProfileReply(timing.layer_s, timing.prefill_token_s, frames, torch.get_num_threads(), device,
-                        time.perf_counter() - t0, timing.ends_s, loop)
+                        time.perf_counter() - t0, timing.ends_s, loop, chunk.n_layers)
 
 
 def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:

@@ -227,10 +227,9 @@ class Profiler:
                             note=timing["unusable"])
         reply = ProfileReply.from_json(timing)
         fixed = {rows: s + reply.ends_s.get(rows, 0.0) for rows, s in reply.frame_s.items()}
-        blocks = min(PROFILE_LAYERS, self.config.n_layer)
         for rows, seconds in reply.loop_s.items():  # the node's whole pass less its timed blocks, where that is more
             if rows in fixed and rows in reply.layer_s:
-                fixed[rows] = max(fixed[rows], seconds - blocks * reply.layer_s[rows])
+                fixed[rows] = max(fixed[rows], seconds - reply.blocks * reply.layer_s[rows])
         hop = {}
         for rows in self.sizes:
             nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)

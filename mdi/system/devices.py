@@ -4,6 +4,7 @@ Below compute capability 7.0 (Pascal: Jetson TX2 is 6.2) torch's float16 kernels
 (no tensor cores), and bfloat16 arithmetic needs 8.0 (Ampere: Jetson Orin). `compute_dtype`
 lets a node keep half-precision weights (half the memory) while computing in float32.
 """
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -41,3 +42,31 @@ def resolve_compute_dtype(device: str, dtype: torch.dtype, compute_dtype: Option
                        "model.compute_dtype: float32 to keep float16 weights and compute in float32"
                        % (device, sm))
     return dtype, None
+
+
+DEFAULT_CACHE_BYTES = 32 * 1024 * 1024  # when the device does not say: a large desktop L3 (more blocks, not fewer)
+
+
+def _size_bytes(text: str) -> Optional[int]:
+    """A sysfs cache size: "32768K", "2M", "512"."""
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024 * 1024, "G": 1024 ** 3}.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in "KMG" else text
+    return int(digits) * scale if digits.isdigit() else None
+
+
+def last_level_cache_bytes(device: str, sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest cache in front of `device`'s memory (a CPU's L3, a GPU's L2): weights that
+    fit in it are read faster than a node holding real layers reads them."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        size = getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0)  # torch 2.1+
+        return int(size) or DEFAULT_CACHE_BYTES
+    sizes = []
+    try:
+        for entry in os.listdir(sysfs):
+            if entry.startswith("index"):
+                with open(os.path.join(sysfs, entry, "size")) as f:
+                    sizes.append(_size_bytes(f.read()) or 0)
+    except OSError:
+        pass  # not Linux, or no cache information: the default
+    return max(sizes) if sizes and max(sizes) > 0 else DEFAULT_CACHE_BYTES

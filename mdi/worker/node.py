@@ -28,7 +28,7 @@ from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
-from mdi.model.profile import PROFILE_LAYERS
+from mdi.model.profile import PROFILE_LAYERS, profile_blocks, repeated_layout
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here
 from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMemory, StatusReply
@@ -203,10 +203,11 @@ class Worker:
                 raise NodeBusy("run %d is waiting for its weights; profile it between runs"
                                % self.pending.request.run_id)
             self.touch()
-            self._check_profile_fits(request)
+            n_blocks = self._profile_blocks(request)
             self._set_threads(request)
             try:
-                return profile_here(request, self.device_override or request.device, token=self.token)
+                return profile_here(request, self.device_override or request.device, token=self.token,
+                                    n_blocks=n_blocks)
             except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
                 raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
             finally:
@@ -215,19 +216,25 @@ class Worker:
         finally:
             self.lock.release()
 
-    def _check_profile_fits(self, request: ProfileRequest) -> None:
-        """Refuse (413) a profile whose random blocks and cache would not fit beside the weights
-        held now: a board at its limit is killed by the kernel, not told."""
+    def _profile_blocks(self, request: ProfileRequest) -> int:
+        """How many random blocks to time (profile_blocks), within what fits beside the weights
+        held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
+        the kernel, not told."""
         config = request.model
-        n = min(PROFILE_LAYERS, config.n_layer)
         positions = min(config.block_size, max(request.context + 1, request.prefill_tokens))
-        need = (weight_bytes(config, [0, n], request.dtype, quant=request.quant)
-                + KVCache.nbytes_for(config, n, max(request.batch_sizes), positions, torch_dtype(request.dtype)))
         limit, what = self._memory_limit()
         free = limit - chunk_nbytes(self.chunk) if limit is not None else None
-        if free is not None and need > free:
+
+        def need(n: int) -> int:
+            return (weight_bytes(config, [0, n], request.dtype, quant=repeated_layout(request.quant, n))
+                    + KVCache.nbytes_for(config, n, max(request.batch_sizes), positions, torch_dtype(request.dtype)))
+        n = profile_blocks(config, request.dtype, request.quant, self.device_override or request.device)
+        while n > PROFILE_LAYERS and free is not None and need(n) > free:
+            n -= 1
+        if free is not None and need(n) > free:
             raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
-                           % (need, n, free, what))
+                           % (need(n), n, free, what))
+        return n
 
     def load_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
         """POST /adapters/<id>: a low-rank adapter's A/B matrices for this worker's layers, as
