@@ -10,6 +10,7 @@ import requests
 import yaml
 
 from conftest import BIN, WorkerProcess, free_ports
+from mdi.model.profile import profile_blocks
 from mdi.ring.profile_request import ProfileRequest
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, load_config, parse_config
@@ -128,6 +129,7 @@ def test_profile_requests_are_validated(workers, tiny_models):
     assert r.status_code == 200, r.text
     reply = r.json()
     assert set(reply["layer_s"]) == {"1", "2"} and reply["prefill_token_s"] > 0
+    assert reply["blocks"] == profile_blocks(config, "float32", None, "cpu")  # no memory limit: all it wants
     for bad, word in ((dict(good, batch_sizes=[0]), "batch_sizes"), (dict(good, context=10 ** 6), "context"),
                       (dict(good, device="tpu"), "device"), (dict(good, dtype="int3"), "dtype"),
                       (dict(good, quant={"blocks.9.attn.qkv": ["int4", 32]}), "quant"),
@@ -171,6 +173,8 @@ def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):
     plain_worker = {k: v for k, v in timing.items() if k != "ends_s"}
     worker = profiler._cost(1, cfg.nodes[0], dict(plain_worker, loop_s={"1": 0.004}), [], None)
     assert worker.fixed_s[1] == pytest.approx(0.004 - blocks * 0.001)
+    more = profiler._cost(1, cfg.nodes[0], dict(plain_worker, loop_s={"1": 0.008}, blocks=6), [], None)
+    assert more.fixed_s[1] == pytest.approx(0.008 - 6 * 0.001)  # the loop ran the blocks the reply names
     for bad in ({"1": "fast"}, {"x": 1.0}, {"2": float("nan")}, {"3": -1.0}):
         with pytest.raises(ValueError) as e:
             ProfileReply.from_json(dict(timing, loop_s=bad))

@@ -1,0 +1,65 @@
+"""How many random blocks a node times, and why: two small blocks stay in the last-level cache
+and time faster than a node holding real layers runs them, so a profile spans twice that
+cache (no processes here; the worker's /profile is covered in test_autoplan)."""
+import pytest
+
+import mdi.model.profile as profile
+from mdi.model.config import ModelConfig
+from mdi.model.layout import QuantSpec, weight_bytes
+from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here
+from mdi.system.devices import DEFAULT_CACHE_BYTES, last_level_cache_bytes
+
+CONFIG = ModelConfig.from_dict(dict(name="t", family="llama", vocab_size=64, n_layer=12, n_embd=64, n_head=4,
+                                    n_kv_head=2, intermediate_size=128, block_size=64))
+
+
+def block_bytes(quant=None):
+    return weight_bytes(CONFIG, (0, 2), "float32", quant=quant) // 2
+
+
+def fake_sysfs(tmp_path, sizes):
+    for i, size in enumerate(sizes):
+        (tmp_path / ("index%d" % i)).mkdir()
+        (tmp_path / ("index%d" % i) / "size").write_text(size + "\n")
+    return str(tmp_path)
+
+
+def test_the_last_level_cache_is_the_largest_the_cpu_reports(tmp_path):
+    assert last_level_cache_bytes("cpu", fake_sysfs(tmp_path, ["48K", "32K", "2048K", "32M"])) == 32 * 1024 ** 2
+    assert last_level_cache_bytes("cpu", str(tmp_path / "none")) == DEFAULT_CACHE_BYTES
+
+
+@pytest.mark.parametrize("cache_blocks, expected", [(3, 6), (4.5, 9), (0.1, 2), (100, 12)])
+def test_enough_blocks_to_span_twice_the_cache_within_the_model(monkeypatch, cache_blocks, expected):
+    monkeypatch.setattr(profile, "last_level_cache_bytes", lambda device: int(cache_blocks * block_bytes()))
+    assert profile.profile_blocks(CONFIG, "float32", None, "cpu") == expected
+
+
+def test_quantized_blocks_are_smaller_so_more_of_them_are_timed(monkeypatch):
+    monkeypatch.setattr(profile, "last_level_cache_bytes", lambda device: 2 * block_bytes())
+    quant = {"blocks.%d.%s" % (j, name): QuantSpec("int4", 32)
+             for j in range(2) for name in ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down")}
+    plain = profile.profile_blocks(CONFIG, "float32", None, "cpu")
+    assert plain == 4 and profile.profile_blocks(CONFIG, "float32", quant, "cpu") > plain
+
+
+def test_the_two_blocks_quant_layout_repeats_over_every_timed_block():
+    a, b, ends = QuantSpec("int4", 32), QuantSpec("int8", 64), QuantSpec("int8", 32)
+    layout = profile.repeated_layout({"blocks.0.attn.qkv": a, "blocks.1.attn.qkv": b, "head": ends}, 5)
+    assert layout == {"blocks.0.attn.qkv": a, "blocks.2.attn.qkv": a, "blocks.4.attn.qkv": a,
+                      "blocks.1.attn.qkv": b, "blocks.3.attn.qkv": b, "head": ends}
+    assert profile.repeated_layout(None, 4) == {}
+
+
+def test_a_profile_reports_the_blocks_it_timed_and_the_reply_checks_them():
+    request = ProfileRequest(CONFIG, "float32", "cpu", [1, 2], 8, 4, threads=1)
+    reply = profile_here(request, "cpu", n_blocks=3)
+    assert reply.blocks == 3 and sorted(reply.layer_s) == [1, 2] and sorted(reply.loop_s) == [1, 2]
+    data = reply.to_json()
+    assert ProfileReply.from_json(data).blocks == 3
+    old = {k: v for k, v in data.items() if k != "blocks"}  # a worker from before: two blocks
+    assert ProfileReply.from_json(old).blocks == profile.PROFILE_LAYERS
+    for bad in (0, -1, True, "3", 10 ** 6):
+        with pytest.raises(ValueError) as e:
+            ProfileReply.from_json(dict(data, blocks=bad))
+        assert "blocks" in str(e.value)
