@@ -299,6 +299,12 @@ class FakeRing:
 
     def __init__(self, plan, exp, emu, token, work, log):
         self.plan = plan
+        self.profile_cache = None
+        if plan.kind == "auto":  # what the starter's planner would have written there
+            self.profile_cache = os.path.join(work, "profiles-ring%d" % plan.index)
+            os.makedirs(self.profile_cache, exist_ok=True)
+            with open(os.path.join(self.profile_cache, "profiles.json"), "w") as f:
+                json.dump({"k": {"ring": plan.index}}, f)
 
     def start(self):
         FakeRing.events.append(("start", self.plan.index))
@@ -340,6 +346,10 @@ def test_rings_run_one_at_a_time_with_one_repeat(tmp_path, monkeypatch, repeats)
     with open(tmp_path / "out" / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["plan"] for r in rows if r["partition"] == "auto"] == ["4+0+2"] * 2 * repeats
+    # The auto ring's node profiles stay with the results (the work directory is gone).
+    auto = [p for group in plans for p in group if p.kind == "auto"]
+    assert len(auto) == 2 and sorted(os.listdir(tmp_path / "out" / "profiles")) == \
+        sorted("%s-ring%d.json" % (p.model.name, p.index) for p in auto)
 
 
 # --------------------------------------------------------------------------- scripts/plot_planner.py

@@ -119,7 +119,7 @@ def test_ties_prefer_the_shorter_ring():
 
 
 def test_predictions_follow_the_ring_formula():
-    costs = [node("a", 1.0), node("b", 1.0)]
+    costs = [node("a", 1.0, batch_cost=2.0), node("b", 1.0, batch_cost=2.0)]
     counts = [6, 6]
     # One sample: a turn of the ring (12 ms) per token; two fill both stages (6 ms each).
     assert predict_tokens_per_s(costs, counts, 1, max_batch=1) == pytest.approx(1 / 0.012)
@@ -139,3 +139,26 @@ def test_interpolation_between_and_beyond_measured_rows():
     assert interpolate(table, 5) == 3.0  # along the last two
     assert interpolate({1: 1.0, 2: 0.9}, 8) == 0.9  # never below the largest measured
     assert interpolate({2: 4.0}, 1) == 4.0 and interpolate({2: 4.0}, 9) == 4.0
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_plan_is_the_fastest_split_its_prediction_knows(seed):
+    """Over every split (nodes left out included), none is predicted faster than the plan:
+    a ring with a node left out carries the samples in bigger groups, and a ring that its
+    groups do not fill is bound by its length, not its slowest stage."""
+    import random
+    from mdi.starter.planner import TIE
+    r = random.Random(seed)
+    n, n_layer = r.choice([2, 3, 4]), r.choice([6, 8, 12])
+    costs = [node("n%d" % i, r.uniform(0.5, 8), fixed_ms=r.uniform(0, 5) if i == 0 else r.uniform(0, 1),
+                  hop_ms=r.uniform(0, 1), n_layer=n_layer, batch_cost=r.uniform(1.0, 3.5)) for i in range(n)]
+    samples = r.choice([1, n - 1, n, n + 1, 2 * n, 2 * n + 1])
+    best = 0.0
+    for cuts in itertools.combinations_with_replacement(range(n_layer + 1), n - 1):
+        bounds = [0] + list(cuts) + [n_layer]
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        if counts[0]:
+            best = max(best, predict_tokens_per_s(costs, counts, samples))
+    plan = make_plan(costs, n_layer, samples)
+    assert plan.predicted[samples] >= best * (1 - TIE)
+    assert plan.rows_per_pass == groups(samples, sum(1 for c in plan.counts if c))[0]

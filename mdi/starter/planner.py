@@ -10,8 +10,9 @@ takes max(ring time, G x slowest stage), and each turn yields one token per samp
 
 The solver minimises the slowest stage (the steady state, every node busy), then, among splits
 within `TIE` of that, the ring time (what one sample alone waits). A worker may get no layer
-at all: it is left out of the ring when that makes the slowest stage faster, and the plan says
-why. Memory is a hard limit: each node's weights and KV cache must fit what it has.
+at all: it is left out of the ring when that makes the ring faster, and the plan says why (the
+plan solves at the rows per pass of each ring size and keeps the split predicted fastest: the
+same samples over fewer nodes travel in bigger groups). Memory is a hard limit: each node's weights and KV cache must fit what it has.
 """
 import math
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mdi.runconfig import ConfigError
 
 TIE = 0.01  # splits whose slowest stage is within 1% of the best count as equally fast
+MAX_LIMITS = 64  # stage limits tried for a ring too long for its groups (each one more solve)
 MB = 1024 * 1024
 
 
@@ -84,64 +86,80 @@ class Split:
         return sum(1 for c in self.counts if c > 0)
 
 
-def solve(costs: Sequence[NodeCost], n_layer: int, rows: float = 1, keep_all: bool = False) -> Split:
+def solve(costs: Sequence[NodeCost], n_layer: int, rows: float = 1, keep_all: bool = False,
+          used: Optional[int] = None, limit: Optional[float] = None) -> Split:
     """The split of `n_layer` layers over `costs` (ring order, the starter first, holding at
     least one layer) with the fastest slowest stage, then the shortest ring; `keep_all`: every
-    node gets at least one layer. PlanError when no split fits in memory."""
+    node gets at least one layer; `used`: exactly that many nodes do; `limit`: the shortest
+    ring whose every stage takes at most that. PlanError when no split fits in memory (or none
+    with `used` nodes)."""
     n = len(costs)
     if n == 0:
         raise PlanError("no nodes to plan")
+    if keep_all:
+        used = n
     stage = [[0.0] + [c.stage_s(k, rows) for k in range(1, n_layer + 1)] for c in costs]
 
     def allowed(i: int, first: int, last: int) -> bool:
         if last == first:
-            return i > 0 and not keep_all
+            return i > 0
         return costs[i].fits(first, last)
 
-    best = _min_max(stage, allowed, n, n_layer)
+    best = _min_max(stage, allowed, n, n_layer, used)
     if best is None:
+        if used is not None and _min_max(stage, allowed, n, n_layer, None) is not None:
+            raise PlanError("no split over exactly %d of the %d nodes fits in memory" % (used, n))
         raise PlanError(_missing_memory(costs, n_layer))
-    counts = _min_sum(stage, allowed, n, n_layer, best * (1 + TIE))
+    counts = _min_sum(stage, allowed, n, n_layer, best * (1 + TIE) if limit is None else max(best, limit), used)
     return Split(counts, [stage[i][c] if c else 0.0 for i, c in enumerate(counts)], rows)
 
 
-def _min_max(stage, allowed, n: int, L: int) -> Optional[float]:
-    """The smallest slowest stage over every split (dynamic programming over node, layers so far)."""
+# Both passes are dynamic programming over (node, nodes used so far, layers so far): f[u][l] is
+# the best value with the nodes seen so far, u of them holding a layer, covering layers [0, l).
+
+def _min_max(stage, allowed, n: int, L: int, used: Optional[int]) -> Optional[float]:
+    """The smallest slowest stage over every split (with exactly `used` nodes, when given)."""
     inf = float("inf")
-    f = [0.0] + [inf] * L  # f[l]: best bottleneck of the nodes so far holding layers [0, l)
+    f = [[0.0] + [inf] * L] + [[inf] * (L + 1) for _ in range(n)]
     for i in range(n):
-        g = [inf] * (L + 1)
-        for last in range(L + 1):
-            for first in range(last + 1):
-                if f[first] == inf or not allowed(i, first, last):
-                    continue
-                v = max(f[first], stage[i][last - first])
-                if v < g[last]:
-                    g[last] = v
+        g = [[inf] * (L + 1) for _ in range(n + 1)]
+        for u in range(i + 1):
+            for last in range(L + 1):
+                for first in range(last + 1):
+                    if f[u][first] == inf or not allowed(i, first, last):
+                        continue
+                    k = last - first
+                    v = max(f[u][first], stage[i][k])
+                    if v < g[u + (k > 0)][last]:
+                        g[u + (k > 0)][last] = v
         f = g
-    return f[L] if f[L] < inf else None
+    best = min(f[u][L] for u in range(n + 1)) if used is None else f[used][L]
+    return best if best < inf else None
 
 
-def _min_sum(stage, allowed, n: int, L: int, limit: float) -> List[int]:
+def _min_sum(stage, allowed, n: int, L: int, limit: float, used: Optional[int]) -> List[int]:
     """The split with the shortest ring among those whose every stage is within `limit`."""
     inf = float("inf")
-    f = [0.0] + [inf] * L
-    choice = []  # type: List[List[int]]
+    f = [[0.0] + [inf] * L] + [[inf] * (L + 1) for _ in range(n)]
+    choice = []  # type: List[List[List[Tuple[int, int]]]]  # per node: [u][last] -> (u before, first)
     for i in range(n):
-        g, pick = [inf] * (L + 1), [-1] * (L + 1)
-        for last in range(L + 1):
-            for first in range(last + 1):
-                k = last - first
-                if f[first] == inf or stage[i][k] > limit or not allowed(i, first, last):
-                    continue
-                v = f[first] + stage[i][k]
-                if v < g[last] - 1e-15:
-                    g[last], pick[last] = v, first
+        g = [[inf] * (L + 1) for _ in range(n + 1)]
+        pick = [[(-1, -1)] * (L + 1) for _ in range(n + 1)]
+        for u in range(i + 1):
+            for last in range(L + 1):
+                for first in range(last + 1):
+                    k = last - first
+                    if f[u][first] == inf or stage[i][k] > limit or not allowed(i, first, last):
+                        continue
+                    v, u2 = f[u][first] + stage[i][k], u + (k > 0)
+                    if v < g[u2][last] - 1e-15:
+                        g[u2][last], pick[u2][last] = v, (u, first)
         f = g
         choice.append(pick)
+    u = min(range(n + 1), key=lambda c: f[c][L]) if used is None else used
     counts, last = [0] * n, L
     for i in range(n - 1, -1, -1):
-        first = choice[i][last]
+        u, first = choice[i][u][last]
         counts[i] = last - first
         last = first
     return counts
@@ -221,18 +239,47 @@ class Plan:
                 "predicted": {str(k): round(v, 3) for k, v in sorted(self.predicted.items())}}
 
 
+def _best_split(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="auto") -> Split:
+    """The split with the most predicted tokens/s for `samples` in flight (ties: the shorter
+    ring). A ring with a node left out carries the same samples in bigger groups, so the solver
+    runs at the rows per pass of every ring size, and each result is judged at its own."""
+    solve(costs, n_layer)  # PlanError, naming the missing memory, when nothing fits
+    candidates = []  # type: List[Split]
+    for size in range(1, len(costs) + 1):
+        rows, n_groups = groups(samples, size, max_batch)
+        try:
+            split = solve(costs, n_layer, rows, used=size)
+        except PlanError:
+            continue  # no split over that many nodes fits in memory
+        candidates.append(split)
+        if split.ring_s > n_groups * split.bottleneck_s:
+            # Too few groups to fill the ring: a turn takes the ring time, so a split with a
+            # slower slowest stage but a shorter ring can be faster. Try the stage limits up to
+            # where G x the limit passes this ring.
+            stages = {c.stage_s(k, rows) for c in costs for k in range(1, n_layer + 1)}
+            limits = sorted(v for v in stages if split.bottleneck_s < v <= split.ring_s / n_groups)
+            for limit in limits[::max(1, len(limits) // MAX_LIMITS)]:
+                candidates.append(solve(costs, n_layer, rows, used=size, limit=limit))
+
+    def speed(split: Split) -> float:
+        return predict_tokens_per_s(costs, split.counts, samples, max_batch)
+    fastest = max(speed(c) for c in candidates)
+    return min((c for c in candidates if speed(c) >= fastest * (1 - TIE)), key=lambda c: (c.used, c.ring_s))
+
+
 def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="auto") -> Plan:
     """Solve for `samples` in flight and explain the result (stage times, memory, left-out nodes)."""
-    rows, _ = groups(samples, len(costs), max_batch)
-    split = solve(costs, n_layer, rows)
+    split = _best_split(costs, n_layer, samples, max_batch)
+    rows = split.rows
     dropped = {}
     if split.used < len(costs):
         try:
-            everyone = solve(costs, n_layer, rows, keep_all=True)
-            why = ("with every node the slowest stage takes %.1f ms, without it %.1f ms"
-                   % (everyone.bottleneck_s * 1e3, split.bottleneck_s * 1e3))
+            everyone = solve(costs, n_layer, groups(samples, len(costs), max_batch)[0], keep_all=True)
+            why = ("the ring makes %.1f tokens/s with every node, %.1f without" % (
+                predict_tokens_per_s(costs, everyone.counts, samples, max_batch),
+                predict_tokens_per_s(costs, split.counts, samples, max_batch)))
         except PlanError:
-            everyone, why = None, "no split that gives every node a layer fits in memory"
+            why = "no split that gives every node a layer fits in memory"
         for c, k in zip(costs, split.counts):
             if k == 0 and c.note:
                 dropped[c.name] = "left out: %s" % c.note

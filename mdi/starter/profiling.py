@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi import __version__
@@ -128,18 +129,22 @@ class Profiler:
         """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""
         t0 = time.perf_counter()
         links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
+        statuses = [client_for(self.cfg, n).status() for n in nodes[1:]]  # one read: its device and memory
+        # Every node times its blocks at once, the starter too: a plan is ready in the time of
+        # the slowest board, not the sum, and boards that share anything (a host's cores, its
+        # memory bandwidth and cache, as emulated ones do) are timed as loaded as the ring's
+        # steady state loads them.
+        with ThreadPoolExecutor(max_workers=max(1, len(nodes) - 1), thread_name_prefix="mdi-profile") as pool:
+            workers = [pool.submit(self._worker_timing, n, s.device) for n, s in zip(nodes[1:], statuses)]
+            timings = [self._starter_timing()] + [w.result() for w in workers]
+        capacities = [self._starter_capacity()] + [s.capacity_bytes() for s in statuses]
         out = []
         for i, node in enumerate(nodes):
-            if i == 0:
-                timing, capacity = self._starter_timing(), self._starter_capacity()
-            else:
-                status = client_for(self.cfg, node).status()  # one read: its device and its memory
-                timing, capacity = self._worker_timing(node, status.device), status.capacity_bytes()
             # A node's output goes to the next one: the slower of the two links to the starter
             # stands for the path between them (boards usually hang off one switch).
             nxt = links[(i + 1) % len(nodes)]
             link = [l for l in (links[i], nxt) if l is not None]
-            out.append(self._cost(i, node, timing, link, capacity))
+            out.append(self._cost(i, node, timings[i], link, capacities[i]))
         if self.cache_dirty:
             _write_cache(self.cache)
         self.seconds += time.perf_counter() - t0
