@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -24,14 +23,14 @@ from mdi.model.layout import dtype_name, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.ring.profile_request import MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, profile_here
+from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, profile_here
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError
 from mdi.starter.loop_timing import time_starter_loop
-from mdi.starter.planner import NodeCost
+from mdi.starter.planner import NodeCost, groups
 from mdi.starter.session import client_for
 from mdi.system.files import write_json
 
@@ -64,12 +63,17 @@ def _write_cache(entries: Dict[str, Any]) -> None:
 
 
 def batch_sizes(samples: int, n_nodes: int, max_batch: Any = "auto") -> List[int]:
-    """Rows per decode pass to time: one sample alone, and the groups `samples` in flight make
-    on this ring or on one with a node less (the planner may leave one out), within
-    runtime.max_batch and what /profile takes (the planner extends the rest)."""
-    sizes = {1, 2, max(1, math.ceil(samples / n_nodes)), max(1, math.ceil(samples / max(1, n_nodes - 1)))}
+    """Rows per decode pass to time: one sample alone, two, and the groups `samples` in flight
+    make on this ring and on every smaller one (the planner may leave nodes out: the same
+    samples then travel in bigger groups, and a kernel's cost per row can jump either way
+    between sizes), within runtime.max_batch, what /profile takes and MAX_BATCH_SIZES sizes,
+    the smallest rings' last (the planner extends the rest)."""
     cap = MAX_PROFILE_ROWS if max_batch == "auto" else min(MAX_PROFILE_ROWS, int(max_batch))
-    return sorted({min(b, cap) for b in sizes})
+    sizes = []  # type: List[int]
+    for rows in [1, 2] + [groups(samples, n, max_batch)[0] for n in range(n_nodes, 0, -1)]:
+        if min(rows, cap) not in sizes:
+            sizes.append(min(rows, cap))
+    return sorted(sizes[:MAX_BATCH_SIZES])
 
 
 def _connect_seconds(node: NodeSpec, timeout: float) -> float:
