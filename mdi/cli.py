@@ -503,9 +503,11 @@ def plan_parser() -> argparse.ArgumentParser:
         prog="mdi-plan",
         description="Split a model's layers over a config's nodes by their measured speed, memory and links: "
                     "every worker times the model's blocks (random weights, nothing of the model is sent), the "
-                    "starter its own and the head, then the split with the fastest slowest stage wins. A node "
-                    "that would slow the ring gets no layers and is left out. Prints the plan as a table and "
-                    "as YAML; `layers: auto` in a config makes mdi-start plan the same way at start.",
+                    "starter its own and the head, all at once, then the split predicted to make the most "
+                    "tokens/s for S samples in flight wins (the fastest slowest stage, when S fills the ring). "
+                    "A node that would slow the ring gets no layers and is left out, and the plan says why. "
+                    "Prints the plan as a table and as YAML; `layers: auto` in a config makes mdi-start plan "
+                    "the same way at start.",
         epilog="Example: mdi-plan --config configs/ring3.yaml --samples 6 --write configs/ring3-planned.yaml")
     p.add_argument("--config", required=True, help="run configuration (YAML): its nodes, model and runtime")
     p.add_argument("--samples", type=_positive_int, metavar="S",

@@ -73,3 +73,13 @@ def test_rows_timed_cover_every_ring_size_the_planner_weighs():
     assert batch_sizes(1, 1) == [1, 2]
     many = batch_sizes(40, 10)  # at most MAX_BATCH_SIZES: the smallest rings' groups go first
     assert len(many) == 8 and many[:3] == [1, 2, 4] and 40 not in many
+
+
+def test_a_node_short_of_memory_times_fewer_blocks_but_never_fewer_than_two(monkeypatch):
+    monkeypatch.setattr(profile, "last_level_cache_bytes", lambda device: 8 * block_bytes())
+    assert profile.profile_blocks(CONFIG, "float32", None, "cpu") == 12
+    five = profile.profile_bytes(CONFIG, 5, "float32", None, rows=3, positions=16)
+    assert five > 5 * block_bytes()  # the KV cache counts too
+    assert profile.profile_blocks(CONFIG, "float32", None, "cpu", five, rows=3, positions=16) == 5
+    assert profile.profile_blocks(CONFIG, "float32", None, "cpu", five - 1, rows=3, positions=16) == 4
+    assert profile.profile_blocks(CONFIG, "float32", None, "cpu", 0, rows=3, positions=16) == 2

@@ -14,10 +14,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import QuantLayout, QuantSpec, weight_bytes
+from mdi.model.layout import QuantLayout, QuantSpec, torch_dtype, weight_bytes
 from mdi.model.sampling import SamplingParams, sample_generator, sample_next
 from mdi.model.source import random_chunk
-from mdi.model.transformer import ModelChunk, RowBatch
+from mdi.model.transformer import KVCache, ModelChunk, RowBatch
 from mdi.system.devices import last_level_cache_bytes
 
 PROFILE_LAYERS = 2  # blocks built to time one at least: two, so the per-pass setup is shared as in a real chunk
@@ -72,12 +72,25 @@ def repeated_layout(quant: Optional[QuantLayout], n_blocks: int) -> Dict[str, Qu
     return out
 
 
-def profile_blocks(config: ModelConfig, dtype: str, quant: Optional[QuantLayout], device: str) -> int:
+def profile_bytes(config: ModelConfig, n_blocks: int, dtype: str, quant: Optional[QuantLayout], rows: int,
+                  positions: int) -> int:
+    """What timing `n_blocks` random blocks holds: their weights and a KV cache of `rows` slots."""
+    return (weight_bytes(config, (0, n_blocks), dtype, quant=repeated_layout(quant, n_blocks))
+            + KVCache.nbytes_for(config, n_blocks, rows, positions, torch_dtype(dtype)))
+
+
+def profile_blocks(config: ModelConfig, dtype: str, quant: Optional[QuantLayout], device: str,
+                   free_bytes: Optional[int] = None, rows: int = 1, positions: int = 1) -> int:
     """How many random blocks a node times: enough to span COLD_CACHE_FACTOR x its last-level
-    cache, at least PROFILE_LAYERS, at most the model's (a worker short of memory times fewer)."""
+    cache, at least PROFILE_LAYERS, at most the model's, and fewer where `free_bytes` cannot
+    hold them with their cache (`profile_bytes`; never fewer than PROFILE_LAYERS: the caller
+    refuses when even those do not fit)."""
     floor = min(PROFILE_LAYERS, config.n_layer)
     block = max(1, weight_bytes(config, (0, floor), dtype, quant=quant) // floor)
-    return min(config.n_layer, max(floor, -(-COLD_CACHE_FACTOR * last_level_cache_bytes(device) // block)))
+    n = min(config.n_layer, max(floor, -(-COLD_CACHE_FACTOR * last_level_cache_bytes(device) // block)))
+    while n > floor and free_bytes is not None and profile_bytes(config, n, dtype, quant, rows, positions) > free_bytes:
+        n -= 1
+    return n
 
 
 def profile_chunk(config: ModelConfig, dtype: torch.dtype, device: str, quant: Optional[QuantLayout],

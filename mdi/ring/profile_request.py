@@ -138,6 +138,12 @@ class ProfileReply:
                    table("ends_s") if "ends_s" in data else {}, table("loop_s") if "loop_s" in data else {}, blocks)
 
 
+def profile_positions(request: ProfileRequest) -> int:
+    """Positions of the KV cache a profile of `request` allocates (its decode context or its
+    prefill chunk)."""
+    return min(request.model.block_size, max(request.context + 1, request.prefill_tokens))
+
+
 def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
                  params: Optional[SamplingParams] = None, token: Optional[str] = None,
                  time_loop: Optional[Callable[[ModelChunk], Dict[int, float]]] = None,

@@ -19,11 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi import __version__
-from mdi.model.layout import dtype_name, torch_dtype
-from mdi.model.profile import PROFILE_LAYERS
+from mdi.model.layout import dtype_name, torch_dtype, weight_bytes
+from mdi.model.profile import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest, profile_here
+from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
+                                      profile_here, profile_positions)
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
@@ -208,8 +209,13 @@ class Profiler:
             def time_loop(chunk: Any) -> Dict[int, float]:
                 return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
                                          self.cfg.runtime.token)
+            free = self._starter_capacity()  # less the embedding and head, which the profile holds too
+            if free is not None:
+                free -= weight_bytes(self.config, (0, 0), self.cfg.model.dtype, True, request.quant)
+            n_blocks = profile_blocks(self.config, self.cfg.model.dtype, request.quant, request.device, free,
+                                      max(request.batch_sizes), profile_positions(request))
             return profile_here(request, request.device, with_ends=True, params=self.params,
-                                time_loop=time_loop).to_json()
+                                time_loop=time_loop, n_blocks=n_blocks).to_json()
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling), measure)
 

@@ -28,8 +28,8 @@ from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
-from mdi.model.profile import PROFILE_LAYERS, profile_blocks, repeated_layout
-from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here
+from mdi.model.profile import profile_blocks, profile_bytes
+from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, profile_positions
 from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
@@ -220,20 +220,16 @@ class Worker:
         """How many random blocks to time (profile_blocks), within what fits beside the weights
         held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
         the kernel, not told."""
-        config = request.model
-        positions = min(config.block_size, max(request.context + 1, request.prefill_tokens))
+        config, rows = request.model, max(request.batch_sizes)
+        positions = profile_positions(request)
         limit, what = self._memory_limit()
         free = limit - chunk_nbytes(self.chunk) if limit is not None else None
-
-        def need(n: int) -> int:
-            return (weight_bytes(config, [0, n], request.dtype, quant=repeated_layout(request.quant, n))
-                    + KVCache.nbytes_for(config, n, max(request.batch_sizes), positions, torch_dtype(request.dtype)))
-        n = profile_blocks(config, request.dtype, request.quant, self.device_override or request.device)
-        while n > PROFILE_LAYERS and free is not None and need(n) > free:
-            n -= 1
-        if free is not None and need(n) > free:
+        n = profile_blocks(config, request.dtype, request.quant, self.device_override or request.device, free,
+                           rows, positions)
+        need = profile_bytes(config, n, request.dtype, request.quant, rows, positions)
+        if free is not None and need > free:
             raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
-                           % (need(n), n, free, what))
+                           % (need, n, free, what))
         return n
 
     def load_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
