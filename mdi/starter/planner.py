@@ -10,9 +10,10 @@ takes max(ring time, G x slowest stage), and each turn yields one token per samp
 
 The solver minimises the slowest stage (the steady state, every node busy), then, among splits
 within `TIE` of that, the ring time (what one sample alone waits). A worker may get no layer
-at all: it is left out of the ring when that makes the ring faster, and the plan says why (the
-plan solves at the rows per pass of each ring size and keeps the split predicted fastest: the
-same samples over fewer nodes travel in bigger groups). Memory is a hard limit: each node's weights and KV cache must fit what it has.
+at all: it is left out of the ring when that makes the ring faster, and the plan says why. The
+plan solves once per number of nodes used, at the rows per pass that many nodes make of the
+samples (fewer nodes carry them in bigger groups), and keeps the split predicted to make the
+most tokens/s. Memory is a hard limit: each node's weights and KV cache must fit what it has.
 """
 import math
 from dataclasses import dataclass, field
@@ -240,9 +241,10 @@ class Plan:
 
 
 def _best_split(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="auto") -> Split:
-    """The split with the most predicted tokens/s for `samples` in flight (ties: the shorter
-    ring). A ring with a node left out carries the same samples in bigger groups, so the solver
-    runs at the rows per pass of every ring size, and each result is judged at its own."""
+    """The split with the most predicted tokens/s for `samples` in flight (ties within `TIE`:
+    fewer nodes, then the shorter ring). A ring with a node left out carries the same samples
+    in bigger groups, so the solver runs at the rows per pass of every ring size, and each
+    result is judged at its own."""
     solve(costs, n_layer)  # PlanError, naming the missing memory, when nothing fits
     candidates = []  # type: List[Split]
     for size in range(1, len(costs) + 1):
