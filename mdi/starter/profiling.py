@@ -8,6 +8,7 @@ quantization, device, threads, ...) in $MDI_PROFILE_CACHE/profiles.json (default
 so a second plan is instant; `refresh` measures again (a board was changed or is busy).
 Memory is read fresh every time (GET /status): it changes with what else runs there.
 """
+import gc
 import hashlib
 import importlib
 import json
@@ -23,6 +24,7 @@ from mdi.model.layout import dtype_name, torch_dtype, weight_bytes
 from mdi.model.profile import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
+from mdi.model.transformer import release_freed_memory
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)
 from mdi.ring.wire import payload_nbytes
@@ -135,6 +137,10 @@ class Profiler:
         t0 = time.perf_counter()
         links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
         statuses = [client_for(self.cfg, n).status() for n in nodes[1:]]  # one read: its device and memory
+        # Memory is read before any node profiles: a profile's random blocks, freed, may not be
+        # back with the OS yet (the starter's held 70 MB of a 320 MB board and its plan left out
+        # layers that fit).
+        capacities = [self._starter_capacity()] + [s.capacity_bytes() for s in statuses]
         # Every node times its blocks at once, the starter too: a plan is ready in the time of
         # the slowest board, not the sum, and boards that share anything (a host's cores, its
         # memory bandwidth and cache, as emulated ones do) are timed as loaded as the ring's
@@ -142,7 +148,6 @@ class Profiler:
         with ThreadPoolExecutor(max_workers=max(1, len(nodes) - 1), thread_name_prefix="mdi-profile") as pool:
             workers = [pool.submit(self._worker_timing, n, s.device) for n, s in zip(nodes[1:], statuses)]
             timings = [self._starter_timing()] + [w.result() for w in workers]
-        capacities = [self._starter_capacity()] + [s.capacity_bytes() for s in statuses]
         out = []
         for i, node in enumerate(nodes):
             # A node's output goes to the next one: the slower of the two links to the starter
@@ -214,8 +219,12 @@ class Profiler:
                 free -= weight_bytes(self.config, (0, 0), self.cfg.model.dtype, True, request.quant)
             n_blocks = profile_blocks(self.config, self.cfg.model.dtype, request.quant, request.device, free,
                                       max(request.batch_sizes), profile_positions(request))
-            return profile_here(request, request.device, with_ends=True, params=self.params,
-                                time_loop=time_loop, n_blocks=n_blocks).to_json()
+            try:
+                return profile_here(request, request.device, with_ends=True, params=self.params,
+                                    time_loop=time_loop, n_blocks=n_blocks).to_json()
+            finally:
+                gc.collect()
+                release_freed_memory()  # the random blocks' memory goes back before the weights come
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling), measure)
 
