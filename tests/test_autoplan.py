@@ -12,6 +12,7 @@ import yaml
 from conftest import BIN, WorkerProcess, free_ports
 from mdi.model.profile import profile_blocks
 from mdi.ring.profile_request import ProfileRequest
+from mdi.ring.status import LOAD_HEADROOM_BYTES
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, load_config, parse_config
 from mdi.starter import batch
@@ -109,8 +110,9 @@ def test_a_ring_too_small_for_the_model_fails_before_any_weight_is_sent(tiny_mod
     small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", "0.00001"]).wait_ready()  # ~10 kB
     try:
         cfg = load_config(write_config(tmp_path / "auto.yaml", tiny_models["llama"], [small]))
-        # This machine stands for a board with 20 kB free: the ring has 30 kB in all.
-        monkeypatch.setattr(mdi.system.memory, "available_memory_bytes", lambda: 20 * 1024)
+        # This machine stands for a board with 20 kB free beside what loading needs: the ring
+        # has 30 kB in all.
+        monkeypatch.setattr(mdi.system.memory, "available_memory_bytes", lambda: LOAD_HEADROOM_BYTES + 20 * 1024)
         with pytest.raises(ConfigError) as e:
             batch.run(cfg, PROMPTS)
         msg = str(e.value)

@@ -114,7 +114,8 @@ class StatusReply:
 # through a temporary file and one tensor at a time, and the allocator keeps some slack. With
 # nothing kept, an emulated 300 MB board told it could hold 149.5 MB took 143 MB of weights and
 # was killed by the kernel while loading them. Both ends use it (the worker's checks, the
-# starter's capacity figure), so a plan never fills a board to its last byte.
+# starter's capacity figure of each worker and of itself), so a plan never fills a board to its
+# last byte.
 LOAD_HEADROOM_BYTES = 32 * 1024 * 1024
 
 

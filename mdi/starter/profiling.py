@@ -27,6 +27,7 @@ from mdi.model.source import ModelSource
 from mdi.model.transformer import release_freed_memory
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)
+from mdi.ring.status import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
@@ -280,5 +281,8 @@ class Profiler:
 
     @staticmethod
     def _starter_capacity() -> Optional[int]:
+        """What the starter can give its chunk: as a worker, its free memory less what loading
+        needs beside the weights (it reads them one tensor at a time too)."""
         from mdi.system.memory import available_memory_bytes
-        return available_memory_bytes()
+        free = available_memory_bytes()
+        return None if free is None else max(0, free - LOAD_HEADROOM_BYTES)
