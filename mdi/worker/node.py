@@ -217,23 +217,16 @@ class Worker:
             self.lock.release()
 
     def _profile_blocks(self, request: ProfileRequest) -> int:
-        """How many random blocks to time (profile_blocks), within this worker's memory; refuse
-        (413) when not even PROFILE_LAYERS fit: a board at its limit is killed by the kernel,
-        not told. The weights of the last run (idle: the caller checked) count as free: they
-        are let go when the profile needs their room, as the next /init would (a 230 MB board
-        holding its warmup run's layers refused a profile, and the plan left it out)."""
+        """How many random blocks to time (profile_blocks), within what fits beside the weights
+        held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
+        the kernel, not told."""
         config, rows = request.model, max(request.batch_sizes)
         positions = profile_positions(request)
         limit, what = self._memory_limit()
         free = limit - chunk_nbytes(self.chunk) if limit is not None else None
-        n = profile_blocks(config, request.dtype, request.quant, self.device_override or request.device,
-                           limit, rows, positions)
+        n = profile_blocks(config, request.dtype, request.quant, self.device_override or request.device, free,
+                           rows, positions)
         need = profile_bytes(config, n, request.dtype, request.quant, rows, positions)
-        if free is not None and need > free and self.chunk is not None:
-            log.info("worker: letting go of the last run's weights to profile (%d bytes needed, %d free beside "
-                     "them)", need, free)
-            self._drop_chunk_locked()
-            free = limit
         if free is not None and need > free:
             raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
                            % (need, n, free, what))
