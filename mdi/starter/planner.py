@@ -245,7 +245,6 @@ def _best_split(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch
     fewer nodes, then the shorter ring). A ring with a node left out carries the same samples
     in bigger groups, so the solver runs at the rows per pass of every ring size, and each
     result is judged at its own."""
-    solve(costs, n_layer)  # PlanError, naming the missing memory, when nothing fits
     candidates = []  # type: List[Split]
     for size in range(1, len(costs) + 1):
         rows, n_groups = groups(samples, size, max_batch)
@@ -262,6 +261,8 @@ def _best_split(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch
             limits = sorted(v for v in stages if split.bottleneck_s < v <= split.ring_s / n_groups)
             for limit in limits[::max(1, len(limits) // MAX_LIMITS)]:
                 candidates.append(solve(costs, n_layer, rows, used=size, limit=limit))
+    if not candidates:  # no split fits at all: solve raises the PlanError that says why
+        solve(costs, n_layer)
 
     def speed(split: Split) -> float:
         return predict_tokens_per_s(costs, split.counts, samples, max_batch)
