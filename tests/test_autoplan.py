@@ -10,9 +10,9 @@ import requests
 import yaml
 
 from conftest import BIN, WorkerProcess, free_ports
-from mdi.model.profile import profile_blocks
-from mdi.ring.profile_request import ProfileRequest
-from mdi.ring.status import LOAD_HEADROOM_BYTES
+from mdi.model.layout import weight_bytes
+from mdi.model.profile import profile_blocks, profile_bytes
+from mdi.ring.profile_request import ProfileRequest, profile_positions
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, load_config, parse_config
 from mdi.starter import batch
@@ -104,15 +104,40 @@ def test_a_worker_without_memory_for_a_layer_is_left_out(tiny_models, tmp_path, 
         small.stop()
 
 
+def test_an_idle_worker_lets_go_of_its_last_weights_when_a_profile_needs_their_room(tiny_models, tmp_path):
+    # A board that holds its last run's layers and has room for the two blocks of a profile
+    # only without them: it profiles (the next /init would drop them anyway), it is not left out.
+    model = tiny_models["llama"]
+    config = ModelSource(model).config
+    request = ProfileRequest(config, "float32", "cpu", [1, 2], 8, 4, threads=1)
+    two_blocks = profile_bytes(config, 2, "float32", None, 2, profile_positions(request))
+    held = weight_bytes(config, (0, 2), "float32")  # the 2 layers the fixed ring below gives it
+    limit = held + two_blocks - 1
+    small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", repr(limit / 1024 ** 3)]).wait_ready()
+    try:
+        cfg = load_config(write_config(tmp_path / "fixed.yaml", model, [small], layers=2))
+        first = batch.run(cfg, PROMPTS)
+        url = "http://127.0.0.1:%d" % small.port
+        assert requests.get(url + "/status", timeout=10).json()["memory"]["chunk_bytes"] >= held
+        r = requests.post(url + "/profile", json=request.to_json(), timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["blocks"] >= 2
+        assert requests.get(url + "/status", timeout=10).json()["memory"]["chunk_bytes"] == 0
+        again = batch.run(cfg, PROMPTS)  # the next run loads its weights again
+        assert [s.token_ids for s in again.samples] == [s.token_ids for s in first.samples]
+    finally:
+        small.stop()
+
+
 def test_a_ring_too_small_for_the_model_fails_before_any_weight_is_sent(tiny_models, tmp_path, cache_dir,
                                                                         monkeypatch):
     import mdi.system.memory
     small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", "0.00001"]).wait_ready()  # ~10 kB
     try:
         cfg = load_config(write_config(tmp_path / "auto.yaml", tiny_models["llama"], [small]))
-        # This machine stands for a board with 20 kB free beside what loading needs: the ring
-        # has 30 kB in all.
-        monkeypatch.setattr(mdi.system.memory, "available_memory_bytes", lambda: LOAD_HEADROOM_BYTES + 20 * 1024)
+        # This machine stands for a board with 20 kB free (the starter keeps none back for
+        # itself): the ring has 30 kB in all.
+        monkeypatch.setattr(mdi.system.memory, "available_memory_bytes", lambda: 20 * 1024)
         with pytest.raises(ConfigError) as e:
             batch.run(cfg, PROMPTS)
         msg = str(e.value)

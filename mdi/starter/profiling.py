@@ -27,11 +27,10 @@ from mdi.model.source import ModelSource
 from mdi.model.transformer import release_freed_memory
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)
-from mdi.ring.status import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
-from mdi.starter.capacity import chunk_bytes_needed, node_quant
+from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
 from mdi.starter.control import NodeError
 from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.planner import NodeCost, groups
@@ -141,7 +140,7 @@ class Profiler:
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
         # back with the OS yet (the starter's held 70 MB of a 320 MB board and its plan left out
         # layers that fit).
-        capacities = [self._starter_capacity()] + [s.capacity_bytes() for s in statuses]
+        capacities = [starter_free_bytes()] + [s.capacity_bytes() for s in statuses]
         # Every node times its blocks at once, the starter too: a plan is ready in the time of
         # the slowest board, not the sum, and boards that share anything (a host's cores, its
         # memory bandwidth and cache, as emulated ones do) are timed as loaded as the ring's
@@ -215,7 +214,7 @@ class Profiler:
             def time_loop(chunk: Any) -> Dict[int, float]:
                 return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
                                          self.cfg.runtime.token)
-            free = self._starter_capacity()  # less the embedding and head, which the profile holds too
+            free = starter_free_bytes()  # less the embedding and head, which the profile holds too
             if free is not None:
                 free -= weight_bytes(self.config, (0, 0), self.cfg.model.dtype, True, request.quant)
             n_blocks = profile_blocks(self.config, self.cfg.model.dtype, request.quant, request.device, free,
@@ -278,11 +277,3 @@ class Profiler:
                                    node_quant(self.cfg, self.source, node, [j, j + 1])) + self._adapter_bytes[j]
                 for j in range(self.config.n_layer)]
         return self._bytes[node.quant]
-
-    @staticmethod
-    def _starter_capacity() -> Optional[int]:
-        """What the starter can give its chunk: as a worker, its free memory less what loading
-        needs beside the weights (it reads them one tensor at a time too)."""
-        from mdi.system.memory import available_memory_bytes
-        free = available_memory_bytes()
-        return None if free is None else max(0, free - LOAD_HEADROOM_BYTES)

@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -219,14 +219,27 @@ class Worker:
     def _profile_blocks(self, request: ProfileRequest) -> int:
         """How many random blocks to time (profile_blocks), within what fits beside the weights
         held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
-        the kernel, not told."""
+        the kernel, not told. When they do not fit beside the last run's weights (idle: the
+        caller checked), those go first, as the next /init would drop them, and the room is
+        measured again, not assumed: a 230 MB board holding its warmup run's layers refused the
+        profile and the plan left it out, and one sized on the room the weights would leave,
+        before they had gone, was OOM-killed."""
         config, rows = request.model, max(request.batch_sizes)
         positions = profile_positions(request)
-        limit, what = self._memory_limit()
-        free = limit - chunk_nbytes(self.chunk) if limit is not None else None
-        n = profile_blocks(config, request.dtype, request.quant, self.device_override or request.device, free,
-                           rows, positions)
-        need = profile_bytes(config, n, request.dtype, request.quant, rows, positions)
+        device = self.device_override or request.device
+
+        def fit() -> Tuple[int, int, Optional[int], str]:
+            limit, what = self._memory_limit()
+            free = limit - chunk_nbytes(self.chunk) if limit is not None else None
+            n = profile_blocks(config, request.dtype, request.quant, device, free, rows, positions)
+            return n, profile_bytes(config, n, request.dtype, request.quant, rows, positions), free, what
+
+        n, need, free, what = fit()
+        if free is not None and need > free and self.chunk is not None:
+            log.info("worker: letting go of the last run's weights to profile (%d bytes needed, %d free beside them)",
+                     need, free)
+            self._drop_chunk_locked()
+            n, need, free, what = fit()
         if free is not None and need > free:
             raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
                            % (need, n, free, what))
@@ -347,15 +360,15 @@ class Worker:
 
     def _memory_limit(self):
         """(bytes, what): the most memory this worker gives a run: its --max-memory, else the
-        memory available plus the weights it holds now (freed before new ones load), less the
-        headroom loading needs (LOAD_HEADROOM_BYTES)."""
+        memory available plus the weights it holds now (freed before new ones load), less what
+        a run needs beside its weights and cache (LOAD_HEADROOM_BYTES)."""
         if self.max_memory is not None:
             return self.max_memory, "--max-memory"
         avail = available_memory_bytes()
         if avail is None:
             return None, "unknown"
         return (max(0, avail + chunk_nbytes(self.chunk) - LOAD_HEADROOM_BYTES),
-                "available memory less %d MB to load" % (LOAD_HEADROOM_BYTES >> 20))
+                "available memory less %d MB a run needs beside them" % (LOAD_HEADROOM_BYTES >> 20))
 
     def _check_push_fits(self, nbytes: int, cache_bytes: int) -> None:
         limit, what = self._memory_limit()
