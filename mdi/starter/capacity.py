@@ -31,11 +31,11 @@ MB = 1024 * 1024
 
 def starter_free_bytes() -> Optional[int]:
     """What the starter can give its own chunk (embedding and head included): the memory free
-    here, its cgroup's when limited, none kept back. Unlike a worker (LOAD_HEADROOM_BYTES), it
-    has computed before it measures (tokenizer, torch, a plan's profile), so its working memory
-    is already in use, and weights are read straight into their parameters. GPT-2 12L/384 on a
-    240 MiB starter: its load check let 10 layers through with 1.5 MB to spare, and they ran.
-    The plan keeping 32 MB here too put 6 layers where 8 ran, and refused rings that run."""
+    here, its cgroup's when limited, none kept back, as its own load check (check_fits_here)
+    keeps none: a plan that keeps more than the check leaves out layers that fit. GPT-2 12L/384
+    on a 240 MiB starter: the check let 10 layers through with 1.5 MB to spare, and they ran;
+    the plan keeping 32 MB (LOAD_HEADROOM_BYTES) put 6 there and refused rings that run. Its
+    profile, the process's first compute, does keep that headroom (Profiler._starter_timing)."""
     from mdi.system.memory import available_memory_bytes
     return available_memory_bytes()
 

@@ -27,6 +27,7 @@ from mdi.model.source import ModelSource
 from mdi.model.transformer import release_freed_memory
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)
+from mdi.ring.status import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
@@ -214,9 +215,13 @@ class Profiler:
             def time_loop(chunk: Any) -> Dict[int, float]:
                 return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
                                          self.cfg.runtime.token)
-            free = starter_free_bytes()  # less the embedding and head, which the profile holds too
+            # Less the embedding and head, which the profile holds too, and the headroom a worker
+            # keeps: the profile is this process's first compute, its working memory comes on top
+            # (with none kept, a 240 MiB starter was OOM-killed profiling GPT-2).
+            free = starter_free_bytes()
             if free is not None:
-                free -= weight_bytes(self.config, (0, 0), self.cfg.model.dtype, True, request.quant)
+                ends = weight_bytes(self.config, (0, 0), self.cfg.model.dtype, True, request.quant)
+                free -= ends + LOAD_HEADROOM_BYTES
             n_blocks = profile_blocks(self.config, self.cfg.model.dtype, request.quant, request.device, free,
                                       max(request.batch_sizes), profile_positions(request))
             try:
