@@ -415,6 +415,8 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     from mdi.worker.app import MAX_BODY_BYTES, create_app
     from mdi.worker.node import Worker
     setup_process(args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", args.threads)
+    from mdi.system.memory import limit_malloc_arenas
+    limit_malloc_arenas()  # before the HTTP server's threads: a board serving run after run stays its size
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
     from mdi.ring.auth import TokenError, is_loopback, load_token
     try:

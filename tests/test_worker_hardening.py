@@ -7,9 +7,11 @@ import glob
 import hashlib
 import json
 import os
+import platform
 import re
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -386,3 +388,15 @@ def test_missing_models_dir_is_one_line(tmp_path):
                            "--models-dir", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == "mdi: error: --models-dir %s is not a directory" % (
         tmp_path / "nope"), proc.stderr
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_worker_process_limits_its_malloc_arenas_unless_the_user_set_them():
+    # A worker serves every run on a new thread; with an arena per thread its memory grew run
+    # after run (mdi.system.memory.limit_malloc_arenas says how much).
+    code = "from mdi.system.memory import limit_malloc_arenas; print(limit_malloc_arenas())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    theirs = subprocess.run([sys.executable, "-c", code], env=dict(env, MALLOC_ARENA_MAX="4"), capture_output=True,
+                            text=True, timeout=60)
+    assert (ours.stdout.strip(), theirs.stdout.strip()) == ("True", "False"), ours.stderr + theirs.stderr

@@ -120,7 +120,7 @@ class StatusReply:
 # a 300 MB board told it could hold 149.5 MB took 143 MB and was killed. Loading adds nothing:
 # tensors are read straight into their parameters (store.read_tensors_into). The worker's
 # checks and the starter's figure of each worker's capacity use it; the starter keeps none for
-# itself (capacity.starter_free_bytes: its working memory is in use when it measures).
+# itself, as its own load check (capacity.starter_free_bytes).
 LOAD_HEADROOM_BYTES = 32 * 1024 * 1024
 
 

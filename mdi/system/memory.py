@@ -7,6 +7,7 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
+import ctypes
 import os
 import resource
 import sys
@@ -94,6 +95,25 @@ def _cgroup_free(path: str, limit_file: str, usage_file: str, cache_key: str) ->
         return int(limit) - used + cache
     except (OSError, ValueError):
         return None
+
+
+_M_ARENA_MAX = -8  # glibc's mallopt() parameter number
+
+
+def limit_malloc_arenas(arenas: int = 1) -> bool:
+    """Have glibc's malloc keep at most `arenas` heaps (mallopt M_ARENA_MAX), unless the user
+    set MALLOC_ARENA_MAX; False where it cannot (not glibc). A worker serves each HTTP request
+    and each run on a new thread, and glibc gives threads their own arenas: memory one run's
+    thread frees stays in its arena, and the next run's thread allocates afresh in another. A
+    GPT-2 worker's RSS grew 33 MB over 12 runs, ~3 MB (a KV cache) a run; with one arena (and
+    malloc_trim at a run's end) 1.5 MB over 10, at the same tokens/s (medians 211 vs 212 over
+    12 interleaved runs). Called by an entry point before it starts threads."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
+    except (AttributeError, OSError, TypeError):
+        return False
 
 
 def rss_bytes() -> int:
