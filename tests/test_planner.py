@@ -162,3 +162,27 @@ def test_the_plan_is_the_fastest_split_its_prediction_knows(seed):
     plan = make_plan(costs, n_layer, samples)
     assert plan.predicted[samples] >= best * (1 - TIE)
     assert plan.rows_per_pass == groups(samples, sum(1 for c in plan.counts if c))[0]
+
+
+def test_a_plan_over_the_kept_nodes_widens_back_to_the_whole_ring():
+    from mdi.starter.planner import widen
+    linear = dict(batch_cost=4.0)  # no gain from bigger passes: two nodes beat one
+    costs = [node("s", 1.0, **linear), node("slow", 40.0, **linear), node("w", 1.0, **linear)]
+    outer = make_plan(costs, 12, 2)
+    kept = [i for i, k in enumerate(outer.counts) if k]
+    assert kept == [0, 2] and list(outer.dropped) == ["slow"]  # too slow to hold even one layer
+    inner = make_plan([node("s", 0.5, **linear), node("w", 0.5, **linear)], 12, 2)  # timed again, by themselves
+    plan = widen(inner, kept, outer)
+    assert plan.counts == [inner.counts[0], 0, inner.counts[1]] and sum(plan.counts) == 12
+    assert [r.name for r in plan.rows] == ["s", "slow", "w"] and plan.rows[1].layers is None
+    assert plan.dropped == outer.dropped and plan.predicted == inner.predicted
+    assert plan.metrics(["s", "slow", "w"])["counts"] == plan.counts
+
+
+def test_nodes_on_one_machine_know_each_other():
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.profiling import machine_mates
+    nodes = [NodeSpec("starter", "10.0.0.9", 1), NodeSpec("a", "127.0.0.1", 2), NodeSpec("b", "10.0.0.2", 3),
+             NodeSpec("c", "10.0.0.2", 4), NodeSpec("d", "localhost", 5)]
+    assert machine_mates(nodes) == {"starter": ["a", "d"], "a": ["d", "starter"], "d": ["a", "starter"],
+                                    "b": ["c"], "c": ["b"]}

@@ -15,6 +15,7 @@ plan solves once per number of nodes used, at the rows per pass that many nodes 
 samples (fewer nodes carry them in bigger groups), and keeps the split predicted to make the
 most tokens/s. Memory is a hard limit: each node's weights and KV cache must fit what it has.
 """
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -304,6 +305,15 @@ def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="
     fill = max(1, math.ceil(split.ring_s / split.bottleneck_s - 1e-9))
     return Plan(split.counts, plan_rows, samples, int(rows), split.bottleneck_s * 1e3, split.ring_s * 1e3, fill,
                 predicted, dropped)
+
+
+def widen(inner: Plan, kept: Sequence[int], outer: Plan) -> Plan:
+    """`inner`, planned over the nodes `kept` (indices) of `outer`'s ring, as a plan over all of
+    them: the others left out, for `outer`'s reasons."""
+    counts, rows = [0] * len(outer.counts), list(outer.rows)
+    for j, i in enumerate(kept):
+        counts[i], rows[i] = inner.counts[j], inner.rows[j]
+    return dataclasses.replace(inner, counts=counts, rows=rows, dropped=dict(outer.dropped, **inner.dropped))
 
 
 def format_plan(plan: Plan) -> str:

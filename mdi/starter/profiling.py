@@ -25,6 +25,7 @@ from mdi.model.profile import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.transformer import release_freed_memory
+from mdi.ring.auth import is_loopback
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)
 from mdi.ring.status import LOAD_HEADROOM_BYTES
@@ -131,11 +132,13 @@ class Profiler:
         self.seconds = 0.0  # spent measuring (0 when everything came from the cache)
         self.cache_dirty = False
         self._bytes = {}  # type: Dict[Optional[str], List[int]]  # node quant -> layer bytes
+        self._mates = {}  # type: Dict[str, List[str]]  # node -> the nodes timed with it on its machine
         self._adapter_bytes = None  # type: Optional[List[int]]
 
     def costs(self, nodes: Sequence[NodeSpec]) -> List[NodeCost]:
         """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""
         t0 = time.perf_counter()
+        self._mates = machine_mates(nodes)
         links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
         statuses = [client_for(self.cfg, n).status() for n in nodes[1:]]  # one read: its device and memory
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
@@ -170,6 +173,7 @@ class Profiler:
         """One worker alone (a spare joining the ring): its blocks, its link and its memory."""
         link = self._link(node)
         status = client_for(self.cfg, node).status()
+        self._mates = {}
         timing = self._worker_timing(node, status.device)
         capacity = _smaller(status.capacity_bytes(), client_for(self.cfg, node).status().capacity_bytes())
         cost = self._cost(1, node, timing, [link], capacity)
@@ -208,7 +212,8 @@ class Profiler:
         try:
             # The key: all the request says (model shape, dtype, quant, device, threads, rows...).
             return self._cached("worker", dict(request.to_json(), node=node.name, address=node.address,
-                                               worker_device=device), measure)
+                                               worker_device=device, alongside=self._mates.get(node.name, [])),
+                                measure)
         except NodeError as e:
             if "HTTP 413" not in str(e):
                 raise
@@ -238,7 +243,8 @@ class Profiler:
                 gc.collect()
                 release_freed_memory()  # the random blocks' memory goes back before the weights come
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
-        return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling), measure)
+        return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling,
+                                            alongside=self._mates.get(node.name, [])), measure)
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
@@ -289,6 +295,17 @@ class Profiler:
                                    node_quant(self.cfg, self.source, node, [j, j + 1])) + self._adapter_bytes[j]
                 for j in range(self.config.n_layer)]
         return self._bytes[node.quant]
+
+
+def machine_mates(nodes: Sequence[NodeSpec]) -> Dict[str, List[str]]:
+    """Each node's name -> the other nodes of `nodes` on its machine (the starter, `nodes[0]`,
+    and workers on loopback are this one; others share a machine when their host is the same).
+    Profiled at once, they share its cores, memory bandwidth and cache: what a profile measured
+    depends on them, so they are part of its cache key, and a plan that leaves some out times
+    the others again (autoplan.plan_ring)."""
+    machines = ["this" if i == 0 or is_loopback(n.host) else n.host for i, n in enumerate(nodes)]
+    return {n.name: sorted(o.name for o, m in zip(nodes, machines) if m == here and o is not n)
+            for n, here in zip(nodes, machines)}
 
 
 def _smaller(a: Optional[int], b: Optional[int]) -> Optional[int]:
