@@ -28,9 +28,10 @@ def plan_ring(cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, s
         # Nodes left out shared a machine with kept ones while all were timed (emulated boards,
         # several workers on one box): its cores, memory bandwidth and cache, which the ring
         # will not share with them. Timed beside a 0.25-core board the plan left out, the
-        # starter and the 0.5-core board of planner-memory-gpt2 took 1.4x and 1.6x as long per
-        # GPT-2 layer as timed by themselves, and the plan predicted 0.69-0.85x the tokens/s
-        # its ring made. The kept nodes are timed again by themselves and the plan made over them.
+        # starter and the 0.5-core board of planner-memory-gpt2-final took 1.4x and 1.6x as
+        # long per GPT-2 layer as timed by themselves, and the plan predicted 0.64-0.85x the
+        # tokens/s its ring made. The kept nodes are timed again by themselves and the plan
+        # made over them.
         again = profiler.costs([cfg.nodes[i] for i in kept])
         try:
             plan = widen(make_plan(again, n_layer, samples, max_batch), kept, plan)

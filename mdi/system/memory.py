@@ -7,7 +7,6 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
-import ctypes
 import os
 import resource
 import sys
@@ -110,6 +109,7 @@ def limit_malloc_arenas(arenas: int = 1) -> bool:
     12 interleaved runs). Called by an entry point before it starts threads."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return False
+    import ctypes
     try:
         return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
     except (AttributeError, OSError, TypeError):
