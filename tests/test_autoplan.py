@@ -59,8 +59,8 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     cached = json.load(open(os.path.join(cache_dir, "profiles.json")))
     # The starter, two workers, two links; and when the plan leaves a node out, the nodes kept,
     # timed again by themselves (these workers share the starter's machine).
-    retimed = len(used) if plan["dropped"] else 0
-    assert len(cached) == 5 + retimed
+    assert bool(plan["retimed"]) == bool(plan["dropped"]) and set(plan["retimed"]).isdisjoint(plan["dropped"])
+    assert len(cached) == 5 + len(plan["retimed"])
     # The second plan comes from the cache: nothing is measured again.
     before = {k: v for k, v in cached.items()}
     again = batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS)
@@ -69,8 +69,8 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     # Other code (a faster kernel, say) makes those profiles stale: measured again.
     from mdi.starter import profiling
     monkeypatch.setattr(profiling, "_code_ids", ["other code"])
-    batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS)
-    assert len(json.load(open(os.path.join(cache_dir, "profiles.json")))) == 2 * (5 + retimed)
+    stale = batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS).metrics()["plan"]
+    assert len(json.load(open(os.path.join(cache_dir, "profiles.json")))) == len(cached) + 5 + len(stale["retimed"])
 
 
 def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp_path, cache_dir):

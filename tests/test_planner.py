@@ -175,7 +175,7 @@ def test_a_plan_over_the_kept_nodes_widens_back_to_the_whole_ring():
     plan = widen(inner, kept, outer)
     assert plan.counts == [inner.counts[0], 0, inner.counts[1]] and sum(plan.counts) == 12
     assert [r.name for r in plan.rows] == ["s", "slow", "w"] and plan.rows[1].layers is None
-    assert plan.dropped == outer.dropped and plan.predicted == inner.predicted
+    assert plan.dropped == outer.dropped and plan.predicted == inner.predicted and plan.retimed == ["s", "w"]
     assert plan.metrics(["s", "slow", "w"])["counts"] == plan.counts
 
 

@@ -132,13 +132,12 @@ class Profiler:
         self.seconds = 0.0  # spent measuring (0 when everything came from the cache)
         self.cache_dirty = False
         self._bytes = {}  # type: Dict[Optional[str], List[int]]  # node quant -> layer bytes
-        self._mates = {}  # type: Dict[str, List[str]]  # node -> the nodes timed with it on its machine
         self._adapter_bytes = None  # type: Optional[List[int]]
 
     def costs(self, nodes: Sequence[NodeSpec]) -> List[NodeCost]:
         """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""
         t0 = time.perf_counter()
-        self._mates = machine_mates(nodes)
+        mates = machine_mates(nodes)  # part of each profile's cache key
         links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
         statuses = [client_for(self.cfg, n).status() for n in nodes[1:]]  # one read: its device and memory
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
@@ -150,8 +149,9 @@ class Profiler:
         # memory bandwidth and cache, as emulated ones do) are timed as loaded as the ring's
         # steady state loads them.
         with ThreadPoolExecutor(max_workers=max(1, len(nodes) - 1), thread_name_prefix="mdi-profile") as pool:
-            workers = [pool.submit(self._worker_timing, n, s.device) for n, s in zip(nodes[1:], statuses)]
-            timings = [self._starter_timing()] + [w.result() for w in workers]
+            workers = [pool.submit(self._worker_timing, n, s.device, mates[n.name])
+                       for n, s in zip(nodes[1:], statuses)]
+            timings = [self._starter_timing(mates[nodes[0].name])] + [w.result() for w in workers]
         # A worker's memory is read again once it has profiled, and the smaller figure kept:
         # what its profile held is not all back with the OS (a 230 MiB board could give 31.9 MB
         # before profiling and 30.7 MB after, and refused its 31.9 MB share at /init).
@@ -173,8 +173,7 @@ class Profiler:
         """One worker alone (a spare joining the ring): its blocks, its link and its memory."""
         link = self._link(node)
         status = client_for(self.cfg, node).status()
-        self._mates = {}
-        timing = self._worker_timing(node, status.device)
+        timing = self._worker_timing(node, status.device, [])
         capacity = _smaller(status.capacity_bytes(), client_for(self.cfg, node).status().capacity_bytes())
         cost = self._cost(1, node, timing, [link], capacity)
         if self.cache_dirty:
@@ -201,10 +200,11 @@ class Profiler:
                               self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype,
                               dict(node_quant(cfg, self.source, node, layers, with_ends)), cfg.runtime.quant_kernel)
 
-    def _worker_timing(self, node: NodeSpec, device: str) -> Dict[str, Any]:
+    def _worker_timing(self, node: NodeSpec, device: str, alongside: Sequence[str]) -> Dict[str, Any]:
         """`device`: the one the worker reports; its own --device wins over the run's, so it is
         part of what is timed. (Its own --threads too, but /status cannot tell an override from
-        the last run's setting: --refresh.)"""
+        the last run's setting: --refresh.) `alongside`: the nodes timed at once on its machine
+        (machine_mates)."""
         request = self._request(node, False)
 
         def measure() -> Dict[str, Any]:
@@ -212,14 +212,14 @@ class Profiler:
         try:
             # The key: all the request says (model shape, dtype, quant, device, threads, rows...).
             return self._cached("worker", dict(request.to_json(), node=node.name, address=node.address,
-                                               worker_device=device, alongside=self._mates.get(node.name, [])),
+                                               worker_device=device, alongside=list(alongside)),
                                 measure)
         except NodeError as e:
             if "HTTP 413" not in str(e):
                 raise
             return {"unusable": "too little memory to time even two blocks (%s)" % str(e).split(": ")[-1]}
 
-    def _starter_timing(self) -> Dict[str, Any]:
+    def _starter_timing(self, alongside: Sequence[str]) -> Dict[str, Any]:
         node = self.cfg.nodes[0]
         request = self._request(node, True)
 
@@ -244,7 +244,7 @@ class Profiler:
                 release_freed_memory()  # the random blocks' memory goes back before the weights come
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling,
-                                            alongside=self._mates.get(node.name, [])), measure)
+                                            alongside=list(alongside)), measure)
 
     def _link(self, node: NodeSpec) -> Dict[str, float]:
         def measure() -> Dict[str, float]:
