@@ -337,6 +337,9 @@ def report(result, args: argparse.Namespace) -> None:
             print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason or "unfinished"))
             print(sample.prompt + text)
     print(summary_line(result), flush=True)
+    kernels = kernels_line(result)
+    if kernels and not args.quiet:
+        print(kernels, file=sys.stderr)
     note = context_note(result)
     if note:
         print(note, file=sys.stderr)
@@ -353,6 +356,16 @@ def context_note(result) -> Optional[str]:
             "generation.context_shift: true keeps going with a rolling window"
             % (len(cut), len(result.samples), result.extra.get("context", "?"), cut[0].max_new_tokens,
                "/".join(str(len(s.token_ids)) for s in cut)))
+
+
+def kernels_line(result) -> Optional[str]:
+    """Which kernels each node's quantized layers multiply with (the metrics record has why:
+    each candidate's measured time per weight shape); None for a float model."""
+    from mdi.model.qkernels import summary
+    parts = ["%s %s" % (n["name"], summary(n["kernels"])) for n in result.nodes if n.get("kernels")]
+    if not parts:
+        return None
+    return "mdi: quantized kernels (measured per shape, runtime.quant_kernel): " + "; ".join(parts)
 
 
 def summary_line(result) -> str:
@@ -479,10 +492,10 @@ def add_quant_arguments(p: argparse.ArgumentParser) -> None:
 def add_kernel_argument(p: argparse.ArgumentParser) -> None:
     from mdi.model.qkernels import POLICY_NAMES
     p.add_argument("--quant-kernel", choices=POLICY_NAMES, metavar="POLICY",
-                   help="how quantized layers multiply (runtime.quant_kernel): exact (default: float32 maths, the "
-                        "same numbers as the dequantized model), fast (also bfloat16 packed kernels, measured per "
-                        "shape: several times faster on CPU, ~1%% logit error), or a kernel: "
-                        + ", ".join(POLICY_NAMES[2:]))
+                   help="how quantized layers multiply (runtime.quant_kernel): fast (default: the fastest kernel "
+                        "measured on each layer's shape here: bfloat16 packed or int8 integer kernels, ~1%% logit "
+                        "error), exact (float32 maths only, the same numbers as the dequantized model, several "
+                        "times slower), or a kernel: " + ", ".join(POLICY_NAMES[2:]))
 
 
 def prepare_main(argv: Optional[List[str]] = None) -> int:

@@ -85,7 +85,7 @@ class RuntimeSpec:
     token: Optional[str] = None  # the secret itself: never from the YAML, read via token_file/env
     # Re-plans after a node failure; None: 2 when spares are listed, else 0 (fail at once).
     recovery_attempts: Optional[int] = None
-    quant_kernel: str = DEFAULT_POLICY  # exact | fast (bfloat16 kernels allowed) | a kernel's name (mdi.model.qkernels)
+    quant_kernel: str = DEFAULT_POLICY  # fast (measured fastest) | exact (float32 maths) | a kernel's name (mdi.model.qkernels)
     # Samples per frame (one forward per node over all of them); "auto": samples in flight / nodes,
     # so they travel as about one group per node; 1: every sample alone (the unbatched ring).
     max_batch: Any = "auto"

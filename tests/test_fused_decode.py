@@ -82,16 +82,22 @@ def decode(chunk, fused: bool, samples: int, steps: int, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("quant,kernel", [("none", None), ("int4", "int4pack-cpu"), ("int8", "int8-as-2xint4-cpu")])
+@pytest.mark.parametrize("quant,kernel", [("none", None), ("int4", "int4pack-cpu"), ("int8", "int8-as-2xint4-cpu"),
+                                          ("int4", "int8dyn-fbgemm"), ("int8", "int8dyn-fbgemm")])
 def test_scripted_decode_is_the_eager_result_bit_for_bit(kind, quant, kernel, count_fused, monkeypatch):
-    if kernel is not None and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+    if kernel is not None and "int4" in kernel and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         pytest.skip("no int4 packed kernel in this torch")
+    if kernel == "int8dyn-fbgemm" and not qkernels.INT8_FBGEMM.supports(qkernels.QuantSpec("int8", 32), 64, 64,
+                                                                        torch.device("cpu")):
+        pytest.skip("no fbgemm engine in this torch")
     qkernels.set_preference(kernel)
     try:
         chunk = chunk_of(config_of(kind), quant)
     finally:
         qkernels.set_preference(None)
     assert fused_decode.why_not(chunk) == ""
+    if kernel is not None:
+        assert chunk.blocks["0"].mlp.down.kernel.name == kernel
     for samples in (1, 3):  # one sample (Attention._attend), several in one call (_attend_decode_rows)
         eager = decode(chunk, False, samples, 12, monkeypatch)
         del count_fused[:]

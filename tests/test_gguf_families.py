@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from mdi.model import qkernels  # noqa: E402
 from mdi.model.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.gguf import read_gguf  # noqa: E402
 from mdi.model.layout import CheckpointError  # noqa: E402
@@ -249,7 +250,15 @@ def test_gguf_family_computes_what_the_hf_dir_does(tmp_path, case):
 @pytest.mark.parametrize("case", ["llama3-rope-scaling-tied", "qwen3-qk-norm-wide-heads"])
 def test_q8_0_gguf_family_kept_quantized(tmp_path, case):
     """Q8_0 blocks taken over as int8 (llama's permuted q/k rows too) compute what the HF
-    model with the same (Q8_0-rounded) weights does."""
+    model with the same (Q8_0-rounded) weights does: with the exact kernels, bit for bit."""
+    qkernels.set_preference("exact")
+    try:
+        _q8_0_kept_quantized(tmp_path, case)
+    finally:
+        qkernels.set_preference(None)
+
+
+def _q8_0_kept_quantized(tmp_path, case):
     make, arch, _ = CASES[case]
     hf_dir = saved(tmp_path, make, q8=True)
     hf_config, hf_weights = read_hf_dir(hf_dir)

@@ -7,10 +7,11 @@ import pytest
 import requests
 import torch
 
-from conftest import ROOT, free_ports
+from conftest import ROOT, WorkerProcess, free_ports
 from mdi.model import qkernels
 from mdi.model.layout import QuantSpec, weight_bytes
 from mdi.model.source import ModelSource, build_chunk
+from mdi.model.transformer import KVCache
 from mdi.runconfig import parse_config
 from mdi.starter import batch
 
@@ -39,7 +40,7 @@ def _full_chunk(source, mode):
 
 
 def test_gguf_q4_1_taken_over_gives_the_float_models_logits(smollm2_q):
-    qkernels.set_preference("exact")  # the default
+    qkernels.set_preference("exact")  # what `exact` promises: the dequantized model's numbers
     stored = smollm2_q.stored_quant
     assert stored["blocks.0.attn.qkv"] == QuantSpec("int4", 32) and stored["tok_emb"] == QuantSpec("int8", 32)
     quantized, dequantized = _full_chunk(smollm2_q, "auto"), _full_chunk(smollm2_q, "none")
@@ -51,7 +52,7 @@ def test_gguf_q4_1_taken_over_gives_the_float_models_logits(smollm2_q):
         assert float((a - b).abs().max()) <= 1e-3 * float(b.max() - b.min()), prompt
 
 
-def _config(quant, workers=(), data_ports=(), overrides=None, n_tokens=64):
+def _config(quant, workers=(), data_ports=(), overrides=None, n_tokens=64, kernel="exact"):
     nodes = [{"name": "starter", "port": 1, "layers": 30 if not workers else 10}]
     if data_ports:
         nodes[0]["data_port"] = data_ports[0]
@@ -61,7 +62,7 @@ def _config(quant, workers=(), data_ports=(), overrides=None, n_tokens=64):
         nodes.append(node)
     return parse_config({"model": {"path": SMOLLM2, "quant": quant}, "nodes": nodes,
                          "generation": {"n_tokens": n_tokens, "temperature": 0},
-                         "runtime": {"ring_timeout": 60, "threads": 1}}, "test")
+                         "runtime": {"ring_timeout": 60, "threads": 1, "quant_kernel": kernel}}, "test")
 
 
 def _ids(cfg):
@@ -87,3 +88,41 @@ def test_ring_of_quantized_nodes_matches_the_float_model(smollm2_q, workers):
     assert got == [ids[:16] for ids in reference]
     assert _chunk_bytes(workers[1]) >= weight_bytes(config, (20, 30), "float32")
     assert _chunk_bytes(workers[0]) < weight_bytes(config, (10, 20), "float32") / 4
+
+
+def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares(smollm2_q):
+    """`fast` (the default) measures each node's kernels and names them in the metrics; a
+    kernel that holds more than the stored weight (the int8 integer ones) is taken only within
+    what the node's memory spares beside its plan: a worker whose --max-memory leaves 1 MB
+    spare holds at most 1 MB beyond its planned weights, whatever it measured fastest."""
+    config = smollm2_q.config
+    planned = weight_bytes(config, (10, 20), "float32", quant=smollm2_q.layout(10, 20, False, "auto"))
+    longest = max(len(smollm2_q.tokenizer.encode(p)) for p in PROMPTS)
+    cache = KVCache.nbytes_for(config, 10, len(PROMPTS), longest + 8, torch.float32)
+    spare = 1 << 20
+    tight = WorkerProcess(free_ports(1)[0], extra=["--max-memory", repr((planned + cache + spare) / 1024 ** 3)])  # GB
+    roomy = WorkerProcess(free_ports(1)[0])
+    try:
+        tight.wait_ready()
+        roomy.wait_ready()
+        ports = free_ports(3)
+        batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel="exact"), PROMPTS)
+        stored = _chunk_bytes(tight)  # its layers as stored, and its RoPE tables
+        assert planned <= stored
+        result = batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel=qkernels.DEFAULT_POLICY), PROMPTS)
+        assert all(len(s.token_ids) == 8 for s in result.samples)
+        shapes = {"int4/g32 960x576", "int4/g32 576x576", "int4/g32 3072x576", "int4/g32 576x1536"}
+        for node in result.nodes:
+            kernels = node["kernels"]  # weight shape -> "kernel: policy fast: every candidate's time"
+            assert shapes <= set(kernels), node["name"]
+            for text in kernels.values():
+                assert text.split(":")[0] in qkernels.KERNEL_NAMES and "policy fast" in text
+        assert "int8/g32 49152x576" in result.nodes[0]["kernels"]  # the starter's head
+        assert _chunk_bytes(tight) <= stored + spare
+        gate_up = result.nodes[1]["kernels"]["int4/g32 3072x576"]
+        assert not gate_up.startswith("int8dyn"), gate_up  # it would hold 2.4 MB more
+        status = requests.get("http://127.0.0.1:%d/status" % tight.port, timeout=10).json()
+        assert status["kernels"] == result.nodes[1]["kernels"]
+    finally:
+        tight.stop()
+        roomy.stop()

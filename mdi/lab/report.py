@@ -414,16 +414,12 @@ def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
 def machine_record(source: str) -> Dict[str, Any]:
     import platform
     import mdi
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-    except OSError:
-        pass
+    from mdi.system.cpu import cpu_info
+    cpu = cpu_info()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rec = {"time_start": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(sys.argv),
            "python": platform.python_version(), "mdi": mdi.__version__, "platform": platform.platform(),
-           "machine": platform.machine(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
+           "machine": platform.machine(), "cpu_model": cpu["model"], "cpu": cpu, "cpu_count": os.cpu_count(),
            "memory_total_mb": _meminfo_mb(), "loadavg_start": list(os.getloadavg()),
            "uptime_start": command_text(["uptime"]), "threads_per_node": 1, "experiment_file": source,
            "git_commit": command_text(["git", "-C", repo, "rev-parse", "HEAD"]),

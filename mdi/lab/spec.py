@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
-from mdi.model.qkernels import POLICY_NAMES
+from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings
@@ -37,7 +37,7 @@ class ModelEntry:
     dtype: str = "float32"
     weights: str = "local"  # local: workers read their layers from the model dir; push: over HTTP
     quant: str = "auto"  # the run's model.quant: none | auto (as stored) | int8 | int4
-    quant_kernel: str = "exact"  # the run's runtime.quant_kernel: exact | fast | a kernel's name
+    quant_kernel: str = DEFAULT_POLICY  # the run's runtime.quant_kernel: fast | exact | a kernel's name
     # The runs' runtime.max_batch, an axis like samples: 1 = every sample alone (unbatched),
     # k = at most k samples per forward, auto = samples in flight / nodes.
     max_batch: List[Any] = field(default_factory=lambda: ["auto"])

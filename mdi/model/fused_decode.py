@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 FLOAT, INT4, INT8_AS_INT4 = 0, 1, 2
 KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi.model.qkernels names
+INTEGER_KERNELS = ("int8dyn-fbgemm", "int8dyn-qnnpack")  # run by their own module (packed["linear"])
 enabled = os.environ.get("MDI_FUSED_DECODE", "1") != "0"
 
 
@@ -109,6 +110,22 @@ class _Linear(torch.nn.Module):
         return y
 
 
+class _Int8Dynamic(torch.nn.Module):
+    """QuantLinear's forward with an integer kernel (mdi.model.qkernels.Int8DynamicLinear)."""
+
+    def __init__(self, linear: torch.nn.Module, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.linear = linear
+        self.has_bias = bias is not None
+        self.bias = bias if bias is not None else torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        if self.has_bias:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
 class _Block(torch.nn.Module):
     """transformer.Block's forward for decode rows (attend_sample with one row, or
     attend_decode_rows for several samples), op for op."""
@@ -161,7 +178,7 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def _linear(layer: Any) -> Optional[_Linear]:
+def _linear(layer: Any) -> Optional[torch.nn.Module]:
     """The scripted form of a Linear or QuantLinear, or None when its kernel is not covered."""
     from mdi.model.transformer import Linear, QuantLinear
     if isinstance(layer, Linear):
@@ -169,6 +186,8 @@ def _linear(layer: Any) -> Optional[_Linear]:
                 or (layer.bias is not None and layer.bias.dtype != torch.float32):
             return None
         return _Linear(FLOAT, [layer.weight], layer.bias, 0)
+    if isinstance(layer, QuantLinear) and layer.kernel is not None and layer.kernel.name in INTEGER_KERNELS:
+        return _Int8Dynamic(layer.packed["linear"], layer.bias)
     if isinstance(layer, QuantLinear) and layer.kernel is not None and layer.kernel.name in KERNEL_MODES:
         mode = KERNEL_MODES[layer.kernel.name]
         names = ("w", "sz") if mode == INT4 else ("w", "sz", "w2", "sz2")

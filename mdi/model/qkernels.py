@@ -8,31 +8,36 @@ kernels are 20x slower than float32 with float32 activations and 1.2-6x faster w
 ones). Decisions are cached per (spec, shape, device, threads, policy): a model measures each
 shape once.
 
-Policies (runtime.quant_kernel): `exact` (the default) allows only float32 arithmetic, so a
-quantized model computes exactly what its dequantized float32 twin does (a GGUF's Q4/Q8 blocks
-give the same logits and greedy text as `quant: none`); `fast` also allows the bfloat16 packed
-kernels (activations, scales and outputs rounded to 8 significant bits: ~1% of the logit range
-on SmolLM2, greedy text can part after some tokens; decode 2-4x faster on CPU); or one
-kernel's name. `dequant` runs on every torch from 2.0 and is the reference; the packed kernels
-are feature-detected (JetPack 5's torch 2.0 has none).
+Policies (runtime.quant_kernel): `fast` (the default) takes the fastest kernel measured here
+among all that compute the layer correctly: torch's bfloat16 packed kernels (activations,
+scales and outputs rounded to 8 significant bits; fast where the CPU has bfloat16
+instructions), the engines' int8 integer kernels (fbgemm on x86, qnnpack on ARM; fast on AVX2
+and ARM cores without them), or the float32 reference; greedy text can part from the exact
+path's after some tokens. `exact` allows only float32 arithmetic, so a quantized model computes
+exactly what its dequantized float32 twin does (a GGUF's Q4/Q8 blocks give the same logits and
+greedy text as `quant: none`), at several times the decode time. Or one kernel's name.
+`dequant` runs on every torch from 2.0 and is the reference; the others are feature-detected
+(JetPack 5's torch 2.0 has no packed int4 kernel; a torch without quantized tensors has no
+integer kernel).
 """
 import logging
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import quantized_linear, unpack_int4
+from mdi.model.quant import DEQUANT_ELEMENTS, dequantize, quantized_linear, unpack_int4
 
 log = logging.getLogger(__name__)
 
 Tensors = Dict[str, torch.Tensor]
 
 # A bfloat16 kernel rounds activations and scales to 8 significant bits: its relative error on
-# a layer's output is ~1e-3-5e-3. Anything beyond this is a wrong result, not rounding.
-TOLERANCE = 2e-2
+# a layer's output is ~1e-3-5e-3; int8 activations (7 bits per row, see below) ~1.5-2.5e-2 on
+# random rows. Anything beyond a kernel's `tolerance` is a wrong result, not rounding.
 MEASURE_SECONDS = 0.03  # per candidate and shape
 
 
@@ -44,6 +49,9 @@ class Kernel:
     run: Callable[[torch.Tensor, Tensors, QuantSpec, int], torch.Tensor]  # (x [rows, n_in], packed, spec, n_in)
     needs_canonical: bool = False  # keeps the canonical tensors (the dequant path)
     exact: bool = False  # float32 arithmetic: the same result as the dequantized float32 weight
+    # bytes held in objects that are not tensors (an engine's packed weight), for memory reports
+    held_bytes: Optional[Callable[[QuantSpec, int, int], int]] = None
+    tolerance: float = 2e-2  # largest error relative to the output's range that is rounding, not a fault
 
 
 def _op(name: str):
@@ -158,6 +166,167 @@ def _int8_channel_run(x, packed, spec, n_in):
     return _op("_weight_int8pack_mm")(x.to(torch.bfloat16), packed["w"], packed["s"]).to(x.dtype)
 
 
+# --- int8 activations x int8 weights in integer arithmetic (fbgemm on x86, qnnpack on ARM) ---
+# torch's packed int4 kernel computes in bfloat16: fast only on CPUs with bfloat16 instructions
+# (AVX-512 BF16, AMX). On AVX2, and on ARM cores without them, it is compute-bound, while an
+# engine's integer kernel reads int8 weights at memory speed (a 5632x2048 layer, 1 thread,
+# AVX2: 353 µs against 1,919 for int4pack and 3,811 for float32). The engines take one scale per
+# output channel: a layer stored in groups (GGUF's Q4_1 / Q8_0 blocks of 32) is rounded once at
+# load to int8 per channel, and fbgemm pads each row to a multiple of 512 values: it holds more
+# than the stored weight (from int4 groups 1.6-2.9x), so it is a candidate only within the
+# memory the node can spare (`set_memory_allowance`), never beyond what the plan counted.
+#
+# Activations: the engine quantizes its whole input with one range, to 7 bits on fbgemm
+# (reduce_range: its AVX2 path saturates 16-bit pair sums at 8). Alone that cost SmolLM2 15%
+# perplexity. So each row is divided by its largest magnitude, a last row of +1 and -1 pins the
+# range to [-1, 1] whatever the other rows hold, and each row's rounding error, rescaled, rides
+# along as another row of the same call: ~14 bits per row for one read of the weights
+# (perplexity within 0.1% of float32), and a sample's result does not depend on its frame.
+
+
+SHY = 0.999  # just inside [-1, 1]
+
+
+class Int8DynamicLinear(torch.nn.Module):
+    """x [rows, n_in] @ W.T through an engine's packed int8 weight (see above). A module so that
+    the eager path and mdi.model.fused_decode's scripted blocks run this same code."""
+
+    def __init__(self, params: Any, levels: int, n_in: int, zero: int) -> None:
+        super().__init__()
+        self.params = params
+        self.reduce_range = levels < 255  # asked of fbgemm; qnnpack keeps 8 bits and warns when asked
+        # The engine's grid for [-1, 1]: `levels` steps, its zero point one of the two
+        # integers beside the middle, as its own float arithmetic rounds (`engine_zero_point`).
+        self.step = 2.0 / levels
+        self.zero = zero
+        self.levels = levels
+        # A rounding error is at most half a step (1 / levels): this brings it inside [-1, 1].
+        self.rest_gain = SHY * levels
+        self.shy = SHY
+        pin = torch.zeros(1, n_in)
+        pin[0, 0], pin[0, -1] = 1.0, -1.0
+        self.pin = pin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        # each row's largest value to SHY, inside the pins: +-1 itself is a tie on the engine's
+        # grid (63.5 steps), which the engine and fake_quantize round apart
+        peak = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30).div_(self.shy)
+        scaled = x / peak
+        rest = (scaled - torch.fake_quantize_per_tensor_affine(scaled, self.step, self.zero, 0, self.levels)) \
+            * self.rest_gain
+        y = torch.ops.quantized.linear_dynamic(torch.cat((scaled, rest, self.pin.to(x.dtype)), 0), self.params,
+                                               self.reduce_range)
+        return torch.add(y[:rows], y[rows:2 * rows], alpha=1.0 / self.rest_gain) * peak
+
+
+# fbgemm keeps 7 bits (reduce_range); qnnpack ignores reduce_range and keeps 8.
+ENGINE_LEVELS = {"fbgemm": 127, "qnnpack": 255}
+FBGEMM_ROW_BLOCK = 512  # fbgemm's packed rows are padded to a multiple of this many values (AVX2, AVX-512)
+
+
+def _engines() -> Tuple[str, ...]:
+    try:
+        return tuple(torch.backends.quantized.supported_engines)
+    except (AttributeError, RuntimeError):
+        return ()
+
+
+def _int8_dynamic_supports(engine: str):
+    def supports(spec, n_out, n_in, device):
+        return device.type == "cpu" and engine in _engines() and hasattr(torch, "_make_per_channel_quantized_tensor") \
+            and hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch, "fake_quantize_per_tensor_affine")
+    return supports
+
+
+def per_channel_int8(t: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The weight as int8 [n_out, n_in] with one float32 scale per output row: taken as stored
+    when it already is (int8 per channel), else dequantized a block of rows at a time and rounded."""
+    q = t["qweight"]
+    if spec.kind == "int8" and spec.group_size == n_in:
+        return q, t["scales"].float().reshape(-1)
+    n_out = q.shape[0]
+    out = torch.empty(n_out, n_in, dtype=torch.int8)
+    scales = torch.empty(n_out)
+    block = max(1, DEQUANT_ELEMENTS // n_in)
+    for a in range(0, n_out, block):
+        w = dequantize({k: v[a:a + block] for k, v in t.items()}, spec, n_in)
+        s = w.abs().amax(1) / 127.0
+        s[s == 0] = 1.0
+        scales[a:a + block] = s
+        out[a:a + block] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return out, scales
+
+
+def engine_zero_point(params: Any, q: torch.Tensor, scales: torch.Tensor, levels: int) -> int:
+    """Which zero point the engine takes for inputs spanning [-1, 1]: the one whose grid explains
+    its output on a probe row exactly (a few of the weight's rows, in float, are the reference)."""
+    n_in = q.shape[1]
+    probe = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0))
+    probe /= probe.abs().max()
+    pin = torch.zeros(1, n_in)
+    pin[0, 0], pin[0, -1] = 1.0, -1.0
+    rows = min(16, q.shape[0])
+    y = torch.ops.quantized.linear_dynamic(torch.cat((probe, pin)), params, levels < 255)[0, :rows]
+    w = q[:rows].float() * scales[:rows, None]
+    errors = {}
+    for zero in (levels // 2, levels // 2 + 1):
+        grid = torch.fake_quantize_per_tensor_affine(probe, 2.0 / levels, zero, 0, levels)
+        errors[zero] = float((y - (grid @ w.T)[0]).abs().max())
+    return min(errors, key=lambda z: errors[z])
+
+
+def _int8_dynamic_pack(engine: str):
+    def pack(t, spec, n_in):
+        q, scales = per_channel_int8(t, spec, n_in)
+        n_out = q.shape[0]
+        levels = ENGINE_LEVELS[engine]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized tensors are deprecated: a torch without them never gets here
+            qw = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(n_out, dtype=torch.long), 0)
+            previous = torch.backends.quantized.engine
+            try:
+                torch.backends.quantized.engine = engine
+                params = torch.ops.quantized.linear_prepack(qw, None)
+            finally:
+                torch.backends.quantized.engine = previous
+        linear = Int8DynamicLinear(params, levels, n_in, engine_zero_point(params, q, scales, levels))
+        del q
+        if engine == "fbgemm":
+            # fbgemm keeps the int8 matrix it was given beside its packed copy, only to give it
+            # back on request (unpack, pickling), which mdi never asks: let its bytes go, and
+            # keep that only if one product comes out the same after.
+            probe = torch.randn(2, n_in, generator=torch.Generator().manual_seed(0))
+            before = linear(probe)
+            qw.untyped_storage().resize_(0)
+            if not torch.equal(linear(probe), before):
+                raise RuntimeError("fbgemm read the weight it was given after packing it")
+        return {"linear": linear}
+    return pack
+
+
+def _int8_dynamic_run(x, packed, spec, n_in):
+    return packed["linear"](x)
+
+
+def _int8_dynamic_held(engine: str):
+    def held(spec, n_out, n_in):
+        if engine == "fbgemm":
+            # rows padded to the block; measured up to 11% above that (3072x576): counted with a margin
+            return n_out * (-(-n_in // FBGEMM_ROW_BLOCK) * FBGEMM_ROW_BLOCK + 16) * 9 // 8
+        return n_out * (2 * n_in + 16)  # the matrix and its packed copy
+    return held
+
+
+def _int8_dynamic_kernel(engine: str) -> Kernel:
+    # tolerance: rounding a group-quantized weight again per channel costs up to ~2-3% of a
+    # layer's output range on one random row where a row holds outliers (SmolLM2's qkv); the
+    # model's perplexity moved 0.1% (scripts/bench_quant_quality.py)
+    return Kernel("int8dyn-" + engine, _int8_dynamic_supports(engine), _int8_dynamic_pack(engine), _int8_dynamic_run,
+                  held_bytes=_int8_dynamic_held(engine), tolerance=5e-2)
+
+
+INT8_FBGEMM = _int8_dynamic_kernel("fbgemm")
 KERNELS = [
     DEQUANT,
     _int4_kernel("int4pack-cpu", "cpu", "int4"),
@@ -165,16 +334,24 @@ KERNELS = [
     _int4_kernel("int4pack-cuda", "cuda", "int4"),
     _int4_kernel("int8-as-2xint4-cuda", "cuda", "int8"),
     Kernel("int8pack", _int8_channel_supports, _int8_channel_pack, _int8_channel_run),
+    INT8_FBGEMM,
+    _int8_dynamic_kernel("qnnpack"),
 ]
 KERNEL_NAMES = tuple(k.name for k in KERNELS)
 _BY_NAME = {k.name: k for k in KERNELS}
 
 POLICIES = ("exact", "fast")
-DEFAULT_POLICY = "exact"
+DEFAULT_POLICY = "fast"
 POLICY_NAMES = POLICIES + KERNEL_NAMES  # what runtime.quant_kernel accepts
 
-_choices = {}  # type: Dict[Tuple, str]  # (spec, n_out, n_in, device, threads, policy) -> kernel name
+# (spec, n_out, n_in, device, threads, policy) -> {kernel name: seconds, or None: wrong or unusable
+# here}: what was measured, kept so that each shape is measured once, and a layer loaded later
+# with more or less memory to spare picks again among the same measurements.
+_measured = {}  # type: Dict[Tuple, Dict[str, Optional[float]]]
+_notes = {}  # type: Dict[Tuple, Dict[str, str]]  # the same keys -> why a kernel was unusable or wrong
+_choices = {}  # type: Dict[Tuple, Tuple[str, str]]  # the same keys -> (kernel chosen last, why)
 preference = DEFAULT_POLICY  # a policy, or a kernel name to use wherever it applies
+_allowance = [None]  # type: List[Optional[int]]  # bytes layers may hold beyond their stored weights
 
 
 def set_preference(name: Optional[str]) -> None:
@@ -185,7 +362,22 @@ def set_preference(name: Optional[str]) -> None:
     preference = name
 
 
-_hinted = []  # type: List[bool]  # the hint about `fast` is logged once per process
+def set_memory_allowance(nbytes: Optional[int]) -> None:
+    """The bytes the layers loaded from now on may hold beyond their stored (planned) size, for
+    kernels that keep a larger packed form; None: no limit (a process that does not know its
+    memory). A node sets it before loading to what its memory spares beside its plan."""
+    _allowance[0] = None if nbytes is None else max(0, int(nbytes))
+
+
+def memory_allowance() -> Optional[int]:
+    return _allowance[0]
+
+
+def extra_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int) -> int:
+    """What `kernel` holds beyond the stored weight (0 for kernels that hold it or less)."""
+    if kernel.held_bytes is None:
+        return 0
+    return max(0, kernel.held_bytes(spec, n_out, n_in) - spec.nbytes(n_out, n_in))
 
 
 def _time(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
@@ -204,61 +396,126 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     return min(times)  # the least disturbed run: other processes only ever add time
 
 
-def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, device: torch.device,
-           where: str = "") -> Tuple[Kernel, Tensors]:
-    """The fastest kernel that computes this weight correctly here, with its packed tensors."""
-    n_out = int(tensors["qweight"].shape[0])
-    key = (spec, n_out, n_in, device.type, torch.get_num_threads(), preference)
-    if key in _choices:
-        kernel = _BY_NAME[_choices[key]]
+def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """What to time: the kernel's product as decode runs it. A module kernel (the integer ones)
+    runs as TorchScript inside mdi.model.fused_decode's blocks, where its dozen small ops cost
+    60-150 µs less than eager (SmolLM2's 576-wide layers): timed eager it would lose shapes it
+    wins. Prefill rows amortize those ops either way."""
+    module = packed.get("linear")
+    if isinstance(module, torch.nn.Module):
         try:
-            return kernel, kernel.pack(tensors, spec, n_in)
-        except RuntimeError as e:  # a shape the cached choice has not seen: measure again
-            log.debug("kernel %s cannot pack %s: %s", kernel.name, where, e)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scripted = torch.jit.script(module)
+            return lambda: scripted(x)
+        except Exception:  # noqa: BLE001 - a TorchScript that rejects it: eager is how it will run
+            pass
+    return lambda: kernel.run(x, packed, spec, n_in)
+
+
+def _candidates(spec: QuantSpec, n_out: int, n_in: int, device: torch.device) -> List[Kernel]:
     candidates = [k for k in KERNELS if k.supports(spec, n_out, n_in, device)]
     if preference == "exact":
-        faster = [k.name for k in candidates if not k.exact]
-        if faster and not _hinted:
-            _hinted.append(True)
-            log.info("quantized layers use exact float32 kernels; runtime.quant_kernel: fast would also try %s "
-                     "(bfloat16 rounding, usually several times faster)", ", ".join(faster))
-        candidates = [k for k in candidates if k.exact]
-    elif preference != "fast":
-        candidates = [k for k in candidates if k.name in (preference, DEQUANT.name)]
-        candidates.sort(key=lambda k: k.name != preference)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, n_in, generator=gen).to(device)
-    reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
-    scale = float(reference.abs().max()) or 1.0
-    best = None  # type: Optional[Tuple[float, Kernel, Tensors]]
-    report = []
-    for kernel in candidates:
-        if kernel is DEQUANT:
-            packed = dict(tensors)
-        else:
-            try:
-                packed = kernel.pack(tensors, spec, n_in)
-                err = float((kernel.run(x, packed, spec, n_in).float() - reference).abs().max()) / scale
-            except (RuntimeError, TypeError, ValueError) as e:  # a kernel this build cannot run on this shape
-                report.append("%s unusable (%s)" % (kernel.name, str(e).splitlines()[0][:80]))
+        return [k for k in candidates if k.exact]
+    if preference != "fast":
+        return sorted((k for k in candidates if k.name in (preference, DEQUANT.name)), key=lambda k: k.name != preference)
+    return candidates
+
+
+def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, device: torch.device,
+           where: str = "") -> Tuple[Kernel, Tensors]:
+    """The fastest kernel that computes this weight correctly here and fits the memory
+    allowance, with its packed tensors."""
+    n_out = int(tensors["qweight"].shape[0])
+    key = (spec, n_out, n_in, device.type, torch.get_num_threads(), preference)
+    measured = _measured.setdefault(key, {})
+    notes = _notes.setdefault(key, {})
+    allowance = _allowance[0]
+    candidates = _candidates(spec, n_out, n_in, device)
+    fits = [k for k in candidates if allowance is None or extra_bytes(k, spec, n_out, n_in) <= allowance]
+    named = preference not in POLICIES
+    packs = {}  # type: Dict[str, Tensors]
+    if any(k.name not in measured for k in fits):
+        x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
+        reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
+        scale = float(reference.abs().max()) or 1.0
+        for kernel in fits:
+            if kernel.name in measured:
                 continue
-            if not err <= TOLERANCE:
-                report.append("%s wrong (error %.2g)" % (kernel.name, err))
-                continue
-        if kernel.name == preference or len(candidates) == 1:
-            best = (0.0, kernel, packed)
-            break
-        seconds = _time(lambda: kernel.run(x, packed, spec, n_in), device)
-        report.append("%s %.3f ms" % (kernel.name, seconds * 1e3))
-        if best is None or seconds < best[0]:
-            best = (seconds, kernel, packed)
-    assert best is not None  # dequant always qualifies
-    _choices[key] = best[1].name
+            if kernel is DEQUANT:
+                packed = dict(tensors)
+            else:
+                try:
+                    packed = kernel.pack(tensors, spec, n_in)
+                    err = float((kernel.run(x, packed, spec, n_in).float() - reference).abs().max()) / scale
+                except (RuntimeError, TypeError, ValueError) as e:  # a kernel this build cannot run on this shape
+                    measured[kernel.name], notes[kernel.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
+                    continue
+                if not err <= kernel.tolerance:
+                    measured[kernel.name], notes[kernel.name] = None, "wrong (error %.2g)" % err
+                    continue
+            # a named kernel or a lone candidate is taken as it is: nothing to compare it with
+            measured[kernel.name] = 0.0 if named or len(candidates) == 1 else _time(_timed(kernel, packed, spec, n_in, x), device)
+            packs[kernel.name] = packed
+    usable = [k for k in fits if measured.get(k.name) is not None]
+    if named:
+        usable.sort(key=lambda k: k.name != preference)
+    else:
+        usable.sort(key=lambda k: measured[k.name])
+    best = usable[0]  # dequant always qualifies
+    packed = packs.get(best.name)
+    if packed is None:
+        packed = dict(tensors) if best is DEQUANT else best.pack(tensors, spec, n_in)
+    extra = extra_bytes(best, spec, n_out, n_in)
+    if allowance is not None:
+        _allowance[0] = allowance - extra
+    report = ["%s %s" % (k.name, notes[k.name] if measured.get(k.name) is None else "%.3f ms" % (measured[k.name] * 1e3))
+              for k in candidates if k.name in measured]
+    report += ["%s needs %.1f MB more than the node spares" % (k.name, extra_bytes(k, spec, n_out, n_in) / 2 ** 20)
+               for k in candidates if k not in fits]
+    why = "policy %s: %s" % (preference, "; ".join(report))
+    if extra:
+        why += "; holds %.1f MB beyond the stored weight" % (extra / 2 ** 20)
+    _choices[key] = (best.name, why)
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
-             best[1].name, "; ".join(report))
-    return best[1], best[2]
+              best.name, why)
+    return best, packed
 
 
-def chosen() -> Dict[str, str]:
-    """What was chosen so far, for reports: 'int4/g32 576x1536 cpu' -> kernel name."""
-    return {"%s %dx%d %s t%d" % (k[0].label(), k[1], k[2], k[3], k[4]): v for k, v in _choices.items()}
+def chosen() -> List[Dict[str, str]]:
+    """What this process chose last for each shape, and why, at its current thread count and
+    policy, for reports (the run summary, /status, the metrics record), e.g. {"weight":
+    "int4/g32 576x1536", "device": "cpu", "kernel": "int4pack-cpu", "why": "policy fast:
+    dequant 1.598 ms; int4pack-cpu 0.144 ms; int8dyn-fbgemm 0.191 ms"}."""
+    return [{"weight": "%s %dx%d" % (k[0].label(), k[1], k[2]), "device": k[3], "kernel": name, "why": why}
+            for k, (name, why) in _choices.items() if k[4] == torch.get_num_threads() and k[5] == preference]
+
+
+def available(policy: str, device: torch.device) -> List[str]:
+    """The kernels `policy` lets a layer try on `device` with this torch (any shape's), for
+    --check: which ones win is measured at load."""
+    if policy == "exact":
+        return [k.name for k in KERNELS if k.exact]
+    shapes = [(QuantSpec(kind, 32), 64, 1024) for kind in ("int4", "int8")]
+
+    def offered(k: Kernel) -> bool:
+        try:
+            return any(k.supports(spec, n_out, n_in, device) for spec, n_out, n_in in shapes)
+        except (RuntimeError, AssertionError):  # e.g. a CUDA device this machine does not have
+            return False
+    names = [k.name for k in KERNELS if offered(k)]
+    return names if policy == "fast" else [n for n in names if n in (policy, DEQUANT.name)]
+
+
+def chosen_by_weight() -> Dict[str, str]:
+    """`chosen()` as one entry per weight shape: "int4/g32 576x1536" -> "int4pack-cpu: policy fast: ..."."""
+    return {e["weight"]: "%s: %s" % (e["kernel"], e["why"]) for e in chosen()}
+
+
+def summary(kernels: Mapping[str, str]) -> str:
+    """'int4pack-cpu x3, int8dyn-fbgemm x2' over the weight shapes of `chosen_by_weight()`."""
+    counts = {}  # type: Dict[str, int]
+    for text in kernels.values():
+        name = text.split(":", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join("%s x%d" % kv for kv in sorted(counts.items()))

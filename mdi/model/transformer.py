@@ -84,6 +84,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
         self.kernel = None  # type: Optional[object]  # a qkernels.Kernel once chosen
         self.packed = {}  # type: Dict[str, torch.Tensor]
+        self.opaque_nbytes = 0  # bytes the kernel holds outside tensors (not in buffers())
         self.lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
         self.lora_name = ""
 
@@ -97,8 +98,11 @@ class QuantLinear(nn.Module):
         if not (self.kernel.needs_canonical or keep_canonical):
             for suffix in canonical:
                 setattr(self, suffix, None)  # the packed form replaces it
+        self.opaque_nbytes = 0
         for name, t in self.packed.items():  # registered so memory reports count them
-            if not any(t is c for c in canonical.values()):
+            if not isinstance(t, torch.Tensor):  # an engine's packed weight: its size as the kernel states it
+                self.opaque_nbytes += self.kernel.held_bytes(self.spec, self.n_out, self.n_in)
+            elif not any(t is c for c in canonical.values()):
                 self.register_buffer("packed_" + name, t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

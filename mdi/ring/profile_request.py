@@ -155,12 +155,19 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     pipeline loop) what the starter measures of itself."""
     t0 = time.perf_counter()
     qkernels.set_preference(request.quant_kernel)
+    # A profile sizes its blocks by the stored weights (profile_blocks): kernels that hold more
+    # are left to the run, which knows what its memory spares (its plan may time it slower).
+    allowance = qkernels.memory_allowance()
+    qkernels.set_memory_allowance(0)
     dtype = torch_dtype(request.dtype)
     asked = request.compute_dtype
     compute, _ = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
     if n_blocks is None:
         n_blocks = profile_blocks(request.model, request.dtype, request.quant, device)
-    chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
+    try:
+        chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
+    finally:
+        qkernels.set_memory_allowance(allowance)
     timing = time_chunk(chunk, request.batch_sizes, request.context, request.prefill_tokens, params=params)
     frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
     if time_loop is None:

@@ -8,6 +8,7 @@ from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.adapters import AdapterSet, adapter_ids
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
+from mdi.model import qkernels
 from mdi.model.source import ModelSource
 from mdi.starter.pipeline import Sample, make_samples
 from mdi.model.sampling import SamplingParams
@@ -145,6 +146,7 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
                     "peak_memory_bytes": unified_memory_bytes(peak=True),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
                     "compute_seconds": round(engine.pipeline.compute_seconds, 6),
+                    "kernels": qkernels.chosen_by_weight(),
                     **engine.pipeline.batching.metrics()}
     starter_node.update(transport.traffic())
     nodes = [starter_node]

@@ -8,6 +8,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, weight_bytes
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
+from mdi.ring.status import LOAD_HEADROOM_BYTES
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 
 
@@ -41,9 +42,11 @@ def starter_free_bytes() -> Optional[int]:
 
 
 def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int, dtype: torch.dtype,
-                    quant: QuantLayout) -> None:
+                    quant: QuantLayout) -> Optional[int]:
     """Refuse, before a byte is loaded, a starter chunk that this machine's free memory (its
-    cgroup's, when limited) cannot hold: a clear error, never an out-of-memory kill."""
+    cgroup's, when limited) cannot hold: a clear error, never an out-of-memory kill. Returns
+    what the memory spares beside the chunk, less LOAD_HEADROOM_BYTES (None when unknown):
+    room a faster quantized kernel may take (mdi.model.qkernels.set_memory_allowance)."""
     need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant)
     free = starter_free_bytes()
     if free is not None and need > free:
@@ -53,3 +56,4 @@ def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, ma
                           "samples, or give layers to more nodes"
                           % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB,
                              "" if quant else "quantize (--quant int4), "))
+    return None if free is None else free - need - LOAD_HEADROOM_BYTES

@@ -88,8 +88,9 @@ class Engine:
         if note:
             log.warning("mdi: starter: %s", note)
         quant = node_quant(self.cfg, self.source, self.nodes[0], layers, with_ends=True)
-        check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant)
+        spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
+        qkernels.set_memory_allowance(spare)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)
         chunk.allocate_cache(self.n_slots, self.max_len)
         if self.cfg.runtime.threads == AUTO:  # timed before any sample or adapter uses the chunk

@@ -1,8 +1,11 @@
 """`mdi-start --check`: contact every node and say whether the run would fit, generating nothing."""
 from typing import List, Optional
 
+import torch
+
 from mdi.runconfig import NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
+from mdi.model import qkernels
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
 from mdi.starter.adapters import adapter_layer_bytes
@@ -33,6 +36,7 @@ def preflight(cfg: RunConfig, prompts: List[str]) -> int:
     adapter_bytes = adapter_layer_bytes(cfg.adapters, config)  # each node holds its layers' part
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, n_slots, max_len))
+    print(kernels_line(cfg))
     ok = True
     for i, (node, layers) in enumerate(zip(cfg.nodes, ranges)):
         quant = node_quant(cfg, source, node, layers, with_ends=i == 0)
@@ -45,6 +49,14 @@ def preflight(cfg: RunConfig, prompts: List[str]) -> int:
         ok = _report(cfg, spare, "%-10s %-21s spare" % (spare.name, spare.address), None) and ok
     print("check: %s" % ("all nodes ready" if ok else "problems found"))
     return 0 if ok else 1
+
+
+def kernels_line(cfg: RunConfig) -> str:
+    policy = cfg.runtime.quant_kernel
+    return ("kernels: runtime.quant_kernel %s: each quantized layer takes the kernel measured fastest on its shape "
+            "at load among %s (here; a kernel that holds more than the stored weight only within the memory a node "
+            "spares beside its plan); the run's summary line and metrics name the choices"
+            % (policy, ", ".join(qkernels.available(policy, torch.device(cfg.model.device.split(":")[0])))))
 
 
 def _report(cfg: RunConfig, node: Optional[NodeSpec], where: str, need: Optional[int]) -> bool:
@@ -61,6 +73,8 @@ def _report(cfg: RunConfig, node: Optional[NodeSpec], where: str, need: Optional
             return False
         free = status.capacity_bytes()
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
+        if status.kernels:
+            info += " (kernels held now: %s)" % qkernels.summary(status.kernels)
     fits = need is None or free is None or need <= free
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))

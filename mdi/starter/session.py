@@ -226,6 +226,7 @@ class RingSession:
                           "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
                           "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind,
                           "compute_seconds": c.compute_seconds, "threads": status.threads,
+                          "kernels": status.kernels,
                           **c.batching.metrics()})
         ep.close()
         return stats

@@ -53,7 +53,8 @@ def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
     KV cache is counted apart)."""
     if chunk is None:
         return 0
-    return sum(t.numel() * t.element_size() for t in list(chunk.parameters()) + list(chunk.buffers()))
+    return sum(t.numel() * t.element_size() for t in list(chunk.parameters()) + list(chunk.buffers())) \
+        + sum(getattr(m, "opaque_nbytes", 0) for m in chunk.modules())
 
 
 @dataclass
@@ -370,6 +371,18 @@ class Worker:
         return (max(0, avail + chunk_nbytes(self.chunk) - LOAD_HEADROOM_BYTES),
                 "available memory less %d MB a run needs beside them" % (LOAD_HEADROOM_BYTES >> 20))
 
+    def _spare_bytes(self, setup: Setup) -> Optional[int]:
+        """What this worker's memory spares beside the weights and KV cache its run was planned
+        with: room a faster kernel may take (mdi.model.qkernels), None when unknown."""
+        request = setup.request
+        first, last = setup.key.layers
+        limit, _ = self._memory_limit()
+        if limit is None:
+            return None
+        cache_bytes = KVCache.nbytes_for(request.model, last - first, request.n_slots, request.max_len,
+                                         setup.compute_dtype)
+        return limit - weight_bytes(request.model, [first, last], request.dtype, quant=request.quant) - cache_bytes
+
     def _check_push_fits(self, nbytes: int, cache_bytes: int) -> None:
         limit, what = self._memory_limit()
         if limit is not None and nbytes + cache_bytes > limit:
@@ -436,6 +449,7 @@ class Worker:
         first, last = key.layers
         self._set_threads(setup.request)  # kernels are measured with the threads the run will use
         qkernels.set_preference(key.quant_kernel)
+        qkernels.set_memory_allowance(self._spare_bytes(setup))
         try:
             self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
                                                setup.request.quant)
@@ -529,7 +543,8 @@ class Worker:
                               unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
                               board_total_bytes=board["total_bytes"], board_source=board["source"]),
             cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
-            error=run.error if run else None)
+            error=run.error if run else None,
+            kernels=qkernels.chosen_by_weight() if chunk is not None else {})
         if run is not None:
             ep = run.endpoint
             reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
