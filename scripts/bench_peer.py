@@ -953,10 +953,10 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - a profile is a bonus
         record["mdi_profile_1_thread"] = {"error": str(e)}
     try:
+        import torch
         from mdi.model import qkernels
-        record["mdi_kernel_choices"] = sorted(set("%s [%d x %d] threads %d %s -> %s" % (
-            k[0].label() if hasattr(k[0], "label") else k[0], k[1], k[2], k[4], k[5], v)
-            for k, v in qkernels._choices.items()))
+        record["mdi_kernel_choices"] = sorted(set("%s threads %d -> %s" % (k, torch.get_num_threads(), v)
+                                                  for k, v in qkernels.chosen_by_weight().items()))
     except Exception as e:  # noqa: BLE001
         record["mdi_kernel_choices"] = ["unavailable: %s" % e]
     benchlib.finish_machine_info(info)

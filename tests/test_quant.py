@@ -107,8 +107,14 @@ def test_quantized_chunk_computes_its_dequantized_twin(family, kind, group):
     chunk = _compare(config, layout, "exact", 1e-5)
     kinds = {type(m).__name__ for m in chunk.modules()}
     assert "QuantLinear" in kinds and "Linear" not in kinds
-    # fast kernels (bfloat16) where this torch has them: same function, rounded
-    _compare(config, layout, "fast", 5e-2)
+    # every rounding kernel this torch has, by name (`fast` picks among them by timing): the
+    # same function, rounded; a chunk of them all, as `fast` may mix them, likewise. The integer
+    # kernels round grouped weights again per channel (<1% of a layer's output), which this
+    # random model (weights of std 0.3) amplifies to ~10% of the logits' range over 4 layers.
+    for kernel in qkernels.KERNELS:
+        if not kernel.exact and any(kernel.supports(s, 64, 64, torch.device("cpu")) for s in set(layout.values())):
+            _compare(config, layout, kernel.name, 5e-2 if kernel.held_bytes is None else 0.15)
+    _compare(config, layout, "fast", 0.15)
 
 
 def test_every_available_kernel_matches_the_reference():

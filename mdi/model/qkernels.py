@@ -30,14 +30,15 @@ import torch
 
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import DEQUANT_ELEMENTS, dequantize, quantized_linear, unpack_int4
+from mdi.system.devices import last_level_cache_bytes
 
 log = logging.getLogger(__name__)
 
 Tensors = Dict[str, torch.Tensor]
 
 # A bfloat16 kernel rounds activations and scales to 8 significant bits: its relative error on
-# a layer's output is ~1e-3-5e-3; int8 activations (7 bits per row, see below) ~1.5-2.5e-2 on
-# random rows. Anything beyond a kernel's `tolerance` is a wrong result, not rounding.
+# a layer's output is ~1e-3-5e-3 (the integer kernels: see their `tolerance`). Anything beyond
+# a kernel's `tolerance` is a wrong result, not rounding.
 MEASURE_SECONDS = 0.03  # per candidate and shape
 
 
@@ -381,19 +382,28 @@ def extra_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int) -> int:
 
 
 def _time(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
+    """The least disturbed of a few calls (other processes only ever add time), each on a CPU
+    with its caches first filled with something else: a decode step reads each layer's weights
+    once, from memory, and a kernel that reads more bytes than another (fbgemm's padded rows)
+    loses there what a call on cached weights hides (SmolLM2's gate_up at 1 thread: 0.17 ms
+    cached, ~0.4 in a decode step)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    evict = torch.empty(0, dtype=torch.uint8)
+    if device.type == "cpu":
+        evict = torch.zeros(2 * last_level_cache_bytes("cpu"), dtype=torch.uint8)
     fn()
     sync()
     times = []  # type: List[float]
     deadline = time.perf_counter() + MEASURE_SECONDS
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 10):
+        evict.add_(1)
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return min(times)  # the least disturbed run: other processes only ever add time
+    return min(times)
 
 
 def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -434,7 +444,10 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
     candidates = _candidates(spec, n_out, n_in, device)
     fits = [k for k in candidates if allowance is None or extra_bytes(k, spec, n_out, n_in) <= allowance]
     named = preference not in POLICIES
-    packs = {}  # type: Dict[str, Tensors]
+
+    def rank(k: Kernel):  # the named kernel first, else the fastest
+        return (k.name != preference) if named else measured[k.name]
+    kept = None  # type: Optional[Tuple[Kernel, Tensors]]  # the best packed so far: one extra copy at most
     if any(k.name not in measured for k in fits):
         x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
@@ -455,17 +468,21 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
                     measured[kernel.name], notes[kernel.name] = None, "wrong (error %.2g)" % err
                     continue
             # a named kernel or a lone candidate is taken as it is: nothing to compare it with
-            measured[kernel.name] = 0.0 if named or len(candidates) == 1 else _time(_timed(kernel, packed, spec, n_in, x), device)
-            packs[kernel.name] = packed
-    usable = [k for k in fits if measured.get(k.name) is not None]
-    if named:
-        usable.sort(key=lambda k: k.name != preference)
+            measured[kernel.name] = 0.0 if named or len(candidates) == 1 else \
+                _time(_timed(kernel, packed, spec, n_in, x), device)
+            if kept is None or rank(kernel) < rank(kept[0]):
+                kept = (kernel, packed)
+            del packed
+    best = min((k for k in fits if measured.get(k.name) is not None), key=rank)  # dequant always qualifies
+    if kept is not None and kept[0] is best:
+        packed = kept[1]
     else:
-        usable.sort(key=lambda k: measured[k.name])
-    best = usable[0]  # dequant always qualifies
-    packed = packs.get(best.name)
-    if packed is None:
-        packed = dict(tensors) if best is DEQUANT else best.pack(tensors, spec, n_in)
+        kept = None
+        try:
+            packed = dict(tensors) if best is DEQUANT else best.pack(tensors, spec, n_in)
+        except RuntimeError as e:  # measured on another layer of this shape, and refused here
+            measured[best.name], notes[best.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
+            return choose(tensors, spec, n_in, device, where)
     extra = extra_bytes(best, spec, n_out, n_in)
     if allowance is not None:
         _allowance[0] = allowance - extra
