@@ -8,7 +8,8 @@ skip that: one block's decode step measured 0.68x the eager time at 2 threads an
 result is the eager path's, bit for bit (tests/test_fused_decode.py checks it).
 
 It covers Llama-family blocks (RMSNorm, RoPE, SiLU-gated MLP; a qkv bias as in Qwen2.5, q/k
-norms as in Qwen3) whose linear layers are float32 or use the CPU int4 packed kernels, with
+norms as in Qwen3) whose linear layers are float32 or use the CPU int4 packed or int8 integer
+kernels (the latter through their own module, mdi.model.qkernels.Int8DynamicLinear), with
 float32 activations on the CPU, for frames where every sample brings one row (decode) and no
 adapter is in use. Everything else (prefill, GPT-2, the `exact` dequantizing kernels, CUDA,
 torch without `torch.rms_norm` such as JetPack 5's 2.0) runs the eager blocks, which stay the

@@ -381,29 +381,33 @@ def extra_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int) -> int:
     return max(0, kernel.held_bytes(spec, n_out, n_in) - spec.nbytes(n_out, n_in))
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
+def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict: torch.Tensor) -> float:
     """The least disturbed of a few calls (other processes only ever add time), each on a CPU
     with its caches first filled with something else: a decode step reads each layer's weights
     once, from memory, and a kernel that reads more bytes than another (fbgemm's padded rows)
     loses there what a call on cached weights hides (SmolLM2's gate_up at 1 thread: 0.17 ms
-    cached, ~0.4 in a decode step)."""
+    cached, ~0.4 in a decode step). Filled by reading, as the other layers fill them: written
+    lines would have to go back to memory during the timed call, which slowed the memory-bound
+    kernels most and turned choices on the 1.1B shape. `evict`: twice the last-level cache
+    (`_evict_buffer`), or empty where nothing is evicted (a GPU)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    evict = torch.empty(0, dtype=torch.uint8)
-    if device.type == "cpu":
-        evict = torch.zeros(2 * last_level_cache_bytes("cpu"), dtype=torch.uint8)
     fn()
     sync()
     times = []  # type: List[float]
     deadline = time.perf_counter() + MEASURE_SECONDS
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 10):
-        evict.add_(1)
+        evict.sum()
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _evict_buffer(device: torch.device) -> torch.Tensor:
+    return torch.ones(2 * last_level_cache_bytes("cpu") // 4) if device.type == "cpu" else torch.empty(0)
 
 
 def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -452,6 +456,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
         x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
         scale = float(reference.abs().max()) or 1.0
+        evict = _evict_buffer(device) if not named and len(candidates) > 1 else torch.empty(0)
         for kernel in fits:
             if kernel.name in measured:
                 continue
@@ -469,7 +474,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
                     continue
             # a named kernel or a lone candidate is taken as it is: nothing to compare it with
             measured[kernel.name] = 0.0 if named or len(candidates) == 1 else \
-                _time(_timed(kernel, packed, spec, n_in, x), device)
+                _time(_timed(kernel, packed, spec, n_in, x), device, evict)
             if kept is None or rank(kernel) < rank(kept[0]):
                 kept = (kernel, packed)
             del packed
