@@ -204,9 +204,7 @@ class Int8DynamicLinear(torch.nn.Module):
         # A rounding error is at most half a step (1 / levels): this brings it inside [-1, 1].
         self.rest_gain = SHY * levels
         self.shy = SHY
-        pin = torch.zeros(1, n_in)
-        pin[0, 0], pin[0, -1] = 1.0, -1.0
-        self.pin = pin
+        self.pin = pin_row(n_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -259,14 +257,26 @@ def per_channel_int8(t: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int) 
     return out, scales
 
 
-def engine_zero_point(params: Any, q: torch.Tensor, scales: torch.Tensor, levels: int) -> int:
+def pin_row(n_in: int) -> torch.Tensor:
+    """[1, n_in] of +1, 0..., -1: with it in the input, the engine's range is [-1, 1]."""
+    pin = torch.zeros(1, n_in)
+    pin[0, 0], pin[0, -1] = 1.0, -1.0
+    return pin
+
+
+_zero_points = {}  # type: Dict[str, int]  # engine -> its zero point for [-1, 1]: its arithmetic's, not a weight's
+
+
+def engine_zero_point(engine: str, params: Any, q: torch.Tensor, scales: torch.Tensor, levels: int) -> int:
     """Which zero point the engine takes for inputs spanning [-1, 1]: the one whose grid explains
-    its output on a probe row exactly (a few of the weight's rows, in float, are the reference)."""
+    its output on a probe row exactly (a few of the weight's rows, in float, are the reference);
+    probed on the first layer packed, then known."""
+    if engine in _zero_points:
+        return _zero_points[engine]
     n_in = q.shape[1]
     probe = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0))
     probe /= probe.abs().max()
-    pin = torch.zeros(1, n_in)
-    pin[0, 0], pin[0, -1] = 1.0, -1.0
+    pin = pin_row(n_in)
     rows = min(16, q.shape[0])
     y = torch.ops.quantized.linear_dynamic(torch.cat((probe, pin)), params, levels < 255)[0, :rows]
     w = q[:rows].float() * scales[:rows, None]
@@ -274,7 +284,8 @@ def engine_zero_point(params: Any, q: torch.Tensor, scales: torch.Tensor, levels
     for zero in (levels // 2, levels // 2 + 1):
         grid = torch.fake_quantize_per_tensor_affine(probe, 2.0 / levels, zero, 0, levels)
         errors[zero] = float((y - (grid @ w.T)[0]).abs().max())
-    return min(errors, key=lambda z: errors[z])
+    _zero_points[engine] = min(errors, key=lambda z: errors[z])
+    return _zero_points[engine]
 
 
 def _int8_dynamic_pack(engine: str):
@@ -291,7 +302,7 @@ def _int8_dynamic_pack(engine: str):
                 params = torch.ops.quantized.linear_prepack(qw, None)
             finally:
                 torch.backends.quantized.engine = previous
-        linear = Int8DynamicLinear(params, levels, n_in, engine_zero_point(params, q, scales, levels))
+        linear = Int8DynamicLinear(params, levels, n_in, engine_zero_point(engine, params, q, scales, levels))
         del q
         if engine == "fbgemm":
             # fbgemm keeps the int8 matrix it was given beside its packed copy, only to give it
