@@ -117,6 +117,29 @@ def test_quantized_chunk_computes_its_dequantized_twin(family, kind, group):
     _compare(config, layout, "fast", 0.15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_chunk_with_a_quantized_embedding_computes_in_that_dtype(dtype):
+    # A quantized embedding looks its rows up in float32; a float16 chunk (a GPU's usual dtype)
+    # then met float16 keys in attention and failed. The rows join the chunk's dtype.
+    from mdi.model.quant import uniform_layout
+    config = tiny_config("llama")
+    layout = uniform_layout(config, (0, config.n_layer), True, True, "int8", 32)
+    torch.manual_seed(3)
+    stored = gather(convert(full_model(config).state_dict(), layout, torch.float32))
+    ids = torch.randint(0, config.vocab_size, (12,))
+    logits = {}
+    for d in (torch.float32, dtype):
+        chunk = build_chunk(config, convert(stored, layout, d), 0, config.n_layer, True, True, d, "cpu", quant=layout)
+        chunk.allocate_cache(1, 32)
+        assert chunk.cache.k.dtype == d
+        with torch.no_grad():
+            x = chunk.embed(ids, 0)
+            assert x.dtype == d
+            logits[d] = chunk.head(chunk.forward_blocks(x, 0, 0)).float()
+    error = (logits[dtype] - logits[torch.float32]).abs().max() / logits[torch.float32].abs().max()
+    assert error < 5e-2, error
+
+
 def test_every_available_kernel_matches_the_reference():
     torch.manual_seed(0)
     device = torch.device("cpu")

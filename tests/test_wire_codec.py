@@ -99,8 +99,14 @@ def test_int8_keeps_a_massive_activation_from_flattening_its_block():
     x[0, 5] = 3000.0  # a "massive" channel, as real residual streams have
     got = round_trip(prefill(x), "int8").tensor
     assert abs(got[0, 5].item() - 3000.0) <= 2.0  # float16 rounding
-    neighbours = torch.cat([got[0, :5] - x[0, :5], got[0, 6:32] - x[0, 6:32]])
-    assert neighbours.abs().max() <= x[0, :32].abs().topk(3).values[-1] / 254 + 1e-4
+    # Its block's scale is set by the values that stay in the block, not by the row's outliers
+    # (which of its neighbours are outliers too depends on the random values: the row's largest).
+    parts = int8_parts(x)
+    kept = x[0, :32].clone()
+    kept[[c for c in parts.columns[0].tolist() if c < 32]] = 0
+    assert 5 in parts.columns[0].tolist()
+    assert float(parts.scales[0, 0]) <= float(kept.abs().max()) / 127 * (1 + 2 ** -10)
+    assert ((got - x).abs()[0, :32] <= int8_bound(x, parts.scales)[0, :32]).all()
 
 
 def test_int8_quantize_does_not_touch_its_input():

@@ -43,14 +43,20 @@ class ChunkTiming:
 
 
 def seconds_per_call(fn: Callable[[], object], min_window: float = MIN_WINDOW_S, rounds: int = ROUNDS) -> float:
-    """The median over `rounds` windows of the mean time of one call (one warm-up call first)."""
+    """The median over `rounds` windows of the mean time of one call (one warm-up call first).
+    A GPU runs what a call queued after it returns: the clock is read once the GPU is done."""
+    def finished() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
     fn()
+    finished()
     means = []
     for _ in range(rounds):
         calls, t0 = 0, time.perf_counter()
         while True:
             fn()
             calls += 1
+            finished()
             elapsed = time.perf_counter() - t0
             if calls >= 2 and elapsed >= min_window:
                 break

@@ -26,6 +26,7 @@ from mdi.model import fused_decode
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout, QuantSpec
 from mdi.model.quant import dequantize
+from mdi.system.transfers import ints_to_device, to_device
 
 
 # Weights may be stored in a narrower dtype than the activations (float16 storage with
@@ -275,7 +276,7 @@ class RowBatch:
         if adapters is not None and len(adapters) != len(slots):
             raise ValueError("a row batch needs one adapter id per sample")
         positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
-        return cls(list(slots), list(starts), list(counts), positions.to(device) if device is not None else positions,
+        return cls(list(slots), list(starts), list(counts), to_device(positions, device) if device is not None else positions,
                    adapters=list(adapters) if adapters is not None and any(adapters) else None)
 
     def adapter_rows(self, device: torch.device) -> List[Tuple[int, Any]]:
@@ -290,16 +291,15 @@ class RowBatch:
             if adapter:
                 rows.setdefault(adapter, []).extend(range(row, row + count))
             row += count
-        return [(a, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else torch.tensor(r, dtype=torch.long,
-                                                                                            device=device))
+        return [(a, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else ints_to_device(r, device))
                 for a, r in sorted(rows.items())]
 
     def decode_index(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For samples of one row each: their slots and positions as tensors, and the mask
         [S, 1, 1, longest] that lets each row see its own cache up to its position."""
         if self.decode_tables is None:
-            slots = torch.tensor(self.slots, dtype=torch.long, device=device)
-            positions = self.positions.to(device)
+            slots = ints_to_device(self.slots, device)
+            positions = to_device(self.positions, device)
             end = max(s + c for s, c in zip(self.starts, self.counts))
             mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
             self.decode_tables = (slots, positions, mask[:, None, None, :])
@@ -498,6 +498,15 @@ class ModelChunk(nn.Module):
     def n_layers(self) -> int:
         return self.last - self.first
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype activations are computed, cached and sent in: compute_dtype, else the float
+        weights' dtype (a chunk of quantized layers only: float32)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        p = next(self.parameters(), None)
+        return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+
     def set_adapter(self, adapter: int, weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Hold adapter `adapter` (> 0): (A, B) per linear layer name of this chunk's blocks,
         the scale folded into B. Layers it does not name run as the base."""
@@ -513,8 +522,7 @@ class ModelChunk(nn.Module):
             if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape[0] != n_out or a.shape[0] != b.shape[1]:
                 raise ValueError("adapter %d: %s has lora_A %s and lora_B %s; this layer needs [r, %d] and [%d, r]"
                                  % (adapter, name, list(a.shape), list(b.shape), n_in, n_out))
-        p = next(self.parameters())
-        work = self.compute_dtype or (p.dtype if p.dtype.is_floating_point else torch.float32)
+        p, work = next(self.parameters()), self.activation_dtype
         self.lora.adapters[adapter] = {k: (a.t().to(p.device, work).contiguous(), b.t().to(p.device, work).contiguous())
                                        for k, (a, b) in weights.items()}
 
@@ -553,7 +561,7 @@ class ModelChunk(nn.Module):
 
     def allocate_cache(self, n_slots: int, max_len: int) -> KVCache:
         p = next(self.parameters(), None)
-        dtype = self.compute_dtype or (p.dtype if p is not None else torch.float32)
+        dtype = self.activation_dtype
         device = p.device if p is not None else torch.device("cpu")
         self.cache = None  # free the previous run's cache before allocating the next one
         self.cache = KVCache(self.config, self.n_layers, n_slots, max_len, dtype, device)
@@ -578,10 +586,11 @@ class ModelChunk(nn.Module):
         if virtual is not None:
             rows, values = virtual
             x = x.clone()
-            x[rows.to(x.device)] = values.to(x.device, x.dtype)
+            x[to_device(rows, x.device)] = to_device(values, x.device, x.dtype)
         if self.config.family == "gpt2":
             x = x + self.pos_emb(positions.to(ids.device))
-        return x.to(self.compute_dtype) if self.compute_dtype is not None else x
+        # A quantized embedding looks rows up in float32: they join the chunk's dtype here.
+        return x.to(self.activation_dtype)
 
     def forward_blocks(self, x: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         """Run this chunk's blocks on one sample's activations x [T, C] at positions start.."""

@@ -18,6 +18,7 @@ from mdi.model.transformer import ModelChunk, RowBatch
 from mdi.ring.auth import ring_password
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import Frame, decode
+from mdi.system.transfers import to_device, to_host
 
 WAIT_S = 10.0  # for a frame to come back round the loop
 RUN_ID = 1
@@ -63,8 +64,8 @@ def time_relay(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, code
                 def relay() -> None:
                     frame = endpoint.recv(WAIT_S)
                     batch = RowBatch.of(frame.samples, frame.start, frame.count, device)
-                    y = chunk.forward_rows(frame.tensor.to(device, dtype), batch)
-                    endpoint.send(Frame("decode", RUN_ID, frame.samples, frame.start, frame.count, y.to("cpu")))
+                    y = chunk.forward_rows(to_device(frame.tensor, device, dtype), batch)
+                    endpoint.send(Frame("decode", RUN_ID, frame.samples, frame.start, frame.count, to_host(y)))
                 relay()  # warm
                 rounds = []
                 for _ in range(ROUNDS):

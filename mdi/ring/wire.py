@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mdi.model.layout import DTYPES, WIRE_CODECS, dtype_name
+from mdi.system.transfers import to_host
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
@@ -167,9 +168,7 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
         return [msgpack.packb(header), b""]
     if codec != "raw" and not t.dtype.is_floating_point:
         raise ValueError("codec %s needs a float tensor, not %s" % (codec, t.dtype))
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    t = to_host(t.detach())  # from a GPU: the frame's one wait
     if codec == "raw":
         payload = _byte_view(t)
     elif codec in _CAST:

@@ -29,6 +29,7 @@ from mdi.starter.control import NodeError
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.system.memory import unified_memory_bytes
+from mdi.system.transfers import to_device
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class _Scorer:
         if frame.kind != "score" or frame.tensor is None:
             return  # a stray stop/reset: nothing to score
         p = next(self.chunk.parameters())
-        hidden = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
+        hidden = to_device(frame.tensor, p.device, self.chunk.activation_dtype)
         row = 0
         for slot, count in zip(frame.samples, frame.count):
             rows, row = hidden[row:row + count], row + count

@@ -24,6 +24,7 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK
+from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class Pipeline:
         slots = [s.slot for s in group]
         adapters = [s.adapter for s in group]
         batch = RowBatch.of(slots, starts, counts, self.device, adapters)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        ids_t = ints_to_device(ids, self.device)
         x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, _virtual_rows(group, starts, counts)),
                                     batch)
         self.batching.add(batch.rows, len(group))
@@ -247,7 +248,8 @@ class Pipeline:
         if not pending:
             return
         t0 = time.perf_counter()
-        logits = self.chunk.head(torch.stack(rows).to(self.device))
+        # Every row's logits come to the host in one copy (one wait on a GPU), not one per sample.
+        logits = to_host(self.chunk.head(to_device(torch.stack(rows), self.device)))
         for sample, row_logits in zip(pending, logits):
             try:
                 token = sample_next(row_logits, self.params if sample.params is None else sample.params, sample.rng)

@@ -12,6 +12,7 @@ from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import GENERATION_KINDS, Frame
+from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +132,16 @@ class Run:
 
     def _forward(self, frame: Frame) -> Frame:
         p = next(self.chunk.parameters())
-        x = frame.tensor.to(device=p.device, dtype=self.chunk.compute_dtype or p.dtype)
+        x = to_device(frame.tensor, p.device, self.chunk.activation_dtype)
         batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device, frame.adapters or None)
         y = self.chunk.forward_rows(x, batch)
         self.batching.add(batch.rows, len(frame.samples))
         # For generation the starter needs only each sample's last position to pick the next
         # token; a score pass (perplexity) needs every position's.
         if self.is_last and frame.kind != "score":
-            y = y[batch.last_rows()]
-        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, y, frame.adapters)
+            y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
+        # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
+        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters)
 
     def stop(self) -> None:
         self.stopped.set()
