@@ -245,14 +245,15 @@ def parse_config(data: Any, source: str) -> RunConfig:
     return RunConfig(model, nodes, gen, runtime, source, spares, serve, adapters)
 
 
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Matched whole (fullmatch): `$` alone would let a trailing newline through ("x\n").
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 BASE_ADAPTER = "base"  # the adapter name that picks none (the base model alone)
 
 
 def _parse_adapters(source: str, raw: Dict[Any, Any]) -> Dict[str, str]:
     out = {}
     for name, path in raw.items():
-        if not isinstance(name, str) or not ADAPTER_NAME.match(name) or name == BASE_ADAPTER:
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == BASE_ADAPTER:
             raise ConfigError("%s: adapters: %r is not an adapter name (letters, digits, '_', '.', '-'; not 'base')"
                               % (source, name))
         if not isinstance(path, str) or not path:

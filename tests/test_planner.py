@@ -175,7 +175,7 @@ def test_a_plan_over_the_kept_nodes_widens_back_to_the_whole_ring():
     plan = widen(inner, kept, outer)
     assert plan.counts == [inner.counts[0], 0, inner.counts[1]] and sum(plan.counts) == 12
     assert [r.name for r in plan.rows] == ["s", "slow", "w"] and plan.rows[1].layers is None
-    assert plan.dropped == outer.dropped and plan.predicted == inner.predicted and plan.retimed == ["s", "w"]
+    assert plan.dropped == outer.dropped and plan.predicted == inner.predicted and plan.retimed == [["s", "w"]]
     assert plan.metrics(["s", "slow", "w"])["counts"] == plan.counts
 
 
@@ -186,3 +186,35 @@ def test_nodes_on_one_machine_know_each_other():
              NodeSpec("c", "10.0.0.2", 4), NodeSpec("d", "localhost", 5)]
     assert machine_mates(nodes) == {"starter": ["a", "d"], "a": ["d", "starter"], "d": ["a", "starter"],
                                     "b": ["c"], "c": ["b"]}
+
+
+def test_kept_nodes_are_timed_again_until_the_plan_keeps_every_node_it_was_timed_with(monkeypatch):
+    # Four nodes on one machine. Timed together, w1 looks too slow and is left out; the other
+    # three, timed again without it, make w2 look too slow; the last two, timed once more, keep
+    # each other. The plan is the last one, and each round timed only the nodes kept before it.
+    from types import SimpleNamespace
+    from mdi.starter import autoplan
+    linear = dict(batch_cost=4.0)
+    rounds = [[node("s", 1.0, **linear), node("w1", 40.0, **linear), node("w2", 1.0, **linear),
+               node("w3", 1.0, **linear)],
+              [node("s", 1.0, **linear), node("w2", 40.0, **linear), node("w3", 1.0, **linear)],
+              [node("s", 0.5, **linear), node("w3", 0.5, **linear)]]
+    timed = []
+
+    class ScriptedProfiler:
+        def __init__(self, *args, **kwargs):
+            self.seconds = 0.0
+
+        def costs(self, nodes):
+            timed.append([n.name for n in nodes])
+            return rounds[len(timed) - 1]
+
+    monkeypatch.setattr(autoplan, "Profiler", ScriptedProfiler)
+    cfg = SimpleNamespace(nodes=[SimpleNamespace(name=n, host="127.0.0.1") for n in ("s", "w1", "w2", "w3")],
+                          runtime=SimpleNamespace(max_batch="auto"))
+    plan, costs = autoplan.plan_ring(cfg, SimpleNamespace(config=SimpleNamespace(n_layer=12)), 3, 64, 3)
+    assert timed == [["s", "w1", "w2", "w3"], ["s", "w2", "w3"], ["s", "w3"]]
+    assert plan.retimed == [["s", "w2", "w3"], ["s", "w3"]]
+    assert plan.counts[1] == plan.counts[2] == 0 and plan.counts[0] > 0 and plan.counts[3] > 0
+    assert set(plan.dropped) == {"w1", "w2"}
+    assert [c.stage_s(1, 1) for c in (costs[0], costs[3])] == [c.stage_s(1, 1) for c in rounds[2]]

@@ -172,3 +172,68 @@ def test_loading_an_adapter_while_requests_stream(setup, workers):
     assert requests.delete(server.url + "/v1/mdi/adapters/late", timeout=30).status_code == 200
     assert complete(server, model="late").status_code == 400
     assert all(a < w for a, w in zip(adapter_bytes(workers), with_late))  # late and its mix both gone
+
+
+def test_unloading_an_adapter_while_requests_name_it_fails_no_other_request(setup):
+    # DELETE while clients keep asking for the adapter: from then on requests naming it are
+    # refused (503: being unloaded, then 400: unknown model), those running finish, and it
+    # leaves the nodes between two steps of the ring. The base model's requests, in flight all
+    # along, never notice, and the ring is never rebuilt.
+    server, model, dirs = setup
+    base_want = complete(server, model="tiny").json()["choices"][0]["text"]
+    tools_want = alone(model, {"tools": dirs["tools"]}, "tools")
+    stop = threading.Event()
+    got = {"tiny": [], "tools": []}
+
+    def client(name):
+        while not stop.is_set():
+            r = complete(server, model=name)
+            body = r.json()
+            text = body["choices"][0]["text"] if r.status_code == 200 and body.get("choices") else None
+            got[name].append((r.status_code, text, body.get("choices", [{}])[0].get("finish_reason")
+                              if r.status_code == 200 else body.get("error", {}).get("message")))
+    threads = [threading.Thread(target=client, args=(name,)) for name in ("tiny", "tiny", "tools", "tools", "tools")]
+    for t in threads:
+        t.start()
+    try:
+        threading.Event().wait(1.0)  # requests for both in flight
+        r = requests.delete(server.url + "/v1/mdi/adapters/tools", timeout=90)
+        assert r.status_code == 200, r.text
+        before = len(got["tools"]), len(got["tiny"])
+        for _ in range(100):  # the clients go on asking for a while after the unload
+            if len(got["tools"]) > before[0] + 3 and len(got["tiny"]) > before[1] + 3:
+                break
+            threading.Event().wait(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert got["tiny"] and all(g == (200, base_want, "length") for g in got["tiny"]), got["tiny"][:5]
+    assert (200, tools_want, "length") in got["tools"]
+    for status, text, detail in got["tools"]:
+        assert (status, text) == (200, tools_want) or status == 400 and "unknown model" in detail \
+            or status == 503 and "being unloaded" in detail, (status, text, detail)
+    assert got["tools"][-1][0] == 400  # once unloaded, an unknown model
+    assert "the ring failed" not in server.output()
+    # loaded again, it answers as before
+    r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "tools", "path": dirs["tools"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert complete(server, model="tools").json()["choices"][0]["text"] == tools_want
+
+
+def test_after_the_last_adapter_is_unloaded_unknown_names_are_still_refused(setup):
+    server, model, dirs = setup
+    bad = requests.post(server.url + "/v1/mdi/adapters", json={"name": "late\n", "path": dirs["late"]}, timeout=30)
+    assert bad.status_code == 400 and "name" in bad.json()["error"]["message"]  # matched whole, newline too
+    loaded = [m["id"] for m in server.get("/v1/models").json()["data"]][1:]
+    for name in loaded:
+        assert requests.delete(server.url + "/v1/mdi/adapters/" + name, timeout=90).status_code == 200
+    try:
+        assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["tiny"]
+        for name in (loaded[0], "gpt-4o"):  # a name it served, and one it never knew
+            r = complete(server, model=name)
+            assert r.status_code == 400 and "unknown model" in r.json()["error"]["message"], r.text
+        assert complete(server, model="tiny").status_code == 200
+    finally:
+        for name in loaded:
+            requests.post(server.url + "/v1/mdi/adapters", json={"name": name, "path": dirs[name]}, timeout=120)

@@ -47,6 +47,7 @@ from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_o
 MAX_BODY_BYTES = 1 << 20
 KEEPALIVE = 1.0  # seconds between SSE comments while a stream waits (they also reveal a gone client)
 POLL = 0.5  # seconds between checks of a waiting non-streaming request
+UNLOAD_WAIT_S = 60.0  # for the scheduler to finish the step in hand before an adapter is unloaded
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,10 @@ class Routes:
         self.adapter_dirs = sorted({os.path.dirname(os.path.realpath(p))
                                     for p in [cfg.model.path] + list(cfg.adapters.values())})
         self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
+        # A server that never had adapters takes any model name for its model (OpenAI clients
+        # send their own); once it has had some, a name it does not know is refused, also
+        # after the last adapter was unloaded (a client must not get the base model silently).
+        self.adapters_served = bool(cfg.adapters)
 
     def register(self, app: Flask) -> None:
         register_dashboard(app, self.observer, self.token, "serve")  # also the token rule for every route
@@ -200,7 +205,7 @@ class Routes:
         """The request's adapter id: llama.cpp's `lora: [{"id": i, "scale": s}, ...]` (i indexes
         the adapters of GET /v1/models; several, or a scale other than 1, run as a mix loaded
         on every node once), else `model` naming an adapter; the served model's own name (or
-        any name, when no adapter is loaded) is the base."""
+        any name, on a server that never had an adapter) is the base."""
         engine = self.sched.engine  # once: a rebuilt ring replaces it
         loaded = self._adapters(engine)
         if fields["lora"]:
@@ -218,7 +223,7 @@ class Routes:
             except RuntimeError as e:  # a worker refused the mix (NodeError): named in the message
                 raise ApiError(502, str(e), kind="server_error")
         name = fields["model"]
-        if name is None or name in (self.model_id, BASE_ADAPTER) or not loaded:
+        if name is None or name in (self.model_id, BASE_ADAPTER) or not (loaded or self.adapters_served):
             return 0
         for adapter, known in loaded:
             if known == name:
@@ -231,7 +236,7 @@ class Routes:
         name, path = body.get("name"), body.get("path")
         if set(body) - {"name", "path"} or not isinstance(name, str) or not isinstance(path, str):
             raise ApiError(400, 'expected {"name": string, "path": string}')
-        if not ADAPTER_NAME.match(name) or name in (self.model_id, BASE_ADAPTER):
+        if not ADAPTER_NAME.fullmatch(name) or name in (self.model_id, BASE_ADAPTER):
             raise ApiError(400, "name: letters, digits, '_', '.' or '-' (at most 64), not %r or 'base'"
                            % self.model_id, "name")
         engine = self.sched.engine
@@ -246,6 +251,7 @@ class Routes:
             raise ApiError(400, str(e), "path")
         except RuntimeError as e:  # a worker refused it (NodeError): named in the message
             raise ApiError(502, str(e), kind="server_error")
+        self.adapters_served = True
         log.info("mdi: serve: adapter %s loaded from %s (id %d)", name, real, adapter)
         return _json({"ok": True, "name": name, "id": adapter})
 
@@ -254,11 +260,17 @@ class Routes:
         if engine is None or not engine.adapters or name not in [n for _, n in engine.adapters.loaded()]:
             raise ApiError(404, "no adapter %r is loaded" % name[:80], code="model_not_found")
         adapter = engine.adapters.id_of(name)
-        if any(self.sched.adapter_in_use(a) for a in [adapter] + [m for m, _ in engine.adapters.mixes_with(adapter)]):
-            raise ApiError(409, "adapter %r is in use by requests in flight; try again when they end" % name)
+        ids = [adapter] + [m for m, _ in engine.adapters.mixes_with(adapter)]
         try:
-            engine.remove_adapter(name)
-        except RuntimeError as e:
+            # Requests naming it are refused from now on, those running finish, then it leaves
+            # every node between two steps of the ring (Scheduler.unload_adapter).
+            self.sched.unload_adapter(ids, lambda: self.sched.engine_up().remove_adapter(name), UNLOAD_WAIT_S)
+        except SchedulerError as e:  # busy for too long: it stays loaded
+            raise ApiError(e.status, "adapter %r: %s" % (name, e), kind="server_error" if e.status >= 500
+                           else "invalid_request_error")
+        except ConfigError as e:  # unloaded meanwhile by another DELETE
+            raise ApiError(404, str(e), code="model_not_found")
+        except RuntimeError as e:  # a worker refused (NodeError): named in the message
             raise ApiError(502, str(e), kind="server_error")
         return _json({"ok": True, "name": name})
 

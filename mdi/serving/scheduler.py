@@ -20,7 +20,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
@@ -50,6 +50,37 @@ class QueueFull(SchedulerError):
 
 class Unavailable(SchedulerError):
     status = 503
+
+
+class AdapterBusy(SchedulerError):
+    status = 409
+
+
+ADAPTER_CLOSING = "its adapter is being unloaded"
+DRAIN_POLL_S = 0.05  # between looks at the requests an unloading adapter still runs
+
+
+class _Call:
+    """A function another thread has the scheduler thread run (Scheduler.between_steps)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.lock = threading.Lock()
+        self.started, self.done = threading.Event(), threading.Event()
+        self.cancelled = False
+        self.value, self.error = None, None  # type: Any, Optional[BaseException]
+
+    def run(self) -> None:
+        with self.lock:
+            if self.cancelled:
+                return
+            self.started.set()
+        try:
+            self.value = self.fn()
+        except Exception as e:  # handed to the calling thread
+            self.error = e
+        finally:
+            self.done.set()
 
 
 class Request:
@@ -129,6 +160,7 @@ class Scheduler:
         self._recoveries_seen = 0
         self._thread = None  # type: Optional[threading.Thread]
         self._adapters = None  # type: Any  # the last engine's AdapterSet (kept across rebuilds)
+        self._closing = set()  # type: set  # adapter ids being unloaded: their requests are refused
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
@@ -137,17 +169,67 @@ class Scheduler:
 
     def submit(self, req: Request) -> None:
         if self.state != "up":
-            raise Unavailable("the ring is %s%s" % (self.state, ": %s" % self.error if self.error else ""))
+            raise self._unavailable()
         with self._lock:
             if self._queued >= self.max_queue:
                 raise QueueFull("%d requests are already waiting; try again later" % self._queued)
             self._queued += 1
         self._inbox.put(("submit", req))
 
-    def adapter_in_use(self, adapter: int) -> bool:
-        """Whether a waiting or running request names this adapter (read from an HTTP thread:
-        a snapshot, the scheduler thread may change both)."""
-        return any(r.adapter == adapter for r in list(self._waiting) + list(self._running.values()))
+    def unload_adapter(self, ids: Sequence[int], remove: Callable[[], Any], timeout: float) -> None:
+        """Unload an adapter (and its mixes: `ids`) without failing anyone else's request: from
+        now on requests naming them are refused (waiting ones at once), those running finish,
+        then `remove` runs between two steps, so no request can start on a half-removed adapter
+        (a ring that met one failed every user's request). AdapterBusy when the requests running
+        with it outlast `timeout`; the adapter is then served again."""
+        closing = set(ids)
+        self.between_steps(lambda: self._close(closing), timeout)
+        try:
+            deadline = time.monotonic() + timeout
+            while self.between_steps(lambda: any(r.adapter in closing for r in self._running.values()), timeout):
+                if time.monotonic() > deadline:
+                    raise AdapterBusy("requests using it ran for more than %.0f s; try again" % timeout)
+                time.sleep(DRAIN_POLL_S)
+            self.between_steps(remove, timeout)
+        finally:
+            self._inbox.put(("call", _Call(lambda: self._closing.difference_update(closing))))
+
+    def _unavailable(self) -> Unavailable:
+        return Unavailable("the ring is %s%s" % (self.state, ": %s" % self.error if self.error else ""))
+
+    def engine_up(self) -> Any:
+        """The ring's engine; Unavailable while the ring is down (being rebuilt)."""
+        engine = self.engine
+        if engine is None:
+            raise self._unavailable()
+        return engine
+
+    def _close(self, ids: set) -> None:
+        self._closing |= ids
+        for req in [r for r in self._waiting if r.adapter in ids]:
+            self._waiting.remove(req)
+            self._dequeued()
+            self._finish(req, "error", ADAPTER_CLOSING)
+
+    def between_steps(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run `fn` on the scheduler thread between two steps, where no request is admitted
+        meanwhile and the waiting and running requests are exactly known; its result, or its
+        exception raised here. SchedulerError (503) when it did not start within `timeout`
+        (it then never runs) or did not end within `timeout` more."""
+        if not self.alive:
+            raise Unavailable("the scheduler has stopped")
+        call = _Call(fn)
+        self._inbox.put(("call", call))
+        if not call.started.wait(timeout):
+            with call.lock:
+                if not call.started.is_set():
+                    call.cancelled = True
+                    raise SchedulerError("the scheduler was busy for %.0f s; try again" % timeout)
+        if not call.done.wait(timeout):
+            raise SchedulerError("the scheduler is still at it after %.0f s" % timeout)
+        if call.error is not None:
+            raise call.error
+        return call.value
 
     def cancel(self, req: Request) -> None:
         """The client went away: drop the request from the queue or cancel its sample."""
@@ -247,10 +329,15 @@ class Scheduler:
                 elif self.engine is None:
                     self._finish(req, "error", self.error or "the ring is down")
                     self._dequeued()
+                elif req.adapter in self._closing:
+                    self._finish(req, "error", ADAPTER_CLOSING)
+                    self._dequeued()
                 else:
                     self._waiting.append(req)
             elif kind == "cancel":
                 self._cancel(req)
+            elif kind == "call":
+                req.run()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -22,22 +22,30 @@ def plan_ring(cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, s
     costs = profiler.costs(cfg.nodes)
     n_layer, max_batch = source.config.n_layer, cfg.runtime.max_batch
     plan = make_plan(costs, n_layer, samples, max_batch)
-    kept = [i for i, k in enumerate(plan.counts) if k > 0]
     mates = machine_mates(cfg.nodes)
-    if any(set(mates[cfg.nodes[i].name]) - {cfg.nodes[j].name for j in kept} for i in kept):
-        # Nodes left out shared a machine with kept ones while all were timed (emulated boards,
-        # several workers on one box): its cores, memory bandwidth and cache, which the ring
-        # will not share with them. Timed beside a 0.25-core board the plan left out, the
-        # starter and the 0.5-core board of planner-memory-gpt2-final took 1.4x and 1.6x as
+    timed = list(range(len(cfg.nodes)))  # the nodes timed side by side for the plan in hand
+    while True:
+        # Nodes left out shared a machine with kept ones while they were timed (emulated
+        # boards, several workers on one box): its cores, memory bandwidth and cache, which
+        # the ring will not share with them. Timed beside a 0.25-core board the plan left out,
+        # the starter and the 0.5-core board of planner-memory-gpt2-final took 1.4x and 1.6x as
         # long per GPT-2 layer as timed by themselves, and the plan predicted 0.64-0.85x the
-        # tokens/s its ring made. The kept nodes are timed again by themselves and the plan
-        # made over them.
+        # tokens/s its ring made. So the kept nodes are timed again by themselves and the plan
+        # made over them, until a plan keeps every node it was timed with on their machines:
+        # each round times fewer nodes, so it ends (a plan that drops another node was made
+        # from times that node disturbed).
+        kept = [i for i, k in enumerate(plan.counts) if k > 0]
+        left = {cfg.nodes[j].name for j in timed if j not in kept}
+        if not any(set(mates[cfg.nodes[i].name]) & left for i in kept):
+            break
         again = profiler.costs([cfg.nodes[i] for i in kept])
         try:
             plan = widen(make_plan(again, n_layer, samples, max_batch), kept, plan)
-            costs = [again[kept.index(i)] if i in kept else c for i, c in enumerate(costs)]
-        except PlanError as e:  # their memory shrank between the two looks: keep the first plan
-            log.warning("mdi: plan: kept the plan timed with every node: %s", e)
+        except PlanError as e:  # their memory shrank between the two looks: keep the plan in hand
+            log.warning("mdi: plan: kept the plan timed with the nodes it leaves out: %s", e)
+            break
+        costs = [again[kept.index(i)] if i in kept else c for i, c in enumerate(costs)]
+        timed = kept
     plan.profile_seconds = profiler.seconds
     return plan, costs
 

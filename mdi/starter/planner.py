@@ -225,7 +225,8 @@ class Plan:
     samples_to_fill: int  # ceil(ring time / slowest stage): samples in flight that keep every node busy
     predicted: Dict[int, float]  # tokens/s for S = 1..2N
     dropped: Dict[str, str] = field(default_factory=dict)  # node -> why it was left out
-    retimed: List[str] = field(default_factory=list)  # nodes timed again without those left out (widen)
+    # Each time the kept nodes were timed again without those left out (widen): their names.
+    retimed: List[List[str]] = field(default_factory=list)
     profile_seconds: float = 0.0
 
     @property
@@ -238,7 +239,7 @@ class Plan:
                 "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 3),
                 "bottleneck_ms": round(self.bottleneck_ms, 3), "ring_ms": round(self.ring_ms, 3),
                 "stage_ms": [round(r.stage_ms, 3) for r in self.rows],
-                "samples_to_fill": self.samples_to_fill, "samples": self.samples, "retimed": list(self.retimed),
+                "samples_to_fill": self.samples_to_fill, "samples": self.samples, "retimed": [list(r) for r in self.retimed],
                 "predicted": {str(k): round(v, 3) for k, v in sorted(self.predicted.items())}}
 
 
@@ -309,13 +310,13 @@ def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="
 
 
 def widen(inner: Plan, kept: Sequence[int], outer: Plan) -> Plan:
-    """`inner`, planned over the nodes `kept` (indices) of `outer`'s ring, as a plan over all of
-    them: the others left out, for `outer`'s reasons."""
+    """`inner`, planned over the nodes `kept` (indices) of `outer`'s ring, timed again by
+    themselves, as a plan over all of them: the others left out, for `outer`'s reasons."""
     counts, rows = [0] * len(outer.counts), list(outer.rows)
     for j, i in enumerate(kept):
         counts[i], rows[i] = inner.counts[j], inner.rows[j]
     return dataclasses.replace(inner, counts=counts, rows=rows, dropped=dict(outer.dropped, **inner.dropped),
-                               retimed=[outer.rows[i].name for i in kept])
+                               retimed=outer.retimed + [[outer.rows[i].name for i in kept]])
 
 
 def format_plan(plan: Plan) -> str:
