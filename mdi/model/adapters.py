@@ -26,6 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from mdi.model.config import ModelConfig
+from mdi.model.gguf_layout import open_reader
 from mdi.model.quant import QParts
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (A [r, in], B [out, r]), the scale folded into B
@@ -454,14 +455,12 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
     adapter.type lora, adapter.lora.alpha; tensors blk.N.<tensor>.weight.lora_a / .lora_b) for
     the base model `config`. llama.cpp scales by alpha / rank (rank from each lora_b; alpha 0:
     no scaling): rslora and per-module alphas did not survive the conversion."""
-    from gguf import GGUFReader
-
     from mdi.model.gguf import ARCHITECTURES, GGUF_NAMES, PERMUTED_QK, _gguf_value, _load_tensor, _unpermute
 
     name = name or os.path.splitext(os.path.basename(path))[0]
     where = "adapter %s" % name
     try:
-        reader = GGUFReader(path)
+        reader = open_reader(path)
     except Exception as e:  # the reader raises assorted errors for non-GGUF input
         raise AdapterError("%s: %s is not a readable GGUF file (%s)" % (where, path, str(e).splitlines()[0] if str(e)
                                                                           else type(e).__name__))

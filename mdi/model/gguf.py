@@ -21,6 +21,7 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, check_unused, convert_llama, first_line, make_getter
+from mdi.model.gguf_layout import open_reader
 from mdi.model.layout import CheckpointError, QuantSpec
 from mdi.model.quant import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, QParts, from_gguf_blocks, quantize
 
@@ -67,10 +68,8 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
     Qwen2 / 2.5, Qwen3). Float tensors come back as ``dtype``; quantized ones are dequantised,
     or with `keep_quant` kept quantized (a `QParts`: peak memory is then about the file's
     size). `requantized` collects 'tensor TYPE -> spec' for K-quants re-quantized."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
+        reader = open_reader(path)
     except Exception as e:  # the reader raises assorted errors for non-GGUF input
         raise CheckpointError("%s: not a readable GGUF file (%s)" % (path, first_line(e)))
     arch = _gguf_value(reader, "general.architecture")

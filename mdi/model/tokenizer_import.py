@@ -6,6 +6,7 @@ so it tokenizes as the model's tokenizer.json does; an unknown name is an error.
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence  # noqa: F401  (type comments)
 
+from mdi.model.gguf_layout import open_reader
 from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
                                   read_json_if)
 
@@ -182,11 +183,11 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
 def _gguf_metadata(path: str) -> Dict[str, Any]:
     """The `tokenizer.*` key/values of a GGUF file as plain Python values."""
     try:
-        from gguf import GGUFReader, GGUFValueType
+        from gguf import GGUFValueType
     except ImportError:
         raise TokenizerError("reading a GGUF tokenizer needs the gguf package: pip install gguf") from None
     try:
-        reader = GGUFReader(path)
+        reader = open_reader(path)
     except (OSError, ValueError) as e:
         raise TokenizerError("cannot read GGUF file %s: %s" % (path, e)) from None
 

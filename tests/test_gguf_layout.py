@@ -1,0 +1,99 @@
+"""GGUF headers that claim more than their file holds are refused before any reader allocates.
+
+A 64-byte file whose metadata array claimed 2^40 items made gguf's reader allocate until the
+OOM killer came: `mdi-prepare` hung, and as an adapter it grew the starter by 1.3 GB. Every lie
+below is refused by mdi.model.gguf_layout in a fraction of a second, naming the file, through
+every door a GGUF comes in by (model, tokenizer, LoRA adapter, mdi-prepare); real GGUF files
+pass.
+"""
+import os
+import struct
+import subprocess
+import time
+
+import pytest
+
+from conftest import BIN, tiny_config
+from mdi.model.adapters import AdapterError, load_gguf_lora
+from mdi.model.gguf import read_gguf
+from mdi.model.gguf_layout import GGUFLayoutError, check_layout
+from mdi.model.layout import CheckpointError
+from mdi.model.tokenizer_import import tokenizer_from_gguf
+from mdi.model.tokenizers import TokenizerError
+from test_quant import _write_llama_gguf
+
+STRING, ARRAY, UINT32 = 8, 9, 4
+
+
+def string(text):
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def gguf(kv=b"", n_kv=0, tensors=b"", n_tensors=0, version=3):
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv) + kv + tensors
+
+
+def nested(depth):
+    """An array of arrays `depth` deep, each holding the next (one item)."""
+    body = struct.pack("<IQ", UINT32, 0)
+    for _ in range(depth):
+        body = struct.pack("<IQ", ARRAY, 1) + body
+    return string("deep") + struct.pack("<I", ARRAY) + body
+
+
+HOSTILE = {
+    "array of 2^40 strings": (gguf(string("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 1 << 40), 1),
+                              "claims 1099511627776 items"),
+    "array of 2^40 u32": (gguf(string("tokenizer.ggml.token_type") + struct.pack("<IIQ", ARRAY, UINT32, 1 << 40), 1),
+                          "claims 1099511627776 items"),
+    "key of 2^40 bytes": (gguf(struct.pack("<Q", 1 << 40) + b"k" * 16, 1), "claims 1099511627776 items"),
+    "2^40 metadata entries": (gguf(n_kv=1 << 40), "claims 1099511627776 items"),
+    "2^40 tensors": (gguf(n_tensors=1 << 40), "1099511627776 tensors claimed"),
+    "1000 dimensions": (gguf(tensors=string("w") + struct.pack("<I", 1000) + b"\0" * 64, n_tensors=1), "1000 dimensions"),
+    "arrays 100 deep": (gguf(nested(100), 1), "nests arrays"),
+    "unknown value type": (gguf(string("k") + struct.pack("<I", 77) + b"\0" * 8, 1), "unknown value type 77"),
+    "truncated string": (gguf(string("general.name") + struct.pack("<IQ", STRING, 5) + b"ab", 1), "claims 5 items"),
+    "version 99": (gguf(version=99), "version"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_header_claiming_more_than_its_file_is_refused_at_once(tmp_path, case):
+    data, needle = HOSTILE[case]
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(data)
+    t0 = time.monotonic()
+    with pytest.raises(GGUFLayoutError) as e:
+        check_layout(str(path))
+    assert time.monotonic() - t0 < 5  # a walk, not an allocation
+    assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_every_door_refuses_it_in_one_line(tmp_path):
+    path = tmp_path / "lora.gguf"
+    path.write_bytes(HOSTILE["array of 2^40 strings"][0])
+    for call, error in ((lambda: read_gguf(str(path)), CheckpointError),
+                        (lambda: tokenizer_from_gguf(str(path)), TokenizerError),
+                        (lambda: load_gguf_lora(str(path), tiny_config("llama")), AdapterError)):
+        with pytest.raises(error) as e:
+            call()
+        assert "claims 1099511627776 items" in str(e.value) and "\n" not in str(e.value)
+    r = subprocess.run([os.path.join(BIN, "mdi-prepare"), str(path), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "claims 1099511627776 items" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_real_gguf_files_pass(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    _write_llama_gguf(path, {"attn_q": "Q8_0", "ffn_down": "Q4_1"})
+    n_tensors, n_kv = check_layout(path)
+    assert n_tensors > 0 and n_kv > 0
+    read_gguf(path)  # and the reader after it
+    try:
+        from mdi.model.gguf import packaged_gguf_path
+        packaged = packaged_gguf_path()
+    except Exception:  # noqa: BLE001 - the default model's package is not installed here
+        return
+    assert check_layout(packaged) == (272, 33)  # SmolLM2-135M Q4_1: 272 tensors, 33 metadata keys
