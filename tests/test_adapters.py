@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mdi.model.adapters import AdapterError, get_pattern_key, load_adapter, load_gguf_lora, merge_adapter  # noqa: E402
+from mdi.model.adapters import AdapterError, load_adapter, load_gguf_lora, merge_adapter  # noqa: E402
+from mdi.model.peft_targets import get_pattern_key  # noqa: E402
 from mdi.model.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.layout import expected_keys  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
@@ -465,3 +466,30 @@ def test_gguf_lora_refusals(tmp_path):
                                            r"needs \[64, 8\]"):
         load_gguf_lora(write("wide.gguf", tensors=[("blk.0.attn_q.weight.lora_a", a),
                                                    ("blk.0.attn_q.weight.lora_b", b)]), config)
+
+
+def test_a_backtracking_target_pattern_is_stopped_and_named(tmp_path, monkeypatch):
+    # "(.*.*)*Z" backtracks exponentially on a module name (5 s for 14 characters, for ever
+    # for "model.layers.0.self_attn.q_proj"): it runs in a child process, stopped in time, and
+    # the caller (a serving starter's thread) is never frozen meanwhile.
+    import json
+    import time
+    from mdi.model import peft_targets
+    from test_adapter_ring import write_peft_lora
+    from conftest import tiny_config
+    config = tiny_config("llama")
+    path = write_peft_lora(str(tmp_path / "evil"), config, seed=1)
+    cfg_path = os.path.join(path, "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    monkeypatch.setattr(peft_targets, "MATCH_TIMEOUT_S", 2.0)
+    for pattern, needle in (("(.*.*)*Z", "took more than 2 s"), ("x" * 2000, "at most 1000 characters"),
+                            ("(unclosed", "not a regular expression")):
+        json.dump(dict(cfg, target_modules=pattern), open(cfg_path, "w"))
+        t0 = time.monotonic()
+        with pytest.raises(AdapterError) as e:
+            load_adapter(path, config, "evil")
+        assert time.monotonic() - t0 < 30 and needle in str(e.value), str(e.value)
+    # a regex that matches every block's linears still loads, through the child process
+    json.dump(dict(cfg, target_modules=r".*\.(qkv|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|"
+                                        r"c_attn|c_proj|c_fc)"), open(cfg_path, "w"))
+    assert load_adapter(path, config, "ok").rank == 4

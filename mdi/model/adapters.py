@@ -27,6 +27,7 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.gguf_layout import open_reader
+from mdi.model.peft_targets import PatternError, resolve_bounded
 from mdi.model.quant import QParts
 
 Pair = Tuple[torch.Tensor, torch.Tensor]  # (A [r, in], B [out, r]), the scale folded into B
@@ -178,56 +179,6 @@ PEFT_UNSUPPORTED = {
     "monteclora_config": "MonteCLoRA",
     "kasa_config": "KaSA",
 }
-
-
-def get_pattern_key(pattern_keys: Sequence[str], key: str) -> str:
-    """PEFT's rule for rank_pattern / alpha_pattern (peft.utils.other.get_pattern_key): the
-    first pattern that, as a regex, matches the end of the module name at a dot boundary."""
-    for pattern in pattern_keys:
-        if re.match(r"(.*\.)?(%s)$" % pattern, key):
-            return pattern
-    return key
-
-
-def _layer_of(key: str, layers_pattern) -> Optional[int]:
-    """PEFT's layer index of a module name (first numbered segment, or after layers_pattern)."""
-    if not layers_pattern:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
-    else:
-        m = None
-        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
-            m = re.match(r"(?:^|.*?\.)%s\.(?P<idx>\d+)\." % pattern, key)
-            if m is not None:
-                break
-    return int(m.group("idx")) if m is not None else None
-
-
-def is_targeted(cfg: Mapping, key: str) -> bool:
-    """PEFT's check_target_module_exists (peft.tuners.tuners_utils) for the keys we read:
-    exclude_modules, target_modules (a regex matched in full, or names matched as the module
-    name or its dotted suffix) and layers_to_transform / layers_pattern."""
-    exclude = cfg.get("exclude_modules")
-    if exclude:
-        if isinstance(exclude, str):
-            if re.fullmatch(exclude, key):
-                return False
-        elif key in exclude or any(key.endswith("." + e) for e in exclude):
-            return False
-    targets = cfg.get("target_modules")
-    if targets == "all-linear":  # peft expands it before saving; the blocks' linears are what it covers
-        return True
-    if isinstance(targets, str):
-        return re.fullmatch(targets, key) is not None
-    targets = targets or []
-    if key in targets:
-        return True  # named in full: layers_to_transform does not apply (as in PEFT)
-    if not any(key.endswith("." + t) for t in targets):
-        return False
-    layers = cfg.get("layers_to_transform")
-    if layers is None or (isinstance(layers, list) and not layers):
-        return True
-    layers = [layers] if isinstance(layers, int) else layers
-    return _layer_of(key, cfg.get("layers_pattern")) in layers
 
 
 @dataclass
@@ -395,6 +346,15 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelC
     prefixes: Set[str] = set()
     ranks: List[int] = []
     patterns_r, patterns_a = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    # Every name the checks below ask about, matched against the config's patterns at once
+    # (in a bounded child process when they are regexes: mdi.model.peft_targets).
+    stacks = sorted({m.group("prefix") for m in map(block_re.match, modules) if m is not None})[:2]
+    candidates = set(modules) | {"%s%s.%d.%s" % (p, HF_BLOCKS[family], layer, sub) for p in stacks
+                                 for layer in range(config.n_layer) for sub in HF_MODULES[family]}
+    try:
+        matched = resolve_bounded(cfg, sorted(candidates))
+    except PatternError as e:
+        raise AdapterError("%s: %s" % (where, e))
     for module in sorted(modules):
         pair = modules[module]
         some = pair.get("A") or pair.get("B")
@@ -412,7 +372,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelC
         for ab in "AB":
             if ab not in pair:
                 raise AdapterError("%s: %s holds %s but not its lora_%s" % (where, st_path, some, ab))
-        if not is_targeted(cfg, module):
+        if not matched[module][0]:
             raise AdapterError("%s: %s holds %s, a module adapter_config.json does not target (target_modules %s, "
                                "layers_to_transform %s)" % (where, st_path, some, json.dumps(cfg.get("target_modules")),
                                                             json.dumps(cfg.get("layers_to_transform"))))
@@ -422,7 +382,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelC
                                % (where, st_path, some, " and ".join(sorted(repr(p) for p in prefixes))))
         mdi, part = HF_MODULES[family][m.group("sub")]
         start, end = part_rows(config, mdi, part)
-        r_key, a_key = get_pattern_key(list(patterns_r), module), get_pattern_key(list(patterns_a), module)
+        _, r_key, a_key = matched[module]
         r = int(patterns_r.get(r_key, cfg["r"]))
         alpha = float(patterns_a.get(a_key, cfg["lora_alpha"]))
         a, b = tensors[pair["A"]], tensors[pair["B"]]
@@ -441,7 +401,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelC
     for layer in range(config.n_layer):
         for sub in HF_MODULES[family]:
             module = "%s%s.%d.%s" % (prefix, HF_BLOCKS[family], layer, sub)
-            if module not in modules and is_targeted(cfg, module):
+            if module not in modules and matched[module][0]:
                 raise AdapterError("%s: %s has no base_model.model.%s.lora_A.weight, which adapter_config.json "
                                    "targets" % (where, st_path, module))
     return Adapter(name=name, path=path, kind="lora", rank=max(ranks), alpha=float(cfg["lora_alpha"]),
