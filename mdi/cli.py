@@ -425,7 +425,7 @@ def worker_parser() -> argparse.ArgumentParser:
 def worker_main(argv: Optional[List[str]] = None) -> int:
     args = worker_parser().parse_args(argv)
     from mdi.system.http_server import HttpServer
-    from mdi.worker.app import MAX_BODY_BYTES, create_app
+    from mdi.worker.app import MAX_BODY_BYTES, admit_headers, create_app
     from mdi.worker.node import Worker
     setup_process(args.log_level, "%(asctime)s %(name)s %(levelname)s %(message)s", args.threads)
     from mdi.system.memory import limit_malloc_arenas
@@ -444,7 +444,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     worker = Worker(args.host, args.port, args.device, max_memory, token, args.models_dir, args.threads)
     try:
         server = HttpServer(create_app(worker), args.host, args.port, "mdi-http", threads=8, max_connections=128,
-                            max_body_bytes=MAX_BODY_BYTES).start()
+                            max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(worker)).start()
     except OSError as e:
         return _fail("cannot listen on %s:%d: %s" % (args.host, args.port, e.strerror or e), EXIT_RUN)
     print("mdi-worker %s listening on http://%s:%d" % (__import__("mdi").__version__, args.host, args.port),

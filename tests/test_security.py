@@ -447,3 +447,16 @@ def test_idle_connections_starve_neither_a_running_run_nor_a_new_one(tmp_path, t
             c.close()
         worker.stop(5)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_unsigned_upload_is_refused_before_its_body_is_read(secret_worker):
+    # A peer without the secret announces a 1 GiB body: the worker answers 401 from the headers
+    # and closes, instead of storing the body (in $TMPDIR, past 1 MB) before checking them.
+    with socket.create_connection(("127.0.0.1", secret_worker.port), timeout=10) as s:
+        s.sendall(b"POST /weights HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n"
+                  b"Authorization: MDI-HMAC t=1, n=0123456789abcdef, s=" + b"0" * 64 + b"\r\n"
+                  b"X-MDI-Content-SHA256: UNSIGNED-PAYLOAD\r\n\r\n" + b"\0" * 65536)
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 401") and b"missing or wrong token" in reply, reply[:200]
+    # the worker serves the next signed request as ever
+    assert requests.get(secret_worker.url + "/status", auth=HmacAuth(SECRET), timeout=10).status_code == 200

@@ -113,6 +113,23 @@ class RequestVerifier:
     def verify(self, method: str, path: str, authorization: Optional[str], content_sha256: Optional[str],
                now: Optional[float] = None) -> None:
         """Returns if the request is authentic and new; raises AuthError otherwise."""
+        t, nonce = self.check_signed(method, path, authorization, content_sha256, now)
+        now = time.time() if now is None else now
+        with self._lock:
+            while self._expiry and self._expiry[0][0] < now:
+                self._seen.discard(heapq.heappop(self._expiry)[1])
+            if nonce in self._seen:
+                raise AuthError("replayed request")
+            if len(self._seen) >= self.max_nonces:
+                raise AuthError("too many requests within %.0f s" % self.window)
+            self._seen.add(nonce)
+            heapq.heappush(self._expiry, (int(t) + self.window, nonce))
+
+    def check_signed(self, method: str, path: str, authorization: Optional[str], content_sha256: Optional[str],
+                     now: Optional[float] = None) -> Tuple[str, str]:
+        """(t, nonce) of a request signed with the secret within the window, from its headers
+        alone (the body's sha256 is the header's claim); AuthError otherwise. Remembers no
+        nonce: `verify` does, once the body is there to check against its claim."""
         m = _HEADER.match(authorization or "")
         if m is None:
             raise AuthError("no %s signature" % SCHEME)
@@ -127,15 +144,7 @@ class RequestVerifier:
         if abs(now - int(t)) > self.window:
             raise AuthError("signed %+.0f s from this node's clock (window %.0f s)" % (int(t) - now, self.window),
                             stale=True)
-        with self._lock:
-            while self._expiry and self._expiry[0][0] < now:
-                self._seen.discard(heapq.heappop(self._expiry)[1])
-            if nonce in self._seen:
-                raise AuthError("replayed request")
-            if len(self._seen) >= self.max_nonces:
-                raise AuthError("too many requests within %.0f s" % self.window)
-            self._seen.add(nonce)
-            heapq.heappush(self._expiry, (int(t) + self.window, nonce))
+        return t, nonce
 
 
 # --- data plane: CURVE keys -----------------------------------------------------------------

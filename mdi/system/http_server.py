@@ -18,12 +18,13 @@ connections against a worker limited to 1024 open files blocked every new run.)
     server.close(grace=1.0)                           # lets running requests finish, then stops
 """
 import heapq
+import json
 import logging
 import resource
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional  # noqa: F401  (type comments)
+from typing import Any, Callable, Dict, Optional  # noqa: F401  (type comments)
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,41 @@ def connection_cap(wanted: int, threads: int) -> int:
     return max(8, min(wanted, soft - FD_RESERVE - threads - BURST))
 
 
-def _server_class():
+# (method, path?query, headers as waitress keys them: "AUTHORIZATION", "X_MDI_CONTENT_SHA256")
+# -> None to read the body, or why the request is refused (401) before a byte of it is read.
+Admit = Callable[[str, str, Dict[str, str]], Optional[str]]
+
+
+def _server_class(admit: Optional[Admit] = None):
     from waitress.channel import HTTPChannel
+    from waitress.parser import HTTPRequestParser
     from waitress.server import TcpWSGIServer
+    from waitress.utilities import Error
+
+    class Unauthorized(Error):
+        code = 401
+        reason = "Unauthorized"
+
+        def to_response(self, ident=None):  # JSON, as the applications answer their own 401s
+            body = json.dumps({"ok": False, "error": self.body}).encode()
+            return "401 Unauthorized", [("Content-Type", "application/json")], body
+
+    class Parser(HTTPRequestParser):
+        """waitress stores a body (in a temporary file past 1 MB) before the application
+        sees its request: a body is read only once `admit` has passed the headers."""
+
+        def parse_header(self, header_plus: bytes) -> None:
+            super().parse_header(header_plus)
+            if admit is None or not (self.content_length > 0 or self.chunked):
+                return
+            why = admit(self.command, self.path + ("?" + self.query if self.query else ""), self.headers)
+            if why is not None:
+                self.error = Unauthorized(why)
+                self.completed, self.body_rcv, self.content_length, self.chunked = True, None, 0, False
+                self.connection_close = True  # the body's bytes then go nowhere
 
     class Channel(HTTPChannel):
+        parser_class = Parser
         served = False  # has completed a request: closed after those that never did
 
         def service(self) -> None:
@@ -85,7 +116,7 @@ class HttpServer:
 
     def __init__(self, app: Callable, host: str, port: int, name: str = "http", threads: int = 8,
                  max_connections: int = 128, idle_timeout: int = 30, max_body_bytes: int = 1 << 30,
-                 client_gone: bool = False) -> None:
+                 client_gone: bool = False, admit: Optional[Admit] = None) -> None:
         from waitress.adjustments import Adjustments
         from waitress.task import ThreadedTaskDispatcher
         self.name = name
@@ -106,7 +137,7 @@ class HttpServer:
         dispatcher.set_thread_count(threads)
         self._map = {}  # type: dict
         try:
-            self.server = _server_class()(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
+            self.server = _server_class(admit)(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
         except BaseException:
             dispatcher.shutdown(timeout=1)
             raise

@@ -12,7 +12,7 @@ request is answered 400 with its reason, any other failure in JSON too (never an
 """
 import logging
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 from flask import Flask, jsonify, request
 
@@ -30,6 +30,29 @@ log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 1 << 20
 MAX_BODY_BYTES = MAX_WEIGHTS_BYTES + SAFETENSORS_SLACK  # the largest /weights push (the server's limit)
+
+
+def admit_headers(worker: Worker) -> Optional[Callable[[str, str, Dict[str, str]], Optional[str]]]:
+    """What the HTTP server checks before it reads a body (HttpServer's `admit`): with a shared
+    secret, that the request is signed, from its headers alone. An unauthenticated peer then
+    makes the worker store nothing (a 1 GB upload had been written to $TMPDIR before its 401).
+    The application still checks everything once the body is there."""
+    if not worker.token:
+        return None
+    verifier = RequestVerifier(worker.token)
+    content_key = CONTENT_HEADER.upper().replace("-", "_")  # as waitress keys its headers
+
+    def admit(method: str, path: str, headers: Dict[str, str]) -> Optional[str]:
+        if not path.isascii():
+            return None  # Flask decodes such paths its own way: the application decides
+        try:
+            verifier.check_signed(method, path, headers.get("AUTHORIZATION"), headers.get(content_key))
+        except AuthError as e:
+            # A stale signature is the secret's: the application answers it with this node's
+            # clock (TIME_HEADER), which lets the starter correct its own.
+            return None if e.stale else "missing or wrong token (%s)" % e
+        return None
+    return admit
 
 
 def create_app(worker: Worker) -> Flask:
