@@ -374,6 +374,32 @@ def test_connections_over_the_limit_close_the_idlest(first_bytes):
         server.close()
 
 
+def test_a_chunk_size_line_that_never_ends_is_refused():
+    # waitress kept such a line (and joined it again with every read) until its end came:
+    # memory without bound, CPU growing with it. Past MAX_CHUNK_LINE it is a 400 and a close,
+    # and a proper chunked body still reaches the application.
+    from mdi.system.http_server import MAX_CHUNK_LINE
+    server = HttpServer(_hello_app, "127.0.0.1", 0, threads=2).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            s.sendall(b"1" * (MAX_CHUNK_LINE + 1))  # all read by the server: it closes, not resets
+            reply = b""
+            while len(reply) < 1 << 16:  # until the server closes (a reset: bytes it never read)
+                try:
+                    part = s.recv(4096)
+                except ConnectionResetError:
+                    break
+                if not part:
+                    break
+                reply += part
+        assert reply.startswith(b"HTTP/1.1 400") and b"chunk-size line" in reply, reply[:200]
+        r = requests.post("http://127.0.0.1:%d/" % server.port, data=iter([b"ab", b"cd"]), timeout=10)  # chunked
+        assert r.status_code == 200 and r.text == "hello"
+    finally:
+        server.close()
+
+
 def test_streamed_writes_leave_at_once():
     """Each chunk an app yields is sent when yielded (server-sent events): the app waits for
     the client to have read its first chunk before it yields the second."""
