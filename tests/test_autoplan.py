@@ -166,10 +166,11 @@ def test_profile_requests_are_validated(workers, tiny_models):
     assert reply["blocks"] == profile_blocks(config, "float32", None, "cpu")  # no memory limit: all it wants
     for bad, word in ((dict(good, batch_sizes=[0]), "batch_sizes"), (dict(good, context=10 ** 6), "context"),
                       (dict(good, device="tpu"), "device"), (dict(good, dtype="int3"), "dtype"),
+                      (dict(good, device="cuda:99"), "cuda:99: this node"),  # no such GPU here: one line, 400
                       (dict(good, quant={"blocks.9.attn.qkv": ["int4", 32]}), "quant"),
                       (dict(good, extra=1), "unknown key")):
         r = requests.post(url, json=bad, timeout=30)
-        assert r.status_code == 400 and word in r.json()["error"], (bad, r.text)
+        assert r.status_code == 400 and word in r.json()["error"] and "\n" not in r.json()["error"], (bad, r.text)
 
 
 def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):

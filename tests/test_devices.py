@@ -54,3 +54,16 @@ def test_compute_dtype_choice_per_gpu_generation():
     assert dtype == torch.float32 and "bfloat16" in note
     assert resolve_compute_dtype("cuda", torch.bfloat16, None, orin) == (torch.bfloat16, None)
     assert resolve_compute_dtype("cuda", torch.float16, None, xavier) == (torch.float16, None)
+
+
+def test_a_device_this_node_lacks_is_one_line_naming_it():
+    from mdi.runconfig import ConfigError
+    from mdi.system.devices import unusable_reason
+    assert unusable_reason("cpu") is None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    why = unusable_reason("cuda:%d" % (n + 98))
+    assert why.startswith("cuda:%d: this node" % (n + 98)) and "\n" not in why
+    if not torch.cuda.is_available():  # the starter says so before it loads anything
+        with pytest.raises(ConfigError, match="starter: cuda: this node's torch sees no CUDA GPU"):
+            batch.run(parse_config({"model": {"path": SHIPPED, "device": "cuda"}, "generation": {"n_tokens": 2}},
+                                   "t"), ["To be"])

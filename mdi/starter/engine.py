@@ -15,7 +15,7 @@ from mdi.model import qkernels
 from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
 from mdi.starter.control import NodeError
-from mdi.system.devices import resolve_compute_dtype
+from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.model.source import ModelSource
 from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import ModelChunk
@@ -83,6 +83,9 @@ class Engine:
 
     def _starter_chunk(self, layers: List[int]) -> ModelChunk:
         first, last = layers
+        unusable = unusable_reason(self.device)
+        if unusable is not None:
+            raise ConfigError("starter: %s" % unusable)
         asked = self.cfg.model.compute_dtype
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:

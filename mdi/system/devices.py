@@ -13,6 +13,22 @@ FAST_FP16_CAPABILITY = (7, 0)
 BF16_CAPABILITY = (8, 0)
 
 
+def unusable_reason(device: str) -> Optional[str]:
+    """None when this process can compute on `device` ("cpu", "cuda", "cuda:N"), else why not,
+    in one line (asked before anything touches the device: torch answers a missing GPU with
+    assertion errors and tracebacks)."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return "%s: this node's torch sees no CUDA GPU (no GPU, no driver, or a CPU-only torch build)" % device
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        return "%s: this node has %d CUDA GPU%s (cuda:0%s)" % (device, count, "" if count == 1 else "s",
+                                                              "" if count == 1 else " to cuda:%d" % (count - 1))
+    return None
+
+
 def cuda_capability(device: str) -> Optional[Tuple[int, int]]:
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return None

@@ -34,7 +34,7 @@ from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
-from mdi.system.devices import resolve_compute_dtype
+from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import available_memory_bytes, board_memory, rss_bytes, unified_memory_bytes
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 
@@ -183,6 +183,7 @@ class Worker:
         self.pending = None
 
     def init(self, request: InitRequest, peer: str = "?") -> Dict[str, Any]:
+        self._check_device(request.device)
         with self.lock:
             self._check_holder_locked(request, peer)
             self.loading = True
@@ -194,6 +195,7 @@ class Worker:
     def profile(self, request: ProfileRequest) -> ProfileReply:
         """Time the asked model's blocks here (POST /profile). Refused (409) while a run or a
         load holds this worker: it would slow that run, and the run would skew the numbers."""
+        self._check_device(request.device)
         if not self.lock.acquire(timeout=1.0):
             raise NodeBusy("busy loading weights; profile it between runs")
         try:
@@ -216,6 +218,11 @@ class Worker:
                 release_freed_memory()  # the random blocks' memory goes back before the weights come
         finally:
             self.lock.release()
+
+    def _check_device(self, asked: str) -> None:
+        why = unusable_reason(self.device_override or asked)
+        if why is not None:
+            raise RequestError(why)
 
     def _profile_blocks(self, request: ProfileRequest) -> int:
         """How many random blocks to time (profile_blocks), within what fits beside the weights
