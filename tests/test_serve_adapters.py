@@ -225,6 +225,9 @@ def test_after_the_last_adapter_is_unloaded_unknown_names_are_still_refused(setu
     server, model, dirs = setup
     bad = requests.post(server.url + "/v1/mdi/adapters", json={"name": "late\n", "path": dirs["late"]}, timeout=30)
     assert bad.status_code == 400 and "name" in bad.json()["error"]["message"]  # matched whole, newline too
+    bad = requests.post(server.url + "/v1/mdi/adapters", json={"name": "late", "path": dirs["late"] + "\0x"},
+                        timeout=30)
+    assert bad.status_code == 400 and "NUL" in bad.json()["error"]["message"], bad.text
     loaded = [m["id"] for m in server.get("/v1/models").json()["data"]][1:]
     for name in loaded:
         assert requests.delete(server.url + "/v1/mdi/adapters/" + name, timeout=90).status_code == 200

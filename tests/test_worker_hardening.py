@@ -329,6 +329,9 @@ def test_weights_path_outside_the_models_dir_is_refused_alike(tiny_models, pair,
         assert r.status_code == 400 and "cannot load weights" in r.json()["error"], r.text
     finally:
         os.remove(junk)
+    # A NUL in the path (os functions raise on it) is a one-line 400 too.
+    r = init(model + "\0x")
+    assert r.status_code == 400 and "NUL" in r.json()["error"], r.text
     assert status(worker)["state"] == "idle"
 
 

@@ -124,6 +124,8 @@ def threads_field(value: Any) -> Any:
 def str_field(where: str, value: Any, max_len: int = 4096) -> str:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise RequestError("%s must be a non-empty string" % where)
+    if "\0" in value:  # no path holds one, and os functions raise on it
+        raise RequestError("%s must not hold a NUL character" % where)
     return value
 
 

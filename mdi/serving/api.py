@@ -236,6 +236,8 @@ class Routes:
         name, path = body.get("name"), body.get("path")
         if set(body) - {"name", "path"} or not isinstance(name, str) or not isinstance(path, str):
             raise ApiError(400, 'expected {"name": string, "path": string}')
+        if "\0" in path:  # os.path.realpath raises on it
+            raise ApiError(400, "path: must not hold a NUL character", "path")
         if not ADAPTER_NAME.fullmatch(name) or name in (self.model_id, BASE_ADAPTER):
             raise ApiError(400, "name: letters, digits, '_', '.' or '-' (at most 64), not %r or 'base'"
                            % self.model_id, "name")
