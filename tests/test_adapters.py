@@ -493,3 +493,20 @@ def test_a_backtracking_target_pattern_is_stopped_and_named(tmp_path, monkeypatc
     json.dump(dict(cfg, target_modules=r".*\.(qkv|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|"
                                         r"c_attn|c_proj|c_fc)"), open(cfg_path, "w"))
     assert load_adapter(path, config, "ok").rank == 4
+
+
+@pytest.mark.parametrize("key,value", [("rank_pattern", 0.5), ("rank_pattern", 0), ("alpha_pattern", -1.0),
+                                       ("r", 0)])
+def test_a_zero_or_fractional_rank_is_one_line(tmp_path, key, value):
+    import json
+    from test_adapter_ring import write_peft_lora
+    from conftest import tiny_config
+    config = tiny_config("llama")
+    path = write_peft_lora(str(tmp_path / "a"), config, seed=1)
+    cfg_path = os.path.join(path, "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg[key] = {"q_proj": value} if key.endswith("_pattern") else value
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(AdapterError) as e:
+        load_adapter(path, config, "a")
+    assert key in str(e.value) and "\n" not in str(e.value)

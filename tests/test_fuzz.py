@@ -257,3 +257,11 @@ def check_ring_still_correct(worker, model):
     alone = parse_config({"model": {"path": model}, "generation": gen}, "alone")
     got = batch.run(ring, ["fuzz"]).samples[0].token_ids
     assert got == batch.run(alone, ["fuzz"]).samples[0].token_ids
+
+
+def test_json_nested_past_the_parser_stack_is_a_400(fuzz_worker):
+    body = "[" * 200000 + "]" * 200000  # within the body limit, deeper than json's recursion
+    for path in ("/init", "/profile"):
+        r = requests.post(fuzz_worker.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"], (path, r.status_code, r.text[:200])
+    assert requests.get(fuzz_worker.url + "/health", timeout=5).json()["ok"] is True

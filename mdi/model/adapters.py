@@ -301,9 +301,11 @@ def _check_peft_config(cfg: Mapping, config: ModelConfig, where: str, cfg_path: 
             raise AdapterError("%s: %s: %s must be a positive number, got %s" % (where, cfg_path, key, json.dumps(v)))
     for key in ("rank_pattern", "alpha_pattern"):
         v = cfg.get(key) or {}
+        # ranks are whole: a rank of 0.5 became int 0, and a division by zero
         if not isinstance(v, dict) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-                                              for x in v.values()):
-            raise AdapterError("%s: %s: %s must map module patterns to positive numbers" % (where, cfg_path, key))
+                                              and (key == "alpha_pattern" or x == int(x)) for x in v.values()):
+            raise AdapterError("%s: %s: %s must map module patterns to positive %s" % (
+                where, cfg_path, key, "numbers" if key == "alpha_pattern" else "whole numbers"))
     targets = cfg.get("target_modules")
     for key in ("target_modules", "exclude_modules"):
         v = cfg.get(key)

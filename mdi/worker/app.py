@@ -64,7 +64,10 @@ def create_app(worker: Worker) -> Flask:
             raise RequestError("JSON body missing or larger than %d bytes" % MAX_JSON_BYTES)
         if not request.is_json:
             raise RequestError("expected Content-Type: application/json")
-        data = request.get_json(silent=True)
+        try:
+            data = request.get_json(silent=True)
+        except RecursionError:  # nested deeper than the parser's stack: no request of ours is
+            raise RequestError("body is JSON nested too deeply") from None
         if data is None:
             raise RequestError("body is not valid JSON")
         return data
