@@ -437,3 +437,24 @@ def test_shared_secret_and_public_bind(model, tmp_path):
                          re.M)
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+@pytest.mark.parametrize("source,needle", [
+    ("{{ 'x' * 10**8 }}", "repetition"), ("{{ ([1] * 10**8) | length }}", "repetition"),
+    ("{{ 10**8 * ['ab'] }}", "repetition"), ("{% set n = 100000000 %}{{ 7 ** n }}", "power"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "wrote more than")])
+def test_a_hostile_chat_template_is_bounded(source, needle):
+    # A model file's chat template runs for every chat request: Jinja's sandbox bounds `range`
+    # only, and 'x' * 10**8 built 100 MB per request. Sizes and output are bounded: a 400.
+    import time
+    from mdi.model.tokenizers import char_tokenizer
+    from mdi.serving.prompts import ChatTemplate
+    from mdi.serving.validation import ApiError
+    tok = char_tokenizer([chr(c) for c in range(32, 127)] + ["\n"])
+    tok.chat_template = source
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as e:
+        ChatTemplate(tok).render([{"role": "user", "content": "hi"}])
+    assert e.value.status == 400 and needle in e.value.message and time.monotonic() - t0 < 10
+    tok.chat_template = "{% for m in messages %}{{ m['content'] * 2 }}{% endfor %}{{ 2 ** 10 }}"
+    assert ChatTemplate(tok).render([{"role": "user", "content": "hi"}]) == "hihi1024"  # small ones still work

@@ -8,6 +8,14 @@ from mdi.model.tokenizers import Tokenizer, TokenizerError
 from mdi.serving.validation import ApiError
 
 MAX_MESSAGES = 1024
+# A chat template is the model file's code, run for every chat request. Jinja's sandbox bounds
+# `range` only: 'x' * 10**8 built 100 MB and a list repeat 1.5 GB per request. Bounded here: a
+# `*` or `**` whose result would pass MAX_TEMPLATE_VALUE items (or digits), and a rendering that
+# passes MAX_TEMPLATE_CHARS or MAX_TEMPLATE_SECONDS (checked as its output streams: a loop that
+# writes nothing between checks is bounded by range's own limit only).
+MAX_TEMPLATE_VALUE = 1 << 20
+MAX_TEMPLATE_CHARS = 1 << 22
+MAX_TEMPLATE_SECONDS = 2.0
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -24,12 +32,11 @@ class ChatTemplate:
     def __init__(self, tokenizer: Tokenizer) -> None:
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = _bounded_environment()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         self.tokenizer = tokenizer
@@ -56,14 +63,47 @@ class ChatTemplate:
 
     def render(self, messages: List[Dict[str, str]]) -> str:
         from jinja2 import TemplateError
+        parts, size, deadline = [], 0, time.monotonic() + MAX_TEMPLATE_SECONDS
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=True,
-                                        bos_token=self.bos, eos_token=self.eos)
-        except TemplateError as e:
+            for part in self.template.generate(messages=messages, add_generation_prompt=True,
+                                               bos_token=self.bos, eos_token=self.eos):
+                parts.append(part)
+                size += len(part)
+                if size > MAX_TEMPLATE_CHARS or time.monotonic() > deadline:
+                    raise ApiError(400, "the chat template wrote more than %d characters or ran longer than %.0f s "
+                                   "for these messages" % (MAX_TEMPLATE_CHARS, MAX_TEMPLATE_SECONDS), "messages")
+        except TemplateError as e:  # SecurityError included: a value past MAX_TEMPLATE_VALUE
             raise ApiError(400, "the chat template refused these messages: %s" % e, "messages")
+        text = "".join(parts)
         if self.tokenizer.add_bos and self.bos and text.startswith(self.bos):
             text = text[len(self.bos):]  # the tokenizer adds BOS itself
         return text
+
+
+def _bounded_environment():
+    """Jinja's immutable sandbox (as transformers renders chat templates), with `*` and `**`
+    refused past MAX_TEMPLATE_VALUE items or digits."""
+    import operator
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def size(value: Any) -> int:
+        return len(value) if isinstance(value, (str, list, tuple)) else 1
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
+            if op == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and size(seq) * n > MAX_TEMPLATE_VALUE:
+                        raise SecurityError("a repetition of more than %d items" % MAX_TEMPLATE_VALUE)
+                return operator.mul(left, right)
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and \
+                    right * max(1, abs(left)).bit_length() > MAX_TEMPLATE_VALUE:
+                raise SecurityError("a power of more than %d bits" % MAX_TEMPLATE_VALUE)
+            return super().call_binop(context, op, left, right)
+    return Bounded
 
 
 def chat_messages(raw: List[Any]) -> List[Dict[str, str]]:
