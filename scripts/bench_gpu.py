@@ -694,8 +694,8 @@ def warm_ring(ctx: "Context", shape: str, model: str, workers: List[Any]) -> Non
     ctx.ring.warm.add(shape)
 
 
-def alternate(ctx: "Context", model: str, workers: List[Any], n_samples: int, max_batch: int, repeats: int,
-              describe: Callable[[Dict[str, Any], Dict[str, Any]], str]) -> Tuple[list, list, bool, float]:
+def alternate_ring(ctx: "Context", model: str, workers: List[Any], n_samples: int, max_batch: int, repeats: int,
+                   describe: Callable[[Dict[str, Any], Dict[str, Any]], str]) -> Tuple[list, list, bool, float]:
     """One-node and ring runs in alternating order, `repeats` pairs or fewer when the budget
     runs short: (one-node runs, ring runs, truncated, seconds of the last pair)."""
     alone, ring = [], []  # type: List[Dict[str, Any]], List[Dict[str, Any]]
@@ -719,7 +719,7 @@ def hop(ctx: "Context", shape: str) -> Dict[str, Any]:
     model, made = ctx.model(shape, None)
     workers = ctx.ring.start()
     warm_ring(ctx, shape, model, workers)
-    alone, ring, truncated, _ = alternate(
+    alone, ring, truncated, _ = alternate_ring(
         ctx, model, workers, 1, 1, args.ring_repeats,
         lambda a, b: "one node %.2f ms/token, ring %.2f ms/token" % (1e3 * a["per_token_s"], 1e3 * b["per_token_s"]))
     hops = RING_NODES  # a token's activations cross every link of the ring once per step
@@ -746,7 +746,7 @@ def pipeline(ctx: "Context", shape: str) -> Dict[str, Any]:
         if out["by_samples"] and not ctx.budget.allows(round_s * 1.5 + 2):
             out["by_samples"][str(s)] = {"status": "skipped", "reason": "budget"}
             continue
-        alone, ring, truncated, round_s = alternate(
+        alone, ring, truncated, round_s = alternate_ring(
             ctx, model, workers, s, max_batch, args.pipeline_repeats,
             lambda a, b: "S=%d max_batch=%d: one node %.1f tok/s, ring %.1f tok/s"
             % (s, max_batch, a["aggregate_tokens_per_s"], b["aggregate_tokens_per_s"]))
