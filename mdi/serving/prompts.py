@@ -10,7 +10,7 @@ from mdi.serving.validation import ApiError
 MAX_MESSAGES = 1024
 # A chat template is the model file's code, run for every chat request. Jinja's sandbox bounds
 # `range` only: 'x' * 10**8 built 100 MB and a list repeat 1.5 GB per request. Bounded here: a
-# `*` or `**` whose result would pass MAX_TEMPLATE_VALUE items (or digits), and a rendering that
+# `*` or `**` whose result would pass MAX_TEMPLATE_VALUE items (or bits), and a rendering that
 # passes MAX_TEMPLATE_CHARS or MAX_TEMPLATE_SECONDS (checked as its output streams: a loop that
 # writes nothing between checks is bounded by range's own limit only).
 MAX_TEMPLATE_VALUE = 1 << 20
@@ -82,13 +82,10 @@ class ChatTemplate:
 
 def _bounded_environment():
     """Jinja's immutable sandbox (as transformers renders chat templates), with `*` and `**`
-    refused past MAX_TEMPLATE_VALUE items or digits."""
+    refused past MAX_TEMPLATE_VALUE items or bits."""
     import operator
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def size(value: Any) -> int:
-        return len(value) if isinstance(value, (str, list, tuple)) else 1
 
     class Bounded(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset(["*", "**"])
@@ -96,7 +93,7 @@ def _bounded_environment():
         def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
             if op == "*":
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and size(seq) * n > MAX_TEMPLATE_VALUE:
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_VALUE:
                         raise SecurityError("a repetition of more than %d items" % MAX_TEMPLATE_VALUE)
                 return operator.mul(left, right)
             if isinstance(left, int) and isinstance(right, int) and right > 0 and \
