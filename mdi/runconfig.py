@@ -131,6 +131,10 @@ class RunConfig:
     def workers(self) -> List[NodeSpec]:
         return self.nodes[1:]
 
+    def device_of(self, node: NodeSpec) -> str:
+        """Where `node` computes: its own `device`, else model.device."""
+        return node.device or self.model.device
+
     def max_batch(self, in_flight: int, n_nodes: int) -> int:
         """Samples per frame for `in_flight` samples on a ring of `n_nodes` (runtime.max_batch
         resolved): "auto" makes them travel as about one group per node."""

@@ -23,12 +23,17 @@ tokens ("Once upon a time"), greedy, EOS off.
                (which goes first alternates too). Ratio mdi / transformers per repeat (target
                >= 1.0). The first new token where the greedy ids differ is recorded
                (informational: float16 rounding differs between the implementations).
+               Then one 32-token mdi decode under torch's profiler: the CUDA kernels' summed
+               time and count per token (`mdi_gpu_work`), against the wall time per token: the
+               share of a step the GPU computes (the rest is launching: what CUDA graphs save).
 2. hop         Per-hop overhead of a 3-process ring on this one GPU: the starter here plus two
                `mdi-worker` processes on loopback (all model.device: cuda, workers read their
                layers from --cache, no weight push), 1 sample in flight:
                (ring ms/token - one-node ms/token) / 3 hops, per-token time = median gap
                between consecutive tokens; one-node and ring runs (both mdi.starter.batch.run)
                alternate, 64 new tokens each, 3 repeats after one short untimed run of each.
+               --pyspy: one more ring run sampled by py-spy in every process (how the 20-40 ms
+               per hop of cuDNN attention compiling per key length was found).
 3. pipeline    Aggregate decode tok/s with S = N = 3 samples (max_batch 1: every sample in its
                own frame) and S = 4N = 12 (max_batch 4: frames carry 4 samples), ring vs one
                node holding the whole model at the same S and max_batch, same GPU; ratio
@@ -128,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="wall seconds from start after which remaining tasks are skipped (default 135; quick 600)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads in every process (default: torch's own on cuda, 1 on cpu)")
+    p.add_argument("--pyspy", action="store_true",
+                   help="after the hop series, one more ring run sampled by py-spy (if on PATH) in the starter and "
+                        "each worker: per-thread hot frames in the JSON, raw stacks beside --out")
     p.add_argument("--out", default=os.path.join(benchlib.ROOT, "results", "gpu", "bench_gpu.json"))
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "mdi-bench-gpu-cache"),
                    help="where the random model directories are built once (and the node logs go)")
@@ -510,6 +518,24 @@ def mdi_generate(chunk, prompt_ids: List[int], n_tokens: int, device: str) -> Tu
     return ids, times
 
 
+def gpu_kernel_ms_per_token(chunk, prompt_ids: List[int], n_tokens: int, device: str) -> Optional[Dict[str, Any]]:
+    """The GPU's own work per decoded token: every CUDA kernel's duration over one mdi decode of
+    `n_tokens`, summed by torch.profiler (CUPTI), divided by the tokens, prefill included. Set
+    against the unprofiled wall time per token, it says what share of a step the GPU computes
+    and so what at most launching the step as one CUDA graph could save. None without CUDA."""
+    if not is_cuda(device):
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mdi_generate(chunk, prompt_ids, n_tokens, device)
+    events = prof.key_averages()
+    total_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    launches = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return {"gpu_kernel_ms_per_token": round(total_us / 1e3 / n_tokens, 4),
+            "kernels_per_token": round(launches / float(n_tokens), 1)}
+
+
 # --------------------------------------------------------------------------- timing series
 
 def alternate(impls: Dict[str, Callable[[], Tuple[List[int], List[float]]]], repeats: int, n_tokens: int,
@@ -570,11 +596,19 @@ def standalone(ctx: "Context", shape: str, dtype: str) -> Dict[str, Any]:
         m = alternate({"mdi": lambda: mdi_generate(chunk, prompt_ids, n, device),
                        "transformers": lambda: hf_generate(model, prompt_ids, n, device)},
                       args.repeats, n, ctx.budget, 0.0)
+        try:
+            out["mdi_gpu_work"] = gpu_kernel_ms_per_token(chunk, prompt_ids, min(n, 32), device)
+        except Exception as e:  # noqa: BLE001 - informational: the timed series stands
+            out["mdi_gpu_work"] = {"error": "%s: %s" % (type(e).__name__, e)}
     finally:
         del model, chunk
         free_device_memory(device)
     runs = m["runs"]
     out.update({name: rate_summary(rs) for name, rs in runs.items()})
+    work = out.get("mdi_gpu_work") or {}
+    if "gpu_kernel_ms_per_token" in work:
+        work["share_of_wall"] = round(work["gpu_kernel_ms_per_token"]
+                                      / out["mdi"]["ms_per_token_median_gap"]["median"], 3)
     pairs = list(zip(runs["mdi"], runs["transformers"]))
     out["ratio_mdi_over_transformers"] = summarize([a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs])
     out["ratio_median_gap"] = summarize([b["median_s"] / a["median_s"] for a, b in pairs])
@@ -724,7 +758,8 @@ def hop(ctx: "Context", shape: str) -> Dict[str, Any]:
         lambda a, b: "one node %.2f ms/token, ring %.2f ms/token" % (1e3 * a["per_token_s"], 1e3 * b["per_token_s"]))
     hops = RING_NODES  # a token's activations cross every link of the ring once per step
     per_hop = [(b["per_token_s"] - a["per_token_s"]) / hops for a, b in zip(alone, ring)]
-    return {"model": model, "nodes": RING_NODES, "hops_per_token": hops, "samples": 1, "new_tokens": args.ring_tokens,
+    sampled = sampled_ring_run(ctx, model, workers) if args.pyspy else None
+    return {"sampled_ring_run": sampled, "model": model, "nodes": RING_NODES, "hops_per_token": hops, "samples": 1, "new_tokens": args.ring_tokens,
             "standalone_ms_per_token": summarize([1e3 * a["per_token_s"] for a in alone]),
             "ring_ms_per_token": summarize([1e3 * b["per_token_s"] for b in ring]),
             "per_hop_overhead_ms": summarize([1e3 * h for h in per_hop]),
@@ -732,6 +767,70 @@ def hop(ctx: "Context", shape: str) -> Dict[str, Any]:
             "ring_tokens_per_s": summarize([1.0 / b["per_token_s"] for b in ring]),
             "repeats_done": len(per_hop), "truncated": truncated,
             "runs": {"standalone": alone, "ring": ring}}
+
+
+def sampled_ring_run(ctx: "Context", model: str, workers: List[Any]) -> Dict[str, Any]:
+    """One ring run (1 sample) while py-spy samples this process (the starter) and every
+    worker, Python and native frames, idle ones too: where a token's time goes in each process.
+    py-spy is stopped with SIGINT when the run ends and writes its raw stacks then."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {"status": "skipped", "reason": "py-spy not on PATH"}
+    out_dir = os.path.dirname(os.path.abspath(ctx.args.out))
+    targets = [("starter", os.getpid())] + [(w.name, w.pid) for w in workers]
+    spies = []
+    for name, pid in targets:
+        path = os.path.join(out_dir, "pyspy_%s.txt" % name)
+        cmd = [exe, "record", "--pid", str(pid), "--rate", "200", "--threads", "--idle", "--native",
+               "--format", "raw", "--output", path]
+        spies.append((name, path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    time.sleep(2.0)  # py-spy attaches
+    try:
+        run = one_run(ctx, model, workers, 1, 1, ctx.args.ring_tokens)
+    finally:
+        for _, _, proc in spies:
+            proc.send_signal(signal.SIGINT)
+    out = {"status": "ok", "per_token_ms": round(1e3 * run["per_token_s"], 3),
+           "node_metrics": run["node_metrics"], "processes": {}}  # type: Dict[str, Any]
+    for name, path, proc in spies:
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = b"py-spy did not stop in 30 s"
+        out["processes"][name] = hot_frames(path) if os.path.exists(path) else {
+            "error": err.decode(errors="replace")[-500:]}
+    return out
+
+
+def hot_frames(path: str, top: int = 15) -> Dict[str, Any]:
+    """py-spy raw stacks ("thread (tid): name;frame;...;leaf count" per line) summed per thread:
+    samples, the leaf frames that hold them (self time) and the Python frames they pass through
+    (inclusive time), the `top` largest of each, as shares of the thread's samples."""
+    threads = {}  # type: Dict[str, Dict[str, Any]]
+    with open(path, errors="replace") as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit():
+                continue
+            frames = stack.split(";")
+            thread = frames[0]  # "thread (tid): name" (py-spy --threads)
+            t = threads.setdefault(thread, {"samples": 0, "leaf": {}, "through": {}})
+            n = int(count)
+            t["samples"] += n
+            leaf = frames[-1]
+            t["leaf"][leaf] = t["leaf"].get(leaf, 0) + n
+            for frame in set(fr for fr in frames[1:] if ".py:" in fr):
+                t["through"][frame] = t["through"].get(frame, 0) + n
+
+    def shares(counts: Dict[str, int], total: int) -> List[List[Any]]:
+        best = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return [[frame, round(n / float(total), 3)] for frame, n in best]
+    # waitress's request threads only wait for HTTP requests: left out (they are in the raw file)
+    busiest = sorted(((n, t) for n, t in threads.items() if "waitress-" not in n), key=lambda kv: -kv[1]["samples"])
+    return {"raw": os.path.basename(path),
+            "threads": {name: {"samples": t["samples"], "leaf": shares(t["leaf"], t["samples"]),
+                               "through": shares(t["through"], t["samples"])} for name, t in busiest}}
 
 
 def pipeline(ctx: "Context", shape: str) -> Dict[str, Any]:

@@ -5,14 +5,17 @@
 #   2. the rest of the suite runs beside them with CUDA visible (pytest-xdist), capped in time;
 #   3. then, on a quiet machine, scripts/bench_gpu.py (decode vs transformers, ring hops,
 #      pipeline efficiency, int4 vs float16), whose JSON names the GPU.
-# Usage: scripts/gpu_check.sh OUT_DIR. Logs and results land in OUT_DIR (six files).
+# Usage: scripts/gpu_check.sh OUT_DIR. Logs, JSON results and py-spy stacks land in OUT_DIR.
 # A machine without a package registry installs the wheels found in $MDI_WHEELS (default .whl:
-# flask, waitress, pyzmq, gguf... downloaded elsewhere for its Python) and puts mdi on its path,
+# flask, waitress, pyzmq, gguf, and py-spy for bench_gpu.py --pyspy, downloaded elsewhere for its
+# Python with `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`) and puts mdi on its path,
 # with the mdi-worker / mdi-start commands the tests start.
-# Time caps (seconds): MDI_SUITE_S (default 210) for the suite, MDI_BENCH_S (170) for the bench;
-# MDI_BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--parts hop,pipeline").
+# Time caps (seconds): MDI_SUITE_S (default 210) for the suite, 0 to skip it; MDI_BENCH_S (170) for
+# each bench run. MDI_CUDA_TESTS: the pytest selection of the CUDA tests (default both files; empty
+# skips them). MDI_BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--parts hop,pipeline"); several
+# runs are separated by ";" and write bench_gpu_1.json, bench_gpu_2.json... (logs likewise).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
@@ -40,25 +43,44 @@ for name, module, func in re.findall(r'"(mdi-[a-z]+)=([\w.]+):(\w+)"', open("set
     os.chmod(path, 0o755)
     print("gpu_check: wrote", path)
 PYEOF
-export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"  # the wrappers
+bin_dir="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
+export PATH="$bin_dir:$PATH"  # the wrappers
 echo "gpu_check: installed ($(elapsed)); $(tail -n 1 "$OUT/gpu.txt")"
 
-CUDA_TESTS="tests/test_cuda.py tests/test_gpu_transfers.py"
+CUDA_TESTS="${MDI_CUDA_TESTS-tests/test_cuda.py tests/test_gpu_transfers.py}"
 workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))  # cores left to the CUDA tests' own processes
-# SIGINT at the cap: pytest stops and still prints what passed and failed so far.
-timeout -s INT -k 30 "${MDI_SUITE_S:-210}" "$PY" -m pytest tests -n "$workers" -v -rfE --timeout 180 \
-    $(for f in $CUDA_TESTS; do echo --ignore "$f"; done) >"$OUT/suite.log" 2>&1 &
-suite=$!
-"$PY" -m pytest $CUDA_TESTS -v -rsfEP --timeout 300 --junitxml="$OUT/cuda_tests.xml" >"$OUT/cuda_tests.log" 2>&1
-echo "gpu_check: CUDA tests done ($(elapsed)): $(tail -n 1 "$OUT/cuda_tests.log")"
-wait "$suite"
-rc=$?
-[ "$rc" -eq 124 ] || [ "$rc" -eq 2 ] && echo "gpu_check: the suite was stopped at its cap (MDI_SUITE_S)" >>"$OUT/suite.log"
-echo "gpu_check: suite done ($(elapsed), exit $rc): $(tail -n 1 "$OUT/suite.log")"
+suite=""
+if [ "${MDI_SUITE_S:-210}" != 0 ]; then
+    # SIGINT at the cap: pytest stops and still prints what passed and failed so far.
+    timeout -s INT -k 30 "${MDI_SUITE_S:-210}" "$PY" -m pytest tests -n "$workers" -v -rfE --timeout 180 \
+        --ignore tests/test_cuda.py --ignore tests/test_gpu_transfers.py >"$OUT/suite.log" 2>&1 &
+    suite=$!
+fi
+if [ -n "$CUDA_TESTS" ]; then
+    # shellcheck disable=SC2086  # a selection: several paths, maybe -k EXPR
+    "$PY" -m pytest $CUDA_TESTS -v -rsfEP --timeout 300 --junitxml="$OUT/cuda_tests.xml" >"$OUT/cuda_tests.log" 2>&1
+    echo "gpu_check: CUDA tests done ($(elapsed)): $(tail -n 1 "$OUT/cuda_tests.log")"
+fi
+if [ -n "$suite" ]; then
+    wait "$suite"
+    rc=$?
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 2 ] && echo "gpu_check: the suite was stopped at its cap (MDI_SUITE_S)" >>"$OUT/suite.log"
+    echo "gpu_check: suite done ($(elapsed), exit $rc): $(tail -n 1 "$OUT/suite.log")"
+fi
 
-"$PY" scripts/bench_gpu.py --out "$OUT/bench_gpu.json" --budget-s "${MDI_BENCH_S:-170}" ${MDI_BENCH_ARGS:-} >"$OUT/bench_gpu.log" 2>&1
-echo "gpu_check: bench done ($(elapsed)), exit $?"
-echo "=== CUDA tests"; grep -E "^(FAILED|ERROR)|(passed|failed|skipped).* in " "$OUT/cuda_tests.log" | tail -n 40
-echo "=== suite: $(grep -c " PASSED " "$OUT/suite.log") passed, $(grep -c " FAILED " "$OUT/suite.log") failed so far"
-grep -E "^(FAILED|ERROR)|(passed|failed|Interrupted).* in " "$OUT/suite.log" | tail -n 30
-echo "=== bench"; tail -n 40 "$OUT/bench_gpu.log"
+IFS=';' read -r -a bench_runs <<<"${MDI_BENCH_ARGS:-}"
+[ "${#bench_runs[@]}" -eq 0 ] && bench_runs=("")
+i=0
+for extra in "${bench_runs[@]}"; do
+    i=$((i + 1))
+    name=bench_gpu; [ "${#bench_runs[@]}" -gt 1 ] && name=bench_gpu_$i
+    # shellcheck disable=SC2086  # arguments
+    "$PY" scripts/bench_gpu.py --out "$OUT/$name.json" --budget-s "${MDI_BENCH_S:-170}" $extra >"$OUT/$name.log" 2>&1
+    echo "gpu_check: bench $name ($extra) done ($(elapsed)), exit $?"
+done
+[ -f "$OUT/cuda_tests.log" ] && { echo "=== CUDA tests"; grep -E "^(FAILED|ERROR)|(passed|failed|skipped).* in " "$OUT/cuda_tests.log" | tail -n 40; }
+if [ -f "$OUT/suite.log" ]; then
+    echo "=== suite: $(grep -c " PASSED " "$OUT/suite.log") passed, $(grep -c " FAILED " "$OUT/suite.log") failed so far"
+    grep -E "^(FAILED|ERROR)|(passed|failed|Interrupted).* in " "$OUT/suite.log" | tail -n 30
+fi
+for log in "$OUT"/bench_gpu*.log; do echo "=== $(basename "$log")"; tail -n 25 "$log"; done

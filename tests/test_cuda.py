@@ -22,6 +22,7 @@ printed: -s or -rP shows them for passing tests.
 """
 import importlib.util
 import os
+import threading
 
 import pytest
 import torch
@@ -350,6 +351,52 @@ def test_mixed_ring_cpu_starter_device_workers_matches_cpu(device, family, tiny_
     assert worker_devices(cfg) == [device] * 3
     assert len(result.nodes) == 4
 
+
+
+@pytest.mark.timeout(300)
+def test_memory_a_gpu_node_reports_and_checks_is_the_gpus(device, tiny_models, workers, data_ports):
+    """On a discrete GPU the weights and cache live in its own memory: what a worker holding
+    layers there reports free (/status, which the planner and --check read) and what the
+    starter checks its chunk against are the GPU's free memory, not the host's RAM."""
+    if device != "cuda" or torch.cuda.get_device_properties(0).is_integrated:
+        pytest.skip("needs a discrete GPU (a Jetson's GPU draws on the host's RAM)")
+    from mdi.system.memory import available_memory_bytes, free_bytes_on
+    slack = 2 << 30  # other processes of the suite may allocate in between
+    free, total = torch.cuda.mem_get_info()
+    host = available_memory_bytes()
+    assert abs(free_bytes_on("cuda") - free) <= slack and free_bytes_on("cuda") <= total
+    cfg = ring_config(tiny_models["llama"], workers, data_ports, [1, 1, 1, 1], device)
+    run_ids(cfg, PROMPTS[:2])
+    for node in cfg.workers:
+        status = client_for(cfg, node).status()
+        assert status.device == device
+        got = status.memory.available_bytes
+        assert abs(got - torch.cuda.mem_get_info()[0]) <= slack, (node.name, got, free, host)
+
+
+@pytest.mark.timeout(120)
+def test_decode_on_a_fresh_thread_compiles_no_attention_graph_per_length(device, tiny_models):
+    """A worker decodes each run on a new thread, one key length more at every step. torch's
+    cuDNN attention compiled a graph per length and per thread (NVRTC), 20-40 ms per ring hop
+    on an H200: a chunk placed on a GPU keeps it out, so the steps run flash or memory-efficient
+    attention kernels, none of cuDNN's."""
+    if device != "cuda":
+        pytest.skip("cuDNN attention exists only on a GPU")
+    from torch.profiler import ProfilerActivity, profile
+    chunk = ModelSource(tiny_models["llama"]).load_chunk(0, 4, True, True, torch.float16, device)
+    assert not getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)()
+    names = []
+
+    def decode():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mdi_greedy(chunk, [1, 2, 3], n=12)
+        names.extend(e.key for e in prof.key_averages())
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    thread.join(60)
+    assert names, "the profiler saw no CUDA kernel"
+    assert not [n for n in names if "cudnn" in n.lower()], names
 
 # ------------------------------------------------------------------- 5. quantized layers
 

@@ -67,3 +67,58 @@ def test_a_device_this_node_lacks_is_one_line_naming_it():
         with pytest.raises(ConfigError, match="starter: cuda: this node's torch sees no CUDA GPU"):
             batch.run(parse_config({"model": {"path": SHIPPED, "device": "cuda"}, "generation": {"n_tokens": 2}},
                                    "t"), ["To be"])
+
+
+class _FakeCuda:
+    """torch.cuda as a GPU of `free` free bytes, with this process's allocator holding
+    `reserved` bytes of which `allocated` are in use; `integrated`: it shares the host's RAM."""
+
+    def __init__(self, integrated, free=5 << 30, reserved=1 << 30, allocated=1 << 28):
+        self.integrated, self.free, self.reserved, self.allocated = integrated, free, reserved, allocated
+
+    def patch(self, monkeypatch):
+        props = type("Props", (), {"is_integrated": int(self.integrated)})()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.free, 80 << 30))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+
+
+def test_free_memory_of_a_discrete_gpu_is_its_own_and_of_a_jetson_the_hosts(monkeypatch):
+    """Weights on a discrete GPU go to its memory, which the host's RAM says nothing about; a
+    Jetson's GPU draws on the host's RAM (MemAvailable and the cgroup, as for the CPU)."""
+    from mdi.system import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 3 << 30)
+    gpu = _FakeCuda(integrated=False)
+    gpu.patch(monkeypatch)
+    expected = gpu.free + gpu.reserved - gpu.allocated  # the allocator's unused blocks are free to this process
+    assert memory.free_bytes_on("cuda") == memory.free_bytes_on("cuda:0") == expected
+    assert memory.free_bytes_on("cpu") == 3 << 30
+    _FakeCuda(integrated=True).patch(monkeypatch)
+    assert memory.free_bytes_on("cuda") == 3 << 30
+
+
+def test_starter_refuses_a_chunk_its_discrete_gpu_cannot_hold_whatever_the_host_has(monkeypatch):
+    from mdi.model.config import ModelConfig
+    from mdi.runconfig import ConfigError
+    from mdi.starter.capacity import check_fits_here
+    from mdi.system import memory
+    config = ModelConfig(vocab_size=1000, n_layer=4, n_head=4, n_embd=256, block_size=512)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 64 << 30)  # a roomy host
+    _FakeCuda(integrated=False, free=1 << 20, reserved=0, allocated=0).patch(monkeypatch)
+    with pytest.raises(ConfigError, match="available on cuda here"):
+        check_fits_here(config, [0, 4], 2, 512, torch.float32, None, "cuda")
+    assert check_fits_here(config, [0, 4], 2, 512, torch.float32, None, "cpu") > 0
+
+
+def test_cudnn_attention_is_switched_off_for_a_gpu_chunk_only(monkeypatch):
+    """cuDNN attention compiles a graph per key length and thread (see use_shape_agnostic_attention):
+    a chunk on a GPU turns it off, once; a CPU chunk leaves torch's switches alone."""
+    from mdi.system.devices import use_shape_agnostic_attention
+    state = {"on": True}
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: state["on"])
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: state.update(on=on))
+    assert not use_shape_agnostic_attention("cpu") and state["on"]
+    assert use_shape_agnostic_attention("cuda:0") and not state["on"]
+    assert not use_shape_agnostic_attention("cuda")  # already off: nothing to do

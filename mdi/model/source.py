@@ -17,6 +17,7 @@ from mdi.model.quant import convert, gather, restrict, uniform_layout, weights_l
 from mdi.model.transformer import ModelChunk, release_freed_memory
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from mdi.system.devices import use_shape_agnostic_attention
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,9 @@ def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
     """A chunk with uninitialised `dtype` parameters on `device` (no throwaway random
     initialisation) and real RoPE tables, ready to be filled with weights. Quantized layers'
     tensors keep their own dtypes (int8 / uint8 codes, float16 scales)."""
+    if use_shape_agnostic_attention(device):
+        log.info("%s: cuDNN attention off (it compiles a graph per key length, per thread): flash or "
+                 "memory-efficient attention instead", device)
     with torch.device("meta"):
         chunk = ModelChunk(config, first, last, with_embedding, with_head, quant)
     rope, chunk.rope = chunk.rope, None  # real tables (RotaryEmbedding computes them on the CPU): kept

@@ -19,7 +19,7 @@ class StatusError(ValueError):
 class NodeMemory:
     rss_bytes: int = 0
     peak_rss_bytes: int = 0  # with CUDA allocations: on a Jetson they live in the same RAM
-    available_bytes: Optional[int] = None  # MemAvailable; None where it cannot be read
+    available_bytes: Optional[int] = None  # free on the node's device (MemAvailable, or a discrete GPU's); None: unknown
     max_memory_bytes: Optional[int] = None  # the worker's --max-memory
     chunk_bytes: int = 0  # the weights it holds now
     adapter_bytes: int = 0  # the low-rank adapters' A/B matrices for its layers

@@ -303,7 +303,7 @@ class Observer:
         return {
             "name": node.name, "host": node.host, "port": node.port, "role": "starter", "position": 0,
             "state": "up", "reachable": True, "worker_state": None,
-            "device": engine.device if engine is not None else (node.device or self.view.cfg.model.device),
+            "device": engine.device if engine is not None else self.view.cfg.device_of(node),
             "dtype": dtype, "compute_dtype": compute, "layers": _inclusive(layers),
             "frames": frames, "compute_seconds": seconds, "step_seconds": stats["starter_step_seconds"],
             "busy_share": rates.busy, "frames_per_second": rates.fps,

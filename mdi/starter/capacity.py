@@ -30,30 +30,30 @@ def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int,
 MB = 1024 * 1024
 
 
-def starter_free_bytes() -> Optional[int]:
-    """What the starter can give its own chunk (embedding and head included): the memory free
-    here, its cgroup's when limited, none kept back, as its own load check (check_fits_here)
+def starter_free_bytes(device: str) -> Optional[int]:
+    """What the starter can give its own chunk (embedding and head included) on `device`: the
+    memory free there (a discrete GPU's own; else the host's, its cgroup's when limited), none kept back, as its own load check (check_fits_here)
     keeps none: a plan that keeps more than the check leaves out layers that fit. GPT-2 12L/384
     on a 240 MiB starter: the check let 10 layers through with 1.5 MB to spare, and they ran;
     the plan keeping 32 MB (LOAD_HEADROOM_BYTES) put 6 there and refused rings that run. Its
     profile, the process's first compute, does keep that headroom (Profiler._starter_timing)."""
-    from mdi.system.memory import available_memory_bytes
-    return available_memory_bytes()
+    from mdi.system.memory import free_bytes_on
+    return free_bytes_on(device)
 
 
 def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int, dtype: torch.dtype,
-                    quant: QuantLayout) -> Optional[int]:
-    """Refuse, before a byte is loaded, a starter chunk that this machine's free memory (its
-    cgroup's, when limited) cannot hold: a clear error, never an out-of-memory kill. Returns
+                    quant: QuantLayout, device: str) -> Optional[int]:
+    """Refuse, before a byte is loaded, a starter chunk that the free memory of `device` here
+    (starter_free_bytes) cannot hold: a clear error, never an out-of-memory kill. Returns
     what the memory spares beside the chunk, less LOAD_HEADROOM_BYTES (None when unknown):
     room a faster quantized kernel may take (mdi.model.qkernels.set_memory_allowance)."""
     need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant)
-    free = starter_free_bytes()
+    free = starter_free_bytes(device)
     if free is not None and need > free:
         weights = weight_bytes(config, layers, dtype_name(dtype), True, quant)
         raise ConfigError("starter: layers %d-%d with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
-                          "%.0f MB) but only %.0f MB of memory is available here: %suse fewer positions or "
+                          "%.0f MB) but only %.0f MB of memory is available on %s here: %suse fewer positions or "
                           "samples, or give layers to more nodes"
-                          % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB,
+                          % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB, device,
                              "" if quant else "quantize (--quant int4), "))
     return None if free is None else free - need - LOAD_HEADROOM_BYTES

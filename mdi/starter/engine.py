@@ -48,7 +48,7 @@ class Engine:
         self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
         self.spares = list(cfg.spares)
         self.dtype = torch_dtype(cfg.model.dtype)
-        self.device = cfg.starter.device or cfg.model.device
+        self.device = cfg.device_of(cfg.starter)
         tok = source.tokenizer
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
@@ -91,7 +91,7 @@ class Engine:
         if note:
             log.warning("mdi: starter: %s", note)
         quant = node_quant(self.cfg, self.source, self.nodes[0], layers, with_ends=True)
-        spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant)
+        spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         qkernels.set_memory_allowance(spare)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)

@@ -10,10 +10,9 @@ from mdi.model.layout import layer_ranges, torch_dtype
 from mdi.model.source import ModelSource
 from mdi.starter.adapters import adapter_layer_bytes
 from mdi.starter.autoplan import resolve_layers
-from mdi.starter.capacity import MB, chunk_bytes_needed, node_quant
+from mdi.starter.capacity import MB, chunk_bytes_needed, node_quant, starter_free_bytes
 from mdi.starter.planner import format_plan
 from mdi.starter.session import client_for
-from mdi.system.memory import available_memory_bytes
 
 
 def preflight(cfg: RunConfig, prompts: List[str]) -> int:
@@ -62,7 +61,7 @@ def kernels_line(cfg: RunConfig) -> str:
 def _report(cfg: RunConfig, node: Optional[NodeSpec], where: str, need: Optional[int]) -> bool:
     """Print one node's line; False if it is unreachable or its layers do not fit."""
     if node is None:
-        free, info = available_memory_bytes(), "starter"
+        free, info = starter_free_bytes(cfg.device_of(cfg.starter)), "starter"
     else:
         try:
             client = client_for(cfg, node)

@@ -143,7 +143,7 @@ class Profiler:
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
         # back with the OS yet (the starter's held 70 MB of a 320 MB board and its plan left out
         # layers that fit).
-        capacities = [starter_free_bytes()] + [s.capacity_bytes() for s in statuses]
+        capacities = [starter_free_bytes(self.cfg.device_of(self.cfg.starter))] + [s.capacity_bytes() for s in statuses]
         # Every node times its blocks at once, the starter too: a plan is ready in the time of
         # the slowest board, not the sum, and boards that share anything (a host's cores, its
         # memory bandwidth and cache, as emulated ones do) are timed as loaded as the ring's
@@ -196,7 +196,7 @@ class Profiler:
     def _request(self, node: NodeSpec, with_ends: bool) -> ProfileRequest:
         layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
         cfg = self.cfg
-        return ProfileRequest(self.config, cfg.model.dtype, node.device or cfg.model.device, self.sizes, self.context,
+        return ProfileRequest(self.config, cfg.model.dtype, cfg.device_of(node), self.sizes, self.context,
                               self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype,
                               dict(node_quant(cfg, self.source, node, layers, with_ends)), cfg.runtime.quant_kernel)
 
@@ -230,7 +230,7 @@ class Profiler:
             # Less the embedding and head, which the profile holds too, and the headroom a worker
             # keeps: the profile is this process's first compute, its working memory comes on top
             # (with none kept, a 240 MiB starter was OOM-killed profiling GPT-2).
-            free = starter_free_bytes()
+            free = starter_free_bytes(self.cfg.device_of(self.cfg.starter))
             if free is not None:
                 ends = weight_bytes(self.config, (0, 0), self.cfg.model.dtype, True, request.quant)
                 free -= ends + LOAD_HEADROOM_BYTES

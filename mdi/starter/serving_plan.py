@@ -15,7 +15,7 @@ from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.planner import PlanError
-from mdi.starter.capacity import chunk_bytes_needed, node_quant
+from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Sample
@@ -83,13 +83,12 @@ def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], range
                max_len: int) -> int:
     """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of `max_len`
     positions that fit in every node's memory next to its weights."""
-    from mdi.system.memory import available_memory_bytes
     asked = cfg.serve.max_in_flight
     limit = asked or DEFAULT_MAX_IN_FLIGHT
     config = source.config
     dtype = torch_dtype(cfg.model.dtype)
     for i, (node, layers) in enumerate(zip(nodes, ranges)):
-        capacity = available_memory_bytes() if i == 0 else client_for(cfg, node).status().capacity_bytes()
+        capacity = starter_free_bytes(cfg.device_of(node)) if i == 0 else client_for(cfg, node).status().capacity_bytes()
         if capacity is None:
             continue
         weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0,

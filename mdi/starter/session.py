@@ -50,7 +50,7 @@ class RingSession:
         return InitRequest(
             quant=self.quant[i], quant_kernel=self.cfg.runtime.quant_kernel,
             run_id=self.run_id, model=self.source.config, layers=list(self.ranges[i + 1]),
-            dtype=dtype_name(self.dtype), device=node.device or self.cfg.model.device,
+            dtype=dtype_name(self.dtype), device=self.cfg.device_of(node),
             compute_dtype=self.cfg.model.compute_dtype,
             n_slots=self.n_slots, max_len=self.max_len,
             heartbeat_timeout=self.cfg.runtime.heartbeat_timeout,

@@ -29,6 +29,25 @@ def unusable_reason(device: str) -> Optional[str]:
     return None
 
 
+def use_shape_agnostic_attention(device: str) -> bool:
+    """Keep torch's cuDNN attention out of `device`'s SDPA calls (True where it was on).
+
+    mdi's attention changes shape at every decode step (the keys grow by one position), and
+    torch's cuDNN backend, the one torch 2.11 picks first on an H200, builds a graph for each
+    new shape, compiled at run time (NVRTC), and caches it per thread. A worker computes each
+    run on a new thread, so it compiled again at every step of every run: a 10-layer SmolLM2
+    forward took 63 ms instead of ~4, 20-40 ms per ring hop (py-spy, results/gpu/README.md).
+    Flash and memory-efficient attention take any length as it is. Process-wide, as torch's
+    switch is; torch without the switch (< 2.4) has no cuDNN attention to avoid."""
+    if not device.startswith("cuda"):
+        return False
+    enabled = getattr(torch.backends.cuda, "cudnn_sdp_enabled", None)
+    if enabled is None or not enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 def cuda_capability(device: str) -> Optional[Tuple[int, int]]:
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return None

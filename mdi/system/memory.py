@@ -42,6 +42,27 @@ def available_memory_bytes() -> Optional[int]:
     return limited if avail is None else min(avail, limited)
 
 
+
+def free_bytes_on(device: str = "cpu") -> Optional[int]:
+    """Bytes a chunk can still take on `device` ("cpu", "cuda", "cuda:N"): for the CPU, and for
+    a GPU that shares the board's RAM (a Jetson: torch says `is_integrated`), the host's
+    `available_memory_bytes`; for a discrete GPU its own memory, which host RAM says nothing
+    about: what the driver reports free (every process counted) plus what torch's allocator
+    holds reserved but unused in this process (handed out before the driver is asked). Checking
+    an H200's weights against the host's RAM let a plan put more on the GPU than it had and
+    refused layers the GPU could hold. None where it cannot be read."""
+    torch = sys.modules.get("torch") if device.startswith("cuda") else None
+    if torch is None:
+        return available_memory_bytes()
+    try:
+        index = torch.device(device)
+        if not torch.cuda.is_available() or getattr(torch.cuda.get_device_properties(index), "is_integrated", True):
+            return available_memory_bytes()
+        free, _ = torch.cuda.mem_get_info(index)
+        return int(free) + int(torch.cuda.memory_reserved(index)) - int(torch.cuda.memory_allocated(index))
+    except (RuntimeError, AssertionError, ValueError):
+        return available_memory_bytes()
+
 # (limit file, usage file, reclaimable page-cache key in memory.stat) of cgroup v2 and v1. Only
 # the inactive file pages count as free (the working set, as the kubelet computes it): the
 # active ones include the mapped code of torch's libraries, ~100 MB that a process in use

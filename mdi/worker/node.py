@@ -35,7 +35,7 @@ from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMe
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import available_memory_bytes, board_memory, rss_bytes, unified_memory_bytes
+from mdi.system.memory import board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class Worker:
         device = self.device_override or request.device
 
         def fit() -> Tuple[int, int, Optional[int], str]:
-            limit, what = self._memory_limit()
+            limit, what = self._memory_limit(device)
             free = limit - chunk_nbytes(self.chunk) if limit is not None else None
             n = profile_blocks(config, request.dtype, request.quant, device, free, rows, positions)
             return n, profile_bytes(config, n, request.dtype, request.quant, rows, positions), free, what
@@ -308,7 +308,7 @@ class Worker:
         if note:
             log.warning(note)
         cache_bytes = KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute)
-        self._check_budget(request, cache_bytes)
+        self._check_budget(request, cache_bytes, device)
         key = LoadedWeights(config, [first, last], request.dtype, device, request.weights,
                             layout_to_json(request.quant), request.quant_kernel)
         setup = Setup(request, compute, key, peer)
@@ -319,13 +319,13 @@ class Worker:
             return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
         if request.weights.push is not None:
             # Refused here, before a byte of the push is read (the weights held now are freed first).
-            self._check_push_fits(request.weights.push.nbytes, cache_bytes)
+            self._check_push_fits(request.weights.push.nbytes, cache_bytes, device)
         self._drop_chunk_locked()  # free old weights before loading new ones
         if setup.weights_file is not None:
             if not os.path.isfile(setup.weights_file):
                 raise RequestError("cannot load weights: weights file %s does not exist" % setup.weights_file)
             need = weight_bytes(config, [first, last], request.dtype, quant=request.quant)
-            limit, what = self._memory_limit()
+            limit, what = self._memory_limit(device)
             if limit is not None and need + cache_bytes > limit:
                 raise TooLarge("layers [%d, %d) need %d bytes of weights plus a KV cache of %d bytes, over this "
                                "worker's limit of %d bytes (%s)" % (first, last, need, cache_bytes, limit, what))
@@ -366,13 +366,14 @@ class Worker:
                                "(mdi-worker --models-dir)" % (path, base))
         return real
 
-    def _memory_limit(self):
-        """(bytes, what): the most memory this worker gives a run: its --max-memory, else the
-        memory available plus the weights it holds now (freed before new ones load), less what
-        a run needs beside its weights and cache (LOAD_HEADROOM_BYTES)."""
+    def _memory_limit(self, device: str):
+        """(bytes, what): the most memory this worker gives a run on `device`: its --max-memory,
+        else the memory available there (a discrete GPU's own) plus the weights it holds now
+        (freed before new ones load), less what a run needs beside its weights and cache
+        (LOAD_HEADROOM_BYTES)."""
         if self.max_memory is not None:
             return self.max_memory, "--max-memory"
-        avail = available_memory_bytes()
+        avail = free_bytes_on(device)
         if avail is None:
             return None, "unknown"
         return (max(0, avail + chunk_nbytes(self.chunk) - LOAD_HEADROOM_BYTES),
@@ -383,15 +384,15 @@ class Worker:
         with: room a faster kernel may take (mdi.model.qkernels), None when unknown."""
         request = setup.request
         first, last = setup.key.layers
-        limit, _ = self._memory_limit()
+        limit, _ = self._memory_limit(setup.key.device)
         if limit is None:
             return None
         cache_bytes = KVCache.nbytes_for(request.model, last - first, request.n_slots, request.max_len,
                                          setup.compute_dtype)
         return limit - weight_bytes(request.model, [first, last], request.dtype, quant=request.quant) - cache_bytes
 
-    def _check_push_fits(self, nbytes: int, cache_bytes: int) -> None:
-        limit, what = self._memory_limit()
+    def _check_push_fits(self, nbytes: int, cache_bytes: int, device: str) -> None:
+        limit, what = self._memory_limit(device)
         if limit is not None and nbytes + cache_bytes > limit:
             raise TooLarge("weights of %d bytes announced for the push, plus a KV cache of %d bytes, exceed this "
                            "worker's limit of %d bytes (%s)" % (nbytes, cache_bytes, limit, what))
@@ -466,14 +467,17 @@ class Worker:
         self.loaded = key
         self._start_run_locked(setup)
 
-    def _check_budget(self, request: InitRequest, cache_bytes: int) -> None:
+    def _check_budget(self, request: InitRequest, cache_bytes: int, device: str) -> None:
         budget = request.cache_budget_bytes
         if budget is not None and cache_bytes > budget:
             raise RequestError("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
         limit = self.max_memory
         if limit is None:
-            avail = available_memory_bytes()
-            limit = avail + rss_bytes() if avail is not None else None
+            avail = free_bytes_on(device)
+            # Beside what is free: on a GPU, the weights held there now (dropped before a load);
+            # in host memory, everything this process holds, as before.
+            held = chunk_nbytes(self.chunk) if device.startswith("cuda") else rss_bytes()
+            limit = avail + held if avail is not None else None
         if limit is not None and cache_bytes > limit:
             raise RequestError("KV cache of %d bytes does not fit in %d bytes of memory" % (cache_bytes, limit))
 
@@ -537,14 +541,15 @@ class Worker:
             state = "idle"  # the counters, if any, are the last run's
         cache = chunk.cache if chunk is not None else None
         board = board_memory()  # tegrastats' unified RAM on a Jetson, else /proc/meminfo (the dashboard)
+        device = loaded.device if loaded else (self.device_override or "cpu")
         reply = StatusReply(
             state=state, version=__version__, port=self.port,
             layers=list(loaded.layers) if loaded else None,
-            device=loaded.device if loaded else (self.device_override or "cpu"),
+            device=device,
             run_id=run.id if run else None, runs_served=self.runs_served,
             threads=self.threads or torch.get_num_threads(),
             # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
-            memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=available_memory_bytes(),
+            memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=free_bytes_on(device),
                               max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk),
                               adapter_bytes=chunk.adapter_bytes if chunk is not None else 0,
                               unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
