@@ -141,21 +141,6 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def resolve_prompts(cfg: RunConfig, cli_prompts: List[str], cli_n_samples: Optional[int]) -> List[str]:
-    prompts = cli_prompts or cfg.generation.prompts
-    if not prompts:
-        raise ConfigError("no prompt: give --prompt TEXT (or generation.prompts in %s)" % cfg.source)
-    if cli_n_samples is not None:
-        if cli_n_samples < len(prompts):
-            raise ConfigError("--n-samples %d is smaller than the %d prompts given" % (cli_n_samples, len(prompts)))
-        n = cli_n_samples
-    else:
-        n = max(cfg.generation.n_samples or 0, len(prompts))
-    if n < 1:
-        raise ConfigError("--n-samples must be at least 1")
-    return [prompts[i % len(prompts)] for i in range(n)]
-
-
 def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
     from mdi.starter import batch
@@ -181,16 +166,17 @@ def _start(args: argparse.Namespace, batch) -> int:
             return _perplexity(cfg, args)
         if args.ppl_ctx is not None or args.ppl_max_windows is not None:
             raise ConfigError("--ppl-ctx and --ppl-max-windows go with --perplexity FILE")
-        if args.check:
+        if args.check:  # the samples the run would hold, --n-samples and --adapter counted
             from mdi.starter.preflight import preflight
-            return preflight(cfg, args.prompt or cfg.generation.prompts)
+            return preflight(cfg, args.prompt, args.n_samples, args.adapter)
         if args.serve:
             return _serve(cfg, args)
         if args.port is not None:
             raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
         if (args.host or args.insecure) and args.dashboard is None:
             raise ConfigError("--host and --insecure go with --serve or --dashboard")
-        prompts = resolve_prompts(cfg, args.prompt, args.n_samples)
+        from mdi.starter.run_shape import expand_prompts
+        prompts = expand_prompts(cfg, args.prompt, args.n_samples)
         progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None
         dashboard = _dashboard(cfg, args, len(prompts)) if args.dashboard is not None else None
         monitor = dashboard.monitor if dashboard is not None else None
@@ -545,17 +531,14 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     from mdi.starter.autoplan import apply_plan, plan_ring
     from mdi.starter.control import NodeError
     from mdi.starter.planner import format_plan
+    from mdi.starter.run_shape import planning_shape
     try:
         cfg = load_config(args.config)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
         source = ModelSource(cfg.model.path)
-        gen = cfg.generation
-        samples = args.samples or gen.n_samples or len(gen.prompts) or 2 * len(cfg.nodes)
-        tok = source.tokenizer
-        longest = max([len(tok.encode(t)) for t in gen.prompts] or [0]) if tok is not None else 0
-        max_len = min(source.config.block_size, args.max_len or max(longest, 1) + gen.n_tokens)
-        plan, _ = plan_ring(cfg, source, samples, max_len, samples, refresh=args.refresh,
+        shape = planning_shape(cfg, source, args.samples, args.max_len)
+        plan, _ = plan_ring(cfg, source, shape.n_slots, shape.max_len, shape.n_slots, refresh=args.refresh,
                             say=lambda line: print(line, file=sys.stderr, flush=True))
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, balanced
+from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, balanced, layer_ranges
+from mdi.model.fused_decode import default_on as fused_decode_default
 from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
 
 DEFAULT_HTTP_PORT = 8080
@@ -93,6 +94,10 @@ class RuntimeSpec:
     # samples keep flowing between them (chunked prefill).
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     wire_codec: str = "raw"  # activations on the wire: raw | float16 | bfloat16 | int8 (mdi.ring.wire)
+    # CPU decode frames run each node's blocks as one TorchScript call (mdi.model.fused_decode);
+    # false: the eager blocks, to compare. Sent in /init and /profile; part of a profile's cache
+    # key. Default true, or false under MDI_FUSED_DECODE=0.
+    fused_decode: bool = field(default_factory=fused_decode_default)
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -131,17 +136,17 @@ class RunConfig:
     def workers(self) -> List[NodeSpec]:
         return self.nodes[1:]
 
+    def layer_ranges(self, n_layer: int) -> List[List[int]]:
+        """Each node's half-open [first, last) layers, in ring order (layers planned first)."""
+        return layer_ranges(partition(n_layer, self.nodes, self.source))
+
     def device_of(self, node: NodeSpec) -> str:
         """Where `node` computes: its own `device`, else model.device."""
         return node.device or self.model.device
 
     def max_batch(self, in_flight: int, n_nodes: int) -> int:
-        """Samples per frame for `in_flight` samples on a ring of `n_nodes` (runtime.max_batch
-        resolved): "auto" makes them travel as about one group per node."""
-        given = self.runtime.max_batch
-        if given != "auto":
-            return min(given, max(1, in_flight))
-        return max(1, math.ceil(in_flight / n_nodes))
+        """Samples per frame for `in_flight` samples on a ring of `n_nodes` (samples_per_frame)."""
+        return samples_per_frame(self.runtime.max_batch, in_flight, n_nodes)
 
     @property
     def auto_layers(self) -> bool:
@@ -223,7 +228,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
                     {"threads": (int, str), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
-                     "prefill_chunk": (int,), "wire_codec": (str,)})
+                     "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,)})
     runtime = RuntimeSpec(**r)
     # sent to every worker in /init (check_keys refused booleans already)
     if runtime.threads is not None and runtime.threads != "auto" and not (
@@ -399,6 +404,14 @@ def resolve_model_path(model_path: str, config_path: str) -> str:
         if os.path.exists(candidate):
             return candidate
     return model_path
+
+
+def samples_per_frame(max_batch: Any, in_flight: int, n_nodes: int) -> int:
+    """runtime.max_batch resolved for `in_flight` samples on a ring of `n_nodes`: "auto" makes
+    them travel as about one group per node; a number caps a frame (at the samples there are)."""
+    if max_batch == "auto":
+        return max(1, math.ceil(in_flight / n_nodes))
+    return min(int(max_batch), max(1, in_flight))
 
 
 def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> List[int]:

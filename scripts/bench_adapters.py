@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from mdi.lab.adapters import write_random_lora
     from mdi.model.adapters import load_adapter
-    from mdi.model.layout import balanced, layer_ranges
+    from mdi.model.layout import balanced, layer_ranges, layer_span
     from mdi.model.source import ModelSource
     config = ModelSource(args.model).config
     info = benchlib.machine_info(1)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     memory = []
     for w, m, (first, last) in zip(workers, held, ranges[1:]):
         want = sum(a.nbytes(a.for_layers(first, last)) for a in loaded)
-        memory.append({"node": w.name, "layers": [first, last - 1], "adapter_bytes": m["adapter_bytes"],
+        memory.append({"node": w.name, "layers": [first, last], "adapter_bytes": m["adapter_bytes"],
                        "expected_bytes": want, "chunk_bytes": m["chunk_bytes"]})
     record = {"model": args.model, "nodes": args.nodes, "adapters": len(paths), "rank": args.rank,
               "requests": args.requests, "tokens": args.tokens, "quota_cores": args.quota if cgroups else None,
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                  ["%d adapters" % len(paths), benchlib.fmt_stat(record["adapters_tokens_per_s"])],
                  ["ratio", benchlib.fmt_stat(record["ratio"], "%.3f")]])
     print_table("adapter memory per worker", ["node", "layers", "adapter MB", "its layers' share MB", "weights MB"],
-                [[m["node"], "%d-%d" % tuple(m["layers"]), "%.2f" % (m["adapter_bytes"] / 2 ** 20),
+                [[m["node"], layer_span(*m["layers"]), "%.2f" % (m["adapter_bytes"] / 2 ** 20),
                   "%.2f" % (m["expected_bytes"] / 2 ** 20), "%.1f" % (m["chunk_bytes"] / 2 ** 20)] for m in memory])
     benchlib.save_record(args.out, record)
     print("wrote %s" % args.out)

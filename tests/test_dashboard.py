@@ -299,8 +299,8 @@ def test_page_routes_and_one_source_of_numbers(ring):
     assert all(m['mdi_requests_total{finish_reason="%s"}' % k] == v for k, v in state["requests"].items())
     assert m["mdi_time_to_first_token_seconds_count"] == state["ttft_count"] >= 1
     ring_nodes = [n for n in state["nodes"] if n["role"] in ("starter", "worker")]
-    assert [(n["name"], n["layers"]) for n in ring_nodes] == [("starter", [0, 9]), ("board1", [10, 19]),
-                                                              ("board2", [20, 29])]
+    assert [(n["name"], n["layers"]) for n in ring_nodes] == [("starter", [0, 10]), ("board1", [10, 20]),
+                                                              ("board2", [20, 30])]
     for n in ring_nodes:
         assert m['mdi_node_frames_total{node="%s"}' % n["name"]] == n["frames"] > 0
         assert m['mdi_node_sent_bytes_total{node="%s"}' % n["name"]] == n["bytes_sent"] > 0
@@ -329,8 +329,8 @@ def test_the_page_shows_the_ring(ring, browser):
     click(browser, "token-submit")
     cards = wait_for("three ring nodes and the spare", lambda: len(node_cards(browser)) == 4 and node_cards(browser))
     assert [(c["name"], c["index"], c["state"], c["fields"]["layers"]) for c in cards] == [
-        ("starter", "#0", "up", "0\u20139 (10)"), ("board1", "#1", "up", "10\u201319 (10)"),
-        ("board2", "#2", "up", "20\u201329 (10)"), ("board3", "\u00b7", "spare", "\u2013")]
+        ("starter", "#0", "up", "[0, 10) (10)"), ("board1", "#1", "up", "[10, 20) (10)"),
+        ("board2", "#2", "up", "[20, 30) (10)"), ("board3", "\u00b7", "spare", "\u2013")]
     assert all(c["shown"] for c in cards)
     for c in cards[:3]:
         assert c["fields"]["device"] == "cpu" and c["fields"]["dtype"] == "float32"
@@ -439,7 +439,7 @@ def test_a_killed_worker_shows_down_and_the_recovery(ring, browser):
                                           ".map(function (r) { return r.textContent; })")
             cards = {c["name"]: c for c in node_cards(browser)}
             ok = rows and "board1" in rows[0] and "board3" in rows[0] and cards["board3"]["state"] == "up" \
-                and cards["board3"]["index"] == "#1" and cards["board3"]["fields"]["layers"] == "10\u201319 (10)"
+                and cards["board3"]["index"] == "#1" and cards["board3"]["fields"]["layers"] == "[10, 20) (10)"
             return ok and (rows, cards)
         rows, cards = wait_for("the recovery on the page", recovered, 30)
         recovered_after = time.monotonic() - killed
@@ -477,7 +477,7 @@ def test_a_batch_run_shows_the_dashboard(browser, tmp_path):
         assert requests.get(url + "/v1/mdi/info", timeout=10).json() == {"auth": False, "mode": "batch"}
         browser.get(url + "/")
         cards = wait_for("the one node", lambda: node_cards(browser))
-        assert [(c["name"], c["state"], c["fields"]["layers"]) for c in cards] == [("starter", "up", "0\u201329 (30)")]
+        assert [(c["name"], c["state"], c["fields"]["layers"]) for c in cards] == [("starter", "up", "[0, 30) (30)")]
         wait_for("the run generating", lambda: text(browser, "ring-state") == "running" and
                  int(text(browser, "s-tokens") or 0) > 0, 60)
         assert shown(browser, "progress") and text(browser, "s-extra-label") == "samples done"

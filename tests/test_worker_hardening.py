@@ -30,7 +30,7 @@ from mdi.model.transformer import full_model
 from mdi.ring.init_request import (MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK, DataPlane, InitRequest, NodeBusy,
                                    PushedWeights, Weights)
 from mdi.runconfig import NodeSpec, parse_config
-from mdi.starter import batch
+from mdi.starter import batch, run_shape
 from mdi.starter.control import ControlClient, NodeError
 
 
@@ -238,7 +238,7 @@ def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, 
     model = tiny_models["llama"]
     cfg_a = parse_config(ring_cfg(model, pair, free_ports(3)), "run A")
     source = ModelSource(model)
-    prompt_ids = batch.encode_prompts(source, ["Once upon"])
+    prompt_ids = run_shape.encode_prompts(source, ["Once upon"])
     engine = Engine(cfg_a, source, 1, len(prompt_ids[0]) + 8, SamplingParams(0.0))
     engine.open()  # run A holds both workers; its watchdog is their heartbeat
     try:

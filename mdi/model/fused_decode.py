@@ -13,7 +13,8 @@ kernels (the latter through their own module, mdi.model.qkernels.Int8DynamicLine
 float32 activations on the CPU, for frames where every sample brings one row (decode) and no
 adapter is in use. Everything else (prefill, GPT-2, the `exact` dequantizing kernels, CUDA,
 torch without `torch.rms_norm` such as JetPack 5's 2.0) runs the eager blocks, which stay the
-reference. `MDI_FUSED_DECODE=0` turns it off, to compare.
+reference. A chunk's `fused_decode` (runtime.fused_decode, sent to every worker in /init and
+/profile) turns it off, to compare; `MDI_FUSED_DECODE=0` makes off the default (`default_on`).
 """
 import logging
 import os
@@ -24,63 +25,22 @@ from typing import Any, List, Optional
 import torch
 import torch.nn.functional as F
 
+from mdi.model.attention import attend_decode_rows, attend_sample, rotate
+from mdi.model.layers import Linear, QuantLinear, RMSNorm
+
 log = logging.getLogger(__name__)
 
 FLOAT, INT4, INT8_AS_INT4 = 0, 1, 2
 KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi.model.qkernels names
 INTEGER_KERNELS = ("int8dyn-fbgemm", "int8dyn-qnnpack")  # run by their own module (packed["linear"])
-enabled = os.environ.get("MDI_FUSED_DECODE", "1") != "0"
+ENV_DEFAULT = "MDI_FUSED_DECODE"  # "0": off unless a run says on (benchmarks, old starters)
 
 
-# The attention steps below are plain functions that the eager blocks (mdi.model.transformer)
-# call as Python and the scripted blocks call compiled: one home for both paths' arithmetic.
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE, rotate-half layout. rotate_half(x) * sin == roll(x, half) * [-sin, sin], bit for
-    bit (negation is exact): 3 ops instead of 6, ~18 µs less per layer in a decode step."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
-
-
-def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                  n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
-    """One sample's T rows (qk [T, H + KV, D], v [T, KV, D]) at positions start.. against its
-    own cache slot [KV, len, D], their keys and values written into it first."""
-    T = qk.shape[0]
-    H, KV, D = n_head, n_kv_head, head_dim
-    end = start + T
-    k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
-    v_cache[:, start:end] = v.transpose(0, 1)
-    # Grouped-query attention without repeating K/V: fold the G query heads that share a
-    # KV head into the query-length axis, rows ordered (g, t).
-    G = H // KV
-    mask: Optional[torch.Tensor] = None
-    if T == 1:
-        q = qk[:, :H].reshape(KV, G, D)
-    else:
-        q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
-        t = torch.arange(T, device=q.device).repeat(G)
-        mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
-    # 4-D: torch's CPU SDPA takes its fast path with a batch axis (3-D inputs: 1.7x the time)
-    y = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :end].unsqueeze(0),
-                                       v_cache[:, :end].unsqueeze(0), attn_mask=mask)
-    return y.reshape(1, H * D) if T == 1 else y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
-
-
-def attend_decode_rows(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
-    """S samples with one row each (qk [S, H + KV, D], v [S, KV, D]) in one SDPA call: their
-    keys and values written with one indexed copy each, their caches [slots, KV, len, D]
-    gathered up to the longest position (mask [S, 1, 1, longest]) and the rest masked."""
-    S = qk.shape[0]
-    H, KV, D = n_head, n_kv_head, head_dim
-    k_cache[slots, :, positions] = qk[:, H:]
-    v_cache[slots, :, positions] = v
-    end = mask.shape[-1]
-    keys = k_cache[:, :, :end].index_select(0, slots)
-    values = v_cache[:, :, :end].index_select(0, slots)
-    q = qk[:, :H].reshape(S, KV, H // KV, D)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(S, H * D)
+def default_on() -> bool:
+    """runtime.fused_decode's default (and a worker's when an older starter does not send it):
+    on, unless $MDI_FUSED_DECODE is "0". Read at each call, not at import: a benchmark or test
+    that sets the variable later is heard."""
+    return os.environ.get(ENV_DEFAULT, "1") != "0"
 
 
 class _Linear(torch.nn.Module):
@@ -181,7 +141,6 @@ class _Blocks(torch.nn.Module):
 
 def _linear(layer: Any) -> Optional[torch.nn.Module]:
     """The scripted form of a Linear or QuantLinear, or None when its kernel is not covered."""
-    from mdi.model.transformer import Linear, QuantLinear
     if isinstance(layer, Linear):
         if layer.weight.dtype != torch.float32 or layer.weight.device.type != "cpu" \
                 or (layer.bias is not None and layer.bias.dtype != torch.float32):
@@ -198,9 +157,8 @@ def _linear(layer: Any) -> Optional[torch.nn.Module]:
 
 def why_not(chunk: Any) -> str:
     """Why this chunk's blocks cannot decode as one call ("" when they can)."""
-    from mdi.model.transformer import RMSNorm
-    if not enabled:
-        return "turned off (MDI_FUSED_DECODE=0)"
+    if not chunk.fused_decode:
+        return "turned off (runtime.fused_decode: false)"
     if not hasattr(torch, "rms_norm") or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "this torch has no torch.rms_norm or int4 packed kernel"
     if chunk.config.family != "llama" or chunk.rope is None:

@@ -264,6 +264,18 @@ def layer_ranges(counts: Sequence[int]) -> List[List[int]]:
     return ranges
 
 
+def layer_span(first: int, last: int) -> str:
+    """A node's layers [first, last) as every human-facing text shows them: '[0, 10)' for
+    blocks 0..9. Data (the metrics file, the dashboard's JSON, a worker's /status) holds the
+    same half-open pair as [first, last], so a log line and a record never disagree by one."""
+    return "[%d, %d)" % (first, last)
+
+
+def format_layers(first: int, last: int) -> str:
+    """'layers [0, 10)': a node's layer range in a message (see layer_span)."""
+    return "layers " + layer_span(first, last)
+
+
 def split_layers(n_layer: int, counts: Union[str, Sequence[int]]) -> List[Range]:
     """A partition checked against the model: positive counts summing to its layers -> ranges."""
     counts = parse_partition(counts)

@@ -19,8 +19,8 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, short
-from mdi.model.layout import (CheckpointError, QuantSpec, expected_keys, expected_shapes, split_layers,
-                              stored_layout)
+from mdi.model.layout import (CheckpointError, QuantSpec, expected_keys, expected_shapes, format_layers,
+                              split_layers, stored_layout)
 from mdi.model.quant import flatten, gather, weights_layout
 from mdi.system.files import sha256_file, use_umask, write_json
 
@@ -121,7 +121,7 @@ def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
                     "with_head": str(int(ends))}
             _save({x: f.get_tensor(x) for x in keys}, fn, meta)
             files.append(fn)
-            log.info("cut node %d of %s: layers %d-%d, %.1f MB", k, partition, first, last - 1,
+            log.info("cut node %d of %s: %s, %.1f MB", k, partition, format_layers(first, last),
                      os.path.getsize(fn) / 1e6)
             nodes.append({"node": k, "file": os.path.basename(fn), "layers": [first, last],
                           "with_embedding": ends, "with_head": ends,

@@ -58,6 +58,10 @@ class Tokenizer:
         ids = self._encode(text)
         return [self.bos_id] + ids if self.add_bos else ids
 
+    def encode_plain(self, text: str) -> List[int]:
+        """The ids of `text` alone, no BOS: a piece of a longer text encoded piece by piece."""
+        return self._encode(text)
+
     def encode_prompt(self, text: str) -> List[int]:
         """`encode`, never empty: a model needs a first token, so an empty prompt starts from
         BOS (else EOS)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from mdi.model.config import ModelConfig
+from mdi.model.fused_decode import default_on as fused_decode_default
 from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_from_json, layout_to_json, quantizable, weight_bytes
 from mdi.model.qkernels import POLICY_NAMES
 from mdi.ring.wire import CODECS
@@ -90,12 +91,15 @@ class InitRequest:
     max_batch: int = 1  # samples one forward may take: queued frames are merged up to this many
     max_rows: int = MAX_ROWS  # token rows one forward may take (merged frames stay under it)
     wire_codec: str = "raw"  # how this node encodes the activations it sends (mdi.ring.wire.CODECS)
+    # runtime.fused_decode: decode frames through the scripted blocks (mdi.model.fused_decode)
+    fused_decode: bool = field(default_factory=fused_decode_default)
 
     def to_json(self) -> Dict[str, Any]:
         out = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
                "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
                "data": self.data.to_json(), "weights": self.weights.to_json(),
-               "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec}  # type: Dict[str, Any]
+               "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
+               "fused_decode": self.fused_decode}  # type: Dict[str, Any]
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel"):
             if getattr(self, key) is not None:
@@ -119,6 +123,17 @@ def threads_field(value: Any) -> Any:
         except RequestError:
             raise RequestError("threads must be an integer in [1, %d] or \"auto\"" % MAX_THREADS)
     return value
+
+
+def bool_field(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError("%s must be true or false" % where)
+    return value
+
+
+def fused_decode_field(spec: Dict[str, Any]) -> bool:
+    """`fused_decode` as sent; absent (a starter from before it was sent): the worker's default."""
+    return bool_field("fused_decode", spec["fused_decode"]) if "fused_decode" in spec else fused_decode_default()
 
 
 def str_field(where: str, value: Any, max_len: int = 4096) -> str:
@@ -172,7 +187,7 @@ def validate_init(body: Any) -> InitRequest:
     spec = object_fields("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                         "data", "weights"),
                          ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant",
-                          "quant_kernel", "max_batch", "max_rows", "wire_codec"))
+                          "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode"))
     int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     config = model_field(spec["model"])
     layers = spec["layers"]
@@ -199,12 +214,12 @@ def validate_init(body: Any) -> InitRequest:
     codec = spec.get("wire_codec", "raw")
     if codec not in CODECS:
         raise RequestError("wire_codec must be one of %s" % ", ".join(CODECS))
+    fused = fused_decode_field(spec)
     data = object_fields("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
     int_field("data.bind_port", data["bind_port"], 1, 65535)
     int_field("data.next_port", data["next_port"], 1, 65535)
     str_field("data.next_host", data["next_host"], 255)
-    if not isinstance(data["is_last"], bool):
-        raise RequestError("data.is_last must be true or false")
+    bool_field("data.is_last", data["is_last"])
     weights = spec["weights"]
     if isinstance(weights, dict) and "path" in weights:
         object_fields("weights", weights, ("path",))
@@ -223,7 +238,8 @@ def validate_init(body: Any) -> InitRequest:
         data=DataPlane(data["bind_port"], data["next_host"], data["next_port"], data["is_last"]),
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
-        threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows, wire_codec=codec)
+        threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows, wire_codec=codec,
+        fused_decode=fused)
 
 
 def quant_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:

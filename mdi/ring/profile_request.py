@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from mdi.model.config import ModelConfig
+from mdi.model.fused_decode import default_on as fused_decode_default
 from mdi.model import qkernels
 from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS, profile_blocks, profile_chunk, seconds_per_call, time_chunk
@@ -24,8 +25,8 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.relay_timing import time_relay
 from mdi.ring.wire import Frame, decode, encode
 from mdi.system.devices import resolve_compute_dtype
-from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, int_field, model_field,
-                                   object_fields, quant_field, str_field, threads_field)
+from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, fused_decode_field,
+                                   int_field, model_field, object_fields, quant_field, str_field, threads_field)
 
 MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
 MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
@@ -45,11 +46,14 @@ class ProfileRequest:
     compute_dtype: Optional[str] = None
     quant: Dict[str, QuantSpec] = field(default_factory=dict)  # for blocks [0, PROFILE_LAYERS)
     quant_kernel: Optional[str] = None
+    # runtime.fused_decode: the blocks are timed on the path the run will take. Always sent, so
+    # it is in the profile cache key (mdi.starter.profiling keys a profile by this JSON).
+    fused_decode: bool = field(default_factory=fused_decode_default)
 
     def to_json(self) -> Dict[str, Any]:
         out = {"model": self.model.to_dict(), "dtype": self.dtype, "device": self.device,
                "batch_sizes": list(self.batch_sizes), "context": self.context,
-               "prefill_tokens": self.prefill_tokens}  # type: Dict[str, Any]
+               "prefill_tokens": self.prefill_tokens, "fused_decode": self.fused_decode}  # type: Dict[str, Any]
         for key in ("threads", "compute_dtype", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -61,7 +65,7 @@ class ProfileRequest:
 def validate_profile(body: Any) -> ProfileRequest:
     """The /profile JSON body as a `ProfileRequest`, or a `RequestError` naming the first bad field."""
     spec = object_fields("profile", body, ("model", "dtype", "device", "batch_sizes", "context", "prefill_tokens"),
-                         ("threads", "compute_dtype", "quant", "quant_kernel"))
+                         ("threads", "compute_dtype", "quant", "quant_kernel", "fused_decode"))
     config = model_field(spec["model"])
     dtype_fields(spec)
     device = check_device(str_field("device", spec["device"], 32))
@@ -77,8 +81,9 @@ def validate_profile(body: Any) -> ProfileRequest:
     if kernel is not None and kernel not in POLICY_NAMES:
         raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
     quant = quant_field(spec.get("quant"), config, [0, min(PROFILE_LAYERS, config.n_layer)])
+    fused = fused_decode_field(spec)
     return ProfileRequest(config, spec["dtype"], device, sorted(set(sizes)), spec["context"], spec["prefill_tokens"],
-                          spec.get("threads"), spec.get("compute_dtype"), quant, kernel)
+                          spec.get("threads"), spec.get("compute_dtype"), quant, kernel, fused)
 
 
 @dataclass
@@ -168,6 +173,7 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
         chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
     finally:
         qkernels.set_memory_allowance(allowance)
+    chunk.fused_decode = request.fused_decode  # before time_chunk allocates its cache (and scripts the blocks)
     timing = time_chunk(chunk, request.batch_sizes, request.context, request.prefill_tokens, params=params)
     frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
     if time_loop is None:

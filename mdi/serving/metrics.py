@@ -154,7 +154,7 @@ class NodeScraper:
         except NodeError as e:
             results[node.address] = (None, str(e))
         finally:
-            client.session.close()
+            client.close()
 
 
 class _Rates:
@@ -185,9 +185,10 @@ class _Rates:
             self.step = seconds / frames  # the run's mean until a window has passed
 
 
-def _inclusive(layers: Optional[Sequence[int]]) -> Optional[List[int]]:
-    """[first, last) -> [first, last] (the metrics file's convention)."""
-    return [int(layers[0]), int(layers[1]) - 1] if layers else None
+def _layers(layers: Optional[Sequence[int]]) -> Optional[List[int]]:
+    """A node's half-open range [first, last) as the JSON pair [first, last]: the same numbers
+    as the worker's /status and the metrics file (mdi.model.layout.layer_span shows them)."""
+    return [int(layers[0]), int(layers[1])] if layers else None
 
 
 class Observer:
@@ -304,7 +305,7 @@ class Observer:
             "name": node.name, "host": node.host, "port": node.port, "role": "starter", "position": 0,
             "state": "up", "reachable": True, "worker_state": None,
             "device": engine.device if engine is not None else self.view.cfg.device_of(node),
-            "dtype": dtype, "compute_dtype": compute, "layers": _inclusive(layers),
+            "dtype": dtype, "compute_dtype": compute, "layers": _layers(layers),
             "frames": frames, "compute_seconds": seconds, "step_seconds": stats["starter_step_seconds"],
             "busy_share": rates.busy, "frames_per_second": rates.fps,
             "memory_used_bytes": used, "memory_limit_bytes": used + avail if avail is not None else None,
@@ -330,7 +331,7 @@ class Observer:
             "worker_state": status.state if status is not None else None,
             "device": status.device if status is not None else (node.device or self.view.cfg.model.device),
             "dtype": dtype if role != "spare" else None, "compute_dtype": compute if role != "spare" else None,
-            "layers": _inclusive(layers), "error": problem if status is None else status.error,
+            "layers": _layers(layers), "error": problem if status is None else status.error,
         }  # type: Dict[str, Any]
         if status is None:
             if role == "worker":

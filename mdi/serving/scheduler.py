@@ -30,7 +30,8 @@ from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine import Engine  # noqa: F401  (type comment)
 from mdi.starter.pipeline import Sample
 from mdi.starter.adapters import virtual_tokens
-from mdi.starter.serving_plan import open_serving_ring, resolve_max_len
+from mdi.starter.run_shape import serving_max_len
+from mdi.starter.serving_plan import open_serving_ring
 
 STEP_TIMEOUT = 0.05  # seconds an engine step waits for a frame before the scheduler looks again
 IDLE_WAIT = 0.5  # seconds the idle scheduler sleeps on its inbox
@@ -139,7 +140,7 @@ class Scheduler:
         self.tokenizer = source.tokenizer
         self.policy = cfg.serve.admission
         self.max_queue = cfg.serve.max_queue
-        self.max_len = resolve_max_len(cfg, source.config.block_size)
+        self.max_len = serving_max_len(cfg, source.config.block_size)
         gen = cfg.generation
         self.params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)  # defaults for requests
         self.stats = Stats()

@@ -19,6 +19,13 @@ def plan_ring(cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, s
     """Measure (or recall) every node of `cfg` and plan for `samples` in flight. Raises
     PlanError, before any weight is sent, when the ring cannot hold the model."""
     profiler = Profiler(cfg, source, n_slots, max_len, samples, params, refresh, say)
+    try:
+        return _plan(cfg, source, profiler, samples)
+    finally:
+        profiler.registry.close()
+
+
+def _plan(cfg: RunConfig, source: ModelSource, profiler: Profiler, samples: int) -> Tuple[Plan, List[NodeCost]]:
     costs = profiler.costs(cfg.nodes)
     n_layer, max_batch = source.config.n_layer, cfg.runtime.max_batch
     plan = make_plan(costs, n_layer, samples, max_batch)

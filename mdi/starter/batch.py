@@ -4,13 +4,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mdi.runconfig import ConfigError, RunConfig
-from mdi.starter.adapters import AdapterSet, adapter_ids
+from mdi.runconfig import RunConfig
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.model import qkernels
 from mdi.model.source import ModelSource
-from mdi.starter.pipeline import Sample, make_samples
+from mdi.starter.pipeline import Sample
+from mdi.starter.run_shape import batch_samples, batch_shape
 from mdi.model.sampling import SamplingParams
 from mdi.system.memory import unified_memory_bytes
 
@@ -46,21 +46,6 @@ class RunResult:
         return record
 
 
-def encode_prompts(source: ModelSource, prompts: List[str]) -> List[List[int]]:
-    tok = source.tokenizer
-    if tok is None:
-        raise ConfigError("%s: no tokenizer found for this model" % source.path)
-    block = source.config.block_size
-    out = []
-    for p in prompts:
-        ids = tok.encode_prompt(p)
-        if len(ids) >= block:
-            raise ConfigError("prompt of %d tokens does not fit the model's context of %d tokens"
-                              % (len(ids), block))
-        out.append(ids)
-    return out
-
-
 def run(cfg: RunConfig, prompts: List[str],
         on_token: Optional[Callable[[Sample, int], None]] = None,
         on_engine: Optional[Callable[[Engine], None]] = None,
@@ -69,26 +54,14 @@ def run(cfg: RunConfig, prompts: List[str],
     the engine before it opens the ring (a dashboard watches the run through it). `adapters`:
     the adapter name of each prompt in turn (the rest run on the base)."""
     source = ModelSource(cfg.model.path)
-    config = source.config
     gen = cfg.generation
-    prompt_ids = encode_prompts(source, prompts)
-    samples = make_samples(prompts, prompt_ids, gen.n_tokens, gen.seed)
-    adapter_set = AdapterSet(cfg.adapters, config) if cfg.adapters else None
-    for sample, adapter in zip(samples, adapter_ids(adapter_set, adapters, len(samples))):
-        if adapter_set is not None:
-            adapter_set.prepare(sample, adapter)  # a soft prompt's virtual tokens go before the prompt
-    # A cache slot holds at most the model's context: a sample that reaches its end stops there
-    # (finish_reason "context"), or with generation.context_shift goes on with a rolling window.
-    longest = max(len(s.prompt_ids) for s in samples)
-    if longest >= config.block_size:
-        raise ConfigError("prompt of %d tokens (with its adapter's virtual tokens) does not fit the model's context "
-                          "of %d tokens" % (longest, config.block_size))
-    max_len = min(config.block_size, longest + gen.n_tokens)
+    samples, adapter_set = batch_samples(cfg, source, prompts, adapters)
+    shape = batch_shape(source.config, samples, gen.n_tokens)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
     planned = [n.name for n in cfg.nodes]
-    cfg, plan, costs = resolve_layers(cfg, source, len(samples), max_len, params)  # layers: auto
-    engine = Engine(cfg, source, len(samples), max_len, params, on_token, costs=costs, adapters=adapter_set)
+    cfg, plan, costs = resolve_layers(cfg, source, shape.n_slots, shape.max_len, params)  # layers: auto
+    engine = Engine(cfg, source, shape.n_slots, shape.max_len, params, on_token, costs=costs, adapters=adapter_set)
     plan_record = {"plan": plan.metrics(planned)} if plan is not None else {}
     if on_engine is not None:
         on_engine(engine)
@@ -142,7 +115,7 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     transport = engine.pipeline.transport
     starter = engine.nodes[0]
     first, last = engine.ranges[0]
-    starter_node = {"name": starter.name, "layers": [first, last - 1],
+    starter_node = {"name": starter.name, "layers": [first, last],
                     "peak_memory_bytes": unified_memory_bytes(peak=True),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
                     "compute_seconds": round(engine.pipeline.compute_seconds, 6),
@@ -153,7 +126,7 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     chunk.free_cache()
     # Every node of the ring is listed; a run that failed has no counters from the workers.
     for i, (node, (a, b)) in enumerate(zip(engine.nodes[1:], engine.ranges[1:])):
-        entry = {"name": node.name, "layers": [a, b - 1]}
+        entry = {"name": node.name, "layers": [a, b]}
         entry.update(worker_stats[i] if i < len(worker_stats) else {})
         nodes.append(entry)
     texts = [decode_generated(engine.source, s) for s in samples]

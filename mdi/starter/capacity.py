@@ -5,7 +5,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, weight_bytes
+from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, format_layers, weight_bytes
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
 from mdi.ring.status import LOAD_HEADROOM_BYTES
@@ -51,9 +51,9 @@ def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, ma
     free = starter_free_bytes(device)
     if free is not None and need > free:
         weights = weight_bytes(config, layers, dtype_name(dtype), True, quant)
-        raise ConfigError("starter: layers %d-%d with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
+        raise ConfigError("starter: %s with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
                           "%.0f MB) but only %.0f MB of memory is available on %s here: %suse fewer positions or "
                           "samples, or give layers to more nodes"
-                          % (layers[0], layers[1] - 1, need / MB, weights / MB, (need - weights) / MB, free / MB, device,
+                          % (format_layers(*layers), need / MB, weights / MB, (need - weights) / MB, free / MB, device,
                              "" if quant else "quantize (--quant int4), "))
     return None if free is None else free - need - LOAD_HEADROOM_BYTES

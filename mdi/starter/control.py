@@ -9,8 +9,9 @@ happened, so callers decide without reading the message:
 With a shared secret every request is signed (`HmacAuth`); the secret itself is never sent.
 """
 import socket
+import threading
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 from urllib.parse import unquote
 
 import requests
@@ -165,6 +166,10 @@ class ControlClient:
     def health(self) -> Dict[str, Any]:
         return self._call("GET", "/health")
 
+    def close(self) -> None:
+        """Close the kept-alive connections (a later call opens new ones)."""
+        self.session.close()
+
     def status(self, timeout: Optional[float] = None, run_id: Optional[int] = None) -> StatusReply:
         """The worker's status; naming the current run also serves as the starter's heartbeat."""
         body = self._call("GET", "/status" if run_id is None else "/status?run=%d" % run_id, timeout)
@@ -213,3 +218,40 @@ class ControlClient:
 
     def shutdown(self) -> Dict[str, Any]:
         return self._call("POST", "/shutdown")
+
+
+class NodeRegistry:
+    """A run's control clients: one per node (its HTTP connections kept alive across the run's
+    calls), made on first use and closed with the run. Built from the run config's timeouts and
+    token once, so the planner, recovery, the check and the ring session need only this.
+
+    A client is not shared between threads that talk to the same node at once (a requests
+    Session is not thread-safe): such a thread takes its own with `fresh` and closes it."""
+
+    def __init__(self, connect_timeout: float, init_timeout: float, token: Optional[str]) -> None:
+        self.connect_timeout, self.init_timeout, self.token = connect_timeout, init_timeout, token
+        self._clients: Dict[Tuple[str, str, int], ControlClient] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_run(cls, cfg: Any) -> "NodeRegistry":
+        rt = cfg.runtime
+        return cls(rt.connect_timeout, rt.init_timeout, rt.token)
+
+    def client(self, node: NodeSpec) -> ControlClient:
+        key = (node.name, node.host, node.port)
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = self._clients[key] = self.fresh(node)
+            return client
+
+    def fresh(self, node: NodeSpec) -> ControlClient:
+        return ControlClient(node, self.connect_timeout, self.init_timeout, self.token)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+

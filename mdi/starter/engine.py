@@ -12,9 +12,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model import qkernels
-from mdi.model.layout import layer_ranges, torch_dtype
-from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
-from mdi.starter.control import NodeError
+from mdi.model.layout import torch_dtype
+from mdi.runconfig import ConfigError, NodeSpec, RunConfig
+from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.model.source import ModelSource
 from mdi.model.threads import AUTO, choose_threads
@@ -26,7 +26,7 @@ from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant
 from mdi.starter.planner import NodeCost, PlanError, make_plan
 from mdi.starter.profiling import Profiler
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
-from mdi.starter.session import RingSession, client_for
+from mdi.starter.session import RingSession
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,10 @@ class Engine:
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int,
                  params: SamplingParams,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
-                 costs: Optional[List[NodeCost]] = None, adapters: Optional[AdapterSet] = None) -> None:
+                 costs: Optional[List[NodeCost]] = None, adapters: Optional[AdapterSet] = None,
+                 registry: Optional[NodeRegistry] = None) -> None:
         self.cfg, self.source = cfg, source
+        self.registry = registry or NodeRegistry.for_run(cfg)  # every node's one control client
         # The planner's measured costs of every node (layers: auto): a failure re-plans with them.
         self.costs = {c.name: c for c in costs or []}
         # LoRA adapters (config `adapters:`), numbered 1..K; samples name theirs (Sample.adapter).
@@ -45,7 +47,7 @@ class Engine:
         self._mix_lock = threading.Lock()
         self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
         self.nodes = list(cfg.nodes)
-        self.ranges = layer_ranges(partition(source.config.n_layer, cfg.nodes, cfg.source))
+        self.ranges = cfg.layer_ranges(source.config.n_layer)
         self.spares = list(cfg.spares)
         self.dtype = torch_dtype(cfg.model.dtype)
         self.device = cfg.device_of(cfg.starter)
@@ -61,7 +63,7 @@ class Engine:
     # --- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
         for node in self.nodes[1:]:  # fail fast, before spending time on our own weights
-            client_for(self.cfg, node).health()
+            self.registry.client(node).health()
         self.chunk = self._starter_chunk(self.ranges[0])
         transport, run_id = self._connect()
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
@@ -74,12 +76,14 @@ class Engine:
         """Send the stop frame round the ring; return each worker's counters."""
         stats = self.ring.finish() if self.ring is not None else []
         self.ring = None
+        self.registry.close()
         return stats
 
     def abort(self) -> None:
         if self.ring is not None:
             self.ring.abort()
             self.ring = None
+        self.registry.close()
 
     def _starter_chunk(self, layers: List[int]) -> ModelChunk:
         first, last = layers
@@ -95,6 +99,7 @@ class Engine:
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         qkernels.set_memory_allowance(spare)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)
+        chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks
         chunk.allocate_cache(self.n_slots, self.max_len)
         if self.cfg.runtime.threads == AUTO:  # timed before any sample or adapter uses the chunk
             choice = choose_threads(chunk, self.cfg.max_batch(self.n_slots, len(self.nodes)))
@@ -108,7 +113,7 @@ class Engine:
         if len(self.nodes) == 1:
             return LocalLoop(), run_id
         self.ring = RingSession(self.cfg, self.nodes, self.source, self.ranges, run_id,
-                                self.n_slots, self.max_len, self.dtype, self.adapters)
+                                self.n_slots, self.max_len, self.dtype, self.adapters, self.registry)
         return self.ring.start(), run_id
 
     # --- adapters at run time (--serve's POST /v1/mdi/adapters) ---------------------------
@@ -248,7 +253,7 @@ class Engine:
             if spare.name not in self.costs:  # timed alone, at the rows per pass its peers were
                 sizes = sorted(next(iter(self.costs.values())).layer_s)
                 profiler = Profiler(self.cfg, self.source, self.n_slots, self.max_len, self.n_slots, self.params,
-                                    sizes=sizes)
+                                    sizes=sizes, registry=self.registry)
                 try:
                     self.costs[spare.name] = profiler.worker_cost(spare)
                 except ConfigError as e:
@@ -283,7 +288,7 @@ class Engine:
 
     def _alive(self, node) -> bool:
         try:
-            client_for(self.cfg, node).health()
+            self.registry.client(node).health()
             return True
         except NodeError:
             return False
@@ -292,7 +297,7 @@ class Engine:
         if i == 0:
             return True  # the starter: its memory is ours to spend
         try:
-            capacity = client_for(self.cfg, node).status().capacity_bytes()
+            capacity = self.registry.client(node).status().capacity_bytes()
         except NodeError:
             return False
         need = chunk_bytes_needed(self.source.config, layers, self.n_slots, self.max_len, self.dtype,

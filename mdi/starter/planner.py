@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mdi.runconfig import ConfigError
+from mdi.model.layout import layer_span
+from mdi.runconfig import ConfigError, samples_per_frame
 
 TIE = 0.01  # splits whose slowest stage is within 1% of the best count as equally fast
 MAX_LIMITS = 64  # stage limits tried for a ring too long for its groups (each one more solve)
@@ -190,8 +191,8 @@ def _missing_memory(costs: Sequence[NodeCost], n_layer: int) -> str:
 # --------------------------------------------------------------------------- predictions
 
 def groups(samples: int, n_nodes: int, max_batch="auto") -> Tuple[int, int]:
-    """(rows per pass, groups circulating) for S samples: runtime.max_batch as RunConfig.max_batch."""
-    b = max(1, math.ceil(samples / n_nodes)) if max_batch == "auto" else min(int(max_batch), max(1, samples))
+    """(rows per pass, groups circulating) for S samples under runtime.max_batch."""
+    b = samples_per_frame(max_batch, samples, n_nodes)
     return b, math.ceil(samples / b)
 
 
@@ -321,13 +322,13 @@ def widen(inner: Plan, kept: Sequence[int], outer: Plan) -> Plan:
 
 def format_plan(plan: Plan) -> str:
     """The plan as a table for people (mdi-plan, --check, the log)."""
-    lines = ["%-14s %-12s %10s %22s  %s" % ("node", "layers", "stage ms", "memory use / limit", "")]
+    lines = ["%-14s %-15s %10s %22s  %s" % ("node", "layers", "stage ms", "memory use / limit", "")]
     for r in plan.rows:
-        layers = "%d-%d (%d)" % (r.layers[0], r.layers[1] - 1, r.layers[1] - r.layers[0]) if r.layers else "-"
+        layers = "%s (%d)" % (layer_span(*r.layers), r.layers[1] - r.layers[0]) if r.layers else "-"
         limit = "%.0f MB" % (r.capacity_bytes / MB) if r.capacity_bytes is not None else "?"
         memory = "%.0f MB / %s" % (r.bytes_needed / MB, limit) if r.layers else "- / %s" % limit
         stage = "%.2f" % r.stage_ms if r.layers else "-"
-        lines.append("%-14s %-12s %10s %22s  %s" % (r.name[:14], layers, stage, memory, r.note))
+        lines.append("%-14s %-15s %10s %22s  %s" % (r.name[:14], layers, stage, memory, r.note))
     lines.append("slowest stage %.2f ms, ring %.2f ms per pass of %d row(s); %d samples in flight fill the ring"
                  % (plan.bottleneck_ms, plan.ring_ms, plan.rows_per_pass, plan.samples_to_fill))
     lines.append("predicted tokens/s: " + ", ".join("S=%d %.1f" % (s, v) for s, v in sorted(plan.predicted.items())))

@@ -4,7 +4,8 @@ Workers time the model's blocks themselves (POST /profile, mdi.ring.profile_requ
 starter times its own blocks, embedding, head and sampling in its process, and times a small
 and a larger body to each worker (POST /probe) for the link's round trip and bandwidth. Nothing
 of the model's weights moves. The timings are cached per (node, address, model shape, dtype,
-quantization, device, threads, ...) in $MDI_PROFILE_CACHE/profiles.json (default ~/.cache/mdi),
+quantization, device, threads, fused decode, ...: everything the ProfileRequest sends, see
+`_cached`'s callers) in $MDI_PROFILE_CACHE/profiles.json (default ~/.cache/mdi),
 so a second plan is instant; `refresh` measures again (a board was changed or is busy).
 Memory is read fresh every time (GET /status): it changes with what else runs there.
 """
@@ -33,10 +34,9 @@ from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
 from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
-from mdi.starter.control import NodeError
+from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.planner import NodeCost, groups
-from mdi.starter.session import client_for
 from mdi.system.files import write_json
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ def _key(parts: Dict[str, Any]) -> str:
 
 
 # the modules that set a pass's time
-_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "fused_decode", "qkernels", "quant", "sampling",
-                                                 "profile")) + (
+_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "layers", "attention", "fused_decode", "qkernels",
+                                                 "quant", "sampling", "profile")) + (
     "mdi.ring.relay_timing", "mdi.starter.pipeline", "mdi.starter.loop_timing")
 _code_ids = []  # type: List[str]  # computed once per process
 
@@ -118,8 +118,10 @@ class Profiler:
 
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, samples: int,
                  params: Optional[SamplingParams] = None, refresh: bool = False,
-                 say: Callable[[str], None] = log.info, sizes: Sequence[int] = ()) -> None:
+                 say: Callable[[str], None] = log.info, sizes: Sequence[int] = (),
+                 registry: Optional[NodeRegistry] = None) -> None:
         self.cfg, self.source, self.n_slots, self.max_len = cfg, source, n_slots, max_len
+        self.registry = registry or NodeRegistry.for_run(cfg)
         self.params = params or SamplingParams(cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p)
         self.samples, self.refresh, self.say = samples, refresh, say
         self.config = source.config
@@ -139,7 +141,7 @@ class Profiler:
         t0 = time.perf_counter()
         mates = machine_mates(nodes)  # part of each profile's cache key
         links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
-        statuses = [client_for(self.cfg, n).status() for n in nodes[1:]]  # one read: its device and memory
+        statuses = [self.registry.client(n).status() for n in nodes[1:]]  # one read: its device and memory
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
         # back with the OS yet (the starter's held 70 MB of a 320 MB board and its plan left out
         # layers that fit).
@@ -155,7 +157,7 @@ class Profiler:
         # A worker's memory is read again once it has profiled, and the smaller figure kept:
         # what its profile held is not all back with the OS (a 230 MiB board could give 31.9 MB
         # before profiling and 30.7 MB after, and refused its 31.9 MB share at /init).
-        after = [client_for(self.cfg, n).status().capacity_bytes() for n in nodes[1:]]
+        after = [self.registry.client(n).status().capacity_bytes() for n in nodes[1:]]
         capacities = capacities[:1] + [_smaller(a, b) for a, b in zip(capacities[1:], after)]
         out = []
         for i, node in enumerate(nodes):
@@ -172,9 +174,9 @@ class Profiler:
     def worker_cost(self, node: NodeSpec) -> NodeCost:
         """One worker alone (a spare joining the ring): its blocks, its link and its memory."""
         link = self._link(node)
-        status = client_for(self.cfg, node).status()
+        status = self.registry.client(node).status()
         timing = self._worker_timing(node, status.device, [])
-        capacity = _smaller(status.capacity_bytes(), client_for(self.cfg, node).status().capacity_bytes())
+        capacity = _smaller(status.capacity_bytes(), self.registry.client(node).status().capacity_bytes())
         cost = self._cost(1, node, timing, [link], capacity)
         if self.cache_dirty:
             _write_cache(self.cache)
@@ -198,7 +200,8 @@ class Profiler:
         cfg = self.cfg
         return ProfileRequest(self.config, cfg.model.dtype, cfg.device_of(node), self.sizes, self.context,
                               self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype,
-                              dict(node_quant(cfg, self.source, node, layers, with_ends)), cfg.runtime.quant_kernel)
+                              dict(node_quant(cfg, self.source, node, layers, with_ends)), cfg.runtime.quant_kernel,
+                              cfg.runtime.fused_decode)
 
     def _worker_timing(self, node: NodeSpec, device: str, alongside: Sequence[str]) -> Dict[str, Any]:
         """`device`: the one the worker reports; its own --device wins over the run's, so it is
@@ -208,9 +211,10 @@ class Profiler:
         request = self._request(node, False)
 
         def measure() -> Dict[str, Any]:
-            return client_for(self.cfg, node).profile(request).to_json()
+            return self.registry.client(node).profile(request).to_json()
         try:
-            # The key: all the request says (model shape, dtype, quant, device, threads, rows...).
+            # The key: all the request says (model shape, dtype, quant, device, threads, rows,
+            # fused decode...).
             return self._cached("worker", dict(request.to_json(), node=node.name, address=node.address,
                                                worker_device=device, alongside=list(alongside)),
                                 measure)
@@ -252,7 +256,7 @@ class Profiler:
             # as on the data plane); the bandwidth from a large probe body less a small one
             # (the HTTP handling costs both the same).
             rtt = min(_connect_seconds(node, self.cfg.runtime.connect_timeout) for _ in range(PROBE_REPEATS))
-            client = client_for(self.cfg, node)
+            client = self.registry.client(node)
             client.probe(0)  # a connection kept alive from here on
             small = min(client.probe(0) for _ in range(3))
             big = min(client.probe(PROBE_BYTES) for _ in range(3))

@@ -8,6 +8,7 @@ without one, the dead node's layers go to its ring neighbours if their memory al
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
+from mdi.model.layout import format_layers
 from mdi.runconfig import NodeSpec
 
 
@@ -36,8 +37,8 @@ def plan_recovery(nodes: List[NodeSpec], ranges: List[List[int]], dead: str, spa
     if spares:
         spare = spares[0]
         new_nodes = nodes[:i] + [spare] + nodes[i + 1:]
-        return Plan(new_nodes, [list(r) for r in ranges], "spare %s (%s) takes layers %d-%d of %s"
-                    % (spare.name, spare.address, ranges[i][0], ranges[i][1] - 1, dead), spare)
+        return Plan(new_nodes, [list(r) for r in ranges], "spare %s (%s) takes %s of %s"
+                    % (spare.name, spare.address, format_layers(*ranges[i]), dead), spare)
     first, last = ranges[i]
     options = []  # (layers to predecessor) candidates, most balanced first
     if i + 1 < len(nodes):
@@ -55,10 +56,10 @@ def plan_recovery(nodes: List[NodeSpec], ranges: List[List[int]], dead: str, spa
         new_ranges = [list(r) for r in ranges[:i - 1]] + [grown_prev]
         if grown_next is not None:
             new_ranges += [grown_next] + [list(r) for r in ranges[i + 2:]]
-        return Plan(nodes[:i] + nodes[i + 1:], new_ranges, "%s's layers %d-%d go to %s"
-                    % (dead, first, last - 1, _names(nodes, i, cut, first, last)))
-    raise RecoveryImpossible("no spare left and %s's neighbours cannot hold its layers %d-%d"
-                             % (dead, first, last - 1))
+        return Plan(nodes[:i] + nodes[i + 1:], new_ranges, "%s's %s go to %s"
+                    % (dead, format_layers(first, last), _names(nodes, i, cut, first, last)))
+    raise RecoveryImpossible("no spare left and %s's neighbours cannot hold its %s"
+                             % (dead, format_layers(first, last)))
 
 
 def _names(nodes: List[NodeSpec], i: int, cut: int, first: int, last: int) -> str:

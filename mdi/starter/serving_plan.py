@@ -8,23 +8,21 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List
 
-from mdi.model.layout import layer_ranges, torch_dtype
+from mdi.model.layout import torch_dtype
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
-from mdi.runconfig import ConfigError, NodeSpec, RunConfig, partition
+from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.planner import PlanError
 from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
-from mdi.starter.control import NodeError
+from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Sample
-from mdi.starter.session import client_for
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT = 16  # when serve.max_in_flight is not set (and memory allows)
-DEFAULT_MAX_LEN = 2048  # positions per slot when serve.max_len is not set (capped by the context)
 
 
 @dataclass
@@ -34,17 +32,6 @@ class ServingRing:
     slots: int
 
 
-def resolve_max_len(cfg: RunConfig, block_size: int) -> int:
-    """Positions per KV cache slot: serve.max_len, else the context capped at DEFAULT_MAX_LEN."""
-    asked = cfg.serve.max_len
-    if asked is None:
-        return min(block_size, DEFAULT_MAX_LEN)
-    if asked > block_size:
-        raise ConfigError("%s: serve.max_len: %d is longer than the model's context of %d tokens"
-                          % (cfg.source, asked, block_size))
-    return asked
-
-
 def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams,
                       on_token: Callable[[Sample, int], None], adapters: Any = None) -> ServingRing:
     """Plan the slots from memory, open the engine, and lower the slots to what the workers
@@ -52,9 +39,14 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
     keep (a rebuilt ring keeps the adapters loaded at run time)."""
     cfg, costs = _planned(cfg, source, max_len, params)
     nodes = list(cfg.nodes)
-    ranges = layer_ranges(partition(source.config.n_layer, nodes, cfg.source))
-    slots = plan_slots(cfg, source, nodes, ranges, max_len)
-    engine = Engine(cfg, source, slots, max_len, params, on_token, costs=costs, adapters=adapters)
+    ranges = cfg.layer_ranges(source.config.n_layer)
+    registry = NodeRegistry.for_run(cfg)  # the engine's, closed with it
+    try:
+        slots = plan_slots(cfg, source, nodes, ranges, max_len, registry)
+    except BaseException:
+        registry.close()
+        raise
+    engine = Engine(cfg, source, slots, max_len, params, on_token, costs=costs, adapters=adapters, registry=registry)
     try:
         engine.open()
         reported = reported_slots(cfg, engine, max_len)
@@ -80,7 +72,7 @@ def _planned(cfg: RunConfig, source: ModelSource, max_len: int, params: Sampling
 
 
 def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], ranges: List[List[int]],
-               max_len: int) -> int:
+               max_len: int, registry: NodeRegistry) -> int:
     """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of `max_len`
     positions that fit in every node's memory next to its weights."""
     asked = cfg.serve.max_in_flight
@@ -88,7 +80,7 @@ def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], range
     config = source.config
     dtype = torch_dtype(cfg.model.dtype)
     for i, (node, layers) in enumerate(zip(nodes, ranges)):
-        capacity = starter_free_bytes(cfg.device_of(node)) if i == 0 else client_for(cfg, node).status().capacity_bytes()
+        capacity = starter_free_bytes(cfg.device_of(node)) if i == 0 else registry.client(node).status().capacity_bytes()
         if capacity is None:
             continue
         weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0,
@@ -110,7 +102,7 @@ def reported_slots(cfg: RunConfig, engine: Engine, max_len: int) -> List[int]:
     """The KV slots each worker says it allocated (what bounds the samples in flight)."""
     slots = []
     for node in engine.nodes[1:]:
-        cache = client_for(cfg, node).status().cache
+        cache = engine.registry.client(node).status().cache
         if cache.max_len < max_len:
             raise NodeError("node %s allocated %d positions per slot, not %d" % (node.name, cache.max_len, max_len),
                             node.name)

@@ -11,7 +11,7 @@ from mdi.ring.auth import ring_password
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.ring.adapter_request import adapter_body
 from mdi.ring.init_request import MAX_ROWS, DataPlane, InitRequest, PushedWeights, Weights
-from mdi.starter.control import ControlClient, NodeError, NodeUnreachable
+from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
 from mdi.ring.transport import RingEndpoint
@@ -20,24 +20,21 @@ from mdi.starter.capacity import node_quant
 from mdi.ring.wire import Frame, decode
 
 
-def client_for(cfg: RunConfig, node: NodeSpec) -> ControlClient:
-    rt = cfg.runtime
-    return ControlClient(node, rt.connect_timeout, rt.init_timeout, rt.token)
-
-
 class RingSession:
     """One ring: `nodes` in ring order (the starter first) with their layer `ranges`."""
 
     def __init__(self, cfg: RunConfig, nodes: List[NodeSpec], source: ModelSource, ranges: List[List[int]],
-                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype, adapters: Any = None) -> None:
+                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype, adapters: Any = None,
+                 registry: Optional[NodeRegistry] = None) -> None:
         self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
+        self.registry = registry or NodeRegistry.for_run(cfg)
         self.adapters = adapters  # mdi.starter.adapters.AdapterSet or None
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
         self.max_batch = cfg.max_batch(n_slots, len(nodes))
         self.workers = nodes[1:]
         # What each worker keeps quantized (sent in /init; pushed weights come that way).
         self.quant = [node_quant(cfg, source, node, layers) for node, layers in zip(self.workers, ranges[1:])]
-        self.clients = [client_for(cfg, n) for n in self.workers]
+        self.clients = [self.registry.client(n) for n in self.workers]
         self.endpoint = None  # type: Optional[RingEndpoint]
         self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
         self.failure = None  # type: Optional[NodeError]
@@ -58,7 +55,7 @@ class RingSession:
             data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
                            is_last=i == len(self.workers) - 1),
             weights=weights, max_batch=self.max_batch, max_rows=min(MAX_ROWS, self.max_batch + self.cfg.runtime.prefill_chunk),
-            wire_codec=self.cfg.runtime.wire_codec)
+            wire_codec=self.cfg.runtime.wire_codec, fused_decode=self.cfg.runtime.fused_decode)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
         client, node = self.clients[i], self.workers[i]
@@ -133,14 +130,18 @@ class RingSession:
         in /status polls: the heartbeat that keeps each worker's /init of it alive. The worker
         cannot see a push arrive (its HTTP server hands the request over once all of it is
         in), and another starter may take over a worker whose starter went silent."""
-        clients = [client_for(self.cfg, n) for n in self.workers]  # not shared with the pushing threads
+        clients = [self.registry.fresh(n) for n in self.workers]  # not shared with the pushing threads
         interval = self.cfg.runtime.heartbeat_interval
-        while not configured.wait(interval):
+        try:
+            while not configured.wait(interval):
+                for client in clients:
+                    try:
+                        client.status(timeout=interval * 2, run_id=self.run_id)
+                    except NodeError:
+                        pass  # the configuring thread reports what is wrong with this node
+        finally:
             for client in clients:
-                try:
-                    client.status(timeout=interval * 2, run_id=self.run_id)
-                except NodeError:
-                    pass  # the configuring thread reports what is wrong with this node
+                client.close()
 
     def _await_ring(self) -> None:
         """Send a reset frame round until one comes back, before any sample enters the ring.

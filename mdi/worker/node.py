@@ -489,6 +489,7 @@ class Worker:
         request = setup.request
         compute = setup.compute_dtype
         chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
+        chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
         try:
             chunk.allocate_cache(request.n_slots, request.max_len)
         except (RuntimeError, ValueError) as e:

@@ -64,7 +64,10 @@
     return v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s";
   }
   function percent(v) { return v === null || v === undefined ? "\u2013" : (v * 100).toFixed(0) + "%"; }
-  function layers(l) { return l ? l[0] + "\u2013" + l[1] + " (" + (l[1] - l[0] + 1) + ")" : "\u2013"; }
+  // A node's half-open layer range [first, last) as every text of mdi shows it (the twin of
+  // mdi.model.layout.layer_span): the state's `layers` is that pair, as in a worker's /status.
+  function layerSpan(l) { return "[" + l[0] + ", " + l[1] + ")"; }
+  function layers(l) { return l ? layerSpan(l) + " (" + (l[1] - l[0]) + ")" : "\u2013"; }
   function duration(s) {
     s = Math.floor(s || 0);
     var h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), r = s % 60;
@@ -267,7 +270,7 @@
     g.appendChild(svg("circle", { cx: x, cy: y, r: r, "class": "node-disc " + node.state }));
     g.appendChild(svg("text", { x: x, y: y - 2, "class": "svg-name", text: short(node.name, 9) }));
     g.appendChild(svg("text", { x: x, y: y + 13, "class": "svg-sub",
-                                text: node.layers ? "L" + node.layers[0] + "\u2013" + node.layers[1] : "" }));
+                                text: node.layers ? layerSpan(node.layers) : "" }));
     var below = node.state === "down" ? "DOWN" :
       percent(node.busy_share) + " busy" + (node.step_seconds ? " \u00b7 " + seconds(node.step_seconds) : "");
     g.appendChild(svg("text", { x: x, y: y + r + 20, "class": "svg-sub", text: below }));

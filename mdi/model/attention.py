@@ -1,0 +1,60 @@
+"""Attention's arithmetic for a chunk's decode and prefill rows: RoPE and scaled dot-product
+attention against a sample's KV-cache slot.
+
+Plain functions, one home for both paths: the eager blocks (mdi.model.transformer.Attention)
+call them as Python and the scripted decode blocks (mdi.model.fused_decode) call them compiled,
+so the two compute the same ops in the same order, bit for bit. They depend on torch alone:
+neither caller imports the other for them.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE, rotate-half layout. rotate_half(x) * sin == roll(x, half) * [-sin, sin], bit for
+    bit (negation is exact): 3 ops instead of 6, ~18 µs less per layer in a decode step."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                  n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
+    """One sample's T rows (qk [T, H + KV, D], v [T, KV, D]) at positions start.. against its
+    own cache slot [KV, len, D], their keys and values written into it first."""
+    T = qk.shape[0]
+    H, KV, D = n_head, n_kv_head, head_dim
+    end = start + T
+    k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
+    v_cache[:, start:end] = v.transpose(0, 1)
+    # Grouped-query attention without repeating K/V: fold the G query heads that share a
+    # KV head into the query-length axis, rows ordered (g, t).
+    G = H // KV
+    mask: Optional[torch.Tensor] = None
+    if T == 1:
+        q = qk[:, :H].reshape(KV, G, D)
+    else:
+        q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
+        t = torch.arange(T, device=q.device).repeat(G)
+        mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
+    # 4-D: torch's CPU SDPA takes its fast path with a batch axis (3-D inputs: 1.7x the time)
+    y = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :end].unsqueeze(0),
+                                       v_cache[:, :end].unsqueeze(0), attn_mask=mask)
+    return y.reshape(1, H * D) if T == 1 else y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
+
+
+def attend_decode_rows(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                       n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
+    """S samples with one row each (qk [S, H + KV, D], v [S, KV, D]) in one SDPA call: their
+    keys and values written with one indexed copy each, their caches [slots, KV, len, D]
+    gathered up to the longest position (mask [S, 1, 1, longest]) and the rest masked."""
+    S = qk.shape[0]
+    H, KV, D = n_head, n_kv_head, head_dim
+    k_cache[slots, :, positions] = qk[:, H:]
+    v_cache[slots, :, positions] = v
+    end = mask.shape[-1]
+    keys = k_cache[:, :, :end].index_select(0, slots)
+    values = v_cache[:, :, :end].index_select(0, slots)
+    q = qk[:, :H].reshape(S, KV, H // KV, D)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(S, H * D)

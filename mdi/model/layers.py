@@ -1,0 +1,189 @@
+"""The layers a transformer block is made of: linear layers (float, or quantized with a kernel
+chosen by measurement) with their low-rank adapters, embeddings and norms.
+
+Their own module so that both the eager blocks (mdi.model.transformer) and the scripted decode
+blocks (mdi.model.fused_decode, which reads these layers' weights and kernels) import them
+without importing each other.
+"""
+import ctypes
+from typing import Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mdi.model.config import ModelConfig
+from mdi.model.layout import QuantSpec
+from mdi.model.quant import dequantize
+
+
+# Weights may be stored in a narrower dtype than the activations (float16 storage with
+# float32 compute on GPUs without fast half arithmetic): layers cast their weights to the
+# activations' dtype, which is free when the two already match.
+
+class LoraDeltas:
+    """The low-rank adapters a chunk holds, and which rows use which during one forward.
+
+    `adapters[id][name] = (A.T [in, r], B.T [r, out])`, both contiguous, for the linear layer
+    `name` (e.g. "blocks.3.attn.qkv"; the scale is folded into B): stored transposed, the two
+    small matmuls read their rows in order (measured 0.8x the time of A [r, in] / B [out, r]
+    read through .t() on SmolLM2's fused qkv and gate_up shapes). During `ModelChunk.forward_rows`,
+    `groups` lists (id, rows: a slice or indices) for every adapter some sample of the batch uses: each
+    linear layer runs once over every row, then adds x[rows] @ A.T @ B.T per adapter (the
+    Punica / S-LoRA gather), so the cost grows with the adapters in a batch, not its samples."""
+
+    def __init__(self) -> None:
+        self.adapters = {}  # type: Dict[int, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
+        self.groups = []  # type: List[Tuple[int, Any]]  # (adapter id, slice or row indices)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+        # The ring's rows are 2-D already; each skipped op is µs per layer and adapter
+        flat_x, flat_y = (x, y) if x.dim() == 2 else (x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]))
+        for adapter, rows in self.groups:
+            ab = self.adapters[adapter].get(name)
+            if ab is not None:
+                at, bt = ab if ab[0].dtype == x.dtype else (ab[0].to(x.dtype), ab[1].to(x.dtype))
+                if isinstance(rows, slice):  # consecutive rows: views, one in-place addmm, no copies
+                    flat_y[rows].addmm_(flat_x[rows] @ at, bt)
+                else:
+                    flat_y.index_add_(0, rows, (flat_x[rows] @ at) @ bt)
+        return y
+
+
+class Linear(nn.Linear):
+    lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
+    lora_name = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        y = F.linear(x, self.weight.to(x.dtype), bias)
+        return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays quantized (`QuantSpec`). Loading fills the canonical
+    tensors (qweight, scales[, mins]); `pick_kernel` then chooses how to multiply by measurement
+    (mdi.model.qkernels) and keeps only what that kernel reads: never a float copy of the weight."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, spec: QuantSpec) -> None:
+        super().__init__()
+        self.n_in, self.n_out, self.spec = n_in, n_out, spec
+        for suffix, (shape, dtype) in spec.tensor_shapes(n_out, n_in).items():
+            self.register_buffer(suffix, torch.empty(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
+        self.kernel = None  # type: Optional[object]  # a qkernels.Kernel once chosen
+        self.packed = {}  # type: Dict[str, torch.Tensor]
+        self.opaque_nbytes = 0  # bytes the kernel holds outside tensors (not in buffers())
+        self.lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
+        self.lora_name = ""
+
+    def canonical(self) -> Dict[str, torch.Tensor]:
+        return {s: getattr(self, s) for s in self.spec.tensor_shapes(1, self.spec.group_size)}
+
+    def pick_kernel(self, where: str, keep_canonical: bool = False) -> None:
+        from mdi.model import qkernels
+        canonical = self.canonical()
+        self.kernel, self.packed = qkernels.choose(canonical, self.spec, self.n_in, self.qweight.device, where)
+        if not (self.kernel.needs_canonical or keep_canonical):
+            for suffix in canonical:
+                setattr(self, suffix, None)  # the packed form replaces it
+        self.opaque_nbytes = 0
+        for name, t in self.packed.items():  # registered so memory reports count them
+            if not isinstance(t, torch.Tensor):  # an engine's packed weight: its size as the kernel states it
+                self.opaque_nbytes += self.kernel.held_bytes(self.spec, self.n_out, self.n_in)
+            elif not any(t is c for c in canonical.values()):
+                self.register_buffer("packed_" + name, t, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError("quantized layer used before its kernel was chosen")
+        if x.dim() == 2:  # [rows, n_in], the ring's shape: no reshapes (each op costs µs per token)
+            y = self.kernel.run(x, self.packed, self.spec, self.n_in)
+        else:
+            y = self.kernel.run(x.reshape(-1, self.n_in), self.packed, self.spec, self.n_in)
+            y = y.reshape(x.shape[:-1] + (self.n_out,))
+        y = y + self.bias.to(y.dtype) if self.bias is not None else y
+        return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
+
+
+_malloc_trim = []  # type: list  # [glibc's malloc_trim or None], looked up once
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
+    Picking a quantized layer's kernel allocates and frees temporaries of tens of MB between
+    tensors that stay; glibc keeps such holes resident, ~150 MB over a 1.1B int4 model."""
+    if not _malloc_trim:
+        try:
+            _malloc_trim.append(ctypes.CDLL(None).malloc_trim)
+        except (AttributeError, OSError, TypeError):  # not glibc
+            _malloc_trim.append(None)
+    if _malloc_trim[0] is not None:
+        _malloc_trim[0](0)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        # A chunk is built on "meta" and loaded afterwards (mdi.model.source._empty_chunk): a
+        # random initialisation there is thrown away, and normal_ on meta imports torch's
+        # Python meta kernels (~60 MB of RSS).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied LM head: x @ embedding.T."""
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class QuantEmbedding(QuantLinear):
+    """A quantized token embedding: a lookup dequantizes only the rows it reads; as the tied
+    head it multiplies like any QuantLinear (keeping the canonical rows for lookups)."""
+
+    def __init__(self, n_vocab: int, n_embd: int, spec: QuantSpec) -> None:
+        super().__init__(n_embd, n_vocab, False, spec)
+
+    def pick_kernel(self, where: str, keep_canonical: bool = True) -> None:
+        super().pick_kernel(where, keep_canonical=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = {s: t[ids.reshape(-1)] for s, t in self.canonical().items()}
+        return dequantize(rows, self.spec, self.n_in).reshape(ids.shape + (self.n_in,))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantLinear.forward(self, x)
+
+
+def make_linear(n_in: int, n_out: int, bias: bool, spec: Optional[QuantSpec]) -> nn.Module:
+    return Linear(n_in, n_out, bias=bias) if spec is None else QuantLinear(n_in, n_out, bias, spec)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+# torch >= 2.4 (feature-detected; torch 2.0 keeps the hand-written path). With the RoPE tables
+# gathered once per batch: SmolLM2 int4 decode 0.96x the time per token (3 alternating runs).
+_fused_rms_norm = getattr(F, "rms_norm", None)
+
+
+class RMSNorm(nn.Module):
+    # Hand-written: torch.nn.RMSNorm does not exist in torch 2.0 (JetPack 5).
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_rms_norm is not None and x.dtype == torch.float32 and self.weight.dtype == x.dtype:
+            return _fused_rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one op instead of six
+        # Normalise in fp32 like the reference implementations, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * xf.to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.family == "gpt2":
+        return LayerNorm(config.n_embd, eps=config.norm_eps)
+    return RMSNorm(config.n_embd, config.norm_eps)

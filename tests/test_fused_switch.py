@@ -1,0 +1,226 @@
+"""runtime.fused_decode: the switch between the scripted decode blocks (mdi.model.fused_decode)
+and the eager ones is a run's setting, not a module global. It travels to every worker in
+/init and /profile (checked there like its neighbours), a profile taken one way is never
+reused for a run the other way, and the model package has no import cycle (the attention
+maths both paths share lives in mdi.model.attention)."""
+import json
+import os
+
+import pytest
+import requests
+import torch
+
+from conftest import free_ports, tiny_config
+from mdi.model import fused_decode
+from mdi.ring.init_request import RequestError, validate_init
+from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, validate_profile
+from mdi.runconfig import ConfigError, parse_config
+from test_layering import _imports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be"]
+covered = pytest.mark.skipif(not hasattr(torch, "rms_norm"), reason="this torch has no torch.rms_norm: decode stays eager")
+
+
+# --- the setting -----------------------------------------------------------------
+
+def test_the_setting_is_validated_and_defaults_on(monkeypatch):
+    monkeypatch.delenv(fused_decode.ENV_DEFAULT, raising=False)
+    assert parse_config({"model": {"path": "m"}}, "t").runtime.fused_decode is True
+    assert parse_config({"model": {"path": "m"}, "runtime": {"fused_decode": False}}, "t").runtime.fused_decode is False
+    for bad in ("no", 0, 1):
+        with pytest.raises(ConfigError) as e:
+            parse_config({"model": {"path": "m"}, "runtime": {"fused_decode": bad}}, "t")
+        assert "runtime.fused_decode" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv(fused_decode.ENV_DEFAULT, "0")  # a benchmark's override of the default
+    assert parse_config({"model": {"path": "m"}}, "t").runtime.fused_decode is False
+    assert parse_config({"model": {"path": "m"}, "runtime": {"fused_decode": True}}, "t").runtime.fused_decode is True
+
+
+def test_profile_requests_carry_it_and_refuse_a_wrong_type():
+    request = ProfileRequest(tiny_config("llama"), "float32", "cpu", [1], 8, 4, fused_decode=False)
+    sent = json.loads(json.dumps(request.to_json()))
+    assert sent["fused_decode"] is False and validate_profile(sent) == request
+    old = {k: v for k, v in sent.items() if k != "fused_decode"}  # a starter from before the setting
+    assert validate_profile(old).fused_decode is True
+    for bad in ("false", 0, None):
+        with pytest.raises(RequestError) as e:
+            validate_profile(dict(sent, fused_decode=bad))
+        assert str(e.value) == "fused_decode must be true or false"
+
+
+# --- (a) the profile cache -------------------------------------------------------
+
+class FakeClient:
+    """A worker's control client whose /profile answers at once, counting the requests."""
+
+    def __init__(self, asked):
+        self.asked = asked
+
+    def profile(self, request):
+        self.asked.append(request.fused_decode)
+        return ProfileReply({1: 0.001}, 0.0001, {1: 0.0001}, 1, "cpu", 0.5)
+
+
+def test_a_profile_taken_with_fused_decode_off_is_not_reused_with_it_on(tiny_models, tmp_path, monkeypatch):
+    """The worker's and the starter's profiles are keyed by the setting: the other setting
+    measures again, the same setting (another Profiler, from the file on disk) does not."""
+    from mdi.model.source import ModelSource
+    from mdi.starter import profiling
+    from mdi.starter.control import NodeRegistry
+    monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path / "profiles"))
+    model = tiny_models["llama"]
+    asked, timed_here = [], []
+    monkeypatch.setattr(NodeRegistry, "client", lambda self, node: FakeClient(asked))
+
+    def starter_profile(request, device, **kw):
+        timed_here.append(request.fused_decode)
+        return ProfileReply({1: 0.001}, 0.0001, {1: 0.0001}, 1, "cpu", 0.5, ends_s={1: 0.0002})
+    monkeypatch.setattr(profiling, "profile_here", starter_profile)
+
+    def plan(fused):
+        cfg = parse_config({"model": {"path": model},
+                            "nodes": [{"name": "starter", "port": 1}, {"name": "w1", "port": 2}],
+                            "runtime": {"fused_decode": fused}}, "t")
+        profiler = profiling.Profiler(cfg, ModelSource(model), 2, 32, 2)
+        profiler._worker_timing(cfg.nodes[1], "cpu", [])
+        profiler._starter_timing([])
+        if profiler.cache_dirty:  # as Profiler.costs ends
+            profiling._write_cache(profiler.cache)
+
+    plan(False)
+    assert asked == [False] and timed_here == [False]
+    plan(True)  # a profile of the eager blocks says nothing of the scripted ones
+    assert asked == [False, True] and timed_here == [False, True]
+    plan(False)
+    plan(True)  # both from the cache now
+    assert asked == [False, True] and timed_here == [False, True]
+    assert len(json.load(open(str(tmp_path / "profiles" / "profiles.json")))) == 4
+
+
+@covered
+def test_a_profile_times_the_path_its_request_names(monkeypatch):
+    """What a node answers /profile with was measured on the blocks the run will use."""
+    runs = []
+    real = fused_decode.forward
+
+    def counting(*args, **kw):
+        y = real(*args, **kw)
+        runs.append(y is not None)
+        return y
+    monkeypatch.setattr(fused_decode, "forward", counting)
+    for fused in (False, True):
+        del runs[:]
+        request = ProfileRequest(tiny_config("llama"), "float32", "cpu", [1], 8, 4, threads=1, fused_decode=fused)
+        profile_here(request, "cpu", n_blocks=2)
+        assert any(runs) == fused, fused
+
+
+# --- (b) the setting reaches a worker ----------------------------------------------
+
+@pytest.fixture
+def worker_here(tiny_models):
+    """A worker in this process behind its real HTTP app, so a test can look at its chunk."""
+    from mdi.system.http_server import HttpServer
+    from mdi.worker.app import MAX_BODY_BYTES, admit_headers, create_app
+    from mdi.worker.node import Worker
+    port = free_ports(1)[0]
+    worker = Worker("127.0.0.1", port)
+    server = HttpServer(create_app(worker), "127.0.0.1", port, "mdi-http", threads=4, max_connections=16,
+                        max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(worker)).start()
+    try:
+        yield worker
+    finally:
+        worker.end_run()
+        worker.shutdown_requested.set()
+        server.close()
+
+
+@covered
+def test_a_ring_with_fused_decode_off_decodes_eagerly_on_the_worker(tiny_models, worker_here, monkeypatch):
+    """The worker's own chunk is switched by the run's setting (the starter's is the
+    starter's business): its decode frames run its eager blocks, or none of them do."""
+    from mdi.model.transformer import Block
+    from mdi.starter import batch
+    worker = worker_here
+    eager_decode = []  # the block of every eager block call on a decode frame
+    real = Block.forward
+
+    def counting(self, x, k_cache, v_cache, batch, rope):
+        if batch.rows == len(batch.slots):
+            eager_decode.append(self)
+        return real(self, x, k_cache, v_cache, batch, rope)
+    monkeypatch.setattr(Block, "forward", counting)
+    ports = free_ports(2)
+    tokens = {}
+    for fused in (False, True, False):  # the kept chunk is switched per run, both ways
+        cfg = parse_config({"model": {"path": tiny_models["llama"]},
+                            "nodes": [{"name": "starter", "port": 1, "data_port": ports[0], "layers": 2},
+                                      {"name": "w1", "port": worker.port, "data_port": ports[1], "layers": 2}],
+                            "generation": {"n_tokens": 8, "temperature": 0},
+                            "runtime": {"ring_timeout": 20, "fused_decode": fused}}, "t")
+        del eager_decode[:]
+        result = batch.run(cfg, PROMPTS)
+        ids = [s.token_ids for s in result.samples]
+        assert worker.chunk.fused_decode is fused
+        assert (worker.chunk._decode_script.get("module") is not None) is fused
+        mine = [b for b in eager_decode if any(b is own for own in worker.chunk.blocks.values())]
+        assert bool(mine) is not fused, (fused, len(mine))  # decode frames through its eager blocks, or none
+        assert tokens.setdefault("ids", ids) == ids  # the same tokens either way (bit for bit)
+
+
+def test_init_carries_it_and_a_worker_refuses_a_wrong_type(tiny_models, worker_here):
+    from mdi.model.config import ModelConfig
+    from mdi.ring.init_request import DataPlane, InitRequest, Weights
+    with open(os.path.join(tiny_models["llama"], "mdi_config.json")) as f:
+        model = ModelConfig.from_dict(json.load(f)["model"])
+    bind, nxt = free_ports(2)
+    request = InitRequest(run_id=3, model=model, layers=[1, 3], dtype="float32", device="cpu", n_slots=2,
+                          max_len=32, data=DataPlane(bind, "127.0.0.1", nxt, True),
+                          weights=Weights(path=tiny_models["llama"]), fused_decode=False)
+    body = json.loads(json.dumps(request.to_json()))
+    assert body["fused_decode"] is False and validate_init(body) == request
+    old = {k: v for k, v in body.items() if k != "fused_decode"}  # a starter from before the setting
+    assert validate_init(old).fused_decode is True
+    r = requests.post("http://127.0.0.1:%d/init" % worker_here.port, json=dict(body, fused_decode="off"), timeout=30)
+    assert r.status_code == 400 and r.json()["error"] == "fused_decode must be true or false", r.text
+
+
+# --- (c) no import cycle -----------------------------------------------------------
+
+def model_import_graph():
+    """mdi.model's modules -> the mdi.model modules each imports (top-level or in a function)."""
+    folder = os.path.join(ROOT, "mdi", "model")
+    graph = {}
+    for fn in sorted(os.listdir(folder)):
+        if fn.endswith(".py") and fn != "__init__.py":
+            module = "mdi.model." + fn[:-3]
+            graph[module] = {m for m in _imports(os.path.join(folder, fn), module)
+                             if m.startswith("mdi.model.") and m != module}
+    return graph
+
+
+def cycles(graph):
+    """Every import cycle found by a depth-first walk, as the modules around it."""
+    found, state = [], {}
+
+    def walk(module, path):
+        state[module] = "open"
+        for other in sorted(graph.get(module, ())):
+            if state.get(other) == "open":
+                found.append(path[path.index(other):] + [other])
+            elif other not in state:
+                walk(other, path + [other])
+        state[module] = "done"
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    return found
+
+
+def test_the_model_package_has_no_import_cycle():
+    graph = model_import_graph()
+    assert "mdi.model.transformer" not in graph["mdi.model.fused_decode"]
+    assert "mdi.model.attention" in graph["mdi.model.transformer"] & graph["mdi.model.fused_decode"]
+    assert cycles(graph) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # the check sees one
