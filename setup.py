@@ -17,7 +17,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "peft", "protobuf", "vermin",
-                 "matplotlib", "openai", "selenium>=4.11"],
+                 "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": [

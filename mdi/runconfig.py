@@ -7,7 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import yaml
 
@@ -159,7 +159,8 @@ class RunConfig:
         return given if given is not None else (2 if self.spares else 0)
 
 
-def check_keys(where: str, data: Any, allowed: Dict[str, Any], required=(), error: type = ConfigError) -> Dict[str, Any]:
+def check_keys(where: str, data: Any, allowed: Mapping[str, Any], required=(),
+               error: type = ConfigError) -> Dict[str, Any]:
     """A YAML mapping's keys and value types checked against `allowed` (key -> accepted types);
     every error names `where` and the key. mdi-bench's experiment files use it too (`error`)."""
     if not isinstance(data, dict):

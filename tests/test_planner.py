@@ -209,6 +209,9 @@ def test_kept_nodes_are_timed_again_until_the_plan_keeps_every_node_it_was_timed
             timed.append([n.name for n in nodes])
             return rounds[len(timed) - 1]
 
+        def close(self):
+            pass
+
     monkeypatch.setattr(autoplan, "Profiler", ScriptedProfiler)
     cfg = SimpleNamespace(nodes=[SimpleNamespace(name=n, host="127.0.0.1") for n in ("s", "w1", "w2", "w3")],
                           runtime=SimpleNamespace(max_batch="auto"))

@@ -11,7 +11,7 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from mdi.lab.commands import EmulationError
 from mdi.lab.emulation import Emulation, EmulationSettings
@@ -33,7 +33,7 @@ def _oom_kills(emu: Emulation) -> Optional[int]:
 
 
 def run_board(cmd: List[str], memory_mb: int, cpu_quota: Optional[float] = None,
-              cpu_period_us: int = 10000) -> Dict[str, object]:
+              cpu_period_us: int = 10000) -> Dict[str, Any]:
     """Run `cmd` in one board's cgroups; {"code", "oom_kills", "peak_bytes", "limit_bytes"}."""
     emu = Emulation(EmulationSettings(mode="on", cpu_quota=cpu_quota, cpu_period_us=cpu_period_us,
                                       memory_limit_mb=memory_mb), 1, log=lambda m: None)
@@ -49,7 +49,7 @@ def run_board(cmd: List[str], memory_mb: int, cpu_quota: Optional[float] = None,
         emu.close()
 
 
-def describe(result: Dict[str, object]) -> str:
+def describe(result: Dict[str, Any]) -> str:
     code = result["code"]
     how = "exit code %d" % code if code >= 0 else "killed by signal %d" % -code
     if result["oom_kills"]:

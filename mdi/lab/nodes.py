@@ -159,7 +159,9 @@ class Ring:
                 extra += ["--models-dir", os.path.dirname(os.path.abspath(self.plan.path))]
             self.workers.append(WorkerProcess(
                 self.ports[k], self._log_path("node%d" % k), self._name("node%d" % k), self.hosts[k], extra=extra,
-                env=self.env, token=self.token, wrap=lambda cmd, k=k: self.emu.command(cmd, self.keys[k], k)))
+                env=self.env, token=self.token,
+                # ignore: mypy cannot match a lambda's default arguments to Callable[[List[str]], List[str]]
+                wrap=lambda cmd, k=k: self.emu.command(cmd, self.keys[k], k)))  # type: ignore[misc]
         if self.exp.starter == "persistent":
             self.service = self._start_service()
         self._add_delays()

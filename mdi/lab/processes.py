@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from mdi.runconfig import DATA_PORT_OFFSET
 
@@ -22,7 +22,7 @@ def tool(name: str) -> str:
 
 
 _LOWEST = 10000
-_reserved = set()  # ports this process has handed out (and their data ports), never given twice
+_reserved: Set[int] = set()  # ports this process has handed out (and their data ports), never given twice
 _cursor = [0]
 
 
@@ -103,9 +103,10 @@ class NodeProcess:
                  new_session: bool = True) -> None:
         self.name, self.log_path = name, log_path
         self.log = open(log_path, "ab" if append else "wb")
-        extra = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if pipes else {"stdout": self.log}
-        self.proc = subprocess.Popen(cmd, stderr=self.log, env=env, start_new_session=new_session,
-                                     preexec_fn=preexec, **extra)
+        extra: Dict[str, Any] = ({"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if pipes
+                                 else {"stdout": self.log})
+        self.proc: "subprocess.Popen[bytes]" = subprocess.Popen(  # bytes: no text mode
+            cmd, stderr=self.log, env=env, start_new_session=new_session, preexec_fn=preexec, **extra)
 
     @property
     def pid(self) -> int:

@@ -5,7 +5,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
 
 from mdi.system.memory import meminfo
 from mdi.lab.commands import command_text
@@ -88,7 +88,7 @@ def _number(x: Any) -> Optional[float]:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _joined(values: Sequence[Any]) -> str:
+def _joined(values: Iterable[Any]) -> str:
     return ";".join(str(v) for v in values)
 
 

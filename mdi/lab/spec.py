@@ -5,7 +5,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
 from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
@@ -84,7 +84,8 @@ RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": 
                # wide heads, Llama 3 RoPE scaling
                "qkv_bias": (bool,), "qk_norm": (bool,), "head_size": (int,), "rope_theta": NUM,
                "rope_scaling": (dict,), "tied_head": (bool,)}
-def _fields(where: str, data: Any, allowed: Dict[str, Tuple[type, ...]], required: Sequence[str] = ()) -> Dict[str, Any]:
+def _fields(where: str, data: Any, allowed: Mapping[str, Tuple[type, ...]],
+            required: Sequence[str] = ()) -> Dict[str, Any]:
     return check_keys(where, data, allowed, required, error=ExperimentError)
 
 
@@ -369,6 +370,7 @@ def _check_all(entry: ModelEntry, where: str, n_layer: int, i: int) -> None:
 def plan_rings(entry: ModelEntry, where: str, n_layer: int) -> List[Tuple[int, List[int], str]]:
     """(nodes, layer counts, kind) for every ring of one model, in node-count order. An auto
     ring's counts are the balanced split: an estimate, mdi-start's planner picks its own."""
+    seen: Set[Tuple[int, Union[str, Tuple[int, ...]]]]  # (nodes, "auto" or the layer counts)
     rings, seen = [], set()
     for i, p in enumerate(entry.partitions):
         if isinstance(p, list) and sum(p) != n_layer:

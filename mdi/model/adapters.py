@@ -77,7 +77,7 @@ def block_index(name: str) -> int:
 # ----------------------------------------------------------------------------- mdi's linear layers
 
 # Hugging Face module name inside a block -> (mdi layer, fused part or None)
-HF_MODULES = {
+HF_MODULES: Dict[str, Dict[str, Tuple[str, Optional[str]]]] = {
     "gpt2": {"attn.c_attn": ("attn.qkv", None), "attn.c_proj": ("attn.proj", None),
              "mlp.c_fc": ("mlp.fc", None), "mlp.c_proj": ("mlp.proj", None)},
     "llama": {"self_attn.q_proj": ("attn.qkv", "q"), "self_attn.k_proj": ("attn.qkv", "k"),

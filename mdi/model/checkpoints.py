@@ -7,7 +7,7 @@ import glob
 import json
 import os
 import re
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -24,6 +24,7 @@ def _hf_tensor_loaders(path: str) -> Dict[str, Callable[[], torch.Tensor]]:
     """name -> loader for every tensor of an HF directory (safetensors read lazily)."""
     from safetensors import safe_open
 
+    f: Any  # the index file, then each safetensors handle
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -37,12 +38,13 @@ def _hf_tensor_loaders(path: str) -> Dict[str, Callable[[], torch.Tensor]]:
             # safe_open handles stay alive through the closures; tensors are read on demand
             f = safe_open(fn, framework="pt")
             for k in f.keys():
-                loaders[k] = (lambda f=f, k=k: f.get_tensor(k))
+                # ignore: mypy cannot match a lambda's default arguments to Callable[[], T]
+                loaders[k] = (lambda f=f, k=k: f.get_tensor(k))  # type: ignore[misc]
         return loaders
     bin_file = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(bin_file):
         sd = load_pickled_weights(bin_file)
-        return {k: (lambda t=t: t) for k, t in sd.items()}
+        return {k: (lambda t=t: t) for k, t in sd.items()}  # type: ignore[misc]  # as above
     raise CheckpointError("%s: no *.safetensors or pytorch_model.bin weights found" % path)
 
 
@@ -55,7 +57,7 @@ def torch_version() -> Tuple[int, int]:
     return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])  # type: ignore
 
 
-def load_pickled_weights(path: str) -> object:
+def load_pickled_weights(path: str) -> Any:  # whatever the checkpoint pickled
     """torch.load with weights_only=True, refused outright where that is not safe."""
     if torch_version() < SAFE_UNPICKLING_TORCH:
         raise CheckpointError("%s: refusing to unpickle a torch checkpoint with torch %s (weights_only has known "
@@ -124,7 +126,8 @@ def read_nanogpt_ckpt(path: str, dtype: torch.dtype = torch.float32) -> Tuple[Mo
     tensors = {re.sub(r"^_orig_mod\.", "", k): v for k, v in ckpt["model"].items()}
     tensors = {(k[len("transformer."):] if k.startswith("transformer.") else k): v for k, v in tensors.items()}
     used = set()  # type: set
-    get = make_getter({k: (lambda v=v: v) for k, v in tensors.items()}, dtype, path, used)
+    # ignore: mypy cannot match a lambda's default arguments to Callable[[], T]
+    get = make_getter({k: (lambda v=v: v) for k, v in tensors.items()}, dtype, path, used)  # type: ignore[misc]
     sd = convert_gpt2(config, get, lambda n: n in tensors, conv1d=False)
     check_unused(list(tensors), used, r"^lm_head\.weight$|(^|\.)attn\.bias$", path)
     check_state_dict(config, sd, where=path)
@@ -142,7 +145,8 @@ def read_checkpoint(path: str, dtype: torch.dtype = torch.float32, keep_quant: b
         if os.path.isfile(os.path.join(path, MDI_CONFIG)):
             config = read_mdi_config(path)
             stored = load_weights(path, (0, config.n_layer), True, True, dtype)
-            return config, stored if keep_quant else convert(stored, {}, dtype)
+            # cast: a dict of tensors is a StateDict, which mypy's dict invariance does not see
+            return config, stored if keep_quant else cast(StateDict, convert(stored, {}, dtype))
         if os.path.isfile(os.path.join(path, "config.json")):
             return read_hf_dir(path, dtype)
         if os.path.isfile(os.path.join(path, "ckpt.pt")):

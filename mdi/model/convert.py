@@ -7,13 +7,13 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.layout import CheckpointError, expected_shapes
-from mdi.model.quant import QParts, cat_rows
+from mdi.model.quant import QParts, Stored, cat_rows
 
-StateDict = Dict[str, torch.Tensor]  # canonical names -> tensors (a weight may be a quant.QParts)
+StateDict = Dict[str, Stored]  # canonical names -> tensors (a weight may be a quant.QParts)
 Getter = Callable[[str], torch.Tensor]
 
 
-def check_state_dict(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, Stored],
                      layer_range: Optional[Tuple[int, int]] = None, with_embedding: bool = True,
                      with_head: bool = True, where: str = "state dict") -> None:
     """Raise CheckpointError on missing, unexpected or wrongly shaped tensors."""
@@ -52,7 +52,7 @@ def convert_gpt2(config: ModelConfig, get: Getter, has: Callable[[str], bool],
         # nanoGPT with bias=False has no bias tensors: zeros compute the same function
         return get(name) if has(name) else torch.zeros(like.shape[0], dtype=like.dtype)
 
-    sd = {"tok_emb.weight": get("wte.weight"), "pos_emb.weight": get("wpe.weight")}
+    sd: StateDict = {"tok_emb.weight": get("wte.weight"), "pos_emb.weight": get("wpe.weight")}
     pairs = [("ln_1", "norm1"), ("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
              ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")]
     for i in range(config.n_layer):
@@ -61,15 +61,15 @@ def convert_gpt2(config: ModelConfig, get: Getter, has: Callable[[str], bool],
             weight = get(src + ".weight") if src.endswith(("ln_1", "ln_2")) else w(src + ".weight")
             sd[dst + ".weight"] = weight
             sd[dst + ".bias"] = b(src + ".bias", weight)
-    sd["norm_f.weight"] = get("ln_f.weight")
-    sd["norm_f.bias"] = b("ln_f.bias", sd["norm_f.weight"])
+    sd["norm_f.weight"] = norm_f = get("ln_f.weight")
+    sd["norm_f.bias"] = b("ln_f.bias", norm_f)
     return sd
 
 
 def convert_llama(config: ModelConfig, get: Getter) -> StateDict:
     """HF Llama / Qwen2 / Qwen3 names (``model.`` prefix stripped) -> canonical; q/k/v and
     gate/up fused."""
-    sd = {"tok_emb.weight": get("embed_tokens.weight")}
+    sd: StateDict = {"tok_emb.weight": get("embed_tokens.weight")}
     for i in range(config.n_layer):
         s, d = "layers.%d." % i, "blocks.%d." % i
         sd[d + "norm1.weight"] = get(s + "input_layernorm.weight")

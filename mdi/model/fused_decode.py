@@ -91,7 +91,7 @@ class _Block(torch.nn.Module):
     """transformer.Block's forward for decode rows (attend_sample with one row, or
     attend_decode_rows for several samples), op for op."""
 
-    def __init__(self, block: Any, linears: List[_Linear]) -> None:
+    def __init__(self, block: Any, linears: List[torch.nn.Module]) -> None:  # _Linear or _Int8Dynamic
         super().__init__()
         attn = block.attn
         self.H, self.KV, self.D = attn.n_head, attn.n_kv_head, attn.head_dim

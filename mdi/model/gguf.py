@@ -15,7 +15,7 @@ so it applies to quantized rows too).
 import importlib.util
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -152,8 +152,8 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
     except (TypeError, ValueError) as e:
         raise CheckpointError("%s: GGUF metadata describes no model mdi can build (%s)" % (path, first_line(e)))
 
-    loaders = {}  # type: Dict[str, Callable[[], torch.Tensor]]
-    hf_name = {}  # type: Dict[str, str]
+    loaders: Dict[str, Callable[[], torch.Tensor]] = {}
+    hf_name: Dict[str, str] = {}
     for name, t in tensors.items():
         m = re.match(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$", name)
         if not m or m.group(2) not in GGUF_NAMES:

@@ -6,7 +6,7 @@ blocks (mdi.model.fused_decode, which reads these layers' weights and kernels) i
 without importing each other.
 """
 import ctypes
-from typing import Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
 
 import torch
 import torch.nn as nn
@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import dequantize
+
+if TYPE_CHECKING:  # imported when a kernel is chosen (pick_kernel)
+    from mdi.model.qkernels import Kernel
 
 
 # Weights may be stored in a narrower dtype than the activations (float16 storage with
@@ -65,14 +68,16 @@ class QuantLinear(nn.Module):
     tensors (qweight, scales[, mins]); `pick_kernel` then chooses how to multiply by measurement
     (mdi.model.qkernels) and keeps only what that kernel reads: never a float copy of the weight."""
 
+    qweight: Optional[torch.Tensor]  # a buffer, declared for mypy; None once the packed form replaces it
+
     def __init__(self, n_in: int, n_out: int, bias: bool, spec: QuantSpec) -> None:
         super().__init__()
         self.n_in, self.n_out, self.spec = n_in, n_out, spec
         for suffix, (shape, dtype) in spec.tensor_shapes(n_out, n_in).items():
             self.register_buffer(suffix, torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
-        self.kernel = None  # type: Optional[object]  # a qkernels.Kernel once chosen
-        self.packed = {}  # type: Dict[str, torch.Tensor]
+        self.kernel: Optional[Kernel] = None  # chosen by pick_kernel
+        self.packed = {}  # type: Dict[str, Any]  # tensors, or an engine's packed weight (a module)
         self.opaque_nbytes = 0  # bytes the kernel holds outside tensors (not in buffers())
         self.lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
         self.lora_name = ""

@@ -7,7 +7,7 @@ state dict as `X.qweight`, `X.scales` (and `X.mins`).
 """
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -136,9 +136,11 @@ def cat_rows(parts: Sequence[Stored]) -> Stored:
     """Stack matrices along their output rows (q/k/v into qkv, gate/up). Quantized ones of one
     spec stay quantized (rows are independent); a mix is dequantized, then the result takes the
     most precise of the specs (float beats int8 beats int4)."""
-    if all(isinstance(p, QParts) for p in parts) and len({p.spec for p in parts}) == 1:
-        first = parts[0]
-        return QParts(first.spec, {k: torch.cat([p.tensors[k] for p in parts], 0) for k in first.tensors}, first.n_in)
+    quantized = cast(Sequence[QParts], parts)  # what `parts` is once the all() below holds
+    if all(isinstance(p, QParts) for p in parts) and len({p.spec for p in quantized}) == 1:
+        first = quantized[0]
+        return QParts(first.spec, {k: torch.cat([p.tensors[k] for p in quantized], 0) for k in first.tensors},
+                      first.n_in)
     floats = [p.dequantize() if isinstance(p, QParts) else p for p in parts]
     merged = torch.cat([f.to(floats[0].dtype) for f in floats], 0)
     specs = [p.spec for p in parts if isinstance(p, QParts)]

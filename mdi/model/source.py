@@ -5,7 +5,7 @@ A prepared mdi directory is read lazily (a node loads only its own tensors); a r
 """
 import logging
 import os
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -13,7 +13,7 @@ from safetensors.torch import save as safetensors_save
 from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
-from mdi.model.quant import convert, gather, restrict, uniform_layout, weights_layout
+from mdi.model.quant import Stored, convert, gather, restrict, uniform_layout, weights_layout
 from mdi.model.transformer import ModelChunk, release_freed_memory
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
@@ -33,7 +33,7 @@ class ModelSource:
         if not os.path.exists(path):
             raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
         self.path = path
-        self._full = None  # type: Optional[Dict[str, Stored]]
+        self._full: Optional[Dict[str, Stored]] = None
         if is_mdi_dir(path):
             self.config = store.read_mdi_config(path)
             self.tokenizer = load_tokenizer(path)  # type: Optional[Tokenizer]
@@ -97,7 +97,7 @@ class ModelSource:
             return
         fn = os.path.join(self.path, store.MODEL_FILE)
         direct = {}  # type: Dict[str, torch.Tensor]
-        converted = []  # type: List[str]
+        converted: List[str] = []
         for key in canonical:
             base = key[:-len(".weight")] if key.endswith(".weight") else None
             spec = quant.get(base) if base is not None else None

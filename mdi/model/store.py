@@ -13,7 +13,7 @@ metadata, so a board can load its chunk without the rest of the directory.
 import json
 import logging
 import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -21,7 +21,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, short
 from mdi.model.layout import (CheckpointError, QuantSpec, expected_keys, expected_shapes, format_layers,
                               split_layers, stored_layout)
-from mdi.model.quant import flatten, gather, weights_layout
+from mdi.model.quant import Stored, flatten, gather, weights_layout
 from mdi.system.files import sha256_file, use_umask, write_json
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def _save(tensors: Mapping[str, torch.Tensor], path: str, metadata: Dict[str, st
     os.replace(tmp, path)
 
 
-def save_model_dir(path: str, config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
+def save_model_dir(path: str, config: ModelConfig, state_dict: Mapping[str, Stored],
                    source: str) -> None:
     """Write mdi_config.json and model.safetensors (the full canonical state dict; its
     quantized weights, `quant.QParts`, as their stored tensors)."""
@@ -153,7 +153,9 @@ def load_weights(path: str, layer_range: Tuple[int, int], with_embedding: bool, 
                 config = ModelConfig.from_dict(json.loads(meta["mdi_config"]))
             else:
                 config = read_mdi_config(os.path.dirname(os.path.abspath(fn)))
-        shapes = expected_shapes(config, tuple(layer_range), with_embedding, with_head, file_layout(fn))
+        # tuple(): a caller's [first, last] list works too
+        shapes = expected_shapes(config, cast(Tuple[int, int], tuple(layer_range)), with_embedding, with_head,
+                                 file_layout(fn))
         have = set(f.keys())
         missing = [k for k in shapes if k not in have]
         if missing:

@@ -4,7 +4,7 @@ transformers builds it, so both give the same ids. A GGUF vocabulary gets the pr
 `tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM: "smollm", ...),
 so it tokenizes as the model's tokenizer.json does; an unknown name is an error."""
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence  # noqa: F401  (type comments)
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast  # noqa: F401  (type comments)
 
 from mdi.model.gguf_layout import open_reader
 from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
@@ -152,7 +152,8 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
     options = {"ignore_merges": True} if spec.ignore_merges else {}  # type: Dict[str, Any]
-    tk = HFTok(BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+    pairs = cast(List[Tuple[str, str]], [tuple(m.split(" ")) for m in merges])  # each merge is "a b"
+    tk = HFTok(BPE(vocab=vocab, merges=pairs, dropout=None,
                    continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, **options))
     if spec.nfc:
         tk.normalizer = normalizers.NFC()

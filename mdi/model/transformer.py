@@ -34,6 +34,9 @@ from mdi.system.transfers import ints_to_device, to_device
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the Hugging Face Llama layout), tables computed once per chunk."""
 
+    cos: torch.Tensor  # buffers, declared for mypy
+    sin_signed: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim = config.head_dim
@@ -489,7 +492,7 @@ class ModelChunk(nn.Module):
         if self.config.family == "gpt2":
             x = x + self.pos_emb(torch.arange(T, device=ids.device))
         for block in self.blocks.values():
-            x = block.forward_batch(x, self.rope)
+            x = block.forward_batch(x, self.rope)  # type: ignore[operator]  # a Block's: mypy sees only Module
         return self.head(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ class NodeMemory:
     board_used_bytes: Optional[int] = None  # the board's RAM in use (mdi.system.memory.board_memory)
     board_total_bytes: Optional[int] = None
     board_source: Optional[str] = None  # "tegrastats" (Jetson: CPU + GPU) or "meminfo"
+    capacity_bytes: Optional[int] = None  # what it can give a run's weights and cache now (its own rule)
 
 
 @dataclass
@@ -102,28 +103,11 @@ class StatusReply:
         return _parse(cls, data, "status")
 
     def capacity_bytes(self) -> Optional[int]:
-        """Bytes the worker can give to a chunk: its --max-memory if set, else the memory the OS
-        has available plus what its current weights, adapters and cache hold (freed on /init)."""
-        if self.memory.max_memory_bytes:
-            return self.memory.max_memory_bytes
-        if self.memory.available_bytes is None:
-            return None
-        held = self.memory.chunk_bytes + self.memory.adapter_bytes + self.cache.bytes
-        return max(0, self.memory.available_bytes + held - LOAD_HEADROOM_BYTES)
+        """Bytes the worker can give a run's chunk and cache, as the worker itself counts them
+        (mdi.worker.node: one rule for its /status, its loads and its KV cache); None: unknown."""
+        return self.memory.capacity_bytes
 
 
-# Memory a worker keeps free besides the weights and cache it is asked to hold: what a run
-# adds to an idle worker (zmq sockets and their threads, torch's thread pool, activations,
-# frames, the float32 tiles of quantized weights the exact kernels expand per matmul). Measured
-# under memory cgroups (mdi-bench): a GPT-2 12L/384 float32 worker at S = 6 adds ~16 MB (idle
-# RSS 245 MB, running 261 MB plus weights and cache; with nothing kept, 8 layers ran on a 230
-# MiB board and 9 were OOM-killed); SmolLM2's int4 blocks add ~25 MB (with 16 MB kept, a 190
-# MiB board that passed the check for 3 layers was OOM-killed running them). With nothing kept,
-# a 300 MB board told it could hold 149.5 MB took 143 MB and was killed. Loading adds nothing:
-# tensors are read straight into their parameters (store.read_tensors_into). The worker's
-# checks and the starter's figure of each worker's capacity use it; the starter keeps none for
-# itself, as its own load check (capacity.starter_free_bytes).
-LOAD_HEADROOM_BYTES = 32 * 1024 * 1024
 
 
 _NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter}

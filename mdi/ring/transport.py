@@ -84,7 +84,7 @@ class RingEndpoint:
         self.codec = codec
         self.validate = validate
         self.password = password
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops larger messages itself

@@ -149,7 +149,8 @@ def dequantize_int8_blocks(q: torch.Tensor, scales: torch.Tensor, width: int,
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     # A byte view works for every dtype, bfloat16 included (numpy has no bfloat16).
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    # ignore: numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
 def encode(frame: Frame, codec: str = "raw") -> List[Any]:
@@ -229,7 +230,8 @@ def _encode_int8(t: torch.Tensor) -> memoryview:
     p = quantize_int8(t)
     parts = [p.q.view(torch.uint8), p.scales.view(torch.uint8), p.columns.to(torch.int16).view(torch.uint8),
              p.values.view(torch.uint8)]
-    return memoryview(torch.cat([part.reshape(-1) for part in parts]).numpy())
+    # ignore: as in _byte_view
+    return memoryview(torch.cat([part.reshape(-1) for part in parts]).numpy())  # type: ignore[arg-type]
 
 
 def _decode_int8(buf: Any, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:

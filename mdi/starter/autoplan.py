@@ -22,7 +22,7 @@ def plan_ring(cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, s
     try:
         return _plan(cfg, source, profiler, samples)
     finally:
-        profiler.registry.close()
+        profiler.close()
 
 
 def _plan(cfg: RunConfig, source: ModelSource, profiler: Profiler, samples: int) -> Tuple[Plan, List[NodeCost]]:

@@ -130,7 +130,7 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
         entry.update(worker_stats[i] if i < len(worker_stats) else {})
         nodes.append(entry)
     texts = [decode_generated(engine.source, s) for s in samples]
-    extra = {"recoveries": engine.recoveries} if engine.recoveries else {}
+    extra: Dict[str, Any] = {"recoveries": engine.recoveries} if engine.recoveries else {}
     extra["context"] = engine.source.config.block_size
     if engine.pipeline.context_shifts:
         extra["context_shifts"] = engine.pipeline.context_shifts

@@ -8,7 +8,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, format_layers, weight_bytes
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
-from mdi.ring.status import LOAD_HEADROOM_BYTES
+from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 
 

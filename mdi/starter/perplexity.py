@@ -341,7 +341,7 @@ class _Scorer:
         nodes = [starter]
         # Every node of the ring is listed; a run that failed has no counters from the workers.
         for i, (node, (a, b)) in enumerate(zip(engine.nodes[1:], engine.ranges[1:])):
-            entry = {"name": node.name, "layers": [a, b]}
+            entry: Dict[str, object] = {"name": node.name, "layers": [a, b]}
             entry.update(worker_stats[i] if i < len(worker_stats) else {})
             nodes.append(entry)
         extra = {"recoveries": engine.recoveries} if engine.recoveries else {}

@@ -100,6 +100,7 @@ def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens
 
 def _virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
     """(rows, embeddings) of the virtual tokens a pass carries (soft prompts), else None."""
+    rows: List[int]
     rows, values, row = [], [], 0
     for sample, start, count in zip(group, starts, counts):
         n = sample.virtual
@@ -206,6 +207,7 @@ class Pipeline:
         ready = sorted(self.ready, key=lambda s: s.unsent)  # stable: arrival order among equals
         self.ready = []
         while ready:
+            group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
             for sample in _adapters_together(ready, self.max_batch):
                 want = sample.unsent

@@ -29,7 +29,7 @@ from mdi.model.transformer import release_freed_memory
 from mdi.ring.auth import is_loopback
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)
-from mdi.ring.status import LOAD_HEADROOM_BYTES
+from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.adapters import adapter_layer_bytes
@@ -121,6 +121,7 @@ class Profiler:
                  say: Callable[[str], None] = log.info, sizes: Sequence[int] = (),
                  registry: Optional[NodeRegistry] = None) -> None:
         self.cfg, self.source, self.n_slots, self.max_len = cfg, source, n_slots, max_len
+        self._owns_registry = registry is None
         self.registry = registry or NodeRegistry.for_run(cfg)
         self.params = params or SamplingParams(cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p)
         self.samples, self.refresh, self.say = samples, refresh, say
@@ -135,6 +136,12 @@ class Profiler:
         self.cache_dirty = False
         self._bytes = {}  # type: Dict[Optional[str], List[int]]  # node quant -> layer bytes
         self._adapter_bytes = None  # type: Optional[List[int]]
+
+    def close(self) -> None:
+        """Close the connections to the nodes this profiler opened (a registry it was given
+        belongs to its giver, who closes it)."""
+        if self._owns_registry:
+            self.registry.close()
 
     def costs(self, nodes: Sequence[NodeSpec]) -> List[NodeCost]:
         """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""

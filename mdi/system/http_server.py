@@ -65,6 +65,8 @@ def _server_class(admit: Optional[Admit] = None):
             return "401 Unauthorized", [("Content-Type", "application/json")], body
 
     class BoundedChunks(ChunkedReceiver):
+        error: Any  # waitress's attribute, declared for mypy (which cannot infer it in a class inside a function)
+
         def received(self, s: bytes) -> int:
             consumed = super().received(s)
             if max(len(self.control_line), len(self.trailer)) > MAX_CHUNK_LINE and not self.error:
@@ -75,6 +77,10 @@ def _server_class(admit: Optional[Admit] = None):
     class Parser(HTTPRequestParser):
         """waitress stores a body (in a temporary file past 1 MB) before the application
         sees its request: a body is read only once `admit` has passed the headers."""
+
+        chunked: bool  # waitress's, declared as in BoundedChunks
+        body_rcv: Any
+        content_length: int
 
         def parse_header(self, header_plus: bytes) -> None:
             super().parse_header(header_plus)
@@ -102,6 +108,7 @@ def _server_class(admit: Optional[Admit] = None):
         (first those that never sent a whole request)."""
 
         channel_class = Channel
+        next_channel_cleanup: float  # waitress's, declared as in BoundedChunks
 
         def readable(self) -> bool:
             now = time.time()
@@ -177,7 +184,10 @@ class HttpServer:
         if self._state == "running":
             self._drain_until = time.monotonic() + grace
             self._state = "draining"
-            self.server.pull_trigger()  # wake the loop
+            try:
+                self.server.pull_trigger()  # wake the loop
+            except OSError:
+                pass  # the loop saw "draining" first, finished and closed the trigger: nothing to wake
         self._thread.join(grace + 10)
 
     # --- the loop thread ------------------------------------------------------------------

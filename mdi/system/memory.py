@@ -117,6 +117,19 @@ def _cgroup_free(path: str, limit_file: str, usage_file: str, cache_key: str) ->
         return None
 
 
+# Memory a worker keeps free besides the weights and cache it is asked to hold: what a run
+# adds to an idle worker (zmq sockets and their threads, torch's thread pool, activations,
+# frames, the float32 tiles of quantized weights the exact kernels expand per matmul). Measured
+# under memory cgroups (mdi-bench): a GPT-2 12L/384 float32 worker at S = 6 adds ~16 MB (idle
+# RSS 245 MB, running 261 MB plus weights and cache; with nothing kept, 8 layers ran on a 230
+# MiB board and 9 were OOM-killed); SmolLM2's int4 blocks add ~25 MB (with 16 MB kept, a 190
+# MiB board that passed the check for 3 layers was OOM-killed running them). With nothing kept,
+# a 300 MB board told it could hold 149.5 MB took 143 MB and was killed. Loading adds nothing:
+# tensors are read straight into their parameters (store.read_tensors_into). The worker's
+# checks and the starter's figure of each worker's capacity use it; the starter keeps none for
+# itself, as its own load check (capacity.starter_free_bytes).
+LOAD_HEADROOM_BYTES = 32 * 1024 * 1024
+
 _M_ARENA_MAX = -8  # glibc's mallopt() parameter number
 
 

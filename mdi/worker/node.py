@@ -31,11 +31,11 @@ from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge,
 from mdi.model.profile import profile_blocks, profile_bytes
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, profile_positions
 from mdi.ring.adapter_request import read_adapter_tensors
-from mdi.ring.status import LOAD_HEADROOM_BYTES, NodeCache, NodeCounters, NodeMemory, StatusReply
+from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
+from mdi.system.memory import LOAD_HEADROOM_BYTES, board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 
 log = logging.getLogger(__name__)
@@ -367,16 +367,20 @@ class Worker:
         return real
 
     def _memory_limit(self, device: str):
-        """(bytes, what): the most memory this worker gives a run on `device`: its --max-memory,
-        else the memory available there (a discrete GPU's own) plus the weights it holds now
-        (freed before new ones load), less what a run needs beside its weights and cache
-        (LOAD_HEADROOM_BYTES)."""
+        """(bytes, what): the most memory this worker gives a run's weights and KV cache on
+        `device`, the one rule behind its loads, its cache check and the capacity its /status
+        reports to planners: its --max-memory, else the memory free there (a discrete GPU's
+        own) plus what it holds now and lets go of for the next run (weights, adapters, cache),
+        less what a run needs beside its weights and cache (LOAD_HEADROOM_BYTES)."""
         if self.max_memory is not None:
             return self.max_memory, "--max-memory"
         avail = free_bytes_on(device)
         if avail is None:
             return None, "unknown"
-        return (max(0, avail + chunk_nbytes(self.chunk) - LOAD_HEADROOM_BYTES),
+        chunk, held = self.chunk, 0
+        if chunk is not None:
+            held = chunk_nbytes(chunk) + chunk.adapter_bytes + (chunk.cache.nbytes if chunk.cache is not None else 0)
+        return (max(0, avail + held - LOAD_HEADROOM_BYTES),
                 "available memory less %d MB a run needs beside them" % (LOAD_HEADROOM_BYTES >> 20))
 
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
@@ -471,15 +475,10 @@ class Worker:
         budget = request.cache_budget_bytes
         if budget is not None and cache_bytes > budget:
             raise RequestError("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
-        limit = self.max_memory
-        if limit is None:
-            avail = free_bytes_on(device)
-            # Beside what is free: on a GPU, the weights held there now (dropped before a load);
-            # in host memory, everything this process holds, as before.
-            held = chunk_nbytes(self.chunk) if device.startswith("cuda") else rss_bytes()
-            limit = avail + held if avail is not None else None
+        limit, what = self._memory_limit(device)
         if limit is not None and cache_bytes > limit:
-            raise RequestError("KV cache of %d bytes does not fit in %d bytes of memory" % (cache_bytes, limit))
+            raise RequestError("KV cache of %d bytes does not fit in this worker's limit of %d bytes (%s)"
+                               % (cache_bytes, limit, what))
 
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
@@ -554,7 +553,8 @@ class Worker:
                               max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk),
                               adapter_bytes=chunk.adapter_bytes if chunk is not None else 0,
                               unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
-                              board_total_bytes=board["total_bytes"], board_source=board["source"]),
+                              board_total_bytes=board["total_bytes"], board_source=board["source"],
+                              capacity_bytes=self._memory_limit(device)[0]),
             cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
             error=run.error if run else None,
             kernels=qkernels.chosen_by_weight() if chunk is not None else {})

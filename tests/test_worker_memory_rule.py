@@ -1,0 +1,82 @@
+"""What a worker can give a run is one rule (Worker._memory_limit): the capacity its /status
+reports to planners, the limit its loads are checked against and the limit a kept chunk's
+new KV cache is checked against are the same number. Checked on a worker in this process
+whose free memory is fixed, so each boundary is exact."""
+import json
+import os
+
+import pytest
+import requests
+import torch
+
+from conftest import free_ports
+from mdi.model.config import ModelConfig
+from mdi.model.layout import weight_bytes
+from mdi.model.transformer import KVCache
+from mdi.ring.init_request import DataPlane, InitRequest, Weights
+from mdi.system.memory import LOAD_HEADROOM_BYTES
+
+LAYERS, MAX_LEN = [1, 3], 32
+
+
+@pytest.fixture
+def worker(tiny_models, monkeypatch):
+    """A worker in this process behind its real HTTP app; `worker.free` is what its device has free."""
+    from mdi.system.http_server import HttpServer
+    from mdi.worker import node
+    from mdi.worker.app import MAX_BODY_BYTES, admit_headers, create_app
+    port = free_ports(1)[0]
+    w = node.Worker("127.0.0.1", port, models_dir=os.path.dirname(tiny_models["llama"]))
+    w.free = 0
+    monkeypatch.setattr(node, "free_bytes_on", lambda device: w.free)
+    server = HttpServer(create_app(w), "127.0.0.1", port, "mdi-http", threads=4, max_connections=16,
+                        max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(w)).start()
+    try:
+        yield w
+    finally:
+        w.end_run()
+        w.shutdown_requested.set()
+        server.close()
+
+
+def init(worker, model_dir, n_slots):
+    with open(os.path.join(model_dir, "mdi_config.json")) as f:
+        model = ModelConfig.from_dict(json.load(f)["model"])
+    bind, nxt = free_ports(2)
+    request = InitRequest(run_id=7 + n_slots, model=model, layers=LAYERS, dtype="float32", device="cpu",
+                          n_slots=n_slots, max_len=MAX_LEN, data=DataPlane(bind, "127.0.0.1", nxt, True),
+                          weights=Weights(path=model_dir), heartbeat_timeout=60)
+    r = requests.post("http://127.0.0.1:%d/init" % worker.port, json=request.to_json(), timeout=60)
+    worker.end_run()  # the weights stay, the cache goes
+    return r, model
+
+
+def capacity(worker):
+    r = requests.get("http://127.0.0.1:%d/status" % worker.port, timeout=10)
+    return r.json()["memory"]["capacity_bytes"]
+
+
+def test_status_capacity_is_the_limit_of_loads_and_of_a_kept_chunks_cache(worker, tiny_models):
+    model_dir = tiny_models["llama"]
+    with open(os.path.join(model_dir, "mdi_config.json")) as f:
+        config = ModelConfig.from_dict(json.load(f)["model"])
+    weights = weight_bytes(config, LAYERS, "float32")
+    per_slot = KVCache.nbytes_for(config, LAYERS[1] - LAYERS[0], 1, MAX_LEN, torch.float32)
+    need = weights + 2 * per_slot  # two slots
+
+    worker.free = need + LOAD_HEADROOM_BYTES - 1  # one byte short
+    assert capacity(worker) == need - 1
+    r, _ = init(worker, model_dir, 2)
+    assert r.status_code in (400, 413) and "limit" in r.json()["error"], r.text
+    worker.free += 1  # exactly enough: what /status says is what a load gets
+    assert capacity(worker) == need
+    r, _ = init(worker, model_dir, 2)
+    assert r.status_code == 200, r.text
+
+    # The chunk is kept (the cache went with the run): the worker can give the free memory
+    # and the weights it holds (as its tensors count them). A kept chunk's next cache is
+    # checked against that same figure.
+    assert capacity(worker) >= worker.free + weights - LOAD_HEADROOM_BYTES
+    slots = (capacity(worker) // per_slot) + 1  # one slot more than the capacity holds
+    r, _ = init(worker, model_dir, slots)
+    assert r.status_code in (400, 413) and "limit" in r.json()["error"], r.text
