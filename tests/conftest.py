@@ -2,6 +2,7 @@
 embedded default model; the `ring` and `slow` markers (pytest.ini registers them).
 
 Quick loop: `./scripts/test.sh -m "not slow"` (`-m "not ring"`: no test that starts workers)."""
+import contextlib
 import functools
 import inspect
 import os
@@ -154,6 +155,25 @@ class WorkerProcess(processes.WorkerProcess):
 
     def stop(self, grace: float = 5.0) -> None:
         super().stop(grace)
+
+
+@contextlib.contextmanager
+def worker_in_this_process(**options):
+    """A Worker (options: its constructor's) in this process behind its real HTTP app, so a
+    test can look at its chunk or fix what it reads; ended and closed on the way out."""
+    from mdi.system.http_server import HttpServer
+    from mdi.worker.app import MAX_BODY_BYTES, admit_headers, create_app
+    from mdi.worker.node import Worker
+    port = free_ports(1)[0]
+    worker = Worker("127.0.0.1", port, **options)
+    server = HttpServer(create_app(worker), "127.0.0.1", port, "mdi-http", threads=4, max_connections=16,
+                        max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(worker)).start()
+    try:
+        yield worker
+    finally:
+        worker.end_run()
+        worker.shutdown_requested.set()
+        server.close()
 
 
 def worker_pool(n: int):

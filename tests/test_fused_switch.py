@@ -10,7 +10,7 @@ import pytest
 import requests
 import torch
 
-from conftest import free_ports, tiny_config
+from conftest import free_ports, tiny_config, worker_in_this_process
 from mdi.model import fused_decode
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, validate_profile
@@ -121,19 +121,8 @@ def test_a_profile_times_the_path_its_request_names(monkeypatch):
 @pytest.fixture
 def worker_here(tiny_models):
     """A worker in this process behind its real HTTP app, so a test can look at its chunk."""
-    from mdi.system.http_server import HttpServer
-    from mdi.worker.app import MAX_BODY_BYTES, admit_headers, create_app
-    from mdi.worker.node import Worker
-    port = free_ports(1)[0]
-    worker = Worker("127.0.0.1", port)
-    server = HttpServer(create_app(worker), "127.0.0.1", port, "mdi-http", threads=4, max_connections=16,
-                        max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(worker)).start()
-    try:
+    with worker_in_this_process() as worker:
         yield worker
-    finally:
-        worker.end_run()
-        worker.shutdown_requested.set()
-        server.close()
 
 
 @covered

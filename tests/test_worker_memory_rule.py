@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from conftest import free_ports
+from conftest import free_ports, worker_in_this_process
 from mdi.model.config import ModelConfig
 from mdi.model.layout import weight_bytes
 from mdi.model.transformer import KVCache
@@ -22,21 +22,11 @@ LAYERS, MAX_LEN = [1, 3], 32
 @pytest.fixture
 def worker(tiny_models, monkeypatch):
     """A worker in this process behind its real HTTP app; `worker.free` is what its device has free."""
-    from mdi.system.http_server import HttpServer
     from mdi.worker import node
-    from mdi.worker.app import MAX_BODY_BYTES, admit_headers, create_app
-    port = free_ports(1)[0]
-    w = node.Worker("127.0.0.1", port, models_dir=os.path.dirname(tiny_models["llama"]))
-    w.free = 0
-    monkeypatch.setattr(node, "free_bytes_on", lambda device: w.free)
-    server = HttpServer(create_app(w), "127.0.0.1", port, "mdi-http", threads=4, max_connections=16,
-                        max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(w)).start()
-    try:
+    with worker_in_this_process(models_dir=os.path.dirname(tiny_models["llama"])) as w:
+        w.free = 0
+        monkeypatch.setattr(node, "free_bytes_on", lambda device: w.free)
         yield w
-    finally:
-        w.end_run()
-        w.shutdown_requested.set()
-        server.close()
 
 
 def init(worker, model_dir, n_slots):
