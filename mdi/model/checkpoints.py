@@ -70,13 +70,27 @@ def load_pickled_weights(path: str) -> Any:  # whatever the checkpoint pickled
         raise CheckpointError("%s: cannot load as a weights-only torch checkpoint (%s)" % (path, first_line(e)))
 
 
+def read_json_object(fn: str) -> Dict[str, Any]:
+    """A model file's JSON object, or a one-line CheckpointError naming the file."""
+    try:
+        with open(fn, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError("%s: not valid JSON (%s)" % (fn, first_line(e)))
+    except RecursionError:
+        raise CheckpointError("%s: JSON nested too deeply" % fn)
+    if not isinstance(data, dict):
+        raise CheckpointError("%s: expected a JSON object, got %s" % (fn, type(data).__name__))
+    return data
+
+
 def _hf_config(path: str, raw: Dict) -> ModelConfig:
     if raw.get("mlp_bias"):
         raise CheckpointError("%s: mlp_bias=True is not supported" % path)
     try:
         config = ModelConfig.from_hf(raw, name=os.path.basename(os.path.normpath(path)))
-    except (ValueError, KeyError) as e:
-        raise CheckpointError("%s: unsupported config.json (%s)" % (path, e))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError("%s: unsupported config.json (%s)" % (path, first_line(e)))
     if raw.get("use_sliding_window"):
         raise CheckpointError("%s: sliding-window attention (use_sliding_window) is not supported" % path)
     return config
@@ -84,8 +98,7 @@ def _hf_config(path: str, raw: Dict) -> ModelConfig:
 
 def read_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfig, StateDict]:
     """Read a Hugging Face GPT-2 or Llama directory (config.json + safetensors or .bin)."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = _hf_config(path, json.load(f))
+    config = _hf_config(path, read_json_object(os.path.join(path, "config.json")))
     raw = _hf_tensor_loaders(path)
     # GPT2LMHeadModel saves "transformer.*", GPT2Model bare names; same for Llama's "model."
     prefix = "transformer." if config.family == "gpt2" else "model."

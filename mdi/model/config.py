@@ -7,10 +7,29 @@ Llama 3 (RoPE scaled by `rope_scaling` type llama3), Qwen2 / Qwen2.5 (biases on 
 `qkv_bias`) and Qwen3 (RMSNorm on each head's q and k: `qk_norm`; heads wider than
 n_embd / n_head: `head_size`).
 """
+import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional
 
 FAMILIES = ("gpt2", "llama")
+MAX_SIZE = 1 << 24  # the largest count a config may give (vocabulary, layers, widths, heads, context)
+SIZE_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size")
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id")
+
+
+def _size(name: str, value: Any) -> int:
+    """A positive integer count (a numpy integer from a GGUF counts too), never a bool, a float
+    or a string: a model file's "64.5" or "x" is refused here, in one line naming the key."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= MAX_SIZE:
+        raise ValueError("%s must be an integer in [1, %d], got %r" % (name, MAX_SIZE, value))
+    return int(value)
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError("%s must be a positive finite number, got %r" % (name, value))
+    return float(value)
 
 
 @dataclass
@@ -41,12 +60,24 @@ class ModelConfig:
     rope_factors: Optional[List[float]] = None
 
     def __post_init__(self) -> None:
+        # Every value is checked here, whatever it came from (config.json, a GGUF's metadata,
+        # mdi_config.json, a request): a malformed one is a one-line error, never a traceback.
         if self.family not in FAMILIES:
             raise ValueError("family must be one of %s, got %r" % (FAMILIES, self.family))
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.intermediate_size is None:
-            self.intermediate_size = 4 * self.n_embd
+            self.intermediate_size = 4 * self.n_embd if isinstance(self.n_embd, numbers.Integral) else self.n_embd
+        for key in SIZE_FIELDS:
+            setattr(self, key, _size(key, getattr(self, key)))
+        self.norm_eps = _positive("norm_eps", self.norm_eps)
+        self.rope_theta = _positive("rope_theta", self.rope_theta)
+        for key in TOKEN_FIELDS:
+            value = getattr(self, key)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                    raise ValueError("%s must be a token id (an integer >= 0) or absent, got %r" % (key, value))
+                setattr(self, key, int(value))
         if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError("n_embd (%d) must be divisible by n_head (%d)" % (self.n_embd, self.n_head))
         if self.head_size is not None and (not isinstance(self.head_size, int) or not 2 <= self.head_size <= 4096

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast 
 
 from mdi.model.gguf_layout import open_reader
 from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
-                                  read_json_if)
+                                  read_json_if, read_tokenizer_json)
 
 # llama.cpp's `tokenizer.ggml.pre` names the pre-tokenizer a "gpt2" (byte-level BPE) vocabulary was
 # trained with. The regexes are the models' own tokenizer.json ones, as transformers uses them
@@ -75,9 +75,7 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
         meta["add_bos"] = bool(cfg["add_bos_token"])
     tok_json, sp_model = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
     if os.path.isfile(tok_json):
-        from tokenizers import Tokenizer as HFTok
-
-        tk = HFTok.from_file(tok_json)
+        tk = read_tokenizer_json(tok_json)
         for key in ("bos", "eos"):
             name = _token_content(cfg.get(key + "_token", special_map.get(key + "_token")))
             meta[key + "_id"] = tk.token_to_id(name) if name is not None else None

@@ -282,9 +282,18 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     if kind == "sentencepiece":
         with open(path, "rb") as f:
             return SentencePieceTokenizer(f.read(), **meta)
+    return HFTokenizer(read_tokenizer_json(path), **meta)
+
+
+def read_tokenizer_json(path: str) -> Any:
+    """A tokenizers.Tokenizer from a tokenizer.json, or a one-line TokenizerError naming the
+    file (the library raises a bare Exception for a malformed one)."""
     from tokenizers import Tokenizer as HFTok
 
-    return HFTokenizer(HFTok.from_file(path), **meta)
+    try:
+        return HFTok.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the library's only exception type here
+        raise TokenizerError("%s: not a valid tokenizer.json (%s)" % (path, str(e).splitlines()[0][:300])) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,16 +157,13 @@ def object_fields(where: str, data: Any, required, optional=()) -> Dict[str, Any
 
 
 def model_field(value: Any) -> ModelConfig:
-    """A request's `model` (ModelConfig.to_dict()) with its sizes bounded."""
+    """A request's `model` (ModelConfig.to_dict()): ModelConfig bounds every value."""
     try:
         if not isinstance(value, dict):
             raise ValueError("must be an object")
-        config = ModelConfig.from_dict(value)
+        return ModelConfig.from_dict(value)
     except (TypeError, ValueError) as e:
         raise RequestError("model: %s" % e)
-    for key in ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size"):
-        int_field("model." + key, getattr(config, key), 1, 1 << 24)
-    return config
 
 
 def dtype_fields(spec: Dict[str, Any]) -> None:

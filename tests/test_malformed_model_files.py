@@ -1,0 +1,81 @@
+"""Malformed model files are one-line errors naming the file or the key, never tracebacks
+(issue 40, item 9): a config.json that is not JSON, not an object, or holds a count that is a
+string, a fraction, a bool, negative, NaN or absurdly large; a tokenizer.json the tokenizers
+library cannot read. ModelConfig checks every value whatever it came from."""
+import json
+
+import numpy as np
+import pytest
+
+from mdi import cli
+from mdi.model.checkpoints import read_hf_dir
+from mdi.model.config import ModelConfig
+from mdi.model.layout import CheckpointError
+from mdi.model.tokenizer_import import tokenizer_from_hf_dir
+from mdi.model.tokenizers import TokenizerError
+from mdi.ring.init_request import RequestError, model_field
+
+LLAMA = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+
+
+def hf_dir(tmp_path, text):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    return str(d)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ("[" * 100000 + "]" * 100000, "JSON"),
+    (json.dumps(dict(LLAMA, num_hidden_layers="x")), "n_layer must be an integer"),
+    (json.dumps(dict(LLAMA, hidden_size=64.5)), "n_embd must be an integer"),
+    (json.dumps(dict(LLAMA, num_attention_heads=True)), "n_head must be an integer"),
+    (json.dumps(dict(LLAMA, num_hidden_layers=-2)), "n_layer must be an integer"),
+    (json.dumps(dict(LLAMA, max_position_embeddings=2 ** 40)), "block_size must be an integer"),
+    (json.dumps(dict(LLAMA, vocab_size=0)), "vocab_size must be an integer"),
+    (json.dumps(dict(LLAMA, rms_norm_eps=float("nan"))), "norm_eps must be a positive finite number"),
+    (json.dumps(dict(LLAMA, rope_theta=-5.0)), "rope_theta must be a positive finite number"),
+    (json.dumps(dict(LLAMA, eos_token_id="</s>")), "eos_token_id must be a token id"),
+    (json.dumps({k: v for k, v in LLAMA.items() if k != "vocab_size"}), "vocab_size"),
+], ids=["not-json", "list", "deep", "str", "fraction", "bool", "negative", "huge-context", "zero-vocab", "nan",
+        "negative-theta", "str-token", "missing"])
+def test_a_malformed_config_json_is_one_line_naming_it(tmp_path, text, words):
+    path = hf_dir(tmp_path, text)
+    with pytest.raises(CheckpointError) as e:
+        read_hf_dir(path)
+    message = str(e.value)
+    assert "\n" not in message and path in message and words in message, message
+
+
+def test_mdi_prepare_says_it_in_one_line(tmp_path, capsys):
+    path = hf_dir(tmp_path, json.dumps(dict(LLAMA, num_hidden_layers="x")))
+    assert cli.prepare_main([path, "--out", str(tmp_path / "out")]) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "n_layer must be an integer" in errors[0], errors
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1]", '{"version": "1.0", "model": null}',
+                                  '{"model": {"type": "BPE", "vocab": "x"}}'])
+def test_a_malformed_tokenizer_json_is_one_line_naming_it(tmp_path, text):
+    (tmp_path / "tokenizer.json").write_text(text)
+    with pytest.raises(TokenizerError) as e:
+        tokenizer_from_hf_dir(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and "tokenizer.json" in message and "not a valid tokenizer.json" in message
+
+
+def test_model_config_takes_numpy_counts_and_refuses_the_rest():
+    """A GGUF's metadata comes as numpy integers: counts, converted to int; a request's model
+    goes through the same checks (a 400 naming the key)."""
+    config = ModelConfig(vocab_size=np.uint32(100), n_layer=np.int64(2), n_embd=64, n_head=4, block_size=128)
+    assert type(config.vocab_size) is int and type(config.n_layer) is int and config.to_dict()["n_layer"] == 2
+    for bad in ({"n_layer": 2.0}, {"n_embd": "64"}, {"block_size": 1 << 25}, {"norm_eps": float("inf")},
+                {"bos_token_id": -1}):
+        with pytest.raises(ValueError):
+            ModelConfig(**dict({"n_embd": 64, "n_head": 4}, **bad))
+        with pytest.raises(RequestError, match="model: "):
+            model_field(dict(ModelConfig(n_embd=64, n_head=4).to_dict(), **bad))
