@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 import torch
 
 from mdi.model.config import ModelConfig
+from mdi.system.files import read_json
 from mdi.model.convert import (StateDict, check_state_dict, check_unused, convert_gpt2, convert_llama, first_line,
                                make_getter)
 from mdi.model.gguf import read_gguf
@@ -72,13 +73,7 @@ def load_pickled_weights(path: str) -> Any:  # whatever the checkpoint pickled
 
 def read_json_object(fn: str) -> Dict[str, Any]:
     """A model file's JSON object, or a one-line CheckpointError naming the file."""
-    try:
-        with open(fn, encoding="utf-8") as f:
-            data = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise CheckpointError("%s: not valid JSON (%s)" % (fn, first_line(e)))
-    except RecursionError:
-        raise CheckpointError("%s: JSON nested too deeply" % fn)
+    data = read_json(fn, CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError("%s: expected a JSON object, got %s" % (fn, type(data).__name__))
     return data

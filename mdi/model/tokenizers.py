@@ -11,7 +11,7 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
-from mdi.system.files import sha256_file, write_json
+from mdi.system.files import read_json, sha256_file, write_json
 
 META_FILE = "tokenizer_mdi.json"
 KINDS = ("char", "gpt2", "sentencepiece", "hf")
@@ -340,10 +340,5 @@ def _nonneg(i: int) -> Optional[int]:
 
 
 def read_json_if(path: str) -> Any:
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except ValueError as e:
-        raise TokenizerError("invalid JSON in %s: %s" % (path, e)) from None
+    """The JSON file's value, None where there is no such file."""
+    return read_json(path, TokenizerError) if os.path.isfile(path) else None

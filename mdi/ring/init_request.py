@@ -235,8 +235,8 @@ def validate_init(body: Any) -> InitRequest:
         data=DataPlane(data["bind_port"], data["next_host"], data["next_port"], data["is_last"]),
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
-        threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows, wire_codec=codec,
-        fused_decode=fused)
+        threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows,
+        wire_codec=codec, fused_decode=fused)
 
 
 def quant_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:

@@ -19,7 +19,7 @@ class StatusError(ValueError):
 class NodeMemory:
     rss_bytes: int = 0
     peak_rss_bytes: int = 0  # with CUDA allocations: on a Jetson they live in the same RAM
-    available_bytes: Optional[int] = None  # free on the node's device (MemAvailable, or a discrete GPU's); None: unknown
+    available_bytes: Optional[int] = None  # free on its device (MemAvailable, a discrete GPU's own); None: unknown
     max_memory_bytes: Optional[int] = None  # the worker's --max-memory
     chunk_bytes: int = 0  # the weights it holds now
     adapter_bytes: int = 0  # the low-rank adapters' A/B matrices for its layers
@@ -106,8 +106,6 @@ class StatusReply:
         """Bytes the worker can give a run's chunk and cache, as the worker itself counts them
         (mdi.worker.node: one rule for its /status, its loads and its KV cache); None: unknown."""
         return self.memory.capacity_bytes
-
-
 
 
 _NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter}

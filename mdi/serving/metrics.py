@@ -329,7 +329,7 @@ class Observer:
             "name": node.name, "host": node.host, "port": node.port, "role": role, "position": position,
             "state": state, "reachable": status is not None,
             "worker_state": status.state if status is not None else None,
-            "device": status.device if status is not None else (node.device or self.view.cfg.model.device),
+            "device": status.device if status is not None else self.view.cfg.device_of(node),
             "dtype": dtype if role != "spare" else None, "compute_dtype": compute if role != "spare" else None,
             "layers": _layers(layers), "error": problem if status is None else status.error,
         }  # type: Dict[str, Any]

@@ -32,11 +32,12 @@ MB = 1024 * 1024
 
 def starter_free_bytes(device: str) -> Optional[int]:
     """What the starter can give its own chunk (embedding and head included) on `device`: the
-    memory free there (a discrete GPU's own; else the host's, its cgroup's when limited), none kept back, as its own load check (check_fits_here)
-    keeps none: a plan that keeps more than the check leaves out layers that fit. GPT-2 12L/384
-    on a 240 MiB starter: the check let 10 layers through with 1.5 MB to spare, and they ran;
-    the plan keeping 32 MB (LOAD_HEADROOM_BYTES) put 6 there and refused rings that run. Its
-    profile, the process's first compute, does keep that headroom (Profiler._starter_timing)."""
+    memory free there (a discrete GPU's own; else the host's, its cgroup's when limited), none
+    kept back, as its own load check (check_fits_here) keeps none: a plan that keeps more than
+    the check leaves out layers that fit. GPT-2 12L/384 on a 240 MiB starter: the check let 10
+    layers through with 1.5 MB to spare, and they ran; the plan keeping 32 MB
+    (LOAD_HEADROOM_BYTES) put 6 there and refused rings that run. Its profile, the process's
+    first compute, does keep that headroom (Profiler._starter_timing)."""
     from mdi.system.memory import free_bytes_on
     return free_bytes_on(device)
 

@@ -80,7 +80,10 @@ def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], range
     config = source.config
     dtype = torch_dtype(cfg.model.dtype)
     for i, (node, layers) in enumerate(zip(nodes, ranges)):
-        capacity = starter_free_bytes(cfg.device_of(node)) if i == 0 else registry.client(node).status().capacity_bytes()
+        if i == 0:
+            capacity = starter_free_bytes(cfg.device_of(node))
+        else:
+            capacity = registry.client(node).status().capacity_bytes()
         if capacity is None:
             continue
         weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0,

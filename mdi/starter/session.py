@@ -24,10 +24,10 @@ class RingSession:
     """One ring: `nodes` in ring order (the starter first) with their layer `ranges`."""
 
     def __init__(self, cfg: RunConfig, nodes: List[NodeSpec], source: ModelSource, ranges: List[List[int]],
-                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype, adapters: Any = None,
-                 registry: Optional[NodeRegistry] = None) -> None:
+                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype, adapters: Any,
+                 registry: NodeRegistry) -> None:
         self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
-        self.registry = registry or NodeRegistry.for_run(cfg)
+        self.registry = registry  # the engine's: it closes it
         self.adapters = adapters  # mdi.starter.adapters.AdapterSet or None
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
         self.max_batch = cfg.max_batch(n_slots, len(nodes))

@@ -44,3 +44,15 @@ def write_json(path: str, obj: Any) -> None:
         json.dump(obj, f, ensure_ascii=False, indent=1)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def read_json(path: str, error: type = ValueError) -> Any:
+    """A JSON file's value, or `error` with one line naming the file: not JSON, not UTF-8, or
+    nested past the parser's stack (a model file is input from outside, never a traceback)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise error("%s: not valid JSON (%s)" % (path, str(e).splitlines()[0][:300])) from None
+    except RecursionError:
+        raise error("%s: JSON nested too deeply" % path) from None

@@ -42,7 +42,6 @@ def available_memory_bytes() -> Optional[int]:
     return limited if avail is None else min(avail, limited)
 
 
-
 def free_bytes_on(device: str = "cpu") -> Optional[int]:
     """Bytes a chunk can still take on `device` ("cpu", "cuda", "cuda:N"): for the CPU, and for
     a GPU that shares the board's RAM (a Jetson: torch says `is_integrated`), the host's
@@ -62,6 +61,7 @@ def free_bytes_on(device: str = "cpu") -> Optional[int]:
         return int(free) + int(torch.cuda.memory_reserved(index)) - int(torch.cuda.memory_allocated(index))
     except (RuntimeError, AssertionError, ValueError):
         return available_memory_bytes()
+
 
 # (limit file, usage file, reclaimable page-cache key in memory.stat) of cgroup v2 and v1. Only
 # the inactive file pages count as free (the working set, as the kubelet computes it): the
