@@ -67,7 +67,7 @@ class ModelConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.intermediate_size is None:
-            self.intermediate_size = 4 * self.n_embd if isinstance(self.n_embd, numbers.Integral) else self.n_embd
+            self.intermediate_size = 4 * _size("n_embd", self.n_embd)
         for key in SIZE_FIELDS:
             setattr(self, key, _size(key, getattr(self, key)))
         self.norm_eps = _positive("norm_eps", self.norm_eps)
