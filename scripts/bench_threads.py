@@ -28,19 +28,25 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL, help="prepared mdi model directory (default SmolLM2-135M)")
     p.add_argument("--tokens", type=int, default=32, help="tokens per run (default 32)")
     p.add_argument("--repeats", type=int, default=5, help="runs of each ring (default 5)")
+    p.add_argument("--samples", type=int, default=1, help="samples in flight (default 1)")
+    p.add_argument("--quant", default="none", help="model.quant (default none: float32; auto: a GGUF's blocks)")
+    p.add_argument("--kernel", default="fast", help="runtime.quant_kernel (default fast)")
     p.add_argument("--out", default=os.path.join(benchlib.ROOT, "results", "bench_threads.json"))
     args = p.parse_args(argv)
-    if args.tokens < 3 or args.repeats < 1:
-        p.error("need --tokens >= 3 and --repeats >= 1")
+    if args.tokens < 3 or args.repeats < 1 or args.samples < 1:
+        p.error("need --tokens >= 3, --repeats >= 1 and --samples >= 1")
     return args
 
 
-def per_token(model: str, workers: List[WorkerProcess], tokens: int) -> Dict[str, Any]:
+def per_token(args: argparse.Namespace, workers: List[WorkerProcess], tokens: int) -> Dict[str, Any]:
     from mdi.runconfig import parse_config
     from mdi.starter import batch
     nodes = [{"name": "starter", "data_port": benchlib.ports_besides(workers)[0]}] + [w.node() for w in workers]
-    result = batch.run(parse_config(run_config_dict(model, nodes, tokens, threads=1), "bench_threads"), [PROMPT])
-    return {"per_token_s": decode_timing(result.samples[0].token_times)["median_s"],
+    d = run_config_dict(args.model, nodes, tokens, threads=1)
+    d["model"]["quant"] = args.quant
+    d["runtime"]["quant_kernel"] = args.kernel
+    result = batch.run(parse_config(d, "bench_threads"), [PROMPT] * args.samples)
+    return {"per_token_s": statistics.median(decode_timing(s.token_times)["median_s"] for s in result.samples),
             "worker_threads": [n.get("threads") for n in result.nodes[1:]]}
 
 
@@ -58,10 +64,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for w in workers:
                 w.wait_healthy(60)
         for name, workers in rings.items():
-            per_token(args.model, workers, 4)  # weights pushed and caches warm before timing
+            per_token(args, workers, 4)  # weights pushed and caches warm before timing
         for r in range(args.repeats):
             for name, workers in rings.items():
-                runs[name].append(per_token(args.model, workers, args.tokens))
+                runs[name].append(per_token(args, workers, args.tokens))
             print("repeat %d/%d: %s" % (r + 1, args.repeats, ", ".join(
                 "%s %.1f ms" % (n, 1000 * runs[n][-1]["per_token_s"]) for n in rings)), file=sys.stderr)
     finally:
@@ -71,7 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     stats = {name: summarize([x["per_token_s"] for x in rs]) for name, rs in runs.items()}
     ratios = [a["per_token_s"] / b["per_token_s"] for a, b in zip(runs["no --threads"], runs["--threads 1"])]
     benchlib.finish_machine_info(info)
-    record = {"model": args.model, "tokens": args.tokens, "repeats": args.repeats, "machine": info,
+    record = {"model": args.model, "tokens": args.tokens, "repeats": args.repeats, "samples": args.samples,
+              "quant": args.quant, "quant_kernel": args.kernel, "machine": info,
               "per_token_s": stats, "ratio_no_flag_vs_threads_1": summarize(ratios),
               "worker_threads": {n: rs[-1]["worker_threads"] for n, rs in runs.items()}, "runs": runs}
     benchlib.save_record(args.out, record)

@@ -42,6 +42,10 @@ def nested(depth):
     return string("deep") + struct.pack("<I", ARRAY) + body
 
 
+def tensor_info(offset, name="w", n=32, f32=0):
+    return string(name) + struct.pack("<IQIQ", 1, n, f32, offset)
+
+
 HOSTILE = {
     "array of 2^40 strings": (gguf(string("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 1 << 40), 1),
                               "claims 1099511627776 items"),
@@ -55,6 +59,11 @@ HOSTILE = {
     "unknown value type": (gguf(string("k") + struct.pack("<I", 77) + b"\0" * 8, 1), "unknown value type 77"),
     "truncated string": (gguf(string("general.name") + struct.pack("<IQ", STRING, 5) + b"ab", 1), "claims 5 items"),
     "version 99": (gguf(version=99), "version"),
+    # a tensor whose data offset breaks the alignment every GGUF reader relies on
+    "misaligned offset": (gguf(tensors=tensor_info(offset=3), n_tensors=1) + b"\0" * 64, "not a multiple of the alignment 32"),
+    "offset past the end": (gguf(tensors=tensor_info(offset=1 << 40), n_tensors=1), "past the end of the file"),
+    "alignment 0": (gguf(string("general.alignment") + struct.pack("<II", UINT32, 0), 1), "not a power of two"),
+    "alignment 24": (gguf(string("general.alignment") + struct.pack("<II", UINT32, 24), 1), "not a power of two"),
 }
 
 
@@ -97,3 +106,45 @@ def test_real_gguf_files_pass(tmp_path):
     except Exception:  # noqa: BLE001 - the default model's package is not installed here
         return
     assert check_layout(packaged) == (272, 33)  # SmolLM2-135M Q4_1: 272 tensors, 33 metadata keys
+
+
+def test_values_and_tensors_read_as_ggufs_own_reader_reads_them(tmp_path):
+    """mdi reads a GGUF lazily (gguf_layout.GGUFFile: gguf's reader built objects for every
+    vocabulary item, ~170 MB and seconds per open); every value and tensor must come back as
+    gguf's reader gives them, big-endian files included."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import quantize
+    from mdi.model.gguf_layout import open_reader
+
+    for endian in ("little", "big"):
+        from gguf import GGUFEndian
+        path = str(tmp_path / ("values-%s.gguf" % endian))
+        w = GGUFWriter(path, "llama", endianess=GGUFEndian.LITTLE if endian == "little" else GGUFEndian.BIG)
+        w.add_uint32("a.u32", 7)
+        w.add_int64("a.i64", -5)
+        w.add_float32("a.f32", 0.25)
+        w.add_bool("a.bool", True)
+        w.add_string("a.text", "héllo")
+        w.add_array("a.strings", ["x", "", "ü" * 3])
+        w.add_array("a.ints", [1, -2, 3])
+        w.add_array("a.floats", [0.5, 1.5])
+        w.add_array("a.bools", [True, False])
+        rng = np.random.default_rng(0)
+        w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+        w.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+        q = quantize(rng.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+        w.add_tensor("q8", q, raw_dtype=GGMLQuantizationType.Q8_0)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        theirs, ours = GGUFReader(path), open_reader(path)
+        for key, field in theirs.fields.items():
+            if not key.startswith("GGUF."):  # the reader's own header fields
+                assert ours.value(key) == field.contents(), (endian, key)
+        assert ours.value("missing", "default") == "default"
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape)
+            assert a.data.shape == b.data.shape and np.array_equal(a.data, b.data), (endian, a.name)

@@ -21,7 +21,7 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.convert import StateDict, check_state_dict, check_unused, convert_llama, first_line, make_getter
-from mdi.model.gguf_layout import open_reader
+from mdi.model.gguf_layout import GGUFFile, GGUFLayoutError, open_reader
 from mdi.model.layout import CheckpointError, QuantSpec
 from mdi.model.quant import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, QParts, from_gguf_blocks, quantize
 
@@ -57,9 +57,11 @@ def _unpermute(w, n_head: int):
     return w.rows(order) if isinstance(w, QParts) else w[order]
 
 
-def _gguf_value(reader, key: str, default=None):
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+def _gguf_value(reader: GGUFFile, key: str, default=None):
+    try:
+        return reader.value(key, default)
+    except GGUFLayoutError as e:  # e.g. a string that is not UTF-8: names the file and key
+        raise CheckpointError(str(e)) from None
 
 
 def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = False,

@@ -6,7 +6,8 @@ hung; loaded as an adapter, the starter grew 1.3 GB and never answered). Here th
 walked first with every count, length and dimension bounded by the bytes left in the file,
 nothing allocated but the walk's own position: a lie is a one-line error naming the file and
 what was claimed. Every GGUF mdi opens (models, tokenizers, adapters) goes through
-`open_reader`.
+`open_reader`, whose `GGUFFile` then reads values and tensors lazily from the positions the
+walk recorded (it says why it is not gguf's reader).
 
 Layout (GGUF v2 / v3, llama.cpp's gguf.md): magic "GGUF", version u32, tensor count u64,
 metadata count u64; each metadata entry a string key, a u32 value type and the value (an
@@ -15,13 +16,15 @@ type, u64 offset. A string is a u64 length and its bytes.
 """
 import mmap
 import struct
-from typing import Any, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
 
 STRING, ARRAY = 8, 9
 FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 8  # arrays of arrays: deeper is no model's metadata
 TENSOR_INFO_MIN = 8 + 4 + 4 + 8  # an empty name, no dims, type, offset
+ALIGNMENT_KEY, DEFAULT_ALIGNMENT, U32 = "general.alignment", 32, 4
 
 
 class GGUFLayoutError(ValueError):
@@ -88,46 +91,184 @@ class _Walk:
         return key
 
 
+@dataclass
+class Header:
+    """What the walk found: where each metadata value starts, and each tensor's record."""
+    order: str  # "<" or ">": the file's byte order
+    values: Dict[str, Tuple[int, int]]  # key -> (value type, position of the value)
+    tensors: List[Tuple[str, Tuple[int, ...], int, int]]  # (name, dims innermost first, ggml type, offset)
+    data_start: int
+
+
+def _walk_header(buf: Any, size: int, path: str) -> Header:
+    walk = _Walk(buf, size, path)
+    if bytes(buf[:4]) != b"GGUF":
+        raise GGUFLayoutError("%s: not a GGUF file (no GGUF magic)" % path)
+    walk.pos = 4
+    version = walk.read("I", "the version")
+    if version not in (2, 3):
+        walk.order = ">"  # a big-endian file reads its version byte-swapped
+        walk.pos = 4
+        version = walk.read("I", "the version")
+        if version not in (2, 3):
+            raise GGUFLayoutError("%s: GGUF version %d is not read (2 and 3 are)" % (path, version))
+    n_tensors = walk.read("Q", "the tensor count")
+    n_kv = walk.count("the metadata count", 8 + 4)
+    values = {}  # type: Dict[str, Tuple[int, int]]
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        key = walk.key()
+        vtype = walk.read("I", "the type of %r" % key)
+        values.setdefault(key, (vtype, walk.pos))
+        if key == ALIGNMENT_KEY and vtype == U32:
+            alignment = walk.read("I", ALIGNMENT_KEY)
+            if alignment == 0 or alignment & (alignment - 1):
+                raise walk.fail("%s is %d, not a power of two" % (ALIGNMENT_KEY, alignment))
+        else:
+            walk.skip_value(vtype, "metadata %r" % key)
+    if n_tensors * TENSOR_INFO_MIN > walk.left():
+        raise walk.fail("%d tensors claimed, more than the %d bytes left hold" % (n_tensors, walk.left()))
+    tensors = []
+    for i in range(n_tensors):
+        n = walk.count("tensor %d's name" % i, 1)
+        name = bytes(buf[walk.pos:walk.pos + n]).decode("utf-8", "replace")
+        walk.pos += n
+        n_dims = walk.read("I", "tensor %d's dimensions" % i)
+        if n_dims > MAX_DIMS:
+            raise walk.fail("tensor %d claims %d dimensions (at most %d)" % (i, n_dims, MAX_DIMS))
+        dims = tuple(walk.read("Q", "tensor %d's shape" % i) for _ in range(n_dims))
+        ggml_type = walk.read("I", "tensor %d's type" % i)
+        tensors.append((name, dims, ggml_type, walk.read("Q", "tensor %d's offset" % i)))
+    # Data starts at the next multiple of the alignment; each tensor's offset within it is a
+    # multiple too (what llama.cpp requires) and inside the file.
+    data_start = -(-walk.pos // alignment) * alignment
+    for i, (_, _, _, offset) in enumerate(tensors):
+        if offset % alignment:
+            raise walk.fail("tensor %d's offset %d is not a multiple of the alignment %d" % (i, offset, alignment))
+        if data_start + offset > size:
+            raise walk.fail("tensor %d's offset %d is past the end of the file" % (i, offset))
+    return Header(walk.order, values, tensors, data_start)
+
+
+def _file_size(f: Any, path: str) -> int:
+    size = f.seek(0, 2)
+    if size < 24:
+        raise GGUFLayoutError("%s: not a GGUF file (%d bytes)" % (path, size))
+    return size
+
+
 def check_layout(path: str) -> Tuple[int, int]:
     """(tensor count, metadata count) of the GGUF file at `path` once its header has been
     walked within the file's bytes; GGUFLayoutError (a ValueError) naming the file otherwise."""
     with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        if size < 24:
-            raise GGUFLayoutError("%s: not a GGUF file (%d bytes)" % (path, size))
+        size = _file_size(f, path)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            walk = _Walk(buf, size, path)
-            if bytes(buf[:4]) != b"GGUF":
-                raise GGUFLayoutError("%s: not a GGUF file (no GGUF magic)" % path)
-            walk.pos = 4
-            version = walk.read("I", "the version")
-            if version not in (2, 3):
-                walk.order = ">"  # a big-endian file reads its version byte-swapped
-                walk.pos = 4
-                version = walk.read("I", "the version")
-                if version not in (2, 3):
-                    raise GGUFLayoutError("%s: GGUF version %d is not read (2 and 3 are)" % (path, version))
-            n_tensors = walk.read("Q", "the tensor count")
-            n_kv = walk.count("the metadata count", 8 + 4)
-            for _ in range(n_kv):
-                key = walk.key()
-                walk.skip_value(walk.read("I", "the type of %r" % key), "metadata %r" % key)
-            if n_tensors * TENSOR_INFO_MIN > walk.left():
-                raise walk.fail("%d tensors claimed, more than the %d bytes left hold" % (n_tensors, walk.left()))
-            for i in range(n_tensors):
-                walk.skip_string("tensor %d's name" % i)
-                dims = walk.read("I", "tensor %d's dimensions" % i)
-                if dims > MAX_DIMS:
-                    raise walk.fail("tensor %d claims %d dimensions (at most %d)" % (i, dims, MAX_DIMS))
-                for _ in range(dims):
-                    walk.read("Q", "tensor %d's shape" % i)
-                walk.read("I", "tensor %d's type" % i)
-                walk.read("Q", "tensor %d's offset" % i)
-            return n_tensors, n_kv
+            header = _walk_header(buf, size, path)
+            return len(header.tensors), len(header.values)
 
 
-def open_reader(path: str) -> Any:
-    """gguf's GGUFReader over `path`, once check_layout found its header within the file."""
-    from gguf import GGUFReader
-    check_layout(path)
-    return GGUFReader(path)
+@dataclass
+class GGUFTensor:
+    """One tensor as gguf's reader presents it: `data` a read-only view of the file, float and
+    integer types as their own dtype in torch's order, quantized ones as uint8 rows of blocks."""
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: Tuple[int, ...]  # GGUF's order, innermost first
+    data: Any  # numpy array
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors, read lazily from one map of the file.
+
+    gguf's GGUFReader builds numpy objects for every item of every metadata array at open: for
+    a 49k-token vocabulary that was ~170 MB of RSS and ~5 s of CPU, paid twice (weights, then
+    tokenizer), and the peak of loading a GGUF model. The header walk that bounds the file
+    (above) already passes every value, so it records where each one starts, and a value is
+    decoded only when asked for. gguf's tables still say what each tensor type's blocks hold."""
+
+    def __init__(self, path: str) -> None:
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = path
+        with open(path, "rb") as f:
+            size = _file_size(f, path)
+        self._map = np.memmap(path, dtype=np.uint8, mode="r")
+        header = _walk_header(self._map, size, path)
+        self._order, self._values = header.order, header.values
+        self.tensors = []  # type: List[GGUFTensor]
+        seen = set()  # type: set
+        for name, dims, type_id, offset in header.tensors:
+            where = "%s: tensor %s" % (path, name)
+            if name in seen:
+                raise GGUFLayoutError("%s appears twice" % where)
+            seen.add(name)
+            try:
+                ggml_type = GGMLQuantizationType(type_id)
+                block, type_size = GGML_QUANT_SIZES[ggml_type]
+            except (ValueError, KeyError):
+                raise GGUFLayoutError("%s has unknown tensor type %d" % (where, type_id)) from None
+            n = 1
+            for d in dims:
+                n *= d
+            shape = tuple(reversed(dims))  # torch's order, outermost first
+            item = PLAIN_TYPES.get(ggml_type.name)
+            if item is None and (not shape or shape[-1] % block):
+                raise GGUFLayoutError("%s: a row of %s is not whole blocks of %d" % (where, ggml_type.name, block))
+            n_bytes = n * type_size // block
+            start = header.data_start + offset
+            if start + n_bytes > size:
+                raise GGUFLayoutError("%s: its %d bytes run past the end of the file" % (where, n_bytes))
+            raw = self._map[start:start + n_bytes]
+            if item is not None:
+                data = raw.view(np.dtype(self._order + item)).reshape(shape)
+            else:  # quantized: rows of blocks, as bytes
+                data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,))
+            self.tensors.append(GGUFTensor(name, ggml_type, dims, data))
+
+    def keys(self) -> List[str]:
+        return list(self._values)
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata value as a plain Python value (a list for an array), or `default`."""
+        if key not in self._values:
+            return default
+        vtype, pos = self._values[key]
+        walk = _Walk(self._map, len(self._map), self.path)
+        walk.order, walk.pos = self._order, pos
+        return _read_value(walk, vtype, "metadata %r" % key)
+
+
+PLAIN_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _read_value(walk: _Walk, vtype: int, what: str) -> Any:
+    """The value at the walk's position (bounded by the walk, as the header check was)."""
+    if vtype in SCALAR_FORMATS:
+        return walk.read(SCALAR_FORMATS[vtype], what)
+    if vtype == STRING:
+        n = walk.count(what, 1)
+        text = bytes(walk.buf[walk.pos:walk.pos + n])
+        walk.pos += n
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise walk.fail("%s is not UTF-8 text" % what) from None
+    if vtype == ARRAY:
+        import numpy as np
+        item = walk.read("I", what + "'s item type")
+        if item in SCALAR_FORMATS:
+            n = walk.count(what, FIXED_SIZES[item])
+            fmt = SCALAR_FORMATS[item]
+            dtype = np.dtype(walk.order + (fmt if fmt != "?" else "B"))
+            values = np.frombuffer(walk.buf, dtype=dtype, count=n, offset=walk.pos).tolist()
+            walk.pos += n * FIXED_SIZES[item]
+            return [bool(v) for v in values] if fmt == "?" else values
+        return [_read_value(walk, item, what) for _ in range(walk.count(what, 8))]
+    raise walk.fail("%s has unknown value type %d" % (what, vtype))
+
+
+def open_reader(path: str) -> GGUFFile:
+    """The GGUF file at `path`, its header walked within the file before anything is read."""
+    return GGUFFile(path)

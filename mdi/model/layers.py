@@ -5,7 +5,6 @@ Their own module so that both the eager blocks (mdi.model.transformer) and the s
 blocks (mdi.model.fused_decode, which reads these layers' weights and kernels) import them
 without importing each other.
 """
-import ctypes
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
 
 import torch
@@ -109,22 +108,6 @@ class QuantLinear(nn.Module):
             y = y.reshape(x.shape[:-1] + (self.n_out,))
         y = y + self.bias.to(y.dtype) if self.bias is not None else y
         return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
-
-
-_malloc_trim = []  # type: list  # [glibc's malloc_trim or None], looked up once
-
-
-def release_freed_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
-    Picking a quantized layer's kernel allocates and frees temporaries of tens of MB between
-    tensors that stay; glibc keeps such holes resident, ~150 MB over a 1.1B int4 model."""
-    if not _malloc_trim:
-        try:
-            _malloc_trim.append(ctypes.CDLL(None).malloc_trim)
-        except (AttributeError, OSError, TypeError):  # not glibc
-            _malloc_trim.append(None)
-    if _malloc_trim[0] is not None:
-        _malloc_trim[0](0)
 
 
 class Embedding(nn.Embedding):

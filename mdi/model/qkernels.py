@@ -31,6 +31,7 @@ import torch
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import DEQUANT_ELEMENTS, dequantize, quantized_linear, unpack_int4
 from mdi.system.devices import last_level_cache_bytes
+from mdi.system.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -495,6 +496,9 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             if kept is None or rank(kernel) < rank(kept[0]):
                 kept = (kernel, packed)
             del packed
+            # A dropped candidate's packing (tens of MB for a head) goes back before the next
+            # is packed: glibc keeps freed holes resident, and they set a GGUF load's peak.
+            release_freed_memory()
     best = min((k for k in fits if measured.get(k.name) is not None), key=rank)  # dequant always qualifies
     if kept is not None and kept[0] is best:
         packed = kept[1]

@@ -14,10 +14,11 @@ from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
 from mdi.model.quant import Stored, convert, gather, restrict, uniform_layout, weights_layout
-from mdi.model.transformer import ModelChunk, release_freed_memory
+from mdi.model.transformer import ModelChunk
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from mdi.system.devices import use_shape_agnostic_attention
+from mdi.system.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +151,14 @@ def _raw_tokenizer(path: str) -> Optional[Tokenizer]:
 def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
                  dtype: torch.dtype, device: str, quant: Optional[QuantLayout] = None) -> ModelChunk:
     """A chunk with uninitialised `dtype` parameters on `device` (no throwaway random
-    initialisation) and real RoPE tables, ready to be filled with weights. Quantized layers'
+    initialisation) and a real RoPE, ready to be filled with weights. Quantized layers'
     tensors keep their own dtypes (int8 / uint8 codes, float16 scales)."""
     if use_shape_agnostic_attention(device):
         log.info("%s: cuDNN attention off (it compiles a graph per key length, per thread): flash or "
                  "memory-efficient attention instead", device)
     with torch.device("meta"):
         chunk = ModelChunk(config, first, last, with_embedding, with_head, quant)
-    rope, chunk.rope = chunk.rope, None  # real tables (RotaryEmbedding computes them on the CPU): kept
+    rope, chunk.rope = chunk.rope, None  # RoPE state lives on the CPU (RotaryEmbedding says why): kept
     # torch.empty rather than Module.to_empty: its empty_like on meta tensors runs through
     # torch._refs and imports sympy and torch.fx (~60 MB of RSS for nothing).
     for module in chunk.modules():

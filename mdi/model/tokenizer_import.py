@@ -182,27 +182,12 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
 def _gguf_metadata(path: str) -> Dict[str, Any]:
     """The `tokenizer.*` key/values of a GGUF file as plain Python values."""
     try:
-        from gguf import GGUFValueType
+        reader = open_reader(path)
+        return {key: reader.value(key) for key in reader.keys() if key.startswith("tokenizer.")}
     except ImportError:
         raise TokenizerError("reading a GGUF tokenizer needs the gguf package: pip install gguf") from None
-    try:
-        reader = open_reader(path)
     except (OSError, ValueError) as e:
         raise TokenizerError("cannot read GGUF file %s: %s" % (path, e)) from None
-
-    def value(field: Any, vtype: Any, part: int) -> Any:
-        data = field.parts[part]
-        return bytes(data).decode("utf-8") if vtype == GGUFValueType.STRING else data[0].item()
-
-    md = {}  # type: Dict[str, Any]
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        if field.types[0] == GGUFValueType.ARRAY:
-            md[key] = [value(field, field.types[-1], i) for i in field.data]
-        else:
-            md[key] = value(field, field.types[0], field.data[0])
-    return md
 
 
 def _generation_eos(path: str, vocab_size: int) -> List[int]:

@@ -24,18 +24,24 @@ import torch.nn.functional as F
 from mdi.model import fused_decode
 from mdi.model.attention import attend_decode_rows, attend_sample, rotate
 from mdi.model.config import ModelConfig
-# release_freed_memory and the layer classes are imported from here too (their old home)
+# the layer classes are imported from here too (their old home)
 from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, RMSNorm, make_linear,
-                              make_norm, release_freed_memory)
+                              make_norm)
 from mdi.model.layout import QuantLayout, QuantSpec
+from mdi.system.memory import release_freed_memory
 from mdi.system.transfers import ints_to_device, to_device
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face Llama layout), tables computed once per chunk."""
+    """Rotate-half RoPE (the Hugging Face Llama layout). Its tables cover the positions a run
+    reaches, not the model's whole context: a file may claim millions of positions (2^22 took
+    1.2 GB of tables on every node for a 4-token run), so they grow, by doubling, as the cache
+    or a pass asks (`reserve`), never past the context. A position's values do not depend on
+    the table's length, so growing changes no result."""
 
     cos: torch.Tensor  # buffers, declared for mypy
     sin_signed: torch.Tensor
+    MIN_POSITIONS = 256  # a first table worth building
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -47,15 +53,30 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
         if config.rope_factors is not None:  # the same scaling, as a GGUF stores it
             inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32, device="cpu")
-        t = torch.arange(config.block_size, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
+        self.inv_freq = inv_freq  # not a buffer: tables are always computed on the CPU, bit for bit alike
+        self.context = config.block_size
+        # Empty until reserved; buffers so that .to(device) says where the tables live.
+        self.register_buffer("cos", torch.empty(0, dim, device="cpu"), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(0, dim, device="cpu"), persistent=False)
+
+    def reserve(self, n: int) -> None:
+        """Tables for positions [0, n)."""
+        have = self.cos.shape[0]
+        if n <= have:
+            return
+        if n > self.context:
+            raise ValueError("position %d is beyond the model's context of %d" % (n - 1, self.context))
+        n = min(self.context, max(n, 2 * have, self.MIN_POSITIONS))
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self.inv_freq)
+        device = self.cos.device
+        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(device)
         # sin with its first half negated: rotate-half becomes a roll (see attention.rotate)
-        self.register_buffer("sin_signed", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         # x: [..., T, head_dim] at positions start..start+T
         T = x.shape[-2]
+        self.reserve(start + T)
         return rotate(x, self.cos[start:start + T].to(x.dtype), self.sin_signed[start:start + T].to(x.dtype))
 
     def at_rows(self, x: torch.Tensor, batch: "RowBatch") -> torch.Tensor:
@@ -67,6 +88,7 @@ class RotaryEmbedding(nn.Module):
         batch, not once per layer and tensor."""
         tables = batch.rope_tables
         if tables is None or tables[0].dtype != dtype:
+            self.reserve(max(s + c for s, c in zip(batch.starts, batch.counts)))
             tables = batch.rope_tables = (self.cos[batch.positions].to(dtype).unsqueeze(1),
                                           self.sin_signed[batch.positions].to(dtype).unsqueeze(1))
         return tables
@@ -412,6 +434,8 @@ class ModelChunk(nn.Module):
         device = p.device if p is not None else torch.device("cpu")
         self.cache = None  # free the previous run's cache before allocating the next one
         self.cache = KVCache(self.config, self.n_layers, n_slots, max_len, dtype, device)
+        if self.rope is not None:
+            self.rope.reserve(max_len)  # the tables a run's positions reach, built before its first token
         if "module" not in self._decode_script:  # built here, before the run: ~13 ms per block
             self._decode_script["module"] = fused_decode.build(self)
         return self.cache

@@ -25,7 +25,7 @@ from mdi.model.layout import dtype_name, torch_dtype, weight_bytes
 from mdi.model.profile import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.transformer import release_freed_memory
+from mdi.system.memory import release_freed_memory
 from mdi.ring.auth import is_loopback
 from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
                                       profile_here, profile_positions)

@@ -7,6 +7,7 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
+import ctypes
 import os
 import resource
 import sys
@@ -227,3 +228,19 @@ def board_memory() -> Dict[str, Any]:
     total, avail = info.get("MemTotal"), info.get("MemAvailable")
     return {"used_bytes": total - avail if total is not None and avail is not None else None,
             "total_bytes": total, "source": "meminfo" if total is not None else None}
+
+
+_malloc_trim = []  # type: list  # [glibc's malloc_trim or None], looked up once
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
+    Picking a quantized layer's kernel allocates and frees temporaries of tens of MB between
+    tensors that stay; glibc keeps such holes resident, ~150 MB over a 1.1B int4 model."""
+    if not _malloc_trim:
+        try:
+            _malloc_trim.append(ctypes.CDLL(None).malloc_trim)
+        except (AttributeError, OSError, TypeError):  # not glibc
+            _malloc_trim.append(None)
+    if _malloc_trim[0] is not None:
+        _malloc_trim[0](0)

@@ -25,7 +25,7 @@ from mdi.model import qkernels
 from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.source import build_chunk_from_file
 from mdi.model.threads import AUTO, choose_threads
-from mdi.model.transformer import KVCache, ModelChunk, release_freed_memory
+from mdi.model.transformer import KVCache, ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
 from mdi.model.profile import profile_blocks, profile_bytes
@@ -35,7 +35,8 @@ from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import LOAD_HEADROOM_BYTES, board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
+from mdi.system.memory import (LOAD_HEADROOM_BYTES, board_memory, free_bytes_on, release_freed_memory, rss_bytes,
+                               unified_memory_bytes)
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 
 log = logging.getLogger(__name__)

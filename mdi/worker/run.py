@@ -7,11 +7,12 @@ from typing import List, Optional
 
 import torch
 
-from mdi.model.transformer import ModelChunk, RowBatch, release_freed_memory
+from mdi.model.transformer import ModelChunk, RowBatch
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import GENERATION_KINDS, Frame
+from mdi.system.memory import release_freed_memory
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
