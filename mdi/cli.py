@@ -242,6 +242,8 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
     if args.port is not None:
         cfg.serve.port = args.port
     check_serve("command line: serve", cfg.serve)
+    from mdi.system.memory import limit_malloc_arenas
+    limit_malloc_arenas()  # before the HTTP threads: what one request frees, the next reuses (see there)
     from mdi.serving.api import serve
     return serve(cfg, insecure=args.insecure)
 

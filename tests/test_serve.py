@@ -442,7 +442,10 @@ def test_shared_secret_and_public_bind(model, tmp_path):
 @pytest.mark.parametrize("source,needle", [
     ("{{ 'x' * 10**8 }}", "repetition"), ("{{ ([1] * 10**8) | length }}", "repetition"),
     ("{{ 10**8 * ['ab'] }}", "repetition"), ("{% set n = 100000000 %}{{ 7 ** n }}", "power"),
-    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "wrote more than")])
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "wrote more than"),
+    # loops that write nothing: only the clock can stop them
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran longer than"),
+    ("{% set s = 'x' * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "ran longer than")])
 def test_a_hostile_chat_template_is_bounded(source, needle):
     # A model file's chat template runs for every chat request: Jinja's sandbox bounds `range`
     # only, and 'x' * 10**8 built 100 MB per request. Sizes and output are bounded: a 400.

@@ -29,6 +29,15 @@ class TokenizerError(ValueError):
     """A tokenizer could not be built, loaded or applied; the message says why in one line."""
 
 
+class PromptTooLong(TokenizerError):
+    """A text that cannot fit `limit` tokens, known without tokenizing it: it has at least
+    `at_least` tokens."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__("the prompt has at least %d tokens, more than %d" % (at_least, limit))
+        self.at_least, self.limit = at_least, limit
+
+
 class Tokenizer:
     kind = ""
 
@@ -62,9 +71,30 @@ class Tokenizer:
         """The ids of `text` alone, no BOS: a piece of a longer text encoded piece by piece."""
         return self._encode(text)
 
-    def encode_prompt(self, text: str) -> List[int]:
+    def max_token_bytes(self) -> Optional[int]:
+        """The most UTF-8 bytes of text one token can stand for, where that bounds a text's
+        token count from below (no normalizer that could shrink the text first); else None."""
+        return None
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), without tokenizing (0 where none is known)."""
+        most = self._max_token_bytes_cached()
+        return -(-len(text.encode("utf-8", "surrogatepass")) // most) if most else 0
+
+    def _max_token_bytes_cached(self) -> Optional[int]:
+        if not hasattr(self, "_max_bytes"):
+            self._max_bytes = self.max_token_bytes()
+        return self._max_bytes
+
+    def encode_prompt(self, text: str, max_tokens: Optional[int] = None) -> List[int]:
         """`encode`, never empty: a model needs a first token, so an empty prompt starts from
-        BOS (else EOS)."""
+        BOS (else EOS). With `max_tokens`, a text that cannot fit is refused (PromptTooLong)
+        before it is tokenized: tokenizing a 1 MiB prompt only to refuse it took seconds and
+        ~120 MB that glibc kept (16 at once left a server 2 GB larger)."""
+        if max_tokens is not None:
+            at_least = self.fewest_tokens(text) + (1 if self.add_bos else 0)
+            if at_least > max_tokens:
+                raise PromptTooLong(at_least, max_tokens)
         ids = self.encode(text)
         if ids:
             return ids
@@ -126,6 +156,9 @@ class CharTokenizer(Tokenizer):
     def _decode(self, ids: List[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
+    def max_token_bytes(self) -> Optional[int]:
+        return max(len(c.encode("utf-8", "surrogatepass")) for c in self.chars)
+
     def _save_files(self, model_dir: str) -> None:
         write_json(os.path.join(model_dir, "vocab.json"), self.chars)
 
@@ -150,6 +183,10 @@ class GPT2Tokenizer(Tokenizer):
 
     def _decode(self, ids: List[int]) -> str:
         return self.enc.decode(ids)
+
+    def max_token_bytes(self) -> Optional[int]:
+        # byte-level BPE with no normalizer: each token is its bytes (the special one, its text)
+        return max(len(self.enc.decode_single_token_bytes(i)) for i in range(self.enc.n_vocab))
 
     def _save_files(self, model_dir: str) -> None:
         for name, _ in GPT2_FILES:
@@ -199,6 +236,14 @@ class HFTokenizer(Tokenizer):
 
     def _decode(self, ids: List[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=False)
+
+    def max_token_bytes(self) -> Optional[int]:
+        # Only without a normalizer (Llama 3, Qwen, SmolLM2): one could shrink the text first
+        # (NFKC, stripping). A token's string is at least as long in UTF-8 as the text it
+        # stands for (byte-level BPE spells a byte as one char of 1-2 bytes; "▁" is 3 for 1).
+        if self.tk.normalizer is not None:
+            return None
+        return max(len(t.encode("utf-8", "surrogatepass")) for t in self.tk.get_vocab(with_added_tokens=True))
 
     def _save_files(self, model_dir: str) -> None:
         self.tk.save(os.path.join(model_dir, "tokenizer.json"))

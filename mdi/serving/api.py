@@ -179,7 +179,7 @@ class Routes:
     def completions(self) -> Response:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)
         adapter = self._adapter_of(fields)
-        ids = prompt_ids(fields["prompt"], self.sched.tokenizer)
+        ids = prompt_ids(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
                                   self.sched.max_len)
         return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=False)
@@ -187,7 +187,8 @@ class Routes:
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
-        ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])))
+        ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])), self.sched.max_len,
+                     "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter), opts, chat=True)
 

@@ -4,15 +4,17 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
-from mdi.model.tokenizers import Tokenizer, TokenizerError
+from mdi.model.tokenizers import PromptTooLong, Tokenizer, TokenizerError
 from mdi.serving.validation import ApiError
+from mdi.system.interrupt import DeadlinePassed, thread_deadline
+from mdi.system.memory import release_freed_memory
 
 MAX_MESSAGES = 1024
 # A chat template is the model file's code, run for every chat request. Jinja's sandbox bounds
 # `range` only: 'x' * 10**8 built 100 MB and a list repeat 1.5 GB per request. Bounded here: a
 # `*` or `**` whose result would pass MAX_TEMPLATE_VALUE items (or bits), and a rendering that
-# passes MAX_TEMPLATE_CHARS or MAX_TEMPLATE_SECONDS (checked as its output streams: a loop that
-# writes nothing between checks is bounded by range's own limit only).
+# passes MAX_TEMPLATE_CHARS (checked as its output streams) or MAX_TEMPLATE_SECONDS (a timer
+# stops it, even in a loop that writes nothing: mdi.system.interrupt).
 MAX_TEMPLATE_VALUE = 1 << 20
 MAX_TEMPLATE_CHARS = 1 << 22
 MAX_TEMPLATE_SECONDS = 2.0
@@ -63,15 +65,19 @@ class ChatTemplate:
 
     def render(self, messages: List[Dict[str, str]]) -> str:
         from jinja2 import TemplateError
-        parts, size, deadline = [], 0, time.monotonic() + MAX_TEMPLATE_SECONDS
+        parts, size = [], 0
         try:
-            for part in self.template.generate(messages=messages, add_generation_prompt=True,
-                                               bos_token=self.bos, eos_token=self.eos):
-                parts.append(part)
-                size += len(part)
-                if size > MAX_TEMPLATE_CHARS or time.monotonic() > deadline:
-                    raise ApiError(400, "the chat template wrote more than %d characters or ran longer than %.0f s "
-                                   "for these messages" % (MAX_TEMPLATE_CHARS, MAX_TEMPLATE_SECONDS), "messages")
+            with thread_deadline(MAX_TEMPLATE_SECONDS):
+                for part in self.template.generate(messages=messages, add_generation_prompt=True,
+                                                   bos_token=self.bos, eos_token=self.eos):
+                    parts.append(part)
+                    size += len(part)
+                    if size > MAX_TEMPLATE_CHARS:
+                        raise ApiError(400, "the chat template wrote more than %d characters for these messages"
+                                       % MAX_TEMPLATE_CHARS, "messages")
+        except DeadlinePassed:
+            raise ApiError(400, "the chat template ran longer than %.0f s for these messages" % MAX_TEMPLATE_SECONDS,
+                           "messages") from None
         except TemplateError as e:  # SecurityError included: a value past MAX_TEMPLATE_VALUE
             raise ApiError(400, "the chat template refused these messages: %s" % e, "messages")
         text = "".join(parts)
@@ -134,12 +140,12 @@ def _message(m: Any, where: str) -> Dict[str, str]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def prompt_ids(prompt: Any, tokenizer: Tokenizer) -> List[int]:
+def prompt_ids(prompt: Any, tokenizer: Tokenizer, max_len: int) -> List[int]:
     """The completion prompt as token ids: a string, [string] or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return encode(tokenizer, prompt)
+        return encode(tokenizer, prompt, max_len, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < tokenizer.vocab_size for t in prompt):
             raise ApiError(400, "'prompt': token ids must be in [0, %d)" % tokenizer.vocab_size, "prompt")
@@ -150,11 +156,27 @@ def prompt_ids(prompt: Any, tokenizer: Tokenizer) -> List[int]:
     raise ApiError(400, "'prompt': expected a string or a list of token ids", "prompt")
 
 
-def encode(tokenizer: Tokenizer, text: str) -> List[int]:
+def encode(tokenizer: Tokenizer, text: str, max_len: int, param: str) -> List[int]:
+    """The prompt's ids; a prompt that cannot leave a position free in a slot of `max_len`
+    is refused before it is tokenized where the tokenizer can tell (Tokenizer.encode_prompt),
+    and what tokenizing a refused one left behind goes back to the OS."""
     try:
-        return tokenizer.encode_prompt(text)
+        ids = tokenizer.encode_prompt(text, max_tokens=max_len - 1)
+    except PromptTooLong as e:
+        raise context_exceeded(max_len, "at least %d" % e.at_least, param)
     except TokenizerError as e:
-        raise ApiError(400, "cannot tokenize the prompt: %s" % e, "prompt")
+        raise ApiError(400, "cannot tokenize the prompt: %s" % e, param)
+    if len(ids) >= max_len:
+        n = len(ids)
+        del ids
+        release_freed_memory()
+        raise context_exceeded(max_len, str(n), param)
+    return ids
+
+
+def context_exceeded(max_len: int, n_prompt: str, param: str) -> ApiError:
+    return ApiError(400, "this server's maximum context length is %d tokens, but the prompt has %s tokens"
+                    % (max_len, n_prompt), param, "context_length_exceeded")
 
 
 def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int], max_len: int) -> int:
@@ -162,8 +184,7 @@ def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int
     when prompt + max_tokens cannot fit a slot of `max_len` positions."""
     room = max_len - n_prompt
     if room < 1:
-        raise ApiError(400, "this server's maximum context length is %d tokens, but the prompt has %d tokens"
-                       % (max_len, n_prompt), "messages" if default is None else "prompt", "context_length_exceeded")
+        raise context_exceeded(max_len, str(n_prompt), "messages" if default is None else "prompt")
     if max_tokens is None:
         return room if default is None else min(default, room)
     if max_tokens > room:
