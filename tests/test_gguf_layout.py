@@ -148,3 +148,15 @@ def test_values_and_tensors_read_as_ggufs_own_reader_reads_them(tmp_path):
         for a, b in zip(ours.tensors, theirs.tensors):
             assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape)
             assert a.data.shape == b.data.shape and np.array_equal(a.data, b.data), (endian, a.name)
+
+
+def test_a_lora_header_listing_more_tensors_than_its_base_has_layers_is_refused_before_reading_them(tmp_path):
+    # 200k tensor records cost the starter 12-15 s of CPU to read: a LoRA for a 4-layer base
+    # holds at most an A and a B per linear layer of each block
+    records = b"".join(tensor_info(offset=0, name="blk.%d.attn_q.weight.lora_a" % i) for i in range(20000))
+    path = tmp_path / "many.gguf"
+    path.write_bytes(gguf(tensors=records, n_tensors=20000) + b"\0" * 64)
+    t0 = time.monotonic()
+    with pytest.raises(AdapterError) as e:
+        load_gguf_lora(str(path), tiny_config("llama"))
+    assert "20000 tensors, more than the" in str(e.value) and time.monotonic() - t0 < 5

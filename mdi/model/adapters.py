@@ -422,7 +422,8 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
     name = name or os.path.splitext(os.path.basename(path))[0]
     where = "adapter %s" % name
     try:
-        reader = open_reader(path)
+        # an A and a B per linear layer mdi knows, in every layer
+        reader = open_reader(path, max_tensors=2 * len(GGUF_NAMES) * config.n_layer)
     except Exception as e:  # the reader raises assorted errors for non-GGUF input
         raise AdapterError("%s: %s is not a readable GGUF file (%s)" % (where, path, str(e).splitlines()[0] if str(e)
                                                                           else type(e).__name__))

@@ -17,7 +17,7 @@ type, u64 offset. A string is a u64 length and its bytes.
 import mmap
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 STRING, ARRAY = 8, 9
 FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
@@ -49,6 +49,14 @@ class _Walk:
         (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
         self.pos += n
         return value
+
+    def read_many(self, fmt: str, n: int, what: str) -> Tuple[int, ...]:
+        size = struct.calcsize(self.order + fmt) * n
+        if size > self.left():
+            raise self.fail("the file ends inside %s" % what)
+        values = struct.unpack_from("%s%d%s" % (self.order, n, fmt), self.buf, self.pos)
+        self.pos += size
+        return values
 
     def count(self, what: str, item_bytes: int) -> int:
         """A u64 count of items of at least `item_bytes` each, bounded by the bytes left."""
@@ -100,7 +108,7 @@ class Header:
     data_start: int
 
 
-def _walk_header(buf: Any, size: int, path: str) -> Header:
+def _walk_header(buf: Any, size: int, path: str, max_tensors: Optional[int] = None) -> Header:
     walk = _Walk(buf, size, path)
     if bytes(buf[:4]) != b"GGUF":
         raise GGUFLayoutError("%s: not a GGUF file (no GGUF magic)" % path)
@@ -113,6 +121,8 @@ def _walk_header(buf: Any, size: int, path: str) -> Header:
         if version not in (2, 3):
             raise GGUFLayoutError("%s: GGUF version %d is not read (2 and 3 are)" % (path, version))
     n_tensors = walk.read("Q", "the tensor count")
+    if max_tensors is not None and n_tensors > max_tensors:
+        raise GGUFLayoutError("%s: %d tensors, more than the %d such a file can hold" % (path, n_tensors, max_tensors))
     n_kv = walk.count("the metadata count", 8 + 4)
     values = {}  # type: Dict[str, Tuple[int, int]]
     alignment = DEFAULT_ALIGNMENT
@@ -136,9 +146,9 @@ def _walk_header(buf: Any, size: int, path: str) -> Header:
         n_dims = walk.read("I", "tensor %d's dimensions" % i)
         if n_dims > MAX_DIMS:
             raise walk.fail("tensor %d claims %d dimensions (at most %d)" % (i, n_dims, MAX_DIMS))
-        dims = tuple(walk.read("Q", "tensor %d's shape" % i) for _ in range(n_dims))
-        ggml_type = walk.read("I", "tensor %d's type" % i)
-        tensors.append((name, dims, ggml_type, walk.read("Q", "tensor %d's offset" % i)))
+        dims = walk.read_many("Q", n_dims, "tensor %d's shape" % i)
+        ggml_type, offset = walk.read_many("IQ", 1, "tensor %d's type and offset" % i)
+        tensors.append((name, dims, ggml_type, offset))
     # Data starts at the next multiple of the alignment; each tensor's offset within it is a
     # multiple too (what llama.cpp requires) and inside the file.
     data_start = -(-walk.pos // alignment) * alignment
@@ -167,14 +177,25 @@ def check_layout(path: str) -> Tuple[int, int]:
             return len(header.tensors), len(header.values)
 
 
-@dataclass
 class GGUFTensor:
     """One tensor as gguf's reader presents it: `data` a read-only view of the file, float and
-    integer types as their own dtype in torch's order, quantized ones as uint8 rows of blocks."""
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: Tuple[int, ...]  # GGUF's order, innermost first
-    data: Any  # numpy array
+    integer types as their own dtype in torch's order, quantized ones as uint8 rows of blocks
+    (made when first asked for: a LoRA header may list 200k tensors)."""
+    __slots__ = ("name", "tensor_type", "shape", "_file", "_start", "_n_bytes", "_view", "_data")
+
+    def __init__(self, name: str, tensor_type: Any, shape: Tuple[int, ...], file: "GGUFFile", start: int,
+                 n_bytes: int, view: Tuple[str, Tuple[int, ...]]) -> None:
+        self.name, self.tensor_type, self.shape = name, tensor_type, shape  # shape: GGUF's order, innermost first
+        self._file, self._start, self._n_bytes, self._view, self._data = file, start, n_bytes, view, None
+
+    @property
+    def data(self) -> Any:
+        if self._data is None:
+            import numpy as np
+            dtype, shape = self._view
+            raw = self._file.bytes[self._start:self._start + self._n_bytes]
+            self._data = raw.view(np.dtype(dtype)).reshape(shape)
+        return self._data
 
 
 class GGUFFile:
@@ -186,32 +207,36 @@ class GGUFFile:
     (above) already passes every value, so it records where each one starts, and a value is
     decoded only when asked for. gguf's tables still say what each tensor type's blocks hold."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_tensors: Optional[int] = None) -> None:
         import numpy as np
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = path
         with open(path, "rb") as f:
             size = _file_size(f, path)
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        header = _walk_header(self._map, size, path)
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays open with the arrays on it
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        header = _walk_header(self._map, size, path, max_tensors)
         self._order, self._values = header.order, header.values
         self.tensors = []  # type: List[GGUFTensor]
         seen = set()  # type: set
+        types = {}  # type: Dict[int, Tuple[Any, int, int]]
         for name, dims, type_id, offset in header.tensors:
             where = "%s: tensor %s" % (path, name)
             if name in seen:
                 raise GGUFLayoutError("%s appears twice" % where)
             seen.add(name)
-            try:
-                ggml_type = GGMLQuantizationType(type_id)
-                block, type_size = GGML_QUANT_SIZES[ggml_type]
-            except (ValueError, KeyError):
-                raise GGUFLayoutError("%s has unknown tensor type %d" % (where, type_id)) from None
+            if type_id not in types:
+                try:
+                    ggml_type = GGMLQuantizationType(type_id)
+                    types[type_id] = (ggml_type,) + tuple(GGML_QUANT_SIZES[ggml_type])
+                except (ValueError, KeyError):
+                    raise GGUFLayoutError("%s has unknown tensor type %d" % (where, type_id)) from None
+            ggml_type, block, type_size = types[type_id]
             n = 1
             for d in dims:
                 n *= d
-            shape = tuple(reversed(dims))  # torch's order, outermost first
+            shape = dims[::-1]  # torch's order, outermost first
             item = PLAIN_TYPES.get(ggml_type.name)
             if item is None and (not shape or shape[-1] % block):
                 raise GGUFLayoutError("%s: a row of %s is not whole blocks of %d" % (where, ggml_type.name, block))
@@ -219,12 +244,9 @@ class GGUFFile:
             start = header.data_start + offset
             if start + n_bytes > size:
                 raise GGUFLayoutError("%s: its %d bytes run past the end of the file" % (where, n_bytes))
-            raw = self._map[start:start + n_bytes]
-            if item is not None:
-                data = raw.view(np.dtype(self._order + item)).reshape(shape)
-            else:  # quantized: rows of blocks, as bytes
-                data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,))
-            self.tensors.append(GGUFTensor(name, ggml_type, dims, data))
+            view = (self._order + item, shape) if item is not None else \
+                ("u1", shape[:-1] + (shape[-1] // block * type_size,))  # quantized: rows of blocks, as bytes
+            self.tensors.append(GGUFTensor(name, ggml_type, dims, self, start, n_bytes, view))
 
     def keys(self) -> List[str]:
         return list(self._values)
@@ -269,6 +291,8 @@ def _read_value(walk: _Walk, vtype: int, what: str) -> Any:
     raise walk.fail("%s has unknown value type %d" % (what, vtype))
 
 
-def open_reader(path: str) -> GGUFFile:
-    """The GGUF file at `path`, its header walked within the file before anything is read."""
-    return GGUFFile(path)
+def open_reader(path: str, max_tensors: Optional[int] = None) -> GGUFFile:
+    """The GGUF file at `path`, its header walked within the file before anything is read;
+    `max_tensors`: more is refused before a tensor record is read (what a LoRA for the base
+    model could hold: a header listing 200k cost the starter seconds)."""
+    return GGUFFile(path, max_tensors)
