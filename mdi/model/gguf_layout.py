@@ -186,7 +186,8 @@ class GGUFTensor:
     def __init__(self, name: str, tensor_type: Any, shape: Tuple[int, ...], file: "GGUFFile", start: int,
                  n_bytes: int, view: Tuple[str, Tuple[int, ...]]) -> None:
         self.name, self.tensor_type, self.shape = name, tensor_type, shape  # shape: GGUF's order, innermost first
-        self._file, self._start, self._n_bytes, self._view, self._data = file, start, n_bytes, view, None
+        self._file, self._start, self._n_bytes, self._view = file, start, n_bytes, view
+        self._data = None  # type: Any
 
     @property
     def data(self) -> Any:
@@ -229,7 +230,8 @@ class GGUFFile:
             if type_id not in types:
                 try:
                     ggml_type = GGMLQuantizationType(type_id)
-                    types[type_id] = (ggml_type,) + tuple(GGML_QUANT_SIZES[ggml_type])
+                    block, type_size = GGML_QUANT_SIZES[ggml_type]
+                    types[type_id] = (ggml_type, block, type_size)
                 except (ValueError, KeyError):
                     raise GGUFLayoutError("%s has unknown tensor type %d" % (where, type_id)) from None
             ggml_type, block, type_size = types[type_id]
