@@ -70,3 +70,30 @@ def test_status_capacity_is_the_limit_of_loads_and_of_a_kept_chunks_cache(worker
     slots = (capacity(worker) // per_slot) + 1  # one slot more than the capacity holds
     r, _ = init(worker, model_dir, slots)
     assert r.status_code in (400, 413) and "limit" in r.json()["error"], r.text
+
+
+def test_an_adapter_counts_against_the_same_limit(worker, tiny_models):
+    """Adapters (and every mix a client may ask for) are held beside the weights: a board
+    limited to 0.7 GB held 1.28 GB of them. One that does not fit is refused (413), naming
+    the worker's limit; one that fits is taken, and counted in what the worker holds."""
+    from mdi.ring.adapter_request import adapter_body
+    model_dir = tiny_models["llama"]
+    worker.free = 1 << 30
+    r, config = init(worker, model_dir, 1)
+    assert r.status_code == 200, r.text
+    layer = "blocks.%d.mlp.gate_up" % LAYERS[0]
+    rank = 4
+
+    def body(r_):
+        return adapter_body({layer: (torch.zeros(r_, config.n_embd), torch.zeros(2 * config.intermediate_size, r_))})
+    url = "http://127.0.0.1:%d/adapters/1" % worker.port
+    held = worker._held_bytes()
+    # free memory leaves room for the weights held and a small adapter, not a big one
+    worker.free = len(body(rank)) + LOAD_HEADROOM_BYTES + 1024
+    big = body(256)
+    r = requests.post(url, data=big, headers={"Content-Type": "application/octet-stream"}, timeout=30)
+    assert r.status_code == 413 and "adapter 1 needs" in r.json()["error"], r.text
+    assert worker._held_bytes() == held  # nothing taken
+    r = requests.post(url, data=body(rank), headers={"Content-Type": "application/octet-stream"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert worker._held_bytes() > held

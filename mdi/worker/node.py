@@ -259,11 +259,19 @@ class Worker:
         safetensors ("<layer>.lora_A" [r, in], "<layer>.lora_B" [out, r], scale folded in).
         It joins the weights held now, run in progress or not (a sample names it per frame),
         and goes with them: new weights (another /init) start with no adapter."""
-        tensors = read_adapter_tensors(body)
         with self.lock:
             chunk = self.chunk
             if chunk is None:
                 raise RequestError("no weights loaded: an adapter comes after /init")
+            # Adapters (and the mixes any client may ask for) count against this worker's memory
+            # like its weights: a board limited to 0.7 GB held 1.28 GB of them. The body's size
+            # is the matrices' (safetensors), so it is refused before they are unpacked.
+            limit, what = self._memory_limit(self.loaded.device if self.loaded else "cpu")
+            held = self._held_bytes()
+            if limit is not None and held + len(body) > limit:
+                raise TooLarge("adapter %d needs %.1f MB, but this worker holds %.1f MB of the %.1f MB it may use (%s)"
+                               % (adapter, len(body) / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
+            tensors = read_adapter_tensors(body)
             try:
                 chunk.set_adapter(adapter, tensors)
             except ValueError as e:
@@ -274,6 +282,7 @@ class Worker:
         with self.lock:
             if self.chunk is not None:
                 self.chunk.drop_adapter(adapter)
+            release_freed_memory()  # an adapter's matrices are many small tensors: back to the OS
             return {"ok": True, "adapter": adapter}
 
     def _check_holder_locked(self, request: InitRequest, peer: str) -> None:
@@ -378,11 +387,15 @@ class Worker:
         avail = free_bytes_on(device)
         if avail is None:
             return None, "unknown"
-        chunk, held = self.chunk, 0
-        if chunk is not None:
-            held = chunk_nbytes(chunk) + chunk.adapter_bytes + (chunk.cache.nbytes if chunk.cache is not None else 0)
-        return (max(0, avail + held - LOAD_HEADROOM_BYTES),
+        return (max(0, avail + self._held_bytes() - LOAD_HEADROOM_BYTES),
                 "available memory less %d MB a run needs beside them" % (LOAD_HEADROOM_BYTES >> 20))
+
+    def _held_bytes(self) -> int:
+        """What this worker holds now for a run: weights, adapters and KV cache."""
+        chunk = self.chunk
+        if chunk is None:
+            return 0
+        return chunk_nbytes(chunk) + chunk.adapter_bytes + (chunk.cache.nbytes if chunk.cache is not None else 0)
 
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
         """What this worker's memory spares beside the weights and KV cache its run was planned
