@@ -240,3 +240,22 @@ def test_after_the_last_adapter_is_unloaded_unknown_names_are_still_refused(setu
     finally:
         for name in loaded:
             requests.post(server.url + "/v1/mdi/adapters", json={"name": name, "path": dirs[name]}, timeout=120)
+
+
+def test_a_full_mix_table_makes_room_from_the_mix_given_out_longest_ago(setup, workers):
+    # Any client can ask for a new mix: with the table full (MAX_MIXES), the mix given out
+    # longest ago that no request uses leaves every node for the new one, instead of every
+    # other client's new mix being refused; an evicted mix asked for again is simply remade.
+    from mdi.starter.adapters import MAX_MIXES
+    server, model, dirs = setup
+    lora = [[{"id": 0, "scale": 1}, {"id": 1, "scale": round(0.05 * (k + 1), 2)}] for k in range(MAX_MIXES + 3)]
+    first = complete(server, lora=lora[0], max_tokens=4)
+    assert first.status_code == 200, first.text
+    for k, mix in enumerate(lora[1:], start=1):
+        r = complete(server, lora=mix, max_tokens=4)
+        assert r.status_code == 200, r.text
+        if k == MAX_MIXES - 1:
+            full = adapter_bytes(workers)  # the table full of these mixes (older ones made room)
+    assert adapter_bytes(workers) == full  # three more mixes, no more memory on the workers
+    again = complete(server, lora=lora[0], max_tokens=4)  # evicted, then made again: the same text
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

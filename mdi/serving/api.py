@@ -218,9 +218,12 @@ class Routes:
                                    % (index, len(loaded), len(loaded) - 1), "lora")
                 entries.append((loaded[index][0], entry["scale"]))
             try:
-                return engine.mix_adapters(entries)
+                return engine.mix_adapters(entries, lambda held: self.sched.evict_idle(
+                    held, lambda mix: self.sched.engine_up().drop_mix(mix), UNLOAD_WAIT_S))
             except ConfigError as e:
                 raise ApiError(400, str(e), "lora")
+            except SchedulerError as e:  # busy for too long to make room
+                raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "invalid_request_error")
             except RuntimeError as e:  # a worker refused the mix (NodeError): named in the message
                 raise ApiError(502, str(e), kind="server_error")
         name = fields["model"]

@@ -195,6 +195,19 @@ class Scheduler:
         finally:
             self._inbox.put(("call", _Call(lambda: self._closing.difference_update(closing))))
 
+    def evict_idle(self, candidates: Sequence[int], remove: Callable[[int], Any], timeout: float) -> Optional[int]:
+        """Between two steps, `remove` the first of `candidates` (adapter ids) that no waiting
+        or running request names, and return it; None when each is in use. A request given the
+        id just before is refused at admission ("its adapter was unloaded"), never run on it."""
+        def pick() -> Optional[int]:
+            busy = {r.adapter for r in self._waiting} | {r.adapter for r in self._running.values()}
+            for adapter in candidates:
+                if adapter not in busy:
+                    remove(adapter)
+                    return adapter
+            return None
+        return self.between_steps(pick, timeout)
+
     def _unavailable(self) -> Unavailable:
         return Unavailable("the ring is %s%s" % (self.state, ": %s" % self.error if self.error else ""))
 

@@ -3,6 +3,7 @@ path}`, numbered 1..K in that order (0 is the base model), installed on the star
 blocks and sent to each worker for its layers only (POST /adapters/<id>)."""
 import logging
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple  # noqa: F401  (type comments)
 
 from mdi.model.config import ModelConfig
@@ -34,6 +35,7 @@ class AdapterSet:
         self.adapters = []  # type: List[Any]  # mdi.model.adapters.Adapter or SoftPrompt, in id order
         self.pending = set()  # type: Set[int]
         self.mixes = {}  # type: Dict[Tuple[Tuple[int, float], ...], int]  # ((id, scale), ...) -> its mix's id
+        self.mix_used = {}  # type: Dict[int, float]  # a mix's id -> when a request was last given it
         self.lock = threading.Lock()  # adds and removes from HTTP threads
         for name, path in paths.items():
             self.add(name, read_adapter(name, path, config))
@@ -65,6 +67,7 @@ class AdapterSet:
             for key, mix in list(self.mixes.items()):
                 if mix == adapter:
                     del self.mixes[key]
+            self.mix_used.pop(adapter, None)
             return adapter
 
     def loaded(self) -> List[Tuple[int, str]]:
@@ -141,18 +144,24 @@ class AdapterSet:
             return key, key[0][0], None
         held = self.mixes.get(key)
         if held is not None:
+            self.mix_used[held] = time.monotonic()
             return key, held, None
         try:
             return key, None, mix_adapters([(self.adapters[a - 1], s) for a, s in key], mix_name(key))
         except AdapterError as e:
             raise ConfigError(str(e))
 
+    def mixes_by_age(self) -> List[int]:
+        """The held mixes' ids, the one a request was given longest ago first."""
+        return sorted(self.mixes.values(), key=lambda m: self.mix_used.get(m, 0.0))
+
     def metrics(self) -> Dict[str, Any]:
         return {name: {"id": i, "rank": self.adapters[i - 1].rank, "bytes": self.adapters[i - 1].nbytes()}
                 for i, name in self.loaded()}
 
 
-MAX_MIXES = 16  # adapter mixes held at once (each is a LoRA of the summed rank on every node)
+MAX_MIXES = 16  # adapter mixes held at once (each is a LoRA of the summed rank on every node); past
+# it, the one given out longest ago that no request uses makes room (Engine.mix_adapters)
 
 
 def mix_name(key: Sequence[Tuple[int, float]]) -> str:

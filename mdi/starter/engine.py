@@ -150,22 +150,32 @@ class Engine:
         self.adapters.ready(adapter_id)
         return adapter_id
 
-    def mix_adapters(self, entries: List[Tuple[int, float]]) -> int:
+    def mix_adapters(self, entries: List[Tuple[int, float]],
+                     evict: Optional[Callable[[List[int]], Optional[int]]] = None) -> int:
         """The adapter id for llama.cpp's `lora: [{id, scale}, ...]` (here as (adapter id,
         scale)): the base, one adapter, or a mix of scaled adapters loaded once on every node
-        like any adapter (mdi.model.adapters.mix_adapters) and reused by later requests."""
+        like any adapter (mdi.model.adapters.mix_adapters) and reused by later requests.
+        With MAX_MIXES held, `evict` (given the held mixes, least recently given out first)
+        drops the first that no request uses and says which (None: every one is in use), so
+        one client asking for mix after mix cannot lock every other client out of the table."""
         if self.adapters is None:
             raise ConfigError("no adapter is loaded")
         with self._mix_lock:  # two requests asking for one new mix load it once
             key, held, mix = self.adapters.mix(entries)
             if held is not None:
                 return held
-            if len(self.adapters.mixes) >= MAX_MIXES:
-                raise ConfigError("%d adapter mixes are held already (the most at once); unload an adapter "
-                                  "to drop the mixes it is part of" % MAX_MIXES)
+            if len(self.adapters.mixes) >= MAX_MIXES and \
+                    (evict is None or evict(self.adapters.mixes_by_age()) is None):
+                raise ConfigError("%d adapter mixes are held already (the most at once), each in use by a request; "
+                                  "try again when one ends" % MAX_MIXES)
             adapter_id = self._install_adapter(mix.name, mix)
             self.adapters.mixes[key] = adapter_id
+            self.adapters.mix_used[adapter_id] = time.monotonic()
             return adapter_id
+
+    def drop_mix(self, mix: int) -> None:
+        """Unload a mix from every node (its adapters stay)."""
+        self._drop_adapter(self.adapters.names[mix - 1])
 
     def remove_adapter(self, name: str) -> int:
         """Unload an adapter, and every mix it is part of, from every node."""
