@@ -88,6 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--big-tokens", type=int, default=32, help="decode tokens for the 1.1B shape")
     p.add_argument("--big-repeats", type=int, default=2, help="repeats of the 1.1B shape (alternating)")
     p.add_argument("--build-only", action="store_true", help="build llama.cpp and stop")
+    p.add_argument("--ring-only", action="store_true", help="only the 3-process sweep (no standalone, 1.1B or breakdown)")
+    p.add_argument("--board-cores", type=float, default=0.0,
+                   help="emulated boards for the 3-process sweep: every process of both systems (mdi's starter "
+                        "and 2 workers; llama-batched-bench and 2 RPC servers) in its own cgroup of this many "
+                        "cores (0: none; needs writable cgroup v1 cpu)")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_peer.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "results", "bench_peer.png"))
     args = p.parse_args(argv)
@@ -235,13 +240,13 @@ def llama_bench(bins: str, gguf: str, threads: int, n_prompt: int, n_gen: int) -
 class RpcServer:
     """One ggml-rpc-server -t 1 on a free 127.0.0.1 port, ended by its PID."""
 
-    def __init__(self, bins: str, log_dir: str, index: int) -> None:
+    def __init__(self, bins: str, log_dir: str, index: int, preexec: Optional[Any] = None) -> None:
         self.port = benchlib.free_ports(1)[0]
         self.log_path = os.path.join(log_dir, "rpc%d.log" % index)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([os.path.join(bins, "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(self.port),
                                       "-t", "1"], stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, preexec_fn=preexec)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -267,13 +272,13 @@ class RpcServer:
 
 
 def llama_batched(bins: str, gguf: str, servers: List[RpcServer], npp: int, ntg: int, npl: List[int],
-                  ngl: int) -> Dict[str, Any]:
+                  ngl: int, preexec: Optional[Any] = None) -> Dict[str, Any]:
     ctx = max(npl) * (npp + ntg) + 64
     cmd = [os.path.join(bins, "llama-batched-bench"), "-m", gguf, "--rpc",
            ",".join("127.0.0.1:%d" % s.port for s in servers), "-ngl", str(ngl), "-t", "1",
            "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
            "-npl", ",".join(str(s) for s in npl), "--output-format", "jsonl"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, preexec_fn=preexec)
     text = out.stdout + "\n" + out.stderr
     if out.returncode != 0:
         raise RuntimeError("llama-batched-bench failed (rc %d): %s" % (out.returncode, text[-1500:]))
@@ -686,9 +691,40 @@ def fast_vs_exact(args) -> Dict[str, Any]:
             "fast_decode_tokens_per_s": fast["decode_tokens_per_s"]}
 
 
+BOARDS = ("mdi-starter", "mdi-worker1", "mdi-worker2", "llama-main", "llama-rpc1", "llama-rpc2")
+
+
+def board_groups(cores: float) -> Optional[Any]:
+    """One CPU cgroup of `cores` per process of both rings (None: no emulation), so three
+    processes on a 2-core machine are not oversubscribed for one system and idle for the other."""
+    if not cores:
+        return None
+    reason = benchlib.cgroup_unavailable_reason()
+    if reason:
+        sys.exit("bench_peer: --board-cores needs cgroups: %s" % reason)
+    groups = benchlib.CpuCgroups("bench_peer")
+    for name in BOARDS:
+        groups.create(name)
+        groups.set_quota(name, cores)
+    return groups
+
+
 def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, Any]:
     from benchlib import WorkerProcess
-    workers = [WorkerProcess("worker%d" % i, 1, log_dir) for i in (1, 2)]
+    groups = board_groups(args.board_cores)
+
+    def preexec(name: str) -> Optional[Any]:
+        return groups.preexec(name) if groups is not None else None
+
+    def on_board(name: str, fn: Any) -> Any:  # this process (mdi's starter) on its board for fn()
+        if groups is None:
+            return fn()
+        groups.join(name)
+        try:
+            return fn()
+        finally:
+            groups.leave()
+    workers = [WorkerProcess("worker%d" % i, 1, log_dir, preexec=preexec("mdi-worker%d" % i)) for i in (1, 2)]
     servers = []  # type: List[RpcServer]
     runs = {"mdi": {str(s): [] for s in args.samples}, "llama.cpp": []}  # type: Dict[str, Any]
     errors = {}  # type: Dict[str, str]
@@ -697,26 +733,27 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
             w.wait_healthy(60)
         if bins:
             try:
-                servers = [RpcServer(bins, log_dir, i) for i in (1, 2)]
+                servers = [RpcServer(bins, log_dir, i, preexec("llama-rpc%d" % i)) for i in (1, 2)]
                 for s in servers:
                     s.wait_ready(30)
             except (OSError, RuntimeError) as e:
                 errors["llama.cpp"] = str(e)
                 servers = []
         log("ring3: warm-up (weights pushed, kernels chosen)")
-        mdi_ring(args.model, workers, 1, 4)
+        on_board("mdi-starter", lambda: mdi_ring(args.model, workers, 1, 4))
         for r in range(args.ring_repeats):
             order = ["mdi", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "mdi"]
             for name in order:
                 if name == "mdi":
                     for S in args.samples:
-                        m = mdi_ring(args.model, workers, S, args.n_tokens)
+                        m = on_board("mdi-starter", lambda: mdi_ring(args.model, workers, S, args.n_tokens))
                         runs["mdi"][str(S)].append(m)
                         log("  repeat %d, mdi ring3 S=%d: aggregate decode %.1f tok/s (%s)"
                             % (r + 1, S, m["decode_tokens_per_s"], ",".join(m["finish_reasons"])))
                 elif servers:
                     try:
-                        b = llama_batched(bins, gguf, servers, args.ring_prompt_tokens, args.n_tokens, args.samples, 21)
+                        b = llama_batched(bins, gguf, servers, args.ring_prompt_tokens, args.n_tokens, args.samples, 21,
+                                          preexec("llama-main"))
                         runs["llama.cpp"].append(b)
                         log("  repeat %d, llama.cpp RPC: %s" % (r + 1, ", ".join(
                             "S=%d %.1f tok/s" % (pl, row["speed_tg"]) for pl, row in sorted(b["rows"].items()))))
@@ -738,7 +775,11 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
             w.stop()
         for s in servers:
             s.stop()
-    out = {"runs": runs, "errors": errors, "by_samples": {}}  # type: Dict[str, Any]
+        if groups is not None:
+            for problem in groups.cleanup():
+                log("cgroups: " + problem)
+    out = {"runs": runs, "errors": errors, "by_samples": {},
+           "board_cores": args.board_cores or None}  # type: Dict[str, Any]
     for S in args.samples:
         e = {}  # type: Dict[str, Any]
         ms = runs["mdi"][str(S)]
@@ -821,7 +862,7 @@ def _ratio(e: Dict[str, Any], key: str) -> str:
 
 def report(record: Dict[str, Any]) -> None:
     rows = []
-    for T, e in sorted(record["standalone"].items()):
+    for T, e in sorted(record.get("standalone", {}).items()):
         for k, lab in (("decode", "decode tok/s"), ("prefill", "prefill tok/s")):
             key = k + "_tokens_per_s"
             rows.append(["1 node, %s thr, %s" % (T, lab), fmt_stat(e["mdi"][key]) if "mdi" in e else "n/a",
@@ -837,8 +878,9 @@ def report(record: Dict[str, Any]) -> None:
         if e.get("mdi_chunked_over_one_pass_prefill"):
             rows.append(["1 node, %s thr, mdi prefill in 64-token chunks / one pass" % T,
                          fmt_stat(e["mdi_chunked_over_one_pass_prefill"], "%.2f"), "", ""])
+    boards = record.get("ring3", {}).get("board_cores")
     for S, e in sorted(((int(k), v) for k, v in record.get("ring3", {}).get("by_samples", {}).items())):
-        rows.append(["3 proc x 1 thr, S=%d, aggr. decode tok/s" % S,
+        rows.append(["3 proc x 1 thr%s, S=%d, aggr. decode tok/s" % (", boards of %g core" % boards if boards else "", S),
                      fmt_stat(e["mdi"]["decode_tokens_per_s"]) if "mdi" in e else "n/a",
                      fmt_stat(e["llama.cpp"]["decode_tokens_per_s"]) if "llama.cpp" in e else "n/a",
                      _ratio(e, "ratio_mdi_over_llama_decode")])
@@ -932,14 +974,17 @@ def main(argv=None) -> int:
                                       "parts; pipeline = the run's median token gap - step",
                   "repeats": "standalone: %d, alternating order; ring sweep: %d, alternating order"
                              % (args.repeats, args.ring_repeats)}}
-    record["standalone"] = standalone(args, bins, gguf, prefill_prompt, n_prefill)
-    record["fast_vs_exact"] = fast_vs_exact(args)
-    if not args.no_big:
+    if not args.ring_only:
+        record["standalone"] = standalone(args, bins, gguf, prefill_prompt, n_prefill)
+        record["fast_vs_exact"] = fast_vs_exact(args)
+    if not args.no_big and not args.ring_only:
         record["big_model"] = big_model(args, bins)
     if not args.no_ring and args.ring_repeats > 0:
         log_dir = tempfile.mkdtemp(prefix="bench-peer-")
         record["ring3"] = ring_sweep(args, bins, gguf, log_dir)
         record["ring3"]["log_dir"] = log_dir
+    if args.ring_only:
+        return finish(args, info, record, t_start)
     log("mdi's decode step part by part")
     record["mdi_decode_breakdown"] = {str(T): decode_breakdown(args.model, T) for T in args.threads}
     try:
@@ -954,6 +999,10 @@ def main(argv=None) -> int:
                                                   for k, v in qkernels.chosen_by_weight().items()))
     except Exception as e:  # noqa: BLE001
         record["mdi_kernel_choices"] = ["unavailable: %s" % e]
+    return finish(args, info, record, t_start)
+
+
+def finish(args, info: Dict[str, Any], record: Dict[str, Any], t_start: float) -> int:
     benchlib.finish_machine_info(info)
     record["measure_seconds"] = round(time.perf_counter() - t_start, 1)
     report(record)
