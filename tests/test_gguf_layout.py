@@ -160,3 +160,24 @@ def test_a_lora_header_listing_more_tensors_than_its_base_has_layers_is_refused_
     with pytest.raises(AdapterError) as e:
         load_gguf_lora(str(path), tiny_config("llama"))
     assert "20000 tensors, more than the" in str(e.value) and time.monotonic() - t0 < 5
+
+
+def test_a_chunk_that_consumes_a_ggufs_weights_leaves_them_readable_again(tmp_path, monkeypatch):
+    """A one-node run holds a GGUF's weights once: the starter's chunk takes them out of the
+    source (ModelSource.load_chunk consume=True); a later ask (a worker push after a recovery)
+    reads the file again and gets the same weights."""
+    import torch
+    from mdi.model import source as source_module
+    from mdi.model.source import ModelSource
+    monkeypatch.setattr(source_module, "_raw_tokenizer", lambda path: None)  # the tiny file has none
+    path = str(tmp_path / "tiny.gguf")
+    _write_llama_gguf(path, {"attn_q": "Q8_0", "ffn_down": "Q4_1"})
+    source, fresh = ModelSource(path), ModelSource(path)
+    n = source.config.n_layer
+    quant = source.layout(0, n, True, "auto")
+    chunk = source.load_chunk(0, n, True, True, torch.float32, "cpu", None, quant, consume=True)
+    assert not source._full  # every weight went into the chunk
+    again = source.weights(0, n, False, False, torch.float32, quant)
+    want = fresh.weights(0, n, False, False, torch.float32, quant)
+    assert sorted(again) == sorted(want) and all(torch.equal(again[k], want[k]) for k in want)
+    assert chunk.n_layers == n

@@ -181,12 +181,14 @@ class GGUFTensor:
     """One tensor as gguf's reader presents it: `data` a read-only view of the file, float and
     integer types as their own dtype in torch's order, quantized ones as uint8 rows of blocks
     (made when first asked for: a LoRA header may list 200k tensors)."""
-    __slots__ = ("name", "tensor_type", "shape", "_file", "_start", "_n_bytes", "_view", "_data")
+    __slots__ = ("name", "tensor_type", "shape", "_bytes", "_start", "_n_bytes", "_view", "_data")
 
-    def __init__(self, name: str, tensor_type: Any, shape: Tuple[int, ...], file: "GGUFFile", start: int,
+    def __init__(self, name: str, tensor_type: Any, shape: Tuple[int, ...], file_bytes: Any, start: int,
                  n_bytes: int, view: Tuple[str, Tuple[int, ...]]) -> None:
         self.name, self.tensor_type, self.shape = name, tensor_type, shape  # shape: GGUF's order, innermost first
-        self._file, self._start, self._n_bytes, self._view = file, start, n_bytes, view
+        # the file's bytes, not the GGUFFile: a cycle would keep the whole map (and its pages,
+        # counted as resident) until the cyclic collector ran, after the model's load
+        self._bytes, self._start, self._n_bytes, self._view = file_bytes, start, n_bytes, view
         self._data = None  # type: Any
 
     @property
@@ -194,7 +196,7 @@ class GGUFTensor:
         if self._data is None:
             import numpy as np
             dtype, shape = self._view
-            raw = self._file.bytes[self._start:self._start + self._n_bytes]
+            raw = self._bytes[self._start:self._start + self._n_bytes]
             self._data = raw.view(np.dtype(dtype)).reshape(shape)
         return self._data
 
@@ -248,7 +250,7 @@ class GGUFFile:
                 raise GGUFLayoutError("%s: its %d bytes run past the end of the file" % (where, n_bytes))
             view = (self._order + item, shape) if item is not None else \
                 ("u1", shape[:-1] + (shape[-1] // block * type_size,))  # quantized: rows of blocks, as bytes
-            self.tensors.append(GGUFTensor(name, ggml_type, dims, self, start, n_bytes, view))
+            self.tensors.append(GGUFTensor(name, ggml_type, dims, self.bytes, start, n_bytes, view))
 
     def keys(self) -> List[str]:
         return list(self._values)

@@ -232,9 +232,22 @@ def _engines() -> Tuple[str, ...]:
         return ()
 
 
+def _offered(engine: str) -> bool:
+    """Whether a layer tries `engine`: the one made for this CPU, fbgemm where it is built (x86),
+    else qnnpack (ARM); another only when named (runtime.quant_kernel). x86 builds ship qnnpack
+    too, but it lost every shape measured on AVX2 (SmolLM2's head 7.8 against 3.3 ms, its
+    576-wide layers 0.71-1.18 against 0.45-0.63) and its packing held ~5x the weight while
+    measured (+144 MB for the 28 MB head): timing it set a GGUF load's peak memory."""
+    engines = _engines()
+    if engine not in engines:
+        return False
+    native = "fbgemm" if "fbgemm" in engines else "qnnpack"
+    return engine == native or preference == "int8dyn-" + engine
+
+
 def _int8_dynamic_supports(engine: str):
     def supports(spec, n_out, n_in, device):
-        return device.type == "cpu" and engine in _engines() and hasattr(torch, "_make_per_channel_quantized_tensor") \
+        return device.type == "cpu" and _offered(engine) and hasattr(torch, "_make_per_channel_quantized_tensor") \
             and hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch, "fake_quantize_per_tensor_affine")
     return supports
 

@@ -5,7 +5,8 @@ A prepared mdi directory is read lazily (a node loads only its own tensors); a r
 """
 import logging
 import os
-from typing import Dict, List, Mapping, Optional
+import threading
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -35,6 +36,7 @@ class ModelSource:
             raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
         self.path = path
         self._full: Optional[Dict[str, Stored]] = None
+        self._reread = threading.Lock()
         if is_mdi_dir(path):
             self.config = store.read_mdi_config(path)
             self.tokenizer = load_tokenizer(path)  # type: Optional[Tokenizer]
@@ -65,21 +67,36 @@ class ModelSource:
         if self._full is None:
             stored = store.load_weights(self.path, (first, last), with_embedding, with_head)
         else:
-            stored = {k: self._full[k] for k in expected_keys(self.config, (first, last), with_embedding, with_head)}
+            keys = expected_keys(self.config, (first, last), with_embedding, with_head)
+            full = self._held(keys)
+            stored = {k: full[k] for k in keys}
         return convert(stored, quant or {}, dtype, _log_requantize)
+
+    def _held(self, keys: Sequence[str]) -> Dict[str, Stored]:
+        """The raw checkpoint's weights, read again if a chunk took some of `keys` (`consume`)."""
+        with self._reread:
+            full = self._full
+            assert full is not None
+            if any(k not in full for k in keys):
+                log.info("mdi: %s: reading the checkpoint again for weights a chunk took", self.path)
+                _, full = checkpoints.read_checkpoint(self.path, keep_quant=True)
+                self._full = full
+            return full
 
     def load_chunk(self, first: int, last: int, with_embedding: bool, with_head: bool, dtype: torch.dtype,
                    device: str, compute_dtype: Optional[torch.dtype] = None,
-                   quant: Optional[QuantLayout] = None) -> ModelChunk:
+                   quant: Optional[QuantLayout] = None, consume: bool = False) -> ModelChunk:
         """`build_chunk(config, self.weights(...), ...)` without the dict in between: the
         chunk's tensors are allocated first and filled one weight at a time (`fill`), so
-        loading peaks at the chunk plus one weight, not the chunk plus a copy of the model."""
+        loading peaks at the chunk plus one weight, not the chunk plus a copy of the model.
+        `consume`: a raw checkpoint held in memory (a GGUF) lets go of each weight once the
+        chunk has it (a one-node run held the model twice; read again if asked for later)."""
         chunk = _empty_chunk(self.config, first, last, with_embedding, with_head, dtype, device, quant)
-        self.fill(chunk.state_dict(), first, last, with_embedding, with_head, dtype, quant)
+        self.fill(chunk.state_dict(), first, last, with_embedding, with_head, dtype, quant, consume)
         return _finish_chunk(chunk, dtype, compute_dtype)
 
     def fill(self, targets: Mapping[str, torch.Tensor], first: int, last: int, with_embedding: bool,
-             with_head: bool, dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> None:
+             with_head: bool, dtype: torch.dtype, quant: Optional[QuantLayout] = None, consume: bool = False) -> None:
         """Fill `targets` (a chunk's state_dict(): name -> preallocated tensor) with exactly
         what `weights` would return, one weight at a time. A prepared directory's tensors that
         are stored as the node wants them are read straight into place (store.read_tensors_into);
@@ -92,8 +109,11 @@ class ModelSource:
                              % (first, last, missing[:5] or "none", unexpected[:5] or "none"))
         canonical = expected_keys(self.config, (first, last), with_embedding, with_head)
         if self._full is not None:  # a raw checkpoint held in memory: convert one weight at a time
+            full = self._held(canonical)
             for key in canonical:
-                _copy_into(targets, convert({key: self._full[key]}, quant, dtype, _log_requantize))
+                _copy_into(targets, convert({key: full[key]}, quant, dtype, _log_requantize))
+                if consume:
+                    del full[key]
             release_freed_memory()
             return
         fn = os.path.join(self.path, store.MODEL_FILE)

@@ -99,7 +99,8 @@ class Engine:
         spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         qkernels.set_memory_allowance(spare)
-        chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant)
+        # its layers' weights leave the source once in the chunk (a GGUF's are held in memory)
+        chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant, consume=True)
         chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks
         chunk.allocate_cache(self.n_slots, self.max_len)
         if self.cfg.runtime.threads == AUTO:  # timed before any sample or adapter uses the chunk
