@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 STRING, ARRAY = 8, 9
-FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+# value type -> struct format: u8 i8 u16 i16 u32 i32 f32 bool u64 i64 f64
+SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+FIXED_SIZES = {vtype: struct.calcsize("<" + fmt) for vtype, fmt in SCALAR_FORMATS.items()}  # value type -> bytes
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 8  # arrays of arrays: deeper is no model's metadata
 TENSOR_INFO_MIN = 8 + 4 + 4 + 8  # an empty name, no dims, type, offset
@@ -218,8 +220,12 @@ class GGUFFile:
         with open(path, "rb") as f:
             size = _file_size(f, path)
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays open with the arrays on it
+        try:
+            header = _walk_header(self._map, size, path, max_tensors)
+        except BaseException:
+            self._map.close()
+            raise
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
-        header = _walk_header(self._map, size, path, max_tensors)
         self._order, self._values = header.order, header.values
         self.tensors = []  # type: List[GGUFTensor]
         seen = set()  # type: set
@@ -266,7 +272,6 @@ class GGUFFile:
 
 
 PLAIN_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
-SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def _read_value(walk: _Walk, vtype: int, what: str) -> Any:
