@@ -66,3 +66,13 @@ def test_a_pass_without_a_cache_grows_the_tables_and_a_position_past_the_context
     assert y.shape == x.shape and rope.cos.shape[0] >= 300
     with pytest.raises(ValueError, match="beyond the model's context of 1000"):
         rope(x, 800)
+
+
+def test_tables_grown_under_inference_mode_serve_a_pass_that_records_gradients():
+    rope = RotaryEmbedding(dataclasses.replace(tiny_config("llama"), block_size=1000))
+    x = torch.randn(1, 2, 300, rope.inv_freq.shape[0] * 2)
+    with torch.inference_mode():
+        rope(x, 0)  # the tables first grown here
+    w = torch.randn_like(x, requires_grad=True)
+    rope(w, 0).sum().backward()  # would raise for inference tensors saved for backward
+    assert w.grad is not None

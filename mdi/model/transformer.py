@@ -67,11 +67,14 @@ class RotaryEmbedding(nn.Module):
         if n > self.context:
             raise ValueError("position %d is beyond the model's context of %d" % (n - 1, self.context))
         n = min(self.context, max(n, 2 * have, self.MIN_POSITIONS))
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self.inv_freq)
         device = self.cos.device
-        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(device)
-        # sin with its first half negated: rotate-half becomes a roll (see attention.rotate)
-        self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
+        # ordinary tensors even when the first pass to ask runs under inference_mode: a later
+        # pass that records gradients (training) could not use inference tensors
+        with torch.inference_mode(False), torch.no_grad():
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self.inv_freq)
+            self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(device)
+            # sin with its first half negated: rotate-half becomes a roll (see attention.rotate)
+            self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         # x: [..., T, head_dim] at positions start..start+T
