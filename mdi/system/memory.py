@@ -7,7 +7,6 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
-import ctypes
 import os
 import resource
 import sys
@@ -238,6 +237,7 @@ def release_freed_memory() -> None:
     Picking a quantized layer's kernel allocates and frees temporaries of tens of MB between
     tensors that stay; glibc keeps such holes resident, ~150 MB over a 1.1B int4 model."""
     if not _malloc_trim:
+        import ctypes
         try:
             _malloc_trim.append(ctypes.CDLL(None).malloc_trim)
         except (AttributeError, OSError, TypeError):  # not glibc
