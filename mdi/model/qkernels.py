@@ -406,15 +406,18 @@ def extra_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int) -> int:
     return max(0, kernel.held_bytes(spec, n_out, n_in) - spec.nbytes(n_out, n_in))
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict: torch.Tensor) -> float:
+def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int) -> float:
     """The least disturbed of a few calls (other processes only ever add time), each on a CPU
     with its caches first filled with something else: a decode step reads each layer's weights
     once, from memory, and a kernel that reads more bytes than another (fbgemm's padded rows)
     loses there what a call on cached weights hides (SmolLM2's gate_up at 1 thread: 0.17 ms
     cached, ~0.4 in a decode step). Filled by reading, as the other layers fill them: written
     lines would have to go back to memory during the timed call, which slowed the memory-bound
-    kernels most and turned choices on the 1.1B shape. `evict`: twice the last-level cache
-    (`_evict_buffer`), or empty where nothing is evicted (a GPU)."""
+    kernels most and turned choices on the 1.1B shape. `evict_from`: the layer's bytes, for
+    `_evict_buffer` (twice the last-level cache, or nothing: a GPU, a small layer), made here
+    and freed after: held while the next candidate was packed, it added to a load's peak."""
+    evict = _evict_buffer(device, evict_from)
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -486,8 +489,6 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
         x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
         scale = float(reference.abs().max()) or 1.0
-        evict = _evict_buffer(device, spec.nbytes(n_out, n_in)) if not named and len(candidates) > 1 \
-            else torch.empty(0)
         for kernel in fits:
             if kernel.name in measured:
                 continue
@@ -505,7 +506,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
                     continue
             # a named kernel or a lone candidate is taken as it is: nothing to compare it with
             measured[kernel.name] = 0.0 if named or len(candidates) == 1 else \
-                _time(_timed(kernel, packed, spec, n_in, x), device, evict)
+                _time(_timed(kernel, packed, spec, n_in, x), device, spec.nbytes(n_out, n_in))
             if kept is None or rank(kernel) < rank(kept[0]):
                 kept = (kernel, packed)
             del packed
