@@ -68,9 +68,12 @@ class _Walk:
                             % (what, n, item_bytes, self.left()))
         return n
 
-    def skip_string(self, what: str) -> None:
+    def string_bytes(self, what: str, keep: Optional[int] = None) -> bytes:
+        """A string's bytes (its first `keep` of them), the walk past all of them."""
         n = self.count(what, 1)  # read before adding: `pos += count()` would add to the old pos
+        text = bytes(self.buf[self.pos:self.pos + (n if keep is None else min(n, keep))])
         self.pos += n
+        return text
 
     def skip_value(self, vtype: int, what: str, depth: int = 0) -> None:
         if vtype in FIXED_SIZES:
@@ -78,7 +81,7 @@ class _Walk:
                 raise self.fail("the file ends inside %s" % what)
             self.pos += FIXED_SIZES[vtype]
         elif vtype == STRING:
-            self.skip_string(what)
+            self.string_bytes(what, keep=0)
         elif vtype == ARRAY:
             if depth >= MAX_NESTING:
                 raise self.fail("%s nests arrays more than %d deep" % (what, MAX_NESTING))
@@ -95,10 +98,7 @@ class _Walk:
             raise self.fail("%s has unknown value type %d" % (what, vtype))
 
     def key(self) -> str:
-        n = self.count("a metadata key", 1)
-        key = bytes(self.buf[self.pos:self.pos + min(n, 200)]).decode("utf-8", "replace")
-        self.pos += n
-        return key
+        return self.string_bytes("a metadata key", keep=200).decode("utf-8", "replace")
 
 
 @dataclass
@@ -142,9 +142,7 @@ def _walk_header(buf: Any, size: int, path: str, max_tensors: Optional[int] = No
         raise walk.fail("%d tensors claimed, more than the %d bytes left hold" % (n_tensors, walk.left()))
     tensors = []
     for i in range(n_tensors):
-        n = walk.count("tensor %d's name" % i, 1)
-        name = bytes(buf[walk.pos:walk.pos + n]).decode("utf-8", "replace")
-        walk.pos += n
+        name = walk.string_bytes("tensor %d's name" % i).decode("utf-8", "replace")
         n_dims = walk.read("I", "tensor %d's dimensions" % i)
         if n_dims > MAX_DIMS:
             raise walk.fail("tensor %d claims %d dimensions (at most %d)" % (i, n_dims, MAX_DIMS))
@@ -167,16 +165,6 @@ def _file_size(f: Any, path: str) -> int:
     if size < 24:
         raise GGUFLayoutError("%s: not a GGUF file (%d bytes)" % (path, size))
     return size
-
-
-def check_layout(path: str) -> Tuple[int, int]:
-    """(tensor count, metadata count) of the GGUF file at `path` once its header has been
-    walked within the file's bytes; GGUFLayoutError (a ValueError) naming the file otherwise."""
-    with open(path, "rb") as f:
-        size = _file_size(f, path)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            header = _walk_header(buf, size, path)
-            return len(header.tensors), len(header.values)
 
 
 class GGUFTensor:
@@ -279,11 +267,8 @@ def _read_value(walk: _Walk, vtype: int, what: str) -> Any:
     if vtype in SCALAR_FORMATS:
         return walk.read(SCALAR_FORMATS[vtype], what)
     if vtype == STRING:
-        n = walk.count(what, 1)
-        text = bytes(walk.buf[walk.pos:walk.pos + n])
-        walk.pos += n
         try:
-            return text.decode("utf-8")
+            return walk.string_bytes(what).decode("utf-8")
         except UnicodeDecodeError:
             raise walk.fail("%s is not UTF-8 text" % what) from None
     if vtype == ARRAY:

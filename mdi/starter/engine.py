@@ -16,14 +16,14 @@ from mdi.model.layout import torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import LOAD_HEADROOM_BYTES, free_bytes_on, release_freed_memory
+from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
 from mdi.model.source import ModelSource
 from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
 from mdi.starter.adapters import MAX_MIXES, AdapterSet, read_adapter
-from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant
+from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant, starter_free_bytes
 from mdi.starter.planner import NodeCost, PlanError, make_plan
 from mdi.starter.profiling import Profiler
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
@@ -128,7 +128,7 @@ class Engine:
         if self.adapters is None:
             self.adapters = AdapterSet({}, self.source.config)
         own = adapter.nbytes(adapter.for_layers(self.chunk.first, self.chunk.last))
-        free = free_bytes_on(str(self.device))
+        free = starter_free_bytes(self.device)
         if free is not None and own > free - LOAD_HEADROOM_BYTES:
             # the workers check their own (Worker.load_adapter); a mix is a full adapter too
             raise ConfigError("adapter %s needs %.1f MB on the starter, which has %.1f MB free beside the %d MB a "
