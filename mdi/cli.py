@@ -530,9 +530,9 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     args = plan_parser().parse_args(argv)
     from mdi.model.source import ModelSource
     from mdi.ring.auth import TokenError, load_token
-    from mdi.starter.autoplan import apply_plan, plan_ring
     from mdi.starter.control import NodeError
     from mdi.starter.planner import format_plan
+    from mdi.starter.run_plan import plan_run
     from mdi.starter.run_shape import planning_shape
     try:
         cfg = load_config(args.config)
@@ -540,17 +540,17 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
         setup_process(threads=cfg.runtime.threads)
         source = ModelSource(cfg.model.path)
         shape = planning_shape(cfg, source, args.samples, args.max_len)
-        plan, _ = plan_ring(cfg, source, shape.n_slots, shape.max_len, shape.n_slots, refresh=args.refresh,
+        run_plan = plan_run(cfg, source, shape, measure=True, refresh=args.refresh,
                             say=lambda line: print(line, file=sys.stderr, flush=True))
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return _fail(str(e), EXIT_CONFIG)
     except NodeError as e:
         return _fail(str(e), EXIT_RUN)
-    planned = apply_plan(cfg, plan)
-    text = _plan_yaml(args.config, planned, plan)
+    plan = run_plan.layer_plan
+    text = _plan_yaml(args.config, run_plan)
     if args.json:
         import json
-        print(json.dumps(plan.metrics([n.name for n in cfg.nodes]), indent=1))
+        print(json.dumps(plan.metrics(), indent=1))
     else:
         print(format_plan(plan))
         for name, why in plan.dropped.items():
@@ -563,13 +563,14 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _plan_yaml(config_path: str, planned: RunConfig, plan) -> str:
+def _plan_yaml(config_path: str, run_plan) -> str:
     """The user's config file with each kept node's planned layer count and the left-out nodes
     removed (their names in a comment); everything else as they wrote it."""
     import yaml
     from mdi.runconfig import read_yaml
     data = read_yaml(config_path)
-    counts = {n.name: n.layers for n in planned.nodes}
+    plan = run_plan.layer_plan
+    counts = {n.name: n.layers[1] - n.layers[0] for n in run_plan.nodes}
     nodes = []
     for i, raw in enumerate(data.get("nodes") or []):
         name = raw.get("name") or ("starter" if i == 0 else "node%d" % i)

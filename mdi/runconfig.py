@@ -418,7 +418,7 @@ def samples_per_frame(max_batch: Any, in_flight: int, n_nodes: int) -> int:
 def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> List[int]:
     """Layer counts per node: as given (must sum to the model's layers) or balanced."""
     if nodes[0].layers == AUTO_LAYERS:
-        raise ConfigError("%s: layers: auto must be planned first (mdi.starter.planner.resolve_layers)" % source)
+        raise ConfigError("%s: layers: auto must be planned first (mdi.starter.run_plan.plan_run)" % source)
     if nodes[0].layers is None:
         if len(nodes) > n_layer:
             raise ConfigError("%s: %d nodes but the model has only %d layers" % (source, len(nodes), n_layer))

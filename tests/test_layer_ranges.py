@@ -10,7 +10,7 @@ from mdi.model.layout import format_layers, layer_ranges, layer_span
 from mdi.runconfig import NodeSpec, parse_config
 from mdi.serving.dashboard import STATE_PATH, BatchDashboard, BatchMonitor
 from mdi.starter import batch
-from mdi.starter.planner import Plan, PlanRow, format_plan
+from mdi.starter.planner import LayerPlan, PlanRow, format_plan
 from mdi.starter.recovery import RecoveryImpossible, plan_recovery
 
 COUNTS = [1, 2, 1]  # the tiny model's 4 blocks: starter, w1, w2
@@ -48,7 +48,7 @@ def test_recovery_messages_show_the_range_the_node_held():
 def test_the_plan_table_shows_each_node_range():
     rows = [PlanRow("starter", [0, 16], 33.5, 2 ** 20, 2 ** 30), PlanRow("node1", [16, 30], 30.0, 2 ** 20, None),
             PlanRow("slow", None, 0.0, 0, None, "left out")]
-    table = format_plan(Plan([16, 14, 0], rows, 3, 1, 33.5, 63.5, 2, {1: 10.0}))
+    table = format_plan(LayerPlan([16, 14, 0], rows, 3, 1, 33.5, 63.5, 2, {1: 10.0}))
     lines = table.splitlines()
     # Each row: the range, then its count of blocks (last - first).
     assert "%s (16)" % layer_span(0, 16) in lines[1] and "%s (14)" % layer_span(16, 30) in lines[2]

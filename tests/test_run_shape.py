@@ -68,18 +68,18 @@ def test_check_sees_the_slots_and_positions_the_run_allocates(config_file, capsy
 
 def test_mdi_plan_plans_the_positions_of_the_run(config_file, capsys, tmp_path, monkeypatch):
     """mdi-plan plans for the run of the config's prompts: the same positions per slot."""
-    from mdi.starter import autoplan
+    from mdi.starter import run_plan
     cfg = yaml.safe_load(open(config_file))
     cfg["nodes"] = [{"name": "starter", "layers": "auto"}]
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(cfg))
     planned = {}
-    real = autoplan.plan_ring
+    real = run_plan.plan_ring
 
     def recording(cfg, source, samples, max_len, *args, **kwargs):
         planned.update(samples=samples, max_len=max_len)
         return real(cfg, source, samples, max_len, *args, **kwargs)
-    monkeypatch.setattr(autoplan, "plan_ring", recording)
+    monkeypatch.setattr(run_plan, "plan_ring", recording)
     monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path / "profiles"))
     assert plan_main(["--config", str(path), "--samples", "5", "--json"]) == 0
     capsys.readouterr()

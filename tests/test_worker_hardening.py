@@ -235,11 +235,13 @@ def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, 
     from mdi.model.sampling import SamplingParams
     from mdi.starter.engine import Engine
     from mdi.starter.pipeline import make_samples
+    from mdi.starter.run_plan import plan_run
     model = tiny_models["llama"]
     cfg_a = parse_config(ring_cfg(model, pair, free_ports(3)), "run A")
     source = ModelSource(model)
     prompt_ids = run_shape.encode_prompts(source, ["Once upon"])
-    engine = Engine(cfg_a, source, 1, len(prompt_ids[0]) + 8, SamplingParams(0.0))
+    shape = run_shape.RunShape(1, len(prompt_ids[0]) + 8)
+    engine = Engine(plan_run(cfg_a, source, shape), source, SamplingParams(0.0))
     engine.open()  # run A holds both workers; its watchdog is their heartbeat
     try:
         run_a = engine.ring.run_id

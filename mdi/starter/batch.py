@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi.runconfig import RunConfig
-from mdi.starter.autoplan import resolve_layers
 from mdi.starter.engine import Engine
 from mdi.model import qkernels
 from mdi.model.source import ModelSource
 from mdi.starter.pipeline import Sample
+from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import batch_samples, batch_shape
 from mdi.model.sampling import SamplingParams
 from mdi.system.memory import unified_memory_bytes
@@ -59,10 +59,9 @@ def run(cfg: RunConfig, prompts: List[str],
     shape = batch_shape(source.config, samples, gen.n_tokens)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
-    planned = [n.name for n in cfg.nodes]
-    cfg, plan, costs = resolve_layers(cfg, source, shape.n_slots, shape.max_len, params)  # layers: auto
-    engine = Engine(cfg, source, shape.n_slots, shape.max_len, params, on_token, costs=costs, adapters=adapter_set)
-    plan_record = {"plan": plan.metrics(planned)} if plan is not None else {}
+    plan = plan_run(cfg, source, shape, params)  # layers: auto measures the nodes here
+    engine = Engine(plan, source, params, on_token, adapters=adapter_set)
+    plan_record = plan.metrics()
     if on_engine is not None:
         on_engine(engine)
     try:
@@ -113,9 +112,8 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
             worker_stats: List[Dict[str, Any]]) -> RunResult:
     chunk = engine.chunk
     transport = engine.pipeline.transport
-    starter = engine.nodes[0]
-    first, last = engine.ranges[0]
-    starter_node = {"name": starter.name, "layers": [first, last],
+    starter = engine.plan.nodes[0]
+    starter_node = {"name": starter.name, "layers": list(starter.layers),
                     "peak_memory_bytes": unified_memory_bytes(peak=True),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
                     "compute_seconds": round(engine.pipeline.compute_seconds, 6),
@@ -125,8 +123,8 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
     nodes = [starter_node]
     chunk.free_cache()
     # Every node of the ring is listed; a run that failed has no counters from the workers.
-    for i, (node, (a, b)) in enumerate(zip(engine.nodes[1:], engine.ranges[1:])):
-        entry = {"name": node.name, "layers": [a, b]}
+    for i, node in enumerate(engine.plan.workers):
+        entry = {"name": node.name, "layers": list(node.layers)}
         entry.update(worker_stats[i] if i < len(worker_stats) else {})
         nodes.append(entry)
     texts = [decode_generated(engine.source, s) for s in samples]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model import qkernels
 from mdi.model.layout import torch_dtype
-from mdi.runconfig import ConfigError, NodeSpec, RunConfig
+from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
@@ -23,10 +23,9 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
 from mdi.starter.adapters import MAX_MIXES, AdapterSet, read_adapter
-from mdi.starter.capacity import check_fits_here, chunk_bytes_needed, node_quant, starter_free_bytes
-from mdi.starter.planner import NodeCost, PlanError, make_plan
-from mdi.starter.profiling import Profiler
-from mdi.starter.recovery import RecoveryImpossible, plan_recovery
+from mdi.starter.capacity import check_fits_here, starter_free_bytes
+from mdi.starter.recovery import RecoveryImpossible, replan
+from mdi.starter.run_plan import RunPlan
 from mdi.starter.session import RingSession
 from mdi.model.sampling import SamplingParams
 
@@ -34,32 +33,48 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int,
-                 params: SamplingParams,
+    def __init__(self, plan: RunPlan, source: ModelSource, params: SamplingParams,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
-                 costs: Optional[List[NodeCost]] = None, adapters: Optional[AdapterSet] = None,
-                 registry: Optional[NodeRegistry] = None) -> None:
-        self.cfg, self.source = cfg, source
-        self.registry = registry or NodeRegistry.for_run(cfg)  # every node's one control client
-        # The planner's measured costs of every node (layers: auto): a failure re-plans with them.
-        self.costs = {c.name: c for c in costs or []}
+                 adapters: Optional[AdapterSet] = None, registry: Optional[NodeRegistry] = None) -> None:
+        # The run's one plan (mdi.starter.run_plan); a recovery replaces it with the new ring's.
+        self.plan = plan
+        self.cfg, self.source = plan.cfg, source
+        self.registry = registry or NodeRegistry.for_run(plan.cfg)  # every node's one control client
         # LoRA adapters (config `adapters:`), numbered 1..K; samples name theirs (Sample.adapter).
-        self.adapters = adapters or (AdapterSet(cfg.adapters, source.config) if cfg.adapters else None)
+        self.adapters = adapters or (AdapterSet(self.cfg.adapters, source.config) if self.cfg.adapters else None)
         self._mix_lock = threading.Lock()
-        self.n_slots, self.max_len, self.params, self.on_token = n_slots, max_len, params, on_token
-        self.nodes = list(cfg.nodes)
-        self.ranges = cfg.layer_ranges(source.config.n_layer)
-        self.spares = list(cfg.spares)
-        self.dtype = torch_dtype(cfg.model.dtype)
-        self.device = cfg.device_of(cfg.starter)
+        self.params, self.on_token = params, on_token
+        self.dtype = plan.dtype
+        self.device = self.cfg.device_of(self.cfg.starter)
         tok = source.tokenizer
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
-        self.recoveries = []  # type: List[Dict[str, Any]]
-        self.ring = None  # type: Any  # RingSession while workers are in the ring
-        self.chunk = None  # type: Optional[ModelChunk]
-        self.pipeline = None  # type: Optional[Pipeline]
+        self.recoveries: List[Dict[str, Any]] = []
+        self.ring: Optional[RingSession] = None  # while workers are in the ring
+        self.chunk: Optional[ModelChunk] = None
+        self.pipeline: Optional[Pipeline] = None
         self.t0 = time.perf_counter()
+
+    # The ring in hand, read from the plan (the dashboard, metrics and serving show these).
+    @property
+    def nodes(self) -> List[NodeSpec]:
+        return self.plan.specs
+
+    @property
+    def ranges(self) -> List[List[int]]:
+        return self.plan.ranges
+
+    @property
+    def spares(self) -> List[NodeSpec]:
+        return list(self.plan.spares)
+
+    @property
+    def n_slots(self) -> int:
+        return self.plan.n_slots
+
+    @property
+    def max_len(self) -> int:
+        return self.plan.max_len
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
@@ -69,8 +84,7 @@ class Engine:
         transport, run_id = self._connect()
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
                                  self.cfg.runtime.ring_timeout, self.on_token, self._check,
-                                 max_batch=self.cfg.max_batch(self.n_slots, len(self.nodes)),
-                                 prefill_chunk=self.cfg.runtime.prefill_chunk,
+                                 max_batch=self.plan.max_batch, prefill_chunk=self.plan.prefill_chunk,
                                  context_shift=self.cfg.generation.context_shift)
 
     def close(self) -> List[Dict[str, Any]]:
@@ -95,7 +109,7 @@ class Engine:
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:
             log.warning("mdi: starter: %s", note)
-        quant = node_quant(self.cfg, self.source, self.nodes[0], layers, with_ends=True)
+        quant = self.plan.nodes[0].quant
         spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         qkernels.set_memory_allowance(spare)
@@ -104,7 +118,7 @@ class Engine:
         chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks
         chunk.allocate_cache(self.n_slots, self.max_len)
         if self.cfg.runtime.threads == AUTO:  # timed before any sample or adapter uses the chunk
-            choice = choose_threads(chunk, self.cfg.max_batch(self.n_slots, len(self.nodes)))
+            choice = choose_threads(chunk, self.plan.max_batch)
             log.info("mdi: starter: threads: auto chose %s", choice.describe())
         if self.adapters:
             self.adapters.install(chunk)
@@ -114,8 +128,7 @@ class Engine:
         run_id = random.getrandbits(62)
         if len(self.nodes) == 1:
             return LocalLoop(), run_id
-        self.ring = RingSession(self.cfg, self.nodes, self.source, self.ranges, run_id,
-                                self.n_slots, self.max_len, self.dtype, self.adapters, self.registry)
+        self.ring = RingSession(self.plan, self.source, run_id, self.adapters, self.registry)
         return self.ring.start(), run_id
 
     # --- adapters at run time (--serve's POST /v1/mdi/adapters) ---------------------------
@@ -225,7 +238,7 @@ class Engine:
                         self.cfg.recovery_attempts)
             self.abort()
             try:
-                how = self._replan(cause)
+                self.plan, how = replan(self.plan, self.source, self.registry, cause, self.params)
                 transport, run_id = self._connect()
             except (NodeError, RecoveryImpossible) as e:
                 self._record(cause, "failed: %s" % e, started)
@@ -246,79 +259,3 @@ class Engine:
         self.recoveries.append({"cause": str(cause), "action": how,
                                 "at_s": round(started - self.t0, 6),
                                 "seconds": round(time.perf_counter() - started, 6)})
-
-    def _replan(self, cause: BaseException) -> str:
-        """Find the dead worker and change `nodes`/`ranges` (and `spares`) around it."""
-        dead = self._dead_worker(cause)
-        if dead is None:
-            return "every node answers: the ring is rebuilt as it was"
-        spares = [s for s in self.spares if self._alive(s)]
-        if self.costs:
-            return self._replan_measured(dead, spares)
-        plan = plan_recovery(self.nodes, self.ranges, dead, spares, self._fits)
-        if plan.spare is not None:
-            self.spares.remove(plan.spare)
-        self.nodes, self.ranges = plan.nodes, plan.ranges
-        return plan.how
-
-    def _replan_measured(self, dead: str, spares: List[NodeSpec]) -> str:
-        """The planner again, on the measured costs: the first live spare (measured now) takes
-        the dead node's place, or the survivors share its layers as their speeds say."""
-        i = next(k for k, n in enumerate(self.nodes) if n.name == dead)
-        nodes = self.nodes[:i] + self.nodes[i + 1:]
-        spare = spares[0] if spares else None
-        if spare is not None:
-            nodes.insert(i, spare)
-            if spare.name not in self.costs:  # timed alone, at the rows per pass its peers were
-                sizes = sorted(next(iter(self.costs.values())).layer_s)
-                profiler = Profiler(self.cfg, self.source, self.n_slots, self.max_len, self.n_slots, self.params,
-                                    sizes=sizes, registry=self.registry)
-                try:
-                    self.costs[spare.name] = profiler.worker_cost(spare)
-                except ConfigError as e:
-                    raise RecoveryImpossible("spare %s: %s" % (spare.name, e))
-        costs = [self.costs[n.name] for n in nodes if n.name in self.costs]
-        if len(costs) != len(nodes):
-            raise RecoveryImpossible("no measured costs for %s" % ", ".join(n.name for n in nodes
-                                                                             if n.name not in self.costs))
-        try:
-            plan = make_plan(costs, self.source.config.n_layer, self.n_slots, self.cfg.runtime.max_batch)
-        except PlanError as e:
-            raise RecoveryImpossible(str(e))
-        if spare is not None:
-            self.spares.remove(spare)
-        self.nodes = [n for n, k in zip(nodes, plan.counts) if k > 0]
-        self.ranges = [r.layers for r in plan.rows if r.layers is not None]
-        return "re-planned without %s%s: %s" % (dead, " with spare %s" % spare.name if spare else "",
-                                                 "+".join(str(k) for k in plan.counts if k > 0))
-
-    def _dead_worker(self, cause: BaseException) -> Optional[str]:
-        named = getattr(cause, "node", None)
-        if named is not None and any(n.name == named for n in self.nodes[1:]) \
-                and not self._alive(self._node(named)):
-            return named
-        for node in self.nodes[1:]:
-            if not self._alive(node):
-                return node.name
-        return None
-
-    def _node(self, name: str):
-        return next(n for n in self.nodes if n.name == name)
-
-    def _alive(self, node) -> bool:
-        try:
-            self.registry.client(node).health()
-            return True
-        except NodeError:
-            return False
-
-    def _fits(self, i: int, node, layers: List[int]) -> bool:
-        if i == 0:
-            return True  # the starter: its memory is ours to spend
-        try:
-            capacity = self.registry.client(node).status().capacity_bytes()
-        except NodeError:
-            return False
-        need = chunk_bytes_needed(self.source.config, layers, self.n_slots, self.max_len, self.dtype,
-                                  quant=node_quant(self.cfg, self.source, node, layers))
-        return capacity is None or need <= capacity

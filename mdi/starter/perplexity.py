@@ -28,7 +28,8 @@ from mdi.ring.wire import Frame
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.batch import Interrupted, RunFailed
 from mdi.starter.control import NodeError
-from mdi.starter.autoplan import resolve_layers
+from mdi.starter.run_plan import plan_run
+from mdi.starter.run_shape import RunShape
 from mdi.starter.engine import Engine
 from mdi.system.memory import unified_memory_bytes
 from mdi.system.transfers import to_device
@@ -204,8 +205,8 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
     n_slots = min(len(cfg.nodes), n_windows)
     log.info("mdi: perplexity of %s: %d tokens, %d windows of %d, %d in flight",
              path, len(ids), n_windows, ctx, n_slots)
-    cfg, _, costs = resolve_layers(cfg, source, n_slots, ctx, SamplingParams(temperature=0.0))  # layers: auto
-    engine = Engine(cfg, source, n_slots, ctx, SamplingParams(temperature=0.0), costs=costs)
+    greedy = SamplingParams(temperature=0.0)
+    engine = Engine(plan_run(cfg, source, RunShape(n_slots, ctx), greedy), source, greedy)  # layers: auto measures
     try:
         engine.open()
     except (KeyboardInterrupt, Interrupted):

@@ -216,7 +216,7 @@ class PlanRow:
 
 
 @dataclass
-class Plan:
+class LayerPlan:
     counts: List[int]  # per node of the config, 0 = left out
     rows: List[PlanRow]
     samples: int  # the samples in flight the plan was made for
@@ -234,9 +234,9 @@ class Plan:
     def predicted_tokens_per_s(self) -> float:
         return self.predicted.get(self.samples) or 0.0
 
-    def metrics(self, names: Sequence[str]) -> Dict[str, object]:
+    def metrics(self) -> Dict[str, object]:
         """The `plan` key of the metrics record (mdi-bench reads counts and the prediction)."""
-        return {"counts": list(self.counts), "nodes": list(names), "dropped": sorted(self.dropped),
+        return {"counts": list(self.counts), "nodes": [r.name for r in self.rows], "dropped": sorted(self.dropped),
                 "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 3),
                 "bottleneck_ms": round(self.bottleneck_ms, 3), "ring_ms": round(self.ring_ms, 3),
                 "stage_ms": [round(r.stage_ms, 3) for r in self.rows],
@@ -274,7 +274,7 @@ def _best_split(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch
     return min((c for c in candidates if speed(c) >= fastest * (1 - TIE)), key=lambda c: (c.used, c.ring_s))
 
 
-def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="auto") -> Plan:
+def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="auto") -> LayerPlan:
     """Solve for `samples` in flight and explain the result (stage times, memory, left-out nodes)."""
     split = _best_split(costs, n_layer, samples, max_batch)
     rows = split.rows
@@ -306,11 +306,11 @@ def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="
     predicted = {s: predict_tokens_per_s(costs, split.counts, s, max_batch) for s in range(1, 2 * n_used + 1)}
     predicted.setdefault(samples, predict_tokens_per_s(costs, split.counts, samples, max_batch))
     fill = max(1, math.ceil(split.ring_s / split.bottleneck_s - 1e-9))
-    return Plan(split.counts, plan_rows, samples, int(rows), split.bottleneck_s * 1e3, split.ring_s * 1e3, fill,
+    return LayerPlan(split.counts, plan_rows, samples, int(rows), split.bottleneck_s * 1e3, split.ring_s * 1e3, fill,
                 predicted, dropped)
 
 
-def widen(inner: Plan, kept: Sequence[int], outer: Plan) -> Plan:
+def widen(inner: LayerPlan, kept: Sequence[int], outer: LayerPlan) -> LayerPlan:
     """`inner`, planned over the nodes `kept` (indices) of `outer`'s ring, timed again by
     themselves, as a plan over all of them: the others left out, for `outer`'s reasons."""
     counts, rows = [0] * len(outer.counts), list(outer.rows)
@@ -320,7 +320,7 @@ def widen(inner: Plan, kept: Sequence[int], outer: Plan) -> Plan:
                                retimed=outer.retimed + [[outer.rows[i].name for i in kept]])
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: LayerPlan) -> str:
     """The plan as a table for people (mdi-plan, --check, the log)."""
     lines = ["%-14s %-15s %10s %22s  %s" % ("node", "layers", "stage ms", "memory use / limit", "")]
     for r in plan.rows:

@@ -6,13 +6,13 @@ import torch
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.model import qkernels
-from mdi.model.layout import format_layers, torch_dtype
+from mdi.model.layout import format_layers
 from mdi.model.source import ModelSource
 from mdi.starter.adapters import adapter_layer_bytes
-from mdi.starter.autoplan import resolve_layers
-from mdi.starter.capacity import MB, chunk_bytes_needed, node_quant, starter_free_bytes
+from mdi.starter.capacity import MB, chunk_bytes_needed, starter_free_bytes
 from mdi.starter.planner import format_plan
-from mdi.starter.run_shape import batch_samples, batch_shape, expand_prompts
+from mdi.starter.run_plan import plan_run
+from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
 
 
 def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Optional[int] = None,
@@ -22,37 +22,35 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     `n_samples` (else generation.n_samples, else 1) slots of the tokens to generate."""
     source = ModelSource(cfg.model.path)
     config = source.config
-    dtype = torch_dtype(cfg.model.dtype)
     gen = cfg.generation
     prompts = expand_prompts(cfg, cli_prompts, n_samples) if cli_prompts or gen.prompts else []
     samples, _ = batch_samples(cfg, source, prompts, adapters) if prompts else ([], None)
     shape = batch_shape(config, samples, gen.n_tokens)
-    n_slots = shape.n_slots or n_samples or gen.n_samples or 1
-    max_len = shape.max_len
-    if cfg.auto_layers:  # the plan the run would make (measured, or from the profile cache)
-        try:
-            cfg, plan, _ = resolve_layers(cfg, source, n_slots, max_len)
-        except NodeError as e:
-            print("plan: UNREACHABLE: %s" % e)
-            print("check: problems found")
-            return 1
-        print(format_plan(plan))
-    ranges = cfg.layer_ranges(config.n_layer)
+    shape = RunShape(shape.n_slots or n_samples or gen.n_samples or 1, shape.max_len)
+    try:  # the plan the run would make (`layers: auto`: measured, or from the profile cache)
+        plan = plan_run(cfg, source, shape)
+    except NodeError as e:
+        print("plan: UNREACHABLE: %s" % e)
+        print("check: problems found")
+        return 1
+    cfg = plan.cfg
+    if plan.layer_plan is not None:
+        print(format_plan(plan.layer_plan))
     adapter_bytes = adapter_layer_bytes(cfg.adapters, config)  # each node holds its layers' part
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
-        cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, n_slots, max_len))
+        cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
     ok = True
     registry = NodeRegistry.for_run(cfg)
     try:
-        for i, (node, layers) in enumerate(zip(cfg.nodes, ranges)):
-            quant = node_quant(cfg, source, node, layers, with_ends=i == 0)
-            need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=i == 0, quant=quant) \
-                + sum(adapter_bytes[layers[0]:layers[1]])
+        for i, node in enumerate(plan.nodes):
+            first, last = node.layers
+            need = chunk_bytes_needed(config, node.layers, plan.n_slots, plan.max_len, plan.dtype, with_ends=i == 0,
+                                      quant=node.quant) + sum(adapter_bytes[first:last])
             where = "%-10s %-21s %-17s needs %7.1f MB" % (
-                node.name, node.address if i else "(this machine)", format_layers(*layers), need / MB)
-            ok = _report(cfg, registry, node if i else None, where, need) and ok
-        for spare in cfg.spares:
+                node.name, node.spec.address if i else "(this machine)", format_layers(first, last), need / MB)
+            ok = _report(cfg, registry, node.spec if i else None, where, need) and ok
+        for spare in plan.spares:
             ok = _report(cfg, registry, spare, "%-10s %-21s spare" % (spare.name, spare.address), None) and ok
     finally:
         registry.close()

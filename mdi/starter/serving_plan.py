@@ -8,17 +8,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List
 
-from mdi.model.layout import torch_dtype
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.transformer import KVCache
-from mdi.runconfig import ConfigError, NodeSpec, RunConfig
-from mdi.starter.autoplan import resolve_layers
+from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planner import PlanError
-from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
+from mdi.starter.capacity import chunk_bytes_needed, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Sample
+from mdi.starter.run_plan import RunPlan, plan_run
+from mdi.starter.run_shape import RunShape
 
 log = logging.getLogger(__name__)
 
@@ -37,58 +37,53 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
     """Plan the slots from memory, open the engine, and lower the slots to what the workers
     actually allocated. Nothing is left open when this raises. `adapters`: an AdapterSet to
     keep (a rebuilt ring keeps the adapters loaded at run time)."""
-    cfg, costs = _planned(cfg, source, max_len, params)
-    nodes = list(cfg.nodes)
-    ranges = cfg.layer_ranges(source.config.n_layer)
-    registry = NodeRegistry.for_run(cfg)  # the engine's, closed with it
+    plan = _planned(cfg, source, max_len, params)
+    registry = NodeRegistry.for_run(plan.cfg)  # the engine's, closed with it
     try:
-        slots = plan_slots(cfg, source, nodes, ranges, max_len, registry)
+        plan = plan.with_slots(plan_slots(plan, source, registry))
     except BaseException:
         registry.close()
         raise
-    engine = Engine(cfg, source, slots, max_len, params, on_token, costs=costs, adapters=adapters, registry=registry)
+    engine = Engine(plan, source, params, on_token, adapters=adapters, registry=registry)
     try:
         engine.open()
-        reported = reported_slots(cfg, engine, max_len)
+        reported = reported_slots(engine)
     except BaseException:
         engine.abort()
         raise
-    return ServingRing(engine, min([slots] + reported))
+    return ServingRing(engine, min([plan.n_slots] + reported))
 
 
-def _planned(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams):
-    """`layers: auto` for serving: planned for serve.max_in_flight slots, or, when the ring
-    cannot hold that many, for half as many down to one (plan_slots lowers them the same way
+def _planned(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams) -> RunPlan:
+    """The run's plan for serve.max_in_flight slots; with `layers: auto`, when the ring cannot
+    hold that many, planned for half as many down to one (plan_slots lowers them the same way
     for a fixed split)."""
     slots = cfg.serve.max_in_flight or DEFAULT_MAX_IN_FLIGHT
     while True:
         try:
-            planned, _, costs = resolve_layers(cfg, source, slots, max_len, params)
-            return planned, costs
+            return plan_run(cfg, source, RunShape(slots, max_len), params)
         except PlanError:
             if slots == 1:
                 raise
             slots = max(1, slots // 2)
 
 
-def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], ranges: List[List[int]],
-               max_len: int, registry: NodeRegistry) -> int:
-    """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of `max_len`
+def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> int:
+    """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of the plan's
     positions that fit in every node's memory next to its weights."""
+    cfg, max_len = plan.cfg, plan.max_len
     asked = cfg.serve.max_in_flight
     limit = asked or DEFAULT_MAX_IN_FLIGHT
     config = source.config
-    dtype = torch_dtype(cfg.model.dtype)
-    for i, (node, layers) in enumerate(zip(nodes, ranges)):
+    for i, node in enumerate(plan.nodes):
         if i == 0:
-            capacity = starter_free_bytes(cfg.device_of(node))
+            capacity = starter_free_bytes(cfg.device_of(node.spec))
         else:
-            capacity = registry.client(node).status().capacity_bytes()
+            capacity = registry.client(node.spec).status().capacity_bytes()
         if capacity is None:
             continue
-        weights = chunk_bytes_needed(config, layers, 0, max_len, dtype, with_ends=i == 0,
-                                     quant=node_quant(cfg, source, node, layers, with_ends=i == 0))
-        per_slot = KVCache.nbytes_for(config, layers[1] - layers[0], 1, max_len, dtype)
+        weights = chunk_bytes_needed(config, node.layers, 0, max_len, plan.dtype, with_ends=i == 0, quant=node.quant)
+        per_slot = KVCache.nbytes_for(config, node.layers[1] - node.layers[0], 1, max_len, plan.dtype)
         fit = (capacity - weights) // per_slot if per_slot > 0 else limit
         if fit < 1:
             raise ConfigError("node %s: %.0f MB of memory cannot hold its layers and one KV cache slot of "
@@ -101,8 +96,9 @@ def plan_slots(cfg: RunConfig, source: ModelSource, nodes: List[NodeSpec], range
     return limit
 
 
-def reported_slots(cfg: RunConfig, engine: Engine, max_len: int) -> List[int]:
+def reported_slots(engine: Engine) -> List[int]:
     """The KV slots each worker says it allocated (what bounds the samples in flight)."""
+    max_len = engine.plan.max_len
     slots = []
     for node in engine.nodes[1:]:
         cache = engine.registry.client(node).status().cache

@@ -5,35 +5,30 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-import torch
-
-from mdi.ring.auth import ring_password
-from mdi.runconfig import NodeSpec, RunConfig
-from mdi.ring.adapter_request import adapter_body
-from mdi.ring.init_request import MAX_ROWS, DataPlane, InitRequest, PushedWeights, Weights
-from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
-from mdi.model.source import ModelSource
-from mdi.ring.transport import RingTimeout
-from mdi.ring.transport import RingEndpoint
 from mdi.model.layout import dtype_name
-from mdi.starter.capacity import node_quant
+from mdi.model.source import ModelSource
+from mdi.ring.adapter_request import adapter_body
+from mdi.ring.auth import ring_password
+from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
+from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, decode
+from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
+from mdi.starter.run_plan import RunPlan
 
 
 class RingSession:
-    """One ring: `nodes` in ring order (the starter first) with their layer `ranges`."""
+    """One ring: the plan's nodes in ring order (the starter first) with their layers."""
 
-    def __init__(self, cfg: RunConfig, nodes: List[NodeSpec], source: ModelSource, ranges: List[List[int]],
-                 run_id: int, n_slots: int, max_len: int, dtype: torch.dtype, adapters: Any,
+    def __init__(self, plan: RunPlan, source: ModelSource, run_id: int, adapters: Any,
                  registry: NodeRegistry) -> None:
-        self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
+        self.plan, self.cfg, self.source = plan, plan.cfg, source
+        self.nodes, self.ranges = plan.specs, plan.ranges
         self.registry = registry  # the engine's: it closes it
         self.adapters = adapters  # mdi.starter.adapters.AdapterSet or None
-        self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
-        self.max_batch = cfg.max_batch(n_slots, len(nodes))
-        self.workers = nodes[1:]
+        self.run_id = run_id
+        self.workers = self.nodes[1:]
         # What each worker keeps quantized (sent in /init; pushed weights come that way).
-        self.quant = [node_quant(cfg, source, node, layers) for node, layers in zip(self.workers, ranges[1:])]
+        self.quant = [n.quant for n in plan.workers]
         self.clients = [self.registry.client(n) for n in self.workers]
         self.endpoint = None  # type: Optional[RingEndpoint]
         self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
@@ -47,14 +42,14 @@ class RingSession:
         return InitRequest(
             quant=self.quant[i], quant_kernel=self.cfg.runtime.quant_kernel,
             run_id=self.run_id, model=self.source.config, layers=list(self.ranges[i + 1]),
-            dtype=dtype_name(self.dtype), device=self.cfg.device_of(node),
+            dtype=dtype_name(self.plan.dtype), device=self.cfg.device_of(node),
             compute_dtype=self.cfg.model.compute_dtype,
-            n_slots=self.n_slots, max_len=self.max_len,
+            n_slots=self.plan.n_slots, max_len=self.plan.max_len,
             heartbeat_timeout=self.cfg.runtime.heartbeat_timeout,
             threads=self.cfg.runtime.threads or None,  # runtime.threads reaches every worker
             data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
                            is_last=i == len(self.workers) - 1),
-            weights=weights, max_batch=self.max_batch, max_rows=min(MAX_ROWS, self.max_batch + self.cfg.runtime.prefill_chunk),
+            weights=weights, max_batch=self.plan.max_batch, max_rows=self.plan.max_rows,
             wire_codec=self.cfg.runtime.wire_codec, fused_decode=self.cfg.runtime.fused_decode)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
@@ -65,7 +60,7 @@ class RingSession:
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights)))
             else:
-                blob = self.source.chunk_bytes(first, last, self.dtype, self.quant[i])
+                blob = self.source.chunk_bytes(first, last, self.plan.dtype, self.quant[i])
                 pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
                 if self.init_replies[i].get("need_weights"):
@@ -96,7 +91,7 @@ class RingSession:
         self.endpoint = RingEndpoint(
             "starter", starter.host, starter.ring_port,
             lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
-                                 n_slots=self.n_slots, max_len=self.max_len),
+                                 n_slots=self.plan.n_slots, max_len=self.plan.max_len),
             ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
             errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]

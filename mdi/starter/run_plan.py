@@ -1,0 +1,123 @@
+"""One run's plan, built once as one value: which node holds which layers, kept quantized how,
+how many KV cache slots of how many positions, how samples travel (max batch, prefill chunk),
+and the planner's measured costs.
+
+The engine, its ring session, `--check`, serving, the metrics record and mdi-plan's YAML all
+read this one value; none sizes the run again. Each used to: the positions per slot by four
+rules, the layer ranges three times, the `max_batch: auto` rule twice, and `--check` checked
+fewer slots than the run then allocated. A recovered ring gets a new plan (`with_ring`), never
+an edit of the old one. A feature that changes a run's shape (a draft model, a prefix cache)
+adds a field here.
+"""
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from mdi.model.layout import QuantSpec, torch_dtype
+from mdi.model.sampling import SamplingParams
+from mdi.model.source import ModelSource
+from mdi.ring.init_request import MAX_ROWS
+from mdi.runconfig import NodeSpec, RunConfig
+from mdi.starter.autoplan import apply_plan, plan_ring
+from mdi.starter.capacity import node_quant
+from mdi.starter.planner import LayerPlan, NodeCost, format_plan
+from mdi.starter.run_shape import RunShape
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node of the ring and what it holds."""
+    spec: NodeSpec
+    layers: Tuple[int, int]  # half-open [first, last)
+    quant: Dict[str, QuantSpec]  # the weights it keeps quantized (sent in /init)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: RunConfig  # the run's config, `layers: auto` resolved (its nodes hold the planned counts)
+    nodes: Tuple[NodePlan, ...]  # ring order, the starter first
+    spares: Tuple[NodeSpec, ...]  # nodes that may take a dead worker's place, in order
+    n_slots: int  # KV cache slots on every node: the samples (or requests) in flight at once
+    max_len: int  # positions per slot
+    max_batch: int  # samples per frame (runtime.max_batch resolved for these slots and nodes)
+    prefill_chunk: int  # prompt tokens a sample's pass carries at most
+    costs: Tuple[NodeCost, ...] = ()  # measured for `layers: auto`: a failure re-plans with them
+    layer_plan: Optional[LayerPlan] = None  # the planner's split and why (`layers: auto`, mdi-plan)
+
+    @property
+    def specs(self) -> List[NodeSpec]:
+        return [n.spec for n in self.nodes]
+
+    @property
+    def ranges(self) -> List[List[int]]:
+        """Each node's half-open [first, last) layers, in ring order."""
+        return [list(n.layers) for n in self.nodes]
+
+    @property
+    def workers(self) -> Tuple[NodePlan, ...]:
+        return self.nodes[1:]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' and KV cache's dtype on every node (model.dtype)."""
+        return torch_dtype(self.cfg.model.dtype)
+
+    @property
+    def max_rows(self) -> int:
+        """The rows a frame may carry: a batch of decode rows plus a prefill chunk."""
+        return min(MAX_ROWS, self.max_batch + self.prefill_chunk)
+
+    def with_slots(self, n_slots: int) -> "RunPlan":
+        """This ring with `n_slots` slots (serving lowers them to what every node's memory holds)."""
+        return dataclasses.replace(self, n_slots=n_slots,
+                                   max_batch=self.cfg.max_batch(n_slots, len(self.nodes)))
+
+    def with_ring(self, source: ModelSource, nodes: Sequence[NodeSpec], ranges: Sequence[Sequence[int]],
+                  spares: Sequence[NodeSpec], costs: Optional[Sequence[NodeCost]] = None) -> "RunPlan":
+        """The plan of a rebuilt ring (recovery): other nodes or ranges, the same slots."""
+        return dataclasses.replace(
+            self, nodes=_node_plans(self.cfg, source, nodes, ranges), spares=tuple(spares),
+            max_batch=self.cfg.max_batch(self.n_slots, len(nodes)),
+            costs=self.costs if costs is None else tuple(costs))
+
+    def metrics(self) -> Dict[str, Any]:
+        """What the metrics record says of the plan: the planner's split, when it made one."""
+        return {"plan": self.layer_plan.metrics()} if self.layer_plan is not None else {}
+
+
+def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optional[SamplingParams] = None,
+             measure: bool = False, refresh: bool = False, say: Optional[Callable[[str], None]] = None) -> RunPlan:
+    """The plan of a run of `shape` on `cfg`'s nodes. With `layers: auto` (or `measure`, as
+    mdi-plan asks) every node is timed (or recalled from the profile cache) and the planner
+    splits the layers; the nodes it leaves out are not in the ring. Raises PlanError or
+    NodeError before any weight is sent."""
+    layer_plan: Optional[LayerPlan] = None
+    costs: List[NodeCost] = []
+    if cfg.auto_layers or measure:
+        layer_plan, costs = plan_ring(cfg, source, shape.n_slots, shape.max_len, shape.n_slots, params, refresh,
+                                      say or log.info)
+        if say is None:
+            for line in format_plan(layer_plan).splitlines():
+                log.info("mdi: plan: %s", line)
+            for name, why in layer_plan.dropped.items():
+                log.warning("mdi: plan: %s %s", name, why)
+        cfg = apply_plan(cfg, layer_plan)
+    nodes = _node_plans(cfg, source, cfg.nodes, cfg.layer_ranges(source.config.n_layer))
+    return RunPlan(cfg, nodes, tuple(cfg.spares), shape.n_slots, shape.max_len,
+                   cfg.max_batch(shape.n_slots, len(nodes)), cfg.runtime.prefill_chunk, tuple(costs), layer_plan)
+
+
+def _node_plans(cfg: RunConfig, source: ModelSource, nodes: Sequence[NodeSpec],
+                ranges: Sequence[Sequence[int]]) -> Tuple[NodePlan, ...]:
+    """Each node with its range and quantization; the starter's (first) with the embedding and head."""
+    return tuple(NodePlan(node, (layers[0], layers[1]), node_quant(cfg, source, node, layers, with_ends=i == 0))
+                 for i, (node, layers) in enumerate(zip(nodes, ranges)))
