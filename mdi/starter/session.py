@@ -28,7 +28,7 @@ class RingSession:
                  registry: NodeRegistry) -> None:
         self.cfg, self.nodes, self.source, self.ranges = cfg, nodes, source, ranges
         self.registry = registry  # the engine's: it closes it
-        self.adapters = adapters  # mdi.starter.adapters.AdapterSet or None
+        self.adapters = adapters  # mdi.starter.adapter_set.AdapterSet or None
         self.run_id, self.n_slots, self.max_len, self.dtype = run_id, n_slots, max_len, dtype
         self.max_batch = cfg.max_batch(n_slots, len(nodes))
         self.workers = nodes[1:]
