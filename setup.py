@@ -20,6 +20,8 @@ setup(
                  "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11"],
         "bench": ["matplotlib"],
     },
+    # mdi.cli is a package, one module per program; it keeps the four mains importable as
+    # mdi.cli.<name>_main (see its __init__), so these targets and the scripts already installed stand.
     entry_points={"console_scripts": [
         "mdi-start=mdi.cli:start_main",
         "mdi-worker=mdi.cli:worker_main",

@@ -3,7 +3,7 @@
 
 One `mdi-start --serve` ring (SmolLM2-135M by default: the starter and --nodes - 1 workers,
 each under a CPU quota of --quota cores when cgroups allow it, else plain processes) with
---adapters random rank---rank LoRAs over every linear layer (mdi.lab.adapters: real shapes,
+--adapters random rank---rank LoRAs over every linear layer (mdi.lab.random_lora: real shapes,
 random values). --requests concurrent greedy /v1/completions (--tokens each) are sent twice
 per repeat, back to back and in alternating order: all on the base model, then spread evenly
 over the adapters ("model": name). Reported: aggregate tokens/s of each (completion tokens /
@@ -85,7 +85,7 @@ def run_once(url: str, models: List[Optional[str]], tokens: int) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mdi.lab.adapters import write_random_lora
+    from mdi.lab.random_lora import write_random_lora
     from mdi.model.adapters import load_adapter
     from mdi.model.layout import balanced, layer_ranges, layer_span
     from mdi.model.source import ModelSource

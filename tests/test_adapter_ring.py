@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from conftest import free_ports
-from mdi.lab.adapters import write_random_lora
+from mdi.lab.random_lora import write_random_lora
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, parse_config
 from mdi.starter import batch
@@ -124,7 +124,7 @@ def test_an_adapter_that_leaves_a_node_s_layers_alone(tiny_models, workers, tmp_
 
 
 def test_adapter_mixes_are_held_once_and_go_with_their_parts(tiny_models, adapter_dirs):
-    from mdi.starter.adapters import AdapterSet
+    from mdi.starter.adapter_set import AdapterSet
     config = ModelSource(tiny_models["llama"]).config
     adapters = AdapterSet(adapter_dirs["llama"], config)
     chat, tools, poet = (adapters.id_of(n) for n in ADAPTERS)

@@ -341,7 +341,7 @@ def test_unsupported_adapters_are_refused(llama_adapter, edit, match):
 
 
 def test_a_mix_adds_the_scaled_deltas(llama_adapter, tmp_path):
-    from mdi.lab.adapters import write_random_lora
+    from mdi.lab.random_lora import write_random_lora
     from mdi.model.adapters import SoftPrompt, mix_adapters
     base_dir, adapter_dir = llama_adapter
     config = base_config(base_dir)

@@ -197,7 +197,7 @@ class RecordingLoop(LocalLoop):
 
 
 def test_frames_hold_few_distinct_adapters_and_ids_do_not_change(tmp_path):
-    from mdi.lab.adapters import write_random_lora
+    from mdi.lab.random_lora import write_random_lora
     from mdi.model.adapters import load_adapter
     chunk = tiny_model("llama")
     for i in range(4):

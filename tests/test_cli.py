@@ -129,7 +129,7 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
 
 def test_progress_line_on_a_terminal(capsys, monkeypatch):
     # A batch run on a terminal shows tokens and tokens/s as it goes (one self-overwriting line).
-    from mdi.cli import Progress
+    from mdi.cli.progress import Progress
     progress = Progress(n_samples=2, n_tokens=5)
     monkeypatch.setattr(Progress, "EVERY", 0.0)
     for _ in range(3):

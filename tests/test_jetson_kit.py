@@ -16,7 +16,7 @@ import pytest
 
 from conftest import BIN, ROOT, missing
 from mdi.system import memory, tegra
-from mdi.cli import worker_parser
+from mdi.cli.worker import worker_parser
 
 JETSON = os.path.join(ROOT, "jetson")
 SETUP = os.path.join(JETSON, "setup.sh")

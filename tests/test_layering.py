@@ -119,6 +119,17 @@ def test_the_checker_catches_upward_and_lab_imports(tmp_path):
     assert len(found) == 5, found
 
 
+def test_a_package_s_modules_share_its_layer(tmp_path):
+    # mdi/cli/ is a package: its modules import each other (relatively too) and sit in one layer.
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "cli/__init__.py": "from mdi.cli.start import start_main\n",
+        "cli/start.py": "from . import output\nfrom .process import fail\nfrom mdi.serving import api\n",
+        "cli/plan.py": "def f():\n    from mdi.lab import nodes\n",
+    })
+    assert layering_violations(pkg) == ["mdi/cli/plan.py: cli imports mdi.lab.nodes"]
+
+
 def test_the_bench_starter_service_module_exists():
     # mdi-bench starts its warm starter with `python -m` this module and --cleanup matches it
     # in /proc/PID/cmdline: a stale name would silently stop both.

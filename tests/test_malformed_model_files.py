@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from mdi import cli
+from mdi.cli.prepare import prepare_main
 from mdi.model.checkpoints import read_hf_dir
 from mdi.model.config import ModelConfig
 from mdi.model.layout import CheckpointError
@@ -53,7 +53,7 @@ def test_a_malformed_config_json_is_one_line_naming_it(tmp_path, text, words):
 
 def test_mdi_prepare_says_it_in_one_line(tmp_path, capsys):
     path = hf_dir(tmp_path, json.dumps(dict(LLAMA, num_hidden_layers="x")))
-    assert cli.prepare_main([path, "--out", str(tmp_path / "out")]) != 0
+    assert prepare_main([path, "--out", str(tmp_path / "out")]) != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "n_layer must be an integer" in errors[0], errors
 

@@ -13,7 +13,8 @@ import torch
 
 from conftest import BIN, ROOT, free_ports, worker_pool
 from test_tokenizers import all_toks, gpt2, hf_gpt2_dir, hf_llama, smol_or_none, sp_dir, sp_model  # noqa: F401 (fixtures)
-from mdi import cli
+from mdi.cli.process import EXIT_CONFIG
+from mdi.cli.start import start_main
 from mdi.model.source import ModelSource
 from mdi.model.transformer import full_model
 from mdi.ring import wire
@@ -171,13 +172,13 @@ def test_a_missing_file_is_one_line_error(tiny_models, tmp_path):
     missing = str(tmp_path / "nope.txt")
     proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--model", tiny_models["gpt2"], "--perplexity", missing],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == cli.EXIT_CONFIG
+    assert proc.returncode == EXIT_CONFIG
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["mdi: error: --perplexity %s: no such file" % missing]
 
 
 def _cli_error(capsys, argv):
-    code = cli.start_main(argv)
+    code = start_main(argv)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mdi: error:")]
     assert len(err) == 1
     return code, err[0]
@@ -200,7 +201,7 @@ def test_bad_files_and_flags_are_config_errors(tiny_models, tmp_path, text_file,
             (["--perplexity", text_file, "--prompt", "Hi"], "--prompt does not go with --perplexity"),
             (["--ppl-ctx", "16", "--prompt", "Hi"], "go with --perplexity")):
         code, line = _cli_error(capsys, ["--model", model] + argv)
-        assert code == cli.EXIT_CONFIG and words in line, (argv, line)
+        assert code == EXIT_CONFIG and words in line, (argv, line)
 
 
 def test_score_frames_come_back_whole():
@@ -276,7 +277,7 @@ def test_a_file_read_in_pieces_has_the_ids_of_the_whole_text(all_toks, tmp_path,
 
 def test_a_device_or_pipe_is_refused_not_read_forever(tiny_models, capsys):
     code, line = _cli_error(capsys, ["--model", tiny_models["gpt2"], "--perplexity", "/dev/zero"])
-    assert code == cli.EXIT_CONFIG and "not a regular file" in line, line
+    assert code == EXIT_CONFIG and "not a regular file" in line, line
 
 
 READ_PEAK = """

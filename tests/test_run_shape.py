@@ -9,7 +9,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from mdi.cli import plan_main, start_main
+from mdi.cli.plan import plan_main
+from mdi.cli.start import start_main
 from mdi.model.source import ModelSource
 from mdi.runconfig import load_config, samples_per_frame
 from mdi.starter import batch

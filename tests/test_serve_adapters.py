@@ -246,7 +246,7 @@ def test_a_full_mix_table_makes_room_from_the_mix_given_out_longest_ago(setup, w
     # Any client can ask for a new mix: with the table full (MAX_MIXES), the mix given out
     # longest ago that no request uses leaves every node for the new one, instead of every
     # other client's new mix being refused; an evicted mix asked for again is simply remade.
-    from mdi.starter.adapters import MAX_MIXES
+    from mdi.starter.adapter_set import MAX_MIXES
     server, model, dirs = setup
     lora = [[{"id": 0, "scale": 1}, {"id": 1, "scale": round(0.05 * (k + 1), 2)}] for k in range(MAX_MIXES + 3)]
     first = complete(server, lora=lora[0], max_tokens=4)

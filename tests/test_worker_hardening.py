@@ -19,7 +19,7 @@ import requests
 import torch
 
 from conftest import BIN, CHARS, WorkerProcess, free_ports
-from mdi.cli import worker_parser
+from mdi.cli.worker import worker_parser
 from mdi.model.config import ModelConfig
 from mdi.model.layout import torch_dtype
 from mdi.model.source import ModelSource

@@ -288,7 +288,7 @@ def serve_starter() -> int:
     arguments; reply {"code", "error"} on stdout. Everything else goes to stderr (the log)."""
     import contextlib
     import io
-    from mdi import cli
+    from mdi.cli.start import start_main
     import torch  # noqa: F401  (the import is the slow part; do it before saying ready)
     replies = sys.stdout
     sys.stdout = sys.stderr
@@ -308,7 +308,7 @@ def serve_starter() -> int:
             continue
         captured = io.StringIO()
         with contextlib.redirect_stderr(captured):
-            code = cli.start_main(argv)
+            code = start_main(argv)
         sys.stderr.write(captured.getvalue())
         sys.stderr.flush()
         _release_memory()  # so the next run starts from what a fresh mdi-start would hold

@@ -13,7 +13,7 @@ from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings
 
-from mdi.cli import EXIT_CONFIG, EXIT_RUN  # noqa: F401  (mdi-bench exits like mdi-start)
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN  # noqa: F401  (mdi-bench exits like mdi-start)
 
 
 class ExperimentError(ValueError):

@@ -37,7 +37,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError, RunConfig
 from mdi.serving.dashboard import register_dashboard
-from mdi.starter.adapters import virtual_tokens
+from mdi.starter.adapter_set import virtual_tokens
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)

@@ -29,7 +29,7 @@ from mdi.serving.metrics import Stats
 from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine import Engine  # noqa: F401  (type comment)
 from mdi.starter.pipeline import Sample
-from mdi.starter.adapters import virtual_tokens
+from mdi.starter.adapter_set import virtual_tokens
 from mdi.starter.run_shape import serving_max_len
 from mdi.starter.serving_plan import open_serving_ring
 

@@ -22,7 +22,7 @@ from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
-from mdi.starter.adapters import MAX_MIXES, AdapterSet, read_adapter
+from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, read_adapter
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
 from mdi.starter.recovery import RecoveryImpossible, replan
 from mdi.starter.run_plan import RunPlan

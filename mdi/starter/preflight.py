@@ -8,7 +8,7 @@ from mdi.starter.control import NodeError, NodeRegistry
 from mdi.model import qkernels
 from mdi.model.layout import format_layers
 from mdi.model.source import ModelSource
-from mdi.starter.adapters import adapter_layer_bytes
+from mdi.starter.adapter_set import adapter_layer_bytes
 from mdi.starter.capacity import MB, chunk_bytes_needed, starter_free_bytes
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run

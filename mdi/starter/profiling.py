@@ -32,7 +32,7 @@ from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, Profile
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
-from mdi.starter.adapters import adapter_layer_bytes
+from mdi.starter.adapter_set import adapter_layer_bytes
 from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.loop_timing import time_starter_loop

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 from mdi.model.config import ModelConfig
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.starter.adapters import AdapterSet, adapter_ids
+from mdi.starter.adapter_set import AdapterSet, adapter_ids
 from mdi.starter.pipeline import Sample, make_samples
 
 DEFAULT_SERVING_MAX_LEN = 2048  # positions per slot when serve.max_len is not set (capped by the context)

@@ -24,7 +24,7 @@ class RingSession:
         self.plan, self.cfg, self.source = plan, plan.cfg, source
         self.nodes, self.ranges = plan.specs, plan.ranges
         self.registry = registry  # the engine's: it closes it
-        self.adapters = adapters  # mdi.starter.adapters.AdapterSet or None
+        self.adapters = adapters  # mdi.starter.adapter_set.AdapterSet or None
         self.run_id = run_id
         self.workers = self.nodes[1:]
         # What each worker keeps quantized (sent in /init; pushed weights come that way).

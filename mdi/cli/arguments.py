@@ -1,0 +1,41 @@
+"""Argument types and the argument groups several programs share (quantization, kernels)."""
+import argparse
+from typing import Any, Callable
+
+
+def arg_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse `type=`: `convert`, then `ok`, else argparse's one-line usage error."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError("expected %s, got %r" % (expected, text))
+        return value
+    return parse
+
+
+# The OS would take port 80000 modulo 65536 and bind another port.
+tcp_port = arg_type(int, lambda p: 1 <= p <= 65535, "a TCP port 1-65535")
+positive_int = arg_type(int, lambda v: v >= 1, "an integer >= 1")
+positive_float = arg_type(float, lambda v: 0 < v < float("inf"), "a number > 0")  # NaN fails too
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    from mdi.model.layout import INT4_GROUPS, QUANT_MODES
+    p.add_argument("--quant", choices=QUANT_MODES,
+                   help="weights in memory, on disk and on the wire: none (float), int8, int4, or auto (the "
+                        "default: a GGUF's own precision class, Q8_0 -> int8, Q4_* -> int4; float stays float)")
+    p.add_argument("--group-size", type=arg_type(int, lambda v: v >= 2, "an integer >= 2"), metavar="G",
+                   help="with --quant int8/int4: values sharing one scale (int4: %s, default 32; int8: default "
+                        "one scale per output channel)" % "/".join(str(g) for g in INT4_GROUPS))
+
+
+def add_kernel_argument(p: argparse.ArgumentParser) -> None:
+    from mdi.model.qkernels import POLICY_NAMES
+    p.add_argument("--quant-kernel", choices=POLICY_NAMES, metavar="POLICY",
+                   help="how quantized layers multiply (runtime.quant_kernel): fast (default: the fastest kernel "
+                        "measured on each layer's shape here: bfloat16 packed or int8 integer kernels, ~1%% logit "
+                        "error), exact (float32 maths only, the same numbers as the dequantized model, several "
+                        "times slower), or a kernel: " + ", ".join(POLICY_NAMES[2:]))

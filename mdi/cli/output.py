@@ -1,0 +1,59 @@
+"""What a finished run prints (its samples, the summary line, notes on stderr) and writes
+(--metrics-out)."""
+import argparse
+import sys
+from typing import Optional
+
+from mdi.system.files import write_json
+
+
+def report(result, args: argparse.Namespace) -> None:
+    if not args.quiet:
+        for i, (sample, text) in enumerate(zip(result.samples, result.texts)):
+            print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason or "unfinished"))
+            print(sample.prompt + text)
+    print(summary_line(result), flush=True)
+    kernels = kernels_line(result)
+    if kernels and not args.quiet:
+        print(kernels, file=sys.stderr)
+    note = context_note(result)
+    if note:
+        print(note, file=sys.stderr)
+    if args.metrics_out:
+        write_json(args.metrics_out, result.metrics())
+
+
+def context_note(result) -> Optional[str]:
+    """One line when samples stopped at the model's context before their token budget."""
+    cut = [s for s in result.samples if s.finish_reason == "context"]
+    if not cut:
+        return None
+    return ("mdi: %d of %d samples stopped at the model's context (%s positions): asked for %d new tokens, got %s; "
+            "generation.context_shift: true keeps going with a rolling window"
+            % (len(cut), len(result.samples), result.extra.get("context", "?"), cut[0].max_new_tokens,
+               "/".join(str(len(s.token_ids)) for s in cut)))
+
+
+def kernels_line(result) -> Optional[str]:
+    """Which kernels each node's quantized layers multiply with (the metrics record has why:
+    each candidate's measured time per weight shape); None for a float model."""
+    from mdi.model.qkernels import summary
+    parts = ["%s %s" % (n["name"], summary(n["kernels"])) for n in result.nodes if n.get("kernels")]
+    if not parts:
+        return None
+    return "mdi: quantized kernels (measured per shape, runtime.quant_kernel): " + "; ".join(parts)
+
+
+def summary_line(result) -> str:
+    return ("mdi: %d tokens in %.2f s, %.2f tokens/s, %d samples, %d nodes"
+            % (result.n_tokens, result.elapsed, result.tokens_per_s, len(result.samples), len(result.nodes)))
+
+
+def report_perplexity(result, args: argparse.Namespace) -> None:
+    if result.n_windows:
+        print("mdi: perplexity %.4f over %d windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, %d nodes%s"
+              % (result.perplexity, result.n_windows, result.ctx, result.n_scored, result.elapsed,
+                 result.tokens_per_s, len(result.nodes), ", partial" if "error" in result.extra else ""),
+              flush=True)
+    if args.metrics_out:
+        write_json(args.metrics_out, result.metrics())

@@ -1,0 +1,44 @@
+"""mdi-prepare: turn a checkpoint into an mdi model directory (mdi.model.prepare)."""
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from mdi.cli.arguments import add_quant_arguments
+from mdi.cli.process import EXIT_CONFIG, setup_process
+from mdi.model.layout import CheckpointError
+from mdi.model.tokenizers import TokenizerError
+
+
+def prepare_parser() -> argparse.ArgumentParser:
+    from mdi.model import prepare
+    doc = prepare.__doc__
+    p = argparse.ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(doc.split("\n")[2:]))
+    p.add_argument("source", help="packaged model name (%s), HF dir, .gguf or nanoGPT ckpt.pt"
+                   % ", ".join(prepare.PACKAGED))
+    p.add_argument("--out", help="output directory (default models/<name>)")
+    p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
+                   help="also cut per-node chunk files for this partition (layer counts); repeatable")
+    p.add_argument("--vocab", help="JSON list of characters (character-level nanoGPT models)")
+    p.add_argument("--merge-adapter", metavar="PATH",
+                   help="merge this LoRA adapter (a PEFT directory or a LoRA GGUF) into the weights before they "
+                        "are written (and quantized as --quant says): a model for a ring that serves one task")
+    add_quant_arguments(p)
+    return p
+
+
+def prepare_main(argv: Optional[List[str]] = None) -> int:
+    from mdi.model import prepare
+    args = prepare_parser().parse_args(argv)
+    setup_process()
+    name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
+    out = args.out or os.path.join("models", name)
+    try:
+        prepare.prepare(args.source, out, args.chunks, args.vocab, args.quant or "auto", args.group_size,
+                        args.merge_adapter)
+    except (CheckpointError, TokenizerError, OSError, ValueError) as e:
+        print("mdi-prepare: error: %s" % e, file=sys.stderr)
+        return EXIT_CONFIG
+    return 0

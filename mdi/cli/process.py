@@ -1,0 +1,28 @@
+"""What the entry points share about the process they run in: its set-up and how it exits
+(exit codes, the one "mdi: error:" line)."""
+import sys
+from typing import Any
+
+EXIT_CONFIG = 2
+EXIT_RUN = 1
+
+
+def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", threads: Any = None) -> None:
+    """What only an entry point may decide for the whole process: where log messages go,
+    which warnings are noise, and how many threads torch uses."""
+    import logging
+    import warnings
+    logging.basicConfig(level=log_level.upper(), format=log_format, stream=sys.stderr)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    # Received frames wrap zmq's read-only buffers (mdi/ring/wire.py says why): nothing writes
+    # to them, so torch's warning about non-writable tensors does not apply.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    if isinstance(threads, int) and threads > 0:  # "auto" is decided once the model is loaded
+        import torch
+        torch.set_num_threads(threads)
+
+
+def fail(message: str, code: int) -> int:
+    """The one "mdi: error:" line on stderr; returns `code` for the entry point to exit with."""
+    print("mdi: error: %s" % message, file=sys.stderr)
+    return code

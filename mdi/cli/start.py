@@ -1,0 +1,246 @@
+"""mdi-start: run a model split across the nodes of a YAML config (batch, --serve, --check,
+--perplexity)."""
+import argparse
+import signal
+import sys
+from typing import List, Optional
+
+from mdi.cli.arguments import add_kernel_argument, add_quant_arguments, positive_int
+from mdi.cli.output import report, report_perplexity
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
+from mdi.cli.progress import PerplexityProgress, Progress
+from mdi.model.layout import CheckpointError
+from mdi.model.tokenizers import TokenizerError
+from mdi.runconfig import (ConfigError, GenerationSpec, ModelSpec, NodeSpec, RunConfig, RuntimeSpec, check_quant,
+                           load_config)
+
+
+def start_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mdi-start",
+        description="Run a model split across the nodes of a YAML config (a one-node config runs "
+                    "standalone). Flags override the file.",
+        epilog="Example: mdi-start --config configs/ring3.yaml --prompt 'The capital of France is' "
+               "--n-tokens 16 --temperature 0")
+    p.add_argument("--config", help="run configuration (YAML); see README 'Configuration'")
+    p.add_argument("--model", help="model path (prepared mdi dir, HF dir, .gguf or nanoGPT ckpt.pt); "
+                                   "overrides model.path")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="a prompt; give several times for several samples")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME",
+                   help="the LoRA adapter (a name under the config's adapters:) of the prompt at the same "
+                        "position; give it once per --prompt, 'base' for none; later prompts run on the base")
+    p.add_argument("--n-samples", type=int, help="samples in flight; prompts are repeated to fill them")
+    p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default 100)")
+    p.add_argument("--temperature", type=float, help="0 for greedy decoding (default 0.8)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it")
+    p.add_argument("--context-shift", action="store_true",
+                   help="a sample that reaches the model's context drops the oldest half of its generated "
+                        "tokens and goes on (generation.context_shift); without it, it stops there")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
+    p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
+                   help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
+                        "float32 compute on GPUs without fast half arithmetic such as the TX2)")
+    add_quant_arguments(p)
+    add_kernel_argument(p)
+    p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
+    p.add_argument("--threads", type=int, help="torch threads on the starter")
+    p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
+    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    p.add_argument("--check", action="store_true",
+                   help="pre-flight check: contact every node and report reachability, version, device, "
+                        "free memory and whether its layers and KV cache fit; generates nothing")
+    p.add_argument("--serve", action="store_true",
+                   help="keep the ring up and serve an OpenAI-compatible HTTP API (POST /v1/completions, "
+                        "/v1/chat/completions; GET /v1/models, /metrics) with iteration-level scheduling; "
+                        "see the YAML's serve: section")
+    p.add_argument("--dashboard", nargs="?", const=0, type=int, metavar="PORT",
+                   help="batch run: show the dashboard (the page --serve has at /: the ring, its nodes, "
+                        "tokens/s, recoveries) at http://HOST:PORT/ while the run goes on (default port "
+                        "serve.port, else the starter node's port)")
+    p.add_argument("--host", help="with --serve or --dashboard: address to listen on (default serve.host, "
+                                  "127.0.0.1)")
+    p.add_argument("--port", type=int, help="with --serve: HTTP port (default serve.port, else the starter "
+                                            "node's port)")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --serve or --dashboard: allow a non-loopback --host without a shared secret")
+    p.add_argument("--perplexity", metavar="FILE.txt",
+                   help="measure the model's perplexity on this UTF-8 text file instead of generating (as llama.cpp's "
+                        "llama-perplexity does: windows of --ppl-ctx tokens, the second half of each scored), "
+                        "standalone or over the ring; prints perplexity and tokens/s")
+    p.add_argument("--ppl-ctx", type=positive_int, metavar="N",
+                   help="with --perplexity: window length in tokens (default: the model's context, at most 512)")
+    p.add_argument("--ppl-max-windows", type=positive_int, metavar="N",
+                   help="with --perplexity: score only the first N windows")
+    return p
+
+
+def _config_from_args(args: argparse.Namespace) -> RunConfig:
+    if args.config:
+        cfg = load_config(args.config)
+    elif args.model:
+        cfg = RunConfig(ModelSpec(args.model), [NodeSpec("starter")], GenerationSpec(), RuntimeSpec())
+    else:
+        raise ConfigError("give --config FILE.yaml or --model PATH")
+    if args.model:
+        cfg.model.path = args.model
+    g = cfg.generation
+    for flag, key in (("n_tokens", "n_tokens"), ("temperature", "temperature"), ("top_k", "top_k"),
+                      ("top_p", "top_p"), ("seed", "seed")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(g, key, value)
+    if args.context_shift:
+        g.context_shift = True
+    if args.dtype:
+        cfg.model.dtype = args.dtype
+    if args.compute_dtype:
+        cfg.model.compute_dtype = args.compute_dtype
+    if args.quant:
+        cfg.model.quant = args.quant
+        for node in cfg.nodes:  # the flag is for the whole ring
+            node.quant = None
+    if args.group_size:
+        cfg.model.group_size = args.group_size
+    if args.quant_kernel:
+        cfg.runtime.quant_kernel = args.quant_kernel
+    check_quant("--quant", cfg.model)
+    if args.device:
+        cfg.starter.device = args.device
+    if args.threads:
+        cfg.runtime.threads = args.threads
+    from mdi.runconfig import _check_generation
+    _check_generation("command line", g)
+    return cfg
+
+
+def start_main(argv: Optional[List[str]] = None) -> int:
+    args = start_parser().parse_args(argv)
+    from mdi.starter import batch
+
+    def terminate(signum, frame):
+        raise batch.Interrupted(signum)
+
+    # SIGTERM (systemd, kill) stops the ring like Ctrl-C: workers are told at once.
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        return _start(args, batch)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _start(args: argparse.Namespace, batch) -> int:
+    from mdi.ring.auth import TokenError, load_token
+    try:
+        cfg = _config_from_args(args)
+        cfg.runtime.token = load_token(cfg.runtime.token_file)
+        setup_process(threads=cfg.runtime.threads)
+        if args.perplexity is not None:
+            return _perplexity(cfg, args)
+        if args.ppl_ctx is not None or args.ppl_max_windows is not None:
+            raise ConfigError("--ppl-ctx and --ppl-max-windows go with --perplexity FILE")
+        if args.check:  # the samples the run would hold, --n-samples and --adapter counted
+            from mdi.starter.preflight import preflight
+            return preflight(cfg, args.prompt, args.n_samples, args.adapter)
+        if args.serve:
+            return _serve(cfg, args)
+        if args.port is not None:
+            raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
+        if (args.host or args.insecure) and args.dashboard is None:
+            raise ConfigError("--host and --insecure go with --serve or --dashboard")
+        from mdi.starter.run_shape import expand_prompts
+        prompts = expand_prompts(cfg, args.prompt, args.n_samples)
+        progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None
+        dashboard = _dashboard(cfg, args, len(prompts)) if args.dashboard is not None else None
+        monitor = dashboard.monitor if dashboard is not None else None
+        try:
+            result = batch.run(cfg, prompts, on_token=_each(progress, monitor.on_token if monitor else None),
+                               on_engine=monitor.attach if monitor else None, adapters=args.adapter)
+        except BaseException as e:
+            if monitor is not None:
+                monitor.finished(str(e) or type(e).__name__)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+            if dashboard is not None:
+                dashboard.close()
+    except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
+        return fail(str(e), EXIT_CONFIG)
+    except batch.RunFailed as e:
+        report(e.result, args)  # the partial texts and metrics are not lost
+        return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
+    except KeyboardInterrupt:
+        return fail("interrupted", 128 + signal.SIGINT)
+    except batch.Interrupted as e:
+        return fail("interrupted by %s" % signal.Signals(e.signum).name, 128 + e.signum)
+    except RuntimeError as e:
+        return fail(str(e), EXIT_RUN)
+    report(result, args)
+    return 0
+
+
+def _dashboard(cfg: RunConfig, args: argparse.Namespace, n_samples: int):
+    """A batch run's dashboard (`--dashboard [PORT]`), listening before the run starts."""
+    from mdi.serving.api import default_model_id
+    from mdi.serving.dashboard import BatchDashboard, BatchMonitor, dashboard_address
+    host, port = dashboard_address(cfg, args.dashboard or None, args.host, args.insecure)
+    monitor = BatchMonitor(cfg, n_samples, cfg.generation.n_tokens)
+    dashboard = BatchDashboard(cfg, monitor, cfg.serve.model_name or default_model_id(cfg.model.path), host, port)
+    print("mdi-start: dashboard on %s" % dashboard.url, file=sys.stderr, flush=True)
+    return dashboard
+
+
+def _each(*callbacks):
+    """One token callback calling each of `callbacks` that is not None (None if none is)."""
+    todo = [c for c in callbacks if c is not None]
+    if len(todo) < 2:
+        return todo[0] if todo else None
+
+    def each(sample, token: int) -> None:
+        for callback in todo:
+            callback(sample, token)
+    return each
+
+
+def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
+    if args.dashboard is not None:
+        raise ConfigError("--dashboard is for batch runs: --serve shows the dashboard at / on its own port")
+    if args.prompt or args.n_samples is not None or args.metrics_out:
+        raise ConfigError("--prompt, --n-samples and --metrics-out do not apply to --serve (requests bring "
+                          "their own prompts; GET /metrics reports)")
+    from mdi.runconfig import check_serve
+    if args.host:
+        cfg.serve.host = args.host
+    if args.port is not None:
+        cfg.serve.port = args.port
+    check_serve("command line: serve", cfg.serve)
+    from mdi.system.memory import limit_malloc_arenas
+    limit_malloc_arenas()  # before the HTTP threads: what one request frees, the next reuses (see there)
+    from mdi.serving.api import serve
+    return serve(cfg, insecure=args.insecure)
+
+
+def _perplexity(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """`--perplexity FILE`: score the file, print perplexity and tokens/s, write --metrics-out."""
+    for flag, given in (("--check", args.check), ("--serve", args.serve), ("--dashboard", args.dashboard is not None),
+                        ("--prompt", bool(args.prompt)), ("--n-samples", args.n_samples is not None),
+                        ("--n-tokens", args.n_tokens is not None)):
+        if given:
+            raise ConfigError("%s does not go with --perplexity" % flag)
+    from mdi.starter import perplexity
+    progress = PerplexityProgress() if sys.stderr.isatty() else None
+    try:
+        result = perplexity.run(cfg, args.perplexity, args.ppl_ctx, args.ppl_max_windows, on_window=progress)
+    except perplexity.PerplexityFailed as e:
+        if progress is not None:
+            progress.close()
+        report_perplexity(e.result, args)  # the windows scored so far are not lost
+        return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
+    if progress is not None:
+        progress.close()
+    report_perplexity(result, args)
+    return 0
+
