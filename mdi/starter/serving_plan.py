@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List
 
+from mdi.model.kv_cache import KVCache
 from mdi.model.layout import torch_dtype
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.autoplan import resolve_layers
 from mdi.starter.planner import PlanError
