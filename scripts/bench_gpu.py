@@ -409,10 +409,10 @@ def _build(path: str, config, layout: Dict[str, Any], gen_device: str) -> None:
 def load_mdi(path: str, dtype: str, device: str, policy: str = "fast"):
     """(source, whole-model chunk on `device`), quantized weights kept as stored, kernels
     chosen under `policy` with no memory limit."""
-    from mdi.model import qkernels
+    from mdi.model import kernel_choice, qkernels
     from mdi.model.source import ModelSource
     qkernels.set_preference(policy)
-    qkernels.set_memory_allowance(None)
+    kernel_choice.set_memory_allowance(None)
     source = ModelSource(path)
     n = source.config.n_layer
     quant = source.layout(0, n, True, "auto")
@@ -422,8 +422,8 @@ def load_mdi(path: str, dtype: str, device: str, policy: str = "fast"):
 
 def chunk_kernels(chunk) -> Dict[str, Any]:
     """Which kernel every quantized layer of `chunk` runs: per layer, per weight shape, counts."""
-    from mdi.model import qkernels
-    from mdi.model.transformer import QuantLinear
+    from mdi.model import kernel_choice
+    from mdi.model.layers import QuantLinear
     per_layer, per_shape = {}, {}  # type: Dict[str, str], Dict[str, str]
     for name, m in chunk.named_modules():
         if isinstance(m, QuantLinear):
@@ -434,7 +434,7 @@ def chunk_kernels(chunk) -> Dict[str, Any]:
     counts = {}  # type: Dict[str, int]
     for k in per_layer.values():
         counts[k] = counts.get(k, 0) + 1
-    why = [e for e in qkernels.chosen() if e["weight"] in per_shape]
+    why = [e for e in kernel_choice.chosen() if e["weight"] in per_shape]
     return {"per_layer": per_layer, "per_shape": per_shape, "counts": counts,
             "summary": ", ".join("%s x%d" % kv for kv in sorted(counts.items())), "why": why}
 

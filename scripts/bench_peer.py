@@ -324,15 +324,15 @@ def mdi_local(model: str, prompts: List[str], n_tokens: int, threads: int, kerne
 def without_integer_kernels():
     """`fast` as it was before the int8 integer kernels (mdi.model.qkernels.Int8DynamicLinear):
     the bfloat16 packed ones and the float32 reference only, measured afresh."""
-    from mdi.model import qkernels
+    from mdi.model import kernel_choice, qkernels
     saved = list(qkernels.KERNELS)
     qkernels.KERNELS[:] = [k for k in saved if k.held_bytes is None]
-    qkernels._measured.clear()
+    kernel_choice._measured.clear()
     try:
         yield
     finally:
         qkernels.KERNELS[:] = saved
-        qkernels._measured.clear()
+        kernel_choice._measured.clear()
 
 
 def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fused: bool = True,
@@ -434,9 +434,9 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
     import torch.nn.functional as F
     from mdi.model import qkernels
     from mdi.model.profile import seconds_per_call
+    from mdi.model.row_batch import RowBatch
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
     from mdi.model.source import ModelSource
-    from mdi.model.transformer import RowBatch
     torch.set_num_threads(threads)
     qkernels.set_preference("fast")
     source = ModelSource(model)
@@ -994,9 +994,9 @@ def main(argv=None) -> int:
         record["mdi_profile_1_thread"] = {"error": str(e)}
     try:
         import torch
-        from mdi.model import qkernels
+        from mdi.model import kernel_choice
         record["mdi_kernel_choices"] = sorted(set("%s threads %d -> %s" % (k, torch.get_num_threads(), v)
-                                                  for k, v in qkernels.chosen_by_weight().items()))
+                                                  for k, v in kernel_choice.chosen_by_weight().items()))
     except Exception as e:  # noqa: BLE001
         record["mdi_kernel_choices"] = ["unavailable: %s" % e]
     return finish(args, info, record, t_start)

@@ -11,7 +11,7 @@ One run measures three things, every ratio taken between measurements of this sa
     kernel ms, per round) are reported as median [min, max] over --rounds. Each kernel's output
     is checked against the float32 dequantized weight (max error / max output; on the float32
     row: the float weight against its rounded twin, i.e. the quantization error itself), and the
-    kernel `qkernels.choose` takes under the `fast` policy is named (`exact` always takes
+    kernel `mdi.model.kernel_choice.choose` takes under the `fast` policy is named (`exact` always takes
     `dequant`). Each weight format has its own float32 rounds (its own same-run baseline).
 
 (b) Standalone decode. `mdi-start --model DIR --temperature 0 --threads N --metrics-out` child
@@ -124,7 +124,7 @@ def _calls_for(fn, budget_s: float) -> int:
 def kernel_bench(model: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
     import torch
     import torch.nn.functional as F
-    from mdi.model import qkernels
+    from mdi.model import kernel_choice, qkernels
     from mdi.model.layout import QuantSpec
     from mdi.model.quant import dequantize, quantize
     cpu = torch.device("cpu")
@@ -163,7 +163,7 @@ def kernel_bench(model: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
                     times[name].append((time.perf_counter() - t0) / n)
             qkernels.set_preference("fast")
             try:
-                picked = qkernels.choose(parts, spec, n_in, cpu, "%s %s" % (model, layer))[0].name
+                picked = kernel_choice.choose(parts, spec, n_in, cpu, "%s %s" % (model, layer))[0].name
             finally:
                 qkernels.set_preference(None)
             for name in names:
@@ -452,7 +452,7 @@ def main(argv=None) -> int:
     if kernels:
         h, rows = kernel_table(kernels)
         benchlib.print_table("Kernels, one row of activations (T=1), %d thread(s); ms per call and speed-up over "
-                             "float32 F.linear, median [min, max] of %d rounds; `<-` what qkernels.choose takes "
+                             "float32 F.linear, median [min, max] of %d rounds; `<-` what kernel_choice.choose takes "
                              "under `fast`" % (args.threads, args.rounds), h, rows)
         md += ["#### Kernels (T=1, %d thread)" % args.threads, "", markdown(h, rows), ""]
     if decode:

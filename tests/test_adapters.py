@@ -1,8 +1,9 @@
-"""LoRA adapters (mdi.model.adapters) against peft on random tiny Hugging Face models: a PEFT
-directory read into mdi names (q/k/v and gate/up fused) computes PeftModel's logits within
-1e-4 in float32, prefill and cached decode; base rows stay the base model's; a mixed batch
-equals each sample alone; merging equals applying; a llama.cpp LoRA GGUF of the same adapter
-computes the same; what mdi does not model is refused naming the file and the tensor or key."""
+"""LoRA adapters (mdi.model.adapter_files reads them, mdi.model.lora applies them) against peft
+on random tiny Hugging Face models: a PEFT directory read into mdi names (q/k/v and gate/up
+fused) computes PeftModel's logits within 1e-4 in float32, prefill and cached decode; base rows
+stay the base model's; a mixed batch equals each sample alone; merging equals applying; a
+llama.cpp LoRA GGUF of the same adapter computes the same; what mdi does not model is refused
+naming the file and the tensor or key."""
 import json
 import os
 
@@ -13,12 +14,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mdi.model.adapters import AdapterError, load_adapter, load_gguf_lora, merge_adapter  # noqa: E402
+from mdi.model.adapter_files import load_adapter, load_gguf_lora  # noqa: E402
+from mdi.model.lora import AdapterError, merge_adapter  # noqa: E402
 from mdi.model.peft_targets import get_pattern_key  # noqa: E402
 from mdi.model.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.layout import expected_keys  # noqa: E402
+from mdi.model.row_batch import RowBatch  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
-from mdi.model.transformer import RowBatch  # noqa: E402
 from test_model_parity import hf_gpt2, hf_llama, hf_qwen3  # noqa: E402
 
 PREFILL, DECODE, VOCAB = 20, 20, 500
@@ -342,7 +344,7 @@ def test_unsupported_adapters_are_refused(llama_adapter, edit, match):
 
 def test_a_mix_adds_the_scaled_deltas(llama_adapter, tmp_path):
     from mdi.lab.random_lora import write_random_lora
-    from mdi.model.adapters import SoftPrompt, mix_adapters
+    from mdi.model.lora import SoftPrompt, mix_adapters
     base_dir, adapter_dir = llama_adapter
     config = base_config(base_dir)
     one = load_adapter(adapter_dir, config)

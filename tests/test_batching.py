@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
+from mdi.model.row_batch import RowBatch
 from mdi.model.sampling import SamplingParams, sample_generator
-from mdi.model.transformer import RowBatch
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
@@ -198,7 +198,7 @@ class RecordingLoop(LocalLoop):
 
 def test_frames_hold_few_distinct_adapters_and_ids_do_not_change(tmp_path):
     from mdi.lab.random_lora import write_random_lora
-    from mdi.model.adapters import load_adapter
+    from mdi.model.adapter_files import load_adapter
     chunk = tiny_model("llama")
     for i in range(4):
         path = write_random_lora(str(tmp_path / ("lora%d" % i)), chunk.config, seed=i, rank=4)

@@ -29,15 +29,16 @@ import torch
 from safetensors import safe_open
 
 from conftest import CHARS, ROOT, free_ports, tiny_config, tiny_model
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.checkpoints import read_checkpoint, read_hf_dir
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import convert, dequantize, gather, quantize, uniform_layout
+from mdi.model.row_batch import RowBatch
 from mdi.model.source import ModelSource, build_chunk
 from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
-from mdi.model.transformer import RowBatch, full_model
+from mdi.model.transformer import full_model
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import parse_config
 from mdi.starter import batch
@@ -448,7 +449,7 @@ def test_quantized_chunk_computes_its_dequantized_twin(device, family, kind, gro
     assert layers and all(m.kernel.exact for m in layers)
     assert all(t.device.type == device for m in layers for t in m.packed.values() if isinstance(t, torch.Tensor))
     _compare(config, layout, "fast", 0.15, device)  # whatever this device measures fastest
-    print("%s %s/%s fast:" % (family, kind, group), qkernels.chosen_by_weight())  # what the device offered
+    print("%s %s/%s fast:" % (family, kind, group), kernel_choice.chosen_by_weight())  # what the device offered
 
 
 # Where these kernels apply: n_in a multiple of 1024, n_out of 8, groups of 32..256 (tinygemm).
@@ -491,17 +492,17 @@ def test_int4_kernels_are_offered_right_and_chosen_on_the_device(device, spec, p
     assert err <= kernel.tolerance, (name, err)
     # choose() under `fast` measures it and must not have found it wrong or unusable.
     qkernels.set_preference("fast")
-    qkernels.choose(parts, spec, n_in, dev, "test")
+    kernel_choice.choose(parts, spec, n_in, dev, "test")
     key = (spec, n_out, n_in, dev.type, torch.get_num_threads(), "fast")
-    note = qkernels._notes.get(key, {}).get(name)
-    assert note is None and qkernels._measured[key].get(name) is not None, "%s rejected: %s" % (name, note)
-    entry = next(e for e in qkernels.chosen() if e["device"] == dev.type and e["weight"] == "%s %dx%d"
+    note = kernel_choice._notes.get(key, {}).get(name)
+    assert note is None and kernel_choice._measured[key].get(name) is not None, "%s rejected: %s" % (name, note)
+    entry = next(e for e in kernel_choice.chosen() if e["device"] == dev.type and e["weight"] == "%s %dx%d"
                  % (spec.label(), n_out, n_in))
     print("chosen:", entry)
     assert name in entry["why"] and "%s wrong" % name not in entry["why"]
     # Asked for by name, it is the one used.
     qkernels.set_preference(name)
-    chosen, packed = qkernels.choose(parts, spec, n_in, dev, "test")
+    chosen, packed = kernel_choice.choose(parts, spec, n_in, dev, "test")
     assert chosen.name == name
     assert all(t.device.type == device for t in packed.values() if isinstance(t, torch.Tensor))
 

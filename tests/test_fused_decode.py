@@ -8,8 +8,9 @@ from conftest import tiny_config
 from mdi.model import fused_decode, qkernels
 from mdi.model.config import ModelConfig
 from mdi.model.quant import convert, gather, uniform_layout
+from mdi.model.row_batch import RowBatch
 from mdi.model.source import build_chunk
-from mdi.model.transformer import ModelChunk, RowBatch, full_model
+from mdi.model.transformer import ModelChunk, full_model
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "rms_norm"), reason="this torch has no torch.rms_norm: decode stays eager")
 
@@ -112,7 +113,7 @@ def test_a_middle_chunk_and_long_contexts(count_fused, monkeypatch):
     """A worker's chunk (no embedding or head) takes the same path; several samples whose
     caches outgrow one call's gather fall back to the eager per-sample loop, still equal."""
     chunk = chunk_of(config_of("llama"), "none", 1, 3)
-    monkeypatch.setattr("mdi.model.transformer.ONE_CALL_MAX_CACHE", 4 * 2 * 8)  # 4 positions
+    monkeypatch.setattr("mdi.model.row_batch.ONE_CALL_MAX_CACHE", 4 * 2 * 8)  # 4 positions
     results = []
     for fused in (False, True):
         chunk.fused_decode = fused

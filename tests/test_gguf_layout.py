@@ -14,10 +14,11 @@ import time
 import pytest
 
 from conftest import BIN, tiny_config
-from mdi.model.adapters import AdapterError, load_gguf_lora
+from mdi.model.adapter_files import load_gguf_lora
 from mdi.model.gguf import read_gguf
 from mdi.model.gguf_layout import GGUFLayoutError, open_reader
 from mdi.model.layout import CheckpointError
+from mdi.model.lora import AdapterError
 from mdi.model.tokenizer_import import tokenizer_from_gguf
 from mdi.model.tokenizers import TokenizerError
 from test_quant import _write_llama_gguf

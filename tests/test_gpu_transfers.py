@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from mdi.model.row_batch import RowBatch
 from mdi.model.sampling import SamplingParams, sample_generator
-from mdi.model.transformer import RowBatch
 from mdi.ring import wire
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop

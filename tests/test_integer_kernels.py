@@ -4,7 +4,7 @@ hold counted, and chosen only within the memory a node spares beside its plan.""
 import pytest
 import torch
 
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import dequantize, quantize
 
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.skipif(not qkernels.INT8_FBGEMM.supports(QuantSpec("int
 @pytest.fixture(autouse=True)
 def clean_state():
     qkernels.set_preference(None)
-    qkernels.set_memory_allowance(None)
+    kernel_choice.set_memory_allowance(None)
     yield
     qkernels.set_preference(None)
-    qkernels.set_memory_allowance(None)
+    kernel_choice.set_memory_allowance(None)
 
 
 def layer(spec: QuantSpec, n_out: int, n_in: int, seed: int = 0):
@@ -61,22 +61,22 @@ def test_held_bytes_are_counted_and_bound_by_the_allowance():
     spec = QuantSpec("int4", 32)
     n_out, n_in = 64, 576
     parts, _ = layer(spec, n_out, n_in)
-    extra = qkernels.extra_bytes(qkernels.INT8_FBGEMM, spec, n_out, n_in)
+    extra = kernel_choice.extra_bytes(qkernels.INT8_FBGEMM, spec, n_out, n_in)
     assert extra > 0  # 576 values padded to 1024 a row, 1 byte each, against 0.625 stored
     qkernels.set_preference("int8dyn-fbgemm")
-    qkernels.set_memory_allowance(extra - 1)
-    kernel, _ = qkernels.choose(parts, spec, n_in, CPU)
+    kernel_choice.set_memory_allowance(extra - 1)
+    kernel, _ = kernel_choice.choose(parts, spec, n_in, CPU)
     assert kernel is qkernels.DEQUANT  # the named kernel does not fit: the reference it is
-    assert "needs" in qkernels.chosen_by_weight()["int4/g32 64x576"]
-    qkernels.set_memory_allowance(extra)
-    kernel, packed = qkernels.choose(parts, spec, n_in, CPU)
-    assert kernel is qkernels.INT8_FBGEMM and qkernels.memory_allowance() == 0  # the allowance is spent
-    kernel, _ = qkernels.choose(parts, spec, n_in, CPU)
+    assert "needs" in kernel_choice.chosen_by_weight()["int4/g32 64x576"]
+    kernel_choice.set_memory_allowance(extra)
+    kernel, packed = kernel_choice.choose(parts, spec, n_in, CPU)
+    assert kernel is qkernels.INT8_FBGEMM and kernel_choice.memory_allowance() == 0  # the allowance is spent
+    kernel, _ = kernel_choice.choose(parts, spec, n_in, CPU)
     assert kernel is qkernels.DEQUANT  # nothing left for a second layer
 
-    from mdi.model.transformer import QuantLinear
+    from mdi.model.layers import QuantLinear
     from mdi.worker.node import chunk_nbytes
-    qkernels.set_memory_allowance(None)
+    kernel_choice.set_memory_allowance(None)
     module = QuantLinear(n_in, n_out, False, spec)
     for suffix, t in parts.items():
         getattr(module, suffix).copy_(t)
@@ -92,8 +92,8 @@ def test_fast_policy_never_picks_what_it_measured_wrong(monkeypatch):
     real = qkernels.Int8DynamicLinear.forward
     monkeypatch.setattr(qkernels.Int8DynamicLinear, "forward", lambda self, x: real(self, x) * 1.1)
     qkernels.set_preference("fast")
-    qkernels._measured.clear()
-    kernel, _ = qkernels.choose(parts, spec, 64, CPU)
+    kernel_choice._measured.clear()
+    kernel, _ = kernel_choice.choose(parts, spec, 64, CPU)
     assert kernel is not qkernels.INT8_FBGEMM
-    assert "int8dyn-fbgemm wrong" in qkernels.chosen_by_weight()["int8/g64 32x64"]
-    qkernels._measured.clear()
+    assert "int8dyn-fbgemm wrong" in kernel_choice.chosen_by_weight()["int8/g64 32x64"]
+    kernel_choice._measured.clear()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import BIN, make_tiny_model, tiny_config
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import CheckpointError, QuantSpec, expected_shapes, quantizable, weight_bytes
 from mdi.model.quant import QParts, convert, dequantize, from_gguf_blocks, gather, pack_int4, quantize, unpack_int4
 from mdi.model.source import ModelSource, build_chunk
@@ -165,10 +165,10 @@ def test_exact_policy_never_picks_a_rounding_kernel():
     parts = quantize(torch.randn(64, 128), spec)
     assert qkernels.DEFAULT_POLICY == "fast"  # the measured fastest unless asked otherwise
     qkernels.set_preference("exact")
-    kernel, packed = qkernels.choose(parts, spec, 128, torch.device("cpu"))
+    kernel, packed = kernel_choice.choose(parts, spec, 128, torch.device("cpu"))
     assert kernel.exact and "qweight" in packed
     qkernels.set_preference("fast")
-    kernel, _ = qkernels.choose(parts, spec, 128, torch.device("cpu"))
+    kernel, _ = kernel_choice.choose(parts, spec, 128, torch.device("cpu"))
     assert kernel.name in qkernels.KERNEL_NAMES
     with pytest.raises(ValueError, match="unknown quantized kernel policy"):
         qkernels.set_preference("turbo")

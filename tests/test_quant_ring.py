@@ -7,9 +7,9 @@ import torch
 
 from conftest import SMOLLM2_DIR, WorkerProcess, free_ports
 from mdi.model import qkernels
+from mdi.model.kv_cache import KVCache
 from mdi.model.layout import QuantSpec, weight_bytes
 from mdi.model.source import ModelSource, build_chunk
-from mdi.model.transformer import KVCache
 from mdi.runconfig import parse_config
 from mdi.starter import batch
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from mdi.model.rope import RotaryEmbedding
+from mdi.model.row_batch import RowBatch
 from mdi.model.source import build_chunk
-from mdi.model.transformer import ModelChunk, RotaryEmbedding, RowBatch, full_model
+from mdi.model.transformer import ModelChunk, full_model
 
 
 def chunk_with_context(block_size: int, seed: int = 3) -> ModelChunk:

@@ -11,8 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mdi.model.adapters import AdapterError, load_any  # noqa: E402
-from mdi.model.transformer import RowBatch  # noqa: E402
+from mdi.model.adapter_files import load_any  # noqa: E402
+from mdi.model.lora import AdapterError  # noqa: E402
+from mdi.model.row_batch import RowBatch  # noqa: E402
 from mdi.runconfig import parse_config  # noqa: E402
 from mdi.starter import batch  # noqa: E402
 from mdi.starter.pipeline import _virtual_rows  # noqa: E402

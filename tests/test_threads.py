@@ -41,7 +41,7 @@ def test_choose_threads_times_every_candidate_and_leaves_torch_set_to_the_choice
 
 
 def _batch():
-    from mdi.model.transformer import RowBatch
+    from mdi.model.row_batch import RowBatch
     return RowBatch.of([0], [0], [1])
 
 

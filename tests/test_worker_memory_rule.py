@@ -11,8 +11,8 @@ import torch
 
 from conftest import free_ports, worker_in_this_process
 from mdi.model.config import ModelConfig
+from mdi.model.kv_cache import KVCache
 from mdi.model.layout import weight_bytes
-from mdi.model.transformer import KVCache
 from mdi.ring.init_request import DataPlane, InitRequest, Weights
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 

@@ -37,7 +37,7 @@ def context_note(result) -> Optional[str]:
 def kernels_line(result) -> Optional[str]:
     """Which kernels each node's quantized layers multiply with (the metrics record has why:
     each candidate's measured time per weight shape); None for a float model."""
-    from mdi.model.qkernels import summary
+    from mdi.model.kernel_choice import summary
     parts = ["%s %s" % (n["name"], summary(n["kernels"])) for n in result.nodes if n.get("kernels")]
     if not parts:
         return None

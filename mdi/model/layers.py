@@ -65,7 +65,7 @@ class Linear(nn.Linear):
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays quantized (`QuantSpec`). Loading fills the canonical
     tensors (qweight, scales[, mins]); `pick_kernel` then chooses how to multiply by measurement
-    (mdi.model.qkernels) and keeps only what that kernel reads: never a float copy of the weight."""
+    (mdi.model.kernel_choice) and keeps only what that kernel reads: never a float copy of the weight."""
 
     qweight: Optional[torch.Tensor]  # a buffer, declared for mypy; None once the packed form replaces it
 
@@ -85,9 +85,9 @@ class QuantLinear(nn.Module):
         return {s: getattr(self, s) for s in self.spec.tensor_shapes(1, self.spec.group_size)}
 
     def pick_kernel(self, where: str, keep_canonical: bool = False) -> None:
-        from mdi.model import qkernels
+        from mdi.model import kernel_choice
         canonical = self.canonical()
-        self.kernel, self.packed = qkernels.choose(canonical, self.spec, self.n_in, self.qweight.device, where)
+        self.kernel, self.packed = kernel_choice.choose(canonical, self.spec, self.n_in, self.qweight.device, where)
         if not (self.kernel.needs_canonical or keep_canonical):
             for suffix in canonical:
                 setattr(self, suffix, None)  # the packed form replaces it

@@ -60,7 +60,8 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
 def _merged(state, adapter_path: str, config):
     """The stored weights with the adapter merged in: its layers dequantized first (the layout
     computed before, from the stored weights, quantizes them again on the way out)."""
-    from mdi.model.adapters import load_adapter, load_gguf_lora, merge_adapter
+    from mdi.model.adapter_files import load_adapter, load_gguf_lora
+    from mdi.model.lora import merge_adapter
     adapter = (load_gguf_lora if adapter_path.endswith(".gguf") else load_adapter)(adapter_path, config)
     targets = {name + ".weight": state[name + ".weight"] for name in adapter.weights}
     merged = merge_adapter(convert(targets, {}, torch.float32), adapter)

@@ -14,10 +14,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from mdi.model.config import ModelConfig
+from mdi.model.kv_cache import KVCache
 from mdi.model.layout import QuantLayout, QuantSpec, torch_dtype, weight_bytes
+from mdi.model.row_batch import RowBatch
 from mdi.model.sampling import SamplingParams, sample_generator, sample_next
 from mdi.model.source import random_chunk
-from mdi.model.transformer import KVCache, ModelChunk, RowBatch
+from mdi.model.transformer import ModelChunk
 from mdi.system.devices import last_level_cache_bytes
 
 PROFILE_LAYERS = 2  # blocks built to time one at least: two, so the per-pass setup is shared as in a real chunk

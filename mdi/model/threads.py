@@ -18,7 +18,8 @@ from typing import Dict, List
 import torch
 
 from mdi.model.profile import seconds_per_call
-from mdi.model.transformer import ModelChunk, RowBatch
+from mdi.model.row_batch import RowBatch
+from mdi.model.transformer import ModelChunk
 
 log = logging.getLogger(__name__)
 

@@ -5,210 +5,32 @@ A `ModelChunk` holds blocks [first, last) of the network and, optionally, the in
 embedding + first blocks + head; a worker holds a middle range. Block indices stay global so
 that a chunk's state dict uses the same keys as the full model (`blocks.{i}....`).
 
-Attention reads and writes a `KVCache` with one preallocated slot per in-flight sample; a
-call names its slot and the absolute position of its first token, so prefill and decode are
-the same code path and nothing is ever recomputed.
+Attention reads and writes a `KVCache` (mdi.model.kv_cache) with one preallocated slot per
+in-flight sample; a call names its slot and the absolute position of its first token, so
+prefill and decode are the same code path and nothing is ever recomputed.
 
-Several samples go through one forward as a `RowBatch` (ORCA's selective batching): their
-token rows are stacked, so every linear layer and norm reads its weights once for all of them,
-and only attention runs per sample, against that sample's own cache slot and positions.
+Several samples go through one forward as a `RowBatch` (mdi.model.row_batch, ORCA's selective
+batching): their token rows are stacked, so every linear layer and norm reads its weights once
+for all of them, and only attention runs per sample, against that sample's own cache slot and
+positions.
 """
-import math
-from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mdi.model import fused_decode
-from mdi.model.attention import attend_decode_rows, attend_sample, rotate
+from mdi.model.attention import attend_decode_rows, attend_sample
 from mdi.model.config import ModelConfig
-# the layer classes are imported from here too (their old home)
+from mdi.model.kv_cache import KVCache
 from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, RMSNorm, make_linear,
                               make_norm)
 from mdi.model.layout import QuantLayout, QuantSpec
+from mdi.model.rope import RotaryEmbedding
+from mdi.model.row_batch import RowBatch, attends_in_one_call
 from mdi.system.memory import release_freed_memory
-from mdi.system.transfers import ints_to_device, to_device
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face Llama layout). Its tables cover the positions a run
-    reaches, not the model's whole context: a file may claim millions of positions (2^22 took
-    1.2 GB of tables on every node for a 4-token run), so they grow, by doubling, as the cache
-    or a pass asks (`reserve`), never past the context. A position's values do not depend on
-    the table's length, so growing changes no result."""
-
-    cos: torch.Tensor  # buffers, declared for mypy
-    sin_signed: torch.Tensor
-    MIN_POSITIONS = 256  # a first table worth building
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        dim = config.head_dim
-        # On the CPU even where the default device is "meta" (chunks are built there before
-        # loading): computing on meta would import torch's Python meta kernels, ~60 MB of RSS.
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
-        if config.rope_scaling is not None:
-            inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
-        if config.rope_factors is not None:  # the same scaling, as a GGUF stores it
-            inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32, device="cpu")
-        self.inv_freq = inv_freq  # not a buffer: tables are always computed on the CPU, bit for bit alike
-        self.context = config.block_size
-        # Empty until reserved; buffers so that .to(device) says where the tables live.
-        self.register_buffer("cos", torch.empty(0, dim, device="cpu"), persistent=False)
-        self.register_buffer("sin_signed", torch.empty(0, dim, device="cpu"), persistent=False)
-
-    def reserve(self, n: int) -> None:
-        """Tables for positions [0, n)."""
-        have = self.cos.shape[0]
-        if n <= have:
-            return
-        if n > self.context:
-            raise ValueError("position %d is beyond the model's context of %d" % (n - 1, self.context))
-        n = min(self.context, max(n, 2 * have, self.MIN_POSITIONS))
-        device = self.cos.device
-        # ordinary tensors even when the first pass to ask runs under inference_mode: a later
-        # pass that records gradients (training) could not use inference tensors
-        with torch.inference_mode(False), torch.no_grad():
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self.inv_freq)
-            self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(device)
-            # sin with its first half negated: rotate-half becomes a roll (see attention.rotate)
-            self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
-
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        # x: [..., T, head_dim] at positions start..start+T
-        T = x.shape[-2]
-        self.reserve(start + T)
-        return rotate(x, self.cos[start:start + T].to(x.dtype), self.sin_signed[start:start + T].to(x.dtype))
-
-    def at_rows(self, x: torch.Tensor, batch: "RowBatch") -> torch.Tensor:
-        # x: [rows, heads, head_dim], each row at its own position
-        return rotate(x, *self.row_tables(batch, x.dtype))
-
-    def row_tables(self, batch: "RowBatch", dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin_signed) [rows, 1, head_dim] at the batch's positions: gathered once per
-        batch, not once per layer and tensor."""
-        tables = batch.rope_tables
-        if tables is None or tables[0].dtype != dtype:
-            self.reserve(max(s + c for s, c in zip(batch.starts, batch.counts)))
-            tables = batch.rope_tables = (self.cos[batch.positions].to(dtype).unsqueeze(1),
-                                          self.sin_signed[batch.positions].to(dtype).unsqueeze(1))
-        return tables
-
-
-def llama3_scaled(inv_freq: torch.Tensor, scaling: Dict) -> torch.Tensor:
-    """Llama 3's RoPE scaling: wavelengths longer than the original context / low_freq_factor
-    are stretched by `factor`, those shorter than original / high_freq_factor kept, and the
-    band between blended smoothly (as Meta's reference and transformers do)."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_context"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    middle = (wavelen <= original / low) & (wavelen >= original / high)
-    return torch.where(middle, blended, out)
-
-
-
-@dataclass
-class RowBatch:
-    """Which samples a stack of token rows belongs to: sample i owns `counts[i]` consecutive
-    rows, at positions starts[i].., and its keys and values live in cache slot `slots[i]`."""
-    slots: List[int]
-    starts: List[int]
-    counts: List[int]
-    positions: torch.Tensor  # [rows] the absolute position of every row
-    rope_tables: Optional[tuple] = None  # (cos, sin) of those positions, filled by the first layer
-    decode_tables: Optional[tuple] = None  # (slots, positions, mask) of one-row samples, filled once
-    adapters: Optional[List[int]] = None  # each sample's adapter id (0: the base model alone)
-
-    @classmethod
-    def of(cls, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
-           device: Optional[torch.device] = None, adapters: Optional[Sequence[int]] = None) -> "RowBatch":
-        if not (len(slots) == len(starts) == len(counts)) or not slots:
-            raise ValueError("a row batch needs as many slots, starts and counts, at least one")
-        if adapters is not None and len(adapters) != len(slots):
-            raise ValueError("a row batch needs one adapter id per sample")
-        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
-        return cls(list(slots), list(starts), list(counts), to_device(positions, device) if device is not None else positions,
-                   adapters=list(adapters) if adapters is not None and any(adapters) else None)
-
-    def adapter_rows(self, device: torch.device) -> List[Tuple[int, Any]]:
-        """(adapter id, the rows of its samples) for every adapter used (the base alone: none):
-        a slice where they are consecutive (the starter orders a frame's samples by adapter),
-        else an index tensor."""
-        if not self.adapters:
-            return []
-        rows = {}  # type: Dict[int, List[int]]
-        row = 0
-        for adapter, count in zip(self.adapters, self.counts):
-            if adapter:
-                rows.setdefault(adapter, []).extend(range(row, row + count))
-            row += count
-        return [(a, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else ints_to_device(r, device))
-                for a, r in sorted(rows.items())]
-
-    def decode_index(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For samples of one row each: their slots and positions as tensors, and the mask
-        [S, 1, 1, longest] that lets each row see its own cache up to its position."""
-        if self.decode_tables is None:
-            slots = ints_to_device(self.slots, device)
-            positions = to_device(self.positions, device)
-            end = max(s + c for s, c in zip(self.starts, self.counts))
-            mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
-            self.decode_tables = (slots, positions, mask[:, None, None, :])
-        return self.decode_tables
-
-    @property
-    def rows(self) -> int:
-        return int(sum(self.counts))
-
-    def last_rows(self) -> List[int]:
-        """The index of each sample's last row (the one a generation pass samples from)."""
-        out, row = [], 0
-        for c in self.counts:
-            row += c
-            out.append(row - 1)
-        return out
-
-
-class KVCache:
-    """Keys and values for a chunk's layers: [layers, slots, kv_heads, max_len, head_dim]."""
-
-    def __init__(self, config: ModelConfig, n_layers: int, n_slots: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        if max_len > config.block_size:
-            raise ValueError("cache length %d exceeds the model context %d" % (max_len, config.block_size))
-        shape = (n_layers, n_slots, config.n_kv_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # (k, v) views per layer, indexed once
-        self.n_slots = n_slots
-        self.max_len = max_len
-
-    @staticmethod
-    def nbytes_for(config: ModelConfig, n_layers: int, n_slots: int, max_len: int, dtype: torch.dtype) -> int:
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        return 2 * n_layers * n_slots * config.n_kv_head * max_len * config.head_dim * itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-
-# One SDPA call for several one-row samples gathers their caches (a copy) up to the longest:
-# it saves ~9 small ops per sample and layer, but the copy grows with the context. Measured on
-# SmolLM2 int4 (10 layers, 1 thread; kv_heads x head_dim = 192): 0.91x the per-sample time for 4
-# samples at position 64, equal at ~512, 1.17x at 1900 (8 samples at 1900: 3.7x). So only while
-# each sample's keys up to the longest position are at most this many values.
-ONE_CALL_MAX_CACHE = 1 << 16
-
-
-def attends_in_one_call(batch: "RowBatch", kv_values_per_position: int) -> bool:
-    """Whether a batch of one-row samples attends in one SDPA call (ONE_CALL_MAX_CACHE)."""
-    return batch.rows == len(batch.slots) and (max(batch.starts) + 1) * kv_values_per_position <= ONE_CALL_MAX_CACHE
+from mdi.system.transfers import to_device
 
 
 class Attention(nn.Module):

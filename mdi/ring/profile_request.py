@@ -16,7 +16,7 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.fused_decode import default_on as fused_decode_default
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
 from mdi.model.profile import PROFILE_LAYERS, profile_blocks, profile_chunk, seconds_per_call, time_chunk
 from mdi.model.qkernels import POLICY_NAMES
@@ -162,8 +162,8 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     qkernels.set_preference(request.quant_kernel)
     # A profile sizes its blocks by the stored weights (profile_blocks): kernels that hold more
     # are left to the run, which knows what its memory spares (its plan may time it slower).
-    allowance = qkernels.memory_allowance()
-    qkernels.set_memory_allowance(0)
+    allowance = kernel_choice.memory_allowance()
+    kernel_choice.set_memory_allowance(0)
     dtype = torch_dtype(request.dtype)
     asked = request.compute_dtype
     compute, _ = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
@@ -172,7 +172,7 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     try:
         chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
     finally:
-        qkernels.set_memory_allowance(allowance)
+        kernel_choice.set_memory_allowance(allowance)
     chunk.fused_decode = request.fused_decode  # before time_chunk allocates its cache (and scripts the blocks)
     timing = time_chunk(chunk, request.batch_sizes, request.context, request.prefill_tokens, params=params)
     frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}

@@ -14,7 +14,8 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mdi.model.profile import MIN_WINDOW_S, ROUNDS
-from mdi.model.transformer import ModelChunk, RowBatch
+from mdi.model.row_batch import RowBatch
+from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import Frame, decode

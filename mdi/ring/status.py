@@ -92,7 +92,7 @@ class StatusReply:
     cache: NodeCache = field(default_factory=NodeCache)
     counters: NodeCounters = field(default_factory=NodeCounters)
     error: Optional[str] = None  # why its run's compute failed
-    # each quantized weight shape of its layers -> "kernel: why" (mdi.model.qkernels.chosen)
+    # each quantized weight shape of its layers -> "kernel: why" (mdi.model.kernel_choice.chosen)
     kernels: Dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi.runconfig import RunConfig
 from mdi.starter.engine import Engine
-from mdi.model import qkernels
+from mdi.model import kernel_choice
 from mdi.model.source import ModelSource
 from mdi.starter.pipeline import Sample
 from mdi.starter.run_plan import plan_run
@@ -117,7 +117,7 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
                     "peak_memory_bytes": unified_memory_bytes(peak=True),
                     "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
                     "compute_seconds": round(engine.pipeline.compute_seconds, 6),
-                    "kernels": qkernels.chosen_by_weight(),
+                    "kernels": kernel_choice.chosen_by_weight(),
                     **engine.pipeline.batching.metrics()}
     starter_node.update(transport.traffic())
     nodes = [starter_node]

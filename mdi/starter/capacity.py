@@ -5,9 +5,9 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mdi.model.config import ModelConfig
+from mdi.model.kv_cache import KVCache
 from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, format_layers, weight_bytes
 from mdi.model.source import ModelSource
-from mdi.model.transformer import KVCache
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 
@@ -47,7 +47,7 @@ def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, ma
     """Refuse, before a byte is loaded, a starter chunk that the free memory of `device` here
     (starter_free_bytes) cannot hold: a clear error, never an out-of-memory kill. Returns
     what the memory spares beside the chunk, less LOAD_HEADROOM_BYTES (None when unknown):
-    room a faster quantized kernel may take (mdi.model.qkernels.set_memory_allowance)."""
+    room a faster quantized kernel may take (mdi.model.kernel_choice.set_memory_allowance)."""
     need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant)
     free = starter_free_bytes(device)
     if free is not None and need > free:

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
@@ -112,7 +112,7 @@ class Engine:
         quant = self.plan.nodes[0].quant
         spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
-        qkernels.set_memory_allowance(spare)
+        kernel_choice.set_memory_allowance(spare)
         # its layers' weights leave the source once in the chunk (a GGUF's are held in memory)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant, consume=True)
         chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks
@@ -168,7 +168,7 @@ class Engine:
                      evict: Optional[Callable[[List[int]], Optional[int]]] = None) -> int:
         """The adapter id for llama.cpp's `lora: [{id, scale}, ...]` (here as (adapter id,
         scale)): the base, one adapter, or a mix of scaled adapters loaded once on every node
-        like any adapter (mdi.model.adapters.mix_adapters) and reused by later requests.
+        like any adapter (mdi.model.lora.mix_adapters) and reused by later requests.
         With MAX_MIXES held, `evict` (given the held mixes, least recently given out first)
         drops the first that no request uses and says which (None: every one is in use), so
         one client asking for mix after mix cannot lock every other client out of the table."""

@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional  # noqa: F401  (type comm
 
 import torch
 
-from mdi.model.transformer import ModelChunk, RowBatch
+from mdi.model.row_batch import RowBatch
+from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport

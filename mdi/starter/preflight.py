@@ -5,7 +5,7 @@ import torch
 
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import format_layers
 from mdi.model.source import ModelSource
 from mdi.starter.adapter_set import adapter_layer_bytes
@@ -82,7 +82,7 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
         free = status.capacity_bytes()
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
         if status.kernels:
-            info += " (kernels held now: %s)" % qkernels.summary(status.kernels)
+            info += " (kernels held now: %s)" % kernel_choice.summary(status.kernels)
     fits = need is None or free is None or need <= free
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))

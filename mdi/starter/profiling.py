@@ -95,8 +95,9 @@ def _key(parts: Dict[str, Any]) -> str:
 
 
 # the modules that set a pass's time
-_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "layers", "attention", "fused_decode", "qkernels",
-                                                 "quant", "sampling", "profile")) + (
+_SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "rope", "row_batch", "kv_cache", "layers", "attention",
+                                                 "fused_decode", "qkernels", "kernel_choice", "quant", "sampling",
+                                                 "profile")) + (
     "mdi.ring.relay_timing", "mdi.starter.pipeline", "mdi.starter.loop_timing")
 _code_ids = []  # type: List[str]  # computed once per process
 

@@ -8,9 +8,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List
 
+from mdi.model.kv_cache import KVCache
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.transformer import KVCache
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planner import PlanError
 from mdi.starter.capacity import chunk_bytes_needed, starter_free_bytes

@@ -21,11 +21,12 @@ import torch
 from mdi import __version__
 from mdi.model.store import MODEL_FILE
 from mdi.model.config import ModelConfig
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.source import build_chunk_from_file
 from mdi.model.threads import AUTO, choose_threads
-from mdi.model.transformer import KVCache, ModelChunk
+from mdi.model.kv_cache import KVCache
+from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
 from mdi.model.profile import profile_blocks, profile_bytes
@@ -399,7 +400,7 @@ class Worker:
 
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
         """What this worker's memory spares beside the weights and KV cache its run was planned
-        with: room a faster kernel may take (mdi.model.qkernels), None when unknown."""
+        with: room a faster kernel may take (mdi.model.kernel_choice), None when unknown."""
         request = setup.request
         first, last = setup.key.layers
         limit, _ = self._memory_limit(setup.key.device)
@@ -475,7 +476,7 @@ class Worker:
         first, last = key.layers
         self._set_threads(setup.request)  # kernels are measured with the threads the run will use
         qkernels.set_preference(key.quant_kernel)
-        qkernels.set_memory_allowance(self._spare_bytes(setup))
+        kernel_choice.set_memory_allowance(self._spare_bytes(setup))
         try:
             self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
                                                setup.request.quant)
@@ -571,7 +572,7 @@ class Worker:
                               capacity_bytes=self._memory_limit(device)[0]),
             cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
             error=run.error if run else None,
-            kernels=qkernels.chosen_by_weight() if chunk is not None else {})
+            kernels=kernel_choice.chosen_by_weight() if chunk is not None else {})
         if run is not None:
             ep = run.endpoint
             reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import torch
 
-from mdi.model.transformer import ModelChunk, RowBatch
+from mdi.model.row_batch import RowBatch
+from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
