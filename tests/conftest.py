@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models saved as mdi directories, real worker processes, the
-embedded default model; the `ring` and `slow` markers (pytest.ini registers them).
+embedded default model; the `ring` and `slow` markers (pytest.ini registers them). The run
+configs the tests start come from tests/ringconfigs.py.
 
 Quick loop: `./scripts/test.sh -m "not slow"` (`-m "not ring"`: no test that starts workers)."""
 import contextlib

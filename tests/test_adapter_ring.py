@@ -6,10 +6,10 @@ import os
 import pytest
 import requests
 
-from conftest import free_ports
+from ringconfigs import parse_run_config
 from mdi.lab.random_lora import write_random_lora
 from mdi.model.source import ModelSource
-from mdi.runconfig import ConfigError, parse_config
+from mdi.runconfig import ConfigError
 from mdi.starter import batch
 
 PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be", "0123", "abc def", "xyz"]
@@ -35,15 +35,8 @@ def adapter_dirs(tiny_models, tmp_path_factory):
 
 
 def config_for(model, adapters, workers=(), counts=None, max_batch="auto", n_tokens=10):
-    ports = free_ports(1 + len(workers))
-    nodes = [{"name": "starter", "port": 1, "data_port": ports[0]}]
-    nodes += [{"name": "w%d" % (i + 1), "port": w.port, "data_port": ports[i + 1]} for i, w in enumerate(workers)]
-    if counts:
-        for node, c in zip(nodes, counts):
-            node["layers"] = c
-    return parse_config({"model": {"path": model}, "nodes": nodes, "adapters": adapters,
-                         "generation": {"n_tokens": n_tokens, "temperature": 0},
-                         "runtime": {"ring_timeout": 30, "max_batch": max_batch}}, "test")
+    return parse_run_config(model, workers, layers=counts, adapters=adapters, n_tokens=n_tokens,
+                            runtime={"ring_timeout": 30, "max_batch": max_batch})
 
 
 def alone(model, adapters, prompt, name):

@@ -7,14 +7,14 @@ import subprocess
 
 import pytest
 import requests
-import yaml
 
 from conftest import BIN, WorkerProcess, free_ports
+from ringconfigs import parse_run_config, write_run_config
 from mdi.model.layout import weight_bytes
 from mdi.model.profile import profile_blocks, profile_bytes
 from mdi.ring.profile_request import ProfileRequest, profile_positions
 from mdi.model.source import ModelSource
-from mdi.runconfig import ConfigError, load_config, parse_config
+from mdi.runconfig import ConfigError, load_config
 from mdi.starter import batch
 
 PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be"]
@@ -27,25 +27,16 @@ def cache_dir(tmp_path, monkeypatch):
     return path
 
 
-def write_config(path, model, workers, layers="auto", data_ports=None, n_tokens=10):
-    data_ports = data_ports or free_ports(1 + len(workers))
-    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": layers}]
-    nodes += [{"name": "w%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1], "layers": layers}
-              for i, w in enumerate(workers)]
-    data = {"model": {"path": model}, "nodes": nodes,
-            "generation": {"n_tokens": n_tokens, "temperature": 0, "prompts": PROMPTS},
-            "runtime": {"threads": 1, "ring_timeout": 30}}
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f)
-    return str(path)
+def write_config(path, model, workers, layers="auto"):
+    return write_run_config(path, model, workers, layers=layers, n_tokens=10, generation={"prompts": PROMPTS},
+                            runtime={"threads": 1, "ring_timeout": 30})
 
 
 def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_models, workers, tmp_path, cache_dir,
                                                                      monkeypatch):
     model = tiny_models["llama"]
     n_layer = ModelSource(model).config.n_layer
-    alone = batch.run(parse_config({"model": {"path": model}, "generation": {"n_tokens": 10, "temperature": 0}},
-                                   "alone"), PROMPTS)
+    alone = batch.run(parse_run_config(model, label="alone", n_tokens=10), PROMPTS)
     cfg = load_config(write_config(tmp_path / "auto.yaml", model, workers[:2]))
     assert cfg.auto_layers
     result = batch.run(cfg, PROMPTS)
@@ -194,7 +185,7 @@ def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):
         relay = time_relay(blocks_only, [2, 1], context=5, token=token)
         assert sorted(relay) == [1, 2] and all(0 < s < 5 for s in relay.values())
         assert chunk.cache is None and blocks_only.cache is None  # freed after timing
-    cfg = parse_config({"model": {"path": tiny_models["llama"]}}, "t")
+    cfg = parse_run_config(tiny_models["llama"], label="t")
     profiler = Profiler(cfg, source, 2, 32, 2)
     timing = {"layer_s": {"1": 0.001}, "prefill_token_s": 0.0, "frame_s": {"1": 0.0001}, "threads": 1,
               "device": "cpu", "seconds": 1.0, "ends_s": {"1": 0.0002}}

@@ -12,11 +12,11 @@ import torch
 
 from conftest import tiny_config, tiny_model
 from mdi.model.row_batch import RowBatch
+from ringconfigs import parse_run_config
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 from mdi.starter.pipeline import Pipeline, Sample
 from mdi.worker.run import Run
@@ -235,13 +235,11 @@ def test_batch_counter_metrics():
 
 
 def ring_config(model, workers, data_ports, max_batch, prefill_chunk=256, temperature=0.0, codec="raw"):
-    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": 1},
-             {"name": "w1", "port": workers[0].port, "data_port": data_ports[1], "layers": 2},
-             {"name": "w2", "port": workers[1].port, "data_port": data_ports[2], "layers": 1}]
-    return parse_config({"model": {"path": model}, "nodes": nodes,
-                         "generation": {"n_tokens": 12, "temperature": temperature, "seed": 7, "top_k": 20},
-                         "runtime": {"ring_timeout": 20, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
-                                     "wire_codec": codec}}, "test")
+    """starter, w1, w2 holding 1 + 2 + 1 layers; seeded top-k sampling."""
+    return parse_run_config(model, workers[:2], layers=[1, 2, 1], data_ports=data_ports, n_tokens=12,
+                            generation={"temperature": temperature, "seed": 7, "top_k": 20},
+                            runtime={"ring_timeout": 20, "max_batch": max_batch, "prefill_chunk": prefill_chunk,
+                                     "wire_codec": codec})
 
 
 @pytest.fixture(scope="module")

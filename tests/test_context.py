@@ -6,22 +6,18 @@ import subprocess
 
 import torch
 
-from conftest import BIN, free_ports
+from conftest import BIN
+from ringconfigs import parse_run_config
 from mdi.model.source import ModelSource
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 
 PROMPT = "To be, or not to be"  # 19 characters: 109 positions left of the tiny models' 128
 
 
-def config(model, n_tokens, shift, nodes=None, data_ports=None, workers=None):
-    raw = {"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0, "context_shift": shift},
-           "runtime": {"ring_timeout": 20}}
-    if workers:
-        raw["nodes"] = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": 2},
-                        {"name": "w1", "port": workers[0].port, "data_port": data_ports[1], "layers": 1},
-                        {"name": "w2", "port": workers[1].port, "data_port": data_ports[2], "layers": 1}]
-    return parse_config(raw, "test")
+def config(model, n_tokens, shift, workers=()):
+    """One node, or with workers the starter, w1, w2 holding 2 + 1 + 1 layers."""
+    return parse_run_config(model, workers[:2], layers=[2, 1, 1] if workers else None, n_tokens=n_tokens,
+                            generation={"context_shift": shift}, runtime={"ring_timeout": 20})
 
 
 def test_a_sample_stops_at_the_context_and_says_why(tiny_models):
@@ -64,9 +60,8 @@ def test_context_shift_goes_on_with_the_later_half(tiny_models):
 
 
 def test_context_shift_over_a_ring_gives_the_one_node_ids(tiny_models, workers):
-    ports = free_ports(3)
     alone = batch.run(config(tiny_models["llama"], 260, True), [PROMPT, "abc"])
-    ring = batch.run(config(tiny_models["llama"], 260, True, data_ports=ports, workers=workers), [PROMPT, "abc"])
+    ring = batch.run(config(tiny_models["llama"], 260, True, workers=workers), [PROMPT, "abc"])
     assert [s.token_ids for s in ring.samples] == [s.token_ids for s in alone.samples]
     assert all(s.shifts for s in ring.samples)
 

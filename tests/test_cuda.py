@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import CHARS, ROOT, free_ports, tiny_config, tiny_model
+from ringconfigs import parse_run_config
 from mdi.model import kernel_choice, qkernels
 from mdi.model.checkpoints import read_checkpoint, read_hf_dir
 from mdi.model.config import ModelConfig
@@ -40,7 +41,6 @@ from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 from mdi.ring.wire import payload_nbytes
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 from mdi.starter.control import NodeRegistry
 
@@ -297,17 +297,10 @@ def ring_config(model, workers, data_ports, counts, device, worker_device=None, 
                 n_tokens=16, **runtime):
     """A ring: the starter and len(counts) - 1 workers; `device` is model.device (the starter's
     and, unless `worker_device` says otherwise, the workers'). counts [n]: standalone."""
-    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": counts[0]}]
-    for i, c in enumerate(counts[1:]):
-        node = {"name": "w%d" % (i + 1), "port": workers[i].port, "data_port": data_ports[i + 1], "layers": c}
-        if worker_device is not None:
-            node["device"] = worker_device
-        nodes.append(node)
-    run = {"ring_timeout": 60}
-    run.update(runtime)
-    return parse_config({"model": {"path": model, "device": device, "dtype": dtype}, "nodes": nodes,
-                         "generation": {"n_tokens": n_tokens, "temperature": 0.0, "seed": 7},
-                         "runtime": run}, "test_cuda")
+    on_workers = {} if worker_device is None else {i: {"device": worker_device} for i in range(1, len(counts))}
+    return parse_run_config(model, workers[:len(counts) - 1], "test_cuda", layers=counts, data_ports=data_ports,
+                            node_options=on_workers, device=device, dtype=dtype, n_tokens=n_tokens,
+                            generation={"seed": 7}, runtime=dict({"ring_timeout": 60}, **runtime))
 
 
 def run_ids(cfg, prompts):

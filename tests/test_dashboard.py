@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from conftest import BIN, ROOT, WorkerProcess, free_ports
+from ringconfigs import write_run_config
 from conftest import ServeProcess as Server
 
 MODEL = os.path.join(ROOT, "models", "smollm2-135m")
@@ -203,20 +204,11 @@ def ring(tmp_path_factory):
     try:
         for w in workers:
             w.wait_ready()
-        path = tmp_path_factory.mktemp("dashboard") / "ring.yaml"
-        path.write_text(
-            "model: {path: %s}\n"
-            "nodes:\n"
-            "  - {name: starter, port: %d, data_port: %d}\n"
-            "  - {name: board1, port: %d, data_port: %d}\n"
-            "  - {name: board2, port: %d, data_port: %d}\n"
-            "spares:\n"
-            "  - {name: board3, port: %d, data_port: %d}\n"
-            "generation: {temperature: 0}\n"
-            "runtime: {threads: 1, ring_timeout: 30, recovery_attempts: 2}\n"
-            "serve: {max_in_flight: 4, max_len: 512}\n"
-            % (MODEL, port, data[0], http[0], data[1], http[1], data[2], http[2], data[3]))
-        server = Server(str(path), env, SECRET, port).wait_ready()
+        path = write_run_config(tmp_path_factory.mktemp("dashboard") / "ring.yaml", MODEL, workers[:2],
+                                data_ports=data, starter_port=port, worker_name="board%d", spares=workers[2:],
+                                spare_name="board%d", serve={"max_in_flight": 4, "max_len": 512},
+                                runtime={"threads": 1, "ring_timeout": 30, "recovery_attempts": 2})
+        server = Server(path, env, SECRET, port).wait_ready()
         yield Ring(server, workers)
     finally:
         code = server.stop() if server is not None else 0

@@ -5,18 +5,14 @@ import pytest
 import torch
 
 from mdi.starter import batch
-from mdi.runconfig import parse_config
 from mdi.system.devices import resolve_compute_dtype
-from conftest import ROOT, free_ports, make_tiny_model
+from conftest import ROOT, make_tiny_model
+from ringconfigs import parse_run_config
 
 
-def greedy(model, dtype, compute=None, nodes=None):
-    data = {"model": {"path": model, "dtype": dtype}, "generation": {"n_tokens": 24, "temperature": 0}}
-    if compute:
-        data["model"]["compute_dtype"] = compute
-    if nodes:
-        data["nodes"] = nodes
-    result = batch.run(parse_config(data, "t"), ["Once upon", "The"])
+def greedy(model, dtype, compute=None, workers=()):
+    cfg = parse_run_config(model, workers, label="t", dtype=dtype, compute_dtype=compute, n_tokens=24)
+    result = batch.run(cfg, ["Once upon", "The"])
     return [s.token_ids for s in result.samples], result
 
 
@@ -34,9 +30,7 @@ def test_fp16_storage_fp32_compute_equals_fp32_on_a_ring(tmp_path, workers, fami
     model = make_tiny_model(str(tmp_path / family), family, seed=3, half_exact=True)
     reference, _ = greedy(model, "float32")
     assert greedy(model, "float16", "float32")[0] == reference
-    ports = free_ports(2)
-    ring = [{"name": "s", "data_port": ports[0]}, {"name": "w", "port": workers[0].port, "data_port": ports[1]}]
-    ids, result = greedy(model, "float16", "float32", ring)
+    ids, result = greedy(model, "float16", "float32", workers[:1])
     assert ids == reference
     # Activations travel in the compute dtype: 4 bytes per value on every decode hop.
     starter_node = result.nodes[0]
@@ -65,8 +59,7 @@ def test_a_device_this_node_lacks_is_one_line_naming_it():
     assert why.startswith("cuda:%d: this node" % (n + 98)) and "\n" not in why
     if not torch.cuda.is_available():  # the starter says so before it loads anything
         with pytest.raises(ConfigError, match="starter: cuda: this node's torch sees no CUDA GPU"):
-            batch.run(parse_config({"model": {"path": SHIPPED, "device": "cuda"}, "generation": {"n_tokens": 2}},
-                                   "t"), ["To be"])
+            batch.run(parse_run_config(SHIPPED, label="t", device="cuda", n_tokens=2), ["To be"])
 
 
 class _FakeCuda:

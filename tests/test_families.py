@@ -4,13 +4,13 @@ giving the one-node ids (logit parity with transformers is tests/test_model_pari
 import pytest
 import torch
 
-from conftest import CHARS, free_ports
+from conftest import CHARS
+from ringconfigs import parse_run_config
 from mdi.model.config import ModelConfig
 from mdi.model.layout import weight_bytes
 from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 
 # Published sizes (billions of parameters, embeddings included).
@@ -75,18 +75,12 @@ def family_models(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
 def test_each_family_over_a_ring_gives_the_one_node_ids(kind, family_models, workers):
-    ports = free_ports(3)
     prompts = ["The quick brown fox", "Hi", "To be, or not to be"]
 
-    def run(nodes):
-        raw = {"model": {"path": family_models[kind]}, "generation": {"n_tokens": 40, "temperature": 0},
-               "runtime": {"ring_timeout": 20}}
-        if nodes:
-            raw["nodes"] = [{"name": "starter", "port": 1, "data_port": ports[0], "layers": 1},
-                            {"name": "w1", "port": workers[0].port, "data_port": ports[1], "layers": 2},
-                            {"name": "w2", "port": workers[1].port, "data_port": ports[2], "layers": 1}]
-        return [s.token_ids for s in batch.run(parse_config(raw, "test"), prompts).samples]
+    def run(ring=(), layers=None):
+        cfg = parse_run_config(family_models[kind], ring, layers=layers, n_tokens=40, runtime={"ring_timeout": 20})
+        return [s.token_ids for s in batch.run(cfg, prompts).samples]
 
-    alone = run(False)
+    alone = run()
     assert all(len(ids) == 40 for ids in alone) and len({tuple(i) for i in alone}) == 3
-    assert run(True) == alone
+    assert run(workers[:2], [1, 2, 1]) == alone

@@ -11,6 +11,7 @@ import requests
 import torch
 
 from conftest import free_ports, tiny_config, worker_in_this_process
+from ringconfigs import parse_run_config
 from mdi.model import fused_decode
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, validate_profile
@@ -79,9 +80,7 @@ def test_a_profile_taken_with_fused_decode_off_is_not_reused_with_it_on(tiny_mod
     monkeypatch.setattr(profiling, "profile_here", starter_profile)
 
     def plan(fused):
-        cfg = parse_config({"model": {"path": model},
-                            "nodes": [{"name": "starter", "port": 1}, {"name": "w1", "port": 2}],
-                            "runtime": {"fused_decode": fused}}, "t")
+        cfg = parse_run_config(model, [2], label="t", data_ports=(), runtime={"fused_decode": fused})
         profiler = profiling.Profiler(cfg, ModelSource(model), 2, 32, 2)
         profiler._worker_timing(cfg.nodes[1], "cpu", [])
         profiler._starter_timing([])
@@ -143,11 +142,8 @@ def test_a_ring_with_fused_decode_off_decodes_eagerly_on_the_worker(tiny_models,
     ports = free_ports(2)
     tokens = {}
     for fused in (False, True, False):  # the kept chunk is switched per run, both ways
-        cfg = parse_config({"model": {"path": tiny_models["llama"]},
-                            "nodes": [{"name": "starter", "port": 1, "data_port": ports[0], "layers": 2},
-                                      {"name": "w1", "port": worker.port, "data_port": ports[1], "layers": 2}],
-                            "generation": {"n_tokens": 8, "temperature": 0},
-                            "runtime": {"ring_timeout": 20, "fused_decode": fused}}, "t")
+        cfg = parse_run_config(tiny_models["llama"], [worker], label="t", layers=2, data_ports=ports, n_tokens=8,
+                               runtime={"ring_timeout": 20, "fused_decode": fused})
         del eager_decode[:]
         result = batch.run(cfg, PROMPTS)
         ids = [s.token_ids for s in result.samples]

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import WorkerProcess, free_ports
+from ringconfigs import parse_run_config
 from mdi.ring import wire
 from mdi.starter import batch
-from mdi.runconfig import parse_config
 
 FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 json_values = st.recursive(
@@ -250,11 +250,8 @@ def test_data_port_garbage_is_dropped_and_counted(fuzz_worker, tiny_models):
 
 
 def check_ring_still_correct(worker, model):
-    ports = free_ports(2)
-    nodes = [{"name": "s", "data_port": ports[0]}, {"name": "w", "port": worker.port, "data_port": ports[1]}]
-    gen = {"n_tokens": 12, "temperature": 0}
-    ring = parse_config({"model": {"path": model}, "nodes": nodes, "generation": gen}, "ring")
-    alone = parse_config({"model": {"path": model}, "generation": gen}, "alone")
+    ring = parse_run_config(model, [worker], label="ring", n_tokens=12)
+    alone = parse_run_config(model, label="alone", n_tokens=12)
     got = batch.run(ring, ["fuzz"]).samples[0].token_ids
     assert got == batch.run(alone, ["fuzz"]).samples[0].token_ids
 

@@ -6,8 +6,9 @@ import json
 import requests
 
 from conftest import free_ports
+from ringconfigs import parse_run_config
 from mdi.model.layout import format_layers, layer_ranges, layer_span
-from mdi.runconfig import NodeSpec, parse_config
+from mdi.runconfig import NodeSpec
 from mdi.serving.dashboard import STATE_PATH, BatchDashboard, BatchMonitor
 from mdi.starter import batch
 from mdi.starter.planner import LayerPlan, PlanRow, format_plan
@@ -56,21 +57,13 @@ def test_the_plan_table_shows_each_node_range():
 
 # --------------------------------------------------------------------------- one ring, three views
 
-def _config(model, workers, data_ports):
-    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": COUNTS[0]}]
-    nodes += [{"name": "w%d" % (i + 1), "port": workers[i].port, "data_port": data_ports[i + 1], "layers": c}
-              for i, c in enumerate(COUNTS[1:])]
-    return parse_config({"model": {"path": model}, "nodes": nodes,
-                         "generation": {"n_tokens": 4, "temperature": 0},
-                         "runtime": {"ring_timeout": 20}}, "test")
-
-
 def test_status_metrics_and_dashboard_show_the_same_ranges(tiny_models, workers):
     """A real ring on loopback watched by a batch dashboard: while it generates, every worker's
     GET /status and the dashboard's JSON are read; after it, the metrics record. All three must
     give each node the same pair."""
     ports = free_ports(4)
-    cfg = _config(tiny_models["llama"], workers, ports[:3])
+    cfg = parse_run_config(tiny_models["llama"], workers[:len(COUNTS) - 1], layers=COUNTS, data_ports=ports[:3],
+                           n_tokens=4, runtime={"ring_timeout": 20})
     monitor = BatchMonitor(cfg, 1, cfg.generation.n_tokens)
     dashboard = BatchDashboard(cfg, monitor, "tiny", "127.0.0.1", ports[3])
     seen = {}

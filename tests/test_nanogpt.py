@@ -5,18 +5,16 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, free_ports
+from conftest import ROOT
+from ringconfigs import parse_run_config
 from mdi.starter import batch
-from mdi.runconfig import parse_config
 
 MODEL = os.path.join(ROOT, "models", "nanogpt-shakespeare")
 
 
-def run(nodes=None, n_tokens=80):
-    data = {"model": {"path": MODEL}, "generation": {"n_tokens": n_tokens, "temperature": 0}}
-    if nodes:
-        data["nodes"] = nodes
-    return batch.run(parse_config(data, "nanogpt"), ["ROMEO:", "JULIET:"])
+def run(workers=(), layers=None, n_tokens=80):
+    return batch.run(parse_run_config(MODEL, workers, "nanogpt", layers=layers, n_tokens=n_tokens),
+                     ["ROMEO:", "JULIET:"])
 
 
 def test_shipped_checkpoint_is_small_and_trained():
@@ -31,11 +29,7 @@ def test_shipped_checkpoint_is_small_and_trained():
 
 def test_ring_matches_standalone(workers):
     alone = [s.token_ids for s in run().samples]
-    ports = free_ports(3)
-    nodes = [{"name": "starter", "data_port": ports[0], "layers": 1},
-             {"name": "w1", "port": workers[0].port, "data_port": ports[1], "layers": 2},
-             {"name": "w2", "port": workers[1].port, "data_port": ports[2], "layers": 1}]
-    assert [s.token_ids for s in run(nodes).samples] == alone
+    assert [s.token_ids for s in run(workers[:2], [1, 2, 1]).samples] == alone
 
 
 def test_training_script_writes_a_loadable_model(tmp_path):
@@ -46,5 +40,5 @@ def test_training_script_writes_a_loadable_model(tmp_path):
                            "--sample-chars", "0", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cfg = parse_config({"model": {"path": str(out)}, "generation": {"n_tokens": 5, "temperature": 0}}, "t")
+    cfg = parse_run_config(str(out), label="t", n_tokens=5)
     assert len(batch.run(cfg, ["ROMEO:"]).samples[0].token_ids) == 5

@@ -11,14 +11,14 @@ import subprocess
 import pytest
 import torch
 
-from conftest import BIN, ROOT, free_ports, worker_pool
+from conftest import BIN, ROOT, worker_pool
+from ringconfigs import parse_run_config, write_run_config
 from test_tokenizers import all_toks, gpt2, hf_gpt2_dir, hf_llama, smol_or_none, sp_dir, sp_model  # noqa: F401 (fixtures)
 from mdi.cli.process import EXIT_CONFIG
 from mdi.cli.start import start_main
 from mdi.model.source import ModelSource
 from mdi.model.transformer import full_model
 from mdi.ring import wire
-from mdi.runconfig import parse_config
 from mdi.starter import perplexity
 
 # Public domain (Hamlet, III.1): every character is in the tiny models' and NanoGPT's vocabularies.
@@ -67,23 +67,10 @@ def text_file(tmp_path_factory):
     return str(path)
 
 
-def config(model, nodes=None, **runtime):
-    data = {"model": {"path": model}, "runtime": dict({"ring_timeout": 20}, **runtime)}
-    if nodes:
-        data["nodes"] = nodes
-    return parse_config(data, "test")
-
-
-def ring_nodes(workers, layers, spares=()):
-    ports = free_ports(len(layers) + len(spares))
-    nodes = [{"name": "starter", "data_port": ports[0]}]
-    nodes += [{"name": "board%d" % i, "port": w.port, "data_port": ports[i]} for i, w in enumerate(workers, 1)]
-    if layers[0] is not None:
-        for node, n in zip(nodes, layers):
-            node["layers"] = n
-    spare = [{"name": "spare%d" % i, "port": w.port, "data_port": ports[len(layers) + i - 1]}
-             for i, w in enumerate(spares, 1)]
-    return nodes, spare
+def config(model, workers=(), layers=None, spares=(), **runtime):
+    """One node, or the starter, board1... (and spare1...) on loopback."""
+    return parse_run_config(model, workers, layers=layers, worker_name="board%d", spares=spares,
+                            runtime=dict({"ring_timeout": 20}, **runtime))
 
 
 def reference_ppl(model, text, ctx, n_windows):
@@ -134,8 +121,7 @@ def test_shipped_nanogpt_scores_shakespeare_well(text_file):
 def test_ring_matches_standalone(family, layers, tiny_models, workers, text_file):
     model = tiny_models[family]
     alone = perplexity.run(config(model), text_file, ctx=CTX, max_windows=7)
-    nodes, _ = ring_nodes(workers[:len(layers) - 1], layers)
-    ring = perplexity.run(config(model, nodes), text_file, ctx=CTX, max_windows=7)
+    ring = perplexity.run(config(model, workers[:len(layers) - 1], layers), text_file, ctx=CTX, max_windows=7)
     assert abs(ring.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
     assert ring.window_scored == alone.window_scored
     assert [n["layers"][0] for n in ring.nodes] == [sum(layers[:i]) for i in range(len(layers))]
@@ -145,16 +131,15 @@ def test_ring_matches_standalone(family, layers, tiny_models, workers, text_file
     last = ring.nodes[-1]
     assert last["bytes_sent_by_kind"]["score"] >= 7 * CTX * 64 * 4
     # Fewer windows than nodes: fewer slots, same numbers.
-    one = perplexity.run(config(model, nodes), text_file, ctx=CTX, max_windows=1)
+    one = perplexity.run(config(model, workers[:len(layers) - 1], layers), text_file, ctx=CTX, max_windows=1)
     assert one.n_windows == 1 and abs(one.perplexity - math.exp(alone.window_nll[0] / (CTX - 1))) <= 1e-4 * one.perplexity
 
 
 def test_cli_over_a_ring_prints_and_writes_metrics(tiny_models, workers, text_file, tmp_path):
-    nodes, _ = ring_nodes(workers[:2], [1, 2, 1])
-    cfg = tmp_path / "ring3.yaml"
-    cfg.write_text(json.dumps({"model": {"path": tiny_models["llama"]}, "nodes": nodes}))  # JSON is YAML
+    cfg = write_run_config(tmp_path / "ring3.yaml", tiny_models["llama"], workers[:2], layers=[1, 2, 1],
+                           worker_name="board%d")
     metrics = tmp_path / "ppl.json"
-    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(cfg), "--perplexity", text_file,
+    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", cfg, "--perplexity", text_file,
                            "--ppl-ctx", str(CTX), "--ppl-max-windows", "6", "--metrics-out", str(metrics),
                            "--threads", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -236,17 +221,15 @@ def test_a_killed_worker_is_named_or_recovered_from(tiny_models, own_workers, te
     alone = perplexity.run(config(model), text_file, ctx=CTX, max_windows=40)
     fast = {"heartbeat_interval": 0.2, "ring_timeout": 10, "threads": 1}
     # No spare, no recovery: the run fails naming the node; the windows scored are kept.
-    nodes, _ = ring_nodes(own_workers[:1], [None, None])
     with pytest.raises(perplexity.PerplexityFailed, match="board1") as failed:
-        _run_killing(config(model, nodes, recovery_attempts=0, **fast), text_file, own_workers[0], 3)
+        _run_killing(config(model, own_workers[:1], recovery_attempts=0, **fast), text_file, own_workers[0], 3)
     partial = failed.value.result
     assert 3 <= partial.n_windows < 40 and "board1" in partial.metrics()["error"]
     assert partial.window_nll == alone.window_nll[:partial.n_windows]
     # A spare takes the dead node's place; the windows in flight are scored again, same numbers.
-    nodes, spares = ring_nodes(own_workers[1:2], [None, None], spares=own_workers[2:])
-    data = {"model": {"path": model}, "nodes": nodes, "spares": spares, "runtime": fast}
     with caplog.at_level(logging.WARNING, logger="mdi"):
-        result = _run_killing(parse_config(data, "test"), text_file, own_workers[1], 3)
+        result = _run_killing(config(model, own_workers[1:2], spares=own_workers[2:], **fast), text_file,
+                              own_workers[1], 3)
     assert result.n_windows == 40 and len(result.extra["recoveries"]) == 1
     assert abs(result.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
     assert [n["name"] for n in result.nodes] == ["starter", "spare1"]

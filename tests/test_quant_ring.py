@@ -6,11 +6,11 @@ import requests
 import torch
 
 from conftest import SMOLLM2_DIR, WorkerProcess, free_ports
+from ringconfigs import parse_run_config
 from mdi.model import qkernels
 from mdi.model.kv_cache import KVCache
 from mdi.model.layout import QuantSpec, weight_bytes
 from mdi.model.source import ModelSource, build_chunk
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
@@ -47,17 +47,11 @@ def test_gguf_q4_1_taken_over_gives_the_float_models_logits(smollm2_q):
         assert float((a - b).abs().max()) <= 1e-3 * float(b.max() - b.min()), prompt
 
 
-def _config(quant, workers=(), data_ports=(), overrides=None, n_tokens=64, kernel="exact"):
-    nodes = [{"name": "starter", "port": 1, "layers": 30 if not workers else 10}]
-    if data_ports:
-        nodes[0]["data_port"] = data_ports[0]
-    for i, w in enumerate(workers):
-        node = {"name": "board%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1], "layers": 10}
-        node.update((overrides or {}).get(i, {}))
-        nodes.append(node)
-    return parse_config({"model": {"path": SMOLLM2_DIR, "quant": quant}, "nodes": nodes,
-                         "generation": {"n_tokens": n_tokens, "temperature": 0},
-                         "runtime": {"ring_timeout": 60, "threads": 1, "quant_kernel": kernel}}, "test")
+def _config(quant, workers=(), data_ports=(), node_options=None, n_tokens=64, kernel="exact"):
+    """SmolLM2's 30 layers on the starter alone, or 10 each on it and two boards."""
+    return parse_run_config(SMOLLM2_DIR, workers, layers=[10, 10, 10] if workers else [30], data_ports=data_ports,
+                            worker_name="board%d", node_options=node_options, quant=quant, n_tokens=n_tokens,
+                            runtime={"ring_timeout": 60, "threads": 1, "quant_kernel": kernel})
 
 
 def _ids(cfg):
@@ -80,7 +74,7 @@ def test_ring_of_quantized_nodes_matches_the_float_model(smollm2_q, workers):
     held = _chunk_bytes(workers[0])
     assert quantized <= held < weight_bytes(config, (10, 20), "float32") / 4
     # one board told to hold floats (quant: none) still gives the same tokens, at float size
-    got = _ids(_config("auto", workers[:2], ports, {1: {"quant": "none"}}, n_tokens=16))
+    got = _ids(_config("auto", workers[:2], ports, {2: {"quant": "none"}}, n_tokens=16))
     assert got == [ids[:16] for ids in reference]
     assert _chunk_bytes(workers[1]) >= weight_bytes(config, (20, 30), "float32")
     assert _chunk_bytes(workers[0]) < weight_bytes(config, (10, 20), "float32") / 4

@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-from conftest import free_ports, worker_pool
+from conftest import worker_pool
+from ringconfigs import parse_run_config
 from mdi.starter import batch
-from mdi.runconfig import parse_config
 
 N_TOKENS = 64
 PROMPTS = ["Once upon", "The cat", "Hello"]
@@ -21,23 +21,16 @@ def four_workers():
 
 
 def ring_config(model, workers, spares=(), sampling=None, attempts=None):
-    ports = free_ports(1 + len(workers) + len(spares))
-    node = lambda name, w, dp: {"name": name, "port": w.port, "data_port": dp}  # noqa: E731
-    data = {"model": {"path": model},
-            "nodes": [{"name": "starter", "data_port": ports[0]}]
-            + [node("board%d" % (i + 1), w, ports[1 + i]) for i, w in enumerate(workers)],
-            "spares": [node("spare%d" % (i + 1), w, ports[1 + len(workers) + i]) for i, w in enumerate(spares)],
-            "generation": dict({"n_tokens": N_TOKENS, "temperature": 0}, **(sampling or {})),
-            "runtime": {"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 10}}
+    runtime = {"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 10}
     if attempts is not None:
-        data["runtime"]["recovery_attempts"] = attempts
-    return parse_config(data, "recovery-test")
+        runtime["recovery_attempts"] = attempts
+    return parse_run_config(model, workers, "recovery-test", worker_name="board%d", spares=spares, n_tokens=N_TOKENS,
+                            generation=sampling, runtime=runtime)
 
 
 def reference(model, sampling=None):
     """The same prompts, standalone and uninterrupted."""
-    cfg = parse_config({"model": {"path": model},
-                        "generation": dict({"n_tokens": N_TOKENS, "temperature": 0}, **(sampling or {}))}, "ref")
+    cfg = parse_run_config(model, label="ref", n_tokens=N_TOKENS, generation=sampling)
     return [s.token_ids for s in batch.run(cfg, PROMPTS).samples]
 
 

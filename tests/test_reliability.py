@@ -10,19 +10,15 @@ import pytest
 import requests
 
 from conftest import BIN, WorkerProcess, free_ports, worker_pool
+from ringconfigs import parse_run_config, write_run_config
 from mdi.starter import batch
-from mdi.runconfig import parse_config
 
 
-def write_ring(tmp_path, model, workers, data_ports, n_tokens=100, n_samples=5, extra=""):
-    lines = ["model: {path: %s}" % model, "nodes:", "  - {name: starter, data_port: %d}" % data_ports[0]]
-    for i, w in enumerate(workers):
-        lines.append("  - {name: board%d, port: %d, data_port: %d}" % (i + 1, w.port, data_ports[i + 1]))
-    lines.append("generation: {n_tokens: %d, n_samples: %d, temperature: 0}" % (n_tokens, n_samples))
-    lines.append("runtime: {threads: 1%s}" % extra)
-    path = tmp_path / "ring.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+def write_ring(tmp_path, model, workers, data_ports, n_tokens=100, n_samples=5, **runtime):
+    """tmp_path/ring.yaml: the starter and board1... on `data_ports`; runtime over threads: 1."""
+    return write_run_config(tmp_path / "ring.yaml", model, workers, data_ports=data_ports, worker_name="board%d",
+                            n_tokens=n_tokens, generation={"n_samples": n_samples},
+                            runtime=dict({"threads": 1}, **runtime))
 
 
 def start_run(config, metrics, env=None):
@@ -51,15 +47,12 @@ def wait_idle(worker, timeout):
 
 
 def reference_ids(model, prompt, n_tokens):
-    cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0}}, "ref")
+    cfg = parse_run_config(model, label="ref", n_tokens=n_tokens)
     return batch.run(cfg, [prompt]).samples[0].token_ids
 
 
 def fresh_run_matches(model, workers, data_ports):
-    nodes = [{"name": "starter", "data_port": data_ports[0]}]
-    nodes += [{"name": "w%d" % i, "port": w.port, "data_port": data_ports[i + 1]} for i, w in enumerate(workers)]
-    cfg = parse_config({"model": {"path": model}, "nodes": nodes,
-                        "generation": {"n_tokens": 20, "temperature": 0}}, "fresh")
+    cfg = parse_run_config(model, workers, "fresh", data_ports=data_ports, n_tokens=20)
     got = batch.run(cfg, ["Once upon"]).samples[0].token_ids
     assert got == reference_ids(model, "Once upon", 20)
 
@@ -95,7 +88,7 @@ def test_killed_worker_is_named_partial_output_kept_and_survivor_reusable(tmp_pa
 def test_workers_survive_a_killed_starter(tmp_path, tiny_models, two_workers):
     model = tiny_models["gpt2"]
     ports = free_ports(3)
-    run = start_run(write_ring(tmp_path, model, two_workers, ports, extra=", heartbeat_timeout: 4"),
+    run = start_run(write_ring(tmp_path, model, two_workers, ports, heartbeat_timeout=4),
                     tmp_path / "m.json")
     wait_for_frames(two_workers[0])
     run.send_signal(signal.SIGKILL)

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from conftest import BIN, free_ports
+from ringconfigs import parse_run_config, write_run_config
 from mdi.ring.status import StatusReply
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 
 PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be", "0123", "abc def ghi jkl mno"]
@@ -20,15 +20,11 @@ def data_ports():
     return free_ports(4)
 
 
-def ring_config(model: str, workers, data_ports, counts, temperature=0.0, n_tokens=12, **gen):
-    nodes = [{"name": "starter", "port": 1, "data_port": data_ports[0], "layers": counts[0]}]
-    for i, c in enumerate(counts[1:]):
-        nodes.append({"name": "w%d" % (i + 1), "port": workers[i].port, "data_port": data_ports[i + 1],
-                      "layers": c})
-    generation = dict(n_tokens=n_tokens, temperature=temperature, seed=7, top_k=20)
-    generation.update(gen)
-    return parse_config({"model": {"path": model}, "nodes": nodes, "generation": generation,
-                         "runtime": {"ring_timeout": 20}}, "test")
+def ring_config(model: str, workers, data_ports, counts, temperature=0.0, n_tokens=12):
+    """A ring of len(counts) nodes (the first len(counts) - 1 workers), seeded top-k sampling."""
+    return parse_run_config(model, workers[:len(counts) - 1], layers=counts, data_ports=data_ports, n_tokens=n_tokens,
+                            generation={"temperature": temperature, "seed": 7, "top_k": 20},
+                            runtime={"ring_timeout": 20})
 
 
 def run_ids(cfg, prompts):
@@ -83,19 +79,12 @@ def test_decode_hop_bytes_do_not_grow_with_context(tiny_models, workers, data_po
 
 def test_cli_ring_metrics_and_reuse(tiny_models, workers, data_ports, tmp_path):
     """mdi-start as users run it, twice against the same workers, with a metrics file."""
-    cfg_path = tmp_path / "ring3.yaml"
-    cfg_path.write_text(
-        "model: {path: %s}\n"
-        "nodes:\n"
-        "  - {name: starter, port: 1, data_port: %d}\n"
-        "  - {name: board1, port: %d, data_port: %d}\n"
-        "  - {name: board2, port: %d, data_port: %d}\n"
-        "generation: {n_tokens: 10, temperature: 0}\n"
-        % (tiny_models["gpt2"], data_ports[0], workers[0].port, data_ports[1], workers[1].port, data_ports[2]))
+    cfg_path = write_run_config(tmp_path / "ring3.yaml", tiny_models["gpt2"], workers[:2], data_ports=data_ports,
+                                worker_name="board%d", n_tokens=10)
     outputs = []
     for i in range(2):
         metrics = tmp_path / ("m%d.json" % i)
-        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(cfg_path), "--prompt", "Hello",
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", cfg_path, "--prompt", "Hello",
                                "--prompt", "World", "--metrics-out", str(metrics), "--threads", "1"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr

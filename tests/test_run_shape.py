@@ -9,6 +9,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from ringconfigs import write_run_config
 from mdi.cli.plan import plan_main
 from mdi.cli.start import start_main
 from mdi.model.source import ModelSource
@@ -31,11 +32,9 @@ def soft_prompt(path, width):
 @pytest.fixture
 def config_file(tiny_models, tmp_path):
     model = tiny_models["llama"]
-    data = {"model": {"path": model}, "adapters": {"soft": soft_prompt(tmp_path / "soft", ModelSource(model).config.n_embd)},
-            "generation": {"n_tokens": 6, "temperature": 0, "prompts": ["Once upon a time"]}}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    soft = soft_prompt(tmp_path / "soft", ModelSource(model).config.n_embd)
+    return write_run_config(tmp_path / "run.yaml", model, adapters={"soft": soft}, n_tokens=6,
+                            generation={"prompts": ["Once upon a time"]})
 
 
 def checked_shape(capsys, argv):

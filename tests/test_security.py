@@ -26,6 +26,7 @@ import zmq
 from zmq.utils import z85
 
 from conftest import BIN, free_ports
+from ringconfigs import write_run_config
 from mdi.lab import processes
 from mdi.ring.auth import (CONTENT_HEADER, UNSIGNED_PAYLOAD, AuthError, RequestVerifier, body_sha256, ring_keys,
                            ring_password, sign_request)
@@ -289,13 +290,12 @@ def test_a_captured_authenticated_run_holds_no_secret_and_no_frame_in_clear(tmp_
             relays += [Relay(control, ("127.0.0.2", control)), Relay(data, ("127.0.0.2", data))]
         for w in workers:
             w.wait_ready()
-        config = tmp_path / "ring.yaml"
-        config.write_text(
-            "model: {path: %s}\nnodes:\n  - {name: starter, data_port: %d}\n" % (tiny_models["gpt2"], ports[4])
-            + "".join("  - {name: board%d, host: 127.0.0.1, port: %d, data_port: %d}\n"
-                      % (i + 1, ports[2 * i], ports[2 * i + 1]) for i in range(2))
-            + "generation: {n_tokens: 12, n_samples: 2, temperature: 0}\nruntime: {threads: 1}\n")
-        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(config), "--prompt", "Once upon"],
+        relayed = {"host": "127.0.0.1"}  # the boards through their relays, not at 127.0.0.2
+        config = write_run_config(tmp_path / "ring.yaml", tiny_models["gpt2"], workers,
+                                  data_ports=[ports[4], ports[1], ports[3]], worker_name="board%d",
+                                  node_options={1: relayed, 2: relayed}, n_tokens=12, generation={"n_samples": 2},
+                                  runtime={"threads": 1})
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "Once upon"],
                               capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 0 and "24 tokens" in proc.stdout, proc.stderr
     finally:
@@ -450,11 +450,9 @@ def test_idle_connections_starve_neither_a_running_run_nor_a_new_one(tmp_path, t
 
     worker = processes.WorkerProcess(port, str(tmp_path / "worker.log"), name="board1", env=env, token=SECRET,
                                      preexec=limit_files, new_session=False)
-    config = tmp_path / "ring.yaml"
-    config.write_text("model: {path: %s}\nnodes:\n  - {name: starter, data_port: %d}\n"
-                      "  - {name: board1, port: %d, data_port: %d}\n"
-                      "generation: {n_tokens: 100, n_samples: 4, temperature: 0}\nruntime: {threads: 1}\n"
-                      % (tiny_models["gpt2"], starter, port, data))
+    config = write_run_config(tmp_path / "ring.yaml", tiny_models["gpt2"], [worker],
+                              data_ports=[starter, data], worker_name="board%d", n_tokens=100,
+                              generation={"n_samples": 4}, runtime={"threads": 1})
     command = [os.path.join(BIN, "mdi-start"), "--config", str(config), "--prompt", "Once upon"]
     conns = []  # type: List[socket.socket]
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, mine), hard))

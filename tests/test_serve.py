@@ -16,9 +16,9 @@ import torch
 
 from conftest import BIN, CHARS, free_ports, tiny_config
 from conftest import ServeProcess as Server
+from ringconfigs import parse_run_config, write_run_config
 from mdi.starter import batch
 from mdi.model.store import save_model_dir
-from mdi.runconfig import parse_config
 from mdi.model.transformer import full_model
 from mdi.serving.streaming import TextStream, held_back
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, parse_options
@@ -46,19 +46,10 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, workers, tmp_path_factory):
-    data = free_ports(3)
-    path = tmp_path_factory.mktemp("serve-cfg") / "ring3.yaml"
-    path.write_text(
-        "model: {path: %s}\n"
-        "nodes:\n"
-        "  - {name: starter, port: 1, data_port: %d, layers: 2}\n"
-        "  - {name: board1, port: %d, data_port: %d, layers: 1}\n"
-        "  - {name: board2, port: %d, data_port: %d, layers: 1}\n"
-        "generation: {temperature: 0}\n"
-        "runtime: {threads: 1, ring_timeout: 30}\n"
-        "serve: {max_in_flight: %d, model_name: tiny}\n"
-        % (model, data[0], workers[0].port, data[1], workers[1].port, data[2], SLOTS))
-    srv = Server(str(path))
+    path = write_run_config(tmp_path_factory.mktemp("serve-cfg") / "ring3.yaml", model, workers[:2],
+                            layers=[2, 1, 1], worker_name="board%d", runtime={"threads": 1, "ring_timeout": 30},
+                            serve={"max_in_flight": SLOTS, "model_name": "tiny"})
+    srv = Server(path)
     try:
         yield srv.wait_ready()
     finally:
@@ -73,8 +64,7 @@ def reference(model, prompt, n_tokens):
     """The text of a standalone (one-node, one-sample) greedy run of the same prompt."""
     key = (prompt, n_tokens)
     if key not in _references:
-        cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0},
-                            "runtime": {"threads": 1}}, "reference")
+        cfg = parse_run_config(model, label="reference", n_tokens=n_tokens, runtime={"threads": 1})
         _references[key] = batch.run(cfg, [prompt]).texts[0]
     return _references[key]
 

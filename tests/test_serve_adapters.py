@@ -8,9 +8,9 @@ import pytest
 import requests
 import torch
 
-from conftest import ServeProcess, free_ports
+from conftest import ServeProcess
+from ringconfigs import parse_run_config, write_run_config
 from mdi.model.source import ModelSource
-from mdi.runconfig import parse_config
 from mdi.starter import batch
 from test_adapter_ring import write_peft_lora
 
@@ -26,20 +26,12 @@ def setup(tiny_models, workers, tmp_path_factory):
     base = os.path.dirname(model)
     dirs = {name: write_peft_lora(os.path.join(base, "lora-" + name), config, seed)
             for seed, name in enumerate(["chat", "tools", "late"], start=11)}
-    data = free_ports(3)
-    path = tmp_path_factory.mktemp("serve-adapters") / "ring3.yaml"
-    path.write_text(
-        "model: {path: %s}\n"
-        "adapters: {chat: %s, tools: %s}\n"
-        "nodes:\n"
-        "  - {name: starter, port: 1, data_port: %d, layers: 1}\n"
-        "  - {name: board1, port: %d, data_port: %d, layers: 1}\n"
-        "  - {name: board2, port: %d, data_port: %d, layers: 2}\n"
-        "generation: {temperature: 0}\n"
-        "runtime: {threads: 1, ring_timeout: 30}\n"
-        "serve: {max_in_flight: 4, model_name: tiny}\n"
-        % (model, dirs["chat"], dirs["tools"], data[0], workers[0].port, data[1], workers[1].port, data[2]))
-    server = ServeProcess(str(path)).wait_ready()
+    path = write_run_config(tmp_path_factory.mktemp("serve-adapters") / "ring3.yaml", model, workers[:2],
+                            layers=[1, 1, 2], worker_name="board%d",
+                            adapters={"chat": dirs["chat"], "tools": dirs["tools"]},
+                            runtime={"threads": 1, "ring_timeout": 30},
+                            serve={"max_in_flight": 4, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
     try:
         yield server, model, dirs
     finally:
@@ -48,8 +40,7 @@ def setup(tiny_models, workers, tmp_path_factory):
 
 
 def alone(model, dirs, name):
-    cfg = parse_config({"model": {"path": model}, "adapters": dirs,
-                        "generation": {"n_tokens": N, "temperature": 0}}, "alone")
+    cfg = parse_run_config(model, label="alone", adapters=dirs, n_tokens=N)
     return batch.run(cfg, [PROMPT], adapters=[name]).texts[0]
 
 
@@ -155,8 +146,7 @@ def test_loading_an_adapter_while_requests_stream(setup, workers):
     assert r.status_code == 200, r.text
     for t in threads:
         t.join(120)
-    cfg = parse_config({"model": {"path": model}, "adapters": {"chat": dirs["chat"]},
-                        "generation": {"n_tokens": 40, "temperature": 0}}, "alone")
+    cfg = parse_run_config(model, label="alone", adapters={"chat": dirs["chat"]}, n_tokens=40)
     want = batch.run(cfg, [PROMPT], adapters=["chat"]).texts[0]
     assert results == {0: want, 1: want, 2: want}
     assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["tiny", "chat", "tools", "late"]

@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from conftest import CHARS, ServeProcess
+from ringconfigs import write_run_config
 from mdi.model.tokenizers import PromptTooLong, char_tokenizer, load_tokenizer
 
 
@@ -54,10 +55,8 @@ def rss_mb(pid: int) -> float:
 
 
 def test_concurrent_oversized_prompts_leave_the_server_its_size(smollm2_dir, tmp_path):
-    config = tmp_path / "serve.yaml"
-    config.write_text("model: {path: %s, quant: auto}\nnodes: [{name: starter, port: 1}]\n"
-                      "runtime: {threads: 1}\n" % smollm2_dir)
-    server = ServeProcess(str(config)).wait_ready()
+    config = write_run_config(tmp_path / "serve.yaml", smollm2_dir, quant="auto", runtime={"threads": 1})
+    server = ServeProcess(config).wait_ready()
     try:
         before = rss_mb(server.proc.pid)
         # just under the 1 MiB body limit (refused before tokenizing), and 300 kB (tokenized,

@@ -12,6 +12,7 @@ import requests
 import torch
 
 from conftest import BIN, CHARS
+from ringconfigs import write_run_config
 from mdi.model.config import ModelConfig
 from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
@@ -38,13 +39,10 @@ def _state(worker):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_the_ring_at_once_and_keeps_the_partial_run(tmp_path, slow_model, workers, signum):
     worker = workers[0]
-    cfg = tmp_path / "ring2.yaml"
-    cfg.write_text("model: {path: %s}\n"
-                   "nodes:\n  - {name: starter, port: 1, layers: 2}\n  - {name: board1, port: %d, layers: 2}\n"
-                   "generation: {n_tokens: 900, temperature: 0}\n"
-                   "runtime: {threads: 1, heartbeat_timeout: 120}\n" % (slow_model, worker.port))
+    cfg = write_run_config(tmp_path / "ring2.yaml", slow_model, [worker], layers=2, worker_name="board%d",
+                           n_tokens=900, runtime={"threads": 1, "heartbeat_timeout": 120})
     metrics = tmp_path / "m.json"
-    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", str(cfg), "--prompt", "a", "--prompt", "b",
+    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", cfg, "--prompt", "a", "--prompt", "b",
                              "--metrics-out", str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             universal_newlines=True)
     try:

@@ -8,6 +8,7 @@ import torch
 import yaml
 
 from conftest import BIN, ROOT, WorkerProcess, free_ports
+from ringconfigs import parse_run_config
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow  # the 135M model in new processes, each test
@@ -17,11 +18,9 @@ PROMPT = "The capital of France is"
 def test_greedy_tokens_match_transformers_on_the_gguf(smollm2_gguf, smollm2_dir):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from mdi.runconfig import parse_config
     from mdi.starter import batch
     n = 24
-    cfg = parse_config({"model": {"path": smollm2_dir}, "generation": {"n_tokens": n, "temperature": 0},
-                        "runtime": {"threads": 1}}, "test")
+    cfg = parse_run_config(smollm2_dir, n_tokens=n, runtime={"threads": 1})
     ours = batch.run(cfg, [PROMPT]).samples[0]
     folder, name = os.path.split(smollm2_gguf)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)

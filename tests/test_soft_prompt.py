@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 from mdi.model.adapter_files import load_any  # noqa: E402
 from mdi.model.lora import AdapterError  # noqa: E402
 from mdi.model.row_batch import RowBatch  # noqa: E402
-from mdi.runconfig import parse_config  # noqa: E402
+from ringconfigs import parse_run_config  # noqa: E402
 from mdi.starter import batch  # noqa: E402
 from mdi.starter.pipeline import _virtual_rows  # noqa: E402
 from test_adapters import base_chunk, hf_model  # noqa: E402
@@ -76,8 +76,7 @@ def test_soft_prompts_lora_and_base_mix_in_one_run(tiny_models, tmp_path):
     adapters = {"soft": str(soft_dir), "lora": write_peft_lora(str(tmp_path / "lora"), config, 5)}
 
     def run(prompts, names):
-        cfg = parse_config({"model": {"path": model}, "adapters": adapters,
-                            "generation": {"n_tokens": 8, "temperature": 0}}, "t")
+        cfg = parse_run_config(model, label="t", adapters=adapters, n_tokens=8)
         return [s.token_ids for s in batch.run(cfg, prompts, adapters=names).samples]
     prompts, names = ["Hi there", "Hi there", "Hi there"], ["soft", "lora", "base"]
     together = run(prompts, names)

@@ -19,6 +19,7 @@ import requests
 import torch
 
 from conftest import BIN, CHARS, WorkerProcess, free_ports
+from ringconfigs import parse_run_config, run_config_dict
 from mdi.cli.worker import worker_parser
 from mdi.model.config import ModelConfig
 from mdi.model.layout import torch_dtype
@@ -93,18 +94,16 @@ def post_raw(port, head, body=b"", read_reply=True):
         s.close()
 
 
-def ring_cfg(model, workers, data_ports, threads=None, heartbeat_timeout=30, n_tokens=8):
-    nodes = [{"name": "starter", "data_port": data_ports[0]}]
-    nodes += [{"name": "w%d" % (i + 1), "port": w.port, "data_port": data_ports[i + 1]} for i, w in enumerate(workers)]
-    runtime = {"heartbeat_timeout": heartbeat_timeout, "ring_timeout": 60}
+def ring_cfg(model, workers, threads=None):
+    """The starter and w1... on free data ports, 8 greedy tokens, as a config dict."""
+    runtime = {"heartbeat_timeout": 30, "ring_timeout": 60}
     if threads is not None:
         runtime["threads"] = threads
-    return {"model": {"path": model}, "nodes": nodes,
-            "generation": {"n_tokens": n_tokens, "temperature": 0}, "runtime": runtime}
+    return run_config_dict(model, workers, n_tokens=8, runtime=runtime)
 
 
 def reference_ids(model, prompt, n_tokens):
-    cfg = parse_config({"model": {"path": model}, "generation": {"n_tokens": n_tokens, "temperature": 0}}, "ref")
+    cfg = parse_run_config(model, label="ref", n_tokens=n_tokens)
     return batch.run(cfg, [prompt]).samples[0].token_ids
 
 
@@ -141,7 +140,7 @@ def test_aborted_push_leaves_the_worker_idle_and_able_to_run(tiny_models, pair):
     wait_state(worker, "idle")
     assert glob.glob(os.path.join(worker.tmp, "mdi-weights-*")) == []  # its temporary file is gone
     # The worker serves the next run, weights pushed afresh.
-    cfg = parse_config(ring_cfg(model, [worker], free_ports(2)), "after-abort")
+    cfg = parse_config(ring_cfg(model, [worker]), "after-abort")
     got = batch.run(cfg, ["Once upon"]).samples[0].token_ids
     assert got == reference_ids(model, "Once upon", 8)
     assert glob.glob(os.path.join(worker.tmp, "mdi-weights-*")) == []
@@ -237,7 +236,7 @@ def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, 
     from mdi.starter.pipeline import make_samples
     from mdi.starter.run_plan import plan_run
     model = tiny_models["llama"]
-    cfg_a = parse_config(ring_cfg(model, pair, free_ports(3)), "run A")
+    cfg_a = parse_config(ring_cfg(model, pair), "run A")
     source = ModelSource(model)
     prompt_ids = run_shape.encode_prompts(source, ["Once upon"])
     shape = run_shape.RunShape(1, len(prompt_ids[0]) + 8)
@@ -246,7 +245,7 @@ def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, 
     try:
         run_a = engine.ring.run_id
         path_b = tmp_path / "b.yaml"
-        path_b.write_text(json.dumps(ring_cfg(model, pair, free_ports(3))))
+        path_b.write_text(json.dumps(ring_cfg(model, pair)))
         proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(path_b), "--prompt", "x"],
                               capture_output=True, text=True, timeout=120)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -349,13 +348,13 @@ def test_runtime_threads_reach_workers_unless_they_have_their_own(tiny_models):
     try:
         workers = [w.wait_ready() for w in procs]
         assert status(workers[0])["threads"] == 2
-        cfg = parse_config(ring_cfg(model, workers, free_ports(3), threads=1), "threads")
+        cfg = parse_config(ring_cfg(model, workers, threads=1), "threads")
         result = batch.run(cfg, ["Once upon"])
         assert [n["threads"] for n in result.nodes[1:]] == [1, 2]  # the metrics record's nodes
         assert [status(w)["threads"] for w in workers] == [1, 2]
         # auto: the plain worker times its chunk at 1, 2, ... threads and keeps one of them,
         # saying so; the one started with --threads keeps its own; the text does not change.
-        auto = batch.run(parse_config(ring_cfg(model, workers, free_ports(3), threads="auto"), "threads"),
+        auto = batch.run(parse_config(ring_cfg(model, workers, threads="auto"), "threads"),
                          ["Once upon"])
         assert auto.samples[0].token_ids == result.samples[0].token_ids
         assert status(workers[1])["threads"] == 2 and "threads: auto" not in procs[1].output()
