@@ -7,7 +7,8 @@ import pytest
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.ring.init_request import MAX_ROWS
-from mdi.runconfig import parse_config, samples_per_frame
+from mdi.runconfig import samples_per_frame
+from ringconfigs import parse_run_config
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.recovery import RecoveryImpossible, replan
@@ -15,13 +16,12 @@ from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
 
 
-def _cfg(model, layers=(1, 1, 2), quant=None, max_batch="auto", spares=0, prefill_chunk=16):
-    nodes = [{"name": "starter", "layers": layers[0]}]
-    nodes += [{"name": "w%d" % i, "host": "127.0.0.1", "port": 9 + i, "layers": k, **({"quant": quant} if quant else {})}
-              for i, k in enumerate(layers[1:], 1)]
-    spare_nodes = [{"name": "spare%d" % i, "host": "127.0.0.1", "port": 40 + i} for i in range(spares)]
-    return parse_config({"model": {"path": model}, "nodes": nodes, "spares": spare_nodes,
-                         "runtime": {"max_batch": max_batch, "prefill_chunk": prefill_chunk}}, "test")
+def _cfg(model, layers=(1, 1, 2), quant=None, spares=0):
+    """A ring of unreachable workers (ports 10, 11...): planning a fixed split contacts none."""
+    workers = [10 + i for i in range(len(layers) - 1)]
+    options = {i: {"quant": quant} for i in range(1, len(layers))} if quant else None
+    return parse_run_config(model, workers, layers=list(layers), spares=[40 + i for i in range(spares)],
+                            spare_name="spare%d", node_options=options, runtime={"prefill_chunk": 16})
 
 
 def test_a_plan_holds_every_node_s_layers_quantization_and_the_run_s_size(tiny_models):
@@ -44,7 +44,7 @@ def test_a_smaller_or_rebuilt_ring_is_a_new_plan_with_its_own_max_batch(tiny_mod
     model = tiny_models["llama"]
     source = ModelSource(model)
     plan = plan_run(_cfg(model, spares=1), source, RunShape(6, 32))
-    assert [s.name for s in plan.spares] == ["spare0"]
+    assert [s.name for s in plan.spares] == ["spare1"]
     fewer = plan.with_slots(2)
     assert (fewer.n_slots, fewer.max_batch, plan.n_slots) == (2, 1, 6)
     nodes = plan.specs
@@ -86,8 +86,7 @@ def test_recovery_returns_a_new_plan_naming_what_changed(tiny_models):
 def test_the_engine_runs_the_plan_it_is_given(tiny_models):
     model = tiny_models["gpt2"]
     source = ModelSource(model)
-    plan = plan_run(parse_config({"model": {"path": model}, "runtime": {"max_batch": 2}}, "one"), source,
-                    RunShape(3, 24))
+    plan = plan_run(parse_run_config(model, runtime={"max_batch": 2}), source, RunShape(3, 24))
     engine = Engine(plan, source, SamplingParams(0.0))
     engine.open()
     try:
