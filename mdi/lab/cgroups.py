@@ -71,7 +71,7 @@ class _Cgroups:
     def __init__(self, prefix: str, parent: Optional[str] = None) -> None:
         self.home = _own_cgroup(self.controller, self.root)  # where this process came from
         self.base = os.path.join(parent or self.root, "%s_%d" % (prefix, os.getpid()))
-        self.groups = []  # type: List[str]
+        self.groups: List[str] = []
         os.mkdir(self.base)
 
     def path(self, name: str) -> str:

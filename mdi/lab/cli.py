@@ -18,7 +18,8 @@ from typing import Callable, List, Optional
 
 from mdi.lab.emulation import EmulationError
 from mdi.lab.nodes import read_json, serve_starter
-from mdi.lab.spec import EXIT_CONFIG, Experiment, ExperimentError, load_experiment
+from mdi.cli.process import EXIT_CONFIG  # mdi-bench exits like mdi-start
+from mdi.lab.spec import Experiment, ExperimentError, load_experiment
 from mdi.lab.sweep import cleanup_stale, dry_run, finish_outputs, run_experiment
 
 

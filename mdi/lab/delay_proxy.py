@@ -6,7 +6,7 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
+from typing import Any, Dict, List, Optional, Tuple
 
 NETNS_DIR = "/var/run/netns"
 CLONE_NEWNET = 0x40000000
@@ -23,7 +23,7 @@ class DelayProxy:
                  name: str = "proxy") -> None:
         self.listener, self.target, self.delay_s, self.name = listener, target, delay_s, name
         self._stop = threading.Event()
-        self._socks = []  # type: List[socket.socket]
+        self._socks: List[socket.socket] = []
         self._lock = threading.Lock()
         self.listener.settimeout(0.5)  # so the accept loop notices close()
         self._thread = threading.Thread(target=self._accept_loop, name="mdi-%s" % name, daemon=True)
@@ -51,7 +51,7 @@ class DelayProxy:
             self._pipe(upstream, client)
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        q = queue.Queue()  # type: queue.Queue
+        q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, args=(src, q), daemon=True).start()
         threading.Thread(target=self._deliver, args=(dst, q), daemon=True).start()
 
@@ -104,7 +104,7 @@ def listen_in_netns(netns: Optional[str], host: str, port: int) -> socket.socket
     """
     if netns is None:
         return _listener(host, port)
-    out = {}  # type: Dict[str, Any]
+    out: Dict[str, Any] = {}
 
     def work() -> None:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -85,10 +85,10 @@ class Emulation:
     def __init__(self, settings: EmulationSettings, max_nodes: int, log: Callable[[str], None] = print) -> None:
         self.settings, self.max_nodes, self.log = settings, max_nodes, log
         self.tag = "mdib%d" % (os.getpid() % 100000)
-        self.cpu = None  # type: Optional[CpuCgroups]
-        self.memory = None  # type: Optional[MemoryCgroups]
-        self.net = None  # type: Optional[NetworkLab]
-        self.status = {}  # type: Dict[str, str]  # part -> "on: ..." or "off: why"
+        self.cpu: Optional[CpuCgroups] = None
+        self.memory: Optional[MemoryCgroups] = None
+        self.net: Optional[NetworkLab] = None
+        self.status: Dict[str, str] = {}  # part -> "on: ..." or "off: why"
 
     # --- set up ----------------------------------------------------------------------
     def start(self) -> None:
@@ -257,7 +257,7 @@ class Emulation:
 
     def close(self) -> List[str]:
         """Tear everything down (stop the node processes first). Returns problems, if any."""
-        problems = []  # type: List[str]
+        problems: List[str] = []
         if self.net is not None:
             problems.extend(self.net.close())
             self.net = None
@@ -269,7 +269,7 @@ class Emulation:
 
 def remove_leftovers(resources: Dict[str, Any]) -> List[str]:
     """Remove what a crashed run listed in its state file (namespaces, bridge, cgroup dirs)."""
-    problems = []  # type: List[str]
+    problems: List[str] = []
     for ns in resources.get("netns") or []:
         if os.path.exists(os.path.join(NETNS_DIR, ns)):
             problems.extend(try_run(["ip", "netns", "del", ns]))

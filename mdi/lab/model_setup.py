@@ -110,7 +110,7 @@ def random_quantized_weights(config, layout: Dict[str, Any], seed: int, std: flo
     from mdi.model.quant import QParts, quantize
     rows = rows or ROWS_PER_BLOCK
     gen = torch.Generator().manual_seed(seed)
-    out = {}  # type: Dict[str, Any]
+    out: Dict[str, Any] = {}
     for key, shape in expected_shapes(config, (0, config.n_layer), True, True).items():
         spec = layout.get(key[:-len(".weight")]) if key.endswith(".weight") else None
         if spec is None:
@@ -185,7 +185,7 @@ def _check_random_matches(path: str, entry: ModelEntry, where: str) -> None:
 
 
 def _describe_labels(labels: Dict[str, str]) -> str:
-    counts = {}  # type: Dict[str, int]
+    counts: Dict[str, int] = {}
     for label in labels.values():
         counts[label] = counts.get(label, 0) + 1
     return ", ".join("%s x %d" % kv for kv in sorted(counts.items())) or "float"

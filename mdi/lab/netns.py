@@ -40,9 +40,9 @@ class NetworkLab:
         self.tag, self.n_nodes = tag, n_nodes
         self.bandwidth_mbit, self.latency_ms = bandwidth_mbit, latency_ms
         self.bridge = tag + "br"
-        self.subnet = None  # type: Optional[str]
-        self.namespaces = []  # type: List[str]
-        self.proxies = []  # type: List[DelayProxy]
+        self.subnet: Optional[str] = None
+        self.namespaces: List[str] = []
+        self.proxies: List[DelayProxy] = []
         self._bridge_made = False
 
     def netns(self, k: int) -> str:

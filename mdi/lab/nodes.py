@@ -15,7 +15,8 @@ import yaml
 from mdi.lab.cgroups import peak_rss_bytes, reset_peak_rss
 from mdi.lab.emulation import Emulation
 from mdi.lab.processes import NodeProcess, WorkerProcess, free_ports, tool
-from mdi.lab.spec import EXIT_CONFIG, EXIT_RUN, Experiment, RingPlan
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN
+from mdi.lab.spec import Experiment, RingPlan
 
 
 # The warm starter's command line; `mdi-bench --cleanup` recognises its leftovers by it.
@@ -31,7 +32,7 @@ class StarterService:
 
     def __init__(self, proc: NodeProcess) -> None:
         self.proc = proc
-        self.replies = queue.Queue()  # type: queue.Queue
+        self.replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -89,15 +90,15 @@ class Ring:
                  log: Callable[[str], None]) -> None:
         self.plan, self.exp, self.emu, self.token, self.work, self.log = plan, exp, emu, token, work, log
         self.keys = ["g%dk%d" % (plan.index, k) for k in range(plan.n_nodes)]
-        self.workers = []  # type: List[WorkerProcess]
-        self.service = None  # type: Optional[StarterService]
+        self.workers: List[WorkerProcess] = []
+        self.service: Optional[StarterService] = None
         self.hosts, self.ports, self.data_ports = self._addresses()
         self.env = dict(os.environ)
         for key in ("MDI_TOKEN", "MDI_TOKEN_FILE"):
             self.env.pop(key, None)
         if token:
             self.env["MDI_TOKEN"] = token
-        self.profile_cache = None  # type: Optional[str]
+        self.profile_cache: Optional[str] = None
         if plan.kind == "auto":
             # The planner's node profiles, one cache per ring: never another ring's (or the
             # user's ~/.cache/mdi) measurements of other boards.

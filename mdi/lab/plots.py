@@ -38,7 +38,7 @@ def plot_all(out: str, rows: List[Row], summary: List[Row]) -> List[str]:
 
 
 def _ordered(items) -> List[str]:
-    seen = []  # type: List[str]
+    seen: List[str] = []
     for x in items:
         if x not in seen:
             seen.append(x)
@@ -121,7 +121,8 @@ def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) 
     for i, model in enumerate(models):
         mrows = [r for r in summary if r["model"] == model]
         ax, ax2 = axes[i]
-        xs_all, eff_xs = [], []  # type: List[int], List[int]
+        xs_all: List[int] = []
+        eff_xs: List[int] = []
         for c, (n, part, mb, label) in enumerate(_series(mrows)):
             color = "C%d" % c  # the same line has the same colour in both panels
             rs = sorted(_of_series(mrows, n, part, mb), key=lambda r: int(r["samples"]))

@@ -203,8 +203,8 @@ class WorkerProcess(NodeProcess):
 
     def node(self, weights: Optional[str] = None) -> Dict[str, object]:
         """Its entry in a run config's `nodes`."""
-        entry = {"name": self.name, "host": self.host, "port": self.port,
-                 "data_port": self.data_port}  # type: Dict[str, object]
+        entry: Dict[str, object] = {"name": self.name, "host": self.host, "port": self.port,
+                                    "data_port": self.data_port}
         if weights:
             entry["weights"] = weights
         return entry

@@ -5,7 +5,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mdi.system.memory import meminfo
 from mdi.lab.commands import command_text
@@ -222,7 +222,7 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
     max_batch, paired by repeat) and, for batched runs, the speedup over the unbatched runs
     (max_batch 1) of the same ring and S."""
     good = ok_rows(rows)
-    groups = {}  # type: Dict[Group, List[Dict[str, str]]]
+    groups: Dict[Group, List[Dict[str, str]]] = {}
     for r in good:
         key = (r["model"], int(r["nodes"]), r["partition"], max_batch_of(r), int(r["samples"]))
         groups.setdefault(key, []).append(r)
@@ -307,7 +307,7 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
     it rises with N."""
     lines = []
     for model in sorted({r["model"] for r in summary}):
-        best = {}  # type: Dict[int, Tuple[float, Dict[str, str]]]
+        best: Dict[int, Tuple[float, Dict[str, str]]] = {}
         for r in summary:
             n, s = int(r["nodes"]), int(r["samples"])
             if r["model"] == model and s >= n:

@@ -13,7 +13,6 @@ from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings
 
-from mdi.cli.process import EXIT_CONFIG, EXIT_RUN  # noqa: F401  (mdi-bench exits like mdi-start)
 
 
 class ExperimentError(ValueError):
@@ -154,7 +153,7 @@ def _check_partitions(where: str, items: List[Any]) -> None:
 
 def max_batches(items: Sequence[Any]) -> List[Any]:
     """The max_batch axis without repeats, in the order given."""
-    out = []  # type: List[Any]
+    out: List[Any] = []
     for item in items:
         if item not in out:
             out.append(item)

@@ -24,7 +24,8 @@ from mdi.lab.model_setup import sweep_model, weight_bytes
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
 from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, batching_lines, machine_record, make_row,
                             read_rows, scaling_lines, summarize, write_csv, write_report)
-from mdi.lab.spec import EXIT_RUN, Experiment, RingPlan, check_node_lists, max_batches, plan_rings, samples_for
+from mdi.cli.process import EXIT_RUN
+from mdi.lab.spec import Experiment, RingPlan, check_node_lists, max_batches, plan_rings, samples_for
 
 
 # --------------------------------------------------------------------------- progress
@@ -38,7 +39,7 @@ class Progress:
         self.log = log
         self.done = 0
         self.t0 = time.monotonic()
-        self.spent = {}  # type: Dict[str, List[float]]  # model -> [seconds, work]
+        self.spent: Dict[str, List[float]] = {}  # model -> [seconds, work]
 
     def begin(self, text: str) -> None:
         left = len(self.plan) - self.done
@@ -124,8 +125,8 @@ class Sweep:
         self.exp, self.out, self.log = exp, out, log
         self.runs_dir = os.path.join(out, "runs")
         self.csv_path = os.path.join(out, "results.csv")
-        self.rows = []  # type: List[Dict[str, str]]
-        self.rings = []  # type: List[Ring]
+        self.rows: List[Dict[str, str]] = []
+        self.rings: List[Ring] = []
         # No shared secret by default: nodes listen on loopback or on the private namespace
         # network made here. auth: true turns it on (signed control requests, zmq CURVE on every link).
         self.token = secrets.token_hex(16) if exp.auth else None

@@ -202,7 +202,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelC
                where: str, st_path: str) -> Adapter:
     family = config.family
     block_re = re.compile(r"^(?P<prefix>(?:.*?\.)?)%s\.(?P<layer>\d+)\.(?P<sub>.+)$" % HF_BLOCKS[family])
-    modules = {}  # type: Dict[str, Dict[str, str]]  # module name -> {"A": tensor name, "B": ...}
+    modules: Dict[str, Dict[str, str]] = {}  # module name -> {"A": tensor name, "B": ...}
     for tname in sorted(tensors):
         m = re.match(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$", tname)
         if m is None:
@@ -315,7 +315,7 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
 
     hf_to_mdi = HF_MODULES["llama"]
     tensors = {t.name: t for t in reader.tensors}
-    pairs = {}  # type: Dict[Tuple[int, str], Dict[str, str]]
+    pairs: Dict[Tuple[int, str], Dict[str, str]] = {}
     for tname in sorted(tensors):
         m = re.match(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$", tname)
         if m is None:

@@ -33,7 +33,7 @@ def _hf_tensor_loaders(path: str) -> Dict[str, Callable[[], torch.Tensor]]:
         files = [os.path.join(path, x) for x in files]
     else:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    loaders = {}  # type: Dict[str, Callable[[], torch.Tensor]]
+    loaders: Dict[str, Callable[[], torch.Tensor]] = {}
     if files:
         for fn in files:
             # safe_open handles stay alive through the closures; tensors are read on demand
@@ -98,7 +98,7 @@ def read_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelCon
     # GPT2LMHeadModel saves "transformer.*", GPT2Model bare names; same for Llama's "model."
     prefix = "transformer." if config.family == "gpt2" else "model."
     loaders = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in raw.items()}
-    used = set()  # type: set
+    used: set = set()
     get = make_getter(loaders, dtype, path, used)
     if config.family == "gpt2":
         sd = convert_gpt2(config, get, lambda n: True, conv1d=True)  # HF GPT-2 always has biases
@@ -133,7 +133,7 @@ def read_nanogpt_ckpt(path: str, dtype: torch.dtype = torch.float32) -> Tuple[Mo
     # torch.compile'd models save parameters under "_orig_mod."
     tensors = {re.sub(r"^_orig_mod\.", "", k): v for k, v in ckpt["model"].items()}
     tensors = {(k[len("transformer."):] if k.startswith("transformer.") else k): v for k, v in tensors.items()}
-    used = set()  # type: set
+    used: set = set()
     # ignore: mypy cannot match a lambda's default arguments to Callable[[], T]
     get = make_getter({k: (lambda v=v: v) for k, v in tensors.items()}, dtype, path, used)  # type: ignore[misc]
     sd = convert_gpt2(config, get, lambda n: n in tensors, conv1d=False)

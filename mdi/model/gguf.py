@@ -172,7 +172,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
             return _unpermute(w, heads) if heads else w
         loaders[hf], hf_name[name] = load, hf
 
-    used = set()  # type: set
+    used: set = set()
     sd = convert_llama(config, make_getter(loaders, dtype, path, used))
     read = {g for g, h in hf_name.items() if h in used}
     if "rope_freqs.weight" in tensors:

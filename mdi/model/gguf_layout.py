@@ -126,7 +126,7 @@ def _walk_header(buf: Any, size: int, path: str, max_tensors: Optional[int] = No
     if max_tensors is not None and n_tensors > max_tensors:
         raise GGUFLayoutError("%s: %d tensors, more than the %d such a file can hold" % (path, n_tensors, max_tensors))
     n_kv = walk.count("the metadata count", 8 + 4)
-    values = {}  # type: Dict[str, Tuple[int, int]]
+    values: Dict[str, Tuple[int, int]] = {}
     alignment = DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key = walk.key()
@@ -179,7 +179,7 @@ class GGUFTensor:
         # the file's bytes, not the GGUFFile: a cycle would keep the whole map (and its pages,
         # counted as resident) until the cyclic collector ran, after the model's load
         self._bytes, self._start, self._n_bytes, self._view = file_bytes, start, n_bytes, view
-        self._data = None  # type: Any
+        self._data: Any = None
 
     @property
     def data(self) -> Any:
@@ -215,9 +215,9 @@ class GGUFFile:
             raise
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._order, self._values = header.order, header.values
-        self.tensors = []  # type: List[GGUFTensor]
-        seen = set()  # type: set
-        types = {}  # type: Dict[int, Tuple[Any, int, int]]
+        self.tensors: List[GGUFTensor] = []
+        seen: set = set()
+        types: Dict[int, Tuple[Any, int, int]] = {}
         for name, dims, type_id, offset in header.tensors:
             where = "%s: tensor %s" % (path, name)
             if name in seen:

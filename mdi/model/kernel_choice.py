@@ -28,10 +28,10 @@ MEASURE_SECONDS = 0.03  # per candidate and shape
 # (spec, n_out, n_in, device, threads, policy) -> {kernel name: seconds, or None: wrong or unusable
 # here}: what was measured, kept so that each shape is measured once, and a layer loaded later
 # with more or less memory to spare picks again among the same measurements.
-_measured = {}  # type: Dict[Tuple, Dict[str, Optional[float]]]
-_notes = {}  # type: Dict[Tuple, Dict[str, str]]  # the same keys -> why a kernel was unusable or wrong
-_choices = {}  # type: Dict[Tuple, Tuple[str, str]]  # the same keys -> (kernel chosen last, why)
-_allowance = [None]  # type: List[Optional[int]]  # bytes layers may hold beyond their stored weights
+_measured: Dict[Tuple, Dict[str, Optional[float]]] = {}
+_notes: Dict[Tuple, Dict[str, str]] = {}  # the same keys -> why a kernel was unusable or wrong
+_choices: Dict[Tuple, Tuple[str, str]] = {}  # the same keys -> (kernel chosen last, why)
+_allowance: List[Optional[int]] = [None]  # bytes layers may hold beyond their stored weights
 
 
 def set_memory_allowance(nbytes: Optional[int]) -> None:
@@ -69,7 +69,7 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
             torch.cuda.synchronize(device)
     fn()
     sync()
-    times = []  # type: List[float]
+    times: List[float] = []
     deadline = time.perf_counter() + MEASURE_SECONDS
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 10):
         evict.sum()
@@ -122,7 +122,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
 
     def rank(k: Kernel):  # the named kernel first, else the fastest
         return (k.name != preference) if named else measured[k.name]
-    kept = None  # type: Optional[Tuple[Kernel, Tensors]]  # the best packed so far: one extra copy at most
+    kept: Optional[Tuple[Kernel, Tensors]] = None  # the best packed so far: one extra copy at most
     if any(k.name not in measured for k in fits):
         x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
@@ -194,7 +194,7 @@ def chosen_by_weight() -> Dict[str, str]:
 
 def summary(kernels: Mapping[str, str]) -> str:
     """'int4pack-cpu x3, int8dyn-fbgemm x2' over the weight shapes of `chosen_by_weight()`."""
-    counts = {}  # type: Dict[str, int]
+    counts: Dict[str, int] = {}
     for text in kernels.values():
         name = text.split(":", 1)[0]
         counts[name] = counts.get(name, 0) + 1

@@ -5,7 +5,7 @@ Their own module so that both the eager blocks (mdi.model.transformer) and the s
 blocks (mdi.model.fused_decode, which reads these layers' weights and kernels) import them
 without importing each other.
 """
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -35,8 +35,8 @@ class LoraDeltas:
     Punica / S-LoRA gather), so the cost grows with the adapters in a batch, not its samples."""
 
     def __init__(self) -> None:
-        self.adapters = {}  # type: Dict[int, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]
-        self.groups = []  # type: List[Tuple[int, Any]]  # (adapter id, slice or row indices)
+        self.adapters: Dict[int, Dict[str, Tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.groups: List[Tuple[int, Any]] = []  # (adapter id, slice or row indices)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
         # The ring's rows are 2-D already; each skipped op is µs per layer and adapter
@@ -53,7 +53,7 @@ class LoraDeltas:
 
 
 class Linear(nn.Linear):
-    lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
+    lora: Optional[LoraDeltas] = None  # set by the chunk that holds this layer
     lora_name = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +76,9 @@ class QuantLinear(nn.Module):
             self.register_buffer(suffix, torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
         self.kernel: Optional[Kernel] = None  # chosen by pick_kernel
-        self.packed = {}  # type: Dict[str, Any]  # tensors, or an engine's packed weight (a module)
+        self.packed: Dict[str, Any] = {}  # tensors, or an engine's packed weight (a module)
         self.opaque_nbytes = 0  # bytes the kernel holds outside tensors (not in buffers())
-        self.lora = None  # type: Optional[LoraDeltas]  # set by the chunk that holds this layer
+        self.lora: Optional[LoraDeltas] = None  # set by the chunk that holds this layer
         self.lora_name = ""
 
     def canonical(self) -> Dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
     gpt2 = c.family == "gpt2"
     E, I, V = c.n_embd, c.intermediate_size, c.vocab_size
     qkv = (c.n_head + 2 * c.n_kv_head) * c.head_dim
-    out = {}  # type: Dict[str, Tuple[int, ...]]
+    out: Dict[str, Tuple[int, ...]] = {}
 
     def linear(name: str, n_out: int, n_in: int, bias: bool = c.bias) -> None:
         out[name + ".weight"] = (n_out, n_in)
@@ -191,7 +191,7 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
             out["lm_head.weight"] = (V, E)
     if not quant:
         return out
-    quantized = {}  # type: Dict[str, Tuple[int, ...]]
+    quantized: Dict[str, Tuple[int, ...]] = {}
     for key, shape in out.items():
         spec = quant.get(key[:-len(".weight")]) if key.endswith(".weight") else None
         if spec is None:

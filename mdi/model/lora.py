@@ -102,7 +102,7 @@ def fuse_parts(parts: Sequence[LoraPart], config: ModelConfig) -> Dict[str, Pair
     by_layer: Dict[str, List[LoraPart]] = {}
     for p in parts:
         by_layer.setdefault("blocks.%d.%s" % (p.layer, p.mdi), []).append(p)
-    out = {}  # type: Dict[str, Pair]
+    out: Dict[str, Pair] = {}
     for name in sorted(by_layer, key=lambda n: (block_index(n), n)):
         group = sorted(by_layer[name], key=lambda p: PART_ORDER.index(p.part) if p.part else 0)
         mdi = group[0].mdi
@@ -161,7 +161,7 @@ def mix_adapters(parts: Sequence[Tuple[Adapter, float]], name: str) -> Adapter:
             raise AdapterError("adapter %s is a prompt-tuning adapter: it cannot be scaled or mixed" % adapter.name)
         if not math.isfinite(scale):
             raise AdapterError("adapter %s: scale %r is not a finite number" % (adapter.name, scale))
-    weights = {}  # type: Dict[str, Pair]
+    weights: Dict[str, Pair] = {}
     for layer in sorted(set().union(*(a.weights for a, _ in parts))):
         pairs = [(a.weights[layer][0], scale * a.weights[layer][1]) for a, scale in parts if layer in a.weights]
         weights[layer] = (torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], dim=1))

@@ -83,7 +83,7 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     for partition in chunks:
         parse_partition(partition)  # a typo fails now, not after the whole model is written
     log.info("reading %s" % path)
-    requantized = []  # type: List[str]
+    requantized: List[str] = []
     config, state = checkpoints.read_checkpoint(path, keep_quant=True, requantized=requantized)
     if source in PACKAGED:
         config.name = source

@@ -266,7 +266,7 @@ def pin_row(n_in: int) -> torch.Tensor:
     return pin
 
 
-_zero_points = {}  # type: Dict[str, int]  # engine -> its zero point for [-1, 1]: its arithmetic's, not a weight's
+_zero_points: Dict[str, int] = {}  # engine -> its zero point for [-1, 1]: its arithmetic's, not a weight's
 
 
 def engine_zero_point(engine: str, params: Any, q: torch.Tensor, scales: torch.Tensor, levels: int) -> int:

@@ -167,7 +167,7 @@ def gather(state: Mapping[str, torch.Tensor]) -> Dict[str, Stored]:
     """The inverse of `flatten`: a stored state dict -> canonical `.weight` names, each
     quantized weight as one QParts."""
     layout = stored_layout({k: (tuple(t.shape), t.dtype) for k, t in state.items()})
-    out = {}  # type: Dict[str, Stored]
+    out: Dict[str, Stored] = {}
     for key, t in state.items():
         base, _, suffix = key.rpartition(".")
         if base in layout and suffix in QUANT_SUFFIXES:
@@ -208,7 +208,7 @@ def convert(weights: Mapping[str, Stored], layout: QuantLayout, dtype: torch.dty
     """Stored weights -> the flat state dict a node loads: each weight named in `layout` in that
     spec (kept as stored when it already is, else quantized, re-quantizing another spec), every
     other tensor as float `dtype` (a stored quantized weight dequantized)."""
-    out = {}  # type: Dict[str, Stored]
+    out: Dict[str, Stored] = {}
     for key, value in weights.items():
         spec = layout.get(key[:-len(".weight")]) if key.endswith(".weight") else None
         if spec is None:
@@ -230,7 +230,7 @@ def weights_layout(weights: Mapping[str, Stored]) -> Dict[str, QuantSpec]:
 
 def describe(layout: QuantLayout, n_weights: int) -> str:
     """'int4/g32 x 210, int8/g32 x 1, float x 0' style summary for logs and prepare output."""
-    counts = {}  # type: Dict[str, int]
+    counts: Dict[str, int] = {}
     for spec in layout.values():
         counts[spec.label()] = counts.get(spec.label(), 0) + 1
     parts = ["%s x %d" % (k, v) for k, v in sorted(counts.items())]

@@ -39,7 +39,7 @@ class RowBatch:
         else an index tensor."""
         if not self.adapters:
             return []
-        rows = {}  # type: Dict[int, List[int]]
+        rows: Dict[int, List[int]] = {}
         row = 0
         for adapter, count in zip(self.adapters, self.counts):
             if adapter:

@@ -39,8 +39,8 @@ class ModelSource:
         self._reread = threading.Lock()
         if is_mdi_dir(path):
             self.config = store.read_mdi_config(path)
-            self.tokenizer = load_tokenizer(path)  # type: Optional[Tokenizer]
-            self.stored_quant = store.file_layout(path)  # type: Dict[str, QuantSpec]
+            self.tokenizer: Optional[Tokenizer] = load_tokenizer(path)
+            self.stored_quant: Dict[str, QuantSpec] = store.file_layout(path)
         else:  # a GGUF keeps its Q8_0 / Q4 blocks quantized in memory
             self.config, self._full = checkpoints.read_checkpoint(path, keep_quant=True)
             self.tokenizer = _raw_tokenizer(path)
@@ -117,7 +117,7 @@ class ModelSource:
             release_freed_memory()
             return
         fn = os.path.join(self.path, store.MODEL_FILE)
-        direct = {}  # type: Dict[str, torch.Tensor]
+        direct: Dict[str, torch.Tensor] = {}
         converted: List[str] = []
         for key in canonical:
             base = key[:-len(".weight")] if key.endswith(".weight") else None

@@ -51,7 +51,7 @@ def save_model_dir(path: str, config: ModelConfig, state_dict: Mapping[str, Stor
     meta = {"format": "pt", "mdi_config": json.dumps(config.to_dict()),
             "layers": "0-%d" % config.n_layer, "with_embedding": "1", "with_head": "1"}
     _save(flatten(state_dict), os.path.join(path, MODEL_FILE), meta)
-    counts = {}  # type: Dict[QuantSpec, int]
+    counts: Dict[QuantSpec, int] = {}
     for spec in weights_layout(state_dict).values():
         counts[spec] = counts.get(spec, 0) + 1
     quant = [{"kind": s.kind, "group_size": s.group_size, "weights": n} for s, n in sorted(counts.items(), key=str)]

@@ -80,7 +80,7 @@ def choose_threads(chunk: ModelChunk, max_batch: int = 1, cpus: int = 0) -> Thre
             torch.cuda.synchronize(device)
 
     before = torch.get_num_threads()
-    times = {t: [] for t in options}  # type: Dict[int, List[float]]
+    times: Dict[int, List[float]] = {t: [] for t in options}
     try:
         with torch.inference_mode():
             for _ in range(ROUNDS):

@@ -4,7 +4,7 @@ transformers builds it, so both give the same ids. A GGUF vocabulary gets the pr
 `tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM: "smollm", ...),
 so it tokenizes as the model's tokenizer.json does; an unknown name is an error."""
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast  # noqa: F401  (type comments)
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from mdi.model.gguf_layout import open_reader
 from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
@@ -36,13 +36,13 @@ class GGUFPre(NamedTuple):
 
 _GPT2_PRE = GGUFPre()
 _LLAMA3_PRE = GGUFPre(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)  # llama.cpp's LLAMA3 pre type
-GGUF_PRE_TOKENIZERS = {
+GGUF_PRE_TOKENIZERS: Dict[str, GGUFPre] = {
     "default": _GPT2_PRE, "gpt-2": _GPT2_PRE, "phi-2": _GPT2_PRE,
     "smollm": GGUFPre(digits=True),
     "llama3": _LLAMA3_PRE, "llama-v3": _LLAMA3_PRE, "llama-bpe": _LLAMA3_PRE, "falcon3": _LLAMA3_PRE,
     "dbrx": GGUFPre(_LLAMA3_SPLIT), "smaug-bpe": GGUFPre(_LLAMA3_SPLIT),
     "qwen2": GGUFPre(_QWEN2_SPLIT, nfc=True), "deepseek-r1-qwen": GGUFPre(_QWEN2_SPLIT),
-}  # type: Dict[str, GGUFPre]
+}
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -70,7 +70,7 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
     Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>) also ends a generation (`stop_ids`)."""
     cfg = read_json_if(os.path.join(path, "tokenizer_config.json")) or {}
     special_map = read_json_if(os.path.join(path, "special_tokens_map.json")) or {}
-    meta = {"chat_template": _chat_template(path, cfg)}  # type: Dict[str, Any]
+    meta: Dict[str, Any] = {"chat_template": _chat_template(path, cfg)}
     if "add_bos_token" in cfg:
         meta["add_bos"] = bool(cfg["add_bos_token"])
     tok_json, sp_model = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
@@ -112,7 +112,7 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
         pre = gguf_pre_tokenizer(md.get("tokenizer.ggml.pre"))
     except TokenizerError as e:
         raise TokenizerError("%s in %s" % (e, path)) from None
-    ids = {}  # type: Dict[str, Optional[int]]
+    ids: Dict[str, Optional[int]] = {}
     for key in ("bos", "eos", "unknown", "padding"):
         i = md.get("tokenizer.ggml.%s_token_id" % key)
         if i is not None and not 0 <= i < len(tokens):
@@ -149,13 +149,13 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     # Tokens outside the byte alphabet are respelled from their UTF-8 bytes (as transformers does).
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
-    options = {"ignore_merges": True} if spec.ignore_merges else {}  # type: Dict[str, Any]
+    options: Dict[str, Any] = {"ignore_merges": True} if spec.ignore_merges else {}
     pairs = cast(List[Tuple[str, str]], [tuple(m.split(" ")) for m in merges])  # each merge is "a b"
     tk = HFTok(BPE(vocab=vocab, merges=pairs, dropout=None,
                    continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, **options))
     if spec.nfc:
         tk.normalizer = normalizers.NFC()
-    steps = []  # type: List[Any]
+    steps: List[Any] = []
     if spec.digits:
         steps.append(pre_tokenizers.Digits(individual_digits=True))
     if spec.split is not None:

@@ -264,7 +264,7 @@ class StreamDecoder:
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
-        self._ids = []  # type: List[int]  # context ids, then ids not yet emitted
+        self._ids: List[int] = []  # context ids, then ids not yet emitted
         self._read = 0  # number of context ids
         self._prev = ""  # decode of the context ids
 

@@ -162,12 +162,12 @@ class ModelChunk(nn.Module):
             self.norm_f = make_norm(config)
             if not config.tied_head:
                 self.lm_head = make_linear(config.n_embd, config.vocab_size, False, quant.get("lm_head"))
-        self.cache = None  # type: Optional[KVCache]
-        self.compute_dtype = None  # type: Optional[torch.dtype]  # None: the weights' dtype
+        self.cache: Optional[KVCache] = None
+        self.compute_dtype: Optional[torch.dtype] = None  # None: the weights' dtype
         self.lora = LoraDeltas()
         # The blocks' decode step as one TorchScript call (mdi.model.fused_decode), built with
         # the first cache after the kernels are chosen; a dict so nn.Module does not register it.
-        self._decode_script = {}  # type: Dict[str, Any]
+        self._decode_script: Dict[str, Any] = {}
         # Whether it may (runtime.fused_decode): set per chunk by whoever loads it for a run or
         # a profile, so one process (tests, benchmarks, a starter timing itself) can hold both.
         self._fused_decode_on = fused_decode.default_on()

@@ -4,7 +4,7 @@ blocks and sent to each worker for its layers only (POST /adapters/<id>)."""
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple  # noqa: F401  (type comments)
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from mdi.model.config import ModelConfig
 from mdi.model.transformer import ModelChunk
@@ -31,11 +31,11 @@ class AdapterSet:
 
     def __init__(self, paths: Dict[str, str], config: ModelConfig) -> None:
         self.config = config
-        self.names = []  # type: List[Optional[str]]  # id i + 1 is names[i]; None: unloaded
-        self.adapters = []  # type: List[Any]  # mdi.model.lora.Adapter or SoftPrompt, in id order
-        self.pending = set()  # type: Set[int]
-        self.mixes = {}  # type: Dict[Tuple[Tuple[int, float], ...], int]  # ((id, scale), ...) -> its mix's id
-        self.mix_used = {}  # type: Dict[int, float]  # a mix's id -> when a request was last given it
+        self.names: List[Optional[str]] = []  # id i + 1 is names[i]; None: unloaded
+        self.adapters: List[Any] = []  # mdi.model.lora.Adapter or SoftPrompt, in id order
+        self.pending: Set[int] = set()
+        self.mixes: Dict[Tuple[Tuple[int, float], ...], int] = {}  # ((id, scale), ...) -> its mix's id
+        self.mix_used: Dict[int, float] = {}  # a mix's id -> when a request was last given it
         self.lock = threading.Lock()  # adds and removes from HTTP threads
         for name, path in paths.items():
             self.add(name, read_adapter(name, path, config))

@@ -14,7 +14,7 @@ long prompt wait for one chunk, not for the whole prompt.
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional  # noqa: F401  (type comments)
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -124,7 +124,8 @@ def _adapters_together(ready: List[Sample], max_batch: int) -> List[Sample]:
     that circulate together after prefill keep this grouping."""
     if len(ready) <= max_batch or not any(s.adapter for s in ready):
         return ready
-    chosen, rest = [], list(ready)  # type: List[Sample], List[Sample]
+    chosen: List[Sample] = []
+    rest = list(ready)
     while rest and len(chosen) < max_batch:
         # The shortest pass left leads (or tops the frame up) and pulls in its adapter's fellows.
         head = rest.pop(0)
@@ -161,8 +162,8 @@ class Pipeline:
         self.context_shift = context_shift  # a full cache slot shifts the window instead of ending the sample
         self.context_shifts = 0
         self.device = next(chunk.parameters()).device
-        self.active = {}  # type: Dict[int, Sample]  # cache slot -> admitted, unfinished sample
-        self.ready = []  # type: List[Sample]  # samples whose next pass waits to be sent
+        self.active: Dict[int, Sample] = {}  # cache slot -> admitted, unfinished sample
+        self.ready: List[Sample] = []  # samples whose next pass waits to be sent
         self.t0 = time.perf_counter()
         self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
         self.batching = BatchCounter()  # rows and samples per forward of the starter's layers

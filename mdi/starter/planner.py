@@ -144,7 +144,7 @@ def _min_sum(stage, allowed, n: int, L: int, limit: float, used: Optional[int]) 
     """The split with the shortest ring among those whose every stage is within `limit`."""
     inf = float("inf")
     f = [[0.0] + [inf] * L] + [[inf] * (L + 1) for _ in range(n)]
-    choice = []  # type: List[List[List[Tuple[int, int]]]]  # per node: [u][last] -> (u before, first)
+    choice: List[List[List[Tuple[int, int]]]] = []  # per node: [u][last] -> (u before, first)
     for i in range(n):
         g = [[inf] * (L + 1) for _ in range(n + 1)]
         pick = [[(-1, -1)] * (L + 1) for _ in range(n + 1)]
@@ -249,7 +249,7 @@ def _best_split(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch
     fewer nodes, then the shorter ring). A ring with a node left out carries the same samples
     in bigger groups, so the solver runs at the rows per pass of every ring size, and each
     result is judged at its own."""
-    candidates = []  # type: List[Split]
+    candidates: List[Split] = []
     for size in range(1, len(costs) + 1):
         rows, n_groups = groups(samples, size, max_batch)
         try:

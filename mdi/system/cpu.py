@@ -15,7 +15,7 @@ FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"
 
 def _cpuinfo() -> Dict[str, str]:
     """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
-    out = {}  # type: Dict[str, str]
+    out: Dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -35,7 +35,7 @@ def cpu_info() -> Dict[str, Any]:
     "flags" (those of FLAGS_THAT_MATTER this CPU has)}."""
     fields = _cpuinfo()
     have = set((fields.get("flags") or fields.get("features") or "").split())
-    flags = [f for f in FLAGS_THAT_MATTER if f in have]  # type: List[str]
+    flags: List[str] = [f for f in FLAGS_THAT_MATTER if f in have]
     try:
         import torch
         isa = torch.backends.cpu.get_cpu_capability()

@@ -157,7 +157,7 @@ class HttpServer:
         listen = sorted(adj.listen, key=lambda info: info[0] != socket.AF_INET)[0]
         dispatcher = ThreadedTaskDispatcher()
         dispatcher.set_thread_count(threads)
-        self._map = {}  # type: dict
+        self._map: dict = {}
         try:
             self.server = _server_class(admit)(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
         except BaseException:
@@ -167,7 +167,7 @@ class HttpServer:
         self.connection_limit = adj.connection_limit
         self._state = "new"  # new -> running -> draining -> closed; only the loop thread acts on it
         self._drain_until = 0.0
-        self._thread = None  # type: Optional[threading.Thread]
+        self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "HttpServer":
         self._state = "running"

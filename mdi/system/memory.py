@@ -18,7 +18,7 @@ def meminfo(path: str = "/proc/meminfo") -> Dict[str, int]:
 
     L4T kernels add NvMapMemUsed: the RAM currently handed to the GPU (nvmap) by all processes.
     """
-    out = {}  # type: Dict[str, int]
+    out: Dict[str, int] = {}
     try:
         with open(path, encoding="ascii", errors="replace") as f:
             for row in f:
@@ -81,7 +81,7 @@ def cgroup_memory_free(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
             entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
     except OSError:
         return None
-    best = None  # type: Optional[int]
+    best: Optional[int] = None
     for controller, limit_file, usage_file, cache_key in _CGROUP_MEMORY_FILES:
         rel = next((e[2] for e in entries if e[1] == controller and (controller or e[0] == "0")), None)
         if rel is None:
@@ -229,7 +229,7 @@ def board_memory() -> Dict[str, Any]:
             "total_bytes": total, "source": "meminfo" if total is not None else None}
 
 
-_malloc_trim = []  # type: list  # [glibc's malloc_trim or None], looked up once
+_malloc_trim: list = []  # [glibc's malloc_trim or None], looked up once
 
 
 def release_freed_memory() -> None:

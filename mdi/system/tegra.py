@@ -93,8 +93,8 @@ def parse_tegrastats(line: str) -> Dict[str, Any]:
     ram = _RAM.search(line)
     if not ram:
         raise ValueError("not a tegrastats line (no RAM field): %r" % line[:80])
-    out = {"ram_used_mb": _mb(ram.group(1), ram.group(3)),
-           "ram_total_mb": _mb(ram.group(2), ram.group(3))}  # type: Dict[str, Any]
+    out: Dict[str, Any] = {"ram_used_mb": _mb(ram.group(1), ram.group(3)),
+                           "ram_total_mb": _mb(ram.group(2), ram.group(3))}
     stamp = _TIME.match(line)
     if stamp:
         out["time"] = stamp.group(1)
@@ -106,7 +106,8 @@ def parse_tegrastats(line: str) -> Dict[str, Any]:
             out["swap_cached_mb"] = _mb(swap.group(4), swap.group(5))
     cpu = _CPU.search(line)
     if cpu:
-        loads, freqs = [], []  # type: List[Optional[int]], List[Optional[int]]
+        loads: List[Optional[int]] = []
+        freqs: List[Optional[int]] = []
         for core in cpu.group(1).split(","):
             load, _, freq = core.strip().partition("%@")
             on = load.rstrip("%").isdigit()
@@ -162,9 +163,9 @@ class TegraStatsReader:
 
     def __init__(self, interval_ms: int = 1000, command: str = "tegrastats", stale: float = 10.0) -> None:
         self.interval_ms, self.command, self.stale = interval_ms, command, stale
-        self._latest = None  # type: Optional[Dict[str, Any]]
+        self._latest: Optional[Dict[str, Any]] = None
         self._at = 0.0
-        self.failed = None  # type: Optional[str]  # why tegrastats is not running
+        self.failed: Optional[str] = None  # why tegrastats is not running
         self._thread = threading.Thread(target=self._read, name="mdi-tegrastats", daemon=True)
         self._thread.start()
 
@@ -187,7 +188,7 @@ class TegraStatsReader:
 
 
 _reader_lock = threading.Lock()
-_reader = None  # type: Optional[TegraStatsReader]
+_reader: Optional[TegraStatsReader] = None
 
 
 def shared_reader() -> Optional[TegraStatsReader]:
