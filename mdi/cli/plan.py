@@ -10,6 +10,7 @@ from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
 
 if TYPE_CHECKING:  # the starter is imported when mdi-plan runs, not when the CLI loads
+    from mdi.starter.planner import LayerPlan
     from mdi.starter.run_plan import RunPlan
 
 
@@ -59,7 +60,9 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     except NodeError as e:
         return fail(str(e), EXIT_RUN)
     plan = run_plan.layer_plan
-    text = _plan_yaml(args.config, run_plan)
+    if plan is None:  # measure=True always plans
+        raise AssertionError("mdi-plan: no layer plan")
+    text = _plan_yaml(args.config, run_plan, plan)
     if args.json:
         import json
         print(json.dumps(plan.metrics(), indent=1))
@@ -75,13 +78,12 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _plan_yaml(config_path: str, run_plan: "RunPlan") -> str:
+def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan") -> str:
     """The user's config file with each kept node's planned layer count and the left-out nodes
     removed (their names in a comment); everything else as they wrote it."""
     import yaml
     from mdi.runconfig import read_yaml
     data = read_yaml(config_path)
-    plan = run_plan.layer_plan
     counts = {n.name: n.layers[1] - n.layers[0] for n in run_plan.nodes}
     nodes = []
     for i, raw in enumerate(data.get("nodes") or []):

@@ -175,9 +175,9 @@ def size_text(nbytes: float) -> str:
 
 def _missing_memory(costs: Sequence[NodeCost], n_layer: int) -> str:
     need = costs[0].fixed_bytes + sum(costs[0].layer_bytes)
-    known = [c for c in costs if c.capacity_bytes is not None]
-    have = sum(c.capacity_bytes for c in known)
-    detail = ", ".join("%s %s" % (c.name, size_text(c.capacity_bytes)) for c in known)
+    known = [(c.name, c.capacity_bytes) for c in costs if c.capacity_bytes is not None]
+    have = sum(capacity for _, capacity in known)
+    detail = ", ".join("%s %s" % (name, size_text(capacity)) for name, capacity in known)
     if need > have:
         return ("the ring cannot hold the model: %d layers with the embedding and head, weights and KV cache, need "
                 "%s but its nodes can give %s (%s): %s missing; quantize (--quant int4), use fewer positions or "
