@@ -16,9 +16,8 @@ from mdi.model import fused_decode
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, validate_profile
 from mdi.runconfig import ConfigError, parse_config
-from test_layering import _imports
+from test_layering import cycles, import_graph
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be"]
 covered = pytest.mark.skipif(not hasattr(torch, "rms_norm"), reason="this torch has no torch.rms_norm: decode stays eager")
 
@@ -173,39 +172,9 @@ def test_init_carries_it_and_a_worker_refuses_a_wrong_type(tiny_models, worker_h
 
 # --- (c) no import cycle -----------------------------------------------------------
 
-def model_import_graph():
-    """mdi.model's modules -> the mdi.model modules each imports (top-level or in a function)."""
-    folder = os.path.join(ROOT, "mdi", "model")
-    graph = {}
-    for fn in sorted(os.listdir(folder)):
-        if fn.endswith(".py") and fn != "__init__.py":
-            module = "mdi.model." + fn[:-3]
-            graph[module] = {m for m in _imports(os.path.join(folder, fn), module)
-                             if m.startswith("mdi.model.") and m != module}
-    return graph
-
-
-def cycles(graph):
-    """Every import cycle found by a depth-first walk, as the modules around it."""
-    found, state = [], {}
-
-    def walk(module, path):
-        state[module] = "open"
-        for other in sorted(graph.get(module, ())):
-            if state.get(other) == "open":
-                found.append(path[path.index(other):] + [other])
-            elif other not in state:
-                walk(other, path + [other])
-        state[module] = "done"
-    for module in sorted(graph):
-        if module not in state:
-            walk(module, [module])
-    return found
-
-
 def test_the_model_package_has_no_import_cycle():
-    graph = model_import_graph()
+    graph = {m: {n for n in imported if n.startswith("mdi.model.")}
+             for m, imported in import_graph().items() if m.startswith("mdi.model.")}
     assert "mdi.model.transformer" not in graph["mdi.model.fused_decode"]
     assert "mdi.model.attention" in graph["mdi.model.transformer"] & graph["mdi.model.fused_decode"]
     assert cycles(graph) == []
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # the check sees one

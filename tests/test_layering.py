@@ -13,11 +13,11 @@ functions), so it cannot erode silently.
 import ast
 import importlib.util
 import os
-from typing import Dict, List, Set  # noqa: F401  (type comments)
+from typing import Dict, List, Set
 
 from conftest import ROOT
 
-BELOW = {
+BELOW: Dict[str, Set[str]] = {
     "system": set(),
     "model": {"system"},
     "ring": {"model", "system"},
@@ -26,7 +26,7 @@ BELOW = {
     "starter": {"ring", "runconfig", "model", "system"},
     "serving": {"starter", "ring", "runconfig", "model", "system"},
     "cli": {"serving", "worker", "starter", "ring", "runconfig", "model", "system"},
-}  # type: Dict[str, Set[str]]
+}
 TOP = "lab"  # may import anything; nothing may import it
 
 
@@ -54,6 +54,57 @@ def _imports(path: str, module: str) -> List[str]:
             found += [name + "." + a.name if name.count(".") <= 1 and not a.name.startswith("__") else name
                       for a in node.names]
     return [n for n in found if n == "mdi" or n.startswith("mdi.")]
+
+
+def _modules(package_dir: str):
+    """(path, module name) of every file of the package."""
+    root = os.path.dirname(package_dir)
+    for folder, _, files in os.walk(package_dir):
+        for fn in sorted(files):
+            if fn.endswith(".py"):
+                path = os.path.join(folder, fn)
+                module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                yield path, module[:-len(".__init__")] if module.endswith(".__init__") else module
+
+
+def import_graph(package_dir: str = os.path.join(ROOT, "mdi")) -> Dict[str, Set[str]]:
+    """Each module of the package -> the package's modules it imports (top-level or in a
+    function; `from mdi.x import name` counts as mdi.x where name is not a module)."""
+    modules = dict((module, path) for path, module in _modules(package_dir))
+    graph: Dict[str, Set[str]] = {}
+    for module, path in modules.items():
+        graph[module] = set()
+        for imported in _imports(path, module):
+            target = imported if imported in modules else imported.rsplit(".", 1)[0]
+            if target in modules and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Every import cycle found by a depth-first walk, as the modules around it."""
+    found: List[List[str]] = []
+    state: Dict[str, str] = {}
+
+    def walk(module: str, path: List[str]) -> None:
+        state[module] = "open"
+        for other in sorted(graph.get(module, ())):
+            if state.get(other) == "open":
+                found.append(path[path.index(other):] + [other])
+            elif other not in state:
+                walk(other, path + [other])
+        state[module] = "done"
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    return found
+
+
+def test_mdi_has_no_import_cycle():
+    """No module imports, directly or through others, one that imports it back (a package's
+    __init__ re-exporting its modules' names counts as importing them)."""
+    assert cycles(import_graph()) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # the check sees one
 
 
 def layering_violations(package_dir: str) -> List[str]:
