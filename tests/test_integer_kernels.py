@@ -75,7 +75,7 @@ def test_held_bytes_are_counted_and_bound_by_the_allowance():
     assert kernel is qkernels.DEQUANT  # nothing left for a second layer
 
     from mdi.model.layers import QuantLinear
-    from mdi.worker.node import chunk_nbytes
+    from mdi.worker.memory_budget import chunk_nbytes
     kernel_choice.set_memory_allowance(None)
     module = QuantLinear(n_in, n_out, False, spec)
     for suffix, t in parts.items():

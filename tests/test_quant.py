@@ -176,7 +176,7 @@ def test_exact_policy_never_picks_a_rounding_kernel():
 
 def test_quantized_sizes_are_what_memory_planning_counts():
     from mdi.model.quant import uniform_layout
-    from mdi.worker.node import chunk_nbytes
+    from mdi.worker.memory_budget import chunk_nbytes
     config = tiny_config("llama")
     layout = uniform_layout(config, (1, 3), False, False, "int4", 32)
     chunk = ModelChunk(config, 1, 3, quant=layout)

@@ -1,4 +1,4 @@
-"""What a worker can give a run is one rule (Worker._memory_limit): the capacity its /status
+"""What a worker can give a run is one rule (mdi.worker.memory_budget.memory_limit): the capacity its /status
 reports to planners, the limit its loads are checked against and the limit a kept chunk's
 new KV cache is checked against are the same number. Checked on a worker in this process
 whose free memory is fixed, so each boundary is exact."""
@@ -22,10 +22,11 @@ LAYERS, MAX_LEN = [1, 3], 32
 @pytest.fixture
 def worker(tiny_models, monkeypatch):
     """A worker in this process behind its real HTTP app; `worker.free` is what its device has free."""
-    from mdi.worker import node
+    from mdi.worker import memory_budget, status_report
     with worker_in_this_process(models_dir=os.path.dirname(tiny_models["llama"])) as w:
         w.free = 0
-        monkeypatch.setattr(node, "free_bytes_on", lambda device: w.free)
+        for module in (memory_budget, status_report):  # the rule, and the free memory /status shows
+            monkeypatch.setattr(module, "free_bytes_on", lambda device: w.free)
         yield w
 
 

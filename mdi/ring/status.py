@@ -6,9 +6,15 @@ counters) and for `--check`. Parsing checks every field's type, so a wrong or ho
 is one clear error naming the field, never a KeyError deep in the starter.
 """
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints  # 3.8+
 
-STATES = ("idle", "loading", "running")
+
+class WorkerState(str, Enum):
+    """What a worker is doing; the value is what /status says (a str: compares and serializes as one)."""
+    IDLE = "idle"  # between runs (holding the last run's weights, maybe)
+    LOADING = "loading"  # an /init is loading weights, or waiting for pushed ones
+    RUNNING = "running"  # serving a run's frames
 
 
 class StatusError(ValueError):
@@ -80,7 +86,7 @@ class NodeCounters:
 
 @dataclass
 class StatusReply:
-    state: str  # idle | loading | running
+    state: WorkerState
     version: str
     port: int
     device: str
@@ -128,8 +134,6 @@ def _parse(cls: Any, data: Any, where: str) -> Any:
         for required in ("state", "version", "port", "device"):
             if required not in values:
                 raise StatusError("%s.%s: missing" % (where, required))
-        if values["state"] not in STATES:
-            raise StatusError("%s.state: expected one of %s, got %r" % (where, ", ".join(STATES), values["state"]))
     return cls(**values)
 
 
@@ -139,6 +143,11 @@ def _check(key: str, kind: Any, value: Any) -> Any:
         if value is None:
             return None
         kind = next(a for a in get_args(kind) if a is not type(None))
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise StatusError("%s: expected one of %s, got %r" % (key, ", ".join(m.value for m in kind), value))
     origin, args = get_origin(kind), get_args(kind)
     if origin is list:
         ok = isinstance(value, list) and all(_is(args[0], v) for v in value)

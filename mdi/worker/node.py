@@ -6,11 +6,8 @@ KV cache slot, runs this node's blocks and pushes the result to the next node. A
 run after run without restarting; weights already loaded for the same layers are reused.
 """
 import gc
-import hashlib
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -18,9 +15,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from mdi import __version__
-from mdi.model.store import MODEL_FILE
-from mdi.model.config import ModelConfig
 from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.source import build_chunk_from_file
@@ -28,48 +22,21 @@ from mdi.model.threads import AUTO, choose_threads
 from mdi.model.kv_cache import KVCache
 from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
-from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge, Weights
+from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
 from mdi.model.profile import profile_blocks, profile_bytes
 from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, profile_positions
 from mdi.ring.adapter_request import read_adapter_tensors
-from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply
+from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import (LOAD_HEADROOM_BYTES, board_memory, free_bytes_on, release_freed_memory, rss_bytes,
-                               unified_memory_bytes)
+from mdi.system.memory import release_freed_memory
+from mdi.worker.memory_budget import check_cache_fits, chunk_nbytes, held_bytes, memory_limit
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
+from mdi.worker.status_report import status_reply
+from mdi.worker.weight_intake import LoadedWeights, check_push_fits, models_dir_default, receive_push, weights_file
 
 log = logging.getLogger(__name__)
-
-PUSH_BLOCK = 1 << 20  # pushed weights go from the socket to disk in blocks of this size
-
-
-def models_dir_default() -> str:
-    """mdi-worker's --models-dir when none is given: models/ under its working directory."""
-    return os.path.join(os.getcwd(), "models")
-
-
-def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
-    """Bytes of the weights this worker holds, quantized ones as their kernel keeps them (the
-    KV cache is counted apart)."""
-    if chunk is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in list(chunk.parameters()) + list(chunk.buffers())) \
-        + sum(getattr(m, "opaque_nbytes", 0) for m in chunk.modules())
-
-
-@dataclass
-class LoadedWeights:
-    """What the chunk in memory was built from: an /init asking for the same reuses it."""
-    model: ModelConfig
-    layers: List[int]
-    dtype: str
-    device: str  # where the chunk lives: the worker's --device, else the request's
-    weights: Weights
-    quant: Dict[str, Any]  # the quantized weights, as their JSON (comparable)
-    quant_kernel: Optional[str] = None
-
 
 @dataclass
 class Setup:
@@ -98,10 +65,10 @@ class Worker:
         # Held by /init, /weights and ending a run; taken once per call (the helpers named
         # _locked expect it held). /status never takes it: it must answer during a long load.
         self.lock = threading.Lock()
-        self.run = None  # type: Optional[Run]
-        self.pending = None  # type: Optional[Setup]  # /init waiting for pushed weights
-        self.loaded = None  # type: Optional[LoadedWeights]  # what `chunk` holds
-        self.chunk = None  # type: Optional[ModelChunk]
+        self.run: Optional[Run] = None
+        self.pending: Optional[Setup] = None  # /init waiting for pushed weights
+        self.loaded: Optional[LoadedWeights] = None  # what `chunk` holds
+        self.chunk: Optional[ModelChunk] = None
         self.runs_served = 0
         self.loading = False
         self.shutdown_requested = threading.Event()
@@ -319,18 +286,18 @@ class Worker:
         if note:
             log.warning(note)
         cache_bytes = KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute)
-        self._check_budget(request, cache_bytes, device)
+        check_cache_fits(request, cache_bytes, *self._memory_limit(device))
         key = LoadedWeights(config, [first, last], request.dtype, device, request.weights,
                             layout_to_json(request.quant), request.quant_kernel)
         setup = Setup(request, compute, key, peer)
         if request.weights.path is not None:
-            setup.weights_file = self._weights_file(request.weights.path)
+            setup.weights_file = weights_file(self.models_dir, request.weights.path)
         if self.chunk is not None and self.loaded == setup.key:
             self._start_run_locked(setup)
             return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
         if request.weights.push is not None:
             # Refused here, before a byte of the push is read (the weights held now are freed first).
-            self._check_push_fits(request.weights.push.nbytes, cache_bytes, device)
+            check_push_fits(request.weights.push.nbytes, cache_bytes, *self._memory_limit(device))
         self._drop_chunk_locked()  # free old weights before loading new ones
         if setup.weights_file is not None:
             if not os.path.isfile(setup.weights_file):
@@ -355,48 +322,12 @@ class Worker:
         gc.collect()
         release_freed_memory()
 
-    def _weights_file(self, path: str) -> str:
-        """weights.path as a file inside --models-dir (a model directory means its
-        model.safetensors). Relative paths are taken from the worker's working directory;
-        symlinks are resolved before the check, so none leads out. Anything outside gets one
-        answer that does not say whether it exists."""
-        base = self.models_dir
-
-        def inside(p: str) -> bool:
-            return os.path.commonpath([base, p]) == base
-
-        try:
-            real = os.path.realpath(os.path.abspath(path))
-            if inside(real) and os.path.isdir(real):
-                real = os.path.realpath(os.path.join(real, MODEL_FILE))
-            ok = inside(real)
-        except (OSError, ValueError):  # a NUL byte, a name too long
-            ok = False
-        if not ok:
-            raise RequestError("weights.path %r is not inside this worker's models directory %s "
-                               "(mdi-worker --models-dir)" % (path, base))
-        return real
-
-    def _memory_limit(self, device: str):
-        """(bytes, what): the most memory this worker gives a run's weights and KV cache on
-        `device`, the one rule behind its loads, its cache check and the capacity its /status
-        reports to planners: its --max-memory, else the memory free there (a discrete GPU's
-        own) plus what it holds now and lets go of for the next run (weights, adapters, cache),
-        less what a run needs beside its weights and cache (LOAD_HEADROOM_BYTES)."""
-        if self.max_memory is not None:
-            return self.max_memory, "--max-memory"
-        avail = free_bytes_on(device)
-        if avail is None:
-            return None, "unknown"
-        return (max(0, avail + self._held_bytes() - LOAD_HEADROOM_BYTES),
-                "available memory less %d MB a run needs beside them" % (LOAD_HEADROOM_BYTES >> 20))
+    def _memory_limit(self, device: str) -> Tuple[Optional[int], str]:
+        """(bytes, what) this worker may give a run on `device` (memory_budget.memory_limit)."""
+        return memory_limit(self.max_memory, device, self._held_bytes())
 
     def _held_bytes(self) -> int:
-        """What this worker holds now for a run: weights, adapters and KV cache."""
-        chunk = self.chunk
-        if chunk is None:
-            return 0
-        return chunk_nbytes(chunk) + chunk.adapter_bytes + (chunk.cache.nbytes if chunk.cache is not None else 0)
+        return held_bytes(self.chunk)
 
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
         """What this worker's memory spares beside the weights and KV cache its run was planned
@@ -409,17 +340,6 @@ class Worker:
         cache_bytes = KVCache.nbytes_for(request.model, last - first, request.n_slots, request.max_len,
                                          setup.compute_dtype)
         return limit - weight_bytes(request.model, [first, last], request.dtype, quant=request.quant) - cache_bytes
-
-    def _check_push_fits(self, nbytes: int, cache_bytes: int, device: str) -> None:
-        limit, what = self._memory_limit(device)
-        if limit is not None and nbytes + cache_bytes > limit:
-            raise TooLarge("weights of %d bytes announced for the push, plus a KV cache of %d bytes, exceed this "
-                           "worker's limit of %d bytes (%s)" % (nbytes, cache_bytes, limit, what))
-        tmp = tempfile.gettempdir()
-        free = shutil.disk_usage(tmp).free
-        if nbytes > free:
-            raise TooLarge("weights of %d bytes announced for the push do not fit in the %d bytes free in %s "
-                           "(the worker's TMPDIR)" % (nbytes, free, tmp))
 
     def receive_weights(self, stream: Any, nbytes: int) -> Dict[str, Any]:
         """POST /weights: the body read from `stream` (`nbytes` long) goes to a temporary file
@@ -438,38 +358,13 @@ class Worker:
         if setup is None or setup.request.weights.push is None:
             raise RequestError("no /init is waiting for weights")
         try:
-            announced = setup.request.weights.push
-            if nbytes != announced.nbytes:
-                raise RequestError("weights have %d bytes, /init announced %d" % (nbytes, announced.nbytes))
-            fd, path = tempfile.mkstemp(prefix="mdi-weights-", suffix=".safetensors")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    got, digest = self._copy_body(stream, f, announced.nbytes)
-                if got != announced.nbytes:
-                    raise RequestError("the push ended after %d of the %d bytes announced" % (got, announced.nbytes))
-                if digest != announced.sha256:
-                    raise RequestError("weights sha256 does not match the one announced in /init")
-                self._load_locked(setup, path, exact=True)
-            finally:
-                os.unlink(path)
+            receive_push(stream, nbytes, setup.request.weights.push,
+                         lambda path: self._load_locked(setup, path, exact=True), self.touch)
         except BaseException:
             self.pending = None  # the worker is idle again, not stuck in `loading`
             raise
         self.pending = None
         return {"ok": True}
-
-    def _copy_body(self, stream: Any, out: Any, nbytes: int):
-        digest = hashlib.sha256()
-        got = 0
-        while got < nbytes:
-            block = stream.read(min(PUSH_BLOCK, nbytes - got))
-            if not block:
-                break  # the client went away
-            digest.update(block)
-            out.write(block)
-            got += len(block)
-            self.touch()  # a long push keeps its /init alive
-        return got, digest.hexdigest()
 
     def _load_locked(self, setup: Setup, fn: str, exact: bool) -> None:
         key = setup.key
@@ -485,15 +380,6 @@ class Worker:
             raise RequestError("cannot load %s for layers [%d, %d): %s" % (where, first, last, e))
         self.loaded = key
         self._start_run_locked(setup)
-
-    def _check_budget(self, request: InitRequest, cache_bytes: int, device: str) -> None:
-        budget = request.cache_budget_bytes
-        if budget is not None and cache_bytes > budget:
-            raise RequestError("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
-        limit, what = self._memory_limit(device)
-        if limit is not None and cache_bytes > limit:
-            raise RequestError("KV cache of %d bytes does not fit in this worker's limit of %d bytes (%s)"
-                               % (cache_bytes, limit, what))
 
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
@@ -549,34 +435,12 @@ class Worker:
         # No lock: /status must answer while /init holds it to load weights for minutes.
         run, chunk, loaded = self.run, self.chunk, self.loaded
         if self.loading or self.pending is not None:
-            state = "loading"
+            state = WorkerState.LOADING
         elif run is not None and not run.stopped.is_set():
-            state = "running"
+            state = WorkerState.RUNNING
         else:
-            state = "idle"  # the counters, if any, are the last run's
-        cache = chunk.cache if chunk is not None else None
-        board = board_memory()  # tegrastats' unified RAM on a Jetson, else /proc/meminfo (the dashboard)
+            state = WorkerState.IDLE  # the counters, if any, are the last run's
         device = loaded.device if loaded else (self.device_override or "cpu")
-        reply = StatusReply(
-            state=state, version=__version__, port=self.port,
-            layers=list(loaded.layers) if loaded else None,
-            device=device,
-            run_id=run.id if run else None, runs_served=self.runs_served,
-            threads=self.threads or torch.get_num_threads(),
-            # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
-            memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=free_bytes_on(device),
-                              max_memory_bytes=self.max_memory, chunk_bytes=chunk_nbytes(chunk),
-                              adapter_bytes=chunk.adapter_bytes if chunk is not None else 0,
-                              unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
-                              board_total_bytes=board["total_bytes"], board_source=board["source"],
-                              capacity_bytes=self._memory_limit(device)[0]),
-            cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
-            error=run.error if run else None,
-            kernels=kernel_choice.chosen_by_weight() if chunk is not None else {})
-        if run is not None:
-            ep = run.endpoint
-            reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
-                                          compute_seconds=round(run.compute_seconds, 6),
-                                          bad_frames=ep.bad_frames + run.bad_frames,
-                                          last_bad_frame=ep.last_error, batching=run.batching, **ep.traffic())
-        return reply
+        return status_reply(state, self.port, self.runs_served, self.threads or torch.get_num_threads(), run, chunk,
+                            list(loaded.layers) if loaded else None, device, self.max_memory,
+                            self._memory_limit(device)[0])

@@ -28,7 +28,7 @@ class Run:
                  threads: Optional[int] = None) -> None:
         self.request = request
         self.id = request.run_id
-        self.chunk = chunk  # type: Optional[ModelChunk]  # None once the run is stopped
+        self.chunk: Optional[ModelChunk] = chunk  # None once the run is stopped
         self.endpoint = endpoint
         self.peer = peer
         self.threads = threads
@@ -45,7 +45,7 @@ class Run:
         self.max_batch = request.max_batch
         self.max_rows = request.max_rows
         self.bad_frames = 0  # frames that passed the wire checks but not this node's (rows vs counts)
-        self.error = None  # type: Optional[str]
+        self.error: Optional[str] = None
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
     def holds_worker(self) -> bool:
@@ -58,7 +58,7 @@ class Run:
                 # torch reads its thread count per thread on first use: set it in this thread too.
                 torch.set_num_threads(self.threads)
             with torch.inference_mode():
-                held = None  # type: Optional[Frame]  # met while gathering frames: handled next
+                held: Optional[Frame] = None  # met while gathering frames: handled next
                 while not self.stopped.is_set():
                     if held is not None:
                         frame, held = held, None

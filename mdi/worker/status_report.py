@@ -1,0 +1,39 @@
+"""A worker's GET /status reply built from what it holds now (mdi.ring.status is the contract)."""
+from typing import List, Optional
+
+from mdi import __version__
+from mdi.model import kernel_choice
+from mdi.model.transformer import ModelChunk
+from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply, WorkerState
+from mdi.system.memory import board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
+from mdi.worker.memory_budget import chunk_nbytes
+from mdi.worker.run import Run
+
+
+def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, run: Optional[Run],
+                 chunk: Optional[ModelChunk], layers: Optional[List[int]], device: str,
+                 max_memory: Optional[int], capacity: Optional[int]) -> StatusReply:
+    """The reply for a worker in `state` holding `chunk` (its `layers`) on `device`, serving (or
+    last served) `run`; `capacity` is what it can give a run (memory_budget.memory_limit)."""
+    cache = chunk.cache if chunk is not None else None
+    board = board_memory()  # tegrastats' unified RAM on a Jetson, else /proc/meminfo (the dashboard)
+    reply = StatusReply(
+        state=state, version=__version__, port=port, layers=layers, device=device,
+        run_id=run.id if run else None, runs_served=runs_served, threads=threads,
+        # Peaks count CUDA allocations too: on a Jetson they live in the same RAM (mdi.system.memory).
+        memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=free_bytes_on(device),
+                          max_memory_bytes=max_memory, chunk_bytes=chunk_nbytes(chunk),
+                          adapter_bytes=chunk.adapter_bytes if chunk is not None else 0,
+                          unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
+                          board_total_bytes=board["total_bytes"], board_source=board["source"],
+                          capacity_bytes=capacity),
+        cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
+        error=run.error if run else None,
+        kernels=kernel_choice.chosen_by_weight() if chunk is not None else {})
+    if run is not None:
+        ep = run.endpoint
+        reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
+                                      compute_seconds=round(run.compute_seconds, 6),
+                                      bad_frames=ep.bad_frames + run.bad_frames,
+                                      last_bad_frame=ep.last_error, batching=run.batching, **ep.traffic())
+    return reply
