@@ -428,12 +428,12 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
     every layer timed in a loop over the model's own layers (their own weights, so caches are
     as cold as in a real step), the head, sampling, then the whole step (blocks + head +
     sampling). The step minus the parts is the glue between them: module calls, views, the
-    per-sample loop. mdi.model.profile.seconds_per_call's timing (the median of 3 windows'
+    per-sample loop. mdi.model.block_timing.seconds_per_call's timing (the median of 3 windows'
     mean), at a position `context` into a sample."""
     import torch
     import torch.nn.functional as F
     from mdi.model import qkernels
-    from mdi.model.profile import seconds_per_call
+    from mdi.model.block_timing import seconds_per_call
     from mdi.model.row_batch import RowBatch
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
     from mdi.model.source import ModelSource

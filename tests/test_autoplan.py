@@ -11,8 +11,9 @@ import requests
 from conftest import BIN, WorkerProcess, free_ports
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.layout import weight_bytes
-from mdi.model.profile import profile_blocks, profile_bytes
-from mdi.ring.profile_request import ProfileRequest, profile_positions
+from mdi.model.block_timing import profile_blocks, profile_bytes
+from mdi.ring.profile_request import ProfileRequest
+from mdi.timing.node import profile_positions
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, load_config
 from mdi.starter import batch
@@ -62,8 +63,8 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     assert json.load(open(os.path.join(cache_dir, "profiles.json"))) == before
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in alone.samples]
     # Other code (a faster kernel, say) makes those profiles stale: measured again.
-    from mdi.starter import profiling
-    monkeypatch.setattr(profiling, "_code_ids", ["other code"])
+    from mdi.starter import node_speeds
+    monkeypatch.setattr(node_speeds, "_code_ids", ["other code"])
     stale = batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS).metrics()["plan"]
     assert len(json.load(open(os.path.join(cache_dir, "profiles.json")))) == len(cached) + 5 + sum(len(r) for r in stale["retimed"])
 
@@ -169,13 +170,13 @@ def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):
     through the node's own data-plane endpoint) are timed per batch size, and the planner's
     stages hold what that loop costs beyond the timed blocks (a malformed reply is refused)."""
     import torch
-    from mdi.model.profile import PROFILE_LAYERS
+    from mdi.model.block_timing import PROFILE_LAYERS
     from mdi.model.sampling import SamplingParams
     from mdi.model.source import random_chunk
     from mdi.starter.loop_timing import time_starter_loop
     from mdi.ring.profile_request import ProfileReply
-    from mdi.ring.relay_timing import time_relay
-    from mdi.starter.profiling import Profiler
+    from mdi.timing.relay import time_relay
+    from mdi.starter.node_speeds import Profiler
     source = ModelSource(tiny_models["llama"])
     chunk = random_chunk(source.config, 0, 2, True, True, torch.float32, "cpu")
     blocks_only = random_chunk(source.config, 0, 2, False, False, torch.float32, "cpu")

@@ -14,7 +14,8 @@ from conftest import free_ports, tiny_config, worker_in_this_process
 from ringconfigs import parse_run_config
 from mdi.model import fused_decode
 from mdi.ring.init_request import RequestError, validate_init
-from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, validate_profile
+from mdi.ring.profile_request import ProfileReply, ProfileRequest, validate_profile
+from mdi.timing.node import profile_here
 from mdi.runconfig import ConfigError, parse_config
 from test_layering import cycles, import_graph
 
@@ -66,7 +67,7 @@ def test_a_profile_taken_with_fused_decode_off_is_not_reused_with_it_on(tiny_mod
     """The worker's and the starter's profiles are keyed by the setting: the other setting
     measures again, the same setting (another Profiler, from the file on disk) does not."""
     from mdi.model.source import ModelSource
-    from mdi.starter import profiling
+    from mdi.starter import node_speeds
     from mdi.starter.control import NodeRegistry
     monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path / "profiles"))
     model = tiny_models["llama"]
@@ -76,15 +77,15 @@ def test_a_profile_taken_with_fused_decode_off_is_not_reused_with_it_on(tiny_mod
     def starter_profile(request, device, **kw):
         timed_here.append(request.fused_decode)
         return ProfileReply({1: 0.001}, 0.0001, {1: 0.0001}, 1, "cpu", 0.5, ends_s={1: 0.0002})
-    monkeypatch.setattr(profiling, "profile_here", starter_profile)
+    monkeypatch.setattr(node_speeds, "profile_here", starter_profile)
 
     def plan(fused):
         cfg = parse_run_config(model, [2], label="t", data_ports=(), runtime={"fused_decode": fused})
-        profiler = profiling.Profiler(cfg, ModelSource(model), 2, 32, 2)
+        profiler = node_speeds.Profiler(cfg, ModelSource(model), 2, 32, 2)
         profiler._worker_timing(cfg.nodes[1], "cpu", [])
         profiler._starter_timing([])
         if profiler.cache_dirty:  # as Profiler.costs ends
-            profiling._write_cache(profiler.cache)
+            node_speeds._write_cache(profiler.cache)
 
     plan(False)
     assert asked == [False] and timed_here == [False]

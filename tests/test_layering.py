@@ -4,8 +4,9 @@ functions), so it cannot erode silently.
     system                      memory, tegrastats, devices, files: the bottom
     model                       may use system
     ring, runconfig             may use model, system
-    worker                      may use ring, model, system
-    starter                     may use ring, runconfig, model, system
+    timing                      may use ring, model, system (how fast a node runs: /profile's measuring)
+    worker                      may use timing, ring, model, system
+    starter                     may use timing, ring, runconfig, model, system
     serving                     may use starter and everything below it
     cli                         may use everything but lab
     lab                         may use anything; nothing imports it
@@ -22,10 +23,11 @@ BELOW: Dict[str, Set[str]] = {
     "model": {"system"},
     "ring": {"model", "system"},
     "runconfig": {"model", "system"},
-    "worker": {"ring", "model", "system"},
-    "starter": {"ring", "runconfig", "model", "system"},
-    "serving": {"starter", "ring", "runconfig", "model", "system"},
-    "cli": {"serving", "worker", "starter", "ring", "runconfig", "model", "system"},
+    "timing": {"ring", "model", "system"},
+    "worker": {"timing", "ring", "model", "system"},
+    "starter": {"timing", "ring", "runconfig", "model", "system"},
+    "serving": {"starter", "timing", "ring", "runconfig", "model", "system"},
+    "cli": {"serving", "worker", "starter", "timing", "ring", "runconfig", "model", "system"},
 }
 TOP = "lab"  # may import anything; nothing may import it
 

@@ -181,7 +181,7 @@ def test_a_plan_over_the_kept_nodes_widens_back_to_the_whole_ring():
 
 def test_nodes_on_one_machine_know_each_other():
     from mdi.runconfig import NodeSpec
-    from mdi.starter.profiling import machine_mates
+    from mdi.starter.node_speeds import machine_mates
     nodes = [NodeSpec("starter", "10.0.0.9", 1), NodeSpec("a", "127.0.0.1", 2), NodeSpec("b", "10.0.0.2", 3),
              NodeSpec("c", "10.0.0.2", 4), NodeSpec("d", "localhost", 5)]
     assert machine_mates(nodes) == {"starter": ["a", "d"], "a": ["d", "starter"], "d": ["a", "starter"],

@@ -3,10 +3,11 @@ and time faster than a node holding real layers runs them, so a profile spans tw
 cache (no processes here; the worker's /profile is covered in test_autoplan)."""
 import pytest
 
-import mdi.model.profile as profile
+import mdi.model.block_timing as profile
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec, weight_bytes
-from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here
+from mdi.ring.profile_request import ProfileReply, ProfileRequest
+from mdi.timing.node import profile_here
 from mdi.system.devices import DEFAULT_CACHE_BYTES, last_level_cache_bytes
 
 CONFIG = ModelConfig.from_dict(dict(name="t", family="llama", vocab_size=64, n_layer=12, n_embd=64, n_head=4,
@@ -66,7 +67,7 @@ def test_a_profile_reports_the_blocks_it_timed_and_the_reply_checks_them():
 
 
 def test_rows_timed_cover_every_ring_size_the_planner_weighs():
-    from mdi.starter.profiling import batch_sizes
+    from mdi.starter.node_speeds import batch_sizes
     # 6 samples over 3 nodes travel as 3 x 2 rows, over 2 as 2 x 3, over 1 as one pass of 6.
     assert batch_sizes(6, 3) == [1, 2, 3, 6]
     assert batch_sizes(12, 3, max_batch=4) == [1, 2, 4]  # runtime.max_batch caps a group

@@ -212,7 +212,7 @@ def random_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
                  quant: Optional[QuantLayout] = None, seed: int = 0) -> ModelChunk:
     """A chunk of the real shapes, dtype and quantization filled with random values a trained
     model could have (norms 1, weights ~0.02, quantized codes uniform): what a board times
-    before any weight is sent (mdi.model.profile). A kernel's speed does not depend on the
+    before any weight is sent (mdi.model.block_timing). A kernel's speed does not depend on the
     values, but NaN or denormal activations could slow it."""
     chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device, quant)
     g = torch.Generator().manual_seed(seed)

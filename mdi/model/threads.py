@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import torch
 
-from mdi.model.profile import seconds_per_call
+from mdi.model.block_timing import seconds_per_call
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 

@@ -2,29 +2,20 @@
 before any weight is sent; the planner (mdi.starter.planner) splits the layers by the answers.
 
 One definition for both ends, as for /init: `ProfileRequest.to_json` / `validate_profile` on
-the way in (every field checked before use: a `RequestError`, HTTP 400), `profile_here` to
-measure (the worker for /profile, the starter for itself), `ProfileReply.to_json` /
+the way in (every field checked before use: a `RequestError`, HTTP 400), `ProfileReply.to_json` /
 `ProfileReply.from_json` on the way back (a wrong or hostile reply is one `ValueError` naming
-the field, never a KeyError in the planner).
+the field, never a KeyError in the planner). Measuring is mdi.timing.node's (`profile_here`:
+the worker for /profile, the starter for itself).
 """
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-import torch
-
+from mdi.model.block_timing import PROFILE_LAYERS
 from mdi.model.config import ModelConfig
 from mdi.model.fused_decode import default_on as fused_decode_default
-from mdi.model import kernel_choice, qkernels
-from mdi.model.layout import QuantSpec, layout_to_json, torch_dtype
-from mdi.model.profile import PROFILE_LAYERS, profile_blocks, profile_chunk, seconds_per_call, time_chunk
+from mdi.model.layout import QuantSpec, layout_to_json
 from mdi.model.qkernels import POLICY_NAMES
-from mdi.model.sampling import SamplingParams
-from mdi.model.transformer import ModelChunk
-from mdi.ring.relay_timing import time_relay
-from mdi.ring.wire import Frame, decode, encode
-from mdi.system.devices import resolve_compute_dtype
 from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, fused_decode_field,
                                    int_field, model_field, object_fields, quant_field, str_field, threads_field)
 
@@ -47,7 +38,7 @@ class ProfileRequest:
     quant: Dict[str, QuantSpec] = field(default_factory=dict)  # for blocks [0, PROFILE_LAYERS)
     quant_kernel: Optional[str] = None
     # runtime.fused_decode: the blocks are timed on the path the run will take. Always sent, so
-    # it is in the profile cache key (mdi.starter.profiling keys a profile by this JSON).
+    # it is in the profile cache key (mdi.starter.node_speeds keys a profile by this JSON).
     fused_decode: bool = field(default_factory=fused_decode_default)
 
     def to_json(self) -> Dict[str, Any]:
@@ -97,9 +88,9 @@ class ProfileReply:
     seconds: float  # how long profiling took
     ends_s: Dict[int, float] = field(default_factory=dict)  # the starter's own: embedding, head, sampling
     # The node's whole pass over the `blocks` timed blocks in its real loop, frames looping back
-    # to itself (mdi.ring.relay_timing; the starter's: mdi.starter.loop_timing). Absent: not timed.
+    # to itself (mdi.timing.relay; the starter's: mdi.starter.loop_timing). Absent: not timed.
     loop_s: Dict[int, float] = field(default_factory=dict)
-    blocks: int = PROFILE_LAYERS  # random blocks timed (mdi.model.profile.profile_blocks)
+    blocks: int = PROFILE_LAYERS  # random blocks timed (mdi.model.block_timing.profile_blocks)
 
     def to_json(self) -> Dict[str, Any]:
         out = {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
@@ -141,54 +132,3 @@ class ProfileReply:
         return cls(table("layer_s"), seconds("prefill_token_s", data.get("prefill_token_s")), table("frame_s"),
                    threads, device, seconds("seconds", data.get("seconds")),
                    table("ends_s") if "ends_s" in data else {}, table("loop_s") if "loop_s" in data else {}, blocks)
-
-
-def profile_positions(request: ProfileRequest) -> int:
-    """Positions of the KV cache a profile of `request` allocates (its decode context or its
-    prefill chunk)."""
-    return min(request.model.block_size, max(request.context + 1, request.prefill_tokens))
-
-
-def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
-                 params: Optional[SamplingParams] = None, token: Optional[str] = None,
-                 time_loop: Optional[Callable[[ModelChunk], Dict[int, float]]] = None,
-                 n_blocks: Optional[int] = None) -> ProfileReply:
-    """Time the request's passes on `device` with torch's current thread count, then the node's
-    whole loop over the same random blocks (`n_blocks`, default `profile_blocks`): what a worker
-    answers POST /profile with (its relay, encrypted as its runs are when it has a `token`), and
-    (`with_ends`: its quant layout then names the embedding and head too; `time_loop`: its
-    pipeline loop) what the starter measures of itself."""
-    t0 = time.perf_counter()
-    qkernels.set_preference(request.quant_kernel)
-    # A profile sizes its blocks by the stored weights (profile_blocks): kernels that hold more
-    # are left to the run, which knows what its memory spares (its plan may time it slower).
-    allowance = kernel_choice.memory_allowance()
-    kernel_choice.set_memory_allowance(0)
-    dtype = torch_dtype(request.dtype)
-    asked = request.compute_dtype
-    compute, _ = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
-    if n_blocks is None:
-        n_blocks = profile_blocks(request.model, request.dtype, request.quant, device)
-    try:
-        chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
-    finally:
-        kernel_choice.set_memory_allowance(allowance)
-    chunk.fused_decode = request.fused_decode  # before time_chunk allocates its cache (and scripts the blocks)
-    timing = time_chunk(chunk, request.batch_sizes, request.context, request.prefill_tokens, params=params)
-    frames = {b: frame_seconds(b, request.model.n_embd, compute) for b in request.batch_sizes}
-    if time_loop is None:
-        loop = time_relay(chunk, request.batch_sizes, request.context, token=token)
-    else:
-        loop = time_loop(chunk)
-    return ProfileReply(timing.layer_s, timing.prefill_token_s, frames, torch.get_num_threads(), device,
-                        time.perf_counter() - t0, timing.ends_s, loop, chunk.n_layers)
-
-
-def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:
-    """Encoding one frame of `rows` activations and decoding (validating) it again: what a node
-    spends on every hop besides its blocks and the socket."""
-    frame = Frame("decode", 1, list(range(rows)), [0] * rows, [1] * rows, torch.zeros(rows, width, dtype=dtype))
-
-    def hop() -> Frame:
-        return decode([bytes(p) for p in encode(frame)], run=1, hidden=width, n_slots=rows, max_len=2)
-    return seconds_per_call(hop, min_window=0.05)

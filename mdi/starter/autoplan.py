@@ -8,7 +8,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import RunConfig
 from mdi.starter.planner import LayerPlan, NodeCost, PlanError, make_plan, widen
-from mdi.starter.profiling import Profiler, machine_mates
+from mdi.starter.node_speeds import Profiler, machine_mates
 
 log = logging.getLogger(__name__)
 

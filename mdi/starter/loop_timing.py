@@ -8,7 +8,7 @@ that was a quarter of the starter's stage (GPT-2 12L/384 on a 1-core emulated bo
 pass in the ring against 10 ms profiled), and the plan predicted 1.3-2x the tokens/s the ring
 made. So the starter runs its real loop, a `Pipeline` over random blocks with the embedding and
 head, its frames going out and straight back through a data-plane endpoint connected to itself
-on loopback (mdi.ring.relay_timing, which times a worker's pass the same way), and times a pass
+on loopback (mdi.timing.relay, which times a worker's pass the same way), and times a pass
 at each batch size.
 """
 import time
@@ -16,10 +16,10 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from mdi.model.profile import MIN_WINDOW_S, ROUNDS
+from mdi.model.block_timing import MIN_WINDOW_S, ROUNDS
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.transformer import ModelChunk
-from mdi.ring.relay_timing import RUN_ID, WAIT_S, looped_endpoint
+from mdi.timing.relay import RUN_ID, WAIT_S, looped_endpoint
 from mdi.ring.transport import RingEndpoint
 from mdi.starter.pipeline import Pipeline, Sample
 

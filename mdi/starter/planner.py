@@ -1,5 +1,5 @@
 """The planner: contiguous layer ranges, in ring order, from each node's measured speed, memory
-and link (mdi.starter.profiling measures them), so the slowest stage is as fast as it can be.
+and link (mdi.starter.node_speeds measures them), so the slowest stage is as fast as it can be.
 
 A stage is what one node does per pass: its blocks, plus the starter's embedding, head and
 sampling, plus handling the frame and sending it on. With G groups of samples circulating

@@ -16,7 +16,7 @@ from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.capacity import chunk_bytes_needed, node_quant
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.planner import PlanError, make_plan
-from mdi.starter.profiling import Profiler
+from mdi.starter.node_speeds import Profiler
 from mdi.starter.run_plan import RunPlan
 
 

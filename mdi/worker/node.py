@@ -23,14 +23,15 @@ from mdi.model.kv_cache import KVCache
 from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
-from mdi.model.profile import profile_blocks, profile_bytes
-from mdi.ring.profile_request import ProfileReply, ProfileRequest, profile_here, profile_positions
+from mdi.model.block_timing import profile_blocks, profile_bytes
+from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.adapter_request import read_adapter_tensors
 from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import release_freed_memory
+from mdi.timing.node import profile_here, profile_positions
 from mdi.worker.memory_budget import check_cache_fits, chunk_nbytes, held_bytes, memory_limit
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 from mdi.worker.status_report import status_reply

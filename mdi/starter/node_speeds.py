@@ -22,16 +22,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi import __version__
 from mdi.model.layout import dtype_name, torch_dtype, weight_bytes
-from mdi.model.profile import PROFILE_LAYERS, profile_blocks
+from mdi.model.block_timing import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.system.memory import release_freed_memory
 from mdi.ring.auth import is_loopback
-from mdi.ring.profile_request import (MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest,
-                                      profile_here, profile_positions)
+from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
+from mdi.timing.node import profile_here, profile_positions
 from mdi.starter.adapter_set import adapter_layer_bytes
 from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
@@ -97,8 +97,8 @@ def _key(parts: Dict[str, Any]) -> str:
 # the modules that set a pass's time
 _SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "rope", "row_batch", "kv_cache", "layers", "attention",
                                                  "fused_decode", "qkernels", "kernel_choice", "quant", "sampling",
-                                                 "profile")) + (
-    "mdi.ring.relay_timing", "mdi.starter.pipeline", "mdi.starter.loop_timing")
+                                                 "block_timing")) + (
+    "mdi.timing.relay", "mdi.timing.node", "mdi.starter.pipeline", "mdi.starter.loop_timing")
 _code_ids = []  # type: List[str]  # computed once per process
 
 

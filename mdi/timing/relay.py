@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from mdi.model.profile import MIN_WINDOW_S, ROUNDS
+from mdi.model.block_timing import MIN_WINDOW_S, ROUNDS
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
