@@ -60,7 +60,7 @@ def test_mixed_adapters_in_one_run_match_each_sample_alone(family, tiny_models, 
             assert got == reference, "%d nodes, max_batch %s" % (len(ring_workers) + 1, max_batch)
             if max_batch == "auto" and ring_workers:
                 # Samples of different adapters shared forwards.
-                assert max(n.get("samples_per_forward_max", 0) for n in result.nodes) > 1
+                assert max(n.get("samples_per_forward_max", 0) for n in result.metrics()["nodes"]) > 1
             assert [s.get("adapter", 0) for s in result.metrics()["samples"]] == \
                 [0 if a == "base" else ADAPTERS.index(a) + 1 for a in CHOICE]
 

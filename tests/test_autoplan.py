@@ -46,7 +46,7 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     assert sum(plan["counts"]) == n_layer and plan["counts"][0] >= 1
     assert plan["nodes"] == ["starter", "w1", "w2"] and plan["predicted_tokens_per_s"] > 0
     used = [c for c in plan["counts"] if c]
-    assert [n["layers"][1] - n["layers"][0] for n in result.nodes] == used
+    assert [n["layers"][1] - n["layers"][0] for n in result.metrics()["nodes"]] == used
     assert set(plan["dropped"]) == {name for name, c in zip(plan["nodes"], plan["counts"]) if c == 0}
     cached = json.load(open(os.path.join(cache_dir, "profiles.json")))
     # The starter, two workers, two links; and when the plan leaves a node out, the nodes kept,

@@ -260,9 +260,9 @@ def test_ring_ids_do_not_depend_on_batching(family, tiny_models, workers, data_p
             assert [s.token_ids for s in result.samples] == [s.token_ids for s in reference.samples], \
                 (n, max_batch, prefill_chunk)
             if cfg.max_batch(n, 3) > 1:  # auto: about one group per node
-                assert max(node["samples_per_forward_max"] for node in result.nodes) > 1
-        assert all(node["samples_per_forward_max"] == 1 for node in reference.nodes)
-        assert all(node["forwards"] > 0 for node in reference.nodes)
+                assert max(node["samples_per_forward_max"] for node in result.metrics()["nodes"]) > 1
+        assert all(node["samples_per_forward_max"] == 1 for node in reference.metrics()["nodes"])
+        assert all(node["forwards"] > 0 for node in reference.metrics()["nodes"])
 
 
 def test_ring_seeded_sampling_does_not_depend_on_batching(tiny_models, workers, data_ports):
@@ -315,7 +315,7 @@ def test_ring_with_each_wire_codec(tiny_models, workers, data_ports):
     for codec in CODECS:
         result = batch.run(ring_config(tiny_models["llama"], workers, data_ports, "auto", codec=codec), PROMPTS[:3])
         ids[codec] = [s.token_ids for s in result.samples]
-        hop[codec] = [n["bytes_sent_by_kind"]["decode"] / n["messages_sent_by_kind"]["decode"] for n in result.nodes]
+        hop[codec] = [n["bytes_sent_by_kind"]["decode"] / n["messages_sent_by_kind"]["decode"] for n in result.metrics()["nodes"]]
     for codec in CODECS:
         grew = [h - raw for h, raw in zip(hop[codec], hop["raw"])]
         saved = payload_nbytes(1, 64, torch.float32, "raw") - payload_nbytes(1, 64, torch.float32, codec)

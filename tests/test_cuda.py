@@ -327,7 +327,7 @@ def test_ring_sharing_the_device_matches_standalone(device, family, tiny_models,
     cfg = ring_config(model, workers, data_ports, [1, 2, 1], device)
     got, result = run_ids(cfg, prompts)
     assert got == alone
-    assert len(result.nodes) == 3 and all(n["messages_sent"] > 0 for n in result.nodes)
+    assert len(result.metrics()["nodes"]) == 3 and all(n["messages_sent"] > 0 for n in result.metrics()["nodes"])
     assert worker_devices(cfg) == [device, device]
 
 
@@ -344,7 +344,7 @@ def test_mixed_ring_cpu_starter_device_workers_matches_cpu(device, family, tiny_
     assert got == alone
     # The run's per-node metrics do not name a node's device: each worker's /status does.
     assert worker_devices(cfg) == [device] * 3
-    assert len(result.nodes) == 4
+    assert len(result.metrics()["nodes"]) == 4
 
 
 
@@ -569,13 +569,13 @@ def test_ring_ids_do_not_depend_on_batching(device, family, tiny_models, workers
     model = tiny_models[family]
     prompts = PROMPTS[:8]
     reference, alone = run_ids(ring_config(model, workers, data_ports, [4], device, max_batch=1), prompts)
-    assert alone.nodes[0]["samples_per_forward_max"] == 1
+    assert alone.metrics()["nodes"][0]["samples_per_forward_max"] == 1
     for max_batch, prefill_chunk in (("auto", 256), (8, 4)):
         cfg = ring_config(model, workers, data_ports, [1, 2, 1], device, max_batch=max_batch,
                           prefill_chunk=prefill_chunk)
         got, result = run_ids(cfg, prompts)
         assert got == reference, (max_batch, prefill_chunk)
-        assert max(node["samples_per_forward_max"] for node in result.nodes) > 1
+        assert max(node["samples_per_forward_max"] for node in result.metrics()["nodes"]) > 1
 
 
 # ---------------------------------------------------- 7. float16 weights, float16 on the wire
@@ -604,7 +604,7 @@ def test_float16_ring_matches_standalone_float16(device, family, workers, data_p
     # Activations travel as float16 (raw codec, the compute dtype): a decode hop carries 64
     # values of 2 bytes, fewer bytes than float32's payload alone.
     half, single = payload_nbytes(1, 64, torch.float16, "raw"), payload_nbytes(1, 64, torch.float32, "raw")
-    for node in result.nodes:
+    for node in result.metrics()["nodes"]:
         per_message = node["bytes_sent_by_kind"]["decode"] / node["messages_sent_by_kind"]["decode"]
         print(node["name"], "decode bytes per message", per_message)
         assert half <= per_message < single, (node["name"], per_message)

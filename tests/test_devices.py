@@ -33,7 +33,7 @@ def test_fp16_storage_fp32_compute_equals_fp32_on_a_ring(tmp_path, workers, fami
     ids, result = greedy(model, "float16", "float32", workers[:1])
     assert ids == reference
     # Activations travel in the compute dtype: 4 bytes per value on every decode hop.
-    starter_node = result.nodes[0]
+    starter_node = result.metrics()["nodes"][0]
     decode_bytes = starter_node["bytes_sent_by_kind"]["decode"] / starter_node["messages_sent_by_kind"]["decode"]
     assert decode_bytes >= 64 * 4
 

@@ -124,11 +124,11 @@ def test_ring_matches_standalone(family, layers, tiny_models, workers, text_file
     ring = perplexity.run(config(model, workers[:len(layers) - 1], layers), text_file, ctx=CTX, max_windows=7)
     assert abs(ring.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
     assert ring.window_scored == alone.window_scored
-    assert [n["layers"][0] for n in ring.nodes] == [sum(layers[:i]) for i in range(len(layers))]
+    assert [n["layers"][0] for n in ring.metrics()["nodes"]] == [sum(layers[:i]) for i in range(len(layers))]
     # Every window went once round the ring, every position of it coming back.
-    for node in ring.nodes:
+    for node in ring.metrics()["nodes"]:
         assert node["messages_sent_by_kind"]["score"] == 7
-    last = ring.nodes[-1]
+    last = ring.metrics()["nodes"][-1]
     assert last["bytes_sent_by_kind"]["score"] >= 7 * CTX * 64 * 4
     # Fewer windows than nodes: fewer slots, same numbers.
     one = perplexity.run(config(model, workers[:len(layers) - 1], layers), text_file, ctx=CTX, max_windows=1)
@@ -232,7 +232,7 @@ def test_a_killed_worker_is_named_or_recovered_from(tiny_models, own_workers, te
                               own_workers[1], 3)
     assert result.n_windows == 40 and len(result.extra["recoveries"]) == 1
     assert abs(result.perplexity - alone.perplexity) <= 1e-4 * alone.perplexity
-    assert [n["name"] for n in result.nodes] == ["starter", "spare1"]
+    assert [n["name"] for n in result.metrics()["nodes"]] == ["starter", "spare1"]
 
 
 def test_a_file_read_in_pieces_has_the_ids_of_the_whole_text(all_toks, tmp_path, monkeypatch):

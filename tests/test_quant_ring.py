@@ -103,17 +103,17 @@ def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares
         result = batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel=qkernels.DEFAULT_POLICY), PROMPTS)
         assert all(len(s.token_ids) == 8 for s in result.samples)
         shapes = {"int4/g32 960x576", "int4/g32 576x576", "int4/g32 3072x576", "int4/g32 576x1536"}
-        for node in result.nodes:
+        for node in result.metrics()["nodes"]:
             kernels = node["kernels"]  # weight shape -> "kernel: policy fast: every candidate's time"
             assert shapes <= set(kernels), node["name"]
             for text in kernels.values():
                 assert text.split(":")[0] in qkernels.KERNEL_NAMES and "policy fast" in text
-        assert "int8/g32 49152x576" in result.nodes[0]["kernels"]  # the starter's head
+        assert "int8/g32 49152x576" in result.metrics()["nodes"][0]["kernels"]  # the starter's head
         assert _chunk_bytes(tight) <= stored + spare
-        gate_up = result.nodes[1]["kernels"]["int4/g32 3072x576"]
+        gate_up = result.metrics()["nodes"][1]["kernels"]["int4/g32 3072x576"]
         assert not gate_up.startswith("int8dyn"), gate_up  # it would hold 2.4 MB more
         status = requests.get("http://127.0.0.1:%d/status" % tight.port, timeout=10).json()
-        assert status["kernels"] == result.nodes[1]["kernels"]
+        assert status["kernels"] == result.metrics()["nodes"][1]["kernels"]
     finally:
         tight.stop()
         roomy.stop()

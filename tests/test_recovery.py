@@ -81,7 +81,7 @@ def test_spare_replaces_killed_worker(tiny_models, four_workers, sampling):
     assert [s.token_ids for s in result.samples] == reference(model, sampling), "killed at token %d" % at
     (rec,) = result.extra["recoveries"]
     assert "board1" in rec["cause"] and "spare1" in rec["action"]
-    assert [n["name"] for n in result.nodes] == ["starter", "spare1", "board2"]
+    assert [n["name"] for n in result.metrics()["nodes"]] == ["starter", "spare1", "board2"]
     assert any("recovered" in line for line in logs)
 
 
@@ -94,8 +94,8 @@ def test_neighbours_take_the_layers_without_a_spare(tiny_models, four_workers, f
     cfg = ring_config(model, [board1, board2], attempts=1)
     result, _ = run_killing(cfg, [(at, victim)])
     assert [s.token_ids for s in result.samples] == reference(model), "killed at token %d" % at
-    assert len(result.nodes) == 2 and len(result.extra["recoveries"]) == 1
-    assert sum(n["layers"][1] - n["layers"][0] for n in result.nodes) == 4  # every layer still served
+    assert len(result.metrics()["nodes"]) == 2 and len(result.extra["recoveries"]) == 1
+    assert sum(n["layers"][1] - n["layers"][0] for n in result.metrics()["nodes"]) == 4  # every layer still served
 
 
 def test_two_failures_one_spare(tiny_models, four_workers):

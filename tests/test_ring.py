@@ -42,7 +42,7 @@ def test_partitions_and_samples_match_standalone(family, tiny_models, workers, d
         for n_nodes in (2, 3, 4):
             got, result = run_ids(ring_config(model, workers, data_ports, PARTITIONS[n_nodes]), prompts)
             assert got == reference, "greedy ids differ: %d nodes, %d samples" % (n_nodes, n_samples)
-            assert len(result.nodes) == n_nodes
+            assert len(result.metrics()["nodes"]) == n_nodes
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -67,7 +67,7 @@ def test_decode_hop_bytes_do_not_grow_with_context(tiny_models, workers, data_po
     per_message = []
     for prompt in ("a", "a much longer prompt " * 4):
         _, result = run_ids(ring_config(model, workers, data_ports, PARTITIONS[3], n_tokens=16), [prompt])
-        for node in result.nodes:
+        for node in result.metrics()["nodes"]:
             n = node["messages_sent_by_kind"]["decode"]
             b = node["bytes_sent_by_kind"]["decode"]
             assert n == 15  # one decode pass per token after the first, per hop

@@ -25,7 +25,8 @@ def report(result, args: argparse.Namespace) -> None:
 
 def context_note(result) -> Optional[str]:
     """One line when samples stopped at the model's context before their token budget."""
-    cut = [s for s in result.samples if s.finish_reason == "context"]
+    from mdi.starter.pipeline import FinishReason
+    cut = [s for s in result.samples if s.finish_reason == FinishReason.CONTEXT]
     if not cut:
         return None
     return ("mdi: %d of %d samples stopped at the model's context (%s positions): asked for %d new tokens, got %s; "
@@ -38,7 +39,7 @@ def kernels_line(result) -> Optional[str]:
     """Which kernels each node's quantized layers multiply with (the metrics record has why:
     each candidate's measured time per weight shape); None for a float model."""
     from mdi.model.kernel_choice import summary
-    parts = ["%s %s" % (n["name"], summary(n["kernels"])) for n in result.nodes if n.get("kernels")]
+    parts = ["%s %s" % (n.name, summary(n.kernels)) for n in result.nodes if n.kernels]
     if not parts:
         return None
     return "mdi: quantized kernels (measured per shape, runtime.quant_kernel): " + "; ".join(parts)

@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints  # 3.8+
 
+from mdi.system.str_enum import StrEnum
 
-class WorkerState(str, Enum):
+
+class WorkerState(StrEnum):
     """What a worker is doing; the value is what /status says (a str: compares and serializes as one)."""
     IDLE = "idle"  # between runs (holding the last run's weights, maybe)
     LOADING = "loading"  # an /init is loading weights, or waiting for pushed ones
@@ -110,7 +112,7 @@ class StatusReply:
 
     def capacity_bytes(self) -> Optional[int]:
         """Bytes the worker can give a run's chunk and cache, as the worker itself counts them
-        (mdi.worker.node: one rule for its /status, its loads and its KV cache); None: unknown."""
+        (mdi.worker.memory_budget: one rule for its /status, its loads and its KV cache); None: unknown."""
         return self.memory.capacity_bytes
 
 

@@ -32,15 +32,25 @@ import torch
 import torch.nn.functional as F
 
 from mdi.model.layout import DTYPES, WIRE_CODECS, dtype_name
+from mdi.system.str_enum import StrEnum
 from mdi.system.transfers import to_host
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
 PROTOCOL_VERSION = 3
-# prefill/decode: a generation pass (the last node returns each sample's last position only);
-# score: a pass whose every position comes back (perplexity), so its rows always equal sum(count).
-KINDS = ("prefill", "decode", "score", "stop", "reset")
-GENERATION_KINDS = ("prefill", "decode")
+
+
+class FrameKind(StrEnum):
+    """What a frame is; the value is the header's "kind" string."""
+    PREFILL = "prefill"  # a generation pass: the last node returns each sample's last position only
+    DECODE = "decode"  # a generation pass of one token per sample
+    SCORE = "score"  # every position comes back (perplexity): its rows always equal sum(count)
+    STOP = "stop"  # the end of a run, sent round the ring
+    RESET = "reset"  # a probe round the ring before samples enter it
+
+
+KINDS = tuple(k.value for k in FrameKind)
+GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE)
 CODECS = WIRE_CODECS
 INT8_BLOCK = 32
 INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
@@ -61,7 +71,7 @@ class FrameError(ValueError):
 
 @dataclass
 class Frame:
-    kind: str
+    kind: str  # a FrameKind (its string, as frames are built with either)
     run: int
     samples: List[int] = field(default_factory=list)
     start: List[int] = field(default_factory=list)  # first position of each sample's tokens
@@ -272,9 +282,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
         raise FrameError("header must be a map with exactly the keys %s (and adapter)" % sorted(_HEADER_KEYS))
     if header["v"] != PROTOCOL_VERSION:
         raise FrameError("protocol version %r, expected %d" % (header["v"], PROTOCOL_VERSION))
-    kind = header["kind"]
-    if kind not in KINDS:
-        raise FrameError("unknown kind %r" % (kind,))
+    if header["kind"] not in KINDS:
+        raise FrameError("unknown kind %r" % (header["kind"],))
+    kind = FrameKind(header["kind"])
     frame_run = header["run"]
     if not isinstance(frame_run, int) or isinstance(frame_run, bool):
         raise FrameError("run id must be an integer")
@@ -302,13 +312,13 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
         raise FrameError("adapter %d is not loaded here" % unknown[0])
     pbytes = len(payload.buffer if hasattr(payload, "buffer") else payload)
     frame = Frame(kind, frame_run, samples, start, count, adapters=adapter if any(adapter) else [])
-    if kind in ("stop", "reset"):
+    if kind in (FrameKind.STOP, FrameKind.RESET):
         if header["dtype"] is not None or header["shape"] is not None or pbytes:
             raise FrameError("%s frames carry no tensor" % kind)
         return frame
     if n == 0:
         raise FrameError("%s frame names no sample" % kind)
-    if kind == "decode" and any(c != 1 for c in count):
+    if kind == FrameKind.DECODE and any(c != 1 for c in count):
         raise FrameError("decode frames carry one token per sample")
     dtype = DTYPES[header["dtype"]][0] if isinstance(header["dtype"], str) and header["dtype"] in DTYPES else None
     if dtype is None:
@@ -321,7 +331,7 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     rows, width = _int_list(header, "shape", 2, 1, 1 << 24)
     if hidden is not None and width != hidden:
         raise FrameError("hidden size %d, expected %d" % (width, hidden))
-    if rows not in ((sum(count),) if kind == "score" else (sum(count), n)):
+    if rows not in ((sum(count),) if kind == FrameKind.SCORE else (sum(count), n)):
         # All positions, or (generation passes only) each sample's last one.
         raise FrameError("shape rows %d do not match the token counts %s" % (rows, count))
     expected = payload_nbytes(rows, width, dtype, codec)

@@ -20,6 +20,7 @@ from mdi.model.layout import dtype_name
 from mdi.ring.status import BatchCounter, StatusReply  # noqa: F401  (type comment)
 from mdi.runconfig import NodeSpec
 from mdi.serving.streaming import FINISH_REASONS
+from mdi.starter.pipeline import FinishReason
 from mdi.starter.control import ControlClient, NodeError
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
 
@@ -79,7 +80,7 @@ class Stats:
         with self.lock:
             self.starter_seconds += seconds
 
-    def request_finished(self, reason: str, prompt_tokens: int, latency: float, ttft: Optional[float]) -> None:
+    def request_finished(self, reason: FinishReason, prompt_tokens: int, latency: float, ttft: Optional[float]) -> None:
         with self.lock:
             self.requests[reason] += 1
             self.prompt_tokens_total += prompt_tokens
@@ -280,8 +281,8 @@ class Observer:
             new = list(engine.recoveries[self._engine_recoveries:])
             self._engine_recoveries += len(new)
             for rec in new:
-                self._recoveries.append(dict(rec))
-                self._note_error(rec.get("cause"), "recovery")
+                self._recoveries.append(rec.to_json())
+                self._note_error(rec.cause, "recovery")
             del self._recoveries[:-self.MAX_RECOVERIES]
 
     def _dtypes(self, engine: Any) -> Tuple[str, Optional[str]]:

@@ -28,7 +28,7 @@ from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.metrics import Stats
 from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine import Engine  # noqa: F401  (type comment)
-from mdi.starter.pipeline import Sample
+from mdi.starter.pipeline import FinishReason, Sample
 from mdi.starter.adapter_set import virtual_tokens
 from mdi.starter.run_shape import serving_max_len
 from mdi.starter.serving_plan import open_serving_ring
@@ -102,7 +102,7 @@ class Request:
         self.first_token_at = None  # type: Optional[float]
         self.finished_at = None  # type: Optional[float]
         # stop | length | cancelled | error, set once (by `Scheduler._finish`): the client has its last event
-        self.finish_reason = None  # type: Optional[str]
+        self.finish_reason: Optional[FinishReason] = None
         self.completion_tokens = 0
         self.sample = None  # type: Optional[Sample]  # once admitted
         self.text = None  # type: Optional[TextStream]  # once admitted
@@ -223,7 +223,7 @@ class Scheduler:
         for req in [r for r in self._waiting if r.adapter in ids]:
             self._waiting.remove(req)
             self._dequeued()
-            self._finish(req, "error", ADAPTER_CLOSING)
+            self._finish(req, FinishReason.ERROR, ADAPTER_CLOSING)
 
     def between_steps(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run `fn` on the scheduler thread between two steps, where no request is admitted
@@ -338,13 +338,13 @@ class Scheduler:
             kind, req = item
             if kind == "submit":
                 if req.cancelled:
-                    self._finish(req, "cancelled")
+                    self._finish(req, FinishReason.CANCELLED)
                     self._dequeued()
                 elif self.engine is None:
-                    self._finish(req, "error", self.error or "the ring is down")
+                    self._finish(req, FinishReason.ERROR, self.error or "the ring is down")
                     self._dequeued()
                 elif req.adapter in self._closing:
-                    self._finish(req, "error", ADAPTER_CLOSING)
+                    self._finish(req, FinishReason.ERROR, ADAPTER_CLOSING)
                     self._dequeued()
                 else:
                     self._waiting.append(req)
@@ -366,7 +366,7 @@ class Scheduler:
             return
         if req.sample is not None:
             req.sample.cancelled = True  # its slot frees when the pass in flight comes back
-        self._finish(req, "cancelled")  # counted before the gauges drop (see metrics_text)
+        self._finish(req, FinishReason.CANCELLED)  # counted before the gauges drop (see metrics_text)
         if req in self._waiting:
             self._waiting.remove(req)
             self._dequeued()
@@ -381,15 +381,15 @@ class Scheduler:
             req = self._waiting.popleft()
             self._dequeued()
             if req.cancelled:
-                self._finish(req, "cancelled")
+                self._finish(req, FinishReason.CANCELLED)
                 continue
             adapters = self.engine.adapters
             if req.adapter and (adapters is None or not adapters.has(req.adapter)):
-                self._finish(req, "error", "its adapter was unloaded before the request started")
+                self._finish(req, FinishReason.ERROR, "its adapter was unloaded before the request started")
                 continue
             virtual = virtual_tokens(adapters, req.adapter)  # a soft prompt's, before the prompt
             if virtual + len(req.prompt_ids) + req.max_tokens > self.max_len:  # the HTTP layer checks first
-                self._finish(req, "error", "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
+                self._finish(req, FinishReason.ERROR, "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
@@ -437,11 +437,11 @@ class Scheduler:
             req.events.put(("text", update.text))
         if update.hit_stop:
             sample.cancelled = True  # no more tokens; the slot frees when its pass returns
-            self._finish(req, "stop")
+            self._finish(req, FinishReason.STOP)
         elif sample.done:
             self._finish(req, finish_reason_of(sample))
 
-    def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+    def _finish(self, req: Request, reason: Optional[FinishReason], error: Optional[str] = None) -> None:
         """Give the client its last event; the first reason given is the one that counts."""
         if req.finished:
             return
@@ -455,7 +455,7 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._running.values()) + list(self._waiting):
-            self._finish(req, "error", message)
+            self._finish(req, FinishReason.ERROR, message)
         with self._lock:
             self._queued -= len(self._waiting)
         self._running, self._waiting = {}, collections.deque()

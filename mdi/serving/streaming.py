@@ -4,14 +4,17 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mdi.model.tokenizers import StreamDecoder, Tokenizer
-from mdi.starter.pipeline import Sample
+from mdi.starter.pipeline import FinishReason, Sample
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")  # what a request's finish_reason can be
+# what a request's finish_reason can be (the metrics count each)
+FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.ERROR)
 
 
-def finish_reason_of(sample: Sample) -> str:
+def finish_reason_of(sample: Sample) -> FinishReason:
     """OpenAI's name for why a finished sample ended: its end-of-sequence token is a "stop"."""
-    return "stop" if sample.finish_reason == "eos" else sample.finish_reason
+    if sample.finish_reason is None:
+        raise ValueError("sample %d has not finished" % sample.index)
+    return FinishReason.STOP if sample.finish_reason == FinishReason.EOS else sample.finish_reason
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

@@ -6,13 +6,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi.runconfig import RunConfig
 from mdi.starter.engine import Engine
-from mdi.model import kernel_choice
+from mdi.starter.node_report import NodeReport, ring_reports, starter_report
 from mdi.model.source import ModelSource
-from mdi.starter.pipeline import Sample
+from mdi.starter.pipeline import FinishReason, Sample
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import batch_samples, batch_shape
 from mdi.model.sampling import SamplingParams
-from mdi.system.memory import unified_memory_bytes
 
 
 @dataclass
@@ -20,7 +19,7 @@ class RunResult:
     samples: List[Sample]
     texts: List[str]
     elapsed: float
-    nodes: List[Dict[str, Any]]
+    nodes: List[NodeReport]  # the ring's, starter first
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -40,7 +39,7 @@ class RunResult:
                          **({"virtual_tokens": s.virtual} if s.virtual else {})}
                         for s, text in zip(self.samples, self.texts)],
             "n_tokens": self.n_tokens, "seconds": self.elapsed,
-            "tokens_per_s": self.tokens_per_s, "n_nodes": len(self.nodes), "nodes": self.nodes,
+            "tokens_per_s": self.tokens_per_s, "n_nodes": len(self.nodes), "nodes": [n.to_json() for n in self.nodes],
         }
         record.update(self.extra)
         return record
@@ -72,7 +71,7 @@ def run(cfg: RunConfig, prompts: List[str],
     try:
         engine.run(samples)
         elapsed = time.perf_counter() - engine.t0
-        worker_stats = engine.close()
+        workers = engine.close()
     except (RuntimeError, KeyboardInterrupt, Interrupted) as e:
         # Keep what was generated: the caller still prints it and writes the metrics. Ending
         # the ring tells every worker at once, instead of after its heartbeat timeout.
@@ -83,7 +82,7 @@ def run(cfg: RunConfig, prompts: List[str],
         partial.extra["error"] = ("interrupted by %s" % signal.Signals(signum).name if signum is not None
                                   else str(e) or type(e).__name__)
         raise RunFailed(partial.extra["error"], partial, signum)
-    result = _result(engine, samples, elapsed, worker_stats)
+    result = _result(engine, samples, elapsed, workers)
     result.extra.update(plan_record)
     return result
 
@@ -108,27 +107,13 @@ class RunFailed(RuntimeError):
         self.signum = signum
 
 
-def _result(engine: Engine, samples: List[Sample], elapsed: float,
-            worker_stats: List[Dict[str, Any]]) -> RunResult:
-    chunk = engine.chunk
-    transport = engine.pipeline.transport
-    starter = engine.plan.nodes[0]
-    starter_node = {"name": starter.name, "layers": list(starter.layers),
-                    "peak_memory_bytes": unified_memory_bytes(peak=True),
-                    "cache_bytes": chunk.cache.nbytes if chunk.cache is not None else 0,
-                    "compute_seconds": round(engine.pipeline.compute_seconds, 6),
-                    "kernels": kernel_choice.chosen_by_weight(),
-                    **engine.pipeline.batching.metrics()}
-    starter_node.update(transport.traffic())
-    nodes = [starter_node]
-    chunk.free_cache()
+def _result(engine: Engine, samples: List[Sample], elapsed: float, workers: List[NodeReport]) -> RunResult:
+    starter = starter_report(engine, engine.pipeline.compute_seconds)
+    engine.chunk.free_cache()
     # Every node of the ring is listed; a run that failed has no counters from the workers.
-    for i, node in enumerate(engine.plan.workers):
-        entry = {"name": node.name, "layers": list(node.layers)}
-        entry.update(worker_stats[i] if i < len(worker_stats) else {})
-        nodes.append(entry)
+    nodes = ring_reports(engine, starter, workers)
     texts = [decode_generated(engine.source, s) for s in samples]
-    extra: Dict[str, Any] = {"recoveries": engine.recoveries} if engine.recoveries else {}
+    extra: Dict[str, Any] = {"recoveries": [r.to_json() for r in engine.recoveries]} if engine.recoveries else {}
     extra["context"] = engine.source.config.block_size
     if engine.pipeline.context_shifts:
         extra["context_shifts"] = engine.pipeline.context_shifts
@@ -137,6 +122,6 @@ def _result(engine: Engine, samples: List[Sample], elapsed: float,
 
 def decode_generated(source: ModelSource, sample: Sample) -> str:
     ids = sample.token_ids
-    if sample.finish_reason == "eos":
+    if sample.finish_reason == FinishReason.EOS:
         ids = ids[:-1]  # the EOS token ends the text; it is not part of it
     return source.tokenizer.decode(ids)

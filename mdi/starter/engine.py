@@ -9,7 +9,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import torch_dtype
@@ -24,6 +24,7 @@ from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline, Sample
 from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, read_adapter
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
+from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
 from mdi.starter.run_plan import RunPlan
 from mdi.starter.session import RingSession
@@ -49,7 +50,7 @@ class Engine:
         tok = source.tokenizer
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
-        self.recoveries: List[Dict[str, Any]] = []
+        self.recoveries: List[Recovery] = []
         self.ring: Optional[RingSession] = None  # while workers are in the ring
         self.chunk: Optional[ModelChunk] = None
         self.pipeline: Optional[Pipeline] = None
@@ -87,7 +88,7 @@ class Engine:
                                  max_batch=self.plan.max_batch, prefill_chunk=self.plan.prefill_chunk,
                                  context_shift=self.cfg.generation.context_shift)
 
-    def close(self) -> List[Dict[str, Any]]:
+    def close(self) -> List[NodeReport]:
         """Send the stop frame round the ring; return each worker's counters."""
         stats = self.ring.finish() if self.ring is not None else []
         self.ring = None
@@ -256,6 +257,5 @@ class Engine:
             return
 
     def _record(self, cause: BaseException, how: str, started: float) -> None:
-        self.recoveries.append({"cause": str(cause), "action": how,
-                                "at_s": round(started - self.t0, 6),
-                                "seconds": round(time.perf_counter() - started, 6)})
+        self.recoveries.append(Recovery(str(cause), how, round(started - self.t0, 6),
+                                        round(time.perf_counter() - started, 6)))

@@ -74,7 +74,7 @@ def batch_sizes(samples: int, n_nodes: int, max_batch: Any = "auto") -> List[int
     between sizes), within runtime.max_batch, what /profile takes and MAX_BATCH_SIZES sizes,
     the smallest rings' last (the planner extends the rest)."""
     cap = MAX_PROFILE_ROWS if max_batch == "auto" else min(MAX_PROFILE_ROWS, int(max_batch))
-    sizes = []  # type: List[int]
+    sizes: List[int] = []
     for rows in [1, 2] + [groups(samples, n, max_batch)[0] for n in range(n_nodes, 0, -1)]:
         if min(rows, cap) not in sizes:
             sizes.append(min(rows, cap))
@@ -99,7 +99,7 @@ _SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "rope", "row_batch
                                                  "fused_decode", "qkernels", "kernel_choice", "quant", "sampling",
                                                  "block_timing")) + (
     "mdi.timing.relay", "mdi.timing.node", "mdi.starter.pipeline", "mdi.starter.loop_timing")
-_code_ids = []  # type: List[str]  # computed once per process
+_code_ids: List[str] = []  # computed once per process
 
 
 def code_id() -> str:
@@ -135,8 +135,8 @@ class Profiler:
         self.cache = _read_cache()
         self.seconds = 0.0  # spent measuring (0 when everything came from the cache)
         self.cache_dirty = False
-        self._bytes = {}  # type: Dict[Optional[str], List[int]]  # node quant -> layer bytes
-        self._adapter_bytes = None  # type: Optional[List[int]]
+        self._bytes: Dict[Optional[str], List[int]] = {}  # node quant -> layer bytes
+        self._adapter_bytes: Optional[List[int]] = None
 
     def close(self) -> None:
         """Close the connections to the nodes this profiler opened (a registry it was given
@@ -148,7 +148,7 @@ class Profiler:
         """NodeCosts in ring order; `nodes[0]` is this process (the starter)."""
         t0 = time.perf_counter()
         mates = machine_mates(nodes)  # part of each profile's cache key
-        links = [None] + [self._link(n) for n in nodes[1:]]  # type: List[Optional[Dict[str, float]]]
+        links: List[Optional[Dict[str, float]]] = [None] + [self._link(n) for n in nodes[1:]]
         statuses = [self.registry.client(n).status() for n in nodes[1:]]  # one read: its device and memory
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
         # back with the OS yet (the starter's held 70 MB of a 320 MB board and its plan left out

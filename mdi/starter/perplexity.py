@@ -24,14 +24,14 @@ import torch
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
-from mdi.ring.wire import Frame
+from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.batch import Interrupted, RunFailed
 from mdi.starter.control import NodeError
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
 from mdi.starter.engine import Engine
-from mdi.system.memory import unified_memory_bytes
+from mdi.starter.node_report import NodeReport, ring_reports, starter_report
 from mdi.system.transfers import to_device
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class PerplexityResult:
     window_nll: List[float]  # per window scored: the sum of its tokens' NLL (nats), window order
     window_scored: List[int]  # per window scored: how many tokens it scored
     elapsed: float  # seconds from the first window sent to the last one scored
-    nodes: List[Dict[str, Any]]
+    nodes: List[NodeReport]  # the ring's, starter first
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -91,7 +91,7 @@ class PerplexityResult:
                   "n_scored": self.n_scored, "n_text_tokens": self.n_text_tokens,
                   "window_nll_mean": [n / c for n, c in zip(self.window_nll, self.window_scored)],
                   "seconds": self.elapsed, "tokens_per_s": self.tokens_per_s,
-                  "n_nodes": len(self.nodes), "nodes": self.nodes}
+                  "n_nodes": len(self.nodes), "nodes": [n.to_json() for n in self.nodes]}
         record.update(self.extra)
         return record
 
@@ -216,7 +216,7 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
     try:
         scorer.run()
         elapsed = time.perf_counter() - scorer.t0
-        worker_stats = engine.close()
+        workers = engine.close()
     except (RuntimeError, KeyboardInterrupt, Interrupted) as e:
         engine.abort()  # every worker drops the run now, not after its heartbeat timeout
         partial = scorer.result(time.perf_counter() - scorer.t0, [])
@@ -224,7 +224,7 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
         partial.extra["error"] = ("interrupted by %s" % signal.Signals(signum).name if signum is not None
                                   else str(e) or type(e).__name__)
         raise PerplexityFailed(partial.extra["error"], partial, signum)
-    return scorer.result(elapsed, worker_stats)
+    return scorer.result(elapsed, workers)
 
 
 class _Scorer:
@@ -234,8 +234,8 @@ class _Scorer:
                  on_window: Optional[Callable[[int, int, float, float], None]]) -> None:
         self.engine, self.ids, self.ctx, self.n_windows, self.path = engine, ids, ctx, n_windows, path
         self.on_window = on_window
-        self.nll = {}  # type: Dict[int, Tuple[float, int]]  # window -> (NLL sum, tokens scored)
-        self.in_flight = {}  # type: Dict[int, int]  # cache slot -> window
+        self.nll: Dict[int, Tuple[float, int]] = {}  # window -> (NLL sum, tokens scored)
+        self.in_flight: Dict[int, int] = {}  # cache slot -> window
         self.next_window = 0
         self.compute_seconds = 0.0  # the starter's own work: its layers and the head
         self.t0 = time.perf_counter()
@@ -266,7 +266,7 @@ class _Scorer:
         x = self.chunk.forward_blocks(self.chunk.embed(self._window_ids(window), 0), slot, 0)
         self.compute_seconds += time.perf_counter() - t0
         pipeline = self.engine.pipeline
-        pipeline.transport.send(Frame("score", pipeline.run_id, [slot], [0], [self.ctx], x))
+        pipeline.transport.send(Frame(FrameKind.SCORE, pipeline.run_id, [slot], [0], [self.ctx], x))
         self.in_flight[slot] = window
 
     def _send_next(self, slot: int) -> None:
@@ -288,7 +288,7 @@ class _Scorer:
                     raise RingTimeout("no activations came back round the ring for %.0f s" % timeout)
 
     def _score(self, frame: Frame) -> None:
-        if frame.kind != "score" or frame.tensor is None:
+        if frame.kind != FrameKind.SCORE or frame.tensor is None:
             return  # a stray stop/reset: nothing to score
         p = next(self.chunk.parameters())
         hidden = to_device(frame.tensor, p.device, self.chunk.activation_dtype)
@@ -328,24 +328,12 @@ class _Scorer:
         for slot, window in lost:
             self._send(slot, window)
 
-    def result(self, elapsed: float, worker_stats: List[Dict[str, Any]]) -> PerplexityResult:
+    def result(self, elapsed: float, workers: List[NodeReport]) -> PerplexityResult:
         done = sorted(self.nll)
         engine = self.engine
-        first, last = engine.ranges[0]
-        starter = {"name": engine.nodes[0].name, "layers": [first, last],
-                   "peak_memory_bytes": unified_memory_bytes(peak=True),
-                   "cache_bytes": engine.chunk.cache.nbytes if engine.chunk is not None and engine.chunk.cache is not None
-                   else 0,
-                   "compute_seconds": round(self.compute_seconds, 6)}
-        if engine.pipeline is not None:
-            starter.update(engine.pipeline.transport.traffic())
-        nodes = [starter]
         # Every node of the ring is listed; a run that failed has no counters from the workers.
-        for i, (node, (a, b)) in enumerate(zip(engine.nodes[1:], engine.ranges[1:])):
-            entry: Dict[str, object] = {"name": node.name, "layers": [a, b]}
-            entry.update(worker_stats[i] if i < len(worker_stats) else {})
-            nodes.append(entry)
-        extra = {"recoveries": engine.recoveries} if engine.recoveries else {}
+        nodes = ring_reports(engine, starter_report(engine, self.compute_seconds), workers)
+        extra = {"recoveries": [r.to_json() for r in engine.recoveries]} if engine.recoveries else {}
         return PerplexityResult(self.path, self.ctx, len(self.ids),
                                 [self.nll[w][0] for w in done], [self.nll[w][1] for w in done],
                                 elapsed, nodes, extra)

@@ -23,11 +23,23 @@ from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
-from mdi.ring.wire import Frame
+from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK
+from mdi.system.str_enum import StrEnum
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
+
+
+class FinishReason(StrEnum):
+    """Why a sample, or the request it serves, ended: one vocabulary for the pipeline, the
+    metrics record and the API (whose finish_reason says "stop" for EOS)."""
+    EOS = "eos"  # an end-of-generation token
+    LENGTH = "length"  # its token budget
+    CONTEXT = "context"  # the model's context is full (without generation.context_shift)
+    CANCELLED = "cancelled"  # its client went away, or asked to stop
+    ERROR = "error"  # it failed (alone, or with the ring)
+    STOP = "stop"  # serving: an end-of-generation token or a stop string
 
 
 @dataclass
@@ -41,7 +53,7 @@ class Sample:
     params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
     token_ids: List[int] = field(default_factory=list)
     token_times: List[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "eos" | "length" | "context" | "cancelled" | "error"
+    finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
     cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
     fed: int = 0  # tokens of its window already sent through the ring: in every node's cache
@@ -231,7 +243,7 @@ class Pipeline:
         ids, starts = [], []
         # A decode frame carries one generated token per sample; anything else is a prefill.
         decoding = all(c == 1 and s.fed >= len(s.prompt_ids) for s, c in zip(group, counts))
-        kind = "decode" if decoding else "prefill"
+        kind = FrameKind.DECODE if decoding else FrameKind.PREFILL
         for sample, count in zip(group, counts):
             ids.extend(sample.window_tokens(sample.fed, count))
             starts.append(sample.fed)
@@ -259,21 +271,21 @@ class Pipeline:
                 token = sample_next(row_logits, self.params if sample.params is None else sample.params, sample.rng)
             except SamplingError as e:
                 # This sample ends here; its neighbours in the frame and the ring go on.
-                sample.finish_reason, sample.error = "error", "sample %d: %s" % (sample.index, e)
+                sample.finish_reason, sample.error = FinishReason.ERROR, "sample %d: %s" % (sample.index, e)
                 log.warning("mdi: %s", sample.error)
                 continue
             sample.token_ids.append(token)
             sample.token_times.append(time.perf_counter() - self.t0)
             if token in self.end_ids:
-                sample.finish_reason = "eos"
+                sample.finish_reason = FinishReason.EOS
             elif len(sample.token_ids) >= sample.max_new_tokens:
-                sample.finish_reason = "length"
+                sample.finish_reason = FinishReason.LENGTH
             elif sample.window_len > self.chunk.cache.max_len:  # its next position is past the slot
                 if self.context_shift:
                     sample.shift_context()
                     self.context_shifts += 1
                 else:
-                    sample.finish_reason = "context"
+                    sample.finish_reason = FinishReason.CONTEXT
             if self.on_token is not None:
                 self.on_token(sample, token)
         self.compute_seconds += time.perf_counter() - t0
@@ -332,7 +344,7 @@ class Pipeline:
                 if sample is None:
                     continue  # not ours to finish (validated frames only name our slots)
                 if sample.cancelled and not sample.done:
-                    sample.finish_reason = "cancelled"
+                    sample.finish_reason = FinishReason.CANCELLED
                 if not sample.done and sample.unsent == 0:
                     sampling.append(sample)
                     rows.append(frame.tensor[row - 1])

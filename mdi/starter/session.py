@@ -11,8 +11,9 @@ from mdi.ring.adapter_request import adapter_body
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
 from mdi.ring.transport import RingEndpoint, RingTimeout
-from mdi.ring.wire import Frame, decode
+from mdi.ring.wire import Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
+from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.run_plan import RunPlan
 
 
@@ -30,11 +31,11 @@ class RingSession:
         # What each worker keeps quantized (sent in /init; pushed weights come that way).
         self.quant = [n.quant for n in plan.workers]
         self.clients = [self.registry.client(n) for n in self.workers]
-        self.endpoint = None  # type: Optional[RingEndpoint]
-        self.init_replies = [{} for _ in self.workers]  # type: List[Dict]
-        self.failure = None  # type: Optional[NodeError]
+        self.endpoint: Optional[RingEndpoint] = None
+        self.init_replies: List[Dict] = [{} for _ in self.workers]
+        self.failure: Optional[NodeError] = None
         self._watching = threading.Event()
-        self._watcher = None  # type: Optional[threading.Thread]
+        self._watcher: Optional[threading.Thread] = None
 
     def _init_spec(self, i: int, weights: Weights) -> InitRequest:
         node = self.workers[i]
@@ -94,7 +95,7 @@ class RingSession:
                                  n_slots=self.plan.n_slots, max_len=self.plan.max_len),
             ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
-            errors = [None] * len(self.clients)  # type: List[Optional[BaseException]]
+            errors: List[Optional[BaseException]] = [None] * len(self.clients)
             threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
                        for i in range(len(self.clients))]
             configured = threading.Event()
@@ -151,12 +152,12 @@ class RingSession:
         deadline = time.monotonic() + timeout
         wait = 0.2
         while True:
-            ep.send(Frame("reset", self.run_id))
+            ep.send(Frame(FrameKind.RESET, self.run_id))
             until = min(deadline, time.monotonic() + wait)
             while time.monotonic() < until:
                 self.check()  # a node the watchdog found dead ends this at once, named
                 try:
-                    if ep.recv(max(0.0, min(0.05, until - time.monotonic()))).kind == "reset":
+                    if ep.recv(max(0.0, min(0.05, until - time.monotonic()))).kind == FrameKind.RESET:
                         return
                 except RingTimeout:
                     pass
@@ -203,29 +204,21 @@ class RingSession:
         if self.failure is not None:
             raise self.failure
 
-    def finish(self) -> List[Dict]:
+    def finish(self) -> List[NodeReport]:
         """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
         self._watching.clear()
         ep = self.endpoint
-        ep.send(Frame("stop", self.run_id))
+        ep.send(Frame(FrameKind.STOP, self.run_id))
         try:
-            while ep.recv(self.cfg.runtime.ring_timeout).kind != "stop":
+            while ep.recv(self.cfg.runtime.ring_timeout).kind != FrameKind.STOP:
                 pass
         except RingTimeout:
             raise NodeError("the stop frame did not come back round the ring within %.0f s"
                             % self.cfg.runtime.ring_timeout)
-        stats = []
-        for client, reply in zip(self.clients, self.init_replies):
-            status = client.status()
-            c = status.counters
-            stats.append({"peak_memory_bytes": status.memory.peak_rss_bytes, "cache_bytes": reply.get("cache_bytes", 0),
-                          "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
-                          "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind,
-                          "compute_seconds": c.compute_seconds, "threads": status.threads,
-                          "kernels": status.kernels,
-                          **c.batching.metrics()})
+        reports = [worker_report(node.name, node.layers, client.status(), reply.get("cache_bytes", 0))
+                   for node, client, reply in zip(self.plan.workers, self.clients, self.init_replies)]
         ep.close()
-        return stats
+        return reports
 
     def abort(self) -> None:
         """Best effort: end the run on every worker and close our endpoint. Only this run: a

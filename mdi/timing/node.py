@@ -12,7 +12,7 @@ from mdi.model.layout import torch_dtype
 from mdi.model.sampling import SamplingParams
 from mdi.model.transformer import ModelChunk
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
-from mdi.ring.wire import Frame, decode, encode
+from mdi.ring.wire import Frame, FrameKind, decode, encode
 from mdi.system.devices import resolve_compute_dtype
 from mdi.timing.relay import time_relay
 
@@ -61,7 +61,7 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
 def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:
     """Encoding one frame of `rows` activations and decoding (validating) it again: what a node
     spends on every hop besides its blocks and the socket."""
-    frame = Frame("decode", 1, list(range(rows)), [0] * rows, [1] * rows, torch.zeros(rows, width, dtype=dtype))
+    frame = Frame(FrameKind.DECODE, 1, list(range(rows)), [0] * rows, [1] * rows, torch.zeros(rows, width, dtype=dtype))
 
     def hop() -> Frame:
         return decode([bytes(p) for p in encode(frame)], run=1, hidden=width, n_slots=rows, max_len=2)

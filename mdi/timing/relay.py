@@ -18,7 +18,7 @@ from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.transport import RingEndpoint
-from mdi.ring.wire import Frame, decode
+from mdi.ring.wire import Frame, FrameKind, decode
 from mdi.system.transfers import to_device, to_host
 
 WAIT_S = 10.0  # for a frame to come back round the loop
@@ -59,14 +59,14 @@ def time_relay(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, code
         with torch.inference_mode():
             for rows in sorted(set(batch_sizes)):
                 slots = list(range(rows))
-                endpoint.send(Frame("decode", RUN_ID, slots, [context] * rows, [1] * rows,
+                endpoint.send(Frame(FrameKind.DECODE, RUN_ID, slots, [context] * rows, [1] * rows,
                                     torch.zeros(rows, config.n_embd, dtype=dtype)))
 
                 def relay() -> None:
                     frame = endpoint.recv(WAIT_S)
                     batch = RowBatch.of(frame.samples, frame.start, frame.count, device)
                     y = chunk.forward_rows(to_device(frame.tensor, device, dtype), batch)
-                    endpoint.send(Frame("decode", RUN_ID, frame.samples, frame.start, frame.count, to_host(y)))
+                    endpoint.send(Frame(FrameKind.DECODE, RUN_ID, frame.samples, frame.start, frame.count, to_host(y)))
                 relay()  # warm
                 rounds = []
                 for _ in range(ROUNDS):

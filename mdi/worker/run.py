@@ -12,7 +12,7 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
-from mdi.ring.wire import GENERATION_KINDS, Frame
+from mdi.ring.wire import Frame, FrameKind, GENERATION_KINDS
 from mdi.system.memory import release_freed_memory
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
@@ -67,11 +67,11 @@ class Run:
                             frame = self.endpoint.recv(timeout=0.1)
                         except RingTimeout:
                             continue
-                    if frame.kind in ("stop", "reset"):
-                        if frame.kind == "stop":
+                    if frame.kind in (FrameKind.STOP, FrameKind.RESET):
+                        if frame.kind == FrameKind.STOP:
                             self.ending.set()
                         self.endpoint.send(frame)
-                        if frame.kind == "stop":
+                        if frame.kind == FrameKind.STOP:
                             self.endpoint.flush(timeout=5)
                             self.stopped.set()
                         continue
@@ -140,7 +140,7 @@ class Run:
         self.batching.add(batch.rows, len(frame.samples))
         # For generation the starter needs only each sample's last position to pick the next
         # token; a score pass (perplexity) needs every position's.
-        if self.is_last and frame.kind != "score":
+        if self.is_last and frame.kind != FrameKind.SCORE:
             y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters)
@@ -160,7 +160,7 @@ def _merge(frames: List[Frame]) -> Frame:
     adapter, ordered by adapter (stable), so each adapter's rows are one slice (LoraDeltas)."""
     if len(frames) == 1:
         return frames[0]
-    kind = "decode" if all(f.kind == "decode" for f in frames) else "prefill"
+    kind = FrameKind.DECODE if all(f.kind == FrameKind.DECODE for f in frames) else FrameKind.PREFILL
     if not any(f.adapters for f in frames):
         return Frame(kind, frames[0].run, [s for f in frames for s in f.samples], [s for f in frames for s in f.start],
                      [c for f in frames for c in f.count], torch.cat([f.tensor for f in frames]), [])
