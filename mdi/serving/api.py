@@ -41,7 +41,9 @@ from mdi.starter.adapter_set import virtual_tokens
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
-from mdi.serving.scheduler import Request, Scheduler, SchedulerError
+from mdi.serving.openai_bodies import Reply
+from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, TextEvent
+from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options
 
 MAX_BODY_BYTES = 1 << 20
@@ -73,50 +75,6 @@ def _client_gone(environ: Dict[str, Any]) -> bool:
         return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):
         return True
-
-
-class Reply:
-    """The OpenAI bodies answering one request: a whole completion or its stream's chunks."""
-
-    def __init__(self, req: Request, model_id: str, chat: bool) -> None:
-        self.req, self.model_id, self.chat = req, model_id, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + req.id
-
-    def _body(self, kind: str, choices: Any) -> Dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.req.created, "model": self.model_id,
-                "choices": choices}
-
-    def whole(self, text: str, reason: str) -> Dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        body = self._body("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = self.req.usage
-        return body
-
-    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False) -> Dict[str, Any]:
-        if self.chat:
-            delta = {}  # type: Dict[str, Any]
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return self._body("chat.completion.chunk" if self.chat else "text_completion", [choice])
-
-    def last_chunk(self, reason: str, include_usage: bool) -> Dict[str, Any]:
-        body = self.chunk(None if self.chat else "", reason)
-        body["usage"] = None if include_usage else self.req.usage  # else it comes in a chunk of its own
-        return body
-
-    def usage_chunk(self) -> Dict[str, Any]:
-        body = self._body("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = self.req.usage
-        return body
 
 
 class Routes:
@@ -294,10 +252,10 @@ class Routes:
         resp.headers["X-Accel-Buffering"] = "no"
         return resp
 
-    def _next_event(self, req: Request, timeout: float) -> Optional[Tuple[str, Any]]:
+    def _next_event(self, req: Request, timeout: float) -> Optional[RequestEvent]:
         event = req.next_event(timeout)
         if event is None and not self.sched.alive:
-            event = req.next_event(0) or ("error", "the scheduler stopped")
+            event = req.next_event(0) or ErrorEvent("the scheduler stopped")
         return event
 
     def _whole(self, req: Request, reply: Reply, environ: Dict[str, Any]) -> Response:
@@ -311,40 +269,37 @@ class Routes:
                 if _client_gone(environ):
                     self.sched.cancel(req)
                     return _json(ApiError(499, "client closed the request").body(), 499)
-            if event is None:
-                continue
-            kind, value = event
-            if kind == "text":
-                parts.append(value)
-            elif kind == "error":
-                raise ApiError(503, value, kind="server_error")
-            else:
-                return _json(reply.whole("".join(parts), value))
+            if isinstance(event, TextEvent):
+                parts.append(event.text)
+            elif isinstance(event, ErrorEvent):
+                raise ApiError(503, event.message, kind="server_error")
+            elif isinstance(event, FinishEvent):
+                return _json(reply.whole("".join(parts), event.reason))
 
     def _stream(self, req: Request, reply: Reply, include_usage: bool) -> Iterator[str]:
         over = False
         try:
             if reply.chat:
                 yield _sse(reply.chunk("", first=True))
-            event = None  # type: Optional[Tuple[str, Any]]
+            event: Optional[RequestEvent] = None
             while True:
                 event = event or self._next_event(req, KEEPALIVE)
                 if event is None:
                     yield ": keep-alive\n\n"
                     continue
-                kind, value = event
-                if kind != "text":
+                if not isinstance(event, TextEvent):
                     break
+                text = event.text
                 event = req.next_event(0)
-                while event is not None and event[0] == "text":  # what is already there: one chunk
-                    value += event[1]
+                while isinstance(event, TextEvent):  # what is already there: one chunk
+                    text += event.text
                     event = req.next_event(0)
-                yield _sse(reply.chunk(value))
+                yield _sse(reply.chunk(text))
             over = True
-            if kind == "error":
-                yield _sse(ApiError(503, value, kind="server_error").body())
+            if isinstance(event, ErrorEvent):
+                yield _sse(ApiError(503, event.message, kind="server_error").body())
                 return
-            yield _sse(reply.last_chunk(value, include_usage))
+            yield _sse(reply.last_chunk(event.reason, include_usage))
             if include_usage:
                 yield _sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"

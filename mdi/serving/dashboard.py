@@ -131,8 +131,8 @@ class BatchMonitor:
         self.cfg = cfg
         self.stats = Stats()
         self.state = "starting"  # starting | running | done | failed
-        self.error = None  # type: Optional[str]
-        self.engine = None  # type: Any
+        self.error: Optional[str] = None
+        self.engine: Any = None
         self.nodes = list(cfg.nodes)
         self.slots, self.max_len, self.queue_length = n_samples, 0, 0
         self._total = n_samples * n_tokens

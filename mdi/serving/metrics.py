@@ -14,14 +14,15 @@ polls it), so both always show the same numbers.
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
+from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from mdi.model.layout import dtype_name
-from mdi.ring.status import BatchCounter, StatusReply  # noqa: F401  (type comment)
-from mdi.runconfig import NodeSpec
+from mdi.ring.status import BatchCounter, StatusReply
+from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS
-from mdi.starter.pipeline import FinishReason
 from mdi.starter.control import ControlClient, NodeError
+from mdi.starter.engine import Engine
+from mdi.starter.pipeline import FinishReason
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
 
 RATE_WINDOW = 10.0  # seconds of history behind tokens/s and the recent time to first token
@@ -40,13 +41,13 @@ class Stats:
         self.started = time.monotonic()
         self.tokens_total = 0
         self.prompt_tokens_total = 0
-        self.requests = collections.Counter()  # type: collections.Counter  # finish reason -> count
-        self.token_times = collections.deque()  # type: Deque[float]
-        self.starter_steps = collections.deque(maxlen=RECENT)  # type: Deque[float]
+        self.requests: collections.Counter = collections.Counter()  # finish reason -> count
+        self.token_times: Deque[float] = collections.deque()
+        self.starter_steps: Deque[float] = collections.deque(maxlen=RECENT)
         self.starter_frames = 0
         self.starter_seconds = 0.0
-        self.intervals = collections.deque(maxlen=RECENT)  # type: Deque[float]
-        self.first_tokens = collections.deque(maxlen=RECENT)  # type: Deque[Tuple[float, float]]  # (when, ttft)
+        self.intervals: Deque[float] = collections.deque(maxlen=RECENT)
+        self.first_tokens: Deque[Tuple[float, float]] = collections.deque(maxlen=RECENT)  # (when, ttft)
         self.latency_sum = 0.0
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -119,13 +120,13 @@ class NodeScraper:
     def __init__(self, token: Optional[str], timeout: float = SCRAPE_TIMEOUT) -> None:
         self.token, self.timeout = token, timeout
         self._lock = threading.Lock()
-        self._cache = {}  # type: Dict[str, Tuple[float, Optional[StatusReply], Optional[str]]]
+        self._cache: Dict[str, Tuple[float, Optional[StatusReply], Optional[str]]] = {}
 
     def scrape(self, nodes: Sequence[NodeSpec]) -> Dict[str, Tuple[Optional[StatusReply], Optional[str]]]:
         """address -> (its /status, or None and why it did not answer)."""
         now = time.monotonic()
-        out = {}  # type: Dict[str, Tuple[Optional[StatusReply], Optional[str]]]
-        todo = []  # type: List[NodeSpec]
+        out: Dict[str, Tuple[Optional[StatusReply], Optional[str]]] = {}
+        todo: List[NodeSpec] = []
         with self._lock:
             for node in nodes:
                 hit = self._cache.get(node.address)
@@ -134,7 +135,7 @@ class NodeScraper:
                 elif node.address not in (n.address for n in todo):
                     todo.append(node)
         if todo:
-            results = {}  # type: Dict[str, Tuple[Optional[StatusReply], Optional[str]]]
+            results: Dict[str, Tuple[Optional[StatusReply], Optional[str]]] = {}
             threads = [threading.Thread(target=self._one, args=(node, results), daemon=True) for node in todo]
             for t in threads:
                 t.start()
@@ -163,10 +164,10 @@ class _Rates:
     seconds, from its running totals (frames done, compute seconds)."""
 
     def __init__(self) -> None:
-        self.points = collections.deque()  # type: Deque[Tuple[float, int, float]]
-        self.step = None  # type: Optional[float]
-        self.busy = None  # type: Optional[float]
-        self.fps = None  # type: Optional[float]
+        self.points: Deque[Tuple[float, int, float]] = collections.deque()
+        self.step: Optional[float] = None
+        self.busy: Optional[float] = None
+        self.fps: Optional[float] = None
 
     def add(self, now: float, frames: int, seconds: float) -> None:
         if self.points and (frames < self.points[-1][1] or seconds < self.points[-1][2]):
@@ -192,26 +193,61 @@ def _layers(layers: Optional[Sequence[int]]) -> Optional[List[int]]:
     return [int(layers[0]), int(layers[1])] if layers else None
 
 
+class RingView(Protocol):
+    """What an `Observer` reads: the serving `Scheduler` or a batch run's
+    `mdi.serving.dashboard.BatchMonitor`. A batch monitor also has `mode` ("batch") and
+    `progress` (tokens and samples done), read when present."""
+
+    @property
+    def cfg(self) -> RunConfig: ...
+
+    @property
+    def stats(self) -> Stats: ...
+
+    @property
+    def state(self) -> str: ...  # the scheduler's starting | up | down | stopped, a batch's starting | running | done | failed
+
+    @property
+    def serving(self) -> bool: ...
+
+    @property
+    def error(self) -> Optional[str]: ...  # why the ring is down, or the run failed
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def queue_length(self) -> int: ...
+
+    @property
+    def nodes(self) -> Sequence[NodeSpec]: ...  # the ring's, starter first
+
+    @property
+    def engine(self) -> Optional[Engine]: ...  # the open engine, or None while the ring is down
+
+
 class Observer:
-    """Builds snapshots of a view: the serving `Scheduler` or a batch `BatchMonitor`, which
-    both have `cfg`, `stats` (Stats), `state`, `serving`, `error`, `slots`, `max_len`,
-    `in_flight`, `queue_length`, `nodes` (the ring's NodeSpecs, starter first) and `engine`
-    (the open `mdi.starter.engine.Engine`, or None); a batch monitor also has `mode` and
-    `progress`. Keeps what one snapshot cannot see: nodes that left the ring, recoveries of
-    earlier engines, the last error."""
+    """Builds snapshots of a view (`RingView`). Keeps what one snapshot cannot see: nodes that
+    left the ring, recoveries of earlier engines, the last error."""
 
     MAX_RECOVERIES = 100
 
-    def __init__(self, view: Any, model_id: str, token: Optional[str]) -> None:
+    def __init__(self, view: RingView, model_id: str, token: Optional[str]) -> None:
         self.view, self.model_id = view, model_id
         self.scraper = NodeScraper(token)
         self._lock = threading.Lock()
-        self._rates = {}  # type: Dict[Tuple[str, Any], _Rates]
-        self._seen = collections.OrderedDict()  # type: collections.OrderedDict  # name -> (NodeSpec, layers)
-        self._recoveries = []  # type: List[Dict[str, Any]]
-        self._engine_seen = None  # type: Any
+        self._rates: Dict[Tuple[str, Any], _Rates] = {}
+        self._seen: collections.OrderedDict = collections.OrderedDict()  # name -> (NodeSpec, layers)
+        self._recoveries: List[Dict[str, Any]] = []
+        self._engine_seen: Any = None
         self._engine_recoveries = 0
-        self._last_error = None  # type: Optional[Dict[str, Any]]
+        self._last_error: Optional[Dict[str, Any]] = None
 
     def _rate(self, key: Tuple[str, Any], now: float, frames: Optional[int], seconds: Optional[float]) -> _Rates:
         with self._lock:
@@ -244,7 +280,7 @@ class Observer:
         scraped = self.scraper.scrape(ring[1:] + [spec for spec, _ in gone] + spares)
         now = time.monotonic()
 
-        nodes = []  # type: List[Dict[str, Any]]
+        nodes: List[Dict[str, Any]] = []
         if ring:
             nodes.append(self._starter(ring[0], ranges[0] if ranges else None, engine, stats, now))
         for i, node in enumerate(ring[1:], 1):
@@ -326,14 +362,14 @@ class Observer:
         state = {"worker": "up", "replaced": "replaced", "spare": "spare"}[role]
         if role == "worker" and status is None:
             state = "down"
-        entry = {
+        entry: Dict[str, Any] = {
             "name": node.name, "host": node.host, "port": node.port, "role": role, "position": position,
             "state": state, "reachable": status is not None,
             "worker_state": status.state if status is not None else None,
             "device": status.device if status is not None else self.view.cfg.device_of(node),
             "dtype": dtype if role != "spare" else None, "compute_dtype": compute if role != "spare" else None,
             "layers": _layers(layers), "error": problem if status is None else status.error,
-        }  # type: Dict[str, Any]
+        }
         if status is None:
             if role == "worker":
                 self._note_error(problem, node.name)

@@ -1,5 +1,5 @@
 """GET /metrics: an `Observer.snapshot()` (mdi.serving.metrics) in Prometheus' text format."""
-from typing import Any, Dict, List, Optional, Tuple  # noqa: F401  (type comments)
+from typing import Any, Dict, List, Optional, Tuple
 
 
 def _label(value: str) -> str:
@@ -10,7 +10,7 @@ class _Exposition:
     """Prometheus' text format, one metric family at a time."""
 
     def __init__(self) -> None:
-        self.lines = []  # type: List[str]
+        self.lines: List[str] = []
 
     def add(self, name: str, kind: str, text: str, samples: List[Tuple[str, Any]]) -> None:
         samples = [(labels, v) for labels, v in samples if v is not None]

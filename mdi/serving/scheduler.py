@@ -9,7 +9,7 @@ old behaviour (a new batch only once the whole previous batch is done) as a base
 
 Every engine call happens on the scheduler's own thread. HTTP handler threads talk to it only
 through `submit`/`cancel` (a queue into the scheduler) and each request's event queue (out of
-it): ("text", str) pieces, then ("done", finish_reason) or ("error", message).
+it): `TextEvent` pieces, then a `FinishEvent` or an `ErrorEvent` (`request`).
 How the ring is sized and opened is `mdi.starter.serving_plan`; the text a token adds (stop
 strings) is `streaming`; what /metrics and the dashboard show is `metrics`.
 """
@@ -19,15 +19,16 @@ import queue
 import random
 import threading
 import time
-import uuid
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple  # noqa: F401  (type comments)
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set
 
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.metrics import Stats
+from mdi.serving.request import ErrorEvent, FinishEvent, Request, TextEvent
+from mdi.serving.scheduler_call import SchedulerCall
 from mdi.serving.streaming import TextStream, finish_reason_of
-from mdi.starter.engine import Engine  # noqa: F401  (type comment)
+from mdi.starter.engine import Engine
 from mdi.starter.pipeline import FinishReason, Sample
 from mdi.starter.adapter_set import virtual_tokens
 from mdi.starter.run_shape import serving_max_len
@@ -61,77 +62,6 @@ ADAPTER_CLOSING = "its adapter is being unloaded"
 DRAIN_POLL_S = 0.05  # between looks at the requests an unloading adapter still runs
 
 
-class _Call:
-    """A function another thread has the scheduler thread run (Scheduler.between_steps)."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.lock = threading.Lock()
-        self.started, self.done = threading.Event(), threading.Event()
-        self.cancelled = False
-        self.value, self.error = None, None  # type: Any, Optional[BaseException]
-
-    def run(self) -> None:
-        with self.lock:
-            if self.cancelled:
-                return
-            self.started.set()
-        try:
-            self.value = self.fn()
-        except Exception as e:  # handed to the calling thread
-            self.error = e
-        finally:
-            self.done.set()
-
-
-class Request:
-    """One generation request as the scheduler sees it. Built on an HTTP thread; after
-    `submit` only the scheduler thread touches it, except `mark_cancelled()` and `next_event()`."""
-
-    def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
-                 seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0) -> None:
-        self.id = uuid.uuid4().hex[:24]
-        self.adapter = adapter  # the LoRA adapter's id (0: the base model)
-        self.prompt_ids = [int(i) for i in prompt_ids]
-        self.max_tokens = int(max_tokens)
-        self.params = params
-        self.seed = seed
-        self.stop = [s for s in stop if s]
-        self.created = int(time.time())
-        self.arrived_at = time.monotonic()
-        self.first_token_at = None  # type: Optional[float]
-        self.finished_at = None  # type: Optional[float]
-        # stop | length | cancelled | error, set once (by `Scheduler._finish`): the client has its last event
-        self.finish_reason: Optional[FinishReason] = None
-        self.completion_tokens = 0
-        self.sample = None  # type: Optional[Sample]  # once admitted
-        self.text = None  # type: Optional[TextStream]  # once admitted
-        self.events = queue.Queue()  # type: queue.Queue
-        self._cancel = threading.Event()
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def mark_cancelled(self) -> None:
-        self._cancel.set()
-
-    @property
-    def usage(self) -> Dict[str, int]:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
-                "total_tokens": len(self.prompt_ids) + self.completion_tokens}
-
-    def next_event(self, timeout: float) -> Optional[Tuple[str, Any]]:
-        try:
-            return self.events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-
 class Scheduler:
     def __init__(self, cfg: RunConfig, source: ModelSource) -> None:
         if source.tokenizer is None:
@@ -146,22 +76,22 @@ class Scheduler:
         self.stats = Stats()
         self.state = "starting"  # starting | up | down | stopped
         self.slots = 0  # samples in flight at most (set when the ring is open)
-        self.error = None  # type: Optional[str]  # why the ring is down
-        self.nodes = []  # type: List[Any]  # the ring's NodeSpecs, starter first (for /metrics)
+        self.error: Optional[str] = None  # why the ring is down
+        self.nodes: List[Any] = []  # the ring's NodeSpecs, starter first (for /metrics)
         self.ready = threading.Event()
-        self.open_error = None  # type: Optional[BaseException]
-        self.engine = None  # type: Optional[Engine]
-        self._inbox = queue.Queue()  # type: queue.Queue
-        self._waiting = collections.deque()  # type: Deque[Request]
-        self._running = {}  # type: Dict[int, Request]  # sample index -> request
+        self.open_error: Optional[BaseException] = None
+        self.engine: Optional[Engine] = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: Deque[Request] = collections.deque()
+        self._running: Dict[int, Request] = {}  # sample index -> request
         self._queued = 0  # submitted and not yet admitted (guarded by _lock)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next_index = 0
         self._recoveries_seen = 0
-        self._thread = None  # type: Optional[threading.Thread]
-        self._adapters = None  # type: Any  # the last engine's AdapterSet (kept across rebuilds)
-        self._closing = set()  # type: set  # adapter ids being unloaded: their requests are refused
+        self._thread: Optional[threading.Thread] = None
+        self._adapters: Any = None  # the last engine's AdapterSet (kept across rebuilds)
+        self._closing: Set[int] = set()  # adapter ids being unloaded: their requests are refused
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
@@ -193,7 +123,7 @@ class Scheduler:
                 time.sleep(DRAIN_POLL_S)
             self.between_steps(remove, timeout)
         finally:
-            self._inbox.put(("call", _Call(lambda: self._closing.difference_update(closing))))
+            self._inbox.put(("call", SchedulerCall(lambda: self._closing.difference_update(closing))))
 
     def evict_idle(self, candidates: Sequence[int], remove: Callable[[int], Any], timeout: float) -> Optional[int]:
         """Between two steps, `remove` the first of `candidates` (adapter ids) that no waiting
@@ -218,7 +148,7 @@ class Scheduler:
             raise self._unavailable()
         return engine
 
-    def _close(self, ids: set) -> None:
+    def _close(self, ids: Set[int]) -> None:
         self._closing |= ids
         for req in [r for r in self._waiting if r.adapter in ids]:
             self._waiting.remove(req)
@@ -232,7 +162,7 @@ class Scheduler:
         (it then never runs) or did not end within `timeout` more."""
         if not self.alive:
             raise Unavailable("the scheduler has stopped")
-        call = _Call(fn)
+        call = SchedulerCall(fn)
         self._inbox.put(("call", call))
         if not call.started.wait(timeout):
             with call.lock:
@@ -434,14 +364,14 @@ class Scheduler:
         req.completion_tokens = len(sample.token_ids)
         update = req.text.push(token, sample.finish_reason)
         if update.text:
-            req.events.put(("text", update.text))
+            req.events.put(TextEvent(update.text))
         if update.hit_stop:
             sample.cancelled = True  # no more tokens; the slot frees when its pass returns
             self._finish(req, FinishReason.STOP)
         elif sample.done:
             self._finish(req, finish_reason_of(sample))
 
-    def _finish(self, req: Request, reason: Optional[FinishReason], error: Optional[str] = None) -> None:
+    def _finish(self, req: Request, reason: FinishReason, error: Optional[str] = None) -> None:
         """Give the client its last event; the first reason given is the one that counts."""
         if req.finished:
             return
@@ -451,7 +381,7 @@ class Scheduler:
             req.completion_tokens = len(req.sample.token_ids)
         ttft = req.first_token_at - req.arrived_at if req.first_token_at is not None else None
         self.stats.request_finished(reason, len(req.prompt_ids), req.finished_at - req.arrived_at, ttft)
-        req.events.put(("error", error) if reason == "error" else ("done", reason))
+        req.events.put(ErrorEvent(error or "") if reason == FinishReason.ERROR else FinishEvent(reason))
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._running.values()) + list(self._waiting):

@@ -159,7 +159,7 @@ def validate(body: Dict[str, Any], route: str) -> Dict[str, Any]:
             raise ApiError(400, "unrecognized request argument: '%s'" % key, key)
         if key in neutral and body[key] is not None and not neutral[key].accepts(body[key]):
             raise _bad(key, "only %s is supported" % neutral[key].only)
-    checked = {}  # type: Dict[str, Any]
+    checked: Dict[str, Any] = {}
     for f in fields.values():
         value = body.get(f.name)
         if value is None:
