@@ -69,7 +69,7 @@ def seconds_per_call(fn: Callable[[], object], min_window: float = MIN_WINDOW_S,
 def repeated_layout(quant: Optional[QuantLayout], n_blocks: int) -> Dict[str, QuantSpec]:
     """`quant` (which names blocks 0 and 1, and maybe the ends) for `n_blocks` blocks: block j
     quantized as block j % PROFILE_LAYERS."""
-    out = {}  # type: Dict[str, QuantSpec]
+    out: Dict[str, QuantSpec] = {}
     for name, spec in (quant or {}).items():
         parts = name.split(".")
         if parts[0] == "blocks" and len(parts) > 2 and parts[1].isdigit():
@@ -122,8 +122,8 @@ def time_chunk(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, pref
     context = min(context, max_len - 1)
     cache = chunk.allocate_cache(rows_max, max_len)
     work, dev = cache.k.dtype, cache.k.device  # the activations' dtype and device
-    layer_s = {}  # type: Dict[int, float]
-    ends_s = {}  # type: Dict[int, float]
+    layer_s: Dict[int, float] = {}
+    ends_s: Dict[int, float] = {}
     with torch.inference_mode():
         for rows in sorted(set(batch_sizes)):
             x = torch.randn(rows, config.n_embd, dtype=work, device=dev)

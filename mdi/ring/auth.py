@@ -20,7 +20,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple  # noqa: F401  (type comments)
+from typing import List, NamedTuple, Optional, Tuple
 
 TOKEN_ENV = "MDI_TOKEN"
 TOKEN_FILE_ENV = "MDI_TOKEN_FILE"
@@ -107,8 +107,8 @@ class RequestVerifier:
         self._key = _derive(token, b"mdi-control-v1")
         self.window, self.max_nonces = window, max_nonces
         self._lock = threading.Lock()
-        self._seen = set()  # type: set
-        self._expiry = []  # type: List[Tuple[float, str]]  # heap of (forget after, nonce)
+        self._seen: set = set()
+        self._expiry: List[Tuple[float, str]] = []  # heap of (forget after, nonce)
 
     def verify(self, method: str, path: str, authorization: Optional[str], content_sha256: Optional[str],
                now: Optional[float] = None) -> None:

@@ -95,11 +95,11 @@ class InitRequest:
     fused_decode: bool = field(default_factory=fused_decode_default)
 
     def to_json(self) -> Dict[str, Any]:
-        out = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
-               "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
-               "data": self.data.to_json(), "weights": self.weights.to_json(),
-               "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
-               "fused_decode": self.fused_decode}  # type: Dict[str, Any]
+        out: Dict[str, Any] = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
+                               "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
+                               "data": self.data.to_json(), "weights": self.weights.to_json(),
+                               "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
+                               "fused_decode": self.fused_decode}
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel"):
             if getattr(self, key) is not None:

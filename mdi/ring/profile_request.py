@@ -42,9 +42,9 @@ class ProfileRequest:
     fused_decode: bool = field(default_factory=fused_decode_default)
 
     def to_json(self) -> Dict[str, Any]:
-        out = {"model": self.model.to_dict(), "dtype": self.dtype, "device": self.device,
-               "batch_sizes": list(self.batch_sizes), "context": self.context,
-               "prefill_tokens": self.prefill_tokens, "fused_decode": self.fused_decode}  # type: Dict[str, Any]
+        out: Dict[str, Any] = {"model": self.model.to_dict(), "dtype": self.dtype, "device": self.device,
+                               "batch_sizes": list(self.batch_sizes), "context": self.context,
+                               "prefill_tokens": self.prefill_tokens, "fused_decode": self.fused_decode}
         for key in ("threads", "compute_dtype", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -93,9 +93,9 @@ class ProfileReply:
     blocks: int = PROFILE_LAYERS  # random blocks timed (mdi.model.block_timing.profile_blocks)
 
     def to_json(self) -> Dict[str, Any]:
-        out = {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
-               "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
-               "device": self.device, "seconds": self.seconds, "blocks": self.blocks}  # type: Dict[str, Any]
+        out: Dict[str, Any] = {"layer_s": {str(k): v for k, v in self.layer_s.items()}, "prefill_token_s": self.prefill_token_s,
+                               "frame_s": {str(k): v for k, v in self.frame_s.items()}, "threads": self.threads,
+                               "device": self.device, "seconds": self.seconds, "blocks": self.blocks}
         for key in ("ends_s", "loop_s"):
             if getattr(self, key):
                 out[key] = {str(k): v for k, v in getattr(self, key).items()}

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol  # noqa: F401  (type comments)
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol
 
 import zmq
 
@@ -55,7 +55,7 @@ class LocalLoop:
     """Transport of a one-node ring: what the starter sends comes straight back."""
 
     def __init__(self) -> None:
-        self.queue = collections.deque()  # type: Deque[Frame]
+        self.queue: Deque[Frame] = collections.deque()
 
     def send(self, frame: Frame) -> None:
         self.queue.append(frame)
@@ -108,15 +108,15 @@ class RingEndpoint:
             if self.keys is not None:
                 allow_client(self.ctx, self._zap_domain, None)
             raise
-        self.inbox = queue.SimpleQueue()  # type: queue.SimpleQueue
-        self.outbox = queue.SimpleQueue()  # type: queue.SimpleQueue
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.bytes_sent = 0
         self.messages_sent = 0
-        self.bytes_by_kind = {}  # type: Dict[str, int]
-        self.messages_by_kind = {}  # type: Dict[str, int]
+        self.bytes_by_kind: Dict[str, int] = {}
+        self.messages_by_kind: Dict[str, int] = {}
         self.frames_received = 0
         self.bad_frames = 0
-        self.last_error = None  # type: Optional[str]
+        self.last_error: Optional[str] = None
         self._stop = threading.Event()
         # Receiving: the PULL socket belongs to whoever holds _pull_lock. The compute loop
         # lends it (sets _lent) when it finds frames queued up behind the one it took, so the
@@ -131,7 +131,7 @@ class RingEndpoint:
         self._wake_tx.connect(wake)
         # Sending: the send thread uses the PUSH socket only while frames wait in the outbox
         # (_queued > _left, each counter written by one side); otherwise the compute loop does.
-        self._push = None  # type: Optional[zmq.Socket]
+        self._push: Optional[zmq.Socket] = None
         self._queued = 0  # frames put in the outbox (by the compute loop)
         self._left = 0  # outbox frames handed to zmq (by the send thread)
         self._receiver = threading.Thread(target=self._receive_loop, name=name + "-recv", daemon=True)

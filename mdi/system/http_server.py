@@ -24,7 +24,7 @@ import resource
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, Optional  # noqa: F401  (type comments)
+from typing import Any, Callable, Dict, Optional
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional  # noqa: F401  (type comments)
+from typing import Any, Dict, Iterator, List, Optional
 
 TEGRA_RELEASE = "/etc/nv_tegra_release"
 SENSOR_OFF_C = -256.0  # tegrastats prints this for a thermal zone that is powered down
