@@ -23,13 +23,11 @@ class RingSession:
     def __init__(self, plan: RunPlan, source: ModelSource, run_id: int, adapters: Any,
                  registry: NodeRegistry) -> None:
         self.plan, self.cfg, self.source = plan, plan.cfg, source
-        self.nodes, self.ranges = plan.specs, plan.ranges
+        self.nodes = plan.specs
         self.registry = registry  # the engine's: it closes it
         self.adapters = adapters  # mdi.starter.adapter_set.AdapterSet or None
         self.run_id = run_id
         self.workers = self.nodes[1:]
-        # What each worker keeps quantized (sent in /init; pushed weights come that way).
-        self.quant = [n.quant for n in plan.workers]
         self.clients = [self.registry.client(n) for n in self.workers]
         self.endpoint: Optional[RingEndpoint] = None
         self.init_replies: List[Dict] = [{} for _ in self.workers]
@@ -41,8 +39,9 @@ class RingSession:
         node = self.workers[i]
         nxt = self.nodes[(i + 2) % len(self.nodes)]
         return InitRequest(
-            quant=self.quant[i], quant_kernel=self.cfg.runtime.quant_kernel,
-            run_id=self.run_id, model=self.source.config, layers=list(self.ranges[i + 1]),
+            # what it keeps quantized (pushed weights come that way)
+            quant=self.plan.workers[i].quant, quant_kernel=self.cfg.runtime.quant_kernel,
+            run_id=self.run_id, model=self.source.config, layers=list(self.plan.workers[i].layers),
             dtype=dtype_name(self.plan.dtype), device=self.cfg.device_of(node),
             compute_dtype=self.cfg.model.compute_dtype,
             n_slots=self.plan.n_slots, max_len=self.plan.max_len,
@@ -57,11 +56,11 @@ class RingSession:
         client, node = self.clients[i], self.workers[i]
         try:
             client.health()
-            first, last = self.ranges[i + 1]
+            first, last = self.plan.workers[i].layers
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights)))
             else:
-                blob = self.source.chunk_bytes(first, last, self.plan.dtype, self.quant[i])
+                blob = self.source.chunk_bytes(first, last, self.plan.dtype, self.plan.workers[i].quant)
                 pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
                 if self.init_replies[i].get("need_weights"):
@@ -77,7 +76,7 @@ class RingSession:
     def send_adapter(self, adapter: int, adapters: Any) -> None:
         """One adapter, loaded while the ring runs, to every worker: its layers' matrices, or
         none where it leaves them alone (the id must still be known there)."""
-        for client, (first, last) in zip(self.clients, self.ranges[1:]):
+        for client, (first, last) in zip(self.clients, (n.layers for n in self.plan.workers)):
             client.post_adapter(adapter, adapter_body(adapters.one_for_layers(adapter, first, last)))
 
     def drop_adapter(self, adapter: int) -> None:
