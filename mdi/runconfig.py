@@ -58,6 +58,45 @@ class ModelSpec:
     group_size: Optional[int] = None  # int8/int4 groups; None: int8 per channel, int4 32
 
 
+SPECULATION_METHODS = ("off", "ngram")
+MAX_DRAFT_LIMIT = 32  # drafted tokens per pass: beyond this a pass costs more than it can win
+
+
+@dataclass
+class SpeculationSpec:
+    """Speculative decoding (mdi.starter.speculation): the starter drafts tokens, every pass
+    verifies them in the ring, and the output is exactly the plain run's (greedy) or has its
+    distribution (sampling)."""
+    method: str = "off"  # off | ngram (prompt lookup over the sample's own prompt and output)
+    max_draft: int = 8  # drafted tokens per pass, at most (adapted to the measured acceptance)
+    ngram_min: int = 2  # the shortest n-gram looked up; the longest is tried first
+    ngram_max: int = 4
+    fill: bool = True  # keep idle boards busy with passes built on drafts still being verified
+
+    @property
+    def on(self) -> bool:
+        return self.method != "off"
+
+
+def parse_speculation(where: str, raw: Any) -> SpeculationSpec:
+    """`off`, `ngram`, or a mapping of SpeculationSpec's fields; one ConfigError line naming `where`.
+    YAML reads a bare `off` as false and `on` as true: they mean off and ngram."""
+    if raw is None or isinstance(raw, bool):
+        raw = {"method": "ngram" if raw else "off"}
+    if isinstance(raw, str):
+        raw = {"method": raw}
+    spec = SpeculationSpec(**check_keys(where, raw, {"method": (str,), "max_draft": (int,), "ngram_min": (int,),
+                                                     "ngram_max": (int,), "fill": (bool,)}))
+    if spec.method not in SPECULATION_METHODS:
+        raise ConfigError("%s.method: expected one of %s, got %r" % (where, ", ".join(SPECULATION_METHODS), spec.method))
+    if not 1 <= spec.max_draft <= MAX_DRAFT_LIMIT:
+        raise ConfigError("%s.max_draft: expected an integer in [1, %d], got %d" % (where, MAX_DRAFT_LIMIT, spec.max_draft))
+    if not 1 <= spec.ngram_min <= spec.ngram_max <= 16:
+        raise ConfigError("%s: expected 1 <= ngram_min <= ngram_max <= 16, got %d and %d"
+                          % (where, spec.ngram_min, spec.ngram_max))
+    return spec
+
+
 @dataclass
 class GenerationSpec:
     n_samples: Optional[int] = None
@@ -70,6 +109,7 @@ class GenerationSpec:
     # At the end of the context: stop the sample (finish_reason "context"), or drop the oldest
     # half of its generated tokens and go on (llama.cpp's context shift; re-prefilled).
     context_shift: bool = False
+    speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
 
 
 @dataclass
@@ -221,7 +261,9 @@ def parse_config(data: Any, source: str) -> RunConfig:
 
     g = check_keys(source + ": generation", top.get("generation") or {},
                     {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
-                     "top_p": NUM, "seed": (int,), "prompts": (list,), "context_shift": (bool,)})
+                     "top_p": NUM, "seed": (int,), "prompts": (list,), "context_shift": (bool,),
+                     "speculation": (str, dict, bool)})
+    g["speculation"] = parse_speculation(source + ": generation.speculation", g.get("speculation"))
     gen = GenerationSpec(**g)
     _check_generation(source + ": generation", gen)
 

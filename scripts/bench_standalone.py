@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def mdi_generate(chunk, prompt_ids: List[int], n_tokens: int) -> Tuple[List[int], List[float]]:
     """Greedy, EOS disabled; returns the new ids and each token's time since the call began."""
     from mdi.ring.transport import LocalLoop
-    from mdi.starter.pipeline import Pipeline, make_samples
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.sample import make_samples
     from mdi.model.sampling import SamplingParams
     chunk.allocate_cache(1, len(prompt_ids) + n_tokens)
     samples = make_samples([""], [prompt_ids], n_tokens, seed=1)

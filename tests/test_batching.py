@@ -7,6 +7,8 @@ worker merges the frames queued behind the one it takes.
 """
 import types
 
+import collections
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
 from mdi.starter import batch
-from mdi.starter.pipeline import Pipeline, Sample
+from mdi.starter.pipeline import Pipeline
+from mdi.starter.sample import Sample
 from mdi.worker.run import Run
 
 PROMPTS = ["The quick brown fox jumps", "Hi", "To be, or not to be, that is", "0123", "abc def ghi jkl mno pqr",
@@ -133,42 +136,69 @@ def test_chunked_prefill_sends_long_prompts_in_pieces():
     assert len(long_.token_ids) == len(short.token_ids) == 3
 
 
-class QueuedEndpoint:
-    """What a worker's compute loop sees of its endpoint: frames already queued."""
-
-    def __init__(self, frames):
-        self.frames = list(frames)
-
-    def recv_nowait(self):
-        return self.frames.pop(0) if self.frames else None
-
-
 def frame(kind, slots, counts, width=64):
     rows = sum(counts)
     return Frame(kind, 1, slots, [0] * len(slots), counts, torch.full((rows, width), float(slots[0])))
 
 
-def test_a_worker_merges_queued_frames_up_to_its_limits():
+def queued_run(frames, max_batch=4, max_rows=20):
+    """A Run whose inbox holds `frames` (what its compute loop had read ahead)."""
     run = Run.__new__(Run)
-    run.max_batch, run.max_rows = 4, 20
-    run.endpoint = QueuedEndpoint([frame("decode", [1], [1]), frame("prefill", [2, 3], [5, 1]),
-                                   frame("decode", [4], [1])])
-    merged, held = run._gather(frame("decode", [0], [1]))
+    run.max_batch, run.max_rows = max_batch, max_rows
+    run.inbox, run.latest_epoch = collections.deque(frames), {}
+    run.bad_frames = run.passes_cancelled = run.rows_cancelled = 0
+    for f in frames:
+        for slot, epoch in zip(f.samples, f.epochs):
+            run.latest_epoch[slot] = max(epoch, run.latest_epoch.get(slot, 0))
+    return run
+
+
+def test_a_worker_merges_queued_frames_up_to_its_limits():
+    run = queued_run([frame("decode", [1], [1]), frame("prefill", [2, 3], [5, 1]), frame("decode", [4], [1])])
+    merged = run._gather(frame("decode", [0], [1]))
     assert merged.samples == [0, 1, 2, 3] and merged.count == [1, 1, 5, 1] and merged.kind == "prefill"
     assert merged.tensor[:, 0].tolist() == [0, 1, 2, 2, 2, 2, 2, 2]
-    assert held is None and len(run.endpoint.frames) == 1  # the fifth sample waits: max_batch
+    assert len(run.inbox) == 1  # the fifth sample waits: max_batch
     # A stop frame, a slot already in the forward or too many rows end the gathering.
     # A frame cut to each sample's last row (only the last node sends those) is dropped alone,
     # and the gathering goes on past it.
-    run.bad_frames = 0
     cut = Frame("prefill", 1, [6], [0], [4], torch.zeros(1, 64))
-    run.endpoint = QueuedEndpoint([cut, frame("decode", [5], [1])])
-    merged, held = run._gather(frame("decode", [0], [1]))
-    assert merged.samples == [0, 5] and held is None and run.bad_frames == 1
+    run = queued_run([cut, frame("decode", [5], [1])])
+    merged = run._gather(frame("decode", [0], [1]))
+    assert merged.samples == [0, 5] and not run.inbox and run.bad_frames == 1
     for blocker in (Frame("stop", 1), frame("decode", [0], [1]), frame("prefill", [7], [30])):
-        run.endpoint = QueuedEndpoint([blocker, frame("decode", [5], [1])])
-        merged, held = run._gather(frame("decode", [0], [1]))
-        assert merged.samples == [0] and held is blocker
+        run = queued_run([blocker, frame("decode", [5], [1])])
+        merged = run._gather(frame("decode", [0], [1]))
+        assert merged.samples == [0] and run.inbox[0] is blocker
+
+
+def test_verifications_and_prefills_never_share_a_frame():
+    """A verification's rows all come back, a prefill's last rows only: a worker merges a decode
+    pass into either, never the two together."""
+    run = queued_run([frame("verify", [1], [3]), frame("decode", [2], [1])])
+    merged = run._gather(frame("prefill", [0], [4]))
+    assert merged.samples == [0] and run.inbox[0].kind == "verify"
+    run = queued_run([frame("decode", [1], [1]), frame("verify", [2], [3]), frame("prefill", [3], [2])])
+    merged = run._gather(frame("verify", [0], [2]))
+    assert (merged.kind, merged.samples, merged.count) == ("verify", [0, 1, 2], [2, 1, 3])
+    assert run.inbox[0].kind == "prefill"
+
+
+def test_a_later_epoch_drops_a_slot_s_stale_passes_unrun():
+    """Speculation: the starter gave slot 1 a new epoch (a verification rejected its guesses),
+    so its older passes still queued here are dropped, rows and all; other slots' stay."""
+    def tagged(kind, slots, counts, epochs):
+        f = frame(kind, slots, counts)
+        f.epochs = epochs
+        return f
+    stale = tagged("verify", [0, 1], [2, 3], [5, 4])
+    run = queued_run([tagged("verify", [1], [2], [9]), tagged("decode", [2], [1], [3])])
+    live = run._live(stale)
+    assert (live.samples, live.count, live.epochs, live.tensor.shape[0]) == ([0], [2], [5], 2)
+    assert (run.passes_cancelled, run.rows_cancelled) == (1, 3)
+    merged = run._gather(live)
+    assert merged.samples == [0, 1, 2] and merged.epochs == [5, 9, 3]
+    assert run._live(tagged("decode", [1], [1], [4])) is None
 
 
 def test_merged_frames_put_each_adapter_s_samples_together():

@@ -21,7 +21,8 @@ from mdi.ring import wire
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
-from mdi.starter.pipeline import Pipeline, Sample
+from mdi.starter.pipeline import Pipeline
+from mdi.starter.sample import Sample
 from mdi.system.transfers import ints_to_device, to_device, to_host
 from mdi.worker.run import Run
 

@@ -107,7 +107,8 @@ def test_a_lost_pass_times_out_however_finely_the_wait_is_sliced():
     from conftest import tiny_config
     from mdi.model.transformer import full_model
     from mdi.ring.transport import RingTimeout
-    from mdi.starter.pipeline import Pipeline, make_samples
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.sample import make_samples
     from mdi.model.sampling import SamplingParams
 
     class LosingTransport:  # every frame vanishes

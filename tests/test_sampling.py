@@ -13,7 +13,8 @@ from conftest import BIN, tiny_config
 from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
 from mdi.model.transformer import full_model
 from mdi.ring.transport import LocalLoop
-from mdi.starter.pipeline import Pipeline, make_samples
+from mdi.starter.pipeline import Pipeline
+from mdi.starter.sample import make_samples
 
 TINY = [1e-45, 1e-40, 1e-38, 1e-30, 1e-8]
 

@@ -8,7 +8,7 @@ import pytest
 from mdi.ring.status import BatchCounter, NodeCounters, StatusError, StatusReply, WorkerState
 from mdi.ring.wire import Frame, FrameError, FrameKind, decode, encode
 from mdi.starter.node_report import Recovery, worker_report
-from mdi.starter.pipeline import FinishReason
+from mdi.starter.sample import FinishReason
 
 
 def test_worker_report_has_the_metrics_record_keys():

@@ -233,7 +233,7 @@ def test_a_pushed_chunk_does_not_double_the_workers_memory(wide_model, tiny_mode
 def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, pair, tmp_path):
     from mdi.model.sampling import SamplingParams
     from mdi.starter.engine import Engine
-    from mdi.starter.pipeline import make_samples
+    from mdi.starter.sample import make_samples
     from mdi.starter.run_plan import plan_run
     model = tiny_models["llama"]
     cfg_a = parse_config(ring_cfg(model, pair), "run A")

@@ -25,7 +25,7 @@ def report(result, args: argparse.Namespace) -> None:
 
 def context_note(result) -> Optional[str]:
     """One line when samples stopped at the model's context before their token budget."""
-    from mdi.starter.pipeline import FinishReason
+    from mdi.starter.sample import FinishReason
     cut = [s for s in result.samples if s.finish_reason == FinishReason.CONTEXT]
     if not cut:
         return None

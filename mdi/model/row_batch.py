@@ -21,17 +21,23 @@ class RowBatch:
     rope_tables: Optional[tuple] = None  # (cos, sin) of those positions, filled by the first layer
     decode_tables: Optional[tuple] = None  # (slots, positions, mask) of one-row samples, filled once
     adapters: Optional[List[int]] = None  # each sample's adapter id (0: the base model alone)
+    # Each row attends as the one-row decode step at its position would (speculative
+    # verification): attention kernels round differently for one query row than for several,
+    # and where the linear layers round to bfloat16 that difference can change a greedy token.
+    # A row's bits then do not depend on how many rows its pass carried.
+    row_wise: bool = False
 
     @classmethod
     def of(cls, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
-           device: Optional[torch.device] = None, adapters: Optional[Sequence[int]] = None) -> "RowBatch":
+           device: Optional[torch.device] = None, adapters: Optional[Sequence[int]] = None,
+           row_wise: bool = False) -> "RowBatch":
         if not (len(slots) == len(starts) == len(counts)) or not slots:
             raise ValueError("a row batch needs as many slots, starts and counts, at least one")
         if adapters is not None and len(adapters) != len(slots):
             raise ValueError("a row batch needs one adapter id per sample")
         positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
         return cls(list(slots), list(starts), list(counts), to_device(positions, device) if device is not None else positions,
-                   adapters=list(adapters) if adapters is not None and any(adapters) else None)
+                   adapters=list(adapters) if adapters is not None and any(adapters) else None, row_wise=row_wise)
 
     def adapter_rows(self, device: torch.device) -> List[Tuple[int, Any]]:
         """(adapter id, the rows of its samples) for every adapter used (the base alone: none):

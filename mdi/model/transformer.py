@@ -58,7 +58,14 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         if rope is not None:
             qk = rope.at_rows(qk, batch)
-        if len(batch.slots) == 1:
+        if batch.row_wise and batch.rows > len(batch.slots):
+            ys, row = [], 0
+            for slot, start, T in zip(batch.slots, batch.starts, batch.counts):
+                for t in range(row, row + T):  # each row's keys written, then its own decode step
+                    ys.append(self._attend(qk[t:t + 1], v[t:t + 1], k_cache[slot], v_cache[slot], start + t - row))
+                row += T
+            y = torch.cat(ys)
+        elif len(batch.slots) == 1:
             y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0])
         elif attends_in_one_call(batch, KV * D):
             y = self._attend_decode_rows(qk, v, k_cache, v_cache, batch)  # several one-row samples at once

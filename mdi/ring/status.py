@@ -84,6 +84,8 @@ class NodeCounters:
     bad_frames: int = 0
     last_bad_frame: Optional[str] = None
     batching: BatchCounter = field(default_factory=BatchCounter)
+    passes_cancelled: int = 0  # stale speculative passes it dropped unrun (a later epoch came)
+    rows_cancelled: int = 0
 
 
 @dataclass

@@ -37,20 +37,25 @@ from mdi.system.transfers import to_host
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
-PROTOCOL_VERSION = 3
+# v4: the "verify" kind and each pass's epoch ("epoch"); a v3 peer would cut a verification's rows.
+PROTOCOL_VERSION = 4
 
 
 class FrameKind(StrEnum):
     """What a frame is; the value is the header's "kind" string."""
     PREFILL = "prefill"  # a generation pass: the last node returns each sample's last position only
     DECODE = "decode"  # a generation pass of one token per sample
+    # A speculative pass: each sample's last token and the tokens drafted after it, at
+    # consecutive positions; every row comes back, so the starter can check every draft.
+    VERIFY = "verify"
     SCORE = "score"  # every position comes back (perplexity): its rows always equal sum(count)
     STOP = "stop"  # the end of a run, sent round the ring
     RESET = "reset"  # a probe round the ring before samples enter it
 
 
 KINDS = tuple(k.value for k in FrameKind)
-GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE)
+GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE, FrameKind.VERIFY)
+ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY)  # the last node returns every row, not each sample's last
 CODECS = WIRE_CODECS
 INT8_BLOCK = 32
 INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
@@ -61,8 +66,10 @@ MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 512 * 1024 * 1024
 _HEADER_KEYS = {"v", "kind", "run", "samples", "start", "count", "dtype", "shape", "codec"}
 # "adapter" (each sample's adapter id) is there only when a sample runs with one: the base
-# alone costs no header bytes.
+# alone costs no header bytes. "epoch" likewise only in runs that speculate.
 MAX_ADAPTER_ID = 1 << 16  # adapter ids 1..this (mdi.ring.adapter_request); 0 is the base
+MAX_EPOCH = (1 << 62) - 1
+_OPTIONAL_KEYS = {"adapter", "epoch"}
 
 
 class FrameError(ValueError):
@@ -78,9 +85,16 @@ class Frame:
     count: List[int] = field(default_factory=list)  # tokens per sample (rows in the tensor)
     tensor: Optional[torch.Tensor] = None  # [sum(count), hidden]
     adapters: List[int] = field(default_factory=list)  # each sample's adapter id (0: the base); [] = all 0
+    # Each sample's pass epoch (speculation): the starter starts a new epoch for a sample when a
+    # verification rejects, so any node that sees a later epoch for a slot may drop the earlier
+    # passes still queued (mdi.worker.run). [] = all 0 (runs that do not speculate).
+    epochs: List[int] = field(default_factory=list)
 
     def adapter_ids(self) -> List[int]:
         return list(self.adapters) if self.adapters else [0] * len(self.samples)
+
+    def epoch_ids(self) -> List[int]:
+        return list(self.epochs) if self.epochs else [0] * len(self.samples)
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +189,8 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
               "shape": list(t.shape) if t is not None else None}
     if any(frame.adapters):
         header["adapter"] = frame.adapter_ids()
+    if any(frame.epochs):
+        header["epoch"] = frame.epoch_ids()
     if t is None:
         return [msgpack.packb(header), b""]
     if codec != "raw" and not t.dtype.is_floating_point:
@@ -278,8 +294,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
                                  max_array_len=4096, max_map_len=32)
     except Exception as e:  # msgpack raises several unrelated exception types
         raise FrameError("header is not valid msgpack: %s" % type(e).__name__)
-    if not isinstance(header, dict) or set(header) - {"adapter"} != _HEADER_KEYS:
-        raise FrameError("header must be a map with exactly the keys %s (and adapter)" % sorted(_HEADER_KEYS))
+    if not isinstance(header, dict) or set(header) - _OPTIONAL_KEYS != _HEADER_KEYS:
+        raise FrameError("header must be a map with exactly the keys %s (and %s)"
+                         % (sorted(_HEADER_KEYS), " and ".join(sorted(_OPTIONAL_KEYS))))
     if header["v"] != PROTOCOL_VERSION:
         raise FrameError("protocol version %r, expected %d" % (header["v"], PROTOCOL_VERSION))
     if header["kind"] not in KINDS:
@@ -310,8 +327,10 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     unknown = [a for a in adapter if a and adapters is not None and a not in adapters]
     if unknown:
         raise FrameError("adapter %d is not loaded here" % unknown[0])
+    epoch = _int_list(header, "epoch", n, 0, MAX_EPOCH) if "epoch" in header else [0] * n
     pbytes = len(payload.buffer if hasattr(payload, "buffer") else payload)
-    frame = Frame(kind, frame_run, samples, start, count, adapters=adapter if any(adapter) else [])
+    frame = Frame(kind, frame_run, samples, start, count, adapters=adapter if any(adapter) else [],
+                  epochs=epoch if any(epoch) else [])
     if kind in (FrameKind.STOP, FrameKind.RESET):
         if header["dtype"] is not None or header["shape"] is not None or pbytes:
             raise FrameError("%s frames carry no tensor" % kind)
@@ -331,8 +350,8 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     rows, width = _int_list(header, "shape", 2, 1, 1 << 24)
     if hidden is not None and width != hidden:
         raise FrameError("hidden size %d, expected %d" % (width, hidden))
-    if rows not in ((sum(count),) if kind == FrameKind.SCORE else (sum(count), n)):
-        # All positions, or (generation passes only) each sample's last one.
+    if rows not in ((sum(count),) if kind in ALL_ROWS_KINDS else (sum(count), n)):
+        # All positions, or (prefill and decode passes only) each sample's last one.
         raise FrameError("shape rows %d do not match the token counts %s" % (rows, count))
     expected = payload_nbytes(rows, width, dtype, codec)
     # The decoded tensor can be ~4x the payload (int8 -> float32): bound both.

@@ -22,7 +22,7 @@ from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
 from mdi.starter.engine import Engine
-from mdi.starter.pipeline import FinishReason
+from mdi.starter.sample import FinishReason
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
 
 RATE_WINDOW = 10.0  # seconds of history behind tokens/s and the recent time to first token

@@ -3,7 +3,7 @@ text), or its stream's chunks, the last with the finish reason, and the usage.""
 from typing import Any, Dict, Optional
 
 from mdi.serving.request import Request
-from mdi.starter.pipeline import FinishReason
+from mdi.starter.sample import FinishReason
 
 
 class Reply:

@@ -10,8 +10,7 @@ from typing import Dict, Optional, Sequence, Union
 
 from mdi.model.sampling import SamplingParams
 from mdi.serving.streaming import TextStream
-from mdi.starter.pipeline import FinishReason
-from mdi.starter.pipeline import Sample
+from mdi.starter.sample import FinishReason, Sample
 
 
 @dataclass(frozen=True)

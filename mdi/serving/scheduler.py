@@ -29,7 +29,7 @@ from mdi.serving.request import ErrorEvent, FinishEvent, Request, TextEvent
 from mdi.serving.scheduler_call import SchedulerCall
 from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine import Engine
-from mdi.starter.pipeline import FinishReason, Sample
+from mdi.starter.sample import FinishReason, Sample
 from mdi.starter.adapter_set import virtual_tokens
 from mdi.starter.run_shape import serving_max_len
 from mdi.starter.serving_plan import open_serving_ring

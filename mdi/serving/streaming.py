@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mdi.model.tokenizers import StreamDecoder, Tokenizer
-from mdi.starter.pipeline import FinishReason, Sample
+from mdi.starter.sample import FinishReason, Sample
 
 # what a request's finish_reason can be (the metrics count each)
 FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.ERROR)

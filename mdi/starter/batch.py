@@ -8,7 +8,7 @@ from mdi.runconfig import RunConfig
 from mdi.starter.engine import Engine
 from mdi.starter.node_report import NodeReport, ring_reports, starter_report
 from mdi.model.source import ModelSource
-from mdi.starter.pipeline import FinishReason, Sample
+from mdi.starter.sample import FinishReason, Sample
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import batch_samples, batch_shape
 from mdi.model.sampling import SamplingParams

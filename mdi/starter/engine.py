@@ -21,13 +21,15 @@ from mdi.model.source import ModelSource
 from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
-from mdi.starter.pipeline import Pipeline, Sample
+from mdi.starter.pipeline import Pipeline
+from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, read_adapter
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
 from mdi.starter.run_plan import RunPlan
 from mdi.starter.session import RingSession
+from mdi.starter.speculation import measure_row_cost
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ class Engine:
         self.ring: Optional[RingSession] = None  # while workers are in the ring
         self.chunk: Optional[ModelChunk] = None
         self.pipeline: Optional[Pipeline] = None
+        # Whether samples may draft (the run's generation.speculation; serving may set it for
+        # per-request speculation before open)
+        self.speculating = self.cfg.generation.speculation.on
         self.t0 = time.perf_counter()
 
     # The ring in hand, read from the plan (the dashboard, metrics and serving show these).
@@ -86,7 +91,12 @@ class Engine:
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
                                  self.cfg.runtime.ring_timeout, self.on_token, self._check,
                                  max_batch=self.plan.max_batch, prefill_chunk=self.plan.prefill_chunk,
-                                 context_shift=self.cfg.generation.context_shift)
+                                 context_shift=self.cfg.generation.context_shift,
+                                 speculation=self.cfg.generation.speculation, n_stages=len(self.nodes),
+                                 tag_epochs=self.speculating)
+        if self.speculating:  # before any sample holds a slot: it times passes in slot 0
+            self.pipeline.row_cost = measure_row_cost(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
+            log.info("mdi: starter: a pass's extra row costs %.3f of a one-row pass", self.pipeline.row_cost)
 
     def close(self) -> List[NodeReport]:
         """Send the stop frame round the ring; return each worker's counters."""
@@ -250,6 +260,7 @@ class Engine:
             if chunk is None:
                 self.chunk.free_cache()
                 self.chunk = chunk = self._starter_chunk(self.ranges[0])
+            self.pipeline.n_stages = len(self.nodes)
             for sample in self.pipeline.reconnect(transport, run_id, chunk):
                 self.pipeline.admit(sample)
             self._record(cause, how, started)

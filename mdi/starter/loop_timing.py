@@ -21,7 +21,8 @@ from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.transformer import ModelChunk
 from mdi.timing.relay import RUN_ID, WAIT_S, looped_endpoint
 from mdi.ring.transport import RingEndpoint
-from mdi.starter.pipeline import Pipeline, Sample
+from mdi.starter.pipeline import Pipeline
+from mdi.starter.sample import Sample
 
 MAX_STEPS = 256  # decode passes per timed round (positions 1..MAX_STEPS: a short context)
 

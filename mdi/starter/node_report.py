@@ -25,10 +25,15 @@ class NodeReport:
     kernels: Optional[Dict[str, str]] = None  # each quantized weight shape -> "kernel: why"
     traffic: Dict[str, Any] = field(default_factory=dict)  # bytes and messages sent (RingEndpoint.traffic)
     batching: Dict[str, Any] = field(default_factory=dict)  # rows and samples per forward (BatchCounter)
+    # speculation: stale passes dropped unrun here (workers), or the starter's drafting counters
+    speculation: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         """The record's entry: the measured fields, traffic and batching keys at the top level."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("traffic", "batching") and v is not None}
+        out = {k: v for k, v in asdict(self).items()
+               if k not in ("traffic", "batching", "speculation") and v is not None}
+        if self.speculation:
+            out["speculation"] = self.speculation
         out.update(self.traffic)
         out.update(self.batching)
         return out
@@ -41,7 +46,9 @@ def worker_report(name: str, layers: Sequence[int], status: StatusReply, cache_b
                       status.threads, status.kernels,
                       {"bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
                        "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind},
-                      c.batching.metrics())
+                      c.batching.metrics(),
+                      {"passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled}
+                      if c.passes_cancelled else {})
 
 
 def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
@@ -53,7 +60,8 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
                       cache.nbytes if cache is not None else 0, round(compute_seconds, 6),
                       kernels=kernel_choice.chosen_by_weight(),
                       traffic=pipeline.transport.traffic() if pipeline is not None else {},
-                      batching=pipeline.batching.metrics() if pipeline is not None else {})
+                      batching=pipeline.batching.metrics() if pipeline is not None else {},
+                      speculation=pipeline.speculation_metrics() if pipeline is not None else {})
 
 
 def ring_reports(engine: Any, starter: NodeReport, workers: Sequence[NodeReport]) -> List[NodeReport]:

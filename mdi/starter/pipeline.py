@@ -10,105 +10,29 @@ Samples travel in groups (ORCA's selective batching): the passes ready at one mo
 A prompt longer than `prefill_chunk` tokens is sent in passes of that many (chunked prefill);
 a frame carries at most that many prompt tokens, so the decode steps sharing the ring with a
 long prompt wait for one chunk, not for the whole prompt.
+
+With speculation (mdi.starter.speculation) a decoding sample's pass carries drafted tokens too,
+and, while the ring has idle boards, several passes of one sample travel at once.
 """
+import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
-from mdi.model.sampling import SamplingError, SamplingParams, sample_generator, sample_next
+from mdi.model.sampling import SamplingError, SamplingParams, sample_next, sample_with_guess
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
-from mdi.runconfig import DEFAULT_PREFILL_CHUNK
-from mdi.system.str_enum import StrEnum
+from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
+from mdi.starter.sample import FinishReason, Sample
+from mdi.starter.speculation import Pass, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
-
-
-class FinishReason(StrEnum):
-    """Why a sample, or the request it serves, ended: one vocabulary for the pipeline, the
-    metrics record and the API (whose finish_reason says "stop" for EOS)."""
-    EOS = "eos"  # an end-of-generation token
-    LENGTH = "length"  # its token budget
-    CONTEXT = "context"  # the model's context is full (without generation.context_shift)
-    CANCELLED = "cancelled"  # its client went away, or asked to stop
-    ERROR = "error"  # it failed (alone, or with the ring)
-    STOP = "stop"  # serving: an end-of-generation token or a stop string
-
-
-@dataclass
-class Sample:
-    index: int
-    prompt: str
-    prompt_ids: List[int]
-    max_new_tokens: int
-    rng: torch.Generator
-    slot: int = -1  # KV cache slot on every node; defaults to the index
-    params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
-    token_ids: List[int] = field(default_factory=list)
-    token_times: List[float] = field(default_factory=list)
-    finish_reason: Optional[FinishReason] = None
-    error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
-    cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
-    fed: int = 0  # tokens of its window already sent through the ring: in every node's cache
-    dropped: int = 0  # generated tokens left out of the window by context shifts
-    shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
-    adapter: int = 0  # the LoRA adapter it runs with on every node (0: the base model alone)
-    # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
-    # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
-    soft_prompt: Optional[torch.Tensor] = None
-
-    @property
-    def virtual(self) -> int:
-        return 0 if self.soft_prompt is None else int(self.soft_prompt.shape[0])
-
-    def __post_init__(self) -> None:
-        if self.slot < 0:
-            self.slot = self.index
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def window_len(self) -> int:
-        """Tokens the caches hold (or will): the prompt and the generated tokens not shifted out."""
-        return len(self.prompt_ids) + len(self.token_ids) - self.dropped
-
-    def window_tokens(self, start: int, count: int) -> List[int]:
-        """Tokens [start, start + count) of that window, without building all of it."""
-        prompt = self.prompt_ids[start:start + count]
-        rest = count - len(prompt)
-        if rest <= 0:
-            return prompt
-        first = self.dropped + max(0, start - len(self.prompt_ids))
-        return prompt + self.token_ids[first:first + rest]
-
-    @property
-    def unsent(self) -> int:
-        """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
-        return self.window_len - self.fed
-
-    def shift_context(self) -> None:
-        """Drop the oldest half of the generated tokens still in the window (llama.cpp's context
-        shift) and send the rest again from position 0: every node rebuilds this sample's cache
-        from the shorter window, so its positions (RoPE or learned) stay within the context."""
-        kept = len(self.token_ids) - self.dropped
-        self.dropped += max(1, kept // 2)
-        self.shifts.append(len(self.token_ids))
-        self.fed = 0
-
-
-def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens: int,
-                 seed: int) -> List[Sample]:
-    return [Sample(i, p, ids, max_new_tokens, sample_generator(seed, i))
-            for i, (p, ids) in enumerate(zip(prompts, prompt_ids))]
 
 
 def _virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
@@ -161,7 +85,8 @@ class Pipeline:
                  eos_id: Any, recv_timeout: float = 30.0,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, context_shift: bool = False) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, context_shift: bool = False,
+                 speculation: Optional[SpeculationSpec] = None, n_stages: int = 1, tag_epochs: bool = False) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.chunk, self.params = chunk, params
@@ -180,6 +105,16 @@ class Pipeline:
         self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
         self.batching = BatchCounter()  # rows and samples per forward of the starter's layers
         self.last_progress = time.monotonic()  # a pass came back, or the ring went from idle to busy
+        # Speculation: the run's setting (a sample may carry its own), the boards of the ring,
+        # and what a pass's extra rows cost (measure_row_cost; the engine measures it).
+        self.speculation = speculation or SpeculationSpec()
+        self.n_stages = n_stages
+        self.row_cost = 0.1
+        # Frames carry each sample's pass epoch once any sample may speculate (tag_epochs: one
+        # may later, e.g. a served request): only then can a stale pass be in flight.
+        self.tag_epochs = tag_epochs or self.speculation.on
+        self._epochs = itertools.count(1)
+        self.spec_counters = SpecCounters()
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
@@ -206,6 +141,13 @@ class Pipeline:
         if not self.active:
             self.last_progress = time.monotonic()
         sample.fed = 0
+        spec = sample.speculation or self.speculation
+        self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
+        sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
+        if spec.on and sample.spec is None:
+            sample.spec = SpecState(new_drafter(spec, sample.prompt_ids + sample.token_ids))
+        if sample.spec is not None:
+            sample.spec.forget_flight()
         if sample.window_len > self.chunk.cache.max_len:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
                              % (sample.index, sample.window_len, self.chunk.cache.max_len))
@@ -217,9 +159,37 @@ class Pipeline:
         """Send every ready pass, in frames of at most `max_batch` samples and `prefill_chunk`
         prompt tokens (a decode row always fits). Shortest first: decode steps and short
         prompts leave in the first frames, and nodes serve frames in order, so they do not
-        queue behind a long prompt's chunk."""
+        queue behind a long prompt's chunk. Speculating samples' passes (and the passes that
+        fill the ring for them) leave in frames of their own, whose every row comes back."""
         ready = sorted(self.ready, key=lambda s: s.unsent)  # stable: arrival order among equals
         self.ready = []
+        decoding = sum(1 for s in self.active.values() if s.fed >= len(s.prompt_ids))
+        policy = SpecPolicy(self.speculation, self.n_stages, self.row_cost)
+        speculative: List[Tuple[Sample, int, List[int]]] = []
+        plain = []
+        for sample in ready:
+            if sample.spec is not None and sample.fed >= len(sample.prompt_ids) and sample.unsent == 1:
+                speculative.append(self._spec_pass(sample, policy, decoding, first=True))
+            else:
+                plain.append(sample)
+        for sample in list(self.active.values()):  # fill the ring with passes built on guesses
+            spec = sample.spec
+            while spec is not None and spec.passes and not sample.done and \
+                    len(spec.passes) < policy.depth(spec, decoding) and policy.active(decoding):
+                one = self._spec_pass(sample, policy, decoding, first=False)
+                if one is None:
+                    break
+                speculative.append(one)
+        while speculative:
+            group, rows = speculative[:self.max_batch], 0
+            for i, (_, _, tokens) in enumerate(group):
+                rows += len(tokens)
+                if i and rows > self.prefill_chunk + self.max_batch:
+                    group = group[:i]
+                    break
+            speculative = speculative[len(group):]
+            self._send_pass([g[0] for g in group], [len(g[2]) for g in group], [(g[1], g[2]) for g in group])
+        ready = plain
         while ready:
             group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
@@ -235,60 +205,152 @@ class Pipeline:
             self._send_pass(group, counts)
             ready = sorted(rest, key=lambda s: s.unsent)
 
-    def _send_pass(self, group: List[Sample], counts: List[int]) -> None:
+    def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int, first: bool):
+        """(sample, start, tokens) of a speculating sample's next pass: `first`, from its
+        accepted tokens (its last one and up to k drafts after it); else one more pass built on
+        the guesses in flight (None when the drafter has none to add)."""
+        spec = sample.spec
+        room = min(sample.max_new_tokens - len(sample.token_ids), self.chunk.cache.max_len - sample.window_len)
+        if first:
+            start = sample.window_len - 1
+            k = min(policy.draft_len(spec) if policy.active(decoding) else 0, room - 1)
+            spec.frontier = spec.drafter.propose([], k) if k > 0 else []
+            tokens = sample.window_tokens(start, 1) + spec.frontier
+        else:
+            last = spec.passes[-1]
+            start = last.start + last.count
+            n = min(policy.draft_len(spec) + 1, room - 1 - len(spec.frontier))
+            tokens = spec.drafter.propose(spec.frontier, n) if n > 0 else []
+            if not tokens:
+                return None
+            spec.frontier = spec.frontier + tokens
+        spec.passes.append(Pass(start, len(tokens)))
+        sample.fed = start + len(tokens)
+        return sample, start, tokens
+
+    def _send_pass(self, group: List[Sample], counts: List[int],
+                   inputs: Optional[List[Tuple[int, List[int]]]] = None) -> None:
+        """One frame: each sample's next `count` tokens of its window, or, for speculative
+        passes, its given (start, tokens), whose every row comes back."""
         t0 = time.perf_counter()
+        speculative = inputs is not None
+        if inputs is None:
+            inputs = []
+            for sample, count in zip(group, counts):
+                inputs.append((sample.fed, sample.window_tokens(sample.fed, count)))
+                sample.fed += count
         if any(s.adapter for s in group):  # samples of one adapter side by side: nodes add its delta to a slice
             order = sorted(range(len(group)), key=lambda i: group[i].adapter)
-            group, counts = [group[i] for i in order], [counts[i] for i in order]
-        ids, starts = [], []
-        # A decode frame carries one generated token per sample; anything else is a prefill.
-        decoding = all(c == 1 and s.fed >= len(s.prompt_ids) for s, c in zip(group, counts))
-        kind = FrameKind.DECODE if decoding else FrameKind.PREFILL
-        for sample, count in zip(group, counts):
-            ids.extend(sample.window_tokens(sample.fed, count))
-            starts.append(sample.fed)
-            sample.fed += count
+            group, counts, inputs = [group[i] for i in order], [counts[i] for i in order], [inputs[i] for i in order]
+        if speculative:
+            kind = FrameKind.VERIFY if any(c > 1 for c in counts) else FrameKind.DECODE
+        else:  # a decode frame carries one generated token per sample; anything else is a prefill
+            decoding = all(c == 1 and start >= len(s.prompt_ids) for s, c, (start, _) in zip(group, counts, inputs))
+            kind = FrameKind.DECODE if decoding else FrameKind.PREFILL
+        starts = [start for start, _ in inputs]
+        ids = [t for _, tokens in inputs for t in tokens]
         slots = [s.slot for s in group]
         adapters = [s.adapter for s in group]
-        batch = RowBatch.of(slots, starts, counts, self.device, adapters)
+        batch = RowBatch.of(slots, starts, counts, self.device, adapters, row_wise=kind == FrameKind.VERIFY)
         ids_t = ints_to_device(ids, self.device)
         x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, _virtual_rows(group, starts, counts)),
                                     batch)
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
-        self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else []))
+        self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else [],
+                                  [s.epoch for s in group] if self.tag_epochs else []))
 
     # --- receiving -----------------------------------------------------------------
-    def _sample_all(self, pending: List[Sample], rows: List[torch.Tensor]) -> None:
-        """The head over every row that samples, at once, then each sample's own next token."""
+    def _take(self, sample: Sample, token: int) -> None:
+        """A token the target chose for `sample`: keep it and see whether the sample ends
+        (or, at the end of its cache slot, shifts its window)."""
+        sample.token_ids.append(token)
+        sample.token_times.append(time.perf_counter() - self.t0)
+        if sample.spec is not None:
+            sample.spec.drafter.commit((token,))
+        if token in self.end_ids:
+            sample.finish_reason = FinishReason.EOS
+        elif len(sample.token_ids) >= sample.max_new_tokens:
+            sample.finish_reason = FinishReason.LENGTH
+        elif sample.window_len > self.chunk.cache.max_len:  # its next position is past the slot
+            if self.context_shift:
+                sample.shift_context()
+                self.context_shifts += 1
+            else:
+                sample.finish_reason = FinishReason.CONTEXT
+        if self.on_token is not None:
+            self.on_token(sample, token)
+
+    def _fail(self, sample: Sample, e: SamplingError) -> None:
+        # This sample ends here; its neighbours in the frame and the ring go on.
+        sample.finish_reason, sample.error = FinishReason.ERROR, "sample %d: %s" % (sample.index, e)
+        log.warning("mdi: %s", sample.error)
+
+    def _sample_all(self, pending: List[Tuple[Sample, Optional[int], torch.Tensor]]) -> None:
+        """The head over every row that samples, at once, then each sample's tokens: one from
+        its last row (`epoch` None), or a verification's (`epoch`: the sample's when it came)."""
         if not pending:
             return
         t0 = time.perf_counter()
         # Every row's logits come to the host in one copy (one wait on a GPU), not one per sample.
-        logits = to_host(self.chunk.head(to_device(torch.stack(rows), self.device)))
-        for sample, row_logits in zip(pending, logits):
-            try:
-                token = sample_next(row_logits, self.params if sample.params is None else sample.params, sample.rng)
-            except SamplingError as e:
-                # This sample ends here; its neighbours in the frame and the ring go on.
-                sample.finish_reason, sample.error = FinishReason.ERROR, "sample %d: %s" % (sample.index, e)
-                log.warning("mdi: %s", sample.error)
+        logits = to_host(self.chunk.head(to_device(torch.cat([rows for _, _, rows in pending]), self.device)))
+        row = 0
+        for sample, epoch, rows in pending:
+            mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]
+            params = self.params if sample.params is None else sample.params
+            if epoch is not None:
+                self._verify(sample, epoch, mine, params)
                 continue
-            sample.token_ids.append(token)
-            sample.token_times.append(time.perf_counter() - self.t0)
-            if token in self.end_ids:
-                sample.finish_reason = FinishReason.EOS
-            elif len(sample.token_ids) >= sample.max_new_tokens:
-                sample.finish_reason = FinishReason.LENGTH
-            elif sample.window_len > self.chunk.cache.max_len:  # its next position is past the slot
-                if self.context_shift:
-                    sample.shift_context()
-                    self.context_shifts += 1
-                else:
-                    sample.finish_reason = FinishReason.CONTEXT
-            if self.on_token is not None:
-                self.on_token(sample, token)
+            try:
+                token = sample_next(mine[-1], params, sample.rng)
+            except SamplingError as e:
+                self._fail(sample, e)
+                continue
+            self._take(sample, token)
         self.compute_seconds += time.perf_counter() - t0
+
+    def _verify(self, sample: Sample, epoch: int, logits: torch.Tensor, params: SamplingParams) -> None:
+        """A speculative pass came back: row i scores the token after input i. Tokens are taken
+        while they match the guesses; the first that differs (or the row past the guesses)
+        ends the run of them, and every pass built on the rest becomes stale."""
+        spec, counters = sample.spec, self.spec_counters
+        if sample.done or epoch != sample.epoch:  # an earlier verification in these frames rejected
+            counters.passes_stale += 1
+            counters.rows_wasted += logits.shape[0]
+            return
+        done_pass = spec.passes.popleft()
+        assert done_pass.start == sample.window_len - 1, "a verification must start at the last accepted token"
+        shifts = len(sample.shifts)
+        judged = agreed = taken = 0
+        matched = False
+        for i in range(done_pass.count):
+            guess = spec.frontier[i] if i < len(spec.frontier) else None
+            try:
+                token = sample_next(logits[i], params, sample.rng) if guess is None \
+                    else sample_with_guess(logits[i], params, sample.rng, guess)
+            except SamplingError as e:
+                self._fail(sample, e)
+                break
+            matched = token == guess
+            judged += guess is not None
+            agreed += matched
+            taken += 1
+            self._take(sample, token)
+            if not matched or sample.done or len(sample.shifts) != shifts:
+                break
+        spec.learn(agreed, judged)
+        counters.drafted += judged
+        counters.accepted += agreed
+        counters.verifications += judged > 0
+        counters.rows_wasted += done_pass.count - taken
+        if matched and taken == done_pass.count and not sample.done and len(sample.shifts) == shifts:
+            spec.frontier = spec.frontier[taken:]  # the next pass in flight goes on from here
+            return
+        if spec.passes:  # built on a guess that failed: stale wherever they are
+            sample.epoch = next(self._epochs)
+        spec.forget_flight()
+        if len(sample.shifts) == shifts:
+            sample.fed = sample.window_len - 1  # the rows after the last taken token are overwritten
 
     def _next_frame(self, timeout: float) -> Optional[Frame]:
         """Wait for the next frame in short slices, asking the watchdog in between, so a dead
@@ -331,33 +393,45 @@ class Pipeline:
         frames = [frame]
         self._more_frames(frames)
         self.last_progress = time.monotonic()
-        advanced, sampling, rows = [], [], []
+        advanced: Dict[int, Sample] = {}  # by identity, in order: two passes of one sample may come back
+        pending: List[Tuple[Sample, Optional[int], torch.Tensor]] = []
         for frame in frames:
             if frame.tensor is None:
                 continue  # a stray stop/reset: nothing to finish
             # Rows are either every position of every sample or only each one's last.
             all_rows = frame.tensor.shape[0] == sum(frame.count)
             row = 0
-            for slot, count in zip(frame.samples, frame.count):
-                row += count if all_rows else 1
+            for slot, count, epoch in zip(frame.samples, frame.count, frame.epoch_ids()):
+                rows = frame.tensor[row:row + (count if all_rows else 1)]
+                row += rows.shape[0]
                 sample = self.active.get(slot)
                 if sample is None:
                     continue  # not ours to finish (validated frames only name our slots)
+                if self.tag_epochs and epoch != sample.epoch:
+                    self.spec_counters.passes_stale += 1  # built on a guess that failed
+                    self.spec_counters.rows_wasted += count
+                    continue
                 if sample.cancelled and not sample.done:
                     sample.finish_reason = FinishReason.CANCELLED
-                if not sample.done and sample.unsent == 0:
-                    sampling.append(sample)
-                    rows.append(frame.tensor[row - 1])
-                advanced.append(sample)
+                if sample.spec is not None and sample.spec.passes:
+                    if not sample.done:
+                        pending.append((sample, epoch, rows))
+                elif not sample.done and sample.unsent == 0:
+                    pending.append((sample, None, rows[-1:]))
+                advanced[id(sample)] = sample
         with torch.inference_mode():
-            self._sample_all(sampling, rows)
-            for sample in advanced:
+            self._sample_all(pending)
+            for sample in advanced.values():
                 if sample.done:
                     self.active.pop(sample.slot, None)
-                else:
+                elif sample.spec is None or not sample.spec.passes:
                     self.ready.append(sample)  # its next token, or the next chunk of its prompt
             self._dispatch()
-        return advanced
+        return list(advanced.values())
+
+    def speculation_metrics(self) -> Dict[str, Any]:
+        """The run's drafting counters, or {} when no sample speculated."""
+        return self.spec_counters.metrics() if self.tag_epochs else {}
 
     def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None) -> None:
         """Generate until every sample hits EOS or its token limit; `step` wraps `self.step`

@@ -14,7 +14,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.adapter_set import AdapterSet, adapter_ids
-from mdi.starter.pipeline import Sample, make_samples
+from mdi.starter.sample import Sample, make_samples
 
 DEFAULT_SERVING_MAX_LEN = 2048  # positions per slot when serve.max_len is not set (capped by the context)
 

@@ -16,7 +16,7 @@ from mdi.starter.planner import PlanError
 from mdi.starter.capacity import chunk_bytes_needed, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.engine import Engine
-from mdi.starter.pipeline import Sample
+from mdi.starter.sample import Sample
 from mdi.starter.run_plan import RunPlan, plan_run
 from mdi.starter.run_shape import RunShape
 

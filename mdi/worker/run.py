@@ -3,7 +3,8 @@ selects each sample's KV cache slot, runs this node's blocks and pushes the resu
 import logging
 import threading
 import time
-from typing import List, Optional
+from collections import deque
+from typing import Deque, Dict, List, Optional, Set
 
 import torch
 
@@ -12,13 +13,14 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
-from mdi.ring.wire import Frame, FrameKind, GENERATION_KINDS
+from mdi.ring.wire import ALL_ROWS_KINDS, Frame, FrameKind, GENERATION_KINDS
 from mdi.system.memory import release_freed_memory
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT = 8.0  # seconds without any sign of the starter before a run ends
+READ_AHEAD = 64  # frames read into the inbox before the next is handled (the transport bounds its own queue)
 
 
 class Run:
@@ -45,6 +47,10 @@ class Run:
         self.max_batch = request.max_batch
         self.max_rows = request.max_rows
         self.bad_frames = 0  # frames that passed the wire checks but not this node's (rows vs counts)
+        self.inbox: Deque[Frame] = deque()  # frames read ahead of the one in hand, in arrival order
+        self.latest_epoch: Dict[int, int] = {}  # slot -> the latest pass epoch seen for it
+        self.passes_cancelled = 0  # stale speculative passes dropped here unrun
+        self.rows_cancelled = 0
         self.error: Optional[str] = None
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -58,15 +64,10 @@ class Run:
                 # torch reads its thread count per thread on first use: set it in this thread too.
                 torch.set_num_threads(self.threads)
             with torch.inference_mode():
-                held: Optional[Frame] = None  # met while gathering frames: handled next
                 while not self.stopped.is_set():
-                    if held is not None:
-                        frame, held = held, None
-                    else:
-                        try:
-                            frame = self.endpoint.recv(timeout=0.1)
-                        except RingTimeout:
-                            continue
+                    frame = self._next_frame()
+                    if frame is None:
+                        continue
                     if frame.kind in (FrameKind.STOP, FrameKind.RESET):
                         if frame.kind == FrameKind.STOP:
                             self.ending.set()
@@ -75,10 +76,8 @@ class Run:
                             self.endpoint.flush(timeout=5)
                             self.stopped.set()
                         continue
-                    if not self._computable(frame):
-                        continue
                     if frame.kind in GENERATION_KINDS:
-                        frame, held = self._gather(frame)
+                        frame = self._gather(frame)
                     t0 = time.perf_counter()
                     out = self._forward(frame)
                     self.compute_seconds += time.perf_counter() - t0
@@ -102,29 +101,90 @@ class Run:
             # next run must find nothing there (and retry) rather than this run's socket.
             self.endpoint.close()
 
-    def _gather(self, frame: Frame):
-        """Opportunistic batching: generation frames already queued behind `frame` join it,
-        up to `max_batch` samples and `max_rows` rows, so one forward serves them all. Returns
-        the merged frame and the first frame that could not join (or None)."""
-        frames = [frame]
-        n, rows, slots = len(frame.samples), sum(frame.count), set(frame.samples)
-        while n < self.max_batch:
+    def _next_frame(self) -> Optional[Frame]:
+        """The next frame to handle (None after a short wait for one): the oldest in the inbox,
+        after reading what has arrived behind it, without its stale passes."""
+        while True:
+            if not self.inbox:
+                try:
+                    self._note(self.endpoint.recv(timeout=0.1))
+                except RingTimeout:
+                    return None
+            self._read_ahead()
+            frame = self._live(self.inbox.popleft())
+            if frame is not None:
+                return frame
+            if not self.inbox:
+                return None
+
+    def _read_ahead(self) -> None:
+        """Frames already here join the inbox, and the latest epoch of each slot is noted: a
+        speculating starter starts a new epoch for a sample when a verification rejects, so
+        its passes of earlier epochs still queued here are stale and are dropped unrun."""
+        while len(self.inbox) < READ_AHEAD:
             more = self.endpoint.recv_nowait()
             if more is None:
                 break
-            if not self._computable(more):
+            self._note(more)
+
+    def _note(self, frame: Frame) -> None:
+        self.inbox.append(frame)
+        for slot, epoch in zip(frame.samples, frame.epochs):
+            if epoch > self.latest_epoch.get(slot, 0):
+                self.latest_epoch[slot] = epoch
+
+    def _live(self, frame: Frame) -> Optional[Frame]:
+        """`frame` without the passes a later epoch made stale (None: nothing left), or None
+        when it cannot be computed on."""
+        if not self._computable(frame):
+            return None
+        if not frame.epochs or frame.kind not in GENERATION_KINDS:
+            return frame
+        keep = [i for i, (slot, epoch) in enumerate(zip(frame.samples, frame.epochs))
+                if epoch >= self.latest_epoch.get(slot, 0)]
+        if len(keep) == len(frame.samples):
+            return frame
+        self.passes_cancelled += len(frame.samples) - len(keep)
+        self.rows_cancelled += sum(frame.count) - sum(frame.count[i] for i in keep)
+        if not keep:
+            return None
+        rows = []
+        row = 0
+        for i, count in enumerate(frame.count):
+            if i in keep:
+                rows.extend(range(row, row + count))
+            row += count
+        adapters = [frame.adapter_ids()[i] for i in keep]
+        return Frame(frame.kind, frame.run, [frame.samples[i] for i in keep], [frame.start[i] for i in keep],
+                     [frame.count[i] for i in keep], frame.tensor[rows], adapters if any(adapters) else [],
+                     [frame.epochs[i] for i in keep])
+
+    def _gather(self, frame: Frame) -> Frame:
+        """Opportunistic batching: generation frames already queued behind `frame` join it,
+        up to `max_batch` samples and `max_rows` rows, so one forward serves them all; the
+        first frame that cannot join stays first in the inbox."""
+        frames = [frame]
+        n, rows, slots, kinds = len(frame.samples), sum(frame.count), set(frame.samples), {frame.kind}
+        while n < self.max_batch and self.inbox:
+            more = self._live(self.inbox[0])
+            if more is None:
+                self.inbox.popleft()
                 continue
             if (more.kind not in GENERATION_KINDS or n + len(more.samples) > self.max_batch
-                    or rows + sum(more.count) > self.max_rows or slots & set(more.samples)):
-                return _merge(frames), more
+                    or rows + sum(more.count) > self.max_rows or slots & set(more.samples)
+                    or not _mergeable(kinds | {more.kind})):
+                self.inbox[0] = more
+                break
+            self.inbox.popleft()
             frames.append(more)
             n, rows = n + len(more.samples), rows + sum(more.count)
             slots.update(more.samples)
-        return _merge(frames), None
+            kinds.add(more.kind)
+        return _merge(frames)
 
     def _computable(self, frame: Frame) -> bool:
-        """Only the last node cuts rows: a frame cut before it cannot be computed on. Checked on
-        arrival, so a bad frame is dropped alone, never with the frames merged with it."""
+        """Only the last node cuts rows: a frame cut before it cannot be computed on. Checked
+        before merging, so a bad frame is dropped alone, never with the frames merged with it."""
         if frame.tensor is not None and frame.tensor.shape[0] != sum(frame.count):
             self.bad_frames += 1
             log.warning("dropped a %s frame of %d rows for %d tokens", frame.kind, frame.tensor.shape[0],
@@ -135,15 +195,17 @@ class Run:
     def _forward(self, frame: Frame) -> Frame:
         p = next(self.chunk.parameters())
         x = to_device(frame.tensor, p.device, self.chunk.activation_dtype)
-        batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device, frame.adapters or None)
+        batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device, frame.adapters or None,
+                            row_wise=frame.kind == FrameKind.VERIFY)
         y = self.chunk.forward_rows(x, batch)
         self.batching.add(batch.rows, len(frame.samples))
         # For generation the starter needs only each sample's last position to pick the next
-        # token; a score pass (perplexity) needs every position's.
-        if self.is_last and frame.kind != FrameKind.SCORE:
+        # token; a score pass (perplexity) or a verification needs every position's.
+        if self.is_last and frame.kind not in ALL_ROWS_KINDS:
             y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
-        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters)
+        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
+                     frame.epochs)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -155,21 +217,28 @@ class Run:
             chunk.free_cache()
 
 
+def _mergeable(kinds: Set[str]) -> bool:
+    """A verification's rows all come back, a prefill's last rows only: the two never share a
+    frame (a decode pass, one row per sample, joins either)."""
+    return not (FrameKind.PREFILL in kinds and FrameKind.VERIFY in kinds)
+
+
 def _merge(frames: List[Frame]) -> Frame:
     """One frame holding the samples (and rows) of several: in order, or, when some use an
     adapter, ordered by adapter (stable), so each adapter's rows are one slice (LoraDeltas)."""
     if len(frames) == 1:
         return frames[0]
-    kind = FrameKind.DECODE if all(f.kind == FrameKind.DECODE for f in frames) else FrameKind.PREFILL
-    if not any(f.adapters for f in frames):
-        return Frame(kind, frames[0].run, [s for f in frames for s in f.samples], [s for f in frames for s in f.start],
-                     [c for f in frames for c in f.count], torch.cat([f.tensor for f in frames]), [])
-    pieces = []  # (adapter, sample, start, count, rows) per sample
+    kinds = set(f.kind for f in frames)
+    kind = next((k for k in (FrameKind.VERIFY, FrameKind.PREFILL) if k in kinds), FrameKind.DECODE)
+    epochs = any(f.epochs for f in frames)
+    pieces = []  # (adapter, sample, start, count, rows, epoch) per sample
     for f in frames:
         row = 0
-        for sample, start, count, adapter in zip(f.samples, f.start, f.count, f.adapter_ids()):
-            pieces.append((adapter, sample, start, count, f.tensor[row:row + count]))
+        for sample, start, count, adapter, epoch in zip(f.samples, f.start, f.count, f.adapter_ids(), f.epoch_ids()):
+            pieces.append((adapter, sample, start, count, f.tensor[row:row + count], epoch))
             row += count
-    pieces.sort(key=lambda p: p[0])
+    if any(f.adapters for f in frames):
+        pieces.sort(key=lambda p: p[0])
     return Frame(kind, frames[0].run, [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
-                 torch.cat([p[4] for p in pieces]), [p[0] for p in pieces])
+                 torch.cat([p[4] for p in pieces]), [p[0] for p in pieces] if any(p[0] for p in pieces) else [],
+                 [p[5] for p in pieces] if epochs else [])

@@ -35,5 +35,7 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
         reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
                                       compute_seconds=round(run.compute_seconds, 6),
                                       bad_frames=ep.bad_frames + run.bad_frames,
-                                      last_bad_frame=ep.last_error, batching=run.batching, **ep.traffic())
+                                      last_bad_frame=ep.last_error, batching=run.batching,
+                                      passes_cancelled=run.passes_cancelled, rows_cancelled=run.rows_cancelled,
+                                      **ep.traffic())
     return reply

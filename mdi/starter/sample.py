@@ -1,0 +1,94 @@
+"""A sample: one prompt's generation as the starter tracks it (its tokens, its cache slot, what
+every node's cache holds of it), and why it ended."""
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+
+from mdi.model.sampling import SamplingParams, sample_generator
+from mdi.system.str_enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a sample, or the request it serves, ended: one vocabulary for the pipeline, the
+    metrics record and the API (whose finish_reason says "stop" for EOS)."""
+    EOS = "eos"  # an end-of-generation token
+    LENGTH = "length"  # its token budget
+    CONTEXT = "context"  # the model's context is full (without generation.context_shift)
+    CANCELLED = "cancelled"  # its client went away, or asked to stop
+    ERROR = "error"  # it failed (alone, or with the ring)
+    STOP = "stop"  # serving: an end-of-generation token or a stop string
+
+
+@dataclass
+class Sample:
+    index: int
+    prompt: str
+    prompt_ids: List[int]
+    max_new_tokens: int
+    rng: torch.Generator
+    slot: int = -1  # KV cache slot on every node; defaults to the index
+    params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
+    token_ids: List[int] = field(default_factory=list)
+    token_times: List[float] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
+    cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
+    fed: int = 0  # tokens of its window already sent through the ring: in every node's cache
+    dropped: int = 0  # generated tokens left out of the window by context shifts
+    shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
+    adapter: int = 0  # the LoRA adapter it runs with on every node (0: the base model alone)
+    # Speculation (mdi.starter.speculation): the current epoch of its passes (frames of older
+    # epochs are stale), its drafting state, and a request's own setting (None: the run's).
+    epoch: int = 0
+    spec: Optional[Any] = None  # a SpecState while it may draft
+    speculation: Optional[Any] = None  # a SpeculationSpec
+    # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
+    # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
+    soft_prompt: Optional[torch.Tensor] = None
+
+    @property
+    def virtual(self) -> int:
+        return 0 if self.soft_prompt is None else int(self.soft_prompt.shape[0])
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            self.slot = self.index
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def window_len(self) -> int:
+        """Tokens the caches hold (or will): the prompt and the generated tokens not shifted out."""
+        return len(self.prompt_ids) + len(self.token_ids) - self.dropped
+
+    def window_tokens(self, start: int, count: int) -> List[int]:
+        """Tokens [start, start + count) of that window, without building all of it."""
+        prompt = self.prompt_ids[start:start + count]
+        rest = count - len(prompt)
+        if rest <= 0:
+            return prompt
+        first = self.dropped + max(0, start - len(self.prompt_ids))
+        return prompt + self.token_ids[first:first + rest]
+
+    @property
+    def unsent(self) -> int:
+        """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
+        return self.window_len - self.fed
+
+    def shift_context(self) -> None:
+        """Drop the oldest half of the generated tokens still in the window (llama.cpp's context
+        shift) and send the rest again from position 0: every node rebuilds this sample's cache
+        from the shorter window, so its positions (RoPE or learned) stay within the context."""
+        kept = len(self.token_ids) - self.dropped
+        self.dropped += max(1, kept // 2)
+        self.shifts.append(len(self.token_ids))
+        self.fed = 0
+
+
+def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens: int,
+                 seed: int) -> List[Sample]:
+    return [Sample(i, p, ids, max_new_tokens, sample_generator(seed, i))
+            for i, (p, ids) in enumerate(zip(prompts, prompt_ids))]

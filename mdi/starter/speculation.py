@@ -1,0 +1,212 @@
+"""Speculative decoding through the ring: the starter drafts, the ring verifies.
+
+A sample's pass carries its last accepted token and up to k drafted tokens, as rows at
+consecutive positions; every node writes them into the sample's KV slot as it writes prefill
+rows, and the last node returns every row (a "verify" frame). The starter's head scores each
+row and keeps the longest run of drafts the target agrees with, plus the target's own token
+after it: greedy output is exactly the plain run's, and with sampling each token is drawn by
+`sample_with_guess`, whose distribution is exactly the target's.
+
+Filling the ring: a sample alone in a ring of N boards leaves N - 1 of them idle. While a
+verification travels, the starter sends the next pass built on the drafts in flight (the
+"frontier": tokens guessed for the positions after the accepted ones), up to one pass per
+board. When a verification disagrees, every pass built on the rejected guesses is stale: the
+sample moves to a new epoch (every frame carries each sample's epoch), the starter ignores what
+comes back from older epochs, and a node that finds a later epoch of a slot queued behind an
+older pass drops that pass unrun (mdi.worker.run). Nothing is ever attended beyond a pass's own
+positions (attention reads a slot only up to each row's position), so the rows a stale pass
+wrote are simply overwritten by the next pass at those positions.
+
+How much to draft is measured per sample: the rolling acceptance `rate` (the fraction of drafted
+tokens the target agreed with) and the cost of a pass's extra rows (`row_cost`, a pass of 1 + k
+rows costs 1 + row_cost * k passes of one row, measured on the starter's chunk) choose k to
+maximise expected tokens per unit of pass time; when no k pays, the sample drafts nothing for a
+while and probes again later. Passes are built on guesses only while the ring has fewer
+decoding samples than boards, and no sample drafts once it holds more than one per board:
+plain decoding and batching fill the ring then (speculation yields to them).
+"""
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Protocol, Sequence, Tuple
+
+import torch
+
+from mdi.model.row_batch import RowBatch
+from mdi.runconfig import SpeculationSpec
+
+RATE_PRIOR = 0.5  # the acceptance assumed before a sample's first verification
+RATE_MEMORY = 0.85  # weight of the past in the rolling acceptance (per verified draft)
+PAUSE_TOKENS = 16  # plain tokens before a sample whose drafts do not pay drafts again
+MIN_GAIN = 1.05  # expected tokens per pass time a draft must beat plain decoding by
+MIN_CHAIN_SURVIVAL = 0.3  # a pass is built on the frontier only if it is this likely to stand
+
+
+class Drafter(Protocol):
+    """Proposes the tokens that follow a sample's history (the starter, per sample)."""
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Tokens the target accepted, in order, after those seen so far."""
+
+    def propose(self, frontier: Sequence[int], k: int) -> List[int]:
+        """Up to k tokens to follow the history and then `frontier` (tokens guessed earlier,
+        still being verified)."""
+
+
+class NgramDrafter:
+    """Prompt lookup (llama.cpp's ngram speculation, transformers' prompt_lookup): find the most
+    recent earlier place where the history's last n tokens occurred (n from ngram_max down to
+    ngram_min) and propose what followed it there. No model: free on the starter, and right
+    whenever the answer copies the prompt or itself (rewrites, quotes, code edits, lists)."""
+
+    KEEP = 4  # end positions remembered per n-gram (the latest one may be the query itself)
+
+    def __init__(self, history: Sequence[int], ngram_min: int = 2, ngram_max: int = 4) -> None:
+        self.n_min, self.n_max = ngram_min, ngram_max
+        self.tokens: List[int] = []
+        self.index: Dict[Tuple[int, ...], List[int]] = {}  # n-gram -> positions of its last token
+        self.commit(history)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.tokens.append(int(token))
+            end = len(self.tokens) - 1
+            for n in range(self.n_min, self.n_max + 1):
+                if end + 1 >= n:
+                    ends = self.index.setdefault(tuple(self.tokens[end + 1 - n:end + 1]), [])
+                    ends.append(end)
+                    if len(ends) > self.KEEP:
+                        del ends[0]
+
+    def propose(self, frontier: Sequence[int], k: int) -> List[int]:
+        if k < 1:
+            return []
+        tokens, n_hist = self.tokens, len(self.tokens)
+        length = n_hist + len(frontier)
+
+        def at(i: int) -> int:
+            return tokens[i] if i < n_hist else int(frontier[i - n_hist])
+
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            key = tuple(at(i) for i in range(length - n, length))
+            for end in reversed(self.index.get(key, ())):
+                if end >= length - 1:
+                    continue  # the query itself
+                out: List[int] = []
+                for j in range(k):
+                    pos = end + 1 + j
+                    # past the history's end the match continues into what is being proposed:
+                    # a repeating pattern proposes its own next period
+                    out.append(at(pos) if pos < length else out[pos - length])
+                return out
+        return []
+
+
+@dataclass
+class Pass:
+    """A pass of one sample in flight: its first position and rows."""
+    start: int
+    count: int
+
+
+@dataclass
+class SpecCounters:
+    """A run's drafting counters, summed over its samples (the metrics record's, /metrics')."""
+    drafted: int = 0  # guessed tokens whose verdict came back
+    accepted: int = 0
+    verifications: int = 0  # passes that came back carrying guesses
+    passes_stale: int = 0  # passes that came back after their guesses had failed
+    rows_wasted: int = 0  # rows the ring computed for nothing: rejected guesses and stale passes
+
+    def metrics(self) -> Dict[str, Any]:
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "accepted_per_pass": round(self.accepted / self.verifications, 4) if self.verifications else None,
+                "verifications": self.verifications, "passes_stale": self.passes_stale,
+                "rows_wasted": self.rows_wasted}
+
+
+class SpecState:
+    """One sample's speculation: its drafter, the guesses in flight and its measured acceptance."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.frontier: List[int] = []  # guessed tokens for the positions after the accepted ones
+        self.passes: Deque[Pass] = deque()  # its passes in flight in the current epoch, oldest first
+        self.rate = RATE_PRIOR
+        self.pause = 0  # plain passes left before drafting again
+
+    def forget_flight(self) -> None:
+        """Every pass in flight is lost or stale: the next pass starts from the accepted tokens."""
+        self.frontier = []
+        self.passes.clear()
+
+    def learn(self, agreed: int, verdicts: int) -> None:
+        """`verdicts` drafted tokens were judged, the first `agreed` of them accepted."""
+        for i in range(verdicts):
+            self.rate = RATE_MEMORY * self.rate + (1 - RATE_MEMORY) * (1.0 if i < agreed else 0.0)
+
+
+class SpecPolicy:
+    """How much one sample drafts and how many of its passes may be in flight."""
+
+    def __init__(self, spec: SpeculationSpec, n_stages: int, row_cost: float) -> None:
+        self.spec, self.n_stages, self.row_cost = spec, n_stages, row_cost
+
+    def draft_len(self, state: SpecState) -> int:
+        """The k that maximises expected accepted tokens per unit of pass time; 0 while
+        drafting does not pay."""
+        if state.pause > 0:
+            state.pause -= 1
+            return 0
+        a = min(state.rate, 0.999)
+        best, best_gain = 0, 1.0
+        for k in range(1, self.spec.max_draft + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + self.row_cost * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        if best_gain < MIN_GAIN:
+            state.pause = PAUSE_TOKENS
+            state.rate = max(state.rate, RATE_PRIOR)  # the probe after the pause starts fresh
+            return 0
+        return best
+
+    def depth(self, state: SpecState, decoding: int) -> int:
+        """Passes of this sample allowed in flight: one per board while the ring has boards
+        no other sample keeps busy and the chain is likely to stand, else one."""
+        if not self.spec.fill or decoding >= self.n_stages:
+            return 1
+        survival = state.rate ** max(1, len(state.frontier))
+        return min(self.n_stages, 1 + len(state.passes)) if survival >= MIN_CHAIN_SURVIVAL else 1
+
+    def active(self, decoding: int) -> bool:
+        """Whether samples draft at all: while the ring holds at most one decoding sample per
+        board (each pass then has boards or rows to spare); beyond, plain decoding and
+        batching fill it, and extra rows would take capacity from them."""
+        return self.spec.on and decoding <= self.n_stages
+
+
+def new_drafter(spec: SpeculationSpec, history: Sequence[int]) -> Drafter:
+    if spec.method == "ngram":
+        return NgramDrafter(history, spec.ngram_min, spec.ngram_max)
+    raise ValueError("speculation method %r has no drafter" % spec.method)
+
+
+def measure_row_cost(chunk: Any, rows: int, repeats: int = 3) -> float:
+    """A pass of 1 + (rows - 1) rows through `chunk` costs 1 + row_cost * (rows - 1) passes of one
+    row: the median of `repeats` timings of each, in a scratch cache slot (slot 0, before any
+    sample holds it). Memory-bound layers read their weights once for all rows, so it is small."""
+    device = next(chunk.parameters()).device
+    width = chunk.config.n_embd
+    timings: Dict[int, List[float]] = {1: [], rows: []}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for n in (1, rows):
+                batch = RowBatch.of([0], [0], [n], device)
+                x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
+                t0 = time.perf_counter()
+                chunk.forward_rows(x, batch)
+                timings[n].append(time.perf_counter() - t0)
+    one = sorted(timings[1])[len(timings[1]) // 2]
+    many = sorted(timings[rows])[len(timings[rows]) // 2]
+    return max(0.0, (many - one) / one / max(1, rows - 1))
