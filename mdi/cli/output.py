@@ -16,9 +16,9 @@ def report(result, args: argparse.Namespace) -> None:
     kernels = kernels_line(result)
     if kernels and not args.quiet:
         print(kernels, file=sys.stderr)
-    note = context_note(result)
-    if note:
-        print(note, file=sys.stderr)
+    for note in (speculation_line(result), context_note(result)):
+        if note:
+            print(note, file=sys.stderr)
     if args.metrics_out:
         write_json(args.metrics_out, result.metrics())
 
@@ -33,6 +33,19 @@ def context_note(result) -> Optional[str]:
             "generation.context_shift: true keeps going with a rolling window"
             % (len(cut), len(result.samples), result.extra.get("context", "?"), cut[0].max_new_tokens,
                "/".join(str(len(s.token_ids)) for s in cut)))
+
+
+def speculation_line(result) -> Optional[str]:
+    """What speculation did (drafted, accepted, per pass, stale passes); None when it was off."""
+    spec = result.nodes[0].speculation if result.nodes else {}
+    if not spec:
+        return None
+    if not spec["drafted"]:
+        return "mdi: speculation: nothing drafted (no n-gram of the output recurred, or drafts did not pay here)"
+    return ("mdi: speculation: %d tokens drafted, %d accepted (%.0f%%), %.2f accepted per verifying pass, "
+            "%d stale passes, %d rows computed for nothing"
+            % (spec["drafted"], spec["accepted"], 100 * spec["acceptance_rate"], spec["accepted_per_pass"],
+               spec["passes_stale"], spec["rows_wasted"]))
 
 
 def kernels_line(result) -> Optional[str]:

@@ -11,8 +11,8 @@ from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
-from mdi.runconfig import (ConfigError, GenerationSpec, ModelSpec, NodeSpec, RunConfig, RuntimeSpec, check_quant,
-                           load_config)
+from mdi.runconfig import (MAX_DRAFT_LIMIT, SPECULATION_METHODS, ConfigError, GenerationSpec, ModelSpec, NodeSpec,
+                           RunConfig, RuntimeSpec, check_quant, load_config, parse_speculation)
 
 
 def start_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,13 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-shift", action="store_true",
                    help="a sample that reaches the model's context drops the oldest half of its generated "
                         "tokens and goes on (generation.context_shift); without it, it stops there")
+    p.add_argument("--speculation", choices=SPECULATION_METHODS,
+                   help="speculative decoding (generation.speculation): ngram drafts tokens by prompt lookup "
+                        "over each sample's own prompt and output, and every pass verifies them in the ring; "
+                        "output is exactly the plain run's (greedy) or has its distribution. It pays on answers "
+                        "that copy (rewrites, quotes, code edits) and switches itself off where drafts miss")
+    p.add_argument("--draft-max", type=positive_int, metavar="K",
+                   help="with --speculation: drafted tokens per pass, at most (default 8, at most %d)" % MAX_DRAFT_LIMIT)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
@@ -94,6 +101,10 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
             setattr(g, key, value)
     if args.context_shift:
         g.context_shift = True
+    if args.speculation or args.draft_max:
+        raw = {"method": args.speculation or g.speculation.method, "max_draft": args.draft_max or g.speculation.max_draft,
+               "ngram_min": g.speculation.ngram_min, "ngram_max": g.speculation.ngram_max, "fill": g.speculation.fill}
+        g.speculation = parse_speculation("--speculation/--draft-max", raw)
     if args.dtype:
         cfg.model.dtype = args.dtype
     if args.compute_dtype:

@@ -44,33 +44,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     Nothing here sorts or scans the vocabulary more than a few times: on a 49152-token
     vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
     SmolLM2 layer pass (measured, 1 thread)."""
-    logits, probs = _target(logits, params)
-    return int(torch.argmax(logits)) if probs is None else _draw(probs, gen)
-
-
-def sample_with_guess(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, guess: int) -> int:
-    """The next token where a drafter guessed `guess` (speculative decoding), drawn so that its
-    distribution is exactly `sample_next`'s: greedy takes the argmax; otherwise the guess is
-    accepted with its probability p(guess), and on rejection the token is drawn from p with the
-    guess removed (speculative sampling with a one-hot draft: P(guess) = p(guess), and every
-    other x gets (1 - p(guess)) * p(x) / (1 - p(guess)) = p(x))."""
-    logits, probs = _target(logits, params)
-    if probs is None:
-        return int(torch.argmax(logits))
-    total = float(probs.sum(dtype=torch.float64))
-    p_guess = float(probs[guess]) if 0 <= guess < probs.numel() else 0.0
-    u = float(torch.rand(1, generator=gen, dtype=torch.float64))
-    if u * total < p_guess:  # u < 1, so a guess holding all the mass is always accepted
-        return guess
-    if p_guess > 0:
-        probs = probs.clone()
-        probs[guess] = 0.0
-    return _draw(probs, gen)
-
-
-def _target(logits: torch.Tensor, params: SamplingParams):
-    """(float32 logits on the host, the unnormalised probabilities to draw from, or None for
-    greedy); SamplingError if the logits are not finite."""
     logits = logits.float().cpu()
     # One float64 sum finds any NaN or infinity (it cannot overflow on float32 inputs): a
     # tenth of torch.isfinite(logits).all()'s time.
@@ -78,7 +51,7 @@ def _target(logits: torch.Tensor, params: SamplingParams):
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
                             % (int((~torch.isfinite(logits)).sum()), logits.numel()))
     if params.temperature == 0:
-        return logits, None
+        return int(torch.argmax(logits))
     # Shift so the best logit is 0 before dividing: every value stays <= 0, so no temperature,
     # however tiny, can overflow to inf - inf = NaN; a tiny one gives the argmax, as greedy does.
     logits = (logits - logits.max()) / params.temperature
@@ -88,7 +61,7 @@ def _target(logits: torch.Tensor, params: SamplingParams):
     probs = torch.softmax(logits, dim=-1)
     if params.top_p is not None and params.top_p < 1.0:
         probs = _nucleus(probs, params.top_p)
-    return logits, probs
+    return _draw(probs, gen)
 
 
 NUCLEUS_FIRST_K = 64  # candidates looked at first; 4x more while their mass is short of top_p

@@ -301,6 +301,8 @@ class Observer:
             "last_error": last_error,
             "slots": view.slots, "max_len": view.max_len, "in_flight": in_flight, "queue_length": queued,
             "nodes": nodes, "recoveries": recoveries,
+            # speculative decoding's counters on this ring (mdi.starter.speculation.SpecCounters)
+            "speculation": engine.pipeline.speculation_metrics() if engine is not None and engine.pipeline else {},
         }
         snap.update((k, v) for k, v in stats.items() if not k.startswith("starter_"))
         progress = getattr(view, "progress", None)
@@ -390,6 +392,7 @@ class Observer:
             "board_memory_used_bytes": mem.board_used_bytes, "board_memory_total_bytes": mem.board_total_bytes,
             "board_memory_source": mem.board_source,
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
+            "passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled,
             **c.batching.metrics(),
         })
         return entry

@@ -78,6 +78,15 @@ def metrics_text(snap: Dict[str, Any]) -> str:
             "allocations where it reports them).", per_node("memory_used_bytes"))
     out.add("mdi_node_memory_limit_bytes", "gauge", "Memory each node's process may grow to (--max-memory, "
             "else what it holds plus MemAvailable).", per_node("memory_limit_bytes"))
+    spec = snap.get("speculation") or {}
+    for key, what in (("drafted", "Tokens drafted by speculative decoding whose verdict came back."),
+                      ("accepted", "Drafted tokens the target accepted."),
+                      ("verifications", "Passes that came back carrying drafted tokens."),
+                      ("passes_stale", "Speculative passes that came back after their drafts had failed."),
+                      ("rows_wasted", "Token rows the ring computed for rejected drafts and stale passes.")):
+        out.add("mdi_speculation_%s_total" % key, "counter", what, [("", spec.get(key, 0))])
+    out.add("mdi_node_passes_cancelled_total", "counter", "Stale speculative passes each worker dropped unrun.",
+            per_node("passes_cancelled"))
     out.add("mdi_node_up", "gauge", "1 when the node answered /status (workers, replaced nodes and spares).",
             per_node("reachable", snap["nodes"]))
     return out.text()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Union
 
 from mdi.model.sampling import SamplingParams
+from mdi.runconfig import SpeculationSpec
 from mdi.serving.streaming import TextStream
 from mdi.starter.sample import FinishReason, Sample
 
@@ -36,8 +37,10 @@ class Request:
     `submit` only the scheduler thread touches it, except `mark_cancelled()` and `next_event()`."""
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
-                 seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0) -> None:
+                 seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0,
+                 speculation: Optional[SpeculationSpec] = None) -> None:
         self.id = uuid.uuid4().hex[:24]
+        self.speculation = speculation  # None: the server's generation.speculation
         self.adapter = adapter  # the LoRA adapter's id (0: the base model)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.max_tokens = int(max_tokens)

@@ -323,7 +323,8 @@ class Scheduler:
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
-                            sample_generator(seed, 0), slot=free.pop(0), params=req.params)
+                            sample_generator(seed, 0), slot=free.pop(0), params=req.params,
+                            speculation=req.speculation)
             if adapters:
                 adapters.prepare(sample, req.adapter)
             self._next_index += 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.sampling import SamplingParams
+from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
 BOTH = (COMPLETIONS, CHAT)
@@ -35,6 +36,14 @@ def _bad(name: str, expected: str) -> ApiError:
 
 
 # --- checks beyond type and range (take the value and the fields checked before it) ------
+
+def _speculation(value: Any, _: Dict[str, Any]) -> SpeculationSpec:
+    """mdi's extension: this request's speculative decoding, as generation.speculation says it."""
+    try:
+        return parse_speculation("speculation", value)
+    except ConfigError as e:
+        raise ApiError(400, "'speculation': %s" % str(e).split(": ", 1)[-1], "speculation")
+
 
 def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:
     stops = [value] if isinstance(value, str) else value
@@ -121,6 +130,8 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("stop", (str, list), "a string or a list of strings", default=(), check=_stop_strings),
     Field("stream", (bool,), "true or false", default=False),
     Field("stream_options", (dict,), "an object", default={}, check=_stream_options),
+    Field("speculation", (str, dict, bool), "off, ngram or an object like generation.speculation",
+          check=_speculation),  # None: the server's generation.speculation
 )
 
 
@@ -184,6 +195,7 @@ class Options:
     stop: Sequence[str]
     stream: bool
     include_usage: bool
+    speculation: Optional[SpeculationSpec] = None  # None: the server's
 
 
 def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) -> Tuple[Options, Dict[str, Any]]:
@@ -194,5 +206,5 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
                             defaults.top_k if v["top_k"] is None else v["top_k"],
                             defaults.top_p if v["top_p"] is None else float(v["top_p"]))
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], v["stop"],
-                      v["stream"], v["stream_options"].get("include_usage") is True)
+                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"])
     return options, v

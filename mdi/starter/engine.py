@@ -59,6 +59,7 @@ class Engine:
         # Whether samples may draft (the run's generation.speculation; serving may set it for
         # per-request speculation before open)
         self.speculating = self.cfg.generation.speculation.on
+        self.drafter_factory: Optional[Callable[[Sample], Any]] = None  # measurement's drafters (mdi.lab)
         self.t0 = time.perf_counter()
 
     # The ring in hand, read from the plan (the dashboard, metrics and serving show these).
@@ -93,7 +94,7 @@ class Engine:
                                  max_batch=self.plan.max_batch, prefill_chunk=self.plan.prefill_chunk,
                                  context_shift=self.cfg.generation.context_shift,
                                  speculation=self.cfg.generation.speculation, n_stages=len(self.nodes),
-                                 tag_epochs=self.speculating)
+                                 tag_epochs=self.speculating, drafter_factory=self.drafter_factory)
         if self.speculating:  # before any sample holds a slot: it times passes in slot 0
             self.pipeline.row_cost = measure_row_cost(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
             log.info("mdi: starter: a pass's extra row costs %.3f of a one-row pass", self.pipeline.row_cost)

@@ -23,13 +23,13 @@ import torch
 
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
-from mdi.model.sampling import SamplingError, SamplingParams, sample_next, sample_with_guess
+from mdi.model.sampling import SamplingError, SamplingParams, sample_next
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.sample import FinishReason, Sample
-from mdi.starter.speculation import Pass, SpecCounters, SpecPolicy, SpecState, new_drafter
+from mdi.starter.speculation import Drafter, Pass, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ class Pipeline:
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, context_shift: bool = False,
-                 speculation: Optional[SpeculationSpec] = None, n_stages: int = 1, tag_epochs: bool = False) -> None:
+                 speculation: Optional[SpeculationSpec] = None, n_stages: int = 1, tag_epochs: bool = False,
+                 drafter_factory: Optional[Callable[[Sample], Drafter]] = None) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
         self.chunk, self.params = chunk, params
@@ -115,6 +116,8 @@ class Pipeline:
         self.tag_epochs = tag_epochs or self.speculation.on
         self._epochs = itertools.count(1)
         self.spec_counters = SpecCounters()
+        # a sample's drafter when not the speculation method's own (measurement: mdi.lab.oracle_drafter)
+        self.drafter_factory = drafter_factory
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
@@ -145,7 +148,8 @@ class Pipeline:
         self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
         sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
         if spec.on and sample.spec is None:
-            sample.spec = SpecState(new_drafter(spec, sample.prompt_ids + sample.token_ids))
+            sample.spec = SpecState(self.drafter_factory(sample) if self.drafter_factory is not None
+                                    else new_drafter(spec, sample.prompt_ids + sample.token_ids))
         if sample.spec is not None:
             sample.spec.forget_flight()
         if sample.window_len > self.chunk.cache.max_len:
@@ -326,8 +330,11 @@ class Pipeline:
         for i in range(done_pass.count):
             guess = spec.frontier[i] if i < len(spec.frontier) else None
             try:
-                token = sample_next(logits[i], params, sample.rng) if guess is None \
-                    else sample_with_guess(logits[i], params, sample.rng, guess)
+                # Drawn exactly as without a guess, one uniform per token: a guess is accepted when
+                # the draw agrees with it, which happens with probability p(guess), the most any
+                # scheme can accept a one-hot draft with. So each token is the plain run's own,
+                # greedy or sampled with the same seed, whatever was guessed or still in flight.
+                token = sample_next(logits[i], params, sample.rng)
             except SamplingError as e:
                 self._fail(sample, e)
                 break

@@ -45,6 +45,7 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
         registry.close()
         raise
     engine = Engine(plan, source, params, on_token, adapters=adapters, registry=registry)
+    engine.speculating = True  # a request may ask for speculation (its "speculation" field)
     try:
         engine.open()
         reported = reported_slots(engine)

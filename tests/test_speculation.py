@@ -1,0 +1,251 @@
+"""Speculative decoding (mdi.starter.speculation): drafts verified in the ring give exactly the
+plain run's tokens, greedy or sampled with the same seed, whatever the drafter guesses, however
+many passes are in flight, on one node or a ring of real processes, through recovery."""
+import collections
+import math
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from conftest import CHARS, tiny_model, worker_pool
+from ringconfigs import parse_run_config
+from mdi.lab.oracle_drafter import OracleDrafter
+from mdi.model.sampling import SamplingParams, sample_generator, sample_next
+from mdi.ring import wire
+from mdi.ring.transport import LocalLoop
+from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
+from mdi.starter import batch
+from mdi.starter.pipeline import Pipeline
+from mdi.starter.sample import Sample
+from mdi.starter.speculation import NgramDrafter
+
+PROMPTS = ["The quick brown fox jumps", "abcabcabcabc", "To be, or not to be, that is", "x"]
+
+
+# --- the n-gram drafter --------------------------------------------------------------------
+
+def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
+    d = NgramDrafter([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2], ngram_min=2, ngram_max=3)
+    # "1 2" last occurred at positions 9..10 followed by 3, 7, 8 (not the older 3, 4, 5)
+    assert d.propose([], 3) == [3, 7, 8]
+    assert d.propose([3], 2) == [7, 8]  # the frontier extends the query: "2 3" -> 7, 8
+    assert d.propose([], 0) == []
+    assert NgramDrafter([5, 6, 7, 8]).propose([], 4) == []  # nothing recurs
+    d.commit([3, 7])
+    assert d.propose([], 2) == [8, 1]  # what was accepted is searched too
+
+
+def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
+    d = NgramDrafter([1, 2, 3, 1, 2, 3, 1, 2], ngram_min=2, ngram_max=4)
+    assert d.propose([], 7) == [3, 1, 2, 3, 1, 2, 3]
+
+
+# --- exactness on one node, passes in flight as in a ring ------------------------------------
+
+def run_local(chunk, prompts, n_tokens, spec=None, factory=None, params=SamplingParams(0.0), n_stages=3,
+              max_batch=1, context_shift=False, seed=3):
+    """Samples run on a LocalLoop whose policy believes in `n_stages` boards: up to that many
+    passes of one sample in flight, returned in order as a ring returns them."""
+    samples = [Sample(i, p, [CHARS.index(c) for c in p], n_tokens, sample_generator(seed, i))
+               for i, p in enumerate(prompts)]
+    pipe = Pipeline(chunk, LocalLoop(), 1, params, None, max_batch=max_batch, prefill_chunk=8,
+                    context_shift=context_shift, speculation=spec, n_stages=n_stages, drafter_factory=factory)
+    pipe.row_cost = 0.0  # rows are free here: draft as much as the acceptance pays for
+    with torch.no_grad():
+        pipe.run(samples)
+    return [s.token_ids for s in samples], pipe
+
+
+def oracle(reference, agree, seed=0):
+    return lambda s: OracleDrafter(s.prompt_ids + s.token_ids, len(s.prompt_ids), reference[s.index], agree,
+                                   seed=seed + s.index, vocab=len(CHARS))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_drafter_gives_the_plain_greedy_tokens(family):
+    chunk = tiny_model(family)
+    chunk.allocate_cache(4, 128)
+    plain, _ = run_local(chunk, PROMPTS[:2], 40)
+    ngram = SpeculationSpec("ngram", max_draft=6)
+    for factory, n_stages, what in ((None, 1, "ngram, verify only"), (None, 3, "ngram, filling"),
+                                    (oracle(plain, 1.0), 3, "always right"), (oracle(plain, 0.0), 3, "always wrong"),
+                                    (oracle(plain, 0.6), 2, "right 60%"), (oracle(plain, 0.85), 3, "right 85%")):
+        got, pipe = run_local(chunk, PROMPTS[:2], 40, ngram, factory, n_stages=n_stages, max_batch=2)
+        assert got == plain, what
+        c = pipe.spec_counters
+        if what == "always right":
+            assert c.accepted == c.drafted > 0 and c.passes_stale == 0
+        if what == "always wrong":
+            assert c.accepted == 0
+        if what.startswith("right"):
+            assert 0 < c.accepted < c.drafted
+        if what == "right 85%":  # passes were built on guesses that then failed
+            assert c.passes_stale > 0
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_random_accept_patterns_over_a_thousand_tokens_never_drift(family):
+    """Acceptance that changes at random, windows that shift past the cache's end and passes
+    built on guesses that fail: more than 1000 tokens, each the plain run's."""
+    chunk = tiny_model(family)
+    chunk.allocate_cache(2, 96)
+    plain, _ = run_local(chunk, ["The cat"], 1100, context_shift=True)
+    rng = random.Random(5)
+    for n_stages in (1, 3):
+        agree = [rng.choice((0.0, 0.5, 0.9, 1.0)) for _ in range(1100)]
+
+        class Moody(OracleDrafter):  # right with a probability that changes along the answer
+            def _guess(self, position):
+                self.agree = agree[position]
+                return OracleDrafter._guess(self, position)
+
+        factory = lambda s: Moody(s.prompt_ids, len(s.prompt_ids), plain[0], 0.5, seed=n_stages, vocab=len(CHARS))
+        got, pipe = run_local(chunk, ["The cat"], 1100, SpeculationSpec("ngram", max_draft=8), factory,
+                              n_stages=n_stages, context_shift=True)
+        assert got == plain, n_stages
+        assert pipe.context_shifts > 5 and pipe.spec_counters.accepted > 100
+
+
+def test_sampled_tokens_with_speculation_are_the_plain_run_s_with_the_same_seed():
+    chunk = tiny_model("llama")
+    chunk.allocate_cache(4, 128)
+    params = SamplingParams(0.8, None, 0.95)
+    plain, _ = run_local(chunk, PROMPTS[:3], 40, params=params)
+    other_seed, _ = run_local(chunk, PROMPTS[:3], 40, params=params, seed=4)
+    assert other_seed != plain  # the seed matters: the equality below is not a coincidence
+    for agree in (0.0, 0.7, 1.0):
+        got, pipe = run_local(chunk, PROMPTS[:3], 40, SpeculationSpec("ngram"), oracle(plain, agree),
+                              params=params, n_stages=3, max_batch=3)
+        assert got == plain, agree
+
+
+def test_a_draft_is_accepted_as_often_as_the_target_draws_it():
+    """Chi-square: at a fixed context, drafting the target's most likely token is accepted with
+    its probability under temperature 0.8 and top-p 0.9, and the tokens drawn follow that
+    distribution (a test at the 0.1% level, seeded: it cannot flake)."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, -3.0, 0.7])
+    params = SamplingParams(0.8, None, 0.9)
+    probs = torch.softmax(logits / 0.8, -1)
+    order = torch.argsort(probs, descending=True)
+    keep = (torch.cumsum(probs[order], 0) - probs[order]) < 0.9
+    p = torch.zeros_like(probs)
+    p[order[keep]] = probs[order[keep]]
+    p /= p.sum()
+    gen = sample_generator(11, 0)
+    n = 20000
+    counts = collections.Counter(sample_next(logits, params, gen) for _ in range(n))
+    guess = int(torch.argmax(logits))
+    chi2 = sum((counts[i] - n * float(p[i])) ** 2 / (n * float(p[i])) for i in range(8) if p[i] > 0)
+    dof = int((p > 0).sum()) - 1
+    assert chi2 < {3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}[dof]
+    assert all(counts[i] == 0 for i in range(8) if p[i] == 0)
+    accepted = counts[guess] / n
+    assert math.isclose(accepted, float(p[guess]), abs_tol=4 * math.sqrt(p[guess] * (1 - p[guess]) / n))
+
+
+# --- a ring of real processes -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def three_workers():
+    yield from worker_pool(3)
+
+
+def ring_run(model, workers, spec, prompts, n_tokens=40, spares=(), on_token=None, factory=None,
+             generation=None, quant=None):
+    g = dict(generation or {})
+    g["speculation"] = spec
+    cfg = parse_run_config(model, workers, "spec", spares=spares, n_tokens=n_tokens, generation=g, quant=quant,
+                           runtime={"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 10})
+    hook = None
+    if factory is not None:
+        def hook(engine):
+            engine.drafter_factory = factory
+    return batch.run(cfg, prompts, on_token=on_token, on_engine=hook)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_ring_verifies_drafts_and_gives_the_plain_tokens(tiny_models, three_workers, family):
+    model = tiny_models[family]
+    prompts = PROMPTS[:2]  # no more samples than boards: they draft
+    for workers in (three_workers[:1], three_workers[:2]):
+        plain = [s.token_ids for s in ring_run(model, workers, "off", prompts).samples]
+        for spec, factory in (({"method": "ngram", "max_draft": 6}, None),
+                              ("ngram", lambda s: OracleDrafter(s.prompt_ids, len(s.prompt_ids), plain[s.index], 1.0,
+                                                                vocab=len(CHARS))),
+                              ("ngram", lambda s: OracleDrafter(s.prompt_ids, len(s.prompt_ids), plain[s.index], 0.5,
+                                                                seed=s.index, vocab=len(CHARS)))):
+            result = ring_run(model, workers, spec, prompts, factory=factory)
+            assert [s.token_ids for s in result.samples] == plain, (len(workers), spec)
+            record = result.metrics()["nodes"][0]["speculation"]
+            assert record["drafted"] >= record["accepted"] >= 0
+        assert record["drafted"] > 0 and record["verifications"] > 0
+
+
+def test_smollm2_int4_ring_with_ngram_speculation_gives_the_plain_tokens(smollm2_dir, three_workers):
+    prompt = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+              "Here is the same code again:\n")
+    plain = ring_run(smollm2_dir, three_workers[:2], "off", [prompt], n_tokens=48)
+    spec = ring_run(smollm2_dir, three_workers[:2], "ngram", [prompt], n_tokens=48)
+    assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
+    record = spec.metrics()["nodes"][0]["speculation"]
+    assert record["accepted"] > 0, record
+
+
+def test_a_killed_worker_s_replay_keeps_the_tokens(tiny_models):
+    model = tiny_models["llama"]
+    prompts = PROMPTS[:2]
+    for workers in worker_pool(3):
+        board1, board2, spare = workers
+        plain = [s.token_ids for s in ring_run(model, [board1, board2], "off", prompts, n_tokens=60,
+                                               spares=[spare]).samples]
+        kill_at, count = random.Random().randint(10, 90), [0]
+
+        def on_token(sample, token):
+            count[0] += 1
+            if count[0] == kill_at:
+                os.kill(board1.proc.pid, signal.SIGKILL)
+        factory = lambda s: OracleDrafter(s.prompt_ids, len(s.prompt_ids), plain[s.index], 0.7, seed=s.index,
+                                          vocab=len(CHARS))
+        result = ring_run(model, [board1, board2], "ngram", prompts, n_tokens=60, spares=[spare],
+                          on_token=on_token, factory=factory)
+        assert [s.token_ids for s in result.samples] == plain, "killed at token %d" % kill_at
+        assert len(result.extra["recoveries"]) == 1
+
+
+# --- bad input: one line, before any weight moves --------------------------------------------
+
+@pytest.mark.parametrize("raw, message", [
+    ("lookahead", "method: expected one of off, ngram, got 'lookahead'"),
+    ({"method": "ngram", "max_draft": 0}, "max_draft: expected an integer in [1, 32], got 0"),
+    ({"method": "ngram", "max_draft": 99}, "max_draft: expected an integer in [1, 32], got 99"),
+    ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "expected 1 <= ngram_min <= ngram_max <= 16"),
+    ({"method": "ngram", "draft": "x"}, "unknown key 'draft'"),
+    ({"method": "ngram", "fill": "yes"}, "fill"),
+])
+def test_bad_speculation_settings_are_refused_in_one_line(raw, message):
+    with pytest.raises(ConfigError) as e:
+        parse_speculation("ring.yaml: generation.speculation", raw)
+    assert message in str(e.value) and "\n" not in str(e.value) and "generation.speculation" in str(e.value)
+
+
+def test_yaml_off_and_on_mean_off_and_ngram():
+    assert not parse_speculation("x", False).on and parse_speculation("x", True).method == "ngram"
+    assert parse_speculation("x", None).method == "off"
+
+
+def test_verify_frames_return_every_row_and_epochs_are_checked():
+    x = torch.randn(5, 16)
+    frame = wire.Frame("verify", 7, [0, 1], [3, 9], [2, 3], x, epochs=[4, 0])
+    back = wire.decode(wire.encode(frame), run=7, hidden=16)
+    assert back.kind == "verify" and back.epochs == [4, 0] and torch.equal(back.tensor, x)
+    header, payload = wire.encode(wire.Frame("verify", 7, [0, 1], [3, 9], [2, 3], x[:2]))
+    with pytest.raises(wire.FrameError, match="shape rows 2 do not match"):
+        wire.decode([header, bytes(payload)])
+    import msgpack
+    header, payload = wire.encode(frame)
+    bad = msgpack.packb(dict(msgpack.unpackb(header), epoch=[-1, 2]))
+    with pytest.raises(wire.FrameError, match="epoch has a value outside"):
+        wire.decode([bad, bytes(payload)])
