@@ -167,33 +167,7 @@ class Pipeline:
         fill the ring for them) leave in frames of their own, whose every row comes back."""
         ready = sorted(self.ready, key=lambda s: s.unsent)  # stable: arrival order among equals
         self.ready = []
-        decoding = sum(1 for s in self.active.values() if s.fed >= len(s.prompt_ids))
-        policy = SpecPolicy(self.speculation, self.n_stages, self.row_cost)
-        speculative: List[Tuple[Sample, int, List[int]]] = []
-        plain = []
-        for sample in ready:
-            if sample.spec is not None and sample.fed >= len(sample.prompt_ids) and sample.unsent == 1:
-                speculative.append(self._spec_pass(sample, policy, decoding, first=True))
-            else:
-                plain.append(sample)
-        for sample in list(self.active.values()):  # fill the ring with passes built on guesses
-            spec = sample.spec
-            while spec is not None and spec.passes and not sample.done and \
-                    len(spec.passes) < policy.depth(spec, decoding) and policy.active(decoding):
-                one = self._spec_pass(sample, policy, decoding, first=False)
-                if one is None:
-                    break
-                speculative.append(one)
-        while speculative:
-            group, rows = speculative[:self.max_batch], 0
-            for i, (_, _, tokens) in enumerate(group):
-                rows += len(tokens)
-                if i and rows > self.prefill_chunk + self.max_batch:
-                    group = group[:i]
-                    break
-            speculative = speculative[len(group):]
-            self._send_pass([g[0] for g in group], [len(g[2]) for g in group], [(g[1], g[2]) for g in group])
-        ready = plain
+        ready = self._send_speculative(ready)
         while ready:
             group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
@@ -209,7 +183,41 @@ class Pipeline:
             self._send_pass(group, counts)
             ready = sorted(rest, key=lambda s: s.unsent)
 
-    def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int, first: bool):
+    def _send_speculative(self, ready: List[Sample]) -> List[Sample]:
+        """Send the passes of the decoding samples that speculate, and the passes that fill
+        the ring for them, in frames of their own; return the other ready samples."""
+        decoding = sum(1 for s in self.active.values() if s.fed >= len(s.prompt_ids))
+        policy = SpecPolicy(self.speculation, self.n_stages, self.row_cost)
+        passes: List[Tuple[Sample, int, List[int]]] = []
+        plain = []
+        for sample in ready:
+            one = self._spec_pass(sample, policy, decoding, first=True) \
+                if sample.spec is not None and sample.fed >= len(sample.prompt_ids) and sample.unsent == 1 else None
+            if one is None:
+                plain.append(sample)
+            else:
+                passes.append(one)
+        for sample in list(self.active.values()):  # fill the ring with passes built on guesses
+            spec = sample.spec
+            while spec is not None and spec.passes and not sample.done and \
+                    len(spec.passes) < policy.depth(spec, decoding) and policy.active(decoding):
+                one = self._spec_pass(sample, policy, decoding, first=False)
+                if one is None:
+                    break
+                passes.append(one)
+        while passes:
+            frame, rows = passes[:self.max_batch], 0
+            for i, (_, _, tokens) in enumerate(frame):
+                rows += len(tokens)
+                if i and rows > self.prefill_chunk + self.max_batch:
+                    frame = frame[:i]
+                    break
+            passes = passes[len(frame):]
+            self._send_pass([f[0] for f in frame], [len(f[2]) for f in frame], [(f[1], f[2]) for f in frame])
+        return plain
+
+    def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int,
+                   first: bool) -> Optional[Tuple[Sample, int, List[int]]]:
         """(sample, start, tokens) of a speculating sample's next pass: `first`, from its
         accepted tokens (its last one and up to k drafts after it); else one more pass built on
         the guesses in flight (None when the drafter has none to add)."""

@@ -148,7 +148,7 @@ class Run:
         self.rows_cancelled += sum(frame.count) - sum(frame.count[i] for i in keep)
         if not keep:
             return None
-        rows = []
+        rows: List[int] = []
         row = 0
         for i, count in enumerate(frame.count):
             if i in keep:

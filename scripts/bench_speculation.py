@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Speculative decoding through the ring (issue 42): one user, several boards.
+
+Every ratio comes from one run of this script, on this machine, on the shipped SmolLM2-135M
+(int4, quant: auto; runtime.quant_kernel fast), greedy, S = 1 unless said:
+
+  setups    loopback: a ring of 3 processes x 1 thread (the starter here, 2 mdi-workers);
+            emulated: the same 3 processes each held to --board-cores of CPU (cgroup v1 quota;
+            skipped, and said so, where cgroups cannot be used). "one board" is the starter
+            alone on the same CPU share, plain decoding.
+  prompts   scripts/speculation_prompts.json: "copy" prompts (rewrite, quote, fix, refactor:
+            answers that copy the prompt) and "free" ones, each in the model's chat template,
+            each run cold (a new sample and drafter; the ring stays up between prompts).
+  modes     plain ring; ngram (prompt lookup, filling the ring); ngram without filling.
+  sweep     a drafter that agrees with the target with probability a (mdi.lab.oracle_drafter),
+            a = 0.3 .. 0.9, with and without filling, beside a simple model of the speed-up.
+  batch     --batch samples at once (default 12), plain vs ngram: speculation must yield.
+
+Decode speed is (tokens - 1) / (last token time - first token time) per prompt: prefill,
+the same in every mode, is left out. The record (JSON) keeps every prompt's figures and the
+machine's CPU (its ISA decides which kernels win); --plot draws tokens/s against a.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import (DEFAULT_MODEL, ROOT, CpuCgroups, WorkerProcess, cgroup_unavailable_reason,  # noqa: E402
+                      decode_timing, finish_machine_info, machine_info, note_load, print_table, save_record,
+                      summarize)
+
+PROMPTS_FILE = os.path.join(ROOT, "scripts", "speculation_prompts.json")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--tokens", type=int, default=96, help="new tokens per prompt (default 96)")
+    p.add_argument("--prompts", default=PROMPTS_FILE, help="JSON {copy: [...], free: [...]}")
+    p.add_argument("--n-prompts", type=int, default=10, help="prompts of each set (default 10)")
+    p.add_argument("--setups", default="loopback,emulated", help="loopback, emulated or both")
+    p.add_argument("--board-cores", type=float, default=0.5, help="CPU share of an emulated board (default 0.5)")
+    p.add_argument("--sweep", default="0.3,0.5,0.7,0.9", help="oracle acceptances (empty: no sweep)")
+    p.add_argument("--sweep-prompts", type=int, default=3, help="prompts per sweep point (default 3)")
+    p.add_argument("--batch", type=int, default=12, help="samples of the batch comparison (0: skip)")
+    p.add_argument("--kernel", default="fast", help="runtime.quant_kernel (default fast)")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_speculation.json"))
+    p.add_argument("--plot", default=os.path.join(ROOT, "results", "bench_speculation.png"))
+    return p.parse_args(argv)
+
+
+class Ring:
+    """A starter engine in this process and its workers, opened once: prompts run one after
+    another, each a fresh sample with its own speculation setting and drafter."""
+
+    def __init__(self, model: str, workers: List[Any], kernel: str, n_slots: int, max_len: int) -> None:
+        from mdi.model.sampling import SamplingParams
+        from mdi.model.source import ModelSource
+        from mdi.runconfig import parse_config
+        from mdi.starter.engine import Engine
+        from mdi.starter.run_plan import plan_run
+        from mdi.starter.run_shape import RunShape
+        nodes = [{"name": "starter", "port": 1}] + [w.node() for w in workers]
+        cfg = parse_config({"model": {"path": model}, "nodes": nodes,
+                            "generation": {"temperature": 0, "speculation": "ngram"},
+                            "runtime": {"threads": 1, "quant_kernel": kernel}}, "bench_speculation")
+        self.source = ModelSource(model)
+        params = SamplingParams(0.0)
+        plan = plan_run(cfg, self.source, RunShape(n_slots, max_len), params)
+        self.engine = Engine(plan, self.source, params)
+        self.engine.open()
+
+    def generate(self, prompts: List[List[int]], n_tokens: int, spec: Any,
+                 factory: Optional[Callable] = None) -> List[Any]:
+        from mdi.model.sampling import sample_generator
+        from mdi.starter.sample import Sample
+        from mdi.starter.speculation import SpecCounters
+        self.engine.pipeline.drafter_factory = factory
+        self.engine.pipeline.spec_counters = SpecCounters()  # this call's counters only
+        samples = [Sample(i, "", list(ids), n_tokens, sample_generator(1, i), speculation=spec)
+                   for i, ids in enumerate(prompts)]
+        self.engine.run(samples)
+        return samples
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def decode_speed(samples: List[Any]) -> float:
+    """Aggregate decode tokens/s of samples that ran together (prefill left out)."""
+    t0 = min(s.token_times[0] for s in samples)
+    t1 = max(s.token_times[-1] for s in samples)
+    return sum(len(s.token_ids) - 1 for s in samples) / (t1 - t0)
+
+
+def modes() -> Dict[str, Any]:
+    from mdi.runconfig import SpeculationSpec
+    return {"plain": SpeculationSpec("off"), "ngram": SpeculationSpec("ngram"),
+            "ngram_nofill": SpeculationSpec("ngram", fill=False)}
+
+
+def run_prompts(ring: Ring, sets: Dict[str, List[List[int]]], n_tokens: int) -> Dict[str, Any]:
+    """Each prompt of each set in every mode, alternating modes prompt by prompt."""
+    out: Dict[str, Any] = {}
+    for name, prompts in sets.items():
+        per: Dict[str, List[float]] = {m: [] for m in modes()}
+        spec_stats: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes()}
+        for ids in prompts:
+            reference = None
+            for mode, spec in modes().items():
+                (sample,) = ring.generate([ids], n_tokens, spec)
+                if reference is None:
+                    reference = sample.token_ids
+                elif sample.token_ids != reference:
+                    raise SystemExit("speculation changed the tokens (%s, %s set)" % (mode, name))
+                per[mode].append(decode_timing(sample.token_times)["tokens_per_s"])
+                spec_stats[mode].append(ring.engine.pipeline.spec_counters.metrics())
+        out[name] = {m: {"tokens_per_s": summarize(v),
+                         "vs_plain": summarize([a / b for a, b in zip(v, per["plain"])]),
+                         "acceptance": [s["acceptance_rate"] for s in spec_stats[m]],
+                         "accepted_per_pass": [s["accepted_per_pass"] for s in spec_stats[m]]}
+                     for m, v in per.items()}
+        print_table("%s prompts (decode tokens/s, median [min, max] of %d)" % (name, len(prompts)),
+                    ["mode", "tokens/s", "x plain ring"],
+                    [[m, _fmt(r["tokens_per_s"]), _fmt(r["vs_plain"], "%.2f")] for m, r in out[name].items()])
+    return out
+
+
+def sweep(ring: Ring, prompts: List[List[int]], n_tokens: int, agrees: List[float]) -> Dict[str, Any]:
+    from mdi.lab.oracle_drafter import OracleDrafter
+    from mdi.runconfig import SpeculationSpec
+    out: Dict[str, Any] = {}
+    for a in agrees:
+        row: Dict[str, List[float]] = {"plain": [], "fill": [], "nofill": []}
+        for ids in prompts:
+            (plain,) = ring.generate([ids], n_tokens, SpeculationSpec("off"))
+            row["plain"].append(decode_timing(plain.token_times)["tokens_per_s"])
+            for mode, fill in (("fill", True), ("nofill", False)):
+                def factory(s, ref=plain.token_ids):
+                    return OracleDrafter(s.prompt_ids + s.token_ids, len(s.prompt_ids), ref, a, seed=7)
+                (sample,) = ring.generate([ids], n_tokens, SpeculationSpec("ngram", fill=fill), factory)
+                assert sample.token_ids == plain.token_ids
+                row[mode].append(decode_timing(sample.token_times)["tokens_per_s"])
+        out[str(a)] = {m: summarize(v) for m, v in row.items()}
+        out[str(a)].update({"%s_vs_plain" % m: summarize([x / p for x, p in zip(row[m], row["plain"])])
+                            for m in ("fill", "nofill")})
+        print("a=%.1f: plain %s, verify only %s (x%.2f), filling %s (x%.2f)" % (
+            a, _fmt(out[str(a)]["plain"]), _fmt(out[str(a)]["nofill"]), out[str(a)]["nofill_vs_plain"]["median"],
+            _fmt(out[str(a)]["fill"]), out[str(a)]["fill_vs_plain"]["median"]))
+    return out
+
+
+def theory(a: float, k: int, row_cost: float, stages: int) -> Dict[str, float]:
+    """Speed-up over the plain ring of verification alone (k drafts, each accepted with
+    probability a independently, a pass of 1 + k rows costing 1 + row_cost * k) and its bound
+    with the ring filled (one pass per board in flight, every chain standing)."""
+    expected = (1 - a ** (k + 1)) / (1 - a)
+    verify = expected / (1 + row_cost * k)
+    return {"verify": verify, "fill_bound": verify * stages}
+
+
+def _fmt(s: Dict[str, Any], fmt: str = "%.1f") -> str:
+    return "n/a" if s["median"] is None else "%s [%s, %s]" % (fmt % s["median"], fmt % s["min"], fmt % s["max"])
+
+
+def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str, Any]:
+    n_slots = max(args.batch, 1)
+    longest = max(len(ids) for p in sets.values() for ids in p)
+    max_len = longest + args.tokens + 8
+    cgroups = None
+    if setup == "emulated":
+        cgroups = CpuCgroups("mdi_bench_spec")
+        for name in ("starter", "board1", "board2"):
+            cgroups.create(name)
+            cgroups.set_quota(name, args.board_cores, 20000)
+        cgroups.join("starter")
+    workers: List[Any] = []
+    record: Dict[str, Any] = {"board_cores": args.board_cores if cgroups else None}
+    try:
+        alone = Ring(args.model, [], args.kernel, n_slots, max_len)
+        record["one_board"] = {name: summarize([decode_timing(alone.generate([ids], args.tokens,
+                                                                              modes()["plain"])[0].token_times)
+                                                ["tokens_per_s"] for ids in prompts])
+                               for name, prompts in sets.items()}
+        alone.close()
+        for i in range(2):
+            workers.append(WorkerProcess("board%d" % (i + 1), 1, log_dir,
+                                         cgroups.preexec("board%d" % (i + 1)) if cgroups else None))
+        for w in workers:
+            w.wait_healthy(90)
+        ring = Ring(args.model, workers, args.kernel, n_slots, max_len)
+        record["row_cost"] = ring.engine.pipeline.row_cost
+        print("\n== %s: 3 nodes%s; a pass's extra row costs %.2f of a one-row pass on the starter"
+              % (setup, ", %.2f core each" % args.board_cores if cgroups else " x 1 thread", record["row_cost"]))
+        record["prompts"] = run_prompts(ring, sets, args.tokens)
+        for name in sets:
+            ring_ngram = record["prompts"][name]["ngram"]["tokens_per_s"]["median"]
+            record["prompts"][name]["ngram_vs_one_board"] = ring_ngram / record["one_board"][name]["median"]
+            print("%s: ngram ring / one board alone (plain): %.2f" % (name, record["prompts"][name]["ngram_vs_one_board"]))
+        agrees = [float(a) for a in args.sweep.split(",") if a]
+        if agrees:
+            record["sweep"] = sweep(ring, sets["free"][:args.sweep_prompts], args.tokens, agrees)
+            record["theory"] = {str(a): theory(a, 8, record["row_cost"], 3) for a in agrees}
+        if args.batch:
+            both = {}
+            prompts = [sets["copy"][i % len(sets["copy"])] for i in range(args.batch)]
+            for mode in ("plain", "ngram", "plain", "ngram"):
+                both.setdefault(mode, []).append(decode_speed(ring.generate(prompts, args.tokens, modes()[mode])))
+            record["batch"] = {"samples": args.batch, **{m: summarize(v) for m, v in both.items()},
+                               "ngram_vs_plain": summarize([n / p for n, p in zip(both["ngram"], both["plain"])])}
+            print("S=%d: plain %s, ngram %s tokens/s (x%.2f)" % (args.batch, _fmt(record["batch"]["plain"]),
+                  _fmt(record["batch"]["ngram"]), record["batch"]["ngram_vs_plain"]["median"]))
+        ring.close()
+    finally:
+        for w in workers:
+            w.stop()
+        if cgroups is not None:
+            for problem in cgroups.cleanup():
+                print("warning: %s" % problem, file=sys.stderr)
+    return record
+
+
+def encode_sets(model: str, path: str, n: int) -> Dict[str, List[List[int]]]:
+    from mdi.model.source import ModelSource
+    from mdi.serving.prompts import ChatTemplate
+    with open(path) as f:
+        raw = json.load(f)
+    tok = ModelSource(model).tokenizer
+    template = ChatTemplate(tok)
+    return {name: [tok.encode(template.render([{"role": "user", "content": p}])) for p in raw[name][:n]]
+            for name in ("copy", "free")}
+
+
+def plot(record: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for setup, rec in record["setups"].items():
+        if "sweep" not in rec:
+            continue
+        agrees = sorted(float(a) for a in rec["sweep"])
+        for mode, style in (("fill", "-o"), ("nofill", "-s")):
+            ax.plot(agrees, [rec["sweep"][str(a)]["%s_vs_plain" % mode]["median"] for a in agrees], style,
+                    label="%s, %s" % (setup, "filling" if mode == "fill" else "verify only"))
+        ax.plot(agrees, [rec["theory"][str(a)]["verify"] for a in agrees], ":",
+                label="%s, model: verify only (row cost %.2f)" % (setup, rec["row_cost"]))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("drafter agreement a")
+    ax.set_ylabel("decode tokens/s vs plain ring (S = 1)")
+    ax.set_title("SmolLM2-135M int4, ring of 3, speculative decoding")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("plot written to %s" % path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import tempfile
+    info = machine_info(1)
+    sets = encode_sets(args.model, args.prompts, args.n_prompts)
+    record: Dict[str, Any] = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
+                              "prompts": {k: len(v) for k, v in sets.items()}, "setups": {}}
+    log_dir = tempfile.mkdtemp(prefix="mdi-bench-spec-")
+    for setup in args.setups.split(","):
+        why = cgroup_unavailable_reason() if setup == "emulated" else None
+        if why:
+            print("emulated boards skipped: %s" % why)
+            record["setups"][setup] = {"skipped": why}
+            continue
+        started = time.time()
+        record["setups"][setup] = setup_run(args, setup, sets, log_dir)
+        record["setups"][setup]["seconds"] = round(time.time() - started, 1)
+    finish_machine_info(info)
+    print(note_load(info))
+    save_record(args.out, record)
+    if args.plot and any("sweep" in r for r in record["setups"].values()):
+        plot(record, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
