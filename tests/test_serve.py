@@ -234,6 +234,24 @@ def test_extreme_sampling_settings_do_not_disturb_other_requests(server, model):
         assert r.status_code == 400 and "temperature" in r.text, (raw, r.text)
 
 
+def test_a_request_that_speculates_gets_the_plain_text(server, model):
+    """Per-request speculation (mdi's `speculation` field): streamed tokens are only accepted
+    ones, the greedy text is the standalone one, and /metrics counts what was drafted."""
+    prompt = "abcabcabcabcabcabc"
+    want = reference(model, prompt, 60)
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0, "stream": stream,
+                "speculation": {"method": "ngram", "max_draft": 6}}
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=120, stream=stream)
+        assert r.status_code == 200, r.text
+        text = "".join(json.loads(d)["choices"][0]["text"] for d in sse_events(r) if d != "[DONE]") \
+            if stream else r.json()["choices"][0]["text"]
+        assert text == want
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    drafted = int(float(re.search(r"^mdi_speculation_drafted_total (\S+)$", metrics, re.M).group(1)))
+    assert drafted > 0 and "mdi_node_passes_cancelled_total{node=" in metrics
+
+
 def test_client_gone_cancels_a_non_streaming_request(server):
     import socket
     before = server.metrics()['mdi_requests_total{finish_reason="cancelled"}']
@@ -313,6 +331,9 @@ def test_openai_client(server, model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream_options": {}}, 400,
      "stream_options"),
+    ("/v1/completions", {"prompt": "a", "speculation": "medusa"}, 400, "'speculation': method: expected one of"),
+    ("/v1/completions", {"prompt": "a", "speculation": {"method": "ngram", "max_draft": 0}}, 400, "max_draft"),
+    ("/v1/completions", {"prompt": "a", "speculation": 3}, 400, "speculation"),
     ("/v1/nothing", {}, 404, "no such route"),
     ("/v1/completions", b"x" * ((1 << 20) + 1), 413, "larger than"),
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "surrogate"),

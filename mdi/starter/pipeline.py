@@ -351,8 +351,10 @@ class Pipeline:
             agreed += matched
             taken += 1
             self._take(sample, token)
-            if not matched or sample.done or len(sample.shifts) != shifts:
+            if not matched or sample.done or sample.cancelled or len(sample.shifts) != shifts:
                 break
+        if sample.cancelled and not sample.done:  # e.g. a stop string among these tokens: no more of them
+            sample.finish_reason = FinishReason.CANCELLED
         spec.learn(agreed, judged)
         counters.drafted += judged
         counters.accepted += agreed
