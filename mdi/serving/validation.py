@@ -42,7 +42,7 @@ def _speculation(value: Any, _: Dict[str, Any]) -> SpeculationSpec:
     try:
         return parse_speculation("speculation", value)
     except ConfigError as e:
-        raise ApiError(400, "'speculation': %s" % str(e).split(": ", 1)[-1], "speculation")
+        raise ApiError(400, str(e), "speculation")  # "speculation.max_draft: expected ..."
 
 
 def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:

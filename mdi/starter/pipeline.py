@@ -29,7 +29,7 @@ from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.sample import FinishReason, Sample
-from mdi.starter.speculation import Drafter, Pass, SpecCounters, SpecPolicy, SpecState, new_drafter
+from mdi.starter.speculation import PAUSE_TOKENS, Drafter, Pass, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -187,11 +187,10 @@ class Pipeline:
         """Send the passes of the decoding samples that speculate, and the passes that fill
         the ring for them, in frames of their own; return the other ready samples."""
         decoding = sum(1 for s in self.active.values() if s.fed >= len(s.prompt_ids))
-        policy = SpecPolicy(self.speculation, self.n_stages, self.row_cost)
         passes: List[Tuple[Sample, int, List[int]]] = []
         plain = []
         for sample in ready:
-            one = self._spec_pass(sample, policy, decoding, first=True) \
+            one = self._spec_pass(sample, self._policy(sample), decoding, first=True) \
                 if sample.spec is not None and sample.fed >= len(sample.prompt_ids) and sample.unsent == 1 else None
             if one is None:
                 plain.append(sample)
@@ -199,8 +198,10 @@ class Pipeline:
                 passes.append(one)
         for sample in list(self.active.values()):  # fill the ring with passes built on guesses
             spec = sample.spec
-            while spec is not None and spec.passes and not sample.done and \
-                    len(spec.passes) < policy.depth(spec, decoding) and policy.active(decoding):
+            if spec is None or not spec.passes:
+                continue
+            policy = self._policy(sample)
+            while not sample.done and len(spec.passes) < policy.depth(spec, decoding) and policy.active(decoding):
                 one = self._spec_pass(sample, policy, decoding, first=False)
                 if one is None:
                     break
@@ -216,6 +217,9 @@ class Pipeline:
             self._send_pass([f[0] for f in frame], [len(f[2]) for f in frame], [(f[1], f[2]) for f in frame])
         return plain
 
+    def _policy(self, sample: Sample) -> SpecPolicy:
+        return SpecPolicy(sample.speculation or self.speculation, self.n_stages, self.row_cost)
+
     def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int,
                    first: bool) -> Optional[Tuple[Sample, int, List[int]]]:
         """(sample, start, tokens) of a speculating sample's next pass: `first`, from its
@@ -225,13 +229,16 @@ class Pipeline:
         room = min(sample.max_new_tokens - len(sample.token_ids), self.chunk.cache.max_len - sample.window_len)
         if first:
             start = sample.window_len - 1
-            k = min(policy.draft_len(spec) if policy.active(decoding) else 0, room - 1)
+            k, probe = policy.draft_len(spec) if policy.active(decoding) else (0, False)
+            k = min(k, room - 1)
             spec.frontier = spec.drafter.propose([], k) if k > 0 else []
+            if probe and spec.frontier:
+                spec.pause = PAUSE_TOKENS
             tokens = sample.window_tokens(start, 1) + spec.frontier
         else:
             last = spec.passes[-1]
             start = last.start + last.count
-            n = min(policy.draft_len(spec) + 1, room - 1 - len(spec.frontier))
+            n = min(policy.draft_len(spec)[0] + 1, room - 1 - len(spec.frontier))
             tokens = spec.drafter.propose(spec.frontier, n) if n > 0 else []
             if not tokens:
                 return None

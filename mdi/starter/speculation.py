@@ -40,7 +40,7 @@ from mdi.runconfig import SpeculationSpec
 
 RATE_PRIOR = 0.5  # the acceptance assumed before a sample's first verification
 RATE_MEMORY = 0.85  # weight of the past in the rolling acceptance (per verified draft)
-PAUSE_TOKENS = 16  # plain tokens before a sample whose drafts do not pay drafts again
+PAUSE_TOKENS = 16  # plain passes after a probe before a sample whose drafts do not pay drafts again
 MIN_GAIN = 1.05  # expected tokens per pass time a draft must beat plain decoding by
 # A pass is built on the guesses in flight only if it is this likely to stand: a stale pass
 # costs every board a pass, which boards that share CPUs (or a busy ring) pay in full. At 0.3
@@ -159,12 +159,13 @@ class SpecPolicy:
     def __init__(self, spec: SpeculationSpec, n_stages: int, row_cost: float) -> None:
         self.spec, self.n_stages, self.row_cost = spec, n_stages, row_cost
 
-    def draft_len(self, state: SpecState) -> int:
-        """The k that maximises expected accepted tokens per unit of pass time; when none pays,
-        one draft (a probe, so the acceptance keeps being measured), then none for a while."""
+    def draft_len(self, state: SpecState) -> Tuple[int, bool]:
+        """(k, probe): the k that maximises expected accepted tokens per unit of pass time; when
+        none pays, one draft as a probe (the caller then pauses the sample, if it drafted), so
+        the acceptance keeps being measured at a small cost."""
         if state.pause > 0:
             state.pause -= 1
-            return 0
+            return 0, False
         a = min(state.rate, 0.999)
         best, best_gain = 0, 1.0
         for k in range(1, self.spec.max_draft + 1):
@@ -172,9 +173,8 @@ class SpecPolicy:
             if gain > best_gain:
                 best, best_gain = k, gain
         if best_gain < MIN_GAIN:
-            state.pause = PAUSE_TOKENS
-            return 1
-        return best
+            return 1, True
+        return best, False
 
     def depth(self, state: SpecState, decoding: int) -> int:
         """Passes of this sample allowed in flight: one per board while the ring has boards
