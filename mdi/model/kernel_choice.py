@@ -11,7 +11,7 @@ why, is kept for reports (`chosen`).
 import logging
 import time
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,7 +52,8 @@ def extra_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int) -> int:
     return max(0, kernel.held_bytes(spec, n_out, n_in) - spec.nbytes(n_out, n_in))
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int) -> float:
+def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int,
+          resident: Sequence[torch.Tensor] = ()) -> float:
     """The least disturbed of a few calls (other processes only ever add time), each on a CPU
     with its caches first filled with something else: a decode step reads each layer's weights
     once, from memory, and a kernel that reads more bytes than another (fbgemm's padded rows)
@@ -60,9 +61,9 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
     cached, ~0.4 in a decode step). Filled by reading, as the other layers fill them: written
     lines would have to go back to memory during the timed call, which slowed the memory-bound
     kernels most and turned choices on the 1.1B shape. `evict_from`: the layer's bytes, for
-    `_evict_buffer` (twice the last-level cache, or nothing: a GPU, a small layer), made here
-    and freed after: held while the next candidate was packed, it added to a load's peak."""
-    evict = _evict_buffer(device, evict_from)
+    `_cache_filler` (twice the last-level cache, or nothing: a GPU, a small layer);
+    `resident`: tensors the process holds anyway (the chunk's other weights), read first."""
+    evict = _cache_filler(device, evict_from, resident)
 
     def sync():
         if device.type == "cuda":
@@ -72,7 +73,7 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
     times: List[float] = []
     deadline = time.perf_counter() + MEASURE_SECONDS
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 10):
-        evict.sum()
+        evict()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -83,10 +84,32 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
 EVICT_FROM_BYTES = 128 * 1024  # smaller layers belong to models that stay cached (tests' tiny ones): timed hot
 
 
-def _evict_buffer(device: torch.device, layer_bytes: int) -> torch.Tensor:
+def _cache_filler(device: torch.device, layer_bytes: int,
+                  resident: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
+    """What fills the CPU's caches before each timed call: reading twice the last-level cache.
+    Tensors the process holds anyway (the chunk's other weights) are read first; only what they
+    fall short of is a buffer made here and freed after. A fresh 2x-cache buffer for every layer
+    (64 MB on a 32 MB L3), held beside the candidates' packings, set a GGUF load's peak memory."""
     if device.type != "cpu" or layer_bytes < EVICT_FROM_BYTES:
-        return torch.empty(0)
-    return torch.ones(2 * last_level_cache_bytes("cpu") // 4)
+        return lambda: None
+    need = 2 * last_level_cache_bytes("cpu")
+    reads: List[torch.Tensor] = []
+    for t in sorted((t for t in resident if t.device.type == "cpu" and t.numel()), key=_nbytes, reverse=True):
+        if need <= 0:
+            break
+        reads.append(t)
+        need -= _nbytes(t)
+    if need > 0:
+        reads.append(torch.ones(-(-need // 4)))
+
+    def fill() -> None:
+        for t in reads:
+            t.max()  # reads in the tensor's own dtype: an int8 sum() first copies it as int64
+    return fill
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -107,9 +130,10 @@ def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch
 
 
 def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, device: torch.device,
-           where: str = "") -> Tuple[Kernel, Tensors]:
+           where: str = "", resident: Sequence[torch.Tensor] = ()) -> Tuple[Kernel, Tensors]:
     """The fastest kernel that computes this weight correctly here and fits the memory
-    allowance, with its packed tensors."""
+    allowance, with its packed tensors. `resident`: other tensors the process holds (the
+    chunk's other weights), read to fill the caches before each timed call (`_time`)."""
     n_out = int(tensors["qweight"].shape[0])
     preference = qkernels.preference
     key = (spec, n_out, n_in, device.type, torch.get_num_threads(), preference)
@@ -144,7 +168,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
                     continue
             # a named kernel or a lone candidate is taken as it is: nothing to compare it with
             measured[kernel.name] = 0.0 if named or len(offered) == 1 else \
-                _time(_timed(kernel, packed, spec, n_in, x), device, spec.nbytes(n_out, n_in))
+                _time(_timed(kernel, packed, spec, n_in, x), device, spec.nbytes(n_out, n_in), resident)
             if kept is None or rank(kernel) < rank(kept[0]):
                 kept = (kernel, packed)
             del packed
@@ -160,7 +184,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             packed = dict(tensors) if best is DEQUANT else best.pack(tensors, spec, n_in)
         except RuntimeError as e:  # measured on another layer of this shape, and refused here
             measured[best.name], notes[best.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
-            return choose(tensors, spec, n_in, device, where)
+            return choose(tensors, spec, n_in, device, where, resident)
     extra = extra_bytes(best, spec, n_out, n_in)
     if allowance is not None:
         _allowance[0] = allowance - extra
