@@ -146,10 +146,11 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
 
     def rank(k: Kernel):  # the named kernel first, else the fastest
         return (k.name != preference) if named else measured[k.name]
-    kept: Optional[Tuple[Kernel, Tensors]] = None  # the best packed so far: one extra copy at most
+    kept: Optional[Tuple[Kernel, Optional[Tensors]]] = None  # the best so far, packed while small: one extra copy at most
     if any(k.name not in measured for k in fits):
         x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
+        release_freed_memory()  # its dequantized blocks (a head's: tens of MB of holes)
         scale = float(reference.abs().max()) or 1.0
         for kernel in fits:
             if kernel.name in measured:
@@ -157,8 +158,15 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             if kernel is DEQUANT:
                 packed = dict(tensors)
             else:
+                if kept is not None and kept[1] is not None and \
+                        _packed_bytes(kept[0], kept[1], spec, n_out, n_in) > KEEP_PACKED_BYTES:
+                    # the best so far is packed again if it wins: two large packings at once
+                    # (a head's, tens of MB each) set a GGUF load's peak memory
+                    kept = (kept[0], None)
+                    release_freed_memory()
                 try:
                     packed = kernel.pack(tensors, spec, n_in)
+                    release_freed_memory()  # the packing's temporaries, before it is timed beside what stays
                     err = float((kernel.run(x, packed, spec, n_in).float() - reference).abs().max()) / scale
                 except (RuntimeError, TypeError, ValueError) as e:  # a kernel this build cannot run on this shape
                     measured[kernel.name], notes[kernel.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
@@ -176,7 +184,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             # is packed: glibc keeps freed holes resident, and they set a GGUF load's peak.
             release_freed_memory()
     best = min((k for k in fits if measured.get(k.name) is not None), key=rank)  # dequant always qualifies
-    if kept is not None and kept[0] is best:
+    if kept is not None and kept[0] is best and kept[1] is not None:
         packed = kept[1]
     else:
         kept = None
@@ -199,6 +207,15 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
               best.name, why)
     return best, packed
+
+
+KEEP_PACKED_BYTES = 16 * 2 ** 20  # a larger best-so-far packing is dropped before the next candidate is packed
+
+
+def _packed_bytes(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_out: int, n_in: int) -> int:
+    """What a packing holds: its tensors, and what an engine's packed weight holds (its own count)."""
+    opaque = kernel.held_bytes(spec, n_out, n_in) if kernel.held_bytes is not None else 0
+    return sum(_nbytes(t) if isinstance(t, torch.Tensor) else opaque for t in packed.values())
 
 
 def chosen() -> List[Dict[str, str]]:
