@@ -61,9 +61,9 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int,
     cached, ~0.4 in a decode step). Filled by reading, as the other layers fill them: written
     lines would have to go back to memory during the timed call, which slowed the memory-bound
     kernels most and turned choices on the 1.1B shape. `evict_from`: the layer's bytes, for
-    `_cache_filler` (twice the last-level cache, or nothing: a GPU, a small layer);
+    `_cache_fill` (twice the last-level cache, or nothing: a GPU, a small layer);
     `resident`: tensors the process holds anyway (the chunk's other weights), read first."""
-    evict = _cache_filler(device, evict_from, resident)
+    evict = _cache_fill(device, evict_from, resident)
 
     def sync():
         if device.type == "cuda":
@@ -73,7 +73,8 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int,
     times: List[float] = []
     deadline = time.perf_counter() + MEASURE_SECONDS
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 10):
-        evict()
+        for t in evict:
+            t.max()  # reads in the tensor's own dtype: an int8 sum() first copies it as int64
         t0 = time.perf_counter()
         fn()
         sync()
@@ -84,14 +85,13 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int,
 EVICT_FROM_BYTES = 128 * 1024  # smaller layers belong to models that stay cached (tests' tiny ones): timed hot
 
 
-def _cache_filler(device: torch.device, layer_bytes: int,
-                  resident: Sequence[torch.Tensor] = ()) -> Callable[[], None]:
-    """What fills the CPU's caches before each timed call: reading twice the last-level cache.
-    Tensors the process holds anyway (the chunk's other weights) are read first; only what they
+def _cache_fill(device: torch.device, layer_bytes: int, resident: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
+    """What to read before each timed call to fill the CPU's caches: twice the last-level cache.
+    Tensors the process holds anyway (the chunk's other weights) come first; only what they
     fall short of is a buffer made here and freed after. A fresh 2x-cache buffer for every layer
     (64 MB on a 32 MB L3), held beside the candidates' packings, set a GGUF load's peak memory."""
     if device.type != "cpu" or layer_bytes < EVICT_FROM_BYTES:
-        return lambda: None
+        return []
     need = 2 * last_level_cache_bytes("cpu")
     reads: List[torch.Tensor] = []
     for t in sorted((t for t in resident if t.device.type == "cpu" and t.numel()), key=_nbytes, reverse=True):
@@ -101,11 +101,7 @@ def _cache_filler(device: torch.device, layer_bytes: int,
         need -= _nbytes(t)
     if need > 0:
         reads.append(torch.ones(-(-need // 4)))
-
-    def fill() -> None:
-        for t in reads:
-            t.max()  # reads in the tensor's own dtype: an int8 sum() first copies it as int64
-    return fill
+    return reads
 
 
 def _nbytes(t: torch.Tensor) -> int:
