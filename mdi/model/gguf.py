@@ -24,6 +24,7 @@ from mdi.model.convert import StateDict, check_state_dict, check_unused, convert
 from mdi.model.gguf_layout import GGUFFile, GGUFLayoutError, open_reader
 from mdi.model.layout import CheckpointError, QuantSpec
 from mdi.model.quant import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, QParts, from_gguf_blocks, quantize
+from mdi.system.memory import release_freed_memory
 
 # name -> (importable package holding the file, file name, pip distribution name)
 PACKAGED_GGUF = {
@@ -166,6 +167,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
 
         def load(t=t, heads=heads):
             w = _load_tensor(path, t, keep_quant, requantized)
+            reader.drop_pages(t)  # copied out: the file's pages need not stay resident beside it
             if heads and w.shape[0] != heads * config.head_dim:
                 raise CheckpointError("%s: tensor %s has %d rows, not %d heads x %d"
                                       % (path, t.name, w.shape[0], heads, config.head_dim))
@@ -179,6 +181,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
         read.add("rope_freqs.weight")
     check_unused(list(tensors), read, None, path)
     check_state_dict(config, sd, where=path)
+    release_freed_memory()  # the block conversions' temporaries left holes between the kept tensors
     return config, sd
 
 

@@ -11,7 +11,7 @@ why, is kept for reports (`chosen`).
 import logging
 import time
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,7 +52,8 @@ def extra_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int) -> int:
     return max(0, kernel.held_bytes(spec, n_out, n_in) - spec.nbytes(n_out, n_in))
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int) -> float:
+def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int,
+          resident: Sequence[torch.Tensor] = ()) -> float:
     """The least disturbed of a few calls (other processes only ever add time), each on a CPU
     with its caches first filled with something else: a decode step reads each layer's weights
     once, from memory, and a kernel that reads more bytes than another (fbgemm's padded rows)
@@ -60,9 +61,9 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
     cached, ~0.4 in a decode step). Filled by reading, as the other layers fill them: written
     lines would have to go back to memory during the timed call, which slowed the memory-bound
     kernels most and turned choices on the 1.1B shape. `evict_from`: the layer's bytes, for
-    `_evict_buffer` (twice the last-level cache, or nothing: a GPU, a small layer), made here
-    and freed after: held while the next candidate was packed, it added to a load's peak."""
-    evict = _evict_buffer(device, evict_from)
+    `_cache_fill` (twice the last-level cache, or nothing: a GPU, a small layer);
+    `resident`: tensors the process holds anyway (the chunk's other weights), read first."""
+    evict = _cache_fill(device, evict_from, resident)
 
     def sync():
         if device.type == "cuda":
@@ -72,7 +73,8 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
     times: List[float] = []
     deadline = time.perf_counter() + MEASURE_SECONDS
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 10):
-        evict.sum()
+        for t in evict:
+            t.max()  # reads in the tensor's own dtype: an int8 sum() first copies it as int64
         t0 = time.perf_counter()
         fn()
         sync()
@@ -83,10 +85,27 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int)
 EVICT_FROM_BYTES = 128 * 1024  # smaller layers belong to models that stay cached (tests' tiny ones): timed hot
 
 
-def _evict_buffer(device: torch.device, layer_bytes: int) -> torch.Tensor:
+def _cache_fill(device: torch.device, layer_bytes: int, resident: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
+    """What to read before each timed call to fill the CPU's caches: twice the last-level cache.
+    Tensors the process holds anyway (the chunk's other weights) come first; only what they
+    fall short of is a buffer made here and freed after. A fresh 2x-cache buffer for every layer
+    (64 MB on a 32 MB L3), held beside the candidates' packings, set a GGUF load's peak memory."""
     if device.type != "cpu" or layer_bytes < EVICT_FROM_BYTES:
-        return torch.empty(0)
-    return torch.ones(2 * last_level_cache_bytes("cpu") // 4)
+        return []
+    need = 2 * last_level_cache_bytes("cpu")
+    reads: List[torch.Tensor] = []
+    for t in sorted((t for t in resident if t.device.type == "cpu" and t.numel()), key=_nbytes, reverse=True):
+        if need <= 0:
+            break
+        reads.append(t)
+        need -= _nbytes(t)
+    if need > 0:
+        reads.append(torch.ones(-(-need // 4)))
+    return reads
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -107,9 +126,10 @@ def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch
 
 
 def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, device: torch.device,
-           where: str = "") -> Tuple[Kernel, Tensors]:
+           where: str = "", resident: Sequence[torch.Tensor] = ()) -> Tuple[Kernel, Tensors]:
     """The fastest kernel that computes this weight correctly here and fits the memory
-    allowance, with its packed tensors."""
+    allowance, with its packed tensors. `resident`: other tensors the process holds (the
+    chunk's other weights), read to fill the caches before each timed call (`_time`)."""
     n_out = int(tensors["qweight"].shape[0])
     preference = qkernels.preference
     key = (spec, n_out, n_in, device.type, torch.get_num_threads(), preference)
@@ -122,10 +142,11 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
 
     def rank(k: Kernel):  # the named kernel first, else the fastest
         return (k.name != preference) if named else measured[k.name]
-    kept: Optional[Tuple[Kernel, Tensors]] = None  # the best packed so far: one extra copy at most
+    kept: Optional[Tuple[Kernel, Optional[Tensors]]] = None  # the best so far, packed while small: one extra copy at most
     if any(k.name not in measured for k in fits):
         x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
+        release_freed_memory()  # its dequantized blocks (a head's: tens of MB of holes)
         scale = float(reference.abs().max()) or 1.0
         for kernel in fits:
             if kernel.name in measured:
@@ -133,8 +154,15 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             if kernel is DEQUANT:
                 packed = dict(tensors)
             else:
+                if kept is not None and kept[1] is not None and \
+                        _packed_bytes(kept[0], kept[1], spec, n_out, n_in) > KEEP_PACKED_BYTES:
+                    # the best so far is packed again if it wins: two large packings at once
+                    # (a head's, tens of MB each) set a GGUF load's peak memory
+                    kept = (kept[0], None)
+                    release_freed_memory()
                 try:
                     packed = kernel.pack(tensors, spec, n_in)
+                    release_freed_memory()  # the packing's temporaries, before it is timed beside what stays
                     err = float((kernel.run(x, packed, spec, n_in).float() - reference).abs().max()) / scale
                 except (RuntimeError, TypeError, ValueError) as e:  # a kernel this build cannot run on this shape
                     measured[kernel.name], notes[kernel.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
@@ -144,7 +172,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
                     continue
             # a named kernel or a lone candidate is taken as it is: nothing to compare it with
             measured[kernel.name] = 0.0 if named or len(offered) == 1 else \
-                _time(_timed(kernel, packed, spec, n_in, x), device, spec.nbytes(n_out, n_in))
+                _time(_timed(kernel, packed, spec, n_in, x), device, spec.nbytes(n_out, n_in), resident)
             if kept is None or rank(kernel) < rank(kept[0]):
                 kept = (kernel, packed)
             del packed
@@ -152,7 +180,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             # is packed: glibc keeps freed holes resident, and they set a GGUF load's peak.
             release_freed_memory()
     best = min((k for k in fits if measured.get(k.name) is not None), key=rank)  # dequant always qualifies
-    if kept is not None and kept[0] is best:
+    if kept is not None and kept[0] is best and kept[1] is not None:
         packed = kept[1]
     else:
         kept = None
@@ -160,7 +188,7 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             packed = dict(tensors) if best is DEQUANT else best.pack(tensors, spec, n_in)
         except RuntimeError as e:  # measured on another layer of this shape, and refused here
             measured[best.name], notes[best.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
-            return choose(tensors, spec, n_in, device, where)
+            return choose(tensors, spec, n_in, device, where, resident)
     extra = extra_bytes(best, spec, n_out, n_in)
     if allowance is not None:
         _allowance[0] = allowance - extra
@@ -175,6 +203,15 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
               best.name, why)
     return best, packed
+
+
+KEEP_PACKED_BYTES = 16 * 2 ** 20  # a larger best-so-far packing is dropped before the next candidate is packed
+
+
+def _packed_bytes(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_out: int, n_in: int) -> int:
+    """What a packing holds: its tensors, and what an engine's packed weight holds (its own count)."""
+    opaque = kernel.held_bytes(spec, n_out, n_in) if kernel.held_bytes is not None else 0
+    return sum(_nbytes(t) if isinstance(t, torch.Tensor) else opaque for t in packed.values())
 
 
 def chosen() -> List[Dict[str, str]]:

@@ -5,7 +5,7 @@ Their own module so that both the eager blocks (mdi.model.transformer) and the s
 blocks (mdi.model.fused_decode, which reads these layers' weights and kernels) import them
 without importing each other.
 """
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -84,10 +84,12 @@ class QuantLinear(nn.Module):
     def canonical(self) -> Dict[str, torch.Tensor]:
         return {s: getattr(self, s) for s in self.spec.tensor_shapes(1, self.spec.group_size)}
 
-    def pick_kernel(self, where: str, keep_canonical: bool = False) -> None:
+    def pick_kernel(self, where: str, keep_canonical: bool = False, resident: Sequence[torch.Tensor] = ()) -> None:
+        """`resident`: the chunk's other tensors, read between timed calls (kernel_choice._time)."""
         from mdi.model import kernel_choice
         canonical = self.canonical()
-        self.kernel, self.packed = kernel_choice.choose(canonical, self.spec, self.n_in, self.qweight.device, where)
+        self.kernel, self.packed = kernel_choice.choose(canonical, self.spec, self.n_in, self.qweight.device, where,
+                                                        resident)
         if not (self.kernel.needs_canonical or keep_canonical):
             for suffix in canonical:
                 setattr(self, suffix, None)  # the packed form replaces it
@@ -130,8 +132,8 @@ class QuantEmbedding(QuantLinear):
     def __init__(self, n_vocab: int, n_embd: int, spec: QuantSpec) -> None:
         super().__init__(n_embd, n_vocab, False, spec)
 
-    def pick_kernel(self, where: str, keep_canonical: bool = True) -> None:
-        super().pick_kernel(where, keep_canonical=True)
+    def pick_kernel(self, where: str, keep_canonical: bool = True, resident: Sequence[torch.Tensor] = ()) -> None:
+        super().pick_kernel(where, True, resident)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         rows = {s: t[ids.reshape(-1)] for s, t in self.canonical().items()}

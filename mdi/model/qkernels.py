@@ -23,6 +23,7 @@ import torch
 
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import DEQUANT_ELEMENTS, dequantize, quantized_linear, unpack_int4
+from mdi.system.memory import release_freed_memory
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -72,8 +73,15 @@ def _int4_pack_cpu_rows(values: Callable[[int, int], torch.Tensor], n_out: int) 
     """Pack `values(a, b)` (rows a..b as 0..15) PACK_ROWS rows at a time: the op wants one
     int32 per value, and a whole matrix of those is 8x its int4 size (655 MB for a 7B head)."""
     op = _op("_convert_weight_to_int4pack_for_cpu")
-    return torch.cat([op(values(a, min(a + PACK_ROWS, n_out)).to(torch.int32).contiguous(), 1)
-                      for a in range(0, n_out, PACK_ROWS)])
+    out: Optional[torch.Tensor] = None
+    for a in range(0, n_out, PACK_ROWS):
+        b = min(a + PACK_ROWS, n_out)
+        part = op(values(a, b).to(torch.int32).contiguous(), 1)
+        if out is None:  # written into one tensor as packed: a list then torch.cat held it twice
+            out = part.new_empty((n_out,) + tuple(part.shape[1:]))
+        out[a:b] = part
+    assert out is not None
+    return out
 
 
 def _int4_pack_cuda(q: torch.Tensor) -> torch.Tensor:
@@ -255,7 +263,8 @@ def per_channel_int8(t: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int) 
         s = w.abs().amax(1) / 127.0
         s[s == 0] = 1.0
         scales[a:a + block] = s
-        out[a:a + block] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        out[a:a + block] = w.div_(s[:, None]).round_().clamp_(-127, 127)  # in place: one block's floats at a time
+    release_freed_memory()  # the blocks' floats, left as holes below `out` (a head's: ~40 MB)
     return out, scales
 
 
@@ -266,6 +275,7 @@ def pin_row(n_in: int) -> torch.Tensor:
     return pin
 
 
+PROBE_ROWS = 16  # a weight's rows engine_zero_point compares with
 _zero_points: Dict[str, int] = {}  # engine -> its zero point for [-1, 1]: its arithmetic's, not a weight's
 
 
@@ -279,7 +289,7 @@ def engine_zero_point(engine: str, params: Any, q: torch.Tensor, scales: torch.T
     probe = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0))
     probe /= probe.abs().max()
     pin = pin_row(n_in)
-    rows = min(16, q.shape[0])
+    rows = min(PROBE_ROWS, q.shape[0])
     y = torch.ops.quantized.linear_dynamic(torch.cat((probe, pin)), params, levels < 255)[0, :rows]
     w = q[:rows].float() * scales[:rows, None]
     errors = {}
@@ -298,6 +308,10 @@ def _int8_dynamic_pack(engine: str):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized tensors are deprecated: a torch without them never gets here
             qw = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros(n_out, dtype=torch.long), 0)
+            # qw is a copy: the probe below needs a few rows, and the whole int8 matrix held
+            # through the packing was a third copy of the weight (28 MB for SmolLM2's head)
+            q = q[:PROBE_ROWS].clone()
+            release_freed_memory()
             previous = torch.backends.quantized.engine
             try:
                 torch.backends.quantized.engine = engine

@@ -14,7 +14,7 @@ from safetensors.torch import save as safetensors_save
 from mdi.model import checkpoints, store
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
-from mdi.model.quant import Stored, convert, gather, restrict, uniform_layout, weights_layout
+from mdi.model.quant import QParts, Stored, convert, gather, restrict, uniform_layout, weights_layout
 from mdi.model.transformer import ModelChunk
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
@@ -110,10 +110,14 @@ class ModelSource:
         canonical = expected_keys(self.config, (first, last), with_embedding, with_head)
         if self._full is not None:  # a raw checkpoint held in memory: convert one weight at a time
             full = self._held(canonical)
+            freed = 0
             for key in canonical:
                 _copy_into(targets, convert({key: full[key]}, quant, dtype, _log_requantize))
                 if consume:
-                    del full[key]
+                    freed += _stored_bytes(full.pop(key))
+                if freed >= TRIM_EVERY_BYTES:  # glibc keeps the freed weights resident until trimmed:
+                    release_freed_memory()  # the chunk would fill up beside most of the model
+                    freed = 0
             release_freed_memory()
             return
         fn = os.path.join(self.path, store.MODEL_FILE)
@@ -143,6 +147,14 @@ class ModelSource:
         """A worker's weights as safetensors bytes, to push over the control plane."""
         w = self.weights(first, last, False, False, dtype, quant)
         return safetensors_save({k: v.contiguous() for k, v in w.items()})
+
+
+TRIM_EVERY_BYTES = 16 * 2 ** 20  # weights let go of (`consume`) between giving the heap's free pages back
+
+
+def _stored_bytes(w: Stored) -> int:
+    tensors = w.tensors.values() if isinstance(w, QParts) else [w]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _log_requantize(key: str, have: QuantSpec, want: QuantSpec) -> None:

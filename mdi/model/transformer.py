@@ -256,7 +256,10 @@ class ModelChunk(nn.Module):
             if isinstance(module, QuantEmbedding) and not (self.with_head and self.config.tied_head):
                 continue  # only looked up (rows dequantized): no matrix product to choose
             if isinstance(module, QuantLinear):
-                module.pick_kernel(name)
+                own = {id(t) for t in module.buffers()}
+                # what it reads to fill the caches while timing: weights held anyway, no new buffer
+                resident = [t for t in list(self.parameters()) + list(self.buffers()) if id(t) not in own]
+                module.pick_kernel(name, resident=resident)
                 release_freed_memory()  # its packing and test products left holes between kept tensors
         self._decode_script.clear()
 
