@@ -17,7 +17,7 @@ from mdi.model.sampling import SamplingParams, sample_generator, sample_next
 from mdi.ring import wire
 from mdi.ring.transport import LocalLoop
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
-from mdi.starter import batch
+from mdi.starter import batch, speculation
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.sample import Sample
 from mdi.starter.speculation import NgramDrafter
@@ -36,6 +36,30 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
     assert NgramDrafter([5, 6, 7, 8]).propose([], 4) == []  # nothing recurs
     d.commit([3, 7])
     assert d.propose([], 2) == [8, 1]  # what was accepted is searched too
+
+
+def test_a_sample_keeps_the_way_it_measures_faster():
+    """Filling the ring or verifying alone: each tried for MODE_TRIAL verifications, then the
+    faster kept, the other tried again after MODE_RETRY."""
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, row_cost=0.1)
+    state = speculation.SpecState(NgramDrafter([]))
+    clock = [0.0]
+
+    def verifications(n, seconds_per_token):
+        for _ in range(n):
+            clock[0] += seconds_per_token
+            state.timed(1, clock[0])
+            policy.choose_way(state, decoding=1)
+    verifications(speculation.MODE_TRIAL, 0.1)  # alone: 10 tokens/s
+    assert state.filling
+    verifications(speculation.MODE_TRIAL, 0.2)  # filling measured slower: back, and it stays
+    assert not state.filling
+    verifications(speculation.MODE_RETRY - 1, 0.1)
+    assert not state.filling
+    verifications(1, 0.1)
+    assert state.filling  # tried again
+    policy.choose_way(state, decoding=3)  # a ring that plain decoding fills: nothing changes
+    assert policy.depth(state, decoding=3) == 1
 
 
 def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
@@ -64,8 +88,15 @@ def oracle(reference, agree, seed=0):
                                    seed=seed + s.index, vocab=len(CHARS))
 
 
+@pytest.fixture
+def quick_ways(monkeypatch):
+    """Samples switch between filling the ring and verifying alone after every verification
+    (not after 8, as measured ways do), so a short test exercises both."""
+    monkeypatch.setattr(speculation, "MODE_TRIAL", 1)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_every_drafter_gives_the_plain_greedy_tokens(family):
+def test_every_drafter_gives_the_plain_greedy_tokens(family, quick_ways):
     chunk = tiny_model(family)
     chunk.allocate_cache(4, 128)
     plain, _ = run_local(chunk, PROMPTS[:2], 40)
@@ -87,7 +118,7 @@ def test_every_drafter_gives_the_plain_greedy_tokens(family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_random_accept_patterns_over_a_thousand_tokens_never_drift(family):
+def test_random_accept_patterns_over_a_thousand_tokens_never_drift(family, quick_ways):
     """Acceptance that changes at random, windows that shift past the cache's end and passes
     built on guesses that fail: more than 1000 tokens, each the plain run's."""
     chunk = tiny_model(family)
@@ -109,7 +140,7 @@ def test_random_accept_patterns_over_a_thousand_tokens_never_drift(family):
         assert pipe.context_shifts > 5 and pipe.spec_counters.accepted > 100
 
 
-def test_sampled_tokens_with_speculation_are_the_plain_run_s_with_the_same_seed():
+def test_sampled_tokens_with_speculation_are_the_plain_run_s_with_the_same_seed(quick_ways):
     chunk = tiny_model("llama")
     chunk.allocate_cache(4, 128)
     params = SamplingParams(0.8, None, 0.95)

@@ -186,7 +186,7 @@ class Pipeline:
     def _send_speculative(self, ready: List[Sample]) -> List[Sample]:
         """Send the passes of the decoding samples that speculate, and the passes that fill
         the ring for them, in frames of their own; return the other ready samples."""
-        decoding = sum(1 for s in self.active.values() if s.fed >= len(s.prompt_ids))
+        decoding = len(self.active)  # samples admitted: those still prefilling decode soon
         passes: List[Tuple[Sample, int, List[int]]] = []
         plain = []
         for sample in ready:
@@ -206,13 +206,15 @@ class Pipeline:
                 if one is None:
                     break
                 passes.append(one)
-        while passes:
-            frame, rows = passes[:self.max_batch], 0
-            for i, (_, _, tokens) in enumerate(frame):
-                rows += len(tokens)
-                if i and rows > self.prefill_chunk + self.max_batch:
-                    frame = frame[:i]
+        while passes:  # in order, a sample's later passes in later frames (a frame holds a slot once)
+            frame: List[Tuple[Sample, int, List[int]]] = []
+            rows, slots = 0, set()
+            for one in passes[:self.max_batch]:
+                rows += len(one[2])
+                if frame and (rows > self.prefill_chunk + self.max_batch or one[0].slot in slots):
                     break
+                frame.append(one)
+                slots.add(one[0].slot)
             passes = passes[len(frame):]
             self._send_pass([f[0] for f in frame], [len(f[2]) for f in frame], [(f[1], f[2]) for f in frame])
         return plain
@@ -363,6 +365,8 @@ class Pipeline:
         if sample.cancelled and not sample.done:  # e.g. a stop string among these tokens: no more of them
             sample.finish_reason = FinishReason.CANCELLED
         spec.learn(agreed, judged)
+        spec.timed(taken, time.perf_counter())
+        self._policy(sample).choose_way(spec, len(self.active))
         counters.drafted += judged
         counters.accepted += agreed
         counters.verifications += judged > 0

@@ -31,7 +31,7 @@ plain decoding and batching fill the ring then (speculation yields to them).
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Protocol, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,13 @@ MIN_GAIN = 1.05  # expected tokens per pass time a draft must beat plain decodin
 # costs every board a pass, which boards that share CPUs (or a busy ring) pay in full. At 0.3
 # a drafter right 30% of the time halved ring3's speed on this 2-core machine.
 MIN_CHAIN_SURVIVAL = 0.6
+# Whether filling pays is measured, not assumed: boards that share CPUs (this project's 2-core
+# test machine runs 3 processes), or quota-limited ones, lose to the stale passes what idle
+# boards would gain. A sample tries each way for MODE_TRIAL verifications, keeps the one with
+# the higher token rate, and tries the other again every MODE_RETRY verifications.
+MODE_TRIAL = 8
+MODE_RETRY = 64
+RATE_SMOOTHING = 0.3  # weight of the newest interval in a way's measured token rate
 
 
 class Drafter(Protocol):
@@ -141,6 +148,20 @@ class SpecState:
         self.passes: Deque[Pass] = deque()  # its passes in flight in the current epoch, oldest first
         self.rate = RATE_PRIOR
         self.pause = 0  # plain passes left before drafting again
+        self.filling = False  # building passes on guesses in flight (the way being measured)
+        self.token_rates: Dict[bool, Optional[float]] = {False: None, True: None}  # tokens/s, by `filling`
+        self.trial = 0  # verifications since `filling` last changed
+        self.last_commit: Optional[float] = None
+
+    def timed(self, taken: int, now: float) -> None:
+        """A verification took `taken` tokens at `now`: the current way's token rate."""
+        if self.last_commit is not None and now > self.last_commit:
+            rate = taken / (now - self.last_commit)
+            old = self.token_rates[self.filling]
+            self.token_rates[self.filling] = rate if old is None else \
+                (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+        self.last_commit = now
+        self.trial += 1
 
     def forget_flight(self) -> None:
         """Every pass in flight is lost or stale: the next pass starts from the accepted tokens."""
@@ -176,10 +197,19 @@ class SpecPolicy:
             return 1, True
         return best, False
 
+    def choose_way(self, state: SpecState, decoding: int) -> None:
+        """After a verification: keep filling the ring or not, by the measured token rates."""
+        if not self.spec.fill or decoding >= self.n_stages or state.trial < MODE_TRIAL:
+            return
+        mine, other = state.token_rates[state.filling], state.token_rates[not state.filling]
+        if other is None or mine is None or other > mine or state.trial >= MODE_RETRY:
+            state.filling, state.trial = not state.filling, 0
+
     def depth(self, state: SpecState, decoding: int) -> int:
-        """Passes of this sample allowed in flight: one per board while the ring has boards
-        no other sample keeps busy and the chain is likely to stand, else one."""
-        if not self.spec.fill or decoding >= self.n_stages:
+        """Passes of this sample allowed in flight: one per board while it measures filling as
+        the faster way, the ring has boards no other sample keeps busy and the chain is likely
+        to stand, else one."""
+        if not self.spec.fill or not state.filling or decoding >= self.n_stages:
             return 1
         survival = state.rate ** max(1, len(state.frontier))
         return min(self.n_stages, 1 + len(state.passes)) if survival >= MIN_CHAIN_SURVIVAL else 1
