@@ -29,7 +29,7 @@ from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.sample import FinishReason, Sample
-from mdi.starter.speculation import PAUSE_TOKENS, Drafter, Pass, SpecCounters, SpecPolicy, SpecState, new_drafter
+from mdi.starter.speculation import Drafter, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -224,30 +224,8 @@ class Pipeline:
 
     def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int,
                    first: bool) -> Optional[Tuple[Sample, int, List[int]]]:
-        """(sample, start, tokens) of a speculating sample's next pass: `first`, from its
-        accepted tokens (its last one and up to k drafts after it); else one more pass built on
-        the guesses in flight (None when the drafter has none to add)."""
-        spec = sample.spec
-        room = min(sample.max_new_tokens - len(sample.token_ids), self.chunk.cache.max_len - sample.window_len)
-        if first:
-            start = sample.window_len - 1
-            k, probe = policy.draft_len(spec) if policy.active(decoding) else (0, False)
-            k = min(k, room - 1)
-            spec.frontier = spec.drafter.propose([], k) if k > 0 else []
-            if probe and spec.frontier:
-                spec.pause = PAUSE_TOKENS
-            tokens = sample.window_tokens(start, 1) + spec.frontier
-        else:
-            last = spec.passes[-1]
-            start = last.start + last.count
-            n = min(policy.draft_len(spec)[0] + 1, room - 1 - len(spec.frontier))
-            tokens = spec.drafter.propose(spec.frontier, n) if n > 0 else []
-            if not tokens:
-                return None
-            spec.frontier = spec.frontier + tokens
-        spec.passes.append(Pass(start, len(tokens)))
-        sample.fed = start + len(tokens)
-        return sample, start, tokens
+        one = policy.next_pass(sample, decoding, first, self.chunk.cache.max_len)
+        return None if one is None else (sample, one[0], one[1])
 
     def _send_pass(self, group: List[Sample], counts: List[int],
                    inputs: Optional[List[Tuple[int, List[int]]]] = None) -> None:

@@ -6,6 +6,7 @@ from typing import Any, List, Optional
 import torch
 
 from mdi.model.sampling import SamplingParams, sample_generator
+from mdi.runconfig import SpeculationSpec
 from mdi.system.str_enum import StrEnum
 
 
@@ -41,8 +42,8 @@ class Sample:
     # Speculation (mdi.starter.speculation): the current epoch of its passes (frames of older
     # epochs are stale), its drafting state, and a request's own setting (None: the run's).
     epoch: int = 0
-    spec: Optional[Any] = None  # a SpecState while it may draft
-    speculation: Optional[Any] = None  # a SpeculationSpec
+    spec: Optional[Any] = None  # its mdi.starter.speculation.SpecState, while it may draft
+    speculation: Optional[SpeculationSpec] = None
     # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
     # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
     soft_prompt: Optional[torch.Tensor] = None

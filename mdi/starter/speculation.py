@@ -37,6 +37,7 @@ import torch
 
 from mdi.model.row_batch import RowBatch
 from mdi.runconfig import SpeculationSpec
+from mdi.starter.sample import Sample
 
 RATE_PRIOR = 0.5  # the acceptance assumed before a sample's first verification
 RATE_MEMORY = 0.85  # weight of the past in the rolling acceptance (per verified draft)
@@ -213,6 +214,34 @@ class SpecPolicy:
             return 1
         survival = state.rate ** max(1, len(state.frontier))
         return min(self.n_stages, 1 + len(state.passes)) if survival >= MIN_CHAIN_SURVIVAL else 1
+
+    def next_pass(self, sample: Sample, decoding: int, first: bool, max_len: int) -> Optional[Tuple[int, List[int]]]:
+        """(start, tokens) of a speculating sample's next pass, noted in its state as sent:
+        `first`, from its accepted tokens (its last one and up to k drafts after it); else one
+        more pass built on the guesses in flight (None when the drafter has none to add).
+        Nothing is drafted past the sample's token budget or its cache slot (`max_len`)."""
+        spec = sample.spec
+        assert spec is not None, "only a speculating sample has a next speculative pass"
+        room = min(sample.max_new_tokens - len(sample.token_ids), max_len - sample.window_len)
+        if first:
+            start = sample.window_len - 1
+            k, probe = self.draft_len(spec) if self.active(decoding) else (0, False)
+            k = min(k, room - 1)
+            spec.frontier = spec.drafter.propose([], k) if k > 0 else []
+            if probe and spec.frontier:
+                spec.pause = PAUSE_TOKENS
+            tokens = sample.window_tokens(start, 1) + spec.frontier
+        else:
+            last = spec.passes[-1]
+            start = last.start + last.count
+            n = min(self.draft_len(spec)[0] + 1, room - 1 - len(spec.frontier))
+            tokens = spec.drafter.propose(spec.frontier, n) if n > 0 else []
+            if not tokens:
+                return None
+            spec.frontier = spec.frontier + tokens
+        spec.passes.append(Pass(start, len(tokens)))
+        sample.fed = start + len(tokens)
+        return start, tokens
 
     def active(self, decoding: int) -> bool:
         """Whether samples draft at all: while the ring holds at most one decoding sample per
