@@ -154,12 +154,12 @@ def sweep(ring: Ring, prompts: List[List[int]], n_tokens: int, agrees: List[floa
     return out
 
 
-def theory(a: float, k: int, row_cost: float, stages: int) -> Dict[str, float]:
-    """Speed-up over the plain ring of verification alone (k drafts, each accepted with
-    probability a independently, a pass of 1 + k rows costing 1 + row_cost * k) and its bound
-    with the ring filled (one pass per board in flight, every chain standing)."""
-    expected = (1 - a ** (k + 1)) / (1 - a)
-    verify = expected / (1 + row_cost * k)
+def theory(a: float, max_draft: int, row_cost: float, stages: int) -> Dict[str, float]:
+    """Speed-up over the plain ring of verification alone as the policy runs it (the k in
+    0..max_draft that maximises expected tokens per pass time, each draft accepted with
+    probability a independently, a pass of 1 + k rows costing 1 + row_cost * k one-row passes)
+    and its bound with the ring filled (one pass per board in flight, every chain standing)."""
+    verify = max((1 - a ** (k + 1)) / (1 - a) / (1 + row_cost * k) for k in range(max_draft + 1))
     return {"verify": verify, "fill_bound": verify * stages}
 
 

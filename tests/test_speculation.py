@@ -190,10 +190,8 @@ def ring_run(model, workers, spec, prompts, n_tokens=40, spares=(), on_token=Non
     g["speculation"] = spec
     cfg = parse_run_config(model, workers, "spec", spares=spares, n_tokens=n_tokens, generation=g, quant=quant,
                            runtime={"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 10})
-    hook = None
-    if factory is not None:
-        def hook(engine):
-            engine.drafter_factory = factory
+    def hook(engine):
+        engine.drafter_factory = factory  # None: the method's own drafter
     return batch.run(cfg, prompts, on_token=on_token, on_engine=hook)
 
 
