@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import benchlib
 from benchlib import (DEFAULT_MODEL, CpuCgroups, WorkerProcess, cgroup_unavailable_reason, decode_timing,
-                      fmt_stat, print_table, run_config_dict, summarize)
+                      fmt_stat, print_table, run_config_dict, stop_workers, summarize)
 from mdi.lab.report import steady_rate
 
 PROMPT = "Once upon a time"
@@ -207,11 +207,7 @@ def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
             for s in range(1, 2 * n + 1):
                 sweep.setdefault(s, []).append(one_run(args.model, workers, counts, s, args.tokens)["tokens_per_s"])
     finally:
-        for w in workers:
-            w.stop()
-        if cgroups is not None:
-            for problem in cgroups.cleanup():
-                print("warning: %s" % problem, file=sys.stderr)
+        stop_workers(workers, cgroups)
     ratios = [sn / (n * s1) for sn, s1 in zip(sweep[n], sweep[1])]
     return {"nodes": n, "partition": counts, "quota_cores_per_node": quota,
             "tokens_per_s_by_samples": {str(s): summarize(v) for s, v in sweep.items()},

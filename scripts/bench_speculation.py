@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (DEFAULT_MODEL, ROOT, CpuCgroups, WorkerProcess, cgroup_unavailable_reason,  # noqa: E402
-                      decode_timing, finish_machine_info, machine_info, note_load, print_table, save_record,
-                      summarize)
+                      decode_timing, finish_machine_info, fmt_stat, machine_info, note_load, print_table,
+                      save_record, stop_workers, summarize)
 
 PROMPTS_FILE = os.path.join(ROOT, "scripts", "speculation_prompts.json")
 
@@ -126,7 +126,7 @@ def run_prompts(ring: Ring, sets: Dict[str, List[List[int]]], n_tokens: int) -> 
                      for m, v in per.items()}
         print_table("%s prompts (decode tokens/s, median [min, max] of %d)" % (name, len(prompts)),
                     ["mode", "tokens/s", "x plain ring"],
-                    [[m, _fmt(r["tokens_per_s"]), _fmt(r["vs_plain"], "%.2f")] for m, r in out[name].items()])
+                    [[m, fmt_stat(r["tokens_per_s"]), fmt_stat(r["vs_plain"], "%.2f")] for m, r in out[name].items()])
     return out
 
 
@@ -149,8 +149,8 @@ def sweep(ring: Ring, prompts: List[List[int]], n_tokens: int, agrees: List[floa
         out[str(a)].update({"%s_vs_plain" % m: summarize([x / p for x, p in zip(row[m], row["plain"])])
                             for m in ("fill", "nofill")})
         print("a=%.1f: plain %s, verify only %s (x%.2f), filling %s (x%.2f)" % (
-            a, _fmt(out[str(a)]["plain"]), _fmt(out[str(a)]["nofill"]), out[str(a)]["nofill_vs_plain"]["median"],
-            _fmt(out[str(a)]["fill"]), out[str(a)]["fill_vs_plain"]["median"]))
+            a, fmt_stat(out[str(a)]["plain"]), fmt_stat(out[str(a)]["nofill"]), out[str(a)]["nofill_vs_plain"]["median"],
+            fmt_stat(out[str(a)]["fill"]), out[str(a)]["fill_vs_plain"]["median"]))
     return out
 
 
@@ -161,10 +161,6 @@ def theory(a: float, max_draft: int, row_cost: float, stages: int) -> Dict[str, 
     and its bound with the ring filled (one pass per board in flight, every chain standing)."""
     verify = max((1 - a ** (k + 1)) / (1 - a) / (1 + row_cost * k) for k in range(max_draft + 1))
     return {"verify": verify, "fill_bound": verify * stages}
-
-
-def _fmt(s: Dict[str, Any], fmt: str = "%.1f") -> str:
-    return "n/a" if s["median"] is None else "%s [%s, %s]" % (fmt % s["median"], fmt % s["min"], fmt % s["max"])
 
 
 def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str, Any]:
@@ -212,15 +208,11 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
                 both.setdefault(mode, []).append(decode_speed(ring.generate(prompts, args.tokens, modes()[mode])))
             record["batch"] = {"samples": args.batch, **{m: summarize(v) for m, v in both.items()},
                                "ngram_vs_plain": summarize([n / p for n, p in zip(both["ngram"], both["plain"])])}
-            print("S=%d: plain %s, ngram %s tokens/s (x%.2f)" % (args.batch, _fmt(record["batch"]["plain"]),
-                  _fmt(record["batch"]["ngram"]), record["batch"]["ngram_vs_plain"]["median"]))
+            print("S=%d: plain %s, ngram %s tokens/s (x%.2f)" % (args.batch, fmt_stat(record["batch"]["plain"]),
+                  fmt_stat(record["batch"]["ngram"]), record["batch"]["ngram_vs_plain"]["median"]))
         ring.close()
     finally:
-        for w in workers:
-            w.stop()
-        if cgroups is not None:
-            for problem in cgroups.cleanup():
-                print("warning: %s" % problem, file=sys.stderr)
+        stop_workers(workers, cgroups)
     return record
 
 

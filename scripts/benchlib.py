@@ -142,6 +142,16 @@ from mdi.lab.cgroups import CpuCgroups, cgroup_unavailable_reason  # noqa: E402,
 
 # --------------------------------------------------------------------------- workers
 
+def stop_workers(workers: Sequence["WorkerProcess"], cgroups: Optional["CpuCgroups"] = None) -> None:
+    """Stop a benchmark's workers, then remove its CPU groups (they must be empty first),
+    warning about any group that stays."""
+    for w in workers:
+        w.stop()
+    if cgroups is not None:
+        for problem in cgroups.cleanup():
+            print("warning: %s" % problem, file=sys.stderr)
+
+
 class WorkerProcess(_Worker):
     """One `mdi-worker --threads N` subprocess on free loopback ports (its data port chosen
     too), its log in log_dir/NAME.log, optionally in a cgroup (`preexec` joins it)."""

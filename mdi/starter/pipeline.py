@@ -314,8 +314,7 @@ class Pipeline:
         ends the run of them, and every pass built on the rest becomes stale."""
         spec, counters = sample.spec, self.spec_counters
         if sample.done or epoch != sample.epoch:  # an earlier verification in these frames rejected
-            counters.passes_stale += 1
-            counters.rows_wasted += logits.shape[0]
+            counters.stale(logits.shape[0])
             return
         done_pass = spec.passes.popleft()
         assert done_pass.start == sample.window_len - 1, "a verification must start at the last accepted token"
@@ -414,8 +413,7 @@ class Pipeline:
                 if sample is None:
                     continue  # not ours to finish (validated frames only name our slots)
                 if self.tag_epochs and epoch != sample.epoch:
-                    self.spec_counters.passes_stale += 1  # built on a guess that failed
-                    self.spec_counters.rows_wasted += count
+                    self.spec_counters.stale(count)  # built on a guess that failed
                     continue
                 if sample.cancelled and not sample.done:
                     sample.finish_reason = FinishReason.CANCELLED

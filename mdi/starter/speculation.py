@@ -132,6 +132,11 @@ class SpecCounters:
     passes_stale: int = 0  # passes that came back after their guesses had failed
     rows_wasted: int = 0  # rows the ring computed for nothing: rejected guesses and stale passes
 
+    def stale(self, rows: int) -> None:
+        """A pass came back after a guess it was built on had failed: its rows were for nothing."""
+        self.passes_stale += 1
+        self.rows_wasted += rows
+
     def metrics(self) -> Dict[str, Any]:
         return {"drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
@@ -213,7 +218,7 @@ class SpecPolicy:
         if not self.spec.fill or not state.filling or decoding >= self.n_stages:
             return 1
         survival = state.rate ** max(1, len(state.frontier))
-        return min(self.n_stages, 1 + len(state.passes)) if survival >= MIN_CHAIN_SURVIVAL else 1
+        return self.n_stages if survival >= MIN_CHAIN_SURVIVAL else 1
 
     def next_pass(self, sample: Sample, decoding: int, first: bool, max_len: int) -> Optional[Tuple[int, List[int]]]:
         """(start, tokens) of a speculating sample's next pass, noted in its state as sent:
