@@ -138,6 +138,10 @@ class RuntimeSpec:
     # false: the eager blocks, to compare. Sent in /init and /profile; part of a profile's cache
     # key. Default true, or false under MDI_FUSED_DECODE=0.
     fused_decode: bool = field(default_factory=fused_decode_default)
+    # Earlier prompts' KV kept on every node for later prompts that start the same way
+    # (mdi.starter.prefix_cache): "auto" (half of what each node spares beside its weights and
+    # KV cache), a byte count per node, or 0 (none).
+    prefix_cache: Any = "auto"
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -271,7 +275,10 @@ def parse_config(data: Any, source: str) -> RunConfig:
                     {"threads": (int, str), "connect_timeout": NUM, "init_timeout": NUM, "ring_timeout": NUM,
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
-                     "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,)})
+                     "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,),
+                     "prefix_cache": (int, str, bool)})
+    if "prefix_cache" in r:
+        r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     runtime = RuntimeSpec(**r)
     # sent to every worker in /init (check_keys refused booleans already)
     if runtime.threads is not None and runtime.threads != "auto" and not (
@@ -295,6 +302,25 @@ def parse_config(data: Any, source: str) -> RunConfig:
     serve = _parse_serve(source, top.get("serve") or {})
     adapters = _parse_adapters(source, top.get("adapters") or {})
     return RunConfig(model, nodes, gen, runtime, source, spares, serve, adapters)
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_prefix_cache(where: str, raw: Any) -> Any:
+    """runtime.prefix_cache / --prefix-cache: "auto", off (false, "off", 0) or a size per node:
+    bytes, or a number with a unit ("512MB", "1.5G"; binary units)."""
+    if raw is False or (isinstance(raw, str) and raw.strip().lower() in ("off", "none", "0")):
+        return 0
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return "auto"
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+        return raw
+    m = _SIZE.fullmatch(raw.strip()) if isinstance(raw, str) else None
+    if m is None:
+        raise ConfigError("%s: expected auto, off or a size per node such as 512MB, got %r" % (where, raw))
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 # Matched whole (fullmatch): `$` alone would let a trailing newline through ("x\n").

@@ -137,7 +137,9 @@ def test_eight_concurrent_streams_match_standalone(server, model):
         assert c.error is None, c.error
         assert c.finish_reason == "length"
         assert c.text == reference(model, prompt, n), "client %d" % c.name
+        cached = c.usage.pop("prompt_tokens_details")["cached_tokens"]  # the prefix cache's (tests/test_prefix_cache.py)
         assert c.usage == {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        assert 0 <= cached < len(prompt)
     m = server.metrics()
     assert m["mdi_slots"] == SLOTS and m["mdi_samples_in_flight"] == 0 and m["mdi_queue_length"] == 0
     assert m["mdi_generated_tokens_total"] >= sum(LENGTHS)

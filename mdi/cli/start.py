@@ -11,7 +11,7 @@ from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
-from mdi.runconfig import (MAX_DRAFT_LIMIT, SPECULATION_METHODS, ConfigError, GenerationSpec, ModelSpec, NodeSpec,
+from mdi.runconfig import (MAX_DRAFT_LIMIT, SPECULATION_METHODS, ConfigError, parse_prefix_cache, GenerationSpec, ModelSpec, NodeSpec,
                            RunConfig, RuntimeSpec, check_quant, load_config, parse_speculation)
 
 
@@ -46,6 +46,10 @@ def start_parser() -> argparse.ArgumentParser:
                         "that copy (rewrites, quotes, code edits) and switches itself off where drafts miss")
     p.add_argument("--draft-max", type=positive_int, metavar="K",
                    help="with --speculation: drafted tokens per pass, at most (default 8, at most %d)" % MAX_DRAFT_LIMIT)
+    p.add_argument("--prefix-cache", metavar="SIZE",
+                   help="earlier prompts' KV kept on every node (runtime.prefix_cache) for later requests that "
+                        "start the same way (a chat's next turn): auto (default: half of what each node spares "
+                        "beside its weights and KV cache), off, or a size per node such as 512MB")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
@@ -117,6 +121,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.model.group_size = args.group_size
     if args.quant_kernel:
         cfg.runtime.quant_kernel = args.quant_kernel
+    if args.prefix_cache is not None:
+        cfg.runtime.prefix_cache = parse_prefix_cache("--prefix-cache", args.prefix_cache)
     check_quant("--quant", cfg.model)
     if args.device:
         cfg.starter.device = args.device

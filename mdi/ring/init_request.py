@@ -93,6 +93,9 @@ class InitRequest:
     wire_codec: str = "raw"  # how this node encodes the activations it sends (mdi.ring.wire.CODECS)
     # runtime.fused_decode: decode frames through the scripted blocks (mdi.model.fused_decode)
     fused_decode: bool = field(default_factory=fused_decode_default)
+    # runtime.prefix_cache: the bytes this node may keep of earlier prompts' KV (an integer),
+    # "auto" (half of what its memory spares beside weights and KV cache), or None/0: none.
+    prefix_cache: Any = None
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
@@ -101,7 +104,8 @@ class InitRequest:
                                "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
                                "fused_decode": self.fused_decode}
         # Optional fields are left out rather than sent as null: the validator accepts both.
-        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel"):
+        for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel",
+                    "prefix_cache"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.quant:
@@ -122,6 +126,16 @@ def threads_field(value: Any) -> Any:
             int_field("threads", value, 1, MAX_THREADS)
         except RequestError:
             raise RequestError("threads must be an integer in [1, %d] or \"auto\"" % MAX_THREADS)
+    return value
+
+
+def prefix_cache_field(value: Any) -> Any:
+    """runtime.prefix_cache as sent: absent, a byte count, or "auto"."""
+    if value is not None and value != "auto":
+        try:
+            int_field("prefix_cache", value, 0, 2 ** 62)
+        except RequestError:
+            raise RequestError("prefix_cache must be a number of bytes >= 0 or \"auto\"")
     return value
 
 
@@ -184,7 +198,7 @@ def validate_init(body: Any) -> InitRequest:
     spec = object_fields("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                         "data", "weights"),
                          ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant",
-                          "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode"))
+                          "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode", "prefix_cache"))
     int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     config = model_field(spec["model"])
     layers = spec["layers"]
@@ -202,6 +216,7 @@ def validate_init(body: Any) -> InitRequest:
     if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float)) or not 0.5 <= hb <= 3600):
         raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
     threads_field(spec.get("threads"))
+    prefix_cache_field(spec.get("prefix_cache"))
     quant = quant_field(spec.get("quant"), config, layers)
     kernel = spec.get("quant_kernel")
     if kernel is not None and kernel not in POLICY_NAMES:
@@ -236,7 +251,7 @@ def validate_init(body: Any) -> InitRequest:
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
         threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows,
-        wire_codec=codec, fused_decode=fused)
+        wire_codec=codec, fused_decode=fused, prefix_cache=spec.get("prefix_cache"))
 
 
 def quant_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:

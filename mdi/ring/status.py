@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints  # 3.8+
 
+from mdi.model.prefix_store import PrefixStats
 from mdi.system.str_enum import StrEnum
 
 
@@ -104,6 +105,7 @@ class StatusReply:
     error: Optional[str] = None  # why its run's compute failed
     # each quantized weight shape of its layers -> "kernel: why" (mdi.model.kernel_choice.chosen)
     kernels: Dict[str, str] = field(default_factory=dict)
+    prefix: PrefixStats = field(default_factory=PrefixStats)  # its prefix cache (mdi.model.prefix_store)
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
@@ -118,7 +120,8 @@ class StatusReply:
         return self.memory.capacity_bytes
 
 
-_NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter}
+_NESTED = {"memory": NodeMemory, "cache": NodeCache, "counters": NodeCounters, "batching": BatchCounter,
+           "prefix": PrefixStats}
 
 
 def _parse(cls: Any, data: Any, where: str) -> Any:

@@ -32,13 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from mdi.model.layout import DTYPES, WIRE_CODECS, dtype_name
+from mdi.model.prefix_store import OP_KINDS, CacheOp
 from mdi.system.str_enum import StrEnum
 from mdi.system.transfers import to_host
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
 # v4: the "verify" kind and each pass's epoch ("epoch"); a v3 peer would cut a verification's rows.
-PROTOCOL_VERSION = 4
+# v5: prefix cache ops ("cache"); a v4 peer would compute on positions its slot does not hold.
+PROTOCOL_VERSION = 5
 
 
 class FrameKind(StrEnum):
@@ -69,7 +71,10 @@ _HEADER_KEYS = {"v", "kind", "run", "samples", "start", "count", "dtype", "shape
 # alone costs no header bytes. "epoch" likewise only in runs that speculate.
 MAX_ADAPTER_ID = 1 << 16  # adapter ids 1..this (mdi.ring.adapter_request); 0 is the base
 MAX_EPOCH = (1 << 62) - 1
-_OPTIONAL_KEYS = {"adapter", "epoch"}
+MAX_ENTRY = (1 << 62) - 1  # prefix cache entry ids (mdi.starter.prefix_cache)
+# "cache": the prefix cache ops every node carries out before computing the frame, in order
+# (mdi.model.prefix_store), as [kind, entry, slot, length] lists; only in frames that bring some.
+_OPTIONAL_KEYS = {"adapter", "epoch", "cache"}
 
 
 class FrameError(ValueError):
@@ -89,6 +94,7 @@ class Frame:
     # verification rejects, so any node that sees a later epoch for a slot may drop the earlier
     # passes still queued (mdi.worker.run). [] = all 0 (runs that do not speculate).
     epochs: List[int] = field(default_factory=list)
+    cache_ops: List[CacheOp] = field(default_factory=list)  # prefix cache ops, applied before the frame's compute
 
     def adapter_ids(self) -> List[int]:
         return list(self.adapters) if self.adapters else [0] * len(self.samples)
@@ -191,6 +197,8 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
         header["adapter"] = frame.adapter_ids()
     if any(frame.epochs):
         header["epoch"] = frame.epoch_ids()
+    if frame.cache_ops:
+        header["cache"] = [[op.kind, op.entry, op.slot, op.length] for op in frame.cache_ops]
     if t is None:
         return [msgpack.packb(header), b""]
     if codec != "raw" and not t.dtype.is_floating_point:
@@ -275,6 +283,24 @@ def _decode_int8(buf: Any, rows: int, width: int, dtype: torch.dtype) -> torch.T
     return dequantize_int8(Int8Rows(q, scales, columns, values), width, dtype)
 
 
+def _cache_ops(value: Any, n_slots: Optional[int], max_len: int) -> List[CacheOp]:
+    """The "cache" header: a non-empty list of [kind, entry, slot, length], each in range."""
+    if not isinstance(value, list) or not value:
+        raise FrameError("cache must be a non-empty list of [kind, entry, slot, length]")
+    slot_hi = (n_slots - 1) if n_slots is not None else (1 << 31)
+    ops = []
+    for raw in value:
+        if not isinstance(raw, list) or len(raw) != 4 or raw[0] not in OP_KINDS:
+            raise FrameError("cache ops are [kind, entry, slot, length] with kind one of %s" % ", ".join(OP_KINDS))
+        kind = raw[0]
+        entry, slot, length = _int_list({"cache op": raw[1:]}, "cache op", 3, 0, MAX_ENTRY)
+        if entry < 1 or slot > slot_hi or (kind == "drop" and (slot or length)) \
+                or (kind != "drop" and not 1 <= length <= max_len):
+            raise FrameError("cache op %s has an entry, slot or length outside its range" % kind)
+        ops.append(CacheOp(kind, entry, slot, length))
+    return ops
+
+
 def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int] = None,
            n_slots: Optional[int] = None, max_len: int = 1 << 20,
            max_payload: int = DEFAULT_MAX_PAYLOAD, adapters: Optional[Container[int]] = None) -> Frame:
@@ -331,6 +357,10 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     pbytes = len(payload.buffer if hasattr(payload, "buffer") else payload)
     frame = Frame(kind, frame_run, samples, start, count, adapters=adapter if any(adapter) else [],
                   epochs=epoch if any(epoch) else [])
+    if "cache" in header:
+        if kind not in GENERATION_KINDS:
+            raise FrameError("%s frames carry no cache ops" % kind)
+        frame.cache_ops = _cache_ops(header["cache"], n_slots, max_len)
     if kind in (FrameKind.STOP, FrameKind.RESET):
         if header["dtype"] is not None or header["shape"] is not None or pbytes:
             raise FrameError("%s frames carry no tensor" % kind)

@@ -140,8 +140,8 @@ class Routes:
         ids = prompt_ids(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
                                   self.sched.max_len)
-        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation),
-                              opts, chat=False)
+        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
+                                      opts.cache_prompt), opts, chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
@@ -149,8 +149,8 @@ class Routes:
         ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])), self.sched.max_len,
                      "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
-        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation),
-                              opts, chat=True)
+        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
+                                      opts.cache_prompt), opts, chat=True)
 
     # --- adapters ------------------------------------------------------------------------
     def _adapters(self, engine: Any = None) -> List[Tuple[int, str]]:

@@ -303,6 +303,8 @@ class Observer:
             "nodes": nodes, "recoveries": recoveries,
             # speculative decoding's counters on this ring (mdi.starter.speculation.SpecCounters)
             "speculation": engine.pipeline.speculation_metrics() if engine is not None and engine.pipeline else {},
+            # the prefix cache's index counters and the starter's store (mdi.starter.prefix_cache)
+            "prefix_cache": engine.pipeline.prefix_metrics() if engine is not None and engine.pipeline else {},
         }
         snap.update((k, v) for k, v in stats.items() if not k.startswith("starter_"))
         progress = getattr(view, "progress", None)
@@ -353,6 +355,7 @@ class Observer:
             "cache_bytes": cache.nbytes if cache is not None else 0,
             "bytes_sent": getattr(transport, "bytes_sent", 0), "messages_sent": getattr(transport, "messages_sent", 0),
             "error": None,
+            **_prefix_fields(pipeline.prefix_store.stats if pipeline is not None and pipeline.prefix_store else None),
             **(pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics()),
         }
 
@@ -394,5 +397,15 @@ class Observer:
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
             "passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled,
             **c.batching.metrics(),
+            **_prefix_fields(status.prefix if in_this_ring else None),
         })
         return entry
+
+
+def _prefix_fields(stats: Any) -> Dict[str, Any]:
+    """A node's prefix cache store (mdi.model.prefix_store.PrefixStats) as its snapshot entry's fields."""
+    if stats is None:
+        return {"prefix_cache_budget_bytes": 0, "prefix_cache_bytes": 0, "prefix_cache_entries": 0,
+                "prefix_cache_bytes_dropped": 0}
+    return {"prefix_cache_budget_bytes": stats.budget_bytes, "prefix_cache_bytes": stats.bytes,
+            "prefix_cache_entries": stats.entries, "prefix_cache_bytes_dropped": stats.bytes_dropped}

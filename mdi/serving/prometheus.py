@@ -85,6 +85,22 @@ def metrics_text(snap: Dict[str, Any]) -> str:
                       ("passes_stale", "Speculative passes that came back after their drafts had failed."),
                       ("rows_wasted", "Token rows the ring computed for rejected drafts and stale passes.")):
         out.add("mdi_speculation_%s_total" % key, "counter", what, [("", spec.get(key, 0))])
+    cache = snap.get("prefix_cache") or {}
+    for key, what in (("lookups", "Requests that looked up the prefix cache."),
+                      ("hits", "Requests that started from positions the prefix cache held."),
+                      ("misses", "Requests that found nothing to reuse in the prefix cache."),
+                      ("tokens_reused", "Prompt positions served from the prefix cache instead of computed."),
+                      ("prompt_tokens", "Prompt positions of the requests that looked the prefix cache up."),
+                      ("evictions", "Prefix cache entries dropped for room, least recently used first.")):
+        out.add("mdi_prefix_cache_%s_total" % key, "counter", what, [("", cache.get(key, 0))])
+    out.add("mdi_node_prefix_cache_bytes", "gauge", "Bytes each node's prefix cache holds.",
+            per_node("prefix_cache_bytes"))
+    out.add("mdi_node_prefix_cache_budget_bytes", "gauge", "Bytes each node may give its prefix cache.",
+            per_node("prefix_cache_budget_bytes"))
+    out.add("mdi_node_prefix_cache_entries", "gauge", "Entries each node's prefix cache holds.",
+            per_node("prefix_cache_entries"))
+    out.add("mdi_node_prefix_cache_evicted_bytes_total", "counter", "Bytes each node's prefix cache let go.",
+            per_node("prefix_cache_bytes_dropped"))
     out.add("mdi_node_passes_cancelled_total", "counter", "Stale speculative passes each worker dropped unrun.",
             per_node("passes_cancelled"))
     out.add("mdi_node_up", "gauge", "1 when the node answered /status (workers, replaced nodes and spares).",

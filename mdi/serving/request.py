@@ -6,7 +6,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 from mdi.model.sampling import SamplingParams
 from mdi.runconfig import SpeculationSpec
@@ -38,9 +38,10 @@ class Request:
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
                  seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0,
-                 speculation: Optional[SpeculationSpec] = None) -> None:
+                 speculation: Optional[SpeculationSpec] = None, cache_prompt: bool = True) -> None:
         self.id = uuid.uuid4().hex[:24]
         self.speculation = speculation  # None: the server's generation.speculation
+        self.cache_prompt = cache_prompt  # may start from what the prefix cache holds
         self.adapter = adapter  # the LoRA adapter's id (0: the base model)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.max_tokens = int(max_tokens)
@@ -71,9 +72,18 @@ class Request:
         self._cancel.set()
 
     @property
-    def usage(self) -> Dict[str, int]:
+    def usage(self) -> Dict[str, Any]:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
-                "total_tokens": len(self.prompt_ids) + self.completion_tokens}
+                "total_tokens": len(self.prompt_ids) + self.completion_tokens,
+                # OpenAI's: prompt tokens served from the prefix cache, not computed again
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    @property
+    def cached_tokens(self) -> int:
+        sample = self.sample
+        if sample is None:
+            return 0
+        return max(0, min(len(self.prompt_ids), sample.cached_tokens - sample.virtual))
 
     def next_event(self, timeout: float) -> Optional[RequestEvent]:
         try:

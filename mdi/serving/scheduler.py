@@ -323,10 +323,12 @@ class Scheduler:
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
-                            sample_generator(seed, 0), slot=free.pop(0), params=req.params,
-                            speculation=req.speculation)
+                            sample_generator(seed, 0), slot=free[0], params=req.params,
+                            speculation=req.speculation, reuse_prefix=req.cache_prompt)
             if adapters:
                 adapters.prepare(sample, req.adapter)
+            sample.slot = pipe.choose_slot(sample, free)  # a prefix cache's: the slot its history is in
+            free.remove(sample.slot)
             self._next_index += 1
             req.sample, req.text = sample, TextStream(self.tokenizer, req.stop)
             self._running[sample.index] = req

@@ -132,6 +132,8 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("stream_options", (dict,), "an object", default={}, check=_stream_options),
     Field("speculation", (str, dict, bool), "off, ngram or an object like generation.speculation",
           check=_speculation),  # None: the server's generation.speculation
+    # llama.cpp's: false computes the whole prompt again, reusing nothing the prefix cache holds
+    Field("cache_prompt", (bool,), "true or false", default=True),
 )
 
 
@@ -196,6 +198,7 @@ class Options:
     stream: bool
     include_usage: bool
     speculation: Optional[SpeculationSpec] = None  # None: the server's
+    cache_prompt: bool = True  # may start from what the prefix cache holds
 
 
 def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) -> Tuple[Options, Dict[str, Any]]:
@@ -206,5 +209,6 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
                             defaults.top_k if v["top_k"] is None else v["top_k"],
                             defaults.top_p if v["top_p"] is None else float(v["top_p"]))
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], v["stop"],
-                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"])
+                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"],
+                      v["cache_prompt"])
     return options, v

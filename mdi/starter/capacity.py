@@ -30,6 +30,13 @@ def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int,
 MB = 1024 * 1024
 
 
+def prefix_reserve(cfg: RunConfig) -> int:
+    """Bytes every node keeps for its prefix cache beside its weights and KV cache when
+    runtime.prefix_cache names a size (planning counts them); "auto" takes what is left after."""
+    setting = cfg.runtime.prefix_cache
+    return setting if isinstance(setting, int) and not isinstance(setting, bool) else 0
+
+
 def starter_free_bytes(device: str) -> Optional[int]:
     """What the starter can give its own chunk (embedding and head included) on `device`: the
     memory free there (a discrete GPU's own; else the host's, its cgroup's when limited), none

@@ -18,6 +18,8 @@ from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
 from mdi.model.source import ModelSource
+from mdi.model.kv_cache import KVCache
+from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.threads import AUTO, choose_threads
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
@@ -53,6 +55,7 @@ class Engine:
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
         self.recoveries: List[Recovery] = []
+        self.prefix_bytes = 0  # the starter's prefix cache budget (runtime.prefix_cache resolved here)
         self.ring: Optional[RingSession] = None  # while workers are in the ring
         self.chunk: Optional[ModelChunk] = None
         self.pipeline: Optional[Pipeline] = None
@@ -95,6 +98,7 @@ class Engine:
                                  context_shift=self.cfg.generation.context_shift,
                                  speculation=self.cfg.generation.speculation, n_stages=len(self.nodes),
                                  tag_epochs=self.speculating, drafter_factory=self.drafter_factory)
+        self._enable_prefix_cache()
         if self.speculating:  # before any sample holds a slot: it times passes in slot 0
             self.pipeline.row_cost = measure_row_cost(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
             log.info("mdi: starter: a pass's extra row costs %.3f of a one-row pass", self.pipeline.row_cost)
@@ -123,8 +127,12 @@ class Engine:
             log.warning("mdi: starter: %s", note)
         quant = self.plan.nodes[0].quant
         spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device)
+        try:
+            self.prefix_bytes = prefix_budget(self.cfg.runtime.prefix_cache, spare)
+        except ValueError as e:
+            raise ConfigError("starter: runtime.prefix_cache: %s" % e)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
-        kernel_choice.set_memory_allowance(spare)
+        kernel_choice.set_memory_allowance(None if spare is None else spare - self.prefix_bytes)
         # its layers' weights leave the source once in the chunk (a GGUF's are held in memory)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant, consume=True)
         chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks
@@ -135,6 +143,18 @@ class Engine:
         if self.adapters:
             self.adapters.install(chunk)
         return chunk
+
+    def _enable_prefix_cache(self) -> None:
+        """The pipeline keeps earlier prompts' KV within what every node gives it: as many
+        positions as the smallest node's budget holds (each node's bytes per position differ)."""
+        cache = self.chunk.cache
+        here = self.prefix_bytes // KVCache.nbytes_for(self.source.config, self.chunk.last - self.chunk.first, 1, 1,
+                                                       cache.k.dtype) if cache is not None else 0
+        positions = min([here] + (self.ring.prefix_positions() if self.ring is not None else []))
+        self.pipeline.enable_prefix_cache(positions, self.prefix_bytes)
+        if self.cfg.runtime.prefix_cache:
+            log.info("mdi: prefix cache: %d positions on every node%s", positions,
+                     "" if positions else " (a node has no room for it)")
 
     def _connect(self):
         run_id = random.getrandbits(62)
@@ -214,6 +234,8 @@ class Engine:
 
     def _drop_adapter(self, name: str) -> int:
         adapter = self.adapters.remove(name)
+        if self.pipeline is not None and self.pipeline.prefix is not None:
+            self.pipeline.prefix.forget_key(adapter)  # the id may name another adapter later
         self.chunk.drop_adapter(adapter)
         release_freed_memory()  # unloaded adapters gave nothing back before (919 -> 4053 MB stayed)
         if self.ring is not None:
@@ -262,7 +284,9 @@ class Engine:
                 self.chunk.free_cache()
                 self.chunk = chunk = self._starter_chunk(self.ranges[0])
             self.pipeline.n_stages = len(self.nodes)
-            for sample in self.pipeline.reconnect(transport, run_id, chunk):
+            lost = self.pipeline.reconnect(transport, run_id, chunk)
+            self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
+            for sample in lost:
                 self.pipeline.admit(sample)
             self._record(cause, how, started)
             log.warning("mdi: recovered in %.2f s: %s", time.perf_counter() - started, how)

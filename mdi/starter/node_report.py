@@ -27,13 +27,16 @@ class NodeReport:
     batching: Dict[str, Any] = field(default_factory=dict)  # rows and samples per forward (BatchCounter)
     # speculation: stale passes dropped unrun here (workers), or the starter's drafting counters
     speculation: Dict[str, Any] = field(default_factory=dict)
+    # its prefix cache's store (mdi.model.prefix_store.PrefixStats), the starter's with its index's counters
+    prefix_cache: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         """The record's entry: the measured fields, traffic and batching keys at the top level."""
         out = {k: v for k, v in asdict(self).items()
-               if k not in ("traffic", "batching", "speculation") and v is not None}
-        if self.speculation:
-            out["speculation"] = self.speculation
+               if k not in ("traffic", "batching", "speculation", "prefix_cache") and v is not None}
+        for key in ("speculation", "prefix_cache"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
         out.update(self.traffic)
         out.update(self.batching)
         return out
@@ -48,7 +51,8 @@ def worker_report(name: str, layers: Sequence[int], status: StatusReply, cache_b
                        "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind},
                       c.batching.metrics(),
                       {"passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled}
-                      if c.passes_cancelled else {})
+                      if c.passes_cancelled else {},
+                      asdict(status.prefix) if status.prefix.budget_bytes else {})
 
 
 def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
@@ -61,7 +65,8 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
                       kernels=kernel_choice.chosen_by_weight(),
                       traffic=pipeline.transport.traffic() if pipeline is not None else {},
                       batching=pipeline.batching.metrics() if pipeline is not None else {},
-                      speculation=pipeline.speculation_metrics() if pipeline is not None else {})
+                      speculation=pipeline.speculation_metrics() if pipeline is not None else {},
+                      prefix_cache=pipeline.prefix_metrics() if pipeline is not None else {})
 
 
 def ring_reports(engine: Any, starter: NodeReport, workers: Sequence[NodeReport]) -> List[NodeReport]:

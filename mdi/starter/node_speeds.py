@@ -33,7 +33,7 @@ from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.timing.node import profile_here, profile_positions
 from mdi.starter.adapter_set import adapter_layer_bytes
-from mdi.starter.capacity import chunk_bytes_needed, node_quant, starter_free_bytes
+from mdi.starter.capacity import chunk_bytes_needed, node_quant, prefix_reserve, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.planner import NodeCost, groups
@@ -167,6 +167,8 @@ class Profiler:
         # before profiling and 30.7 MB after, and refused its 31.9 MB share at /init).
         after = [self.registry.client(n).status().capacity_bytes() for n in nodes[1:]]
         capacities = capacities[:1] + [_smaller(a, b) for a, b in zip(capacities[1:], after)]
+        reserve = prefix_reserve(self.cfg)  # a sized prefix cache is no room for layers
+        capacities = [None if c is None else max(0, c - reserve) for c in capacities]
         out = []
         for i, node in enumerate(nodes):
             # A node's output goes to the next one: the slower of the two links to the starter

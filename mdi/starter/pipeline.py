@@ -14,6 +14,7 @@ long prompt wait for one chunk, not for the whole prompt.
 With speculation (mdi.starter.speculation) a decoding sample's pass carries drafted tokens too,
 and, while the ring has idle boards, several passes of one sample travel at once.
 """
+import dataclasses
 import itertools
 import logging
 import time
@@ -21,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from mdi.model.prefix_store import PrefixStore
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams, sample_next
@@ -28,6 +30,7 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
+from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample
 from mdi.starter.speculation import Drafter, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
@@ -118,6 +121,10 @@ class Pipeline:
         self.spec_counters = SpecCounters()
         # a sample's drafter when not the speculation method's own (measurement: mdi.lab.oracle_drafter)
         self.drafter_factory = drafter_factory
+        # The prefix cache (enable_prefix_cache): the starter's index of what every node holds,
+        # and its own node's store.
+        self.prefix: Optional[PrefixIndex] = None
+        self.prefix_store: Optional[PrefixStore] = None
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
@@ -129,7 +136,25 @@ class Pipeline:
             self.chunk = chunk
         lost = sorted(self.active.values(), key=lambda s: s.index)
         self.active, self.ready = {}, []
+        self.enable_prefix_cache(0, 0)  # the new ring's nodes hold nothing: the engine enables it again
         return lost
+
+    def enable_prefix_cache(self, token_budget: int, store_bytes: int) -> None:
+        """Keep earlier prompts' KV for later ones: entries of `token_budget` positions in all
+        (the smallest node's), this node's store holding `store_bytes`. 0: none (as before)."""
+        if self.prefix_store is not None:
+            self.prefix_store.clear()
+        on = token_budget > 0 and self.chunk.cache is not None
+        self.prefix = PrefixIndex(token_budget) if on else None
+        self.prefix_store = PrefixStore(self.chunk.cache, store_bytes) if on else None
+
+    def choose_slot(self, sample: Sample, free: List[int]) -> int:
+        """The free slot for `sample`: with a prefix cache, the one whose last sequence it
+        shares most with (mdi.starter.prefix_cache), else the first."""
+        if self.prefix is None:
+            return free[0]
+        tokens = sample.window_tokens(0, sample.window_len) if sample.reuse_prefix else []
+        return self.prefix.choose_slot(free, tokens, sample.adapter)
 
     @property
     def free_slots(self) -> List[int]:
@@ -143,7 +168,7 @@ class Pipeline:
             raise ValueError("cache slot %d is busy" % sample.slot)
         if not self.active:
             self.last_progress = time.monotonic()
-        sample.fed = 0
+        sample.fed = sample.cached_tokens = 0
         spec = sample.speculation or self.speculation
         self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
         sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
@@ -155,6 +180,9 @@ class Pipeline:
         if sample.window_len > self.chunk.cache.max_len:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
                              % (sample.index, sample.window_len, self.chunk.cache.max_len))
+        if self.prefix is not None:  # start after what the nodes hold of its window already
+            sample.fed = sample.cached_tokens = self.prefix.admit(
+                sample.slot, sample.window_tokens(0, sample.window_len), sample.adapter, sample.reuse_prefix)
         self.active[sample.slot] = sample
         self.ready.append(sample)
 
@@ -251,13 +279,16 @@ class Pipeline:
         slots = [s.slot for s in group]
         adapters = [s.adapter for s in group]
         batch = RowBatch.of(slots, starts, counts, self.device, adapters, row_wise=kind == FrameKind.VERIFY)
+        ops = self.prefix.take_ops() if self.prefix is not None else []
+        if ops:  # this node's copies first, then every node's as the frame reaches it
+            self.prefix_store.apply(ops)
         ids_t = ints_to_device(ids, self.device)
         x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, _virtual_rows(group, starts, counts)),
                                     batch)
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
         self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else [],
-                                  [s.epoch for s in group] if self.tag_epochs else []))
+                                  [s.epoch for s in group] if self.tag_epochs else [], ops))
 
     # --- receiving -----------------------------------------------------------------
     def _take(self, sample: Sample, token: int) -> None:
@@ -428,10 +459,18 @@ class Pipeline:
             for sample in advanced.values():
                 if sample.done:
                     self.active.pop(sample.slot, None)
+                    if self.prefix is not None:  # what its slot holds is cache now
+                        self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter)
                 elif sample.spec is None or not sample.spec.passes:
                     self.ready.append(sample)  # its next token, or the next chunk of its prompt
             self._dispatch()
         return list(advanced.values())
+
+    def prefix_metrics(self) -> Dict[str, Any]:
+        """The prefix cache's index counters and this node's store, or {} without one."""
+        if self.prefix is None or self.prefix_store is None:
+            return {}
+        return dict(self.prefix.metrics(), **dataclasses.asdict(self.prefix_store.stats))
 
     def speculation_metrics(self) -> Dict[str, Any]:
         """The run's drafting counters, or {} when no sample speculated."""

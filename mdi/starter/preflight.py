@@ -9,7 +9,7 @@ from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import format_layers
 from mdi.model.source import ModelSource
 from mdi.starter.adapter_set import adapter_layer_bytes
-from mdi.starter.capacity import MB, chunk_bytes_needed, starter_free_bytes
+from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter_free_bytes
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -40,13 +40,14 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
+    print(prefix_line(cfg))
     ok = True
     registry = NodeRegistry.for_run(cfg)
     try:
         for i, node in enumerate(plan.nodes):
             first, last = node.layers
             need = chunk_bytes_needed(config, node.layers, plan.n_slots, plan.max_len, plan.dtype, with_ends=i == 0,
-                                      quant=node.quant) + sum(adapter_bytes[first:last])
+                                      quant=node.quant) + sum(adapter_bytes[first:last]) + prefix_reserve(cfg)
             where = "%-10s %-21s %-17s needs %7.1f MB" % (
                 node.name, node.spec.address if i else "(this machine)", format_layers(first, last), need / MB)
             ok = _report(cfg, registry, node.spec if i else None, where, need) and ok
@@ -64,6 +65,16 @@ def kernels_line(cfg: RunConfig) -> str:
             "at load among %s (here; a kernel that holds more than the stored weight only within the memory a node "
             "spares beside its plan); the run's summary line and metrics name the choices"
             % (policy, ", ".join(qkernels.available(policy, torch.device(cfg.model.device.split(":")[0])))))
+
+
+def prefix_line(cfg: RunConfig) -> str:
+    setting = cfg.runtime.prefix_cache
+    if not setting:
+        return "prefix cache: off (runtime.prefix_cache): every prompt is computed whole"
+    if setting == "auto":
+        return ("prefix cache: auto (runtime.prefix_cache): each node keeps earlier prompts' KV in half of what it "
+                "spares beside its weights and KV cache; the run's log says how many positions that is")
+    return "prefix cache: %.1f MB per node (runtime.prefix_cache), counted in each node's need below" % (setting / MB)
 
 
 def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], where: str,

@@ -47,6 +47,10 @@ class Sample:
     # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
     # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
     soft_prompt: Optional[torch.Tensor] = None
+    # Prefix cache (mdi.starter.prefix_cache): whether it may start from positions the nodes hold
+    # already (a request's cache_prompt), and how many it did.
+    reuse_prefix: bool = True
+    cached_tokens: int = 0
 
     @property
     def virtual(self) -> int:
@@ -73,6 +77,13 @@ class Sample:
             return prompt
         first = self.dropped + max(0, start - len(self.prompt_ids))
         return prompt + self.token_ids[first:first + rest]
+
+    @property
+    def cached_len(self) -> int:
+        """Positions of its window whose KV every node's slot holds once its passes are back:
+        what it fed, less its last token (never fed). Rows past it (a rejected draft's) are
+        written again by whatever comes next."""
+        return max(0, min(self.fed, self.window_len - 1))
 
     @property
     def unsent(self) -> int:

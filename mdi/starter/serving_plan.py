@@ -13,7 +13,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planner import PlanError
-from mdi.starter.capacity import chunk_bytes_needed, starter_free_bytes
+from mdi.starter.capacity import chunk_bytes_needed, prefix_reserve, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.engine import Engine
 from mdi.starter.sample import Sample
@@ -83,7 +83,8 @@ def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> in
             capacity = registry.client(node.spec).status().capacity_bytes()
         if capacity is None:
             continue
-        weights = chunk_bytes_needed(config, node.layers, 0, max_len, plan.dtype, with_ends=i == 0, quant=node.quant)
+        weights = chunk_bytes_needed(config, node.layers, 0, max_len, plan.dtype, with_ends=i == 0, quant=node.quant) \
+            + prefix_reserve(cfg)
         per_slot = KVCache.nbytes_for(config, node.layers[1] - node.layers[0], 1, max_len, plan.dtype)
         fit = (capacity - weights) // per_slot if per_slot > 0 else limit
         if fit < 1:

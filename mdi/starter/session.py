@@ -50,7 +50,8 @@ class RingSession:
             data=DataPlane(bind_port=node.ring_port, next_host=nxt.host, next_port=nxt.ring_port,
                            is_last=i == len(self.workers) - 1),
             weights=weights, max_batch=self.plan.max_batch, max_rows=self.plan.max_rows,
-            wire_codec=self.cfg.runtime.wire_codec, fused_decode=self.cfg.runtime.fused_decode)
+            wire_codec=self.cfg.runtime.wire_codec, fused_decode=self.cfg.runtime.fused_decode,
+            prefix_cache=self.cfg.runtime.prefix_cache or None)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
         client, node = self.clients[i], self.workers[i]
@@ -72,6 +73,18 @@ class RingSession:
             errors[i] = e
         except BaseException as e:  # reported by the caller, naming the node
             errors[i] = NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name)
+
+    def prefix_positions(self) -> List[int]:
+        """Positions each worker's prefix cache holds: its budget over its bytes per position,
+        as its /init reply says (0 from a worker that keeps none, or predates it)."""
+        out = []
+        for node, reply in zip(self.workers, self.init_replies):
+            budget, per = reply.get("prefix_cache_bytes", 0), reply.get("prefix_token_bytes", 0)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (budget, per)):
+                raise NodeError("node %s (%s): its /init reply's prefix_cache_bytes and prefix_token_bytes are not "
+                                "byte counts" % (node.name, node.address), node.name)
+            out.append(budget // per if per else 0)
+        return out
 
     def send_adapter(self, adapter: int, adapters: Any) -> None:
         """One adapter, loaded while the ring runs, to every worker: its layers' matrices, or

@@ -20,6 +20,7 @@ from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weigh
 from mdi.model.source import build_chunk_from_file
 from mdi.model.threads import AUTO, choose_threads
 from mdi.model.kv_cache import KVCache
+from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
@@ -48,6 +49,7 @@ class Setup:
     key: LoadedWeights
     peer: str = "?"  # the starter's address as this worker saw it (named when another run is refused)
     weights_file: Optional[str] = None  # weights.path resolved inside the models directory
+    prefix_bytes: int = 0  # its prefix cache's budget (runtime.prefix_cache resolved here)
 
 
 class Worker:
@@ -293,9 +295,15 @@ class Worker:
         setup = Setup(request, compute, key, peer)
         if request.weights.path is not None:
             setup.weights_file = weights_file(self.models_dir, request.weights.path)
+        try:
+            setup.prefix_bytes = prefix_budget(request.prefix_cache, self._spare_bytes(setup))
+        except ValueError as e:
+            raise TooLarge("runtime.prefix_cache: %s" % e)
+        reply = {"ok": True, "need_weights": False, "cache_bytes": cache_bytes, "prefix_cache_bytes": setup.prefix_bytes,
+                 "prefix_token_bytes": KVCache.nbytes_for(config, last - first, 1, 1, compute)}
         if self.chunk is not None and self.loaded == setup.key:
             self._start_run_locked(setup)
-            return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
+            return reply
         if request.weights.push is not None:
             # Refused here, before a byte of the push is read (the weights held now are freed first).
             check_push_fits(request.weights.push.nbytes, cache_bytes, *self._memory_limit(device))
@@ -309,10 +317,10 @@ class Worker:
                 raise TooLarge("layers [%d, %d) need %d bytes of weights plus a KV cache of %d bytes, over this "
                                "worker's limit of %d bytes (%s)" % (first, last, need, cache_bytes, limit, what))
             self._load_locked(setup, setup.weights_file, exact=False)
-            return {"ok": True, "need_weights": False, "cache_bytes": cache_bytes}
+            return reply
         self.pending = setup
         self.touch()  # the heartbeat of an /init waiting for its weights starts now
-        return {"ok": True, "need_weights": True, "cache_bytes": cache_bytes}
+        return dict(reply, need_weights=True)
 
     def _drop_chunk_locked(self) -> None:
         """Let go of the weights held now and hand their memory back to the OS at once. The
@@ -332,7 +340,7 @@ class Worker:
 
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
         """What this worker's memory spares beside the weights and KV cache its run was planned
-        with: room a faster kernel may take (mdi.model.kernel_choice), None when unknown."""
+        with (room a faster kernel or the prefix cache may take), None when unknown."""
         request = setup.request
         first, last = setup.key.layers
         limit, _ = self._memory_limit(setup.key.device)
@@ -372,7 +380,8 @@ class Worker:
         first, last = key.layers
         self._set_threads(setup.request)  # kernels are measured with the threads the run will use
         qkernels.set_preference(key.quant_kernel)
-        kernel_choice.set_memory_allowance(self._spare_bytes(setup))
+        spare = self._spare_bytes(setup)  # less what the prefix cache may take
+        kernel_choice.set_memory_allowance(None if spare is None else spare - setup.prefix_bytes)
         try:
             self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
                                                setup.request.quant)
@@ -410,7 +419,7 @@ class Worker:
             raise RequestError(str(e))
         endpoint.connect(data.next_host, data.next_port)
         threads = self._set_threads(request, chunk)
-        self.run = Run(request, chunk, endpoint, setup.peer, threads)
+        self.run = Run(request, chunk, endpoint, setup.peer, threads, setup.prefix_bytes)
         self.touch()
         self.run.thread.start()
         self.runs_served += 1

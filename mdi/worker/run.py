@@ -8,6 +8,7 @@ from typing import Deque, Dict, List, Optional, Set
 
 import torch
 
+from mdi.model.prefix_store import PrefixStore
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest
@@ -27,7 +28,7 @@ class Run:
     """One run's state on this worker: its id, data-plane endpoint and compute thread."""
 
     def __init__(self, request: InitRequest, chunk: ModelChunk, endpoint: RingEndpoint, peer: str = "?",
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, prefix_bytes: int = 0) -> None:
         self.request = request
         self.id = request.run_id
         self.chunk: Optional[ModelChunk] = chunk  # None once the run is stopped
@@ -51,6 +52,9 @@ class Run:
         self.latest_epoch: Dict[int, int] = {}  # slot -> the latest pass epoch seen for it
         self.passes_cancelled = 0  # stale speculative passes dropped here unrun
         self.rows_cancelled = 0
+        # Earlier prompts' KV, kept as the starter's frames say (mdi.model.prefix_store).
+        self.prefix: Optional[PrefixStore] = PrefixStore(chunk.cache, prefix_bytes) \
+            if prefix_bytes and chunk.cache is not None else None
         self.error: Optional[str] = None
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -79,6 +83,7 @@ class Run:
                     if frame.kind in GENERATION_KINDS:
                         frame = self._gather(frame)
                     t0 = time.perf_counter()
+                    self._apply_cache_ops(frame)
                     out = self._forward(frame)
                     self.compute_seconds += time.perf_counter() - t0
                     self.endpoint.send(out)
@@ -92,6 +97,8 @@ class Run:
         finally:
             self.stopped.set()
             chunk = self.chunk
+            if self.prefix is not None:
+                self.prefix.clear()
             if chunk is not None:
                 chunk.free_cache()  # a finished or failed run gives its cache memory back
                 # ... to the OS, not to this thread's malloc arena: the next run allocates from
@@ -138,7 +145,9 @@ class Run:
         when it cannot be computed on."""
         if not self._computable(frame):
             return None
-        if not frame.epochs or frame.kind not in GENERATION_KINDS:
+        # A frame bringing prefix cache ops runs whole: its ops must reach every node, and a
+        # stale pass only writes positions its sample's later passes write again.
+        if not frame.epochs or frame.kind not in GENERATION_KINDS or frame.cache_ops:
             return frame
         keep = [i for i, (slot, epoch) in enumerate(zip(frame.samples, frame.epochs))
                 if epoch >= self.latest_epoch.get(slot, 0)]
@@ -163,6 +172,8 @@ class Run:
         frames = [frame]
         n, rows, slots, kinds = len(frame.samples), sum(frame.count), set(frame.samples), {frame.kind}
         while n < self.max_batch and self.inbox:
+            if self.inbox[0].cache_ops:  # its ops come after these frames' compute: it leads the next forward
+                break
             more = self._live(self.inbox[0])
             if more is None:
                 self.inbox.popleft()
@@ -202,7 +213,15 @@ class Run:
             y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
-                     frame.epochs)
+                     frame.epochs, frame.cache_ops)
+
+    def _apply_cache_ops(self, frame: Frame) -> None:
+        """The frame's prefix cache ops, before its compute (they travel on with it)."""
+        if not frame.cache_ops:
+            return
+        if self.prefix is None:
+            raise RuntimeError("a frame brought prefix cache ops to a node without a prefix cache")
+        self.prefix.apply(frame.cache_ops)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -225,13 +244,14 @@ def _merge(frames: List[Frame]) -> Frame:
     adapter, ordered by adapter (stable), so each adapter's rows are one slice (LoraDeltas)."""
     if len(frames) == 1:
         return frames[0]
+    ops = frames[0].cache_ops  # only a merge's first frame brings ops (Run._gather)
     kinds = set(f.kind for f in frames)
     kind = next((k for k in (FrameKind.VERIFY, FrameKind.PREFILL) if k in kinds), FrameKind.DECODE)
     epochs = any(f.epochs for f in frames)
     if not any(f.adapters for f in frames):  # in order: whole frames, one cat (the decode hot path)
         return Frame(kind, frames[0].run, [s for f in frames for s in f.samples], [s for f in frames for s in f.start],
                      [c for f in frames for c in f.count], torch.cat([f.tensor for f in frames]), [],
-                     [e for f in frames for e in f.epoch_ids()] if epochs else [])
+                     [e for f in frames for e in f.epoch_ids()] if epochs else [], ops)
     pieces = []  # (adapter, sample, start, count, rows, epoch) per sample
     for f in frames:
         row = 0
@@ -240,4 +260,5 @@ def _merge(frames: List[Frame]) -> Frame:
             row += count
     pieces.sort(key=lambda p: p[0])
     return Frame(kind, frames[0].run, [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
-                 torch.cat([p[4] for p in pieces]), [p[0] for p in pieces], [p[5] for p in pieces] if epochs else [])
+                 torch.cat([p[4] for p in pieces]), [p[0] for p in pieces], [p[5] for p in pieces] if epochs else [],
+                 ops)

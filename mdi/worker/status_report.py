@@ -38,4 +38,6 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
                                       last_bad_frame=ep.last_error, batching=run.batching,
                                       passes_cancelled=run.passes_cancelled, rows_cancelled=run.rows_cancelled,
                                       **ep.traffic())
+        if run.prefix is not None:
+            reply.prefix = run.prefix.stats
     return reply

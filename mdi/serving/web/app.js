@@ -175,6 +175,8 @@
     $("s-queue").textContent = String(s.queue_length);
     $("s-ttft").textContent = seconds(s.ttft_recent_seconds);
     $("s-tokens").textContent = String(s.tokens_total);
+    var pc = s.prefix_cache || {};
+    $("s-cache").textContent = pc.prompt_tokens ? percent(pc.tokens_reused / pc.prompt_tokens) : "\u2013";
     if (s.mode === "batch" && s.progress) {
       $("s-extra-label").textContent = "samples done";
       $("s-extra").textContent = s.progress.samples_done + " / " + s.progress.samples;
@@ -335,6 +337,10 @@
           (node.board_memory_source ? " (" + node.board_memory_source + ")" : ""));
       }
       if (node.cache_bytes) row("KV cache", bytes(node.cache_bytes));
+      if (node.prefix_cache_budget_bytes) {
+        row("prefix cache", bytes(node.prefix_cache_bytes) + " / " + bytes(node.prefix_cache_budget_bytes) +
+          " (" + node.prefix_cache_entries + " entries)");
+      }
       if (node.bytes_sent !== undefined) {
         row("sent", bytes(node.bytes_sent) + " (" + (node.messages_sent || 0) + " frames)");
       }
