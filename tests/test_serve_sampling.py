@@ -222,3 +222,15 @@ def test_the_openai_client_reads_logprobs_and_choices(server, model):
                                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"5": -100}))
     assert [c.token for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content] \
         == [c.token for c in content]
+
+
+def test_token_bytes_of_a_byte_level_vocabulary_rebuild_the_text(smollm2_dir):
+    """SmolLM2's byte-level tokens: a character split over two tokens shows U+FFFD in each
+    token's text, and its bytes are the real ones, so the bytes concatenate to the text."""
+    from mdi.serving.logprob_bodies import TokenTexts
+    tok = load_tokenizer(smollm2_dir)
+    texts = TokenTexts(tok)
+    text = "Hello, w\u00f6rld! \U0001F600 na\u00efve"
+    parts = [texts.of(i) for i in tok.encode(text)]
+    assert b"".join(bytes(raw) for _, raw in parts).decode("utf-8") == text
+    assert any("\ufffd" in t for t, _ in parts) and parts[0] == ("Hello", list(b"Hello"))

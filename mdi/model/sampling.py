@@ -131,16 +131,24 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     logits = (logits - logits.max()) / params.temperature
     scaled = logits
     if params.top_k is not None and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = _keep_at_least(logits, float(torch.topk(logits, params.top_k).values[-1]))
     if params.min_p > 0:
-        # The best logit is 0, so p / p_max = exp(logit): one comparison, no softmax first.
-        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
+        # The best logit is 0, so p / p_max = exp(logit): one threshold, no softmax first.
+        logits = _keep_at_least(logits, math.log(params.min_p))
     probs = torch.softmax(logits, dim=-1)
+    whole = probs if logits is scaled else None  # the softmax of `scaled` itself: its logprobs for free
     if params.top_p is not None and params.top_p < 1.0:
         probs = _nucleus(probs, params.top_p)
     token = _draw(probs, gen)
-    return Drawn(token, None if top_logprobs is None else _logprobs(scaled, token, top_logprobs))
+    return Drawn(token, None if top_logprobs is None else _logprobs(scaled, token, top_logprobs, whole))
+
+
+def _keep_at_least(logits: torch.Tensor, low: float) -> torch.Tensor:
+    """`logits` with every value below `low` set to -inf. F.threshold keeps values strictly
+    above its threshold, so it gets the float32 just below `low`: one pass, a tenth of
+    masked_fill(logits < low)'s time (measured, 49152 values, 1 thread)."""
+    below = float(torch.nextafter(torch.tensor(low, dtype=torch.float32), torch.tensor(float("-inf"))))
+    return torch.nn.functional.threshold(logits, below, float("-inf"))
 
 
 def _adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
@@ -157,12 +165,12 @@ def _adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[
     if params.repeat_penalty != 1 and params.repeat_last_n != 0:
         recent = _last_tokens(prompt, generated, params.repeat_last_n)
         if recent:
-            ids = torch.unique(torch.tensor(recent, dtype=torch.long))
+            ids = torch.unique(torch.tensor(recent, dtype=torch.long))  # a list: the fastest conversion
             values = logits[ids]
             logits = logits.index_copy(0, ids, torch.where(values > 0, values / params.repeat_penalty,
                                                            values * params.repeat_penalty))
     if (params.frequency_penalty or params.presence_penalty) and generated:
-        ids, counts = torch.unique(torch.tensor(list(generated), dtype=torch.long), return_counts=True)
+        ids, counts = torch.unique(torch.tensor(generated, dtype=torch.long), return_counts=True)
         logits = logits.index_add(0, ids, counts.float() * -params.frequency_penalty - params.presence_penalty)
     return logits
 
@@ -176,10 +184,17 @@ def _last_tokens(prompt: Sequence[int], generated: Sequence[int], n: int) -> Lis
     return (list(prompt[-need:]) if need > 0 and prompt else []) + tail
 
 
-def _logprobs(scaled: torch.Tensor, token: int, top: int) -> Logprobs:
-    """`token`'s log-softmax value among `scaled` logits and the `top` best (see Logprobs)."""
+def _logprobs(scaled: torch.Tensor, token: int, top: int, probs: Optional[torch.Tensor] = None) -> Logprobs:
+    """`token`'s log-softmax value among `scaled` logits and the `top` best (see Logprobs);
+    from `probs`, their softmax, where the draw already computed it (a logsumexp saved)."""
+    if probs is not None:
+        best: List[Tuple[int, float]] = []
+        if top > 0:
+            values, ids = torch.topk(probs, min(top, probs.numel()))
+            best = [(int(i), float(v)) for i, v in zip(ids, values.log())]
+        return Logprobs(token, math.log(float(probs[token])), best)
     total = torch.logsumexp(scaled, 0)
-    best: List[Tuple[int, float]] = []
+    best = []
     if top > 0:
         values, ids = torch.topk(scaled, min(top, scaled.numel()))
         best = [(int(i), float(v)) for i, v in zip(ids, values - total)]
