@@ -318,7 +318,7 @@ def test_openai_client(server, model):
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
     ("/v1/completions", b"[" * 50000 + b"]" * 50000, 400, "nested"),
     ("/v1/completions", {"prompt": "a", "bogus": 1}, 400, "bogus"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "'n'"),
+    ("/v1/completions", {"prompt": "a", "n": SLOTS + 1}, 400, "'n'"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": 3}, 400, "temperature"),

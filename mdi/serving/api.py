@@ -41,8 +41,11 @@ from mdi.starter.adapter_set import virtual_tokens
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
+from mdi.serving.choices import Choices
+from mdi.serving.logprob_bodies import TokenTexts
 from mdi.serving.openai_bodies import Reply
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, TextEvent
+from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options
 
@@ -83,6 +86,7 @@ class Routes:
 
     def __init__(self, sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> None:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
+        self.token_texts = TokenTexts(sched.tokenizer)  # the tokens' texts and bytes that logprobs show
         # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters'.
         cfg = sched.cfg
         self.adapter_dirs = sorted({os.path.dirname(os.path.realpath(p))
@@ -140,8 +144,7 @@ class Routes:
         ids = prompt_ids(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
                                   self.sched.max_len)
-        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
-                                      opts.cache_prompt), opts, chat=False)
+        return self._generate(self._request(ids, max_tokens, opts, adapter), opts, chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
@@ -149,8 +152,20 @@ class Routes:
         ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])), self.sched.max_len,
                      "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
-        return self._generate(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
-                                      opts.cache_prompt), opts, chat=True)
+        return self._generate(self._request(ids, max_tokens, opts, adapter), opts, chat=True)
+
+    def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int) -> Choices:
+        """The request's choices, once the fields that depend on the server are checked."""
+        vocab = self.sched.tokenizer.vocab_size
+        outside = [t for t in opts.params.logit_bias if t >= vocab]
+        if outside:
+            raise ApiError(400, "'logit_bias': token id %d is outside the vocabulary (0 to %d)"
+                           % (min(outside), vocab - 1), "logit_bias")
+        if opts.n > self.sched.slots:
+            raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
+                           "n")
+        return Choices(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
+                               opts.top_logprobs, opts.cache_prompt), opts.n)
 
     # --- adapters ------------------------------------------------------------------------
     def _adapters(self, engine: Any = None) -> List[Tuple[int, str]]:
@@ -241,73 +256,95 @@ class Routes:
         return _json({"ok": True, "name": name})
 
     # --- one generation ----------------------------------------------------------------
-    def _generate(self, req: Request, opts: Options, chat: bool) -> Response:
-        try:
-            self.sched.submit(req)
-        except SchedulerError as e:
-            raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
-        reply = Reply(req, self.model_id, chat)
+    def _generate(self, choices: Choices, opts: Options, chat: bool) -> Response:
+        for submitted, req in enumerate(choices.requests):
+            try:
+                self.sched.submit(req)
+            except SchedulerError as e:
+                self._cancel(choices.requests[:submitted])
+                raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
+        reply = Reply(choices.requests, self.model_id, chat, self.token_texts)
         if not opts.stream:
-            return self._whole(req, reply, request.environ)
-        resp = Response(self._stream(req, reply, opts.include_usage), mimetype="text/event-stream")
+            return self._whole(choices, reply, request.environ)
+        resp = Response(self._stream(choices, reply, opts.include_usage), mimetype="text/event-stream")
         resp.headers["Cache-Control"] = "no-cache"
         resp.headers["X-Accel-Buffering"] = "no"
         return resp
 
-    def _next_event(self, req: Request, timeout: float) -> Optional[RequestEvent]:
-        event = req.next_event(timeout)
-        if event is None and not self.sched.alive:
-            event = req.next_event(0) or ErrorEvent("the scheduler stopped")
-        return event
+    def _cancel(self, reqs: List[Request]) -> None:
+        for req in reqs:
+            self.sched.cancel(req)  # nothing for one already finished
 
-    def _whole(self, req: Request, reply: Reply, environ: Dict[str, Any]) -> Response:
-        """Wait for every event, watching for a client that hangs up (it frees the slot)."""
-        parts = []
+    def _next_event(self, choices: Choices, timeout: float) -> Optional[Tuple[int, RequestEvent]]:
+        got = choices.next_event(timeout)
+        if got is None and not self.sched.alive:
+            got = choices.next_event(0) or (0, ErrorEvent("the scheduler stopped"))
+        return got
+
+    def _whole(self, choices: Choices, reply: Reply, environ: Dict[str, Any]) -> Response:
+        """Wait for every choice's events, watching for a client that hangs up (it frees the slots)."""
+        n = len(choices)
+        parts: List[List[str]] = [[] for _ in range(n)]
+        logprobs: List[List[TokenLogprob]] = [[] for _ in range(n)]
+        reasons: List[Any] = [None] * n
         check = time.monotonic() + POLL
-        while True:
-            event = self._next_event(req, POLL)
+        while any(r is None for r in reasons):
+            got = self._next_event(choices, POLL)
             if time.monotonic() >= check:
                 check = time.monotonic() + POLL
                 if _client_gone(environ):
-                    self.sched.cancel(req)
+                    self._cancel(choices.requests)
                     return _json(ApiError(499, "client closed the request").body(), 499)
+            if got is None:
+                continue
+            i, event = got
             if isinstance(event, TextEvent):
-                parts.append(event.text)
+                parts[i].append(event.text)
+                logprobs[i].extend(event.logprobs)
             elif isinstance(event, ErrorEvent):
+                self._cancel(choices.requests)
                 raise ApiError(503, event.message, kind="server_error")
             elif isinstance(event, FinishEvent):
-                return _json(reply.whole("".join(parts), event.reason))
+                reasons[i] = event.reason
+        return _json(reply.whole(["".join(p) for p in parts], reasons, logprobs))
 
-    def _stream(self, req: Request, reply: Reply, include_usage: bool) -> Iterator[str]:
+    def _stream(self, choices: Choices, reply: Reply, include_usage: bool) -> Iterator[str]:
         over = False
+        left = len(choices)
         try:
             if reply.chat:
-                yield _sse(reply.chunk("", first=True))
-            event: Optional[RequestEvent] = None
-            while True:
-                event = event or self._next_event(req, KEEPALIVE)
-                if event is None:
+                for i in range(left):
+                    yield _sse(reply.chunk("", first=True, index=i))
+            got: Optional[Tuple[int, RequestEvent]] = None
+            while left:
+                got = got or self._next_event(choices, KEEPALIVE)
+                if got is None:
                     yield ": keep-alive\n\n"
                     continue
-                if not isinstance(event, TextEvent):
-                    break
-                text = event.text
-                event = req.next_event(0)
-                while isinstance(event, TextEvent):  # what is already there: one chunk
-                    text += event.text
-                    event = req.next_event(0)
-                yield _sse(reply.chunk(text))
-            over = True
-            if isinstance(event, ErrorEvent):
-                yield _sse(ApiError(503, event.message, kind="server_error").body())
-                return
-            yield _sse(reply.last_chunk(event.reason, include_usage))
+                (i, event), got = got, None
+                if isinstance(event, TextEvent):
+                    text, entries = event.text, list(event.logprobs)
+                    got = choices.next_event(0)
+                    while got is not None and got[0] == i and isinstance(got[1], TextEvent):  # already there: one chunk
+                        text += got[1].text
+                        entries += got[1].logprobs
+                        got = choices.next_event(0)
+                    yield _sse(reply.chunk(text, index=i, logprobs=entries))
+                    continue
+                if isinstance(event, ErrorEvent):
+                    self._cancel(choices.requests)  # the other choices with it
+                    over = True
+                    yield _sse(ApiError(503, event.message, kind="server_error").body())
+                    return
+                left -= 1
+                over = not left
+                yield _sse(reply.last_chunk(event.reason, include_usage, index=i, final=not left))
             if include_usage:
                 yield _sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
-            if not over:  # the client went away (or the server is stopping): free the slot
-                self.sched.cancel(req)
+            if not over:  # the client went away (or the server is stopping): free the slots
+                self._cancel(choices.requests)
 
 
 def _json_body() -> Dict[str, Any]:

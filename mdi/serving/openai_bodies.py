@@ -1,50 +1,77 @@
 """The OpenAI-shaped bodies that answer one generation request: a whole completion (chat or
-text), or its stream's chunks, the last with the finish reason, and the usage."""
-from typing import Any, Dict, Optional
+text, one choice per sample of `n`), or its stream's chunks (one choice each, by index), the
+last of each choice with its finish reason, and the usage."""
+from typing import Any, Dict, List, Optional, Sequence
 
+from mdi.serving.logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
 from mdi.serving.request import Request
+from mdi.serving.streaming import TokenLogprob
 from mdi.starter.sample import FinishReason
 
 
 class Reply:
-    """The OpenAI bodies answering one request: a whole completion or its stream's chunks."""
+    """The OpenAI bodies answering one request (its `n` choices: `reqs`, choice i is reqs[i])."""
 
-    def __init__(self, req: Request, model_id: str, chat: bool) -> None:
-        self.req, self.model_id, self.chat = req, model_id, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + req.id
+    def __init__(self, reqs: Sequence[Request], model_id: str, chat: bool, texts: TokenTexts) -> None:
+        self.reqs, self.model_id, self.chat, self.texts = list(reqs), model_id, chat, texts
+        self.req = self.reqs[0]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + self.req.id
+        self.with_logprobs = self.req.top_logprobs is not None
+
+    @property
+    def usage(self) -> Dict[str, Any]:
+        """The prompt once (the choices share it), every choice's completion tokens, and (as
+        OpenAI reports it) the prompt tokens the first choice took from the prefix cache."""
+        prompt, completion = len(self.req.prompt_ids), sum(r.completion_tokens for r in self.reqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens}}
 
     def _body(self, kind: str, choices: Any) -> Dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.req.created, "model": self.model_id,
                 "choices": choices}
 
-    def whole(self, text: str, reason: FinishReason) -> Dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        body = self._body("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = self.req.usage
+    def _logprobs(self, entries: Optional[Sequence[TokenLogprob]]) -> Optional[Dict[str, Any]]:
+        if not self.with_logprobs or entries is None:
+            return None
+        return chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts)
+
+    def whole(self, texts: Sequence[str], reasons: Sequence[FinishReason],
+              logprobs: Sequence[List[TokenLogprob]]) -> Dict[str, Any]:
+        choices = []
+        for index, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs)):
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._logprobs(entries), "finish_reason": reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": self._logprobs(entries),
+                                "finish_reason": reason})
+        body = self._body("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = self.usage
         return body
 
-    def chunk(self, text: Optional[str], reason: Optional[FinishReason] = None, first: bool = False) -> Dict[str, Any]:
+    def chunk(self, text: Optional[str], reason: Optional[FinishReason] = None, first: bool = False,
+              index: int = 0, logprobs: Optional[Sequence[TokenLogprob]] = None) -> Dict[str, Any]:
         if self.chat:
             delta: Dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": self._logprobs(logprobs),
+                      "finish_reason": reason}
         return self._body("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def last_chunk(self, reason: FinishReason, include_usage: bool) -> Dict[str, Any]:
-        body = self.chunk(None if self.chat else "", reason)
-        body["usage"] = None if include_usage else self.req.usage  # else it comes in a chunk of its own
+    def last_chunk(self, reason: FinishReason, include_usage: bool, index: int = 0,
+                   final: bool = True) -> Dict[str, Any]:
+        """A choice's last chunk; the `final` one of all carries the usage unless a chunk of
+        its own does (include_usage)."""
+        body = self.chunk(None if self.chat else "", reason, index=index)
+        body["usage"] = None if include_usage or not final else self.usage
         return body
 
     def usage_chunk(self) -> Dict[str, Any]:
         body = self._body("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = self.req.usage
+        body["usage"] = self.usage
         return body

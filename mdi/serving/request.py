@@ -6,17 +6,18 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from mdi.model.sampling import SamplingParams
 from mdi.runconfig import SpeculationSpec
-from mdi.serving.streaming import TextStream
+from mdi.serving.streaming import TextStream, TokenLogprob
 from mdi.starter.sample import FinishReason, Sample
 
 
 @dataclass(frozen=True)
 class TextEvent:
     text: str  # the next piece of the answer (stop strings already cut)
+    logprobs: Tuple[TokenLogprob, ...] = ()  # of the tokens this piece shows (when asked for)
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,27 @@ class ErrorEvent:
 RequestEvent = Union[TextEvent, FinishEvent, ErrorEvent]
 
 
+class ChoiceQueue:
+    """The event queue of one choice of a request with several (n > 1): its events go to the
+    queue the choices share, tagged with the choice's index, so one HTTP thread waits on all."""
+
+    def __init__(self, shared: "queue.Queue[Tuple[int, RequestEvent]]", index: int) -> None:
+        self.shared, self.index = shared, index
+
+    def put(self, event: RequestEvent) -> None:
+        self.shared.put((self.index, event))
+
+
 class Request:
     """One generation request as the scheduler sees it. Built on an HTTP thread; after
     `submit` only the scheduler thread touches it, except `mark_cancelled()` and `next_event()`."""
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
                  seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0,
-                 speculation: Optional[SpeculationSpec] = None, cache_prompt: bool = True) -> None:
+                 speculation: Optional[SpeculationSpec] = None, top_logprobs: Optional[int] = None,
+                 cache_prompt: bool = True) -> None:
         self.id = uuid.uuid4().hex[:24]
+        self.top_logprobs = top_logprobs  # None: no logprobs; else each token's and this many alternatives'
         self.speculation = speculation  # None: the server's generation.speculation
         self.cache_prompt = cache_prompt  # may start from what the prefix cache holds
         self.adapter = adapter  # the LoRA adapter's id (0: the base model)
@@ -57,7 +71,7 @@ class Request:
         self.completion_tokens = 0
         self.sample: Optional[Sample] = None  # once admitted
         self.text: Optional[TextStream] = None  # once admitted
-        self.events: "queue.Queue[RequestEvent]" = queue.Queue()
+        self.events: Any = queue.Queue()  # of RequestEvents; a ChoiceQueue for one of several choices
         self._cancel = threading.Event()
 
     @property
@@ -72,14 +86,8 @@ class Request:
         self._cancel.set()
 
     @property
-    def usage(self) -> Dict[str, Any]:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
-                "total_tokens": len(self.prompt_ids) + self.completion_tokens,
-                # OpenAI's: prompt tokens served from the prefix cache, not computed again
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    @property
     def cached_tokens(self) -> int:
+        """Prompt tokens its sample started after: what the prefix cache held of them."""
         sample = self.sample
         if sample is None:
             return 0

@@ -324,7 +324,8 @@ class Scheduler:
             seed = req.seed if req.seed is not None else random.getrandbits(62)
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
                             sample_generator(seed, 0), slot=free[0], params=req.params,
-                            speculation=req.speculation, reuse_prefix=req.cache_prompt)
+                            speculation=req.speculation, top_logprobs=req.top_logprobs,
+                            reuse_prefix=req.cache_prompt)
             if adapters:
                 adapters.prepare(sample, req.adapter)
             sample.slot = pipe.choose_slot(sample, free)  # a prefix cache's: the slot its history is in
@@ -365,9 +366,10 @@ class Scheduler:
             req.first_token_at = now
             self.stats.first_token(now, now - req.arrived_at)
         req.completion_tokens = len(sample.token_ids)
-        update = req.text.push(token, sample.finish_reason)
-        if update.text:
-            req.events.put(TextEvent(update.text))
+        logprobs = sample.logprobs[-1] if sample.top_logprobs is not None else None  # this token's draw
+        update = req.text.push(token, sample.finish_reason, logprobs)
+        if update.text or update.logprobs:
+            req.events.put(TextEvent(update.text, tuple(update.logprobs)))
         if update.hit_stop:
             sample.cancelled = True  # no more tokens; the slot frees when its pass returns
             self._finish(req, FinishReason.STOP)

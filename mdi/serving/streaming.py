@@ -1,8 +1,10 @@
 """A sample's tokens as the text its client sees: detokenized as they arrive, cut before the
-first stop string, and never showing the start of a stop string that may still complete."""
-from dataclasses import dataclass
-from typing import Optional, Sequence
+first stop string, and never showing the start of a stop string that may still complete; each
+token's log-probabilities go out with the text that shows the token's first character."""
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
 
+from mdi.model.sampling import Logprobs
 from mdi.model.tokenizers import StreamDecoder, Tokenizer
 from mdi.starter.sample import FinishReason, Sample
 
@@ -28,10 +30,17 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    offset: int  # where the token's text starts in the answer, in characters (text_offset)
+    logprobs: Logprobs
+
+
 @dataclass
 class TextUpdate:
     text: str  # to send now ("" for nothing)
     hit_stop: bool  # a stop string appeared: `text` is what came before it and the request is over
+    logprobs: List[TokenLogprob] = field(default_factory=list)  # of the tokens `text` shows first
 
 
 class TextStream:
@@ -41,9 +50,25 @@ class TextStream:
         self.decoder = StreamDecoder(tokenizer)
         self.stops = [s for s in stops if s]
         self.pending = ""  # decoded text held back: it may be the start of a stop string
+        self.sent = 0  # characters handed out
+        self.waiting: List[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
 
-    def push(self, token: int, sample_finish: Optional[str]) -> TextUpdate:
-        """`sample_finish` is the sample's finish_reason after this token (None: more follow)."""
+    def push(self, token: int, sample_finish: Optional[str], logprobs: Optional[Logprobs] = None) -> TextUpdate:
+        """`sample_finish` is the sample's finish_reason after this token (None: more follow).
+        A token's `logprobs` leave with the update that shows its first character (at the end,
+        with the last update), never for text cut at a stop string, nor for the EOS token,
+        which shows no text (as OpenAI's answers leave out their end token)."""
+        if logprobs is not None and sample_finish != "eos":
+            self.waiting.append(TokenLogprob(self.sent + len(self.pending), logprobs))
+        update = self._text(token, sample_finish)
+        self.sent += len(update.text)
+        if self.waiting:
+            over = update.hit_stop or sample_finish is not None
+            update.logprobs = [w for w in self.waiting if w.offset < self.sent or over and not update.hit_stop]
+            self.waiting = [] if over else self.waiting[len(update.logprobs):]
+        return update
+
+    def _text(self, token: int, sample_finish: Optional[str]) -> TextUpdate:
         piece = "" if sample_finish == "eos" else self.decoder.push(token)  # EOS shows no text
         if sample_finish is not None:
             piece += self.decoder.flush()

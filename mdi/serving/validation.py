@@ -1,22 +1,25 @@
 """The OpenAI request fields this server accepts, as tables, and the one validator that walks them.
 
 `FIELDS`: fields with a meaning here (name, accepted JSON types, range, default, routes).
-`NEUTRAL`: fields accepted only at the value that changes nothing (n=1, echo=false, ...), so
+`NEUTRAL`: fields accepted only at the value that changes nothing (echo=false, ...), so
 clients that always send them keep working. Any other key is refused. JSON null counts as
 absent everywhere. Prompts and messages are only type-checked here: `prompts` reads them.
 """
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mdi.model.sampling import SamplingParams
+from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
 BOTH = (COMPLETIONS, CHAT)
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+MAX_N = 128  # choices per request; the server's slots bound it further (api)
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI takes 300; llama.cpp has no limit)
 
 
 class ApiError(Exception):
@@ -56,6 +59,8 @@ def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:
     return [s for s in stops if s]
 
 
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
+MAX_TOP_LOGPROBS = 20
 MAX_LORA_ENTRIES = 8
 MAX_LORA_SCALE = 100.0  # beyond this a delta swamps the base; almost certainly a typo
 
@@ -80,6 +85,27 @@ def _lora(value: Any, _: Dict[str, Any]) -> List[Dict[str, Any]]:
         seen.add(entry["id"])
         used.append({"id": entry["id"], "scale": float(scale)})
     return used
+
+
+def _logit_bias(value: Dict[str, Any], _: Dict[str, Any]) -> Dict[int, float]:
+    """OpenAI's {"token id": bias in [-100, 100]}; the ids are checked against the vocabulary
+    by the route (`api`), which knows it."""
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", "at most %d entries" % MAX_LOGIT_BIAS)
+    bias = {}
+    for key, v in value.items():
+        if not key.isdigit() or len(key) > 12:
+            raise _bad("logit_bias", "keys are token ids (strings of digits), got %s" % json.dumps(key)[:30])
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise _bad("logit_bias", "token %s: expected a number from -100 to 100, got %s" % (key, json.dumps(v)[:20]))
+        bias[int(key)] = float(v)
+    return bias
+
+
+def _top_logprobs(value: int, checked: Dict[str, Any]) -> int:
+    if value and not checked["logprobs"]:  # 0 stays accepted alone, as it was when it was all there was
+        raise _bad("top_logprobs", "only allowed with logprobs: true")
+    return value
 
 
 def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str, Any]:
@@ -127,6 +153,17 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("top_p", (int, float), "a number", low=0, high=1, low_open=True),
     Field("top_k", (int,), "an integer", low=1),
     Field("seed", (int,), "an integer"),
+    Field("n", (int,), "an integer", low=1, high=MAX_N, default=1),  # choices; seeds seed, seed + 1, ...
+    Field("min_p", (int, float), "a number", low=0, high=1),
+    Field("presence_penalty", (int, float), "a number", low=-2, high=2),
+    Field("frequency_penalty", (int, float), "a number", low=-2, high=2),
+    Field("repeat_penalty", (int, float), "a number", low=0, high=MAX_REPEAT_PENALTY, low_open=True),  # llama.cpp's
+    Field("repeat_last_n", (int,), "an integer", low=-1),  # llama.cpp's: -1 every token, 0 off
+    Field("logit_bias", (dict,), "an object", default={}, check=_logit_bias),
+    # Completions: logprobs N gives each token's and N alternatives'; chat: logprobs true, top_logprobs N.
+    Field("logprobs", (int,), "an integer", low=0, high=MAX_COMPLETION_LOGPROBS, routes=(COMPLETIONS,)),
+    Field("logprobs", (bool,), "true or false", default=False, routes=(CHAT,)),
+    Field("top_logprobs", (int,), "an integer", low=0, high=MAX_TOP_LOGPROBS, routes=(CHAT,), check=_top_logprobs),
     Field("stop", (str, list), "a string or a list of strings", default=(), check=_stop_strings),
     Field("stream", (bool,), "true or false", default=False),
     Field("stream_options", (dict,), "an object", default={}, check=_stream_options),
@@ -146,16 +183,10 @@ class Neutral:
 
 
 NEUTRAL = (
-    Neutral("n", "1", lambda v: v == 1),
     Neutral("user", "a string", lambda v: isinstance(v, str)),
-    Neutral("frequency_penalty", "0", lambda v: v == 0),
-    Neutral("presence_penalty", "0", lambda v: v == 0),
-    Neutral("logit_bias", "{}", lambda v: v == {}),
-    Neutral("logprobs", "false/null", lambda v: v is False),
     Neutral("best_of", "1", lambda v: v == 1, (COMPLETIONS,)),
     Neutral("echo", "false", lambda v: v is False, (COMPLETIONS,)),
     Neutral("suffix", "an empty string", lambda v: v == "", (COMPLETIONS,)),
-    Neutral("top_logprobs", "0", lambda v: v == 0, (CHAT,)),
     Neutral("response_format", '{"type": "text"}', lambda v: v == {"type": "text"}, (CHAT,)),
     Neutral("tools", "[]", lambda v: v == [], (CHAT,)),
     Neutral("tool_choice", '"none"', lambda v: v == "none", (CHAT,)),
@@ -198,17 +229,27 @@ class Options:
     stream: bool
     include_usage: bool
     speculation: Optional[SpeculationSpec] = None  # None: the server's
+    n: int = 1  # choices
+    top_logprobs: Optional[int] = None  # None: no logprobs; else each token's and this many alternatives'
     cache_prompt: bool = True  # may start from what the prefix cache holds
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                   "repeat_penalty", "repeat_last_n")  # the SamplingParams fields a request may set
 
 
 def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) -> Tuple[Options, Dict[str, Any]]:
     """The request's options (unset sampling fields take `defaults`, the YAML's) and all checked fields."""
     v = validate(body, route)
     max_tokens = v.get("max_completion_tokens")
-    params = SamplingParams(defaults.temperature if v["temperature"] is None else float(v["temperature"]),
-                            defaults.top_k if v["top_k"] is None else v["top_k"],
-                            defaults.top_p if v["top_p"] is None else float(v["top_p"]))
+    given: Dict[str, Any] = dict((name, v[name] if name in ("top_k", "repeat_last_n") else float(v[name]))
+                 for name in SAMPLING_FIELDS if v[name] is not None)
+    params = dataclasses.replace(defaults, logit_bias=v["logit_bias"] or defaults.logit_bias, **given)
+    if route == CHAT:
+        top = (v["top_logprobs"] or 0) if v["logprobs"] else None
+    else:
+        top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], v["stop"],
-                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"],
+                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
                       v["cache_prompt"])
     return options, v

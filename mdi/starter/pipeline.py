@@ -25,13 +25,13 @@ import torch
 from mdi.model.prefix_store import PrefixStore
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
-from mdi.model.sampling import SamplingError, SamplingParams, sample_next
+from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.prefix_cache import PrefixIndex
-from mdi.starter.sample import FinishReason, Sample
+from mdi.starter.sample import FinishReason, Sample, draw_next
 from mdi.starter.speculation import Drafter, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
@@ -332,7 +332,7 @@ class Pipeline:
                 self._verify(sample, epoch, mine, params)
                 continue
             try:
-                token = sample_next(mine[-1], params, sample.rng)
+                token = draw_next(sample, mine[-1], params)
             except SamplingError as e:
                 self._fail(sample, e)
                 continue
@@ -359,7 +359,7 @@ class Pipeline:
                 # the draw agrees with it, which happens with probability p(guess), the most any
                 # scheme can accept a one-hot draft with. So each token is the plain run's own,
                 # greedy or sampled with the same seed, whatever was guessed or still in flight.
-                token = sample_next(logits[i], params, sample.rng)
+                token = draw_next(sample, logits[i], params)
             except SamplingError as e:
                 self._fail(sample, e)
                 break

@@ -5,7 +5,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from mdi.model.sampling import SamplingParams, sample_generator
+from mdi.model.sampling import Logprobs, SamplingParams, draw, sample_generator
 from mdi.runconfig import SpeculationSpec
 from mdi.system.str_enum import StrEnum
 
@@ -51,6 +51,10 @@ class Sample:
     # already (a request's cache_prompt), and how many it did.
     reuse_prefix: bool = True
     cached_tokens: int = 0
+    # Serving: each drawn token's log-probability and this many alternatives, kept in
+    # `logprobs` as they are drawn (None: none kept).
+    top_logprobs: Optional[int] = None
+    logprobs: List[Logprobs] = field(default_factory=list)
 
     @property
     def virtual(self) -> int:
@@ -98,6 +102,17 @@ class Sample:
         self.dropped += max(1, kept // 2)
         self.shifts.append(len(self.token_ids))
         self.fed = 0
+
+
+def draw_next(sample: Sample, logits: torch.Tensor, params: SamplingParams) -> int:
+    """`sample`'s next token from its row of logits (the pipeline's one way to draw). The
+    penalties read the tokens it has taken so far: in a speculative verification, also those
+    taken from the rows before, so each draw is the plain run's. Its request's logprobs are
+    kept in `sample.logprobs`, one entry per draw (the scheduler's on_token reads the last)."""
+    drawn = draw(logits, params, sample.rng, sample.token_ids, sample.prompt_ids, sample.top_logprobs)
+    if drawn.logprobs is not None:
+        sample.logprobs.append(drawn.logprobs)
+    return drawn.token
 
 
 def make_samples(prompts: List[str], prompt_ids: List[List[int]], max_new_tokens: int,

@@ -1,0 +1,37 @@
+"""The `n` choices of one request: n requests for the scheduler, one per sample, sharing the
+prompt and seeded seed, seed + 1, ... (so choice i is the single request with seed + i), whose
+events one HTTP thread reads from a single queue. They share nothing else: each prefills the
+prompt itself (they are admitted together, so none finds the prompt in the prefix cache yet)."""
+import queue
+from typing import List, Optional, Tuple
+
+from mdi.serving.request import ChoiceQueue, Request, RequestEvent
+
+
+class Choices:
+    def __init__(self, first: Request, n: int) -> None:
+        self.requests = [first] + [_copy(first, i) for i in range(1, n)]
+        self.events: "Optional[queue.Queue[Tuple[int, RequestEvent]]]" = None
+        if n > 1:
+            self.events = queue.Queue()
+            for i, req in enumerate(self.requests):
+                req.events = ChoiceQueue(self.events, i)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def next_event(self, timeout: float) -> Optional[Tuple[int, RequestEvent]]:
+        """(choice index, its next event), or None after `timeout` seconds."""
+        if self.events is None:
+            event = self.requests[0].next_event(timeout)
+            return None if event is None else (0, event)
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+def _copy(req: Request, i: int) -> Request:
+    """Choice i of `req`: the same prompt and fields, seed + i (a random seed when none)."""
+    return Request(req.prompt_ids, req.max_tokens, req.params, None if req.seed is None else req.seed + i, req.stop,
+                   req.adapter, req.speculation, req.top_logprobs, req.cache_prompt)
