@@ -8,7 +8,8 @@ ring of three processes (starter + 2 mdi-worker, 1 torch thread each), both at S
 shipped model, for an older revision (`--base`, checked out with `git archive` into a
 temporary folder) and for this working tree. Each measurement runs in a fresh process whose
 `mdi` (and its workers') is the tree's; the trees alternate, and which goes first alternates,
-so both see the same machine noise. Greedy token ids must agree between the trees.
+so both see the same machine noise. Greedy token ids are compared between the trees (each
+process picks its kernels by timing them, so ids may differ between processes of one tree).
 
 Example:
   python scripts/bench_overhead.py --base HEAD~1 --repeats 3 --out results/bench_overhead.json
@@ -135,10 +136,14 @@ def main(argv=None) -> int:
     for setup in setups:
         per = {name: [statistics.median(m["tok_s"]) for m in runs[setup][name]] for name in ("base", "new")}
         ratios = [n / b for b, n in zip(per["base"], per["new"])]
-        same = setup != "standalone" or all(m["token_ids"] == runs[setup]["base"][0]["token_ids"]
-                                            for name in ("base", "new") for m in runs[setup][name])
+        # Greedy ids of one process: `fast` picks each shape's kernel by timing it, so two processes
+        # may pick differently and round differently (even within one tree); the trees agree when
+        # some process of each produced the same ids.
+        seqs = {name: set(tuple(m.get("token_ids", ())) for m in runs[setup][name]) for name in ("base", "new")}
+        same = setup != "standalone" or bool(seqs["base"] & seqs["new"])
         record["by_setup"][setup] = {"base_tok_s": benchlib.summarize(per["base"]), "new_tok_s": benchlib.summarize(per["new"]),
-                                     "ratio_new_over_base": benchlib.summarize(ratios), "same_token_ids": same}
+                                     "ratio_new_over_base": benchlib.summarize(ratios), "same_token_ids": same,
+                                     "distinct_token_id_sequences": {k: len(v) for k, v in seqs.items()}}
         e = record["by_setup"][setup]
         rows.append([setup, benchlib.fmt_stat(e["base_tok_s"], "%.2f"), benchlib.fmt_stat(e["new_tok_s"], "%.2f"),
                      benchlib.fmt_stat(e["ratio_new_over_base"], "%.3f"), same])
