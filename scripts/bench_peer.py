@@ -345,7 +345,7 @@ def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fu
     t = benchlib.decode_timing(s.token_times)
     return {"decode_tokens_per_s": (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0]),
             "median_gap_ms": 1000 * t["median_s"], "n_tokens": len(s.token_ids), "finish_reason": s.finish_reason,
-            "token_ids": s.token_ids, "starter_compute_s": res.nodes[0].get("compute_seconds"),
+            "token_ids": s.token_ids, "starter_compute_s": res.nodes[0].compute_seconds,
             "decode_window_s": s.token_times[-1] - s.token_times[0]}
 
 
@@ -395,7 +395,7 @@ def mdi_ring(model: str, workers, n_samples: int, n_tokens: int) -> Dict[str, An
             "first_token_ms": [round(1000 * f, 1) for f in firsts],
             "finish_reasons": sorted(set(s.finish_reason for s in res.samples)),
             "prompt_tokens": len(res.samples[0].prompt_ids),
-            "nodes": res.nodes,
+            "nodes": [n.to_json() for n in res.nodes],
             "elapsed_s": res.elapsed}
 
 

@@ -35,7 +35,10 @@ class RowBatch:
             raise ValueError("a row batch needs as many slots, starts and counts, at least one")
         if adapters is not None and len(adapters) != len(slots):
             raise ValueError("a row batch needs one adapter id per sample")
-        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
+        if all(c == 1 for c in counts):  # decode: one row per sample, at its start (one op, not S + 1)
+            positions = torch.tensor(starts, dtype=torch.long)
+        else:
+            positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
         return cls(list(slots), list(starts), list(counts), to_device(positions, device) if device is not None else positions,
                    adapters=list(adapters) if adapters is not None and any(adapters) else None, row_wise=row_wise)
 

@@ -107,8 +107,15 @@ class Frame:
         return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
 
 
+_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
+
+
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
+    # Remembered per dtype: making an empty tensor to ask was half of decoding a decode hop's frame.
+    size = _ELEMENT_SIZES.get(dtype)
+    if size is None:
+        size = _ELEMENT_SIZES[dtype] = torch.tensor([], dtype=dtype).element_size()
+    return size
 
 
 def payload_nbytes(rows: int, width: int, dtype: Union[torch.dtype, str], codec: str) -> int:

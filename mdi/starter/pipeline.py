@@ -323,7 +323,8 @@ class Pipeline:
             return
         t0 = time.perf_counter()
         # Every row's logits come to the host in one copy (one wait on a GPU), not one per sample.
-        logits = to_host(self.chunk.head(to_device(torch.cat([rows for _, _, rows in pending]), self.device)))
+        x = pending[0][2] if len(pending) == 1 else torch.cat([rows for _, _, rows in pending])
+        logits = to_host(self.chunk.head(to_device(x, self.device)))
         row = 0
         for sample, epoch, rows in pending:
             mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]
@@ -419,8 +420,11 @@ class Pipeline:
         `recv_timeout`). A ring with passes in flight that has been silent for `recv_timeout`
         raises RingTimeout, however the wait was sliced: a lost frame must not hang its
         samples for ever."""
-        with torch.inference_mode():
-            self._dispatch()
+        with torch.inference_mode():  # entered once per step: it is per token at S = 1
+            return self._step(timeout)
+
+    def _step(self, timeout: Optional[float]) -> List[Sample]:
+        self._dispatch()
         frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
         if frame is None:
             if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:
@@ -454,16 +458,15 @@ class Pipeline:
                 elif not sample.done and sample.unsent == 0:
                     pending.append((sample, None, rows[-1:]))
                 advanced[id(sample)] = sample
-        with torch.inference_mode():
-            self._sample_all(pending)
-            for sample in advanced.values():
-                if sample.done:
-                    self.active.pop(sample.slot, None)
-                    if self.prefix is not None:  # what its slot holds is cache now
-                        self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter)
-                elif sample.spec is None or not sample.spec.passes:
-                    self.ready.append(sample)  # its next token, or the next chunk of its prompt
-            self._dispatch()
+        self._sample_all(pending)
+        for sample in advanced.values():
+            if sample.done:
+                self.active.pop(sample.slot, None)
+                if self.prefix is not None:  # what its slot holds is cache now
+                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter)
+            elif sample.spec is None or not sample.spec.passes:
+                self.ready.append(sample)  # its next token, or the next chunk of its prompt
+        self._dispatch()
         return list(advanced.values())
 
     def prefix_metrics(self) -> Dict[str, Any]:

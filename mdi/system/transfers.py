@@ -27,6 +27,8 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype
     waiting; the dtype conversion runs on the GPU after the copy (the smaller side of a
     float16 -> float32 conversion is the one that travels)."""
     device = torch.device(device)
+    if t.device == device and (dtype is None or t.dtype == dtype):
+        return t  # what `.to` would return, without its argument parsing (per frame, per token)
     if not _is_gpu(device) or t.device.type != "cpu":
         return t.to(device=device, dtype=dtype)
     on_gpu = t.pin_memory().to(device, non_blocking=True)

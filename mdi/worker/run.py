@@ -4,7 +4,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Set
+from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -56,6 +56,7 @@ class Run:
         self.prefix: Optional[PrefixStore] = PrefixStore(chunk.cache, prefix_bytes) \
             if prefix_bytes and chunk.cache is not None else None
         self.error: Optional[str] = None
+        self._placement: Optional[Tuple[torch.device, torch.dtype]] = None  # set by the first _forward
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
     def holds_worker(self) -> bool:
@@ -201,15 +202,19 @@ class Run:
         return True
 
     def _forward(self, frame: Frame) -> Frame:
-        p = next(self.chunk.parameters())
-        x = to_device(frame.tensor, p.device, self.chunk.activation_dtype)
-        batch = RowBatch.of(frame.samples, frame.start, frame.count, p.device, frame.adapters or None,
+        if self._placement is None:  # the chunk's device and activation dtype, looked up once per run
+            self._placement = (next(self.chunk.parameters()).device, self.chunk.activation_dtype)
+        device, dtype = self._placement
+        x = to_device(frame.tensor, device, dtype)
+        batch = RowBatch.of(frame.samples, frame.start, frame.count, device, frame.adapters or None,
                             row_wise=frame.kind == FrameKind.VERIFY)
         y = self.chunk.forward_rows(x, batch)
-        self.batching.add(batch.rows, len(frame.samples))
+        rows = batch.rows
+        self.batching.add(rows, len(frame.samples))
         # For generation the starter needs only each sample's last position to pick the next
-        # token; a score pass (perplexity) or a verification needs every position's.
-        if self.is_last and frame.kind not in ALL_ROWS_KINDS:
+        # token; a score pass (perplexity) or a verification needs every position's. With one
+        # row per sample (decode) every row is a last one already.
+        if self.is_last and frame.kind not in ALL_ROWS_KINDS and rows != len(frame.samples):
             y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
