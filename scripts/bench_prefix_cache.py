@@ -12,6 +12,11 @@ repeat is reused): first with the cache ("on"), then with every request's `cache
 "on" run. --concurrent N runs N conversations at once (distinct markers), on then off, for the
 claim that cache hits do not starve other requests.
 
+--memory SIZE instead: the memory claim. Twice on fresh workers, with runtime.prefix_cache off and
+SIZE: --memory-conversations distinct 2-turn conversations one after another (more than the
+budget holds, so entries are evicted), then each node's peak RSS (VmHWM of its process); the
+difference on each node must stay within SIZE. Record: results/bench_prefix_cache_memory.json.
+
 Reported: per turn the median TTFT on and off and their ratio, the ratio at the last turn (the
 issue asks <= 0.1 at turn 8), cached tokens per turn, whether every text matched, and the
 nodes' prefix cache bytes. Record: results/bench_prefix_cache.json.
@@ -34,6 +39,7 @@ import requests
 import benchlib
 from bench_serve import Server, with_workers
 from benchlib import DEFAULT_MODEL, ROOT, print_table
+from mdi.runconfig import parse_prefix_cache
 
 QUESTIONS = ["What is the main idea of that text?", "Which commands does it mention?",
              "Who would use this, and why?", "What does the ring do?", "What are the tests like?",
@@ -110,6 +116,43 @@ def node_cache(url: str) -> List[Dict[str, Any]]:
             for n in nodes if n.get("role") in ("starter", "worker")]
 
 
+def peak_rss(pid: int) -> int:
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM for pid %d" % pid)
+
+
+def memory_claim(args, doc: str) -> int:
+    """Peak RSS per node with the prefix cache off and at --memory, the same conversations."""
+    size = parse_prefix_cache("--memory", args.memory)
+    args.turns = 2
+    settings = {}
+    for setting in (0, size):
+        def body(workers, tmp):
+            with Server(args, "memory", workers, tmp, 2048, 2, runtime={"prefix_cache": setting}) as server:
+                for i in range(args.memory_conversations):
+                    conversation(server.url, "Conversation %d" % i, doc, args, True)
+                nodes = node_cache(server.url)
+                peaks = [peak_rss(server.proc.pid)] + [peak_rss(w.pid) for w in workers]
+            return peaks, nodes
+        (peaks, nodes), info = with_workers(args, body)
+        settings[setting] = {"peak_rss_bytes": peaks, "nodes": nodes, "machine": info}
+        print("prefix_cache %s: peak RSS per node %s MB" % (setting, [round(p / 2 ** 20, 1) for p in peaks]),
+              flush=True)
+    extra = [b - a for a, b in zip(settings[0]["peak_rss_bytes"], settings[size]["peak_rss_bytes"])]
+    within = all(e <= size for e in extra)
+    print("peak RSS with the cache - without, per node: %s MB (budget %.0f MB per node): %s"
+          % ([round(e / 2 ** 20, 1) for e in extra], size / 2 ** 20, "within" if within else "OVER"))
+    record = {"benchmark": "prefix_cache_memory", "args": vars(args), "budget_bytes": size,
+              "off": settings[0], "on": settings[size], "extra_peak_rss_bytes": extra, "within_budget": within}
+    out = args.out.replace(".json", "_memory.json") if args.out.endswith("bench_prefix_cache.json") else args.out
+    benchlib.save_record(out, record)
+    print("record: %s" % out)
+    return 0 if within else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -119,9 +162,15 @@ def main() -> int:
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--concurrent", type=int, default=1, help="conversations at once")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--memory", metavar="SIZE", help="measure peak RSS per node with this prefix cache budget "
+                                                    "against none instead (e.g. 32MB)")
+    p.add_argument("--memory-conversations", type=int, default=12)
+    p.add_argument("--quant", help="model.quant (default: the model's own; none: float32 weights and compute)")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_prefix_cache.json"))
     args = p.parse_args()
     doc = document(int(args.doc_tokens * 0.75))  # ~1.3 tokens per English word
+    if args.memory:
+        return memory_claim(args, doc)
 
     def body(workers, tmp):
         repeats = []

@@ -128,18 +128,20 @@ def make_trace(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def write_config(path: str, model: str, workers: List[WorkerProcess], slots: int, policy: str, port: int,
-                 data_port: int, max_len: int, runtime: Optional[Dict[str, Any]] = None) -> None:
-    """The run YAML of `mdi-start --serve`; `runtime` adds keys to the runtime section."""
+                 data_port: int, max_len: int, runtime: Optional[Dict[str, Any]] = None,
+                 quant: Optional[str] = None) -> None:
+    """The run YAML of `mdi-start --serve`; `runtime` adds keys to the runtime section, `quant`
+    is model.quant (None: the default)."""
     nodes = ["  - {name: starter, host: 127.0.0.1, port: %d, data_port: %d}" % (port, data_port)]
     nodes += ["  - {name: %s, host: 127.0.0.1, port: %d, data_port: %d}" % (w.name, w.port, w.data_port)
               for w in workers]
     rt = {"threads": 1}  # type: Dict[str, Any]
     rt.update(runtime or {})
     with open(path, "w") as f:
-        f.write("model: {path: %s}\nnodes:\n%s\ngeneration: {temperature: 0}\nruntime: {%s}\n"
+        f.write("model: {path: %s%s}\nnodes:\n%s\ngeneration: {temperature: 0}\nruntime: {%s}\n"
                 "serve: {max_in_flight: %d, max_len: %d, admission: %s}\n"
-                % (json.dumps(model), "\n".join(nodes), ", ".join("%s: %s" % kv for kv in rt.items()),
-                   slots, max_len, policy))
+                % (json.dumps(model), ", quant: %s" % quant if quant else "", "\n".join(nodes),
+                   ", ".join("%s: %s" % kv for kv in rt.items()), slots, max_len, policy))
 
 
 def stream_completion(url: str, t0: float, prompt: str, max_tokens: int) -> Dict[str, Any]:
@@ -236,7 +238,8 @@ class Server:
                  policy: str = "iteration", runtime: Optional[Dict[str, Any]] = None) -> None:
         port, data_port = ports_besides(workers, 2)
         cfg = os.path.join(tmp, "%s.yaml" % label)
-        write_config(cfg, os.path.abspath(args.model), workers, slots, policy, port, data_port, max_len, runtime)
+        write_config(cfg, os.path.abspath(args.model), workers, slots, policy, port, data_port, max_len, runtime,
+                     getattr(args, "quant", None))
         self.proc = NodeProcess("server (%s)" % label, [os.path.join(BIN, "mdi-start"), "--config", cfg, "--serve"],
                                 os.path.join(tmp, "server-%s.log" % label), dict(os.environ))
         self.url = "http://127.0.0.1:%d" % port

@@ -388,3 +388,47 @@ def test_a_replaced_worker_starts_with_an_empty_cache_and_the_text_is_unchanged(
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         finally:
             server.stop()
+
+
+def test_a_shifted_window_is_kept_as_the_sequence_it_became():
+    """A sample whose window shifted leaves its slot holding the shorter window: a prompt that
+    continues that window reuses it, and gets the tokens of an empty cache."""
+    def run(budget):
+        chunk = tiny_model("llama")
+        chunk.allocate_cache(1, 48)
+        pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, prefill_chunk=8, context_shift=True)
+        if budget:
+            pipe.enable_prefix_cache(budget, 10 ** 9)
+        first = Sample(0, "", ids("A story: "), 60, sample_generator(1, 0))
+        pipe.run([first])
+        assert first.shifts, "the window must have shifted"
+        window = first.window_tokens(0, first.window_len)
+        follow = Sample(1, "", window[:-12] + ids(" ok"), 6, sample_generator(1, 1), slot=0)
+        pipe.run([follow])
+        return first, follow
+    cold_first, cold = run(0)
+    warm_first, warm = run(1000)
+    assert warm_first.token_ids == cold_first.token_ids and warm.token_ids == cold.token_ids
+    assert warm.cached_tokens > 0 and cold.cached_tokens == 0
+
+
+def test_a_ring_under_eviction_pressure_gives_the_whole_prompt_s_text(tiny_models, workers, tmp_path):
+    """One slot and a budget of a conversation or so: turns of three conversations in turn
+    save, load and evict entries on every node, and each turn's text is the one computed whole."""
+    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], workers[:2], layers=[1, 1, 2],
+                            runtime={"threads": 1, "ring_timeout": 30, "prefix_cache": "24KB"},
+                            serve={"max_in_flight": 1, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        history = {who: "" for who in ("Ann:", "Bob:", "Cid:")}
+        for turn in TURNS[:4]:
+            for who in history:
+                prompt = history[who] + (who if not history[who] else "") + turn
+                whole = complete(server, prompt, cache_prompt=False)["choices"][0]["text"]
+                body = complete(server, prompt)
+                assert body["choices"][0]["text"] == whole, (who, prompt)
+                history[who] = prompt + whole
+        metrics = server.metrics()
+        assert metrics["mdi_prefix_cache_hits_total"] > 0 and metrics["mdi_prefix_cache_evictions_total"] > 0
+    finally:
+        server.stop()
