@@ -412,10 +412,15 @@ def test_a_shifted_window_is_kept_as_the_sequence_it_became():
     assert warm.cached_tokens > 0 and cold.cached_tokens == 0
 
 
-def test_a_ring_under_eviction_pressure_gives_the_whole_prompt_s_text(tiny_models, workers, tmp_path):
+def test_a_ring_under_eviction_pressure_gives_the_whole_prompt_s_text(tiny_models, tmp_path):
     """One slot and a budget of a conversation or so: turns of three conversations in turn
     save, load and evict entries on every node, and each turn's text is the one computed whole."""
-    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], workers[:2], layers=[1, 1, 2],
+    for workers in worker_pool(2):  # its own: the module's server holds the shared ones
+        eviction_ring(tiny_models, workers, tmp_path)
+
+
+def eviction_ring(tiny_models, workers, tmp_path):
+    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], workers, layers=[1, 1, 2],
                             runtime={"threads": 1, "ring_timeout": 30, "prefix_cache": "24KB"},
                             serve={"max_in_flight": 1, "model_name": "tiny"})
     server = ServeProcess(path).wait_ready()

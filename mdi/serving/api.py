@@ -427,8 +427,11 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
                 raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
         if sched.open_error is not None:
             raise sched.open_error
-        print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission"
-              % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy), flush=True)
+        engine = sched.engine
+        prefix = engine.pipeline.prefix if engine is not None and engine.pipeline is not None else None
+        print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
+              "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
+                                   "of %d positions" % prefix.budget if prefix is not None else "off"), flush=True)
         while not stop.wait(0.5):
             if not sched.alive:
                 log.error("mdi: serve: the scheduler stopped: %s", sched.error or "see the log above")

@@ -152,9 +152,9 @@ class Engine:
                                                        cache.k.dtype) if cache is not None else 0
         positions = min([here] + (self.ring.prefix_positions() if self.ring is not None else []))
         self.pipeline.enable_prefix_cache(positions, self.prefix_bytes)
-        if self.cfg.runtime.prefix_cache:
-            log.info("mdi: prefix cache: %d positions on every node%s", positions,
-                     "" if positions else " (a node has no room for it)")
+        if self.cfg.runtime.prefix_cache:  # --serve's start line says it too
+            log.debug("mdi: prefix cache: %d positions on every node%s", positions,
+                      "" if positions else " (a node has no room for it)")
 
     def _connect(self):
         run_id = random.getrandbits(62)
