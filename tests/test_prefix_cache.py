@@ -437,3 +437,16 @@ def eviction_ring(tiny_models, workers, tmp_path):
         assert metrics["mdi_prefix_cache_hits_total"] > 0 and metrics["mdi_prefix_cache_evictions_total"] > 0
     finally:
         server.stop()
+
+
+def test_a_save_that_cannot_fit_beside_the_entry_being_loaded_evicts_nothing():
+    index = PrefixIndex(10)
+    index.admit(0, [1] * 8 + [0], key=0)
+    index.release(0, [1] * 8, key=0)
+    index.admit(0, [2, 2, 2, 0], key=0)  # [1]*8 saved as entry 1
+    index.release(0, [2, 2, 2, 2, 2], key=0)
+    index.take_ops()
+    # Loading entry 1 (8 positions) leaves no room for [2]*5: it is not saved, and nothing is dropped.
+    assert index.admit(0, [1] * 8 + [3], key=0) == 8
+    assert index.take_ops() == [CacheOp("load", 1, 0, 8)] and index.counters.evictions == 0
+    assert index.tokens_held == 8

@@ -69,13 +69,11 @@ class PrefixIndex:
         self.entries: Dict[int, Held] = {}
         self.slots: Dict[int, Held] = {}  # free slots only: a busy slot's sequence changes as it runs
         self.counters = PrefixCounters()
+        # kept, not summed on demand: /metrics reads it from an HTTP thread while entries change
+        self.tokens_held = 0
         self._ops: List[CacheOp] = []
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
-
-    @property
-    def tokens_held(self) -> int:
-        return sum(len(e.tokens) for e in self.entries.values())
 
     def take_ops(self) -> List[CacheOp]:
         """The ops decided since the last call, for the next frame (every node, in order)."""
@@ -159,24 +157,23 @@ class PrefixIndex:
         for eid in superseded:
             self._drop(eid)
             self.counters.superseded += 1
-        held_now = self.tokens_held
-        for eid, e in sorted(self.entries.items(), key=lambda item: item[1].used):
-            if held_now + n <= self.budget:
-                break
-            if eid == protect:  # the entry this admission loads, after this save
-                continue
-            held_now -= len(e.tokens)
-            self._drop(eid)
-            self.counters.evictions += 1
-        if held_now + n > self.budget:
+        kept = len(self.entries[protect].tokens) if protect in self.entries else 0  # loaded after this save
+        if kept + n > self.budget:  # no eviction would make room: evict nothing
             return
+        for eid, e in sorted(self.entries.items(), key=lambda item: item[1].used):
+            if self.tokens_held + n <= self.budget:
+                break
+            if eid != protect:
+                self._drop(eid)
+                self.counters.evictions += 1
         eid = next(self._ids)
         self._ops.append(CacheOp("save", eid, slot, n))
         self.entries[eid] = Held(held.tokens, held.key, next(self._clock))
+        self.tokens_held += n
         self.counters.saves += 1
 
     def _drop(self, eid: int) -> None:
-        del self.entries[eid]
+        self.tokens_held -= len(self.entries.pop(eid).tokens)
         self._ops.append(CacheOp("drop", eid))
 
     def forget_key(self, key: int) -> None:
@@ -191,6 +188,7 @@ class PrefixIndex:
         """A new ring: its nodes hold nothing (ops not yet sent are void)."""
         self.entries.clear()
         self.slots.clear()
+        self.tokens_held = 0
         self._ops = []
 
     def metrics(self) -> Dict[str, int]:
