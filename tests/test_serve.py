@@ -29,16 +29,22 @@ BLOCK = 1024  # context of the test model: long enough for streams that outlast 
 SLOTS = 4
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny random Llama with a character tokenizer and a 1024-token context."""
-    path = str(tmp_path_factory.mktemp("serve") / "llama1k")
+def tiny_serve_net():
+    """The network behind `model`, built from its seed (test_serve_sampling rebuilds it in process)."""
     torch.manual_seed(3)
     net = full_model(dataclasses.replace(tiny_config("llama"), name="tiny-llama-1k", block_size=BLOCK))
     with torch.no_grad():
         for p in net.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.3)
+    return net
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer and a 1024-token context."""
+    path = str(tmp_path_factory.mktemp("serve") / "llama1k")
+    net = tiny_serve_net()
     save_model_dir(path, net.config, net.state_dict(), "tests/test_serve.py")
     char_tokenizer(CHARS).save(path)
     return path

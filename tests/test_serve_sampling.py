@@ -2,7 +2,6 @@
 (test_serve's server and model): logprobs are the log-softmax of the logits that drew each
 token, streamed as whole; n gives n choices, each the single request with its derived seed;
 penalties, logit_bias and min_p act as defined; each bad value is one 400 naming its field."""
-import dataclasses
 import json
 import math
 
@@ -10,10 +9,8 @@ import pytest
 import requests
 import torch
 
-from conftest import tiny_config
-from test_serve import BLOCK, SLOTS, model, reference, server, sse_events  # noqa: F401 (fixtures)
+from test_serve import BLOCK, SLOTS, model, reference, server, sse_events, tiny_serve_net  # noqa: F401 (fixtures)
 from mdi.model.tokenizers import load_tokenizer
-from mdi.model.transformer import full_model
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, parse_options
 from mdi.model.sampling import SamplingParams
 
@@ -24,12 +21,7 @@ def model_logits(model, ids):
     """Every position's logits from a one-node, one-pass run of test_serve's model (rebuilt
     from its seed in this process): row i scores the token after ids[i]."""
     if "net" not in _nets:
-        torch.manual_seed(3)
-        net = full_model(dataclasses.replace(tiny_config("llama"), name="tiny-llama-1k", block_size=BLOCK))
-        with torch.no_grad():
-            for p in net.parameters():
-                if p.dim() > 1:
-                    p.normal_(0, 0.3)
+        net = tiny_serve_net()
         net.allocate_cache(1, BLOCK)
         _nets["net"] = net
     net = _nets["net"]

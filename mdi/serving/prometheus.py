@@ -1,5 +1,5 @@
 """GET /metrics: an `Observer.snapshot()` (mdi.serving.metrics) in Prometheus' text format."""
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 def _label(value: str) -> str:
@@ -25,6 +25,12 @@ class _Exposition:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+def _counters(out: _Exposition, name: str, values: Dict[str, Any], table: Sequence[Tuple[str, str]]) -> None:
+    """One unlabelled counter per (key, help text) of `table`, named `name % key`, from `values`."""
+    for key, what in table:
+        out.add(name % key, "counter", what, [("", values.get(key, 0))])
 
 
 def metrics_text(snap: Dict[str, Any]) -> str:
@@ -78,21 +84,19 @@ def metrics_text(snap: Dict[str, Any]) -> str:
             "allocations where it reports them).", per_node("memory_used_bytes"))
     out.add("mdi_node_memory_limit_bytes", "gauge", "Memory each node's process may grow to (--max-memory, "
             "else what it holds plus MemAvailable).", per_node("memory_limit_bytes"))
-    spec = snap.get("speculation") or {}
-    for key, what in (("drafted", "Tokens drafted by speculative decoding whose verdict came back."),
-                      ("accepted", "Drafted tokens the target accepted."),
-                      ("verifications", "Passes that came back carrying drafted tokens."),
-                      ("passes_stale", "Speculative passes that came back after their drafts had failed."),
-                      ("rows_wasted", "Token rows the ring computed for rejected drafts and stale passes.")):
-        out.add("mdi_speculation_%s_total" % key, "counter", what, [("", spec.get(key, 0))])
-    cache = snap.get("prefix_cache") or {}
-    for key, what in (("lookups", "Requests that looked up the prefix cache."),
-                      ("hits", "Requests that started from positions the prefix cache held."),
-                      ("misses", "Requests that found nothing to reuse in the prefix cache."),
-                      ("tokens_reused", "Prompt positions served from the prefix cache instead of computed."),
-                      ("prompt_tokens", "Prompt positions of the requests that looked the prefix cache up."),
-                      ("evictions", "Prefix cache entries dropped for room, least recently used first.")):
-        out.add("mdi_prefix_cache_%s_total" % key, "counter", what, [("", cache.get(key, 0))])
+    _counters(out, "mdi_speculation_%s_total", snap.get("speculation") or {}, (
+        ("drafted", "Tokens drafted by speculative decoding whose verdict came back."),
+        ("accepted", "Drafted tokens the target accepted."),
+        ("verifications", "Passes that came back carrying drafted tokens."),
+        ("passes_stale", "Speculative passes that came back after their drafts had failed."),
+        ("rows_wasted", "Token rows the ring computed for rejected drafts and stale passes.")))
+    _counters(out, "mdi_prefix_cache_%s_total", snap.get("prefix_cache") or {}, (
+        ("lookups", "Requests that looked up the prefix cache."),
+        ("hits", "Requests that started from positions the prefix cache held."),
+        ("misses", "Requests that found nothing to reuse in the prefix cache."),
+        ("tokens_reused", "Prompt positions served from the prefix cache instead of computed."),
+        ("prompt_tokens", "Prompt positions of the requests that looked the prefix cache up."),
+        ("evictions", "Prefix cache entries dropped for room, least recently used first.")))
     out.add("mdi_node_prefix_cache_bytes", "gauge", "Bytes each node's prefix cache holds.",
             per_node("prefix_cache_bytes"))
     out.add("mdi_node_prefix_cache_budget_bytes", "gauge", "Bytes each node may give its prefix cache.",
