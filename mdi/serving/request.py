@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
+from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.sampling import SamplingParams
 from mdi.runconfig import SpeculationSpec
 from mdi.serving.streaming import TextStream, TokenLogprob
@@ -51,11 +52,12 @@ class Request:
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
                  seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0,
                  speculation: Optional[SpeculationSpec] = None, top_logprobs: Optional[int] = None,
-                 cache_prompt: bool = True) -> None:
+                 cache_prompt: bool = True, grammar: Optional[GrammarSpec] = None) -> None:
         self.id = uuid.uuid4().hex[:24]
         self.top_logprobs = top_logprobs  # None: no logprobs; else each token's and this many alternatives'
         self.speculation = speculation  # None: the server's generation.speculation
         self.cache_prompt = cache_prompt  # may start from what the prefix cache holds
+        self.grammar = grammar  # None: free text; else what every token drawn must keep valid
         self.adapter = adapter  # the LoRA adapter's id (0: the base model)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.max_tokens = int(max_tokens)
