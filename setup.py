@@ -14,10 +14,13 @@ setup(
         # and channel classes, hence the upper bound); 3.0.1+ has the fixes of CVE-2024-49768
         # and CVE-2024-49769 but needs Python 3.9, so Python 3.8 gets 3.0.0.
         "waitress>=3.0.1,<4; python_version >= '3.9'", "waitress>=3.0.0,<4; python_version < '3.9'",
+        # --serve's structured outputs (mdi/model/constraint.py): one abi3 wheel, no dependencies;
+        # none for Python 3.8, where the server says so at start and answers those fields 400.
+        "llguidance>=1.0,<2; python_version >= '3.9'",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "peft", "protobuf", "vermin",
-                 "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11"],
+                 "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11", "jsonschema"],
         "bench": ["matplotlib"],
     },
     # mdi.cli is a package, one module per program; it keeps the four mains importable as

@@ -108,10 +108,13 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, generated: Sequence[int] = (),
-         prompt: Sequence[int] = (), top_logprobs: Optional[int] = None) -> Drawn:
+         prompt: Sequence[int] = (), top_logprobs: Optional[int] = None,
+         allowed: Optional[torch.Tensor] = None) -> Drawn:
     """Pick the next token id from 1-D logits; SamplingError if they are not finite.
     `generated` and `prompt` are the sample's tokens so far (the penalties read them);
     `top_logprobs`: also report the token's log-probability and that many alternatives.
+    `allowed`: bool [vocab], the only tokens that may be drawn (a grammar's mask): the others
+    get -inf before anything else, so penalties, temperature and logprobs see what may be drawn.
     Nothing here sorts or scans the vocabulary more than a few times: on a 49152-token
     vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
     SmolLM2 layer pass (measured, 1 thread). Fields at their neutral values cost nothing."""
@@ -121,6 +124,10 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     if not math.isfinite(float(logits.sum(dtype=torch.float64))):
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
                             % (int((~torch.isfinite(logits)).sum()), logits.numel()))
+    if allowed is not None:
+        if not bool(allowed.any()):
+            raise SamplingError("the grammar allows no next token")
+        logits = logits.masked_fill(~allowed, -math.inf)
     if params.adjusts:
         logits = _adjusted(logits, params, generated, prompt)
     if params.temperature == 0:

@@ -33,6 +33,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from mdi.model.constraint import Constraint, ConstraintError, GrammarCompiler
+from mdi.model.constraint import unavailable as constraint_unavailable
+from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError, RunConfig
@@ -87,6 +90,7 @@ class Routes:
     def __init__(self, sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> None:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
         self.token_texts = TokenTexts(sched.tokenizer)  # the tokens' texts and bytes that logprobs show
+        self.grammars = grammar_compiler(sched)  # None: response_format, grammar and regex answer 400
         # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters'.
         cfg = sched.cfg
         self.adapter_dirs = sorted({os.path.dirname(os.path.realpath(p))
@@ -164,8 +168,21 @@ class Routes:
         if opts.n > self.sched.slots:
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
-        return Choices(Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
-                               opts.top_logprobs, opts.cache_prompt), opts.n)
+        req = Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
+                      opts.top_logprobs, opts.cache_prompt, opts.grammar)
+        if req.grammar is not None:
+            req.constraint = self._compile(req.grammar)
+        return Choices(req, opts.n)
+
+    def _compile(self, spec: GrammarSpec) -> Constraint:
+        """The request's grammar, compiled on its HTTP thread (a bad one is this request's 400)."""
+        if self.grammars is None:
+            raise ApiError(400, "'%s': structured outputs are off on this server: %s"
+                           % (spec.field, constraint_unavailable()), spec.field)
+        try:
+            return self.grammars.compile(spec)
+        except ConstraintError as e:
+            raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
 
     # --- adapters ------------------------------------------------------------------------
     def _adapters(self, engine: Any = None) -> List[Tuple[int, str]]:
@@ -381,6 +398,16 @@ def create_app(sched: Scheduler, model_id: str, token: Optional[str], template: 
 
 # --------------------------------------------------------------------------- mdi-start --serve
 
+def grammar_compiler(sched: Scheduler) -> Optional[GrammarCompiler]:
+    """The server's grammar compiler, or None (said once, at start) where llguidance is missing."""
+    missing = constraint_unavailable()
+    if missing is not None:
+        log.warning("mdi: serve: structured outputs (response_format, json_schema, grammar, regex) are off: %s",
+                    missing)
+        return None
+    return GrammarCompiler(sched.tokenizer, sched.source.config.vocab_size)
+
+
 def default_model_id(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
     return os.path.splitext(name)[0] if name.endswith((".gguf", ".pt")) else name
@@ -412,9 +439,12 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
                             client_gone=True)
     except OSError as e:
         raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
-    stop = threading.Event()
+    # A plain flag, polled: a handler that sets a threading.Event deadlocks when the signal lands
+    # while the main thread holds that Event's lock inside its own wait (seen: a server that
+    # ignored SIGTERM for good, its main thread blocked in Event.set under Event.wait).
+    stop: List[bool] = []
     try:
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     except ValueError:  # not the main thread (embedded use): stop with KeyboardInterrupt only
         previous = None
     server.start()
@@ -423,7 +453,7 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         sched.start()
         deadline = time.monotonic() + cfg.runtime.init_timeout + 60
         while not sched.ready.wait(0.5):
-            if stop.is_set() or time.monotonic() > deadline:
+            if stop or time.monotonic() > deadline:
                 raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
         if sched.open_error is not None:
             raise sched.open_error
@@ -432,8 +462,9 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
               "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
                                    "of %d positions" % prefix.budget if prefix is not None else "off"), flush=True)
-        while not stop.wait(0.5):
-            if not sched.alive:
+        while not stop:
+            time.sleep(0.5)
+            if not stop and not sched.alive:
                 log.error("mdi: serve: the scheduler stopped: %s", sched.error or "see the log above")
                 code = 1
                 break

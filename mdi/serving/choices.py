@@ -33,5 +33,8 @@ class Choices:
 
 def _copy(req: Request, i: int) -> Request:
     """Choice i of `req`: the same prompt and fields, seed + i (a random seed when none)."""
-    return Request(req.prompt_ids, req.max_tokens, req.params, None if req.seed is None else req.seed + i, req.stop,
-                   req.adapter, req.speculation, req.top_logprobs, req.cache_prompt)
+    choice = Request(req.prompt_ids, req.max_tokens, req.params, None if req.seed is None else req.seed + i,
+                     req.stop, req.adapter, req.speculation, req.top_logprobs, req.cache_prompt, req.grammar)
+    if req.constraint is not None:
+        choice.constraint = req.constraint.fresh()  # each choice's grammar state is its own
+    return choice

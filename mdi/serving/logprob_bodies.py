@@ -2,30 +2,13 @@
 top_logprobs) and the completions' legacy `logprobs` (tokens, token_logprobs, top_logprobs
 dicts, text_offset), with each token's text and bytes read from the tokenizer once."""
 import math
-import re
 from typing import Any, Dict, List, Sequence, Tuple
 
-from mdi.model.tokenizers import GPT2Tokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer
+from mdi.model.token_bytes import is_byte_level, token_bytes
+from mdi.model.tokenizers import Tokenizer
 from mdi.serving.streaming import TokenLogprob
 
 FLOOR = -9999.0  # what OpenAI reports for a token that cannot be drawn (JSON has no -Infinity)
-BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
-
-
-def _byte_level_chars() -> Dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the printable character that spells each byte."""
-    kept = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in kept:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-UNBYTE = _byte_level_chars()
 
 
 class TokenTexts:
@@ -35,30 +18,13 @@ class TokenTexts:
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.cache: Dict[int, Tuple[str, List[int]]] = {}
-        self.byte_level = isinstance(tok, HFTokenizer) and type(tok.tk.decoder).__name__ == "ByteLevel"
+        self.byte_level = is_byte_level(tok)
 
     def of(self, token: int) -> Tuple[str, List[int]]:
         if token not in self.cache:
-            raw = self._bytes(token)
+            raw = token_bytes(self.tok, token, self.byte_level)
             self.cache[token] = (raw.decode("utf-8", "replace"), list(raw))
         return self.cache[token]
-
-    def _bytes(self, token: int) -> bytes:
-        tok = self.tok
-        if isinstance(tok, GPT2Tokenizer):
-            return bytes(tok.enc.decode_single_token_bytes(token))
-        piece = tok.tk.id_to_token(token) if isinstance(tok, HFTokenizer) else \
-            tok.sp.id_to_piece(token) if isinstance(tok, SentencePieceTokenizer) else None
-        if piece is not None:
-            byte = BYTE_TOKEN.fullmatch(piece)
-            if byte:
-                return bytes([int(byte.group(1), 16)])
-            if self.byte_level and all(c in UNBYTE for c in piece):
-                return bytes(UNBYTE[c] for c in piece)
-            if not self.byte_level and "\u2581" in piece:  # SentencePiece's space
-                return piece.replace("\u2581", " ").encode("utf-8")
-        return tok.decode([token]).encode("utf-8", "surrogatepass")
-
 
 def _value(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else FLOOR

@@ -58,6 +58,7 @@ class Request:
         self.speculation = speculation  # None: the server's generation.speculation
         self.cache_prompt = cache_prompt  # may start from what the prefix cache holds
         self.grammar = grammar  # None: free text; else what every token drawn must keep valid
+        self.constraint: Any = None  # the grammar compiled (an mdi.model.constraint.Constraint)
         self.adapter = adapter  # the LoRA adapter's id (0: the base model)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.max_tokens = int(max_tokens)

@@ -325,7 +325,7 @@ class Scheduler:
             sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
                             sample_generator(seed, 0), slot=free[0], params=req.params,
                             speculation=req.speculation, top_logprobs=req.top_logprobs,
-                            reuse_prefix=req.cache_prompt)
+                            reuse_prefix=req.cache_prompt, constraint=req.constraint)
             if adapters:
                 adapters.prepare(sample, req.adapter)
             sample.slot = pipe.choose_slot(sample, free)  # a prefix cache's: the slot its history is in

@@ -8,9 +8,11 @@ absent everywhere. Prompts and messages are only type-checked here: `prompts` re
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 
@@ -119,6 +121,51 @@ def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str,
     return value
 
 
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
+
+
+def _response_format(value: Dict[str, Any], _: Dict[str, Any]) -> Optional[GrammarSpec]:
+    """OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    "strict", "description"}}; llama.cpp's {"type": "json_object", "schema": ...} too."""
+    kind = value.get("type")
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) <= {"type", "schema"}:
+        if value.get("schema") is None:
+            return GrammarSpec("json_object", "", "response_format")
+        return _schema_spec(value["schema"], "response_format")
+    if kind == "json_schema" and set(value) == {"type", "json_schema"}:
+        inner = value["json_schema"]
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict) \
+                or set(inner) - {"name", "schema", "strict", "description"}:
+            raise _bad("response_format", 'json_schema: expected {"name": ..., "schema": {...}, "strict": true}')
+        name = inner.get("name")
+        if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
+            raise _bad("response_format", "json_schema.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        if not isinstance(inner.get("strict", False), bool):
+            raise _bad("response_format", "json_schema.strict: expected true or false")
+        return _schema_spec(inner["schema"], "response_format")
+    raise _bad("response_format", 'expected {"type": "text"}, {"type": "json_object"} or '
+               '{"type": "json_schema", "json_schema": {...}}')
+
+
+def _schema_spec(schema: Any, field: str) -> GrammarSpec:
+    if not isinstance(schema, dict):
+        raise _bad(field, "the schema must be a JSON object")
+    return GrammarSpec("json_schema", json.dumps(schema), field)
+
+
+def _grammar(value: str, _: Dict[str, Any]) -> Optional[GrammarSpec]:
+    return GrammarSpec("gbnf", value, "grammar") if value else None  # llama.cpp: "" is no grammar
+
+
+def _regex(value: str, _: Dict[str, Any]) -> Optional[GrammarSpec]:
+    return GrammarSpec("regex", value, "regex") if value else None
+
+
+OUTPUT_SHAPES = ("response_format", "json_schema", "grammar", "regex")  # at most one per request
+
+
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -171,6 +218,12 @@ FIELDS = (  # in checking order: a check may read the fields above it
           check=_speculation),  # None: the server's generation.speculation
     # llama.cpp's: false computes the whole prompt again, reusing nothing the prefix cache holds
     Field("cache_prompt", (bool,), "true or false", default=True),
+    # What the output must obey (mdi.model.constraint): OpenAI's response_format, llama.cpp's
+    # json_schema and GBNF grammar, and mdi's regex.
+    Field("response_format", (dict,), "an object", check=_response_format),
+    Field("json_schema", (dict,), "an object", check=lambda v, _: _schema_spec(v, "json_schema")),
+    Field("grammar", (str,), "a string (a GBNF grammar)", check=_grammar),
+    Field("regex", (str,), "a string (a regular expression)", check=_regex),
 )
 
 
@@ -187,7 +240,6 @@ NEUTRAL = (
     Neutral("best_of", "1", lambda v: v == 1, (COMPLETIONS,)),
     Neutral("echo", "false", lambda v: v is False, (COMPLETIONS,)),
     Neutral("suffix", "an empty string", lambda v: v == "", (COMPLETIONS,)),
-    Neutral("response_format", '{"type": "text"}', lambda v: v == {"type": "text"}, (CHAT,)),
     Neutral("tools", "[]", lambda v: v == [], (CHAT,)),
     Neutral("tool_choice", '"none"', lambda v: v == "none", (CHAT,)),
     Neutral("parallel_tool_calls", "true/false", lambda v: isinstance(v, bool), (CHAT,)),
@@ -232,6 +284,7 @@ class Options:
     n: int = 1  # choices
     top_logprobs: Optional[int] = None  # None: no logprobs; else each token's and this many alternatives'
     cache_prompt: bool = True  # may start from what the prefix cache holds
+    grammar: Optional[GrammarSpec] = None  # what the output must obey (None: free text)
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -251,5 +304,12 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
         top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], v["stop"],
                       v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
-                      v["cache_prompt"])
+                      v["cache_prompt"], _one_shape(v))
     return options, v
+
+
+def _one_shape(checked: Dict[str, Any]) -> Optional[GrammarSpec]:
+    shapes = [checked[name] for name in OUTPUT_SHAPES if checked[name] is not None]
+    if len(shapes) > 1:
+        raise _bad(shapes[1].field, "only one of %s may shape the output" % ", ".join(OUTPUT_SHAPES))
+    return shapes[0] if shapes else None

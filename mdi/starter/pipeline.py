@@ -298,8 +298,13 @@ class Pipeline:
         sample.token_times.append(time.perf_counter() - self.t0)
         if sample.spec is not None:
             sample.spec.drafter.commit((token,))
-        if token in self.end_ids:
+        grammar = sample.constraint
+        if grammar is not None and token not in self.end_ids and not grammar.take(token):
+            self._fail(sample, SamplingError("token %d breaks its grammar: %s" % (token, grammar.error)))
+        elif token in self.end_ids:
             sample.finish_reason = FinishReason.EOS
+        elif grammar is not None and grammar.complete:
+            sample.finish_reason = FinishReason.STOP  # its grammar allows only an end token: spare that pass
         elif len(sample.token_ids) >= sample.max_new_tokens:
             sample.finish_reason = FinishReason.LENGTH
         elif sample.window_len > self.chunk.cache.max_len:  # its next position is past the slot

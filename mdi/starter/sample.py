@@ -18,7 +18,7 @@ class FinishReason(StrEnum):
     CONTEXT = "context"  # the model's context is full (without generation.context_shift)
     CANCELLED = "cancelled"  # its client went away, or asked to stop
     ERROR = "error"  # it failed (alone, or with the ring)
-    STOP = "stop"  # serving: an end-of-generation token or a stop string
+    STOP = "stop"  # serving: an end-of-generation token, a stop string or a complete grammar
 
 
 @dataclass
@@ -55,6 +55,8 @@ class Sample:
     # `logprobs` as they are drawn (None: none kept).
     top_logprobs: Optional[int] = None
     logprobs: List[Logprobs] = field(default_factory=list)
+    # Serving: a grammar its output must obey (an mdi.model.constraint.Constraint), or None.
+    constraint: Optional[Any] = None
 
     @property
     def virtual(self) -> int:
@@ -109,7 +111,8 @@ def draw_next(sample: Sample, logits: torch.Tensor, params: SamplingParams) -> i
     penalties read the tokens it has taken so far: in a speculative verification, also those
     taken from the rows before, so each draw is the plain run's. Its request's logprobs are
     kept in `sample.logprobs`, one entry per draw (the scheduler's on_token reads the last)."""
-    drawn = draw(logits, params, sample.rng, sample.token_ids, sample.prompt_ids, sample.top_logprobs)
+    allowed = sample.constraint.allowed() if sample.constraint is not None else None
+    drawn = draw(logits, params, sample.rng, sample.token_ids, sample.prompt_ids, sample.top_logprobs, allowed)
     if drawn.logprobs is not None:
         sample.logprobs.append(drawn.logprobs)
     return drawn.token

@@ -1,0 +1,165 @@
+"""Constrained decoding: a request's GrammarSpec (JSON schema, GBNF, Lark, regex) compiled by
+llguidance into one matcher per sample, whose token mask the sampler applies to the head's
+logits on the starter. The boards never see it: constrained and free samples share frames.
+
+Why llguidance (scripts/bench_constraint.py, results/bench_constraint.json): its mask over
+SmolLM2's 49,152 tokens takes tens of microseconds per token, it compiles JSON schemas, Lark
+and regexes itself (GBNF through its own converter), and its wheel is one abi3 binary with no
+dependencies for Python >= 3.9 on x86_64 and aarch64. xgrammar needs torch, transformers and
+triton at run time; outlines-core compiles regexes only (no grammars) and builds its index per
+schema up front. Python 3.8 (JetPack 5) has no wheel: `unavailable()` says so and the server
+answers these fields with a 400 instead of generating unconstrained text.
+"""
+import importlib
+import json
+import logging
+import time
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+import torch
+
+from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.token_bytes import all_token_bytes, special_token_ids
+from mdi.model.tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_GRAMMAR_CHARS = 1 << 17  # a schema or grammar this long is almost certainly not meant for one answer
+# JSON without free whitespace: a small model left free to write it loops on newlines and
+# indents until max_tokens. Separators with one space read as models write JSON. A schema's own
+# "x-guidance" options override these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(ValueError):
+    """A grammar that cannot be compiled; `field` is the request field it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def unavailable() -> Optional[str]:
+    """Why constrained decoding cannot run here (one line), or None when it can."""
+    try:
+        importlib.import_module("llguidance")
+    except ImportError as e:
+        return "llguidance is not installed (%s; it needs Python >= 3.9: pip install llguidance)" % e
+    return None
+
+
+class _TokenizerView:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: each token's bytes, the
+    special ids, and a way to tokenize text (strings only: bytes are refused, so it passes str)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.bos_token_id = tok.bos_id
+        self.tokens = all_token_bytes(tok)
+        self.special_token_ids = special_token_ids(tok)
+        self.end_ids = list(tok.end_ids)
+        if not self.end_ids:  # llguidance needs an end token: one past the vocabulary, never drawn
+            self.end_ids = [len(self.tokens)]
+            self.tokens.append(b"<end>")
+            self.special_token_ids.append(self.end_ids[0])
+        self.eos_token_id = self.end_ids[0]
+
+    def __call__(self, text: Any) -> List[int]:
+        if not isinstance(text, str):
+            raise TypeError("text only")
+        return self.tok.encode_plain(text)
+
+
+class GrammarCompiler:
+    """Compiles GrammarSpecs for one tokenizer; built once per server (about 0.3 s for 49k
+    tokens). `width`: the head's logits per row (a model may pad its vocabulary past the
+    tokenizer's; those ids are never allowed)."""
+
+    def __init__(self, tok: Tokenizer, width: int) -> None:
+        import llguidance
+        t0 = time.perf_counter()
+        self.llg = llguidance
+        self.width = int(width)
+        self.vocab = tok.vocab_size  # ids past it (a padded head's) are never allowed
+        view = _TokenizerView(tok)
+        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=len(view.tokens),
+                                                eos_token=view.end_ids)
+        log.info("mdi: constrained decoding ready: %d tokens in %.2f s", tok.vocab_size, time.perf_counter() - t0)
+
+    def grammar_text(self, spec: GrammarSpec) -> str:
+        """llguidance's grammar for `spec`; ConstraintError for what it cannot even convert."""
+        m = self.llg.LLMatcher
+        if len(spec.text) > MAX_GRAMMAR_CHARS:
+            raise ConstraintError(spec.field, "longer than %d characters" % MAX_GRAMMAR_CHARS)
+        try:
+            if spec.kind == "json_object":
+                return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+            if spec.kind == "json_schema":
+                return m.grammar_from_json_schema(json.loads(spec.text), defaults=JSON_DEFAULTS)
+            if spec.kind == "regex":
+                return m.grammar_from_regex(spec.text)
+            if spec.kind == "gbnf":
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+                return m.grammar_from_lark(gbnf_to_lark(spec.text))
+            return m.grammar_from_lark(spec.text)
+        except Exception as e:  # the converters raise ValueError, AssertionError, KeyError... on bad input
+            raise ConstraintError(spec.field, _one_line(str(e) or type(e).__name__)) from None
+
+    def compile(self, spec: GrammarSpec) -> "Constraint":
+        """A fresh matcher for `spec`; ConstraintError (naming spec.field) if it does not compile."""
+        grammar = self.grammar_text(spec)
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(spec.field, _one_line(matcher.get_error()))
+        # Copies (a request's other choices) start from a new matcher of the same grammar (~1 ms).
+        return Constraint(lambda: self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), matcher,
+                          self.width, min(self.width, self.vocab), spec)
+
+
+class Constraint:
+    """One sample's grammar state. The mask is computed for the state after the tokens taken
+    so far and cached until the next one is taken; tokens are taken one at a time, only once
+    accepted (a speculative pass's guesses never reach it), so nothing is ever rolled back."""
+
+    def __init__(self, new_matcher: Callable[[], Any], matcher: Any, width: int, vocab: int,
+                 spec: GrammarSpec) -> None:
+        self.new_matcher, self.matcher = new_matcher, matcher
+        self.width, self.vocab, self.spec = width, vocab, spec
+        self._allowed: Optional[torch.Tensor] = None
+        self.mask_seconds = 0.0  # time spent computing masks (the benchmark reports it per token)
+        self.masks = 0
+
+    def fresh(self) -> "Constraint":
+        """The same grammar from its start, for another sample (a request's other choices)."""
+        return Constraint(self.new_matcher, self.new_matcher(), self.width, self.vocab, self.spec)
+
+    def allowed(self) -> torch.Tensor:
+        """Bool [width]: the tokens that keep the output valid (the end tokens once it may end)."""
+        if self._allowed is None:
+            t0 = time.perf_counter()
+            bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            allowed = np.zeros(self.width, dtype=bool)
+            allowed[:self.vocab] = bits[:self.vocab]
+            self._allowed = torch.from_numpy(allowed)
+            self.mask_seconds += time.perf_counter() - t0
+            self.masks += 1
+        return self._allowed
+
+    def take(self, token: int) -> bool:
+        """Advance past an accepted token; False if the grammar does not allow it (`error` says why)."""
+        self._allowed = None
+        return bool(self.matcher.consume_token(int(token)))
+
+    @property
+    def error(self) -> str:
+        return _one_line(self.matcher.get_error())
+
+    @property
+    def complete(self) -> bool:
+        """Nothing but an end token may follow: the output is whole."""
+        return bool(self.matcher.is_stopped())
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]

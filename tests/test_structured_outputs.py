@@ -1,0 +1,269 @@
+"""Structured outputs of `--serve` (mdi.model.constraint, llguidance): JSON schemas, GBNF
+grammars and regexes are obeyed token by token on a real 3-node SmolLM2 ring, streamed and
+whole, through the official `openai` client; constrained and free samples share the ring's
+frames without changing the free ones; every bad schema or grammar is one 400 naming its field.
+"""
+import json
+import re
+import threading
+
+import pytest
+import requests
+import torch
+
+from conftest import ServeProcess
+from ringconfigs import write_run_config
+from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.tokenizers import char_tokenizer, gpt2_tokenizer, load_tokenizer
+
+llguidance = pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+from mdi.model.constraint import ConstraintError, GrammarCompiler  # noqa: E402 (after the skip)
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                         "color": {"type": "string", "enum": ["red", "green", "blue"]}}}
+
+
+def _obj(props, required=None):
+    return {"type": "object", "properties": props, "required": list(required if required is not None else props),
+            "additionalProperties": False}
+
+
+S = {"type": "string", "maxLength": 24}
+SCHEMAS = [  # (prompt, schema): nested objects, enums, arrays, required keys, numbers, booleans
+    ("Describe a person as JSON.", PERSON),
+    ("A city and its country, as JSON.", _obj({"city": S, "country": S})),
+    ("A book as JSON.", _obj({"title": S, "author": S, "year": {"type": "integer"}})),
+    ("Is water wet? Answer as JSON.", _obj({"answer": {"type": "boolean"}})),
+    ("Pick a fruit, as JSON.", _obj({"fruit": {"enum": ["apple", "banana", "cherry"]}})),
+    ("List three colors as JSON.", _obj({"colors": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}})),
+    ("A point on a plane, as JSON.", _obj({"x": {"type": "number"}, "y": {"type": "number"}})),
+    ("A user with an address, as JSON.", _obj({"user": S, "address": _obj({"street": S, "zip": S})})),
+    ("A product with a price, as JSON.", _obj({"name": S, "price": {"type": "number"},
+                                               "in_stock": {"type": "boolean"}})),
+    ("A weather report, as JSON.", _obj({"city": S, "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+                                         "celsius": {"type": "integer"}})),
+    ("A to-do item, as JSON.", _obj({"task": S, "done": {"type": "boolean"},
+                                     "priority": {"enum": ["low", "medium", "high"]}})),
+    ("A movie as JSON.", _obj({"title": S, "genres": {"type": "array", "items": {"enum": ["drama", "comedy", "action"]},
+                                                      "maxItems": 2}})),
+    ("An animal as JSON.", _obj({"species": S, "legs": {"type": "integer"}, "can_fly": {"type": "boolean"}})),
+    ("A meeting as JSON.", _obj({"topic": S, "people": {"type": "array", "items": _obj({"name": S}), "maxItems": 2}})),
+    ("A car as JSON.", _obj({"make": S, "model": S, "electric": {"type": "boolean"}})),
+    ("A recipe as JSON.", _obj({"dish": S, "steps": {"type": "array", "items": S, "maxItems": 2}})),
+    ("A score as JSON.", _obj({"home": {"type": "integer"}, "away": {"type": "integer"}})),
+    ("A language as JSON.", _obj({"name": S, "typed": {"enum": ["static", "dynamic"]}})),
+    ("A planet as JSON.", _obj({"name": S, "moons": {"type": "integer"}, "rings": {"type": "boolean"}})),
+    ("A team as JSON.", _obj({"team": S, "lead": _obj({"name": S, "role": {"enum": ["dev", "ops"]}})})),
+    ("A song as JSON, the year optional.", _obj({"title": S, "year": {"type": "integer"}}, required=["title"])),
+]
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_dir, workers, tmp_path_factory):
+    path = write_run_config(tmp_path_factory.mktemp("structured") / "ring3.yaml", smollm2_dir, workers[:2],
+                            layers=[10, 10, 10], worker_name="board%d",
+                            runtime={"threads": 1, "ring_timeout": 60},
+                            serve={"max_in_flight": 4, "model_name": "smol"})
+    srv = ServeProcess(path)
+    try:
+        yield srv.wait_ready(timeout=300)
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def _client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _chat(server, body):
+    r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    return r.status_code, r.json()
+
+
+def _format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+# --- the compiler, on each tokenizer kind ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_compiler(smollm2_dir):
+    tok = load_tokenizer(smollm2_dir)
+    return tok, GrammarCompiler(tok, tok.vocab_size)
+
+
+def test_a_valid_text_s_tokens_are_always_allowed_and_the_end_is_complete(smol_compiler):
+    tok, compiler = smol_compiler
+    c = compiler.compile(GrammarSpec("json_schema", json.dumps(PERSON), "response_format"))
+    text = '{"name": "Ada", "age": 36, "color": "green"}'
+    for t in tok.encode_plain(text):
+        assert bool(c.allowed()[t]), tok.decode([t])
+        assert not c.complete
+        assert c.take(t)
+    assert c.complete
+    assert torch.nonzero(c.allowed()).flatten().tolist() == tok.end_ids  # only an end token may follow
+
+
+def test_json_object_takes_any_object_and_ends_with_it(smol_compiler):
+    tok, compiler = smol_compiler
+    c = compiler.compile(GrammarSpec("json_object", "", "response_format"))
+    assert not bool(c.allowed()[tok.encode_plain("[")[0]])
+    for t in tok.encode_plain('{"a": [1, {"b": null}], "c": "d"}'):
+        assert bool(c.allowed()[t]) and c.take(t)
+    assert c.complete
+
+
+def test_the_mask_refuses_what_breaks_the_schema(smol_compiler):
+    tok, compiler = smol_compiler
+    c = compiler.compile(GrammarSpec("json_schema", json.dumps(PERSON), "response_format"))
+    allowed = c.allowed()
+    for text in ("Sure", " {", "[", '"name"', "\n"):
+        assert not bool(allowed[tok.encode_plain(text)[0]]), text
+    for t in tok.encode_plain('{"name": "Bo", "age": 7, "color": "'):
+        assert c.take(t)
+    allowed = c.allowed()
+    assert bool(allowed[tok.encode_plain("red")[0]]) and not bool(allowed[tok.encode_plain("purple")[0]])
+    fresh = c.fresh()  # another choice of the same request starts from the grammar's start
+    assert torch.equal(fresh.allowed(), compiler.compile(GrammarSpec("json_schema", json.dumps(PERSON), "f")).allowed())
+    assert not torch.equal(fresh.allowed(), allowed)
+
+
+@pytest.mark.parametrize("kind,text,match", [
+    ("json_schema", '{"type": "foo"}', "foo"),
+    ("json_schema", "{not json", ""),
+    ("gbnf", 'root ::= "a" | (', ""),
+    ("gbnf", 'root ::= missing', "missing"),
+    ("regex", "[0-9", "regex"),
+    ("lark", "start: @@", ""),
+])
+def test_a_grammar_that_does_not_compile_names_its_field(smol_compiler, kind, text, match):
+    _, compiler = smol_compiler
+    with pytest.raises(ConstraintError) as e:
+        compiler.compile(GrammarSpec(kind, text, "the_field"))
+    assert e.value.field == "the_field" and match in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("make", [gpt2_tokenizer, lambda: char_tokenizer(list("abcdefghij0123456789 {}\":,\n"))],
+                         ids=["gpt2", "char"])
+def test_other_tokenizer_kinds_compile_and_constrain(make):
+    tok = make()
+    compiler = GrammarCompiler(tok, tok.vocab_size + 7)  # a head padded past the vocabulary
+    c = compiler.compile(GrammarSpec("regex", "[0-9]{2}", "regex"))
+    allowed = c.allowed()
+    assert allowed.shape == (tok.vocab_size + 7,) and not bool(allowed[tok.vocab_size:].any())
+    for t in tok.encode_plain("42"):
+        assert bool(c.allowed()[t]) and c.take(t)
+    assert c.complete
+    assert not bool(c.allowed()[tok.encode_plain("7")[0]])
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+def test_twenty_json_schemas_are_obeyed_streamed_and_whole(smol_server):
+    client = _client(smol_server)
+    failures = []
+
+    def one(i, prompt, schema):
+        try:
+            kwargs = dict(model="smol", messages=[{"role": "user", "content": prompt}], temperature=0,
+                          max_tokens=160, response_format=_format(schema))
+            if i % 2:
+                chunks = list(client.chat.completions.create(stream=True, **kwargs))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert finish == ["stop"], finish
+            else:
+                answer = client.chat.completions.create(**kwargs)
+                text = answer.choices[0].message.content
+                assert answer.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(text), schema)
+        except Exception as e:  # collected: one thread's failure must not hide the others'
+            failures.append("%d %r: %s" % (i, prompt, e))
+
+    threads = [threading.Thread(target=one, args=(i, p, s)) for i, (p, s) in enumerate(SCHEMAS)]
+    for batch in (threads[:4], threads[4:8], threads[8:12], threads[12:16], threads[16:]):
+        for t in batch:
+            t.start()
+        for t in batch:
+            t.join()
+    assert not failures, failures
+
+
+def test_gbnf_grammar_regex_and_json_object_are_obeyed_on_both_routes(smol_server):
+    gbnf = 'root ::= answer " because " [a-z ]{1,30}\nanswer ::= "yes" | "no"'
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "Is the sky blue?"}],
+                                       "temperature": 0, "max_tokens": 40, "grammar": gbnf})
+    assert status == 200, body
+    assert re.fullmatch(r"(yes|no) because [a-z ]{1,30}", body["choices"][0]["message"]["content"])
+    r = requests.post(smol_server.url + "/v1/completions", json={
+        "prompt": "My phone number is", "max_tokens": 20, "temperature": 0.9, "seed": 5,
+        "regex": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"}, timeout=300)
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", r.json()["choices"][0]["text"])
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # json_object leaves keys and lengths to the model: a 135M model may write until max_tokens
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "Your name and age as JSON."}],
+                                       "temperature": 0, "max_tokens": 60,
+                                       "response_format": {"type": "json_object"}})
+    assert status == 200, body
+    text = body["choices"][0]["message"]["content"]
+    assert text.startswith('{"')
+    if body["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "Pick."}], "temperature": 0,
+                                       "max_tokens": 10, "json_schema": {"enum": ["left", "right"]}})
+    assert status == 200 and json.loads(body["choices"][0]["message"]["content"]) in ("left", "right"), body
+
+
+def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged(smol_server):
+    free = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "temperature": 0,
+            "max_tokens": 24, "cache_prompt": False}
+    alone = _chat(smol_server, free)[1]["choices"][0]["message"]["content"]
+    results = {}
+
+    def run(name, body):
+        results[name] = _chat(smol_server, body)
+
+    bodies = {"free": free, "n": {"messages": [{"role": "user", "content": "A person as JSON."}], "n": 2,
+                                  "temperature": 0.8, "seed": 3, "max_tokens": 120,
+                                  "response_format": _format(PERSON)},
+              "spec": {"messages": [{"role": "user", "content": "A person as JSON."}], "temperature": 0,
+                       "max_tokens": 120, "speculation": "ngram", "response_format": _format(PERSON)}}
+    threads = [threading.Thread(target=run, args=item) for item in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["free"][1]["choices"][0]["message"]["content"] == alone
+    assert results["n"][0] == 200 and len(results["n"][1]["choices"]) == 2
+    for choice in results["n"][1]["choices"] + results["spec"][1]["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    plain = _chat(smol_server, dict(bodies["spec"], speculation="off"))[1]
+    assert plain["choices"][0]["message"]["content"] == results["spec"][1]["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "foo"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}, "name"),
+    ("response_format", {"type": "json_schema"}, "json_schema"),
+    ("response_format", {"type": "xml"}, "expected"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "strict": "yes"}},
+     "strict"),
+    ("grammar", 'root ::= "a" (', ""),
+    ("grammar", 7, "string"),
+    ("regex", "(unclosed", "regex"),
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "nope"}}}, "nope"),
+])
+def test_bad_shapes_are_one_400_naming_the_field(smol_server, field, value, says):
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], field: value})
+    assert status == 400, body
+    assert body["error"]["param"] == field and says in body["error"]["message"], body
+
+
+def test_two_shapes_at_once_are_refused(smol_server):
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], "regex": "a",
+                                       "grammar": 'root ::= "a"'})
+    assert status == 400 and "only one of" in body["error"]["message"], body
