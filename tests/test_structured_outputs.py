@@ -243,6 +243,9 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
         jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
     plain = _chat(smol_server, dict(bodies["spec"], speculation="off"))[1]
     assert plain["choices"][0]["message"]["content"] == results["spec"][1]["choices"][0]["message"]["content"]
+    metrics = requests.get(smol_server.url + "/metrics", timeout=30).text
+    masks = float(re.search(r"^mdi_grammar_masks_total (\S+)$", metrics, re.M).group(1))
+    assert masks >= sum(results[k][1]["usage"]["completion_tokens"] for k in ("n", "spec"))  # one per drawn token
 
 
 @pytest.mark.parametrize("field,value,says", [
@@ -267,3 +270,37 @@ def test_two_shapes_at_once_are_refused(smol_server):
     status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], "regex": "a",
                                        "grammar": 'root ::= "a"'})
     assert status == 400 and "only one of" in body["error"]["message"], body
+
+
+def test_without_llguidance_the_server_says_so_once_and_refuses_the_fields(tmp_path):
+    """Python 3.8 (JetPack 5) has no llguidance wheel: one line at start, then a 400 for every
+    constrained request (never unconstrained text), and free requests served as ever."""
+    import os
+    import sys
+
+    from test_serve import tiny_serve_net
+    from mdi.model.store import save_model_dir
+    from conftest import CHARS
+    net = tiny_serve_net()
+    model = str(tmp_path / "tiny")
+    save_model_dir(model, net.config, net.state_dict(), "tests/test_structured_outputs.py")
+    char_tokenizer(CHARS).save(model)
+    shadow = tmp_path / "shadow" / "llguidance"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("no llguidance wheel for this Python")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow.parent)] + sys.path))
+    path = write_run_config(tmp_path / "one.yaml", model, runtime={"threads": 1}, serve={"max_in_flight": 2})
+    srv = ServeProcess(path, env=env)
+    try:
+        srv.wait_ready()
+        for field, value in (("response_format", {"type": "json_object"}), ("grammar", 'root ::= "a"'),
+                             ("regex", "a+"), ("json_schema", {"type": "string"})):
+            r = requests.post(srv.url + "/v1/completions", json={"prompt": "ab", field: value}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "llguidance" in r.json()["error"]["message"]
+        r = requests.post(srv.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0, srv.output()
+    said = [line for line in srv.output().splitlines() if "structured outputs" in line]
+    assert len(said) == 1 and "no llguidance wheel" in said[0], srv.output()

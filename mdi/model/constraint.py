@@ -29,7 +29,7 @@ MAX_GRAMMAR_CHARS = 1 << 17  # a schema or grammar this long is almost certainly
 # JSON without free whitespace: a small model left free to write it loops on newlines and
 # indents until max_tokens. Separators with one space read as models write JSON. A schema's own
 # "x-guidance" options override these.
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ConstraintError(ValueError):

@@ -51,6 +51,7 @@ class Stats:
         self.latency_sum = 0.0
         self.ttft_sum = 0.0
         self.ttft_count = 0
+        self.grammar = {"requests": 0, "masks": 0, "mask_seconds": 0.0}  # structured outputs' cost
 
     def token(self, now: float, interval: Optional[float]) -> None:
         with self.lock:
@@ -90,6 +91,13 @@ class Stats:
                 self.ttft_sum += ttft
                 self.ttft_count += 1
 
+    def grammar_finished(self, masks: int, seconds: float) -> None:
+        """A constrained request ended: its token masks and the time they took (mdi.model.constraint)."""
+        with self.lock:
+            self.grammar["requests"] += 1
+            self.grammar["masks"] += masks
+            self.grammar["mask_seconds"] += seconds
+
     def snapshot(self) -> Dict[str, Any]:
         now = time.monotonic()
         with self.lock:
@@ -106,7 +114,7 @@ class Stats:
                 "ttft_recent_seconds": _mean(recent_ttft),
                 "latency_sum": self.latency_sum, "latency_count": sum(self.requests.values()),
                 "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,
-                "uptime_seconds": now - self.started,
+                "uptime_seconds": now - self.started, "grammar": dict(self.grammar),
             }
 
 

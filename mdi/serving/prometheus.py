@@ -97,6 +97,10 @@ def metrics_text(snap: Dict[str, Any]) -> str:
         ("tokens_reused", "Prompt positions served from the prefix cache instead of computed."),
         ("prompt_tokens", "Prompt positions of the requests that looked the prefix cache up."),
         ("evictions", "Prefix cache entries dropped for room, least recently used first.")))
+    _counters(out, "mdi_grammar_%s_total", snap.get("grammar") or {}, (
+        ("requests", "Requests whose output a JSON schema, grammar or regex constrained."),
+        ("masks", "Token masks those requests' grammars computed (one per token drawn)."),
+        ("mask_seconds", "Seconds the starter spent computing those masks.")))
     out.add("mdi_node_prefix_cache_bytes", "gauge", "Bytes each node's prefix cache holds.",
             per_node("prefix_cache_bytes"))
     out.add("mdi_node_prefix_cache_budget_bytes", "gauge", "Bytes each node may give its prefix cache.",

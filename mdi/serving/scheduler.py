@@ -386,6 +386,8 @@ class Scheduler:
             req.completion_tokens = len(req.sample.token_ids)
         ttft = req.first_token_at - req.arrived_at if req.first_token_at is not None else None
         self.stats.request_finished(reason, len(req.prompt_ids), req.finished_at - req.arrived_at, ttft)
+        if req.constraint is not None:
+            self.stats.grammar_finished(req.constraint.masks, req.constraint.mask_seconds)
         req.events.put(ErrorEvent(error or "") if reason == FinishReason.ERROR else FinishEvent(reason))
 
     def _fail_all(self, message: str) -> None:
