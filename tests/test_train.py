@@ -207,3 +207,49 @@ def test_worker_refuses_training_frames_of_a_run_not_training(tiny_models, worke
                 __import__("time").sleep(0.1)
     finally:
         engine.abort()
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def test_mdi_train_writes_metrics_and_an_adapter_mdi_serves(tiny_models, data_file, tmp_path, capsys):
+    from ringconfigs import write_run_config
+    from mdi.cli import train_main
+    from mdi.model.adapter_files import load_adapter
+    from mdi.model.lora_train import TrainableLora
+    config_path = write_run_config(tmp_path / "one.yaml", tiny_models["llama"])
+    out, metrics = tmp_path / "lora", tmp_path / "m.json"
+    argv = ["--config", str(config_path), "--data", data_file, "--steps", "2", "--batch-size", "2", "--seq-len",
+            str(SEQ), "--rank", "2", "--targets", "q,v", "--lr", "0.01", "--out", str(out), "--metrics-out", str(metrics)]
+    assert train_main(argv) == 0
+    record = json.loads(metrics.read_text())
+    assert [s["step"] for s in record["steps"]] == [0, 1] and all(s["loss"] > 0 and s["tokens_per_s"] > 0
+                                                                  for s in record["steps"])
+    assert "step 2/2" in capsys.readouterr().err
+    # mdi's adapter reader (what --adapter / adapters: use) takes it, fused as training computed it
+    config = tiny_model("llama").config
+    adapter = load_adapter(str(out), config)
+    assert adapter.rank == 2 and sorted(adapter.weights) == ["blocks.%d.attn.qkv" % i for i in range(4)]
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["r"] == 2
+    from safetensors.torch import load_file
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    pairs = {}
+    for name, t in tensors.items():
+        layer = name.split("layers.")[1].split(".")[0]
+        module = name.split("layers.%s." % layer)[1].rsplit(".lora_", 1)[0]
+        pairs.setdefault("%s.%s" % (layer, module), [None, None])["lora_B" in name] = t
+    fused = TrainableLora(config, LoraSpec(("q", "v"), 2, 16.0), 0, 4, pairs).fused(torch.float32)
+    for name, (a, b) in adapter.weights.items():
+        assert torch.allclose(a, fused[name][0].t(), atol=1e-7) and torch.allclose(b, fused[name][1].t(), atol=1e-7)
+
+
+def test_mdi_train_refuses_what_it_cannot_do_yet_in_one_line(tiny_models, data_file, tmp_path, capsys):
+    from ringconfigs import write_run_config
+    from mdi.cli import train_main
+    config_path = str(write_run_config(tmp_path / "one.yaml", tiny_models["llama"]))
+    assert train_main(["--config", config_path, "--data", data_file, "--resume", "x"]) == 2
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    assert train_main(["--config", config_path, "--data", str(short), "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume is not supported yet" in err and "shorter than one window" in err

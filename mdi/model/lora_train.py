@@ -183,3 +183,21 @@ def peft_config(config: ModelConfig, spec: LoraSpec, base: str) -> Dict:
             "target_modules": sorted({m.rsplit(".", 1)[1] for m in spec.modules(config)}),
             "fan_in_fan_out": config.family == "gpt2", "init_lora_weights": True, "use_rslora": False,
             "inference_mode": True}
+
+
+def save_peft_adapter(path: str, config: ModelConfig, spec: LoraSpec,
+                      pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], base: str) -> None:
+    """Write `pairs` as a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors),
+    which `peft` and mdi's `--adapter` / adapters: read (mdi.model.adapter_files)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for key, (a, b) in pairs.items():
+        tensors[peft_tensor_name(config, key, "A")] = a.detach().float().contiguous().cpu()
+        tensors[peft_tensor_name(config, key, "B")] = b.detach().float().contiguous().cpu()
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(config, spec, base), f, indent=2, sort_keys=True)

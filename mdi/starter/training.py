@@ -43,7 +43,9 @@ from mdi.ring.train_request import TrainSetup, read_pairs_reply, train_body
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.runconfig import ConfigError, RunConfig
+from mdi.model.transformer import ModelChunk
 from mdi.starter.engine import Engine
+from mdi.starter.pipeline import Pipeline
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
 from mdi.starter.train_data import read_text_ids, step_windows, text_windows
@@ -128,7 +130,7 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
 class _RingTrainer:
     def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs) -> None:
         self.engine, self.options = engine, options
-        chunk = engine.chunk
+        chunk = self.chunk
         self.n_layer = chunk.config.n_layer
         setup = options.setup
         own = {k: ab for k, ab in pairs.items() if chunk.first <= key_layer(k) < chunk.last}
@@ -142,16 +144,26 @@ class _RingTrainer:
         self.device = next(chunk.parameters()).device
 
     @property
+    def chunk(self) -> ModelChunk:
+        assert self.engine.chunk is not None  # the engine is open
+        return self.engine.chunk
+
+    @property
+    def pipeline(self) -> Pipeline:
+        assert self.engine.pipeline is not None
+        return self.engine.pipeline
+
+    @property
     def transport(self):
-        return self.engine.pipeline.transport
+        return self.pipeline.transport
 
     @property
     def run_id(self) -> int:
-        return self.engine.pipeline.run_id
+        return self.pipeline.run_id
 
     def step(self, step: int, ids: torch.Tensor) -> StepRecord:
         t0 = time.perf_counter()
-        chunk = self.engine.chunk
+        chunk = self.chunk
         micro = list(torch.tensor_split(ids, self.options.micro_batches))
         scored = ids.shape[0] * (ids.shape[1] - 1)  # the batch's scored tokens: the loss's denominator
         for m, part in enumerate(micro):
@@ -194,7 +206,7 @@ class _RingTrainer:
 
     def _loss(self, frame: Frame, ids: torch.Tensor, scored: int) -> Tuple[float, torch.Tensor]:
         """This micro-batch's share of the batch loss and its gradient for the last hidden states."""
-        chunk = self.engine.chunk
+        chunk = self.chunk
         with torch.inference_mode(False), torch.enable_grad():
             h = self._rows(frame).clone().requires_grad_(True)
             logits = chunk.head(h).float()
@@ -206,7 +218,8 @@ class _RingTrainer:
         return float(share.item()), h.grad
 
     def _rows(self, frame: Frame) -> torch.Tensor:
-        x = to_device(frame.tensor, self.device, self.engine.chunk.activation_dtype)
+        assert frame.tensor is not None  # wire.decode: train and grad frames carry one
+        x = to_device(frame.tensor, self.device, self.chunk.activation_dtype)
         return x.reshape(len(frame.samples), frame.count[0], -1)
 
     def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor, b: int, length: int) -> None:

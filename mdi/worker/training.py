@@ -56,6 +56,7 @@ class WorkerTraining:
     def _windows(self, frame: Frame) -> torch.Tensor:
         """The frame's rows as [windows, length, hidden] on this node's device and dtype."""
         p = next(self.stage.chunk.parameters())
+        assert frame.tensor is not None  # wire.decode: train and grad frames carry one
         x = to_device(frame.tensor, p.device, self.stage.chunk.activation_dtype)
         return x.reshape(len(frame.samples), frame.count[0], -1)
 
