@@ -31,5 +31,6 @@ setup(
         "mdi-prepare=mdi.cli:prepare_main",
         "mdi-bench=mdi.lab.cli:main",
         "mdi-plan=mdi.cli:plan_main",
+        "mdi-train=mdi.cli:train_main",
     ]},
 )

@@ -40,7 +40,9 @@ from mdi.system.transfers import to_host
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
 # v4: the "verify" kind and each pass's epoch ("epoch"); a v3 peer would cut a verification's rows.
 # v5: prefix cache ops ("cache"); a v4 peer would compute on positions its slot does not hold.
-PROTOCOL_VERSION = 5
+# v6: the training kinds ("train", "grad", "step") and their "train" header; a v5 peer would
+# refuse them as unknown kinds one frame at a time instead of at the first frame.
+PROTOCOL_VERSION = 6
 
 
 class FrameKind(StrEnum):
@@ -53,11 +55,20 @@ class FrameKind(StrEnum):
     SCORE = "score"  # every position comes back (perplexity): its rows always equal sum(count)
     STOP = "stop"  # the end of a run, sent round the ring
     RESET = "reset"  # a probe round the ring before samples enter it
+    # Training (mdi.starter.training, mdi.worker.training): a micro-batch of whole windows from
+    # position 0, every row carried; "grad" the gradient of the loss for the hidden states at a
+    # layer boundary, travelling the ring's one direction until the node whose chunk ends there;
+    # "step" tells every node that a batch's gradients are complete (no tensor).
+    TRAIN = "train"
+    GRAD = "grad"
+    STEP = "step"
 
 
 KINDS = tuple(k.value for k in FrameKind)
 GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE, FrameKind.VERIFY)
-ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY)  # the last node returns every row, not each sample's last
+TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP)
+# the last node returns every row, not each sample's last
+ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY, FrameKind.TRAIN, FrameKind.GRAD)
 CODECS = WIRE_CODECS
 INT8_BLOCK = 32
 INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
@@ -74,11 +85,26 @@ MAX_EPOCH = (1 << 62) - 1
 MAX_ENTRY = (1 << 62) - 1  # prefix cache entry ids (mdi.starter.prefix_cache)
 # "cache": the prefix cache ops every node carries out before computing the frame, in order
 # (mdi.model.prefix_store), as [kind, entry, slot, length] lists; only in frames that bring some.
-_OPTIONAL_KEYS = {"adapter", "epoch", "cache"}
+# "train": [step, micro-batch, layer] on training frames only, and always there: the batch
+# step, the micro-batch within it (a step frame: how many the batch had) and the layer boundary
+# the tensor is at (a train frame: the first layer of the node it goes to; a grad frame: the
+# last layer + 1 of the node that computes with it; a step frame: 0).
+_OPTIONAL_KEYS = {"adapter", "epoch", "cache", "train"}
+MAX_STEP = (1 << 62) - 1
+MAX_MICRO = 1 << 16
+MAX_TRAIN_SAMPLES = 1 << 16  # windows of one micro-batch (they name no cache slot)
 
 
 class FrameError(ValueError):
     """A frame that fails validation; the message says why."""
+
+
+@dataclass(frozen=True)
+class TrainTag:
+    """Where a training frame belongs (the header's "train"; see _OPTIONAL_KEYS)."""
+    step: int
+    micro: int  # a step frame: the micro-batches of the batch
+    layer: int
 
 
 @dataclass
@@ -95,6 +121,7 @@ class Frame:
     # passes still queued (mdi.worker.run). [] = all 0 (runs that do not speculate).
     epochs: List[int] = field(default_factory=list)
     cache_ops: List[CacheOp] = field(default_factory=list)  # prefix cache ops, applied before the frame's compute
+    train: Optional["TrainTag"] = None  # training frames only
 
     def adapter_ids(self) -> List[int]:
         return list(self.adapters) if self.adapters else [0] * len(self.samples)
@@ -206,6 +233,8 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
         header["epoch"] = frame.epoch_ids()
     if frame.cache_ops:
         header["cache"] = [[op.kind, op.entry, op.slot, op.length] for op in frame.cache_ops]
+    if frame.train is not None:
+        header["train"] = [frame.train.step, frame.train.micro, frame.train.layer]
     if t is None:
         return [msgpack.packb(header), b""]
     if codec != "raw" and not t.dtype.is_floating_point:
@@ -347,8 +376,12 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     if not isinstance(samples, list):
         raise FrameError("samples must be a list")
     n = len(samples)
+    training = kind in TRAINING_KINDS
+    if training != ("train" in header):
+        raise FrameError("%s frames %s a train header" % (kind, "need" if training else "carry no"))
     slot_hi = (n_slots - 1) if n_slots is not None else (1 << 31)
-    samples = _int_list(header, "samples", n, 0, slot_hi)
+    # a training frame's samples are windows of its micro-batch, not cache slots
+    samples = _int_list(header, "samples", n, 0, MAX_TRAIN_SAMPLES - 1 if training else slot_hi)
     if len(set(samples)) != n:
         raise FrameError("sample ids repeat")
     start = _int_list(header, "start", n, 0, max_len)
@@ -368,7 +401,19 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
         if kind not in GENERATION_KINDS:
             raise FrameError("%s frames carry no cache ops" % kind)
         frame.cache_ops = _cache_ops(header["cache"], n_slots, max_len)
-    if kind in (FrameKind.STOP, FrameKind.RESET):
+    if training:
+        step, micro, layer = _int_list(header, "train", 3, 0, MAX_STEP)
+        if micro > MAX_MICRO or layer > (1 << 16):
+            raise FrameError("train header has a micro-batch or layer outside its range")
+        frame.train = TrainTag(step, micro, layer)
+        if any(adapter) or any(epoch):
+            raise FrameError("%s frames name no adapter and no epoch" % kind)
+        if kind != FrameKind.STEP and (any(start) or len(set(count)) > 1):
+            raise FrameError("%s frames carry whole windows from position 0, all of one length" % kind)
+    if frame.train is not None and kind == FrameKind.STEP:
+        if n or frame.train.micro < 1:
+            raise FrameError("step frames name no sample and at least one micro-batch")
+    if kind in (FrameKind.STOP, FrameKind.RESET, FrameKind.STEP):
         if header["dtype"] is not None or header["shape"] is not None or pbytes:
             raise FrameError("%s frames carry no tensor" % kind)
         return frame
@@ -379,8 +424,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     dtype = DTYPES[header["dtype"]][0] if isinstance(header["dtype"], str) and header["dtype"] in DTYPES else None
     if dtype is None:
         raise FrameError("dtype %r not in %s" % (header["dtype"], sorted(DTYPES)))
-    if codec != "raw" and not dtype.is_floating_point:
-        raise FrameError("codec %s needs a float dtype, not %s" % (codec, header["dtype"]))
+    if (codec != "raw" or training) and not dtype.is_floating_point:
+        raise FrameError("%s needs a float dtype, not %s" % ("training" if training else "codec " + codec,
+                                                             header["dtype"]))
     shape = header["shape"]
     if not isinstance(shape, list) or len(shape) != 2:
         raise FrameError("shape must be [rows, hidden]")

@@ -202,6 +202,15 @@ class ControlClient:
         return self._call("POST", "/adapters/%d" % adapter, self.init_timeout, data=body,
                           headers={"Content-Type": "application/octet-stream"})
 
+    def post_train(self, body: bytes) -> Dict[str, Any]:
+        """Make the worker's run a training run (mdi.ring.train_request)."""
+        return self._call("POST", "/train", self.init_timeout, data=body,
+                          headers={"Content-Type": "application/octet-stream"})
+
+    def train_pairs(self) -> Dict[str, Any]:
+        """The LoRA pairs the worker trains, as they are now (GET /train)."""
+        return self._call("GET", "/train", self.init_timeout)
+
     def drop_adapter(self, adapter: int) -> Dict[str, Any]:
         return self._call("DELETE", "/adapters/%d" % adapter)
 

@@ -3,7 +3,8 @@
     GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
     pushes them), POST /profile (time the model's blocks here, mdi.ring.profile_request), POST /probe
     (a body timed by the starter to measure the link), POST / DELETE /adapters/<id> (a LoRA's
-    matrices for this worker's layers, mdi.ring.adapter_request),
+    matrices for this worker's layers, mdi.ring.adapter_request), POST / GET /train (mdi-train:
+    the run trains a LoRA, mdi.ring.train_request; GET answers its pairs now),
     PUT /stop (?run=ID: only that run), POST /shutdown.
 
 With a shared secret every request must be signed with it (`Authorization: MDI-HMAC ...`, see
@@ -23,8 +24,10 @@ from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.ring.profile_request import MAX_PROBE_BYTES, validate_profile
 from mdi.ring.adapter_request import MAX_ADAPTER_BYTES
+from mdi.ring.train_request import MAX_TRAIN_BYTES
 from mdi.ring.wire import MAX_ADAPTER_ID
 from mdi.worker.node import Worker
+from mdi.worker.training import start_training, training_pairs
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,8 @@ def create_app(worker: Worker) -> Flask:
             if (request.method, request.path) != ("POST", "/weights"):
                 raise AuthError("only POST /weights may leave its body unsigned")
             return
-        limit = MAX_ADAPTER_BYTES if request.path.startswith("/adapters/") else MAX_JSON_BYTES
+        limit = MAX_ADAPTER_BYTES if request.path.startswith("/adapters/") or request.path == "/train" \
+            else MAX_JSON_BYTES
         if request.content_length is not None and request.content_length > limit:
             raise AuthError("a signed body must be at most %d bytes" % limit)
         body = request.get_data(cache=True) if request.content_length else b""
@@ -149,6 +153,17 @@ def create_app(worker: Worker) -> Flask:
             raise RequestError("an adapter body is 1 to %d bytes of safetensors with its Content-Length"
                                % MAX_ADAPTER_BYTES)
         return jsonify(worker.load_adapter(adapter, request.get_data(cache=True)))
+
+    @app.route("/train", methods=["POST", "GET"])
+    def train():
+        # mdi-train: the run in progress trains a LoRA (mdi.worker.training); GET: its pairs now
+        if request.method == "GET":
+            return jsonify(training_pairs(worker))
+        n = request.content_length
+        if n is None or not 0 < n <= MAX_TRAIN_BYTES:
+            raise RequestError("a training body is 1 to %d bytes of safetensors with its Content-Length"
+                               % MAX_TRAIN_BYTES)
+        return jsonify(start_training(worker, request.get_data(cache=True)))
 
     @app.route("/probe", methods=["POST"])
     def probe():

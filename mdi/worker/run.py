@@ -4,7 +4,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -14,7 +14,7 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
-from mdi.ring.wire import ALL_ROWS_KINDS, Frame, FrameKind, GENERATION_KINDS
+from mdi.ring.wire import ALL_ROWS_KINDS, Frame, FrameKind, GENERATION_KINDS, TRAINING_KINDS
 from mdi.system.memory import release_freed_memory
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
@@ -56,6 +56,7 @@ class Run:
         self.prefix: Optional[PrefixStore] = PrefixStore(chunk.cache, prefix_bytes) \
             if prefix_bytes and chunk.cache is not None else None
         self.error: Optional[str] = None
+        self.training: Optional[Any] = None  # a mdi.worker.training.WorkerTraining once POST /train made this run train
         self._placement: Optional[Tuple[torch.device, torch.dtype]] = None  # set by the first _forward
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -80,6 +81,9 @@ class Run:
                         if frame.kind == FrameKind.STOP:
                             self.endpoint.flush(timeout=5)
                             self.stopped.set()
+                        continue
+                    if frame.kind in TRAINING_KINDS:
+                        self.endpoint.send(self._train(frame))
                         continue
                     if frame.kind in GENERATION_KINDS:
                         frame = self._gather(frame)
@@ -219,6 +223,19 @@ class Run:
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
                      frame.epochs, frame.cache_ops)
+
+    def _train(self, frame: Frame) -> Frame:
+        """A training frame (mdi.worker.training), refused, ending the run with a line naming
+        this node, when the run was not made a training run (POST /train)."""
+        training = self.training
+        if training is None:
+            raise RuntimeError("%s: a %s frame came for run %d, which was not configured for training (POST /train)"
+                               % (self.endpoint.name, frame.kind, self.id))
+        t0 = time.perf_counter()
+        out = training.handle(frame)
+        self.compute_seconds += time.perf_counter() - t0
+        self.frames_done += 1
+        return out
 
     def _apply_cache_ops(self, frame: Frame) -> None:
         """The frame's prefix cache ops, before its compute (they travel on with it)."""

@@ -1,0 +1,113 @@
+"""mdi-train: train a LoRA through the ring of a YAML config (the workers and config inference
+uses), write it as a PEFT adapter directory that `mdi-start --adapter` / `adapters:` serve."""
+import argparse
+import json
+import signal
+import sys
+from typing import List, Optional
+
+from mdi.cli.arguments import positive_float, positive_int
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
+from mdi.model.layout import CheckpointError
+from mdi.model.tokenizers import TokenizerError
+from mdi.runconfig import ConfigError, load_config
+
+NOT_YET = ("method", "init_adapter", "checkpoint_every", "resume", "eval", "shuffle", "clip")
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mdi-train",
+        description="Fine-tune a LoRA on the ring of a run config: the base stays frozen where it is, each "
+                    "node trains the adapter of its own layers (see README 'mdi-train').",
+        epilog="Example: mdi-train --config configs/ring3.yaml --data play.txt --steps 100 --out my-lora")
+    p.add_argument("--config", required=True, help="run configuration (YAML), the one mdi-start uses")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="UTF-8 text: window k is tokens [k L, (k+1) L) of the whole file's ids (no BOS); every "
+                        "window's L-1 next-token predictions are scored")
+    p.add_argument("--method", default="lora", choices=["lora", "prompt"], help="lora (prompt: not yet)")
+    p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r (default 8)")
+    p.add_argument("--alpha", type=positive_float, default=16.0, help="LoRA alpha; the scale is alpha / r (default 16)")
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down",
+                   help="modules to adapt, of q,k,v,o,gate,up,down (GPT-2: q/k/v are c_attn, gate/up c_fc, "
+                        "down the MLP's c_proj; default all)")
+    p.add_argument("--steps", type=positive_int, default=10, help="optimizer steps (default 10)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per step B (default 4)")
+    p.add_argument("--micro-batches", type=positive_int, default=None,
+                   help="micro-batches a step's batch travels as, so every node is busy (default: the number "
+                        "of nodes, at most B); the gradients are those of the whole batch")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="window length L in tokens (default 128)")
+    p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate (default 1e-4; betas "
+                                                                    "0.9/0.999, eps 1e-8, weight decay 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the LoRA's initialisation (default 0)")
+    p.add_argument("--recompute", action="store_true",
+                   help="nodes keep only each micro-batch's input and run its forward again for backward "
+                        "(less memory, one more forward)")
+    p.add_argument("--out", metavar="DIR", help="write the trained adapter here (PEFT format)")
+    p.add_argument("--metrics-out", metavar="FILE.json", help='write {"steps": [{"step", "loss", "tokens_per_s"}], ...}')
+    p.add_argument("--init-adapter", metavar="DIR", help="(not yet) start from this PEFT adapter")
+    p.add_argument("--checkpoint-every", type=positive_int, metavar="K", help="(not yet)")
+    p.add_argument("--resume", metavar="DIR", help="(not yet)")
+    p.add_argument("--eval", metavar="FILE", help="(not yet)")
+    p.add_argument("--shuffle", action="store_true", help="(not yet)")
+    p.add_argument("--clip", type=positive_float, help="(not yet) clip the batch gradient's global norm")
+    return p
+
+
+def train_main(argv: Optional[List[str]] = None) -> int:
+    args = train_parser().parse_args(argv)
+    from mdi.ring.auth import TokenError, load_token
+    from mdi.starter import batch, training
+    from mdi.ring.train_request import TrainSetup
+    from mdi.model.lora_train import check_targets, save_peft_adapter
+
+    def terminate(signum, frame):
+        raise batch.Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        for flag in NOT_YET:
+            value = getattr(args, flag)
+            if value and not (flag == "method" and value == "lora"):
+                raise ConfigError("--%s is not supported yet by mdi-train (issue 38: see README 'mdi-train')"
+                                  % flag.replace("_", "-"))
+        cfg = load_config(args.config)
+        cfg.runtime.token = load_token(cfg.runtime.token_file)
+        setup_process(threads=cfg.runtime.threads)
+        try:
+            targets = check_targets([t.strip() for t in args.targets.split(",") if t.strip()])
+        except ValueError as e:
+            raise ConfigError(str(e))
+        setup = TrainSetup(targets=targets, rank=args.rank, alpha=args.alpha, lr=args.lr, recompute=args.recompute)
+        micro = args.micro_batches or min(len(cfg.nodes), args.batch_size)
+        options = training.TrainOptions(args.data, setup, steps=args.steps, batch_size=args.batch_size,
+                                        micro_batches=micro, seq_len=args.seq_len, seed=args.seed)
+        result = training.run(cfg, options, on_step=_print_step)
+        if args.out:
+            from mdi.model.source import ModelSource
+            save_peft_adapter(args.out, ModelSource(cfg.model.path).config, setup.spec, result.pairs, cfg.model.path)
+        if args.metrics_out:
+            with open(args.metrics_out, "w") as f:
+                json.dump(result.metrics(), f, indent=1)
+    except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
+        return fail(str(e), EXIT_CONFIG)
+    except KeyboardInterrupt:
+        return fail("interrupted", 128 + signal.SIGINT)
+    except batch.Interrupted as e:
+        return fail("interrupted by %s" % signal.Signals(e.signum).name, 128 + e.signum)
+    except RuntimeError as e:
+        return fail(str(e), EXIT_RUN)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    last = result.steps[-1]
+    print("mdi-train: %d steps, final loss %.4f, %.1f tokens/s, %d nodes%s"
+          % (len(result.steps), last.loss, last.tokens_per_s, result.n_nodes,
+             ", adapter in %s" % args.out if args.out else ""))
+    return 0
+
+
+def _print_step(record, total: int) -> None:
+    """One line per step: step, loss, tokens/s, ETA."""
+    eta = record.seconds * (total - record.step - 1)
+    print("step %d/%d  loss %.4f  %.1f tokens/s  eta %.0f s" % (record.step + 1, total, record.loss,
+                                                               record.tokens_per_s, eta), file=sys.stderr, flush=True)

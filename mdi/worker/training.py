@@ -1,0 +1,101 @@
+"""A worker's part in training (mdi-train): POST /train makes its current run a training run,
+and the compute loop hands it every training frame (mdi.ring.wire's TRAINING_KINDS).
+
+  train  a micro-batch's hidden states at this node's first layer: its blocks run forward with
+         the LoRA (mdi.model.stage_train keeps what backward needs) and the output goes on.
+  grad   the gradient at a layer boundary: when the boundary is this node's last layer + 1,
+         backward runs and the gradient for its input goes on, tagged with its first layer;
+         any other boundary is passed on untouched. Gradients travel the ring's one direction,
+         so one reaches the node before it by going once round (why: docs in
+         mdi.starter.training).
+  step   the batch is complete: AdamW steps this node's parameters; the frame goes on.
+"""
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from mdi.model.stage_train import StageTrainer
+from mdi.ring.init_request import RequestError, TooLarge
+from mdi.ring.train_request import pairs_reply, read_train_body
+from mdi.ring.wire import Frame, FrameKind, TrainTag
+from mdi.system.transfers import to_device, to_host
+
+OPTIMIZER_COPIES = 4  # parameters, their gradients and AdamW's two moments, all float32
+
+
+class WorkerTraining:
+    def __init__(self, name: str, stage: StageTrainer) -> None:
+        self.name = name
+        self.stage = stage
+        self.seconds = 0.0
+
+    def handle(self, frame: Frame) -> Frame:
+        """What to send on for a training frame."""
+        tag = frame.train
+        assert tag is not None  # wire.decode guarantees it on training kinds
+        chunk = self.stage.chunk
+        t0 = time.perf_counter()
+        try:
+            if frame.kind == FrameKind.STEP:
+                self.stage.step(tag.step, tag.micro)
+                return frame
+            if frame.kind == FrameKind.TRAIN:
+                if tag.layer != chunk.first:
+                    raise ValueError("%s: a train frame at layer %d reached layers [%d, %d)"
+                                     % (self.name, tag.layer, chunk.first, chunk.last))
+                y = self.stage.forward(tag.step, tag.micro, self._windows(frame))
+                return self._frame(frame, FrameKind.TRAIN, y, chunk.last)
+            if tag.layer != chunk.last:
+                return frame  # another node's gradient: on round the ring
+            grad = self.stage.backward(tag.step, tag.micro, self._windows(frame))
+            return self._frame(frame, FrameKind.GRAD, grad, chunk.first)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _windows(self, frame: Frame) -> torch.Tensor:
+        """The frame's rows as [windows, length, hidden] on this node's device and dtype."""
+        p = next(self.stage.chunk.parameters())
+        assert frame.tensor is not None  # wire.decode: train and grad frames carry one
+        x = to_device(frame.tensor, p.device, self.stage.chunk.activation_dtype)
+        return x.reshape(len(frame.samples), frame.count[0], -1)
+
+    @staticmethod
+    def _frame(frame: Frame, kind: str, y: Optional[torch.Tensor], layer: int) -> Frame:
+        assert y is not None and frame.train is not None
+        return Frame(kind, frame.run, frame.samples, frame.start, frame.count, to_host(y.reshape(-1, y.shape[-1])),
+                     train=TrainTag(frame.train.step, frame.train.micro, layer))
+
+
+def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
+    """POST /train: the run in progress becomes a training run with the body's LoRA pairs."""
+    setup, pairs = read_train_body(body)
+    with worker.lock:
+        run = worker.run
+        if run is None or not run.holds_worker() or run.chunk is None:
+            raise RequestError("no run in progress: training comes after /init")
+        if run.training is not None:
+            raise RequestError("run %d is training already" % run.id)
+        need = OPTIMIZER_COPIES * sum(t.numel() * 4 for ab in pairs.values() for t in ab)
+        limit, what = worker._memory_limit(worker.loaded.device if worker.loaded else "cpu")
+        held = worker._held_bytes()
+        if limit is not None and held + need > limit:
+            raise TooLarge("training layers [%d, %d) needs %.1f MB for the LoRA and its optimizer state, but this "
+                           "worker holds %.1f MB of the %.1f MB it may use (%s)"
+                           % (run.chunk.first, run.chunk.last, need / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
+        try:
+            stage = StageTrainer(run.chunk, setup.spec, pairs, setup.lr, setup.betas, setup.eps, setup.weight_decay,
+                                 setup.recompute)
+        except ValueError as e:
+            raise RequestError(str(e))
+        run.training = WorkerTraining(run.endpoint.name, stage)
+        return {"ok": True, "parameters": sum(t.numel() for t in stage.lora.parameters()), "bytes": need}
+
+
+def training_pairs(worker: Any) -> Dict[str, Any]:
+    """GET /train: the LoRA pairs of this worker's layers as they are now."""
+    run = worker.run
+    training = run.training if run is not None else None
+    if training is None:
+        raise RequestError("this worker's run is not training")
+    return pairs_reply(training.stage.pairs())
