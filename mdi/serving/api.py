@@ -44,6 +44,9 @@ from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_m
 from mdi.serving.choices import Choices
 from mdi.serving.logprob_bodies import TokenTexts
 from mdi.serving.openai_bodies import Reply
+from mdi.serving.tool_calls import ToolReplies
+from mdi.serving.tool_grammar import tool_grammar
+from mdi.serving.tools import ToolChoice, tool_choice_of
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, TextEvent
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
@@ -149,10 +152,16 @@ class Routes:
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
-        ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])), self.sched.max_len,
-                     "messages")
+        tools = tool_choice_of(fields)  # None: no tools, or tool_choice "none"
+        grammar = tool_grammar(tools, self.template.tool_format) if tools is not None else None
+        prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools is not None else None)
+        ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
-        return self._generate(self._request(ids, max_tokens, opts, adapter), opts, chat=True)
+        choices = self._request(ids, max_tokens, opts, adapter)
+        if grammar is not None:  # a call is required (or a strict one may come): the calls' grammar wins
+            for req in choices.requests:
+                req.grammar = grammar
+        return self._generate(choices, opts, chat=True, tools=tools)
 
     def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int) -> Choices:
         """The request's choices, once the fields that depend on the server are checked."""
@@ -256,14 +265,15 @@ class Routes:
         return _json({"ok": True, "name": name})
 
     # --- one generation ----------------------------------------------------------------
-    def _generate(self, choices: Choices, opts: Options, chat: bool) -> Response:
+    def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None) -> Response:
         for submitted, req in enumerate(choices.requests):
             try:
                 self.sched.submit(req)
             except SchedulerError as e:
                 self._cancel(choices.requests[:submitted])
                 raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
-        reply = Reply(choices.requests, self.model_id, chat, self.token_texts)
+        reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
+                      ToolReplies(tools, self.template.tool_format) if tools is not None else None)
         if not opts.stream:
             return self._whole(choices, reply, request.environ)
         resp = Response(self._stream(choices, reply, opts.include_usage), mimetype="text/event-stream")
@@ -329,7 +339,8 @@ class Routes:
                         text += got[1].text
                         entries += got[1].logprobs
                         got = choices.next_event(0)
-                    yield _sse(reply.chunk(text, index=i, logprobs=entries))
+                    for body in reply.chunks(text, i, entries):
+                        yield _sse(body)
                     continue
                 if isinstance(event, ErrorEvent):
                     self._cancel(choices.requests)  # the other choices with it
@@ -338,7 +349,8 @@ class Routes:
                     return
                 left -= 1
                 over = not left
-                yield _sse(reply.last_chunk(event.reason, include_usage, index=i, final=not left))
+                for body in reply.last_chunks(event.reason, include_usage, index=i, final=not left):
+                    yield _sse(body)
             if include_usage:
                 yield _sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"

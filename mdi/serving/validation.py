@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
+from mdi.serving import tools
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
 BOTH = (COMPLETIONS, CHAT)
@@ -119,6 +120,15 @@ def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str,
     return value
 
 
+def _tool_check(check: Callable[[Any, Dict[str, Any]], Any]) -> Callable[[Any, Dict[str, Any]], Any]:
+    def checked_tools(value: Any, checked: Dict[str, Any]) -> Any:
+        try:
+            return check(value, checked)
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), e.param)
+    return checked_tools
+
+
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -171,6 +181,11 @@ FIELDS = (  # in checking order: a check may read the fields above it
           check=_speculation),  # None: the server's generation.speculation
     # llama.cpp's: false computes the whole prompt again, reusing nothing the prefix cache holds
     Field("cache_prompt", (bool,), "true or false", default=True),
+    # Function calling (`tools`): the functions, which of them the answer must call, and how many.
+    Field("tools", (list,), "a list of tools", default=[], routes=(CHAT,), check=_tool_check(tools.check_tools)),
+    Field("tool_choice", (str, dict), '"auto", "none", "required" or {"type": "function", ...}', routes=(CHAT,),
+          check=_tool_check(tools.check_tool_choice)),
+    Field("parallel_tool_calls", (bool,), "true or false", default=True, routes=(CHAT,)),
 )
 
 
@@ -188,9 +203,6 @@ NEUTRAL = (
     Neutral("echo", "false", lambda v: v is False, (COMPLETIONS,)),
     Neutral("suffix", "an empty string", lambda v: v == "", (COMPLETIONS,)),
     Neutral("response_format", '{"type": "text"}', lambda v: v == {"type": "text"}, (CHAT,)),
-    Neutral("tools", "[]", lambda v: v == [], (CHAT,)),
-    Neutral("tool_choice", '"none"', lambda v: v == "none", (CHAT,)),
-    Neutral("parallel_tool_calls", "true/false", lambda v: isinstance(v, bool), (CHAT,)),
 )
 
 
