@@ -153,14 +153,13 @@ class Routes:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
         tools = tool_choice_of(fields)  # None: no tools, or tool_choice "none"
-        grammar = tool_grammar(tools, self.template.tool_format) if tools is not None else None
-        prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools is not None else None)
+        grammar = tool_grammar(tools, self.template.tool_format)  # None: the calls are free
+        prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None)
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         choices = self._request(ids, max_tokens, opts, adapter)
-        if grammar is not None:  # a call is required (or a strict one may come): the calls' grammar wins
-            for req in choices.requests:
-                req.grammar = grammar
+        for req in choices.requests if grammar is not None else []:  # the calls' grammar wins
+            req.grammar = grammar
         return self._generate(choices, opts, chat=True, tools=tools)
 
     def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int) -> Choices:

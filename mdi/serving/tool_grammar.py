@@ -33,9 +33,11 @@ def _one_of(schemas: List[Dict[str, Any]]) -> Dict[str, Any]:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
-def tool_grammar(choice: ToolChoice, fmt: ToolFormat) -> Optional[GrammarSpec]:
-    """The grammar for `choice`'s answers, or None where they are free (auto, nothing strict);
-    a 400 naming `tools` where llguidance refuses a schema."""
+def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat) -> Optional[GrammarSpec]:
+    """The grammar for `choice`'s answers, or None where they are free (no tools, auto with
+    nothing strict); a 400 naming `tools` where llguidance refuses a schema."""
+    if choice is None:
+        return None
     required = choice.mode != "auto"
     if not required and not any(f.get("strict") for f in choice.functions):
         return None
