@@ -367,6 +367,56 @@ def test_stop_cancels_a_long_answer_and_frees_its_slot(ring, browser):
     assert_no_console_errors(browser)
 
 
+# The page's fetch, replaced for one chat request: it records the body and answers with a
+# stream that calls a tool (the small model does not call one by itself, and until the
+# constrained sampler lands the server refuses response_format json_schema).
+MOCK_TOOL_ANSWER = """var original = window.fetch;
+window.__sent = null;
+window.fetch = function (url, init) {
+  if (String(url).indexOf("v1/chat/completions") < 0) return original.apply(this, arguments);
+  window.fetch = original;
+  window.__sent = JSON.parse(init.body);
+  var events = [
+    {choices: [{index: 0, delta: {role: "assistant", content: ""}, finish_reason: null}]},
+    {choices: [{index: 0, delta: {tool_calls: [{index: 0, id: "call_1", type: "function",
+      function: {name: "get_weather", arguments: ""}}]}, finish_reason: null}]},
+    {choices: [{index: 0, delta: {tool_calls: [{index: 0, function: {arguments: '{"city": '}}]}, finish_reason: null}]},
+    {choices: [{index: 0, delta: {tool_calls: [{index: 0, function: {arguments: '"Paris"}'}}]}, finish_reason: null}]},
+    {choices: [{index: 0, delta: {}, finish_reason: "tool_calls"}],
+     usage: {prompt_tokens: 5, completion_tokens: 12, total_tokens: 17}}];
+  var text = events.map(function (e) { return "data: " + JSON.stringify(e) + "\\n\\n"; }).join("")
+    + "data: [DONE]\\n\\n";
+  return Promise.resolve(new Response(text, {status: 200, headers: {"Content-Type": "text/event-stream"}}));
+};"""
+
+
+def test_chat_sends_a_json_schema_and_shows_tool_calls(ring, browser):
+    click(browser, "tab-chat")
+    click(browser, "set-schema-on")
+    set_field(browser, "set-schema", "{not json")
+    before = browser.execute_script("return document.querySelectorAll('#messages .msg').length")
+    browser.find_element("id", "chat-input").send_keys("Weather in Paris?")
+    click(browser, "send")
+    assert shown(browser, "schema-error") and "not a JSON object" in text(browser, "schema-error")
+    assert browser.execute_script("return document.querySelectorAll('#messages .msg').length") == before  # nothing sent
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    set_field(browser, "set-schema", json.dumps(schema))
+    browser.execute_script(MOCK_TOOL_ANSWER)
+    click(browser, "send")
+    answer = wait_for("the mocked answer", lambda: (last_answer(browser) or {}).get("finish") and last_answer(browser))
+    assert answer["finish"] == "tool_calls" and not shown(browser, "schema-error")
+    sent = browser.execute_script("return window.__sent")
+    assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "dashboard", "schema": schema,
+                                                                                 "strict": True}}
+    assert sent["messages"][-1] == {"role": "user", "content": "Weather in Paris?"}
+    calls = browser.execute_script("""return Array.from(document.querySelectorAll('#messages .msg.assistant')).pop()
+      .querySelectorAll('.tool-call').length ? Array.from(document.querySelectorAll('#messages .msg.assistant')).pop()
+      .querySelectorAll('.tool-call')[0].textContent : null""")
+    assert calls == 'get_weather{"city": "Paris"}', calls
+    click(browser, "set-schema-on")  # off again for the tests after this one
+    assert_no_console_errors(browser)
+
+
 def _no_overflow(driver):
     return driver.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
 

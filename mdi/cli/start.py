@@ -201,7 +201,7 @@ def _start(args: argparse.Namespace, batch) -> int:
 
 def _dashboard(cfg: RunConfig, args: argparse.Namespace, n_samples: int):
     """A batch run's dashboard (`--dashboard [PORT]`), listening before the run starts."""
-    from mdi.serving.api import default_model_id
+    from mdi.serving.server import default_model_id
     from mdi.serving.dashboard import BatchDashboard, BatchMonitor, dashboard_address
     host, port = dashboard_address(cfg, args.dashboard or None, args.host, args.insecure)
     monitor = BatchMonitor(cfg, n_samples, cfg.generation.n_tokens)
@@ -236,7 +236,7 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
     check_serve("command line: serve", cfg.serve)
     from mdi.system.memory import limit_malloc_arenas
     limit_malloc_arenas()  # before the HTTP threads: what one request frees, the next reuses (see there)
-    from mdi.serving.api import serve
+    from mdi.serving.server import serve
     return serve(cfg, insecure=args.insecure)
 
 

@@ -24,9 +24,7 @@ import json
 import logging
 import os
 import select
-import signal
 import socket
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -36,9 +34,7 @@ from werkzeug.exceptions import HTTPException
 from mdi.model.constraint import Constraint, ConstraintError, GrammarCompiler
 from mdi.model.constraint import unavailable as constraint_unavailable
 from mdi.model.grammar_spec import GrammarSpec
-from mdi.model.source import ModelSource
-from mdi.ring.auth import is_loopback
-from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError, RunConfig
+from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.dashboard import register_dashboard
 from mdi.starter.adapter_set import virtual_tokens
 from mdi.serving.metrics import Observer
@@ -47,6 +43,9 @@ from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_m
 from mdi.serving.choices import Choices
 from mdi.serving.logprob_bodies import TokenTexts
 from mdi.serving.openai_bodies import Reply
+from mdi.serving.tool_calls import ToolReplies
+from mdi.serving.tool_grammar import tool_grammar
+from mdi.serving.tools import ToolChoice, tool_choice_of
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, TextEvent
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
@@ -148,18 +147,23 @@ class Routes:
         ids = prompt_ids(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
                                   self.sched.max_len)
-        return self._generate(self._request(ids, max_tokens, opts, adapter), opts, chat=False)
+        return self._generate(self._request(ids, max_tokens, opts, adapter, opts.grammar), opts, chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
-        ids = encode(self.sched.tokenizer, self.template.render(chat_messages(fields["messages"])), self.sched.max_len,
-                     "messages")
+        tools = tool_choice_of(fields)  # None: no tools, or tool_choice "none"
+        grammar = tool_grammar(tools, self.template.tool_format)  # None: the calls are free
+        prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None)
+        ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
-        return self._generate(self._request(ids, max_tokens, opts, adapter), opts, chat=True)
+        choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar)  # the calls' grammar wins
+        return self._generate(choices, opts, chat=True, tools=tools)
 
-    def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int) -> Choices:
-        """The request's choices, once the fields that depend on the server are checked."""
+    def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int,
+                 grammar: Optional[GrammarSpec]) -> Choices:
+        """The request's choices, once the fields that depend on the server are checked;
+        `grammar`: what their output must obey (compiled here: a bad one is this request's 400)."""
         vocab = self.sched.tokenizer.vocab_size
         outside = [t for t in opts.params.logit_bias if t >= vocab]
         if outside:
@@ -169,13 +173,12 @@ class Routes:
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
         req = Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
-                      opts.top_logprobs, opts.cache_prompt, opts.grammar)
+                      opts.top_logprobs, opts.cache_prompt, grammar)
         if req.grammar is not None:
             req.constraint = self._compile(req.grammar)
         return Choices(req, opts.n)
 
     def _compile(self, spec: GrammarSpec) -> Constraint:
-        """The request's grammar, compiled on its HTTP thread (a bad one is this request's 400)."""
         if self.grammars is None:
             raise ApiError(400, "'%s': structured outputs are off on this server: %s"
                            % (spec.field, constraint_unavailable()), spec.field)
@@ -273,14 +276,15 @@ class Routes:
         return _json({"ok": True, "name": name})
 
     # --- one generation ----------------------------------------------------------------
-    def _generate(self, choices: Choices, opts: Options, chat: bool) -> Response:
+    def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None) -> Response:
         for submitted, req in enumerate(choices.requests):
             try:
                 self.sched.submit(req)
             except SchedulerError as e:
                 self._cancel(choices.requests[:submitted])
                 raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
-        reply = Reply(choices.requests, self.model_id, chat, self.token_texts)
+        reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
+                      ToolReplies(tools, self.template.tool_format) if tools is not None else None)
         if not opts.stream:
             return self._whole(choices, reply, request.environ)
         resp = Response(self._stream(choices, reply, opts.include_usage), mimetype="text/event-stream")
@@ -346,7 +350,8 @@ class Routes:
                         text += got[1].text
                         entries += got[1].logprobs
                         got = choices.next_event(0)
-                    yield _sse(reply.chunk(text, index=i, logprobs=entries))
+                    for body in reply.chunks(text, i, entries):
+                        yield _sse(body)
                     continue
                 if isinstance(event, ErrorEvent):
                     self._cancel(choices.requests)  # the other choices with it
@@ -355,7 +360,8 @@ class Routes:
                     return
                 left -= 1
                 over = not left
-                yield _sse(reply.last_chunk(event.reason, include_usage, index=i, final=not left))
+                for body in reply.last_chunks(event.reason, include_usage, index=i, final=not left):
+                    yield _sse(body)
             if include_usage:
                 yield _sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
@@ -406,73 +412,3 @@ def grammar_compiler(sched: Scheduler) -> Optional[GrammarCompiler]:
                     missing)
         return None
     return GrammarCompiler(sched.tokenizer, sched.source.config.vocab_size)
-
-
-def default_model_id(path: str) -> str:
-    name = os.path.basename(os.path.normpath(path))
-    return os.path.splitext(name)[0] if name.endswith((".gguf", ".pt")) else name
-
-
-def serve(cfg: RunConfig, host: Optional[str] = None, port: Optional[int] = None, insecure: bool = False) -> int:
-    """Open the ring, then serve until SIGINT/SIGTERM. Raises ConfigError (bad settings) or
-    RuntimeError (the ring cannot be opened); returns the exit code otherwise."""
-    host = host or cfg.serve.host
-    port = port if port is not None else (cfg.serve.port or cfg.starter.port)
-    if cfg.runtime.token is None and not insecure and not is_loopback(host):
-        raise ConfigError("refusing to serve on %s without a shared secret: set MDI_TOKEN or runtime.token_file "
-                          "(or pass --insecure on a trusted network)" % host)
-    return _serve(cfg, host, port)
-
-
-def _serve(cfg: RunConfig, host: str, port: int) -> int:
-    from mdi.system.http_server import HttpServer
-    source = ModelSource(cfg.model.path)
-    sched = Scheduler(cfg, source)
-    model_id = cfg.serve.model_name or default_model_id(cfg.model.path)
-    app = create_app(sched, model_id, cfg.runtime.token, ChatTemplate(source.tokenizer))
-    # A request holds a thread while it waits for a slot and while it streams: enough for
-    # every slot and every queued request, plus a few for /health, /metrics and the dashboard.
-    threads = (cfg.serve.max_in_flight or 16) + cfg.serve.max_queue + 8
-    try:
-        server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
-                            max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
-                            client_gone=True)
-    except OSError as e:
-        raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
-    # A plain flag, polled: a handler that sets a threading.Event deadlocks when the signal lands
-    # while the main thread holds that Event's lock inside its own wait (seen: a server that
-    # ignored SIGTERM for good, its main thread blocked in Event.set under Event.wait).
-    stop: List[bool] = []
-    try:
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    except ValueError:  # not the main thread (embedded use): stop with KeyboardInterrupt only
-        previous = None
-    server.start()
-    code = 0
-    try:
-        sched.start()
-        deadline = time.monotonic() + cfg.runtime.init_timeout + 60
-        while not sched.ready.wait(0.5):
-            if stop or time.monotonic() > deadline:
-                raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
-        if sched.open_error is not None:
-            raise sched.open_error
-        engine = sched.engine
-        prefix = engine.pipeline.prefix if engine is not None and engine.pipeline is not None else None
-        print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
-              "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
-                                   "of %d positions" % prefix.budget if prefix is not None else "off"), flush=True)
-        while not stop:
-            time.sleep(0.5)
-            if not stop and not sched.alive:
-                log.error("mdi: serve: the scheduler stopped: %s", sched.error or "see the log above")
-                code = 1
-                break
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sched.stop()  # requests still waiting or streaming end with an error event
-        server.close(grace=2.0)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return code

@@ -3,7 +3,7 @@ prompt and seeded seed, seed + 1, ... (so choice i is the single request with se
 events one HTTP thread reads from a single queue. They share nothing else: each prefills the
 prompt itself (they are admitted together, so none finds the prompt in the prefix cache yet)."""
 import queue
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from mdi.serving.request import ChoiceQueue, Request, RequestEvent
 

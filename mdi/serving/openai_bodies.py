@@ -6,14 +6,17 @@ from typing import Any, Dict, List, Optional, Sequence
 from mdi.serving.logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
 from mdi.serving.request import Request
 from mdi.serving.streaming import TokenLogprob
+from mdi.serving.tool_calls import ToolReplies
 from mdi.starter.sample import FinishReason
 
 
 class Reply:
     """The OpenAI bodies answering one request (its `n` choices: `reqs`, choice i is reqs[i])."""
 
-    def __init__(self, reqs: Sequence[Request], model_id: str, chat: bool, texts: TokenTexts) -> None:
+    def __init__(self, reqs: Sequence[Request], model_id: str, chat: bool, texts: TokenTexts,
+                 tools: Optional[ToolReplies] = None) -> None:
         self.reqs, self.model_id, self.chat, self.texts = list(reqs), model_id, chat, texts
+        self.tools = tools  # chat with tools: the answers' calls are parsed out of their text
         self.req = self.reqs[0]
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.req.id
         self.with_logprobs = self.req.top_logprobs is not None
@@ -39,7 +42,12 @@ class Reply:
               logprobs: Sequence[List[TokenLogprob]]) -> Dict[str, Any]:
         choices = []
         for index, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs)):
-            if self.chat:
+            if self.chat and self.tools is not None:
+                message = self.tools.message(text)
+                choices.append({"index": index, "message": message, "logprobs": self._logprobs(entries),
+                                "finish_reason": "tool_calls" if message.get("tool_calls") and reason in (
+                                    FinishReason.STOP, FinishReason.LENGTH) else reason})
+            elif self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
                                 "logprobs": self._logprobs(entries), "finish_reason": reason})
             else:
@@ -49,7 +57,7 @@ class Reply:
         body["usage"] = self.usage
         return body
 
-    def chunk(self, text: Optional[str], reason: Optional[FinishReason] = None, first: bool = False,
+    def chunk(self, text: Optional[str], reason: Optional[str] = None, first: bool = False,
               index: int = 0, logprobs: Optional[Sequence[TokenLogprob]] = None) -> Dict[str, Any]:
         if self.chat:
             delta: Dict[str, Any] = {}
@@ -63,7 +71,33 @@ class Reply:
                       "finish_reason": reason}
         return self._body("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def last_chunk(self, reason: FinishReason, include_usage: bool, index: int = 0,
+    def chunks(self, text: str, index: int, logprobs: Sequence[TokenLogprob]) -> List[Dict[str, Any]]:
+        """The chunks for this much more of choice `index`: one, or with tools the deltas of
+        its content and calls (none while text that may start a call is held back)."""
+        if self.tools is None:
+            return [self.chunk(text, index=index, logprobs=logprobs)]
+        bodies: List[Dict[str, Any]] = []
+        for delta in self.tools.deltas(index, text) or ([{}] if logprobs and self.with_logprobs else []):
+            body = self.chunk(None, index=index, logprobs=logprobs if not bodies else None)
+            body["choices"][0]["delta"] = delta
+            bodies.append(body)
+        return bodies
+
+    def last_chunks(self, reason: FinishReason, include_usage: bool, index: int = 0,
+                    final: bool = True) -> List[Dict[str, Any]]:
+        """A choice's last chunks: with tools, what was held back, then the finish reason
+        ("tool_calls" where it called one)."""
+        if self.tools is None:
+            return [self.last_chunk(reason, include_usage, index, final)]
+        bodies: List[Dict[str, Any]] = []
+        for delta in self.tools.deltas(index, None):
+            body = self.chunk(None, index=index)
+            body["choices"][0]["delta"] = delta
+            bodies.append(body)
+        called = self.tools.called(index) and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        return bodies + [self.last_chunk("tool_calls" if called else reason, include_usage, index, final)]
+
+    def last_chunk(self, reason: str, include_usage: bool, index: int = 0,
                    final: bool = True) -> Dict[str, Any]:
         """A choice's last chunk; the `final` one of all carries the usage unless a chunk of
         its own does (include_usage)."""

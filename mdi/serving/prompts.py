@@ -5,6 +5,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from mdi.model.tokenizers import PromptTooLong, Tokenizer, TokenizerError
+from mdi.serving.tools import ToolError, ToolFormat, template_inputs, tool_format, tool_message
 from mdi.serving.validation import ApiError
 from mdi.system.interrupt import DeadlinePassed, thread_deadline
 from mdi.system.memory import release_freed_memory
@@ -22,8 +23,8 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-MESSAGE_KEYS = ("role", "content", "name")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")  # the last two: `tools`
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class ChatTemplate:
         env = _bounded_environment()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        env.filters["tojson"] = _tojson
         self.tokenizer = tokenizer
         self.source = "fallback"
         self.template = None
@@ -52,6 +54,9 @@ class ChatTemplate:
                 log.warning("mdi: serve: the model's chat template does not compile (%s); using the fallback", e)
         if self.template is None:
             self.template = env.from_string(FALLBACK_CHAT_TEMPLATE)
+        # how the model writes tool calls, and whether the template renders tools (`tools`)
+        self.tool_format: ToolFormat = tool_format(tokenizer.chat_template if self.source == "model" else None,
+                                                   tokenizer)
         self.bos = self._token_text(tokenizer.bos_id)
         self.eos = self._token_text(tokenizer.eos_id)
 
@@ -63,13 +68,20 @@ class ChatTemplate:
         except TokenizerError:
             return ""
 
-    def render(self, messages: List[Dict[str, str]]) -> str:
+    def render(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None) -> str:
+        """The prompt; `tools` (OpenAI tool dicts) rendered by the template as transformers
+        passes them, or by the fallback of `tools` where the template knows no tools."""
         from jinja2 import TemplateError
         parts, size = [], 0
+        extra: Dict[str, Any] = {}
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages, tools = template_inputs(messages, tools, self.tool_format)
+            if tools:
+                extra["tools"] = tools
         try:
             with thread_deadline(MAX_TEMPLATE_SECONDS):
                 for part in self.template.generate(messages=messages, add_generation_prompt=True,
-                                                   bos_token=self.bos, eos_token=self.eos):
+                                                   bos_token=self.bos, eos_token=self.eos, **extra):
                     parts.append(part)
                     size += len(part)
                     if size > MAX_TEMPLATE_CHARS:
@@ -84,6 +96,14 @@ class ChatTemplate:
         if self.tokenizer.add_bos and self.bos and text.startswith(self.bos):
             text = text[len(self.bos):]  # the tokenizer adds BOS itself
         return text
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` for chat templates: plain JSON (Jinja's own escapes <, > and &
+    for HTML, which would change the tool lists templates write)."""
+    import json
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _bounded_environment():
@@ -109,7 +129,7 @@ def _bounded_environment():
     return Bounded
 
 
-def chat_messages(raw: List[Any]) -> List[Dict[str, str]]:
+def chat_messages(raw: List[Any]) -> List[Dict[str, Any]]:
     """The `messages` list (already known to be a list) as role/content pairs for the template."""
     if not raw:
         raise ApiError(400, "'messages': expected a non-empty list of messages", "messages")
@@ -118,7 +138,7 @@ def chat_messages(raw: List[Any]) -> List[Dict[str, str]]:
     return [_message(m, "messages[%d]" % i) for i, m in enumerate(raw)]
 
 
-def _message(m: Any, where: str) -> Dict[str, str]:
+def _message(m: Any, where: str) -> Dict[str, Any]:
     if not isinstance(m, dict):
         raise ApiError(400, "'%s': expected an object with 'role' and 'content'" % where, where)
     unknown = sorted(set(m) - set(MESSAGE_KEYS))
@@ -135,6 +155,13 @@ def _message(m: Any, where: str) -> Dict[str, str]:
                 raise ApiError(400, "'%s.content': only text parts are supported" % where, where + ".content")
             parts.append(part["text"])
         content = "".join(parts)
+    if role == "tool" or m.get("tool_calls") is not None:
+        try:
+            return tool_message(m, role, content, where)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param)
+    if m.get("tool_call_id") is not None:
+        raise ApiError(400, "'%s.tool_call_id': only tool messages answer a call" % where, where + ".tool_call_id")
     if not isinstance(content, str):
         raise ApiError(400, "'%s.content': expected a string" % where, where + ".content")
     return {"role": "system" if role == "developer" else role, "content": content}

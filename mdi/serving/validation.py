@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
+from mdi.serving import tools
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
 BOTH = (COMPLETIONS, CHAT)
@@ -166,6 +167,15 @@ def _regex(value: str, _: Dict[str, Any]) -> Optional[GrammarSpec]:
 OUTPUT_SHAPES = ("response_format", "json_schema", "grammar", "regex")  # at most one per request
 
 
+def _tool_check(check: Callable[[Any, Dict[str, Any]], Any]) -> Callable[[Any, Dict[str, Any]], Any]:
+    def checked_tools(value: Any, checked: Dict[str, Any]) -> Any:
+        try:
+            return check(value, checked)
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), e.param)
+    return checked_tools
+
+
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -224,6 +234,11 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("json_schema", (dict,), "an object", check=lambda v, _: _schema_spec(v, "json_schema")),
     Field("grammar", (str,), "a string (a GBNF grammar)", check=_grammar),
     Field("regex", (str,), "a string (a regular expression)", check=_regex),
+    # Function calling (`tools`): the functions, which of them the answer must call, and how many.
+    Field("tools", (list,), "a list of tools", default=[], routes=(CHAT,), check=_tool_check(tools.check_tools)),
+    Field("tool_choice", (str, dict), '"auto", "none", "required" or {"type": "function", ...}', routes=(CHAT,),
+          check=_tool_check(tools.check_tool_choice)),
+    Field("parallel_tool_calls", (bool,), "true or false", default=True, routes=(CHAT,)),
 )
 
 
@@ -240,9 +255,6 @@ NEUTRAL = (
     Neutral("best_of", "1", lambda v: v == 1, (COMPLETIONS,)),
     Neutral("echo", "false", lambda v: v is False, (COMPLETIONS,)),
     Neutral("suffix", "an empty string", lambda v: v == "", (COMPLETIONS,)),
-    Neutral("tools", "[]", lambda v: v == [], (CHAT,)),
-    Neutral("tool_choice", '"none"', lambda v: v == "none", (CHAT,)),
-    Neutral("parallel_tool_calls", "true/false", lambda v: isinstance(v, bool), (CHAT,)),
 )
 
 

@@ -430,6 +430,9 @@ class Pipeline:
 
     def _step(self, timeout: Optional[float]) -> List[Sample]:
         self._dispatch()
+        for sample in self.active.values():  # grammar masks for the next draws, while the passes travel
+            if sample.constraint is not None and not sample.done:
+                sample.constraint.allowed()
         frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
         if frame is None:
             if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:

@@ -449,7 +449,32 @@
     return v === "" ? null : Number(v);
   }
 
-  function chatBody() {
+  // The schema toggle: response_format json_schema (strict), its JSON checked here before sending.
+  function responseFormat() {
+    var error = $("schema-error");
+    error.hidden = true;
+    if (!$("set-schema-on").checked) return null;
+    var schema;
+    try { schema = JSON.parse($("set-schema").value); } catch (e) { schema = e; }
+    if (schema instanceof Error || schema === null || typeof schema !== "object" || Array.isArray(schema)) {
+      error.textContent = "The schema is not a JSON object" + (schema instanceof Error ? ": " + schema.message : "");
+      error.hidden = false;
+      return false;
+    }
+    return { type: "json_schema", json_schema: { name: "dashboard", schema: schema, strict: true } };
+  }
+
+  function showToolCalls(node, calls) {
+    var box = node.querySelector(".tool-calls");
+    if (!box) { box = el("div", { "class": "tool-calls" }); node.insertBefore(box, node.querySelector(".meta")); }
+    clear(box);
+    calls.forEach(function (c) {
+      box.appendChild(el("div", { "class": "tool-call" }, [el("span", { "class": "tool-name", text: c.name }),
+        el("code", { "class": "tool-args", text: c.arguments })]));
+    });
+  }
+
+  function chatBody(format) {
     var messages = [];
     var system = $("set-system").value.trim();
     if (system) messages.push({ role: "system", content: system });
@@ -462,6 +487,7 @@
     if (k !== null && k > 0) body.top_k = Math.round(k);
     if (n !== null) body.max_tokens = Math.round(n);
     if (seed !== null) body.seed = Math.round(seed);
+    if (format) body.response_format = format;
     return body;
   }
 
@@ -475,6 +501,8 @@
     if (chat.controller) return;
     var text = $("chat-input").value;
     if (!text.trim()) return;
+    var format = responseFormat();
+    if (format === false) return;  // the schema is not JSON: said in the page, nothing sent
     $("chat-input").value = "";
     chat.messages.push({ role: "user", content: text });
     bubble("user", text);
@@ -504,6 +532,14 @@
           meta.textContent = "streaming\u2026";
           $("messages").scrollTop = $("messages").scrollHeight;
         }
+        ((c.delta && c.delta.tool_calls) || []).forEach(function (part) {  // name first, arguments in pieces
+          var calls = answer.tool_calls = answer.tool_calls || [];
+          var call = calls[part.index] = calls[part.index] || { name: "", arguments: "" };
+          if (part.function && part.function.name) call.name += part.function.name;
+          if (part.function && part.function.arguments) call.arguments += part.function.arguments;
+          if (tFirst === null) tFirst = performance.now();
+          showToolCalls(node, calls);
+        });
         if (c.finish_reason) finish = c.finish_reason;
       });
     }
@@ -511,7 +547,7 @@
     fetch("v1/chat/completions", {
       method: "POST", cache: "no-store", signal: controller.signal,
       headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
-      body: JSON.stringify(chatBody())
+      body: JSON.stringify(chatBody(format))
     }).then(function (resp) {
       if (resp.status === 401) { unauthorized(); throw new Error("the token was refused"); }
       if (!resp.ok) {

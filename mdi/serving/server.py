@@ -1,0 +1,86 @@
+"""`mdi-start --serve`'s process: open the ring, serve the routes (`api`) until SIGINT/SIGTERM,
+then close the ring and the HTTP server."""
+import logging
+import os
+import signal
+import time
+from typing import List, Optional
+
+from mdi.model.source import ModelSource
+from mdi.ring.auth import is_loopback
+from mdi.runconfig import ConfigError, RunConfig
+from mdi.serving.api import MAX_BODY_BYTES, create_app
+from mdi.serving.prompts import ChatTemplate
+from mdi.serving.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def default_model_id(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    return os.path.splitext(name)[0] if name.endswith((".gguf", ".pt")) else name
+
+
+def serve(cfg: RunConfig, host: Optional[str] = None, port: Optional[int] = None, insecure: bool = False) -> int:
+    """Open the ring, then serve until SIGINT/SIGTERM. Raises ConfigError (bad settings) or
+    RuntimeError (the ring cannot be opened); returns the exit code otherwise."""
+    host = host or cfg.serve.host
+    port = port if port is not None else (cfg.serve.port or cfg.starter.port)
+    if cfg.runtime.token is None and not insecure and not is_loopback(host):
+        raise ConfigError("refusing to serve on %s without a shared secret: set MDI_TOKEN or runtime.token_file "
+                          "(or pass --insecure on a trusted network)" % host)
+    return _serve(cfg, host, port)
+
+
+def _serve(cfg: RunConfig, host: str, port: int) -> int:
+    from mdi.system.http_server import HttpServer
+    source = ModelSource(cfg.model.path)
+    sched = Scheduler(cfg, source)
+    model_id = cfg.serve.model_name or default_model_id(cfg.model.path)
+    app = create_app(sched, model_id, cfg.runtime.token, ChatTemplate(source.tokenizer))
+    # A request holds a thread while it waits for a slot and while it streams: enough for
+    # every slot and every queued request, plus a few for /health, /metrics and the dashboard.
+    threads = (cfg.serve.max_in_flight or 16) + cfg.serve.max_queue + 8
+    try:
+        server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
+                            max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
+                            client_gone=True)
+    except OSError as e:
+        raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
+    # A plain flag, polled: a handler that sets a threading.Event deadlocks when the signal lands
+    # while the main thread holds that Event's lock inside its own wait (seen: a server that
+    # ignored SIGTERM for good, its main thread blocked in Event.set under Event.wait).
+    stop: List[bool] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    except ValueError:  # not the main thread (embedded use): stop with KeyboardInterrupt only
+        previous = None
+    server.start()
+    code = 0
+    try:
+        sched.start()
+        deadline = time.monotonic() + cfg.runtime.init_timeout + 60
+        while not sched.ready.wait(0.5):
+            if stop or time.monotonic() > deadline:
+                raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
+        if sched.open_error is not None:
+            raise sched.open_error
+        engine = sched.engine
+        prefix = engine.pipeline.prefix if engine is not None and engine.pipeline is not None else None
+        print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
+              "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
+                                   "of %d positions" % prefix.budget if prefix is not None else "off"), flush=True)
+        while not stop:
+            time.sleep(0.5)
+            if not stop and not sched.alive:
+                log.error("mdi: serve: the scheduler stopped: %s", sched.error or "see the log above")
+                code = 1
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sched.stop()  # requests still waiting or streaming end with an error event
+        server.close(grace=2.0)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return code

@@ -1,0 +1,218 @@
+"""An answer's tool calls, read from its text in the family's format (`tools`): whole, into
+`message.tool_calls`, or as it streams, into `delta.tool_calls` chunks. One parser does both,
+so a streamed answer reassembles to the whole one: text that may be the start of a call is
+held back until it is a call or cannot be one; text that does not parse as a call (malformed
+JSON, an unknown function) stays content; content is trimmed of the space around calls."""
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from mdi.serving.streaming import held_back
+from mdi.serving.tools import GENERIC, HERMES, LLAMA3, ToolChoice, ToolFormat
+
+HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+# Where a call may start, per family; a JSON object is read from its "{".
+STARTS = {
+    HERMES: re.compile(re.escape(HERMES_OPEN)),
+    LLAMA3: re.compile(re.escape(PYTHON_TAG) + r'|\{\s*"name"'),
+    GENERIC: re.compile(r'\{\s*"(?:tool_calls|tool_call|response)"'),
+}
+KEYS = {HERMES: (), LLAMA3: ("name",), GENERIC: ("tool_calls", "tool_call", "response")}
+LITERALS = {HERMES: (HERMES_OPEN,), LLAMA3: (PYTHON_TAG,), GENERIC: ()}
+JSON = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _may_start(tail: str, family: str) -> int:
+    """Length of the end of `tail` that may still grow into the start of a call."""
+    keep = held_back(tail, LITERALS[family])
+    brace = tail.rfind("{")
+    if KEYS[family] and brace >= 0:
+        m = re.fullmatch(r'\{\s*(?:"(\w*))?', tail[brace:])
+        if m and (m.group(1) is None or any(k.startswith(m.group(1)) for k in KEYS[family])):
+            keep = max(keep, len(tail) - brace)
+    return keep
+
+
+class CallParser:
+    """One choice's answer, fed as it arrives (`feed`, then `finish`): the content to show
+    now and the calls completed, each once."""
+
+    def __init__(self, family: str, names: Sequence[str], parallel: bool) -> None:
+        self.family, self.names, self.parallel = family, set(names), parallel
+        self.buf = ""  # text not decided yet
+        self.found = 0  # calls handed out
+        self.shown = False  # some content handed out
+        self.space = ""  # whitespace held: shown only if content follows it
+        self.after_call = False  # the last thing read was a call
+
+    def feed(self, text: str) -> Tuple[str, List[Call]]:
+        self.buf += text
+        return self._scan(final=False)
+
+    def finish(self) -> Tuple[str, List[Call]]:
+        return self._scan(final=True)
+
+    def _scan(self, final: bool) -> Tuple[str, List[Call]]:
+        content: List[str] = []
+        calls: List[Call] = []
+        while self.buf:
+            if self.after_call and self.family == LLAMA3:  # Llama 3.2 splits calls by ';'
+                if not self.buf.strip() and not final:
+                    break
+                sep = re.match(r"\s*;", self.buf)
+                self.buf = self.buf[sep.end():] if sep else self.buf
+                self.after_call = False
+                continue
+            m = STARTS[self.family].search(self.buf)
+            if m is None:
+                keep = 0 if final else _may_start(self.buf, self.family)
+                content.append(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            content.append(self.buf[:m.start()])
+            self.buf = self.buf[m.start():]
+            got = self._read_call(final)
+            if got is None:  # may still become a call
+                break
+            used, read, text = got
+            self.buf = self.buf[used:]
+            content.append(text)
+            self.after_call = bool(read)
+            for call in read:
+                if self.parallel or self.found == 0:  # parallel_tool_calls false: the first only
+                    calls.append(call)
+                    self.found += 1
+        return self._show("".join(content), final), calls
+
+    def _show(self, text: str, final: bool) -> str:
+        text = self.space + text
+        if not self.shown:
+            text = text.lstrip()
+        shown = text.rstrip()
+        self.space = "" if final else text[len(shown):]
+        self.shown = self.shown or bool(shown)
+        return shown
+
+    def _read_call(self, final: bool) -> Optional[Tuple[int, List[Call], str]]:
+        """At a call's start in `buf`: (characters used, the calls read, text that stays
+        content), or None while more text may complete it."""
+        buf = self.buf
+        if self.family == HERMES:
+            end = buf.find(HERMES_CLOSE)
+            if end < 0 and not final:
+                return None
+            body = buf[len(HERMES_OPEN):] if end < 0 else buf[len(HERMES_OPEN):end]
+            used = len(buf) if end < 0 else end + len(HERMES_CLOSE)
+            call = self._call(_loads(body.strip()), "arguments")
+            return (used, [call], "") if call is not None else (len(HERMES_OPEN), [], HERMES_OPEN)
+        start = len(PYTHON_TAG) if buf.startswith(PYTHON_TAG) else 0
+        brace = len(buf) - len(buf[start:].lstrip()) if start else 0
+        if brace == len(buf) and not final:
+            return None
+        try:
+            value, end = JSON.raw_decode(buf, brace)
+        except ValueError:
+            if not final:
+                return None  # incomplete, or malformed: known at the end
+            return (start or 1, [], buf[:start or 1])
+        read = self._calls(value)
+        if read is None:  # JSON, but not a call: all of it stays content
+            return (end, [], buf[:end]) if not start else (start, [], buf[:start])
+        if isinstance(read, str):  # the generic format's {"response": text}
+            return end, [], read
+        return end, read, ""
+
+    def _calls(self, value: Any) -> Any:
+        """The calls in a decoded JSON value (None: not calls; a string: a generic reply)."""
+        if self.family == LLAMA3:
+            call = self._call(value, "parameters") or self._call(value, "arguments")
+            return [call] if call is not None else None
+        if not isinstance(value, dict) or len(value) != 1:
+            return None
+        if isinstance(value.get("response"), str):
+            return value["response"]
+        entries = value.get("tool_calls") if "tool_calls" in value else [value.get("tool_call")]
+        if not isinstance(entries, list) or not entries:
+            return None
+        calls = [self._call(e, "arguments") for e in entries]
+        return calls if all(c is not None for c in calls) else None
+
+    def _call(self, value: Any, args_key: str) -> Optional[Call]:
+        if not isinstance(value, dict) or value.get("name") not in self.names or args_key not in value \
+                or set(value) - {"name", args_key, "id"}:
+            return None
+        args = value[args_key]
+        if isinstance(args, str):  # some models write the arguments as JSON text
+            args = _loads(args)
+        if not isinstance(args, dict):
+            return None
+        return Call(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def call_entries(calls: Sequence[Call]) -> List[Dict[str, Any]]:
+    return [{"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+class ToolReplies:
+    """The tool calls of one request's choices, for its Reply: a parser per choice."""
+
+    def __init__(self, choice: ToolChoice, fmt: ToolFormat) -> None:
+        self.choice, self.fmt = choice, fmt
+        self.parsers: Dict[int, CallParser] = {}
+        self.counts: Dict[int, int] = {}  # calls streamed per choice
+
+    def _parser(self, index: int) -> CallParser:
+        if index not in self.parsers:
+            self.parsers[index] = CallParser(self.fmt.family, [f["name"] for f in self.choice.functions],
+                                             self.choice.parallel)
+        return self.parsers[index]
+
+    def message(self, text: str) -> Dict[str, Any]:
+        """The whole answer's message: content null when only calls, and its tool_calls."""
+        parser = CallParser(self.fmt.family, [f["name"] for f in self.choice.functions], self.choice.parallel)
+        shown, calls = parser.feed(text)
+        rest, more = parser.finish()
+        content = shown + rest
+        message: Dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls + more:
+            message["tool_calls"] = call_entries(calls + more)
+        else:
+            message["content"] = content
+        return message
+
+    def deltas(self, index: int, text: Optional[str]) -> List[Dict[str, Any]]:
+        """The deltas for this much more of choice `index` (None: its end)."""
+        parser = self._parser(index)
+        shown, calls = parser.finish() if text is None else parser.feed(text)
+        out: List[Dict[str, Any]] = [{"content": shown}] if shown else []
+        for entry in call_entries(calls):  # OpenAI's shape: id, type and name first, then the arguments
+            k = self.counts.get(index, 0)
+            self.counts[index] = k + 1
+            fn = entry["function"]
+            out.append({"tool_calls": [{"index": k, "id": entry["id"], "type": "function",
+                                        "function": {"name": fn["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]})
+        return out
+
+    def called(self, index: int) -> bool:
+        return self.counts.get(index, 0) > 0

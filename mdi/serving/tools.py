@@ -1,0 +1,256 @@
+"""OpenAI's function calling on chat: the `tools`, `tool_choice` and `parallel_tool_calls`
+fields, the messages that carry calls (assistant `tool_calls`) and results (`role: "tool"`),
+the format a model writes its calls in (by template family, decided here once), and how the
+chat template gets all of it.
+
+A template that renders tools itself (Qwen2.5, Qwen3, Llama 3.x, Hermes) gets them as
+transformers' apply_chat_template passes them: `tools=[...]` and the messages as they are,
+with each call's arguments as an object. Any other template (SmolLM2's ChatML, the fallback)
+gets what llama.cpp's "generic" handler does: the tools and the reply format in a system
+message, earlier calls written out as the assistant's text, results as user messages.
+Parsing the answer is `tool_calls`; constraining it is `tool_grammar`.
+"""
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from mdi.model.tokenizers import Tokenizer
+
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_CALLS_IN_MESSAGE = 128
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+TOOL_KEYS, FUNCTION_KEYS = ("type", "function"), ("name", "description", "parameters", "strict")
+CHOICES = ("auto", "none", "required")
+# The template families by the calls their models write (tool_calls.FAMILIES parses each).
+HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
+
+
+class ToolError(ValueError):
+    """A bad tools field or tool message: `validation` and `prompts` answer it as a 400 naming
+    `param` (the full path, as the messages' errors name it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__("'%s': %s" % (param, message))
+        self.param = param
+
+
+def _bad(param: str, message: str) -> ToolError:
+    return ToolError(param, message)
+
+
+# --- the request fields ------------------------------------------------------------------
+
+def check_tools(value: List[Any], _: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """`tools`, each as {"type": "function", "function": {name, description, parameters, strict}}
+    with parameters an object schema (a valid JSON schema where jsonschema is installed)."""
+    if len(value) > MAX_TOOLS:
+        raise _bad("tools", "at most %d tools" % MAX_TOOLS)
+    tools, names = [], set()
+    for i, tool in enumerate(value):
+        where = "tools[%d]" % i
+        if not isinstance(tool, dict) or set(tool) - set(TOOL_KEYS):
+            raise _bad(where, 'expected {"type": "function", "function": {...}}')
+        if tool.get("type") != "function":
+            raise _bad(where + ".type", 'only "function" tools are supported, got %s' % json.dumps(tool.get("type"))[:40])
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or set(fn) - set(FUNCTION_KEYS):
+            raise _bad(where + ".function", "expected an object with name, description, parameters, strict")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise _bad(where + ".function.name", "expected 1 to 64 letters, digits, '_' or '-', got %s"
+                       % json.dumps(name)[:70])
+        if name in names:
+            raise _bad(where + ".function.name", "%r is listed twice" % name)
+        names.add(name)
+        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
+            raise _bad(where + ".function", "description: expected a string; strict: true or false")
+        params = fn.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else _object_schema(params, where)
+        entry: Dict[str, Any] = {"name": name}  # in OpenAI's order: templates list them as they are
+        if fn.get("description"):
+            entry["description"] = fn["description"]
+        entry["parameters"] = params
+        if fn.get("strict"):
+            entry["strict"] = True
+        tools.append({"type": "function", "function": entry})
+    return tools
+
+
+def _object_schema(schema: Any, where: str) -> Dict[str, Any]:
+    param = where + ".function.parameters"
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise _bad(param, 'expected a JSON schema of an object ({"type": "object", ...})')
+    try:
+        from jsonschema import SchemaError
+        from jsonschema.validators import validator_for
+    except ImportError:  # structural checks only
+        if not isinstance(schema.get("properties", {}), dict) or not isinstance(schema.get("required", []), list):
+            raise _bad(param, "properties: expected an object; required: a list")
+        return schema
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as e:
+        raise _bad(param, "not a valid JSON schema: %s" % e.message[:200])
+    return schema
+
+
+def check_tool_choice(value: Any, checked: Dict[str, Any]) -> Any:
+    """"auto", "none", "required" or {"type": "function", "function": {"name": one of tools}}."""
+    names = [t["function"]["name"] for t in checked["tools"]]
+    if isinstance(value, str):
+        if value not in CHOICES:
+            raise _bad("tool_choice", 'expected "auto", "none", "required" or {"type": "function", ...}')
+        if value == "required" and not names:
+            raise _bad("tool_choice", '"required" needs tools')
+        return value
+    fn = value.get("function")
+    if value.get("type") != "function" or set(value) - {"type", "function"} or not isinstance(fn, dict) \
+            or set(fn) != {"name"} or not isinstance(fn["name"], str):
+        raise _bad("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
+    if fn["name"] not in names:
+        raise _bad("tool_choice", "no tool named %s in tools" % json.dumps(fn["name"])[:70])
+    return {"type": "function", "function": {"name": fn["name"]}}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What one request offers and asks: the functions the model may call, and the rule."""
+    tools: List[Dict[str, Any]]  # checked OpenAI tool dicts
+    mode: str  # "auto", "required" or "named"
+    name: Optional[str]  # the named function ("named" only)
+    parallel: bool  # more than one call allowed
+
+    @property
+    def functions(self) -> List[Dict[str, Any]]:
+        """The functions the answer may call."""
+        fns = [t["function"] for t in self.tools]
+        return [f for f in fns if f["name"] == self.name] if self.mode == "named" else fns
+
+
+def tool_choice_of(fields: Dict[str, Any]) -> Optional[ToolChoice]:
+    """The checked chat fields' tool request; None when there are no tools or tool_choice is "none"."""
+    choice = fields.get("tool_choice") or "auto"
+    if not fields.get("tools") or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return ToolChoice(fields["tools"], "named", choice["function"]["name"], fields["parallel_tool_calls"])
+    return ToolChoice(fields["tools"], choice, None, fields["parallel_tool_calls"])
+
+
+# --- messages that carry calls and results -------------------------------------------------
+
+def tool_message(m: Dict[str, Any], role: str, content: Any, where: str) -> Dict[str, Any]:
+    """A `role: "tool"` message (tool_call_id, content) or an assistant message with
+    `tool_calls` (content may be null), as the template gets it."""
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+            raise _bad(where + ".tool_call_id", "a tool message needs the id of the call it answers")
+        if not isinstance(content, str):
+            raise _bad(where + ".content", "expected a string")
+        if m.get("tool_calls") is not None:
+            raise _bad(where + ".tool_calls", "only assistant messages carry tool calls")
+        return {"role": "tool", "tool_call_id": m["tool_call_id"], "content": content}
+    if role != "assistant":
+        raise _bad(where + ".tool_calls", "only assistant messages carry tool calls")
+    if content is not None and not isinstance(content, str):
+        raise _bad(where + ".content", "expected a string or null")
+    calls = m["tool_calls"]
+    if not isinstance(calls, list) or not 0 < len(calls) <= MAX_CALLS_IN_MESSAGE:
+        raise _bad(where + ".tool_calls", "expected a list of 1 to %d calls" % MAX_CALLS_IN_MESSAGE)
+    return {"role": "assistant", "content": content or "",
+            "tool_calls": [_call(c, "%s.tool_calls[%d]" % (where, j)) for j, c in enumerate(calls)]}
+
+
+def _call(c: Any, where: str) -> Dict[str, Any]:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or c.get("type", "function") != "function" or set(c) - {"id", "type", "function"} \
+            or not isinstance(c.get("id", ""), str) or not isinstance(fn.get("name"), str) \
+            or not isinstance(fn.get("arguments"), str) or set(fn) - {"name", "arguments"}:
+        raise _bad(where, 'expected {"id": string, "type": "function", "function": {"name": string, '
+                          '"arguments": JSON text}}')
+    try:  # templates write the arguments with `tojson`: an object, as transformers expects
+        arguments: Any = json.loads(fn["arguments"])
+    except ValueError:
+        arguments = fn["arguments"]
+    return {"id": c.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+
+
+# --- the template family -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToolFormat:
+    family: str  # HERMES, LLAMA3 or GENERIC: how the model writes its calls
+    native: bool  # the template renders tools, calls and results itself
+    python_tag: bool  # Llama 3.x: the tokenizer has <|python_tag|>, which may open a call
+
+
+def _one_token(tokenizer: Tokenizer, text: str) -> bool:
+    try:
+        return len(tokenizer.encode(text)) == 1
+    except Exception:  # a vocabulary without those characters
+        return False
+
+
+def tool_format(template: Optional[str], tokenizer: Tokenizer) -> ToolFormat:
+    """The family, from the template's text and the tokenizer's special tokens (the one place
+    that decides it): Hermes/Qwen2.5/Qwen3 write <tool_call> blocks, Llama 3.x a bare JSON
+    object, any other model the generic JSON reply the fallback rendering asks for."""
+    text = template or ""
+    python_tag = _one_token(tokenizer, "<|python_tag|>")
+    if "<tool_call>" in text or _one_token(tokenizer, "<tool_call>"):
+        family = HERMES
+    elif "<|start_header_id|>" in text or python_tag:
+        family = LLAMA3
+    else:
+        family = GENERIC
+    native = family != GENERIC and "tools" in text and "tool_calls" in text
+    return ToolFormat(family, native, python_tag)
+
+
+def call_text(family: str, name: str, arguments: Any) -> str:
+    """One call as the family's models write it."""
+    if family == HERMES:
+        return '<tool_call>\n{"name": %s, "arguments": %s}\n</tool_call>' % (json.dumps(name), json.dumps(arguments))
+    if family == LLAMA3:
+        return '{"name": %s, "parameters": %s}' % (json.dumps(name), json.dumps(arguments))
+    return json.dumps({"tool_calls": [{"name": name, "arguments": arguments}]})
+
+
+REPLY_FORMAT = {
+    HERMES: "For each function call, reply with a JSON object with the function's name and arguments within "
+            "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>",
+    LLAMA3: "To call a function, reply with JSON in the format {\"name\": function name, \"parameters\": "
+            "dictionary of argument name and its value}. Do not use variables.",
+    GENERIC: "Reply in JSON, either with \"tool_calls\" (a request to call tools) or with \"response\" (your "
+             "reply to the user), for example:\n{\"tool_calls\": [{\"name\": \"tool_name\", \"arguments\": "
+             "{\"arg1\": \"some_value\"}}]}\nor\n{\"response\": \"your reply\"}",
+}
+
+
+def template_inputs(messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]],
+                    fmt: ToolFormat) -> Tuple[List[Dict[str, Any]], Optional[List[Dict[str, Any]]]]:
+    """(messages, tools) for the template: as they are where it renders tools itself, else
+    with the tools and reply format in the system message and calls and results as text."""
+    if fmt.native:
+        return messages, tools
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            result = ("<tool_response>\n%s\n</tool_response>" % m["content"] if fmt.family == HERMES else
+                      json.dumps({"tool_response": {"tool_call_id": m["tool_call_id"], "content": m["content"]}}))
+            out.append({"role": "user", "content": result})
+        elif m.get("tool_calls"):
+            texts = [call_text(fmt.family, c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + texts)})
+        else:
+            out.append(m)
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        system = "You can call the following tools:\n<tools>\n%s\n</tools>\n\n%s" % (listing, REPLY_FORMAT[fmt.family])
+        if out and out[0]["role"] == "system":
+            out[0] = dict(out[0], content=out[0]["content"] + "\n\n" + system)
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out, None

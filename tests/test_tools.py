@@ -1,0 +1,226 @@
+"""Function calling without a ring: the tools fields' checks, the family each template's
+models write calls in, the rendering (the model's own template, or the generic fallback),
+parsing calls whole and streamed for each family, and the calls' grammar, compiled and run
+by llguidance on SmolLM2's vocabulary. The served side is tests/test_serve_tools.py."""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT
+from mdi.model.tokenizers import load_tokenizer
+from mdi.serving.openai_bodies import Reply
+from mdi.serving.prompts import ChatTemplate, chat_messages
+from mdi.serving.request import Request
+from mdi.serving.tool_calls import CallParser, ToolReplies
+from mdi.serving.tool_grammar import tool_grammar
+from mdi.serving.tools import GENERIC, HERMES, LLAMA3, ToolChoice, ToolFormat, check_tools
+from mdi.serving.validation import CHAT, ApiError, parse_options
+from mdi.model.sampling import SamplingParams
+
+SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m")
+TEMPLATES = os.path.join(os.path.dirname(__file__), "chat_templates")  # the models' own (public) templates
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+TOOLS = check_tools([WEATHER, ADD], {})
+NAMES = ["get_weather", "add"]
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+
+
+def template(name):
+    tok = load_tokenizer(SMOLLM2)
+    if name != "smollm2":
+        with open(os.path.join(TEMPLATES, name + ".jinja")) as f:
+            tok.chat_template = f.read()
+    return ChatTemplate(tok)
+
+
+def parse(family, text, parallel=True, stream=False):
+    parser = CallParser(family, NAMES, parallel)
+    shown, calls = [], []
+    for piece in (list(text) if stream else [text]):
+        s, c = parser.feed(piece)
+        shown.append(s)
+        calls += c
+    s, c = parser.finish()
+    return "".join(shown + [s]), [(k.name, json.loads(k.arguments)) for k in calls + c]
+
+
+@pytest.mark.parametrize("name, family, native", [("smollm2", GENERIC, False), ("qwen2.5", HERMES, True),
+                                                  ("qwen3", HERMES, True), ("llama3.2", LLAMA3, True)])
+def test_each_template_renders_tools_calls_and_results(name, family, native):
+    tmpl = template(name)
+    assert (tmpl.tool_format.family, tmpl.tool_format.native) == (family, native)
+    prompt = tmpl.render(chat_messages(CONVERSATION), TOOLS)
+    assert '"name": "get_weather"' in prompt and "The weather in a city" in prompt  # the tool list
+    assert "18 C and sunny" in prompt and "Weather in Paris?" in prompt
+    if family == HERMES:  # the template's own words, and the earlier call as the model writes it
+        assert "<tools>" in prompt and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", ' \
+            '"unit": "c"}}\n</tool_call>' in prompt and "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+    elif family == LLAMA3:
+        assert '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}' in prompt
+        assert "<|start_header_id|>ipython<|end_header_id|>" in prompt
+    else:  # the generic fallback: a system message with the tools and the JSON reply format
+        assert prompt.startswith("<|im_start|>system\nYou can call the following tools:") and '"response"' in prompt
+        assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]}' in prompt
+        assert '{"tool_response": {"tool_call_id": "call_1", "content": "18 C and sunny"}}' in prompt
+    # without tools the prompt is as before
+    plain = [{"role": "user", "content": "Hi"}]
+    assert tmpl.render(chat_messages(plain), None) == tmpl.render(chat_messages(plain))
+
+
+HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+PARIS, ONE_TWO = ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize("family, text, content, calls", [
+    (HERMES, HERMES_TWO, "Let me look.", [PARIS, ONE_TWO]),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n</tool_call>', "", [ONE_TWO]),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ONE_TWO]),  # stopped before </tool_call>
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call> ok',  # malformed: content
+     '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call> ok', []),
+    (HERMES, '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>',  # not a tool of the request
+     '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>', []),
+    (LLAMA3, '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [ONE_TWO]),
+    (LLAMA3, 'Sure: {"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
+             '{"name": "add", "parameters": {"a": 1, "b": 2}}', "Sure:", [PARIS, ONE_TWO]),
+    (LLAMA3, 'A set {"a": 1} and {"name": "add", "parameters": {"a": 1', 'A set {"a": 1} and {"name": "add", '
+             '"parameters": {"a": 1', []),
+    (GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+              '{"name": "add", "arguments": {"a": 1, "b": 2}}]}', "", [PARIS, ONE_TWO]),
+    (GENERIC, 'Calling.\n{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}', "Calling.", [ONE_TWO]),
+    (GENERIC, '{"response": "It is sunny."}', "It is sunny.", []),
+    (GENERIC, 'Plain text {not json', "Plain text {not json", []),
+])
+def test_calls_parse_whole_and_streamed_alike(family, text, content, calls):
+    assert parse(family, text) == (content, calls)
+    assert parse(family, text, stream=True) == (content, calls)  # one character at a time
+
+
+def test_parallel_false_keeps_the_first_call():
+    assert parse(HERMES, HERMES_TWO, parallel=False) == ("Let me look.", [PARIS])
+
+
+def test_reply_bodies_stream_delta_tool_calls_that_reassemble_to_the_whole_answer():
+    fmt = ToolFormat(HERMES, True, False)
+    req = Request([1, 2], 10, SamplingParams())
+    whole = Reply([req], "m", True, None, ToolReplies(ToolChoice(TOOLS, "auto", None, True), fmt)).whole(
+        [HERMES_TWO], ["stop"], [[]])
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in choice["message"]["tool_calls"])
+    reply = Reply([req], "m", True, None, ToolReplies(ToolChoice(TOOLS, "auto", None, True), fmt))
+    bodies = [b for i in range(0, len(HERMES_TWO), 7) for b in reply.chunks(HERMES_TWO[i:i + 7], 0, [])]
+    bodies += reply.last_chunks("stop", False)
+    calls, content = {}, ""
+    for body in bodies:
+        delta = body["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for part in delta.get("tool_calls", []):
+            if "id" in part:  # the first delta of a call: id, type and name; arguments follow
+                assert part["type"] == "function" and part["function"]["arguments"] == ""
+                calls[part["index"]] = {"name": part["function"]["name"], "arguments": ""}
+            calls[part["index"]]["arguments"] += part["function"]["arguments"]
+    assert content == "Let me look." and bodies[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                                 for c in choice["message"]["tool_calls"]]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "x"}, "extra": 1}]}, "tools[0]"),
+    ({"tools": [{"type": "code", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name"),
+    ({"tools": [ADD, ADD]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 3}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [ADD] * 129}, "tools"),
+    ({"tools": "add"}, "tools"),
+    ({"tools": [ADD], "tool_choice": "always"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [ADD], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_bad_tool_fields_are_a_400_naming_the_field(fields, param):
+    with pytest.raises(ApiError) as e:
+        parse_options(dict({"messages": [{"role": "user", "content": "a"}]}, **fields), CHAT, SamplingParams())
+    assert e.value.param == param and e.value.status == 400 and "'%s'" % param in e.value.message
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+    ({"role": "tool", "tool_call_id": "c", "content": None}, "messages[0].content"),
+    ({"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f"}}]},
+     "messages[0].tool_calls[0]"),
+    ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[0].tool_call_id"),
+])
+def test_bad_tool_messages_are_a_400_naming_the_field(message, param):
+    with pytest.raises(ApiError) as e:
+        chat_messages([message])
+    assert e.value.param == param and e.value.status == 400
+
+
+def llg_tokenizer():
+    llguidance = pytest.importorskip("llguidance")
+    with open(os.path.join(SMOLLM2, "tokenizer.json")) as f:
+        return llguidance, llguidance.LLTokenizer(f.read())
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3, GENERIC])
+def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing_else(family):
+    llguidance, tok = llg_tokenizer()
+    call = {HERMES: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>',
+            LLAMA3: '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}',
+            GENERIC: '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]}'}[family]
+    bad_args = call.replace('"c"', '"k"')  # outside the enum
+    for mode, name in (("required", None), ("named", "get_weather")):
+        spec = tool_grammar(ToolChoice(TOOLS, mode, name, False), ToolFormat(family, False, False))
+        assert (spec.kind, spec.field) == ("lark", "tools")
+
+        def takes(text):
+            matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(spec.text))
+            assert not matcher.is_error(), matcher.get_error()
+            ids = tok.tokenize_str(text)
+            return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+        assert takes(call) and parse(family, call)[1] == [PARIS]
+        assert not takes(bad_args) and not takes("Hello, I cannot call.") and not takes(call + call)
+    named_add = tool_grammar(ToolChoice(TOOLS, "named", "add", True), ToolFormat(family, False, False))
+    assert '"get_weather"' not in named_add.text
+
+
+def test_auto_is_free_unless_a_function_is_strict_then_free_text_or_a_strict_call():
+    llguidance, tok = llg_tokenizer()
+    fmt = ToolFormat(HERMES, True, False)
+    assert tool_grammar(ToolChoice(check_tools([ADD], {}), "auto", None, True), fmt) is None
+    spec = tool_grammar(ToolChoice(TOOLS, "auto", None, True), fmt)
+
+    def prefix_ok(text):
+        matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(spec.text))
+        ids = tok.tokenize_str(text)
+        return matcher.validate_tokens(ids) == len(ids)
+    assert prefix_ok("I can answer that without tools.") and prefix_ok(HERMES_TWO)
+    assert not prefix_ok('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": 3')
+
+
+def test_a_schema_llguidance_cannot_compile_is_a_400_naming_tools():
+    pytest.importorskip("llguidance")
+    bad = check_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}}}], {})  # look-behind
+    with pytest.raises(ApiError) as e:
+        tool_grammar(ToolChoice(bad, "required", None, True), ToolFormat(HERMES, True, False))
+    assert e.value.param == "tools"
