@@ -23,6 +23,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set
 
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
+from mdi.model.tokenizers import Tokenizer
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.metrics import Stats
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, TextEvent
@@ -67,7 +68,7 @@ class Scheduler:
         if source.tokenizer is None:
             raise ConfigError("%s: no tokenizer found for this model" % source.path)
         self.cfg, self.source = cfg, source
-        self.tokenizer = source.tokenizer
+        self.tokenizer: Tokenizer = source.tokenizer
         self.policy = cfg.serve.admission
         self.max_queue = cfg.serve.max_queue
         self.max_len = serving_max_len(cfg, source.config.block_size)
