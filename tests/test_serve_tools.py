@@ -1,13 +1,13 @@
 """Function calling over a real 3-node loopback `--serve` with the official `openai` client:
 test_serve's tiny model for the fields' checks, conversations that carry calls and results,
 and streamed answers equal to whole ones; SmolLM2 for calls the constrained sampler forces
-(tool_choice "required" or a named function), once mdi.model.constraint has landed."""
+(tool_choice "required" or a named function)."""
 import json
 
 import pytest
 import requests
 
-from conftest import SMOLLM2_DIR, ServeProcess
+from conftest import SMOLLM2_DIR, ServeProcess, worker_pool
 from ringconfigs import write_run_config
 from test_serve import model, server, sse_events  # noqa: F401 (fixtures)
 from test_tools import ADD, CONVERSATION, WEATHER
@@ -73,18 +73,19 @@ def test_bad_tool_values_are_a_400_naming_the_field_and_leave_others_running(ser
 # --------------------------------------------------------------------------- SmolLM2, constrained
 
 @pytest.fixture(scope="module")
-def smollm2_server(workers, tmp_path_factory):
-    pytest.importorskip("mdi.model.constraint")  # the constrained sampler (structured outputs)
-    pytest.importorskip("llguidance")
-    path = write_run_config(tmp_path_factory.mktemp("tools-cfg") / "ring3.yaml", SMOLLM2_DIR, workers[:2],
-                            worker_name="board%d", runtime={"threads": 1, "ring_timeout": 60},
-                            serve={"max_in_flight": 2, "max_len": 1024, "model_name": "smollm2"})
-    srv = ServeProcess(path)
-    try:
-        yield srv.wait_ready()
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.output()
+def smollm2_server(tmp_path_factory):
+    pytest.importorskip("llguidance")  # the constrained sampler (structured outputs)
+    # Workers of its own: test_serve's `server`, alive for this whole module, holds the shared ones.
+    for workers in worker_pool(2):
+        path = write_run_config(tmp_path_factory.mktemp("tools-cfg") / "ring3.yaml", SMOLLM2_DIR, workers,
+                                worker_name="board%d", runtime={"threads": 1, "ring_timeout": 60},
+                                serve={"max_in_flight": 2, "max_len": 1024, "model_name": "smollm2"})
+        srv = ServeProcess(path)
+        try:
+            yield srv.wait_ready()
+        finally:
+            code = srv.stop()
+            assert code == 0, srv.output()
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

@@ -304,3 +304,18 @@ def test_without_llguidance_the_server_says_so_once_and_refuses_the_fields(tmp_p
         assert srv.stop() == 0, srv.output()
     said = [line for line in srv.output().splitlines() if "structured outputs" in line]
     assert len(said) == 1 and "no llguidance wheel" in said[0], srv.output()
+
+
+def test_bad_shapes_leave_a_request_in_flight_unchanged(smol_server):
+    body = {"messages": [{"role": "user", "content": "Name three rivers."}], "temperature": 0, "max_tokens": 40,
+            "cache_prompt": False}
+    alone = _chat(smol_server, body)[1]["choices"][0]["message"]["content"]
+    result = {}
+    streaming = threading.Thread(target=lambda: result.update(answer=_chat(smol_server, body)))
+    streaming.start()
+    for bad in ({"grammar": 'root ::= ('}, {"regex": "(("}, {"json_schema": {"type": "nope"}},
+                {"response_format": {"type": "json_schema", "json_schema": {"schema": {"minimum": "x"}}}}):
+        status, _ = _chat(smol_server, dict({"messages": [{"role": "user", "content": "x"}]}, **bad))
+        assert status == 400
+    streaming.join()
+    assert result["answer"][0] == 200 and result["answer"][1]["choices"][0]["message"]["content"] == alone
