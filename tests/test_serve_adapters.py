@@ -249,3 +249,38 @@ def test_a_full_mix_table_makes_room_from_the_mix_given_out_longest_ago(setup, w
     assert adapter_bytes(workers) == full  # three more mixes, no more memory on the workers
     again = complete(server, lora=lora[0], max_tokens=4)  # evicted, then made again: the same text
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_with_every_mix_in_use_a_new_mix_waits_for_one_to_end(setup):
+    # MAX_MIXES requests, each with a mix of its own, hold the whole table (4 run, the rest wait
+    # in the queue with their mixes); a request for another mix waits until one of them ends and
+    # then runs, instead of the 400 it used to get. The mixes are made first (one token each),
+    # so the held requests all enter at once, long before any of them ends.
+    import threading
+
+    from mdi.starter.adapter_set import MAX_MIXES
+    server, _, _ = setup
+    mixes = [[{"id": 0, "scale": 1}, {"id": 1, "scale": round(0.9 - 0.03 * k, 2)}] for k in range(MAX_MIXES)]
+    for lora in mixes:
+        assert complete(server, max_tokens=1, lora=lora).status_code == 200
+    streams = [None] * MAX_MIXES
+
+    def hold(k):  # returns once its request is queued, with its mix
+        streams[k] = requests.post(server.url + "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 100, "stream": True, "lora": mixes[k]}, stream=True, timeout=120)
+
+    holders = [threading.Thread(target=hold, args=(k,)) for k in range(MAX_MIXES)]
+    try:
+        for t in holders:
+            t.start()
+        for t in holders:
+            t.join(60)
+        assert all(r is not None and r.status_code == 200 for r in streams)
+        late = complete(server, max_tokens=4, lora=[{"id": 0, "scale": 0.5}, {"id": 1, "scale": 0.5}])
+        assert late.status_code == 200, late.text
+        for r in streams:  # the held requests ran to their ends
+            assert r.content.rstrip().endswith(b"data: [DONE]")
+    finally:
+        for r in streams:
+            if r is not None:
+                r.close()

@@ -36,7 +36,7 @@ from mdi.model.constraint import unavailable as constraint_unavailable
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.dashboard import register_dashboard
-from mdi.starter.adapter_set import virtual_tokens
+from mdi.starter.adapter_set import MixTableFull, virtual_tokens
 from mdi.serving.metrics import Observer
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
@@ -55,6 +55,7 @@ MAX_BODY_BYTES = 1 << 20
 KEEPALIVE = 1.0  # seconds between SSE comments while a stream waits (they also reveal a gone client)
 POLL = 0.5  # seconds between checks of a waiting non-streaming request
 UNLOAD_WAIT_S = 60.0  # for the scheduler to finish the step in hand before an adapter is unloaded
+MIX_WAIT_S, MIX_POLL_S = 60.0, 0.25  # a request's wait for a mix to be free when all are in use
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,7 @@ class Routes:
                                    % (index, len(loaded), len(loaded) - 1), "lora")
                 entries.append((loaded[index][0], entry["scale"]))
             try:
-                return engine.mix_adapters(entries, lambda held: self.sched.evict_idle(
-                    held, lambda mix: self.sched.engine_up().drop_mix(mix), UNLOAD_WAIT_S))
+                return self._mix(engine, entries)
             except ConfigError as e:
                 raise ApiError(400, str(e), "lora")
             except SchedulerError as e:  # busy for too long to make room
@@ -229,6 +229,20 @@ class Routes:
                 return adapter
         raise ApiError(400, "unknown model %r: this server has %s" % (name[:80], ", ".join(
             [self.model_id] + [n for _, n in loaded])), "model", code="model_not_found")
+
+    def _mix(self, engine: Any, entries: List[Tuple[int, float]]) -> int:
+        """The mix's adapter id. With every mix in use, this request waits (up to MIX_WAIT_S) for
+        one to end rather than being refused: one client's mixes must not lock the others out."""
+        deadline = time.monotonic() + MIX_WAIT_S
+        while True:
+            try:
+                return engine.mix_adapters(entries, lambda held: self.sched.evict_idle(
+                    held, lambda mix: self.sched.engine_up().drop_mix(mix), UNLOAD_WAIT_S))
+            except MixTableFull as e:
+                if time.monotonic() > deadline:
+                    raise ApiError(429, "%s for the last %.0f s; try again" % (e, MIX_WAIT_S), "lora",
+                                   kind="rate_limit_error") from None
+            time.sleep(MIX_POLL_S)
 
     def load_adapter(self) -> Response:
         body = _json_body()

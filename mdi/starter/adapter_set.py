@@ -164,6 +164,10 @@ MAX_MIXES = 16  # adapter mixes held at once (each is a LoRA of the summed rank 
 # it, the one given out longest ago that no request uses makes room (Engine.mix_adapters)
 
 
+class MixTableFull(ConfigError):
+    """Every one of the MAX_MIXES mixes is in use by a request: a new one must wait for one to end."""
+
+
 def mix_name(key: Sequence[Tuple[int, float]]) -> str:
     """A mix's name: never a valid adapter name (':' is not allowed there)."""
     return "mix:" + "+".join("%d*%g" % (a, s) for a, s in key)

@@ -25,7 +25,7 @@ from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.sample import Sample
-from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, read_adapter
+from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
@@ -212,8 +212,8 @@ class Engine:
                 return held
             if len(self.adapters.mixes) >= MAX_MIXES and \
                     (evict is None or evict(self.adapters.mixes_by_age()) is None):
-                raise ConfigError("%d adapter mixes are held already (the most at once), each in use by a request; "
-                                  "try again when one ends" % MAX_MIXES)
+                raise MixTableFull("%d adapter mixes are held already (the most at once), each in use by a request"
+                                   % MAX_MIXES)
             adapter_id = self._install_adapter(mix.name, mix)
             self.adapters.mixes[key] = adapter_id
             self.adapters.mix_used[adapter_id] = time.monotonic()
