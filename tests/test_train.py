@@ -157,8 +157,8 @@ def test_training_frames_round_trip_and_are_validated():
 def test_train_body_round_trips():
     setup = _setup("llama", ("q", "o"))
     pairs = {"1.self_attn.q_proj": (torch.randn(4, 64), torch.zeros(64, 4))}
-    got_setup, got = read_train_body(train_body(setup, pairs))
-    assert got_setup == setup and torch.equal(got["1.self_attn.q_proj"][0], pairs["1.self_attn.q_proj"][0])
+    got_setup, got, state = read_train_body(train_body(setup, pairs))
+    assert state is None and got_setup == setup and torch.equal(got["1.self_attn.q_proj"][0], pairs["1.self_attn.q_proj"][0])
 
 
 # --- exactness --------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_mdi_train_writes_metrics_and_an_adapter_mdi_serves(tiny_models, data_fi
         assert torch.allclose(a, fused[name][0].t(), atol=1e-7) and torch.allclose(b, fused[name][1].t(), atol=1e-7)
 
 
-def test_mdi_train_refuses_what_it_cannot_do_yet_in_one_line(tiny_models, data_file, tmp_path, capsys):
+def test_mdi_train_refuses_bad_input_in_one_line(tiny_models, data_file, tmp_path, capsys):
     from ringconfigs import write_run_config
     from mdi.cli import train_main
     config_path = str(write_run_config(tmp_path / "one.yaml", tiny_models["llama"]))
@@ -252,4 +252,4 @@ def test_mdi_train_refuses_what_it_cannot_do_yet_in_one_line(tiny_models, data_f
     short.write_text("abc")
     assert train_main(["--config", config_path, "--data", str(short), "--seq-len", "16"]) == 2
     err = capsys.readouterr().err
-    assert "--resume is not supported yet" in err and "shorter than one window" in err
+    assert "--resume x: not a complete mdi-train checkpoint" in err and "shorter than one window" in err
