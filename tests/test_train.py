@@ -36,8 +36,10 @@ def _setup(family, targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, a
     return TrainSetup(targets=tuple(targets), rank=rank, alpha=alpha, lr=1e-2, recompute=recompute)
 
 
-def reference(family, setup, pairs, ids, steps=STEPS):
-    """(losses, final pairs) of plain PyTorch: hooks add each PEFT module's LoRA."""
+def reference(family, setup, pairs, ids, steps=STEPS, batches=None, clip=None):
+    """(losses, final pairs) of plain PyTorch: hooks add each PEFT module's LoRA. `batches`
+    (step -> (ids [B, L], scored [B, L])) replaces the text's windows; `clip` is
+    torch.nn.utils.clip_grad_norm_'s bound."""
     model = tiny_model(family)
     config = model.config
     for p in model.parameters():
@@ -67,14 +69,22 @@ def reference(family, setup, pairs, ids, steps=STEPS):
         modules[name].register_forward_hook(hook(parts))
     flat = [t for ab in params.values() for t in ab]
     opt = torch.optim.AdamW(flat, lr=setup.lr, betas=setup.betas, eps=setup.eps, weight_decay=setup.weight_decay)
-    windows = text_windows(ids, SEQ, "text")
+    windows = text_windows(ids, SEQ, "text") if ids is not None else None
     losses = []
     for step in range(steps):
-        batch = step_windows(windows, step, BATCH)
+        if batches is None:
+            batch = step_windows(windows, step, BATCH)
+            scored = torch.ones_like(batch, dtype=torch.bool)
+        else:
+            batch, scored = batches(step)
         logits = model.forward_batch(batch)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
+        mask = scored[:, 1:].reshape(-1).float()
+        loss = (nll * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(flat, clip)
         opt.step()
         losses.append(loss.item())
     return losses, {k: (a.detach(), b.detach()) for k, (a, b) in params.items()}

@@ -99,12 +99,12 @@ def _read_state(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
     for key, (a, b) in pairs.items():
         for name, p in ((key + ".lora_A", a), (key + ".lora_B", b)):
-            m = [tensors.get("%s.%s" % (name, moment)) for moment in MOMENTS]
-            if any(t is None or t.shape != p.shape or not t.is_floating_point() or not torch.isfinite(t).all()
-                   for t in m):
+            first, second = [tensors.get("%s.%s" % (name, moment)) for moment in MOMENTS]
+            if first is None or second is None or any(
+                    t.shape != p.shape or not t.is_floating_point() or not torch.isfinite(t).all() for t in (first, second)):
                 raise RequestError("training body: AdamW moments of %r missing or not finite [%s]"
                                    % (name[:120], ", ".join(map(str, p.shape))))
-            moments[name] = (m[0], m[1])
+            moments[name] = (first, second)
     if not 0 <= steps <= (1 << 62) or len(names) != 2 * len(moments):
         raise RequestError("training body: AdamW state of other parameters, or a step count out of range")
     return OptimizerState(steps, moments)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -94,17 +94,18 @@ def load_checkpoint(path: str, config: ModelConfig, fingerprint: Dict[str, Any])
     for key, (a, b) in pairs.items():
         for name, p in ((key + ".lora_A", a), (key + ".lora_B", b)):
             m = [tensors.get("%s.%s" % (name, moment)) for moment in MOMENTS]
-            if any(t is None or t.shape != p.shape for t in m):
+            first, second = m
+            if first is None or second is None or first.shape != p.shape or second.shape != p.shape:
                 raise ConfigError("%s: %s has no AdamW state of %s's shape" % (where, OPTIMIZER_FILE, name))
-            moments[name] = (m[0], m[1])
+            moments[name] = (first, second)
     return Checkpoint(steps_done, pairs, OptimizerState(adam_steps, moments), list(state.get("steps") or []),
                       list(state.get("eval") or []))
 
 
-def run_fingerprint(base: str, data: str, eval_data: Optional[str], spec: LoraSpec, **settings: Any) -> Dict[str, Any]:
-    """What a resumed run must share with the checkpoint's (see the module docstring)."""
+def run_fingerprint(base: str, data: str, spec: LoraSpec, **settings: Any) -> Dict[str, Any]:
+    """What a resumed run must share with the checkpoint's (see the module docstring); not the
+    --eval data, which changes no step."""
     out: Dict[str, Any] = {"base": os.path.abspath(base), "data_sha256": file_digest(data),
-                           "eval_sha256": file_digest(eval_data) if eval_data else None,
                            "targets": list(spec.targets), "rank": spec.rank, "alpha": spec.alpha}
     out.update(settings)
     return out

@@ -113,14 +113,14 @@ def load_windows(tokenizer: Any, path: str, seq_len: int, render_chat: Optional[
             example = json.loads(line)
         except ValueError as e:
             raise ConfigError("%s: not JSON (%s)" % (where, e))
-        ids, mask = _example(tokenizer, example, where, render_chat)
-        ids, mask = ids[:seq_len], mask[:seq_len]
+        tokens, mask = _example(tokenizer, example, where, render_chat)
+        tokens, mask = tokens[:seq_len], mask[:seq_len]
         mask[0] = False  # nothing predicts the first token
         if not any(mask):
             dropped += 1
             continue
-        pad = seq_len - len(ids)
-        rows.append(ids + [tokenizer.eos_id if tokenizer.eos_id is not None else 0] * pad)
+        pad = seq_len - len(tokens)
+        rows.append(tokens + [tokenizer.eos_id if tokenizer.eos_id is not None else 0] * pad)
         masks.append(mask + [False] * pad)
     if dropped:
         log.warning("mdi-train: %s %s: %d example(s) have no scored token in their first %d tokens: dropped",

@@ -122,7 +122,7 @@ def check_options(options: TrainOptions, block_size: int) -> None:
 def fingerprint(cfg: RunConfig, options: TrainOptions) -> Dict[str, Any]:
     """The settings a checkpoint of this run is resumed with (mdi.starter.train_checkpoint)."""
     s = options.setup
-    return run_fingerprint(cfg.model.path, options.data, options.eval_data, s.spec, lr=s.lr, betas=list(s.betas),
+    return run_fingerprint(cfg.model.path, options.data, s.spec, lr=s.lr, betas=list(s.betas),
                            eps=s.eps, weight_decay=s.weight_decay, batch_size=options.batch_size,
                            seq_len=options.seq_len, seed=options.seed, shuffle=options.shuffle, clip=options.clip)
 
