@@ -235,3 +235,16 @@ def test_mdi_train_cli_checkpoints_and_refuses_an_adapter_of_another_base(tiny_m
     assert len(err) == 1 and "gpt2-lora" in err[0]
     assert train_main(base + ["--steps", "4", "--lr", "0.5", "--resume", str(out / "checkpoint-2")]) == 2
     assert "another run" in capsys.readouterr().err
+
+
+def test_a_quantized_base_trains_with_exact_kernels(tiny_models, files, workers):
+    """QLoRA's way: int8 frozen weights on every node (the fast integer kernels have no
+    backward, so mdi-train runs the exact ones), float32 adapters; the first loss is the
+    float base's within int8's rounding, and training lowers it."""
+    setup = _setup("llama")
+    float_cfg = parse_run_config(tiny_models["llama"])
+    int8_cfg = parse_run_config(tiny_models["llama"], workers[:1], layers=[2, 2], quant="int8",
+                                runtime={"ring_timeout": 30, "quant_kernel": "fast"})
+    want = training.run(float_cfg, _opts(files["text"], setup, steps=1)).steps[0].loss
+    got = training.run(int8_cfg, _opts(files["text"], setup, steps=4, micro_batches=2))
+    assert abs(got.steps[0].loss - want) <= 0.02 * want and got.steps[-1].loss < got.steps[0].loss

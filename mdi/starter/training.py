@@ -30,6 +30,7 @@ On a 3-node ring of boards the backward of a chunk (milliseconds per window row)
 two relays of its [rows, hidden] gradient on gigabit ethernet; a reverse link is the next
 step where it does not.
 """
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -131,6 +132,12 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
         pairs: Optional[Pairs] = None, resume: Optional[Checkpoint] = None) -> TrainResult:
     """Train; `pairs` (every layer's initial LoRA) default to the seeded PEFT initialisation;
     `resume` goes on from a checkpoint (its pairs, AdamW state and step)."""
+    if cfg.runtime.quant_kernel != "exact":
+        # a quantized base's fast kernels (integer products, in-place rescaling) have no
+        # backward: the frozen int4 / int8 weights compute in float32 on every node (QLoRA's way)
+        log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
+                 cfg.runtime.quant_kernel)
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
     source = ModelSource(cfg.model.path)
     config = source.config
     check_options(options, config.block_size)
