@@ -248,3 +248,39 @@ def test_a_quantized_base_trains_with_exact_kernels(tiny_models, files, workers)
     want = training.run(float_cfg, _opts(files["text"], setup, steps=1)).steps[0].loss
     got = training.run(int8_cfg, _opts(files["text"], setup, steps=4, micro_batches=2))
     assert abs(got.steps[0].loss - want) <= 0.02 * want and got.steps[-1].loss < got.steps[0].loss
+
+
+def test_eval_and_clip_frames_round_trip_and_are_validated():
+    from mdi.ring.wire import Frame, FrameError, FrameKind, TrainTag, decode, encode
+    x = torch.randn(2 * 5, 64)
+    got = decode(encode(Frame(FrameKind.EVAL, 7, [0, 1], [0, 0], [5, 5], x, train=TrainTag(2, 0, 3))), run=7,
+                 hidden=64, max_len=16)
+    assert got.kind == FrameKind.EVAL and got.train == TrainTag(2, 0, 3) and torch.equal(got.tensor, x)
+    value = torch.zeros(1, 64)
+    value[0, 0] = 0.25
+    got = decode(encode(Frame(FrameKind.CLIP, 7, [0], [0], [1], value, train=TrainTag(2, 4, 1))), run=7, hidden=64)
+    assert got.train.layer == 1 and got.tensor[0, 0].item() == 0.25
+    bad = [Frame(FrameKind.CLIP, 7, [0], [0], [2], torch.zeros(2, 64), train=TrainTag(2, 4, 0)),  # two rows
+           Frame(FrameKind.CLIP, 7, [0], [0], [1], value, train=TrainTag(2, 4, 2)),  # no phase 2
+           Frame(FrameKind.EVAL, 7, [0], [0], [5], x[:5])]  # no train header
+    for f in bad:
+        with pytest.raises(FrameError):
+            decode(encode(f), run=7, hidden=64, max_len=16)
+
+
+def test_optimizer_state_travels_in_the_train_body():
+    from mdi.model.stage_train import OptimizerState
+    from mdi.ring.init_request import RequestError
+    from mdi.ring.train_request import pairs_reply, read_pairs_reply, read_train_body, train_body
+    setup = _setup("llama", ("q",))
+    pairs = {"1.self_attn.q_proj": (torch.randn(4, 64), torch.randn(64, 4))}
+    state = OptimizerState(7, {"1.self_attn.q_proj.lora_A": (torch.randn(4, 64), torch.rand(4, 64)),
+                               "1.self_attn.q_proj.lora_B": (torch.randn(64, 4), torch.rand(64, 4))})
+    _, _, got = read_train_body(train_body(setup, pairs, state))
+    assert got.steps == 7 and all(torch.equal(got.moments[k][i], state.moments[k][i]) for k in state.moments
+                                  for i in (0, 1))
+    _, got = read_pairs_reply(pairs_reply(pairs, state))
+    assert got.steps == 7
+    half = OptimizerState(7, {"1.self_attn.q_proj.lora_A": state.moments["1.self_attn.q_proj.lora_A"]})
+    with pytest.raises(RequestError, match="AdamW moments"):
+        read_train_body(train_body(setup, pairs, half))
