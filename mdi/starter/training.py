@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mdi.model.lora_train import key_layer
+from mdi.model.lora_train import init_pairs, key_layer
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale
@@ -145,7 +145,6 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     held_out = load_windows(source.tokenizer, options.eval_data, options.seq_len, options.render_chat, "--eval") \
         if options.eval_data else None
     spec = options.setup.spec
-    from mdi.model.lora_train import init_pairs
     start, state = 0, None
     records: List[StepRecord] = []
     evals: List[Dict[str, Any]] = []
