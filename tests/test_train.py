@@ -36,8 +36,10 @@ def _setup(family, targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, a
     return TrainSetup(targets=tuple(targets), rank=rank, alpha=alpha, lr=1e-2, recompute=recompute)
 
 
-def reference(family, setup, pairs, ids, steps=STEPS):
-    """(losses, final pairs) of plain PyTorch: hooks add each PEFT module's LoRA."""
+def reference(family, setup, pairs, ids, steps=STEPS, batches=None, clip=None):
+    """(losses, final pairs) of plain PyTorch: hooks add each PEFT module's LoRA. `batches`
+    (step -> (ids [B, L], scored [B, L])) replaces the text's windows; `clip` is
+    torch.nn.utils.clip_grad_norm_'s bound."""
     model = tiny_model(family)
     config = model.config
     for p in model.parameters():
@@ -67,14 +69,22 @@ def reference(family, setup, pairs, ids, steps=STEPS):
         modules[name].register_forward_hook(hook(parts))
     flat = [t for ab in params.values() for t in ab]
     opt = torch.optim.AdamW(flat, lr=setup.lr, betas=setup.betas, eps=setup.eps, weight_decay=setup.weight_decay)
-    windows = text_windows(ids, SEQ, "text")
+    windows = text_windows(ids, SEQ, "text") if ids is not None else None
     losses = []
     for step in range(steps):
-        batch = step_windows(windows, step, BATCH)
+        if batches is None:
+            batch = step_windows(windows, step, BATCH)
+            scored = torch.ones_like(batch, dtype=torch.bool)
+        else:
+            batch, scored = batches(step)
         logits = model.forward_batch(batch)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
+        mask = scored[:, 1:].reshape(-1).float()
+        loss = (nll * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(flat, clip)
         opt.step()
         losses.append(loss.item())
     return losses, {k: (a.detach(), b.detach()) for k, (a, b) in params.items()}
@@ -157,8 +167,8 @@ def test_training_frames_round_trip_and_are_validated():
 def test_train_body_round_trips():
     setup = _setup("llama", ("q", "o"))
     pairs = {"1.self_attn.q_proj": (torch.randn(4, 64), torch.zeros(64, 4))}
-    got_setup, got = read_train_body(train_body(setup, pairs))
-    assert got_setup == setup and torch.equal(got["1.self_attn.q_proj"][0], pairs["1.self_attn.q_proj"][0])
+    got_setup, got, state = read_train_body(train_body(setup, pairs))
+    assert state is None and got_setup == setup and torch.equal(got["1.self_attn.q_proj"][0], pairs["1.self_attn.q_proj"][0])
 
 
 # --- exactness --------------------------------------------------------------------------------
@@ -243,7 +253,7 @@ def test_mdi_train_writes_metrics_and_an_adapter_mdi_serves(tiny_models, data_fi
         assert torch.allclose(a, fused[name][0].t(), atol=1e-7) and torch.allclose(b, fused[name][1].t(), atol=1e-7)
 
 
-def test_mdi_train_refuses_what_it_cannot_do_yet_in_one_line(tiny_models, data_file, tmp_path, capsys):
+def test_mdi_train_refuses_bad_input_in_one_line(tiny_models, data_file, tmp_path, capsys):
     from ringconfigs import write_run_config
     from mdi.cli import train_main
     config_path = str(write_run_config(tmp_path / "one.yaml", tiny_models["llama"]))
@@ -252,4 +262,4 @@ def test_mdi_train_refuses_what_it_cannot_do_yet_in_one_line(tiny_models, data_f
     short.write_text("abc")
     assert train_main(["--config", config_path, "--data", str(short), "--seq-len", "16"]) == 2
     err = capsys.readouterr().err
-    assert "--resume is not supported yet" in err and "shorter than one window" in err
+    assert "--resume x: not a complete mdi-train checkpoint" in err and "shorter than one window" in err

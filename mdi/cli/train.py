@@ -12,7 +12,7 @@ from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
 
-NOT_YET = ("method", "init_adapter", "checkpoint_every", "resume", "eval", "shuffle", "clip")
+NOT_YET = ("method",)
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -24,7 +24,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="run configuration (YAML), the one mdi-start uses")
     p.add_argument("--data", required=True, metavar="FILE",
                    help="UTF-8 text: window k is tokens [k L, (k+1) L) of the whole file's ids (no BOS); every "
-                        "window's L-1 next-token predictions are scored")
+                        "window's L-1 next-token predictions are scored. A .jsonl file: one example per line and "
+                        'window, {"prompt", "completion"} (the completion and an EOS scored) or {"messages": [...]} '
+                        "(the assistant turns scored, the model's chat template), truncated or padded to --seq-len")
     p.add_argument("--method", default="lora", choices=["lora", "prompt"], help="lora (prompt: not yet)")
     p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r (default 8)")
     p.add_argument("--alpha", type=positive_float, default=16.0, help="LoRA alpha; the scale is alpha / r (default 16)")
@@ -45,12 +47,20 @@ def train_parser() -> argparse.ArgumentParser:
                         "(less memory, one more forward)")
     p.add_argument("--out", metavar="DIR", help="write the trained adapter here (PEFT format)")
     p.add_argument("--metrics-out", metavar="FILE.json", help='write {"steps": [{"step", "loss", "tokens_per_s"}], ...}')
-    p.add_argument("--init-adapter", metavar="DIR", help="(not yet) start from this PEFT adapter")
-    p.add_argument("--checkpoint-every", type=positive_int, metavar="K", help="(not yet)")
-    p.add_argument("--resume", metavar="DIR", help="(not yet)")
-    p.add_argument("--eval", metavar="FILE", help="(not yet)")
-    p.add_argument("--shuffle", action="store_true", help="(not yet)")
-    p.add_argument("--clip", type=positive_float, help="(not yet) clip the batch gradient's global norm")
+    p.add_argument("--init-adapter", metavar="DIR",
+                   help="start from this PEFT LoRA (its rank, alpha and modules replace --rank, --alpha, --targets)")
+    p.add_argument("--checkpoint-every", type=positive_int, metavar="K",
+                   help="every K steps write OUT/checkpoint-<step>: the adapter, every node's AdamW state, the "
+                        "step and data position (needs --out)")
+    p.add_argument("--resume", metavar="DIR", help="go on from a checkpoint of this same run (--steps is the total)")
+    p.add_argument("--eval", metavar="FILE", help="held-out data (as --data): its mean loss before training, every "
+                                                 "--eval-every steps and at the end, in --metrics-out's \"eval\"")
+    p.add_argument("--eval-every", type=positive_int, metavar="K", help="steps between evaluations (default: "
+                                                                       "--checkpoint-every, else only at the end)")
+    p.add_argument("--shuffle", action="store_true", help="each epoch's windows in an order drawn from --seed")
+    p.add_argument("--clip", type=positive_float, metavar="X",
+                   help="scale the batch's gradients so their global norm, over every node's parameters, is at "
+                        "most X (torch.nn.utils.clip_grad_norm_)")
     return p
 
 
@@ -59,7 +69,10 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     from mdi.ring.auth import TokenError, load_token
     from mdi.starter import batch, training
     from mdi.ring.train_request import TrainSetup
-    from mdi.model.lora_train import check_targets, save_peft_adapter
+    from mdi.model.lora import AdapterError
+    from mdi.model.lora_train import check_targets, read_peft_pairs, save_peft_adapter
+    from mdi.model.source import ModelSource
+    from mdi.starter.train_checkpoint import load_checkpoint
 
     def terminate(signum, frame):
         raise batch.Interrupted(signum)
@@ -78,18 +91,28 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             targets = check_targets([t.strip() for t in args.targets.split(",") if t.strip()])
         except ValueError as e:
             raise ConfigError(str(e))
-        setup = TrainSetup(targets=targets, rank=args.rank, alpha=args.alpha, lr=args.lr, recompute=args.recompute)
+        source = ModelSource(cfg.model.path)
+        pairs = None
+        rank, alpha = args.rank, args.alpha
+        if args.init_adapter:
+            spec, pairs = read_peft_pairs(args.init_adapter, source.config)
+            targets, rank, alpha = spec.targets, spec.rank, spec.alpha
+        setup = TrainSetup(targets=targets, rank=rank, alpha=alpha, lr=args.lr, recompute=args.recompute)
         micro = args.micro_batches or min(len(cfg.nodes), args.batch_size)
-        options = training.TrainOptions(args.data, setup, steps=args.steps, batch_size=args.batch_size,
-                                        micro_batches=micro, seq_len=args.seq_len, seed=args.seed)
-        result = training.run(cfg, options, on_step=_print_step)
+        options = training.TrainOptions(
+            args.data, setup, steps=args.steps, batch_size=args.batch_size, micro_batches=micro, seq_len=args.seq_len,
+            seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
+            eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
+            checkpoint_dir=args.out, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None)
+        resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
+            if args.resume else None
+        result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume)
         if args.out:
-            from mdi.model.source import ModelSource
-            save_peft_adapter(args.out, ModelSource(cfg.model.path).config, setup.spec, result.pairs, cfg.model.path)
+            save_peft_adapter(args.out, source.config, setup.spec, result.pairs, cfg.model.path)
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:
                 json.dump(result.metrics(), f, indent=1)
-    except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
+    except (ConfigError, CheckpointError, TokenizerError, TokenError, AdapterError) as e:
         return fail(str(e), EXIT_CONFIG)
     except KeyboardInterrupt:
         return fail("interrupted", 128 + signal.SIGINT)
@@ -111,3 +134,45 @@ def _print_step(record, total: int) -> None:
     eta = record.seconds * (total - record.step - 1)
     print("step %d/%d  loss %.4f  %.1f tokens/s  eta %.0f s" % (record.step + 1, total, record.loss,
                                                                record.tokens_per_s, eta), file=sys.stderr, flush=True)
+
+
+def chat_renderer(tokenizer):
+    """A chat example's pieces of text, the assistant turns marked scored (mdi.starter.train_data):
+    the model's chat template (serving's sandboxed one) renders the conversation up to each
+    assistant turn with the generation prompt, and through it without; the turn is what the
+    second adds to the first. A template whose renderings are not each other's prefixes (one that
+    rewrites earlier turns) is refused for that example."""
+    from mdi.serving.prompts import MAX_TEMPLATE_SECONDS, ChatTemplate
+    from mdi.system.interrupt import thread_deadline
+    chat = ChatTemplate(tokenizer)
+
+    def render(messages, generation_prompt):
+        try:  # bounded in time as serving bounds it (the template is the model file's code)
+            with thread_deadline(MAX_TEMPLATE_SECONDS):
+                text = "".join(chat.template.generate(messages=messages, add_generation_prompt=generation_prompt,
+                                                      bos_token=chat.bos, eos_token=chat.eos))
+        except Exception as e:  # jinja's TemplateError, SecurityError, DeadlinePassed, the template's own raise
+            raise ValueError("the chat template refused these messages: %s" % e)
+        if tokenizer.add_bos and chat.bos and text.startswith(chat.bos):
+            text = text[len(chat.bos):]  # the tokenizer adds BOS itself (as ChatTemplate.render)
+        return text
+
+    def pieces(messages):
+        messages = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant") or not isinstance(m["content"], str):
+                raise ValueError("each message needs a role of system, user or assistant and a string content")
+        whole = render(messages, False)
+        out, at = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, through = render(messages[:i], True), render(messages[:i + 1], False)
+            if not (through.startswith(before) and whole.startswith(through) and len(before) >= at):
+                raise ValueError("the chat template does not render turn %d as a continuation of the turns before "
+                                 "it, so its tokens cannot be told apart" % i)
+            out += [(whole[at:len(before)], False), (whole[len(before):len(through)], True)]
+            at = len(through)
+        out.append((whole[at:], False))
+        return [(text, scored) for text, scored in out if text]
+    return pieces

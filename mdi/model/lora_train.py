@@ -15,7 +15,10 @@ with a = sqrt(5), i.e. uniform in [-1/sqrt(in), 1/sqrt(in)], and B = 0, so the f
 is the base model's. Drawn from one torch.Generator seeded with --seed, module by module in
 layer order and then TARGET order, so any node split draws the same values.
 """
+import json
 import math
+import os
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -168,6 +171,44 @@ class TrainableLora:
             lora.groups = []
             lora.adapters.pop(TRAINING_ADAPTER, None)
         return x
+
+
+def read_peft_pairs(path: str, config: ModelConfig) -> Tuple[LoraSpec, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+    """A PEFT LoRA directory (--init-adapter) as the spec and unscaled pairs training starts
+    from: checked for this base first by mdi's adapter reader (AdapterError names what does not
+    fit), then its tensors as they are. Training keeps one rank and alpha over every layer, so a
+    rank or alpha pattern, rsLoRA or a subset of layers is refused."""
+    from mdi.model.adapter_files import CONFIG_FILE, WEIGHTS_FILE, load_adapter
+    from mdi.model.lora import AdapterError
+    from safetensors.torch import load_file
+    load_adapter(path, config)
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        cfg = json.load(f)
+    for key in ("rank_pattern", "alpha_pattern", "use_rslora", "layers_to_transform"):
+        if cfg.get(key):
+            raise AdapterError("--init-adapter %s: adapter_config.json sets %s; mdi-train trains one rank and alpha "
+                               "on every layer" % (path, key))
+    block = re.compile(r"^(?:base_model\.model\.)?%s\.(\d+)\.(.+)\.lora_([AB])\.weight$"
+                       % re.escape(HF_BLOCKS[config.family]))
+    raw: Dict[str, List[Optional[torch.Tensor]]] = {}
+    for name, t in load_file(os.path.join(path, WEIGHTS_FILE)).items():
+        m = block.match(name)
+        if m is None:
+            raise AdapterError("--init-adapter %s: %s is not a LoRA matrix of a block" % (path, name))
+        raw.setdefault(param_key(int(m.group(1)), m.group(2)), [None, None])[m.group(3) == "B"] = t.float()
+    modules = sorted({key.split(".", 1)[1] for key in raw})
+    targets = tuple(t for t in TARGETS if MODULES[config.family][t][0] in modules)
+    spec = LoraSpec(targets, int(cfg["r"]), float(cfg["lora_alpha"]))
+    expected = {param_key(layer, m) for layer in range(config.n_layer) for m in spec.modules(config)}
+    if set(raw) != expected or sorted(spec.modules(config)) != modules:
+        missing = sorted(expected - set(raw))
+        raise AdapterError("--init-adapter %s: mdi-train needs the same modules on every layer (%s missing)"
+                           % (path, missing[0] if missing else "modules of no target"))
+    pairs = {}
+    for key, (a, b) in raw.items():
+        assert a is not None and b is not None  # load_adapter checked both are there
+        pairs[key] = (a, b)
+    return spec, pairs
 
 
 def peft_tensor_name(config: ModelConfig, key: str, ab: str) -> str:

@@ -9,6 +9,7 @@ servers do this; for boards short of memory, at the cost of a second forward). G
 the micro-batches add up in the parameters' .grad, exactly what one batch gives when each
 micro-batch's loss is its share of the batch mean (the starter scales it so).
 """
+import math
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
@@ -26,7 +27,8 @@ class _Pending:
 class StageTrainer:
     def __init__(self, chunk, spec: LoraSpec, pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]],
                  lr: float, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, recompute: bool = False) -> None:
+                 weight_decay: float = 0.0, recompute: bool = False,
+                 state: Optional["OptimizerState"] = None) -> None:
         self.chunk = chunk
         p = next(chunk.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
@@ -37,6 +39,8 @@ class StageTrainer:
             params = self.lora.parameters()
             self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay) \
                 if params else None
+        if state is not None:
+            self.load_optimizer_state(state)
         self.recompute = recompute
         self.pending: Dict[Tuple[int, int], _Pending] = {}  # (step, micro) -> what its backward needs
         self.done: Dict[int, int] = {}  # step -> micro-batches whose backward ran here
@@ -61,6 +65,11 @@ class StageTrainer:
                 out = self.lora.forward_blocks(self.chunk, x)
                 self.pending[key] = _Pending(x, out)
             return out.detach()
+
+    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks over held-out windows x [B, T, C], nothing kept for backward."""
+        with torch.no_grad():
+            return self.lora.forward_blocks(self.chunk, x.detach())
 
     def backward(self, step: int, micro: int, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
         """Accumulate this micro-batch's parameter gradients; the gradient for its input (None
@@ -91,5 +100,62 @@ class StageTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
 
+    def grad_sq_norm(self) -> float:
+        """The squared L2 norm of this node's gradients (the batch's, summed over micro-batches):
+        its share of the global norm --clip bounds."""
+        total = 0.0
+        for p in self.lora.parameters():
+            if p.grad is not None:
+                total += float(torch.linalg.vector_norm(p.grad, 2).item()) ** 2
+        return total
+
+    def scale_grads(self, scale: float) -> None:
+        """Multiply the gradients by the global clip factor (torch's clip_grad_norm_: grad *= c)."""
+        if scale == 1.0:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for p in self.lora.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def optimizer_state(self) -> "OptimizerState":
+        """AdamW's state of every parameter by its name ("<key>.lora_A"), and the steps taken."""
+        moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        steps = 0
+        if self.optimizer is not None:
+            for key, (a, b) in self.lora.pairs.items():
+                for name, p in ((key + ".lora_A", a), (key + ".lora_B", b)):
+                    st = self.optimizer.state.get(p)
+                    if st:
+                        moments[name] = (st["exp_avg"].detach().cpu().clone(), st["exp_avg_sq"].detach().cpu().clone())
+                        steps = int(float(st["step"]))
+        return OptimizerState(steps, moments)
+
+    def load_optimizer_state(self, state: "OptimizerState") -> None:
+        """Continue from `state` (a checkpoint's): the same moments and step count, so the next
+        step equals the uninterrupted run's."""
+        if self.optimizer is None or not state.moments:
+            return
+        for key, (a, b) in self.lora.pairs.items():
+            for name, p in ((key + ".lora_A", a), (key + ".lora_B", b)):
+                m = state.moments.get(name)
+                if m is None or m[0].shape != p.shape or m[1].shape != p.shape:
+                    raise ValueError("optimizer state for %s is missing or of another shape" % name)
+                self.optimizer.state[p] = {"step": torch.tensor(float(state.steps)),
+                                           "exp_avg": m[0].to(p.device, torch.float32).clone(),
+                                           "exp_avg_sq": m[1].to(p.device, torch.float32).clone()}
+
     def pairs(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
         return {k: (a.detach().cpu(), b.detach().cpu()) for k, (a, b) in self.lora.pairs.items()}
+
+
+@dataclass
+class OptimizerState:
+    """AdamW's state of some parameters: steps taken, and each parameter's two moments."""
+    steps: int
+    moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # "<key>.lora_A" -> (exp_avg, exp_avg_sq)
+
+
+def clip_scale(sq_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor for a global squared norm: min(1, max / (norm + 1e-6))."""
+    return min(1.0, max_norm / (math.sqrt(sq_norm) + 1e-6))

@@ -1,23 +1,28 @@
 """POST /train (contract): make the worker's current run a training run. The body is
 safetensors: the initial LoRA pairs of the worker's layers ("<layer>.<module>.lora_A" [r, in]
 and ".lora_B" [out, r], PEFT's modules, unscaled: mdi.model.lora_train) and, in the file's
-metadata under "mdi_train", the JSON of a `TrainSetup`. GET /train answers the pairs as they
-are now, the same safetensors, base64 in a JSON body. Safetensors only, nothing that runs code
+metadata under "mdi_train", the JSON of a `TrainSetup`; a resumed run adds the AdamW state
+("<layer>.<module>.lora_A.exp_avg" and ".exp_avg_sq", the steps taken in the metadata under
+"adam_steps"). GET /train answers the pairs and their AdamW state as they are now, the same
+safetensors, base64 in a JSON body. Safetensors only, nothing that runs code
 when read. Both ends use these functions."""
 import base64
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 from safetensors.torch import load as safetensors_load, save as safetensors_save
 
 from mdi.model.lora_train import LoraSpec, check_targets
+from mdi.model.stage_train import OptimizerState
 from mdi.ring.init_request import RequestError
 
 MAX_TRAIN_BYTES = 256 * 1024 * 1024
 METADATA_KEY = "mdi_train"
+STEPS_KEY = "adam_steps"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 Pairs = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -59,12 +64,50 @@ class TrainSetup:
         return setup
 
 
-def train_body(setup: TrainSetup, pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+def _tensors(pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]],
+             state: Optional[OptimizerState]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     tensors = {}
     for key, (a, b) in pairs.items():
         tensors[key + ".lora_A"] = a.detach().float().contiguous().cpu()
         tensors[key + ".lora_B"] = b.detach().float().contiguous().cpu()
-    return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(setup.to_json())})
+    metadata = {}
+    if state is not None and state.moments:
+        for name, moments in state.moments.items():
+            for moment, t in zip(MOMENTS, moments):
+                tensors["%s.%s" % (name, moment)] = t.detach().float().contiguous().cpu()
+        metadata[STEPS_KEY] = str(state.steps)
+    return tensors, metadata
+
+
+def train_body(setup: TrainSetup, pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]],
+               state: Optional[OptimizerState] = None) -> bytes:
+    tensors, metadata = _tensors(pairs, state)
+    metadata[METADATA_KEY] = json.dumps(setup.to_json())
+    return safetensors_save(tensors, metadata=metadata)
+
+
+def _read_state(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                pairs: Pairs) -> Optional[OptimizerState]:
+    """The AdamW moments among `tensors` (each the shape of its parameter), or None."""
+    names = [n for n in tensors if n.rpartition(".")[2] in MOMENTS]
+    if not names:
+        return None
+    try:
+        steps = int(metadata[STEPS_KEY])
+    except (KeyError, ValueError):
+        raise RequestError("training body holds AdamW moments but no %s metadata" % STEPS_KEY)
+    moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, (a, b) in pairs.items():
+        for name, p in ((key + ".lora_A", a), (key + ".lora_B", b)):
+            first, second = [tensors.get("%s.%s" % (name, moment)) for moment in MOMENTS]
+            if first is None or second is None or any(
+                    t.shape != p.shape or not t.is_floating_point() or not torch.isfinite(t).all() for t in (first, second)):
+                raise RequestError("training body: AdamW moments of %r missing or not finite [%s]"
+                                   % (name[:120], ", ".join(map(str, p.shape))))
+            moments[name] = (first, second)
+    if not 0 <= steps <= (1 << 62) or len(names) != 2 * len(moments):
+        raise RequestError("training body: AdamW state of other parameters, or a step count out of range")
+    return OptimizerState(steps, moments)
 
 
 def read_pairs(body: bytes) -> Tuple[Pairs, Dict[str, str]]:
@@ -80,6 +123,8 @@ def read_pairs(body: bytes) -> Tuple[Pairs, Dict[str, str]]:
         raise RequestError("training body is not a safetensors file: %s" % e)
     pairs: Pairs = {}
     for name in tensors:
+        if name.rpartition(".")[2] in MOMENTS:
+            continue  # AdamW state: _read_state
         key, _, ab = name.rpartition(".")
         if ab not in ("lora_A", "lora_B") or not key:
             raise RequestError("training tensor %r: expected <layer>.<module>.lora_A or .lora_B" % name[:120])
@@ -91,27 +136,31 @@ def read_pairs(body: bytes) -> Tuple[Pairs, Dict[str, str]]:
     return pairs, metadata
 
 
-def read_train_body(body: bytes) -> Tuple[TrainSetup, Pairs]:
+def _read_all(body: bytes) -> Tuple[Pairs, Optional[OptimizerState], Dict[str, str]]:
     pairs, metadata = read_pairs(body)
+    return pairs, _read_state(safetensors_load(bytes(body)), metadata, pairs), metadata
+
+
+def read_train_body(body: bytes) -> Tuple[TrainSetup, Pairs, Optional[OptimizerState]]:
+    pairs, state, metadata = _read_all(body)
     try:
         setup = json.loads(metadata[METADATA_KEY])
     except (KeyError, ValueError):
         raise RequestError("training body has no %s metadata (a TrainSetup's JSON)" % METADATA_KEY)
-    return TrainSetup.from_json(setup), pairs
+    return TrainSetup.from_json(setup), pairs, state
 
 
-def pairs_reply(pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> Dict[str, Any]:
-    """GET /train's JSON: the pairs as safetensors, base64."""
-    tensors = {}
-    for key, (a, b) in pairs.items():
-        tensors[key + ".lora_A"] = a.detach().float().contiguous().cpu()
-        tensors[key + ".lora_B"] = b.detach().float().contiguous().cpu()
-    return {"ok": True, "pairs": base64.b64encode(safetensors_save(tensors)).decode("ascii")}
+def pairs_reply(pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]],
+                state: Optional[OptimizerState] = None) -> Dict[str, Any]:
+    """GET /train's JSON: the pairs (and their AdamW state) as safetensors, base64."""
+    tensors, metadata = _tensors(pairs, state)
+    return {"ok": True, "pairs": base64.b64encode(safetensors_save(tensors, metadata=metadata or None)).decode("ascii")}
 
 
-def read_pairs_reply(reply: Mapping[str, Any]) -> Pairs:
+def read_pairs_reply(reply: Mapping[str, Any]) -> Tuple[Pairs, Optional[OptimizerState]]:
     try:
         body = base64.b64decode(reply["pairs"], validate=True)
     except (KeyError, TypeError, ValueError) as e:
         raise RequestError("GET /train reply holds no base64 pairs: %s" % e)
-    return read_pairs(body)[0]
+    pairs, state, _ = _read_all(body)
+    return pairs, state

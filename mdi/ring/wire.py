@@ -40,8 +40,8 @@ from mdi.system.transfers import to_host
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
 # v4: the "verify" kind and each pass's epoch ("epoch"); a v3 peer would cut a verification's rows.
 # v5: prefix cache ops ("cache"); a v4 peer would compute on positions its slot does not hold.
-# v6: the training kinds ("train", "grad", "step") and their "train" header; a v5 peer would
-# refuse them as unknown kinds one frame at a time instead of at the first frame.
+# v6: the training kinds ("train", "grad", "step", "eval", "clip") and their "train" header; a v5
+# peer would refuse them as unknown kinds one frame at a time instead of at the first frame.
 PROTOCOL_VERSION = 6
 
 
@@ -58,17 +58,22 @@ class FrameKind(StrEnum):
     # Training (mdi.starter.training, mdi.worker.training): a micro-batch of whole windows from
     # position 0, every row carried; "grad" the gradient of the loss for the hidden states at a
     # layer boundary, travelling the ring's one direction until the node whose chunk ends there;
-    # "step" tells every node that a batch's gradients are complete (no tensor).
+    # "step" tells every node that a batch's gradients are complete (no tensor); "eval" a
+    # held-out micro-batch's forward, nothing kept for backward; "clip" (--clip) one value in a
+    # [1, hidden] tensor's first element: going round with train layer 0 each node adds its
+    # gradients' squared norm to it, with layer 1 it is the scale every node multiplies them by.
     TRAIN = "train"
     GRAD = "grad"
     STEP = "step"
+    EVAL = "eval"
+    CLIP = "clip"
 
 
 KINDS = tuple(k.value for k in FrameKind)
 GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE, FrameKind.VERIFY)
-TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP)
+TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP, FrameKind.EVAL, FrameKind.CLIP)
 # the last node returns every row, not each sample's last
-ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY, FrameKind.TRAIN, FrameKind.GRAD)
+ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY, FrameKind.TRAIN, FrameKind.GRAD, FrameKind.EVAL, FrameKind.CLIP)
 CODECS = WIRE_CODECS
 INT8_BLOCK = 32
 INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
@@ -88,7 +93,7 @@ MAX_ENTRY = (1 << 62) - 1  # prefix cache entry ids (mdi.starter.prefix_cache)
 # "train": [step, micro-batch, layer] on training frames only, and always there: the batch
 # step, the micro-batch within it (a step frame: how many the batch had) and the layer boundary
 # the tensor is at (a train frame: the first layer of the node it goes to; a grad frame: the
-# last layer + 1 of the node that computes with it; a step frame: 0).
+# last layer + 1 of the node that computes with it; a step frame: 0; a clip frame: its phase).
 _OPTIONAL_KEYS = {"adapter", "epoch", "cache", "train"}
 MAX_STEP = (1 << 62) - 1
 MAX_MICRO = 1 << 16
@@ -413,6 +418,8 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     if frame.train is not None and kind == FrameKind.STEP:
         if n or frame.train.micro < 1:
             raise FrameError("step frames name no sample and at least one micro-batch")
+    if kind == FrameKind.CLIP and (count != [1] or frame.train is None or frame.train.layer > 1):
+        raise FrameError("clip frames carry one row and a phase of 0 or 1")
     if kind in (FrameKind.STOP, FrameKind.RESET, FrameKind.STEP):
         if header["dtype"] is not None or header["shape"] is not None or pbytes:
             raise FrameError("%s frames carry no tensor" % kind)

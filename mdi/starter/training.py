@@ -10,7 +10,10 @@ cross-entropy over all B (L - 1) scored tokens, so the micro-batches' gradients 
 batch's) and sends the gradient for them as a "grad" frame; each node runs backward when a
 gradient for its own output comes and sends the gradient for its input on; when the starter's
 own backward of every micro-batch is done, every node's is (the chain passed through them
-all), and a "step" frame tells every node to step its optimizer.
+all), and a "step" frame tells every node to step its optimizer. With --clip, two "clip"
+frames go round first: one adds up every node's squared gradient norm, one brings every node
+the factor (torch's clip_grad_norm_) to scale its gradients by. --eval runs held-out windows
+forward as "eval" frames (nothing kept) between steps.
 
 Why GPipe (all forwards, then each backward as its loss is known) and not 1F1B: the ring
 is FIFO on every link and the batch's gradients must all be in before any node steps, so
@@ -27,6 +30,7 @@ On a 3-node ring of boards the backward of a chunk (milliseconds per window row)
 two relays of its [rows, hidden] gradient on gigabit ethernet; a reverse link is the next
 step where it does not.
 """
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,10 +39,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mdi.model.lora_train import LoraSpec, init_pairs, key_layer
+from mdi.model.lora_train import init_pairs, key_layer
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.stage_train import StageTrainer
+from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale
 from mdi.ring.train_request import TrainSetup, read_pairs_reply, train_body
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
@@ -48,7 +52,8 @@ from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
-from mdi.starter.train_data import read_text_ids, step_windows, text_windows
+from mdi.starter.train_checkpoint import Checkpoint, checkpoint_path, run_fingerprint, save_checkpoint
+from mdi.starter.train_data import ChatRenderer, Windows, eval_batches, load_windows, step_index
 from mdi.system.transfers import to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,13 @@ class TrainOptions:
     micro_batches: int = 1  # M: each step's batch travels as M micro-batches (B windows split evenly)
     seq_len: int = 128
     seed: int = 0
+    shuffle: bool = False  # each epoch in a seeded order (mdi.starter.train_data.step_index)
+    clip: Optional[float] = None  # the global gradient norm's bound (torch's clip_grad_norm_)
+    eval_data: Optional[str] = None  # held-out windows: their mean loss before, every eval_every steps, at the end
+    eval_every: Optional[int] = None
+    checkpoint_every: Optional[int] = None  # a checkpoint under checkpoint_dir every K steps
+    checkpoint_dir: Optional[str] = None
+    render_chat: Optional[ChatRenderer] = None  # chat JSONL examples: the model's template (mdi.cli.train)
 
 
 @dataclass
@@ -73,6 +85,7 @@ class StepRecord:
     loss: float
     tokens_per_s: float
     seconds: float
+    scored: int = 0  # the batch's scored tokens (the loss's denominator)
 
 
 @dataclass
@@ -82,10 +95,16 @@ class TrainResult:
     n_nodes: int
     n_windows: int
     extra: Dict[str, Any] = field(default_factory=dict)
+    evals: List[Dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "perplexity", "tokens"}
+    optimizer: Optional[OptimizerState] = None  # every node's AdamW state at the end
 
     def metrics(self) -> Dict[str, Any]:
-        record = {"steps": [{"step": s.step, "loss": s.loss, "tokens_per_s": s.tokens_per_s, "seconds": s.seconds}
-                            for s in self.steps], "n_nodes": self.n_nodes, "n_windows": self.n_windows}
+        record: Dict[str, Any] = {
+            "steps": [{"step": s.step, "loss": s.loss, "tokens_per_s": s.tokens_per_s, "seconds": s.seconds,
+                       "scored_tokens": s.scored} for s in self.steps],
+            "n_nodes": self.n_nodes, "n_windows": self.n_windows}
+        if self.evals:
+            record["eval"] = self.evals
         record.update(self.extra)
         return record
 
@@ -97,50 +116,99 @@ def check_options(options: TrainOptions, block_size: int) -> None:
         raise ConfigError("--micro-batches must be 1 to --batch-size (%d)" % options.batch_size)
     if not 2 <= options.seq_len <= block_size:
         raise ConfigError("--seq-len %d: expected 2 to the model's context of %d tokens" % (options.seq_len, block_size))
+    if options.checkpoint_every and not options.checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --out (checkpoints go to OUT/checkpoint-<step>)")
+
+
+def fingerprint(cfg: RunConfig, options: TrainOptions) -> Dict[str, Any]:
+    """The settings a checkpoint of this run is resumed with (mdi.starter.train_checkpoint)."""
+    s = options.setup
+    return run_fingerprint(cfg.model.path, options.data, s.spec, lr=s.lr, betas=list(s.betas),
+                           eps=s.eps, weight_decay=s.weight_decay, batch_size=options.batch_size,
+                           seq_len=options.seq_len, seed=options.seed, shuffle=options.shuffle, clip=options.clip)
 
 
 def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepRecord, int], None]] = None,
-        pairs: Optional[Pairs] = None) -> TrainResult:
-    """Train; `pairs` (every layer's initial LoRA) default to the seeded PEFT initialisation."""
+        pairs: Optional[Pairs] = None, resume: Optional[Checkpoint] = None) -> TrainResult:
+    """Train; `pairs` (every layer's initial LoRA) default to the seeded PEFT initialisation;
+    `resume` goes on from a checkpoint (its pairs, AdamW state and step)."""
+    if cfg.runtime.quant_kernel != "exact":
+        # a quantized base's fast kernels (integer products, in-place rescaling) have no
+        # backward: the frozen int4 / int8 weights compute in float32 on every node (QLoRA's way)
+        log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
+                 cfg.runtime.quant_kernel)
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
     source = ModelSource(cfg.model.path)
     config = source.config
     check_options(options, config.block_size)
-    windows = text_windows(read_text_ids(source.tokenizer, options.data), options.seq_len, options.data)
+    windows = load_windows(source.tokenizer, options.data, options.seq_len, options.render_chat)
+    held_out = load_windows(source.tokenizer, options.eval_data, options.seq_len, options.render_chat, "--eval") \
+        if options.eval_data else None
     spec = options.setup.spec
+    start, state = 0, None
+    records: List[StepRecord] = []
+    evals: List[Dict[str, Any]] = []
+    if resume is not None:
+        pairs, state, start = resume.pairs, resume.optimizer, resume.steps_done
+        records = [StepRecord(r["step"], r["loss"], r["tokens_per_s"], r["seconds"], r.get("scored_tokens", 0))
+                   for r in resume.records]
+        evals = list(resume.evals)
+        if start >= options.steps:
+            raise ConfigError("--resume: the checkpoint has %d steps done, --steps is %d" % (start, options.steps))
     pairs = pairs if pairs is not None else init_pairs(config, spec, options.seed)
     greedy = SamplingParams(temperature=0.0)
     engine = Engine(plan_run(cfg, source, RunShape(1, options.seq_len), greedy), source, greedy)
     engine.open()
     try:
-        trainer = _RingTrainer(engine, options, pairs)
-        records = []
-        for step in range(options.steps):
-            record = trainer.step(step, step_windows(windows, step, options.batch_size))
+        trainer = _RingTrainer(engine, options, pairs, state)
+        if held_out is not None and start == 0:
+            evals.append(trainer.evaluate(0, held_out))
+        for step in range(start, options.steps):
+            batch = windows.take(step_index(len(windows), step, options.batch_size, options.shuffle, options.seed))
+            record = trainer.step(step, batch)
             records.append(record)
             if on_step is not None:
                 on_step(record, options.steps)
-        trained = trainer.collect()
+            done = step + 1
+            if held_out is not None and (done == options.steps or (options.eval_every and done % options.eval_every == 0)):
+                evals.append(trainer.evaluate(done, held_out))
+                log.info("mdi-train: eval after step %d: loss %.4f", done, evals[-1]["loss"])
+            if options.checkpoint_every and done % options.checkpoint_every == 0:
+                trained, moments = trainer.collect()
+                assert options.checkpoint_dir is not None  # check_options
+                save_checkpoint(checkpoint_path(options.checkpoint_dir, done), config, spec, cfg.model.path,
+                                Checkpoint(done, trained, moments, TrainResult(records, {}, 0, 0).metrics()["steps"],
+                                           evals), fingerprint(cfg, options))
+        trained, moments = trainer.collect()
         engine.close()
     except BaseException:
         engine.abort()
         raise
-    return TrainResult(records, trained, len(engine.nodes), int(windows.shape[0]))
+    return TrainResult(records, trained, len(engine.nodes), len(windows), evals=evals, optimizer=moments)
+
+
+def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
+    return {k: v for k, v in d.items() if first <= key_layer(k) < last}
 
 
 class _RingTrainer:
-    def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs) -> None:
+    def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs,
+                 state: Optional[OptimizerState] = None) -> None:
         self.engine, self.options = engine, options
         chunk = self.chunk
         self.n_layer = chunk.config.n_layer
         setup = options.setup
-        own = {k: ab for k, ab in pairs.items() if chunk.first <= key_layer(k) < chunk.last}
-        self.stage = StageTrainer(chunk, setup.spec, own, setup.lr, setup.betas, setup.eps, setup.weight_decay,
-                                  setup.recompute)
+
+        def state_of(first: int, last: int) -> Optional[OptimizerState]:
+            return OptimizerState(state.steps, _layers_of(state.moments, first, last)) if state is not None else None
+
+        self.stage = StageTrainer(chunk, setup.spec, _layers_of(pairs, chunk.first, chunk.last), setup.lr, setup.betas,
+                                  setup.eps, setup.weight_decay, setup.recompute, state_of(chunk.first, chunk.last))
         ring = engine.ring
         if ring is not None:
             for client, node in zip(ring.clients, engine.plan.workers):
                 first, last = node.layers
-                client.post_train(train_body(setup, {k: ab for k, ab in pairs.items() if first <= key_layer(k) < last}))
+                client.post_train(train_body(setup, _layers_of(pairs, first, last), state_of(first, last)))
         self.device = next(chunk.parameters()).device
 
     @property
@@ -161,19 +229,21 @@ class _RingTrainer:
     def run_id(self) -> int:
         return self.pipeline.run_id
 
-    def step(self, step: int, ids: torch.Tensor) -> StepRecord:
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        b, length = ids.shape
+        positions = torch.arange(length, device=self.device).repeat(b)
+        with torch.no_grad():
+            return self.chunk.embed_rows(ids.to(self.device).reshape(-1), positions).view(b, length, -1)
+
+    def step(self, step: int, batch: Windows) -> StepRecord:
         t0 = time.perf_counter()
         chunk = self.chunk
-        micro = list(torch.tensor_split(ids, self.options.micro_batches))
-        scored = ids.shape[0] * (ids.shape[1] - 1)  # the batch's scored tokens: the loss's denominator
-        for m, part in enumerate(micro):
-            b, length = part.shape
-            part = part.to(self.device)
-            positions = torch.arange(length, device=self.device).repeat(b)
-            with torch.no_grad():
-                x = chunk.embed_rows(part.reshape(-1), positions).view(b, length, -1)
-            y = self.stage.forward(step, m, x, input_grad=False)
-            self._send(FrameKind.TRAIN, step, m, chunk.last, y, b, length)
+        m = self.options.micro_batches
+        micro = list(zip(torch.tensor_split(batch.ids, m), torch.tensor_split(batch.scored, m)))
+        scored = batch.n_scored  # the batch's scored tokens: the loss's denominator
+        for i, (ids, _) in enumerate(micro):
+            y = self.stage.forward(step, i, self._embed(ids), input_grad=False)
+            self._send(FrameKind.TRAIN, step, i, chunk.last, y)
         loss = 0.0
         done = 0
         while done < len(micro):
@@ -185,34 +255,73 @@ class _RingTrainer:
                 if tag.layer != self.n_layer:
                     raise RuntimeError("a train frame came back at layer %d, not after the last (%d)"
                                        % (tag.layer, self.n_layer))
-                part = micro[tag.micro].to(self.device)
-                value, grad = self._loss(frame, part, scored)
+                ids, mask = micro[tag.micro]
+                value, grad = self._loss(self._rows(frame), ids.to(self.device), mask.to(self.device), scored)
                 loss += value
-                self._send(FrameKind.GRAD, step, tag.micro, self.n_layer, grad, part.shape[0], part.shape[1])
+                self._send(FrameKind.GRAD, step, tag.micro, self.n_layer, grad)
             elif frame.kind == FrameKind.GRAD:
                 if tag.layer != chunk.last:
                     self.transport.send(frame)  # a worker's gradient on its way round
                     continue
                 self.stage.backward(step, tag.micro, self._rows(frame))
                 done += 1
+        if self.options.clip is not None:
+            self._clip(step, len(micro), self.options.clip)
         self.transport.send(Frame(FrameKind.STEP, self.run_id, train=TrainTag(step, len(micro), 0)))
         self.stage.step(step, len(micro))
-        while True:  # every node has stepped once the step frame is back
-            frame = self._recv()
-            if frame.kind == FrameKind.STEP and frame.train is not None and frame.train.step == step:
-                break
+        self._wait(FrameKind.STEP, step)  # every node has stepped once the step frame is back
         seconds = time.perf_counter() - t0
-        return StepRecord(step, loss, ids.numel() / seconds if seconds > 0 else 0.0, seconds)
+        return StepRecord(step, loss, batch.ids.numel() / seconds if seconds > 0 else 0.0, seconds, scored)
 
-    def _loss(self, frame: Frame, ids: torch.Tensor, scored: int) -> Tuple[float, torch.Tensor]:
+    def _clip(self, step: int, n_micro: int, max_norm: float) -> None:
+        """Every node's gradients scaled by one factor from the global norm (clip frames)."""
+        value = torch.zeros(1, self.chunk.config.n_embd, dtype=torch.float32)
+        value[0, 0] = self.stage.grad_sq_norm()
+        self.transport.send(Frame(FrameKind.CLIP, self.run_id, [0], [0], [1], value, train=TrainTag(step, n_micro, 0)))
+        frame = self._wait(FrameKind.CLIP, step)
+        assert frame.tensor is not None
+        scale = clip_scale(float(frame.tensor[0, 0].item()), max_norm)
+        value[0, 0] = scale
+        self.transport.send(Frame(FrameKind.CLIP, self.run_id, [0], [0], [1], value, train=TrainTag(step, n_micro, 1)))
+        self.stage.scale_grads(scale)
+
+    def _wait(self, kind: str, step: int) -> Frame:
+        while True:
+            frame = self._recv()
+            if frame.kind == kind and frame.train is not None and frame.train.step == step:
+                return frame
+
+    def evaluate(self, steps_done: int, windows: Windows) -> Dict[str, Any]:
+        """The mean next-token loss over every scored token of the held-out windows."""
+        total, count = 0.0, 0
+        for e, batch in enumerate(eval_batches(windows, self.options.batch_size)):
+            m = min(self.options.micro_batches, len(batch))
+            micro = list(zip(torch.tensor_split(batch.ids, m), torch.tensor_split(batch.scored, m)))
+            for i, (ids, _) in enumerate(micro):
+                self._send(FrameKind.EVAL, e, i, self.chunk.last, self.stage.evaluate(self._embed(ids)))
+            for _ in micro:
+                frame = self._wait(FrameKind.EVAL, e)
+                assert frame.train is not None
+                ids, mask = micro[frame.train.micro]
+                with torch.no_grad():
+                    logits = self.chunk.head(self._rows(frame)).float()
+                    total += float(self._nll(logits, ids.to(self.device), mask.to(self.device)).item())
+                count += int(mask.sum().item())
+        loss = total / count
+        return {"step": steps_done, "loss": loss, "perplexity": float(torch.tensor(loss).exp().item()),
+                "tokens": count}
+
+    @staticmethod
+    def _nll(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of the scored predictions (position t - 1 predicts ids[t])."""
+        nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        return (nll * mask[:, 1:].reshape(-1).to(nll.dtype)).sum()
+
+    def _loss(self, h: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, scored: int) -> Tuple[float, torch.Tensor]:
         """This micro-batch's share of the batch loss and its gradient for the last hidden states."""
-        chunk = self.chunk
         with torch.inference_mode(False), torch.enable_grad():
-            h = self._rows(frame).clone().requires_grad_(True)
-            logits = chunk.head(h).float()
-            nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                  reduction="sum")
-            share = nll / scored
+            h = h.clone().requires_grad_(True)
+            share = self._nll(self.chunk.head(h).float(), ids, mask) / scored
             share.backward()
         assert h.grad is not None
         return float(share.item()), h.grad
@@ -222,7 +331,8 @@ class _RingTrainer:
         x = to_device(frame.tensor, self.device, self.chunk.activation_dtype)
         return x.reshape(len(frame.samples), frame.count[0], -1)
 
-    def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor, b: int, length: int) -> None:
+    def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor) -> None:
+        b, length = y.shape[0], y.shape[1]
         self.transport.send(Frame(kind, self.run_id, list(range(b)), [0] * b, [length] * b,
                                   to_host(y.reshape(b * length, -1)), train=TrainTag(step, micro, layer)))
 
@@ -238,11 +348,16 @@ class _RingTrainer:
                 if time.monotonic() >= deadline:
                     raise RingTimeout("no training frame came back round the ring for %.0f s" % timeout)
 
-    def collect(self) -> Pairs:
-        """Every node's trained pairs, the starter's and each worker's (GET /train)."""
+    def collect(self) -> Tuple[Pairs, OptimizerState]:
+        """Every node's trained pairs and AdamW state, the starter's and each worker's (GET /train)."""
         pairs = self.stage.pairs()
+        state = self.stage.optimizer_state()
         ring = self.engine.ring
         if ring is not None:
             for client in ring.clients:
-                pairs.update(read_pairs_reply(client.train_pairs()))
-        return pairs
+                theirs, their_state = read_pairs_reply(client.train_pairs())
+                pairs.update(theirs)
+                if their_state is not None:
+                    state.moments.update(their_state.moments)
+                    state.steps = their_state.steps
+        return pairs, state

