@@ -1,7 +1,8 @@
 """What the entry points share about the process they run in: its set-up and how it exits
 (exit codes, the one "mdi: error:" line)."""
+import signal
 import sys
-from typing import Any
+from typing import Any, Callable
 
 EXIT_CONFIG = 2
 EXIT_RUN = 1
@@ -26,3 +27,13 @@ def fail(message: str, code: int) -> int:
     """The one "mdi: error:" line on stderr; returns `code` for the entry point to exit with."""
     print("mdi: error: %s" % message, file=sys.stderr)
     return code
+
+
+def interrupt_on_sigterm(interrupted: Callable[[int], BaseException]) -> Any:
+    """Make SIGTERM (systemd, kill) raise `interrupted(signum)` in the main thread, as Ctrl-C
+    raises KeyboardInterrupt, so a run stops its ring at once; returns the handler it replaced
+    (for signal.signal(signal.SIGTERM, it) when the run is over)."""
+    def terminate(signum: int, frame: Any) -> None:
+        raise interrupted(signum)
+
+    return signal.signal(signal.SIGTERM, terminate)

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from mdi.cli.arguments import add_kernel_argument, add_quant_arguments, positive_int
 from mdi.cli.output import report, report_perplexity
-from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
@@ -137,11 +137,7 @@ def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
     from mdi.starter import batch
 
-    def terminate(signum, frame):
-        raise batch.Interrupted(signum)
-
-    # SIGTERM (systemd, kill) stops the ring like Ctrl-C: workers are told at once.
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = interrupt_on_sigterm(batch.Interrupted)  # the ring stops as on Ctrl-C: workers are told at once
     try:
         return _start(args, batch)
     finally:

@@ -7,7 +7,7 @@ import sys
 from typing import List, Optional
 
 from mdi.cli.arguments import positive_float, positive_int
-from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
@@ -74,10 +74,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     from mdi.model.source import ModelSource
     from mdi.starter.train_checkpoint import load_checkpoint
 
-    def terminate(signum, frame):
-        raise batch.Interrupted(signum)
-
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = interrupt_on_sigterm(batch.Interrupted)
     try:
         for flag in NOT_YET:
             value = getattr(args, flag)
