@@ -142,6 +142,8 @@ class DraftModel:
         self.owner: Dict[int, int] = {}  # slot -> the drafter whose tokens those are
         self._owners = itertools.count(1)
         self.vocab = chunk.config.vocab_size
+        assert chunk.cache is not None, "a draft model drafts in its own KV cache: allocate it first"
+        self.max_len = chunk.cache.max_len  # positions per slot
 
     @classmethod
     def load(cls, draft: DraftSource, n_slots: int, max_len: int, dtype: torch.dtype, device: str,
@@ -150,9 +152,10 @@ class DraftModel:
         chunk = draft.source.load_chunk(0, n, True, True, dtype, device, compute_dtype, draft.quant, consume=True)
         chunk.fused_decode = fused_decode
         chunk.allocate_cache(n_slots, draft_len(draft.config, max_len))
+        model = cls(chunk, prefill_chunk)
         log.info("mdi: starter: draft model %s: %d layers, %d slots of %d positions", draft.path, n, n_slots,
-                 chunk.cache.max_len)
-        return cls(chunk, prefill_chunk)
+                 model.max_len)
+        return model
 
     def new_owner(self) -> int:
         return next(self._owners)
@@ -176,9 +179,8 @@ class DraftModel:
 
     def propose(self, slot: int, owner: int, tokens: Sequence[int], k: int) -> List[int]:
         """Up to k greedy tokens after `tokens` (positions 0..), drafted in `slot`."""
-        cache = self.chunk.cache
         n = len(tokens)
-        k = min(k, cache.max_len - n + 1)  # the last draft is never fed: it may sit one past the slot
+        k = min(k, self.max_len - n + 1)  # the last draft is never fed: it may sit one past the slot
         if k < 1 or n < 1:
             return []
         held = self.held.get(slot, []) if self.owner.get(slot) == owner else []
@@ -223,7 +225,7 @@ class ModelDrafter:
         self.owner = model.new_owner()
         # the prompt's prefill, at admission: the first proposal then feeds only its last token
         window = sample.window_tokens(0, sample.window_len)
-        if 1 < len(window) <= model.chunk.cache.max_len:
+        if 1 < len(window) <= model.max_len:
             with torch.inference_mode():
                 model._feed(sample.slot, 0, window[:-1])
             model.held[sample.slot], model.owner[sample.slot] = window[:-1], self.owner
