@@ -58,7 +58,7 @@ class ModelSpec:
     group_size: Optional[int] = None  # int8/int4 groups; None: int8 per channel, int4 32
 
 
-SPECULATION_METHODS = ("off", "ngram")
+SPECULATION_METHODS = ("off", "ngram", "draft")
 MAX_DRAFT_LIMIT = 32  # drafted tokens per pass: beyond this a pass costs more than it can win
 
 
@@ -67,28 +67,54 @@ class SpeculationSpec:
     """Speculative decoding (mdi.starter.speculation): the starter drafts tokens, every pass
     verifies them in the ring, and the output is exactly the plain run's (greedy) or has its
     distribution (sampling)."""
-    method: str = "off"  # off | ngram (prompt lookup over the sample's own prompt and output)
+    method: str = "off"  # off | ngram (prompt lookup over the sample's own prompt and output) | draft (a model)
     max_draft: int = 8  # drafted tokens per pass, at most (adapted to the measured acceptance)
     ngram_min: int = 2  # the shortest n-gram looked up; the longest is tried first
     ngram_max: int = 4
     fill: bool = True  # keep idle boards busy with passes built on drafts still being verified
+    # method draft (mdi.starter.draft_model): the draft model's path (prepared dir, HF dir or
+    # GGUF), and its quantization (None: model.quant). A request's spec never names a path: its
+    # `draft` is None and means the server's configured draft model.
+    draft: Optional[str] = None
+    quant: Optional[str] = None
 
     @property
     def on(self) -> bool:
         return self.method != "off"
 
 
-def parse_speculation(where: str, raw: Any) -> SpeculationSpec:
-    """`off`, `ngram`, or a mapping of SpeculationSpec's fields; one ConfigError line naming `where`.
-    YAML reads a bare `off` as false and `on` as true: they mean off and ngram."""
+def parse_speculation(where: str, raw: Any, paths: bool = False) -> SpeculationSpec:
+    """`off`, `ngram`, `draft`, `draft:PATH`, or a mapping of SpeculationSpec's fields (`{draft:
+    PATH}` implies method draft); one ConfigError line naming `where`. YAML reads a bare `off` as
+    false and `on` as true: they mean off and ngram. Only a run's own settings (`paths`: its
+    config file, its flags) may name a draft model's file: a served request's may only say
+    `draft`, the server's own draft model, so no request can make the server read a file."""
     if raw is None or isinstance(raw, bool):
         raw = {"method": "ngram" if raw else "off"}
     if isinstance(raw, str):
-        raw = {"method": raw}
+        method, colon, path = raw.partition(":")
+        raw = {"method": method, "draft": path} if colon and method == "draft" else {"method": raw}
+    if isinstance(raw, dict) and "method" not in raw and raw.get("draft") is not None:
+        raw = dict(raw, method="draft")
     spec = SpeculationSpec(**check_keys(where, raw, {"method": (str,), "max_draft": (int,), "ngram_min": (int,),
-                                                     "ngram_max": (int,), "fill": (bool,)}))
+                                                     "ngram_max": (int,), "fill": (bool,), "draft": (str,),
+                                                     "quant": (str,)}))
     if spec.method not in SPECULATION_METHODS:
         raise ConfigError("%s.method: expected one of %s, got %r" % (where, ", ".join(SPECULATION_METHODS), spec.method))
+    if spec.method != "draft":
+        for key in ("draft", "quant"):
+            if key in raw:
+                raise ConfigError("%s: unknown key %r for method %s (a draft model's setting: method draft)"
+                                  % (where, key, spec.method))
+    elif not paths:
+        for key in ("draft", "quant"):
+            if raw.get(key) is not None:
+                raise ConfigError("%s.%s: a request cannot name a draft model's file or quantization; say "
+                                  "\"draft\" for the server's own draft model" % (where, key))
+    elif not spec.draft:
+        raise ConfigError("%s.draft: method draft needs the draft model's path (draft: PATH)" % where)
+    if spec.quant is not None and spec.quant not in QUANT_MODES:
+        raise ConfigError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), spec.quant))
     if not 1 <= spec.max_draft <= MAX_DRAFT_LIMIT:
         raise ConfigError("%s.max_draft: expected an integer in [1, %d], got %d" % (where, MAX_DRAFT_LIMIT, spec.max_draft))
     if not 1 <= spec.ngram_min <= spec.ngram_max <= 16:
@@ -267,7 +293,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
                     {"n_samples": (int,), "n_tokens": (int,), "temperature": NUM, "top_k": (int,),
                      "top_p": NUM, "seed": (int,), "prompts": (list,), "context_shift": (bool,),
                      "speculation": (str, dict, bool)})
-    g["speculation"] = parse_speculation(source + ": generation.speculation", g.get("speculation"))
+    g["speculation"] = parse_speculation(source + ": generation.speculation", g.get("speculation"), paths=True)
     gen = GenerationSpec(**g)
     _check_generation(source + ": generation", gen)
 

@@ -15,6 +15,10 @@ Every ratio comes from one run of this script, on this machine, on the shipped S
   sweep     a drafter that agrees with the target with probability a (mdi.lab.oracle_drafter),
             a = 0.3 .. 0.9, with and without filling, beside a simple model of the speed-up.
   batch     --batch samples at once (default 12), plain vs ngram: speculation must yield.
+  draft     with --draft-model PATH: a --draft-target-quant (default none: float32) target with
+            that model drafting (quantized --draft-quant, default int4), one node alone and the
+            ring of 3, S = 1: plain vs ngram vs draft alternating prompt by prompt on both sets
+            (--draft-only runs this part alone; its record goes to --draft-out).
 
 Decode speed is (tokens - 1) / (last token time - first token time) per prompt: prefill,
 the same in every mode, is left out. The record (JSON) keeps every prompt's figures and the
@@ -48,6 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts per sweep point (default 3)")
     p.add_argument("--batch", type=int, default=12, help="samples of the batch comparison (0: skip)")
     p.add_argument("--kernel", default="fast", help="runtime.quant_kernel (default fast)")
+    p.add_argument("--draft-model", default="", help="a draft model's path: the draft comparison (empty: skip)")
+    p.add_argument("--draft-quant", default="int4", help="the draft model's quantization (default int4)")
+    p.add_argument("--draft-target-quant", default="none", help="the target's quantization there (default none)")
+    p.add_argument("--draft-prompts", type=int, default=3, help="prompts of each set there (default 3)")
+    p.add_argument("--draft-only", action="store_true", help="run the draft comparison alone")
+    p.add_argument("--draft-out", default=os.path.join(ROOT, "results", "bench_speculation_draft.json"))
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_speculation.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "results", "bench_speculation.png"))
     return p.parse_args(argv)
@@ -57,7 +67,8 @@ class Ring:
     """A starter engine in this process and its workers, opened once: prompts run one after
     another, each a fresh sample with its own speculation setting and drafter."""
 
-    def __init__(self, model: str, workers: List[Any], kernel: str, n_slots: int, max_len: int) -> None:
+    def __init__(self, model: str, workers: List[Any], kernel: str, n_slots: int, max_len: int,
+                 quant: str = "auto", speculation: Any = "ngram") -> None:
         from mdi.model.sampling import SamplingParams
         from mdi.model.source import ModelSource
         from mdi.runconfig import parse_config
@@ -65,8 +76,8 @@ class Ring:
         from mdi.starter.run_plan import plan_run
         from mdi.starter.run_shape import RunShape
         nodes = [{"name": "starter", "port": 1}] + [w.node() for w in workers]
-        cfg = parse_config({"model": {"path": model}, "nodes": nodes,
-                            "generation": {"temperature": 0, "speculation": "ngram"},
+        cfg = parse_config({"model": {"path": model, "quant": quant}, "nodes": nodes,
+                            "generation": {"temperature": 0, "speculation": speculation},
                             "runtime": {"threads": 1, "quant_kernel": kernel}}, "bench_speculation")
         self.source = ModelSource(model)
         params = SamplingParams(0.0)
@@ -103,15 +114,23 @@ def modes() -> Dict[str, Any]:
             "ngram_nofill": SpeculationSpec("ngram", fill=False)}
 
 
-def run_prompts(ring: Ring, sets: Dict[str, List[List[int]]], n_tokens: int) -> Dict[str, Any]:
+def draft_modes() -> Dict[str, Any]:
+    from mdi.runconfig import SpeculationSpec
+    return {"plain": SpeculationSpec("off"), "ngram": SpeculationSpec("ngram"),
+            "draft": SpeculationSpec("draft")}  # the ring's loaded draft model
+
+
+def run_prompts(ring: Ring, sets: Dict[str, List[List[int]]], n_tokens: int,
+                which: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Each prompt of each set in every mode, alternating modes prompt by prompt."""
     out: Dict[str, Any] = {}
+    which = which or modes()
     for name, prompts in sets.items():
-        per: Dict[str, List[float]] = {m: [] for m in modes()}
-        spec_stats: Dict[str, List[Dict[str, Any]]] = {m: [] for m in modes()}
+        per: Dict[str, List[float]] = {m: [] for m in which}
+        spec_stats: Dict[str, List[Dict[str, Any]]] = {m: [] for m in which}
         for ids in prompts:
             reference = None
-            for mode, spec in modes().items():
+            for mode, spec in which.items():
                 (sample,) = ring.generate([ids], n_tokens, spec)
                 if reference is None:
                     reference = sample.token_ids
@@ -216,6 +235,32 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
     return record
 
 
+def draft_run(args, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str, Any]:
+    """The draft model's comparison: one node alone, then the ring of 3 (loopback, 1 thread
+    each), S = 1, plain vs ngram vs draft alternating prompt by prompt."""
+    import torch
+    spec = {"draft": args.draft_model, "quant": args.draft_quant}
+    longest = max(len(ids) for p in sets.values() for ids in p)
+    max_len = longest + args.tokens + 8
+    record: Dict[str, Any] = {"target_quant": args.draft_target_quant, "draft": args.draft_model,
+                              "draft_quant": args.draft_quant, "isa": torch.backends.cpu.get_cpu_capability()}
+    workers: List[Any] = []
+    try:
+        for setup, n_workers in (("one_node", 0), ("ring3", 2)):
+            while len(workers) < n_workers:
+                workers.append(WorkerProcess("board%d" % (len(workers) + 1), 1, log_dir, None))
+                workers[-1].wait_healthy(90)
+            ring = Ring(args.model, workers, args.kernel, 1, max_len, args.draft_target_quant, spec)
+            print("\n== draft model, %s: target %s, draft %s %s; a pass's extra row costs %.2f"
+                  % (setup, args.draft_target_quant, args.draft_model, args.draft_quant, ring.engine.pipeline.row_cost))
+            record[setup] = {"row_cost": ring.engine.pipeline.row_cost,
+                             "prompts": run_prompts(ring, sets, args.tokens, draft_modes())}
+            ring.close()
+    finally:
+        stop_workers(workers, None)
+    return record
+
+
 def encode_sets(model: str, path: str, n: int) -> Dict[str, List[List[int]]]:
     from mdi.model.source import ModelSource
     from mdi.serving.prompts import ChatTemplate
@@ -259,6 +304,15 @@ def main(argv=None) -> int:
     record: Dict[str, Any] = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
                               "prompts": {k: len(v) for k, v in sets.items()}, "setups": {}}
     log_dir = tempfile.mkdtemp(prefix="mdi-bench-spec-")
+    if args.draft_model:
+        small = {k: v[:args.draft_prompts] for k, v in sets.items()}
+        draft_record = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
+                        "prompts": {k: len(v) for k, v in small.items()}, **draft_run(args, small, log_dir)}
+        finish_machine_info(info)
+        print(note_load(info))
+        save_record(args.draft_out, draft_record)
+        if args.draft_only:
+            return 0
     for setup in args.setups.split(","):
         why = cgroup_unavailable_reason() if setup == "emulated" else None
         if why:

@@ -337,6 +337,29 @@ def test_the_page_shows_the_ring(ring, browser):
     assert_no_console_errors(browser)
 
 
+def test_the_page_shows_speculation_counters(ring, browser):
+    """Drafted, accepted, acceptance rate and accepted per pass: the snapshot's and /metrics'
+    numbers on the page once a request speculated (dashes before)."""
+    srv = ring.server
+    before = srv.get("/v1/mdi/state").json().get("speculation") or {}
+    if not before.get("drafted"):
+        assert text(browser, "s-spec-drafted") == "\u2013" and text(browser, "s-spec-rate") == "\u2013"
+    r = requests.post(srv.url + "/v1/completions", headers=srv.headers, timeout=120, json={
+        "prompt": "a b c d a b c d a b c d a b c d a b c d", "max_tokens": 24, "temperature": 0,
+        "speculation": {"method": "ngram", "ngram_min": 1}})
+    assert r.status_code == 200, r.text
+    wait_for("its slot back", lambda: srv.metrics()["mdi_samples_in_flight"] == 0)
+    spec = srv.get("/v1/mdi/state").json()["speculation"]
+    m = srv.metrics()
+    assert spec["drafted"] > 0 and m["mdi_speculation_drafted_total"] == spec["drafted"]
+    assert m["mdi_speculation_accepted_total"] == spec["accepted"]
+    wait_for("the counters on the page", lambda: text(browser, "s-spec-drafted") == str(spec["drafted"]), 10)
+    assert text(browser, "s-spec-accepted") == str(spec["accepted"])
+    assert text(browser, "s-spec-rate") == "%.0f%%" % (spec["acceptance_rate"] * 100)
+    assert text(browser, "s-spec-per-pass") == "%.2f" % spec["accepted_per_pass"]
+    assert_no_console_errors(browser)
+
+
 def test_chat_streams_an_answer(ring, browser):
     # Worded so that the greedy answer keeps a clear lead under every kernel policy: with the
     # system prompt, "What is the capital of France?" opens with "The" 0.09 logits ahead of

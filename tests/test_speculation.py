@@ -247,7 +247,7 @@ def test_a_killed_worker_s_replay_keeps_the_tokens(tiny_models):
 # --- bad input: one line, before any weight moves --------------------------------------------
 
 @pytest.mark.parametrize("raw, message", [
-    ("lookahead", "method: expected one of off, ngram, got 'lookahead'"),
+    ("lookahead", "method: expected one of off, ngram, draft, got 'lookahead'"),
     ({"method": "ngram", "max_draft": 0}, "max_draft: expected an integer in [1, 32], got 0"),
     ({"method": "ngram", "max_draft": 99}, "max_draft: expected an integer in [1, 32], got 99"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "expected 1 <= ngram_min <= ngram_max <= 16"),

@@ -39,11 +39,13 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-shift", action="store_true",
                    help="a sample that reaches the model's context drops the oldest half of its generated "
                         "tokens and goes on (generation.context_shift); without it, it stops there")
-    p.add_argument("--speculation", choices=SPECULATION_METHODS,
+    p.add_argument("--speculation", metavar="|".join(SPECULATION_METHODS[:2] + ("draft:PATH",)),
                    help="speculative decoding (generation.speculation): ngram drafts tokens by prompt lookup "
-                        "over each sample's own prompt and output, and every pass verifies them in the ring; "
-                        "output is exactly the plain run's (greedy) or has its distribution. It pays on answers "
-                        "that copy (rewrites, quotes, code edits) and switches itself off where drafts miss")
+                        "over each sample's own prompt and output, draft:PATH with a smaller model of the same "
+                        "tokenizer (prepared dir, HF dir or GGUF, quantized as model.quant) on the starter, and "
+                        "every pass verifies them in the ring; output is exactly the plain run's (greedy) or has "
+                        "its distribution. It pays on answers that copy (rewrites, quotes, code edits) and "
+                        "switches itself off where drafts miss")
     p.add_argument("--draft-max", type=positive_int, metavar="K",
                    help="with --speculation: drafted tokens per pass, at most (default 8, at most %d)" % MAX_DRAFT_LIMIT)
     p.add_argument("--prefix-cache", metavar="SIZE",
@@ -106,9 +108,12 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.context_shift:
         g.context_shift = True
     if args.speculation or args.draft_max:
-        raw = {"method": args.speculation or g.speculation.method, "max_draft": args.draft_max or g.speculation.max_draft,
+        given = parse_speculation("--speculation", args.speculation, paths=True) if args.speculation else g.speculation
+        raw = {"method": given.method, "max_draft": args.draft_max or g.speculation.max_draft,
                "ngram_min": g.speculation.ngram_min, "ngram_max": g.speculation.ngram_max, "fill": g.speculation.fill}
-        g.speculation = parse_speculation("--speculation/--draft-max", raw)
+        if given.method == "draft":
+            raw.update(draft=given.draft, quant=g.speculation.quant)
+        g.speculation = parse_speculation("--speculation/--draft-max", raw, paths=True)
     if args.dtype:
         cfg.model.dtype = args.dtype
     if args.compute_dtype:

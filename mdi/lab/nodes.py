@@ -140,8 +140,9 @@ class Ring:
             nodes.append(node)
         return {"model": {"path": p.path, "dtype": p.model.dtype, "device": "cpu", "quant": p.model.quant},
                 "nodes": nodes,
-                "generation": {"n_tokens": p.model.tokens, "temperature": self.exp.temperature, "seed": 1,
-                               "prompts": [p.model.prompt]},
+                "generation": dict({"n_tokens": p.model.tokens, "temperature": self.exp.temperature, "seed": 1,
+                                    "prompts": [p.model.prompt]},
+                                   **({"speculation": self.exp.speculation} if self.exp.speculation is not None else {})),
                 # heartbeat_timeout: a throttled, shared machine must not end runs by mistake
                 "runtime": runtime}
 

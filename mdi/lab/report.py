@@ -32,6 +32,12 @@ CSV_COLUMNS = [
     # Rings with `layers: auto` (partition "auto"): the counts mdi-start's planner chose, '+'-joined
     # in ring order (0: a node left out), and the tokens/s it predicted; empty for other rings.
     "plan", "predicted_tokens_per_s",
+] + [
+    # Speculative decoding (generation.speculation): the starter's drafting counters, and per node
+    # (starter first) the passes cancelled (the starter: stale ones that came back; a worker: stale
+    # ones it dropped unrun) and the rows it computed for nothing. Empty when speculation is off.
+    "spec_drafted", "spec_accepted", "spec_acceptance_rate", "spec_accepted_per_pass",
+    "spec_passes_cancelled", "spec_wasted_rows",
 ]
 SUMMARY_COLUMNS = [
     "model", "nodes", "partition", "max_batch", "samples", "tokens", "runs_ok",
@@ -171,10 +177,28 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
                status="ok", metrics_file=metrics_file)
     for key in FORWARD_COLUMNS:
         row[key] = _per_node(nodes, key, "%.2f" if key.endswith("_mean") else "%g")
+    row.update(speculation_cells(nodes))
     short = [s for s in m["samples"] if len(s.get("token_ids") or []) < plan.model.tokens]
     if short:
         row["status"] = "ok (%d samples stopped early: %s)" % (len(short), short[0].get("finish_reason"))
     return row
+
+
+def speculation_cells(nodes: List[Dict[str, Any]]) -> Dict[str, str]:
+    """The spec_* cells of a run's metrics nodes ({} when its starter drafted nothing at all:
+    speculation off). A node computes the rows the starter counts as wasted (rejected drafts,
+    stale passes that came back) and those of the stale passes dropped unrun by nodes after it."""
+    spec = (nodes[0].get("speculation") or {}) if nodes else {}
+    if not isinstance(spec.get("drafted"), int):
+        return {}
+    dropped = [int((n.get("speculation") or {}).get("rows_cancelled") or 0) for n in nodes]
+    wasted = [int(spec.get("rows_wasted") or 0) + sum(dropped[i + 1:]) for i in range(len(nodes))]
+    cancelled = [spec.get("passes_stale") or 0] + [(n.get("speculation") or {}).get("passes_cancelled") or 0
+                                                    for n in nodes[1:]]
+    return {"spec_drafted": str(spec["drafted"]), "spec_accepted": str(spec.get("accepted", "")),
+            "spec_acceptance_rate": _num(_number(spec.get("acceptance_rate")), "%.4f"),
+            "spec_accepted_per_pass": _num(_number(spec.get("accepted_per_pass")), "%.4f"),
+            "spec_passes_cancelled": _joined(cancelled), "spec_wasted_rows": _joined(wasted)}
 
 
 # --------------------------------------------------------------------------- summary

@@ -59,6 +59,7 @@ class Experiment:
     emulation: EmulationSettings = field(default_factory=EmulationSettings)
     description: str = ""
     auth: bool = False  # shared secret (MDI_TOKEN) on the control plane and the ring
+    speculation: Any = None  # every run's generation.speculation, as written (None: off)
 
 
 NUM = (int, float)
@@ -70,7 +71,7 @@ SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "w
                "max_batch", "prefill_chunk", "wire_codec", "partition_step")
 TOP_KEYS = {"name": (str,), "description": (str,), "output": (str,), "models": (list,), "repeats": (int,),
             "temperature": NUM, "warmup": (bool,), "starter": (str,), "run_timeout": NUM,
-            "start_timeout": NUM, "emulation": (dict,), "auth": (bool,)}
+            "start_timeout": NUM, "emulation": (dict,), "auth": (bool,), "speculation": (str, dict, bool)}
 TOP_KEYS.update({k: MODEL_KEYS[k] for k in SHARED_KEYS})
 # cpu_quota and memory_limit_mb: one value for every node, or a list per node index (starter first)
 EMULATION_KEYS = {"enabled": (bool, str), "cpu_quota": (int, float, list), "cpu_period_us": (int,),
@@ -287,7 +288,8 @@ def parse_experiment(data: Any, source: str) -> Experiment:
                      warmup=top.get("warmup", True), starter=top.get("starter", "persistent"),
                      run_timeout=float(top.get("run_timeout", 600)), start_timeout=float(top.get("start_timeout", 300)),
                      emulation=_parse_emulation(source + ": emulation", top.get("emulation")),
-                     description=top.get("description", ""), auth=top.get("auth", False))
+                     description=top.get("description", ""), auth=top.get("auth", False),
+                     speculation=top.get("speculation"))
     _check_top(source, exp)
     check_node_lists(exp)
     return exp
@@ -298,6 +300,12 @@ def _check_top(source: str, exp: Experiment) -> None:
         raise ExperimentError("%s: repeats: expected a positive integer" % source)
     if exp.temperature < 0:
         raise ExperimentError("%s: temperature: expected a number >= 0" % source)
+    if exp.speculation is not None:
+        from mdi.runconfig import ConfigError, parse_speculation
+        try:
+            parse_speculation(source + ": speculation", exp.speculation, paths=True)
+        except ConfigError as e:
+            raise ExperimentError(str(e))
     if exp.starter not in ("persistent", "process"):
         raise ExperimentError("%s: starter: expected 'persistent' or 'process', got %r" % (source, exp.starter))
     for key in ("run_timeout", "start_timeout"):

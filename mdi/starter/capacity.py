@@ -1,6 +1,6 @@
 """Memory planning: what a node's layers and KV cache need (what a worker can give is
 `StatusReply.capacity_bytes`, from its /status), weights counted at their quantized size."""
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,18 +50,21 @@ def starter_free_bytes(device: str) -> Optional[int]:
 
 
 def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int, dtype: torch.dtype,
-                    quant: QuantLayout, device: str) -> Optional[int]:
+                    quant: QuantLayout, device: str, beside: Optional[Tuple[str, int]] = None) -> Optional[int]:
     """Refuse, before a byte is loaded, a starter chunk that the free memory of `device` here
-    (starter_free_bytes) cannot hold: a clear error, never an out-of-memory kill. Returns
-    what the memory spares beside the chunk, less LOAD_HEADROOM_BYTES (None when unknown):
-    room a faster quantized kernel may take (mdi.model.kernel_choice.set_memory_allowance)."""
-    need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant)
+    (starter_free_bytes) cannot hold: a clear error, never an out-of-memory kill. `beside`:
+    (what, bytes) the starter holds too (a draft model's weights and cache). Returns what the
+    memory spares beside them, less LOAD_HEADROOM_BYTES (None when unknown): room a faster
+    quantized kernel may take (mdi.model.kernel_choice.set_memory_allowance)."""
+    extra = beside[1] if beside is not None else 0
+    need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant) + extra
     free = starter_free_bytes(device)
     if free is not None and need > free:
         weights = weight_bytes(config, layers, dtype_name(dtype), True, quant)
+        also = " + %s %.0f MB" % (beside[0], extra / MB) if beside is not None else ""
         raise ConfigError("starter: %s with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
-                          "%.0f MB) but only %.0f MB of memory is available on %s here: %suse fewer positions or "
+                          "%.0f MB%s) but only %.0f MB of memory is available on %s here: %suse fewer positions or "
                           "samples, or give layers to more nodes"
-                          % (format_layers(*layers), need / MB, weights / MB, (need - weights) / MB, free / MB, device,
-                             "" if quant else "quantize (--quant int4), "))
+                          % (format_layers(*layers), need / MB, weights / MB, (need - weights - extra) / MB, also,
+                             free / MB, device, "" if quant else "quantize (--quant int4), "))
     return None if free is None else free - need - LOAD_HEADROOM_BYTES

@@ -30,6 +30,7 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
+from mdi.starter.draft_model import DraftModel
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
 from mdi.starter.speculation import Drafter, SpecCounters, SpecPolicy, SpecState, new_drafter
@@ -121,6 +122,7 @@ class Pipeline:
         self.spec_counters = SpecCounters()
         # a sample's drafter when not the speculation method's own (measurement: mdi.lab.oracle_drafter)
         self.drafter_factory = drafter_factory
+        self.draft_model: Optional[DraftModel] = None  # method draft's model (the engine loads it)
         # The prefix cache (enable_prefix_cache): the starter's index of what every node holds,
         # and its own node's store.
         self.prefix: Optional[PrefixIndex] = None
@@ -173,8 +175,9 @@ class Pipeline:
         self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
         sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
         if spec.on and sample.spec is None:
-            sample.spec = SpecState(self.drafter_factory(sample) if self.drafter_factory is not None
-                                    else new_drafter(spec, sample.prompt_ids + sample.token_ids))
+            drafter = self.drafter_factory(sample) if self.drafter_factory is not None \
+                else new_drafter(spec, sample, self.draft_model)
+            sample.spec = SpecState(drafter) if drafter is not None else None
         if sample.spec is not None:
             sample.spec.forget_flight()
         if sample.window_len > self.chunk.cache.max_len:
@@ -470,6 +473,8 @@ class Pipeline:
         for sample in advanced.values():
             if sample.done:
                 self.active.pop(sample.slot, None)
+                if sample.spec is not None:
+                    sample.spec.close()  # a draft model's slot is free again
                 if self.prefix is not None:  # what its slot holds is cache now
                     self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter)
             elif sample.spec is None or not sample.spec.passes:

@@ -3,13 +3,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from mdi.runconfig import NodeSpec, RunConfig
+from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import format_layers
 from mdi.model.source import ModelSource
 from mdi.starter.adapter_set import adapter_layer_bytes
 from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter_free_bytes
+from mdi.starter.draft_model import open_draft
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -41,13 +42,25 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
     print(prefix_line(cfg))
+    try:  # its vocabulary checked as the run checks it, before any weight is read
+        draft = open_draft(cfg, source)
+    except ConfigError as e:
+        print("draft model: REFUSED: %s" % e)
+        print("check: problems found")
+        return 1
+    draft_need = draft.bytes_needed(plan.n_slots, plan.max_len, plan.dtype) if draft is not None else 0
+    if draft is not None:
+        print("draft model %s: %s, %d layers, quant %s: %.1f MB (weights and KV cache), counted in the starter's need"
+              % (draft.path, draft.config.family, draft.config.n_layer,
+                 cfg.generation.speculation.quant or cfg.model.quant, draft_need / MB))
     ok = True
     registry = NodeRegistry.for_run(cfg)
     try:
         for i, node in enumerate(plan.nodes):
             first, last = node.layers
             need = chunk_bytes_needed(config, node.layers, plan.n_slots, plan.max_len, plan.dtype, with_ends=i == 0,
-                                      quant=node.quant) + sum(adapter_bytes[first:last]) + prefix_reserve(cfg)
+                                      quant=node.quant) + sum(adapter_bytes[first:last]) + prefix_reserve(cfg) \
+                + (draft_need if i == 0 else 0)
             where = "%-10s %-21s %-17s needs %7.1f MB" % (
                 node.name, node.spec.address if i else "(this machine)", format_layers(first, last), need / MB)
             ok = _report(cfg, registry, node.spec if i else None, where, need) and ok

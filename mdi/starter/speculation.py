@@ -28,6 +28,7 @@ while and probes again later. Passes are built on guesses only while the ring ha
 decoding samples than boards, and no sample drafts once it holds more than one per board:
 plain decoding and batching fill the ring then (speculation yields to them).
 """
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -37,7 +38,10 @@ import torch
 
 from mdi.model.row_batch import RowBatch
 from mdi.runconfig import SpeculationSpec
+from mdi.starter.draft_model import DraftModel, ModelDrafter
 from mdi.starter.sample import Sample
+
+log = logging.getLogger(__name__)
 
 RATE_PRIOR = 0.5  # the acceptance assumed before a sample's first verification
 RATE_MEMORY = 0.85  # weight of the past in the rolling acceptance (per verified draft)
@@ -169,6 +173,12 @@ class SpecState:
         self.last_commit = now
         self.trial += 1
 
+    def close(self) -> None:
+        """Its sample ended: a drafter that holds memory for it (a draft model's slot) lets go."""
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
+
     def forget_flight(self) -> None:
         """Every pass in flight is lost or stale: the next pass starts from the accepted tokens."""
         self.frontier = []
@@ -255,9 +265,17 @@ class SpecPolicy:
         return self.spec.on and decoding <= self.n_stages
 
 
-def new_drafter(spec: SpeculationSpec, history: Sequence[int]) -> Drafter:
+def new_drafter(spec: SpeculationSpec, sample: Sample, draft_model: Optional[DraftModel] = None) -> Optional[Drafter]:
+    """`sample`'s drafter for `spec`; None where the method has nothing to draft with (a
+    request asks for `draft` of a server that loaded no draft model: it decodes plainly)."""
     if spec.method == "ngram":
-        return NgramDrafter(history, spec.ngram_min, spec.ngram_max)
+        return NgramDrafter(sample.prompt_ids + sample.token_ids, spec.ngram_min, spec.ngram_max)
+    if spec.method == "draft":
+        if draft_model is None:
+            log.warning("mdi: sample %d asks for a draft model, and none is loaded here "
+                        "(generation.speculation.draft): it decodes without drafting", sample.index)
+            return None
+        return ModelDrafter(draft_model, sample)
     raise ValueError("speculation method %r has no drafter" % spec.method)
 
 

@@ -155,7 +155,7 @@
     lastState = null;
     Object.keys(series).forEach(function (k) { series[k] = []; });
     ["s-tps", "s-inflight", "s-slots", "s-queue", "s-ttft", "s-tokens", "s-extra", "c-tps", "c-inflight",
-     "c-queue", "c-ttft"].forEach(function (id) { $(id).textContent = "\u2013"; });
+     "c-queue", "c-ttft", "s-spec-accepted", "s-spec-drafted", "s-spec-rate", "s-spec-per-pass"].forEach(function (id) { $(id).textContent = "\u2013"; });
     ["m-tps", "m-inflight", "m-queue", "m-ttft", "model", "updated"].forEach(function (id) { $(id).textContent = ""; });
     clear($("ring-svg"));
     clear($("nodes"));
@@ -177,6 +177,7 @@
     $("s-tokens").textContent = String(s.tokens_total);
     var pc = s.prefix_cache || {};
     $("s-cache").textContent = pc.prompt_tokens ? percent(pc.tokens_reused / pc.prompt_tokens) : "\u2013";
+    renderSpeculation(s.speculation || {});
     if (s.mode === "batch" && s.progress) {
       $("s-extra-label").textContent = "samples done";
       $("s-extra").textContent = s.progress.samples_done + " / " + s.progress.samples;
@@ -201,6 +202,16 @@
     renderNodes(s.nodes);
     renderCharts(s);
     renderRecoveries(s.recoveries, s.last_error);
+  }
+
+  // Speculative decoding's counters (the snapshot's `speculation`, /metrics' mdi_speculation_*):
+  // dashes until something was drafted (speculation off, or every draft paused).
+  function renderSpeculation(sp) {
+    var any = sp.drafted > 0;
+    $("s-spec-accepted").textContent = any ? String(sp.accepted) : "\u2013";
+    $("s-spec-drafted").textContent = any ? String(sp.drafted) : "\u2013";
+    $("s-spec-rate").textContent = any ? percent(sp.acceptance_rate) : "\u2013";
+    $("s-spec-per-pass").textContent = any ? num(sp.accepted_per_pass, 2) : "\u2013";
   }
 
   function push(list, v) {
