@@ -11,7 +11,8 @@ from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, s
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
-from mdi.runconfig import (MAX_DRAFT_LIMIT, SPECULATION_METHODS, ConfigError, parse_prefix_cache, GenerationSpec, ModelSpec, NodeSpec,
+from mdi.runconfig.speculation import MAX_DRAFT_LIMIT, SPECULATION_METHODS
+from mdi.runconfig import (ConfigError, parse_prefix_cache, GenerationSpec, ModelSpec, NodeSpec,
                            RunConfig, RuntimeSpec, check_quant, load_config, parse_speculation)
 
 

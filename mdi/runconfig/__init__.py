@@ -7,13 +7,17 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Optional
 
 import yaml
 
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, balanced, layer_ranges
 from mdi.model.fused_decode import default_on as fused_decode_default
 from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
+# ConfigError, check_keys and the speculation setting live in their own modules; callers
+# import them from here as they always have.
+from mdi.runconfig.checks import ConfigError, check_keys
+from mdi.runconfig.speculation import SpeculationSpec, parse_speculation
 
 DEFAULT_HTTP_PORT = 8080
 AUTO_LAYERS = "auto"  # nodes[].layers: split by the planner (mdi.starter.planner) from measured speeds
@@ -22,10 +26,6 @@ DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + 
 # at each node: on this 2-core machine (SmolLM2, 3 nodes) 64 keeps its time to first token at
 # 1.75x an idle ring's, 128 gives 2.65x, 256 5.4x (scripts/bench_serve.py --compare ttft).
 DEFAULT_PREFILL_CHUNK = 64
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass
@@ -56,71 +56,6 @@ class ModelSpec:
     compute_dtype: Optional[str] = None  # e.g. store float16, compute float32 (old GPUs)
     quant: str = "auto"  # none | int8 | int4 | auto (as stored: a GGUF's own precision class)
     group_size: Optional[int] = None  # int8/int4 groups; None: int8 per channel, int4 32
-
-
-SPECULATION_METHODS = ("off", "ngram", "draft")
-MAX_DRAFT_LIMIT = 32  # drafted tokens per pass: beyond this a pass costs more than it can win
-
-
-@dataclass
-class SpeculationSpec:
-    """Speculative decoding (mdi.starter.speculation): the starter drafts tokens, every pass
-    verifies them in the ring, and the output is exactly the plain run's (greedy) or has its
-    distribution (sampling)."""
-    method: str = "off"  # off | ngram (prompt lookup over the sample's own prompt and output) | draft (a model)
-    max_draft: int = 8  # drafted tokens per pass, at most (adapted to the measured acceptance)
-    ngram_min: int = 2  # the shortest n-gram looked up; the longest is tried first
-    ngram_max: int = 4
-    fill: bool = True  # keep idle boards busy with passes built on drafts still being verified
-    # method draft (mdi.starter.draft_model): the draft model's path (prepared dir, HF dir or
-    # GGUF), and its quantization (None: model.quant). A request's spec never names a path: its
-    # `draft` is None and means the server's configured draft model.
-    draft: Optional[str] = None
-    quant: Optional[str] = None
-
-    @property
-    def on(self) -> bool:
-        return self.method != "off"
-
-
-def parse_speculation(where: str, raw: Any, paths: bool = False) -> SpeculationSpec:
-    """`off`, `ngram`, `draft`, `draft:PATH`, or a mapping of SpeculationSpec's fields (`{draft:
-    PATH}` implies method draft); one ConfigError line naming `where`. YAML reads a bare `off` as
-    false and `on` as true: they mean off and ngram. Only a run's own settings (`paths`: its
-    config file, its flags) may name a draft model's file: a served request's may only say
-    `draft`, the server's own draft model, so no request can make the server read a file."""
-    if raw is None or isinstance(raw, bool):
-        raw = {"method": "ngram" if raw else "off"}
-    if isinstance(raw, str):
-        method, colon, path = raw.partition(":")
-        raw = {"method": method, "draft": path} if colon and method == "draft" else {"method": raw}
-    if isinstance(raw, dict) and "method" not in raw and raw.get("draft") is not None:
-        raw = dict(raw, method="draft")
-    spec = SpeculationSpec(**check_keys(where, raw, {"method": (str,), "max_draft": (int,), "ngram_min": (int,),
-                                                     "ngram_max": (int,), "fill": (bool,), "draft": (str,),
-                                                     "quant": (str,)}))
-    if spec.method not in SPECULATION_METHODS:
-        raise ConfigError("%s.method: expected one of %s, got %r" % (where, ", ".join(SPECULATION_METHODS), spec.method))
-    if spec.method != "draft":
-        for key in ("draft", "quant"):
-            if key in raw:
-                raise ConfigError("%s: unknown key %r for method %s (a draft model's setting: method draft)"
-                                  % (where, key, spec.method))
-    elif not paths:
-        for key in ("draft", "quant"):
-            if raw.get(key) is not None:
-                raise ConfigError("%s.%s: a request cannot name a draft model's file or quantization; say "
-                                  "\"draft\" for the server's own draft model" % (where, key))
-    elif not spec.draft:
-        raise ConfigError("%s.draft: method draft needs the draft model's path (draft: PATH)" % where)
-    if spec.quant is not None and spec.quant not in QUANT_MODES:
-        raise ConfigError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), spec.quant))
-    if not 1 <= spec.max_draft <= MAX_DRAFT_LIMIT:
-        raise ConfigError("%s.max_draft: expected an integer in [1, %d], got %d" % (where, MAX_DRAFT_LIMIT, spec.max_draft))
-    if not 1 <= spec.ngram_min <= spec.ngram_max <= 16:
-        raise ConfigError("%s: expected 1 <= ngram_min <= ngram_max <= 16, got %d and %d"
-                          % (where, spec.ngram_min, spec.ngram_max))
-    return spec
 
 
 @dataclass
@@ -227,36 +162,6 @@ class RunConfig:
     def recovery_attempts(self) -> int:
         given = self.runtime.recovery_attempts
         return given if given is not None else (2 if self.spares else 0)
-
-
-def check_keys(where: str, data: Any, allowed: Mapping[str, Any], required=(),
-               error: type = ConfigError) -> Dict[str, Any]:
-    """A YAML mapping's keys and value types checked against `allowed` (key -> accepted types);
-    every error names `where` and the key. mdi-bench's experiment files use it too (`error`)."""
-    if not isinstance(data, dict):
-        raise error("%s: expected a mapping, got %s" % (where, type(data).__name__))
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise error("%s: unknown key %r (expected one of: %s)" % (where, unknown[0], ", ".join(sorted(allowed))))
-    for key in required:
-        if key not in data or data[key] is None:
-            raise error("%s.%s: required key is missing" % (where, key))
-    out = {}
-    for key, value in data.items():
-        kinds = allowed[key]
-        if value is None:
-            continue
-        if isinstance(value, bool) and bool not in kinds:
-            raise error("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
-        if not isinstance(value, kinds):
-            raise error("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
-        out[key] = value
-    return out
-
-
-def _names(kinds) -> str:
-    return " or ".join({int: "an integer", float: "a number", str: "a string", list: "a list",
-                        bool: "true/false", dict: "a mapping"}[k] for k in kinds)
 
 
 NUM = (int, float)

@@ -1,0 +1,37 @@
+"""The run YAML's one error type and its mapping check (key names and value types), shared by
+every section's parser and by mdi-bench's experiment files."""
+from typing import Any, Dict, Mapping
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the file or flag, the key and what was expected."""
+
+
+def check_keys(where: str, data: Any, allowed: Mapping[str, Any], required=(),
+               error: type = ConfigError) -> Dict[str, Any]:
+    """A YAML mapping's keys and value types checked against `allowed` (key -> accepted types);
+    every error names `where` and the key. mdi-bench's experiment files use it too (`error`)."""
+    if not isinstance(data, dict):
+        raise error("%s: expected a mapping, got %s" % (where, type(data).__name__))
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise error("%s: unknown key %r (expected one of: %s)" % (where, unknown[0], ", ".join(sorted(allowed))))
+    for key in required:
+        if key not in data or data[key] is None:
+            raise error("%s.%s: required key is missing" % (where, key))
+    out = {}
+    for key, value in data.items():
+        kinds = allowed[key]
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in kinds:
+            raise error("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
+        if not isinstance(value, kinds):
+            raise error("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
+        out[key] = value
+    return out
+
+
+def _names(kinds) -> str:
+    return " or ".join({int: "an integer", float: "a number", str: "a string", list: "a list",
+                        bool: "true/false", dict: "a mapping"}[k] for k in kinds)
