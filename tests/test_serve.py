@@ -480,3 +480,10 @@ def test_a_hostile_chat_template_is_bounded(source, needle):
     assert e.value.status == 400 and needle in e.value.message and time.monotonic() - t0 < 10
     tok.chat_template = "{% for m in messages %}{{ m['content'] * 2 }}{% endfor %}{{ 2 ** 10 }}"
     assert ChatTemplate(tok).render([{"role": "user", "content": "hi"}]) == "hihi1024"  # small ones still work
+
+
+def test_a_request_for_the_draft_model_of_a_server_without_one_is_a_400(server):
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "speculation": "draft"},
+                      timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculation", r.text
+    assert "no draft model" in r.json()["error"]["message"]

@@ -170,6 +170,10 @@ class Routes:
         if outside:
             raise ApiError(400, "'logit_bias': token id %d is outside the vocabulary (0 to %d)"
                            % (min(outside), vocab - 1), "logit_bias")
+        spec = opts.speculation
+        if spec is not None and spec.method == "draft" and self.sched.cfg.generation.speculation.method != "draft":
+            raise ApiError(400, "'speculation': this server has no draft model (generation.speculation: "
+                           "{draft: PATH} in its config)", "speculation")
         if opts.n > self.sched.slots:
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
