@@ -15,6 +15,7 @@ from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planner import PlanError
 from mdi.starter.capacity import chunk_bytes_needed, prefix_reserve, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
+from mdi.starter.draft_model import open_draft
 from mdi.starter.engine import Engine
 from mdi.starter.sample import Sample
 from mdi.starter.run_plan import RunPlan, plan_run
@@ -71,11 +72,15 @@ def _planned(cfg: RunConfig, source: ModelSource, max_len: int, params: Sampling
 
 def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> int:
     """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of the plan's
-    positions that fit in every node's memory next to its weights."""
+    positions that fit in every node's memory next to its weights (the starter's: and a draft
+    model's weights, and its cache slot per slot)."""
     cfg, max_len = plan.cfg, plan.max_len
     asked = cfg.serve.max_in_flight
     limit = asked or DEFAULT_MAX_IN_FLIGHT
     config = source.config
+    draft = open_draft(cfg, source)  # the starter's draft model: its weights and a cache slot per slot
+    draft_weights = draft.bytes_needed(0, max_len, plan.dtype) if draft is not None else 0
+    draft_slot = draft.bytes_needed(1, max_len, plan.dtype) - draft_weights if draft is not None else 0
     for i, node in enumerate(plan.nodes):
         if i == 0:
             capacity = starter_free_bytes(cfg.device_of(node.spec))
@@ -84,8 +89,9 @@ def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> in
         if capacity is None:
             continue
         weights = chunk_bytes_needed(config, node.layers, 0, max_len, plan.dtype, with_ends=i == 0, quant=node.quant) \
-            + prefix_reserve(cfg)
-        per_slot = KVCache.nbytes_for(config, node.layers[1] - node.layers[0], 1, max_len, plan.dtype)
+            + prefix_reserve(cfg) + (draft_weights if i == 0 else 0)
+        per_slot = KVCache.nbytes_for(config, node.layers[1] - node.layers[0], 1, max_len, plan.dtype) \
+            + (draft_slot if i == 0 else 0)
         fit = (capacity - weights) // per_slot if per_slot > 0 else limit
         if fit < 1:
             raise ConfigError("node %s: %.0f MB of memory cannot hold its layers and one KV cache slot of "
