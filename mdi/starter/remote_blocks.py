@@ -161,7 +161,10 @@ class RemoteBlocks:
         x = x.detach().to(t.device, t.chunk.activation_dtype)
         if keep:
             tag = TrainTag(self._step, self._micro, t.chunk.last)
-            self._micro += 1
+            if self.trains:
+                self._micro += 1  # micro-batches of the batch step() closes
+            else:
+                self._step += 1  # never stepped: each forward its own batch, so no micro count runs past the wire's bound
             y = t.stage.forward(tag.step, tag.micro, x, input_grad=True)
             kind = FrameKind.TRAIN
         else:
