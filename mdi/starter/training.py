@@ -128,16 +128,30 @@ def fingerprint(cfg: RunConfig, options: TrainOptions) -> Dict[str, Any]:
                            seq_len=options.seq_len, seed=options.seed, shuffle=options.shuffle, clip=options.clip)
 
 
+def training_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` with kernels that have a backward (mdi-train's and mdi.starter.remote_blocks')."""
+    if cfg.runtime.quant_kernel == "exact":
+        return cfg
+    # a quantized base's fast kernels (integer products, in-place rescaling) have no
+    # backward: the frozen int4 / int8 weights compute in float32 on every node (QLoRA's way)
+    log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
+             cfg.runtime.quant_kernel)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
+
+
+def open_engine(cfg: RunConfig, source: ModelSource, seq_len: int) -> Engine:
+    """The ring of `cfg` opened for windows of up to `seq_len` tokens (one sample's plan)."""
+    greedy = SamplingParams(temperature=0.0)
+    engine = Engine(plan_run(cfg, source, RunShape(1, seq_len), greedy), source, greedy)
+    engine.open()
+    return engine
+
+
 def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepRecord, int], None]] = None,
         pairs: Optional[Pairs] = None, resume: Optional[Checkpoint] = None) -> TrainResult:
     """Train; `pairs` (every layer's initial LoRA) default to the seeded PEFT initialisation;
     `resume` goes on from a checkpoint (its pairs, AdamW state and step)."""
-    if cfg.runtime.quant_kernel != "exact":
-        # a quantized base's fast kernels (integer products, in-place rescaling) have no
-        # backward: the frozen int4 / int8 weights compute in float32 on every node (QLoRA's way)
-        log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
-                 cfg.runtime.quant_kernel)
-        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
+    cfg = training_config(cfg)
     source = ModelSource(cfg.model.path)
     config = source.config
     check_options(options, config.block_size)
@@ -156,9 +170,7 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
         if start >= options.steps:
             raise ConfigError("--resume: the checkpoint has %d steps done, --steps is %d" % (start, options.steps))
     pairs = pairs if pairs is not None else init_pairs(config, spec, options.seed)
-    greedy = SamplingParams(temperature=0.0)
-    engine = Engine(plan_run(cfg, source, RunShape(1, options.seq_len), greedy), source, greedy)
-    engine.open()
+    engine = open_engine(cfg, source, options.seq_len)
     try:
         trainer = _RingTrainer(engine, options, pairs, state)
         if held_out is not None and start == 0:
