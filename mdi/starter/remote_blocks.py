@@ -38,7 +38,7 @@ from mdi.ring.train_request import TrainSetup
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.runconfig import RunConfig
 from mdi.starter.engine import Engine
-from mdi.starter.training import Pairs, TrainOptions, _RingTrainer, open_engine, training_config
+from mdi.starter.training import Pairs, TrainOptions, RingTrainer, open_engine, training_config
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RemoteBlocks:
                 pairs = {k: (torch.zeros_like(a), torch.zeros_like(b)) for k, (a, b) in pairs.items()}
         self._pairs = pairs
         self.engine: Optional[Engine] = None
-        self._trainer: Optional[_RingTrainer] = None
+        self._trainer: Optional[RingTrainer] = None
         self._step = 0  # the batch that forwards join (a step frame closes it)
         self._micro = 0  # forwards of this batch so far
         self._evals = 0
@@ -82,7 +82,7 @@ class RemoteBlocks:
     def open(self) -> "RemoteBlocks":
         engine = open_engine(self.cfg, self.source, self.seq_len)
         try:
-            self._trainer = _RingTrainer(engine, TrainOptions("", self.setup, seq_len=self.seq_len), self._pairs)
+            self._trainer = RingTrainer(engine, TrainOptions("", self.setup, seq_len=self.seq_len), self._pairs)
         except BaseException:
             engine.abort()
             raise
@@ -106,7 +106,7 @@ class RemoteBlocks:
             self.engine, self._trainer = None, None
 
     @property
-    def trainer(self) -> _RingTrainer:
+    def trainer(self) -> RingTrainer:
         if self._trainer is None:
             raise RuntimeError("the ring is not open: use `with RemoteBlocks(cfg) as ring:` or open()")
         return self._trainer

@@ -172,7 +172,7 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     pairs = pairs if pairs is not None else init_pairs(config, spec, options.seed)
     engine = open_engine(cfg, source, options.seq_len)
     try:
-        trainer = _RingTrainer(engine, options, pairs, state)
+        trainer = RingTrainer(engine, options, pairs, state)
         if held_out is not None and start == 0:
             evals.append(trainer.evaluate(0, held_out))
         for step in range(start, options.steps):
@@ -203,7 +203,7 @@ def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if first <= key_layer(k) < last}
 
 
-class _RingTrainer:
+class RingTrainer:
     def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs,
                  state: Optional[OptimizerState] = None) -> None:
         self.engine, self.options = engine, options
