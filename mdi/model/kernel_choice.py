@@ -45,7 +45,7 @@ _allowance: List[Optional[int]] = [None]  # bytes layers may hold beyond their s
 _measured_prefill: Dict[Tuple, Dict[str, Optional[float]]] = {}
 _prefill_choices: Dict[Tuple, Tuple[str, int]] = {}
 _crossovers: Dict[Tuple, int] = {}  # (key, decode kernel, prefill kernel) -> rows from which the second is faster
-_prefill_allowance: List[Optional[int]] = [None]  # of _allowance, what second copies may still take
+_prefill_allowance: List[Optional[int]] = [None]  # of _allowance, what second copies may still take (None: none)
 
 # The rows a prefill pass is timed at: runtime.prefill_chunk's default
 # (mdi.runconfig.DEFAULT_PREFILL_CHUNK, which the model layer may not import).
@@ -61,7 +61,8 @@ PREFILL_SHARE = 0.5
 def set_memory_allowance(nbytes: Optional[int]) -> None:
     """The bytes the layers loaded from now on may hold beyond their stored (planned) size, for
     kernels that keep a larger packed form; None: no limit (a process that does not know its
-    memory). A node sets it before loading to what its memory spares beside its plan."""
+    memory). A node sets it before loading to what its memory spares beside its plan. Second
+    kernels for prefill passes may take PREFILL_SHARE of it, and nothing where it is None."""
     _allowance[0] = None if nbytes is None else max(0, int(nbytes))
     _prefill_allowance[0] = None if nbytes is None else int(_allowance[0] * PREFILL_SHARE)
 
@@ -307,7 +308,10 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
                                                                       PREFILL_ROWS)
     nbytes = copy_bytes(fastest, spec, n_out, n_in, keeps_canonical)
     room = [r for r in (_allowance[0], _prefill_allowance[0]) if r is not None]
-    if room and nbytes > min(room):
+    if not room:  # a copy only buys speed: taken only where the memory is known to spare it
+        return "prefill: %s (%s would be %.2fx faster at %d rows but this process does not know what its " \
+               "memory spares for a copy)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS)
+    if nbytes > min(room):
         return "prefill: %s (%s would be %.2fx faster at %d rows but its copy needs %.1f MB more than the node " \
                "spares)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS, nbytes / 2 ** 20)
     try:
@@ -317,8 +321,10 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
     release_freed_memory()
     pair = (key, choice.kernel.name, fastest.name)
     if pair not in _crossovers:
-        _crossovers[pair] = _crossover(choice.kernel, choice.packed, fastest, packed, spec, n_out, n_in, device,
-                                       resident)
+        _crossovers[pair] = _crossover(choice, fastest, packed, spec, n_out, n_in, device, resident)
+    if not _crossovers[pair]:
+        return "prefill: %s (%s was %.2fx faster at %d rows, but not %.2fx when timed beside it)" % (
+            choice.kernel.name, fastest.name, faster, PREFILL_ROWS, PREFILL_GAIN)
     for budget in (_allowance, _prefill_allowance):
         if budget[0] is not None:
             budget[0] -= nbytes
@@ -328,22 +334,35 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
         fastest.name, choice.prefill_from, faster, PREFILL_ROWS, nbytes / 2 ** 20)
 
 
-def _crossover(decode: Kernel, decode_packed: Tensors, prefill: Kernel, prefill_packed: Tensors, spec: QuantSpec,
-               n_out: int, n_in: int, device: torch.device, resident: Sequence[torch.Tensor]) -> int:
+PAIRED_TIMINGS = 3  # alternate timings of two kernels, each the least of its own
+
+
+def _crossover(decode: Choice, prefill: Kernel, prefill_packed: Tensors, spec: QuantSpec, n_out: int, n_in: int,
+               device: torch.device, resident: Sequence[torch.Tensor]) -> int:
     """The fewest rows, a power of two up to PREFILL_ROWS, from which `prefill` is faster than
-    `decode`: bisected between one row (decode's, as measured) and PREFILL_ROWS (prefill's)."""
+    the decode kernel, or 0 where it is not PREFILL_GAIN faster at PREFILL_ROWS after all. Timed
+    in turns (another process's burst then slows both), first at PREFILL_ROWS, then bisected
+    between one row (the decode kernel's, as measured) and PREFILL_ROWS."""
     nbytes = spec.nbytes(n_out, n_in)
-    slower, faster = 0, PREFILL_ROWS.bit_length() - 1  # exponents of two: decode wins at 2**slower, prefill at 2**faster
     generator = torch.Generator().manual_seed(1)
+
+    def times(rows: int) -> Tuple[float, float]:
+        x = torch.randn(rows, n_in, generator=generator).to(device)
+        calls = (_timed(decode.kernel, decode.packed, spec, n_in, x), _timed(prefill, prefill_packed, spec, n_in, x))
+        best = [float("inf"), float("inf")]
+        for _ in range(PAIRED_TIMINGS):
+            for i, fn in enumerate(calls):
+                best[i] = min(best[i], _time(fn, device, nbytes, resident))
+        return best[0], best[1]
+    t_decode, t_prefill = times(PREFILL_ROWS)
+    if t_decode < PREFILL_GAIN * t_prefill:
+        return 0
+    slower, faster = 0, PREFILL_ROWS.bit_length() - 1  # exponents of two: decode wins at 2**slower, prefill at 2**faster
     while faster - slower > 1:
         middle = (slower + faster) // 2
-        x = torch.randn(2 ** middle, n_in, generator=generator).to(device)
-        t_decode = _time(_timed(decode, decode_packed, spec, n_in, x), device, nbytes, resident)
-        t_prefill = _time(_timed(prefill, prefill_packed, spec, n_in, x), device, nbytes, resident)
+        t_decode, t_prefill = times(2 ** middle)
         slower, faster = (slower, middle) if t_prefill < t_decode else (middle, faster)
     return 2 ** faster
-
-
 
 
 KEEP_PACKED_BYTES = 16 * 2 ** 20  # a larger best-so-far packing is dropped before the next candidate is packed

@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Prefill-aware kernel choice: time to first token of a long prompt and decode speed, one run.
+
+A quantized layer's kernel was chosen by timing one row (decode). `choose_kernels`
+(mdi.model.kernel_choice) also times each candidate at a prefill pass's rows and may keep a
+second kernel for passes of many rows, within what the node's memory spares. This compares, on
+standalone SmolLM2 (the prepared Q4_1 GGUF: int4 blocks, int8 head):
+
+  decode-only    kernels by one-row timing only (the choice before; PREFILL_GAIN set to infinity)
+  prefill-aware  the default now
+  float32        runtime quant none (the GGUF dequantized at load)
+
+each in its own fresh process, the variants' order rotating per repeat, `--runs` generations
+per process (model loaded and kernels measured anew each time; the median taken). The prompt is
+README.md's prose (as scripts/bench_prefix_cache.py builds it), `prefix_cache: 0`; greedy,
+`--n-tokens` new tokens. TTFT = the first token's time since the pipeline started (load
+excluded); decode tok/s = (n - 1) / (last - first token time). Ratios per repeat against
+decode-only, median [min, max]. Greedy ids of each variant are compared with the `exact`
+kernels' (one run), and `--perplexity` scores each quantized variant as
+scripts/bench_quant_quality.py does (Areopagitica, 8 windows, 2 threads).
+
+`--shapes`: each candidate kernel's time per call at 1..64 rows on SmolLM2's weight shapes
+(random weights of the same formats), 1 and 2 threads, repeats interleaved: min of each call
+set, median over repeats.
+
+    python scripts/bench_prefill_kernels.py --shapes --repeats 3 --perplexity
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import benchlib  # noqa: E402  (adds the repo root to sys.path)
+from benchlib import ROOT  # noqa: E402
+
+VARIANTS = ("decode-only", "prefill-aware", "float32")
+SHAPES = [("qkv", 960, 576, "int4"), ("proj", 576, 576, "int4"), ("gate_up", 3072, 576, "int4"),
+          ("down", 576, 1536, "int4"), ("head", 49152, 576, "int8")]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m"))
+    p.add_argument("--words", type=int, default=1000, help="README words in the prompt (~1.3 tokens each)")
+    p.add_argument("--n-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant")
+    p.add_argument("--runs", type=int, default=2, help="generations per process (median taken)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--no-exact", action="store_true", help="skip the exact kernels' greedy ids")
+    p.add_argument("--perplexity", action="store_true", help="also score perplexity per quantized variant")
+    p.add_argument("--shapes", action="store_true", help="also time each kernel per shape and row count")
+    p.add_argument("--shapes-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_prefill_kernels.json"))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def set_variant(variant: str) -> None:
+    """In a child: the kernel choice `variant` asks for."""
+    if variant == "decode-only":
+        from mdi.model import kernel_choice
+        kernel_choice.PREFILL_GAIN = float("inf")  # no kernel earns a second copy: one-row timing decides
+
+
+# --------------------------------------------------------------------------- one process
+
+def generate(args: argparse.Namespace, variant: str) -> Dict[str, Any]:
+    import torch
+    from bench_prefix_cache import document
+    from mdi.runconfig import parse_config
+    from mdi.starter import batch
+    torch.set_num_threads(args.threads)
+    set_variant(variant)
+    runs = []
+    for _ in range(args.runs):
+        d = benchlib.run_config_dict(args.model, [{"name": "starter", "data_port": benchlib.free_ports(1)[0]}],
+                                     args.n_tokens, args.threads)
+        d["model"]["quant"] = "none" if variant == "float32" else "auto"
+        d["runtime"].update({"quant_kernel": "exact" if variant == "exact" else "fast", "prefix_cache": 0})
+        t0 = time.perf_counter()
+        result = batch.run(parse_config(d, "bench_prefill_kernels"), [document(args.words)])
+        s = result.samples[0]
+        runs.append({"ttft_s": s.token_times[0],
+                     "decode_tok_s": (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0]),
+                     "prompt_tokens": len(s.prompt_ids), "token_ids": s.token_ids,
+                     "wall_s": time.perf_counter() - t0, "kernels": result.nodes[0].kernels})
+    return {"runs": runs, "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs)}
+
+
+def perplexity(args: argparse.Namespace, variant: str) -> Dict[str, Any]:
+    """scripts/bench_quant_quality.py's scoring, in this process (the variant's choice set)."""
+    import bench_quant_quality as q
+    from mdi.cli import start_main
+    set_variant(variant)
+    with tempfile.TemporaryDirectory() as tmp:
+        text = q.text_file(q.TEXTS["smollm2"], tmp)
+        metrics = os.path.join(tmp, "m.json")
+        sys.argv = ["mdi-start", "--model", args.model, "--perplexity", text, "--ppl-max-windows", "8",
+                    "--threads", "2", "--metrics-out", metrics] + (["--quant", "none"] if variant == "float32" else [])
+        with open(os.devnull, "w") as null:
+            saved, sys.stdout = sys.stdout, null
+            try:
+                start_main()
+            finally:
+                sys.stdout = saved
+        with open(metrics) as f:
+            m = json.load(f)
+    return {"perplexity": m["perplexity"], "tokens_per_s": m.get("tokens_per_s"),
+            "kernels": m["nodes"][0].get("kernels")}
+
+
+def child(args: argparse.Namespace) -> Dict[str, Any]:
+    kind, variant = args.child.split(":")
+    return generate(args, variant) if kind == "generate" else perplexity(args, variant)
+
+
+def in_child(args: argparse.Namespace, kind: str, variant: str) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "%s:%s" % (kind, variant), "--model", args.model,
+           "--words", str(args.words), "--n-tokens", str(args.n_tokens), "--threads", str(args.threads),
+           "--runs", str(args.runs if variant != "exact" else 1)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError("%s %s failed:\n%s" % (kind, variant, done.stderr[-3000:]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- kernels per shape
+
+def time_shapes(repeats: int) -> List[Dict[str, Any]]:
+    """Each candidate's call time per shape, row count and thread count (kernel_choice._time:
+    caches filled with other data before each call, min of the calls), repeats interleaved."""
+    import torch
+    from mdi.model import kernel_choice, qkernels
+    from mdi.model.layout import QuantSpec
+    from mdi.model.quant import quantize
+    rows_list = (1, 4, 8, 16, 32, 64)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for name, n_out, n_in, kind in SHAPES:
+        spec = QuantSpec(kind, 32)
+        tensors = quantize(torch.randn(n_out, n_in, generator=g) * 0.05, spec)
+        cpu = torch.device("cpu")
+        kernels = qkernels.candidates(spec, n_out, n_in, cpu)
+        packed = {k.name: dict(tensors) if k is qkernels.DEQUANT else k.pack(tensors, spec, n_in) for k in kernels}
+        xs = {r: torch.randn(r, n_in, generator=g) for r in rows_list}
+        times = {}  # type: Dict[str, List[float]]
+        for _ in range(repeats):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for k in kernels:
+                    for r in rows_list:
+                        if name == "head" and r > 1 and k is not qkernels.INT8_FBGEMM and r != 64:
+                            continue  # the slow head kernels: 1 and 64 rows only
+                        fn = kernel_choice._timed(k, packed[k.name], spec, n_in, xs[r])
+                        t = kernel_choice._time(fn, cpu, spec.nbytes(n_out, n_in))
+                        times.setdefault("%s|%d|%d" % (k.name, threads, r), []).append(t * 1e3)
+        for key, values in times.items():
+            kernel, threads, r = key.split("|")
+            out.append({"shape": name, "n_out": n_out, "n_in": n_in, "spec": spec.label(), "kernel": kernel,
+                        "threads": int(threads), "rows": int(r), "ms": statistics.median(values),
+                        "ms_per_row": statistics.median(values) / int(r), "repeats_ms": [round(v, 4) for v in values]})
+        del packed
+        print("timed %s" % name, flush=True)
+    return out
+
+
+def shape_table(rows: List[Dict[str, Any]]) -> None:
+    for threads in (1, 2):
+        table = []
+        for name, *_ in SHAPES:
+            for kernel in sorted({r["kernel"] for r in rows if r["shape"] == name}):
+                cells = {r["rows"]: r["ms"] for r in rows if r["shape"] == name and r["kernel"] == kernel
+                         and r["threads"] == threads}
+                table.append([name, kernel] + ["%.3f" % cells[n] if n in cells else "-" for n in (1, 4, 8, 16, 32, 64)])
+        benchlib.print_table("ms per call, %d thread(s), median of repeats" % threads,
+                             ["shape", "kernel", "1", "4", "8", "16", "32", "64 rows"], table)
+
+
+# --------------------------------------------------------------------------- driver
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    import torch
+    info = benchlib.machine_info(args.threads)
+    info["isa"] = torch.backends.cpu.get_cpu_capability()
+    record = {"benchmark": "bench_prefill_kernels", "machine": info,
+              "args": {k: v for k, v in vars(args).items() if k != "child"}}  # type: Dict[str, Any]
+    t0 = time.time()
+    if args.shapes or args.shapes_only:
+        record["shapes"] = time_shapes(args.repeats)
+        shape_table(record["shapes"])
+        if args.shapes_only:
+            benchlib.finish_machine_info(info)
+            benchlib.save_record(args.out, record)
+            return 0
+    variants = [v for v in args.variants.split(",") if v]
+    runs = {v: [] for v in variants}  # type: Dict[str, List[Dict[str, Any]]]
+    for r in range(args.repeats):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for v in order:
+            m = in_child(args, "generate", v)
+            runs[v].append(m)
+            print("repeat %d %-14s TTFT %6.2f s  decode %5.1f tok/s  (%d prompt tokens; runs %s)" % (
+                r + 1, v, m["ttft_s"], m["decode_tok_s"], m["runs"][0]["prompt_tokens"],
+                ", ".join("%.2f s" % x["ttft_s"] for x in m["runs"])), flush=True)
+    record["runs"] = runs
+    exact = None if args.no_exact else in_child(args, "generate", "exact")
+    if exact is not None:
+        record["exact"] = exact
+        print("exact kernels: TTFT %.2f s, decode %.1f tok/s" % (exact["ttft_s"], exact["decode_tok_s"]), flush=True)
+    summary = {}  # type: Dict[str, Any]
+    base = "decode-only"
+    for v in variants:
+        s = {"ttft_s": benchlib.summarize([m["ttft_s"] for m in runs[v]]),
+             "decode_tok_s": benchlib.summarize([m["decode_tok_s"] for m in runs[v]]),
+             "kernels": runs[v][-1]["runs"][-1]["kernels"]}
+        if base in runs and v != base:
+            s["ttft_ratio_vs_decode_only"] = benchlib.summarize(
+                [m["ttft_s"] / b["ttft_s"] for m, b in zip(runs[v], runs[base])])
+            s["decode_ratio_vs_decode_only"] = benchlib.summarize(
+                [m["decode_tok_s"] / b["decode_tok_s"] for m, b in zip(runs[v], runs[base])])
+        if exact is not None:
+            ids, ref = runs[v][-1]["runs"][-1]["token_ids"], exact["runs"][0]["token_ids"]
+            s["greedy_vs_exact"] = {"tokens": len(ref), "same_prefix": next(
+                (i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref))),
+                "differing_ids": sum(a != b for a, b in zip(ids, ref))}
+        summary[v] = s
+    if args.perplexity:
+        for v in variants:
+            summary[v]["perplexity"] = in_child(args, "perplexity", v)
+            print("%-14s perplexity %.4f" % (v, summary[v]["perplexity"]["perplexity"]), flush=True)
+    record["summary"] = summary
+    rows = []
+    for v in variants:
+        s = summary[v]
+        rows.append([v, benchlib.fmt_stat(s["ttft_s"], "%.2f"), benchlib.fmt_stat(s["decode_tok_s"]),
+                     benchlib.fmt_stat(s["ttft_ratio_vs_decode_only"], "%.3f") if "ttft_ratio_vs_decode_only" in s else "",
+                     benchlib.fmt_stat(s["decode_ratio_vs_decode_only"], "%.3f") if "decode_ratio_vs_decode_only" in s else "",
+                     "%d/%d" % (s["greedy_vs_exact"]["same_prefix"], s["greedy_vs_exact"]["tokens"])
+                     if "greedy_vs_exact" in s else "",
+                     "%.4f" % s["perplexity"]["perplexity"] if "perplexity" in s else ""])
+    benchlib.print_table("standalone, %d thread(s), %d prompt tokens, ISA %s" % (
+        args.threads, runs[variants[0]][0]["runs"][0]["prompt_tokens"], info["isa"]),
+        ["variant", "TTFT s", "decode tok/s", "TTFT ratio", "decode ratio", "greedy = exact", "perplexity"], rows)
+    benchlib.finish_machine_info(info)
+    record["seconds"] = round(time.time() - t0, 1)
+    print(benchlib.note_load(info))
+    benchlib.save_record(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
