@@ -189,4 +189,4 @@ def test_a_lead_that_does_not_hold_when_timed_in_turns_earns_no_copy(fake_timing
     kernel_choice.set_memory_allowance(ROOMY)
     choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
     assert choice.kernel is INT4 and choice.prefill_kernel is None
-    assert "not 1.15x when timed beside it" in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    assert "timed in turns: not 1.15x" in kernel_choice.chosen_by_weight()["int4/g32 64x128"]

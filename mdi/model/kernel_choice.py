@@ -44,7 +44,9 @@ _allowance: List[Optional[int]] = [None]  # bytes layers may hold beyond their s
 # kernel chosen last with the row count from which it runs.
 _measured_prefill: Dict[Tuple, Dict[str, Optional[float]]] = {}
 _prefill_choices: Dict[Tuple, Tuple[str, int]] = {}
-_crossovers: Dict[Tuple, int] = {}  # (key, decode kernel, prefill kernel) -> rows from which the second is faster
+# (key, decode kernel, prefill kernel) -> (rows from which the second is faster, 0: not
+# PREFILL_GAIN faster after all; how much faster at PREFILL_ROWS, timed in turns)
+_crossovers: Dict[Tuple, Tuple[int, float]] = {}
 _prefill_allowance: List[Optional[int]] = [None]  # of _allowance, what second copies may still take (None: none)
 
 # The rows a prefill pass is timed at: runtime.prefill_chunk's default
@@ -314,33 +316,41 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
     if nbytes > min(room):
         return "prefill: %s (%s would be %.2fx faster at %d rows but its copy needs %.1f MB more than the node " \
                "spares)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS, nbytes / 2 ** 20)
+    pair = (key, choice.kernel.name, fastest.name)
+    if pair in _crossovers and not _crossovers[pair][0]:  # another layer of this shape found the lead not to hold
+        return _not_held(choice, fastest, faster, _crossovers[pair][1])
     try:
         packed = dict(tensors) if fastest is DEQUANT else fastest.pack(tensors, spec, n_in)
     except RuntimeError as e:
         return "prefill: %s (%s refused this layer: %s)" % (choice.kernel.name, fastest.name, str(e).splitlines()[0][:80])
     release_freed_memory()
-    pair = (key, choice.kernel.name, fastest.name)
     if pair not in _crossovers:
         _crossovers[pair] = _crossover(choice, fastest, packed, spec, n_out, n_in, device, resident)
-    if not _crossovers[pair]:
-        return "prefill: %s (%s was %.2fx faster at %d rows, but not %.2fx when timed beside it)" % (
-            choice.kernel.name, fastest.name, faster, PREFILL_ROWS, PREFILL_GAIN)
+    rows, paired = _crossovers[pair]
+    if not rows:
+        return _not_held(choice, fastest, faster, paired)
     for budget in (_allowance, _prefill_allowance):
         if budget[0] is not None:
             budget[0] -= nbytes
-    choice.prefill_kernel, choice.prefill_packed, choice.prefill_from = fastest, packed, _crossovers[pair]
-    _prefill_choices[key] = (fastest.name, choice.prefill_from)
-    return "prefill: %s from %d rows (%.2fx faster at %d rows; its copy holds %.1f MB)" % (
-        fastest.name, choice.prefill_from, faster, PREFILL_ROWS, nbytes / 2 ** 20)
+    choice.prefill_kernel, choice.prefill_packed, choice.prefill_from = fastest, packed, rows
+    _prefill_choices[key] = (fastest.name, rows)
+    return "prefill: %s from %d rows (%.2fx faster at %d rows, %.2fx timed in turns; its copy holds %.1f MB)" % (
+        fastest.name, rows, faster, PREFILL_ROWS, paired, nbytes / 2 ** 20)
+
+
+def _not_held(choice: Choice, fastest: Kernel, faster: float, paired: float) -> str:
+    return "prefill: %s (%s was %.2fx faster at %d rows, %.2fx timed in turns: not %.2fx)" % (
+        choice.kernel.name, fastest.name, faster, PREFILL_ROWS, paired, PREFILL_GAIN)
 
 
 PAIRED_TIMINGS = 3  # alternate timings of two kernels, each the least of its own
 
 
 def _crossover(decode: Choice, prefill: Kernel, prefill_packed: Tensors, spec: QuantSpec, n_out: int, n_in: int,
-               device: torch.device, resident: Sequence[torch.Tensor]) -> int:
+               device: torch.device, resident: Sequence[torch.Tensor]) -> Tuple[int, float]:
     """The fewest rows, a power of two up to PREFILL_ROWS, from which `prefill` is faster than
-    the decode kernel, or 0 where it is not PREFILL_GAIN faster at PREFILL_ROWS after all. Timed
+    the decode kernel (0 where it is not PREFILL_GAIN faster at PREFILL_ROWS after all), and how
+    much faster it is there. Timed
     in turns (another process's burst then slows both), first at PREFILL_ROWS, then bisected
     between one row (the decode kernel's, as measured) and PREFILL_ROWS."""
     nbytes = spec.nbytes(n_out, n_in)
@@ -355,14 +365,15 @@ def _crossover(decode: Choice, prefill: Kernel, prefill_packed: Tensors, spec: Q
                 best[i] = min(best[i], _time(fn, device, nbytes, resident))
         return best[0], best[1]
     t_decode, t_prefill = times(PREFILL_ROWS)
-    if t_decode < PREFILL_GAIN * t_prefill:
-        return 0
+    paired = t_decode / t_prefill
+    if paired < PREFILL_GAIN:
+        return 0, paired
     slower, faster = 0, PREFILL_ROWS.bit_length() - 1  # exponents of two: decode wins at 2**slower, prefill at 2**faster
     while faster - slower > 1:
         middle = (slower + faster) // 2
         t_decode, t_prefill = times(2 ** middle)
         slower, faster = (slower, middle) if t_prefill < t_decode else (middle, faster)
-    return 2 ** faster
+    return 2 ** faster, paired
 
 
 KEEP_PACKED_BYTES = 16 * 2 ** 20  # a larger best-so-far packing is dropped before the next candidate is packed
