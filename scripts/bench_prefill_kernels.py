@@ -19,6 +19,16 @@ decode-only, median [min, max]. Greedy ids of each variant are compared with the
 kernels' (one run), and `--perplexity` scores each quantized variant as
 scripts/bench_quant_quality.py does (Areopagitica, 8 windows, 2 threads).
 
+`--ring3 --base REV`: the same long prompt on a ring of the starter and 2 mdi-workers (1 thread
+each), the tree at REV (the choice before, in every process) against this one, alternating
+fresh processes; record ..._ring3.json.
+
+`--paired`: one process holds the three models at once (the two quantized ones share the same
+kernel measurements, so they differ only in the second kernels) and alternates them pass by
+pass: prefill of the prompt in 64-token passes, then `--n-tokens` decode steps, each model in
+turn, `--repeats` rounds, the order rotating. Finer alternation than fresh processes where other
+tenants' bursts last seconds; record ..._paired.json.
+
 `--shapes`: each candidate kernel's time per call at 1..64 rows on SmolLM2's weight shapes
 (random weights of the same formats), 1 and 2 threads, repeats interleaved: min of each call
 set, median over repeats.
@@ -60,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", action="store_true", help="also time each kernel per shape and row count")
     p.add_argument("--shapes-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_prefill_kernels.json"))
+    p.add_argument("--paired", action="store_true", help="the variants alternated pass by pass in one process")
+    p.add_argument("--ring3", action="store_true", help="ring of 3 processes: --base's tree against this one")
+    p.add_argument("--base", default="52b2752~1", help="git revision with the decode-only choice (--ring3)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -119,17 +132,55 @@ def perplexity(args: argparse.Namespace, variant: str) -> Dict[str, Any]:
             "kernels": m["nodes"][0].get("kernels")}
 
 
+def ring3(args: argparse.Namespace) -> Dict[str, Any]:
+    """The long prompt on the starter and 2 workers, all running `mdi` from args.tree."""
+    import shutil
+    import torch
+    from bench_prefix_cache import document
+    from mdi.runconfig import parse_config
+    from mdi.starter import batch
+    torch.set_num_threads(1)
+    log_dir = tempfile.mkdtemp(prefix="mdi-pfk-")
+    workers = [benchlib.WorkerProcess("worker%d" % i, 1, log_dir) for i in (1, 2)]
+    runs = []
+    try:
+        for w in workers:
+            w.wait_healthy(60)
+        for _ in range(args.runs):
+            nodes = [{"name": "starter", "data_port": benchlib.ports_besides(workers)[0]}] + [w.node() for w in workers]
+            d = benchlib.run_config_dict(args.model, nodes, args.n_tokens, 1)
+            d["model"]["quant"] = "auto"
+            d["runtime"].update({"quant_kernel": "fast", "prefix_cache": 0})
+            result = batch.run(parse_config(d, "bench_prefill_kernels"), [document(args.words)])
+            s = result.samples[0]
+            runs.append({"ttft_s": s.token_times[0],
+                         "decode_tok_s": (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0]),
+                         "prompt_tokens": len(s.prompt_ids), "token_ids": s.token_ids,
+                         "kernels": {n.name: n.kernels for n in result.nodes}})
+    finally:
+        benchlib.stop_workers(workers)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return {"runs": runs, "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs)}
+
+
 def child(args: argparse.Namespace) -> Dict[str, Any]:
+    import mdi
+    tree = os.environ["PYTHONPATH"].split(os.pathsep)[0]  # ROOT stays behind it: benchlib adds nothing
+    assert os.path.dirname(os.path.abspath(mdi.__file__)) == os.path.join(os.path.abspath(tree), "mdi"), mdi.__file__
     kind, variant = args.child.split(":")
+    if kind == "ring3":
+        return ring3(args)
     return generate(args, variant) if kind == "generate" else perplexity(args, variant)
 
 
-def in_child(args: argparse.Namespace, kind: str, variant: str) -> Dict[str, Any]:
+def in_child(args: argparse.Namespace, kind: str, variant: str, tree: str = ROOT) -> Dict[str, Any]:
+    """`mdi` from `tree` in the child (and in the workers it starts), the scripts from here."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "%s:%s" % (kind, variant), "--model", args.model,
            "--words", str(args.words), "--n-tokens", str(args.n_tokens), "--threads", str(args.threads),
            "--runs", str(args.runs if variant != "exact" else 1)]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=1800)
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join((tree, ROOT, HERE))), timeout=1800)
     if done.returncode != 0:
         raise RuntimeError("%s %s failed:\n%s" % (kind, variant, done.stderr[-3000:]))
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,6 +240,105 @@ def shape_table(rows: List[Dict[str, Any]]) -> None:
 
 # --------------------------------------------------------------------------- driver
 
+def main_ring3(args: argparse.Namespace, info: Dict[str, Any]) -> int:
+    import shutil
+    base_dir = tempfile.mkdtemp(prefix="mdi-pfk-base-")
+    subprocess.run("git archive %s mdi | tar -x -C %s" % (args.base, base_dir), shell=True, cwd=ROOT, check=True)
+    trees = {"decode-only": base_dir, "prefill-aware": ROOT}
+    runs = {v: [] for v in trees}  # type: Dict[str, List[Dict[str, Any]]]
+    try:
+        for r in range(args.repeats):
+            for v in (["decode-only", "prefill-aware"] if r % 2 == 0 else ["prefill-aware", "decode-only"]):
+                m = in_child(args, "ring3", v, trees[v])
+                runs[v].append(m)
+                print("repeat %d ring3 %-14s TTFT %6.2f s  decode %5.1f tok/s  (%d prompt tokens)" % (
+                    r + 1, v, m["ttft_s"], m["decode_tok_s"], m["runs"][0]["prompt_tokens"]), flush=True)
+    finally:
+        shutil.rmtree(base_dir, ignore_errors=True)
+    summary = {v: {"ttft_s": benchlib.summarize([m["ttft_s"] for m in runs[v]]),
+                   "decode_tok_s": benchlib.summarize([m["decode_tok_s"] for m in runs[v]])} for v in runs}
+    for key in ("ttft_s", "decode_tok_s"):
+        summary["prefill-aware"][key.split("_")[0] + "_ratio_vs_decode_only"] = benchlib.summarize(
+            [n[key] / b[key] for n, b in zip(runs["prefill-aware"], runs["decode-only"])])
+    benchlib.finish_machine_info(info)
+    out = args.out.replace(".json", "_ring3.json")
+    benchlib.save_record(out, {"benchmark": "bench_prefill_kernels_ring3", "machine": info, "base": args.base,
+                               "args": {k: v for k, v in vars(args).items() if k != "child"},
+                               "runs": runs, "summary": summary})
+    print(json.dumps({v: {k: x["median"] for k, x in s.items()} for v, s in summary.items()}))
+    return 0
+
+
+def paired(args: argparse.Namespace, info: Dict[str, Any]) -> int:
+    import torch
+    from bench_prefix_cache import document
+    from mdi.model import kernel_choice
+    from mdi.model.source import ModelSource
+    from mdi.model.tokenizers import load_tokenizer
+    torch.set_num_threads(args.threads)
+    source = ModelSource(args.model)
+    n = source.config.n_layer
+    chunks = {}
+    for v in ("prefill-aware", "decode-only", "float32"):  # prefill-aware first: it measures, decode-only reuses
+        kernel_choice.set_memory_allowance(1 << 30)  # as a node with 1 GB to spare beside its plan
+        kernel_choice.PREFILL_GAIN = float("inf") if v == "decode-only" else 1.15
+        quant = source.layout(0, n, True, "none" if v == "float32" else "auto")
+        chunks[v] = source.load_chunk(0, n, True, True, torch.float32, "cpu", None, quant)
+    kernel_choice.PREFILL_GAIN = 1.15
+    ids = load_tokenizer(args.model).encode_prompt(document(args.words))
+    chunk_rows = kernel_choice.PREFILL_ROWS
+
+    def one(chunk) -> Dict[str, Any]:
+        chunk.allocate_cache(1, len(ids) + args.n_tokens + 1)
+        t = torch.tensor(ids)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for a in range(0, len(ids), chunk_rows):
+                x = chunk.forward_blocks(chunk.embed(t[a:a + chunk_rows], a), 0, a)
+            token = int(chunk.head(x[-1:]).argmax(-1))
+            t1 = time.perf_counter()
+            out = [token]
+            for i in range(args.n_tokens - 1):
+                pos = len(ids) + i
+                x = chunk.forward_blocks(chunk.embed(torch.tensor([out[-1]]), pos), 0, pos)
+                out.append(int(chunk.head(x).argmax(-1)))
+            t2 = time.perf_counter()
+        chunk.free_cache()
+        return {"ttft_s": t1 - t0, "decode_tok_s": (args.n_tokens - 1) / (t2 - t1), "token_ids": out}
+    variants = list(chunks)
+    runs = {v: [] for v in variants}  # type: Dict[str, List[Dict[str, Any]]]
+    for r in range(args.repeats):
+        for v in variants[r % 3:] + variants[:r % 3]:
+            runs[v].append(one(chunks[v]))
+            print("round %d %-14s TTFT %6.2f s  decode %5.1f tok/s" % (r + 1, v, runs[v][-1]["ttft_s"],
+                                                                     runs[v][-1]["decode_tok_s"]), flush=True)
+    summary = {}  # type: Dict[str, Any]
+    for v in variants:
+        summary[v] = {k: benchlib.summarize([m[k] for m in runs[v]]) for k in ("ttft_s", "decode_tok_s")}
+        if v != "decode-only":
+            for k in ("ttft_s", "decode_tok_s"):
+                summary[v][k.split("_")[0] + "_ratio_vs_decode_only"] = benchlib.summarize(
+                    [a[k] / b[k] for a, b in zip(runs[v], runs["decode-only"])])
+        ref = runs["decode-only"][0]["token_ids"]
+        summary[v]["greedy_same_prefix_as_decode_only"] = next(
+            (i for i, (a, b) in enumerate(zip(runs[v][0]["token_ids"], ref)) if a != b), len(ref))
+    kernels = {}
+    for v in ("prefill-aware", "decode-only"):
+        layers = [m for name, m in chunks[v].named_modules() if hasattr(m, "prefill_kernel")]
+        kernels[v] = sorted({"%s [%dx%d]: %s%s" % (m.spec.label(), m.n_out, m.n_in, m.kernel.name,
+                                                    ", prefill %s from %d rows" % (m.prefill_kernel.name, m.prefill_from)
+                                                    if m.prefill_kernel is not None else "") for m in layers})
+        print(v, kernels[v])
+    benchlib.finish_machine_info(info)
+    benchlib.save_record(args.out.replace(".json", "_paired.json"), {
+        "benchmark": "bench_prefill_kernels_paired", "machine": info, "prompt_tokens": len(ids),
+        "args": {k: v for k, v in vars(args).items() if k != "child"}, "kernels": kernels,
+        "why": kernel_choice.chosen_by_weight(), "runs": runs, "summary": summary})
+    print(json.dumps({v: {k: x["median"] if isinstance(x, dict) else x for k, x in s.items()}
+                      for v, s in summary.items()}, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -197,6 +347,10 @@ def main(argv=None) -> int:
     import torch
     info = benchlib.machine_info(args.threads)
     info["isa"] = torch.backends.cpu.get_cpu_capability()
+    if args.ring3:
+        return main_ring3(args, info)
+    if args.paired:
+        return paired(args, info)
     record = {"benchmark": "bench_prefill_kernels", "machine": info,
               "args": {k: v for k, v in vars(args).items() if k != "child"}}  # type: Dict[str, Any]
     t0 = time.time()
