@@ -24,10 +24,11 @@ each), the tree at REV (the choice before, in every process) against this one, a
 fresh processes; record ..._ring3.json.
 
 `--paired`: one process holds the three models at once (the two quantized ones share the same
-kernel measurements, so they differ only in the second kernels) and alternates them pass by
-pass: prefill of the prompt in 64-token passes, then `--n-tokens` decode steps, each model in
-turn, `--repeats` rounds, the order rotating. Finer alternation than fresh processes where other
-tenants' bursts last seconds; record ..._paired.json.
+kernel measurements, so they differ only in the second kernels) and takes them through the
+prompt in turns, pass by pass (64 tokens each, the order rotating), then through `--n-tokens`
+decode steps in turns; `--repeats` rounds; TTFT = a model's summed pass times. Finer
+alternation than fresh processes, where other tenants' bursts last seconds; record
+..._paired.json.
 
 `--shapes`: each candidate kernel's time per call at 1..64 rows on SmolLM2's weight shapes
 (random weights of the same formats), 1 and 2 threads, repeats interleaved: min of each call
@@ -71,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_prefill_kernels.json"))
     p.add_argument("--paired", action="store_true", help="the variants alternated pass by pass in one process")
+    p.add_argument("--forced", action="store_true", help="--paired: also fbgemm for every block layer's prefill passes")
     p.add_argument("--ring3", action="store_true", help="ring of 3 processes: --base's tree against this one")
     p.add_argument("--base", default="52b2752~1", help="git revision with the decode-only choice (--ring3)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -272,46 +274,74 @@ def main_ring3(args: argparse.Namespace, info: Dict[str, Any]) -> int:
 def paired(args: argparse.Namespace, info: Dict[str, Any]) -> int:
     import torch
     from bench_prefix_cache import document
-    from mdi.model import kernel_choice
+    from mdi.model import kernel_choice, qkernels
     from mdi.model.source import ModelSource
     from mdi.model.tokenizers import load_tokenizer
     torch.set_num_threads(args.threads)
     source = ModelSource(args.model)
     n = source.config.n_layer
     chunks = {}
-    for v in ("prefill-aware", "decode-only", "float32"):  # prefill-aware first: it measures, decode-only reuses
+    chosen = kernel_choice.choose_kernels
+    fbgemm = qkernels.INT8_FBGEMM
+
+    def fbgemm_for_prefill(tensors, spec, n_in, device, where="", resident=(), many_rows=True, keeps_canonical=False):
+        """The choice, then fbgemm for passes of 16 rows or more on every block layer: what this
+        kernel gives where the measurement does not pick it."""
+        c = chosen(tensors, spec, n_in, device, where, resident, many_rows, keeps_canonical)
+        if many_rows and c.prefill_kernel is None and c.kernel is not fbgemm:
+            c.prefill_kernel, c.prefill_packed, c.prefill_from = fbgemm, fbgemm.pack(tensors, spec, n_in), 16
+        return c
+    gain = kernel_choice.PREFILL_GAIN
+    # prefill-aware first: it measures, the others reuse its measurements
+    for v in [v for v in ("prefill-aware", "decode-only", "fbgemm-prefill", "float32") if args.forced or v[0] != "f"
+              or v == "float32"]:
         kernel_choice.set_memory_allowance(1 << 30)  # as a node with 1 GB to spare beside its plan
-        kernel_choice.PREFILL_GAIN = float("inf") if v == "decode-only" else 1.15
+        kernel_choice.PREFILL_GAIN = float("inf") if v == "decode-only" else gain
+        kernel_choice.choose_kernels = fbgemm_for_prefill if v == "fbgemm-prefill" else chosen
         quant = source.layout(0, n, True, "none" if v == "float32" else "auto")
         chunks[v] = source.load_chunk(0, n, True, True, torch.float32, "cpu", None, quant)
-    kernel_choice.PREFILL_GAIN = 1.15
+    kernel_choice.PREFILL_GAIN, kernel_choice.choose_kernels = gain, chosen
     ids = load_tokenizer(args.model).encode_prompt(document(args.words))
     chunk_rows = kernel_choice.PREFILL_ROWS
 
-    def one(chunk) -> Dict[str, Any]:
-        chunk.allocate_cache(1, len(ids) + args.n_tokens + 1)
+    variants = list(chunks)
+
+    def one_round(r: int) -> Dict[str, Dict[str, Any]]:
+        """Every model through the same prompt, pass by pass in turns (the order rotating per
+        pass), then the same decode steps in turns: each model's summed time."""
         t = torch.tensor(ids)
+        spent = {v: [0.0, 0.0] for v in variants}
+        out = {v: [] for v in variants}  # type: Dict[str, List[int]]
+        for c in chunks.values():
+            c.allocate_cache(1, len(ids) + args.n_tokens + 1)
         with torch.inference_mode():
-            t0 = time.perf_counter()
-            for a in range(0, len(ids), chunk_rows):
-                x = chunk.forward_blocks(chunk.embed(t[a:a + chunk_rows], a), 0, a)
-            token = int(chunk.head(x[-1:]).argmax(-1))
-            t1 = time.perf_counter()
-            out = [token]
+            for i, a in enumerate(range(0, len(ids), chunk_rows)):
+                for v in variants[(r + i) % len(variants):] + variants[:(r + i) % len(variants)]:
+                    c = chunks[v]
+                    t0 = time.perf_counter()
+                    x = c.forward_blocks(c.embed(t[a:a + chunk_rows], a), 0, a)
+                    if a + chunk_rows >= len(ids):
+                        out[v].append(int(c.head(x[-1:]).argmax(-1)))
+                    spent[v][0] += time.perf_counter() - t0
             for i in range(args.n_tokens - 1):
                 pos = len(ids) + i
-                x = chunk.forward_blocks(chunk.embed(torch.tensor([out[-1]]), pos), 0, pos)
-                out.append(int(chunk.head(x).argmax(-1)))
-            t2 = time.perf_counter()
-        chunk.free_cache()
-        return {"ttft_s": t1 - t0, "decode_tok_s": (args.n_tokens - 1) / (t2 - t1), "token_ids": out}
-    variants = list(chunks)
+                for v in variants[(r + i) % len(variants):] + variants[:(r + i) % len(variants)]:
+                    c = chunks[v]
+                    t0 = time.perf_counter()
+                    x = c.forward_blocks(c.embed(torch.tensor([out[v][-1]]), pos), 0, pos)
+                    out[v].append(int(c.head(x).argmax(-1)))
+                    spent[v][1] += time.perf_counter() - t0
+        for c in chunks.values():
+            c.free_cache()
+        return {v: {"ttft_s": spent[v][0], "decode_tok_s": (args.n_tokens - 1) / spent[v][1], "token_ids": out[v]}
+                for v in variants}
     runs = {v: [] for v in variants}  # type: Dict[str, List[Dict[str, Any]]]
     for r in range(args.repeats):
-        for v in variants[r % 3:] + variants[:r % 3]:
-            runs[v].append(one(chunks[v]))
-            print("round %d %-14s TTFT %6.2f s  decode %5.1f tok/s" % (r + 1, v, runs[v][-1]["ttft_s"],
-                                                                     runs[v][-1]["decode_tok_s"]), flush=True)
+        got = one_round(r)
+        for v in variants:
+            runs[v].append(got[v])
+            print("round %d %-14s TTFT %6.2f s  decode %5.1f tok/s" % (r + 1, v, got[v]["ttft_s"], got[v]["decode_tok_s"]),
+                  flush=True)
     summary = {}  # type: Dict[str, Any]
     for v in variants:
         summary[v] = {k: benchlib.summarize([m[k] for m in runs[v]]) for k in ("ttft_s", "decode_tok_s")}
@@ -323,7 +353,7 @@ def paired(args: argparse.Namespace, info: Dict[str, Any]) -> int:
         summary[v]["greedy_same_prefix_as_decode_only"] = next(
             (i for i, (a, b) in enumerate(zip(runs[v][0]["token_ids"], ref)) if a != b), len(ref))
     kernels = {}
-    for v in ("prefill-aware", "decode-only"):
+    for v in [v for v in chunks if v != "float32"]:
         layers = [m for name, m in chunks[v].named_modules() if hasattr(m, "prefill_kernel")]
         kernels[v] = sorted({"%s [%dx%d]: %s%s" % (m.spec.label(), m.n_out, m.n_in, m.kernel.name,
                                                     ", prefill %s from %d rows" % (m.prefill_kernel.name, m.prefill_from)

@@ -52,9 +52,12 @@ _prefill_allowance: List[Optional[int]] = [None]  # of _allowance, what second c
 # The rows a prefill pass is timed at: runtime.prefill_chunk's default
 # (mdi.runconfig.DEFAULT_PREFILL_CHUNK, which the model layer may not import).
 PREFILL_ROWS = 64
-# A second kernel earns its copy only this much faster than the decode kernel at PREFILL_ROWS:
-# timings at load are minima of a few calls on a shared CPU, and a near-tie is not worth memory.
-PREFILL_GAIN = 1.15
+# How much faster than the decode kernel at PREFILL_ROWS a second kernel must be, screened and
+# then timed in turns with it, to earn its copy. One layer timed alone understates it: with 1.15
+# the choice kept fbgemm for SmolLM2's gate_up at most and TTFT stayed within noise (0.99); with
+# 1.0 it also took qkv and down, and TTFT fell to 0.83x, as fbgemm on all four did (0.85x;
+# results/bench_prefill_kernels_paired.json, AVX2, 1 thread).
+PREFILL_GAIN = 1.0
 # Of what a node spares when loading begins, the most second copies may take: the layers load
 # one after another, and a later one's decode kernel (the head's, the largest) comes first.
 PREFILL_SHARE = 0.5
