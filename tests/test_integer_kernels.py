@@ -97,3 +97,17 @@ def test_fast_policy_never_picks_what_it_measured_wrong(monkeypatch):
     assert kernel is not qkernels.INT8_FBGEMM
     assert "int8dyn-fbgemm wrong" in kernel_choice.chosen_by_weight()["int8/g64 32x64"]
     kernel_choice._measured.clear()
+
+
+def test_the_grid_rounding_of_many_rows_is_fake_quantizes_bit_for_bit():
+    """Passes of ROUND_BY_OPS_ROWS rows or more round the activations by plain ops (fake_quantize
+    is slow on many rows): the same bits, ties included, so a row's result stays its own."""
+    spec = QuantSpec("int4", 32)
+    parts, _ = layer(spec, 64, 576)
+    linear = qkernels.INT8_FBGEMM.pack(parts, spec, 576)["linear"]
+    x = torch.rand(64, 576) * 2 - 1
+    x[0, :11] = torch.arange(-5, 6) * linear.step / 2  # ties between grid points
+    ops = torch.round(x * linear.inv_step).add_(linear.zero).clamp_(0, linear.levels).sub_(linear.zero).mul_(linear.step)
+    assert torch.equal(ops, torch.fake_quantize_per_tensor_affine(x, linear.step, linear.zero, 0, linear.levels))
+    rows = torch.randn(qkernels.ROUND_BY_OPS_ROWS, 576)
+    assert torch.equal(linear(rows)[:1], linear(rows[:1]))  # one row (fake_quantize) as among many (plain ops)

@@ -7,10 +7,18 @@ speed (on a 2-core AVX-512 VM torch's int4/int8 packed kernels are 20x slower th
 with float32 activations and 1.2-6x faster with bfloat16 ones). Decisions are cached per (spec,
 shape, device, threads, policy): a model measures each shape once. What was chosen last, and
 why, is kept for reports (`chosen`).
+
+A layer that multiplies many rows at once (a prefill pass) may also keep a second kernel for
+those passes (`choose_kernels`): on AVX2 torch's bfloat16 int4 kernel wins one-row decode but is
+compute-bound on 64 rows, where fbgemm's int8 kernel does the same product in 0.7x the time
+(SmolLM2's qkv and gate_up, 1 thread). The second packed copy costs memory, so it is kept only
+where it is measurably faster and the node spares its bytes.
 """
 import logging
+import re
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -32,13 +40,36 @@ _measured: Dict[Tuple, Dict[str, Optional[float]]] = {}
 _notes: Dict[Tuple, Dict[str, str]] = {}  # the same keys -> why a kernel was unusable or wrong
 _choices: Dict[Tuple, Tuple[str, str]] = {}  # the same keys -> (kernel chosen last, why)
 _allowance: List[Optional[int]] = [None]  # bytes layers may hold beyond their stored weights
+# The same keys -> seconds at PREFILL_ROWS rows (None: wrong or unusable), and the prefill
+# kernel chosen last with the row count from which it runs.
+_measured_prefill: Dict[Tuple, Dict[str, Optional[float]]] = {}
+_prefill_choices: Dict[Tuple, Tuple[str, int]] = {}
+# (key, decode kernel, prefill kernel) -> (rows from which the second is faster, 0: not
+# PREFILL_GAIN faster after all; how much faster at PREFILL_ROWS, timed in turns)
+_crossovers: Dict[Tuple, Tuple[int, float]] = {}
+_prefill_allowance: List[Optional[int]] = [None]  # of _allowance, what second copies may still take (None: none)
+
+# The rows a prefill pass is timed at: runtime.prefill_chunk's default
+# (mdi.runconfig.DEFAULT_PREFILL_CHUNK, which the model layer may not import).
+PREFILL_ROWS = 64
+# How much faster than the decode kernel at PREFILL_ROWS a second kernel must be, screened and
+# then timed in turns with it, to earn its copy. One layer timed alone understates it: with 1.15
+# the choice kept fbgemm for SmolLM2's gate_up at most and TTFT stayed within noise (0.99); with
+# 1.0 it also took qkv and down, and TTFT fell to 0.83x, as fbgemm on all four did (0.85x;
+# results/bench_prefill_kernels_paired.json, AVX2, 1 thread).
+PREFILL_GAIN = 1.0
+# Of what a node spares when loading begins, the most second copies may take: the layers load
+# one after another, and a later one's decode kernel (the head's, the largest) comes first.
+PREFILL_SHARE = 0.5
 
 
 def set_memory_allowance(nbytes: Optional[int]) -> None:
     """The bytes the layers loaded from now on may hold beyond their stored (planned) size, for
     kernels that keep a larger packed form; None: no limit (a process that does not know its
-    memory). A node sets it before loading to what its memory spares beside its plan."""
+    memory). A node sets it before loading to what its memory spares beside its plan. Second
+    kernels for prefill passes may take PREFILL_SHARE of it, and nothing where it is None."""
     _allowance[0] = None if nbytes is None else max(0, int(nbytes))
+    _prefill_allowance[0] = None if nbytes is None else int(_allowance[0] * PREFILL_SHARE)
 
 
 def memory_allowance() -> Optional[int]:
@@ -125,31 +156,63 @@ def _timed(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_in: int, x: torch
     return lambda: kernel.run(x, packed, spec, n_in)
 
 
+@dataclass
+class Choice:
+    """What a layer multiplies with: `kernel` on its `packed` tensors, and where a second kernel
+    is faster on many rows, `prefill_kernel` on its own packing for passes of `prefill_from`
+    rows or more."""
+    kernel: Kernel
+    packed: Tensors
+    prefill_kernel: Optional[Kernel] = None
+    prefill_packed: Optional[Tensors] = None
+    prefill_from: int = 0
+
+
 def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, device: torch.device,
            where: str = "", resident: Sequence[torch.Tensor] = ()) -> Tuple[Kernel, Tensors]:
-    """The fastest kernel that computes this weight correctly here and fits the memory
-    allowance, with its packed tensors. `resident`: other tensors the process holds (the
-    chunk's other weights), read to fill the caches before each timed call (`_time`)."""
+    """The fastest kernel on one row (decode) that computes this weight correctly here and fits
+    the memory allowance, with its packed tensors. `resident`: other tensors the process holds
+    (the chunk's other weights), read to fill the caches before each timed call (`_time`)."""
+    c = choose_kernels(tensors, spec, n_in, device, where, resident, many_rows=False)
+    return c.kernel, c.packed
+
+
+def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, device: torch.device,
+                   where: str = "", resident: Sequence[torch.Tensor] = (), many_rows: bool = True,
+                   keeps_canonical: bool = False) -> Choice:
+    """`choose`'s kernel for decode, and with `many_rows` (a layer that prefill passes reach
+    with many rows; not the head, which multiplies each sample's last row) a second kernel for
+    passes of many rows when one is measurably faster there and its packing fits what the node
+    spares (`_prefill_pick`). `keeps_canonical`: the layer keeps its stored tensors anyway (a
+    tied embedding), so the float32 reference costs no copy."""
     n_out = int(tensors["qweight"].shape[0])
     preference = qkernels.preference
     key = (spec, n_out, n_in, device.type, torch.get_num_threads(), preference)
     measured = _measured.setdefault(key, {})
+    measured_prefill = _measured_prefill.setdefault(key, {})
     notes = _notes.setdefault(key, {})
     allowance = _allowance[0]
     offered = candidates(spec, n_out, n_in, device)
     fits = [k for k in offered if allowance is None or extra_bytes(k, spec, n_out, n_in) <= allowance]
     named = preference not in POLICIES
+    # a named kernel is that kernel everywhere; CUDA keeps its one choice
+    prefill_on = many_rows and not named and device.type == "cpu" and len(offered) > 1
 
     def rank(k: Kernel):  # the named kernel first, else the fastest
         return (k.name != preference) if named else measured[k.name]
+
+    def todo(k: Kernel) -> bool:
+        return k.name not in measured or (prefill_on and measured[k.name] is not None and k.name not in measured_prefill)
     kept: Optional[Tuple[Kernel, Optional[Tensors]]] = None  # the best so far, packed while small: one extra copy at most
-    if any(k.name not in measured for k in fits):
-        x = torch.randn(1, n_in, generator=torch.Generator().manual_seed(0)).to(device)
+    if any(todo(k) for k in fits):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(1, n_in, generator=generator).to(device)
+        rows = torch.randn(PREFILL_ROWS, n_in, generator=generator).to(device) if prefill_on else x
         reference = DEQUANT.run(x, dict(tensors), spec, n_in).float()
         release_freed_memory()  # its dequantized blocks (a head's: tens of MB of holes)
         scale = float(reference.abs().max()) or 1.0
         for kernel in fits:
-            if kernel.name in measured:
+            if not todo(kernel):
                 continue
             if kernel is DEQUANT:
                 packed = dict(tensors)
@@ -170,9 +233,13 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
                 if not err <= kernel.tolerance:
                     measured[kernel.name], notes[kernel.name] = None, "wrong (error %.2g)" % err
                     continue
-            # a named kernel or a lone candidate is taken as it is: nothing to compare it with
-            measured[kernel.name] = 0.0 if named or len(offered) == 1 else \
-                _time(_timed(kernel, packed, spec, n_in, x), device, spec.nbytes(n_out, n_in), resident)
+            nbytes = spec.nbytes(n_out, n_in)
+            if kernel.name not in measured:
+                # a named kernel or a lone candidate is taken as it is: nothing to compare it with
+                measured[kernel.name] = 0.0 if named or len(offered) == 1 else \
+                    _time(_timed(kernel, packed, spec, n_in, x), device, nbytes, resident)
+            if prefill_on:
+                measured_prefill[kernel.name] = _time(_timed(kernel, packed, spec, n_in, rows), device, nbytes, resident)
             if kept is None or rank(kernel) < rank(kept[0]):
                 kept = (kernel, packed)
             del packed
@@ -188,21 +255,128 @@ def choose(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int, devi
             packed = dict(tensors) if best is DEQUANT else best.pack(tensors, spec, n_in)
         except RuntimeError as e:  # measured on another layer of this shape, and refused here
             measured[best.name], notes[best.name] = None, "unusable (%s)" % str(e).splitlines()[0][:80]
-            return choose(tensors, spec, n_in, device, where, resident)
+            return choose_kernels(tensors, spec, n_in, device, where, resident, many_rows, keeps_canonical)
     extra = extra_bytes(best, spec, n_out, n_in)
     if allowance is not None:
         _allowance[0] = allowance - extra
-    report = ["%s %s" % (k.name, notes[k.name] if measured.get(k.name) is None else "%.3f ms" % (measured[k.name] * 1e3))
+    choice = Choice(best, packed)
+    report = ["%s %s" % (k.name, notes[k.name] if measured.get(k.name) is None else _times(measured[k.name],
+                                                                                           measured_prefill.get(k.name)))
               for k in offered if k.name in measured]
     report += ["%s needs %.1f MB more than the node spares" % (k.name, extra_bytes(k, spec, n_out, n_in) / 2 ** 20)
                for k in offered if k not in fits]
     why = "policy %s: %s" % (preference, "; ".join(report))
     if extra:
         why += "; holds %.1f MB beyond the stored weight" % (extra / 2 ** 20)
+    _prefill_choices.pop(key, None)
+    if prefill_on:
+        why += "; " + _prefill_pick(choice, key, tensors, spec, n_in, device, resident,
+                                    keeps_canonical or best.needs_canonical, [k for k in fits if k is not best])
     _choices[key] = (best.name, why)
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
               best.name, why)
-    return best, packed
+    return choice
+
+
+def _times(one_row: float, many_rows: Optional[float]) -> str:
+    text = "%.3f ms" % (one_row * 1e3)
+    return text if many_rows is None else text + " / %.3f at %d rows" % (many_rows * 1e3, PREFILL_ROWS)
+
+
+def copy_bytes(kernel: Kernel, spec: QuantSpec, n_out: int, n_in: int, keeps_canonical: bool) -> int:
+    """What a second kernel's packing holds beside the decode kernel's: its own packed form (the
+    stored size for torch's packed kernels), or the stored tensors for the float32 reference
+    unless the layer keeps them anyway."""
+    if kernel.needs_canonical:
+        return 0 if keeps_canonical else spec.nbytes(n_out, n_in)
+    return kernel.held_bytes(spec, n_out, n_in) if kernel.held_bytes is not None else spec.nbytes(n_out, n_in)
+
+
+def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: int,
+                  device: torch.device, resident: Sequence[torch.Tensor], keeps_canonical: bool,
+                  others: Sequence[Kernel]) -> str:
+    """Give `choice` a second kernel for prefill passes where one is PREFILL_GAIN faster than the
+    decode kernel at PREFILL_ROWS and its copy fits both the allowance and the share second
+    copies may take; says what was decided, and why."""
+    n_out = int(tensors["qweight"].shape[0])
+    times = _measured_prefill.get(key, {})
+    own = times.get(choice.kernel.name)
+    timed = [k for k in others if times.get(k.name) is not None and _measured[key].get(k.name) is not None]
+    if own is None or not timed:
+        return "prefill: %s (nothing else to compare at %d rows)" % (choice.kernel.name, PREFILL_ROWS)
+    fastest = min(timed, key=lambda k: times[k.name])
+    faster = own / times[fastest.name]
+    if faster < 1:
+        return "prefill: %s too (the fastest at %d rows)" % (choice.kernel.name, PREFILL_ROWS)
+    if faster < PREFILL_GAIN:
+        return "prefill: %s too (%s only %.2fx faster at %d rows)" % (choice.kernel.name, fastest.name, faster,
+                                                                      PREFILL_ROWS)
+    nbytes = copy_bytes(fastest, spec, n_out, n_in, keeps_canonical)
+    room = [r for r in (_allowance[0], _prefill_allowance[0]) if r is not None]
+    if not room:  # a copy only buys speed: taken only where the memory is known to spare it
+        return "prefill: %s (%s would be %.2fx faster at %d rows but this process does not know what its " \
+               "memory spares for a copy)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS)
+    if nbytes > min(room):
+        return "prefill: %s (%s would be %.2fx faster at %d rows but its copy needs %.1f MB more than the node " \
+               "spares)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS, nbytes / 2 ** 20)
+    pair = (key, choice.kernel.name, fastest.name)
+    if pair in _crossovers and not _crossovers[pair][0]:  # another layer of this shape found the lead not to hold
+        return _not_held(choice, fastest, faster, _crossovers[pair][1])
+    try:
+        packed = dict(tensors) if fastest is DEQUANT else fastest.pack(tensors, spec, n_in)
+    except RuntimeError as e:
+        return "prefill: %s (%s refused this layer: %s)" % (choice.kernel.name, fastest.name, str(e).splitlines()[0][:80])
+    release_freed_memory()
+    if pair not in _crossovers:
+        _crossovers[pair] = _crossover(choice, fastest, packed, spec, n_out, n_in, device, resident)
+    rows, paired = _crossovers[pair]
+    if not rows:
+        return _not_held(choice, fastest, faster, paired)
+    for budget in (_allowance, _prefill_allowance):
+        if budget[0] is not None:
+            budget[0] -= nbytes
+    choice.prefill_kernel, choice.prefill_packed, choice.prefill_from = fastest, packed, rows
+    _prefill_choices[key] = (fastest.name, rows)
+    return "prefill: %s from %d rows (%.2fx faster at %d rows, %.2fx timed in turns; its copy holds %.1f MB)" % (
+        fastest.name, rows, faster, PREFILL_ROWS, paired, nbytes / 2 ** 20)
+
+
+def _not_held(choice: Choice, fastest: Kernel, faster: float, paired: float) -> str:
+    return "prefill: %s (%s was %.2fx faster at %d rows, %.2fx timed in turns: not %.2fx)" % (
+        choice.kernel.name, fastest.name, faster, PREFILL_ROWS, paired, PREFILL_GAIN)
+
+
+PAIRED_TIMINGS = 3  # alternate timings of two kernels, each the least of its own
+
+
+def _crossover(decode: Choice, prefill: Kernel, prefill_packed: Tensors, spec: QuantSpec, n_out: int, n_in: int,
+               device: torch.device, resident: Sequence[torch.Tensor]) -> Tuple[int, float]:
+    """The fewest rows, a power of two up to PREFILL_ROWS, from which `prefill` is faster than
+    the decode kernel (0 where it is not PREFILL_GAIN faster at PREFILL_ROWS after all), and how
+    much faster it is there. Timed
+    in turns (another process's burst then slows both), first at PREFILL_ROWS, then bisected
+    between one row (the decode kernel's, as measured) and PREFILL_ROWS."""
+    nbytes = spec.nbytes(n_out, n_in)
+    generator = torch.Generator().manual_seed(1)
+
+    def times(rows: int) -> Tuple[float, float]:
+        x = torch.randn(rows, n_in, generator=generator).to(device)
+        calls = (_timed(decode.kernel, decode.packed, spec, n_in, x), _timed(prefill, prefill_packed, spec, n_in, x))
+        best = [float("inf"), float("inf")]
+        for _ in range(PAIRED_TIMINGS):
+            for i, fn in enumerate(calls):
+                best[i] = min(best[i], _time(fn, device, nbytes, resident))
+        return best[0], best[1]
+    t_decode, t_prefill = times(PREFILL_ROWS)
+    paired = t_decode / t_prefill
+    if paired < PREFILL_GAIN:
+        return 0, paired
+    slower, faster = 0, PREFILL_ROWS.bit_length() - 1  # exponents of two: decode wins at 2**slower, prefill at 2**faster
+    while faster - slower > 1:
+        middle = (slower + faster) // 2
+        t_decode, t_prefill = times(2 ** middle)
+        slower, faster = (slower, middle) if t_prefill < t_decode else (middle, faster)
+    return 2 ** faster, paired
 
 
 KEEP_PACKED_BYTES = 16 * 2 ** 20  # a larger best-so-far packing is dropped before the next candidate is packed
@@ -218,21 +392,55 @@ def chosen() -> List[Dict[str, str]]:
     """What this process chose last for each shape, and why, at its current thread count and
     policy, for reports (the run summary, /status, the metrics record), e.g. {"weight":
     "int4/g32 576x1536", "device": "cpu", "kernel": "int4pack-cpu", "why": "policy fast:
-    dequant 1.598 ms; int4pack-cpu 0.144 ms; int8dyn-fbgemm 0.191 ms"}."""
-    return [{"weight": "%s %dx%d" % (k[0].label(), k[1], k[2]), "device": k[3], "kernel": name, "why": why}
-            for k, (name, why) in _choices.items()
-            if k[4] == torch.get_num_threads() and k[5] == qkernels.preference]
+    dequant 1.598 ms; int4pack-cpu 0.144 ms; int8dyn-fbgemm 0.191 ms"}; with a second kernel
+    for prefill passes also "prefill_kernel" and "prefill_from_rows"."""
+    out = []
+    for k, (name, why) in _choices.items():
+        if k[4] != torch.get_num_threads() or k[5] != qkernels.preference:
+            continue
+        entry = {"weight": "%s %dx%d" % (k[0].label(), k[1], k[2]), "device": k[3], "kernel": name, "why": why}
+        if k in _prefill_choices:
+            entry["prefill_kernel"], entry["prefill_from_rows"] = _prefill_choices[k][0], str(_prefill_choices[k][1])
+        out.append(entry)
+    return out
 
 
 def chosen_by_weight() -> Dict[str, str]:
-    """`chosen()` as one entry per weight shape: "int4/g32 576x1536" -> "int4pack-cpu: policy fast: ..."."""
+    """`chosen()` as one entry per weight shape: "int4/g32 576x1536" -> "int4pack-cpu: policy fast: ...",
+    whose why ends "; prefill: int8dyn-fbgemm from 16 rows (...)" where a second kernel runs prefill passes."""
     return {e["weight"]: "%s: %s" % (e["kernel"], e["why"]) for e in chosen()}
 
 
+# In a why, _prefill_pick's words: a second kernel kept, or one the node's memory did not spare.
+_SECOND_KERNEL = re.compile(r"; prefill: (\S+) from (\d+) rows")
+_NOT_SPARED = re.compile(r"; prefill: \S+ \((\S+) would be [0-9.]+x faster")
+
+
 def summary(kernels: Mapping[str, str]) -> str:
-    """'int4pack-cpu x3, int8dyn-fbgemm x2' over the weight shapes of `chosen_by_weight()`."""
+    """'int4pack-cpu x3, int8dyn-fbgemm x2' over the weight shapes of `chosen_by_weight()`; where
+    some keep a second kernel for prefill passes, '; prefill passes from 8-16 rows: int8dyn-fbgemm
+    x2 (a second copy each)', and where the memory did not spare one, '; not spared: ...'."""
     counts: Dict[str, int] = {}
+    prefill: Dict[str, int] = {}
+    refused: Dict[str, int] = {}
+    rows = set()
     for text in kernels.values():
         name = text.split(":", 1)[0]
         counts[name] = counts.get(name, 0) + 1
+        second, spared = _SECOND_KERNEL.search(text), _NOT_SPARED.search(text)
+        if second:
+            prefill[second.group(1)] = prefill.get(second.group(1), 0) + 1
+            rows.add(int(second.group(2)))
+        elif spared:
+            refused[spared.group(1)] = refused.get(spared.group(1), 0) + 1
+    text = _counted(counts)
+    if prefill:
+        text += "; prefill passes from %s rows: %s (a second copy each)" % (
+            "-".join(str(r) for r in sorted({min(rows), max(rows)})), _counted(prefill))
+    if refused:
+        text += "; faster for prefill but not spared by the node's memory: %s" % _counted(refused)
+    return text
+
+
+def _counted(counts: Mapping[str, int]) -> str:
     return ", ".join("%s x%d" % kv for kv in sorted(counts.items()))

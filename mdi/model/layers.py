@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import dequantize
+from mdi.model.quant import HEAD_WEIGHTS, dequantize
 
 if TYPE_CHECKING:  # imported when a kernel is chosen (pick_kernel)
     from mdi.model.qkernels import Kernel
@@ -77,6 +77,11 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_out)) if bias else None
         self.kernel: Optional[Kernel] = None  # chosen by pick_kernel
         self.packed: Dict[str, Any] = {}  # tensors, or an engine's packed weight (a module)
+        # A second kernel for passes of `prefill_from` rows or more, where one is faster there
+        # and the node spares its copy (kernel_choice.choose_kernels); None: `kernel` for all.
+        self.prefill_kernel: Optional[Kernel] = None
+        self.prefill_packed: Dict[str, Any] = {}
+        self.prefill_from = 0
         self.opaque_nbytes = 0  # bytes the kernel holds outside tensors (not in buffers())
         self.lora: Optional[LoraDeltas] = None  # set by the chunk that holds this layer
         self.lora_name = ""
@@ -88,25 +93,37 @@ class QuantLinear(nn.Module):
         """`resident`: the chunk's other tensors, read between timed calls (kernel_choice._time)."""
         from mdi.model import kernel_choice
         canonical = self.canonical()
-        self.kernel, self.packed = kernel_choice.choose(canonical, self.spec, self.n_in, self.qweight.device, where,
-                                                        resident)
-        if not (self.kernel.needs_canonical or keep_canonical):
+        # The head multiplies each sample's last row of a prefill pass (the pipeline samples only
+        # those): its passes are decode-sized, and timing it on many rows costs seconds at load.
+        many_rows = where.rsplit(".", 1)[-1] not in HEAD_WEIGHTS
+        choice = kernel_choice.choose_kernels(canonical, self.spec, self.n_in, self.qweight.device, where, resident,
+                                              many_rows, keep_canonical)
+        self.kernel, self.packed = choice.kernel, choice.packed
+        self.prefill_kernel, self.prefill_from = choice.prefill_kernel, choice.prefill_from
+        self.prefill_packed = choice.prefill_packed or {}
+        kernels = [self.kernel] + ([choice.prefill_kernel] if choice.prefill_kernel is not None else [])
+        if not (any(k.needs_canonical for k in kernels) or keep_canonical):
             for suffix in canonical:
                 setattr(self, suffix, None)  # the packed form replaces it
         self.opaque_nbytes = 0
-        for name, t in self.packed.items():  # registered so memory reports count them
-            if not isinstance(t, torch.Tensor):  # an engine's packed weight: its size as the kernel states it
-                self.opaque_nbytes += self.kernel.held_bytes(self.spec, self.n_out, self.n_in)
-            elif not any(t is c for c in canonical.values()):
-                self.register_buffer("packed_" + name, t, persistent=False)
+        for prefix, kernel, packed in (("packed_", self.kernel, self.packed),
+                                       ("prefill_packed_", choice.prefill_kernel, self.prefill_packed)):
+            for name, t in packed.items():  # registered so memory reports count them
+                if not isinstance(t, torch.Tensor):  # an engine's packed weight: its size as the kernel states it
+                    self.opaque_nbytes += kernel.held_bytes(self.spec, self.n_out, self.n_in)
+                elif not any(t is c for c in canonical.values()):
+                    self.register_buffer(prefix + name, t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
             raise RuntimeError("quantized layer used before its kernel was chosen")
+        kernel, packed = self.kernel, self.packed
+        if self.prefill_kernel is not None and x.numel() >= self.prefill_from * self.n_in:  # a pass of many rows
+            kernel, packed = self.prefill_kernel, self.prefill_packed
         if x.dim() == 2:  # [rows, n_in], the ring's shape: no reshapes (each op costs µs per token)
-            y = self.kernel.run(x, self.packed, self.spec, self.n_in)
+            y = kernel.run(x, packed, self.spec, self.n_in)
         else:
-            y = self.kernel.run(x.reshape(-1, self.n_in), self.packed, self.spec, self.n_in)
+            y = kernel.run(x.reshape(-1, self.n_in), packed, self.spec, self.n_in)
             y = y.reshape(x.shape[:-1] + (self.n_out,))
         y = y + self.bias.to(y.dtype) if self.bias is not None else y
         return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y

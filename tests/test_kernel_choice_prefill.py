@@ -1,0 +1,193 @@
+"""A second kernel for prefill passes (mdi.model.kernel_choice.choose_kernels): chosen per row
+count from measurements (faked here: timing belongs in benchmarks), kept only within the memory
+a node spares, counted, and computing what the single-kernel layer computes."""
+import pytest
+import torch
+
+from conftest import tiny_config
+from mdi.model import kernel_choice, qkernels
+from mdi.model.layout import QuantSpec
+from mdi.model.quant import convert, gather, quantize, uniform_layout
+from mdi.model.source import build_chunk
+from mdi.model.transformer import full_model
+
+CPU = torch.device("cpu")
+INT4 = next(k for k in qkernels.KERNELS if k.name == "int4pack-cpu")
+FBGEMM = qkernels.INT8_FBGEMM
+SPEC = QuantSpec("int4", 32)
+pytestmark = pytest.mark.skipif(not (INT4.supports(SPEC, 64, 128, CPU) and FBGEMM.supports(SPEC, 64, 128, CPU)),
+                                reason="this torch lacks the CPU int4 packed kernel or fbgemm")
+
+# ms for a pass of r rows: int4pack wins one row, fbgemm from 8 rows on (0.3 + 0.4 > 0.5 + 0.16)
+ROOMY = 1 << 30  # what a node spares: room for any second copy here
+CROSSING = {"int4pack-cpu": (0.3, 0.05), "int8dyn-fbgemm": (0.5, 0.02), "dequant": (5.0, 0.1)}
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    def clear():
+        qkernels.set_preference(None)
+        kernel_choice.set_memory_allowance(None)
+        for table in (kernel_choice._measured, kernel_choice._measured_prefill, kernel_choice._notes,
+                      kernel_choice._choices, kernel_choice._prefill_choices, kernel_choice._crossovers):
+            table.clear()
+    clear()
+    yield
+    clear()
+
+
+@pytest.fixture
+def fake_timings(monkeypatch):
+    """kernel_choice times (kernel, kind, rows) with `timings[name] = (ms for a pass, ms per row)`,
+    or `timings[name/kind]` for one weight kind; kernels not named take 100 ms."""
+    timings = dict(CROSSING)
+    monkeypatch.setattr(kernel_choice, "_timed",
+                        lambda kernel, packed, spec, n_in, x: (kernel.name, spec.kind, x.shape[0]))
+
+    def fake_time(what, device, evict_from, resident=()):
+        name, kind, rows = what
+        base, per_row = timings.get(name + "/" + kind, timings.get(name, (100.0, 0.0)))
+        return (base + per_row * rows) / 1e3
+    monkeypatch.setattr(kernel_choice, "_time", fake_time)
+    return timings
+
+
+def weight(n_out: int = 64, n_in: int = 128):
+    torch.manual_seed(0)
+    return quantize(torch.randn(n_out, n_in) * 0.05, SPEC)
+
+
+def test_prefill_rows_are_the_default_prefill_chunk():
+    from mdi.runconfig import DEFAULT_PREFILL_CHUNK
+    assert kernel_choice.PREFILL_ROWS == DEFAULT_PREFILL_CHUNK
+
+
+def test_a_second_kernel_for_many_rows_from_the_measured_crossing(fake_timings):
+    kernel_choice.set_memory_allowance(ROOMY)
+    choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU, "a layer")
+    assert choice.kernel is INT4 and choice.prefill_kernel is FBGEMM
+    assert choice.prefill_from == 8  # 4 rows: 0.5 against 0.58 ms; 8 rows: 0.7 against 0.66
+    entry = kernel_choice.chosen()[0]
+    assert (entry["kernel"], entry["prefill_kernel"], entry["prefill_from_rows"]) == ("int4pack-cpu", "int8dyn-fbgemm", "8")
+    text = kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    assert text.startswith("int4pack-cpu: policy fast:") and "3.500 at 64 rows" in text  # each candidate's times, and why
+    assert kernel_choice.summary(kernel_choice.chosen_by_weight()) == \
+        "int4pack-cpu x1; prefill passes from 8 rows: int8dyn-fbgemm x1 (a second copy each)"
+    # a layer that multiplies few rows (the head) keeps one kernel, as `choose` does
+    assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU, many_rows=False).prefill_kernel is None
+    assert kernel_choice.choose(weight(), SPEC, 128, CPU)[0] is INT4
+
+
+@pytest.mark.parametrize("fbgemm,expected", [((0.5, 0.045), "only 1.04x faster"),  # a near tie: no copy
+                                              ((0.2, 0.02), "the fastest at 64 rows")])  # good at both: one kernel
+def test_one_kernel_where_none_is_clearly_faster_on_many_rows(fake_timings, fbgemm, expected, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "PREFILL_GAIN", 1.15)  # a margin asked of the second kernel
+    kernel_choice.set_memory_allowance(ROOMY)
+    fake_timings["int8dyn-fbgemm"] = fbgemm
+    choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
+    assert choice.prefill_kernel is None and expected in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    assert choice.kernel is (FBGEMM if fbgemm[0] < 0.3 else INT4)
+
+
+def test_the_second_copy_is_kept_only_within_what_the_node_spares(fake_timings):
+    copy = kernel_choice.copy_bytes(FBGEMM, SPEC, 64, 128, keeps_canonical=False)
+    assert copy == FBGEMM.held_bytes(SPEC, 64, 128)
+    # second copies may take PREFILL_SHARE of what the node spares: one byte short
+    kernel_choice.set_memory_allowance(int((copy - 1) / kernel_choice.PREFILL_SHARE))
+    choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
+    assert choice.kernel is INT4 and choice.prefill_kernel is None
+    assert "its copy needs" in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    assert kernel_choice.summary(kernel_choice.chosen_by_weight()) == \
+        "int4pack-cpu x1; faster for prefill but not spared by the node's memory: int8dyn-fbgemm x1"
+    kernel_choice.set_memory_allowance(int(copy / kernel_choice.PREFILL_SHARE))
+    spare = kernel_choice.memory_allowance()
+    choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
+    assert choice.prefill_kernel is FBGEMM and kernel_choice.memory_allowance() == spare - copy  # spent
+    assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).prefill_kernel is None  # no share left
+    # a process that does not know its memory keeps no copy (a copy only buys speed)
+    kernel_choice.set_memory_allowance(None)
+    assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).prefill_kernel is None
+    assert "does not know what its memory spares" in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    # a kernel named by the policy is that kernel for every pass
+    qkernels.set_preference("int4pack-cpu")
+    kernel_choice.set_memory_allowance(ROOMY)
+    assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).prefill_kernel is None
+
+
+def test_a_layer_holds_and_counts_both_kernels(fake_timings):
+    from mdi.model.layers import QuantLinear
+    from mdi.worker.memory_budget import chunk_nbytes
+    kernel_choice.set_memory_allowance(ROOMY)
+    module = QuantLinear(128, 64, False, SPEC)
+    for suffix, t in weight().items():
+        getattr(module, suffix).copy_(t)
+    module.pick_kernel("blocks.0.attn.qkv")
+    assert module.kernel is INT4 and module.prefill_kernel is FBGEMM and module.qweight is None
+    int4_bytes = sum(t.numel() * t.element_size() for t in module.packed.values())
+    assert chunk_nbytes(module) == int4_bytes + FBGEMM.held_bytes(SPEC, 64, 128)
+    head = QuantLinear(128, 64, False, SPEC)
+    for suffix, t in weight().items():
+        getattr(head, suffix).copy_(t)
+    head.pick_kernel("lm_head")  # its passes are decode-sized
+    assert head.prefill_kernel is None
+
+
+def _chunks():
+    """The same int4 tiny Llama twice: kernels chosen with a second one for passes of 8 rows or
+    more (int4pack-cpu for fewer, int8dyn-fbgemm for more), and int4pack-cpu for every pass."""
+    config = tiny_config("llama")
+    layout = uniform_layout(config, (0, config.n_layer), True, True, "int4", 32)
+    torch.manual_seed(3)
+    stored = gather(convert(full_model(config).state_dict(), layout, torch.float32))
+    chunks = []
+    for policy in ("fast", "int4pack-cpu"):
+        qkernels.set_preference(policy)
+        chunks.append(build_chunk(config, convert(stored, layout, torch.float32), 0, config.n_layer, True, True,
+                                  torch.float32, "cpu", quant=layout))
+    return config, chunks
+
+
+def test_a_model_with_two_kernels_computes_what_one_kernel_computes(fake_timings):
+    fake_timings["dequant/int8"] = (0.0, 0.0)  # the head (int8 per channel): the reference in both chunks
+    kernel_choice.set_memory_allowance(ROOMY)
+    config, (dual, single) = _chunks()
+    blocks = [m for n, m in dual.named_modules() if n.startswith("blocks.") and hasattr(m, "prefill_kernel")]
+    assert blocks and all(m.kernel is INT4 and m.prefill_kernel is FBGEMM and m.prefill_from == 8 for m in blocks)
+    torch.manual_seed(4)
+    ids = torch.randint(0, config.vocab_size, (20,))
+    logits = []
+    for chunk in (dual, single):
+        chunk.allocate_cache(1, 32)
+        with torch.no_grad():
+            few = chunk.head(chunk.forward_blocks(chunk.embed(ids[:4], 0), 0, 0))  # 4 rows: the decode kernel
+            steps = [chunk.head(chunk.forward_blocks(chunk.embed(ids[i:i + 1], i), 0, i)) for i in (4, 5)]  # decode
+            many = chunk.head(chunk.forward_blocks(chunk.embed(ids[6:18], 6), 0, 6))  # 12 rows: the prefill kernel
+            after = chunk.head(chunk.forward_blocks(chunk.embed(ids[18:19], 18), 0, 18))  # decode after it
+        logits.append((torch.cat([few] + steps), many, after))
+    (few_dual, many_dual, after_dual), (few_single, many_single, after_single) = logits
+    assert torch.equal(few_dual, few_single)  # fewer rows than the crossing: the same kernel, the same bits
+    # many rows: the integer kernel, rounded as it rounds (its own tolerance for one layer's output)
+    scale = float(many_single.max() - many_single.min())
+    assert not torch.equal(many_dual, many_single)  # the second kernel ran
+    assert float((many_dual - many_single).abs().max()) / scale <= FBGEMM.tolerance
+    assert float((after_dual - after_single).abs().max()) / scale <= FBGEMM.tolerance  # its keys and values are in the cache
+
+
+def test_a_lead_that_does_not_hold_when_timed_in_turns_earns_no_copy(fake_timings, monkeypatch):
+    """The screening's one timing at 64 rows may catch the decode kernel in another process's
+    burst: the two are timed again in turns before a copy is kept."""
+    screened = set()
+    fake = kernel_choice._time
+
+    def bursty(what, *rest):
+        name, kind, rows = what
+        if name == "int4pack-cpu" and rows == kernel_choice.PREFILL_ROWS and name not in screened:
+            screened.add(name)
+            return 1.0  # a burst
+        return fake(what, *rest)
+    monkeypatch.setattr(kernel_choice, "_time", bursty)
+    fake_timings["int8dyn-fbgemm"] = (0.5, 0.05)  # in truth no faster on many rows
+    kernel_choice.set_memory_allowance(ROOMY)
+    choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
+    assert choice.kernel is INT4 and choice.prefill_kernel is None
+    assert "timed in turns: not %.2fx" % kernel_choice.PREFILL_GAIN in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
