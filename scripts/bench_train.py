@@ -36,6 +36,8 @@ from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besid
 
 import requests
 
+from mdi.lab.cgroups import peak_rss_bytes
+
 PROMPT = "mdi splits a model across"
 PLAY_PROMPT = "LADY MACBETH.\n"  # a speech opening as the play's text opens one
 
@@ -77,18 +79,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.out = args.out or os.path.join(benchlib.ROOT, "results",
                                         "bench_train_shakespeare.json" if args.play else "bench_train.json")
     return args
-
-
-def peak_rss(pid: int) -> int:
-    """VmHWM of a live process, bytes (0 once it is gone)."""
-    try:
-        with open("/proc/%d/status" % pid) as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def write_config(path: str, model: str, workers: List[WorkerProcess], port: int, data_port: int,
@@ -149,7 +139,7 @@ def main(argv=None) -> int:
 
         def watch() -> None:  # VmHWM is a peak, but it is gone with the process: read it until then
             while not stop.is_set():
-                peaks["starter"] = max(peaks.get("starter", 0), peak_rss(trainer.pid))
+                peaks["starter"] = max(peaks.get("starter", 0), (peak_rss_bytes(trainer.pid) or 0))
                 time.sleep(0.5)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -160,7 +150,7 @@ def main(argv=None) -> int:
         if rc != 0:
             raise RuntimeError("mdi-train exited with %d" % rc)
         for w in workers:
-            peaks[w.name] = peak_rss(w.proc.pid)
+            peaks[w.name] = (peak_rss_bytes(w.proc.pid) or 0)
         serve_cfg = os.path.join(tmp, "serve.yaml")
         write_config(serve_cfg, os.path.abspath(args.model), workers, port, data_port, config.n_layer, adapter)
         server = NodeProcess("server", [os.path.join(BIN, "mdi-start"), "--config", serve_cfg, "--serve"],

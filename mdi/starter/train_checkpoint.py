@@ -14,7 +14,6 @@ The fingerprint is what must not change for the resumed run's losses to equal an
 run's: the base, the data (its bytes' SHA-256), the windows, the LoRA's shape and the optimizer.
 `--resume` of a checkpoint whose fingerprint differs is refused, naming the first difference.
 """
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.lora_train import LoraSpec, read_peft_pairs, save_peft_adapter
 from mdi.model.stage_train import OptimizerState
 from mdi.runconfig import ConfigError
+from mdi.system.files import sha256_file
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -41,14 +41,6 @@ class Checkpoint:
     optimizer: OptimizerState
     records: List[Dict[str, Any]]  # the StepRecords so far, as metrics write them
     evals: List[Dict[str, Any]]
-
-
-def file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def checkpoint_path(out: str, steps_done: int) -> str:
@@ -105,7 +97,7 @@ def load_checkpoint(path: str, config: ModelConfig, fingerprint: Dict[str, Any])
 def run_fingerprint(base: str, data: str, spec: LoraSpec, **settings: Any) -> Dict[str, Any]:
     """What a resumed run must share with the checkpoint's (see the module docstring); not the
     --eval data, which changes no step."""
-    out: Dict[str, Any] = {"base": os.path.abspath(base), "data_sha256": file_digest(data),
+    out: Dict[str, Any] = {"base": os.path.abspath(base), "data_sha256": sha256_file(data),
                            "targets": list(spec.targets), "rank": spec.rank, "alpha": spec.alpha}
     out.update(settings)
     return out
