@@ -237,17 +237,18 @@ def test_mdi_train_cli_checkpoints_and_refuses_an_adapter_of_another_base(tiny_m
     assert "another run" in capsys.readouterr().err
 
 
-def test_a_quantized_base_trains_with_exact_kernels(tiny_models, files, workers):
-    """QLoRA's way: int8 frozen weights on every node (the fast integer kernels have no
+@pytest.mark.parametrize("quant,within", [("int8", 0.02), ("int4", 0.1)])
+def test_a_quantized_base_trains_with_exact_kernels(tiny_models, files, workers, quant, within):
+    """QLoRA's way: int8 or int4 frozen weights on every node (the fast integer kernels have no
     backward, so mdi-train runs the exact ones), float32 adapters; the first loss is the
-    float base's within int8's rounding, and training lowers it."""
+    float base's within the quantization's rounding, and training lowers it."""
     setup = _setup("llama")
     float_cfg = parse_run_config(tiny_models["llama"])
-    int8_cfg = parse_run_config(tiny_models["llama"], workers[:1], layers=[2, 2], quant="int8",
-                                runtime={"ring_timeout": 30, "quant_kernel": "fast"})
+    quant_cfg = parse_run_config(tiny_models["llama"], workers[:1], layers=[2, 2], quant=quant,
+                                 runtime={"ring_timeout": 30, "quant_kernel": "fast"})
     want = training.run(float_cfg, _opts(files["text"], setup, steps=1)).steps[0].loss
-    got = training.run(int8_cfg, _opts(files["text"], setup, steps=4, micro_batches=2))
-    assert abs(got.steps[0].loss - want) <= 0.02 * want and got.steps[-1].loss < got.steps[0].loss
+    got = training.run(quant_cfg, _opts(files["text"], setup, steps=4, micro_batches=2))
+    assert abs(got.steps[0].loss - want) <= within * want and got.steps[-1].loss < got.steps[0].loss
 
 
 def test_eval_and_clip_frames_round_trip_and_are_validated():
