@@ -319,3 +319,22 @@ def test_bad_shapes_leave_a_request_in_flight_unchanged(smol_server):
         assert status == 400
     streaming.join()
     assert result["answer"][0] == 200 and result["answer"][1]["choices"][0]["message"]["content"] == alone
+
+
+def test_keywords_the_decoder_cannot_enforce_are_refused_when_strict_and_ignored_when_not(smol_compiler):
+    _, compiler = smol_compiler
+    schema = json.dumps({"type": "array", "items": {"type": "string"}, "uniqueItems": True})
+    with pytest.raises(ConstraintError) as e:
+        compiler.compile(GrammarSpec("json_schema", schema, "response_format"))  # strict by default
+    assert "uniqueItems" in str(e.value) and "strict false" in str(e.value)
+    compiler.compile(GrammarSpec("json_schema", schema, "response_format", strict=False))
+    # the request fields: strict json_schema refuses, non-strict (OpenAI's default) and llama.cpp's accept
+    from mdi.serving.validation import COMPLETIONS, parse_options
+    from mdi.model.sampling import SamplingParams
+    strict = {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(schema), "strict": True}}
+    for body, want in (({"response_format": strict}, True),
+                       ({"response_format": dict(strict, json_schema=dict(strict["json_schema"], strict=False))},
+                        False),
+                       ({"json_schema": json.loads(schema)}, False)):
+        opts, _ = parse_options(dict(body, prompt="a"), COMPLETIONS, SamplingParams())
+        assert opts.grammar.strict is want

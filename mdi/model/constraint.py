@@ -32,6 +32,12 @@ MAX_GRAMMAR_CHARS = 1 << 17  # a schema or grammar this long is almost certainly
 JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def json_options(strict: bool) -> Any:
+    """llguidance's JSON options for a schema (its "x-guidance"): JSON_DEFAULTS, and where the
+    schema is not strict, keywords it cannot enforce (uniqueItems, not, if/then...) ignored."""
+    return dict(JSON_DEFAULTS, lenient=not strict)
+
+
 class ConstraintError(ValueError):
     """A grammar that cannot be compiled; `field` is the request field it came from."""
 
@@ -96,7 +102,7 @@ class GrammarCompiler:
             if spec.kind == "json_object":
                 return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
             if spec.kind == "json_schema":
-                return m.grammar_from_json_schema(json.loads(spec.text), defaults=JSON_DEFAULTS)
+                return m.grammar_from_json_schema(json.loads(spec.text), defaults=json_options(spec.strict))
             if spec.kind == "regex":
                 return m.grammar_from_regex(spec.text)
             if spec.kind == "gbnf":
@@ -111,7 +117,10 @@ class GrammarCompiler:
         grammar = self.grammar_text(spec)
         matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConstraintError(spec.field, _one_line(matcher.get_error()))
+            error = _one_line(matcher.get_error())
+            if "Unimplemented keys" in error and spec.kind == "json_schema":
+                error += " (keywords a strict schema may not use here; with strict false they are ignored)"
+            raise ConstraintError(spec.field, error)
         # Copies (a request's other choices) start from a new matcher of the same grammar (~1 ms).
         return Constraint(lambda: self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), matcher,
                           self.width, min(self.width, self.vocab), spec)

@@ -12,6 +12,9 @@ class GrammarSpec:
     kind: str  # one of GRAMMAR_KINDS
     text: str  # the schema as JSON text, the grammar or the regex ("" for json_object)
     field: str  # the request field it came from: "response_format", "grammar", "regex", "tools"
+    # A JSON schema's keywords the compiler cannot enforce (uniqueItems, not, if/then...):
+    # refused (strict, OpenAI's rule for strict schemas) or ignored (best effort, as llama.cpp).
+    strict: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:

@@ -15,6 +15,7 @@ What is constrained:
 import json
 from typing import Any, Dict, List, Optional
 
+from mdi.model.constraint import json_options
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.serving.tools import HERMES, LLAMA3, ToolChoice, ToolFormat
 from mdi.serving.validation import ApiError
@@ -43,7 +44,11 @@ def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat) -> Optional[Gram
         return None
     args_key = "parameters" if fmt.family == LLAMA3 else "arguments"
     calls = _one_of([_call_schema(f, args_key, required or bool(f.get("strict"))) for f in choice.functions])
-    body = "%json " + json.dumps(calls)
+    # The JSON's spacing as response_format's; a non-strict function's schema is followed as far
+    # as llguidance can (keywords it cannot enforce are ignored), a strict one's wholly or not at all.
+    options = {"x-guidance": json_options(all(f.get("strict") for f in choice.functions
+                                              if required or f.get("strict")))}
+    body = "%json " + json.dumps(dict(calls, **options))
     lines = ["%llguidance {}"]
     if fmt.family == HERMES:
         lines += ['call: "<tool_call>\\n" body "\\n</tool_call>"', "body: " + body]
@@ -66,7 +71,7 @@ def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat) -> Optional[Gram
         if not required:
             reply = {"anyOf": [reply, {"type": "object", "properties": {"response": {"type": "string"}},
                                        "required": ["response"], "additionalProperties": False}]}
-        lines.append("start: %json " + json.dumps(reply))
+        lines.append("start: %json " + json.dumps(dict(reply, **options)))
     text = "\n".join(lines) + "\n"
     error = grammar_error(text)
     if error:

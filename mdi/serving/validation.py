@@ -134,7 +134,7 @@ def _response_format(value: Dict[str, Any], _: Dict[str, Any]) -> Optional[Gramm
     if kind == "json_object" and set(value) <= {"type", "schema"}:
         if value.get("schema") is None:
             return GrammarSpec("json_object", "", "response_format")
-        return _schema_spec(value["schema"], "response_format")
+        return _schema_spec(value["schema"], "response_format", strict=False)  # llama.cpp's, best effort
     if kind == "json_schema" and set(value) == {"type", "json_schema"}:
         inner = value["json_schema"]
         if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict) \
@@ -145,15 +145,17 @@ def _response_format(value: Dict[str, Any], _: Dict[str, Any]) -> Optional[Gramm
             raise _bad("response_format", "json_schema.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -")
         if not isinstance(inner.get("strict", False), bool):
             raise _bad("response_format", "json_schema.strict: expected true or false")
-        return _schema_spec(inner["schema"], "response_format")
+        return _schema_spec(inner["schema"], "response_format", strict=inner.get("strict", False))
     raise _bad("response_format", 'expected {"type": "text"}, {"type": "json_object"} or '
                '{"type": "json_schema", "json_schema": {...}}')
 
 
-def _schema_spec(schema: Any, field: str) -> GrammarSpec:
+def _schema_spec(schema: Any, field: str, strict: bool) -> GrammarSpec:
+    """`strict` (OpenAI's json_schema.strict, false unless sent): refuse a schema's keywords the
+    decoder cannot enforce; else ignore them (OpenAI's non-strict mode and llama.cpp do)."""
     if not isinstance(schema, dict):
         raise _bad(field, "the schema must be a JSON object")
-    return GrammarSpec("json_schema", json.dumps(schema), field)
+    return GrammarSpec("json_schema", json.dumps(schema), field, strict)
 
 
 def _grammar(value: str, _: Dict[str, Any]) -> Optional[GrammarSpec]:
@@ -231,7 +233,7 @@ FIELDS = (  # in checking order: a check may read the fields above it
     # What the output must obey (mdi.model.constraint): OpenAI's response_format, llama.cpp's
     # json_schema and GBNF grammar, and mdi's regex.
     Field("response_format", (dict,), "an object", check=_response_format),
-    Field("json_schema", (dict,), "an object", check=lambda v, _: _schema_spec(v, "json_schema")),
+    Field("json_schema", (dict,), "an object", check=lambda v, _: _schema_spec(v, "json_schema", strict=False)),
     Field("grammar", (str,), "a string (a GBNF grammar)", check=_grammar),
     Field("regex", (str,), "a string (a regular expression)", check=_regex),
     # Function calling (`tools`): the functions, which of them the answer must call, and how many.
