@@ -271,7 +271,10 @@ def _outcome(plan=None, samples=3, tokens=4, code=0):
 def test_csv_has_the_plan_columns(tmp_path):
     exp, plans = _auto_plans(tmp_path)
     auto = next(p for p in plans[0] if p.kind == "auto" and p.n_nodes == 3)
-    assert CSV_COLUMNS[-2:] == ["plan", "predicted_tokens_per_s"]
+    # appended after the columns before them (whose places stay), before speculation's
+    plan_at = CSV_COLUMNS.index("plan")
+    assert CSV_COLUMNS[plan_at:plan_at + 2] == ["plan", "predicted_tokens_per_s"]
+    assert CSV_COLUMNS[plan_at - 1] == "metrics_file" and CSV_COLUMNS[plan_at + 2].startswith("spec_")
     row = make_row(exp, auto, 3, 1, _outcome(PLAN, tokens=auto.model.tokens), "off", "runs/a.json")
     assert set(row) == set(CSV_COLUMNS)
     assert (row["status"], row["partition"], row["partition_kind"]) == ("ok", "auto", "auto")
