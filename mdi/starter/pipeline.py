@@ -175,9 +175,8 @@ class Pipeline:
         self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
         sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
         if spec.on and sample.spec is None:
-            drafter = self.drafter_factory(sample) if self.drafter_factory is not None \
-                else new_drafter(spec, sample, self.draft_model)
-            sample.spec = SpecState(drafter) if drafter is not None else None
+            sample.spec = SpecState(self.drafter_factory(sample) if self.drafter_factory is not None
+                                    else new_drafter(spec, sample, self.draft_model))
         if sample.spec is not None:
             sample.spec.forget_flight()
         if sample.window_len > self.chunk.cache.max_len:

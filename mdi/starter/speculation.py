@@ -28,7 +28,6 @@ while and probes again later. Passes are built on guesses only while the ring ha
 decoding samples than boards, and no sample drafts once it holds more than one per board:
 plain decoding and batching fill the ring then (speculation yields to them).
 """
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -40,8 +39,6 @@ from mdi.model.row_batch import RowBatch
 from mdi.runconfig import SpeculationSpec
 from mdi.starter.draft_model import DraftModel, ModelDrafter
 from mdi.starter.sample import Sample
-
-log = logging.getLogger(__name__)
 
 RATE_PRIOR = 0.5  # the acceptance assumed before a sample's first verification
 RATE_MEMORY = 0.85  # weight of the past in the rolling acceptance (per verified draft)
@@ -265,18 +262,15 @@ class SpecPolicy:
         return self.spec.on and decoding <= self.n_stages
 
 
-def new_drafter(spec: SpeculationSpec, sample: Sample, draft_model: Optional[DraftModel] = None) -> Optional[Drafter]:
-    """`sample`'s drafter for `spec`; None where the method has nothing to draft with (a
-    request asks for `draft` of a server that loaded no draft model: it decodes plainly)."""
+def new_drafter(spec: SpeculationSpec, sample: Sample, draft_model: Optional[DraftModel] = None) -> Drafter:
+    """`sample`'s drafter for `spec`. Method draft needs the run's draft model: the engine loads
+    it whenever generation.speculation names one, and --serve refuses a request's `draft` (400)
+    on a server without one, so its absence here is a caller's bug."""
     if spec.method == "ngram":
         return NgramDrafter(sample.prompt_ids + sample.token_ids, spec.ngram_min, spec.ngram_max)
-    if spec.method == "draft":
-        if draft_model is None:
-            log.warning("mdi: sample %d asks for a draft model, and none is loaded here "
-                        "(generation.speculation.draft): it decodes without drafting", sample.index)
-            return None
+    if spec.method == "draft" and draft_model is not None:
         return ModelDrafter(draft_model, sample)
-    raise ValueError("speculation method %r has no drafter" % spec.method)
+    raise ValueError("speculation method %r has no drafter here" % spec.method)
 
 
 def measure_row_cost(chunk: Any, rows: int, repeats: int = 5) -> float:
