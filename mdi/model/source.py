@@ -39,12 +39,11 @@ class ModelSource:
         self._reread = threading.Lock()
         if is_mdi_dir(path):
             self.config = store.read_mdi_config(path)
-            self.tokenizer: Optional[Tokenizer] = load_tokenizer(path)
             self.stored_quant: Dict[str, QuantSpec] = store.file_layout(path)
         else:  # a GGUF keeps its Q8_0 / Q4 blocks quantized in memory
             self.config, self._full = checkpoints.read_checkpoint(path, keep_quant=True)
-            self.tokenizer = _raw_tokenizer(path)
             self.stored_quant = weights_layout(self._full)
+        self.tokenizer: Optional[Tokenizer] = read_tokenizer(path)
         if self.tokenizer is not None:
             check_vocab(self.tokenizer, self.config)
 
@@ -166,6 +165,11 @@ def check_vocab(tokenizer: Tokenizer, config: ModelConfig) -> None:
     are bounded by the tokenizer's vocabulary)."""
     if tokenizer.vocab_size > config.vocab_size:
         raise TokenizerError("tokenizer has %d tokens but the model only %d" % (tokenizer.vocab_size, config.vocab_size))
+
+
+def read_tokenizer(path: str) -> Optional[Tokenizer]:
+    """A model's tokenizer alone, no weight read (a GGUF's from its metadata); None without one."""
+    return load_tokenizer(path) if is_mdi_dir(path) else _raw_tokenizer(path)
 
 
 def _raw_tokenizer(path: str) -> Optional[Tokenizer]:

@@ -28,9 +28,8 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout
 from mdi.model.row_batch import RowBatch
-from mdi.model.source import ModelSource, is_mdi_dir
-from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
-from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from mdi.model.source import ModelSource, read_tokenizer
+from mdi.model.tokenizers import Tokenizer, TokenizerError
 from mdi.model.transformer import ModelChunk
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.capacity import chunk_bytes_needed
@@ -38,17 +37,6 @@ from mdi.starter.sample import Sample
 from mdi.system.transfers import ints_to_device
 
 log = logging.getLogger(__name__)
-
-
-def read_tokenizer(path: str) -> Optional[Tokenizer]:
-    """A model's tokenizer alone, no weight read (a GGUF's from its metadata)."""
-    if is_mdi_dir(path):
-        return load_tokenizer(path)
-    if path.endswith(".gguf"):
-        return tokenizer_from_gguf(path)
-    if os.path.isdir(path):
-        return tokenizer_from_hf_dir(path)
-    return None
 
 
 def token_text(tok: Tokenizer, i: int) -> str:
