@@ -110,8 +110,8 @@ def _read_state(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     return OptimizerState(steps, moments)
 
 
-def read_pairs(body: bytes) -> Tuple[Pairs, Dict[str, str]]:
-    """The body's pairs and metadata, or a RequestError naming what is wrong."""
+def _load(body: bytes) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """The body's tensors and metadata, read once, or a RequestError naming what is wrong."""
     if not body or len(body) > MAX_TRAIN_BYTES:
         raise RequestError("a training body is 1 to %d bytes of safetensors" % MAX_TRAIN_BYTES)
     try:
@@ -121,6 +121,11 @@ def read_pairs(body: bytes) -> Tuple[Pairs, Dict[str, str]]:
         metadata = json.loads(bytes(body[8:8 + header_len])).get("__metadata__") or {}
     except Exception as e:  # safetensors raises its own error types on a bad header
         raise RequestError("training body is not a safetensors file: %s" % e)
+    return tensors, metadata
+
+
+def _pairs(tensors: Mapping[str, torch.Tensor]) -> Pairs:
+    """The LoRA pairs among `tensors` (the AdamW moments are _read_state's)."""
     pairs: Pairs = {}
     for name in tensors:
         if name.rpartition(".")[2] in MOMENTS:
@@ -133,12 +138,13 @@ def read_pairs(body: bytes) -> Tuple[Pairs, Dict[str, str]]:
                 or not b.is_floating_point() or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise RequestError("training pair %r: needs finite float lora_A [r, in] and lora_B [out, r]" % key[:120])
         pairs[key] = (a, b)
-    return pairs, metadata
+    return pairs
 
 
 def _read_all(body: bytes) -> Tuple[Pairs, Optional[OptimizerState], Dict[str, str]]:
-    pairs, metadata = read_pairs(body)
-    return pairs, _read_state(safetensors_load(bytes(body)), metadata, pairs), metadata
+    tensors, metadata = _load(body)  # parsed once: pairs and moments come from the same tensors
+    pairs = _pairs(tensors)
+    return pairs, _read_state(tensors, metadata, pairs), metadata
 
 
 def read_train_body(body: bytes) -> Tuple[TrainSetup, Pairs, Optional[OptimizerState]]:
