@@ -20,9 +20,10 @@ from mdi.model.transformer import full_model
 from mdi.ring.transport import LocalLoop
 from mdi.runconfig import ConfigError, parse_speculation
 from mdi.serving.validation import COMPLETIONS, ApiError, validate
-from mdi.starter import batch, speculation
+from mdi.starter import batch, draft_model, run_plan, speculation
 from mdi.starter.draft_model import DraftModel, ModelDrafter, vocabulary_difference
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.preflight import preflight
 from mdi.starter.sample import Sample
 
 PROMPTS = ["The quick brown fox jumps", "abcabcabcabc", "To be, or not to be, that is", "x"]
@@ -261,3 +262,26 @@ def test_a_served_request_drafts_with_the_server_s_draft_model(tiny_models, tmp_
         assert "mdi_speculation_accepted_total" in metrics
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_check_reads_the_draft_once_from_the_run_plan(tiny_models, tmp_path, capsys, monkeypatch):
+    """--check refuses a draft of another vocabulary in one line, and counts an accepted one's
+    memory from the plan (its vocabulary read once, as the run reads it)."""
+    other = str(tmp_path / "other")
+    make_tiny_model(other, "llama")
+    chars = list(CHARS)
+    chars[3] = "\u00e9"
+    char_tokenizer(chars).save(other)
+    model = tiny_models["llama"]
+    refused = parse_run_config(model, [], "spec", generation={"speculation": {"draft": other}})
+    assert preflight(refused) == 1
+    out = capsys.readouterr().out
+    assert "plan: REFUSED: generation.speculation.draft: %s has another vocabulary" % other in out, out
+    opened = []
+    real = draft_model.open_draft
+    monkeypatch.setattr(run_plan, "open_draft", lambda *a, **k: opened.append(1) or real(*a, **k))
+    accepted = parse_run_config(model, [], "spec", generation={"speculation": {"draft": model}})
+    assert preflight(accepted) == 0
+    out = capsys.readouterr().out
+    assert "draft model %s" % model in out and "counted in the starter's need" in out, out
+    assert len(opened) == 1

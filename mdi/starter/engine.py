@@ -27,7 +27,7 @@ from mdi.starter.pipeline import Pipeline
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
-from mdi.starter.draft_model import DraftModel, DraftSource, open_draft
+from mdi.starter.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
 from mdi.starter.run_plan import RunPlan
@@ -64,7 +64,6 @@ class Engine:
         # per-request speculation before open)
         self.speculating = self.cfg.generation.speculation.on
         self.drafter_factory: Optional[Callable[[Sample], Any]] = None  # measurement's drafters (mdi.lab)
-        self.draft: Optional[DraftSource] = None  # generation.speculation's draft model, checked at open
         self.t0 = time.perf_counter()
 
     # The ring in hand, read from the plan (the dashboard, metrics and serving show these).
@@ -92,8 +91,6 @@ class Engine:
     def open(self) -> None:
         for node in self.nodes[1:]:  # fail fast, before spending time on our own weights
             self.registry.client(node).health()
-        # a draft model's vocabulary is checked before any weight moves; its memory counts in the starter's
-        self.draft = open_draft(self.cfg, self.source)
         self.chunk = self._starter_chunk(self.ranges[0])
         draft_model = self._draft_model()
         transport, run_id = self._connect()
@@ -132,8 +129,7 @@ class Engine:
         if note:
             log.warning("mdi: starter: %s", note)
         quant = self.plan.nodes[0].quant
-        draft = ("the draft model", self.draft.bytes_needed(self.n_slots, self.max_len, self.dtype)) \
-            if self.draft is not None else None
+        draft = ("the draft model", self.plan.draft_bytes(self.n_slots)) if self.plan.draft is not None else None
         spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device,
                                 draft)
         try:
@@ -155,11 +151,11 @@ class Engine:
 
     def _draft_model(self) -> Optional[DraftModel]:
         """The run's draft model (generation.speculation's draft), loaded beside the starter's chunk."""
-        if self.draft is None:
+        if self.plan.draft is None:
             return None
         asked = self.cfg.model.compute_dtype
         compute, _ = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
-        return DraftModel.load(self.draft, self.n_slots, self.max_len, self.dtype, self.device, compute,
+        return DraftModel.load(self.plan.draft, self.n_slots, self.max_len, self.dtype, self.device, compute,
                                self.plan.prefill_chunk, self.cfg.runtime.fused_decode)
 
     def _enable_prefix_cache(self) -> None:

@@ -10,7 +10,6 @@ from mdi.model.layout import format_layers
 from mdi.model.source import ModelSource
 from mdi.starter.adapter_set import adapter_layer_bytes
 from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter_free_bytes
-from mdi.starter.draft_model import open_draft
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -34,6 +33,10 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
         print("plan: UNREACHABLE: %s" % e)
         print("check: problems found")
         return 1
+    except ConfigError as e:  # a draft model of another vocabulary, found before any weight is read
+        print("plan: REFUSED: %s" % e)
+        print("check: problems found")
+        return 1
     cfg = plan.cfg
     if plan.layer_plan is not None:
         print(format_plan(plan.layer_plan))
@@ -42,13 +45,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
     print(prefix_line(cfg))
-    try:  # its vocabulary checked as the run checks it, before any weight is read
-        draft = open_draft(cfg, source)
-    except ConfigError as e:
-        print("draft model: REFUSED: %s" % e)
-        print("check: problems found")
-        return 1
-    draft_need = draft.bytes_needed(plan.n_slots, plan.max_len, plan.dtype) if draft is not None else 0
+    draft, draft_need = plan.draft, plan.draft_bytes(plan.n_slots)
     if draft is not None:
         print("draft model %s: %s, %d layers, quant %s: %.1f MB (weights and KV cache), counted in the starter's need"
               % (draft.path, draft.config.family, draft.config.n_layer,

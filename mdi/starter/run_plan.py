@@ -23,6 +23,7 @@ from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.autoplan import apply_plan, plan_ring
 from mdi.starter.capacity import node_quant
+from mdi.starter.draft_model import DraftSource, open_draft
 from mdi.starter.planner import LayerPlan, NodeCost, format_plan
 from mdi.starter.run_shape import RunShape
 
@@ -52,6 +53,9 @@ class RunPlan:
     prefill_chunk: int  # prompt tokens a sample's pass carries at most
     costs: Tuple[NodeCost, ...] = ()  # measured for `layers: auto`: a failure re-plans with them
     layer_plan: Optional[LayerPlan] = None  # the planner's split and why (`layers: auto`, mdi-plan)
+    # generation.speculation's draft model, its vocabulary checked once here; the starter holds
+    # its weights and one cache slot per slot beside its chunk
+    draft: Optional[DraftSource] = None
 
     @property
     def specs(self) -> List[NodeSpec]:
@@ -76,6 +80,10 @@ class RunPlan:
         """The rows a frame may carry: a batch of decode rows plus a prefill chunk."""
         return min(MAX_ROWS, self.max_batch + self.prefill_chunk)
 
+    def draft_bytes(self, n_slots: int) -> int:
+        """What the draft model takes on the starter with `n_slots` cache slots (0: its weights)."""
+        return self.draft.bytes_needed(n_slots, self.max_len, self.dtype) if self.draft is not None else 0
+
     def with_slots(self, n_slots: int) -> "RunPlan":
         """This ring with `n_slots` slots (serving lowers them to what every node's memory holds)."""
         return dataclasses.replace(self, n_slots=n_slots,
@@ -98,8 +106,9 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
              measure: bool = False, refresh: bool = False, say: Optional[Callable[[str], None]] = None) -> RunPlan:
     """The plan of a run of `shape` on `cfg`'s nodes. With `layers: auto` (or `measure`, as
     mdi-plan asks) every node is timed (or recalled from the profile cache) and the planner
-    splits the layers; the nodes it leaves out are not in the ring. Raises PlanError or
-    NodeError before any weight is sent."""
+    splits the layers; the nodes it leaves out are not in the ring. Raises PlanError,
+    NodeError or ConfigError (a draft model of another vocabulary) before any weight is sent."""
+    draft = open_draft(cfg, source)  # before the planner times any node
     layer_plan: Optional[LayerPlan] = None
     costs: List[NodeCost] = []
     if cfg.auto_layers or measure:
@@ -113,7 +122,7 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
         cfg = apply_plan(cfg, layer_plan)
     nodes = _node_plans(cfg, source, cfg.nodes, cfg.layer_ranges(source.config.n_layer))
     return RunPlan(cfg, nodes, tuple(cfg.spares), shape.n_slots, shape.max_len,
-                   cfg.max_batch(shape.n_slots, len(nodes)), cfg.runtime.prefill_chunk, tuple(costs), layer_plan)
+                   cfg.max_batch(shape.n_slots, len(nodes)), cfg.runtime.prefill_chunk, tuple(costs), layer_plan, draft)
 
 
 def _node_plans(cfg: RunConfig, source: ModelSource, nodes: Sequence[NodeSpec],

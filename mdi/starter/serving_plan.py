@@ -15,7 +15,6 @@ from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planner import PlanError
 from mdi.starter.capacity import chunk_bytes_needed, prefix_reserve, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
-from mdi.starter.draft_model import open_draft
 from mdi.starter.engine import Engine
 from mdi.starter.sample import Sample
 from mdi.starter.run_plan import RunPlan, plan_run
@@ -78,9 +77,8 @@ def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> in
     asked = cfg.serve.max_in_flight
     limit = asked or DEFAULT_MAX_IN_FLIGHT
     config = source.config
-    draft = open_draft(cfg, source)  # the starter's draft model: its weights and a cache slot per slot
-    draft_weights = draft.bytes_needed(0, max_len, plan.dtype) if draft is not None else 0
-    draft_slot = draft.bytes_needed(1, max_len, plan.dtype) - draft_weights if draft is not None else 0
+    draft_weights = plan.draft_bytes(0)  # the starter's draft model: its weights and a cache slot per slot
+    draft_slot = plan.draft_bytes(1) - draft_weights
     for i, node in enumerate(plan.nodes):
         if i == 0:
             capacity = starter_free_bytes(cfg.device_of(node.spec))
