@@ -8,6 +8,7 @@ cross-entropy mean over the whole batch and torch's AdamW. Only the initial pair
 import json
 import math
 
+import msgpack
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,14 +155,23 @@ def test_training_frames_round_trip_and_are_validated():
     assert got.kind == FrameKind.GRAD and got.train == TrainTag(3, 1, 2) and torch.equal(got.tensor, x)
     step = decode(encode(Frame(FrameKind.STEP, 7, train=TrainTag(3, 4, 0))), run=7)
     assert step.train == TrainTag(3, 4, 0) and step.tensor is None
+    asks = decode(encode(Frame(FrameKind.EVAL, 7, [0], [0], [5], x[:5], train=TrainTag(3, 0, 1, True))), run=7)
+    assert asks.train == TrainTag(3, 0, 1, True)  # a forward asking every worker for a state copy
     bad = [Frame(FrameKind.TRAIN, 7, [0], [0], [5], x[:5]),  # no train header
            Frame(FrameKind.TRAIN, 7, [0, 1], [0, 2], [5, 5], x, train=TrainTag(0, 0, 0)),  # not from position 0
            Frame(FrameKind.TRAIN, 7, [0, 1], [0, 0], [4, 6], x, train=TrainTag(0, 0, 0)),  # windows of two lengths
            Frame(FrameKind.STEP, 7, train=TrainTag(0, 0, 0)),  # a step of no micro-batch
-           Frame(FrameKind.SCORE, 7, [0], [0], [5], x[:5], train=TrainTag(0, 0, 0))]  # train header off a training kind
+           Frame(FrameKind.SCORE, 7, [0], [0], [5], x[:5], train=TrainTag(0, 0, 0)),  # train header off a training kind
+           Frame(FrameKind.GRAD, 7, [0], [0], [5], x[:5], train=TrainTag(0, 0, 1, True))]  # a copy asked of a gradient
     for f in bad:
         with pytest.raises(FrameError):
             decode(encode(f), run=7, hidden=64, max_len=16)
+    parts = encode(Frame(FrameKind.TRAIN, 7, [0], [0], [5], x[:5], train=TrainTag(0, 0, 1)))
+    header = msgpack.unpackb(parts[0])
+    for train in ([0, 0, 1, 2], [0, 0, 1, 1, 1], [0, 0]):  # a copy flag other than 1; too many values; too few
+        header["train"] = train
+        with pytest.raises(FrameError):
+            decode([msgpack.packb(header), parts[1]], run=7, hidden=64, max_len=16)
 
 
 def test_train_body_round_trips():

@@ -62,7 +62,8 @@ def test_boundaries_and_input_gradient_equal_one_process(tiny_models, workers, f
         assert torch.allclose(x, want_states[0], atol=TOL, rtol=0)
         x.requires_grad_(True)
         out = ring(x)
-        assert sorted(out.boundaries) == ([1, config.n_layer] if nodes == 3 else [config.n_layer])
+        # every node boundary, the one between the two workers included (a "state" copy)
+        assert list(out.boundaries) == ([1, 3, config.n_layer] if nodes == 3 else [config.n_layer])
         for layer, h in out.boundaries.items():
             assert _rel(h, want_states[layer]) <= TOL, layer
         _loss(ring.head(out.hidden), ids).backward()
@@ -70,7 +71,11 @@ def test_boundaries_and_input_gradient_equal_one_process(tiny_models, workers, f
         # without autograd the batch goes as an eval frame: the same states, nothing kept
         with torch.no_grad():
             again = ring(ids)
+            fewer = ring(ids, boundaries=False)  # no copies: the starter's own boundary only
         assert torch.equal(again.hidden, out.hidden.detach())
+        assert all(torch.equal(again.boundaries[k], out.boundaries[k]) for k in out.boundaries)
+        assert list(fewer.boundaries) == ([1, config.n_layer] if nodes == 3 else [config.n_layer])
+        assert torch.equal(fewer.hidden, out.hidden.detach())
 
 
 def test_a_lora_of_one_s_own_steps_on_every_node(tiny_models, workers):

@@ -42,7 +42,9 @@ from mdi.system.transfers import to_host
 # v5: prefix cache ops ("cache"); a v4 peer would compute on positions its slot does not hold.
 # v6: the training kinds ("train", "grad", "step", "eval", "clip") and their "train" header; a v5
 # peer would refuse them as unknown kinds one frame at a time instead of at the first frame.
-PROTOCOL_VERSION = 6
+# v7: the "state" kind and the train header's copy flag; a v6 worker would run a "state" copy
+# as work or refuse it, and would not send the copies a v7 starter waits for.
+PROTOCOL_VERSION = 7
 
 
 class FrameKind(StrEnum):
@@ -67,13 +69,19 @@ class FrameKind(StrEnum):
     STEP = "step"
     EVAL = "eval"
     CLIP = "clip"
+    # A copy of a training forward's hidden states entering layer `train.layer`, sent by the
+    # worker whose chunk ends there when the forward asked for copies (the train header's 4th
+    # element, 1); every other worker passes it on, so it reaches the starter (the states between
+    # two workers, which the starter's RemoteBlocks returns as node boundaries).
+    STATE = "state"
 
 
 KINDS = tuple(k.value for k in FrameKind)
 GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE, FrameKind.VERIFY)
-TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP, FrameKind.EVAL, FrameKind.CLIP)
+TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP, FrameKind.EVAL, FrameKind.CLIP, FrameKind.STATE)
 # the last node returns every row, not each sample's last
-ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY, FrameKind.TRAIN, FrameKind.GRAD, FrameKind.EVAL, FrameKind.CLIP)
+ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY, FrameKind.TRAIN, FrameKind.GRAD, FrameKind.EVAL, FrameKind.CLIP,
+                  FrameKind.STATE)
 CODECS = WIRE_CODECS
 INT8_BLOCK = 32
 INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
@@ -93,7 +101,8 @@ MAX_ENTRY = (1 << 62) - 1  # prefix cache entry ids (mdi.starter.prefix_cache)
 # "train": [step, micro-batch, layer] on training frames only, and always there: the batch
 # step, the micro-batch within it (a step frame: how many the batch had) and the layer boundary
 # the tensor is at (a train frame: the first layer of the node it goes to; a grad frame: the
-# last layer + 1 of the node that computes with it; a step frame: 0; a clip frame: its phase).
+# last layer + 1 of the node that computes with it; a step frame: 0; a clip frame: its phase),
+# then, on a train or eval frame only, an optional 1: every worker sends a "state" copy of its output.
 _OPTIONAL_KEYS = {"adapter", "epoch", "cache", "train"}
 MAX_STEP = (1 << 62) - 1
 MAX_MICRO = 1 << 16
@@ -110,6 +119,7 @@ class TrainTag:
     step: int
     micro: int  # a step frame: the micro-batches of the batch
     layer: int
+    copy: bool = False  # a train or eval forward whose every worker sends back a "state" copy of its output
 
 
 @dataclass
@@ -239,7 +249,7 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
     if frame.cache_ops:
         header["cache"] = [[op.kind, op.entry, op.slot, op.length] for op in frame.cache_ops]
     if frame.train is not None:
-        header["train"] = [frame.train.step, frame.train.micro, frame.train.layer]
+        header["train"] = [frame.train.step, frame.train.micro, frame.train.layer] + ([1] if frame.train.copy else [])
     if t is None:
         return [msgpack.packb(header), b""]
     if codec != "raw" and not t.dtype.is_floating_point:
@@ -407,10 +417,14 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
             raise FrameError("%s frames carry no cache ops" % kind)
         frame.cache_ops = _cache_ops(header["cache"], n_slots, max_len)
     if training:
-        step, micro, layer = _int_list(header, "train", 3, 0, MAX_STEP)
+        given = header["train"]
+        step, micro, layer, *copy = _int_list(header, "train", 4 if isinstance(given, list) and len(given) == 4 else 3,
+                                              0, MAX_STEP)
         if micro > MAX_MICRO or layer > (1 << 16):
             raise FrameError("train header has a micro-batch or layer outside its range")
-        frame.train = TrainTag(step, micro, layer)
+        if copy and (copy[0] != 1 or kind not in (FrameKind.TRAIN, FrameKind.EVAL)):
+            raise FrameError("only train and eval frames ask for state copies, with a 4th train value of 1")
+        frame.train = TrainTag(step, micro, layer, bool(copy))
         if any(adapter) or any(epoch):
             raise FrameError("%s frames name no adapter and no epoch" % kind)
         if kind != FrameKind.STEP and (any(start) or len(set(count)) > 1):

@@ -22,9 +22,9 @@ initialisation by default) to train a real LoRA: `step()` makes every node take 
 over the gradients of the forwards since the last one, `pairs()` reads every node's back.
 
 Node boundaries: a worker's output goes to the next node only (the data plane is one PUSH
-socket per node, mdi.ring.transport), so the starter sees the states entering the first
-worker (its own blocks' output) and the last node's output; the states between two workers
-would need a worker to send a copy back, a protocol change this module does not make.
+socket per node, mdi.ring.transport), so for the states between two workers a forward asks
+every worker to send a copy of its output on round the ring (a "state" frame, which the later
+workers pass on); `forward(x, boundaries=False)` spares those copies.
 """
 import logging
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ FROZEN = TrainSetup(targets=("q",), rank=1, alpha=1.0, lr=1e-3)
 @dataclass
 class RingOutput:
     hidden: torch.Tensor  # [B, T, n_embd] after the last block; differentiable in the input
-    boundaries: Dict[int, torch.Tensor]  # layer -> the states entering it, at the boundaries the starter sees (detached)
+    boundaries: Dict[int, torch.Tensor]  # layer -> the states entering it, at every node boundary (detached)
 
 
 class RemoteBlocks:
@@ -128,39 +128,37 @@ class RemoteBlocks:
             return self.trainer.chunk.head(hidden)
 
     # --- the blocks ---------------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor) -> RingOutput:
-        return self.forward(x)
+    def __call__(self, x: torch.Tensor, boundaries: bool = True) -> RingOutput:
+        return self.forward(x, boundaries)
 
-    def forward(self, x: torch.Tensor) -> RingOutput:
+    def forward(self, x: torch.Tensor, boundaries: bool = True) -> RingOutput:
         """Every block over `x` [B, T, n_embd] (or token ids [B, T], embedded first): whole
-        windows from position 0, no KV cache. Differentiable in `x` (and in the LoRA)."""
+        windows from position 0, no KV cache. Differentiable in `x` (and in the LoRA).
+        `boundaries`: the states at every node boundary too (False: at the starter's only)."""
         if not x.is_floating_point():
             x = self.embed(x)
         if x.dim() != 3 or x.shape[-1] != self.config.n_embd or not 1 <= x.shape[1] <= self.seq_len:
             raise ValueError("expected hidden states [B, T <= %d, %d], got %s"
                              % (self.seq_len, self.config.n_embd, list(x.shape)))
+        states: Dict[int, torch.Tensor] = {}
         if torch.is_grad_enabled() and (x.requires_grad or self.trains):
             # the anchor makes the output need a gradient when only the LoRA does
             anchor = torch.zeros(0, requires_grad=self.trains)
-            hidden, first = _ThroughRing.apply(x, anchor, self)
+            hidden = _ThroughRing.apply(x, anchor, self, boundaries, states)
         else:
-            hidden, first = self._forward(x, keep=False)
-        return RingOutput(hidden, self._boundaries(first, hidden))
+            hidden = self._forward(x, False, boundaries, states)
+        states[self.config.n_layer] = hidden.detach()
+        return RingOutput(hidden, dict(sorted(states.items())))
 
-    def _boundaries(self, first: torch.Tensor, hidden: torch.Tensor) -> Dict[int, torch.Tensor]:
-        last = self.trainer.chunk.last
-        out = {self.config.n_layer: hidden.detach()}
-        if 0 < last < self.config.n_layer:
-            out[last] = first
-        return out
-
-    def _forward(self, x: torch.Tensor, keep: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(the last block's output, the starter's blocks' output); `keep`: a train frame whose
-        backward every node awaits, else an eval frame."""
+    def _forward(self, x: torch.Tensor, keep: bool, copies: bool, states: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """The last block's output; `keep`: a train frame whose backward every node awaits, else
+        an eval frame. `states` gets the states entering each node after the first (`copies`:
+        every worker's, else the first worker's only)."""
         t = self.trainer
         x = x.detach().to(t.device, t.chunk.activation_dtype)
+        copies = copies and len(self.node_layers) > 2  # with one worker, its output is the hidden states
         if keep:
-            tag = TrainTag(self._step, self._micro, t.chunk.last)
+            tag = TrainTag(self._step, self._micro, t.chunk.last, copies)
             if self.trains:
                 self._micro += 1  # micro-batches of the batch step() closes
             else:
@@ -168,13 +166,24 @@ class RemoteBlocks:
             y = t.stage.forward(tag.step, tag.micro, x, input_grad=True)
             kind = FrameKind.TRAIN
         else:
-            tag = TrainTag(self._evals, 0, t.chunk.last)
+            tag = TrainTag(self._evals, 0, t.chunk.last, copies)
             self._evals += 1
             y = t.stage.evaluate(x)
             kind = FrameKind.EVAL
-        t._send(kind, tag.step, tag.micro, tag.layer, y)
-        frame = self._wait(kind, tag)
-        return t._rows(frame), y.detach()
+        if 0 < t.chunk.last < self.config.n_layer:
+            states[t.chunk.last] = y.detach()
+        t._send(kind, tag.step, tag.micro, tag.layer, y, copies)
+        # the workers before the last send a copy each
+        want = len(states) + (len(self.node_layers) - 2 if copies else 0)
+        hidden: Optional[torch.Tensor] = None
+        while hidden is None or len(states) < want:
+            frame = self._wait((kind, FrameKind.STATE), tag)
+            assert frame.train is not None
+            if frame.kind == FrameKind.STATE:
+                states[frame.train.layer] = t._rows(frame)
+            else:
+                hidden = t._rows(frame)
+        return hidden
 
     def _backward(self, tag: TrainTag, grad: torch.Tensor) -> torch.Tensor:
         """The gradient for a kept forward's input: `grad` (for its last hidden states) sent
@@ -182,7 +191,7 @@ class RemoteBlocks:
         t = self.trainer
         t._send(FrameKind.GRAD, tag.step, tag.micro, self.config.n_layer, grad.to(t.chunk.activation_dtype))
         while True:
-            frame = self._wait(FrameKind.GRAD, tag)
+            frame = self._wait((FrameKind.GRAD,), tag)
             assert frame.train is not None
             if frame.train.layer == t.chunk.last:
                 x_grad = t.stage.backward(tag.step, tag.micro, t._rows(frame))
@@ -190,11 +199,11 @@ class RemoteBlocks:
                 return x_grad
             t.transport.send(frame)  # a worker's gradient on its way round
 
-    def _wait(self, kind: str, tag: TrainTag) -> Frame:
+    def _wait(self, kinds: Tuple[str, ...], tag: TrainTag) -> Frame:
         while True:
             frame = self.trainer._recv()
             got = frame.train
-            if frame.kind == kind and got is not None and (got.step, got.micro) == (tag.step, tag.micro):
+            if frame.kind in kinds and got is not None and (got.step, got.micro) == (tag.step, tag.micro):
                 return frame
 
     # --- a LoRA of one's own ------------------------------------------------------------------
@@ -220,15 +229,13 @@ class _ThroughRing(torch.autograd.Function):
     """forward: a train frame round the ring; backward: the grad frame back (see the module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor,  # type: ignore[override]
-                ring: RemoteBlocks) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, ring: RemoteBlocks,  # type: ignore[override]
+                copies: bool, states: Dict[int, torch.Tensor]) -> torch.Tensor:
         ctx.ring, ctx.tag = ring, TrainTag(ring._step, ring._micro, 0)
         ctx.x_shape, ctx.x_dtype, ctx.x_device = x.shape, x.dtype, x.device
-        hidden, first = ring._forward(x, keep=True)
-        ctx.mark_non_differentiable(first)
-        return hidden, first
+        return ring._forward(x, True, copies, states)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _first: Any) -> Tuple[Any, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, None, None, None, None]:  # type: ignore[override]
         x_grad = ctx.ring._backward(ctx.tag, grad.contiguous())
-        return x_grad.to(ctx.x_device, ctx.x_dtype).view(ctx.x_shape), None, None
+        return x_grad.to(ctx.x_device, ctx.x_dtype).view(ctx.x_shape), None, None, None, None

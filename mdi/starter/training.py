@@ -343,10 +343,10 @@ class RingTrainer:
         x = to_device(frame.tensor, self.device, self.chunk.activation_dtype)
         return x.reshape(len(frame.samples), frame.count[0], -1)
 
-    def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor) -> None:
+    def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor, copies: bool = False) -> None:
         b, length = y.shape[0], y.shape[1]
         self.transport.send(Frame(kind, self.run_id, list(range(b)), [0] * b, [length] * b,
-                                  to_host(y.reshape(b * length, -1)), train=TrainTag(step, micro, layer)))
+                                  to_host(y.reshape(b * length, -1)), train=TrainTag(step, micro, layer, copies)))
 
     def _recv(self) -> Frame:
         """The next frame, asking the watchdog between short waits (a dead node is named)."""

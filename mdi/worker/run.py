@@ -83,7 +83,8 @@ class Run:
                             self.stopped.set()
                         continue
                     if frame.kind in TRAINING_KINDS:
-                        self.endpoint.send(self._train(frame))
+                        for out in self._train(frame):
+                            self.endpoint.send(out)
                         continue
                     if frame.kind in GENERATION_KINDS:
                         frame = self._gather(frame)
@@ -224,7 +225,7 @@ class Run:
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
                      frame.epochs, frame.cache_ops)
 
-    def _train(self, frame: Frame) -> Frame:
+    def _train(self, frame: Frame) -> List[Frame]:
         """A training frame (mdi.worker.training), refused, ending the run with a line naming
         this node, when the run was not made a training run (POST /train)."""
         training = self.training

@@ -12,9 +12,13 @@ and the compute loop hands it every training frame (mdi.ring.wire's TRAINING_KIN
   eval   a held-out micro-batch: its blocks run forward, nothing kept, the output goes on.
   clip   (--clip) phase 0: this node adds its gradients' squared norm to the frame's value;
          phase 1: the value is the global clip factor, this node scales its gradients by it.
+  state  a copy of another worker's output on its way to the starter: passed on untouched. A
+         train or eval frame whose tag asks for copies makes this node send one of its own
+         output too (after the output, which the next node is waiting for), unless it is the last.
 """
+import dataclasses
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -33,16 +37,27 @@ class WorkerTraining:
         self.stage = stage
         self.seconds = 0.0
 
-    def handle(self, frame: Frame) -> Frame:
-        """What to send on for a training frame."""
+    def handle(self, frame: Frame) -> List[Frame]:
+        """What to send on for a training frame, in order."""
         tag = frame.train
         assert tag is not None  # wire.decode guarantees it on training kinds
+        chunk = self.stage.chunk
+        if frame.kind == FrameKind.STATE:
+            return [frame]
+        out = self._handle(frame, tag)
+        if tag.copy and frame.kind in (FrameKind.TRAIN, FrameKind.EVAL) and chunk.last < chunk.config.n_layer:
+            copy = out[0]
+            assert copy.train is not None
+            out.append(dataclasses.replace(copy, kind=FrameKind.STATE, train=dataclasses.replace(copy.train, copy=False)))
+        return out
+
+    def _handle(self, frame: Frame, tag: TrainTag) -> List[Frame]:
         chunk = self.stage.chunk
         t0 = time.perf_counter()
         try:
             if frame.kind == FrameKind.STEP:
                 self.stage.step(tag.step, tag.micro)
-                return frame
+                return [frame]
             if frame.kind == FrameKind.CLIP:
                 assert frame.tensor is not None
                 value = frame.tensor.clone()
@@ -50,19 +65,19 @@ class WorkerTraining:
                     value[0, 0] += self.stage.grad_sq_norm()
                 else:
                     self.stage.scale_grads(float(value[0, 0].item()))
-                return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, value, train=tag)
+                return [Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, value, train=tag)]
             if frame.kind in (FrameKind.TRAIN, FrameKind.EVAL):
                 if tag.layer != chunk.first:
                     raise ValueError("%s: a training forward at layer %d reached layers [%d, %d)"
                                      % (self.name, tag.layer, chunk.first, chunk.last))
                 if frame.kind == FrameKind.EVAL:
-                    return self._frame(frame, FrameKind.EVAL, self.stage.evaluate(self._windows(frame)), chunk.last)
+                    return [self._frame(frame, FrameKind.EVAL, self.stage.evaluate(self._windows(frame)), chunk.last)]
                 y = self.stage.forward(tag.step, tag.micro, self._windows(frame))
-                return self._frame(frame, FrameKind.TRAIN, y, chunk.last)
+                return [self._frame(frame, FrameKind.TRAIN, y, chunk.last)]
             if tag.layer != chunk.last:
-                return frame  # another node's gradient: on round the ring
+                return [frame]  # another node's gradient: on round the ring
             grad = self.stage.backward(tag.step, tag.micro, self._windows(frame))
-            return self._frame(frame, FrameKind.GRAD, grad, chunk.first)
+            return [self._frame(frame, FrameKind.GRAD, grad, chunk.first)]
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -77,7 +92,7 @@ class WorkerTraining:
     def _frame(frame: Frame, kind: str, y: Optional[torch.Tensor], layer: int) -> Frame:
         assert y is not None and frame.train is not None
         return Frame(kind, frame.run, frame.samples, frame.start, frame.count, to_host(y.reshape(-1, y.shape[-1])),
-                     train=TrainTag(frame.train.step, frame.train.micro, layer))
+                     train=dataclasses.replace(frame.train, layer=layer))
 
 
 def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
