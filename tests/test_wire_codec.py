@@ -200,12 +200,12 @@ def test_unknown_codec_is_rejected():
         wire.encode(prefill(torch.randn(3, 64)), "q4")
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
 def test_an_older_peer_is_refused(version):
-    assert wire.PROTOCOL_VERSION == 6
+    assert wire.PROTOCOL_VERSION == 7
     header, payload = wire.encode(prefill(torch.randn(3, 64)))
     old = msgpack.packb(dict(msgpack.unpackb(header), v=version))
-    with pytest.raises(wire.FrameError, match="protocol version %d, expected 6" % version):
+    with pytest.raises(wire.FrameError, match="protocol version %d, expected 7" % version):
         wire.decode([old, bytes(payload)])
 
 
