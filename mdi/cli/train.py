@@ -1,5 +1,6 @@
-"""mdi-train: train a LoRA through the ring of a YAML config (the workers and config inference
-uses), write it as a PEFT adapter directory that `mdi-start --adapter` / `adapters:` serve."""
+"""mdi-train: train a LoRA (or, --method prompt, a soft prompt) through the ring of a YAML
+config (the workers and config inference uses), write it as a PEFT adapter directory that
+`mdi-start --adapter` / `adapters:` serve."""
 import argparse
 import json
 import signal
@@ -11,9 +12,6 @@ from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, s
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
-
-NOT_YET = ("method",)
-
 
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -27,7 +25,15 @@ def train_parser() -> argparse.ArgumentParser:
                         "window's L-1 next-token predictions are scored. A .jsonl file: one example per line and "
                         'window, {"prompt", "completion"} (the completion and an EOS scored) or {"messages": [...]} '
                         "(the assistant turns scored, the model's chat template), truncated or padded to --seq-len")
-    p.add_argument("--method", default="lora", choices=["lora", "prompt"], help="lora (prompt: not yet)")
+    p.add_argument("--method", default="lora", choices=["lora", "prompt"],
+                   help="lora: every node trains a LoRA of its layers; prompt: prompt tuning, virtual tokens "
+                        "trained on the starter, the whole base frozen (default lora)")
+    p.add_argument("--num-virtual-tokens", type=positive_int, default=8, metavar="N",
+                   help="--method prompt: virtual tokens put before every window (default 8)")
+    p.add_argument("--prompt-init", default="random", choices=["random", "text"],
+                   help="--method prompt: the virtual tokens start as N(0, 1) drawn from --seed, or as the "
+                        "embeddings of --prompt-init-text's tokens, repeated or cut to N (PEFT's PromptTuningInit)")
+    p.add_argument("--prompt-init-text", metavar="TEXT", help="the text --prompt-init text starts from")
     p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r (default 8)")
     p.add_argument("--alpha", type=positive_float, default=16.0, help="LoRA alpha; the scale is alpha / r (default 16)")
     p.add_argument("--targets", default="q,k,v,o,gate,up,down",
@@ -48,7 +54,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write the trained adapter here (PEFT format)")
     p.add_argument("--metrics-out", metavar="FILE.json", help='write {"steps": [{"step", "loss", "tokens_per_s"}], ...}')
     p.add_argument("--init-adapter", metavar="DIR",
-                   help="start from this PEFT LoRA (its rank, alpha and modules replace --rank, --alpha, --targets)")
+                   help="start from this PEFT LoRA (its rank, alpha and modules replace --rank, --alpha, --targets); "
+                        "with --method prompt, from this prompt-tuning adapter (its virtual tokens replace "
+                        "--num-virtual-tokens)")
     p.add_argument("--checkpoint-every", type=positive_int, metavar="K",
                    help="every K steps write OUT/checkpoint-<step>: the adapter, every node's AdamW state, the "
                         "step and data position (needs --out)")
@@ -71,16 +79,15 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     from mdi.ring.train_request import TrainSetup
     from mdi.model.lora import AdapterError
     from mdi.model.lora_train import check_targets, read_peft_pairs, save_peft_adapter
+    from mdi.model.prompt_train import PromptSpec, read_prompt_adapter, save_prompt_adapter
     from mdi.model.source import ModelSource
     from mdi.starter.train_checkpoint import load_checkpoint
 
     previous = interrupt_on_sigterm(batch.Interrupted)
     try:
-        for flag in NOT_YET:
-            value = getattr(args, flag)
-            if value and not (flag == "method" and value == "lora"):
-                raise ConfigError("--%s is not supported yet by mdi-train (issue 38: see README 'mdi-train')"
-                                  % flag.replace("_", "-"))
+        prompt_method = args.method == "prompt"
+        if (args.prompt_init == "text") != bool(args.prompt_init_text) or (args.prompt_init_text and not prompt_method):
+            raise ConfigError("--prompt-init-text goes with --method prompt --prompt-init text, and they need it")
         cfg = load_config(args.config)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
@@ -89,9 +96,20 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         except ValueError as e:
             raise ConfigError(str(e))
         source = ModelSource(cfg.model.path)
-        pairs = None
+        pairs, prompt, prompt_spec, text_ids = None, None, None, None
         rank, alpha = args.rank, args.alpha
-        if args.init_adapter:
+        if prompt_method:
+            targets = ()  # no node trains a LoRA: the prompt is the starter's (mdi.model.prompt_train)
+            n_virtual = args.num_virtual_tokens
+            if args.init_adapter:
+                prompt = read_prompt_adapter(args.init_adapter, source.config)
+                n_virtual = int(prompt.shape[0])
+            prompt_spec = PromptSpec(n_virtual, args.prompt_init, args.prompt_init_text)
+            if args.prompt_init_text and prompt is None:
+                if source.tokenizer is None:
+                    raise ConfigError("--prompt-init text: the model %s has no tokenizer" % cfg.model.path)
+                text_ids = source.tokenizer.encode(args.prompt_init_text)  # as PEFT's tokenizer(text): BOS too
+        elif args.init_adapter:
             spec, pairs = read_peft_pairs(args.init_adapter, source.config)
             targets, rank, alpha = spec.targets, spec.rank, spec.alpha
         setup = TrainSetup(targets=targets, rank=rank, alpha=alpha, lr=args.lr, recompute=args.recompute)
@@ -100,11 +118,16 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             args.data, setup, steps=args.steps, batch_size=args.batch_size, micro_batches=micro, seq_len=args.seq_len,
             seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
             eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
-            checkpoint_dir=args.out, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None)
+            checkpoint_dir=args.out, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None,
+            prompt=prompt_spec)
         resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
             if args.resume else None
-        result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume)
-        if args.out:
+        result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume, prompt=prompt,
+                              prompt_text_ids=text_ids)
+        if args.out and result.prompt is not None:
+            assert prompt_spec is not None
+            save_prompt_adapter(args.out, source.config, prompt_spec, result.prompt, cfg.model.path)
+        elif args.out:
             save_peft_adapter(args.out, source.config, setup.spec, result.pairs, cfg.model.path)
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:

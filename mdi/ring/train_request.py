@@ -28,7 +28,8 @@ Pairs = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class TrainSetup:
-    """How every node trains its part: the LoRA's shape and the optimizer (torch's AdamW)."""
+    """How every node trains its part: the LoRA's shape and the optimizer (torch's AdamW). No
+    targets: the node trains nothing and only passes gradients on (--method prompt)."""
     targets: Tuple[str, ...]
     rank: int
     alpha: float
@@ -52,7 +53,8 @@ class TrainSetup:
         if not isinstance(d, dict):
             raise RequestError("mdi_train must be a JSON object")
         try:
-            setup = cls(targets=check_targets(list(d["targets"])), rank=int(d["rank"]), alpha=float(d["alpha"]),
+            targets = list(d["targets"])
+            setup = cls(targets=check_targets(targets) if targets else (), rank=int(d["rank"]), alpha=float(d["alpha"]),
                         lr=float(d["lr"]), betas=(float(d["betas"][0]), float(d["betas"][1])),
                         eps=float(d["eps"]), weight_decay=float(d["weight_decay"]), recompute=bool(d["recompute"]))
         except (KeyError, TypeError, ValueError, IndexError) as e:

@@ -12,18 +12,21 @@ A checkpoint directory (OUT/checkpoint-<steps done>) holds
                          so far, and the run's fingerprint.
 The fingerprint is what must not change for the resumed run's losses to equal an uninterrupted
 run's: the base, the data (its bytes' SHA-256), the windows, the LoRA's shape and the optimizer.
+A prompt-tuning run (--method prompt) writes its prompt adapter instead, and the AdamW moments
+of its one parameter under "prompt_embeddings".
 `--resume` of a checkpoint whose fingerprint differs is refused, naming the first difference.
 """
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from mdi.model.config import ModelConfig
 from mdi.model.lora_train import LoraSpec, read_peft_pairs, save_peft_adapter
+from mdi.model.prompt_train import PROMPT_KEY, PromptSpec, is_prompt_adapter, read_prompt_adapter, save_prompt_adapter
 from mdi.model.stage_train import OptimizerState
 from mdi.runconfig import ConfigError
 from mdi.system.files import sha256_file
@@ -41,6 +44,8 @@ class Checkpoint:
     optimizer: OptimizerState
     records: List[Dict[str, Any]]  # the StepRecords so far, as metrics write them
     evals: List[Dict[str, Any]]
+    prompt: Optional[torch.Tensor] = None  # --method prompt: the embeddings so far (pairs and moments: none / its)
+    prompt_spec: Optional[PromptSpec] = None
 
 
 def checkpoint_path(out: str, steps_done: int) -> str:
@@ -49,7 +54,11 @@ def checkpoint_path(out: str, steps_done: int) -> str:
 
 def save_checkpoint(path: str, config: ModelConfig, spec: LoraSpec, base: str, cp: Checkpoint,
                     fingerprint: Dict[str, Any]) -> None:
-    save_peft_adapter(path, config, spec, cp.pairs, base)
+    if cp.prompt is not None:
+        assert cp.prompt_spec is not None
+        save_prompt_adapter(path, config, cp.prompt_spec, cp.prompt, base)
+    else:
+        save_peft_adapter(path, config, spec, cp.pairs, base)
     tensors = {"%s.%s" % (name, moment): t.contiguous() for name, moments in cp.optimizer.moments.items()
                for moment, t in zip(MOMENTS, moments)}
     save_file(tensors, os.path.join(path, OPTIMIZER_FILE), metadata={"adam_steps": str(cp.optimizer.steps)})
@@ -74,7 +83,14 @@ def load_checkpoint(path: str, config: ModelConfig, fingerprint: Dict[str, Any])
         if saved.get(key) != fingerprint.get(key):
             raise ConfigError("%s: a checkpoint of another run: its %s is %s, this run's %s"
                               % (where, key, json.dumps(saved.get(key)), json.dumps(fingerprint.get(key))))
-    _, pairs = read_peft_pairs(path, config)
+    prompt = None
+    if is_prompt_adapter(path):
+        prompt = read_prompt_adapter(path, config)
+        pairs: Pairs = {}
+        params = {PROMPT_KEY: prompt}
+    else:
+        _, pairs = read_peft_pairs(path, config)
+        params = {key + ".lora_" + ab: t for key, (a, b) in pairs.items() for ab, t in (("A", a), ("B", b))}
     try:
         tensors = load_file(os.path.join(path, OPTIMIZER_FILE))
         from safetensors import safe_open
@@ -83,15 +99,13 @@ def load_checkpoint(path: str, config: ModelConfig, fingerprint: Dict[str, Any])
     except Exception as e:  # safetensors raises its own error types
         raise ConfigError("%s: %s unreadable (%s)" % (where, OPTIMIZER_FILE, e))
     moments = {}
-    for key, (a, b) in pairs.items():
-        for name, p in ((key + ".lora_A", a), (key + ".lora_B", b)):
-            m = [tensors.get("%s.%s" % (name, moment)) for moment in MOMENTS]
-            first, second = m
-            if first is None or second is None or first.shape != p.shape or second.shape != p.shape:
-                raise ConfigError("%s: %s has no AdamW state of %s's shape" % (where, OPTIMIZER_FILE, name))
-            moments[name] = (first, second)
+    for name, p in params.items():
+        first, second = [tensors.get("%s.%s" % (name, moment)) for moment in MOMENTS]
+        if first is None or second is None or first.shape != p.shape or second.shape != p.shape:
+            raise ConfigError("%s: %s has no AdamW state of %s's shape" % (where, OPTIMIZER_FILE, name))
+        moments[name] = (first, second)
     return Checkpoint(steps_done, pairs, OptimizerState(adam_steps, moments), list(state.get("steps") or []),
-                      list(state.get("eval") or []))
+                      list(state.get("eval") or []), prompt)
 
 
 def run_fingerprint(base: str, data: str, spec: LoraSpec, **settings: Any) -> Dict[str, Any]:

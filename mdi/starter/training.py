@@ -15,6 +15,12 @@ frames go round first: one adds up every node's squared gradient norm, one bring
 the factor (torch's clip_grad_norm_) to scale its gradients by. --eval runs held-out windows
 forward as "eval" frames (nothing kept) between steps.
 
+--method prompt (mdi.model.prompt_train): the prompt's parameter, its AdamW and the loss live
+here; every node's setup has no targets, so nothing is trained on the boards, but each still
+runs backward to pass its input's gradient on. Every window travels behind the n virtual
+tokens (n + L rows, the loss over the window's own rows), and the starter's blocks run backward
+to their input, whose gradient at the virtual rows is the prompt's.
+
 Why GPipe (all forwards, then each backward as its loss is known) and not 1F1B: the ring
 is FIFO on every link and the batch's gradients must all be in before any node steps, so
 1F1B would only lower the activation memory kept per node (M micro-batches' inputs at most;
@@ -40,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from mdi.model.lora_train import init_pairs, key_layer
+from mdi.model.prompt_train import PromptSpec, PromptTrainer, init_prompt
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale
@@ -77,6 +84,7 @@ class TrainOptions:
     checkpoint_every: Optional[int] = None  # a checkpoint under checkpoint_dir every K steps
     checkpoint_dir: Optional[str] = None
     render_chat: Optional[ChatRenderer] = None  # chat JSONL examples: the model's template (mdi.cli.train)
+    prompt: Optional[PromptSpec] = None  # --method prompt: train these virtual tokens, no LoRA
 
 
 @dataclass
@@ -97,6 +105,7 @@ class TrainResult:
     extra: Dict[str, Any] = field(default_factory=dict)
     evals: List[Dict[str, Any]] = field(default_factory=list)  # {"step", "loss", "perplexity", "tokens"}
     optimizer: Optional[OptimizerState] = None  # every node's AdamW state at the end
+    prompt: Optional[torch.Tensor] = None  # --method prompt: the trained embeddings [n, n_embd]
 
     def metrics(self) -> Dict[str, Any]:
         record: Dict[str, Any] = {
@@ -114,8 +123,12 @@ def check_options(options: TrainOptions, block_size: int) -> None:
         raise ConfigError("--steps and --batch-size must be at least 1")
     if not 1 <= options.micro_batches <= options.batch_size:
         raise ConfigError("--micro-batches must be 1 to --batch-size (%d)" % options.batch_size)
-    if not 2 <= options.seq_len <= block_size:
-        raise ConfigError("--seq-len %d: expected 2 to the model's context of %d tokens" % (options.seq_len, block_size))
+    virtual = options.prompt.n_virtual if options.prompt is not None else 0
+    if options.prompt is not None and not 1 <= virtual <= 4096:
+        raise ConfigError("--num-virtual-tokens %d: expected 1 to 4096" % virtual)
+    if not 2 <= options.seq_len <= block_size - virtual:
+        raise ConfigError("--seq-len %d: expected 2 to the model's context of %d tokens%s"
+                          % (options.seq_len, block_size, " less %d virtual tokens" % virtual if virtual else ""))
     if options.checkpoint_every and not options.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --out (checkpoints go to OUT/checkpoint-<step>)")
 
@@ -123,9 +136,11 @@ def check_options(options: TrainOptions, block_size: int) -> None:
 def fingerprint(cfg: RunConfig, options: TrainOptions) -> Dict[str, Any]:
     """The settings a checkpoint of this run is resumed with (mdi.starter.train_checkpoint)."""
     s = options.setup
+    prompt = {"num_virtual_tokens": options.prompt.n_virtual} if options.prompt is not None else {}
     return run_fingerprint(cfg.model.path, options.data, s.spec, lr=s.lr, betas=list(s.betas),
                            eps=s.eps, weight_decay=s.weight_decay, batch_size=options.batch_size,
-                           seq_len=options.seq_len, seed=options.seed, shuffle=options.shuffle, clip=options.clip)
+                           seq_len=options.seq_len, seed=options.seed, shuffle=options.shuffle, clip=options.clip,
+                           **prompt)
 
 
 def training_config(cfg: RunConfig) -> RunConfig:
@@ -148,9 +163,12 @@ def open_engine(cfg: RunConfig, source: ModelSource, seq_len: int) -> Engine:
 
 
 def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepRecord, int], None]] = None,
-        pairs: Optional[Pairs] = None, resume: Optional[Checkpoint] = None) -> TrainResult:
+        pairs: Optional[Pairs] = None, resume: Optional[Checkpoint] = None,
+        prompt: Optional[torch.Tensor] = None, prompt_text_ids: Optional[List[int]] = None) -> TrainResult:
     """Train; `pairs` (every layer's initial LoRA) default to the seeded PEFT initialisation;
-    `resume` goes on from a checkpoint (its pairs, AdamW state and step)."""
+    `resume` goes on from a checkpoint (its pairs, AdamW state and step). --method prompt
+    (options.prompt): `prompt` the initial embeddings, else mdi.model.prompt_train.init_prompt
+    (from `prompt_text_ids` for --prompt-init text)."""
     cfg = training_config(cfg)
     source = ModelSource(cfg.model.path)
     config = source.config
@@ -164,15 +182,32 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     evals: List[Dict[str, Any]] = []
     if resume is not None:
         pairs, state, start = resume.pairs, resume.optimizer, resume.steps_done
+        prompt = resume.prompt if resume.prompt is not None else prompt
         records = [StepRecord(r["step"], r["loss"], r["tokens_per_s"], r["seconds"], r.get("scored_tokens", 0))
                    for r in resume.records]
         evals = list(resume.evals)
         if start >= options.steps:
             raise ConfigError("--resume: the checkpoint has %d steps done, --steps is %d" % (start, options.steps))
-    pairs = pairs if pairs is not None else init_pairs(config, spec, options.seed)
-    engine = open_engine(cfg, source, options.seq_len)
+    if options.prompt is not None:
+        pairs = {}
+        state, prompt_state = None, state  # the prompt's AdamW state is the starter's alone
+    else:
+        pairs, prompt_state = pairs if pairs is not None else init_pairs(config, spec, options.seed), None
+    engine = open_engine(cfg, source, options.seq_len + (options.prompt.n_virtual if options.prompt else 0))
     try:
-        trainer = RingTrainer(engine, options, pairs, state)
+        prompter = None
+        if options.prompt is not None:
+            assert engine.chunk is not None  # open
+            if prompt is None:
+                prompt = init_prompt(engine.chunk, options.prompt, options.seed, prompt_text_ids)
+            if tuple(prompt.shape) != (options.prompt.n_virtual, config.n_embd):
+                raise ConfigError("the initial prompt is %s, --num-virtual-tokens %d needs [%d, %d]"
+                                  % (list(prompt.shape), options.prompt.n_virtual, options.prompt.n_virtual,
+                                     config.n_embd))
+            s = options.setup
+            prompter = PromptTrainer(prompt, s.lr, s.betas, s.eps, s.weight_decay, prompt_state,
+                                     next(engine.chunk.parameters()).device)
+        trainer = RingTrainer(engine, options, pairs, state, prompter)
         if held_out is not None and start == 0:
             evals.append(trainer.evaluate(0, held_out))
         for step in range(start, options.steps):
@@ -190,13 +225,15 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
                 assert options.checkpoint_dir is not None  # check_options
                 save_checkpoint(checkpoint_path(options.checkpoint_dir, done), config, spec, cfg.model.path,
                                 Checkpoint(done, trained, moments, TrainResult(records, {}, 0, 0).metrics()["steps"],
-                                           evals), fingerprint(cfg, options))
+                                           evals, trainer.prompt_embeddings(), options.prompt),
+                                fingerprint(cfg, options))
         trained, moments = trainer.collect()
         engine.close()
     except BaseException:
         engine.abort()
         raise
-    return TrainResult(records, trained, len(engine.nodes), len(windows), evals=evals, optimizer=moments)
+    return TrainResult(records, trained, len(engine.nodes), len(windows), evals=evals, optimizer=moments,
+                       prompt=trainer.prompt_embeddings())
 
 
 def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
@@ -205,8 +242,10 @@ def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
 
 class RingTrainer:
     def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs,
-                 state: Optional[OptimizerState] = None) -> None:
+                 state: Optional[OptimizerState] = None, prompt: Optional[PromptTrainer] = None) -> None:
         self.engine, self.options = engine, options
+        self.prompt = prompt  # --method prompt: the virtual tokens' trainer; no node trains a LoRA
+        self.virtual = prompt.n_virtual if prompt is not None else 0
         chunk = self.chunk
         self.n_layer = chunk.config.n_layer
         setup = options.setup
@@ -242,6 +281,8 @@ class RingTrainer:
         return self.pipeline.run_id
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.prompt is not None:
+            return self.prompt.embed(self.chunk, ids.to(self.device))
         b, length = ids.shape
         positions = torch.arange(length, device=self.device).repeat(b)
         with torch.no_grad():
@@ -254,7 +295,7 @@ class RingTrainer:
         micro = list(zip(torch.tensor_split(batch.ids, m), torch.tensor_split(batch.scored, m)))
         scored = batch.n_scored  # the batch's scored tokens: the loss's denominator
         for i, (ids, _) in enumerate(micro):
-            y = self.stage.forward(step, i, self._embed(ids), input_grad=False)
+            y = self.stage.forward(step, i, self._embed(ids), input_grad=self.prompt is not None)
             self._send(FrameKind.TRAIN, step, i, chunk.last, y)
         loss = 0.0
         done = 0
@@ -275,12 +316,17 @@ class RingTrainer:
                 if tag.layer != chunk.last:
                     self.transport.send(frame)  # a worker's gradient on its way round
                     continue
-                self.stage.backward(step, tag.micro, self._rows(frame))
+                grad_x = self.stage.backward(step, tag.micro, self._rows(frame))
+                if self.prompt is not None:
+                    assert grad_x is not None  # forward asked for the input's gradient
+                    self.prompt.accumulate(grad_x)
                 done += 1
         if self.options.clip is not None:
             self._clip(step, len(micro), self.options.clip)
         self.transport.send(Frame(FrameKind.STEP, self.run_id, train=TrainTag(step, len(micro), 0)))
         self.stage.step(step, len(micro))
+        if self.prompt is not None:
+            self.prompt.step()
         self._wait(FrameKind.STEP, step)  # every node has stepped once the step frame is back
         seconds = time.perf_counter() - t0
         return StepRecord(step, loss, batch.ids.numel() / seconds if seconds > 0 else 0.0, seconds, scored)
@@ -288,7 +334,7 @@ class RingTrainer:
     def _clip(self, step: int, n_micro: int, max_norm: float) -> None:
         """Every node's gradients scaled by one factor from the global norm (clip frames)."""
         value = torch.zeros(1, self.chunk.config.n_embd, dtype=torch.float32)
-        value[0, 0] = self.stage.grad_sq_norm()
+        value[0, 0] = self.stage.grad_sq_norm() + (self.prompt.grad_sq_norm() if self.prompt is not None else 0.0)
         self.transport.send(Frame(FrameKind.CLIP, self.run_id, [0], [0], [1], value, train=TrainTag(step, n_micro, 0)))
         frame = self._wait(FrameKind.CLIP, step)
         assert frame.tensor is not None
@@ -296,6 +342,8 @@ class RingTrainer:
         value[0, 0] = scale
         self.transport.send(Frame(FrameKind.CLIP, self.run_id, [0], [0], [1], value, train=TrainTag(step, n_micro, 1)))
         self.stage.scale_grads(scale)
+        if self.prompt is not None:
+            self.prompt.scale_grads(scale)
 
     def _wait(self, kind: str, step: int) -> Frame:
         while True:
@@ -316,7 +364,7 @@ class RingTrainer:
                 assert frame.train is not None
                 ids, mask = micro[frame.train.micro]
                 with torch.no_grad():
-                    logits = self.chunk.head(self._rows(frame)).float()
+                    logits = self.chunk.head(self._rows(frame)[:, self.virtual:]).float()
                     total += float(self._nll(logits, ids.to(self.device), mask.to(self.device)).item())
                 count += int(mask.sum().item())
         loss = total / count
@@ -333,7 +381,8 @@ class RingTrainer:
         """This micro-batch's share of the batch loss and its gradient for the last hidden states."""
         with torch.inference_mode(False), torch.enable_grad():
             h = h.clone().requires_grad_(True)
-            share = self._nll(self.chunk.head(h).float(), ids, mask) / scored
+            # the window's own rows (behind a prompt's virtual rows, whose gradient stays 0)
+            share = self._nll(self.chunk.head(h[:, self.virtual:]).float(), ids, mask) / scored
             share.backward()
         assert h.grad is not None
         return float(share.item()), h.grad
@@ -360,6 +409,9 @@ class RingTrainer:
                 if time.monotonic() >= deadline:
                     raise RingTimeout("no training frame came back round the ring for %.0f s" % timeout)
 
+    def prompt_embeddings(self) -> Optional[torch.Tensor]:
+        return self.prompt.embeddings() if self.prompt is not None else None
+
     def collect(self) -> Tuple[Pairs, OptimizerState]:
         """Every node's trained pairs and AdamW state, the starter's and each worker's (GET /train)."""
         pairs = self.stage.pairs()
@@ -372,4 +424,6 @@ class RingTrainer:
                 if their_state is not None:
                     state.moments.update(their_state.moments)
                     state.steps = their_state.steps
+        if self.prompt is not None:
+            state = self.prompt.optimizer_state()  # the only parameter trained
         return pairs, state
