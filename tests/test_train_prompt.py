@@ -120,3 +120,102 @@ def test_three_nodes_equal_the_reference(tiny_models, data_file, workers, family
         cfg = parse_run_config(tiny_models[family], workers[:2], layers=[1, 2, 1], runtime={"ring_timeout": 30})
         _assert_same(training.run(cfg, _options(data_file, micro, recompute=family == "gpt2"), prompt=prompt0),
                      family, prompt0)
+
+
+def test_clip_bounds_the_prompt_s_gradient_as_torch_does(tiny_models, data_file, workers):
+    prompt0 = _prompt0("llama")
+    cfg = parse_run_config(tiny_models["llama"], workers[:1], layers=[2, 2], runtime={"ring_timeout": 30})
+    result = training.run(cfg, _options(data_file, 2, steps=3, clip=0.05), prompt=prompt0)
+    _assert_same(result, "llama", prompt0, steps=3, clip=0.05)
+
+
+# --- against peft, and served -----------------------------------------------------------------
+
+def _hf_pair(tmp_path, family):
+    """A random transformers model saved as a Hugging Face dir, and the same weights as a prepared
+    mdi dir with the tests' character tokenizer (mdi-train reads that)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from mdi.model.checkpoints import read_hf_dir
+    from mdi.model.store import save_model_dir
+    from mdi.model.tokenizers import char_tokenizer
+    torch.manual_seed(0)
+    if family == "gpt2":  # test_model_parity's shapes, the character vocabulary
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=len(CHARS), n_positions=128, n_embd=64,
+                                                                     n_layer=4, n_head=4))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=len(CHARS), hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rope_theta=50000.0))
+    with torch.no_grad():  # wider than default init, so the loss and greedy ids depend on the prompt
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    base_dir, mdi_dir = str(tmp_path / "hf"), str(tmp_path / "mdi")
+    model.eval().save_pretrained(base_dir)
+    config, weights = read_hf_dir(base_dir)
+    save_model_dir(mdi_dir, config, weights, "tests/test_train_prompt.py")
+    char_tokenizer(CHARS).save(mdi_dir)
+    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
+    return mdi_dir, lambda: cls.from_pretrained(base_dir).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_trained_prompt_equals_peft_and_serves_as_peft_runs_it(tmp_path, data_file, family):
+    """peft's PromptTuning model trained by torch's AdamW from the same prompt: the same losses
+    and prompt; the adapter mdi-train writes loads in peft, and mdi serves it with peft's greedy ids."""
+    import peft
+    from mdi.cli import train_main
+    from mdi.model.prompt_train import save_prompt_adapter
+    from mdi.model.source import ModelSource
+    from mdi.starter import batch as batch_run
+    mdi_dir, hf = _hf_pair(tmp_path, family)
+    config = ModelSource(mdi_dir).config
+    init_dir = str(tmp_path / "init")
+    prompt0 = torch.randn(N_VIRTUAL, config.n_embd, generator=torch.Generator().manual_seed(5))
+    save_prompt_adapter(init_dir, config, PromptSpec(N_VIRTUAL), prompt0, mdi_dir)
+    out, metrics = tmp_path / "prompt", tmp_path / "m.json"
+    config_path = write_run_config(tmp_path / "one.yaml", mdi_dir)
+    assert train_main(["--config", str(config_path), "--data", data_file, "--method", "prompt", "--init-adapter",
+                       init_dir, "--steps", str(STEPS), "--batch-size", str(BATCH), "--micro-batches", "2",
+                       "--seq-len", str(SEQ), "--lr", str(LR), "--out", str(out), "--metrics-out", str(metrics)]) == 0
+    got_losses = [s["loss"] for s in json.loads(metrics.read_text())["steps"]]
+
+    pm = peft.get_peft_model(hf(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N_VIRTUAL)).eval()
+    weight = pm.prompt_encoder["default"].embedding.weight
+    with torch.no_grad():
+        weight.copy_(prompt0)
+    opt = torch.optim.AdamW([weight], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    windows = text_windows(_ids(), SEQ, "text")
+    want_losses = []
+    for step in range(STEPS):
+        ids = step_windows(windows, step, BATCH)
+        labels = ids.clone()
+        labels[:, 0] = -100  # column 0 is predicted by no real token (mdi's windows score L - 1)
+        loss = pm(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+    assert all(_close(g, w, TOL) for g, w in zip(got_losses, want_losses)), (got_losses, want_losses)
+    from safetensors.torch import load_file
+    got = load_file(str(out / "adapter_model.safetensors"))
+    assert sorted(got) == ["prompt_embeddings"]
+    final = weight.detach()
+    assert ((got["prompt_embeddings"] - final).norm() / final.norm()).item() <= TOL
+    assert ((got["prompt_embeddings"] - final).norm() / (final - prompt0).norm()).item() <= 1e-2
+
+    # served: mdi's --adapter against peft loading the directory mdi-train wrote
+    reference = peft.PeftModel.from_pretrained(hf(), str(out)).eval()
+    assert torch.equal(reference.prompt_encoder["default"].embedding.weight.detach(), got["prompt_embeddings"])
+    text, n_tokens = "the quick", 8
+    cfg = parse_run_config(mdi_dir, adapters={"tuned": str(out)}, n_tokens=n_tokens)
+    served = batch_run.run(cfg, [text, text], adapters=["tuned", "base"]).samples
+    from mdi.model.tokenizers import char_tokenizer
+    ids = torch.tensor(char_tokenizer(CHARS).encode(text))
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            ids = torch.cat([ids, reference(input_ids=ids[None]).logits[0, -1].argmax()[None]])
+    want = ids[-n_tokens:].tolist()
+    assert served[0].token_ids == want
+    assert served[1].token_ids != want  # the trained prompt changes the text
