@@ -32,6 +32,18 @@ def _prompt0(family, seed=3):
     return torch.randn(N_VIRTUAL, tiny_model(family).config.n_embd, generator=torch.Generator().manual_seed(seed))
 
 
+def _loss(model, prompt, batch):
+    """The mean next-token cross-entropy of windows `batch` [B, L] behind `prompt`."""
+    (b, length), n = batch.shape, prompt.shape[0]
+    x = torch.cat([prompt[None].expand(b, n, -1), model.tok_emb(batch)], dim=1)
+    if model.config.family == "gpt2":
+        x = x + model.pos_emb(torch.arange(n + length))
+    for block in model.blocks.values():
+        x = block.forward_batch(x, model.rope)
+    logits = model.head(x)[:, n:]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
 def reference(family, prompt, ids, steps=STEPS, clip=None):
     """(losses, final prompt) of plain PyTorch."""
     model = tiny_model(family)
@@ -40,18 +52,9 @@ def reference(family, prompt, ids, steps=STEPS, clip=None):
     prompt = prompt.clone().requires_grad_(True)
     opt = torch.optim.AdamW([prompt], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     windows = text_windows(ids, SEQ, "text")
-    n = prompt.shape[0]
     losses = []
     for step in range(steps):
-        batch = step_windows(windows, step, BATCH)
-        b, length = batch.shape
-        x = torch.cat([prompt[None].expand(b, n, -1), model.tok_emb(batch)], dim=1)
-        if model.config.family == "gpt2":
-            x = x + model.pos_emb(torch.arange(n + length))
-        for block in model.blocks.values():
-            x = block.forward_batch(x, model.rope)
-        logits = model.head(x)[:, n:]
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = _loss(model, prompt, step_windows(windows, step, BATCH))
         opt.zero_grad()
         loss.backward()
         if clip is not None:
@@ -122,11 +125,17 @@ def test_three_nodes_equal_the_reference(tiny_models, data_file, workers, family
                      family, prompt0)
 
 
-def test_clip_bounds_the_prompt_s_gradient_as_torch_does(tiny_models, data_file, workers):
+def test_clip_and_eval_take_the_prompt_in(tiny_models, data_file, workers):
+    """--clip bounds the prompt's gradient as torch's clip_grad_norm_; --eval's held-out loss is
+    that of the windows behind the prompt as trained so far."""
     prompt0 = _prompt0("llama")
     cfg = parse_run_config(tiny_models["llama"], workers[:1], layers=[2, 2], runtime={"ring_timeout": 30})
-    result = training.run(cfg, _options(data_file, 2, steps=3, clip=0.05), prompt=prompt0)
+    result = training.run(cfg, _options(data_file, 2, steps=3, clip=0.05, eval_data=data_file), prompt=prompt0)
     _assert_same(result, "llama", prompt0, steps=3, clip=0.05)
+    model, windows = tiny_model("llama"), text_windows(_ids(), SEQ, "text")
+    with torch.no_grad():
+        for e, prompt in zip(result.evals, (prompt0, result.prompt)):
+            assert _close(e["loss"], _loss(model, prompt, windows).item(), TOL), (e, result.evals)
 
 
 # --- against peft, and served -----------------------------------------------------------------
@@ -219,3 +228,50 @@ def test_trained_prompt_equals_peft_and_serves_as_peft_runs_it(tmp_path, data_fi
     want = ids[-n_tokens:].tolist()
     assert served[0].token_ids == want
     assert served[1].token_ids != want  # the trained prompt changes the text
+
+
+# --- the command line: checkpoints, --resume, text init, bad input ---------------------------
+
+def test_mdi_train_prompt_resumes_and_starts_from_text(tiny_models, data_file, tmp_path, capsys):
+    """A run stopped after step 3 of 6 and resumed ends with the uninterrupted run's prompt; the
+    checkpoint is itself a servable prompt adapter; --prompt-init text starts from the text's
+    token embeddings (PEFT's rule)."""
+    from mdi.cli import train_main
+    from mdi.model.adapter_files import load_any
+    from safetensors.torch import load_file
+    config_path = str(write_run_config(tmp_path / "one.yaml", tiny_models["gpt2"]))
+    base = ["--config", config_path, "--data", data_file, "--method", "prompt", "--num-virtual-tokens", "3",
+            "--batch-size", "2", "--seq-len", str(SEQ), "--lr", "0.05", "--prompt-init", "text",
+            "--prompt-init-text", "ab"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert train_main(base + ["--steps", "6", "--out", str(whole), "--metrics-out", str(tmp_path / "w.json")]) == 0
+    assert train_main(base + ["--steps", "3", "--checkpoint-every", "3", "--out", str(part)]) == 0
+    checkpoint = part / "checkpoint-3"
+    config = tiny_model("gpt2").config
+    assert load_any(str(checkpoint), config).n_virtual == 3
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["prompt_tuning_init_text"] == "ab"
+    assert train_main(base + ["--steps", "6", "--out", str(part), "--metrics-out", str(tmp_path / "p.json"),
+                              "--resume", str(checkpoint)]) == 0
+    want, got = [load_file(str(d / "adapter_model.safetensors"))["prompt_embeddings"] for d in (whole, part)]
+    assert (got - want).abs().max().item() <= 1e-6
+    losses = [[s["loss"] for s in json.loads((tmp_path / f).read_text())["steps"]] for f in ("w.json", "p.json")]
+    assert len(losses[1]) == 6 and all(_close(a, b, 1e-6) for a, b in zip(*losses))
+    # the run that started from "ab": step 0's prompt was the embeddings of a, b, a
+    one = tmp_path / "one"
+    assert train_main(base + ["--steps", "1", "--lr", "1e-9", "--out", str(one)]) == 0
+    ids = torch.tensor([CHARS.index(c) for c in "aba"])
+    start = tiny_model("gpt2").tok_emb(ids).detach()
+    assert (load_file(str(one / "adapter_model.safetensors"))["prompt_embeddings"] - start).abs().max().item() < 1e-6
+    # a LoRA checkpoint's --resume, or a LoRA as --init-adapter, is refused in one line
+    assert train_main(["--config", config_path, "--data", data_file, "--steps", "6", "--batch-size", "2",
+                       "--seq-len", str(SEQ), "--lr", "0.05", "--resume", str(checkpoint)]) == 2
+    from test_adapter_ring import write_peft_lora
+    lora = write_peft_lora(str(tmp_path / "lora"), config, 1)
+    assert train_main(base + ["--init-adapter", lora]) == 2
+    assert train_main(base[:-2] + ["--steps", "1"]) == 2  # --prompt-init text without its text
+    assert train_main(base + ["--num-virtual-tokens", "120", "--steps", "1"]) == 2  # 120 + 16 > the context
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mdi: error")]
+    assert len(err) == 4, err
+    assert "a checkpoint of another run: its num_virtual_tokens is 3, this run's null" in err[0]
+    assert "--init-adapter %s: a LoRA, not a prompt-tuning adapter" % lora in err[1]
+    assert "--prompt-init-text" in err[2] and "less 120 virtual tokens" in err[3]

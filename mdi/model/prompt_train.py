@@ -155,14 +155,14 @@ def save_prompt_adapter(path: str, config: ModelConfig, spec: PromptSpec, embedd
 
 
 def read_prompt_adapter(path: str, config: ModelConfig) -> torch.Tensor:
-    """A prompt-tuning adapter's embeddings [n, n_embd] (--init-adapter, --resume), checked for
-    this base by mdi's reader; AdapterError for a LoRA or anything else."""
+    """A prompt-tuning adapter's embeddings [n, n_embd] (--init-adapter; a checkpoint's), checked
+    for this base by mdi's reader; AdapterError for a LoRA or anything else."""
     from mdi.model.adapter_files import load_any
     from mdi.model.lora import AdapterError
     adapter = load_any(path, config)
     if getattr(adapter, "kind", None) != "prompt":
-        raise AdapterError("%s: a LoRA, not a prompt-tuning adapter (peft_type PROMPT_TUNING), which --method "
-                           "prompt trains" % path)
+        raise AdapterError("--init-adapter %s: a LoRA, not a prompt-tuning adapter (peft_type PROMPT_TUNING), "
+                           "which --method prompt trains" % path)
     return adapter.embeddings.float()
 
 
