@@ -17,7 +17,8 @@ def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mdi-train",
         description="Fine-tune a LoRA on the ring of a run config: the base stays frozen where it is, each "
-                    "node trains the adapter of its own layers (see README 'mdi-train').",
+                    "node trains the adapter of its own layers; or (--method prompt) a soft prompt on the starter "
+                    "(see README 'mdi-train').",
         epilog="Example: mdi-train --config configs/ring3.yaml --data play.txt --steps 100 --out my-lora")
     p.add_argument("--config", required=True, help="run configuration (YAML), the one mdi-start uses")
     p.add_argument("--data", required=True, metavar="FILE",
