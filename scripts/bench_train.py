@@ -20,6 +20,8 @@ CPU's ISA. Exits 1 unless the held-out loss fell and the two completions differ.
     python scripts/bench_train.py                   # 30 steps, batch 4, seq-len 64, rank 8
     python scripts/bench_train.py --steps 60 --seq-len 128
     python scripts/bench_train.py --play macbeth --steps 100 --batch-size 2 --eval-every 25 --tokens 40
+    python scripts/bench_train.py --method prompt --num-virtual-tokens 16 --lr 1e-2   # prompt tuning
+                                                    # (results/bench_train_prompt.json)
 """
 import argparse
 import json
@@ -62,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--method", default="lora", choices=["lora", "prompt"], help="mdi-train's --method")
+    p.add_argument("--num-virtual-tokens", type=int, default=16, help="--method prompt's virtual tokens")
+    p.add_argument("--prompt-init-text", default="", help="--method prompt: start from this text (PEFT's TEXT init)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--held-out-chars", type=int, default=4000)
@@ -77,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.text = play_path(args.play)
     args.prompt = args.prompt or (PLAY_PROMPT if args.play else PROMPT)
     args.out = args.out or os.path.join(benchlib.ROOT, "results",
-                                        "bench_train_shakespeare.json" if args.play else "bench_train.json")
+                                        "bench_train%s%s.json" % ("_shakespeare" if args.play else "",
+                                                                  "_prompt" if args.method == "prompt" else ""))
     return args
 
 
@@ -132,7 +138,10 @@ def main(argv=None) -> int:
         cmd = [os.path.join(BIN, "mdi-train"), "--config", train_cfg, "--data", train_path, "--eval", held_path,
                "--eval-every", str(args.eval_every), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--seq-len", str(args.seq_len), "--rank", str(args.rank), "--alpha", str(2 * args.rank),
-               "--lr", str(args.lr), "--out", adapter, "--metrics-out", metrics]
+               "--lr", str(args.lr), "--out", adapter, "--metrics-out", metrics, "--method", args.method,
+               "--num-virtual-tokens", str(args.num_virtual_tokens)]
+        if args.method == "prompt" and args.prompt_init_text:
+            cmd += ["--prompt-init", "text", "--prompt-init-text", args.prompt_init_text]
         t0 = time.monotonic()
         trainer = subprocess.Popen(cmd, env=dict(os.environ))
         stop = threading.Event()
@@ -171,17 +180,21 @@ def main(argv=None) -> int:
     steps = record["steps"]
     rates = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
     spec = LoraSpec(TARGETS, args.rank, 2.0 * args.rank)
-    lora_bytes = sum(t.numel() * 4 for ab in init_pairs(config, spec, 0).values() for t in ab)
+    lora_bytes = sum(t.numel() * 4 for ab in init_pairs(config, spec, 0).values() for t in ab) \
+        if args.method == "lora" else args.num_virtual_tokens * config.n_embd * 4  # the prompt's
     source = ("shakespeare package: shksprdata/texts/" + os.path.basename(args.text) if args.play
               else os.path.relpath(args.text, benchlib.ROOT))
     out = {"model": args.model, "nodes": args.nodes, "threads_per_node": 1, "text": source,
            "text_chars": len(text), "train_chars": len(text) - held_chars, "held_out_chars": held_chars,
            "steps": args.steps, "batch_size": args.batch_size,
-           "seq_len": args.seq_len, "rank": args.rank, "alpha": 2 * args.rank, "lr": args.lr,
+           "seq_len": args.seq_len, "method": args.method, "lr": args.lr,
+           **({"rank": args.rank, "alpha": 2 * args.rank} if args.method == "lora" else
+              {"num_virtual_tokens": args.num_virtual_tokens, "prompt_init_text": args.prompt_init_text or None}),
            "losses": [s["loss"] for s in steps], "tokens_per_s": benchlib.summarize(rates),
            "eval": record.get("eval", []), "train_seconds": train_seconds,
            "peak_rss_bytes": peaks,
-           "lora_bytes_all_layers": lora_bytes, "lora_and_adamw_bytes_all_layers": 4 * lora_bytes,
+           **({"lora_bytes_all_layers": lora_bytes, "lora_and_adamw_bytes_all_layers": 4 * lora_bytes}
+              if args.method == "lora" else {"prompt_bytes": lora_bytes, "prompt_and_adamw_bytes": 4 * lora_bytes}),
            "prompt": args.prompt, "tokens": args.tokens, "completions": answers,
            "completions_differ": answers["base"] != answers["trained"],
            "isa": info["cpu"]["isa"], "machine": info}
@@ -194,7 +207,8 @@ def main(argv=None) -> int:
                      first["loss"], last["loss"], first["perplexity"], last["perplexity"])],
                  ["tokens/s (median [min, max])", benchlib.fmt_stat(out["tokens_per_s"])],
                  ["peak RSS MB", ", ".join("%s %.0f" % (k, v / 2 ** 20) for k, v in peaks.items())],
-                 ["LoRA + AdamW MB (all layers)", "%.1f" % (4 * lora_bytes / 2 ** 20)]])
+                 ["%s + AdamW MB" % ("LoRA (all layers)" if args.method == "lora" else "prompt"),
+                  "%.2f" % (4 * lora_bytes / 2 ** 20)]])
     print("base:    %r\ntrained: %r" % (args.prompt + answers["base"], args.prompt + answers["trained"]))
     benchlib.save_record(args.out, out)
     return 0 if out["completions_differ"] and out["held_out_fell"] else 1

@@ -195,18 +195,8 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
         pairs, prompt_state = pairs if pairs is not None else init_pairs(config, spec, options.seed), None
     engine = open_engine(cfg, source, options.seq_len + (options.prompt.n_virtual if options.prompt else 0))
     try:
-        prompter = None
-        if options.prompt is not None:
-            assert engine.chunk is not None  # open
-            if prompt is None:
-                prompt = init_prompt(engine.chunk, options.prompt, options.seed, prompt_text_ids)
-            if tuple(prompt.shape) != (options.prompt.n_virtual, config.n_embd):
-                raise ConfigError("the initial prompt is %s, --num-virtual-tokens %d needs [%d, %d]"
-                                  % (list(prompt.shape), options.prompt.n_virtual, options.prompt.n_virtual,
-                                     config.n_embd))
-            s = options.setup
-            prompter = PromptTrainer(prompt, s.lr, s.betas, s.eps, s.weight_decay, prompt_state,
-                                     next(engine.chunk.parameters()).device)
+        prompter = _prompt_trainer(engine, options, prompt, prompt_text_ids, prompt_state) \
+            if options.prompt is not None else None
         trainer = RingTrainer(engine, options, pairs, state, prompter)
         if held_out is not None and start == 0:
             evals.append(trainer.evaluate(0, held_out))
@@ -234,6 +224,20 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
         raise
     return TrainResult(records, trained, len(engine.nodes), len(windows), evals=evals, optimizer=moments,
                        prompt=trainer.prompt_embeddings())
+
+
+def _prompt_trainer(engine: Engine, options: TrainOptions, prompt: Optional[torch.Tensor],
+                    text_ids: Optional[List[int]], state: Optional[OptimizerState]) -> PromptTrainer:
+    """--method prompt's trainer on the starter: from `prompt`, else PEFT's init of it."""
+    spec, chunk = options.prompt, engine.chunk
+    assert spec is not None and chunk is not None  # run: a prompt run, the engine open
+    if prompt is None:
+        prompt = init_prompt(chunk, spec, options.seed, text_ids)
+    if tuple(prompt.shape) != (spec.n_virtual, chunk.config.n_embd):
+        raise ConfigError("the initial prompt is %s, --num-virtual-tokens %d needs [%d, %d]"
+                          % (list(prompt.shape), spec.n_virtual, spec.n_virtual, chunk.config.n_embd))
+    s = options.setup
+    return PromptTrainer(prompt, s.lr, s.betas, s.eps, s.weight_decay, state, next(chunk.parameters()).device)
 
 
 def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
