@@ -7,7 +7,9 @@ micro-batch until its gradient comes: the recorded graph (default), or with `rec
 the input, the forward being run again under autograd when the gradient arrives (Petals'
 servers do this; for boards short of memory, at the cost of a second forward). Gradients of
 the micro-batches add up in the parameters' .grad, exactly what one batch gives when each
-micro-batch's loss is its share of the batch mean (the starter scales it so).
+micro-batch's loss is its share of the batch mean (the starter scales it so). A spec with no
+targets (mdi-train --method prompt) trains nothing here: the node has no optimizer and runs
+backward only for its input's gradient.
 """
 import math
 from dataclasses import dataclass
