@@ -61,6 +61,10 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=positive_float, metavar="X",
                    help="scale the batch's gradients so their global norm, over every node's parameters, is at "
                         "most X (torch.nn.utils.clip_grad_norm_)")
+    p.add_argument("--recovery-every", type=positive_int, default=1, metavar="K",
+                   help="with recovery on (spares, or runtime.recovery_attempts): the starter keeps every node's "
+                        "LoRA and AdamW state every K steps, so a lost worker costs at most K steps redone "
+                        "(default 1)")
     return p
 
 
@@ -100,7 +104,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             args.data, setup, steps=args.steps, batch_size=args.batch_size, micro_batches=micro, seq_len=args.seq_len,
             seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
             eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
-            checkpoint_dir=args.out, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None)
+            checkpoint_dir=args.out, recovery_every=args.recovery_every, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None)
         resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
             if args.resume else None
         result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume)

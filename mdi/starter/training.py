@@ -48,11 +48,13 @@ from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.model.transformer import ModelChunk
+from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
 from mdi.starter.train_checkpoint import Checkpoint, checkpoint_path, run_fingerprint, save_checkpoint
+from mdi.starter.train_recovery import TrainRecovery
 from mdi.starter.train_data import ChatRenderer, Windows, eval_batches, load_windows, step_index
 from mdi.system.transfers import to_device, to_host
 
@@ -77,6 +79,7 @@ class TrainOptions:
     checkpoint_every: Optional[int] = None  # a checkpoint under checkpoint_dir every K steps
     checkpoint_dir: Optional[str] = None
     render_chat: Optional[ChatRenderer] = None  # chat JSONL examples: the model's template (mdi.cli.train)
+    recovery_every: int = 1  # with recovery on: every node's state kept every K steps (mdi.starter.train_recovery)
 
 
 @dataclass
@@ -116,6 +119,8 @@ def check_options(options: TrainOptions, block_size: int) -> None:
         raise ConfigError("--micro-batches must be 1 to --batch-size (%d)" % options.batch_size)
     if not 2 <= options.seq_len <= block_size:
         raise ConfigError("--seq-len %d: expected 2 to the model's context of %d tokens" % (options.seq_len, block_size))
+    if options.recovery_every < 1:
+        raise ConfigError("--recovery-every must be at least 1")
     if options.checkpoint_every and not options.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --out (checkpoints go to OUT/checkpoint-<step>)")
 
@@ -173,30 +178,46 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     engine = open_engine(cfg, source, options.seq_len)
     try:
         trainer = RingTrainer(engine, options, pairs, state)
-        if held_out is not None and start == 0:
-            evals.append(trainer.evaluate(0, held_out))
-        for step in range(start, options.steps):
-            batch = windows.take(step_index(len(windows), step, options.batch_size, options.shuffle, options.seed))
-            record = trainer.step(step, batch)
-            records.append(record)
-            if on_step is not None:
-                on_step(record, options.steps)
-            done = step + 1
-            if held_out is not None and (done == options.steps or (options.eval_every and done % options.eval_every == 0)):
-                evals.append(trainer.evaluate(done, held_out))
-                log.info("mdi-train: eval after step %d: loss %.4f", done, evals[-1]["loss"])
-            if options.checkpoint_every and done % options.checkpoint_every == 0:
-                trained, moments = trainer.collect()
-                assert options.checkpoint_dir is not None  # check_options
-                save_checkpoint(checkpoint_path(options.checkpoint_dir, done), config, spec, cfg.model.path,
-                                Checkpoint(done, trained, moments, TrainResult(records, {}, 0, 0).metrics()["steps"],
-                                           evals), fingerprint(cfg, options))
-        trained, moments = trainer.collect()
+        guard = TrainRecovery(trainer, options.recovery_every, pairs, state, start)
+        step = start
+        while True:
+            try:
+                if held_out is not None and step == 0 and not evals:
+                    evals.append(trainer.evaluate(0, held_out))
+                if step >= options.steps:
+                    trained, moments = trainer.collect()
+                    break
+                batch = windows.take(step_index(len(windows), step, options.batch_size, options.shuffle, options.seed))
+                record = trainer.step(step, batch)
+                records.append(record)
+                if on_step is not None:
+                    on_step(record, options.steps)
+                done = step + 1
+                if held_out is not None and (done == options.steps
+                                             or (options.eval_every and done % options.eval_every == 0)):
+                    evals.append(trainer.evaluate(done, held_out))
+                    log.info("mdi-train: eval after step %d: loss %.4f", done, evals[-1]["loss"])
+                collected = None
+                if options.checkpoint_every and done % options.checkpoint_every == 0:
+                    collected = trainer.collect()
+                    assert options.checkpoint_dir is not None  # check_options
+                    save_checkpoint(checkpoint_path(options.checkpoint_dir, done), config, spec, cfg.model.path,
+                                    Checkpoint(done, collected[0], collected[1],
+                                               TrainResult(records, {}, 0, 0).metrics()["steps"], evals),
+                                    fingerprint(cfg, options))
+                guard.completed(done, collected)
+                step = done
+            except (NodeError, RingTimeout) as e:
+                # a lost node: the ring re-planned, every node back at the snapshot, its steps on
+                step = guard.recover(e, step)
+                records = [r for r in records if r.step < step]
+                evals = [v for v in evals if v["step"] <= step]
         engine.close()
     except BaseException:
         engine.abort()
         raise
-    return TrainResult(records, trained, len(engine.nodes), len(windows), evals=evals, optimizer=moments)
+    return TrainResult(records, trained, len(engine.nodes), len(windows), extra=guard.metrics(), evals=evals,
+                       optimizer=moments)
 
 
 def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
@@ -207,18 +228,22 @@ class RingTrainer:
     def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs,
                  state: Optional[OptimizerState] = None) -> None:
         self.engine, self.options = engine, options
-        chunk = self.chunk
-        self.n_layer = chunk.config.n_layer
-        setup = options.setup
+        self.n_layer = self.chunk.config.n_layer
+        self.install(pairs, state)
+
+    def install(self, pairs: Pairs, state: Optional[OptimizerState] = None) -> None:
+        """Every node of the ring in hand trains its layers' share of `pairs` (every layer's)
+        from `state`: at the start, and again on the new ring after a recovery."""
+        chunk, setup = self.chunk, self.options.setup
 
         def state_of(first: int, last: int) -> Optional[OptimizerState]:
             return OptimizerState(state.steps, _layers_of(state.moments, first, last)) if state is not None else None
 
         self.stage = StageTrainer(chunk, setup.spec, _layers_of(pairs, chunk.first, chunk.last), setup.lr, setup.betas,
                                   setup.eps, setup.weight_decay, setup.recompute, state_of(chunk.first, chunk.last))
-        ring = engine.ring
+        ring = self.engine.ring
         if ring is not None:
-            for client, node in zip(ring.clients, engine.plan.workers):
+            for client, node in zip(ring.clients, self.engine.plan.workers):
                 first, last = node.layers
                 client.post_train(train_body(setup, _layers_of(pairs, first, last), state_of(first, last)))
         self.device = next(chunk.parameters()).device

@@ -1,0 +1,112 @@
+"""mdi-train through a lost worker (issue 38): the same recovery as inference, and the
+interrupted step done again from the start, so the run ends as if nothing had happened.
+
+A worker's LoRA pairs and AdamW moments live only on it, so the starter keeps a snapshot of
+every node's trainable state as of a completed step: after every `every` steps (and whenever
+a checkpoint collects it anyway) it reads them back (GET /train, the checkpoint's path) and
+keeps its own share as copies. When a node fails, the engine re-plans the ring exactly as for
+inference (mdi.starter.recovery: a spare takes the dead node's layers, or its neighbours
+absorb them) and opens a new run on every node, which drops every node's training state;
+so every node, the survivors too, gets its new layer range's pairs and moments from the
+snapshot (POST /train), the starter included, and the steps since the snapshot run again.
+A step's windows are a function of its index (mdi.starter.train_data.step_index) and every
+node's arithmetic per layer is the same whatever the split, so the redone steps give the
+same losses and the same adapter as an uninterrupted run.
+
+Why a snapshot every step by default and not only the lost node's state: any node may die,
+and a node that dies mid-step may already have stepped (the step frame goes round), so the
+survivors' states are not one step's either; restoring everyone from one snapshot is the
+one consistent point. Its cost is one GET /train per worker per step (3 float32 copies of
+the LoRA: pairs and two moments); `every` K > 1 trades it for up to K - 1 steps redone.
+"""
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from mdi.model.stage_train import OptimizerState
+
+log = logging.getLogger(__name__)
+
+Pairs = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Snapshot:
+    """Every node's trainable state once `steps_done` steps (and their evals) were complete."""
+    steps_done: int
+    pairs: Pairs  # every layer's, by mdi.model.lora_train keys
+    state: Optional[OptimizerState]  # None before the first step of a fresh run
+
+
+def _copy(pairs: Pairs, state: Optional[OptimizerState]) -> Tuple[Pairs, Optional[OptimizerState]]:
+    # the starter's own pairs are its live parameters (StageTrainer.pairs detaches, no copy):
+    # the next optimizer step would change a snapshot that shared them
+    pairs = {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in pairs.items()}
+    if state is not None:
+        state = OptimizerState(state.steps, {k: (m.clone(), v.clone()) for k, (m, v) in state.moments.items()})
+    return pairs, state
+
+
+class TrainRecovery:
+    """The snapshots of one training run and its recoveries. `trainer` is the run's
+    mdi.starter.training.RingTrainer (collect, install, engine)."""
+
+    def __init__(self, trainer: Any, every: int, pairs: Pairs, state: Optional[OptimizerState],
+                 steps_done: int) -> None:
+        if every < 1:
+            raise ValueError("snapshots every %d steps: expected at least 1" % every)
+        self.trainer, self.every = trainer, every
+        engine = trainer.engine
+        # without workers nothing can be lost; with recovery off (no spares, no
+        # runtime.recovery_attempts) a lost worker ends the run, naming it, and snapshots would be waste
+        self.enabled = engine.ring is not None and engine.cfg.recovery_attempts > 0
+        self.snapshot = Snapshot(steps_done, *_copy(pairs, state)) if self.enabled else None
+        self.recoveries: List[Dict[str, Any]] = []
+        self.n_snapshots = 0
+        self.snapshot_seconds = 0.0
+        self.snapshot_bytes = 0
+
+    def completed(self, steps_done: int, collected: Optional[Tuple[Pairs, OptimizerState]] = None) -> None:
+        """`steps_done` steps, their evals and checkpoint are complete; `collected`: every node's
+        state as a checkpoint just read it (taken as the snapshot at no further cost)."""
+        if not self.enabled or (collected is None and steps_done % self.every):
+            return
+        t0 = time.perf_counter()
+        pairs, state = collected if collected is not None else self.trainer.collect()
+        pairs, state = _copy(pairs, state)
+        self.snapshot = Snapshot(steps_done, pairs, state)
+        self.n_snapshots += 1
+        self.snapshot_seconds += time.perf_counter() - t0
+        self.snapshot_bytes = 4 * (sum(t.numel() for ab in pairs.values() for t in ab)
+                                   + sum(t.numel() for mv in state.moments.values() for t in mv))
+
+    def recover(self, cause: BaseException, step: int) -> int:
+        """A node failed during step `step` (0-based): re-plan the ring as inference does (or
+        re-raise `cause` when recovery is off or its attempts are spent), give every node its
+        layers' state from the snapshot, and return the step to go on from."""
+        engine = self.trainer.engine
+        if self.snapshot is None:
+            raise cause
+        n_before = len(engine.recoveries)
+        engine._recover(cause)  # the ring re-planned and reopened, or `cause` (or the last failure) raised
+        snap = self.snapshot
+        self.trainer.install(snap.pairs, snap.state)
+        for rec in engine.recoveries[n_before:]:
+            self.recoveries.append(dict(rec.to_json(), step=step, resumed_at_step=snap.steps_done))
+        how = engine.recoveries[-1].action
+        log.warning("mdi-train: lost a node during step %d (%s); %s; redoing from step %d",
+                    step + 1, cause, how, snap.steps_done + 1)
+        return snap.steps_done
+
+    def metrics(self) -> Dict[str, Any]:
+        """--metrics-out's record of this: the recoveries and what the snapshots cost."""
+        out: Dict[str, Any] = {}
+        if self.recoveries:
+            out["recoveries"] = self.recoveries
+        if self.enabled:
+            out["snapshots"] = {"every": self.every, "count": self.n_snapshots,
+                                "seconds": round(self.snapshot_seconds, 6), "bytes": self.snapshot_bytes}
+        return out
