@@ -76,12 +76,11 @@ class TrainRecovery:
             return
         t0 = time.perf_counter()
         pairs, state = collected if collected is not None else self.trainer.collect()
-        pairs, state = _copy(pairs, state)
-        self.snapshot = Snapshot(steps_done, pairs, state)
+        self.snapshot = Snapshot(steps_done, *_copy(pairs, state))
         self.n_snapshots += 1
         self.snapshot_seconds += time.perf_counter() - t0
-        self.snapshot_bytes = 4 * (sum(t.numel() for ab in pairs.values() for t in ab)
-                                   + sum(t.numel() for mv in state.moments.values() for t in mv))
+        tensors = [t for ab in pairs.values() for t in ab] + [t for mv in state.moments.values() for t in mv]
+        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def recover(self, cause: BaseException, step: int) -> int:
         """A node failed during step `step` (0-based): re-plan the ring as inference does (or
