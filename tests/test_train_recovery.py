@@ -49,9 +49,10 @@ def _config(spares=(), attempts=None):
     return dict(worker_name="board%d", spares=spares, layers=[1, 2, 1], runtime=runtime)
 
 
-def _kill_during(monkeypatch, victim, kind):
+def _kill_during(monkeypatch, victim, kind, settled=False):
     """SIGKILL `victim` the first time the starter sends a `kind` frame of step KILL_STEP:
-    "train" mid-forward, "grad" mid-backward."""
+    "train" mid-forward, "grad" mid-backward; `settled`: once the snapshot of the steps
+    before, read meanwhile, has come back (else the read may be lost with the node)."""
     send = training.RingTrainer._send
     killed = []
 
@@ -59,6 +60,9 @@ def _kill_during(monkeypatch, victim, kind):
         send(self, frame_kind, step, micro, layer, y)
         if not killed and frame_kind == kind and step == KILL_STEP:
             killed.append(step)
+            reading = self.before_step.__self__.reading  # TrainRecovery.settle's: the read in flight
+            if settled and reading is not None:
+                reading.thread.join(30)
             os.kill(victim.proc.pid, signal.SIGKILL)
     monkeypatch.setattr(training.RingTrainer, "_send", send_and_kill)
     return killed
@@ -79,7 +83,7 @@ def test_a_spare_takes_over_and_the_step_is_redone(tiny_models, data, uninterrup
                                                    caplog, kind, every):
     board1, board2, spare = three_workers
     cfg = parse_run_config(tiny_models["llama"], [board1, board2], **_config([spare]))
-    killed = _kill_during(monkeypatch, board1, kind)
+    killed = _kill_during(monkeypatch, board1, kind, settled=True)
     with caplog.at_level(logging.WARNING, logger="mdi"):
         result = training.run(cfg, _options(data, _setup("llama"), recovery_every=every))
     assert killed == [KILL_STEP]
@@ -108,14 +112,36 @@ def test_neighbours_absorb_the_layers_without_a_spare(tiny_models, data, uninter
     assert result.n_nodes == 2
 
 
+def test_a_snapshot_lost_with_its_node_leaves_the_one_before(tiny_models, data, uninterrupted, three_workers,
+                                                            monkeypatch):
+    """board2 dies while the starter reads the state after step 2 (GET /train, overlapping step
+    3): that read fails, so the ring goes back to the state after step 1 and redoes 2 and 3."""
+    board1, board2, spare = three_workers
+    cfg = parse_run_config(tiny_models["llama"], [board1, board2], **_config([spare]))
+    states, reads = training.RingTrainer.worker_states, []
+
+    def read(self):
+        reads.append(1)
+        if len(reads) == 2:  # the read after step 2 (after step 1 first)
+            os.kill(board2.proc.pid, signal.SIGKILL)
+            board2.proc.wait(10)
+        return states(self)
+    monkeypatch.setattr(training.RingTrainer, "worker_states", read)
+    result = training.run(cfg, _options(data, _setup("llama")))
+    _assert_same_run(result, uninterrupted)
+    (rec,) = result.metrics()["recoveries"]
+    assert "board2" in rec["cause"] and "spare1" in rec["action"]
+    assert rec["step"] == KILL_STEP and rec["resumed_at_step"] == KILL_STEP - 1
+
+
 def test_without_recovery_the_run_fails_naming_the_node_and_keeps_no_snapshots(tiny_models, data, three_workers,
                                                                                   monkeypatch):
     from mdi.starter.control import NodeError
     boards = three_workers[:2]
     cfg = parse_run_config(tiny_models["llama"], boards, **_config())
     assert cfg.recovery_attempts == 0  # no spares, no runtime.recovery_attempts: recovery is off
-    collect, reads = training.RingTrainer.collect, []
-    monkeypatch.setattr(training.RingTrainer, "collect", lambda self: reads.append(1) or collect(self))
+    states, reads = training.RingTrainer.worker_states, []
+    monkeypatch.setattr(training.RingTrainer, "worker_states", lambda self: reads.append(1) or states(self))
     killed = _kill_during(monkeypatch, boards[1], "grad")
     with pytest.raises(NodeError, match="board2"):
         training.run(cfg, _options(data, _setup("llama")))

@@ -4,7 +4,10 @@ interrupted step done again from the start, so the run ends as if nothing had ha
 A worker's LoRA pairs and AdamW moments live only on it, so the starter keeps a snapshot of
 every node's trainable state as of a completed step: after every `every` steps (and whenever
 a checkpoint collects it anyway) it reads them back (GET /train, the checkpoint's path) and
-keeps its own share as copies. When a node fails, the engine re-plans the ring exactly as for
+keeps its own share as copies. The workers' reads overlap the next step: a step's forwards
+and backwards change no parameter and no moment (gradients go to .grad), so the read is
+settled (joined) just before that step's "step" frame goes round, and the snapshot is the
+state of the step before; a read that fails (its node died) leaves the snapshot before it. When a node fails, the engine re-plans the ring exactly as for
 inference (mdi.starter.recovery: a spare takes the dead node's layers, or its neighbours
 absorb them) and opens a new run on every node, which drops every node's training state;
 so every node, the survivors too, gets its new layer range's pairs and moments from the
@@ -17,9 +20,11 @@ Why a snapshot every step by default and not only the lost node's state: any nod
 and a node that dies mid-step may already have stepped (the step frame goes round), so the
 survivors' states are not one step's either; restoring everyone from one snapshot is the
 one consistent point. Its cost is one GET /train per worker per step (3 float32 copies of
-the LoRA: pairs and two moments); `every` K > 1 trades it for up to K - 1 steps redone.
+the LoRA: pairs and two moments), mostly hidden behind the next step's compute; `every`
+K > 1 trades it for up to K - 1 steps redone.
 """
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -27,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from mdi.model.stage_train import OptimizerState
+from mdi.ring.transport import RingTimeout
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,35 @@ def _copy(pairs: Pairs, state: Optional[OptimizerState]) -> Tuple[Pairs, Optiona
     return pairs, state
 
 
+def merge_states(parts: List[Tuple[Pairs, Optional[OptimizerState]]]) -> Tuple[Pairs, OptimizerState]:
+    """Nodes' pairs and AdamW states as one (the starter's first: it always has a state)."""
+    pairs: Pairs = {}
+    state = OptimizerState(0, {})
+    for theirs, their_state in parts:
+        pairs.update(theirs)
+        if their_state is not None:
+            state.moments.update(their_state.moments)
+            state.steps = their_state.steps
+    return pairs, state
+
+
+class _Read:
+    """The workers' states read on a thread while the next step runs (GET /train each)."""
+
+    def __init__(self, trainer: Any, steps_done: int, own: Tuple[Pairs, Optional[OptimizerState]]) -> None:
+        self.steps_done, self.own = steps_done, own
+        self.parts: Optional[List[Tuple[Pairs, Optional[OptimizerState]]]] = None
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(trainer,), name="mdi-train-snapshot", daemon=True)
+        self.thread.start()
+
+    def _run(self, trainer: Any) -> None:
+        try:
+            self.parts = trainer.worker_states()
+        except BaseException as e:  # a dead node's NodeError above all: settle() raises it on the main thread
+            self.error = e
+
+
 class TrainRecovery:
     """The snapshots of one training run and its recoveries. `trainer` is the run's
     mdi.starter.training.RingTrainer (collect, install, engine)."""
@@ -64,6 +99,7 @@ class TrainRecovery:
         # runtime.recovery_attempts) a lost worker ends the run, naming it, and snapshots would be waste
         self.enabled = engine.ring is not None and engine.cfg.recovery_attempts > 0
         self.snapshot = Snapshot(steps_done, *_copy(pairs, state)) if self.enabled else None
+        self.reading: Optional[_Read] = None  # the next snapshot's workers' part, on its way
         self.recoveries: List[Dict[str, Any]] = []
         self.n_snapshots = 0
         self.snapshot_seconds = 0.0
@@ -71,14 +107,40 @@ class TrainRecovery:
 
     def completed(self, steps_done: int, collected: Optional[Tuple[Pairs, OptimizerState]] = None) -> None:
         """`steps_done` steps, their evals and checkpoint are complete; `collected`: every node's
-        state as a checkpoint just read it (taken as the snapshot at no further cost)."""
+        state as a checkpoint just read it (taken as the snapshot at no further cost), else the
+        workers' states are read on a thread (settled by `settle`)."""
         if not self.enabled or (collected is None and steps_done % self.every):
             return
         t0 = time.perf_counter()
-        pairs, state = collected if collected is not None else self.trainer.collect()
+        self.settle()  # one read at a time (a step without a "step" frame never settled the last)
+        if collected is not None:
+            self._keep(steps_done, *collected)
+        else:
+            stage = self.trainer.stage  # the starter's own share now, before its next optimizer step
+            self.reading = _Read(self.trainer, steps_done, _copy(stage.pairs(), stage.optimizer_state()))
+        self.snapshot_seconds += time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Wait for the workers' states being read (before any node steps again) and keep them
+        as the snapshot; a failed read raises its error here (a recovery follows)."""
+        reading, self.reading = self.reading, None
+        if reading is None:
+            return
+        t0 = time.perf_counter()
+        timeout = self.trainer.engine.cfg.runtime.ring_timeout
+        reading.thread.join(timeout)
+        self.snapshot_seconds += time.perf_counter() - t0  # the part the next step did not hide
+        if reading.thread.is_alive():
+            raise RingTimeout("the workers' LoRA state after step %d did not come back within %.0f s (GET /train)"
+                              % (reading.steps_done, timeout))
+        if reading.error is not None:
+            raise reading.error
+        assert reading.parts is not None
+        self._keep(reading.steps_done, *merge_states([reading.own] + reading.parts))
+
+    def _keep(self, steps_done: int, pairs: Pairs, state: OptimizerState) -> None:
         self.snapshot = Snapshot(steps_done, *_copy(pairs, state))
         self.n_snapshots += 1
-        self.snapshot_seconds += time.perf_counter() - t0
         tensors = [t for ab in pairs.values() for t in ab] + [t for mv in state.moments.values() for t in mv]
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -89,6 +151,11 @@ class TrainRecovery:
         engine = self.trainer.engine
         if self.snapshot is None:
             raise cause
+        try:
+            self.settle()  # a read that completed is a snapshot as good as any
+        except Exception as e:  # its node is gone too: the snapshot before it stands
+            log.info("mdi-train: a snapshot being read is lost with the node (%s); the one after step %d stands",
+                     e, self.snapshot.steps_done)
         n_before = len(engine.recoveries)
         engine._recover(cause)  # the ring re-planned and reopened, or `cause` (or the last failure) raised
         snap = self.snapshot

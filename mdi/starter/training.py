@@ -54,7 +54,7 @@ from mdi.starter.pipeline import Pipeline
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
 from mdi.starter.train_checkpoint import Checkpoint, checkpoint_path, run_fingerprint, save_checkpoint
-from mdi.starter.train_recovery import TrainRecovery
+from mdi.starter.train_recovery import TrainRecovery, merge_states
 from mdi.starter.train_data import ChatRenderer, Windows, eval_batches, load_windows, step_index
 from mdi.system.transfers import to_device, to_host
 
@@ -179,12 +179,14 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     try:
         trainer = RingTrainer(engine, options, pairs, state)
         guard = TrainRecovery(trainer, options.recovery_every, pairs, state, start)
+        trainer.before_step = guard.settle
         step = start
         while True:
             try:
                 if held_out is not None and step == 0 and not evals:
                     evals.append(trainer.evaluate(0, held_out))
                 if step >= options.steps:
+                    guard.settle()
                     trained, moments = trainer.collect()
                     break
                 batch = windows.take(step_index(len(windows), step, options.batch_size, options.shuffle, options.seed))
@@ -229,6 +231,9 @@ class RingTrainer:
                  state: Optional[OptimizerState] = None) -> None:
         self.engine, self.options = engine, options
         self.n_layer = self.chunk.config.n_layer
+        # called before a step's "step" frame goes round, while no node has stepped yet
+        # (mdi.starter.train_recovery settles the snapshot it is reading meanwhile)
+        self.before_step: Optional[Callable[[], None]] = None
         self.install(pairs, state)
 
     def install(self, pairs: Pairs, state: Optional[OptimizerState] = None) -> None:
@@ -304,6 +309,8 @@ class RingTrainer:
                 done += 1
         if self.options.clip is not None:
             self._clip(step, len(micro), self.options.clip)
+        if self.before_step is not None:
+            self.before_step()
         self.transport.send(Frame(FrameKind.STEP, self.run_id, train=TrainTag(step, len(micro), 0)))
         self.stage.step(step, len(micro))
         self._wait(FrameKind.STEP, step)  # every node has stepped once the step frame is back
@@ -387,14 +394,10 @@ class RingTrainer:
 
     def collect(self) -> Tuple[Pairs, OptimizerState]:
         """Every node's trained pairs and AdamW state, the starter's and each worker's (GET /train)."""
-        pairs = self.stage.pairs()
-        state = self.stage.optimizer_state()
+        return merge_states([(self.stage.pairs(), self.stage.optimizer_state())] + self.worker_states())
+
+    def worker_states(self) -> List[Tuple[Pairs, Optional[OptimizerState]]]:
+        """Each worker's pairs and AdamW state as they are now (GET /train)."""
         ring = self.engine.ring
-        if ring is not None:
-            for client in ring.clients:
-                theirs, their_state = read_pairs_reply(client.train_pairs())
-                pairs.update(theirs)
-                if their_state is not None:
-                    state.moments.update(their_state.moments)
-                    state.steps = their_state.steps
-        return pairs, state
+        return [read_pairs_reply(client.train_pairs()) for client in ring.clients] if ring is not None else []
+
