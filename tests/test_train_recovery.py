@@ -152,7 +152,7 @@ def test_mdi_train_cli_records_the_recovery(tiny_models, data, three_workers, mo
     from mdi.cli.train import train_main
     board1, board2, spare = three_workers
     config = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], [board1, board2], **_config([spare]))
-    _kill_during(monkeypatch, board2, "grad")
+    _kill_during(monkeypatch, board2, "grad", settled=True)
     metrics = tmp_path / "m.json"
     assert train_main(["--config", config, "--data", data, "--steps", "4", "--batch-size", "4", "--seq-len", str(SEQ),
                        "--rank", "4", "--alpha", "8", "--lr", "0.01", "--recovery-every", "2",
