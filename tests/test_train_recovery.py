@@ -112,6 +112,29 @@ def test_neighbours_absorb_the_layers_without_a_spare(tiny_models, data, uninter
     assert result.n_nodes == 2
 
 
+def test_two_workers_lost_the_spare_then_the_neighbours(tiny_models, data, uninterrupted, three_workers,
+                                                         monkeypatch):
+    """board1 dies in step 3 (the spare takes its layers), board2 in step 5 (no spare left: the
+    starter and the spare share its layers); the run still ends as the uninterrupted one."""
+    board1, board2, spare = three_workers
+    cfg = parse_run_config(tiny_models["llama"], [board1, board2], **_config([spare]))  # 2 attempts
+    send, kills = training.RingTrainer._send, {(KILL_STEP, "grad"): board1, (KILL_STEP + 2, "train"): board2}
+
+    def send_and_kill(self, kind, step, micro, layer, y):
+        send(self, kind, step, micro, layer, y)
+        victim = kills.pop((step, kind), None)
+        if victim is not None:
+            os.kill(victim.proc.pid, signal.SIGKILL)
+    monkeypatch.setattr(training.RingTrainer, "_send", send_and_kill)
+    result = training.run(cfg, _options(data, _setup("llama")))
+    assert not kills
+    _assert_same_run(result, uninterrupted)
+    first, second = result.metrics()["recoveries"]
+    assert "board1" in first["cause"] and "spare1" in first["action"] and first["step"] == KILL_STEP
+    assert "board2" in second["cause"] and "go to" in second["action"] and second["step"] == KILL_STEP + 2
+    assert result.n_nodes == 2
+
+
 def test_a_snapshot_lost_with_its_node_leaves_the_one_before(tiny_models, data, uninterrupted, three_workers,
                                                             monkeypatch):
     """board2 dies while the starter reads the state after step 2 (GET /train, overlapping step

@@ -33,6 +33,7 @@ import torch
 
 from mdi.model.stage_train import OptimizerState
 from mdi.ring.transport import RingTimeout
+from mdi.starter.control import NodeError
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,14 @@ class TrainRecovery:
             log.info("mdi-train: a snapshot being read is lost with the node (%s); the one after step %d stands",
                      e, self.snapshot.steps_done)
         n_before = len(engine.recoveries)
-        engine._recover(cause)  # the ring re-planned and reopened, or `cause` (or the last failure) raised
         snap = self.snapshot
-        self.trainer.install(snap.pairs, snap.state)
+        while True:
+            engine._recover(cause)  # the ring re-planned and reopened, or `cause` raised (attempts spent)
+            try:
+                self.trainer.install(snap.pairs, snap.state)
+                break
+            except (NodeError, RingTimeout) as e:  # another node lost meanwhile: recover again
+                cause = e
         for rec in engine.recoveries[n_before:]:
             self.recoveries.append(dict(rec.to_json(), step=step, resumed_at_step=snap.steps_done))
         how = engine.recoveries[-1].action
