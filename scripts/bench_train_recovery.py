@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config(model: str, n_layer: int, starter_ports: List[int], boards: List[WorkerProcess], spares: List[WorkerProcess]):
+def config(model: str, n_layer: int, starter_ports: List[int], boards: List[WorkerProcess],
+           spares: List[WorkerProcess]):
     from mdi.runconfig import parse_config
     share = n_layer // 3
 

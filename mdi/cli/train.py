@@ -104,7 +104,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             args.data, setup, steps=args.steps, batch_size=args.batch_size, micro_batches=micro, seq_len=args.seq_len,
             seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
             eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
-            checkpoint_dir=args.out, recovery_every=args.recovery_every, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None)
+            checkpoint_dir=args.out, recovery_every=args.recovery_every,
+            render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None)
         resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
             if args.resume else None
         result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume)
