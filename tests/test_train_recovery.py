@@ -32,9 +32,12 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_models, data):
-    """The 6 steps in one process, nothing lost (what every recovered run must equal)."""
-    setup = _setup("llama")
-    return training.run(parse_run_config(tiny_models["llama"]), _options(data, setup))
+    """The 6 steps of llama's tiny model in one process, nothing lost (what every recovered run must equal)."""
+    return _uninterrupted(tiny_models, data, "llama")
+
+
+def _uninterrupted(tiny_models, data, family):
+    return training.run(parse_run_config(tiny_models[family]), _options(data, _setup(family)))
 
 
 def _options(data, setup, **kw):
@@ -99,14 +102,15 @@ def test_a_spare_takes_over_and_the_step_is_redone(tiny_models, data, uninterrup
     assert "step 3" in line and "board1" in line and "spare1" in line
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["board1-starter-grows", "board2"])
+@pytest.mark.parametrize("family,victim", [("llama", 0), ("llama", 1), ("gpt2", 0)],
+                         ids=["board1-starter-grows", "board2", "gpt2-board1"])
 def test_neighbours_absorb_the_layers_without_a_spare(tiny_models, data, uninterrupted, three_workers, monkeypatch,
-                                                      victim):
+                                                      family, victim):
     boards = three_workers[:2]
-    cfg = parse_run_config(tiny_models["llama"], boards, **_config(attempts=1))
+    cfg = parse_run_config(tiny_models[family], boards, **_config(attempts=1))
     _kill_during(monkeypatch, boards[victim], "grad")
-    result = training.run(cfg, _options(data, _setup("llama")))
-    _assert_same_run(result, uninterrupted)
+    result = training.run(cfg, _options(data, _setup(family)))
+    _assert_same_run(result, uninterrupted if family == "llama" else _uninterrupted(tiny_models, data, family))
     (rec,) = result.metrics()["recoveries"]
     assert "board%d" % (victim + 1) in rec["cause"] and "go to" in rec["action"]
     assert result.n_nodes == 2
