@@ -67,6 +67,10 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=positive_int, metavar="K", help="steps between evaluations (default: "
                                                                        "--checkpoint-every, else only at the end)")
     p.add_argument("--shuffle", action="store_true", help="each epoch's windows in an order drawn from --seed")
+    p.add_argument("--recovery-every", type=positive_int, default=1, metavar="K",
+                   help="with recovery on (spares, or runtime.recovery_attempts): the starter keeps every node's "
+                        "trainable state every K steps, so a lost worker costs at most K steps redone "
+                        "(default 1)")
     p.add_argument("--clip", type=positive_float, metavar="X",
                    help="scale the batch's gradients so their global norm, over every node's parameters, is at "
                         "most X (torch.nn.utils.clip_grad_norm_)")
@@ -119,8 +123,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             args.data, setup, steps=args.steps, batch_size=args.batch_size, micro_batches=micro, seq_len=args.seq_len,
             seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
             eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
-            checkpoint_dir=args.out, render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None,
-            prompt=prompt_spec)
+            checkpoint_dir=args.out, recovery_every=args.recovery_every,
+            render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None, prompt=prompt_spec)
         resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
             if args.resume else None
         result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume, prompt=prompt,

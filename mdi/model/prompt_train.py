@@ -119,6 +119,14 @@ class PromptTrainer:
         return OptimizerState(int(float(st["step"])), {PROMPT_KEY: (st["exp_avg"].detach().cpu().clone(),
                                                                    st["exp_avg_sq"].detach().cpu().clone())})
 
+    def restore(self, embeddings: torch.Tensor, state) -> None:
+        """Back to `embeddings` and AdamW `state` (a recovery's snapshot), no gradient pending."""
+        with torch.inference_mode(False), torch.no_grad():
+            self.prompt.copy_(embeddings.to(self.prompt.device, torch.float32))
+        self.prompt.grad = None
+        self.optimizer.state.clear()
+        self.load_optimizer_state(state)
+
     def load_optimizer_state(self, state) -> None:
         if not state.moments:
             return

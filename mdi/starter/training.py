@@ -55,11 +55,13 @@ from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.model.transformer import ModelChunk
+from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape
 from mdi.starter.train_checkpoint import Checkpoint, checkpoint_path, run_fingerprint, save_checkpoint
+from mdi.starter.train_recovery import TrainRecovery, merge_states
 from mdi.starter.train_data import ChatRenderer, Windows, eval_batches, load_windows, step_index
 from mdi.system.transfers import to_device, to_host
 
@@ -85,6 +87,7 @@ class TrainOptions:
     checkpoint_dir: Optional[str] = None
     render_chat: Optional[ChatRenderer] = None  # chat JSONL examples: the model's template (mdi.cli.train)
     prompt: Optional[PromptSpec] = None  # --method prompt: train these virtual tokens, no LoRA
+    recovery_every: int = 1  # with recovery on: every node's state kept every K steps (mdi.starter.train_recovery)
 
 
 @dataclass
@@ -129,6 +132,8 @@ def check_options(options: TrainOptions, block_size: int) -> None:
     if not 2 <= options.seq_len <= block_size - virtual:
         raise ConfigError("--seq-len %d: expected 2 to the model's context of %d tokens%s"
                           % (options.seq_len, block_size, " less %d virtual tokens" % virtual if virtual else ""))
+    if options.recovery_every < 1:
+        raise ConfigError("--recovery-every must be at least 1")
     if options.checkpoint_every and not options.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --out (checkpoints go to OUT/checkpoint-<step>)")
 
@@ -198,32 +203,49 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
         prompter = _prompt_trainer(engine, options, prompt, prompt_text_ids, prompt_state) \
             if options.prompt is not None else None
         trainer = RingTrainer(engine, options, pairs, state, prompter)
-        if held_out is not None and start == 0:
-            evals.append(trainer.evaluate(0, held_out))
-        for step in range(start, options.steps):
-            batch = windows.take(step_index(len(windows), step, options.batch_size, options.shuffle, options.seed))
-            record = trainer.step(step, batch)
-            records.append(record)
-            if on_step is not None:
-                on_step(record, options.steps)
-            done = step + 1
-            if held_out is not None and (done == options.steps or (options.eval_every and done % options.eval_every == 0)):
-                evals.append(trainer.evaluate(done, held_out))
-                log.info("mdi-train: eval after step %d: loss %.4f", done, evals[-1]["loss"])
-            if options.checkpoint_every and done % options.checkpoint_every == 0:
-                trained, moments = trainer.collect()
-                assert options.checkpoint_dir is not None  # check_options
-                save_checkpoint(checkpoint_path(options.checkpoint_dir, done), config, spec, cfg.model.path,
-                                Checkpoint(done, trained, moments, TrainResult(records, {}, 0, 0).metrics()["steps"],
-                                           evals, trainer.prompt_embeddings(), options.prompt),
-                                fingerprint(cfg, options))
-        trained, moments = trainer.collect()
+        guard = TrainRecovery(trainer, options.recovery_every, pairs, state, start)
+        trainer.before_step = guard.settle
+        step = start
+        while True:
+            try:
+                if held_out is not None and step == 0 and not evals:
+                    evals.append(trainer.evaluate(0, held_out))
+                if step >= options.steps:
+                    guard.settle()
+                    trained, moments = trainer.collect()
+                    break
+                batch = windows.take(step_index(len(windows), step, options.batch_size, options.shuffle, options.seed))
+                record = trainer.step(step, batch)
+                records.append(record)
+                if on_step is not None:
+                    on_step(record, options.steps)
+                done = step + 1
+                if held_out is not None and (done == options.steps
+                                             or (options.eval_every and done % options.eval_every == 0)):
+                    evals.append(trainer.evaluate(done, held_out))
+                    log.info("mdi-train: eval after step %d: loss %.4f", done, evals[-1]["loss"])
+                collected = None
+                if options.checkpoint_every and done % options.checkpoint_every == 0:
+                    collected = trainer.collect()
+                    assert options.checkpoint_dir is not None  # check_options
+                    save_checkpoint(checkpoint_path(options.checkpoint_dir, done), config, spec, cfg.model.path,
+                                    Checkpoint(done, collected[0], collected[1],
+                                               TrainResult(records, {}, 0, 0).metrics()["steps"], evals,
+                                               trainer.prompt_embeddings(), options.prompt),
+                                    fingerprint(cfg, options))
+                guard.completed(done, collected)
+                step = done
+            except (NodeError, RingTimeout) as e:
+                # a lost node: the ring re-planned, every node back at the snapshot, its steps on
+                step = guard.recover(e, step)
+                records = [r for r in records if r.step < step]
+                evals = [v for v in evals if v["step"] <= step]
         engine.close()
     except BaseException:
         engine.abort()
         raise
-    return TrainResult(records, trained, len(engine.nodes), len(windows), evals=evals, optimizer=moments,
-                       prompt=trainer.prompt_embeddings())
+    return TrainResult(records, trained, len(engine.nodes), len(windows), extra=guard.metrics(), evals=evals,
+                       optimizer=moments, prompt=trainer.prompt_embeddings())
 
 
 def _prompt_trainer(engine: Engine, options: TrainOptions, prompt: Optional[torch.Tensor],
@@ -250,18 +272,25 @@ class RingTrainer:
         self.engine, self.options = engine, options
         self.prompt = prompt  # --method prompt: the virtual tokens' trainer; no node trains a LoRA
         self.virtual = prompt.n_virtual if prompt is not None else 0
-        chunk = self.chunk
-        self.n_layer = chunk.config.n_layer
-        setup = options.setup
+        self.n_layer = self.chunk.config.n_layer
+        # called before a step's "step" frame goes round, while no node has stepped yet
+        # (mdi.starter.train_recovery settles the snapshot it is reading meanwhile)
+        self.before_step: Optional[Callable[[], None]] = None
+        self.install(pairs, state)
+
+    def install(self, pairs: Pairs, state: Optional[OptimizerState] = None) -> None:
+        """Every node of the ring in hand trains its layers' share of `pairs` (every layer's)
+        from `state`: at the start, and again on the new ring after a recovery."""
+        chunk, setup = self.chunk, self.options.setup
 
         def state_of(first: int, last: int) -> Optional[OptimizerState]:
             return OptimizerState(state.steps, _layers_of(state.moments, first, last)) if state is not None else None
 
         self.stage = StageTrainer(chunk, setup.spec, _layers_of(pairs, chunk.first, chunk.last), setup.lr, setup.betas,
                                   setup.eps, setup.weight_decay, setup.recompute, state_of(chunk.first, chunk.last))
-        ring = engine.ring
+        ring = self.engine.ring
         if ring is not None:
-            for client, node in zip(ring.clients, engine.plan.workers):
+            for client, node in zip(ring.clients, self.engine.plan.workers):
                 first, last = node.layers
                 client.post_train(train_body(setup, _layers_of(pairs, first, last), state_of(first, last)))
         self.device = next(chunk.parameters()).device
@@ -327,6 +356,8 @@ class RingTrainer:
                 done += 1
         if self.options.clip is not None:
             self._clip(step, len(micro), self.options.clip)
+        if self.before_step is not None:
+            self.before_step()
         self.transport.send(Frame(FrameKind.STEP, self.run_id, train=TrainTag(step, len(micro), 0)))
         self.stage.step(step, len(micro))
         if self.prompt is not None:
@@ -417,17 +448,12 @@ class RingTrainer:
         return self.prompt.embeddings() if self.prompt is not None else None
 
     def collect(self) -> Tuple[Pairs, OptimizerState]:
-        """Every node's trained pairs and AdamW state, the starter's and each worker's (GET /train)."""
-        pairs = self.stage.pairs()
-        state = self.stage.optimizer_state()
+        """Every node's trained pairs and AdamW state, the starter's and each worker's (GET /train);
+        --method prompt: no pairs, and the prompt's AdamW state (the only parameter trained)."""
+        pairs, state = merge_states([(self.stage.pairs(), self.stage.optimizer_state())] + self.worker_states())
+        return (pairs, self.prompt.optimizer_state()) if self.prompt is not None else (pairs, state)
+
+    def worker_states(self) -> List[Tuple[Pairs, Optional[OptimizerState]]]:
+        """Each worker's pairs and AdamW state as they are now (GET /train)."""
         ring = self.engine.ring
-        if ring is not None:
-            for client in ring.clients:
-                theirs, their_state = read_pairs_reply(client.train_pairs())
-                pairs.update(theirs)
-                if their_state is not None:
-                    state.moments.update(their_state.moments)
-                    state.steps = their_state.steps
-        if self.prompt is not None:
-            state = self.prompt.optimizer_state()  # the only parameter trained
-        return pairs, state
+        return [read_pairs_reply(client.train_pairs()) for client in ring.clients] if ring is not None else []
