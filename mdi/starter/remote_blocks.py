@@ -15,6 +15,11 @@ backward and sends the gradient for its input on, and the starter's own backward
 gradient for `x`. Without autograd (torch.no_grad, or nothing that needs a gradient) the batch
 goes as an "eval" frame and no node keeps anything.
 
+Why mdi-train drives RingTrainer itself rather than through this callable: a call here returns
+only when its frame is back, so micro-batches would go round one after another; mdi-train keeps
+all of a step's micro-batches in flight at once (GPipe), every board busy, and computes each
+loss as its micro-batch returns. Both share one machinery (frames, stages, optimizer steps).
+
 The workers' training protocol (POST /train) trains a LoRA, so the ring always holds one:
 by default a frozen stand-in (rank 1 on q, A = B = 0) that adds exactly zero to every output
 and to every gradient, and is never stepped; pass a `TrainSetup` (and pairs, PEFT's
