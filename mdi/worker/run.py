@@ -57,6 +57,7 @@ class Run:
             if prefix_bytes and chunk.cache is not None else None
         self.error: Optional[str] = None
         self.training: Optional[Any] = None  # a mdi.worker.training.WorkerTraining once POST /train made this run train
+        self.training_dropped = False  # DELETE /train ended its training: late training frames are dropped
         self._placement: Optional[Tuple[torch.device, torch.dtype]] = None  # set by the first _forward
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -83,7 +84,9 @@ class Run:
                             self.stopped.set()
                         continue
                     if frame.kind in TRAINING_KINDS:
-                        self.endpoint.send(self._train(frame))
+                        out = self._train(frame)
+                        if out is not None:
+                            self.endpoint.send(out)
                         continue
                     if frame.kind in GENERATION_KINDS:
                         frame = self._gather(frame)
@@ -123,11 +126,27 @@ class Run:
                 except RingTimeout:
                     return None
             self._read_ahead()
-            frame = self._live(self.inbox.popleft())
+            frame = self._live(self._take_next())
             if frame is not None:
                 return frame
             if not self.inbox:
                 return None
+
+    def _take_next(self) -> Frame:
+        """The inbox's oldest frame, except that a generation frame waiting behind training
+        frames only goes first: a training job beside --serve yields to the decode and prefill
+        passes (mdi.serving.train_job), whose requests keep their pace. Each kind keeps its own
+        order (a training step's frames depend on theirs only, never on generation frames),
+        and a stop, reset or other frame is never passed."""
+        inbox = self.inbox
+        if inbox[0].kind in TRAINING_KINDS:
+            for i, frame in enumerate(inbox):
+                if frame.kind in GENERATION_KINDS:
+                    del inbox[i]
+                    return frame
+                if frame.kind not in TRAINING_KINDS:
+                    break
+        return inbox.popleft()
 
     def _read_ahead(self) -> None:
         """Frames already here join the inbox, and the latest epoch of each slot is noted: a
@@ -224,10 +243,14 @@ class Run:
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
                      frame.epochs, frame.cache_ops)
 
-    def _train(self, frame: Frame) -> Frame:
+    def _train(self, frame: Frame) -> Optional[Frame]:
         """A training frame (mdi.worker.training), refused, ending the run with a line naming
-        this node, when the run was not made a training run (POST /train)."""
+        this node, when the run was not made a training run (POST /train); dropped (None) when
+        its training was ended (DELETE /train: a job stopped beside serving)."""
         training = self.training
+        if training is None and self.training_dropped:
+            log.info("%s: dropped a %s frame of an ended training job", self.endpoint.name, frame.kind)
+            return None
         if training is None:
             raise RuntimeError("%s: a %s frame came for run %d, which was not configured for training (POST /train)"
                                % (self.endpoint.name, frame.kind, self.id))
