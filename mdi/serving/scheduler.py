@@ -246,10 +246,9 @@ class Scheduler:
             self._drain_inbox(block=not pipe.active and not self._waiting and job is None)
             try:
                 self._admit()
-                if job is not None:  # after the passes admitted: training yields (mdi.serving.train_job)
-                    job.pump(busy=bool(pipe.active))
-                if pipe.active or job is not None:  # the job's frames come back through the pipeline
-                    self._step()
+                advanced = self._step() if pipe.active or job is not None else 0  # the job's frames come back here
+                if job is not None:  # once the next passes have left: training yields (mdi.serving.train_job)
+                    job.pump(busy=bool(pipe.active), turn=advanced > 0 or not pipe.active)
             except Exception as e:  # the engine already tried to recover
                 self._ring_failed(e)
 
@@ -344,7 +343,8 @@ class Scheduler:
             self.stats.starter_busy(pipe.compute_seconds - busy)
             room -= 1
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One engine step; the number of samples it advanced."""
         engine = self.engine
         busy = engine.pipeline.compute_seconds  # the starter's own layers, head and sampling
         advanced = engine.step(timeout=STEP_TIMEOUT)
@@ -359,6 +359,7 @@ class Scheduler:
                 if req is not None:
                     self._finish(req, finish_reason_of(sample), sample.error)
                 self._running.pop(sample.index, None)  # after _finish: /metrics relies on that order
+        return len(advanced)
 
     def _train_frame(self, frame: Any) -> None:
         """A training frame back from the ring (Pipeline.on_train): the job's, if one runs."""

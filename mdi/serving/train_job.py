@@ -7,17 +7,19 @@ Every method runs on the scheduler's thread (mdi.serving.scheduler), the one rea
 of the ring's transport: the pipeline hands training frames back through `on_frame`, and the
 scheduler calls `pump` once per loop to do the starter's share and send what may go.
 
-How training yields to decoding, so streaming requests keep their pace:
-  - on the starter, `pump` runs between two steps of the pipeline, after the next decode passes
-    have left: the starter's training work (its blocks' forward and backward, the head's loss)
-    fills the time the passes spend on the other nodes;
+How training yields to decoding, so streaming requests keep their pace (training rides behind
+the passes, in the time each node waits for the next one):
   - while any request is in flight, at most one training frame is in the ring (a forward, a
-    gradient, a relay or the step frame), so each node has at most one training frame to
-    finish before a decode pass it receives; with the ring free of requests the whole batch's
+    gradient, a relay or the step frame); with the ring free of requests the whole batch's
     micro-batches are in flight at once (GPipe, every node busy);
+  - on the starter, `pump` runs after a pipeline step, and while requests run its costly work
+    (its blocks' forward or backward, or the loss at the head: one unit) only right after a
+    step that sent passes on: it fills the time they spend on the other nodes;
   - on a worker (mdi.worker.run.Run._take_next) a decode or prefill frame waiting behind training
-    frames is run first.
-Training goes slower while requests run (one node at a time works on it), never the requests;
+    frames runs first, and while requests run a costly training frame runs only right after a
+    generation pass (one per pass); relays and step frames always go.
+At S = 1 every node waits a whole round for the next pass, so a training unit that fits in that
+time costs the request nothing. Training goes slower while requests run, never the requests;
 the step's arithmetic does not change with that order (each node adds its micro-batches'
 gradients, then steps when the step frame comes).
 
@@ -109,24 +111,30 @@ class TrainJob:
             self.trainer = None
             log.error("mdi: serve: training job failed: %s", why)
 
-    def pump(self, busy: bool) -> None:
-        """Handle the frames back, then send what may go; `busy`: requests are in flight."""
+    def pump(self, busy: bool, turn: bool = True) -> None:
+        """Handle the frames back, then send what may go; `busy`: requests are in flight;
+        `turn`: a pass has just left (while busy, the starter's costly work waits for one)."""
         if not self.active:
             return
         try:
-            self._pump(busy)
+            self._pump(busy, turn)
         except Exception as e:  # a worker's refusal (NodeError) names it
             self.fail(str(e) if isinstance(e, RuntimeError) else "%s: %s" % (type(e).__name__, e))
             self._drop_workers()
 
-    def _pump(self, busy: bool) -> None:
+    def _pump(self, busy: bool, turn: bool) -> None:
         pipeline = self.engine.pipeline
         if pipeline is None or pipeline.run_id != self.run_id:
             recoveries = self.engine.recoveries
             self.fail("the ring was rebuilt%s; its workers lost the job"
                       % (" after: %s" % recoveries[-1].cause if recoveries else ""))
             return
+        costly = 1 if turn else 0  # units of the starter's own compute this call may do while busy
         while self.inbox and self.active:
+            if busy and self._costly(self.inbox[0]):
+                if costly <= 0:
+                    break
+                costly -= 1
             self._handle(self.inbox.popleft())
         now = time.monotonic()
         if self.state == STOPPING:
@@ -138,7 +146,12 @@ class TrainJob:
             return
         limit = 1 if busy else max(1, self.spec.micro_batches)
         while self.in_flight < limit and (self.urgent or self.forwards):
-            item = (self.urgent or self.forwards).popleft()
+            queue = self.urgent or self.forwards
+            if busy and not isinstance(queue[0], Frame):  # a forward to run here first
+                if costly <= 0:
+                    break
+                costly -= 1
+            item = queue.popleft()
             pipeline.transport.send(item if isinstance(item, Frame) else item())
             self.in_flight += 1
         if busy or not self.in_flight:
@@ -146,6 +159,14 @@ class TrainJob:
         elif now - self.last_back > self.engine.cfg.runtime.ring_timeout:
             raise RuntimeError("no training frame came back round the ring for %.0f s"
                                % self.engine.cfg.runtime.ring_timeout)
+
+    def _costly(self, frame: Frame) -> bool:
+        """Whether handling `frame` runs the starter's compute: a loss at the head, or the
+        backward of its blocks (a relay or a step frame only moves on)."""
+        trainer, tag = self.trainer, frame.train
+        if self.state != RUNNING or trainer is None or tag is None:
+            return False
+        return frame.kind == FrameKind.TRAIN or (frame.kind == FrameKind.GRAD and tag.layer == trainer.chunk.last)
 
     # --- one step, as RingTrainer.step does it, a frame at a time ----------------------------
     def _begin_step(self) -> None:
