@@ -101,6 +101,7 @@ def test_job_beside_streams(setup):
     assert report["step"] == JOB["steps"] and len(report["loss"]) == JOB["steps"] and report["error"] is None
     assert report["loss"] == pytest.approx([s.loss for s in alone.steps], rel=TOL)
     assert all(t > 0 for t in report["tokens_per_s"])
+    assert server.get("/v1/mdi/state").json()["training"]["loss"] == report["loss"]  # the dashboard's curve
     # the adapter on disk equals mdi-train's (PEFT format, as mdi-train --out writes it)
     config = ModelSource(model).config
     got = load_file(os.path.join(out, "adapter_model.safetensors"))
