@@ -148,7 +148,11 @@ def main(argv=None) -> int:
                              preexec=cgroups.preexec("starter") if cgroups else None)
         url = "http://127.0.0.1:%d" % port
         wait_healthy(url, None, server, 600)
-        stream(url, 8)  # warm-up
+        stream(url, args.tokens)  # warm-up: a whole request, then a one-step job
+        job(url, "POST", dict(body, steps=1, out=os.path.join(tmp, "warm-up")))
+        deadline = time.monotonic() + 600
+        while job(url, "GET")["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
         for r in range(args.repeats):
             for kind in (("idle", "busy") if r % 2 == 0 else ("busy", "idle")):
                 if kind == "idle":

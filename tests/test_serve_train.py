@@ -165,3 +165,42 @@ def test_second_job_is_409_and_delete_stops_it(setup):
     r = train(server, **dict(body, steps=2, out=os.path.join(base, "again")))
     assert r.status_code == 200, r.text
     assert wait_state(server, ("done", "failed"))["state"] == "done"
+
+
+def test_worker_runs_passes_first_and_one_training_frame_per_pass():
+    """The worker's yield rule (mdi.worker.run.Run._take_next), on a Run's inbox: a decode pass
+    queued behind training frames goes first; while passes come, one costly training frame runs
+    right after each and the next waits, as does one that comes late in the gap (a relay or step
+    frame does not); once passes stop coming
+    (overdue by twice their usual gap) training runs freely; a stop frame is never passed."""
+    from collections import deque
+    from types import SimpleNamespace
+    from mdi.ring.wire import Frame, FrameKind, TrainTag
+    from mdi.worker.run import Run
+
+    def frame(kind, layer=2):
+        return Frame(kind, 1, [0], [0], [1], torch.zeros(1, 4), train=TrainTag(0, 0, layer)
+                     if kind not in (FrameKind.DECODE, FrameKind.STOP) else None)
+    run = Run.__new__(Run)
+    run.chunk = SimpleNamespace(first=2, last=4)
+    run.last_generation, run.generation_gap, run.trained_since_generation = 0.0, 0.0, True
+    fwd, fwd2, dec = frame(FrameKind.TRAIN), frame(FrameKind.TRAIN), frame(FrameKind.DECODE)
+    run.inbox = deque([fwd, fwd2, dec])
+    assert run._take_next() is dec  # the pass first, out of order
+    run._generation_done()
+    assert run._take_next() is fwd  # the one training frame this pass allows
+    run.generation_gap = 10.0  # passes come every 10 s: the next one is not overdue
+    assert run._take_next() is None and len(run.inbox) == 1 and run.inbox[0] is fwd2
+    relay = frame(FrameKind.GRAD, layer=7)  # another node's gradient: costs nothing here
+    run.inbox.appendleft(relay)
+    assert run._take_next() is relay
+    run._generation_done()
+    run.last_generation -= 5.0  # half a gap after the last pass: too late to start before the next
+    assert run._take_next() is None
+    run.generation_gap, run.last_generation = 0.2, time.monotonic() - 1.0  # passes overdue: none served now
+    assert run._take_next() is fwd2
+    stop = frame(FrameKind.STOP)
+    run.inbox = deque([frame(FrameKind.TRAIN), stop, frame(FrameKind.DECODE)])
+    run.generation_gap, run.last_generation = 10.0, time.monotonic()
+    run.trained_since_generation = True
+    assert run._take_next() is None  # the decode behind the stop frame may not pass it

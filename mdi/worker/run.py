@@ -25,6 +25,7 @@ READ_AHEAD = 64  # frames read into the inbox before the next is handled (the tr
 IDLE_GAPS = 2.0  # generation passes overdue by this many of their usual gaps: the ring serves no request now
 MAX_GAP_S = 2.0  # the longest gap between generation passes counted as "usual"
 TRAIN_WAIT_S = 0.005  # a training frame waiting its turn looks again after this long
+TURN_WINDOW = 0.3  # a training frame starts within this share of the usual gap after a pass, or waits for the next
 
 
 class Run:
@@ -178,18 +179,18 @@ class Run:
         """Whether a training frame may run now. While requests run, one costly training frame
         (a forward, or the backward of this node's layers) runs right after each generation
         pass, in the time before the next one comes (at S = 1 a node waits a whole round for
-        it): the passes keep their pace and the job still moves. Relays, steps and clip frames
-        cost nothing and always go; with no generation pass overdue, nothing waits."""
+        it): the passes keep their pace and the job still moves. One that arrives later in
+        the gap waits for the next pass, so it never starts just before a pass comes. Relays,
+        steps and clip frames cost nothing and always go; with no pass overdue, nothing waits."""
         tag, chunk = frame.train, self.chunk
         if frame.kind in (FrameKind.STEP, FrameKind.CLIP) or (frame.kind == FrameKind.GRAD and tag is not None
                                                               and chunk is not None and tag.layer != chunk.last):
             return True
-        if not self.trained_since_generation:
+        since = time.monotonic() - self.last_generation
+        if not self.trained_since_generation and since <= TURN_WINDOW * self.generation_gap + 0.002:
             self.trained_since_generation = True
             return True
-        if time.monotonic() - self.last_generation > IDLE_GAPS * self.generation_gap + 0.05:
-            return True  # no request is being served here now
-        return False
+        return since > IDLE_GAPS * self.generation_gap + 0.05  # no request is being served here now
 
     def _read_ahead(self) -> None:
         """Frames already here join the inbox, and the latest epoch of each slot is noted: a
