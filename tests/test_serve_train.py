@@ -204,3 +204,36 @@ def test_worker_runs_passes_first_and_one_training_frame_per_pass():
     run.generation_gap, run.last_generation = 10.0, time.monotonic()
     run.trained_since_generation = True
     assert run._take_next() is None  # the decode behind the stop frame may not pass it
+
+
+@pytest.fixture
+def own_ring(tiny_models, tmp_path):
+    from conftest import worker_pool
+    model = tiny_models["llama"]
+    base = os.path.dirname(model)
+    data = os.path.join(base, "train-serve-fail.txt")
+    with open(data, "w") as f:
+        f.write(TEXT)
+    pool = worker_pool(2)
+    workers = next(pool)
+    path = write_run_config(tmp_path / "ring3.yaml", model, workers, layers=LAYERS, worker_name="board%d",
+                            runtime=dict(RUNTIME, ring_timeout=10, recovery_attempts=0),
+                            serve={"max_in_flight": 2, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        yield server, workers, base, data
+    finally:
+        server.stop()
+        next(pool, None)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_job_naming_it(own_ring):
+    import signal
+    server, workers, base, data = own_ring
+    assert train(server, **dict(JOB, steps=100000, data=data, out=os.path.join(base, "dead"))).status_code == 200
+    while train(server, "GET").json()["step"] < 1:
+        time.sleep(0.05)
+    os.kill(workers[1].proc.pid, signal.SIGKILL)
+    report = wait_state(server, ("failed",), timeout=60)
+    assert "board2" in report["error"] and "\n" not in report["error"], report
