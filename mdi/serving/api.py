@@ -6,6 +6,8 @@ Routes (JSON only; bodies up to 1 MiB; errors in OpenAI's shape
   GET  /v1/models (the model and its LoRA adapters), GET /health, GET /metrics (Prometheus text format)
   POST /v1/mdi/adapters {"name", "path"}, DELETE /v1/mdi/adapters/<name>: load or unload a LoRA
        adapter while the ring serves (a request picks one by "model" or llama.cpp's "lora")
+  POST / GET / DELETE /v1/mdi/train: start, report and stop a LoRA training job on the serving
+       ring, beside the requests (`train_routes`, `train_job`)
   GET  /v1/mdi/state (the dashboard's JSON: the same snapshot as /metrics); GET /, /ui/<file> and
        /v1/mdi/info (the dashboard page, see `dashboard`: the only routes that need no token, they
        hold no data)
@@ -49,6 +51,7 @@ from mdi.serving.tools import ToolChoice, tool_choice_of
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, TextEvent
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
+from mdi.serving.train_routes import TrainControl
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options
 
 MAX_BODY_BYTES = 1 << 20
@@ -100,6 +103,7 @@ class Routes:
         # send their own); once it has had some, a name it does not know is refused, also
         # after the last adapter was unloaded (a client must not get the base model silently).
         self.adapters_served = bool(cfg.adapters)
+        self.training = TrainControl(sched, self.adapter_dirs, model_id, self._adapter_made)
 
     def register(self, app: Flask) -> None:
         register_dashboard(app, self.observer, self.token, "serve")  # also the token rule for every route
@@ -112,6 +116,7 @@ class Routes:
         app.add_url_rule("/v1/chat/completions", "chat_completions", self.chat_completions, methods=["POST"])
         app.add_url_rule("/v1/mdi/adapters", "load_adapter", self.load_adapter, methods=["POST"])
         app.add_url_rule("/v1/mdi/adapters/<name>", "unload_adapter", self.unload_adapter, methods=["DELETE"])
+        app.add_url_rule("/v1/mdi/train", "train", self.train, methods=["POST", "GET", "DELETE"])
 
     # --- errors ----------------------------------------------------------------------
     def api_error(self, e: ApiError) -> Response:
@@ -292,6 +297,17 @@ class Routes:
         except RuntimeError as e:  # a worker refused (NodeError): named in the message
             raise ApiError(502, str(e), kind="server_error")
         return _json({"ok": True, "name": name})
+
+    def _adapter_made(self) -> None:
+        self.adapters_served = True  # a trained adapter is served now: unknown model names are refused
+
+    # --- training beside serving ---------------------------------------------------------------
+    def train(self) -> Response:
+        if request.method == "POST":
+            return _json(self.training.start(_json_body()))
+        if request.method == "DELETE":
+            return _json(self.training.stop())
+        return _json(self.training.report())
 
     # --- one generation ----------------------------------------------------------------
     def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None) -> Response:

@@ -318,6 +318,9 @@ class Observer:
         progress = getattr(view, "progress", None)
         if progress is not None:
             snap["progress"] = progress
+        job = getattr(view, "job", None)  # a training job beside serving (mdi.serving.train_job)
+        if job is not None:
+            snap["training"] = job.report()
         return snap
 
     def _track_recoveries(self, engine: Any) -> None:

@@ -93,6 +93,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._adapters: Any = None  # the last engine's AdapterSet (kept across rebuilds)
         self._closing: Set[int] = set()  # adapter ids being unloaded: their requests are refused
+        self.job: Any = None  # the training job beside serving (mdi.serving.train_job), its last one once ended
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
@@ -241,11 +242,13 @@ class Scheduler:
                     log.warning("mdi: serve: cannot rebuild the ring: %s", e)
                 continue
             pipe = self.engine.pipeline
-            self._drain_inbox(block=not pipe.active and not self._waiting)
+            job = self.job if self.job is not None and self.job.active else None
+            self._drain_inbox(block=not pipe.active and not self._waiting and job is None)
             try:
                 self._admit()
-                if pipe.active:
-                    self._step()
+                advanced = self._step() if pipe.active or job is not None else 0  # the job's frames come back here
+                if job is not None:  # once the next passes have left: training yields (mdi.serving.train_job)
+                    job.pump(busy=bool(pipe.active), turn=advanced > 0 or not pipe.active)
             except Exception as e:  # the engine already tried to recover
                 self._ring_failed(e)
 
@@ -255,6 +258,7 @@ class Scheduler:
         ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token, kept)
         self.slots = ring.slots
         self.engine = ring.engine
+        ring.engine.pipeline.on_train = self._train_frame
         self.nodes = list(ring.engine.nodes)
         self._recoveries_seen = len(ring.engine.recoveries)
         self.error = None
@@ -339,7 +343,8 @@ class Scheduler:
             self.stats.starter_busy(pipe.compute_seconds - busy)
             room -= 1
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One engine step; the number of samples it advanced."""
         engine = self.engine
         busy = engine.pipeline.compute_seconds  # the starter's own layers, head and sampling
         advanced = engine.step(timeout=STEP_TIMEOUT)
@@ -354,6 +359,12 @@ class Scheduler:
                 if req is not None:
                     self._finish(req, finish_reason_of(sample), sample.error)
                 self._running.pop(sample.index, None)  # after _finish: /metrics relies on that order
+        return len(advanced)
+
+    def _train_frame(self, frame: Any) -> None:
+        """A training frame back from the ring (Pipeline.on_train): the job's, if one runs."""
+        if self.job is not None:
+            self.job.on_frame(frame)
 
     def _on_token(self, sample: Sample, token: int) -> None:
         """Engine callback (scheduler thread): stream the new text, watch for stop strings."""
@@ -404,6 +415,8 @@ class Scheduler:
                   cause, len(self._running) + len(self._waiting))
         self.state = "down"
         self._fail_all("the ring failed: %s" % cause)
+        if self.job is not None:
+            self.job.fail("the ring failed: %s" % cause)
         engine, self.engine = self.engine, None
         self._adapters = engine.adapters  # the next ring gets them all again
         try:
@@ -417,6 +430,8 @@ class Scheduler:
         self.state = "stopped"
         self._drain_inbox(False)
         self._fail_all("the server is shutting down")
+        if self.job is not None:
+            self.job.fail("the server is shutting down")
         engine, self.engine = self.engine, None
         if engine is None:
             return

@@ -211,6 +211,10 @@ class ControlClient:
         """The LoRA pairs the worker trains, as they are now (GET /train)."""
         return self._call("GET", "/train", self.init_timeout)
 
+    def stop_train(self) -> Dict[str, Any]:
+        """The worker's run stops training and drops its LoRA and optimizer state (DELETE /train)."""
+        return self._call("DELETE", "/train")
+
     def drop_adapter(self, adapter: int) -> Dict[str, Any]:
         return self._call("DELETE", "/adapters/%d" % adapter)
 

@@ -28,7 +28,7 @@ from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
-from mdi.ring.wire import Frame, FrameKind
+from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.draft_model import DraftModel
 from mdi.starter.prefix_cache import PrefixIndex
@@ -127,6 +127,9 @@ class Pipeline:
         # and its own node's store.
         self.prefix: Optional[PrefixIndex] = None
         self.prefix_store: Optional[PrefixStore] = None
+        # A training job beside serving (mdi.serving.train_job) gets its frames back here: the
+        # scheduler's thread stays the one reader of the ring.
+        self.on_train: Optional[Callable[[Frame], None]] = None
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
@@ -421,6 +424,15 @@ class Pipeline:
             frames.append(frame)
             n += len(frame.samples)
 
+    def _generation_frames(self, frames: List[Frame]) -> List[Frame]:
+        """`frames` less the training ones, handed to `on_train` (dropped without a job)."""
+        if all(f.kind not in TRAINING_KINDS for f in frames):
+            return frames
+        for f in frames:
+            if f.kind in TRAINING_KINDS and self.on_train is not None:
+                self.on_train(f)
+        return [f for f in frames if f.kind not in TRAINING_KINDS]
+
     def step(self, timeout: Optional[float] = None) -> List[Sample]:
         """Send the passes ready, then handle the next frames back from the ring; return the
         samples they advanced, or [] when nothing came back within `timeout` (default
@@ -442,6 +454,9 @@ class Pipeline:
             return []
         frames = [frame]
         self._more_frames(frames)
+        frames = self._generation_frames(frames)
+        if not frames:
+            return []
         self.last_progress = time.monotonic()
         advanced: Dict[int, Sample] = {}  # by identity, in order: two passes of one sample may come back
         pending: List[Tuple[Sample, Optional[int], torch.Tensor]] = []

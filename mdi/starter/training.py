@@ -427,10 +427,14 @@ class RingTrainer:
         x = to_device(frame.tensor, self.device, self.chunk.activation_dtype)
         return x.reshape(len(frame.samples), frame.count[0], -1)
 
-    def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor, copies: bool = False) -> None:
+    def frame(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor, copies: bool = False) -> Frame:
+        """A training frame of `y` [windows, length, hidden] (the windows as its samples)."""
         b, length = y.shape[0], y.shape[1]
-        self.transport.send(Frame(kind, self.run_id, list(range(b)), [0] * b, [length] * b,
-                                  to_host(y.reshape(b * length, -1)), train=TrainTag(step, micro, layer, copies)))
+        return Frame(kind, self.run_id, list(range(b)), [0] * b, [length] * b, to_host(y.reshape(b * length, -1)),
+                     train=TrainTag(step, micro, layer, copies))
+
+    def _send(self, kind: str, step: int, micro: int, layer: int, y: torch.Tensor, copies: bool = False) -> None:
+        self.transport.send(self.frame(kind, step, micro, layer, y, copies))
 
     def _recv(self) -> Frame:
         """The next frame, asking the watchdog between short waits (a dead node is named)."""

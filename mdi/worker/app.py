@@ -3,8 +3,9 @@
     GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
     pushes them), POST /profile (time the model's blocks here, mdi.ring.profile_request), POST /probe
     (a body timed by the starter to measure the link), POST / DELETE /adapters/<id> (a LoRA's
-    matrices for this worker's layers, mdi.ring.adapter_request), POST / GET /train (mdi-train:
-    the run trains a LoRA, mdi.ring.train_request; GET answers its pairs now),
+    matrices for this worker's layers, mdi.ring.adapter_request), POST / GET / DELETE /train
+    (mdi-train: the run trains a LoRA, mdi.ring.train_request; GET answers its pairs now; DELETE
+    ends the training and the run serves on),
     PUT /stop (?run=ID: only that run), POST /shutdown.
 
 With a shared secret every request must be signed with it (`Authorization: MDI-HMAC ...`, see
@@ -27,7 +28,7 @@ from mdi.ring.adapter_request import MAX_ADAPTER_BYTES
 from mdi.ring.train_request import MAX_TRAIN_BYTES
 from mdi.ring.wire import MAX_ADAPTER_ID
 from mdi.worker.node import Worker
-from mdi.worker.training import start_training, training_pairs
+from mdi.worker.training import start_training, stop_training, training_pairs
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +155,14 @@ def create_app(worker: Worker) -> Flask:
                                % MAX_ADAPTER_BYTES)
         return jsonify(worker.load_adapter(adapter, request.get_data(cache=True)))
 
-    @app.route("/train", methods=["POST", "GET"])
+    @app.route("/train", methods=["POST", "GET", "DELETE"])
     def train():
-        # mdi-train: the run in progress trains a LoRA (mdi.worker.training); GET: its pairs now
+        # mdi-train: the run in progress trains a LoRA (mdi.worker.training); GET: its pairs now;
+        # DELETE: it stops training and goes on serving (a job beside --serve, mdi.serving.train_job)
         if request.method == "GET":
             return jsonify(training_pairs(worker))
+        if request.method == "DELETE":
+            return jsonify(stop_training(worker))
         n = request.content_length
         if n is None or not 0 < n <= MAX_TRAIN_BYTES:
             raise RequestError("a training body is 1 to %d bytes of safetensors with its Content-Length"

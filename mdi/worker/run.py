@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT = 8.0  # seconds without any sign of the starter before a run ends
 READ_AHEAD = 64  # frames read into the inbox before the next is handled (the transport bounds its own queue)
+IDLE_GAPS = 2.0  # generation passes overdue by this many of their usual gaps: the ring serves no request now
+MAX_GAP_S = 2.0  # the longest gap between generation passes counted as "usual"
+TRAIN_WAIT_S = 0.005  # a training frame waiting its turn looks again after this long
+TURN_WINDOW = 0.3  # a training frame starts within this share of the usual gap after a pass, or waits for the next
 
 
 class Run:
@@ -57,6 +61,12 @@ class Run:
             if prefix_bytes and chunk.cache is not None else None
         self.error: Optional[str] = None
         self.training: Optional[Any] = None  # a mdi.worker.training.WorkerTraining once POST /train made this run train
+        self.training_dropped = False  # DELETE /train ended its training: late training frames are dropped
+        # Training beside serving waits its turn (_training_turn): when the last generation pass
+        # ended here, the usual gap between two, and whether a training frame ran since.
+        self.last_generation = 0.0
+        self.generation_gap = 0.0
+        self.trained_since_generation = True
         self._placement: Optional[Tuple[torch.device, torch.dtype]] = None  # set by the first _forward
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
@@ -94,6 +104,8 @@ class Run:
                     self.compute_seconds += time.perf_counter() - t0
                     self.endpoint.send(out)
                     self.frames_done += 1
+                    if frame.kind in GENERATION_KINDS:
+                        self._generation_done()
         except Exception as e:  # report, never die silently
             if self.stopped.is_set():  # the run was ended under a long computation: not its failure
                 log.info("compute loop ended after its run was stopped: %s", e)
@@ -124,11 +136,61 @@ class Run:
                 except RingTimeout:
                     return None
             self._read_ahead()
-            frame = self._live(self.inbox.popleft())
+            head = self._take_next()
+            if head is None:  # a training frame waits for its turn
+                try:
+                    self._note(self.endpoint.recv(timeout=TRAIN_WAIT_S))
+                except RingTimeout:
+                    pass
+                return None
+            frame = self._live(head)
             if frame is not None:
                 return frame
             if not self.inbox:
                 return None
+
+    def _take_next(self) -> Optional[Frame]:
+        """The inbox's oldest frame, except that a training job beside --serve yields to the
+        requests' decode and prefill passes (mdi.serving.train_job): a generation frame waiting
+        behind training frames goes first, and while requests run a training frame waits for
+        its turn (None). Each kind keeps its own order (a training step's frames depend on theirs
+        only, never on generation frames), and a stop, reset or other frame is never passed."""
+        inbox = self.inbox
+        if inbox[0].kind in TRAINING_KINDS:
+            for i, frame in enumerate(inbox):
+                if frame.kind in GENERATION_KINDS:
+                    del inbox[i]
+                    return frame
+                if frame.kind not in TRAINING_KINDS:
+                    break
+            if not self._training_turn(inbox[0]):
+                return None
+        return inbox.popleft()
+
+    def _generation_done(self) -> None:
+        now = time.monotonic()
+        if self.last_generation:
+            gap = min(now - self.last_generation, MAX_GAP_S)
+            self.generation_gap = gap if not self.generation_gap else 0.8 * self.generation_gap + 0.2 * gap
+        self.last_generation, self.trained_since_generation = now, False
+
+    def _training_turn(self, frame: Frame) -> bool:
+        """Whether a training frame may run now. While requests run, one costly training frame
+        (a forward, or the backward of this node's layers) runs right after each generation
+        pass, in the time before the next one comes (at S = 1 a node waits a whole round for
+        it): the passes keep their pace and the job still moves. One that arrives later in
+        the gap waits for the next pass, so it never starts just before a pass comes. Relays (of
+        gradients and state copies), steps and clip frames cost nothing and always go; with no
+        pass overdue, nothing waits."""
+        tag, chunk = frame.train, self.chunk
+        if frame.kind in (FrameKind.STEP, FrameKind.CLIP, FrameKind.STATE) or (
+                frame.kind == FrameKind.GRAD and tag is not None and chunk is not None and tag.layer != chunk.last):
+            return True
+        since = time.monotonic() - self.last_generation
+        if not self.trained_since_generation and since <= TURN_WINDOW * self.generation_gap + 0.002:
+            self.trained_since_generation = True
+            return True
+        return since > IDLE_GAPS * self.generation_gap + 0.05  # no request is being served here now
 
     def _read_ahead(self) -> None:
         """Frames already here join the inbox, and the latest epoch of each slot is noted: a
@@ -227,8 +289,12 @@ class Run:
 
     def _train(self, frame: Frame) -> List[Frame]:
         """A training frame (mdi.worker.training), refused, ending the run with a line naming
-        this node, when the run was not made a training run (POST /train)."""
+        this node, when the run was not made a training run (POST /train); dropped (none to send)
+        when its training was ended (DELETE /train: a job stopped beside serving)."""
         training = self.training
+        if training is None and self.training_dropped:
+            log.info("%s: dropped a %s frame of an ended training job", self.endpoint.name, frame.kind)
+            return []
         if training is None:
             raise RuntimeError("%s: a %s frame came for run %d, which was not configured for training (POST /train)"
                                % (self.endpoint.name, frame.kind, self.id))

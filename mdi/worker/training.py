@@ -120,6 +120,18 @@ def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
         return {"ok": True, "parameters": sum(t.numel() for t in stage.lora.parameters()), "bytes": need}
 
 
+def stop_training(worker: Any) -> Dict[str, Any]:
+    """DELETE /train: the run stops training and keeps serving; its LoRA pairs, their AdamW
+    state and every kept activation are dropped. The starter sends it once no training frame
+    of the job is left in the ring (mdi.serving.train_job), so none comes after."""
+    with worker.lock:
+        run = worker.run
+        if run is None or run.training is None:
+            raise RequestError("this worker's run is not training")
+        run.training, run.training_dropped = None, True
+    return {"ok": True}
+
+
 def training_pairs(worker: Any) -> Dict[str, Any]:
     """GET /train: the LoRA pairs of this worker's layers and their AdamW state as they are now."""
     run = worker.run

@@ -201,7 +201,18 @@
     renderSlots(s.slots, s.in_flight);
     renderNodes(s.nodes);
     renderCharts(s);
+    renderTraining(s.training);
     renderRecoveries(s.recoveries, s.last_error);
+  }
+
+  // A training job beside serving (POST /v1/mdi/train): its loss per step, its state and ETA.
+  function renderTraining(t) {
+    $("training").hidden = !t;
+    if (!t) return;
+    $("t-state").textContent = "\u00b7 " + t.state + " \u00b7 step " + t.step + " / " + t.steps +
+      (t.eta_s !== null && t.eta_s !== undefined ? " \u00b7 eta " + duration(t.eta_s) : "") +
+      (t.error ? " \u00b7 " + t.error : "");
+    chart("loss", t.loss.slice(-HISTORY), null, function (v) { return num(v, 4); });
   }
 
   // Speculative decoding's counters (the snapshot's `speculation`, /metrics' mdi_speculation_*):

@@ -1,0 +1,114 @@
+"""POST / GET / DELETE /v1/mdi/train: start, report and stop the training job beside serving
+(mdi.serving.train_job), one at a time. The body's checks are `train_body`'s; the job starts,
+stops and runs on the scheduler's thread (Scheduler.between_steps), never on an HTTP thread.
+
+  POST    starts a job: 200 with its report; 400 naming a bad field; 409 while one runs; 502
+          when a worker refuses it (the message names the node)
+  GET     the current or last job: state (running | stopping | stopped | done | failed), step,
+          steps, loss and tokens/s per step, ETA, error; 404 before any job
+  DELETE  stops the running job cleanly (the workers drop their training state, requests go on);
+          its report once stopped; 404 when none runs
+"""
+import logging
+import time
+from typing import Any, Callable, Dict, Sequence
+
+from mdi.runconfig import ConfigError
+from mdi.serving.scheduler import Scheduler, SchedulerError
+from mdi.serving.train_body import parse_train_body
+from mdi.serving.train_job import STOP_WAIT_S, TrainJob
+from mdi.serving.validation import ApiError
+from mdi.starter.train_data import load_windows
+
+log = logging.getLogger(__name__)
+
+CALL_WAIT_S = 60.0  # for the scheduler to take the start or stop between two steps
+STOP_POLL_S = 0.05
+
+
+class TrainControl:
+    def __init__(self, sched: Scheduler, dirs: Sequence[str], model_id: str,
+                 on_adapter: Callable[[], None]) -> None:
+        self.sched, self.dirs, self.model_id, self.on_adapter = sched, list(dirs), model_id, on_adapter
+
+    def _running(self) -> bool:
+        job = self.sched.job
+        return job is not None and job.active
+
+    def _conflict(self) -> ApiError:
+        job = self.sched.job
+        return ApiError(409, "a training job is running (step %d of %d); DELETE /v1/mdi/train stops it"
+                        % (len(job.steps), job.spec.steps), code="training_running")
+
+    def start(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        sched = self.sched
+        if self._running():
+            raise self._conflict()
+        engine = sched.engine
+        if engine is None:
+            raise ApiError(503, "the ring is %s" % sched.state, kind="server_error")
+        cfg = engine.cfg
+        if cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes):
+            raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
+                           "have no backward: serve with runtime.quant_kernel: exact to train beside it"
+                           % cfg.runtime.quant_kernel)
+        taken = [self.model_id] + ([n for _, n in engine.adapters.loaded()] if engine.adapters else [])
+        spec = parse_train_body(body, self.dirs, len(engine.nodes),
+                                min(sched.max_len, sched.source.config.block_size), taken)
+        try:  # tokenized here, on this request's thread: the ring keeps serving meanwhile
+            windows = load_windows(sched.tokenizer, spec.data, spec.seq_len)
+        except ConfigError as e:
+            raise ApiError(400, "'data': %s" % str(e).replace("--data ", ""), "data")
+        job = TrainJob(spec, engine, windows, self._register)
+
+        def begin() -> None:
+            if self._running():
+                raise self._conflict()
+            if sched.engine is not engine:
+                raise ApiError(503, "the ring was rebuilt meanwhile; try again", kind="server_error")
+            sched.job = job
+            try:
+                job.start()
+            except Exception as e:
+                job.fail(str(e))
+                raise
+        try:
+            sched.between_steps(begin, CALL_WAIT_S)
+        except ApiError:
+            raise
+        except SchedulerError as e:
+            raise ApiError(e.status, str(e), kind="server_error")
+        except (RuntimeError, ValueError) as e:  # a worker refused it (NodeError): named in the message
+            raise ApiError(502, str(e), kind="server_error")
+        log.info("mdi: serve: training job started: %d steps of %d windows of %d tokens from %s",
+                 spec.steps, spec.batch_size, spec.seq_len, spec.data)
+        return dict(job.report(), ok=True)
+
+    def _register(self, name: str, path: str) -> int:
+        """Serve the trained adapter (the scheduler's thread, between two steps)."""
+        engine = self.sched.engine_up()
+        adapter = engine.add_adapter(name, path)
+        self.on_adapter()
+        return adapter
+
+    def report(self) -> Dict[str, Any]:
+        job = self.sched.job
+        if job is None:
+            raise ApiError(404, "no training job has run on this server")
+        return job.report()
+
+    def stop(self) -> Dict[str, Any]:
+        job = self.sched.job
+        if job is None or not job.active:
+            raise ApiError(404, "no training job is running")
+        try:
+            self.sched.between_steps(job.stop, CALL_WAIT_S)
+        except SchedulerError as e:
+            raise ApiError(e.status, str(e), kind="server_error")
+        deadline = time.monotonic() + STOP_WAIT_S + CALL_WAIT_S
+        while job.active and self.sched.alive:
+            if time.monotonic() > deadline:
+                raise ApiError(503, "the training job did not stop within %.0f s" % (STOP_WAIT_S + CALL_WAIT_S),
+                               kind="server_error")
+            time.sleep(STOP_POLL_S)
+        return job.report()

@@ -1,0 +1,239 @@
+"""Training beside --serve (issue 38, Symbiosis): a LoRA job on a real 3-node serving ring while
+requests stream. The streamed texts equal an idle ring's (greedy), the job's adapter equals
+mdi-train's from the same seed and data on the same workers and split, and it is then served by
+name without a restart; bad bodies are 400 naming the field, a second job 409, DELETE stops one
+and the ring serves (and can train) on."""
+import json
+import os
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from conftest import CHARS, ServeProcess
+from ringconfigs import parse_run_config, write_run_config
+from mdi.model.lora_train import peft_tensor_name
+from mdi.model.source import ModelSource
+from mdi.ring.train_request import TrainSetup
+from mdi.starter import batch, training
+
+TEXT = "".join(CHARS[(i * 7 + i // 5) % (len(CHARS) - 1)] for i in range(900)) + "\n"
+PROMPTS = ["The quick brown fox", "Once upon a time", "abc def"]
+N = 24
+LAYERS = [1, 1, 2]
+RUNTIME = {"threads": 1, "ring_timeout": 30}
+JOB = {"method": "lora", "rank": 4, "alpha": 8, "targets": ["q", "v", "o", "down"], "steps": 12, "batch_size": 4,
+       "micro_batches": 2, "seq_len": 16, "lr": 1e-2, "seed": 5}
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, workers, tmp_path_factory):
+    model = tiny_models["llama"]
+    base = os.path.dirname(model)  # data and out may lie here (beside the model)
+    data = os.path.join(base, "train-serve.txt")
+    with open(data, "w") as f:
+        f.write(TEXT)
+    # mdi-train alone on the same workers and split, before the server takes them
+    setup = TrainSetup(targets=tuple(JOB["targets"]), rank=JOB["rank"], alpha=float(JOB["alpha"]), lr=JOB["lr"])
+    options = training.TrainOptions(data, setup, steps=JOB["steps"], batch_size=JOB["batch_size"],
+                                    micro_batches=JOB["micro_batches"], seq_len=JOB["seq_len"], seed=JOB["seed"])
+    alone = training.run(parse_run_config(model, workers[:2], layers=LAYERS, runtime=RUNTIME), options)
+    path = write_run_config(tmp_path_factory.mktemp("serve-train") / "ring3.yaml", model, workers[:2],
+                            layers=LAYERS, worker_name="board%d", runtime=RUNTIME,
+                            serve={"max_in_flight": 4, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        yield server, model, base, data, alone
+    finally:
+        server.stop()
+
+
+def stream(server, prompt, model="tiny"):
+    body = {"model": model, "prompt": prompt, "max_tokens": N, "temperature": 0, "stream": True}
+    text = []
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=(5, 120)) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text.append(event["choices"][0]["text"])
+    return "".join(text)
+
+
+def train(server, verb="POST", **body):
+    return requests.request(verb, server.url + "/v1/mdi/train", json=body if verb == "POST" else None,
+                            timeout=120)
+
+
+def wait_state(server, states, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        report = train(server, "GET").json()
+        if report["state"] in states:
+            return report
+        time.sleep(0.05)
+    raise AssertionError("training job still %s after %.0f s" % (report["state"], timeout))
+
+
+def test_job_beside_streams(setup):
+    server, model, base, data, alone = setup
+    idle = {p: stream(server, p) for p in PROMPTS}
+    assert train(server, "GET").status_code == 404  # no job yet
+    out = os.path.join(base, "trained-beside")
+    r = train(server, data=data, out=out, name="mine", **JOB)
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "running" and r.json()["steps"] == JOB["steps"]
+    overlapped = 0
+    while True:  # requests stream while the job runs: their texts are the idle ring's
+        running = train(server, "GET").json()["state"] == "running"
+        for p in PROMPTS:
+            assert stream(server, p) == idle[p]
+        overlapped += running
+        if not running:
+            break
+    assert overlapped >= 1
+    report = wait_state(server, ("done", "failed"))
+    assert report["state"] == "done", report
+    assert report["step"] == JOB["steps"] and len(report["loss"]) == JOB["steps"] and report["error"] is None
+    assert report["loss"] == pytest.approx([s.loss for s in alone.steps], rel=TOL)
+    assert all(t > 0 for t in report["tokens_per_s"])
+    assert server.get("/v1/mdi/state").json()["training"]["loss"] == report["loss"]  # the dashboard's curve
+    # the adapter on disk equals mdi-train's (PEFT format, as mdi-train --out writes it)
+    config = ModelSource(model).config
+    got = load_file(os.path.join(out, "adapter_model.safetensors"))
+    assert len(got) == 2 * len(alone.pairs)
+    for key, (a, b) in alone.pairs.items():
+        for t, ab in ((a, "A"), (b, "B")):
+            torch.testing.assert_close(got[peft_tensor_name(config, key, ab)], t, rtol=0, atol=TOL)
+    # ... and is served by name at once, as a one-process run with that adapter gives it
+    assert "mine" in [m["id"] for m in server.get("/v1/models").json()["data"]]
+    want = batch.run(parse_run_config(model, label="alone", adapters={"mine": out}, n_tokens=N),
+                     [PROMPTS[0]], adapters=["mine"]).texts[0]
+    assert stream(server, PROMPTS[0], model="mine") == want != idle[PROMPTS[0]]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "data"),
+    ({"data": "/etc/passwd"}, "data"),
+    ({"data": "DATA", "out": "/tmp/elsewhere"}, "out"),
+    ({"data": "DATA", "out": "OUT", "steps": 0}, "steps"),
+    ({"data": "DATA", "out": "OUT", "steps": True}, "steps"),
+    ({"data": "DATA", "out": "OUT", "lr": -1}, "lr"),
+    ({"data": "DATA", "out": "OUT", "rank": "8"}, "rank"),
+    ({"data": "DATA", "out": "OUT", "targets": ["q", "nope"]}, "targets"),
+    ({"data": "DATA", "out": "OUT", "method": "prompt"}, "method"),
+    ({"data": "DATA", "out": "OUT", "batch_size": 2, "micro_batches": 3}, "micro_batches"),
+    ({"data": "DATA", "out": "OUT", "seq_len": 100000}, "seq_len"),
+    ({"data": "SHORT", "out": "OUT"}, "data"),  # shorter than one window
+    ({"data": "DATA", "out": "OUT", "name": "tiny"}, "name"),
+    ({"data": "DATA", "out": "OUT", "name": "a b"}, "name"),
+    ({"data": "DATA", "out": "OUT", "shuffle": True}, "shuffle"),
+])
+def test_bad_bodies_are_400_naming_the_field(setup, body, field):
+    server, model, base, data, alone = setup
+    short = os.path.join(base, "short.txt")
+    with open(short, "w") as f:
+        f.write("too short")
+    body = {k: {"DATA": data, "SHORT": short, "OUT": os.path.join(base, "never")}.get(v, v)
+            if isinstance(v, str) else v for k, v in body.items()}
+    r = train(server, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "\n" not in error["message"], error
+    assert not os.path.exists(os.path.join(base, "never"))
+
+
+def test_second_job_is_409_and_delete_stops_it(setup):
+    server, model, base, data, alone = setup
+    body = dict(JOB, steps=100000, data=data, out=os.path.join(base, "stopped"))
+    assert train(server, **body).status_code == 200
+    r = train(server, **body)
+    assert r.status_code == 409 and "running" in r.json()["error"]["message"]
+    wait_state(server, ("running",))
+    while train(server, "GET").json()["step"] < 2:
+        time.sleep(0.05)
+    r = train(server, "DELETE")
+    assert r.status_code == 200 and r.json()["state"] == "stopped", r.text
+    assert train(server, "DELETE").status_code == 404
+    assert not os.path.exists(os.path.join(base, "stopped"))  # a stopped job writes no adapter
+    assert stream(server, PROMPTS[1]) == stream(server, PROMPTS[1])  # serving goes on
+    # every worker dropped its training state: a new job starts on the same run
+    r = train(server, **dict(body, steps=2, out=os.path.join(base, "again")))
+    assert r.status_code == 200, r.text
+    assert wait_state(server, ("done", "failed"))["state"] == "done"
+
+
+def test_worker_runs_passes_first_and_one_training_frame_per_pass():
+    """The worker's yield rule (mdi.worker.run.Run._take_next), on a Run's inbox: a decode pass
+    queued behind training frames goes first; while passes come, one costly training frame runs
+    right after each and the next waits, as does one that comes late in the gap (a relay or step
+    frame does not); once passes stop coming
+    (overdue by twice their usual gap) training runs freely; a stop frame is never passed."""
+    from collections import deque
+    from types import SimpleNamespace
+    from mdi.ring.wire import Frame, FrameKind, TrainTag
+    from mdi.worker.run import Run
+
+    def frame(kind, layer=2):
+        return Frame(kind, 1, [0], [0], [1], torch.zeros(1, 4), train=TrainTag(0, 0, layer)
+                     if kind not in (FrameKind.DECODE, FrameKind.STOP) else None)
+    run = Run.__new__(Run)
+    run.chunk = SimpleNamespace(first=2, last=4)
+    run.last_generation, run.generation_gap, run.trained_since_generation = 0.0, 0.0, True
+    fwd, fwd2, dec = frame(FrameKind.TRAIN), frame(FrameKind.TRAIN), frame(FrameKind.DECODE)
+    run.inbox = deque([fwd, fwd2, dec])
+    assert run._take_next() is dec  # the pass first, out of order
+    run._generation_done()
+    assert run._take_next() is fwd  # the one training frame this pass allows
+    run.generation_gap = 10.0  # passes come every 10 s: the next one is not overdue
+    assert run._take_next() is None and len(run.inbox) == 1 and run.inbox[0] is fwd2
+    relay = frame(FrameKind.GRAD, layer=7)  # another node's gradient: costs nothing here
+    run.inbox.appendleft(relay)
+    assert run._take_next() is relay
+    run._generation_done()
+    run.last_generation -= 5.0  # half a gap after the last pass: too late to start before the next
+    assert run._take_next() is None
+    run.generation_gap, run.last_generation = 0.2, time.monotonic() - 1.0  # passes overdue: none served now
+    assert run._take_next() is fwd2
+    stop = frame(FrameKind.STOP)
+    run.inbox = deque([frame(FrameKind.TRAIN), stop, frame(FrameKind.DECODE)])
+    run.generation_gap, run.last_generation = 10.0, time.monotonic()
+    run.trained_since_generation = True
+    assert run._take_next() is None  # the decode behind the stop frame may not pass it
+
+
+@pytest.fixture
+def own_ring(tiny_models, tmp_path):
+    from conftest import worker_pool
+    model = tiny_models["llama"]
+    base = os.path.dirname(model)
+    data = os.path.join(base, "train-serve-fail.txt")
+    with open(data, "w") as f:
+        f.write(TEXT)
+    pool = worker_pool(2)
+    workers = next(pool)
+    path = write_run_config(tmp_path / "ring3.yaml", model, workers, layers=LAYERS, worker_name="board%d",
+                            runtime=dict(RUNTIME, ring_timeout=10, recovery_attempts=0),
+                            serve={"max_in_flight": 2, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        yield server, workers, base, data
+    finally:
+        server.stop()
+        next(pool, None)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_job_naming_it(own_ring):
+    import signal
+    server, workers, base, data = own_ring
+    assert train(server, **dict(JOB, steps=100000, data=data, out=os.path.join(base, "dead"))).status_code == 200
+    while train(server, "GET").json()["step"] < 1:
+        time.sleep(0.05)
+    os.kill(workers[1].proc.pid, signal.SIGKILL)
+    report = wait_state(server, ("failed",), timeout=60)
+    assert "board2" in report["error"] and "\n" not in report["error"], report
