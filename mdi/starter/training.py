@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from mdi.model.lora_train import init_pairs, key_layer
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale
+from mdi.model.layout import DTYPES
+from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale, train_dtype_problem
 from mdi.ring.train_request import TrainSetup, read_pairs_reply, train_body
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
@@ -139,6 +140,15 @@ def training_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
 
 
+def check_train_dtype(cfg: RunConfig) -> None:
+    """float16 / bfloat16 compute (model.dtype or model.compute_dtype) where the starter's device
+    trains in it, else one line before any work (workers check their own at /train)."""
+    name = cfg.model.compute_dtype or cfg.model.dtype
+    problem = train_dtype_problem(DTYPES[name][0], cfg.model.device)
+    if problem is not None:
+        raise ConfigError("model dtype %s: mdi-train cannot train in it here: %s; use float32" % (name, problem))
+
+
 def open_engine(cfg: RunConfig, source: ModelSource, seq_len: int) -> Engine:
     """The ring of `cfg` opened for windows of up to `seq_len` tokens (one sample's plan)."""
     greedy = SamplingParams(temperature=0.0)
@@ -152,6 +162,7 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     """Train; `pairs` (every layer's initial LoRA) default to the seeded PEFT initialisation;
     `resume` goes on from a checkpoint (its pairs, AdamW state and step)."""
     cfg = training_config(cfg)
+    check_train_dtype(cfg)
     source = ModelSource(cfg.model.path)
     config = source.config
     check_options(options, config.block_size)
