@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="steps per run, the first not timed (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of every setting (default 2)")
     p.add_argument("--partition", default="", help="layers per node, e.g. 5,13,12 (default head-aware)")
+    p.add_argument("--compare-partition", default="",
+                   help="also run M = 2N with this split in every round (e.g. the decode head-aware 5,13,12)")
     p.add_argument("--text", default=os.path.join(benchlib.ROOT, "README.md"))
     p.add_argument("--no-quota", action="store_true", help="plain loopback, no CPU quota")
     p.add_argument("--cpu-period-us", type=int, default=100000,
@@ -194,6 +196,43 @@ def profile(emu: Emulation, cfg_path: str, args, data: str, workers: List[Worker
     return out
 
 
+def training_head_layers(config, spec, seq_len: int, windows: int, repeats: int = 3) -> float:
+    """The starter's loss (LM head forward, cross-entropy, the head's backward to its input) over
+    `windows` windows, in transformer blocks' forward + backward (with the LoRA, as StageTrainer
+    runs them) over the same windows: timed here, 1 thread, medians of `repeats`. Decode's
+    head-aware partition (bench_ring: parameter bytes) undercounts it: training's head works on
+    every position and the cross-entropy reads the whole vocabulary per position."""
+    import statistics
+    import torch
+    import torch.nn.functional as F
+    from mdi.model.lora_train import init_pairs
+    from mdi.model.source import random_chunk
+    from mdi.model.stage_train import StageTrainer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block = random_chunk(config, 0, 1, False, False, torch.float32, "cpu")
+        stage = StageTrainer(block, spec, {k: v for k, v in init_pairs(config, spec, 0).items()
+                                           if k.startswith("0.")}, 1e-3)
+        ends = random_chunk(config, 0, 0, True, True, torch.float32, "cpu")
+        x = torch.randn(windows, seq_len, config.n_embd) * 0.5
+        ids = torch.randint(0, config.vocab_size, (windows * seq_len,))
+        block_s, head_s = [], []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            y = stage.forward(0, i, x)
+            stage.backward(0, i, torch.randn_like(y))
+            t1 = time.perf_counter()
+            with torch.inference_mode(False), torch.enable_grad():
+                h = y.clone().requires_grad_(True)
+                F.cross_entropy(ends.head(h).float().reshape(-1, config.vocab_size), ids).backward()
+            block_s.append(t1 - t0)
+            head_s.append(time.perf_counter() - t1)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(head_s) / statistics.median(block_s)
+
+
 def saved_bytes_per_layer_window(config, spec, seq_len: int) -> int:
     """Bytes autograd keeps for backward of one block over one window: a random block of the
     model's shapes through StageTrainer (what every node runs), saved tensors counted once."""
@@ -247,10 +286,16 @@ def main(argv=None) -> int:
     from mdi.model.source import ModelSource
     config = ModelSource(args.model).config
     n = args.nodes
+    spec = LoraSpec(TARGETS, args.rank, 2.0 * args.rank)
+    head = training_head_layers(config, spec, args.seq_len, max(1, args.batch_size // max(args.micro)))
+    print("the starter's loss costs %.1f blocks' forward + backward (decode's head-aware split: %.1f)"
+          % (head, head_cost_in_layers(args.model)), flush=True)
     counts = [int(c) for c in args.partition.split(",")] if args.partition else \
-        head_aware_partition(config.n_layer, n, head_cost_in_layers(args.model))
-    if len(counts) != n or sum(counts) != config.n_layer:
-        raise SystemExit("--partition must give %d counts adding up to %d layers" % (n, config.n_layer))
+        head_aware_partition(config.n_layer, n, head)
+    other = [int(c) for c in args.compare_partition.split(",")] if args.compare_partition else None
+    for split in [counts] + ([other] if other else []):
+        if len(split) != n or sum(split) != config.n_layer:
+            raise SystemExit("a partition must give %d counts adding up to %d layers" % (n, config.n_layer))
     info = benchlib.machine_info(1)
     emu = Emulation(EmulationSettings(mode="off" if args.no_quota else "auto", cpu_quota=args.board_cores,
                                       cpu_period_us=args.cpu_period_us), n)
@@ -280,12 +325,12 @@ def main(argv=None) -> int:
             w.wait_ready(180)
         one_cfg, ring_cfg = os.path.join(tmp, "one.yaml"), os.path.join(tmp, "ring.yaml")
 
-        def configs() -> None:  # the starter on fresh ports every run: the last run's may linger
+        def configs(split: List[int] = counts) -> None:  # the starter on fresh ports every run: the last run's may linger
             port, data_port = ports_besides(workers, 2)
             starter = {"name": "starter", "host": "127.0.0.1", "port": port, "data_port": data_port}
             write_config(one_cfg, model, [starter])
-            write_config(ring_cfg, model, [dict(starter, layers=counts[0])] +
-                         [dict(w.node(), layers=c) for w, c in zip(workers, counts[1:])])
+            write_config(ring_cfg, model, [dict(starter, layers=split[0])] +
+                         [dict(w.node(), layers=c) for w, c in zip(workers, split[1:])])
         for r in range(args.rounds):
             configs()
             record: Dict[str, Any] = {"one_board": train_once(emu, one_cfg, args, 1, data, tmp, [])}
@@ -294,6 +339,11 @@ def main(argv=None) -> int:
                 configs()
                 record["M=%d" % m] = train_once(emu, ring_cfg, args, m, data, tmp, workers)
                 print("round %d: M = %d %.2f tokens/s" % (r + 1, m, record["M=%d" % m]["tokens_per_s"]), flush=True)
+            if other:
+                configs(other)
+                key = "M=%d split %s" % (2 * n, "+".join(map(str, other)))
+                record[key] = train_once(emu, ring_cfg, args, 2 * n, data, tmp, workers)
+                print("round %d: %s %.2f tokens/s" % (r + 1, key, record[key]["tokens_per_s"]), flush=True)
             rounds.append(record)
         if args.profile:
             configs()
@@ -304,7 +354,6 @@ def main(argv=None) -> int:
         for problem in emu.close():
             print("warning: %s" % problem, file=sys.stderr)
     benchlib.finish_machine_info(info)
-    spec = LoraSpec(TARGETS, args.rank, 2.0 * args.rank)
     estimate = memory_estimate(config, spec, counts, args)
     one = summarize([r["one_board"]["tokens_per_s"] for r in rounds])
     by_m: Dict[str, Any] = {}
@@ -314,10 +363,16 @@ def main(argv=None) -> int:
                      "tokens_per_s": summarize([r[key]["tokens_per_s"] for r in rounds]),
                      "efficiency": summarize([r[key]["tokens_per_s"] / (n * r["one_board"]["tokens_per_s"])
                                               for r in rounds])}
+    compared = {}
+    for key in rounds[0]:
+        if "split" in key:
+            compared[key] = {"tokens_per_s": summarize([r[key]["tokens_per_s"] for r in rounds]),
+                             "efficiency": summarize([r[key]["tokens_per_s"] / (n * r["one_board"]["tokens_per_s"])
+                                                      for r in rounds])}
     names = ["starter"] + [w.name for w in workers]
     memory = []
     for k, name in enumerate(names):
-        peaks = [r[key]["peak_rss_bytes"][name] for r in rounds for key in by_m]
+        peaks = [r[key]["peak_rss_bytes"][name] for r in rounds for key in by_m]  # the main split's runs
         parts = estimate[k]
         parts_sum = sum(v for p, v in parts.items() if p != "activations_per_layer_window")
         memory.append(dict(parts, node=name, layers=counts[k], peak_rss_bytes=max(peaks),
@@ -328,7 +383,9 @@ def main(argv=None) -> int:
                 ["setting", "tokens/s", "pipeline efficiency"],
                 [["one board (whole model)", fmt_stat(one, "%.2f"), ""]] +
                 [["%d boards, M = %d" % (n, v["micro_batches"]), fmt_stat(v["tokens_per_s"], "%.2f"),
-                  fmt_stat(v["efficiency"], "%.2f")] for v in by_m.values()])
+                  fmt_stat(v["efficiency"], "%.2f")] for v in by_m.values()] +
+                [["%d boards, %s" % (n, k), fmt_stat(v["tokens_per_s"], "%.2f"), fmt_stat(v["efficiency"], "%.2f")]
+                 for k, v in compared.items()])
     print_table("peak memory per node (MB) against its parts (estimated)",
                 ["node", "layers", "peak RSS", "weights", "adapter+grads", "AdamW", "activations", "rest (runtime)"],
                 [[m["node"], m["layers"]] + ["%.0f" % (m[p] / MB) for p in (
@@ -339,11 +396,13 @@ def main(argv=None) -> int:
     print("took %.0f s" % (time.time() - t0))
     benchlib.save_record(args.out, {
         "benchmark": "bench_train_pipeline", "model": args.model, "nodes": n, "partition": counts,
-        "head_cost_layers": head_cost_in_layers(args.model), "threads_per_node": 1,
+        "training_head_cost_layers": head, "decode_head_cost_layers": head_cost_in_layers(args.model),
+        "threads_per_node": 1,
         "board_cores": None if args.no_quota else args.board_cores, "emulation": emu.record(),
         "batch_size": args.batch_size, "seq_len": args.seq_len, "rank": args.rank, "alpha": 2 * args.rank,
         "targets": list(TARGETS), "steps_per_run": args.steps, "rounds": args.rounds,
         "one_board_tokens_per_s": one, "one_board_peak_rss_bytes": one_peak, "by_micro_batches": by_m,
+        "other_partition": compared,
         "memory": memory, "raw_rounds": rounds, "profile": profiles, "isa": info["cpu"]["isa"], "machine": info})
     return 0
 

@@ -269,8 +269,9 @@ class RingTrainer:
             self._send(FrameKind.TRAIN, step, i, chunk.last, y)
         loss = 0.0
         done = 0
+        waiting: List[Frame] = []
         while done < len(micro):
-            frame = self._recv()
+            frame = self._most_urgent(waiting)
             tag = frame.train
             if tag is None or tag.step != step:
                 continue  # a stray probe, or nothing of this step
@@ -295,6 +296,27 @@ class RingTrainer:
         self._wait(FrameKind.STEP, step)  # every node has stepped once the step frame is back
         seconds = time.perf_counter() - t0
         return StepRecord(step, loss, batch.ids.numel() / seconds if seconds > 0 else 0.0, seconds, scored)
+
+    def _most_urgent(self, waiting: List[Frame]) -> Frame:
+        """The next frame to handle of those come so far (`waiting` keeps the rest): another
+        node's gradient to pass on first (a board waits for it), then a micro-batch back for its
+        loss (its gradient starts the way back), then this node's own backward (only the step's
+        end waits for it). Arrival order would queue the first two behind the starter's own
+        work; on 3 emulated boards this cut the gradients' way back (results/bench_train_pipeline.json)."""
+        while True:
+            try:
+                waiting.append(self.transport.recv(0.0))
+            except RingTimeout:
+                break
+        if not waiting:
+            return self._recv()
+
+        def rank(frame: Frame) -> int:
+            if frame.kind == FrameKind.GRAD and frame.train is not None and frame.train.layer != self.chunk.last:
+                return 0
+            return 2 if frame.kind == FrameKind.GRAD else 1
+        best = min(range(len(waiting)), key=lambda i: (rank(waiting[i]), i))
+        return waiting.pop(best)
 
     def _clip(self, step: int, n_micro: int, max_norm: float) -> None:
         """Every node's gradients scaled by one factor from the global norm (clip frames)."""
