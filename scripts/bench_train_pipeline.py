@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--partition", default="", help="layers per node, e.g. 5,13,12 (default head-aware)")
     p.add_argument("--compare-partition", default="",
                    help="also run M = 2N with this split in every round (e.g. the decode head-aware 5,13,12)")
+    p.add_argument("--compare-tree", default="",
+                   help="also run M = 2N with the starter (mdi-train) from this checkout of mdi in every round: "
+                        "a same-run A/B of a schedule change (the workers stay this tree's)")
     p.add_argument("--text", default=os.path.join(benchlib.ROOT, "README.md"))
     p.add_argument("--no-quota", action="store_true", help="plain loopback, no CPU quota")
     p.add_argument("--cpu-period-us", type=int, default=100000,
@@ -88,7 +91,7 @@ def write_config(path: str, model: str, nodes: List[Dict[str, Any]]) -> None:
 
 
 def train_once(emu: Emulation, cfg_path: str, args, micro: int, data: str, tmp: str,
-               workers: List[WorkerProcess]) -> Dict[str, Any]:
+               workers: List[WorkerProcess], tree: str = "") -> Dict[str, Any]:
     """One mdi-train run in the starter's cgroup: its steps' tokens/s and every node's peak RSS."""
     metrics = os.path.join(tmp, "metrics.json")
     cmd = [os.path.join(BIN, "mdi-train"), "--config", cfg_path, "--data", data, "--steps", str(args.steps),
@@ -97,7 +100,8 @@ def train_once(emu: Emulation, cfg_path: str, args, micro: int, data: str, tmp: 
     for w in workers:
         reset_peak_rss(w.pid)
     log = open(os.path.join(tmp, "starter.log"), "ab")
-    proc = subprocess.Popen(emu.command(cmd, "starter", 0), stdout=log, stderr=log, env=ENV)
+    env = dict(ENV, PYTHONPATH=tree) if tree else ENV
+    proc = subprocess.Popen(emu.command(cmd, "starter", 0), stdout=log, stderr=log, env=env)
     peak = [0]
     stop = threading.Event()
 
@@ -339,6 +343,11 @@ def main(argv=None) -> int:
                 configs()
                 record["M=%d" % m] = train_once(emu, ring_cfg, args, m, data, tmp, workers)
                 print("round %d: M = %d %.2f tokens/s" % (r + 1, m, record["M=%d" % m]["tokens_per_s"]), flush=True)
+            if args.compare_tree:
+                configs()
+                key = "M=%d starter from %s" % (2 * n, args.compare_tree)
+                record[key] = train_once(emu, ring_cfg, args, 2 * n, data, tmp, workers, args.compare_tree)
+                print("round %d: %s %.2f tokens/s" % (r + 1, key, record[key]["tokens_per_s"]), flush=True)
             if other:
                 configs(other)
                 key = "M=%d split %s" % (2 * n, "+".join(map(str, other)))
@@ -365,7 +374,7 @@ def main(argv=None) -> int:
                                               for r in rounds])}
     compared = {}
     for key in rounds[0]:
-        if "split" in key:
+        if "split" in key or "starter from" in key:
             compared[key] = {"tokens_per_s": summarize([r[key]["tokens_per_s"] for r in rounds]),
                              "efficiency": summarize([r[key]["tokens_per_s"] / (n * r["one_board"]["tokens_per_s"])
                                                       for r in rounds])}

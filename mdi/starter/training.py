@@ -302,7 +302,7 @@ class RingTrainer:
         node's gradient to pass on first (a board waits for it), then a micro-batch back for its
         loss (its gradient starts the way back), then this node's own backward (only the step's
         end waits for it). Arrival order would queue the first two behind the starter's own
-        work; on 3 emulated boards this cut the gradients' way back (results/bench_train_pipeline.json)."""
+        work, and the boards waiting on them idle meanwhile (README: throughput on emulated boards)."""
         while True:
             try:
                 waiting.append(self.transport.recv(0.0))
