@@ -158,6 +158,36 @@ class OptimizerState:
     moments: Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # "<key>.lora_A" -> (exp_avg, exp_avg_sq)
 
 
+def train_dtype_problem(dtype: torch.dtype, device: str) -> Optional[str]:
+    """Why a node cannot train with its frozen base computing in `dtype` on `device`, or None.
+
+    Training in float16 / bfloat16 keeps the LoRA parameters, their AdamW state and the loss in
+    float32 (TrainableLora casts the fused pairs to the activations' dtype; the loss is taken on
+    float32 logits), so what the device must have is the narrow dtype's matmul and its backward:
+    run on a tiny product here rather than kept in a table, because it depends on the device and
+    the torch build (float16 matmul on CPU is missing in older torch; bfloat16 on a CUDA card
+    before Ampere is emulated at best)."""
+    if dtype == torch.float32:
+        return None
+    name = str(dtype).replace("torch.", "")
+    if str(device).startswith("cuda") and dtype == torch.bfloat16:
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)  # type: ignore[call-arg]
+        except TypeError:  # torch before 2.3 has no including_emulation
+            native = torch.cuda.is_bf16_supported()
+        if not native:
+            return "%s has no native bfloat16" % device
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            w = torch.ones(4, 4, dtype=torch.float32, device=device, requires_grad=True)
+            x = torch.ones(2, 4, dtype=dtype, device=device, requires_grad=True)
+            (x @ w.to(dtype)).float().sum().backward()
+    except (RuntimeError, TypeError) as e:
+        return "torch %s on %s cannot run a %s matmul and its backward (%s)" % (
+            torch.__version__, device, name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return None
+
+
 def clip_scale(sq_norm: float, max_norm: float) -> float:
     """torch.nn.utils.clip_grad_norm_'s factor for a global squared norm: min(1, max / (norm + 1e-6))."""
     return min(1.0, max_norm / (math.sqrt(sq_norm) + 1e-6))

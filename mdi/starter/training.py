@@ -49,7 +49,8 @@ from mdi.model.lora_train import init_pairs, key_layer
 from mdi.model.prompt_train import PromptSpec, PromptTrainer, init_prompt
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale
+from mdi.model.layout import DTYPES
+from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale, train_dtype_problem
 from mdi.ring.train_request import TrainSetup, read_pairs_reply, train_body
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
@@ -159,6 +160,15 @@ def training_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
 
 
+def check_train_dtype(cfg: RunConfig) -> None:
+    """float16 / bfloat16 compute (model.dtype or model.compute_dtype) where the starter's device
+    trains in it, else one line before any work (workers check their own at /train)."""
+    name = cfg.model.compute_dtype or cfg.model.dtype
+    problem = train_dtype_problem(DTYPES[name][0], cfg.model.device)
+    if problem is not None:
+        raise ConfigError("model dtype %s: mdi-train cannot train in it here: %s; use float32" % (name, problem))
+
+
 def open_engine(cfg: RunConfig, source: ModelSource, seq_len: int) -> Engine:
     """The ring of `cfg` opened for windows of up to `seq_len` tokens (one sample's plan)."""
     greedy = SamplingParams(temperature=0.0)
@@ -175,6 +185,7 @@ def run(cfg: RunConfig, options: TrainOptions, on_step: Optional[Callable[[StepR
     (options.prompt): `prompt` the initial embeddings, else mdi.model.prompt_train.init_prompt
     (from `prompt_text_ids` for --prompt-init text)."""
     cfg = training_config(cfg)
+    check_train_dtype(cfg)
     source = ModelSource(cfg.model.path)
     config = source.config
     check_options(options, config.block_size)
@@ -332,8 +343,9 @@ class RingTrainer:
             self._send(FrameKind.TRAIN, step, i, chunk.last, y)
         loss = 0.0
         done = 0
+        waiting: List[Frame] = []
         while done < len(micro):
-            frame = self._recv()
+            frame = self._most_urgent(waiting)
             tag = frame.train
             if tag is None or tag.step != step:
                 continue  # a stray probe, or nothing of this step
@@ -365,6 +377,27 @@ class RingTrainer:
         self._wait(FrameKind.STEP, step)  # every node has stepped once the step frame is back
         seconds = time.perf_counter() - t0
         return StepRecord(step, loss, batch.ids.numel() / seconds if seconds > 0 else 0.0, seconds, scored)
+
+    def _most_urgent(self, waiting: List[Frame]) -> Frame:
+        """The next frame to handle of those come so far (`waiting` keeps the rest): another
+        node's gradient to pass on first (a board waits for it), then a micro-batch back for its
+        loss (its gradient starts the way back), then this node's own backward (only the step's
+        end waits for it). Arrival order would queue the first two behind the starter's own
+        work, and the boards waiting on them idle meanwhile (README: throughput on emulated boards)."""
+        while True:
+            try:
+                waiting.append(self.transport.recv(0.0))
+            except RingTimeout:
+                break
+        if not waiting:
+            return self._recv()
+
+        def rank(frame: Frame) -> int:
+            if frame.kind == FrameKind.GRAD and frame.train is not None and frame.train.layer != self.chunk.last:
+                return 0
+            return 2 if frame.kind == FrameKind.GRAD else 1
+        best = min(range(len(waiting)), key=lambda i: (rank(waiting[i]), i))
+        return waiting.pop(best)
 
     def _clip(self, step: int, n_micro: int, max_norm: float) -> None:
         """Every node's gradients scaled by one factor from the global norm (clip frames)."""

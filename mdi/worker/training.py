@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from mdi.model.stage_train import StageTrainer
+from mdi.model.stage_train import StageTrainer, train_dtype_problem
 from mdi.ring.init_request import RequestError, TooLarge
 from mdi.ring.train_request import pairs_reply, read_train_body
 from mdi.ring.wire import Frame, FrameKind, TrainTag
@@ -111,6 +111,10 @@ def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
             raise TooLarge("training layers [%d, %d) needs %.1f MB for the LoRA and its optimizer state, but this "
                            "worker holds %.1f MB of the %.1f MB it may use (%s)"
                            % (run.chunk.first, run.chunk.last, need / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
+        p = next(run.chunk.parameters(), None)
+        problem = train_dtype_problem(run.chunk.activation_dtype, str(p.device) if p is not None else "cpu")
+        if problem is not None:
+            raise RequestError("%s cannot train in %s: %s" % (run.endpoint.name, run.chunk.activation_dtype, problem))
         try:
             stage = StageTrainer(run.chunk, setup.spec, pairs, setup.lr, setup.betas, setup.eps, setup.weight_decay,
                                  setup.recompute, state)
