@@ -134,14 +134,7 @@ def main(argv=None) -> int:
                   % (r + 1, got["base"], len(names), got["lora"], ratios[-1]), file=sys.stderr)
         held = [requests.get("http://127.0.0.1:%d/status" % w.port, timeout=30).json()["memory"] for w in workers]
     finally:
-        if server is not None and server.alive():
-            server.proc.terminate()
-            server.stop(grace=60.0)
-        for w in workers:
-            w.stop()
-        if cgroups is not None:
-            for problem in cgroups.cleanup():
-                print("warning: %s" % problem, file=sys.stderr)
+        benchlib.stop_serving(server, workers, cgroups)
     benchlib.finish_machine_info(info)
     ranges = layer_ranges(balanced(config.n_layer, args.nodes))
     loaded = [load_adapter(p, config, n) for n, p in paths.items()]

@@ -169,11 +169,7 @@ def main(argv=None) -> int:
         answers = {"base": complete(url, args.prompt, "", args.tokens),
                    "trained": complete(url, args.prompt, "trained", args.tokens)}
     finally:
-        if server is not None and server.alive():
-            server.proc.terminate()
-            server.stop(grace=60.0)
-        for w in workers:
-            w.stop()
+        benchlib.stop_serving(server, workers)
     benchlib.finish_machine_info(info)
     with open(metrics) as f:
         record = json.load(f)

@@ -164,14 +164,7 @@ def main(argv=None) -> int:
                   % (r + 1, 1e3 * idle[-1]["tpot"], 1e3 * busy[-1]["tpot"], idle[-1]["tpot"] / busy[-1]["tpot"],
                      busy[-1]["train_tokens_per_s_serving"]), file=sys.stderr)
     finally:
-        if server is not None and server.alive():
-            server.proc.terminate()
-            server.stop(grace=60.0)
-        for w in workers:
-            w.stop()
-        if cgroups is not None:
-            for problem in cgroups.cleanup():
-                print("warning: %s" % problem, file=sys.stderr)
+        benchlib.stop_serving(server, workers, cgroups)
     benchlib.finish_machine_info(info)
     ratios = [i["tpot"] / b["tpot"] for i, b in zip(idle, busy)]
     same = all(b["text"] == idle[0]["text"] for b in busy) and all(i["text"] == idle[0]["text"] for i in idle)

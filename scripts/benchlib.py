@@ -152,6 +152,15 @@ def stop_workers(workers: Sequence["WorkerProcess"], cgroups: Optional["CpuCgrou
             print("warning: %s" % problem, file=sys.stderr)
 
 
+def stop_serving(server: Any, workers: Sequence["WorkerProcess"], cgroups: Optional["CpuCgroups"] = None) -> None:
+    """Stop a benchmark's `mdi-start --serve` (a NodeProcess, or None: it never started; SIGTERM
+    first, so it ends its run cleanly), then its workers and CPU groups."""
+    if server is not None and server.alive():
+        server.proc.terminate()
+        server.stop(grace=60.0)
+    stop_workers(workers, cgroups)
+
+
 class WorkerProcess(_Worker):
     """One `mdi-worker --threads N` subprocess on free loopback ports (its data port chosen
     too), its log in log_dir/NAME.log, optionally in a cgroup (`preexec` joins it)."""
