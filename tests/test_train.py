@@ -273,3 +273,27 @@ def test_mdi_train_refuses_bad_input_in_one_line(tiny_models, data_file, tmp_pat
     assert train_main(["--config", config_path, "--data", str(short), "--seq-len", "16"]) == 2
     err = capsys.readouterr().err
     assert "--resume x: not a complete mdi-train checkpoint" in err and "shorter than one window" in err
+
+
+def test_a_ring_that_cannot_hold_the_optimizer_state_is_refused_before_any_step(tiny_models, data_file, tmp_path,
+                                                                                capsys):
+    """A worker whose --max-memory holds its layers and KV cache but not the LoRA with its
+    gradients and AdamW moments: mdi-train ends in one line naming it, before any step."""
+    from conftest import WorkerProcess
+    from ringconfigs import write_run_config
+    from mdi.cli import train_main
+    from mdi.lab.processes import free_ports
+    # rank 256 on every module of 2 tiny layers: ~3.7 MB of LoRA, x4 with grads and moments
+    small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", "0.006"]).wait_ready()  # ~6 MB
+    try:
+        config_path = str(write_run_config(tmp_path / "two.yaml", tiny_models["llama"], [small], layers=[2, 2],
+                                           runtime={"ring_timeout": 30}))
+        metrics = tmp_path / "m.json"
+        code = train_main(["--config", config_path, "--data", data_file, "--steps", "2", "--batch-size", "2",
+                           "--seq-len", str(SEQ), "--rank", "256", "--metrics-out", str(metrics)])
+    finally:
+        small.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert "LoRA and its optimizer state" in err[0] and "MB" in err[0], err
+    assert "step 1/" not in err[0] and not metrics.exists()
