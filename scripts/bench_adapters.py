@@ -24,8 +24,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import benchlib
-from benchlib import BIN, DEFAULT_MODEL, CpuCgroups, NodeProcess, WorkerProcess, cgroup_unavailable_reason, \
-    ports_besides, print_table, wait_healthy
+from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
 
 import requests
 
@@ -95,14 +94,7 @@ def main(argv=None) -> int:
     paths = {"lora%d" % i: write_random_lora(os.path.join(tmp, "lora%d" % i), config, seed=i, rank=args.rank,
                                              std=0.02)
              for i in range(args.adapters)}
-    why = cgroup_unavailable_reason() if args.quota > 0 else "--quota 0"
-    cgroups = None
-    if why is None:
-        cgroups = CpuCgroups("mdi_bench_adapters")
-        for name in ["starter"] + ["board%d" % i for i in range(1, args.nodes)]:
-            cgroups.create(name)
-            cgroups.set_quota(name, args.quota, 10000)
-    print("CPU quota: %s" % ("%.2f core per node" % args.quota if cgroups else "none (%s)" % why), file=sys.stderr)
+    cgroups = benchlib.node_cgroups("mdi_bench_adapters", args.quota, args.nodes)
     workers, server = [], None
     ratios, base_runs, lora_runs = [], [], []
     try:

@@ -25,8 +25,7 @@ import time
 from typing import Any, Dict, List, Tuple
 
 import benchlib
-from benchlib import BIN, DEFAULT_MODEL, CpuCgroups, NodeProcess, WorkerProcess, cgroup_unavailable_reason, \
-    ports_besides, print_table, wait_healthy
+from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
 
 import requests
 
@@ -122,14 +121,7 @@ def main(argv=None) -> int:
     data = os.path.join(tmp, "data.txt")
     with open(args.data, encoding="utf-8") as f, open(data, "w", encoding="utf-8") as g:
         g.write(f.read())
-    why = cgroup_unavailable_reason() if args.quota > 0 else "--quota 0"
-    cgroups = None
-    if why is None:
-        cgroups = CpuCgroups("mdi_bench_train_serve")
-        for name in ["starter"] + ["board%d" % i for i in range(1, args.nodes)]:
-            cgroups.create(name)
-            cgroups.set_quota(name, args.quota, 10000)
-    print("CPU quota: %s" % ("%.2f core per node" % args.quota if cgroups else "none (%s)" % why), file=sys.stderr)
+    cgroups = benchlib.node_cgroups("mdi_bench_train_serve", args.quota, args.nodes)
     body = {"data": data, "out": os.path.join(tmp, "trained"), "rank": args.rank, "alpha": 2.0 * args.rank,
             "steps": 1000000, "batch_size": args.batch_size, "micro_batches": args.micro_batches,
             "seq_len": args.seq_len, "lr": 1e-4, "seed": 0}

@@ -152,6 +152,20 @@ def stop_workers(workers: Sequence["WorkerProcess"], cgroups: Optional["CpuCgrou
             print("warning: %s" % problem, file=sys.stderr)
 
 
+def node_cgroups(name: str, quota: float, nodes: int) -> Optional["CpuCgroups"]:
+    """CPU groups "starter", "board1".. of `quota` cores each (CFS period 10 ms), or None with
+    --quota 0 or where cgroup v1 is missing (said on stderr, with the quota that holds)."""
+    why = cgroup_unavailable_reason() if quota > 0 else "--quota 0"
+    cgroups = None
+    if why is None:
+        cgroups = CpuCgroups(name)
+        for node in ["starter"] + ["board%d" % i for i in range(1, nodes)]:
+            cgroups.create(node)
+            cgroups.set_quota(node, quota, 10000)
+    print("CPU quota: %s" % ("%.2f core per node" % quota if cgroups else "none (%s)" % why), file=sys.stderr)
+    return cgroups
+
+
 def stop_serving(server: Any, workers: Sequence["WorkerProcess"], cgroups: Optional["CpuCgroups"] = None) -> None:
     """Stop a benchmark's `mdi-start --serve` (a NodeProcess, or None: it never started; SIGTERM
     first, so it ends its run cleanly), then its workers and CPU groups."""
