@@ -54,21 +54,22 @@ def _config(spares=(), attempts=None):
 
 
 def _kill_during(monkeypatch, victim, kind, settled=False):
-    """SIGKILL `victim` the first time the starter sends a `kind` frame of step KILL_STEP:
+    """SIGKILL `victim` the first time the starter builds a `kind` frame of step KILL_STEP to send:
     "train" mid-forward, "grad" mid-backward; `settled`: once the snapshot of the steps
     before, read meanwhile, has come back (else the read may be lost with the node)."""
-    send = training.RingTrainer._send
+    build = training.RingTrainer.frame  # every train and grad frame the starter sends is built here
     killed = []
 
-    def send_and_kill(self, frame_kind, step, micro, layer, y):
-        send(self, frame_kind, step, micro, layer, y)
+    def build_and_kill(self, frame_kind, step, micro, layer, y, copies=False):
+        frame = build(self, frame_kind, step, micro, layer, y, copies)
         if not killed and frame_kind == kind and step == KILL_STEP:
             killed.append(step)
             reading = self.before_step.__self__.reading  # TrainRecovery.settle's: the read in flight
             if settled and reading is not None:
                 reading.thread.join(30)
             os.kill(victim.proc.pid, signal.SIGKILL)
-    monkeypatch.setattr(training.RingTrainer, "_send", send_and_kill)
+        return frame
+    monkeypatch.setattr(training.RingTrainer, "frame", build_and_kill)
     return killed
 
 
@@ -123,14 +124,15 @@ def test_two_workers_lost_the_spare_then_the_neighbours(tiny_models, data, unint
     starter and the spare share its layers); the run still ends as the uninterrupted one."""
     board1, board2, spare = three_workers
     cfg = parse_run_config(tiny_models["llama"], [board1, board2], **_config([spare]))  # 2 attempts
-    send, kills = training.RingTrainer._send, {(KILL_STEP, "grad"): board1, (KILL_STEP + 2, "train"): board2}
+    build, kills = training.RingTrainer.frame, {(KILL_STEP, "grad"): board1, (KILL_STEP + 2, "train"): board2}
 
-    def send_and_kill(self, kind, step, micro, layer, y):
-        send(self, kind, step, micro, layer, y)
+    def build_and_kill(self, kind, step, micro, layer, y, copies=False):
+        frame = build(self, kind, step, micro, layer, y, copies)
         victim = kills.pop((step, kind), None)
         if victim is not None:
             os.kill(victim.proc.pid, signal.SIGKILL)
-    monkeypatch.setattr(training.RingTrainer, "_send", send_and_kill)
+        return frame
+    monkeypatch.setattr(training.RingTrainer, "frame", build_and_kill)
     result = training.run(cfg, _options(data, _setup("llama")))
     assert not kills
     _assert_same_run(result, uninterrupted)

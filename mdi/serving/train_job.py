@@ -198,24 +198,16 @@ class TrainJob:
         step = len(self.steps)
         if tag.step != step:
             raise RuntimeError("a %s frame of step %d came back during step %d" % (frame.kind, tag.step, step))
-        n_layer, first_layers_end = trainer.n_layer, trainer.chunk.last
-        if frame.kind == FrameKind.TRAIN:
-            if tag.layer != n_layer:
-                raise RuntimeError("a train frame came back at layer %d, not after the last (%d)" % (tag.layer, n_layer))
-            ids, mask = self.micro[tag.micro]
-            value, grad = trainer._loss(trainer._rows(frame), ids.to(trainer.device), mask.to(trainer.device),
-                                        self.scored)
-            self.step_loss += value
-            self.urgent.append(trainer.frame(FrameKind.GRAD, step, tag.micro, n_layer, grad))
-        elif frame.kind == FrameKind.GRAD:
-            if tag.layer != first_layers_end:
-                self.urgent.append(frame)  # a worker's gradient on its way round
-                return
-            trainer.stage.backward(step, tag.micro, trainer._rows(frame))
-            self.backwards += 1
-            if self.backwards == len(self.micro):
-                self.urgent.append(Frame(FrameKind.STEP, self.run_id, train=TrainTag(step, len(self.micro), 0)))
-                trainer.stage.step(step, len(self.micro))
+        if frame.kind in (FrameKind.TRAIN, FrameKind.GRAD):
+            back = trainer.on_frame(frame, self.micro, self.scored)
+            self.step_loss += back.loss
+            if back.send is not None:
+                self.urgent.append(back.send)
+            if back.backward_done:
+                self.backwards += 1
+                if self.backwards == len(self.micro):
+                    self.urgent.append(Frame(FrameKind.STEP, self.run_id, train=TrainTag(step, len(self.micro), 0)))
+                    trainer.stage.step(step, len(self.micro))
         elif frame.kind == FrameKind.STEP:
             seconds = time.perf_counter() - self.step_t0
             record = StepRecord(step, self.step_loss, self.batch_tokens / seconds if seconds > 0 else 0.0, seconds,

@@ -277,6 +277,14 @@ def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if first <= key_layer(k) < last}
 
 
+@dataclass
+class Returned:
+    """What a frame back at the starter during a step asks of it (RingTrainer.on_frame)."""
+    send: Optional[Frame] = None  # the loss's gradient for a micro-batch, or another node's gradient to relay
+    loss: float = 0.0  # a micro-batch's share of the batch loss (a train frame back from the last node)
+    backward_done: bool = False  # the starter's own backward of one micro-batch ran
+
+
 class RingTrainer:
     def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs,
                  state: Optional[OptimizerState] = None, prompt: Optional[PromptTrainer] = None) -> None:
@@ -346,26 +354,13 @@ class RingTrainer:
         waiting: List[Frame] = []
         while done < len(micro):
             frame = self._most_urgent(waiting)
-            tag = frame.train
-            if tag is None or tag.step != step:
+            if frame.train is None or frame.train.step != step or frame.kind not in (FrameKind.TRAIN, FrameKind.GRAD):
                 continue  # a stray probe, or nothing of this step
-            if frame.kind == FrameKind.TRAIN:
-                if tag.layer != self.n_layer:
-                    raise RuntimeError("a train frame came back at layer %d, not after the last (%d)"
-                                       % (tag.layer, self.n_layer))
-                ids, mask = micro[tag.micro]
-                value, grad = self._loss(self._rows(frame), ids.to(self.device), mask.to(self.device), scored)
-                loss += value
-                self._send(FrameKind.GRAD, step, tag.micro, self.n_layer, grad)
-            elif frame.kind == FrameKind.GRAD:
-                if tag.layer != chunk.last:
-                    self.transport.send(frame)  # a worker's gradient on its way round
-                    continue
-                grad_x = self.stage.backward(step, tag.micro, self._rows(frame))
-                if self.prompt is not None:
-                    assert grad_x is not None  # forward asked for the input's gradient
-                    self.prompt.accumulate(grad_x)
-                done += 1
+            back = self.on_frame(frame, micro, scored)
+            loss += back.loss
+            done += back.backward_done
+            if back.send is not None:
+                self.transport.send(back.send)
         if self.options.clip is not None:
             self._clip(step, len(micro), self.options.clip)
         if self.before_step is not None:
@@ -377,6 +372,29 @@ class RingTrainer:
         self._wait(FrameKind.STEP, step)  # every node has stepped once the step frame is back
         seconds = time.perf_counter() - t0
         return StepRecord(step, loss, batch.ids.numel() / seconds if seconds > 0 else 0.0, seconds, scored)
+
+    def on_frame(self, frame: Frame, micro: List[Tuple[torch.Tensor, torch.Tensor]], scored: int) -> "Returned":
+        """What a train or grad frame of the step in hand, back at the starter, asks of it
+        (mdi-train's loop and a job beside serving, mdi.serving.train_job, both ask here):
+        `micro` the step's micro-batches (ids, scored mask), `scored` the batch's scored tokens."""
+        tag = frame.train
+        assert tag is not None  # wire.decode: training frames carry their tag
+        if frame.kind == FrameKind.TRAIN:
+            if tag.layer != self.n_layer:
+                raise RuntimeError("a train frame came back at layer %d, not after the last (%d)"
+                                   % (tag.layer, self.n_layer))
+            ids, mask = micro[tag.micro]
+            value, grad = self._loss(self._rows(frame), ids.to(self.device), mask.to(self.device), scored)
+            return Returned(self.frame(FrameKind.GRAD, tag.step, tag.micro, self.n_layer, grad), loss=value)
+        if frame.kind != FrameKind.GRAD:
+            raise RuntimeError("a %s frame came back during a training step" % frame.kind)
+        if tag.layer != self.chunk.last:
+            return Returned(frame)  # a worker's gradient on its way round
+        grad_x = self.stage.backward(tag.step, tag.micro, self._rows(frame))
+        if self.prompt is not None:
+            assert grad_x is not None  # forward asked for the input's gradient
+            self.prompt.accumulate(grad_x)
+        return Returned(backward_done=True)
 
     def _most_urgent(self, waiting: List[Frame]) -> Frame:
         """The next frame to handle of those come so far (`waiting` keeps the rest): another
