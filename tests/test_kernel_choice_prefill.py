@@ -191,3 +191,28 @@ def test_a_lead_that_does_not_hold_when_timed_in_turns_earns_no_copy(fake_timing
     choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
     assert choice.kernel is INT4 and choice.prefill_kernel is None
     assert "timed in turns: not %.2fx" % kernel_choice.PREFILL_GAIN in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+
+
+def test_a_verification_pass_runs_the_decode_kernel_whatever_its_rows(fake_timings):
+    """A speculative verification's rows (RowBatch.row_wise) stand for decode steps: a chunk
+    that keeps a prefill kernel from 8 rows gives a 12-row verification the decode kernel's
+    bits, those of the single-kernel chunk and of the decode steps one by one."""
+    from mdi.model.row_batch import RowBatch
+    fake_timings["dequant/int8"] = (0.0, 0.0)
+    kernel_choice.set_memory_allowance(ROOMY)
+    config, (dual, single) = _chunks()
+    assert all(m.prefill_kernel is FBGEMM for n, m in dual.named_modules() if n.startswith("blocks.")
+               and hasattr(m, "prefill_kernel"))
+    torch.manual_seed(5)
+    ids = torch.randint(0, config.vocab_size, (16,))
+    out = []
+    for chunk in (dual, single):
+        chunk.allocate_cache(1, 32)
+        with torch.no_grad():
+            chunk.forward_blocks(chunk.embed(ids[:4], 0), 0, 0)
+            rows = chunk.forward_rows(chunk.embed(ids[4:16], 4), RowBatch.of([0], [4], [12], row_wise=True))
+            steps = torch.cat([chunk.forward_blocks(chunk.embed(ids[i:i + 1], i), 0, i) for i in range(4, 16)])
+        out.append((rows, steps))
+    (rows_dual, steps_dual), (rows_single, steps_single) = out
+    assert torch.equal(rows_dual, rows_single) and torch.equal(rows_dual, steps_dual)
+    assert torch.equal(steps_dual, steps_single)

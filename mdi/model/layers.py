@@ -5,7 +5,9 @@ Their own module so that both the eager blocks (mdi.model.transformer) and the s
 blocks (mdi.model.fused_decode, which reads these layers' weights and kernels) import them
 without importing each other.
 """
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Iterator, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -60,6 +62,23 @@ class Linear(nn.Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         y = F.linear(x, self.weight.to(x.dtype), bias)
         return self.lora.add(x, y, self.lora_name) if self.lora is not None and self.lora.groups else y
+
+
+_decode_only = threading.local()  # .on: decode_kernels() is in force on this thread
+
+
+@contextlib.contextmanager
+def decode_kernels() -> Iterator[None]:
+    """Within it, on this thread, every quantized layer runs its decode kernel whatever a pass's
+    row count: a speculative verification's rows must give the logits of the decode steps they
+    stand for bit for bit (so the output is the plain run's), and a prefill kernel multiplies in
+    other arithmetic (fbgemm's int8 activations against the bfloat16 int4 kernel)."""
+    before = getattr(_decode_only, "on", False)
+    _decode_only.on = True
+    try:
+        yield
+    finally:
+        _decode_only.on = before
 
 
 class QuantLinear(nn.Module):
@@ -118,7 +137,8 @@ class QuantLinear(nn.Module):
         if self.kernel is None:
             raise RuntimeError("quantized layer used before its kernel was chosen")
         kernel, packed = self.kernel, self.packed
-        if self.prefill_kernel is not None and x.numel() >= self.prefill_from * self.n_in:  # a pass of many rows
+        if self.prefill_kernel is not None and x.numel() >= self.prefill_from * self.n_in \
+                and not getattr(_decode_only, "on", False):  # a pass of many rows, not a verification's
             kernel, packed = self.prefill_kernel, self.prefill_packed
         if x.dim() == 2:  # [rows, n_in], the ring's shape: no reshapes (each op costs µs per token)
             y = kernel.run(x, packed, self.spec, self.n_in)

@@ -14,6 +14,7 @@ batching): their token rows are stacked, so every linear layer and norm reads it
 for all of them, and only attention runs per sample, against that sample's own cache slot and
 positions.
 """
+import contextlib
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
@@ -24,8 +25,8 @@ from mdi.model import fused_decode
 from mdi.model.attention import attend_decode_rows, attend_sample
 from mdi.model.config import ModelConfig
 from mdi.model.kv_cache import KVCache
-from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, RMSNorm, make_linear,
-                              make_norm)
+from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, RMSNorm, decode_kernels,
+                              make_linear, make_norm)
 from mdi.model.layout import QuantLayout, QuantSpec
 from mdi.model.rope import RotaryEmbedding
 from mdi.model.row_batch import RowBatch, attends_in_one_call
@@ -328,8 +329,10 @@ class ModelChunk(nn.Module):
             y = self._fused_decode(x, batch)
             if y is not None:
                 return y
-            for block, (k, v) in zip(self.blocks.values(), cache.layers):
-                x = block(x, k, v, batch, self.rope)
+            # a verification's rows (row_wise) each stand for a decode step: decode kernels only
+            with decode_kernels() if batch.row_wise else contextlib.nullcontext():
+                for block, (k, v) in zip(self.blocks.values(), cache.layers):
+                    x = block(x, k, v, batch, self.rope)
         finally:
             self.lora.groups = []
         return x
