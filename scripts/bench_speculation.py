@@ -78,7 +78,9 @@ class Ring:
         nodes = [{"name": "starter", "port": 1}] + [w.node() for w in workers]
         cfg = parse_config({"model": {"path": model, "quant": quant}, "nodes": nodes,
                             "generation": {"temperature": 0, "speculation": speculation},
-                            "runtime": {"threads": 1, "quant_kernel": kernel}}, "bench_speculation")
+                            # prefix_cache 0: each prompt runs cold in every mode (a cached prefix would
+                            # give the later mode's prompt other prefill passes, and so other bits)
+                            "runtime": {"threads": 1, "quant_kernel": kernel, "prefix_cache": 0}}, "bench_speculation")
         self.source = ModelSource(model)
         params = SamplingParams(0.0)
         plan = plan_run(cfg, self.source, RunShape(n_slots, max_len), params)
