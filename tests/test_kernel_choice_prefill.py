@@ -147,12 +147,19 @@ def _chunks():
     return config, chunks
 
 
-def test_a_model_with_two_kernels_computes_what_one_kernel_computes(fake_timings):
+def _dual_chunks(fake_timings):
+    """_chunks() with room for the second copy: every block layer of the first holds int4pack-cpu
+    for passes under 8 rows and int8dyn-fbgemm from 8 (checked)."""
     fake_timings["dequant/int8"] = (0.0, 0.0)  # the head (int8 per channel): the reference in both chunks
     kernel_choice.set_memory_allowance(ROOMY)
     config, (dual, single) = _chunks()
     blocks = [m for n, m in dual.named_modules() if n.startswith("blocks.") and hasattr(m, "prefill_kernel")]
     assert blocks and all(m.kernel is INT4 and m.prefill_kernel is FBGEMM and m.prefill_from == 8 for m in blocks)
+    return config, dual, single
+
+
+def test_a_model_with_two_kernels_computes_what_one_kernel_computes(fake_timings):
+    config, dual, single = _dual_chunks(fake_timings)
     torch.manual_seed(4)
     ids = torch.randint(0, config.vocab_size, (20,))
     logits = []
@@ -198,11 +205,7 @@ def test_a_verification_pass_runs_the_decode_kernel_whatever_its_rows(fake_timin
     that keeps a prefill kernel from 8 rows gives a 12-row verification the decode kernel's
     bits, those of the single-kernel chunk and of the decode steps one by one."""
     from mdi.model.row_batch import RowBatch
-    fake_timings["dequant/int8"] = (0.0, 0.0)
-    kernel_choice.set_memory_allowance(ROOMY)
-    config, (dual, single) = _chunks()
-    assert all(m.prefill_kernel is FBGEMM for n, m in dual.named_modules() if n.startswith("blocks.")
-               and hasattr(m, "prefill_kernel"))
+    config, dual, single = _dual_chunks(fake_timings)
     torch.manual_seed(5)
     ids = torch.randint(0, config.vocab_size, (16,))
     out = []

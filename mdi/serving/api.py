@@ -52,7 +52,7 @@ from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, 
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.train_routes import TrainControl
-from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options
+from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options, path_under
 
 MAX_BODY_BYTES = 1 << 20
 KEEPALIVE = 1.0  # seconds between SSE comments while a stream waits (they also reveal a gone client)
@@ -266,8 +266,8 @@ class Routes:
         engine = self.sched.engine
         if engine is None:
             raise ApiError(503, "the ring is %s" % self.sched.state, kind="server_error")
-        real = os.path.realpath(path)
-        if not any(os.path.commonpath([real, d]) == d for d in self.adapter_dirs):
+        real = path_under(path, self.adapter_dirs)
+        if real is None:
             raise ApiError(400, "path: adapters load only from %s" % " or ".join(self.adapter_dirs), "path")
         try:
             adapter = engine.add_adapter(name, real)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from mdi.model.lora_train import TARGETS, check_targets
 from mdi.ring.train_request import TrainSetup
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER
-from mdi.serving.validation import ApiError
+from mdi.serving.validation import bad_field, path_under
 
 FIELDS = ("data", "out", "name", "method", "rank", "alpha", "targets", "steps", "batch_size", "micro_batches",
           "seq_len", "lr", "seed")
@@ -39,31 +39,27 @@ class TrainJobSpec:
     seed: int
 
 
-def _bad(field: str, expected: str) -> ApiError:
-    return ApiError(400, "'%s': %s" % (field, expected), field)
-
-
 def _int(body: Dict[str, Any], field: str, default: Optional[int], low: int, high: int) -> int:
     value = body.get(field, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _bad(field, "expected an integer from %d to %d" % (low, high))
+        raise bad_field(field, "expected an integer from %d to %d" % (low, high))
     return value
 
 
 def _float(body: Dict[str, Any], field: str, default: float, high: float) -> float:
     value = body.get(field, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
-        raise _bad(field, "expected a number above 0 and at most %g" % high)
+        raise bad_field(field, "expected a number above 0 and at most %g" % high)
     return float(value)
 
 
 def _path(body: Dict[str, Any], field: str, dirs: Sequence[str]) -> str:
     value = body.get(field)
     if not isinstance(value, str) or not value or "\0" in value:
-        raise _bad(field, "expected a path (a non-empty string)")
-    real = os.path.realpath(value)
-    if not any(os.path.commonpath([real, d]) == d for d in dirs):
-        raise _bad(field, "paths must lie under %s" % " or ".join(dirs))
+        raise bad_field(field, "expected a path (a non-empty string)")
+    real = path_under(value, dirs)
+    if real is None:
+        raise bad_field(field, "paths must lie under %s" % " or ".join(dirs))
     return real
 
 
@@ -71,7 +67,7 @@ def _targets(value: Any) -> List[str]:
     if isinstance(value, str):
         value = [t.strip() for t in value.split(",") if t.strip()]
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        raise _bad("targets", "expected a list of %s (or one comma-separated string)" % ",".join(TARGETS))
+        raise bad_field("targets", "expected a list of %s (or one comma-separated string)" % ",".join(TARGETS))
     return value
 
 
@@ -81,28 +77,28 @@ def parse_train_body(body: Dict[str, Any], dirs: Sequence[str], n_nodes: int, ma
     out may lie; `taken_names`: names a new adapter may not have (the model's, those loaded)."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
-        raise _bad(unknown[0], "unknown field (expected some of %s)" % ", ".join(FIELDS))
+        raise bad_field(unknown[0], "unknown field (expected some of %s)" % ", ".join(FIELDS))
     data = _path(body, "data", dirs)
     if not os.path.isfile(data):
-        raise _bad("data", "no such file: %s" % data)
+        raise bad_field("data", "no such file: %s" % data)
     out = _path(body, "out", dirs)
     if os.path.exists(out) and not os.path.isdir(out):
-        raise _bad("out", "%s exists and is not a directory" % out)
+        raise bad_field("out", "%s exists and is not a directory" % out)
     name = body.get("name")
     if name is not None:
         if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == BASE_ADAPTER:
-            raise _bad("name", "letters, digits, '_', '.' or '-' (at most 64), not 'base'")
+            raise bad_field("name", "letters, digits, '_', '.' or '-' (at most 64), not 'base'")
         if name in taken_names:
-            raise _bad("name", "%r is already served (the model or a loaded adapter)" % name)
+            raise bad_field("name", "%r is already served (the model or a loaded adapter)" % name)
     method = body.get("method", "lora")
     if method != "lora":
-        raise _bad("method", "only \"lora\" trains beside serving (prompt tuning: not yet)")
+        raise bad_field("method", "only \"lora\" trains beside serving (prompt tuning: not yet)")
     rank = _int(body, "rank", 8, 1, MAX_RANK)
     alpha = _float(body, "alpha", 16.0, 1e6)
     try:
         targets = check_targets(_targets(body.get("targets", list(TARGETS))))
     except ValueError as e:
-        raise _bad("targets", str(e).replace("--targets: ", ""))
+        raise bad_field("targets", str(e).replace("--targets: ", ""))
     steps = _int(body, "steps", 10, 1, MAX_STEPS)
     batch = _int(body, "batch_size", 4, 1, MAX_BATCH)
     micro = _int(body, "micro_batches", min(n_nodes, batch), 1, batch)

@@ -8,6 +8,7 @@ absent everywhere. Prompts and messages are only type-checked here: `prompts` re
 import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -37,8 +38,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _bad(name: str, expected: str) -> ApiError:
+def bad_field(name: str, expected: str) -> ApiError:
+    """The 400 for a body field `name` that is not what was `expected`, naming it."""
     return ApiError(400, "'%s': %s" % (name, expected), name)
+
+
+def path_under(path: str, dirs: Sequence[str]) -> Optional[str]:
+    """`path` resolved (links followed), or None when it lies outside every folder of `dirs`
+    (real paths): where a client may make the server read or write files. `path` holds no NUL."""
+    real = os.path.realpath(path)
+    return real if any(os.path.commonpath([real, d]) == d for d in dirs) else None
 
 
 # --- checks beyond type and range (take the value and the fields checked before it) ------
@@ -54,11 +63,11 @@ def _speculation(value: Any, _: Dict[str, Any]) -> SpeculationSpec:
 def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:
     stops = [value] if isinstance(value, str) else value
     if not all(isinstance(s, str) for s in stops):
-        raise _bad("stop", "expected a string or a list of strings")
+        raise bad_field("stop", "expected a string or a list of strings")
     if len(stops) > MAX_STOP:
-        raise _bad("stop", "at most %d stop sequences" % MAX_STOP)
+        raise bad_field("stop", "at most %d stop sequences" % MAX_STOP)
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise _bad("stop", "a stop sequence is longer than %d characters" % MAX_STOP_CHARS)
+        raise bad_field("stop", "a stop sequence is longer than %d characters" % MAX_STOP_CHARS)
     return [s for s in stops if s]
 
 
@@ -73,18 +82,18 @@ def _lora(value: Any, _: Dict[str, Any]) -> List[Dict[str, Any]]:
     (scale 1 when left out). Several entries mix their scaled adapters; scale 0 leaves one out."""
     used, seen = [], set()
     if len(value) > MAX_LORA_ENTRIES:
-        raise _bad("lora", "at most %d entries" % MAX_LORA_ENTRIES)
+        raise bad_field("lora", "at most %d entries" % MAX_LORA_ENTRIES)
     for entry in value:
         if not isinstance(entry, dict) or set(entry) - {"id", "scale"} or not isinstance(entry.get("id"), int) \
                 or isinstance(entry.get("id"), bool):
-            raise _bad("lora", 'expected a list of {"id": integer, "scale": number}')
+            raise bad_field("lora", 'expected a list of {"id": integer, "scale": number}')
         scale = entry.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
                 or abs(scale) > MAX_LORA_SCALE:
-            raise _bad("lora", "scale: expected a number from -%g to %g, got %s"
+            raise bad_field("lora", "scale: expected a number from -%g to %g, got %s"
                        % (MAX_LORA_SCALE, MAX_LORA_SCALE, json.dumps(scale)[:20]))
         if entry["id"] in seen:
-            raise _bad("lora", "id %d is listed twice" % entry["id"])
+            raise bad_field("lora", "id %d is listed twice" % entry["id"])
         seen.add(entry["id"])
         used.append({"id": entry["id"], "scale": float(scale)})
     return used
@@ -94,29 +103,29 @@ def _logit_bias(value: Dict[str, Any], _: Dict[str, Any]) -> Dict[int, float]:
     """OpenAI's {"token id": bias in [-100, 100]}; the ids are checked against the vocabulary
     by the route (`api`), which knows it."""
     if len(value) > MAX_LOGIT_BIAS:
-        raise _bad("logit_bias", "at most %d entries" % MAX_LOGIT_BIAS)
+        raise bad_field("logit_bias", "at most %d entries" % MAX_LOGIT_BIAS)
     bias = {}
     for key, v in value.items():
         if not key.isdigit() or len(key) > 12:
-            raise _bad("logit_bias", "keys are token ids (strings of digits), got %s" % json.dumps(key)[:30])
+            raise bad_field("logit_bias", "keys are token ids (strings of digits), got %s" % json.dumps(key)[:30])
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise _bad("logit_bias", "token %s: expected a number from -100 to 100, got %s" % (key, json.dumps(v)[:20]))
+            raise bad_field("logit_bias", "token %s: expected a number from -100 to 100, got %s" % (key, json.dumps(v)[:20]))
         bias[int(key)] = float(v)
     return bias
 
 
 def _top_logprobs(value: int, checked: Dict[str, Any]) -> int:
     if value and not checked["logprobs"]:  # 0 stays accepted alone, as it was when it was all there was
-        raise _bad("top_logprobs", "only allowed with logprobs: true")
+        raise bad_field("top_logprobs", "only allowed with logprobs: true")
     return value
 
 
 def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str, Any]:
     if not checked["stream"]:
-        raise _bad("stream_options", "only allowed with stream: true")
+        raise bad_field("stream_options", "only allowed with stream: true")
     unknown = sorted(set(value) - {"include_usage"})
     if unknown:
-        raise _bad("stream_options", "unknown key '%s'" % unknown[0])
+        raise bad_field("stream_options", "unknown key '%s'" % unknown[0])
     if not isinstance(value.get("include_usage", False), bool):
         raise ApiError(400, "'stream_options.include_usage': expected true or false", "stream_options")
     return value
@@ -139,14 +148,14 @@ def _response_format(value: Dict[str, Any], _: Dict[str, Any]) -> Optional[Gramm
         inner = value["json_schema"]
         if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict) \
                 or set(inner) - {"name", "schema", "strict", "description"}:
-            raise _bad("response_format", 'json_schema: expected {"name": ..., "schema": {...}, "strict": true}')
+            raise bad_field("response_format", 'json_schema: expected {"name": ..., "schema": {...}, "strict": true}')
         name = inner.get("name")
         if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
-            raise _bad("response_format", "json_schema.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -")
+            raise bad_field("response_format", "json_schema.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -")
         if not isinstance(inner.get("strict", False), bool):
-            raise _bad("response_format", "json_schema.strict: expected true or false")
+            raise bad_field("response_format", "json_schema.strict: expected true or false")
         return _schema_spec(inner["schema"], "response_format", strict=inner.get("strict", False))
-    raise _bad("response_format", 'expected {"type": "text"}, {"type": "json_object"} or '
+    raise bad_field("response_format", 'expected {"type": "text"}, {"type": "json_object"} or '
                '{"type": "json_schema", "json_schema": {...}}')
 
 
@@ -154,7 +163,7 @@ def _schema_spec(schema: Any, field: str, strict: bool) -> GrammarSpec:
     """`strict` (OpenAI's json_schema.strict, false unless sent): refuse a schema's keywords the
     decoder cannot enforce; else ignore them (OpenAI's non-strict mode and llama.cpp do)."""
     if not isinstance(schema, dict):
-        raise _bad(field, "the schema must be a JSON object")
+        raise bad_field(field, "the schema must be a JSON object")
     return GrammarSpec("json_schema", json.dumps(schema), field, strict)
 
 
@@ -268,19 +277,19 @@ def validate(body: Dict[str, Any], route: str) -> Dict[str, Any]:
         if key not in fields and key not in neutral:
             raise ApiError(400, "unrecognized request argument: '%s'" % key, key)
         if key in neutral and body[key] is not None and not neutral[key].accepts(body[key]):
-            raise _bad(key, "only %s is supported" % neutral[key].only)
+            raise bad_field(key, "only %s is supported" % neutral[key].only)
     checked: Dict[str, Any] = {}
     for f in fields.values():
         value = body.get(f.name)
         if value is None:
             if f.required:
-                raise _bad(f.name, "expected %s" % f.expected)
+                raise bad_field(f.name, "expected %s" % f.expected)
             checked[f.name] = f.default
             continue
         if isinstance(value, bool) and bool not in f.types or not isinstance(value, f.types):
-            raise _bad(f.name, "expected %s, got %s" % (f.expected, json.dumps(value)[:60]))
+            raise bad_field(f.name, "expected %s, got %s" % (f.expected, json.dumps(value)[:60]))
         if f.low is not None and not f.in_range(value):
-            raise _bad(f.name, "expected %s" % f.range_text())
+            raise bad_field(f.name, "expected %s" % f.range_text())
         checked[f.name] = f.check(value, checked) if f.check is not None else value
     return checked
 
@@ -325,5 +334,5 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
 def _one_shape(checked: Dict[str, Any]) -> Optional[GrammarSpec]:
     shapes = [checked[name] for name in OUTPUT_SHAPES if checked[name] is not None]
     if len(shapes) > 1:
-        raise _bad(shapes[1].field, "only one of %s may shape the output" % ", ".join(OUTPUT_SHAPES))
+        raise bad_field(shapes[1].field, "only one of %s may shape the output" % ", ".join(OUTPUT_SHAPES))
     return shapes[0] if shapes else None
