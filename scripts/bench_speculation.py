@@ -5,9 +5,10 @@ Every ratio comes from one run of this script, on this machine, on the shipped S
 (int4, quant: auto; runtime.quant_kernel fast), greedy, S = 1 unless said:
 
   setups    loopback: a ring of 3 processes x 1 thread (the starter here, 2 mdi-workers);
-            emulated: the same 3 processes each held to --board-cores of CPU (cgroup v1 quota;
-            skipped, and said so, where cgroups cannot be used). "one board" is the starter
-            alone on the same CPU share, plain decoding.
+            emulated: the same 3 processes each held to --board-cores of CPU (cgroup v1 quota
+            over --board-period-us periods; skipped, and said so, where cgroups cannot be
+            used). "one board" is the starter alone on the same CPU share, plain decoding.
+            --layers splits the ring (default even).
   prompts   scripts/speculation_prompts.json: "copy" prompts (rewrite, quote, fix, refactor:
             answers that copy the prompt) and "free" ones, each in the model's chat template,
             each run cold (a new sample and drafter; the ring stays up between prompts).
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (DEFAULT_MODEL, ROOT, CpuCgroups, WorkerProcess, cgroup_unavailable_reason,  # noqa: E402
                       decode_timing, finish_machine_info, fmt_stat, machine_info, note_load, print_table,
                       save_record, stop_workers, summarize)
+from mdi.lab.cgroups import quota_and_period  # noqa: E402
 
 PROMPTS_FILE = os.path.join(ROOT, "scripts", "speculation_prompts.json")
 
@@ -48,6 +50,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-prompts", type=int, default=10, help="prompts of each set (default 10)")
     p.add_argument("--setups", default="loopback,emulated", help="loopback, emulated or both")
     p.add_argument("--board-cores", type=float, default=0.5, help="CPU share of an emulated board (default 0.5)")
+    p.add_argument("--board-period-us", type=int, default=2000,
+                   help="the quota's period (default 2000: the shortest a 0.5 core quota allows). A board "
+                        "idle between passes runs a pass at full speed while its period's quota lasts: over "
+                        "20 ms periods a ring at S = 1 ran each 3 ms stage unthrottled, like boards of a "
+                        "whole core, and beat one board of the same share 1.6x with no speculation")
+    p.add_argument("--layers", default="even",
+                   help="the ring's split: even (default), auto (the planner's, from measured stage times) or "
+                        "counts per node, starter first (e.g. 7,12,11: the starter's embedding and head cost "
+                        "about 4 of SmolLM2's layers, and a filled ring runs at its slowest stage)")
     p.add_argument("--sweep", default="0.3,0.5,0.7,0.9", help="oracle acceptances (empty: no sweep)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts per sweep point (default 3)")
     p.add_argument("--batch", type=int, default=12, help="samples of the batch comparison (0: skip)")
@@ -68,7 +79,7 @@ class Ring:
     another, each a fresh sample with its own speculation setting and drafter."""
 
     def __init__(self, model: str, workers: List[Any], kernel: str, n_slots: int, max_len: int,
-                 quant: str = "auto", speculation: Any = "ngram") -> None:
+                 quant: str = "auto", speculation: Any = "ngram", layers: Optional[str] = None) -> None:
         from mdi.model.sampling import SamplingParams
         from mdi.model.source import ModelSource
         from mdi.runconfig import parse_config
@@ -76,6 +87,9 @@ class Ring:
         from mdi.starter.run_plan import plan_run
         from mdi.starter.run_shape import RunShape
         nodes = [{"name": "starter", "port": 1}] + [w.node() for w in workers]
+        if layers and layers != "even" and workers:
+            counts = [layers] * len(nodes) if layers == "auto" else [int(c) for c in layers.split(",")]
+            nodes = [dict(n, layers=c) for n, c in zip(nodes, counts)]
         cfg = parse_config({"model": {"path": model, "quant": quant}, "nodes": nodes,
                             "generation": {"temperature": 0, "speculation": speculation},
                             # prefix_cache 0: each prompt runs cold in every mode (a cached prefix would
@@ -176,12 +190,12 @@ def sweep(ring: Ring, prompts: List[List[int]], n_tokens: int, agrees: List[floa
 
 
 def theory(a: float, max_draft: int, row_cost: float, stages: int) -> Dict[str, float]:
-    """Speed-up over the plain ring of verification alone as the policy runs it (the k in
-    0..max_draft that maximises expected tokens per pass time, each draft accepted with
-    probability a independently, a pass of 1 + k rows costing 1 + row_cost * k one-row passes)
-    and its bound with the ring filled (one pass per board in flight, every chain standing)."""
-    verify = max((1 - a ** (k + 1)) / (1 - a) / (1 + row_cost * k) for k in range(max_draft + 1))
-    return {"verify": verify, "fill_bound": verify * stages}
+    """Speed-up over the plain ring by the models the policy runs on (mdi.starter.speculation:
+    each draft accepted with probability a independently, a pass of 1 + k rows costing
+    1 + row_cost * k one-row passes), at the best k: verification alone, and the ring filled."""
+    from mdi.starter.speculation import fill_gain, verify_gain
+    return {"verify": max(verify_gain(a, k, row_cost) for k in range(max_draft + 1)),
+            "fill": max(fill_gain(a, k, row_cost, stages) for k in range(max_draft + 1))}
 
 
 def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str, Any]:
@@ -193,10 +207,11 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
         cgroups = CpuCgroups("mdi_bench_spec")
         for name in ("starter", "board1", "board2"):
             cgroups.create(name)
-            cgroups.set_quota(name, args.board_cores, 20000)
+            cgroups.set_quota(name, args.board_cores, args.board_period_us)
         cgroups.join("starter")
     workers: List[Any] = []
-    record: Dict[str, Any] = {"board_cores": args.board_cores if cgroups else None}
+    record: Dict[str, Any] = {"board_cores": args.board_cores if cgroups else None,
+                              "board_period_us": quota_and_period(args.board_cores, args.board_period_us)[1] if cgroups else None}
     try:
         alone = Ring(args.model, [], args.kernel, n_slots, max_len)
         record["one_board"] = {name: summarize([decode_timing(alone.generate([ids], args.tokens,
@@ -209,8 +224,9 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
                                          cgroups.preexec("board%d" % (i + 1)) if cgroups else None))
         for w in workers:
             w.wait_healthy(90)
-        ring = Ring(args.model, workers, args.kernel, n_slots, max_len)
+        ring = Ring(args.model, workers, args.kernel, n_slots, max_len, layers=args.layers)
         record["row_cost"] = ring.engine.pipeline.row_cost
+        record["ranges"] = ring.engine.ranges
         print("\n== %s: 3 nodes%s; a pass's extra row costs %.2f of a one-row pass on the starter"
               % (setup, ", %.2f core each" % args.board_cores if cgroups else " x 1 thread", record["row_cost"]))
         record["prompts"] = run_prompts(ring, sets, args.tokens)
@@ -286,8 +302,10 @@ def plot(record: Dict[str, Any], path: str) -> None:
         for mode, style in (("fill", "-o"), ("nofill", "-s")):
             ax.plot(agrees, [rec["sweep"][str(a)]["%s_vs_plain" % mode]["median"] for a in agrees], style,
                     label="%s, %s" % (setup, "filling" if mode == "fill" else "verify only"))
-        ax.plot(agrees, [rec["theory"][str(a)]["verify"] for a in agrees], ":",
-                label="%s, model: verify only (row cost %.2f)" % (setup, rec["row_cost"]))
+        for mode, style in (("fill", "--"), ("verify", ":")):
+            ax.plot(agrees, [rec["theory"][str(a)][mode] for a in agrees], style,
+                    label="%s, model: %s (row cost %.2f)" % (setup, "filling" if mode == "fill" else "verify only",
+                                                              rec["row_cost"]))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("drafter agreement a")
     ax.set_ylabel("decode tokens/s vs plain ring (S = 1)")

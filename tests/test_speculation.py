@@ -62,6 +62,30 @@ def test_a_sample_keeps_the_way_it_measures_faster():
     assert policy.depth(state, decoding=3) == 1
 
 
+def test_a_filling_sample_drafts_by_the_pipeline_model_and_fills_only_where_it_pays():
+    """Verifying alone, k maximises accepted tokens per pass time; filling the ring, passes
+    stand only while every guess before them does, so the model picks fewer drafts per pass,
+    and fills where the acceptance pays for the stale passes (not at 0.3)."""
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, row_cost=0.26)
+    state = speculation.SpecState(NgramDrafter([]))
+    for rate, fills in ((0.3, False), (0.7, True), (0.9, True)):
+        state.rate, state.filling = rate, False
+        alone, alone_gain = policy.best_draft(state, False)
+        assert policy.depth(state, decoding=1) == 1  # verifying alone: one pass in flight
+        state.filling = True
+        k, gain = policy.best_draft(state, True)
+        assert (policy.depth(state, decoding=1) == 3) == fills
+        assert policy.depth(state, decoding=3) == 1  # plain decoding fills the ring
+        if fills:
+            assert k < alone and gain > alone_gain  # shorter passes, more tokens per unit of time
+            assert policy.draft_len(state, decoding=1) == (k, False)
+            assert policy.draft_len(state, decoding=3) == (alone, False)
+    # the model's extremes: a drafter never right gains nothing either way; always right, the
+    # filled ring approaches one pass per stage time
+    assert speculation.fill_gain(0.0, 0, 0.26, 3) < 1 and speculation.verify_gain(0.0, 1, 0.26) < 1
+    assert 2.5 < speculation.fill_gain(0.999, 0, 0.0, 3) <= 3
+
+
 def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
     d = NgramDrafter([1, 2, 3, 1, 2, 3, 1, 2], ngram_min=2, ngram_max=4)
     assert d.propose([], 7) == [3, 1, 2, 3, 1, 2, 3]

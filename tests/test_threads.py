@@ -64,3 +64,28 @@ def test_wire_requests_take_an_integer_or_auto():
         with pytest.raises(RequestError) as e:
             threads_field(bad)
         assert str(e.value).startswith("threads must be an integer in [1, ")
+
+
+def test_an_engine_built_in_python_runs_the_threads_its_config_names(tiny_models):
+    # mdi-start sets torch's threads from runtime.threads; an Engine built by a script (the
+    # benchmarks, the Python API) did not, and ran torch's default: on a 2-core box a second
+    # thread that spun through the board's CPU quota.
+    from ringconfigs import parse_run_config
+    from mdi.model.sampling import SamplingParams
+    from mdi.model.source import ModelSource
+    from mdi.starter.engine import Engine
+    from mdi.starter.run_plan import plan_run
+    from mdi.starter.run_shape import RunShape
+    before = torch.get_num_threads()
+    model = tiny_models["llama"]
+    source = ModelSource(model)
+    try:
+        for asked, other in ((1, 2), (2, 1)):
+            torch.set_num_threads(other)
+            engine = Engine(plan_run(parse_run_config(model, runtime={"threads": asked}), source, RunShape(1, 16)),
+                            source, SamplingParams(0.0))
+            engine.open()
+            engine.close()
+            assert torch.get_num_threads() == asked
+    finally:
+        torch.set_num_threads(before)

@@ -18,9 +18,9 @@ def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", thre
     # Received frames wrap zmq's read-only buffers (mdi/ring/wire.py says why): nothing writes
     # to them, so torch's warning about non-writable tensors does not apply.
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    if isinstance(threads, int) and threads > 0:  # "auto" is decided once the model is loaded
-        import torch
-        torch.set_num_threads(threads)
+    if isinstance(threads, int):  # "auto" is decided once the model is loaded
+        from mdi.model.threads import use_fixed
+        use_fixed(threads)
 
 
 def fail(message: str, code: int) -> int:

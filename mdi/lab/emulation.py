@@ -50,7 +50,11 @@ def _asked(value: PerNode) -> bool:
 class EmulationSettings:
     mode: str = "auto"  # auto: use what works; on: all asked parts or fail; off: plain loopback
     cpu_quota: PerNode = None  # cores per node process (a list: per node index)
-    cpu_period_us: int = 100000
+    # The shortest period the kernel allows (a quota under 1 ms lengthens it: 0.5 core runs 1 ms
+    # per 2 ms). A board idle between passes runs a pass at full speed while its period's quota
+    # lasts: over 100 ms periods a 0.5-core board ran a ring's 3 ms stages unthrottled, a whole
+    # core's speed, and a ring at S = 1 looked faster than one such board alone.
+    cpu_period_us: int = 1000
     memory_limit_mb: PerNode = None  # per node process (a list: per node index)
     bandwidth_mbit: Optional[float] = None  # per node link, each direction
     latency_ms: float = 0.0  # one-way, added per hop by the delay proxy

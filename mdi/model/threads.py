@@ -29,6 +29,14 @@ ROUNDS = 3  # candidates alternate round by round, so a burst of load elsewhere 
 TIE = 0.03  # within 3% of the fastest, fewer threads win: they leave cores to the rest
 
 
+def use_fixed(threads: object) -> None:
+    """A run's runtime.threads when it is a number: torch set to it (auto and None leave it be).
+    Set before the first parallel op: a pool torch starts wider keeps a thread that spins on a
+    core, which a board under a CPU quota pays for."""
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0:
+        torch.set_num_threads(threads)
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask), else the machine's count."""
     try:

@@ -20,7 +20,7 @@ from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
 from mdi.model.source import ModelSource
 from mdi.model.kv_cache import KVCache
 from mdi.model.prefix_store import budget_bytes as prefix_budget
-from mdi.model.threads import AUTO, choose_threads
+from mdi.model.threads import AUTO, choose_threads, use_fixed as use_fixed_threads
 from mdi.model.transformer import ModelChunk
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline
@@ -137,6 +137,9 @@ class Engine:
         except ValueError as e:
             raise ConfigError("starter: runtime.prefix_cache: %s" % e)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
+        # mdi-start set it already; an engine built in Python had not (a benchmark's starter ran
+        # 2 threads on 2 cores, its second spinning through a CPU quota)
+        use_fixed_threads(self.cfg.runtime.threads)
         kernel_choice.set_memory_allowance(None if spare is None else spare - self.prefix_bytes)
         # its layers' weights leave the source once in the chunk (a GGUF's are held in memory)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant, consume=True)

@@ -44,10 +44,6 @@ RATE_PRIOR = 0.5  # the acceptance assumed before a sample's first verification
 RATE_MEMORY = 0.85  # weight of the past in the rolling acceptance (per verified draft)
 PAUSE_TOKENS = 16  # plain passes after a probe before a sample whose drafts do not pay drafts again
 MIN_GAIN = 1.05  # expected tokens per pass time a draft must beat plain decoding by
-# A pass is built on the guesses in flight only if it is this likely to stand: a stale pass
-# costs every board a pass, which boards that share CPUs (or a busy ring) pay in full. At 0.3
-# a drafter right 30% of the time halved ring3's speed on this 2-core machine.
-MIN_CHAIN_SURVIVAL = 0.6
 # Whether filling pays is measured, not assumed: boards that share CPUs (this project's 2-core
 # test machine runs 3 processes), or quota-limited ones, lose to the stale passes what idle
 # boards would gain. A sample tries each way for MODE_TRIAL verifications, keeps the one with
@@ -187,25 +183,58 @@ class SpecState:
             self.rate = RATE_MEMORY * self.rate + (1 - RATE_MEMORY) * (1.0 if i < agreed else 0.0)
 
 
+def verify_gain(a: float, k: int, row_cost: float) -> float:
+    """Expected tokens per unit of time, over plain decoding, of one pass at a time carrying k
+    drafts (each right with probability a): 1 + a + .. + a^k tokens per pass of 1 + row_cost * k."""
+    return (1 - a ** (k + 1)) / (1 - a) / (1 + row_cost * k)
+
+
+def fill_gain(a: float, k: int, row_cost: float, stages: int) -> float:
+    """The same with the ring filled: a pass of k + 1 rows enters every stage time (the ring's
+    latency over `stages`), each built on the guesses before it, until a guess fails. A pass
+    stands when all its k + 1 guesses do (a^(k+1)); the chain that ends at a failing pass gave
+    (k + 1) tokens per standing pass and j + 1 from the failing one (j of its guesses right).
+    It took one stage time per standing pass, the failing pass's whole trip, and a stage time
+    more for the next pass to get past the stale passes still running ahead of it."""
+    stands = a ** (k + 1)
+    standing = stands / (1 - stands)  # expected standing passes before the failing one
+    failing = sum((j + 1) * a ** j * (1 - a) for j in range(k + 1)) / (1 - stands)
+    trip = 1 + row_cost * k
+    return (standing * (k + 1) + failing) / (((standing + 1) / stages + 1) * trip)
+
+
 class SpecPolicy:
-    """How much one sample drafts and how many of its passes may be in flight."""
+    """How much one sample drafts and how many of its passes may be in flight: by the models
+    above, fed the sample's rolling acceptance and the measured row cost. Whether filling the
+    ring pays on these boards at all is measured (choose_way), not modelled."""
 
     def __init__(self, spec: SpeculationSpec, n_stages: int, row_cost: float) -> None:
         self.spec, self.n_stages, self.row_cost = spec, n_stages, row_cost
 
-    def draft_len(self, state: SpecState) -> Tuple[int, bool]:
-        """(k, probe): the k that maximises expected accepted tokens per unit of pass time; when
+    def fills(self, state: SpecState, decoding: int) -> bool:
+        """Whether this sample's passes are built on guesses in flight now: the way it measures
+        faster, on a ring with boards no other sample keeps busy."""
+        return self.spec.fill and state.filling and decoding < self.n_stages
+
+    def best_draft(self, state: SpecState, filling: bool) -> Tuple[int, float]:
+        """(k, expected gain over plain decoding) maximising tokens per unit of time: k drafts
+        per pass, with the ring filled or one pass at a time."""
+        a = min(state.rate, 0.999)
+        best, best_gain = 0, 1.0
+        for k in range(0 if filling else 1, self.spec.max_draft + 1):
+            gain = fill_gain(a, k, self.row_cost, self.n_stages) if filling else verify_gain(a, k, self.row_cost)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best, best_gain
+
+    def draft_len(self, state: SpecState, decoding: int = 1) -> Tuple[int, bool]:
+        """(k, probe): the k that maximises expected accepted tokens per unit of time; when
         none pays, one draft as a probe (the caller then pauses the sample, if it drafted), so
         the acceptance keeps being measured at a small cost."""
         if state.pause > 0:
             state.pause -= 1
             return 0, False
-        a = min(state.rate, 0.999)
-        best, best_gain = 0, 1.0
-        for k in range(1, self.spec.max_draft + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + self.row_cost * k)
-            if gain > best_gain:
-                best, best_gain = k, gain
+        best, best_gain = self.best_draft(state, self.fills(state, decoding))
         if best_gain < MIN_GAIN:
             return 1, True
         return best, False
@@ -219,13 +248,11 @@ class SpecPolicy:
             state.filling, state.trial = not state.filling, 0
 
     def depth(self, state: SpecState, decoding: int) -> int:
-        """Passes of this sample allowed in flight: one per board while it measures filling as
-        the faster way, the ring has boards no other sample keeps busy and the chain is likely
-        to stand, else one."""
-        if not self.spec.fill or not state.filling or decoding >= self.n_stages:
+        """Passes of this sample allowed in flight: one per board while it fills the ring and
+        the model says its acceptance pays for the stale passes, else one."""
+        if not self.fills(state, decoding) or state.pause > 0:
             return 1
-        survival = state.rate ** max(1, len(state.frontier))
-        return self.n_stages if survival >= MIN_CHAIN_SURVIVAL else 1
+        return self.n_stages if self.best_draft(state, True)[1] >= MIN_GAIN else 1
 
     def next_pass(self, sample: Sample, decoding: int, first: bool, max_len: int) -> Optional[Tuple[int, List[int]]]:
         """(start, tokens) of a speculating sample's next pass, noted in its state as sent:
@@ -237,7 +264,7 @@ class SpecPolicy:
         room = min(sample.max_new_tokens - len(sample.token_ids), max_len - sample.window_len)
         if first:
             start = sample.window_len - 1
-            k, probe = self.draft_len(spec) if self.active(decoding) else (0, False)
+            k, probe = self.draft_len(spec, decoding) if self.active(decoding) else (0, False)
             k = min(k, room - 1)
             spec.frontier = spec.drafter.propose([], k) if k > 0 else []
             if probe and spec.frontier:
@@ -246,7 +273,7 @@ class SpecPolicy:
         else:
             last = spec.passes[-1]
             start = last.start + last.count
-            n = min(self.draft_len(spec)[0] + 1, room - 1 - len(spec.frontier))
+            n = min(self.best_draft(spec, True)[0] + 1, room - 1 - len(spec.frontier))
             tokens = spec.drafter.propose(spec.frontier, n) if n > 0 else []
             if not tokens:
                 return None
@@ -278,7 +305,12 @@ def measure_row_cost(chunk: Any, rows: int, repeats: int = 5) -> float:
     row: the least disturbed of `repeats` timings of each (other processes only add time), in
     a scratch cache slot (slot 0, before any sample holds it). Memory-bound layers read their
     weights once for all rows, so it is small there; compute-bound kernels pay per row (torch's
-    int4 kernel on a CPU without bfloat16 instructions: ~0.4 per row on SmolLM2)."""
+    int4 kernel on a CPU without bfloat16 instructions: ~0.4 per row on SmolLM2).
+
+    Timed in the process's CPU time, not the wall clock: a board held to a CPU quota (a cgroup,
+    mdi-bench's emulated boards, a container) is throttled in whole periods, so a one-row pass
+    that fits the period's quota and a longer one that does not differ by the throttling, not
+    the work (0.5 core: 2.04 per row by the wall clock, which switched drafting off)."""
     device = next(chunk.parameters()).device
     width = chunk.config.n_embd
     timings: Dict[int, List[float]] = {1: [], rows: []}
@@ -287,8 +319,8 @@ def measure_row_cost(chunk: Any, rows: int, repeats: int = 5) -> float:
             for n in (1, rows):
                 batch = RowBatch.of([0], [0], [n], device)
                 x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 chunk.forward_rows(x, batch)
-                timings[n].append(time.perf_counter() - t0)
+                timings[n].append(time.process_time() - t0)
     one, many = min(timings[1]), min(timings[rows])
     return max(0.0, (many - one) / one / max(1, rows - 1))
