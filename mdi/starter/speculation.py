@@ -310,17 +310,21 @@ def measure_row_cost(chunk: Any, rows: int, repeats: int = 5) -> float:
     Timed in the process's CPU time, not the wall clock: a board held to a CPU quota (a cgroup,
     mdi-bench's emulated boards, a container) is throttled in whole periods, so a one-row pass
     that fits the period's quota and a longer one that does not differ by the throttling, not
-    the work (0.5 core: 2.04 per row by the wall clock, which switched drafting off)."""
+    the work (0.5 core: 2.04 per row by the wall clock, which switched drafting off). A GPU's
+    passes are timed by the wall clock, each waited for (its host thread idles meanwhile)."""
     device = next(chunk.parameters()).device
     width = chunk.config.n_embd
     timings: Dict[int, List[float]] = {1: [], rows: []}
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     with torch.inference_mode():
         for _ in range(repeats):
             for n in (1, rows):
                 batch = RowBatch.of([0], [0], [n], device)
                 x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
-                t0 = time.process_time()
+                t0 = clock()
                 chunk.forward_rows(x, batch)
-                timings[n].append(time.process_time() - t0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                timings[n].append(clock() - t0)
     one, many = min(timings[1]), min(timings[rows])
     return max(0.0, (many - one) / one / max(1, rows - 1))
