@@ -21,12 +21,11 @@ from mdi.model.transformer import full_model
 
 @pytest.fixture(scope="module")
 def slow_model(tmp_path_factory):
-    """Big enough that 900 tokens take seconds, so a signal lands mid-run (at n_embd 256 an
-    AVX-512 box ran both samples' 1800 tokens in 1.3 s, and one CI run ended before its signal)."""
+    """Big enough that 900 tokens take seconds, so a signal lands mid-run."""
     path = str(tmp_path_factory.mktemp("slow") / "m")
     torch.manual_seed(0)
-    config = ModelConfig(name="slow", family="llama", vocab_size=len(CHARS), n_layer=4, n_embd=512, n_head=8,
-                         n_kv_head=2, intermediate_size=2048, block_size=1024, tied_head=True)
+    config = ModelConfig(name="slow", family="llama", vocab_size=len(CHARS), n_layer=4, n_embd=256, n_head=8,
+                         n_kv_head=2, intermediate_size=768, block_size=1024, tied_head=True)
     model = full_model(config)
     save_model_dir(path, config, model.state_dict(), "tests/test_signals.py")
     char_tokenizer(CHARS).save(path)
