@@ -32,6 +32,13 @@ def slow_model(tmp_path_factory):
     return path
 
 
+def _sigint_as_at_a_terminal():
+    # A suite started in the background (`cmd &` in a script, nohup) hands its children SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: mdi-start rightly runs to
+    # the end, as a nohup'ed run should. The user this test stands for is at a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _state(worker):
     return requests.get("http://127.0.0.1:%d/status" % worker.port, timeout=5).json()["state"]
 
@@ -44,7 +51,7 @@ def test_a_signal_ends_the_ring_at_once_and_keeps_the_partial_run(tmp_path, slow
     metrics = tmp_path / "m.json"
     proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", cfg, "--prompt", "a", "--prompt", "b",
                              "--metrics-out", str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            universal_newlines=True)
+                            universal_newlines=True, preexec_fn=_sigint_as_at_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while _state(worker) != "running":
