@@ -33,9 +33,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import (DEFAULT_MODEL, ROOT, CpuCgroups, WorkerProcess, cgroup_unavailable_reason,  # noqa: E402
-                      decode_timing, finish_machine_info, fmt_stat, machine_info, note_load, print_table,
-                      save_record, stop_workers, summarize)
+from benchlib import (DEFAULT_MODEL, ROOT, WorkerProcess, cgroup_unavailable_reason, decode_timing,  # noqa: E402
+                      finish_machine_info, fmt_stat, machine_info, node_cgroups, note_load, print_table, save_record,
+                      stop_workers, summarize)
 from mdi.lab.cgroups import quota_and_period  # noqa: E402
 
 PROMPTS_FILE = os.path.join(ROOT, "scripts", "speculation_prompts.json")
@@ -203,12 +203,10 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
     longest = max(len(ids) for p in sets.values() for ids in p)
     max_len = longest + args.tokens + 8
     cgroups = None
-    if setup == "emulated":
-        cgroups = CpuCgroups("mdi_bench_spec")
-        for name in ("starter", "board1", "board2"):
-            cgroups.create(name)
-            cgroups.set_quota(name, args.board_cores, args.board_period_us)
-        cgroups.join("starter")
+    if setup == "emulated":  # main() skipped it where cgroups cannot be used
+        cgroups = node_cgroups("mdi_bench_spec", args.board_cores, 3, args.board_period_us)
+        if cgroups is not None:  # None: --board-cores 0
+            cgroups.join("starter")
     workers: List[Any] = []
     record: Dict[str, Any] = {"board_cores": args.board_cores if cgroups else None,
                               "board_period_us": quota_and_period(args.board_cores, args.board_period_us)[1] if cgroups else None}

@@ -152,16 +152,17 @@ def stop_workers(workers: Sequence["WorkerProcess"], cgroups: Optional["CpuCgrou
             print("warning: %s" % problem, file=sys.stderr)
 
 
-def node_cgroups(name: str, quota: float, nodes: int) -> Optional["CpuCgroups"]:
-    """CPU groups "starter", "board1".. of `quota` cores each (CFS period 10 ms), or None with
-    --quota 0 or where cgroup v1 is missing (said on stderr, with the quota that holds)."""
+def node_cgroups(name: str, quota: float, nodes: int, period_us: int = 10000) -> Optional["CpuCgroups"]:
+    """CPU groups "starter", "board1".. of `quota` cores each (CFS period `period_us`, lengthened
+    where the kernel needs: mdi.lab.cgroups.quota_and_period), or None with --quota 0 or where
+    cgroup v1 is missing (said on stderr, with the quota that holds)."""
     why = cgroup_unavailable_reason() if quota > 0 else "--quota 0"
     cgroups = None
     if why is None:
         cgroups = CpuCgroups(name)
         for node in ["starter"] + ["board%d" % i for i in range(1, nodes)]:
             cgroups.create(node)
-            cgroups.set_quota(node, quota, 10000)
+            cgroups.set_quota(node, quota, period_us)
     print("CPU quota: %s" % ("%.2f core per node" % quota if cgroups else "none (%s)" % why), file=sys.stderr)
     return cgroups
 

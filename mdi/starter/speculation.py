@@ -227,7 +227,7 @@ class SpecPolicy:
                 best, best_gain = k, gain
         return best, best_gain
 
-    def draft_len(self, state: SpecState, decoding: int = 1) -> Tuple[int, bool]:
+    def draft_len(self, state: SpecState, decoding: int) -> Tuple[int, bool]:
         """(k, probe): the k that maximises expected accepted tokens per unit of time; when
         none pays, one draft as a probe (the caller then pauses the sample, if it drafted), so
         the acceptance keeps being measured at a small cost."""
