@@ -189,13 +189,13 @@ def sweep(ring: Ring, prompts: List[List[int]], n_tokens: int, agrees: List[floa
     return out
 
 
-def theory(a: float, max_draft: int, row_cost: float, stages: int) -> Dict[str, float]:
+def theory(a: float, max_draft: int, costs: Any, stages: int) -> Dict[str, float]:
     """Speed-up over the plain ring by the models the policy runs on (mdi.starter.speculation:
-    each draft accepted with probability a independently, a pass of 1 + k rows costing
-    1 + row_cost * k one-row passes), at the best k: verification alone, and the ring filled."""
+    each draft accepted with probability a independently, a pass of 1 + k rows costing what the
+    starter measured, `costs`: a PassCosts), at the best k: verification alone, and the ring filled."""
     from mdi.starter.speculation import fill_gain, verify_gain
-    return {"verify": max(verify_gain(a, k, row_cost) for k in range(max_draft + 1)),
-            "fill": max(fill_gain(a, k, row_cost, stages) for k in range(max_draft + 1))}
+    return {"verify": max(verify_gain(a, k, costs.of(k + 1)) for k in range(max_draft + 1)),
+            "fill": max(fill_gain(a, k, costs.of(k + 1), stages) for k in range(max_draft + 1))}
 
 
 def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str, Any]:
@@ -223,10 +223,11 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
         for w in workers:
             w.wait_healthy(90)
         ring = Ring(args.model, workers, args.kernel, n_slots, max_len, layers=args.layers)
-        record["row_cost"] = ring.engine.pipeline.row_cost
+        costs = ring.engine.pipeline.pass_costs
+        record["pass_costs"] = costs.to_json()
         record["ranges"] = ring.engine.ranges
-        print("\n== %s: 3 nodes%s; a pass's extra row costs %.2f of a one-row pass on the starter"
-              % (setup, ", %.2f core each" % args.board_cores if cgroups else " x 1 thread", record["row_cost"]))
+        print("\n== %s: 3 nodes%s; passes of 1, 2, .. rows cost %s one-row passes on the starter"
+              % (setup, ", %.2f core each" % args.board_cores if cgroups else " x 1 thread", record["pass_costs"]))
         record["prompts"] = run_prompts(ring, sets, args.tokens)
         for name in sets:
             ring_ngram = record["prompts"][name]["ngram"]["tokens_per_s"]["median"]
@@ -235,7 +236,7 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
         agrees = [float(a) for a in args.sweep.split(",") if a]
         if agrees:
             record["sweep"] = sweep(ring, sets["free"][:args.sweep_prompts], args.tokens, agrees)
-            record["theory"] = {str(a): theory(a, 8, record["row_cost"], 3) for a in agrees}
+            record["theory"] = {str(a): theory(a, 8, costs, 3) for a in agrees}
         if args.batch:
             both = {}
             prompts = [sets["copy"][i % len(sets["copy"])] for i in range(args.batch)]
@@ -267,9 +268,10 @@ def draft_run(args, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str,
                 workers.append(WorkerProcess("board%d" % (len(workers) + 1), 1, log_dir, None))
                 workers[-1].wait_healthy(90)
             ring = Ring(args.model, workers, args.kernel, 1, max_len, args.draft_target_quant, spec)
-            print("\n== draft model, %s: target %s, draft %s %s; a pass's extra row costs %.2f"
-                  % (setup, args.draft_target_quant, args.draft_model, args.draft_quant, ring.engine.pipeline.row_cost))
-            record[setup] = {"row_cost": ring.engine.pipeline.row_cost,
+            costs = ring.engine.pipeline.pass_costs.to_json()
+            print("\n== draft model, %s: target %s, draft %s %s; passes of 1, 2, .. rows cost %s one-row passes"
+                  % (setup, args.draft_target_quant, args.draft_model, args.draft_quant, costs))
+            record[setup] = {"pass_costs": costs,
                              "prompts": run_prompts(ring, sets, args.tokens, draft_modes())}
             ring.close()
     finally:
@@ -302,8 +304,7 @@ def plot(record: Dict[str, Any], path: str) -> None:
                     label="%s, %s" % (setup, "filling" if mode == "fill" else "verify only"))
         for mode, style in (("fill", "--"), ("verify", ":")):
             ax.plot(agrees, [rec["theory"][str(a)][mode] for a in agrees], style,
-                    label="%s, model: %s (row cost %.2f)" % (setup, "filling" if mode == "fill" else "verify only",
-                                                              rec["row_cost"]))
+                    label="%s, model: %s" % (setup, "filling" if mode == "fill" else "verify only"))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("drafter agreement a")
     ax.set_ylabel("decode tokens/s vs plain ring (S = 1)")

@@ -109,6 +109,54 @@ def test_scripted_decode_is_the_eager_result_bit_for_bit(kind, quant, kernel, co
                 kind, quant, samples, step, float((a - b).abs().max()))
 
 
+def verify(chunk, fused: bool, counts, passes: int):
+    """Prefill one prompt per sample, then `passes` speculative verification frames
+    (RowBatch.row_wise) of `counts` rows per sample, each pass's tokens the greedy ids of the
+    last; the logits of every row of every pass."""
+    chunk.fused_decode = fused
+    chunk._decode_script.clear()
+    chunk.allocate_cache(len(counts) + 1, 60)
+    vocab = chunk.config.vocab_size
+    out = []
+    with torch.inference_mode():
+        for s in range(len(counts)):
+            prompt = (torch.arange(3 + s) * 7) % vocab
+            chunk.forward_rows(chunk.embed_rows(prompt, torch.arange(len(prompt))),
+                               RowBatch.of([s + 1], [0], [len(prompt)]))
+        starts = [3 + s for s in range(len(counts))]
+        ids = torch.arange(sum(counts)) % vocab
+        for _ in range(passes):
+            batch = RowBatch.of([s + 1 for s in range(len(counts))], starts, counts, row_wise=True)
+            logits = chunk.head(chunk.forward_rows(chunk.embed_rows(ids, batch.positions), batch))
+            out.append(logits)
+            ids = logits.argmax(-1)
+            starts = [start + c - 1 for start, c in zip(starts, counts)]  # the last row rejected: overwritten
+    return out
+
+
+@pytest.mark.parametrize("quant,kernel", [("none", None), ("int4", "int4pack-cpu"), ("int4", "int8dyn-fbgemm")])
+@pytest.mark.parametrize("counts", [[4], [3, 1, 5]])
+def test_a_verification_runs_as_one_call_with_each_rows_decode_result(quant, kernel, counts, count_fused):
+    """Every row of a verification (one sample or several, with plain decode rows beside) is
+    bit for bit what the eager blocks give it, and each such frame runs as one call."""
+    if kernel is not None and "int4" in kernel and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("no int4 packed kernel in this torch")
+    if kernel == "int8dyn-fbgemm" and not qkernels.INT8_FBGEMM.supports(qkernels.QuantSpec("int8", 32), 64, 64,
+                                                                        torch.device("cpu")):
+        pytest.skip("no fbgemm engine in this torch")
+    qkernels.set_preference(kernel)
+    try:
+        chunk = chunk_of(config_of("qwen3"), quant)
+    finally:
+        qkernels.set_preference(None)
+    eager = verify(chunk, False, counts, 5)
+    del count_fused[:]
+    scripted = verify(chunk, True, counts, 5)
+    assert count_fused.count(True) == 5  # the verifications; the prefills ran eagerly
+    for i, (a, b) in enumerate(zip(eager, scripted)):
+        assert torch.equal(a, b), "pass %d differs by %.3g" % (i, float((a - b).abs().max()))
+
+
 def test_a_middle_chunk_and_long_contexts(count_fused, monkeypatch):
     """A worker's chunk (no embedding or head) takes the same path; several samples whose
     caches outgrow one call's gather fall back to the eager per-sample loop, still equal."""

@@ -41,7 +41,7 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
 def test_a_sample_keeps_the_way_it_measures_faster():
     """Filling the ring or verifying alone: each tried for MODE_TRIAL verifications, then the
     faster kept, the other tried again after MODE_RETRY."""
-    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, row_cost=0.1)
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.1, 9))
     state = speculation.SpecState(NgramDrafter([]))
     clock = [0.0]
 
@@ -66,7 +66,7 @@ def test_a_filling_sample_drafts_by_the_pipeline_model_and_fills_only_where_it_p
     """Verifying alone, k maximises accepted tokens per pass time; filling the ring, passes
     stand only while every guess before them does, so the model picks fewer drafts per pass,
     and fills where the acceptance pays for the stale passes (not at 0.3)."""
-    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, row_cost=0.26)
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.26, 9))
     state = speculation.SpecState(NgramDrafter([]))
     for rate, fills in ((0.3, False), (0.7, True), (0.9, True)):
         state.rate, state.filling = rate, False
@@ -82,8 +82,8 @@ def test_a_filling_sample_drafts_by_the_pipeline_model_and_fills_only_where_it_p
             assert policy.draft_len(state, decoding=3) == (alone, False)
     # the model's extremes: a drafter never right gains nothing either way; always right, the
     # filled ring approaches one pass per stage time
-    assert speculation.fill_gain(0.0, 0, 0.26, 3) < 1 and speculation.verify_gain(0.0, 1, 0.26) < 1
-    assert 2.5 < speculation.fill_gain(0.999, 0, 0.0, 3) <= 3
+    assert speculation.fill_gain(0.0, 0, 1.0, 3) < 1 and speculation.verify_gain(0.0, 1, 1.26) < 1
+    assert 2.5 < speculation.fill_gain(0.999, 0, 1.0, 3) <= 3
 
 
 def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
@@ -101,7 +101,7 @@ def run_local(chunk, prompts, n_tokens, spec=None, factory=None, params=Sampling
                for i, p in enumerate(prompts)]
     pipe = Pipeline(chunk, LocalLoop(), 1, params, None, max_batch=max_batch, prefill_chunk=8,
                     context_shift=context_shift, speculation=spec, n_stages=n_stages, drafter_factory=factory)
-    pipe.row_cost = 0.0  # rows are free here: draft as much as the acceptance pays for
+    pipe.pass_costs = speculation.PassCosts.linear(0.0, 9)  # rows are free here: draft as much as the acceptance pays for
     with torch.no_grad():
         pipe.run(samples)
     return [s.token_ids for s in samples], pipe

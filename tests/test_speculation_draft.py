@@ -76,7 +76,7 @@ def run_local(chunk, prompts, n_tokens, draft=None, params=SamplingParams(0.0), 
     if draft is not None:
         model = DraftModel(draft, prefill_chunk=8)
         pipe.drafter_factory = lambda s: ModelDrafter(model, s)
-    pipe.row_cost = 0.0  # rows are free here: draft as much as the acceptance pays for
+    pipe.pass_costs = speculation.PassCosts.linear(0.0, 9)  # rows are free here: draft as much as the acceptance pays for
     with torch.no_grad():
         pipe.run(samples)
     return [s.token_ids for s in samples], pipe

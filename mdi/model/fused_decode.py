@@ -10,7 +10,8 @@ result is the eager path's, bit for bit (tests/test_fused_decode.py checks it).
 It covers Llama-family blocks (RMSNorm, RoPE, SiLU-gated MLP; a qkv bias as in Qwen2.5, q/k
 norms as in Qwen3) whose linear layers are float32 or use the CPU int4 packed or int8 integer
 kernels (the latter through their own module, mdi.model.qkernels.Int8DynamicLinear), with
-float32 activations on the CPU, for frames where every sample brings one row (decode) and no
+float32 activations on the CPU, for frames where every sample brings one row (decode) or where
+every row stands for a decode step (a speculative verification, `RowBatch.row_wise`), and no
 adapter is in use. Everything else (prefill, GPT-2, the `exact` dequantizing kernels, CUDA,
 torch without `torch.rms_norm` such as JetPack 5's 2.0) runs the eager blocks, which stay the
 reference. A chunk's `fused_decode` (runtime.fused_decode, sent to every worker in /init and
@@ -108,7 +109,7 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slot: int, start: int, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                several: bool) -> torch.Tensor:
+                several: bool, row_slots: List[int], row_positions: List[int]) -> torch.Tensor:
         R = x.shape[0]
         H, KV, D = self.H, self.KV, self.D
         qkv = self.qkv(torch.rms_norm(x, [self.C], self.n1, self.eps1)).view(R, H + 2 * KV, D)
@@ -117,7 +118,13 @@ class _Block(torch.nn.Module):
             qk = torch.cat((torch.rms_norm(qk[:, :H], [D], self.q_norm, self.q_eps),
                             torch.rms_norm(qk[:, H:], [D], self.k_norm, self.k_eps)), dim=1)
         qk = rotate(qk, cos, sin)
-        if several:
+        if len(row_slots) > 0:  # a verification: each row attends as its own decode step
+            ys = []
+            for r in range(R):
+                ys.append(attend_sample(qk[r:r + 1], vv[r:r + 1], k[row_slots[r]], v[row_slots[r]], row_positions[r],
+                                        H, KV, D))
+            y = torch.cat(ys)
+        elif several:
             y = attend_decode_rows(qk, vv, k, v, slots, positions, mask, H, KV, D)
         else:
             y = attend_sample(qk, vv, k[slot], v[slot], start, H, KV, D)
@@ -133,9 +140,9 @@ class _Blocks(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slot: int, start: int, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                several: bool) -> torch.Tensor:
+                several: bool, row_slots: List[int], row_positions: List[int]) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
-            x = block(x, k[i], v[i], cos, sin, slot, start, slots, positions, mask, several)
+            x = block(x, k[i], v[i], cos, sin, slot, start, slots, positions, mask, several, row_slots, row_positions)
         return x
 
 
@@ -201,22 +208,31 @@ def build(chunk: Any) -> Optional[torch.jit.ScriptModule]:
 
 def forward(scripted: torch.jit.ScriptModule, chunk: Any, x: torch.Tensor, batch: Any,
             in_one_call: bool) -> Optional[torch.Tensor]:
-    """The blocks over a decode frame's rows, or None when the frame is not one (prefill,
-    adapters, rows that are not float32 on the CPU, several samples that the eager blocks
-    would not attend `in_one_call` either)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or chunk.lora.groups \
-            or not all(count == 1 for count in batch.counts):
+    """The blocks over a decode frame's rows, or a verification's (`batch.row_wise`: each row
+    attends as the decode step it stands for, as the eager blocks do it), or None when the
+    frame is neither (prefill, adapters, rows that are not float32 on the CPU, several
+    samples that the eager blocks would not attend `in_one_call` either)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or chunk.lora.groups:
+        return None
+    row_wise = batch.row_wise and batch.rows > len(batch.slots)
+    if not row_wise and not all(count == 1 for count in batch.counts):
         return None
     cache = chunk.cache
     several = len(batch.slots) > 1
-    if several and not in_one_call:
+    if several and not row_wise and not in_one_call:
         return None
     cos, sin = chunk.rope.row_tables(batch, x.dtype)
+    row_slots, row_positions = [], []  # type: List[int], List[int]
+    if row_wise:
+        for slot, start, count in zip(batch.slots, batch.starts, batch.counts):
+            row_slots += [slot] * count
+            row_positions += range(start, start + count)
     # TorchScript's optimizing executor spends ~0.5 s on its passes at the second call and,
     # with nothing here it may fuse, gains nothing: the plain executor runs (a per-thread flag).
     with torch.jit.optimized_execution(False):
-        if several:
-            slots, positions, mask = batch.decode_index(x.device)
-            return scripted(x, cache.k, cache.v, cos, sin, 0, 0, slots, positions, mask, True)
         empty = cos[:0]
-        return scripted(x, cache.k, cache.v, cos, sin, batch.slots[0], batch.starts[0], empty, empty, empty, False)
+        if several and not row_wise:
+            slots, positions, mask = batch.decode_index(x.device)
+            return scripted(x, cache.k, cache.v, cos, sin, 0, 0, slots, positions, mask, True, row_slots, row_positions)
+        return scripted(x, cache.k, cache.v, cos, sin, batch.slots[0], batch.starts[0], empty, empty, empty, False,
+                        row_slots, row_positions)

@@ -32,7 +32,7 @@ from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
 from mdi.starter.run_plan import RunPlan
 from mdi.starter.session import RingSession
-from mdi.starter.speculation import measure_row_cost
+from mdi.starter.speculation import measure_pass_costs
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ class Engine:
         self.pipeline.draft_model = draft_model
         self._enable_prefix_cache()
         if self.speculating:  # before any sample holds a slot: it times passes in slot 0
-            self.pipeline.row_cost = measure_row_cost(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
-            log.info("mdi: starter: a pass's extra row costs %.3f of a one-row pass", self.pipeline.row_cost)
+            self.pipeline.pass_costs = measure_pass_costs(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
+            log.info("mdi: starter: passes of 1, 2, .. rows cost %s one-row passes", self.pipeline.pass_costs.to_json())
 
     def close(self) -> List[NodeReport]:
         """Send the stop frame round the ring; return each worker's counters."""

@@ -33,7 +33,7 @@ from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.draft_model import DraftModel
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
-from mdi.starter.speculation import Drafter, SpecCounters, SpecPolicy, SpecState, new_drafter
+from mdi.starter.speculation import Drafter, PassCosts, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
@@ -111,10 +111,10 @@ class Pipeline:
         self.batching = BatchCounter()  # rows and samples per forward of the starter's layers
         self.last_progress = time.monotonic()  # a pass came back, or the ring went from idle to busy
         # Speculation: the run's setting (a sample may carry its own), the boards of the ring,
-        # and what a pass's extra rows cost (measure_row_cost; the engine measures it).
+        # and what passes of several rows cost (measure_pass_costs; the engine measures them).
         self.speculation = speculation or SpeculationSpec()
         self.n_stages = n_stages
-        self.row_cost = 0.1
+        self.pass_costs = PassCosts.linear(0.1, 1 + self.speculation.max_draft)
         # Frames carry each sample's pass epoch once any sample may speculate (tag_epochs: one
         # may later, e.g. a served request): only then can a stale pass be in flight.
         self.tag_epochs = tag_epochs or self.speculation.on
@@ -253,7 +253,7 @@ class Pipeline:
         return plain
 
     def _policy(self, sample: Sample) -> SpecPolicy:
-        return SpecPolicy(sample.speculation or self.speculation, self.n_stages, self.row_cost)
+        return SpecPolicy(sample.speculation or self.speculation, self.n_stages, self.pass_costs)
 
     def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int,
                    first: bool) -> Optional[Tuple[Sample, int, List[int]]]:

@@ -21,9 +21,9 @@ positions (attention reads a slot only up to each row's position), so the rows a
 wrote are simply overwritten by the next pass at those positions.
 
 How much to draft is measured per sample: the rolling acceptance `rate` (the fraction of drafted
-tokens the target agreed with) and the cost of a pass's extra rows (`row_cost`, a pass of 1 + k
-rows costs 1 + row_cost * k passes of one row, measured on the starter's chunk) choose k to
-maximise expected tokens per unit of pass time; when no k pays, the sample drafts nothing for a
+tokens the target agreed with) and what a pass of 1 + k rows costs in passes of one row
+(`PassCosts`, measured on the starter's chunk) choose k to maximise expected tokens per unit of
+pass time; when no k pays, the sample drafts nothing for a
 while and probes again later. Passes are built on guesses only while the ring has fewer
 decoding samples than boards, and no sample drafts once it holds more than one per board:
 plain decoding and batching fill the ring then (speculation yields to them).
@@ -183,33 +183,64 @@ class SpecState:
             self.rate = RATE_MEMORY * self.rate + (1 - RATE_MEMORY) * (1.0 if i < agreed else 0.0)
 
 
-def verify_gain(a: float, k: int, row_cost: float) -> float:
+@dataclass(frozen=True)
+class PassCosts:
+    """What a pass of r rows costs, in passes of one row: `relative[r - 1]` (1.0 for one row).
+    Measured (measure_pass_costs), as it is not a line: torch's packed int4 CPU kernel
+    multiplies rows in blocks of 4, so on SmolLM2 at 1 thread (AVX-512) 4 rows cost 1.45
+    one-row passes and 5 cost 2.2. Three drafts per pass then pay where four do not."""
+    relative: Tuple[float, ...]
+
+    @classmethod
+    def linear(cls, row_cost: float, max_rows: int) -> "PassCosts":
+        """Each row beyond the first adds `row_cost` (a model's, or a test's free rows at 0)."""
+        return cls(tuple(1.0 + row_cost * r for r in range(max(1, max_rows))))
+
+    def of(self, rows: int) -> float:
+        """A pass of `rows` rows; beyond the measured ones, their mean extra row's cost more each."""
+        n = len(self.relative)
+        if rows <= n:
+            return self.relative[max(rows, 1) - 1]
+        return self.relative[-1] + self.row_cost * (rows - n)
+
+    @property
+    def row_cost(self) -> float:
+        """The mean cost of an extra row over the widest measured pass (a one-number summary)."""
+        n = len(self.relative)
+        return (self.relative[-1] - 1.0) / (n - 1) if n > 1 else 0.0
+
+    def to_json(self) -> List[float]:
+        return [round(c, 3) for c in self.relative]
+
+
+def verify_gain(a: float, k: int, trip: float) -> float:
     """Expected tokens per unit of time, over plain decoding, of one pass at a time carrying k
-    drafts (each right with probability a): 1 + a + .. + a^k tokens per pass of 1 + row_cost * k."""
-    return (1 - a ** (k + 1)) / (1 - a) / (1 + row_cost * k)
+    drafts (each right with probability a): 1 + a + .. + a^k tokens per pass of k + 1 rows, which
+    costs `trip` passes of one row (PassCosts.of(k + 1))."""
+    return (1 - a ** (k + 1)) / (1 - a) / trip
 
 
-def fill_gain(a: float, k: int, row_cost: float, stages: int) -> float:
+def fill_gain(a: float, k: int, trip: float, stages: int) -> float:
     """The same with the ring filled: a pass of k + 1 rows enters every stage time (the ring's
     latency over `stages`), each built on the guesses before it, until a guess fails. A pass
     stands when all its k + 1 guesses do (a^(k+1)); the chain that ends at a failing pass gave
     (k + 1) tokens per standing pass and j + 1 from the failing one (j of its guesses right).
     It took one stage time per standing pass, the failing pass's whole trip, and a stage time
-    more for the next pass to get past the stale passes still running ahead of it."""
+    more for the next pass to get past the stale passes still running ahead of it. `trip`: what
+    a pass of k + 1 rows costs in passes of one row."""
     stands = a ** (k + 1)
     standing = stands / (1 - stands)  # expected standing passes before the failing one
     failing = sum((j + 1) * a ** j * (1 - a) for j in range(k + 1)) / (1 - stands)
-    trip = 1 + row_cost * k
     return (standing * (k + 1) + failing) / (((standing + 1) / stages + 1) * trip)
 
 
 class SpecPolicy:
     """How much one sample drafts and how many of its passes may be in flight: by the models
-    above, fed the sample's rolling acceptance and the measured row cost. Whether filling the
-    ring pays on these boards at all is measured (choose_way), not modelled."""
+    above, fed the sample's rolling acceptance and the measured pass costs. Whether filling
+    the ring pays on these boards at all is measured (choose_way), not modelled."""
 
-    def __init__(self, spec: SpeculationSpec, n_stages: int, row_cost: float) -> None:
-        self.spec, self.n_stages, self.row_cost = spec, n_stages, row_cost
+    def __init__(self, spec: SpeculationSpec, n_stages: int, costs: PassCosts) -> None:
+        self.spec, self.n_stages, self.costs = spec, n_stages, costs
 
     def fills(self, state: SpecState, decoding: int) -> bool:
         """Whether this sample's passes are built on guesses in flight now: the way it measures
@@ -222,7 +253,8 @@ class SpecPolicy:
         a = min(state.rate, 0.999)
         best, best_gain = 0, 1.0
         for k in range(0 if filling else 1, self.spec.max_draft + 1):
-            gain = fill_gain(a, k, self.row_cost, self.n_stages) if filling else verify_gain(a, k, self.row_cost)
+            trip = self.costs.of(k + 1)
+            gain = fill_gain(a, k, trip, self.n_stages) if filling else verify_gain(a, k, trip)
             if gain > best_gain:
                 best, best_gain = k, gain
         return best, best_gain
@@ -300,12 +332,12 @@ def new_drafter(spec: SpeculationSpec, sample: Sample, draft_model: Optional[Dra
     raise ValueError("speculation method %r has no drafter here" % spec.method)
 
 
-def measure_row_cost(chunk: Any, rows: int, repeats: int = 5) -> float:
-    """A pass of 1 + (rows - 1) rows through `chunk` costs 1 + row_cost * (rows - 1) passes of one
-    row: the least disturbed of `repeats` timings of each (other processes only add time), in
-    a scratch cache slot (slot 0, before any sample holds it). Memory-bound layers read their
-    weights once for all rows, so it is small there; compute-bound kernels pay per row (torch's
-    int4 kernel on a CPU without bfloat16 instructions: ~0.4 per row on SmolLM2).
+def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts:
+    """What a pass of 1 .. max_rows rows through `chunk` costs in passes of one row, each the
+    least disturbed of `repeats` timings (other processes only add time), run as verifications
+    run (row by row attention, decode kernels), in a scratch cache slot (slot 0, before any
+    sample holds it). Memory-bound layers read their weights once for all rows, so extra rows
+    cost little there; compute-bound kernels pay per row or per block of rows.
 
     Timed in the process's CPU time, not the wall clock: a board held to a CPU quota (a cgroup,
     mdi-bench's emulated boards, a container) is throttled in whole periods, so a one-row pass
@@ -314,17 +346,22 @@ def measure_row_cost(chunk: Any, rows: int, repeats: int = 5) -> float:
     passes are timed by the wall clock, each waited for (its host thread idles meanwhile)."""
     device = next(chunk.parameters()).device
     width = chunk.config.n_embd
-    timings: Dict[int, List[float]] = {1: [], rows: []}
+    sizes = range(1, max(1, max_rows) + 1)
+    timings: Dict[int, List[float]] = {n: [] for n in sizes}
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     with torch.inference_mode():
         for _ in range(repeats):
-            for n in (1, rows):
-                batch = RowBatch.of([0], [0], [n], device)
+            for n in sizes:
+                batch = RowBatch.of([0], [0], [n], device, row_wise=True)
                 x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
                 t0 = clock()
                 chunk.forward_rows(x, batch)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 timings[n].append(clock() - t0)
-    one, many = min(timings[1]), min(timings[rows])
-    return max(0.0, (many - one) / one / max(1, rows - 1))
+    one = max(min(timings[1]), 1e-9)
+    relative, most = [], 1.0
+    for n in sizes:  # a pass is never cheaper than a shorter one: what says so is noise
+        most = max(most, min(timings[n]) / one)
+        relative.append(most)
+    return PassCosts(tuple(relative))
