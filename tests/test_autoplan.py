@@ -206,3 +206,27 @@ def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):
         with pytest.raises(ValueError) as e:
             ProfileReply.from_json(dict(timing, loop_s=bad))
         assert "loop_s" in str(e.value)
+
+
+def test_a_ring_that_speculative_passes_fill_is_planned_as_filled(tiny_models, monkeypatch):
+    """One sample that fills the ring with speculative passes keeps one pass per node in
+    flight: the planner is asked for that many (a ring planned for one sample's latency leaves
+    boards out); verifying alone, or plain decoding, is planned for the samples themselves."""
+    from mdi.runconfig import parse_config
+    from mdi.starter import run_plan
+    from mdi.starter.run_shape import RunShape
+    from ringconfigs import run_config_dict
+    asked = []
+
+    def planner(cfg, source, n_slots, max_len, samples, *args, **kw):
+        asked.append((n_slots, samples))
+        raise RuntimeError("planned")  # the request is what is checked here
+    monkeypatch.setattr(run_plan, "plan_ring", planner)
+    model = tiny_models["llama"]
+    source = ModelSource(model)
+    for speculation, slots, samples in (("ngram", 1, 3), ({"method": "ngram", "fill": False}, 1, 1), ("off", 1, 1),
+                                        ("ngram", 5, 5)):
+        d = run_config_dict(model, [8081, 8082], layers="auto", generation={"speculation": speculation})
+        with pytest.raises(RuntimeError, match="planned"):
+            run_plan.plan_run(parse_config(d, "t.yaml"), source, RunShape(slots, 64))
+        assert asked[-1] == (slots, samples), speculation
