@@ -86,6 +86,28 @@ def test_a_filling_sample_drafts_by_the_pipeline_model_and_fills_only_where_it_p
     assert 2.5 < speculation.fill_gain(0.999, 0, 1.0, 3) <= 3
 
 
+def test_pass_costs_are_timed_as_verifications_and_interpolated(monkeypatch):
+    """A cost per pass size, one row first: the small sizes and the largest timed (as
+    verifications run), the sizes between them interpolated, never falling with more rows;
+    beyond the table, its mean extra row more per row."""
+    chunk = tiny_model("llama")
+    chunk.allocate_cache(1, 32)
+    seen = []
+    real = chunk.forward_rows
+
+    def forward_rows(x, batch):
+        seen.append((batch.rows, batch.row_wise))
+        return real(x, batch)
+    monkeypatch.setattr(chunk, "forward_rows", forward_rows)
+    costs = speculation.measure_pass_costs(chunk, 9, repeats=2)
+    assert {rows for rows, _ in seen} == {1, 2, 3, 4, 5, 9} and all(wise for _, wise in seen)
+    c = costs.relative
+    assert len(c) == 9 and c[0] == 1.0 and all(b >= a for a, b in zip(c, c[1:]))
+    assert c[6] == pytest.approx(c[4] + (c[8] - c[4]) / 2)  # 7 rows: halfway between 5 and 9
+    assert costs.of(11) == pytest.approx(c[8] + 2 * (c[8] - 1) / 8)
+    assert speculation.measure_pass_costs(chunk, 1).relative == (1.0,)
+
+
 def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
     d = NgramDrafter([1, 2, 3, 1, 2, 3, 1, 2], ngram_min=2, ngram_max=4)
     assert d.propose([], 7) == [3, 1, 2, 3, 1, 2, 3]

@@ -332,12 +332,20 @@ def new_drafter(spec: SpeculationSpec, sample: Sample, draft_model: Optional[Dra
     raise ValueError("speculation method %r has no drafter here" % spec.method)
 
 
+TIMED_ROWS = (1, 2, 3, 4, 5)  # pass sizes always timed: the CPU int4 kernel's first row block and the next
+MEASURE_BUDGET_S = 1.0  # timing rounds after the second stop once this much time went (a big model's passes)
+
+
 def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts:
-    """What a pass of 1 .. max_rows rows through `chunk` costs in passes of one row, each the
-    least disturbed of `repeats` timings (other processes only add time), run as verifications
-    run (row by row attention, decode kernels), in a scratch cache slot (slot 0, before any
-    sample holds it). Memory-bound layers read their weights once for all rows, so extra rows
-    cost little there; compute-bound kernels pay per row or per block of rows.
+    """What a pass of 1 .. max_rows rows through `chunk` costs in passes of one row, run as
+    verifications run (row by row attention, decode kernels), in a scratch cache slot (slot 0,
+    before any sample holds it). Memory-bound layers read their weights once for all rows, so
+    extra rows cost little there; compute-bound kernels pay per row or per block of rows.
+
+    TIMED_ROWS and max_rows are timed, the sizes between them interpolated; each is the least
+    disturbed of up to `repeats` rounds (other processes only add time), at least 2, fewer
+    than `repeats` once MEASURE_BUDGET_S has gone (at start: a 7B model's passes take tenths of
+    a second each on a board).
 
     Timed in the process's CPU time, not the wall clock: a board held to a CPU quota (a cgroup,
     mdi-bench's emulated boards, a container) is throttled in whole periods, so a one-row pass
@@ -346,11 +354,15 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
     passes are timed by the wall clock, each waited for (its host thread idles meanwhile)."""
     device = next(chunk.parameters()).device
     width = chunk.config.n_embd
-    sizes = range(1, max(1, max_rows) + 1)
+    max_rows = max(1, max_rows)
+    sizes = sorted({n for n in TIMED_ROWS if n <= max_rows} | {max_rows})
     timings: Dict[int, List[float]] = {n: [] for n in sizes}
     clock = time.perf_counter if device.type == "cuda" else time.process_time
+    started = time.perf_counter()
     with torch.inference_mode():
-        for _ in range(repeats):
+        for round_ in range(max(2, repeats)):
+            if round_ >= 2 and time.perf_counter() - started > MEASURE_BUDGET_S:
+                break
             for n in sizes:
                 batch = RowBatch.of([0], [0], [n], device, row_wise=True)
                 x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
@@ -360,8 +372,14 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
                     torch.cuda.synchronize(device)
                 timings[n].append(clock() - t0)
     one = max(min(timings[1]), 1e-9)
-    relative, most = [], 1.0
+    timed, most = {}, 1.0
     for n in sizes:  # a pass is never cheaper than a shorter one: what says so is noise
         most = max(most, min(timings[n]) / one)
-        relative.append(most)
+        timed[n] = most
+    relative = []
+    for rows in range(1, max_rows + 1):
+        below = max(n for n in sizes if n <= rows)
+        above = min(n for n in sizes if n >= rows)
+        share = (rows - below) / (above - below) if above > below else 0.0
+        relative.append(timed[below] + share * (timed[above] - timed[below]))
     return PassCosts(tuple(relative))
