@@ -43,6 +43,21 @@ def chunk_of(config: ModelConfig, quant: str, first: int = 0, last: int = -1):
                        quant=layout)
 
 
+def chunk_with_kernel(kind: str, quant: str, kernel):
+    """chunk_of(config_of(kind), quant) with its layers on `kernel` (None: the float32 layers),
+    skipped where this torch lacks that kernel."""
+    if kernel is not None and "int4" in kernel and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("no int4 packed kernel in this torch")
+    if kernel == "int8dyn-fbgemm" and not qkernels.INT8_FBGEMM.supports(qkernels.QuantSpec("int8", 32), 64, 64,
+                                                                        torch.device("cpu")):
+        pytest.skip("no fbgemm engine in this torch")
+    qkernels.set_preference(kernel)
+    try:
+        return chunk_of(config_of(kind), quant)
+    finally:
+        qkernels.set_preference(None)
+
+
 @pytest.fixture
 def count_fused(monkeypatch):
     """How many forwards the scripted blocks ran."""
@@ -86,16 +101,7 @@ def decode(chunk, fused: bool, samples: int, steps: int, monkeypatch):
 @pytest.mark.parametrize("quant,kernel", [("none", None), ("int4", "int4pack-cpu"), ("int8", "int8-as-2xint4-cpu"),
                                           ("int4", "int8dyn-fbgemm"), ("int8", "int8dyn-fbgemm")])
 def test_scripted_decode_is_the_eager_result_bit_for_bit(kind, quant, kernel, count_fused, monkeypatch):
-    if kernel is not None and "int4" in kernel and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        pytest.skip("no int4 packed kernel in this torch")
-    if kernel == "int8dyn-fbgemm" and not qkernels.INT8_FBGEMM.supports(qkernels.QuantSpec("int8", 32), 64, 64,
-                                                                        torch.device("cpu")):
-        pytest.skip("no fbgemm engine in this torch")
-    qkernels.set_preference(kernel)
-    try:
-        chunk = chunk_of(config_of(kind), quant)
-    finally:
-        qkernels.set_preference(None)
+    chunk = chunk_with_kernel(kind, quant, kernel)
     assert fused_decode.why_not(chunk) == ""
     if kernel is not None:
         assert chunk.blocks["0"].mlp.down.kernel.name == kernel
@@ -139,16 +145,7 @@ def verify(chunk, fused: bool, counts, passes: int):
 def test_a_verification_runs_as_one_call_with_each_rows_decode_result(quant, kernel, counts, count_fused):
     """Every row of a verification (one sample or several, with plain decode rows beside) is
     bit for bit what the eager blocks give it, and each such frame runs as one call."""
-    if kernel is not None and "int4" in kernel and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        pytest.skip("no int4 packed kernel in this torch")
-    if kernel == "int8dyn-fbgemm" and not qkernels.INT8_FBGEMM.supports(qkernels.QuantSpec("int8", 32), 64, 64,
-                                                                        torch.device("cpu")):
-        pytest.skip("no fbgemm engine in this torch")
-    qkernels.set_preference(kernel)
-    try:
-        chunk = chunk_of(config_of("qwen3"), quant)
-    finally:
-        qkernels.set_preference(None)
+    chunk = chunk_with_kernel("qwen3", quant, kernel)
     eager = verify(chunk, False, counts, 5)
     del count_fused[:]
     scripted = verify(chunk, True, counts, 5)
