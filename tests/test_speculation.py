@@ -267,6 +267,8 @@ def test_smollm2_int4_ring_with_ngram_speculation_gives_the_plain_tokens(smollm2
     assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
     record = spec.metrics()["nodes"][0]["speculation"]
     assert record["accepted"] > 0, record
+    costs = record["pass_costs"]  # what k was chosen by, measured on the starter's chunk at start
+    assert len(costs) == 9 and costs[0] == 1.0 and costs == sorted(costs)
 
 
 def test_a_killed_worker_s_replay_keeps_the_tokens(tiny_models):

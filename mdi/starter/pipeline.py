@@ -503,8 +503,11 @@ class Pipeline:
         return dict(self.prefix.metrics(), **dataclasses.asdict(self.prefix_store.stats))
 
     def speculation_metrics(self) -> Dict[str, Any]:
-        """The run's drafting counters, or {} when no sample speculated."""
-        return self.spec_counters.metrics() if self.tag_epochs else {}
+        """The run's drafting counters and the pass costs k was chosen by, or {} when no sample
+        could speculate."""
+        if not self.tag_epochs:
+            return {}
+        return dict(self.spec_counters.metrics(), pass_costs=self.pass_costs.to_json())
 
     def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None) -> None:
         """Generate until every sample hits EOS or its token limit; `step` wraps `self.step`
