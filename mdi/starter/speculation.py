@@ -23,10 +23,10 @@ wrote are simply overwritten by the next pass at those positions.
 How much to draft is measured per sample: the rolling acceptance `rate` (the fraction of drafted
 tokens the target agreed with) and what a pass of 1 + k rows costs in passes of one row
 (`PassCosts`, measured on the starter's chunk) choose k to maximise expected tokens per unit of
-pass time; when no k pays, the sample drafts nothing for a
-while and probes again later. Passes are built on guesses only while the ring has fewer
-decoding samples than boards, and no sample drafts once it holds more than one per board:
-plain decoding and batching fill the ring then (speculation yields to them).
+pass time; when no k pays, the sample drafts nothing for a while and probes again later.
+Passes are built on guesses only while the ring has fewer decoding samples than boards, and no
+sample drafts once it holds more than one per board: plain decoding and batching fill the ring
+then (speculation yields to them).
 """
 import time
 from collections import deque
@@ -187,8 +187,8 @@ class SpecState:
 class PassCosts:
     """What a pass of r rows costs, in passes of one row: `relative[r - 1]` (1.0 for one row).
     Measured (measure_pass_costs), as it is not a line: torch's packed int4 CPU kernel
-    multiplies rows in blocks of 4, so on SmolLM2 at 1 thread (AVX-512) 4 rows cost 1.45
-    one-row passes and 5 cost 2.2. Three drafts per pass then pay where four do not."""
+    multiplies rows in blocks of 4, so on SmolLM2 at 1 thread (AVX-512) 4 rows cost about 1.5
+    one-row passes and 5 about 2.1. Three drafts per pass then pay where four do not."""
     relative: Tuple[float, ...]
 
     @classmethod
