@@ -155,6 +155,7 @@ class SpecState:
         self.token_rates: Dict[bool, Optional[float]] = {False: None, True: None}  # tokens/s, by `filling`
         self.trial = 0  # verifications since `filling` last changed
         self.last_commit: Optional[float] = None
+        self.fill_plan: Optional[Tuple[Any, Tuple[int, int, float]]] = None  # SpecPolicy.best_fill's last answer
 
     def timed(self, taken: int, now: float) -> None:
         """A verification took `taken` tokens at `now`: the current way's token rate."""
@@ -220,18 +221,38 @@ def verify_gain(a: float, k: int, trip: float) -> float:
     return (1 - a ** (k + 1)) / (1 - a) / trip
 
 
-def fill_gain(a: float, k: int, trip: float, stages: int) -> float:
-    """The same with the ring filled: a pass of k + 1 rows enters every stage time (the ring's
-    latency over `stages`), each built on the guesses before it, until a guess fails. A pass
-    stands when all its k + 1 guesses do (a^(k+1)); the chain that ends at a failing pass gave
-    (k + 1) tokens per standing pass and j + 1 from the failing one (j of its guesses right).
-    It took one stage time per standing pass, the failing pass's whole trip, and a stage time
-    more for the next pass to get past the stale passes still running ahead of it. `trip`: what
-    a pass of k + 1 rows costs in passes of one row."""
+def fill_gain(a: float, k: int, trip: float, stages: int, depth: Optional[int] = None) -> float:
+    """The same with the ring filled by `depth` passes in flight (default: one per stage), each
+    of k + 1 rows built on the guesses before it, until a guess fails. A pass stands when all
+    its k + 1 guesses do (a^(k+1)); the chain that ends at a failing pass gave (k + 1) tokens
+    per standing pass and j + 1 from the failing one (j of its guesses right). A pass enters
+    every trip / depth; the failing one comes back a whole trip after it entered; and each of
+    the depth - 1 passes sent on after it holds a stage for a stage time (trip / stages) before
+    the next chain's first pass gets past it: the starter computed its layers, a worker may be
+    running it. So deeper filling pays only where chains are long: on 3 emulated 0.5-core
+    boards at a = 0.7, 2 passes in flight made 1.73-1.94x the plain ring and 3 made 1.52-1.67x
+    (alternating, same run); at a = 0.9 both made 1.8-2.1x. `trip`: what a pass of k + 1 rows
+    costs in passes of one row."""
+    depth = stages if depth is None else depth
     stands = a ** (k + 1)
     standing = stands / (1 - stands)  # expected standing passes before the failing one
-    failing = sum((j + 1) * a ** j * (1 - a) for j in range(k + 1)) / (1 - stands)
-    return (standing * (k + 1) + failing) / (((standing + 1) / stages + 1) * trip)
+    # sum over j <= k of (j + 1) a^j (1 - a), in closed form, over the chance of failing at all
+    failing = (1 - (k + 2) * stands + (k + 1) * stands * a) / ((1 - a) * (1 - stands))
+    return (standing * (k + 1) + failing) / (standing * trip / depth + trip + (depth - 1) * trip / stages)
+
+
+def best_fill(a: float, costs: "PassCosts", max_draft: int, stages: int) -> Tuple[int, int, float]:
+    """(k, depth, gain) with the most expected tokens per unit of time over plain decoding when
+    filling the ring (fill_gain): k drafts per pass, 2 .. `stages` passes in flight; (0, 1, 1.0)
+    where nothing beats plain decoding."""
+    best = (0, 1, 1.0)
+    for k in range(max_draft + 1):
+        trip = costs.of(k + 1)
+        for depth in range(2, stages + 1):
+            gain = fill_gain(a, k, trip, stages, depth)
+            if gain > best[2]:
+                best = (k, depth, gain)
+    return best
 
 
 class SpecPolicy:
@@ -249,15 +270,25 @@ class SpecPolicy:
 
     def best_draft(self, state: SpecState, filling: bool) -> Tuple[int, float]:
         """(k, expected gain over plain decoding) maximising tokens per unit of time: k drafts
-        per pass, with the ring filled or one pass at a time."""
+        per pass, with the ring filled (at its best depth) or one pass at a time."""
+        if filling:
+            k, _, gain = self.best_fill(state)
+            return k, gain
         a = min(state.rate, 0.999)
         best, best_gain = 0, 1.0
-        for k in range(0 if filling else 1, self.spec.max_draft + 1):
-            trip = self.costs.of(k + 1)
-            gain = fill_gain(a, k, trip, self.n_stages) if filling else verify_gain(a, k, trip)
+        for k in range(1, self.spec.max_draft + 1):
+            gain = verify_gain(a, k, self.costs.of(k + 1))
             if gain > best_gain:
                 best, best_gain = k, gain
         return best, best_gain
+
+    def best_fill(self, state: SpecState) -> Tuple[int, int, float]:
+        """best_fill at the sample's acceptance, kept until it changes (asked several times a pass)."""
+        a = min(state.rate, 0.999)
+        key = (a, self.costs, self.spec.max_draft, self.n_stages)
+        if state.fill_plan is None or state.fill_plan[0] != key:
+            state.fill_plan = (key, best_fill(a, self.costs, self.spec.max_draft, self.n_stages))
+        return state.fill_plan[1]
 
     def draft_len(self, state: SpecState, decoding: int) -> Tuple[int, bool]:
         """(k, probe): the k that maximises expected accepted tokens per unit of time; when
@@ -280,11 +311,12 @@ class SpecPolicy:
             state.filling, state.trial = not state.filling, 0
 
     def depth(self, state: SpecState, decoding: int) -> int:
-        """Passes of this sample allowed in flight: one per board while it fills the ring and
-        the model says its acceptance pays for the stale passes, else one."""
+        """Passes of this sample allowed in flight: while it fills the ring, as many as the
+        model says its acceptance pays for the stale passes (at most one per board), else one."""
         if not self.fills(state, decoding) or state.pause > 0:
             return 1
-        return self.n_stages if self.best_draft(state, True)[1] >= MIN_GAIN else 1
+        _, depth, gain = self.best_fill(state)
+        return depth if gain >= MIN_GAIN else 1
 
     def next_pass(self, sample: Sample, decoding: int, first: bool, max_len: int) -> Optional[Tuple[int, List[int]]]:
         """(start, tokens) of a speculating sample's next pass, noted in its state as sent:
