@@ -62,6 +62,29 @@ def test_a_sample_keeps_the_way_it_measures_faster():
     assert policy.depth(state, decoding=3) == 1
 
 
+def test_a_way_s_rate_is_its_tokens_over_its_time_however_bursty():
+    """Filling returns verifications in bursts (right behind one another, then a whole trip
+    after a failure): its rate is the trial's tokens over the trial's time, so bursts of
+    near-zero gaps do not make a slower way look faster."""
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.1, 9))
+    state = speculation.SpecState(NgramDrafter([]))
+    clock = [0.0]
+
+    def verification(tokens, seconds):
+        clock[0] += seconds
+        state.timed(tokens, clock[0])
+        policy.choose_way(state, decoding=1)
+    state.last_commit = 0.0  # the sample's first token
+    for _ in range(speculation.MODE_TRIAL):  # alone: 2 tokens every 20 ms, 100 tokens/s
+        verification(2, 0.02)
+    assert state.filling and state.token_rates[False] == pytest.approx(100)
+    for _ in range(speculation.MODE_TRIAL // 4):  # filling: 3 returns 0.1 ms apart, then a failure's trip
+        for tokens, seconds in ((2, 0.0001), (2, 0.0001), (2, 0.0001), (1, 0.1)):
+            verification(tokens, seconds)
+    assert state.token_rates[True] == pytest.approx(7 / 0.1003)  # per-interval rates averaged: 1990
+    assert not state.filling  # verifying alone measured faster: back to it
+
+
 def test_a_filling_sample_drafts_by_the_pipeline_model_and_fills_only_where_it_pays():
     """Verifying alone, k maximises accepted tokens per pass time; filling the ring, passes
     stand only while every guess before them does, so the model picks fewer drafts per pass,
