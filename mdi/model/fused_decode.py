@@ -218,20 +218,19 @@ def forward(scripted: torch.jit.ScriptModule, chunk: Any, x: torch.Tensor, batch
     if not row_wise and not all(count == 1 for count in batch.counts):
         return None
     cache = chunk.cache
-    several = len(batch.slots) > 1
-    if several and not row_wise and not in_one_call:
+    several = len(batch.slots) > 1 and not row_wise  # one-row samples, attending in one SDPA call
+    if several and not in_one_call:
         return None
     cos, sin = chunk.rope.row_tables(batch, x.dtype)
     row_slots, row_positions = [], []  # type: List[int], List[int]
-    if row_wise:
-        for slot, start, count in zip(batch.slots, batch.starts, batch.counts):
-            row_slots += [slot] * count
-            row_positions += range(start, start + count)
+    if row_wise:  # each row's slot, and its position as the batch has it
+        row_slots = [slot for slot, count in zip(batch.slots, batch.counts) for _ in range(count)]
+        row_positions = batch.positions.tolist()
     # TorchScript's optimizing executor spends ~0.5 s on its passes at the second call and,
     # with nothing here it may fuse, gains nothing: the plain executor runs (a per-thread flag).
     with torch.jit.optimized_execution(False):
         empty = cos[:0]
-        if several and not row_wise:
+        if several:
             slots, positions, mask = batch.decode_index(x.device)
             return scripted(x, cache.k, cache.v, cos, sin, 0, 0, slots, positions, mask, True, row_slots, row_positions)
         return scripted(x, cache.k, cache.v, cos, sin, batch.slots[0], batch.starts[0], empty, empty, empty, False,
