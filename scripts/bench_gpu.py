@@ -50,6 +50,16 @@ tokens ("Once upon a time"), greedy, EOS off.
                to dequant: expect SmolLM2's int4 slow). The float16
                tok/s is taken from part 1 when it ran (same shape, dtype, tokens), else measured.
 
+5. spec        Speculative decoding verified in the ring of 3 on this GPU (issue 42), S = 1,
+               --dtype's first, 96 new tokens: a drafter that agrees with the target with
+               probability a (mdi.lab.oracle_drafter; random weights make n-gram drafts
+               meaningless) at a = 0.5, 0.7, 0.9, filling the ring and verifying alone, against
+               the plain ring and one node alone, alternating per prompt (3 prompts); the
+               starter's measured pass costs (what k is chosen by) and the model's expected
+               speed-up beside each point. Whether each run's ids equal the plain ring's is
+               recorded, not asserted: half-precision rows computed in one pass may round
+               otherwise than one at a time.
+
 Order (most wanted first, so a tight --budget-s cuts the extras): standalone float16 of both
 shapes, ring (hop, pipeline) of the small shape, int4 of both, ring of the 1.1B shape,
 standalone bfloat16. A task whose estimated time no longer fits --budget-s is recorded as
@@ -80,7 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402  (adds the repo root to sys.path)
 from benchlib import fmt_stat, print_table, summarize  # noqa: E402
 
-PARTS = ("standalone", "hop", "pipeline", "int4")
+PARTS = ("standalone", "hop", "pipeline", "int4", "spec")
 PROMPT = "Once upon a time"  # 16 characters = 16 tokens with the character tokenizer
 STD = 0.02
 RING_NODES = 3
@@ -99,7 +109,11 @@ EST_GPU = {
     ("hop", "smollm2-135m"): 25, ("hop", "tinyllama-1.1b"): 25,  # the first includes the workers' start
     ("pipeline", "smollm2-135m"): 22, ("pipeline", "tinyllama-1.1b"): 26,
     ("int4", "smollm2-135m"): 16, ("int4", "tinyllama-1.1b"): 20,
+    ("spec", "smollm2-135m"): 60, ("spec", "tinyllama-1.1b"): 60,
 }
+SPEC_AGREES = (0.5, 0.7, 0.9)
+SPEC_PROMPTS = ("Once upon a time", "The ring of boards", "A quick brown fox")
+SPEC_TOKENS = 96
 INT4_GROUPS = (128, 64, 32)
 
 
@@ -128,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ring-repeats", type=int, default=None, help="timed repeats of the hop series (default 3, quick 1)")
     p.add_argument("--pipeline-repeats", type=int, default=None,
                    help="timed repeats per pipeline series, S = 3 and 12 (default 2, quick 1)")
+    p.add_argument("--verify-rows", choices=("auto", "row-wise", "one-call"), default="auto",
+                   help="how a speculative verification's rows attend in every process (mdi.model.row_batch."
+                        "verifies_row_by_row; auto: row by row on a CPU, in one call on a GPU)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and token counts (a logic check)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds from start after which remaining tasks are skipped (default 135; quick 600)")
@@ -859,6 +876,74 @@ def pipeline(ctx: "Context", shape: str) -> Dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- part 5: speculation
+
+def spec(ctx: "Context", shape: str) -> Dict[str, Any]:
+    """S = 1 on the ring of 3 and on one node, plain vs an oracle drafter (see the docstring)."""
+    from bench_speculation import Ring as SpecRing, theory
+    from mdi.lab.oracle_drafter import OracleDrafter
+    from mdi.runconfig import SpeculationSpec
+    args = ctx.args
+    model, _ = ctx.model(shape, None)
+    workers = ctx.ring.start()
+    common = dict(kernel="fast", n_slots=1, max_len=512, device=args.device, dtype=args.dtypes[0], threads=args.threads)
+    alone = SpecRing(model, [], **common)
+    ring = SpecRing(model, workers, worker_weights=model, **common)
+    try:
+        costs = ring.engine.pipeline.pass_costs
+        max_draft = ring.engine.pipeline.speculation.max_draft
+        ids = [ring.source.tokenizer.encode(p) for p in SPEC_PROMPTS]
+        n_tokens = SPEC_TOKENS if not args.quick else 12
+        for engine in (alone, ring):  # warm: CUDA contexts, kernels, the workers' layers
+            engine.generate([ids[0]], 4, SpeculationSpec("off"))
+        rates = {}  # type: Dict[str, List[float]]
+        same = {}  # type: Dict[str, List[bool]]
+        stats = {}  # type: Dict[str, List[Dict[str, Any]]]
+
+        def timed(name: str, engine: Any, prompt: List[int], mode: Any, factory: Any = None) -> List[int]:
+            (sample,) = engine.generate([prompt], n_tokens, mode, factory)
+            rates.setdefault(name, []).append(benchlib.decode_timing(sample.token_times)["tokens_per_s"])
+            if mode.method != "off":
+                stats.setdefault(name, []).append(engine.engine.pipeline.spec_counters.metrics())
+            return sample.token_ids
+
+        for i, prompt in enumerate(ids):
+            if i > 0 and not ctx.budget.allows(12):
+                break
+            plain = timed("plain ring", ring, prompt, SpeculationSpec("off"))
+            timed("one node", alone, prompt, SpeculationSpec("off"))
+            for a in SPEC_AGREES:
+                for fill in ((True, False) if i % 2 == 0 else (False, True)):
+                    name = "a=%.1f %s" % (a, "filling" if fill else "verify only")
+                    got = timed(name, ring, prompt, SpeculationSpec("ngram", fill=fill),
+                                lambda s, ref=plain, a=a: OracleDrafter(s.prompt_ids + s.token_ids, len(s.prompt_ids),
+                                                                       ref, a, seed=7))
+                    same.setdefault(name, []).append(got == plain)
+        plain_rates = rates["plain ring"]
+        import torch
+        from mdi.model.row_batch import verifies_row_by_row
+        out = {"model": model, "nodes": RING_NODES, "samples": 1, "new_tokens": n_tokens, "max_draft": max_draft,
+               "verify_rows": "row-wise" if verifies_row_by_row(torch.device(args.device)) else "one-call",
+               "pass_costs": costs.to_json(), "prompts_done": len(plain_rates), "modes": {}}  # type: Dict[str, Any]
+        for name, v in rates.items():
+            entry = {"tokens_per_s": summarize(v),
+                     "vs_plain_ring": summarize([x / p for x, p in zip(v, plain_rates)])}  # type: Dict[str, Any]
+            if name in same:
+                entry["ids_equal_plain"] = same[name]
+                entry["acceptance"] = [st["acceptance_rate"] for st in stats[name]]
+                entry["accepted_per_pass"] = [st["accepted_per_pass"] for st in stats[name]]
+                a = float(name.split()[0][2:])
+                entry["model_speedup"] = theory(a, max_draft, costs, RING_NODES)["fill" if "filling" in name else "verify"]
+            out["modes"][name] = entry
+            log("    %s: %s tok/s, x%s the plain ring%s" % (
+                name, fmt_stat(entry["tokens_per_s"]), fmt_stat(entry["vs_plain_ring"], "%.2f"),
+                "" if name not in same else ", model x%.2f, ids equal %s" % (entry["model_speedup"], same[name])))
+        return out
+    finally:
+        ring.close()
+        alone.close()
+
+
 # --------------------------------------------------------------------------- part 4: int4
 
 def int4(ctx: "Context", shape: str) -> Dict[str, Any]:
@@ -951,6 +1036,7 @@ def tasks(args: argparse.Namespace) -> List[Tuple[str, str, str, Callable[["Cont
     add("hop", small, first, hop)
     add("pipeline", small, first, pipeline)
     add("int4", list(reversed(args.shapes)), first, int4)  # the 1.1B shape first: int4pack-cuda applies there
+    add("spec", args.shapes, first, spec)
     add("hop", big, first, hop)
     add("pipeline", big, first, pipeline)
     for d in later:
@@ -1047,6 +1133,13 @@ def report(record: Dict[str, Any]) -> None:
     if rows:
         print_table("4. int4 vs float: standalone decode and GPU memory (MB allocated, relative to before the load)",
                     ["shape", "weights", "tok/s", "weights MB", "decode peak MB", "kernels"], rows)
+    rows = [[i["shape"], name, fmt_stat(m["tokens_per_s"], "%.1f"), fmt_stat(m["vs_plain_ring"], "%.2f"),
+             "%.2f" % m["model_speedup"] if "model_speedup" in m else "", "" if "ids_equal_plain" not in m
+             else "%d/%d" % (sum(m["ids_equal_plain"]), len(m["ids_equal_plain"]))]
+            for i in ok("spec") for name, m in i["modes"].items()]
+    if rows:
+        print_table("5. speculation at S = 1 on the ring of %d sharing %s (oracle drafter; verification rows "
+                    "attend %s), median [min, max]" % (RING_NODES, gpu, ok("spec")[0]["verify_rows"]), ["shape", "mode", "tok/s", "x plain ring", "model x", "ids = plain"], rows)
     other = [i for p in parts.values() for i in p if i.get("status") != "ok"]
     for i in other:
         print("%s %s %s: %s%s" % (i["part"], i["shape"], i["dtype"], i["status"],
@@ -1066,6 +1159,9 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.verify_rows != "auto":  # this process and the workers it starts (they inherit the environment)
+        from mdi.model.row_batch import ROW_WISE_ENV
+        os.environ[ROW_WISE_ENV] = "1" if args.verify_rows == "row-wise" else "0"
     os.makedirs(args.cache, exist_ok=True)
     budget = Budget(args.budget_s)
     info = benchlib.machine_info(torch.get_num_threads())

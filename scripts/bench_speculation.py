@@ -79,22 +79,32 @@ class Ring:
     another, each a fresh sample with its own speculation setting and drafter."""
 
     def __init__(self, model: str, workers: List[Any], kernel: str, n_slots: int, max_len: int,
-                 quant: str = "auto", speculation: Any = "ngram", layers: Optional[str] = None) -> None:
+                 quant: str = "auto", speculation: Any = "ngram", layers: Optional[str] = None,
+                 device: str = "cpu", dtype: Optional[str] = None, threads: Optional[int] = 1,
+                 worker_weights: Optional[str] = None) -> None:
+        """`worker_weights`: the model's path as the workers read it themselves (their
+        --models-dir), so no weights are sent; `threads` None: torch's default per node."""
         from mdi.model.sampling import SamplingParams
         from mdi.model.source import ModelSource
         from mdi.runconfig import parse_config
         from mdi.starter.engine import Engine
         from mdi.starter.run_plan import plan_run
         from mdi.starter.run_shape import RunShape
-        nodes = [{"name": "starter", "port": 1}] + [w.node() for w in workers]
+        nodes = [{"name": "starter", "port": 1}] + [w.node(weights=worker_weights) for w in workers]
         if layers and layers != "even" and workers:
             counts = [layers] * len(nodes) if layers == "auto" else [int(c) for c in layers.split(",")]
             nodes = [dict(n, layers=c) for n, c in zip(nodes, counts)]
-        cfg = parse_config({"model": {"path": model, "quant": quant}, "nodes": nodes,
+        runtime = {"quant_kernel": kernel, "prefix_cache": 0}  # type: Dict[str, Any]
+        if threads is not None:
+            runtime["threads"] = threads
+        spec_model = {"path": model, "quant": quant, "device": device}  # type: Dict[str, Any]
+        if dtype is not None:
+            spec_model["dtype"] = dtype
+        cfg = parse_config({"model": spec_model, "nodes": nodes,
                             "generation": {"temperature": 0, "speculation": speculation},
                             # prefix_cache 0: each prompt runs cold in every mode (a cached prefix would
                             # give the later mode's prompt other prefill passes, and so other bits)
-                            "runtime": {"threads": 1, "quant_kernel": kernel, "prefix_cache": 0}}, "bench_speculation")
+                            "runtime": runtime}, "bench_speculation")
         self.source = ModelSource(model)
         params = SamplingParams(0.0)
         plan = plan_run(cfg, self.source, RunShape(n_slots, max_len), params)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything mdi checks on an NVIDIA GPU, in one run that fits a short lease of a GPU machine:
-#   1. the CUDA tests (tests/test_cuda.py, tests/test_gpu_transfers.py: skipped where there is
+#   1. the CUDA tests (tests/test_cuda.py, tests/test_gpu_transfers.py: on the CPU where there is
 #      no GPU), in the foreground, while
 #   2. the rest of the suite runs beside them with CUDA visible (pytest-xdist), capped in time;
 #   3. then, on a quiet machine, scripts/bench_gpu.py (decode vs transformers, ring hops,
-#      pipeline efficiency, int4 vs float16), whose JSON names the GPU.
+#      pipeline efficiency, int4 vs float16, speculation in the ring), whose JSON names the GPU.
 # Usage: scripts/gpu_check.sh OUT_DIR. Logs, JSON results and py-spy stacks land in OUT_DIR.
 # A machine without a package registry installs the wheels found in $MDI_WHEELS (default .whl:
 # flask, waitress, pyzmq, gguf, and py-spy for bench_gpu.py --pyspy, downloaded elsewhere for its

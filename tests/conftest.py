@@ -104,6 +104,14 @@ def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = Fa
     return path
 
 
+@pytest.fixture
+def quick_ways(monkeypatch):
+    """Speculating samples switch between filling the ring and verifying alone after every
+    verification (not after 8, as measured ways do), so a short test exercises both."""
+    from mdi.starter import speculation
+    monkeypatch.setattr(speculation, "MODE_TRIAL", 1)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")

@@ -13,12 +13,15 @@ kernels, activations between a GPU and the wire) give what the CPU paths and tra
 - batched passes (prefill and decode rows of several samples in one forward) match each sample
   alone on the device, and a ring with max_batch > 1 gives the unbatched ids;
 - float16 weights computing in float16 on the GPU run a ring whose activations cross the wire
-  as float16, with the standalone ids.
+  as float16, with the standalone ids;
+- speculative decoding on the device (drafts verified as rows of one pass, passes in flight on
+  guesses, stale ones dropped) gives the plain greedy ids, on one process and on the ring, and
+  the starter measures its pass costs there.
 
-Without a GPU every test skips (CI). MDI_CUDA_TESTS_ON_CPU=1 runs the same tests with device
-"cpu", so their own logic can be checked on a machine without one (the CUDA int4 kernels'
-tests then check their CPU twins). Diagnostics (tie margins, logit errors, kernel choices) are
-printed: -s or -rP shows them for passing tests.
+Without a GPU the same tests run with device "cpu" (CI), so their own logic is checked on every
+machine (the CUDA int4 kernels' tests then check their CPU twins) and a change that breaks them
+is found before a GPU run; tests that only mean something on a GPU skip there. Diagnostics (tie
+margins, logit errors, kernel choices) are printed: -s or -rP shows them for passing tests.
 """
 import importlib.util
 import os
@@ -45,15 +48,7 @@ from mdi.starter import batch
 from mdi.starter.control import NodeRegistry
 
 
-def _device():
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("MDI_CUDA_TESTS_ON_CPU") == "1":
-        return "cpu"
-    return None
-
-
-DEVICE = _device()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NANOGPT = os.path.join(ROOT, "models", "nanogpt-shakespeare")
 PREFILL, DECODE, GREEDY = 24, 20, 32
 PROMPTS = ["The quick brown fox jumps", "Hi", "To be, or not to be, that is", "0123", "abc def ghi jkl mno pqr",
@@ -72,10 +67,7 @@ HALF_ERROR_RATIO, HALF_ERROR_ULPS = 2.0, 4
 
 @pytest.fixture(scope="session")
 def device():
-    """"cuda" where there is a GPU, "cpu" with MDI_CUDA_TESTS_ON_CPU=1, else the test skips.
-    Session-scoped so that it is resolved (and skips) before the session's worker processes start."""
-    if DEVICE is None:
-        pytest.skip("needs a CUDA GPU (MDI_CUDA_TESTS_ON_CPU=1 runs these tests on the CPU)")
+    """"cuda" where there is a GPU, else "cpu"."""
     return DEVICE
 
 
@@ -294,17 +286,22 @@ def data_ports():
 
 
 def ring_config(model, workers, data_ports, counts, device, worker_device=None, dtype="float32",
-                n_tokens=16, **runtime):
+                n_tokens=16, speculation="off", **runtime):
     """A ring: the starter and len(counts) - 1 workers; `device` is model.device (the starter's
     and, unless `worker_device` says otherwise, the workers'). counts [n]: standalone."""
     on_workers = {} if worker_device is None else {i: {"device": worker_device} for i in range(1, len(counts))}
     return parse_run_config(model, workers[:len(counts) - 1], "test_cuda", layers=counts, data_ports=data_ports,
                             node_options=on_workers, device=device, dtype=dtype, n_tokens=n_tokens,
-                            generation={"seed": 7}, runtime=dict({"ring_timeout": 60}, **runtime))
+                            generation={"seed": 7, "speculation": speculation},
+                            runtime=dict({"ring_timeout": 60}, **runtime))
 
 
-def run_ids(cfg, prompts):
-    result = batch.run(cfg, prompts)
+def run_ids(cfg, prompts, drafter_factory=None):
+    """Every sample's ids and the run's result; `drafter_factory` replaces the speculation
+    method's drafter (None: the method's own)."""
+    def hook(engine):
+        engine.drafter_factory = drafter_factory
+    result = batch.run(cfg, prompts, on_engine=hook)
     assert all(s.finish_reason == "length" for s in result.samples), [s.error for s in result.samples]
     return [s.token_ids for s in result.samples], result
 
@@ -446,7 +443,7 @@ def test_quantized_chunk_computes_its_dequantized_twin(device, family, kind, gro
 
 
 # Where these kernels apply: n_in a multiple of 1024, n_out of 8, groups of 32..256 (tinygemm).
-# On the CPU (MDI_CUDA_TESTS_ON_CPU) their CPU twins stand in, so that this test's own logic runs.
+# On the CPU their CPU twins stand in, so that this test's own logic runs.
 INT4_KERNELS = {"cuda": ("int4pack-cuda", "int8-as-2xint4-cuda"), "cpu": ("int4pack-cpu", "int8-as-2xint4-cpu")}
 WIDE = (64, 1024)  # n_out, n_in
 
@@ -608,3 +605,48 @@ def test_float16_ring_matches_standalone_float16(device, family, workers, data_p
         per_message = node["bytes_sent_by_kind"]["decode"] / node["messages_sent_by_kind"]["decode"]
         print(node["name"], "decode bytes per message", per_message)
         assert half <= per_message < single, (node["name"], per_message)
+
+
+# ------------------------------------------------------------ 8. speculative decoding
+
+def test_drafts_verified_on_the_device_give_the_plain_greedy_ids(device, quick_ways, tiny_models):
+    """One process, passes of drafted rows in flight as on a ring of three (stale ones dropped
+    when a guess fails): drafts that are always right, never right, or right 60% of the time
+    give the plain run's ids on the device."""
+    from test_speculation import oracle, run_local
+    from mdi.runconfig import SpeculationSpec
+    for family in ("gpt2", "llama"):
+        chunk = ModelSource(tiny_models[family]).load_chunk(0, 4, True, True, torch.float32, device)
+        chunk.allocate_cache(4, 128)
+        prompts = PROMPTS[:2]
+        plain, _ = run_local(chunk, prompts, 40)
+        for agree, n_stages in ((1.0, 3), (0.0, 3), (0.6, 3), (0.6, 1)):
+            got, pipe = run_local(chunk, prompts, 40, SpeculationSpec("ngram", max_draft=6), oracle(plain, agree),
+                                  n_stages=n_stages, max_batch=2)
+            assert got == plain, (family, agree, n_stages)
+            c = pipe.spec_counters
+            assert c.drafted > 0 and (c.accepted == c.drafted if agree == 1.0 else c.accepted < c.drafted)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_speculation_in_a_ring_on_the_device_gives_the_plain_ids(device, family, tiny_models, workers, data_ports):
+    """The starter and two workers on the GPU, one and two samples: n-gram drafts and an oracle
+    right half the time give the plain ring's ids; the starter timed its passes on the device."""
+    from mdi.lab.oracle_drafter import OracleDrafter
+    model = tiny_models[family]
+    for prompts in (PROMPTS[2:3], PROMPTS[:2]):
+        plain, _ = run_ids(ring_config(model, workers, data_ports, [1, 2, 1], device, n_tokens=40), prompts)
+        half_right = lambda s: OracleDrafter(s.prompt_ids, len(s.prompt_ids), plain[s.index], 0.5, seed=s.index,
+                                             vocab=len(CHARS))
+        for spec, factory in (({"method": "ngram", "max_draft": 6}, None), ("ngram", half_right)):
+            cfg = ring_config(model, workers, data_ports, [1, 2, 1], device, n_tokens=40, speculation=spec)
+            got, result = run_ids(cfg, prompts, factory)
+            assert got == plain, (len(prompts), spec)
+            record = result.metrics()["nodes"][0]["speculation"]
+            print(family, len(prompts), spec, "pass costs on the device", record["pass_costs"],
+                  "drafted", record["drafted"], "accepted", record["accepted"])
+            costs = record["pass_costs"]
+            assert costs[0] == 1.0 and all(c > 0 for c in costs)
+            if factory is not None:
+                assert 0 < record["accepted"] < record["drafted"]

@@ -88,11 +88,6 @@ def draft_of(family, seed, n_slots, max_len):
     return model
 
 
-@pytest.fixture
-def quick_ways(monkeypatch):
-    monkeypatch.setattr(speculation, "MODE_TRIAL", 1)
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_draft_model_gives_the_plain_greedy_tokens_batched_or_not(family, quick_ways):
     chunk = tiny_model(family)

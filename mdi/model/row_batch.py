@@ -2,12 +2,31 @@
 every linear layer and norm reads its weights once for all of them, and only attention runs per
 sample, against that sample's own cache slot and positions. A `RowBatch` says which rows are
 whose."""
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from mdi.system.transfers import ints_to_device, to_device
+
+ROW_WISE_ENV = "MDI_ROW_WISE_VERIFY"  # "1" / "0": verification rows attend row by row / in one call, on any device
+
+
+def verifies_row_by_row(device: Optional[torch.device]) -> bool:
+    """Whether a verification's rows attend one by one (`RowBatch.row_wise`) on `device`.
+
+    On a CPU, yes: a row's bits then equal its one-row decode step's. On a GPU, no. There each
+    row's attention is its own handful of kernel launches, and a decode step is bound by
+    launches, not arithmetic: row by row, a pass of 9 rows cost 2.19 one-row passes on an H200
+    (SmolLM2 shape, float16), in one call 1.47. Nor did row by row keep the bits there: the
+    linear layers multiply a pass's rows together in other tilings than one row's, and in
+    float16 the greedy ids of a random 1.1B model parted from the plain run's as often either
+    way (results/gpu/README.md). $MDI_ROW_WISE_VERIFY ("1" / "0") forces either way, to compare."""
+    forced = os.environ.get(ROW_WISE_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device is None or torch.device(device).type != "cuda"
 
 
 @dataclass
@@ -24,7 +43,8 @@ class RowBatch:
     # Each row attends as the one-row decode step at its position would (speculative
     # verification): attention kernels round differently for one query row than for several,
     # and where the linear layers round to bfloat16 that difference can change a greedy token.
-    # A row's bits then do not depend on how many rows its pass carried.
+    # A row's bits then do not depend on how many rows its pass carried. Where it pays
+    # (`verifies_row_by_row`): `of` leaves it off on a GPU.
     row_wise: bool = False
 
     @classmethod
@@ -40,7 +60,8 @@ class RowBatch:
         else:
             positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
         return cls(list(slots), list(starts), list(counts), to_device(positions, device) if device is not None else positions,
-                   adapters=list(adapters) if adapters is not None and any(adapters) else None, row_wise=row_wise)
+                   adapters=list(adapters) if adapters is not None and any(adapters) else None,
+                   row_wise=row_wise and verifies_row_by_row(device))
 
     def adapter_rows(self, device: torch.device) -> List[Tuple[int, Any]]:
         """(adapter id, the rows of its samples) for every adapter used (the base alone: none):
