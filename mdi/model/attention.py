@@ -18,10 +18,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
+def causal_mask(start: int, rows: int, groups: int, device: torch.device) -> torch.Tensor:
+    """[groups * rows, start + rows]: which cached positions each of a sample's `rows` rows at
+    positions start.. may see, for attend_sample's folded query axis (rows ordered (g, t))."""
+    t = torch.arange(rows, device=device).repeat(groups)
+    return torch.arange(start + rows, device=device)[None, :] <= (start + t)[:, None]
+
+
 def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                  n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
+                  n_head: int, n_kv_head: int, head_dim: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One sample's T rows (qk [T, H + KV, D], v [T, KV, D]) at positions start.. against its
-    own cache slot [KV, len, D], their keys and values written into it first."""
+    own cache slot [KV, len, D], their keys and values written into it first. `mask`: the
+    causal_mask of these rows when the caller holds it (the same in every layer of a pass)."""
     T = qk.shape[0]
     H, KV, D = n_head, n_kv_head, head_dim
     end = start + T
@@ -30,13 +38,13 @@ def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     # Grouped-query attention without repeating K/V: fold the G query heads that share a
     # KV head into the query-length axis, rows ordered (g, t).
     G = H // KV
-    mask: Optional[torch.Tensor] = None
     if T == 1:
         q = qk[:, :H].reshape(KV, G, D)
+        mask = None
     else:
         q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
-        t = torch.arange(T, device=q.device).repeat(G)
-        mask = torch.arange(end, device=q.device)[None, :] <= (start + t)[:, None]
+        if mask is None:
+            mask = causal_mask(start, T, G, q.device)
     # 4-D: torch's CPU SDPA takes its fast path with a batch axis (3-D inputs: 1.7x the time)
     y = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :end].unsqueeze(0),
                                        v_cache[:, :end].unsqueeze(0), attn_mask=mask)

@@ -3,11 +3,12 @@ every linear layer and norm reads its weights once for all of them, and only att
 sample, against that sample's own cache slot and positions. A `RowBatch` says which rows are
 whose."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from mdi.model.attention import causal_mask
 from mdi.system.transfers import ints_to_device, to_device
 
 ROW_WISE_ENV = "MDI_ROW_WISE_VERIFY"  # "1" / "0": verification rows attend row by row / in one call, on any device
@@ -19,10 +20,11 @@ def verifies_row_by_row(device: Optional[torch.device]) -> bool:
     On a CPU, yes: a row's bits then equal its one-row decode step's. On a GPU, no. There each
     row's attention is its own handful of kernel launches, and a decode step is bound by
     launches, not arithmetic: row by row, a pass of 9 rows cost 2.19 one-row passes on an H200
-    (SmolLM2 shape, float16), in one call 1.47. Nor did row by row keep the bits there: the
-    linear layers multiply a pass's rows together in other tilings than one row's, and in
-    float16 the greedy ids of a random 1.1B model parted from the plain run's as often either
-    way (results/gpu/README.md). $MDI_ROW_WISE_VERIFY ("1" / "0") forces either way, to compare."""
+    (SmolLM2 shape, float16), in one call 1.2 (with sample_mask). Nor did row by row keep the
+    bits there: the linear layers multiply a pass's rows together in other tilings than one
+    row's, and in float16 the greedy ids of a random 1.1B model parted from the plain run's as
+    often either way (results/gpu/README.md). $MDI_ROW_WISE_VERIFY ("1" / "0") forces either
+    way, to compare."""
     forced = os.environ.get(ROW_WISE_ENV)
     if forced in ("0", "1"):
         return forced == "1"
@@ -39,6 +41,9 @@ class RowBatch:
     positions: torch.Tensor  # [rows] the absolute position of every row
     rope_tables: Optional[tuple] = None  # (cos, sin) of those positions, filled by the first layer
     decode_tables: Optional[tuple] = None  # (slots, positions, mask) of one-row samples, filled once
+    # Each multi-row sample's causal mask by (sample, query heads per KV head), built at its
+    # first layer: ~5 small ops a layer, launches that a GPU's several-row passes paid 30 times.
+    sample_masks: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)
     adapters: Optional[List[int]] = None  # each sample's adapter id (0: the base model alone)
     # Each row attends as the one-row decode step at its position would (speculative
     # verification): attention kernels round differently for one query row than for several,
@@ -88,6 +93,17 @@ class RowBatch:
             mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
             self.decode_tables = (slots, positions, mask[:, None, None, :])
         return self.decode_tables
+
+    def sample_mask(self, index: int, groups: int, device: torch.device) -> Optional[torch.Tensor]:
+        """attention.causal_mask of sample `index`'s rows (None for one row), built once a pass."""
+        count = self.counts[index]
+        if count == 1:
+            return None
+        key = (index, groups)
+        mask = self.sample_masks.get(key)
+        if mask is None:
+            mask = self.sample_masks[key] = causal_mask(self.starts[index], count, groups, device)
+        return mask
 
     @property
     def rows(self) -> int:

@@ -67,22 +67,24 @@ class Attention(nn.Module):
                 row += T
             y = torch.cat(ys)
         elif len(batch.slots) == 1:
-            y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0])
+            y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0],
+                             batch.sample_mask(0, H // KV, x.device))
         elif attends_in_one_call(batch, KV * D):
             y = self._attend_decode_rows(qk, v, k_cache, v_cache, batch)  # several one-row samples at once
         else:
             ys, row = [], 0
-            for slot, start, T in zip(batch.slots, batch.starts, batch.counts):
-                ys.append(self._attend(qk[row:row + T], v[row:row + T], k_cache[slot], v_cache[slot], start))
+            for i, (slot, start, T) in enumerate(zip(batch.slots, batch.starts, batch.counts)):
+                ys.append(self._attend(qk[row:row + T], v[row:row + T], k_cache[slot], v_cache[slot], start,
+                                       batch.sample_mask(i, H // KV, x.device)))
                 row += T
             y = torch.cat(ys)
         return self.proj(y)
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                start: int) -> torch.Tensor:
+                start: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One sample's T rows against its own cache slot (attention.attend_sample, which the
-        scripted blocks run too)."""
-        return attend_sample(qk, v, k_cache, v_cache, start, self.n_head, self.n_kv_head, self.head_dim)
+        scripted blocks run too); `mask`: the pass's (RowBatch.sample_mask)."""
+        return attend_sample(qk, v, k_cache, v_cache, start, self.n_head, self.n_kv_head, self.head_dim, mask)
 
     def _attend_decode_rows(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: RowBatch) -> torch.Tensor:
