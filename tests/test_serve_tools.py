@@ -7,7 +7,7 @@ import json
 import pytest
 import requests
 
-from conftest import SMOLLM2_DIR, ServeProcess, worker_pool
+from conftest import ServeProcess, worker_pool
 from ringconfigs import write_run_config
 from test_serve import model, server, sse_events  # noqa: F401 (fixtures)
 from test_tools import ADD, CONVERSATION, WEATHER
@@ -73,11 +73,11 @@ def test_bad_tool_values_are_a_400_naming_the_field_and_leave_others_running(ser
 # --------------------------------------------------------------------------- SmolLM2, constrained
 
 @pytest.fixture(scope="module")
-def smollm2_server(tmp_path_factory):
+def smollm2_server(tmp_path_factory, smollm2_dir):
     pytest.importorskip("llguidance")  # the constrained sampler (structured outputs)
     # Workers of its own: test_serve's `server`, alive for this whole module, holds the shared ones.
     for workers in worker_pool(2):
-        path = write_run_config(tmp_path_factory.mktemp("tools-cfg") / "ring3.yaml", SMOLLM2_DIR, workers,
+        path = write_run_config(tmp_path_factory.mktemp("tools-cfg") / "ring3.yaml", smollm2_dir, workers,
                                 worker_name="board%d", runtime={"threads": 1, "ring_timeout": 60},
                                 serve={"max_in_flight": 2, "max_len": 1024, "model_name": "smollm2"})
         srv = ServeProcess(path)

@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-from conftest import ROOT
 from mdi.model.tokenizers import load_tokenizer
 from mdi.serving.openai_bodies import Reply
 from mdi.serving.prompts import ChatTemplate, chat_messages
@@ -18,7 +17,6 @@ from mdi.serving.tools import GENERIC, HERMES, LLAMA3, ToolChoice, ToolFormat, c
 from mdi.serving.validation import CHAT, ApiError, parse_options
 from mdi.model.sampling import SamplingParams
 
-SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m")
 TEMPLATES = os.path.join(os.path.dirname(__file__), "chat_templates")  # the models' own (public) templates
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city", "strict": True,
@@ -35,8 +33,9 @@ CONVERSATION = [
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
 
 
-def template(name):
-    tok = load_tokenizer(SMOLLM2)
+def template(name, model_dir):
+    """SmolLM2's tokenizer (models/smollm2-135m, conftest's smollm2_dir) with `name`'s chat template."""
+    tok = load_tokenizer(model_dir)
     if name != "smollm2":
         with open(os.path.join(TEMPLATES, name + ".jinja")) as f:
             tok.chat_template = f.read()
@@ -56,8 +55,8 @@ def parse(family, text, parallel=True, stream=False):
 
 @pytest.mark.parametrize("name, family, native", [("smollm2", GENERIC, False), ("qwen2.5", HERMES, True),
                                                   ("qwen3", HERMES, True), ("llama3.2", LLAMA3, True)])
-def test_each_template_renders_tools_calls_and_results(name, family, native):
-    tmpl = template(name)
+def test_each_template_renders_tools_calls_and_results(name, family, native, smollm2_dir):
+    tmpl = template(name, smollm2_dir)
     assert (tmpl.tool_format.family, tmpl.tool_format.native) == (family, native)
     prompt = tmpl.render(chat_messages(CONVERSATION), TOOLS)
     assert '"name": "get_weather"' in prompt and "The weather in a city" in prompt  # the tool list
@@ -175,15 +174,15 @@ def test_bad_tool_messages_are_a_400_naming_the_field(message, param):
     assert e.value.param == param and e.value.status == 400
 
 
-def llg_tokenizer():
+def llg_tokenizer(model_dir):
     llguidance = pytest.importorskip("llguidance")
-    with open(os.path.join(SMOLLM2, "tokenizer.json")) as f:
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
         return llguidance, llguidance.LLTokenizer(f.read())
 
 
 @pytest.mark.parametrize("family", [HERMES, LLAMA3, GENERIC])
-def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing_else(family):
-    llguidance, tok = llg_tokenizer()
+def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing_else(family, smollm2_dir):
+    llguidance, tok = llg_tokenizer(smollm2_dir)
     call = {HERMES: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>',
             LLAMA3: '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}',
             GENERIC: '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]}'}[family]
@@ -203,8 +202,8 @@ def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing
     assert '"get_weather"' not in named_add.text
 
 
-def test_auto_is_free_unless_a_function_is_strict_then_free_text_or_a_strict_call():
-    llguidance, tok = llg_tokenizer()
+def test_auto_is_free_unless_a_function_is_strict_then_free_text_or_a_strict_call(smollm2_dir):
+    llguidance, tok = llg_tokenizer(smollm2_dir)
     fmt = ToolFormat(HERMES, True, False)
     assert tool_grammar(ToolChoice(check_tools([ADD], {}), "auto", None, True), fmt) is None
     spec = tool_grammar(ToolChoice(TOOLS, "auto", None, True), fmt)
