@@ -1139,7 +1139,8 @@ def report(record: Dict[str, Any]) -> None:
             for i in ok("spec") for name, m in i["modes"].items()]
     if rows:
         print_table("5. speculation at S = 1 on the ring of %d sharing %s (oracle drafter; verification rows "
-                    "attend %s), median [min, max]" % (RING_NODES, gpu, ok("spec")[0]["verify_rows"]), ["shape", "mode", "tok/s", "x plain ring", "model x", "ids = plain"], rows)
+                    "attend %s), median [min, max]" % (RING_NODES, gpu, ok("spec")[0]["verify_rows"]),
+                    ["shape", "mode", "tok/s", "x plain ring", "model x", "ids = plain"], rows)
     other = [i for p in parts.values() for i in p if i.get("status") != "ok"]
     for i in other:
         print("%s %s %s: %s%s" % (i["part"], i["shape"], i["dtype"], i["status"],

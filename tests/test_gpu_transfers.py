@@ -36,9 +36,9 @@ def device():
     return torch.device("cuda" if CUDA else "cpu")
 
 
-# What torch's sync debug mode says at each wait. Only that: torch 2.11 also warns once per
-# process, when the mode is first set, that the mode "does not yet detect all synchronizing
-# operations", which a looser match counted as a wait of the first test to count them.
+# What torch's sync debug mode says at each wait. Only that: torch 2.11 on an H200 also warned
+# once per process from set_sync_debug_mode itself (a notice that the mode is a prototype), and
+# a match on "synchroniz" counted it as a wait of the first step counted.
 WAIT_WARNING = "called a synchronizing CUDA operation"
 
 
