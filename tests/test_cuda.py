@@ -613,7 +613,7 @@ def test_drafts_verified_on_the_device_give_the_plain_greedy_ids(device, quick_w
     """One process, passes of drafted rows in flight as on a ring of three (stale ones dropped
     when a guess fails): drafts that are always right, never right, or right 60% of the time
     give the plain run's ids on the device."""
-    from test_speculation import oracle, run_local
+    from test_speculation import CPU_ROWS, oracle, run_local
     from mdi.runconfig import SpeculationSpec
     for family in ("gpt2", "llama"):
         chunk = ModelSource(tiny_models[family]).load_chunk(0, 4, True, True, torch.float32, device)
@@ -622,10 +622,12 @@ def test_drafts_verified_on_the_device_give_the_plain_greedy_ids(device, quick_w
         plain, _ = run_local(chunk, prompts, 40)
         for agree, n_stages in ((1.0, 3), (0.0, 3), (0.6, 3), (0.6, 1)):
             got, pipe = run_local(chunk, prompts, 40, SpeculationSpec("ngram", max_draft=6), oracle(plain, agree),
-                                  n_stages=n_stages, max_batch=2)
+                                  n_stages=n_stages, max_batch=2, costs=CPU_ROWS)  # costs where filling is tried
             assert got == plain, (family, agree, n_stages)
             c = pipe.spec_counters
             assert c.drafted > 0 and (c.accepted == c.drafted if agree == 1.0 else c.accepted < c.drafted)
+            if (agree, n_stages) == (0.6, 3):
+                assert c.passes_stale > 0  # passes built on guesses that failed, dropped
 
 
 @pytest.mark.timeout(300)

@@ -43,6 +43,7 @@ def test_a_sample_keeps_the_way_it_measures_faster():
     faster kept, the other tried again after MODE_RETRY."""
     policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.1, 9))
     state = speculation.SpecState(NgramDrafter([]))
+    state.rate = 0.9  # where the model gives filling a chance
     clock = [0.0]
 
     def verifications(n, seconds_per_token):
@@ -68,6 +69,7 @@ def test_a_way_s_rate_is_its_tokens_over_its_time_however_bursty():
     near-zero gaps do not make a slower way look faster."""
     policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.1, 9))
     state = speculation.SpecState(NgramDrafter([]))
+    state.rate = 0.9
     clock = [0.0]
 
     def verification(tokens, seconds):
@@ -83,6 +85,39 @@ def test_a_way_s_rate_is_its_tokens_over_its_time_however_bursty():
             verification(tokens, seconds)
     assert state.token_rates[True] == pytest.approx(7 / 0.1003)  # per-interval rates averaged: 1990
     assert not state.filling  # verifying alone measured faster: back to it
+
+
+def test_filling_is_tried_only_where_the_model_gives_it_a_chance():
+    """A trial of filling costs what filling loses. Where passes of many rows cost little more
+    than one (a GPU: 1.21 one-row passes for 2-9 rows on an H200), verifying alone with long
+    drafts beats filling by the model at a = 0.5 and 0.7: no trial, whatever the clock says.
+    At a = 0.9 the two are close, so both are tried. A sample whose acceptance falls while it
+    fills goes back to verifying alone without a trial."""
+    gpu = speculation.PassCosts((1.0,) + (1.21,) * 8)
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=gpu)
+    state = speculation.SpecState(NgramDrafter([]))
+    clock = [0.0]
+
+    def verifications(n):
+        for _ in range(n):
+            clock[0] += 0.01
+            state.timed(2, clock[0])
+            policy.choose_way(state, decoding=1)
+    for rate in (0.5, 0.7):
+        state.rate = rate
+        verifications(speculation.MODE_RETRY + speculation.MODE_TRIAL)
+        assert not state.filling and not policy.fill_may_pay(state), rate
+    state.rate = 0.9
+    assert policy.fill_may_pay(state)
+    verifications(speculation.MODE_TRIAL)  # the retry is due: filling is tried
+    assert state.filling
+    state.rate = 0.5
+    verifications(speculation.MODE_TRIAL)
+    assert not state.filling
+    # the CPU's costs (AVX-512, int4: 2-4 rows 1.06-1.33, 5 rows 1.93): filling stays a candidate at 0.7
+    cpu = speculation.PassCosts((1.0, 1.063, 1.176, 1.326, 1.925, 2.19, 2.456, 2.721, 2.986))
+    state.rate = 0.7
+    assert speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=cpu).fill_may_pay(state)
 
 
 def test_a_filling_sample_drafts_by_the_pipeline_model_and_fills_only_where_it_pays():
@@ -140,15 +175,21 @@ def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
 
 # --- exactness on one node, passes in flight as in a ring ------------------------------------
 
+# Rows are free: draft as much as the acceptance pays for (verifying alone then beats filling).
+FREE_ROWS = speculation.PassCosts.linear(0.0, 9)
+# Rows as on a CPU: filling the ring stays a candidate from a = 0.6 (fill_may_pay).
+CPU_ROWS = speculation.PassCosts.linear(0.26, 9)
+
+
 def run_local(chunk, prompts, n_tokens, spec=None, factory=None, params=SamplingParams(0.0), n_stages=3,
-              max_batch=1, context_shift=False, seed=3):
+              max_batch=1, context_shift=False, seed=3, costs=FREE_ROWS):
     """Samples run on a LocalLoop whose policy believes in `n_stages` boards: up to that many
     passes of one sample in flight, returned in order as a ring returns them."""
     samples = [Sample(i, p, [CHARS.index(c) for c in p], n_tokens, sample_generator(seed, i))
                for i, p in enumerate(prompts)]
     pipe = Pipeline(chunk, LocalLoop(), 1, params, None, max_batch=max_batch, prefill_chunk=8,
                     context_shift=context_shift, speculation=spec, n_stages=n_stages, drafter_factory=factory)
-    pipe.pass_costs = speculation.PassCosts.linear(0.0, 9)  # rows are free here: draft as much as the acceptance pays for
+    pipe.pass_costs = costs
     with torch.no_grad():
         pipe.run(samples)
     return [s.token_ids for s in samples], pipe
@@ -168,7 +209,8 @@ def test_every_drafter_gives_the_plain_greedy_tokens(family, quick_ways):
     for factory, n_stages, what in ((None, 1, "ngram, verify only"), (None, 3, "ngram, filling"),
                                     (oracle(plain, 1.0), 3, "always right"), (oracle(plain, 0.0), 3, "always wrong"),
                                     (oracle(plain, 0.6), 2, "right 60%"), (oracle(plain, 0.7), 3, "right 70%")):
-        got, pipe = run_local(chunk, PROMPTS[:2], 40, ngram, factory, n_stages=n_stages, max_batch=2)
+        costs = CPU_ROWS if what == "right 70%" else FREE_ROWS  # where filling is tried, guesses fail in flight
+        got, pipe = run_local(chunk, PROMPTS[:2], 40, ngram, factory, n_stages=n_stages, max_batch=2, costs=costs)
         assert got == plain, what
         c = pipe.spec_counters
         if what == "always right":
