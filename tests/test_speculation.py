@@ -2,15 +2,18 @@
 plain run's tokens, greedy or sampled with the same seed, whatever the drafter guesses, however
 many passes are in flight, on one node or a ring of real processes, through recovery."""
 import collections
+import json
 import math
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import CHARS, tiny_model, worker_pool
+from conftest import CHARS, ROOT, tiny_model, worker_pool
 from ringconfigs import parse_run_config
 from mdi.lab.oracle_drafter import OracleDrafter
 from mdi.model.sampling import SamplingParams, sample_generator, sample_next
@@ -411,3 +414,20 @@ def test_verification_rows_attend_row_by_row_on_a_cpu_and_in_one_call_on_a_gpu(m
         monkeypatch.setenv(ROW_WISE_ENV, forced)
         got, pipe = run_local(chunk, PROMPTS[:1], 24, SpeculationSpec("ngram", max_draft=6), oracle(plain, 0.7))
         assert got == plain and pipe.spec_counters.accepted > 0, forced
+
+
+def test_the_gpu_bench_s_speculation_part_runs_on_a_cpu_with_the_plain_ids(tmp_path):
+    """scripts/bench_gpu.py --parts spec (the GPU figures in results/gpu) keeps running: its
+    logic check on the CPU, a tiny shape, a ring of 3 real processes, every mode's ids the plain
+    ring's (greedy, float32)."""
+    out = tmp_path / "bench_gpu.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu.py"), "--device", "cpu", "--quick",
+                        "--parts", "spec", "--shapes", "tiny-tied", "--dtype", "float32", "--out", str(out),
+                        "--cache", str(tmp_path / "cache")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (part,) = json.load(open(out))["parts"]["spec"]
+    assert part["status"] == "ok" and part["verify_rows"] == "row-wise", part
+    modes = part["modes"]
+    assert {"plain ring", "one node", "a=0.7 filling", "a=0.7 verify only"} <= set(modes)
+    assert all(all(m["ids_equal_plain"]) for m in modes.values() if "ids_equal_plain" in m)
+    assert part["pass_costs"][0] == 1.0 and len(part["pass_costs"]) == part["max_draft"] + 1
