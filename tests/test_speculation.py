@@ -41,12 +41,17 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
     assert d.propose([], 2) == [8, 1]  # what was accepted is searched too
 
 
+def accepting(state, a, drafts=1000):
+    """`state` as a sample whose drafts were accepted at rate `a`, lately and over its life."""
+    state.rate, state.judged, state.agreed = a, drafts, round(a * drafts)
+
+
 def test_a_sample_keeps_the_way_it_measures_faster():
     """Filling the ring or verifying alone: each tried for MODE_TRIAL verifications, then the
     faster kept, the other tried again after MODE_RETRY."""
     policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.1, 9))
     state = speculation.SpecState(NgramDrafter([]))
-    state.rate = 0.9  # where the model gives filling a chance
+    accepting(state, 0.9)  # where the model gives filling a chance
     clock = [0.0]
 
     def verifications(n, seconds_per_token):
@@ -72,7 +77,7 @@ def test_a_way_s_rate_is_its_tokens_over_its_time_however_bursty():
     near-zero gaps do not make a slower way look faster."""
     policy = speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=speculation.PassCosts.linear(0.1, 9))
     state = speculation.SpecState(NgramDrafter([]))
-    state.rate = 0.9
+    accepting(state, 0.9)
     clock = [0.0]
 
     def verification(tokens, seconds):
@@ -107,19 +112,28 @@ def test_filling_is_tried_only_where_the_model_gives_it_a_chance():
             state.timed(2, clock[0])
             policy.choose_way(state, decoding=1)
     for rate in (0.5, 0.7):
-        state.rate = rate
+        accepting(state, rate)
         verifications(speculation.MODE_RETRY + speculation.MODE_TRIAL)
         assert not state.filling and not policy.fill_may_pay(state), rate
-    state.rate = 0.9
+    accepting(state, 0.9)
     assert policy.fill_may_pay(state)
     verifications(speculation.MODE_TRIAL)  # the retry is due: filling is tried
     assert state.filling
-    state.rate = 0.5
+    accepting(state, 0.5)
     verifications(speculation.MODE_TRIAL)
     assert not state.filling
+    # What decides is the acceptance over the sample's life, not its last few drafts: a lucky
+    # streak at a true 0.5 starts no trial.
+    state.rate, state.judged, state.agreed = 0.95, 200, 100
+    verifications(speculation.MODE_RETRY + speculation.MODE_TRIAL)
+    assert not state.filling
+    fresh = speculation.SpecState(NgramDrafter([]))
+    assert fresh.long_rate == speculation.RATE_PRIOR
+    fresh.learn(3, 4)
+    assert speculation.RATE_PRIOR < fresh.long_rate < 0.75
     # the CPU's costs (AVX-512, int4: 2-4 rows 1.06-1.33, 5 rows 1.93): filling stays a candidate at 0.7
     cpu = speculation.PassCosts((1.0, 1.063, 1.176, 1.326, 1.925, 2.19, 2.456, 2.721, 2.986))
-    state.rate = 0.7
+    accepting(state, 0.7)
     assert speculation.SpecPolicy(SpeculationSpec("ngram"), n_stages=3, costs=cpu).fill_may_pay(state)
 
 
