@@ -204,9 +204,8 @@ def theory(a: float, max_draft: int, costs: Any, stages: int) -> Dict[str, float
     each draft accepted with probability a independently, a pass of 1 + k rows costing what the
     starter measured, `costs`: a PassCosts), at the best k: verification alone, and the ring filled
     (at its best depth)."""
-    from mdi.starter.speculation import best_fill, verify_gain
-    return {"verify": max(verify_gain(a, k, costs.of(k + 1)) for k in range(max_draft + 1)),
-            "fill": best_fill(a, costs, max_draft, stages)[2]}
+    from mdi.starter.speculation import best_fill, best_verify
+    return {"verify": best_verify(a, costs, max_draft)[1], "fill": best_fill(a, costs, max_draft, stages)[2]}
 
 
 def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str, Any]:

@@ -269,6 +269,17 @@ def fill_gain(a: float, k: int, trip: float, stages: int, depth: Optional[int] =
     return (standing * (k + 1) + failing) / (standing * trip / depth + trip + (depth - 1) * trip / stages)
 
 
+def best_verify(a: float, costs: "PassCosts", max_draft: int) -> Tuple[int, float]:
+    """(k, gain) with the most expected tokens per unit of time over plain decoding when
+    verifying one pass at a time (verify_gain); (0, 1.0) where no k beats plain decoding."""
+    best, best_gain = 0, 1.0
+    for k in range(1, max_draft + 1):
+        gain = verify_gain(a, k, costs.of(k + 1))
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best, best_gain
+
+
 def best_fill(a: float, costs: "PassCosts", max_draft: int, stages: int) -> Tuple[int, int, float]:
     """(k, depth, gain) with the most expected tokens per unit of time over plain decoding when
     filling the ring (fill_gain): k drafts per pass, 2 .. `stages` passes in flight; (0, 1, 1.0)
@@ -302,13 +313,7 @@ class SpecPolicy:
         if filling:
             k, _, gain = self.best_fill(state)
             return k, gain
-        a = min(state.rate, 0.999)
-        best, best_gain = 0, 1.0
-        for k in range(1, self.spec.max_draft + 1):
-            gain = verify_gain(a, k, self.costs.of(k + 1))
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best, best_gain
+        return best_verify(min(state.rate, 0.999), self.costs, self.spec.max_draft)
 
     def best_fill(self, state: SpecState) -> Tuple[int, int, float]:
         """best_fill at the sample's acceptance, kept until it changes (asked several times a pass)."""
@@ -334,7 +339,7 @@ class SpecPolicy:
         """Whether the model gives filling a chance at this sample's acceptance over its life
         (SpecState.long_rate): its best filling within FILL_TRIAL_MIN of its best verification."""
         a = min(state.long_rate, 0.999)
-        verify = max(verify_gain(a, k, self.costs.of(k + 1)) for k in range(self.spec.max_draft + 1))
+        verify = best_verify(a, self.costs, self.spec.max_draft)[1]
         return best_fill(a, self.costs, self.spec.max_draft, self.n_stages)[2] >= FILL_TRIAL_MIN * verify
 
     def choose_way(self, state: SpecState, decoding: int) -> None:
