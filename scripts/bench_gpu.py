@@ -880,8 +880,10 @@ def pipeline(ctx: "Context", shape: str) -> Dict[str, Any]:
 
 def spec(ctx: "Context", shape: str) -> Dict[str, Any]:
     """S = 1 on the ring of 3 and on one node, plain vs an oracle drafter (see the docstring)."""
+    import torch
     from bench_speculation import Ring as SpecRing, theory
     from mdi.lab.oracle_drafter import OracleDrafter
+    from mdi.model.row_batch import verifies_row_by_row
     from mdi.runconfig import SpeculationSpec
     args = ctx.args
     model, _ = ctx.model(shape, None)
@@ -920,8 +922,6 @@ def spec(ctx: "Context", shape: str) -> Dict[str, Any]:
                                                                        ref, a, seed=7))
                     same.setdefault(name, []).append(got == plain)
         plain_rates = rates["plain ring"]
-        import torch
-        from mdi.model.row_batch import verifies_row_by_row
         out = {"model": model, "nodes": RING_NODES, "samples": 1, "new_tokens": n_tokens, "max_draft": max_draft,
                "verify_rows": "row-wise" if verifies_row_by_row(torch.device(args.device)) else "one-call",
                "pass_costs": costs.to_json(), "prompts_done": len(plain_rates), "modes": {}}  # type: Dict[str, Any]

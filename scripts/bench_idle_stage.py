@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     from mdi.model import qkernels
     from mdi.model.row_batch import RowBatch
     from mdi.model.source import ModelSource
+    from mdi.system.devices import last_level_cache_bytes
     torch.set_num_threads(args.threads)
     qkernels.set_preference("fast")
     info = machine_info(args.threads)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     record: Dict[str, Any] = {
         "machine": info, "model": args.model, "layers": layers, "threads": args.threads, "context": args.context,
         "gap_ms": args.gap, "stage_weight_bytes": stage_bytes, "others_bytes": others.numel() * 4,
-        "last_level_cache_bytes": _llc(),
+        "last_level_cache_bytes": last_level_cache_bytes("cpu"),
         "pass_ms": {m: summarize([1000 * t for t in v]) for m, v in times.items()},
         "vs_hot": {m: summarize([t / h for t, h in zip(v, times["hot"])]) for m, v in times.items() if m != "hot"}}
     print_table("one stage's decode pass (%d layers, %.1f MB of weights, %d thread%s; after a %.0f ms gap)"
@@ -108,11 +109,6 @@ def main(argv=None) -> int:
     print(note_load(info))
     save_record(args.out, record)
     return 0
-
-
-def _llc() -> int:
-    from mdi.system.devices import last_level_cache_bytes
-    return last_level_cache_bytes("cpu")
 
 
 if __name__ == "__main__":

@@ -415,9 +415,10 @@ MEASURE_BUDGET_S = 1.0  # timing rounds after the second stop once this much tim
 
 def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts:
     """What a pass of 1 .. max_rows rows through `chunk` costs in passes of one row, run as
-    verifications run (row by row attention, decode kernels), in a scratch cache slot (slot 0,
-    before any sample holds it). Memory-bound layers read their weights once for all rows, so
-    extra rows cost little there; compute-bound kernels pay per row or per block of rows.
+    verifications run (decode kernels; row by row attention on a CPU, one call per sample on a
+    GPU, as RowBatch.of decides), in a scratch cache slot (slot 0, before any sample holds it).
+    Memory-bound layers read their weights once for all rows, so extra rows cost little there;
+    compute-bound kernels pay per row or per block of rows.
 
     TIMED_ROWS and max_rows are timed, the sizes between them interpolated; each is the least
     disturbed of up to `repeats` rounds (other processes only add time), at least 2, fewer
