@@ -100,6 +100,12 @@ def test_n_samples_repeats_prompts_and_standalone_metrics(tmp_path, tiny_models)
     assert "mdi: 15 tokens" in proc.stdout
 
 
+@pytest.mark.parametrize("args, needle", [(["--draft-max", "0"], "--draft-max"), (["--n-tokens", "x"], "--n-tokens"),
+                                         (["--bogus"], "unrecognized arguments: --bogus")])
+def test_bad_flags_get_one_line_not_the_usage_block(args, needle):
+    assert_one_line_error(mdi_start("--model", "m", "--prompt", "a", *args), needle, "mdi-start --help")
+
+
 def test_help_explains_flags():
     proc = subprocess.run([STARTER, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--n-samples" in proc.stdout and "--metrics-out" in proc.stdout
@@ -121,10 +127,27 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fits" in lines["ok1"] and "v" in lines["ok1"] and "cpu" in lines["ok1"]
+    # each node's CPU (its ISA decides which kernels win) and the kernels its load will measure
+    from mdi.model import qkernels
+    from mdi.system.cpu import cpu_info
+    here = "kernels to measure: %s" % ", ".join(qkernels.offered_on("cpu"))
+    for name in ("starter", "ok1"):
+        assert "cpu %s" % cpu_info()["isa"] in lines[name] and here in lines[name], lines[name]
     assert "DOES NOT FIT" in lines["tiny"]
     assert "UNREACHABLE" in lines["gone"] and str(dead) in lines["gone"]
     assert "problems found" in proc.stdout
     assert requests.get(workers[0].url + "/status", timeout=5).json()["state"] in ("idle", "stopped")
+
+
+def test_check_fails_on_a_device_the_starter_cannot_use(tmp_path, tiny_models):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cuda is usable")
+    path = write(tmp_path, "model: {path: %s, device: cuda}\n" % tiny_models["llama"])
+    proc = mdi_start("--config", path, "--check")
+    assert proc.returncode == 1 and "starter: UNUSABLE: cuda: this node's torch sees no CUDA GPU" in proc.stdout, \
+        proc.stdout + proc.stderr
+    assert "problems found" in proc.stdout
 
 
 def test_progress_line_on_a_terminal(capsys, monkeypatch):

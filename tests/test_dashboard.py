@@ -353,10 +353,13 @@ def test_the_page_shows_speculation_counters(ring, browser):
     m = srv.metrics()
     assert spec["drafted"] > 0 and m["mdi_speculation_drafted_total"] == spec["drafted"]
     assert m["mdi_speculation_accepted_total"] == spec["accepted"]
+    assert m["mdi_speculation_acceptance_ratio"] == pytest.approx(spec["acceptance_rate"])
     wait_for("the counters on the page", lambda: text(browser, "s-spec-drafted") == str(spec["drafted"]), 10)
     assert text(browser, "s-spec-accepted") == str(spec["accepted"])
     assert text(browser, "s-spec-rate") == "%.0f%%" % (spec["acceptance_rate"] * 100)
     assert text(browser, "s-spec-per-pass") == "%.2f" % spec["accepted_per_pass"]
+    assert text(browser, "s-spec-stale") == str(spec["passes_stale"])
+    assert text(browser, "s-spec-wasted") == str(spec["rows_wasted"])
     assert_no_console_errors(browser)
 
 

@@ -1,6 +1,8 @@
 """The int8 integer kernels (mdi.model.qkernels.Int8DynamicLinear over fbgemm): ~14-bit
 activations for one read of the weights, a row's result independent of its frame, what they
 hold counted, and chosen only within the memory a node spares beside its plan."""
+import os
+
 import pytest
 import torch
 
@@ -111,3 +113,18 @@ def test_the_grid_rounding_of_many_rows_is_fake_quantizes_bit_for_bit():
     assert torch.equal(ops, torch.fake_quantize_per_tensor_affine(x, linear.step, linear.zero, 0, linear.levels))
     rows = torch.randn(qkernels.ROUND_BY_OPS_ROWS, 576)
     assert torch.equal(linear(rows)[:1], linear(rows[:1]))  # one row (fake_quantize) as among many (plain ops)
+
+
+def test_the_perplexity_guard_names_each_kernel_past_its_bound():
+    """scripts/bench_quant_quality.py exits 1 naming the rows past their bound: int8 within 1% of
+    float32, int4 within 1% of the int4 model's own loss (its exact kernels')."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_quant_quality.py")
+    spec = importlib.util.spec_from_file_location("bench_quant_quality", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"model": "m", "quant": q, "kernel": k, "vs_float32": v} for q, k, v in (
+        ("none", "exact", 0.0), ("int8", "exact", 0.001), ("int8", "fast", 0.009), ("int8", "int8dyn-fbgemm", 0.012),
+        ("int4", "exact", 0.05), ("int4", "fast", 0.059), ("int4", "int8dyn-fbgemm", 0.061))]
+    assert bench.out_of_bounds(rows) == ["m int8 int8dyn-fbgemm: +1.20% vs float32, bound +1.00%",
+                                         "m int4 int8dyn-fbgemm: +6.10% vs float32, bound +6.00%"]

@@ -29,7 +29,7 @@ def clean_state():
         qkernels.set_preference(None)
         kernel_choice.set_memory_allowance(None)
         for table in (kernel_choice._measured, kernel_choice._measured_prefill, kernel_choice._notes,
-                      kernel_choice._choices, kernel_choice._prefill_choices, kernel_choice._crossovers):
+                      kernel_choice._choices, kernel_choice._crossovers):
             table.clear()
     clear()
     yield
@@ -219,3 +219,41 @@ def test_a_verification_pass_runs_the_decode_kernel_whatever_its_rows(fake_timin
     (rows_dual, steps_dual), (rows_single, steps_single) = out
     assert torch.equal(rows_dual, rows_single) and torch.equal(rows_dual, steps_dual)
     assert torch.equal(steps_dual, steps_single)
+
+
+def test_layers_of_one_shape_that_chose_differently_are_each_reported(fake_timings):
+    """The memory a node spares ran out partway through its load: the first layers of a shape
+    took fbgemm (faster here, larger), the later ones int4pack. Reports count matrices per
+    kernel and show both outcomes, not only the last layer's; start_report starts a new load's."""
+    fake_timings["int8dyn-fbgemm"] = (0.1, 0.0)  # fastest on one row
+    extra = kernel_choice.extra_bytes(FBGEMM, SPEC, 64, 128)
+    kernel_choice.set_memory_allowance(2 * extra)
+    kernel_choice.start_report()
+    kinds = [kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).kernel for _ in range(5)]
+    assert kinds == [FBGEMM, FBGEMM, INT4, INT4, INT4]
+    report = kernel_choice.chosen_by_weight()
+    assert report["int4/g32 64x128"].startswith("int4pack-cpu: policy fast:")
+    assert report["int4/g32 64x128"].endswith("; on 3 matrices") and "int8dyn-fbgemm needs" in report["int4/g32 64x128"]
+    assert report["int4/g32 64x128 #2"].startswith("int8dyn-fbgemm:") and report["int4/g32 64x128 #2"].endswith(
+        "; on 2 matrices")
+    assert kernel_choice.summary(report).startswith("int4pack-cpu x3, int8dyn-fbgemm x2")
+    assert [e["matrices"] for e in kernel_choice.chosen()] == ["3", "2"]
+    kernel_choice.start_report()
+    assert kernel_choice.chosen_by_weight() == {}
+
+
+@pytest.mark.parametrize("policy, kernel, words", [
+    ("exact", "dequant", "dequant (the only candidate; not timed)"),
+    ("int4pack-cpu", "int4pack-cpu", "int4pack-cpu (named; not timed); dequant (the fallback; not timed)"),
+    ("int4pack-cuda", "dequant", "int4pack-cuda does not run here on int4/g32 weights"),
+])
+def test_exact_and_named_kernels_are_reported_as_taken_not_as_timed(policy, kernel, words):
+    qkernels.set_preference(policy)
+    kernel_choice.start_report()
+    assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).kernel.name == kernel
+    text = kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    assert text.startswith("%s: policy %s: " % (kernel, policy)) and words in text and " ms" not in text, text
+    summary = kernel_choice.summary(kernel_choice.chosen_by_weight())
+    assert summary.startswith("%s x1" % kernel)
+    assert ("int4pack-cuda (runtime.quant_kernel) does not run on 1 of them" in summary) == (policy == "int4pack-cuda")
+

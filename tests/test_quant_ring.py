@@ -7,7 +7,7 @@ import torch
 
 from conftest import SMOLLM2_DIR, WorkerProcess, free_ports
 from ringconfigs import parse_run_config
-from mdi.model import qkernels
+from mdi.model import kernel_choice, qkernels
 from mdi.model.kv_cache import KVCache
 from mdi.model.layout import QuantSpec, weight_bytes
 from mdi.model.source import ModelSource, build_chunk
@@ -114,6 +114,9 @@ def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares
         assert not gate_up.startswith("int8dyn"), gate_up  # it would hold 2.4 MB more
         status = requests.get("http://127.0.0.1:%d/status" % tight.port, timeout=10).json()
         assert status["kernels"] == result.metrics()["nodes"][1]["kernels"]
+        assert status["cpu"] and "int4pack-cpu" in status["kernels_here"]  # what --check lists for it
+        # one line per kernel outcome of a shape, its matrices counted: 4 in each of its 10 layers
+        assert sum(kernel_choice.kernel_counts(status["kernels"]).values()) == 4 * 10
     finally:
         tight.stop()
         roomy.stop()

@@ -183,6 +183,11 @@ def test_pass_costs_are_timed_as_verifications_and_interpolated(monkeypatch):
     assert c[6] == pytest.approx(c[4] + (c[8] - c[4]) / 2)  # 7 rows: halfway between 5 and 9
     assert costs.of(11) == pytest.approx(c[8] + 2 * (c[8] - 1) / 8)
     assert speculation.measure_pass_costs(chunk, 1).relative == (1.0,)
+    # a slot shorter than the widest pass (a short prompt, few tokens): timed up to the slot's length
+    seen.clear()
+    chunk.allocate_cache(1, 5)
+    costs = speculation.measure_pass_costs(chunk, 9, repeats=2)
+    assert max(rows for rows, _ in seen) == 5 and len(costs.relative) == 5 and costs.of(9) > costs.of(5)
 
 
 def test_ngram_drafter_continues_a_repeating_pattern_past_its_end():
@@ -334,6 +339,15 @@ def test_a_ring_verifies_drafts_and_gives_the_plain_tokens(tiny_models, three_wo
             record = result.metrics()["nodes"][0]["speculation"]
             assert record["drafted"] >= record["accepted"] >= 0
         assert record["drafted"] > 0 and record["verifications"] > 0
+
+
+def test_a_run_shorter_than_one_full_draft_gives_the_plain_tokens(tiny_models, three_workers):
+    """A prompt and token budget shorter than 1 + max_draft: the slot is shorter than the widest
+    pass the starter would time (it had stopped the run: positions exceed the cache length)."""
+    model = tiny_models["llama"]
+    plain = [s.token_ids for s in ring_run(model, three_workers[:1], "off", ["ab"], n_tokens=3).samples]
+    result = ring_run(model, three_workers[:1], {"method": "ngram", "max_draft": 32}, ["ab"], n_tokens=3)
+    assert [s.token_ids for s in result.samples] == plain and len(plain[0]) == 3
 
 
 def test_smollm2_int4_ring_with_ngram_speculation_gives_the_plain_tokens(smollm2_dir, three_workers):

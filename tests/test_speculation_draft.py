@@ -211,6 +211,29 @@ def test_a_draft_vocabulary_that_differs_in_one_token_is_refused(tiny_models, tm
     assert "token 10 is %r for the target, %r for the draft" % (CHARS[10], "\u00e9") in str(e.value)
 
 
+def test_a_target_whose_head_is_padded_past_the_tokenizer_takes_a_draft_of_the_tokenizer_s_size(tiny_models, tmp_path):
+    """Sizes of one family pad their heads differently (Qwen2.5-0.5B 151936 ids, 7B 152064): a
+    draft whose head is smaller names only ids the target has, so it drafts; a larger one is refused."""
+    import dataclasses
+    padded = str(tmp_path / "padded")
+    torch.manual_seed(0)
+    model = full_model(dataclasses.replace(tiny_config("llama"), vocab_size=len(CHARS) + 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+        model.lm_head.weight[len(CHARS):] = 0  # padding: logit 0, below the best of 96 random ones
+    save_model_dir(padded, model.config, model.state_dict(), "test")
+    char_tokenizer(CHARS).save(padded)
+    plain = [s.token_ids for s in ring_run(padded, [], "off", ["Hello"]).samples]
+    result = ring_run(padded, [], {"draft": tiny_models["llama"]}, ["Hello"])
+    assert [s.token_ids for s in result.samples] == plain
+    assert result.metrics()["nodes"][0]["speculation"]["drafted"] > 0
+    with pytest.raises(ConfigError) as e:
+        ring_run(tiny_models["llama"], [], {"draft": padded}, ["Hello"])
+    assert "scores %d ids, the target %d" % (len(CHARS) + 4, len(CHARS)) in str(e.value)
+
+
 def test_smollm2_drafts_for_itself_int4_for_float32_exactly(smollm2_dir, three_workers, smollm2_vocab_llama):
     """SmolLM2 int4 drafting for SmolLM2 float32 (on 1 node and a ring of 3): the plain tokens,
     most drafts accepted; a random-weights draft of SmolLM2's vocabulary: the plain tokens too."""

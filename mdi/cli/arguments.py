@@ -3,8 +3,16 @@ import argparse
 from typing import Any, Callable
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with its errors in one line (argparse prints its whole usage block
+    first: 14 lines for mdi-start before the one that says what was wrong)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, "mdi: error: %s (%s --help lists the options)\n" % (message, self.prog))
+
+
 def arg_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
-    """An argparse `type=`: `convert`, then `ok`, else argparse's one-line usage error."""
+    """An argparse `type=`: `convert`, then `ok`, else a one-line error (ArgumentParser.error)."""
     def parse(text: str) -> Any:
         try:
             value = convert(text)

@@ -41,6 +41,9 @@ def speculation_line(result) -> Optional[str]:
     if not spec:
         return None
     if not spec["drafted"]:
+        if len(result.samples) > len(result.nodes):
+            return ("mdi: speculation: nothing drafted (%d samples on %d nodes: while samples outnumber nodes, plain "
+                    "decoding and batching fill the ring)" % (len(result.samples), len(result.nodes)))
         return "mdi: speculation: nothing drafted (no n-gram of the output recurred, or drafts did not pay here)"
     return ("mdi: speculation: %d tokens drafted, %d accepted (%.0f%%), %.2f accepted per verifying pass, "
             "%d stale passes, %d rows computed for nothing"
@@ -55,7 +58,8 @@ def kernels_line(result) -> Optional[str]:
     parts = ["%s %s" % (n.name, summary(n.kernels)) for n in result.nodes if n.kernels]
     if not parts:
         return None
-    return "mdi: quantized kernels (measured per shape, runtime.quant_kernel): " + "; ".join(parts)
+    return ("mdi: quantized kernels (xN: weight matrices; chosen at load by runtime.quant_kernel, why in the metrics "
+            "record): " + "; ".join(parts))
 
 
 def summary_line(result) -> str:
@@ -69,5 +73,8 @@ def report_perplexity(result, args: argparse.Namespace) -> None:
               % (result.perplexity, result.n_windows, result.ctx, result.n_scored, result.elapsed,
                  result.tokens_per_s, len(result.nodes), ", partial" if "error" in result.extra else ""),
               flush=True)
+    kernels = kernels_line(result)
+    if kernels and not args.quiet:
+        print(kernels, file=sys.stderr)
     if args.metrics_out:
         write_json(args.metrics_out, result.metrics())

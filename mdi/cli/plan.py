@@ -3,7 +3,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, List, Optional
 
-from mdi.cli.arguments import positive_int
+from mdi.cli.arguments import ArgumentParser, positive_int
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the starter is imported when mdi-plan runs, not when the CL
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mdi-plan",
         description="Split a model's layers over a config's nodes by their measured speed, memory and links: "
                     "every worker times the model's blocks (random weights, nothing of the model is sent), the "

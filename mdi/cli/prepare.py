@@ -4,7 +4,7 @@ import os
 import sys
 from typing import List, Optional
 
-from mdi.cli.arguments import add_quant_arguments
+from mdi.cli.arguments import ArgumentParser, add_quant_arguments
 from mdi.cli.process import EXIT_CONFIG, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
@@ -13,7 +13,7 @@ from mdi.model.tokenizers import TokenizerError
 def prepare_parser() -> argparse.ArgumentParser:
     from mdi.model import prepare
     doc = prepare.__doc__
-    p = argparse.ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
+    p = ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(doc.split("\n")[2:]))
     p.add_argument("source", help="packaged model name (%s), HF dir, .gguf or nanoGPT ckpt.pt"

@@ -5,7 +5,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from mdi.cli.arguments import add_kernel_argument, add_quant_arguments, positive_int
+from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, positive_int
 from mdi.cli.output import report, report_perplexity
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
@@ -17,7 +17,7 @@ from mdi.runconfig import (ConfigError, parse_prefix_cache, GenerationSpec, Mode
 
 
 def start_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mdi-start",
         description="Run a model split across the nodes of a YAML config (a one-node config runs "
                     "standalone). Flags override the file.",

@@ -7,14 +7,14 @@ import signal
 import sys
 from typing import List, Optional
 
-from mdi.cli.arguments import positive_float, positive_int
+from mdi.cli.arguments import ArgumentParser, positive_float, positive_int
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mdi-train",
         description="Fine-tune a LoRA on the ring of a run config: the base stays frozen where it is, each "
                     "node trains the adapter of its own layers; or (--method prompt) a soft prompt on the starter "

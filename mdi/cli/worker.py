@@ -3,14 +3,14 @@ import argparse
 import os
 from typing import List, Optional
 
-from mdi.cli.arguments import positive_float, positive_int, tcp_port
+from mdi.cli.arguments import ArgumentParser, positive_float, positive_int, tcp_port
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mdi-worker",
         description="Serve one chunk of a model in an mdi ring. Starts blank; the starter sends "
                     "the layer range, neighbours and weights over HTTP. Serves run after run.")

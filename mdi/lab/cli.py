@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 
 from mdi.lab.emulation import EmulationError
 from mdi.lab.nodes import read_json, serve_starter
+from mdi.cli.arguments import ArgumentParser
 from mdi.cli.process import EXIT_CONFIG  # mdi-bench exits like mdi-start
 from mdi.lab.spec import Experiment, ExperimentError, load_experiment
 from mdi.lab.sweep import cleanup_stale, dry_run, finish_outputs, run_experiment
@@ -26,7 +27,7 @@ from mdi.lab.sweep import cleanup_stale, dry_run, finish_outputs, run_experiment
 # --------------------------------------------------------------------------- CLI
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mdi-bench",
         description="Run an experiment sweep (models x node counts x partitions x samples in flight x repeats): "
                     "start the node processes, run the starter, and write results.csv (one row per run), "

@@ -38,12 +38,13 @@ MEASURE_SECONDS = 0.03  # per candidate and shape
 # with more or less memory to spare picks again among the same measurements.
 _measured: Dict[Tuple, Dict[str, Optional[float]]] = {}
 _notes: Dict[Tuple, Dict[str, str]] = {}  # the same keys -> why a kernel was unusable or wrong
-_choices: Dict[Tuple, Tuple[str, str]] = {}  # the same keys -> (kernel chosen last, why)
+# The same keys -> what each layer loaded since start_report() took, as (kernel, why, prefill
+# kernel or "", its first row count) -> layers: layers of one shape may differ, where the
+# memory a node spares runs out partway through its load.
+_choices: Dict[Tuple, Dict[Tuple[str, str, str, int], int]] = {}
 _allowance: List[Optional[int]] = [None]  # bytes layers may hold beyond their stored weights
-# The same keys -> seconds at PREFILL_ROWS rows (None: wrong or unusable), and the prefill
-# kernel chosen last with the row count from which it runs.
+# The same keys -> seconds at PREFILL_ROWS rows (None: wrong or unusable)
 _measured_prefill: Dict[Tuple, Dict[str, Optional[float]]] = {}
-_prefill_choices: Dict[Tuple, Tuple[str, int]] = {}
 # (key, decode kernel, prefill kernel) -> (rows from which the second is faster, 0: not
 # PREFILL_GAIN faster after all; how much faster at PREFILL_ROWS, timed in turns)
 _crossovers: Dict[Tuple, Tuple[int, float]] = {}
@@ -70,6 +71,12 @@ def set_memory_allowance(nbytes: Optional[int]) -> None:
     kernels for prefill passes may take PREFILL_SHARE of it, and nothing where it is None."""
     _allowance[0] = None if nbytes is None else max(0, int(nbytes))
     _prefill_allowance[0] = None if nbytes is None else int(_allowance[0] * PREFILL_SHARE)
+
+
+def start_report() -> None:
+    """What the layers loaded from now on choose is what `chosen` reports: a node calls it as it
+    starts loading a run's layers (a worker that loaded others before reports only these)."""
+    _choices.clear()
 
 
 def memory_allowance() -> Optional[int]:
@@ -236,7 +243,8 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
             nbytes = spec.nbytes(n_out, n_in)
             if kernel.name not in measured:
                 # a named kernel or a lone candidate is taken as it is: nothing to compare it with
-                measured[kernel.name] = 0.0 if named or len(offered) == 1 else \
+                # (UNTIMED: reports say so rather than show a time)
+                measured[kernel.name] = UNTIMED if named or len(offered) == 1 else \
                     _time(_timed(kernel, packed, spec, n_in, x), device, nbytes, resident)
             if prefill_on:
                 measured_prefill[kernel.name] = _time(_timed(kernel, packed, spec, n_in, rows), device, nbytes, resident)
@@ -260,22 +268,51 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
     if allowance is not None:
         _allowance[0] = allowance - extra
     choice = Choice(best, packed)
-    report = ["%s %s" % (k.name, notes[k.name] if measured.get(k.name) is None else _times(measured[k.name],
-                                                                                           measured_prefill.get(k.name)))
-              for k in offered if k.name in measured]
-    report += ["%s needs %.1f MB more than the node spares" % (k.name, extra_bytes(k, spec, n_out, n_in) / 2 ** 20)
-               for k in offered if k not in fits]
-    why = "policy %s: %s" % (preference, "; ".join(report))
+    why = "policy %s: %s" % (preference, _candidates_report(offered, fits, measured, measured_prefill, notes,
+                                                            spec, n_out, n_in, device))
     if extra:
         why += "; holds %.1f MB beyond the stored weight" % (extra / 2 ** 20)
-    _prefill_choices.pop(key, None)
     if prefill_on:
+        # every other candidate timed here, those the allowance kept from decode too: a copy for
+        # prefill passes is weighed against what the node spares by _prefill_pick itself
         why += "; " + _prefill_pick(choice, key, tensors, spec, n_in, device, resident,
-                                    keeps_canonical or best.needs_canonical, [k for k in fits if k is not best])
-    _choices[key] = (best.name, why)
+                                    keeps_canonical or best.needs_canonical, [k for k in offered if k is not best])
+    outcome = (best.name, why, choice.prefill_kernel.name if choice.prefill_kernel is not None else "",
+               choice.prefill_from)
+    tally = _choices.setdefault(key, {})
+    tally[outcome] = tally.get(outcome, 0) + 1
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
               best.name, why)
     return choice
+
+
+UNTIMED = -1.0  # in _measured: a kernel taken without timing (a named one, or the only candidate)
+_DOES_NOT_RUN = "does not run here on"  # a named kernel that does not apply to a layer, as reports say it
+
+
+def _candidates_report(offered: Sequence[Kernel], fits: Sequence[Kernel], measured: Mapping[str, Optional[float]],
+                       measured_prefill: Mapping[str, Optional[float]], notes: Mapping[str, str], spec: QuantSpec,
+                       n_out: int, n_in: int, device: torch.device) -> str:
+    """Each candidate's time on one row (and on PREFILL_ROWS), or why it was not taken: what a
+    report says of one layer's choice. A named kernel that does not run here says so."""
+    named = qkernels.preference not in POLICIES
+    report = []
+    if named and qkernels.preference not in [k.name for k in offered]:
+        report.append("%s %s %s weights" % (qkernels.preference, _DOES_NOT_RUN, spec.label()))
+    for k in offered:
+        if k.name not in measured:
+            continue
+        t = measured[k.name]
+        if t is None:
+            report.append("%s %s" % (k.name, notes[k.name]))
+        elif t == UNTIMED:
+            role = "the only candidate" if not named else "named" if k.name == qkernels.preference else "the fallback"
+            report.append("%s (%s; not timed)" % (k.name, role))
+        else:
+            report.append("%s %s" % (k.name, _times(t, measured_prefill.get(k.name))))
+    report += ["%s needs %.1f MB more than the node spares" % (k.name, extra_bytes(k, spec, n_out, n_in) / 2 ** 20)
+               for k in offered if k not in fits]
+    return "; ".join(report)
 
 
 def _times(one_row: float, many_rows: Optional[float]) -> str:
@@ -301,7 +338,7 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
     n_out = int(tensors["qweight"].shape[0])
     times = _measured_prefill.get(key, {})
     own = times.get(choice.kernel.name)
-    timed = [k for k in others if times.get(k.name) is not None and _measured[key].get(k.name) is not None]
+    timed = [k for k in others if times.get(k.name) is not None and _measured[key].get(k.name) not in (None, UNTIMED)]
     if own is None or not timed:
         return "prefill: %s (nothing else to compare at %d rows)" % (choice.kernel.name, PREFILL_ROWS)
     fastest = min(timed, key=lambda k: times[k.name])
@@ -336,7 +373,6 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
         if budget[0] is not None:
             budget[0] -= nbytes
     choice.prefill_kernel, choice.prefill_packed, choice.prefill_from = fastest, packed, rows
-    _prefill_choices[key] = (fastest.name, rows)
     return "prefill: %s from %d rows (%.2fx faster at %d rows, %.2fx timed in turns; its copy holds %.1f MB)" % (
         fastest.name, rows, faster, PREFILL_ROWS, paired, nbytes / 2 ** 20)
 
@@ -389,56 +425,91 @@ def _packed_bytes(kernel: Kernel, packed: Tensors, spec: QuantSpec, n_out: int, 
 
 
 def chosen() -> List[Dict[str, str]]:
-    """What this process chose last for each shape, and why, at its current thread count and
-    policy, for reports (the run summary, /status, the metrics record), e.g. {"weight":
+    """What the layers loaded since start_report() chose, and why, at this process's current
+    thread count and policy, for reports (the run summary, /status, the metrics record): one
+    entry per weight shape and outcome, the latest first within a shape, e.g. {"weight":
     "int4/g32 576x1536", "device": "cpu", "kernel": "int4pack-cpu", "why": "policy fast:
-    dequant 1.598 ms; int4pack-cpu 0.144 ms; int8dyn-fbgemm 0.191 ms"}; with a second kernel
-    for prefill passes also "prefill_kernel" and "prefill_from_rows"."""
+    dequant 1.598 ms; int4pack-cpu 0.144 ms; int8dyn-fbgemm 0.191 ms", "matrices": "30"}; with a
+    second kernel for prefill passes also "prefill_kernel" and "prefill_from_rows"."""
     out = []
-    for k, (name, why) in _choices.items():
+    for k, tally in _choices.items():
         if k[4] != torch.get_num_threads() or k[5] != qkernels.preference:
             continue
-        entry = {"weight": "%s %dx%d" % (k[0].label(), k[1], k[2]), "device": k[3], "kernel": name, "why": why}
-        if k in _prefill_choices:
-            entry["prefill_kernel"], entry["prefill_from_rows"] = _prefill_choices[k][0], str(_prefill_choices[k][1])
-        out.append(entry)
+        for (name, why, prefill, rows), n in reversed(list(tally.items())):
+            entry = {"weight": "%s %dx%d" % (k[0].label(), k[1], k[2]), "device": k[3], "kernel": name, "why": why,
+                     "matrices": str(n)}
+            if prefill:
+                entry["prefill_kernel"], entry["prefill_from_rows"] = prefill, str(rows)
+            out.append(entry)
     return out
 
 
 def chosen_by_weight() -> Dict[str, str]:
-    """`chosen()` as one entry per weight shape: "int4/g32 576x1536" -> "int4pack-cpu: policy fast: ...",
-    whose why ends "; prefill: int8dyn-fbgemm from 16 rows (...)" where a second kernel runs prefill passes."""
-    return {e["weight"]: "%s: %s" % (e["kernel"], e["why"]) for e in chosen()}
+    """`chosen()` as text per weight shape: "int4/g32 576x1536" -> "int4pack-cpu: policy fast:
+    ...; on 30 matrices", whose why has "; prefill: int8dyn-fbgemm from 16 rows (...)" where a
+    second kernel runs prefill passes. Where layers of one shape chose differently (the memory a
+    node spares ran out partway), the shape's earlier outcomes follow as "int4/g32 576x1536 #2"..."""
+    out: Dict[str, str] = {}
+    for e in chosen():
+        key, i = e["weight"], 1
+        while key in out:
+            i += 1
+            key = "%s #%d" % (e["weight"], i)
+        n = int(e["matrices"])
+        out[key] = "%s: %s; on %d matri%s" % (e["kernel"], e["why"], n, "x" if n == 1 else "ces")
+    return out
 
 
 # In a why, _prefill_pick's words: a second kernel kept, or one the node's memory did not spare.
 _SECOND_KERNEL = re.compile(r"; prefill: (\S+) from (\d+) rows")
 _NOT_SPARED = re.compile(r"; prefill: \S+ \((\S+) would be [0-9.]+x faster")
+_MATRICES = re.compile(r"; on (\d+) matri(?:x|ces)$")  # chosen_by_weight's count (absent: one)
+_NOT_RUN = re.compile(r"^\S+: policy (\S+): \S+ " + _DOES_NOT_RUN)
+
+
+def _matrices(text: str) -> int:
+    many = _MATRICES.search(text)
+    return int(many.group(1)) if many else 1
+
+
+def kernel_counts(kernels: Mapping[str, str]) -> Dict[str, int]:
+    """Weight matrices per kernel over `chosen_by_weight()`'s texts (a node's report)."""
+    counts: Dict[str, int] = {}
+    for text in kernels.values():
+        name = text.split(":", 1)[0]
+        counts[name] = counts.get(name, 0) + _matrices(text)
+    return counts
 
 
 def summary(kernels: Mapping[str, str]) -> str:
-    """'int4pack-cpu x3, int8dyn-fbgemm x2' over the weight shapes of `chosen_by_weight()`; where
-    some keep a second kernel for prefill passes, '; prefill passes from 8-16 rows: int8dyn-fbgemm
-    x2 (a second copy each)', and where the memory did not spare one, '; not spared: ...'."""
-    counts: Dict[str, int] = {}
+    """'int4pack-cpu x90, int8dyn-fbgemm x31' over the weight matrices of `chosen_by_weight()`;
+    where some keep a second kernel for prefill passes, '; prefill passes from 8-16 rows:
+    int8dyn-fbgemm x60 (a second copy each)', and where the memory did not spare one, '; faster
+    for prefill but not spared ...'."""
+    counts = kernel_counts(kernels)
     prefill: Dict[str, int] = {}
     refused: Dict[str, int] = {}
     rows = set()
+    not_run: Dict[str, int] = {}
     for text in kernels.values():
-        name = text.split(":", 1)[0]
-        counts[name] = counts.get(name, 0) + 1
+        n = _matrices(text)
+        named = _NOT_RUN.search(text)
+        if named:
+            not_run[named.group(1)] = not_run.get(named.group(1), 0) + n
         second, spared = _SECOND_KERNEL.search(text), _NOT_SPARED.search(text)
         if second:
-            prefill[second.group(1)] = prefill.get(second.group(1), 0) + 1
+            prefill[second.group(1)] = prefill.get(second.group(1), 0) + n
             rows.add(int(second.group(2)))
         elif spared:
-            refused[spared.group(1)] = refused.get(spared.group(1), 0) + 1
+            refused[spared.group(1)] = refused.get(spared.group(1), 0) + n
     text = _counted(counts)
     if prefill:
         text += "; prefill passes from %s rows: %s (a second copy each)" % (
             "-".join(str(r) for r in sorted({min(rows), max(rows)})), _counted(prefill))
     if refused:
         text += "; faster for prefill but not spared by the node's memory: %s" % _counted(refused)
+    for name, n in sorted(not_run.items()):
+        text += "; %s (runtime.quant_kernel) does not run on %d of them" % (name, n)
     return text
 
 

@@ -15,6 +15,7 @@ greedy text as `quant: none`), at several times the decode time. Or one kernel's
 (JetPack 5's torch 2.0 has no packed int4 kernel; a torch without quantized tensors has no
 integer kernel).
 """
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -23,6 +24,7 @@ import torch
 
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import DEQUANT_ELEMENTS, dequantize, quantized_linear, unpack_int4
+from mdi.system.devices import unusable_reason
 from mdi.system.memory import release_freed_memory
 
 Tensors = Dict[str, torch.Tensor]
@@ -416,3 +418,13 @@ def available(policy: str, device: torch.device) -> List[str]:
             return False
     names = [k.name for k in KERNELS if offered(k)]
     return names if policy == "fast" else [n for n in names if n in (policy, DEQUANT.name)]
+
+
+@functools.lru_cache(maxsize=4)
+def offered_on(device: str) -> List[str]:
+    """`available("fast", device)` for a device named as a node names it ("cpu", "cuda:1"), none
+    on one this process cannot use; asked once per device (a worker's /status, polled as a
+    heartbeat, lists them)."""
+    if unusable_reason(device) is not None:
+        return []
+    return available("fast", torch.device(device.split(":")[0]))

@@ -105,6 +105,8 @@ class StatusReply:
     error: Optional[str] = None  # why its run's compute failed
     # each quantized weight shape of its layers -> "kernel: why" (mdi.model.kernel_choice.chosen)
     kernels: Dict[str, str] = field(default_factory=dict)
+    cpu: Optional[str] = None  # its CPU as mdi.system.cpu.isa_text says it: which kernels win there
+    kernels_here: List[str] = field(default_factory=list)  # what runtime.quant_kernel fast may try on its device
     prefix: PrefixStats = field(default_factory=PrefixStats)  # its prefix cache (mdi.model.prefix_store)
 
     def to_json(self) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from mdi.model import kernel_choice
 from mdi.model.layout import dtype_name
 from mdi.ring.status import BatchCounter, StatusReply
 from mdi.runconfig import NodeSpec, RunConfig
@@ -23,6 +24,7 @@ from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
 from mdi.starter.engine import Engine
 from mdi.starter.sample import FinishReason
+from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
 
 RATE_WINDOW = 10.0  # seconds of history behind tokens/s and the recent time to first token
@@ -366,6 +368,9 @@ class Observer:
             "cache_bytes": cache.nbytes if cache is not None else 0,
             "bytes_sent": getattr(transport, "bytes_sent", 0), "messages_sent": getattr(transport, "messages_sent", 0),
             "error": None,
+            # each quantized weight shape -> "kernel: why" (mdi.model.kernel_choice.chosen_by_weight)
+            "kernels": kernel_choice.chosen_by_weight() if chunk is not None else {},
+            "cpu": isa_text(cpu_info()),
             **_prefix_fields(pipeline.prefix_store.stats if pipeline is not None and pipeline.prefix_store else None),
             **(pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics()),
         }
@@ -407,6 +412,7 @@ class Observer:
             "board_memory_source": mem.board_source,
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
             "passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled,
+            "kernels": status.kernels, "cpu": status.cpu,
             **c.batching.metrics(),
             **_prefix_fields(status.prefix if in_this_ring else None),
         })

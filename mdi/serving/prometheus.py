@@ -1,6 +1,8 @@
 """GET /metrics: an `Observer.snapshot()` (mdi.serving.metrics) in Prometheus' text format."""
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from mdi.model.kernel_choice import kernel_counts
+
 
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
@@ -109,8 +111,20 @@ def metrics_text(snap: Dict[str, Any]) -> str:
             per_node("prefix_cache_entries"))
     out.add("mdi_node_prefix_cache_evicted_bytes_total", "counter", "Bytes each node's prefix cache let go.",
             per_node("prefix_cache_bytes_dropped"))
+    spec = snap.get("speculation") or {}
+    if spec.get("drafted"):
+        out.add("mdi_speculation_acceptance_ratio", "gauge", "Drafted tokens accepted, over those drafted.",
+                [("", spec.get("acceptance_rate"))])
+        out.add("mdi_speculation_accepted_per_pass", "gauge", "Drafted tokens accepted per verifying pass.",
+                [("", spec.get("accepted_per_pass"))])
     out.add("mdi_node_passes_cancelled_total", "counter", "Stale speculative passes each worker dropped unrun.",
             per_node("passes_cancelled"))
+    out.add("mdi_node_rows_cancelled_total", "counter", "Token rows of the stale passes each worker dropped unrun.",
+            per_node("rows_cancelled"))
+    out.add("mdi_node_kernel_matrices", "gauge", "Quantized weight matrices each node multiplies with each kernel "
+            "(chosen at load by runtime.quant_kernel; /v1/mdi/state says why).",
+            [('{node="%s",kernel="%s"}' % (_label(n["name"]), _label(kernel)), count)
+             for n in ring for kernel, count in sorted(kernel_counts(n.get("kernels") or {}).items())])
     out.add("mdi_node_up", "gauge", "1 when the node answered /status (workers, replaced nodes and spares).",
             per_node("reachable", snap["nodes"]))
     return out.text()

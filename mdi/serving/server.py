@@ -6,6 +6,7 @@ import signal
 import time
 from typing import List, Optional
 
+from mdi.model import kernel_choice
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback
 from mdi.runconfig import ConfigError, RunConfig
@@ -70,6 +71,10 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
               "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
                                    "of %d positions" % prefix.budget if prefix is not None else "off"), flush=True)
+        kernels = kernel_choice.chosen_by_weight()
+        if kernels:  # as a batch run's summary says it; the workers' are in /metrics and /v1/mdi/state
+            print("mdi: quantized kernels (runtime.quant_kernel %s): %s %s; every node's: /metrics, /v1/mdi/state"
+                  % (cfg.runtime.quant_kernel, sched.nodes[0].name, kernel_choice.summary(kernels)), flush=True)
         while not stop:
             time.sleep(0.5)
             if not stop and not sched.alive:

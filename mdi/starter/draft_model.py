@@ -109,7 +109,9 @@ def open_draft(cfg: RunConfig, target: ModelSource, where: str = "generation.spe
     if diff is not None:
         raise ConfigError("%s.draft: %s has another vocabulary than %s: %s" % (where, path, cfg.model.path, diff))
     source = ModelSource(path)
-    if source.config.vocab_size != target.config.vocab_size:
+    # Heads padded past the tokenizer differ between sizes of one family (Qwen2.5-0.5B scores
+    # 151936 ids, 7B 152064): a smaller head names only ids the target has; a larger one could not.
+    if source.config.vocab_size > target.config.vocab_size:
         raise ConfigError("%s.draft: %s scores %d ids, the target %d: its drafts could name ids the target has not"
                           % (where, path, source.config.vocab_size, target.config.vocab_size))
     n = source.config.n_layer
@@ -174,6 +176,8 @@ class DraftModel:
         held = self.held.get(slot, []) if self.owner.get(slot) == owner else []
         same = _common_prefix(held, tokens)
         same = min(same, n - 1)  # the last token is fed again: its row's logits draft the first token
+        if max(tokens[same:]) >= self.vocab:  # an id past a smaller head's (the target's padding): no draft
+            return []
         with torch.inference_mode():
             logits = self._feed(slot, same, tokens[same:])
             now = list(tokens)

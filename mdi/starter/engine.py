@@ -141,6 +141,7 @@ class Engine:
         # 2 threads on 2 cores, its second spinning through a CPU quota)
         use_fixed_threads(self.cfg.runtime.threads)
         kernel_choice.set_memory_allowance(None if spare is None else spare - self.prefix_bytes)
+        kernel_choice.start_report()  # reports name these layers' kernels only
         # its layers' weights leave the source once in the chunk (a GGUF's are held in memory)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant, consume=True)
         chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks

@@ -50,8 +50,7 @@ def worker_report(name: str, layers: Sequence[int], status: StatusReply, cache_b
                       {"bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
                        "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind},
                       c.batching.metrics(),
-                      {"passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled}
-                      if c.passes_cancelled else {},
+                      {"passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled},
                       asdict(status.prefix) if status.prefix.budget_bytes else {})
 
 

@@ -258,7 +258,10 @@ class Pipeline:
     def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int,
                    first: bool) -> Optional[Tuple[Sample, int, List[int]]]:
         one = policy.next_pass(sample, decoding, first, self.chunk.cache.max_len)
-        return None if one is None else (sample, one[0], one[1])
+        if one is None:
+            return None
+        self.spec_counters.drafted += len(one[1]) - 1 if first else len(one[1])  # the guesses it carries
+        return sample, one[0], one[1]
 
     def _send_pass(self, group: List[Sample], counts: List[int],
                    inputs: Optional[List[Tuple[int, List[int]]]] = None) -> None:
@@ -386,7 +389,6 @@ class Pipeline:
         spec.learn(agreed, judged)
         spec.timed(taken, time.perf_counter())
         self._policy(sample).choose_way(spec, len(self.active))
-        counters.drafted += judged
         counters.accepted += agreed
         counters.verifications += judged > 0
         counters.rows_wasted += done_pass.count - taken

@@ -1,8 +1,6 @@
 """`mdi-start --check`: contact every node and say whether the run would fit, generating nothing."""
 from typing import Optional, Sequence
 
-import torch
-
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.model import kernel_choice, qkernels
@@ -13,6 +11,8 @@ from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
+from mdi.system.cpu import cpu_info, isa_text
+from mdi.system.devices import unusable_reason
 
 
 def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Optional[int] = None,
@@ -44,6 +44,10 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
+    starter_device = cfg.device_of(cfg.starter)
+    unusable = unusable_reason(starter_device)
+    if unusable is not None:  # the run would stop here with this line, before any weight moves
+        print("starter: UNUSABLE: %s" % unusable)
     print(prefix_line(cfg))
     draft, draft_need = plan.draft, plan.draft_bytes(plan.n_slots)
     if draft is not None:
@@ -65,16 +69,37 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
             ok = _report(cfg, registry, spare, "%-10s %-21s spare" % (spare.name, spare.address), None) and ok
     finally:
         registry.close()
+    ok = ok and unusable is None
     print("check: %s" % ("all nodes ready" if ok else "problems found"))
     return 0 if ok else 1
 
 
 def kernels_line(cfg: RunConfig) -> str:
+    """How the run's quantized layers will multiply, by runtime.quant_kernel (each node's line
+    below names the kernels its own torch and CPU offer; which win is measured at load)."""
     policy = cfg.runtime.quant_kernel
-    return ("kernels: runtime.quant_kernel %s: each quantized layer takes the kernel measured fastest on its shape "
-            "at load among %s (here; a kernel that holds more than the stored weight only within the memory a node "
-            "spares beside its plan); the run's summary line and metrics name the choices"
-            % (policy, ", ".join(qkernels.available(policy, torch.device(cfg.model.device.split(":")[0])))))
+    if cfg.model.quant == "none":
+        return "kernels: none (model.quant none: every weight is float)"
+    if policy == "exact":
+        how = "every quantized layer multiplies with dequant (float32 arithmetic: the dequantized model's bits)"
+    elif policy == "fast":
+        how = ("each quantized layer takes the kernel measured fastest on its shape at load among those its node "
+               "offers (listed per node below; a kernel that holds more than the stored weight only within the "
+               "memory the node spares beside its plan)")
+    else:
+        how = "every quantized layer takes %s where it runs, else dequant" % policy
+    return "kernels: runtime.quant_kernel %s: %s; the run's summary line and metrics name the choices" % (policy, how)
+
+
+def kernels_offered_line(policy: str, offered: Sequence[str]) -> str:
+    """What one node would try under `policy`, given what `fast` may try there (`offered`)."""
+    if policy == "exact":
+        return "kernels: dequant"
+    if policy == "fast":
+        return "kernels to measure: %s" % (", ".join(offered) or "none (device unusable)")
+    if policy in offered:
+        return "kernels: %s" % policy
+    return "kernels: dequant (%s does not run here)" % policy
 
 
 def prefix_line(cfg: RunConfig) -> str:
@@ -90,8 +115,11 @@ def prefix_line(cfg: RunConfig) -> str:
 def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], where: str,
             need: Optional[int]) -> bool:
     """Print one node's line; False if it is unreachable or its layers do not fit."""
+    policy = cfg.runtime.quant_kernel
     if node is None:
-        free, info = starter_free_bytes(cfg.device_of(cfg.starter)), "starter"
+        device = cfg.device_of(cfg.starter)
+        free = starter_free_bytes(device)
+        info = "starter; cpu %s; %s" % (isa_text(cpu_info()), kernels_offered_line(policy, qkernels.offered_on(device)))
     else:
         try:
             client = registry.client(node)
@@ -102,8 +130,10 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
             return False
         free = status.capacity_bytes()
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
+        if status.cpu:  # an older worker does not say
+            info += "; cpu %s; %s" % (status.cpu, kernels_offered_line(policy, status.kernels_here))
         if status.kernels:
-            info += " (kernels held now: %s)" % kernel_choice.summary(status.kernels)
+            info += " (the layers it holds from an earlier run use %s)" % kernel_choice.summary(status.kernels)
     fits = need is None or free is None or need <= free
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))

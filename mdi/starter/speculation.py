@@ -133,8 +133,11 @@ class Pass:
 
 @dataclass
 class SpecCounters:
-    """A run's drafting counters, summed over its samples (the metrics record's, /metrics')."""
-    drafted: int = 0  # guessed tokens whose verdict came back
+    """A run's drafting counters, summed over its samples (the metrics record's, /metrics').
+    The acceptance rate is accepted over drafted: a guess sent after one that failed counts as
+    drafted and not accepted (the policy's own rate, SpecState.rate, counts guesses up to the
+    first that failed: the chance of the next guess given the ones before it stood)."""
+    drafted: int = 0  # guessed tokens sent for verification
     accepted: int = 0
     verifications: int = 0  # passes that came back carrying guesses
     passes_stale: int = 0  # passes that came back after their guesses had failed
@@ -432,7 +435,8 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
     passes are timed by the wall clock, each waited for (its host thread idles meanwhile)."""
     device = next(chunk.parameters()).device
     width = chunk.config.n_embd
-    max_rows = max(1, max_rows)
+    # a slot shorter than 1 + max_draft (a short prompt and few tokens) never holds a longer pass
+    max_rows = max(1, min(max_rows, chunk.cache.max_len))
     sizes = sorted({n for n in TIMED_ROWS if n <= max_rows} | {max_rows})
     timings: Dict[int, List[float]] = {n: [] for n in sizes}
     clock = time.perf_counter if device.type == "cuda" else time.process_time

@@ -4,13 +4,14 @@ The same benchmark on two machines "of the same kind" differed 2.5x because one 
 AVX-512 with bfloat16 instructions and the other AVX2 only (torch's packed int4 kernel computes
 in bfloat16). Every benchmark record carries `cpu_info()` so that a figure says where it holds.
 """
+import functools
 import os
 import platform
 from typing import Any, Dict, List
 
 # The flags that change which quantized kernel wins (x86: /proc/cpuinfo "flags"; ARM: "Features").
 FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8",
-                     "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
+                     "neon", "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm")
 
 
 def _cpuinfo() -> Dict[str, str]:
@@ -33,6 +34,11 @@ def _cpuinfo() -> Dict[str, str]:
 def cpu_info() -> Dict[str, Any]:
     """{"model", "machine", "cores", "isa" (torch's CPU capability: AVX2, AVX512, ...),
     "flags" (those of FLAGS_THAT_MATTER this CPU has)}."""
+    return dict(_cpu_info())
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_info() -> Dict[str, Any]:  # read once: a worker's /status, polled as a heartbeat, names its CPU
     fields = _cpuinfo()
     have = set((fields.get("flags") or fields.get("features") or "").split())
     flags: List[str] = [f for f in FLAGS_THAT_MATTER if f in have]

@@ -382,6 +382,7 @@ class Worker:
         qkernels.set_preference(key.quant_kernel)
         spare = self._spare_bytes(setup)  # less what the prefix cache may take
         kernel_choice.set_memory_allowance(None if spare is None else spare - setup.prefix_bytes)
+        kernel_choice.start_report()  # reports name these layers' kernels only
         try:
             self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
                                                setup.request.quant)

@@ -2,9 +2,10 @@
 from typing import List, Optional
 
 from mdi import __version__
-from mdi.model import kernel_choice
+from mdi.model import kernel_choice, qkernels
 from mdi.model.transformer import ModelChunk
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply, WorkerState
+from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
 from mdi.worker.memory_budget import chunk_nbytes
 from mdi.worker.run import Run
@@ -29,7 +30,8 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
                           capacity_bytes=capacity),
         cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
         error=run.error if run else None,
-        kernels=kernel_choice.chosen_by_weight() if chunk is not None else {})
+        kernels=kernel_choice.chosen_by_weight() if chunk is not None else {},
+        cpu=isa_text(cpu_info()), kernels_here=qkernels.offered_on(device))
     if run is not None:
         ep = run.endpoint
         reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
@@ -41,3 +43,4 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
         if run.prefix is not None:
             reply.prefix = run.prefix.stats
     return reply
+

@@ -223,6 +223,8 @@
     $("s-spec-drafted").textContent = any ? String(sp.drafted) : "\u2013";
     $("s-spec-rate").textContent = any ? percent(sp.acceptance_rate) : "\u2013";
     $("s-spec-per-pass").textContent = any ? num(sp.accepted_per_pass, 2) : "\u2013";
+    $("s-spec-stale").textContent = any ? String(sp.passes_stale) : "\u2013";
+    $("s-spec-wasted").textContent = any ? String(sp.rows_wasted) : "\u2013";
   }
 
   function push(list, v) {
