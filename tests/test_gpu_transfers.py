@@ -101,6 +101,9 @@ def _worker_pass(chunk, device, dtype, count=False):
     prefill = Frame("prefill", 1, [0, 1, 2], [0, 0, 0], [5, 2, 7], torch.randn(14, 64).to(dtype))
     run._forward(prefill)
     frame = Frame("decode", 1, [2, 0, 1], [7, 5, 2], [1, 1, 1], torch.randn(3, 64).to(dtype))
+    # once uncounted: a GPU records this step's CUDA graph at its first use (mdi.model.graph_decode),
+    # which waits for the device; the frame counted replays it (the same rows at the same positions)
+    run._forward(frame)
     with SyncCounter() as waits:
         out = run._forward(frame)
         parts = wire.encode(out)
@@ -118,6 +121,7 @@ def test_a_starter_step_waits_once(device):
     for s in samples:
         pipe.admit(s)
     pipe.step()  # the prefill, and the first token of every sample
+    pipe.step()  # the first decode step: a GPU records its CUDA graph (mdi.model.graph_decode), waiting
     steps, waits = 0, 0
     while not all(s.done for s in samples):
         with SyncCounter() as counter:
@@ -125,7 +129,7 @@ def test_a_starter_step_waits_once(device):
         steps, waits = steps + 1, waits + counter.count
         if CUDA:
             assert counter.count <= 1, "GPU waits in one starter step: %s" % counter.where
-    assert steps >= 6 and all(len(s.token_ids) == 8 for s in samples)
+    assert steps >= 5 and all(len(s.token_ids) == 8 for s in samples)
     # The same ids as the same model on CPU: nothing was lost on the way to and from the GPU.
     cpu = tiny_model("llama")
     cpu.allocate_cache(len(prompts), 64)

@@ -51,6 +51,10 @@ class RowBatch:
     # A row's bits then do not depend on how many rows its pass carried. Where it pays
     # (`verifies_row_by_row`): `of` leaves it off on a GPU.
     row_wise: bool = False
+    # One row per sample, attending in one call through `decode_tables` alone, whatever the
+    # samples' count and positions (a recorded CUDA graph's step, mdi.model.graph_decode: the
+    # Python-side slots and starts are placeholders there).
+    whole_slots: bool = False
 
     @classmethod
     def of(cls, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mdi.model import fused_decode
+from mdi.model import fused_decode, graph_decode
 from mdi.model.attention import attend_decode_rows, attend_sample
 from mdi.model.config import ModelConfig
 from mdi.model.kv_cache import KVCache
@@ -66,6 +66,8 @@ class Attention(nn.Module):
                     ys.append(self._attend(qk[t:t + 1], v[t:t + 1], k_cache[slot], v_cache[slot], start + t - row))
                 row += T
             y = torch.cat(ys)
+        elif batch.whole_slots:
+            y = self._attend_decode_rows(qk, v, k_cache, v_cache, batch)
         elif len(batch.slots) == 1:
             y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0],
                              batch.sample_mask(0, H // KV, x.device))
@@ -271,6 +273,7 @@ class ModelChunk(nn.Module):
         dtype = self.activation_dtype
         device = p.device if p is not None else torch.device("cpu")
         self.cache = None  # free the previous run's cache before allocating the next one
+        self._decode_script.pop("graphs", None)  # recorded steps point into the old cache
         self.cache = KVCache(self.config, self.n_layers, n_slots, max_len, dtype, device)
         if self.rope is not None:
             self.rope.reserve(max_len)  # the tables a run's positions reach, built before its first token
@@ -280,6 +283,7 @@ class ModelChunk(nn.Module):
 
     def free_cache(self) -> None:
         self.cache = None
+        self._decode_script.pop("graphs", None)
 
     # --- compute -------------------------------------------------------------------
     def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -329,6 +333,8 @@ class ModelChunk(nn.Module):
         self.lora.groups = batch.adapter_rows(x.device)
         try:
             y = self._fused_decode(x, batch)
+            if y is None:
+                y = self._decode_script.setdefault("graphs", graph_decode.Recorder()).forward(self, x, batch)
             if y is not None:
                 return y
             # a verification's rows (row_wise) each stand for a decode step: decode kernels only

@@ -1,0 +1,139 @@
+"""A decode step over a chunk's blocks as one CUDA graph replay.
+
+On a GPU a decode step is bound by launching its ~30 kernels per layer from Python, not by the
+GPU: SmolLM2 in float16 kept an H200 11% busy (results/gpu/README.md). A CUDA graph records a
+step's kernels once and replays them all with one launch. A graph replays fixed shapes and
+addresses, so the step it records differs from the eager one in two ways:
+- each sample's slot and position are read from small device tensors, copied in before each
+  replay (RoPE tables and the KV write are gathered and indexed with them on the device);
+- attention reads each sample's whole cache slot, the positions past its own masked
+  (attention.attend_decode_rows over the slot's length), where the eager step reads up to the
+  longest position in the frame: the same arithmetic up to rounding.
+One graph per number of samples in a frame and activation dtype, recorded at its first use
+(after two eager runs of that very step: each writes the same keys and values at the same
+positions, so recording costs nothing but time), all in one memory pool, and dropped with the
+cache it points into. What a step holds beyond the eager one: attention's gathered keys and
+values span whole slots, not the longest position (per layer, samples x slot length).
+Frames it does not cover run the eager blocks: prefill and verification passes (several rows
+per sample), adapters' samples, CPUs. `MDI_CUDA_GRAPHS=0` turns it off.
+"""
+import logging
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from mdi.model.row_batch import RowBatch
+from mdi.system.transfers import ints_to_device, to_device
+
+log = logging.getLogger(__name__)
+
+ENV = "MDI_CUDA_GRAPHS"  # "0": decode frames on a GPU run the eager blocks
+
+
+def enabled() -> bool:
+    """Read at each call, not at import: a benchmark or test that sets the variable later is heard."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def covers(x: torch.Tensor, batch: RowBatch) -> bool:
+    """Whether this frame is a decode step a graph may replay: one row per sample, on a GPU, no
+    adapter (its rows' deltas are chosen per frame)."""
+    return x.is_cuda and batch.adapters is None and batch.rows == len(batch.slots) and enabled() \
+        and hasattr(torch.cuda, "CUDAGraph")
+
+
+class DecodeStep:
+    """One decode step of `n` one-row samples over a chunk's blocks, on static tensors: recorded
+    as a CUDA graph (`record`), or run eagerly on them (a CPU's check of the same logic)."""
+
+    def __init__(self, chunk: Any, n: int, dtype: torch.dtype, record: bool) -> None:
+        cache = chunk.cache
+        device = cache.k.device
+        self.x = torch.zeros(n, chunk.config.n_embd, dtype=dtype, device=device)
+        self.slots = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.steps = torch.arange(cache.max_len, device=device)  # the positions a slot holds
+        self.record = record
+        self.graph: Optional[Any] = None
+        self.out: Optional[torch.Tensor] = None
+        if chunk.rope is not None:
+            chunk.rope.reserve(cache.max_len)  # its tables are never reallocated under the graph
+
+    def _run(self, chunk: Any) -> torch.Tensor:
+        n = self.x.shape[0]
+        # Python-side placeholders: with `whole_slots` attention reads only the device tensors
+        batch = RowBatch(list(range(n)), [0] * n, [1] * n, self.positions, whole_slots=True)
+        mask = self.steps[None, :] <= self.positions[:, None]
+        batch.decode_tables = (self.slots, self.positions, mask[:, None, None, :])
+        if chunk.rope is not None:
+            batch.rope_tables = (chunk.rope.cos[self.positions].to(self.x.dtype).unsqueeze(1),
+                                 chunk.rope.sin_signed[self.positions].to(self.x.dtype).unsqueeze(1))
+        x = self.x
+        for block, (k, v) in zip(chunk.blocks.values(), chunk.cache.layers):
+            x = block(x, k, v, batch, chunk.rope)
+        return x
+
+    def __call__(self, chunk: Any, x: torch.Tensor, batch: RowBatch, pool: Optional[Any] = None) -> torch.Tensor:
+        """The step's output for frame `x`; recorded first where it never was, in `pool` (the
+        memory pool of the chunk's other steps: each replay's output is copied out at once and
+        the next replay needs nothing of the last, so one pool serves them all)."""
+        self.x.copy_(x)
+        self.slots.copy_(ints_to_device(batch.slots, self.slots.device))  # pinned, not waited for
+        self.positions.copy_(to_device(batch.positions, self.positions.device))
+        if not self.record:
+            return self._run(chunk)
+        if self.graph is None:
+            device = self.x.device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm: kernels chosen and libraries' workspaces made
+                for _ in range(2):
+                    self._run(chunk)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with _capturing(graph, pool):
+                self.out = self._run(chunk)
+            self.graph = graph
+        self.graph.replay()
+        assert self.out is not None
+        return self.out.clone()  # the next replay writes over `out`
+
+
+def _capturing(graph: Any, pool: Optional[Any]) -> Any:
+    """torch.cuda.graph over this thread's work only where torch can (2.1+): a worker's other
+    threads (its receiver, heartbeats) may touch the GPU meanwhile, which would void a global
+    capture."""
+    try:
+        return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+    except TypeError:
+        return torch.cuda.graph(graph, pool=pool)
+
+
+class Recorder:
+    """A chunk's recorded decode steps, by number of samples and dtype, in one memory pool."""
+
+    def __init__(self) -> None:
+        self.steps: Dict[Tuple[int, torch.dtype], DecodeStep] = {}
+        self.pool: Optional[Any] = None
+        self.failed = False  # recording failed once: the eager blocks from then on
+
+    def forward(self, chunk: Any, x: torch.Tensor, batch: RowBatch) -> Optional[torch.Tensor]:
+        """The blocks over a decode frame by its recorded step, or None where no graph covers it."""
+        if self.failed or not covers(x, batch):
+            return None
+        key = (len(batch.slots), x.dtype)
+        step = self.steps.get(key)
+        try:
+            if step is None:
+                step = self.steps[key] = DecodeStep(chunk, key[0], x.dtype, record=True)
+            out = step(chunk, x, batch, self.pool)
+        except RuntimeError as e:  # an op this torch cannot record: the eager blocks, from now on
+            self.steps.clear()
+            self.failed = True
+            log.warning("layers [%d, %d): decode steps run eagerly: recording a CUDA graph failed: %s",
+                        chunk.first, chunk.last, str(e).splitlines()[0][:160])
+            return None
+        if self.pool is None and step.graph is not None:
+            self.pool = step.graph.pool()
+        return out
