@@ -21,7 +21,8 @@ def test_worker_report_has_the_metrics_record_keys():
     assert worker_report("w1", [1, 3], status, 123).to_json() == {
         "name": "w1", "layers": [1, 3], "peak_memory_bytes": 0, "cache_bytes": 123, "bytes_sent": 10,
         "messages_sent": 2, "bytes_sent_by_kind": {"decode": 10}, "messages_sent_by_kind": {"decode": 2},
-        "compute_seconds": 0.5, "threads": 2, "kernels": {"a": "b"}, **batching.metrics()}
+        "compute_seconds": 0.5, "threads": 2, "kernels": {"a": "b"}, **batching.metrics(),
+        "speculation": {"passes_cancelled": 0, "rows_cancelled": 0}}  # counted whether or not the run drafted
 
 
 def test_recovery_json():

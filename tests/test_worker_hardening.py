@@ -378,7 +378,9 @@ def test_bad_worker_flags_are_usage_errors(argv, needle, capsys):
         worker_parser().parse_args(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("mdi-worker: error: argument %s" % needle), err
+    lines = err.strip().splitlines()  # one line, not argparse's usage block first
+    assert len(lines) == 1 and lines[0].startswith("mdi: error: argument %s" % needle), err
+    assert lines[0].endswith("(mdi-worker --help lists the options)"), err
 
 
 def test_good_worker_flags():
