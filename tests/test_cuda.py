@@ -559,11 +559,12 @@ def test_a_mixed_batch_matches_each_sample_alone(device, family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_recorded_decode_step_computes_the_eager_one(device, family, monkeypatch):
-    """mdi.model.graph_decode: decode steps of 1 and 3 samples at scattered positions, replayed
-    from CUDA graphs (on a CPU: the same static-tensor logic, run eagerly), give the eager
-    blocks' outputs and cache rows within float32 rounding, step after step, each sample's keys
-    and values written only at its own slot and position; a prefill frame runs the eager blocks."""
+def test_a_recorded_step_computes_the_eager_one(device, family, monkeypatch):
+    """mdi.model.graph_decode: decode steps of 1 and 3 samples at scattered positions, and
+    verification-like steps of 1 and 2 samples with 4 rows each, replayed from CUDA graphs (on a
+    CPU: the same static-tensor logic, run eagerly), give the eager blocks' outputs and cache
+    rows within float32 rounding, step after step, each row's keys and values written only at
+    its own slot and position; a prompt (rows of unequal samples) runs the eager blocks."""
     from mdi.model import graph_decode
     model = tiny_model(family)
     chunk = build_chunk(model.config, model.state_dict(), 0, model.config.n_layer, True, True, torch.float32, device)
@@ -578,37 +579,42 @@ def test_a_recorded_decode_step_computes_the_eager_one(device, family, monkeypat
     def close(a, b):  # float32 sums in other orders (the whole slot, masked): relative 1e-5
         return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
 
-    def step(slots):
+    def step(slots, rows=1):
         starts = [history[s] for s in slots]
-        x = chunk.embed_rows(torch.randint(0, 90, (len(slots),), device=device),
-                             RowBatch.of(slots, starts, [1] * len(slots), torch.device(device)).positions)
+
+        def frame():
+            return RowBatch.of(slots, starts, [rows] * len(slots), torch.device(device))
+        x = chunk.embed_rows(torch.randint(0, 90, (rows * len(slots),), device=device), frame().positions)
         before = chunk.cache.k.clone(), chunk.cache.v.clone()
         monkeypatch.setenv(graph_decode.ENV, "0")
-        eager = chunk.forward_rows(x, RowBatch.of(slots, starts, [1] * len(slots), torch.device(device)))
+        eager = chunk.forward_rows(x, frame())
         eager_cache = chunk.cache.k.clone(), chunk.cache.v.clone()
         chunk.cache.k.copy_(before[0])
         chunk.cache.v.copy_(before[1])
         monkeypatch.delenv(graph_decode.ENV)
-        batch = RowBatch.of(slots, starts, [1] * len(slots), torch.device(device))
         if device == "cuda":
-            got = chunk.forward_rows(x, batch)
+            got = chunk.forward_rows(x, frame())
         else:
-            key = (len(slots), x.dtype)
-            got = steps.setdefault(key, graph_decode.DecodeStep(chunk, len(slots), x.dtype, record=False))(chunk, x, batch)
-        assert close(got, eager), (slots, starts)
-        assert close(chunk.cache.k, eager_cache[0]) and close(chunk.cache.v, eager_cache[1]), (slots, starts)
+            key = (len(slots), rows)
+            got = steps.setdefault(key, graph_decode.DecodeStep(chunk, len(slots), rows, x.dtype, record=False))(
+                chunk, x, frame())
+        assert close(got, eager), (slots, starts, rows)
+        assert close(chunk.cache.k, eager_cache[0]) and close(chunk.cache.v, eager_cache[1]), (slots, starts, rows)
         for s in slots:
-            history[s] += 1
+            history[s] += rows
 
-    for _ in range(4):
+    for _ in range(3):
         step([1])
         step([0, 1, 3])
+        step([3], rows=4)
+        step([0, 1], rows=4)
     if device == "cuda":
         recorded = chunk._decode_script["graphs"].steps
-        assert {key[0] for key in recorded} == {1, 3} and all(st.graph is not None for st in recorded.values())
-    b = RowBatch.of([2], [0], [6], torch.device(device))  # a prompt: several rows, the eager blocks
-    chunk.forward_rows(chunk.embed_rows(torch.randint(0, 90, (6,), device=device), b.positions), b)
-    assert len(chunk._decode_script["graphs"].steps) == (2 if device == "cuda" else 0)
+        assert {key[:2] for key in recorded} == {(1, 1), (3, 1), (1, 4), (2, 4)}
+        assert all(st.graph is not None for st in recorded.values())
+    b = RowBatch.of([2, 0], [0, history[0]], [6, 1], torch.device(device))  # a prompt beside a decode row: eager
+    chunk.forward_rows(chunk.embed_rows(torch.randint(0, 90, (7,), device=device), b.positions), b)
+    assert len(chunk._decode_script["graphs"].steps) == (4 if device == "cuda" else 0)
 
 
 @pytest.mark.timeout(300)

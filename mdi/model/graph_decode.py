@@ -1,25 +1,29 @@
-"""A decode step over a chunk's blocks as one CUDA graph replay.
+"""Decode and verification steps over a chunk's blocks as CUDA graph replays.
 
 On a GPU a decode step is bound by launching its ~30 kernels per layer from Python, not by the
 GPU: SmolLM2 in float16 kept an H200 11% busy (results/gpu/README.md). A CUDA graph records a
 step's kernels once and replays them all with one launch. A graph replays fixed shapes and
 addresses, so the step it records differs from the eager one in two ways:
-- each sample's slot and position are read from small device tensors, copied in before each
-  replay (RoPE tables and the KV write are gathered and indexed with them on the device);
-- attention reads each sample's whole cache slot, the positions past its own masked
-  (attention.attend_decode_rows over the slot's length), where the eager step reads up to the
-  longest position in the frame: the same arithmetic up to rounding.
-One graph per number of samples in a frame and activation dtype, recorded at its first use
-(after two eager runs of that very step: each writes the same keys and values at the same
-positions, so recording costs nothing but time), all in one memory pool, and dropped with the
-cache it points into. What a step holds beyond the eager one: attention's gathered keys and
-values span whole slots, not the longest position (per layer, samples x slot length).
-Frames it does not cover run the eager blocks: prefill and verification passes (several rows
-per sample), adapters' samples, CPUs. `MDI_CUDA_GRAPHS=0` turns it off.
+- each sample's slot and its rows' positions are read from small device tensors, copied in
+  before each replay (RoPE tables and the KV writes are gathered and indexed with them);
+- attention reads each sample's whole cache slot, the positions past each row's masked
+  (attention.attend_rows_in_slots), where the eager step reads up to the longest position in
+  the frame: the same arithmetic up to rounding.
+A step is a frame whose samples bring the same number of rows: one each (decode), or 1 + k
+each (a speculative verification, mdi.starter.speculation: recorded too, as left eager its
+passes cost several recorded one-row steps and drafting lost to plain decoding, 0.62x the
+plain ring at a = 0.7 on an H200, SmolLM2 shape). One graph per
+(samples, rows per sample, dtype), recorded at its first use (after two eager runs of that very
+step: each writes the same keys and values at the same positions, so recording costs nothing
+but time), all in one memory pool, and dropped with the cache it points into. What a step
+holds beyond the eager one: attention's gathered keys and values span whole slots, not the
+longest position (per layer, samples x slot length). Frames it does not cover run the eager
+blocks: prompts, frames of unequal samples, adapters' samples, verifications attending row by
+row (`RowBatch.row_wise`), CPUs. `MDI_CUDA_GRAPHS=0` turns it off.
 """
 import logging
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
@@ -36,23 +40,30 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+MAX_ROWS = 16  # rows per sample a step may carry: 1 + the most drafts (runtime's max_draft is 32: eager beyond)
+
+
 def covers(x: torch.Tensor, batch: RowBatch) -> bool:
-    """Whether this frame is a decode step a graph may replay: one row per sample, on a GPU, no
-    adapter (its rows' deltas are chosen per frame)."""
-    return x.is_cuda and batch.adapters is None and batch.rows == len(batch.slots) and enabled() \
-        and hasattr(torch.cuda, "CUDAGraph")
+    """Whether a graph may replay this frame: on a GPU, every sample with the same rows (one, or
+    a verification's few, not attending row by row), no adapter (its rows' deltas are chosen
+    per frame)."""
+    rows = batch.counts[0]
+    return x.is_cuda and batch.adapters is None and all(c == rows for c in batch.counts) and rows <= MAX_ROWS \
+        and not (rows > 1 and batch.row_wise) and enabled() and hasattr(torch.cuda, "CUDAGraph")
 
 
 class DecodeStep:
-    """One decode step of `n` one-row samples over a chunk's blocks, on static tensors: recorded
-    as a CUDA graph (`record`), or run eagerly on them (a CPU's check of the same logic)."""
+    """One step of `n` samples of `rows` rows each over a chunk's blocks, on static tensors:
+    recorded as a CUDA graph (`record`), or run eagerly on them (a CPU's check of the same logic)."""
 
-    def __init__(self, chunk: Any, n: int, dtype: torch.dtype, record: bool) -> None:
+    def __init__(self, chunk: Any, n: int, rows: int, dtype: torch.dtype, record: bool) -> None:
         cache = chunk.cache
         device = cache.k.device
-        self.x = torch.zeros(n, chunk.config.n_embd, dtype=dtype, device=device)
+        self.rows = rows
+        self.groups = chunk.config.n_head // chunk.config.n_kv_head  # query heads per KV head
+        self.x = torch.zeros(n * rows, chunk.config.n_embd, dtype=dtype, device=device)
         self.slots = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n * rows, dtype=torch.long, device=device)
         self.steps = torch.arange(cache.max_len, device=device)  # the positions a slot holds
         self.record = record
         self.graph: Optional[Any] = None
@@ -61,11 +72,13 @@ class DecodeStep:
             chunk.rope.reserve(cache.max_len)  # its tables are never reallocated under the graph
 
     def _run(self, chunk: Any) -> torch.Tensor:
-        n = self.x.shape[0]
+        n, r = self.slots.shape[0], self.rows
         # Python-side placeholders: with `whole_slots` attention reads only the device tensors
-        batch = RowBatch(list(range(n)), [0] * n, [1] * n, self.positions, whole_slots=True)
-        mask = self.steps[None, :] <= self.positions[:, None]
-        batch.decode_tables = (self.slots, self.positions, mask[:, None, None, :])
+        batch = RowBatch(list(range(n)), [0] * n, [r] * n, self.positions, whole_slots=True)
+        # each query row (g, t) of a sample sees its slot up to row t's position
+        seen = self.positions.view(n, 1, r).expand(n, self.groups, r).reshape(n, self.groups * r)
+        mask = self.steps[None, None, :] <= seen[:, :, None]
+        batch.decode_tables = (self.slots, self.positions, mask[:, None])
         if chunk.rope is not None:
             batch.rope_tables = (chunk.rope.cos[self.positions].to(self.x.dtype).unsqueeze(1),
                                  chunk.rope.sin_signed[self.positions].to(self.x.dtype).unsqueeze(1))
@@ -114,25 +127,27 @@ class Recorder:
     """A chunk's recorded decode steps, by number of samples and dtype, in one memory pool."""
 
     def __init__(self) -> None:
-        self.steps: Dict[Tuple[int, torch.dtype], DecodeStep] = {}
+        self.steps: Dict[Tuple[int, int, torch.dtype], DecodeStep] = {}  # by (samples, rows each, dtype)
         self.pool: Optional[Any] = None
-        self.failed = False  # recording failed once: the eager blocks from then on
+        self.failed: Set[Tuple[int, int, torch.dtype]] = set()  # recording failed: those frames run eagerly
 
     def forward(self, chunk: Any, x: torch.Tensor, batch: RowBatch) -> Optional[torch.Tensor]:
-        """The blocks over a decode frame by its recorded step, or None where no graph covers it."""
-        if self.failed or not covers(x, batch):
+        """The blocks over a frame by its recorded step, or None where no graph covers it."""
+        if not covers(x, batch):
             return None
-        key = (len(batch.slots), x.dtype)
+        key = (len(batch.slots), batch.counts[0], x.dtype)
+        if key in self.failed:
+            return None
         step = self.steps.get(key)
         try:
             if step is None:
-                step = self.steps[key] = DecodeStep(chunk, key[0], x.dtype, record=True)
+                step = self.steps[key] = DecodeStep(chunk, key[0], key[1], x.dtype, record=True)
             out = step(chunk, x, batch, self.pool)
-        except RuntimeError as e:  # an op this torch cannot record: the eager blocks, from now on
-            self.steps.clear()
-            self.failed = True
-            log.warning("layers [%d, %d): decode steps run eagerly: recording a CUDA graph failed: %s",
-                        chunk.first, chunk.last, str(e).splitlines()[0][:160])
+        except RuntimeError as e:  # an op this torch cannot record: the eager blocks, for this shape
+            self.steps.pop(key, None)
+            self.failed.add(key)
+            log.warning("layers [%d, %d): steps of %d samples x %d rows run eagerly: recording a CUDA graph "
+                        "failed: %s", chunk.first, chunk.last, key[0], key[1], str(e).splitlines()[0][:160])
             return None
         if self.pool is None and step.graph is not None:
             self.pool = step.graph.pool()
