@@ -559,6 +559,7 @@ def test_a_mixed_batch_matches_each_sample_alone(device, family):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
+@torch.inference_mode()  # as every inference path runs: graphs are never recorded under autograd
 def test_a_recorded_step_computes_the_eager_one(device, family, monkeypatch):
     """mdi.model.graph_decode: decode steps of 1 and 3 samples at scattered positions, and
     verification-like steps of 1 and 2 samples with 4 rows each, replayed from CUDA graphs (on a

@@ -44,11 +44,13 @@ MAX_ROWS = 16  # rows per sample a step may carry: 1 + the most drafts (runtime'
 
 
 def covers(x: torch.Tensor, batch: RowBatch) -> bool:
-    """Whether a graph may replay this frame: on a GPU, every sample with the same rows (one, or
-    a verification's few, not attending row by row), no adapter (its rows' deltas are chosen
-    per frame)."""
+    """Whether a graph may replay this frame: on a GPU, without autograd, every sample with the
+    same rows (one, or a verification's few, not attending row by row), no adapter (its rows'
+    deltas are chosen per frame)."""
     rows = batch.counts[0]
-    return x.is_cuda and batch.adapters is None and all(c == rows for c in batch.counts) and rows <= MAX_ROWS \
+    # not under autograd: a replay records no graph of its own for backward (training runs
+    # forward_batch anyway; inference runs under inference_mode)
+    return x.is_cuda and not torch.is_grad_enabled() and batch.adapters is None and all(c == rows for c in batch.counts) and rows <= MAX_ROWS \
         and not (rows > 1 and batch.row_wise) and enabled() and hasattr(torch.cuda, "CUDAGraph")
 
 
