@@ -269,7 +269,7 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
         _allowance[0] = allowance - extra
     choice = Choice(best, packed)
     why = "policy %s: %s" % (preference, _candidates_report(offered, fits, measured, measured_prefill, notes,
-                                                            spec, n_out, n_in, device))
+                                                            spec, n_out, n_in))
     if extra:
         why += "; holds %.1f MB beyond the stored weight" % (extra / 2 ** 20)
     if prefill_on:
@@ -280,7 +280,7 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
     outcome = (best.name, why, choice.prefill_kernel.name if choice.prefill_kernel is not None else "",
                choice.prefill_from)
     tally = _choices.setdefault(key, {})
-    tally[outcome] = tally.get(outcome, 0) + 1
+    tally[outcome] = tally.pop(outcome, 0) + 1  # re-inserted: the latest outcome is last
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
               best.name, why)
     return choice
@@ -292,7 +292,7 @@ _DOES_NOT_RUN = "does not run here on"  # a named kernel that does not apply to 
 
 def _candidates_report(offered: Sequence[Kernel], fits: Sequence[Kernel], measured: Mapping[str, Optional[float]],
                        measured_prefill: Mapping[str, Optional[float]], notes: Mapping[str, str], spec: QuantSpec,
-                       n_out: int, n_in: int, device: torch.device) -> str:
+                       n_out: int, n_in: int) -> str:
     """Each candidate's time on one row (and on PREFILL_ROWS), or why it was not taken: what a
     report says of one layer's choice. A named kernel that does not run here says so."""
     named = qkernels.preference not in POLICIES
