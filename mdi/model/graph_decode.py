@@ -17,9 +17,10 @@ plain ring at a = 0.7 on an H200, SmolLM2 shape). One graph per
 step: each writes the same keys and values at the same positions, so recording costs nothing
 but time), all in one memory pool, and dropped with the cache it points into. What a step
 holds beyond the eager one: attention's gathered keys and values span whole slots, not the
-longest position (per layer, samples x slot length). Frames it does not cover run the eager
-blocks: prompts, frames of unequal samples, adapters' samples, verifications attending row by
-row (`RowBatch.row_wise`), CPUs. `MDI_CUDA_GRAPHS=0` turns it off.
+longest position (per layer, samples x slot length). A short prompt (up to MAX_ROWS rows) is
+such a frame too. Frames it does not cover run the eager blocks: longer prompts, frames of
+unequal samples, adapters' samples, verifications attending row by row (`RowBatch.row_wise`),
+anything under autograd, CPUs. `MDI_CUDA_GRAPHS=0` turns it off.
 """
 import logging
 import os
@@ -32,7 +33,7 @@ from mdi.system.transfers import ints_to_device, to_device
 
 log = logging.getLogger(__name__)
 
-ENV = "MDI_CUDA_GRAPHS"  # "0": decode frames on a GPU run the eager blocks
+ENV = "MDI_CUDA_GRAPHS"  # "0": every frame on a GPU runs the eager blocks
 
 
 def enabled() -> bool:
@@ -50,8 +51,9 @@ def covers(x: torch.Tensor, batch: RowBatch) -> bool:
     rows = batch.counts[0]
     # not under autograd: a replay records no graph of its own for backward (training runs
     # forward_batch anyway; inference runs under inference_mode)
-    return x.is_cuda and not torch.is_grad_enabled() and batch.adapters is None and all(c == rows for c in batch.counts) and rows <= MAX_ROWS \
-        and not (rows > 1 and batch.row_wise) and enabled() and hasattr(torch.cuda, "CUDAGraph")
+    return x.is_cuda and not torch.is_grad_enabled() and batch.adapters is None and rows <= MAX_ROWS \
+        and all(c == rows for c in batch.counts) and not (rows > 1 and batch.row_wise) and enabled() \
+        and hasattr(torch.cuda, "CUDAGraph")
 
 
 class DecodeStep:
