@@ -423,6 +423,14 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
     Memory-bound layers read their weights once for all rows, so extra rows cost little there;
     compute-bound kernels pay per row or per block of rows.
 
+    With the head where the chunk has one (the starter's): a verification scores every row.
+    SmolLM2's int8 head (fbgemm) took 0.88 / 1.01 / 1.09 / 1.56 ms for 1 / 2 / 3 / 4 rows at 1
+    thread (AVX-512): fbgemm reads its weight twice from 8 rows, and Int8DynamicLinear makes
+    2 x rows + 1 of them. Verifying alone at a = 0.7, 10 prompts, alternating in one run: on a
+    loopback ring of 3, timed without the head k = 3 looked best and made 1.45x the plain ring,
+    with it k = 2 and 1.60x (1.11x per prompt, better on all 10); on 3 emulated 0.5-core boards
+    1.44x against 1.50x (1.04x per prompt, better on 8).
+
     TIMED_ROWS and max_rows are timed, the sizes between them interpolated; each is the least
     disturbed of up to `repeats` rounds (other processes only add time), at least 2, fewer
     than `repeats` once MEASURE_BUDGET_S has gone (at start: a 7B model's passes take tenths of
@@ -449,7 +457,9 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
                 batch = RowBatch.of([0], [0], [n], device, row_wise=True)
                 x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
                 t0 = clock()
-                chunk.forward_rows(x, batch)
+                y = chunk.forward_rows(x, batch)
+                if chunk.with_head:
+                    chunk.head(y)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 timings[n].append(clock() - t0)
