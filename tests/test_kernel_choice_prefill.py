@@ -238,6 +238,9 @@ def test_layers_of_one_shape_that_chose_differently_are_each_reported(fake_timin
         "; on 2 matrices")
     assert kernel_choice.summary(report).startswith("int4pack-cpu x3, int8dyn-fbgemm x2")
     assert [e["matrices"] for e in kernel_choice.chosen()] == ["3", "2"]
+    with kernel_choice.unreported():  # a profile's blocks, loaded meanwhile: reports keep naming the run's
+        kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
+    assert kernel_choice.chosen_by_weight() == report
     kernel_choice.start_report()
     assert kernel_choice.chosen_by_weight() == {}
 

@@ -14,12 +14,13 @@ compute-bound on 64 rows, where fbgemm's int8 kernel does the same product in 0.
 (SmolLM2's qkv and gate_up, 1 thread). The second packed copy costs memory, so it is kept only
 where it is measurably faster and the node spares its bytes.
 """
+import contextlib
 import logging
 import re
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,6 +78,18 @@ def start_report() -> None:
     """What the layers loaded from now on choose is what `chosen` reports: a node calls it as it
     starts loading a run's layers (a worker that loaded others before reports only these)."""
     _choices.clear()
+
+
+@contextlib.contextmanager
+def unreported() -> Iterator[None]:
+    """Layers loaded within choose kernels as any do, but reports keep naming what they named
+    before (a profile's random blocks, timed on a worker that holds a run's layers)."""
+    kept = {key: dict(tally) for key, tally in _choices.items()}
+    try:
+        yield
+    finally:
+        _choices.clear()
+        _choices.update(kept)
 
 
 def memory_allowance() -> Optional[int]:

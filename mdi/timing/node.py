@@ -44,7 +44,8 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     if n_blocks is None:
         n_blocks = profile_blocks(request.model, request.dtype, request.quant, device)
     try:
-        chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
+        with kernel_choice.unreported():  # a worker's /status keeps naming its run's kernels
+            chunk = profile_chunk(request.model, dtype, device, request.quant, compute, with_ends, n_blocks)
     finally:
         kernel_choice.set_memory_allowance(allowance)
     chunk.fused_decode = request.fused_decode  # before time_chunk allocates its cache (and scripts the blocks)
