@@ -53,36 +53,24 @@ def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def attend_decode_rows(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
-    """S samples with one row each (qk [S, H + KV, D], v [S, KV, D]) in one SDPA call: their
-    keys and values written with one indexed copy each, their caches [slots, KV, len, D]
-    gathered up to the longest position (mask [S, 1, 1, longest]) and the rest masked."""
-    S = qk.shape[0]
+                       n_head: int, n_kv_head: int, head_dim: int, rows: int = 1) -> torch.Tensor:
+    """S samples of `rows` rows each (qk [S * rows, H + KV, D], v [S * rows, KV, D]) at
+    `positions` [S * rows] in one SDPA call: their keys and values written with one indexed
+    copy each, their caches [slots, KV, len, D] gathered up to the mask's length and the rest
+    masked. Decode (one row each): mask [S, 1, 1, longest position + 1]. A recorded CUDA graph's
+    step (mdi.model.graph_decode): whole slots, mask [S, 1, G * rows, len], its query rows
+    ordered (g, t) as attend_sample folds them."""
+    S = slots.shape[0]
     H, KV, D = n_head, n_kv_head, head_dim
-    k_cache[slots, :, positions] = qk[:, H:]
-    v_cache[slots, :, positions] = v
+    row_slots = slots if rows == 1 else slots[:, None].expand(S, rows).reshape(S * rows)  # no wait on a GPU
+    k_cache[row_slots, :, positions] = qk[:, H:]
+    v_cache[row_slots, :, positions] = v
     end = mask.shape[-1]
     keys = k_cache[:, :, :end].index_select(0, slots)
     values = v_cache[:, :, :end].index_select(0, slots)
-    q = qk[:, :H].reshape(S, KV, H // KV, D)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(S, H * D)
-
-
-def attend_rows_in_slots(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: int,
-                         n_head: int, n_kv_head: int, head_dim: int) -> torch.Tensor:
-    """S samples of `rows` rows each (qk [S * rows, H + KV, D], v [S * rows, KV, D]) at
-    `positions` [S * rows], their keys and values written with one indexed copy each, each
-    sample against its whole cache slot in one SDPA call, the keys past each row's position
-    masked (mask [S, 1, G * rows, len], rows ordered (g, t) as attend_sample folds them): the
-    shapes a recorded CUDA graph replays whatever the positions (mdi.model.graph_decode)."""
-    S = slots.shape[0]
-    H, KV, D = n_head, n_kv_head, head_dim
-    row_slots = slots[:, None].expand(S, rows).reshape(S * rows)  # views and a copy: nothing waits on the GPU
-    k_cache[row_slots, :, positions] = qk[:, H:]
-    v_cache[row_slots, :, positions] = v
-    keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+    if rows == 1:
+        q = qk[:, :H].reshape(S, KV, H // KV, D)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(S, H * D)
     q = qk[:, :H].reshape(S, rows, H, D).transpose(1, 2).reshape(S, KV, H // KV * rows, D)
     y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return y.reshape(S, H, rows, D).transpose(1, 2).reshape(S * rows, H * D)
-

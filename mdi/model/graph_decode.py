@@ -7,8 +7,8 @@ addresses, so the step it records differs from the eager one in two ways:
 - each sample's slot and its rows' positions are read from small device tensors, copied in
   before each replay (RoPE tables and the KV writes are gathered and indexed with them);
 - attention reads each sample's whole cache slot, the positions past each row's masked
-  (attention.attend_rows_in_slots), where the eager step reads up to the longest position in
-  the frame: the same arithmetic up to rounding.
+  (attention.attend_decode_rows over whole slots), where the eager step reads up to the
+  longest position in the frame: the same arithmetic up to rounding.
 A step is a frame whose samples bring the same number of rows: one each (decode), or 1 + k
 each (a speculative verification, mdi.starter.speculation: recorded too, as left eager its
 passes cost several recorded one-row steps and drafting lost to plain decoding, 0.62x the

@@ -51,9 +51,9 @@ class RowBatch:
     # A row's bits then do not depend on how many rows its pass carried. Where it pays
     # (`verifies_row_by_row`): `of` leaves it off on a GPU.
     row_wise: bool = False
-    # One row per sample, attending in one call through `decode_tables` alone, whatever the
-    # samples' count and positions (a recorded CUDA graph's step, mdi.model.graph_decode: the
-    # Python-side slots and starts are placeholders there).
+    # Every sample with the same rows, attending in one call through `decode_tables` alone,
+    # whatever the samples' count and positions (a recorded CUDA graph's step,
+    # mdi.model.graph_decode: the Python-side slots and starts are placeholders there).
     whole_slots: bool = False
 
     @classmethod

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mdi.model import fused_decode, graph_decode
-from mdi.model.attention import attend_decode_rows, attend_rows_in_slots, attend_sample
+from mdi.model.attention import attend_decode_rows, attend_sample
 from mdi.model.config import ModelConfig
 from mdi.model.kv_cache import KVCache
 from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, RMSNorm, decode_kernels,
@@ -68,7 +68,7 @@ class Attention(nn.Module):
             y = torch.cat(ys)
         elif batch.whole_slots:  # a recorded CUDA graph's step: its tensors alone (mdi.model.graph_decode)
             slots, positions, mask = batch.decode_tables
-            y = attend_rows_in_slots(qk, v, k_cache, v_cache, slots, positions, mask, batch.counts[0], H, KV, D)
+            y = attend_decode_rows(qk, v, k_cache, v_cache, slots, positions, mask, H, KV, D, batch.counts[0])
         elif len(batch.slots) == 1:
             y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0],
                              batch.sample_mask(0, H // KV, x.device))
