@@ -17,6 +17,10 @@ setup(
         # --serve's structured outputs (mdi/model/constraint.py): one abi3 wheel, no dependencies;
         # none for Python 3.8, where the server says so at start and answers those fields 400.
         "llguidance>=1.0,<2; python_version >= '3.9'",
+        # The ggml compute backend (mdi.model.ggml): llama.cpp's tensor library through its
+        # maintained ctypes binding, which builds ggml from source for the machine's ISA
+        # (scripts/setup_env.sh sets its build flags). Pinned: mdi calls its C API directly.
+        "ggml-python==0.0.45",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "peft", "protobuf", "vermin",

@@ -18,6 +18,7 @@ SERVICE=0
 DRY_RUN=0
 DETECT_ONLY=0
 FORCE=0
+GGML_CUDA=0
 
 usage() {
     cat <<'EOF'
@@ -41,6 +42,8 @@ Options:
   --detect           print the board, L4T/JetPack release and matching torch, then exit
   --dry-run          print every command instead of running it (works on any machine)
   --force            go on even though this is not a Jetson
+  --ggml-cuda        build the ggml binding with CUDA too (nvcc from JetPack; a long build):
+                     mdi's ggml backend computes on the CPU in this version
   -h, --help         this help
 
 Examples:
@@ -89,6 +92,7 @@ while [ "$#" -gt 0 ]; do
         --detect) DETECT_ONLY=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         --force) FORCE=1; shift ;;
+        --ggml-cuda) GGML_CUDA=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument: $1" ;;
     esac
@@ -260,6 +264,21 @@ if [ "$DRY_RUN" = 1 ]; then
 else
     "$VPY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$TORCH_PIN"
 fi
+# The ggml binding (the ggml backend's library) builds from source for this board's CPU, as
+# llama.cpp builds (-mcpu=native, llamafile's kernels), and with CUDA when asked (JetPack's nvcc).
+GGML_ARGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON"
+if [ "$GGML_CUDA" = 1 ]; then
+    NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+    [ -x "$NVCC" ] || [ "$DRY_RUN" = 1 ] || die "--ggml-cuda: nvcc not found (JetPack installs it in /usr/local/cuda/bin)"
+    GGML_ARGS="$GGML_ARGS -DGGML_CUDA=on -DCMAKE_CUDA_COMPILER=$NVCC"
+fi
+GGML_REQ=""
+for req in "${DEPS[@]}"; do
+    case "$req" in ggml-python*) GGML_REQ="$req" ;; esac
+done
+[ -n "$GGML_REQ" ] || die "setup.py names no ggml-python requirement"
+say "building $GGML_REQ for this board ($GGML_ARGS): several minutes"
+run env CMAKE_ARGS="$GGML_ARGS" "$VPY" -m pip install --no-cache-dir "$GGML_REQ" "numpy<2"
 # numpy<2: NVIDIA's Jetson torch wheels are built against NumPy 1.x.
 run "$VPY" -m pip install -c "$TORCH_PIN" "${DEPS[@]}" "numpy<2"
 run "$VPY" -m pip install --no-deps "$ROOT"

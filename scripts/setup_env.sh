@@ -3,6 +3,11 @@
 # Sourced by demo.sh and test.sh. Usage: source scripts/setup_env.sh [test]
 # MDI_VENV picks the environment's folder (default .venv); MDI_TORCH the torch requirement
 # (default torch==2.13.0, the CPU build: an unpinned torch would pull a multi-GB CUDA build).
+# The ggml binding (ggml-python, pinned in setup.py) is built from its source for this machine's
+# CPU (about a minute on 2 cores): llama.cpp's defaults (-march=native, llamafile's matrix
+# kernels), less AMX on x86, whose tile instructions die with SIGILL on VMs that do not grant
+# them (llama.cpp built the same way for the peer benchmark). MDI_GGML_CMAKE_ARGS adds to it,
+# e.g. "-DGGML_CUDA=on" where nvcc is (jetson/README.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MDI_VENV:-$ROOT/.venv}"
@@ -16,11 +21,21 @@ if [ ! -x "$PY" ]; then
 fi
 # Reinstall only when what we install changed: a second run reuses the first one's work.
 STAMP="$VENV/.mdi-installed-$EXTRAS"
-WANT="$(cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1) $TORCH_SPEC"
+GGML_SPEC="$(grep -o 'ggml-python==[0-9.]*' "$ROOT/setup.py" | head -n 1)"
+GGML_CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON"
+if [ "$(uname -m)" = "x86_64" ]; then
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    GGML_CMAKE_ARGS="$GGML_CMAKE_ARGS -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+fi
+GGML_CMAKE_ARGS="$GGML_CMAKE_ARGS ${MDI_GGML_CMAKE_ARGS:-}"
+WANT="$(cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1) $TORCH_SPEC $GGML_CMAKE_ARGS"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "mdi: installing dependencies into $VENV"
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q "$TORCH_SPEC"
+    echo "mdi: building the ggml binding for this CPU ($GGML_SPEC; about a minute)"
+    # no cache: a wheel built before with other flags (or for another CPU) must not be reused
+    CMAKE_ARGS="$GGML_CMAKE_ARGS" "$PY" -m pip install -q --no-cache-dir --force-reinstall --no-deps "$GGML_SPEC"
     if [ -n "$EXTRAS" ]; then
         "$PY" -m pip install -q -e "${ROOT}[$EXTRAS]"
     else
@@ -56,6 +71,6 @@ if [ "$EXTRAS" = "test" ]; then
 fi
 
 # The embedded default model, prepared once.
-if [ ! -f "$ROOT/models/smollm2-135m/mdi_config.json" ]; then
+if [ ! -f "$ROOT/models/smollm2-135m/mdi_config.json" ] || [ ! -f "$ROOT/models/smollm2-135m/model.gguf" ]; then
     (cd "$ROOT" && "$VENV/bin/mdi-prepare" smollm2-135m --out models/smollm2-135m)
 fi

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the environment with the test dependencies and run the whole test suite.
 # Extra arguments go to pytest, e.g. ./scripts/test.sh -k ring, or the quick loop
-# ./scripts/test.sh -m "not slow" (markers: pytest.ini). CI (.ci/run) passes none: every test.
+# ./scripts/test.sh -m "not slow" (markers: pytest.ini). CI (.ci/run) passes none: every test,
+# then the ring's features again with every node computing on ggml (the suite's tests run on
+# torch, the reference, unless they name a backend; MDI_BACKEND=ggml ./scripts/test.sh FILES
+# runs any of them on ggml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh test
 
-exec python -m pytest tests -q "$@"
+if [ "$#" -gt 0 ]; then
+    exec python -m pytest -q "$@"  # pytest.ini: tests/ when no file is named
+fi
+python -m pytest -q
+echo "--- the same features on the ggml backend ---"
+MDI_BACKEND=ggml exec python -m pytest -q tests/test_ring.py tests/test_batching.py tests/test_context.py \
+    tests/test_recovery.py tests/test_prefix_cache.py tests/test_speculation.py tests/test_perplexity.py \
+    tests/test_serve.py tests/test_serve_sampling.py tests/test_structured_outputs.py

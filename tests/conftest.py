@@ -30,6 +30,24 @@ from mdi.lab.processes import free_ports  # noqa: E402,F401  (tests import it fr
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)
+# Measurements remembered per machine (kernels, backends: mdi.model.kernel_memory, mdi.model.backend)
+# go to a folder of this session's own, shared by the nodes it starts: none from the user's
+# runs steers a test, and no test's fake timings reach the user's cache. $MDI_PROFILE_CACHE wins.
+# The tests name the backend they test; the rest run on torch, the exact reference, unless the
+# whole suite is asked to run on another ($MDI_BACKEND=ggml ./scripts/test.sh).
+os.environ.setdefault("MDI_BACKEND", "torch")
+# What computes on torch only in this version (adapters, soft prompts, training): a run asked to
+# compute on ggml refuses it, so its tests skip there.
+ON_TORCH = os.environ["MDI_BACKEND"] != "ggml"
+torch_only = pytest.mark.skipif(not ON_TORCH, reason="adapters, soft prompts and training compute on torch only")
+# How close a run's log-probabilities (absolute) and perplexities (relative) come to torch's
+# float32 reference: ggml keeps K and V in float16 and multiplies Q by K in float16 (measured up
+# to 0.015 and 0.1% on the tiny random models, whose logits are large).
+LOGPROBS_VS_TORCH = 1e-4 if ON_TORCH else 0.03
+PERPLEXITY_VS_TORCH = 1e-4 if ON_TORCH else 3e-3
+if "MDI_PROFILE_CACHE" not in os.environ:
+    import tempfile
+    os.environ["MDI_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="mdi-test-cache-")
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 BIN = os.path.dirname(sys.executable)
 SMOLLM2_DIR = os.path.join(ROOT, "models", "smollm2-135m")  # the embedded default model, prepared
@@ -97,11 +115,23 @@ def tiny_model(family: str, seed: int = 0, half_exact: bool = False):
 
 
 def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = False) -> str:
-    """tiny_model(family) with a character tokenizer, saved as a prepared mdi directory."""
+    """tiny_model(family) with a character tokenizer, saved as a prepared mdi directory, its
+    model.gguf in float32 as mdi-prepare writes it (so a ring may compute it with ggml too)."""
     model = tiny_model(family, seed, half_exact)
-    save_model_dir(path, model.config, model.state_dict(), "tests/conftest.py")
+    save_test_model(path, model.config, model.state_dict(), "tests/conftest.py")
     char_tokenizer(CHARS).save(path)
     return path
+
+
+def save_test_model(path: str, config, state, source: str) -> None:
+    """A prepared mdi directory of these weights, with the model.gguf mdi-prepare writes beside
+    them (float32 here), so that the tests may run it on either backend."""
+    save_model_dir(path, config, state, source)
+    from mdi.model.ggml.lib import unavailable_reason
+    if unavailable_reason() is None:
+        from mdi.model.gguf_export import export_gguf
+        from mdi.model.model_dir import GGUF_FILE
+        export_gguf(os.path.join(path, GGUF_FILE), config, state, float_type="F32")
 
 
 @pytest.fixture
@@ -144,7 +174,7 @@ def smollm2_gguf():
 def smollm2_dir(smollm2_gguf):
     """models/smollm2-135m, the default model prepared as scripts/setup_env.sh prepares it
     (prepared here first where it is missing)."""
-    if not os.path.isfile(os.path.join(SMOLLM2_DIR, "mdi_config.json")):
+    if not all(os.path.isfile(os.path.join(SMOLLM2_DIR, f)) for f in ("mdi_config.json", "model.gguf")):
         subprocess.run([os.path.join(BIN, "mdi-prepare"), "smollm2-135m", "--out", SMOLLM2_DIR], check=True)
     return SMOLLM2_DIR
 

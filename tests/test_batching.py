@@ -351,5 +351,8 @@ def test_ring_with_each_wire_codec(tiny_models, workers, data_ports):
         saved = payload_nbytes(1, 64, torch.float32, "raw") - payload_nbytes(1, 64, torch.float32, codec)
         assert all(abs(g + saved) <= 8 for g in grew), (codec, hop[codec], hop["raw"])  # headers differ a little
     assert ids["float16"] == ids["raw"]
-    same = sum(a == b for got, ref in zip(ids["int8"], ids["raw"]) for a, b in zip(got, ref))
-    assert same >= 0.9 * sum(len(r) for r in ids["raw"])
+    # int8's rounding may flip a near-tie of this random model's logits; each flip changes the
+    # rest of its sample. Measured on 3 samples of 12 tokens: one flip on torch, two on ggml.
+    agree = [next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+             for got, ref in zip(ids["int8"], ids["raw"])]
+    assert min(agree) >= 4 and max(agree) == len(ids["raw"][0]), agree

@@ -326,6 +326,7 @@ def test_the_page_shows_the_ring(ring, browser):
     assert all(c["shown"] for c in cards)
     for c in cards[:3]:
         assert c["fields"]["device"] == "cpu" and c["fields"]["dtype"] == "float32"
+        assert c["fields"]["backend"] in ("ggml", "torch"), c  # what its layers compute with
         assert {"host", "busy", "compute", "frames/s", "memory", "sent"} <= set(c["fields"]), c
     glyphs = browser.execute_script("return Array.from(document.querySelectorAll('#ring-svg g.ring-node'))"
                                     ".map(function (g) { return g.dataset.node; })")

@@ -4,11 +4,10 @@ giving the one-node ids (logit parity with transformers is tests/test_model_pari
 import pytest
 import torch
 
-from conftest import CHARS
+from conftest import CHARS, save_test_model
 from ringconfigs import parse_run_config
 from mdi.model.config import ModelConfig
 from mdi.model.layout import weight_bytes
-from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 from mdi.starter import batch
@@ -67,7 +66,7 @@ def family_models(tmp_path_factory):
             for name, p in model.named_parameters():
                 p.normal_(0, 0.3) if p.dim() > 1 or name.endswith("bias") else p.uniform_(0.5, 1.5)
         path = str(tmp_path_factory.mktemp(kind))
-        save_model_dir(path, model.config, model.state_dict(), "tests/test_families.py")
+        save_test_model(path, model.config, model.state_dict(), "tests/test_families.py")
         char_tokenizer(CHARS).save(path)
         out[kind] = path
     return out

@@ -262,3 +262,36 @@ def test_json_nested_past_the_parser_stack_is_a_400(fuzz_worker):
         r = requests.post(fuzz_worker.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 400 and "nested too deeply" in r.json()["error"], (path, r.status_code, r.text[:200])
     assert requests.get(fuzz_worker.url + "/health", timeout=5).json()["ok"] is True
+
+
+def test_backend_route_validates_every_field_then_answers(fuzz_worker, tiny_models):
+    """POST /backend (asked before /init): a mutated request is a 400 naming what is wrong, never
+    a 500 nor a measurement; the unmutated one is answered with the backend asked."""
+    with open(os.path.join(tiny_models["gpt2"], "mdi_config.json")) as f:
+        model = json.load(f)["model"]
+    spec = {"model": model, "layers": [2, 4], "asked": "torch", "device": "cpu", "dtype": "float32",
+            "rows": 2, "kv_type": "f16", "adapters": False}
+    url = fuzz_worker.url + "/backend"
+    session = requests.Session()
+    seen = {}
+
+    @settings(max_examples=400, **FUZZ)
+    @given(key=st.sampled_from(sorted(spec) + ["threads", "gguf_types", "quant", "quant_kernel", "extra"]),
+           body=json_values)
+    def fuzz(key, body):
+        r = session.post(url, json=dict(spec, **{key: body}), timeout=30)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400), (key, body, r.status_code, r.text[:300])
+        if r.status_code == 400:
+            assert "\n" not in r.json()["error"].strip()
+        else:
+            assert r.json()["backend"] in ("ggml", "torch")
+
+    fuzz()
+    assert seen.get(400, 0) > 200
+    for key, value, needle in (("asked", "fastest", "asked must be one of"), ("layers", [3, 1], "layers[1]"),
+                               ("kv_type", "q2", "kv_type must be one of"), ("rows", 0, "rows")):
+        r = session.post(url, json=dict(spec, **{key: value}), timeout=30)
+        assert r.status_code == 400 and needle in r.json()["error"], (key, r.text[:300])
+    reply = session.post(url, json=spec, timeout=30).json()
+    assert reply["backend"] == "torch" and reply["seconds"] == 0.0

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from mdi.model import kernel_choice, qkernels
+from mdi.model import kernel_memory, kernel_choice, qkernels
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import dequantize, quantize
 
@@ -77,14 +77,14 @@ def test_held_bytes_are_counted_and_bound_by_the_allowance():
     assert kernel is qkernels.DEQUANT  # nothing left for a second layer
 
     from mdi.model.layers import QuantLinear
-    from mdi.worker.memory_budget import chunk_nbytes
+    from mdi.model.layers import held_bytes
     kernel_choice.set_memory_allowance(None)
     module = QuantLinear(n_in, n_out, False, spec)
     for suffix, t in parts.items():
         getattr(module, suffix).copy_(t)
     module.pick_kernel("a layer")
     assert module.kernel is qkernels.INT8_FBGEMM and module.qweight is None  # the stored form is let go
-    assert chunk_nbytes(module) == qkernels.INT8_FBGEMM.held_bytes(spec, n_out, n_in)
+    assert held_bytes(module) == qkernels.INT8_FBGEMM.held_bytes(spec, n_out, n_in)
 
 
 def test_fast_policy_never_picks_what_it_measured_wrong(monkeypatch):
@@ -93,6 +93,8 @@ def test_fast_policy_never_picks_what_it_measured_wrong(monkeypatch):
     parts, _ = layer(spec, 32, 64)
     real = qkernels.Int8DynamicLinear.forward
     monkeypatch.setattr(qkernels.Int8DynamicLinear, "forward", lambda self, x: real(self, x) * 1.1)
+    monkeypatch.setattr(kernel_memory, "recall", lambda key: None)  # measured here, with the bad kernel
+    monkeypatch.setattr(kernel_memory, "remember", lambda key, entry: None)
     qkernels.set_preference("fast")
     kernel_choice._measured.clear()
     kernel, _ = kernel_choice.choose(parts, spec, 64, CPU)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from mdi.model import kernel_choice, qkernels
+from mdi.model import kernel_choice, kernel_memory, qkernels
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import convert, gather, quantize, uniform_layout
 from mdi.model.source import build_chunk
@@ -24,7 +24,11 @@ CROSSING = {"int4pack-cpu": (0.3, 0.05), "int8dyn-fbgemm": (0.5, 0.02), "dequant
 
 
 @pytest.fixture(autouse=True)
-def clean_state():
+def clean_state(monkeypatch):
+    # measured afresh with the fake timings: nothing recalled from, or kept for, other processes
+    monkeypatch.setattr(kernel_memory, "recall", lambda key: None)
+    monkeypatch.setattr(kernel_memory, "remember", lambda key, entry: None)
+
     def clear():
         qkernels.set_preference(None)
         kernel_choice.set_memory_allowance(None)
@@ -116,7 +120,7 @@ def test_the_second_copy_is_kept_only_within_what_the_node_spares(fake_timings):
 
 def test_a_layer_holds_and_counts_both_kernels(fake_timings):
     from mdi.model.layers import QuantLinear
-    from mdi.worker.memory_budget import chunk_nbytes
+    from mdi.model.layers import held_bytes
     kernel_choice.set_memory_allowance(ROOMY)
     module = QuantLinear(128, 64, False, SPEC)
     for suffix, t in weight().items():
@@ -124,7 +128,7 @@ def test_a_layer_holds_and_counts_both_kernels(fake_timings):
     module.pick_kernel("blocks.0.attn.qkv")
     assert module.kernel is INT4 and module.prefill_kernel is FBGEMM and module.qweight is None
     int4_bytes = sum(t.numel() * t.element_size() for t in module.packed.values())
-    assert chunk_nbytes(module) == int4_bytes + FBGEMM.held_bytes(SPEC, 64, 128)
+    assert held_bytes(module) == int4_bytes + FBGEMM.held_bytes(SPEC, 64, 128)
     head = QuantLinear(128, 64, False, SPEC)
     for suffix, t in weight().items():
         getattr(head, suffix).copy_(t)

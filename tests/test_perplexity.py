@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import BIN, ROOT, worker_pool
+from conftest import BIN, CHARS, PERPLEXITY_VS_TORCH, ROOT, worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from test_tokenizers import all_toks, gpt2, hf_gpt2_dir, hf_llama, smol_or_none, sp_dir, sp_model  # noqa: F401 (fixtures)
 from mdi.cli.process import EXIT_CONFIG
@@ -79,13 +79,16 @@ def reference_ppl(model, text, ctx, n_windows):
     source = ModelSource(model)
     net = full_model(source.config)
     net.load_weights(source.weights(0, source.config.n_layer, True, True, torch.float32))
-    ids = source.tokenizer.encode(text)
+    tok = source.tokenizer
+    ids = tok.encode(text)
     nll, n = [], 0
     with torch.no_grad():
         for w in range(n_windows):
             window = torch.tensor(ids[w * ctx:(w + 1) * ctx])
+            if tok.add_bos:
+                window[0] = tok.bos_id  # every window begins with BOS, as llama-perplexity's chunks
             logp = torch.log_softmax(net.forward_batch(window[None])[0].float(), dim=-1)
-            first = 1 if w == 0 else ctx // 2
+            first = ctx // 2 + 1  # llama-perplexity's scored tokens
             for pos in range(first, ctx):
                 nll.append(-logp[pos - 1, window[pos]].item())
             n += ctx - first
@@ -98,13 +101,33 @@ def test_standalone_matches_the_full_model(family, tiny_models, text_file):
     model = tiny_models[family]
     result = perplexity.run(config(model), text_file, ctx=CTX, max_windows=5)
     expected, n_scored = reference_ppl(model, TEXT, CTX, 5)
-    assert result.n_windows == 5 and result.n_scored == n_scored == (CTX - 1) + 4 * (CTX // 2)
+    assert result.n_windows == 5 and result.n_scored == n_scored == 5 * (CTX - CTX // 2 - 1)
     assert result.n_tokens == 5 * CTX and result.n_text_tokens == len(TEXT)
-    assert abs(result.perplexity - expected) <= 1e-4 * expected
+    assert abs(result.perplexity - expected) <= PERPLEXITY_VS_TORCH * expected
     assert result.perplexity == pytest.approx(math.exp(result.nll_mean))
     record = result.metrics()
     assert {"perplexity", "nll_mean", "n_tokens", "n_windows", "ctx", "seconds", "tokens_per_s"} <= set(record)
     assert record["tokens_per_s"] > 0 and len(record["window_nll_mean"]) == 5
+
+
+def test_every_window_begins_with_bos_when_the_tokenizer_adds_one(tiny_models, text_file, tmp_path):
+    """llama-perplexity's chunks each start with BOS (in place of their first token) for a model
+    that reads BOS first: so do mdi's windows, the first one's BOS being the text's own."""
+    import shutil
+    model = str(tmp_path / "bos")
+    shutil.copytree(tiny_models["llama"], model)
+    meta_path = os.path.join(model, "tokenizer_mdi.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta.update(add_bos=True, bos_id=CHARS.index("~"))  # a character the text lacks
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    result = perplexity.run(config(model), text_file, ctx=CTX, max_windows=4)
+    expected, _ = reference_ppl(model, TEXT, CTX, 4)
+    assert result.n_text_tokens == len(TEXT) + 1
+    assert abs(result.perplexity - expected) <= PERPLEXITY_VS_TORCH * expected
+    plain = perplexity.run(config(tiny_models["llama"]), text_file, ctx=CTX, max_windows=4)
+    assert abs(plain.perplexity - result.perplexity) > 0.05 * expected  # BOS changed the windows (11%)
 
 
 def test_shipped_nanogpt_scores_shakespeare_well(text_file):
@@ -113,7 +136,7 @@ def test_shipped_nanogpt_scores_shakespeare_well(text_file):
     result = perplexity.run(config(model), text_file, max_windows=4)
     assert result.ctx == 128  # the model's context (below 512)
     expected, _ = reference_ppl(model, TEXT, 128, 4)
-    assert abs(result.perplexity - expected) <= 1e-4 * expected
+    assert abs(result.perplexity - expected) <= PERPLEXITY_VS_TORCH * expected
     assert 1 < result.perplexity < 12
 
 
@@ -132,7 +155,7 @@ def test_ring_matches_standalone(family, layers, tiny_models, workers, text_file
     assert last["bytes_sent_by_kind"]["score"] >= 7 * CTX * 64 * 4
     # Fewer windows than nodes: fewer slots, same numbers.
     one = perplexity.run(config(model, workers[:len(layers) - 1], layers), text_file, ctx=CTX, max_windows=1)
-    assert one.n_windows == 1 and abs(one.perplexity - math.exp(alone.window_nll[0] / (CTX - 1))) <= 1e-4 * one.perplexity
+    assert one.n_windows == 1 and abs(one.perplexity - math.exp(alone.window_nll[0] / (CTX - CTX // 2 - 1))) <= 1e-4 * one.perplexity
 
 
 def test_cli_over_a_ring_prints_and_writes_metrics(tiny_models, workers, text_file, tmp_path):
@@ -145,7 +168,7 @@ def test_cli_over_a_ring_prints_and_writes_metrics(tiny_models, workers, text_fi
     assert proc.returncode == 0, proc.stderr
     record = json.loads(metrics.read_text())
     expected, n_scored = reference_ppl(tiny_models["llama"], TEXT, CTX, 6)
-    assert abs(record["perplexity"] - expected) <= 1e-4 * expected
+    assert abs(record["perplexity"] - expected) <= PERPLEXITY_VS_TORCH * expected
     assert record["n_windows"] == 6 and record["ctx"] == CTX and record["n_scored"] == n_scored
     assert record["n_tokens"] == 6 * CTX and record["n_nodes"] == 3
     line = proc.stdout.strip()

@@ -151,7 +151,8 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
         reply = worker.init(request)
         per_position = 2 * 2 * model.n_kv_head * model.head_dim * 4  # 2 layers, K and V, float32
         assert reply == {"ok": True, "need_weights": False, "cache_bytes": worker.chunk.cache.nbytes,
-                         "prefix_cache_bytes": 0, "prefix_token_bytes": per_position}  # no prefix_cache asked
+                         "prefix_cache_bytes": 0, "prefix_token_bytes": per_position,  # no prefix_cache asked
+                         "backend": "torch", "backend_line": "torch (asked)"}
         assert request == sent and worker.run.request is request and worker.run.heartbeat_timeout == 30.0
         status = worker.status()
         assert status.state == "running" and status.layers == [1, 3] and status.run_id == 4

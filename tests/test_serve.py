@@ -14,11 +14,10 @@ import pytest
 import requests
 import torch
 
-from conftest import BIN, CHARS, free_ports, tiny_config
+from conftest import BIN, CHARS, free_ports, save_test_model, tiny_config
 from conftest import ServeProcess as Server
 from ringconfigs import parse_run_config, write_run_config
 from mdi.starter import batch
-from mdi.model.store import save_model_dir
 from mdi.model.transformer import full_model
 from mdi.serving.streaming import TextStream, held_back
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, parse_options
@@ -45,7 +44,7 @@ def model(tmp_path_factory):
     """A tiny random Llama with a character tokenizer and a 1024-token context."""
     path = str(tmp_path_factory.mktemp("serve") / "llama1k")
     net = tiny_serve_net()
-    save_model_dir(path, net.config, net.state_dict(), "tests/test_serve.py")
+    save_test_model(path, net.config, net.state_dict(), "tests/test_serve.py")
     char_tokenizer(CHARS).save(path)
     return path
 

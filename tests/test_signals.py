@@ -11,10 +11,9 @@ import pytest
 import requests
 import torch
 
-from conftest import BIN, CHARS
+from conftest import BIN, CHARS, save_test_model
 from ringconfigs import write_run_config
 from mdi.model.config import ModelConfig
-from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 
@@ -27,7 +26,7 @@ def slow_model(tmp_path_factory):
     config = ModelConfig(name="slow", family="llama", vocab_size=len(CHARS), n_layer=4, n_embd=256, n_head=8,
                          n_kv_head=2, intermediate_size=768, block_size=1024, tied_head=True)
     model = full_model(config)
-    save_model_dir(path, config, model.state_dict(), "tests/test_signals.py")
+    save_test_model(path, config, model.state_dict(), "tests/test_signals.py")
     char_tokenizer(CHARS).save(path)
     return path
 

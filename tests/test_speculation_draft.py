@@ -9,12 +9,11 @@ import pytest
 import requests
 import torch
 
-from conftest import CHARS, ServeProcess, make_tiny_model, tiny_config, tiny_model, worker_pool
+from conftest import CHARS, ServeProcess, make_tiny_model, save_test_model, tiny_config, tiny_model, worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.config import ModelConfig
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
-from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer, load_tokenizer
 from mdi.model.transformer import full_model
 from mdi.ring.transport import LocalLoop
@@ -166,7 +165,7 @@ def smollm2_vocab_llama(smollm2_dir, tmp_path_factory):
                          n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=128, block_size=2048,
                          tied_head=True)
     net = full_model(config)
-    save_model_dir(path, config, net.state_dict(), "tests/test_speculation_draft.py")
+    save_test_model(path, config, net.state_dict(), "tests/test_speculation_draft.py")
     load_tokenizer(smollm2_dir).save(path)
     return path
 
@@ -223,7 +222,7 @@ def test_a_target_whose_head_is_padded_past_the_tokenizer_takes_a_draft_of_the_t
             if p.dim() > 1:
                 p.normal_(0, 0.3)
         model.lm_head.weight[len(CHARS):] = 0  # padding: logit 0, below the best of 96 random ones
-    save_model_dir(padded, model.config, model.state_dict(), "test")
+    save_test_model(padded, model.config, model.state_dict(), "test")
     char_tokenizer(CHARS).save(padded)
     plain = [s.token_ids for s in ring_run(padded, [], "off", ["Hello"]).samples]
     result = ring_run(padded, [], {"draft": tiny_models["llama"]}, ["Hello"])

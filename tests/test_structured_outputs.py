@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from conftest import ServeProcess
+from conftest import ServeProcess, save_test_model
 from ringconfigs import write_run_config
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.tokenizers import char_tokenizer, gpt2_tokenizer, load_tokenizer
@@ -279,11 +279,10 @@ def test_without_llguidance_the_server_says_so_once_and_refuses_the_fields(tmp_p
     import sys
 
     from test_serve import tiny_serve_net
-    from mdi.model.store import save_model_dir
     from conftest import CHARS
     net = tiny_serve_net()
     model = str(tmp_path / "tiny")
-    save_model_dir(model, net.config, net.state_dict(), "tests/test_structured_outputs.py")
+    save_test_model(model, net.config, net.state_dict(), "tests/test_structured_outputs.py")
     char_tokenizer(CHARS).save(model)
     shadow = tmp_path / "shadow" / "llguidance"
     shadow.mkdir(parents=True)

@@ -3,6 +3,7 @@ with each row's two largest values apart.
 Each round-trips to the activation dtype within its own error, payload sizes follow
 payload_nbytes, and malformed payloads, unknown codecs and v1 peers are refused."""
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -271,3 +272,41 @@ def test_control_frames_carry_no_payload_whatever_the_codec(kind):
         assert payload == b""
         got = wire.decode([header, payload], run=2)
         assert got.kind == kind and got.tensor is None
+
+
+@pytest.mark.parametrize("codec", ["raw", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("width", [1, 33, 576])
+def test_numpy_codecs_speak_the_torch_codecs_bytes(codec, width):
+    """A node computing with ggml encodes and decodes frames with numpy (mdi.ring.wire_numpy),
+    never loading torch: the same format, the same values both ways."""
+    from mdi.ring import wire_numpy, wire_torch
+    x = torch.randn(5, width) * torch.logspace(-2, 2, width)  # a few large channels, as residual streams have
+    x[2, :] = 0.0  # an all-zero row
+    from_torch = bytes(wire_torch.encode_payload(x, codec))
+    from_numpy = bytes(wire_numpy.encode_payload(x.numpy(), codec))
+    assert len(from_numpy) == len(from_torch) == wire.payload_nbytes(5, width, "float32", codec)
+    if codec != "int8":  # int8 may list a row's outliers in another order: compared decoded
+        assert from_numpy == from_torch
+    for payload in (from_torch, from_numpy):
+        a = wire_torch.decode_payload(payload, 5, width, "float32", codec)
+        b = wire_numpy.decode_payload(payload, 5, width, "float32", codec)
+        assert b.dtype == np.float32 and np.array_equal(a.numpy(), b)
+    assert np.array_equal(wire_torch.decode_payload(from_torch, 5, width, "float32", codec).numpy(),
+                          wire_numpy.decode_payload(from_numpy, 5, width, "float32", codec))
+
+
+def test_a_process_without_torch_decodes_frames_to_numpy():
+    import subprocess
+    import sys
+    frame = wire.Frame(wire.FrameKind.DECODE, 7, [0], [3], [1], torch.randn(1, 8))
+    header, payload = wire.encode(frame, "bfloat16")
+    code = ("import sys, numpy as np; from mdi.ring import wire; "
+            "f = wire.decode([sys.stdin.buffer.read(%d), sys.stdin.buffer.read()], run=7, hidden=8); "
+            "assert isinstance(f.tensor, np.ndarray) and f.tensor.shape == (1, 8); "
+            "out = wire.encode(f, 'raw'); assert 'torch' not in sys.modules; "
+            "sys.stdout.buffer.write(bytes(out[1]))" % len(header))
+    proc = subprocess.run([sys.executable, "-c", code], input=bytes(header) + bytes(payload), capture_output=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    want = wire.decode([header, payload], run=7, hidden=8).tensor
+    assert np.array_equal(np.frombuffer(proc.stdout, np.float32).reshape(1, 8), want.numpy())

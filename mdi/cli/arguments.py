@@ -30,18 +30,24 @@ positive_int = arg_type(int, lambda v: v >= 1, "an integer >= 1")
 positive_float = arg_type(float, lambda v: 0 < v < float("inf"), "a number > 0")  # NaN fails too
 
 
-def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+def add_quant_arguments(p: argparse.ArgumentParser, gguf_types: bool = False) -> None:
+    """`gguf_types`: --quant also takes a GGUF type (mdi-prepare; checked there, in one line)."""
     from mdi.model.layout import INT4_GROUPS, QUANT_MODES
-    p.add_argument("--quant", choices=QUANT_MODES,
-                   help="weights in memory, on disk and on the wire: none (float), int8, int4, or auto (the "
-                        "default: a GGUF's own precision class, Q8_0 -> int8, Q4_* -> int4; float stays float)")
+    text = ("weights in memory, on disk and on the wire: none (float), int8, int4, or auto (the "
+            "default: a GGUF's own precision class, Q8_0 -> int8, Q4_* -> int4; float stays float)")
+    if gguf_types:
+        from mdi.model.gguf_export import EXPORT_TYPES
+        p.add_argument("--quant", metavar="MODE", help=text + "; or a GGUF type for model.gguf (%s), the torch "
+                       "weights then read back from it" % ", ".join(EXPORT_TYPES))
+    else:
+        p.add_argument("--quant", choices=QUANT_MODES, help=text)
     p.add_argument("--group-size", type=arg_type(int, lambda v: v >= 2, "an integer >= 2"), metavar="G",
                    help="with --quant int8/int4: values sharing one scale (int4: %s, default 32; int8: default "
                         "one scale per output channel)" % "/".join(str(g) for g in INT4_GROUPS))
 
 
 def add_kernel_argument(p: argparse.ArgumentParser) -> None:
-    from mdi.model.qkernels import POLICY_NAMES
+    from mdi.model.torch_settings import POLICY_NAMES
     p.add_argument("--quant-kernel", choices=POLICY_NAMES, metavar="POLICY",
                    help="how quantized layers multiply (runtime.quant_kernel): fast (default: the fastest kernel "
                         "measured on each layer's shape here: bfloat16 packed or int8 integer kernels, ~1%% logit "

@@ -13,14 +13,28 @@ def report(result, args: argparse.Namespace) -> None:
             print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason or "unfinished"))
             print(sample.prompt + text)
     print(summary_line(result), flush=True)
-    kernels = kernels_line(result)
-    if kernels and not args.quiet:
-        print(kernels, file=sys.stderr)
+    node_lines(result, args)
     for note in (speculation_line(result), context_note(result)):
         if note:
             print(note, file=sys.stderr)
     if args.metrics_out:
         write_json(args.metrics_out, result.metrics())
+
+
+def node_lines(result, args: argparse.Namespace) -> None:
+    """The nodes' backends and kernels on stderr, after a run that did not fail: a failed run's
+    one line there is its error."""
+    if args.quiet or "error" in result.extra:
+        return
+    for line in (backends_line(result), kernels_line(result)):
+        if line:
+            print(line, file=sys.stderr)
+
+
+def backends_line(result) -> Optional[str]:
+    """What each node computed with (mdi.model.backend): "mdi: backends: starter ggml, w1 torch"."""
+    named = ["%s %s" % (n.name, n.backend) for n in result.nodes if getattr(n, "backend", None)]
+    return "mdi: backends: %s" % ", ".join(named) if named else None
 
 
 def context_note(result) -> Optional[str]:
@@ -73,8 +87,6 @@ def report_perplexity(result, args: argparse.Namespace) -> None:
               % (result.perplexity, result.n_windows, result.ctx, result.n_scored, result.elapsed,
                  result.tokens_per_s, len(result.nodes), ", partial" if "error" in result.extra else ""),
               flush=True)
-    kernels = kernels_line(result)
-    if kernels and not args.quiet:
-        print(kernels, file=sys.stderr)
+    node_lines(result, args)
     if args.metrics_out:
         write_json(args.metrics_out, result.metrics())

@@ -25,7 +25,7 @@ def prepare_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-adapter", metavar="PATH",
                    help="merge this LoRA adapter (a PEFT directory or a LoRA GGUF) into the weights before they "
                         "are written (and quantized as --quant says): a model for a ring that serves one task")
-    add_quant_arguments(p)
+    add_quant_arguments(p, gguf_types=True)
     return p
 
 

@@ -12,6 +12,7 @@ from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig.speculation import MAX_DRAFT_LIMIT, SPECULATION_METHODS
+from mdi.model.backend import BACKENDS, KV_TYPES
 from mdi.runconfig import (ConfigError, parse_prefix_cache, GenerationSpec, ModelSpec, NodeSpec,
                            RunConfig, RuntimeSpec, check_quant, load_config, parse_speculation)
 
@@ -59,6 +60,12 @@ def start_parser() -> argparse.ArgumentParser:
                         "float32 compute on GPUs without fast half arithmetic such as the TX2)")
     add_quant_arguments(p)
     add_kernel_argument(p)
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="what every node computes with (runtime.backend): ggml (llama.cpp's kernels on the "
+                        "model's GGUF tensors as stored), torch, or auto (default: each node measures both on its "
+                        "own shapes once and keeps the faster)")
+    p.add_argument("--kv-type", choices=KV_TYPES,
+                   help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it)")
     p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
     p.add_argument("--threads", type=int, help="torch threads on the starter")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
@@ -130,6 +137,12 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.prefix_cache is not None:
         cfg.runtime.prefix_cache = parse_prefix_cache("--prefix-cache", args.prefix_cache)
     check_quant("--quant", cfg.model)
+    if args.backend:
+        cfg.runtime.backend = args.backend
+        for node in cfg.nodes + cfg.spares:  # the flag is for the whole ring
+            node.backend = None
+    if args.kv_type:
+        cfg.runtime.kv_type = args.kv_type
     if args.device:
         cfg.starter.device = args.device
     if args.threads:

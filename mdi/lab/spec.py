@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
-from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
+from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
 from mdi.lab.emulation import EmulationSettings

@@ -18,18 +18,41 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def causal_mask(start: int, rows: int, groups: int, device: torch.device) -> torch.Tensor:
+def causal_mask(start: int, rows: int, groups: int, device: torch.device, window: int = 0) -> torch.Tensor:
     """[groups * rows, start + rows]: which cached positions each of a sample's `rows` rows at
-    positions start.. may see, for attend_sample's folded query axis (rows ordered (g, t))."""
+    positions start.. may see, for attend_sample's folded query axis (rows ordered (g, t)).
+    `window` > 0: only the last `window` positions, its own included (sliding-window attention)."""
     t = torch.arange(rows, device=device).repeat(groups)
-    return torch.arange(start + rows, device=device)[None, :] <= (start + t)[:, None]
+    keys = torch.arange(start + rows, device=device)[None, :]
+    mask = keys <= (start + t)[:, None]
+    if window > 0:
+        mask = mask & (keys > (start + t - window)[:, None])
+    return mask
+
+
+def window_mask(mask: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """A decode mask [S, 1, 1, len] (RowBatch.decode_index) narrowed to each row's last `window`
+    positions."""
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (keys[None, None, None, :] > (positions - window)[:, None, None, None])
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+          scale: Optional[float]) -> torch.Tensor:
+    # `scale` only where one is set: torch 2.0 (JetPack 5) has no such argument
+    if scale is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                  n_head: int, n_kv_head: int, head_dim: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  n_head: int, n_kv_head: int, head_dim: int, mask: Optional[torch.Tensor] = None,
+                  window: int = 0, scale: Optional[float] = None) -> torch.Tensor:
     """One sample's T rows (qk [T, H + KV, D], v [T, KV, D]) at positions start.. against its
     own cache slot [KV, len, D], their keys and values written into it first. `mask`: the
-    causal_mask of these rows when the caller holds it (the same in every layer of a pass)."""
+    causal_mask of these rows when the caller holds it (the same in every layer of a pass, with
+    this `window`). `window` > 0: each row sees its last `window` positions only (a sliding-window
+    layer: one row reads just those). `scale`: the queries' (None: 1 / sqrt(head_dim))."""
     T = qk.shape[0]
     H, KV, D = n_head, n_kv_head, head_dim
     end = start + T
@@ -38,28 +61,32 @@ def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     # Grouped-query attention without repeating K/V: fold the G query heads that share a
     # KV head into the query-length axis, rows ordered (g, t).
     G = H // KV
+    first = 0
     if T == 1:
         q = qk[:, :H].reshape(KV, G, D)
         mask = None
+        if window > 0 and end > window:
+            first = end - window
     else:
         q = qk[:, :H].transpose(0, 1).reshape(KV, G * T, D)
         if mask is None:
-            mask = causal_mask(start, T, G, q.device)
+            mask = causal_mask(start, T, G, q.device, window)
     # 4-D: torch's CPU SDPA takes its fast path with a batch axis (3-D inputs: 1.7x the time)
-    y = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache[:, :end].unsqueeze(0),
-                                       v_cache[:, :end].unsqueeze(0), attn_mask=mask)
+    y = sdpa(q.unsqueeze(0), k_cache[:, first:end].unsqueeze(0), v_cache[:, first:end].unsqueeze(0), mask, scale)
     return y.reshape(1, H * D) if T == 1 else y.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
 
 
 def attend_decode_rows(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                       n_head: int, n_kv_head: int, head_dim: int, rows: int = 1) -> torch.Tensor:
+                       n_head: int, n_kv_head: int, head_dim: int, rows: int = 1,
+                       scale: Optional[float] = None) -> torch.Tensor:
     """S samples of `rows` rows each (qk [S * rows, H + KV, D], v [S * rows, KV, D]) at
     `positions` [S * rows] in one SDPA call: their keys and values written with one indexed
     copy each, their caches [slots, KV, len, D] gathered up to the mask's length and the rest
     masked. Decode (one row each): mask [S, 1, 1, longest position + 1]. A recorded CUDA graph's
     step (mdi.model.graph_decode): whole slots, mask [S, 1, G * rows, len], its query rows
-    ordered (g, t) as attend_sample folds them."""
+    ordered (g, t) as attend_sample folds them. A sliding-window layer passes its mask narrowed
+    (window_mask). `scale`: the queries' (None: 1 / sqrt(head_dim))."""
     S = slots.shape[0]
     H, KV, D = n_head, n_kv_head, head_dim
     row_slots = slots if rows == 1 else slots[:, None].expand(S, rows).reshape(S * rows)  # no wait on a GPU
@@ -70,7 +97,7 @@ def attend_decode_rows(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     values = v_cache[:, :, :end].index_select(0, slots)
     if rows == 1:
         q = qk[:, :H].reshape(S, KV, H // KV, D)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).reshape(S, H * D)
+        return sdpa(q, keys, values, mask, scale).reshape(S, H * D)
     q = qk[:, :H].reshape(S, rows, H, D).transpose(1, 2).reshape(S, KV, H // KV * rows, D)
-    y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    y = sdpa(q, keys, values, mask, scale)
     return y.reshape(S, H, rows, D).transpose(1, 2).reshape(S * rows, H * D)

@@ -6,10 +6,9 @@ Times are wall-clock seconds per call averaged over a window of at least `MIN_WI
 board under a CPU quota (a cgroup, or a Jetson's power mode) runs in bursts, and only a window
 of many scheduler periods shows its real speed.
 """
-import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -19,17 +18,15 @@ from mdi.model.layout import QuantLayout, QuantSpec, torch_dtype, weight_bytes
 from mdi.model.row_batch import RowBatch
 from mdi.model.sampling import SamplingParams, sample_generator, sample_next
 from mdi.model.source import random_chunk
+from mdi.model.timing_loop import PROFILE_LAYERS, seconds_per_call
 from mdi.model.transformer import ModelChunk
 from mdi.system.devices import last_level_cache_bytes
 
-PROFILE_LAYERS = 2  # blocks built to time one at least: two, so the per-pass setup is shared as in a real chunk
 # ... and as many more as it takes for their weights to span this many times the device's
 # last-level cache: two small blocks stay in it and time 1.3-1.5x faster than a node holding
 # real layers runs them (GPT-2 12L/384 float32 on a 32 MB L3: 0.54 ms per block for two,
 # 0.78-0.84 for 4 to 12).
 COLD_CACHE_FACTOR = 2
-MIN_WINDOW_S = 0.2
-ROUNDS = 3
 
 
 @dataclass
@@ -42,28 +39,6 @@ class ChunkTiming:
     prefill_tokens: int
     ends_s: Dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0  # how long the profile took
-
-
-def seconds_per_call(fn: Callable[[], object], min_window: float = MIN_WINDOW_S, rounds: int = ROUNDS) -> float:
-    """The median over `rounds` windows of the mean time of one call (one warm-up call first).
-    A GPU runs what a call queued after it returns: the clock is read once the GPU is done."""
-    def finished() -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-    fn()
-    finished()
-    means = []
-    for _ in range(rounds):
-        calls, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            calls += 1
-            finished()
-            elapsed = time.perf_counter() - t0
-            if calls >= 2 and elapsed >= min_window:
-                break
-        means.append(elapsed / calls)
-    return statistics.median(means)
 
 
 def repeated_layout(quant: Optional[QuantLayout], n_blocks: int) -> Dict[str, QuantSpec]:
@@ -133,7 +108,7 @@ def time_chunk(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, pref
                 return chunk.forward_rows(x, RowBatch.of(slots, [context] * rows, [1] * rows, dev))
             layer_s[rows] = seconds_per_call(decode) / n_layers
             if with_ends:
-                ends_s[rows] = seconds_per_call(_ends_pass(chunk, rows, context, dev, params or SamplingParams()))
+                ends_s[rows] = seconds_per_call(ends_pass(chunk, rows, context, dev, params or SamplingParams()))
         x = torch.randn(prefill_tokens, config.n_embd, dtype=work, device=dev)
         prefill = seconds_per_call(lambda: chunk.forward_rows(x, RowBatch.of([0], [0], [prefill_tokens], dev)),
                                    rounds=1)
@@ -141,8 +116,8 @@ def time_chunk(chunk: ModelChunk, batch_sizes: Sequence[int], context: int, pref
                        time.perf_counter() - t_start)
 
 
-def _ends_pass(chunk: ModelChunk, rows: int, position: int, device: torch.device,
-               params: SamplingParams) -> Callable[[], List[int]]:
+def ends_pass(chunk: Any, rows: int, position: int, device: Any,
+              params: SamplingParams) -> Callable[[], List[int]]:
     """What the starter does per pass besides its blocks: embed the new tokens, then the final
     norm, the head over the rows that sample and each sample's own draw."""
     ids = torch.randint(0, chunk.config.vocab_size, (rows,), device=device)

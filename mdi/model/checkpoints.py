@@ -13,10 +13,10 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.system.files import read_json
-from mdi.model.convert import (StateDict, check_state_dict, check_unused, convert_gpt2, convert_llama, first_line,
+from mdi.model.convert import (StateDict, check_state_dict, check_unused, convert_gemma3, convert_gpt2, convert_llama,
                                make_getter)
 from mdi.model.gguf import read_gguf
-from mdi.model.layout import CheckpointError
+from mdi.model.layout import CheckpointError, first_line
 from mdi.model.quant import convert
 from mdi.model.store import MDI_CONFIG, load_weights, read_mdi_config
 
@@ -92,23 +92,37 @@ def _hf_config(path: str, raw: Dict) -> ModelConfig:
 
 
 def read_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfig, StateDict]:
-    """Read a Hugging Face GPT-2 or Llama directory (config.json + safetensors or .bin)."""
+    """Read a Hugging Face GPT-2, Llama / Qwen or Gemma 3 directory (config.json + safetensors or .bin)."""
     config = _hf_config(path, read_json_object(os.path.join(path, "config.json")))
     raw = _hf_tensor_loaders(path)
-    # GPT2LMHeadModel saves "transformer.*", GPT2Model bare names; same for Llama's "model."
-    prefix = "transformer." if config.family == "gpt2" else "model."
-    loaders = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in raw.items()}
+    # GPT2LMHeadModel saves "transformer.*", GPT2Model bare names; same for Llama's "model.";
+    # Gemma 3's multimodal model its text part under "model.language_model." (transformers >= 4.52)
+    # or "language_model.model."
+    prefixes = {"gpt2": ("transformer.",), "gemma3": ("model.language_model.", "language_model.model.", "model.")}
+    loaders = {_strip(k, prefixes.get(config.family, ("model.",))): v for k, v in raw.items()}
     used: set = set()
     get = make_getter(loaders, dtype, path, used)
     if config.family == "gpt2":
         sd = convert_gpt2(config, get, lambda n: True, conv1d=True)  # HF GPT-2 always has biases
         ignore = r"(^|\.)attn\.(masked_)?bias$|^lm_head\.weight$"  # causal-mask buffers; tied head
+    elif config.family == "gemma3":
+        sd = convert_gemma3(config, get, norm_shift=1.0)  # HF's norms compute (1 + w)
+        # a multimodal checkpoint's vision tower and projector: not the language model mdi runs
+        ignore = (r"^(model\.)?(vision_tower|multi_modal_projector)\." +
+                  (r"|^(language_model\.)?lm_head\.weight$" if config.tied_head else ""))
     else:
         sd = convert_llama(config, get)
         ignore = r"rotary_emb\.inv_freq$" + (r"|^lm_head\.weight$" if config.tied_head else "")
     check_unused(list(loaders), used, ignore, path)
     check_state_dict(config, sd, where=path)
     return config, sd
+
+
+def _strip(name: str, prefixes: Tuple[str, ...]) -> str:
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
 
 
 def read_nanogpt_ckpt(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfig, StateDict]:

@@ -5,14 +5,18 @@ tied head); family "llama" covers Llama / TinyLlama / SmolLM2 / Mistral-style mo
 (RoPE, RMSNorm, SwiGLU, grouped-query attention) and the variants of that block people run:
 Llama 3 (RoPE scaled by `rope_scaling` type llama3), Qwen2 / Qwen2.5 (biases on q, k, v:
 `qkv_bias`) and Qwen3 (RMSNorm on each head's q and k: `qk_norm`; heads wider than
-n_embd / n_head: `head_size`).
+n_embd / n_head: `head_size`); family "gemma3" covers Gemma 3's text model (four norms a block,
+a GELU-gated MLP, scaled embeddings: mdi.model.families; sliding-window layers with their own
+RoPE base, a query scale of its own: the fields below).
 """
 import math
 import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional
 
-FAMILIES = ("gpt2", "llama")
+from mdi.model.families import FAMILIES as _FAMILY_TABLE
+
+FAMILIES = tuple(_FAMILY_TABLE)  # mdi.model.families holds what each one's block is made of
 MAX_SIZE = 1 << 24  # the largest count a config may give (vocabulary, layers, widths, heads, context)
 SIZE_FIELDS = ("vocab_size", "n_layer", "n_embd", "n_head", "n_kv_head", "intermediate_size", "block_size")
 TOKEN_FIELDS = ("bos_token_id", "eos_token_id")
@@ -58,6 +62,13 @@ class ModelConfig:
     # Per-frequency divisors of RoPE's inverse frequencies, as a GGUF's rope_freqs tensor holds
     # them (llama.cpp writes Llama 3's scaling that way): head_dim / 2 positive numbers.
     rope_factors: Optional[List[float]] = None
+    # Sliding-window attention (Gemma 3): layers attend to their last `sliding_window` positions
+    # only, except every `sliding_pattern`-th layer (the last of each group), which sees all; the
+    # windowed layers rotate with `rope_local_theta` as their base.
+    sliding_window: Optional[int] = None
+    sliding_pattern: int = 0
+    rope_local_theta: Optional[float] = None
+    attn_scale: Optional[float] = None  # None: 1 / sqrt(head_dim)
 
     def __post_init__(self) -> None:
         # Every value is checked here, whatever it came from (config.json, a GGUF's metadata,
@@ -94,12 +105,39 @@ class ModelConfig:
                 raise ValueError("rope_factors and rope_scaling are two forms of one thing: give one")
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError("gelu_approximate must be 'tanh' or 'none'")
+        if self.sliding_window is not None:
+            self.sliding_window = _size("sliding_window", self.sliding_window)
+            if isinstance(self.sliding_pattern, bool) or not isinstance(self.sliding_pattern, int) \
+                    or not 1 <= self.sliding_pattern <= MAX_SIZE:
+                raise ValueError("sliding_pattern must be a positive integer with sliding_window, got %r"
+                                 % (self.sliding_pattern,))
+        for key in ("rope_local_theta", "attn_scale"):
+            if getattr(self, key) is not None:
+                setattr(self, key, _positive(key, getattr(self, key)))
         if self.n_head % self.n_kv_head:
             raise ValueError("n_head (%d) must be a multiple of n_kv_head (%d)" % (self.n_head, self.n_kv_head))
+
+    # n_kv_head and intermediate_size are Optional only until __post_init__ resolves them
+    @property
+    def kv_heads(self) -> int:
+        assert self.n_kv_head is not None
+        return self.n_kv_head
+
+    @property
+    def ffn_width(self) -> int:
+        assert self.intermediate_size is not None
+        return self.intermediate_size
 
     @property
     def head_dim(self) -> int:
         return self.head_size if self.head_size is not None else self.n_embd // self.n_head
+
+    def layer_window(self, layer: int) -> int:
+        """How many positions layer `layer` attends to, its own included: sliding_window on a
+        sliding-window layer (Gemma 3: all but the last of every `sliding_pattern`), else 0 (all)."""
+        if not self.sliding_window or layer % self.sliding_pattern == self.sliding_pattern - 1:
+            return 0
+        return self.sliding_window
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -120,7 +158,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Dict[str, Any], name: str = "custom") -> "ModelConfig":
-        """Map a Hugging Face config.json (GPT-2 or Llama layouts) onto ModelConfig."""
+        """Map a Hugging Face config.json (GPT-2, Llama / Qwen or Gemma 3 layouts) onto ModelConfig."""
         model_type = hf.get("model_type", "")
         if model_type == "gpt2":
             return cls(
@@ -152,6 +190,17 @@ class ModelConfig:
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos[0] if isinstance(eos, list) else eos,
             )
+        if model_type == "gemma3":  # the multimodal model's config: its text part (mdi reads no vision tower)
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("model_type gemma3 without a text_config")
+            text = dict(text, model_type="gemma3_text")
+            for key in TOKEN_FIELDS:
+                if text.get(key) is None and hf.get(key) is not None:
+                    text[key] = hf[key]
+            return cls.from_hf(text, name)
+        if model_type == "gemma3_text":
+            return cls(name=name, **_gemma3_from_hf(hf))
         raise ValueError("unsupported Hugging Face model_type %r" % model_type)
 
 
@@ -197,6 +246,81 @@ def _rope_scaling(hf: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {"type": "llama3", "factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
             "high_freq_factor": rope["high_freq_factor"],
             "original_context": rope["original_max_position_embeddings"]}
+
+
+# transformers' Gemma3TextConfig defaults: a config.json (a multimodal model's text_config above
+# all) leaves out what it does not change
+GEMMA3_DEFAULTS: Dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1000000.0, rope_local_base_freq=10000.0)
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+GEMMA3_SWA_PATTERN = 6  # transformers' and llama.cpp's default: every 6th layer global
+TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # transformers' names of tanh-approximated GELU
+
+
+def _gemma3_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """ModelConfig fields of a Gemma 3 text model's config.json (model_type gemma3_text), with
+    transformers' defaults; what mdi does not model (soft-capping, scaled RoPE, bidirectional
+    attention, layer kinds in another order than every Nth global) is refused naming it."""
+    g = dict(GEMMA3_DEFAULTS)
+    g.update({k: v for k, v in hf.items() if v is not None or k in ("sliding_window",)})
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError("%s = %r: logit soft-capping is not supported" % (key, hf[key]))
+    if g.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: bidirectional attention is not supported")
+    act = g.get("hidden_activation") or g.get("hidden_act")
+    if act not in TANH_GELUS + ("gelu",):
+        raise ValueError("hidden_activation %r is not supported (only %s, gelu)" % (act, ", ".join(TANH_GELUS)))
+    # RoPE: transformers >= 5 writes rope_parameters per layer kind, before rope_theta,
+    # rope_local_base_freq and rope_scaling (the global layers')
+    rope = g.get("rope_parameters")
+    if isinstance(rope, dict) and any(k in rope for k in GEMMA3_LAYER_TYPES):
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    else:
+        full = dict(g.get("rope_scaling") or {})
+        full.update(rope if isinstance(rope, dict) else {})
+        local = {}
+    full.setdefault("rope_theta", g["rope_theta"])
+    local.setdefault("rope_theta", g["rope_local_base_freq"])
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError("rope type %r (%s layers) is not supported (only default)" % (rope_type, kind))
+    n_layer = g["num_hidden_layers"]
+    window = g.get("sliding_window")
+    pattern = _gemma3_pattern(g, n_layer) if window else 0
+    n_head, head_dim, hidden = g["num_attention_heads"], g["head_dim"], g["hidden_size"]
+    eos = g.get("eos_token_id")
+    return dict(
+        family="gemma3", vocab_size=g["vocab_size"], n_layer=n_layer, n_embd=hidden, n_head=n_head,
+        n_kv_head=g.get("num_key_value_heads") or n_head, intermediate_size=g["intermediate_size"],
+        block_size=g["max_position_embeddings"], norm_eps=g["rms_norm_eps"], rope_theta=float(full["rope_theta"]),
+        bias=bool(g.get("attention_bias")), qk_norm=True,
+        head_size=head_dim if head_dim and head_dim * n_head != hidden else None,
+        tied_head=bool(g.get("tie_word_embeddings", True)),
+        gelu_approximate="none" if act == "gelu" else "tanh",
+        bos_token_id=g.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        sliding_window=window or None, sliding_pattern=pattern,
+        rope_local_theta=float(local["rope_theta"]) if window else None,
+        attn_scale=_positive("query_pre_attn_scalar", g["query_pre_attn_scalar"]) ** -0.5)
+
+
+def _gemma3_pattern(g: Dict[str, Any], n_layer: int) -> int:
+    """Every Nth layer global (layer % N == N - 1): N from layer_types (transformers >= 4.53)
+    or sliding_window_pattern; layer kinds in another order are refused."""
+    types = g.get("layer_types")
+    if types is None:
+        return g.get("sliding_window_pattern", g.get("_sliding_window_pattern", GEMMA3_SWA_PATTERN))
+    if not isinstance(types, list) or len(types) != n_layer or any(t not in GEMMA3_LAYER_TYPES for t in types):
+        raise ValueError("layer_types must list %d of %s" % (n_layer, ", ".join(GEMMA3_LAYER_TYPES)))
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    pattern = full[0] + 1 if full else n_layer + 1
+    if types != ["full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(n_layer)]:
+        raise ValueError("layer_types: only every Nth layer global is modelled, got %s" % types)
+    return pattern
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int, **kw: Any) -> Dict[str, Any]:

@@ -29,10 +29,6 @@ def check_state_dict(config: ModelConfig, state_dict: Mapping[str, Stored],
         raise CheckpointError("%s has wrong tensor shapes: %s" % (where, short(bad)))
 
 
-def first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def short(items: Sequence[str], n: int = 6) -> str:
     if not items:
         return "none"
@@ -84,6 +80,36 @@ def convert_llama(config: ModelConfig, get: Getter) -> StateDict:
         sd[d + "mlp.gate_up.weight"] = cat_rows([get(s + "mlp.gate_proj.weight"), get(s + "mlp.up_proj.weight")])
         sd[d + "mlp.down.weight"] = get(s + "mlp.down_proj.weight")
     sd["norm_f.weight"] = get("norm.weight")
+    if not config.tied_head:
+        sd["lm_head.weight"] = get("lm_head.weight")
+    return sd
+
+
+def convert_gemma3(config: ModelConfig, get: Getter, norm_shift: float) -> StateDict:
+    """HF Gemma 3 text names (``model.`` prefix stripped) -> canonical. Four norms a block:
+    input_layernorm -> norm1, post_attention_layernorm -> post_attn_norm, pre_feedforward_layernorm
+    -> norm2, post_feedforward_layernorm -> post_mlp_norm. Canonical norm weights are the
+    multipliers as applied: HF stores w for a norm computing (1 + w), so `norm_shift` 1 (added in
+    float32); a GGUF stores w + 1 already (llama.cpp's converter adds it), so 0."""
+    def norm(name: str) -> torch.Tensor:
+        t = get(name)
+        return (t.float() + norm_shift).to(t.dtype) if norm_shift else t
+
+    sd: StateDict = {"tok_emb.weight": get("embed_tokens.weight")}
+    for i in range(config.n_layer):
+        s, d = "layers.%d." % i, "blocks.%d." % i
+        sd[d + "norm1.weight"] = norm(s + "input_layernorm.weight")
+        for part in ("weight", "bias") if config.bias else ("weight",):
+            sd[d + "attn.qkv." + part] = cat_rows([get(s + "self_attn.%s_proj.%s" % (x, part)) for x in "qkv"])
+            sd[d + "attn.proj." + part] = get(s + "self_attn.o_proj." + part)
+        sd[d + "attn.q_norm.weight"] = norm(s + "self_attn.q_norm.weight")
+        sd[d + "attn.k_norm.weight"] = norm(s + "self_attn.k_norm.weight")
+        sd[d + "post_attn_norm.weight"] = norm(s + "post_attention_layernorm.weight")
+        sd[d + "norm2.weight"] = norm(s + "pre_feedforward_layernorm.weight")
+        sd[d + "mlp.gate_up.weight"] = cat_rows([get(s + "mlp.gate_proj.weight"), get(s + "mlp.up_proj.weight")])
+        sd[d + "mlp.down.weight"] = get(s + "mlp.down_proj.weight")
+        sd[d + "post_mlp_norm.weight"] = norm(s + "post_feedforward_layernorm.weight")
+    sd["norm_f.weight"] = norm("norm.weight")
     if not config.tied_head:
         sd["lm_head.weight"] = get("lm_head.weight")
     return sd

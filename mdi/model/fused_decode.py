@@ -8,8 +8,9 @@ skip that: one block's decode step measured 0.68x the eager time at 2 threads an
 result is the eager path's, bit for bit (tests/test_fused_decode.py checks it).
 
 It covers Llama-family blocks (RMSNorm, RoPE, SiLU-gated MLP; a qkv bias as in Qwen2.5, q/k
-norms as in Qwen3) whose linear layers are float32 or use the CPU int4 packed or int8 integer
-kernels (the latter through their own module, mdi.model.qkernels.Int8DynamicLinear), with
+norms as in Qwen3) and Gemma 3's (norms after attention and the MLP too, a GELU-gated MLP, a query
+scale of its own, sliding-window layers with their own RoPE base) whose linear layers are
+float32 or use the CPU int4 packed or int8 integer kernels (the latter through their own module, mdi.model.qkernels.Int8DynamicLinear), with
 float32 activations on the CPU, for frames where every sample brings one row (decode) or where
 every row stands for a decode step (a speculative verification, `RowBatch.row_wise`), and no
 adapter is in use. Everything else (prefill, GPT-2, the `exact` dequantizing kernels, CUDA,
@@ -18,7 +19,6 @@ reference. A chunk's `fused_decode` (runtime.fused_decode, sent to every worker 
 /profile) turns it off, to compare; `MDI_FUSED_DECODE=0` makes off the default (`default_on`).
 """
 import logging
-import os
 import time
 import warnings
 from typing import Any, List, Optional
@@ -27,21 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from mdi.model.attention import attend_decode_rows, attend_sample, rotate
+from mdi.model.families import family_of
 from mdi.model.layers import Linear, QuantLinear, RMSNorm
+from mdi.model.torch_settings import FUSED_DECODE_ENV, fused_decode_default
 
 log = logging.getLogger(__name__)
 
 FLOAT, INT4, INT8_AS_INT4 = 0, 1, 2
 KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi.model.qkernels names
 INTEGER_KERNELS = ("int8dyn-fbgemm", "int8dyn-qnnpack")  # run by their own module (packed["linear"])
-ENV_DEFAULT = "MDI_FUSED_DECODE"  # "0": off unless a run says on (benchmarks, old starters)
-
-
-def default_on() -> bool:
-    """runtime.fused_decode's default (and a worker's when an older starter does not send it):
-    on, unless $MDI_FUSED_DECODE is "0". Read at each call, not at import: a benchmark or test
-    that sets the variable later is heard."""
-    return os.environ.get(ENV_DEFAULT, "1") != "0"
+ENV_DEFAULT = FUSED_DECODE_ENV
+default_on = fused_decode_default  # where the torch side always found it
 
 
 class _Linear(torch.nn.Module):
@@ -90,7 +86,9 @@ class _Int8Dynamic(torch.nn.Module):
 
 class _Block(torch.nn.Module):
     """transformer.Block's forward for decode rows (attend_sample with one row, or
-    attend_decode_rows for several samples), op for op."""
+    attend_decode_rows for several samples), op for op. Gemma 3's block too: norms after
+    attention and the MLP, a GELU-gated MLP, its own query scale and, on sliding-window layers,
+    the window and the local RoPE tables (`cos_l`, `sin_l`) and decode mask (`mask_l`)."""
 
     def __init__(self, block: Any, linears: List[torch.nn.Module]) -> None:  # _Linear or _Int8Dynamic
         super().__init__()
@@ -106,31 +104,57 @@ class _Block(torch.nn.Module):
         self.k_norm = attn.k_norm.weight if self.qk_norm else empty
         self.q_eps = float(attn.q_norm.eps) if self.qk_norm else 0.0
         self.k_eps = float(attn.k_norm.eps) if self.qk_norm else 0.0
+        self.post_norms = bool(block.post_norms)
+        self.pa = block.post_attn_norm.weight if self.post_norms else empty
+        self.pm = block.post_mlp_norm.weight if self.post_norms else empty
+        self.pa_eps = float(block.post_attn_norm.eps) if self.post_norms else 0.0
+        self.pm_eps = float(block.post_mlp_norm.eps) if self.post_norms else 0.0
+        self.geglu = block.mlp.kind == "geglu"
+        self.approximate = str(block.mlp.gelu_approximate)
+        self.window = int(attn.window)
+        self.scale = float(attn.scale) if attn.scale is not None else 0.0  # 0: SDPA's own
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slot: int, start: int, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                several: bool, row_slots: List[int], row_positions: List[int]) -> torch.Tensor:
+                several: bool, row_slots: List[int], row_positions: List[int],
+                cos_l: torch.Tensor, sin_l: torch.Tensor, mask_l: torch.Tensor) -> torch.Tensor:
         R = x.shape[0]
         H, KV, D = self.H, self.KV, self.D
+        scale: Optional[float] = None
+        if self.scale > 0:
+            scale = self.scale
         qkv = self.qkv(torch.rms_norm(x, [self.C], self.n1, self.eps1)).view(R, H + 2 * KV, D)
         qk, vv = qkv[:, :H + KV], qkv[:, H + KV:]
         if self.qk_norm:
             qk = torch.cat((torch.rms_norm(qk[:, :H], [D], self.q_norm, self.q_eps),
                             torch.rms_norm(qk[:, H:], [D], self.k_norm, self.k_eps)), dim=1)
-        qk = rotate(qk, cos, sin)
+        if self.window > 0:
+            qk = rotate(qk, cos_l, sin_l)
+        else:
+            qk = rotate(qk, cos, sin)
         if len(row_slots) > 0:  # a verification: each row attends as its own decode step
             ys = []
             for r in range(R):
                 ys.append(attend_sample(qk[r:r + 1], vv[r:r + 1], k[row_slots[r]], v[row_slots[r]], row_positions[r],
-                                        H, KV, D))
+                                        H, KV, D, None, self.window, scale))
             y = torch.cat(ys)
         elif several:
-            y = attend_decode_rows(qk, vv, k, v, slots, positions, mask, H, KV, D)
+            y = attend_decode_rows(qk, vv, k, v, slots, positions, mask_l if self.window > 0 else mask, H, KV, D, 1,
+                                   scale)
         else:
-            y = attend_sample(qk, vv, k[slot], v[slot], start, H, KV, D)
-        x = x + self.proj(y)
+            y = attend_sample(qk, vv, k[slot], v[slot], start, H, KV, D, None, self.window, scale)
+        if self.post_norms:
+            x = x + torch.rms_norm(self.proj(y), [self.C], self.pa, self.pa_eps)
+        else:
+            x = x + self.proj(y)
         gate, up = self.gate_up(torch.rms_norm(x, [self.C], self.n2, self.eps2)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        if self.geglu:
+            h = self.down(F.gelu(gate, approximate=self.approximate) * up)
+        else:
+            h = self.down(F.silu(gate) * up)
+        if self.post_norms:
+            return x + torch.rms_norm(h, [self.C], self.pm, self.pm_eps)
+        return x + h
 
 
 class _Blocks(torch.nn.Module):
@@ -140,9 +164,11 @@ class _Blocks(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slot: int, start: int, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                several: bool, row_slots: List[int], row_positions: List[int]) -> torch.Tensor:
+                several: bool, row_slots: List[int], row_positions: List[int],
+                cos_l: torch.Tensor, sin_l: torch.Tensor, mask_l: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
-            x = block(x, k[i], v[i], cos, sin, slot, start, slots, positions, mask, several, row_slots, row_positions)
+            x = block(x, k[i], v[i], cos, sin, slot, start, slots, positions, mask, several, row_slots, row_positions,
+                      cos_l, sin_l, mask_l)
         return x
 
 
@@ -168,12 +194,15 @@ def why_not(chunk: Any) -> str:
         return "turned off (runtime.fused_decode: false)"
     if not hasattr(torch, "rms_norm") or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "this torch has no torch.rms_norm or int4 packed kernel"
-    if chunk.config.family != "llama" or chunk.rope is None:
-        return "not a Llama-family chunk with blocks"
+    family = family_of(chunk.config.family)
+    if family.norm != "rms" or family.positions != "rope" or family.mlp not in ("swiglu", "geglu") \
+            or chunk.rope is None:
+        return "not a Llama- or Gemma-3-style chunk with blocks (family %s)" % family.name
     if chunk.compute_dtype not in (None, torch.float32):
         return "activations are not float32"
     for name, block in chunk.blocks.items():
-        norms = [block.norm1, block.norm2] + ([block.attn.q_norm, block.attn.k_norm] if block.attn.qk_norm else [])
+        norms = [block.norm1, block.norm2] + ([block.attn.q_norm, block.attn.k_norm] if block.attn.qk_norm else []) \
+            + ([block.post_attn_norm, block.post_mlp_norm] if block.post_norms else [])
         if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 and n.weight.device.type == "cpu"
                    for n in norms):
             return "block %s: norms are not float32 on the CPU" % name
@@ -222,6 +251,8 @@ def forward(scripted: torch.jit.ScriptModule, chunk: Any, x: torch.Tensor, batch
     if several and not in_one_call:
         return None
     cos, sin = chunk.rope.row_tables(batch, x.dtype)
+    window = chunk.config.sliding_window or 0  # Gemma 3's sliding-window layers: their own tables and mask
+    cos_l, sin_l = chunk.rope.local.row_tables(batch, x.dtype) if chunk.rope.local is not None else (cos[:0], cos[:0])
     row_slots, row_positions = [], []  # type: List[int], List[int]
     if row_wise:  # each row's slot, and its position as the batch has it
         row_slots = [slot for slot, count in zip(batch.slots, batch.counts) for _ in range(count)]
@@ -232,6 +263,8 @@ def forward(scripted: torch.jit.ScriptModule, chunk: Any, x: torch.Tensor, batch
         empty = cos[:0]
         if several:
             slots, positions, mask = batch.decode_index(x.device)
-            return scripted(x, cache.k, cache.v, cos, sin, 0, 0, slots, positions, mask, True, row_slots, row_positions)
+            mask_l = batch.decode_index(x.device, window)[2] if window else empty
+            return scripted(x, cache.k, cache.v, cos, sin, 0, 0, slots, positions, mask, True, row_slots, row_positions,
+                            cos_l, sin_l, mask_l)
         return scripted(x, cache.k, cache.v, cos, sin, batch.slots[0], batch.starts[0], empty, empty, empty, False,
-                        row_slots, row_positions)
+                        row_slots, row_positions, cos_l, sin_l, empty)

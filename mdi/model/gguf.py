@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp's format): metadata, tensors and the packaged default model.
 
-Architectures llama, qwen2 and qwen3 are read, with llama.cpp's names and metadata keys
+Architectures llama, qwen2, qwen3 and gemma3 are read, with llama.cpp's names and metadata keys
 (``{arch}.attention.key_length`` for Qwen3's wider heads, ``blk.N.attn_q.bias`` for Qwen2's
 q/k/v biases, ``blk.N.attn_q_norm`` for Qwen3's q/k norms, ``rope_freqs`` for Llama 3's RoPE
-scaling). What is not modelled (other architectures, linear / YaRN RoPE scaling, partial
+scaling; Gemma 3's four norms a block, stored as the multipliers 1 + w, and its sliding window:
+mdi.model.gguf_config). What is not modelled (other architectures, linear / YaRN RoPE scaling, partial
 rotary embeddings, experts) is refused naming the key.
 
 With `keep_quant`, Q8_0 / Q4_0 / Q4_1 tensors are taken over as mdi int8 / int4 blocks without
@@ -20,10 +21,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.convert import StateDict, check_state_dict, check_unused, convert_llama, first_line, make_getter
-from mdi.model.gguf_layout import GGUFFile, GGUFLayoutError, open_reader
-from mdi.model.layout import CheckpointError, QuantSpec
-from mdi.model.quant import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, QParts, from_gguf_blocks, quantize
+from mdi.model.convert import (StateDict, check_state_dict, check_unused, convert_gemma3, convert_llama,
+                               make_getter)
+from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
+from mdi.model.gguf_config import PERMUTED_QK, gguf_value as _gguf_value, read_gguf_model  # noqa: F401  (adapter_files)
+from mdi.model.gguf_layout import open_reader
+from mdi.model.layout import CheckpointError, QuantSpec, first_line
+from mdi.model.quant import QParts, from_gguf_blocks, quantize
 from mdi.system.memory import release_freed_memory
 
 # name -> (importable package holding the file, file name, pip distribution name)
@@ -32,10 +36,11 @@ PACKAGED_GGUF = {
 }
 
 
-# general.architecture values read, all the "llama" family's block (llama.cpp's convert_hf_to_gguf:
-# LlamaModel, Qwen2Model, Qwen3Model). Only llama's converter permutes q/k (LlamaModel.undo_permute).
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-PERMUTED_QK = ("llama",)
+# general.architecture values the torch backend reads: the "llama" family's block (llama.cpp's
+# convert_hf_to_gguf: LlamaModel, Qwen2Model, Qwen3Model) and Gemma 3's (Gemma3Model, text only);
+# mdi.model.gguf_config reads more.
+TORCH_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = TORCH_ARCHITECTURES
 
 GGUF_NAMES = {  # llama.cpp tensor name -> HF Llama / Qwen name (prefix-stripped)
     "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
@@ -45,6 +50,10 @@ GGUF_NAMES = {  # llama.cpp tensor name -> HF Llama / Qwen name (prefix-stripped
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's block (llama.cpp's names -> HF Gemma3's): ffn_norm is its pre-feed-forward norm, and
+# two norms more, on attention's and the MLP's outputs
+GEMMA3_NAMES = dict(GGUF_NAMES, ffn_norm="pre_feedforward_layernorm", post_attention_norm="post_attention_layernorm",
+                    post_ffw_norm="post_feedforward_layernorm")
 
 
 def _unpermute(w, n_head: int):
@@ -58,110 +67,31 @@ def _unpermute(w, n_head: int):
     return w.rows(order) if isinstance(w, QParts) else w[order]
 
 
-def _gguf_value(reader: GGUFFile, key: str, default=None):
-    try:
-        return reader.value(key, default)
-    except GGUFLayoutError as e:  # e.g. a string that is not UTF-8: names the file and key
-        raise CheckpointError(str(e)) from None
-
-
 def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = False,
               requantized: Optional[List[str]] = None) -> Tuple[ModelConfig, StateDict]:
-    """Read a GGUF file of architecture llama, qwen2 or qwen3 (Llama 1-3, Mistral, SmolLM,
-    Qwen2 / 2.5, Qwen3). Float tensors come back as ``dtype``; quantized ones are dequantised,
+    """Read a GGUF file of architecture llama, qwen2, qwen3 or gemma3 (Llama 1-3, Mistral, SmolLM,
+    Qwen2 / 2.5, Qwen3, Gemma 3's text model). Float tensors come back as ``dtype``; quantized ones are dequantised,
     or with `keep_quant` kept quantized (a `QParts`: peak memory is then about the file's
     size). `requantized` collects 'tensor TYPE -> spec' for K-quants re-quantized."""
     try:
         reader = open_reader(path)
     except Exception as e:  # the reader raises assorted errors for non-GGUF input
         raise CheckpointError("%s: not a readable GGUF file (%s)" % (path, first_line(e)))
-    arch = _gguf_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError("%s: GGUF general.architecture %r is not supported (only %s)"
-                              % (path, arch, ", ".join(ARCHITECTURES)))
-
-    def opt(key: str, default=None):
-        return _gguf_value(reader, "%s.%s" % (arch, key), default)
-
-    def meta(key: str, default=None):
-        v = opt(key, default)
-        if v is None:
-            raise CheckpointError("%s: GGUF metadata %s.%s is missing" % (path, arch, key))
-        if isinstance(v, list):  # per-layer values (head counts, feed-forward sizes)
-            raise CheckpointError("%s: GGUF metadata %s.%s has per-layer values, which mdi does not model"
-                                  % (path, arch, key))
-        return v
-
-    def refuse(key: str, value, what: str):
-        raise CheckpointError("%s: GGUF metadata %s.%s = %r: %s is not supported" % (path, arch, key, value, what))
-
-    # RoPE scaling: llama.cpp applies rope.scaling.factor (legacy rope.scale_linear) unless the
-    # type is "none"; a factor of 1 (or 0, "unset") scales nothing. Llama 3's scaling is not a
-    # scaling type: its converter writes it as the rope_freqs tensor, read below.
-    scaling = opt("rope.scaling.type", "linear")
-    if scaling not in ("none", "linear", ""):
-        refuse("rope.scaling.type", scaling, "RoPE scaling type %r" % scaling)
-    for key in ("rope.scaling.factor", "rope.scale_linear"):
-        factor = opt(key)
-        if scaling != "none" and factor not in (None, 0, 1):
-            refuse(key, factor, "linear RoPE scaling")
-    if opt("expert_count", 0):
-        refuse("expert_count", opt("expert_count"), "a mixture of experts")
-
+    model = read_gguf_model(reader, path, lambda t: _load_tensor(path, t, False, None).reshape(-1).tolist())
+    config, arch = model.config, model.arch
+    if arch not in TORCH_ARCHITECTURES:
+        raise CheckpointError("%s: GGUF general.architecture %r is not supported by the torch backend (only %s)"
+                              % (path, arch, ", ".join(TORCH_ARCHITECTURES)))
     tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise CheckpointError("%s: GGUF has no token_embd.weight" % path)
-    vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF dims innermost-first: [n_embd, n_vocab]
-    n_embd, n_head = meta("embedding_length"), meta("attention.head_count")
-    n_kv_head = meta("attention.head_count_kv", n_head)
-    if not n_head or (n_embd % n_head and opt("attention.key_length") is None):
-        refuse("attention.head_count", n_head, "a head count that does not divide embedding_length %d" % n_embd)
-    head_dim = meta("attention.key_length", n_embd // n_head)  # Qwen3's heads are wider than n_embd / n_head
-    if meta("attention.value_length", head_dim) != head_dim:
-        refuse("attention.value_length", opt("attention.value_length"),
-               "a value head size other than attention.key_length %d" % head_dim)
-    rot = meta("rope.dimension_count", head_dim)
-    if rot != head_dim:
-        refuse("rope.dimension_count", rot, "partial rotary embeddings (head size %d)" % head_dim)
-
-    def has(part: str) -> bool:
-        return any(re.match(r"^blk\.\d+\.%s$" % re.escape(part), n) for n in tensors)
-
-    rope_factors = None
-    if "rope_freqs.weight" in tensors:  # one [head_dim / 2] tensor for all layers (Llama 3's scaling)
-        freqs = _load_tensor(path, tensors["rope_freqs.weight"], False, None)
-        rope_factors = [float(x) for x in freqs.reshape(-1).tolist()]
-        if all(x == 1.0 for x in rope_factors):
-            rope_factors = None  # divides by one: no scaling
-
-    # float32 metadata -> shortest decimal (9.999999747e-06 -> 1e-05)
-    f32 = lambda x: float("%.7g" % x)  # noqa: E731
-    try:
-        config = ModelConfig(
-            name=os.path.splitext(os.path.basename(path))[0], family="llama", vocab_size=vocab,
-            n_layer=meta("block_count"), n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
-            intermediate_size=meta("feed_forward_length"), block_size=meta("context_length", 2048),
-            norm_eps=f32(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=f32(meta("rope.freq_base", 10000.0)),
-            bias=has("attn_output.bias"),  # Llama's attention_bias: q, k, v and o
-            qkv_bias=has("attn_q.bias") and not has("attn_output.bias"),  # Qwen2
-            qk_norm=arch not in PERMUTED_QK and has("attn_q_norm.weight"),  # Qwen3
-            head_size=head_dim if head_dim * n_head != n_embd else None,
-            rope_factors=rope_factors,
-            tied_head="output.weight" not in tensors,
-            bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=_gguf_value(reader, "tokenizer.ggml.eos_token_id"),
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError("%s: GGUF metadata describes no model mdi can build (%s)" % (path, first_line(e)))
+    names = GEMMA3_NAMES if arch == "gemma3" else GGUF_NAMES
 
     loaders: Dict[str, Callable[[], torch.Tensor]] = {}
     hf_name: Dict[str, str] = {}
     for name, t in tensors.items():
         m = re.match(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$", name)
-        if not m or m.group(2) not in GGUF_NAMES:
+        if not m or m.group(2) not in names:
             continue  # left for check_unused to report
-        hf = ("layers.%s." % m.group(1) if m.group(1) else "") + GGUF_NAMES[m.group(2)] + "." + m.group(3)
+        hf = ("layers.%s." % m.group(1) if m.group(1) else "") + names[m.group(2)] + "." + m.group(3)
         heads = {"attn_q": config.n_head, "attn_k": config.n_kv_head}.get(m.group(2)) \
             if arch in PERMUTED_QK else None
 
@@ -175,7 +105,9 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
         loaders[hf], hf_name[name] = load, hf
 
     used: set = set()
-    sd = convert_llama(config, make_getter(loaders, dtype, path, used))
+    get = make_getter(loaders, dtype, path, used)
+    # Gemma's norms: the GGUF holds 1 + w, the multiplier, as mdi's state dicts do
+    sd = convert_gemma3(config, get, norm_shift=0.0) if arch == "gemma3" else convert_llama(config, get)
     read = {g for g, h in hf_name.items() if h in used}
     if "rope_freqs.weight" in tensors:
         read.add("rope_freqs.weight")

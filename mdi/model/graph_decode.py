@@ -20,7 +20,8 @@ holds beyond the eager one: attention's gathered keys and values span whole slot
 longest position (per layer, samples x slot length). A short prompt (up to MAX_ROWS rows) is
 such a frame too. Frames it does not cover run the eager blocks: longer prompts, frames of
 unequal samples, adapters' samples, verifications attending row by row (`RowBatch.row_wise`),
-anything under autograd, CPUs. `MDI_CUDA_GRAPHS=0` turns it off.
+anything under autograd, CPUs. `MDI_CUDA_GRAPHS=0` turns it off. Gemma 3's sliding-window
+layers are recorded too: their window's mask and their RoPE base's tables are a step's as well.
 """
 import logging
 import os
@@ -28,7 +29,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
-from mdi.model.row_batch import RowBatch
+from mdi.model.row_batch import RowBatch, decode_window_key
 from mdi.system.transfers import ints_to_device, to_device
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,19 @@ class DecodeStep:
         seen = self.positions.view(n, 1, r).expand(n, self.groups, r).reshape(n, self.groups * r)
         mask = self.steps[None, None, :] <= seen[:, :, None]
         batch.decode_tables = (self.slots, self.positions, mask[:, None])
+        window = chunk.config.sliding_window
+        if window:  # Gemma 3's sliding-window layers: each row sees its last `window` positions
+            narrowed = mask & (self.steps[None, None, :] > seen[:, :, None] - window)
+            batch.window_masks[decode_window_key(window)] = narrowed[:, None]
         if chunk.rope is not None:
-            batch.rope_tables = (chunk.rope.cos[self.positions].to(self.x.dtype).unsqueeze(1),
-                                 chunk.rope.sin_signed[self.positions].to(self.x.dtype).unsqueeze(1))
+            for rope in (chunk.rope, chunk.rope.local):
+                if rope is not None:
+                    tables = (rope.cos[self.positions].to(self.x.dtype).unsqueeze(1),
+                              rope.sin_signed[self.positions].to(self.x.dtype).unsqueeze(1))
+                    if rope.is_local:
+                        batch.local_rope_tables = tables
+                    else:
+                        batch.rope_tables = tables
         x = self.x
         for block, (k, v) in zip(chunk.blocks.values(), chunk.cache.layers):
             x = block(x, k, v, batch, chunk.rope)

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from mdi.model import qkernels
+from mdi.model import kernel_memory, qkernels
 from mdi.model.layout import QuantSpec
 from mdi.model.qkernels import DEQUANT, POLICIES, Kernel, Tensors, candidates
 from mdi.system.devices import last_level_cache_bytes
@@ -208,6 +208,9 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
     n_out = int(tensors["qweight"].shape[0])
     preference = qkernels.preference
     key = (spec, n_out, n_in, device.type, torch.get_num_threads(), preference)
+    if key not in _measured:
+        _recall(key)
+    before = _snapshot(key)
     measured = _measured.setdefault(key, {})
     measured_prefill = _measured_prefill.setdefault(key, {})
     notes = _notes.setdefault(key, {})
@@ -294,6 +297,8 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
                choice.prefill_from)
     tally = _choices.setdefault(key, {})
     tally[outcome] = tally.pop(outcome, 0) + 1  # re-inserted: the latest outcome is last
+    if _snapshot(key) != before:
+        kernel_memory.remember(key, _snapshot(key))
     log.debug("quantized kernel for %s [%d x %d] %s: %s (%s)", where or "a layer", n_out, n_in, spec.label(),
               best.name, why)
     return choice
@@ -301,6 +306,30 @@ def choose_kernels(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, n_in: i
 
 UNTIMED = -1.0  # in _measured: a kernel taken without timing (a named one, or the only candidate)
 _DOES_NOT_RUN = "does not run here on"  # a named kernel that does not apply to a layer, as reports say it
+
+
+def _snapshot(key: Tuple) -> Dict[str, object]:
+    """What is known of `key`'s kernels: the form kernel_memory keeps per machine."""
+    return {"decode": dict(_measured.get(key, {})), "prefill": dict(_measured_prefill.get(key, {})),
+            "notes": dict(_notes.get(key, {})),
+            "crossovers": {"%s|%s" % (d, p): list(v) for (k, d, p), v in _crossovers.items() if k == key}}
+
+
+def _recall(key: Tuple) -> None:
+    """This machine's measurements of `key` from an earlier process (kernel_memory), if any."""
+    held = kernel_memory.recall(key)
+    if not held:
+        return
+    try:
+        _measured[key] = {str(k): (None if v is None else float(v)) for k, v in held["decode"].items()}
+        _measured_prefill[key] = {str(k): (None if v is None else float(v)) for k, v in held["prefill"].items()}
+        _notes[key] = {str(k): str(v) for k, v in held["notes"].items()}
+        for pair, (rows, gain) in held["crossovers"].items():
+            decode, prefill = pair.split("|")
+            _crossovers[(key, decode, prefill)] = (int(rows), float(gain))
+    except (KeyError, TypeError, ValueError, AttributeError):  # a damaged entry: measure again
+        for table in (_measured, _measured_prefill, _notes):
+            table.pop(key, None)
 
 
 def _candidates_report(offered: Sequence[Kernel], fits: Sequence[Kernel], measured: Mapping[str, Optional[float]],

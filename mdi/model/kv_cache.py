@@ -1,5 +1,7 @@
 """The KV cache a chunk's attention reads and writes: one preallocated slot per in-flight
 sample, so prefill and decode are the same code path and nothing is ever recomputed."""
+from typing import Tuple
+
 import torch
 
 from mdi.model.config import ModelConfig
@@ -27,3 +29,26 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    # --- a slot's positions, for the prefix cache (the ggml cache answers the same three calls)
+    def range_bytes(self, length: int) -> int:
+        """Bytes of `length` positions of one slot, every layer's keys and values."""
+        return 2 * length * self.k[:, 0, :, :1].numel() * self.k.element_size()
+
+    def read_range(self, slot: int, length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A compact copy of slot `slot`'s positions [0, length): (k, v) [layers, kv_heads, length, head_dim]."""
+        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+
+    def write_range(self, slot: int, kept: Tuple[torch.Tensor, torch.Tensor], length: int) -> None:
+        """The first `length` positions of what read_range returned, back into slot `slot`."""
+        k, v = kept
+        self.k[:, slot, :, :length].copy_(k[:, :, :length])
+        self.v[:, slot, :, :length].copy_(v[:, :, :length])
+
+    @staticmethod
+    def kept_length(kept: Tuple[torch.Tensor, torch.Tensor]) -> int:
+        return int(kept[0].shape[2])
+
+    @staticmethod
+    def kept_bytes(kept: Tuple[torch.Tensor, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in kept)

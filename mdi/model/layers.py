@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mdi.model.config import ModelConfig
+from mdi.model.families import family_of
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import HEAD_WEIGHTS, dequantize
 
@@ -180,6 +181,12 @@ class QuantEmbedding(QuantLinear):
         return QuantLinear.forward(self, x)
 
 
+def held_bytes(module: nn.Module) -> int:
+    """What a module's weights hold: its tensors, and what its kernels keep outside them."""
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers())) \
+        + sum(getattr(m, "opaque_nbytes", 0) for m in module.modules())
+
+
 def make_linear(n_in: int, n_out: int, bias: bool, spec: Optional[QuantSpec]) -> nn.Module:
     return Linear(n_in, n_out, bias=bias) if spec is None else QuantLinear(n_in, n_out, bias, spec)
 
@@ -195,11 +202,17 @@ _fused_rms_norm = getattr(F, "rms_norm", None)
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight. The weight is the multiplier as applied: Gemma's checkpoints store
+    it less one (their norm computes 1 + w), mdi's state dicts hold 1 + w (mdi.model.convert).
+    `weight_in_float`: multiply in float32, then cast (Gemma's order); else cast the normalised
+    rows, then multiply (Llama's). The same in float32."""
+
     # Hand-written: torch.nn.RMSNorm does not exist in torch 2.0 (JetPack 5).
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, weight_in_float: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.weight_in_float = weight_in_float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fused_rms_norm is not None and x.dtype == torch.float32 and self.weight.dtype == x.dtype:
@@ -207,10 +220,15 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 like the reference implementations, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float:
+            return (xf * self.weight.float()).to(x.dtype)
         return self.weight.to(x.dtype) * xf.to(x.dtype)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
-    if config.family == "gpt2":
-        return LayerNorm(config.n_embd, eps=config.norm_eps)
-    return RMSNorm(config.n_embd, config.norm_eps)
+def make_norm(config: ModelConfig, dim: Optional[int] = None) -> nn.Module:
+    """The family's norm (mdi.model.families) over `dim` values (default n_embd)."""
+    family = family_of(config.family)
+    dim = config.n_embd if dim is None else dim
+    if family.norm == "layer":
+        return LayerNorm(dim, eps=config.norm_eps)
+    return RMSNorm(dim, config.norm_eps, family.norm_weight_in_float)

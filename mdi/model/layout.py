@@ -5,29 +5,30 @@ Everything that needs one of these (the run YAML, the wire format, the /init che
 planning, recovery, mdi-bench) asks here, so no table or split rule is written twice.
 """
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
-
-import torch
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from mdi.model.config import ModelConfig
+from mdi.model.families import family_of
 
-# Storage dtypes mdi accepts for weights and activations: name -> (torch dtype, bytes per element).
-DTYPES = {
-    "float32": (torch.float32, 4),
-    "float16": (torch.float16, 2),
-    "bfloat16": (torch.bfloat16, 2),
-}
-DTYPE_NAMES = tuple(DTYPES)
+# Storage dtypes mdi accepts for weights and activations: name -> bytes per element. By name,
+# not torch's objects: a node computing with ggml reads configs and frames without torch.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_NAMES = tuple(DTYPE_BYTES)
+FP16_MAX = 65504.0  # the largest finite float16
 # How activations may be encoded on the wire (mdi.ring.wire): here, below both the ring and the
 # run configuration that validates runtime.wire_codec.
 WIRE_CODECS = ("raw", "float16", "bfloat16", "int8")
-_NAME_OF = {t: name for name, (t, _) in DTYPES.items()}
 
 Range = Tuple[int, int]
 
 
 class CheckpointError(ValueError):
     """A checkpoint or partition that is missing, unrecognised, or does not match the expected layout."""
+
+
+def first_line(e: Exception) -> str:
+    """An exception's message in one line (a library's may run to several)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # ----------------------------------------------------------------------------- quantized weights
@@ -49,17 +50,22 @@ class QuantSpec:
     kind: str
     group_size: int
 
-    def tensor_shapes(self, n_out: int, n_in: int) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        """suffix -> (shape, dtype) of the stored tensors of an [n_out, n_in] weight."""
+    def tensor_shapes(self, n_out: int, n_in: int) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+        """suffix -> (shape, torch dtype) of the stored tensors of an [n_out, n_in] weight."""
+        import torch
+        return {suffix: (shape, getattr(torch, name))
+                for suffix, (shape, name) in self.stored_shapes(n_out, n_in).items()}
+
+    def stored_shapes(self, n_out: int, n_in: int) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """suffix -> (shape, dtype name) of the stored tensors of an [n_out, n_in] weight."""
         groups = (n_out, n_in // self.group_size)
         if self.kind == "int8":
-            return {"qweight": ((n_out, n_in), torch.int8), "scales": (groups, torch.float16)}
-        return {"qweight": ((n_out, n_in // 2), torch.uint8), "scales": (groups, torch.float16),
-                "mins": (groups, torch.float16)}
+            return {"qweight": ((n_out, n_in), "int8"), "scales": (groups, "float16")}
+        return {"qweight": ((n_out, n_in // 2), "uint8"), "scales": (groups, "float16"), "mins": (groups, "float16")}
 
     def nbytes(self, n_out: int, n_in: int) -> int:
-        return sum(numel(shape) * torch.tensor([], dtype=dt).element_size()
-                   for shape, dt in self.tensor_shapes(n_out, n_in).values())
+        sizes = {"int8": 1, "uint8": 1, "float16": 2}
+        return sum(numel(shape) * sizes[dt] for shape, dt in self.stored_shapes(n_out, n_in).values())
 
     def check(self, name: str, n_in: int) -> None:
         """A group size that does not divide the layer's width cannot be stored: say which layer."""
@@ -105,7 +111,7 @@ def layout_from_json(data) -> Dict[str, QuantSpec]:
     return {str(k): QuantSpec.from_json(v) for k, v in data.items()}
 
 
-def stored_layout(tensors: Mapping[str, Tuple[Sequence[int], torch.dtype]]) -> Dict[str, QuantSpec]:
+def stored_layout(tensors: Mapping[str, Tuple[Sequence[int], Any]]) -> Dict[str, QuantSpec]:
     """The quantization of each weight in a stored state dict (name -> (shape, dtype)), read off
     its tensors: int8 vs packed uint8 `qweight`, the group from the width over the scale count."""
     out = {}
@@ -116,7 +122,8 @@ def stored_layout(tensors: Mapping[str, Tuple[Sequence[int], torch.dtype]]) -> D
         scales = tensors.get(base + ".scales")
         if scales is None or len(shape) != 2 or len(scales[0]) != 2 or not scales[0][1]:
             raise CheckpointError("%s has no matching %s.scales" % (key, base))
-        kind = "int8" if dtype == torch.int8 else "int4" if dtype == torch.uint8 else None
+        named = str(dtype).replace("torch.", "")
+        kind = "int8" if named == "int8" else "int4" if named == "uint8" else None
         if kind is None:
             raise CheckpointError("%s has dtype %s, expected int8 or uint8" % (key, dtype))
         width = shape[1] * (2 if kind == "int4" else 1)
@@ -124,16 +131,27 @@ def stored_layout(tensors: Mapping[str, Tuple[Sequence[int], torch.dtype]]) -> D
     return out
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name][0]
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of one of DTYPE_NAMES (torch imported here, where it is asked for)."""
+    if name not in DTYPE_BYTES:
+        raise KeyError(name)
+    import torch
+    return getattr(torch, name)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return _NAME_OF[dtype]
+def dtype_name(dtype: Any) -> str:
+    """The DTYPE_NAMES name of a torch or numpy float dtype (torch.float16 and numpy's
+    float16 alike: "float16")."""
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPE_BYTES:
+        name = getattr(dtype, "__name__", name)  # a numpy scalar type (np.float32)
+    if name not in DTYPE_BYTES:
+        raise KeyError(dtype)
+    return name
 
 
 def dtype_bytes(name: str) -> int:
-    return DTYPES[name][1]
+    return DTYPE_BYTES[name]
 
 
 # ----------------------------------------------------------------------------- canonical tensors
@@ -144,14 +162,18 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
 
     ``with_head`` needs the final norm and the LM head; with a tied head that is
     ``tok_emb.weight``, so it is listed even when ``with_embedding`` is False.
-    Linear-layer biases follow ``config.bias`` (q/k/v also ``qkv_bias``); gpt2 norms always have biases. A weight named
+    Linear-layer biases follow ``config.bias`` (q/k/v also ``qkv_bias``); gpt2 norms always have biases.
+    Per block: norm1 (before attention), attn.qkv, attn.proj, attn.q_norm / attn.k_norm (Qwen3,
+    Gemma 3), post_attn_norm (Gemma 3), norm2 (before the MLP), the MLP, post_mlp_norm (Gemma 3).
+    Norm weights are the multipliers as applied (Gemma's checkpoints store them less one). A weight named
     in `quant` is listed as its quantized tensors (QuantSpec.tensor_shapes) instead.
     """
     c = config
     first, last = layer_range
     if not 0 <= first <= last <= c.n_layer:
         raise CheckpointError("layer range [%d, %d) is outside the model's %d layers" % (first, last, c.n_layer))
-    gpt2 = c.family == "gpt2"
+    family = family_of(c.family)
+    layer_norm = family.norm == "layer"  # with a bias (GPT-2)
     E, I, V = c.n_embd, c.intermediate_size, c.vocab_size
     qkv = (c.n_head + 2 * c.n_kv_head) * c.head_dim
     out: Dict[str, Tuple[int, ...]] = {}
@@ -163,28 +185,32 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
 
     def norm(name: str) -> None:
         out[name + ".weight"] = (E,)
-        if gpt2:
+        if layer_norm:
             out[name + ".bias"] = (E,)
 
     if with_embedding or (with_head and c.tied_head):
         out["tok_emb.weight"] = (V, E)
-    if with_embedding and gpt2:
+    if with_embedding and family.positions == "learned":
         out["pos_emb.weight"] = (c.block_size, E)
     for i in range(first, last):
         p = "blocks.%d." % i
         norm(p + "norm1")
         linear(p + "attn.qkv", qkv, E, c.bias or c.qkv_bias)
         linear(p + "attn.proj", E, c.n_head * c.head_dim)
-        if c.qk_norm:
+        if c.qk_norm or family.always_qk_norm:
             out[p + "attn.q_norm.weight"] = (c.head_dim,)
             out[p + "attn.k_norm.weight"] = (c.head_dim,)
+        if family.post_norms:  # on attention's output, before the residual add (Gemma 3)
+            norm(p + "post_attn_norm")
         norm(p + "norm2")
-        if gpt2:
+        if family.mlp == "gelu":
             linear(p + "mlp.fc", I, E)
             linear(p + "mlp.proj", E, I)
         else:
             out[p + "mlp.gate_up.weight"] = (2 * I, E)
             out[p + "mlp.down.weight"] = (E, I)
+        if family.post_norms:  # on the MLP's output, before the residual add
+            norm(p + "post_mlp_norm")
     if with_head:
         norm("norm_f")
         if not c.tied_head:
@@ -226,7 +252,7 @@ def weight_bytes(config: ModelConfig, layer_range: Sequence[int], dtype: str, wi
     return total
 
 
-def state_dict_nbytes(state_dict: Mapping[str, torch.Tensor]) -> int:
+def state_dict_nbytes(state_dict: Mapping[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in state_dict.values())
 
 

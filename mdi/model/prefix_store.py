@@ -8,15 +8,12 @@ an entry. A node never guesses: an op naming an entry it does not hold, or one t
 it past its byte budget, is a `PrefixCacheError`, and the run fails loudly (a rebuilt ring starts
 with empty caches) rather than computing on positions it does not hold.
 
-Entries are compact copies ([layers, kv_heads, length, head_dim]), allocated when saved and
-freed when dropped, so the budget bounds what is held, not what is reserved.
+Entries are compact copies of a slot's positions, allocated when saved and freed when
+dropped, so the budget bounds what is held, not what is reserved. The cache makes and restores
+them (`read_range` / `write_range`: torch's mdi.model.kv_cache or ggml's), whatever its layout.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional, Tuple
-
-import torch
-
-from mdi.model.kv_cache import KVCache
+from typing import Any, Dict, Iterable, Optional
 
 OP_KINDS = ("save", "load", "drop")
 
@@ -50,9 +47,9 @@ class PrefixStats:
 class PrefixStore:
     """The entries one node holds for one run, over that run's KV cache."""
 
-    def __init__(self, cache: KVCache, budget_bytes: int) -> None:
-        self.cache = cache
-        self.entries: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (k, v)
+    def __init__(self, cache: Any, budget_bytes: int) -> None:
+        self.cache = cache  # a KV cache with range_bytes, read_range, write_range, kept_length, kept_bytes
+        self.entries: Dict[int, Any] = {}  # id -> what the cache's read_range returned
         self.stats = PrefixStats(budget_bytes=budget_bytes)
 
     def apply(self, ops: Iterable[CacheOp]) -> None:
@@ -70,13 +67,11 @@ class PrefixStore:
         if entry in self.entries:
             raise PrefixCacheError("prefix cache: entry %d is held already" % entry)
         self._check_span(slot, length)
-        nbytes = 2 * length * self.cache.k[:, slot, :, :1].numel() * self.cache.k.element_size()
+        nbytes = self.cache.range_bytes(length)
         if self.stats.bytes + nbytes > self.stats.budget_bytes:
             raise PrefixCacheError("prefix cache: entry %d (%d bytes) would hold %d bytes, over the budget of %d"
                                    % (entry, nbytes, self.stats.bytes + nbytes, self.stats.budget_bytes))
-        k = self.cache.k[:, slot, :, :length].clone()  # clone: compact, apart from the slot
-        v = self.cache.v[:, slot, :, :length].clone()
-        self.entries[entry] = (k, v)
+        self.entries[entry] = self.cache.read_range(slot, length)
         self.stats.saves += 1
         self._count()
 
@@ -84,12 +79,11 @@ class PrefixStore:
         held = self.entries.get(entry)
         if held is None:
             raise PrefixCacheError("prefix cache: entry %d is not held here" % entry)
-        k, v = held
-        if length > k.shape[2]:
-            raise PrefixCacheError("prefix cache: entry %d holds %d positions, not %d" % (entry, k.shape[2], length))
+        have = self.cache.kept_length(held)
+        if length > have:
+            raise PrefixCacheError("prefix cache: entry %d holds %d positions, not %d" % (entry, have, length))
         self._check_span(slot, length)
-        self.cache.k[:, slot, :, :length].copy_(k[:, :, :length])
-        self.cache.v[:, slot, :, :length].copy_(v[:, :, :length])
+        self.cache.write_range(slot, held, length)
         self.stats.loads += 1
         self.stats.tokens_loaded += length
 
@@ -98,7 +92,7 @@ class PrefixStore:
         if held is None:
             raise PrefixCacheError("prefix cache: entry %d is not held here" % entry)
         self.stats.drops += 1
-        self.stats.bytes_dropped += _nbytes(held)
+        self.stats.bytes_dropped += self.cache.kept_bytes(held)
         self._count()
 
     def _check_span(self, slot: int, length: int) -> None:
@@ -111,13 +105,8 @@ class PrefixStore:
         self._count()
 
     def _count(self) -> None:
-        self.stats.bytes = sum(_nbytes(kv) for kv in self.entries.values())
+        self.stats.bytes = sum(self.cache.kept_bytes(kept) for kept in self.entries.values())
         self.stats.entries = len(self.entries)
-
-
-def _nbytes(kv: Tuple[torch.Tensor, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in kv)
-
 
 
 AUTO = "auto"

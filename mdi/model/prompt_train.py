@@ -51,7 +51,7 @@ def init_prompt(chunk, spec: PromptSpec, seed: int, text_ids: Optional[Sequence[
             raise ValueError("--prompt-init text needs --prompt-init-text")
         index = torch.tensor(text_init_ids(text_ids, spec.n_virtual), dtype=torch.long)
         with torch.no_grad():
-            return chunk.tok_emb(index.to(next(chunk.parameters()).device)).float().cpu().clone()
+            return chunk.tok_emb(index.to(chunk.device)).float().cpu().clone()
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(spec.n_virtual, chunk.config.n_embd, generator=gen, dtype=torch.float32)
 

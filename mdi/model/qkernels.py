@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from mdi.model.layout import QuantSpec
+from mdi.model.torch_settings import DEFAULT_POLICY, KERNEL_NAMES, POLICIES, POLICY_NAMES  # noqa: F401  (re-exported)
 from mdi.model.quant import DEQUANT_ELEMENTS, dequantize, quantized_linear, unpack_int4
 from mdi.system.devices import unusable_reason
 from mdi.system.memory import release_freed_memory
@@ -378,11 +379,8 @@ KERNELS = [
     INT8_FBGEMM,
     _int8_dynamic_kernel("qnnpack"),
 ]
-KERNEL_NAMES = tuple(k.name for k in KERNELS)
-
-POLICIES = ("exact", "fast")
-DEFAULT_POLICY = "fast"
-POLICY_NAMES = POLICIES + KERNEL_NAMES  # what runtime.quant_kernel accepts
+# The names configs and requests may give, without torch (mdi.model.torch_settings): these kernels'.
+assert tuple(k.name for k in KERNELS) == KERNEL_NAMES, "mdi.model.torch_settings.KERNEL_NAMES is out of date"
 preference = DEFAULT_POLICY  # a policy, or a kernel name to use wherever it applies
 
 

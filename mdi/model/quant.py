@@ -102,12 +102,7 @@ def quantized_linear(x: torch.Tensor, tensors: Mapping[str, torch.Tensor], spec:
 
 # ----------------------------------------------------------------------------- GGUF blocks
 
-# GGUF block types that are mdi formats already (32 values per block, float16 scale [+ min]).
-GGUF_DIRECT = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
-# Types dequantized then re-quantized under `auto` (their nearest mdi format has as many bits or more).
-GGUF_NEAREST = {"Q4_K": "int4", "Q5_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
-                "Q8_1": "int8", "Q8_K": "int8", "Q2_K": "int4", "Q3_K": "int4"}
-GGUF_FLOAT = ("F32", "F16", "BF16")
+# How torch holds each GGUF type: mdi.model.ggml.tensors (GGUF_DIRECT, GGUF_NEAREST, GGUF_FLOAT).
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, n_out: int, n_in: int) -> QParts:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) for the Llama family: the cos / sin tables, grown as a run's
+"""Rotary position embeddings (RoPE) for the Llama and Gemma 3 families: the cos / sin tables, grown as a run's
 positions need them, and Llama 3's frequency scaling."""
 import math
 from typing import Dict, Tuple
@@ -22,17 +22,23 @@ class RotaryEmbedding(nn.Module):
     sin_signed: torch.Tensor
     MIN_POSITIONS = 256  # a first table worth building
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
+        """`local`: the sliding-window layers' RoPE (Gemma 3): base rope_local_theta, unscaled."""
         super().__init__()
         dim = config.head_dim
+        self.is_local = local
+        theta = (config.rope_local_theta or config.rope_theta) if local else config.rope_theta
         # On the CPU even where the default device is "meta" (chunks are built there before
         # loading): computing on meta would import torch's Python meta kernels, ~60 MB of RSS.
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
-        if config.rope_scaling is not None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+        if config.rope_scaling is not None and not local:
             inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
-        if config.rope_factors is not None:  # the same scaling, as a GGUF stores it
+        if config.rope_factors is not None and not local:  # the same scaling, as a GGUF stores it
             inv_freq = inv_freq / torch.tensor(config.rope_factors, dtype=torch.float32, device="cpu")
         self.inv_freq = inv_freq  # not a buffer: tables are always computed on the CPU, bit for bit alike
+        # Gemma 3's sliding-window layers rotate with a base of their own: their tables live inside
+        # the model's RoPE, so whoever holds (moves, reserves) the chunk's RoPE holds both
+        self.local = RotaryEmbedding(config, local=True) if config.sliding_window and not local else None
         self.context = config.block_size
         # Empty until reserved; buffers so that .to(device) says where the tables live.
         self.register_buffer("cos", torch.empty(0, dim, device="cpu"), persistent=False)
@@ -40,6 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     def reserve(self, n: int) -> None:
         """Tables for positions [0, n)."""
+        if self.local is not None:
+            self.local.reserve(n)
         have = self.cos.shape[0]
         if n <= have:
             return
@@ -55,6 +63,10 @@ class RotaryEmbedding(nn.Module):
             # sin with its first half negated: rotate-half becomes a roll (see attention.rotate)
             self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device)
 
+    def of_layer(self, window: int) -> "RotaryEmbedding":
+        """The RoPE a layer rotates with: the sliding-window layers' where it has a window."""
+        return self.local if window and self.local is not None else self
+
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         # x: [..., T, head_dim] at positions start..start+T
         T = x.shape[-2]
@@ -68,11 +80,15 @@ class RotaryEmbedding(nn.Module):
     def row_tables(self, batch: RowBatch, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) [rows, 1, head_dim] at the batch's positions: gathered once per
         batch, not once per layer and tensor."""
-        tables = batch.rope_tables
+        tables = batch.local_rope_tables if self.is_local else batch.rope_tables
         if tables is None or tables[0].dtype != dtype:
             self.reserve(max(s + c for s, c in zip(batch.starts, batch.counts)))
-            tables = batch.rope_tables = (self.cos[batch.positions].to(dtype).unsqueeze(1),
-                                          self.sin_signed[batch.positions].to(dtype).unsqueeze(1))
+            tables = (self.cos[batch.positions].to(dtype).unsqueeze(1),
+                      self.sin_signed[batch.positions].to(dtype).unsqueeze(1))
+            if self.is_local:
+                batch.local_rope_tables = tables
+            else:
+                batch.rope_tables = tables
         return tables
 
 

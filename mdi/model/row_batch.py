@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mdi.model.attention import causal_mask
+from mdi.model.attention import causal_mask, window_mask
 from mdi.system.transfers import ints_to_device, to_device
 
 ROW_WISE_ENV = "MDI_ROW_WISE_VERIFY"  # "1" / "0": verification rows attend row by row / in one call, on any device
@@ -31,6 +31,12 @@ def verifies_row_by_row(device: Optional[torch.device]) -> bool:
     return device is None or torch.device(device).type != "cuda"
 
 
+def decode_window_key(window: int) -> Tuple[int, int, int]:
+    """RowBatch.window_masks' key of the decode mask (decode_index's, or a recorded step's over
+    whole slots: mdi.model.graph_decode) narrowed to a sliding window."""
+    return (-1, 1, window)
+
+
 @dataclass
 class RowBatch:
     """Which samples a stack of token rows belongs to: sample i owns `counts[i]` consecutive
@@ -40,10 +46,13 @@ class RowBatch:
     counts: List[int]
     positions: torch.Tensor  # [rows] the absolute position of every row
     rope_tables: Optional[tuple] = None  # (cos, sin) of those positions, filled by the first layer
+    local_rope_tables: Optional[tuple] = None  # the same for sliding-window layers' own RoPE base (Gemma 3)
     decode_tables: Optional[tuple] = None  # (slots, positions, mask) of one-row samples, filled once
     # Each multi-row sample's causal mask by (sample, query heads per KV head), built at its
     # first layer: ~5 small ops a layer, launches that a GPU's several-row passes paid 30 times.
     sample_masks: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # The same for sliding-window layers, by (sample or -1 for decode_index's, groups, window)
+    window_masks: Dict[Tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     adapters: Optional[List[int]] = None  # each sample's adapter id (0: the base model alone)
     # Each row attends as the one-row decode step at its position would (speculative
     # verification): attention kernels round differently for one query row than for several,
@@ -87,22 +96,34 @@ class RowBatch:
         return [(a, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else ints_to_device(r, device))
                 for a, r in sorted(rows.items())]
 
-    def decode_index(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def decode_index(self, device: torch.device, window: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For samples of one row each: their slots and positions as tensors, and the mask
-        [S, 1, 1, longest] that lets each row see its own cache up to its position."""
+        [S, 1, 1, longest] that lets each row see its own cache up to its position (`window` > 0:
+        its last `window` positions only)."""
         if self.decode_tables is None:
             slots = ints_to_device(self.slots, device)
             positions = to_device(self.positions, device)
             end = max(s + c for s, c in zip(self.starts, self.counts))
             mask = torch.arange(end, device=device)[None, :] <= positions[:, None]
             self.decode_tables = (slots, positions, mask[:, None, None, :])
-        return self.decode_tables
+        if window <= 0:
+            return self.decode_tables
+        slots, positions, mask = self.decode_tables
+        key = decode_window_key(window)
+        if key not in self.window_masks:
+            self.window_masks[key] = window_mask(mask, positions, window)
+        return slots, positions, self.window_masks[key]
 
-    def sample_mask(self, index: int, groups: int, device: torch.device) -> Optional[torch.Tensor]:
+    def sample_mask(self, index: int, groups: int, device: torch.device, window: int = 0) -> Optional[torch.Tensor]:
         """attention.causal_mask of sample `index`'s rows (None for one row), built once a pass."""
         count = self.counts[index]
         if count == 1:
             return None
+        if window > 0:
+            wkey = (index, groups, window)
+            if wkey not in self.window_masks:
+                self.window_masks[wkey] = causal_mask(self.starts[index], count, groups, device, window)
+            return self.window_masks[wkey]
         key = (index, groups)
         mask = self.sample_masks.get(key)
         if mask is None:

@@ -6,14 +6,18 @@ A prepared mdi directory is read lazily (a node loads only its own tensors); a r
 import logging
 import os
 import threading
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from safetensors.torch import save as safetensors_save
 
 from mdi.model import checkpoints, store
+from mdi.model.model_dir import GGUF_FILE
 from mdi.model.config import ModelConfig
-from mdi.model.layout import QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, quantizable
+from mdi.model.gguf_config import GgufModel, read_gguf_model, rope_mode_of
+from mdi.model.gguf_layout import open_reader
+from mdi.model.layout import (QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, first_line,
+                              quantizable)
 from mdi.model.quant import QParts, Stored, convert, gather, restrict, uniform_layout, weights_layout
 from mdi.model.transformer import ModelChunk
 from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -28,6 +32,17 @@ def is_mdi_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, store.MDI_CONFIG))
 
 
+def gguf_file_of(path: str) -> Optional[str]:
+    """The GGUF a model path computes from with ggml: the path itself (a .gguf file), or a
+    prepared directory's model.gguf; None without one."""
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        return path
+    inside = os.path.join(path, GGUF_FILE)
+    return inside if os.path.isdir(path) and os.path.isfile(inside) else None
+
+
+
+
 class ModelSource:
     """A model's config, tokenizer and a way to fetch any node's weights."""
 
@@ -37,15 +52,85 @@ class ModelSource:
         self.path = path
         self._full: Optional[Dict[str, Stored]] = None
         self._reread = threading.Lock()
-        if is_mdi_dir(path):
+        self._raw = not is_mdi_dir(path)  # a checkpoint converted in memory, not a prepared directory
+        self._stored_quant: Optional[Dict[str, QuantSpec]] = None
+        self._gguf: Optional[GgufModel] = None
+        self.gguf_path = gguf_file_of(path)  # what a node computing with ggml reads, if any
+        if not self._raw:
             self.config = store.read_mdi_config(path)
-            self.stored_quant: Dict[str, QuantSpec] = store.file_layout(path)
-        else:  # a GGUF keeps its Q8_0 / Q4 blocks quantized in memory
+            self._stored_quant = store.file_layout(path)
+        elif self.gguf_path is not None:
+            # its metadata only: the torch backend reads the tensors when a chunk asks (a node
+            # computing with ggml never holds them in memory)
+            self.config = self.gguf().config
+        else:
             self.config, self._full = checkpoints.read_checkpoint(path, keep_quant=True)
-            self.stored_quant = weights_layout(self._full)
         self.tokenizer: Optional[Tokenizer] = read_tokenizer(path)
         if self.tokenizer is not None:
             check_vocab(self.tokenizer, self.config)
+
+    @property
+    def stored_quant(self) -> Dict[str, QuantSpec]:
+        """The weights the source holds quantized, and how: a raw GGUF's from its tensor types
+        (what the torch reader will make of them), nothing read; another checkpoint's read."""
+        if self._stored_quant is None:
+            self._stored_quant = _gguf_torch_layout(self) if self.gguf_path is not None and self._raw \
+                else weights_layout(self._held(()))
+        return self._stored_quant
+
+    def gguf(self) -> GgufModel:
+        """The model as its GGUF describes it (its file's architecture and RoPE layout)."""
+        if self.gguf_path is None:
+            raise CheckpointError("%s has no GGUF (mdi-prepare writes %s into a model directory)" % (self.path, GGUF_FILE))
+        if self._gguf is None:
+            try:
+                reader = open_reader(self.gguf_path)
+            except Exception as e:  # the reader raises assorted errors for non-GGUF input
+                raise CheckpointError("%s: not a readable GGUF file (%s)" % (self.gguf_path, first_line(e)))
+            self._gguf = read_gguf_model(reader, self.gguf_path)
+            self._gguf_reader = reader
+        return self._gguf
+
+    def gguf_types(self, first: int, last: int, with_embedding: bool, with_head: bool) -> Dict[str, str]:
+        """GGUF name -> ggml type of what a node of layers [first, last) computes with."""
+        from mdi.model.ggml.tensors import node_tensors
+        self.gguf()
+        infos = {t.name: t for t in self._gguf_reader.tensors}
+        want = node_tensors(self.config, first, last, with_embedding, with_head, "rope_freqs.weight" in infos)
+        return {n: infos[n].tensor_type.name for n in want if n in infos}
+
+    def gguf_bytes(self, first: int, last: int, with_embedding: bool, with_head: bool) -> int:
+        """Bytes of the GGUF tensors a node of layers [first, last) computes with, as stored."""
+        self.gguf()
+        sizes = {t.name: t._n_bytes for t in self._gguf_reader.tensors}
+        return sum(sizes[n] for n in self.gguf_types(first, last, with_embedding, with_head))
+
+    def gguf_chunk_bytes(self, first: int, last: int) -> bytes:
+        """A worker's layers as a GGUF of their tensors, copied block for block from the model's
+        (what the starter pushes to a worker computing with ggml)."""
+        import tempfile
+        from mdi.model.gguf_write import file_bytes, remove_quietly, write_gguf
+        self.gguf()
+        infos = {t.name: t for t in self._gguf_reader.tensors}
+        tensors = {n: (kind, tuple(int(d) for d in infos[n].shape), infos[n].data)
+                   for n, kind in self.gguf_types(first, last, False, False).items()}
+        fd, path = tempfile.mkstemp(prefix="mdi-push-", suffix=".gguf")
+        os.close(fd)
+        try:
+            write_gguf(path, self.config, tensors, arch=self.gguf().arch)
+            return file_bytes(path)
+        finally:
+            remove_quietly(path)
+
+    def ggml_chunk(self, first: int, last: int, with_embedding: bool, with_head: bool, threads: int = 1,
+                   kv_type: str = "f16", repack: bool = True) -> Any:
+        """A chunk computing with ggml over this model's GGUF (mdi.model.ggml.chunk.GgmlChunk)."""
+        from mdi.model.ggml.chunk import GgmlChunk
+        from mdi.model.ggml.weights import GgufWeights
+        model = self.gguf()
+        return GgmlChunk(model.config if self._raw else self.config, first, last, with_embedding, with_head,
+                         GgufWeights(self.gguf_path), rope_mode_of(model.permuted_qk), threads, kv_type,
+                         repack)
 
     def layout(self, first: int, last: int, with_ends: bool, mode: str,
                group_size: Optional[int] = None) -> Dict[str, QuantSpec]:
@@ -63,7 +148,7 @@ class ModelSource:
                 dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> Dict[str, torch.Tensor]:
         """The flat state dict of a node: float tensors in `dtype`, the weights named in
         `quant` quantized (as stored when they already are, else quantized here)."""
-        if self._full is None:
+        if not self._raw:
             stored = store.load_weights(self.path, (first, last), with_embedding, with_head)
         else:
             keys = expected_keys(self.config, (first, last), with_embedding, with_head)
@@ -75,8 +160,7 @@ class ModelSource:
         """The raw checkpoint's weights, read again if a chunk took some of `keys` (`consume`)."""
         with self._reread:
             full = self._full
-            assert full is not None
-            if any(k not in full for k in keys):
+            if full is None or any(k not in full for k in keys):
                 log.info("mdi: %s: reading the checkpoint again for weights a chunk took", self.path)
                 _, full = checkpoints.read_checkpoint(self.path, keep_quant=True)
                 self._full = full
@@ -107,7 +191,7 @@ class ModelSource:
             raise ValueError("weights do not match layers [%d, %d): missing %s; unexpected %s"
                              % (first, last, missing[:5] or "none", unexpected[:5] or "none"))
         canonical = expected_keys(self.config, (first, last), with_embedding, with_head)
-        if self._full is not None:  # a raw checkpoint held in memory: convert one weight at a time
+        if self._raw:  # a raw checkpoint held in memory: convert one weight at a time
             full = self._held(canonical)
             freed = 0
             for key in canonical:
@@ -146,6 +230,40 @@ class ModelSource:
         """A worker's weights as safetensors bytes, to push over the control plane."""
         w = self.weights(first, last, False, False, dtype, quant)
         return safetensors_save({k: v.contiguous() for k, v in w.items()})
+
+
+# mdi's canonical matrices -> the GGUF tensors the torch reader stacks into each (mdi.model.gguf)
+_GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.proj": ("attn_output",),
+               "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
+_GGUF_PARTS_GPT2 = {"attn.qkv": ("attn_qkv",), "attn.proj": ("attn_output",), "mlp.fc": ("ffn_up",),
+                    "mlp.proj": ("ffn_down",)}
+
+
+def _gguf_torch_layout(source: "ModelSource") -> Dict[str, QuantSpec]:
+    """The layout the torch backend's GGUF reader gives a raw GGUF (keep_quant), worked out from
+    its tensor types alone: Q8_0 / Q4_0 / Q4_1 as mdi int8 / int4, K-quants as their nearest,
+    floats float; matrices stacked from parts of several types take the most precise (quant.cat_rows)."""
+    from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_NEAREST
+    source.gguf()
+    types = {t.name: t.tensor_type.name for t in source._gguf_reader.tensors}
+    config = source.config
+    table = _GGUF_PARTS_GPT2 if config.family == "gpt2" else _GGUF_PARTS
+    out: Dict[str, QuantSpec] = {}
+    for base, (n_out, n_in) in quantizable(config, (0, config.n_layer), True, True).items():
+        if base.startswith("blocks."):
+            _, layer, rest = base.split(".", 2)
+            parts = ["blk.%s.%s.weight" % (layer, p) for p in table.get(rest, ())]
+        else:
+            parts = [{"tok_emb": "token_embd.weight", "lm_head": "output.weight"}.get(base, "")]
+        kinds = [types.get(p) for p in parts]
+        if not parts or n_in % 32 or any(k is None for k in kinds):
+            continue
+        mapped = [GGUF_DIRECT.get(k) or GGUF_NEAREST.get(k) for k in kinds]
+        if any(m is None for m in mapped):
+            continue  # float (or unmappable: the torch reader says so when it loads)
+        specs = [QuantSpec(m, 32) for m in mapped]
+        out[base] = specs[0] if len(set(specs)) == 1 else max(specs, key=lambda s: (s.kind == "int8", -s.group_size))
+    return out
 
 
 TRIM_EVERY_BYTES = 16 * 2 ** 20  # weights let go of (`consume`) between giving the heap's free pages back

@@ -26,8 +26,7 @@ from mdi.system.files import sha256_file, use_umask, write_json
 
 log = logging.getLogger(__name__)
 
-MDI_CONFIG = "mdi_config.json"
-MODEL_FILE = "model.safetensors"
+from mdi.model.model_dir import MDI_CONFIG, MODEL_FILE  # noqa: E402,F401  (their home; named from here too)
 CHUNKS_DIR = "chunks"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

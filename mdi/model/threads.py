@@ -12,14 +12,14 @@ them: one-row decode passes (a sample's latency) and, when the run batches, pass
 import logging
 import os
 import statistics
+import sys
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Any, Dict, List
 
-import torch
+from mdi.model.timing_loop import seconds_per_call
 
-from mdi.model.block_timing import seconds_per_call
-from mdi.model.row_batch import RowBatch
-from mdi.model.transformer import ModelChunk
+# torch is imported where a torch chunk or torch's own threads are at stake: a node computing
+# with ggml sets its threads without loading it.
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,14 @@ TIE = 0.03  # within 3% of the fastest, fewer threads win: they leave cores to t
 def use_fixed(threads: object) -> None:
     """A run's runtime.threads when it is a number: torch set to it (auto and None leave it be).
     Set before the first parallel op: a pool torch starts wider keeps a thread that spins on a
-    core, which a board under a CPU quota pays for."""
+    core, which a board under a CPU quota pays for. Where torch is not loaded yet (a worker that
+    may compute with ggml and never load it), OMP_NUM_THREADS says it for when it is."""
     if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0:
-        torch.set_num_threads(threads)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads)
+        else:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def usable_cpus() -> int:
@@ -66,11 +71,15 @@ class ThreadChoice:
         return "%s (%s ms per pass)" % (chosen, ", ".join("%d: %.2f" % (t, ms) for t, ms in sorted(self.pass_ms.items())))
 
 
-def choose_threads(chunk: ModelChunk, max_batch: int = 1, cpus: int = 0) -> ThreadChoice:
+def choose_threads(chunk: Any, max_batch: int = 1, cpus: int = 0) -> ThreadChoice:
     """The thread count for which passes through `chunk` (its cache allocated, no run using it
     yet: slot 0.. at position 0 are written and later overwritten by the first prefill) are
-    fastest. Leaves torch set to it."""
+    fastest. Leaves torch (or the ggml chunk's backend) set to it."""
     options = candidates(cpus or usable_cpus())
+    if chunk.backend == "ggml":
+        return _choose_ggml_threads(chunk, max_batch, options)
+    import torch
+    from mdi.model.row_batch import RowBatch
     cache = chunk.cache
     if len(options) == 1 or cache is None or (chunk.n_layers == 0 and not chunk.with_head):
         torch.set_num_threads(options[-1])
@@ -103,4 +112,33 @@ def choose_threads(chunk: ModelChunk, max_batch: int = 1, cpus: int = 0) -> Thre
     fastest = min(ms.values())
     best = min(t for t in options if ms[t] <= fastest * (1 + TIE))
     torch.set_num_threads(best)
+    return ThreadChoice(best, ms)
+
+
+def _choose_ggml_threads(chunk: Any, max_batch: int, options: List[int]) -> ThreadChoice:
+    """choose_threads for a chunk computing with ggml: its CPU backend's thread count."""
+    import numpy as np
+    from mdi.model.pass_rows import PassRows
+    cache = chunk.cache
+    if len(options) == 1 or cache is None or (chunk.n_layers == 0 and not chunk.with_head):
+        chunk.set_threads(options[-1])
+        return ThreadChoice(options[-1])
+    sizes = sorted({1, max(1, min(max_batch, cache.n_slots))})
+
+    def one_pass() -> None:
+        for rows in sizes:
+            x = np.zeros((rows, chunk.config.n_embd), np.float32)
+            y = chunk.forward_rows(x, PassRows(list(range(rows)), [0] * rows, [1] * rows))
+            if chunk.with_head:
+                chunk.head(y)
+
+    times: Dict[int, List[float]] = {t: [] for t in options}
+    for _ in range(ROUNDS):
+        for t in options:
+            chunk.set_threads(t)
+            times[t].append(seconds_per_call(one_pass, min_window=WINDOW_S, rounds=1))
+    ms = {t: 1e3 * statistics.median(v) for t, v in times.items()}
+    fastest = min(ms.values())
+    best = min(t for t in options if ms[t] <= fastest * (1 + TIE))
+    chunk.set_threads(best)
     return ThreadChoice(best, ms)

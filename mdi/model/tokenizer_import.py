@@ -1,8 +1,10 @@
 """Build a tokenizer from a checkpoint's own files: a Hugging Face directory (tokenizer.json or
 tokenizer.model with tokenizer_config.json) or the vocabulary embedded in a GGUF file, the way
-transformers builds it, so both give the same ids. A GGUF vocabulary gets the pre-tokenizer its
-`tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM: "smollm", ...),
-so it tokenizes as the model's tokenizer.json does; an unknown name is an error."""
+transformers builds it, so both give the same ids. A GGUF "gpt2" (byte-level BPE) vocabulary gets
+the pre-tokenizer its `tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM:
+"smollm", ...), so it tokenizes as the model's tokenizer.json does; an unknown name is an error. A
+GGUF "llama" (SentencePiece) vocabulary (Gemma 3, Llama 2, TinyLlama) tokenizes as llama.cpp's
+`llm_tokenizer_spm` does."""
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
@@ -43,7 +45,17 @@ GGUF_PRE_TOKENIZERS: Dict[str, GGUFPre] = {
     "dbrx": GGUFPre(_LLAMA3_SPLIT), "smaug-bpe": GGUFPre(_LLAMA3_SPLIT),
     "qwen2": GGUFPre(_QWEN2_SPLIT, nfc=True), "deepseek-r1-qwen": GGUFPre(_QWEN2_SPLIT),
 }
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
+_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 2, 3, 4  # llama.cpp token types
+_SPM_SPACE = "\u2581"  # SentencePiece's escaped space
+# Tokens llama.cpp makes end-of-generation by their text (src/llama-vocab.cpp, special_eog_ids),
+# also making them control tokens whatever type the file gives them: Gemma 3's GGUF types "</s>"
+# (id 212) normal, yet llama.cpp parses it as a special token and stops at it.
+LLAMA_CPP_EOG_TEXTS = frozenset([
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+])
 
 
 def gguf_pre_tokenizer(pre: Optional[str]) -> GGUFPre:
@@ -96,18 +108,21 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
 
 
 def tokenizer_from_gguf(path: str) -> Tokenizer:
-    """The byte-level BPE tokenizer of a GGUF file, built as the model's own tokenizer.json
-    tokenizes (the pre-tokenizer `tokenizer.ggml.pre` names; ids equal transformers'
+    """The tokenizer of a GGUF file. "llama" (SentencePiece): llama.cpp's ids (`sentencepiece_bpe`).
+    "gpt2": the byte-level BPE tokenizer, built as the model's own tokenizer.json tokenizes (the
+    pre-tokenizer `tokenizer.ggml.pre` names; ids equal transformers'
     `AutoTokenizer.from_pretrained(dir, gguf_file=...)` except where that ignores what the name
     implies: Llama 3's ignore_merges and Qwen2's NFC)."""
     md = _gguf_metadata(path)
     model = md.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise TokenizerError("unsupported GGUF tokenizer.ggml.model %r in %s (only 'gpt2' byte-level "
-                             "BPE is supported)" % (model, path))
+    if model not in ("gpt2", "llama"):
+        raise TokenizerError("unsupported GGUF tokenizer.ggml.model %r in %s (supported: 'gpt2' byte-level "
+                             "BPE, 'llama' SentencePiece)" % (model, path))
     tokens = md.get("tokenizer.ggml.tokens")
     if not tokens:
         raise TokenizerError("GGUF file %s has no tokenizer.ggml.tokens" % path)
+    if model == "llama":
+        return _spm_tokenizer_from_gguf(path, md, tokens)
     try:
         pre = gguf_pre_tokenizer(md.get("tokenizer.ggml.pre"))
     except TokenizerError as e:
@@ -127,10 +142,131 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     # EOS is the file's tokenizer.ggml.eos_token_id: llama.cpp's converter takes it from the
     # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
     # llama.cpp's end-of-generation set: EOS plus the end-of-turn / end-of-message ids it names.
-    stops = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom")]
+    stops = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
     stops = [i for i in stops if isinstance(i, int) and 0 <= i < len(tokens)]
     return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"], add_bos=bool(add_bos),
                        chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+
+
+def _spm_tokenizer_from_gguf(path: str, md: Dict[str, Any], tokens: List[str]) -> Tokenizer:
+    """A "llama" (SentencePiece) GGUF vocabulary as llama.cpp reads it (llama_vocab::impl::load):
+    its defaults where a key is missing (BOS 1, EOS 2, unknown 0, add BOS, add a space prefix),
+    and its end-of-generation set: EOS, the eot / eom / fim_pad / fim_rep / fim_sep ids the file
+    names, and the tokens `LLAMA_CPP_EOG_TEXTS` names (with or without an eot key, as llama.cpp:
+    Gemma 3's <end_of_turn> is one by its text)."""
+    n = len(tokens)
+    scores = md.get("tokenizer.ggml.scores")
+    types = md.get("tokenizer.ggml.token_type")
+    for key, values in (("scores", scores), ("token_type", types)):
+        if values is not None and len(values) < n:  # llama.cpp refuses it too
+            raise TokenizerError("GGUF tokenizer.ggml.%s has %d entries for %d tokens in %s"
+                                 % (key, len(values), n, path))
+    # llama.cpp names an empty token "[EMPTY_<id>]" and refuses a vocabulary with a repeated one.
+    tokens = [t if t else "[EMPTY_%d]" % i for i, t in enumerate(tokens)]
+    if len(set(tokens)) != n:
+        raise TokenizerError("GGUF tokenizer.ggml.tokens of %s repeats a token (llama.cpp refuses it too)" % path)
+    ids: Dict[str, Optional[int]] = {}
+    for key, default in (("bos", 1), ("eos", 2), ("unknown", 0)):
+        i = md.get("tokenizer.ggml.%s_token_id" % key, default if default < n else None)
+        if i is not None and not 0 <= i < n:
+            raise TokenizerError("GGUF tokenizer.ggml.%s_token_id %d is outside the %d-token vocabulary of %s"
+                                 % (key, i, n, path))
+        ids[key] = i
+    add_prefix = md.get("tokenizer.ggml.add_space_prefix")
+    tk = sentencepiece_bpe(tokens, scores or [0.0] * n, types or [1] * n,
+                           add_space_prefix=True if add_prefix is None else bool(add_prefix),
+                           unknown_id=ids["unknown"])
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    named = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
+    stops = [i for i in named if isinstance(i, int) and 0 <= i < n] + sorted(_llama_cpp_eog(tokens).values())
+    return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"],
+                       add_bos=(True if add_bos is None else bool(add_bos)) and ids["bos"] is not None,
+                       chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+
+
+def _llama_cpp_eog(tokens: Sequence[str]) -> Dict[str, int]:
+    """The tokens llama.cpp makes end-of-generation (and control) by text, with its two
+    exceptions: "</s>" stays a normal token beside Gemma 4's "<|tool_response>" or PLaMo's
+    "<|plamo:eos|>"; "<|end|>" is no EOG (but user-defined) beside gpt-oss's "<|return|>" and
+    "<|call|>" or Solar Open's "<|calls|>" and "<|flush|>"."""
+    found = {t: i for i, t in enumerate(tokens) if t in LLAMA_CPP_EOG_TEXTS}
+    if "</s>" in found and ("<|tool_response>" in found or "<|plamo:eos|>" in tokens):
+        del found["</s>"]
+    call = "<|call|>" in found or "<|calls|>" in found
+    if "<|end|>" in found and call and ("<|return|>" in found or "<|flush|>" in found):
+        del found["<|end|>"]
+    return found
+
+
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int],
+                      add_space_prefix: bool = False, unknown_id: Optional[int] = None) -> Any:
+    """HF `tokenizers.Tokenizer` for llama.cpp's "llama" vocabulary that tokenizes as llama.cpp's
+    SentencePiece tokenizer (llm_tokenizer_spm) with special tokens parsed:
+
+    - control, unknown-type and user-defined tokens (and `LLAMA_CPP_EOG_TEXTS`) are cut out of the
+      raw text first, as llama.cpp's tokenizer_st_partition does (HF matches leftmost-longest where
+      llama.cpp takes the longest token first: the same split unless two such tokens overlap);
+    - each remaining piece gets "\u2581" prepended if `add_space_prefix`, spaces become "\u2581";
+    - llama.cpp then merges the adjacent pair whose concatenation is the token with the highest
+      score, leftmost first, until none is left. That is BPE with a merge (a, b) for every token
+      a+b whose halves a, b are tokens, ranked by the score of a+b (transformers' SentencePiece
+      merge extraction, same order). Every character of Gemma 3's tokens is itself a token, so the
+      pieces llama.cpp merges are always tokens. Where the two can differ: ties. Of pairs whose
+      tokens score the same llama.cpp merges the leftmost, BPE the earlier merge (for different
+      tokens: the lower id; Gemma 3's and Llama 2's scores are distinct; for one token, overlapping
+      [x][y][z] with x+y == y+z: the longer left half);
+    - what is left unknown is UTF-8 bytes <0xXX> (byte_fallback), as llama.cpp's resegment.
+
+    Decoding is llama.cpp's token_to_piece: "\u2581" back to a space (in a user-defined token too,
+    which llama.cpp leaves as it is; Gemma 3 has none with one), byte tokens to bytes, the
+    prefixed space stripped from the text's start when `add_space_prefix`."""
+    from tokenizers import AddedToken, decoders, normalizers
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.models import BPE
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    eog = _llama_cpp_eog(tokens)
+    special: List[str] = []
+    user: List[str] = []
+    for t, ty in zip(tokens, token_types):
+        if t in LLAMA_CPP_EOG_TEXTS and t not in eog:  # an exception of _llama_cpp_eog: llama.cpp
+            if t == "<|end|>":  # sets "<|end|>" user-defined and "</s>" normal, whatever the file says
+                user.append(t)
+        elif t in eog or ty in (_GGUF_CONTROL, _GGUF_UNKNOWN):
+            special.append(t)
+        elif ty == _GGUF_USER_DEFINED:
+            user.append(t)
+    tk = HFTok(BPE(vocab=vocab, merges=_spm_merges(tokens, scores, vocab), dropout=None,
+                   unk_token=tokens[unknown_id] if unknown_id is not None else None,
+                   fuse_unk=False, byte_fallback=True))
+    steps: List[Any] = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
+    steps.append(normalizers.Replace(" ", _SPM_SPACE))
+    tk.normalizer = normalizers.Sequence(steps)
+    # Strip applies to each string it gets: after Fuse that is the whole text.
+    tk.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    if special:
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    if user:
+        tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return tk
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: Dict[str, int]) -> List[Tuple[str, str]]:
+    """Every (a, b) with a, b and a+b tokens, highest score of a+b first (ties: lower id first;
+    for one a+b, longer a first, as transformers orders them). Only the tokens are sorted (262k
+    for Gemma 3, not its 515k merges): 1.5-2 s, the bulk of building the tokenizer."""
+    merges: List[Tuple[str, str]] = []
+    add = merges.append
+    for i in sorted(range(len(tokens)), key=scores.__getitem__, reverse=True):  # stable: ties keep id order
+        t = tokens[i]
+        for k in range(len(t) - 1, 0, -1):
+            a = t[:k]
+            if a in vocab:
+                b = t[k:]
+                if b in vocab:
+                    add((a, b))
+    return merges
 
 
 def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],

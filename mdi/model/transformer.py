@@ -1,4 +1,9 @@
-"""One transformer for the GPT-2 and Llama families, cut-able into contiguous chunks.
+"""One transformer for the GPT-2, Llama and Gemma 3 families, cut-able into contiguous chunks.
+
+What a family's block is made of (norm, positions, MLP, post-norms, embedding scale) is read from
+the family table (mdi.model.families), not branched on by name. Gemma 3's sliding-window layers
+(`ModelConfig.layer_window`) mask every path (prefill, decode, several samples, verification, training) to
+their last `sliding_window` positions and rotate with their own RoPE base.
 
 A `ModelChunk` holds blocks [first, last) of the network and, optionally, the input side
 (token + position embeddings) and the output side (final norm + LM head). The starter holds
@@ -22,29 +27,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mdi.model import fused_decode, graph_decode
-from mdi.model.attention import attend_decode_rows, attend_sample
+from mdi.model.attention import attend_decode_rows, attend_sample, causal_mask, sdpa
 from mdi.model.config import ModelConfig
+from mdi.model.families import family_of
 from mdi.model.kv_cache import KVCache
-from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, RMSNorm, decode_kernels,
+from mdi.model.layers import (Embedding, Linear, LoraDeltas, QuantEmbedding, QuantLinear, decode_kernels, held_bytes,
                               make_linear, make_norm)
 from mdi.model.layout import QuantLayout, QuantSpec
 from mdi.model.rope import RotaryEmbedding
-from mdi.model.row_batch import RowBatch, attends_in_one_call
+from mdi.model.row_batch import RowBatch, attends_in_one_call, decode_window_key
 from mdi.system.memory import release_freed_memory
 from mdi.system.transfers import to_device
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
+    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "",
+                 window: int = 0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.qkv = make_linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
                                config.bias or config.qkv_bias, quant.get(prefix + "qkv"))
         self.proj = make_linear(config.n_head * config.head_dim, config.n_embd, config.bias, quant.get(prefix + "proj"))
-        if config.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
-        self.qk_norm = config.qk_norm
+        self.qk_norm = config.qk_norm or family_of(config.family).always_qk_norm
+        if self.qk_norm:  # Qwen3, Gemma 3: each head's q and k normalised before RoPE
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
+        self.window = window  # > 0: a sliding-window layer (ModelConfig.layer_window)
+        self.scale = config.attn_scale  # None: SDPA's 1 / sqrt(head_dim)
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:
@@ -58,7 +67,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         if rope is not None:
-            qk = rope.at_rows(qk, batch)
+            qk = rope.of_layer(self.window).at_rows(qk, batch)
         if batch.row_wise and batch.rows > len(batch.slots):
             ys, row = [], 0
             for slot, start, T in zip(batch.slots, batch.starts, batch.counts):
@@ -68,17 +77,20 @@ class Attention(nn.Module):
             y = torch.cat(ys)
         elif batch.whole_slots:  # a recorded CUDA graph's step: its tensors alone (mdi.model.graph_decode)
             slots, positions, mask = batch.decode_tables
-            y = attend_decode_rows(qk, v, k_cache, v_cache, slots, positions, mask, H, KV, D, batch.counts[0])
+            if self.window:  # narrowed to the window by the step (DecodeStep._run)
+                mask = batch.window_masks[decode_window_key(self.window)]
+            y = attend_decode_rows(qk, v, k_cache, v_cache, slots, positions, mask, H, KV, D, batch.counts[0],
+                                   self.scale)
         elif len(batch.slots) == 1:
             y = self._attend(qk, v, k_cache[batch.slots[0]], v_cache[batch.slots[0]], batch.starts[0],
-                             batch.sample_mask(0, H // KV, x.device))
+                             batch.sample_mask(0, H // KV, x.device, self.window))
         elif attends_in_one_call(batch, KV * D):
             y = self._attend_decode_rows(qk, v, k_cache, v_cache, batch)  # several one-row samples at once
         else:
             ys, row = [], 0
             for i, (slot, start, T) in enumerate(zip(batch.slots, batch.starts, batch.counts)):
                 ys.append(self._attend(qk[row:row + T], v[row:row + T], k_cache[slot], v_cache[slot], start,
-                                       batch.sample_mask(i, H // KV, x.device)))
+                                       batch.sample_mask(i, H // KV, x.device, self.window)))
                 row += T
             y = torch.cat(ys)
         return self.proj(y)
@@ -87,15 +99,16 @@ class Attention(nn.Module):
                 start: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One sample's T rows against its own cache slot (attention.attend_sample, which the
         scripted blocks run too); `mask`: the pass's (RowBatch.sample_mask)."""
-        return attend_sample(qk, v, k_cache, v_cache, start, self.n_head, self.n_kv_head, self.head_dim, mask)
+        return attend_sample(qk, v, k_cache, v_cache, start, self.n_head, self.n_kv_head, self.head_dim, mask,
+                             self.window, self.scale)
 
     def _attend_decode_rows(self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: RowBatch) -> torch.Tensor:
         """S samples with one row each, in one SDPA call (~10 ops per layer instead of ~9 per
         sample): attention.attend_decode_rows, which the scripted blocks run too."""
-        slots, positions, mask = batch.decode_index(k_cache.device)
+        slots, positions, mask = batch.decode_index(k_cache.device, self.window)
         return attend_decode_rows(qk, v, k_cache, v_cache, slots, positions, mask,
-                                  self.n_head, self.n_kv_head, self.head_dim)
+                                  self.n_head, self.n_kv_head, self.head_dim, 1, self.scale)
 
     def forward_batch(self, x: torch.Tensor, rope: Optional[RotaryEmbedding]) -> torch.Tensor:
         """Causal attention over whole sequences x [B, T, C] without a cache (training)."""
@@ -108,44 +121,64 @@ class Attention(nn.Module):
         k = k.transpose(1, 2).repeat_interleave(H // KV, dim=1)
         v = v.transpose(1, 2).repeat_interleave(H // KV, dim=1)
         if rope is not None:
+            rope = rope.of_layer(self.window)
             q, k = rope(q, 0), rope(k, 0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.window or self.scale is not None:
+            y = sdpa(q, k, v, causal_mask(0, T, 1, x.device, self.window), self.scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
         super().__init__()
-        self.family = config.family
+        self.kind = family_of(config.family).mlp  # "gelu" | "swiglu" | "geglu"
+        self.gelu_approximate = config.gelu_approximate
         E, I = config.n_embd, config.intermediate_size
-        if config.family == "gpt2":
+        if self.kind == "gelu":
             self.fc = make_linear(E, I, True, quant.get(prefix + "fc"))
             self.proj = make_linear(I, E, True, quant.get(prefix + "proj"))
-            self.gelu_approximate = config.gelu_approximate
         else:
             self.gate_up = make_linear(E, 2 * I, False, quant.get(prefix + "gate_up"))
             self.down = make_linear(I, E, False, quant.get(prefix + "down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.family == "gpt2":
+        if self.kind == "gelu":
             return self.proj(F.gelu(self.fc(x), approximate=self.gelu_approximate))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if self.kind == "geglu":
+            return self.down(F.gelu(gate, approximate=self.gelu_approximate) * up)
         return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "") -> None:
+    """norm1 -> attention (-> post_attn_norm) + residual; norm2 -> MLP (-> post_mlp_norm) + residual.
+    The post-norms where the family has them (Gemma 3: there norm2 is its pre-feed-forward norm)."""
+
+    def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "", window: int = 0) -> None:
         super().__init__()
+        self.post_norms = family_of(config.family).post_norms
         self.norm1 = make_norm(config)
-        self.attn = Attention(config, quant, prefix + "attn.")
+        self.attn = Attention(config, quant, prefix + "attn.", window)
+        if self.post_norms:
+            self.post_attn_norm = make_norm(config)
         self.norm2 = make_norm(config)
         self.mlp = MLP(config, quant, prefix + "mlp.")
+        if self.post_norms:
+            self.post_mlp_norm = make_norm(config)
 
     def forward(self, x, k_cache, v_cache, batch, rope):
+        if self.post_norms:
+            x = x + self.post_attn_norm(self.attn(self.norm1(x), k_cache, v_cache, batch, rope))
+            return x + self.post_mlp_norm(self.mlp(self.norm2(x)))
         x = x + self.attn(self.norm1(x), k_cache, v_cache, batch, rope)
         return x + self.mlp(self.norm2(x))
 
     def forward_batch(self, x, rope):
+        if self.post_norms:
+            x = x + self.post_attn_norm(self.attn.forward_batch(self.norm1(x), rope))
+            return x + self.post_mlp_norm(self.mlp(self.norm2(x)))
         x = x + self.attn.forward_batch(self.norm1(x), rope)
         return x + self.mlp(self.norm2(x))
 
@@ -154,6 +187,8 @@ class ModelChunk(nn.Module):
     """Blocks [first, last) plus, optionally, the embeddings and the final norm + head.
     `quant` names the weights kept quantized (mdi.model.layout.QuantLayout)."""
 
+    backend = "torch"  # mdi.model.backend: the ggml chunk (mdi.model.ggml.chunk) answers the same calls
+
     def __init__(self, config: ModelConfig, first: int, last: int,
                  with_embedding: bool = False, with_head: bool = False,
                  quant: Optional[QuantLayout] = None) -> None:
@@ -161,16 +196,20 @@ class ModelChunk(nn.Module):
         if not 0 <= first <= last <= config.n_layer:
             raise ValueError("layer range [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
         quant = dict(quant or {})
+        family = self.family = family_of(config.family)
         self.config, self.first, self.last = config, first, last
         self.with_embedding, self.with_head = with_embedding, with_head
         if with_embedding or (with_head and config.tied_head):
             spec = quant.get("tok_emb")
             self.tok_emb = Embedding(config.vocab_size, config.n_embd) if spec is None \
                 else QuantEmbedding(config.vocab_size, config.n_embd, spec)
-        if with_embedding and config.family == "gpt2":
+        if with_embedding and family.positions == "learned":
             self.pos_emb = Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleDict({str(i): Block(config, quant, "blocks.%d." % i) for i in range(first, last)})
-        self.rope = RotaryEmbedding(config) if config.family == "llama" and last > first else None
+        windows = [config.layer_window(i) for i in range(first, last)]
+        self.blocks = nn.ModuleDict({str(i): Block(config, quant, "blocks.%d." % i, w)
+                                     for i, w in zip(range(first, last), windows)})
+        # with Gemma 3's sliding-window layers' tables inside (RotaryEmbedding.of_layer)
+        self.rope = RotaryEmbedding(config) if family.positions == "rope" and last > first else None
         if with_head:
             self.norm_f = make_norm(config)
             if not config.tied_head:
@@ -191,6 +230,16 @@ class ModelChunk(nn.Module):
     @property
     def n_layers(self) -> int:
         return self.last - self.first
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the chunk's weights hold: its tensors, and what kernels keep outside them."""
+        return held_bytes(self)
 
     @property
     def fused_decode(self) -> bool:
@@ -296,15 +345,22 @@ class ModelChunk(nn.Module):
         """Token rows [rows] at their own positions (several samples stacked: a RowBatch);
         `virtual` (rows, embeddings) replaces those rows' token embeddings (a soft prompt's
         virtual tokens; positions are added to them as to any token, as PEFT does)."""
-        x = self.tok_emb(ids)
-        if virtual is not None:
+        x = self._token_embeddings(ids)
+        if virtual is not None:  # not scaled (Gemma): PEFT hands a prompt's embeddings over as they are
             rows, values = virtual
             x = x.clone()
             x[to_device(rows, x.device)] = to_device(values, x.device, x.dtype)
-        if self.config.family == "gpt2":
+        if self.family.positions == "learned":
             x = x + self.pos_emb(positions.to(ids.device))
         # A quantized embedding looks rows up in float32: they join the chunk's dtype here.
         return x.to(self.activation_dtype)
+
+    def _token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(ids)
+        if self.family.embed_scale:  # Gemma: times sqrt(n_embd) rounded to the activations' dtype, as HF does
+            dtype = self.activation_dtype
+            x = x.to(dtype) * torch.tensor(self.config.n_embd ** 0.5, dtype=torch.float32).to(dtype)
+        return x
 
     def forward_blocks(self, x: torch.Tensor, slot: int, start: int) -> torch.Tensor:
         """Run this chunk's blocks on one sample's activations x [T, C] at positions start.."""
@@ -359,8 +415,8 @@ class ModelChunk(nn.Module):
         if not (self.with_embedding and self.with_head and self.first == 0 and self.last == self.config.n_layer):
             raise RuntimeError("forward_batch needs the full model")
         B, T = ids.shape
-        x = self.tok_emb(ids)
-        if self.config.family == "gpt2":
+        x = self._token_embeddings(ids)
+        if self.family.positions == "learned":
             x = x + self.pos_emb(torch.arange(T, device=ids.device))
         for block in self.blocks.values():
             x = block.forward_batch(x, self.rope)  # type: ignore[operator]  # a Block's: mypy sees only Module

@@ -9,7 +9,7 @@ from safetensors.torch import load as safetensors_load, save as safetensors_save
 
 from mdi.ring.init_request import RequestError
 
-MAX_ADAPTER_BYTES = 256 * 1024 * 1024
+from mdi.ring.body_limits import MAX_ADAPTER_BYTES  # noqa: E402,F401  (named from here too)
 MAX_RANK = 4096
 
 

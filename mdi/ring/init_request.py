@@ -5,10 +5,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from mdi.model.backend import BACKENDS, KV_TYPES
 from mdi.model.config import ModelConfig
-from mdi.model.fused_decode import default_on as fused_decode_default
+from mdi.model.ggml.tensors import typed_bytes
 from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_from_json, layout_to_json, quantizable, weight_bytes
-from mdi.model.qkernels import POLICY_NAMES
+from mdi.model.torch_settings import POLICY_NAMES, fused_decode_default
 from mdi.ring.wire import CODECS
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -96,13 +97,20 @@ class InitRequest:
     # runtime.prefix_cache: the bytes this node may keep of earlier prompts' KV (an integer),
     # "auto" (half of what its memory spares beside weights and KV cache), or None/0: none.
     prefix_cache: Any = None
+    # What this node computes with (mdi.model.backend): ggml or torch, as POST /backend decided;
+    # "auto" decides here. Absent (a starter from before the ggml backend): torch.
+    backend: str = "torch"
+    kv_type: str = "f16"  # ggml's KV cache type
+    gguf_types: Dict[str, str] = field(default_factory=dict)  # ggml: the node's GGUF tensors and their types
+    repack: bool = True  # ggml: runtime.repack (matrices re-laid for ggml's faster kernels)
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
                                "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,
                                "data": self.data.to_json(), "weights": self.weights.to_json(),
                                "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
-                               "fused_decode": self.fused_decode}
+                               "fused_decode": self.fused_decode, "backend": self.backend, "kv_type": self.kv_type,
+                               "repack": self.repack}
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel",
                     "prefix_cache"):
@@ -110,7 +118,26 @@ class InitRequest:
                 out[key] = getattr(self, key)
         if self.quant:
             out["quant"] = layout_to_json(self.quant)
+        if self.gguf_types:
+            out["gguf_types"] = dict(self.gguf_types)
         return out
+
+
+def gguf_types_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, str]:
+    """A node's GGUF tensor types: only the names its layers hold, each of a type it may have."""
+    from mdi.model.ggml.tensors import MATRIX_TYPES, VECTOR_TYPES, node_tensors
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or len(data) > 100000:
+        raise RequestError("gguf_types must be a mapping of GGUF tensor names to ggml types")
+    want = node_tensors(config, layers[0], layers[1], False, False, rope_freqs=True)
+    for name, kind in data.items():
+        if name not in want:
+            raise RequestError("gguf_types: %r is not a tensor of layers [%d, %d)" % (name, layers[0], layers[1]))
+        allowed = MATRIX_TYPES if len(want[name]) == 2 else VECTOR_TYPES
+        if kind not in allowed:
+            raise RequestError("gguf_types: %s is %r, not one of %s" % (name, kind, ", ".join(allowed)))
+    return {str(k): str(v) for k, v in data.items()}
 
 
 def int_field(where: str, value: Any, lo: int, hi: int) -> int:
@@ -193,19 +220,41 @@ def check_device(device: str) -> str:
     return device
 
 
+def quant_kernel_field(spec: Dict[str, Any]) -> Optional[str]:
+    """runtime.quant_kernel as a request carries it (None: the node's default)."""
+    kernel = spec.get("quant_kernel")
+    if kernel is not None and kernel not in POLICY_NAMES:
+        raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
+    return kernel
+
+
+def kv_type_field(spec: Dict[str, Any]) -> str:
+    """runtime.kv_type as a request carries it (default f16)."""
+    kv_type = spec.get("kv_type", "f16")
+    if kv_type not in KV_TYPES:
+        raise RequestError("kv_type must be one of %s" % ", ".join(KV_TYPES))
+    return kv_type
+
+
+def layers_field(layers: Any, config: ModelConfig) -> List[int]:
+    """A node's blocks [first, last) of `config`'s, as two integers."""
+    if not isinstance(layers, list) or len(layers) != 2:
+        raise RequestError("layers must be [first, last) as two integers")
+    int_field("layers[0]", layers[0], 0, config.n_layer - 1)
+    int_field("layers[1]", layers[1], layers[0] + 1, config.n_layer)
+    return [layers[0], layers[1]]
+
+
 def validate_init(body: Any) -> InitRequest:
     """The /init JSON body as an `InitRequest`, or a `RequestError` naming the first bad field."""
     spec = object_fields("init", body, ("run_id", "model", "layers", "dtype", "device", "n_slots", "max_len",
                                         "data", "weights"),
                          ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant",
-                          "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode", "prefix_cache"))
+                          "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode", "prefix_cache",
+                          "backend", "kv_type", "gguf_types", "repack"))
     int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     config = model_field(spec["model"])
-    layers = spec["layers"]
-    if not isinstance(layers, list) or len(layers) != 2:
-        raise RequestError("layers must be [first, last) as two integers")
-    int_field("layers[0]", layers[0], 0, config.n_layer - 1)
-    int_field("layers[1]", layers[1], layers[0] + 1, config.n_layer)
+    layers = layers_field(spec["layers"], config)
     dtype_fields(spec)
     device = check_device(str_field("device", spec["device"], 32))
     int_field("n_slots", spec["n_slots"], 1, 4096)
@@ -218,9 +267,7 @@ def validate_init(body: Any) -> InitRequest:
     threads_field(spec.get("threads"))
     prefix_cache_field(spec.get("prefix_cache"))
     quant = quant_field(spec.get("quant"), config, layers)
-    kernel = spec.get("quant_kernel")
-    if kernel is not None and kernel not in POLICY_NAMES:
-        raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
+    kernel = quant_kernel_field(spec)
     max_batch = int_field("max_batch", spec.get("max_batch", 1), 1, spec["n_slots"])
     max_rows = int_field("max_rows", spec.get("max_rows", MAX_ROWS), 1, MAX_ROWS)
     codec = spec.get("wire_codec", "raw")
@@ -232,6 +279,14 @@ def validate_init(body: Any) -> InitRequest:
     int_field("data.next_port", data["next_port"], 1, 65535)
     str_field("data.next_host", data["next_host"], 255)
     bool_field("data.is_last", data["is_last"])
+    backend = spec.get("backend", "torch")
+    if backend not in BACKENDS:
+        raise RequestError("backend must be one of %s" % ", ".join(BACKENDS))
+    kv_type = kv_type_field(spec)
+    gguf_types = gguf_types_field(spec.get("gguf_types"), config, layers)
+    repack = bool_field("repack", spec["repack"]) if "repack" in spec else True
+    if backend == "ggml" and not gguf_types:
+        raise RequestError("backend ggml needs gguf_types (the node's GGUF tensors and their types)")
     weights = spec["weights"]
     if isinstance(weights, dict) and "path" in weights:
         object_fields("weights", weights, ("path",))
@@ -239,7 +294,9 @@ def validate_init(body: Any) -> InitRequest:
     else:
         object_fields("weights", weights, ("push",))
         push = object_fields("weights.push", weights["push"], ("nbytes", "sha256"))
-        limit = min(MAX_WEIGHTS_BYTES, weight_bytes(config, layers, spec["dtype"], quant=quant) + SAFETENSORS_SLACK)
+        stored = typed_bytes(config, gguf_types, layers[0], layers[1]) if backend == "ggml" else \
+            weight_bytes(config, layers, spec["dtype"], quant=quant)
+        limit = min(MAX_WEIGHTS_BYTES, stored + SAFETENSORS_SLACK)
         int_field("weights.push.nbytes", push["nbytes"], 1, limit)
         if not isinstance(push["sha256"], str) or not HEX64.match(push["sha256"]):
             raise RequestError("weights.push.sha256 must be 64 lowercase hex digits")
@@ -251,7 +308,8 @@ def validate_init(body: Any) -> InitRequest:
         weights=source, cache_budget_bytes=spec.get("cache_budget_bytes"),
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
         threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows,
-        wire_codec=codec, fused_decode=fused, prefix_cache=spec.get("prefix_cache"))
+        wire_codec=codec, fused_decode=fused, prefix_cache=spec.get("prefix_cache"), backend=backend, kv_type=kv_type,
+        gguf_types=gguf_types, repack=repack)
 
 
 def quant_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:

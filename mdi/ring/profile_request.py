@@ -11,13 +11,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mdi.model.block_timing import PROFILE_LAYERS
 from mdi.model.config import ModelConfig
-from mdi.model.fused_decode import default_on as fused_decode_default
+from mdi.model.ggml.tensors import MATRIX_TYPES, VECTOR_TYPES, block_tensors, end_tensors
 from mdi.model.layout import QuantSpec, layout_to_json
-from mdi.model.qkernels import POLICY_NAMES
+from mdi.model.timing_loop import PROFILE_LAYERS
+from mdi.model.torch_settings import fused_decode_default
 from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, fused_decode_field,
-                                   int_field, model_field, object_fields, quant_field, str_field, threads_field)
+                                   int_field, kv_type_field, model_field, object_fields, quant_field,
+                                   quant_kernel_field, str_field, threads_field)
 
 MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
 MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
@@ -40,11 +41,21 @@ class ProfileRequest:
     # runtime.fused_decode: the blocks are timed on the path the run will take. Always sent, so
     # it is in the profile cache key (mdi.starter.node_speeds keys a profile by this JSON).
     fused_decode: bool = field(default_factory=fused_decode_default)
+    # The backend the run will compute with there (mdi.model.backend): a plan times what runs.
+    # ggml: the GGUF types of a block's tensors by suffix ("attn_q.weight": "Q4_1"), and (a
+    # starter's own profile) of its embedding and head by name.
+    backend: str = "torch"
+    layer_types: Dict[str, str] = field(default_factory=dict)
+    end_types: Dict[str, str] = field(default_factory=dict)
+    kv_type: str = "f16"
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "dtype": self.dtype, "device": self.device,
                                "batch_sizes": list(self.batch_sizes), "context": self.context,
-                               "prefill_tokens": self.prefill_tokens, "fused_decode": self.fused_decode}
+                               "prefill_tokens": self.prefill_tokens, "fused_decode": self.fused_decode,
+                               "backend": self.backend, "kv_type": self.kv_type}
+        if self.backend == "ggml":
+            out.update(layer_types=dict(self.layer_types), end_types=dict(self.end_types))
         for key in ("threads", "compute_dtype", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -56,7 +67,8 @@ class ProfileRequest:
 def validate_profile(body: Any) -> ProfileRequest:
     """The /profile JSON body as a `ProfileRequest`, or a `RequestError` naming the first bad field."""
     spec = object_fields("profile", body, ("model", "dtype", "device", "batch_sizes", "context", "prefill_tokens"),
-                         ("threads", "compute_dtype", "quant", "quant_kernel", "fused_decode"))
+                         ("threads", "compute_dtype", "quant", "quant_kernel", "fused_decode", "backend",
+                          "layer_types", "end_types", "kv_type"))
     config = model_field(spec["model"])
     dtype_fields(spec)
     device = check_device(str_field("device", spec["device"], 32))
@@ -68,13 +80,36 @@ def validate_profile(body: Any) -> ProfileRequest:
     int_field("context", spec["context"], 0, config.block_size - 1)
     int_field("prefill_tokens", spec["prefill_tokens"], 1, min(MAX_PROFILE_ROWS, config.block_size))
     threads_field(spec.get("threads"))
-    kernel = spec.get("quant_kernel")
-    if kernel is not None and kernel not in POLICY_NAMES:
-        raise RequestError("quant_kernel must be one of %s" % ", ".join(POLICY_NAMES))
+    kernel = quant_kernel_field(spec)
     quant = quant_field(spec.get("quant"), config, [0, min(PROFILE_LAYERS, config.n_layer)])
     fused = fused_decode_field(spec)
+    backend = spec.get("backend", "torch")
+    if backend not in ("ggml", "torch"):
+        raise RequestError("backend must be ggml or torch (a plan times what the run computes with)")
+    kv_type = kv_type_field(spec)
+    layer_types = _types_field("layer_types", spec.get("layer_types"), block_tensors(config, 0), "blk.0.")
+    end_types = _types_field("end_types", spec.get("end_types"), end_tensors(config, True, True), "")
+    if backend == "ggml" and not layer_types:
+        raise RequestError("backend ggml needs layer_types (the GGUF types of a block's tensors)")
     return ProfileRequest(config, spec["dtype"], device, sorted(set(sizes)), spec["context"], spec["prefill_tokens"],
-                          spec.get("threads"), spec.get("compute_dtype"), quant, kernel, fused)
+                          spec.get("threads"), spec.get("compute_dtype"), quant, kernel, fused, backend, layer_types,
+                          end_types, kv_type)
+
+
+def _types_field(key: str, data: Any, tensors: Dict[str, Any], prefix: str) -> Dict[str, str]:
+    """GGUF types of tensors named as in `tensors` less `prefix`: only names it holds, each of a
+    type such a tensor may have."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or len(data) > 64:
+        raise RequestError("%s must be a mapping of tensor names to ggml types" % key)
+    for name, kind in data.items():
+        dims = tensors.get(prefix + name) if isinstance(name, str) else None
+        if dims is None:
+            raise RequestError("%s: %r is not a tensor of this model" % (key, name))
+        if kind not in (MATRIX_TYPES if len(dims) == 2 else VECTOR_TYPES):
+            raise RequestError("%s: %s is %r, not a type it may have" % (key, name, kind))
+    return {str(k): str(v) for k, v in data.items()}
 
 
 @dataclass

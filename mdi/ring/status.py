@@ -108,6 +108,10 @@ class StatusReply:
     cpu: Optional[str] = None  # its CPU as mdi.system.cpu.isa_text says it: which kernels win there
     kernels_here: List[str] = field(default_factory=list)  # what runtime.quant_kernel fast may try on its device
     prefix: PrefixStats = field(default_factory=PrefixStats)  # its prefix cache (mdi.model.prefix_store)
+    # what its layers compute with (mdi.model.backend): "ggml" or "torch", with the one line
+    # saying why (auto's measurement); None while it holds no weights
+    backend: Optional[str] = None
+    backend_line: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)

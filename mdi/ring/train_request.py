@@ -19,7 +19,7 @@ from mdi.model.lora_train import LoraSpec, check_targets
 from mdi.model.stage_train import OptimizerState
 from mdi.ring.init_request import RequestError
 
-MAX_TRAIN_BYTES = 256 * 1024 * 1024
+from mdi.ring.body_limits import MAX_TRAIN_BYTES  # noqa: E402,F401  (named from here too)
 METADATA_KEY = "mdi_train"
 STEPS_KEY = "adam_steps"
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -25,16 +25,17 @@ Codecs (header "codec"; header "dtype" is always the activation dtype that `deco
             SmolLM2's greedy tokens (scripts/bench_wire_codec.py), two outliers per row ~1.7%.
 """
 from dataclasses import dataclass, field
-from typing import Any, Container, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Container, Dict, List, Optional, Sequence
+
+import sys
 
 import msgpack
-import torch
-import torch.nn.functional as F
 
-from mdi.model.layout import DTYPES, WIRE_CODECS, dtype_name
+from mdi.model.layout import DTYPE_BYTES, WIRE_CODECS, dtype_name
 from mdi.model.prefix_store import OP_KINDS, CacheOp
+from mdi.ring.wire_format import INT8_BLOCK, INT8_MAX_WIDTH, INT8_OUTLIERS, FrameError  # noqa: F401  (named from here)
+from mdi.ring.wire_format import outliers as _outliers
 from mdi.system.str_enum import StrEnum
-from mdi.system.transfers import to_host
 
 # v2: frames carry a payload codec and the "score" kind; a v1 peer would misread both.
 # v3: each sample's adapter id ("adapter"); a v2 peer would run every sample on the base.
@@ -83,11 +84,7 @@ TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP, FrameKind.EVA
 ALL_ROWS_KINDS = (FrameKind.SCORE, FrameKind.VERIFY, FrameKind.TRAIN, FrameKind.GRAD, FrameKind.EVAL, FrameKind.CLIP,
                   FrameKind.STATE)
 CODECS = WIRE_CODECS
-INT8_BLOCK = 32
-INT8_OUTLIERS = 2  # per row, sent as (int16 column, float16 value): widths up to 32767
-INT8_MAX_WIDTH = 32767
-_CAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # codecs that are a plain cast
-_FP16_MAX = 65504.0  # largest finite float16: scales are clamped to it rather than becoming inf
+_CAST = ("float16", "bfloat16")  # codecs that are a plain cast
 MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 512 * 1024 * 1024
 _HEADER_KEYS = {"v", "kind", "run", "samples", "start", "count", "dtype", "shape", "codec"}
@@ -109,10 +106,6 @@ MAX_MICRO = 1 << 16
 MAX_TRAIN_SAMPLES = 1 << 16  # windows of one micro-batch (they name no cache slot)
 
 
-class FrameError(ValueError):
-    """A frame that fails validation; the message says why."""
-
-
 @dataclass(frozen=True)
 class TrainTag:
     """Where a training frame belongs (the header's "train"; see _OPTIONAL_KEYS)."""
@@ -129,7 +122,9 @@ class Frame:
     samples: List[int] = field(default_factory=list)
     start: List[int] = field(default_factory=list)  # first position of each sample's tokens
     count: List[int] = field(default_factory=list)  # tokens per sample (rows in the tensor)
-    tensor: Optional[torch.Tensor] = None  # [sum(count), hidden]
+    # [sum(count), hidden]: a torch tensor where the process has torch loaded, else a numpy
+    # array (a node computing with ggml: mdi.ring.wire_numpy decodes its frames)
+    tensor: Optional[Any] = None
     adapters: List[int] = field(default_factory=list)  # each sample's adapter id (0: the base); [] = all 0
     # Each sample's pass epoch (speculation): the starter starts a new epoch for a sample when a
     # verification rejects, so any node that sees a later epoch for a slot may drop the earlier
@@ -146,90 +141,30 @@ class Frame:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
+        return 0 if self.tensor is None else int(self.tensor.nbytes)
 
 
-_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    # Remembered per dtype: making an empty tensor to ask was half of decoding a decode hop's frame.
-    size = _ELEMENT_SIZES.get(dtype)
-    if size is None:
-        size = _ELEMENT_SIZES[dtype] = torch.tensor([], dtype=dtype).element_size()
-    return size
-
-
-def payload_nbytes(rows: int, width: int, dtype: Union[torch.dtype, str], codec: str) -> int:
-    """Bytes of a [rows, width] activation of `dtype` encoded with `codec` (the one home of the
-    size arithmetic: encode's output and decode's check agree through it)."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise FrameError("dtype %r not in %s" % (dtype, sorted(DTYPES)))
-        dtype = DTYPES[dtype][0]
+def payload_nbytes(rows: int, width: int, dtype: Any, codec: str) -> int:
+    """Bytes of a [rows, width] activation of `dtype` (a name, or a torch / numpy dtype)
+    encoded with `codec` (the one home of the size arithmetic: encode's output and decode's
+    check agree through it). Activations are floats: DTYPE_BYTES names the ones accepted."""
     if codec not in CODECS:
         raise FrameError("unknown codec %r (known: %s)" % (codec, ", ".join(CODECS)))
+    try:
+        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    except KeyError:
+        name = None
+    if name not in DTYPE_BYTES:
+        what = "codec %s needs a float dtype" % codec if codec != "raw" else "dtype must be one of %s" % sorted(DTYPE_BYTES)
+        raise FrameError("%s, not %s" % (what, dtype))
     if codec == "raw":
-        return rows * width * _element_size(dtype)
-    if not dtype.is_floating_point:
-        raise FrameError("codec %s needs a float dtype, not %s" % (codec, dtype))
+        return rows * width * DTYPE_BYTES[name]
     if codec in _CAST:
         return rows * width * 2
     if width > INT8_MAX_WIDTH:
         raise FrameError("codec int8 carries rows of at most %d values, not %d" % (INT8_MAX_WIDTH, width))
     # int8 values + float16 block scales + (int16 column, float16 value) per outlier
     return rows * width + rows * -(-width // INT8_BLOCK) * 2 + rows * _outliers(width) * 4
-
-
-def _outliers(width: int) -> int:
-    return min(INT8_OUTLIERS, width)
-
-
-def quantize_int8_blocks(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[rows, width] float -> (int8 [rows, width], float16 scales [rows, ceil(width / 32)]).
-    Values are rounded against the float16 scale as stored, so what is sent is what was rounded
-    against: each decoded value is within half its block's scale (absmax blocks at float16's
-    limit excepted: scales clamp at 65504, so values beyond 127 * 65504 saturate)."""
-    if x.dim() != 2:
-        raise ValueError("int8 blocks need a [rows, width] tensor, got shape %s" % list(x.shape))
-    rows, width = x.shape
-    blocks = -(-width // INT8_BLOCK)
-    pad = blocks * INT8_BLOCK - width
-    g = x.detach().float()
-    if pad:
-        g = F.pad(g, (0, pad))  # zeros change no block's absmax
-    g = g.reshape(rows, blocks, INT8_BLOCK)
-    scales = (g.abs().amax(-1) / 127.0).clamp_(max=_FP16_MAX).half()
-    s = scales.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero (or underflowing) block: q = 0, not 0/0
-    q = torch.div(g, s[..., None])  # a new tensor: g may be the caller's own float32 memory
-    q = q.round_().clamp_(-127, 127).to(torch.int8).view(rows, blocks * INT8_BLOCK)
-    if pad:
-        q = q[:, :width].contiguous()
-    return q, scales
-
-
-def dequantize_int8_blocks(q: torch.Tensor, scales: torch.Tensor, width: int,
-                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of `quantize_int8_blocks`: int8 values (any shape holding rows * width, e.g.
-    a flat wire buffer) and their float16 block scales -> a new [rows, width] tensor of `dtype`."""
-    rows = q.numel() // width
-    blocks = -(-width // INT8_BLOCK)
-    pad = blocks * INT8_BLOCK - width
-    v = q.reshape(rows, width).float()
-    if pad:
-        v = F.pad(v, (0, pad))
-    v = v.view(rows, blocks, INT8_BLOCK).mul_(scales.reshape(rows, blocks, 1).float())
-    v = v.view(rows, blocks * INT8_BLOCK)
-    if pad:
-        v = v[:, :width]
-    return v.to(dtype).contiguous()
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    # A byte view works for every dtype, bfloat16 included (numpy has no bfloat16).
-    # ignore: numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
 
 def encode(frame: Frame, codec: str = "raw") -> List[Any]:
@@ -252,16 +187,31 @@ def encode(frame: Frame, codec: str = "raw") -> List[Any]:
         header["train"] = [frame.train.step, frame.train.micro, frame.train.layer] + ([1] if frame.train.copy else [])
     if t is None:
         return [msgpack.packb(header), b""]
-    if codec != "raw" and not t.dtype.is_floating_point:
-        raise ValueError("codec %s needs a float tensor, not %s" % (codec, t.dtype))
-    t = to_host(t.detach())  # from a GPU: the frame's one wait
-    if codec == "raw":
-        payload = _byte_view(t)
-    elif codec in _CAST:
-        payload = _byte_view(t.to(_CAST[codec]))
-    else:
-        payload = _encode_int8(t)
-    return [msgpack.packb(header), payload]
+    return [msgpack.packb(header), _codecs(t).encode_payload(t, codec)]
+
+
+def _codecs(t: Any = None) -> Any:
+    """The codec arithmetic for `t` (a numpy array, or a torch tensor), or for decoding here:
+    torch's where this process has torch loaded, numpy's in a node that computes without it."""
+    if t is not None and not hasattr(t, "detach"):
+        from mdi.ring import wire_numpy
+        return wire_numpy
+    if t is not None or "torch" in sys.modules:
+        from mdi.ring import wire_torch
+        return wire_torch
+    from mdi.ring import wire_numpy
+    return wire_numpy
+
+
+# The torch codec's parts, named from here as they always were (tests, benchmarks): imported when asked for.
+_TORCH_NAMES = ("quantize_int8_blocks", "dequantize_int8_blocks", "quantize_int8", "dequantize_int8", "Int8Rows")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        from mdi.ring import wire_torch
+        return getattr(wire_torch, name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
 def _int_list(header: Dict[str, Any], key: str, n: int, lo: int, hi: int) -> List[int]:
@@ -272,66 +222,6 @@ def _int_list(header: Dict[str, Any], key: str, n: int, lo: int, hi: int) -> Lis
         if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
             raise FrameError("%s has a value outside [%d, %d]" % (key, lo, hi))
     return value
-
-
-def _decode_payload(buf: Any, rows: int, width: int, dtype: torch.dtype, codec: str) -> torch.Tensor:
-    # zmq's buffer is read-only and nothing writes activations in place, so wrapping it without
-    # a copy is safe (torch warns about it once; entry points silence that warning).
-    if codec == "raw":
-        return torch.frombuffer(buf, dtype=dtype).view(rows, width)
-    if codec in _CAST:
-        return torch.frombuffer(buf, dtype=_CAST[codec]).view(rows, width).to(dtype)
-    return _decode_int8(buf, rows, width, dtype)
-
-
-@dataclass
-class Int8Rows:
-    """The int8 codec's parts for [rows, width] activations (see the module docstring)."""
-    q: torch.Tensor  # int8 [rows, width], the outliers' places zero
-    scales: torch.Tensor  # float16 [rows, ceil(width / 32)]
-    columns: torch.Tensor  # int64 [rows, k]: where each row's outliers are
-    values: torch.Tensor  # float16 [rows, k]: the outliers
-
-
-def quantize_int8(x: torch.Tensor) -> Int8Rows:
-    rows, width = x.shape
-    if width > INT8_MAX_WIDTH:
-        raise ValueError("codec int8 carries rows of at most %d values, not %d" % (INT8_MAX_WIDTH, width))
-    g = x.detach().float().clone()  # the outliers are zeroed in this copy, not in the caller's tensor
-    columns = g.abs().topk(_outliers(width), dim=1).indices
-    values = g.gather(1, columns).clamp(-_FP16_MAX, _FP16_MAX).half()
-    g.scatter_(1, columns, 0.0)
-    q, scales = quantize_int8_blocks(g)
-    return Int8Rows(q, scales, columns, values)
-
-
-def dequantize_int8(parts: Int8Rows, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    x = dequantize_int8_blocks(parts.q, parts.scales, width, torch.float32)
-    x.scatter_(1, parts.columns, parts.values.float())
-    return x.to(dtype)
-
-
-def _encode_int8(t: torch.Tensor) -> memoryview:
-    p = quantize_int8(t)
-    parts = [p.q.view(torch.uint8), p.scales.view(torch.uint8), p.columns.to(torch.int16).view(torch.uint8),
-             p.values.view(torch.uint8)]
-    # ignore: as in _byte_view
-    return memoryview(torch.cat([part.reshape(-1) for part in parts]).numpy())  # type: ignore[arg-type]
-
-
-def _decode_int8(buf: Any, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    n, k = rows * width, _outliers(width)
-    n_scales = rows * -(-width // INT8_BLOCK)
-    q = torch.frombuffer(buf, dtype=torch.int8, count=n)
-    # The parts after the values may start at odd byte offsets: copy them (1/16 of the values'
-    # bytes and less) rather than read float16/int16 at unaligned addresses.
-    tail = torch.frombuffer(buf, dtype=torch.uint8, offset=n).clone()
-    scales = tail[:2 * n_scales].view(torch.float16)
-    columns = tail[2 * n_scales:2 * n_scales + 2 * rows * k].view(torch.int16).view(rows, k).long()
-    values = tail[2 * n_scales + 2 * rows * k:].view(torch.float16).view(rows, k)
-    if rows and (int(columns.min()) < 0 or int(columns.max()) >= width):
-        raise FrameError("int8 outlier column outside [0, %d)" % width)
-    return dequantize_int8(Int8Rows(q, scales, columns, values), width, dtype)
 
 
 def _cache_ops(value: Any, n_slots: Optional[int], max_len: int) -> List[CacheOp]:
@@ -442,12 +332,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
         raise FrameError("%s frame names no sample" % kind)
     if kind == FrameKind.DECODE and any(c != 1 for c in count):
         raise FrameError("decode frames carry one token per sample")
-    dtype = DTYPES[header["dtype"]][0] if isinstance(header["dtype"], str) and header["dtype"] in DTYPES else None
+    dtype = header["dtype"] if isinstance(header["dtype"], str) and header["dtype"] in DTYPE_BYTES else None
     if dtype is None:
-        raise FrameError("dtype %r not in %s" % (header["dtype"], sorted(DTYPES)))
-    if (codec != "raw" or training) and not dtype.is_floating_point:
-        raise FrameError("%s needs a float dtype, not %s" % ("training" if training else "codec " + codec,
-                                                             header["dtype"]))
+        raise FrameError("dtype %r not in %s" % (header["dtype"], sorted(DTYPE_BYTES)))
     shape = header["shape"]
     if not isinstance(shape, list) or len(shape) != 2:
         raise FrameError("shape must be [rows, hidden]")
@@ -465,5 +352,5 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     if pbytes != expected:
         raise FrameError("payload has %d bytes, shape x dtype x codec %s needs %d" % (pbytes, codec, expected))
     buf = payload.buffer if hasattr(payload, "buffer") else payload
-    frame.tensor = _decode_payload(buf, rows, width, dtype, codec)
+    frame.tensor = _codecs().decode_payload(buf, rows, width, dtype, codec)
     return frame

@@ -11,9 +11,10 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from mdi.model.backend import BACKENDS, KV_TYPES, default_backend
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, balanced, layer_ranges
-from mdi.model.fused_decode import default_on as fused_decode_default
-from mdi.model.qkernels import DEFAULT_POLICY, POLICY_NAMES
+from mdi.model.torch_settings import fused_decode_default
+from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 # ConfigError, check_keys and the speculation setting live in their own modules; callers
 # import them from here as they always have.
 from mdi.runconfig.checks import ConfigError, check_keys
@@ -38,6 +39,7 @@ class NodeSpec:
     device: Optional[str] = None  # overrides model.device for this node
     weights: Optional[str] = None  # path on the node's own disk (pre-cut chunk or model dir)
     quant: Optional[str] = None  # overrides model.quant for this node's layers
+    backend: Optional[str] = None  # overrides runtime.backend for this node (a ring may mix them)
 
     @property
     def address(self) -> str:
@@ -103,6 +105,15 @@ class RuntimeSpec:
     # (mdi.starter.prefix_cache): "auto" (half of what each node spares beside its weights and
     # KV cache), a byte count per node, or 0 (none).
     prefix_cache: Any = "auto"
+    # What each node computes with (mdi.model.backend): ggml (llama.cpp's kernels on the GGUF's
+    # own tensors), torch, or auto: each node measures both on its own shapes and keeps the
+    # faster (remembered per machine). A node's own `backend:` wins.
+    backend: str = field(default_factory=default_backend)  # $MDI_BACKEND, else auto
+    kv_type: str = "f16"  # the ggml backend's KV cache: f16 | q8_0 (llama.cpp's -ctk / -ctv)
+    # ggml re-lays the matrices of some GGUF types for its faster matrix kernels (llama.cpp's
+    # default): prefill runs up to 2.6x faster, but a pass of 4 rows or more then rounds them
+    # differently from a one-row pass, so greedy ids may depend on batching. false: never.
+    repack: bool = True
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -144,6 +155,10 @@ class RunConfig:
     def layer_ranges(self, n_layer: int) -> List[List[int]]:
         """Each node's half-open [first, last) layers, in ring order (layers planned first)."""
         return layer_ranges(partition(n_layer, self.nodes, self.source))
+
+    def backend_of(self, node: NodeSpec) -> str:
+        """What `node` asks to compute with: its own `backend`, else runtime.backend."""
+        return node.backend or self.runtime.backend
 
     def device_of(self, node: NodeSpec) -> str:
         """Where `node` computes: its own `device`, else model.device."""
@@ -207,7 +222,8 @@ def parse_config(data: Any, source: str) -> RunConfig:
                      "heartbeat_interval": NUM, "heartbeat_timeout": NUM, "token_file": (str,),
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
                      "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,),
-                     "prefix_cache": (int, str, bool)})
+                     "prefix_cache": (int, str, bool), "backend": (str,), "kv_type": (str,),
+                     "repack": (bool,)})
     if "prefix_cache" in r:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     runtime = RuntimeSpec(**r)
@@ -225,6 +241,10 @@ def parse_config(data: Any, source: str) -> RunConfig:
     if runtime.wire_codec not in WIRE_CODECS:
         raise ConfigError("%s: runtime.wire_codec: expected one of %s, got %r"
                           % (source, ", ".join(WIRE_CODECS), runtime.wire_codec))
+    if runtime.backend not in BACKENDS:
+        raise ConfigError("%s: runtime.backend: expected one of %s, got %r" % (source, ", ".join(BACKENDS), runtime.backend))
+    if runtime.kv_type not in KV_TYPES:
+        raise ConfigError("%s: runtime.kv_type: expected one of %s, got %r" % (source, ", ".join(KV_TYPES), runtime.kv_type))
     if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
         raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):
@@ -300,7 +320,8 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 
 def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
     n = check_keys(where, raw, {"name": (str,), "host": (str,), "port": (int,), "layers": (int, str),
-                                 "data_port": (int,), "device": (str,), "weights": (str,), "quant": (str,)})
+                                 "data_port": (int,), "device": (str,), "weights": (str,), "quant": (str,),
+                                 "backend": (str,)})
     n.setdefault("name", default_name)
     node = NodeSpec(**n)
     for key in ("port", "data_port"):
@@ -314,6 +335,8 @@ def _parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
         raise ConfigError("%s.layers: expected a positive integer, got %d" % (where, node.layers))
     if node.device is not None:
         _check_device(where + ".device", node.device)
+    if node.backend is not None and node.backend not in BACKENDS:
+        raise ConfigError("%s.backend: expected one of %s, got %r" % (where, ", ".join(BACKENDS), node.backend))
     if node.quant is not None and node.quant not in QUANT_MODES:
         raise ConfigError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), node.quant))
     return node

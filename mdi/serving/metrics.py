@@ -369,8 +369,11 @@ class Observer:
             "bytes_sent": getattr(transport, "bytes_sent", 0), "messages_sent": getattr(transport, "messages_sent", 0),
             "error": None,
             # each quantized weight shape -> "kernel: why" (mdi.model.kernel_choice.chosen_by_weight)
-            "kernels": kernel_choice.chosen_by_weight() if chunk is not None else {},
+            "kernels": kernel_choice.chosen_by_weight() if chunk is not None and chunk.backend == "torch" else {},
             "cpu": isa_text(cpu_info()),
+            # what its layers compute with, and why (mdi.model.backend)
+            "backend": chunk.backend if chunk is not None else None,
+            "backend_line": engine.backend_choice.describe() if engine is not None and engine.backend_choice else None,
             **_prefix_fields(pipeline.prefix_store.stats if pipeline is not None and pipeline.prefix_store else None),
             **(pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics()),
         }
@@ -413,6 +416,7 @@ class Observer:
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
             "passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled,
             "kernels": status.kernels, "cpu": status.cpu,
+            "backend": status.backend, "backend_line": status.backend_line,
             **c.batching.metrics(),
             **_prefix_fields(status.prefix if in_this_ring else None),
         })

@@ -19,6 +19,7 @@ import urllib3
 
 from mdi.ring.auth import CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, body_sha256, sign_request
 from mdi.ring.init_request import InitRequest
+from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
@@ -177,6 +178,16 @@ class ControlClient:
             return StatusReply.from_json(body)
         except StatusError as e:
             raise NodeError("node %s (%s): bad /status reply: %s" % (self.node.name, self.node.address, e),
+                            self.node.name) from None
+
+    def backend(self, request: BackendRequest) -> BackendReply:
+        """Which backend the worker computes the asked layers with (auto: measured there, once
+        per machine and shape; a slow board gets init_timeout, as a load would)."""
+        body = self._call("POST", "/backend", self.init_timeout, json=request.to_json())
+        try:
+            return BackendReply.from_json(body)
+        except ValueError as e:
+            raise NodeError("node %s (%s): bad /backend reply: %s" % (self.node.name, self.node.address, e),
                             self.node.name) from None
 
     def init(self, request: InitRequest) -> Dict[str, Any]:

@@ -127,7 +127,7 @@ class DraftModel:
 
     def __init__(self, chunk: ModelChunk, prefill_chunk: int) -> None:
         self.chunk, self.prefill_chunk = chunk, prefill_chunk
-        self.device = next(chunk.parameters()).device
+        self.device = chunk.device
         self.held: Dict[int, List[int]] = {}  # slot -> the tokens its positions 0.. hold
         self.owner: Dict[int, int] = {}  # slot -> the drafter whose tokens those are
         self._owners = itertools.count(1)

@@ -12,20 +12,21 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from mdi.model import kernel_choice, qkernels
-from mdi.model.layout import torch_dtype
+from mdi.model.backend import BackendChoice
+from mdi.model.backend_select import select_backend
+from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
 from mdi.model.source import ModelSource
-from mdi.model.kv_cache import KVCache
 from mdi.model.prefix_store import budget_bytes as prefix_budget
-from mdi.model.threads import AUTO, choose_threads, use_fixed as use_fixed_threads
-from mdi.model.transformer import ModelChunk
+from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter
+from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
 from mdi.starter.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
@@ -58,7 +59,8 @@ class Engine:
         self.recoveries: List[Recovery] = []
         self.prefix_bytes = 0  # the starter's prefix cache budget (runtime.prefix_cache resolved here)
         self.ring: Optional[RingSession] = None  # while workers are in the ring
-        self.chunk: Optional[ModelChunk] = None
+        self.chunk: Optional[Any] = None  # ModelChunk (torch) or mdi.model.ggml.chunk.GgmlChunk
+        self.backend_choice: Optional[BackendChoice] = None  # the starter's, and why
         self.pipeline: Optional[Pipeline] = None
         # Whether samples may draft (the run's generation.speculation; serving may set it for
         # per-request speculation before open)
@@ -119,11 +121,18 @@ class Engine:
             self.ring = None
         self.registry.close()
 
-    def _starter_chunk(self, layers: List[int]) -> ModelChunk:
+    def _starter_chunk(self, layers: List[int]) -> Any:
         first, last = layers
         unusable = unusable_reason(self.device)
         if unusable is not None:
             raise ConfigError("starter: %s" % unusable)
+        choice = self._choose_backend(first, last)
+        self.backend_choice = choice
+        # said where auto decided (a measurement, or a backend unable to serve); asked: debug
+        log.log(logging.INFO if choice.asked == "auto" else logging.DEBUG, "mdi: starter: backend %s",
+                choice.describe())
+        if choice.backend == "ggml":
+            return self._ggml_chunk(first, last)
         asked = self.cfg.model.compute_dtype
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:
@@ -132,10 +141,7 @@ class Engine:
         draft = ("the draft model", self.plan.draft_bytes(self.n_slots)) if self.plan.draft is not None else None
         spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device,
                                 draft)
-        try:
-            self.prefix_bytes = prefix_budget(self.cfg.runtime.prefix_cache, spare)
-        except ValueError as e:
-            raise ConfigError("starter: runtime.prefix_cache: %s" % e)
+        self._set_prefix_bytes(spare)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         # mdi-start set it already; an engine built in Python had not (a benchmark's starter ran
         # 2 threads on 2 cores, its second spinning through a CPU quota)
@@ -147,11 +153,52 @@ class Engine:
         chunk.fused_decode = self.cfg.runtime.fused_decode  # before allocate_cache scripts the blocks
         chunk.allocate_cache(self.n_slots, self.max_len)
         if self.cfg.runtime.threads == AUTO:  # timed before any sample or adapter uses the chunk
-            choice = choose_threads(chunk, self.plan.max_batch)
-            log.info("mdi: starter: threads: auto chose %s", choice.describe())
+            threads = choose_threads(chunk, self.plan.max_batch)
+            log.info("mdi: starter: threads: auto chose %s", threads.describe())
         if self.adapters:
             self.adapters.install(chunk)
         return chunk
+
+    def _choose_backend(self, first: int, last: int) -> BackendChoice:
+        """The starter's backend (runtime.backend, or its node's own), auto measured here."""
+        cfg = self.cfg
+        try:
+            return select_backend(
+                cfg.backend_of(cfg.starter), self.source.config, first, last,
+                self.source.gguf_types(first, last, True, True) if self.source.gguf_path else None, self.device,
+                cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else None, self.plan.max_batch,
+                adapters=bool(self.adapters) or bool(cfg.adapters), dtype=cfg.model.dtype,
+                quant=layout_to_json(self.plan.nodes[0].quant), quant_kernel=cfg.runtime.quant_kernel,
+                kv_type=cfg.runtime.kv_type)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError("starter: %s" % e)
+
+    def _ggml_chunk(self, first: int, last: int) -> Any:
+        """The starter's chunk on ggml: its GGUF tensors as stored, a ggml KV cache."""
+        cfg = self.cfg
+        draft = self.plan.draft_bytes(self.n_slots) if self.plan.draft is not None else 0
+        need = self.source.gguf_bytes(first, last, True, True) + draft + ggml_kv_bytes(
+            self.source.config, last - first, self.n_slots, self.max_len, cfg.runtime.kv_type)
+        free = starter_free_bytes(self.device)
+        if free is not None and need > free:
+            raise ConfigError("starter: layers [%d, %d) with the embedding and head need %.0f MB on ggml (weights, KV "
+                              "cache%s) but only %.0f MB of memory is available here: use fewer positions or samples, "
+                              "or give layers to more nodes" % (first, last, need / 2 ** 20,
+                                                                ", draft model" if draft else "", free / 2 ** 20))
+        self._set_prefix_bytes(None if free is None else free - need - LOAD_HEADROOM_BYTES)
+        threads = cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else usable_cpus()
+        chunk = self.source.ggml_chunk(first, last, True, True, threads, cfg.runtime.kv_type, cfg.runtime.repack)
+        chunk.allocate_cache(self.n_slots, self.max_len)
+        if cfg.runtime.threads == AUTO:
+            chosen = choose_threads(chunk, self.plan.max_batch)
+            log.info("mdi: starter: threads: auto chose %s", chosen.describe())
+        return chunk
+
+    def _set_prefix_bytes(self, spare: Optional[int]) -> None:
+        try:
+            self.prefix_bytes = prefix_budget(self.cfg.runtime.prefix_cache, spare)
+        except ValueError as e:
+            raise ConfigError("starter: runtime.prefix_cache: %s" % e)
 
     def _draft_model(self) -> Optional[DraftModel]:
         """The run's draft model (generation.speculation's draft), loaded beside the starter's chunk."""
@@ -166,8 +213,7 @@ class Engine:
         """The pipeline keeps earlier prompts' KV within what every node gives it: as many
         positions as the smallest node's budget holds (each node's bytes per position differ)."""
         cache = self.chunk.cache
-        here = self.prefix_bytes // KVCache.nbytes_for(self.source.config, self.chunk.last - self.chunk.first, 1, 1,
-                                                       cache.k.dtype) if cache is not None else 0
+        here = self.prefix_bytes // cache.range_bytes(1) if cache is not None and self.chunk.n_layers else 0
         positions = min([here] + (self.ring.prefix_positions() if self.ring is not None else []))
         self.pipeline.enable_prefix_cache(positions, self.prefix_bytes)
         if self.cfg.runtime.prefix_cache:  # --serve's start line says it too

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from mdi.model.block_timing import MIN_WINDOW_S, ROUNDS
+from mdi.model.timing_loop import MIN_WINDOW_S, ROUNDS
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.transformer import ModelChunk
 from mdi.timing.relay import RUN_ID, WAIT_S, looped_endpoint

@@ -29,6 +29,8 @@ class NodeReport:
     speculation: Dict[str, Any] = field(default_factory=dict)
     # its prefix cache's store (mdi.model.prefix_store.PrefixStats), the starter's with its index's counters
     prefix_cache: Dict[str, Any] = field(default_factory=dict)
+    backend: Optional[str] = None  # what it computed with: "ggml" or "torch" (mdi.model.backend)
+    backend_line: Optional[str] = None  # ... and why, in one line (auto's measurement)
 
     def to_json(self) -> Dict[str, Any]:
         """The record's entry: the measured fields, traffic and batching keys at the top level."""
@@ -51,7 +53,7 @@ def worker_report(name: str, layers: Sequence[int], status: StatusReply, cache_b
                        "bytes_sent_by_kind": c.bytes_sent_by_kind, "messages_sent_by_kind": c.messages_sent_by_kind},
                       c.batching.metrics(),
                       {"passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled},
-                      asdict(status.prefix) if status.prefix.budget_bytes else {})
+                      asdict(status.prefix) if status.prefix.budget_bytes else {}, status.backend, status.backend_line)
 
 
 def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
@@ -61,11 +63,13 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
     cache = chunk.cache if chunk is not None else None
     return NodeReport(engine.plan.nodes[0].name, list(engine.plan.nodes[0].layers), unified_memory_bytes(peak=True),
                       cache.nbytes if cache is not None else 0, round(compute_seconds, 6),
-                      kernels=kernel_choice.chosen_by_weight(),
+                      kernels=kernel_choice.chosen_by_weight() if chunk is not None and chunk.backend == "torch" else None,
                       traffic=pipeline.transport.traffic() if pipeline is not None else {},
                       batching=pipeline.batching.metrics() if pipeline is not None else {},
                       speculation=pipeline.speculation_metrics() if pipeline is not None else {},
-                      prefix_cache=pipeline.prefix_metrics() if pipeline is not None else {})
+                      prefix_cache=pipeline.prefix_metrics() if pipeline is not None else {},
+                      backend=chunk.backend if chunk is not None else None,
+                      backend_line=engine.backend_choice.describe() if engine.backend_choice is not None else None)
 
 
 def ring_reports(engine: Any, starter: NodeReport, workers: Sequence[NodeReport]) -> List[NodeReport]:

@@ -21,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi import __version__
-from mdi.model.layout import dtype_name, torch_dtype, weight_bytes
+from mdi.model.backend_select import layer_types, select_backend
+from mdi.model.layout import dtype_name, layout_to_json, torch_dtype, weight_bytes
 from mdi.model.block_timing import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.system.memory import release_freed_memory
 from mdi.ring.auth import is_loopback
+from mdi.ring.backend_request import BackendRequest
 from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
@@ -38,16 +40,13 @@ from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.planner import NodeCost, groups
 from mdi.system.files import write_json
+from mdi.system.machine_cache import cache_dir
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 256 * 1024  # the larger probe body: enough to see a slow link's bandwidth
 PROBE_REPEATS = 5
 CACHE_FILE = "profiles.json"
-
-
-def cache_dir() -> str:
-    return os.environ.get("MDI_PROFILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mdi")
 
 
 def _read_cache() -> Dict[str, Any]:
@@ -208,10 +207,33 @@ class Profiler:
     def _request(self, node: NodeSpec, with_ends: bool) -> ProfileRequest:
         layers = [0, min(PROFILE_LAYERS, self.config.n_layer)]
         cfg = self.cfg
+        quant = dict(node_quant(cfg, self.source, node, layers, with_ends))
+        backend = self._backend(node, with_ends, quant)
+        types = self.source.gguf_types(0, self.config.n_layer, with_ends, with_ends) if backend == "ggml" else {}
         return ProfileRequest(self.config, cfg.model.dtype, cfg.device_of(node), self.sizes, self.context,
-                              self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype,
-                              dict(node_quant(cfg, self.source, node, layers, with_ends)), cfg.runtime.quant_kernel,
-                              cfg.runtime.fused_decode)
+                              self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype, quant,
+                              cfg.runtime.quant_kernel, cfg.runtime.fused_decode, backend,
+                              layer_types(types, 0, self.config.n_layer),
+                              {n: t for n, t in types.items() if not n.startswith("blk.")}, cfg.runtime.kv_type)
+
+    def _backend(self, node: NodeSpec, starter: bool, quant: Dict[str, Any]) -> str:
+        """What `node` would compute with (a plan times what runs): asked, or auto's choice on
+        that node for the model's shapes (measured there once per machine, then recalled)."""
+        cfg = self.cfg
+        asked = cfg.backend_of(node)
+        if asked != "auto":
+            return asked
+        n = self.config.n_layer
+        gguf = self.source.gguf_types(0, n, starter, starter) if self.source.gguf_path else None
+        threads = cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else None
+        if starter:
+            return select_backend("auto", self.config, 0, n, gguf, cfg.device_of(node), threads, max(self.sizes),
+                                  bool(cfg.adapters), cfg.model.dtype, layout_to_json(quant), cfg.runtime.quant_kernel,
+                                  cfg.runtime.kv_type).backend
+        request = BackendRequest(self.config, [0, n], "auto", cfg.device_of(node), cfg.model.dtype, cfg.runtime.threads,
+                                 max(self.sizes), gguf or {}, {}, cfg.runtime.quant_kernel, cfg.runtime.kv_type,
+                                 bool(cfg.adapters))
+        return self.registry.client(node).backend(request).backend
 
     def _worker_timing(self, node: NodeSpec, device: str, alongside: Sequence[str]) -> Dict[str, Any]:
         """`device`: the one the worker reports; its own --device wins over the run's, so it is

@@ -5,8 +5,9 @@ The file is tokenized as plain text (BOS first when the tokenizer adds one, as l
 `llama-perplexity` does) and cut into non-overlapping windows of `ctx` tokens. Each window is
 run from position 0 as a "score" pass, whose every position comes back round the ring; the
 starter's head gives float32 log-probabilities and only the second half of a window's tokens
-is scored (in the first window, every token after the first), so a scored token has at least
-ctx/2 tokens of context. One window per KV cache slot is in flight, one slot per node, so every
+is scored, exactly the tokens llama-perplexity scores (positions ctx/2 + 1 .. ctx - 1, each
+predicted from the positions before it, in every window), so a scored token has more than
+ctx/2 tokens of context and the two tools' figures compare on the same GGUF. One window per KV cache slot is in flight, one slot per node, so every
 node works on a different window at every step; a window that starts at position 0 overwrites
 its slot's cache. Perplexity is exp(mean NLL) over every scored token.
 """
@@ -43,9 +44,9 @@ HEAD_ROWS = 256  # positions per head call: bounds the [rows, vocab] float32 log
 
 def scored_range(window: int, ctx: int) -> Tuple[int, int]:
     """The positions [a, ctx) of window `window` whose tokens are scored, each predicted from
-    the positions before it: the second half of the window, every token but the first in the
-    first window (which has nothing before it to lose context to)."""
-    return (1 if window == 0 else ctx // 2), ctx
+    the positions before it: llama-perplexity's, the tokens after the logits at ctx / 2 (its
+    `first`) up to the window's end, in every window alike."""
+    return ctx // 2 + 1, ctx
 
 
 @dataclass
@@ -258,8 +259,16 @@ class _Scorer:
                 self._score(frame)
 
     def _window_ids(self, window: int) -> torch.Tensor:
+        """The window's tokens; a tokenizer that adds BOS has every window begin with it, as
+        llama-perplexity puts it in place of each chunk's first token (never a scored one): a
+        model trained with BOS first reads a window without it as text out of context
+        (Gemma 3: 1.7x the perplexity)."""
         a = window * self.ctx
-        return self.ids[a:a + self.ctx].to(device=next(self.chunk.parameters()).device, dtype=torch.long)
+        ids = self.ids[a:a + self.ctx].to(device=self.chunk.device, dtype=torch.long)
+        tok = self.engine.source.tokenizer
+        if tok is not None and tok.add_bos:
+            ids[0] = tok.bos_id
+        return ids
 
     def _send(self, slot: int, window: int) -> None:
         t0 = time.perf_counter()
@@ -290,8 +299,7 @@ class _Scorer:
     def _score(self, frame: Frame) -> None:
         if frame.kind != FrameKind.SCORE or frame.tensor is None:
             return  # a stray stop/reset: nothing to score
-        p = next(self.chunk.parameters())
-        hidden = to_device(frame.tensor, p.device, self.chunk.activation_dtype)
+        hidden = to_device(frame.tensor, self.chunk.device, self.chunk.activation_dtype)
         row = 0
         for slot, count in zip(frame.samples, frame.count):
             rows, row = hidden[row:row + count], row + count

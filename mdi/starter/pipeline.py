@@ -103,7 +103,7 @@ class Pipeline:
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.context_shift = context_shift  # a full cache slot shifts the window instead of ending the sample
         self.context_shifts = 0
-        self.device = next(chunk.parameters()).device
+        self.device = chunk.device
         self.active: Dict[int, Sample] = {}  # cache slot -> admitted, unfinished sample
         self.ready: List[Sample] = []  # samples whose next pass waits to be sent
         self.t0 = time.perf_counter()

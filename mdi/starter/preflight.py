@@ -1,5 +1,5 @@
 """`mdi-start --check`: contact every node and say whether the run would fit, generating nothing."""
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
@@ -11,6 +11,7 @@ from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
+from mdi.starter.session import backend_request
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.devices import unusable_reason
 
@@ -64,7 +65,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
                 + (draft_need if i == 0 else 0)
             where = "%-10s %-21s %-17s needs %7.1f MB" % (
                 node.name, node.spec.address if i else "(this machine)", format_layers(first, last), need / MB)
-            ok = _report(cfg, registry, node.spec if i else None, where, need) and ok
+            ok = _report(cfg, registry, node.spec if i else None, where, need, plan, source, node) and ok
         for spare in plan.spares:
             ok = _report(cfg, registry, spare, "%-10s %-21s spare" % (spare.name, spare.address), None) and ok
     finally:
@@ -113,28 +114,60 @@ def prefix_line(cfg: RunConfig) -> str:
 
 
 def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], where: str,
-            need: Optional[int]) -> bool:
-    """Print one node's line; False if it is unreachable or its layers do not fit."""
+            need: Optional[int], plan: Any = None, source: Optional[ModelSource] = None, node_plan: Any = None) -> bool:
+    """Print one node's line; False if it is unreachable, its layers do not fit, or its backend
+    cannot serve the run. A node of the ring says what it would compute with (its backend, as
+    the run would choose it: auto measures there once per machine)."""
     policy = cfg.runtime.quant_kernel
     if node is None:
         device = cfg.device_of(cfg.starter)
         free = starter_free_bytes(device)
-        info = "starter; cpu %s; %s" % (isa_text(cpu_info()), kernels_offered_line(policy, qkernels.offered_on(device)))
+        assert source is not None and plan is not None
+        try:
+            backend = _starter_backend(cfg, plan, source, node_plan)
+        except ConfigError as e:
+            print("%s  REFUSED: %s" % (where, e))
+            return False
+        info = "starter; backend %s; cpu %s" % (backend.describe(), isa_text(cpu_info()))
+        if backend.backend == "torch":
+            info += "; " + kernels_offered_line(policy, qkernels.offered_on(device))
     else:
         try:
             client = registry.client(node)
             health = client.health()
             status = client.status()
+            chosen = client.backend(backend_request(plan, source, node_plan)) \
+                if node_plan is not None and source is not None else None
         except NodeError as e:
             print("%s  UNREACHABLE: %s" % (where, e))
             return False
         free = status.capacity_bytes()
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
+        if chosen is not None:
+            info += "; backend %s" % chosen.line
         if status.cpu:  # an older worker does not say
-            info += "; cpu %s; %s" % (status.cpu, kernels_offered_line(policy, status.kernels_here))
+            info += "; cpu %s" % status.cpu
+            if chosen is None or chosen.backend == "torch":
+                info += "; " + kernels_offered_line(policy, chosen.kernels_here if chosen else status.kernels_here)
         if status.kernels:
             info += " (the layers it holds from an earlier run use %s)" % kernel_choice.summary(status.kernels)
     fits = need is None or free is None or need <= free
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))
     return fits
+
+
+def _starter_backend(cfg: RunConfig, plan: Any, source: ModelSource, node_plan: Any) -> Any:
+    """What the starter's chunk would compute with, decided as the engine decides it."""
+    from mdi.model.backend_select import select_backend
+    from mdi.model.layout import layout_to_json
+    first, last = node_plan.layers
+    try:
+        return select_backend(cfg.backend_of(cfg.starter), source.config, first, last,
+                              source.gguf_types(first, last, True, True) if source.gguf_path else None,
+                              cfg.device_of(cfg.starter), cfg.runtime.threads if isinstance(cfg.runtime.threads, int)
+                              else None, plan.max_batch, adapters=bool(cfg.adapters), dtype=cfg.model.dtype,
+                              quant=layout_to_json(node_plan.quant), quant_kernel=cfg.runtime.quant_kernel,
+                              kv_type=cfg.runtime.kv_type)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError("backend: %s" % e)

@@ -1,6 +1,7 @@
 """The starter's view of the ring: configure every worker over HTTP, connect the data plane,
 and at the end send the stop frame round and collect each node's counters."""
 import hashlib
+import logging
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -9,12 +10,28 @@ from mdi.model.layout import dtype_name
 from mdi.model.source import ModelSource
 from mdi.ring.adapter_request import adapter_body
 from mdi.ring.auth import ring_password
+from mdi.ring.backend_request import BackendRequest
 from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.run_plan import RunPlan
+
+log = logging.getLogger(__name__)
+
+
+def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: bool = False) -> BackendRequest:
+    """POST /backend for a worker of `plan` (its NodePlan `node`): what it may compute its layers
+    with, auto measured there (the ring session and --check ask it alike)."""
+    cfg = plan.cfg
+    first, last = node.layers
+    return BackendRequest(
+        model=source.config, layers=[first, last], asked=cfg.backend_of(node.spec), device=cfg.device_of(node.spec),
+        dtype=dtype_name(plan.dtype), threads=cfg.runtime.threads or None, rows=plan.max_batch,
+        gguf_types=source.gguf_types(first, last, False, False) if source.gguf_path else {},
+        quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
+        adapters=bool(cfg.adapters) or adapters)
 
 
 class RingSession:
@@ -31,13 +48,18 @@ class RingSession:
         self.clients = [self.registry.client(n) for n in self.workers]
         self.endpoint: Optional[RingEndpoint] = None
         self.init_replies: List[Dict] = [{} for _ in self.workers]
+        self.backend_lines: List[Optional[str]] = [None for _ in self.workers]  # each worker's backend and why
         self.failure: Optional[NodeError] = None
         self._watching = threading.Event()
         self._watcher: Optional[threading.Thread] = None
 
-    def _init_spec(self, i: int, weights: Weights) -> InitRequest:
+    def _backend_request(self, i: int) -> BackendRequest:
+        return backend_request(self.plan, self.source, self.plan.workers[i], bool(self.adapters))
+
+    def _init_spec(self, i: int, weights: Weights, backend: str = "torch") -> InitRequest:
         node = self.workers[i]
         nxt = self.nodes[(i + 2) % len(self.nodes)]
+        first, last = self.plan.workers[i].layers
         return InitRequest(
             # what it keeps quantized (pushed weights come that way)
             quant=self.plan.workers[i].quant, quant_kernel=self.cfg.runtime.quant_kernel,
@@ -51,19 +73,29 @@ class RingSession:
                            is_last=i == len(self.workers) - 1),
             weights=weights, max_batch=self.plan.max_batch, max_rows=self.plan.max_rows,
             wire_codec=self.cfg.runtime.wire_codec, fused_decode=self.cfg.runtime.fused_decode,
-            prefix_cache=self.cfg.runtime.prefix_cache or None)
+            prefix_cache=self.cfg.runtime.prefix_cache or None, backend=backend, kv_type=self.cfg.runtime.kv_type,
+            gguf_types=self.source.gguf_types(first, last, False, False) if backend == "ggml" else {},
+            repack=self.cfg.runtime.repack)
 
     def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
         client, node = self.clients[i], self.workers[i]
         try:
             client.health()
             first, last = self.plan.workers[i].layers
+            asked = self._backend_request(i)
+            if asked.asked == "auto":  # the first time on a machine it measures (seconds): say so
+                log.info("mdi: %s: choosing its backend (auto: measured there once per machine) ...", node.name)
+            chosen = client.backend(asked)
+            self.backend_lines[i] = chosen.line
+            log.log(logging.INFO if asked.asked == "auto" else logging.DEBUG, "mdi: %s: backend %s", node.name,
+                    chosen.line)
             if node.weights:
-                self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights)))
+                self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights), chosen.backend))
             else:
-                blob = self.source.chunk_bytes(first, last, self.plan.dtype, self.plan.workers[i].quant)
+                blob = self.source.gguf_chunk_bytes(first, last) if chosen.backend == "ggml" else \
+                    self.source.chunk_bytes(first, last, self.plan.dtype, self.plan.workers[i].quant)
                 pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
-                self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed)))
+                self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed), chosen.backend))
                 if self.init_replies[i].get("need_weights"):
                     client.push_weights(blob)
             # Each adapter's matrices for this worker's layers only (new weights start with none).

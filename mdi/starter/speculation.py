@@ -441,7 +441,7 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
     that fits the period's quota and a longer one that does not differ by the throttling, not
     the work (0.5 core: 2.04 per row by the wall clock, which switched drafting off). A GPU's
     passes are timed by the wall clock, each waited for (its host thread idles meanwhile)."""
-    device = next(chunk.parameters()).device
+    device = chunk.device
     width = chunk.config.n_embd
     # a slot shorter than 1 + max_draft (a short prompt and few tokens) never holds a longer pass
     max_rows = max(1, min(max_rows, chunk.cache.max_len))

@@ -49,7 +49,7 @@ from mdi.model.lora_train import init_pairs, key_layer
 from mdi.model.prompt_train import PromptSpec, PromptTrainer, init_prompt
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.model.layout import DTYPES
+from mdi.model.layout import torch_dtype
 from mdi.model.stage_train import OptimizerState, StageTrainer, clip_scale, train_dtype_problem
 from mdi.ring.train_request import TrainSetup, read_pairs_reply, train_body
 from mdi.ring.transport import RingTimeout
@@ -150,21 +150,28 @@ def fingerprint(cfg: RunConfig, options: TrainOptions) -> Dict[str, Any]:
 
 
 def training_config(cfg: RunConfig) -> RunConfig:
-    """`cfg` with kernels that have a backward (mdi-train's and mdi.starter.remote_blocks')."""
-    if cfg.runtime.quant_kernel == "exact":
-        return cfg
-    # a quantized base's fast kernels (integer products, in-place rescaling) have no
-    # backward: the frozen int4 / int8 weights compute in float32 on every node (QLoRA's way)
-    log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
-             cfg.runtime.quant_kernel)
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, quant_kernel="exact"))
+    """`cfg` computing on torch with kernels that have a backward (mdi-train's and
+    mdi.starter.remote_blocks'): ggml has no backward pass here."""
+    asked_ggml = [n.name for n in cfg.nodes if cfg.backend_of(n) == "ggml"]
+    if asked_ggml:
+        raise ConfigError("%s: backend ggml cannot train (training computes on torch): set runtime.backend "
+                          "to auto or torch" % ", ".join(asked_ggml))
+    nodes = [dataclasses.replace(n, backend=None) for n in cfg.nodes]
+    runtime = dataclasses.replace(cfg.runtime, backend="torch")
+    if cfg.runtime.quant_kernel != "exact":
+        # a quantized base's fast kernels (integer products, in-place rescaling) have no
+        # backward: the frozen int4 / int8 weights compute in float32 on every node (QLoRA's way)
+        log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
+                 cfg.runtime.quant_kernel)
+        runtime = dataclasses.replace(runtime, quant_kernel="exact")
+    return dataclasses.replace(cfg, nodes=nodes, runtime=runtime)
 
 
 def check_train_dtype(cfg: RunConfig) -> None:
     """float16 / bfloat16 compute (model.dtype or model.compute_dtype) where the starter's device
     trains in it, else one line before any work (workers check their own at /train)."""
     name = cfg.model.compute_dtype or cfg.model.dtype
-    problem = train_dtype_problem(DTYPES[name][0], cfg.model.device)
+    problem = train_dtype_problem(torch_dtype(name), cfg.model.device)
     if problem is not None:
         raise ConfigError("model dtype %s: mdi-train cannot train in it here: %s; use float32" % (name, problem))
 
@@ -270,7 +277,7 @@ def _prompt_trainer(engine: Engine, options: TrainOptions, prompt: Optional[torc
         raise ConfigError("the initial prompt is %s, --num-virtual-tokens %d needs [%d, %d]"
                           % (list(prompt.shape), spec.n_virtual, spec.n_virtual, chunk.config.n_embd))
     s = options.setup
-    return PromptTrainer(prompt, s.lr, s.betas, s.eps, s.weight_decay, state, next(chunk.parameters()).device)
+    return PromptTrainer(prompt, s.lr, s.betas, s.eps, s.weight_decay, state, chunk.device)
 
 
 def _layers_of(d: Dict[str, Any], first: int, last: int) -> Dict[str, Any]:
@@ -312,7 +319,7 @@ class RingTrainer:
             for client, node in zip(ring.clients, self.engine.plan.workers):
                 first, last = node.layers
                 client.post_train(train_body(setup, _layers_of(pairs, first, last), state_of(first, last)))
-        self.device = next(chunk.parameters()).device
+        self.device = chunk.device
 
     @property
     def chunk(self) -> ModelChunk:

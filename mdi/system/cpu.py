@@ -7,6 +7,7 @@ in bfloat16). Every benchmark record carries `cpu_info()` so that a figure says 
 import functools
 import os
 import platform
+import sys
 from typing import Any, Dict, List
 
 # The flags that change which quantized kernel wins (x86: /proc/cpuinfo "flags"; ARM: "Features").
@@ -42,11 +43,20 @@ def _cpu_info() -> Dict[str, Any]:  # read once: a worker's /status, polled as a
     fields = _cpuinfo()
     have = set((fields.get("flags") or fields.get("features") or "").split())
     flags: List[str] = [f for f in FLAGS_THAT_MATTER if f in have]
-    try:
-        import torch
-        isa = torch.backends.cpu.get_cpu_capability()
-    except (ImportError, AttributeError, RuntimeError):  # torch < 2.1 has no get_cpu_capability
-        isa = None
+    isa = None
+    torch = sys.modules.get("torch")  # asked where loaded: a node computing with ggml never loads it
+    if torch is not None:
+        try:
+            isa = torch.backends.cpu.get_cpu_capability()
+        except (AttributeError, RuntimeError):  # torch < 2.1 has no get_cpu_capability
+            isa = None
+    if isa is None:  # torch's rule from the flags: its AVX512 kernels need F, BW, VL and DQ
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= have:
+            isa = "AVX512"
+        elif {"avx2", "fma"} <= have:
+            isa = "AVX2"
+        elif have:
+            isa = "DEFAULT"
     model = fields.get("model name") or fields.get("hardware") or fields.get("cpu part") or platform.processor()
     return {"model": model, "machine": platform.machine(), "cores": os.cpu_count(), "isa": isa, "flags": flags}
 

@@ -5,9 +5,13 @@ Below compute capability 7.0 (Pascal: Jetson TX2 is 6.2) torch's float16 kernels
 lets a node keep half-precision weights (half the memory) while computing in float32.
 """
 import os
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that need it (every one but for the CPU): a node that
+# computes with ggml asks whether its device is usable without loading torch.
 
 FAST_FP16_CAPABILITY = (7, 0)
 BF16_CAPABILITY = (8, 0)
@@ -19,6 +23,7 @@ def unusable_reason(device: str) -> Optional[str]:
     assertion errors and tracebacks)."""
     if not device.startswith("cuda"):
         return None
+    import torch
     if not torch.cuda.is_available():
         return "%s: this node's torch sees no CUDA GPU (no GPU, no driver, or a CPU-only torch build)" % device
     index = int(device.split(":", 1)[1]) if ":" in device else 0
@@ -41,6 +46,7 @@ def use_shape_agnostic_attention(device: str) -> bool:
     switch is; torch without the switch (< 2.4) has no cuDNN attention to avoid."""
     if not device.startswith("cuda"):
         return False
+    import torch
     enabled = getattr(torch.backends.cuda, "cudnn_sdp_enabled", None)
     if enabled is None or not enabled():
         return False
@@ -49,13 +55,16 @@ def use_shape_agnostic_attention(device: str) -> bool:
 
 
 def cuda_capability(device: str) -> Optional[Tuple[int, int]]:
-    if not device.startswith("cuda") or not torch.cuda.is_available():
+    if not device.startswith("cuda"):
+        return None
+    import torch
+    if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(torch.device(device))
 
 
-def resolve_compute_dtype(device: str, dtype: torch.dtype, compute_dtype: Optional[torch.dtype],
-                          capability: Optional[Tuple[int, int]] = None) -> Tuple[torch.dtype, Optional[str]]:
+def resolve_compute_dtype(device: str, dtype: "torch.dtype", compute_dtype: "Optional[torch.dtype]",
+                          capability: Optional[Tuple[int, int]] = None) -> "Tuple[torch.dtype, Optional[str]]":
     """The dtype to compute in, and a message for the log when the choice needs explaining.
 
     An explicit compute_dtype is honoured. Without one, bfloat16 weights on a GPU older than
@@ -68,6 +77,7 @@ def resolve_compute_dtype(device: str, dtype: torch.dtype, compute_dtype: Option
         return compute_dtype, None
     if capability is None:
         return dtype, None
+    import torch
     sm = "sm_%d%d" % capability
     if dtype == torch.bfloat16 and capability < BF16_CAPABILITY:
         return torch.float32, ("%s (%s) has no bfloat16 arithmetic: weights stay bfloat16, "

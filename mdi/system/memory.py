@@ -160,7 +160,18 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    # ru_maxrss (KiB on Linux) is updated lazily by the kernel and can trail the current RSS.
+    """This process's peak resident set: Linux's VmHWM, the high-water mark of its own memory.
+    Not ru_maxrss where VmHWM can be read: Linux keeps ru_maxrss across execve, so a worker
+    started by a 300 MB process (a test run with torch loaded, a lab driver) reported that
+    parent's size as its own peak. ru_maxrss (KiB on Linux) elsewhere, and never below the
+    current RSS (it is updated lazily)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return max(int(line.split()[1]) * 1024, rss_bytes())
+    except (OSError, ValueError, IndexError):
+        pass
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes())
 
 

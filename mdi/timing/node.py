@@ -7,14 +7,13 @@ from typing import Callable, Dict, Optional
 import torch
 
 from mdi.model import kernel_choice, qkernels
-from mdi.model.block_timing import profile_blocks, profile_chunk, seconds_per_call, time_chunk
+from mdi.model.block_timing import profile_blocks, profile_chunk, time_chunk
 from mdi.model.layout import torch_dtype
 from mdi.model.sampling import SamplingParams
 from mdi.model.transformer import ModelChunk
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
-from mdi.ring.wire import Frame, FrameKind, decode, encode
 from mdi.system.devices import resolve_compute_dtype
-from mdi.timing.relay import time_relay
+from mdi.timing.relay import frame_seconds, time_relay
 
 
 def profile_positions(request: ProfileRequest) -> int:
@@ -32,6 +31,9 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     answers POST /profile with (its relay, encrypted as its runs are when it has a `token`), and
     (`with_ends`: its quant layout then names the embedding and head too; `time_loop`: its
     pipeline loop) what the starter measures of itself."""
+    if request.backend == "ggml":  # the blocks the run will compute with
+        from mdi.timing.ggml_profile import profile_ggml
+        return profile_ggml(request, device, with_ends, params, token, time_loop, n_blocks)
     t0 = time.perf_counter()
     qkernels.set_preference(request.quant_kernel)
     # A profile sizes its blocks by the stored weights (profile_blocks): kernels that hold more
@@ -58,12 +60,3 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     return ProfileReply(timing.layer_s, timing.prefill_token_s, frames, torch.get_num_threads(), device,
                         time.perf_counter() - t0, timing.ends_s, loop, chunk.n_layers)
 
-
-def frame_seconds(rows: int, width: int, dtype: torch.dtype) -> float:
-    """Encoding one frame of `rows` activations and decoding (validating) it again: what a node
-    spends on every hop besides its blocks and the socket."""
-    frame = Frame(FrameKind.DECODE, 1, list(range(rows)), [0] * rows, [1] * rows, torch.zeros(rows, width, dtype=dtype))
-
-    def hop() -> Frame:
-        return decode([bytes(p) for p in encode(frame)], run=1, hidden=width, n_slots=rows, max_len=2)
-    return seconds_per_call(hop, min_window=0.05)

@@ -1,7 +1,8 @@
 """mdi-worker's control plane (Flask, JSON only) over one `Worker`:
 
-    GET /health, GET /status, POST /init, POST /weights (safetensors bytes when the starter
-    pushes them), POST /profile (time the model's blocks here, mdi.ring.profile_request), POST /probe
+    GET /health, GET /status, POST /backend (which backend this worker computes a run's layers
+    with: ggml or torch, auto measured here, mdi.ring.backend_request), POST /init, POST /weights
+    (safetensors bytes, or a GGUF of the node's tensors for ggml, when the starter pushes them), POST /profile (time the model's blocks here, mdi.ring.profile_request), POST /probe
     (a body timed by the starter to measure the link), POST / DELETE /adapters/<id> (a LoRA's
     matrices for this worker's layers, mdi.ring.adapter_request), POST / GET / DELETE /train
     (mdi-train: the run trains a LoRA, mdi.ring.train_request; GET answers its pairs now; DELETE
@@ -23,12 +24,11 @@ from mdi.ring.auth import (CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthEr
                            body_sha256)
 from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
+from mdi.ring.backend_request import validate_backend
 from mdi.ring.profile_request import MAX_PROBE_BYTES, validate_profile
-from mdi.ring.adapter_request import MAX_ADAPTER_BYTES
-from mdi.ring.train_request import MAX_TRAIN_BYTES
+from mdi.ring.body_limits import MAX_ADAPTER_BYTES, MAX_TRAIN_BYTES
 from mdi.ring.wire import MAX_ADAPTER_ID
 from mdi.worker.node import Worker
-from mdi.worker.training import start_training, stop_training, training_pairs
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,10 @@ def create_app(worker: Worker) -> Flask:
         # The peer address names this run's starter when another run is refused (409).
         return jsonify(worker.init(validate_init(body_json()), request.remote_addr or "?"))
 
+    @app.route("/backend", methods=["POST"])
+    def backend():
+        return jsonify(worker.choose_backend(validate_backend(body_json())).to_json())
+
     @app.route("/profile", methods=["POST"])
     def profile():
         return jsonify(worker.profile(validate_profile(body_json())).to_json())
@@ -160,13 +164,16 @@ def create_app(worker: Worker) -> Flask:
         # mdi-train: the run in progress trains a LoRA (mdi.worker.training); GET: its pairs now;
         # DELETE: it stops training and goes on serving (a job beside --serve, mdi.serving.train_job)
         if request.method == "GET":
+            from mdi.worker.training import training_pairs  # torch: imported by a job's first call
             return jsonify(training_pairs(worker))
         if request.method == "DELETE":
+            from mdi.worker.training import stop_training
             return jsonify(stop_training(worker))
         n = request.content_length
         if n is None or not 0 < n <= MAX_TRAIN_BYTES:
             raise RequestError("a training body is 1 to %d bytes of safetensors with its Content-Length"
                                % MAX_TRAIN_BYTES)
+        from mdi.worker.training import start_training
         return jsonify(start_training(worker, request.get_data(cache=True)))
 
     @app.route("/probe", methods=["POST"])

@@ -1,22 +1,18 @@
 """What a worker may give a run: one rule (`memory_limit`) behind its loads, its KV cache check,
 the adapters it takes and the capacity its /status reports to planners; and what it holds now."""
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
-from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest, RequestError
 from mdi.system.memory import LOAD_HEADROOM_BYTES, free_bytes_on
 
 
-def chunk_nbytes(chunk: Optional[ModelChunk]) -> int:
+def chunk_nbytes(chunk: Optional[Any]) -> int:
     """Bytes of the weights this worker holds, quantized ones as their kernel keeps them (the
-    KV cache is counted apart)."""
-    if chunk is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in list(chunk.parameters()) + list(chunk.buffers())) \
-        + sum(getattr(m, "opaque_nbytes", 0) for m in chunk.modules())
+    KV cache is counted apart); a torch or a ggml chunk."""
+    return chunk.weight_bytes if chunk is not None else 0
 
 
-def held_bytes(chunk: Optional[ModelChunk]) -> int:
+def held_bytes(chunk: Optional[Any]) -> int:
     """What a worker holds now for a run: weights, adapters and KV cache."""
     if chunk is None:
         return 0

@@ -13,30 +13,30 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
-from mdi.model import kernel_choice, qkernels
+from mdi.model.backend import BackendChoice
+from mdi.model.backend_select import select_backend
+from mdi.model.ggml.kv_cache import kv_cache_bytes
+from mdi.model.ggml.tensors import typed_bytes
 from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
-from mdi.model.source import build_chunk_from_file
-from mdi.model.threads import AUTO, choose_threads
-from mdi.model.kv_cache import KVCache
+from mdi.model.model_dir import GGUF_FILE, MODEL_FILE
+from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
-from mdi.model.transformer import ModelChunk
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
-from mdi.model.block_timing import profile_blocks, profile_bytes
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
-from mdi.ring.adapter_request import read_adapter_tensors
+from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import release_freed_memory
-from mdi.timing.node import profile_here, profile_positions
 from mdi.worker.memory_budget import check_cache_fits, chunk_nbytes, held_bytes, memory_limit
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 from mdi.worker.status_report import status_reply
 from mdi.worker.weight_intake import LoadedWeights, check_push_fits, models_dir_default, receive_push, weights_file
+
+# torch is imported where a run computes with it (or /profile, an adapter or training asks for
+# it): a worker whose layers compute with ggml never loads it (about 250 MB of resident memory).
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,12 @@ class Setup:
     """One /init as this worker resolved it: the request as received plus what the worker
     derived from it (kept here, never written into the request)."""
     request: InitRequest
-    compute_dtype: torch.dtype
+    compute_dtype: Any  # torch's dtype to compute in (None: the layers compute with ggml)
     key: LoadedWeights
     peer: str = "?"  # the starter's address as this worker saw it (named when another run is refused)
     weights_file: Optional[str] = None  # weights.path resolved inside the models directory
     prefix_bytes: int = 0  # its prefix cache's budget (runtime.prefix_cache resolved here)
+    backend_line: Optional[str] = None  # the backend it computes with, and why (auto's measurement)
 
 
 class Worker:
@@ -71,7 +72,9 @@ class Worker:
         self.run: Optional[Run] = None
         self.pending: Optional[Setup] = None  # /init waiting for pushed weights
         self.loaded: Optional[LoadedWeights] = None  # what `chunk` holds
-        self.chunk: Optional[ModelChunk] = None
+        self.chunk: Optional[Any] = None  # ModelChunk (torch) or GgmlChunk
+        self.backend_line: Optional[str] = None  # what the chunk computes with, and why
+        self.chosen: Optional[Tuple[List[int], str, str]] = None  # the last POST /backend: (layers, backend, why)
         self.runs_served = 0
         self.loading = False
         self.shutdown_requested = threading.Event()
@@ -178,7 +181,12 @@ class Worker:
                 raise NodeBusy("run %d is waiting for its weights; profile it between runs"
                                % self.pending.request.run_id)
             self.touch()
-            n_blocks = self._profile_blocks(request)
+            if request.backend == "ggml":  # the run's blocks, on ggml: no torch loaded for it
+                from mdi.timing.ggml_profile import profile_ggml as profile_here
+                n_blocks = None
+            else:
+                from mdi.timing.node import profile_here  # torch's blocks
+                n_blocks = self._profile_blocks(request)
             self._set_threads(request)
             try:
                 return profile_here(request, self.device_override or request.device, token=self.token,
@@ -190,6 +198,33 @@ class Worker:
                 release_freed_memory()  # the random blocks' memory goes back before the weights come
         finally:
             self.lock.release()
+
+    def choose_backend(self, request: BackendRequest) -> BackendReply:
+        """POST /backend: which backend this worker would compute the asked layers with
+        (mdi.model.backend_select; auto is measured here once per machine and shape)."""
+        self._check_device(request.device)
+        choice = self._select_backend(request.asked, request.model, request.layers, request.gguf_types,
+                                      self.device_override or request.device, request.threads, request.rows,
+                                      request.adapters, request.dtype, layout_to_json(request.quant),
+                                      request.quant_kernel, request.kv_type)
+        # the /init that follows names the backend chosen: its reports keep why
+        self.chosen = (list(request.layers), choice.backend, choice.describe())
+        kernels = []
+        if choice.backend == "torch":  # it will load torch for the run anyway
+            from mdi.model import qkernels
+            kernels = qkernels.offered_on(self.device_override or request.device)
+        return BackendReply(choice.backend, choice.describe(), round(choice.seconds, 3), kernels)
+
+    def _select_backend(self, asked: str, config: Any, layers: List[int], gguf_types: Dict[str, str], device: str,
+                        threads: Any, rows: int, adapters: bool, dtype: str, quant: Dict[str, Any],
+                        quant_kernel: Optional[str], kv_type: str) -> BackendChoice:
+        threads = self.threads_override or threads
+        try:
+            return select_backend(asked, config, layers[0], layers[1], gguf_types, device,
+                                  threads if isinstance(threads, int) else None, rows, adapters, dtype, quant,
+                                  quant_kernel, kv_type)
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(str(e))
 
     def _check_device(self, asked: str) -> None:
         why = unusable_reason(self.device_override or asked)
@@ -204,6 +239,8 @@ class Worker:
         measured again, not assumed: a 230 MB board holding its warmup run's layers refused the
         profile and the plan left it out, and one sized on the room the weights would leave,
         before they had gone, was OOM-killed."""
+        from mdi.model.block_timing import profile_blocks, profile_bytes
+        from mdi.timing.node import profile_positions
         config, rows = request.model, max(request.batch_sizes)
         positions = profile_positions(request)
         device = self.device_override or request.device
@@ -242,6 +279,7 @@ class Worker:
             if limit is not None and held + len(body) > limit:
                 raise TooLarge("adapter %d needs %.1f MB, but this worker holds %.1f MB of the %.1f MB it may use (%s)"
                                % (adapter, len(body) / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
+            from mdi.ring.adapter_request import read_adapter_tensors  # torch's: adapters run on torch
             tensors = read_adapter_tensors(body)
             try:
                 chunk.set_adapter(adapter, tensors)
@@ -282,26 +320,41 @@ class Worker:
         first, last = request.layers
         if not 0 <= first < last <= config.n_layer:
             raise RequestError("layers [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
-        dtype = torch_dtype(request.dtype)
         device = self.device_override or request.device
-        asked = request.compute_dtype
-        compute, note = resolve_compute_dtype(device, dtype, torch_dtype(asked) if asked else None)
-        if note:
-            log.warning(note)
-        cache_bytes = KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute)
+        backend, line = request.backend, None
+        if backend == "auto":  # a starter that did not ask POST /backend first
+            choice = self._select_backend("auto", config, request.layers, request.gguf_types, device, request.threads,
+                                          request.max_batch, False, request.dtype, layout_to_json(request.quant),
+                                          request.quant_kernel, request.kv_type)
+            backend, line = choice.backend, choice.describe()
+            if request.weights.push is not None and backend != "torch":
+                raise RequestError("backend auto chose %s here, but the push announced is torch's weights: ask POST "
+                                   "/backend first, then /init with the backend it names" % backend)
+        compute = None
+        if backend == "torch":
+            asked = request.compute_dtype
+            compute, note = resolve_compute_dtype(device, torch_dtype(request.dtype), torch_dtype(asked) if asked else None)
+            if note:
+                log.warning(note)
+        cache_bytes, token_bytes = self._cache_bytes(request, backend, compute)
         check_cache_fits(request, cache_bytes, *self._memory_limit(device))
         key = LoadedWeights(config, [first, last], request.dtype, device, request.weights,
-                            layout_to_json(request.quant), request.quant_kernel)
-        setup = Setup(request, compute, key, peer)
+                            layout_to_json(request.quant), request.quant_kernel, backend, request.kv_type,
+                            request.repack)
+        if line is None and self.chosen is not None and self.chosen[:2] == (list(request.layers), backend):
+            line = self.chosen[2]  # POST /backend chose it just before
+        setup = Setup(request, compute, key, peer, backend_line=line or "%s (asked)" % backend)
         if request.weights.path is not None:
-            setup.weights_file = weights_file(self.models_dir, request.weights.path)
+            setup.weights_file = weights_file(self.models_dir, request.weights.path,
+                                              GGUF_FILE if backend == "ggml" else MODEL_FILE)
         try:
             setup.prefix_bytes = prefix_budget(request.prefix_cache, self._spare_bytes(setup))
         except ValueError as e:
             raise TooLarge("runtime.prefix_cache: %s" % e)
         reply = {"ok": True, "need_weights": False, "cache_bytes": cache_bytes, "prefix_cache_bytes": setup.prefix_bytes,
-                 "prefix_token_bytes": KVCache.nbytes_for(config, last - first, 1, 1, compute)}
+                 "prefix_token_bytes": token_bytes, "backend": backend, "backend_line": setup.backend_line}
         if self.chunk is not None and self.loaded == setup.key:
+            self.backend_line = setup.backend_line  # the same weights, chosen again (and why)
             self._start_run_locked(setup)
             return reply
         if request.weights.push is not None:
@@ -311,7 +364,7 @@ class Worker:
         if setup.weights_file is not None:
             if not os.path.isfile(setup.weights_file):
                 raise RequestError("cannot load weights: weights file %s does not exist" % setup.weights_file)
-            need = weight_bytes(config, [first, last], request.dtype, quant=request.quant)
+            need = self._weights_bytes(setup)
             limit, what = self._memory_limit(device)
             if limit is not None and need + cache_bytes > limit:
                 raise TooLarge("layers [%d, %d) need %d bytes of weights plus a KV cache of %d bytes, over this "
@@ -321,6 +374,26 @@ class Worker:
         self.pending = setup
         self.touch()  # the heartbeat of an /init waiting for its weights starts now
         return dict(reply, need_weights=True)
+
+    @staticmethod
+    def _cache_bytes(request: InitRequest, backend: str, compute: Any) -> Tuple[int, int]:
+        """(the run's KV cache, one position's of one slot) in bytes, as `backend` keeps them."""
+        config, (first, last) = request.model, request.layers
+        if backend == "ggml":
+            return (kv_cache_bytes(config, last - first, request.n_slots, request.max_len, request.kv_type),
+                    kv_cache_bytes(config, last - first, 1, 1, request.kv_type))
+        from mdi.model.kv_cache import KVCache
+        return (KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute),
+                KVCache.nbytes_for(config, last - first, 1, 1, compute))
+
+    @staticmethod
+    def _weights_bytes(setup: Setup) -> int:
+        """What the weights of `setup` take once loaded (ggml: its GGUF tensors as stored)."""
+        request = setup.request
+        first, last = setup.key.layers
+        if setup.key.backend == "ggml":
+            return typed_bytes(request.model, request.gguf_types, first, last)
+        return weight_bytes(request.model, [first, last], request.dtype, quant=request.quant)
 
     def _drop_chunk_locked(self) -> None:
         """Let go of the weights held now and hand their memory back to the OS at once. The
@@ -341,14 +414,11 @@ class Worker:
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
         """What this worker's memory spares beside the weights and KV cache its run was planned
         with (room a faster kernel or the prefix cache may take), None when unknown."""
-        request = setup.request
-        first, last = setup.key.layers
         limit, _ = self._memory_limit(setup.key.device)
         if limit is None:
             return None
-        cache_bytes = KVCache.nbytes_for(request.model, last - first, request.n_slots, request.max_len,
-                                         setup.compute_dtype)
-        return limit - weight_bytes(request.model, [first, last], request.dtype, quant=request.quant) - cache_bytes
+        cache_bytes, _ = self._cache_bytes(setup.request, setup.key.backend, setup.compute_dtype)
+        return limit - self._weights_bytes(setup) - cache_bytes
 
     def receive_weights(self, stream: Any, nbytes: int) -> Dict[str, Any]:
         """POST /weights: the body read from `stream` (`nbytes` long) goes to a temporary file
@@ -368,7 +438,8 @@ class Worker:
             raise RequestError("no /init is waiting for weights")
         try:
             receive_push(stream, nbytes, setup.request.weights.push,
-                         lambda path: self._load_locked(setup, path, exact=True), self.touch)
+                         lambda path: self._load_locked(setup, path, exact=True), self.touch,
+                         ".gguf" if setup.key.backend == "ggml" else ".safetensors")
         except BaseException:
             self.pending = None  # the worker is idle again, not stuck in `loading`
             raise
@@ -378,6 +449,11 @@ class Worker:
     def _load_locked(self, setup: Setup, fn: str, exact: bool) -> None:
         key = setup.key
         first, last = key.layers
+        if key.backend == "ggml":
+            self._load_ggml_locked(setup, fn)
+            return
+        from mdi.model import kernel_choice, qkernels
+        from mdi.model.source import build_chunk_from_file
         self._set_threads(setup.request)  # kernels are measured with the threads the run will use
         qkernels.set_preference(key.quant_kernel)
         spare = self._spare_bytes(setup)  # less what the prefix cache may take
@@ -390,20 +466,43 @@ class Worker:
             where = "pushed weights" if exact else "weights"
             raise RequestError("cannot load %s for layers [%d, %d): %s" % (where, first, last, e))
         self.loaded = key
+        self.backend_line = setup.backend_line
+        self._start_run_locked(setup)
+
+    def _load_ggml_locked(self, setup: Setup, fn: str) -> None:
+        """Layers [first, last) from a GGUF (the model's own, or the node's part pushed): its
+        tensors as stored, checked against the model before a graph is built."""
+        from mdi.model.ggml.chunk import GgmlChunk
+        from mdi.model.ggml.weights import GgufWeights
+        from mdi.model.gguf_config import rope_mode_of, rope_permuted
+        from mdi.model.gguf_layout import open_reader
+        key, request = setup.key, setup.request
+        first, last = key.layers
+        threads = self.threads_override or request.threads
+        try:
+            reader = open_reader(fn)
+            self.chunk = GgmlChunk(key.model, first, last, False, False, GgufWeights(fn, reader),
+                                   rope_mode_of(rope_permuted(reader, fn)),
+                                   threads if isinstance(threads, int) else usable_cpus(), key.kv_type, key.repack)
+        except (CheckpointError, OSError, ValueError, RuntimeError, MemoryError) as e:
+            raise RequestError("cannot load the GGUF weights for layers [%d, %d): %s" % (first, last, e))
+        self.loaded = key
+        self.backend_line = setup.backend_line
         self._start_run_locked(setup)
 
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
-        # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
-        # per run, and a kept chunk's last adapters may mean something else now).
-        chunk.lora.adapters.clear()
         request = setup.request
-        compute = setup.compute_dtype
-        chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
-        chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
+        if chunk.backend == "torch":
+            # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
+            # per run, and a kept chunk's last adapters may mean something else now).
+            chunk.lora.adapters.clear()
+            compute = setup.compute_dtype
+            chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
+            chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
         try:
             chunk.allocate_cache(request.n_slots, request.max_len)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, MemoryError) as e:  # ggml says MemoryError
             raise RequestError("cannot allocate the KV cache: %s" % e)
         data = request.data
         config = chunk.config
@@ -425,7 +524,7 @@ class Worker:
         self.run.thread.start()
         self.runs_served += 1
 
-    def _set_threads(self, request: Any, chunk: Optional[ModelChunk] = None) -> Optional[int]:
+    def _set_threads(self, request: Any, chunk: Optional[Any] = None) -> Optional[int]:
         """The run's runtime.threads, unless this worker was started with its own --threads.
         "auto": the count whose passes through `chunk` are fastest here (timed before the run
         starts); with no chunk to time (a /profile), what torch has now."""
@@ -437,7 +536,11 @@ class Worker:
             log.info("mdi: worker %d: threads: auto chose %s", self.port, choice.describe())
             threads = choice.threads
         if threads:
-            torch.set_num_threads(threads)
+            if chunk is not None and chunk.backend == "ggml":
+                chunk.set_threads(threads)
+            else:
+                import torch
+                torch.set_num_threads(threads)
             self.threads = threads
         return threads
 
@@ -452,6 +555,13 @@ class Worker:
         else:
             state = WorkerState.IDLE  # the counters, if any, are the last run's
         device = loaded.device if loaded else (self.device_override or "cpu")
-        return status_reply(state, self.port, self.runs_served, self.threads or torch.get_num_threads(), run, chunk,
+        return status_reply(state, self.port, self.runs_served, self.threads or _torch_threads(), run, chunk,
                             list(loaded.layers) if loaded else None, device, self.max_memory,
-                            self._memory_limit(device)[0])
+                            self._memory_limit(device)[0], self.backend_line)
+
+
+def _torch_threads() -> int:
+    """torch's thread count where it is loaded, else this machine's CPUs (what ggml would take)."""
+    import sys
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else usable_cpus()

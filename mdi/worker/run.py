@@ -1,22 +1,26 @@
 """One run on a worker: its data-plane endpoint and the compute loop that pops a frame,
-selects each sample's KV cache slot, runs this node's blocks and pushes the result on."""
+selects each sample's KV cache slot, runs this node's blocks and pushes the result on.
+
+The chunk is a torch one (mdi.model.transformer) or a ggml one (mdi.model.ggml.chunk): frames
+carry torch tensors where the process has torch loaded, numpy arrays in a worker computing
+with ggml, which never loads torch (mdi.ring.wire decodes to either)."""
+import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-import torch
+import numpy as np
 
+from mdi.model.pass_rows import PassRows
 from mdi.model.prefix_store import PrefixStore
-from mdi.model.row_batch import RowBatch
-from mdi.model.transformer import ModelChunk
 from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import ALL_ROWS_KINDS, Frame, FrameKind, GENERATION_KINDS, TRAINING_KINDS
 from mdi.system.memory import release_freed_memory
-from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +35,11 @@ TURN_WINDOW = 0.3  # a training frame starts within this share of the usual gap 
 class Run:
     """One run's state on this worker: its id, data-plane endpoint and compute thread."""
 
-    def __init__(self, request: InitRequest, chunk: ModelChunk, endpoint: RingEndpoint, peer: str = "?",
+    def __init__(self, request: InitRequest, chunk: Any, endpoint: RingEndpoint, peer: str = "?",
                  threads: Optional[int] = None, prefix_bytes: int = 0) -> None:
         self.request = request
         self.id = request.run_id
-        self.chunk: Optional[ModelChunk] = chunk  # None once the run is stopped
+        self.chunk: Optional[Any] = chunk  # None once the run is stopped
         self.endpoint = endpoint
         self.peer = peer
         self.threads = threads
@@ -67,7 +71,7 @@ class Run:
         self.last_generation = 0.0
         self.generation_gap = 0.0
         self.trained_since_generation = True
-        self._placement: Optional[Tuple[torch.device, torch.dtype]] = None  # set by the first _forward
+        self._placement: Optional[Tuple[Any, Any]] = None  # (device, dtype): set by the first torch _forward
         self.thread = threading.Thread(target=self._compute_loop, name="mdi-compute", daemon=True)
 
     def holds_worker(self) -> bool:
@@ -76,10 +80,11 @@ class Run:
 
     def _compute_loop(self) -> None:
         try:
-            if self.threads:
+            torch = sys.modules.get("torch")  # loaded where the chunk computes with torch
+            if self.threads and torch is not None:
                 # torch reads its thread count per thread on first use: set it in this thread too.
                 torch.set_num_threads(self.threads)
-            with torch.inference_mode():
+            with torch.inference_mode() if torch is not None else contextlib.nullcontext():
                 while not self.stopped.is_set():
                     frame = self._next_frame()
                     if frame is None:
@@ -269,23 +274,36 @@ class Run:
         return True
 
     def _forward(self, frame: Frame) -> Frame:
+        rows = sum(frame.count)
+        # For generation the starter needs only each sample's last position to pick the next
+        # token; a score pass (perplexity) or a verification needs every position's. With one
+        # row per sample (decode) every row is a last one already.
+        cut = self.is_last and frame.kind not in ALL_ROWS_KINDS and rows != len(frame.samples)
+        if self.chunk.backend == "ggml":  # numpy rows in and out (torch tensors where torch is loaded)
+            y = self.chunk.forward_rows(frame.tensor, PassRows(frame.samples, frame.start, frame.count,
+                                                               frame.adapters or None))
+            if cut:
+                y = y[np.cumsum(frame.count) - 1]
+        else:
+            y = self._forward_torch(frame, cut)
+        self.batching.add(rows, len(frame.samples))
+        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, y, frame.adapters,
+                     frame.epochs, frame.cache_ops)
+
+    def _forward_torch(self, frame: Frame, cut: bool) -> Any:
+        from mdi.model.row_batch import RowBatch
+        from mdi.system.transfers import ints_to_device, to_device, to_host
         if self._placement is None:  # the chunk's device and activation dtype, looked up once per run
-            self._placement = (next(self.chunk.parameters()).device, self.chunk.activation_dtype)
+            self._placement = (self.chunk.device, self.chunk.activation_dtype)
         device, dtype = self._placement
         x = to_device(frame.tensor, device, dtype)
         batch = RowBatch.of(frame.samples, frame.start, frame.count, device, frame.adapters or None,
                             row_wise=frame.kind == FrameKind.VERIFY)
         y = self.chunk.forward_rows(x, batch)
-        rows = batch.rows
-        self.batching.add(rows, len(frame.samples))
-        # For generation the starter needs only each sample's last position to pick the next
-        # token; a score pass (perplexity) or a verification needs every position's. With one
-        # row per sample (decode) every row is a last one already.
-        if self.is_last and frame.kind not in ALL_ROWS_KINDS and rows != len(frame.samples):
+        if cut:
             y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
-        return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, to_host(y), frame.adapters,
-                     frame.epochs, frame.cache_ops)
+        return to_host(y)
 
     def _train(self, frame: Frame) -> List[Frame]:
         """A training frame (mdi.worker.training), refused, ending the run with a line naming
@@ -339,7 +357,7 @@ def _merge(frames: List[Frame]) -> Frame:
     epochs = any(f.epochs for f in frames)
     if not any(f.adapters for f in frames):  # in order: whole frames, one cat (the decode hot path)
         return Frame(kind, frames[0].run, [s for f in frames for s in f.samples], [s for f in frames for s in f.start],
-                     [c for f in frames for c in f.count], torch.cat([f.tensor for f in frames]), [],
+                     [c for f in frames for c in f.count], _cat([f.tensor for f in frames]), [],
                      [e for f in frames for e in f.epoch_ids()] if epochs else [], ops)
     pieces = []  # (adapter, sample, start, count, rows, epoch) per sample
     for f in frames:
@@ -349,5 +367,12 @@ def _merge(frames: List[Frame]) -> Frame:
             row += count
     pieces.sort(key=lambda p: p[0])
     return Frame(kind, frames[0].run, [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
-                 torch.cat([p[4] for p in pieces]), [p[0] for p in pieces], [p[5] for p in pieces] if epochs else [],
+                 _cat([p[4] for p in pieces]), [p[0] for p in pieces], [p[5] for p in pieces] if epochs else [],
                  ops)
+
+
+def _cat(parts: List[Any]) -> Any:
+    """Rows stacked: numpy arrays (a worker without torch) or torch tensors."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    return sys.modules["torch"].cat(parts)

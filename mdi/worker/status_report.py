@@ -1,9 +1,7 @@
 """A worker's GET /status reply built from what it holds now (mdi.ring.status is the contract)."""
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from mdi import __version__
-from mdi.model import kernel_choice, qkernels
-from mdi.model.transformer import ModelChunk
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply, WorkerState
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
@@ -12,8 +10,8 @@ from mdi.worker.run import Run
 
 
 def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, run: Optional[Run],
-                 chunk: Optional[ModelChunk], layers: Optional[List[int]], device: str,
-                 max_memory: Optional[int], capacity: Optional[int]) -> StatusReply:
+                 chunk: Optional[Any], layers: Optional[List[int]], device: str,
+                 max_memory: Optional[int], capacity: Optional[int], backend_line: Optional[str] = None) -> StatusReply:
     """The reply for a worker in `state` holding `chunk` (its `layers`) on `device`, serving (or
     last served) `run`; `capacity` is what it can give a run (memory_budget.memory_limit)."""
     cache = chunk.cache if chunk is not None else None
@@ -30,8 +28,9 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
                           capacity_bytes=capacity),
         cache=NodeCache(cache.n_slots, cache.max_len, cache.nbytes) if cache else NodeCache(),
         error=run.error if run else None,
-        kernels=kernel_choice.chosen_by_weight() if chunk is not None else {},
-        cpu=isa_text(cpu_info()), kernels_here=qkernels.offered_on(device))
+        kernels=_torch_kernels() if chunk is not None and chunk.backend == "torch" else {},
+        cpu=isa_text(cpu_info()), kernels_here=_kernels_here(device),
+        backend=chunk.backend if chunk is not None else None, backend_line=backend_line if chunk is not None else None)
     if run is not None:
         ep = run.endpoint
         reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
@@ -44,3 +43,18 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
             reply.prefix = run.prefix.stats
     return reply
 
+
+
+def _torch_kernels() -> dict:
+    from mdi.model import kernel_choice
+    return kernel_choice.chosen_by_weight()
+
+
+def _kernels_here(device: str) -> List[str]:
+    """What runtime.quant_kernel fast may try here: torch's kernels, asked only where torch is
+    loaded (a worker computing with ggml has none to offer and does not load torch to say so)."""
+    import sys
+    if "torch" not in sys.modules:
+        return []
+    from mdi.model import qkernels
+    return qkernels.offered_on(device)

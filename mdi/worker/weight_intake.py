@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.config import ModelConfig
-from mdi.model.store import MODEL_FILE
+from mdi.model.model_dir import MODEL_FILE
 from mdi.ring.init_request import PushedWeights, RequestError, TooLarge, Weights
 
 PUSH_BLOCK = 1 << 20  # pushed weights go from the socket to disk in blocks of this size
@@ -26,6 +26,9 @@ class LoadedWeights:
     weights: Weights
     quant: Dict[str, Any]  # the quantized weights, as their JSON (comparable)
     quant_kernel: Optional[str] = None
+    backend: str = "torch"  # what the chunk computes with (ggml: its GGUF tensors as stored)
+    kv_type: str = "f16"
+    repack: bool = True
 
 
 def models_dir_default() -> str:
@@ -33,9 +36,9 @@ def models_dir_default() -> str:
     return os.path.join(os.getcwd(), "models")
 
 
-def weights_file(models_dir: str, path: str) -> str:
+def weights_file(models_dir: str, path: str, inside_dir: str = MODEL_FILE) -> str:
     """weights.path as a file inside `models_dir` (a model directory means its
-    model.safetensors). Relative paths are taken from the worker's working directory;
+    `inside_dir` file: model.safetensors for torch, model.gguf for ggml). Relative paths are taken from the worker's working directory;
     symlinks are resolved before the check, so none leads out. Anything outside gets one
     answer that does not say whether it exists."""
     base = models_dir
@@ -46,7 +49,7 @@ def weights_file(models_dir: str, path: str) -> str:
     try:
         real = os.path.realpath(os.path.abspath(path))
         if inside(real) and os.path.isdir(real):
-            real = os.path.realpath(os.path.join(real, MODEL_FILE))
+            real = os.path.realpath(os.path.join(real, inside_dir))
         ok = inside(real)
     except (OSError, ValueError):  # a NUL byte, a name too long
         ok = False
@@ -70,14 +73,14 @@ def check_push_fits(nbytes: int, cache_bytes: int, limit: Optional[int], what: s
 
 
 def receive_push(stream: Any, nbytes: int, announced: PushedWeights, load: Callable[[str], None],
-                 alive: Callable[[], None]) -> None:
+                 alive: Callable[[], None], suffix: str = ".safetensors") -> None:
     """The body read from `stream` (`nbytes` long) goes to a temporary file while it is hashed;
     once its size and hash are the announced ones, `load(path)` reads the chunk from that file
     (memory holds the weights once, whatever their size), and the file goes. `alive` is called
     per block: a long push keeps its /init alive."""
     if nbytes != announced.nbytes:
         raise RequestError("weights have %d bytes, /init announced %d" % (nbytes, announced.nbytes))
-    fd, path = tempfile.mkstemp(prefix="mdi-weights-", suffix=".safetensors")
+    fd, path = tempfile.mkstemp(prefix="mdi-weights-", suffix=suffix)
     try:
         with os.fdopen(fd, "wb") as f:
             got, digest = _copy_body(stream, f, announced.nbytes, alive)
@@ -85,7 +88,7 @@ def receive_push(stream: Any, nbytes: int, announced: PushedWeights, load: Calla
             raise RequestError("the push ended after %d of the %d bytes announced" % (got, announced.nbytes))
         if digest != announced.sha256:
             raise RequestError("weights sha256 does not match the one announced in /init")
-        load(path)
+        load(path)  # a GGUF stays mapped once read: its pages outlive the unlinked name
     finally:
         os.unlink(path)
 

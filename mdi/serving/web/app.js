@@ -346,6 +346,10 @@
           ", computes in " + node.compute_dtype : ""));
       }
       row("layers", layers(node.layers));
+      if (node.backend) {  // what its layers compute with (mdi.model.backend), and why on hover
+        rows.push(el("dt", { text: "backend" }));
+        rows.push(el("dd", { "class": "backend", title: node.backend_line || "", text: node.backend }));
+      }
       if (node.role === "starter" || node.role === "worker") {
         row("busy", percent(node.busy_share), [meter(node.busy_share)]);
         row("compute", node.step_seconds ? seconds(node.step_seconds) + " per step" : "\u2013");

@@ -1,0 +1,170 @@
+"""A node's compute backend, chosen once per node at load: ggml (llama.cpp's kernels over the
+GGUF's tensors as stored, mdi.model.ggml) or torch (mdi.model.transformer: training, adapters,
+and the exact reference the tests compare against).
+
+`runtime.backend` (or a node's own `backend`) asks for one; `auto`, the default, measures both
+on the node's own shapes (a few random blocks of the real dims and weight types: decode passes
+and a prefill pass, nothing else held) and keeps the faster for the run's work, remembering the
+outcome per machine (CPU, library versions, shapes, threads) so a second start measures nothing.
+A backend that cannot serve the run is never measured: ggml needs the model's GGUF and its
+binding, and runs no adapters, soft prompts or training yet; under auto torch does not serve a
+node whose GGUF tensors it would re-round (K-quants, IQ types: mdi.model.backend_select).
+"""
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, Optional
+
+from mdi.system.machine_cache import MachineCache, digest
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "ggml", "torch")
+AUTO = "auto"
+# The ggml KV cache's types (runtime.kv_type, llama.cpp's -ctk / -ctv) -> ggml's type names
+KV_GGML_TYPES = {"f16": "F16", "q8_0": "Q8_0"}
+KV_TYPES = tuple(KV_GGML_TYPES)
+CACHE = MachineCache("backends.json", 2)  # what auto measured, by machine and shapes
+# How long a node waits for another's measurement on the same machine (each probe is bounded by
+# backend_probe.PROBE_TIMEOUT_S): together within the starter's /backend call (runtime.init_timeout).
+LOCK_WAIT_S = 300.0
+# The work auto weighs: a sample's prompt and its answer, in tokens. Serving's requests and the
+# demo's runs are both of about this shape; the measured costs are per prompt token and per
+# decode step, so the choice is the backend with the smaller P * prefill + N * decode.
+WORKLOAD_PROMPT = 256
+WORKLOAD_TOKENS = 256
+# A measurement taken while other work kept every core busy (1-minute load per core) may have
+# timed that work: it is said so, and taken again once the machine is quiet.
+BUSY_LOAD = 1.0
+QUIET_LOAD = 0.5
+
+
+@dataclass(frozen=True)
+class BackendTiming:
+    """Seconds per block on this machine: one decode pass of `rows` rows, and one prompt token
+    in a prefill pass of `prefill_tokens`."""
+    decode_s: float
+    prefill_token_s: float
+    rows: int = 1
+    prefill_tokens: int = 0
+
+    def cost(self, prompt: int = WORKLOAD_PROMPT, tokens: int = WORKLOAD_TOKENS) -> float:
+        return prompt * self.prefill_token_s + tokens * self.decode_s / max(1, self.rows)
+
+
+@dataclass
+class BackendChoice:
+    """The backend a node computes with and why, in one line (`describe`)."""
+    backend: str
+    asked: str
+    reason: str
+    timings: Dict[str, BackendTiming] = field(default_factory=dict)
+    cached: bool = False
+    seconds: float = 0.0  # spent measuring (0 when recalled)
+    load: Optional[float] = None  # the machine's load per core when it was measured
+
+    def describe(self) -> str:
+        if self.asked != AUTO:
+            return "%s (asked%s)" % (self.backend, "; " + self.reason if self.reason else "")
+        if len(self.timings) < 2:
+            return "%s (auto: %s)" % (self.backend, self.reason)
+        g, t = self.timings.get("ggml"), self.timings.get("torch")
+        assert g is not None and t is not None
+        how = "recalled" if self.cached else "measured in %.1f s" % self.seconds
+        if self.load is not None and self.load >= BUSY_LOAD:
+            how += " while the machine was busy (load %.1f per core)" % self.load
+        return ("%s (auto, %s: decode %.2f ms vs %.2f ms per block, prefill %.3f vs %.3f ms per token and block "
+                "for ggml vs torch)" % (self.backend, how, 1e3 * g.decode_s, 1e3 * t.decode_s,
+                                        1e3 * g.prefill_token_s, 1e3 * t.prefill_token_s))
+
+    def to_json(self) -> Dict[str, object]:
+        return {"backend": self.backend, "asked": self.asked, "reason": self.reason, "cached": self.cached,
+                "timings": {k: asdict(v) for k, v in self.timings.items()}, "line": self.describe()}
+
+
+BACKEND_ENV = "MDI_BACKEND"  # the default of runtime.backend where a config names none (e.g. a whole test suite on ggml)
+
+
+def default_backend() -> str:
+    """runtime.backend's default: $MDI_BACKEND when it names a backend, else auto."""
+    value = os.environ.get(BACKEND_ENV, AUTO)
+    return value if value in BACKENDS else AUTO
+
+
+def choose(asked: str, cannot: Dict[str, Optional[str]], measure: Callable[[str], BackendTiming],
+           key: Optional[Dict[str, object]] = None, refresh: bool = False) -> BackendChoice:
+    """The backend for a node: `asked` if it can serve (else ValueError saying why), or for
+    auto the one whose measured cost is lower. `cannot[backend]`: why it cannot serve this run
+    (None: it can). `key`: what the measurement depends on, for the per-machine cache."""
+    if asked != AUTO:
+        why = cannot.get(asked)
+        if why is not None:
+            raise ValueError("backend %s cannot run here: %s" % (asked, why))
+        return BackendChoice(asked, asked, "")
+    able = [b for b in ("ggml", "torch") if cannot.get(b) is None]
+    if not able:
+        raise ValueError("no backend can run here: ggml: %s; torch: %s" % (cannot.get("ggml"), cannot.get("torch")))
+    if len(able) == 1:
+        other = "torch" if able[0] == "ggml" else "ggml"
+        return BackendChoice(able[0], AUTO, "%s cannot: %s" % (other, cannot.get(other)))
+    name = digest(key) if key is not None else None
+    # One measurement at a time per machine: the nodes of a ring started on one machine would
+    # time each other's load, and the second finds the first's result.
+    with CACHE.locked(LOCK_WAIT_S):
+        held = CACHE.read().get(name) if name is not None and not refresh else None
+        now = machine_load()
+        if held is not None:
+            was = held.get("load")
+            if isinstance(was, (int, float)) and was >= BUSY_LOAD and now is not None and now < QUIET_LOAD:
+                log.info("mdi: measuring the backends again: the last measurement was taken while the machine "
+                         "was busy (load %.1f per core, now %.1f)", was, now)
+            else:
+                try:
+                    timings = {b: BackendTiming(**held["timings"][b]) for b in able}
+                    return _decide(timings, cached=True, seconds=0.0,
+                                   load=was if isinstance(was, (int, float)) else None)
+                except (KeyError, TypeError):
+                    pass
+        log.info("mdi: measuring the ggml and torch backends on this node's shapes (once per machine) ...")
+        t0 = time.perf_counter()
+        timings, failed = {}, {}
+        for b in able:
+            try:
+                timings[b] = measure(b)
+            except Exception as e:  # a probe that dies or hangs: the other backend serves, said why
+                failed[b] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        seconds = time.perf_counter() - t0
+        if failed:
+            if len(failed) == len(able):
+                raise RuntimeError("measuring the backends failed: %s" % "; ".join(
+                    "%s: %s" % kv for kv in sorted(failed.items())))
+            (bad, why), = failed.items()
+            good = next(b for b in able if b != bad)
+            log.warning("mdi: timing the %s backend failed (%s): computing with %s", bad, why, good)
+            return BackendChoice(good, AUTO, "timing %s failed: %s" % (bad, why), seconds=seconds)
+        load = machine_load()
+        load = max(now, load) if now is not None and load is not None else load
+        if name is not None:
+            cache = CACHE.read()
+            cache[name] = {"timings": {b: asdict(t) for b, t in timings.items()}, "key": key, "at": time.time(),
+                             "load": load}
+            CACHE.write(cache)
+    return _decide(timings, cached=False, seconds=seconds, load=load)
+
+
+def machine_load() -> Optional[float]:
+    """The 1-minute load average per core (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0] / max(1, os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return None
+
+
+def _decide(timings: Dict[str, BackendTiming], cached: bool, seconds: float,
+            load: Optional[float] = None) -> BackendChoice:
+    g, t = timings["ggml"].cost(), timings["torch"].cost()
+    best = "ggml" if g <= t else "torch"
+    ratio = max(g, t) / max(1e-12, min(g, t))
+    return BackendChoice(best, AUTO, "%.2fx faster on a %d-token prompt and %d tokens" % (
+        ratio, WORKLOAD_PROMPT, WORKLOAD_TOKENS), timings, cached, seconds, load)

@@ -1,0 +1,89 @@
+"""Which backend a node computes with, decided where the node is (the starter for its own
+chunk, a worker at /init): what can serve the run, then `mdi.model.backend.choose` (auto
+measures both in a child process, mdi.model.backend_probe, remembered per machine)."""
+import collections
+import logging
+from typing import Any, Dict, Optional
+
+from mdi.model.backend import AUTO, BackendChoice, BackendTiming, choose
+from mdi.model.backend_probe import PROBE_BLOCKS, ProbeRequest, run_probe
+from mdi.model.config import ModelConfig
+from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT
+from mdi.model.threads import usable_cpus
+from mdi.system.machine_cache import machine_key
+
+log = logging.getLogger(__name__)
+
+PROBE_PREFILL_TOKENS = 128
+
+
+def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: bool) -> Optional[str]:
+    """Why ggml cannot compute this node's part of the run (None: it can)."""
+    from mdi.model.ggml.lib import unavailable_reason
+    if not gguf_types:
+        return "the model has no GGUF (mdi-prepare writes model.gguf into a model directory)"
+    if not device.startswith("cpu"):
+        return "ggml computes on the CPU in this version (device %s)" % device
+    if adapters:
+        return "adapters and soft prompts run on torch only in this version"
+    return unavailable_reason()
+
+
+def torch_cannot(config: ModelConfig) -> Optional[str]:
+    """Why torch cannot compute this model (None: it can)."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:  # found, not imported: a ggml node stays without it
+        return "torch is not installed here"
+    return None
+
+
+def layer_types(gguf_types: Dict[str, str], first: int, last: int) -> Dict[str, str]:
+    """Each block tensor's most common GGUF type over layers [first, last), by suffix: what the
+    probe's random blocks are made of."""
+    counts: Dict[str, collections.Counter] = {}
+    for name, kind in gguf_types.items():
+        parts = name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit() and first <= int(parts[1]) < last:
+            counts.setdefault(parts[2], collections.Counter())[kind] += 1
+    return {suffix: c.most_common(1)[0][0] for suffix, c in counts.items()}
+
+
+def probe_layout(quant: Optional[Dict[str, Any]], first: int) -> Dict[str, Any]:
+    """A node's torch quantization layout (JSON form) for the probe's blocks 0.. (its first ones)."""
+    out = {}
+    for name, spec in (quant or {}).items():
+        parts = name.split(".")
+        if parts[0] == "blocks" and len(parts) > 2 and parts[1].isdigit():
+            j = int(parts[1]) - first
+            if 0 <= j < PROBE_BLOCKS:
+                out[".".join(["blocks", str(j)] + parts[2:])] = spec
+    return out
+
+
+def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_types: Optional[Dict[str, str]],
+                   device: str, threads: Optional[int], rows: int, adapters: bool = False, dtype: str = "float32",
+                   quant: Optional[Dict[str, Any]] = None, quant_kernel: Optional[str] = None, kv_type: str = "f16",
+                   refresh: bool = False) -> BackendChoice:
+    """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
+    serve), or for auto the measured faster of those that can."""
+    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(config)}
+    if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
+        rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
+        if rounded:  # auto never trades the GGUF's own numbers for speed
+            cannot["torch"] = "it would re-round the GGUF's %s (ggml computes them as stored)" % ", ".join(rounded)
+    threads = int(threads) if isinstance(threads, int) and threads > 0 else usable_cpus()  # as the run will
+    ltypes = layer_types(gguf_types or {}, first, last)
+    tquant = probe_layout(quant, first)
+
+    def measure(backend: str) -> BackendTiming:
+        req = ProbeRequest(backend=backend, model=config.to_dict(), threads=threads, rows=max(1, rows),
+                           prefill_tokens=PROBE_PREFILL_TOKENS, layer_types=ltypes, kv_type=kv_type, dtype=dtype,
+                           device=device, quant=tquant, quant_kernel=quant_kernel)
+        return run_probe(req)
+
+    key: Optional[Dict[str, object]] = None
+    if asked == AUTO:
+        shape = {k: v for k, v in config.to_dict().items() if k not in ("name", "bos_token_id", "eos_token_id")}
+        key = {"machine": machine_key(), "model": shape, "types": ltypes, "quant": tquant, "kernel": quant_kernel,
+               "dtype": dtype, "device": device, "threads": threads, "rows": max(1, rows), "kv_type": kv_type}
+    return choose(asked, cannot, measure, key, refresh)

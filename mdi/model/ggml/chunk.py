@@ -1,0 +1,236 @@
+"""A chunk of a model computing with ggml: blocks [first, last) and optionally the embedding and
+the head, with its KV cache, answering the same calls as the torch chunk (mdi.model.transformer)
+so that the ring, the pipeline and the worker do not know which one they drive.
+
+Activations come in and go out as float32 rows [rows, n_embd] (numpy, or torch tensors on the
+CPU, given back as the same kind), a pass's samples as a RowBatch (slots, starts, counts).
+"""
+import logging
+import sys
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from mdi.model.config import ModelConfig
+from mdi.model.ggml import lib
+from mdi.model.ggml.graph import Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks
+from mdi.model.ggml.kv_cache import GgmlKVCache
+from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
+from mdi.model.ggml.weights import GgufWeights
+from mdi.model.pass_rows import PassRows
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS = 24  # pass shapes whose graphs are kept (least recently used dropped first)
+MAX_GRAPH_BYTES = 256 << 20  # and their compute buffers together (a prefill graph's are the big ones)
+
+
+def _to_numpy(x: Any) -> Tuple[np.ndarray, bool]:
+    """(float32 C-contiguous array, whether `x` was a torch tensor)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x, dtype=np.float32), False
+    return np.ascontiguousarray(x.detach().to("cpu").float().numpy()), True
+
+
+def _back(y: np.ndarray, torch_in: bool) -> Any:
+    if not torch_in:
+        return y
+    return sys.modules["torch"].from_numpy(y)
+
+
+class NoAdapters:
+    """The adapters a ggml chunk holds: none in this version (auto picks torch for a run that
+    serves adapters); the frame decoder checks adapter ids against `adapters`."""
+    adapters: Dict[int, Any] = {}
+
+
+class GgmlChunk:
+    backend = "ggml"
+    compute_dtype = None  # activations are float32, whatever the weights' types
+    lora = NoAdapters()
+    adapter_bytes = 0
+
+    def __init__(self, config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
+                 weights: GgufWeights, rope_mode: int, threads: int = 1, kv_type: str = "f16",
+                 repack: bool = True) -> None:
+        if not 0 <= first <= last <= config.n_layer:
+            raise ValueError("layer range [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
+        self.config, self.first, self.last = config, first, last
+        self.with_embedding, self.with_head = with_embedding, with_head
+        self.kv_type = kv_type
+        self.traits = ModelTraits.of(config, rope_mode)
+        names, matmul = self._tensor_names(weights)
+        t0 = time.perf_counter()
+        self.weights = weights
+        self.tensors = weights.load(names, matmul if repack else ())
+        self.load_seconds = time.perf_counter() - t0
+        self.builder = GraphBuilder(self.traits, range(first, last), self.tensors)
+        self.cpu = lib.CpuBackend(threads)
+        self.cache: Optional[GgmlKVCache] = None
+        self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
+        self.graphs_built = 0
+        self.build_seconds = 0.0
+
+    # --- loading -------------------------------------------------------------------------
+    def _tensor_names(self, weights: GgufWeights) -> Tuple[List[str], List[str]]:
+        """The tensors this chunk computes with (checked against the config: names, dims,
+        types) and those multiplied as matrices (candidates for ggml's repacked layout)."""
+        want = node_tensors(self.config, self.first, self.last, self.with_embedding, self.with_head,
+                            rope_freqs=weights.has("rope_freqs.weight"))
+        have = {n: (weights.type_name(n), weights.dims(n)) for n in weights.infos}
+        check_tensors(weights.path, want, have, (self.first, self.last))
+        matmul = [n for n, dims in want.items() if len(dims) == 2 and n not in ENDS_IN]
+        return list(want), matmul
+
+    @property
+    def n_layers(self) -> int:
+        return self.last - self.first
+
+    @property
+    def threads(self) -> int:
+        return self.cpu.threads
+
+    def set_threads(self, threads: int) -> None:
+        self.cpu.set_threads(threads)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes
+
+    # Where activations live and their dtype, in torch's terms where the process has torch
+    # loaded (the pipeline and the worker move frames with it), else as names.
+    @property
+    def device(self) -> Any:
+        torch = sys.modules.get("torch")
+        return torch.device("cpu") if torch is not None else "cpu"
+
+    @property
+    def activation_dtype(self) -> Any:
+        torch = sys.modules.get("torch")
+        return torch.float32 if torch is not None else "float32"
+
+    def set_adapter(self, adapter: int, weights: Dict[str, Any]) -> None:
+        raise ValueError("adapters run on the torch backend in this version (runtime.backend: torch)")
+
+    def drop_adapter(self, adapter: int) -> None:
+        pass
+
+    # --- cache -----------------------------------------------------------------------------
+    def allocate_cache(self, n_slots: int, max_len: int) -> GgmlKVCache:
+        if max_len > self.config.block_size:
+            raise ValueError("cache length %d exceeds the model context %d" % (max_len, self.config.block_size))
+        self.free_cache()
+        c = self.config
+        self.cache = GgmlKVCache(self.n_layers, n_slots, max_len, c.kv_heads, c.head_dim, self.kv_type)
+        return self.cache
+
+    def free_cache(self) -> None:
+        self._drop_graphs(lambda key: key[0] == "blocks")  # their views point into the cache
+        if self.cache is not None:
+            self.cache.free()
+        self.cache = None
+
+    # --- graphs ------------------------------------------------------------------------------
+    def _graph(self, key: Any, build: Any) -> Built:
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        t0 = time.perf_counter()
+        g = build()
+        self.build_seconds += time.perf_counter() - t0
+        self.graphs_built += 1
+        self._graphs[key] = g
+        while len(self._graphs) > MAX_GRAPHS or (
+                len(self._graphs) > 1 and sum(b.buffer_bytes for b in self._graphs.values()) > MAX_GRAPH_BYTES):
+            _, old = self._graphs.popitem(last=False)
+            old.free()
+        return g
+
+    def _drop_graphs(self, which: Any) -> None:
+        for key in [k for k in self._graphs if which(k)]:
+            self._graphs.pop(key).free()
+
+    # --- compute -------------------------------------------------------------------------------
+    def forward_rows(self, x: Any, batch: Any) -> Any:
+        """This chunk's blocks once over the stacked rows x [batch.rows, n_embd] of the samples
+        of `batch` (a RowBatch: slots, starts, counts), each against its own cache slot."""
+        if self.n_layers == 0:
+            return x
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("no KV cache allocated")
+        slots, starts, counts = list(batch.slots), list(batch.starts), list(batch.counts)
+        rows = sum(counts)
+        if getattr(batch, "adapters", None):
+            raise ValueError("adapters do not run on the ggml backend (use runtime.backend: torch for them)")
+        if len(set(slots)) != len(slots):
+            raise ValueError("a sample slot appears twice in one batch")
+        for slot, start, count in zip(slots, starts, counts):
+            if not 0 <= slot < cache.n_slots:
+                raise ValueError("sample slot %d outside the %d allocated" % (slot, cache.n_slots))
+            if start < 0 or count < 1 or start + count > cache.max_len:
+                raise ValueError("positions [%d, %d) exceed the cache length %d" % (start, start + count, cache.max_len))
+        a, torch_in = _to_numpy(x)
+        if a.shape != (rows, self.config.n_embd):
+            raise ValueError("%d rows of activations for %d tokens" % (a.shape[0], rows))
+        shape = PassShape(tuple(SampleShape(slot, count, attend_bucket(start + count, cache.max_len))
+                                for slot, start, count in zip(slots, starts, counts)))
+        g = self._graph(("blocks", shape), lambda: self.builder.blocks(shape, cache))
+        positions = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
+        kv_rows = np.concatenate([np.arange(cache.row(slot, s), cache.row(slot, s) + c, dtype=np.int64)
+                                  for slot, s, c in zip(slots, starts, counts)])
+        lib.set_data(g.inputs["x"], a)
+        if self.traits.family.positions == "rope":  # (GPT-2's graph leaves its positions unused: no buffer)
+            lib.set_data(g.inputs["pos"], positions)
+        lib.set_data(g.inputs["kv_rows"], kv_rows)
+        fill_masks(g, shape, starts, self.traits)
+        self.cpu.compute(g.graph)
+        out = np.empty((rows, self.config.n_embd), dtype=np.float32)
+        return _back(lib.get_data(g.output, out), torch_in)
+
+    def embed(self, ids: Any, start: int) -> Any:
+        """One sample's tokens at positions start.."""
+        n = int(ids.shape[0])
+        return self.embed_rows(ids, np.arange(start, start + n, dtype=np.int32))
+
+    def forward_blocks(self, x: Any, slot: int, start: int) -> Any:
+        """The blocks over one sample's rows x [T, n_embd] at positions start.."""
+        return self.forward_rows(x, PassRows([slot], [start], [int(x.shape[0])]))
+
+    def embed_rows(self, ids: Any, positions: Any, virtual: Optional[Tuple[Any, Any]] = None) -> Any:
+        """Token rows [rows] at their positions -> embeddings [rows, n_embd] (float32)."""
+        if virtual is not None:
+            raise ValueError("soft prompts do not run on the ggml backend (use runtime.backend: torch for them)")
+        torch_in = not isinstance(ids, np.ndarray)
+        ids_np = np.ascontiguousarray(ids.cpu().numpy() if torch_in else ids, dtype=np.int32).reshape(-1)
+        n = ids_np.shape[0]
+        if n and (ids_np.min() < 0 or ids_np.max() >= self.config.vocab_size):
+            raise ValueError("token id outside the vocabulary of %d" % self.config.vocab_size)
+        g = self._graph(("embed", n), lambda: self.builder.embedding(n))
+        lib.set_data(g.inputs["ids"], ids_np)
+        if "pos" in g.inputs:
+            pos = positions.cpu().numpy() if hasattr(positions, "cpu") else positions
+            lib.set_data(g.inputs["pos"], np.ascontiguousarray(pos, dtype=np.int32).reshape(-1))
+        self.cpu.compute(g.graph)
+        out = np.empty((n, self.config.n_embd), dtype=np.float32)
+        return _back(lib.get_data(g.output, out), torch_in)
+
+    def head(self, x: Any) -> Any:
+        """Final norm and LM head over rows [rows, n_embd] -> logits [rows, vocab] (float32)."""
+        a, torch_in = _to_numpy(x)
+        n = a.shape[0]
+        g = self._graph(("head", n), lambda: self.builder.head(n))
+        lib.set_data(g.inputs["x"], a)
+        self.cpu.compute(g.graph)
+        vocab = g.output.contents.ne[0]
+        out = np.empty((n, vocab), dtype=np.float32)
+        return _back(lib.get_data(g.output, out), torch_in)
+
+    def close(self) -> None:
+        self._drop_graphs(lambda key: True)
+        self.free_cache()
+        self.weights.free()
+        self.cpu.free()

@@ -1,0 +1,289 @@
+"""ggml compute graphs of a chunk's blocks, its embedding and its head, built once per pass
+shape and reused: only their inputs change from step to step.
+
+A pass's shape is the samples it carries, each as (cache slot, rows, attended length): the
+linear layers run over every row of the pass at once, and each sample attends with its own
+flash-attention op against a plain view of its own cache slot, exactly the op it would run
+alone, so a sample's rows compute the same bits whatever else shares its pass. The attended
+length is padded to a bucket (ATTEND_BUCKET positions, as llama.cpp pads its KV view), and the
+mask hides the positions past each row, so a graph serves every step until a sample's context
+crosses a bucket. The inputs of a graph are the pass's rows, their positions, the cache rows
+their keys and values are written to (`ggml_set_rows`), and each sample's mask.
+
+The block follows the family table (mdi.model.families) and the op order of llama.cpp's graphs
+for the same family, so a GGUF computes as llama.cpp computes it.
+"""
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from mdi.model.config import ModelConfig
+from mdi.model.families import Family, family_of
+from mdi.model.ggml import lib
+from mdi.model.ggml.kv_cache import GgmlKVCache
+
+ATTEND_BUCKET = 256  # attended positions are padded to a multiple of this (llama.cpp pads its KV view to 256)
+# Nodes a block's graph holds: about 40 per layer, and 10 more per sample that attends in it
+# (its own view of q, of its cache slot, its flash attention, its rows back in place), with room.
+NODES_PER_LAYER, NODES_PER_SAMPLE, NODES_MORE = 48, 12, 64
+NEG_INF = np.float16(-np.inf)
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    slot: int
+    rows: int
+    attend: int  # positions of the slot attended (a multiple of ATTEND_BUCKET, at most the cache length)
+
+
+@dataclass(frozen=True)
+class PassShape:
+    samples: Tuple[SampleShape, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.samples)
+
+
+def attend_bucket(end: int, max_len: int) -> int:
+    """Positions to attend for a sample whose last row is at position end - 1."""
+    return min(max_len, -(-end // ATTEND_BUCKET) * ATTEND_BUCKET)
+
+
+@dataclass
+class ModelTraits:
+    """The per-model numbers a graph needs beyond the family table (from the config and the
+    GGUF: its RoPE layout is the file's, not the family's)."""
+    config: ModelConfig
+    family: Family
+    rope_mode: int  # lib.ROPE_NORMAL for llama.cpp's permuted llama q/k, lib.ROPE_NEOX otherwise
+    context: int  # the model's trained context (RoPE's n_ctx_orig)
+
+    @classmethod
+    def of(cls, config: ModelConfig, rope_mode: int) -> "ModelTraits":
+        return cls(config, family_of(config.family), rope_mode, config.block_size)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends within a sliding window (Gemma 3: all but every Nth)."""
+        return self.config.layer_window(layer) > 0
+
+    def rope_base(self, layer: int) -> float:
+        c = self.config
+        return c.rope_local_theta if self.is_local(layer) and c.rope_local_theta else c.rope_theta
+
+    @property
+    def attn_scale(self) -> float:
+        c = self.config
+        return c.attn_scale if c.attn_scale else 1.0 / math.sqrt(c.head_dim)
+
+
+class Built:
+    """One graph, its inputs and output, and the compute buffer its intermediates live in."""
+
+    def __init__(self, nodes: int) -> None:
+        gg = lib.require()
+        self.ctx = lib.Context(nodes, nodes)  # a tensor per node at most, and the graph's own lists
+        self.graph = gg.ggml_new_graph_custom(self.ctx.ptr, nodes, False)
+        self.inputs: Dict[str, Any] = {}
+        self.output: Any = None
+        self.galloc: Optional[int] = None
+        self.buffer_bytes = 0
+
+    def allocate(self) -> None:
+        gg = lib.require()
+        self.galloc = gg.ggml_gallocr_new(lib.cpu_buffer_type())
+        if not gg.ggml_gallocr_alloc_graph(self.galloc, self.graph):
+            raise MemoryError("ggml could not allocate a graph's compute buffer")
+        self.buffer_bytes = gg.ggml_gallocr_get_buffer_size(self.galloc, 0)
+
+    def free(self) -> None:
+        gg = lib.gg
+        if self.galloc is not None and gg is not None:
+            gg.ggml_gallocr_free(self.galloc)
+            self.galloc = None
+        self.ctx.free()
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+class GraphBuilder:
+    """Builds the graphs of one chunk: its blocks over a pass, its embedding, its head."""
+
+    def __init__(self, traits: ModelTraits, layers: Sequence[int], weights: Dict[str, Any]) -> None:
+        self.gg = lib.require()
+        self.t = traits
+        self.layers = list(layers)
+        self.w = weights  # GGUF name -> tensor
+
+    # --- small pieces ------------------------------------------------------------------
+    def _input(self, b: Built, name: str, type_id: int, *ne: int) -> Any:
+        gg = self.gg
+        fn = (gg.ggml_new_tensor_1d, gg.ggml_new_tensor_2d, gg.ggml_new_tensor_3d)[len(ne) - 1]
+        t = fn(b.ctx.ptr, type_id, *ne)
+        gg.ggml_set_name(t, name.encode())
+        gg.ggml_set_input(t)
+        b.inputs[name] = t
+        return t
+
+    def _norm(self, ctx: Any, x: Any, weight: str, eps: float) -> Any:
+        gg, w = self.gg, self.w
+        if self.t.family.norm == "layer":
+            y = gg.ggml_norm(ctx, x, eps)
+        else:
+            y = gg.ggml_rms_norm(ctx, x, eps)
+        y = gg.ggml_mul(ctx, y, w[weight + ".weight"])
+        bias = w.get(weight + ".bias")
+        return gg.ggml_add(ctx, y, bias) if bias is not None else y
+
+    def _linear(self, ctx: Any, x: Any, name: str) -> Any:
+        gg, w = self.gg, self.w
+        y = gg.ggml_mul_mat(ctx, w[name + ".weight"], x)
+        bias = w.get(name + ".bias")
+        return gg.ggml_add(ctx, y, bias) if bias is not None else y
+
+    # --- the blocks ----------------------------------------------------------------------
+    def blocks(self, shape: PassShape, cache: GgmlKVCache) -> Built:
+        gg, t = self.gg, self.t
+        E, R = t.config.n_embd, shape.rows
+        b = Built(len(self.layers) * (NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples)) + NODES_MORE)
+        ctx = b.ctx.ptr
+        x = self._input(b, "x", lib.F32, E, R)
+        pos = self._input(b, "pos", lib.I32, R)
+        kv_rows = self._input(b, "kv_rows", lib.I64, R)
+        local = any(t.is_local(i) for i in self.layers)
+        masks: List[Tuple[Any, Optional[Any]]] = []
+        for i, s in enumerate(shape.samples):
+            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, s.rows)
+            win = self._input(b, "mask_local_%d" % i, lib.F16, s.attend, s.rows) if local else None
+            masks.append((full, win))
+        for li, layer in enumerate(self.layers):
+            x = self._block(ctx, b, x, layer, li, shape, cache, pos, kv_rows, masks)
+        gg.ggml_set_output(x)
+        gg.ggml_build_forward_expand(b.graph, x)
+        b.output = x
+        b.allocate()
+        return b
+
+    def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
+               pos: Any, kv_rows: Any, masks: List[Tuple[Any, Optional[Any]]]) -> Any:
+        gg, t, w = self.gg, self.t, self.w
+        c, fam = t.config, t.family
+        H, KV, D = c.n_head, c.kv_heads, c.head_dim
+        R = shape.rows
+        p = "blk.%d." % layer
+        h = self._norm(ctx, x, p + "attn_norm", c.norm_eps)
+        if (p + "attn_qkv.weight") in w:  # GPT-2's fused q, k, v
+            qkv = self._linear(ctx, h, p + "attn_qkv")
+            row = gg.ggml_row_size(lib.F32, D)
+            q = gg.ggml_view_3d(ctx, qkv, D, H, R, row, qkv.contents.nb[1], 0)
+            k = gg.ggml_view_3d(ctx, qkv, D, KV, R, row, qkv.contents.nb[1], row * H)
+            v = gg.ggml_view_3d(ctx, qkv, D, KV, R, row, qkv.contents.nb[1], row * (H + KV))
+            q, k, v = gg.ggml_cont(ctx, q), gg.ggml_cont(ctx, k), gg.ggml_cont(ctx, v)
+        else:
+            q = gg.ggml_reshape_3d(ctx, self._linear(ctx, h, p + "attn_q"), D, H, R)
+            k = gg.ggml_reshape_3d(ctx, self._linear(ctx, h, p + "attn_k"), D, KV, R)
+            v = gg.ggml_reshape_3d(ctx, self._linear(ctx, h, p + "attn_v"), D, KV, R)
+        if fam.positions == "rope":
+            if (p + "attn_q_norm.weight") in w:  # Qwen3 and Gemma 3: before RoPE
+                q = gg.ggml_mul(ctx, gg.ggml_rms_norm(ctx, q, c.norm_eps), w[p + "attn_q_norm.weight"])
+                k = gg.ggml_mul(ctx, gg.ggml_rms_norm(ctx, k, c.norm_eps), w[p + "attn_k_norm.weight"])
+            factors = w.get("rope_freqs.weight")
+            base = t.rope_base(layer)
+            q = gg.ggml_rope_ext(ctx, q, pos, factors, D, t.rope_mode, t.context, base, 1.0, 0.0, 1.0, 32.0, 1.0)
+            k = gg.ggml_rope_ext(ctx, k, pos, factors, D, t.rope_mode, t.context, base, 1.0, 0.0, 1.0, 32.0, 1.0)
+        kq_scale = t.attn_scale
+        if fam.scale_queries:  # q scaled itself, then attention with a scale of one (llama.cpp's Gemma order)
+            q = gg.ggml_scale(ctx, q, kq_scale)
+            kq_scale = 1.0
+        # keys and values of these rows into their cache rows, before any sample attends
+        kc, vc = cache.k[li], cache.v[li]
+        gg.ggml_build_forward_expand(b.graph, gg.ggml_set_rows(ctx, kc, gg.ggml_reshape_2d(ctx, k, KV * D, R), kv_rows))
+        gg.ggml_build_forward_expand(b.graph, gg.ggml_set_rows(ctx, vc, gg.ggml_reshape_2d(ctx, v, KV * D, R), kv_rows))
+        local = t.is_local(layer)
+        row_d = gg.ggml_row_size(cache.type_id, D)
+        outs = []
+        first = 0
+        for (full, win), s in zip(masks, shape.samples):
+            qs = gg.ggml_view_3d(ctx, q, D, H, s.rows, q.contents.nb[1], q.contents.nb[2], first * q.contents.nb[2])
+            qs = gg.ggml_permute(ctx, qs, 0, 2, 1, 3)
+            offset = cache.row(s.slot, 0) * cache.row_bytes
+            ks = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, kc, D, KV, s.attend, row_d, cache.row_bytes, offset), 0, 2, 1, 3)
+            vs = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, vc, D, KV, s.attend, row_d, cache.row_bytes, offset), 0, 2, 1, 3)
+            o = gg.ggml_flash_attn_ext(ctx, qs, ks, vs, win if local else full, kq_scale, 0.0, 0.0)
+            gg.ggml_flash_attn_ext_set_prec(o, lib.PREC_F32)
+            outs.append(gg.ggml_reshape_2d(ctx, o, D * H, s.rows))
+            first += s.rows
+        a = outs[0]
+        for o in outs[1:]:
+            a = gg.ggml_concat(ctx, a, o, 1)
+        a = self._linear(ctx, a, p + "attn_output")
+        if fam.post_norms:
+            a = self._norm(ctx, a, p + "post_attention_norm", c.norm_eps)
+        x = gg.ggml_add(ctx, a, x)
+        h = self._norm(ctx, x, p + "ffn_norm", c.norm_eps)
+        if fam.mlp == "gelu":
+            m = self._linear(ctx, h, p + "ffn_up")
+            m = gg.ggml_gelu(ctx, m) if c.gelu_approximate == "tanh" else gg.ggml_gelu_erf(ctx, m)
+        else:
+            up = self._linear(ctx, h, p + "ffn_up")
+            gate = self._linear(ctx, h, p + "ffn_gate")
+            m = gg.ggml_swiglu_split(ctx, gate, up) if fam.mlp == "swiglu" else gg.ggml_geglu_split(ctx, gate, up)
+        m = self._linear(ctx, m, p + "ffn_down")
+        if fam.post_norms:
+            m = self._norm(ctx, m, p + "post_ffw_norm", c.norm_eps)
+        return gg.ggml_add(ctx, m, x)
+
+    # --- the ends ------------------------------------------------------------------------
+    def embedding(self, rows: int) -> Built:
+        """Token ids [rows] (and their positions, for learned position embeddings) -> [E, rows]."""
+        gg, t = self.gg, self.t
+        b = Built(NODES_MORE)
+        ctx = b.ctx.ptr
+        ids = self._input(b, "ids", lib.I32, rows)
+        x = gg.ggml_get_rows(ctx, self.w["token_embd.weight"], ids)
+        if t.family.embed_scale:
+            x = gg.ggml_scale(ctx, x, math.sqrt(t.config.n_embd))
+        if t.family.positions == "learned":
+            pos = self._input(b, "pos", lib.I32, rows)
+            x = gg.ggml_add(ctx, x, gg.ggml_get_rows(ctx, self.w["position_embd.weight"], pos))
+        gg.ggml_set_output(x)
+        gg.ggml_build_forward_expand(b.graph, x)
+        b.output = x
+        b.allocate()
+        return b
+
+    def head(self, rows: int) -> Built:
+        """Final norm and LM head: [E, rows] -> logits [vocab, rows]."""
+        gg, t = self.gg, self.t
+        b = Built(NODES_MORE)
+        ctx = b.ctx.ptr
+        x = self._input(b, "x", lib.F32, t.config.n_embd, rows)
+        x = self._norm(ctx, x, "output_norm", t.config.norm_eps)
+        out = self.w["output.weight"] if "output.weight" in self.w else self.w["token_embd.weight"]  # tied head
+        y = gg.ggml_mul_mat(ctx, out, x)
+        gg.ggml_set_output(y)
+        gg.ggml_build_forward_expand(b.graph, y)
+        b.output = y
+        b.allocate()
+        return b
+
+
+def fill_masks(b: Built, shape: PassShape, starts: Sequence[int], traits: ModelTraits) -> None:
+    """Each sample's masks: row t (at position start + t) sees positions <= its own, and, in a
+    sliding-window layer, only the last `sliding_window` of them."""
+    window = traits.config.sliding_window or 0
+    for i, (s, start) in enumerate(zip(shape.samples, starts)):
+        cols = np.arange(s.attend)[None, :]
+        rows = (start + np.arange(s.rows))[:, None]
+        mask = np.where(cols <= rows, np.float16(0), NEG_INF).astype(np.float16)
+        lib.set_data(b.inputs["mask_%d" % i], mask)
+        if "mask_local_%d" % i in b.inputs:
+            local = np.where((cols <= rows) & (rows - cols < window), np.float16(0), NEG_INF).astype(np.float16)
+            lib.set_data(b.inputs["mask_local_%d" % i], local)
+

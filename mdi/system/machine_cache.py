@@ -1,0 +1,109 @@
+"""Measurements remembered per machine: JSON files in the profile cache folder
+($MDI_PROFILE_CACHE, default ~/.cache/mdi) that the nodes of one machine share: the backends'
+(mdi.model.backend), the quantized kernels' (mdi.model.kernel_memory) and the planner's
+(mdi.starter.node_speeds).
+
+A versioned file holds {"version": N, "entries": {...}}; one from another version, or one that
+cannot be read, reads as empty (what it held is measured again). Writes go to a temporary file
+renamed into place, under an exclusive lock that nodes starting side by side take in turn.
+"""
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata as importlib_metadata
+import json
+import logging
+import os
+import platform
+import time
+from typing import Any, Dict, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> str:
+    return os.environ.get("MDI_PROFILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mdi")
+
+
+def machine_key() -> Dict[str, object]:
+    """What a measurement on this machine depends on besides its shapes: the CPU (model name and
+    flags), the core count, and the compute libraries' versions (read from their installed
+    metadata: nothing imported)."""
+    cpu, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not cpu:
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith(("flags", "Features")) and not flags:
+                    flags = hashlib.sha256(line.split(":", 1)[1].encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    versions: Dict[str, Optional[str]] = {}
+    for dist in ("torch", "ggml-python"):
+        try:
+            versions[dist] = importlib_metadata.version(dist)
+        except Exception:
+            versions[dist] = None
+    return {"cpu": cpu, "flags": flags, "cores": os.cpu_count(), "machine": platform.machine(), "versions": versions}
+
+
+def digest(key: Any) -> str:
+    """A stable name for a JSON-able key."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+class MachineCache:
+    """One versioned JSON file of entries in the cache folder."""
+
+    def __init__(self, name: str, version: int) -> None:
+        self.name, self.version = name, version
+
+    @property
+    def path(self) -> str:
+        return os.path.join(cache_dir(), self.name)
+
+    def read(self) -> Dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+            if isinstance(data, dict) and data.get("version") == self.version and isinstance(data.get("entries"), dict):
+                return data["entries"]
+        except (OSError, ValueError):
+            pass
+        return {}
+
+    def write(self, entries: Dict[str, Any]) -> None:
+        """Replace the file's entries (a read-only folder: measured again next time)."""
+        folder = cache_dir()
+        try:
+            os.makedirs(folder, exist_ok=True)
+            tmp = "%s.%d.tmp" % (self.path, os.getpid())
+            with open(tmp, "w") as f:
+                json.dump({"version": self.version, "entries": entries}, f)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.debug("mdi: cannot write %s: %s", self.path, e)
+
+    @contextlib.contextmanager
+    def locked(self, wait_s: float) -> Iterator[None]:
+        """This file's exclusive lock (none where the folder cannot be written); RuntimeError
+        after `wait_s` seconds held by another process."""
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            lock = open(self.path + ".lock", "w")
+        except OSError:
+            yield
+            return
+        with lock:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("another process on this machine has held %s for over %.0f s"
+                                           % (lock.name, wait_s))
+                    time.sleep(0.2)
+            yield

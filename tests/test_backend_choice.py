@@ -1,0 +1,106 @@
+"""How a node's backend is chosen (mdi.model.backend.choose), with the measurements faked: an
+asked backend that cannot serve is one line saying why; auto measures the backends that can
+serve, keeps the cheaper for the run's work, remembers it per machine, and measures again a
+choice it made while the machine was busy once the machine is quiet."""
+import pytest
+
+from mdi.model import backend
+from mdi.model.backend import BackendTiming, choose
+
+FAST = BackendTiming(decode_s=0.001, prefill_token_s=0.0002)
+SLOW = BackendTiming(decode_s=0.002, prefill_token_s=0.0004)
+KEY = {"model": "tiny", "threads": 1}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def measuring(timings):
+    calls = []
+
+    def measure(name):
+        calls.append(name)
+        return timings[name]
+    return measure, calls
+
+
+def test_an_asked_backend_that_cannot_serve_says_why(cache):
+    with pytest.raises(ValueError, match="backend ggml cannot run here: the model has no GGUF"):
+        choose("ggml", {"ggml": "the model has no GGUF", "torch": None}, measuring({})[0])
+    got = choose("torch", {"ggml": None, "torch": None}, measuring({})[0])
+    assert (got.backend, got.describe()) == ("torch", "torch (asked)")
+
+
+def test_auto_with_one_able_backend_measures_nothing(cache):
+    measure, calls = measuring({})
+    got = choose("auto", {"ggml": "adapters run on torch only", "torch": None}, measure, KEY)
+    assert got.backend == "torch" and calls == []
+    assert got.describe() == "torch (auto: ggml cannot: adapters run on torch only)"
+
+
+def test_auto_keeps_the_cheaper_and_recalls_it(cache, monkeypatch):
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+    measure, calls = measuring({"ggml": SLOW, "torch": FAST})
+    first = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert first.backend == "torch" and sorted(calls) == ["ggml", "torch"] and not first.cached
+    assert "2.00x faster" in first.reason and "busy" not in first.describe()
+    second = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert second.backend == "torch" and second.cached and len(calls) == 2
+    assert second.describe().startswith("torch (auto, recalled: decode 2.00 ms vs 1.00 ms per block")
+    other = choose("auto", {"ggml": None, "torch": None}, measure, dict(KEY, threads=2))
+    assert not other.cached and len(calls) == 4  # other shapes or threads: measured anew
+
+
+def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(cache, monkeypatch):
+    load = {"now": 1.8}
+    monkeypatch.setattr(backend, "machine_load", lambda: load["now"])
+    measure, calls = measuring({"ggml": SLOW, "torch": FAST})
+    busy = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert "while the machine was busy (load 1.8 per core)" in busy.describe()
+    recalled = choose("auto", {"ggml": None, "torch": None}, measure, KEY)  # still busy: recalled, said so
+    assert recalled.cached and len(calls) == 2 and "busy" in recalled.describe()
+    load["now"] = 0.1
+    measure, calls = measuring({"ggml": FAST, "torch": SLOW})
+    quiet = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert quiet.backend == "ggml" and not quiet.cached and len(calls) == 2
+    assert "busy" not in quiet.describe()
+    again = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert again.cached and again.backend == "ggml" and len(calls) == 2
+
+
+def test_a_probe_that_fails_leaves_the_other_backend_said_why(cache, monkeypatch):
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+
+    def measure(name):
+        if name == "torch":
+            raise RuntimeError("timing the torch backend took over 120 s")
+        return FAST
+    got = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert got.backend == "ggml"
+    assert got.describe() == "ggml (auto: timing torch failed: timing the torch backend took over 120 s)"
+
+    def broken(name):
+        raise RuntimeError("no %s here" % name)
+    with pytest.raises(RuntimeError, match="measuring the backends failed: ggml: no ggml here; torch: no torch here"):
+        choose("auto", {"ggml": None, "torch": None}, broken, dict(KEY, threads=3))
+
+
+def test_auto_keeps_a_gguf_torch_would_re_round_on_ggml(cache):
+    """A Q4_K_M GGUF (Gemma 3's): torch would re-round its K-quant matrices; auto computes it on
+    ggml without measuring, and says why. Q4_1 and Q8_0 are exact on both: measured."""
+    from conftest import tiny_config
+    from mdi.model.backend_select import select_backend
+    from mdi.model.ggml import lib
+    if lib.unavailable_reason() is not None:
+        pytest.skip(lib.unavailable_reason())
+    config = tiny_config("llama")
+    types = {"blk.0.attn_q.weight": "Q4_K", "blk.0.ffn_down.weight": "Q6_K", "blk.0.attn_k.weight": "Q8_0",
+             "blk.0.attn_norm.weight": "F32"}
+    got = select_backend("auto", config, 0, 1, types, "cpu", 1, 1)
+    assert got.backend == "ggml" and got.seconds == 0.0
+    assert got.describe() == ("ggml (auto: torch cannot: it would re-round the GGUF's Q4_K, Q6_K "
+                              "(ggml computes them as stored))")
+    assert select_backend("torch", config, 0, 1, types, "cpu", 1, 1).backend == "torch"  # asked: as asked

@@ -1,0 +1,106 @@
+"""The ggml backend through the ring (real worker processes on loopback): a ring of 3 computing
+with ggml gives the greedy ids one ggml process gives alone, whatever the samples in flight and
+the prompts' chunking; a ring may mix ggml and torch nodes; each node's backend is in the
+metrics record; auto decides on each node, once per machine."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import BIN, ROOT, WorkerProcess, free_ports
+from ringconfigs import write_run_config
+from mdi.model.ggml import lib
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(lib.unavailable_reason() is not None, reason=str(lib.unavailable_reason()))]
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    procs = [WorkerProcess(p) for p in free_ports(2)]
+    try:
+        yield [w.wait_ready() for w in procs]
+    finally:
+        for w in procs:
+            w.stop()
+
+
+def start(config, tmp_path, *extra, env=None, prompts=PROMPTS):
+    out = str(tmp_path / "metrics.json")
+    args = [os.path.join(BIN, "mdi-start"), "--config", config, "--metrics-out", out]
+    for p in prompts:
+        args += ["--prompt", p]
+    proc = subprocess.run(args + list(extra), capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=dict(os.environ, **(env or {})))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        return json.load(f), proc
+
+
+def ids(record):
+    return [s["token_ids"] for s in record["samples"]]
+
+
+def test_a_ring_of_three_on_ggml_gives_one_ggml_process_s_greedy_ids(smollm2_dir, two_workers, tmp_path):
+    alone = write_run_config(tmp_path / "alone.yaml", smollm2_dir, n_tokens=16,
+                             runtime={"threads": 1, "backend": "ggml"})
+    ring = write_run_config(tmp_path / "ring.yaml", smollm2_dir, two_workers, n_tokens=16,
+                            runtime={"threads": 1, "backend": "ggml", "prefill_chunk": 3})
+    solo, _ = start(alone, tmp_path)
+    assert "Paris" in solo["samples"][0]["text"]
+    ringed, proc = start(ring, tmp_path)
+    assert ids(ringed) == ids(solo)  # three samples in flight, prompts in passes of 3 tokens
+    assert [n["backend"] for n in ringed["nodes"]] == ["ggml"] * 3
+    assert "mdi: backends: starter ggml, w1 ggml, w2 ggml" in proc.stderr
+    one, _ = start(ring, tmp_path, prompts=PROMPTS[1:2])  # alone in the ring
+    assert ids(one)[0] == ids(solo)[1]
+
+
+def test_a_ring_may_mix_ggml_and_torch_nodes(smollm2_dir, two_workers, tmp_path):
+    config = write_run_config(tmp_path / "mixed.yaml", smollm2_dir, two_workers, n_tokens=12,
+                              runtime={"threads": 1},
+                              node_options={0: {"backend": "ggml"}, 1: {"backend": "torch"}, 2: {"backend": "ggml"}})
+    record, proc = start(config, tmp_path)
+    assert [n["backend"] for n in record["nodes"]] == ["ggml", "torch", "ggml"]
+    assert "Paris" in record["samples"][0]["text"]
+    assert all(len(s["token_ids"]) == 12 for s in record["samples"])
+
+
+def test_auto_decides_on_each_node_once_per_machine(smollm2_dir, two_workers, tmp_path):
+    """runtime.backend auto: every node measures both backends on its own shapes (a child process
+    each, one machine at a time), says what it chose and why, and a second run recalls it."""
+    config = write_run_config(tmp_path / "auto.yaml", smollm2_dir, two_workers, n_tokens=8,
+                              runtime={"threads": 1, "backend": "auto"})
+    first, proc = start(config, tmp_path)
+    lines = [n["backend_line"] for n in first["nodes"]]
+    assert all(line.startswith(("ggml (auto", "torch (auto")) for line in lines), lines
+    assert all("ms per block" in line for line in lines), lines
+    second, _ = start(config, tmp_path)
+    assert all("recalled" in n["backend_line"] for n in second["nodes"]), [n["backend_line"] for n in second["nodes"]]
+    assert [n["backend"] for n in second["nodes"]] == [n["backend"] for n in first["nodes"]]
+
+
+def test_a_ggml_worker_holds_its_layers_its_cache_and_little_else(smollm2_dir, tmp_path):
+    """A worker computing with ggml never loads torch: its peak memory is its layers' GGUF bytes
+    (memory-mapped, only its own tensors read), its KV cache and the Python runtime, within 150 MB
+    of the first two. Fresh workers: one that computed with torch before keeps torch's libraries."""
+    from mdi.model.source import ModelSource
+    workers = [WorkerProcess(p) for p in free_ports(2)]
+    try:
+        for w in workers:
+            w.wait_ready()
+        config = write_run_config(tmp_path / "mem.yaml", smollm2_dir, workers, n_tokens=16,
+                                  runtime={"threads": 1, "backend": "ggml"})
+        record, _ = start(config, tmp_path)
+        source = ModelSource(smollm2_dir)
+        for node, worker in zip(record["nodes"][1:], workers):
+            own = source.gguf_bytes(node["layers"][0], node["layers"][1], False, False) + node["cache_bytes"]
+            assert node["peak_memory_bytes"] <= own + 150 * 2 ** 20, \
+                (node["name"], node["peak_memory_bytes"] >> 20, own >> 20)
+            with open("/proc/%d/maps" % worker.proc.pid) as f:
+                assert "libtorch" not in f.read()
+    finally:
+        for w in workers:
+            w.stop()
