@@ -29,10 +29,12 @@ def chunk(source):
     return c
 
 
-def greedy(chunk, prompts, groups, n_tokens, prefill_chunk=None):
+def greedy(chunk, prompts, groups, n_tokens, prefill_chunk=None, logits_out=None):
     """Each sample's greedy ids when the samples of each group travel together in every pass
-    (a prompt in passes of `prefill_chunk` tokens; None: whole)."""
+    (a prompt in passes of `prefill_chunk` tokens; None: whole); `logits_out` (a dict) gets
+    each sample's logits, step by step."""
     out = {i: [] for g in groups for i in g}
+    seen = logits_out if logits_out is not None else {}
     for g in groups:
         at = {i: 0 for i in g}
         left = {i: list(prompts[i]) for i in g}
@@ -52,12 +54,14 @@ def greedy(chunk, prompts, groups, n_tokens, prefill_chunk=None):
             for k, i in enumerate(slots):
                 if not left[i]:
                     out[i].append(int(np.argmax(logits[k])))
+                    seen.setdefault(i, []).append(logits[k].copy())
         for _ in range(n_tokens - 1):
             x = chunk.embed_rows(np.array([out[i][-1] for i in g], np.int32), None)
             logits = chunk.head(chunk.forward_rows(x, PassRows(list(g), [at[i] for i in g], [1] * len(g))))
             for k, i in enumerate(g):
                 at[i] += 1
                 out[i].append(int(np.argmax(logits[k])))
+                seen[i].append(logits[k].copy())
     return out
 
 
@@ -68,6 +72,41 @@ def test_greedy_ids_do_not_depend_on_batching_or_prefill_chunks(source, chunk):
     assert greedy(chunk, prompts, [[0, 1, 2, 3]], 20) == alone  # every pass carries the four samples
     assert greedy(chunk, prompts, [[0], [1], [2], [3]], 20, prefill_chunk=2) == alone
     assert greedy(chunk, prompts, [[2, 0], [3, 1]], 20, prefill_chunk=3) == alone  # other slots' rows between
+
+
+@pytest.mark.parametrize("float_type", ["F32", "F16"])
+def test_float_weights_give_every_row_the_same_bits_in_a_pass_of_any_size(tmp_path, float_type):
+    """ggml multiplies float matrices with one kernel for a one-row pass and llamafile's tiled
+    kernel for longer ones (on x86), whose sums run in another order; a chunk measures where its
+    weights' kernels switch and pads shorter passes, so every sample's logits are bit for bit
+    those it gets alone, whatever shares its passes or however its prompt is chunked."""
+    from conftest import CHARS, tiny_config
+    from mdi.model.gguf_export import export_gguf
+    from mdi.model.model_dir import GGUF_FILE
+    from mdi.model.store import save_model_dir
+    from mdi.model.tokenizers import char_tokenizer
+    from mdi.model.transformer import full_model
+    torch.manual_seed(5)
+    net = full_model(tiny_config("llama"))
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)  # a chaotic model: any rounding difference grows into other ids
+    path = str(tmp_path / "tiny")
+    save_model_dir(path, net.config, net.state_dict(), "test")
+    export_gguf(str(tmp_path / "tiny" / GGUF_FILE), net.config, net.state_dict(), float_type=float_type)
+    char_tokenizer(CHARS).save(path)
+    src = ModelSource(path)
+    chunk = src.ggml_chunk(0, src.config.n_layer, True, True, threads=1)
+    chunk.allocate_cache(4, src.config.block_size)
+    prompts = [src.tokenizer.encode(p) for p in PROMPTS]
+    alone_logits = {}
+    alone = greedy(chunk, prompts, [[0], [1], [2], [3]], 12, logits_out=alone_logits)
+    for groups, prefill_chunk in (([[0, 1, 2, 3]], None), ([[0], [1], [2], [3]], 1), ([[2, 0], [3, 1]], 3)):
+        logits = {}
+        assert greedy(chunk, prompts, groups, 12, prefill_chunk, logits_out=logits) == alone, (groups, prefill_chunk)
+        for i in alone_logits:
+            assert all(np.array_equal(a, b) for a, b in zip(alone_logits[i], logits[i])), (groups, prefill_chunk, i)
 
 
 def test_logits_agree_with_the_torch_backend(source, chunk):

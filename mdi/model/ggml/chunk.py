@@ -17,6 +17,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.ggml import lib
 from mdi.model.ggml.graph import Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks
 from mdi.model.ggml.kv_cache import GgmlKVCache
+from mdi.model.ggml.min_rows import fewest_rows
 from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
 from mdi.model.ggml.weights import GgufWeights
 from mdi.model.pass_rows import PassRows
@@ -68,6 +69,11 @@ class GgmlChunk:
         self.load_seconds = time.perf_counter() - t0
         self.builder = GraphBuilder(self.traits, range(first, last), self.tensors)
         self.cpu = lib.CpuBackend(threads)
+        # passes shorter than this are padded, so a row rounds as in a pass of any size (min_rows)
+        packed = set(weights.repacked)
+        head = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        self.min_rows = fewest_rows(self.cpu, self.tensors, [n for n in matmul if n not in packed])
+        self.min_head_rows = fewest_rows(self.cpu, self.tensors, [head]) if with_head else 1
         self.cache: Optional[GgmlKVCache] = None
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self.graphs_built = 0
@@ -178,18 +184,23 @@ class GgmlChunk:
             raise ValueError("%d rows of activations for %d tokens" % (a.shape[0], rows))
         shape = PassShape(tuple(SampleShape(slot, count, attend_bucket(start + count, cache.max_len))
                                 for slot, start, count in zip(slots, starts, counts)))
+        row_positions = [np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)]
+        pad = self.min_rows - rows
+        if pad > 0:  # the last row again, at its own position: it computes (and writes) the same bits
+            last = shape.samples[-1]
+            shape = PassShape(shape.samples[:-1] + (SampleShape(last.slot, last.rows + pad, last.attend),))
+            row_positions[-1] = np.concatenate([row_positions[-1], np.repeat(row_positions[-1][-1:], pad)])
+            a = np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
         g = self._graph(("blocks", shape), lambda: self.builder.blocks(shape, cache))
-        positions = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)])
-        kv_rows = np.concatenate([np.arange(cache.row(slot, s), cache.row(slot, s) + c, dtype=np.int64)
-                                  for slot, s, c in zip(slots, starts, counts)])
+        kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
         lib.set_data(g.inputs["x"], a)
         if self.traits.family.positions == "rope":  # (GPT-2's graph leaves its positions unused: no buffer)
-            lib.set_data(g.inputs["pos"], positions)
+            lib.set_data(g.inputs["pos"], np.concatenate(row_positions))
         lib.set_data(g.inputs["kv_rows"], kv_rows)
-        fill_masks(g, shape, starts, self.traits)
+        fill_masks(g, shape, row_positions, self.traits)
         self.cpu.compute(g.graph)
-        out = np.empty((rows, self.config.n_embd), dtype=np.float32)
-        return _back(lib.get_data(g.output, out), torch_in)
+        out = np.empty((shape.rows, self.config.n_embd), dtype=np.float32)
+        return _back(lib.get_data(g.output, out)[:rows], torch_in)
 
     def embed(self, ids: Any, start: int) -> Any:
         """One sample's tokens at positions start.."""
@@ -221,13 +232,16 @@ class GgmlChunk:
     def head(self, x: Any) -> Any:
         """Final norm and LM head over rows [rows, n_embd] -> logits [rows, vocab] (float32)."""
         a, torch_in = _to_numpy(x)
+        rows = a.shape[0]
+        if rows < self.min_head_rows:  # padded as the blocks' passes are
+            a = np.concatenate([a, np.repeat(a[-1:], self.min_head_rows - rows, axis=0)])
         n = a.shape[0]
         g = self._graph(("head", n), lambda: self.builder.head(n))
         lib.set_data(g.inputs["x"], a)
         self.cpu.compute(g.graph)
         vocab = g.output.contents.ne[0]
         out = np.empty((n, vocab), dtype=np.float32)
-        return _back(lib.get_data(g.output, out), torch_in)
+        return _back(lib.get_data(g.output, out)[:rows], torch_in)
 
     def close(self) -> None:
         self._drop_graphs(lambda key: True)

@@ -274,13 +274,13 @@ class GraphBuilder:
         return b
 
 
-def fill_masks(b: Built, shape: PassShape, starts: Sequence[int], traits: ModelTraits) -> None:
-    """Each sample's masks: row t (at position start + t) sees positions <= its own, and, in a
-    sliding-window layer, only the last `sliding_window` of them."""
+def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], traits: ModelTraits) -> None:
+    """Each sample's masks: a row (at its position in `row_positions`) sees positions <= its
+    own, and, in a sliding-window layer, only the last `sliding_window` of them."""
     window = traits.config.sliding_window or 0
-    for i, (s, start) in enumerate(zip(shape.samples, starts)):
+    for i, (s, positions) in enumerate(zip(shape.samples, row_positions)):
         cols = np.arange(s.attend)[None, :]
-        rows = (start + np.arange(s.rows))[:, None]
+        rows = np.asarray(positions)[:, None]
         mask = np.where(cols <= rows, np.float16(0), NEG_INF).astype(np.float16)
         lib.set_data(b.inputs["mask_%d" % i], mask)
         if "mask_local_%d" % i in b.inputs:
