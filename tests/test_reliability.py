@@ -3,6 +3,7 @@ lingering ports. Nothing hangs, every failure names the node, nothing generated 
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -129,6 +130,31 @@ def test_wrong_token_is_refused_quickly_and_right_token_works(tmp_path, tiny_mod
         assert "16 tokens" in proc.stdout
     finally:
         worker.stop()
+
+
+def test_a_node_failing_at_start_up_ends_it_at_once_while_another_never_answers(tmp_path, tiny_models):
+    """The first node to fail while the others still configure ends the start-up, named: board1
+    here never answers (a port that listens and never accepts, under a connect timeout that
+    outlasts the test), board2 refuses the run's token at once. The run used to wait for every
+    node in order and name board1 when its wait ran out; it names board2, whatever the speed."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    secret = tmp_path / "secret"
+    secret.write_text("the-boards-token\n")
+    worker = WorkerProcess(free_ports(1)[0], env=dict(os.environ, MDI_TOKEN_FILE=str(secret)), token="the-boards-token")
+    try:
+        worker.wait_ready()
+        config = write_ring(tmp_path, tiny_models["gpt2"], [hung.getsockname()[1], worker], free_ports(3),
+                            n_tokens=4, n_samples=1, connect_timeout=3600)
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
+                              capture_output=True, text=True, env=dict(os.environ, MDI_TOKEN="not-it"), timeout=600)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 1 and lines, proc.stderr
+        assert "board2" in lines[-1] and "token" in lines[-1] and "board1" not in lines[-1], proc.stderr
+    finally:
+        worker.stop()
+        hung.close()
 
 
 def test_worker_refuses_public_address_without_token():

@@ -236,9 +236,9 @@ class ControlClient:
         self._call("POST", "/probe", data=bytes(nbytes), headers={"Content-Type": "application/octet-stream"})
         return time.perf_counter() - t0
 
-    def stop(self, run_id: Optional[int] = None) -> Dict[str, Any]:
+    def stop(self, run_id: Optional[int] = None, timeout: Optional[float] = None) -> Dict[str, Any]:
         """End the worker's run; with `run_id` only if that run holds it (never another starter's)."""
-        return self._call("PUT", "/stop" if run_id is None else "/stop?run=%d" % run_id)
+        return self._call("PUT", "/stop" if run_id is None else "/stop?run=%d" % run_id, timeout)
 
     def shutdown(self) -> Dict[str, Any]:
         return self._call("POST", "/shutdown")

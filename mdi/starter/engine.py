@@ -19,6 +19,7 @@ from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
+from mdi.system.parallel import run_all
 from mdi.model.source import ModelSource
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
@@ -91,8 +92,8 @@ class Engine:
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
-        for node in self.nodes[1:]:  # fail fast, before spending time on our own weights
-            self.registry.client(node).health()
+        # fail fast, before spending time on our own weights (all at once: the first to fail is named)
+        run_all([self.registry.client(node).health for node in self.nodes[1:]], "mdi-health")
         self.chunk = self._starter_chunk(self.ranges[0])
         draft_model = self._draft_model()
         transport, run_id = self._connect()

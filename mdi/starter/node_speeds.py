@@ -9,6 +9,7 @@ quantization, device, threads, fused decode, ...: everything the ProfileRequest 
 so a second plan is instant; `refresh` measures again (a board was changed or is busy).
 Memory is read fresh every time (GET /status): it changes with what else runs there.
 """
+import functools
 import gc
 import hashlib
 import importlib
@@ -17,7 +18,6 @@ import logging
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi import __version__
@@ -27,6 +27,7 @@ from mdi.model.block_timing import PROFILE_LAYERS, profile_blocks
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.system.memory import release_freed_memory
+from mdi.system.parallel import run_all
 from mdi.ring.auth import is_loopback
 from mdi.ring.backend_request import BackendRequest
 from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest
@@ -148,7 +149,7 @@ class Profiler:
         t0 = time.perf_counter()
         mates = machine_mates(nodes)  # part of each profile's cache key
         links: List[Optional[Dict[str, float]]] = [None] + [self._link(n) for n in nodes[1:]]
-        statuses = [self.registry.client(n).status() for n in nodes[1:]]  # one read: its device and memory
+        statuses = self._statuses(nodes[1:])  # one read: its device and memory
         # Memory is read before any node profiles: a profile's random blocks, freed, may not be
         # back with the OS yet (the starter's held 70 MB of a 320 MB board and its plan left out
         # layers that fit).
@@ -157,14 +158,14 @@ class Profiler:
         # the slowest board, not the sum, and boards that share anything (a host's cores, its
         # memory bandwidth and cache, as emulated ones do) are timed as loaded as the ring's
         # steady state loads them.
-        with ThreadPoolExecutor(max_workers=max(1, len(nodes) - 1), thread_name_prefix="mdi-profile") as pool:
-            workers = [pool.submit(self._worker_timing, n, s.device, mates[n.name])
-                       for n, s in zip(nodes[1:], statuses)]
-            timings = [self._starter_timing(mates[nodes[0].name])] + [w.result() for w in workers]
+        # A node that fails (or dies) while timing ends the start-up at once, named.
+        timings = run_all([functools.partial(self._starter_timing, mates[nodes[0].name])] +
+                          [functools.partial(self._worker_timing, n, s.device, mates[n.name])
+                           for n, s in zip(nodes[1:], statuses)], "mdi-profile")
         # A worker's memory is read again once it has profiled, and the smaller figure kept:
         # what its profile held is not all back with the OS (a 230 MiB board could give 31.9 MB
         # before profiling and 30.7 MB after, and refused its 31.9 MB share at /init).
-        after = [self.registry.client(n).status().capacity_bytes() for n in nodes[1:]]
+        after = [status.capacity_bytes() for status in self._statuses(nodes[1:])]
         capacities = capacities[:1] + [_smaller(a, b) for a, b in zip(capacities[1:], after)]
         reserve = prefix_reserve(self.cfg)  # a sized prefix cache is no room for layers
         capacities = [None if c is None else max(0, c - reserve) for c in capacities]
@@ -179,6 +180,10 @@ class Profiler:
             _write_cache(self.cache)
         self.seconds += time.perf_counter() - t0
         return out
+
+    def _statuses(self, nodes: Sequence[NodeSpec]) -> List[Any]:
+        """Each node's /status, read at once (the first that fails is named at once)."""
+        return run_all([self.registry.client(n).status for n in nodes], "mdi-status")
 
     def worker_cost(self, node: NodeSpec) -> NodeCost:
         """One worker alone (a spare joining the ring): its blocks, its link and its memory."""

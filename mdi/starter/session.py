@@ -1,5 +1,6 @@
 """The starter's view of the ring: configure every worker over HTTP, connect the data plane,
 and at the end send the stop frame round and collect each node's counters."""
+import functools
 import hashlib
 import logging
 import threading
@@ -17,8 +18,11 @@ from mdi.ring.wire import Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.run_plan import RunPlan
+from mdi.system.parallel import run_all
 
 log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 5.0  # an aborting start-up's stop to each worker (its heartbeat timeout ends the run otherwise)
 
 
 def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: bool = False) -> BackendRequest:
@@ -77,7 +81,7 @@ class RingSession:
             gguf_types=self.source.gguf_types(first, last, False, False) if backend == "ggml" else {},
             repack=self.cfg.runtime.repack)
 
-    def _configure(self, i: int, errors: List[Optional[BaseException]]) -> None:
+    def _configure(self, i: int) -> None:
         client, node = self.clients[i], self.workers[i]
         try:
             client.health()
@@ -101,10 +105,10 @@ class RingSession:
             # Each adapter's matrices for this worker's layers only (new weights start with none).
             for adapter, body in self.adapters.bodies(first, last) if self.adapters else []:
                 client.post_adapter(adapter, body)
-        except NodeError as e:
-            errors[i] = e
-        except BaseException as e:  # reported by the caller, naming the node
-            errors[i] = NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name)
+        except NodeError:
+            raise
+        except Exception as e:  # reported by the caller, naming the node
+            raise NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name) from e
 
     def prefix_positions(self) -> List[int]:
         """Positions each worker's prefix cache holds: its budget over its bytes per position,
@@ -139,21 +143,12 @@ class RingSession:
                                  n_slots=self.plan.n_slots, max_len=self.plan.max_len),
             ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
-            errors: List[Optional[BaseException]] = [None] * len(self.clients)
-            threads = [threading.Thread(target=self._configure, args=(i, errors), daemon=True)
-                       for i in range(len(self.clients))]
             configured = threading.Event()
             threading.Thread(target=self._keepalive, args=(configured,), name="mdi-keepalive", daemon=True).start()
-            try:
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+            try:  # a node that fails ends the start-up at once (abort below), not when the others are done
+                run_all([functools.partial(self._configure, i) for i in range(len(self.clients))], "mdi-configure")
             finally:
                 configured.set()
-            failed = [e for e in errors if e is not None]
-            if failed:
-                raise failed[0]
             first = self.workers[0]
             self.endpoint.connect(first.host, first.ring_port)
             self._watching.set()
@@ -268,10 +263,13 @@ class RingSession:
         """Best effort: end the run on every worker and close our endpoint. Only this run: a
         worker that refused it (409, busy with another starter's run) keeps that run."""
         self._watching.clear()
-        for client in self.clients:
+
+        def stop(client: ControlClient) -> None:
             try:
-                client.stop(self.run_id)
+                client.stop(self.run_id, timeout=STOP_TIMEOUT_S)
             except NodeError:
-                pass
+                pass  # a worker that does not hear it ends the run when our heartbeat stops
+        # at once, each bounded: a hung node must not hold the others' stop (or our exit)
+        run_all([functools.partial(stop, c) for c in self.clients], "mdi-abort")
         if self.endpoint is not None:
             self.endpoint.close()
