@@ -178,6 +178,38 @@ def test_an_output_nothing_valid_continues_is_neither_accepting_nor_complete(smo
     assert ok.take(a[0]) and ok.accepting and ok.complete
 
 
+@pytest.mark.parametrize("kind,text", [("regex", "a{100000}"), ("regex", "((a{100}){100}){10}"), ("regex", "x{1001,}"),
+                                       ("json_schema", json.dumps({"items": {"pattern": "^(ab){5000}$"}})),
+                                       ("json_schema", json.dumps({"patternProperties": {"^k{9999}$": {}}})),
+                                       ("gbnf", 'root ::= [a-z]{1,5000}'), ("lark", 'start: ("a" "b"){2000}')])
+def test_counted_repetitions_past_the_cap_are_refused_naming_the_field(smol_compiler, kind, text):
+    _, compiler = smol_compiler
+    with pytest.raises(ConstraintError) as e:
+        compiler.compile(GrammarSpec(kind, text, "the_field"))
+    assert e.value.field == "the_field" and "counted repetition" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_counted_repetitions_within_the_cap_and_braces_in_data_compile(smol_compiler):
+    _, compiler = smol_compiler
+    for kind, text in [("regex", "[0-9]{3}-[0-9]{4}"), ("regex", "(a|b){1000}"), ("regex", r"\{5000\}"),
+                       ("json_schema", json.dumps({"enum": ["a{5000}"], "description": "x{9999}"})),
+                       ("gbnf", 'root ::= "{9999}" [a-z]{1,10}')]:
+        compiler.compile(GrammarSpec(kind, text, "f"))
+
+
+def test_a_mask_over_the_budget_is_refused_naming_the_field(smol_compiler):
+    """The timed probe: one mask past the start, against the compiler's budget (0 here, so any
+    grammar is over it: the refusal is tested, not a timing)."""
+    import copy
+    _, compiler = smol_compiler
+    strict = copy.copy(compiler)
+    strict.mask_budget_s = 0.0
+    with pytest.raises(ConstraintError) as e:
+        strict.compile(GrammarSpec("regex", "[a-z]+", "regex"))
+    assert e.value.field == "regex" and "token mask takes" in str(e.value) and "\n" not in str(e.value)
+    compiler.compile(GrammarSpec("regex", "[a-z]+", "regex"))  # the default budget: typical masks take < 1 ms
+
+
 @pytest.mark.parametrize("make", [gpt2_tokenizer, lambda: char_tokenizer(list("abcdefghij0123456789 {}\":,\n"))],
                          ids=["gpt2", "char"])
 def test_other_tokenizer_kinds_compile_and_constrain(make):
@@ -291,6 +323,12 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
     ("grammar", 7, "string"),
     ("regex", "(unclosed", "regex"),
     ("json_schema", {"type": "object", "properties": {"a": {"type": "nope"}}}, "nope"),
+    ("regex", "a{100000}", "counted repetition"),  # issue 58 (1): its masks would slow every user
+    ("regex", "(a{1000}){100}", "counted repetition"),
+    ("json_schema", {"type": "string", "pattern": "^a{100000}$"}, "counted repetition"),
+    ("response_format", _format({"type": "object", "properties": {"a": {"type": "string", "pattern": "b{2000}"}}}),
+     "counted repetition"),
+    ("grammar", 'root ::= ("a"{100}){100}', "counted repetition"),
 ])
 def test_bad_shapes_are_one_400_naming_the_field(smol_server, field, value, says):
     status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], field: value})

@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import torch
 
+from mdi.model.grammar_cost import MASK_BUDGET_S, MAX_REPEAT, spec_repeat
 from mdi.model.grammar_empty import derives_text
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
@@ -83,13 +84,15 @@ class GrammarCompiler:
     tokens). `width`: the head's logits per row (a model may pad its vocabulary past the
     tokenizer's; those ids are never allowed)."""
 
-    def __init__(self, tok: Tokenizer, width: int) -> None:
+    def __init__(self, tok: Tokenizer, width: int, mask_budget_s: float = MASK_BUDGET_S) -> None:
         import llguidance
         t0 = time.perf_counter()
         self.llg = llguidance
         self.width = int(width)
+        self.mask_budget_s = mask_budget_s  # the most one token mask may take (`grammar_cost`)
         self.vocab = tok.vocab_size  # ids past it (a padded head's) are never allowed
         view = _TokenizerView(tok)
+        self.end_ids = list(view.end_ids)
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=len(view.tokens),
                                                 eos_token=view.end_ids)
         log.info("mdi: constrained decoding ready: %d tokens in %.2f s", tok.vocab_size, time.perf_counter() - t0)
@@ -99,6 +102,10 @@ class GrammarCompiler:
         m = self.llg.LLMatcher
         if len(spec.text) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(spec.field, "longer than %d characters" % MAX_GRAMMAR_CHARS)
+        repeat = spec_repeat(spec.kind, spec.text)
+        if repeat > MAX_REPEAT:
+            raise ConstraintError(spec.field, "a counted repetition of %d (nested counts multiplied) is more than %d: "
+                                  "its token masks would slow every request" % (repeat, MAX_REPEAT))
         try:
             if spec.kind == "json_object":
                 return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -137,9 +144,28 @@ class GrammarCompiler:
         # The first mask, here on the request's thread (the scheduler reuses it): a grammar no
         # text satisfies (a rule with no base case, a schema that is only a $ref to itself, an
         # empty character class) shows as a start where nothing may follow, not even the end.
-        if constraint.dead(constraint.allowed()):
+        first = constraint.allowed()
+        if constraint.dead(first):
             raise ConstraintError(spec.field, "no text satisfies it (nothing it accepts can even start)")
+        spent = self._probe(matcher, first)
+        if spent > self.mask_budget_s:
+            raise ConstraintError(spec.field, "one token mask takes %.0f ms, more than the %.0f ms this server allows "
+                                  "(a long counted repetition?)" % (spent * 1e3, self.mask_budget_s * 1e3))
         return constraint
+
+    def _probe(self, matcher: Any, first: torch.Tensor) -> float:
+        """Seconds of one mask past the start, on a copy: the cost every later token pays on the
+        scheduler's thread (the first mask also builds the lexer's states, paid once, here)."""
+        ends = set(self.end_ids)
+        token = next((t for t in first.nonzero().flatten().tolist() if t not in ends), None)
+        if token is None:
+            return 0.0
+        probe = matcher.deep_copy()
+        if not probe.consume_token(int(token)) or probe.is_error():
+            return 0.0
+        t0 = time.perf_counter()
+        probe.compute_bitmask()
+        return time.perf_counter() - t0
 
 
 class Constraint:
