@@ -453,8 +453,48 @@ def test_shared_secret_and_public_bind(model, tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(model, "Hi", 4)
         assert re.search(r"^mdi_slots 2$", requests.get(srv.url + "/metrics", headers=srv.headers, timeout=10).text,
                          re.M)
+        # Issue 58 (5): the token is checked before a byte of the body is read, on every route
+        # that takes one: a client announcing 8 MiB it never sends gets its 401 at once.
+        for route in ("/v1/mdi/train", "/v1/mdi/adapters", "/v1/completions", "/v1/chat/completions"):
+            for auth in ("", "Authorization: Bearer wrong\r\n"):
+                status, body = _announce_body(srv.port, route, auth, 8 << 20)
+                assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", (route, body)
+        # ... and with the token the routes read the body and answer it
+        r = requests.post(srv.url + "/v1/mdi/train", json={"data": "/etc/passwd"}, headers=srv.headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "data", r.text
+        assert requests.get(srv.url + "/v1/mdi/train", headers=srv.headers, timeout=30).status_code == 404
+        assert requests.get(srv.url + "/v1/mdi/train", timeout=30).status_code == 401
+        r = requests.post(srv.url + "/v1/mdi/adapters", json={"name": "x", "path": "/etc"}, headers=srv.headers,
+                          timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+        assert "/etc" not in r.json()["error"]["message"] and model not in r.json()["error"]["message"]
+        r = requests.post(srv.url + "/v1/mdi/adapters", json={"name": "x", "path": "/etc"}, timeout=30)
+        assert r.status_code == 401, r.text
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def _announce_body(port, route, auth, length):
+    """POST `route` with headers announcing `length` bytes of JSON and no byte of the body:
+    (status, body) of the answer, which must come without the body."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(("POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+                      "Content-Length: %d\r\n\r\n" % (route, auth, length)).encode())
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), body.decode()
+
+
+def _length(data):
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    match = re.search(r"content-length: *(\d+)", head)
+    return int(match.group(1)) if match else 0
 
 
 @pytest.mark.parametrize("source,needle", [

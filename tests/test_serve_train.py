@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import CHARS, ServeProcess
 from ringconfigs import parse_run_config, write_run_config
+from mdi.lab.random_lora import write_random_lora
 from mdi.model.lora_train import peft_tensor_name
 from mdi.model.source import ModelSource
 from mdi.ring.train_request import TrainSetup
@@ -145,6 +146,42 @@ def test_bad_bodies_are_400_naming_the_field(setup, body, field):
     error = r.json()["error"]
     assert error["param"] == field and "\n" not in error["message"], error
     assert not os.path.exists(os.path.join(base, "never"))
+
+
+def test_out_never_overwrites_served_files_nor_any_files(setup):
+    """Issue 58 (3): `out` may not be, lie inside or hold the model's folder or a served adapter's
+    (configured, loaded, or loaded and unloaded again), nor be a folder that already holds files;
+    the 400 names the field and says which, with paths relative to the models folder."""
+    server, model, base, data, alone = setup
+    lora = write_random_lora(os.path.join(base, "served-lora"), ModelSource(model).config, seed=3, rank=2)
+    r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "served", "path": lora}, timeout=120)
+    assert r.status_code == 200, r.text
+    full = os.path.join(base, "full")
+    os.makedirs(os.path.join(full, "sub"))
+    with open(os.path.join(full, "notes.txt"), "w") as f:
+        f.write("mine")
+    cases = [(model, "is the model"), (os.path.join(model, "new"), "inside the model"), (base, "holds the model"),
+             (lora, "adapter 'served'"), (os.path.join(lora, "new"), "inside adapter 'served'"),
+             (full, "already holds files"), (os.path.join(base, ".", "full"), "already holds files")]
+    try:
+        for out, says in cases:
+            r = train(server, data=data, out=out, **dict(JOB, steps=1))
+            assert r.status_code == 400, (out, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "out" and says in error["message"], (out, error)
+            assert base not in error["message"] and "\n" not in error["message"], error
+        r = requests.delete(server.url + "/v1/mdi/adapters/served", timeout=120)
+        assert r.status_code == 200, r.text
+        r = train(server, data=data, out=lora, **dict(JOB, steps=1))  # unloaded: its files are still someone's
+        assert r.status_code == 400 and "adapter 'served'" in r.json()["error"]["message"], r.text
+        assert train(server, "GET").status_code in (200, 404)  # no job was started by any of them
+        assert train(server, "GET").json().get("state") != "running"
+    finally:
+        requests.delete(server.url + "/v1/mdi/adapters/served", timeout=120)
+    assert not os.path.exists(os.path.join(model, "adapter_config.json"))
+    assert sorted(os.listdir(full)) == ["notes.txt", "sub"]
+    for path in (model, lora):
+        assert not os.path.exists(os.path.join(path, "new"))
 
 
 def test_second_job_is_409_and_delete_stops_it(setup):

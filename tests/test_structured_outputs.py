@@ -146,6 +146,70 @@ def test_a_grammar_that_does_not_compile_names_its_field(smol_compiler, kind, te
     assert e.value.field == "the_field" and match in str(e.value) and "\n" not in str(e.value)
 
 
+# Constraints no string satisfies (issue 58, 2): each kind's empty language, found before admission.
+# A schema whose required property is the whole schema again: llguidance finds it only after `{"`.
+DEAD_END = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+EMPTY = [("gbnf", 'root ::= root "a"', "grammar"), ("gbnf", 'root ::= x\nx ::= "b" y\ny ::= y x', "grammar"),
+         ("gbnf", 'root ::= "a" x\nx ::= x "b"', "grammar"), ("gbnf", 'root ::= x{2,3}\nx ::= "a" x', "grammar"),
+         ("json_schema", json.dumps({"$ref": "#"}), "json_schema"),
+         ("json_schema", json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "json_schema"),
+         ("regex", r"[^\s\S]", "regex"), ("regex", r"(a|b)[^\d\D]", "regex")]
+
+
+@pytest.mark.parametrize("kind,text,field", EMPTY)
+def test_a_grammar_no_text_satisfies_is_refused_naming_its_field(smol_compiler, kind, text, field):
+    _, compiler = smol_compiler
+    with pytest.raises(ConstraintError) as e:
+        compiler.compile(GrammarSpec(kind, text, field))
+    assert e.value.field == field and "no text satisfies it" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_output_nothing_valid_continues_is_neither_accepting_nor_complete(smol_compiler):
+    """A grammar whose start is fine but whose rest is empty: after `{"` the matcher is dead,
+    may only end (llguidance's way), and the output is not whole."""
+    tok, compiler = smol_compiler
+    c = compiler.compile(GrammarSpec("json_schema", json.dumps(DEAD_END), "json_schema"))
+    first = c.allowed().nonzero().flatten().tolist()
+    assert [tok.decode([t]) for t in first] == ['{"']
+    assert not c.take(first[0]) or c.dead(c.allowed())
+    assert not c.accepting and not c.complete and c.error and "\n" not in c.error
+    a = tok.encode_plain("a")
+    ok = compiler.compile(GrammarSpec("regex", "a", "regex"))
+    assert ok.take(a[0]) and ok.accepting and ok.complete
+
+
+@pytest.mark.parametrize("kind,text", [("regex", "a{100000}"), ("regex", "((a{100}){100}){10}"), ("regex", "x{1001,}"),
+                                       ("json_schema", json.dumps({"items": {"pattern": "^(ab){5000}$"}})),
+                                       ("json_schema", json.dumps({"patternProperties": {"^k{9999}$": {}}})),
+                                       ("gbnf", 'root ::= [a-z]{1,5000}'), ("lark", 'start: ("a" "b"){2000}')])
+def test_counted_repetitions_past_the_cap_are_refused_naming_the_field(smol_compiler, kind, text):
+    _, compiler = smol_compiler
+    with pytest.raises(ConstraintError) as e:
+        compiler.compile(GrammarSpec(kind, text, "the_field"))
+    assert e.value.field == "the_field" and "counted repetition" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_counted_repetitions_within_the_cap_and_braces_in_data_compile(smol_compiler):
+    _, compiler = smol_compiler
+    for kind, text in [("regex", "[0-9]{3}-[0-9]{4}"), ("regex", "(a|b){1000}"), ("regex", r"\{5000\}"),
+                       ("json_schema", json.dumps({"enum": ["a{5000}"], "description": "x{9999}"})),
+                       ("gbnf", 'root ::= "{9999}" [a-z]{1,10}')]:
+        compiler.compile(GrammarSpec(kind, text, "f"))
+
+
+def test_a_mask_over_the_budget_is_refused_naming_the_field(smol_compiler):
+    """The timed probe: one mask past the start, against the compiler's budget (0 here, so any
+    grammar is over it: the refusal is tested, not a timing)."""
+    import copy
+    _, compiler = smol_compiler
+    strict = copy.copy(compiler)
+    strict.mask_budget_s = 0.0
+    with pytest.raises(ConstraintError) as e:
+        strict.compile(GrammarSpec("regex", "[a-z]+", "regex"))
+    assert e.value.field == "regex" and "token mask takes" in str(e.value) and "\n" not in str(e.value)
+    compiler.compile(GrammarSpec("regex", "[a-z]+", "regex"))  # the default budget: typical masks take < 1 ms
+
+
 @pytest.mark.parametrize("make", [gpt2_tokenizer, lambda: char_tokenizer(list("abcdefghij0123456789 {}\":,\n"))],
                          ids=["gpt2", "char"])
 def test_other_tokenizer_kinds_compile_and_constrain(make):
@@ -259,11 +323,43 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
     ("grammar", 7, "string"),
     ("regex", "(unclosed", "regex"),
     ("json_schema", {"type": "object", "properties": {"a": {"type": "nope"}}}, "nope"),
+    ("regex", "a{100000}", "counted repetition"),  # issue 58 (1): its masks would slow every user
+    ("regex", "(a{1000}){100}", "counted repetition"),
+    ("json_schema", {"type": "string", "pattern": "^a{100000}$"}, "counted repetition"),
+    ("response_format", _format({"type": "object", "properties": {"a": {"type": "string", "pattern": "b{2000}"}}}),
+     "counted repetition"),
+    ("grammar", 'root ::= ("a"{100}){100}', "counted repetition"),
 ])
 def test_bad_shapes_are_one_400_naming_the_field(smol_server, field, value, says):
     status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], field: value})
     assert status == 400, body
     assert body["error"]["param"] == field and says in body["error"]["message"], body
+
+
+def test_constraints_no_text_satisfies_are_400s_and_a_dead_end_is_never_a_stop(smol_server):
+    fields = {"gbnf": "grammar", "regex": "regex"}
+    for kind, text, _ in EMPTY:
+        field = fields.get(kind, "json_schema")
+        value = json.loads(text) if kind == "json_schema" else text
+        for route, body in (("/v1/completions", {"prompt": "x"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            r = requests.post(smol_server.url + route, json=dict(body, **{field: value}), timeout=300)
+            assert r.status_code == 400, (text, r.text)
+            assert r.json()["error"]["param"] == field and "no text satisfies" in r.json()["error"]["message"]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], "response_format": schema})
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    # its start is fine, its rest is empty: the answer "a" is not one it accepts, so it is no "stop"
+    dead_end = {"prompt": "x", "max_tokens": 8, "temperature": 0, "json_schema": DEAD_END}
+    r = requests.post(smol_server.url + "/v1/completions", json=dead_end, timeout=300)
+    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] != "stop", r.text
+    assert r.status_code != 200 and "grammar" in r.json()["error"]["message"], r.text
+    with requests.post(smol_server.url + "/v1/completions", json=dict(dead_end, stream=True), stream=True,
+                       timeout=300) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    assert "error" in events[-1] and not any(c.get("finish_reason") == "stop" for e in events
+                                              for c in e.get("choices", [])), events
 
 
 def test_two_shapes_at_once_are_refused(smol_server):

@@ -19,6 +19,8 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import torch
 
+from mdi.model.grammar_cost import MASK_BUDGET_S, MAX_REPEAT, spec_repeat
+from mdi.model.grammar_empty import derives_text
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import Tokenizer
@@ -82,13 +84,15 @@ class GrammarCompiler:
     tokens). `width`: the head's logits per row (a model may pad its vocabulary past the
     tokenizer's; those ids are never allowed)."""
 
-    def __init__(self, tok: Tokenizer, width: int) -> None:
+    def __init__(self, tok: Tokenizer, width: int, mask_budget_s: float = MASK_BUDGET_S) -> None:
         import llguidance
         t0 = time.perf_counter()
         self.llg = llguidance
         self.width = int(width)
+        self.mask_budget_s = mask_budget_s  # the most one token mask may take (`grammar_cost`)
         self.vocab = tok.vocab_size  # ids past it (a padded head's) are never allowed
         view = _TokenizerView(tok)
+        self.end_ids = list(view.end_ids)
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=len(view.tokens),
                                                 eos_token=view.end_ids)
         log.info("mdi: constrained decoding ready: %d tokens in %.2f s", tok.vocab_size, time.perf_counter() - t0)
@@ -98,6 +102,10 @@ class GrammarCompiler:
         m = self.llg.LLMatcher
         if len(spec.text) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(spec.field, "longer than %d characters" % MAX_GRAMMAR_CHARS)
+        repeat = spec_repeat(spec.kind, spec.text)
+        if repeat > MAX_REPEAT:
+            raise ConstraintError(spec.field, "a counted repetition of %d (nested counts multiplied) is more than %d: "
+                                  "its token masks would slow every request" % (repeat, MAX_REPEAT))
         try:
             if spec.kind == "json_object":
                 return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -105,12 +113,21 @@ class GrammarCompiler:
                 return m.grammar_from_json_schema(json.loads(spec.text), defaults=json_options(spec.strict))
             if spec.kind == "regex":
                 return m.grammar_from_regex(spec.text)
-            if spec.kind == "gbnf":
-                from llguidance.gbnf_to_lark import gbnf_to_lark
-                return m.grammar_from_lark(gbnf_to_lark(spec.text))
-            return m.grammar_from_lark(spec.text)
+            lark = self._lark(spec)
+            if derives_text(lark) is False:  # llguidance would find it only past the first token
+                raise ConstraintError(spec.field, "no text satisfies it (its start rule never ends in text)")
+            return m.grammar_from_lark(lark)
+        except ConstraintError:
+            raise
         except Exception as e:  # the converters raise ValueError, AssertionError, KeyError... on bad input
             raise ConstraintError(spec.field, _one_line(str(e) or type(e).__name__)) from None
+
+    @staticmethod
+    def _lark(spec: GrammarSpec) -> str:
+        if spec.kind == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            return gbnf_to_lark(spec.text)
+        return spec.text
 
     def compile(self, spec: GrammarSpec) -> "Constraint":
         """A fresh matcher for `spec`; ConstraintError (naming spec.field) if it does not compile."""
@@ -122,8 +139,33 @@ class GrammarCompiler:
                 error += " (keywords a strict schema may not use here; with strict false they are ignored)"
             raise ConstraintError(spec.field, error)
         # Copies (a request's other choices) start from a new matcher of the same grammar (~1 ms).
-        return Constraint(lambda: self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), matcher,
-                          self.width, min(self.width, self.vocab), spec)
+        constraint = Constraint(lambda: self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), matcher,
+                                self.width, min(self.width, self.vocab), spec)
+        # The first mask, here on the request's thread (the scheduler reuses it): a grammar no
+        # text satisfies (a rule with no base case, a schema that is only a $ref to itself, an
+        # empty character class) shows as a start where nothing may follow, not even the end.
+        first = constraint.allowed()
+        if constraint.dead(first):
+            raise ConstraintError(spec.field, "no text satisfies it (nothing it accepts can even start)")
+        spent = self._probe(matcher, first)
+        if spent > self.mask_budget_s:
+            raise ConstraintError(spec.field, "one token mask takes %.0f ms, more than the %.0f ms this server allows "
+                                  "(a long counted repetition?)" % (spent * 1e3, self.mask_budget_s * 1e3))
+        return constraint
+
+    def _probe(self, matcher: Any, first: torch.Tensor) -> float:
+        """Seconds of one mask past the start, on a copy: the cost every later token pays on the
+        scheduler's thread (the first mask also builds the lexer's states, paid once, here)."""
+        ends = set(self.end_ids)
+        token = next((t for t in first.nonzero().flatten().tolist() if t not in ends), None)
+        if token is None:
+            return 0.0
+        probe = matcher.deep_copy()
+        if not probe.consume_token(int(token)) or probe.is_error():
+            return 0.0
+        t0 = time.perf_counter()
+        probe.compute_bitmask()
+        return time.perf_counter() - t0
 
 
 class Constraint:
@@ -156,18 +198,32 @@ class Constraint:
         return self._allowed
 
     def take(self, token: int) -> bool:
-        """Advance past an accepted token; False if the grammar does not allow it (`error` says why)."""
+        """Advance past an accepted token; False if the grammar does not allow it, or if nothing
+        valid can follow it (`error` says why)."""
         self._allowed = None
-        return bool(self.matcher.consume_token(int(token)))
+        return bool(self.matcher.consume_token(int(token))) and not self.matcher.is_error()
+
+    def dead(self, allowed: torch.Tensor) -> bool:
+        """True when no text the grammar accepts continues the output so far: the matcher failed
+        (llguidance then allows only the end token), or it allows no token and may not end."""
+        return bool(self.matcher.is_error()) or (not bool(allowed.any()) and not self.accepting)
 
     @property
     def error(self) -> str:
-        return _one_line(self.matcher.get_error())
+        # llguidance's first line says why; the lines after it dump its parser state
+        text = self.matcher.get_error().strip()
+        return _one_line(text.splitlines()[0]) if text else "no text it accepts continues this output"
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is one the grammar accepts: it may end here."""
+        return bool(self.matcher.is_accepting()) and not self.matcher.is_error()
 
     @property
     def complete(self) -> bool:
-        """Nothing but an end token may follow: the output is whole."""
-        return bool(self.matcher.is_stopped())
+        """Nothing but an end token may follow and the output is whole (a failed matcher is
+        stopped too, but its output is not whole)."""
+        return bool(self.matcher.is_stopped()) and self.accepting
 
 
 def _one_line(text: str) -> str:

@@ -24,7 +24,6 @@ each request's event queue, read back here as one answer or as a stream.
 """
 import json
 import logging
-import os
 import select
 import socket
 import time
@@ -52,7 +51,8 @@ from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, 
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.train_routes import TrainControl
-from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options, path_under
+from mdi.serving.served_files import ServedFiles, where
+from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options
 
 MAX_BODY_BYTES = 1 << 20
 KEEPALIVE = 1.0  # seconds between SSE comments while a stream waits (they also reveal a gone client)
@@ -94,16 +94,16 @@ class Routes:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
         self.token_texts = TokenTexts(sched.tokenizer)  # the tokens' texts and bytes that logprobs show
         self.grammars = grammar_compiler(sched)  # None: response_format, grammar and regex answer 400
-        # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters'.
+        # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters';
+        # training writes there too, never over what is served (`served_files`).
         cfg = sched.cfg
-        self.adapter_dirs = sorted({os.path.dirname(os.path.realpath(p))
-                                    for p in [cfg.model.path] + list(cfg.adapters.values())})
+        self.files = ServedFiles(cfg.model.path, cfg.adapters)
         self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
         # A server that never had adapters takes any model name for its model (OpenAI clients
         # send their own); once it has had some, a name it does not know is refused, also
         # after the last adapter was unloaded (a client must not get the base model silently).
         self.adapters_served = bool(cfg.adapters)
-        self.training = TrainControl(sched, self.adapter_dirs, model_id, self._adapter_made)
+        self.training = TrainControl(sched, self.files, model_id, self._adapter_made)
 
     def register(self, app: Flask) -> None:
         register_dashboard(app, self.observer, self.token, "serve")  # also the token rule for every route
@@ -266,9 +266,9 @@ class Routes:
         engine = self.sched.engine
         if engine is None:
             raise ApiError(503, "the ring is %s" % self.sched.state, kind="server_error")
-        real = path_under(path, self.adapter_dirs)
+        real = self.files.under(path)
         if real is None:
-            raise ApiError(400, "path: adapters load only from %s" % " or ".join(self.adapter_dirs), "path")
+            raise ApiError(400, "path: adapters load only from %s" % where(self.files.roots), "path")
         try:
             adapter = engine.add_adapter(name, real)
         except ConfigError as e:
@@ -276,6 +276,7 @@ class Routes:
         except RuntimeError as e:  # a worker refused it (NodeError): named in the message
             raise ApiError(502, str(e), kind="server_error")
         self.adapters_served = True
+        self.files.add(name, real)
         log.info("mdi: serve: adapter %s loaded from %s (id %d)", name, real, adapter)
         return _json({"ok": True, "name": name, "id": adapter})
 

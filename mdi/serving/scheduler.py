@@ -385,8 +385,8 @@ class Scheduler:
         if update.hit_stop:
             sample.cancelled = True  # no more tokens; the slot frees when its pass returns
             self._finish(req, FinishReason.STOP)
-        elif sample.done:
-            self._finish(req, finish_reason_of(sample))
+        elif sample.done:  # a sample that failed on its own token (its grammar) says why
+            self._finish(req, finish_reason_of(sample), sample.error)
 
     def _finish(self, req: Request, reason: FinishReason, error: Optional[str] = None) -> None:
         """Give the client its last event; the first reason given is the one that counts."""

@@ -4,15 +4,17 @@ import logging
 import os
 import signal
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from mdi.model import kernel_choice
 from mdi.model.source import ModelSource
-from mdi.ring.auth import is_loopback
+from mdi.ring.auth import is_loopback, token_matches
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.api import MAX_BODY_BYTES, create_app
 from mdi.serving.prompts import ChatTemplate
 from mdi.serving.scheduler import Scheduler
+from mdi.serving.validation import ApiError
+from mdi.system.http_server import Admit
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +22,20 @@ log = logging.getLogger(__name__)
 def default_model_id(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
     return os.path.splitext(name)[0] if name.endswith((".gguf", ".pt")) else name
+
+
+def admit_bearer(token: Optional[str]) -> Optional[Admit]:
+    """With a shared secret, the bearer token checked from the headers alone, before a byte of
+    the body is read (HttpServer's `admit`, as the worker does it): a client without the token
+    makes the server store nothing (it had read up to 16 MiB per request, to a temporary file,
+    before the route answered 401) and its connection is closed. The routes that need no token
+    (the dashboard's page) take no body; Flask still checks every request (`dashboard`)."""
+    if token is None:
+        return None
+
+    def admit(method: str, path: str, headers: Dict[str, str]) -> Optional[str]:
+        return None if token_matches(token, headers.get("AUTHORIZATION")) else "missing or wrong bearer token"
+    return admit
 
 
 def serve(cfg: RunConfig, host: Optional[str] = None, port: Optional[int] = None, insecure: bool = False) -> int:
@@ -45,7 +61,8 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
     try:
         server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
                             max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
-                            client_gone=True)
+                            client_gone=True, admit=admit_bearer(cfg.runtime.token),
+                            refusal=lambda why: ApiError(401, why, code="invalid_api_key").body())
     except OSError as e:
         raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
     # A plain flag, polled: a handler that sets a threading.Event deadlocks when the signal lands

@@ -7,7 +7,9 @@ job it asks for: mdi-train's settings (mdi.cli.train) for a LoRA trained beside 
 
 `data` and `out` must lie under the folders POST /v1/mdi/adapters loads from (the model's and
 the configured adapters' parents): a client may neither read nor write elsewhere on the
-starter. `name` (optional) is the adapter the trained LoRA is served as once the job is done.
+starter. `out` must be new or an empty folder, and neither be, lie inside nor hold the model's
+or a served adapter's path (`served_files`): the job writes its adapter there at its end.
+`name` (optional) is the adapter the trained LoRA is served as once the job is done.
 """
 import os
 from dataclasses import dataclass
@@ -16,7 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from mdi.model.lora_train import TARGETS, check_targets
 from mdi.ring.train_request import TrainSetup
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER
-from mdi.serving.validation import bad_field, path_under
+from mdi.serving.served_files import ServedFiles, where
+from mdi.serving.validation import bad_field
 
 FIELDS = ("data", "out", "name", "method", "rank", "alpha", "targets", "steps", "batch_size", "micro_batches",
           "seq_len", "lr", "seed")
@@ -53,14 +56,28 @@ def _float(body: Dict[str, Any], field: str, default: float, high: float) -> flo
     return float(value)
 
 
-def _path(body: Dict[str, Any], field: str, dirs: Sequence[str]) -> str:
+def _path(body: Dict[str, Any], field: str, files: ServedFiles) -> str:
     value = body.get(field)
     if not isinstance(value, str) or not value or "\0" in value:
         raise bad_field(field, "expected a path (a non-empty string)")
-    real = path_under(value, dirs)
+    real = files.under(value)
     if real is None:
-        raise bad_field(field, "paths must lie under %s" % " or ".join(dirs))
+        raise bad_field(field, "paths must lie under %s" % where(files.roots))
     return real
+
+
+def _out(body: Dict[str, Any], files: ServedFiles) -> str:
+    """Where the job may write its adapter: never over served files, never over anything at all."""
+    out = _path(body, "out", files)
+    shown = files.shown(out)
+    clash = files.clash(out)
+    if clash is not None:
+        raise bad_field("out", "%s %s: training must not write over served files" % (shown, clash))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise bad_field("out", "%s exists and is not a directory" % shown)
+    if os.path.isdir(out) and os.listdir(out):
+        raise bad_field("out", "%s already holds files: name a new or empty folder" % shown)
+    return out
 
 
 def _targets(value: Any) -> List[str]:
@@ -71,19 +88,18 @@ def _targets(value: Any) -> List[str]:
     return value
 
 
-def parse_train_body(body: Dict[str, Any], dirs: Sequence[str], n_nodes: int, max_seq_len: int,
+def parse_train_body(body: Dict[str, Any], files: ServedFiles, n_nodes: int, max_seq_len: int,
                      taken_names: Sequence[str]) -> TrainJobSpec:
-    """The job `body` asks for; ApiError 400 naming the first bad field. `dirs`: where data and
-    out may lie; `taken_names`: names a new adapter may not have (the model's, those loaded)."""
+    """The job `body` asks for; ApiError 400 naming the first bad field. `files`: where data and
+    out may lie, and what out must not touch; `taken_names`: names a new adapter may not have
+    (the model's, those loaded)."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise bad_field(unknown[0], "unknown field (expected some of %s)" % ", ".join(FIELDS))
-    data = _path(body, "data", dirs)
+    data = _path(body, "data", files)
     if not os.path.isfile(data):
-        raise bad_field("data", "no such file: %s" % data)
-    out = _path(body, "out", dirs)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise bad_field("out", "%s exists and is not a directory" % out)
+        raise bad_field("data", "no such file: %s" % files.shown(data))
+    out = _out(body, files)
     name = body.get("name")
     if name is not None:
         if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == BASE_ADAPTER:

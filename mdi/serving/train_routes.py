@@ -11,10 +11,11 @@ stops and runs on the scheduler's thread (Scheduler.between_steps), never on an 
 """
 import logging
 import time
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict
 
 from mdi.runconfig import ConfigError
 from mdi.serving.scheduler import Scheduler, SchedulerError
+from mdi.serving.served_files import ServedFiles
 from mdi.serving.train_body import parse_train_body
 from mdi.serving.train_job import STOP_WAIT_S, TrainJob
 from mdi.serving.validation import ApiError
@@ -27,9 +28,9 @@ STOP_POLL_S = 0.05
 
 
 class TrainControl:
-    def __init__(self, sched: Scheduler, dirs: Sequence[str], model_id: str,
+    def __init__(self, sched: Scheduler, files: ServedFiles, model_id: str,
                  on_adapter: Callable[[], None]) -> None:
-        self.sched, self.dirs, self.model_id, self.on_adapter = sched, list(dirs), model_id, on_adapter
+        self.sched, self.files, self.model_id, self.on_adapter = sched, files, model_id, on_adapter
 
     def _running(self) -> bool:
         job = self.sched.job
@@ -53,7 +54,7 @@ class TrainControl:
                            "have no backward: serve with runtime.quant_kernel: exact to train beside it"
                            % cfg.runtime.quant_kernel)
         taken = [self.model_id] + ([n for _, n in engine.adapters.loaded()] if engine.adapters else [])
-        spec = parse_train_body(body, self.dirs, len(engine.nodes),
+        spec = parse_train_body(body, self.files, len(engine.nodes),
                                 min(sched.max_len, sched.source.config.block_size), taken)
         try:  # tokenized here, on this request's thread: the ring keeps serving meanwhile
             windows = load_windows(sched.tokenizer, spec.data, spec.seq_len)
@@ -81,13 +82,14 @@ class TrainControl:
         except (RuntimeError, ValueError) as e:  # a worker refused it (NodeError): named in the message
             raise ApiError(502, str(e), kind="server_error")
         log.info("mdi: serve: training job started: %d steps of %d windows of %d tokens from %s",
-                 spec.steps, spec.batch_size, spec.seq_len, spec.data)
+                 spec.steps, spec.batch_size, spec.seq_len, self.files.shown(spec.data))
         return dict(job.report(), ok=True)
 
     def _register(self, name: str, path: str) -> int:
         """Serve the trained adapter (the scheduler's thread, between two steps)."""
         engine = self.sched.engine_up()
         adapter = engine.add_adapter(name, path)
+        self.files.add(name, path)
         self.on_adapter()
         return adapter
 

@@ -8,7 +8,6 @@ absent everywhere. Prompts and messages are only type-checked here: `prompts` re
 import dataclasses
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -41,13 +40,6 @@ class ApiError(Exception):
 def bad_field(name: str, expected: str) -> ApiError:
     """The 400 for a body field `name` that is not what was `expected`, naming it."""
     return ApiError(400, "'%s': %s" % (name, expected), name)
-
-
-def path_under(path: str, dirs: Sequence[str]) -> Optional[str]:
-    """`path` resolved (links followed), or None when it lies outside every folder of `dirs`
-    (real paths): where a client may make the server read or write files. `path` holds no NUL."""
-    real = os.path.realpath(path)
-    return real if any(os.path.commonpath([real, d]) == d for d in dirs) else None
 
 
 # --- checks beyond type and range (take the value and the fields checked before it) ------

@@ -309,6 +309,11 @@ class Pipeline:
         grammar = sample.constraint
         if grammar is not None and token not in self.end_ids and not grammar.take(token):
             self._fail(sample, SamplingError("token %d breaks its grammar: %s" % (token, grammar.error)))
+        elif token in self.end_ids and grammar is not None and not grammar.accepting:
+            # llguidance allows only the end once nothing valid can follow: the output is not one
+            # the grammar accepts, so the sample fails rather than report a "stop".
+            self._fail(sample, SamplingError("no text its grammar accepts continues this output: %s"
+                                             % grammar.error))
         elif token in self.end_ids:
             sample.finish_reason = FinishReason.EOS
         elif grammar is not None and grammar.complete:

@@ -47,9 +47,11 @@ def connection_cap(wanted: int, threads: int) -> int:
 # (method, path?query, headers as waitress keys them: "AUTHORIZATION", "X_MDI_CONTENT_SHA256")
 # -> None to read the body, or why the request is refused (401) before a byte of it is read.
 Admit = Callable[[str, str, Dict[str, str]], Optional[str]]
+# why -> the 401's JSON body (default: the worker's {"ok": false, "error": why}).
+Refusal = Callable[[str], Dict[str, Any]]
 
 
-def _server_class(admit: Optional[Admit] = None):
+def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = None):
     from waitress.channel import HTTPChannel
     from waitress.parser import HTTPRequestParser
     from waitress.receiver import ChunkedReceiver
@@ -61,7 +63,7 @@ def _server_class(admit: Optional[Admit] = None):
         reason = "Unauthorized"
 
         def to_response(self, ident=None):  # JSON, as the applications answer their own 401s
-            body = json.dumps({"ok": False, "error": self.body}).encode()
+            body = json.dumps(refusal(self.body) if refusal is not None else {"ok": False, "error": self.body}).encode()
             return "401 Unauthorized", [("Content-Type", "application/json")], body
 
     class BoundedChunks(ChunkedReceiver):
@@ -138,7 +140,7 @@ class HttpServer:
 
     def __init__(self, app: Callable, host: str, port: int, name: str = "http", threads: int = 8,
                  max_connections: int = 128, idle_timeout: int = 30, max_body_bytes: int = 1 << 30,
-                 client_gone: bool = False, admit: Optional[Admit] = None) -> None:
+                 client_gone: bool = False, admit: Optional[Admit] = None, refusal: Optional[Refusal] = None) -> None:
         from waitress.adjustments import Adjustments
         from waitress.task import ThreadedTaskDispatcher
         self.name = name
@@ -159,7 +161,7 @@ class HttpServer:
         dispatcher.set_thread_count(threads)
         self._map: dict = {}
         try:
-            self.server = _server_class(admit)(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
+            self.server = _server_class(admit, refusal)(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
         except BaseException:
             dispatcher.shutdown(timeout=1)
             raise
