@@ -172,6 +172,11 @@ def test_every_openai_chat_field_is_accepted_and_the_ignored_ones_are_named(serv
     ({"function_call": "auto"}, "function_call"),
     ({"tools": [ADD], "functions": [{"name": "f"}]}, "functions"),
     ({"made_up_field": 1}, "made_up_field"),
+    # strict tools as OpenAI means it: every object closed, every property required
+    ({"tools": [dict(ADD, function=dict(ADD["function"], strict=True))]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}}}]},
+     "tools[0].function.parameters"),
 ])
 def test_wrong_values_of_accepted_fields_are_a_400_naming_the_field(server, fields, param):
     body = dict({"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}, **fields)

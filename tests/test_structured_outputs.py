@@ -56,7 +56,8 @@ SCHEMAS = [  # (prompt, schema): nested objects, enums, arrays, required keys, n
     ("A language as JSON.", _obj({"name": S, "typed": {"enum": ["static", "dynamic"]}})),
     ("A planet as JSON.", _obj({"name": S, "moons": {"type": "integer"}, "rings": {"type": "boolean"}})),
     ("A team as JSON.", _obj({"team": S, "lead": _obj({"name": S, "role": {"enum": ["dev", "ops"]}})})),
-    ("A song as JSON, the year optional.", _obj({"title": S, "year": {"type": "integer"}}, required=["title"])),
+    # optional, the strict way (OpenAI's rule: every property required, an optional one nullable)
+    ("A song as JSON, the year optional.", _obj({"title": S, "year": {"type": ["integer", "null"]}})),
 ]
 
 
@@ -259,6 +260,15 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
     ("grammar", 7, "string"),
     ("regex", "(unclosed", "regex"),
     ("json_schema", {"type": "object", "properties": {"a": {"type": "nope"}}}, "nope"),
+    # strict as OpenAI means it: every object closed, every property required (strict_schema)
+    ("response_format", _format({"allOf": [{"type": "object", "properties": {"emp_id": {"type": "integer"}},
+                                            "required": ["emp_id"]}]}),
+     '"additionalProperties": false on every object, not at #/allOf/0'),
+    ("response_format", _format(_obj({"user": S, "address": dict(_obj({"street": S, "zip": S}), required=["zip"])})),
+     '"required"'),
+    ("response_format", _format({"type": "object", "properties": {"a": {"$ref": "#/$defs/p"}}, "required": ["a"],
+                                 "additionalProperties": False, "$defs": {"p": {"type": "object"}}}),
+     "at #/$defs/p"),
 ])
 def test_bad_shapes_are_one_400_naming_the_field(smol_server, field, value, says):
     status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], field: value})
@@ -337,3 +347,26 @@ def test_keywords_the_decoder_cannot_enforce_are_refused_when_strict_and_ignored
                        ({"json_schema": json.loads(schema)}, False)):
         opts, _ = parse_options(dict(body, prompt="a"), COMPLETIONS, SamplingParams())
         assert opts.grammar.strict is want
+
+
+def test_openai_s_strict_rule_holds_for_strict_schemas_only():
+    from mdi.serving.validation import CHAT, ApiError, parse_options
+    from mdi.model.sampling import SamplingParams
+    loose = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for strict in (False, None):  # OpenAI's default is not strict: plain JSON Schema
+        opts, _ = parse_options(dict(body, response_format=dict(fmt, json_schema=dict(fmt["json_schema"],
+                                                                                      strict=strict))),
+                                CHAT, SamplingParams())
+        assert opts.grammar is not None and not opts.grammar.strict
+    with pytest.raises(ApiError) as e:
+        parse_options(dict(body, response_format=_format(loose)), CHAT, SamplingParams())
+    assert e.value.param == "response_format" and "additionalProperties" in e.value.message
+    closed = dict(loose, additionalProperties=False)
+    with pytest.raises(ApiError) as e:
+        parse_options(dict(body, response_format=_format(closed)), CHAT, SamplingParams())
+    assert "b is not, at #" in e.value.message
+    opts, _ = parse_options(dict(body, response_format=_format(dict(closed, required=["a", "b"]))), CHAT,
+                            SamplingParams())
+    assert opts.grammar.strict

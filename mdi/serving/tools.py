@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from mdi.model.tokenizers import Tokenizer
+from mdi.serving.strict_schema import strict_violation
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_CALLS_IN_MESSAGE = 128
@@ -63,10 +64,16 @@ def check_tools(value: List[Any], _: Dict[str, Any]) -> List[Dict[str, Any]]:
         if name in names:
             raise _bad(where + ".function.name", "%r is listed twice" % name)
         names.add(name)
-        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
+        if not isinstance(fn.get("description") or "", str) or fn.get("strict") is not None \
+                and not isinstance(fn["strict"], bool):  # null: absent, as OpenAI's schema allows
             raise _bad(where + ".function", "description: expected a string; strict: true or false")
         params = fn.get("parameters")
         params = {"type": "object", "properties": {}} if params is None else _object_schema(params, where)
+        if fn.get("strict"):
+            broken = strict_violation(params if fn.get("parameters") is not None else
+                                      dict(params, additionalProperties=False))
+            if broken is not None:
+                raise _bad(where + ".function.parameters", broken)
         entry: Dict[str, Any] = {"name": name}  # in OpenAI's order: templates list them as they are
         if fn.get("description"):
             entry["description"] = fn["description"]

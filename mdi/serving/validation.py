@@ -20,6 +20,7 @@ from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.serving import legacy_functions, tools
 from mdi.serving.openai_fields import set_aside
+from mdi.serving.strict_schema import strict_violation
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
 BOTH = (COMPLETIONS, CHAT)
@@ -157,9 +158,13 @@ def _response_format(value: Dict[str, Any], _: Dict[str, Any]) -> Optional[Gramm
         name = inner.get("name")
         if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
             raise bad_field("response_format", "json_schema.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -")
-        if not isinstance(inner.get("strict", False), bool):
+        if inner.get("strict") is not None and not isinstance(inner["strict"], bool):  # null: absent
             raise bad_field("response_format", "json_schema.strict: expected true or false")
-        return _schema_spec(inner["schema"], "response_format", strict=inner.get("strict", False))
+        if inner.get("strict"):
+            broken = strict_violation(inner["schema"])
+            if broken is not None:
+                raise bad_field("response_format", "json_schema.schema: " + broken)
+        return _schema_spec(inner["schema"], "response_format", strict=bool(inner.get("strict")))
     raise bad_field("response_format", 'expected {"type": "text"}, {"type": "json_object"} or '
                '{"type": "json_schema", "json_schema": {...}}')
 
