@@ -370,3 +370,49 @@ def test_openai_s_strict_rule_holds_for_strict_schemas_only():
     opts, _ = parse_options(dict(body, response_format=_format(dict(closed, required=["a", "b"]))), CHAT,
                             SamplingParams())
     assert opts.grammar.strict
+
+
+def _takes(compiler, tok, schema, text):
+    """Whether the compiled schema takes `text` whole, token by token (SmolLM2's tokens)."""
+    c = compiler.compile(GrammarSpec("json_schema", json.dumps(schema), "response_format"))
+    for t in tok.encode_plain(text):
+        if not bool(c.allowed()[t]) or not c.take(t):
+            return False
+    return c.complete
+
+
+RUNS = _obj({"n": {"type": "integer"}, "x": {"type": "number"}, "at": {"type": "string", "format": "time"},
+             "when": {"type": "string", "format": "date-time"}, "took": {"type": "string", "format": "duration"}})
+
+
+@pytest.mark.parametrize("key, fine, too_long", [
+    ("n", "123456789012345", "1234567890123456"),  # 15 integer digits at most
+    ("x", "-12.123456789", "0.1234567891"),  # 9 fraction digits
+    ("at", '"10:10:10.123456Z"', '"10:10:10.1234567Z"'),  # microseconds
+    ("when", '"2024-05-01T10:10:10.5+02:00"', '"2024-05-01T10:10:10.0000000Z"'),
+    ("took", '"P1DT2H"', '"P1234567890D"'),
+])
+def test_number_and_format_runs_are_bounded_by_default(smol_compiler, key, fine, too_long):
+    tok, compiler = smol_compiler
+    schema = dict(RUNS, required=[key], properties={key: RUNS["properties"][key]})
+    assert _takes(compiler, tok, schema, '{"%s": %s}' % (key, fine))
+    assert not _takes(compiler, tok, schema, '{"%s": %s}' % (key, too_long))
+    # a schema's own x-mdi-bounds overrides the default (0: unbounded)
+    opened = dict(schema, **{"x-mdi-bounds": {"integer_digits": 0, "fraction_digits": 0, "time_fraction_digits": 0}})
+    assert _takes(compiler, tok, opened, '{"%s": %s}' % (key, too_long)) is (key != "took")
+
+
+def test_time_and_duration_answers_end_valid(smol_server):
+    schema = _obj({"time": {"type": "string", "format": "time"}, "took": {"type": "string", "format": "duration"},
+                   "count": {"type": "integer"}})
+    for prompt in ("When did the meeting start, how long did it take, and how many came? As JSON.",
+                   "The time of the last train, its journey's length and its number of cars, as JSON."):
+        status, body = _chat(smol_server, {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                                           "max_tokens": 120, "response_format": _format(schema)})
+        choice = body["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop", body
+        answer = json.loads(choice["message"]["content"])
+        jsonschema.validate(answer, schema)  # RFC 3339's forms below (jsonschema's checker wants more packages)
+        assert re.fullmatch(r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]{1,6})?([Zz]|[+-][0-9:]{5})",
+                            answer["time"]), answer
+        assert re.fullmatch(r"P(?=.)([0-9]+[YMWD])*(T(?=.)([0-9]+[HMS])*)?", answer["took"]), answer
