@@ -119,3 +119,133 @@ def test_required_and_named_calls_obey_the_schema(smollm2_server, choice):
     r = c.chat.completions.create(model="smollm2", messages=follow, tools=[WEATHER, ADD], tool_choice="none",
                                   max_tokens=20, temperature=0)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+# --------------------------------------------------------------------------- OpenAI's whole field set
+
+# Every field of OpenAI's chat/completions request that mdi does not act on, at a valid value.
+IGNORED_FIELDS = {
+    "store": True, "metadata": {"session": "s1", "team": "agents"}, "service_tier": "auto",
+    "prediction": {"type": "content", "content": "Hello"}, "prompt_cache_key": "conversation-1",
+    "prompt_cache_retention": "in_memory", "safety_identifier": "user-hash", "verbosity": "low",
+    "web_search_options": {}, "reasoning_effort": "low", "user": "u1", "moderation": {"model": "m"},
+    "prompt_cache_options": {"mode": "implicit"}, "audio": {"voice": "alloy", "format": "wav"},
+}
+
+
+def test_every_openai_chat_field_is_accepted_and_the_ignored_ones_are_named(server):
+    r = client(server).chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=4, temperature=0,
+        modalities=["text"], logit_bias={"5": 1}, logprobs=True, top_logprobs=2, n=1, seed=3,
+        frequency_penalty=0, presence_penalty=0, top_p=1, stop=["zz"], parallel_tool_calls=False,
+        **IGNORED_FIELDS)
+    assert r.http_response.status_code == 200
+    assert r.headers["X-MDI-Ignored-Fields"].split(", ") == sorted(IGNORED_FIELDS)
+    answer = r.parse()
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+    # streamed, with OpenAI's stream_options keys: the same header, the same text
+    with client(server).chat.completions.with_streaming_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=4, temperature=0,
+            stream=True, stream_options={"include_usage": True, "include_obfuscation": False},
+            store=False, metadata={}) as s:
+        assert s.headers["X-MDI-Ignored-Fields"] == "metadata, store"
+        text = "".join(c.choices[0].delta.content or "" for c in s.parse() if c.choices)
+    assert text == answer.choices[0].message.content
+    # the legacy completions route: user only; no header where nothing was ignored
+    r = client(server).completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=2, user="u1")
+    assert r.headers["X-MDI-Ignored-Fields"] == "user"
+    r = requests.post(server.url + CHAT, json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1},
+                      timeout=60)
+    assert r.status_code == 200 and "X-MDI-Ignored-Fields" not in r.headers
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"metadata": {"k": 1}}, "metadata"),
+    ({"metadata": dict(("k%d" % i, "v") for i in range(17))}, "metadata"),
+    ({"store": "yes"}, "store"),
+    ({"service_tier": 1}, "service_tier"),
+    ({"prediction": {"type": "content"}}, "prediction"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"web_search_options": []}, "web_search_options"),
+    ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "stream_options"),
+    ({"functions": [{"name": "a b"}]}, "functions[0].name"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"tools": [ADD], "functions": [{"name": "f"}]}, "functions"),
+    ({"made_up_field": 1}, "made_up_field"),
+    # strict tools as OpenAI means it: every object closed, every property required
+    ({"tools": [dict(ADD, function=dict(ADD["function"], strict=True))]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}}}]},
+     "tools[0].function.parameters"),
+])
+def test_wrong_values_of_accepted_fields_are_a_400_naming_the_field(server, fields, param):
+    body = dict({"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}, **fields)
+    r = requests.post(server.url + CHAT, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_legacy_functions_are_called_and_answered_in_the_legacy_shape(smollm2_server):
+    functions = [WEATHER["function"], ADD["function"]]
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    c = client(smollm2_server)
+    r = c.chat.completions.create(model="smollm2", messages=messages, functions=functions,
+                                  function_call={"name": "get_weather"}, max_tokens=60, temperature=0)
+    answer = r.choices[0]
+    assert answer.finish_reason == "function_call" and answer.message.tool_calls is None, answer
+    call = answer.message.function_call
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"]
+    # streamed: delta.function_call pieces reassemble to it
+    name, arguments, reasons = "", "", []
+    for chunk in c.chat.completions.create(model="smollm2", messages=messages, functions=functions,
+                                           function_call={"name": "get_weather"}, max_tokens=60, temperature=0,
+                                           stream=True):
+        delta = chunk.choices[0].delta
+        reasons.append(chunk.choices[0].finish_reason)
+        if delta.function_call:
+            name += delta.function_call.name or ""
+            arguments += delta.function_call.arguments or ""
+    assert (name, arguments, reasons[-1]) == (call.name, call.arguments, "function_call")
+    # a follow-up with the legacy call and a `role: "function"` result continues with text
+    follow = messages + [{"role": "assistant", "content": None, "function_call": {"name": call.name,
+                                                                                  "arguments": call.arguments}},
+                         {"role": "function", "name": call.name, "content": '{"temperature": 18}'}]
+    r = c.chat.completions.create(model="smollm2", messages=follow, functions=functions, function_call="none",
+                                  max_tokens=12, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.function_call is None
+
+
+PING = {"type": "function", "function": {"name": "ping", "description": "Check that the server answers",
+                                         "parameters": {"type": "object", "properties": {}}}}
+
+
+def _no_closing_bracket(model_dir):
+    """logit_bias pushing every token holding "]" far down (not banned: where the grammar allows
+    nothing else, one is still drawn), so a list of calls goes on as long as it may."""
+    from mdi.model.tokenizers import load_tokenizer
+    tok = load_tokenizer(model_dir)
+    return dict((str(i), -99) for i in range(tok.vocab_size) if "]" in tok.decode([i]))
+
+
+def test_parallel_calls_default_to_the_template_s_and_a_cut_answer_keeps_its_complete_calls(smollm2_server,
+                                                                                            smollm2_dir):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Ping the server."}], "tools": [PING],
+            "tool_choice": "required", "temperature": 0, "max_tokens": 60,
+            "logit_bias": _no_closing_bracket(smollm2_dir)}
+    # SmolLM2's template has no tool format: one call, whatever the model would add
+    r = requests.post(smollm2_server.url + CHAT, json=body, timeout=120).json()["choices"][0]
+    assert r["finish_reason"] == "tool_calls" and len(r["message"]["tool_calls"]) == 1, r
+    # asked for parallel calls, the list runs to max_tokens: the complete calls come back as calls
+    r = requests.post(smollm2_server.url + CHAT, json=dict(body, parallel_tool_calls=True), timeout=120).json()
+    choice = r["choices"][0]
+    assert r["usage"]["completion_tokens"] == 60 and choice["finish_reason"] == "tool_calls", r
+    assert len(choice["message"]["tool_calls"]) >= 2 and choice["message"]["content"] is None, choice
+    assert all(c["function"]["name"] == "ping" and isinstance(json.loads(c["function"]["arguments"]), dict)
+               for c in choice["message"]["tool_calls"])
+    # streamed the same
+    calls = []
+    with requests.post(smollm2_server.url + CHAT, json=dict(body, parallel_tool_calls=True, stream=True),
+                       stream=True, timeout=120) as s:
+        for d in sse_events(s):
+            if d != "[DONE]":
+                calls += [t for t in json.loads(d)["choices"][0]["delta"].get("tool_calls") or [] if "id" in t]
+    assert len(calls) == len(choice["message"]["tool_calls"])

@@ -56,7 +56,8 @@ SCHEMAS = [  # (prompt, schema): nested objects, enums, arrays, required keys, n
     ("A language as JSON.", _obj({"name": S, "typed": {"enum": ["static", "dynamic"]}})),
     ("A planet as JSON.", _obj({"name": S, "moons": {"type": "integer"}, "rings": {"type": "boolean"}})),
     ("A team as JSON.", _obj({"team": S, "lead": _obj({"name": S, "role": {"enum": ["dev", "ops"]}})})),
-    ("A song as JSON, the year optional.", _obj({"title": S, "year": {"type": "integer"}}, required=["title"])),
+    # optional, the strict way (OpenAI's rule: every property required, an optional one nullable)
+    ("A song as JSON, the year optional.", _obj({"title": S, "year": {"type": ["integer", "null"]}})),
 ]
 
 
@@ -326,9 +327,17 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
     ("regex", "a{100000}", "counted repetition"),  # issue 58 (1): its masks would slow every user
     ("regex", "(a{1000}){100}", "counted repetition"),
     ("json_schema", {"type": "string", "pattern": "^a{100000}$"}, "counted repetition"),
-    ("response_format", _format({"type": "object", "properties": {"a": {"type": "string", "pattern": "b{2000}"}}}),
-     "counted repetition"),
+    ("response_format", _format(_obj({"a": {"type": "string", "pattern": "b{2000}"}})), "counted repetition"),
     ("grammar", 'root ::= ("a"{100}){100}', "counted repetition"),
+    # strict as OpenAI means it: every object closed, every property required (strict_schema)
+    ("response_format", _format({"allOf": [{"type": "object", "properties": {"emp_id": {"type": "integer"}},
+                                            "required": ["emp_id"]}]}),
+     '"additionalProperties": false on every object, not at #/allOf/0'),
+    ("response_format", _format(_obj({"user": S, "address": dict(_obj({"street": S, "zip": S}), required=["zip"])})),
+     '"required"'),
+    ("response_format", _format({"type": "object", "properties": {"a": {"$ref": "#/$defs/p"}}, "required": ["a"],
+                                 "additionalProperties": False, "$defs": {"p": {"type": "object"}}}),
+     "at #/$defs/p"),
 ])
 def test_bad_shapes_are_one_400_naming_the_field(smol_server, field, value, says):
     status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], field: value})
@@ -433,3 +442,72 @@ def test_keywords_the_decoder_cannot_enforce_are_refused_when_strict_and_ignored
                        ({"json_schema": json.loads(schema)}, False)):
         opts, _ = parse_options(dict(body, prompt="a"), COMPLETIONS, SamplingParams())
         assert opts.grammar.strict is want
+
+
+def test_openai_s_strict_rule_holds_for_strict_schemas_only():
+    from mdi.serving.validation import CHAT, ApiError, parse_options
+    from mdi.model.sampling import SamplingParams
+    loose = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    for strict in (False, None):  # OpenAI's default is not strict: plain JSON Schema
+        opts, _ = parse_options(dict(body, response_format=dict(fmt, json_schema=dict(fmt["json_schema"],
+                                                                                      strict=strict))),
+                                CHAT, SamplingParams())
+        assert opts.grammar is not None and not opts.grammar.strict
+    with pytest.raises(ApiError) as e:
+        parse_options(dict(body, response_format=_format(loose)), CHAT, SamplingParams())
+    assert e.value.param == "response_format" and "additionalProperties" in e.value.message
+    closed = dict(loose, additionalProperties=False)
+    with pytest.raises(ApiError) as e:
+        parse_options(dict(body, response_format=_format(closed)), CHAT, SamplingParams())
+    assert "b is not, at #" in e.value.message
+    opts, _ = parse_options(dict(body, response_format=_format(dict(closed, required=["a", "b"]))), CHAT,
+                            SamplingParams())
+    assert opts.grammar.strict
+
+
+def _takes(compiler, tok, schema, text):
+    """Whether the compiled schema takes `text` whole, token by token (SmolLM2's tokens)."""
+    c = compiler.compile(GrammarSpec("json_schema", json.dumps(schema), "response_format"))
+    for t in tok.encode_plain(text):
+        if not bool(c.allowed()[t]) or not c.take(t):
+            return False
+    return c.complete
+
+
+RUNS = _obj({"n": {"type": "integer"}, "x": {"type": "number"}, "at": {"type": "string", "format": "time"},
+             "when": {"type": "string", "format": "date-time"}, "took": {"type": "string", "format": "duration"}})
+
+
+@pytest.mark.parametrize("key, fine, too_long", [
+    ("n", "123456789012345", "1234567890123456"),  # 15 integer digits at most
+    ("x", "-12.123456789", "0.1234567891"),  # 9 fraction digits
+    ("at", '"10:10:10.123456Z"', '"10:10:10.1234567Z"'),  # microseconds
+    ("when", '"2024-05-01T10:10:10.5+02:00"', '"2024-05-01T10:10:10.0000000Z"'),
+    ("took", '"P1DT2H"', '"P1234567890D"'),
+])
+def test_number_and_format_runs_are_bounded_by_default(smol_compiler, key, fine, too_long):
+    tok, compiler = smol_compiler
+    schema = dict(RUNS, required=[key], properties={key: RUNS["properties"][key]})
+    assert _takes(compiler, tok, schema, '{"%s": %s}' % (key, fine))
+    assert not _takes(compiler, tok, schema, '{"%s": %s}' % (key, too_long))
+    # a schema's own x-mdi-bounds overrides the default (0: unbounded)
+    opened = dict(schema, **{"x-mdi-bounds": {"integer_digits": 0, "fraction_digits": 0, "time_fraction_digits": 0}})
+    assert _takes(compiler, tok, opened, '{"%s": %s}' % (key, too_long)) is (key != "took")
+
+
+def test_time_and_duration_answers_end_valid(smol_server):
+    schema = _obj({"time": {"type": "string", "format": "time"}, "took": {"type": "string", "format": "duration"},
+                   "count": {"type": "integer"}})
+    for prompt in ("When did the meeting start, how long did it take, and how many came? As JSON.",
+                   "The time of the last train, its journey's length and its number of cars, as JSON."):
+        status, body = _chat(smol_server, {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                                           "max_tokens": 120, "response_format": _format(schema)})
+        choice = body["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop", body
+        answer = json.loads(choice["message"]["content"])
+        jsonschema.validate(answer, schema)  # RFC 3339's forms below (jsonschema's checker wants more packages)
+        assert re.fullmatch(r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]{1,6})?([Zz]|[+-][0-9:]{5})",
+                            answer["time"]), answer
+        assert re.fullmatch(r"P(?=.)([0-9]+[YMWD])*(T(?=.)([0-9]+[HMS])*)?", answer["took"]), answer

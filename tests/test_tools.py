@@ -223,3 +223,36 @@ def test_a_schema_llguidance_cannot_compile_is_a_400_naming_tools():
     with pytest.raises(ApiError) as e:
         tool_grammar(ToolChoice(bad, "required", None, True), ToolFormat(HERMES, True, False))
     assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("family, text", [
+    (GENERIC, '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": '
+              '{"a": 3, "b": 4}}, {"name": "add", "argu'),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>\n'
+             '{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>\n<tool_call>\n{"name": "ad'),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_inside_its_calls_keeps_the_complete_ones(family, text, stream):
+    assert parse(family, text, stream=stream) == ("", [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})])
+
+
+def test_parallel_calls_default_to_what_the_template_supports(smollm2_dir):
+    from mdi.serving.tools import tool_choice_of
+    fields = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": None, "functions": []}
+    assert [tool_choice_of(fields, template(name, smollm2_dir).tool_format).parallel
+            for name in ("smollm2", "qwen2.5", "llama3.2")] == [False, True, False]
+    assert tool_choice_of(dict(fields, parallel_tool_calls=True), ToolFormat(GENERIC, False, False)).parallel
+
+
+def test_legacy_functions_map_onto_tools_and_their_messages_onto_tool_messages():
+    _, fields = parse_options({"messages": [{"role": "user", "content": "a"}], "functions": [ADD["function"]],
+                               "function_call": {"name": "add"}}, CHAT, SamplingParams())
+    from mdi.serving.tools import tool_choice_of
+    choice = tool_choice_of(fields, ToolFormat(HERMES, True, False))
+    assert (choice.mode, choice.name, choice.parallel, choice.legacy) == ("named", "add", False, True)
+    messages = chat_messages([{"role": "assistant", "content": None,
+                               "function_call": {"name": "add", "arguments": '{"a": 1, "b": 2}'}},
+                              {"role": "function", "name": "add", "content": "3"}])
+    assert messages == [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "add", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "tool_call_id": "add", "content": "3"}]

@@ -22,6 +22,7 @@ import torch
 from mdi.model.grammar_cost import MASK_BUDGET_S, MAX_REPEAT, spec_repeat
 from mdi.model.grammar_empty import derives_text
 from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.schema_bounds import bounded
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import Tokenizer
 
@@ -109,8 +110,8 @@ class GrammarCompiler:
         try:
             if spec.kind == "json_object":
                 return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
-            if spec.kind == "json_schema":
-                return m.grammar_from_json_schema(json.loads(spec.text), defaults=json_options(spec.strict))
+            if spec.kind == "json_schema":  # digits and time fractions bounded (schema_bounds)
+                return m.grammar_from_json_schema(bounded(json.loads(spec.text)), defaults=json_options(spec.strict))
             if spec.kind == "regex":
                 return m.grammar_from_regex(spec.text)
             lark = self._lark(spec)

@@ -27,7 +27,7 @@ import logging
 import select
 import socket
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -44,6 +44,7 @@ from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_m
 from mdi.serving.choices import Choices
 from mdi.serving.logprob_bodies import TokenTexts
 from mdi.serving.openai_bodies import Reply
+from mdi.serving.openai_fields import IGNORED_HEADER
 from mdi.serving.tool_calls import ToolReplies
 from mdi.serving.tool_grammar import tool_grammar
 from mdi.serving.tools import ToolChoice, tool_choice_of
@@ -104,6 +105,7 @@ class Routes:
         # after the last adapter was unloaded (a client must not get the base model silently).
         self.adapters_served = bool(cfg.adapters)
         self.training = TrainControl(sched, self.files, model_id, self._adapter_made)
+        self.ignored_said: Set[str] = set()  # ignored OpenAI fields the log has named
 
     def register(self, app: Flask) -> None:
         register_dashboard(app, self.observer, self.token, "serve")  # also the token rule for every route
@@ -158,7 +160,7 @@ class Routes:
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
-        tools = tool_choice_of(fields)  # None: no tools, or tool_choice "none"
+        tools = tool_choice_of(fields, self.template.tool_format)  # None: no tools, or tool_choice "none"
         grammar = tool_grammar(tools, self.template.tool_format)  # None: the calls are free
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None)
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
@@ -321,11 +323,24 @@ class Routes:
         reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
                       ToolReplies(tools, self.template.tool_format) if tools is not None else None)
         if not opts.stream:
-            return self._whole(choices, reply, request.environ)
-        resp = Response(self._stream(choices, reply, opts.include_usage), mimetype="text/event-stream")
-        resp.headers["Cache-Control"] = "no-cache"
-        resp.headers["X-Accel-Buffering"] = "no"
+            resp = self._whole(choices, reply, request.environ)
+        else:
+            resp = Response(self._stream(choices, reply, opts.include_usage), mimetype="text/event-stream")
+            resp.headers["Cache-Control"] = "no-cache"
+            resp.headers["X-Accel-Buffering"] = "no"
+        if opts.ignored:
+            resp.headers[IGNORED_HEADER] = ", ".join(opts.ignored)
+            self._say_ignored(opts.ignored)
         return resp
+
+    def _say_ignored(self, names: List[str]) -> None:
+        """Log each ignored field the first time a request sets it: clients that send one send
+        it on every call, and a line per request would bury the log."""
+        new = [n for n in names if n not in self.ignored_said]
+        if new:
+            self.ignored_said.update(new)
+            log.info("mdi: serve: ignoring OpenAI field(s) %s (accepted, not acted on; answers name them in %s)",
+                     ", ".join(new), IGNORED_HEADER)
 
     def _cancel(self, reqs: List[Request]) -> None:
         for req in reqs:

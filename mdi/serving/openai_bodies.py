@@ -44,8 +44,9 @@ class Reply:
         for index, (text, reason, entries) in enumerate(zip(texts, reasons, logprobs)):
             if self.chat and self.tools is not None:
                 message = self.tools.message(text)
+                called = message.get("tool_calls") or message.get("function_call")
                 choices.append({"index": index, "message": message, "logprobs": self._logprobs(entries),
-                                "finish_reason": "tool_calls" if message.get("tool_calls") and reason in (
+                                "finish_reason": self.tools.finish_reason if called and reason in (
                                     FinishReason.STOP, FinishReason.LENGTH) else reason})
             elif self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
@@ -86,7 +87,7 @@ class Reply:
     def last_chunks(self, reason: FinishReason, include_usage: bool, index: int = 0,
                     final: bool = True) -> List[Dict[str, Any]]:
         """A choice's last chunks: with tools, what was held back, then the finish reason
-        ("tool_calls" where it called one)."""
+        ("tool_calls", or legacy "function_call", where it called one)."""
         if self.tools is None:
             return [self.last_chunk(reason, include_usage, index, final)]
         bodies: List[Dict[str, Any]] = []
@@ -95,7 +96,7 @@ class Reply:
             body["choices"][0]["delta"] = delta
             bodies.append(body)
         called = self.tools.called(index) and reason in (FinishReason.STOP, FinishReason.LENGTH)
-        return bodies + [self.last_chunk("tool_calls" if called else reason, include_usage, index, final)]
+        return bodies + [self.last_chunk(self.tools.finish_reason if called else reason, include_usage, index, final)]
 
     def last_chunk(self, reason: str, include_usage: bool, index: int = 0,
                    final: bool = True) -> Dict[str, Any]:

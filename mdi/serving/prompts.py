@@ -5,6 +5,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from mdi.model.tokenizers import PromptTooLong, Tokenizer, TokenizerError
+from mdi.serving.legacy_functions import legacy_message
 from mdi.serving.tools import ToolError, ToolFormat, template_inputs, tool_format, tool_message
 from mdi.serving.validation import ApiError
 from mdi.system.interrupt import DeadlinePassed, thread_deadline
@@ -23,8 +24,10 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")  # the last two: `tools`
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: legacy results
+# tool_calls, tool_call_id: `tools`; function_call: legacy calls; refusal: an earlier answer's,
+# sent back as the SDK returned it (OpenAI's assistant messages carry it; nothing to render)
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal")
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,14 @@ def _message(m: Any, where: str) -> Dict[str, Any]:
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise ApiError(400, "'%s.role': expected one of %s" % (where, ", ".join(CHAT_ROLES)), where + ".role")
+    if m.get("refusal") is not None and not (role == "assistant" and isinstance(m["refusal"], str)):
+        raise ApiError(400, "'%s.refusal': expected a string in an assistant message" % where, where + ".refusal")
+    if role == "function" or m.get("function_call") is not None:
+        try:
+            m = legacy_message(m, where)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param)
+        role = m["role"]
     content = m.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from mdi.serving.legacy_functions import function_call_body
 from mdi.serving.streaming import held_back
 from mdi.serving.tools import GENERIC, HERMES, LLAMA3, ToolChoice, ToolFormat
 
@@ -116,6 +117,8 @@ class CallParser:
             body = buf[len(HERMES_OPEN):] if end < 0 else buf[len(HERMES_OPEN):end]
             used = len(buf) if end < 0 else end + len(HERMES_CLOSE)
             call = self._call(_loads(body.strip()), "arguments")
+            if call is None and end < 0 and self.found:  # the last of several calls, cut: dropped
+                return len(buf), [], ""
             return (used, [call], "") if call is not None else (len(HERMES_OPEN), [], HERMES_OPEN)
         start = len(PYTHON_TAG) if buf.startswith(PYTHON_TAG) else 0
         brace = len(buf) - len(buf[start:].lstrip()) if start else 0
@@ -126,6 +129,9 @@ class CallParser:
         except ValueError:
             if not final:
                 return None  # incomplete, or malformed: known at the end
+            whole = self._cut_list(buf) if self.family == GENERIC else []
+            if whole:  # cut inside its list of calls (max_tokens): the calls it completed
+                return len(buf), whole, ""
             return (start or 1, [], buf[:start or 1])
         read = self._calls(value)
         if read is None:  # JSON, but not a call: all of it stays content
@@ -133,6 +139,27 @@ class CallParser:
         if isinstance(read, str):  # the generic format's {"response": text}
             return end, [], read
         return end, read, ""
+
+    def _cut_list(self, buf: str) -> List[Call]:
+        """The complete calls at the head of a generic reply cut before its list closed
+        ('{"tool_calls": [{call}, {call}, {"na'), or [] where one of them is not a call."""
+        m = re.match(r'\{\s*"tool_calls"\s*:\s*\[\s*', buf)
+        calls: List[Call] = []
+        pos = m.end() if m else len(buf)
+        while pos < len(buf):
+            try:
+                value, pos = JSON.raw_decode(buf, pos)
+            except ValueError:
+                break  # the call the answer was cut in
+            call = self._call(value, "arguments")
+            if call is None:
+                return []
+            calls.append(call)
+            sep = re.match(r"\s*,\s*", buf[pos:])
+            if sep is None:
+                break
+            pos += sep.end()
+        return calls
 
     def _calls(self, value: Any) -> Any:
         """The calls in a decoded JSON value (None: not calls; a string: a generic reply)."""
@@ -187,14 +214,22 @@ class ToolReplies:
                                              self.choice.parallel)
         return self.parsers[index]
 
+    @property
+    def finish_reason(self) -> str:
+        """A choice's finish reason when it called: the legacy shape has its own."""
+        return "function_call" if self.choice.legacy else "tool_calls"
+
     def message(self, text: str) -> Dict[str, Any]:
-        """The whole answer's message: content null when only calls, and its tool_calls."""
+        """The whole answer's message: content null when only calls, and its tool_calls (the
+        legacy `function_call` for a request with `functions`)."""
         parser = CallParser(self.fmt.family, [f["name"] for f in self.choice.functions], self.choice.parallel)
         shown, calls = parser.feed(text)
         rest, more = parser.finish()
         content = shown + rest
         message: Dict[str, Any] = {"role": "assistant", "content": content or None}
-        if calls + more:
+        if calls + more and self.choice.legacy:
+            message["function_call"] = function_call_body(call_entries(calls + more)[0])
+        elif calls + more:
             message["tool_calls"] = call_entries(calls + more)
         else:
             message["content"] = content
@@ -209,6 +244,10 @@ class ToolReplies:
             k = self.counts.get(index, 0)
             self.counts[index] = k + 1
             fn = entry["function"]
+            if self.choice.legacy:  # one call (parallel is off), without id or index
+                out.append({"function_call": {"name": fn["name"], "arguments": ""}})
+                out.append({"function_call": {"arguments": fn["arguments"]}})
+                continue
             out.append({"tool_calls": [{"index": k, "id": entry["id"], "type": "function",
                                         "function": {"name": fn["name"], "arguments": ""}}]})
             out.append({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]})

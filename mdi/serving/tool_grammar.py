@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from mdi.model.constraint import json_options
 from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.schema_bounds import BoundsError, bounded
 from mdi.serving.tools import HERMES, LLAMA3, ToolChoice, ToolFormat
 from mdi.serving.validation import ApiError
 
@@ -26,7 +27,7 @@ ANY_OBJECT: Dict[str, Any] = {"type": "object"}
 def _call_schema(fn: Dict[str, Any], args_key: str, schema: bool) -> Dict[str, Any]:
     """One call's JSON: its name, then its arguments (the function's schema where `schema`)."""
     return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                             args_key: fn["parameters"] if schema else ANY_OBJECT},
+                                             args_key: bounded(fn["parameters"]) if schema else ANY_OBJECT},
             "required": ["name", args_key], "additionalProperties": False}
 
 
@@ -43,7 +44,10 @@ def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat) -> Optional[Gram
     if not required and not any(f.get("strict") for f in choice.functions):
         return None
     args_key = "parameters" if fmt.family == LLAMA3 else "arguments"
-    calls = _one_of([_call_schema(f, args_key, required or bool(f.get("strict"))) for f in choice.functions])
+    try:
+        calls = _one_of([_call_schema(f, args_key, required or bool(f.get("strict"))) for f in choice.functions])
+    except BoundsError as e:
+        raise ApiError(400, "'tools': %s" % e, "tools") from None
     # The JSON's spacing as response_format's; a non-strict function's schema is followed as far
     # as llguidance can (keywords it cannot enforce are ignored), a strict one's wholly or not at all.
     options = {"x-guidance": json_options(all(f.get("strict") for f in choice.functions

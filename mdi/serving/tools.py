@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from mdi.model.tokenizers import Tokenizer
+from mdi.serving.strict_schema import strict_violation
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_CALLS_IN_MESSAGE = 128
@@ -63,10 +64,16 @@ def check_tools(value: List[Any], _: Dict[str, Any]) -> List[Dict[str, Any]]:
         if name in names:
             raise _bad(where + ".function.name", "%r is listed twice" % name)
         names.add(name)
-        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
+        if not isinstance(fn.get("description") or "", str) or fn.get("strict") is not None \
+                and not isinstance(fn["strict"], bool):  # null: absent, as OpenAI's schema allows
             raise _bad(where + ".function", "description: expected a string; strict: true or false")
         params = fn.get("parameters")
         params = {"type": "object", "properties": {}} if params is None else _object_schema(params, where)
+        if fn.get("strict"):
+            broken = strict_violation(params if fn.get("parameters") is not None else
+                                      dict(params, additionalProperties=False))
+            if broken is not None:
+                raise _bad(where + ".function.parameters", broken)
         entry: Dict[str, Any] = {"name": name}  # in OpenAI's order: templates list them as they are
         if fn.get("description"):
             entry["description"] = fn["description"]
@@ -120,6 +127,7 @@ class ToolChoice:
     mode: str  # "auto", "required" or "named"
     name: Optional[str]  # the named function ("named" only)
     parallel: bool  # more than one call allowed
+    legacy: bool = False  # asked with the legacy `functions`: answered as one `function_call`
 
     @property
     def functions(self) -> List[Dict[str, Any]]:
@@ -128,14 +136,31 @@ class ToolChoice:
         return [f for f in fns if f["name"] == self.name] if self.mode == "named" else fns
 
 
-def tool_choice_of(fields: Dict[str, Any]) -> Optional[ToolChoice]:
-    """The checked chat fields' tool request; None when there are no tools or tool_choice is "none"."""
-    choice = fields.get("tool_choice") or "auto"
-    if not fields.get("tools") or choice == "none":
+def parallel_default(fmt: "ToolFormat") -> bool:
+    """parallel_tool_calls when the request leaves it out: llama.cpp's rule, what the template
+    supports. Only a template that renders tools itself in the Hermes/Qwen format lists several
+    calls in one message; Llama 3.x templates take one, and a template with no tool format
+    (SmolLM2's, the fallback) none: free to add calls, a small model there called a
+    parameterless tool again and again until max_tokens."""
+    return fmt.native and fmt.family == HERMES
+
+
+def tool_choice_of(fields: Dict[str, Any], fmt: "ToolFormat") -> Optional[ToolChoice]:
+    """The checked chat fields' tool request (the legacy `functions` and `function_call` as
+    tools); None when there are no tools or the choice is "none"."""
+    legacy = bool(fields.get("functions"))
+    tools = fields["functions"] if legacy else fields.get("tools")
+    choice = (fields.get("function_call") if legacy else fields.get("tool_choice")) or "auto"
+    if not tools or choice == "none":
         return None
+    parallel = fields.get("parallel_tool_calls")
+    if legacy:
+        parallel = False  # a legacy message holds one function_call
+    elif parallel is None:
+        parallel = parallel_default(fmt)
     if isinstance(choice, dict):
-        return ToolChoice(fields["tools"], "named", choice["function"]["name"], fields["parallel_tool_calls"])
-    return ToolChoice(fields["tools"], choice, None, fields["parallel_tool_calls"])
+        return ToolChoice(tools, "named", choice["function"]["name"], parallel, legacy)
+    return ToolChoice(tools, choice, None, parallel, legacy)
 
 
 # --- messages that carry calls and results -------------------------------------------------

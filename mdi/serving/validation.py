@@ -2,8 +2,10 @@
 
 `FIELDS`: fields with a meaning here (name, accepted JSON types, range, default, routes).
 `NEUTRAL`: fields accepted only at the value that changes nothing (echo=false, ...), so
-clients that always send them keep working. Any other key is refused. JSON null counts as
-absent everywhere. Prompts and messages are only type-checked here: `prompts` reads them.
+clients that always send them keep working. `openai_fields.IGNORED`: OpenAI's fields mdi does
+not act on, type-checked, then named in the answer's X-MDI-Ignored-Fields header. Any other
+key is refused. JSON null counts as absent everywhere. Prompts and messages are only
+type-checked here: `prompts` reads them.
 """
 import dataclasses
 import json
@@ -15,7 +17,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
-from mdi.serving import tools
+from mdi.serving import legacy_functions, tools
+from mdi.serving.openai_fields import set_aside
+from mdi.serving.strict_schema import strict_violation
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
 BOTH = (COMPLETIONS, CHAT)
@@ -115,11 +119,13 @@ def _top_logprobs(value: int, checked: Dict[str, Any]) -> int:
 def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str, Any]:
     if not checked["stream"]:
         raise bad_field("stream_options", "only allowed with stream: true")
-    unknown = sorted(set(value) - {"include_usage"})
+    # include_obfuscation pads OpenAI's chunks against a side channel; mdi's have no padding to drop
+    unknown = sorted(set(value) - {"include_usage", "include_obfuscation"})
     if unknown:
         raise bad_field("stream_options", "unknown key '%s'" % unknown[0])
-    if not isinstance(value.get("include_usage", False), bool):
-        raise ApiError(400, "'stream_options.include_usage': expected true or false", "stream_options")
+    for key in ("include_usage", "include_obfuscation"):
+        if not isinstance(value.get(key, False), bool):
+            raise ApiError(400, "'stream_options.%s': expected true or false" % key, "stream_options")
     return value
 
 
@@ -144,9 +150,13 @@ def _response_format(value: Dict[str, Any], _: Dict[str, Any]) -> Optional[Gramm
         name = inner.get("name")
         if name is not None and not (isinstance(name, str) and SCHEMA_NAME.fullmatch(name)):
             raise bad_field("response_format", "json_schema.name: expected 1 to 64 of a-z, A-Z, 0-9, _ and -")
-        if not isinstance(inner.get("strict", False), bool):
+        if inner.get("strict") is not None and not isinstance(inner["strict"], bool):  # null: absent
             raise bad_field("response_format", "json_schema.strict: expected true or false")
-        return _schema_spec(inner["schema"], "response_format", strict=inner.get("strict", False))
+        if inner.get("strict"):
+            broken = strict_violation(inner["schema"])
+            if broken is not None:
+                raise bad_field("response_format", "json_schema.schema: " + broken)
+        return _schema_spec(inner["schema"], "response_format", strict=bool(inner.get("strict")))
     raise bad_field("response_format", 'expected {"type": "text"}, {"type": "json_object"} or '
                '{"type": "json_schema", "json_schema": {...}}')
 
@@ -241,7 +251,13 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("tools", (list,), "a list of tools", default=[], routes=(CHAT,), check=_tool_check(tools.check_tools)),
     Field("tool_choice", (str, dict), '"auto", "none", "required" or {"type": "function", ...}', routes=(CHAT,),
           check=_tool_check(tools.check_tool_choice)),
-    Field("parallel_tool_calls", (bool,), "true or false", default=True, routes=(CHAT,)),
+    # None: what the chat template supports (tools.parallel_default), as llama.cpp decides it
+    Field("parallel_tool_calls", (bool,), "true or false", routes=(CHAT,)),
+    # OpenAI's legacy function calling, mapped onto the tools (`legacy_functions`)
+    Field("functions", (list,), "a list of functions", default=[], routes=(CHAT,),
+          check=_tool_check(legacy_functions.check_functions)),
+    Field("function_call", (str, dict), '"auto", "none" or {"name": ...}', routes=(CHAT,),
+          check=_tool_check(legacy_functions.check_function_call)),
 )
 
 
@@ -254,7 +270,8 @@ class Neutral:
 
 
 NEUTRAL = (
-    Neutral("user", "a string", lambda v: isinstance(v, str)),
+    Neutral("modalities", '["text"] (this server writes no audio)',
+            lambda v: isinstance(v, list) and all(m == "text" for m in v), (CHAT,)),
     Neutral("best_of", "1", lambda v: v == 1, (COMPLETIONS,)),
     Neutral("echo", "false", lambda v: v is False, (COMPLETIONS,)),
     Neutral("suffix", "an empty string", lambda v: v == "", (COMPLETIONS,)),
@@ -265,12 +282,15 @@ def validate(body: Dict[str, Any], route: str) -> Dict[str, Any]:
     """Every field of `route` by name: the checked value, or its default when absent."""
     fields = dict((f.name, f) for f in FIELDS if route in f.routes)
     neutral = dict((n.name, n) for n in NEUTRAL if route in n.routes)
+    ignored, wrong = set_aside(body, route)
+    if wrong is not None:
+        raise bad_field(*wrong)
     for key in sorted(body):
-        if key not in fields and key not in neutral:
+        if key not in fields and key not in neutral and key not in ignored:
             raise ApiError(400, "unrecognized request argument: '%s'" % key, key)
         if key in neutral and body[key] is not None and not neutral[key].accepts(body[key]):
             raise bad_field(key, "only %s is supported" % neutral[key].only)
-    checked: Dict[str, Any] = {}
+    checked: Dict[str, Any] = {"ignored": ignored}
     for f in fields.values():
         value = body.get(f.name)
         if value is None:
@@ -300,6 +320,7 @@ class Options:
     top_logprobs: Optional[int] = None  # None: no logprobs; else each token's and this many alternatives'
     cache_prompt: bool = True  # may start from what the prefix cache holds
     grammar: Optional[GrammarSpec] = None  # what the output must obey (None: free text)
+    ignored: Sequence[str] = ()  # OpenAI fields the request set that mdi does not act on
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -319,7 +340,7 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
         top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], v["stop"],
                       v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
-                      v["cache_prompt"], _one_shape(v))
+                      v["cache_prompt"], _one_shape(v), v["ignored"])
     return options, v
 
 
