@@ -434,7 +434,7 @@ def test_chat_sends_a_json_schema_and_shows_tool_calls(ring, browser):
     assert answer["finish"] == "tool_calls" and not shown(browser, "schema-error")
     sent = browser.execute_script("return window.__sent")
     assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "dashboard", "schema": schema,
-                                                                                 "strict": True}}
+                                                                                 "strict": False}}
     assert sent["messages"][-1] == {"role": "user", "content": "Weather in Paris?"}
     calls = browser.execute_script("""return Array.from(document.querySelectorAll('#messages .msg.assistant')).pop()
       .querySelectorAll('.tool-call').length ? Array.from(document.querySelectorAll('#messages .msg.assistant')).pop()

@@ -6,6 +6,7 @@ and the ring serves (and can train) on."""
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -274,3 +275,70 @@ def test_a_dead_worker_fails_the_job_naming_it(own_ring):
     os.kill(workers[1].proc.pid, signal.SIGKILL)
     report = wait_state(server, ("failed",), timeout=60)
     assert "board2" in report["error"] and "\n" not in report["error"], report
+
+
+def wait_step(server, step, timeout=120):
+    """Until the running job has done `step` steps (its report, if it ends before)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        report = train(server, "GET").json()
+        assert report["state"] == "running", report
+        if report["step"] >= step:
+            return report
+        time.sleep(0.05)
+    raise AssertionError("training job still at step %d after %.0f s" % (report["step"], timeout))
+
+
+@pytest.fixture
+def ring_with_spare(tiny_models, tmp_path):
+    from conftest import worker_pool
+    model = tiny_models["llama"]
+    base = os.path.dirname(model)
+    data = os.path.join(base, "train-serve-spare.txt")
+    with open(data, "w") as f:
+        f.write(TEXT)
+    pool = worker_pool(3)
+    workers = next(pool)
+    path = write_run_config(tmp_path / "ring3.yaml", model, workers[:2], layers=LAYERS, worker_name="board%d",
+                            spares=workers[2:], runtime=dict(RUNTIME, ring_timeout=10),
+                            serve={"max_in_flight": 2, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        yield server, model, workers, base, data
+    finally:
+        server.stop()
+        next(pool, None)
+
+
+@pytest.mark.slow
+def test_jobs_train_after_a_spare_took_a_dead_workers_layers(ring_with_spare):
+    """A worker killed, a spare takes its layers; then jobs start, stop and finish on the new
+    ring while requests stream, their texts unchanged, and no recovery is spent on them."""
+    import signal
+    server, model, workers, base, data = ring_with_spare
+    before = {p: stream(server, p) for p in PROMPTS[:2]}
+    with ThreadPoolExecutor(2) as pool:
+        during = pool.submit(stream, server, PROMPTS[0])  # in flight when its node dies
+        time.sleep(0.5)
+        os.kill(workers[1].proc.pid, signal.SIGKILL)
+        assert during.result() == before[PROMPTS[0]]
+    assert stream(server, PROMPTS[0]) == before[PROMPTS[0]]  # the ring recovered (if the first did not see it)
+    recoveries = server.metrics()["mdi_recoveries_total"]
+    assert recoveries >= 1
+    for i in range(2):  # started and stopped at once, then after a step, while requests stream
+        with ThreadPoolExecutor(1) as pool:
+            beside = pool.submit(stream, server, PROMPTS[1])
+            body = dict(JOB, steps=100000, data=data, out=os.path.join(base, "spare-stopped%d" % i))
+            assert train(server, **body).status_code == 200
+            if i:
+                wait_step(server, 1)
+            assert train(server, "DELETE").status_code == 200
+            assert wait_state(server, ("stopped", "failed"))["error"] is None
+            assert beside.result() == before[PROMPTS[1]]
+    assert train(server, **dict(JOB, data=data, out=os.path.join(base, "spare-done"))).status_code == 200
+    assert stream(server, PROMPTS[1]) == stream(server, PROMPTS[1])
+    report = wait_state(server, ("done", "failed"))
+    assert report["state"] == "done", report
+    assert report["step"] == JOB["steps"]
+    assert stream(server, PROMPTS[0]) == before[PROMPTS[0]]
+    assert server.metrics()["mdi_recoveries_total"] == recoveries

@@ -477,7 +477,9 @@
     return v === "" ? null : Number(v);
   }
 
-  // The schema toggle: response_format json_schema (strict), its JSON checked here before sending.
+  // The schema toggle: response_format json_schema, its JSON checked here before sending. Not
+  // strict: OpenAI's strict mode refuses schemas whose objects are open (the server follows it),
+  // and a schema typed here is plain JSON Schema, followed as written.
   function responseFormat() {
     var error = $("schema-error");
     error.hidden = true;
@@ -489,7 +491,7 @@
       error.hidden = false;
       return false;
     }
-    return { type: "json_schema", json_schema: { name: "dashboard", schema: schema, strict: true } };
+    return { type: "json_schema", json_schema: { name: "dashboard", schema: schema, strict: false } };
   }
 
   function showToolCalls(node, calls) {
