@@ -244,18 +244,18 @@ def test_worker_runs_passes_first_and_one_training_frame_per_pass():
     assert run._take_next() is None  # the decode behind the stop frame may not pass it
 
 
-@pytest.fixture
-def own_ring(tiny_models, tmp_path):
+def own_server(tiny_models, tmp_path, data_name, n_spares=0, **runtime):
+    """A serving ring of its own (two workers, `n_spares` spares): yields (server, workers,
+    models folder, training data path)."""
     from conftest import worker_pool
-    model = tiny_models["llama"]
-    base = os.path.dirname(model)
-    data = os.path.join(base, "train-serve-fail.txt")
+    base = os.path.dirname(tiny_models["llama"])
+    data = os.path.join(base, data_name)
     with open(data, "w") as f:
         f.write(TEXT)
-    pool = worker_pool(2)
+    pool = worker_pool(2 + n_spares)
     workers = next(pool)
-    path = write_run_config(tmp_path / "ring3.yaml", model, workers, layers=LAYERS, worker_name="board%d",
-                            runtime=dict(RUNTIME, ring_timeout=10, recovery_attempts=0),
+    path = write_run_config(tmp_path / "ring3.yaml", tiny_models["llama"], workers[:2], layers=LAYERS,
+                            worker_name="board%d", spares=workers[2:], runtime=dict(RUNTIME, ring_timeout=10, **runtime),
                             serve={"max_in_flight": 2, "model_name": "tiny"})
     server = ServeProcess(path).wait_ready()
     try:
@@ -263,6 +263,11 @@ def own_ring(tiny_models, tmp_path):
     finally:
         server.stop()
         next(pool, None)
+
+
+@pytest.fixture
+def own_ring(tiny_models, tmp_path):
+    yield from own_server(tiny_models, tmp_path, "train-serve-fail.txt", recovery_attempts=0)
 
 
 @pytest.mark.slow
@@ -291,23 +296,7 @@ def wait_step(server, step, timeout=120):
 
 @pytest.fixture
 def ring_with_spare(tiny_models, tmp_path):
-    from conftest import worker_pool
-    model = tiny_models["llama"]
-    base = os.path.dirname(model)
-    data = os.path.join(base, "train-serve-spare.txt")
-    with open(data, "w") as f:
-        f.write(TEXT)
-    pool = worker_pool(3)
-    workers = next(pool)
-    path = write_run_config(tmp_path / "ring3.yaml", model, workers[:2], layers=LAYERS, worker_name="board%d",
-                            spares=workers[2:], runtime=dict(RUNTIME, ring_timeout=10),
-                            serve={"max_in_flight": 2, "model_name": "tiny"})
-    server = ServeProcess(path).wait_ready()
-    try:
-        yield server, model, workers, base, data
-    finally:
-        server.stop()
-        next(pool, None)
+    yield from own_server(tiny_models, tmp_path, "train-serve-spare.txt", n_spares=1)
 
 
 @pytest.mark.slow
@@ -315,7 +304,7 @@ def test_jobs_train_after_a_spare_took_a_dead_workers_layers(ring_with_spare):
     """A worker killed, a spare takes its layers; then jobs start, stop and finish on the new
     ring while requests stream, their texts unchanged, and no recovery is spent on them."""
     import signal
-    server, model, workers, base, data = ring_with_spare
+    server, workers, base, data = ring_with_spare
     before = {p: stream(server, p) for p in PROMPTS[:2]}
     with ThreadPoolExecutor(2) as pool:
         during = pool.submit(stream, server, PROMPTS[0])  # in flight when its node dies
