@@ -1,7 +1,7 @@
 """Function calling over a real 3-node loopback `--serve` with the official `openai` client:
 test_serve's tiny model for the fields' checks, conversations that carry calls and results,
 and streamed answers equal to whole ones; SmolLM2 for calls the constrained sampler forces
-(tool_choice "required" or a named function)."""
+(tool_choice "required" or a named function) or allows beside text ("auto")."""
 import json
 
 import pytest
@@ -249,3 +249,30 @@ def test_parallel_calls_default_to_the_template_s_and_a_cut_answer_keeps_its_com
             if d != "[DONE]":
                 calls += [t for t in json.loads(d)["choices"][0]["delta"].get("tool_calls") or [] if "id" in t]
     assert len(calls) == len(choice["message"]["tool_calls"])
+
+
+def test_auto_answers_with_tools_that_are_not_strict_are_a_valid_call_or_text(smollm2_server):
+    """tool_choice auto (the default) with a non-strict tool: the constrained sampler allows a
+    call whose arguments obey the parameters, or text; SmolLM2 greedily calls (it answered in
+    prose, never calling, while auto answers were parsed only). A text answer would come back
+    as content (the generic reply's {"response": ...}), never as a call's unparsed JSON."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(smollm2_server)
+    answers = []
+    for prompt in ("What is 17 plus 25?", "Add 1234 and 4321.", "Say hello to me."):
+        r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}], tools=[ADD],
+                                      max_tokens=60, temperature=0)
+        answer = r.choices[0]
+        for call in answer.message.tool_calls or []:
+            assert call.function.name == "add"
+            jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+        if not answer.message.tool_calls:  # text, never a call's JSON that failed to parse
+            assert answer.finish_reason == "stop" and answer.message.content
+            assert not answer.message.content.lstrip().startswith("{"), answer.message.content
+        else:
+            assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        answers.append((answer.message.content,
+                        [(k.function.name, json.loads(k.function.arguments)) for k in answer.message.tool_calls or []]))
+    # greedy: the prompts that invite a call get one, its numbers copied from the prompt
+    # (seen: add(17, 25), add(123, 4321), and for "Say hello" add(1, 2): valid, if pointless)
+    assert answers[0] == (None, [("add", {"a": 17, "b": 25})]) and answers[1][1], answers

@@ -202,18 +202,64 @@ def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing
     assert '"get_weather"' not in named_add.text
 
 
-def test_auto_is_free_unless_a_function_is_strict_then_free_text_or_a_strict_call(smollm2_dir):
-    llguidance, tok = llg_tokenizer(smollm2_dir)
-    fmt = ToolFormat(HERMES, True, False)
-    assert tool_grammar(ToolChoice(check_tools([ADD], {}), "auto", None, True), fmt) is None
-    spec = tool_grammar(ToolChoice(TOOLS, "auto", None, True), fmt)
+AUTO_CALLS = {  # a call to the non-strict `add`, valid and with arguments outside its schema
+    HERMES: ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', '"a": "one"'),
+    LLAMA3: ('{"name": "add", "parameters": {"a": 1, "b": 2}}', '"a": "one"'),
+    GENERIC: ('{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}', '"a": "one"'),
+}
+AUTO_TEXT = {HERMES: "I can answer that without tools.", LLAMA3: "I can answer that without tools.",
+             GENERIC: '{"response": "I can answer that without tools."}'}
 
-    def prefix_ok(text):
+
+def matcher_for(llguidance, tok, spec):
+    def takes(text, whole=True):
         matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(spec.text))
+        assert not matcher.is_error(), matcher.get_error()
         ids = tok.tokenize_str(text)
-        return matcher.validate_tokens(ids) == len(ids)
-    assert prefix_ok("I can answer that without tools.") and prefix_ok(HERMES_TWO)
-    assert not prefix_ok('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": 3')
+        if not whole:  # a prefix the grammar may still complete
+            return matcher.validate_tokens(ids) == len(ids)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+    return takes
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3, GENERIC])
+@pytest.mark.parametrize("tools", [[ADD], [WEATHER, ADD]], ids=["non-strict", "mixed"])
+def test_auto_answers_are_a_valid_call_or_text_never_a_half_call(family, tools, smollm2_dir):
+    """tool_choice auto constrains whatever `strict` says (llama.cpp's rule): a call whose
+    arguments obey the (non-strict) function's parameters, or text that holds no call."""
+    llguidance, tok = llg_tokenizer(smollm2_dir)
+    spec = tool_grammar(ToolChoice(check_tools(tools, {}), "auto", None, False), ToolFormat(family, False, False))
+    takes = matcher_for(llguidance, tok, spec)
+    call, bad = AUTO_CALLS[family]
+    assert takes(call) and parse(family, call)[1] == [("add", {"a": 1, "b": 2})]
+    assert takes(AUTO_TEXT[family]) and parse(family, AUTO_TEXT[family]) == ("I can answer that without tools.", [])
+    assert not takes(call.replace('"a": 1', bad), whole=False)  # arguments outside the schema
+    assert not takes(call.replace('"name": "add"', '"name": "sub"'), whole=False)  # no such function
+    half = call[:len(call) // 2]
+    assert not takes(half)  # a call cut halfway is no answer
+    if family == HERMES:  # text, then a call; nothing that reads as a call after it
+        assert takes("Let me add them.\n" + call) and not takes(call + "\n<tool_call>\n{")
+    elif family == LLAMA3:  # text may not hold a call, nor open like one
+        assert not takes('Sure: {"name": "add", "parameters": {"a": "x"}}') and not takes("{}")
+    else:  # the reply is JSON: prose outside it is refused
+        assert not takes("Hello", whole=False)
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3, GENERIC])
+def test_auto_text_follows_response_format_and_a_client_grammar_leaves_the_answer_to_it(family, smollm2_dir):
+    from mdi.model.grammar_spec import GrammarSpec
+    llguidance, tok = llg_tokenizer(smollm2_dir)
+    fmt, choice = ToolFormat(family, False, False), ToolChoice(check_tools([ADD], {}), "auto", None, True)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    spec = tool_grammar(choice, fmt, GrammarSpec("json_schema", json.dumps(schema), "response_format"))
+    takes = matcher_for(llguidance, tok, spec)
+    reply = '{"answer": 3}' if family != GENERIC else '{"response": {"answer": 3}}'
+    assert takes(AUTO_CALLS[family][0]) and takes(reply) and not takes(AUTO_TEXT[family], whole=False)
+    assert not takes(reply.replace("3", '"3"'), whole=False)
+    content, calls = parse(family, reply)
+    assert json.loads(content) == {"answer": 3} and calls == []
+    assert tool_grammar(choice, fmt, GrammarSpec("regex", "[a-z]+", "regex")) is None  # the client's own
 
 
 def test_a_schema_llguidance_cannot_compile_is_a_400_naming_tools():

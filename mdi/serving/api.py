@@ -161,11 +161,15 @@ class Routes:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
         adapter = self._adapter_of(fields)
         tools = tool_choice_of(fields, self.template.tool_format)  # None: no tools, or tool_choice "none"
-        grammar = tool_grammar(tools, self.template.tool_format)  # None: the calls are free
+        grammar = tool_grammar(tools, self.template.tool_format, opts.grammar)  # None: the calls are free
+        if grammar is not None and self.grammars is None and tools is not None and tools.mode == "auto" \
+                and opts.grammar is None and not any(f.get("strict") for f in tools.functions):
+            grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None)
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
-        choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar)  # the calls' grammar wins
+        # the calls' grammar wins; an auto answer's text inside it follows response_format
+        choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar)
         return self._generate(choices, opts, chat=True, tools=tools)
 
     def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int,

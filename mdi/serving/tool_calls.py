@@ -168,8 +168,9 @@ class CallParser:
             return [call] if call is not None else None
         if not isinstance(value, dict) or len(value) != 1:
             return None
-        if isinstance(value.get("response"), str):
-            return value["response"]
+        if "response" in value:  # text; JSON (response_format's, with tools auto) as its text
+            reply = value["response"]
+            return reply if isinstance(reply, str) else json.dumps(reply, ensure_ascii=False)
         entries = value.get("tool_calls") if "tool_calls" in value else [value.get("tool_call")]
         if not isinstance(entries, list) or not entries:
             return None

@@ -2,15 +2,19 @@
 arguments as `%json` of the function's `parameters`), for the constrained sampler
 (mdi/model/constraint.py) through `Request.grammar`.
 
-What is constrained:
+What is constrained (as llama.cpp's handlers do, whatever `strict` says):
   tool_choice "required" or a named function: the whole answer is one call (one or more with
     parallel_tool_calls, except Llama 3.x, whose templates take one call per message), in the
     family's format, every function's arguments obeying its schema;
-  "auto" with a `strict` function: free text, and from the family's call marker on a call
-    (Hermes: llguidance's lazy trigger on "<tool_call>"; Llama 3.x: text that does not open
-    with "{", or a call; generic: the JSON reply, a call or {"response": text}, as llama.cpp
-    does); only strict functions' arguments obey their schemas there;
-  "auto" without a strict function: nothing; the answer is parsed as it comes (`tool_calls`).
+  "auto" (the default with tools): a call or text, never a half-call. Hermes: free text, and
+    from "<tool_call>" on a call (llguidance's lazy trigger), text after the calls holding no
+    other "<tool_call>"; Llama 3.x: a call, or text that holds nothing a parser would read as
+    one (no '{"name"'); generic: the JSON reply, a call or {"response": text}, as llama.cpp.
+    With response_format (json_object, json_schema; or llama.cpp's top-level json_schema) the
+    text is that JSON instead (generic: the value of "response"). With `grammar` or `regex`
+    the client's grammar shapes the whole answer and calls are parsed from it (None here).
+A strict function's arguments obey its schema wholly (keywords llguidance cannot enforce are
+refused); a non-strict one's as plain JSON Schema (strict: false: those keywords are ignored).
 """
 import json
 from typing import Any, Dict, List, Optional
@@ -21,66 +25,88 @@ from mdi.model.schema_bounds import BoundsError, bounded
 from mdi.serving.tools import HERMES, LLAMA3, ToolChoice, ToolFormat
 from mdi.serving.validation import ApiError
 
-ANY_OBJECT: Dict[str, Any] = {"type": "object"}
+# Text that holds no call a parser would read (tool_calls.STARTS), per family.
+HERMES_REST = r'/(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/'
+LLAMA3_TEXT = r'/[^{](.|\n)*/ & ~/(.|\n)*\{\s*"name"(.|\n)*/'  # "{" first: read as a call
 
 
-def _call_schema(fn: Dict[str, Any], args_key: str, schema: bool) -> Dict[str, Any]:
-    """One call's JSON: its name, then its arguments (the function's schema where `schema`)."""
-    return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                             args_key: bounded(fn["parameters"]) if schema else ANY_OBJECT},
-            "required": ["name", args_key], "additionalProperties": False}
+def _json(schema: Dict[str, Any], strict: bool) -> str:
+    """`%json` of `schema`, its spacing response_format's, keywords llguidance cannot enforce
+    refused (strict) or ignored; the schema's own "x-guidance" options win."""
+    options = dict(json_options(strict), **(schema.get("x-guidance") or {}))
+    return "%json " + json.dumps(dict(schema, **{"x-guidance": options}))
 
 
-def _one_of(schemas: List[Dict[str, Any]]) -> Dict[str, Any]:
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+def _call(fn: Dict[str, Any], args_key: str) -> str:
+    """One call's JSON: its name, then its arguments obeying the function's parameters."""
+    return _json({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: bounded(fn["parameters"])},
+                  "required": ["name", args_key], "additionalProperties": False}, bool(fn.get("strict")))
 
 
-def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat) -> Optional[GrammarSpec]:
-    """The grammar for `choice`'s answers, or None where they are free (no tools, auto with
-    nothing strict); a 400 naming `tools` where llguidance refuses a schema."""
+def _text(spec: Optional[GrammarSpec]) -> Optional[str]:
+    """The JSON the text must be (response_format's), or None: free text."""
+    if spec is None:
+        return None
+    try:
+        schema = {"type": "object"} if spec.kind == "json_object" else bounded(json.loads(spec.text))
+    except BoundsError as e:
+        raise ApiError(400, "'%s': %s" % (spec.field, e), spec.field) from None
+    return _json(schema, spec.strict and spec.kind == "json_schema")
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)
+
+
+def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat,
+                 output: Optional[GrammarSpec] = None) -> Optional[GrammarSpec]:
+    """The grammar for `choice`'s answers, or None where they are free (no tools; auto with a
+    client's own `grammar` or `regex`); `output`: the request's response_format (or grammar),
+    what an auto answer's text obeys. A 400 naming `tools` where llguidance refuses a schema."""
     if choice is None:
         return None
     required = choice.mode != "auto"
-    if not required and not any(f.get("strict") for f in choice.functions):
+    if not required and output is not None and output.kind not in ("json_schema", "json_object"):
         return None
     args_key = "parameters" if fmt.family == LLAMA3 else "arguments"
     try:
-        calls = _one_of([_call_schema(f, args_key, required or bool(f.get("strict"))) for f in choice.functions])
+        calls = [_call(f, args_key) for f in choice.functions]
     except BoundsError as e:
         raise ApiError(400, "'tools': %s" % e, "tools") from None
-    # The JSON's spacing as response_format's; a non-strict function's schema is followed as far
-    # as llguidance can (keywords it cannot enforce are ignored), a strict one's wholly or not at all.
-    options = {"x-guidance": json_options(all(f.get("strict") for f in choice.functions
-                                              if required or f.get("strict")))}
-    body = "%json " + json.dumps(dict(calls, **options))
-    lines = ["%llguidance {}"]
+    text = None if required else _text(output)
+    lines = ["%llguidance {}"] + ["call%d: %s" % (i, c) for i, c in enumerate(calls)]
+    lines.append("body: " + " | ".join("call%d" % i for i in range(len(calls))))
     if fmt.family == HERMES:
-        lines += ['call: "<tool_call>\\n" body "\\n</tool_call>"', "body: " + body]
+        lines.append('call: "<tool_call>\\n" body "\\n</tool_call>"')
+        calls_rule = "call" + (' ("\\n" call)*' if choice.parallel else "")
         if required:
-            lines.insert(1, "start: call" + (' ("\\n" call)*' if choice.parallel else ""))
+            lines.append("start: " + calls_rule)
+        elif text is not None:  # the calls, or response_format's JSON
+            lines += ["start: %s | json_text" % calls_rule, "json_text: " + text]
         else:  # free text; once it writes <tool_call>, a call (lazy: the text stops at the marker)
-            lines += ["start: tagged%s TEXT" % ("*" if choice.parallel else "?"), "TEXT: /(.|\\n)*/",
-                      'head[lazy]: TEXT "<tool_call>"', 'tagged: head "\\n" body "\\n</tool_call>"']
+            lines += ["start: tagged%s REST" % ("*" if choice.parallel else "?"), "REST: " + HERMES_REST,
+                      'head[lazy]: /(.|\\n)*/ "<tool_call>"', 'tagged: head "\\n" body "\\n</tool_call>"']
     elif fmt.family == LLAMA3:
-        lines += ["call: " + ("<|python_tag|> body | body" if fmt.python_tag else "body"), "body: " + body]
-        lines.insert(1, "start: call" if required else "start: TEXT | call")
-        if not required:
-            lines.append("TEXT: /[^{](.|\\n)*/")  # text that opens with "{" would be read as a call
-    else:
-        many: Dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
-        if not choice.parallel:
-            many["maxItems"] = 1
-        reply = {"type": "object", "properties": {"tool_calls": many}, "required": ["tool_calls"],
-                 "additionalProperties": False}
-        if not required:
-            reply = {"anyOf": [reply, {"type": "object", "properties": {"response": {"type": "string"}},
-                                       "required": ["response"], "additionalProperties": False}]}
-        lines.append("start: %json " + json.dumps(dict(reply, **options)))
-    text = "\n".join(lines) + "\n"
-    error = grammar_error(text)
+        lines.append("call: " + ("<|python_tag|> body | body" if fmt.python_tag else "body"))
+        if required:
+            lines.append("start: call")
+        elif text is not None:
+            lines += ["start: call | json_text", "json_text: " + text]
+        else:
+            lines += ["start: call | TEXT", "TEXT: " + LLAMA3_TEXT]
+    else:  # llama.cpp's generic reply, in response_format's spacing
+        lines.append('calls: %s body %s%s' % (_lit('{"tool_calls": ['), ('(%s body)* ' % _lit(", "))
+                                              if choice.parallel else "", _lit("]}")))
+        if required:
+            lines.append("start: calls")
+        else:
+            lines += ["start: calls | %s response %s" % (_lit('{"response": '), _lit("}")),
+                      "response: " + (text or _json({"type": "string"}, True))]
+    grammar = "\n".join(lines) + "\n"
+    error = grammar_error(grammar)
     if error:
         raise ApiError(400, "'tools': the functions' schemas cannot be compiled: %s" % error[:300], "tools")
-    return GrammarSpec("lark", text, "tools")
+    return GrammarSpec("lark", grammar, "tools")
 
 
 def grammar_error(lark: str) -> str:
