@@ -123,7 +123,14 @@ class Routes:
 
     # --- errors ----------------------------------------------------------------------
     def api_error(self, e: ApiError) -> Response:
-        return _json(e.body(), e.status)
+        return _json(self._shown(e), e.status)
+
+    def _shown(self, e: ApiError) -> Dict[str, Any]:
+        """`e`'s body, paths under the models folders shown relative to them (`ServedFiles.scrub`):
+        loaders' and workers' messages name files by the server's own paths."""
+        body = e.body()
+        body["error"]["message"] = self.files.scrub(body["error"]["message"])
+        return body
 
     def http_error(self, e: HTTPException) -> Response:
         message = {404: "no such route: %s %s" % (request.method, request.path),
@@ -411,7 +418,7 @@ class Routes:
                 if isinstance(event, ErrorEvent):
                     self._cancel(choices.requests)  # the other choices with it
                     over = True
-                    yield _sse(ApiError(503, event.message, kind="server_error").body())
+                    yield _sse(self._shown(ApiError(503, event.message, kind="server_error")))
                     return
                 left -= 1
                 over = not left
