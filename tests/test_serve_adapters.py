@@ -284,3 +284,19 @@ def test_with_every_mix_in_use_a_new_mix_waits_for_one_to_end(setup):
         for r in streams:
             if r is not None:
                 r.close()
+
+
+def test_adapter_errors_name_paths_relative_to_the_models_folder(setup, tmp_path):
+    """Loaders name the files they read by their full paths; a client is shown them relative
+    to the models folder (issue 58, 6), never the server's own layout."""
+    server, model, dirs = setup
+    base = os.path.dirname(os.path.realpath(model))
+    broken = os.path.join(base, "lora-broken")
+    os.makedirs(broken, exist_ok=True)
+    with open(os.path.join(broken, "adapter_config.json"), "w") as f:
+        f.write("{not json")
+    for path in (os.path.join(base, "no-such-lora"), broken):
+        r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "x", "path": path}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
+        message = r.json()["error"]["message"]
+        assert os.path.basename(path) in message and base not in message, message

@@ -101,6 +101,7 @@ def test_job_beside_streams(setup):
     report = wait_state(server, ("done", "failed"))
     assert report["state"] == "done", report
     assert report["step"] == JOB["steps"] and len(report["loss"]) == JOB["steps"] and report["error"] is None
+    assert (report["out"], report["data"]) == ("trained-beside", "train-serve.txt"), report  # not the server's paths
     assert report["loss"] == pytest.approx([s.loss for s in alone.steps], rel=TOL)
     assert all(t > 0 for t in report["tokens_per_s"])
     assert server.get("/v1/mdi/state").json()["training"]["loss"] == report["loss"]  # the dashboard's curve

@@ -165,10 +165,15 @@ def test_a_grammar_no_text_satisfies_is_refused_naming_its_field(smol_compiler, 
     assert e.value.field == field and "no text satisfies it" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_an_output_nothing_valid_continues_is_neither_accepting_nor_complete(smol_compiler):
+def test_an_output_nothing_valid_continues_is_neither_accepting_nor_complete(smol_compiler, monkeypatch):
     """A grammar whose start is fine but whose rest is empty: after `{"` the matcher is dead,
-    may only end (llguidance's way), and the output is not whole."""
+    may only end (llguidance's way), and the output is not whole. The compile's walk past the
+    start finds this one (refused); off, it stands for a dead end past the walk's reach."""
+    from mdi.model import constraint
     tok, compiler = smol_compiler
+    with pytest.raises(ConstraintError, match="llguidance cannot run it"):
+        compiler.compile(GrammarSpec("json_schema", json.dumps(DEAD_END), "json_schema"))
+    monkeypatch.setattr(constraint, "PROBE_TOKENS", 0)
     c = compiler.compile(GrammarSpec("json_schema", json.dumps(DEAD_END), "json_schema"))
     first = c.allowed().nonzero().flatten().tolist()
     assert [tok.decode([t]) for t in first] == ['{"']
@@ -358,13 +363,19 @@ def test_constraints_no_text_satisfies_are_400s_and_a_dead_end_is_never_a_stop(s
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
     status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], "response_format": schema})
     assert status == 400 and body["error"]["param"] == "response_format", body
-    # its start is fine, its rest is empty: the answer "a" is not one it accepts, so it is no "stop"
+    # its start is fine, its rest is empty: the answer "a" is not one it accepts, so it is no "stop".
+    # The compile's walk past the start may find it (llguidance's item limit: a 400 naming the
+    # field); else the sample fails in the ring, naming its grammar.
     dead_end = {"prompt": "x", "max_tokens": 8, "temperature": 0, "json_schema": DEAD_END}
     r = requests.post(smol_server.url + "/v1/completions", json=dead_end, timeout=300)
     assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] != "stop", r.text
-    assert r.status_code != 200 and "grammar" in r.json()["error"]["message"], r.text
+    assert r.status_code != 200 and ("grammar" in r.json()["error"]["message"]
+                                     or r.json()["error"]["param"] == "json_schema"), r.text
     with requests.post(smol_server.url + "/v1/completions", json=dict(dead_end, stream=True), stream=True,
                        timeout=300) as r:
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] == "json_schema", r.text
+            return
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith(b"data: ") and line != b"data: [DONE]"]
     assert "error" in events[-1] and not any(c.get("finish_reason") == "stop" for e in events
@@ -511,3 +522,28 @@ def test_time_and_duration_answers_end_valid(smol_server):
         assert re.fullmatch(r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]{1,6})?([Zz]|[+-][0-9:]{5})",
                             answer["time"]), answer
         assert re.fullmatch(r"P(?=.)([0-9]+[YMWD])*(T(?=.)([0-9]+[HMS])*)?", answer["took"]), answer
+
+
+# A grammar that compiles but cannot run (issue 58, 6): llguidance refuses a parser row of more
+# than 2000 items, here past the first token. Found at admission: a 400 with its own message.
+WIDE = "root ::= " + " | ".join('"w%d"' % i for i in range(10000))
+
+
+@pytest.mark.parametrize("text", [WIDE, 'root ::= "abc xyz" (' + WIDE[len("root ::= "):] + ")"], ids=["start", "later"])
+def test_a_grammar_llguidance_cannot_run_is_refused_with_its_message(smol_compiler, text):
+    _, compiler = smol_compiler
+    with pytest.raises(ConstraintError) as e:
+        compiler.compile(GrammarSpec("gbnf", text, "grammar"))
+    message = str(e.value)
+    assert e.value.field == "grammar" and "max is 2000" in message, message
+    assert "\n" not in message and "<state>" not in message and "w9999" not in message, message
+
+
+def test_a_grammar_too_wide_to_run_is_a_400_naming_grammar(smol_server):
+    for route, body in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = requests.post(smol_server.url + route, json=dict(body, grammar=WIDE, max_tokens=4), timeout=300)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "grammar" and "items" in error["message"], error
+        assert "\n" not in error["message"] and "<state>" not in error["message"], error

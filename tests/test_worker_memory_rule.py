@@ -98,3 +98,25 @@ def test_an_adapter_counts_against_the_same_limit(worker, tiny_models):
     r = requests.post(url, data=body(rank), headers={"Content-Type": "application/octet-stream"}, timeout=30)
     assert r.status_code == 200, r.text
     assert worker._held_bytes() > held
+
+
+def test_a_worker_s_memory_refusal_reaches_an_api_client_as_413_naming_it(worker, tiny_models):
+    """The seam --serve reads (issue 58, 6): the starter's client keeps the worker's 413 on the
+    NodeError, and `node_refusal` makes it the client's 413 (not a 502), naming the node."""
+    from mdi.ring.adapter_request import adapter_body
+    from mdi.runconfig import NodeSpec
+    from mdi.serving.node_refusal import node_api_error
+    from mdi.starter.control import ControlClient, NodeError
+    worker.free = 1 << 30
+    r, config = init(worker, tiny_models["llama"], 1)
+    assert r.status_code == 200, r.text
+    worker.free = LOAD_HEADROOM_BYTES + 1024
+    big = adapter_body({"blocks.%d.mlp.gate_up" % LAYERS[0]: (torch.zeros(256, config.n_embd),
+                                                              torch.zeros(2 * config.intermediate_size, 256))})
+    client = ControlClient(NodeSpec("board7", port=worker.port), connect_timeout=10, init_timeout=60)
+    with pytest.raises(NodeError) as e:
+        client.post_adapter(1, big)
+    assert e.value.status == 413 and e.value.node == "board7"
+    error = node_api_error(e.value, "lora")
+    assert error.status == 413 and error.param == "lora" and error.kind == "invalid_request_error"
+    assert "board7" in error.message and "adapter 1 needs" in error.message, error.message

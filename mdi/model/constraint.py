@@ -29,6 +29,11 @@ from mdi.model.tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_GRAMMAR_CHARS = 1 << 17  # a schema or grammar this long is almost certainly not meant for one answer
+# Tokens the compile walks past the start (the first allowed token each time) before admitting a
+# grammar: llguidance meets some limits only a step in (a 10,000-way alternation compiles, then
+# its first token fails on "Current row has 10001 items; max is 2000"). Each step is bounded by
+# llguidance's per-step limits (lexer fuel, Earley items), so the walk is too.
+PROBE_TOKENS = 8
 # JSON without free whitespace: a small model left free to write it loops on newlines and
 # indents until max_tokens. Separators with one space read as models write JSON. A schema's own
 # "x-guidance" options override these.
@@ -96,6 +101,7 @@ class GrammarCompiler:
         self.end_ids = list(view.end_ids)
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=len(view.tokens),
                                                 eos_token=view.end_ids)
+        self.limits = _limits(llguidance)
         log.info("mdi: constrained decoding ready: %d tokens in %.2f s", tok.vocab_size, time.perf_counter() - t0)
 
     def grammar_text(self, spec: GrammarSpec) -> str:
@@ -133,40 +139,66 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> "Constraint":
         """A fresh matcher for `spec`; ConstraintError (naming spec.field) if it does not compile."""
         grammar = self.grammar_text(spec)
-        matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = self._matcher(grammar)
         if matcher.is_error():
             error = _one_line(matcher.get_error())
             if "Unimplemented keys" in error and spec.kind == "json_schema":
                 error += " (keywords a strict schema may not use here; with strict false they are ignored)"
             raise ConstraintError(spec.field, error)
         # Copies (a request's other choices) start from a new matcher of the same grammar (~1 ms).
-        constraint = Constraint(lambda: self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), matcher,
-                                self.width, min(self.width, self.vocab), spec)
+        constraint = Constraint(lambda: self._matcher(grammar), matcher, self.width, min(self.width, self.vocab), spec)
         # The first mask, here on the request's thread (the scheduler reuses it): a grammar no
         # text satisfies (a rule with no base case, a schema that is only a $ref to itself, an
         # empty character class) shows as a start where nothing may follow, not even the end.
         first = constraint.allowed()
         if constraint.dead(first):
             raise ConstraintError(spec.field, "no text satisfies it (nothing it accepts can even start)")
-        spent = self._probe(matcher, first)
+        spent = self._probe(constraint, first)
         if spent > self.mask_budget_s:
             raise ConstraintError(spec.field, "one token mask takes %.0f ms, more than the %.0f ms this server allows "
                                   "(a long counted repetition?)" % (spent * 1e3, self.mask_budget_s * 1e3))
         return constraint
 
-    def _probe(self, matcher: Any, first: torch.Tensor) -> float:
+    def _matcher(self, grammar: str) -> Any:
+        if self.limits is None:
+            return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+
+    def _probe(self, constraint: "Constraint", first: torch.Tensor) -> float:
         """Seconds of one mask past the start, on a copy: the cost every later token pays on the
-        scheduler's thread (the first mask also builds the lexer's states, paid once, here)."""
+        scheduler's thread (the first mask also builds the lexer's states, paid once, here).
+        The copy then walks on, up to PROBE_TOKENS tokens: a grammar llguidance cannot run past
+        its start (a resource limit) is a ConstraintError with llguidance's own message, here,
+        rather than a failed sample once the request holds a slot."""
         ends = set(self.end_ids)
-        token = next((t for t in first.nonzero().flatten().tolist() if t not in ends), None)
-        if token is None:
-            return 0.0
-        probe = matcher.deep_copy()
-        if not probe.consume_token(int(token)) or probe.is_error():
-            return 0.0
-        t0 = time.perf_counter()
-        probe.compute_bitmask()
-        return time.perf_counter() - t0
+        probe = Constraint(constraint.new_matcher, constraint.matcher.deep_copy(), constraint.width,
+                           constraint.vocab, constraint.spec)
+        allowed, spent = first, 0.0
+        for step in range(PROBE_TOKENS):
+            token = next((t for t in allowed.nonzero().flatten().tolist() if t not in ends), None)
+            if token is None:
+                break
+            if not probe.take(token):
+                break
+            t0 = time.perf_counter()
+            allowed = probe.allowed()
+            if step == 0:
+                spent = time.perf_counter() - t0
+            if probe.matcher.is_error():
+                break
+        if probe.matcher.is_error() and probe.matcher.get_error().strip():
+            raise ConstraintError(constraint.spec.field, "llguidance cannot run it: %s" % probe.error)
+        return spent
+
+
+def _limits(llguidance: Any) -> Any:
+    """llguidance's parser limits, its defaults but for verbose errors: those dump the parser's
+    state and the grammar into the message, which a client then gets back (None where this
+    llguidance has no such option: its defaults then)."""
+    try:
+        return llguidance.LLParserLimits(verbose_errors=False)
+    except (AttributeError, TypeError):
+        return None
 
 
 class Constraint:

@@ -37,8 +37,9 @@ from mdi.model.constraint import unavailable as constraint_unavailable
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.dashboard import register_dashboard
-from mdi.starter.adapter_set import MixTableFull, virtual_tokens
+from mdi.starter.adapter_set import MixTableFull, StarterTooLarge, virtual_tokens
 from mdi.serving.metrics import Observer
+from mdi.serving.node_refusal import node_api_error
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
 from mdi.serving.choices import Choices
@@ -122,7 +123,14 @@ class Routes:
 
     # --- errors ----------------------------------------------------------------------
     def api_error(self, e: ApiError) -> Response:
-        return _json(e.body(), e.status)
+        return _json(self._shown(e), e.status)
+
+    def _shown(self, e: ApiError) -> Dict[str, Any]:
+        """`e`'s body, paths under the models folders shown relative to them (`ServedFiles.scrub`):
+        loaders' and workers' messages name files by the server's own paths."""
+        body = e.body()
+        body["error"]["message"] = self.files.scrub(body["error"]["message"])
+        return body
 
     def http_error(self, e: HTTPException) -> Response:
         message = {404: "no such route: %s %s" % (request.method, request.path),
@@ -230,12 +238,14 @@ class Routes:
                 entries.append((loaded[index][0], entry["scale"]))
             try:
                 return self._mix(engine, entries)
+            except StarterTooLarge as e:  # no memory for the mix on the starter: 413
+                raise node_api_error(e, "lora")
             except ConfigError as e:
                 raise ApiError(400, str(e), "lora")
             except SchedulerError as e:  # busy for too long to make room
                 raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "invalid_request_error")
-            except RuntimeError as e:  # a worker refused the mix (NodeError): named in the message
-                raise ApiError(502, str(e), kind="server_error")
+            except RuntimeError as e:  # a worker refused the mix (NodeError, naming it): 413 too large, 429 busy
+                raise node_api_error(e, "lora")
         name = fields["model"]
         if name is None or name in (self.model_id, BASE_ADAPTER) or not (loaded or self.adapters_served):
             return 0
@@ -277,10 +287,12 @@ class Routes:
             raise ApiError(400, "path: adapters load only from %s" % where(self.files.roots), "path")
         try:
             adapter = engine.add_adapter(name, real)
+        except StarterTooLarge as e:  # no memory for it on the starter: 413
+            raise node_api_error(e, "path")
         except ConfigError as e:
             raise ApiError(400, str(e), "path")
-        except RuntimeError as e:  # a worker refused it (NodeError): named in the message
-            raise ApiError(502, str(e), kind="server_error")
+        except RuntimeError as e:  # a worker refused it (NodeError, naming it): 413 too large, 429 busy
+            raise node_api_error(e, "path")
         self.adapters_served = True
         self.files.add(name, real)
         log.info("mdi: serve: adapter %s loaded from %s (id %d)", name, real, adapter)
@@ -301,8 +313,8 @@ class Routes:
                            else "invalid_request_error")
         except ConfigError as e:  # unloaded meanwhile by another DELETE
             raise ApiError(404, str(e), code="model_not_found")
-        except RuntimeError as e:  # a worker refused (NodeError): named in the message
-            raise ApiError(502, str(e), kind="server_error")
+        except RuntimeError as e:  # a worker refused (NodeError, naming it): 429 busy, else 502
+            raise node_api_error(e)
         return _json({"ok": True, "name": name})
 
     def _adapter_made(self) -> None:
@@ -410,7 +422,7 @@ class Routes:
                 if isinstance(event, ErrorEvent):
                     self._cancel(choices.requests)  # the other choices with it
                     over = True
-                    yield _sse(ApiError(503, event.message, kind="server_error").body())
+                    yield _sse(self._shown(ApiError(503, event.message, kind="server_error")))
                     return
                 left -= 1
                 over = not left

@@ -8,6 +8,7 @@ weights that requests are using. Paths go back to clients relative to the models
 holds them: an API error never shows the server's own layout.
 """
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -31,6 +32,10 @@ class ServedFiles:
         model = os.path.realpath(model_path)
         paths = {name: os.path.realpath(p) for name, p in adapters.items()}
         self.roots = sorted({os.path.dirname(p) for p in [model] + list(paths.values())})
+        # The folders as the config spells them too (a link followed above): a loader's message
+        # may name a file either way.
+        spelled = [os.path.abspath(p) for p in [model_path] + list(adapters.values())]
+        self._spellings = sorted(set(self.roots) | {os.path.dirname(p) for p in spelled}, key=len, reverse=True)
         self._served = [ServedPath("the model", model)] + [ServedPath("adapter %r" % n, p) for n, p in paths.items()]
         self._lock = threading.Lock()
 
@@ -56,6 +61,18 @@ class ServedFiles:
             if _inside(real, root):
                 return os.path.relpath(real, root)
         return os.path.basename(real) or "."
+
+    def scrub(self, text: str) -> str:
+        """`text` (an error message for a client) with each models folder's path taken out of
+        the paths under it, and the folder itself shown as '.': loaders name the files they read
+        by their full paths, and those would show the server's own layout."""
+        for root in self._spellings:
+            if root == os.sep:
+                continue
+            start = r"(?<![\w.\-/])" + re.escape(root)
+            text = re.sub(start + re.escape(os.sep) + r"(?=[^\s/])", "", text)
+            text = re.sub(start + r"(?![\w\-/]|\.[\w\-/])", ".", text)  # "in /models." ends a sentence
+        return text
 
     def clash(self, real: str) -> Optional[str]:
         """Why writing into folder `real` would overwrite served files (one phrase), or None."""

@@ -168,6 +168,10 @@ class MixTableFull(ConfigError):
     """Every one of the MAX_MIXES mixes is in use by a request: a new one must wait for one to end."""
 
 
+class StarterTooLarge(ConfigError):
+    """An adapter (or mix) the starter has no memory for: --serve answers 413, as for a worker's."""
+
+
 def mix_name(key: Sequence[Tuple[int, float]]) -> str:
     """A mix's name: never a valid adapter name (':' is not allowed there)."""
     return "mix:" + "+".join("%d*%g" % (a, s) for a, s in key)

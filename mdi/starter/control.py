@@ -26,11 +26,14 @@ from mdi.runconfig import NodeSpec
 
 
 class NodeError(RuntimeError):
-    """A node failed; `node` is its name when known (recovery replaces that node)."""
+    """A node failed; `node` is its name when known (recovery replaces that node); `status` is
+    the HTTP status the worker answered with, when it answered (413: it cannot hold what was
+    sent; 409: busy), so --serve can pass a refusal on as the client's own (`node_refusal`)."""
 
-    def __init__(self, message: str, node: Optional[str] = None) -> None:
+    def __init__(self, message: str, node: Optional[str] = None, status: Optional[int] = None) -> None:
         super().__init__(message)
         self.node = node
+        self.status = status
 
 
 class NodeUnreachable(NodeError):
@@ -139,7 +142,7 @@ class ControlClient:
             reason = body.get("error") if isinstance(body, dict) else None
             raise NodeError("node %s (%s): %s %s failed with HTTP %d: %s"
                             % (self.node.name, self.node.address, method, route, r.status_code,
-                               reason or r.text[:200].strip()), self.node.name)
+                               reason or r.text[:200].strip()), self.node.name, r.status_code)
         return body
 
     def _send(self, method: str, route: str, read_timeout: float, retry_dropped: bool,

@@ -26,7 +26,7 @@ from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as us
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.sample import Sample
-from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter
+from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, StarterTooLarge, read_adapter
 from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
 from mdi.starter.draft_model import DraftModel
@@ -241,8 +241,8 @@ class Engine:
         free = starter_free_bytes(self.device)
         if free is not None and own > free - LOAD_HEADROOM_BYTES:
             # the workers check their own (Worker.load_adapter); a mix is a full adapter too
-            raise ConfigError("adapter %s needs %.1f MB on the starter, which has %.1f MB free beside the %d MB a "
-                              "run needs" % (name, own / 2 ** 20, free / 2 ** 20, LOAD_HEADROOM_BYTES >> 20))
+            raise StarterTooLarge("adapter %s needs %.1f MB on the starter, which has %.1f MB free beside the %d MB a "
+                                  "run needs" % (name, own / 2 ** 20, free / 2 ** 20, LOAD_HEADROOM_BYTES >> 20))
         adapter_id = self.adapters.add(name, adapter, pending=True)
         try:
             if adapter.kind != "prompt":  # a soft prompt lives in the samples, on the starter alone
