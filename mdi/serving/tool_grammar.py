@@ -17,7 +17,7 @@ A strict function's arguments obey its schema wholly (keywords llguidance cannot
 refused); a non-strict one's as plain JSON Schema (strict: false: those keywords are ignored).
 """
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from mdi.model.constraint import json_options
 from mdi.model.grammar_spec import GrammarSpec
