@@ -27,7 +27,7 @@ import logging
 import select
 import socket
 import time
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -349,7 +349,7 @@ class Routes:
             self._say_ignored(opts.ignored)
         return resp
 
-    def _say_ignored(self, names: List[str]) -> None:
+    def _say_ignored(self, names: Sequence[str]) -> None:
         """Log each ignored field the first time a request sets it: clients that send one send
         it on every call, and a line per request would bury the log."""
         new = [n for n in names if n not in self.ignored_said]
