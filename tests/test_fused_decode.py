@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from mdi.model import fused_decode, qkernels
+from mdi.model import fused_decode, kernel_choice, qkernels
 from mdi.model.config import ModelConfig
 from mdi.model.quant import convert, gather, uniform_layout
 from mdi.model.row_batch import RowBatch
@@ -52,10 +52,12 @@ def chunk_with_kernel(kind: str, quant: str, kernel):
                                                                         torch.device("cpu")):
         pytest.skip("no fbgemm engine in this torch")
     qkernels.set_preference(kernel)
+    kernel_choice.set_memory_allowance(None)  # a kernel that holds more (fbgemm's) too
     try:
         return chunk_of(config_of(kind), quant)
     finally:
         qkernels.set_preference(None)
+        kernel_choice.set_memory_allowance(kernel_choice.DEFAULT_ALLOWANCE)
 
 
 @pytest.fixture

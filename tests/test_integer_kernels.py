@@ -21,7 +21,7 @@ def clean_state():
     kernel_choice.set_memory_allowance(None)
     yield
     qkernels.set_preference(None)
-    kernel_choice.set_memory_allowance(None)
+    kernel_choice.set_memory_allowance(kernel_choice.DEFAULT_ALLOWANCE)
 
 
 def layer(spec: QuantSpec, n_out: int, n_in: int, seed: int = 0):

@@ -29,15 +29,15 @@ def clean_state(monkeypatch):
     monkeypatch.setattr(kernel_memory, "recall", lambda key: None)
     monkeypatch.setattr(kernel_memory, "remember", lambda key, entry: None)
 
-    def clear():
+    def clear(allowance=None):
         qkernels.set_preference(None)
-        kernel_choice.set_memory_allowance(None)
+        kernel_choice.set_memory_allowance(allowance)
         for table in (kernel_choice._measured, kernel_choice._measured_prefill, kernel_choice._notes,
                       kernel_choice._choices, kernel_choice._crossovers):
             table.clear()
     clear()
     yield
-    clear()
+    clear(kernel_choice.DEFAULT_ALLOWANCE)
 
 
 @pytest.fixture
@@ -264,3 +264,32 @@ def test_exact_and_named_kernels_are_reported_as_taken_not_as_timed(policy, kern
     assert summary.startswith("%s x1" % kernel)
     assert ("int4pack-cuda (runtime.quant_kernel) does not run on 1 of them" in summary) == (policy == "int4pack-cuda")
 
+
+
+def test_by_default_no_kernel_holds_more_than_the_stored_weight(fake_timings, monkeypatch):
+    """A process that sets no allowance (a node whose runtime.kernel_memory is the default 0)
+    holds each weight as stored: fbgemm, fastest on every row count here, is neither packed nor
+    kept, for decode or prefill, whatever the timings say; reports say what would opt in."""
+    kernel_choice.set_memory_allowance(kernel_choice.DEFAULT_ALLOWANCE)
+    assert kernel_choice.DEFAULT_ALLOWANCE == 0
+    fake_timings["int8dyn-fbgemm"] = (0.01, 0.001)
+    packed = []
+    real_pack = FBGEMM.pack
+    monkeypatch.setattr(FBGEMM, "pack", lambda *a: packed.append(1) or real_pack(*a))
+    choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU, "a layer")
+    assert choice.kernel is INT4 and choice.prefill_kernel is None and not packed
+    assert kernel_choice.extra_bytes(choice.kernel, SPEC, 64, 128) == 0
+    assert "runtime.kernel_memory" in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
+    # opted in: the same layer takes it
+    kernel_choice.set_memory_allowance(ROOMY)
+    assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).kernel is FBGEMM
+
+
+@pytest.mark.parametrize("setting,spare,expected", [(0, 1 << 30, 0), (None, 1 << 30, 0), (0, None, 0),
+                                                    (64 << 20, 1 << 30, 64 << 20), (64 << 20, 10 << 20, 10 << 20),
+                                                    (64 << 20, None, 64 << 20), (64 << 20, -5, 0),
+                                                    ("auto", 1 << 30, 1 << 30), ("auto", None, None)])
+def test_the_allowance_a_node_loads_with(setting, spare, expected):
+    """runtime.kernel_memory to the allowance: none by default, a size within what the node
+    spares, auto all it spares (no limit where its memory is unknown, as before)."""
+    assert kernel_choice.allowance_for(setting, spare) == expected

@@ -47,11 +47,14 @@ def test_gguf_q4_1_taken_over_gives_the_float_models_logits(smollm2_q):
         assert float((a - b).abs().max()) <= 1e-3 * float(b.max() - b.min()), prompt
 
 
-def _config(quant, workers=(), data_ports=(), node_options=None, n_tokens=64, kernel="exact"):
+def _config(quant, workers=(), data_ports=(), node_options=None, n_tokens=64, kernel="exact", kernel_memory=None):
     """SmolLM2's 30 layers on the starter alone, or 10 each on it and two boards."""
+    runtime = {"ring_timeout": 60, "threads": 1, "quant_kernel": kernel}
+    if kernel_memory is not None:
+        runtime["kernel_memory"] = kernel_memory
     return parse_run_config(SMOLLM2_DIR, workers, layers=[10, 10, 10] if workers else [30], data_ports=data_ports,
                             worker_name="board%d", node_options=node_options, quant=quant, n_tokens=n_tokens,
-                            runtime={"ring_timeout": 60, "threads": 1, "quant_kernel": kernel})
+                            runtime=runtime)
 
 
 def _ids(cfg):
@@ -84,8 +87,10 @@ def test_ring_of_quantized_nodes_matches_the_float_model(smollm2_q, workers):
 def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares(smollm2_q):
     """`fast` (the default) measures each node's kernels and names them in the metrics; a
     kernel that holds more than the stored weight (the int8 integer ones) is taken only within
-    what the node's memory spares beside its plan: a worker whose --max-memory leaves 1 MB
-    spare holds at most 1 MB beyond its planned weights, whatever it measured fastest."""
+    runtime.kernel_memory (0 by default: every node holds its stored weights and no more), and
+    with `auto` only within what the node's memory spares beside its plan: a worker whose
+    --max-memory leaves 1 MB spare holds at most 1 MB beyond its planned weights, whatever it
+    measured fastest."""
     config = smollm2_q.config
     planned = weight_bytes(config, (10, 20), "float32", quant=smollm2_q.layout(10, 20, False, "auto"))
     longest = max(len(smollm2_q.tokenizer.encode(p)) for p in PROMPTS)
@@ -99,8 +104,13 @@ def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares
         ports = free_ports(3)
         batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel="exact"), PROMPTS)
         stored = _chunk_bytes(tight)  # its layers as stored, and its RoPE tables
+        stored_roomy = _chunk_bytes(roomy)
         assert planned <= stored
-        result = batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel=qkernels.DEFAULT_POLICY), PROMPTS)
+        # the defaults: no node holds a byte beyond its stored weights, however much it spares
+        batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel=qkernels.DEFAULT_POLICY), PROMPTS)
+        assert _chunk_bytes(tight) <= stored and _chunk_bytes(roomy) <= stored_roomy
+        result = batch.run(_config("auto", [tight, roomy], ports, n_tokens=8, kernel=qkernels.DEFAULT_POLICY,
+                                   kernel_memory="auto"), PROMPTS)
         assert all(len(s.token_ids) == 8 for s in result.samples)
         shapes = {"int4/g32 960x576", "int4/g32 576x576", "int4/g32 3072x576", "int4/g32 576x1536"}
         for node in result.metrics()["nodes"]:

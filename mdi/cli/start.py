@@ -13,8 +13,8 @@ from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig.speculation import MAX_DRAFT_LIMIT, SPECULATION_METHODS
 from mdi.model.backend import BACKENDS, KV_TYPES
-from mdi.runconfig import (ConfigError, parse_prefix_cache, GenerationSpec, ModelSpec, NodeSpec,
-                           RunConfig, RuntimeSpec, check_quant, load_config, parse_speculation)
+from mdi.runconfig import (ConfigError, parse_kernel_memory, parse_prefix_cache, GenerationSpec, ModelSpec,
+                           NodeSpec, RunConfig, RuntimeSpec, check_quant, load_config, parse_speculation)
 
 
 def start_parser() -> argparse.ArgumentParser:
@@ -54,6 +54,11 @@ def start_parser() -> argparse.ArgumentParser:
                    help="earlier prompts' KV kept on every node (runtime.prefix_cache) for later requests that "
                         "start the same way (a chat's next turn): auto (default: half of what each node spares "
                         "beside its weights and KV cache), off, or a size per node such as 512MB")
+    p.add_argument("--kernel-memory", metavar="SIZE",
+                   help="what quantized kernels may hold beyond the stored weights on each node "
+                        "(runtime.kernel_memory): off (default: a node holds its stored weights and no more), "
+                        "auto (whatever its memory spares) or a size per node such as 64MB; faster kernels "
+                        "(fbgemm's int8, second copies for prefill passes) only within it")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
@@ -136,6 +141,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.runtime.quant_kernel = args.quant_kernel
     if args.prefix_cache is not None:
         cfg.runtime.prefix_cache = parse_prefix_cache("--prefix-cache", args.prefix_cache)
+    if args.kernel_memory is not None:
+        cfg.runtime.kernel_memory = parse_kernel_memory("--kernel-memory", args.kernel_memory)
     check_quant("--quant", cfg.model)
     if args.backend:
         cfg.runtime.backend = args.backend

@@ -13,6 +13,10 @@ those passes (`choose_kernels`): on AVX2 torch's bfloat16 int4 kernel wins one-r
 compute-bound on 64 rows, where fbgemm's int8 kernel does the same product in 0.7x the time
 (SmolLM2's qkv and gate_up, 1 thread). The second packed copy costs memory, so it is kept only
 where it is measurably faster and the node spares its bytes.
+
+Kernels that hold more than the stored weight (fbgemm's padded int8 rows, second copies for
+prefill) do so only within an allowance: 0 by default, so a node holds its stored weights and
+no more; runtime.kernel_memory sets it (a size, or "auto": what the node's memory spares).
 """
 import contextlib
 import logging
@@ -43,13 +47,16 @@ _notes: Dict[Tuple, Dict[str, str]] = {}  # the same keys -> why a kernel was un
 # kernel or "", its first row count) -> layers: layers of one shape may differ, where the
 # memory a node spares runs out partway through its load.
 _choices: Dict[Tuple, Dict[Tuple[str, str, str, int], int]] = {}
-_allowance: List[Optional[int]] = [None]  # bytes layers may hold beyond their stored weights
+# Bytes layers may hold beyond their stored weights (None: no limit). 0 until a node sets it:
+# by default a layer holds its stored weight and no more (runtime.kernel_memory, `allowance_for`).
+DEFAULT_ALLOWANCE = 0
+_allowance: List[Optional[int]] = [DEFAULT_ALLOWANCE]
 # The same keys -> seconds at PREFILL_ROWS rows (None: wrong or unusable)
 _measured_prefill: Dict[Tuple, Dict[str, Optional[float]]] = {}
 # (key, decode kernel, prefill kernel) -> (rows from which the second is faster, 0: not
 # PREFILL_GAIN faster after all; how much faster at PREFILL_ROWS, timed in turns)
 _crossovers: Dict[Tuple, Tuple[int, float]] = {}
-_prefill_allowance: List[Optional[int]] = [None]  # of _allowance, what second copies may still take (None: none)
+_prefill_allowance: List[Optional[int]] = [DEFAULT_ALLOWANCE]  # of _allowance, what second copies may still take (None: none)
 
 # The rows a prefill pass is timed at: runtime.prefill_chunk's default
 # (mdi.runconfig.DEFAULT_PREFILL_CHUNK, which the model layer may not import).
@@ -68,10 +75,26 @@ PREFILL_SHARE = 0.5
 def set_memory_allowance(nbytes: Optional[int]) -> None:
     """The bytes the layers loaded from now on may hold beyond their stored (planned) size, for
     kernels that keep a larger packed form; None: no limit (a process that does not know its
-    memory). A node sets it before loading to what its memory spares beside its plan. Second
-    kernels for prefill passes may take PREFILL_SHARE of it, and nothing where it is None."""
+    memory). A node sets it before loading to what runtime.kernel_memory allows within what its
+    memory spares beside its plan (`allowance_for`); until then it is DEFAULT_ALLOWANCE (0: no
+    layer holds more than its stored weight). Second kernels for prefill passes may take
+    PREFILL_SHARE of it, and nothing where it is None."""
     _allowance[0] = None if nbytes is None else max(0, int(nbytes))
     _prefill_allowance[0] = None if nbytes is None else int(_allowance[0] * PREFILL_SHARE)
+
+
+def allowance_for(setting: object, spare: Optional[int]) -> Optional[int]:
+    """The allowance a node loads with (`set_memory_allowance`) under runtime.kernel_memory
+    `setting`, given what its memory spares beside its plan and prefix cache (`spare`, None:
+    unknown): 0 / None (the default): none, every layer holds at most its stored weight; a byte
+    count: that, within what the memory spares; "auto": whatever the memory spares (None where
+    that is unknown: no limit)."""
+    if not setting:
+        return 0
+    if setting == "auto":
+        return None if spare is None else max(0, spare)
+    nbytes = int(setting)  # type: ignore[call-overload]
+    return nbytes if spare is None else max(0, min(nbytes, spare))
 
 
 def start_report() -> None:
@@ -134,13 +157,17 @@ def _time(fn: Callable[[], torch.Tensor], device: torch.device, evict_from: int,
 
 
 EVICT_FROM_BYTES = 128 * 1024  # smaller layers belong to models that stay cached (tests' tiny ones): timed hot
+EVICT_BUFFER_BYTES = 32 * 2 ** 20  # the most a cache fill allocates: part of a load's small fixed overhead
 
 
 def _cache_fill(device: torch.device, layer_bytes: int, resident: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
     """What to read before each timed call to fill the CPU's caches: twice the last-level cache.
     Tensors the process holds anyway (the chunk's other weights) come first; only what they
     fall short of is a buffer made here and freed after. A fresh 2x-cache buffer for every layer
-    (64 MB on a 32 MB L3), held beside the candidates' packings, set a GGUF load's peak memory."""
+    (64 MB on a 32 MB L3), held beside the candidates' packings, set a GGUF load's peak memory;
+    the buffer is at most EVICT_BUFFER_BYTES: a VM reporting its host's 300 MB L3 made a 600 MB
+    one (the shipped GGUF's load peaked at 1.25x the float32 run's memory). Where the chunk's
+    weights fall that short of the cache, a decode step finds them partly cached anyway."""
     if device.type != "cpu" or layer_bytes < EVICT_FROM_BYTES:
         return []
     need = 2 * last_level_cache_bytes("cpu")
@@ -151,7 +178,7 @@ def _cache_fill(device: torch.device, layer_bytes: int, resident: Sequence[torch
         reads.append(t)
         need -= _nbytes(t)
     if need > 0:
-        reads.append(torch.ones(-(-need // 4)))
+        reads.append(torch.ones(-(-min(need, EVICT_BUFFER_BYTES) // 4)))
     return reads
 
 
@@ -352,9 +379,14 @@ def _candidates_report(offered: Sequence[Kernel], fits: Sequence[Kernel], measur
             report.append("%s (%s; not timed)" % (k.name, role))
         else:
             report.append("%s %s" % (k.name, _times(t, measured_prefill.get(k.name))))
-    report += ["%s needs %.1f MB more than the node spares" % (k.name, extra_bytes(k, spec, n_out, n_in) / 2 ** 20)
+    report += ["%s needs %.1f MB more than the node spares%s" % (k.name, extra_bytes(k, spec, n_out, n_in) / 2 ** 20,
+                                                                 _ALLOWANCE_HINT)
                for k in offered if k not in fits]
     return "; ".join(report)
+
+
+# Said where a kernel was refused its copy: the allowance is the user's (0 unless set).
+_ALLOWANCE_HINT = " (runtime.kernel_memory)"
 
 
 def _times(one_row: float, many_rows: Optional[float]) -> str:
@@ -397,7 +429,7 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
                "memory spares for a copy)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS)
     if nbytes > min(room):
         return "prefill: %s (%s would be %.2fx faster at %d rows but its copy needs %.1f MB more than the node " \
-               "spares)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS, nbytes / 2 ** 20)
+               "spares)" % (choice.kernel.name, fastest.name, faster, PREFILL_ROWS, nbytes / 2 ** 20) + _ALLOWANCE_HINT
     pair = (key, choice.kernel.name, fastest.name)
     if pair in _crossovers and not _crossovers[pair][0]:  # another layer of this shape found the lead not to hold
         return _not_held(choice, fastest, faster, _crossovers[pair][1])

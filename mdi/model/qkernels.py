@@ -174,8 +174,8 @@ def _int8_channel_run(x, packed, spec, n_in):
 # output channel: a layer stored in groups (GGUF's Q4_1 / Q8_0 blocks of 32) is rounded once at
 # load to int8 per channel, and fbgemm pads each row to a multiple of 512 values: it holds more
 # than the stored weight (from int4 groups 1.6-2.9x), so it is a candidate only within the
-# memory the node can spare (`kernel_choice.set_memory_allowance`), never beyond what the plan
-# counted.
+# allowance runtime.kernel_memory sets within what the node can spare (none by default:
+# `kernel_choice.set_memory_allowance`), never beyond what the plan counted.
 #
 # Activations: the engine quantizes its whole input with one range, to 7 bits on fbgemm
 # (reduce_range: its AVX2 path saturates 16-bit pair sums at 8). Alone that cost SmolLM2 15%

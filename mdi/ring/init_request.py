@@ -97,6 +97,9 @@ class InitRequest:
     # runtime.prefix_cache: the bytes this node may keep of earlier prompts' KV (an integer),
     # "auto" (half of what its memory spares beside weights and KV cache), or None/0: none.
     prefix_cache: Any = None
+    # runtime.kernel_memory: the bytes its kernels may hold beyond the stored weights (an
+    # integer, within what its memory spares), "auto" (what it spares), or None/0: none.
+    kernel_memory: Any = None
     # What this node computes with (mdi.model.backend): ggml or torch, as POST /backend decided;
     # "auto" decides here. Absent (a starter from before the ggml backend): torch.
     backend: str = "torch"
@@ -113,7 +116,7 @@ class InitRequest:
                                "repack": self.repack}
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel",
-                    "prefix_cache"):
+                    "prefix_cache", "kernel_memory"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.quant:
@@ -156,13 +159,13 @@ def threads_field(value: Any) -> Any:
     return value
 
 
-def prefix_cache_field(value: Any) -> Any:
-    """runtime.prefix_cache as sent: absent, a byte count, or "auto"."""
+def prefix_cache_field(value: Any, name: str = "prefix_cache") -> Any:
+    """runtime.prefix_cache (or kernel_memory) as sent: absent, a byte count, or "auto"."""
     if value is not None and value != "auto":
         try:
-            int_field("prefix_cache", value, 0, 2 ** 62)
+            int_field(name, value, 0, 2 ** 62)
         except RequestError:
-            raise RequestError("prefix_cache must be a number of bytes >= 0 or \"auto\"")
+            raise RequestError("%s must be a number of bytes >= 0 or \"auto\"" % name)
     return value
 
 
@@ -251,7 +254,7 @@ def validate_init(body: Any) -> InitRequest:
                                         "data", "weights"),
                          ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant",
                           "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode", "prefix_cache",
-                          "backend", "kv_type", "gguf_types", "repack"))
+                          "backend", "kv_type", "gguf_types", "repack", "kernel_memory"))
     int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
@@ -266,6 +269,7 @@ def validate_init(body: Any) -> InitRequest:
         raise RequestError("heartbeat_timeout must be a number of seconds in [0.5, 3600]")
     threads_field(spec.get("threads"))
     prefix_cache_field(spec.get("prefix_cache"))
+    prefix_cache_field(spec.get("kernel_memory"), "kernel_memory")
     quant = quant_field(spec.get("quant"), config, layers)
     kernel = quant_kernel_field(spec)
     max_batch = int_field("max_batch", spec.get("max_batch", 1), 1, spec["n_slots"])
@@ -309,6 +313,7 @@ def validate_init(body: Any) -> InitRequest:
         heartbeat_timeout=float(hb) if hb is not None else None, compute_dtype=spec.get("compute_dtype"),
         threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows,
         wire_codec=codec, fused_decode=fused, prefix_cache=spec.get("prefix_cache"), backend=backend, kv_type=kv_type,
+        kernel_memory=spec.get("kernel_memory"),
         gguf_types=gguf_types, repack=repack)
 
 

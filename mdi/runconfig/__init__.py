@@ -105,6 +105,11 @@ class RuntimeSpec:
     # (mdi.starter.prefix_cache): "auto" (half of what each node spares beside its weights and
     # KV cache), a byte count per node, or 0 (none).
     prefix_cache: Any = "auto"
+    # What quantized kernels may hold beyond the stored weights on each node (fbgemm's padded
+    # int8 rows, second copies for prefill passes; mdi.model.kernel_choice): 0 (none: a node
+    # holds its stored weights and no more), a byte count per node (within what the node's
+    # memory spares beside its plan), or "auto" (whatever it spares).
+    kernel_memory: Any = 0
     # What each node computes with (mdi.model.backend): ggml (llama.cpp's kernels on the GGUF's
     # own tensors), torch, or auto: each node measures both on its own shapes and keeps the
     # faster (remembered per machine). A node's own `backend:` wins.
@@ -223,9 +228,11 @@ def parse_config(data: Any, source: str) -> RunConfig:
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
                      "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,),
                      "prefix_cache": (int, str, bool), "backend": (str,), "kv_type": (str,),
-                     "repack": (bool,)})
+                     "repack": (bool,), "kernel_memory": (int, str, bool)})
     if "prefix_cache" in r:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
+    if "kernel_memory" in r:
+        r["kernel_memory"] = parse_kernel_memory(source + ": runtime.kernel_memory", r["kernel_memory"])
     runtime = RuntimeSpec(**r)
     # sent to every worker in /init (check_keys refused booleans already)
     if runtime.threads is not None and runtime.threads != "auto" and not (
@@ -272,6 +279,15 @@ def parse_prefix_cache(where: str, raw: Any) -> Any:
     if m is None:
         raise ConfigError("%s: expected auto, off or a size per node such as 512MB, got %r" % (where, raw))
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_kernel_memory(where: str, raw: Any) -> Any:
+    """runtime.kernel_memory / --kernel-memory: off (0, false, "off", the default), "auto" or a
+    size per node, as parse_prefix_cache reads them."""
+    try:
+        return parse_prefix_cache(where, raw)
+    except ConfigError:
+        raise ConfigError("%s: expected off, auto or a size per node such as 64MB, got %r" % (where, raw))
 
 
 # Matched whole (fullmatch): `$` alone would let a trailing newline through ("x\n").

@@ -55,7 +55,7 @@ def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, ma
     (starter_free_bytes) cannot hold: a clear error, never an out-of-memory kill. `beside`:
     (what, bytes) the starter holds too (a draft model's weights and cache). Returns what the
     memory spares beside them, less LOAD_HEADROOM_BYTES (None when unknown): room a faster
-    quantized kernel may take (mdi.model.kernel_choice.set_memory_allowance)."""
+    quantized kernel may take where runtime.kernel_memory allows (mdi.model.kernel_choice.allowance_for)."""
     extra = beside[1] if beside is not None else 0
     need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant) + extra
     free = starter_free_bytes(device)

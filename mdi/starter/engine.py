@@ -147,7 +147,8 @@ class Engine:
         # mdi-start set it already; an engine built in Python had not (a benchmark's starter ran
         # 2 threads on 2 cores, its second spinning through a CPU quota)
         use_fixed_threads(self.cfg.runtime.threads)
-        kernel_choice.set_memory_allowance(None if spare is None else spare - self.prefix_bytes)
+        kernel_choice.set_memory_allowance(kernel_choice.allowance_for(
+            self.cfg.runtime.kernel_memory, None if spare is None else spare - self.prefix_bytes))
         kernel_choice.start_report()  # reports name these layers' kernels only
         # its layers' weights leave the source once in the chunk (a GGUF's are held in memory)
         chunk = self.source.load_chunk(first, last, True, True, self.dtype, self.device, compute, quant, consume=True)

@@ -5,6 +5,7 @@ from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import format_layers
+from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
 from mdi.starter.adapter_set import adapter_layer_bytes
 from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter_free_bytes
@@ -14,6 +15,7 @@ from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_p
 from mdi.starter.session import backend_request
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.devices import unusable_reason
+from mdi.system.memory import LOAD_HEADROOM_BYTES
 
 
 def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Optional[int] = None,
@@ -50,6 +52,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     if unusable is not None:  # the run would stop here with this line, before any weight moves
         print("starter: UNUSABLE: %s" % unusable)
     print(prefix_line(cfg))
+    print(kernel_memory_line(cfg))
     draft, draft_need = plan.draft, plan.draft_bytes(plan.n_slots)
     if draft is not None:
         print("draft model %s: %s, %d layers, quant %s: %.1f MB (weights and KV cache), counted in the starter's need"
@@ -85,8 +88,8 @@ def kernels_line(cfg: RunConfig) -> str:
         how = "every quantized layer multiplies with dequant (float32 arithmetic: the dequantized model's bits)"
     elif policy == "fast":
         how = ("each quantized layer takes the kernel measured fastest on its shape at load among those its node "
-               "offers (listed per node below; a kernel that holds more than the stored weight only within the "
-               "memory the node spares beside its plan)")
+               "offers (listed per node below; a kernel that holds more than the stored weight only within "
+               "runtime.kernel_memory)")
     else:
         how = "every quantized layer takes %s where it runs, else dequant" % policy
     return "kernels: runtime.quant_kernel %s: %s; the run's summary line and metrics name the choices" % (policy, how)
@@ -111,6 +114,38 @@ def prefix_line(cfg: RunConfig) -> str:
         return ("prefix cache: auto (runtime.prefix_cache): each node keeps earlier prompts' KV in half of what it "
                 "spares beside its weights and KV cache; the run's log says how many positions that is")
     return "prefix cache: %.1f MB per node (runtime.prefix_cache), counted in each node's need below" % (setting / MB)
+
+
+def kernel_memory_line(cfg: RunConfig) -> str:
+    """What quantized kernels may hold beyond the stored weights (runtime.kernel_memory)."""
+    setting = cfg.runtime.kernel_memory
+    if cfg.model.quant == "none" and not any(n.quant for n in cfg.nodes):
+        return "kernel memory: none needed (model.quant none: every weight is float)"
+    if not setting:
+        return ("kernel memory: 0 (runtime.kernel_memory): each node holds its stored weights, KV cache and prefix "
+                "cache and no kernel copies; faster kernels that hold more (int8dyn-fbgemm/qnnpack, second copies "
+                "for prefill passes) need runtime.kernel_memory: auto or a size")
+    if setting == "auto":
+        return ("kernel memory: auto (runtime.kernel_memory): kernels may hold whatever each node's memory spares "
+                "beside its plan and prefix cache (per node below)")
+    return ("kernel memory: %.1f MB per node (runtime.kernel_memory), within what each node spares beside its plan "
+            "and prefix cache (per node below)" % (setting / MB))
+
+
+def kernel_admits(cfg: RunConfig, need: Optional[int], free: Optional[int]) -> str:
+    """What runtime.kernel_memory admits on a node that needs `need` of its `free` bytes: the
+    allowance it would load with (mdi.model.kernel_choice.allowance_for), as its line says it."""
+    setting = cfg.runtime.kernel_memory
+    if not setting:
+        return "kernel copies 0 MB"
+    spare = None
+    if need is not None and free is not None:
+        spare = free - need - LOAD_HEADROOM_BYTES
+        spare -= prefix_budget(cfg.runtime.prefix_cache, spare) if cfg.runtime.prefix_cache == "auto" else 0
+    allowance = kernel_choice.allowance_for(setting, spare)
+    if allowance is None:
+        return "kernel copies: no limit (its memory is unknown)"
+    return "kernel copies up to %.1f MB" % (allowance / MB)
 
 
 def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], where: str,
@@ -152,6 +187,8 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
         if status.kernels:
             info += " (the layers it holds from an earlier run use %s)" % kernel_choice.summary(status.kernels)
     fits = need is None or free is None or need <= free
+    if need is not None and fits:
+        info += "; " + kernel_admits(cfg, need, free)
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))
     return fits

@@ -77,7 +77,8 @@ class RingSession:
                            is_last=i == len(self.workers) - 1),
             weights=weights, max_batch=self.plan.max_batch, max_rows=self.plan.max_rows,
             wire_codec=self.cfg.runtime.wire_codec, fused_decode=self.cfg.runtime.fused_decode,
-            prefix_cache=self.cfg.runtime.prefix_cache or None, backend=backend, kv_type=self.cfg.runtime.kv_type,
+            prefix_cache=self.cfg.runtime.prefix_cache or None, kernel_memory=self.cfg.runtime.kernel_memory or None,
+            backend=backend, kv_type=self.cfg.runtime.kv_type,
             gguf_types=self.source.gguf_types(first, last, False, False) if backend == "ggml" else {},
             repack=self.cfg.runtime.repack)
 

@@ -457,7 +457,8 @@ class Worker:
         self._set_threads(setup.request)  # kernels are measured with the threads the run will use
         qkernels.set_preference(key.quant_kernel)
         spare = self._spare_bytes(setup)  # less what the prefix cache may take
-        kernel_choice.set_memory_allowance(None if spare is None else spare - setup.prefix_bytes)
+        kernel_choice.set_memory_allowance(kernel_choice.allowance_for(
+            setup.request.kernel_memory, None if spare is None else spare - setup.prefix_bytes))
         kernel_choice.start_report()  # reports name these layers' kernels only
         try:
             self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
