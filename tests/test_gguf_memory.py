@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mdi.model import kernel_choice, qkernels
+from mdi.model import kernel_choice, kernel_timing, qkernels
 from mdi.model.gguf_layout import open_reader
 from mdi.model.layout import QuantSpec
 from mdi.model.quant import dequantize, quantize
@@ -81,24 +81,24 @@ def test_kernel_timing_fills_caches_from_resident_weights(monkeypatch):
     """Before each timed call the caches are filled by reading twice the last-level cache: from
     the chunk's other weights, which are resident anyway, and a new buffer only for what they
     fall short of (a fresh 2x-cache buffer per layer set the GGUF load's peak)."""
-    monkeypatch.setattr(kernel_choice, "last_level_cache_bytes", lambda device: 2 ** 20)
+    monkeypatch.setattr(kernel_timing, "last_level_cache_bytes", lambda device: 2 ** 20)
     big, mid, small = (torch.zeros(n, dtype=torch.uint8) for n in (3 * 2 ** 19, 2 ** 20, 100))
-    reads = kernel_choice._cache_fill(CPU, 2 ** 20, [small, mid, big])
+    reads = kernel_timing.cache_fill(CPU, 2 ** 20, [small, mid, big])
     assert [id(t) for t in reads] == [id(big), id(mid)]  # 2.5 MB of weights cover 2 MB: nothing new
-    reads = kernel_choice._cache_fill(CPU, 2 ** 20, [small])
+    reads = kernel_timing.cache_fill(CPU, 2 ** 20, [small])
     assert reads[0] is small and len(reads) == 2
     assert reads[1].numel() * reads[1].element_size() == 2 * 2 ** 20 - 100  # only the shortfall
-    assert kernel_choice._cache_fill(CPU, 1024, [big]) == []  # a small layer is timed hot
+    assert kernel_timing.cache_fill(CPU, 1024, [big]) == []  # a small layer is timed hot
     # a huge reported cache (a VM shown its host's 300 MB L3) gets a bounded buffer
-    monkeypatch.setattr(kernel_choice, "last_level_cache_bytes", lambda device: 300 * 2 ** 20)
-    reads = kernel_choice._cache_fill(CPU, 2 ** 20, [small])
-    assert reads[1].numel() * reads[1].element_size() == kernel_choice.EVICT_BUFFER_BYTES
+    monkeypatch.setattr(kernel_timing, "last_level_cache_bytes", lambda device: 300 * 2 ** 20)
+    reads = kernel_timing.cache_fill(CPU, 2 ** 20, [small])
+    assert reads[1].numel() * reads[1].element_size() == kernel_timing.EVICT_BUFFER_BYTES
 
 
 def test_an_int8_weight_read_to_fill_caches_is_not_copied(monkeypatch):
     """Reading an int8 / uint8 weight with sum() first copied it as int64 (8x its size: 240 MB
     for SmolLM2's head); the timing loop reads with max()."""
-    monkeypatch.setattr(kernel_choice, "last_level_cache_bytes", lambda device: 2 ** 20)
+    monkeypatch.setattr(kernel_timing, "last_level_cache_bytes", lambda device: 2 ** 20)
     weight = torch.zeros(2 ** 21, dtype=torch.int8)
     calls = []
 
@@ -107,7 +107,7 @@ def test_an_int8_weight_read_to_fill_caches_is_not_copied(monkeypatch):
         return torch.zeros((), dtype=t.dtype)
     monkeypatch.setattr(torch.Tensor, "max", fake_max)
     monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: pytest.fail("sum() copies an int8 tensor"))
-    kernel_choice._time(lambda: torch.zeros(1), CPU, 2 ** 20, [weight])
+    kernel_timing.time_call(lambda: torch.zeros(1), CPU, 2 ** 20, [weight])
     assert calls and all(t is weight for t in calls)
 
 

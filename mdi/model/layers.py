@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
         return {s: getattr(self, s) for s in self.spec.tensor_shapes(1, self.spec.group_size)}
 
     def pick_kernel(self, where: str, keep_canonical: bool = False, resident: Sequence[torch.Tensor] = ()) -> None:
-        """`resident`: the chunk's other tensors, read between timed calls (kernel_choice._time)."""
+        """`resident`: the chunk's other tensors, read between timed calls (kernel_timing.time_call)."""
         from mdi.model import kernel_choice
         canonical = self.canonical()
         # The head multiplies each sample's last row of a prefill pass (the pipeline samples only
