@@ -151,6 +151,7 @@ _FORMATS = {
 
 DEF_MAPS = ("$defs", "definitions")
 ROOT = ("#", "")  # the node of the graph that is the schema's root
+ROOT_ONLY = ("$schema", "$id", "x-guidance")  # keys of the root, not of the copies of it
 
 
 class _Unbounded(Exception):
@@ -232,6 +233,8 @@ def _unrolled(schema: Dict[str, Any], depth: int) -> Dict[str, Any]:
     for level, built in enumerate(levels):
         for node, sub in built.items():
             if sub is not None and (level or node != ROOT):
+                if node == ROOT:  # the root's copies: a definition each, without the root's own keys
+                    sub = {k: v for k, v in sub.items() if k not in ROOT_ONLY}
                 kind, key = name(node, level)
                 maps.setdefault(kind, {})[key] = sub
     out.update(maps)
