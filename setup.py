@@ -24,7 +24,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "transformers", "accelerate", "peft", "protobuf", "vermin",
-                 "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11", "jsonschema"],
+                 "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11", "jsonschema",
+                 # LangChain's ChatOpenAI against a served ring (tests/test_serve_tools.py); pinned: its
+                 # requests are what the tests check, and it needs Python 3.10 (older skip those tests)
+                 "langchain-openai==1.6.6; python_version >= '3.10'"],
         "bench": ["matplotlib"],
     },
     # mdi.cli is a package, one module per program; it keeps the four mains importable as

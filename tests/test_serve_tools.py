@@ -276,3 +276,87 @@ def test_auto_answers_with_tools_that_are_not_strict_are_a_valid_call_or_text(sm
     # greedy: the prompts that invite a call get one, its numbers copied from the prompt
     # (seen: add(17, 25), add(123, 4321), and for "Say hello" add(1, 2): valid, if pointless)
     assert answers[0] == (None, [("add", {"a": 17, "b": 25})]) and answers[1][1], answers
+
+
+# --------------------------------------------------------------------------- LangChain's ChatOpenAI
+
+def chat_model(server, **kwargs):
+    """LangChain's ChatOpenAI against the served ring, as its docs set it up for an OpenAI-compatible server."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="smollm2", temperature=0,
+                                       max_retries=0, timeout=120, **kwargs)
+
+
+def test_langchain_invokes_and_streams(smollm2_server):
+    llm = chat_model(smollm2_server, max_tokens=16)
+    whole = llm.invoke("Name a color.")
+    assert isinstance(whole.content, str) and whole.content
+    assert whole.response_metadata["finish_reason"] in ("stop", "length")
+    chunks = list(llm.stream("Name a color."))
+    assert len(chunks) > 1 and "".join(c.content for c in chunks) == whole.content
+
+
+def _city_model():
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        """A city and the country it is in."""
+        city: str = Field(description="the city's name", max_length=24)
+        country: str = Field(description="the country's name", max_length=24)
+        population: int = Field(description="how many people live there")
+    return City
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_langchain_structured_output_parses_in_each_method(smollm2_server, method):
+    City = _city_model()
+    llm = chat_model(smollm2_server, max_tokens=80).with_structured_output(City, method=method, include_raw=True)
+    prompt = "Tell me about Paris, France."
+    if method == "json_mode":  # JSON mode holds to no schema: the prompt shows it (as LangChain's docs do)
+        prompt += ' Answer in JSON like {"city": "Rome", "country": "Italy", "population": 2750000}.'
+    out = llm.invoke(prompt)
+    assert out["parsing_error"] is None, out
+    assert isinstance(out["parsed"], City) and out["parsed"].city, out
+
+
+@pytest.mark.parametrize("tool_choice", [None, "add"], ids=["auto", "named"])
+def test_langchain_bind_tools_without_strict_calls_valid_tools(smollm2_server, tool_choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    from langchain_core.tools import tool
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers a and b."""
+        return a + b
+
+    llm = chat_model(smollm2_server, max_tokens=60)
+    bound = llm.bind_tools([add]) if tool_choice is None else llm.bind_tools([add], tool_choice=tool_choice)
+    answer = bound.invoke("What is 17 plus 25?")
+    assert answer.tool_calls and answer.response_metadata["finish_reason"] == "tool_calls", answer
+    assert not answer.invalid_tool_calls, answer
+    schema = add.tool_call_schema.model_json_schema()
+    for call in answer.tool_calls:
+        assert call["name"] == "add" and call["id"]
+        jsonschema.validate(call["args"], schema)
+    assert add.invoke(answer.tool_calls[0]["args"]) == sum(answer.tool_calls[0]["args"].values())
+
+
+def test_langchain_tools_with_nested_models_call_validly(smollm2_server):
+    """A Pydantic model holding another one: its JSON schema refers to "#/$defs/...", which must
+    resolve inside a call's arguments (they were refused: the pointer did not exist there)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    class Team(BaseModel):
+        """A team and its lead."""
+        team: str
+        lead: Person
+
+    out = chat_model(smollm2_server, max_tokens=80).with_structured_output(
+        Team, method="function_calling", include_raw=True).invoke("The Falcons are led by Ann, who is 34.")
+    assert out["parsing_error"] is None and isinstance(out["parsed"].lead, Person), out
+    jsonschema.validate(out["raw"].tool_calls[0]["args"], Team.model_json_schema())

@@ -547,3 +547,54 @@ def test_a_grammar_too_wide_to_run_is_a_400_naming_grammar(smol_server):
         error = r.json()["error"]
         assert error["param"] == "grammar" and "items" in error["message"], error
         assert "\n" not in error["message"] and "<state>" not in error["message"], error
+
+
+# A tree: each node's children are nodes (a recursive $ref), and a list through a nullable "#".
+TREE = {"$defs": {"node": _obj({"name": {"type": "string", "maxLength": 8},
+                                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}})},
+        "$ref": "#/$defs/node"}
+LINKED = _obj({"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}})
+
+
+def _nested(depth):
+    """A tree `depth` nodes deep: a root, then one child under each node."""
+    return {"name": "n%d" % depth, "children": [_nested(depth - 1)] if depth > 1 else []}
+
+
+def _chain(length):
+    return {"v": length, "next": _chain(length - 1) if length > 1 else None}
+
+
+@pytest.mark.parametrize("schema, answer", [(TREE, _nested), (LINKED, _chain)], ids=["tree", "linked"])
+def test_recursive_refs_nest_at_most_ref_depth_levels(smol_compiler, schema, answer):
+    tok, compiler = smol_compiler
+    assert _takes(compiler, tok, schema, json.dumps(answer(6)))  # 6 levels by default
+    assert not _takes(compiler, tok, schema, json.dumps(answer(7)))
+    jsonschema.validate(answer(7), schema)  # valid, but nested past the cap
+    # x-mdi-bounds overrides it (0: unbounded)
+    assert _takes(compiler, tok, dict(schema, **{"x-mdi-bounds": {"ref_depth": 2}}), json.dumps(answer(2)))
+    assert not _takes(compiler, tok, dict(schema, **{"x-mdi-bounds": {"ref_depth": 2}}), json.dumps(answer(3)))
+    assert _takes(compiler, tok, dict(schema, **{"x-mdi-bounds": {"ref_depth": 0}}), json.dumps(answer(12)))
+
+
+def test_a_recursion_that_cannot_end_is_left_as_it_is():
+    from mdi.model.schema_bounds import bounded
+    endless = _obj({"v": {"type": "string", "maxLength": 4}, "next": {"$ref": "#"}})  # a required child
+    assert bounded(endless) == endless
+    odd = {"$defs": {"n": _obj({"not": {"not": {"$ref": "#/$defs/n"}}}, required=[])}, "$ref": "#/$defs/n"}
+    assert bounded(odd) == odd  # a cut through `not`: not reasoned about
+    # a tree whose children are optional: the deepest level leaves them out
+    optional = {"$defs": {"n": _obj({"name": S, "child": {"$ref": "#/$defs/n"}}, required=["name"])},
+                "$ref": "#/$defs/n"}
+    deepest = bounded(optional)["$defs"]["n-mdi-5"]
+    assert deepest["properties"]["child"] is False and deepest["required"] == ["name"]
+
+
+def test_a_recursive_schema_s_answers_end_valid(smol_server):
+    for prompt in ("A family tree of three generations, as JSON.", "A folder tree of a software project, as JSON."):
+        status, body = _chat(smol_server, {"messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                                           "max_tokens": 400, "response_format": _format(TREE)})
+        choice = body["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop", body
+        jsonschema.validate(json.loads(choice["message"]["content"]), TREE)
+

@@ -302,3 +302,26 @@ def test_legacy_functions_map_onto_tools_and_their_messages_onto_tool_messages()
     assert messages == [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "add", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
         {"role": "tool", "tool_call_id": "add", "content": "3"}]
+
+
+@pytest.mark.parametrize("family", [HERMES, LLAMA3, GENERIC])
+def test_a_tool_s_references_resolve_inside_its_call(family, smollm2_dir):
+    """A function's parameters refer to their own root ("#/$defs/..." as Pydantic writes a
+    nested model, "#"): inside a call they resolve to the parameters' definitions and root (they
+    were refused: the pointers did not exist in the call's JSON)."""
+    llguidance, tok = llg_tokenizer(smollm2_dir)
+    params = {"$defs": {"person": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+              "type": "object", "required": ["lead", "next"],
+              "properties": {"lead": {"$ref": "#/$defs/person"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    tools = check_tools([{"type": "function", "function": {"name": "team", "parameters": params}}], {})
+    spec = tool_grammar(ToolChoice(tools, "required", None, False), ToolFormat(family, False, False))
+    args = '{"lead": {"name": "Ann"}, "next": {"lead": {"name": "Bo"}, "next": null}}'
+    call = {HERMES: '<tool_call>\n{"name": "team", "arguments": %s}\n</tool_call>',
+            LLAMA3: '{"name": "team", "parameters": %s}',
+            GENERIC: '{"tool_calls": [{"name": "team", "arguments": %s}]}'}[family]
+    for text, ok in ((call % args, True), (call % args.replace('"Bo"', '7'), False)):
+        matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(spec.text))
+        assert not matcher.is_error(), matcher.get_error()
+        ids = tok.tokenize_str(text)
+        assert (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
+                and matcher.is_accepting()) is ok, text

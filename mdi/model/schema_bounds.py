@@ -8,8 +8,19 @@ fractions at 3), the schema is rewritten with keywords llguidance enforces befor
 bounded `pattern` in place of those formats (only where the schema has no pattern of its own).
 Every answer these allow is valid against the original schema.
 
+A recursive `$ref` (a tree node whose children are nodes, a list node's `next`) is bounded the
+same way: left open, a model nested it until max_tokens. The definitions on a reference cycle
+are unrolled into `ref_depth` levels (copies in `$defs`, each referring to the next), and at
+the deepest level a reference to them is what the schema allows without it: an optional
+property left out, an array left empty, an `anyOf`/`oneOf` branch dropped (so a nullable node
+is null). A schema that cannot end without recursing there (a required child node), or whose
+cycles run through references other than `#`, `#/$defs/...` and `#/definitions/...` or through
+keywords other than properties, items, additionalProperties, anyOf, oneOf and allOf, is left as
+it is.
+
 A schema overrides the defaults at its root: `"x-mdi-bounds": {"integer_digits": 18,
-"fraction_digits": 6, "time_fraction_digits": 9}` (0 for a kind: leave it unbounded).
+"fraction_digits": 6, "time_fraction_digits": 9, "ref_depth": 12}` (0 for a kind: leave it
+unbounded).
 """
 import copy
 from dataclasses import dataclass, fields, replace
@@ -32,6 +43,8 @@ class Bounds:
     fraction_digits: int = 9
     # microseconds: what Python's datetime (and most clients' parsers) keeps
     time_fraction_digits: int = 6
+    # levels of a recursive definition: a tree node and 5 generations of children below it
+    ref_depth: int = 6
 
 
 def _override(schema: Dict[str, Any], bounds: Bounds) -> Bounds:
@@ -56,6 +69,8 @@ def bounded(schema: Any, bounds: Optional[Bounds] = None) -> Any:
     out = copy.deepcopy(schema)
     out.pop(OVERRIDE_KEY, None)
     _walk(out, limits)
+    if limits.ref_depth:
+        out = _unrolled(out, limits.ref_depth)
     return out
 
 
@@ -130,3 +145,166 @@ _FORMATS = {
     "date-time": lambda f: "^%s[Tt]%s$" % (DATE, _time(f)),
     "duration": lambda f: "^%s$" % _duration(f),
 }
+
+
+# --- recursive references ------------------------------------------------------------------------
+
+DEF_MAPS = ("$defs", "definitions")
+ROOT = ("#", "")  # the node of the graph that is the schema's root
+ROOT_ONLY = ("$schema", "$id", "x-guidance")  # keys of the root, not of the copies of it
+
+
+class _Unbounded(Exception):
+    """The recursion cannot be cut here (a keyword the rewrite does not reason about)."""
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _target(ref: Any) -> Optional[tuple]:
+    """(map, name) of a local reference to a definition, ROOT for "#", None for any other."""
+    if not isinstance(ref, str):
+        return None
+    if ref == "#":
+        return ROOT
+    for kind in DEF_MAPS:
+        head = "#/%s/" % kind
+        if ref.startswith(head) and "/" not in ref[len(head):]:
+            return kind, ref[len(head):].replace("~1", "/").replace("~0", "~")
+    return None
+
+
+def _refs(schema: Any, found: list) -> list:
+    """Every `$ref` value in `schema` (data keywords left out)."""
+    if isinstance(schema, list):
+        for item in schema:
+            _refs(item, found)
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "$ref":
+                found.append(value)
+            elif key not in DATA_KEYS:
+                _refs(value, found)
+    return found
+
+
+def _unrolled(schema: Dict[str, Any], depth: int) -> Dict[str, Any]:
+    """`schema` with its reference cycles unrolled `depth` levels deep (or as it is, see above)."""
+    nodes = {ROOT: {k: v for k, v in schema.items() if k not in DEF_MAPS}}
+    for kind in DEF_MAPS:
+        if isinstance(schema.get(kind), dict):
+            nodes.update(((kind, name), sub) for name, sub in schema[kind].items())
+    edges = {}
+    for node, sub in nodes.items():
+        targets = [_target(r) for r in _refs(sub, [])]
+        if any(t is None or t not in nodes for t in targets):
+            return schema  # a reference the rewrite does not follow: it may close a cycle
+        edges[node] = set(targets)
+    cyclic = {n for n in nodes if _reaches(n, n, edges)}
+    if not cyclic:
+        return schema
+    maps = {kind: dict(schema[kind]) for kind in DEF_MAPS if isinstance(schema.get(kind), dict)}
+    root_map = "$defs" if "$defs" in maps or not maps else next(iter(maps))
+
+    def name(node: tuple, level: int) -> tuple:
+        if level == 0:
+            return node
+        if node == ROOT:
+            return root_map, "mdi-root-%d" % level
+        return node[0], "%s-mdi-%d" % (node[1], level)
+
+    levels: list = [None] * depth  # levels[k]: node -> its schema at level k (None: cannot end)
+    try:
+        for level in range(depth - 1, -1, -1):
+            def link(target: Optional[tuple], ref: str, level: int = level) -> Optional[str]:
+                if target not in cyclic:
+                    return ref
+                if level + 1 == depth or levels[level + 1][target] is None:
+                    return None
+                kind, key = name(target, level + 1)
+                return "#/%s/%s" % (kind, _escape(key))
+            levels[level] = {n: _prune(copy.deepcopy(nodes[n]), link) for n in cyclic}
+    except _Unbounded:
+        return schema
+    if any(s is None for s in levels[0].values()):
+        return schema  # a definition that cannot end without recursing: the schema as it is
+    out = dict(levels[0].get(ROOT) or nodes[ROOT])
+    for level, built in enumerate(levels):
+        for node, sub in built.items():
+            if sub is not None and (level or node != ROOT):
+                if node == ROOT:  # the root's copies: a definition each, without the root's own keys
+                    sub = {k: v for k, v in sub.items() if k not in ROOT_ONLY}
+                kind, key = name(node, level)
+                maps.setdefault(kind, {})[key] = sub
+    out.update(maps)
+    return out
+
+
+def _reaches(start: tuple, goal: tuple, edges: Dict[tuple, set]) -> bool:
+    seen, todo = set(), list(edges.get(start, ()))
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(edges.get(node, ()))
+    return False
+
+
+def _prune(schema: Any, link) -> Any:
+    """`schema` with its references to cyclic definitions pointing one level down (`link`: the
+    new reference of (target, reference), None where that level cannot be reached), and what a cut reference makes of
+    it: None where it cannot be satisfied. Raises _Unbounded where a cut falls in a keyword this
+    does not reason about."""
+    if isinstance(schema, list):
+        return [_prune(item, link) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "$ref" in schema:
+        target = _target(schema["$ref"])
+        new = link(target, schema["$ref"])
+        if new is None:
+            return None
+        schema["$ref"] = new
+    for key in list(schema):
+        value = schema[key]
+        if key in DATA_KEYS or key == "$ref" or not isinstance(value, (dict, list)):
+            continue
+        if key == "properties" and isinstance(value, dict):
+            for prop in list(value):
+                sub = _prune(value[prop], link)
+                if sub is None:
+                    if prop in (schema.get("required") or []):
+                        return None
+                    sub = False  # left out
+                value[prop] = sub
+        elif key in ("anyOf", "oneOf") and isinstance(value, list):
+            kept = [sub for sub in (_prune(v, link) for v in value) if sub is not None]
+            if not kept:
+                return None
+            schema[key] = kept
+        elif key == "allOf" and isinstance(value, list):
+            kept = [_prune(v, link) for v in value]
+            if any(sub is None for sub in kept):
+                return None
+            schema[key] = kept
+        elif key == "items" and isinstance(value, dict):
+            sub = _prune(value, link)
+            if sub is None:
+                if schema.get("minItems", 0) > 0:
+                    return None
+                schema["maxItems"] = 0  # left empty
+                sub = False
+            schema[key] = sub
+        elif key == "additionalProperties" and isinstance(value, dict):
+            sub = _prune(value, link)
+            schema[key] = False if sub is None else sub
+        else:
+            sub = _prune(value, link)
+            if sub is None or (isinstance(sub, list) and any(x is None for x in sub)) or (
+                    isinstance(sub, dict) and any(x is None for x in sub.values())):
+                raise _Unbounded(key)
+            schema[key] = sub
+    return schema

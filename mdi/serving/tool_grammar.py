@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 from mdi.model.constraint import json_options
 from mdi.model.grammar_spec import GrammarSpec
-from mdi.model.schema_bounds import BoundsError, bounded
+from mdi.model.schema_bounds import DATA_KEYS, DEF_MAPS, BoundsError, bounded
 from mdi.serving.tools import HERMES, LLAMA3, ToolChoice, ToolFormat
 from mdi.serving.validation import ApiError
 
@@ -39,8 +39,31 @@ def _json(schema: Dict[str, Any], strict: bool) -> str:
 
 def _call(fn: Dict[str, Any], args_key: str) -> str:
     """One call's JSON: its name, then its arguments obeying the function's parameters."""
-    return _json({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: bounded(fn["parameters"])},
-                  "required": ["name", args_key], "additionalProperties": False}, bool(fn.get("strict")))
+    params = bounded(fn["parameters"])
+    # The parameters' references are to their own root: their definitions move to the call's
+    # root (where "#/$defs/..." now points) and other local pointers go under args_key.
+    defs = {k: params.pop(k) for k in DEF_MAPS if isinstance(params, dict) and k in params}
+    params, defs = _rebased(params, args_key), _rebased(defs, args_key)
+    return _json(dict({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+                       "required": ["name", args_key], "additionalProperties": False}, **defs),
+                 bool(fn.get("strict")))
+
+
+def _rebased(schema: Any, args_key: str) -> Any:
+    """`schema` with its local references other than to definitions under /properties/args_key."""
+    if isinstance(schema, list):
+        return [_rebased(item, args_key) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) \
+                and not any(value.startswith("#/%s/" % k) for k in DEF_MAPS):
+            value = "#/properties/%s%s" % (args_key, value[1:])
+        elif key not in DATA_KEYS:
+            value = _rebased(value, args_key)
+        out[key] = value
+    return out
 
 
 def _text(spec: Optional[GrammarSpec]) -> Optional[str]:
