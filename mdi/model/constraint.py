@@ -165,7 +165,7 @@ class GrammarCompiler:
         return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
 
     def _probe(self, constraint: "Constraint", first: torch.Tensor) -> float:
-        """Seconds of one mask past the start, on a copy: the cost every later token pays on the
+        """CPU seconds of one mask past the start, on a copy: the cost every later token pays on the
         scheduler's thread (the first mask also builds the lexer's states, paid once, here).
         The copy then walks on, up to PROBE_TOKENS tokens: a grammar llguidance cannot run past
         its start (a resource limit) is a ConstraintError with llguidance's own message, here,
@@ -180,10 +180,12 @@ class GrammarCompiler:
                 break
             if not probe.take(token):
                 break
-            t0 = time.perf_counter()
+            # CPU time of this thread: what the mask costs, not how busy the machine is (a wall
+            # clock refused plain schemas on a loaded box)
+            t0 = time.thread_time()
             allowed = probe.allowed()
             if step == 0:
-                spent = time.perf_counter() - t0
+                spent = time.thread_time() - t0
             if probe.matcher.is_error():
                 break
         if probe.matcher.is_error() and probe.matcher.get_error().strip():
