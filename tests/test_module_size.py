@@ -8,7 +8,6 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # module -> the most lines it may have (its size when listed): lower these as modules shrink
 EXCEPTIONS = {
-    "model/gguf_export.py": 563,
     "model/kernel_choice.py": 559,
     "starter/pipeline.py": 526,
     "starter/training.py": 521,
