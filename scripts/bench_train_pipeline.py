@@ -144,14 +144,14 @@ def profile(emu: Emulation, cfg_path: str, args, data: str, workers: List[Worker
     from mdi.runconfig import load_config
     from mdi.ring.train_request import TrainSetup
     from mdi.model.lora_train import TARGETS
-    from mdi.starter import training
+    from mdi.starter import ring_trainer, training
     torch.set_num_threads(1)
     assert emu.cpu is not None or args.no_quota
     if emu.cpu is not None:
         emu.cpu.join("starter")
     out: Dict[str, Any] = {}
-    originals = {"_loss": training.RingTrainer._loss}
-    stage_methods = {name: getattr(training.StageTrainer, name) for name in ("forward", "backward")}
+    originals = {"_loss": ring_trainer.RingTrainer._loss}
+    stage_methods = {name: getattr(ring_trainer.StageTrainer, name) for name in ("forward", "backward")}
     events: List[Any] = []
 
     def timed(kind, fn):
@@ -163,9 +163,9 @@ def profile(emu: Emulation, cfg_path: str, args, data: str, workers: List[Worker
                 events.append((kind, t, time.perf_counter()))
         return wrapper
     try:
-        training.RingTrainer._loss = timed("loss", originals["_loss"])
-        training.StageTrainer.forward = timed("forward", stage_methods["forward"])
-        training.StageTrainer.backward = timed("backward", stage_methods["backward"])
+        ring_trainer.RingTrainer._loss = timed("loss", originals["_loss"])
+        ring_trainer.StageTrainer.forward = timed("forward", stage_methods["forward"])
+        ring_trainer.StageTrainer.backward = timed("backward", stage_methods["backward"])
         for m in args.micro:
             cfg = load_config(cfg_path)
             setup = TrainSetup(targets=TARGETS, rank=args.rank, alpha=2.0 * args.rank, lr=1e-3)
@@ -192,9 +192,9 @@ def profile(emu: Emulation, cfg_path: str, args, data: str, workers: List[Worker
                 "worker_cpu_seconds": [b - a for a, b in zip(cpu_start, cpu_end)]}
             print("profile M = %d: %s" % (m, json.dumps(out["M=%d" % m])), flush=True)
     finally:
-        training.RingTrainer._loss = originals["_loss"]
+        ring_trainer.RingTrainer._loss = originals["_loss"]
         for name, fn in stage_methods.items():
-            setattr(training.StageTrainer, name, fn)
+            setattr(ring_trainer.StageTrainer, name, fn)
         if emu.cpu is not None:
             emu.cpu.leave()
     return out

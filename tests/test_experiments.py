@@ -405,7 +405,7 @@ BATCH_RATES = {(1, 1): 10, ("auto", 1): 10, (1, 3): 24, ("auto", 3): 24, (1, 12)
 
 
 def test_summary_keeps_batched_and_unbatched_apart():
-    from mdi.lab.report import batching_lines
+    from mdi.lab.report_md import batching_lines
     summary = summarize(_batched_rows(BATCH_RATES))
     by = {(r["max_batch"], r["samples"]): r for r in summary}
     assert len(summary) == 6 and [(r["max_batch"], r["samples"]) for r in summary][:3] == [
@@ -433,7 +433,7 @@ def test_summary_keeps_batched_and_unbatched_apart():
 
 
 def test_report_table_has_a_max_batch_column(tmp_path):
-    from mdi.lab.report import write_report
+    from mdi.lab.report_md import write_report
     path = tmp_path / "report.md"
     write_report(str(path), summarize(_batched_rows(BATCH_RATES)), {"experiment": {"name": "batching"}})
     text = path.read_text()

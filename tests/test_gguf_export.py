@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import BIN, CHARS, ROOT, tiny_config
-from mdi.model import gguf_export
+from mdi.model import gguf_encode, gguf_export
 from mdi.model.config import ModelConfig
 from mdi.model.ggml import lib
 from mdi.model.gguf import read_gguf
@@ -192,7 +192,7 @@ def test_q4_0_where_the_weights_are_q4_0_and_fallbacks_for_short_rows(tmp_path):
                {"qweight": torch.randint(0, 256, (64, 48), dtype=torch.uint8),
                 "scales": torch.rand(64, 3).half(), "mins": torch.zeros(64, 3).half()}, 96)
     w.tensors["mins"] = -8 * w.tensors["scales"]
-    blocks = gguf_export.encode(w, "Q4_0")
+    blocks = gguf_encode.encode(w, "Q4_0")
     from mdi.model.quant import from_gguf_blocks
     back = from_gguf_blocks(blocks, "Q4_0", 64, 96)
     for suffix in ("qweight", "scales", "mins"):

@@ -390,7 +390,8 @@ def test_setup_dry_run_from_an_index_pins_the_version(tmp_path):
 
 
 def test_worked_example_config():
-    from mdi.runconfig import load_config, partition
+    from mdi.runconfig import load_config
+    from mdi.runconfig.nodes import partition
     path = os.path.join(JETSON, "ring3.example.yaml")
     cfg = load_config(path)
     assert [n.name for n in cfg.nodes] == ["jetson1", "jetson2", "jetson3"]

@@ -13,7 +13,7 @@ from conftest import worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from test_train import SEQ, TEXT, _close, _setup
 from test_train_features import _worst
-from mdi.starter import training
+from mdi.starter import ring_trainer, training
 
 STEPS, BATCH, KILL_STEP = 6, 4, 2  # the third step (0-based 2)
 TOL = 1e-5
@@ -57,7 +57,7 @@ def _kill_during(monkeypatch, victim, kind, settled=False):
     """SIGKILL `victim` the first time the starter builds a `kind` frame of step KILL_STEP to send:
     "train" mid-forward, "grad" mid-backward; `settled`: once the snapshot of the steps
     before, read meanwhile, has come back (else the read may be lost with the node)."""
-    build = training.RingTrainer.frame  # every train and grad frame the starter sends is built here
+    build = ring_trainer.RingTrainer.frame  # every train and grad frame the starter sends is built here
     killed = []
 
     def build_and_kill(self, frame_kind, step, micro, layer, y, copies=False):
@@ -69,7 +69,7 @@ def _kill_during(monkeypatch, victim, kind, settled=False):
                 reading.thread.join(30)
             os.kill(victim.proc.pid, signal.SIGKILL)
         return frame
-    monkeypatch.setattr(training.RingTrainer, "frame", build_and_kill)
+    monkeypatch.setattr(ring_trainer.RingTrainer, "frame", build_and_kill)
     return killed
 
 
@@ -124,7 +124,7 @@ def test_two_workers_lost_the_spare_then_the_neighbours(tiny_models, data, unint
     starter and the spare share its layers); the run still ends as the uninterrupted one."""
     board1, board2, spare = three_workers
     cfg = parse_run_config(tiny_models["llama"], [board1, board2], **_config([spare]))  # 2 attempts
-    build, kills = training.RingTrainer.frame, {(KILL_STEP, "grad"): board1, (KILL_STEP + 2, "train"): board2}
+    build, kills = ring_trainer.RingTrainer.frame, {(KILL_STEP, "grad"): board1, (KILL_STEP + 2, "train"): board2}
 
     def build_and_kill(self, kind, step, micro, layer, y, copies=False):
         frame = build(self, kind, step, micro, layer, y, copies)
@@ -132,7 +132,7 @@ def test_two_workers_lost_the_spare_then_the_neighbours(tiny_models, data, unint
         if victim is not None:
             os.kill(victim.proc.pid, signal.SIGKILL)
         return frame
-    monkeypatch.setattr(training.RingTrainer, "frame", build_and_kill)
+    monkeypatch.setattr(ring_trainer.RingTrainer, "frame", build_and_kill)
     result = training.run(cfg, _options(data, _setup("llama")))
     assert not kills
     _assert_same_run(result, uninterrupted)
@@ -148,7 +148,7 @@ def test_a_snapshot_lost_with_its_node_leaves_the_one_before(tiny_models, data, 
     3): that read fails, so the ring goes back to the state after step 1 and redoes 2 and 3."""
     board1, board2, spare = three_workers
     cfg = parse_run_config(tiny_models["llama"], [board1, board2], **_config([spare]))
-    states, reads = training.RingTrainer.worker_states, []
+    states, reads = ring_trainer.RingTrainer.worker_states, []
 
     def read(self):
         reads.append(1)
@@ -156,7 +156,7 @@ def test_a_snapshot_lost_with_its_node_leaves_the_one_before(tiny_models, data, 
             os.kill(board2.proc.pid, signal.SIGKILL)
             board2.proc.wait(10)
         return states(self)
-    monkeypatch.setattr(training.RingTrainer, "worker_states", read)
+    monkeypatch.setattr(ring_trainer.RingTrainer, "worker_states", read)
     result = training.run(cfg, _options(data, _setup("llama")))
     _assert_same_run(result, uninterrupted)
     (rec,) = result.metrics()["recoveries"]
@@ -170,8 +170,8 @@ def test_without_recovery_the_run_fails_naming_the_node_and_keeps_no_snapshots(t
     boards = three_workers[:2]
     cfg = parse_run_config(tiny_models["llama"], boards, **_config())
     assert cfg.recovery_attempts == 0  # no spares, no runtime.recovery_attempts: recovery is off
-    states, reads = training.RingTrainer.worker_states, []
-    monkeypatch.setattr(training.RingTrainer, "worker_states", lambda self: reads.append(1) or states(self))
+    states, reads = ring_trainer.RingTrainer.worker_states, []
+    monkeypatch.setattr(ring_trainer.RingTrainer, "worker_states", lambda self: reads.append(1) or states(self))
     killed = _kill_during(monkeypatch, boards[1], "grad")
     with pytest.raises(NodeError, match="board2"):
         training.run(cfg, _options(data, _setup("llama")))

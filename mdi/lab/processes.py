@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
-from mdi.runconfig import DATA_PORT_OFFSET
+from mdi.runconfig.nodes import DATA_PORT_OFFSET
 
 BIN = os.path.dirname(os.path.abspath(sys.executable))
 LOOPBACK = "127.0.0.1"

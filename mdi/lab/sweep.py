@@ -22,8 +22,9 @@ from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
 from mdi.lab.model_setup import sweep_model, weight_bytes
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
-from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, batching_lines, machine_record, make_row,
-                            read_rows, scaling_lines, summarize, write_csv, write_report)
+from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
+                            write_csv)
+from mdi.lab.report_md import batching_lines, scaling_lines, write_report
 from mdi.cli.process import EXIT_RUN
 from mdi.lab.spec import Experiment, RingPlan, check_node_lists, max_batches, plan_rings, samples_for
 

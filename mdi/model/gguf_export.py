@@ -35,7 +35,6 @@ prepared directory's tokenizer). Tensors are planned first (the header), then en
 threads (ggml quantizes outside the GIL) and written in order, so the peak is the canonical
 weights plus the few tensors in flight.
 """
-import ctypes
 import logging
 import os
 import struct
@@ -52,6 +51,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.families import family_of
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.gguf_config import PERMUTED_QK
+from mdi.model.gguf_encode import Job, encoder, is_exact, rows_of
 from mdi.model.gguf_write import add_model_metadata, arch_of
 from mdi.model.layout import FP16_MAX, CheckpointError, QuantSpec
 from mdi.model.quant import QParts, Stored, cat_rows, quantize
@@ -73,7 +73,6 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 # what the torch backend makes of types mdi.model.quant does not list (4 bits: int4)
 READ_NEAREST = dict(GGUF_NEAREST, IQ4_NL="int4", IQ4_XS="int4")
-CHUNK_ELEMENTS = 1 << 22  # values dequantized / quantized at a time (16 MB of float32)
 
 
 def is_gguf_type(name: str) -> bool:
@@ -166,16 +165,12 @@ def _permutation(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, 2, n // heads // 2).transpose(1, 2).reshape(n)
 
 
-def _rows(w: Stored, index: Any) -> Stored:
-    return w.rows(index) if isinstance(w, QParts) else w[index]
-
-
 def take_part(state: Mapping[str, Stored], part: Part) -> Stored:
     w = state[part.key]
     if part.start or part.stop is not None:
-        w = _rows(w, slice(part.start, part.stop))
+        w = rows_of(w, slice(part.start, part.stop))
     if part.heads:
-        w = _rows(w, _permutation(int(w.shape[0]), part.heads))
+        w = rows_of(w, _permutation(int(w.shape[0]), part.heads))
     return w
 
 
@@ -247,125 +242,6 @@ def file_type(types: Mapping[str, str], weight_type: Optional[str]) -> int:
                 counts[kind] = counts.get(kind, 0) + 1
         weight_type = max(sorted(counts), key=lambda k: counts[k]) if counts else "F32"
     return FILE_TYPES.get(weight_type, FILE_TYPES["F16"])
-
-
-# ----------------------------------------------------------------------------- blocks
-
-def q8_0_blocks(w: QParts) -> np.ndarray:
-    """mdi int8 in groups of 32 -> Q8_0 blocks ([float16 d][32 x int8]), copied."""
-    q = w.tensors["qweight"].numpy()
-    n, k = q.shape
-    out = np.empty((n, k // 32, 34), np.uint8)
-    out[..., 0:2] = w.tensors["scales"].to(torch.float16).numpy().reshape(n, k // 32, 1).view(np.uint8)
-    out[..., 2:] = q.reshape(n, k // 32, 32).view(np.uint8)
-    return out.reshape(-1)
-
-
-def q4_blocks(w: QParts, kind: str) -> np.ndarray:
-    """mdi int4 in groups of 32 -> Q4_1 ([d][m][16 bytes]: values 0-15 in the low nibbles,
-    16-31 in the high ones; w = d q + m) or Q4_0 ([d][16 bytes], w = d (q - 8)), copied:
-    quant.from_gguf_blocks, the other way."""
-    packed = w.tensors["qweight"].numpy()
-    n, k = packed.shape[0], packed.shape[1] * 2
-    q = np.empty((n, k), np.uint8)
-    q[:, 0::2] = packed & 15  # quant.pack_int4: the even column in the low nibble
-    q[:, 1::2] = packed >> 4
-    g = q.reshape(n, k // 32, 32)
-    nibbles = g[..., :16] | (g[..., 16:] << 4)
-    head = 4 if kind == "Q4_1" else 2
-    out = np.empty((n, k // 32, head + 16), np.uint8)
-    out[..., 0:2] = w.tensors["scales"].to(torch.float16).numpy().reshape(n, k // 32, 1).view(np.uint8)
-    if kind == "Q4_1":
-        out[..., 2:4] = w.tensors["mins"].to(torch.float16).numpy().reshape(n, k // 32, 1).view(np.uint8)
-    out[..., head:] = nibbles
-    return out.reshape(-1)
-
-
-def is_exact(w: Stored, kind: str) -> bool:
-    """Whether a quantized weight already is blocks of `kind` (copied, not re-rounded)."""
-    if not isinstance(w, QParts) or w.spec.group_size != 32:
-        return False
-    if kind == "Q8_0" or kind == "Q4_1":
-        return w.spec.kind == ("int8" if kind == "Q8_0" else "int4")
-    if kind == "Q4_0" and w.spec.kind == "int4":  # Q4_0's w = d (q - 8): a min of -8 d exactly
-        scales, mins = w.tensors["scales"].to(torch.float16), w.tensors["mins"].to(torch.float16)
-        return bool(torch.equal(mins, -8 * scales))
-    return False
-
-
-def _floats(w: Stored) -> np.ndarray:
-    """float32 values, a quantized weight dequantized with numpy (torch's unpacking of int4 took
-    20 times as long)."""
-    if not isinstance(w, QParts):
-        return np.ascontiguousarray(w.detach().to(torch.float32).numpy())
-    q = w.tensors["qweight"].numpy()
-    n = q.shape[0]
-    if w.spec.kind == "int4":
-        values = np.empty((n, q.shape[1] * 2), np.float32)
-        values[:, 0::2] = q & 15  # the even column in the low nibble (quant.pack_int4)
-        values[:, 1::2] = q >> 4
-    else:
-        values = q.astype(np.float32)
-    groups = values.reshape(n, -1, w.spec.group_size)
-    groups *= w.tensors["scales"].numpy().astype(np.float32)[..., None]
-    if w.spec.kind == "int4":
-        groups += w.tensors["mins"].numpy().astype(np.float32)[..., None]
-    return values
-
-
-Job = Any  # a callable filling part of an encoder's output
-
-
-def encoder(w: Stored, kind: str) -> Tuple[np.ndarray, List[Job]]:
-    """One tensor's output (uint8 bytes of `kind`, or float32 values for F32) and the jobs
-    that fill it, a CHUNK_ELEMENTS-sized run of rows each (ggml and numpy run outside the GIL,
-    so jobs on several threads run at once). Quantized by ggml's ggml_quantize_chunk."""
-    shape = tuple(int(d) for d in w.shape)
-    n_rows, n_per_row = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
-    step = max(1, CHUNK_ELEMENTS // n_per_row)
-    starts = range(0, n_rows, step)
-
-    def rows(a: int) -> np.ndarray:
-        return _floats(_rows(w, slice(a, min(n_rows, a + step))) if len(shape) == 2 else w).reshape(-1, n_per_row)
-
-    if kind == "F32":
-        values = np.empty((n_rows, n_per_row), np.float32)
-
-        def copy(a: int) -> None:
-            values[a:a + step] = rows(a)
-        return values.reshape(shape), [lambda a=a: copy(a) for a in starts]
-    if is_exact(w, kind):  # copied block for block
-        block_bytes = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 18}[kind]
-        blocks = np.empty((n_rows, n_per_row // 32 * block_bytes), np.uint8)
-
-        def copy_blocks(a: int) -> None:
-            assert isinstance(w, QParts)
-            part = w.rows(slice(a, a + step))
-            blocks[a:a + step] = (q8_0_blocks(part) if kind == "Q8_0" else q4_blocks(part, kind)).reshape(
-                -1, blocks.shape[1])
-        return blocks.reshape(-1), [lambda a=a: copy_blocks(a) for a in starts]
-    from mdi.model.ggml import lib
-    gg = lib.require()
-    type_id = lib.TYPE_IDS[kind]
-    if gg.ggml_quantize_requires_imatrix(type_id):
-        raise CheckpointError("GGUF type %s needs an importance matrix, which mdi does not compute" % kind)
-    row_bytes = int(gg.ggml_row_size(type_id, n_per_row))
-    out = np.empty(n_rows * row_bytes, np.uint8)
-    gg.ggml_quantize_init(type_id)  # its tables, before threads share them
-
-    def run(a: int) -> None:
-        src = rows(a)
-        gg.ggml_quantize_chunk(type_id, src.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
-                               out[a * row_bytes:].ctypes.data, 0, src.shape[0], n_per_row, None)
-    return out, [lambda a=a: run(a) for a in starts]
-
-
-def encode(w: Stored, kind: str) -> np.ndarray:
-    """One tensor's bytes as `kind` (uint8), or float32 values for F32 (on this thread)."""
-    out, jobs = encoder(w, kind)
-    for job in jobs:
-        job()
-    return out
 
 
 # ----------------------------------------------------------------------------- the file
@@ -532,7 +408,7 @@ def read_back(path: str, config: ModelConfig, requantized: Optional[List[str]] =
         w = _load(path, infos[name], requantized)
         reader.drop_pages(infos[name])
         if part.heads:
-            w = _rows(w, torch.argsort(_permutation(int(w.shape[0]), part.heads)))
+            w = rows_of(w, torch.argsort(_permutation(int(w.shape[0]), part.heads)))
         pieces.setdefault(part.key, []).append((part.start, w))
     out: Dict[str, Stored] = {}
     for key, found in pieces.items():

@@ -1,6 +1,6 @@
 """A LoRA trained on the serving ring, beside the requests it serves (issue 38, Symbiosis' idea):
 the same workers and the same one copy of the frozen base, the job's frames and the requests'
-frames on the same data plane, mdi-train's arithmetic (mdi.starter.training.RingTrainer's stage,
+frames on the same data plane, mdi-train's arithmetic (mdi.starter.ring_trainer.RingTrainer's stage,
 loss and frames) so the adapter equals what mdi-train alone makes from the same seed and data.
 
 Every method runs on the scheduler's thread (mdi.serving.scheduler), the one reader and writer
@@ -42,7 +42,8 @@ from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.serving.train_body import TrainJobSpec
 from mdi.starter.engine import Engine
 from mdi.starter.train_data import Windows, step_index
-from mdi.starter.training import RingTrainer, StepRecord, TrainOptions
+from mdi.starter.ring_trainer import RingTrainer
+from mdi.starter.train_options import StepRecord, TrainOptions
 
 log = logging.getLogger(__name__)
 

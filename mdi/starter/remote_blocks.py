@@ -43,7 +43,9 @@ from mdi.ring.train_request import TrainSetup
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.runconfig import RunConfig
 from mdi.starter.engine import Engine
-from mdi.starter.training import Pairs, TrainOptions, RingTrainer, open_engine, training_config
+from mdi.starter.ring_trainer import RingTrainer
+from mdi.starter.train_options import Pairs, TrainOptions
+from mdi.starter.training import open_engine, training_config
 
 log = logging.getLogger(__name__)
 

@@ -95,7 +95,7 @@ class _Read:
 
 class TrainRecovery:
     """The snapshots of one training run and its recoveries. `trainer` is the run's
-    mdi.starter.training.RingTrainer (collect, install, engine)."""
+    mdi.starter.ring_trainer.RingTrainer (collect, install, engine)."""
 
     def __init__(self, trainer: Any, every: int, pairs: Pairs, state: Optional[OptimizerState],
                  steps_done: int) -> None:

@@ -13,24 +13,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from mdi.model.backend import BackendChoice
-from mdi.model.backend_select import select_backend
-from mdi.model.ggml.kv_cache import kv_cache_bytes
-from mdi.model.ggml.tensors import typed_bytes
-from mdi.model.layout import CheckpointError, layout_to_json, torch_dtype, weight_bytes
+from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.model.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.ring.auth import ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
-from mdi.ring.profile_request import ProfileReply, ProfileRequest
-from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
 from mdi.system.memory import release_freed_memory
-from mdi.worker.memory_budget import check_cache_fits, chunk_nbytes, held_bytes, memory_limit
+from mdi.worker.chunk_loading import load_ggml_chunk, load_torch_chunk, loaded_weights_bytes, run_cache_bytes
+from mdi.worker.measuring import Measuring
+from mdi.worker.memory_budget import check_cache_fits, held_bytes, memory_limit
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 from mdi.worker.status_report import status_reply
 from mdi.worker.weight_intake import LoadedWeights, check_push_fits, models_dir_default, receive_push, weights_file
@@ -53,7 +49,7 @@ class Setup:
     backend_line: Optional[str] = None  # the backend it computes with, and why (auto's measurement)
 
 
-class Worker:
+class Worker(Measuring):
     def __init__(self, host: str, port: int, device: Optional[str] = None,
                  max_memory: Optional[int] = None, token: Optional[str] = None,
                  models_dir: Optional[str] = None, threads: Optional[int] = None) -> None:
@@ -167,100 +163,10 @@ class Worker:
             finally:
                 self.loading = False
 
-    def profile(self, request: ProfileRequest) -> ProfileReply:
-        """Time the asked model's blocks here (POST /profile). Refused (409) while a run or a
-        load holds this worker: it would slow that run, and the run would skew the numbers."""
-        self._check_device(request.device)
-        if not self.lock.acquire(timeout=1.0):
-            raise NodeBusy("busy loading weights; profile it between runs")
-        try:
-            run = self.run
-            if run is not None and run.holds_worker():
-                raise NodeBusy("busy with run %d of the starter at %s; profile it between runs" % (run.id, run.peer))
-            if self.pending is not None:
-                raise NodeBusy("run %d is waiting for its weights; profile it between runs"
-                               % self.pending.request.run_id)
-            self.touch()
-            if request.backend == "ggml":  # the run's blocks, on ggml: no torch loaded for it
-                from mdi.timing.ggml_profile import profile_ggml as profile_here
-                n_blocks = None
-            else:
-                from mdi.timing.node import profile_here  # torch's blocks
-                n_blocks = self._profile_blocks(request)
-            self._set_threads(request)
-            try:
-                return profile_here(request, self.device_override or request.device, token=self.token,
-                                    n_blocks=n_blocks)
-            except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
-                raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
-            finally:
-                gc.collect()
-                release_freed_memory()  # the random blocks' memory goes back before the weights come
-        finally:
-            self.lock.release()
-
-    def choose_backend(self, request: BackendRequest) -> BackendReply:
-        """POST /backend: which backend this worker would compute the asked layers with
-        (mdi.model.backend_select; auto is measured here once per machine and shape)."""
-        self._check_device(request.device)
-        choice = self._select_backend(request.asked, request.model, request.layers, request.gguf_types,
-                                      self.device_override or request.device, request.threads, request.rows,
-                                      request.adapters, request.dtype, layout_to_json(request.quant),
-                                      request.quant_kernel, request.kv_type)
-        # the /init that follows names the backend chosen: its reports keep why
-        self.chosen = (list(request.layers), choice.backend, choice.describe())
-        kernels = []
-        if choice.backend == "torch":  # it will load torch for the run anyway
-            from mdi.model import qkernels
-            kernels = qkernels.offered_on(self.device_override or request.device)
-        return BackendReply(choice.backend, choice.describe(), round(choice.seconds, 3), kernels)
-
-    def _select_backend(self, asked: str, config: Any, layers: List[int], gguf_types: Dict[str, str], device: str,
-                        threads: Any, rows: int, adapters: bool, dtype: str, quant: Dict[str, Any],
-                        quant_kernel: Optional[str], kv_type: str) -> BackendChoice:
-        threads = self.threads_override or threads
-        try:
-            return select_backend(asked, config, layers[0], layers[1], gguf_types, device,
-                                  threads if isinstance(threads, int) else None, rows, adapters, dtype, quant,
-                                  quant_kernel, kv_type)
-        except (ValueError, RuntimeError) as e:
-            raise RequestError(str(e))
-
     def _check_device(self, asked: str) -> None:
         why = unusable_reason(self.device_override or asked)
         if why is not None:
             raise RequestError(why)
-
-    def _profile_blocks(self, request: ProfileRequest) -> int:
-        """How many random blocks to time (profile_blocks), within what fits beside the weights
-        held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
-        the kernel, not told. When they do not fit beside the last run's weights (idle: the
-        caller checked), those go first, as the next /init would drop them, and the room is
-        measured again, not assumed: a 230 MB board holding its warmup run's layers refused the
-        profile and the plan left it out, and one sized on the room the weights would leave,
-        before they had gone, was OOM-killed."""
-        from mdi.model.block_timing import profile_blocks, profile_bytes
-        from mdi.timing.node import profile_positions
-        config, rows = request.model, max(request.batch_sizes)
-        positions = profile_positions(request)
-        device = self.device_override or request.device
-
-        def fit() -> Tuple[int, int, Optional[int], str]:
-            limit, what = self._memory_limit(device)
-            free = limit - chunk_nbytes(self.chunk) if limit is not None else None
-            n = profile_blocks(config, request.dtype, request.quant, device, free, rows, positions)
-            return n, profile_bytes(config, n, request.dtype, request.quant, rows, positions), free, what
-
-        n, need, free, what = fit()
-        if free is not None and need > free and self.chunk is not None:
-            log.info("worker: letting go of the last run's weights to profile (%d bytes needed, %d free beside them)",
-                     need, free)
-            self._drop_chunk_locked()
-            n, need, free, what = fit()
-        if free is not None and need > free:
-            raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
-                           % (need, n, free, what))
-        return n
 
     def load_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
         """POST /adapters/<id>: a low-rank adapter's A/B matrices for this worker's layers, as
@@ -336,7 +242,7 @@ class Worker:
             compute, note = resolve_compute_dtype(device, torch_dtype(request.dtype), torch_dtype(asked) if asked else None)
             if note:
                 log.warning(note)
-        cache_bytes, token_bytes = self._cache_bytes(request, backend, compute)
+        cache_bytes, token_bytes = run_cache_bytes(request, backend, compute)
         check_cache_fits(request, cache_bytes, *self._memory_limit(device))
         key = LoadedWeights(config, [first, last], request.dtype, device, request.weights,
                             layout_to_json(request.quant), request.quant_kernel, backend, request.kv_type,
@@ -364,7 +270,7 @@ class Worker:
         if setup.weights_file is not None:
             if not os.path.isfile(setup.weights_file):
                 raise RequestError("cannot load weights: weights file %s does not exist" % setup.weights_file)
-            need = self._weights_bytes(setup)
+            need = loaded_weights_bytes(setup.request, setup.key)
             limit, what = self._memory_limit(device)
             if limit is not None and need + cache_bytes > limit:
                 raise TooLarge("layers [%d, %d) need %d bytes of weights plus a KV cache of %d bytes, over this "
@@ -374,26 +280,6 @@ class Worker:
         self.pending = setup
         self.touch()  # the heartbeat of an /init waiting for its weights starts now
         return dict(reply, need_weights=True)
-
-    @staticmethod
-    def _cache_bytes(request: InitRequest, backend: str, compute: Any) -> Tuple[int, int]:
-        """(the run's KV cache, one position's of one slot) in bytes, as `backend` keeps them."""
-        config, (first, last) = request.model, request.layers
-        if backend == "ggml":
-            return (kv_cache_bytes(config, last - first, request.n_slots, request.max_len, request.kv_type),
-                    kv_cache_bytes(config, last - first, 1, 1, request.kv_type))
-        from mdi.model.kv_cache import KVCache
-        return (KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute),
-                KVCache.nbytes_for(config, last - first, 1, 1, compute))
-
-    @staticmethod
-    def _weights_bytes(setup: Setup) -> int:
-        """What the weights of `setup` take once loaded (ggml: its GGUF tensors as stored)."""
-        request = setup.request
-        first, last = setup.key.layers
-        if setup.key.backend == "ggml":
-            return typed_bytes(request.model, request.gguf_types, first, last)
-        return weight_bytes(request.model, [first, last], request.dtype, quant=request.quant)
 
     def _drop_chunk_locked(self) -> None:
         """Let go of the weights held now and hand their memory back to the OS at once. The
@@ -417,8 +303,8 @@ class Worker:
         limit, _ = self._memory_limit(setup.key.device)
         if limit is None:
             return None
-        cache_bytes, _ = self._cache_bytes(setup.request, setup.key.backend, setup.compute_dtype)
-        return limit - self._weights_bytes(setup) - cache_bytes
+        cache_bytes, _ = run_cache_bytes(setup.request, setup.key.backend, setup.compute_dtype)
+        return limit - loaded_weights_bytes(setup.request, setup.key) - cache_bytes
 
     def receive_weights(self, stream: Any, nbytes: int) -> Dict[str, Any]:
         """POST /weights: the body read from `stream` (`nbytes` long) goes to a temporary file
@@ -447,46 +333,15 @@ class Worker:
         return {"ok": True}
 
     def _load_locked(self, setup: Setup, fn: str, exact: bool) -> None:
-        key = setup.key
-        first, last = key.layers
-        if key.backend == "ggml":
-            self._load_ggml_locked(setup, fn)
-            return
-        from mdi.model import kernel_choice, qkernels
-        from mdi.model.source import build_chunk_from_file
-        self._set_threads(setup.request)  # kernels are measured with the threads the run will use
-        qkernels.set_preference(key.quant_kernel)
-        spare = self._spare_bytes(setup)  # less what the prefix cache may take
-        kernel_choice.set_memory_allowance(kernel_choice.allowance_for(
-            setup.request.kernel_memory, None if spare is None else spare - setup.prefix_bytes))
-        kernel_choice.start_report()  # reports name these layers' kernels only
-        try:
-            self.chunk = build_chunk_from_file(key.model, fn, first, last, torch_dtype(key.dtype), key.device, exact,
-                                               setup.request.quant)
-        except (CheckpointError, OSError, ValueError, RuntimeError) as e:
-            where = "pushed weights" if exact else "weights"
-            raise RequestError("cannot load %s for layers [%d, %d): %s" % (where, first, last, e))
-        self.loaded = key
-        self.backend_line = setup.backend_line
-        self._start_run_locked(setup)
-
-    def _load_ggml_locked(self, setup: Setup, fn: str) -> None:
-        """Layers [first, last) from a GGUF (the model's own, or the node's part pushed): its
-        tensors as stored, checked against the model before a graph is built."""
-        from mdi.model.ggml.chunk import GgmlChunk
-        from mdi.model.ggml.weights import GgufWeights
-        from mdi.model.gguf_config import rope_mode_of, rope_permuted
-        from mdi.model.gguf_layout import open_reader
         key, request = setup.key, setup.request
-        first, last = key.layers
-        threads = self.threads_override or request.threads
-        try:
-            reader = open_reader(fn)
-            self.chunk = GgmlChunk(key.model, first, last, False, False, GgufWeights(fn, reader),
-                                   rope_mode_of(rope_permuted(reader, fn)),
-                                   threads if isinstance(threads, int) else usable_cpus(), key.kv_type, key.repack)
-        except (CheckpointError, OSError, ValueError, RuntimeError, MemoryError) as e:
-            raise RequestError("cannot load the GGUF weights for layers [%d, %d): %s" % (first, last, e))
+        if key.backend == "ggml":
+            threads = self.threads_override or request.threads
+            self.chunk = load_ggml_chunk(key, fn, threads if isinstance(threads, int) else usable_cpus())
+        else:
+            self._set_threads(request)  # kernels are measured with the threads the run will use
+            spare = self._spare_bytes(setup)  # less what the prefix cache may take
+            self.chunk = load_torch_chunk(key, request.quant, fn, exact, request.kernel_memory,
+                                          None if spare is None else spare - setup.prefix_bytes)
         self.loaded = key
         self.backend_line = setup.backend_line
         self._start_run_locked(setup)

@@ -1,0 +1,112 @@
+"""report.md: a sweep's summary.csv as Markdown: whether throughput rises with the node count,
+batched against unbatched decode, and one table per model."""
+from typing import Any, Dict, List, Tuple
+
+from mdi.lab.report import UNBATCHED, batch_label, batches_of, max_batch_of, rings_of, series_of
+
+
+def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
+    """Per model: the best S >= N throughput for each node count (any max_batch), and whether
+    it rises with N."""
+    lines = []
+    for model in sorted({r["model"] for r in summary}):
+        best: Dict[int, Tuple[float, Dict[str, str]]] = {}
+        for r in summary:
+            n, s = int(r["nodes"]), int(r["samples"])
+            if r["model"] == model and s >= n:
+                v = float(r["decode_tokens_per_s_median"])
+                if n not in best or v > best[n][0]:
+                    best[n] = (v, r)
+        ns = sorted(best)
+        parts = ["%d node%s %.2f tok/s (S=%s, %s%s)" % (n, "s" if n > 1 else "", best[n][0], best[n][1]["samples"],
+                                                         best[n][1]["partition"], _batch_note(best[n][1]))
+                 for n in ns]
+        if len(ns) < 2:
+            verdict = "one node count only"
+        elif all(best[a][0] < best[b][0] for a, b in zip(ns, ns[1:])):
+            verdict = "rises with N"
+        else:
+            verdict = "does NOT rise with N"
+        lines.append("- %s: %s: %s" % (model, "; ".join(parts), verdict))
+    return lines
+
+
+def _batch_note(row: Dict[str, str]) -> str:
+    mb = row.get("max_batch") or ""
+    return ", %s" % batch_label(mb) if mb else ""
+
+
+def batching_lines(summary: List[Dict[str, str]]) -> List[str]:
+    """Per ring run both unbatched (max_batch 1) and batched: each batched max_batch at S = 4N
+    (else at its best S) against the unbatched runs at the same S and the best unbatched S
+    (issue 16: batched S = 4N >= 2x unbatched at the same S and >= 1.5x the best unbatched)."""
+    lines = []
+
+    def rate(r: Dict[str, str]) -> float:
+        return float(r["decode_tokens_per_s_median"])
+    for model in sorted({r["model"] for r in summary}):
+        mrows = [r for r in summary if r["model"] == model]
+        for n, part in rings_of(mrows):
+            ring = [r for r in mrows if int(r["nodes"]) == n and r["partition"] == part]
+            unbatched = {int(r["samples"]): r for r in ring if max_batch_of(r) == UNBATCHED}
+            if not unbatched:
+                continue
+            best_u = max(unbatched.values(), key=rate)
+            for mb in batches_of(ring):
+                if mb in ("", UNBATCHED):
+                    continue
+                batched = {int(r["samples"]): r for r in ring if max_batch_of(r) == mb}
+                s = 4 * n if 4 * n in batched else max(batched, key=lambda k: rate(batched[k]))
+                b = batched[s]
+                same = ("%.2fx unbatched at the same S" % (rate(b) / rate(unbatched[s]))
+                        if s in unbatched and rate(unbatched[s]) > 0 else "no unbatched run at this S")
+                best = "%.2fx the best unbatched (%.2f tok/s at S=%d)" % (
+                    rate(b) / rate(best_u) if rate(best_u) > 0 else float("nan"), rate(best_u), int(best_u["samples"]))
+                lines.append("- %s N=%d %s %s: S=%d%s %.2f tok/s = %s, %s" % (
+                    model, n, part, batch_label(mb), s, " (4N)" if s == 4 * n else "", rate(b), same, best))
+    return lines
+
+
+def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, Any]) -> None:
+    """A Markdown digest of summary.csv: scaling check and one table per model."""
+    lines = ["# %s" % machine.get("experiment", {}).get("name", "experiment"), ""]
+    emu = machine.get("emulation", {}).get("summary")
+    if emu:
+        lines += [emu, ""]
+    load = machine.get("loadavg_start"), machine.get("loadavg_end")
+    if all(load):
+        lines += ["Load average (1/5/15 min) at start %s, at end %s; %s CPUs." % (
+            "/".join("%.2f" % x for x in load[0]), "/".join("%.2f" % x for x in load[1]), machine.get("cpu_count")), ""]
+    lines += ["Best decode throughput with S >= N samples in flight (median of repeats):", ""]
+    lines += scaling_lines(summary) + [""]
+    batching = batching_lines(summary)
+    if batching:
+        lines += ["Batched against unbatched decode throughput (median of repeats):", ""] + batching + [""]
+    for model in sorted({r["model"] for r in summary}):
+        lines += _model_table(model, [r for r in summary if r["model"] == model])
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
+    samples = sorted({int(r["samples"]) for r in rows})
+    out = ["## %s" % model, "",
+           "Decode tokens/s, median [min-max] of repeats, and pipeline efficiency "
+           "(S-sample rate / (N x 1-sample rate), same ring and max_batch, paired by repeat).", "",
+           "| nodes | partition | max_batch | " + " | ".join("S=%d" % s for s in samples) + " |",
+           "|---|---|---|" + "---|" * len(samples)]
+    for n, part, mb in series_of(rows):
+        cells = []
+        for s in samples:
+            r = next((r for r in rows if int(r["nodes"]) == n and r["partition"] == part and max_batch_of(r) == mb
+                      and int(r["samples"]) == s), None)
+            if r is None:
+                cells.append("")
+                continue
+            cell = "%s [%s-%s]" % (r["decode_tokens_per_s_median"][:-1], r["decode_tokens_per_s_min"][:-1],
+                                   r["decode_tokens_per_s_max"][:-1])
+            if r["efficiency_median"] and n > 1:
+                cell += " eff %.2f" % float(r["efficiency_median"])
+            cells.append(cell)
+        out.append("| %d | %s | %s | %s |" % (n, part, mb or "-", " | ".join(cells)))
+    return out + [""]

@@ -1,0 +1,111 @@
+"""What a worker measures when asked between runs: POST /profile (its blocks' timing, within
+the memory it spares) and POST /backend (which backend it would compute given layers with)."""
+import gc
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+from mdi.model.backend import BackendChoice
+from mdi.model.backend_select import select_backend
+from mdi.model.layout import layout_to_json
+from mdi.ring.backend_request import BackendReply, BackendRequest
+from mdi.ring.init_request import NodeBusy, RequestError, TooLarge
+from mdi.ring.profile_request import ProfileReply, ProfileRequest
+from mdi.system.memory import release_freed_memory
+from mdi.worker.memory_budget import chunk_nbytes
+
+log = logging.getLogger(__name__)
+
+
+class Measuring:
+    """Worker's /profile and /backend (mixed into mdi.worker.node.Worker, whose lock, run,
+    weights and memory limit they read)."""
+
+    def profile(self, request: ProfileRequest) -> ProfileReply:
+        """Time the asked model's blocks here (POST /profile). Refused (409) while a run or a
+        load holds this worker: it would slow that run, and the run would skew the numbers."""
+        self._check_device(request.device)
+        if not self.lock.acquire(timeout=1.0):
+            raise NodeBusy("busy loading weights; profile it between runs")
+        try:
+            run = self.run
+            if run is not None and run.holds_worker():
+                raise NodeBusy("busy with run %d of the starter at %s; profile it between runs" % (run.id, run.peer))
+            if self.pending is not None:
+                raise NodeBusy("run %d is waiting for its weights; profile it between runs"
+                               % self.pending.request.run_id)
+            self.touch()
+            if request.backend == "ggml":  # the run's blocks, on ggml: no torch loaded for it
+                from mdi.timing.ggml_profile import profile_ggml as profile_here
+                n_blocks = None
+            else:
+                from mdi.timing.node import profile_here  # torch's blocks
+                n_blocks = self._profile_blocks(request)
+            self._set_threads(request)
+            try:
+                return profile_here(request, self.device_override or request.device, token=self.token,
+                                    n_blocks=n_blocks)
+            except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
+                raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
+            finally:
+                gc.collect()
+                release_freed_memory()  # the random blocks' memory goes back before the weights come
+        finally:
+            self.lock.release()
+
+    def choose_backend(self, request: BackendRequest) -> BackendReply:
+        """POST /backend: which backend this worker would compute the asked layers with
+        (mdi.model.backend_select; auto is measured here once per machine and shape)."""
+        self._check_device(request.device)
+        choice = self._select_backend(request.asked, request.model, request.layers, request.gguf_types,
+                                      self.device_override or request.device, request.threads, request.rows,
+                                      request.adapters, request.dtype, layout_to_json(request.quant),
+                                      request.quant_kernel, request.kv_type)
+        # the /init that follows names the backend chosen: its reports keep why
+        self.chosen = (list(request.layers), choice.backend, choice.describe())
+        kernels = []
+        if choice.backend == "torch":  # it will load torch for the run anyway
+            from mdi.model import qkernels
+            kernels = qkernels.offered_on(self.device_override or request.device)
+        return BackendReply(choice.backend, choice.describe(), round(choice.seconds, 3), kernels)
+
+    def _select_backend(self, asked: str, config: Any, layers: List[int], gguf_types: Dict[str, str], device: str,
+                        threads: Any, rows: int, adapters: bool, dtype: str, quant: Dict[str, Any],
+                        quant_kernel: Optional[str], kv_type: str) -> BackendChoice:
+        threads = self.threads_override or threads
+        try:
+            return select_backend(asked, config, layers[0], layers[1], gguf_types, device,
+                                  threads if isinstance(threads, int) else None, rows, adapters, dtype, quant,
+                                  quant_kernel, kv_type)
+        except (ValueError, RuntimeError) as e:
+            raise RequestError(str(e))
+
+    def _profile_blocks(self, request: ProfileRequest) -> int:
+        """How many random blocks to time (profile_blocks), within what fits beside the weights
+        held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
+        the kernel, not told. When they do not fit beside the last run's weights (idle: the
+        caller checked), those go first, as the next /init would drop them, and the room is
+        measured again, not assumed: a 230 MB board holding its warmup run's layers refused the
+        profile and the plan left it out, and one sized on the room the weights would leave,
+        before they had gone, was OOM-killed."""
+        from mdi.model.block_timing import profile_blocks, profile_bytes
+        from mdi.timing.node import profile_positions
+        config, rows = request.model, max(request.batch_sizes)
+        positions = profile_positions(request)
+        device = self.device_override or request.device
+
+        def fit() -> Tuple[int, int, Optional[int], str]:
+            limit, what = self._memory_limit(device)
+            free = limit - chunk_nbytes(self.chunk) if limit is not None else None
+            n = profile_blocks(config, request.dtype, request.quant, device, free, rows, positions)
+            return n, profile_bytes(config, n, request.dtype, request.quant, rows, positions), free, what
+
+        n, need, free, what = fit()
+        if free is not None and need > free and self.chunk is not None:
+            log.info("worker: letting go of the last run's weights to profile (%d bytes needed, %d free beside them)",
+                     need, free)
+            self._drop_chunk_locked()
+            n, need, free, what = fit()
+        if free is not None and need > free:
+            raise TooLarge("profiling needs %d bytes (%d random blocks and their cache) but %d are free here (%s)"
+                           % (need, n, free, what))
+        return n
