@@ -54,6 +54,21 @@ def test_auto_keeps_the_cheaper_and_recalls_it(cache, monkeypatch):
     assert not other.cached and len(calls) == 4  # other shapes or threads: measured anew
 
 
+def test_a_node_busy_with_a_run_does_not_measure_but_recalls(cache, monkeypatch):
+    """A worker holding another starter's run answers POST /backend from memory, or refuses
+    (409 there) rather than take every core for seconds beside that run."""
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+    measure, calls = measuring({"ggml": SLOW, "torch": FAST})
+    with pytest.raises(backend.WouldMeasure, match="busy with run 7"):
+        choose("auto", {"ggml": None, "torch": None}, measure, KEY, busy="busy with run 7")
+    assert calls == []
+    choose("auto", {"ggml": None, "torch": None}, measure, KEY)  # measured between runs
+    again = choose("auto", {"ggml": None, "torch": None}, measure, KEY, busy="busy with run 8")
+    assert again.backend == "torch" and again.cached and len(calls) == 2
+    asked = choose("ggml", {"ggml": None, "torch": None}, measure, busy="busy with run 8")  # nothing to measure
+    assert asked.backend == "ggml"
+
+
 def test_a_choice_made_on_a_busy_machine_is_measured_again_once_it_is_quiet(cache, monkeypatch):
     load = {"now": 1.8}
     monkeypatch.setattr(backend, "machine_load", lambda: load["now"])

@@ -92,11 +92,17 @@ def default_backend() -> str:
     return value if value in BACKENDS else AUTO
 
 
+class WouldMeasure(RuntimeError):
+    """auto would have to measure (seconds of every core), and the node is busy: why."""
+
+
 def choose(asked: str, cannot: Dict[str, Optional[str]], measure: Callable[[str], BackendTiming],
-           key: Optional[Dict[str, object]] = None, refresh: bool = False) -> BackendChoice:
+           key: Optional[Dict[str, object]] = None, refresh: bool = False, busy: Optional[str] = None) -> BackendChoice:
     """The backend for a node: `asked` if it can serve (else ValueError saying why), or for
     auto the one whose measured cost is lower. `cannot[backend]`: why it cannot serve this run
-    (None: it can). `key`: what the measurement depends on, for the per-machine cache."""
+    (None: it can). `key`: what the measurement depends on, for the per-machine cache.
+    `busy`: why measuring now would disturb other work (WouldMeasure, unless the answer is
+    remembered)."""
     if asked != AUTO:
         why = cannot.get(asked)
         if why is not None:
@@ -126,6 +132,8 @@ def choose(asked: str, cannot: Dict[str, Optional[str]], measure: Callable[[str]
                                    load=was if isinstance(was, (int, float)) else None)
                 except (KeyError, TypeError):
                     pass
+        if busy is not None:
+            raise WouldMeasure(busy)
         log.info("mdi: measuring the ggml and torch backends on this node's shapes (once per machine) ...")
         t0 = time.perf_counter()
         timings, failed = {}, {}

@@ -63,9 +63,9 @@ def probe_layout(quant: Optional[Dict[str, Any]], first: int) -> Dict[str, Any]:
 def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_types: Optional[Dict[str, str]],
                    device: str, threads: Optional[int], rows: int, adapters: bool = False, dtype: str = "float32",
                    quant: Optional[Dict[str, Any]] = None, quant_kernel: Optional[str] = None, kv_type: str = "f16",
-                   refresh: bool = False) -> BackendChoice:
+                   refresh: bool = False, busy: Optional[str] = None) -> BackendChoice:
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
-    serve), or for auto the measured faster of those that can."""
+    serve), or for auto the measured faster of those that can (`busy`: see backend.choose)."""
     cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(config)}
     if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
         rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
@@ -86,4 +86,4 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
         shape = {k: v for k, v in config.to_dict().items() if k not in ("name", "bos_token_id", "eos_token_id")}
         key = {"machine": machine_key(), "model": shape, "types": ltypes, "quant": tquant, "kernel": quant_kernel,
                "dtype": dtype, "device": device, "threads": threads, "rows": max(1, rows), "kv_type": kv_type}
-    return choose(asked, cannot, measure, key, refresh)
+    return choose(asked, cannot, measure, key, refresh, busy)

@@ -4,7 +4,7 @@ import gc
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
-from mdi.model.backend import BackendChoice
+from mdi.model.backend import BackendChoice, WouldMeasure
 from mdi.model.backend_select import select_backend
 from mdi.model.layout import layout_to_json
 from mdi.ring.backend_request import BackendReply, BackendRequest
@@ -56,10 +56,19 @@ class Measuring:
         """POST /backend: which backend this worker would compute the asked layers with
         (mdi.model.backend_select; auto is measured here once per machine and shape)."""
         self._check_device(request.device)
-        choice = self._select_backend(request.asked, request.model, request.layers, request.gguf_types,
-                                      self.device_override or request.device, request.threads, request.rows,
-                                      request.adapters, request.dtype, layout_to_json(request.quant),
-                                      request.quant_kernel, request.kv_type)
+        run = self.run
+        # auto's first measurement takes every core for seconds: not beside a run (a remembered
+        # answer is given at any time)
+        busy = ("busy with run %d of the starter at %s" % (run.id, run.peer)
+                if run is not None and run.holds_worker() else None)
+        try:
+            choice = self._select_backend(request.asked, request.model, request.layers, request.gguf_types,
+                                          self.device_override or request.device, request.threads, request.rows,
+                                          request.adapters, request.dtype, layout_to_json(request.quant),
+                                          request.quant_kernel, request.kv_type, busy)
+        except WouldMeasure as e:
+            raise NodeBusy("%s: measuring its backends now would slow that run; ask between runs, or name "
+                           "runtime.backend" % e)
         # the /init that follows names the backend chosen: its reports keep why
         self.chosen = (list(request.layers), choice.backend, choice.describe())
         kernels = []
@@ -70,12 +79,14 @@ class Measuring:
 
     def _select_backend(self, asked: str, config: Any, layers: List[int], gguf_types: Dict[str, str], device: str,
                         threads: Any, rows: int, adapters: bool, dtype: str, quant: Dict[str, Any],
-                        quant_kernel: Optional[str], kv_type: str) -> BackendChoice:
+                        quant_kernel: Optional[str], kv_type: str, busy: Optional[str] = None) -> BackendChoice:
         threads = self.threads_override or threads
         try:
             return select_backend(asked, config, layers[0], layers[1], gguf_types, device,
                                   threads if isinstance(threads, int) else None, rows, adapters, dtype, quant,
-                                  quant_kernel, kv_type)
+                                  quant_kernel, kv_type, busy=busy)
+        except WouldMeasure:
+            raise
         except (ValueError, RuntimeError) as e:
             raise RequestError(str(e))
 
