@@ -279,7 +279,7 @@ class Worker:
             if limit is not None and held + len(body) > limit:
                 raise TooLarge("adapter %d needs %.1f MB, but this worker holds %.1f MB of the %.1f MB it may use (%s)"
                                % (adapter, len(body) / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
-            from mdi.ring.adapter_request import read_adapter_tensors  # torch's: adapters run on torch
+            from mdi.ring.adapter_request import read_adapter_tensors  # safetensors through torch, on either backend
             tensors = read_adapter_tensors(body)
             try:
                 chunk.set_adapter(adapter, tensors)
@@ -500,6 +500,8 @@ class Worker:
             compute = setup.compute_dtype
             chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
             chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
+        else:
+            chunk.clear_adapters()  # the same on ggml (their buffers freed)
         try:
             chunk.allocate_cache(request.n_slots, request.max_len)
         except (RuntimeError, ValueError, MemoryError) as e:  # ggml says MemoryError
