@@ -190,3 +190,19 @@ def test_an_adapter_that_does_not_fit_is_refused(models):
     with pytest.raises(ValueError, match="ids start at 1"):
         chunk.set_adapter(0, a.weights)
     assert not chunk.lora.adapters
+
+
+def test_a_soft_prompt_s_rows_embed_as_on_torch(models):
+    """The starter's soft prompt: virtual rows replace token embeddings, learned positions
+    added to them (GPT-2), as the torch chunk does."""
+    net, chunk = models
+    ids = torch.tensor([3, 4, 5, 6, 7, 8])
+    positions = torch.tensor([4, 5, 6, 0, 1, 2])
+    values = torch.randn(3, net.config.n_embd)
+    virtual = (torch.tensor([0, 1, 4]), values)
+    with torch.no_grad():
+        want = net.embed_rows(ids, positions, virtual).numpy()
+    got = chunk.embed_rows(ids, positions, virtual).numpy()
+    assert np.allclose(got, want, atol=1e-6)
+    assert np.allclose(chunk.embed_rows(ids, positions).numpy(), net.embed_rows(ids, positions).detach().numpy(),
+                       atol=1e-6)

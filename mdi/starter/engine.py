@@ -133,7 +133,10 @@ class Engine:
         log.log(logging.INFO if choice.asked == "auto" else logging.DEBUG, "mdi: starter: backend %s",
                 choice.describe())
         if choice.backend == "ggml":
-            return self._ggml_chunk(first, last)
+            chunk = self._ggml_chunk(first, last)
+            if self.adapters:
+                self.adapters.install(chunk)
+            return chunk
         asked = self.cfg.model.compute_dtype
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:

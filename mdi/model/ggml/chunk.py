@@ -257,22 +257,37 @@ class GgmlChunk:
         return self.forward_rows(x, PassRows([slot], [start], [int(x.shape[0])]))
 
     def embed_rows(self, ids: Any, positions: Any, virtual: Optional[Tuple[Any, Any]] = None) -> Any:
-        """Token rows [rows] at their positions -> embeddings [rows, n_embd] (float32)."""
-        if virtual is not None:
-            raise ValueError("soft prompts do not run on the ggml backend (use runtime.backend: torch for them)")
+        """Token rows [rows] at their positions -> embeddings [rows, n_embd] (float32);
+        `virtual` (rows, embeddings) replaces those rows' token embeddings (a soft prompt's
+        virtual tokens, as the torch chunk does: not scaled, learned positions added)."""
         torch_in = not isinstance(ids, np.ndarray)
         ids_np = np.ascontiguousarray(ids.cpu().numpy() if torch_in else ids, dtype=np.int32).reshape(-1)
         n = ids_np.shape[0]
         if n and (ids_np.min() < 0 or ids_np.max() >= self.config.vocab_size):
             raise ValueError("token id outside the vocabulary of %d" % self.config.vocab_size)
-        g = self._graph(("embed", n), lambda: self.builder.embedding(n))
+        learned = self.traits.family.positions == "learned"
+        later = virtual is not None and learned  # positions added after the virtual rows are in
+        g = self._graph(("embed", n, later), lambda: self.builder.embedding(n, not later))
         lib.set_data(g.inputs["ids"], ids_np)
-        if "pos" in g.inputs:
+        pos = None
+        if learned:
             pos = positions.cpu().numpy() if hasattr(positions, "cpu") else positions
-            lib.set_data(g.inputs["pos"], np.ascontiguousarray(pos, dtype=np.int32).reshape(-1))
+            pos = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
+        if "pos" in g.inputs:
+            lib.set_data(g.inputs["pos"], pos)
         self.cpu.compute(g.graph)
         out = np.empty((n, self.config.n_embd), dtype=np.float32)
-        return _back(lib.get_data(g.output, out), torch_in)
+        lib.get_data(g.output, out)
+        if virtual is not None:
+            rows, values = (v.cpu().numpy() if hasattr(v, "cpu") else np.asarray(v) for v in virtual)
+            out[rows.astype(np.int64)] = values.astype(np.float32)
+            if later:
+                p = self._graph(("positions", n), lambda: self.builder.positions(n))
+                lib.set_data(p.inputs["x"], out)
+                lib.set_data(p.inputs["pos"], pos)
+                self.cpu.compute(p.graph)
+                lib.get_data(p.output, out)
+        return _back(out, torch_in)
 
     def head(self, x: Any) -> Any:
         """Final norm and LM head over rows [rows, n_embd] -> logits [rows, vocab] (float32)."""

@@ -262,8 +262,9 @@ class GraphBuilder:
         return gg.ggml_add(ctx, m, x)
 
     # --- the ends ------------------------------------------------------------------------
-    def embedding(self, rows: int) -> Built:
-        """Token ids [rows] (and their positions, for learned position embeddings) -> [E, rows]."""
+    def embedding(self, rows: int, positions: bool = True) -> Built:
+        """Token ids [rows] (and their positions, for learned position embeddings, unless not
+        `positions`) -> [E, rows]."""
         gg, t = self.gg, self.t
         b = Built(NODES_MORE)
         ctx = b.ctx.ptr
@@ -271,9 +272,23 @@ class GraphBuilder:
         x = gg.ggml_get_rows(ctx, self.w["token_embd.weight"], ids)
         if t.family.embed_scale:
             x = gg.ggml_scale(ctx, x, math.sqrt(t.config.n_embd))
-        if t.family.positions == "learned":
-            pos = self._input(b, "pos", lib.I32, rows)
-            x = gg.ggml_add(ctx, x, gg.ggml_get_rows(ctx, self.w["position_embd.weight"], pos))
+        if t.family.positions == "learned" and positions:
+            x = self._add_positions(b, x, rows)
+        gg.ggml_set_output(x)
+        gg.ggml_build_forward_expand(b.graph, x)
+        b.output = x
+        b.allocate()
+        return b
+
+    def _add_positions(self, b: Built, x: Any, rows: int) -> Any:
+        pos = self._input(b, "pos", lib.I32, rows)
+        return self.gg.ggml_add(b.ctx.ptr, x, self.gg.ggml_get_rows(b.ctx.ptr, self.w["position_embd.weight"], pos))
+
+    def positions(self, rows: int) -> Built:
+        """Embeddings [E, rows] plus their learned position embeddings (a soft prompt's rows)."""
+        gg = self.gg
+        b = Built(NODES_MORE)
+        x = self._add_positions(b, self._input(b, "x", lib.F32, self.t.config.n_embd, rows), rows)
         gg.ggml_set_output(x)
         gg.ggml_build_forward_expand(b.graph, x)
         b.output = x
