@@ -206,3 +206,19 @@ def test_a_soft_prompt_s_rows_embed_as_on_torch(models):
     assert np.allclose(got, want, atol=1e-6)
     assert np.allclose(chunk.embed_rows(ids, positions).numpy(), net.embed_rows(ids, positions).detach().numpy(),
                        atol=1e-6)
+
+
+def test_a_training_job_beside_a_ggml_ring_is_refused_in_one_line():
+    """POST /v1/mdi/train where nodes compute with ggml (no backward pass): a 400 that says what
+    to run instead, before any node is touched."""
+    from types import SimpleNamespace
+    from mdi.serving.train_routes import TrainControl
+    from mdi.serving.validation import ApiError
+    engine = SimpleNamespace(ggml_nodes=lambda: ["starter", "board2"],
+                             cfg=SimpleNamespace(runtime=SimpleNamespace(quant_kernel="exact")),
+                             plan=SimpleNamespace(nodes=[]))
+    control = TrainControl(SimpleNamespace(job=None, engine=engine), None, "tiny", lambda: None)
+    with pytest.raises(ApiError) as e:
+        control.start({"data": "x.txt", "out": "y"})
+    assert e.value.status == 400 and "\n" not in e.value.message
+    assert "starter, board2 compute with ggml" in e.value.message and "runtime.backend: torch" in e.value.message

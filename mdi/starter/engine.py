@@ -163,6 +163,13 @@ class Engine:
             self.adapters.install(chunk)
         return chunk
 
+    def ggml_nodes(self) -> List[str]:
+        """The nodes of the open ring that compute with ggml (which has no backward pass)."""
+        out = [self.nodes[0].name] if self.chunk is not None and self.chunk.backend == "ggml" else []
+        if self.ring is not None:
+            out += [n.name for n, b in zip(self.ring.workers, self.ring.backends) if b == "ggml"]
+        return out
+
     def _choose_backend(self, first: int, last: int) -> BackendChoice:
         """The starter's backend (runtime.backend, or its node's own), auto measured here."""
         cfg = self.cfg

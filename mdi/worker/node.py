@@ -493,15 +493,13 @@ class Worker:
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
         request = setup.request
+        # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
+        # per run, and a kept chunk's last adapters may mean something else now; ggml frees their buffers).
+        chunk.clear_adapters() if chunk.backend == "ggml" else chunk.lora.adapters.clear()
         if chunk.backend == "torch":
-            # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
-            # per run, and a kept chunk's last adapters may mean something else now).
-            chunk.lora.adapters.clear()
             compute = setup.compute_dtype
             chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
             chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
-        else:
-            chunk.clear_adapters()  # the same on ggml (their buffers freed)
         try:
             chunk.allocate_cache(request.n_slots, request.max_len)
         except (RuntimeError, ValueError, MemoryError) as e:  # ggml says MemoryError

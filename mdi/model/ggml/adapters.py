@@ -198,7 +198,7 @@ NODES_PER_LAYER = 7 * 4
 class LoraOps:
     """The adapter ops of one blocks graph: its inputs, and `add` for each linear layer."""
 
-    def __init__(self, gg: Any, new_input: Any, shape: LoraShape, held: Mapping[str, HeldAdapter],
+    def __init__(self, gg: Any, new_input: Any, shape: LoraShape, held: Mapping[int, HeldAdapter],
                  max_out: int) -> None:
         self.gg, self.shape, self.held = gg, shape, held
         self.index = [new_input("lora_rows_%d" % i, lib.I32, n) for i, (_, n) in enumerate(shape.groups)]

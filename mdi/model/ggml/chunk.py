@@ -240,7 +240,7 @@ class GgmlChunk:
             lib.set_data(g.inputs["pos"], np.concatenate(row_positions))
         lib.set_data(g.inputs["kv_rows"], kv_rows)
         fill_masks(g, shape, row_positions, self.traits)
-        if plan is not None:
+        if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)
         self.cpu.compute(g.graph)
@@ -269,7 +269,7 @@ class GgmlChunk:
         later = virtual is not None and learned  # positions added after the virtual rows are in
         g = self._graph(("embed", n, later), lambda: self.builder.embedding(n, not later))
         lib.set_data(g.inputs["ids"], ids_np)
-        pos = None
+        pos = np.zeros(0, dtype=np.int32)
         if learned:
             pos = positions.cpu().numpy() if hasattr(positions, "cpu") else positions
             pos = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
