@@ -279,8 +279,8 @@ class Worker:
             if limit is not None and held + len(body) > limit:
                 raise TooLarge("adapter %d needs %.1f MB, but this worker holds %.1f MB of the %.1f MB it may use (%s)"
                                % (adapter, len(body) / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
-            from mdi.ring.adapter_request import read_adapter_tensors  # safetensors through torch, on either backend
-            tensors = read_adapter_tensors(body)
+            from mdi.ring.adapter_request import read_adapter_tensors  # numpy on ggml: torch stays unloaded
+            tensors = read_adapter_tensors(body, arrays=chunk.backend == "ggml")
             try:
                 chunk.set_adapter(adapter, tensors)
             except ValueError as e:
