@@ -3,7 +3,8 @@ the head, with its KV cache, answering the same calls as the torch chunk (mdi.mo
 so that the ring, the pipeline and the worker do not know which one they drive.
 
 Activations come in and go out as float32 rows [rows, n_embd] (numpy, or torch tensors on the
-CPU, given back as the same kind), a pass's samples as a RowBatch (slots, starts, counts).
+CPU, given back as the same kind), a pass's samples as a RowBatch (slots, starts, counts, and
+each sample's adapter: LoRA pairs added as graph ops, mdi.model.ggml.adapters).
 """
 import logging
 import sys
