@@ -244,3 +244,8 @@ def test_a_ggml_worker_reads_an_adapter_body_without_torch(models):
     bad["blocks.0.attn.proj"] = (weights["blocks.0.attn.proj"][0] * float("nan"), weights["blocks.0.attn.proj"][1])
     with pytest.raises(RequestError, match="NaN"):
         read_adapter_tensors(adapter_body(bad), arrays=True)
+
+
+def test_auto_keeps_ggml_for_a_run_that_serves_adapters():
+    from mdi.model.backend_select import ggml_cannot
+    assert ggml_cannot({"blk.0.attn_q.weight": "Q4_1"}, "cpu", adapters=True) is None
