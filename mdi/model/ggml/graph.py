@@ -161,7 +161,6 @@ class GraphBuilder:
         E, R = c.n_embd, shape.rows
         more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
         b = Built(len(self.layers) * (NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples)) + NODES_MORE + more)
-        ctx = b.ctx.ptr
         x = self._input(b, "x", lib.F32, E, R)
         pos = self._input(b, "pos", lib.I32, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
