@@ -13,6 +13,7 @@ adapters' bytes for its own layers (each node holds only those). Record: results
 
     python scripts/bench_adapters.py                       # 4 adapters of rank 16, 8 requests, 3 nodes
     python scripts/bench_adapters.py --repeats 5 --quota 0  # no CPU quotas
+    python scripts/bench_adapters.py --backend ggml --out results/bench_adapters_ggml.json
 """
 import argparse
 import os
@@ -42,20 +43,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=32, help="completion tokens per request")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quota", type=float, default=0.5, help="CPU cores per node (0: no quota)")
+    p.add_argument("--backend", default="auto", choices=["auto", "ggml", "torch"],
+                   help="runtime.backend of every node (default auto)")
     p.add_argument("--out", default=os.path.join(benchlib.ROOT, "results", "bench_adapters.json"))
     return p.parse_args(argv)
 
 
 def write_config(path: str, model: str, workers: List[WorkerProcess], port: int, data_port: int,
-                 adapters: Dict[str, str], slots: int) -> None:
+                 adapters: Dict[str, str], slots: int, backend: str = "auto") -> None:
     nodes = ["  - {name: starter, host: 127.0.0.1, port: %d, data_port: %d}" % (port, data_port)]
     nodes += ["  - {name: %s, host: 127.0.0.1, port: %d, data_port: %d}" % (w.name, w.port, w.data_port)
               for w in workers]
     listed = "\n".join("  %s: %s" % (name, p) for name, p in adapters.items())
     with open(path, "w") as f:
         f.write("model: {path: %s}\nadapters:\n%s\nnodes:\n%s\ngeneration: {temperature: 0}\n"
-                "runtime: {threads: 1, quant_kernel: fast}\nserve: {max_in_flight: %d, max_len: 256}\n"
-                % (model, listed, "\n".join(nodes), slots))
+                "runtime: {threads: 1, quant_kernel: fast, backend: %s}\nserve: {max_in_flight: %d, max_len: 256}\n"
+                % (model, listed, "\n".join(nodes), backend, slots))
 
 
 def complete(url: str, model: Optional[str], prompt: str, tokens: int, out: Dict[str, Any]) -> None:
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
             w.wait_healthy(120)
         port, data_port = ports_besides(workers, 2)
         cfg = os.path.join(tmp, "serve.yaml")
-        write_config(cfg, os.path.abspath(args.model), workers, port, data_port, paths, args.requests)
+        write_config(cfg, os.path.abspath(args.model), workers, port, data_port, paths, args.requests, args.backend)
         server = NodeProcess("server", [os.path.join(BIN, "mdi-start"), "--config", cfg, "--serve"],
                              os.path.join(tmp, "server.log"), dict(os.environ),
                              preexec=cgroups.preexec("starter") if cgroups else None)
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
         want = sum(a.nbytes(a.for_layers(first, last)) for a in loaded)
         memory.append({"node": w.name, "layers": [first, last], "adapter_bytes": m["adapter_bytes"],
                        "expected_bytes": want, "chunk_bytes": m["chunk_bytes"]})
-    record = {"model": args.model, "nodes": args.nodes, "adapters": len(paths), "rank": args.rank,
+    record = {"model": args.model, "backend": args.backend, "nodes": args.nodes, "adapters": len(paths), "rank": args.rank,
               "requests": args.requests, "tokens": args.tokens, "quota_cores": args.quota if cgroups else None,
               "base_tokens_per_s": benchlib.summarize(base_runs), "adapters_tokens_per_s": benchlib.summarize(lora_runs),
               "ratio": benchlib.summarize(ratios), "memory": memory, "machine": info,

@@ -36,10 +36,10 @@ torch.set_num_threads(1)
 # The tests name the backend they test; the rest run on torch, the exact reference, unless the
 # whole suite is asked to run on another ($MDI_BACKEND=ggml ./scripts/test.sh).
 os.environ.setdefault("MDI_BACKEND", "torch")
-# What computes on torch only in this version (adapters, soft prompts, training): a run asked to
-# compute on ggml refuses it, so its tests skip there.
+# What computes on torch only in this version (training: ggml has no backward pass): a run asked
+# to compute on ggml refuses it, so its tests skip there. Adapters and soft prompts run on both.
 ON_TORCH = os.environ["MDI_BACKEND"] != "ggml"
-torch_only = pytest.mark.skipif(not ON_TORCH, reason="adapters, soft prompts and training compute on torch only")
+torch_only = pytest.mark.skipif(not ON_TORCH, reason="training computes on torch only")
 # How close a run's log-probabilities (absolute) and perplexities (relative) come to torch's
 # float32 reference: ggml keeps K and V in float16 and multiplies Q by K in float16 (measured up
 # to 0.015 and 0.1% on the tiny random models, whose logits are large).

@@ -36,9 +36,9 @@ def test_an_asked_backend_that_cannot_serve_says_why(cache):
 
 def test_auto_with_one_able_backend_measures_nothing(cache):
     measure, calls = measuring({})
-    got = choose("auto", {"ggml": "adapters run on torch only", "torch": None}, measure, KEY)
+    got = choose("auto", {"ggml": "the model has no GGUF", "torch": None}, measure, KEY)
     assert got.backend == "torch" and calls == []
-    assert got.describe() == "torch (auto: ggml cannot: adapters run on torch only)"
+    assert got.describe() == "torch (auto: ggml cannot: the model has no GGUF)"
 
 
 def test_auto_keeps_the_cheaper_and_recalls_it(cache, monkeypatch):

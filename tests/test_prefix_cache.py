@@ -10,7 +10,7 @@ import pytest
 import requests
 import torch
 
-from conftest import CHARS, ON_TORCH, ServeProcess, WorkerProcess, free_ports, tiny_model, torch_only, worker_pool
+from conftest import CHARS, ServeProcess, WorkerProcess, free_ports, tiny_model, worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.prefix_store import CacheOp, PrefixCacheError, PrefixStore, budget_bytes
 from mdi.model.sampling import SamplingParams, sample_generator
@@ -256,7 +256,7 @@ def served(tiny_models, workers, tmp_path_factory):
     config = ModelSource(model).config
     lora = write_peft_lora(os.path.join(os.path.dirname(model), "lora-prefix"), config, 21)
     path = write_run_config(tmp_path_factory.mktemp("prefix") / "ring3.yaml", model, workers[:2],
-                            layers=[1, 1, 2], adapters={"chat": lora} if ON_TORCH else None,
+                            layers=[1, 1, 2], adapters={"chat": lora},
                             runtime={"threads": 1, "ring_timeout": 30, "prefix_cache": "8MB"},
                             serve={"max_in_flight": 2, "model_name": "tiny"})
     server = ServeProcess(path).wait_ready()
@@ -331,7 +331,6 @@ def test_concurrent_conversations_each_get_their_own_text(served):
     assert not errors, errors
 
 
-@torch_only
 def test_an_adapter_never_reuses_the_base_s_positions(served):
     prompt = "The same words for both"
     complete(served, prompt)  # the base holds them now

@@ -1,13 +1,13 @@
 """A node's compute backend, chosen once per node at load: ggml (llama.cpp's kernels over the
-GGUF's tensors as stored, mdi.model.ggml) or torch (mdi.model.transformer: training, adapters,
-and the exact reference the tests compare against).
+GGUF's tensors as stored, mdi.model.ggml) or torch (mdi.model.transformer: training, and the
+exact reference the tests compare against). LoRA adapters and soft prompts serve on either.
 
 `runtime.backend` (or a node's own `backend`) asks for one; `auto`, the default, measures both
 on the node's own shapes (a few random blocks of the real dims and weight types: decode passes
 and a prefill pass, nothing else held) and keeps the faster for the run's work, remembering the
 outcome per machine (CPU, library versions, shapes, threads) so a second start measures nothing.
 A backend that cannot serve the run is never measured: ggml needs the model's GGUF and its
-binding, and runs no adapters, soft prompts or training yet; under auto torch does not serve a
+binding, and has no backward pass (training runs on torch); under auto torch does not serve a
 node whose GGUF tensors it would re-round (K-quants, IQ types: mdi.model.backend_select).
 """
 import logging

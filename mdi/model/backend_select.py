@@ -18,14 +18,13 @@ PROBE_PREFILL_TOKENS = 128
 
 
 def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: bool) -> Optional[str]:
-    """Why ggml cannot compute this node's part of the run (None: it can)."""
+    """Why ggml cannot compute this node's part of the run (None: it can). Adapters and soft
+    prompts run on either backend (mdi.model.ggml.adapters); `adapters` stays for callers."""
     from mdi.model.ggml.lib import unavailable_reason
     if not gguf_types:
         return "the model has no GGUF (mdi-prepare writes model.gguf into a model directory)"
     if not device.startswith("cpu"):
         return "ggml computes on the CPU in this version (device %s)" % device
-    if adapters:
-        return "adapters and soft prompts run on torch only in this version"
     return unavailable_reason()
 
 

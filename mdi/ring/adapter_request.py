@@ -1,11 +1,11 @@
 """POST /adapters/<id> (contract): one adapter's low-rank matrices for the layers a worker holds,
 as safetensors bytes: "<layer>.lora_A" [r, in] and "<layer>.lora_B" [out, r] for each linear
 layer it changes (mdi's names, e.g. "blocks.3.attn.qkv"; the scale folded into B). Safetensors
-only, nothing that runs code when read. Both ends use these two functions."""
-from typing import Dict, Mapping, Tuple
+only, nothing that runs code when read. Both ends use these two functions; a worker computing
+with ggml reads the body as numpy arrays (`arrays`), so torch stays unloaded there."""
+from typing import Any, Dict, Mapping, Tuple
 
-import torch
-from safetensors.torch import load as safetensors_load, save as safetensors_save
+import numpy as np
 
 from mdi.ring.init_request import RequestError
 
@@ -13,7 +13,8 @@ from mdi.ring.body_limits import MAX_ADAPTER_BYTES  # noqa: E402,F401  (named fr
 MAX_RANK = 4096
 
 
-def adapter_body(weights: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+def adapter_body(weights: Mapping[str, Tuple[Any, Any]]) -> bytes:
+    from safetensors.torch import save as safetensors_save
     tensors = {}
     for name, (a, b) in weights.items():
         tensors[name + ".lora_A"] = a.detach().float().contiguous().cpu()
@@ -21,10 +22,15 @@ def adapter_body(weights: Mapping[str, Tuple[torch.Tensor, torch.Tensor]]) -> by
     return safetensors_save(tensors)
 
 
-def read_adapter_tensors(body: bytes) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """The body as {layer: (A, B)}, or a RequestError naming what is wrong."""
+def read_adapter_tensors(body: bytes, arrays: bool = False) -> Dict[str, Tuple[Any, Any]]:
+    """The body as {layer: (A, B)} (torch tensors, or numpy arrays with `arrays`), or a
+    RequestError naming what is wrong."""
     if not body or len(body) > MAX_ADAPTER_BYTES:
         raise RequestError("an adapter body is 1 to %d bytes of safetensors" % MAX_ADAPTER_BYTES)
+    if arrays:
+        from safetensors.numpy import load as safetensors_load
+    else:
+        from safetensors.torch import load as safetensors_load
     try:
         tensors = safetensors_load(bytes(body))
     except Exception as e:  # safetensors raises its own error types on a bad header
@@ -37,12 +43,17 @@ def read_adapter_tensors(body: bytes) -> Dict[str, Tuple[torch.Tensor, torch.Ten
         a, b = tensors.get(base + ".lora_A"), tensors.get(base + ".lora_B")
         if a is None or b is None:
             raise RequestError("adapter layer %r needs both lora_A and lora_B" % base[:120])
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or not 1 <= a.shape[0] <= MAX_RANK:
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or not 1 <= a.shape[0] <= MAX_RANK:
             raise RequestError("adapter layer %r: lora_A %s and lora_B %s are not [r, in] and [out, r]"
                                % (base[:120], list(a.shape), list(b.shape)))
-        if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+        if arrays:
+            floats = np.issubdtype(a.dtype, np.floating) and np.issubdtype(b.dtype, np.floating)
+        else:
+            floats = a.dtype.is_floating_point and b.dtype.is_floating_point
+        if not floats:
             raise RequestError("adapter layer %r: float tensors expected" % base[:120])
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        finite = (np.isfinite(a).all() and np.isfinite(b).all()) if arrays else (a.isfinite().all() and b.isfinite().all())
+        if not finite:
             raise RequestError("adapter layer %r holds NaN or infinite values" % base[:120])
         out[base] = (a, b)
     return out

@@ -53,6 +53,11 @@ class TrainControl:
             raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
                            "have no backward: serve with runtime.quant_kernel: exact to train beside it"
                            % cfg.runtime.quant_kernel)
+        on_ggml = engine.ggml_nodes()
+        if on_ggml:  # ggml has no backward pass; a torch copy beside it would double a board's weights
+            raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch to "
+                           "train beside serving, or train with mdi-train" % (", ".join(on_ggml),
+                                                                             "s" if len(on_ggml) == 1 else ""))
         taken = [self.model_id] + ([n for _, n in engine.adapters.loaded()] if engine.adapters else [])
         spec = parse_train_body(body, self.files, len(engine.nodes),
                                 min(sched.max_len, sched.source.config.block_size), taken)

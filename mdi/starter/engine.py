@@ -133,7 +133,10 @@ class Engine:
         log.log(logging.INFO if choice.asked == "auto" else logging.DEBUG, "mdi: starter: backend %s",
                 choice.describe())
         if choice.backend == "ggml":
-            return self._ggml_chunk(first, last)
+            chunk = self._ggml_chunk(first, last)
+            if self.adapters:
+                self.adapters.install(chunk)
+            return chunk
         asked = self.cfg.model.compute_dtype
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:
@@ -160,6 +163,13 @@ class Engine:
         if self.adapters:
             self.adapters.install(chunk)
         return chunk
+
+    def ggml_nodes(self) -> List[str]:
+        """The nodes of the open ring that compute with ggml (which has no backward pass)."""
+        out = [self.nodes[0].name] if self.chunk is not None and self.chunk.backend == "ggml" else []
+        if self.ring is not None:
+            out += [n.name for n, b in zip(self.ring.workers, self.ring.backends) if b == "ggml"]
+        return out
 
     def _choose_backend(self, first: int, last: int) -> BackendChoice:
         """The starter's backend (runtime.backend, or its node's own), auto measured here."""

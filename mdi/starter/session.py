@@ -53,6 +53,7 @@ class RingSession:
         self.endpoint: Optional[RingEndpoint] = None
         self.init_replies: List[Dict] = [{} for _ in self.workers]
         self.backend_lines: List[Optional[str]] = [None for _ in self.workers]  # each worker's backend and why
+        self.backends: List[Optional[str]] = [None for _ in self.workers]  # "ggml" or "torch" once chosen
         self.failure: Optional[NodeError] = None
         self._watching = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -92,6 +93,7 @@ class RingSession:
                 log.info("mdi: %s: choosing its backend (auto: measured there once per machine) ...", node.name)
             chosen = client.backend(asked)
             self.backend_lines[i] = chosen.line
+            self.backends[i] = chosen.backend
             log.log(logging.INFO if asked.asked == "auto" else logging.DEBUG, "mdi: %s: backend %s", node.name,
                     chosen.line)
             if node.weights:

@@ -185,8 +185,8 @@ class Worker(Measuring):
             if limit is not None and held + len(body) > limit:
                 raise TooLarge("adapter %d needs %.1f MB, but this worker holds %.1f MB of the %.1f MB it may use (%s)"
                                % (adapter, len(body) / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
-            from mdi.ring.adapter_request import read_adapter_tensors  # torch's: adapters run on torch
-            tensors = read_adapter_tensors(body)
+            from mdi.ring.adapter_request import read_adapter_tensors  # numpy on ggml: torch stays unloaded
+            tensors = read_adapter_tensors(body, arrays=chunk.backend == "ggml")
             try:
                 chunk.set_adapter(adapter, tensors)
             except ValueError as e:
@@ -349,10 +349,10 @@ class Worker(Measuring):
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
         request = setup.request
+        # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
+        # per run, and a kept chunk's last adapters may mean something else now; ggml frees their buffers).
+        chunk.clear_adapters() if chunk.backend == "ggml" else chunk.lora.adapters.clear()
         if chunk.backend == "torch":
-            # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
-            # per run, and a kept chunk's last adapters may mean something else now).
-            chunk.lora.adapters.clear()
             compute = setup.compute_dtype
             chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
             chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way

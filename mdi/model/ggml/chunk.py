@@ -3,10 +3,12 @@ the head, with its KV cache, answering the same calls as the torch chunk (mdi.mo
 so that the ring, the pipeline and the worker do not know which one they drive.
 
 Activations come in and go out as float32 rows [rows, n_embd] (numpy, or torch tensors on the
-CPU, given back as the same kind), a pass's samples as a RowBatch (slots, starts, counts).
+CPU, given back as the same kind), a pass's samples as a RowBatch (slots, starts, counts, and
+each sample's adapter: LoRA pairs added as graph ops, mdi.model.ggml.adapters).
 """
 import logging
 import sys
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,6 +17,7 @@ import numpy as np
 
 from mdi.model.config import ModelConfig
 from mdi.model.ggml import lib
+from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
 from mdi.model.ggml.graph import Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks
 from mdi.model.ggml.kv_cache import GgmlKVCache
 from mdi.model.ggml.min_rows import fewest_rows
@@ -41,17 +44,9 @@ def _back(y: np.ndarray, torch_in: bool) -> Any:
     return sys.modules["torch"].from_numpy(y)
 
 
-class NoAdapters:
-    """The adapters a ggml chunk holds: none in this version (auto picks torch for a run that
-    serves adapters); the frame decoder checks adapter ids against `adapters`."""
-    adapters: Dict[int, Any] = {}
-
-
 class GgmlChunk:
     backend = "ggml"
     compute_dtype = None  # activations are float32, whatever the weights' types
-    lora = NoAdapters()
-    adapter_bytes = 0
 
     def __init__(self, config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
                  weights: GgufWeights, rope_mode: int, threads: int = 1, kv_type: str = "f16",
@@ -78,6 +73,10 @@ class GgmlChunk:
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self.graphs_built = 0
         self.build_seconds = 0.0
+        # LoRA adapters (mdi.model.ggml.adapters); the frame decoder checks ids against lora.adapters
+        self.lora = GgmlAdapters()
+        # a pass and an adapter loaded or dropped while serving take turns (a graph reads its pairs)
+        self._lock = threading.RLock()
 
     # --- loading -------------------------------------------------------------------------
     def _tensor_names(self, weights: GgufWeights) -> Tuple[List[str], List[str]]:
@@ -118,10 +117,36 @@ class GgmlChunk:
         return torch.float32 if torch is not None else "float32"
 
     def set_adapter(self, adapter: int, weights: Dict[str, Any]) -> None:
-        raise ValueError("adapters run on the torch backend in this version (runtime.backend: torch)")
+        """Hold adapter `adapter` (> 0): (A [r, in], B [out, r]) per mdi linear layer name of this
+        chunk's blocks (torch tensors or numpy), the scale folded into B, as the torch chunk
+        takes them; float32 in a ggml buffer of its own. Layers it does not name run as the base."""
+        if adapter <= 0:
+            raise ValueError("adapter ids start at 1 (0 is the base model)")
+        permuted = self.traits.family.positions == "rope" and self.traits.rope_mode == lib.ROPE_NORMAL
+        pairs = gguf_pairs(self.config, self.first, self.last, self.tensors, permuted, adapter, weights)
+        held = HeldAdapter(pairs, self.cpu)
+        with self._lock:
+            self._drop_locked(adapter)
+            self.lora.adapters[adapter] = held
 
     def drop_adapter(self, adapter: int) -> None:
-        pass
+        with self._lock:
+            self._drop_locked(adapter)
+
+    def clear_adapters(self) -> None:
+        with self._lock:
+            for adapter in list(self.lora.adapters):
+                self._drop_locked(adapter)
+
+    def _drop_locked(self, adapter: int) -> None:
+        held = self.lora.adapters.pop(adapter, None)
+        if held is not None:
+            self._drop_graphs(lambda key: key[0] == "blocks" and key[2] is not None and adapter in key[2].adapter_ids)
+            held.free()
+
+    @property
+    def adapter_bytes(self) -> int:
+        return self.lora.nbytes
 
     # --- cache -----------------------------------------------------------------------------
     def allocate_cache(self, n_slots: int, max_len: int) -> GgmlKVCache:
@@ -133,6 +158,10 @@ class GgmlChunk:
         return self.cache
 
     def free_cache(self) -> None:
+        with self._lock:
+            self._free_cache_locked()
+
+    def _free_cache_locked(self) -> None:
         self._drop_graphs(lambda key: key[0] == "blocks")  # their views point into the cache
         if self.cache is not None:
             self.cache.free()
@@ -140,6 +169,10 @@ class GgmlChunk:
 
     # --- graphs ------------------------------------------------------------------------------
     def _graph(self, key: Any, build: Any) -> Built:
+        with self._lock:  # an adapter loaded or dropped on another thread drops graphs
+            return self._graph_locked(key, build)
+
+    def _graph_locked(self, key: Any, build: Any) -> Built:
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
@@ -162,16 +195,24 @@ class GgmlChunk:
     # --- compute -------------------------------------------------------------------------------
     def forward_rows(self, x: Any, batch: Any) -> Any:
         """This chunk's blocks once over the stacked rows x [batch.rows, n_embd] of the samples
-        of `batch` (a RowBatch: slots, starts, counts), each against its own cache slot."""
+        of `batch` (a RowBatch: slots, starts, counts; `adapters`: each sample's adapter id, 0
+        for the base), each against its own cache slot."""
         if self.n_layers == 0:
             return x
+        with self._lock:
+            return self._forward_locked(x, batch)
+
+    def _forward_locked(self, x: Any, batch: Any) -> Any:
         cache = self.cache
         if cache is None:
             raise RuntimeError("no KV cache allocated")
         slots, starts, counts = list(batch.slots), list(batch.starts), list(batch.counts)
         rows = sum(counts)
-        if getattr(batch, "adapters", None):
-            raise ValueError("adapters do not run on the ggml backend (use runtime.backend: torch for them)")
+        adapters = getattr(batch, "adapters", None)
+        if adapters:
+            missing = sorted({a for a in adapters if a and a not in self.lora.adapters})
+            if missing:
+                raise ValueError("adapter %d is not loaded on layers [%d, %d)" % (missing[0], self.first, self.last))
         if len(set(slots)) != len(slots):
             raise ValueError("a sample slot appears twice in one batch")
         for slot, start, count in zip(slots, starts, counts):
@@ -191,13 +232,18 @@ class GgmlChunk:
             shape = PassShape(shape.samples[:-1] + (SampleShape(last.slot, last.rows + pad, last.attend),))
             row_positions[-1] = np.concatenate([row_positions[-1], np.repeat(row_positions[-1][-1:], pad)])
             a = np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
-        g = self._graph(("blocks", shape), lambda: self.builder.blocks(shape, cache))
+        plan = self.lora.plan(adapters, [s.rows for s in shape.samples])
+        lora = plan.shape if plan is not None else None
+        g = self._graph(("blocks", shape, lora), lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters))
         kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
         lib.set_data(g.inputs["x"], a)
         if self.traits.family.positions == "rope":  # (GPT-2's graph leaves its positions unused: no buffer)
             lib.set_data(g.inputs["pos"], np.concatenate(row_positions))
         lib.set_data(g.inputs["kv_rows"], kv_rows)
         fill_masks(g, shape, row_positions, self.traits)
+        if plan is not None and g.lora is not None:
+            for tensor, values in g.lora.fill(plan):
+                lib.set_data(tensor, values)
         self.cpu.compute(g.graph)
         out = np.empty((shape.rows, self.config.n_embd), dtype=np.float32)
         return _back(lib.get_data(g.output, out)[:rows], torch_in)
@@ -212,22 +258,37 @@ class GgmlChunk:
         return self.forward_rows(x, PassRows([slot], [start], [int(x.shape[0])]))
 
     def embed_rows(self, ids: Any, positions: Any, virtual: Optional[Tuple[Any, Any]] = None) -> Any:
-        """Token rows [rows] at their positions -> embeddings [rows, n_embd] (float32)."""
-        if virtual is not None:
-            raise ValueError("soft prompts do not run on the ggml backend (use runtime.backend: torch for them)")
+        """Token rows [rows] at their positions -> embeddings [rows, n_embd] (float32);
+        `virtual` (rows, embeddings) replaces those rows' token embeddings (a soft prompt's
+        virtual tokens, as the torch chunk does: not scaled, learned positions added)."""
         torch_in = not isinstance(ids, np.ndarray)
         ids_np = np.ascontiguousarray(ids.cpu().numpy() if torch_in else ids, dtype=np.int32).reshape(-1)
         n = ids_np.shape[0]
         if n and (ids_np.min() < 0 or ids_np.max() >= self.config.vocab_size):
             raise ValueError("token id outside the vocabulary of %d" % self.config.vocab_size)
-        g = self._graph(("embed", n), lambda: self.builder.embedding(n))
+        learned = self.traits.family.positions == "learned"
+        later = virtual is not None and learned  # positions added after the virtual rows are in
+        g = self._graph(("embed", n, later), lambda: self.builder.embedding(n, not later))
         lib.set_data(g.inputs["ids"], ids_np)
-        if "pos" in g.inputs:
+        pos = np.zeros(0, dtype=np.int32)
+        if learned:
             pos = positions.cpu().numpy() if hasattr(positions, "cpu") else positions
-            lib.set_data(g.inputs["pos"], np.ascontiguousarray(pos, dtype=np.int32).reshape(-1))
+            pos = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
+        if "pos" in g.inputs:
+            lib.set_data(g.inputs["pos"], pos)
         self.cpu.compute(g.graph)
         out = np.empty((n, self.config.n_embd), dtype=np.float32)
-        return _back(lib.get_data(g.output, out), torch_in)
+        lib.get_data(g.output, out)
+        if virtual is not None:
+            rows, values = (v.cpu().numpy() if hasattr(v, "cpu") else np.asarray(v) for v in virtual)
+            out[rows.astype(np.int64)] = values.astype(np.float32)
+            if later:
+                p = self._graph(("positions", n), lambda: self.builder.positions(n))
+                lib.set_data(p.inputs["x"], out)
+                lib.set_data(p.inputs["pos"], pos)
+                self.cpu.compute(p.graph)
+                lib.get_data(p.output, out)
+        return _back(out, torch_in)
 
     def head(self, x: Any) -> Any:
         """Final norm and LM head over rows [rows, n_embd] -> logits [rows, vocab] (float32)."""
@@ -244,6 +305,7 @@ class GgmlChunk:
         return _back(lib.get_data(g.output, out)[:rows], torch_in)
 
     def close(self) -> None:
+        self.clear_adapters()
         self._drop_graphs(lambda key: True)
         self.free_cache()
         self.weights.free()

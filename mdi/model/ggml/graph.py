@@ -21,6 +21,7 @@ import numpy as np
 
 from mdi.model.config import ModelConfig
 from mdi.model.families import Family, family_of
+from mdi.model.ggml import adapters as lora_ops
 from mdi.model.ggml import lib
 from mdi.model.ggml.kv_cache import GgmlKVCache
 
@@ -88,6 +89,7 @@ class Built:
         self.graph = gg.ggml_new_graph_custom(self.ctx.ptr, nodes, False)
         self.inputs: Dict[str, Any] = {}
         self.output: Any = None
+        self.lora: Optional[lora_ops.LoraOps] = None  # a pass's adapter ops (mdi.model.ggml.adapters)
         self.galloc: Optional[int] = None
         self.buffer_bytes = 0
 
@@ -120,6 +122,7 @@ class GraphBuilder:
         self.t = traits
         self.layers = list(layers)
         self.w = weights  # GGUF name -> tensor
+        self._lora: Optional[lora_ops.LoraOps] = None  # the adapter ops of the blocks graph being built
 
     # --- small pieces ------------------------------------------------------------------
     def _input(self, b: Built, name: str, type_id: int, *ne: int) -> Any:
@@ -145,17 +148,35 @@ class GraphBuilder:
         gg, w = self.gg, self.w
         y = gg.ggml_mul_mat(ctx, w[name + ".weight"], x)
         bias = w.get(name + ".bias")
-        return gg.ggml_add(ctx, y, bias) if bias is not None else y
+        y = gg.ggml_add(ctx, y, bias) if bias is not None else y
+        return self._lora.add(ctx, x, y, name) if self._lora is not None else y
 
     # --- the blocks ----------------------------------------------------------------------
-    def blocks(self, shape: PassShape, cache: GgmlKVCache) -> Built:
+    def blocks(self, shape: PassShape, cache: GgmlKVCache, lora: Optional[lora_ops.LoraShape] = None,
+               held: Optional[Dict[int, Any]] = None) -> Built:
+        """The blocks over a pass; `lora` (with the chunk's `held` adapters): the adapters its
+        samples name (mdi.model.ggml.adapters)."""
         gg, t = self.gg, self.t
-        E, R = t.config.n_embd, shape.rows
-        b = Built(len(self.layers) * (NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples)) + NODES_MORE)
-        ctx = b.ctx.ptr
+        c = t.config
+        E, R = c.n_embd, shape.rows
+        more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
+        b = Built(len(self.layers) * (NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples)) + NODES_MORE + more)
         x = self._input(b, "x", lib.F32, E, R)
         pos = self._input(b, "pos", lib.I32, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
+        if lora is not None:
+            widest = max((c.n_head + 2 * c.kv_heads) * c.head_dim, c.ffn_width, E)
+            b.lora = lora_ops.LoraOps(gg, lambda name, kind, n: self._input(b, name, kind, n), lora, held or {}, widest)
+            b.lora.inputs(R)
+        self._lora = b.lora
+        try:
+            return self._blocks(b, x, shape, cache, pos, kv_rows)
+        finally:
+            self._lora = None
+
+    def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any, kv_rows: Any) -> Built:
+        gg, t = self.gg, self.t
+        ctx = b.ctx.ptr
         local = any(t.is_local(i) for i in self.layers)
         masks: List[Tuple[Any, Optional[Any]]] = []
         for i, s in enumerate(shape.samples):
@@ -240,8 +261,9 @@ class GraphBuilder:
         return gg.ggml_add(ctx, m, x)
 
     # --- the ends ------------------------------------------------------------------------
-    def embedding(self, rows: int) -> Built:
-        """Token ids [rows] (and their positions, for learned position embeddings) -> [E, rows]."""
+    def embedding(self, rows: int, positions: bool = True) -> Built:
+        """Token ids [rows] (and their positions, for learned position embeddings, unless not
+        `positions`) -> [E, rows]."""
         gg, t = self.gg, self.t
         b = Built(NODES_MORE)
         ctx = b.ctx.ptr
@@ -249,9 +271,23 @@ class GraphBuilder:
         x = gg.ggml_get_rows(ctx, self.w["token_embd.weight"], ids)
         if t.family.embed_scale:
             x = gg.ggml_scale(ctx, x, math.sqrt(t.config.n_embd))
-        if t.family.positions == "learned":
-            pos = self._input(b, "pos", lib.I32, rows)
-            x = gg.ggml_add(ctx, x, gg.ggml_get_rows(ctx, self.w["position_embd.weight"], pos))
+        if t.family.positions == "learned" and positions:
+            x = self._add_positions(b, x, rows)
+        gg.ggml_set_output(x)
+        gg.ggml_build_forward_expand(b.graph, x)
+        b.output = x
+        b.allocate()
+        return b
+
+    def _add_positions(self, b: Built, x: Any, rows: int) -> Any:
+        pos = self._input(b, "pos", lib.I32, rows)
+        return self.gg.ggml_add(b.ctx.ptr, x, self.gg.ggml_get_rows(b.ctx.ptr, self.w["position_embd.weight"], pos))
+
+    def positions(self, rows: int) -> Built:
+        """Embeddings [E, rows] plus their learned position embeddings (a soft prompt's rows)."""
+        gg = self.gg
+        b = Built(NODES_MORE)
+        x = self._add_positions(b, self._input(b, "x", lib.F32, self.t.config.n_embd, rows), rows)
         gg.ggml_set_output(x)
         gg.ggml_build_forward_expand(b.graph, x)
         b.output = x
