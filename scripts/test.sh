@@ -16,4 +16,5 @@ python -m pytest -q
 echo "--- the same features on the ggml backend ---"
 MDI_BACKEND=ggml exec python -m pytest -q tests/test_ring.py tests/test_batching.py tests/test_context.py \
     tests/test_recovery.py tests/test_prefix_cache.py tests/test_speculation.py tests/test_perplexity.py \
-    tests/test_serve.py tests/test_serve_sampling.py tests/test_structured_outputs.py
+    tests/test_serve.py tests/test_serve_sampling.py tests/test_structured_outputs.py tests/test_adapter_ring.py \
+    tests/test_serve_adapters.py tests/test_soft_prompt.py
