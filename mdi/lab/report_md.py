@@ -73,10 +73,10 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
     emu = machine.get("emulation", {}).get("summary")
     if emu:
         lines += [emu, ""]
-    load = machine.get("loadavg_start"), machine.get("loadavg_end")
-    if all(load):
+    start, end = machine.get("loadavg_start"), machine.get("loadavg_end")
+    if start and end:
         lines += ["Load average (1/5/15 min) at start %s, at end %s; %s CPUs." % (
-            "/".join("%.2f" % x for x in load[0]), "/".join("%.2f" % x for x in load[1]), machine.get("cpu_count")), ""]
+            "/".join("%.2f" % x for x in start), "/".join("%.2f" % x for x in end), machine.get("cpu_count")), ""]
     lines += ["Best decode throughput with S >= N samples in flight (median of repeats):", ""]
     lines += scaling_lines(summary) + [""]
     batching = batching_lines(summary)

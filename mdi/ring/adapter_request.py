@@ -27,12 +27,14 @@ def read_adapter_tensors(body: bytes, arrays: bool = False) -> Dict[str, Tuple[A
     RequestError naming what is wrong."""
     if not body or len(body) > MAX_ADAPTER_BYTES:
         raise RequestError("an adapter body is 1 to %d bytes of safetensors" % MAX_ADAPTER_BYTES)
-    if arrays:
-        from safetensors.numpy import load as safetensors_load
+    if arrays:  # a ggml worker: no torch in its process
+        from safetensors.numpy import load as load_arrays
+        loader: Any = load_arrays
     else:
-        from safetensors.torch import load as safetensors_load
+        from safetensors.torch import load as load_tensors
+        loader = load_tensors
     try:
-        tensors = safetensors_load(bytes(body))
+        tensors: Dict[str, Any] = loader(bytes(body))
     except Exception as e:  # safetensors raises its own error types on a bad header
         raise RequestError("adapter body is not a safetensors file: %s" % e)
     out = {}

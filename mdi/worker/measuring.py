@@ -2,7 +2,8 @@
 the memory it spares) and POST /backend (which backend it would compute given layers with)."""
 import gc
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from mdi.model.backend import BackendChoice, WouldMeasure
 from mdi.model.backend_select import select_backend
@@ -19,6 +20,22 @@ log = logging.getLogger(__name__)
 class Measuring:
     """Worker's /profile and /backend (mixed into mdi.worker.node.Worker, whose lock, run,
     weights and memory limit they read)."""
+
+    # What this reads of the Worker it is mixed into (mdi.worker.node.Worker sets and defines them)
+    lock: threading.Lock
+    run: Any
+    pending: Any
+    chunk: Any
+    chosen: Any
+    device_override: Optional[str]
+    threads_override: Optional[int]
+    token: Optional[str]
+    if TYPE_CHECKING:
+        def touch(self) -> None: ...
+        def _check_device(self, asked: str) -> None: ...
+        def _drop_chunk_locked(self) -> None: ...
+        def _memory_limit(self, device: str) -> Tuple[Optional[int], str]: ...
+        def _set_threads(self, request: Any, chunk: Optional[Any] = None) -> Optional[int]: ...
 
     def profile(self, request: ProfileRequest) -> ProfileReply:
         """Time the asked model's blocks here (POST /profile). Refused (409) while a run or a
