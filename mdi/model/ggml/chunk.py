@@ -119,7 +119,8 @@ class GgmlChunk:
     def set_adapter(self, adapter: int, weights: Dict[str, Any]) -> None:
         """Hold adapter `adapter` (> 0): (A [r, in], B [out, r]) per mdi linear layer name of this
         chunk's blocks (torch tensors or numpy), the scale folded into B, as the torch chunk
-        takes them; float32 in a ggml buffer of its own. Layers it does not name run as the base."""
+        takes them; float16 (adapters.PAIR_TYPE) in a ggml buffer of its own. Layers it does not
+        name run as the base."""
         if adapter <= 0:
             raise ValueError("adapter ids start at 1 (0 is the base model)")
         permuted = self.traits.family.positions == "rope" and self.traits.rope_mode == lib.ROPE_NORMAL
