@@ -93,6 +93,14 @@ class Built:
         self.galloc: Optional[int] = None
         self.buffer_bytes = 0
 
+    def finish(self, output: Any) -> None:
+        """`output` is what the graph computes: mark it, build the graph up to it, allocate."""
+        gg = lib.require()
+        gg.ggml_set_output(output)
+        gg.ggml_build_forward_expand(self.graph, output)
+        self.output = output
+        self.allocate()
+
     def allocate(self) -> None:
         gg = lib.require()
         self.galloc = gg.ggml_gallocr_new(lib.cpu_buffer_type())
@@ -175,7 +183,7 @@ class GraphBuilder:
             self._lora = None
 
     def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any, kv_rows: Any) -> Built:
-        gg, t = self.gg, self.t
+        t = self.t
         ctx = b.ctx.ptr
         local = any(t.is_local(i) for i in self.layers)
         masks: List[Tuple[Any, Optional[Any]]] = []
@@ -185,10 +193,7 @@ class GraphBuilder:
             masks.append((full, win))
         for li, layer in enumerate(self.layers):
             x = self._block(ctx, b, x, layer, li, shape, cache, pos, kv_rows, masks)
-        gg.ggml_set_output(x)
-        gg.ggml_build_forward_expand(b.graph, x)
-        b.output = x
-        b.allocate()
+        b.finish(x)
         return b
 
     def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
@@ -273,10 +278,7 @@ class GraphBuilder:
             x = gg.ggml_scale(ctx, x, math.sqrt(t.config.n_embd))
         if t.family.positions == "learned" and positions:
             x = self._add_positions(b, x, rows)
-        gg.ggml_set_output(x)
-        gg.ggml_build_forward_expand(b.graph, x)
-        b.output = x
-        b.allocate()
+        b.finish(x)
         return b
 
     def _add_positions(self, b: Built, x: Any, rows: int) -> Any:
@@ -285,13 +287,9 @@ class GraphBuilder:
 
     def positions(self, rows: int) -> Built:
         """Embeddings [E, rows] plus their learned position embeddings (a soft prompt's rows)."""
-        gg = self.gg
         b = Built(NODES_MORE)
         x = self._add_positions(b, self._input(b, "x", lib.F32, self.t.config.n_embd, rows), rows)
-        gg.ggml_set_output(x)
-        gg.ggml_build_forward_expand(b.graph, x)
-        b.output = x
-        b.allocate()
+        b.finish(x)
         return b
 
     def head(self, rows: int) -> Built:
@@ -303,10 +301,7 @@ class GraphBuilder:
         x = self._norm(ctx, x, "output_norm", t.config.norm_eps)
         out = self.w["output.weight"] if "output.weight" in self.w else self.w["token_embd.weight"]  # tied head
         y = gg.ggml_mul_mat(ctx, out, x)
-        gg.ggml_set_output(y)
-        gg.ggml_build_forward_expand(b.graph, y)
-        b.output = y
-        b.allocate()
+        b.finish(y)
         return b
 
 
