@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 
-from conftest import BIN, CHARS, free_ports, save_test_model, tiny_config
+from conftest import BIN, CHARS, ON_TORCH, free_ports, save_test_model, tiny_config
 from conftest import ServeProcess as Server
 from ringconfigs import parse_run_config, write_run_config
 from mdi.starter import batch
@@ -461,7 +461,9 @@ def test_shared_secret_and_public_bind(model, tmp_path):
                 assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", (route, body)
         # ... and with the token the routes read the body and answer it
         r = requests.post(srv.url + "/v1/mdi/train", json={"data": "/etc/passwd"}, headers=srv.headers, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "data", r.text
+        error = r.json()["error"]  # (a ring on ggml refuses training itself first, in one line)
+        assert r.status_code == 400 and (error["param"] == "data" if ON_TORCH else "cannot train" in error["message"]), \
+            r.text
         assert requests.get(srv.url + "/v1/mdi/train", headers=srv.headers, timeout=30).status_code == 404
         assert requests.get(srv.url + "/v1/mdi/train", timeout=30).status_code == 401
         r = requests.post(srv.url + "/v1/mdi/adapters", json={"name": "x", "path": "/etc"}, headers=srv.headers,
