@@ -105,21 +105,16 @@ class HeldAdapter:
 
     def __init__(self, pairs: Pairs, cpu: lib.CpuBackend, type_id: int = PAIR_TYPE) -> None:
         gg = lib.require()
-        self._gg = gg
         self._ctx = lib.Context(2 * len(pairs) + 1)
         self.pairs: Dict[str, Tuple[Any, Any]] = {}
         for name, (a, b) in pairs.items():
             ta = gg.ggml_new_tensor_2d(self._ctx.ptr, type_id, a.shape[1], a.shape[0])
             tb = gg.ggml_new_tensor_2d(self._ctx.ptr, type_id, b.shape[1], b.shape[0])
             self.pairs[name] = (ta, tb)
-        self._buffer = None
         self.nbytes = 0
         self.min_rows = 1
         if pairs:
-            self._buffer = gg.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx.ptr, lib.cpu_buffer_type())
-            if not self._buffer:
-                raise MemoryError("ggml could not allocate an adapter's %d matrices" % (2 * len(pairs)))
-            self.nbytes = int(gg.ggml_backend_buffer_get_size(self._buffer))
+            self.nbytes = self._ctx.allocate("an adapter's %d matrices" % (2 * len(pairs)))
             dtype = lib.NUMPY_TYPES[type_id]
             for name, (a, b) in pairs.items():
                 lib.set_data(self.pairs[name][0], a.astype(dtype))
@@ -129,9 +124,6 @@ class HeldAdapter:
             self.min_rows = fewest_rows(cpu, flat, list(flat))
 
     def free(self) -> None:
-        if self._buffer is not None:
-            self._gg.ggml_backend_buffer_free(self._buffer)
-            self._buffer = None
         self.pairs = {}
         self._ctx.free()
 

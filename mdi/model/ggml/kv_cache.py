@@ -54,13 +54,8 @@ class GgmlKVCache:
                 t = gg.ggml_new_tensor_2d(self._ctx.ptr, self.type_id, kv_width, n_slots * max_len)
                 gg.ggml_set_name(t, ("cache_%s_%d" % (side, i)).encode())
                 out.append(t)
-        self._buffer = None
         if n_layers:
-            self._buffer = gg.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx.ptr, lib.cpu_buffer_type())
-            if not self._buffer:
-                raise MemoryError("ggml could not allocate a KV cache of %d bytes" % self.nbytes)
-            gg.ggml_backend_buffer_clear(self._buffer, 0)
-        self._gg = gg
+            self._ctx.allocate("a KV cache of %d bytes" % self.nbytes, zeroed=True)
 
     @property
     def nbytes(self) -> int:
@@ -103,9 +98,6 @@ class GgmlKVCache:
                 self._rows(t, slot, length)[:] = rows[side, i, :length]
 
     def free(self) -> None:
-        if self._buffer is not None:
-            self._gg.ggml_backend_buffer_free(self._buffer)
-            self._buffer = None
         self.k, self.v = [], []
         self._ctx.free()
 

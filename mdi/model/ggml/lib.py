@@ -108,7 +108,8 @@ def version() -> str:
 
 class Context:
     """A ggml context that holds tensor and graph metadata only (no_alloc): data lives in
-    backend buffers. Freed with the object (or `free`)."""
+    backend buffers, or in one CPU buffer of its own (`allocate`). Freed with the object (or
+    `free`), its buffer first."""
 
     def __init__(self, n_tensors: int, graph_nodes: int = 0) -> None:
         require()
@@ -118,8 +119,23 @@ class Context:
         self.ptr = gg.ggml_init(gg.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         if not self.ptr:
             raise MemoryError("ggml_init failed for %d tensors" % n_tensors)
+        self.buffer: Optional[int] = None
+
+    def allocate(self, what: str, zeroed: bool = False) -> int:
+        """Place every tensor of this context in one CPU buffer (`zeroed`: cleared to zeros);
+        its bytes. MemoryError naming `what` where it cannot be had."""
+        self.buffer = gg.ggml_backend_alloc_ctx_tensors_from_buft(self.ptr, cpu_buffer_type())
+        if not self.buffer:
+            self.buffer = None
+            raise MemoryError("ggml could not allocate %s" % what)
+        if zeroed:
+            gg.ggml_backend_buffer_clear(self.buffer, 0)
+        return int(gg.ggml_backend_buffer_get_size(self.buffer))
 
     def free(self) -> None:
+        if self.buffer is not None and gg is not None:
+            gg.ggml_backend_buffer_free(self.buffer)
+        self.buffer = None
         if self.ptr and gg is not None:
             gg.ggml_free(self.ptr)
         self.ptr = None
