@@ -71,13 +71,13 @@ def test_killed_worker_is_named_partial_output_kept_and_survivor_reusable(tmp_pa
     model = tiny_models["llama"]
     ports = free_ports(3)
     metrics = tmp_path / "m.json"
-    run = start_run(write_ring(tmp_path, model, two_workers, ports), metrics)
+    # No ring timeout could end this run before the hang guard below: it ends because the
+    # starter saw board2's connection drop (an event, not a speed).
+    run = start_run(write_ring(tmp_path, model, two_workers, ports, ring_timeout=3600), metrics)
     victim, survivor = two_workers[1], two_workers[0]
     wait_for_frames(victim)
     victim.proc.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    out, err = run.communicate(timeout=30)
-    assert time.monotonic() - killed_at < 15
+    out, err = run.communicate(timeout=300)
     assert run.returncode == 1
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "board2" in lines[-1] and "127.0.0.1:%d" % victim.port in lines[-1], err
@@ -86,7 +86,7 @@ def test_killed_worker_is_named_partial_output_kept_and_survivor_reusable(tmp_pa
     assert 0 < sum(generated) < 5 * 100 and "error" in record
     assert "board2" in record["error"]
     assert "mdi:" in out  # the summary of what was generated is printed
-    wait_idle(survivor, 15)
+    wait_idle(survivor, 120)
     fresh_run_matches(model, [survivor], free_ports(2))
 
 
@@ -97,10 +97,9 @@ def test_workers_survive_a_killed_starter(tmp_path, tiny_models, two_workers):
                     tmp_path / "m.json")
     wait_for_frames(two_workers[0])
     run.send_signal(signal.SIGKILL)
-    run.communicate(timeout=10)
-    killed_at = time.monotonic()
-    for w in two_workers:
-        assert wait_idle(w, 15) - killed_at < 15
+    run.communicate(timeout=60)
+    for w in two_workers:  # a bound on a hang: how fast they notice is the heartbeat's, not this test's
+        wait_idle(w, 120)
     fresh_run_matches(model, two_workers, free_ports(3))
 
 
@@ -114,18 +113,16 @@ def test_wrong_token_is_refused_quickly_and_right_token_works(tmp_path, tiny_mod
         assert requests.get(worker.url + "/health", timeout=STATUS_TIMEOUT).status_code == 401
         assert requests.get(worker.url + "/status", headers={"Authorization": "Bearer nope"},
                             timeout=STATUS_TIMEOUT).status_code == 401
-        config = write_ring(tmp_path, tiny_models["gpt2"], [worker], free_ports(2), n_tokens=8, n_samples=2)
+        # Refused at the first signed call: no timeout could end it before the hang guard.
+        config = write_ring(tmp_path, tiny_models["gpt2"], [worker], free_ports(2), n_tokens=8, n_samples=2,
+                            init_timeout=3600, connect_timeout=3600)
         wrong = dict(os.environ, MDI_TOKEN="not-it")
-        t0 = time.monotonic()
         proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
-                              capture_output=True, text=True, env=wrong, timeout=60)
-        # Refused at the first signed call, not after a timeout (init_timeout: 600 s): the bound
-        # leaves a loaded 2-core box room to start Python and torch (10.1 s seen under load).
-        assert time.monotonic() - t0 < 30
+                              capture_output=True, text=True, env=wrong, timeout=300)
         assert proc.returncode == 1 and "board1" in proc.stderr and "token" in proc.stderr, proc.stderr
         # The right token works end to end, data-plane handshake included.
         proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
-                              capture_output=True, text=True, env=env, timeout=60)
+                              capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "16 tokens" in proc.stdout
     finally:

@@ -216,6 +216,84 @@ def test_a_mask_over_the_budget_is_refused_naming_the_field(smol_compiler):
     compiler.compile(GrammarSpec("regex", "[a-z]+", "regex"))  # the default budget: typical masks take < 1 ms
 
 
+def test_a_mask_past_the_deadline_ends_its_sample_in_one_line(smol_compiler):
+    """During generation every mask is held to the compiler's deadline (0 here, so any mask is
+    past it: the ending is tested, not a timing); the admission's own masks are not."""
+    import copy
+
+    from mdi.model.sampling import SamplingError
+    _, compiler = smol_compiler
+    strict = copy.copy(compiler)
+    strict.mask_deadline_s = 0.0
+    constraint = strict.compile(GrammarSpec("regex", "[a-z]+", "regex"))
+    token = int(constraint.allowed().nonzero()[0])  # the start's mask, computed at admission
+    assert constraint.take(token)
+    for _ in range(2):  # and it stays ended
+        with pytest.raises(SamplingError) as e:
+            constraint.allowed()
+        message = str(e.value)
+        assert "regex" in message and "serve.mask_deadline_ms" in message and "\n" not in message, message
+    with pytest.raises(SamplingError):
+        constraint.fresh().allowed()  # another choice's masks too
+    relaxed = compiler.compile(GrammarSpec("regex", "[a-z]+", "regex"))  # the default deadline
+    assert relaxed.take(token) and relaxed.allowed().any()
+
+
+@pytest.mark.parametrize("value", [0, -5, "50", float("inf"), True])
+def test_a_mask_deadline_that_is_not_a_positive_time_is_a_config_error(value):
+    from mdi.runconfig import ConfigError, parse_config
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": {"path": "models/none"}, "serve": {"mask_deadline_ms": value}}, "s.yaml")
+    assert "s.yaml" in str(e.value) and "mask_deadline_ms" in str(e.value)
+    cfg = parse_config({"model": {"path": "models/none"}, "serve": {"mask_deadline_ms": 7.5}}, "s.yaml")
+    assert cfg.serve.mask_deadline_ms == 7.5
+
+
+def test_a_sample_past_the_mask_deadline_ends_and_the_others_go_on(tmp_path):
+    """A server whose mask deadline every mask misses: constrained requests end with an error
+    naming their grammar (never a "stop"), whole or streamed; a free request beside them gets
+    the text it gets alone; the server serves on."""
+    from test_serve import tiny_serve_net
+    from conftest import CHARS
+    net = tiny_serve_net()
+    model = str(tmp_path / "tiny")
+    save_test_model(model, net.config, net.state_dict(), "tests/test_structured_outputs.py")
+    char_tokenizer(CHARS).save(model)
+    path = write_run_config(tmp_path / "one.yaml", model, runtime={"threads": 1},
+                            serve={"max_in_flight": 4, "mask_deadline_ms": 1e-6})
+    srv = ServeProcess(path)
+    try:
+        srv.wait_ready()
+        free = {"prompt": "abc", "max_tokens": 12, "temperature": 0}
+        alone = requests.post(srv.url + "/v1/completions", json=free, timeout=120).json()["choices"][0]["text"]
+        results = {}
+
+        def run(name, body):
+            results[name] = requests.post(srv.url + "/v1/completions", json=body, timeout=120)
+
+        bodies = {"free": free, "regex": dict(free, regex="[a-z]{1,40}"),
+                  "schema": dict(free, json_schema={"type": "string", "maxLength": 30})}
+        threads = [threading.Thread(target=run, args=item) for item in bodies.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results["free"].status_code == 200 and results["free"].json()["choices"][0]["text"] == alone
+        for name in ("regex", "schema"):
+            r = results[name]
+            assert r.status_code != 200 and "mask_deadline_ms" in r.json()["error"]["message"], r.text
+        with requests.post(srv.url + "/v1/completions", json=dict(bodies["regex"], stream=True), stream=True,
+                           timeout=120) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith(b"data: ") and line != b"data: [DONE]"]
+        assert "mask_deadline_ms" in events[-1]["error"]["message"], events
+        assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", [])), events
+        again = requests.post(srv.url + "/v1/completions", json=free, timeout=120)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == alone
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
 @pytest.mark.parametrize("make", [gpt2_tokenizer, lambda: char_tokenizer(list("abcdefghij0123456789 {}\":,\n"))],
                          ids=["gpt2", "char"])
 def test_other_tokenizer_kinds_compile_and_constrain(make):

@@ -19,9 +19,10 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import torch
 
-from mdi.model.grammar_cost import MASK_BUDGET_S, MAX_REPEAT, spec_repeat
+from mdi.model.grammar_cost import MASK_BUDGET_S, MASK_DEADLINE_S, MAX_REPEAT, spec_repeat
 from mdi.model.grammar_empty import derives_text
 from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.sampling import SamplingError
 from mdi.model.schema_bounds import bounded
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import Tokenizer
@@ -88,14 +89,16 @@ class _TokenizerView:
 class GrammarCompiler:
     """Compiles GrammarSpecs for one tokenizer; built once per server (about 0.3 s for 49k
     tokens). `width`: the head's logits per row (a model may pad its vocabulary past the
-    tokenizer's; those ids are never allowed)."""
+    tokenizer's; those ids are never allowed). `mask_deadline_s`: the CPU time any token mask
+    may take during generation (`grammar_cost`)."""
 
-    def __init__(self, tok: Tokenizer, width: int, mask_budget_s: float = MASK_BUDGET_S) -> None:
+    def __init__(self, tok: Tokenizer, width: int, mask_deadline_s: float = MASK_DEADLINE_S) -> None:
         import llguidance
         t0 = time.perf_counter()
         self.llg = llguidance
         self.width = int(width)
-        self.mask_budget_s = mask_budget_s  # the most one token mask may take (`grammar_cost`)
+        self.mask_deadline_s = mask_deadline_s
+        self.mask_budget_s = MASK_BUDGET_S  # the probed mask a request may cost to be admitted
         self.vocab = tok.vocab_size  # ids past it (a padded head's) are never allowed
         view = _TokenizerView(tok)
         self.end_ids = list(view.end_ids)
@@ -145,11 +148,12 @@ class GrammarCompiler:
             if "Unimplemented keys" in error and spec.kind == "json_schema":
                 error += " (keywords a strict schema may not use here; with strict false they are ignored)"
             raise ConstraintError(spec.field, error)
-        # Copies (a request's other choices) start from a new matcher of the same grammar (~1 ms).
-        constraint = Constraint(lambda: self._matcher(grammar), matcher, self.width, min(self.width, self.vocab), spec)
-        # The first mask, here on the request's thread (the scheduler reuses it): a grammar no
-        # text satisfies (a rule with no base case, a schema that is only a $ref to itself, an
-        # empty character class) shows as a start where nothing may follow, not even the end.
+        constraint = Constraint(lambda: self._matcher(grammar), matcher, self.width, min(self.width, self.vocab), spec,
+                                deadline_s=float("inf"))
+        # The first mask, here on the request's thread (the scheduler reuses it; it also builds
+        # the lexer's first states, paid once): a grammar no text satisfies (a rule with no base
+        # case, a schema that is only a $ref to itself, an empty character class) shows as a
+        # start where nothing may follow, not even the end.
         first = constraint.allowed()
         if constraint.dead(first):
             raise ConstraintError(spec.field, "no text satisfies it (nothing it accepts can even start)")
@@ -157,6 +161,11 @@ class GrammarCompiler:
         if spent > self.mask_budget_s:
             raise ConstraintError(spec.field, "one token mask takes %.0f ms, more than the %.0f ms this server allows "
                                   "(a long counted repetition?)" % (spent * 1e3, self.mask_budget_s * 1e3))
+        # Copies (a request's other choices) start from this warm start state: a new matcher
+        # would build its lexer again, on the scheduler's thread.
+        start = matcher.deep_copy()
+        constraint.new_matcher = start.deep_copy
+        constraint.deadline_s = self.mask_deadline_s
         return constraint
 
     def _matcher(self, grammar: str) -> Any:
@@ -172,7 +181,7 @@ class GrammarCompiler:
         rather than a failed sample once the request holds a slot."""
         ends = set(self.end_ids)
         probe = Constraint(constraint.new_matcher, constraint.matcher.deep_copy(), constraint.width,
-                           constraint.vocab, constraint.spec)
+                           constraint.vocab, constraint.spec, deadline_s=float("inf"))
         allowed, spent = first, 0.0
         for step in range(PROBE_TOKENS):
             token = next((t for t in allowed.nonzero().flatten().tolist() if t not in ends), None)
@@ -206,25 +215,37 @@ def _limits(llguidance: Any) -> Any:
 class Constraint:
     """One sample's grammar state. The mask is computed for the state after the tokens taken
     so far and cached until the next one is taken; tokens are taken one at a time, only once
-    accepted (a speculative pass's guesses never reach it), so nothing is ever rolled back."""
+    accepted (a speculative pass's guesses never reach it), so nothing is ever rolled back.
+    A mask that takes more than `deadline_s` of CPU time ends the sample (`allowed` raises)."""
 
     def __init__(self, new_matcher: Callable[[], Any], matcher: Any, width: int, vocab: int,
-                 spec: GrammarSpec) -> None:
+                 spec: GrammarSpec, deadline_s: float = MASK_DEADLINE_S) -> None:
         self.new_matcher, self.matcher = new_matcher, matcher
         self.width, self.vocab, self.spec = width, vocab, spec
+        self.deadline_s = deadline_s
         self._allowed: Optional[torch.Tensor] = None
+        self._overrun: Optional[str] = None  # why its masks stopped: one was too slow
         self.mask_seconds = 0.0  # time spent computing masks (the benchmark reports it per token)
         self.masks = 0
 
     def fresh(self) -> "Constraint":
         """The same grammar from its start, for another sample (a request's other choices)."""
-        return Constraint(self.new_matcher, self.new_matcher(), self.width, self.vocab, self.spec)
+        return Constraint(self.new_matcher, self.new_matcher(), self.width, self.vocab, self.spec, self.deadline_s)
 
     def allowed(self) -> torch.Tensor:
-        """Bool [width]: the tokens that keep the output valid (the end tokens once it may end)."""
+        """Bool [width]: the tokens that keep the output valid (the end tokens once it may end).
+        SamplingError once a mask took more CPU time than the deadline."""
+        if self._overrun is not None:
+            raise SamplingError(self._overrun)
         if self._allowed is None:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            cpu = time.thread_time() - cpu0
+            if cpu > self.deadline_s:
+                self._overrun = ("its %s's token mask took %.0f ms of CPU, more than the %.0f ms a step allows "
+                                 "(serve.mask_deadline_ms): the grammar grew too costly"
+                                 % (self.spec.field, cpu * 1e3, self.deadline_s * 1e3))
+                raise SamplingError(self._overrun)
             allowed = np.zeros(self.width, dtype=bool)
             allowed[:self.vocab] = bits[:self.vocab]
             self._allowed = torch.from_numpy(allowed)

@@ -7,12 +7,21 @@ steps: a costly one slows them all. llguidance's mask time grows with counted re
 pass MAX_REPEAT is refused at once. What this count does not see (a grammar's rules that
 repeat each other) the timed probe in GrammarCompiler catches: one mask past the start,
 timed on the request's own thread against MASK_BUDGET_S.
+
+Neither sees a grammar that turns costly further on (alternations of counted wildcards build
+new lexer states token after token: `(.{10}a|.{22}b|...){3}` starts at 1 ms and reaches 19).
+So every mask during generation is timed too, in CPU time (what it costs the scheduler, however
+busy the machine): a sample whose mask takes more than MASK_DEADLINE_S ends with an error naming
+its grammar, and the other samples go on. llguidance holds the GIL while it computes a mask
+(measured: a thread beside it stalls for the whole mask), so a worker thread would not free the
+scheduler; the deadline bounds what one sample can take instead.
 """
 import json
 from typing import Any, Iterator, List, Tuple
 
 MAX_REPEAT = 1000  # the largest product of nested counted repetitions ({n}, {n,m}, {n,})
 MASK_BUDGET_S = 0.02  # one token mask, measured once before admission (typical ones: < 1 ms)
+MASK_DEADLINE_S = 0.05  # any token mask during generation (`serve.mask_deadline_ms` sets it)
 
 
 def _count(text: str, i: int) -> Tuple[int, int]:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from mdi.model.backend import BACKENDS, KV_TYPES, default_backend
+from mdi.model.grammar_cost import MASK_DEADLINE_S
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, layer_ranges
 from mdi.model.torch_settings import fused_decode_default
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
@@ -113,6 +114,8 @@ class ServeSpec:
     model_name: Optional[str] = None  # id in /v1/models; None: the model folder's name
     admission: str = "iteration"  # iteration: a freed slot is refilled at the next step;
     #                               static: whole batches (a baseline for benchmarks)
+    # CPU time one grammar token mask may take; over it its sample ends (mdi/model/grammar_cost.py)
+    mask_deadline_ms: float = MASK_DEADLINE_S * 1e3
 
 
 @dataclass
@@ -288,7 +291,8 @@ def _parse_adapters(source: str, raw: Dict[Any, Any]) -> Dict[str, str]:
 def _parse_serve(source: str, raw: Any) -> ServeSpec:
     s = check_keys(source + ": serve", raw,
                     {"host": (str,), "port": (int,), "max_in_flight": (int,), "max_len": (int,),
-                     "max_queue": (int,), "model_name": (str,), "admission": (str,)})
+                     "max_queue": (int,), "model_name": (str,), "admission": (str,),
+                     "mask_deadline_ms": (int, float)})
     serve = ServeSpec(**s)
     check_serve(source + ": serve", serve)
     return serve
@@ -305,6 +309,9 @@ def check_serve(where: str, serve: ServeSpec) -> None:
         raise ConfigError("%s.max_len: expected an integer >= 2" % where)
     if serve.max_queue < 1:
         raise ConfigError("%s.max_queue: expected a positive integer" % where)
+    if not 0 < serve.mask_deadline_ms < math.inf:
+        raise ConfigError("%s.mask_deadline_ms: expected a positive number of milliseconds, got %r"
+                          % (where, serve.mask_deadline_ms))
     if serve.model_name is not None and not serve.model_name.strip():
         raise ConfigError("%s.model_name: expected a non-empty string" % where)
     if serve.admission not in ADMISSION_POLICIES:

@@ -477,4 +477,4 @@ def grammar_compiler(sched: Scheduler) -> Optional[GrammarCompiler]:
         log.warning("mdi: serve: structured outputs (response_format, json_schema, grammar, regex) are off: %s",
                     missing)
         return None
-    return GrammarCompiler(sched.tokenizer, sched.source.config.vocab_size)
+    return GrammarCompiler(sched.tokenizer, sched.source.config.vocab_size, sched.cfg.serve.mask_deadline_ms / 1e3)

@@ -453,7 +453,10 @@ class Pipeline:
         self._dispatch()
         for sample in self.active.values():  # grammar masks for the next draws, while the passes travel
             if sample.constraint is not None and not sample.done:
-                sample.constraint.allowed()
+                try:
+                    sample.constraint.allowed()
+                except SamplingError as e:  # its mask took too long: it ends when its pass is back
+                    self._fail(sample, e)
         frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
         if frame is None:
             if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:
