@@ -16,7 +16,7 @@ from mdi.model.lora import AdapterError  # noqa: E402
 from mdi.model.row_batch import RowBatch  # noqa: E402
 from ringconfigs import parse_run_config  # noqa: E402
 from mdi.starter import batch  # noqa: E402
-from mdi.starter.pipeline import _virtual_rows  # noqa: E402
+from mdi.starter.frame_rows import virtual_rows  # noqa: E402
 from test_adapters import base_chunk, hf_model  # noqa: E402
 from test_model_parity import hf_gpt2, hf_llama  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_soft_prompt_logits_match_peft(make, tmp_path):
         got, start = [], 0
         for count in [N_VIRTUAL + PREFILL] + [1] * DECODE:  # prefill, then one token at a time
             batch_ = RowBatch.of([0], [start], [count])
-            x = chunk.embed_rows(window[start:start + count], batch_.positions, _virtual_rows([One], [start], [count]))
+            x = chunk.embed_rows(window[start:start + count], batch_.positions, virtual_rows([One], [start], [count]))
             got.append(chunk.head(chunk.forward_rows(x, batch_)))
             start += count
         got = torch.cat(got)[N_VIRTUAL:]

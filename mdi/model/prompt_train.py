@@ -3,7 +3,7 @@ embeddings put before every window, trained on the starter while the base stays 
 every node (workers train nothing; they run backward only to pass their input's gradient on).
 
 The virtual tokens go where serving puts them (mdi.starter.adapter_set.prepare and
-mdi.starter.pipeline._virtual_rows): positions 0..n-1, the window's tokens at n..n+L-1, the
+mdi.starter.frame_rows.virtual_rows): positions 0..n-1, the window's tokens at n..n+L-1, the
 embeddings replacing placeholder rows in ModelChunk.embed_rows (GPT-2's learned positions added
 to them as to any token). PEFT's PeftModelForCausalLM does the same (inputs_embeds =
 cat(prompt, embeds), positions counted from 0 over both), so a prompt serves as it trained.

@@ -31,49 +31,13 @@ from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.draft_model import DraftModel
+from mdi.starter.frame_rows import adapters_together, virtual_rows
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
 from mdi.starter.speculation import Drafter, PassCosts, SpecCounters, SpecPolicy, SpecState, new_drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
-
-
-def _virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
-    """(rows, embeddings) of the virtual tokens a pass carries (soft prompts), else None."""
-    rows: List[int]
-    rows, values, row = [], [], 0
-    for sample, start, count in zip(group, starts, counts):
-        n = sample.virtual
-        if start < n:
-            end = min(n, start + count)
-            rows.extend(range(row, row + end - start))
-            values.append(sample.soft_prompt[start:end])
-        row += count
-    if not rows:
-        return None
-    return torch.tensor(rows, dtype=torch.long), torch.cat(values)
-
-
-def _adapters_together(ready: List[Sample], max_batch: int) -> List[Sample]:
-    """`ready` (shortest pass first) reordered for filling one frame: the shortest pass leads,
-    then the passes of the adapters already in the frame, then the rest in order. A node adds
-    each distinct adapter's delta once per frame, so a frame's adapter cost grows with the
-    adapters in it: 8 samples over 4 adapters in frames of 3 go as 2 + 2 + 1 adapters instead
-    of 3 + 3 + 2. A frame still holds at most `prefill_chunk` prompt tokens, and the passes
-    that circulate together after prefill keep this grouping."""
-    if len(ready) <= max_batch or not any(s.adapter for s in ready):
-        return ready
-    chosen: List[Sample] = []
-    rest = list(ready)
-    while rest and len(chosen) < max_batch:
-        # The shortest pass left leads (or tops the frame up) and pulls in its adapter's fellows.
-        head = rest.pop(0)
-        same = [s for s in rest if s.adapter == head.adapter][:max_batch - len(chosen) - 1]
-        chosen += [head] + same
-        taken = set(id(s) for s in same)  # by identity: a Sample's == compares its tensors
-        rest = [s for s in rest if id(s) not in taken]
-    return chosen + rest
 
 
 class Pipeline:
@@ -204,7 +168,7 @@ class Pipeline:
         while ready:
             group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
-            for sample in _adapters_together(ready, self.max_batch):
+            for sample in adapters_together(ready, self.max_batch):
                 want = sample.unsent
                 take = 1 if want == 1 else min(want, self.prefill_chunk, budget)
                 if len(group) >= self.max_batch or take < 1:
@@ -291,7 +255,7 @@ class Pipeline:
         if ops:  # this node's copies first, then every node's as the frame reaches it
             self.prefix_store.apply(ops)
         ids_t = ints_to_device(ids, self.device)
-        x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, _virtual_rows(group, starts, counts)),
+        x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, virtual_rows(group, starts, counts)),
                                     batch)
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
