@@ -13,7 +13,7 @@ def virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
     rows, values, row = [], [], 0
     for sample, start, count in zip(group, starts, counts):
         n = sample.virtual
-        if start < n:
+        if sample.soft_prompt is not None and start < n:  # n is 0 without one
             end = min(n, start + count)
             rows.extend(range(row, row + end - start))
             values.append(sample.soft_prompt[start:end])
