@@ -100,9 +100,11 @@ def test_starter_refuses_a_chunk_its_discrete_gpu_cannot_hold_whatever_the_host_
     config = ModelConfig(vocab_size=1000, n_layer=4, n_head=4, n_embd=256, block_size=512)
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 64 << 30)  # a roomy host
     _FakeCuda(integrated=False, free=1 << 20, reserved=0, allocated=0).patch(monkeypatch)
+    from mdi.starter.node_budget import RunMemory
+    budget = RunMemory(config, 512, torch.float32, ()).budget("starter", (0, 4), {}, 2, True)
     with pytest.raises(ConfigError, match="available on cuda here"):
-        check_fits_here(config, [0, 4], 2, 512, torch.float32, None, "cuda")
-    assert check_fits_here(config, [0, 4], 2, 512, torch.float32, None, "cpu") > 0
+        check_fits_here(budget, "cuda", False)
+    assert check_fits_here(budget, "cpu", False) > 0
 
 
 def test_cudnn_attention_is_switched_off_for_a_gpu_chunk_only(monkeypatch):

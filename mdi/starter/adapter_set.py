@@ -155,6 +155,20 @@ class AdapterSet:
         """The held mixes' ids, the one a request was given longest ago first."""
         return sorted(self.mixes.values(), key=lambda m: self.mix_used.get(m, 0.0))
 
+    def layer_bytes(self) -> List[int]:
+        """Bytes of the LoRA matrices held (pending ones and mixes too) per layer of the model:
+        what each node holds of them besides its weights and KV cache."""
+        per_layer = [0] * self.config.n_layer
+        for adapter in self.adapters:
+            if adapter is not None and adapter.kind != "prompt":
+                for j in range(self.config.n_layer):
+                    per_layer[j] += adapter.nbytes(adapter.for_layers(j, j + 1))
+        return per_layer
+
+    def held_bytes(self, first: int, last: int) -> int:
+        """What the LoRA matrices held take on blocks [first, last) (the starter's)."""
+        return sum(self.layer_bytes()[first:last])
+
     def metrics(self) -> Dict[str, Any]:
         return {name: {"id": i, "rank": self.adapters[i - 1].rank, "bytes": self.adapters[i - 1].nbytes()}
                 for i, name in self.loaded()}
@@ -197,12 +211,5 @@ def virtual_tokens(adapters: Optional[AdapterSet], adapter: int) -> int:
 
 def adapter_layer_bytes(cfg_adapters: Dict[str, str], config: ModelConfig) -> List[int]:
     """Bytes of the configured adapters' matrices per layer: what each node holds besides its
-    weights and KV cache (the planner and --check count it)."""
-    per_layer = [0] * config.n_layer
-    if cfg_adapters:
-        adapters = AdapterSet(cfg_adapters, config)
-        for _, name in adapters.loaded():
-            adapter = adapters.adapters[adapters.id_of(name) - 1]
-            for j in range(config.n_layer):
-                per_layer[j] += adapter.nbytes(adapter.for_layers(j, j + 1))
-    return per_layer
+    weights and KV cache (every node's budget counts it, mdi.starter.node_budget)."""
+    return AdapterSet(cfg_adapters, config).layer_bytes() if cfg_adapters else [0] * config.n_layer

@@ -7,6 +7,7 @@ from typing import Callable, List, Optional, Tuple
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import RunConfig
+from mdi.starter.node_budget import RunMemory
 from mdi.starter.planner import LayerPlan, NodeCost, PlanError, make_plan, widen
 from mdi.starter.node_speeds import Profiler, machine_mates
 
@@ -15,10 +16,12 @@ log = logging.getLogger(__name__)
 
 def plan_ring(cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, samples: int,
               params: Optional[SamplingParams] = None, refresh: bool = False,
-              say: Callable[[str], None] = log.info) -> Tuple[LayerPlan, List[NodeCost]]:
-    """Measure (or recall) every node of `cfg` and plan for `samples` in flight. Raises
+              say: Callable[[str], None] = log.info, memory: Optional[RunMemory] = None
+              ) -> Tuple[LayerPlan, List[NodeCost]]:
+    """Measure (or recall) every node of `cfg` and plan for `samples` in flight, each node's
+    bytes by the run's budget parts (`memory`: the run plan's; None: built from `cfg`). Raises
     PlanError, before any weight is sent, when the ring cannot hold the model."""
-    profiler = Profiler(cfg, source, n_slots, max_len, samples, params, refresh, say)
+    profiler = Profiler(cfg, source, n_slots, max_len, samples, params, refresh, say, memory=memory)
     try:
         return _plan(cfg, source, profiler, samples)
     finally:

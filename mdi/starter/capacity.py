@@ -1,6 +1,6 @@
 """Memory planning: what a node's layers and KV cache need (what a worker can give is
 `StatusReply.capacity_bytes`, from its /status), weights counted at their quantized size."""
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -10,6 +10,7 @@ from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, format_layers, 
 from mdi.model.source import ModelSource
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
+from mdi.starter.node_budget import NodeBudget
 
 
 def node_quant(cfg: RunConfig, source: ModelSource, node: NodeSpec, layers: Sequence[int],
@@ -30,13 +31,6 @@ def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int,
 MB = 1024 * 1024
 
 
-def prefix_reserve(cfg: RunConfig) -> int:
-    """Bytes every node keeps for its prefix cache beside its weights and KV cache when
-    runtime.prefix_cache names a size (planning counts them); "auto" takes what is left after."""
-    setting = cfg.runtime.prefix_cache
-    return setting if isinstance(setting, int) and not isinstance(setting, bool) else 0
-
-
 def starter_free_bytes(device: str) -> Optional[int]:
     """What the starter can give its own chunk (embedding and head included) on `device`: the
     memory free there (a discrete GPU's own; else the host's, its cgroup's when limited), none
@@ -49,22 +43,19 @@ def starter_free_bytes(device: str) -> Optional[int]:
     return free_bytes_on(device)
 
 
-def check_fits_here(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int, dtype: torch.dtype,
-                    quant: QuantLayout, device: str, beside: Optional[Tuple[str, int]] = None) -> Optional[int]:
-    """Refuse, before a byte is loaded, a starter chunk that the free memory of `device` here
-    (starter_free_bytes) cannot hold: a clear error, never an out-of-memory kill. `beside`:
-    (what, bytes) the starter holds too (a draft model's weights and cache). Returns what the
-    memory spares beside them, less LOAD_HEADROOM_BYTES (None when unknown): room a faster
-    quantized kernel may take where runtime.kernel_memory allows (mdi.model.kernel_choice.allowance_for)."""
-    extra = beside[1] if beside is not None else 0
-    need = chunk_bytes_needed(config, layers, n_slots, max_len, dtype, with_ends=True, quant=quant) + extra
+def check_fits_here(budget: NodeBudget, device: str, quantized: bool, backend: str = "") -> Optional[int]:
+    """Refuse, before a byte is loaded, a starter chunk whose budget (its plan's: weights, KV
+    cache, adapters, a sized prefix cache, a draft model; mdi.starter.node_budget) the free
+    memory of `device` here (starter_free_bytes) cannot hold: a clear error, never an
+    out-of-memory kill. Returns what the memory spares beside all of it but the prefix cache,
+    less LOAD_HEADROOM_BYTES (None when unknown): what an "auto" prefix cache halves and a
+    faster quantized kernel may take where runtime.kernel_memory allows
+    (mdi.model.kernel_choice.allowance_for), and what adapters loaded while serving are
+    counted against (node_budget.check_starter_adapter)."""
     free = starter_free_bytes(device)
-    if free is not None and need > free:
-        weights = weight_bytes(config, layers, dtype_name(dtype), True, quant)
-        also = " + %s %.0f MB" % (beside[0], extra / MB) if beside is not None else ""
-        raise ConfigError("starter: %s with the embedding and head need %.0f MB (weights %.0f MB + KV cache "
-                          "%.0f MB%s) but only %.0f MB of memory is available on %s here: %suse fewer positions or "
-                          "samples, or give layers to more nodes"
-                          % (format_layers(*layers), need / MB, weights / MB, (need - weights - extra) / MB, also,
-                             free / MB, device, "" if quant else "quantize (--quant int4), "))
-    return None if free is None else free - need - LOAD_HEADROOM_BYTES
+    if free is not None and not budget.fits(free):
+        raise ConfigError("starter: %s with the embedding and head need %.0f MB%s (%s) but only %.0f MB of memory is "
+                          "available on %s here: %suse fewer positions or samples, or give layers to more nodes"
+                          % (format_layers(*budget.layers), budget.total / MB, backend, budget.parts(), free / MB,
+                             device, "" if quantized else "quantize (--quant int4), "))
+    return None if free is None else free - budget.beside_prefix - LOAD_HEADROOM_BYTES

@@ -18,7 +18,7 @@ from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import LOAD_HEADROOM_BYTES, release_freed_memory
+from mdi.system.memory import release_freed_memory
 from mdi.system.parallel import run_all
 from mdi.model.source import ModelSource
 from mdi.model.prefix_store import budget_bytes as prefix_budget
@@ -26,9 +26,10 @@ from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as us
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.sample import Sample
-from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, StarterTooLarge, read_adapter
+from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter
 from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
+from mdi.starter.node_budget import check_starter_adapter
 from mdi.starter.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
@@ -59,6 +60,7 @@ class Engine:
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
         self.recoveries: List[Recovery] = []
         self.prefix_bytes = 0  # the starter's prefix cache budget (runtime.prefix_cache resolved here)
+        self.starter_spare: Optional[int] = None  # its memory beside its budget at load (check_fits_here)
         self.ring: Optional[RingSession] = None  # while workers are in the ring
         self.chunk: Optional[Any] = None  # ModelChunk (torch) or mdi.model.ggml.chunk.GgmlChunk
         self.backend_choice: Optional[BackendChoice] = None  # the starter's, and why
@@ -142,9 +144,7 @@ class Engine:
         if note:
             log.warning("mdi: starter: %s", note)
         quant = self.plan.nodes[0].quant
-        draft = ("the draft model", self.plan.draft_bytes(self.n_slots)) if self.plan.draft is not None else None
-        spare = check_fits_here(self.source.config, layers, self.n_slots, self.max_len, self.dtype, quant, self.device,
-                                draft)
+        spare = check_fits_here(self.plan.budgets[0], self.device, bool(quant))  # the plan's budget, as --check's
         self._set_prefix_bytes(spare)
         qkernels.set_preference(self.cfg.runtime.quant_kernel)
         # mdi-start set it already; an engine built in Python had not (a benchmark's starter ran
@@ -188,16 +188,9 @@ class Engine:
     def _ggml_chunk(self, first: int, last: int) -> Any:
         """The starter's chunk on ggml: its GGUF tensors as stored, a ggml KV cache."""
         cfg = self.cfg
-        draft = self.plan.draft_bytes(self.n_slots) if self.plan.draft is not None else 0
-        need = self.source.gguf_bytes(first, last, True, True) + draft + ggml_kv_bytes(
-            self.source.config, last - first, self.n_slots, self.max_len, cfg.runtime.kv_type)
-        free = starter_free_bytes(self.device)
-        if free is not None and need > free:
-            raise ConfigError("starter: layers [%d, %d) with the embedding and head need %.0f MB on ggml (weights, KV "
-                              "cache%s) but only %.0f MB of memory is available here: use fewer positions or samples, "
-                              "or give layers to more nodes" % (first, last, need / 2 ** 20,
-                                                                ", draft model" if draft else "", free / 2 ** 20))
-        self._set_prefix_bytes(None if free is None else free - need - LOAD_HEADROOM_BYTES)
+        budget = self.plan.budgets[0].on_ggml(self.source.gguf_bytes(first, last, True, True), ggml_kv_bytes(
+            self.source.config, last - first, 1, self.max_len, cfg.runtime.kv_type))
+        self._set_prefix_bytes(check_fits_here(budget, self.device, True, " on ggml"))
         threads = cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else usable_cpus()
         chunk = self.source.ggml_chunk(first, last, True, True, threads, cfg.runtime.kv_type, cfg.runtime.repack)
         chunk.allocate_cache(self.n_slots, self.max_len)
@@ -207,6 +200,7 @@ class Engine:
         return chunk
 
     def _set_prefix_bytes(self, spare: Optional[int]) -> None:
+        self.starter_spare = spare  # what adapters loaded while serving are counted against
         try:
             self.prefix_bytes = prefix_budget(self.cfg.runtime.prefix_cache, spare)
         except ValueError as e:
@@ -248,12 +242,9 @@ class Engine:
     def _install_adapter(self, name: str, adapter: Any) -> int:
         if self.adapters is None:
             self.adapters = AdapterSet({}, self.source.config)
-        own = adapter.nbytes(adapter.for_layers(self.chunk.first, self.chunk.last))
-        free = starter_free_bytes(self.device)
-        if free is not None and own > free - LOAD_HEADROOM_BYTES:
-            # the workers check their own (Worker.load_adapter); a mix is a full adapter too
-            raise StarterTooLarge("adapter %s needs %.1f MB on the starter, which has %.1f MB free beside the %d MB a "
-                                  "run needs" % (name, own / 2 ** 20, free / 2 ** 20, LOAD_HEADROOM_BYTES >> 20))
+        check_starter_adapter(name, adapter.nbytes(adapter.for_layers(self.chunk.first, self.chunk.last)),
+                              self.plan.budgets[0], self.starter_spare, self.prefix_bytes,
+                              self.adapters.held_bytes(self.chunk.first, self.chunk.last), starter_free_bytes(self.device))
         adapter_id = self.adapters.add(name, adapter, pending=True)
         try:
             if adapter.kind != "prompt":  # a soft prompt lives in the samples, on the starter alone

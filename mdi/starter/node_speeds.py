@@ -35,10 +35,11 @@ from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.timing.node import profile_here, profile_positions
-from mdi.starter.adapter_set import adapter_layer_bytes
-from mdi.starter.capacity import chunk_bytes_needed, node_quant, prefix_reserve, starter_free_bytes
+from mdi.starter.capacity import node_quant, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
+from mdi.starter.draft_model import open_draft
 from mdi.starter.loop_timing import time_starter_loop
+from mdi.starter.node_budget import RunMemory, run_memory
 from mdi.starter.planner import NodeCost, groups
 from mdi.system.files import write_json
 from mdi.system.machine_cache import cache_dir
@@ -120,8 +121,9 @@ class Profiler:
     def __init__(self, cfg: RunConfig, source: ModelSource, n_slots: int, max_len: int, samples: int,
                  params: Optional[SamplingParams] = None, refresh: bool = False,
                  say: Callable[[str], None] = log.info, sizes: Sequence[int] = (),
-                 registry: Optional[NodeRegistry] = None) -> None:
+                 registry: Optional[NodeRegistry] = None, memory: Optional[RunMemory] = None) -> None:
         self.cfg, self.source, self.n_slots, self.max_len = cfg, source, n_slots, max_len
+        self._memory = memory  # the run's budget parts (node_budget.RunMemory); None: built from cfg when needed
         self._owns_registry = registry is None
         self.registry = registry or NodeRegistry.for_run(cfg)
         self.params = params or SamplingParams(cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p)
@@ -136,7 +138,6 @@ class Profiler:
         self.seconds = 0.0  # spent measuring (0 when everything came from the cache)
         self.cache_dirty = False
         self._bytes: Dict[Optional[str], List[int]] = {}  # node quant -> layer bytes
-        self._adapter_bytes: Optional[List[int]] = None
 
     def close(self) -> None:
         """Close the connections to the nodes this profiler opened (a registry it was given
@@ -167,8 +168,6 @@ class Profiler:
         # before profiling and 30.7 MB after, and refused its 31.9 MB share at /init).
         after = [status.capacity_bytes() for status in self._statuses(nodes[1:])]
         capacities = capacities[:1] + [_smaller(a, b) for a, b in zip(capacities[1:], after)]
-        reserve = prefix_reserve(self.cfg)  # a sized prefix cache is no room for layers
-        capacities = [None if c is None else max(0, c - reserve) for c in capacities]
         out = []
         for i, node in enumerate(nodes):
             # A node's output goes to the next one: the slower of the two links to the starter
@@ -317,23 +316,26 @@ class Profiler:
         for rows in self.sizes:
             nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)
             hop[rows] = max([l["rtt_s"] / 2 + nbytes / l["bytes_per_s"] for l in links] or [0.0])
-        layer_bytes = self._layer_bytes(node)
-        ends = 0
-        if i == 0:
-            quant = node_quant(self.cfg, self.source, node, [0, 1], True)
-            plain = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, False,
-                                       node_quant(self.cfg, self.source, node, [0, 1]))
-            ends = chunk_bytes_needed(self.config, [0, 1], self.n_slots, self.max_len, self.dtype, True, quant) - plain
-        return NodeCost(node.name, reply.layer_s, fixed, hop, layer_bytes, ends, capacity, reply.prefill_token_s)
+        # The node's budget (mdi.starter.node_budget) split as the planner adds it up: a fixed
+        # part (the prefix reserve; the starter's embedding, head and draft model) and each
+        # layer's; the planner's fit is the budget's against the same limit.
+        fixed_bytes = self.memory.fixed_bytes(node_quant(self.cfg, self.source, node, [0, 0], True) if i == 0 else {},
+                                              self.n_slots, i == 0)
+        return NodeCost(node.name, reply.layer_s, fixed, hop, self._layer_bytes(node), fixed_bytes, capacity,
+                        reply.prefill_token_s)
+
+    @property
+    def memory(self) -> RunMemory:
+        if self._memory is None:
+            self._memory = run_memory(self.cfg, self.config, self.max_len, self.dtype, open_draft(self.cfg, self.source))
+        return self._memory
 
     def _layer_bytes(self, node: NodeSpec) -> List[int]:
-        """Weights + KV cache of each layer as this node would hold it (its own quant)."""
+        """Each layer's share of this node's budget (weights as its own quant keeps them, KV
+        cache, adapters' matrices)."""
         if node.quant not in self._bytes:
-            if self._adapter_bytes is None:  # the adapters' matrices of each layer go with it
-                self._adapter_bytes = adapter_layer_bytes(self.cfg.adapters, self.config)
             self._bytes[node.quant] = [
-                chunk_bytes_needed(self.config, [j, j + 1], self.n_slots, self.max_len, self.dtype, False,
-                                   node_quant(self.cfg, self.source, node, [j, j + 1])) + self._adapter_bytes[j]
+                self.memory.layer_bytes(j, node_quant(self.cfg, self.source, node, [j, j + 1]), self.n_slots)
                 for j in range(self.config.n_layer)]
         return self._bytes[node.quant]
 

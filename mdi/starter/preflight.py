@@ -7,8 +7,7 @@ from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
-from mdi.starter.adapter_set import adapter_layer_bytes
-from mdi.starter.capacity import MB, chunk_bytes_needed, prefix_reserve, starter_free_bytes
+from mdi.starter.capacity import MB, starter_free_bytes
 from mdi.starter.planner import format_plan
 from mdi.starter.run_plan import plan_run
 from mdi.starter.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -43,7 +42,6 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     cfg = plan.cfg
     if plan.layer_plan is not None:
         print(format_plan(plan.layer_plan))
-    adapter_bytes = adapter_layer_bytes(cfg.adapters, config)  # each node holds its layers' part
     print("model %s: %s, %d layers, %s, quant %s; %d samples x %d positions" % (
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
@@ -53,7 +51,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
         print("starter: UNUSABLE: %s" % unusable)
     print(prefix_line(cfg))
     print(kernel_memory_line(cfg))
-    draft, draft_need = plan.draft, plan.draft_bytes(plan.n_slots)
+    draft, draft_need = plan.draft, plan.budgets[0].draft
     if draft is not None:
         print("draft model %s: %s, %d layers, quant %s: %.1f MB (weights and KV cache), counted in the starter's need"
               % (draft.path, draft.config.family, draft.config.n_layer,
@@ -61,11 +59,10 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     ok = True
     registry = NodeRegistry.for_run(cfg)
     try:
-        for i, node in enumerate(plan.nodes):
+        for i, (node, budget) in enumerate(zip(plan.nodes, plan.budgets)):
+            # the plan's budget, as serving's slots, recovery and the engine's load check read it
             first, last = node.layers
-            need = chunk_bytes_needed(config, node.layers, plan.n_slots, plan.max_len, plan.dtype, with_ends=i == 0,
-                                      quant=node.quant) + sum(adapter_bytes[first:last]) + prefix_reserve(cfg) \
-                + (draft_need if i == 0 else 0)
+            need = budget.total
             where = "%-10s %-21s %-17s needs %7.1f MB" % (
                 node.name, node.spec.address if i else "(this machine)", format_layers(first, last), need / MB)
             ok = _report(cfg, registry, node.spec if i else None, where, need, plan, source, node) and ok

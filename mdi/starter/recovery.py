@@ -13,7 +13,7 @@ from mdi.model.layout import format_layers
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, NodeSpec
-from mdi.starter.capacity import chunk_bytes_needed, node_quant, prefix_reserve
+from mdi.starter.capacity import node_quant
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.planner import PlanError, make_plan
 from mdi.starter.node_speeds import Profiler
@@ -99,9 +99,8 @@ def replan(plan: RunPlan, source: ModelSource, registry: NodeRegistry, cause: Ba
             capacity = registry.client(node).status().capacity_bytes()
         except NodeError:
             return False
-        need = chunk_bytes_needed(source.config, layers, plan.n_slots, plan.max_len, plan.dtype,
-                                  quant=node_quant(plan.cfg, source, node, layers)) + prefix_reserve(plan.cfg)
-        return capacity is None or need <= capacity
+        # the plan's budget (weights, KV cache, adapters, prefix reserve), as --check and serving count it
+        return plan.budget_for(node, layers, node_quant(plan.cfg, source, node, layers)).fits(capacity)
     change = plan_recovery(plan.specs, plan.ranges, dead, spares, fits)
     left = [s for s in plan.spares if s is not change.spare]
     return plan.with_ring(source, change.nodes, change.ranges, left), change.how

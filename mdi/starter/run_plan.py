@@ -7,7 +7,8 @@ read this one value; none sizes the run again. Each used to: the positions per s
 rules, the layer ranges three times, the `max_batch: auto` rule twice, and `--check` checked
 fewer slots than the run then allocated. A recovered ring gets a new plan (`with_ring`), never
 an edit of the old one. A feature that changes a run's shape (a draft model, a prefix cache)
-adds a field here.
+adds a field here, and to every node's memory budget (`budgets`, mdi.starter.node_budget),
+which `--check`, serving's slots, recovery and the engine's load check all read.
 """
 import dataclasses
 import logging
@@ -24,6 +25,7 @@ from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.autoplan import apply_plan, plan_ring
 from mdi.starter.capacity import node_quant
 from mdi.starter.draft_model import DraftSource, open_draft
+from mdi.starter.node_budget import NodeBudget, RunMemory, run_memory
 from mdi.starter.planner import LayerPlan, NodeCost, format_plan
 from mdi.starter.run_shape import RunShape
 
@@ -56,6 +58,10 @@ class RunPlan:
     # generation.speculation's draft model, its vocabulary checked once here; the starter holds
     # its weights and one cache slot per slot beside its chunk
     draft: Optional[DraftSource] = None
+    # the budgets' parts (adapters per layer, the prefix reserve, the draft's bytes) and each
+    # node's budget, ring order: built here, rebuilt by with_slots, with_ring, with_adapters
+    memory: Optional[RunMemory] = None
+    budgets: Tuple[NodeBudget, ...] = ()
 
     @property
     def specs(self) -> List[NodeSpec]:
@@ -84,10 +90,29 @@ class RunPlan:
         """What the draft model takes on the starter with `n_slots` cache slots (0: its weights)."""
         return self.draft.bytes_needed(n_slots, self.max_len, self.dtype) if self.draft is not None else 0
 
+    @property
+    def prefix_reserve(self) -> int:
+        """What every node keeps for a sized prefix cache (runtime.prefix_cache; 0 for "auto")."""
+        return self.memory.prefix_reserve if self.memory is not None else 0
+
+    def budget_for(self, node: NodeSpec, layers: Sequence[int], quant: Dict[str, QuantSpec]) -> NodeBudget:
+        """What worker `node` would need holding `layers` in this plan (recovery asks before it
+        grows a range)."""
+        assert self.memory is not None, "a plan made by plan_run has its budget parts"
+        return self.memory.budget(node.name, layers, quant, self.n_slots, False)
+
     def with_slots(self, n_slots: int) -> "RunPlan":
         """This ring with `n_slots` slots (serving lowers them to what every node's memory holds)."""
-        return dataclasses.replace(self, n_slots=n_slots,
+        return dataclasses.replace(self, n_slots=n_slots, budgets=tuple(b.with_slots(n_slots) for b in self.budgets),
                                    max_batch=self.cfg.max_batch(n_slots, len(self.nodes)))
+
+    def with_adapters(self, adapters: Any) -> "RunPlan":
+        """This plan with the adapters of `adapters` (an AdapterSet a rebuilt serving ring keeps,
+        loaded ones included) in every node's budget instead of the configured ones."""
+        if self.memory is None:
+            return self
+        memory = self.memory.with_adapters(adapters.layer_bytes())
+        return dataclasses.replace(self, memory=memory, budgets=_budgets(memory, self.nodes, self.n_slots))
 
     def with_ring(self, source: ModelSource, nodes: Sequence[NodeSpec], ranges: Sequence[Sequence[int]],
                   spares: Sequence[NodeSpec], costs: Optional[Sequence[NodeCost]] = None) -> "RunPlan":
@@ -95,7 +120,13 @@ class RunPlan:
         return dataclasses.replace(
             self, nodes=_node_plans(self.cfg, source, nodes, ranges), spares=tuple(spares),
             max_batch=self.cfg.max_batch(self.n_slots, len(nodes)),
-            costs=self.costs if costs is None else tuple(costs))
+            costs=self.costs if costs is None else tuple(costs)).with_budgets()
+
+    def with_budgets(self) -> "RunPlan":
+        """This plan with every node's budget built again from its ranges and slots."""
+        if self.memory is None:
+            return self
+        return dataclasses.replace(self, budgets=_budgets(self.memory, self.nodes, self.n_slots))
 
     def metrics(self) -> Dict[str, Any]:
         """What the metrics record says of the plan: the planner's split, when it made one."""
@@ -109,11 +140,13 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
     splits the layers; the nodes it leaves out are not in the ring. Raises PlanError,
     NodeError or ConfigError (a draft model of another vocabulary) before any weight is sent."""
     draft = open_draft(cfg, source)  # before the planner times any node
+    # every node's budget parts, counted per layer by the planner as by the plan's budgets
+    memory = run_memory(cfg, source.config, shape.max_len, torch_dtype(cfg.model.dtype), draft)
     layer_plan: Optional[LayerPlan] = None
     costs: List[NodeCost] = []
     if cfg.auto_layers or measure:
         layer_plan, costs = plan_ring(cfg, source, shape.n_slots, shape.max_len, passes_in_flight(cfg, shape), params,
-                                      refresh, say or log.info)
+                                      refresh, say or log.info, memory)
         if say is None:
             for line in format_plan(layer_plan).splitlines():
                 log.info("mdi: plan: %s", line)
@@ -122,7 +155,8 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
         cfg = apply_plan(cfg, layer_plan)
     nodes = _node_plans(cfg, source, cfg.nodes, cfg.layer_ranges(source.config.n_layer))
     return RunPlan(cfg, nodes, tuple(cfg.spares), shape.n_slots, shape.max_len,
-                   cfg.max_batch(shape.n_slots, len(nodes)), cfg.runtime.prefill_chunk, tuple(costs), layer_plan, draft)
+                   cfg.max_batch(shape.n_slots, len(nodes)), cfg.runtime.prefill_chunk, tuple(costs), layer_plan, draft,
+                   memory, _budgets(memory, nodes, shape.n_slots))
 
 
 def passes_in_flight(cfg: RunConfig, shape: RunShape) -> int:
@@ -141,3 +175,8 @@ def _node_plans(cfg: RunConfig, source: ModelSource, nodes: Sequence[NodeSpec],
     """Each node with its range and quantization; the starter's (first) with the embedding and head."""
     return tuple(NodePlan(node, (layers[0], layers[1]), node_quant(cfg, source, node, layers, with_ends=i == 0))
                  for i, (node, layers) in enumerate(zip(nodes, ranges)))
+
+
+def _budgets(memory: RunMemory, nodes: Sequence[NodePlan], n_slots: int) -> Tuple[NodeBudget, ...]:
+    """Every node's budget, ring order; the starter's (first) with its ends and the draft model."""
+    return tuple(memory.budget(n.name, n.layers, n.quant, n_slots, i == 0) for i, n in enumerate(nodes))

@@ -8,12 +8,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, List
 
-from mdi.model.kv_cache import KVCache
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planner import PlanError
-from mdi.starter.capacity import chunk_bytes_needed, prefix_reserve, starter_free_bytes
+from mdi.starter.capacity import starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.engine import Engine
 from mdi.starter.sample import Sample
@@ -38,6 +37,8 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
     actually allocated. Nothing is left open when this raises. `adapters`: an AdapterSet to
     keep (a rebuilt ring keeps the adapters loaded at run time)."""
     plan = _planned(cfg, source, max_len, params)
+    if adapters is not None:  # a rebuilt ring: every budget counts the adapters it will hold
+        plan = plan.with_adapters(adapters)
     registry = NodeRegistry.for_run(plan.cfg)  # the engine's, closed with it
     try:
         plan = plan.with_slots(plan_slots(plan, source, registry))
@@ -71,34 +72,27 @@ def _planned(cfg: RunConfig, source: ModelSource, max_len: int, params: Sampling
 
 def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> int:
     """serve.max_in_flight (default DEFAULT_MAX_IN_FLIGHT), lowered to the slots of the plan's
-    positions that fit in every node's memory next to its weights (the starter's: and a draft
-    model's weights, and its cache slot per slot)."""
+    positions whose budget fits in every node's memory (mdi.starter.node_budget: weights,
+    adapters, a sized prefix cache, a KV cache slot per slot; the starter's draft model's
+    weights and its cache slot per slot): what --check counts for that many slots."""
     cfg, max_len = plan.cfg, plan.max_len
     asked = cfg.serve.max_in_flight
     limit = asked or DEFAULT_MAX_IN_FLIGHT
-    config = source.config
-    draft_weights = plan.draft_bytes(0)  # the starter's draft model: its weights and a cache slot per slot
-    draft_slot = plan.draft_bytes(1) - draft_weights
-    for i, node in enumerate(plan.nodes):
+    for i, (node, budget) in enumerate(zip(plan.nodes, plan.budgets)):
         if i == 0:
             capacity = starter_free_bytes(cfg.device_of(node.spec))
         else:
             capacity = registry.client(node.spec).status().capacity_bytes()
-        if capacity is None:
-            continue
-        weights = chunk_bytes_needed(config, node.layers, 0, max_len, plan.dtype, with_ends=i == 0, quant=node.quant) \
-            + prefix_reserve(cfg) + (draft_weights if i == 0 else 0)
-        per_slot = KVCache.nbytes_for(config, node.layers[1] - node.layers[0], 1, max_len, plan.dtype) \
-            + (draft_slot if i == 0 else 0)
-        fit = (capacity - weights) // per_slot if per_slot > 0 else limit
+        fit = budget.slots_that_fit(capacity, limit)
         if fit < 1:
-            raise ConfigError("node %s: %.0f MB of memory cannot hold its layers and one KV cache slot of "
-                              "%d positions; lower serve.max_len" % (node.name, capacity / 2 ** 20, max_len))
+            raise ConfigError("node %s: %.0f MB of memory cannot hold its budget with one KV cache slot of %d positions "
+                              "(%s); lower serve.max_len" % (node.name, (capacity or 0) / 2 ** 20, max_len,
+                                                            budget.with_slots(1).parts()))
         if fit < limit:
             if asked:
                 log.warning("mdi: serve: max_in_flight %d lowered to %d: node %s has memory for %d slots of "
                             "%d positions", asked, fit, node.name, fit, max_len)
-            limit = int(fit)
+            limit = fit
     return limit
 
 
