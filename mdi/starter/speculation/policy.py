@@ -31,8 +31,8 @@ FILL_TRIAL_MIN = 0.9
 
 
 class SpecPolicy:
-    """How much one sample drafts and how many of its passes may be in flight: by the models
-    above, fed the sample's rolling acceptance and the measured pass costs. Whether filling
+    """How much one sample drafts and how many of its passes may be in flight: by the gain models
+    (gains.py), fed the sample's rolling acceptance and the measured pass costs. Whether filling
     the ring pays on these boards at all is measured (choose_way), not modelled."""
 
     def __init__(self, spec: SpeculationSpec, n_stages: int, costs: PassCosts) -> None:
