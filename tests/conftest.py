@@ -139,7 +139,7 @@ def quick_ways(monkeypatch):
     """Speculating samples switch between filling the ring and verifying alone after every
     verification (not after 8, as measured ways do), so a short test exercises both."""
     from mdi.starter import speculation
-    monkeypatch.setattr(speculation, "MODE_TRIAL", 1)
+    monkeypatch.setattr(speculation.policy, "MODE_TRIAL", 1)
 
 
 @pytest.fixture(scope="session")

@@ -135,7 +135,7 @@ def test_penalised_sampling_with_speculation_gives_the_plain_run_s_tokens(monkey
     """Penalties depend on the tokens taken so far: a verification draws its rows token by
     token with them, so whatever was guessed, each token is the plain run's draw."""
     from test_speculation import PROMPTS, oracle, run_local
-    monkeypatch.setattr(speculation, "MODE_TRIAL", 1)
+    monkeypatch.setattr(speculation.policy, "MODE_TRIAL", 1)
     chunk = tiny_model("llama")
     chunk.allocate_cache(4, 128)
     for params in (SamplingParams(0.0, frequency_penalty=0.8, presence_penalty=0.4, logit_bias={5: -100}),

@@ -59,11 +59,11 @@ def test_a_sample_keeps_the_way_it_measures_faster():
             clock[0] += seconds_per_token
             state.timed(1, clock[0])
             policy.choose_way(state, decoding=1)
-    verifications(speculation.MODE_TRIAL, 0.1)  # alone: 10 tokens/s
+    verifications(speculation.policy.MODE_TRIAL, 0.1)  # alone: 10 tokens/s
     assert state.filling
-    verifications(speculation.MODE_TRIAL, 0.2)  # filling measured slower: back, and it stays
+    verifications(speculation.policy.MODE_TRIAL, 0.2)  # filling measured slower: back, and it stays
     assert not state.filling
-    verifications(speculation.MODE_RETRY - 1, 0.1)
+    verifications(speculation.policy.MODE_RETRY - 1, 0.1)
     assert not state.filling
     verifications(1, 0.1)
     assert state.filling  # tried again
@@ -85,10 +85,10 @@ def test_a_way_s_rate_is_its_tokens_over_its_time_however_bursty():
         state.timed(tokens, clock[0])
         policy.choose_way(state, decoding=1)
     state.last_commit = 0.0  # the sample's first token
-    for _ in range(speculation.MODE_TRIAL):  # alone: 2 tokens every 20 ms, 100 tokens/s
+    for _ in range(speculation.policy.MODE_TRIAL):  # alone: 2 tokens every 20 ms, 100 tokens/s
         verification(2, 0.02)
     assert state.filling and state.token_rates[False] == pytest.approx(100)
-    for _ in range(speculation.MODE_TRIAL // 4):  # filling: 3 returns 0.1 ms apart, then a failure's trip
+    for _ in range(speculation.policy.MODE_TRIAL // 4):  # filling: 3 returns 0.1 ms apart, then a failure's trip
         for tokens, seconds in ((2, 0.0001), (2, 0.0001), (2, 0.0001), (1, 0.1)):
             verification(tokens, seconds)
     assert state.token_rates[True] == pytest.approx(7 / 0.1003)  # per-interval rates averaged: 1990
@@ -113,24 +113,24 @@ def test_filling_is_tried_only_where_the_model_gives_it_a_chance():
             policy.choose_way(state, decoding=1)
     for rate in (0.5, 0.7):
         accepting(state, rate)
-        verifications(speculation.MODE_RETRY + speculation.MODE_TRIAL)
+        verifications(speculation.policy.MODE_RETRY + speculation.policy.MODE_TRIAL)
         assert not state.filling and not policy.fill_may_pay(state), rate
     accepting(state, 0.9)
     assert policy.fill_may_pay(state)
-    verifications(speculation.MODE_TRIAL)  # the retry is due: filling is tried
+    verifications(speculation.policy.MODE_TRIAL)  # the retry is due: filling is tried
     assert state.filling
     accepting(state, 0.5)
-    verifications(speculation.MODE_TRIAL)
+    verifications(speculation.policy.MODE_TRIAL)
     assert not state.filling
     # What decides is the acceptance over the sample's life, not its last few drafts: a lucky
     # streak at a true 0.5 starts no trial.
     state.rate, state.judged, state.agreed = 0.95, 200, 100
-    verifications(speculation.MODE_RETRY + speculation.MODE_TRIAL)
+    verifications(speculation.policy.MODE_RETRY + speculation.policy.MODE_TRIAL)
     assert not state.filling
     fresh = speculation.SpecState(NgramDrafter([]))
-    assert fresh.long_rate == speculation.RATE_PRIOR
+    assert fresh.long_rate == speculation.state.RATE_PRIOR
     fresh.learn(3, 4)
-    assert speculation.RATE_PRIOR < fresh.long_rate < 0.75
+    assert speculation.state.RATE_PRIOR < fresh.long_rate < 0.75
     # the CPU's costs (AVX-512, int4: 2-4 rows 1.06-1.33, 5 rows 1.93): filling stays a candidate at 0.7
     cpu = speculation.PassCosts((1.0, 1.063, 1.176, 1.326, 1.925, 2.19, 2.456, 2.721, 2.986))
     accepting(state, 0.7)

@@ -1,4 +1,4 @@
-"""The `draft: PATH` drafter (mdi.starter.draft_model): a model with the target's vocabulary
+"""The `draft: PATH` drafter (mdi.starter.speculation.draft_model): a model with the target's vocabulary
 drafts on the starter with its own KV cache; the ring's output stays the plain run's, greedy or
 sampled with the same seed. Another vocabulary is refused in one line before any weight moves,
 and a served request can only name the server's own draft model, never a file."""
@@ -19,11 +19,12 @@ from mdi.model.transformer import full_model
 from mdi.ring.transport import LocalLoop
 from mdi.runconfig import ConfigError, parse_speculation
 from mdi.serving.validation import COMPLETIONS, ApiError, validate
-from mdi.starter import batch, draft_model, run_plan, speculation
-from mdi.starter.draft_model import DraftModel, ModelDrafter, vocabulary_difference
+from mdi.starter import batch, run_plan, speculation
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.preflight import preflight
 from mdi.starter.sample import Sample
+from mdi.starter.speculation import draft_model
+from mdi.starter.speculation.draft_model import DraftModel, ModelDrafter, vocabulary_difference
 
 PROMPTS = ["The quick brown fox jumps", "abcabcabcabc", "To be, or not to be, that is", "x"]
 

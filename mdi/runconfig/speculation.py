@@ -20,7 +20,7 @@ class SpeculationSpec:
     ngram_min: int = 2  # the shortest n-gram looked up; the longest is tried first
     ngram_max: int = 4
     fill: bool = True  # keep idle boards busy with passes built on drafts still being verified
-    # method draft (mdi.starter.draft_model): the draft model's path (prepared dir, HF dir or
+    # method draft (mdi.starter.speculation.draft_model): the draft model's path (prepared dir, HF dir or
     # GGUF), and its quantization (None: model.quant). A request's spec never names a path: its
     # `draft` is None and means the server's configured draft model.
     draft: Optional[str] = None

@@ -30,12 +30,12 @@ from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_ad
 from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.capacity import check_fits_here, starter_free_bytes
 from mdi.starter.node_budget import check_starter_adapter
-from mdi.starter.draft_model import DraftModel
+from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
 from mdi.starter.run_plan import RunPlan
 from mdi.starter.session import RingSession
-from mdi.starter.speculation import measure_pass_costs
+from mdi.starter.speculation.costs import measure_pass_costs
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

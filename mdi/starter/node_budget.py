@@ -26,7 +26,7 @@ from mdi.starter.adapter_set import StarterTooLarge, adapter_layer_bytes
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 
 if TYPE_CHECKING:  # draft_model imports capacity, which imports this module
-    from mdi.starter.draft_model import DraftSource
+    from mdi.starter.speculation.draft_model import DraftSource
 
 MB = 1024 * 1024
 

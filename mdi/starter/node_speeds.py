@@ -37,7 +37,7 @@ from mdi.runconfig import NodeSpec, RunConfig
 from mdi.timing.node import profile_here, profile_positions
 from mdi.starter.capacity import node_quant, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
-from mdi.starter.draft_model import open_draft
+from mdi.starter.speculation.draft_model import open_draft
 from mdi.starter.loop_timing import time_starter_loop
 from mdi.starter.node_budget import RunMemory, run_memory
 from mdi.starter.planner import NodeCost, groups

@@ -15,6 +15,7 @@ With speculation (mdi.starter.speculation) a decoding sample's pass carries draf
 and, while the ring has idle boards, several passes of one sample travel at once.
 """
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -30,14 +31,20 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
-from mdi.starter.draft_model import DraftModel
 from mdi.starter.frame_rows import adapters_together, virtual_rows
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
-from mdi.starter.speculation import Drafter, PassCosts, SpecCounters, SpecPolicy, SpecState, new_drafter
+from mdi.starter.speculation.decoder import SpecDecoder
+from mdi.starter.speculation.drafters import Drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
+
+
+def _decoder_field(name: str) -> Any:
+    """A pipeline attribute that is its speculative decoder's (the engine, the benchmarks and
+    the tests set and read them on the pipeline)."""
+    return property(lambda self: getattr(self.decoder, name), lambda self, value: setattr(self.decoder, name, value))
 
 
 class Pipeline:
@@ -48,6 +55,12 @@ class Pipeline:
     `run` does both for a fixed batch; the serving scheduler calls them itself to admit
     requests between steps.
     """
+    speculation = _decoder_field("speculation")
+    n_stages = _decoder_field("n_stages")
+    pass_costs = _decoder_field("pass_costs")
+    spec_counters = _decoder_field("counters")
+    drafter_factory = _decoder_field("drafter_factory")
+    draft_model = _decoder_field("draft_model")
 
     def __init__(self, chunk: ModelChunk, transport: Transport, run_id: int, params: SamplingParams,
                  eos_id: Any, recv_timeout: float = 30.0,
@@ -74,19 +87,13 @@ class Pipeline:
         self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
         self.batching = BatchCounter()  # rows and samples per forward of the starter's layers
         self.last_progress = time.monotonic()  # a pass came back, or the ring went from idle to busy
-        # Speculation: the run's setting (a sample may carry its own), the boards of the ring,
-        # and what passes of several rows cost (measure_pass_costs; the engine measures them).
-        self.speculation = speculation or SpeculationSpec()
-        self.n_stages = n_stages
-        self.pass_costs = PassCosts.linear(0.1, 1 + self.speculation.max_draft)
+        # Speculation (mdi.starter.speculation): the pipeline calls its decoder in two places,
+        # to send speculative passes (_dispatch) and to verify one that came back (_sample_all).
+        self._epochs = itertools.count(1)
+        self.decoder = SpecDecoder(speculation or SpeculationSpec(), n_stages, self._epochs, drafter_factory)
         # Frames carry each sample's pass epoch once any sample may speculate (tag_epochs: one
         # may later, e.g. a served request): only then can a stale pass be in flight.
         self.tag_epochs = tag_epochs or self.speculation.on
-        self._epochs = itertools.count(1)
-        self.spec_counters = SpecCounters()
-        # a sample's drafter when not the speculation method's own (measurement: mdi.lab.oracle_drafter)
-        self.drafter_factory = drafter_factory
-        self.draft_model: Optional[DraftModel] = None  # method draft's model (the engine loads it)
         # The prefix cache (enable_prefix_cache): the starter's index of what every node holds,
         # and its own node's store.
         self.prefix: Optional[PrefixIndex] = None
@@ -141,11 +148,6 @@ class Pipeline:
         spec = sample.speculation or self.speculation
         self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
         sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
-        if spec.on and sample.spec is None:
-            sample.spec = SpecState(self.drafter_factory(sample) if self.drafter_factory is not None
-                                    else new_drafter(spec, sample, self.draft_model))
-        if sample.spec is not None:
-            sample.spec.forget_flight()
         if sample.window_len > self.chunk.cache.max_len:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
                              % (sample.index, sample.window_len, self.chunk.cache.max_len))
@@ -164,7 +166,8 @@ class Pipeline:
         fill the ring for them) leave in frames of their own, whose every row comes back."""
         ready = sorted(self.ready, key=lambda s: s.unsent)  # stable: arrival order among equals
         self.ready = []
-        ready = self._send_speculative(ready)
+        ready = self.decoder.send(ready, list(self.active.values()), self.chunk.cache.max_len, self.max_batch,
+                                  self.prefill_chunk, self._send_pass)
         while ready:
             group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
@@ -179,53 +182,6 @@ class Pipeline:
                 budget -= take
             self._send_pass(group, counts)
             ready = sorted(rest, key=lambda s: s.unsent)
-
-    def _send_speculative(self, ready: List[Sample]) -> List[Sample]:
-        """Send the passes of the decoding samples that speculate, and the passes that fill
-        the ring for them, in frames of their own; return the other ready samples."""
-        decoding = len(self.active)  # samples admitted: those still prefilling decode soon
-        passes: List[Tuple[Sample, int, List[int]]] = []
-        plain = []
-        for sample in ready:
-            one = self._spec_pass(sample, self._policy(sample), decoding, first=True) \
-                if sample.spec is not None and sample.fed >= len(sample.prompt_ids) and sample.unsent == 1 else None
-            if one is None:
-                plain.append(sample)
-            else:
-                passes.append(one)
-        for sample in list(self.active.values()):  # fill the ring with passes built on guesses
-            spec = sample.spec
-            if spec is None or not spec.passes:
-                continue
-            policy = self._policy(sample)
-            while not sample.done and len(spec.passes) < policy.depth(spec, decoding) and policy.active(decoding):
-                one = self._spec_pass(sample, policy, decoding, first=False)
-                if one is None:
-                    break
-                passes.append(one)
-        while passes:  # in order, a sample's later passes in later frames (a frame holds a slot once)
-            frame: List[Tuple[Sample, int, List[int]]] = []
-            rows, slots = 0, set()
-            for one in passes[:self.max_batch]:
-                rows += len(one[2])
-                if frame and (rows > self.prefill_chunk + self.max_batch or one[0].slot in slots):
-                    break
-                frame.append(one)
-                slots.add(one[0].slot)
-            passes = passes[len(frame):]
-            self._send_pass([f[0] for f in frame], [len(f[2]) for f in frame], [(f[1], f[2]) for f in frame])
-        return plain
-
-    def _policy(self, sample: Sample) -> SpecPolicy:
-        return SpecPolicy(sample.speculation or self.speculation, self.n_stages, self.pass_costs)
-
-    def _spec_pass(self, sample: Sample, policy: SpecPolicy, decoding: int,
-                   first: bool) -> Optional[Tuple[Sample, int, List[int]]]:
-        one = policy.next_pass(sample, decoding, first, self.chunk.cache.max_len)
-        if one is None:
-            return None
-        self.spec_counters.drafted += len(one[1]) - 1 if first else len(one[1])  # the guesses it carries
-        return sample, one[0], one[1]
 
     def _send_pass(self, group: List[Sample], counts: List[int],
                    inputs: Optional[List[Tuple[int, List[int]]]] = None) -> None:
@@ -268,8 +224,6 @@ class Pipeline:
         (or, at the end of its cache slot, shifts its window)."""
         sample.token_ids.append(token)
         sample.token_times.append(time.perf_counter() - self.t0)
-        if sample.spec is not None:
-            sample.spec.drafter.commit((token,))
         grammar = sample.constraint
         if grammar is not None and token not in self.end_ids and not grammar.take(token):
             self._fail(sample, SamplingError("token %d breaks its grammar: %s" % (token, grammar.error)))
@@ -312,7 +266,8 @@ class Pipeline:
             mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]
             params = self.params if sample.params is None else sample.params
             if epoch is not None:
-                self._verify(sample, epoch, mine, params)
+                self.decoder.verify(sample, epoch, mine, functools.partial(draw_next, sample, params=params),
+                                    self._take, self._fail, len(self.active))
                 continue
             try:
                 token = draw_next(sample, mine[-1], params)
@@ -321,54 +276,6 @@ class Pipeline:
                 continue
             self._take(sample, token)
         self.compute_seconds += time.perf_counter() - t0
-
-    def _verify(self, sample: Sample, epoch: int, logits: torch.Tensor, params: SamplingParams) -> None:
-        """A speculative pass came back: row i scores the token after input i. Tokens are taken
-        while they match the guesses; the first that differs (or the row past the guesses)
-        ends the run of them, and every pass built on the rest becomes stale."""
-        spec, counters = sample.spec, self.spec_counters
-        if sample.done or epoch != sample.epoch:  # an earlier verification in these frames rejected
-            counters.stale(logits.shape[0])
-            return
-        done_pass = spec.passes.popleft()
-        assert done_pass.start == sample.window_len - 1, "a verification must start at the last accepted token"
-        shifts = len(sample.shifts)
-        judged = agreed = taken = 0
-        matched = False
-        for i in range(done_pass.count):
-            guess = spec.frontier[i] if i < len(spec.frontier) else None
-            try:
-                # Drawn exactly as without a guess, one uniform per token: a guess is accepted when
-                # the draw agrees with it, which happens with probability p(guess), the most any
-                # scheme can accept a one-hot draft with. So each token is the plain run's own,
-                # greedy or sampled with the same seed, whatever was guessed or still in flight.
-                token = draw_next(sample, logits[i], params)
-            except SamplingError as e:
-                self._fail(sample, e)
-                break
-            matched = token == guess
-            judged += guess is not None
-            agreed += matched
-            taken += 1
-            self._take(sample, token)
-            if not matched or sample.done or sample.cancelled or len(sample.shifts) != shifts:
-                break
-        if sample.cancelled and not sample.done:  # e.g. a stop string among these tokens: no more of them
-            sample.finish_reason = FinishReason.CANCELLED
-        spec.learn(agreed, judged)
-        spec.timed(taken, time.perf_counter())
-        self._policy(sample).choose_way(spec, len(self.active))
-        counters.accepted += agreed
-        counters.verifications += judged > 0
-        counters.rows_wasted += done_pass.count - taken
-        if matched and taken == done_pass.count and not sample.done and len(sample.shifts) == shifts:
-            spec.frontier = spec.frontier[taken:]  # the next pass in flight goes on from here
-            return
-        if spec.passes:  # built on a guess that failed: stale wherever they are
-            sample.epoch = next(self._epochs)
-        spec.forget_flight()
-        if len(sample.shifts) == shifts:
-            sample.fed = sample.window_len - 1  # the rows after the last taken token are overwritten
 
     def _next_frame(self, timeout: float) -> Optional[Frame]:
         """Wait for the next frame in short slices, asking the watchdog in between, so a dead
@@ -451,7 +358,7 @@ class Pipeline:
                     continue
                 if sample.cancelled and not sample.done:
                     sample.finish_reason = FinishReason.CANCELLED
-                if sample.spec is not None and sample.spec.passes:
+                if sample.verifying:
                     if not sample.done:
                         pending.append((sample, epoch, rows))
                 elif not sample.done and sample.unsent == 0:
@@ -460,12 +367,10 @@ class Pipeline:
         self._sample_all(pending)
         for sample in advanced.values():
             if sample.done:
-                self.active.pop(sample.slot, None)
-                if sample.spec is not None:
-                    sample.spec.close()  # a draft model's slot is free again
+                self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)
                 if self.prefix is not None:  # what its slot holds is cache now
                     self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter)
-            elif sample.spec is None or not sample.spec.passes:
+            elif not sample.verifying:
                 self.ready.append(sample)  # its next token, or the next chunk of its prompt
         self._dispatch()
         return list(advanced.values())

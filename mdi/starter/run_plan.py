@@ -24,7 +24,7 @@ from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.starter.autoplan import apply_plan, plan_ring
 from mdi.starter.capacity import node_quant
-from mdi.starter.draft_model import DraftSource, open_draft
+from mdi.starter.speculation.draft_model import DraftSource, open_draft
 from mdi.starter.node_budget import NodeBudget, RunMemory, run_memory
 from mdi.starter.planner import LayerPlan, NodeCost, format_plan
 from mdi.starter.run_shape import RunShape

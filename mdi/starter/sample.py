@@ -92,6 +92,11 @@ class Sample:
         return max(0, min(self.fed, self.window_len - 1))
 
     @property
+    def verifying(self) -> bool:
+        """Whether its passes in flight are speculative ones (every row comes back to be verified)."""
+        return self.spec is not None and bool(self.spec.passes)
+
+    @property
     def unsent(self) -> int:
         """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
         return self.window_len - self.fed

@@ -13,7 +13,7 @@ first rejected position on, which overwrites the rows of the guesses that failed
 reads a slot only up to each row's own position, so nothing beyond is ever attended).
 
 Greedy drafts are exact for any temperature: verification draws each token as the plain run
-does and accepts a guess when the draw equals it (mdi.starter.pipeline's _verify), which needs
+does and accepts a guess when the draw equals it (SpecDecoder.verify, decoder.py), which needs
 no draft distribution q; a one-hot guess is accepted with probability p(guess), the most any
 rule can, and the output stays the plain run's token for token.
 """
