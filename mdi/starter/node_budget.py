@@ -14,7 +14,7 @@ What a node can give (its limit) is read where it is checked, when it is checked
 """
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -25,8 +25,13 @@ from mdi.runconfig import RunConfig
 from mdi.starter.adapter_set import StarterTooLarge, adapter_layer_bytes
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 
-if TYPE_CHECKING:  # draft_model imports capacity, which imports this module
-    from mdi.starter.speculation.draft_model import DraftSource
+
+
+class DraftSizes(Protocol):
+    """What a budget reads of a draft model (speculation.draft_model.DraftSource, which imports
+    capacity, which imports this module: named by its shape, not imported)."""
+
+    def bytes_needed(self, n_slots: int, max_len: int, dtype: torch.dtype) -> int: ...
 
 MB = 1024 * 1024
 
@@ -152,7 +157,7 @@ def prefix_reserve(cfg: RunConfig) -> int:
 
 
 def run_memory(cfg: RunConfig, config: ModelConfig, max_len: int, dtype: torch.dtype,
-               draft: "Optional[DraftSource]" = None, adapters: Any = None) -> RunMemory:
+               draft: Optional[DraftSizes] = None, adapters: Any = None) -> RunMemory:
     """The run's budget parts: the configured adapters' matrices per layer (or those of
     `adapters`, an AdapterSet a rebuilt serving ring keeps: what its nodes will hold), a sized
     prefix cache, and a draft model's weights and cache slot."""
