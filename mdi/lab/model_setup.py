@@ -134,7 +134,7 @@ def ensure_model(entry: ModelEntry, where: str, source: str, log: Callable[[str]
     path = resolve_path(entry.path, source)
     if os.path.exists(path):
         if entry.random is not None:
-            _check_random_matches(path, entry, where)
+            _check_random_matches(path, entry.name, entry.random, where)
         return path
     if entry.random is None:
         raise ExperimentError("%s.path: %s does not exist (prepare it with mdi-prepare, or give 'random:' to "
@@ -163,14 +163,14 @@ def sweep_model(entry: ModelEntry, where: str, source: str, log: Callable[[str],
     return path, config, local, run_quant_layout(entry, config, stored, where)
 
 
-def _check_random_matches(path: str, entry: ModelEntry, where: str) -> None:
+def _check_random_matches(path: str, name: str, spec: Dict[str, Any], where: str) -> None:
     from mdi.model.store import read_mdi_config
     try:
         have = read_mdi_config(path).to_dict()
     except Exception:  # not a prepared dir: certainly not what 'random' builds
         have = None
-    config = _checked_random_config(entry.name, entry.random, where)
-    want_quant = random_quant_layout(config, entry.random, where)
+    config = _checked_random_config(name, spec, where)
+    want_quant = random_quant_layout(config, spec, where)
     stored = _stored_quant(path)
     if have != config.to_dict():
         differs = "its model config differs"

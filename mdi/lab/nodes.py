@@ -32,11 +32,14 @@ class StarterService:
 
     def __init__(self, proc: NodeProcess) -> None:
         self.proc = proc
+        stdin, stdout = proc.proc.stdin, proc.proc.stdout
+        assert stdin is not None and stdout is not None  # started with pipes=True (Ring's starter)
+        self.stdin, self.stdout = stdin, stdout
         self.replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.proc.stdout:
+        for line in self.stdout:
             try:
                 self.replies.put(json.loads(line.decode()))
             except ValueError:
@@ -58,15 +61,15 @@ class StarterService:
 
     def run(self, argv: List[str], timeout: float) -> Dict[str, Any]:
         try:
-            self.proc.proc.stdin.write((json.dumps({"argv": argv}) + "\n").encode())
-            self.proc.proc.stdin.flush()
+            self.stdin.write((json.dumps({"argv": argv}) + "\n").encode())
+            self.stdin.flush()
         except OSError:
             raise RuntimeError("starter process is gone (%s)" % self.proc.tail())
         return self._reply(timeout)
 
     def stop(self) -> None:
         try:
-            self.proc.proc.stdin.close()  # the service ends when its input ends
+            self.stdin.close()  # the service ends when its input ends
         except OSError:
             pass
         self.proc.stop(grace=5.0)

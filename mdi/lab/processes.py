@@ -169,11 +169,12 @@ def wait_healthy(url: str, token: Optional[str], proc: NodeProcess, timeout: flo
 
 def post_shutdown(url: str, token: Optional[str]) -> None:
     import requests
-    try:
-        requests.post(url + "/shutdown", auth=control_auth(token), timeout=3,
-                      proxies={"http": None, "https": None})
-    except requests.RequestException:
-        pass
+    with requests.Session() as session:
+        session.trust_env = False  # never through an HTTP proxy from the environment
+        try:
+            session.post(url + "/shutdown", auth=control_auth(token), timeout=3)
+        except requests.RequestException:
+            pass
 
 
 class WorkerProcess(NodeProcess):

@@ -16,11 +16,11 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 def _shapes(config: ModelConfig) -> Tuple[str, Dict[str, Tuple[int, int]]]:
     """The HF prefix of block i and each targeted module's (in, out)."""
-    E, I = config.n_embd, config.intermediate_size
+    E, I = config.n_embd, config.ffn_width
     if config.family == "gpt2":
         return "base_model.model.transformer.h.%d.", {"attn.c_attn": (E, 3 * E), "attn.c_proj": (E, E),
                                                       "mlp.c_fc": (E, I), "mlp.c_proj": (I, E)}
-    H, KV, D = config.n_head, config.n_kv_head, config.head_dim
+    H, KV, D = config.n_head, config.kv_heads, config.head_dim
     return "base_model.model.model.layers.%d.", {
         "self_attn.q_proj": (E, H * D), "self_attn.k_proj": (E, KV * D), "self_attn.v_proj": (E, KV * D),
         "self_attn.o_proj": (H * D, E), "mlp.gate_proj": (E, I), "mlp.up_proj": (E, I), "mlp.down_proj": (I, E)}

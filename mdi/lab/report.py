@@ -203,7 +203,9 @@ def speculation_cells(nodes: List[Dict[str, Any]]) -> Dict[str, str]:
 
 # --------------------------------------------------------------------------- summary
 
-def _float(x: str) -> Optional[float]:
+def _float(x: Optional[str]) -> Optional[float]:
+    if x is None:
+        return None
     try:
         return float(x)
     except (TypeError, ValueError):

@@ -352,7 +352,7 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
         if arch in PERMUTED_QK and part in ("q", "k"):
             # convert_hf_to_gguf permutes q/k rows for llama.cpp's RoPE layout; on a LoRA that
             # reorders B's rows (A's rows are the rank): undone there
-            b = _unpermute(b, config.n_head if part == "q" else config.n_kv_head)
+            b = _unpermute(b, config.n_head if part == "q" else config.kv_heads)
         scale = alpha / r if alpha else 1.0
         parts.append(LoraPart(layer, mdi, part, a, b * scale))
         ranks.append(r)

@@ -213,13 +213,20 @@ def why_not(chunk: Any) -> str:
     return ""
 
 
+def _covered(layer: Any) -> torch.nn.Module:
+    """_linear's form of a layer that why_not found covered."""
+    module = _linear(layer)
+    assert module is not None  # why_not checked every block's layers
+    return module
+
+
 def build(chunk: Any) -> Optional[torch.jit.ScriptModule]:
     """The chunk's blocks as one scripted module, or None (logged) when they are not covered
     or this torch cannot script them."""
     reason = why_not(chunk)
     if not reason:
         try:
-            blocks = [_Block(b, [_linear(l) for l in (b.attn.qkv, b.attn.proj, b.mlp.gate_up, b.mlp.down)])
+            blocks = [_Block(b, [_covered(l) for l in (b.attn.qkv, b.attn.proj, b.mlp.gate_up, b.mlp.down)])
                       for b in chunk.blocks.values()]
             t0 = time.perf_counter()
             with warnings.catch_warnings():

@@ -77,8 +77,8 @@ def set_memory_allowance(nbytes: Optional[int]) -> None:
     memory spares beside its plan (`allowance_for`); until then it is DEFAULT_ALLOWANCE (0: no
     layer holds more than its stored weight). Second kernels for prefill passes may take
     PREFILL_SHARE of it, and nothing where it is None."""
-    _allowance[0] = None if nbytes is None else max(0, int(nbytes))
-    _prefill_allowance[0] = None if nbytes is None else int(_allowance[0] * PREFILL_SHARE)
+    _allowance[0] = allowance = None if nbytes is None else max(0, int(nbytes))
+    _prefill_allowance[0] = None if allowance is None else int(allowance * PREFILL_SHARE)
 
 
 def allowance_for(setting: object, spare: Optional[int]) -> Optional[int]:
@@ -350,11 +350,12 @@ def _prefill_pick(choice: Choice, key: Tuple, tensors: Mapping[str, torch.Tensor
     n_out = int(tensors["qweight"].shape[0])
     times = _measured_prefill.get(key, {})
     own = times.get(choice.kernel.name)
-    timed = [k for k in others if times.get(k.name) is not None and _measured[key].get(k.name) not in (None, UNTIMED)]
+    timed = [(k, t) for k, t in ((k, times.get(k.name)) for k in others)
+             if t is not None and _measured[key].get(k.name) not in (None, UNTIMED)]
     if own is None or not timed:
         return "prefill: %s (nothing else to compare at %d rows)" % (choice.kernel.name, PREFILL_ROWS)
-    fastest = min(timed, key=lambda k: times[k.name])
-    faster = own / times[fastest.name]
+    fastest, fastest_time = min(timed, key=lambda kt: kt[1])
+    faster = own / fastest_time
     if faster < 1:
         return "prefill: %s too (the fastest at %d rows)" % (choice.kernel.name, PREFILL_ROWS)
     if faster < PREFILL_GAIN:

@@ -14,7 +14,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device) -> None:
         if max_len > config.block_size:
             raise ValueError("cache length %d exceeds the model context %d" % (max_len, config.block_size))
-        shape = (n_layers, n_slots, config.n_kv_head, max_len, config.head_dim)
+        shape = (n_layers, n_slots, config.kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # (k, v) views per layer, indexed once
@@ -24,7 +24,7 @@ class KVCache:
     @staticmethod
     def nbytes_for(config: ModelConfig, n_layers: int, n_slots: int, max_len: int, dtype: torch.dtype) -> int:
         itemsize = torch.tensor([], dtype=dtype).element_size()
-        return 2 * n_layers * n_slots * config.n_kv_head * max_len * config.head_dim * itemsize
+        return 2 * n_layers * n_slots * config.kv_heads * max_len * config.head_dim * itemsize
 
     @property
     def nbytes(self) -> int:

@@ -116,6 +116,8 @@ class QuantLinear(nn.Module):
         # The head multiplies each sample's last row of a prefill pass (the pipeline samples only
         # those): its passes are decode-sized, and timing it on many rows costs seconds at load.
         many_rows = where.rsplit(".", 1)[-1] not in HEAD_WEIGHTS
+        # once per load, before the packed form replaces the canonical tensors
+        assert self.qweight is not None, "pick_kernel needs the loaded canonical tensors"
         choice = kernel_choice.choose_kernels(canonical, self.spec, self.n_in, self.qweight.device, where, resident,
                                               many_rows, keep_canonical)
         self.kernel, self.packed = choice.kernel, choice.packed

@@ -174,8 +174,8 @@ def expected_shapes(config: ModelConfig, layer_range: Range, with_embedding: boo
         raise CheckpointError("layer range [%d, %d) is outside the model's %d layers" % (first, last, c.n_layer))
     family = family_of(c.family)
     layer_norm = family.norm == "layer"  # with a bias (GPT-2)
-    E, I, V = c.n_embd, c.intermediate_size, c.vocab_size
-    qkv = (c.n_head + 2 * c.n_kv_head) * c.head_dim
+    E, I, V = c.n_embd, c.ffn_width, c.vocab_size
+    qkv = (c.n_head + 2 * c.kv_heads) * c.head_dim
     out: Dict[str, Tuple[int, ...]] = {}
 
     def linear(name: str, n_out: int, n_in: int, bias: bool = c.bias) -> None:

@@ -70,8 +70,8 @@ PART_ORDER = ("q", "k", "v", "gate", "up")
 
 def layer_shapes(config: ModelConfig) -> Dict[str, Tuple[int, int]]:
     """mdi's linear layer (within a block) -> (n_out, n_in)."""
-    E, I, D = config.n_embd, config.intermediate_size, config.head_dim
-    H, KV = config.n_head, config.n_kv_head
+    E, I, D = config.n_embd, config.ffn_width, config.head_dim
+    H, KV = config.n_head, config.kv_heads
     if config.family == "gpt2":
         return {"attn.qkv": ((H + 2 * KV) * D, E), "attn.proj": (E, H * D), "mlp.fc": (I, E), "mlp.proj": (E, I)}
     return {"attn.qkv": ((H + 2 * KV) * D, E), "attn.proj": (E, H * D), "mlp.gate_up": (2 * I, E),
@@ -80,7 +80,7 @@ def layer_shapes(config: ModelConfig) -> Dict[str, Tuple[int, int]]:
 
 def part_rows(config: ModelConfig, layer: str, part: Optional[str]) -> Tuple[int, int]:
     """The output rows [start, end) of a fused layer that `part` owns (all of them for None)."""
-    H, KV, D, I = config.n_head, config.n_kv_head, config.head_dim, config.intermediate_size
+    H, KV, D, I = config.n_head, config.kv_heads, config.head_dim, config.ffn_width
     spans = {"q": (0, H * D), "k": (H * D, (H + KV) * D), "v": ((H + KV) * D, (H + 2 * KV) * D),
              "gate": (0, I), "up": (I, 2 * I)}
     return spans[part] if part is not None else (0, layer_shapes(config)[layer][0])

@@ -128,6 +128,7 @@ class ModelSource:
         from mdi.model.ggml.chunk import GgmlChunk
         from mdi.model.ggml.weights import GgufWeights
         model = self.gguf()
+        assert self.gguf_path is not None  # gguf() raises without one
         return GgmlChunk(model.config if self._raw else self.config, first, last, with_embedding, with_head,
                          GgufWeights(self.gguf_path), rope_mode_of(model.permuted_qk), threads, kv_type,
                          repack)
@@ -215,6 +216,7 @@ class ModelSource:
             elif spec is None:
                 direct[key] = targets[key]
             else:
+                assert base is not None  # spec came from quant.get(base)
                 for suffix in spec.tensor_shapes(1, spec.group_size):
                     direct[base + "." + suffix] = targets[base + "." + suffix]
         store.read_tensors_into(fn, direct)
@@ -255,11 +257,11 @@ def _gguf_torch_layout(source: "ModelSource") -> Dict[str, QuantSpec]:
             parts = ["blk.%s.%s.weight" % (layer, p) for p in table.get(rest, ())]
         else:
             parts = [{"tok_emb": "token_embd.weight", "lm_head": "output.weight"}.get(base, "")]
-        kinds = [types.get(p) for p in parts]
-        if not parts or n_in % 32 or any(k is None for k in kinds):
+        kinds = [types[p] for p in parts if p in types]
+        if not parts or n_in % 32 or len(kinds) < len(parts):
             continue
-        mapped = [GGUF_DIRECT.get(k) or GGUF_NEAREST.get(k) for k in kinds]
-        if any(m is None for m in mapped):
+        mapped = [m for m in (GGUF_DIRECT.get(k) or GGUF_NEAREST.get(k) for k in kinds) if m is not None]
+        if len(mapped) < len(kinds):
             continue  # float (or unmappable: the torch reader says so when it loads)
         specs = [QuantSpec(m, 32) for m in mapped]
         out[base] = specs[0] if len(set(specs)) == 1 else max(specs, key=lambda s: (s.kind == "int8", -s.group_size))

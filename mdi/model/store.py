@@ -259,7 +259,7 @@ class _TensorReader:
         """Tensor `name` into `target` (its shape; a float dtype is converted), or into a new
         tensor of the stored dtype and shape when `target` is None; returns what was filled."""
         fn, header = self.fn, self.header
-        entry = header.get(name) if isinstance(header, dict) else None
+        entry = header.get(name, {}) if isinstance(header, dict) else {}  # {}: not there (a KeyError below)
         try:
             dtype = _HEADER_DTYPES[entry["dtype"]]
             shape = tuple(int(d) for d in entry["shape"])
@@ -280,7 +280,7 @@ class _TensorReader:
         direct = target is not None and target.dtype == dtype and target.device.type == "cpu" \
             and target.is_contiguous()
         if direct or target is None or not target.is_contiguous() or not numel:
-            buf = target if direct else torch.empty(shape, dtype=dtype)
+            buf = target if direct and target is not None else torch.empty(shape, dtype=dtype)
             self._read(name, buf, begin, nbytes)
             if target is None:
                 return buf

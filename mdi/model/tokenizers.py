@@ -65,7 +65,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> List[int]:
         ids = self._encode(text)
-        return [self.bos_id] + ids if self.add_bos else ids
+        if not self.add_bos:
+            return ids
+        assert self.bos_id is not None  # __init__ refuses add_bos without a BOS token
+        return [self.bos_id] + ids
 
     def encode_plain(self, text: str) -> List[int]:
         """The ids of `text` alone, no BOS: a piece of a longer text encoded piece by piece."""
@@ -114,7 +117,7 @@ class Tokenizer:
     def save(self, model_dir: str) -> None:
         os.makedirs(model_dir, exist_ok=True)
         self._save_files(model_dir)
-        meta = {"kind": self.kind, "bos_id": self.bos_id, "eos_id": self.eos_id,
+        meta: Dict[str, object] = {"kind": self.kind, "bos_id": self.bos_id, "eos_id": self.eos_id,
                 "add_bos": self.add_bos, "chat_template": self.chat_template}
         if self.stop_ids:
             meta["stop_ids"] = self.stop_ids

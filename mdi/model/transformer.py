@@ -44,8 +44,8 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, quant: Mapping[str, QuantSpec], prefix: str = "",
                  window: int = 0) -> None:
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = make_linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim,
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.qkv = make_linear(config.n_embd, (config.n_head + 2 * config.kv_heads) * config.head_dim,
                                config.bias or config.qkv_bias, quant.get(prefix + "qkv"))
         self.proj = make_linear(config.n_head * config.head_dim, config.n_embd, config.bias, quant.get(prefix + "proj"))
         self.qk_norm = config.qk_norm or family_of(config.family).always_qk_norm
@@ -76,6 +76,7 @@ class Attention(nn.Module):
                 row += T
             y = torch.cat(ys)
         elif batch.whole_slots:  # a recorded CUDA graph's step: its tensors alone (mdi.model.graph_decode)
+            assert batch.decode_tables is not None  # DecodeStep fills them with whole_slots
             slots, positions, mask = batch.decode_tables
             if self.window:  # narrowed to the window by the step (DecodeStep._run)
                 mask = batch.window_masks[decode_window_key(self.window)]
@@ -135,7 +136,7 @@ class MLP(nn.Module):
         super().__init__()
         self.kind = family_of(config.family).mlp  # "gelu" | "swiglu" | "geglu"
         self.gelu_approximate = config.gelu_approximate
-        E, I = config.n_embd, config.intermediate_size
+        E, I = config.n_embd, config.ffn_width
         if self.kind == "gelu":
             self.fc = make_linear(E, I, True, quant.get(prefix + "fc"))
             self.proj = make_linear(I, E, True, quant.get(prefix + "proj"))
@@ -407,7 +408,7 @@ class ModelChunk(nn.Module):
         module = self._decode_script.get("module")
         if module is None or not self._fused_decode_on:
             return None
-        kv_width = self.config.n_kv_head * self.config.head_dim
+        kv_width = self.config.kv_heads * self.config.head_dim
         return fused_decode.forward(module, self, x, batch, attends_in_one_call(batch, kv_width))
 
     def forward_batch(self, ids: torch.Tensor) -> torch.Tensor:

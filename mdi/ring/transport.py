@@ -303,6 +303,7 @@ class RingEndpoint:
 
     def _send_loop(self) -> None:
         push = self._push
+        assert push is not None  # connect() sets the PUSH socket before it starts this thread
         while not self._stop.is_set():
             try:
                 frame = self.outbox.get(timeout=POLL_MS / 1000.0)

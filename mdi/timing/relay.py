@@ -110,6 +110,7 @@ def _forward(chunk: Any) -> Any:
     dtype, device = cache.k.dtype, cache.k.device  # the activations' dtype and device
 
     def forward(frame: Frame) -> Any:
+        assert frame.tensor is not None  # the decode frames looped here always carry their rows
         batch = RowBatch.of(frame.samples, frame.start, frame.count, device)
         return to_host(chunk.forward_rows(to_device(frame.tensor, device, dtype), batch))
     return forward, (lambda rows, width: torch.zeros(rows, width, dtype=dtype))

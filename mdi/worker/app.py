@@ -78,7 +78,7 @@ def create_app(worker: Worker) -> Flask:
 
     verifier = RequestVerifier(worker.token) if worker.token else None
 
-    def check_signature() -> None:
+    def check_signature(verifier: RequestVerifier) -> None:
         content = request.headers.get(CONTENT_HEADER)
         query = request.query_string.decode("latin-1")
         verifier.verify(request.method, request.path + ("?" + query if query else ""),
@@ -102,7 +102,7 @@ def create_app(worker: Worker) -> Flask:
         if verifier is None:
             return None
         try:
-            check_signature()
+            check_signature(verifier)
         except AuthError as e:
             reply = jsonify({"ok": False, "error": "missing or wrong token (%s)" % e})
             if e.stale:  # signed with the secret, but our clocks disagree: say what ours reads

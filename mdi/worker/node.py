@@ -348,6 +348,7 @@ class Worker(Measuring):
 
     def _start_run_locked(self, setup: Setup) -> None:
         chunk = self.chunk
+        assert chunk is not None  # both callers hold loaded weights here (a kept chunk or a fresh load)
         request = setup.request
         # A run starts with no adapter, weights kept or not: its starter sends its own (ids are
         # per run, and a kept chunk's last adapters may mean something else now; ggml frees their buffers).

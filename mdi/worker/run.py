@@ -235,7 +235,7 @@ class Run:
         ids = frame.adapter_ids()
         adapters = [ids[i] for i in keep]
         return Frame(frame.kind, frame.run, [frame.samples[i] for i in keep], [frame.start[i] for i in keep],
-                     [frame.count[i] for i in keep], frame.tensor[rows], adapters if any(adapters) else [],
+                     [frame.count[i] for i in keep], _rows_of(frame)[rows], adapters if any(adapters) else [],
                      [frame.epochs[i] for i in keep])
 
     def _gather(self, frame: Frame) -> Frame:
@@ -279,27 +279,30 @@ class Run:
         # token; a score pass (perplexity) or a verification needs every position's. With one
         # row per sample (decode) every row is a last one already.
         cut = self.is_last and frame.kind not in ALL_ROWS_KINDS and rows != len(frame.samples)
-        if self.chunk.backend == "ggml":  # numpy rows in and out (torch tensors where torch is loaded)
-            y = self.chunk.forward_rows(frame.tensor, PassRows(frame.samples, frame.start, frame.count,
+        chunk = self.chunk
+        if chunk is None:  # stop() took it from under this computation
+            raise RuntimeError("the run was stopped")
+        if chunk.backend == "ggml":  # numpy rows in and out (torch tensors where torch is loaded)
+            y = chunk.forward_rows(frame.tensor, PassRows(frame.samples, frame.start, frame.count,
                                                                frame.adapters or None))
             if cut:
                 y = y[np.cumsum(frame.count) - 1]
         else:
-            y = self._forward_torch(frame, cut)
+            y = self._forward_torch(chunk, frame, cut)
         self.batching.add(rows, len(frame.samples))
         return Frame(frame.kind, frame.run, frame.samples, frame.start, frame.count, y, frame.adapters,
                      frame.epochs, frame.cache_ops)
 
-    def _forward_torch(self, frame: Frame, cut: bool) -> Any:
+    def _forward_torch(self, chunk: Any, frame: Frame, cut: bool) -> Any:
         from mdi.model.row_batch import RowBatch
         from mdi.system.transfers import ints_to_device, to_device, to_host
         if self._placement is None:  # the chunk's device and activation dtype, looked up once per run
-            self._placement = (self.chunk.device, self.chunk.activation_dtype)
+            self._placement = (chunk.device, chunk.activation_dtype)
         device, dtype = self._placement
-        x = to_device(frame.tensor, device, dtype)
+        x = to_device(_rows_of(frame), device, dtype)
         batch = RowBatch.of(frame.samples, frame.start, frame.count, device, frame.adapters or None,
                             row_wise=frame.kind == FrameKind.VERIFY)
-        y = self.chunk.forward_rows(x, batch)
+        y = chunk.forward_rows(x, batch)
         if cut:
             y = y.index_select(0, ints_to_device(batch.last_rows(), y.device))
         # On a GPU the frame's one wait is here, so compute_seconds holds the GPU's work too.
@@ -363,12 +366,18 @@ def _merge(frames: List[Frame]) -> Frame:
     for f in frames:
         row = 0
         for sample, start, count, adapter, epoch in zip(f.samples, f.start, f.count, f.adapter_ids(), f.epoch_ids()):
-            pieces.append((adapter, sample, start, count, f.tensor[row:row + count], epoch))
+            pieces.append((adapter, sample, start, count, _rows_of(f)[row:row + count], epoch))
             row += count
     pieces.sort(key=lambda p: p[0])
     return Frame(kind, frames[0].run, [p[1] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces],
                  _cat([p[4] for p in pieces]), [p[0] for p in pieces], [p[5] for p in pieces] if epochs else [],
                  ops)
+
+
+def _rows_of(frame: Frame) -> Any:
+    """A pass frame's rows: the wire format admits none without them (mdi.ring.wire.decode)."""
+    assert frame.tensor is not None
+    return frame.tensor
 
 
 def _cat(parts: List[Any]) -> Any:
