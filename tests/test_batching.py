@@ -21,6 +21,7 @@ from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
 from mdi.starter import batch
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
 from mdi.worker.run import Run
 
@@ -97,7 +98,7 @@ def local_ids(chunk, prompts, max_batch, prefill_chunk, temperature=0.0, n_token
     samples = [Sample(i, p, [ord(c) - 32 for c in p], n_tokens, sample_generator(3, i))
                for i, p in enumerate(prompts)]
     pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(temperature, 20, None), None,
-                    max_batch=max_batch, prefill_chunk=prefill_chunk)
+                    PipelineSettings(max_batch=max_batch, prefill_chunk=prefill_chunk))
     with torch.no_grad():
         pipe.run(samples)
     return [s.token_ids for s in samples], pipe
@@ -125,7 +126,7 @@ def test_chunked_prefill_sends_long_prompts_in_pieces():
     chunk.allocate_cache(2, 64)
     long_, short = (Sample(i, p, [ord(c) - 32 for c in p], 3, sample_generator(3, i))
                     for i, p in enumerate(["a" * 30, "b"]))
-    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, max_batch=2, prefill_chunk=8)
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, PipelineSettings(max_batch=2, prefill_chunk=8))
     with torch.no_grad():
         pipe.run([long_, short])
     # No forward held more than 8 prompt tokens (+ decode rows); every token went through once.
@@ -241,7 +242,7 @@ def test_frames_hold_few_distinct_adapters_and_ids_do_not_change(tmp_path):
         samples = [Sample(i, p, [ord(c) - 32 for c in p], 6, sample_generator(3, i), adapter=a)
                    for i, (p, a) in enumerate(zip(prompts, choice))]
         loop = RecordingLoop()
-        pipe = Pipeline(chunk, loop, 1, SamplingParams(0.0), None, max_batch=max_batch, prefill_chunk=64)
+        pipe = Pipeline(chunk, loop, 1, SamplingParams(0.0), None, PipelineSettings(max_batch=max_batch, prefill_chunk=64))
         with torch.no_grad():
             pipe.run(samples)
         return [s.token_ids for s in samples], loop.sent

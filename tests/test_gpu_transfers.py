@@ -24,6 +24,7 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop
 from mdi.ring.wire import Frame
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
 from mdi.system.transfers import ints_to_device, to_device, to_host
 from mdi.worker.run import Run
@@ -117,7 +118,7 @@ def test_a_starter_step_waits_once(device):
     prompts = ["The quick brown fox", "Hi", "To be, or not"]
     chunk.allocate_cache(len(prompts), 64)
     samples = [Sample(i, p, [ord(c) - 32 for c in p], 8, sample_generator(3, i)) for i, p in enumerate(prompts)]
-    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, max_batch=3)
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, PipelineSettings(max_batch=3))
     for s in samples:
         pipe.admit(s)
     pipe.step()  # the prefill, and the first token of every sample
@@ -134,7 +135,7 @@ def test_a_starter_step_waits_once(device):
     cpu = tiny_model("llama")
     cpu.allocate_cache(len(prompts), 64)
     again = [Sample(i, p, [ord(c) - 32 for c in p], 8, sample_generator(3, i)) for i, p in enumerate(prompts)]
-    Pipeline(cpu, LocalLoop(), 1, SamplingParams(0.0), None, max_batch=3).run(again)
+    Pipeline(cpu, LocalLoop(), 1, SamplingParams(0.0), None, PipelineSettings(max_batch=3)).run(again)
     assert [s.token_ids for s in samples] == [s.token_ids for s in again]
 
 

@@ -21,6 +21,7 @@ from mdi.runconfig import ConfigError, parse_prefix_cache
 from mdi.starter import batch
 from mdi.starter.control import NodeError
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import Sample
 from test_adapter_ring import write_peft_lora
@@ -209,7 +210,7 @@ TURNS = ["Once upon a time", " there was", " a small", " house. And then", " the
 def one_node(family, n_slots, budget):
     chunk = tiny_model(family)
     chunk.allocate_cache(n_slots, 128)
-    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, max_batch=n_slots, prefill_chunk=8)
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, PipelineSettings(max_batch=n_slots, prefill_chunk=8))
     if budget:
         pipe.enable_prefix_cache(budget, 10 ** 9)
     return pipe
@@ -396,7 +397,8 @@ def test_a_shifted_window_is_kept_as_the_sequence_it_became():
     def run(budget):
         chunk = tiny_model("llama")
         chunk.allocate_cache(1, 48)
-        pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, prefill_chunk=8, context_shift=True)
+        pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None,
+                        PipelineSettings(prefill_chunk=8, context_shift=True))
         if budget:
             pipe.enable_prefix_cache(budget, 10 ** 9)
         first = Sample(0, "", ids("A story: "), 60, sample_generator(1, 0))

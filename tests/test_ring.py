@@ -108,6 +108,7 @@ def test_a_lost_pass_times_out_however_finely_the_wait_is_sliced():
     from mdi.model.transformer import full_model
     from mdi.ring.transport import RingTimeout
     from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
     from mdi.starter.sample import make_samples
     from mdi.model.sampling import SamplingParams
 
@@ -121,7 +122,8 @@ def test_a_lost_pass_times_out_however_finely_the_wait_is_sliced():
 
     chunk = full_model(tiny_config("gpt2"))
     chunk.allocate_cache(1, 64)
-    pipe = Pipeline(chunk, LosingTransport(), 1, SamplingParams(temperature=0.0), None, recv_timeout=0.5)
+    pipe = Pipeline(chunk, LosingTransport(), 1, SamplingParams(temperature=0.0), None,
+                    PipelineSettings(recv_timeout=0.5))
     pipe.admit(make_samples(["ab"], [[3, 4]], 4, seed=0)[0])
     t0 = time.monotonic()
     with pytest.raises(RingTimeout):

@@ -22,6 +22,7 @@ from mdi.ring.transport import LocalLoop
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.starter import batch, speculation
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
 from mdi.starter.speculation import NgramDrafter
 
@@ -209,9 +210,9 @@ def run_local(chunk, prompts, n_tokens, spec=None, factory=None, params=Sampling
     passes of one sample in flight, returned in order as a ring returns them."""
     samples = [Sample(i, p, [CHARS.index(c) for c in p], n_tokens, sample_generator(seed, i))
                for i, p in enumerate(prompts)]
-    pipe = Pipeline(chunk, LocalLoop(), 1, params, None, max_batch=max_batch, prefill_chunk=8,
-                    context_shift=context_shift, speculation=spec, n_stages=n_stages, drafter_factory=factory)
-    pipe.pass_costs = costs
+    settings = PipelineSettings(max_batch=max_batch, prefill_chunk=8, context_shift=context_shift,
+                                speculation=spec or SpeculationSpec(), n_stages=n_stages)
+    pipe = Pipeline(chunk, LocalLoop(), 1, params, None, settings, drafter_factory=factory, pass_costs=costs)
     with torch.no_grad():
         pipe.run(samples)
     return [s.token_ids for s in samples], pipe

@@ -17,10 +17,11 @@ from mdi.model.source import ModelSource
 from mdi.model.tokenizers import char_tokenizer, load_tokenizer
 from mdi.model.transformer import full_model
 from mdi.ring.transport import LocalLoop
-from mdi.runconfig import ConfigError, parse_speculation
+from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.serving.validation import COMPLETIONS, ApiError, validate
 from mdi.starter import batch, run_plan, speculation
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.preflight import preflight
 from mdi.starter.sample import Sample
 from mdi.starter.speculation import draft_model
@@ -71,12 +72,15 @@ def run_local(chunk, prompts, n_tokens, draft=None, params=SamplingParams(0.0), 
     samples = [Sample(i, p, [CHARS.index(c) for c in p], n_tokens, sample_generator(seed, i))
                for i, p in enumerate(prompts)]
     spec = parse_speculation("t", {"method": "ngram", "max_draft": max_draft}) if draft is not None else None
-    pipe = Pipeline(chunk, LocalLoop(), 1, params, None, max_batch=max_batch, prefill_chunk=8,
-                    context_shift=context_shift, speculation=spec, n_stages=n_stages)
+    factory = None
     if draft is not None:
         model = DraftModel(draft, prefill_chunk=8)
-        pipe.drafter_factory = lambda s: ModelDrafter(model, s)
-    pipe.pass_costs = speculation.PassCosts.linear(0.0, 9)  # rows are free here: draft as much as the acceptance pays for
+        factory = lambda s: ModelDrafter(model, s)  # noqa: E731
+    settings = PipelineSettings(max_batch=max_batch, prefill_chunk=8, context_shift=context_shift,
+                                speculation=spec or SpeculationSpec(), n_stages=n_stages)
+    # rows are free here: draft as much as the acceptance pays for
+    pipe = Pipeline(chunk, LocalLoop(), 1, params, None, settings, drafter_factory=factory,
+                    pass_costs=speculation.PassCosts.linear(0.0, 9))
     with torch.no_grad():
         pipe.run(samples)
     return [s.token_ids for s in samples], pipe

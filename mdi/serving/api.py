@@ -37,7 +37,8 @@ from mdi.model.constraint import unavailable as constraint_unavailable
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.dashboard import register_dashboard
-from mdi.starter.adapter_set import MixTableFull, StarterTooLarge, virtual_tokens
+from mdi.starter.adapter_set import MixTableFull, StarterTooLarge
+from mdi.starter.engine_face import EngineFace
 from mdi.serving.metrics import Observer
 from mdi.serving.node_refusal import node_api_error
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
@@ -212,14 +213,14 @@ class Routes:
             raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
 
     # --- adapters ------------------------------------------------------------------------
-    def _adapters(self, engine: Any = None) -> List[Tuple[int, str]]:
+    def _adapters(self, engine: Optional[EngineFace] = None) -> List[Tuple[int, str]]:
         """(id, name) of the adapters requests may name on `engine` (default: the current one)."""
         engine = engine or self.sched.engine
-        return engine.adapters.loaded() if engine is not None and engine.adapters else []
+        return engine.loaded_adapters() if engine is not None else []
 
     def _virtual(self, adapter: int) -> int:
         engine = self.sched.engine
-        return virtual_tokens(engine.adapters if engine is not None else None, adapter)
+        return engine.virtual_tokens(adapter) if engine is not None else 0
 
     def _adapter_of(self, fields: Dict[str, Any]) -> int:
         """The request's adapter id: llama.cpp's `lora: [{"id": i, "scale": s}, ...]` (i indexes
@@ -255,7 +256,7 @@ class Routes:
         raise ApiError(400, "unknown model %r: this server has %s" % (name[:80], ", ".join(
             [self.model_id] + [n for _, n in loaded])), "model", code="model_not_found")
 
-    def _mix(self, engine: Any, entries: List[Tuple[int, float]]) -> int:
+    def _mix(self, engine: EngineFace, entries: List[Tuple[int, float]]) -> int:
         """The mix's adapter id. With every mix in use, this request waits (up to MIX_WAIT_S) for
         one to end rather than being refused: one client's mixes must not lock the others out."""
         deadline = time.monotonic() + MIX_WAIT_S
@@ -300,10 +301,9 @@ class Routes:
 
     def unload_adapter(self, name: str) -> Response:
         engine = self.sched.engine
-        if engine is None or not engine.adapters or name not in [n for _, n in engine.adapters.loaded()]:
+        ids = engine.adapter_and_mixes(name) if engine is not None else []  # the adapter, then its mixes
+        if not ids:
             raise ApiError(404, "no adapter %r is loaded" % name[:80], code="model_not_found")
-        adapter = engine.adapters.id_of(name)
-        ids = [adapter] + [m for m, _ in engine.adapters.mixes_with(adapter)]
         try:
             # Requests naming it are refused from now on, those running finish, then it leaves
             # every node between two steps of the ring (Scheduler.unload_adapter).

@@ -26,6 +26,7 @@ from mdi.serving.metrics import Observer, Stats
 from mdi.serving.prometheus import metrics_text
 from mdi.serving.streaming import finish_reason_of
 from mdi.serving.validation import ApiError
+from mdi.starter.engine_face import EngineFace
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +133,14 @@ class BatchMonitor:
         self.stats = Stats()
         self.state = "starting"  # starting | running | done | failed
         self.error: Optional[str] = None
-        self.engine: Any = None
+        self.engine: Optional[EngineFace] = None
         self.nodes = list(cfg.nodes)
         self.slots, self.max_len, self.queue_length = n_samples, 0, 0
         self._total = n_samples * n_tokens
         self._finished = 0
         self._busy = 0.0
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: EngineFace) -> None:
         """The run's engine, before it opens the ring."""
         self.engine = engine
         self.slots, self.max_len = engine.n_slots, engine.max_len
@@ -151,8 +152,7 @@ class BatchMonitor:
     @property
     def in_flight(self) -> int:
         engine = self.engine
-        pipeline = engine.pipeline if engine is not None else None
-        return len(pipeline.active) if pipeline is not None else 0
+        return engine.in_flight if engine is not None else 0
 
     @property
     def progress(self) -> Dict[str, int]:
@@ -165,9 +165,8 @@ class BatchMonitor:
         now = time.monotonic()
         times = sample.token_times
         self.stats.token(now, times[-1] - times[-2] if len(times) > 1 else None)
-        pipeline = self.engine.pipeline if self.engine is not None else None
-        if pipeline is not None:
-            busy = pipeline.compute_seconds
+        if self.engine is not None:
+            busy = self.engine.busy_seconds
             self.stats.starter_step(max(0.0, busy - self._busy), 1)
             self._busy = busy
         if len(sample.token_ids) == 1:

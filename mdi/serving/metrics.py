@@ -22,7 +22,7 @@ from mdi.ring.status import BatchCounter, StatusReply
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
-from mdi.starter.engine import Engine
+from mdi.starter.engine_face import EngineFace, RecoveryEvent, StarterReading
 from mdi.starter.sample import FinishReason
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
@@ -239,7 +239,7 @@ class RingView(Protocol):
     def nodes(self) -> Sequence[NodeSpec]: ...  # the ring's, starter first
 
     @property
-    def engine(self) -> Optional[Engine]: ...  # the open engine, or None while the ring is down
+    def engine(self) -> Optional[EngineFace]: ...  # the open engine, or None while the ring is down
 
 
 class Observer:
@@ -255,8 +255,7 @@ class Observer:
         self._rates: Dict[Tuple[str, Any], _Rates] = {}
         self._seen: collections.OrderedDict = collections.OrderedDict()  # name -> (NodeSpec, layers)
         self._recoveries: List[Dict[str, Any]] = []
-        self._engine_seen: Any = None
-        self._engine_recoveries = 0
+        self._engine_seen: Any = None  # the engine whose recoveries come here (on_recovery)
         self._last_error: Optional[Dict[str, Any]] = None
 
     def _rate(self, key: Tuple[str, Any], now: float, frames: Optional[int], seconds: Optional[float]) -> _Rates:
@@ -312,9 +311,9 @@ class Observer:
             "slots": view.slots, "max_len": view.max_len, "in_flight": in_flight, "queue_length": queued,
             "nodes": nodes, "recoveries": recoveries,
             # speculative decoding's counters on this ring (mdi.starter.speculation.SpecCounters)
-            "speculation": engine.pipeline.speculation_metrics() if engine is not None and engine.pipeline else {},
+            "speculation": engine.speculation_metrics() if engine is not None else {},
             # the prefix cache's index counters and the starter's store (mdi.starter.prefix_cache)
-            "prefix_cache": engine.pipeline.prefix_metrics() if engine is not None and engine.pipeline else {},
+            "prefix_cache": engine.prefix_metrics() if engine is not None else {},
         }
         snap.update((k, v) for k, v in stats.items() if not k.startswith("starter_"))
         progress = getattr(view, "progress", None)
@@ -325,25 +324,26 @@ class Observer:
             snap["training"] = job.report()
         return snap
 
-    def _track_recoveries(self, engine: Any) -> None:
-        if engine is None:
-            return
+    def _track_recoveries(self, engine: Optional[EngineFace]) -> None:
+        """Listen to each engine's recoveries once (its earlier ones come at once)."""
         with self._lock:
-            if engine is not self._engine_seen:
-                self._engine_seen, self._engine_recoveries = engine, 0
-            new = list(engine.recoveries[self._engine_recoveries:])
-            self._engine_recoveries += len(new)
-            for rec in new:
-                self._recoveries.append(rec.to_json())
-                self._note_error(rec.cause, "recovery")
+            if engine is None or engine is self._engine_seen:
+                return
+            self._engine_seen = engine
+        engine.on_recovery(self._recovered)
+
+    def _recovered(self, event: RecoveryEvent) -> None:
+        with self._lock:
+            self._recoveries.append(event.to_json())
+            self._note_error(event.cause, "recovery")
             del self._recoveries[:-self.MAX_RECOVERIES]
 
-    def _dtypes(self, engine: Any) -> Tuple[str, Optional[str]]:
+    def _dtypes(self, engine: Optional[EngineFace]) -> Tuple[str, Optional[str]]:
         cfg = self.view.cfg
         dtype = dtype_name(engine.dtype) if engine is not None else cfg.model.dtype
         return dtype, cfg.model.compute_dtype
 
-    def _starter(self, node: NodeSpec, layers: Optional[Sequence[int]], engine: Any,
+    def _starter(self, node: NodeSpec, layers: Optional[Sequence[int]], engine: Optional[EngineFace],
                  stats: Dict[str, Any], now: float) -> Dict[str, Any]:
         dtype, compute = self._dtypes(engine)
         frames, seconds = stats["starter_frames"], stats["starter_seconds"]
@@ -351,10 +351,7 @@ class Observer:
         used = unified_memory_bytes()
         avail = available_memory_bytes()
         board = board_memory()
-        pipeline = engine.pipeline if engine is not None else None
-        chunk = engine.chunk if engine is not None else None
-        cache = chunk.cache if chunk is not None else None
-        transport = pipeline.transport if pipeline is not None else None
+        starter = engine.starter_reading() if engine is not None else StarterReading(batching=BatchCounter().metrics())
         return {
             "name": node.name, "host": node.host, "port": node.port, "role": "starter", "position": 0,
             "state": "up", "reachable": True, "worker_state": None,
@@ -365,21 +362,19 @@ class Observer:
             "memory_used_bytes": used, "memory_limit_bytes": used + avail if avail is not None else None,
             "board_memory_used_bytes": board["used_bytes"], "board_memory_total_bytes": board["total_bytes"],
             "board_memory_source": board["source"],
-            "cache_bytes": cache.nbytes if cache is not None else 0,
-            "bytes_sent": getattr(transport, "bytes_sent", 0), "messages_sent": getattr(transport, "messages_sent", 0),
+            "cache_bytes": starter.cache_bytes,
+            "bytes_sent": starter.bytes_sent, "messages_sent": starter.messages_sent,
             "error": None,
             # each quantized weight shape -> "kernel: why" (mdi.model.kernel_choice.chosen_by_weight)
-            "kernels": kernel_choice.chosen_by_weight() if chunk is not None and chunk.backend == "torch" else {},
+            "kernels": kernel_choice.chosen_by_weight() if starter.backend == "torch" else {},
             "cpu": isa_text(cpu_info()),
             # what its layers compute with, and why (mdi.model.backend)
-            "backend": chunk.backend if chunk is not None else None,
-            "backend_line": engine.backend_choice.describe() if engine is not None and engine.backend_choice else None,
-            **_prefix_fields(pipeline.prefix_store.stats if pipeline is not None and pipeline.prefix_store else None),
-            **(pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics()),
+            "backend": starter.backend, "backend_line": starter.backend_line,
+            **_prefix_fields(starter.prefix_store), **starter.batching,
         }
 
     def _worker(self, node: NodeSpec, role: str, position: Optional[int], layers: Optional[Sequence[int]],
-                scraped: Optional[Tuple[Optional[StatusReply], Optional[str]]], engine: Any,
+                scraped: Optional[Tuple[Optional[StatusReply], Optional[str]]], engine: Optional[EngineFace],
                 now: float) -> Dict[str, Any]:
         status, problem = scraped if scraped is not None else (None, "not scraped")
         dtype, compute = self._dtypes(engine)

@@ -29,9 +29,8 @@ from mdi.serving.metrics import Stats
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, TextEvent
 from mdi.serving.scheduler_call import SchedulerCall
 from mdi.serving.streaming import TextStream, finish_reason_of
-from mdi.starter.engine import Engine
+from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.sample import FinishReason, Sample
-from mdi.starter.adapter_set import virtual_tokens
 from mdi.starter.run_shape import serving_max_len
 from mdi.starter.serving_plan import open_serving_ring
 
@@ -81,7 +80,7 @@ class Scheduler:
         self.nodes: List[Any] = []  # the ring's NodeSpecs, starter first (for /metrics)
         self.ready = threading.Event()
         self.open_error: Optional[BaseException] = None
-        self.engine: Optional[Engine] = None
+        self.engine: Optional[EngineFace] = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: Deque[Request] = collections.deque()
         self._running: Dict[int, Request] = {}  # sample index -> request
@@ -89,7 +88,6 @@ class Scheduler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._next_index = 0
-        self._recoveries_seen = 0
         self._thread: Optional[threading.Thread] = None
         self._adapters: Any = None  # the last engine's AdapterSet (kept across rebuilds)
         self._closing: Set[int] = set()  # adapter ids being unloaded: their requests are refused
@@ -241,14 +239,14 @@ class Scheduler:
                     self.error = str(e)
                     log.warning("mdi: serve: cannot rebuild the ring: %s", e)
                 continue
-            pipe = self.engine.pipeline
+            engine = self.engine
             job = self.job if self.job is not None and self.job.active else None
-            self._drain_inbox(block=not pipe.active and not self._waiting and job is None)
+            self._drain_inbox(block=not engine.in_flight and not self._waiting and job is None)
             try:
                 self._admit()
-                advanced = self._step() if pipe.active or job is not None else 0  # the job's frames come back here
+                advanced = self._step() if engine.in_flight or job is not None else 0  # the job's frames come back here
                 if job is not None:  # once the next passes have left: training yields (mdi.serving.train_job)
-                    job.pump(busy=bool(pipe.active), turn=advanced > 0 or not pipe.active)
+                    job.pump(busy=bool(engine.in_flight), turn=advanced > 0 or not engine.in_flight)
             except Exception as e:  # the engine already tried to recover
                 self._ring_failed(e)
 
@@ -258,9 +256,9 @@ class Scheduler:
         ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token, kept)
         self.slots = ring.slots
         self.engine = ring.engine
-        ring.engine.pipeline.on_train = self._train_frame
+        ring.engine.set_training_hook(self._train_frame)
         self.nodes = list(ring.engine.nodes)
-        self._recoveries_seen = len(ring.engine.recoveries)
+        ring.engine.on_recovery(self._recovered)
         self.error = None
         self.state = "up"
 
@@ -307,22 +305,21 @@ class Scheduler:
             self._dequeued()
 
     def _admit(self) -> None:
-        pipe = self.engine.pipeline
-        if self.policy == "static" and pipe.active:
+        engine = self.engine
+        if self.policy == "static" and engine.in_flight:
             return  # static batching: the next batch waits for the whole ring to drain
-        free = pipe.free_slots
-        room = self.slots - len(pipe.active)
+        free = engine.free_slots()
+        room = self.slots - engine.in_flight
         while self._waiting and free and room > 0:
             req = self._waiting.popleft()
             self._dequeued()
             if req.cancelled:
                 self._finish(req, FinishReason.CANCELLED)
                 continue
-            adapters = self.engine.adapters
-            if req.adapter and (adapters is None or not adapters.has(req.adapter)):
+            if req.adapter and not engine.has_adapter(req.adapter):
                 self._finish(req, FinishReason.ERROR, "its adapter was unloaded before the request started")
                 continue
-            virtual = virtual_tokens(adapters, req.adapter)  # a soft prompt's, before the prompt
+            virtual = engine.virtual_tokens(req.adapter)  # a soft prompt's, before the prompt
             if virtual + len(req.prompt_ids) + req.max_tokens > self.max_len:  # the HTTP layer checks first
                 self._finish(req, FinishReason.ERROR, "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
                 continue
@@ -331,28 +328,24 @@ class Scheduler:
                             sample_generator(seed, 0), slot=free[0], params=req.params,
                             speculation=req.speculation, top_logprobs=req.top_logprobs,
                             reuse_prefix=req.cache_prompt, constraint=req.constraint)
-            if adapters:
-                adapters.prepare(sample, req.adapter)
-            sample.slot = pipe.choose_slot(sample, free)  # a prefix cache's: the slot its history is in
+            engine.prepare_sample(sample, req.adapter)
+            sample.slot = engine.choose_slot(sample, free)  # a prefix cache's: the slot its history is in
             free.remove(sample.slot)
             self._next_index += 1
             req.sample, req.text = sample, TextStream(self.tokenizer, req.stop)
             self._running[sample.index] = req
-            busy = pipe.compute_seconds
-            self.engine.admit(sample)  # prefills the prompt on the starter's layers
-            self.stats.starter_busy(pipe.compute_seconds - busy)
+            busy = engine.busy_seconds
+            engine.admit(sample)  # prefills the prompt on the starter's layers
+            self.stats.starter_busy(engine.busy_seconds - busy)
             room -= 1
 
     def _step(self) -> int:
         """One engine step; the number of samples it advanced."""
         engine = self.engine
-        busy = engine.pipeline.compute_seconds  # the starter's own layers, head and sampling
-        advanced = engine.step(timeout=STEP_TIMEOUT)
-        if len(engine.recoveries) != self._recoveries_seen:  # the engine rebuilt the ring
-            self._recoveries_seen = len(engine.recoveries)
-            self.nodes = list(engine.nodes)
+        busy = engine.busy_seconds  # the starter's own layers, head and sampling
+        advanced = engine.step(timeout=STEP_TIMEOUT)  # a recovery within it calls _recovered
         if advanced:
-            self.stats.starter_step(engine.pipeline.compute_seconds - busy, len(advanced))
+            self.stats.starter_step(engine.busy_seconds - busy, len(advanced))
         for sample in advanced:
             if sample.done:
                 req = self._running.get(sample.index)
@@ -361,8 +354,15 @@ class Scheduler:
                 self._running.pop(sample.index, None)  # after _finish: /metrics relies on that order
         return len(advanced)
 
+    def _recovered(self, event: RecoveryEvent) -> None:
+        """The engine re-planned the ring (or tried to): the ring in hand is the event's; a
+        training job's workers lost it (mdi.serving.train_job)."""
+        self.nodes = list(event.nodes)
+        if self.job is not None:
+            self.job.on_recovery(event)
+
     def _train_frame(self, frame: Any) -> None:
-        """A training frame back from the ring (Pipeline.on_train): the job's, if one runs."""
+        """A training frame back from the ring (the engine's training hook): the job's, if one runs."""
         if self.job is not None:
             self.job.on_frame(frame)
 
@@ -418,13 +418,12 @@ class Scheduler:
         if self.job is not None:
             self.job.fail("the ring failed: %s" % cause)
         engine, self.engine = self.engine, None
-        self._adapters = engine.adapters  # the next ring gets them all again
+        self._adapters = engine.kept_adapters()  # the next ring gets them all again
         try:
             engine.abort()
         except (RuntimeError, OSError) as e:  # NodeError included; the ring is broken anyway
             log.warning("mdi: serve: aborting the failed ring: %s", e)
-        if engine.chunk is not None:
-            engine.chunk.free_cache()
+        engine.free_cache()
 
     def _shutdown(self) -> None:
         self.state = "stopped"

@@ -84,10 +84,10 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         if sched.open_error is not None:
             raise sched.open_error
         engine = sched.engine
-        prefix = engine.pipeline.prefix if engine is not None and engine.pipeline is not None else None
+        prefix = engine.prefix_budget if engine is not None else None
         print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
               "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
-                                   "of %d positions" % prefix.budget if prefix is not None else "off"), flush=True)
+                                   "of %d positions" % prefix if prefix is not None else "off"), flush=True)
         kernels = kernel_choice.chosen_by_weight()
         if kernels:  # as a batch run's summary says it; the workers' are in /metrics and /v1/mdi/state
             print("mdi: quantized kernels (runtime.quant_kernel %s): %s %s; every node's: /metrics, /v1/mdi/state"

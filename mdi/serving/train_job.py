@@ -40,9 +40,8 @@ import torch
 from mdi.model.lora_train import init_pairs, save_peft_adapter
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.serving.train_body import TrainJobSpec
-from mdi.starter.engine import Engine
+from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.train_data import Windows, step_index
-from mdi.starter.ring_trainer import RingTrainer
 from mdi.starter.train_options import StepRecord, TrainOptions
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ Outgoing = Union[Frame, Callable[[], Frame]]  # a frame, or the forward that mak
 
 
 class TrainJob:
-    def __init__(self, spec: TrainJobSpec, engine: Engine, windows: Windows,
+    def __init__(self, spec: TrainJobSpec, engine: EngineFace, windows: Windows,
                  register: Callable[[str, str], int]) -> None:
         self.spec, self.engine, self.windows, self.register = spec, engine, windows, register
         self.state = RUNNING
@@ -70,8 +69,9 @@ class TrainJob:
         self.last_back = time.monotonic()
         self.stop_at = 0.0
         self.lock = threading.Lock()  # the records another thread reads (report)
-        self.trainer: Optional[RingTrainer] = None
+        self.trainer: Any = None  # the engine's RingTrainer (mdi.starter.ring_trainer) while it trains
         self.run_id = 0
+        self.rebuilt_after: Optional[str] = None  # the cause of the ring's last recovery meanwhile
 
     # --- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,7 +82,7 @@ class TrainJob:
                                micro_batches=spec.micro_batches, seq_len=spec.seq_len, seed=spec.seed)
         pairs = init_pairs(self.engine.source.config, spec.setup.spec, spec.seed)
         try:
-            self.trainer = RingTrainer(self.engine, options, pairs)
+            self.trainer = self.engine.ring_trainer(options, pairs)
         except BaseException:
             self._drop_workers()
             raise
@@ -93,6 +93,10 @@ class TrainJob:
     @property
     def active(self) -> bool:
         return self.state in (RUNNING, STOPPING)
+
+    def on_recovery(self, event: RecoveryEvent) -> None:
+        """The engine re-planned the ring: the job's workers lost it (the next pump fails it)."""
+        self.rebuilt_after = event.cause
 
     def on_frame(self, frame: Frame) -> None:
         if self.active:
@@ -124,11 +128,9 @@ class TrainJob:
             self._drop_workers()
 
     def _pump(self, busy: bool, turn: bool) -> None:
-        pipeline = self.engine.pipeline
-        if pipeline is None or pipeline.run_id != self.run_id:
-            recoveries = self.engine.recoveries
+        if self.engine.run_id != self.run_id:
             self.fail("the ring was rebuilt%s; its workers lost the job"
-                      % (" after: %s" % recoveries[-1].cause if recoveries else ""))
+                      % (" after: %s" % self.rebuilt_after if self.rebuilt_after is not None else ""))
             return
         costly = 1 if turn else 0  # units of the starter's own compute this call may do while busy
         while self.inbox and self.active:
@@ -153,7 +155,7 @@ class TrainJob:
                     break
                 costly -= 1
             item = queue.popleft()
-            pipeline.transport.send(item if isinstance(item, Frame) else item())
+            self.engine.send_frame(item if isinstance(item, Frame) else item())
             self.in_flight += 1
         if busy or not self.in_flight:
             self.last_back = now  # a request's frames are ahead of ours on the workers: not silence
@@ -239,14 +241,8 @@ class TrainJob:
 
     def _drop_workers(self) -> None:
         """Every worker stops training (best effort: a worker that is gone has nothing to drop)."""
-        ring = self.engine.ring
-        if ring is None:
-            return
-        for client in ring.clients:
-            try:
-                client.stop_train()
-            except RuntimeError as e:  # NodeError: named; "not training" after a refused start
-                log.info("mdi: serve: %s", e)
+        for said in self.engine.stop_training():  # NodeError: named; "not training" after a refused start
+            log.info("mdi: serve: %s", said)
 
     # --- GET /v1/mdi/train ---------------------------------------------------------------------
     def report(self) -> Dict[str, Any]:

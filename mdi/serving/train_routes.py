@@ -58,7 +58,7 @@ class TrainControl:
             raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch to "
                            "train beside serving, or train with mdi-train" % (", ".join(on_ggml),
                                                                              "s" if len(on_ggml) == 1 else ""))
-        taken = [self.model_id] + ([n for _, n in engine.adapters.loaded()] if engine.adapters else [])
+        taken = [self.model_id] + [n for _, n in engine.loaded_adapters()]
         spec = parse_train_body(body, self.files, len(engine.nodes),
                                 min(sched.max_len, sched.source.config.block_size), taken)
         try:  # tokenized here, on this request's thread: the ring keeps serving meanwhile

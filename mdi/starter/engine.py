@@ -9,7 +9,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from mdi.model import kernel_choice, qkernels
 from mdi.model.backend import BackendChoice
@@ -18,18 +18,20 @@ from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype, unusable_reason
-from mdi.system.memory import release_freed_memory
 from mdi.system.parallel import run_all
 from mdi.model.source import ModelSource
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
+from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
-from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter
+from mdi.starter.adapter_set import AdapterSet
 from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
-from mdi.starter.capacity import check_fits_here, starter_free_bytes
-from mdi.starter.node_budget import check_starter_adapter
+from mdi.starter.capacity import check_fits_here
+from mdi.starter.engine_adapters import RuntimeAdapters
+from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
@@ -41,7 +43,9 @@ from mdi.model.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(RuntimeAdapters):
+    """The starter's engine; serving sees it through its face (mdi.starter.engine_face.EngineFace)."""
+
     def __init__(self, plan: RunPlan, source: ModelSource, params: SamplingParams,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  adapters: Optional[AdapterSet] = None, registry: Optional[NodeRegistry] = None) -> None:
@@ -58,7 +62,12 @@ class Engine:
         tok = source.tokenizer
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
-        self.recoveries: List[Recovery] = []
+        self.recoveries: List[Recovery] = []  # the run's record (batch runs, perplexity)
+        # each recovery as a typed event, to every listener once (on_recovery)
+        self._events: List[RecoveryEvent] = []
+        self._listeners: List[Callable[[RecoveryEvent], None]] = []
+        self._events_lock = threading.Lock()
+        self._on_train: Optional[Callable[[Any], None]] = None  # a training job's frames (set_training_hook)
         self.prefix_bytes = 0  # the starter's prefix cache budget (runtime.prefix_cache resolved here)
         self.starter_spare: Optional[int] = None  # its memory beside its budget at load (check_fits_here)
         self.ring: Optional[RingSession] = None  # while workers are in the ring
@@ -99,17 +108,15 @@ class Engine:
         self.chunk = self._starter_chunk(self.ranges[0])
         draft_model = self._draft_model()
         transport, run_id = self._connect()
-        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
-                                 self.cfg.runtime.ring_timeout, self.on_token, self._check,
-                                 max_batch=self.plan.max_batch, prefill_chunk=self.plan.prefill_chunk,
-                                 context_shift=self.cfg.generation.context_shift,
-                                 speculation=self.cfg.generation.speculation, n_stages=len(self.nodes),
-                                 tag_epochs=self.speculating, drafter_factory=self.drafter_factory)
-        self.pipeline.draft_model = draft_model
-        self._enable_prefix_cache()
+        pass_costs = None
         if self.speculating:  # before any sample holds a slot: it times passes in slot 0
-            self.pipeline.pass_costs = measure_pass_costs(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
-            log.info("mdi: starter: passes of 1, 2, .. rows cost %s one-row passes", self.pipeline.pass_costs.to_json())
+            pass_costs = measure_pass_costs(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
+            log.info("mdi: starter: passes of 1, 2, .. rows cost %s one-row passes", pass_costs.to_json())
+        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
+                                 PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating),
+                                 self.on_token, self._check, drafter_factory=self.drafter_factory,
+                                 draft_model=draft_model, pass_costs=pass_costs, on_train=self._train_frame)
+        self._enable_prefix_cache()
 
     def close(self) -> List[NodeReport]:
         """Send the stop frame round the ring; return each worker's counters."""
@@ -233,82 +240,6 @@ class Engine:
         self.ring = RingSession(self.plan, self.source, run_id, self.adapters, self.registry)
         return self.ring.start(), run_id
 
-    # --- adapters at run time (--serve's POST /v1/mdi/adapters) ---------------------------
-    def add_adapter(self, name: str, path: str) -> int:
-        """Load an adapter and give every node its layers' part, while samples keep flowing. It
-        stays pending (no request can name it) until every node holds it."""
-        return self._install_adapter(name, read_adapter(name, path, self.source.config))
-
-    def _install_adapter(self, name: str, adapter: Any) -> int:
-        if self.adapters is None:
-            self.adapters = AdapterSet({}, self.source.config)
-        check_starter_adapter(name, adapter.nbytes(adapter.for_layers(self.chunk.first, self.chunk.last)),
-                              self.plan.budgets[0], self.starter_spare, self.prefix_bytes,
-                              self.adapters.held_bytes(self.chunk.first, self.chunk.last), starter_free_bytes(self.device))
-        adapter_id = self.adapters.add(name, adapter, pending=True)
-        try:
-            if adapter.kind != "prompt":  # a soft prompt lives in the samples, on the starter alone
-                self.chunk.set_adapter(adapter_id, adapter.for_layers(self.chunk.first, self.chunk.last))
-                if self.ring is not None:
-                    self.ring.send_adapter(adapter_id, self.adapters)
-        except BaseException:
-            self.adapters.remove(name)
-            self.chunk.drop_adapter(adapter_id)
-            if self.ring is not None:
-                try:
-                    self.ring.drop_adapter(adapter_id)  # from the workers that took it
-                except NodeError:
-                    pass
-            raise
-        self.adapters.ready(adapter_id)
-        return adapter_id
-
-    def mix_adapters(self, entries: List[Tuple[int, float]],
-                     evict: Optional[Callable[[List[int]], Optional[int]]] = None) -> int:
-        """The adapter id for llama.cpp's `lora: [{id, scale}, ...]` (here as (adapter id,
-        scale)): the base, one adapter, or a mix of scaled adapters loaded once on every node
-        like any adapter (mdi.model.lora.mix_adapters) and reused by later requests.
-        With MAX_MIXES held, `evict` (given the held mixes, least recently given out first)
-        drops the first that no request uses and says which (None: every one is in use), so
-        one client asking for mix after mix cannot lock every other client out of the table."""
-        if self.adapters is None:
-            raise ConfigError("no adapter is loaded")
-        with self._mix_lock:  # two requests asking for one new mix load it once
-            key, held, mix = self.adapters.mix(entries)
-            if held is not None:
-                return held
-            if len(self.adapters.mixes) >= MAX_MIXES and \
-                    (evict is None or evict(self.adapters.mixes_by_age()) is None):
-                raise MixTableFull("%d adapter mixes are held already (the most at once), each in use by a request"
-                                   % MAX_MIXES)
-            adapter_id = self._install_adapter(mix.name, mix)
-            self.adapters.mixes[key] = adapter_id
-            self.adapters.mix_used[adapter_id] = time.monotonic()
-            return adapter_id
-
-    def drop_mix(self, mix: int) -> None:
-        """Unload a mix from every node (its adapters stay)."""
-        self._drop_adapter(self.adapters.names[mix - 1])
-
-    def remove_adapter(self, name: str) -> int:
-        """Unload an adapter, and every mix it is part of, from every node."""
-        if self.adapters is None:
-            raise ConfigError("unknown adapter %r: none is loaded" % name)
-        adapter = self.adapters.id_of(name, pending_too=True)
-        for _, mix in self.adapters.mixes_with(adapter):
-            self._drop_adapter(mix)
-        return self._drop_adapter(name)
-
-    def _drop_adapter(self, name: str) -> int:
-        adapter = self.adapters.remove(name)
-        if self.pipeline is not None and self.pipeline.prefix is not None:
-            self.pipeline.prefix.forget_key(adapter)  # the id may name another adapter later
-        self.chunk.drop_adapter(adapter)
-        release_freed_memory()  # unloaded adapters gave nothing back before (919 -> 4053 MB stayed)
-        if self.ring is not None:
-            self.ring.drop_adapter(adapter)
-        return adapter
-
     def _check(self) -> None:
         if self.ring is not None:
             self.ring.check()
@@ -326,11 +257,14 @@ class Engine:
             return []
 
     def run(self, samples: List[Sample]) -> None:
-        self.t0 = self.pipeline.t0 = time.perf_counter()
-        self.pipeline.run(samples, self.step)
+        self.t0 = time.perf_counter()
+        self.pipeline.run(samples, self.step, t0=self.t0)
 
     # --- recovery --------------------------------------------------------------------
-    def _recover(self, cause: BaseException) -> None:
+    def _recover(self, cause: BaseException) -> List[RecoveryEvent]:
+        """Re-plan the ring and go on (or raise once the attempts are spent); the events of
+        its attempts, failed ones first."""
+        events: List[RecoveryEvent] = []
         while True:
             if len(self.recoveries) >= self.cfg.recovery_attempts:
                 raise cause
@@ -342,7 +276,7 @@ class Engine:
                 self.plan, how = replan(self.plan, self.source, self.registry, cause, self.params)
                 transport, run_id = self._connect()
             except (NodeError, RecoveryImpossible) as e:
-                self._record(cause, "failed: %s" % e, started)
+                events.append(self._record(cause, "failed: %s" % e, started))
                 cause = e
                 continue
             chunk = self.chunk if self.chunk.first == self.ranges[0][0] and self.chunk.last == self.ranges[0][1] \
@@ -350,15 +284,110 @@ class Engine:
             if chunk is None:
                 self.chunk.free_cache()
                 self.chunk = chunk = self._starter_chunk(self.ranges[0])
-            self.pipeline.n_stages = len(self.nodes)
-            lost = self.pipeline.reconnect(transport, run_id, chunk)
+            lost = self.pipeline.reconnect(transport, run_id, chunk, n_stages=len(self.nodes))
             self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
             for sample in lost:
                 self.pipeline.admit(sample)
-            self._record(cause, how, started)
+            events.append(self._record(cause, how, started))
             log.warning("mdi: recovered in %.2f s: %s", time.perf_counter() - started, how)
-            return
+            return events
 
-    def _record(self, cause: BaseException, how: str, started: float) -> None:
-        self.recoveries.append(Recovery(str(cause), how, round(started - self.t0, 6),
-                                        round(time.perf_counter() - started, 6)))
+    def _record(self, cause: BaseException, how: str, started: float) -> RecoveryEvent:
+        rec = Recovery(str(cause), how, round(started - self.t0, 6), round(time.perf_counter() - started, 6))
+        self.recoveries.append(rec)
+        event = RecoveryEvent(rec.cause, rec.action, rec.at_s, rec.seconds, getattr(cause, "node", None),
+                              tuple(self.nodes), tuple((r[0], r[1]) for r in self.ranges))
+        with self._events_lock:
+            self._events.append(event)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(event)
+        return event
+
+    def on_recovery(self, listener: Callable[[RecoveryEvent], None]) -> None:
+        """Hand `listener` every recovery of this engine as a RecoveryEvent, each once: those
+        before this call at once, later ones as they happen (on the thread that steps)."""
+        with self._events_lock:
+            past = list(self._events)
+            self._listeners.append(listener)
+        for event in past:
+            listener(event)
+
+    # --- the rest of serving's face (mdi.starter.engine_face) --------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self.pipeline.active) if self.pipeline is not None else 0
+
+    def free_slots(self) -> List[int]:
+        return self.pipeline.free_slots
+
+    def choose_slot(self, sample: Sample, free: List[int]) -> int:
+        return self.pipeline.choose_slot(sample, free)
+
+    @property
+    def busy_seconds(self) -> float:
+        """The starter's own work so far (its layers, head and sampling)."""
+        return self.pipeline.compute_seconds if self.pipeline is not None else 0.0
+
+    def speculation_metrics(self) -> Dict[str, Any]:
+        return self.pipeline.speculation_metrics() if self.pipeline is not None else {}
+
+    def prefix_metrics(self) -> Dict[str, Any]:
+        return self.pipeline.prefix_metrics() if self.pipeline is not None else {}
+
+    @property
+    def prefix_budget(self) -> Optional[int]:
+        """The prefix cache's positions on every node (None: off)."""
+        prefix = self.pipeline.prefix if self.pipeline is not None else None
+        return prefix.budget if prefix is not None else None
+
+    def starter_reading(self) -> StarterReading:
+        chunk, pipeline = self.chunk, self.pipeline
+        transport = pipeline.transport if pipeline is not None else None
+        store = pipeline.prefix_store if pipeline is not None else None
+        return StarterReading(
+            chunk.backend if chunk is not None else None,
+            self.backend_choice.describe() if self.backend_choice is not None else None,
+            chunk.cache.nbytes if chunk is not None and chunk.cache is not None else 0,
+            getattr(transport, "bytes_sent", 0), getattr(transport, "messages_sent", 0),
+            store.stats if store is not None else None,
+            pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics())
+
+    def free_cache(self) -> None:
+        """Give the starter's KV cache back (a failed ring's engine, before the next is built)."""
+        if self.chunk is not None:
+            self.chunk.free_cache()
+
+    # --- training beside serving (mdi.serving.train_job) --------------------------------
+    def set_training_hook(self, on_train: Optional[Callable[[Any], None]]) -> None:
+        """Training frames back from the ring go to `on_train` (the stepping thread stays the
+        one reader of the ring)."""
+        self._on_train = on_train
+
+    def _train_frame(self, frame: Any) -> None:
+        if self._on_train is not None:
+            self._on_train(frame)
+
+    @property
+    def run_id(self) -> Optional[int]:
+        """The open ring's run id (a new one after each recovery)."""
+        return self.pipeline.run_id if self.pipeline is not None else None
+
+    def send_frame(self, frame: Any) -> None:
+        self.pipeline.transport.send(frame)
+
+    def ring_trainer(self, options: Any, pairs: Any) -> Any:
+        """A RingTrainer (mdi.starter.ring_trainer) over this engine's ring: every node trains its layers' pairs."""
+        from mdi.starter.ring_trainer import RingTrainer  # it imports this module
+        return RingTrainer(self, options, pairs)
+
+    def stop_training(self) -> List[str]:
+        """Every worker stops training (best effort: a worker that is gone has nothing to
+        drop); what those that could not said."""
+        said: List[str] = []
+        for client in self.ring.clients if self.ring is not None else []:
+            try:
+                client.stop_train()
+            except RuntimeError as e:  # NodeError: named; "not training" after a refused start
+                said.append(str(e))
+        return said

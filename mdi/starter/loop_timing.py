@@ -22,6 +22,7 @@ from mdi.model.transformer import ModelChunk
 from mdi.timing.relay import RUN_ID, WAIT_S, looped_endpoint
 from mdi.ring.transport import RingEndpoint
 from mdi.starter.pipeline import Pipeline
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
 
 MAX_STEPS = 256  # decode passes per timed round (positions 1..MAX_STEPS: a short context)
@@ -49,7 +50,7 @@ def time_starter_loop(chunk: ModelChunk, batch_sizes: Sequence[int], params: Sam
 
 def _one_round(chunk: ModelChunk, endpoint: RingEndpoint, run_id: int, rows: int, params: SamplingParams,
                max_len: int) -> float:
-    pipe = Pipeline(chunk, endpoint, run_id, params, None, recv_timeout=WAIT_S, max_batch=rows)
+    pipe = Pipeline(chunk, endpoint, run_id, params, None, PipelineSettings(max_batch=rows, recv_timeout=WAIT_S))
     for i in range(rows):
         pipe.admit(Sample(i, "", [i % chunk.config.vocab_size], max_len, sample_generator(1, i)))
     steps = max_len - 3

@@ -30,11 +30,13 @@ from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
-from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 from mdi.starter.frame_rows import adapters_together, virtual_rows
+from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
+from mdi.starter.speculation.costs import PassCosts
 from mdi.starter.speculation.decoder import SpecDecoder
+from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.speculation.drafters import Drafter
 from mdi.system.transfers import ints_to_device, to_device, to_host
 
@@ -63,24 +65,20 @@ class Pipeline:
     draft_model = _decoder_field("draft_model")
 
     def __init__(self, chunk: ModelChunk, transport: Transport, run_id: int, params: SamplingParams,
-                 eos_id: Any, recv_timeout: float = 30.0,
-                 on_token: Optional[Callable[[Sample, int], None]] = None,
-                 watch: Optional[Callable[[], None]] = None, max_batch: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, context_shift: bool = False,
-                 speculation: Optional[SpeculationSpec] = None, n_stages: int = 1, tag_epochs: bool = False,
-                 drafter_factory: Optional[Callable[[Sample], Drafter]] = None) -> None:
-        if max_batch < 1 or prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be >= 1")
-        self.chunk, self.params = chunk, params
+                 eos_id: Any, settings: Optional[PipelineSettings] = None,
+                 on_token: Optional[Callable[[Sample, int], None]] = None, watch: Optional[Callable[[], None]] = None,
+                 drafter_factory: Optional[Callable[[Sample], Drafter]] = None,
+                 draft_model: Optional[DraftModel] = None, pass_costs: Optional[PassCosts] = None,
+                 on_train: Optional[Callable[[Frame], None]] = None) -> None:
+        settings = self.settings = settings or PipelineSettings()  # the plan's part (mdi.starter.pipeline_settings)
+        self.chunk, self.params, self.device = chunk, params, chunk.device
         # The ids that end a sample ("eos"): one id, several (EOS and end-of-turn ids), or none.
         self.end_ids = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
-        self.recv_timeout = recv_timeout
-        self.on_token = on_token
-        self.watch = watch  # raises when a node is known to have failed
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.context_shift = context_shift  # a full cache slot shifts the window instead of ending the sample
+        self.on_token, self.watch = on_token, watch  # watch: raises when a node is known to have failed
+        self.max_batch, self.prefill_chunk = settings.max_batch, settings.prefill_chunk
+        self.recv_timeout = settings.recv_timeout
+        self.context_shift = settings.context_shift  # a full cache slot shifts the window instead of ending the sample
         self.context_shifts = 0
-        self.device = chunk.device
         self.active: Dict[int, Sample] = {}  # cache slot -> admitted, unfinished sample
         self.ready: List[Sample] = []  # samples whose next pass waits to be sent
         self.t0 = time.perf_counter()
@@ -90,23 +88,29 @@ class Pipeline:
         # Speculation (mdi.starter.speculation): the pipeline calls its decoder in two places,
         # to send speculative passes (_dispatch) and to verify one that came back (_sample_all).
         self._epochs = itertools.count(1)
-        self.decoder = SpecDecoder(speculation or SpeculationSpec(), n_stages, self._epochs, drafter_factory)
+        self.decoder = SpecDecoder(settings.speculation, settings.n_stages, self._epochs, drafter_factory)
+        if pass_costs is not None:  # measured by the engine (measure_pass_costs); else a linear guess
+            self.decoder.pass_costs = pass_costs
+        self.decoder.draft_model = draft_model  # method draft's model (the engine loads it)
         # Frames carry each sample's pass epoch once any sample may speculate (tag_epochs: one
         # may later, e.g. a served request): only then can a stale pass be in flight.
-        self.tag_epochs = tag_epochs or self.speculation.on
+        self.tag_epochs = settings.tag_epochs or self.speculation.on
         # The prefix cache (enable_prefix_cache): the starter's index of what every node holds,
         # and its own node's store.
         self.prefix: Optional[PrefixIndex] = None
         self.prefix_store: Optional[PrefixStore] = None
         # A training job beside serving (mdi.serving.train_job) gets its frames back here: the
         # scheduler's thread stays the one reader of the ring.
-        self.on_train: Optional[Callable[[Frame], None]] = None
+        self.on_train = on_train
         self.reconnect(transport, run_id)
 
-    def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None) -> List[Sample]:
-        """Continue on a new ring (after a node failed): the passes in flight are lost, so
-        the samples that had one are returned for the caller to `admit` again."""
+    def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None,
+                  n_stages: Optional[int] = None) -> List[Sample]:
+        """Continue on a new ring (after a node failed; `n_stages`: its boards): the passes in
+        flight are lost, so the samples that had one are returned for the caller to `admit` again."""
         self.transport, self.run_id = transport, run_id
+        if n_stages is not None:
+            self.settings, self.n_stages = self.settings.for_ring(n_stages), n_stages
         self.last_progress = time.monotonic()
         if chunk is not None:
             self.chunk = chunk
@@ -388,9 +392,11 @@ class Pipeline:
             return {}
         return dict(self.spec_counters.metrics(), pass_costs=self.pass_costs.to_json())
 
-    def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None) -> None:
+    def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None,
+            t0: Optional[float] = None) -> None:
         """Generate until every sample hits EOS or its token limit; `step` wraps `self.step`
-        (the engine's adds recovery from node failures)."""
+        (the engine's adds recovery from node failures); token times count from `t0` if given."""
+        self.t0 = self.t0 if t0 is None else t0
         for s in samples:
             if not s.done:
                 self.admit(s)

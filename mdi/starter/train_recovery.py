@@ -171,10 +171,10 @@ class TrainRecovery:
         except Exception as e:  # its node is gone too: the snapshot before it stands
             log.info("mdi-train: a snapshot being read is lost with the node (%s); the one after step %d stands",
                      e, self.snapshot.steps_done)
-        n_before = len(engine.recoveries)
         snap = self.snapshot
+        events = []  # this recovery's attempts (mdi.starter.engine_face.RecoveryEvent)
         while True:
-            engine._recover(cause)  # the ring re-planned and reopened, or `cause` raised (attempts spent)
+            events += engine._recover(cause)  # the ring re-planned and reopened, or `cause` raised (attempts spent)
             try:
                 self.trainer.install(snap.pairs, snap.state)
                 break
@@ -182,9 +182,9 @@ class TrainRecovery:
                 cause = e
         if snap.prompt is not None:
             self.trainer.prompt.restore(*snap.prompt)  # its steps since the snapshot run again too
-        for rec in engine.recoveries[n_before:]:
-            self.recoveries.append(dict(rec.to_json(), step=step, resumed_at_step=snap.steps_done))
-        how = engine.recoveries[-1].action
+        for event in events:
+            self.recoveries.append(dict(event.to_json(), step=step, resumed_at_step=snap.steps_done))
+        how = events[-1].action
         log.warning("mdi-train: lost a node during step %d (%s); %s; redoing from step %d",
                     step + 1, cause, how, snap.steps_done + 1)
         return snap.steps_done
