@@ -56,11 +56,13 @@ def test_the_decoder_is_not_passed_around_or_aliased():
 
 def test_the_pipeline_holds_no_speculation_state():
     """No sample's SpecState (Sample.spec) is read or written in the pipeline, and of the
-    package it imports only the decoder and the Drafter type (its constructor's argument)."""
+    package it imports only the decoder and the types of its constructor's arguments (Drafter,
+    DraftModel, PassCosts), which it hands to the decoder."""
     tree = _tree()
     spec_uses = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "spec"]
     assert not spec_uses, "pipeline.py handles Sample.spec at lines %s: that belongs to the decoder" % spec_uses
     imported = {(node.module, a.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and (node.module or "").startswith("mdi.starter.speculation") for a in node.names}
     assert imported == {("mdi.starter.speculation.decoder", "SpecDecoder"),
-                        ("mdi.starter.speculation.drafters", "Drafter")}, imported
+                        ("mdi.starter.speculation.drafters", "Drafter"), ("mdi.starter.speculation.costs", "PassCosts"),
+                        ("mdi.starter.speculation.draft_model", "DraftModel")}, imported

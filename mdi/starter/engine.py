@@ -35,6 +35,7 @@ from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.recovery import RecoveryImpossible, replan
+from mdi.starter.ring_trainer import RingTrainer
 from mdi.starter.run_plan import RunPlan
 from mdi.starter.session import RingSession
 from mdi.starter.speculation.costs import measure_pass_costs
@@ -378,7 +379,6 @@ class Engine(RuntimeAdapters):
 
     def ring_trainer(self, options: Any, pairs: Any) -> Any:
         """A RingTrainer (mdi.starter.ring_trainer) over this engine's ring: every node trains its layers' pairs."""
-        from mdi.starter.ring_trainer import RingTrainer  # it imports this module
         return RingTrainer(self, options, pairs)
 
     def stop_training(self) -> List[str]:

@@ -4,7 +4,7 @@ when they come back, other nodes' gradients relayed, the clip frames, the step f
 frames, and every node's pairs and optimizer state collected at the end or after a recovery."""
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,6 @@ from mdi.ring.train_request import read_pairs_reply, train_body
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.model.transformer import ModelChunk
-from mdi.starter.engine import Engine
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.train_recovery import merge_states
 from mdi.starter.train_options import Pairs, StepRecord, TrainOptions
@@ -36,8 +35,20 @@ class Returned:
     backward_done: bool = False  # the starter's own backward of one micro-batch ran
 
 
+class RingOwner(Protocol):
+    """What a trainer reads of the engine whose ring it trains (mdi.starter.engine.Engine, which
+    builds trainers for serving: named by its shape, not imported)."""
+    cfg: Any
+    plan: Any
+    ring: Any
+    chunk: Any
+    pipeline: Any
+
+    def _check(self) -> None: ...
+
+
 class RingTrainer:
-    def __init__(self, engine: Engine, options: TrainOptions, pairs: Pairs,
+    def __init__(self, engine: RingOwner, options: TrainOptions, pairs: Pairs,
                  state: Optional[OptimizerState] = None, prompt: Optional[PromptTrainer] = None) -> None:
         self.engine, self.options = engine, options
         self.prompt = prompt  # --method prompt: the virtual tokens' trainer; no node trains a LoRA
