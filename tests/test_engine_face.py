@@ -30,6 +30,7 @@ ALLOWED_IMPORTS = {
     "mdi.starter.control": {"ControlClient", "NodeError"},  # the workers' /status (metrics), not the engine
     "mdi.starter.train_data": {"Windows", "load_windows", "step_index"},  # training data (values)
     "mdi.starter.train_options": {"StepRecord", "TrainOptions"},  # values
+    "mdi.starter.generation_options": {"GenerationOptions"},  # a request's options, shared with its sample (a value)
 }
 
 # What the engine hides from serving: reaching for any of these off an engine fails the test

@@ -50,7 +50,7 @@ from mdi.serving.openai_fields import IGNORED_HEADER
 from mdi.serving.tool_calls import ToolReplies
 from mdi.serving.tool_grammar import tool_grammar
 from mdi.serving.tools import ToolChoice, tool_choice_of
-from mdi.serving.request import ErrorEvent, FinishEvent, Request, RequestEvent, TextEvent
+from mdi.serving.request import ErrorEvent, FinishEvent, GenerationOptions, Request, RequestEvent, TextEvent
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.train_routes import TrainControl
@@ -197,8 +197,8 @@ class Routes:
         if opts.n > self.sched.slots:
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
-        req = Request(ids, max_tokens, opts.params, opts.seed, opts.stop, adapter, opts.speculation,
-                      opts.top_logprobs, opts.cache_prompt, grammar)
+        req = Request(ids, options=GenerationOptions(max_tokens, opts.params, opts.seed, tuple(opts.stop), adapter,
+                                                     opts.speculation, opts.top_logprobs, opts.cache_prompt, grammar))
         if req.grammar is not None:
             req.constraint = self._compile(req.grammar)
         return Choices(req, opts.n)

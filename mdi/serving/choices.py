@@ -32,9 +32,8 @@ class Choices:
 
 
 def _copy(req: Request, i: int) -> Request:
-    """Choice i of `req`: the same prompt and fields, seed + i (a random seed when none)."""
-    choice = Request(req.prompt_ids, req.max_tokens, req.params, None if req.seed is None else req.seed + i,
-                     req.stop, req.adapter, req.speculation, req.top_logprobs, req.cache_prompt, req.grammar)
+    """Choice i of `req`: the same prompt and options but the seed, seed + i (a random seed when none)."""
+    choice = Request(req.prompt_ids, options=req.options.with_seed(None if req.seed is None else req.seed + i))
     if req.constraint is not None:
         choice.constraint = req.constraint.fresh()  # each choice's grammar state is its own
     return choice

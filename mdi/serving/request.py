@@ -6,12 +6,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from mdi.model.grammar_spec import GrammarSpec
 from mdi.model.sampling import SamplingParams
 from mdi.runconfig import SpeculationSpec
 from mdi.serving.streaming import TextStream, TokenLogprob
+from mdi.starter.generation_options import GenerationOptions
 from mdi.starter.sample import FinishReason, Sample
 
 
@@ -49,22 +50,25 @@ class Request:
     """One generation request as the scheduler sees it. Built on an HTTP thread; after
     `submit` only the scheduler thread touches it, except `mark_cancelled()` and `next_event()`."""
 
-    def __init__(self, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams,
-                 seed: Optional[int] = None, stop: Sequence[str] = (), adapter: int = 0,
-                 speculation: Optional[SpeculationSpec] = None, top_logprobs: Optional[int] = None,
-                 cache_prompt: bool = True, grammar: Optional[GrammarSpec] = None) -> None:
+    def __init__(self, prompt_ids: Sequence[int], max_tokens: Optional[int] = None,
+                 params: Optional[SamplingParams] = None, seed: Optional[int] = None, stop: Sequence[str] = (),
+                 adapter: int = 0, speculation: Optional[SpeculationSpec] = None,
+                 top_logprobs: Optional[int] = None, cache_prompt: bool = True,
+                 grammar: Optional[GrammarSpec] = None, options: Optional[GenerationOptions] = None) -> None:
+        """`options`: its generation options, held as given (the scheduler hands the very value to
+        its sample). The separate arguments are the older way to say the same: they build it."""
+        if options is None:
+            if max_tokens is None or params is None:
+                raise TypeError("Request needs options, or max_tokens and params")
+            options = GenerationOptions(max_tokens, params, seed, tuple(stop), adapter, speculation, top_logprobs,
+                                        cache_prompt, grammar)
+        elif (max_tokens, params, seed, tuple(stop), adapter, speculation, top_logprobs, cache_prompt,
+              grammar) != (None, None, None, (), 0, None, None, True, None):
+            raise TypeError("Request takes options or the separate option arguments, not both")
         self.id = uuid.uuid4().hex[:24]
-        self.top_logprobs = top_logprobs  # None: no logprobs; else each token's and this many alternatives'
-        self.speculation = speculation  # None: the server's generation.speculation
-        self.cache_prompt = cache_prompt  # may start from what the prefix cache holds
-        self.grammar = grammar  # None: free text; else what every token drawn must keep valid
-        self.constraint: Any = None  # the grammar compiled (an mdi.model.constraint.Constraint)
-        self.adapter = adapter  # the LoRA adapter's id (0: the base model)
+        self.options = options
+        self.constraint: Any = None  # options.grammar compiled (an mdi.model.constraint.Constraint)
         self.prompt_ids = [int(i) for i in prompt_ids]
-        self.max_tokens = int(max_tokens)
-        self.params = params
-        self.seed = seed
-        self.stop = [s for s in stop if s]
         self.created = int(time.time())
         self.arrived_at = time.monotonic()
         self.first_token_at: Optional[float] = None
@@ -76,6 +80,44 @@ class Request:
         self.text: Optional[TextStream] = None  # once admitted
         self.events: Any = queue.Queue()  # of RequestEvents; a ChoiceQueue for one of several choices
         self._cancel = threading.Event()
+
+    # The options under the names requests always had; read-only, since the value is shared
+    # with the sample (a different option is a different value: dataclasses.replace).
+    @property
+    def max_tokens(self) -> int:
+        return self.options.max_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.options.params
+
+    @property
+    def seed(self) -> Optional[int]:
+        return self.options.seed
+
+    @property
+    def stop(self) -> List[str]:
+        return list(self.options.stop)  # a list, as it always was
+
+    @property
+    def adapter(self) -> int:
+        return self.options.adapter
+
+    @property
+    def speculation(self) -> Optional[SpeculationSpec]:
+        return self.options.speculation
+
+    @property
+    def top_logprobs(self) -> Optional[int]:
+        return self.options.top_logprobs
+
+    @property
+    def cache_prompt(self) -> bool:
+        return self.options.cache_prompt
+
+    @property
+    def grammar(self) -> Optional[GrammarSpec]:
+        return self.options.grammar
 
     @property
     def finished(self) -> bool:

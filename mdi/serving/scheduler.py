@@ -324,10 +324,8 @@ class Scheduler:
                 self._finish(req, FinishReason.ERROR, "prompt + max_tokens exceed the %d positions of a slot" % self.max_len)
                 continue
             seed = req.seed if req.seed is not None else random.getrandbits(62)
-            sample = Sample(self._next_index, "", list(req.prompt_ids), req.max_tokens,
-                            sample_generator(seed, 0), slot=free[0], params=req.params,
-                            speculation=req.speculation, top_logprobs=req.top_logprobs,
-                            reuse_prefix=req.cache_prompt, constraint=req.constraint)
+            sample = Sample.for_options(self._next_index, req.prompt_ids, req.options, sample_generator(seed, 0),
+                                        slot=free[0], constraint=req.constraint)  # the request's very options
             engine.prepare_sample(sample, req.adapter)
             sample.slot = engine.choose_slot(sample, free)  # a prefix cache's: the slot its history is in
             free.remove(sample.slot)

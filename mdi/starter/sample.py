@@ -7,6 +7,7 @@ import torch
 
 from mdi.model.sampling import Logprobs, SamplingParams, draw, sample_generator
 from mdi.runconfig import SpeculationSpec
+from mdi.starter.generation_options import GenerationOptions
 from mdi.system.str_enum import StrEnum
 
 
@@ -57,6 +58,22 @@ class Sample:
     logprobs: List[Logprobs] = field(default_factory=list)
     # Serving: a grammar its output must obey (an mdi.model.constraint.Constraint), or None.
     constraint: Optional[Any] = None
+    # Serving: its request's options, the very value the request holds (None: a run's sample,
+    # built from the fields above). `for_options` copies the ones the pipeline reads into them.
+    options: Optional[GenerationOptions] = None
+
+    @classmethod
+    def for_options(cls, index: int, prompt_ids: List[int], options: GenerationOptions, rng: torch.Generator,
+                    slot: int = -1, constraint: Optional[Any] = None, prompt: str = "") -> "Sample":
+        """A sample that runs with `options`: the one place an option's name maps to the
+        sample's field (max_tokens -> max_new_tokens, cache_prompt -> reuse_prefix). `rng` is
+        drawn from options.seed by the caller (which picks one when it is None); `constraint` is
+        options.grammar compiled, a state of this sample alone. The stop strings are the
+        request's text stream's; the adapter reaches `adapter` through the engine's
+        prepare_sample (a prompt-tuning adapter's sample runs as the base, id 0)."""
+        return cls(index, prompt, list(prompt_ids), options.max_tokens, rng, slot=slot, params=options.params,
+                   speculation=options.speculation, top_logprobs=options.top_logprobs,
+                   reuse_prefix=options.cache_prompt, constraint=constraint, options=options)
 
     @property
     def virtual(self) -> int:
