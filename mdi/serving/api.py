@@ -136,7 +136,7 @@ class Routes:
     def http_error(self, e: HTTPException) -> Response:
         message = {404: "no such route: %s %s" % (request.method, request.path),
                    405: "method %s not allowed on %s" % (request.method, request.path),
-                   413: "request body larger than %d bytes" % MAX_BODY_BYTES}.get(e.code or 0, e.description)
+                   413: "request body larger than %d bytes" % MAX_BODY_BYTES}.get(e.code or 0, e.description or e.name)
         return _json(ApiError(e.code or 500, message).body(), e.code or 500)
 
     def internal_error(self, e: Exception) -> Response:
@@ -213,9 +213,9 @@ class Routes:
             raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
 
     # --- adapters ------------------------------------------------------------------------
-    def _adapters(self, engine: Optional[EngineFace] = None) -> List[Tuple[int, str]]:
-        """(id, name) of the adapters requests may name on `engine` (default: the current one)."""
-        engine = engine or self.sched.engine
+    def _adapters(self) -> List[Tuple[int, str]]:
+        """(id, name) of the adapters requests may name (on the current engine)."""
+        engine = self.sched.engine
         return engine.loaded_adapters() if engine is not None else []
 
     def _virtual(self, adapter: int) -> int:
@@ -228,7 +228,7 @@ class Routes:
         on every node once), else `model` naming an adapter; the served model's own name (or
         any name, on a server that never had an adapter) is the base."""
         engine = self.sched.engine  # once: a rebuilt ring replaces it
-        loaded = self._adapters(engine)
+        loaded = engine.loaded_adapters() if engine is not None else []  # of that engine: none without one
         if fields["lora"]:
             entries = []
             for entry in fields["lora"]:
@@ -237,6 +237,7 @@ class Routes:
                     raise ApiError(400, "lora id %d: %d adapters are loaded (ids 0 to %d)"
                                    % (index, len(loaded), len(loaded) - 1), "lora")
                 entries.append((loaded[index][0], entry["scale"]))
+            assert engine is not None  # every id indexed `loaded`, which is [] without an engine
             try:
                 return self._mix(engine, entries)
             except StarterTooLarge as e:  # no memory for the mix on the starter: 413
@@ -396,8 +397,7 @@ class Routes:
         return _json(reply.whole(["".join(p) for p in parts], reasons, logprobs))
 
     def _stream(self, choices: Choices, reply: Reply, include_usage: bool) -> Iterator[str]:
-        over = False
-        left = len(choices)
+        over, left = False, len(choices)
         try:
             if reply.chat:
                 for i in range(left):

@@ -48,15 +48,14 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         self.tokenizer = tokenizer
         self.source = "fallback"
-        self.template = None
+        template = None
         if tokenizer.chat_template:
             try:
-                self.template = env.from_string(tokenizer.chat_template)
+                template = env.from_string(tokenizer.chat_template)
                 self.source = "model"
             except TemplateError as e:
                 log.warning("mdi: serve: the model's chat template does not compile (%s); using the fallback", e)
-        if self.template is None:
-            self.template = env.from_string(FALLBACK_CHAT_TEMPLATE)
+        self.template = template if template is not None else env.from_string(FALLBACK_CHAT_TEMPLATE)
         # how the model writes tool calls, and whether the template renders tools (`tools`)
         self.tool_format: ToolFormat = tool_format(tokenizer.chat_template if self.source == "model" else None,
                                                    tokenizer)

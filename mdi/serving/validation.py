@@ -203,6 +203,7 @@ class Field:
     check: Optional[Callable[[Any, Dict[str, Any]], Any]] = None  # further checks; returns the value to use
 
     def range_text(self) -> str:
+        assert self.low is not None  # asked only of a field with a range
         if self.high is None:
             return "%s >= %g" % (self.expected, self.low)
         return "%s in %s%g, %g]" % (self.expected, "(" if self.low_open else "[", self.low, self.high)

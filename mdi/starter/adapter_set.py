@@ -78,7 +78,13 @@ class AdapterSet:
 
     def mixes_with(self, adapter: int) -> List[Tuple[int, str]]:
         """(id, name) of the held mixes that `adapter` is part of."""
-        return [(mix, self.names[mix - 1]) for key, mix in self.mixes.items() if any(a == adapter for a, _ in key)]
+        out: List[Tuple[int, str]] = []
+        for key, mix in self.mixes.items():
+            if any(a == adapter for a, _ in key):
+                name = self.names[mix - 1]
+                assert name is not None  # a held mix has its name: remove() drops both together
+                out.append((mix, name))
+        return out
 
     def has(self, adapter: int) -> bool:
         return adapter == 0 or (0 < adapter <= len(self.names) and self.names[adapter - 1] is not None

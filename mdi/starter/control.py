@@ -126,14 +126,17 @@ class ControlClient:
         # only), or it refused the request's time stamp (then stamped by the worker's clock).
         r = self._send(method, route, read_timeout, method in ("GET", "PUT"), **kwargs)
         stamp = r.headers.get(TIME_HEADER) if r is not None else None
-        if r is None or (r.status_code == 401 and stamp and self.auth is not None
-                         and isinstance(kwargs.get("data"), (bytes, type(None)))):
-            if r is not None:
-                try:
-                    self.auth.offset = float(stamp) - time.time()
-                except ValueError:
-                    pass
+        auth = self.auth
+        if r is not None and r.status_code == 401 and stamp and auth is not None \
+                and isinstance(kwargs.get("data"), (bytes, type(None))):
+            try:
+                auth.offset = float(stamp) - time.time()
+            except ValueError:
+                pass
+            r = None  # it goes again, stamped by the worker's clock
+        if r is None:
             r = self._send(method, route, read_timeout, False, **kwargs)
+            assert r is not None  # not retry_dropped: _send answers or raises
         try:
             body = r.json()
         except ValueError:

@@ -102,6 +102,20 @@ class Engine(RuntimeAdapters):
     def max_len(self) -> int:
         return self.plan.max_len
 
+    @property
+    def _open_chunk(self) -> Any:
+        """The starter's chunk, which open() loads."""
+        if self.chunk is None:
+            raise RuntimeError("the engine is not open")
+        return self.chunk
+
+    @property
+    def _open_pipeline(self) -> Pipeline:
+        """The pipeline over the ring, which open() builds."""
+        if self.pipeline is None:
+            raise RuntimeError("the engine is not open")
+        return self.pipeline
+
     # --- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
         # fail fast, before spending time on our own weights (all at once: the first to fail is named)
@@ -226,10 +240,11 @@ class Engine(RuntimeAdapters):
     def _enable_prefix_cache(self) -> None:
         """The pipeline keeps earlier prompts' KV within what every node gives it: as many
         positions as the smallest node's budget holds (each node's bytes per position differ)."""
-        cache = self.chunk.cache
-        here = self.prefix_bytes // cache.range_bytes(1) if cache is not None and self.chunk.n_layers else 0
+        chunk = self._open_chunk
+        cache = chunk.cache
+        here = self.prefix_bytes // cache.range_bytes(1) if cache is not None and chunk.n_layers else 0
         positions = min([here] + (self.ring.prefix_positions() if self.ring is not None else []))
-        self.pipeline.enable_prefix_cache(positions, self.prefix_bytes)
+        self._open_pipeline.enable_prefix_cache(positions, self.prefix_bytes)
         if self.cfg.runtime.prefix_cache:  # --serve's start line says it too
             log.debug("mdi: prefix cache: %d positions on every node%s", positions,
                       "" if positions else " (a node has no room for it)")
@@ -247,19 +262,19 @@ class Engine(RuntimeAdapters):
 
     # --- generation ------------------------------------------------------------------
     def admit(self, sample: Sample) -> None:
-        self.pipeline.admit(sample)
+        self._open_pipeline.admit(sample)
 
     def step(self, timeout: Optional[float] = None) -> List[Sample]:
         """One frame's worth of progress; a node failure is recovered from when allowed."""
         try:
-            return self.pipeline.step(timeout)
+            return self._open_pipeline.step(timeout)
         except (NodeError, RingTimeout) as e:
             self._recover(e)
             return []
 
     def run(self, samples: List[Sample]) -> None:
         self.t0 = time.perf_counter()
-        self.pipeline.run(samples, self.step, t0=self.t0)
+        self._open_pipeline.run(samples, self.step, t0=self.t0)
 
     # --- recovery --------------------------------------------------------------------
     def _recover(self, cause: BaseException) -> List[RecoveryEvent]:
@@ -280,15 +295,15 @@ class Engine(RuntimeAdapters):
                 events.append(self._record(cause, "failed: %s" % e, started))
                 cause = e
                 continue
-            chunk = self.chunk if self.chunk.first == self.ranges[0][0] and self.chunk.last == self.ranges[0][1] \
-                else None
+            old, pipeline = self._open_chunk, self._open_pipeline
+            chunk = old if old.first == self.ranges[0][0] and old.last == self.ranges[0][1] else None
             if chunk is None:
-                self.chunk.free_cache()
+                old.free_cache()
                 self.chunk = chunk = self._starter_chunk(self.ranges[0])
-            lost = self.pipeline.reconnect(transport, run_id, chunk, n_stages=len(self.nodes))
+            lost = pipeline.reconnect(transport, run_id, chunk, n_stages=len(self.nodes))
             self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
             for sample in lost:
-                self.pipeline.admit(sample)
+                pipeline.admit(sample)
             events.append(self._record(cause, how, started))
             log.warning("mdi: recovered in %.2f s: %s", time.perf_counter() - started, how)
             return events
@@ -320,10 +335,10 @@ class Engine(RuntimeAdapters):
         return len(self.pipeline.active) if self.pipeline is not None else 0
 
     def free_slots(self) -> List[int]:
-        return self.pipeline.free_slots
+        return self._open_pipeline.free_slots
 
     def choose_slot(self, sample: Sample, free: List[int]) -> int:
-        return self.pipeline.choose_slot(sample, free)
+        return self._open_pipeline.choose_slot(sample, free)
 
     @property
     def busy_seconds(self) -> float:
@@ -375,7 +390,7 @@ class Engine(RuntimeAdapters):
         return self.pipeline.run_id if self.pipeline is not None else None
 
     def send_frame(self, frame: Any) -> None:
-        self.pipeline.transport.send(frame)
+        self._open_pipeline.transport.send(frame)
 
     def ring_trainer(self, options: Any, pairs: Any) -> Any:
         """A RingTrainer (mdi.starter.ring_trainer) over this engine's ring: every node trains its layers' pairs."""

@@ -109,7 +109,9 @@ def code_id() -> str:
     if not _code_ids:
         digest = hashlib.sha256()
         for name in _SPEED_CODE:
-            with open(importlib.import_module(name).__file__, "rb") as f:
+            path = importlib.import_module(name).__file__
+            assert path is not None  # each is a module of mdi's own, read from a file
+            with open(path, "rb") as f:
                 digest.update(f.read())
         _code_ids.append(digest.hexdigest()[:16])
     return _code_ids[0]

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from mdi.model.kv_cache import KVCache
 from mdi.model.prefix_store import PrefixStore
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
@@ -137,8 +138,15 @@ class Pipeline:
         return self.prefix.choose_slot(free, tokens, sample.adapter)
 
     @property
+    def cache(self) -> KVCache:
+        """The starter's chunk's KV cache (the engine allocates it before the pipeline runs)."""
+        if self.chunk.cache is None:
+            raise RuntimeError("the starter's chunk has no KV cache allocated")
+        return self.chunk.cache
+
+    @property
     def free_slots(self) -> List[int]:
-        return [i for i in range(self.chunk.cache.n_slots) if i not in self.active]
+        return [i for i in range(self.cache.n_slots) if i not in self.active]
 
     def admit(self, sample: Sample) -> None:
         """Queue the sample's prefill: its prompt plus any tokens it already has (a replay
@@ -152,9 +160,9 @@ class Pipeline:
         spec = sample.speculation or self.speculation
         self.tag_epochs = self.tag_epochs or spec.on  # safe at any time: no pass before it was speculative
         sample.epoch = next(self._epochs) if self.tag_epochs else 0  # a replay's passes in flight are gone
-        if sample.window_len > self.chunk.cache.max_len:
+        if sample.window_len > self.cache.max_len:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
-                             % (sample.index, sample.window_len, self.chunk.cache.max_len))
+                             % (sample.index, sample.window_len, self.cache.max_len))
         if self.prefix is not None:  # start after what the nodes hold of its window already
             sample.fed = sample.cached_tokens = self.prefix.admit(
                 sample.slot, sample.window_tokens(0, sample.window_len), sample.adapter, sample.reuse_prefix)
@@ -170,7 +178,7 @@ class Pipeline:
         fill the ring for them) leave in frames of their own, whose every row comes back."""
         ready = sorted(self.ready, key=lambda s: s.unsent)  # stable: arrival order among equals
         self.ready = []
-        ready = self.decoder.send(ready, list(self.active.values()), self.chunk.cache.max_len, self.max_batch,
+        ready = self.decoder.send(ready, list(self.active.values()), self.cache.max_len, self.max_batch,
                                   self.prefill_chunk, self._send_pass)
         while ready:
             group: List[Sample]
@@ -213,6 +221,7 @@ class Pipeline:
         batch = RowBatch.of(slots, starts, counts, self.device, adapters, row_wise=kind == FrameKind.VERIFY)
         ops = self.prefix.take_ops() if self.prefix is not None else []
         if ops:  # this node's copies first, then every node's as the frame reaches it
+            assert self.prefix_store is not None  # set with self.prefix (enable_prefix_cache)
             self.prefix_store.apply(ops)
         ids_t = ints_to_device(ids, self.device)
         x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, virtual_rows(group, starts, counts)),
@@ -242,7 +251,7 @@ class Pipeline:
             sample.finish_reason = FinishReason.STOP  # its grammar allows only an end token: spare that pass
         elif len(sample.token_ids) >= sample.max_new_tokens:
             sample.finish_reason = FinishReason.LENGTH
-        elif sample.window_len > self.chunk.cache.max_len:  # its next position is past the slot
+        elif sample.window_len > self.cache.max_len:  # its next position is past the slot
             if self.context_shift:
                 sample.shift_context()
                 self.context_shifts += 1
@@ -326,12 +335,12 @@ class Pipeline:
 
     def _step(self, timeout: Optional[float]) -> List[Sample]:
         self._dispatch()
-        for sample in self.active.values():  # grammar masks for the next draws, while the passes travel
-            if sample.constraint is not None and not sample.done:
+        for waiting in self.active.values():  # grammar masks for the next draws, while the passes travel
+            if waiting.constraint is not None and not waiting.done:
                 try:
-                    sample.constraint.allowed()
+                    waiting.constraint.allowed()
                 except SamplingError as e:  # its mask took too long: it ends when its pass is back
-                    self._fail(sample, e)
+                    self._fail(waiting, e)
         frame = self._next_frame(self.recv_timeout if timeout is None else timeout)
         if frame is None:
             if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:

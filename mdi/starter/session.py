@@ -135,6 +135,13 @@ class RingSession:
         for client in self.clients:
             client.drop_adapter(adapter)
 
+    @property
+    def _started_endpoint(self) -> RingEndpoint:
+        """The starter's data-plane endpoint, which start() opens."""
+        if self.endpoint is None:
+            raise RuntimeError("the ring is not started")
+        return self.endpoint
+
     def start(self) -> RingEndpoint:
         """Configure all workers in parallel, then open the starter's data-plane endpoint."""
         starter = self.nodes[0]
@@ -189,7 +196,7 @@ class RingSession:
         holds a dead connection), and what it sends on that link is lost. Frames of another
         run are dropped at every node, so once a probe of this run has come back, every link
         is between this run's sockets. Extra probes that come back later are ignored."""
-        ep = self.endpoint
+        ep = self._started_endpoint
         timeout = self.cfg.runtime.ring_timeout
         deadline = time.monotonic() + timeout
         wait = 0.2
@@ -249,7 +256,7 @@ class RingSession:
     def finish(self) -> List[NodeReport]:
         """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
         self._watching.clear()
-        ep = self.endpoint
+        ep = self._started_endpoint
         ep.send(Frame(FrameKind.STOP, self.run_id))
         try:
             while ep.recv(self.cfg.runtime.ring_timeout).kind != FrameKind.STOP:
