@@ -304,8 +304,14 @@ class Scheduler:
             self._waiting.remove(req)
             self._dequeued()
 
+    def _live_engine(self) -> EngineFace:
+        """The ring's engine: requests are admitted and stepped only while the ring is up."""
+        if self.engine is None:
+            raise RuntimeError("the serving ring is down")
+        return self.engine
+
     def _admit(self) -> None:
-        engine = self.engine
+        engine = self._live_engine()
         if self.policy == "static" and engine.in_flight:
             return  # static batching: the next batch waits for the whole ring to drain
         free = engine.free_slots()
@@ -339,7 +345,7 @@ class Scheduler:
 
     def _step(self) -> int:
         """One engine step; the number of samples it advanced."""
-        engine = self.engine
+        engine = self._live_engine()
         busy = engine.busy_seconds  # the starter's own layers, head and sampling
         advanced = engine.step(timeout=STEP_TIMEOUT)  # a recovery within it calls _recovered
         if advanced:
@@ -377,6 +383,7 @@ class Scheduler:
             self.stats.first_token(now, now - req.arrived_at)
         req.completion_tokens = len(sample.token_ids)
         logprobs = sample.logprobs[-1] if sample.top_logprobs is not None else None  # this token's draw
+        assert req.text is not None  # set at admission, with req.sample
         update = req.text.push(token, sample.finish_reason, logprobs)
         if update.text or update.logprobs:
             req.events.put(TextEvent(update.text, tuple(update.logprobs)))
@@ -416,6 +423,8 @@ class Scheduler:
         if self.job is not None:
             self.job.fail("the ring failed: %s" % cause)
         engine, self.engine = self.engine, None
+        if engine is None:  # nothing left to abort
+            return
         self._adapters = engine.kept_adapters()  # the next ring gets them all again
         try:
             engine.abort()

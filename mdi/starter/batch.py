@@ -108,15 +108,16 @@ class RunFailed(RuntimeError):
 
 
 def _result(engine: Engine, samples: List[Sample], elapsed: float, workers: List[NodeReport]) -> RunResult:
-    starter = starter_report(engine, engine.pipeline.compute_seconds)
-    engine.chunk.free_cache()
+    pipeline = engine.live_pipeline
+    starter = starter_report(engine, pipeline.compute_seconds)
+    engine.live_chunk.free_cache()
     # Every node of the ring is listed; a run that failed has no counters from the workers.
     nodes = ring_reports(engine, starter, workers)
     texts = [decode_generated(engine.source, s) for s in samples]
     extra: Dict[str, Any] = {"recoveries": [r.to_json() for r in engine.recoveries]} if engine.recoveries else {}
     extra["context"] = engine.source.config.block_size
-    if engine.pipeline.context_shifts:
-        extra["context_shifts"] = engine.pipeline.context_shifts
+    if pipeline.context_shifts:
+        extra["context_shifts"] = pipeline.context_shifts
     return RunResult(samples, texts, elapsed, nodes, extra)
 
 
@@ -124,4 +125,6 @@ def decode_generated(source: ModelSource, sample: Sample) -> str:
     ids = sample.token_ids
     if sample.finish_reason == FinishReason.EOS:
         ids = ids[:-1]  # the EOS token ends the text; it is not part of it
+    if source.tokenizer is None:  # a batch run's prompts were encoded with it
+        raise ValueError("%s: no tokenizer to decode the generated text with" % source.path)
     return source.tokenizer.decode(ids)

@@ -103,15 +103,15 @@ class Engine(RuntimeAdapters):
         return self.plan.max_len
 
     @property
-    def _open_chunk(self) -> Any:
-        """The starter's chunk, which open() loads."""
+    def live_chunk(self) -> Any:
+        """The starter's chunk, which open() loads (RuntimeError before)."""
         if self.chunk is None:
             raise RuntimeError("the engine is not open")
         return self.chunk
 
     @property
-    def _open_pipeline(self) -> Pipeline:
-        """The pipeline over the ring, which open() builds."""
+    def live_pipeline(self) -> Pipeline:
+        """The pipeline over the ring, which open() builds (RuntimeError before)."""
         if self.pipeline is None:
             raise RuntimeError("the engine is not open")
         return self.pipeline
@@ -240,11 +240,11 @@ class Engine(RuntimeAdapters):
     def _enable_prefix_cache(self) -> None:
         """The pipeline keeps earlier prompts' KV within what every node gives it: as many
         positions as the smallest node's budget holds (each node's bytes per position differ)."""
-        chunk = self._open_chunk
+        chunk = self.live_chunk
         cache = chunk.cache
         here = self.prefix_bytes // cache.range_bytes(1) if cache is not None and chunk.n_layers else 0
         positions = min([here] + (self.ring.prefix_positions() if self.ring is not None else []))
-        self._open_pipeline.enable_prefix_cache(positions, self.prefix_bytes)
+        self.live_pipeline.enable_prefix_cache(positions, self.prefix_bytes)
         if self.cfg.runtime.prefix_cache:  # --serve's start line says it too
             log.debug("mdi: prefix cache: %d positions on every node%s", positions,
                       "" if positions else " (a node has no room for it)")
@@ -262,19 +262,19 @@ class Engine(RuntimeAdapters):
 
     # --- generation ------------------------------------------------------------------
     def admit(self, sample: Sample) -> None:
-        self._open_pipeline.admit(sample)
+        self.live_pipeline.admit(sample)
 
     def step(self, timeout: Optional[float] = None) -> List[Sample]:
         """One frame's worth of progress; a node failure is recovered from when allowed."""
         try:
-            return self._open_pipeline.step(timeout)
+            return self.live_pipeline.step(timeout)
         except (NodeError, RingTimeout) as e:
             self._recover(e)
             return []
 
     def run(self, samples: List[Sample]) -> None:
         self.t0 = time.perf_counter()
-        self._open_pipeline.run(samples, self.step, t0=self.t0)
+        self.live_pipeline.run(samples, self.step, t0=self.t0)
 
     # --- recovery --------------------------------------------------------------------
     def _recover(self, cause: BaseException) -> List[RecoveryEvent]:
@@ -295,7 +295,7 @@ class Engine(RuntimeAdapters):
                 events.append(self._record(cause, "failed: %s" % e, started))
                 cause = e
                 continue
-            old, pipeline = self._open_chunk, self._open_pipeline
+            old, pipeline = self.live_chunk, self.live_pipeline
             chunk = old if old.first == self.ranges[0][0] and old.last == self.ranges[0][1] else None
             if chunk is None:
                 old.free_cache()
@@ -335,10 +335,10 @@ class Engine(RuntimeAdapters):
         return len(self.pipeline.active) if self.pipeline is not None else 0
 
     def free_slots(self) -> List[int]:
-        return self._open_pipeline.free_slots
+        return self.live_pipeline.free_slots
 
     def choose_slot(self, sample: Sample, free: List[int]) -> int:
-        return self._open_pipeline.choose_slot(sample, free)
+        return self.live_pipeline.choose_slot(sample, free)
 
     @property
     def busy_seconds(self) -> float:
@@ -390,7 +390,7 @@ class Engine(RuntimeAdapters):
         return self.pipeline.run_id if self.pipeline is not None else None
 
     def send_frame(self, frame: Any) -> None:
-        self._open_pipeline.transport.send(frame)
+        self.live_pipeline.transport.send(frame)
 
     def ring_trainer(self, options: Any, pairs: Any) -> Any:
         """A RingTrainer (mdi.starter.ring_trainer) over this engine's ring: every node trains its layers' pairs."""

@@ -274,7 +274,7 @@ class _Scorer:
         t0 = time.perf_counter()
         x = self.chunk.forward_blocks(self.chunk.embed(self._window_ids(window), 0), slot, 0)
         self.compute_seconds += time.perf_counter() - t0
-        pipeline = self.engine._open_pipeline
+        pipeline = self.engine.live_pipeline
         pipeline.transport.send(Frame(FrameKind.SCORE, pipeline.run_id, [slot], [0], [self.ctx], x))
         self.in_flight[slot] = window
 
@@ -290,7 +290,7 @@ class _Scorer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.engine._open_pipeline.transport.recv(max(0.0, min(0.2, deadline - time.monotonic())))
+                return self.engine.live_pipeline.transport.recv(max(0.0, min(0.2, deadline - time.monotonic())))
             except RingTimeout:
                 self.engine._check()
                 if time.monotonic() >= deadline:
