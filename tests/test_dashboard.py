@@ -123,8 +123,9 @@ def screenshot(driver, name, size=DESKTOP, whole=True):
     return path
 
 
-def wait_for(what, check, timeout=30.0, every=0.2):
-    """Call `check` until it returns something truthy; fail naming `what` and the last value."""
+def wait_for(what, check, timeout=120.0, every=0.2):
+    """Call `check` until it returns something truthy; fail naming `what` and the last value.
+    The timeouts bound a hang, not a speed: a busy machine delays the page's polls and the ring."""
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
@@ -366,7 +367,7 @@ def test_the_page_shows_speculation_counters(ring, browser):
                 "%.2f" % now["accepted_per_pass"], str(now["passes_stale"]), str(now["rows_wasted"]))
         return tuple(text(browser, i) for i in ids) == want
 
-    wait_for("the counters on the page", page_matches_state, 10)
+    wait_for("the counters on the page", page_matches_state, 120)
     assert_no_console_errors(browser)
 
 
@@ -375,7 +376,7 @@ def test_chat_streams_an_answer(ring, browser):
     # system prompt, "What is the capital of France?" opens with "The" 0.09 logits ahead of
     # "L" even with the exact kernels, and `fast` rounding flips it.
     ask(browser, "Name the capital city of France.", 32)
-    answer = wait_for("the answer", lambda: (last_answer(browser) or {}).get("finish") and last_answer(browser), 90)
+    answer = wait_for("the answer", lambda: (last_answer(browser) or {}).get("finish") and last_answer(browser), 120)
     assert "Paris" in answer["text"] and answer["finish"] == "stop", answer
     assert "tokens/s" in answer["meta"] and "first token" in answer["meta"], answer
     assert_no_console_errors(browser)
@@ -384,7 +385,7 @@ def test_chat_streams_an_answer(ring, browser):
 def test_stop_cancels_a_long_answer_and_frees_its_slot(ring, browser):
     before = ring.server.metrics()['mdi_requests_total{finish_reason="cancelled"}']
     ask(browser, "Write a long story about a dragon who learns to fly.", 400)
-    wait_for("a streamed beginning", lambda: len((last_answer(browser) or {}).get("text", "")) > 150, 90)
+    wait_for("a streamed beginning", lambda: len((last_answer(browser) or {}).get("text", "")) > 150, 120)
     wait_for("the slot in use on the page", lambda: text(browser, "s-inflight") == "1")
     assert last_answer(browser)["finish"] is None  # still streaming
     screenshot(browser, "dashboard-chat.png")
@@ -458,9 +459,9 @@ def test_dashboard_during_a_run_at_desktop_and_phone_widths(ring, browser):
     streams = Streams(ring.server, ["Write a long story about a lighthouse keeper.",
                                     "Write a long essay on the history of Paris."], 300)
     try:
-        wait_for("two streams under way", streams.started, 90)
+        wait_for("two streams under way", streams.started, 120)
         click(browser, "tab-ring")
-        wait_for("two samples in flight on the page", lambda: text(browser, "s-inflight") == "2", 30)
+        wait_for("two samples in flight on the page", lambda: text(browser, "s-inflight") == "2", 120)
         wait_for("busy shares on every ring node", lambda: all(
             c["fields"].get("busy", "\u2013") not in ("\u2013", "0%") for c in node_cards(browser)[:3]), 30)
         time.sleep(4)  # a few points on the charts
@@ -486,7 +487,7 @@ def test_dashboard_during_a_run_at_desktop_and_phone_widths(ring, browser):
         viewport(browser, *DESKTOP)
         streams.close()
     assert not streams.errors, streams.errors
-    wait_for("no sample in flight", lambda: ring.server.metrics()["mdi_samples_in_flight"] == 0, 60)
+    wait_for("no sample in flight", lambda: ring.server.metrics()["mdi_samples_in_flight"] == 0, 120)
     width, inner = _no_overflow(browser)
     assert inner == DESKTOP[0] and width <= inner
     assert_no_console_errors(browser)
@@ -498,7 +499,7 @@ def test_a_killed_worker_shows_down_and_the_recovery(ring, browser):
     click(browser, "tab-ring")
     streams = Streams(ring.server, ["Write a long story about a brave knight."], 300)
     try:
-        wait_for("a stream under way", streams.started, 90)
+        wait_for("a stream under way", streams.started, 120)
         board1 = ring.workers[0]
         killed = time.monotonic()
         os.kill(board1.proc.pid, signal.SIGKILL)
@@ -506,7 +507,7 @@ def test_a_killed_worker_shows_down_and_the_recovery(ring, browser):
         def board1_down():
             card = next((c for c in node_cards(browser) if c["name"] == "board1"), None)
             return card is not None and "down" in card["badge"] and card
-        wait_for("board1 shown down", board1_down, 20)
+        wait_for("board1 shown down", board1_down, 120)
         down_after = time.monotonic() - killed
 
         def recovered():
@@ -516,12 +517,12 @@ def test_a_killed_worker_shows_down_and_the_recovery(ring, browser):
             ok = rows and "board1" in rows[0] and "board3" in rows[0] and cards["board3"]["state"] == "up" \
                 and cards["board3"]["index"] == "#1" and cards["board3"]["fields"]["layers"] == "[10, 20) (10)"
             return ok and (rows, cards)
-        rows, cards = wait_for("the recovery on the page", recovered, 30)
+        rows, cards = wait_for("the recovery on the page", recovered, 120)
         recovered_after = time.monotonic() - killed
         assert cards["board1"]["state"] == "replaced" and "down" in cards["board1"]["badge"]
         assert "board1" in text(browser, "last-error")
         assert down_after < 10 and recovered_after < 30, (down_after, recovered_after)
-        wait_for("tokens again", lambda: float(text(browser, "s-tps") or 0) > 0, 30)
+        wait_for("tokens again", lambda: float(text(browser, "s-tps") or 0) > 0, 120)
         screenshot(browser, "dashboard-recovery.png")
     finally:
         streams.close()
@@ -548,7 +549,7 @@ def test_a_batch_run_shows_the_dashboard(browser, tmp_path):
                 return requests.get(url + "/health", timeout=2).ok
             except requests.RequestException:
                 return False
-        wait_for("the batch dashboard", ready, 60)
+        wait_for("the batch dashboard", ready, 120)
         assert requests.get(url + "/v1/mdi/info", timeout=10).json() == {"auth": False, "mode": "batch"}
         browser.get(url + "/")
         cards = wait_for("the one node", lambda: node_cards(browser))
@@ -603,13 +604,13 @@ def test_board_memory_comes_from_tegrastats_where_it_runs(tmp_path, monkeypatch)
                     % line)
     fake.chmod(0o755)
     reader = tegra.TegraStatsReader(interval_ms=50, command=str(fake))
-    latest = wait_for("a tegrastats line", reader.latest, 10)
+    latest = wait_for("a tegrastats line", reader.latest, 120)
     assert (latest["ram_used_mb"], latest["ram_total_mb"]) == (2040, 7854)
     monkeypatch.setattr(tegra, "shared_reader", lambda: reader)
     assert memory.board_memory() == {"used_bytes": 2040 << 20, "total_bytes": 7854 << 20, "source": "tegrastats"}
-    wait_for("the stand-in to exit", lambda: reader.failed, 10)
+    wait_for("the stand-in to exit", lambda: reader.failed, 120)
     monkeypatch.setattr(tegra, "shared_reader", lambda: None)
     off = memory.board_memory()
     assert off["source"] == "meminfo" and 0 < off["used_bytes"] < off["total_bytes"]
     missing = tegra.TegraStatsReader(command=str(tmp_path / "nope"))
-    assert wait_for("a failure", lambda: missing.failed, 10).startswith("cannot run") and missing.latest() is None
+    assert wait_for("a failure", lambda: missing.failed, 120).startswith("cannot run") and missing.latest() is None
