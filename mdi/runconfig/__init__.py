@@ -18,7 +18,7 @@ from mdi.model.torch_settings import fused_decode_default
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 # ConfigError, check_keys and the speculation setting live in their own modules; callers
 # import them from here as they always have.
-from mdi.runconfig.checks import ConfigError, check_keys
+from mdi.runconfig.checks import ConfigError, IntOrAuto, check_keys
 from mdi.runconfig.speculation import SpeculationSpec, parse_speculation
 # The nodes' part of the file lives in its own module; NodeSpec is imported from here by many.
 from mdi.runconfig.nodes import AUTO_LAYERS, NodeSpec, check_device, check_nodes, parse_node, partition
@@ -58,7 +58,7 @@ class GenerationSpec:
 class RuntimeSpec:
     # torch threads per node: an integer; "auto", each node times passes of its own loaded chunk
     # at 1, 2, 4... threads and keeps the fastest (mdi.model.threads); None leaves torch's default
-    threads: Any = None
+    threads: Optional[IntOrAuto] = None
     connect_timeout: float = 5.0  # seconds to reach a node's control plane
     init_timeout: float = 600.0  # seconds for a node to load its weights
     ring_timeout: float = 30.0  # seconds without any frame before the ring is declared stuck
@@ -71,7 +71,7 @@ class RuntimeSpec:
     quant_kernel: str = DEFAULT_POLICY  # fast (measured fastest) | exact (float32 maths) | a kernel's name (mdi.model.qkernels)
     # Samples per frame (one forward per node over all of them); "auto": samples in flight / nodes,
     # so they travel as about one group per node; 1: every sample alone (the unbatched ring).
-    max_batch: Any = "auto"
+    max_batch: IntOrAuto = "auto"
     # A prompt longer than this travels in passes of this many tokens, so decode steps of other
     # samples keep flowing between them (chunked prefill).
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -83,12 +83,12 @@ class RuntimeSpec:
     # Earlier prompts' KV kept on every node for later prompts that start the same way
     # (mdi.starter.prefix_cache): "auto" (half of what each node spares beside its weights and
     # KV cache), a byte count per node, or 0 (none).
-    prefix_cache: Any = "auto"
+    prefix_cache: IntOrAuto = "auto"
     # What quantized kernels may hold beyond the stored weights on each node (fbgemm's padded
     # int8 rows, second copies for prefill passes; mdi.model.kernel_choice): 0 (none: a node
     # holds its stored weights and no more), a byte count per node (within what the node's
     # memory spares beside its plan), or "auto" (whatever it spares).
-    kernel_memory: Any = 0
+    kernel_memory: IntOrAuto = 0
     # What each node computes with (mdi.model.backend): ggml (llama.cpp's kernels on the GGUF's
     # own tensors), torch, or auto: each node measures both on its own shapes and keeps the
     # faster (remembered per machine). A node's own `backend:` wins.
@@ -247,7 +247,7 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def parse_prefix_cache(where: str, raw: Any) -> Any:
+def parse_prefix_cache(where: str, raw: Any) -> IntOrAuto:
     """runtime.prefix_cache / --prefix-cache: "auto", off (false, "off", 0) or a size per node:
     bytes, or a number with a unit ("512MB", "1.5G"; binary units)."""
     if raw is False or (isinstance(raw, str) and raw.strip().lower() in ("off", "none", "0")):
@@ -262,7 +262,7 @@ def parse_prefix_cache(where: str, raw: Any) -> Any:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
-def parse_kernel_memory(where: str, raw: Any) -> Any:
+def parse_kernel_memory(where: str, raw: Any) -> IntOrAuto:
     """runtime.kernel_memory / --kernel-memory: off (0, false, "off", the default), "auto" or a
     size per node, as parse_prefix_cache reads them."""
     try:
@@ -375,7 +375,7 @@ def resolve_model_path(model_path: str, config_path: str) -> str:
     return model_path
 
 
-def samples_per_frame(max_batch: Any, in_flight: int, n_nodes: int) -> int:
+def samples_per_frame(max_batch: IntOrAuto, in_flight: int, n_nodes: int) -> int:
     """runtime.max_batch resolved for `in_flight` samples on a ring of `n_nodes`: "auto" makes
     them travel as about one group per node; a number caps a frame (at the samples there are)."""
     if max_batch == "auto":

@@ -1,6 +1,10 @@
 """The run YAML's one error type and its mapping check (key names and value types), shared by
 every section's parser and by mdi-bench's experiment files."""
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Literal, Mapping, Union
+
+# A setting that is a number or "auto" (a node, the planner or the ring works it out): the parsed
+# value keeps the string "auto" itself, as the YAML, the CLI and /init have always carried it.
+IntOrAuto = Union[int, Literal["auto"]]
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,7 @@ from typing import Any, List, Optional
 
 from mdi.model.backend import BACKENDS
 from mdi.model.layout import QUANT_MODES, balanced
-from mdi.runconfig.checks import ConfigError, check_keys
+from mdi.runconfig.checks import ConfigError, IntOrAuto, check_keys
 
 DEFAULT_HTTP_PORT = 8080
 AUTO_LAYERS = "auto"  # nodes[].layers: split by the planner (mdi.starter.planner) from measured speeds
@@ -18,7 +18,7 @@ class NodeSpec:
     name: str
     host: str = "127.0.0.1"
     port: int = DEFAULT_HTTP_PORT
-    layers: Any = None  # a count; None: share the layers evenly ("balanced"); "auto": the planner splits them
+    layers: Optional[IntOrAuto] = None  # a count; None: share the layers evenly ("balanced"); "auto": the planner splits them
     data_port: Optional[int] = None
     device: Optional[str] = None  # overrides model.device for this node
     weights: Optional[str] = None  # path on the node's own disk (pre-cut chunk or model dir)
@@ -97,7 +97,10 @@ def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> Li
         if len(nodes) > n_layer:
             raise ConfigError("%s: %d nodes but the model has only %d layers" % (source, len(nodes), n_layer))
         return balanced(n_layer, len(nodes))
-    counts = [n.layers for n in nodes]
+    # check_nodes let through only all counts, all None or all auto: here, all counts
+    counts = [n.layers for n in nodes if isinstance(n.layers, int)]
+    if len(counts) != len(nodes):
+        raise ConfigError("%s: nodes: give 'layers' as a count for every node or for none" % source)
     if sum(counts) != n_layer:
         raise ConfigError("%s: nodes.layers: %s sums to %d, but the model has %d layers"
                           % (source, "+".join(map(str, counts)), sum(counts), n_layer))

@@ -8,14 +8,13 @@ stays full without waiting for the slowest sample of a batch. `admission: static
 old behaviour (a new batch only once the whole previous batch is done) as a baseline.
 
 Every engine call happens on the scheduler's own thread. HTTP handler threads talk to it only
-through `submit`/`cancel` (a queue into the scheduler) and each request's event queue (out of
+through `submit`/`cancel` (typed messages into its `Inbox`: `inbox`) and each request's event queue (out of
 it): `TextEvent` pieces, then a `FinishEvent` or an `ErrorEvent` (`request`).
 How the ring is sized and opened is `mdi.starter.serving_plan`; the text a token adds (stop
 strings) is `streaming`; what /metrics and the dashboard show is `metrics`.
 """
 import collections
 import logging
-import queue
 import random
 import threading
 import time
@@ -27,7 +26,7 @@ from mdi.model.tokenizers import Tokenizer
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.metrics import Stats
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, TextEvent
-from mdi.serving.scheduler_call import SchedulerCall
+from mdi.serving.inbox import Call, Cancel, Inbox, RingState, SchedulerCall, Submit, Wake
 from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.sample import FinishReason, Sample
@@ -74,14 +73,14 @@ class Scheduler:
         gen = cfg.generation
         self.params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)  # defaults for requests
         self.stats = Stats()
-        self.state = "starting"  # starting | up | down | stopped
+        self.state = RingState.STARTING
         self.slots = 0  # samples in flight at most (set when the ring is open)
         self.error: Optional[str] = None  # why the ring is down
         self.nodes: List[Any] = []  # the ring's NodeSpecs, starter first (for /metrics)
         self.ready = threading.Event()
         self.open_error: Optional[BaseException] = None
         self.engine: Optional[EngineFace] = None
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox = Inbox()
         self._waiting: Deque[Request] = collections.deque()
         self._running: Dict[int, Request] = {}  # sample index -> request
         self._queued = 0  # submitted and not yet admitted (guarded by _lock)
@@ -99,13 +98,13 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, req: Request) -> None:
-        if self.state != "up":
+        if self.state != RingState.UP:
             raise self._unavailable()
         with self._lock:
             if self._queued >= self.max_queue:
                 raise QueueFull("%d requests are already waiting; try again later" % self._queued)
             self._queued += 1
-        self._inbox.put(("submit", req))
+        self._inbox.put(Submit(req))
 
     def unload_adapter(self, ids: Sequence[int], remove: Callable[[], Any], timeout: float) -> None:
         """Unload an adapter (and its mixes: `ids`) without failing anyone else's request: from
@@ -123,7 +122,7 @@ class Scheduler:
                 time.sleep(DRAIN_POLL_S)
             self.between_steps(remove, timeout)
         finally:
-            self._inbox.put(("call", SchedulerCall(lambda: self._closing.difference_update(closing))))
+            self._inbox.put(Call(SchedulerCall(lambda: self._closing.difference_update(closing))))
 
     def evict_idle(self, candidates: Sequence[int], remove: Callable[[int], Any], timeout: float) -> Optional[int]:
         """Between two steps, `remove` the first of `candidates` (adapter ids) that no waiting
@@ -163,7 +162,7 @@ class Scheduler:
         if not self.alive:
             raise Unavailable("the scheduler has stopped")
         call = SchedulerCall(fn)
-        self._inbox.put(("call", call))
+        self._inbox.put(Call(call))
         if not call.started.wait(timeout):
             with call.lock:
                 if not call.started.is_set():
@@ -178,11 +177,11 @@ class Scheduler:
     def cancel(self, req: Request) -> None:
         """The client went away: drop the request from the queue or cancel its sample."""
         req.mark_cancelled()
-        self._inbox.put(("cancel", req))
+        self._inbox.put(Cancel(req))
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -193,7 +192,7 @@ class Scheduler:
     @property
     def serving(self) -> bool:
         """The ring is up and the scheduler thread runs (what /health and mdi_up report)."""
-        return self.state == "up" and self.alive
+        return self.state == RingState.UP and self.alive
 
     @property
     def queue_length(self) -> int:
@@ -213,7 +212,7 @@ class Scheduler:
             self._open()
         except BaseException as e:  # reported by the thread that waits on `ready`
             self.open_error = e
-            self.state = "stopped"
+            self.state = RingState.STOPPED
             self.ready.set()
             return
         self.ready.set()
@@ -260,35 +259,31 @@ class Scheduler:
         self.nodes = list(ring.engine.nodes)
         ring.engine.on_recovery(self._recovered)
         self.error = None
-        self.state = "up"
+        self.state = RingState.UP
 
     def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=IDLE_WAIT) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, req = item
-            if kind == "submit":
-                if req.cancelled:
-                    self._finish(req, FinishReason.CANCELLED)
-                    self._dequeued()
-                elif self.engine is None:
-                    self._finish(req, FinishReason.ERROR, self.error or "the ring is down")
-                    self._dequeued()
-                elif req.adapter in self._closing:
-                    self._finish(req, FinishReason.ERROR, ADAPTER_CLOSING)
-                    self._dequeued()
-                else:
-                    self._waiting.append(req)
-            elif kind == "cancel":
-                self._cancel(req)
-            elif kind == "call":
-                req.run()
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for message in self._inbox.drain(IDLE_WAIT if block else None):
+            if isinstance(message, Submit):
+                self._take(message.request)
+            elif isinstance(message, Cancel):
+                self._cancel(message.request)
+            elif isinstance(message, Call):
+                message.call.run()
+            # a Wake only ends the wait, so that the loop sees `_stop`
+
+    def _take(self, req: Request) -> None:
+        """A submitted request: waiting for a slot, or finished at once when it cannot run."""
+        if req.cancelled:
+            self._finish(req, FinishReason.CANCELLED)
+            self._dequeued()
+        elif self.engine is None:
+            self._finish(req, FinishReason.ERROR, self.error or "the ring is down")
+            self._dequeued()
+        elif req.adapter in self._closing:
+            self._finish(req, FinishReason.ERROR, ADAPTER_CLOSING)
+            self._dequeued()
+        else:
+            self._waiting.append(req)
 
     def _dequeued(self) -> None:
         with self._lock:
@@ -418,7 +413,7 @@ class Scheduler:
         self.error = "%s" % cause
         log.error("mdi: serve: the ring failed: %s; failing %d requests and rebuilding",
                   cause, len(self._running) + len(self._waiting))
-        self.state = "down"
+        self.state = RingState.DOWN
         self._fail_all("the ring failed: %s" % cause)
         if self.job is not None:
             self.job.fail("the ring failed: %s" % cause)
@@ -433,7 +428,7 @@ class Scheduler:
         engine.free_cache()
 
     def _shutdown(self) -> None:
-        self.state = "stopped"
+        self.state = RingState.STOPPED
         self._drain_inbox(False)
         self._fail_all("the server is shutting down")
         if self.job is not None:

@@ -1,0 +1,88 @@
+"""The scheduler's inbox carries typed messages only (mdi.serving.inbox), and its ring state is a
+StrEnum whose members serialize as the strings /health, /metrics and the dashboard always showed."""
+import json
+from types import SimpleNamespace
+
+from mdi.model.sampling import SamplingParams
+from mdi.serving.inbox import Call, Cancel, RingState, Submit, Wake
+from mdi.serving.request import FinishEvent, Request
+from mdi.serving.scheduler import Scheduler
+from mdi.starter.generation_options import GenerationOptions
+from mdi.starter.sample import FinishReason
+from ringconfigs import parse_run_config
+
+
+class _Engine:
+    """The face's few calls that an idle ring, an admission and a shutdown make."""
+    in_flight = 0  # never stepped: the test cancels what it admits
+    busy_seconds = 0.0
+
+    def __init__(self):
+        self.admitted, self.closed = [], False
+
+    def free_slots(self):
+        return [0, 1]
+
+    def has_adapter(self, adapter):
+        return True
+
+    def virtual_tokens(self, adapter):
+        return 0
+
+    def prepare_sample(self, sample, adapter):
+        pass
+
+    def choose_slot(self, sample, free):
+        return free[0]
+
+    def admit(self, sample):
+        self.admitted.append(sample)
+
+    def close(self):
+        self.closed = True
+
+
+def _scheduler():
+    cfg = parse_run_config("unused-model-path")
+    source = SimpleNamespace(tokenizer=SimpleNamespace(), config=SimpleNamespace(block_size=64), path="x")
+    sched = Scheduler(cfg, source)
+    engine = _Engine()
+
+    def open_stub():  # instead of opening a ring: the stub engine, up
+        sched.engine, sched.slots, sched.state = engine, 2, RingState.UP
+    sched._open = open_stub
+    sent = []
+    put = sched._inbox.put
+    sched._inbox.put = lambda message: (sent.append(message), put(message))[1]
+    return sched, engine, sent
+
+
+def test_submit_cancel_call_and_stop_go_through_the_inbox_as_typed_messages():
+    sched, engine, sent = _scheduler()
+    assert sched.state == RingState.STARTING and not sched.serving
+    sched.start()
+    assert sched.ready.wait(10) and sched.open_error is None
+    assert sched.state is RingState.UP and sched.serving
+    req = Request([1, 2, 3], options=GenerationOptions(4, SamplingParams(0.0, None, 1.0)))
+    sched.submit(req)
+    def queues():
+        return [r.id for r in sched._waiting], [r.id for r in sched._running.values()]
+    assert sched.between_steps(queues, 10) == ([req.id], [])  # taken in order, before the next admission
+    assert sched.between_steps(queues, 10) == ([], [req.id]) and engine.admitted[0] is req.sample
+    sched.cancel(req)
+    event = req.next_event(10)
+    assert isinstance(event, FinishEvent) and event.reason == FinishReason.CANCELLED
+    sched.stop(10)
+    assert not sched.alive and sched.state is RingState.STOPPED and engine.closed
+    kinds = [type(m) for m in sent]
+    assert kinds == [Submit, Call, Call, Cancel, Wake]
+    assert sent[0] == Submit(req) and sent[3] == Cancel(req)
+    assert sched.queue_length == 0
+
+
+def test_ring_states_serialize_as_the_strings_they_were():
+    assert [s.value for s in RingState] == ["starting", "up", "down", "stopped"]
+    for s in RingState:
+        assert s == s.value and str(s) == s.value and "%s" % s == s.value and f"{s}" == s.value
+        assert json.dumps({"state": s}) == json.dumps({"state": s.value})
+    assert "the ring is %s" % RingState.DOWN == "the ring is down"
