@@ -28,10 +28,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import benchlib
-from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
+from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, stream_completion, wait_healthy
 
 import requests
 
@@ -66,26 +66,6 @@ def write_config(path: str, model: str, workers: List[WorkerProcess], port: int,
     with open(path, "w") as f:
         f.write("model: {path: %s}\nnodes:\n%s\ngeneration: {temperature: 0}\nruntime: {threads: 1}\n"
                 "serve: {max_in_flight: %d, max_len: 1024}\n" % (model, "\n".join(nodes), in_flight))
-
-
-def stream(url: str, tokens: int) -> Tuple[str, float]:
-    """(text, seconds per token after the first) of one streamed greedy request."""
-    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}
-    parts, times = [], []
-    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=(10, 600)) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError("the measured request failed: %s" % event["error"]["message"])
-                text = event["choices"][0]["text"]
-                if text:
-                    parts.append(text)
-                    times.append(time.monotonic())
-    if len(times) < 2:
-        raise RuntimeError("too few tokens streamed")
-    return "".join(parts), (times[-1] - times[0]) / (len(times) - 1)
 
 
 class Others:
@@ -169,13 +149,13 @@ def main(argv=None) -> int:
                              os.path.join(tmp, "server.log"), dict(os.environ))
         url = "http://127.0.0.1:%d" % port
         wait_healthy(url, None, server, 600)
-        stream(url, args.tokens)  # warm-up
+        stream_completion(url, PROMPT, args.tokens)  # warm-up
         for r in range(args.repeats):
             for kind in (("plain", "hostile") if r % 2 == 0 else ("hostile", "plain")):
                 others = Others(url, args.clients, kind == "hostile")
                 try:
                     others.wait_in_flight(url, args.clients)
-                    text, tpot = stream(url, args.tokens)
+                    text, tpot = stream_completion(url, PROMPT, args.tokens)
                 finally:
                     ends = others.stop()
                 runs[kind].append({"text": text, "tpot": tpot, "others_ended": ends})

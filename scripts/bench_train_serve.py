@@ -22,10 +22,10 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import benchlib
-from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, wait_healthy
+from benchlib import BIN, DEFAULT_MODEL, NodeProcess, WorkerProcess, ports_besides, print_table, stream_completion, wait_healthy
 
 import requests
 
@@ -60,26 +60,6 @@ def write_config(path: str, model: str, workers: List[WorkerProcess], port: int,
                 % (model, adapter, "\n".join(nodes)))
 
 
-def stream(url: str, tokens: int) -> Tuple[str, float]:
-    """(text, seconds per token after the first) of one streamed greedy request."""
-    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}
-    parts, times = [], []
-    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=(10, 600)) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError("the request failed: %s" % event["error"]["message"])
-                text = event["choices"][0]["text"]
-                if text:
-                    parts.append(text)
-                    times.append(time.monotonic())
-    if len(times) < 2:
-        raise RuntimeError("too few tokens streamed")
-    return "".join(parts), (times[-1] - times[0]) / (len(times) - 1)
-
-
 def job(url: str, verb: str, body: Any = None) -> Dict[str, Any]:
     r = requests.request(verb, url + "/v1/mdi/train", json=body, timeout=600)
     if r.status_code != 200:
@@ -97,7 +77,7 @@ def busy_run(url: str, tokens: int, body: Dict[str, Any]) -> Dict[str, Any]:
         time.sleep(0.05)
     before = job(url, "GET")
     t0 = time.monotonic()
-    text, tpot = stream(url, tokens)
+    text, tpot = stream_completion(url, PROMPT, tokens)
     seconds = time.monotonic() - t0
     after = job(url, "GET")
     stopped = job(url, "DELETE")
@@ -140,7 +120,7 @@ def main(argv=None) -> int:
                              preexec=cgroups.preexec("starter") if cgroups else None)
         url = "http://127.0.0.1:%d" % port
         wait_healthy(url, None, server, 600)
-        stream(url, args.tokens)  # warm-up: a whole request, then a one-step job
+        stream_completion(url, PROMPT, args.tokens)  # warm-up: a whole request, then a one-step job
         job(url, "POST", dict(body, steps=1, out=os.path.join(tmp, "warm-up")))
         deadline = time.monotonic() + 600
         while job(url, "GET")["state"] == "running" and time.monotonic() < deadline:
@@ -148,7 +128,7 @@ def main(argv=None) -> int:
         for r in range(args.repeats):
             for kind in (("idle", "busy") if r % 2 == 0 else ("busy", "idle")):
                 if kind == "idle":
-                    text, tpot = stream(url, args.tokens)
+                    text, tpot = stream_completion(url, PROMPT, args.tokens)
                     idle.append({"text": text, "tpot": tpot})
                 else:
                     busy.append(busy_run(url, args.tokens, body))

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts (bench_standalone.py, bench_ring.py).
+"""Helpers shared by the benchmark scripts (bench_standalone.py, bench_ring.py, the serving ones).
 
 Statistics (median + spread of repeats), per-token timing from `token_times`, plain-text
 tables, the JSON record, machine context, cgroup v1 CPU quotas and worker processes.
@@ -9,7 +9,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(ROOT, "models", "smollm2-135m")
@@ -174,6 +174,29 @@ def stop_serving(server: Any, workers: Sequence["WorkerProcess"], cgroups: Optio
         server.proc.terminate()
         server.stop(grace=60.0)
     stop_workers(workers, cgroups)
+
+
+def stream_completion(url: str, prompt: str, tokens: int) -> Tuple[str, float]:
+    """(text, seconds per token after the first) of one streamed greedy /v1/completions request
+    to a serving starter at `url` (a streamed error event raises)."""
+    import json
+    import requests
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    parts, times = [], []
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=(10, 600)) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError("the measured request failed: %s" % event["error"]["message"])
+                text = event["choices"][0]["text"]
+                if text:
+                    parts.append(text)
+                    times.append(time.monotonic())
+    if len(times) < 2:
+        raise RuntimeError("too few tokens streamed")
+    return "".join(parts), (times[-1] - times[0]) / (len(times) - 1)
 
 
 class WorkerProcess(_Worker):
