@@ -76,7 +76,7 @@ def same_prefix(a: list, b: list) -> int:
 def quantized_kernels() -> list:
     """exact, fast, and each integer kernel this machine has, named (so it is scored even where
     `fast` measures another kernel faster)."""
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     from mdi.model.layout import QuantSpec
     spec = QuantSpec("int8", 64)
 

@@ -13,8 +13,8 @@ from mdi.model.source import ModelSource
 from mdi.starter.engine import Engine
 from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.pipeline_settings import PipelineSettings
-from mdi.starter.run_plan import plan_run
-from mdi.starter.run_shape import RunShape
+from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_shape import RunShape
 from ringconfigs import parse_run_config
 
 SERVING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mdi", "serving")
@@ -25,11 +25,11 @@ ALLOWED_IMPORTS = {
     "mdi.starter.engine_face": {"EngineFace", "RecoveryEvent", "StarterReading"},  # the face
     "mdi.starter.sample": {"Sample", "FinishReason"},  # a request's sample and why it ended (values)
     "mdi.starter.adapter_set": {"MixTableFull", "StarterTooLarge"},  # exceptions the face raises
-    "mdi.starter.run_shape": {"serving_max_len"},  # a function of the config
-    "mdi.starter.serving_plan": {"open_serving_ring"},  # opens an engine; serving keeps its face
+    "mdi.starter.planning.run_shape": {"serving_max_len"},  # a function of the config
+    "mdi.starter.planning.serving_plan": {"open_serving_ring"},  # opens an engine; serving keeps its face
     "mdi.starter.control": {"ControlClient", "NodeError"},  # the workers' /status (metrics), not the engine
-    "mdi.starter.train_data": {"Windows", "load_windows", "step_index"},  # training data (values)
-    "mdi.starter.train_options": {"StepRecord", "TrainOptions"},  # values
+    "mdi.starter.train.train_data": {"Windows", "load_windows", "step_index"},  # training data (values)
+    "mdi.starter.train.train_options": {"StepRecord", "TrainOptions"},  # values
     "mdi.starter.generation_options": {"GenerationOptions"},  # a request's options, shared with its sample (a value)
 }
 

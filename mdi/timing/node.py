@@ -6,7 +6,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from mdi.model import kernel_choice, qkernels
+from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.block_timing import profile_blocks, profile_chunk, time_chunk
 from mdi.model.layout import torch_dtype
 from mdi.model.sampling import SamplingParams
