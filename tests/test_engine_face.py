@@ -10,6 +10,7 @@ import pytest
 
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
+from mdi.old_paths import MOVED
 from mdi.starter.engine import Engine
 from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.pipeline_settings import PipelineSettings
@@ -79,6 +80,14 @@ def test_serving_imports_nothing_of_the_engine_but_its_face():
                           if a.name.startswith("mdi.starter")]
     assert not wrong, "serving imports from mdi.starter beyond the face (tests/test_engine_face.py):\n" + \
         "\n".join(wrong)
+
+
+def test_the_allowed_imports_name_modules_where_they_are():
+    # An old name (mdi.old_paths) still imports, but the list must name each module's file,
+    # so a move cannot leave the walk above checking a name serving no longer writes.
+    root = os.path.dirname(os.path.dirname(SERVING))
+    stale = [m for m in ALLOWED_IMPORTS if m in MOVED or not os.path.isfile(os.path.join(root, *m.split(".")) + ".py")]
+    assert not stale, stale
 
 
 def test_serving_reads_only_the_face_off_an_engine():
