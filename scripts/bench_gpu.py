@@ -403,9 +403,9 @@ def _build(path: str, config, layout: Dict[str, Any], gen_device: str) -> None:
     draws 1.1 G values in well under a second; mdi.lab.model_setup.build_random_model builds
     the float32 model on the CPU first, ~10 s and 4.4 GB for the 1.1B shape), norms 1."""
     import torch
+    from mdi.model.files.store import save_model_dir
     from mdi.model.layout import expected_shapes
     from mdi.model.quantization.quant import QParts, quantize
-    from mdi.model.files.store import save_model_dir
     from mdi.model.tokenizers import char_tokenizer
     gen = torch.Generator(device=gen_device).manual_seed(0)
     out = {}  # type: Dict[str, Any]
@@ -442,8 +442,8 @@ def load_mdi(path: str, dtype: str, device: str, policy: str = "fast"):
 
 def chunk_kernels(chunk) -> Dict[str, Any]:
     """Which kernel every quantized layer of `chunk` runs: per layer, per weight shape, counts."""
-    from mdi.model.quantization import kernel_choice
     from mdi.model.layers import QuantLinear
+    from mdi.model.quantization import kernel_choice
     per_layer, per_shape = {}, {}  # type: Dict[str, str], Dict[str, str]
     for name, m in chunk.named_modules():
         if isinstance(m, QuantLinear):

@@ -194,8 +194,8 @@ def time_shapes(repeats: int) -> List[Dict[str, Any]]:
     """Each candidate's call time per shape, row count and thread count (kernel_choice._time:
     caches filled with other data before each call, min of the calls), repeats interleaved."""
     import torch
-    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.layout import QuantSpec
+    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.quantization.quant import quantize
     rows_list = (1, 4, 8, 16, 32, 64)
     g = torch.Generator().manual_seed(0)

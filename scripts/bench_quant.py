@@ -124,8 +124,8 @@ def _calls_for(fn, budget_s: float) -> int:
 def kernel_bench(model: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
     import torch
     import torch.nn.functional as F
-    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.layout import QuantSpec
+    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.quantization.quant import dequantize, quantize
     cpu = torch.device("cpu")
     rows = []
@@ -205,8 +205,8 @@ def build_random_llama(path: str, spec: Dict[str, Any], seed: int = 0, std: floa
     save_model_dir's safetensors.save_file would copy every tensor to bytes first)."""
     import torch
     from mdi.model.config import ModelConfig
-    from mdi.model.layout import expected_shapes
     from mdi.model.files.store import FORMAT_VERSION, MDI_CONFIG, MODEL_FILE
+    from mdi.model.layout import expected_shapes
     from mdi.model.tokenizers import char_tokenizer
     from mdi.system.files import write_json
     config = ModelConfig(**spec)

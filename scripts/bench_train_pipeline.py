@@ -210,8 +210,8 @@ def training_head_layers(config, spec, seq_len: int, windows: int, repeats: int 
     import torch
     import torch.nn.functional as F
     from mdi.model.adapters.lora_train import init_pairs
-    from mdi.model.source import random_chunk
     from mdi.model.adapters.stage_train import StageTrainer
+    from mdi.model.source import random_chunk
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -242,8 +242,8 @@ def saved_bytes_per_layer_window(config, spec, seq_len: int) -> int:
     model's shapes through StageTrainer (what every node runs), saved tensors counted once."""
     import torch
     from mdi.model.adapters.lora_train import init_pairs
-    from mdi.model.source import random_chunk
     from mdi.model.adapters.stage_train import StageTrainer
+    from mdi.model.source import random_chunk
     chunk = random_chunk(config, 0, 1, False, False, torch.float32, "cpu")
     pairs = {k: v for k, v in init_pairs(config, spec, 0).items() if k.startswith("0.")}
     stage = StageTrainer(chunk, spec, pairs, 1e-3)
@@ -263,8 +263,8 @@ def saved_bytes_per_layer_window(config, spec, seq_len: int) -> int:
 
 def memory_estimate(config, spec, counts: List[int], args) -> Dict[str, Dict[str, int]]:
     """Per node (starter first): weights, adapter (+ gradients), AdamW, activations, in bytes."""
-    from mdi.model.layout import expected_shapes
     from mdi.model.adapters.lora_train import init_pairs, key_layer
+    from mdi.model.layout import expected_shapes
     import math
     pairs = init_pairs(config, spec, 0)
     per_window = saved_bytes_per_layer_window(config, spec, args.seq_len)

@@ -33,14 +33,14 @@ from safetensors import safe_open
 
 from conftest import CHARS, ROOT, free_ports, tiny_config, tiny_model
 from ringconfigs import parse_run_config
-from mdi.model.quantization import kernel_choice, qkernels
-from mdi.model.files.checkpoints import read_checkpoint, read_hf_dir
 from mdi.model.config import ModelConfig
+from mdi.model.files.checkpoints import read_checkpoint, read_hf_dir
+from mdi.model.files.store import save_model_dir
 from mdi.model.layout import QuantSpec
+from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.quantization.quant import convert, dequantize, gather, quantize, uniform_layout
 from mdi.model.row_batch import RowBatch
 from mdi.model.source import ModelSource, build_chunk
-from mdi.model.files.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 from mdi.ring.wire import payload_nbytes

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import CHARS, tiny_model
-from mdi.model.ggml import lib
 from mdi.model.adapters.lora import Adapter, LoraPart, fuse_parts, layer_shapes, mix_adapters
+from mdi.model.ggml import lib
 from mdi.model.pass_rows import PassRows
 from mdi.model.row_batch import RowBatch
 
@@ -59,8 +59,8 @@ def models(request, tmp_path_factory):
     """(torch chunk, ggml chunk) of one tiny random model (its GGUF: float32, q/k permuted)."""
     from mdi.model.files.gguf_export import export_gguf
     from mdi.model.files.model_dir import GGUF_FILE
-    from mdi.model.source import ModelSource
     from mdi.model.files.store import save_model_dir
+    from mdi.model.source import ModelSource
     from mdi.model.tokenizers import char_tokenizer
     net = tiny_model(request.param)
     path = str(tmp_path_factory.mktemp("ggml-lora") / "tiny")

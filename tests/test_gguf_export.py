@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from conftest import BIN, CHARS, ROOT, tiny_config
-from mdi.model.files import gguf_encode, gguf_export
 from mdi.model.config import ModelConfig
-from mdi.model.ggml import lib
+from mdi.model.files import gguf_encode, gguf_export
 from mdi.model.files.gguf import read_gguf
 from mdi.model.files.gguf_layout import open_reader
+from mdi.model.files.store import load_weights, save_model_dir
+from mdi.model.ggml import lib
 from mdi.model.layout import CheckpointError
 from mdi.model.pass_rows import PassRows
 from mdi.model.quantization.quant import QParts, convert, gather, uniform_layout
 from mdi.model.row_batch import RowBatch
 from mdi.model.source import ModelSource
-from mdi.model.files.store import load_weights, save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 

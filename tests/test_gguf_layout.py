@@ -15,11 +15,11 @@ import pytest
 
 from conftest import BIN, tiny_config
 from mdi.model.adapters.adapter_files import load_gguf_lora
+from mdi.model.adapters.lora import AdapterError
 from mdi.model.files.gguf import read_gguf
 from mdi.model.files.gguf_layout import GGUFLayoutError, open_reader
-from mdi.model.layout import CheckpointError
-from mdi.model.adapters.lora import AdapterError
 from mdi.model.files.tokenizer_import import tokenizer_from_gguf
+from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from test_quant import _write_llama_gguf
 

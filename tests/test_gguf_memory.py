@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mdi.model.quantization import kernel_choice, kernel_timing, qkernels
 from mdi.model.files.gguf_layout import open_reader
 from mdi.model.layout import QuantSpec
+from mdi.model.quantization import kernel_choice, kernel_timing, qkernels
 from mdi.model.quantization.quant import dequantize, quantize
 
 CPU = torch.device("cpu")

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from mdi.model.quantization import kernel_memory, kernel_choice, qkernels
 from mdi.model.layout import QuantSpec
+from mdi.model.quantization import kernel_memory, kernel_choice, qkernels
 from mdi.model.quantization.quant import dequantize, quantize
 
 CPU = torch.device("cpu")

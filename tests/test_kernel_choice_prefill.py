@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from mdi.model.quantization import kernel_choice, kernel_memory, qkernels
 from mdi.model.layout import QuantSpec
+from mdi.model.quantization import kernel_choice, kernel_memory, qkernels
 from mdi.model.quantization.quant import convert, gather, quantize, uniform_layout
 from mdi.model.source import build_chunk
 from mdi.model.transformer import full_model

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from mdi.model.quantization import qkernels
-from mdi.model.layout import QuantSpec
 from mdi.model.files.prepare import prepare
+from mdi.model.layout import QuantSpec
+from mdi.model.quantization import qkernels
 from mdi.model.source import ModelSource, build_chunk
 
 

@@ -8,9 +8,9 @@ import pytest
 
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError
-from mdi.starter.planning import capacity, preflight as preflight_module, serving_plan
 from mdi.starter.adapter_set import AdapterSet, StarterTooLarge
 from mdi.starter.control import NodeError
+from mdi.starter.planning import capacity, preflight as preflight_module, serving_plan
 from mdi.starter.planning.node_budget import MB, NodeBudget, check_starter_adapter
 from mdi.starter.planning.node_speeds import Profiler
 from mdi.starter.planning.preflight import preflight

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import BIN, make_tiny_model, tiny_config
-from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.layout import CheckpointError, QuantSpec, expected_shapes, quantizable, weight_bytes
+from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.quantization.quant import (QParts, convert, dequantize, from_gguf_blocks, gather, pack_int4, quantize,
                                          unpack_int4)
 from mdi.model.source import ModelSource, build_chunk

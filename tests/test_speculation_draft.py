@@ -20,9 +20,9 @@ from mdi.ring.transport import LocalLoop
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.serving.validation import COMPLETIONS, ApiError, validate
 from mdi.starter import batch, speculation
-from mdi.starter.planning import run_plan
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
+from mdi.starter.planning import run_plan
 from mdi.starter.planning.preflight import preflight
 from mdi.starter.sample import Sample
 from mdi.starter.speculation import draft_model

@@ -32,8 +32,8 @@ from mdi.ring.init_request import (MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK, DataPla
                                    PushedWeights, Weights)
 from mdi.runconfig import NodeSpec, parse_config
 from mdi.starter import batch
-from mdi.starter.planning import run_shape
 from mdi.starter.control import ControlClient, NodeError
+from mdi.starter.planning import run_shape
 
 
 def model_config(path):

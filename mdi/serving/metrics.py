@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mdi.model.quantization import kernel_choice
 from mdi.model.layout import dtype_name
+from mdi.model.quantization import kernel_choice
 from mdi.ring.status import BatchCounter, StatusReply
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS

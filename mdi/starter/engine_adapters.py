@@ -8,8 +8,8 @@ from typing import Any, Callable, List, Optional, Tuple, cast
 
 from mdi.runconfig import ConfigError
 from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter, virtual_tokens
-from mdi.starter.planning.capacity import starter_free_bytes
 from mdi.starter.control import NodeError
+from mdi.starter.planning.capacity import starter_free_bytes
 from mdi.starter.planning.node_budget import check_starter_adapter
 from mdi.starter.sample import Sample
 from mdi.system.memory import release_freed_memory

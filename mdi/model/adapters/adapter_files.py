@@ -18,10 +18,10 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
-from mdi.model.config import ModelConfig
-from mdi.model.files.gguf_layout import open_reader
 from mdi.model.adapters.lora import Adapter, AdapterError, LoraPart, SoftPrompt, fuse_parts, layer_shapes, part_rows
 from mdi.model.adapters.peft_targets import PatternError, resolve_bounded
+from mdi.model.config import ModelConfig
+from mdi.model.files.gguf_layout import open_reader
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -25,8 +25,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mdi.model.config import ModelConfig
 from mdi.model.adapters.lora import layer_shapes, part_rows
+from mdi.model.config import ModelConfig
 
 TRAINING_ADAPTER = -1  # the LoraDeltas id of the adapter being trained (frames name ids >= 0)
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # what --targets names, in drawing order

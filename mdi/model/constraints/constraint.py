@@ -22,8 +22,8 @@ import torch
 from mdi.model.constraints.grammar_cost import MASK_BUDGET_S, MASK_DEADLINE_S, MAX_REPEAT, spec_repeat
 from mdi.model.constraints.grammar_empty import derives_text
 from mdi.model.constraints.grammar_spec import GrammarSpec
-from mdi.model.sampling import SamplingError
 from mdi.model.constraints.schema_bounds import bounded
+from mdi.model.sampling import SamplingError
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import Tokenizer
 

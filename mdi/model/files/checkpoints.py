@@ -16,9 +16,9 @@ from mdi.system.files import read_json
 from mdi.model.files.convert import (StateDict, check_state_dict, check_unused, convert_gemma3, convert_gpt2,
                                      convert_llama, make_getter)
 from mdi.model.files.gguf import read_gguf
+from mdi.model.files.store import MDI_CONFIG, load_weights, read_mdi_config
 from mdi.model.layout import CheckpointError, first_line
 from mdi.model.quantization.quant import convert
-from mdi.model.files.store import MDI_CONFIG, load_weights, read_mdi_config
 
 
 def _hf_tensor_loaders(path: str) -> Dict[str, Callable[[], torch.Tensor]]:

@@ -25,8 +25,8 @@ from mdi.model.files.convert import (StateDict, check_state_dict, check_unused, 
                                      make_getter)
 from mdi.model.files.gguf_config import (PERMUTED_QK, gguf_value as _gguf_value,  # noqa: F401  (adapter_files)
                                          read_gguf_model)
-from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.files.gguf_layout import open_reader
+from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.layout import CheckpointError, QuantSpec, first_line
 from mdi.model.quantization.quant import QParts, from_gguf_blocks, quantize
 from mdi.system.memory import release_freed_memory

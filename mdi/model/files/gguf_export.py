@@ -49,10 +49,10 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.families import family_of
-from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.files.gguf_config import PERMUTED_QK
 from mdi.model.files.gguf_encode import Job, encoder, is_exact, rows_of
 from mdi.model.files.gguf_write import add_model_metadata, arch_of
+from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.layout import FP16_MAX, CheckpointError, QuantSpec
 from mdi.model.quantization.quant import QParts, Stored, cat_rows, quantize
 from mdi.model.threads import usable_cpus

@@ -11,8 +11,8 @@ import logging
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 
-from mdi.model.ggml import lib
 from mdi.model.files.gguf_layout import GGUFFile, open_reader
+from mdi.model.ggml import lib
 from mdi.model.layout import CheckpointError
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 import torch
 
+from mdi.model.layout import QuantSpec
 from mdi.model.quantization import kernel_memory, qkernels
 from mdi.model.quantization.kernel_timing import nbytes as _nbytes, time_call as _time
-from mdi.model.layout import QuantSpec
 from mdi.model.quantization.qkernels import DEQUANT, POLICIES, Kernel, Tensors, candidates
 from mdi.system.memory import release_freed_memory
 

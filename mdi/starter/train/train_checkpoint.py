@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from mdi.model.config import ModelConfig
 from mdi.model.adapters.lora_train import LoraSpec, read_peft_pairs, save_peft_adapter
+from mdi.model.config import ModelConfig
 from mdi.model.adapters.prompt_train import (PROMPT_KEY, PromptSpec, is_prompt_adapter, read_prompt_adapter,
                                             save_prompt_adapter)
 from mdi.model.adapters.stage_train import OptimizerState
