@@ -14,7 +14,7 @@ setup(
         # and channel classes, hence the upper bound); 3.0.1+ has the fixes of CVE-2024-49768
         # and CVE-2024-49769 but needs Python 3.9, so Python 3.8 gets 3.0.0.
         "waitress>=3.0.1,<4; python_version >= '3.9'", "waitress>=3.0.0,<4; python_version < '3.9'",
-        # --serve's structured outputs (mdi/model/constraint.py): one abi3 wheel, no dependencies;
+        # --serve's structured outputs (mdi/model/constraints/constraint.py): one abi3 wheel, no dependencies;
         # none for Python 3.8, where the server says so at start and answers those fields 400.
         "llguidance>=1.0,<2; python_version >= '3.9'",
         # The ggml compute backend (mdi.model.ggml): llama.cpp's tensor library through its

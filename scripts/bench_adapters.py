@@ -88,7 +88,7 @@ def run_once(url: str, models: List[Optional[str]], tokens: int) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from mdi.lab.random_lora import write_random_lora
-    from mdi.model.adapter_files import load_adapter
+    from mdi.model.adapters.adapter_files import load_adapter
     from mdi.model.layout import balanced, layer_ranges, layer_span
     from mdi.model.source import ModelSource
     config = ModelSource(args.model).config

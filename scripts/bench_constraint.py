@@ -34,8 +34,8 @@ import torch
 import benchlib
 from bench_serve import Server, with_workers
 from benchlib import DEFAULT_MODEL, ROOT, print_table
-from mdi.model.constraint import GrammarCompiler
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.constraint import GrammarCompiler
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import load_tokenizer
 

@@ -364,7 +364,7 @@ def int4_group(config) -> int:
 
 
 def _same_model(path: str, config, labels: Dict[str, str]) -> bool:
-    from mdi.model.store import file_layout, read_mdi_config
+    from mdi.model.files.store import file_layout, read_mdi_config
     try:
         return read_mdi_config(path).to_dict() == config.to_dict() and \
             {k: v.label() for k, v in file_layout(path).items()} == labels
@@ -377,7 +377,7 @@ def ensure_model(cache: str, shape: str, group: Optional[int], gen_device: str) 
     `group` with the embedding/head int8 per channel), built once into `cache`; returns its
     path and how it was made. Built next to its final place and renamed into it, so a run
     killed mid-build never leaves a half directory that a later run would take."""
-    from mdi.model.quant import uniform_layout
+    from mdi.model.quantization.quant import uniform_layout
     config = shape_config(shape)
     n = config.n_layer
     layout = uniform_layout(config, (0, n), True, True, "int4", group) if group else {}
@@ -403,9 +403,9 @@ def _build(path: str, config, layout: Dict[str, Any], gen_device: str) -> None:
     draws 1.1 G values in well under a second; mdi.lab.model_setup.build_random_model builds
     the float32 model on the CPU first, ~10 s and 4.4 GB for the 1.1B shape), norms 1."""
     import torch
+    from mdi.model.files.store import save_model_dir
     from mdi.model.layout import expected_shapes
-    from mdi.model.quant import QParts, quantize
-    from mdi.model.store import save_model_dir
+    from mdi.model.quantization.quant import QParts, quantize
     from mdi.model.tokenizers import char_tokenizer
     gen = torch.Generator(device=gen_device).manual_seed(0)
     out = {}  # type: Dict[str, Any]
@@ -429,7 +429,7 @@ def _build(path: str, config, layout: Dict[str, Any], gen_device: str) -> None:
 def load_mdi(path: str, dtype: str, device: str, policy: str = "fast"):
     """(source, whole-model chunk on `device`), quantized weights kept as stored, kernels
     chosen under `policy` with no memory limit."""
-    from mdi.model import kernel_choice, qkernels
+    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.source import ModelSource
     qkernels.set_preference(policy)
     kernel_choice.set_memory_allowance(None)
@@ -442,8 +442,8 @@ def load_mdi(path: str, dtype: str, device: str, policy: str = "fast"):
 
 def chunk_kernels(chunk) -> Dict[str, Any]:
     """Which kernel every quantized layer of `chunk` runs: per layer, per weight shape, counts."""
-    from mdi.model import kernel_choice
     from mdi.model.layers import QuantLinear
+    from mdi.model.quantization import kernel_choice
     per_layer, per_shape = {}, {}  # type: Dict[str, str], Dict[str, str]
     for name, m in chunk.named_modules():
         if isinstance(m, QuantLinear):

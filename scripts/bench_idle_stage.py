@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     from mdi.model.row_batch import RowBatch
     from mdi.model.source import ModelSource
     from mdi.system.devices import last_level_cache_bytes

@@ -532,9 +532,9 @@ def _node_backends(res: Any) -> Dict[str, Any]:
 
 @contextlib.contextmanager
 def without_integer_kernels():
-    """`fast` as it was before the int8 integer kernels (mdi.model.qkernels.Int8DynamicLinear):
+    """`fast` as it was before the int8 integer kernels (mdi.model.quantization.qkernels.Int8DynamicLinear):
     the bfloat16 packed ones and the float32 reference only, measured afresh (torch backend)."""
-    from mdi.model import kernel_choice, qkernels
+    from mdi.model.quantization import kernel_choice, qkernels
     saved = list(qkernels.KERNELS)
     qkernels.KERNELS[:] = [k for k in saved if k.held_bytes is None]
     kernel_choice._measured.clear()
@@ -649,7 +649,7 @@ def decode_breakdown(model: str, threads: int, context: int = 64) -> Dict[str, A
     mean), at a position `context` into a sample."""
     import torch
     import torch.nn.functional as F
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     from mdi.model.timing_loop import seconds_per_call
     from mdi.model.row_batch import RowBatch
     from mdi.model.sampling import SamplingParams, sample_generator, sample_next
@@ -798,7 +798,7 @@ def big_model(args, bins: Optional[str]) -> Dict[str, Any]:
     """Standalone decode of the 1.1B shape from one Q4_1 GGUF: llama-bench vs mdi (ggml and
     torch) reading the same file (model.quant auto keeps its blocks), alternating, at each
     thread count."""
-    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.files.gguf import packaged_gguf_path
     path = os.path.join(args.cache, "%s-random-q4_1.gguf" % BIG_SHAPE)
     spec_path = path + ".json"
     if not (os.path.exists(path) and os.path.exists(spec_path)):
@@ -1296,7 +1296,7 @@ def default_gguf(model: str) -> str:
     own = os.path.join(model, "model.gguf")
     if os.path.isfile(own):
         return own
-    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.files.gguf import packaged_gguf_path
     return packaged_gguf_path("smollm2-135m")
 
 
@@ -1418,7 +1418,7 @@ def main(argv=None) -> int:
         record["mdi_profile_1_thread"] = {"error": str(e)}
     try:
         import torch
-        from mdi.model import kernel_choice
+        from mdi.model.quantization import kernel_choice
         record["mdi_kernel_choices"] = sorted(set("%s threads %d -> %s" % (k, torch.get_num_threads(), v)
                                                   for k, v in kernel_choice.chosen_by_weight().items()))
     except Exception as e:  # noqa: BLE001

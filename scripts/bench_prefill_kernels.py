@@ -2,7 +2,7 @@
 """Prefill-aware kernel choice: time to first token of a long prompt and decode speed, one run.
 
 A quantized layer's kernel was chosen by timing one row (decode). `choose_kernels`
-(mdi.model.kernel_choice) also times each candidate at a prefill pass's rows and may keep a
+(mdi.model.quantization.kernel_choice) also times each candidate at a prefill pass's rows and may keep a
 second kernel for passes of many rows, within what the node's memory spares. This compares, on
 standalone SmolLM2 (the prepared Q4_1 GGUF: int4 blocks, int8 head):
 
@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def set_variant(variant: str) -> None:
     """In a child: the kernel choice `variant` asks for."""
     if variant == "decode-only":
-        from mdi.model import kernel_choice
+        from mdi.model.quantization import kernel_choice
         kernel_choice.PREFILL_GAIN = float("inf")  # no kernel earns a second copy: one-row timing decides
 
 
@@ -194,9 +194,9 @@ def time_shapes(repeats: int) -> List[Dict[str, Any]]:
     """Each candidate's call time per shape, row count and thread count (kernel_choice._time:
     caches filled with other data before each call, min of the calls), repeats interleaved."""
     import torch
-    from mdi.model import kernel_choice, qkernels
     from mdi.model.layout import QuantSpec
-    from mdi.model.quant import quantize
+    from mdi.model.quantization import kernel_choice, qkernels
+    from mdi.model.quantization.quant import quantize
     rows_list = (1, 4, 8, 16, 32, 64)
     g = torch.Generator().manual_seed(0)
     out = []
@@ -274,7 +274,7 @@ def main_ring3(args: argparse.Namespace, info: Dict[str, Any]) -> int:
 def paired(args: argparse.Namespace, info: Dict[str, Any]) -> int:
     import torch
     from bench_prefix_cache import document
-    from mdi.model import kernel_choice, qkernels
+    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.source import ModelSource
     from mdi.model.tokenizers import load_tokenizer
     torch.set_num_threads(args.threads)

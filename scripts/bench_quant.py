@@ -4,14 +4,14 @@
 One run measures three things, every ratio taken between measurements of this same run:
 
 (a) Kernels. For the linear shapes of SmolLM2-135M and TinyLlama-1.1B with one row of
-    activations (decode, T=1): float32 F.linear against every kernel of mdi.model.qkernels that
+    activations (decode, T=1): float32 F.linear against every kernel of mdi.model.quantization.qkernels that
     supports int8 per output channel, int8 in groups of 32 and int4 in groups of 32 on that
     shape (random weights, std 0.02). Rounds alternate the implementations (each round times
     enough calls for ~--round-ms); ms per call and the speed-up over float32 (float32 ms /
     kernel ms, per round) are reported as median [min, max] over --rounds. Each kernel's output
     is checked against the float32 dequantized weight (max error / max output; on the float32
     row: the float weight against its rounded twin, i.e. the quantization error itself), and the
-    kernel `mdi.model.kernel_choice.choose` takes under the `fast` policy is named (`exact` always takes
+    kernel `mdi.model.quantization.kernel_choice.choose` takes under the `fast` policy is named (`exact` always takes
     `dequant`). Each weight format has its own float32 rounds (its own same-run baseline).
 
 (b) Standalone decode. `mdi-start --model DIR --temperature 0 --threads N --metrics-out` child
@@ -124,9 +124,9 @@ def _calls_for(fn, budget_s: float) -> int:
 def kernel_bench(model: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
     import torch
     import torch.nn.functional as F
-    from mdi.model import kernel_choice, qkernels
     from mdi.model.layout import QuantSpec
-    from mdi.model.quant import dequantize, quantize
+    from mdi.model.quantization import kernel_choice, qkernels
+    from mdi.model.quantization.quant import dequantize, quantize
     cpu = torch.device("cpu")
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -205,8 +205,8 @@ def build_random_llama(path: str, spec: Dict[str, Any], seed: int = 0, std: floa
     save_model_dir's safetensors.save_file would copy every tensor to bytes first)."""
     import torch
     from mdi.model.config import ModelConfig
+    from mdi.model.files.store import FORMAT_VERSION, MDI_CONFIG, MODEL_FILE
     from mdi.model.layout import expected_shapes
-    from mdi.model.store import FORMAT_VERSION, MDI_CONFIG, MODEL_FILE
     from mdi.model.tokenizers import char_tokenizer
     from mdi.system.files import write_json
     config = ModelConfig(**spec)
@@ -242,7 +242,7 @@ def build_random_llama(path: str, spec: Dict[str, Any], seed: int = 0, std: floa
 
 def ensure_models(model: str, cache: str) -> Dict[str, str]:
     """variant (f32, int8, int4) -> prepared directory, built or prepared when missing."""
-    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.files.gguf import packaged_gguf_path
     prep = os.path.join(benchlib.BIN, "mdi-prepare")
     short = "smollm2" if model == "smollm2-135m" else "tinyllama"
     dirs = {v: os.path.join(cache, "%s-%s" % (short, v)) for v in ("f32", "int8", "int4")}
@@ -268,7 +268,7 @@ def planned_bytes(path: str, dtype: str, quant: str) -> Dict[str, Any]:
     """What memory planning counts for the whole model on one node: weights at their stored
     size (float ones in `dtype`), and the layout it keeps quantized."""
     from mdi.model.layout import quantizable, weight_bytes
-    from mdi.model.quant import describe
+    from mdi.model.quantization.quant import describe
     from mdi.model.source import ModelSource
     source = ModelSource(path)
     c = source.config

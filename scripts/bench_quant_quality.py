@@ -76,8 +76,8 @@ def same_prefix(a: list, b: list) -> int:
 def quantized_kernels() -> list:
     """exact, fast, and each integer kernel this machine has, named (so it is scored even where
     `fast` measures another kernel faster)."""
-    from mdi.model import qkernels
     from mdi.model.layout import QuantSpec
+    from mdi.model.quantization import qkernels
     spec = QuantSpec("int8", 64)
 
     def runs_here(kernel) -> bool:  # asked as a run naming it asks: `fast` tries only the CPU's own engine

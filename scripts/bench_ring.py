@@ -69,7 +69,7 @@ def head_aware_partition(n_layer: int, n: int, head_layers: float) -> List[int]:
 
 def head_cost_in_layers(model: str) -> float:
     """LM head parameters / one block's parameters (decode is memory-bound: bytes ~ time)."""
-    from mdi.model.store import read_mdi_config
+    from mdi.model.files.store import read_mdi_config
     from mdi.model.layout import expected_shapes
     config = read_mdi_config(model)
     block = sum(math.prod(s) for s in expected_shapes(config, (0, 1), False, False).values())
@@ -216,7 +216,7 @@ def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mdi.model.store import read_mdi_config
+    from mdi.model.files.store import read_mdi_config
     n_layer = read_mdi_config(args.model).n_layer
     head = head_cost_in_layers(args.model)
     info = benchlib.machine_info(1)

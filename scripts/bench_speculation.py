@@ -89,8 +89,8 @@ class Ring:
         from mdi.model.source import ModelSource
         from mdi.runconfig import parse_config
         from mdi.starter.engine import Engine
-        from mdi.starter.run_plan import plan_run
-        from mdi.starter.run_shape import RunShape
+        from mdi.starter.planning.run_plan import plan_run
+        from mdi.starter.planning.run_shape import RunShape
         nodes = [{"name": "starter", "port": 1}] + [w.node(weights=worker_weights) for w in workers]
         if layers and layers != "even" and workers:
             counts = [layers] * len(nodes) if layers == "auto" else [int(c) for c in layers.split(",")]

@@ -68,7 +68,7 @@ def mdi_generate(chunk, prompt_ids: List[int], n_tokens: int) -> Tuple[List[int]
 # --------------------------------------------------------------------------- transformers
 
 def hf_state_dict(config, sd: Dict[str, Any]) -> Dict[str, Any]:
-    """Inverse of mdi's canonical Llama mapping (mdi.model.convert.convert_llama)."""
+    """Inverse of mdi's canonical Llama mapping (mdi.model.files.convert.convert_llama)."""
     H, KV, D, I = config.n_head, config.n_kv_head, config.head_dim, config.intermediate_size
     out = {"model.embed_tokens.weight": sd["tok_emb.weight"], "model.norm.weight": sd["norm_f.weight"]}
     for i in range(config.n_layer):
@@ -91,7 +91,7 @@ def load_hf(path: str, source):
     """transformers LlamaForCausalLM holding exactly mdi's prepared weights (float32)."""
     import torch
     import transformers
-    from mdi.model.store import load_weights
+    from mdi.model.files.store import load_weights
     c = source.config
     if c.family != "llama" or c.bias:
         sys.exit("bench_standalone: only bias-free Llama-family models map to transformers (got %s)" % c.family)

@@ -119,7 +119,7 @@ def complete(url: str, prompt: str, model: str, tokens: int) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mdi.model.lora_train import LoraSpec, TARGETS, init_pairs
+    from mdi.model.adapters.lora_train import LoraSpec, TARGETS, init_pairs
     from mdi.model.source import ModelSource
     config = ModelSource(args.model).config
     info = benchlib.machine_info(1)

@@ -143,8 +143,8 @@ def profile(emu: Emulation, cfg_path: str, args, data: str, workers: List[Worker
     import torch
     from mdi.runconfig import load_config
     from mdi.ring.train_request import TrainSetup
-    from mdi.model.lora_train import TARGETS
-    from mdi.starter import ring_trainer, training
+    from mdi.model.adapters.lora_train import TARGETS
+    from mdi.starter.train import ring_trainer, training
     torch.set_num_threads(1)
     assert emu.cpu is not None or args.no_quota
     if emu.cpu is not None:
@@ -209,9 +209,9 @@ def training_head_layers(config, spec, seq_len: int, windows: int, repeats: int 
     import statistics
     import torch
     import torch.nn.functional as F
-    from mdi.model.lora_train import init_pairs
+    from mdi.model.adapters.lora_train import init_pairs
+    from mdi.model.adapters.stage_train import StageTrainer
     from mdi.model.source import random_chunk
-    from mdi.model.stage_train import StageTrainer
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -241,9 +241,9 @@ def saved_bytes_per_layer_window(config, spec, seq_len: int) -> int:
     """Bytes autograd keeps for backward of one block over one window: a random block of the
     model's shapes through StageTrainer (what every node runs), saved tensors counted once."""
     import torch
-    from mdi.model.lora_train import init_pairs
+    from mdi.model.adapters.lora_train import init_pairs
+    from mdi.model.adapters.stage_train import StageTrainer
     from mdi.model.source import random_chunk
-    from mdi.model.stage_train import StageTrainer
     chunk = random_chunk(config, 0, 1, False, False, torch.float32, "cpu")
     pairs = {k: v for k, v in init_pairs(config, spec, 0).items() if k.startswith("0.")}
     stage = StageTrainer(chunk, spec, pairs, 1e-3)
@@ -263,8 +263,8 @@ def saved_bytes_per_layer_window(config, spec, seq_len: int) -> int:
 
 def memory_estimate(config, spec, counts: List[int], args) -> Dict[str, Dict[str, int]]:
     """Per node (starter first): weights, adapter (+ gradients), AdamW, activations, in bytes."""
+    from mdi.model.adapters.lora_train import init_pairs, key_layer
     from mdi.model.layout import expected_shapes
-    from mdi.model.lora_train import init_pairs, key_layer
     import math
     pairs = init_pairs(config, spec, 0)
     per_window = saved_bytes_per_layer_window(config, spec, args.seq_len)
@@ -286,7 +286,7 @@ def memory_estimate(config, spec, counts: List[int], args) -> Dict[str, Dict[str
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mdi.model.lora_train import LoraSpec, TARGETS
+    from mdi.model.adapters.lora_train import LoraSpec, TARGETS
     from mdi.model.source import ModelSource
     config = ModelSource(args.model).config
     n = args.nodes

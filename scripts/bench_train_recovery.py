@@ -7,7 +7,7 @@ In one run, alternating so the shared machine's load falls on all alike:
   spare  a spare configured, recovery on, --recovery-every larger than the run (one snapshot, the
          start's, kept in memory): what recovery costs without snapshots;
   on     a spare configured, recovery on: after every step the starter reads every worker's LoRA
-         pairs and AdamW moments back (GET /train: mdi.starter.train_recovery's snapshot);
+         pairs and AdamW moments back (GET /train: mdi.starter.train.train_recovery's snapshot);
 then once `on` with board1 SIGKILLed halfway through step 3 (a timer started when step 2
 ends, set to half the median step time): the spare takes board1's layers, step 3 runs again,
 and the run must end with the uninterrupted `on` run's losses and adapter.
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from mdi.model.source import ModelSource
     from mdi.ring.train_request import TrainSetup
-    from mdi.model.lora_train import TARGETS
-    from mdi.starter import training
+    from mdi.model.adapters.lora_train import TARGETS
+    from mdi.starter.train import training
     n_layer = ModelSource(args.model).config.n_layer
     info = benchlib.machine_info(1)
     tmp = tempfile.mkdtemp(prefix="bench-train-recovery-")

@@ -81,7 +81,7 @@ def log(msg: str) -> None:
 
 
 def default_gguf() -> str:
-    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.files.gguf import packaged_gguf_path
     return packaged_gguf_path("smollm2-135m")
 
 

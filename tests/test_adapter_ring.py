@@ -74,7 +74,7 @@ def test_each_worker_holds_only_its_layers_adapters(tiny_models, adapter_dirs, w
     held = [requests.get("http://127.0.0.1:%d/status" % w.port, timeout=10).json()["memory"]["adapter_bytes"]
             for w in workers[:2]]
     # Three adapters, rank 4, float32: each worker holds exactly its layers' share.
-    from mdi.model.adapter_files import load_adapter
+    from mdi.model.adapters.adapter_files import load_adapter
     config = ModelSource(model).config
     loaded = [load_adapter(adapters[n], config, n) for n in ADAPTERS]
     ranges = ((1, 2), (2, n_layer))

@@ -1,4 +1,4 @@
-"""LoRA adapters (mdi.model.adapter_files reads them, mdi.model.lora applies them) against peft
+"""LoRA adapters (mdi.model.adapters.adapter_files reads them, mdi.model.adapters.lora applies them) against peft
 on random tiny Hugging Face models: a PEFT directory read into mdi names (q/k/v and gate/up
 fused) computes PeftModel's logits within 1e-4 in float32, prefill and cached decode; base rows
 stay the base model's; a mixed batch equals each sample alone; merging equals applying; a
@@ -14,10 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mdi.model.adapter_files import load_adapter, load_gguf_lora  # noqa: E402
-from mdi.model.lora import AdapterError, merge_adapter  # noqa: E402
-from mdi.model.peft_targets import get_pattern_key  # noqa: E402
-from mdi.model.checkpoints import read_hf_dir  # noqa: E402
+from mdi.model.adapters.adapter_files import load_adapter, load_gguf_lora  # noqa: E402
+from mdi.model.adapters.lora import AdapterError, merge_adapter  # noqa: E402
+from mdi.model.adapters.peft_targets import get_pattern_key  # noqa: E402
+from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.layout import expected_keys  # noqa: E402
 from mdi.model.row_batch import RowBatch  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
@@ -221,7 +221,8 @@ def test_ring_logits_match_peft(family, workers, tmp_path, monkeypatch):
     A/B matrices): the logits the starter's head computes for a 20-token prompt and each
     cached decode step equal PeftModel's on the same ids within 1e-4."""
     from mdi.model.transformer import ModelChunk
-    from mdi.starter import batch, run_shape
+    from mdi.starter import batch
+    from mdi.starter.planning import run_shape
     from test_adapter_ring import config_for
     make, lora = CASES[family]
     base_dir, adapter_dir = make_adapter(tmp_path, make, **lora)
@@ -344,7 +345,7 @@ def test_unsupported_adapters_are_refused(llama_adapter, edit, match):
 
 def test_a_mix_adds_the_scaled_deltas(llama_adapter, tmp_path):
     from mdi.lab.random_lora import write_random_lora
-    from mdi.model.lora import SoftPrompt, mix_adapters
+    from mdi.model.adapters.lora import SoftPrompt, mix_adapters
     base_dir, adapter_dir = llama_adapter
     config = base_config(base_dir)
     one = load_adapter(adapter_dir, config)
@@ -364,7 +365,7 @@ def test_a_mix_adds_the_scaled_deltas(llama_adapter, tmp_path):
 
 
 def test_merge_refuses_quantized_weights(llama_adapter):
-    from mdi.model.quant import convert, gather, uniform_layout
+    from mdi.model.quantization.quant import convert, gather, uniform_layout
     base_dir, adapter_dir = llama_adapter
     config, weights = read_hf_dir(base_dir)
     adapter = load_adapter(adapter_dir, config)
@@ -476,7 +477,7 @@ def test_a_backtracking_target_pattern_is_stopped_and_named(tmp_path, monkeypatc
     # the caller (a serving starter's thread) is never frozen meanwhile.
     import json
     import time
-    from mdi.model import peft_targets
+    from mdi.model.adapters import peft_targets
     from test_adapter_ring import write_peft_lora
     from conftest import tiny_config
     config = tiny_config("llama")

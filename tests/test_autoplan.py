@@ -63,7 +63,7 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     assert json.load(open(os.path.join(cache_dir, "profiles.json"))) == before
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in alone.samples]
     # Other code (a faster kernel, say) makes those profiles stale: measured again.
-    from mdi.starter import node_speeds
+    from mdi.starter.planning import node_speeds
     monkeypatch.setattr(node_speeds, "_code_ids", ["other code"])
     stale = batch.run(load_config(str(tmp_path / "auto.yaml")), PROMPTS).metrics()["plan"]
     assert len(json.load(open(os.path.join(cache_dir, "profiles.json")))) == len(cached) + 5 + sum(len(r) for r in stale["retimed"])
@@ -173,10 +173,10 @@ def test_nodes_time_their_whole_loop_and_plan_with_it(tiny_models):
     from mdi.model.block_timing import PROFILE_LAYERS
     from mdi.model.sampling import SamplingParams
     from mdi.model.source import random_chunk
-    from mdi.starter.loop_timing import time_starter_loop
+    from mdi.starter.planning.loop_timing import time_starter_loop
     from mdi.ring.profile_request import ProfileReply
     from mdi.timing.relay import time_relay
-    from mdi.starter.node_speeds import Profiler
+    from mdi.starter.planning.node_speeds import Profiler
     source = ModelSource(tiny_models["llama"])
     chunk = random_chunk(source.config, 0, 2, True, True, torch.float32, "cpu")
     blocks_only = random_chunk(source.config, 0, 2, False, False, torch.float32, "cpu")
@@ -213,8 +213,8 @@ def test_a_ring_that_speculative_passes_fill_is_planned_as_filled(tiny_models, m
     flight: the planner is asked for that many (a ring planned for one sample's latency leaves
     boards out); verifying alone, or plain decoding, is planned for the samples themselves."""
     from mdi.runconfig import parse_config
-    from mdi.starter import run_plan
-    from mdi.starter.run_shape import RunShape
+    from mdi.starter.planning import run_plan
+    from mdi.starter.planning.run_shape import RunShape
     from ringconfigs import run_config_dict
     asked = []
 

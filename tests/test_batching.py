@@ -229,7 +229,7 @@ class RecordingLoop(LocalLoop):
 
 def test_frames_hold_few_distinct_adapters_and_ids_do_not_change(tmp_path):
     from mdi.lab.random_lora import write_random_lora
-    from mdi.model.adapter_files import load_adapter
+    from mdi.model.adapters.adapter_files import load_adapter
     chunk = tiny_model("llama")
     for i in range(4):
         path = write_random_lora(str(tmp_path / ("lora%d" % i)), chunk.config, seed=i, rank=4)
@@ -316,8 +316,8 @@ def test_worker_status_reports_batching(tiny_models, workers, data_ports):
 @torch.no_grad()
 def test_quantized_chunks_batch_like_float_ones(policy, tol):
     """int4 weights with their kernels: a batched forward gives each sample's own logits."""
-    from mdi.model import qkernels
-    from mdi.model.quant import convert, gather, uniform_layout
+    from mdi.model.quantization import qkernels
+    from mdi.model.quantization.quant import convert, gather, uniform_layout
     from mdi.model.source import build_chunk
     config = tiny_config("llama")
     layout = uniform_layout(config, (0, config.n_layer), True, True, "int4", 32)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mdi.model.checkpoints import read_checkpoint, read_hf_dir, read_nanogpt_ckpt
-from mdi.model.gguf import packaged_gguf_path, read_gguf
-from mdi.model.store import load_weights, read_mdi_config, save_model_dir, write_chunks
+from mdi.model.files.checkpoints import read_checkpoint, read_hf_dir, read_nanogpt_ckpt
+from mdi.model.files.gguf import packaged_gguf_path, read_gguf
+from mdi.model.files.store import load_weights, read_mdi_config, save_model_dir, write_chunks
 from mdi.model.layout import CheckpointError, expected_keys, split_layers, state_dict_nbytes
 from mdi.model.config import ModelConfig
 

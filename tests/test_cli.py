@@ -127,7 +127,7 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fits" in lines["ok1"] and "v" in lines["ok1"] and "cpu" in lines["ok1"]
     # each node's CPU (its ISA decides which kernels win) and the kernels its load will measure
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     from mdi.system.cpu import cpu_info
     here = "kernels to measure: %s" % ", ".join(qkernels.offered_on("cpu"))
     for name in ("starter", "ok1"):

@@ -33,14 +33,14 @@ from safetensors import safe_open
 
 from conftest import CHARS, ROOT, free_ports, tiny_config, tiny_model
 from ringconfigs import parse_run_config
-from mdi.model import kernel_choice, qkernels
-from mdi.model.checkpoints import read_checkpoint, read_hf_dir
 from mdi.model.config import ModelConfig
+from mdi.model.files.checkpoints import read_checkpoint, read_hf_dir
+from mdi.model.files.store import save_model_dir
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import convert, dequantize, gather, quantize, uniform_layout
+from mdi.model.quantization import kernel_choice, qkernels
+from mdi.model.quantization.quant import convert, dequantize, gather, quantize, uniform_layout
 from mdi.model.row_batch import RowBatch
 from mdi.model.source import ModelSource, build_chunk
-from mdi.model.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 from mdi.ring.wire import payload_nbytes
@@ -102,7 +102,7 @@ def _random_pair(builder, path, widen):
 
 def hf_nanogpt_twin():
     """transformers' GPT2LMHeadModel holding the shipped NanoGPT's weights (the inverse of
-    mdi.model.convert.convert_gpt2: Conv1D weights are [in, out]), and its prompts as ids."""
+    mdi.model.files.convert.convert_gpt2: Conv1D weights are [in, out]), and its prompts as ids."""
     import transformers
     config, sd = read_checkpoint(NANOGPT)
     cfg = transformers.GPT2Config(

@@ -95,12 +95,12 @@ def test_free_memory_of_a_discrete_gpu_is_its_own_and_of_a_jetson_the_hosts(monk
 def test_starter_refuses_a_chunk_its_discrete_gpu_cannot_hold_whatever_the_host_has(monkeypatch):
     from mdi.model.config import ModelConfig
     from mdi.runconfig import ConfigError
-    from mdi.starter.capacity import check_fits_here
+    from mdi.starter.planning.capacity import check_fits_here
     from mdi.system import memory
     config = ModelConfig(vocab_size=1000, n_layer=4, n_head=4, n_embd=256, block_size=512)
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 64 << 30)  # a roomy host
     _FakeCuda(integrated=False, free=1 << 20, reserved=0, allocated=0).patch(monkeypatch)
-    from mdi.starter.node_budget import RunMemory
+    from mdi.starter.planning.node_budget import RunMemory
     budget = RunMemory(config, 512, torch.float32, ()).budget("starter", (0, 4), {}, 2, True)
     with pytest.raises(ConfigError, match="available on cuda here"):
         check_fits_here(budget, "cuda", False)

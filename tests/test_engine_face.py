@@ -10,11 +10,12 @@ import pytest
 
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
+from mdi.old_paths import MOVED
 from mdi.starter.engine import Engine
 from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.pipeline_settings import PipelineSettings
-from mdi.starter.run_plan import plan_run
-from mdi.starter.run_shape import RunShape
+from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_shape import RunShape
 from ringconfigs import parse_run_config
 
 SERVING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mdi", "serving")
@@ -25,11 +26,11 @@ ALLOWED_IMPORTS = {
     "mdi.starter.engine_face": {"EngineFace", "RecoveryEvent", "StarterReading"},  # the face
     "mdi.starter.sample": {"Sample", "FinishReason"},  # a request's sample and why it ended (values)
     "mdi.starter.adapter_set": {"MixTableFull", "StarterTooLarge"},  # exceptions the face raises
-    "mdi.starter.run_shape": {"serving_max_len"},  # a function of the config
-    "mdi.starter.serving_plan": {"open_serving_ring"},  # opens an engine; serving keeps its face
+    "mdi.starter.planning.run_shape": {"serving_max_len"},  # a function of the config
+    "mdi.starter.planning.serving_plan": {"open_serving_ring"},  # opens an engine; serving keeps its face
     "mdi.starter.control": {"ControlClient", "NodeError"},  # the workers' /status (metrics), not the engine
-    "mdi.starter.train_data": {"Windows", "load_windows", "step_index"},  # training data (values)
-    "mdi.starter.train_options": {"StepRecord", "TrainOptions"},  # values
+    "mdi.starter.train.train_data": {"Windows", "load_windows", "step_index"},  # training data (values)
+    "mdi.starter.train.train_options": {"StepRecord", "TrainOptions"},  # values
     "mdi.starter.generation_options": {"GenerationOptions"},  # a request's options, shared with its sample (a value)
 }
 
@@ -79,6 +80,14 @@ def test_serving_imports_nothing_of_the_engine_but_its_face():
                           if a.name.startswith("mdi.starter")]
     assert not wrong, "serving imports from mdi.starter beyond the face (tests/test_engine_face.py):\n" + \
         "\n".join(wrong)
+
+
+def test_the_allowed_imports_name_modules_where_they_are():
+    # An old name (mdi.old_paths) still imports, but the list must name each module's file,
+    # so a move cannot leave the walk above checking a name serving no longer writes.
+    root = os.path.dirname(os.path.dirname(SERVING))
+    stale = [m for m in ALLOWED_IMPORTS if m in MOVED or not os.path.isfile(os.path.join(root, *m.split(".")) + ".py")]
+    assert not stale, stale
 
 
 def test_serving_reads_only_the_face_off_an_engine():

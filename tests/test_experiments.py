@@ -581,10 +581,10 @@ def test_quantized_random_model_is_built_without_its_float_twin_and_runs(tmp_pat
     from mdi.lab import model_setup
     from mdi.lab.sweep import plan_sweep
     from mdi.model import layout, transformer
-    from mdi.model.store import file_layout, read_mdi_config
+    from mdi.model.files.store import file_layout, read_mdi_config
 
     monkeypatch.setattr(transformer, "full_model", lambda *a, **k: pytest.fail("built the float model"))
-    from mdi.model import quant
+    from mdi.model.quantization import quant
     blocks = []
     real_quantize = quant.quantize
 
@@ -649,7 +649,7 @@ def test_quantized_random_gpt2_keeps_positions_float(tmp_path):
     from safetensors import safe_open
     from mdi.lab.model_setup import build_random_model
     from mdi.model import layout
-    from mdi.model.store import file_layout, read_mdi_config
+    from mdi.model.files.store import file_layout, read_mdi_config
     spec = {"family": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16, "quant": "int8"}
     build_random_model(str(tmp_path), "g", spec, "x.yaml")
     config, stored = read_mdi_config(str(tmp_path)), file_layout(str(tmp_path))

@@ -22,7 +22,7 @@ import unicodedata
 
 import pytest
 
-from mdi.model.tokenizer_import import GGUF_PRE_TOKENIZERS, tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.files.tokenizer_import import GGUF_PRE_TOKENIZERS, tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import TokenizerError, load_tokenizer
 from test_tokenizers import write_tokenizer_gguf
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from mdi.model import fused_decode, kernel_choice, qkernels
+from mdi.model import fused_decode
 from mdi.model.config import ModelConfig
-from mdi.model.quant import convert, gather, uniform_layout
+from mdi.model.quantization import kernel_choice, qkernels
+from mdi.model.quantization.quant import convert, gather, uniform_layout
 from mdi.model.row_batch import RowBatch
 from mdi.model.source import build_chunk
 from mdi.model.transformer import ModelChunk, full_model

@@ -67,8 +67,8 @@ def test_a_profile_taken_with_fused_decode_off_is_not_reused_with_it_on(tiny_mod
     """The worker's and the starter's profiles are keyed by the setting: the other setting
     measures again, the same setting (another Profiler, from the file on disk) does not."""
     from mdi.model.source import ModelSource
-    from mdi.starter import node_speeds
     from mdi.starter.control import NodeRegistry
+    from mdi.starter.planning import node_speeds
     monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path / "profiles"))
     model = tiny_models["llama"]
     asked, timed_here = [], []

@@ -215,7 +215,7 @@ def test_data_port_garbage_is_dropped_and_counted(fuzz_worker, tiny_models):
     data_port = free_ports(1)[0]
     spec = init_spec(tiny_models["gpt2"], fuzz_worker.port, data_port)
     from safetensors.torch import save
-    from mdi.model.store import load_weights
+    from mdi.model.files.store import load_weights
     import hashlib
     blob = save(load_weights(tiny_models["gpt2"], (2, 4), False, False, torch.float32))
     spec["weights"] = {"push": {"nbytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}

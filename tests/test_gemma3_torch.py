@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from mdi.model import fused_decode, graph_decode  # noqa: E402
-from mdi.model.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.config import ModelConfig  # noqa: E402
-from mdi.model.gguf import read_gguf  # noqa: E402
+from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
+from mdi.model.files.gguf import read_gguf  # noqa: E402
 from mdi.model.layout import CheckpointError, expected_keys  # noqa: E402
-from mdi.model.quant import QParts  # noqa: E402
+from mdi.model.quantization.quant import QParts  # noqa: E402
 from mdi.model.row_batch import RowBatch  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
 

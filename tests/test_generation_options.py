@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.runconfig import SpeculationSpec
 from mdi.serving.choices import Choices

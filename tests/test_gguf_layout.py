@@ -2,7 +2,7 @@
 
 A 64-byte file whose metadata array claimed 2^40 items made gguf's reader allocate until the
 OOM killer came: `mdi-prepare` hung, and as an adapter it grew the starter by 1.3 GB. Every lie
-below is refused by mdi.model.gguf_layout in a fraction of a second, naming the file, through
+below is refused by mdi.model.files.gguf_layout in a fraction of a second, naming the file, through
 every door a GGUF comes in by (model, tokenizer, LoRA adapter, mdi-prepare); real GGUF files
 pass.
 """
@@ -14,12 +14,12 @@ import time
 import pytest
 
 from conftest import BIN, tiny_config
-from mdi.model.adapter_files import load_gguf_lora
-from mdi.model.gguf import read_gguf
-from mdi.model.gguf_layout import GGUFLayoutError, open_reader
+from mdi.model.adapters.adapter_files import load_gguf_lora
+from mdi.model.adapters.lora import AdapterError
+from mdi.model.files.gguf import read_gguf
+from mdi.model.files.gguf_layout import GGUFLayoutError, open_reader
+from mdi.model.files.tokenizer_import import tokenizer_from_gguf
 from mdi.model.layout import CheckpointError
-from mdi.model.lora import AdapterError
-from mdi.model.tokenizer_import import tokenizer_from_gguf
 from mdi.model.tokenizers import TokenizerError
 from test_quant import _write_llama_gguf
 
@@ -103,7 +103,7 @@ def test_real_gguf_files_pass(tmp_path):
     assert n_tensors > 0 and n_kv > 0
     read_gguf(path)  # and the reader after it
     try:
-        from mdi.model.gguf import packaged_gguf_path
+        from mdi.model.files.gguf import packaged_gguf_path
         packaged = packaged_gguf_path()
     except Exception:  # noqa: BLE001 - the default model's package is not installed here
         return

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mdi.model import kernel_choice, kernel_timing, qkernels
-from mdi.model.gguf_layout import open_reader
+from mdi.model.files.gguf_layout import open_reader
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import dequantize, quantize
+from mdi.model.quantization import kernel_choice, kernel_timing, qkernels
+from mdi.model.quantization.quant import dequantize, quantize
 
 CPU = torch.device("cpu")
 

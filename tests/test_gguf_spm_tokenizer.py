@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mdi.model.tokenizer_import import tokenizer_from_gguf
+from mdi.model.files.tokenizer_import import tokenizer_from_gguf
 from mdi.model.tokenizers import TokenizerError, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The int8 integer kernels (mdi.model.qkernels.Int8DynamicLinear over fbgemm): ~14-bit
+"""The int8 integer kernels (mdi.model.quantization.qkernels.Int8DynamicLinear over fbgemm): ~14-bit
 activations for one read of the weights, a row's result independent of its frame, what they
 hold counted, and chosen only within the memory a node spares beside its plan."""
 import os
@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from mdi.model import kernel_memory, kernel_choice, qkernels
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import dequantize, quantize
+from mdi.model.quantization import kernel_memory, kernel_choice, qkernels
+from mdi.model.quantization.quant import dequantize, quantize
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not qkernels.INT8_FBGEMM.supports(QuantSpec("int8", 32), 64, 64, CPU),

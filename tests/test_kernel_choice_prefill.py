@@ -1,13 +1,13 @@
-"""A second kernel for prefill passes (mdi.model.kernel_choice.choose_kernels): chosen per row
+"""A second kernel for prefill passes (mdi.model.quantization.kernel_choice.choose_kernels): chosen per row
 count from measurements (faked here: timing belongs in benchmarks), kept only within the memory
 a node spares, counted, and computing what the single-kernel layer computes."""
 import pytest
 import torch
 
 from conftest import tiny_config
-from mdi.model import kernel_choice, kernel_memory, qkernels
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import convert, gather, quantize, uniform_layout
+from mdi.model.quantization import kernel_choice, kernel_memory, qkernels
+from mdi.model.quantization.quant import convert, gather, quantize, uniform_layout
 from mdi.model.source import build_chunk
 from mdi.model.transformer import full_model
 

@@ -11,8 +11,8 @@ from mdi.model.layout import format_layers, layer_ranges, layer_span
 from mdi.runconfig import NodeSpec
 from mdi.serving.dashboard import STATE_PATH, BatchDashboard, BatchMonitor
 from mdi.starter import batch
-from mdi.starter.planner import LayerPlan, PlanRow, format_plan
-from mdi.starter.recovery import RecoveryImpossible, plan_recovery
+from mdi.starter.planning.planner import LayerPlan, PlanRow, format_plan
+from mdi.starter.planning.recovery import RecoveryImpossible, plan_recovery
 
 COUNTS = [1, 2, 1]  # the tiny model's 4 blocks: starter, w1, w2
 

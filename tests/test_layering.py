@@ -10,6 +10,10 @@ functions), so it cannot erode silently.
     serving                     may use starter and everything below it
     cli                         may use everything but lab
     lab                         may use anything; nothing imports it
+
+A layer is a module's second name (mdi.model.files.gguf is in model): a package's sub-packages
+(mdi.starter.planning, mdi.model.quantization, ...) share its layer. The root (mdi/__init__.py)
+may import only old_paths, which imports nothing of mdi's (it names moved modules as strings).
 """
 import ast
 import importlib.util
@@ -28,6 +32,8 @@ BELOW: Dict[str, Set[str]] = {
     "starter": {"timing", "ring", "runconfig", "model", "system"},
     "serving": {"starter", "timing", "ring", "runconfig", "model", "system"},
     "cli": {"serving", "worker", "starter", "timing", "ring", "runconfig", "model", "system"},
+    "old_paths": set(),  # the old module names' finder: imported by the root, imports nothing of mdi's
+    "": {"old_paths"},  # the root package (mdi/__init__.py): installs that finder, nothing else
 }
 TOP = "lab"  # may import anything; nothing may import it
 
@@ -181,6 +187,21 @@ def test_a_package_s_modules_share_its_layer(tmp_path):
         "cli/plan.py": "def f():\n    from mdi.lab import nodes\n",
     })
     assert layering_violations(pkg) == ["mdi/cli/plan.py: cli imports mdi.lab.nodes"]
+
+
+def test_sub_packages_share_their_package_s_layer(tmp_path):
+    # mdi.starter.planning, mdi.model.files, ...: one more level, the same layer as their package.
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "from mdi import old_paths\n",
+        "old_paths.py": "",
+        "model/files/gguf.py": "from mdi.model.quantization import quant\nfrom mdi.model.layout import x\n",
+        "model/quantization/quant.py": "from mdi.system.files import write_json\n",
+        "starter/planning/run_plan.py": "from mdi.model.files.gguf import read\nfrom mdi.starter import engine\n",
+        "model/adapters/lora.py": "from mdi.starter.planning.run_plan import RunPlan\n",  # up, from a sub-package
+        "starter/train/training.py": "from mdi.serving import api\n",  # up, into a package's top level
+    })
+    assert sorted(layering_violations(pkg)) == ["mdi/model/adapters/lora.py: model imports mdi.starter.planning.run_plan",
+                                        "mdi/starter/train/training.py: starter imports mdi.serving.api"]
 
 
 def test_the_bench_starter_service_module_exists():

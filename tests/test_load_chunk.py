@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from mdi.model import qkernels
+from mdi.model.files.prepare import prepare
 from mdi.model.layout import QuantSpec
-from mdi.model.prepare import prepare
+from mdi.model.quantization import qkernels
 from mdi.model.source import ModelSource, build_chunk
 
 
@@ -70,7 +70,7 @@ def test_load_chunk_names_a_layout_that_does_not_match(dirs):
 
 
 def test_converting_reads_go_through_a_small_bounce_buffer(dirs, monkeypatch):
-    from mdi.model import store
+    from mdi.model.files import store
     source = ModelSource(dirs["llama"])
     want = build_chunk(source.config, source.weights(0, 4, True, True, torch.float16), 0, 4, True, True,
                        torch.float16, "cpu")

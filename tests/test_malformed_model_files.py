@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from mdi.cli.prepare import prepare_main
-from mdi.model.checkpoints import read_hf_dir
 from mdi.model.config import ModelConfig
+from mdi.model.files.checkpoints import read_hf_dir
+from mdi.model.files.tokenizer_import import tokenizer_from_hf_dir
 from mdi.model.layout import CheckpointError
-from mdi.model.tokenizer_import import tokenizer_from_hf_dir
 from mdi.model.tokenizers import TokenizerError
 from mdi.ring.init_request import RequestError, model_field
 

@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mdi.model.checkpoints import read_hf_dir  # noqa: E402
+from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
 
 PREFILL, DECODE, GREEDY = 24, 20, 32

@@ -1,4 +1,4 @@
-"""One memory budget per node (mdi.starter.node_budget), built with the run's plan: `--check`,
+"""One memory budget per node (mdi.starter.planning.node_budget), built with the run's plan: `--check`,
 serving's slot count, recovery's fit check, the engine's load check and the planner's costs all
 read it, so none admits what another refuses; and the starter's adapters count against it."""
 import re
@@ -8,15 +8,15 @@ import pytest
 
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError
-from mdi.starter import capacity, preflight as preflight_module, serving_plan
 from mdi.starter.adapter_set import AdapterSet, StarterTooLarge
 from mdi.starter.control import NodeError
-from mdi.starter.node_budget import MB, NodeBudget, check_starter_adapter
-from mdi.starter.node_speeds import Profiler
-from mdi.starter.preflight import preflight
-from mdi.starter.recovery import RecoveryImpossible, replan
-from mdi.starter.run_plan import plan_run
-from mdi.starter.run_shape import RunShape
+from mdi.starter.planning import capacity, preflight as preflight_module, serving_plan
+from mdi.starter.planning.node_budget import MB, NodeBudget, check_starter_adapter
+from mdi.starter.planning.node_speeds import Profiler
+from mdi.starter.planning.preflight import preflight
+from mdi.starter.planning.recovery import RecoveryImpossible, replan
+from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_shape import RunShape
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from ringconfigs import parse_run_config
 from test_adapter_ring import write_peft_lora

@@ -288,7 +288,7 @@ def test_a_device_or_pipe_is_refused_not_read_forever(tiny_models, capsys):
 
 READ_PEAK = """
 import resource, sys
-from mdi.model.tokenizer_import import tokenizer_from_gguf
+from mdi.model.files.tokenizer_import import tokenizer_from_gguf
 from mdi.starter import perplexity
 tok = tokenizer_from_gguf(sys.argv[1])
 source = type("Source", (), {"tokenizer": tok, "path": "smollm2"})()

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from mdi.starter.planner import NodeCost, PlanError, format_plan, groups, interpolate, make_plan, \
+from mdi.starter.planning.planner import NodeCost, PlanError, format_plan, groups, interpolate, make_plan, \
     predict_tokens_per_s, solve
 
 MB = 1024 * 1024
@@ -147,7 +147,7 @@ def test_the_plan_is_the_fastest_split_its_prediction_knows(seed):
     a ring with a node left out carries the samples in bigger groups, and a ring that its
     groups do not fill is bound by its length, not its slowest stage."""
     import random
-    from mdi.starter.planner import TIE
+    from mdi.starter.planning.planner import TIE
     r = random.Random(seed)
     n, n_layer = r.choice([2, 3, 4]), r.choice([6, 8, 12])
     costs = [node("n%d" % i, r.uniform(0.5, 8), fixed_ms=r.uniform(0, 5) if i == 0 else r.uniform(0, 1),
@@ -165,7 +165,7 @@ def test_the_plan_is_the_fastest_split_its_prediction_knows(seed):
 
 
 def test_a_plan_over_the_kept_nodes_widens_back_to_the_whole_ring():
-    from mdi.starter.planner import widen
+    from mdi.starter.planning.planner import widen
     linear = dict(batch_cost=4.0)  # no gain from bigger passes: two nodes beat one
     costs = [node("s", 1.0, **linear), node("slow", 40.0, **linear), node("w", 1.0, **linear)]
     outer = make_plan(costs, 12, 2)
@@ -181,7 +181,7 @@ def test_a_plan_over_the_kept_nodes_widens_back_to_the_whole_ring():
 
 def test_nodes_on_one_machine_know_each_other():
     from mdi.runconfig import NodeSpec
-    from mdi.starter.node_speeds import machine_mates
+    from mdi.starter.planning.node_speeds import machine_mates
     nodes = [NodeSpec("starter", "10.0.0.9", 1), NodeSpec("a", "127.0.0.1", 2), NodeSpec("b", "10.0.0.2", 3),
              NodeSpec("c", "10.0.0.2", 4), NodeSpec("d", "localhost", 5)]
     assert machine_mates(nodes) == {"starter": ["a", "d"], "a": ["d", "starter"], "d": ["a", "starter"],
@@ -193,7 +193,7 @@ def test_kept_nodes_are_timed_again_until_the_plan_keeps_every_node_it_was_timed
     # three, timed again without it, make w2 look too slow; the last two, timed once more, keep
     # each other. The plan is the last one, and each round timed only the nodes kept before it.
     from types import SimpleNamespace
-    from mdi.starter import autoplan
+    from mdi.starter.planning import autoplan
     linear = dict(batch_cost=4.0)
     rounds = [[node("s", 1.0, **linear), node("w1", 40.0, **linear), node("w2", 1.0, **linear),
                node("w3", 1.0, **linear)],

@@ -67,7 +67,7 @@ def test_a_profile_reports_the_blocks_it_timed_and_the_reply_checks_them():
 
 
 def test_rows_timed_cover_every_ring_size_the_planner_weighs():
-    from mdi.starter.node_speeds import batch_sizes
+    from mdi.starter.planning.node_speeds import batch_sizes
     # 6 samples over 3 nodes travel as 3 x 2 rows, over 2 as 2 x 3, over 1 as one pass of 6.
     assert batch_sizes(6, 3) == [1, 2, 3, 6]
     assert batch_sizes(12, 3, max_batch=4) == [1, 2, 4]  # runtime.max_batch caps a group

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import BIN, make_tiny_model, tiny_config
-from mdi.model import kernel_choice, qkernels
 from mdi.model.layout import CheckpointError, QuantSpec, expected_shapes, quantizable, weight_bytes
-from mdi.model.quant import QParts, convert, dequantize, from_gguf_blocks, gather, pack_int4, quantize, unpack_int4
+from mdi.model.quantization import kernel_choice, qkernels
+from mdi.model.quantization.quant import (QParts, convert, dequantize, from_gguf_blocks, gather, pack_int4, quantize,
+                                         unpack_int4)
 from mdi.model.source import ModelSource, build_chunk
 from mdi.model.transformer import ModelChunk, full_model
 
@@ -49,7 +50,7 @@ def test_quantize_error_is_half_a_step(kind, group, bound):
 def test_group_size_that_does_not_divide_is_refused_naming_the_layer():
     config = tiny_config("llama")  # width 64, intermediate 128
     with pytest.raises(CheckpointError, match=r"blocks\.0\.attn\.qkv.*group size 48 does not divide its width 64"):
-        from mdi.model.quant import uniform_layout
+        from mdi.model.quantization.quant import uniform_layout
         uniform_layout(config, (0, 2), False, False, "int4", 48)
 
 
@@ -100,7 +101,7 @@ def _compare(config, layout, policy, tol):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("kind,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64)])
 def test_quantized_chunk_computes_its_dequantized_twin(family, kind, group):
-    from mdi.model.quant import uniform_layout
+    from mdi.model.quantization.quant import uniform_layout
     config = tiny_config(family)
     layout = uniform_layout(config, (0, config.n_layer), True, True, kind, group)
     assert "tok_emb" in layout  # the embedding / tied head is quantized too
@@ -121,7 +122,7 @@ def test_quantized_chunk_computes_its_dequantized_twin(family, kind, group):
 def test_a_half_precision_chunk_with_a_quantized_embedding_computes_in_that_dtype(dtype):
     # A quantized embedding looks its rows up in float32; a float16 chunk (a GPU's usual dtype)
     # then met float16 keys in attention and failed. The rows join the chunk's dtype.
-    from mdi.model.quant import uniform_layout
+    from mdi.model.quantization.quant import uniform_layout
     config = tiny_config("llama")
     layout = uniform_layout(config, (0, config.n_layer), True, True, "int8", 32)
     torch.manual_seed(3)
@@ -175,7 +176,7 @@ def test_exact_policy_never_picks_a_rounding_kernel():
 
 
 def test_quantized_sizes_are_what_memory_planning_counts():
-    from mdi.model.quant import uniform_layout
+    from mdi.model.quantization.quant import uniform_layout
     from mdi.worker.memory_budget import chunk_nbytes
     config = tiny_config("llama")
     layout = uniform_layout(config, (1, 3), False, False, "int4", 32)
@@ -206,7 +207,7 @@ def test_prepare_quantized_dir_and_chunks(tmp_path):
                                                   for k in quantizable(source.config, (2, 4), False, False)}
     assert source.layout(2, 4, False, "none") == {}
     node1 = os.path.join(out, "chunks", "2-2", "node1.safetensors")
-    from mdi.model import store
+    from mdi.model.files import store
     assert set(store.file_layout(node1)) == set(quantizable(source.config, (2, 4), False, False))
     # asking a float model for int8 quantizes it; the stored int4 dequantizes for `none`
     w = source.weights(0, 1, False, False, torch.float32, {"blocks.0.mlp.down": QuantSpec("int8", 128)})
@@ -274,7 +275,7 @@ def _write_llama_gguf(path, types, seed=0):
 
 def test_gguf_keeps_its_quantization_and_computes_the_same(tmp_path):
     pytest.importorskip("gguf")
-    from mdi.model.gguf import read_gguf
+    from mdi.model.files.gguf import read_gguf
     types = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q8_0",
              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "output": "F16"}
     path = _write_llama_gguf(tmp_path / "m.gguf", types)
@@ -304,7 +305,7 @@ def test_gguf_keeps_its_quantization_and_computes_the_same(tmp_path):
 
 def test_gguf_with_a_type_mdi_cannot_map_names_tensor_and_type(tmp_path):
     pytest.importorskip("gguf")
-    from mdi.model.gguf import read_gguf
+    from mdi.model.files.gguf import read_gguf
     path = _write_llama_gguf(tmp_path / "odd.gguf", {"ffn_up": "RAW_IQ4_NL", "attn_q": "Q4_0"})
     with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight has quant type IQ4_NL"):
         read_gguf(path, keep_quant=True)

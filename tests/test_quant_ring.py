@@ -7,9 +7,9 @@ import torch
 
 from conftest import SMOLLM2_DIR, WorkerProcess, free_ports
 from ringconfigs import parse_run_config
-from mdi.model import kernel_choice, qkernels
 from mdi.model.kv_cache import KVCache
 from mdi.model.layout import QuantSpec, weight_bytes
+from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.source import ModelSource, build_chunk
 from mdi.starter import batch
 

@@ -1,4 +1,4 @@
-"""The run's one plan (mdi.starter.run_plan): built once from the config and the workload, and
+"""The run's one plan (mdi.starter.planning.run_plan): built once from the config and the workload, and
 what the engine, its ring session and a recovery read; a rebuilt ring gets a new plan."""
 import dataclasses
 
@@ -11,9 +11,9 @@ from mdi.runconfig import samples_per_frame
 from ringconfigs import parse_run_config
 from mdi.starter.control import NodeError
 from mdi.starter.engine import Engine
-from mdi.starter.recovery import RecoveryImpossible, replan
-from mdi.starter.run_plan import plan_run
-from mdi.starter.run_shape import RunShape
+from mdi.starter.planning.recovery import RecoveryImpossible, replan
+from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_shape import RunShape
 
 
 def _cfg(model, layers=(1, 1, 2), quant=None, spares=0):

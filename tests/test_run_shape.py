@@ -1,4 +1,4 @@
-"""One home for a run's size (mdi.starter.run_shape): `mdi-start --check` checks the slots and
+"""One home for a run's size (mdi.starter.planning.run_shape): `mdi-start --check` checks the slots and
 positions the run then allocates (--n-samples, a soft prompt's virtual tokens and the
 tokenizer's BOS counted), and mdi-plan plans for the same positions."""
 import json
@@ -15,7 +15,7 @@ from mdi.cli.start import start_main
 from mdi.model.source import ModelSource
 from mdi.runconfig import load_config, samples_per_frame
 from mdi.starter import batch
-from mdi.starter.run_shape import expand_prompts
+from mdi.starter.planning.run_shape import expand_prompts
 
 N_VIRTUAL = 3
 
@@ -68,7 +68,7 @@ def test_check_sees_the_slots_and_positions_the_run_allocates(config_file, capsy
 
 def test_mdi_plan_plans_the_positions_of_the_run(config_file, capsys, tmp_path, monkeypatch):
     """mdi-plan plans for the run of the config's prompts: the same positions per slot."""
-    from mdi.starter import run_plan
+    from mdi.starter.planning import run_plan
     cfg = yaml.safe_load(open(config_file))
     cfg["nodes"] = [{"name": "starter", "layers": "auto"}]
     path = tmp_path / "plan.yaml"
@@ -89,7 +89,7 @@ def test_mdi_plan_plans_the_positions_of_the_run(config_file, capsys, tmp_path, 
 @pytest.mark.parametrize("setting,in_flight,nodes,expected", [
     ("auto", 12, 3, 4), ("auto", 1, 3, 1), ("auto", 7, 3, 3), (2, 12, 3, 2), (8, 3, 3, 3), (1, 0, 3, 1)])
 def test_samples_per_frame_is_one_rule(setting, in_flight, nodes, expected):
-    from mdi.starter.planner import groups
+    from mdi.starter.planning.planner import groups
     assert samples_per_frame(setting, in_flight, nodes) == expected
     if in_flight:
         assert groups(in_flight, nodes, setting)[0] == expected

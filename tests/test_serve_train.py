@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 from conftest import CHARS, ServeProcess, torch_only
 from ringconfigs import parse_run_config, write_run_config
 from mdi.lab.random_lora import write_random_lora
-from mdi.model.lora_train import peft_tensor_name
+from mdi.model.adapters.lora_train import peft_tensor_name
 from mdi.model.source import ModelSource
 from mdi.ring.train_request import TrainSetup
-from mdi.starter import batch, training
+from mdi.starter import batch
+from mdi.starter.train import training
 
 # A ring serving on ggml refuses a training job in one line (tests/test_ggml_adapters.py)
 pytestmark = torch_only

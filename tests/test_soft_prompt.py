@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mdi.model.adapter_files import load_any  # noqa: E402
-from mdi.model.lora import AdapterError  # noqa: E402
+from mdi.model.adapters.adapter_files import load_any  # noqa: E402
+from mdi.model.adapters.lora import AdapterError  # noqa: E402
 from mdi.model.row_batch import RowBatch  # noqa: E402
 from ringconfigs import parse_run_config  # noqa: E402
 from mdi.starter import batch  # noqa: E402

@@ -19,10 +19,11 @@ from mdi.model.transformer import full_model
 from mdi.ring.transport import LocalLoop
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.serving.validation import COMPLETIONS, ApiError, validate
-from mdi.starter import batch, run_plan, speculation
+from mdi.starter import batch, speculation
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
-from mdi.starter.preflight import preflight
+from mdi.starter.planning import run_plan
+from mdi.starter.planning.preflight import preflight
 from mdi.starter.sample import Sample
 from mdi.starter.speculation import draft_model
 from mdi.starter.speculation.draft_model import DraftModel, ModelDrafter, vocabulary_difference

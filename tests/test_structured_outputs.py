@@ -1,4 +1,4 @@
-"""Structured outputs of `--serve` (mdi.model.constraint, llguidance): JSON schemas, GBNF
+"""Structured outputs of `--serve` (mdi.model.constraints.constraint, llguidance): JSON schemas, GBNF
 grammars and regexes are obeyed token by token on a real 3-node SmolLM2 ring, streamed and
 whole, through the official `openai` client; constrained and free samples share the ring's
 frames without changing the free ones; every bad schema or grammar is one 400 naming its field.
@@ -13,12 +13,12 @@ import torch
 
 from conftest import ServeProcess, save_test_model
 from ringconfigs import write_run_config
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.tokenizers import char_tokenizer, gpt2_tokenizer, load_tokenizer
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-from mdi.model.constraint import ConstraintError, GrammarCompiler  # noqa: E402 (after the skip)
+from mdi.model.constraints.constraint import ConstraintError, GrammarCompiler  # noqa: E402 (after the skip)
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color"],
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -169,7 +169,7 @@ def test_an_output_nothing_valid_continues_is_neither_accepting_nor_complete(smo
     """A grammar whose start is fine but whose rest is empty: after `{"` the matcher is dead,
     may only end (llguidance's way), and the output is not whole. The compile's walk past the
     start finds this one (refused); off, it stands for a dead end past the walk's reach."""
-    from mdi.model import constraint
+    from mdi.model.constraints import constraint
     tok, compiler = smol_compiler
     with pytest.raises(ConstraintError, match="llguidance cannot run it"):
         compiler.compile(GrammarSpec("json_schema", json.dumps(DEAD_END), "json_schema"))
@@ -656,7 +656,7 @@ def test_recursive_refs_nest_at_most_ref_depth_levels(smol_compiler, schema, ans
 
 
 def test_a_recursion_that_cannot_end_is_left_as_it_is():
-    from mdi.model.schema_bounds import bounded
+    from mdi.model.constraints.schema_bounds import bounded
     endless = _obj({"v": {"type": "string", "maxLength": 4}, "next": {"$ref": "#"}})  # a required child
     assert bounded(endless) == endless
     odd = {"$defs": {"n": _obj({"not": {"not": {"$ref": "#/$defs/n"}}}, required=[])}, "$ref": "#/$defs/n"}

@@ -74,8 +74,8 @@ def test_an_engine_built_in_python_runs_the_threads_its_config_names(tiny_models
     from mdi.model.sampling import SamplingParams
     from mdi.model.source import ModelSource
     from mdi.starter.engine import Engine
-    from mdi.starter.run_plan import plan_run
-    from mdi.starter.run_shape import RunShape
+    from mdi.starter.planning.run_plan import plan_run
+    from mdi.starter.planning.run_shape import RunShape
     before = torch.get_num_threads()
     model = tiny_models["llama"]
     source = ModelSource(model)

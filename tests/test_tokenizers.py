@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import smollm2_gguf_path
-from mdi.model.tokenizer_import import byte_level_bpe, tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.files.tokenizer_import import byte_level_bpe, tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import (
     HFTokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError, bytes_to_unicode, char_tokenizer,
     gpt2_tokenizer, load_tokenizer,

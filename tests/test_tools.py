@@ -247,7 +247,7 @@ def test_auto_answers_are_a_valid_call_or_text_never_a_half_call(family, tools, 
 
 @pytest.mark.parametrize("family", [HERMES, LLAMA3, GENERIC])
 def test_auto_text_follows_response_format_and_a_client_grammar_leaves_the_answer_to_it(family, smollm2_dir):
-    from mdi.model.grammar_spec import GrammarSpec
+    from mdi.model.constraints.grammar_spec import GrammarSpec
     llguidance, tok = llg_tokenizer(smollm2_dir)
     fmt, choice = ToolFormat(family, False, False), ToolChoice(check_tools([ADD], {}), "auto", None, True)
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

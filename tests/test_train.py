@@ -4,7 +4,7 @@ The reference here is written apart from mdi's training code: the full tiny mode
 forward (ModelChunk.forward_batch) with each targeted PEFT module's LoRA added by a forward
 hook, part by part (y[rows of q] += scale * x A_q^T B_q^T, as PEFT's q_proj does), one
 cross-entropy mean over the whole batch and torch's AdamW. Only the initial pairs
-(mdi.model.lora_train.init_pairs: seeded, PEFT's init) and the tokenizer are shared."""
+(mdi.model.adapters.lora_train.init_pairs: seeded, PEFT's init) and the tokenizer are shared."""
 import json
 import math
 
@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from conftest import CHARS, tiny_model
 from ringconfigs import parse_run_config
-from mdi.model.lora import layer_shapes, part_rows
-from mdi.model.lora_train import LoraSpec, MODULES, init_pairs, key_layer
+from mdi.model.adapters.lora import layer_shapes, part_rows
+from mdi.model.adapters.lora_train import LoraSpec, MODULES, init_pairs, key_layer
 from mdi.model.tokenizers import char_tokenizer
 from mdi.ring.train_request import TrainSetup, read_train_body, train_body
 from mdi.ring.wire import Frame, FrameError, FrameKind, TrainTag, decode, encode
-from mdi.starter import training
-from mdi.starter.train_data import step_windows, text_windows
+from mdi.starter.train import training
+from mdi.starter.train.train_data import step_windows, text_windows
 
 TEXT = "".join(CHARS[(i * 7 + i // 5) % (len(CHARS) - 1)] for i in range(700)) + "\n"
 STEPS, BATCH, SEQ = 3, 4, 16
@@ -208,8 +208,8 @@ def test_worker_refuses_training_frames_of_a_run_not_training(tiny_models, worke
     from mdi.model.sampling import SamplingParams
     from mdi.model.source import ModelSource
     from mdi.starter.engine import Engine
-    from mdi.starter.run_plan import plan_run
-    from mdi.starter.run_shape import RunShape
+    from mdi.starter.planning.run_plan import plan_run
+    from mdi.starter.planning.run_shape import RunShape
     from mdi.starter.control import NodeError
     cfg = parse_run_config(tiny_models["llama"], workers[:1], layers=[2, 2], runtime={"ring_timeout": 10})
     source = ModelSource(cfg.model.path)
@@ -234,8 +234,8 @@ def test_worker_refuses_training_frames_of_a_run_not_training(tiny_models, worke
 def test_mdi_train_writes_metrics_and_an_adapter_mdi_serves(tiny_models, data_file, tmp_path, capsys):
     from ringconfigs import write_run_config
     from mdi.cli import train_main
-    from mdi.model.adapter_files import load_adapter
-    from mdi.model.lora_train import TrainableLora
+    from mdi.model.adapters.adapter_files import load_adapter
+    from mdi.model.adapters.lora_train import TrainableLora
     config_path = write_run_config(tmp_path / "one.yaml", tiny_models["llama"])
     out, metrics = tmp_path / "lora", tmp_path / "m.json"
     argv = ["--config", str(config_path), "--data", data_file, "--steps", "2", "--batch-size", "2", "--seq-len",

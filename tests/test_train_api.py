@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_model
 from ringconfigs import parse_run_config
-from mdi.model.lora_train import key_layer
+from mdi.model.adapters.lora_train import key_layer
 from mdi.ring.train_request import TrainSetup
 from mdi.starter.remote_blocks import RemoteBlocks
 

@@ -8,7 +8,7 @@ import torch
 from ringconfigs import parse_run_config, write_run_config
 from test_train import BATCH, SEQ, TEXT, _options, _setup
 from mdi.runconfig import ConfigError
-from mdi.starter import training
+from mdi.starter.train import training
 
 STEPS = 5
 LOSS_TOL = 3e-2  # relative, per step: bfloat16 rounds every activation to ~3 significant digits

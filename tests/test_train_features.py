@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from conftest import CHARS, ROOT, tiny_model
 from ringconfigs import parse_run_config, write_run_config
 from test_train import TEXT, WEIGHT_TOL, _close, _setup, reference
-from mdi.model.lora_train import init_pairs
+from mdi.model.adapters.lora_train import init_pairs
 from mdi.model.tokenizers import CharTokenizer
 from mdi.runconfig import ConfigError
-from mdi.starter import training
-from mdi.starter.train_checkpoint import checkpoint_path, load_checkpoint
-from mdi.starter.train_data import load_windows, step_index
+from mdi.starter.train import training
+from mdi.starter.train.train_checkpoint import checkpoint_path, load_checkpoint
+from mdi.starter.train.train_data import load_windows, step_index
 
 SEQ, BATCH = 16, 4
 EXAMPLES = [{"prompt": "Q: 2+2? ", "completion": "A: 4"},
@@ -160,7 +160,7 @@ def _peft_pairs(path, family):
 def test_five_steps_from_an_init_adapter_on_1_2_3_nodes_equal_the_reference(tiny_models, files, workers, family,
                                                                           tmp_path):
     from mdi.lab.random_lora import write_random_lora
-    from mdi.model.lora_train import read_peft_pairs
+    from mdi.model.adapters.lora_train import read_peft_pairs
     from mdi.ring.train_request import TrainSetup
     config = tiny_model(family).config
     path = tmp_path / "init"
@@ -270,7 +270,7 @@ def test_eval_and_clip_frames_round_trip_and_are_validated():
 
 
 def test_optimizer_state_travels_in_the_train_body():
-    from mdi.model.stage_train import OptimizerState
+    from mdi.model.adapters.stage_train import OptimizerState
     from mdi.ring.init_request import RequestError
     from mdi.ring.train_request import pairs_reply, read_pairs_reply, read_train_body, train_body
     setup = _setup("llama", ("q",))

@@ -1,7 +1,7 @@
 """An adapter mdi-train writes (--out) is a PEFT adapter: `peft.PeftModel.from_pretrained` on a
 transformers model of the same random weights loads it without a warning about missing or
 unexpected keys, and its logits equal mdi's serving that directory as `--adapter` does
-(mdi.model.adapter_files.load_adapter + the chunk's adapter slot) within 1e-4, float32.
+(mdi.model.adapters.adapter_files.load_adapter + the chunk's adapter slot) within 1e-4, float32.
 
 The base is a random Hugging Face model (tests/test_model_parity's makers) saved with
 save_pretrained; mdi trains on the same weights converted into an mdi directory with a
@@ -20,9 +20,9 @@ from ringconfigs import write_run_config  # noqa: E402
 from test_adapters import base_chunk, hf_model, run  # noqa: E402
 from test_model_parity import hf_gpt2, hf_llama  # noqa: E402
 from mdi.cli import train_main  # noqa: E402
-from mdi.model.adapter_files import load_adapter  # noqa: E402
-from mdi.model.checkpoints import read_hf_dir  # noqa: E402
-from mdi.model.store import save_model_dir  # noqa: E402
+from mdi.model.adapters.adapter_files import load_adapter  # noqa: E402
+from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
+from mdi.model.files.store import save_model_dir  # noqa: E402
 from mdi.model.tokenizers import char_tokenizer  # noqa: E402
 
 MAKERS = {"llama": hf_llama, "gpt2": hf_gpt2}

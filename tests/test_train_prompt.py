@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from conftest import CHARS, tiny_model
 from ringconfigs import parse_run_config, write_run_config
 from test_train import TEXT, _close, _ids
-from mdi.model.prompt_train import PromptSpec, init_prompt, text_init_ids
+from mdi.model.adapters.prompt_train import PromptSpec, init_prompt, text_init_ids
 from mdi.ring.train_request import TrainSetup, read_train_body, train_body
-from mdi.starter import training
-from mdi.starter.train_data import step_windows, text_windows
+from mdi.starter.train import training
+from mdi.starter.train.train_data import step_windows, text_windows
 
 STEPS, BATCH, SEQ, N_VIRTUAL, LR = 5, 4, 16, 4, 1e-2
 TOL = 1e-4  # losses and the final prompt, relative (the issue's bound)
@@ -145,8 +145,8 @@ def _hf_pair(tmp_path, family):
     mdi dir with the tests' character tokenizer (mdi-train reads that)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from mdi.model.checkpoints import read_hf_dir
-    from mdi.model.store import save_model_dir
+    from mdi.model.files.checkpoints import read_hf_dir
+    from mdi.model.files.store import save_model_dir
     from mdi.model.tokenizers import char_tokenizer
     torch.manual_seed(0)
     if family == "gpt2":  # test_model_parity's shapes, the character vocabulary
@@ -175,7 +175,7 @@ def test_trained_prompt_equals_peft_and_serves_as_peft_runs_it(tmp_path, data_fi
     and prompt; the adapter mdi-train writes loads in peft, and mdi serves it with peft's greedy ids."""
     import peft
     from mdi.cli import train_main
-    from mdi.model.prompt_train import save_prompt_adapter
+    from mdi.model.adapters.prompt_train import save_prompt_adapter
     from mdi.model.source import ModelSource
     from mdi.starter import batch as batch_run
     mdi_dir, hf = _hf_pair(tmp_path, family)
@@ -237,7 +237,7 @@ def test_mdi_train_prompt_resumes_and_starts_from_text(tiny_models, data_file, t
     checkpoint is itself a servable prompt adapter; --prompt-init text starts from the text's
     token embeddings (PEFT's rule)."""
     from mdi.cli import train_main
-    from mdi.model.adapter_files import load_any
+    from mdi.model.adapters.adapter_files import load_any
     from safetensors.torch import load_file
     config_path = str(write_run_config(tmp_path / "one.yaml", tiny_models["gpt2"]))
     base = ["--config", config_path, "--data", data_file, "--method", "prompt", "--num-virtual-tokens", "3",

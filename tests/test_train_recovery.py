@@ -13,7 +13,7 @@ from conftest import worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from test_train import SEQ, TEXT, _close, _setup
 from test_train_features import _worst
-from mdi.starter import ring_trainer, training
+from mdi.starter.train import ring_trainer, training
 
 STEPS, BATCH, KILL_STEP = 6, 4, 2  # the third step (0-based 2)
 TOL = 1e-5
@@ -198,7 +198,7 @@ def test_a_prompt_run_recovers_its_prompt_to_the_snapshot(tiny_models, data, thr
     """--method prompt: the workers train nothing, the prompt and its AdamW state are the
     starter's; after a spare takes over, the prompt goes back to the snapshot with the ring and
     the run equals an uninterrupted one."""
-    from mdi.model.prompt_train import PromptSpec
+    from mdi.model.adapters.prompt_train import PromptSpec
     setup = dataclasses.replace(_setup("llama"), targets=())
     options = dict(recovery_every=4, prompt=PromptSpec(3))  # the snapshot is the start: steps 1-3 redone
     whole = training.run(parse_run_config(tiny_models["llama"]), _options(data, setup, **options))

@@ -24,15 +24,16 @@ from mdi.cli.worker import worker_parser
 from mdi.model.config import ModelConfig
 from mdi.model.layout import torch_dtype
 from mdi.model.source import ModelSource
-from mdi.model.store import save_model_dir
+from mdi.model.files.store import save_model_dir
 from mdi.model.tokenizers import char_tokenizer
 from mdi.model.threads import candidates, usable_cpus
 from mdi.model.transformer import full_model
 from mdi.ring.init_request import (MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK, DataPlane, InitRequest, NodeBusy,
                                    PushedWeights, Weights)
 from mdi.runconfig import NodeSpec, parse_config
-from mdi.starter import batch, run_shape
+from mdi.starter import batch
 from mdi.starter.control import ControlClient, NodeError
+from mdi.starter.planning import run_shape
 
 
 def model_config(path):
@@ -234,7 +235,7 @@ def test_a_second_starter_is_refused_while_a_run_holds_the_workers(tiny_models, 
     from mdi.model.sampling import SamplingParams
     from mdi.starter.engine import Engine
     from mdi.starter.sample import make_samples
-    from mdi.starter.run_plan import plan_run
+    from mdi.starter.planning.run_plan import plan_run
     model = tiny_models["llama"]
     cfg_a = parse_config(ring_cfg(model, pair), "run A")
     source = ModelSource(model)

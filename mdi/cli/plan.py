@@ -10,8 +10,8 @@ from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
 
 if TYPE_CHECKING:  # the starter is imported when mdi-plan runs, not when the CLI loads
-    from mdi.starter.planner import LayerPlan
-    from mdi.starter.run_plan import RunPlan
+    from mdi.starter.planning.planner import LayerPlan
+    from mdi.starter.planning.run_plan import RunPlan
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -44,9 +44,9 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     from mdi.model.source import ModelSource
     from mdi.ring.auth import TokenError, load_token
     from mdi.starter.control import NodeError
-    from mdi.starter.planner import format_plan
-    from mdi.starter.run_plan import plan_run
-    from mdi.starter.run_shape import planning_shape
+    from mdi.starter.planning.planner import format_plan
+    from mdi.starter.planning.run_plan import plan_run
+    from mdi.starter.planning.run_shape import planning_shape
     try:
         cfg = load_config(args.config)
         cfg.runtime.token = load_token(cfg.runtime.token_file)

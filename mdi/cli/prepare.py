@@ -1,4 +1,4 @@
-"""mdi-prepare: turn a checkpoint into an mdi model directory (mdi.model.prepare)."""
+"""mdi-prepare: turn a checkpoint into an mdi model directory (mdi.model.files.prepare)."""
 import argparse
 import os
 import sys
@@ -11,7 +11,7 @@ from mdi.model.tokenizers import TokenizerError
 
 
 def prepare_parser() -> argparse.ArgumentParser:
-    from mdi.model import prepare
+    from mdi.model.files import prepare
     doc = prepare.__doc__
     p = ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -30,7 +30,7 @@ def prepare_parser() -> argparse.ArgumentParser:
 
 
 def prepare_main(argv: Optional[List[str]] = None) -> int:
-    from mdi.model import prepare
+    from mdi.model.files import prepare
     args = prepare_parser().parse_args(argv)
     setup_process()
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]

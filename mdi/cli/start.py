@@ -181,7 +181,7 @@ def _start(args: argparse.Namespace, batch) -> int:
         if args.ppl_ctx is not None or args.ppl_max_windows is not None:
             raise ConfigError("--ppl-ctx and --ppl-max-windows go with --perplexity FILE")
         if args.check:  # the samples the run would hold, --n-samples and --adapter counted
-            from mdi.starter.preflight import preflight
+            from mdi.starter.planning.preflight import preflight
             return preflight(cfg, args.prompt, args.n_samples, args.adapter)
         if args.serve:
             return _serve(cfg, args)
@@ -189,7 +189,7 @@ def _start(args: argparse.Namespace, batch) -> int:
             raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
         if (args.host or args.insecure) and args.dashboard is None:
             raise ConfigError("--host and --insecure go with --serve or --dashboard")
-        from mdi.starter.run_shape import expand_prompts
+        from mdi.starter.planning.run_shape import expand_prompts
         prompts = expand_prompts(cfg, args.prompt, args.n_samples)
         progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None
         dashboard = _dashboard(cfg, args, len(prompts)) if args.dashboard is not None else None

@@ -81,13 +81,14 @@ def train_parser() -> argparse.ArgumentParser:
 def train_main(argv: Optional[List[str]] = None) -> int:
     args = train_parser().parse_args(argv)
     from mdi.ring.auth import TokenError, load_token
-    from mdi.starter import batch, training
+    from mdi.starter import batch
+    from mdi.starter.train import training
     from mdi.ring.train_request import TrainSetup
-    from mdi.model.lora import AdapterError
-    from mdi.model.lora_train import check_targets, read_peft_pairs, save_peft_adapter
-    from mdi.model.prompt_train import PromptSpec, read_prompt_adapter, save_prompt_adapter
+    from mdi.model.adapters.lora import AdapterError
+    from mdi.model.adapters.lora_train import check_targets, read_peft_pairs, save_peft_adapter
+    from mdi.model.adapters.prompt_train import PromptSpec, read_prompt_adapter, save_prompt_adapter
     from mdi.model.source import ModelSource
-    from mdi.starter.train_checkpoint import load_checkpoint
+    from mdi.starter.train.train_checkpoint import load_checkpoint
 
     previous = interrupt_on_sigterm(batch.Interrupted)
     try:
@@ -105,7 +106,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         pairs, prompt, prompt_spec, text_ids = None, None, None, None
         rank, alpha = args.rank, args.alpha
         if prompt_method:
-            targets = ()  # no node trains a LoRA: the prompt is the starter's (mdi.model.prompt_train)
+            targets = ()  # no node trains a LoRA: the prompt is the starter's (mdi.model.adapters.prompt_train)
             n_virtual = args.num_virtual_tokens
             if args.init_adapter:
                 prompt = read_prompt_adapter(args.init_adapter, source.config)
@@ -163,7 +164,7 @@ def _print_step(record, total: int) -> None:
 
 
 def chat_renderer(tokenizer):
-    """A chat example's pieces of text, the assistant turns marked scored (mdi.starter.train_data):
+    """A chat example's pieces of text, the assistant turns marked scored (mdi.starter.train.train_data):
     the model's chat template (serving's sandboxed one) renders the conversation up to each
     assistant turn with the generation prompt, and through it without; the turn is what the
     second adds to the first. A template whose renderings are not each other's prefixes (one that

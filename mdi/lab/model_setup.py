@@ -65,7 +65,7 @@ def random_quant_layout(config, spec: Dict[str, Any], where: str) -> Dict[str, A
     """What a `random:` spec's `quant:` (+ `group_size`) stores quantized: every quantizable
     weight (QuantSpec by weight name); {} without quant. ExperimentError naming the layer when
     a group size does not divide its width."""
-    from mdi.model.quant import uniform_layout
+    from mdi.model.quantization.quant import uniform_layout
     if not spec.get("quant"):
         return {}
     try:
@@ -78,7 +78,7 @@ def build_random_model(path: str, name: str, spec: Dict[str, Any], where: str) -
     """A random-initialised model with a character tokenizer, saved as a prepared mdi dir.
     With `quant:` its weights are made quantized one matrix at a time (random_quantized_weights)."""
     import torch
-    from mdi.model.store import save_model_dir
+    from mdi.model.files.store import save_model_dir
     from mdi.model.tokenizers import char_tokenizer
     config = _checked_random_config(name, spec, where)
     layout = random_quant_layout(config, spec, where)
@@ -107,7 +107,7 @@ def random_quantized_weights(config, layout: Dict[str, Any], seed: int, std: flo
     norm weights 1, biases 0."""
     import torch
     from mdi.model.layout import expected_shapes
-    from mdi.model.quant import QParts, quantize
+    from mdi.model.quantization.quant import QParts, quantize
     rows = rows or ROWS_PER_BLOCK
     gen = torch.Generator().manual_seed(seed)
     out: Dict[str, Any] = {}
@@ -164,7 +164,7 @@ def sweep_model(entry: ModelEntry, where: str, source: str, log: Callable[[str],
 
 
 def _check_random_matches(path: str, name: str, spec: Dict[str, Any], where: str) -> None:
-    from mdi.model.store import read_mdi_config
+    from mdi.model.files.store import read_mdi_config
     try:
         have = read_mdi_config(path).to_dict()
     except Exception:  # not a prepared dir: certainly not what 'random' builds
@@ -196,7 +196,7 @@ def _quant_labels(layout: Dict[str, Any]) -> Dict[str, str]:
 
 
 def _stored_quant(path: str) -> Optional[Dict[str, str]]:
-    from mdi.model.store import file_layout
+    from mdi.model.files.store import file_layout
     try:
         return _quant_labels(file_layout(path))
     except ValueError:  # CheckpointError: no readable model.safetensors
@@ -215,7 +215,7 @@ def run_quant_layout(entry: ModelEntry, config, stored: Dict[str, Any], where: s
     """The weights a run of `entry` keeps quantized (whole model, by weight name), as mdi-start
     plans them (capacity.node_quant): model.quant `auto` as `stored`, int8 / int4 everything
     quantizable, none nothing."""
-    from mdi.model.quant import uniform_layout
+    from mdi.model.quantization.quant import uniform_layout
     if entry.quant == "auto":
         return dict(stored)
     if entry.quant == "none":

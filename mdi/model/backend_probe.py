@@ -57,11 +57,11 @@ def run_probe(request: ProbeRequest, timeout: float = PROBE_TIMEOUT_S) -> Backen
 
 def _time_ggml(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
     import numpy as np
+    from mdi.model.files.gguf_write import remove_quietly
     from mdi.model.ggml import lib
     from mdi.model.ggml.chunk import GgmlChunk
     from mdi.model.ggml.random_weights import write_probe_gguf
     from mdi.model.ggml.weights import GgufWeights
-    from mdi.model.gguf_write import remove_quietly
     from mdi.model.timing_loop import seconds_per_call
 
     n = min(req.n_blocks, config.n_layer)
@@ -76,9 +76,9 @@ def _time_ggml(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
 
 def _time_torch(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
     import torch
-    from mdi.model import qkernels
     from mdi.model.block_timing import profile_chunk
     from mdi.model.layout import layout_from_json, torch_dtype
+    from mdi.model.quantization import qkernels
     from mdi.model.timing_loop import seconds_per_call
 
     torch.set_num_threads(req.threads)

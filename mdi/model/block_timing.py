@@ -1,6 +1,6 @@
 """How fast this machine runs a model's blocks, timed on random weights of the real shapes,
 dtype and quantization: a board is profiled before any weight is sent (the planner,
-mdi.starter.planner, splits the layers by these numbers).
+mdi.starter.planning.planner, splits the layers by these numbers).
 
 Times are wall-clock seconds per call averaged over a window of at least `MIN_WINDOW_S`: a
 board under a CPU quota (a cgroup, or a Jetson's power mode) runs in bursts, and only a window

@@ -10,7 +10,7 @@ result is the eager path's, bit for bit (tests/test_fused_decode.py checks it).
 It covers Llama-family blocks (RMSNorm, RoPE, SiLU-gated MLP; a qkv bias as in Qwen2.5, q/k
 norms as in Qwen3) and Gemma 3's (norms after attention and the MLP too, a GELU-gated MLP, a query
 scale of its own, sliding-window layers with their own RoPE base) whose linear layers are
-float32 or use the CPU int4 packed or int8 integer kernels (the latter through their own module, mdi.model.qkernels.Int8DynamicLinear), with
+float32 or use the CPU int4 packed or int8 integer kernels (the latter through their own module, mdi.model.quantization.qkernels.Int8DynamicLinear), with
 float32 activations on the CPU, for frames where every sample brings one row (decode) or where
 every row stands for a decode step (a speculative verification, `RowBatch.row_wise`), and no
 adapter is in use. Everything else (prefill, GPT-2, the `exact` dequantizing kernels, CUDA,
@@ -34,7 +34,7 @@ from mdi.model.torch_settings import FUSED_DECODE_ENV, fused_decode_default
 log = logging.getLogger(__name__)
 
 FLOAT, INT4, INT8_AS_INT4 = 0, 1, 2
-KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi.model.qkernels names
+KERNEL_MODES = {"int4pack-cpu": INT4, "int8-as-2xint4-cpu": INT8_AS_INT4}  # mdi.model.quantization.qkernels names
 INTEGER_KERNELS = ("int8dyn-fbgemm", "int8dyn-qnnpack")  # run by their own module (packed["linear"])
 ENV_DEFAULT = FUSED_DECODE_ENV
 default_on = fused_decode_default  # where the torch side always found it
@@ -69,7 +69,7 @@ class _Linear(torch.nn.Module):
 
 
 class _Int8Dynamic(torch.nn.Module):
-    """QuantLinear's forward with an integer kernel (mdi.model.qkernels.Int8DynamicLinear)."""
+    """QuantLinear's forward with an integer kernel (mdi.model.quantization.qkernels.Int8DynamicLinear)."""
 
     def __init__(self, linear: torch.nn.Module, bias: Optional[torch.Tensor]) -> None:
         super().__init__()

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from mdi.model.config import ModelConfig
 from mdi.model.families import family_of
 from mdi.model.layout import QuantSpec
-from mdi.model.quant import HEAD_WEIGHTS, dequantize
+from mdi.model.quantization.quant import HEAD_WEIGHTS, dequantize
 
 if TYPE_CHECKING:  # imported when a kernel is chosen (pick_kernel)
-    from mdi.model.qkernels import Kernel
+    from mdi.model.quantization.qkernels import Kernel
 
 
 # Weights may be stored in a narrower dtype than the activations (float16 storage with
@@ -85,7 +85,7 @@ def decode_kernels() -> Iterator[None]:
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays quantized (`QuantSpec`). Loading fills the canonical
     tensors (qweight, scales[, mins]); `pick_kernel` then chooses how to multiply by measurement
-    (mdi.model.kernel_choice) and keeps only what that kernel reads: never a float copy of the weight."""
+    (mdi.model.quantization.kernel_choice) and keeps only what that kernel reads: never a float copy of the weight."""
 
     qweight: Optional[torch.Tensor]  # a buffer, declared for mypy; None once the packed form replaces it
 
@@ -111,7 +111,7 @@ class QuantLinear(nn.Module):
 
     def pick_kernel(self, where: str, keep_canonical: bool = False, resident: Sequence[torch.Tensor] = ()) -> None:
         """`resident`: the chunk's other tensors, read between timed calls (kernel_timing.time_call)."""
-        from mdi.model import kernel_choice
+        from mdi.model.quantization import kernel_choice
         canonical = self.canonical()
         # The head multiplies each sample's last row of a prefill pass (the pipeline samples only
         # those): its passes are decode-sized, and timing it on many rows costs seconds at load.
@@ -205,7 +205,7 @@ _fused_rms_norm = getattr(F, "rms_norm", None)
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight. The weight is the multiplier as applied: Gemma's checkpoints store
-    it less one (their norm computes 1 + w), mdi's state dicts hold 1 + w (mdi.model.convert).
+    it less one (their norm computes 1 + w), mdi's state dicts hold 1 + w (mdi.model.files.convert).
     `weight_in_float`: multiply in float32, then cast (Gemma's order); else cast the normalised
     rows, then multiply (Llama's). The same in float32."""
 

@@ -11,16 +11,16 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from safetensors.torch import save as safetensors_save
 
-from mdi.model import checkpoints, store
-from mdi.model.model_dir import GGUF_FILE
+from mdi.model.files import checkpoints, store
+from mdi.model.files.model_dir import GGUF_FILE
 from mdi.model.config import ModelConfig
-from mdi.model.gguf_config import GgufModel, read_gguf_model, rope_mode_of
-from mdi.model.gguf_layout import open_reader
+from mdi.model.files.gguf_config import GgufModel, read_gguf_model, rope_mode_of
+from mdi.model.files.gguf_layout import open_reader
 from mdi.model.layout import (QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, first_line,
                               quantizable)
-from mdi.model.quant import QParts, Stored, convert, gather, restrict, uniform_layout, weights_layout
+from mdi.model.quantization.quant import QParts, Stored, convert, gather, restrict, uniform_layout, weights_layout
 from mdi.model.transformer import ModelChunk
-from mdi.model.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.files.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from mdi.system.devices import use_shape_agnostic_attention
 from mdi.system.memory import release_freed_memory
@@ -109,7 +109,7 @@ class ModelSource:
         """A worker's layers as a GGUF of their tensors, copied block for block from the model's
         (what the starter pushes to a worker computing with ggml)."""
         import tempfile
-        from mdi.model.gguf_write import file_bytes, remove_quietly, write_gguf
+        from mdi.model.files.gguf_write import file_bytes, remove_quietly, write_gguf
         self.gguf()
         infos = {t.name: t for t in self._gguf_reader.tensors}
         tensors = {n: (kind, tuple(int(d) for d in infos[n].shape), infos[n].data)
@@ -234,7 +234,7 @@ class ModelSource:
         return safetensors_save({k: v.contiguous() for k, v in w.items()})
 
 
-# mdi's canonical matrices -> the GGUF tensors the torch reader stacks into each (mdi.model.gguf)
+# mdi's canonical matrices -> the GGUF tensors the torch reader stacks into each (mdi.model.files.gguf)
 _GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.proj": ("attn_output",),
                "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
 _GGUF_PARTS_GPT2 = {"attn.qkv": ("attn_qkv",), "attn.proj": ("attn_output",), "mlp.fc": ("ffn_up",),

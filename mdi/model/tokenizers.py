@@ -1,6 +1,6 @@
 """Tokenizers for mdi models: NanoGPT char-level, GPT-2 BPE (tiktoken), SentencePiece and
 Hugging Face `tokenizers` (tokenizer.json, or built from the vocabulary embedded in a GGUF file:
-see `mdi.model.tokenizer_import` for reading a checkpoint's own tokenizer files).
+see `mdi.model.files.tokenizer_import` for reading a checkpoint's own tokenizer files).
 
 A prepared mdi model directory holds `tokenizer_mdi.json` (kind, bos/eos ids, add_bos, chat
 template) plus the kind's own file, so `load_tokenizer(dir)` needs nothing from the network.

@@ -1,7 +1,7 @@
 """The names the torch backend's run-time settings take, without torch: runtime.quant_kernel's
 policies and kernel names, and runtime.fused_decode's default. The run config, /init and
 /profile validate them, and a node computing with ggml reads those without importing torch.
-The kernels themselves are mdi.model.qkernels', which checks that its names are these."""
+The kernels themselves are mdi.model.quantization.qkernels', which checks that its names are these."""
 import os
 
 POLICIES = ("exact", "fast")

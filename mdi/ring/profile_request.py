@@ -1,5 +1,5 @@
 """POST /profile (contract): the starter asks an idle worker how fast it runs a model's blocks,
-before any weight is sent; the planner (mdi.starter.planner) splits the layers by the answers.
+before any weight is sent; the planner (mdi.starter.planning.planner) splits the layers by the answers.
 
 One definition for both ends, as for /init: `ProfileRequest.to_json` / `validate_profile` on
 the way in (every field checked before use: a `RequestError`, HTTP 400), `ProfileReply.to_json` /
@@ -39,7 +39,7 @@ class ProfileRequest:
     quant: Dict[str, QuantSpec] = field(default_factory=dict)  # for blocks [0, PROFILE_LAYERS)
     quant_kernel: Optional[str] = None
     # runtime.fused_decode: the blocks are timed on the path the run will take. Always sent, so
-    # it is in the profile cache key (mdi.starter.node_speeds keys a profile by this JSON).
+    # it is in the profile cache key (mdi.starter.planning.node_speeds keys a profile by this JSON).
     fused_decode: bool = field(default_factory=fused_decode_default)
     # The backend the run will compute with there (mdi.model.backend): a plan times what runs.
     # ggml: the GGUF types of a block's tensors by suffix ("attn_q.weight": "Q4_1"), and (a
@@ -123,7 +123,7 @@ class ProfileReply:
     seconds: float  # how long profiling took
     ends_s: Dict[int, float] = field(default_factory=dict)  # the starter's own: embedding, head, sampling
     # The node's whole pass over the `blocks` timed blocks in its real loop, frames looping back
-    # to itself (mdi.timing.relay; the starter's: mdi.starter.loop_timing). Absent: not timed.
+    # to itself (mdi.timing.relay; the starter's: mdi.starter.planning.loop_timing). Absent: not timed.
     loop_s: Dict[int, float] = field(default_factory=dict)
     blocks: int = PROFILE_LAYERS  # random blocks timed (mdi.model.block_timing.profile_blocks)
 

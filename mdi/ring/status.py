@@ -103,7 +103,7 @@ class StatusReply:
     cache: NodeCache = field(default_factory=NodeCache)
     counters: NodeCounters = field(default_factory=NodeCounters)
     error: Optional[str] = None  # why its run's compute failed
-    # each quantized weight shape of its layers -> "kernel: why" (mdi.model.kernel_choice.chosen)
+    # each quantized weight shape of its layers -> "kernel: why" (mdi.model.quantization.kernel_choice.chosen)
     kernels: Dict[str, str] = field(default_factory=dict)
     cpu: Optional[str] = None  # its CPU as mdi.system.cpu.isa_text says it: which kernels win there
     kernels_here: List[str] = field(default_factory=list)  # what runtime.quant_kernel fast may try on its device

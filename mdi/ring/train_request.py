@@ -1,6 +1,6 @@
 """POST /train (contract): make the worker's current run a training run. The body is
 safetensors: the initial LoRA pairs of the worker's layers ("<layer>.<module>.lora_A" [r, in]
-and ".lora_B" [out, r], PEFT's modules, unscaled: mdi.model.lora_train) and, in the file's
+and ".lora_B" [out, r], PEFT's modules, unscaled: mdi.model.adapters.lora_train) and, in the file's
 metadata under "mdi_train", the JSON of a `TrainSetup`; a resumed run adds the AdamW state
 ("<layer>.<module>.lora_A.exp_avg" and ".exp_avg_sq", the steps taken in the metadata under
 "adam_steps"). GET /train answers the pairs and their AdamW state as they are now, the same
@@ -15,8 +15,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from safetensors.torch import load as safetensors_load, save as safetensors_save
 
-from mdi.model.lora_train import LoraSpec, check_targets
-from mdi.model.stage_train import OptimizerState
+from mdi.model.adapters.lora_train import LoraSpec, check_targets
+from mdi.model.adapters.stage_train import OptimizerState
 from mdi.ring.init_request import RequestError
 
 from mdi.ring.body_limits import MAX_TRAIN_BYTES  # noqa: E402,F401  (named from here too)

@@ -58,7 +58,7 @@ class FrameKind(StrEnum):
     SCORE = "score"  # every position comes back (perplexity): its rows always equal sum(count)
     STOP = "stop"  # the end of a run, sent round the ring
     RESET = "reset"  # a probe round the ring before samples enter it
-    # Training (mdi.starter.training, mdi.worker.training): a micro-batch of whole windows from
+    # Training (mdi.starter.train.training, mdi.worker.training): a micro-batch of whole windows from
     # position 0, every row carried; "grad" the gradient of the loss for the hidden states at a
     # layer boundary, travelling the ring's one direction until the node whose chunk ends there;
     # "step" tells every node that a batch's gradients are complete (no tensor); "eval" a

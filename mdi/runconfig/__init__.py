@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from mdi.model.backend import BACKENDS, KV_TYPES, default_backend
-from mdi.model.grammar_cost import MASK_DEADLINE_S
+from mdi.model.constraints.grammar_cost import MASK_DEADLINE_S
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, layer_ranges
 from mdi.model.torch_settings import fused_decode_default
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
@@ -68,7 +68,7 @@ class RuntimeSpec:
     token: Optional[str] = None  # the secret itself: never from the YAML, read via token_file/env
     # Re-plans after a node failure; None: 2 when spares are listed, else 0 (fail at once).
     recovery_attempts: Optional[int] = None
-    quant_kernel: str = DEFAULT_POLICY  # fast (measured fastest) | exact (float32 maths) | a kernel's name (mdi.model.qkernels)
+    quant_kernel: str = DEFAULT_POLICY  # fast (measured fastest) | exact (float32 maths) | a kernel's name (mdi.model.quantization.qkernels)
     # Samples per frame (one forward per node over all of them); "auto": samples in flight / nodes,
     # so they travel as about one group per node; 1: every sample alone (the unbatched ring).
     max_batch: IntOrAuto = "auto"
@@ -85,7 +85,7 @@ class RuntimeSpec:
     # KV cache), a byte count per node, or 0 (none).
     prefix_cache: IntOrAuto = "auto"
     # What quantized kernels may hold beyond the stored weights on each node (fbgemm's padded
-    # int8 rows, second copies for prefill passes; mdi.model.kernel_choice): 0 (none: a node
+    # int8 rows, second copies for prefill passes; mdi.model.quantization.kernel_choice): 0 (none: a node
     # holds its stored weights and no more), a byte count per node (within what the node's
     # memory spares beside its plan), or "auto" (whatever it spares).
     kernel_memory: IntOrAuto = 0
@@ -114,7 +114,7 @@ class ServeSpec:
     model_name: Optional[str] = None  # id in /v1/models; None: the model folder's name
     admission: str = "iteration"  # iteration: a freed slot is refilled at the next step;
     #                               static: whole batches (a baseline for benchmarks)
-    # CPU time one grammar token mask may take; over it its sample ends (mdi/model/grammar_cost.py)
+    # CPU time one grammar token mask may take; over it its sample ends (mdi/model/constraints/grammar_cost.py)
     mask_deadline_ms: float = MASK_DEADLINE_S * 1e3
 
 

@@ -9,7 +9,7 @@ from mdi.model.layout import QUANT_MODES, balanced
 from mdi.runconfig.checks import ConfigError, IntOrAuto, check_keys
 
 DEFAULT_HTTP_PORT = 8080
-AUTO_LAYERS = "auto"  # nodes[].layers: split by the planner (mdi.starter.planner) from measured speeds
+AUTO_LAYERS = "auto"  # nodes[].layers: split by the planner (mdi.starter.planning.planner) from measured speeds
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
 
 
@@ -92,7 +92,7 @@ def check_nodes(source: str, nodes: List[NodeSpec], spares: List[NodeSpec]) -> N
 def partition(n_layer: int, nodes: List[NodeSpec], source: str = "config") -> List[int]:
     """Layer counts per node: as given (must sum to the model's layers) or balanced."""
     if nodes[0].layers == AUTO_LAYERS:
-        raise ConfigError("%s: layers: auto must be planned first (mdi.starter.run_plan.plan_run)" % source)
+        raise ConfigError("%s: layers: auto must be planned first (mdi.starter.planning.run_plan.plan_run)" % source)
     if nodes[0].layers is None:
         if len(nodes) > n_layer:
             raise ConfigError("%s: %d nodes but the model has only %d layers" % (source, len(nodes), n_layer))

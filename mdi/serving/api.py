@@ -32,9 +32,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mdi.model.constraint import Constraint, ConstraintError, GrammarCompiler
-from mdi.model.constraint import unavailable as constraint_unavailable
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.constraint import Constraint, ConstraintError, GrammarCompiler
+from mdi.model.constraints.constraint import unavailable as constraint_unavailable
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.dashboard import register_dashboard
 from mdi.starter.adapter_set import MixTableFull, StarterTooLarge

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mdi.model import kernel_choice
 from mdi.model.layout import dtype_name
+from mdi.model.quantization import kernel_choice
 from mdi.ring.status import BatchCounter, StatusReply
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS
@@ -94,7 +94,7 @@ class Stats:
                 self.ttft_count += 1
 
     def grammar_finished(self, masks: int, seconds: float) -> None:
-        """A constrained request ended: its token masks and the time they took (mdi.model.constraint)."""
+        """A constrained request ended: its token masks and the time they took (mdi.model.constraints.constraint)."""
         with self.lock:
             self.grammar["requests"] += 1
             self.grammar["masks"] += masks
@@ -365,7 +365,7 @@ class Observer:
             "cache_bytes": starter.cache_bytes,
             "bytes_sent": starter.bytes_sent, "messages_sent": starter.messages_sent,
             "error": None,
-            # each quantized weight shape -> "kernel: why" (mdi.model.kernel_choice.chosen_by_weight)
+            # each quantized weight shape -> "kernel: why" (mdi.model.quantization.kernel_choice.chosen_by_weight)
             "kernels": kernel_choice.chosen_by_weight() if starter.backend == "torch" else {},
             "cpu": isa_text(cpu_info()),
             # what its layers compute with, and why (mdi.model.backend)

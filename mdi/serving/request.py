@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.sampling import SamplingParams
 from mdi.runconfig import SpeculationSpec
 from mdi.serving.streaming import TextStream, TokenLogprob
@@ -67,7 +67,7 @@ class Request:
             raise TypeError("Request takes options or the separate option arguments, not both")
         self.id = uuid.uuid4().hex[:24]
         self.options = options
-        self.constraint: Any = None  # options.grammar compiled (an mdi.model.constraint.Constraint)
+        self.constraint: Any = None  # options.grammar compiled (an mdi.model.constraints.constraint.Constraint)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.created = int(time.time())
         self.arrived_at = time.monotonic()

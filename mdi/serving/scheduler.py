@@ -10,7 +10,7 @@ old behaviour (a new batch only once the whole previous batch is done) as a base
 Every engine call happens on the scheduler's own thread. HTTP handler threads talk to it only
 through `submit`/`cancel` (typed messages into its `Inbox`: `inbox`) and each request's event queue (out of
 it): `TextEvent` pieces, then a `FinishEvent` or an `ErrorEvent` (`request`).
-How the ring is sized and opened is `mdi.starter.serving_plan`; the text a token adds (stop
+How the ring is sized and opened is `mdi.starter.planning.serving_plan`; the text a token adds (stop
 strings) is `streaming`; what /metrics and the dashboard show is `metrics`.
 """
 import collections
@@ -30,8 +30,8 @@ from mdi.serving.inbox import Call, Cancel, Inbox, RingState, SchedulerCall, Sub
 from mdi.serving.streaming import TextStream, finish_reason_of
 from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.sample import FinishReason, Sample
-from mdi.starter.run_shape import serving_max_len
-from mdi.starter.serving_plan import open_serving_ring
+from mdi.starter.planning.run_shape import serving_max_len
+from mdi.starter.planning.serving_plan import open_serving_ring
 
 STEP_TIMEOUT = 0.05  # seconds an engine step waits for a frame before the scheduler looks again
 IDLE_WAIT = 0.5  # seconds the idle scheduler sleeps on its inbox

@@ -6,7 +6,7 @@ import signal
 import time
 from typing import Dict, List, Optional
 
-from mdi.model import kernel_choice
+from mdi.model.quantization import kernel_choice
 from mdi.model.source import ModelSource
 from mdi.ring.auth import is_loopback, token_matches
 from mdi.runconfig import ConfigError, RunConfig

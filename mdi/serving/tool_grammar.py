@@ -1,6 +1,6 @@
 """The grammar a request's tool calls must obey (llguidance's Lark dialect, each call's
 arguments as `%json` of the function's `parameters`), for the constrained sampler
-(mdi/model/constraint.py) through `Request.grammar`.
+(mdi/model/constraints/constraint.py) through `Request.grammar`.
 
 What is constrained (as llama.cpp's handlers do, whatever `strict` says):
   tool_choice "required" or a named function: the whole answer is one call (one or more with
@@ -19,9 +19,9 @@ refused); a non-strict one's as plain JSON Schema (strict: false: those keywords
 import json
 from typing import Any, Dict, Optional
 
-from mdi.model.constraint import json_options
-from mdi.model.grammar_spec import GrammarSpec
-from mdi.model.schema_bounds import DATA_KEYS, DEF_MAPS, BoundsError, bounded
+from mdi.model.constraints.constraint import json_options
+from mdi.model.constraints.grammar_spec import GrammarSpec
+from mdi.model.constraints.schema_bounds import DATA_KEYS, DEF_MAPS, BoundsError, bounded
 from mdi.serving.tools import HERMES, LLAMA3, ToolChoice, ToolFormat
 from mdi.serving.validation import ApiError
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from mdi.model.lora_train import TARGETS, check_targets
+from mdi.model.adapters.lora_train import TARGETS, check_targets
 from mdi.ring.train_request import TrainSetup
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER
 from mdi.serving.served_files import ServedFiles, where

@@ -1,6 +1,6 @@
 """A LoRA trained on the serving ring, beside the requests it serves (issue 38, Symbiosis' idea):
 the same workers and the same one copy of the frozen base, the job's frames and the requests'
-frames on the same data plane, mdi-train's arithmetic (mdi.starter.ring_trainer.RingTrainer's stage,
+frames on the same data plane, mdi-train's arithmetic (mdi.starter.train.ring_trainer.RingTrainer's stage,
 loss and frames) so the adapter equals what mdi-train alone makes from the same seed and data.
 
 Every method runs on the scheduler's thread (mdi.serving.scheduler), the one reader and writer
@@ -37,12 +37,12 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 
-from mdi.model.lora_train import init_pairs, save_peft_adapter
+from mdi.model.adapters.lora_train import init_pairs, save_peft_adapter
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.serving.train_body import TrainJobSpec
 from mdi.starter.engine_face import EngineFace, RecoveryEvent
-from mdi.starter.train_data import Windows, step_index
-from mdi.starter.train_options import StepRecord, TrainOptions
+from mdi.starter.train.train_data import Windows, step_index
+from mdi.starter.train.train_options import StepRecord, TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TrainJob:
         self.last_back = time.monotonic()
         self.stop_at = 0.0
         self.lock = threading.Lock()  # the records another thread reads (report)
-        self.trainer: Any = None  # the engine's RingTrainer (mdi.starter.ring_trainer) while it trains
+        self.trainer: Any = None  # the engine's RingTrainer (mdi.starter.train.ring_trainer) while it trains
         self.run_id = 0
         self.rebuilt_after: Optional[str] = None  # the cause of the ring's last recovery meanwhile
 

@@ -19,7 +19,7 @@ from mdi.serving.served_files import ServedFiles
 from mdi.serving.train_body import parse_train_body
 from mdi.serving.train_job import STOP_WAIT_S, TrainJob
 from mdi.serving.validation import ApiError
-from mdi.starter.train_data import load_windows
+from mdi.starter.train.train_data import load_windows
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.serving import legacy_functions, tools
@@ -242,7 +242,7 @@ FIELDS = (  # in checking order: a check may read the fields above it
           check=_speculation),  # None: the server's generation.speculation
     # llama.cpp's: false computes the whole prompt again, reusing nothing the prefix cache holds
     Field("cache_prompt", (bool,), "true or false", default=True),
-    # What the output must obey (mdi.model.constraint): OpenAI's response_format, llama.cpp's
+    # What the output must obey (mdi.model.constraints.constraint): OpenAI's response_format, llama.cpp's
     # json_schema and GBNF grammar, and mdi's regex.
     Field("response_format", (dict,), "an object", check=_response_format),
     Field("json_schema", (dict,), "an object", check=lambda v, _: _schema_spec(v, "json_schema", strict=False)),

@@ -14,8 +14,8 @@ from mdi.runconfig import BASE_ADAPTER, ConfigError
 log = logging.getLogger(__name__)
 
 def read_adapter(name: str, path: str, config: ModelConfig) -> Any:
-    """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.lora.Adapter (ConfigError naming it)."""
-    from mdi.model.adapter_files import load_any
+    """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.adapters.lora.Adapter (ConfigError naming it)."""
+    from mdi.model.adapters.adapter_files import load_any
     try:
         return load_any(path, config, name)
     except (OSError, ValueError) as e:
@@ -32,7 +32,7 @@ class AdapterSet:
     def __init__(self, paths: Dict[str, str], config: ModelConfig) -> None:
         self.config = config
         self.names: List[Optional[str]] = []  # id i + 1 is names[i]; None: unloaded
-        self.adapters: List[Any] = []  # mdi.model.lora.Adapter or SoftPrompt, in id order
+        self.adapters: List[Any] = []  # mdi.model.adapters.lora.Adapter or SoftPrompt, in id order
         self.pending: Set[int] = set()
         self.mixes: Dict[Tuple[Tuple[int, float], ...], int] = {}  # ((id, scale), ...) -> its mix's id
         self.mix_used: Dict[int, float] = {}  # a mix's id -> when a request was last given it
@@ -139,7 +139,7 @@ class AdapterSet:
         base (every scale 0), one adapter at scale 1 or a mix already held; else (key, None,
         the mix to load under the name mix_name(key)). ConfigError for unknown ids or a
         prompt-tuning adapter scaled or mixed."""
-        from mdi.model.lora import AdapterError, mix_adapters
+        from mdi.model.adapters.lora import AdapterError, mix_adapters
         key = tuple(sorted((a, float(s)) for a, s in entries if s != 0))
         for adapter, _ in key:
             if adapter == 0 or not self.has(adapter) or adapter in self.mixes.values():
@@ -217,5 +217,5 @@ def virtual_tokens(adapters: Optional[AdapterSet], adapter: int) -> int:
 
 def adapter_layer_bytes(cfg_adapters: Dict[str, str], config: ModelConfig) -> List[int]:
     """Bytes of the configured adapters' matrices per layer: what each node holds besides its
-    weights and KV cache (every node's budget counts it, mdi.starter.node_budget)."""
+    weights and KV cache (every node's budget counts it, mdi.starter.planning.node_budget)."""
     return AdapterSet(cfg_adapters, config).layer_bytes() if cfg_adapters else [0] * config.n_layer

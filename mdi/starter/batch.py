@@ -9,8 +9,8 @@ from mdi.starter.engine import Engine
 from mdi.starter.node_report import NodeReport, ring_reports, starter_report
 from mdi.model.source import ModelSource
 from mdi.starter.sample import FinishReason, Sample
-from mdi.starter.run_plan import plan_run
-from mdi.starter.run_shape import batch_samples, batch_shape
+from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_shape import batch_samples, batch_shape
 from mdi.model.sampling import SamplingParams
 
 

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from mdi.model import kernel_choice, qkernels
+from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.backend import BackendChoice
 from mdi.model.backend_select import select_backend
 from mdi.model.layout import layout_to_json, torch_dtype
@@ -29,14 +29,14 @@ from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import AdapterSet
 from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
-from mdi.starter.capacity import check_fits_here
+from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.node_report import NodeReport, Recovery
-from mdi.starter.recovery import RecoveryImpossible, replan
-from mdi.starter.ring_trainer import RingTrainer
-from mdi.starter.run_plan import RunPlan
+from mdi.starter.planning.recovery import RecoveryImpossible, replan
+from mdi.starter.train.ring_trainer import RingTrainer
+from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.session import RingSession
 from mdi.starter.speculation.costs import measure_pass_costs
 from mdi.model.sampling import SamplingParams
@@ -50,7 +50,7 @@ class Engine(RuntimeAdapters):
     def __init__(self, plan: RunPlan, source: ModelSource, params: SamplingParams,
                  on_token: Optional[Callable[[Sample, int], None]] = None,
                  adapters: Optional[AdapterSet] = None, registry: Optional[NodeRegistry] = None) -> None:
-        # The run's one plan (mdi.starter.run_plan); a recovery replaces it with the new ring's.
+        # The run's one plan (mdi.starter.planning.run_plan); a recovery replaces it with the new ring's.
         self.plan = plan
         self.cfg, self.source = plan.cfg, source
         self.registry = registry or NodeRegistry.for_run(plan.cfg)  # every node's one control client
@@ -393,7 +393,7 @@ class Engine(RuntimeAdapters):
         self.live_pipeline.transport.send(frame)
 
     def ring_trainer(self, options: Any, pairs: Any) -> Any:
-        """A RingTrainer (mdi.starter.ring_trainer) over this engine's ring: every node trains its layers' pairs."""
+        """A RingTrainer (mdi.starter.train.ring_trainer) over this engine's ring: every node trains its layers' pairs."""
         return RingTrainer(self, options, pairs)
 
     def stop_training(self) -> List[str]:

@@ -8,9 +8,9 @@ from typing import Any, Callable, List, Optional, Tuple, cast
 
 from mdi.runconfig import ConfigError
 from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter, virtual_tokens
-from mdi.starter.capacity import starter_free_bytes
 from mdi.starter.control import NodeError
-from mdi.starter.node_budget import check_starter_adapter
+from mdi.starter.planning.capacity import starter_free_bytes
+from mdi.starter.planning.node_budget import check_starter_adapter
 from mdi.starter.sample import Sample
 from mdi.system.memory import release_freed_memory
 
@@ -91,7 +91,7 @@ class RuntimeAdapters:
                      evict: Optional[Callable[[List[int]], Optional[int]]] = None) -> int:
         """The adapter id for llama.cpp's `lora: [{id, scale}, ...]` (here as (adapter id,
         scale)): the base, one adapter, or a mix of scaled adapters loaded once on every node
-        like any adapter (mdi.model.lora.mix_adapters) and reused by later requests.
+        like any adapter (mdi.model.adapters.lora.mix_adapters) and reused by later requests.
         With MAX_MIXES held, `evict` (given the held mixes, least recently given out first)
         drops the first that no request uses and says which (None: every one is in use), so
         one client asking for mix after mix cannot lock every other client out of the table."""

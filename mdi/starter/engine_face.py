@@ -50,7 +50,7 @@ class StarterReading:
 class EngineFace(Protocol):
     """What serving may use of the starter's engine (mdi.starter.engine.Engine)."""
     cfg: RunConfig
-    plan: Any  # the run plan (mdi.starter.run_plan.RunPlan), a frozen value
+    plan: Any  # the run plan (mdi.starter.planning.run_plan.RunPlan), a frozen value
     source: Any  # the model (mdi.model.source.ModelSource)
     dtype: Any  # the weights' torch dtype
     device: str

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from mdi.model.grammar_spec import GrammarSpec
+from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.sampling import SamplingParams
 from mdi.runconfig import SpeculationSpec
 

@@ -8,7 +8,7 @@ a failed run has no counters from it (`ring_reports`)."""
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from mdi.model import kernel_choice
+from mdi.model.quantization import kernel_choice
 from mdi.ring.status import StatusReply
 from mdi.system.memory import unified_memory_bytes
 

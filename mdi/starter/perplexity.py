@@ -29,8 +29,8 @@ from mdi.ring.wire import Frame, FrameKind
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.batch import Interrupted, RunFailed
 from mdi.starter.control import NodeError
-from mdi.starter.run_plan import plan_run
-from mdi.starter.run_shape import RunShape
+from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_shape import RunShape
 from mdi.starter.engine import Engine
 from mdi.starter.node_report import NodeReport, ring_reports, starter_report
 from mdi.system.transfers import to_device

@@ -27,7 +27,7 @@ class PipelineSettings:
 
     @classmethod
     def from_plan(cls, plan: Any, tag_epochs: bool = False) -> "PipelineSettings":
-        """The settings of a run plan's ring (mdi.starter.run_plan.RunPlan)."""
+        """The settings of a run plan's ring (mdi.starter.planning.run_plan.RunPlan)."""
         gen = plan.cfg.generation
         return cls(max_batch=plan.max_batch, prefill_chunk=plan.prefill_chunk, context_shift=gen.context_shift,
                    speculation=gen.speculation, n_stages=len(plan.nodes), tag_epochs=tag_epochs,

@@ -8,7 +8,7 @@ a training loop of their own on a model that only the boards together hold.
         loss = my_head(out.hidden).sum()
         loss.backward()                               # grad frames back: x.grad, d loss / d x
 
-It is mdi-train's machinery (mdi.starter.training) driven one call at a time: a forward under
+It is mdi-train's machinery (mdi.starter.train.training) driven one call at a time: a forward under
 autograd sends the batch round as a "train" frame (micro-batch i of the current step); the
 backward sends the gradient for the last hidden states as a "grad" frame, each node runs its
 backward and sends the gradient for its input on, and the starter's own backward gives the
@@ -37,15 +37,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from mdi.model.lora_train import init_pairs
+from mdi.model.adapters.lora_train import init_pairs
 from mdi.model.source import ModelSource
 from mdi.ring.train_request import TrainSetup
 from mdi.ring.wire import Frame, FrameKind, TrainTag
 from mdi.runconfig import RunConfig
 from mdi.starter.engine import Engine
-from mdi.starter.ring_trainer import RingTrainer
-from mdi.starter.train_options import Pairs, TrainOptions
-from mdi.starter.training import open_engine, training_config
+from mdi.starter.train.ring_trainer import RingTrainer
+from mdi.starter.train.train_options import Pairs, TrainOptions
+from mdi.starter.train.training import open_engine, training_config
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class RemoteBlocks:
         self._step, self._micro = self._step + 1, 0
 
     def pairs(self) -> Pairs:
-        """Every node's LoRA pairs as they are now (mdi.model.lora_train keys)."""
+        """Every node's LoRA pairs as they are now (mdi.model.adapters.lora_train keys)."""
         return self.trainer.collect()[0]
 
 

@@ -56,7 +56,7 @@ class Sample:
     # `logprobs` as they are drawn (None: none kept).
     top_logprobs: Optional[int] = None
     logprobs: List[Logprobs] = field(default_factory=list)
-    # Serving: a grammar its output must obey (an mdi.model.constraint.Constraint), or None.
+    # Serving: a grammar its output must obey (an mdi.model.constraints.constraint.Constraint), or None.
     constraint: Optional[Any] = None
     # Serving: its request's options, the very value the request holds (None: a run's sample,
     # built from the fields above). `for_options` copies the ones the pipeline reads into them.

@@ -17,7 +17,7 @@ from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.node_report import NodeReport, worker_report
-from mdi.starter.run_plan import RunPlan
+from mdi.starter.planning.run_plan import RunPlan
 from mdi.system.parallel import run_all
 
 log = logging.getLogger(__name__)

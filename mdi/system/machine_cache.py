@@ -1,7 +1,7 @@
 """Measurements remembered per machine: JSON files in the profile cache folder
 ($MDI_PROFILE_CACHE, default ~/.cache/mdi) that the nodes of one machine share: the backends'
-(mdi.model.backend), the quantized kernels' (mdi.model.kernel_memory) and the planner's
-(mdi.starter.node_speeds).
+(mdi.model.backend), the quantized kernels' (mdi.model.quantization.kernel_memory) and the planner's
+(mdi.starter.planning.node_speeds).
 
 A versioned file holds {"version": N, "entries": {...}}; one from another version, or one that
 cannot be read, reads as empty (what it held is measured again). Writes go to a temporary file

@@ -7,11 +7,11 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from mdi.model.config import ModelConfig
+from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.ggml import lib
 from mdi.model.ggml.chunk import GgmlChunk
 from mdi.model.ggml.random_weights import write_probe_gguf
 from mdi.model.ggml.weights import GgufWeights
-from mdi.model.gguf_write import remove_quietly
 from mdi.model.pass_rows import PassRows
 from mdi.model.threads import usable_cpus
 from mdi.model.timing_loop import PROFILE_LAYERS, seconds_per_call

@@ -6,9 +6,9 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from mdi.model import kernel_choice, qkernels
 from mdi.model.block_timing import profile_blocks, profile_chunk, time_chunk
 from mdi.model.layout import torch_dtype
+from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.sampling import SamplingParams
 from mdi.model.transformer import ModelChunk
 from mdi.ring.profile_request import ProfileReply, ProfileRequest

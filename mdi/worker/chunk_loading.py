@@ -34,7 +34,7 @@ def load_torch_chunk(key: LoadedWeights, quant: Any, fn: str, exact: bool, kerne
     stored weights only within runtime.kernel_memory (`kernel_memory`), and what the memory
     spares (`spare`, None: unknown). The caller set the run's threads first: kernels are
     measured with the threads the run will use."""
-    from mdi.model import kernel_choice, qkernels
+    from mdi.model.quantization import kernel_choice, qkernels
     from mdi.model.source import build_chunk_from_file
     first, last = key.layers
     qkernels.set_preference(key.quant_kernel)
@@ -50,10 +50,10 @@ def load_torch_chunk(key: LoadedWeights, quant: Any, fn: str, exact: bool, kerne
 def load_ggml_chunk(key: LoadedWeights, fn: str, threads: int) -> Any:
     """Layers [first, last) from a GGUF (the model's own, or the node's part pushed): its
     tensors as stored, checked against the model before a graph is built."""
+    from mdi.model.files.gguf_config import rope_mode_of, rope_permuted
+    from mdi.model.files.gguf_layout import open_reader
     from mdi.model.ggml.chunk import GgmlChunk
     from mdi.model.ggml.weights import GgufWeights
-    from mdi.model.gguf_config import rope_mode_of, rope_permuted
-    from mdi.model.gguf_layout import open_reader
     first, last = key.layers
     try:
         reader = open_reader(fn)

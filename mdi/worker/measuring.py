@@ -90,7 +90,7 @@ class Measuring:
         self.chosen = (list(request.layers), choice.backend, choice.describe())
         kernels = []
         if choice.backend == "torch":  # it will load torch for the run anyway
-            from mdi.model import qkernels
+            from mdi.model.quantization import qkernels
             kernels = qkernels.offered_on(self.device_override or request.device)
         return BackendReply(choice.backend, choice.describe(), round(choice.seconds, 3), kernels)
 

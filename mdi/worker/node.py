@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from mdi.model.layout import layout_to_json, torch_dtype
-from mdi.model.model_dir import GGUF_FILE, MODEL_FILE
+from mdi.model.files.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.ring.auth import ring_password

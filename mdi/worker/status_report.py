@@ -46,7 +46,7 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
 
 
 def _torch_kernels() -> dict:
-    from mdi.model import kernel_choice
+    from mdi.model.quantization import kernel_choice
     return kernel_choice.chosen_by_weight()
 
 
@@ -56,5 +56,5 @@ def _kernels_here(device: str) -> List[str]:
     import sys
     if "torch" not in sys.modules:
         return []
-    from mdi.model import qkernels
+    from mdi.model.quantization import qkernels
     return qkernels.offered_on(device)

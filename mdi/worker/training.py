@@ -2,12 +2,12 @@
 and the compute loop hands it every training frame (mdi.ring.wire's TRAINING_KINDS).
 
   train  a micro-batch's hidden states at this node's first layer: its blocks run forward with
-         the LoRA (mdi.model.stage_train keeps what backward needs) and the output goes on.
+         the LoRA (mdi.model.adapters.stage_train keeps what backward needs) and the output goes on.
   grad   the gradient at a layer boundary: when the boundary is this node's last layer + 1,
          backward runs and the gradient for its input goes on, tagged with its first layer;
          any other boundary is passed on untouched. Gradients travel the ring's one direction,
          so one reaches the node before it by going once round (why: docs in
-         mdi.starter.training).
+         mdi.starter.train.training).
   step   the batch is complete: AdamW steps this node's parameters; the frame goes on.
   eval   a held-out micro-batch: its blocks run forward, nothing kept, the output goes on.
   clip   (--clip) phase 0: this node adds its gradients' squared norm to the frame's value;
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from mdi.model.stage_train import StageTrainer, train_dtype_problem
+from mdi.model.adapters.stage_train import StageTrainer, train_dtype_problem
 from mdi.ring.init_request import RequestError, TooLarge
 from mdi.ring.train_request import pairs_reply, read_train_body
 from mdi.ring.wire import Frame, FrameKind, TrainTag

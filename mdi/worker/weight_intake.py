@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.config import ModelConfig
-from mdi.model.model_dir import MODEL_FILE
+from mdi.model.files.model_dir import MODEL_FILE
 from mdi.ring.init_request import PushedWeights, RequestError, TooLarge, Weights
 
 PUSH_BLOCK = 1 << 20  # pushed weights go from the socket to disk in blocks of this size

@@ -1,11 +1,11 @@
 """LoRA adapters on the ggml backend: each adapter's A / B pairs as ggml tensors in its own
 buffer, and the graph ops that add them to the rows of the samples that name them.
 
-An adapter arrives as the torch chunk takes it (mdi.model.lora): per mdi linear layer
+An adapter arrives as the torch chunk takes it (mdi.model.adapters.lora): per mdi linear layer
 ("blocks.3.attn.qkv") a pair (A [r, in], B [out, r]) with the scale folded into B, mixes already
 stacked (A's rows) and scaled (B's columns). The GGUF keeps some of mdi's fused layers apart
 (attn_q / attn_k / attn_v, ffn_gate / ffn_up), so B's rows are cut the same way, q and k
-permuted where the file's RoPE layout is llama.cpp's (mdi.model.gguf_export's Part), and the
+permuted where the file's RoPE layout is llama.cpp's (mdi.model.files.gguf_export's Part), and the
 columns of B a part leaves zero (another part's rank) are dropped with their rows of A: each
 GGUF matrix W gets its own pair and its own y = W x + B (A x), llama.cpp's build_lora_mm.
 

@@ -9,9 +9,9 @@ from typing import Dict, Tuple
 import numpy as np
 
 from mdi.model.config import ModelConfig
+from mdi.model.files.gguf_write import RawTensor, remove_quietly, write_gguf
 from mdi.model.ggml import lib
 from mdi.model.ggml.tensors import block_tensors, end_tensors
-from mdi.model.gguf_write import RawTensor, remove_quietly, write_gguf
 
 
 def random_tensor(kind: str, dims: Tuple[int, ...], norm: bool, rng: np.random.Generator) -> np.ndarray:

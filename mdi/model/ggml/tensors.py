@@ -18,7 +18,7 @@ MATRIX_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q
                 "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
                 "TQ1_0", "TQ2_0", "MXFP4")
 VECTOR_TYPES = ("F32",)
-# How the torch backend holds a GGUF's matrices (mdi.model.gguf): block types that are mdi
+# How the torch backend holds a GGUF's matrices (mdi.model.files.gguf): block types that are mdi
 # formats already (32 values per block, float16 scale [+ min]), kept without loss...
 GGUF_DIRECT = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 # ... types dequantized then re-rounded to their nearest mdi format (as many bits or more) ...

@@ -1,7 +1,7 @@
 """A node's weights as ggml tensors, read from a GGUF file as stored: block for block, nothing
 dequantized or re-rounded, only the tensors the node's layers name.
 
-The file is memory-mapped (mdi.model.gguf_layout walks and checks its header first) and each
+The file is memory-mapped (mdi.model.files.gguf_layout walks and checks its header first) and each
 tensor points into the map, so a node's resident memory holds the pages of its own layers
 only, as they are first read. Matrices whose type ggml's CPU backend re-lays for its matrix
 kernels (the CPU_REPACK buffer type: Q4_0, Q4_K, IQ4_NL, Q8_0... on AVX2 / NEON) are copied
@@ -11,8 +11,8 @@ import logging
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 
+from mdi.model.files.gguf_layout import GGUFFile, open_reader
 from mdi.model.ggml import lib
-from mdi.model.gguf_layout import GGUFFile, open_reader
 from mdi.model.layout import CheckpointError
 
 log = logging.getLogger(__name__)

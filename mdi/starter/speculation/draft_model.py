@@ -32,7 +32,7 @@ from mdi.model.source import ModelSource, read_tokenizer
 from mdi.model.tokenizers import Tokenizer, TokenizerError
 from mdi.model.transformer import ModelChunk
 from mdi.runconfig import ConfigError, RunConfig
-from mdi.starter.capacity import chunk_bytes_needed
+from mdi.starter.planning.capacity import chunk_bytes_needed
 from mdi.starter.sample import Sample
 from mdi.system.transfers import ints_to_device
 

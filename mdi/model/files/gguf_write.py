@@ -1,0 +1,114 @@
+"""Write GGUF files with the `gguf` package: a node's part of a model copied block for block
+(the weights a starter pushes to a worker computing with ggml), random tensors of a model's
+real shapes and types (what a node times before any weight is sent), and the tests' damaged
+copies of a model. (`mdi-prepare`'s GGUF of a checkpoint: mdi.model.files.gguf_export, on this metadata.)
+
+Tensors go in as raw bytes of their ggml type, never converted here; the metadata is the
+architecture's keys llama.cpp reads, so the file is a GGUF llama.cpp can open too.
+"""
+import logging
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from mdi.model.config import ModelConfig
+from mdi.model.families import family_of
+
+# mdi family -> general.architecture written for it (qwen2/qwen3 are "llama" family: their own arch names)
+def arch_of(config: ModelConfig) -> str:
+    if config.family == "llama":
+        if config.qk_norm:
+            return "qwen3"
+        if config.qkv_bias:
+            return "qwen2"
+        return "llama"
+    return config.family
+
+
+def add_model_metadata(writer, config: ModelConfig, arch: str) -> None:
+    """The keys llama.cpp reads for `arch` (gguf_config.read_gguf_model reads them back)."""
+    fam = family_of(config.family)
+    writer.add_block_count(config.n_layer)
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.n_kv_head)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if fam.norm == "layer":
+        writer.add_layer_norm_eps(config.norm_eps)
+    else:
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+    if fam.positions == "rope":
+        writer.add_rope_freq_base(config.rope_theta)
+        writer.add_rope_dimension_count(config.head_dim)
+    if config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_uint32("%s.attention.sliding_window_pattern" % arch, config.sliding_pattern)
+        if config.rope_local_theta:
+            writer.add_float32("%s.rope.freq_base_swa" % arch, config.rope_local_theta)
+    writer.add_vocab_size(config.vocab_size)
+    if config.bos_token_id is not None:
+        writer.add_bos_token_id(config.bos_token_id)
+    if config.eos_token_id is not None:
+        writer.add_eos_token_id(config.eos_token_id)
+
+
+RawTensor = Tuple[str, Tuple[int, ...], np.ndarray]  # (ggml type name, dims in ggml order, the bytes)
+
+
+def write_gguf(path: str, config: ModelConfig, tensors: Dict[str, RawTensor], arch: Optional[str] = None,
+               extra: Optional[Dict[str, object]] = None) -> str:
+    """A GGUF at `path` holding `tensors` as given, with `config`'s metadata."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    arch = arch or arch_of(config)
+    quiet = logging.getLogger("gguf")  # it says "Writing the following files" for every file
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        _write(GGUFWriter(path, arch), config, tensors, arch, extra or {}, GGMLQuantizationType)
+    finally:
+        quiet.setLevel(level)
+    return path
+
+
+def _write(writer: Any, config: ModelConfig, tensors: Dict[str, RawTensor], arch: str, extra: Dict[str, object],
+           GGMLQuantizationType: Any) -> None:
+    add_model_metadata(writer, config, arch)
+    for key, value in extra.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+    for name, (kind, dims, data) in tensors.items():
+        qtype = GGMLQuantizationType[kind]
+        raw = np.ascontiguousarray(data)
+        if kind in ("F32", "F16") and raw.dtype != np.uint8:
+            writer.add_tensor(name, raw.reshape(tuple(reversed(dims))), raw_dtype=qtype)
+        else:
+            # quantized: the bytes as [outer dims..., bytes per row]; gguf derives the element shape
+            as_bytes = raw.view(np.uint8)
+            rows = tuple(reversed(dims[1:]))
+            per_row = as_bytes.size // max(1, int(np.prod(rows))) if rows else as_bytes.size
+            writer.add_tensor(name, as_bytes.reshape(rows + (per_row,)), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def file_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,352 @@
+"""Build a tokenizer from a checkpoint's own files: a Hugging Face directory (tokenizer.json or
+tokenizer.model with tokenizer_config.json) or the vocabulary embedded in a GGUF file, the way
+transformers builds it, so both give the same ids. A GGUF "gpt2" (byte-level BPE) vocabulary gets
+the pre-tokenizer its `tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM:
+"smollm", ...), so it tokenizes as the model's tokenizer.json does; an unknown name is an error. A
+GGUF "llama" (SentencePiece) vocabulary (Gemma 3, Llama 2, TinyLlama) tokenizes as llama.cpp's
+`llm_tokenizer_spm` does."""
+import os
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
+
+from mdi.model.files.gguf_layout import open_reader
+from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
+                                  read_json_if, read_tokenizer_json)
+
+# llama.cpp's `tokenizer.ggml.pre` names the pre-tokenizer a "gpt2" (byte-level BPE) vocabulary was
+# trained with. The regexes are the models' own tokenizer.json ones, as transformers uses them
+# (TikTokenConverter / gguf_tokenizer_mapping.py for Llama 3, models/qwen2/tokenization_qwen2.py
+# PRETOKENIZE_REGEX for Qwen2) and as llama.cpp quotes them (src/llama-vocab.cpp, "original regex
+# from tokenizer.json"): Llama 3 groups up to 3 digits, Qwen2 (also Qwen2.5, Qwen3) splits every digit.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class GGUFPre(NamedTuple):
+    """How one `tokenizer.ggml.pre` value tokenizes."""
+    split: Optional[str] = None  # regex split before ByteLevel(use_regex=False); None: GPT-2's regex
+    digits: bool = False  # every digit its own pre-token first (SmolLM's tokenizer.json: Digits + ByteLevel)
+    nfc: bool = False  # NFC normalizer (Qwen2/2.5/3 tokenizer.json; llama.cpp does not normalize)
+    ignore_merges: bool = False  # a pre-token that is a whole vocabulary entry is that token (tiktoken, Llama 3)
+    add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2_PRE = GGUFPre()
+_LLAMA3_PRE = GGUFPre(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)  # llama.cpp's LLAMA3 pre type
+GGUF_PRE_TOKENIZERS: Dict[str, GGUFPre] = {
+    "default": _GPT2_PRE, "gpt-2": _GPT2_PRE, "phi-2": _GPT2_PRE,
+    "smollm": GGUFPre(digits=True),
+    "llama3": _LLAMA3_PRE, "llama-v3": _LLAMA3_PRE, "llama-bpe": _LLAMA3_PRE, "falcon3": _LLAMA3_PRE,
+    "dbrx": GGUFPre(_LLAMA3_SPLIT), "smaug-bpe": GGUFPre(_LLAMA3_SPLIT),
+    "qwen2": GGUFPre(_QWEN2_SPLIT, nfc=True), "deepseek-r1-qwen": GGUFPre(_QWEN2_SPLIT),
+}
+_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 2, 3, 4  # llama.cpp token types
+_SPM_SPACE = "\u2581"  # SentencePiece's escaped space
+# Tokens llama.cpp makes end-of-generation by their text (src/llama-vocab.cpp, special_eog_ids),
+# also making them control tokens whatever type the file gives them: Gemma 3's GGUF types "</s>"
+# (id 212) normal, yet llama.cpp parses it as a special token and stops at it.
+LLAMA_CPP_EOG_TEXTS = frozenset([
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+])
+
+
+def gguf_pre_tokenizer(pre: Optional[str]) -> GGUFPre:
+    """The pre-tokenizer for a `tokenizer.ggml.pre` value (None, a file without the key: GPT-2's,
+    as llama.cpp's "default" and transformers do); an unknown name is an error, not a guess."""
+    if pre is None:
+        return _GPT2_PRE
+    spec = GGUF_PRE_TOKENIZERS.get(pre)
+    if spec is None:
+        raise TokenizerError("unsupported GGUF pre-tokenizer tokenizer.ggml.pre %r (supported: %s)"
+                             % (pre, ", ".join(sorted(GGUF_PRE_TOKENIZERS))))
+    return spec
+
+
+def tokenizer_from_hf_dir(path: str) -> Tokenizer:
+    """A Hugging Face directory's tokenizer: tokenizer.json (or tokenizer.model), BOS/EOS and
+    add_bos from tokenizer_config.json, the chat template from chat_template.jinja or
+    tokenizer_config.json.
+
+    EOS is tokenizer_config.json's `eos_token`, the token the release's chat template ends an
+    assistant turn with (Llama 3.1/3.2/3.3 Instruct: <|eot_id|>; Qwen2.5/Qwen3 Instruct:
+    <|im_end|>) or a base release's end of text (<|end_of_text|>, <|endoftext|>); without one,
+    generation_config.json's first eos_token_id. Every id generation_config.json lists (Llama 3.1
+    Instruct: <|end_of_text|>, <|eom_id|>, <|eot_id|>) also ends a generation (`stop_ids`)."""
+    cfg = read_json_if(os.path.join(path, "tokenizer_config.json")) or {}
+    special_map = read_json_if(os.path.join(path, "special_tokens_map.json")) or {}
+    meta: Dict[str, Any] = {"chat_template": _chat_template(path, cfg)}
+    if "add_bos_token" in cfg:
+        meta["add_bos"] = bool(cfg["add_bos_token"])
+    tok_json, sp_model = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+    if os.path.isfile(tok_json):
+        tk = read_tokenizer_json(tok_json)
+        for key in ("bos", "eos"):
+            name = _token_content(cfg.get(key + "_token", special_map.get(key + "_token")))
+            meta[key + "_id"] = tk.token_to_id(name) if name is not None else None
+        listed = _generation_eos(path, tk.get_vocab_size(with_added_tokens=True))
+        if meta["eos_id"] is None and listed:
+            meta["eos_id"] = listed[0]
+        meta["stop_ids"] = listed
+        if "add_bos" not in meta:
+            # No flag: add BOS exactly when the tokenizer.json post-processor would (e.g. Llama 3).
+            bos = meta["bos_id"]
+            meta["add_bos"] = bos is not None and tk.encode("a").ids[:1] == [bos] \
+                and tk.encode("a", add_special_tokens=False).ids[:1] != [bos]
+        return HFTokenizer(tk, **meta)
+    if os.path.isfile(sp_model):
+        with open(sp_model, "rb") as f:
+            return SentencePieceTokenizer(f.read(), **meta)
+    raise TokenizerError("no tokenizer.json or tokenizer.model in %s" % path)
+
+
+def tokenizer_from_gguf(path: str) -> Tokenizer:
+    """The tokenizer of a GGUF file. "llama" (SentencePiece): llama.cpp's ids (`sentencepiece_bpe`).
+    "gpt2": the byte-level BPE tokenizer, built as the model's own tokenizer.json tokenizes (the
+    pre-tokenizer `tokenizer.ggml.pre` names; ids equal transformers'
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` except where that ignores what the name
+    implies: Llama 3's ignore_merges and Qwen2's NFC)."""
+    md = _gguf_metadata(path)
+    model = md.get("tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise TokenizerError("unsupported GGUF tokenizer.ggml.model %r in %s (supported: 'gpt2' byte-level "
+                             "BPE, 'llama' SentencePiece)" % (model, path))
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError("GGUF file %s has no tokenizer.ggml.tokens" % path)
+    if model == "llama":
+        return _spm_tokenizer_from_gguf(path, md, tokens)
+    try:
+        pre = gguf_pre_tokenizer(md.get("tokenizer.ggml.pre"))
+    except TokenizerError as e:
+        raise TokenizerError("%s in %s" % (e, path)) from None
+    ids: Dict[str, Optional[int]] = {}
+    for key in ("bos", "eos", "unknown", "padding"):
+        i = md.get("tokenizer.ggml.%s_token_id" % key)
+        if i is not None and not 0 <= i < len(tokens):
+            raise TokenizerError("GGUF tokenizer.ggml.%s_token_id %d is outside the %d-token vocabulary of %s"
+                                 % (key, i, len(tokens), path))
+        ids[key] = i
+    tk = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges") or [], md.get("tokenizer.ggml.token_type") or [],
+                        md.get("tokenizer.ggml.pre"), [ids[k] for k in ("bos", "eos", "unknown", "padding")])
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's default for this pre-tokenizer (Llama 3: yes), when there is a BOS
+        add_bos = pre.add_bos and ids["bos"] is not None
+    # EOS is the file's tokenizer.ggml.eos_token_id: llama.cpp's converter takes it from the
+    # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
+    # llama.cpp's end-of-generation set: EOS plus the end-of-turn / end-of-message ids it names.
+    stops = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
+    stops = [i for i in stops if isinstance(i, int) and 0 <= i < len(tokens)]
+    return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"], add_bos=bool(add_bos),
+                       chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+
+
+def _spm_tokenizer_from_gguf(path: str, md: Dict[str, Any], tokens: List[str]) -> Tokenizer:
+    """A "llama" (SentencePiece) GGUF vocabulary as llama.cpp reads it (llama_vocab::impl::load):
+    its defaults where a key is missing (BOS 1, EOS 2, unknown 0, add BOS, add a space prefix),
+    and its end-of-generation set: EOS, the eot / eom / fim_pad / fim_rep / fim_sep ids the file
+    names, and the tokens `LLAMA_CPP_EOG_TEXTS` names (with or without an eot key, as llama.cpp:
+    Gemma 3's <end_of_turn> is one by its text)."""
+    n = len(tokens)
+    scores = md.get("tokenizer.ggml.scores")
+    types = md.get("tokenizer.ggml.token_type")
+    for key, values in (("scores", scores), ("token_type", types)):
+        if values is not None and len(values) < n:  # llama.cpp refuses it too
+            raise TokenizerError("GGUF tokenizer.ggml.%s has %d entries for %d tokens in %s"
+                                 % (key, len(values), n, path))
+    # llama.cpp names an empty token "[EMPTY_<id>]" and refuses a vocabulary with a repeated one.
+    tokens = [t if t else "[EMPTY_%d]" % i for i, t in enumerate(tokens)]
+    if len(set(tokens)) != n:
+        raise TokenizerError("GGUF tokenizer.ggml.tokens of %s repeats a token (llama.cpp refuses it too)" % path)
+    ids: Dict[str, Optional[int]] = {}
+    for key, default in (("bos", 1), ("eos", 2), ("unknown", 0)):
+        i = md.get("tokenizer.ggml.%s_token_id" % key, default if default < n else None)
+        if i is not None and not 0 <= i < n:
+            raise TokenizerError("GGUF tokenizer.ggml.%s_token_id %d is outside the %d-token vocabulary of %s"
+                                 % (key, i, n, path))
+        ids[key] = i
+    add_prefix = md.get("tokenizer.ggml.add_space_prefix")
+    tk = sentencepiece_bpe(tokens, scores or [0.0] * n, types or [1] * n,
+                           add_space_prefix=True if add_prefix is None else bool(add_prefix),
+                           unknown_id=ids["unknown"])
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    named = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
+    stops = [i for i in named if isinstance(i, int) and 0 <= i < n] + sorted(_llama_cpp_eog(tokens).values())
+    return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"],
+                       add_bos=(True if add_bos is None else bool(add_bos)) and ids["bos"] is not None,
+                       chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+
+
+def _llama_cpp_eog(tokens: Sequence[str]) -> Dict[str, int]:
+    """The tokens llama.cpp makes end-of-generation (and control) by text, with its two
+    exceptions: "</s>" stays a normal token beside Gemma 4's "<|tool_response>" or PLaMo's
+    "<|plamo:eos|>"; "<|end|>" is no EOG (but user-defined) beside gpt-oss's "<|return|>" and
+    "<|call|>" or Solar Open's "<|calls|>" and "<|flush|>"."""
+    found = {t: i for i, t in enumerate(tokens) if t in LLAMA_CPP_EOG_TEXTS}
+    if "</s>" in found and ("<|tool_response>" in found or "<|plamo:eos|>" in tokens):
+        del found["</s>"]
+    call = "<|call|>" in found or "<|calls|>" in found
+    if "<|end|>" in found and call and ("<|return|>" in found or "<|flush|>" in found):
+        del found["<|end|>"]
+    return found
+
+
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int],
+                      add_space_prefix: bool = False, unknown_id: Optional[int] = None) -> Any:
+    """HF `tokenizers.Tokenizer` for llama.cpp's "llama" vocabulary that tokenizes as llama.cpp's
+    SentencePiece tokenizer (llm_tokenizer_spm) with special tokens parsed:
+
+    - control, unknown-type and user-defined tokens (and `LLAMA_CPP_EOG_TEXTS`) are cut out of the
+      raw text first, as llama.cpp's tokenizer_st_partition does (HF matches leftmost-longest where
+      llama.cpp takes the longest token first: the same split unless two such tokens overlap);
+    - each remaining piece gets "\u2581" prepended if `add_space_prefix`, spaces become "\u2581";
+    - llama.cpp then merges the adjacent pair whose concatenation is the token with the highest
+      score, leftmost first, until none is left. That is BPE with a merge (a, b) for every token
+      a+b whose halves a, b are tokens, ranked by the score of a+b (transformers' SentencePiece
+      merge extraction, same order). Every character of Gemma 3's tokens is itself a token, so the
+      pieces llama.cpp merges are always tokens. Where the two can differ: ties. Of pairs whose
+      tokens score the same llama.cpp merges the leftmost, BPE the earlier merge (for different
+      tokens: the lower id; Gemma 3's and Llama 2's scores are distinct; for one token, overlapping
+      [x][y][z] with x+y == y+z: the longer left half);
+    - what is left unknown is UTF-8 bytes <0xXX> (byte_fallback), as llama.cpp's resegment.
+
+    Decoding is llama.cpp's token_to_piece: "\u2581" back to a space (in a user-defined token too,
+    which llama.cpp leaves as it is; Gemma 3 has none with one), byte tokens to bytes, the
+    prefixed space stripped from the text's start when `add_space_prefix`."""
+    from tokenizers import AddedToken, decoders, normalizers
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.models import BPE
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    eog = _llama_cpp_eog(tokens)
+    special: List[str] = []
+    user: List[str] = []
+    for t, ty in zip(tokens, token_types):
+        if t in LLAMA_CPP_EOG_TEXTS and t not in eog:  # an exception of _llama_cpp_eog: llama.cpp
+            if t == "<|end|>":  # sets "<|end|>" user-defined and "</s>" normal, whatever the file says
+                user.append(t)
+        elif t in eog or ty in (_GGUF_CONTROL, _GGUF_UNKNOWN):
+            special.append(t)
+        elif ty == _GGUF_USER_DEFINED:
+            user.append(t)
+    tk = HFTok(BPE(vocab=vocab, merges=_spm_merges(tokens, scores, vocab), dropout=None,
+                   unk_token=tokens[unknown_id] if unknown_id is not None else None,
+                   fuse_unk=False, byte_fallback=True))
+    steps: List[Any] = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
+    steps.append(normalizers.Replace(" ", _SPM_SPACE))
+    tk.normalizer = normalizers.Sequence(steps)
+    # Strip applies to each string it gets: after Fuse that is the whole text.
+    tk.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    if special:
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    if user:
+        tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return tk
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: Dict[str, int]) -> List[Tuple[str, str]]:
+    """Every (a, b) with a, b and a+b tokens, highest score of a+b first (ties: lower id first;
+    for one a+b, longer a first, as transformers orders them). Only the tokens are sorted (262k
+    for Gemma 3, not its 515k merges): 1.5-2 s, the bulk of building the tokenizer."""
+    merges: List[Tuple[str, str]] = []
+    add = merges.append
+    for i in sorted(range(len(tokens)), key=scores.__getitem__, reverse=True):  # stable: ties keep id order
+        t = tokens[i]
+        for k in range(len(t) - 1, 0, -1):
+            a = t[:k]
+            if a in vocab:
+                b = t[k:]
+                if b in vocab:
+                    add((a, b))
+    return merges
+
+
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                   pre: Optional[str] = None, named_special_ids: Sequence[Optional[int]] = ()) -> Any:
+    """HF `tokenizers.Tokenizer` for llama.cpp's "gpt2" vocabulary, mirroring transformers'
+    GGUF conversion: GPT2Tokenizer's BPE + ByteLevel pre-tokenizer/decoder, control tokens as
+    special added tokens, user-defined ones as plain added tokens; the pre-tokenizer, normalizer
+    and ignore_merges are those `pre` (tokenizer.ggml.pre) names (`gguf_pre_tokenizer`)."""
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.models import BPE
+
+    spec = gguf_pre_tokenizer(pre)
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens outside the byte alphabet are respelled from their UTF-8 bytes (as transformers does).
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    options: Dict[str, Any] = {"ignore_merges": True} if spec.ignore_merges else {}
+    pairs = cast(List[Tuple[str, str]], [tuple(m.split(" ")) for m in merges])  # each merge is "a b"
+    tk = HFTok(BPE(vocab=vocab, merges=pairs, dropout=None,
+                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, **options))
+    if spec.nfc:
+        tk.normalizer = normalizers.NFC()
+    steps: List[Any] = []
+    if spec.digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if spec.split is not None:
+        steps += [pre_tokenizers.Split(Regex(spec.split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False))
+    tk.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    tk.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, token_types))
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel: transformers skips it.
+    special = [t for t, ty in typed if ty == _GGUF_CONTROL and set(t) <= alphabet]
+    # transformers also registers its named bos/eos/unk/pad tokens as special.
+    special += [tokens[i] for i in named_special_ids
+                if i is not None and 0 <= i < len(tokens) and tokens[i] in vocab and tokens[i] not in special]
+    if special:
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    user = [t for t, ty in typed if ty == _GGUF_USER_DEFINED and t in vocab]
+    if user:
+        tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return tk
+
+
+def _gguf_metadata(path: str) -> Dict[str, Any]:
+    """The `tokenizer.*` key/values of a GGUF file as plain Python values."""
+    try:
+        reader = open_reader(path)
+        return {key: reader.value(key) for key in reader.keys() if key.startswith("tokenizer.")}
+    except ImportError:
+        raise TokenizerError("reading a GGUF tokenizer needs the gguf package: pip install gguf") from None
+    except (OSError, ValueError) as e:
+        raise TokenizerError("cannot read GGUF file %s: %s" % (path, e)) from None
+
+
+def _generation_eos(path: str, vocab_size: int) -> List[int]:
+    """generation_config.json's eos_token_id (an id or a list of ids), the valid ones in order."""
+    eos = (read_json_if(os.path.join(path, "generation_config.json")) or {}).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size]
+
+
+def _chat_template(path: str, cfg: Dict[str, Any]) -> Optional[str]:
+    jinja = os.path.join(path, "chat_template.jinja")  # newer transformers save it as its own file
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # [{"name": ..., "template": ...}, ...]: use the default one
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default")
+    return tpl if isinstance(tpl, str) else None
+
+
+def _token_content(tok: Any) -> Optional[str]:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
