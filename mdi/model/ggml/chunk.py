@@ -18,9 +18,11 @@ import numpy as np
 from mdi.model.config import ModelConfig
 from mdi.model.ggml import lib
 from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
-from mdi.model.ggml.graph import Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks
+from mdi.model.ggml.graph import (Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks,
+                                  head_name)
 from mdi.model.ggml.kv_cache import GgmlKVCache
 from mdi.model.ggml.min_rows import fewest_rows
+from mdi.model.ggml.row_split import split_sizes
 from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
 from mdi.model.ggml.weights import GgufWeights
 from mdi.model.pass_rows import PassRows
@@ -66,9 +68,14 @@ class GgmlChunk:
         self.cpu = lib.CpuBackend(threads)
         # passes shorter than this are padded, so a row rounds as in a pass of any size (min_rows)
         packed = set(weights.repacked)
-        head = "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        head = head_name(self.tensors)
         self.min_rows = fewest_rows(self.cpu, self.tensors, [n for n in matmul if n not in packed])
         self.min_head_rows = fewest_rows(self.cpu, self.tensors, [head]) if with_head else 1
+        # passes of a few rows multiply these row by row where that is measured cheaper (row_split);
+        # only matrices whose rows round alike in passes of any size, so no result changes
+        products = [n for n in matmul if n not in packed] + ([head] if with_head and head not in matmul else [])
+        alike = [n for n in products if n not in packed and fewest_rows(self.cpu, self.tensors, [n]) == 1]
+        self.builder.split = split_sizes(self.cpu, self.tensors, alike)
         self.cache: Optional[GgmlKVCache] = None
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self.graphs_built = 0

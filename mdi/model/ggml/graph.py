@@ -8,14 +8,16 @@ alone, so a sample's rows compute the same bits whatever else shares its pass. T
 length is padded to a bucket (ATTEND_BUCKET positions, as llama.cpp pads its KV view), and the
 mask hides the positions past each row, so a graph serves every step until a sample's context
 crosses a bucket. The inputs of a graph are the pass's rows, their positions, the cache rows
-their keys and values are written to (`ggml_set_rows`), and each sample's mask.
+their keys and values are written to (`ggml_set_rows`), and each sample's mask. A linear layer
+multiplies a pass's rows in one product, or row by row at the pass sizes where that was
+measured cheaper (mdi.model.ggml.row_split: the same bits either way).
 
 The block follows the family table (mdi.model.families) and the op order of llama.cpp's graphs
 for the same family, so a GGUF computes as llama.cpp computes it.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -29,6 +31,7 @@ ATTEND_BUCKET = 256  # attended positions are padded to a multiple of this (llam
 # Nodes a block's graph holds: about 40 per layer, and 10 more per sample that attends in it
 # (its own view of q, of its cache slot, its flash attention, its rows back in place), with room.
 NODES_PER_LAYER, NODES_PER_SAMPLE, NODES_MORE = 48, 12, 64
+NODES_PER_SPLIT_ROW = 3 * 7  # a linear multiplied row by row: a view, a product and a join per row (7 per block)
 NEG_INF = np.float16(-np.inf)
 
 
@@ -130,6 +133,8 @@ class GraphBuilder:
         self.t = traits
         self.layers = list(layers)
         self.w = weights  # GGUF name -> tensor
+        # GGUF name -> pass sizes at which it is multiplied row by row (mdi.model.ggml.row_split)
+        self.split: Dict[str, FrozenSet[int]] = {}
         self._lora: Optional[lora_ops.LoraOps] = None  # the adapter ops of the blocks graph being built
 
     # --- small pieces ------------------------------------------------------------------
@@ -152,9 +157,17 @@ class GraphBuilder:
         bias = w.get(weight + ".bias")
         return gg.ggml_add(ctx, y, bias) if bias is not None else y
 
+    def _product(self, ctx: Any, name: str, x: Any) -> Any:
+        rows = int(x.contents.ne[1])
+        return multiply(self.gg, ctx, self.w[name], x, rows, rows in self.split.get(name, ()))
+
+    def _split_nodes(self, rows: int) -> int:
+        """Graph nodes that multiplying row by row adds per block at a pass of `rows` rows."""
+        return NODES_PER_SPLIT_ROW * rows if any(rows in sizes for sizes in self.split.values()) else 0
+
     def _linear(self, ctx: Any, x: Any, name: str) -> Any:
         gg, w = self.gg, self.w
-        y = gg.ggml_mul_mat(ctx, w[name + ".weight"], x)
+        y = self._product(ctx, name + ".weight", x)
         bias = w.get(name + ".bias")
         y = gg.ggml_add(ctx, y, bias) if bias is not None else y
         return self._lora.add(ctx, x, y, name) if self._lora is not None else y
@@ -168,7 +181,8 @@ class GraphBuilder:
         c = t.config
         E, R = c.n_embd, shape.rows
         more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
-        b = Built(len(self.layers) * (NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples)) + NODES_MORE + more)
+        per_layer = NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples) + self._split_nodes(R)
+        b = Built(len(self.layers) * per_layer + NODES_MORE + more)
         x = self._input(b, "x", lib.F32, E, R)
         pos = self._input(b, "pos", lib.I32, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
@@ -294,15 +308,33 @@ class GraphBuilder:
 
     def head(self, rows: int) -> Built:
         """Final norm and LM head: [E, rows] -> logits [vocab, rows]."""
-        gg, t = self.gg, self.t
-        b = Built(NODES_MORE)
+        t = self.t
+        b = Built(NODES_MORE + self._split_nodes(rows))
         ctx = b.ctx.ptr
         x = self._input(b, "x", lib.F32, t.config.n_embd, rows)
         x = self._norm(ctx, x, "output_norm", t.config.norm_eps)
-        out = self.w["output.weight"] if "output.weight" in self.w else self.w["token_embd.weight"]  # tied head
-        y = gg.ggml_mul_mat(ctx, out, x)
+        y = self._product(ctx, head_name(self.w), x)
         b.finish(y)
         return b
+
+
+def multiply(gg: Any, ctx: Any, w: Any, x: Any, rows: int, by_row: bool) -> Any:
+    """w times the `rows` rows of x: one product, or one per row joined again."""
+    if not by_row or rows < 2:
+        return gg.ggml_mul_mat(ctx, w, x)
+    if not gg.ggml_is_contiguous(x):
+        x = gg.ggml_cont(ctx, x)
+    stride = x.contents.nb[1]
+    y = None
+    for r in range(rows):
+        part = gg.ggml_mul_mat(ctx, w, gg.ggml_view_2d(ctx, x, x.contents.ne[0], 1, stride, r * stride))
+        y = part if y is None else gg.ggml_concat(ctx, y, part, 1)
+    return y
+
+
+def head_name(weights: Dict[str, Any]) -> str:
+    """The head's matrix: its own, or the token embedding (a tied head)."""
+    return "output.weight" if "output.weight" in weights else "token_embd.weight"
 
 
 def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], traits: ModelTraits) -> None:
