@@ -123,15 +123,19 @@ class Engine(RuntimeAdapters):
         self.chunk = self._starter_chunk(self.ranges[0])
         draft_model = self._draft_model()
         transport, run_id = self._connect()
-        pass_costs = None
-        if self.speculating:  # before any sample holds a slot: it times passes in slot 0
-            pass_costs = measure_pass_costs(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
-            log.info("mdi: starter: passes of 1, 2, .. rows cost %s one-row passes", pass_costs.to_json())
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
                                  PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating),
                                  self.on_token, self._check, drafter_factory=self.drafter_factory,
-                                 draft_model=draft_model, pass_costs=pass_costs, on_train=self._train_frame)
+                                 draft_model=draft_model, on_train=self._train_frame)
         self._enable_prefix_cache()
+        if self.speculating:
+            # Before any sample holds a slot (it times passes in slot 0), and not sooner: timed
+            # right after the ring connected, the workers still settling beside the starter,
+            # a 4-row pass cost 1.17x [1.06, 1.24] more on loopback (all 4 rounds of a same-run
+            # A/B, results/bench_ab_issue60_speculation.json) and the samples drafted less.
+            costs = measure_pass_costs(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
+            self.pipeline.pass_costs = costs
+            log.info("mdi: starter: passes of 1, 2, .. rows cost %s one-row passes", costs.to_json())
 
     def close(self) -> List[NodeReport]:
         """Send the stop frame round the ring; return each worker's counters."""
