@@ -19,9 +19,9 @@ def _chunk(source, monkeypatch, split_all):
     import mdi.model.ggml.chunk as chunk_module
     chosen = {}
 
-    def choose(cpu, weights, names):
+    def choose(cpu, weights, groups):
         chosen.update({n: frozenset(range(2, row_split.MAX_SPLIT_ROWS + 1)) if split_all else frozenset()
-                       for n in names})
+                       for names in groups for n in names})
         return dict(chosen)
 
     monkeypatch.setattr(chunk_module, "split_sizes", choose)
@@ -67,11 +67,12 @@ def test_multiplying_row_by_row_changes_no_bit(smollm2_dir, monkeypatch):
 def test_the_measured_choice_is_remembered_per_machine(smollm2_dir, monkeypatch):
     source = ModelSource(smollm2_dir)
     c = source.ggml_chunk(0, 2, False, False, threads=1)
-    names = ["blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.0.ffn_down.weight"]
+    groups = [["blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight", "blk.1.ffn_down.weight"],
+              ["blk.0.attn_output.weight"]]
     monkeypatch.setattr(row_split, "_measured", {})
-    first = row_split.split_sizes(c.cpu, c.tensors, names)
-    assert set(first) == set(names)
-    assert first["blk.0.attn_q.weight"] == first["blk.1.attn_q.weight"]  # one shape, one measurement
+    first = row_split.split_sizes(c.cpu, c.tensors, groups)
+    assert set(first) == {n for g in groups for n in g}
+    assert len({first[n] for n in groups[0]}) == 1  # a group shares one measurement
     assert all(s <= set(range(2, row_split.MAX_SPLIT_ROWS + 1)) for s in first.values())
 
     def never(*args):
@@ -79,5 +80,5 @@ def test_the_measured_choice_is_remembered_per_machine(smollm2_dir, monkeypatch)
 
     monkeypatch.setattr(row_split, "_measured", {})  # a new process: only the cache file knows
     monkeypatch.setattr(row_split, "_measure", never)
-    assert row_split.split_sizes(c.cpu, c.tensors, names) == first
+    assert row_split.split_sizes(c.cpu, c.tensors, groups) == first
     c.close()

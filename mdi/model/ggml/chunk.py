@@ -73,9 +73,11 @@ class GgmlChunk:
         self.min_head_rows = fewest_rows(self.cpu, self.tensors, [head]) if with_head else 1
         # passes of a few rows multiply these row by row where that is measured cheaper (row_split);
         # only matrices whose rows round alike in passes of any size, so no result changes
-        products = [n for n in matmul if n not in packed] + ([head] if with_head and head not in matmul else [])
-        alike = [n for n in products if n not in packed and fewest_rows(self.cpu, self.tensors, [n]) == 1]
-        self.builder.split = split_sizes(self.cpu, self.tensors, alike)
+        def alike(names: List[str]) -> List[str]:
+            return [n for n in names if n not in packed and fewest_rows(self.cpu, self.tensors, [n]) == 1]
+
+        blocks = alike([n for n in matmul if n != head])  # in layer order, as a pass reads them
+        self.builder.split = split_sizes(self.cpu, self.tensors, [blocks, alike([head]) if with_head else []])
         self.cache: Optional[GgmlKVCache] = None
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self.graphs_built = 0
