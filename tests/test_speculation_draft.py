@@ -12,6 +12,7 @@ import torch
 from conftest import CHARS, ServeProcess, make_tiny_model, save_test_model, tiny_config, tiny_model, worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.config import ModelConfig
+from mdi.model.ggml import lib as ggml_lib
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
 from mdi.model.tokenizers import char_tokenizer, load_tokenizer
@@ -181,11 +182,13 @@ def three_workers():
     yield from worker_pool(3)
 
 
-def ring_run(model, workers, spec, prompts, n_tokens=24, generation=None, quant=None):
+def ring_run(model, workers, spec, prompts, n_tokens=24, generation=None, quant=None, backend=None):
     g = dict(generation or {})
     g["speculation"] = spec
-    cfg = parse_run_config(model, workers, "spec", n_tokens=n_tokens, generation=g, quant=quant,
-                           runtime={"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 30})
+    runtime = {"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 30}
+    if backend is not None:
+        runtime["backend"] = backend
+    cfg = parse_run_config(model, workers, "spec", n_tokens=n_tokens, generation=g, quant=quant, runtime=runtime)
     return batch.run(cfg, prompts)
 
 
@@ -252,6 +255,22 @@ def test_smollm2_drafts_for_itself_int4_for_float32_exactly(smollm2_dir, three_w
         assert record["drafted"] > 0 and record["acceptance_rate"] >= 0.8, record
     poor = ring_run(smollm2_dir, three_workers[:2], {"draft": smollm2_vocab_llama}, [prompt])
     assert [s.token_ids for s in poor.samples] == [s.token_ids for s in plain.samples]
+
+
+@pytest.mark.skipif(ggml_lib.unavailable_reason() is not None, reason=str(ggml_lib.unavailable_reason()))
+def test_on_ggml_the_draft_model_computes_on_ggml_too(smollm2_dir):
+    """A starter computing with ggml runs its draft model on ggml, from the draft's GGUF as
+    stored (the quant setting does not apply): the plain tokens, and SmolLM2 drafting for itself
+    is right on (nearly) every guess, as both compute the same bits in passes of any size."""
+    prompt = "def add(a, b):\n    return a + b\n\nHere is the same code again:\n"
+    plain = ring_run(smollm2_dir, [], "off", [prompt], backend="ggml")
+    spec = ring_run(smollm2_dir, [], {"draft": smollm2_dir, "quant": "int4"}, [prompt], backend="ggml")
+    assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
+    record = spec.metrics()["nodes"][0]["speculation"]
+    assert record["draft_backend"] == "ggml", record
+    assert record["drafted"] > 0 and record["acceptance_rate"] >= 0.95, record
+    on_torch = ring_run(smollm2_dir, [], {"draft": smollm2_dir}, [prompt], backend="torch")
+    assert on_torch.metrics()["nodes"][0]["speculation"]["draft_backend"] == "torch"
 
 
 def test_a_ring_of_three_with_a_draft_model_batched(tiny_models, three_workers):

@@ -32,7 +32,7 @@ from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
-from mdi.starter.speculation.draft_model import DraftModel
+from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.planning.recovery import RecoveryImpossible, replan
 from mdi.starter.train.ring_trainer import RingTrainer
@@ -238,8 +238,11 @@ class Engine(RuntimeAdapters):
             return None
         asked = self.cfg.model.compute_dtype
         compute, _ = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
+        chunk = self.live_chunk
+        ggml = GgmlDraft(chunk.threads, self.cfg.runtime.kv_type, self.cfg.runtime.repack) \
+            if chunk.backend == "ggml" else None
         return DraftModel.load(self.plan.draft, self.n_slots, self.max_len, self.dtype, self.device, compute,
-                               self.plan.prefill_chunk, self.cfg.runtime.fused_decode)
+                               self.plan.prefill_chunk, self.cfg.runtime.fused_decode, ggml)
 
     def _enable_prefix_cache(self) -> None:
         """The pipeline keeps earlier prompts' KV within what every node gives it: as many

@@ -399,7 +399,10 @@ class Pipeline:
         could speculate."""
         if not self.tag_epochs:
             return {}
-        return dict(self.spec_counters.metrics(), pass_costs=self.pass_costs.to_json())
+        out = dict(self.spec_counters.metrics(), pass_costs=self.pass_costs.to_json())
+        if self.draft_model is not None:
+            out["draft_backend"] = self.draft_model.backend
+        return out
 
     def run(self, samples: List[Sample], step: Optional[Callable[[], List[Sample]]] = None,
             t0: Optional[float] = None) -> None:

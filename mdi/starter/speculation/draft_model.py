@@ -122,6 +122,14 @@ def open_draft(cfg: RunConfig, target: ModelSource, where: str = "generation.spe
     return DraftSource(path, source, quant)
 
 
+@dataclass(frozen=True)
+class GgmlDraft:
+    """How a draft model computes on ggml: as the starter's chunk does."""
+    threads: int
+    kv_type: str = "f16"
+    repack: bool = True
+
+
 class DraftModel:
     """A loaded draft model with one cache slot per target slot (see the module's doc)."""
 
@@ -137,15 +145,33 @@ class DraftModel:
 
     @classmethod
     def load(cls, draft: DraftSource, n_slots: int, max_len: int, dtype: torch.dtype, device: str,
-             compute_dtype: Optional[torch.dtype], prefill_chunk: int, fused_decode: bool = True) -> "DraftModel":
+             compute_dtype: Optional[torch.dtype], prefill_chunk: int, fused_decode: bool = True,
+             ggml: Optional["GgmlDraft"] = None) -> "DraftModel":
+        """The draft computes as the starter does: on ggml (`ggml`: the starter's chunk does)
+        where the draft has a GGUF, its tensors as stored; else on torch, quantized as its
+        `quant` says."""
         n = draft.config.n_layer
-        chunk = draft.source.load_chunk(0, n, True, True, dtype, device, compute_dtype, draft.quant, consume=True)
-        chunk.fused_decode = fused_decode
+        on_ggml = ggml is not None and draft.source.gguf_path is not None
+        if on_ggml:
+            assert ggml is not None
+            chunk = draft.source.ggml_chunk(0, n, True, True, ggml.threads, ggml.kv_type, ggml.repack)
+            if draft.quant is not None:
+                log.info("mdi: starter: the draft model computes on ggml, its GGUF as stored: quant %s does not apply",
+                         draft.quant)
+        else:
+            if ggml is not None:
+                log.info("mdi: starter: the draft model %s has no GGUF: it computes on torch", draft.path)
+            chunk = draft.source.load_chunk(0, n, True, True, dtype, device, compute_dtype, draft.quant, consume=True)
+            chunk.fused_decode = fused_decode
         chunk.allocate_cache(n_slots, draft_len(draft.config, max_len))
         model = cls(chunk, prefill_chunk)
-        log.info("mdi: starter: draft model %s: %d layers, %d slots of %d positions", draft.path, n, n_slots,
-                 model.max_len)
+        log.info("mdi: starter: draft model %s on %s: %d layers, %d slots of %d positions", draft.path,
+                 chunk.backend, n, n_slots, model.max_len)
         return model
+
+    @property
+    def backend(self) -> str:
+        return str(self.chunk.backend)
 
     def new_owner(self) -> int:
         return next(self._owners)
