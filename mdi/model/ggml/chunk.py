@@ -77,7 +77,8 @@ class GgmlChunk:
             return [n for n in names if n not in packed and fewest_rows(self.cpu, self.tensors, [n]) == 1]
 
         blocks = alike([n for n in matmul if n != head])  # in layer order, as a pass reads them
-        self.builder.split = split_sizes(self.cpu, self.tensors, [blocks, alike([head]) if with_head else []])
+        self._split_groups = [blocks, alike([head]) if with_head else []]
+        self.builder.split = split_sizes(self.cpu, self.tensors, self._split_groups)
         self.cache: Optional[GgmlKVCache] = None
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self.graphs_built = 0
@@ -107,7 +108,12 @@ class GgmlChunk:
         return self.cpu.threads
 
     def set_threads(self, threads: int) -> None:
-        self.cpu.set_threads(threads)
+        with self._lock:
+            before = self.cpu.threads
+            self.cpu.set_threads(threads)
+            if self.cpu.threads != before:  # which way a pass's rows multiply faster is the threads' too
+                self.builder.split = split_sizes(self.cpu, self.tensors, self._split_groups)
+                self._drop_graphs(lambda key: key[0] in ("blocks", "head"))
 
     @property
     def weight_bytes(self) -> int:
