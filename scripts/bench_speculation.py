@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-only", action="store_true", help="run the draft comparison alone")
     p.add_argument("--draft-out", default=os.path.join(ROOT, "results", "bench_speculation_draft.json"))
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench_speculation.json"))
-    p.add_argument("--plot", default=os.path.join(ROOT, "results", "bench_speculation.png"))
+    p.add_argument("--plot", default=None, help="the sweep's plot (default: --out with .png, beside the record)")
     return p.parse_args(argv)
 
 
@@ -357,8 +357,8 @@ def main(argv=None) -> int:
     finish_machine_info(info)
     print(note_load(info))
     save_record(args.out, record)
-    if args.plot and any("sweep" in r for r in record["setups"].values()):
-        plot(record, args.plot)
+    if any("sweep" in r for r in record["setups"].values()):  # beside its own record, never over another's plot
+        plot(record, args.plot or os.path.splitext(args.out)[0] + ".png")
     return 0
 
 
