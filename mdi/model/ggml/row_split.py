@@ -81,14 +81,18 @@ def _probe(weights: Dict[str, Any], names: List[str]) -> List[Any]:
     return probe
 
 
+def _type_name(w: Any) -> str:
+    kind = int(w.contents.type)
+    return lib.TYPE_NAMES.get(kind, str(kind))
+
+
 def _types(probe: List[Any]) -> str:
-    return "/".join(sorted({lib.TYPE_NAMES.get(int(w.contents.type), str(int(w.contents.type))) for w in probe}))
+    return "/".join(sorted({_type_name(w) for w in probe}))
 
 
 def _group_key(probe: List[Any], threads: int) -> str:
     """The group's matrices as type:k:out, in order, and the threads: what the timing depends on."""
-    shapes = ["%s:%d:%d" % (lib.TYPE_NAMES.get(int(w.contents.type), str(int(w.contents.type))),
-                            int(w.contents.ne[0]), int(w.contents.ne[1])) for w in probe]
+    shapes = ["%s:%d:%d" % (_type_name(w), int(w.contents.ne[0]), int(w.contents.ne[1])) for w in probe]
     return digest({"shapes": shapes, "threads": threads})
 
 

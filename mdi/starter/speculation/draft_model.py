@@ -124,10 +124,11 @@ def open_draft(cfg: RunConfig, target: ModelSource, where: str = "generation.spe
 
 @dataclass(frozen=True)
 class GgmlDraft:
-    """How a draft model computes on ggml: as the starter's chunk does."""
+    """How a draft model computes on ggml: as the starter's chunk does (its threads, and the
+    run's runtime.kv_type and runtime.repack)."""
     threads: int
-    kv_type: str = "f16"
-    repack: bool = True
+    kv_type: str
+    repack: bool
 
 
 class DraftModel:
@@ -151,9 +152,7 @@ class DraftModel:
         where the draft has a GGUF, its tensors as stored; else on torch, quantized as its
         `quant` says."""
         n = draft.config.n_layer
-        on_ggml = ggml is not None and draft.source.gguf_path is not None
-        if on_ggml:
-            assert ggml is not None
+        if ggml is not None and draft.source.gguf_path is not None:
             chunk = draft.source.ggml_chunk(0, n, True, True, ggml.threads, ggml.kv_type, ggml.repack)
             if draft.quant is not None:
                 log.info("mdi: starter: the draft model computes on ggml, its GGUF as stored: quant %s does not apply",
