@@ -26,7 +26,9 @@ backend, and llama.cpp's build id.
    is measured alone.
 2. Standalone, 1 and 2 threads: `llama-bench -m GGUF -t T -p 512 -n 128 -o json -r 1` (tg128
    and pp512) against a one-node mdi run (mdi.starter.batch.run) with backend ggml, torch and
-   auto, alternating (and which goes first): decode tok/s of 128 greedy tokens from a short
+   auto, each in a process of its own per repeat, warmed up there (as a user's run: measured in
+   this process one after another, ggml's decode came out 0.76x llama-bench where processes of
+   their own gave 0.89x on the same AVX-512 EPYC), alternating (and which goes first): decode tok/s of 128 greedy tokens from a short
    prompt, (N-1) / (t_last - t_first); prefill tok/s = prompt tokens / time to the first token of
    a ~512-token prompt (prefill_chunk 512: one pass, as llama-bench's pp). Ratios mdi / llama.cpp
    per repeat (median [min, max]), and ggml / torch. --torch-variants adds the torch-only
@@ -136,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and 2 workers; llama-batched-bench and 2 RPC servers) in its own cgroup of this many "
                         "cores (0: none; needs writable cgroup v1 cpu)")
     p.add_argument("--out", default=None, help="default results/bench_peer.json (--quick: bench_peer_quick.json)")
-    p.add_argument("--plot", default=None, help="default results/bench_peer.png (--quick: none)")
+    p.add_argument("--plot", default=None, help="default: --out with .png, beside the record (--quick: none)")
     p.add_argument("--child-mdi", default=None, help=argparse.SUPPRESS)  # JSON: one measurement in this process
     args = p.parse_args(argv)
     if args.child_mdi:
@@ -150,8 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.avx2 = args.avx2 or args.avx2_only
     if args.out is None:
         args.out = os.path.join(ROOT, "results", "bench_peer_quick.json" if args.quick else "bench_peer.json")
-    if args.plot is None and not args.quick:
-        args.plot = os.path.join(ROOT, "results", "bench_peer.png")
+    if args.plot is None and not args.quick:  # beside its own record, never over another run's
+        args.plot = os.path.splitext(args.out)[0] + ".png"
     args.threads = [int(t) for t in str(args.threads).split(",") if t]
     args.samples = [int(s) for s in str(args.samples).split(",") if s]
     args.backends = [b for b in str(args.backends).split(",") if b]
@@ -397,10 +399,10 @@ def build_avx2_binding(cache: str) -> Dict[str, Any]:
     return info
 
 
-def _child_env(binding: str) -> Dict[str, str]:
-    """The environment of a child that loads the ggml binding in `binding` before the venv's."""
+def _child_env(binding: Optional[str]) -> Dict[str, str]:
+    """The environment of a child that loads the ggml binding in `binding` (None: the venv's) first."""
     old = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([binding, ROOT] + ([old] if old else [])))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(([binding] if binding else []) + [ROOT] + ([old] if old else [])))
 
 
 def ggml_info() -> Dict[str, Any]:
@@ -859,14 +861,12 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
     out = {}  # type: Dict[str, Any]
     names = _standalone_names(args, bins)
     for T in args.threads:
-        log("standalone, %d thread(s): warm-up (each backend: decode, a %d-token prefill; auto chooses here)"
-            % (T, n_prefill))
+        log("standalone, %d thread(s): each mdi backend in a process of its own per repeat, warmed up there "
+            "(decode, a %d-token prefill)" % (T, n_prefill))
         for name in names:
-            if name.startswith("mdi") and name not in ("mdi_no_integer", "mdi_eager"):
-                b = _backend_of(name)
-                w = mdi_decode(args.model, T, 8, backend=b)  # kernel choice / auto's measurement, allocator, threads
-                mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend=b)
-                log("  %s: %s" % (name, w["backend_lines"][0]))
+            if name in ("mdi_no_integer", "mdi_eager"):  # torch variants, measured in this process
+                mdi_decode(args.model, T, 8, backend="torch")
+                mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend="torch")
         runs = {n: [] for n in names}  # type: Dict[str, List[Dict[str, Any]]]
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -877,9 +877,9 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
                     d = mdi_decode(args.model, T, args.n_tokens, integer=False, backend="torch")
                 elif name.startswith("mdi"):
                     b = _backend_of(name)
-                    d = mdi_decode(args.model, T, args.n_tokens, backend=b)
-                    d.update(mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend=b,
-                                         chunked=args.torch_variants and b == "torch"))
+                    d = run_child(None, {"model": args.model, "threads": T, "backend": b, "n_tokens": args.n_tokens,
+                                         "prompt": prefill_prompt, "n_prompt": n_prefill,
+                                         "chunked": args.torch_variants and b == "torch"})
                 else:
                     d = llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens)
                 d.pop("token_ids", None)
@@ -921,7 +921,8 @@ def _backend_of(name: str) -> str:
 
 def child_mdi(spec: Dict[str, Any]) -> int:
     """--child-mdi: one standalone measurement (warm-up, decode, one-pass prefill) in this process,
-    whose ggml binding is whatever PYTHONPATH put first; the record on one marked stdout line."""
+    as a user's run has it (nothing else measured beside it), whose ggml binding is whatever
+    PYTHONPATH put first; the record on one marked stdout line."""
     import logging
     logging.basicConfig(level=logging.WARNING)
     import ggml as package
@@ -932,7 +933,8 @@ def child_mdi(spec: Dict[str, Any]) -> int:
         mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b)
         d = mdi_decode(spec["model"], T, spec["n_tokens"], backend=b)
         d.pop("token_ids")
-        d.update(mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b))
+        d.update(mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b,
+                             chunked=spec.get("chunked", False)))
         out.update(d)
     except Exception as e:  # noqa: BLE001 - the parent records it
         out["error"] = "%s: %s" % (type(e).__name__, e)
@@ -940,7 +942,7 @@ def child_mdi(spec: Dict[str, Any]) -> int:
     return 0 if "error" not in out else 1
 
 
-def run_child(binding: str, spec: Dict[str, Any], timeout: float = 1800) -> Dict[str, Any]:
+def run_child(binding: Optional[str], spec: Dict[str, Any], timeout: float = 1800) -> Dict[str, Any]:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-mdi", json.dumps(spec)],
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_child_env(binding))
     for line in reversed(out.stdout.splitlines()):
@@ -1361,8 +1363,9 @@ def main(argv=None) -> int:
                                     "(quant_kernel fast) / auto (\"mdi\": the default; what it chose is auto_chose, "
                                     "from the run's nodes[].backend), threads T; decode = (N-1)/(t_last - t_first) "
                                     "of %d greedy tokens from %r; prefill = %d / time to first token of a %d-token "
-                                    "prompt (prefill_chunk %d: one pass); each backend warmed up (decode + prefill) "
-                                    "before the repeats, which rotate who goes first"
+                                    "prompt (prefill_chunk %d: one pass); each backend in a process of its own per "
+                                    "repeat (torch variants: in this one), warmed up there (decode + prefill); the "
+                                    "repeats rotate who goes first"
                                     % (args.n_tokens, SHORT_PROMPT, n_prefill, n_prefill, max(n_prefill, ONE_PASS_CHUNK)),
                   "ratios": "per repeat: the i-th run of one system over the i-th of the other in the same rotation; "
                             "median [min, max]",

