@@ -28,9 +28,10 @@ backend, and llama.cpp's build id.
    and pp512) against a one-node mdi run (mdi.starter.batch.run) with backend ggml, torch and
    auto, each in a process of its own per repeat, warmed up there (as a user's run: measured in
    this process one after another, ggml's decode came out 0.76x llama-bench where processes of
-   their own gave 0.89x on the same AVX-512 EPYC), alternating (and which goes first): decode tok/s of 128 greedy tokens from a short
-   prompt, (N-1) / (t_last - t_first); prefill tok/s = prompt tokens / time to the first token of
-   a ~512-token prompt (prefill_chunk 512: one pass, as llama-bench's pp). Ratios mdi / llama.cpp
+   their own gave 0.89x on the same AVX-512 EPYC), alternating (and which goes first): decode
+   tok/s of 128 greedy tokens from a short prompt, (N-1) / (t_last - t_first); prefill tok/s =
+   prompt tokens / time to the first token of a ~512-token prompt (prefill_chunk 512: one pass,
+   as llama-bench's pp). Ratios mdi / llama.cpp
    per repeat (median [min, max]), and ggml / torch. --torch-variants adds the torch-only
    before/after runs this benchmark had (eager blocks, `fast` without the int8 integer kernels,
    prefill in the default chunks).
@@ -402,7 +403,8 @@ def build_avx2_binding(cache: str) -> Dict[str, Any]:
 def _child_env(binding: Optional[str]) -> Dict[str, str]:
     """The environment of a child that loads the ggml binding in `binding` (None: the venv's) first."""
     old = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(([binding] if binding else []) + [ROOT] + ([old] if old else [])))
+    first = [binding] if binding else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(first + [ROOT] + ([old] if old else [])))
 
 
 def ggml_info() -> Dict[str, Any]:

@@ -4,7 +4,8 @@ a prefill, step by step from the KV cache, several samples in one pass, a verifi
 and the training path, with its sliding-window layers (window 4, every 2nd layer global)
 mattering well inside a 16-token prompt. Its decode steps as one TorchScript call equal the
 eager blocks bit for bit, and a CUDA graph's step logic (run on the CPU) equals them too. The
-same model written as llama.cpp's converter writes a gemma3 GGUF reads back as the same model. The real Gemma 3 270M GGUF (conftest's gemma3_gguf) decodes greedily what llama.cpp does."""
+same model written as llama.cpp's converter writes a gemma3 GGUF reads back as the same model.
+The real Gemma 3 270M GGUF (conftest's gemma3_gguf) decodes greedily what llama.cpp does."""
 import dataclasses
 import json
 import os
