@@ -865,10 +865,9 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
     for T in args.threads:
         log("standalone, %d thread(s): each mdi backend in a process of its own per repeat, warmed up there "
             "(decode, a %d-token prefill)" % (T, n_prefill))
-        for name in names:
-            if name in ("mdi_no_integer", "mdi_eager"):  # torch variants, measured in this process
-                mdi_decode(args.model, T, 8, backend="torch")
-                mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend="torch")
+        if {"mdi_no_integer", "mdi_eager"} & set(names):  # the torch variants run in this process: warm it once
+            mdi_decode(args.model, T, 8, backend="torch")
+            mdi_prefill(args.model, T, prefill_prompt, n_prefill, backend="torch")
         runs = {n: [] for n in names}  # type: Dict[str, List[Dict[str, Any]]]
         for r in range(args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]

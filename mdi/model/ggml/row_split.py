@@ -4,11 +4,11 @@ products cost less than one product of n rows.
 ggml's CPU backend multiplies a one-row pass with its dot-product kernel, which streams each
 weight once, and passes of 2+ rows of some types with llamafile's tiled kernel. On an AMD EPYC
 (AVX-512, 1 thread), over weights streamed from memory (60 matrices of SmolLM2's ffn_up shape,
-56 MB in Q8_0), one product of 2 rows cost 5.2 one-row products in Q8_0 and 3.2 in F16, while 2 one-row
-products cost 2.1 and 1.8; Q4_0's tiled kernel won (1.7 for 2 rows) and Q4_1, which has none,
-cost 2.1 either way. One such Q8_0 matrix held in the caches (0.9 MB) multiplied 2 rows for
-1.2 one-row products: which way wins depends on where the weights are, so it is
-measured as a pass meets them: each group (a node's block matrices, in layer order up to
+56 MB in Q8_0), one product of 2 rows cost 5.2 one-row products in Q8_0 and 3.2 in F16, while 2
+one-row products cost 2.1 and 1.8; Q4_0's tiled kernel won (1.7 for 2 rows) and Q4_1, which has
+none, cost 2.1 either way. One such Q8_0 matrix held in the caches (0.9 MB) multiplied 2 rows
+for 1.2 one-row products: which way wins depends on where the weights are, so it is measured as
+a pass meets them: each group (a node's block matrices, in layer order up to
 PROBE_BYTES, and its head) multiplied in one graph both ways, at every size from 2 rows to
 MAX_SPLIT_ROWS (the tiled kernel's tiles hold 4 rows, and SmolLM2's Q8_0 head cost 5.6-6.7
 one-row products at 5-7 rows where 4 cost 3.6). Passes of a few rows are what batched decoding
