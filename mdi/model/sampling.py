@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 
@@ -119,9 +120,10 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
     SmolLM2 layer pass (measured, 1 thread). Fields at their neutral values cost nothing."""
     logits = logits.float().cpu()
-    # One float64 sum finds any NaN or infinity (it cannot overflow on float32 inputs): a
-    # tenth of torch.isfinite(logits).all()'s time.
-    if not math.isfinite(float(logits.sum(dtype=torch.float64))):
+    # The largest and the smallest find any NaN or infinity, in numpy's SIMD reductions: 10 us
+    # on 49152 values where torch.isfinite(logits).all() took 10x that (1 thread).
+    values = logits.detach().numpy()
+    if not (math.isfinite(values.max()) and math.isfinite(values.min())):
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
                             % (int((~torch.isfinite(logits)).sum()), logits.numel()))
     if allowed is not None:
@@ -131,7 +133,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     if params.adjusts:
         logits = _adjusted(logits, params, generated, prompt)
     if params.temperature == 0:
-        token = int(torch.argmax(logits))
+        token = greedy(logits)
         return Drawn(token, None if top_logprobs is None else _logprobs(logits, token, top_logprobs))
     # Shift so the best logit is 0 before dividing: every value stays <= 0, so no temperature,
     # however tiny, can overflow to inf - inf = NaN; a tiny one gives the argmax, as greedy does.
@@ -148,6 +150,15 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
         probs = _nucleus(probs, params.top_p)
     token = _draw(probs, gen)
     return Drawn(token, None if top_logprobs is None else _logprobs(scaled, token, top_logprobs, whole))
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The first index of the largest of 1-D logits, as torch.argmax gives it. On the CPU with
+    numpy's argmax, which runs in SIMD: 8 us where torch's took 130 (49152 tokens, 1 thread),
+    and a decode step samples with the head's output in no cache."""
+    if logits.device.type != "cpu":  # a GPU's argmax, then one number to the host
+        return int(torch.argmax(logits))
+    return int(np.argmax(logits.detach().float().numpy()))
 
 
 def _keep_at_least(logits: torch.Tensor, low: float) -> torch.Tensor:

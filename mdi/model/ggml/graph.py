@@ -17,7 +17,7 @@ for the same family, so a GGUF computes as llama.cpp computes it.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,15 +35,16 @@ NODES_PER_SPLIT_ROW = 3 * 7  # a linear multiplied row by row: a view, a product
 NEG_INF = np.float16(-np.inf)
 
 
-@dataclass(frozen=True)
-class SampleShape:
+# Named tuples, not dataclasses: a pass's shape keys its graph in a dict every step, and a
+# tuple hashes in C where a frozen dataclass runs Python code per field (decode's Python time
+# per token is what separates it from llama.cpp's on a small model).
+class SampleShape(NamedTuple):
     slot: int
     rows: int
     attend: int  # positions of the slot attended (a multiple of ATTEND_BUCKET, at most the cache length)
 
 
-@dataclass(frozen=True)
-class PassShape:
+class PassShape(NamedTuple):
     samples: Tuple[SampleShape, ...]
 
     @property

@@ -28,6 +28,7 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout
 from mdi.model.row_batch import RowBatch
+from mdi.model.sampling import greedy
 from mdi.model.source import ModelSource, read_tokenizer
 from mdi.model.tokenizers import Tokenizer, TokenizerError
 from mdi.model.transformer import ModelChunk
@@ -208,7 +209,7 @@ class DraftModel:
             now = list(tokens)
             out: List[int] = []
             while True:
-                token = int(torch.argmax(logits))
+                token = greedy(logits)
                 out.append(token)
                 if len(out) == k:
                     break
