@@ -225,3 +225,58 @@ def test_gemma3_greedy_ids_do_not_depend_on_batching_without_repack(gemma3_gguf)
     if lib.cpu_features().get("avx2"):  # where ggml re-lays Q4_K (x86's AVX2 kernels)
         repacked = source.ggml_chunk(0, 2, True, False, threads=1)
         assert any(n.endswith("attn_output.weight") for n in repacked.weights.repacked)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "gpt2"])
+def test_a_starter_pass_embedded_in_the_blocks_graph_gives_the_same_bits(model, request):
+    """embed_forward_rows (the token ids embedded in the blocks' own graph: one graph a step on
+    a starter) computes what embed_rows then forward_rows compute, bit for bit: the token rows
+    (Gemma's scaled ones, GPT-2's learned positions added), a prefill of two samples and their
+    next decode step, and a soft prompt's rows, which take the two-graph way."""
+    if model == "smollm2":
+        source = ModelSource(request.getfixturevalue("smollm2_dir"))
+    elif model == "gemma3":
+        source = ModelSource(request.getfixturevalue("gemma3_gguf"))
+    else:
+        source = ModelSource(request.getfixturevalue("tiny_models")["gpt2"])
+    layers = min(3, source.config.n_layer)
+    fused = source.ggml_chunk(0, layers, True, False, threads=1)
+    apart = source.ggml_chunk(0, layers, True, False, threads=1)
+    for c in (fused, apart):
+        c.allocate_cache(2, 64)
+    rng = np.random.default_rng(0)
+    vocab = source.config.vocab_size
+    passes = [PassRows([0, 1], [0, 0], [5, 3]), PassRows([0, 1], [5, 3], [1, 1]), PassRows([1], [4], [2])]
+    for batch in passes:
+        ids = rng.integers(0, vocab, batch.rows).astype(np.int32)
+        one = fused.embed_forward_rows(torch.from_numpy(ids), RowBatch.of(batch.slots, batch.starts, batch.counts))
+        two = apart.forward_rows(apart.embed_rows(ids, np.concatenate(
+            [np.arange(s, s + n) for s, n in zip(batch.starts, batch.counts)]).astype(np.int32)), batch)
+        assert isinstance(one, torch.Tensor) and np.array_equal(one.numpy().view(np.uint32), two.view(np.uint32))
+    soft = (torch.tensor([0]), torch.from_numpy(rng.standard_normal((1, source.config.n_embd)).astype(np.float32)))
+    batch = RowBatch.of([0], [6], [2])
+    ids = torch.from_numpy(rng.integers(0, vocab, 2).astype(np.int32))
+    assert np.array_equal(fused.embed_forward_rows(ids, batch, soft).numpy(),
+                          apart.forward_rows(apart.embed_rows(ids, batch.positions, soft), batch).numpy())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused.embed_forward_rows(torch.tensor([vocab]), RowBatch.of([0], [8], [1]))
+
+
+def test_gemma3_split_where_a_node_holds_sliding_window_layers_alone(gemma3_gguf):
+    """Gemma 3 attends globally every 6th layer (5, 11, 17): a node of layers [0, 3) reads only
+    the sliding-window mask (it aborted in ggml setting the full one, which no op read). Split
+    there, the two nodes compute the one-node model's logits bit for bit."""
+    source = ModelSource(gemma3_gguf)
+    n = source.config.n_layer
+    assert not any(source.config.layer_window(i) == 0 for i in range(3))
+    whole = source.ggml_chunk(0, n, True, True, threads=1)
+    first = source.ggml_chunk(0, 3, True, False, threads=1)
+    rest = source.ggml_chunk(3, n, False, True, threads=1)
+    for c in (whole, first, rest):
+        c.allocate_cache(1, 64)
+    ids = np.array(source.tokenizer.encode(PROMPTS[0]), np.int32)
+    for batch in (PassRows([0], [0], [len(ids)]), PassRows([0], [len(ids)], [1])):
+        step = ids if batch.starts[0] == 0 else ids[-1:]
+        one = whole.head(whole.embed_forward_rows(step, batch))
+        two = rest.head(rest.forward_rows(first.embed_forward_rows(step, batch), batch))
+        assert np.array_equal(one, two)

@@ -367,6 +367,12 @@ class ModelChunk(nn.Module):
         """Run this chunk's blocks on one sample's activations x [T, C] at positions start.."""
         return self.forward_rows(x, RowBatch.of([slot], [start], [x.shape[0]], x.device))
 
+    def embed_forward_rows(self, ids: torch.Tensor, batch: RowBatch,
+                           virtual: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """A starter's pass: its tokens' embeddings through its blocks (the ggml chunk does both
+        in one graph)."""
+        return self.forward_rows(self.embed_rows(ids, batch.positions, virtual), batch)
+
     def forward_rows(self, x: torch.Tensor, batch: RowBatch) -> torch.Tensor:
         """Run this chunk's blocks once over the stacked rows x [batch.rows, C] of several
         samples: linear layers see every row, attention each sample's own slot."""

@@ -224,8 +224,7 @@ class Pipeline:
             assert self.prefix_store is not None  # set with self.prefix (enable_prefix_cache)
             self.prefix_store.apply(ops)
         ids_t = ints_to_device(ids, self.device)
-        x = self.chunk.forward_rows(self.chunk.embed_rows(ids_t, batch.positions, virtual_rows(group, starts, counts)),
-                                    batch)
+        x = self.chunk.embed_forward_rows(ids_t, batch, virtual_rows(group, starts, counts))
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
         self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else [],

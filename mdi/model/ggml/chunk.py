@@ -37,7 +37,18 @@ def _to_numpy(x: Any) -> Tuple[np.ndarray, bool]:
     """(float32 C-contiguous array, whether `x` was a torch tensor)."""
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x, dtype=np.float32), False
-    return np.ascontiguousarray(x.detach().to("cpu").float().numpy()), True
+    return np.ascontiguousarray(_host_view(x), dtype=np.float32), True
+
+
+def _host_view(t: Any) -> np.ndarray:
+    """A torch tensor as numpy. One call for a host tensor outside autograd (a decode step's
+    rows and ids): each torch call costs tens of microseconds when it runs right after a
+    graph has streamed the weights through the caches."""
+    try:
+        return t.numpy()
+    except (RuntimeError, TypeError):  # on a GPU, needing grad, or a dtype numpy lacks (bfloat16)
+        t = t.detach().cpu()
+        return t.numpy() if t.dtype != sys.modules["torch"].bfloat16 else t.float().numpy()
 
 
 def _back(y: np.ndarray, torch_in: bool) -> Any:
@@ -216,9 +227,18 @@ class GgmlChunk:
         if self.n_layers == 0:
             return x
         with self._lock:
-            return self._forward_locked(x, batch)
+            return self._forward_locked(batch, x=x)
 
-    def _forward_locked(self, x: Any, batch: Any) -> Any:
+    def embed_forward_rows(self, ids: Any, batch: Any, virtual: Optional[Tuple[Any, Any]] = None) -> Any:
+        """forward_rows(embed_rows(ids, batch's positions, virtual), batch): a starter's pass,
+        embedded in the blocks' own graph where nothing replaces a row (no soft prompt)."""
+        if virtual is not None or self.n_layers == 0 or not self.with_embedding:
+            return self.forward_rows(self.embed_rows(ids, batch.positions, virtual), batch)
+        with self._lock:
+            return self._forward_locked(batch, ids=ids)
+
+    def _forward_locked(self, batch: Any, x: Any = None, ids: Any = None) -> Any:
+        """The blocks over `batch`'s rows: activations `x`, or token `ids` embedded in the graph."""
         cache = self.cache
         if cache is None:
             raise RuntimeError("no KV cache allocated")
@@ -236,9 +256,15 @@ class GgmlChunk:
                 raise ValueError("sample slot %d outside the %d allocated" % (slot, cache.n_slots))
             if start < 0 or count < 1 or start + count > cache.max_len:
                 raise ValueError("positions [%d, %d) exceed the cache length %d" % (start, start + count, cache.max_len))
-        a, torch_in = _to_numpy(x)
-        if a.shape != (rows, self.config.n_embd):
-            raise ValueError("%d rows of activations for %d tokens" % (a.shape[0], rows))
+        embedded = ids is not None
+        if embedded:
+            a, torch_in = self._token_ids(ids)
+            if a.shape != (rows,):
+                raise ValueError("%d token ids for %d rows" % (a.shape[0], rows))
+        else:
+            a, torch_in = _to_numpy(x)
+            if a.shape != (rows, self.config.n_embd):
+                raise ValueError("%d rows of activations for %d tokens" % (a.shape[0], rows))
         shape = PassShape(tuple(SampleShape(slot, count, attend_bucket(start + count, cache.max_len))
                                 for slot, start, count in zip(slots, starts, counts)))
         row_positions = [np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)]
@@ -250,10 +276,13 @@ class GgmlChunk:
             a = np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
         plan = self.lora.plan(adapters, [s.rows for s in shape.samples])
         lora = plan.shape if plan is not None else None
-        g = self._graph(("blocks", shape, lora), lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters))
+        g = self._graph(("blocks", shape, lora, embedded),
+                        lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded))
         kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
-        lib.set_data(g.inputs["x"], a)
-        if self.traits.family.positions == "rope":  # (GPT-2's graph leaves its positions unused: no buffer)
+        lib.set_data(g.inputs["ids" if embedded else "x"], a)
+        # (RoPE reads the positions; learned ones are read only where the graph embeds: GPT-2's
+        # blocks graph alone leaves them unused, with no buffer)
+        if self.traits.family.positions == "rope" or embedded:
             lib.set_data(g.inputs["pos"], np.concatenate(row_positions))
         lib.set_data(g.inputs["kv_rows"], kv_rows)
         fill_masks(g, shape, row_positions, self.traits)
@@ -263,6 +292,14 @@ class GgmlChunk:
         self.cpu.compute(g.graph)
         out = np.empty((shape.rows, self.config.n_embd), dtype=np.float32)
         return _back(lib.get_data(g.output, out)[:rows], torch_in)
+
+    def _token_ids(self, ids: Any) -> Tuple[np.ndarray, bool]:
+        """(int32 ids, whether they came as a torch tensor), checked against the vocabulary."""
+        torch_in = not isinstance(ids, np.ndarray)
+        a = np.ascontiguousarray(_host_view(ids) if torch_in else ids, dtype=np.int32).reshape(-1)
+        if a.shape[0] and (a.min() < 0 or a.max() >= self.config.vocab_size):
+            raise ValueError("token id outside the vocabulary of %d" % self.config.vocab_size)
+        return a, torch_in
 
     def embed(self, ids: Any, start: int) -> Any:
         """One sample's tokens at positions start.."""
@@ -277,11 +314,8 @@ class GgmlChunk:
         """Token rows [rows] at their positions -> embeddings [rows, n_embd] (float32);
         `virtual` (rows, embeddings) replaces those rows' token embeddings (a soft prompt's
         virtual tokens, as the torch chunk does: not scaled, learned positions added)."""
-        torch_in = not isinstance(ids, np.ndarray)
-        ids_np = np.ascontiguousarray(ids.cpu().numpy() if torch_in else ids, dtype=np.int32).reshape(-1)
+        ids_np, torch_in = self._token_ids(ids)
         n = ids_np.shape[0]
-        if n and (ids_np.min() < 0 or ids_np.max() >= self.config.vocab_size):
-            raise ValueError("token id outside the vocabulary of %d" % self.config.vocab_size)
         learned = self.traits.family.positions == "learned"
         later = virtual is not None and learned  # positions added after the virtual rows are in
         g = self._graph(("embed", n, later), lambda: self.builder.embedding(n, not later))

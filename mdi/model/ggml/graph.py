@@ -175,17 +175,19 @@ class GraphBuilder:
 
     # --- the blocks ----------------------------------------------------------------------
     def blocks(self, shape: PassShape, cache: GgmlKVCache, lora: Optional[lora_ops.LoraShape] = None,
-               held: Optional[Dict[int, Any]] = None) -> Built:
+               held: Optional[Dict[int, Any]] = None, embedded: bool = False) -> Built:
         """The blocks over a pass; `lora` (with the chunk's `held` adapters): the adapters its
-        samples name (mdi.model.ggml.adapters)."""
+        samples name (mdi.model.ggml.adapters). `embedded`: the pass's token ids come in ("ids")
+        and the chunk's embedding computes its rows in the same graph (a starter's pass: one
+        graph and one copy fewer per step), else its rows ("x")."""
         gg, t = self.gg, self.t
         c = t.config
         E, R = c.n_embd, shape.rows
         more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
         per_layer = NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples) + self._split_nodes(R)
         b = Built(len(self.layers) * per_layer + NODES_MORE + more)
-        x = self._input(b, "x", lib.F32, E, R)
         pos = self._input(b, "pos", lib.I32, R)
+        x = self._embed(b, self._input(b, "ids", lib.I32, R), pos) if embedded else self._input(b, "x", lib.F32, E, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
         if lora is not None:
             widest = max((c.n_head + 2 * c.kv_heads) * c.head_dim, c.ffn_width, E)
@@ -200,10 +202,13 @@ class GraphBuilder:
     def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any, kv_rows: Any) -> Built:
         t = self.t
         ctx = b.ctx.ptr
+        # Only the masks some layer reads: an input no op reads gets no buffer (Gemma 3's
+        # chunk of sliding-window layers alone has no use for the full mask).
         local = any(t.is_local(i) for i in self.layers)
-        masks: List[Tuple[Any, Optional[Any]]] = []
+        every = not all(t.is_local(i) for i in self.layers)
+        masks: List[Tuple[Optional[Any], Optional[Any]]] = []
         for i, s in enumerate(shape.samples):
-            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, s.rows)
+            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, s.rows) if every else None
             win = self._input(b, "mask_local_%d" % i, lib.F16, s.attend, s.rows) if local else None
             masks.append((full, win))
         for li, layer in enumerate(self.layers):
@@ -212,7 +217,7 @@ class GraphBuilder:
         return b
 
     def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
-               pos: Any, kv_rows: Any, masks: List[Tuple[Any, Optional[Any]]]) -> Any:
+               pos: Any, kv_rows: Any, masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
         gg, t, w = self.gg, self.t, self.w
         c, fam = t.config, t.family
         H, KV, D = c.n_head, c.kv_heads, c.head_dim
@@ -284,26 +289,32 @@ class GraphBuilder:
     def embedding(self, rows: int, positions: bool = True) -> Built:
         """Token ids [rows] (and their positions, for learned position embeddings, unless not
         `positions`) -> [E, rows]."""
-        gg, t = self.gg, self.t
         b = Built(NODES_MORE)
-        ctx = b.ctx.ptr
         ids = self._input(b, "ids", lib.I32, rows)
+        learned = self.t.family.positions == "learned" and positions
+        b.finish(self._embed(b, ids, self._input(b, "pos", lib.I32, rows) if learned else None))
+        return b
+
+    def _embed(self, b: Built, ids: Any, pos: Optional[Any]) -> Any:
+        """The rows of token `ids` (scaled where the family does), plus the learned position
+        embeddings of `pos` where the family has them (None: not added here)."""
+        gg, t = self.gg, self.t
+        ctx = b.ctx.ptr
         x = gg.ggml_get_rows(ctx, self.w["token_embd.weight"], ids)
         if t.family.embed_scale:
             x = gg.ggml_scale(ctx, x, math.sqrt(t.config.n_embd))
-        if t.family.positions == "learned" and positions:
-            x = self._add_positions(b, x, rows)
-        b.finish(x)
-        return b
+        if t.family.positions == "learned" and pos is not None:
+            x = self._add_positions(b, x, pos)
+        return x
 
-    def _add_positions(self, b: Built, x: Any, rows: int) -> Any:
-        pos = self._input(b, "pos", lib.I32, rows)
+    def _add_positions(self, b: Built, x: Any, pos: Any) -> Any:
         return self.gg.ggml_add(b.ctx.ptr, x, self.gg.ggml_get_rows(b.ctx.ptr, self.w["position_embd.weight"], pos))
 
     def positions(self, rows: int) -> Built:
         """Embeddings [E, rows] plus their learned position embeddings (a soft prompt's rows)."""
         b = Built(NODES_MORE)
-        x = self._add_positions(b, self._input(b, "x", lib.F32, self.t.config.n_embd, rows), rows)
+        x = self._input(b, "x", lib.F32, self.t.config.n_embd, rows)
+        x = self._add_positions(b, x, self._input(b, "pos", lib.I32, rows))
         b.finish(x)
         return b
 
@@ -345,8 +356,9 @@ def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], 
     for i, (s, positions) in enumerate(zip(shape.samples, row_positions)):
         cols = np.arange(s.attend)[None, :]
         rows = np.asarray(positions)[:, None]
-        mask = np.where(cols <= rows, np.float16(0), NEG_INF).astype(np.float16)
-        lib.set_data(b.inputs["mask_%d" % i], mask)
+        if "mask_%d" % i in b.inputs:
+            mask = np.where(cols <= rows, np.float16(0), NEG_INF).astype(np.float16)
+            lib.set_data(b.inputs["mask_%d" % i], mask)
         if "mask_local_%d" % i in b.inputs:
             local = np.where((cols <= rows) & (rows - cols < window), np.float16(0), NEG_INF).astype(np.float16)
             lib.set_data(b.inputs["mask_local_%d" % i], local)

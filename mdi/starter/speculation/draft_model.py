@@ -188,8 +188,7 @@ class DraftModel:
         for at in range(0, len(tokens), self.prefill_chunk):
             part = list(tokens[at:at + self.prefill_chunk])
             batch = RowBatch.of([slot], [start + at], [len(part)], self.device)
-            x = self.chunk.forward_rows(self.chunk.embed_rows(ints_to_device(part, self.device), batch.positions),
-                                        batch)
+            x = self.chunk.embed_forward_rows(ints_to_device(part, self.device), batch)
         assert x is not None, "nothing to feed"
         return self.chunk.head(x[-1:])[0]
 
