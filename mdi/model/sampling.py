@@ -120,8 +120,9 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
     SmolLM2 layer pass (measured, 1 thread). Fields at their neutral values cost nothing."""
     logits = logits.float().cpu()
-    # The largest and the smallest find any NaN or infinity, in numpy's SIMD reductions: 10 us
-    # on 49152 values where torch.isfinite(logits).all() took 10x that (1 thread).
+    # The largest and the smallest find any NaN or infinity, in numpy's SIMD reductions: a
+    # greedy draw on 49152 logits takes 29 us with them and numpy's argmax, 175 with torch's
+    # float64 sum and argmax (1 thread).
     values = logits.detach().numpy()
     if not (math.isfinite(values.max()) and math.isfinite(values.min())):
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"

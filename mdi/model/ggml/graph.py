@@ -205,10 +205,10 @@ class GraphBuilder:
         # Only the masks some layer reads: an input no op reads gets no buffer (Gemma 3's
         # chunk of sliding-window layers alone has no use for the full mask).
         local = any(t.is_local(i) for i in self.layers)
-        every = not all(t.is_local(i) for i in self.layers)
+        any_global = not all(t.is_local(i) for i in self.layers)
         masks: List[Tuple[Optional[Any], Optional[Any]]] = []
         for i, s in enumerate(shape.samples):
-            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, s.rows) if every else None
+            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, s.rows) if any_global else None
             win = self._input(b, "mask_local_%d" % i, lib.F16, s.attend, s.rows) if local else None
             masks.append((full, win))
         for li, layer in enumerate(self.layers):
