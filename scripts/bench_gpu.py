@@ -59,6 +59,13 @@ tokens ("Once upon a time"), greedy, EOS off.
                speed-up beside each point. Whether each run's ids equal the plain ring's is
                recorded, not asserted: half-precision rows computed in one pass may round
                otherwise than one at a time.
+6. ggml        Standalone decode on ggml (ggml-cuda where the binding was built with CUDA:
+               scripts/gpu_check.sh builds it from a carried sdist) of the shape's GGUF in each of
+               GGML_TYPES (written once from the float16 model by mdi-prepare's own export,
+               ggml's quantizer), against torch's path on the same device and --dtype's first,
+               alternating, the same tokens and repeats as part 1: what issue 61 asks of a
+               GPU (ggml's int4-class types at least as fast as torch's float16). A binding
+               without a GPU device is recorded as the reason the part is skipped.
 
 Order (most wanted first, so a tight --budget-s cuts the extras): standalone float16 of both
 shapes, ring (hop, pipeline) of the small shape, int4 of both, ring of the 1.1B shape,
@@ -90,7 +97,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402  (adds the repo root to sys.path)
 from benchlib import fmt_stat, print_table, summarize  # noqa: E402
 
-PARTS = ("standalone", "hop", "pipeline", "int4", "spec")
+PARTS = ("standalone", "hop", "pipeline", "int4", "spec", "ggml")
+GGML_TYPES = ("F16", "Q8_0", "Q4_K", "Q4_0")  # part 6's GGUF weight types
 PROMPT = "Once upon a time"  # 16 characters = 16 tokens with the character tokenizer
 STD = 0.02
 RING_NODES = 3
@@ -110,6 +118,7 @@ EST_GPU = {
     ("pipeline", "smollm2-135m"): 22, ("pipeline", "tinyllama-1.1b"): 26,
     ("int4", "smollm2-135m"): 16, ("int4", "tinyllama-1.1b"): 20,
     ("spec", "smollm2-135m"): 60, ("spec", "tinyllama-1.1b"): 60,
+    ("ggml", "smollm2-135m"): 40, ("ggml", "tinyllama-1.1b"): 60,  # the GGUFs' writing included
 }
 SPEC_AGREES = (0.5, 0.7, 0.9)
 SPEC_PROMPTS = ("Once upon a time", "The ring of boards", "A quick brown fox")
@@ -123,8 +132,8 @@ class HardLimit(BaseException):
 
 
 HARD_GRACE = 10.0
-# The backend every run here computes with: this bench measures torch's CUDA paths (its random
-# models have no GGUF); scripts/bench_peer.py measures ggml.
+# The backend every run here computes with but part 6's ggml ones: its ring and standalone runs
+# measure torch's CUDA paths; scripts/bench_peer.py measures ggml on the CPU.
 TORCH = "torch"
 
 
@@ -1000,6 +1009,52 @@ def int4(ctx: "Context", shape: str) -> Dict[str, Any]:
     return out
 
 
+def ggml_part(ctx: "Context", shape: str) -> Dict[str, Any]:
+    """Part 6: decode on ggml, one GGUF per GGML_TYPES, against torch's path, alternating."""
+    from mdi.model.backend_select import ggml_cannot
+    from mdi.model.files.prepare import prepare
+    from mdi.model.source import ModelSource
+    args, device = ctx.args, ctx.args.device
+    dtype = args.dtypes[0]
+    path, _ = ctx.model(shape, None)
+    source, torch_chunk = load_mdi(path, dtype, device, "fast")
+    why = ggml_cannot({"token_embd.weight": "F16"}, device, False)
+    if why is not None:
+        del torch_chunk
+        free_device_memory(device)
+        return {"skipped": why}
+    n = source.config.n_layer
+    prompt_ids = source.tokenizer.encode(PROMPT)
+    out = {"dtype": dtype, "types": list(GGML_TYPES), "new_tokens": args.tokens, "gguf": {}}  # type: Dict[str, Any]
+    impls = {"torch-" + dtype: lambda: mdi_generate(torch_chunk, prompt_ids, args.tokens, device)}
+    chunks = {}
+    for kind in GGML_TYPES:
+        typed = "%s-%s" % (path, kind.lower())
+        if not os.path.isfile(os.path.join(typed, "model.gguf")):
+            t0 = time.perf_counter()
+            prepare(path, typed, [], quant=kind.lower())
+            log("    wrote %s in %.1f s" % (typed, time.perf_counter() - t0))
+        gguf = os.path.join(typed, "model.gguf")
+        out["gguf"][kind] = {"path": gguf, "bytes": os.path.getsize(gguf)}
+        chunks[kind] = ModelSource(typed).ggml_chunk(0, n, True, True, args.threads or 1, "f16", True, device)
+        impls["ggml-" + kind] = lambda c=chunks[kind]: mdi_generate(c, prompt_ids, args.tokens, device)
+    try:
+        m = alternate(impls, args.repeats, args.tokens, ctx.budget, 0.0)
+    finally:
+        for c in chunks.values():
+            c.close()
+        del torch_chunk
+        free_device_memory(device)
+    out["runs"] = {name: rate_summary(runs) for name, runs in m["runs"].items()}
+    base = [r["tokens_per_s"] for r in m["runs"]["torch-" + dtype]]
+    out["ratio_over_torch"] = {kind: summarize([r["tokens_per_s"] / b for r, b in zip(m["runs"]["ggml-" + kind], base)])
+                               for kind in GGML_TYPES}
+    first = m["ids"]["ggml-" + GGML_TYPES[0]]
+    out["ids_equal_first_type"] = {kind: m["ids"]["ggml-" + kind] == first for kind in GGML_TYPES}
+    out.update(repeats_done=len(base), truncated=m["truncated"], warmup_s=m["warmup_s"])
+    return out
+
+
 def _mb(n: Optional[float]) -> str:
     return "n/a" if n is None else "%.0f" % (n / 2 ** 20)
 
@@ -1042,6 +1097,7 @@ def tasks(args: argparse.Namespace) -> List[Tuple[str, str, str, Callable[["Cont
     add("pipeline", small, first, pipeline)
     add("int4", list(reversed(args.shapes)), first, int4)  # the 1.1B shape first: int4pack-cuda applies there
     add("spec", args.shapes, first, spec)
+    add("ggml", args.shapes, first, ggml_part)
     add("hop", big, first, hop)
     add("pipeline", big, first, pipeline)
     for d in later:
@@ -1146,6 +1202,15 @@ def report(record: Dict[str, Any]) -> None:
         print_table("5. speculation at S = 1 on the ring of %d sharing %s (oracle drafter; verification rows "
                     "attend %s), median [min, max]" % (RING_NODES, gpu, ok("spec")[0]["verify_rows"]),
                     ["shape", "mode", "tok/s", "x plain ring", "model x", "ids = plain"], rows)
+    rows = [[i["shape"], name, fmt_stat(r["tokens_per_s"], "%.1f"),
+             fmt_stat(i["ratio_over_torch"][name[5:]], "%.2f") if name.startswith("ggml-") else ""]
+            for i in ok("ggml") if "runs" in i for name, r in i["runs"].items()]
+    if rows:
+        print_table("6. ggml (%s) vs torch, standalone decode, median [min, max]" % gpu,
+                    ["shape", "backend-weights", "tok/s", "x torch"], rows)
+    for i in ok("ggml"):
+        if "skipped" in i:
+            print("ggml %s: skipped: %s" % (i["shape"], i["skipped"]))
     other = [i for p in parts.values() for i in p if i.get("status") != "ok"]
     for i in other:
         print("%s %s %s: %s%s" % (i["part"], i["shape"], i["dtype"], i["status"],

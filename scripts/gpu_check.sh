@@ -7,7 +7,8 @@
 #      pipeline efficiency, int4 vs float16, speculation in the ring), whose JSON names the GPU.
 # Usage: scripts/gpu_check.sh OUT_DIR. Logs, JSON results and py-spy stacks land in OUT_DIR.
 # A machine without a package registry installs the wheels found in $MDI_WHEELS (default .whl:
-# flask, waitress, pyzmq, gguf, and py-spy for bench_gpu.py --pyspy, downloaded elsewhere for its
+# flask, waitress, pyzmq, gguf, and py-spy for bench_gpu.py --pyspy; the ggml binding's sdist there
+# is built with CUDA, see below; downloaded elsewhere for its
 # Python with `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`) and puts mdi on its path,
 # with the mdi-worker / mdi-start commands the tests start.
 # Time caps (seconds): MDI_SUITE_S (default 210) for the suite, 0 to skip it; MDI_BENCH_S (170) for
@@ -47,13 +48,33 @@ bin_dir="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
 export PATH="$bin_dir:$PATH"  # the wrappers
 echo "gpu_check: installed ($(elapsed)); $(tail -n 1 "$OUT/gpu.txt")"
 
-CUDA_TESTS="${MDI_CUDA_TESTS-tests/test_cuda.py tests/test_gpu_transfers.py}"
+# ggml-cuda: where the ggml binding's sdist travelled in $WHEELS (`pip download --no-deps --no-binary :all:
+# ggml-python==VERSION` of setup.py's pin), build it with CUDA for this GPU's architecture alone (its
+# toolkit's nvcc; the CPU side as scripts/setup_env.sh builds it, AMX left out) and run the ggml device
+# tests among the CUDA tests: a node with backend ggml and device cuda computes on it.
+GGML_SDIST="$(ls "$WHEELS"/ggml_python-*.tar.gz 2>/dev/null | head -n 1)"
+if [ -n "$GGML_SDIST" ]; then
+    t1=$(date +%s)
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    if CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native -DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'" \
+        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip install --no-deps --no-build-isolation --no-index \
+        --force-reinstall --no-cache-dir "$GGML_SDIST" >"$OUT/ggml_cuda_build.log" 2>&1; then
+        echo "gpu_check: ggml-python built with CUDA in $(( $(date +%s) - t1 )) s"
+    else
+        echo "gpu_check: building ggml-python with CUDA failed after $(( $(date +%s) - t1 )) s (ggml_cuda_build.log)"
+    fi
+    "$PY" -c "from mdi.model.ggml import lib; print('ggml:', lib.version(), 'GPU devices:', lib.gpu_device_names())" \
+        >>"$OUT/gpu.txt" 2>&1
+    tail -n 1 "$OUT/gpu.txt"
+fi
+
+CUDA_TESTS="${MDI_CUDA_TESTS-tests/test_cuda.py tests/test_gpu_transfers.py${GGML_SDIST:+ tests/test_ggml_device.py}}"
 workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))  # cores left to the CUDA tests' own processes
 suite=""
 if [ "${MDI_SUITE_S:-210}" != 0 ]; then
     # SIGINT at the cap: pytest stops and still prints what passed and failed so far.
     timeout -s INT -k 30 "${MDI_SUITE_S:-210}" "$PY" -m pytest tests -n "$workers" -v -rfE --timeout 180 \
-        --ignore tests/test_cuda.py --ignore tests/test_gpu_transfers.py >"$OUT/suite.log" 2>&1 &
+        --ignore tests/test_cuda.py --ignore tests/test_gpu_transfers.py --ignore tests/test_ggml_device.py >"$OUT/suite.log" 2>&1 &
     suite=$!
 fi
 if [ -n "$CUDA_TESTS" ]; then

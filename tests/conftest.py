@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import pytest
 import requests
@@ -99,16 +100,17 @@ def tiny_config(family: str) -> ModelConfig:
                        n_head=8, n_kv_head=2, intermediate_size=128, block_size=128, tied_head=False)
 
 
-def tiny_model(family: str, seed: int = 0, half_exact: bool = False):
-    """The full random model of tiny_config(family), in memory (eval mode).
+def tiny_model(family: str, seed: int = 0, half_exact: bool = False, config: Optional[ModelConfig] = None,
+               std: float = 0.3):
+    """The full random model of tiny_config(family) (or of `config`), in memory (eval mode).
     `half_exact`: every weight is a float16 value, so float16 storage loses nothing."""
     torch.manual_seed(seed)
-    model = full_model(tiny_config(family))
+    model = full_model(config or tiny_config(family))
     # Wider than default init so that greedy decoding does not collapse to one token.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.3)
+                p.normal_(0, std)
             if half_exact:
                 p.copy_(p.half().float())
     return model.eval()

@@ -70,7 +70,7 @@ def test_the_measured_choice_is_remembered_per_machine(smollm2_dir, monkeypatch)
     groups = [["blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight", "blk.1.ffn_down.weight"],
               ["blk.0.attn_output.weight"]]
     monkeypatch.setattr(row_split, "_measured", {})
-    first = row_split.split_sizes(c.cpu, c.tensors, groups)
+    first = row_split.split_sizes(c.compute_backend, c.tensors, groups)
     assert set(first) == {n for g in groups for n in g}
     assert len({first[n] for n in groups[0]}) == 1  # a group shares one measurement
     assert all(s <= set(range(2, row_split.MAX_SPLIT_ROWS + 1)) for s in first.values())
@@ -80,5 +80,5 @@ def test_the_measured_choice_is_remembered_per_machine(smollm2_dir, monkeypatch)
 
     monkeypatch.setattr(row_split, "_measured", {})  # a new process: only the cache file knows
     monkeypatch.setattr(row_split, "_measure", never)
-    assert row_split.split_sizes(c.cpu, c.tensors, groups) == first
+    assert row_split.split_sizes(c.compute_backend, c.tensors, groups) == first
     c.close()

@@ -68,7 +68,8 @@ def _time_ggml(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
     path = write_probe_gguf(config, req.layer_types, n, False, {})
     try:
         probe = ModelConfig.from_dict(dict(config.to_dict(), n_layer=n))
-        chunk = GgmlChunk(probe, 0, n, False, False, GgufWeights(path), lib.ROPE_NEOX, req.threads, req.kv_type)
+        chunk = GgmlChunk(probe, 0, n, False, False, GgufWeights(path), lib.ROPE_NEOX, req.threads, req.kv_type,
+                          device=req.device)
         return _time(chunk, req, probe, np.float32, seconds_per_call)
     finally:
         remove_quietly(path)

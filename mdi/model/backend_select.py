@@ -10,6 +10,7 @@ from mdi.model.backend_probe import PROBE_BLOCKS, ProbeRequest, run_probe
 from mdi.model.config import ModelConfig
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT
 from mdi.model.threads import usable_cpus
+from mdi.system.devices import unusable_reason
 from mdi.system.machine_cache import machine_key
 
 log = logging.getLogger(__name__)
@@ -20,20 +21,34 @@ PROBE_PREFILL_TOKENS = 128
 def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: bool) -> Optional[str]:
     """Why ggml cannot compute this node's part of the run (None: it can). Adapters and soft
     prompts run on either backend (mdi.model.ggml.adapters); `adapters` stays for callers."""
-    from mdi.model.ggml.lib import unavailable_reason
+    from mdi.model.ggml.lib import gpu_unusable_reason, unavailable_reason
     if not gguf_types:
         return "the model has no GGUF (mdi-prepare writes model.gguf into a model directory)"
-    if not device.startswith("cpu"):
-        return "ggml computes on the CPU in this version (device %s)" % device
+    if device.startswith("cuda"):  # ggml-cuda, where the binding was built with it
+        return gpu_unusable_reason(device)
     return unavailable_reason()
 
 
-def torch_cannot(config: ModelConfig) -> Optional[str]:
-    """Why torch cannot compute this model (None: it can)."""
+def torch_cannot(config: Optional[ModelConfig], device: str = "cpu") -> Optional[str]:
+    """Why torch cannot compute this model on `device` (None: it can)."""
     import importlib.util
     if importlib.util.find_spec("torch") is None:  # found, not imported: a ggml node stays without it
         return "torch is not installed here"
-    return None
+    return unusable_reason(device)  # (imports torch for a GPU only)
+
+
+def device_unusable(device: str) -> Optional[str]:
+    """None when a backend can compute on `device` ("cpu", "cuda", "cuda:N") in this process,
+    else why neither can, in one line; asked before anything touches the device. A GPU that
+    ggml can reach is checked without loading torch (a ggml node never loads it)."""
+    from mdi.model.ggml.lib import gpu_unusable_reason
+    if not device.startswith("cuda"):
+        return None
+    ggml_why = gpu_unusable_reason(device)
+    if ggml_why is None:
+        return None
+    torch_why = torch_cannot(None, device)
+    return None if torch_why is None else "%s; ggml: %s" % (torch_why, ggml_why)
 
 
 def layer_types(gguf_types: Dict[str, str], first: int, last: int) -> Dict[str, str]:
@@ -65,7 +80,7 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
                    refresh: bool = False, busy: Optional[str] = None) -> BackendChoice:
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
     serve), or for auto the measured faster of those that can (`busy`: see backend.choose)."""
-    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(config)}
+    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(config, device)}
     if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
         rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
         if rounded:  # auto never trades the GGUF's own numbers for speed

@@ -123,15 +123,16 @@ class ModelSource:
             remove_quietly(path)
 
     def ggml_chunk(self, first: int, last: int, with_embedding: bool, with_head: bool, threads: int = 1,
-                   kv_type: str = "f16", repack: bool = True) -> Any:
-        """A chunk computing with ggml over this model's GGUF (mdi.model.ggml.chunk.GgmlChunk)."""
+                   kv_type: str = "f16", repack: bool = True, device: str = "cpu") -> Any:
+        """A chunk computing with ggml over this model's GGUF (mdi.model.ggml.chunk.GgmlChunk) on
+        `device` (the CPU, or a GPU ggml was built for)."""
         from mdi.model.ggml.chunk import GgmlChunk
         from mdi.model.ggml.weights import GgufWeights
         model = self.gguf()
         assert self.gguf_path is not None  # gguf() raises without one
         return GgmlChunk(model.config if self._raw else self.config, first, last, with_embedding, with_head,
                          GgufWeights(self.gguf_path), rope_mode_of(model.permuted_qk), threads, kv_type,
-                         repack)
+                         repack, device)
 
     def layout(self, first: int, last: int, with_ends: bool, mode: str,
                group_size: Optional[int] = None) -> Dict[str, QuantSpec]:

@@ -13,11 +13,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.backend import BackendChoice
-from mdi.model.backend_select import select_backend
+from mdi.model.backend_select import device_unusable, select_backend
 from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
-from mdi.system.devices import resolve_compute_dtype, unusable_reason
+from mdi.system.devices import resolve_compute_dtype
 from mdi.system.parallel import run_all
 from mdi.model.source import ModelSource
 from mdi.model.prefix_store import budget_bytes as prefix_budget
@@ -152,7 +152,7 @@ class Engine(RuntimeAdapters):
 
     def _starter_chunk(self, layers: List[int]) -> Any:
         first, last = layers
-        unusable = unusable_reason(self.device)
+        unusable = device_unusable(self.device)  # by either backend; the choice then weighs which can
         if unusable is not None:
             raise ConfigError("starter: %s" % unusable)
         choice = self._choose_backend(first, last)
@@ -218,7 +218,8 @@ class Engine(RuntimeAdapters):
             self.source.config, last - first, 1, self.max_len, cfg.runtime.kv_type))
         self._set_prefix_bytes(check_fits_here(budget, self.device, True, " on ggml"))
         threads = cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else usable_cpus()
-        chunk = self.source.ggml_chunk(first, last, True, True, threads, cfg.runtime.kv_type, cfg.runtime.repack)
+        chunk = self.source.ggml_chunk(first, last, True, True, threads, cfg.runtime.kv_type, cfg.runtime.repack,
+                                       self.device)
         chunk.allocate_cache(self.n_slots, self.max_len)
         if cfg.runtime.threads == AUTO:
             chosen = choose_threads(chunk, self.plan.max_batch)
@@ -239,7 +240,7 @@ class Engine(RuntimeAdapters):
         asked = self.cfg.model.compute_dtype
         compute, _ = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         chunk = self.live_chunk
-        ggml = GgmlDraft(chunk.threads, self.cfg.runtime.kv_type, self.cfg.runtime.repack) \
+        ggml = GgmlDraft(chunk.threads, self.cfg.runtime.kv_type, self.cfg.runtime.repack, self.device) \
             if chunk.backend == "ggml" else None
         return DraftModel.load(self.plan.draft, self.n_slots, self.max_len, self.dtype, self.device, compute,
                                self.plan.prefill_chunk, self.cfg.runtime.fused_decode, ggml)

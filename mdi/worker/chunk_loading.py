@@ -58,6 +58,6 @@ def load_ggml_chunk(key: LoadedWeights, fn: str, threads: int) -> Any:
     try:
         reader = open_reader(fn)
         return GgmlChunk(key.model, first, last, False, False, GgufWeights(fn, reader),
-                         rope_mode_of(rope_permuted(reader, fn)), threads, key.kv_type, key.repack)
+                         rope_mode_of(rope_permuted(reader, fn)), threads, key.kv_type, key.repack, key.device)
     except (CheckpointError, OSError, ValueError, RuntimeError, MemoryError) as e:
         raise RequestError("cannot load the GGUF weights for layers [%d, %d): %s" % (first, last, e))

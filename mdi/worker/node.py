@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from mdi.model.backend_select import device_unusable
 from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.model.files.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
@@ -22,7 +23,7 @@ from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
 from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
-from mdi.system.devices import resolve_compute_dtype, unusable_reason
+from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import release_freed_memory
 from mdi.worker.chunk_loading import load_ggml_chunk, load_torch_chunk, loaded_weights_bytes, run_cache_bytes
 from mdi.worker.measuring import Measuring
@@ -164,7 +165,7 @@ class Worker(Measuring):
                 self.loading = False
 
     def _check_device(self, asked: str) -> None:
-        why = unusable_reason(self.device_override or asked)
+        why = device_unusable(self.device_override or asked)  # by torch or by ggml
         if why is not None:
             raise RequestError(why)
 

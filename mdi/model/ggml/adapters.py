@@ -103,7 +103,7 @@ PAIR_TYPE = lib.F16
 class HeldAdapter:
     """One adapter's pairs (PAIR_TYPE) in a ggml buffer of their own (freed with `free`)."""
 
-    def __init__(self, pairs: Pairs, cpu: lib.CpuBackend, type_id: int = PAIR_TYPE) -> None:
+    def __init__(self, pairs: Pairs, backend: lib.ComputeBackend, type_id: int = PAIR_TYPE) -> None:
         gg = lib.require()
         self._ctx = lib.Context(2 * len(pairs) + 1)
         self.pairs: Dict[str, Tuple[Any, Any]] = {}
@@ -114,14 +114,15 @@ class HeldAdapter:
         self.nbytes = 0
         self.min_rows = 1
         if pairs:
-            self.nbytes = self._ctx.allocate("an adapter's %d matrices" % (2 * len(pairs)))
+            self.nbytes = self._ctx.allocate("an adapter's %d matrices" % (2 * len(pairs)),
+                                             buffer_type=backend.buffer_type)
             dtype = lib.NUMPY_TYPES[type_id]
             for name, (a, b) in pairs.items():
                 lib.set_data(self.pairs[name][0], a.astype(dtype))
                 lib.set_data(self.pairs[name][1], b.astype(dtype))
             from mdi.model.ggml.min_rows import fewest_rows  # (it imports graph, which imports this module)
             flat = {"%s.%s" % (n, side): t for n, ab in self.pairs.items() for side, t in zip("ab", ab)}
-            self.min_rows = fewest_rows(cpu, flat, list(flat))
+            self.min_rows = fewest_rows(backend, flat, list(flat))
 
     def free(self) -> None:
         self.pairs = {}

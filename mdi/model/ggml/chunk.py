@@ -63,7 +63,7 @@ class GgmlChunk:
 
     def __init__(self, config: ModelConfig, first: int, last: int, with_embedding: bool, with_head: bool,
                  weights: GgufWeights, rope_mode: int, threads: int = 1, kv_type: str = "f16",
-                 repack: bool = True) -> None:
+                 repack: bool = True, device: str = "cpu") -> None:
         if not 0 <= first <= last <= config.n_layer:
             raise ValueError("layer range [%d, %d) outside the model's %d layers" % (first, last, config.n_layer))
         self.config, self.first, self.last = config, first, last
@@ -71,25 +71,29 @@ class GgmlChunk:
         self.kv_type = kv_type
         self.traits = ModelTraits.of(config, rope_mode)
         names, matmul = self._tensor_names(weights)
+        # the CPU, or a GPU (runtime.device cuda): every tensor in its buffers (lib.ComputeBackend)
+        self.compute_backend = lib.ComputeBackend(device, threads)
+        on = self.compute_backend
         t0 = time.perf_counter()
         self.weights = weights
-        self.tensors = weights.load(names, matmul if repack else ())
+        self.tensors = weights.load(names, matmul if repack and on.maps_weights else (),
+                                    None if on.maps_weights else on.buffer_type)
         self.load_seconds = time.perf_counter() - t0
-        self.builder = GraphBuilder(self.traits, range(first, last), self.tensors)
-        self.cpu = lib.CpuBackend(threads)
+        self.builder = GraphBuilder(self.traits, range(first, last), self.tensors, on.buffer_type)
         # passes shorter than this are padded, so a row rounds as in a pass of any size (min_rows)
         packed = set(weights.repacked)
         head = head_name(self.tensors)
-        self.min_rows = fewest_rows(self.cpu, self.tensors, [n for n in matmul if n not in packed])
-        self.min_head_rows = fewest_rows(self.cpu, self.tensors, [head]) if with_head else 1
+        self.min_rows = fewest_rows(self.compute_backend, self.tensors, [n for n in matmul if n not in packed])
+        self.min_head_rows = fewest_rows(self.compute_backend, self.tensors, [head]) if with_head else 1
         # passes of a few rows multiply these row by row where that is measured cheaper (row_split);
         # only matrices whose rows round alike in passes of any size, so no result changes
         def alike(names: List[str]) -> List[str]:
-            return [n for n in names if n not in packed and fewest_rows(self.cpu, self.tensors, [n]) == 1]
+            return [n for n in names if n not in packed and fewest_rows(self.compute_backend, self.tensors, [n]) == 1]
 
         blocks = alike([n for n in matmul if n != head])  # in layer order, as a pass reads them
-        self._split_groups = [blocks, alike([head]) if with_head else []]
-        self.builder.split = split_sizes(self.cpu, self.tensors, self._split_groups)
+        # (row by row is a way round the CPU's tiled kernel: a GPU multiplies a pass as one product)
+        self._split_groups = [blocks, alike([head]) if with_head else []] if on.on_cpu else []
+        self.builder.split = split_sizes(self.compute_backend, self.tensors, self._split_groups)
         self.cache: Optional[GgmlKVCache] = None
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self.graphs_built = 0
@@ -116,14 +120,14 @@ class GgmlChunk:
 
     @property
     def threads(self) -> int:
-        return self.cpu.threads
+        return self.compute_backend.threads
 
     def set_threads(self, threads: int) -> None:
         with self._lock:
-            before = self.cpu.threads
-            self.cpu.set_threads(threads)
-            if self.cpu.threads != before:  # which way a pass's rows multiply faster is the threads' too
-                self.builder.split = split_sizes(self.cpu, self.tensors, self._split_groups)
+            before = self.compute_backend.threads
+            self.compute_backend.set_threads(threads)
+            if self.compute_backend.threads != before:  # which way a pass's rows multiply faster is the threads' too
+                self.builder.split = split_sizes(self.compute_backend, self.tensors, self._split_groups)
                 self._drop_graphs(lambda key: key[0] in ("blocks", "head"))
 
     @property
@@ -151,7 +155,7 @@ class GgmlChunk:
             raise ValueError("adapter ids start at 1 (0 is the base model)")
         permuted = self.traits.family.positions == "rope" and self.traits.rope_mode == lib.ROPE_NORMAL
         pairs = gguf_pairs(self.config, self.first, self.last, self.tensors, permuted, adapter, weights)
-        held = HeldAdapter(pairs, self.cpu)
+        held = HeldAdapter(pairs, self.compute_backend)
         with self._lock:
             self._drop_locked(adapter)
             self.lora.adapters[adapter] = held
@@ -181,7 +185,8 @@ class GgmlChunk:
             raise ValueError("cache length %d exceeds the model context %d" % (max_len, self.config.block_size))
         self.free_cache()
         c = self.config
-        self.cache = GgmlKVCache(self.n_layers, n_slots, max_len, c.kv_heads, c.head_dim, self.kv_type)
+        self.cache = GgmlKVCache(self.n_layers, n_slots, max_len, c.kv_heads, c.head_dim, self.kv_type,
+                                 self.compute_backend.buffer_type)
         return self.cache
 
     def free_cache(self) -> None:
@@ -206,6 +211,11 @@ class GgmlChunk:
             return g
         t0 = time.perf_counter()
         g = build()
+        try:
+            self.compute_backend.check_supported(g.graph)
+        except RuntimeError:
+            g.free()
+            raise
         self.build_seconds += time.perf_counter() - t0
         self.graphs_built += 1
         self._graphs[key] = g
@@ -289,7 +299,7 @@ class GgmlChunk:
         if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)
-        self.cpu.compute(g.graph)
+        self.compute_backend.compute(g.graph)
         out = np.empty((shape.rows, self.config.n_embd), dtype=np.float32)
         return _back(lib.get_data(g.output, out)[:rows], torch_in)
 
@@ -326,7 +336,7 @@ class GgmlChunk:
             pos = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
         if "pos" in g.inputs:
             lib.set_data(g.inputs["pos"], pos)
-        self.cpu.compute(g.graph)
+        self.compute_backend.compute(g.graph)
         out = np.empty((n, self.config.n_embd), dtype=np.float32)
         lib.get_data(g.output, out)
         if virtual is not None:
@@ -336,7 +346,7 @@ class GgmlChunk:
                 p = self._graph(("positions", n), lambda: self.builder.positions(n))
                 lib.set_data(p.inputs["x"], out)
                 lib.set_data(p.inputs["pos"], pos)
-                self.cpu.compute(p.graph)
+                self.compute_backend.compute(p.graph)
                 lib.get_data(p.output, out)
         return _back(out, torch_in)
 
@@ -349,7 +359,7 @@ class GgmlChunk:
         n = a.shape[0]
         g = self._graph(("head", n), lambda: self.builder.head(n))
         lib.set_data(g.inputs["x"], a)
-        self.cpu.compute(g.graph)
+        self.compute_backend.compute(g.graph)
         vocab = g.output.contents.ne[0]
         out = np.empty((n, vocab), dtype=np.float32)
         return _back(lib.get_data(g.output, out)[:rows], torch_in)
@@ -359,4 +369,4 @@ class GgmlChunk:
         self._drop_graphs(lambda key: True)
         self.free_cache()
         self.weights.free()
-        self.cpu.free()
+        self.compute_backend.free()

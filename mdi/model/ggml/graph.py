@@ -85,10 +85,12 @@ class ModelTraits:
 
 
 class Built:
-    """One graph, its inputs and output, and the compute buffer its intermediates live in."""
+    """One graph, its inputs and output, and the compute buffer its intermediates live in (a
+    buffer of `buffer_type`: the device's the graph computes on; None: the CPU's)."""
 
-    def __init__(self, nodes: int) -> None:
+    def __init__(self, nodes: int, buffer_type: Optional[int] = None) -> None:
         gg = lib.require()
+        self.buffer_type = buffer_type
         self.ctx = lib.Context(nodes, nodes)  # a tensor per node at most, and the graph's own lists
         self.graph = gg.ggml_new_graph_custom(self.ctx.ptr, nodes, False)
         self.inputs: Dict[str, Any] = {}
@@ -107,7 +109,7 @@ class Built:
 
     def allocate(self) -> None:
         gg = lib.require()
-        self.galloc = gg.ggml_gallocr_new(lib.cpu_buffer_type())
+        self.galloc = gg.ggml_gallocr_new(lib.cpu_buffer_type() if self.buffer_type is None else self.buffer_type)
         if not gg.ggml_gallocr_alloc_graph(self.galloc, self.graph):
             raise MemoryError("ggml could not allocate a graph's compute buffer")
         self.buffer_bytes = gg.ggml_gallocr_get_buffer_size(self.galloc, 0)
@@ -129,8 +131,10 @@ class Built:
 class GraphBuilder:
     """Builds the graphs of one chunk: its blocks over a pass, its embedding, its head."""
 
-    def __init__(self, traits: ModelTraits, layers: Sequence[int], weights: Dict[str, Any]) -> None:
+    def __init__(self, traits: ModelTraits, layers: Sequence[int], weights: Dict[str, Any],
+                 buffer_type: Optional[int] = None) -> None:
         self.gg = lib.require()
+        self.buffer_type = buffer_type  # where the graphs' intermediates live: the chunk's device (None: the CPU)
         self.t = traits
         self.layers = list(layers)
         self.w = weights  # GGUF name -> tensor
@@ -185,7 +189,7 @@ class GraphBuilder:
         E, R = c.n_embd, shape.rows
         more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
         per_layer = NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples) + self._split_nodes(R)
-        b = Built(len(self.layers) * per_layer + NODES_MORE + more)
+        b = Built(len(self.layers) * per_layer + NODES_MORE + more, self.buffer_type)
         pos = self._input(b, "pos", lib.I32, R)
         x = self._embed(b, self._input(b, "ids", lib.I32, R), pos) if embedded else self._input(b, "x", lib.F32, E, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
@@ -289,7 +293,7 @@ class GraphBuilder:
     def embedding(self, rows: int, positions: bool = True) -> Built:
         """Token ids [rows] (and their positions, for learned position embeddings, unless not
         `positions`) -> [E, rows]."""
-        b = Built(NODES_MORE)
+        b = Built(NODES_MORE, self.buffer_type)
         ids = self._input(b, "ids", lib.I32, rows)
         learned = self.t.family.positions == "learned" and positions
         b.finish(self._embed(b, ids, self._input(b, "pos", lib.I32, rows) if learned else None))
@@ -312,7 +316,7 @@ class GraphBuilder:
 
     def positions(self, rows: int) -> Built:
         """Embeddings [E, rows] plus their learned position embeddings (a soft prompt's rows)."""
-        b = Built(NODES_MORE)
+        b = Built(NODES_MORE, self.buffer_type)
         x = self._input(b, "x", lib.F32, self.t.config.n_embd, rows)
         x = self._add_positions(b, x, self._input(b, "pos", lib.I32, rows))
         b.finish(x)
@@ -321,7 +325,7 @@ class GraphBuilder:
     def head(self, rows: int) -> Built:
         """Final norm and LM head: [E, rows] -> logits [vocab, rows]."""
         t = self.t
-        b = Built(NODES_MORE + self._split_nodes(rows))
+        b = Built(NODES_MORE + self._split_nodes(rows), self.buffer_type)
         ctx = b.ctx.ptr
         x = self._input(b, "x", lib.F32, t.config.n_embd, rows)
         x = self._norm(ctx, x, "output_norm", t.config.norm_eps)

@@ -8,8 +8,7 @@ float16 by default; q8_0 halves it again (`runtime.kv_type`, llama.cpp's -ctk / 
 A slot's range of positions is also reachable as numpy bytes (`read_range` / `write_range`),
 which is all the prefix cache needs: it keeps and restores a prompt's rows, whatever their type.
 """
-import ctypes
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -33,7 +32,7 @@ def kv_cache_bytes(config: Any, n_layers: int, n_slots: int, max_len: int, kv_ty
 
 class GgmlKVCache:
     def __init__(self, n_layers: int, n_slots: int, max_len: int, kv_heads: int, head_dim: int,
-                 kv_type: str = "f16") -> None:
+                 kv_type: str = "f16", buffer_type: Optional[int] = None) -> None:
         gg = lib.require()
         if kv_type not in KV_GGML_TYPES:
             raise ValueError("kv_type must be one of %s, got %r" % (", ".join(KV_GGML_TYPES), kv_type))
@@ -55,7 +54,7 @@ class GgmlKVCache:
                 gg.ggml_set_name(t, ("cache_%s_%d" % (side, i)).encode())
                 out.append(t)
         if n_layers:
-            self._ctx.allocate("a KV cache of %d bytes" % self.nbytes, zeroed=True)
+            self._ctx.allocate("a KV cache of %d bytes" % self.nbytes, zeroed=True, buffer_type=buffer_type)
 
     @property
     def nbytes(self) -> int:
@@ -64,11 +63,9 @@ class GgmlKVCache:
     def row(self, slot: int, position: int) -> int:
         return slot * self.max_len + position
 
-    def _rows(self, t: Any, slot: int, length: int) -> np.ndarray:
-        """The bytes of a slot's first `length` positions of tensor `t`, as a numpy view."""
-        start = t.contents.data + self.row(slot, 0) * self.row_bytes
-        buf = (ctypes.c_char * (length * self.row_bytes)).from_address(start)
-        return np.frombuffer(buf, dtype=np.uint8).reshape(length, self.row_bytes)
+    def _span(self, slot: int, length: int) -> Tuple[int, int]:
+        """(offset, bytes) of a slot's first `length` positions in a layer's K or V tensor."""
+        return self.row(slot, 0) * self.row_bytes, length * self.row_bytes
 
     def range_bytes(self, length: int) -> int:
         return 2 * self.n_layers * length * self.row_bytes
@@ -83,19 +80,24 @@ class GgmlKVCache:
 
     def read_range(self, slot: int, length: int) -> np.ndarray:
         """A compact copy of slot `slot`'s positions [0, length) of every layer: [2, layers, length, row bytes]."""
+        gg = lib.require()
         out = np.empty((2, self.n_layers, length, self.row_bytes), dtype=np.uint8)
-        for side, tensors in enumerate((self.k, self.v)):
-            for i, t in enumerate(tensors):
-                out[side, i] = self._rows(t, slot, length)
+        offset, n = self._span(slot, length)
+        for side, tensors in enumerate((self.k, self.v) if n else ()):
+            for i, t in enumerate(tensors):  # through the backend: the cache may live on a GPU
+                gg.ggml_backend_tensor_get(t, out[side, i].ctypes.data, offset, n)
         return out
 
     def write_range(self, slot: int, rows: np.ndarray, length: int) -> None:
         """Put back what read_range returned (its first `length` positions) into slot `slot`."""
         if rows.shape[:2] != (2, self.n_layers) or rows.shape[3] != self.row_bytes or rows.shape[2] < length:
             raise ValueError("cache rows of shape %s do not fit this cache" % (rows.shape,))
-        for side, tensors in enumerate((self.k, self.v)):
+        gg = lib.require()
+        offset, n = self._span(slot, length)
+        for side, tensors in enumerate((self.k, self.v) if n else ()):
             for i, t in enumerate(tensors):
-                self._rows(t, slot, length)[:] = rows[side, i, :length]
+                part = np.ascontiguousarray(rows[side, i, :length])
+                gg.ggml_backend_tensor_set(t, part.ctypes.data, offset, n)
 
     def free(self) -> None:
         self.k, self.v = [], []

@@ -3,7 +3,8 @@
 The binding is ctypes over the shared libraries it builds from source with the machine's own
 ISA. This module is the one place the rest of mdi touches it: it loads the binding (or says in
 one line why it cannot), corrects the few declarations the binding gets wrong, and adds the
-small helpers every graph needs (contexts, numpy in and out of tensors, the CPU backend).
+small helpers every graph needs (contexts, numpy in and out of tensors, the backend a chunk
+computes on: the CPU, or a GPU where the binding was built with CUDA).
 
 No kernels of our own: every computation is one of ggml's ops.
 """
@@ -121,10 +122,11 @@ class Context:
             raise MemoryError("ggml_init failed for %d tensors" % n_tensors)
         self.buffer: Optional[int] = None
 
-    def allocate(self, what: str, zeroed: bool = False) -> int:
-        """Place every tensor of this context in one CPU buffer (`zeroed`: cleared to zeros);
-        its bytes. MemoryError naming `what` where it cannot be had."""
-        self.buffer = gg.ggml_backend_alloc_ctx_tensors_from_buft(self.ptr, cpu_buffer_type())
+    def allocate(self, what: str, zeroed: bool = False, buffer_type: Optional[int] = None) -> int:
+        """Place every tensor of this context in one buffer of `buffer_type` (None: the CPU's;
+        `zeroed`: cleared to zeros); its bytes. MemoryError naming `what` where it cannot be had."""
+        buft = cpu_buffer_type() if buffer_type is None else buffer_type
+        self.buffer = gg.ggml_backend_alloc_ctx_tensors_from_buft(self.ptr, buft)
         if not self.buffer:
             self.buffer = None
             raise MemoryError("ggml could not allocate %s" % what)
@@ -147,27 +149,108 @@ class Context:
             pass
 
 
-class CpuBackend:
-    """ggml's CPU backend with a fixed thread count; its threads live as long as it does."""
+# ggml's device types (enum ggml_backend_dev_type) that mdi computes on as a GPU: a discrete one,
+# or an integrated one sharing the host's memory (a Jetson's, where ggml reports it so)
+GPU_DEVICE_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
 
-    def __init__(self, threads: int) -> None:
+
+def gpu_device_names() -> List[str]:
+    """ggml's GPU devices in this build, by ggml's names ("CUDA0"...): none where the binding
+    was built for the CPU alone."""
+    require()
+    out = []
+    for i in range(gg.ggml_backend_dev_count()):
+        dev = gg.ggml_backend_dev_get(i)
+        if gg.ggml_backend_dev_type(dev) in GPU_DEVICE_TYPES:
+            out.append(gg.ggml_backend_dev_name(dev).decode())
+    return out
+
+
+def device_name(device: str) -> str:
+    """mdi's device ("cuda", "cuda:N") as ggml names it ("CUDA0", "CUDAN"); any other name is
+    taken as ggml's own (e.g. "CPU": the CPU reached as a device, its weights copied into its
+    buffers, which is how the tests run the GPU path on a machine without one)."""
+    if device == "cuda" or device.startswith("cuda:"):
+        return "CUDA%s" % (device.split(":", 1)[1] if ":" in device else "0")
+    return device
+
+
+def gpu_unusable_reason(device: str) -> Optional[str]:
+    """None when ggml can compute on `device` ("cuda", "cuda:N") in this process, else why not."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    name, gpus = device_name(device), gpu_device_names()
+    if name in gpus:
+        return None
+    if not gpus:
+        return ("%s: this ggml binding has no GPU device (it was built for the CPU alone; where nvcc is, build it "
+                "with CUDA: MDI_GGML_CMAKE_ARGS=-DGGML_CUDA=on ./scripts/setup_env.sh, or jetson/setup.sh "
+                "--ggml-cuda)" % device)
+    return "%s: ggml has no device %s here (it has %s)" % (device, name, ", ".join(gpus))
+
+
+class ComputeBackend:
+    """The ggml backend a chunk computes on: the CPU (`device` "cpu": its threads set here, the
+    weights read from the GGUF's map in place) or a device of ggml's registry ("cuda", "cuda:N",
+    or a ggml device name: device_name): every tensor of the chunk (weights, KV cache, a graph's
+    buffers) in that device's buffers, the weights copied in once."""
+
+    def __init__(self, device: str = "cpu", threads: int = 1) -> None:
         require()
-        self.ptr = gg.ggml_backend_cpu_init()
-        if not self.ptr:
-            raise RuntimeError("ggml_backend_cpu_init failed")
+        self.device = device
         self.threads = 0
+        if device == "cpu":
+            self.dev = cpu_device()
+            self.ptr = gg.ggml_backend_cpu_init()
+            self.buffer_type = cpu_buffer_type()
+        else:
+            name = device_name(device)
+            self.dev = gg.ggml_backend_dev_by_name(name.encode())
+            if not self.dev:
+                raise RuntimeError(gpu_unusable_reason(device) or "ggml has no device %s" % name)
+            self.ptr = gg.ggml_backend_dev_init(self.dev, None)
+            self.buffer_type = gg.ggml_backend_dev_buffer_type(self.dev)
+        if not self.ptr:
+            raise RuntimeError("ggml could not start its backend on %s" % device)
+        self.on_cpu = gg.ggml_backend_dev_type(self.dev) == 0  # GGML_BACKEND_DEVICE_TYPE_CPU: threads apply
         self.set_threads(threads)
+
+    @property
+    def maps_weights(self) -> bool:
+        """Whether the weights stay in the GGUF's map (else they are copied into this backend's buffers)."""
+        return self.device == "cpu"
 
     def set_threads(self, threads: int) -> None:
         threads = max(1, int(threads))
         if threads != self.threads:
-            gg.ggml_backend_cpu_set_n_threads(self.ptr, threads)
+            if self.on_cpu:
+                gg.ggml_backend_cpu_set_n_threads(self.ptr, threads)
             self.threads = threads
 
     def compute(self, graph: Any) -> None:
         status = gg.ggml_backend_graph_compute(self.ptr, graph)
         if status != 0:
-            raise RuntimeError("ggml graph compute failed (status %d)" % status)
+            raise RuntimeError("ggml graph compute failed on %s (status %d)" % (self.device, status))
+
+    def check_supported(self, graph: Any) -> None:
+        """RuntimeError naming the first op of `graph` this device cannot compute (a CPU computes
+        every op; ggml-cuda's flash attention, say, takes head sizes of 64 and up): one line
+        where the graph is built, not an abort inside ggml when it runs."""
+        if self.on_cpu:
+            return
+        for i in range(gg.ggml_graph_n_nodes(graph)):
+            node = gg.ggml_graph_node(graph, i)
+            if not gg.ggml_backend_supports_op(self.ptr, node):
+                raise RuntimeError("ggml on %s cannot compute %s (%s, shape %s) of this model: compute this node on "
+                                   "the CPU" % (self.device, gg.ggml_op_desc(node).decode(),
+                                                gg.ggml_get_name(node).decode(), shape(node)))
+
+    def memory(self) -> Tuple[int, int]:
+        """(free, total) bytes of the device's memory, as ggml reports them."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        gg.ggml_backend_dev_memory(self.dev, ctypes.byref(free), ctypes.byref(total))
+        return int(free.value), int(total.value)
 
     def free(self) -> None:
         if self.ptr and gg is not None:

@@ -43,7 +43,8 @@ LOCK_WAIT_S = 60.0  # another node's merge takes milliseconds
 _measured: Dict[str, FrozenSet[int]] = {}  # group key -> pass sizes multiplied row by row
 
 
-def split_sizes(cpu: lib.CpuBackend, weights: Dict[str, Any], groups: Iterable[List[str]]) -> Dict[str, FrozenSet[int]]:
+def split_sizes(backend: lib.ComputeBackend, weights: Dict[str, Any],
+                groups: Iterable[List[str]]) -> Dict[str, FrozenSet[int]]:
     """For each matrix of `groups` (lists of names of matrices whose rows compute the same bits in
     a pass of any size, none of them repacked; each group one part of a pass, e.g. the blocks'
     matrices and the head): the pass sizes at which it is multiplied row by row (may be empty).
@@ -53,12 +54,12 @@ def split_sizes(cpu: lib.CpuBackend, weights: Dict[str, Any], groups: Iterable[L
         if not names:
             continue
         probe = _probe(weights, names)
-        key = _group_key(probe, cpu.threads)
+        key = _group_key(probe, backend.threads)
         sizes = _measured.get(key)
         if sizes is None:
             sizes = _recall(key)
         if sizes is None:
-            sizes = _measure(cpu, probe)
+            sizes = _measure(backend, probe)
             _remember(key, sizes)
             if sizes:
                 log.info("ggml: %d matrices (%s) are multiplied row by row in passes of %s rows (measured faster than "
@@ -113,25 +114,25 @@ def _remember(key: str, sizes: FrozenSet[int]) -> None:
         log.warning("mdi: ggml row-split measurements not remembered: %s", e)
 
 
-def _measure(cpu: lib.CpuBackend, probe: List[Any]) -> FrozenSet[int]:
+def _measure(backend: lib.ComputeBackend, probe: List[Any]) -> FrozenSet[int]:
     split = set()
     rng = np.random.default_rng(0)
     for n in range(2, MAX_SPLIT_ROWS + 1):
-        ways = {False: _products(probe, n, False), True: _products(probe, n, True)}
+        ways = {by_row: _products(probe, n, by_row, backend.buffer_type) for by_row in (False, True)}
         try:
             for b in ways.values():
                 for x in b.inputs.values():
                     lib.set_data(x, rng.standard_normal((n, int(x.contents.ne[0]))).astype(np.float32))
-            cpu.compute(ways[False].graph)  # warm, and a first guess of the time
+            backend.compute(ways[False].graph)  # warm, and a first guess of the time
             t0 = time.process_time()
-            cpu.compute(ways[False].graph)
+            backend.compute(ways[False].graph)
             repeats = max(1, int(MIN_TIMED_S / max(time.process_time() - t0, 1e-6)))
             best = {way: float("inf") for way in ways}
             for _ in range(ROUNDS):
                 for way, b in ways.items():
                     t0 = time.process_time()
                     for _ in range(repeats):
-                        cpu.compute(b.graph)
+                        backend.compute(b.graph)
                     best[way] = min(best[way], time.process_time() - t0)
         finally:
             for b in ways.values():
@@ -141,11 +142,11 @@ def _measure(cpu: lib.CpuBackend, probe: List[Any]) -> FrozenSet[int]:
     return frozenset(split)
 
 
-def _products(probe: List[Any], n: int, by_row: bool) -> Built:
+def _products(probe: List[Any], n: int, by_row: bool, buffer_type: Optional[int]) -> Built:
     """A graph multiplying n rows by every matrix of `probe` in turn (an input per row length),
     as one product each or row by row."""
     gg = lib.require()
-    b = Built(len(probe) * (3 * n + 2) + 8)
+    b = Built(len(probe) * (3 * n + 2) + 8, buffer_type)
     ctx = b.ctx.ptr
     total = None
     for w in probe:

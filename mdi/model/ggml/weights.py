@@ -47,9 +47,12 @@ class GgufWeights:
         """ggml order (fastest first), as the file lists them."""
         return tuple(int(d) for d in self.infos[name].shape)
 
-    def load(self, names: Iterable[str], matmul: Iterable[str] = ()) -> Dict[str, Any]:
+    def load(self, names: Iterable[str], matmul: Iterable[str] = (),
+             buffer_type: Optional[int] = None) -> Dict[str, Any]:
         """Create the named tensors (a second call replaces the first's). `matmul`: those used
-        as the first operand of a matrix product (candidates for the repack buffer)."""
+        as the first operand of a matrix product (candidates for the repack buffer).
+        `buffer_type`: a device's (a GPU's), into whose one buffer every tensor is copied from
+        the map, its pages dropped as it goes; None: the tensors stay in the map (the CPU)."""
         gg = self._gg
         names = list(dict.fromkeys(names))
         missing = [n for n in names if n not in self.infos]
@@ -67,6 +70,10 @@ class GgufWeights:
                                       % (self.path, name, info._n_bytes, gg.ggml_nbytes(t)))
             gg.ggml_set_name(t, name.encode()[:63])
             made[name] = t
+        if buffer_type is not None:
+            self._copy_into(buffer_type, [made[n] for n in names], names)
+            self.repacked, self.tensors = [], made
+            return made
         matmul = set(matmul) & set(names)
         repack = self._repack_buffer_type() if self.repack else None
         packed = [n for n in names if n in matmul and repack is not None and self._repacks(made[n], repack)]
@@ -106,6 +113,22 @@ class GgufWeights:
         self.repacked = packed
         self.tensors = made
         return made
+
+    def _copy_into(self, buffer_type: int, tensors: List[Any], names: List[str]) -> None:
+        """Every tensor (of this object's context) in one new buffer of `buffer_type`, its bytes
+        copied from the map, whose pages are dropped once read: on a GPU the host keeps none."""
+        gg = self._gg
+        assert self._ctx is not None
+        buf = gg.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx.ptr, buffer_type)
+        if not buf:
+            raise MemoryError("%s: ggml could not allocate %d bytes of weights on its device"
+                              % (self.path, sum(self.infos[n]._n_bytes for n in names)))
+        self._buffers.append(buf)
+        gg.ggml_backend_buffer_set_usage(buf, gg.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        for t, n in zip(tensors, names):
+            info = self.infos[n]
+            gg.ggml_backend_tensor_set(t, self._base + info._start, 0, info._n_bytes)
+            self.reader.drop_pages(info)
 
     def _repack_buffer_type(self) -> Optional[int]:
         for name, buft in lib.extra_buffer_types():

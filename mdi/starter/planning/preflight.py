@@ -13,7 +13,7 @@ from mdi.starter.planning.run_plan import plan_run
 from mdi.starter.planning.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
 from mdi.starter.session import backend_request
 from mdi.system.cpu import cpu_info, isa_text
-from mdi.system.devices import unusable_reason
+from mdi.model.backend_select import device_unusable
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 
 
@@ -46,7 +46,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
         cfg.model.path, config.family, config.n_layer, cfg.model.dtype, cfg.model.quant, plan.n_slots, plan.max_len))
     print(kernels_line(cfg))
     starter_device = cfg.device_of(cfg.starter)
-    unusable = unusable_reason(starter_device)
+    unusable = device_unusable(starter_device)
     if unusable is not None:  # the run would stop here with this line, before any weight moves
         print("starter: UNUSABLE: %s" % unusable)
     print(prefix_line(cfg))
