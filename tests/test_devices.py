@@ -92,6 +92,39 @@ def test_free_memory_of_a_discrete_gpu_is_its_own_and_of_a_jetson_the_hosts(monk
     assert memory.free_bytes_on("cuda") == 3 << 30
 
 
+class _FakeGgml:
+    """ggml's device registry with one GPU, CUDA1, of `free` free bytes (`kind`: ggml's device type)."""
+
+    def __init__(self, kind=1, free=6 << 30):
+        self.kind, self.free = kind, free
+
+    def ggml_backend_dev_by_name(self, name):
+        return 7 if name == b"CUDA1" else None
+
+    def ggml_backend_dev_type(self, dev):
+        return self.kind
+
+    def ggml_backend_dev_memory(self, dev, free, total):
+        free._obj.value, total._obj.value = self.free, 8 << 30
+
+
+def test_a_node_computing_with_ggml_plans_a_discrete_gpu_by_ggmls_figure(monkeypatch):
+    """Where torch cannot say (not loaded in a ggml node, or without CUDA), the GPU's free
+    memory is ggml's; a GPU ggml lacks, or one sharing the host's RAM, is the host's."""
+    import sys
+    from mdi.system import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 3 << 30)
+    monkeypatch.setattr(memory, "_torch_gpu_free", lambda device: None)
+    ggml = _FakeGgml()
+    monkeypatch.setitem(sys.modules, "ggml.ggml", ggml)
+    assert memory.free_bytes_on("cuda:1") == 6 << 30
+    assert memory.free_bytes_on("cuda:0") == memory.free_bytes_on("cpu") == 3 << 30
+    ggml.kind = 2  # an integrated GPU (a Jetson's): the host's RAM
+    assert memory.free_bytes_on("cuda:1") == 3 << 30
+    monkeypatch.delitem(sys.modules, "ggml.ggml")  # neither torch nor ggml can say: the host's
+    assert memory.free_bytes_on("cuda:1") == 3 << 30
+
+
 def test_starter_refuses_a_chunk_its_discrete_gpu_cannot_hold_whatever_the_host_has(monkeypatch):
     from mdi.model.config import ModelConfig
     from mdi.runconfig import ConfigError

@@ -136,7 +136,7 @@ def test_ggml_cuda_logits_follow_the_cpu_chunk(tmp_path, weight_type):
     kept = gpu.cache.read_range(0, at[0])
     gpu.cache.write_range(1, kept, at[0])
     assert np.array_equal(gpu.cache.read_range(1, at[0]), kept)
-    free, total = gpu.compute_backend.memory()
-    assert 0 < free <= total
+    from mdi.system import memory
+    assert memory._ggml_gpu_free("cuda") > 0  # what a ggml node without torch plans its GPU by
     for c in (cpu, gpu):
         c.close()

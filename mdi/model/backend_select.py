@@ -29,8 +29,8 @@ def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: boo
     return unavailable_reason()
 
 
-def torch_cannot(config: Optional[ModelConfig], device: str = "cpu") -> Optional[str]:
-    """Why torch cannot compute this model on `device` (None: it can)."""
+def torch_cannot(device: str = "cpu") -> Optional[str]:
+    """Why torch cannot compute on `device` here (None: it can)."""
     import importlib.util
     if importlib.util.find_spec("torch") is None:  # found, not imported: a ggml node stays without it
         return "torch is not installed here"
@@ -47,7 +47,7 @@ def device_unusable(device: str) -> Optional[str]:
     ggml_why = gpu_unusable_reason(device)
     if ggml_why is None:
         return None
-    torch_why = torch_cannot(None, device)
+    torch_why = torch_cannot(device)
     return None if torch_why is None else "%s; ggml: %s" % (torch_why, ggml_why)
 
 
@@ -80,7 +80,7 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
                    refresh: bool = False, busy: Optional[str] = None) -> BackendChoice:
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
     serve), or for auto the measured faster of those that can (`busy`: see backend.choose)."""
-    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(config, device)}
+    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(device)}
     if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
         rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
         if rounded:  # auto never trades the GGUF's own numbers for speed

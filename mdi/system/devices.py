@@ -17,6 +17,15 @@ FAST_FP16_CAPABILITY = (7, 0)
 BF16_CAPABILITY = (8, 0)
 
 
+def ggml_device_name(device: str) -> str:
+    """mdi's device ("cuda", "cuda:N") as ggml's device registry names it ("CUDA0", "CUDAN");
+    any other name is taken as ggml's own (e.g. "CPU": the CPU reached as a device, its weights
+    copied into its buffers, which is how the tests run the GPU path on a machine without one)."""
+    if device == "cuda" or device.startswith("cuda:"):
+        return "CUDA%s" % (device.split(":", 1)[1] if ":" in device else "0")
+    return device
+
+
 def unusable_reason(device: str) -> Optional[str]:
     """None when this process can compute on `device` ("cpu", "cuda", "cuda:N"), else why not,
     in one line (asked before anything touches the device: torch answers a missing GPU with

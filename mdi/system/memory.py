@@ -7,6 +7,7 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
+import ctypes
 import os
 import resource
 import sys
@@ -49,18 +50,58 @@ def free_bytes_on(device: str = "cpu") -> Optional[int]:
     about: what the driver reports free (every process counted) plus what torch's allocator
     holds reserved but unused in this process (handed out before the driver is asked). Checking
     an H200's weights against the host's RAM let a plan put more on the GPU than it had and
-    refused layers the GPU could hold. None where it cannot be read."""
-    torch = sys.modules.get("torch") if device.startswith("cuda") else None
-    if torch is None:
+    refused layers the GPU could hold. Where torch cannot say (not loaded, as in a node computing
+    with ggml, or without CUDA), ggml's CUDA backend answers if this process loaded it. None
+    where it cannot be read."""
+    if not device.startswith("cuda"):
         return available_memory_bytes()
+    for own in (_torch_gpu_free, _ggml_gpu_free):
+        free = own(device)
+        if free is not None:
+            return free
+    return available_memory_bytes()
+
+
+def _torch_gpu_free(device: str) -> Optional[int]:
+    """`device`'s free bytes as torch sees them (the host's for a GPU sharing its RAM); None
+    where torch is not loaded or sees no CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
     try:
         index = torch.device(device)
-        if not torch.cuda.is_available() or getattr(torch.cuda.get_device_properties(index), "is_integrated", True):
+        if not torch.cuda.is_available():
+            return None
+        if getattr(torch.cuda.get_device_properties(index), "is_integrated", True):
             return available_memory_bytes()
         free, _ = torch.cuda.mem_get_info(index)
         return int(free) + int(torch.cuda.memory_reserved(index)) - int(torch.cuda.memory_allocated(index))
     except (RuntimeError, AssertionError, ValueError):
-        return available_memory_bytes()
+        return None
+
+
+GGML_DISCRETE_GPU = 1  # GGML_BACKEND_DEVICE_TYPE_GPU (an integrated one, IGPU, shares the host's RAM)
+
+
+def _ggml_gpu_free(device: str) -> Optional[int]:
+    """A discrete GPU's free bytes as ggml's device registry reports them, where this process
+    loaded the ggml binding (never loaded here: a node that computes on torch does not need it);
+    None where it has no such device."""
+    gg = sys.modules.get("ggml.ggml")
+    if gg is None:
+        return None
+    from mdi.system.devices import ggml_device_name
+    try:
+        dev = gg.ggml_backend_dev_by_name(ggml_device_name(device).encode())
+        if not dev:
+            return None
+        if gg.ggml_backend_dev_type(dev) != GGML_DISCRETE_GPU:
+            return available_memory_bytes()
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        gg.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        return int(free.value)
+    except (AttributeError, OSError, TypeError):
+        return None
 
 
 # (limit file, usage file, reclaimable page-cache key in memory.stat) of cgroup v2 and v1. Only

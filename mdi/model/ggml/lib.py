@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from mdi.system.devices import ggml_device_name
+
 log = logging.getLogger(__name__)
 
 # A failed ggml assert ends the process (every operand is checked before a graph is built, so
@@ -166,21 +168,12 @@ def gpu_device_names() -> List[str]:
     return out
 
 
-def device_name(device: str) -> str:
-    """mdi's device ("cuda", "cuda:N") as ggml names it ("CUDA0", "CUDAN"); any other name is
-    taken as ggml's own (e.g. "CPU": the CPU reached as a device, its weights copied into its
-    buffers, which is how the tests run the GPU path on a machine without one)."""
-    if device == "cuda" or device.startswith("cuda:"):
-        return "CUDA%s" % (device.split(":", 1)[1] if ":" in device else "0")
-    return device
-
-
 def gpu_unusable_reason(device: str) -> Optional[str]:
     """None when ggml can compute on `device` ("cuda", "cuda:N") in this process, else why not."""
     reason = unavailable_reason()
     if reason is not None:
         return reason
-    name, gpus = device_name(device), gpu_device_names()
+    name, gpus = ggml_device_name(device), gpu_device_names()
     if name in gpus:
         return None
     if not gpus:
@@ -193,8 +186,9 @@ def gpu_unusable_reason(device: str) -> Optional[str]:
 class ComputeBackend:
     """The ggml backend a chunk computes on: the CPU (`device` "cpu": its threads set here, the
     weights read from the GGUF's map in place) or a device of ggml's registry ("cuda", "cuda:N",
-    or a ggml device name: device_name): every tensor of the chunk (weights, KV cache, a graph's
-    buffers) in that device's buffers, the weights copied in once."""
+    or a ggml device name: mdi.system.devices.ggml_device_name): every tensor of the chunk
+    (weights, KV cache, a graph's buffers) in that device's buffers, the weights copied in once.
+    Its free memory: mdi.system.memory.free_bytes_on."""
 
     def __init__(self, device: str = "cpu", threads: int = 1) -> None:
         require()
@@ -205,7 +199,7 @@ class ComputeBackend:
             self.ptr = gg.ggml_backend_cpu_init()
             self.buffer_type = cpu_buffer_type()
         else:
-            name = device_name(device)
+            name = ggml_device_name(device)
             self.dev = gg.ggml_backend_dev_by_name(name.encode())
             if not self.dev:
                 raise RuntimeError(gpu_unusable_reason(device) or "ggml has no device %s" % name)
@@ -245,12 +239,6 @@ class ComputeBackend:
                 raise RuntimeError("ggml on %s cannot compute %s (%s, shape %s) of this model: compute this node on "
                                    "the CPU" % (self.device, gg.ggml_op_desc(node).decode(),
                                                 gg.ggml_get_name(node).decode(), shape(node)))
-
-    def memory(self) -> Tuple[int, int]:
-        """(free, total) bytes of the device's memory, as ggml reports them."""
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        gg.ggml_backend_dev_memory(self.dev, ctypes.byref(free), ctypes.byref(total))
-        return int(free.value), int(total.value)
 
     def free(self) -> None:
         if self.ptr and gg is not None:
