@@ -7,7 +7,6 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
-import ctypes
 import os
 import resource
 import sys
@@ -90,6 +89,7 @@ def _ggml_gpu_free(device: str) -> Optional[int]:
     gg = sys.modules.get("ggml.ggml")
     if gg is None:
         return None
+    import ctypes  # (here: the board probe imports this module, its imports kept to a few stdlib ones)
     from mdi.system.devices import ggml_device_name
     try:
         dev = gg.ggml_backend_dev_by_name(ggml_device_name(device).encode())
