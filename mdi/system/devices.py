@@ -17,6 +17,11 @@ FAST_FP16_CAPABILITY = (7, 0)
 BF16_CAPABILITY = (8, 0)
 
 
+# ggml's device types (ggml-backend.h's enum ggml_backend_dev_type), read where ggml's registry
+# is asked (mdi.model.ggml.lib; a GPU's free memory, mdi.system.memory)
+GGML_DEVICE_CPU, GGML_DEVICE_GPU, GGML_DEVICE_IGPU = 0, 1, 2  # IGPU: integrated, sharing the host's RAM
+
+
 def ggml_device_name(device: str) -> str:
     """mdi's device ("cuda", "cuda:N") as ggml's device registry names it ("CUDA0", "CUDAN");
     any other name is taken as ggml's own (e.g. "CPU": the CPU reached as a device, its weights

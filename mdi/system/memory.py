@@ -79,9 +79,6 @@ def _torch_gpu_free(device: str) -> Optional[int]:
         return None
 
 
-GGML_DISCRETE_GPU = 1  # GGML_BACKEND_DEVICE_TYPE_GPU (an integrated one, IGPU, shares the host's RAM)
-
-
 def _ggml_gpu_free(device: str) -> Optional[int]:
     """A discrete GPU's free bytes as ggml's device registry reports them, where this process
     loaded the ggml binding (never loaded here: a node that computes on torch does not need it);
@@ -90,12 +87,12 @@ def _ggml_gpu_free(device: str) -> Optional[int]:
     if gg is None:
         return None
     import ctypes  # (here: the board probe imports this module, its imports kept to a few stdlib ones)
-    from mdi.system.devices import ggml_device_name
+    from mdi.system.devices import GGML_DEVICE_GPU, ggml_device_name
     try:
         dev = gg.ggml_backend_dev_by_name(ggml_device_name(device).encode())
         if not dev:
             return None
-        if gg.ggml_backend_dev_type(dev) != GGML_DISCRETE_GPU:
+        if gg.ggml_backend_dev_type(dev) != GGML_DEVICE_GPU:  # an integrated one shares the host's RAM
             return available_memory_bytes()
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         gg.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))

@@ -83,7 +83,9 @@ class GgmlKVCache:
         gg = lib.require()
         out = np.empty((2, self.n_layers, length, self.row_bytes), dtype=np.uint8)
         offset, n = self._span(slot, length)
-        for side, tensors in enumerate((self.k, self.v) if n else ()):
+        if n == 0:
+            return out
+        for side, tensors in enumerate((self.k, self.v)):
             for i, t in enumerate(tensors):  # through the backend: the cache may live on a GPU
                 gg.ggml_backend_tensor_get(t, out[side, i].ctypes.data, offset, n)
         return out
@@ -94,7 +96,9 @@ class GgmlKVCache:
             raise ValueError("cache rows of shape %s do not fit this cache" % (rows.shape,))
         gg = lib.require()
         offset, n = self._span(slot, length)
-        for side, tensors in enumerate((self.k, self.v) if n else ()):
+        if n == 0:
+            return
+        for side, tensors in enumerate((self.k, self.v)):
             for i, t in enumerate(tensors):
                 part = np.ascontiguousarray(rows[side, i, :length])
                 gg.ggml_backend_tensor_set(t, part.ctypes.data, offset, n)

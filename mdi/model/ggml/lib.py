@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mdi.system.devices import ggml_device_name
+from mdi.system.devices import GGML_DEVICE_CPU, GGML_DEVICE_GPU, GGML_DEVICE_IGPU, ggml_device_name
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,9 @@ class Context:
             pass
 
 
-# ggml's device types (enum ggml_backend_dev_type) that mdi computes on as a GPU: a discrete one,
-# or an integrated one sharing the host's memory (a Jetson's, where ggml reports it so)
-GPU_DEVICE_TYPES = (1, 2)  # GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU
+# ggml's device types that mdi computes on as a GPU: a discrete one, or an integrated one sharing
+# the host's memory (a Jetson's, where ggml reports it so)
+GPU_DEVICE_TYPES = (GGML_DEVICE_GPU, GGML_DEVICE_IGPU)
 
 
 def gpu_device_names() -> List[str]:
@@ -207,7 +207,7 @@ class ComputeBackend:
             self.buffer_type = gg.ggml_backend_dev_buffer_type(self.dev)
         if not self.ptr:
             raise RuntimeError("ggml could not start its backend on %s" % device)
-        self.on_cpu = gg.ggml_backend_dev_type(self.dev) == 0  # GGML_BACKEND_DEVICE_TYPE_CPU: threads apply
+        self.on_cpu = gg.ggml_backend_dev_type(self.dev) == GGML_DEVICE_CPU  # (threads apply)
         self.set_threads(threads)
 
     @property

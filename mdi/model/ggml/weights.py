@@ -71,7 +71,7 @@ class GgufWeights:
             gg.ggml_set_name(t, name.encode()[:63])
             made[name] = t
         if buffer_type is not None:
-            self._copy_into(buffer_type, [made[n] for n in names], names)
+            self._copy_into(buffer_type, made)
             self.repacked, self.tensors = [], made
             return made
         matmul = set(matmul) & set(names)
@@ -114,7 +114,7 @@ class GgufWeights:
         self.tensors = made
         return made
 
-    def _copy_into(self, buffer_type: int, tensors: List[Any], names: List[str]) -> None:
+    def _copy_into(self, buffer_type: int, made: Dict[str, Any]) -> None:
         """Every tensor (of this object's context) in one new buffer of `buffer_type`, its bytes
         copied from the map, whose pages are dropped once read: on a GPU the host keeps none."""
         gg = self._gg
@@ -122,10 +122,10 @@ class GgufWeights:
         buf = gg.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx.ptr, buffer_type)
         if not buf:
             raise MemoryError("%s: ggml could not allocate %d bytes of weights on its device"
-                              % (self.path, sum(self.infos[n]._n_bytes for n in names)))
+                              % (self.path, sum(self.infos[n]._n_bytes for n in made)))
         self._buffers.append(buf)
         gg.ggml_backend_buffer_set_usage(buf, gg.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-        for t, n in zip(tensors, names):
+        for n, t in made.items():
             info = self.infos[n]
             gg.ggml_backend_tensor_set(t, self._base + info._start, 0, info._n_bytes)
             self.reader.drop_pages(info)
