@@ -21,10 +21,15 @@ its tokenizer), not at the kernels.
 
 Models: SmolLM2-135M-Instruct Q4_1 (models/smollm2-135m, its model.gguf for llama.cpp) and,
 when present, Gemma 3 270M Q4_K_M (models/gemma3-270m/ if prepared, else the GGUF file
-/tmp/gemma/gemma-3-270m-q4_k_m.gguf read by mdi directly).
+/tmp/gemma/gemma-3-270m-q4_k_m.gguf read by mdi directly). `--types q4_k,iq4_xs,...` adds SmolLM2
+in each of those GGUF types, written once into the cache folder by `mdi-prepare
+models/smollm2-135m/model.gguf --quant TYPE` (ggml's own quantizer, from the Q4_1 file's values):
+both sides then read that one file, so every weight type's kernels meet llama.cpp's.
 
     python scripts/compare_llama_text.py [--n-tokens 32] [--no-ring] [--no-perplexity]
     -> results/llama_text_parity.json
+    python scripts/compare_llama_text.py --models none --types q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs,q5_1,bf16 \
+        --no-perplexity --out results/llama_text_parity_types.json
 """
 import argparse
 import json
@@ -62,6 +67,24 @@ def models() -> List[Dict[str, str]]:
         out.append({"name": "gemma3-270m-q4_k_m", "mdi": gemma_dir, "gguf": os.path.join(gemma_dir, "model.gguf")})
     elif os.path.isfile(GEMMA_GGUF):
         out.append({"name": "gemma3-270m-q4_k_m", "mdi": GEMMA_GGUF, "gguf": GEMMA_GGUF})
+    return out
+
+
+def typed_models(types: List[str], cache: str) -> List[Dict[str, str]]:
+    """SmolLM2 in each GGUF type of `types`, prepared once into cache/smollm2-135m-TYPE/."""
+    source = os.path.join(ROOT, "models", "smollm2-135m", "model.gguf")
+    out = []
+    for t in types:
+        folder = os.path.join(cache, "smollm2-135m-%s" % t)
+        gguf = os.path.join(folder, "model.gguf")
+        if not os.path.isfile(gguf):
+            log("mdi-prepare %s --quant %s" % (source, t))
+            done = subprocess.run([os.path.join(benchlib.BIN, "mdi-prepare"), source, "--quant", t, "--out", folder],
+                                  capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                raise RuntimeError("mdi-prepare --quant %s failed (rc %d): %s" % (t, done.returncode,
+                                                                                  done.stderr[-800:]))
+        out.append({"name": "smollm2-135m-%s" % t, "mdi": folder, "gguf": gguf})
     return out
 
 
@@ -182,7 +205,10 @@ def main(argv=None) -> int:
     p.add_argument("--ppl-chunks", type=int, default=8)
     p.add_argument("--no-ring", action="store_true", help="skip the ring of 3")
     p.add_argument("--no-perplexity", action="store_true")
-    p.add_argument("--models", default=None, help="comma-separated names to run (default: every one present)")
+    p.add_argument("--models", default=None, help="comma-separated names to run (default: every one present; "
+                   "none: only --types)")
+    p.add_argument("--types", default="", help="comma-separated GGUF types (mdi-prepare --quant) to run SmolLM2 in "
+                   "as well, e.g. q4_k,iq4_xs")
     p.add_argument("--cache", default=bench_peer.CACHE)
     p.add_argument("--out", default=os.path.join(ROOT, "results", "llama_text_parity.json"))
     args = p.parse_args(argv)
@@ -198,6 +224,7 @@ def main(argv=None) -> int:
     chosen = models()
     if args.models:
         chosen = [m for m in chosen if m["name"] in args.models.split(",")]
+    chosen += typed_models([t for t in args.types.split(",") if t], args.cache)
     record = {"benchmark": "llama_text_parity", "machine": info, "llama_cpp": llama, "ggml": bench_peer.ggml_info(),
               "prompts": list(PROMPTS), "n_tokens": args.n_tokens, "method": __doc__.split("\n\n")[1:3],
               "models": {}}  # type: Dict[str, Any]

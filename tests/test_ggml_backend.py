@@ -262,6 +262,40 @@ def test_a_starter_pass_embedded_in_the_blocks_graph_gives_the_same_bits(model, 
         fused.embed_forward_rows(torch.tensor([vocab]), RowBatch.of([0], [8], [1]))
 
 
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "gpt2"])
+def test_logits_in_the_blocks_graph_give_the_same_bits(model, request):
+    """embed_forward_logits (embedding, blocks and head in one graph: a one-node ring's decode
+    step) gives each sample's last-row logits bit for bit as embed_forward_rows then head do,
+    on passes of one and several samples, prefill and decode rows, and refuses a chunk
+    without the head."""
+    if model == "smollm2":
+        source = ModelSource(request.getfixturevalue("smollm2_dir"))
+    elif model == "gemma3":
+        source = ModelSource(request.getfixturevalue("gemma3_gguf"))
+    else:
+        source = ModelSource(request.getfixturevalue("tiny_models")["gpt2"])
+    layers = min(3, source.config.n_layer)
+    one_graph = source.ggml_chunk(0, layers, True, True, threads=1)
+    two_graphs = source.ggml_chunk(0, layers, True, True, threads=1)
+    for c in (one_graph, two_graphs):
+        c.allocate_cache(3, 64)
+    rng = np.random.default_rng(1)
+    vocab = source.config.vocab_size
+    passes = [PassRows([0, 2], [0, 0], [5, 3]), PassRows([0, 2], [5, 3], [1, 1]), PassRows([2], [4], [2]),
+              PassRows([1, 0, 2], [0, 6, 6], [1, 1, 1])]
+    for batch in passes:
+        ids = rng.integers(0, vocab, batch.rows).astype(np.int32)
+        logits = one_graph.embed_forward_logits(torch.from_numpy(ids), batch)
+        rows = two_graphs.embed_forward_rows(ids, batch)
+        want = two_graphs.head(rows[np.cumsum(batch.counts) - 1])
+        assert isinstance(logits, torch.Tensor) and logits.shape == (len(batch.slots), want.shape[1])
+        assert np.array_equal(logits.numpy().view(np.uint32), want.view(np.uint32))
+    no_head = source.ggml_chunk(0, layers, True, False, threads=1)
+    no_head.allocate_cache(1, 16)
+    with pytest.raises(ValueError, match="no embedding, blocks and head"):
+        no_head.embed_forward_logits(np.array([1], np.int32), PassRows([0], [0], [1]))
+
+
 def test_gemma3_split_where_a_node_holds_sliding_window_layers_alone(gemma3_gguf):
     """Gemma 3 attends globally every 6th layer (5, 11, 17): a node of layers [0, 3) reads only
     the sliding-window mask (it aborted in ggml setting the full one, which no op read). Split

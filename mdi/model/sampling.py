@@ -13,7 +13,7 @@ truncating filters (see `Logprobs`).
 """
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -108,10 +108,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return draw(logits, params, gen, generated, prompt).token
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, generated: Sequence[int] = (),
-         prompt: Sequence[int] = (), top_logprobs: Optional[int] = None,
+def draw(logits: Union[torch.Tensor, np.ndarray], params: SamplingParams, gen: torch.Generator,
+         generated: Sequence[int] = (), prompt: Sequence[int] = (), top_logprobs: Optional[int] = None,
          allowed: Optional[torch.Tensor] = None) -> Drawn:
-    """Pick the next token id from 1-D logits; SamplingError if they are not finite.
+    """Pick the next token id from 1-D logits (a torch tensor, or a numpy array as a ggml
+    starter's graph gives them); SamplingError if they are not finite.
     `generated` and `prompt` are the sample's tokens so far (the penalties read them);
     `top_logprobs`: also report the token's log-probability and that many alternatives.
     `allowed`: bool [vocab], the only tokens that may be drawn (a grammar's mask): the others
@@ -119,14 +120,19 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     Nothing here sorts or scans the vocabulary more than a few times: on a 49152-token
     vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
     SmolLM2 layer pass (measured, 1 thread). Fields at their neutral values cost nothing."""
-    logits = logits.float().cpu()
+    if isinstance(logits, np.ndarray):
+        values = np.asarray(logits, dtype=np.float32)
+    else:
+        values = logits.detach().float().cpu().numpy()
     # The largest and the smallest find any NaN or infinity, in numpy's SIMD reductions: a
     # greedy draw on 49152 logits takes 29 us with them and numpy's argmax, 175 with torch's
     # float64 sum and argmax (1 thread).
-    values = logits.detach().numpy()
     if not (math.isfinite(values.max()) and math.isfinite(values.min())):
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
-                            % (int((~torch.isfinite(logits)).sum()), logits.numel()))
+                            % (int((~np.isfinite(values)).sum()), values.size))
+    if params.temperature == 0 and allowed is None and not params.adjusts and top_logprobs is None:
+        return Drawn(greedy(values))  # no torch call: a decode step's draw runs cold after its graph
+    logits = torch.from_numpy(values)
     if allowed is not None:
         if not bool(allowed.any()):
             raise SamplingError("the grammar allows no next token")
@@ -153,10 +159,12 @@ def draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, gen
     return Drawn(token, None if top_logprobs is None else _logprobs(scaled, token, top_logprobs, whole))
 
 
-def greedy(logits: torch.Tensor) -> int:
+def greedy(logits: Union[torch.Tensor, np.ndarray]) -> int:
     """The first index of the largest of 1-D logits, as torch.argmax gives it. On the CPU with
     numpy's argmax, which runs in SIMD: 8 us where torch's took 130 (49152 tokens, 1 thread),
     and a decode step samples with the head's output in no cache."""
+    if isinstance(logits, np.ndarray):
+        return int(np.argmax(logits))
     if logits.device.type != "cpu":  # a GPU's argmax, then one number to the host
         return int(torch.argmax(logits))
     return int(np.argmax(logits.detach().float().numpy()))

@@ -19,17 +19,19 @@ import functools
 import itertools
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+import numpy as np
 import torch
 
 from mdi.model.kv_cache import KVCache
+from mdi.model.pass_rows import PassRows
 from mdi.model.prefix_store import PrefixStore
 from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.ring.status import BatchCounter
-from mdi.ring.transport import RingTimeout, Transport
+from mdi.ring.transport import LocalLoop, RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.starter.frame_rows import adapters_together, virtual_rows
 from mdi.starter.pipeline_settings import PipelineSettings
@@ -115,6 +117,13 @@ class Pipeline:
         self.last_progress = time.monotonic()
         if chunk is not None:
             self.chunk = chunk
+        self._host_arrays = getattr(self.chunk, "backend", "torch") == "ggml"  # takes and gives numpy arrays
+        # A one-node ring whose chunk computes logits in its blocks' graph (ggml's): a decode
+        # frame then carries each sample's logits back, not its rows (`_logit_frames`: by id,
+        # while they wait in the loop), and the head is not run again.
+        self._logits_in_graph = isinstance(transport, LocalLoop) and hasattr(self.chunk, "embed_forward_logits") \
+            and self.chunk.with_embedding and self.chunk.with_head
+        self._logit_frames: Set[int] = set()
         lost = sorted(self.active.values(), key=lambda s: s.index)
         self.active, self.ready = {}, []
         self.enable_prefix_cache(0, 0)  # the new ring's nodes hold nothing: the engine enables it again
@@ -218,17 +227,33 @@ class Pipeline:
         ids = [t for _, tokens in inputs for t in tokens]
         slots = [s.slot for s in group]
         adapters = [s.adapter for s in group]
-        batch = RowBatch.of(slots, starts, counts, self.device, adapters, row_wise=kind == FrameKind.VERIFY)
+        virtual = virtual_rows(group, starts, counts)
+        batch: Any
+        if self._host_arrays and virtual is None:
+            # ggml's chunk: numpy ids and a torch-free batch in, numpy rows (or logits) out, which
+            # the head and the draw take as they are (torch calls cost most in a step's cold Python)
+            batch = PassRows(slots, starts, counts, adapters if any(adapters) else None, kind == FrameKind.VERIFY)
+            ids_in: Any = np.array(ids, dtype=np.int32)
+        else:
+            batch = RowBatch.of(slots, starts, counts, self.device, adapters, row_wise=kind == FrameKind.VERIFY)
+            ids_in = ints_to_device(ids, self.device)
         ops = self.prefix.take_ops() if self.prefix is not None else []
         if ops:  # this node's copies first, then every node's as the frame reaches it
             assert self.prefix_store is not None  # set with self.prefix (enable_prefix_cache)
             self.prefix_store.apply(ops)
-        ids_t = ints_to_device(ids, self.device)
-        x = self.chunk.embed_forward_rows(ids_t, batch, virtual_rows(group, starts, counts))
+        logits = self._logits_in_graph and kind == FrameKind.DECODE and virtual is None
+        chunk: Any = self.chunk  # torch's ModelChunk, or ggml's chunk (mdi.model.ggml.chunk), which has more
+        if logits:  # every sample draws from its one row: the head in the same graph
+            x = chunk.embed_forward_logits(ids_in, batch)
+        else:
+            x = chunk.embed_forward_rows(ids_in, batch, virtual)
         self.batching.add(batch.rows, len(group))
         self.compute_seconds += time.perf_counter() - t0
-        self.transport.send(Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else [],
-                                  [s.epoch for s in group] if self.tag_epochs else [], ops))
+        frame = Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else [],
+                      [s.epoch for s in group] if self.tag_epochs else [], ops)
+        if logits:
+            self._logit_frames.add(id(frame))
+        self.transport.send(frame)
 
     # --- receiving -----------------------------------------------------------------
     def _take(self, sample: Sample, token: int) -> None:
@@ -264,15 +289,23 @@ class Pipeline:
         sample.finish_reason, sample.error = FinishReason.ERROR, "sample %d: %s" % (sample.index, e)
         log.warning("mdi: %s", sample.error)
 
-    def _sample_all(self, pending: List[Tuple[Sample, Optional[int], torch.Tensor]]) -> None:
+    def _sample_all(self, pending: List[Tuple[Sample, Optional[int], Any]], scored: bool = False) -> None:
         """The head over every row that samples, at once, then each sample's tokens: one from
-        its last row (`epoch` None), or a verification's (`epoch`: the sample's when it came)."""
+        its last row (`epoch` None), or a verification's (`epoch`: the sample's when it came).
+        `scored`: the rows are logits already (a frame whose graph ran the head)."""
         if not pending:
             return
         t0 = time.perf_counter()
         # Every row's logits come to the host in one copy (one wait on a GPU), not one per sample.
-        x = pending[0][2] if len(pending) == 1 else torch.cat([rows for _, _, rows in pending])
-        logits = to_host(self.chunk.head(to_device(x, self.device)))
+        xs = [rows for _, _, rows in pending]
+        logits: Any  # a torch tensor, or numpy's from a ggml chunk
+        if all(isinstance(rows, np.ndarray) for rows in xs):  # a ggml chunk's, back through the local loop
+            x = xs[0] if len(xs) == 1 else np.concatenate(xs)
+            logits = x if scored else self.chunk.head(x)  # type: ignore[arg-type]  # ggml's head takes numpy
+        else:
+            xs = [torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows for rows in xs]
+            x = xs[0] if len(xs) == 1 else torch.cat(xs)
+            logits = x if scored else to_host(self.chunk.head(to_device(x, self.device)))
         row = 0
         for sample, epoch, rows in pending:
             mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]
@@ -329,6 +362,8 @@ class Pipeline:
         `recv_timeout`). A ring with passes in flight that has been silent for `recv_timeout`
         raises RingTimeout, however the wait was sliced: a lost frame must not hang its
         samples for ever."""
+        if self._host_arrays:  # a ggml chunk: no torch op on the step's way to track
+            return self._step(timeout)
         with torch.inference_mode():  # entered once per step: it is per token at S = 1
             return self._step(timeout)
 
@@ -352,10 +387,16 @@ class Pipeline:
             return []
         self.last_progress = time.monotonic()
         advanced: Dict[int, Sample] = {}  # by identity, in order: two passes of one sample may come back
-        pending: List[Tuple[Sample, Optional[int], torch.Tensor]] = []
+        pending: List[Tuple[Sample, Optional[int], Any]] = []
+        scored: List[Tuple[Sample, Optional[int], Any]] = []  # their rows are logits
         for frame in frames:
             if frame.tensor is None:
                 continue  # a stray stop/reset: nothing to finish
+            into = pending
+            if self._logit_frames:
+                if id(frame) in self._logit_frames:
+                    self._logit_frames.discard(id(frame))
+                    into = scored
             # Rows are either every position of every sample or only each one's last.
             all_rows = frame.tensor.shape[0] == sum(frame.count)
             row = 0
@@ -372,11 +413,12 @@ class Pipeline:
                     sample.finish_reason = FinishReason.CANCELLED
                 if sample.verifying:
                     if not sample.done:
-                        pending.append((sample, epoch, rows))
+                        into.append((sample, epoch, rows))
                 elif not sample.done and sample.unsent == 0:
-                    pending.append((sample, None, rows[-1:]))
+                    into.append((sample, None, rows[-1:]))
                 advanced[id(sample)] = sample
         self._sample_all(pending)
+        self._sample_all(scored, scored=True)
         for sample in advanced.values():
             if sample.done:
                 self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)

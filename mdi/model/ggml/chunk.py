@@ -243,12 +243,26 @@ class GgmlChunk:
         """forward_rows(embed_rows(ids, batch's positions, virtual), batch): a starter's pass,
         embedded in the blocks' own graph where nothing replaces a row (no soft prompt)."""
         if virtual is not None or self.n_layers == 0 or not self.with_embedding:
-            return self.forward_rows(self.embed_rows(ids, batch.positions, virtual), batch)
+            positions = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(batch.starts, batch.counts)])
+            return self.forward_rows(self.embed_rows(ids, positions, virtual), batch)
         with self._lock:
             return self._forward_locked(batch, ids=ids)
 
-    def _forward_locked(self, batch: Any, x: Any = None, ids: Any = None) -> Any:
-        """The blocks over `batch`'s rows: activations `x`, or token `ids` embedded in the graph."""
+    def embed_forward_logits(self, ids: Any, batch: Any) -> Any:
+        """The logits [samples, vocab] of each sample's last row after the embedding, the blocks
+        and the head over token `ids` (stacked as `batch` says), all in one graph: a one-node
+        ring's decode step (this chunk the whole model) then computes once a token, and its
+        Python, which runs cold after each graph has streamed the weights through the caches,
+        runs once instead of twice. Each row's bits are those of embed_forward_rows then head."""
+        if not (self.with_embedding and self.with_head and self.n_layers):
+            raise ValueError("layers [%d, %d) hold no embedding, blocks and head to compute logits in one graph"
+                             % (self.first, self.last))
+        with self._lock:
+            return self._forward_locked(batch, ids=ids, logits=True)
+
+    def _forward_locked(self, batch: Any, x: Any = None, ids: Any = None, logits: bool = False) -> Any:
+        """The blocks over `batch`'s rows: activations `x`, or token `ids` embedded in the graph;
+        `logits`: the head over each sample's last row too, whose logits are the output."""
         cache = self.cache
         if cache is None:
             raise RuntimeError("no KV cache allocated")
@@ -286,8 +300,13 @@ class GgmlChunk:
             a = np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
         plan = self.lora.plan(adapters, [s.rows for s in shape.samples])
         lora = plan.shape if plan is not None else None
-        g = self._graph(("blocks", shape, lora, embedded),
-                        lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded))
+        # each sample's last row, padded to the head's fewest rows as head() pads its passes
+        last_rows = np.cumsum(counts, dtype=np.int32) - 1 if logits else np.zeros(0, dtype=np.int32)
+        if 0 < last_rows.shape[0] < self.min_head_rows:
+            last_rows = np.concatenate([last_rows, np.repeat(last_rows[-1:], self.min_head_rows - last_rows.shape[0])])
+        head_rows = last_rows.shape[0]
+        g = self._graph(("blocks", shape, lora, embedded, head_rows),
+                        lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded, head_rows))
         kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
         lib.set_data(g.inputs["ids" if embedded else "x"], a)
         # (RoPE reads the positions; learned ones are read only where the graph embeds: GPT-2's
@@ -299,7 +318,12 @@ class GgmlChunk:
         if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)
+        if head_rows:
+            lib.set_data(g.inputs["head_rows"], last_rows)
         self.compute_backend.compute(g.graph)
+        if head_rows:
+            out = np.empty((head_rows, g.output.contents.ne[0]), dtype=np.float32)
+            return _back(lib.get_data(g.output, out)[:len(counts)], torch_in)
         out = np.empty((shape.rows, self.config.n_embd), dtype=np.float32)
         return _back(lib.get_data(g.output, out)[:rows], torch_in)
 

@@ -179,17 +179,20 @@ class GraphBuilder:
 
     # --- the blocks ----------------------------------------------------------------------
     def blocks(self, shape: PassShape, cache: GgmlKVCache, lora: Optional[lora_ops.LoraShape] = None,
-               held: Optional[Dict[int, Any]] = None, embedded: bool = False) -> Built:
+               held: Optional[Dict[int, Any]] = None, embedded: bool = False, head_rows: int = 0) -> Built:
         """The blocks over a pass; `lora` (with the chunk's `held` adapters): the adapters its
         samples name (mdi.model.ggml.adapters). `embedded`: the pass's token ids come in ("ids")
         and the chunk's embedding computes its rows in the same graph (a starter's pass: one
-        graph and one copy fewer per step), else its rows ("x")."""
+        graph and one copy fewer per step), else its rows ("x"). `head_rows` > 0: the head too,
+        over that many of the blocks' output rows ("head_rows": their indices), so the graph's
+        output is their logits (a one-node ring's decode step: one graph a token)."""
         gg, t = self.gg, self.t
         c = t.config
         E, R = c.n_embd, shape.rows
         more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
         per_layer = NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples) + self._split_nodes(R)
-        b = Built(len(self.layers) * per_layer + NODES_MORE + more, self.buffer_type)
+        head = NODES_MORE + self._split_nodes(head_rows) if head_rows else 0
+        b = Built(len(self.layers) * per_layer + NODES_MORE + more + head, self.buffer_type)
         pos = self._input(b, "pos", lib.I32, R)
         x = self._embed(b, self._input(b, "ids", lib.I32, R), pos) if embedded else self._input(b, "x", lib.F32, E, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
@@ -199,11 +202,16 @@ class GraphBuilder:
             b.lora.inputs(R)
         self._lora = b.lora
         try:
-            return self._blocks(b, x, shape, cache, pos, kv_rows)
+            x = self._blocks(b, x, shape, cache, pos, kv_rows)
         finally:
             self._lora = None
+        if head_rows:
+            x = self._head(b.ctx.ptr, gg.ggml_get_rows(b.ctx.ptr, x, self._input(b, "head_rows", lib.I32, head_rows)))
+        b.finish(x)
+        return b
 
-    def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any, kv_rows: Any) -> Built:
+    def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any, kv_rows: Any) -> Any:
+        """The blocks' ops over rows `x`: their output rows."""
         t = self.t
         ctx = b.ctx.ptr
         # Only the masks some layer reads: an input no op reads gets no buffer (Gemma 3's
@@ -217,8 +225,7 @@ class GraphBuilder:
             masks.append((full, win))
         for li, layer in enumerate(self.layers):
             x = self._block(ctx, b, x, layer, li, shape, cache, pos, kv_rows, masks)
-        b.finish(x)
-        return b
+        return x
 
     def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
                pos: Any, kv_rows: Any, masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
@@ -326,12 +333,11 @@ class GraphBuilder:
         """Final norm and LM head: [E, rows] -> logits [vocab, rows]."""
         t = self.t
         b = Built(NODES_MORE + self._split_nodes(rows), self.buffer_type)
-        ctx = b.ctx.ptr
-        x = self._input(b, "x", lib.F32, t.config.n_embd, rows)
-        x = self._norm(ctx, x, "output_norm", t.config.norm_eps)
-        y = self._product(ctx, head_name(self.w), x)
-        b.finish(y)
+        b.finish(self._head(b.ctx.ptr, self._input(b, "x", lib.F32, t.config.n_embd, rows)))
         return b
+
+    def _head(self, ctx: Any, x: Any) -> Any:
+        return self._product(ctx, head_name(self.w), self._norm(ctx, x, "output_norm", self.t.config.norm_eps))
 
 
 def multiply(gg: Any, ctx: Any, w: Any, x: Any, rows: int, by_row: bool) -> Any:
@@ -360,10 +366,11 @@ def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], 
     for i, (s, positions) in enumerate(zip(shape.samples, row_positions)):
         cols = np.arange(s.attend)[None, :]
         rows = np.asarray(positions)[:, None]
-        if "mask_%d" % i in b.inputs:
-            mask = np.where(cols <= rows, np.float16(0), NEG_INF).astype(np.float16)
-            lib.set_data(b.inputs["mask_%d" % i], mask)
-        if "mask_local_%d" % i in b.inputs:
-            local = np.where((cols <= rows) & (rows - cols < window), np.float16(0), NEG_INF).astype(np.float16)
-            lib.set_data(b.inputs["mask_local_%d" % i], local)
+        seen = cols <= rows
+        full = b.inputs.get("mask_%d" % i)
+        if full is not None:
+            lib.set_data(full, np.where(seen, np.float16(0), NEG_INF))  # float16 already: no copy to convert
+        local = b.inputs.get("mask_local_%d" % i)
+        if local is not None:
+            lib.set_data(local, np.where(seen & (rows - cols < window), np.float16(0), NEG_INF))
 
