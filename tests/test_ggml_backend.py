@@ -74,6 +74,31 @@ def test_greedy_ids_do_not_depend_on_batching_or_prefill_chunks(source, chunk):
     assert greedy(chunk, prompts, [[2, 0], [3, 1]], 20, prefill_chunk=3) == alone  # other slots' rows between
 
 
+def test_a_one_node_run_decodes_in_one_graph_a_token_with_the_same_ids(source, chunk, monkeypatch):
+    """A one-node ring on ggml (the pipeline over a local loop) runs the head in the blocks'
+    graph for its decode steps: the head graph runs only for the prompts' passes, and every
+    sample's greedy ids (numpy from the chunk to the draw) are those the chunk gives with the
+    head apart, batched or not."""
+    from mdi.model.sampling import SamplingParams, sample_generator
+    from mdi.ring.transport import LocalLoop
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
+    from mdi.starter.sample import Sample
+    prompts = [source.tokenizer.encode(p) for p in PROMPTS[:3]]
+    want = greedy(chunk, prompts, [[0], [1], [2]], 12)
+    heads = []
+    head = chunk.head
+    monkeypatch.setattr(chunk, "head", lambda x: heads.append(x.shape[0]) or head(x))
+    for max_batch in (1, 3):
+        heads.clear()
+        samples = [Sample(i, PROMPTS[i], p, 12, sample_generator(0, i)) for i, p in enumerate(prompts)]
+        pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, PipelineSettings(max_batch=max_batch))
+        pipe.run(samples)
+        assert [s.token_ids for s in samples] == [want[i] for i in range(3)], max_batch
+        assert 1 <= len(heads) <= 3 and sum(heads) == 3  # each prompt's last row once; no decode step's
+        assert not pipe._logit_frames  # every frame that left with logits came back
+
+
 @pytest.mark.parametrize("float_type", ["F32", "F16"])
 def test_float_weights_give_every_row_the_same_bits_in_a_pass_of_any_size(tmp_path, float_type):
     """ggml multiplies float matrices with one kernel for a one-row pass and llamafile's tiled
@@ -227,12 +252,9 @@ def test_gemma3_greedy_ids_do_not_depend_on_batching_without_repack(gemma3_gguf)
         assert any(n.endswith("attn_output.weight") for n in repacked.weights.repacked)
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3", "gpt2"])
-def test_a_starter_pass_embedded_in_the_blocks_graph_gives_the_same_bits(model, request):
-    """embed_forward_rows (the token ids embedded in the blocks' own graph: one graph a step on
-    a starter) computes what embed_rows then forward_rows compute, bit for bit: the token rows
-    (Gemma's scaled ones, GPT-2's learned positions added), a prefill of two samples and their
-    next decode step, and a soft prompt's rows, which take the two-graph way."""
+def _twin_chunks(model, request, head, slots):
+    """(source, two identical ggml chunks of the model's first 3 layers with the embedding, and
+    the head where `head`, each with a cache of `slots` slots of 64 positions)."""
     if model == "smollm2":
         source = ModelSource(request.getfixturevalue("smollm2_dir"))
     elif model == "gemma3":
@@ -240,10 +262,19 @@ def test_a_starter_pass_embedded_in_the_blocks_graph_gives_the_same_bits(model, 
     else:
         source = ModelSource(request.getfixturevalue("tiny_models")["gpt2"])
     layers = min(3, source.config.n_layer)
-    fused = source.ggml_chunk(0, layers, True, False, threads=1)
-    apart = source.ggml_chunk(0, layers, True, False, threads=1)
-    for c in (fused, apart):
-        c.allocate_cache(2, 64)
+    chunks = [source.ggml_chunk(0, layers, True, head, threads=1) for _ in range(2)]
+    for c in chunks:
+        c.allocate_cache(slots, 64)
+    return source, chunks
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3", "gpt2"])
+def test_a_starter_pass_embedded_in_the_blocks_graph_gives_the_same_bits(model, request):
+    """embed_forward_rows (the token ids embedded in the blocks' own graph: one graph a step on
+    a starter) computes what embed_rows then forward_rows compute, bit for bit: the token rows
+    (Gemma's scaled ones, GPT-2's learned positions added), a prefill of two samples and their
+    next decode step, and a soft prompt's rows, which take the two-graph way."""
+    source, (fused, apart) = _twin_chunks(model, request, head=False, slots=2)
     rng = np.random.default_rng(0)
     vocab = source.config.vocab_size
     passes = [PassRows([0, 1], [0, 0], [5, 3]), PassRows([0, 1], [5, 3], [1, 1]), PassRows([1], [4], [2])]
@@ -268,17 +299,7 @@ def test_logits_in_the_blocks_graph_give_the_same_bits(model, request):
     step) gives each sample's last-row logits bit for bit as embed_forward_rows then head do,
     on passes of one and several samples, prefill and decode rows, and refuses a chunk
     without the head."""
-    if model == "smollm2":
-        source = ModelSource(request.getfixturevalue("smollm2_dir"))
-    elif model == "gemma3":
-        source = ModelSource(request.getfixturevalue("gemma3_gguf"))
-    else:
-        source = ModelSource(request.getfixturevalue("tiny_models")["gpt2"])
-    layers = min(3, source.config.n_layer)
-    one_graph = source.ggml_chunk(0, layers, True, True, threads=1)
-    two_graphs = source.ggml_chunk(0, layers, True, True, threads=1)
-    for c in (one_graph, two_graphs):
-        c.allocate_cache(3, 64)
+    source, (one_graph, two_graphs) = _twin_chunks(model, request, head=True, slots=3)
     rng = np.random.default_rng(1)
     vocab = source.config.vocab_size
     passes = [PassRows([0, 2], [0, 0], [5, 3]), PassRows([0, 2], [5, 3], [1, 1]), PassRows([2], [4], [2]),
@@ -290,7 +311,7 @@ def test_logits_in_the_blocks_graph_give_the_same_bits(model, request):
         want = two_graphs.head(rows[np.cumsum(batch.counts) - 1])
         assert isinstance(logits, torch.Tensor) and logits.shape == (len(batch.slots), want.shape[1])
         assert np.array_equal(logits.numpy().view(np.uint32), want.view(np.uint32))
-    no_head = source.ggml_chunk(0, layers, True, False, threads=1)
+    no_head = source.ggml_chunk(0, one_graph.last, True, False, threads=1)
     no_head.allocate_cache(1, 16)
     with pytest.raises(ValueError, match="no embedding, blocks and head"):
         no_head.embed_forward_logits(np.array([1], np.int32), PassRows([0], [0], [1]))
