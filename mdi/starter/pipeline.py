@@ -21,19 +21,17 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-import numpy as np
 import torch
 
 from mdi.model.kv_cache import KVCache
-from mdi.model.pass_rows import PassRows
 from mdi.model.prefix_store import PrefixStore
-from mdi.model.row_batch import RowBatch
 from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.starter.frame_rows import adapters_together, virtual_rows
+from mdi.starter.pass_compute import computes_logits, logits_of, pass_inputs, takes_host_arrays
 from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
@@ -41,7 +39,6 @@ from mdi.starter.speculation.costs import PassCosts
 from mdi.starter.speculation.decoder import SpecDecoder
 from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.speculation.drafters import Drafter
-from mdi.system.transfers import ints_to_device, to_device, to_host
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +114,11 @@ class Pipeline:
         self.last_progress = time.monotonic()
         if chunk is not None:
             self.chunk = chunk
-        self._host_arrays = getattr(self.chunk, "backend", "torch") == "ggml"  # takes and gives numpy arrays
+        self._host_arrays = takes_host_arrays(self.chunk)
         # A one-node ring whose chunk computes logits in its blocks' graph (ggml's): a decode
         # frame then carries each sample's logits back, not its rows (`_logit_frames`: by id,
         # while they wait in the loop), and the head is not run again.
-        self._logits_in_graph = isinstance(transport, LocalLoop) and hasattr(self.chunk, "embed_forward_logits") \
-            and self.chunk.with_embedding and self.chunk.with_head
+        self._logits_in_graph = isinstance(transport, LocalLoop) and computes_logits(self.chunk)
         self._logit_frames: Set[int] = set()
         lost = sorted(self.active.values(), key=lambda s: s.index)
         self.active, self.ready = {}, []
@@ -227,16 +223,9 @@ class Pipeline:
         ids = [t for _, tokens in inputs for t in tokens]
         slots = [s.slot for s in group]
         adapters = [s.adapter for s in group]
-        virtual = virtual_rows(group, starts, counts)
-        batch: Any
-        if self._host_arrays and virtual is None:
-            # ggml's chunk: numpy ids and a torch-free batch in, numpy rows (or logits) out, which
-            # the head and the draw take as they are (torch calls cost most in a step's cold Python)
-            batch = PassRows(slots, starts, counts, adapters if any(adapters) else None, kind == FrameKind.VERIFY)
-            ids_in: Any = np.array(ids, dtype=np.int32)
-        else:
-            batch = RowBatch.of(slots, starts, counts, self.device, adapters, row_wise=kind == FrameKind.VERIFY)
-            ids_in = ints_to_device(ids, self.device)
+        virtual = virtual_rows(group, starts, counts)  # a soft prompt's rows: torch's way on either backend
+        batch, ids_in = pass_inputs(self._host_arrays and virtual is None, slots, starts, counts, adapters,
+                                    kind == FrameKind.VERIFY, ids, self.device)
         ops = self.prefix.take_ops() if self.prefix is not None else []
         if ops:  # this node's copies first, then every node's as the frame reaches it
             assert self.prefix_store is not None  # set with self.prefix (enable_prefix_cache)
@@ -296,16 +285,7 @@ class Pipeline:
         if not pending:
             return
         t0 = time.perf_counter()
-        # Every row's logits come to the host in one copy (one wait on a GPU), not one per sample.
-        xs = [rows for _, _, rows in pending]
-        logits: Any  # a torch tensor, or numpy's from a ggml chunk
-        if all(isinstance(rows, np.ndarray) for rows in xs):  # a ggml chunk's, back through the local loop
-            x = xs[0] if len(xs) == 1 else np.concatenate(xs)
-            logits = x if scored else self.chunk.head(x)  # type: ignore[arg-type]  # ggml's head takes numpy
-        else:
-            xs = [torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows for rows in xs]
-            x = xs[0] if len(xs) == 1 else torch.cat(xs)
-            logits = x if scored else to_host(self.chunk.head(to_device(x, self.device)))
+        logits = logits_of(self.chunk, [rows for _, _, rows in pending], self.device, scored)
         row = 0
         for sample, epoch, rows in pending:
             mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]

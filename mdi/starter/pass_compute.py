@@ -1,0 +1,47 @@
+"""The starter's own compute for a pass, whichever backend its chunk is (mdi.model.backend).
+
+torch's chunk takes a RowBatch and token ids as tensors on its device and gives tensors back.
+ggml's takes a torch-free PassRows and numpy ids and gives numpy rows back, which its head and
+the draw take as they are: a decode step's Python runs cold after each graph (the graph has just
+streamed the weights through the caches), where every torch call costs tens of microseconds.
+A ggml chunk holding the whole model (a one-node ring) also computes a decode pass's logits in
+its blocks' graph (GgmlChunk.embed_forward_logits): the rows that come back are logits then.
+"""
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from mdi.model.pass_rows import PassRows
+from mdi.model.row_batch import RowBatch
+from mdi.system.transfers import ints_to_device, to_device, to_host
+
+
+def takes_host_arrays(chunk: Any) -> bool:
+    """Whether `chunk` takes and gives numpy arrays (ggml's) rather than torch tensors."""
+    return getattr(chunk, "backend", "torch") == "ggml"
+
+
+def computes_logits(chunk: Any) -> bool:
+    """Whether `chunk` can run its head in its blocks' graph (embedding, blocks and head held)."""
+    return hasattr(chunk, "embed_forward_logits") and chunk.with_embedding and chunk.with_head
+
+
+def pass_inputs(host_arrays: bool, slots: List[int], starts: List[int], counts: List[int],
+                adapters: List[int], verify: bool, ids: Sequence[int], device: Any) -> Tuple[Any, Any]:
+    """(the pass's batch, its token ids) as the chunk takes them (`host_arrays`: ggml's numpy)."""
+    if host_arrays:
+        return PassRows(slots, starts, counts, adapters if any(adapters) else None, verify), \
+            np.array(ids, dtype=np.int32)
+    return RowBatch.of(slots, starts, counts, device, adapters, row_wise=verify), ints_to_device(ids, device)
+
+
+def logits_of(chunk: Any, rows: List[Any], device: Any, scored: bool) -> Any:
+    """The logits of the stacked `rows` (torch tensors or numpy arrays), on the host in one
+    copy (one wait on a GPU); `scored`: the rows are logits already (their graph ran the head)."""
+    if all(isinstance(r, np.ndarray) for r in rows):  # a ggml chunk's, back through the local loop
+        x = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return x if scored else chunk.head(x)
+    tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rows]
+    x = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    return x if scored else to_host(chunk.head(to_device(x, device)))
