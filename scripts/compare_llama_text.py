@@ -28,8 +28,8 @@ both sides then read that one file, so every weight type's kernels meet llama.cp
 
     python scripts/compare_llama_text.py [--n-tokens 32] [--no-ring] [--no-perplexity]
     -> results/llama_text_parity.json
-    python scripts/compare_llama_text.py --models none --types q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs,q5_1,bf16 \
-        --no-perplexity --out results/llama_text_parity_types.json
+    python scripts/compare_llama_text.py --models none \
+        --types q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs,q5_0,q5_1,q8_0,bf16 --out results/llama_text_parity_types.json
 """
 import argparse
 import json

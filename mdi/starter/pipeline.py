@@ -372,11 +372,8 @@ class Pipeline:
         for frame in frames:
             if frame.tensor is None:
                 continue  # a stray stop/reset: nothing to finish
-            into = pending
-            if self._logit_frames:
-                if id(frame) in self._logit_frames:
-                    self._logit_frames.discard(id(frame))
-                    into = scored
+            into = scored if id(frame) in self._logit_frames else pending
+            self._logit_frames.discard(id(frame))
             # Rows are either every position of every sample or only each one's last.
             all_rows = frame.tensor.shape[0] == sum(frame.count)
             row = 0

@@ -51,6 +51,11 @@ def _host_view(t: Any) -> np.ndarray:
         return t.numpy() if t.dtype != sys.modules["torch"].bfloat16 else t.float().numpy()
 
 
+def _row_positions(starts: Any, counts: Any) -> List[np.ndarray]:
+    """Each sample's row positions (int32), from its start and row count."""
+    return [np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)]
+
+
 def _back(y: np.ndarray, torch_in: bool) -> Any:
     if not torch_in:
         return y
@@ -243,7 +248,7 @@ class GgmlChunk:
         """forward_rows(embed_rows(ids, batch's positions, virtual), batch): a starter's pass,
         embedded in the blocks' own graph where nothing replaces a row (no soft prompt)."""
         if virtual is not None or self.n_layers == 0 or not self.with_embedding:
-            positions = np.concatenate([np.arange(s, s + c, dtype=np.int32) for s, c in zip(batch.starts, batch.counts)])
+            positions = np.concatenate(_row_positions(batch.starts, batch.counts))
             return self.forward_rows(self.embed_rows(ids, positions, virtual), batch)
         with self._lock:
             return self._forward_locked(batch, ids=ids)
@@ -291,7 +296,7 @@ class GgmlChunk:
                 raise ValueError("%d rows of activations for %d tokens" % (a.shape[0], rows))
         shape = PassShape(tuple(SampleShape(slot, count, attend_bucket(start + count, cache.max_len))
                                 for slot, start, count in zip(slots, starts, counts)))
-        row_positions = [np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)]
+        row_positions = _row_positions(starts, counts)
         pad = self.min_rows - rows
         if pad > 0:  # the last row again, at its own position: it computes (and writes) the same bits
             last = shape.samples[-1]
@@ -300,11 +305,10 @@ class GgmlChunk:
             a = np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
         plan = self.lora.plan(adapters, [s.rows for s in shape.samples])
         lora = plan.shape if plan is not None else None
-        # each sample's last row, padded to the head's fewest rows as head() pads its passes
-        last_rows = np.cumsum(counts, dtype=np.int32) - 1 if logits else np.zeros(0, dtype=np.int32)
-        if 0 < last_rows.shape[0] < self.min_head_rows:
-            last_rows = np.concatenate([last_rows, np.repeat(last_rows[-1:], self.min_head_rows - last_rows.shape[0])])
-        head_rows = last_rows.shape[0]
+        head_rows = max(len(counts), self.min_head_rows) if logits else 0
+        if head_rows:  # each sample's last row, the last again up to the head's fewest rows (as head() pads)
+            last_rows = np.cumsum(counts, dtype=np.int32) - 1
+            last_rows = np.concatenate([last_rows, np.repeat(last_rows[-1:], head_rows - len(counts))])
         g = self._graph(("blocks", shape, lora, embedded, head_rows),
                         lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded, head_rows))
         kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
