@@ -65,6 +65,26 @@ def greedy(chunk, prompts, groups, n_tokens, prefill_chunk=None, logits_out=None
     return out
 
 
+def test_a_pass_keeps_its_rows_when_the_next_pass_computes(source, chunk):
+    """A pass's rows and logits are copies out of the graph's memory, not views of it (the graph's
+    inputs and output are written and read in place on the CPU): the next pass of the same shape
+    leaves them as they were, and an input given the wrong number of values is refused by name."""
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal((1, source.config.n_embd)).astype(np.float32) for _ in range(2)]
+    first = chunk.forward_rows(rows[0], PassRows([0], [0], [1]))
+    kept = first.copy()
+    logits = chunk.head(first)
+    kept_logits = logits.copy()
+    second = chunk.forward_rows(rows[1], PassRows([0], [0], [1]))
+    chunk.head(second)
+    assert not np.array_equal(second, kept)
+    assert np.array_equal(first, kept) and np.array_equal(logits, kept_logits)
+    g = next(iter(chunk._graphs.values()))
+    name = next(iter(g.inputs))
+    with pytest.raises(ValueError, match="input %s" % name):
+        g.set(name, np.zeros(10 ** 6, np.float32))
+
+
 def test_greedy_ids_do_not_depend_on_batching_or_prefill_chunks(source, chunk):
     prompts = [source.tokenizer.encode(p) for p in PROMPTS]
     alone = greedy(chunk, prompts, [[0], [1], [2], [3]], 20)

@@ -175,6 +175,23 @@ def test_raw_stays_zero_copy_both_ways():
     assert got.tensor.data_ptr() == torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
 
 
+def test_a_ggml_starters_passes_decode_to_numpy_with_torch_loaded():
+    """`host_kinds`: a ggml starter's generation passes come back as numpy arrays (its head takes
+    them as they are), zero-copy from a numpy array's bytes; other kinds still decode to torch
+    where torch is loaded, and numpy and torch rows encode to the same bytes."""
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    header, payload = wire.encode(prefill(x), "raw")
+    assert np.frombuffer(payload, dtype=np.uint8).ctypes.data == x.ctypes.data
+    assert bytes(payload) == bytes(wire.encode(prefill(torch.from_numpy(x)), "raw")[1])
+    buf = bytearray(payload)
+    got = wire.decode([header, buf], host_kinds=wire.GENERATION_KINDS)
+    assert isinstance(got.tensor, np.ndarray) and np.array_equal(got.tensor, x)
+    assert got.tensor.ctypes.data == np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    assert isinstance(wire.decode([header, buf]).tensor, torch.Tensor)
+    score_header, _ = wire.encode(prefill(x, "score"), "raw")
+    assert isinstance(wire.decode([score_header, buf], host_kinds=wire.GENERATION_KINDS).tensor, torch.Tensor)
+
+
 @pytest.mark.parametrize("codec", wire.CODECS)
 def test_wrong_payload_length_is_rejected(codec):
     header, payload = wire.encode(prefill(torch.randn(3, 100)), codec)

@@ -139,9 +139,19 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
+_dtype_names: Dict[Any, str] = {}  # dtype -> name: str() of a numpy dtype runs Python code, ~100 us cold
+
+
 def dtype_name(dtype: Any) -> str:
     """The DTYPE_NAMES name of a torch or numpy float dtype (torch.float16 and numpy's
     float16 alike: "float16")."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = _name_of(dtype)
+    return name
+
+
+def _name_of(dtype: Any) -> str:
     name = str(dtype).replace("torch.", "")
     if name not in DTYPE_BYTES:
         name = getattr(dtype, "__name__", name)  # a numpy scalar type (np.float32)

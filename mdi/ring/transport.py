@@ -123,6 +123,8 @@ class RingEndpoint:
         # receive thread validates them while it computes; it takes the socket back by clearing
         # _lent and waking the receive thread's poll through an inproc pair.
         self._pull_lock = threading.Lock()
+        self._pull_poller = zmq.Poller()
+        self._pull_poller.register(self.pull, zmq.POLLIN)
         self._lent = threading.Event()
         wake = "inproc://mdi-wake-%d" % next(_endpoint_ids)
         self._wake_rx = self.ctx.socket(zmq.PAIR)
@@ -169,10 +171,13 @@ class RingEndpoint:
         """Queue a frame for the next node; never blocks. With nothing queued before it and
         room in zmq's queue it is handed to zmq here, else to the send thread."""
         if self._push is not None and self._queued == self._left:
-            parts = encode(frame, self.codec)
+            header, payload = encode(frame, self.codec)
             try:
-                self._push.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
-                self._count(frame.kind, sum(len(p) for p in parts))
+                # send_multipart's loop in two calls: zmq queues a message's later parts
+                # whenever it took its first, so only the first can raise Again
+                self._push.send(header, zmq.NOBLOCK | zmq.SNDMORE, copy=False)
+                self._push.send(payload, zmq.NOBLOCK, copy=False)
+                self._count(frame.kind, len(header) + len(payload))
                 return
             except zmq.Again:  # zmq's queue is full: the neighbour is slow or gone
                 pass
@@ -181,23 +186,20 @@ class RingEndpoint:
 
     def recv(self, timeout: float) -> Frame:
         """The next valid frame; RingTimeout after `timeout` seconds without one."""
-        try:
-            return self.inbox.get_nowait()  # the receive thread has been filling it
-        except queue.Empty:
-            return self._recv_from_socket(timeout)
+        if not self.inbox.empty():  # the receive thread has been filling it (only this thread takes)
+            return self.inbox.get_nowait()
+        return self._recv_from_socket(timeout)
 
     def recv_nowait(self) -> Optional[Frame]:
         """A valid frame that is already here, else None at once (a compute loop gathering
         the frames queued behind the one it took, to run them in one forward)."""
-        try:
+        if not self.inbox.empty():
             return self.inbox.get_nowait()
-        except queue.Empty:
-            pass
         # Lent: the receive thread reads the socket and puts what comes into the inbox.
         if self._lent.is_set() or not self._pull_lock.acquire(blocking=False):
             return None
         try:
-            while self.pull.poll(0):
+            while self._readable(0):
                 frame = self._read_frame()
                 if frame is not None:
                     return frame
@@ -216,23 +218,26 @@ class RingEndpoint:
         if not self._pull_lock.acquire(timeout=timeout):
             raise RingTimeout("%s: the receive thread did not hand the socket back in %.1f s" % (self.name, timeout))
         try:
-            try:
+            if not self.inbox.empty():
                 return self.inbox.get_nowait()  # taken by the receive thread before it let go
-            except queue.Empty:
-                pass
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self.pull.poll(max(1, int(remaining * 1000))):
+                if remaining <= 0 or not self._readable(max(1, int(remaining * 1000))):
                     raise RingTimeout("%s: no frame received for %.1f s" % (self.name, timeout))
                 frame = self._read_frame()
                 if frame is not None:
-                    if self.pull.poll(0):
+                    if self._readable(0):
                         # More frames wait already: the node is saturated, so the receive
                         # thread validates them into the inbox while the caller computes.
                         self._lent.set()
                     return frame
         finally:
             self._pull_lock.release()
+
+    def _readable(self, timeout_ms: int) -> bool:
+        """Whether a message waits on the PULL socket (within timeout_ms); the caller holds it.
+        One poller kept, where socket.poll builds one each call."""
+        return bool(self._pull_poller.poll(timeout_ms))
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued frame has left; False if that took longer than timeout."""

@@ -33,6 +33,7 @@ import msgpack
 
 from mdi.model.layout import DTYPE_BYTES, WIRE_CODECS, dtype_name
 from mdi.model.prefix_store import OP_KINDS, CacheOp
+from mdi.ring import wire_numpy
 from mdi.ring.wire_format import INT8_BLOCK, INT8_MAX_WIDTH, INT8_OUTLIERS, FrameError  # noqa: F401  (named from here)
 from mdi.ring.wire_format import outliers as _outliers
 from mdi.system.str_enum import StrEnum
@@ -78,6 +79,7 @@ class FrameKind(StrEnum):
 
 
 KINDS = tuple(k.value for k in FrameKind)
+_KIND_OF = {k.value: k for k in FrameKind}  # a dict lookup, where FrameKind(value) runs enum's Python code
 GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE, FrameKind.VERIFY)
 TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP, FrameKind.EVAL, FrameKind.CLIP, FrameKind.STATE)
 # the last node returns every row, not each sample's last
@@ -194,12 +196,14 @@ def _codecs(t: Any = None) -> Any:
     """The codec arithmetic for `t` (a numpy array, or a torch tensor), or for decoding here:
     torch's where this process has torch loaded, numpy's in a node that computes without it."""
     if t is not None and not hasattr(t, "detach"):
-        from mdi.ring import wire_numpy
         return wire_numpy
     if t is not None or "torch" in sys.modules:
-        from mdi.ring import wire_torch
-        return wire_torch
-    from mdi.ring import wire_numpy
+        # looked up, not imported, once loaded: an import statement runs importlib's Python
+        # code, and a hop's Python runs cold after each graph
+        codecs = sys.modules.get("mdi.ring.wire_torch")
+        if codecs is None:
+            from mdi.ring import wire_torch as codecs
+        return codecs
     return wire_numpy
 
 
@@ -244,11 +248,14 @@ def _cache_ops(value: Any, n_slots: Optional[int], max_len: int) -> List[CacheOp
 
 def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int] = None,
            n_slots: Optional[int] = None, max_len: int = 1 << 20,
-           max_payload: int = DEFAULT_MAX_PAYLOAD, adapters: Optional[Container[int]] = None) -> Frame:
+           max_payload: int = DEFAULT_MAX_PAYLOAD, adapters: Optional[Container[int]] = None,
+           host_kinds: Container[str] = ()) -> Frame:
     """Validate and decode [header, payload]. `run`, `hidden`, `n_slots`, `max_len` and
     `adapters` (the adapter ids loaded here, read at each call) are what this node expects;
     frames that disagree are rejected. `max_payload` bounds both the bytes received and the
-    decoded tensor's."""
+    decoded tensor's. Activations decode to torch tensors where torch is loaded, numpy arrays
+    otherwise, and numpy for frames of `host_kinds` (a ggml starter's passes: its head takes them
+    as they are, where a torch tensor would cost torch calls per token)."""
     if len(parts) != 2:
         raise FrameError("expected 2 parts (header, payload), got %d" % len(parts))
     raw_header, payload = parts
@@ -266,9 +273,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
                          % (sorted(_HEADER_KEYS), " and ".join(sorted(_OPTIONAL_KEYS))))
     if header["v"] != PROTOCOL_VERSION:
         raise FrameError("protocol version %r, expected %d" % (header["v"], PROTOCOL_VERSION))
-    if header["kind"] not in KINDS:
+    kind = _KIND_OF.get(header["kind"]) if isinstance(header["kind"], str) else None
+    if kind is None:
         raise FrameError("unknown kind %r" % (header["kind"],))
-    kind = FrameKind(header["kind"])
     frame_run = header["run"]
     if not isinstance(frame_run, int) or isinstance(frame_run, bool):
         raise FrameError("run id must be an integer")
@@ -352,5 +359,5 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     if pbytes != expected:
         raise FrameError("payload has %d bytes, shape x dtype x codec %s needs %d" % (pbytes, codec, expected))
     buf = payload.buffer if hasattr(payload, "buffer") else payload
-    frame.tensor = _codecs().decode_payload(buf, rows, width, dtype, codec)
+    frame.tensor = (wire_numpy if kind in host_kinds else _codecs()).decode_payload(buf, rows, width, dtype, codec)
     return frame

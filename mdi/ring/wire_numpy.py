@@ -27,7 +27,7 @@ def _from_bfloat16(raw: np.ndarray) -> np.ndarray:
 def encode_payload(a: np.ndarray, codec: str) -> memoryview:
     a = np.ascontiguousarray(a)
     if codec == "raw":
-        return a.reshape(-1).view(np.uint8).data
+        return memoryview(a).cast("B")  # type: ignore[arg-type]  # one C call: numpy's reshape/view/.data ran ~3x longer cold
     if codec == "float16":
         return a.astype(np.float16).reshape(-1).view(np.uint8).data
     if codec == "bfloat16":

@@ -24,6 +24,7 @@ from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout
+from mdi.starter.pass_compute import takes_host_arrays
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
@@ -261,7 +262,8 @@ class Engine(RuntimeAdapters):
         run_id = random.getrandbits(62)
         if len(self.nodes) == 1:
             return LocalLoop(), run_id
-        self.ring = RingSession(self.plan, self.source, run_id, self.adapters, self.registry)
+        self.ring = RingSession(self.plan, self.source, run_id, self.adapters, self.registry,
+                                takes_host_arrays(self.live_chunk))
         return self.ring.start(), run_id
 
     def _check(self) -> None:

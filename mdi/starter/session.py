@@ -14,7 +14,7 @@ from mdi.ring.auth import ring_password
 from mdi.ring.backend_request import BackendRequest
 from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
 from mdi.ring.transport import RingEndpoint, RingTimeout
-from mdi.ring.wire import Frame, FrameKind, decode
+from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.planning.run_plan import RunPlan
@@ -42,8 +42,10 @@ class RingSession:
     """One ring: the plan's nodes in ring order (the starter first) with their layers."""
 
     def __init__(self, plan: RunPlan, source: ModelSource, run_id: int, adapters: Any,
-                 registry: NodeRegistry) -> None:
+                 registry: NodeRegistry, host_arrays: bool = False) -> None:
         self.plan, self.cfg, self.source = plan, plan.cfg, source
+        # the starter's chunk takes numpy rows (ggml's): its generation passes come back as numpy
+        self.host_kinds = GENERATION_KINDS if host_arrays else ()
         self.nodes = plan.specs
         self.registry = registry  # the engine's: it closes it
         self.adapters = adapters  # mdi.starter.adapter_set.AdapterSet or None
@@ -150,7 +152,7 @@ class RingSession:
         self.endpoint = RingEndpoint(
             "starter", starter.host, starter.ring_port,
             lambda parts: decode(parts, run=self.run_id, hidden=config.n_embd,
-                                 n_slots=self.plan.n_slots, max_len=self.plan.max_len),
+                                 n_slots=self.plan.n_slots, max_len=self.plan.max_len, host_kinds=self.host_kinds),
             ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
             configured = threading.Event()

@@ -312,24 +312,20 @@ class GgmlChunk:
         g = self._graph(("blocks", shape, lora, embedded, head_rows),
                         lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded, head_rows))
         kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
-        lib.set_data(g.inputs["ids" if embedded else "x"], a)
+        g.set("ids" if embedded else "x", a)
         # (RoPE reads the positions; learned ones are read only where the graph embeds: GPT-2's
         # blocks graph alone leaves them unused, with no buffer)
         if self.traits.family.positions == "rope" or embedded:
-            lib.set_data(g.inputs["pos"], np.concatenate(row_positions))
-        lib.set_data(g.inputs["kv_rows"], kv_rows)
+            g.set("pos", np.concatenate(row_positions))
+        g.set("kv_rows", kv_rows)
         fill_masks(g, shape, row_positions, self.traits)
         if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)
         if head_rows:
-            lib.set_data(g.inputs["head_rows"], last_rows)
+            g.set("head_rows", last_rows)
         self.compute_backend.compute(g.graph)
-        if head_rows:
-            out = np.empty((head_rows, g.output.contents.ne[0]), dtype=np.float32)
-            return _back(lib.get_data(g.output, out)[:len(counts)], torch_in)
-        out = np.empty((shape.rows, self.config.n_embd), dtype=np.float32)
-        return _back(lib.get_data(g.output, out)[:rows], torch_in)
+        return _back(g.rows_out(len(counts) if head_rows else rows), torch_in)
 
     def _token_ids(self, ids: Any) -> Tuple[np.ndarray, bool]:
         """(int32 ids, whether they came as a torch tensor), checked against the vocabulary."""
@@ -357,25 +353,24 @@ class GgmlChunk:
         learned = self.traits.family.positions == "learned"
         later = virtual is not None and learned  # positions added after the virtual rows are in
         g = self._graph(("embed", n, later), lambda: self.builder.embedding(n, not later))
-        lib.set_data(g.inputs["ids"], ids_np)
+        g.set("ids", ids_np)
         pos = np.zeros(0, dtype=np.int32)
         if learned:
             pos = positions.cpu().numpy() if hasattr(positions, "cpu") else positions
             pos = np.ascontiguousarray(pos, dtype=np.int32).reshape(-1)
         if "pos" in g.inputs:
-            lib.set_data(g.inputs["pos"], pos)
+            g.set("pos", pos)
         self.compute_backend.compute(g.graph)
-        out = np.empty((n, self.config.n_embd), dtype=np.float32)
-        lib.get_data(g.output, out)
+        out = g.rows_out(n)
         if virtual is not None:
             rows, values = (v.cpu().numpy() if hasattr(v, "cpu") else np.asarray(v) for v in virtual)
             out[rows.astype(np.int64)] = values.astype(np.float32)
             if later:
                 p = self._graph(("positions", n), lambda: self.builder.positions(n))
-                lib.set_data(p.inputs["x"], out)
-                lib.set_data(p.inputs["pos"], pos)
+                p.set("x", out)
+                p.set("pos", pos)
                 self.compute_backend.compute(p.graph)
-                lib.get_data(p.output, out)
+                out = p.rows_out(n)
         return _back(out, torch_in)
 
     def head(self, x: Any) -> Any:
@@ -386,11 +381,9 @@ class GgmlChunk:
             a = np.concatenate([a, np.repeat(a[-1:], self.min_head_rows - rows, axis=0)])
         n = a.shape[0]
         g = self._graph(("head", n), lambda: self.builder.head(n))
-        lib.set_data(g.inputs["x"], a)
+        g.set("x", a)
         self.compute_backend.compute(g.graph)
-        vocab = g.output.contents.ne[0]
-        out = np.empty((n, vocab), dtype=np.float32)
-        return _back(lib.get_data(g.output, out)[:rows], torch_in)
+        return _back(g.rows_out(rows), torch_in)
 
     def close(self) -> None:
         self.clear_adapters()

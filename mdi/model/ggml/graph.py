@@ -98,6 +98,36 @@ class Built:
         self.lora: Optional[lora_ops.LoraOps] = None  # a pass's adapter ops (mdi.model.ggml.adapters)
         self.galloc: Optional[int] = None
         self.buffer_bytes = 0
+        self._views: Dict[str, Any] = {}  # input name (or "" for the output) -> host view, or False
+
+    def _view(self, name: str, tensor: Any) -> Any:
+        view = self._views.get(name)
+        if view is None:  # made once: a graph's tensors keep their place in its buffer
+            view = lib.host_view(tensor)
+            view = self._views[name] = False if view is None else view
+        return view
+
+    def set(self, name: str, values: np.ndarray) -> None:
+        """Write input `name`'s values (as many as it holds; converted to its type): straight
+        into its memory where the buffer is the host's, else through ggml's copy."""
+        view = self._view(name, self.inputs[name])
+        if view is False:
+            lib.set_data(self.inputs[name], values)
+            return
+        if values.size != view.size:
+            raise ValueError("%d values for input %s of %d" % (values.size, name, view.size))
+        view[:] = values.reshape(-1)
+
+    def rows_out(self, rows: int) -> np.ndarray:
+        """The first `rows` rows of the float32 output [rows, width], copied out (the next
+        compute reuses its memory)."""
+        out = self.output
+        width = int(out.contents.ne[0])
+        view = self._view("", out)
+        if view is False:
+            full = lib.get_data(out, np.empty((int(out.contents.ne[1]), width), dtype=np.float32))
+            return full[:rows]
+        return view[:rows * width].reshape(rows, width).copy()
 
     def finish(self, output: Any) -> None:
         """`output` is what the graph computes: mark it, build the graph up to it, allocate."""
@@ -113,6 +143,7 @@ class Built:
         if not gg.ggml_gallocr_alloc_graph(self.galloc, self.graph):
             raise MemoryError("ggml could not allocate a graph's compute buffer")
         self.buffer_bytes = gg.ggml_gallocr_get_buffer_size(self.galloc, 0)
+        self._views.clear()
 
     def free(self) -> None:
         gg = lib.gg
@@ -367,10 +398,8 @@ def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], 
         cols = np.arange(s.attend)[None, :]
         rows = np.asarray(positions)[:, None]
         seen = cols <= rows
-        full = b.inputs.get("mask_%d" % i)
-        if full is not None:
-            lib.set_data(full, np.where(seen, np.float16(0), NEG_INF))  # float16 already: no copy to convert
-        local = b.inputs.get("mask_local_%d" % i)
-        if local is not None:
-            lib.set_data(local, np.where(seen & (rows - cols < window), np.float16(0), NEG_INF))
+        if "mask_%d" % i in b.inputs:
+            b.set("mask_%d" % i, np.where(seen, np.float16(0), NEG_INF))  # float16 already: no copy to convert
+        if "mask_local_%d" % i in b.inputs:
+            b.set("mask_local_%d" % i, np.where(seen & (rows - cols < window), np.float16(0), NEG_INF))
 

@@ -284,6 +284,9 @@ def shape(t: Any) -> Tuple[int, ...]:
     return tuple(t.contents.ne)
 
 
+_NUMPY_DTYPES: Dict[int, np.dtype] = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 26: np.dtype(np.int32), 27: np.dtype(np.int64)}  # GGML_TYPE_*
+
+
 def set_data(t: Any, array: np.ndarray) -> None:
     """Copy a contiguous numpy array into a tensor's backend memory (sizes must agree)."""
     a = np.ascontiguousarray(array)
@@ -291,6 +294,21 @@ def set_data(t: Any, array: np.ndarray) -> None:
     if a.nbytes != n:
         raise ValueError("%d bytes for a tensor of %d" % (a.nbytes, n))
     gg.ggml_backend_tensor_set(t, a.ctypes.data, 0, n)
+
+
+def host_view(t: Any) -> Optional[np.ndarray]:
+    """A flat, writable numpy view of a tensor's memory where its buffer is the host's and its
+    type a plain number (F32, F16, I32, I64), contiguous, else None (a GPU's buffer: set_data / get_data).
+    Writing through it is what set_data does on the CPU, minus ggml's call and numpy's ctypes
+    wrapper: a step's Python runs cold after each graph, where each such call costs tens of us."""
+    c = t.contents
+    dtype = _NUMPY_DTYPES.get(int(c.type))
+    if dtype is None or not c.buffer or not c.data or not gg.ggml_backend_buffer_is_host(c.buffer) \
+            or not gg.ggml_is_contiguous(t):
+        return None
+    n = int(gg.ggml_nelements(t))
+    memory: Any = (ctypes.c_char * (n * dtype.itemsize)).from_address(c.data)
+    return np.frombuffer(memory, dtype=dtype)
 
 
 def get_data(t: Any, out: np.ndarray) -> np.ndarray:
