@@ -284,9 +284,6 @@ def shape(t: Any) -> Tuple[int, ...]:
     return tuple(t.contents.ne)
 
 
-_NUMPY_DTYPES: Dict[int, np.dtype] = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 26: np.dtype(np.int32), 27: np.dtype(np.int64)}  # GGML_TYPE_*
-
-
 def set_data(t: Any, array: np.ndarray) -> None:
     """Copy a contiguous numpy array into a tensor's backend memory (sizes must agree)."""
     a = np.ascontiguousarray(array)
@@ -302,7 +299,9 @@ def host_view(t: Any) -> Optional[np.ndarray]:
     Writing through it is what set_data does on the CPU, minus ggml's call and numpy's ctypes
     wrapper: a step's Python runs cold after each graph, where each such call costs tens of us."""
     c = t.contents
-    dtype = _NUMPY_DTYPES.get(int(c.type))
+    numbers: Dict[int, Any] = {gg.GGML_TYPE_F32: np.dtype(np.float32), gg.GGML_TYPE_F16: np.dtype(np.float16),
+                               gg.GGML_TYPE_I32: np.dtype(np.int32), gg.GGML_TYPE_I64: np.dtype(np.int64)}
+    dtype = numbers.get(int(c.type))
     if dtype is None or not c.buffer or not c.data or not gg.ggml_backend_buffer_is_host(c.buffer) \
             or not gg.ggml_is_contiguous(t):
         return None
