@@ -78,7 +78,6 @@ class FrameKind(StrEnum):
     STATE = "state"
 
 
-KINDS = tuple(k.value for k in FrameKind)
 _KIND_OF = {k.value: k for k in FrameKind}  # a dict lookup, where FrameKind(value) runs enum's Python code
 GENERATION_KINDS = (FrameKind.PREFILL, FrameKind.DECODE, FrameKind.VERIFY)
 TRAINING_KINDS = (FrameKind.TRAIN, FrameKind.GRAD, FrameKind.STEP, FrameKind.EVAL, FrameKind.CLIP, FrameKind.STATE)

@@ -398,8 +398,9 @@ def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], 
         cols = np.arange(s.attend)[None, :]
         rows = np.asarray(positions)[:, None]
         seen = cols <= rows
-        if "mask_%d" % i in b.inputs:
-            b.set("mask_%d" % i, np.where(seen, np.float16(0), NEG_INF))  # float16 already: no copy to convert
-        if "mask_local_%d" % i in b.inputs:
-            b.set("mask_local_%d" % i, np.where(seen & (rows - cols < window), np.float16(0), NEG_INF))
+        full, local = "mask_%d" % i, "mask_local_%d" % i
+        if full in b.inputs:
+            b.set(full, np.where(seen, np.float16(0), NEG_INF))  # float16 already: no copy to convert
+        if local in b.inputs:
+            b.set(local, np.where(seen & (rows - cols < window), np.float16(0), NEG_INF))
 
