@@ -1,14 +1,16 @@
 """The ggml backend through the ring (real worker processes on loopback): a ring of 3 computing
 with ggml gives the greedy ids one ggml process gives alone, whatever the samples in flight and
 the prompts' chunking; a ring may mix ggml and torch nodes; each node's backend is in the
-metrics record; auto decides on each node, once per machine."""
+metrics record; auto decides on each node, once per machine; a node computing with ggml, the
+starter included, holds its layers, its cache and little else (never torch)."""
 import json
 import os
 import subprocess
 
 import pytest
+import requests
 
-from conftest import BIN, ROOT, WorkerProcess, free_ports
+from conftest import BIN, ROOT, ServeProcess, WorkerProcess, free_ports
 from ringconfigs import write_run_config
 from mdi.model.ggml import lib
 
@@ -104,3 +106,46 @@ def test_a_ggml_worker_holds_its_layers_its_cache_and_little_else(smollm2_dir, t
     finally:
         for w in workers:
             w.stop()
+
+
+def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(smollm2_dir, two_workers, tmp_path):
+    """A starter computing with ggml embeds, samples (temperature, top-k, top-p) and
+    pushes its workers' layers without torch, whose import fails here (a `torch` that raises is
+    first on its path): its peak memory is its own layers' GGUF bytes (embedding, blocks and
+    head), its KV cache and the Python runtime, within 150 MB. Pushing a worker's layers leaves
+    none of them in its memory (they were read through its map of the file, all resident).
+    Standalone and as a ring of 3's starter, with a prompt long enough to need a real cache."""
+    from mdi.model.source import ModelSource
+    fake = tmp_path / "no-torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported torch')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 50)
+    sampled = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
+    source = ModelSource(smollm2_dir)
+    alone = write_run_config(tmp_path / "alone.yaml", smollm2_dir, n_tokens=24, generation=sampled,
+                             runtime={"threads": 1, "backend": "ggml"})
+    ring = write_run_config(tmp_path / "ring.yaml", smollm2_dir, two_workers, n_tokens=24, generation=sampled,
+                            runtime={"threads": 1, "backend": "ggml"})
+    for config in (alone, ring):
+        record, _ = start(config, tmp_path, env=env, prompts=[prompt, "Once upon a time"])
+        assert all(len(s["token_ids"]) == 24 for s in record["samples"])
+        starter = record["nodes"][0]
+        first, last = starter["layers"]
+        own = source.gguf_bytes(first, last, True, True) + starter["cache_bytes"]
+        assert starter["backend"] == "ggml" and starter["cache_bytes"] > 0
+        assert starter["peak_memory_bytes"] <= own + 150 * 2 ** 20, (starter["peak_memory_bytes"] >> 20, own >> 20)
+    # Serving too: sampling fields, logprobs, speculation's pass costs, /metrics, /v1/mdi/state
+    served = write_run_config(tmp_path / "serve.yaml", smollm2_dir, runtime={"threads": 1, "backend": "ggml"},
+                              serve={"max_in_flight": 2})
+    server = ServeProcess(served, env=dict(os.environ, **env)).wait_ready()
+    try:
+        body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0.7, "seed": 1,
+                "top_p": 0.9, "frequency_penalty": 0.5, "logit_bias": {"28": 2}, "logprobs": True, "top_logprobs": 2}
+        r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["content"]) == 8
+        assert server.get("/metrics").ok and server.get("/v1/mdi/state").json()["state"] == "up"
+    finally:
+        server.stop()
+    assert "imported torch" not in server.output(), server.output()

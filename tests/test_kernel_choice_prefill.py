@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_config
 from mdi.model.layout import QuantSpec
-from mdi.model.quantization import kernel_choice, kernel_memory, qkernels
+from mdi.model.quantization import kernel_choice, kernel_memory, kernel_report, qkernels
 from mdi.model.quantization.quant import convert, gather, quantize, uniform_layout
 from mdi.model.source import build_chunk
 from mdi.model.transformer import full_model
@@ -75,7 +75,7 @@ def test_a_second_kernel_for_many_rows_from_the_measured_crossing(fake_timings):
     assert (entry["kernel"], entry["prefill_kernel"], entry["prefill_from_rows"]) == ("int4pack-cpu", "int8dyn-fbgemm", "8")
     text = kernel_choice.chosen_by_weight()["int4/g32 64x128"]
     assert text.startswith("int4pack-cpu: policy fast:") and "3.500 at 64 rows" in text  # each candidate's times, and why
-    assert kernel_choice.summary(kernel_choice.chosen_by_weight()) == \
+    assert kernel_report.summary(kernel_choice.chosen_by_weight()) == \
         "int4pack-cpu x1; prefill passes from 8 rows: int8dyn-fbgemm x1 (a second copy each)"
     # a layer that multiplies few rows (the head) keeps one kernel, as `choose` does
     assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU, many_rows=False).prefill_kernel is None
@@ -101,7 +101,7 @@ def test_the_second_copy_is_kept_only_within_what_the_node_spares(fake_timings):
     choice = kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
     assert choice.kernel is INT4 and choice.prefill_kernel is None
     assert "its copy needs" in kernel_choice.chosen_by_weight()["int4/g32 64x128"]
-    assert kernel_choice.summary(kernel_choice.chosen_by_weight()) == \
+    assert kernel_report.summary(kernel_choice.chosen_by_weight()) == \
         "int4pack-cpu x1; faster for prefill but not spared by the node's memory: int8dyn-fbgemm x1"
     kernel_choice.set_memory_allowance(int(copy / kernel_choice.PREFILL_SHARE))
     spare = kernel_choice.memory_allowance()
@@ -240,7 +240,7 @@ def test_layers_of_one_shape_that_chose_differently_are_each_reported(fake_timin
     assert report["int4/g32 64x128"].endswith("; on 3 matrices") and "int8dyn-fbgemm needs" in report["int4/g32 64x128"]
     assert report["int4/g32 64x128 #2"].startswith("int8dyn-fbgemm:") and report["int4/g32 64x128 #2"].endswith(
         "; on 2 matrices")
-    assert kernel_choice.summary(report).startswith("int4pack-cpu x3, int8dyn-fbgemm x2")
+    assert kernel_report.summary(report).startswith("int4pack-cpu x3, int8dyn-fbgemm x2")
     assert [e["matrices"] for e in kernel_choice.chosen()] == ["3", "2"]
     with kernel_choice.unreported():  # a profile's blocks, loaded meanwhile: reports keep naming the run's
         kernel_choice.choose_kernels(weight(), SPEC, 128, CPU)
@@ -260,7 +260,7 @@ def test_exact_and_named_kernels_are_reported_as_taken_not_as_timed(policy, kern
     assert kernel_choice.choose_kernels(weight(), SPEC, 128, CPU).kernel.name == kernel
     text = kernel_choice.chosen_by_weight()["int4/g32 64x128"]
     assert text.startswith("%s: policy %s: " % (kernel, policy)) and words in text and " ms" not in text, text
-    summary = kernel_choice.summary(kernel_choice.chosen_by_weight())
+    summary = kernel_report.summary(kernel_choice.chosen_by_weight())
     assert summary.startswith("%s x1" % kernel)
     assert ("int4pack-cuda (runtime.quant_kernel) does not run on 1 of them" in summary) == (policy == "int4pack-cuda")
 

@@ -7,9 +7,8 @@ import torch
 
 from conftest import SMOLLM2_DIR, WorkerProcess, free_ports
 from ringconfigs import parse_run_config
-from mdi.model.kv_cache import KVCache
-from mdi.model.layout import QuantSpec, weight_bytes
-from mdi.model.quantization import kernel_choice, qkernels
+from mdi.model.layout import QuantSpec, torch_kv_cache_bytes, weight_bytes
+from mdi.model.quantization import kernel_report, qkernels
 from mdi.model.source import ModelSource, build_chunk
 from mdi.starter import batch
 
@@ -94,7 +93,7 @@ def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares
     config = smollm2_q.config
     planned = weight_bytes(config, (10, 20), "float32", quant=smollm2_q.layout(10, 20, False, "auto"))
     longest = max(len(smollm2_q.tokenizer.encode(p)) for p in PROMPTS)
-    cache = KVCache.nbytes_for(config, 10, len(PROMPTS), longest + 8, torch.float32)
+    cache = torch_kv_cache_bytes(config, 10, len(PROMPTS), longest + 8, torch.float32)
     spare = 1 << 20
     tight = WorkerProcess(free_ports(1)[0], extra=["--max-memory", repr((planned + cache + spare) / 1024 ** 3)])  # GB
     roomy = WorkerProcess(free_ports(1)[0])
@@ -126,7 +125,7 @@ def test_default_kernels_are_named_per_node_and_stay_within_what_the_plan_spares
         assert status["kernels"] == result.metrics()["nodes"][1]["kernels"]
         assert status["cpu"] and "int4pack-cpu" in status["kernels_here"]  # what --check lists for it
         # one line per kernel outcome of a shape, its matrices counted: 4 in each of its 10 layers
-        assert sum(kernel_choice.kernel_counts(status["kernels"]).values()) == 4 * 10
+        assert sum(kernel_report.kernel_counts(status["kernels"]).values()) == 4 * 10
     finally:
         tight.stop()
         roomy.stop()

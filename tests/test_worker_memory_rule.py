@@ -11,8 +11,7 @@ import torch
 
 from conftest import free_ports, worker_in_this_process
 from mdi.model.config import ModelConfig
-from mdi.model.kv_cache import KVCache
-from mdi.model.layout import weight_bytes
+from mdi.model.layout import torch_kv_cache_bytes, weight_bytes
 from mdi.ring.init_request import DataPlane, InitRequest, Weights
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 
@@ -52,7 +51,7 @@ def test_status_capacity_is_the_limit_of_loads_and_of_a_kept_chunks_cache(worker
     with open(os.path.join(model_dir, "mdi_config.json")) as f:
         config = ModelConfig.from_dict(json.load(f)["model"])
     weights = weight_bytes(config, LAYERS, "float32")
-    per_slot = KVCache.nbytes_for(config, LAYERS[1] - LAYERS[0], 1, MAX_LEN, torch.float32)
+    per_slot = torch_kv_cache_bytes(config, LAYERS[1] - LAYERS[0], 1, MAX_LEN, torch.float32)
     need = weights + 2 * per_slot  # two slots
 
     worker.free = need + LOAD_HEADROOM_BYTES - 1  # one byte short

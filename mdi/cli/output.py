@@ -68,7 +68,7 @@ def speculation_line(result) -> Optional[str]:
 def kernels_line(result) -> Optional[str]:
     """Which kernels each node's quantized layers multiply with (the metrics record has why:
     each candidate's measured time per weight shape); None for a float model."""
-    from mdi.model.quantization.kernel_choice import summary
+    from mdi.model.quantization.kernel_report import summary
     parts = ["%s %s" % (n.name, summary(n.kernels)) for n in result.nodes if n.kernels]
     if not parts:
         return None

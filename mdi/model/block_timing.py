@@ -13,8 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.kv_cache import KVCache
-from mdi.model.layout import QuantLayout, QuantSpec, torch_dtype, weight_bytes
+from mdi.model.layout import QuantLayout, QuantSpec, torch_kv_cache_bytes, torch_dtype, weight_bytes
 from mdi.model.row_batch import RowBatch
 from mdi.model.sampling import SamplingParams, sample_generator, sample_next
 from mdi.model.source import random_chunk
@@ -59,7 +58,7 @@ def profile_bytes(config: ModelConfig, n_blocks: int, dtype: str, quant: Optiona
                   positions: int) -> int:
     """What timing `n_blocks` random blocks holds: their weights and a KV cache of `rows` slots."""
     return (weight_bytes(config, (0, n_blocks), dtype, quant=repeated_layout(quant, n_blocks))
-            + KVCache.nbytes_for(config, n_blocks, rows, positions, torch_dtype(dtype)))
+            + torch_kv_cache_bytes(config, n_blocks, rows, positions, torch_dtype(dtype)))
 
 
 def profile_blocks(config: ModelConfig, dtype: str, quant: Optional[QuantLayout], device: str,

@@ -1,5 +1,6 @@
 """The KV cache a chunk's attention reads and writes: one preallocated slot per in-flight
-sample, so prefill and decode are the same code path and nothing is ever recomputed."""
+sample, so prefill and decode are the same code path and nothing is ever recomputed. Its size
+for a shape, before any is made: mdi.model.layout.torch_kv_cache_bytes (which needs no torch)."""
 from typing import Tuple
 
 import torch
@@ -21,10 +22,6 @@ class KVCache:
         self.n_slots = n_slots
         self.max_len = max_len
 
-    @staticmethod
-    def nbytes_for(config: ModelConfig, n_layers: int, n_slots: int, max_len: int, dtype: torch.dtype) -> int:
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        return 2 * n_layers * n_slots * config.kv_heads * max_len * config.head_dim * itemsize
 
     @property
     def nbytes(self) -> int:

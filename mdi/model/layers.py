@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from mdi.model.config import ModelConfig
 from mdi.model.families import family_of
 from mdi.model.layout import QuantSpec
-from mdi.model.quantization.quant import HEAD_WEIGHTS, dequantize
+from mdi.model.quantization.layouts import HEAD_WEIGHTS
+from mdi.model.quantization.quant import dequantize
 
 if TYPE_CHECKING:  # imported when a kernel is chosen (pick_kernel)
     from mdi.model.quantization.qkernels import Kernel

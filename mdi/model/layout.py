@@ -262,6 +262,12 @@ def weight_bytes(config: ModelConfig, layer_range: Sequence[int], dtype: str, wi
     return total
 
 
+def torch_kv_cache_bytes(config: ModelConfig, n_layers: int, n_slots: int, max_len: int, dtype: Any) -> int:
+    """Bytes of a torch KV cache (mdi.model.kv_cache) of `n_layers` layers, `n_slots` slots of
+    `max_len` positions, keys and values in `dtype` (a name, or a torch or numpy dtype)."""
+    return 2 * n_layers * n_slots * config.kv_heads * max_len * config.head_dim * dtype_bytes(dtype_name(dtype))
+
+
 def state_dict_nbytes(state_dict: Mapping[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in state_dict.values())
 

@@ -2,9 +2,13 @@
 sample, with OpenAI's and llama.cpp's repetition penalties, logit biases, and the
 log-probabilities of the drawn token.
 
-Each sample owns its own torch.Generator seeded from the run seed and the sample index, so a
-sample's text does not depend on how many other samples run, in what order their tokens come
-back from the ring, or how the model is partitioned.
+Each sample owns its own random generator (numpy's PCG64) seeded from the run seed and the
+sample index, so a sample's text does not depend on how many other samples run, in what order
+their tokens come back from the ring, or how the model is partitioned.
+
+Everything here is numpy, whichever backend computed the logits: a starter computing with ggml
+never loads torch (~180 MB of its memory), and numpy's SIMD reductions are as fast as torch's
+on a vocabulary row (torch tensors are taken too, read as numpy).
 
 The logits pass, in order: logit_bias, repeat_penalty, frequency and presence penalties (as
 llama.cpp's chain: bias, then its penalties sampler), temperature, top-k, min-p, top-p. The
@@ -13,10 +17,9 @@ truncating filters (see `Logprobs`).
 """
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 
 class SamplingError(ValueError):
@@ -65,9 +68,9 @@ class SamplingParams:
             if token < 0 or not -100 <= bias <= 100:
                 raise ValueError("logit_bias: token ids >= 0, biases in [-100, 100]")
         # Built once, not per token: the ids and what is added to their logits (-inf bans).
-        self._bias = (torch.tensor(sorted(self.logit_bias), dtype=torch.long),
-                      torch.tensor([float("-inf") if self.logit_bias[t] <= BAN else float(self.logit_bias[t])
-                                    for t in sorted(self.logit_bias)], dtype=torch.float32))
+        self._bias = (np.array(sorted(self.logit_bias), dtype=np.int64),
+                      np.array([float("-inf") if self.logit_bias[t] <= BAN else float(self.logit_bias[t])
+                                for t in sorted(self.logit_bias)], dtype=np.float32))
 
     @property
     def adjusts(self) -> bool:
@@ -96,34 +99,41 @@ class Drawn:
     logprobs: Optional[Logprobs] = None  # when asked for
 
 
-def sample_generator(seed: int, sample_index: int) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed((int(seed) * 1000003 + int(sample_index)) % (2 ** 63))
-    return gen
+Generator = np.random.Generator  # a sample's own random generator (sample_generator)
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+def sample_generator(seed: int, sample_index: int) -> Generator:
+    return np.random.Generator(np.random.PCG64((int(seed) * 1000003 + int(sample_index)) % (2 ** 63)))
+
+
+def sample_next(logits: Any, params: SamplingParams, gen: Generator,
                 generated: Sequence[int] = (), prompt: Sequence[int] = ()) -> int:
     """The next token id from 1-D logits (`draw` without log-probabilities)."""
     return draw(logits, params, gen, generated, prompt).token
 
 
-def draw(logits: Union[torch.Tensor, np.ndarray], params: SamplingParams, gen: torch.Generator,
-         generated: Sequence[int] = (), prompt: Sequence[int] = (), top_logprobs: Optional[int] = None,
-         allowed: Optional[torch.Tensor] = None) -> Drawn:
-    """Pick the next token id from 1-D logits (a torch tensor, or a numpy array as a ggml
-    starter's graph gives them); SamplingError if they are not finite.
+def host_array(values: Any, dtype: Any = np.float32) -> np.ndarray:
+    """A 1-D numpy array of `values`: a numpy array as it is (in `dtype`), a torch tensor (a
+    torch chunk's logits, a GPU's too) read on the host without importing torch here."""
+    if isinstance(values, np.ndarray):
+        return np.asarray(values, dtype=dtype)
+    t = values.detach().cpu()
+    return np.asarray((t if dtype is bool else t.float()).numpy(), dtype=dtype)  # numpy has no bfloat16
+
+
+def draw(logits: Any, params: SamplingParams, gen: Generator, generated: Sequence[int] = (),
+         prompt: Sequence[int] = (), top_logprobs: Optional[int] = None, allowed: Any = None) -> Drawn:
+    """Pick the next token id from 1-D logits (a numpy array, as a ggml starter's graph gives
+    them, or a torch tensor); SamplingError if they are not finite.
     `generated` and `prompt` are the sample's tokens so far (the penalties read them);
     `top_logprobs`: also report the token's log-probability and that many alternatives.
-    `allowed`: bool [vocab], the only tokens that may be drawn (a grammar's mask): the others
-    get -inf before anything else, so penalties, temperature and logprobs see what may be drawn.
+    `allowed`: bool [vocab] (numpy or torch), the only tokens that may be drawn (a grammar's
+    mask): the others get -inf before anything else, so penalties, temperature and logprobs
+    see what may be drawn.
     Nothing here sorts or scans the vocabulary more than a few times: on a 49152-token
     vocabulary a full sort costs 3.5 ms and torch.multinomial 1 ms per token, more than a
     SmolLM2 layer pass (measured, 1 thread). Fields at their neutral values cost nothing."""
-    if isinstance(logits, np.ndarray):
-        values = np.asarray(logits, dtype=np.float32)
-    else:
-        values = logits.detach().float().cpu().numpy()
+    values = host_array(logits)
     # The largest and the smallest find any NaN or infinity, in numpy's SIMD reductions: a
     # greedy draw on 49152 logits takes 29 us with them and numpy's argmax, 175 with torch's
     # float64 sum and argmax (1 thread).
@@ -132,75 +142,84 @@ def draw(logits: Union[torch.Tensor, np.ndarray], params: SamplingParams, gen: t
         raise SamplingError("the model produced non-finite logits (%d of %d values are NaN or infinite)"
                             % (int((~np.isfinite(values)).sum()), values.size))
     if params.temperature == 0 and allowed is None and not params.adjusts and top_logprobs is None:
-        return Drawn(greedy(values))  # no torch call: a decode step's draw runs cold after its graph
-    logits = torch.from_numpy(values)
+        return Drawn(greedy(values))  # nothing else: a decode step's draw runs cold after its graph
     if allowed is not None:
-        if not bool(allowed.any()):
+        mask = host_array(allowed, bool)
+        if not mask.any():
             raise SamplingError("the grammar allows no next token")
-        logits = logits.masked_fill(~allowed, -math.inf)
+        values = np.where(mask, values, np.float32(-np.inf))
     if params.adjusts:
-        logits = _adjusted(logits, params, generated, prompt)
+        values = _adjusted(values, params, generated, prompt)
     if params.temperature == 0:
-        token = greedy(logits)
-        return Drawn(token, None if top_logprobs is None else _logprobs(logits, token, top_logprobs))
+        token = greedy(values)
+        return Drawn(token, None if top_logprobs is None else _logprobs(values, token, top_logprobs))
     # Shift so the best logit is 0 before dividing: every value stays <= 0, so no temperature,
     # however tiny, can overflow to inf - inf = NaN; a tiny one gives the argmax, as greedy does.
-    logits = (logits - logits.max()) / params.temperature
-    scaled = logits
-    if params.top_k is not None and params.top_k < logits.numel():
-        logits = _keep_at_least(logits, float(torch.topk(logits, params.top_k).values[-1]))
+    # (Divided in float64: a temperature below float32's smallest would round to 0, and 0 / 0 is NaN.)
+    with np.errstate(over="ignore"):  # the others overflow to -inf: probability 0
+        values = ((values - np.maximum.reduce(values)) / params.temperature).astype(np.float32)
+    scaled = values
+    if params.top_k is not None and params.top_k < values.size:
+        kth = np.partition(values, values.size - params.top_k)[values.size - params.top_k]  # the k-th largest
+        values = _keep_at_least(values, float(kth))
     if params.min_p > 0:
         # The best logit is 0, so p / p_max = exp(logit): one threshold, no softmax first.
-        logits = _keep_at_least(logits, math.log(params.min_p))
-    probs = torch.softmax(logits, dim=-1)
-    whole = probs if logits is scaled else None  # the softmax of `scaled` itself: its logprobs for free
+        values = _keep_at_least(values, math.log(params.min_p))
+    probs = _softmax(values)
+    whole = probs if values is scaled else None  # the softmax of `scaled` itself: its logprobs for free
     if params.top_p is not None and params.top_p < 1.0:
         probs = _nucleus(probs, params.top_p)
     token = _draw(probs, gen)
     return Drawn(token, None if top_logprobs is None else _logprobs(scaled, token, top_logprobs, whole))
 
 
-def greedy(logits: Union[torch.Tensor, np.ndarray]) -> int:
+def greedy(logits: Any) -> int:
     """The first index of the largest of 1-D logits, as torch.argmax gives it. On the CPU with
     numpy's argmax, which runs in SIMD: 8 us where torch's took 130 (49152 tokens, 1 thread),
-    and a decode step samples with the head's output in no cache."""
+    and a decode step samples with the head's output in no cache. A torch tensor (a torch
+    chunk's logits) on a GPU takes its argmax there and sends one number to the host."""
     if isinstance(logits, np.ndarray):
         return int(logits.argmax())  # the method: np.argmax is Python wrapping it
-    if logits.device.type != "cpu":  # a GPU's argmax, then one number to the host
-        return int(torch.argmax(logits))
+    if logits.device.type != "cpu":
+        return int(logits.argmax())
     return int(logits.detach().float().numpy().argmax())
 
 
-def _keep_at_least(logits: torch.Tensor, low: float) -> torch.Tensor:
-    """`logits` with every value below `low` set to -inf. F.threshold keeps values strictly
-    above its threshold, so it gets the float32 just below `low`: one pass, a tenth of
-    masked_fill(logits < low)'s time (measured, 49152 values, 1 thread)."""
-    below = float(torch.nextafter(torch.tensor(low, dtype=torch.float32), torch.tensor(float("-inf"))))
-    return torch.nn.functional.threshold(logits, below, float("-inf"))
+def _keep_at_least(values: np.ndarray, low: float) -> np.ndarray:
+    """`values` with every value below `low` set to -inf (a new array)."""
+    return np.where(values >= np.float32(low), values, np.float32(-np.inf))
 
 
-def _adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
-              prompt: Sequence[int]) -> torch.Tensor:
-    """The logits after logit_bias and the penalties: new tensors (the caller's row is a view of
-    the frame's logits), touching only the tokens named, never the whole vocabulary twice."""
+def _softmax(values: np.ndarray) -> np.ndarray:
+    """The softmax of finite-topped float32 values (-inf: probability 0), in float32."""
+    e = np.exp(values - np.maximum.reduce(values))
+    return e / np.add.reduce(e, dtype=np.float64).astype(np.float32)
+
+
+def _adjusted(values: np.ndarray, params: SamplingParams, generated: Sequence[int],
+              prompt: Sequence[int]) -> np.ndarray:
+    """The logits after logit_bias and the penalties: a new array (the caller's row is a view
+    of the frame's logits), touching only the tokens named, never the whole vocabulary twice."""
+    values = values.copy()
     if params.logit_bias:
         ids, bias = params._bias
-        if int(ids[-1]) >= logits.numel():
-            raise SamplingError("logit_bias names token %d; the vocabulary has %d" % (int(ids[-1]), logits.numel()))
-        logits = logits.index_add(0, ids, bias)
-        if not math.isfinite(float(logits.max())):
+        if int(ids[-1]) >= values.size:
+            raise SamplingError("logit_bias names token %d; the vocabulary has %d" % (int(ids[-1]), values.size))
+        values[ids] += bias  # the ids are distinct (a dict's keys)
+        if not math.isfinite(float(np.maximum.reduce(values))):
             raise SamplingError("logit_bias bans every token")
     if params.repeat_penalty != 1 and params.repeat_last_n != 0:
         recent = _last_tokens(prompt, generated, params.repeat_last_n)
         if recent:
-            ids = torch.unique(torch.tensor(recent, dtype=torch.long))  # a list: the fastest conversion
-            values = logits[ids]
-            logits = logits.index_copy(0, ids, torch.where(values > 0, values / params.repeat_penalty,
-                                                           values * params.repeat_penalty))
+            ids = np.unique(np.array(recent, dtype=np.int64))
+            picked = values[ids]
+            values[ids] = np.where(picked > 0, picked / np.float32(params.repeat_penalty),
+                                   picked * np.float32(params.repeat_penalty))
     if (params.frequency_penalty or params.presence_penalty) and generated:
-        ids, counts = torch.unique(torch.tensor(generated, dtype=torch.long), return_counts=True)
-        logits = logits.index_add(0, ids, counts.float() * -params.frequency_penalty - params.presence_penalty)
-    return logits
+        ids, counts = np.unique(np.array(generated, dtype=np.int64), return_counts=True)
+        values[ids] += (counts.astype(np.float32) * np.float32(-params.frequency_penalty)
+                        - np.float32(params.presence_penalty))
+    return values
 
 
 def _last_tokens(prompt: Sequence[int], generated: Sequence[int], n: int) -> List[int]:
@@ -212,51 +231,62 @@ def _last_tokens(prompt: Sequence[int], generated: Sequence[int], n: int) -> Lis
     return (list(prompt[-need:]) if need > 0 and prompt else []) + tail
 
 
-def _logprobs(scaled: torch.Tensor, token: int, top: int, probs: Optional[torch.Tensor] = None) -> Logprobs:
+def _top(values: np.ndarray, k: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(values, ids) of the k largest, best first (ties: the lower id first), without sorting
+    the whole vocabulary."""
+    n = values.size
+    ids = np.argpartition(values, n - k)[n - k:] if k < n else np.arange(n)
+    ids = ids[np.lexsort((ids, -values[ids]))]
+    return values[ids], ids
+
+
+def _logprobs(scaled: np.ndarray, token: int, top: int, probs: Optional[np.ndarray] = None) -> Logprobs:
     """`token`'s log-softmax value among `scaled` logits and the `top` best (see Logprobs);
     from `probs`, their softmax, where the draw already computed it (a logsumexp saved)."""
+    best: List[Tuple[int, float]] = []
     if probs is not None:
-        best: List[Tuple[int, float]] = []
         if top > 0:
-            values, ids = torch.topk(probs, min(top, probs.numel()))
-            best = [(int(i), float(v)) for i, v in zip(ids, values.log())]
-        return Logprobs(token, math.log(float(probs[token])), best)
-    total = torch.logsumexp(scaled, 0)
-    best = []
+            values, ids = _top(probs, min(top, probs.size))
+            best = [(int(i), math.log(float(v)) if v > 0 else -math.inf) for i, v in zip(ids, values)]
+        p = float(probs[token])
+        return Logprobs(token, math.log(p) if p > 0 else -math.inf, best)
+    peak = float(np.maximum.reduce(scaled))
+    total = peak + math.log(float(np.add.reduce(np.exp(scaled - np.float32(peak)), dtype=np.float64)))
     if top > 0:
-        values, ids = torch.topk(scaled, min(top, scaled.numel()))
-        best = [(int(i), float(v)) for i, v in zip(ids, values - total)]
-    return Logprobs(token, float(scaled[token] - total), best)
+        values, ids = _top(scaled, min(top, scaled.size))
+        best = [(int(i), float(v) - total) for i, v in zip(ids, values)]
+    return Logprobs(token, float(scaled[token]) - total, best)
 
 
 NUCLEUS_FIRST_K = 64  # candidates looked at first; 4x more while their mass is short of top_p
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     """`probs` with every token outside the top-p nucleus zeroed: tokens in descending order
     are dropped once the mass before them reaches top_p (the first always stays). The nucleus
-    is found among the k most probable tokens (topk), k growing only when their mass falls
-    short, instead of sorting the whole vocabulary."""
-    n = probs.numel()
+    is found among the k most probable tokens, k growing only when their mass falls short,
+    instead of sorting the whole vocabulary."""
+    n = probs.size
     k = min(NUCLEUS_FIRST_K, n)
     while True:
-        values, order = torch.topk(probs, k)  # descending
-        cum = values.cumsum(0)
+        values, order = _top(probs, k)  # descending
+        cum = np.cumsum(values, dtype=np.float64).astype(np.float32)  # summed in float64, as torch's CPU cumsum
         if k == n or float(cum[-1]) >= top_p:  # the (k+1)th token and all after it are dropped
             break
         k = min(4 * k, n)
-    kept = order[(cum - values) < top_p]
-    return torch.zeros_like(probs).index_copy_(0, kept, probs[kept])
+    kept = order[(cum - values) < np.float32(top_p)]
+    out = np.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out
 
 
-def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+def _draw(probs: np.ndarray, gen: Generator) -> int:
     """One token from (unnormalised) probabilities by inverting their cumulative sum with one
-    uniform draw from the sample's generator: torch.multinomial's distribution at 1/20 of
-    its cost. A token of probability 0 is never drawn (searchsorted's right side skips the
-    flat steps of the cumulative sum)."""
-    cdf = probs.cumsum(0, dtype=torch.float64)
-    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
-    i = int(torch.searchsorted(cdf, u, right=True))
-    if i >= probs.numel():  # u rounded up to the total: the last token that has any probability
-        i = int(torch.nonzero(probs).max())
+    uniform draw from the sample's generator. A token of probability 0 is never drawn
+    (searchsorted's right side skips the flat steps of the cumulative sum)."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    u = gen.random() * cdf[-1]
+    i = int(np.searchsorted(cdf, u, side="right"))
+    if i >= probs.size:  # u rounded up to the total: the last token that has any probability
+        i = int(np.flatnonzero(probs).max())
     return i

@@ -3,33 +3,38 @@
 A prepared mdi directory is read lazily (a node loads only its own tensors); a raw source
 (Hugging Face directory, GGUF, nanoGPT ckpt.pt) is converted in memory once.
 """
+from __future__ import annotations
+
 import logging
 import os
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
-import torch
-from safetensors.torch import save as safetensors_save
-
-from mdi.model.files import checkpoints, store
-from mdi.model.files.model_dir import GGUF_FILE
+from mdi.model.files.model_dir import GGUF_FILE, MDI_CONFIG, MODEL_FILE, file_layout, read_mdi_config
 from mdi.model.config import ModelConfig
 from mdi.model.files.gguf_config import GgufModel, read_gguf_model, rope_mode_of
 from mdi.model.files.gguf_layout import open_reader
 from mdi.model.layout import (QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, first_line,
                               quantizable)
-from mdi.model.quantization.quant import QParts, Stored, convert, gather, restrict, uniform_layout, weights_layout
-from mdi.model.transformer import ModelChunk
+from mdi.model.quantization.layouts import restrict, uniform_layout
 from mdi.model.files.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from mdi.system.devices import use_shape_agnostic_attention
 from mdi.system.memory import release_freed_memory
 
+# torch, and what holds weights in it, is imported where torch's weights are read or a torch
+# chunk is built: a node computing with ggml opens the model, its tokenizer and GGUF without it
+if TYPE_CHECKING:
+    import torch
+
+    from mdi.model.quantization.quant import Stored
+    from mdi.model.transformer import ModelChunk
+
 log = logging.getLogger(__name__)
 
 
 def is_mdi_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, store.MDI_CONFIG))
+    return os.path.isfile(os.path.join(path, MDI_CONFIG))
 
 
 def gguf_file_of(path: str) -> Optional[str]:
@@ -57,13 +62,14 @@ class ModelSource:
         self._gguf: Optional[GgufModel] = None
         self.gguf_path = gguf_file_of(path)  # what a node computing with ggml reads, if any
         if not self._raw:
-            self.config = store.read_mdi_config(path)
-            self._stored_quant = store.file_layout(path)
+            self.config = read_mdi_config(path)
+            self._stored_quant = file_layout(path)
         elif self.gguf_path is not None:
             # its metadata only: the torch backend reads the tensors when a chunk asks (a node
             # computing with ggml never holds them in memory)
             self.config = self.gguf().config
         else:
+            from mdi.model.files import checkpoints
             self.config, self._full = checkpoints.read_checkpoint(path, keep_quant=True)
         self.tokenizer: Optional[Tokenizer] = read_tokenizer(path)
         if self.tokenizer is not None:
@@ -74,6 +80,7 @@ class ModelSource:
         """The weights the source holds quantized, and how: a raw GGUF's from its tensor types
         (what the torch reader will make of them), nothing read; another checkpoint's read."""
         if self._stored_quant is None:
+            from mdi.model.quantization.quant import weights_layout
             self._stored_quant = _gguf_torch_layout(self) if self.gguf_path is not None and self._raw \
                 else weights_layout(self._held(()))
         return self._stored_quant
@@ -102,25 +109,30 @@ class ModelSource:
     def gguf_bytes(self, first: int, last: int, with_embedding: bool, with_head: bool) -> int:
         """Bytes of the GGUF tensors a node of layers [first, last) computes with, as stored."""
         self.gguf()
-        sizes = {t.name: t._n_bytes for t in self._gguf_reader.tensors}
+        sizes = {t.name: t.n_bytes for t in self._gguf_reader.tensors}
         return sum(sizes[n] for n in self.gguf_types(first, last, with_embedding, with_head))
 
-    def gguf_chunk_bytes(self, first: int, last: int) -> bytes:
-        """A worker's layers as a GGUF of their tensors, copied block for block from the model's
-        (what the starter pushes to a worker computing with ggml)."""
+    def gguf_chunk_file(self, first: int, last: int) -> str:
+        """A temporary file (the caller removes it) holding a worker's layers as a GGUF of their
+        tensors, copied block for block from the model's: what the starter pushes to a worker
+        computing with ggml. Each tensor is read from the model's file as it is written, never
+        through the starter's mapping of it: the starter's memory keeps none of the worker's
+        layers (a mapped read kept every page it copied resident)."""
         import tempfile
-        from mdi.model.files.gguf_write import file_bytes, remove_quietly, write_gguf
+        from mdi.model.files.gguf_write import FileBytes, remove_quietly, write_gguf
         self.gguf()
+        assert self.gguf_path is not None  # gguf() raises without one
         infos = {t.name: t for t in self._gguf_reader.tensors}
-        tensors = {n: (kind, tuple(int(d) for d in infos[n].shape), infos[n].data)
+        tensors = {n: (kind, tuple(int(d) for d in infos[n].shape),
+                       FileBytes(self.gguf_path, int(infos[n].data_offset), int(infos[n].n_bytes)))
                    for n, kind in self.gguf_types(first, last, False, False).items()}
         fd, path = tempfile.mkstemp(prefix="mdi-push-", suffix=".gguf")
         os.close(fd)
         try:
-            write_gguf(path, self.config, tensors, arch=self.gguf().arch)
-            return file_bytes(path)
-        finally:
+            return write_gguf(path, self.config, tensors, arch=self.gguf().arch)
+        except BaseException:
             remove_quietly(path)
+            raise
 
     def ggml_chunk(self, first: int, last: int, with_embedding: bool, with_head: bool, threads: int = 1,
                    kv_type: str = "f16", repack: bool = True, device: str = "cpu") -> Any:
@@ -150,6 +162,8 @@ class ModelSource:
                 dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> Dict[str, torch.Tensor]:
         """The flat state dict of a node: float tensors in `dtype`, the weights named in
         `quant` quantized (as stored when they already are, else quantized here)."""
+        from mdi.model.files import store
+        from mdi.model.quantization.quant import convert
         if not self._raw:
             stored = store.load_weights(self.path, (first, last), with_embedding, with_head)
         else:
@@ -160,6 +174,7 @@ class ModelSource:
 
     def _held(self, keys: Sequence[str]) -> Dict[str, Stored]:
         """The raw checkpoint's weights, read again if a chunk took some of `keys` (`consume`)."""
+        from mdi.model.files import checkpoints
         with self._reread:
             full = self._full
             if full is None or any(k not in full for k in keys):
@@ -186,6 +201,8 @@ class ModelSource:
         what `weights` would return, one weight at a time. A prepared directory's tensors that
         are stored as the node wants them are read straight into place (store.read_tensors_into);
         a weight to (de/re)quantize is read alone, converted (quant.convert) and copied in."""
+        from mdi.model.files import store
+        from mdi.model.quantization.quant import convert, gather
         quant = quant or {}
         want = expected_keys(self.config, (first, last), with_embedding, with_head, quant)
         missing, unexpected = sorted(set(targets) - set(want)), sorted(set(want) - set(targets))
@@ -205,7 +222,7 @@ class ModelSource:
                     freed = 0
             release_freed_memory()
             return
-        fn = os.path.join(self.path, store.MODEL_FILE)
+        fn = os.path.join(self.path, MODEL_FILE)
         direct: Dict[str, torch.Tensor] = {}
         converted: List[str] = []
         for key in canonical:
@@ -231,6 +248,7 @@ class ModelSource:
 
     def chunk_bytes(self, first: int, last: int, dtype: torch.dtype, quant: Optional[QuantLayout] = None) -> bytes:
         """A worker's weights as safetensors bytes, to push over the control plane."""
+        from safetensors.torch import save as safetensors_save
         w = self.weights(first, last, False, False, dtype, quant)
         return safetensors_save({k: v.contiguous() for k, v in w.items()})
 
@@ -273,6 +291,7 @@ TRIM_EVERY_BYTES = 16 * 2 ** 20  # weights let go of (`consume`) between giving 
 
 
 def _stored_bytes(w: Stored) -> int:
+    from mdi.model.quantization.quant import QParts
     tensors = w.tensors.values() if isinstance(w, QParts) else [w]
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -310,6 +329,9 @@ def _empty_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
     """A chunk with uninitialised `dtype` parameters on `device` (no throwaway random
     initialisation) and a real RoPE, ready to be filled with weights. Quantized layers'
     tensors keep their own dtypes (int8 / uint8 codes, float16 scales)."""
+    import torch
+
+    from mdi.model.transformer import ModelChunk
     if use_shape_agnostic_attention(device):
         log.info("%s: cuDNN attention off (it compiles a graph per key length, per thread): flash or "
                  "memory-efficient attention instead", device)
@@ -351,6 +373,7 @@ def random_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
     model could have (norms 1, weights ~0.02, quantized codes uniform): what a board times
     before any weight is sent (mdi.model.block_timing). A kernel's speed does not depend on the
     values, but NaN or denormal activations could slow it."""
+    import torch
     chunk = _empty_chunk(config, first, last, with_embedding, with_head, dtype, device, quant)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -370,6 +393,7 @@ def random_chunk(config: ModelConfig, first: int, last: int, with_embedding: boo
 
 def _copy_into(targets: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy a converted weight's tensors into the chunk's (`Module.load_state_dict` copies the same way)."""
+    import torch
     with torch.no_grad():
         for name, t in tensors.items():
             target = targets[name]
@@ -385,6 +409,7 @@ def build_chunk_from_file(config: ModelConfig, fn: str, first: int, last: int, d
     tensor, never a second copy of the weights (store.read_tensors_into). `exact`: the file
     holds exactly these tensors (a pushed chunk); else it may hold more (a full model).
     `quant`: the weights the file holds quantized, and so the chunk."""
+    from mdi.model.files import store
     chunk = _empty_chunk(config, first, last, False, False, dtype, device, quant)
     store.read_tensors_into(fn, chunk.state_dict(), exact=exact)  # detached views of the parameters
     chunk.pick_kernels()

@@ -16,13 +16,12 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mdi.model.layout import dtype_name
-from mdi.model.quantization import kernel_choice
 from mdi.ring.status import BatchCounter, StatusReply
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
 from mdi.starter.engine_face import EngineFace, RecoveryEvent, StarterReading
+from mdi.starter.node_report import starter_kernels
 from mdi.starter.sample import FinishReason
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
@@ -338,14 +337,13 @@ class Observer:
             self._note_error(event.cause, "recovery")
             del self._recoveries[:-self.MAX_RECOVERIES]
 
-    def _dtypes(self, engine: Optional[EngineFace]) -> Tuple[str, Optional[str]]:
+    def _dtypes(self) -> Tuple[str, Optional[str]]:
         cfg = self.view.cfg
-        dtype = dtype_name(engine.dtype) if engine is not None else cfg.model.dtype
-        return dtype, cfg.model.compute_dtype
+        return cfg.model.dtype, cfg.model.compute_dtype
 
     def _starter(self, node: NodeSpec, layers: Optional[Sequence[int]], engine: Optional[EngineFace],
                  stats: Dict[str, Any], now: float) -> Dict[str, Any]:
-        dtype, compute = self._dtypes(engine)
+        dtype, compute = self._dtypes()
         frames, seconds = stats["starter_frames"], stats["starter_seconds"]
         rates = self._rate((node.name, "starter"), now, frames, seconds)
         used = unified_memory_bytes()
@@ -365,8 +363,7 @@ class Observer:
             "cache_bytes": starter.cache_bytes,
             "bytes_sent": starter.bytes_sent, "messages_sent": starter.messages_sent,
             "error": None,
-            # each quantized weight shape -> "kernel: why" (mdi.model.quantization.kernel_choice.chosen_by_weight)
-            "kernels": kernel_choice.chosen_by_weight() if starter.backend == "torch" else {},
+            "kernels": starter_kernels(starter.backend) or {},  # each quantized weight shape -> "kernel: why"
             "cpu": isa_text(cpu_info()),
             # what its layers compute with, and why (mdi.model.backend)
             "backend": starter.backend, "backend_line": starter.backend_line,
@@ -377,7 +374,7 @@ class Observer:
                 scraped: Optional[Tuple[Optional[StatusReply], Optional[str]]], engine: Optional[EngineFace],
                 now: float) -> Dict[str, Any]:
         status, problem = scraped if scraped is not None else (None, "not scraped")
-        dtype, compute = self._dtypes(engine)
+        dtype, compute = self._dtypes()
         state = {"worker": "up", "replaced": "replaced", "spare": "spare"}[role]
         if role == "worker" and status is None:
             state = "down"

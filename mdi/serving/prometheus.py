@@ -1,7 +1,7 @@
 """GET /metrics: an `Observer.snapshot()` (mdi.serving.metrics) in Prometheus' text format."""
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mdi.model.quantization.kernel_choice import kernel_counts
+from mdi.model.quantization.kernel_report import kernel_counts
 
 
 def _label(value: str) -> str:

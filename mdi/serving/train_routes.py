@@ -11,15 +11,15 @@ stops and runs on the scheduler's thread (Scheduler.between_steps), never on an 
 """
 import logging
 import time
-from typing import Any, Callable, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict
 
 from mdi.runconfig import ConfigError
 from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.served_files import ServedFiles
-from mdi.serving.train_body import parse_train_body
-from mdi.serving.train_job import STOP_WAIT_S, TrainJob
 from mdi.serving.validation import ApiError
-from mdi.starter.train.train_data import load_windows
+
+if TYPE_CHECKING:  # a job trains on torch: imported when one starts, not by a server that never trains
+    from mdi.serving.train_job import TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class TrainControl:
             raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch to "
                            "train beside serving, or train with mdi-train" % (", ".join(on_ggml),
                                                                              "s" if len(on_ggml) == 1 else ""))
+        # training's modules import torch: here, once a ring that can train is asked to
+        from mdi.serving.train_body import parse_train_body
+        from mdi.serving.train_job import TrainJob
+        from mdi.starter.train.train_data import load_windows
         taken = [self.model_id] + [n for _, n in engine.loaded_adapters()]
         spec = parse_train_body(body, self.files, len(engine.nodes),
                                 min(sched.max_len, sched.source.config.block_size), taken)
@@ -98,7 +102,7 @@ class TrainControl:
         self.on_adapter()
         return adapter
 
-    def _shown(self, job: TrainJob) -> Dict[str, Any]:
+    def _shown(self, job: "TrainJob") -> Dict[str, Any]:
         """`job`'s report as a client sees it: its files relative to the models folder."""
         report = job.report()
         for key in ("out", "data"):
@@ -122,6 +126,7 @@ class TrainControl:
             self.sched.between_steps(job.stop, CALL_WAIT_S)
         except SchedulerError as e:
             raise ApiError(e.status, str(e), kind="server_error")
+        from mdi.serving.train_job import STOP_WAIT_S  # (a job ran: torch is loaded)
         deadline = time.monotonic() + STOP_WAIT_S + CALL_WAIT_S
         while job.active and self.sched.alive:
             if time.monotonic() > deadline:

@@ -4,12 +4,14 @@ blocks and sent to each worker for its layers only (POST /adapters/<id>)."""
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from mdi.model.config import ModelConfig
-from mdi.model.transformer import ModelChunk
 from mdi.ring.adapter_request import adapter_body
 from mdi.runconfig import BASE_ADAPTER, ConfigError
+
+if TYPE_CHECKING:  # torch's chunk; a ggml starter never imports torch
+    from mdi.model.transformer import ModelChunk
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,7 @@ class AdapterSet:
         sample.soft_prompt = soft
         sample.prompt_ids = [0] * soft.shape[0] + list(sample.prompt_ids)
 
-    def install(self, chunk: ModelChunk) -> None:
+    def install(self, chunk: "ModelChunk") -> None:
         for adapter, weights in self.for_layers(chunk.first, chunk.last):
             chunk.set_adapter(adapter, weights)
 

@@ -11,7 +11,7 @@ With a shared secret every request is signed (`HmacAuth`); the secret itself is 
 import socket
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
 from urllib.parse import unquote
 
 import requests
@@ -126,15 +126,17 @@ class ControlClient:
         # only), or it refused the request's time stamp (then stamped by the worker's clock).
         r = self._send(method, route, read_timeout, method in ("GET", "PUT"), **kwargs)
         stamp = r.headers.get(TIME_HEADER) if r is not None else None
-        auth = self.auth
+        auth, data = self.auth, kwargs.get("data")
         if r is not None and r.status_code == 401 and stamp and auth is not None \
-                and isinstance(kwargs.get("data"), (bytes, type(None))):
+                and (data is None or isinstance(data, bytes) or hasattr(data, "seek")):
             try:
                 auth.offset = float(stamp) - time.time()
             except ValueError:
                 pass
             r = None  # it goes again, stamped by the worker's clock
         if r is None:
+            if hasattr(data, "seek"):
+                data.seek(0)  # a streamed file goes again from its start
             r = self._send(method, route, read_timeout, False, **kwargs)
             assert r is not None  # not retry_dropped: _send answers or raises
         try:
@@ -199,9 +201,10 @@ class ControlClient:
     def init(self, request: InitRequest) -> Dict[str, Any]:
         return self._call("POST", "/init", self.init_timeout, json=request.to_json())
 
-    def push_weights(self, blob: bytes) -> Dict[str, Any]:
-        # Unsigned: the worker checks the bytes against the sha256 announced in /init.
-        return self._call("POST", "/weights", self.init_timeout, data=blob,
+    def push_weights(self, payload: Union[bytes, BinaryIO]) -> Dict[str, Any]:
+        """The weights announced in /init: bytes, or a file opened to read, streamed from it.
+        Unsigned: the worker checks the bytes against the sha256 announced in /init."""
+        return self._call("POST", "/weights", self.init_timeout, data=payload,
                           headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
 
     def profile(self, request: ProfileRequest) -> ProfileReply:

@@ -11,7 +11,6 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.backend import BackendChoice
 from mdi.model.backend_select import device_unusable, select_backend
 from mdi.model.layout import layout_to_json, torch_dtype
@@ -36,10 +35,8 @@ from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
 from mdi.starter.node_report import NodeReport, Recovery
 from mdi.starter.planning.recovery import RecoveryImpossible, replan
-from mdi.starter.train.ring_trainer import RingTrainer
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.session import RingSession
-from mdi.starter.speculation.costs import measure_pass_costs
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,7 +56,6 @@ class Engine(RuntimeAdapters):
         self.adapters = adapters or (AdapterSet(self.cfg.adapters, source.config) if self.cfg.adapters else None)
         self._mix_lock = threading.Lock()
         self.params, self.on_token = params, on_token
-        self.dtype = plan.dtype
         self.device = self.cfg.device_of(self.cfg.starter)
         tok = source.tokenizer
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
@@ -81,6 +77,11 @@ class Engine(RuntimeAdapters):
         self.speculating = self.cfg.generation.speculation.on
         self.drafter_factory: Optional[Callable[[Sample], Any]] = None  # measurement's drafters (mdi.lab)
         self.t0 = time.perf_counter()
+
+    @property
+    def dtype(self) -> Any:
+        """The torch dtype of a torch chunk's weights and KV cache (imports torch: torch paths only)."""
+        return self.plan.dtype
 
     # The ring in hand, read from the plan (the dashboard, metrics and serving show these).
     @property
@@ -134,6 +135,7 @@ class Engine(RuntimeAdapters):
             # right after the ring connected, the workers still settling beside the starter,
             # a 4-row pass cost 1.17x [1.06, 1.24] more on loopback (all 4 rounds of a same-run
             # A/B, results/bench_ab_issue60_speculation.json) and the samples drafted less.
+            from mdi.starter.speculation.costs import measure_pass_costs  # (imports torch)
             costs = measure_pass_costs(self.chunk, 1 + self.cfg.generation.speculation.max_draft)
             self.pipeline.pass_costs = costs
             log.info("mdi: starter: passes of 1, 2, .. rows cost %s one-row passes", costs.to_json())
@@ -166,6 +168,8 @@ class Engine(RuntimeAdapters):
             if self.adapters:
                 self.adapters.install(chunk)
             return chunk
+        # torch's chunk: its kernels are chosen here (a ggml starter never imports torch)
+        from mdi.model.quantization import kernel_choice, qkernels
         asked = self.cfg.model.compute_dtype
         compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         if note:
@@ -404,6 +408,7 @@ class Engine(RuntimeAdapters):
 
     def ring_trainer(self, options: Any, pairs: Any) -> Any:
         """A RingTrainer (mdi.starter.train.ring_trainer) over this engine's ring: every node trains its layers' pairs."""
+        from mdi.starter.train.ring_trainer import RingTrainer  # training runs on torch: imported when asked
         return RingTrainer(self, options, pairs)
 
     def stop_training(self) -> List[str]:

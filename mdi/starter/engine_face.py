@@ -52,7 +52,6 @@ class EngineFace(Protocol):
     cfg: RunConfig
     plan: Any  # the run plan (mdi.starter.planning.run_plan.RunPlan), a frozen value
     source: Any  # the model (mdi.model.source.ModelSource)
-    dtype: Any  # the weights' torch dtype
     device: str
 
     # --- the ring in hand ------------------------------------------------------------

@@ -2,8 +2,6 @@
 tokens, and which samples share a frame so that each adapter's delta is added once."""
 from typing import List
 
-import torch
-
 from mdi.starter.sample import Sample
 
 
@@ -20,6 +18,7 @@ def virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
         row += count
     if not rows:
         return None
+    import torch  # a soft prompt's rows are torch's on either backend (a run without one never gets here)
     return torch.tensor(rows, dtype=torch.long), torch.cat(values)
 
 

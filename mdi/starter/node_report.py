@@ -8,9 +8,18 @@ a failed run has no counters from it (`ring_reports`)."""
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from mdi.model.quantization import kernel_choice
 from mdi.ring.status import StatusReply
 from mdi.system.memory import unified_memory_bytes
+
+
+def starter_kernels(backend: Optional[str]) -> Optional[Dict[str, str]]:
+    """The starter's quantized kernels, each weight shape's "kernel: why"
+    (kernel_choice.chosen_by_weight): a torch starter's; None on ggml, which chooses none and
+    never loads torch to say so."""
+    if backend != "torch":
+        return None
+    from mdi.model.quantization import kernel_choice
+    return kernel_choice.chosen_by_weight()
 
 
 @dataclass
@@ -63,7 +72,7 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
     cache = chunk.cache if chunk is not None else None
     return NodeReport(engine.plan.nodes[0].name, list(engine.plan.nodes[0].layers), unified_memory_bytes(peak=True),
                       cache.nbytes if cache is not None else 0, round(compute_seconds, 6),
-                      kernels=kernel_choice.chosen_by_weight() if chunk is not None and chunk.backend == "torch" else None,
+                      kernels=starter_kernels(chunk.backend if chunk is not None else None),
                       traffic=pipeline.transport.traffic() if pipeline is not None else {},
                       batching=pipeline.batching.metrics() if pipeline is not None else {},
                       speculation=pipeline.speculation_metrics() if pipeline is not None else {},

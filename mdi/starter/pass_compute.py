@@ -10,11 +10,8 @@ its blocks' graph (GgmlChunk.embed_forward_logits): the rows that come back are 
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from mdi.model.pass_rows import PassRows
-from mdi.model.row_batch import RowBatch
-from mdi.system.transfers import ints_to_device, to_device, to_host
 
 
 def takes_host_arrays(chunk: Any) -> bool:
@@ -33,6 +30,8 @@ def pass_inputs(host_arrays: bool, slots: List[int], starts: List[int], counts: 
     if host_arrays:
         return PassRows(slots, starts, counts, adapters if any(adapters) else None, verify), \
             np.array(ids, dtype=np.int32)
+    from mdi.model.row_batch import RowBatch  # torch's chunk: torch is loaded already
+    from mdi.system.transfers import ints_to_device
     return RowBatch.of(slots, starts, counts, device, adapters, row_wise=verify), ints_to_device(ids, device)
 
 
@@ -42,6 +41,9 @@ def logits_of(chunk: Any, rows: List[Any], device: Any, scored: bool) -> Any:
     if all(isinstance(r, np.ndarray) for r in rows):  # a ggml chunk's, back through the local loop
         x = rows[0] if len(rows) == 1 else np.concatenate(rows)
         return x if scored else chunk.head(x)
+    import torch
+
+    from mdi.system.transfers import to_device, to_host
     tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rows]
     x = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     return x if scored else to_host(chunk.head(to_device(x, device)))

@@ -19,13 +19,9 @@ import functools
 import itertools
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
-import torch
-
-from mdi.model.kv_cache import KVCache
 from mdi.model.prefix_store import PrefixStore
-from mdi.model.transformer import ModelChunk
 from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout, Transport
@@ -39,6 +35,10 @@ from mdi.starter.speculation.costs import PassCosts
 from mdi.starter.speculation.decoder import SpecDecoder
 from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.speculation.drafters import Drafter
+
+if TYPE_CHECKING:  # torch's chunk and cache; a ggml starter's pipeline never imports torch
+    from mdi.model.kv_cache import KVCache
+    from mdi.model.transformer import ModelChunk
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Pipeline:
     drafter_factory = _decoder_field("drafter_factory")
     draft_model = _decoder_field("draft_model")
 
-    def __init__(self, chunk: ModelChunk, transport: Transport, run_id: int, params: SamplingParams,
+    def __init__(self, chunk: "ModelChunk", transport: Transport, run_id: int, params: SamplingParams,
                  eos_id: Any, settings: Optional[PipelineSettings] = None,
                  on_token: Optional[Callable[[Sample, int], None]] = None, watch: Optional[Callable[[], None]] = None,
                  drafter_factory: Optional[Callable[[Sample], Drafter]] = None,
@@ -104,7 +104,7 @@ class Pipeline:
         self.on_train = on_train
         self.reconnect(transport, run_id)
 
-    def reconnect(self, transport: Transport, run_id: int, chunk: Optional[ModelChunk] = None,
+    def reconnect(self, transport: Transport, run_id: int, chunk: Optional["ModelChunk"] = None,
                   n_stages: Optional[int] = None) -> List[Sample]:
         """Continue on a new ring (after a node failed; `n_stages`: its boards): the passes in
         flight are lost, so the samples that had one are returned for the caller to `admit` again."""
@@ -143,7 +143,7 @@ class Pipeline:
         return self.prefix.choose_slot(free, tokens, sample.adapter)
 
     @property
-    def cache(self) -> KVCache:
+    def cache(self) -> "KVCache":
         """The starter's chunk's KV cache (the engine allocates it before the pipeline runs)."""
         if self.chunk.cache is None:
             raise RuntimeError("the starter's chunk has no KV cache allocated")
@@ -344,6 +344,7 @@ class Pipeline:
         samples for ever."""
         if self._host_arrays:  # a ggml chunk: no torch op on the step's way to track
             return self._step(timeout)
+        import torch
         with torch.inference_mode():  # entered once per step: it is per token at S = 1
             return self._step(timeout)
 

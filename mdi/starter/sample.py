@@ -1,14 +1,15 @@
 """A sample: one prompt's generation as the starter tracks it (its tokens, its cache slot, what
 every node's cache holds of it), and why it ended."""
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
-import torch
-
-from mdi.model.sampling import Logprobs, SamplingParams, draw, sample_generator
+from mdi.model.sampling import Generator, Logprobs, SamplingParams, draw, sample_generator
 from mdi.runconfig import SpeculationSpec
 from mdi.starter.generation_options import GenerationOptions
 from mdi.system.str_enum import StrEnum
+
+if TYPE_CHECKING:  # a soft prompt's embeddings; a starter without one never imports torch
+    import torch
 
 
 class FinishReason(StrEnum):
@@ -28,7 +29,7 @@ class Sample:
     prompt: str
     prompt_ids: List[int]
     max_new_tokens: int
-    rng: torch.Generator
+    rng: Generator
     slot: int = -1  # KV cache slot on every node; defaults to the index
     params: Optional[SamplingParams] = None  # per-sample sampling (serving); None: the run's
     token_ids: List[int] = field(default_factory=list)
@@ -47,7 +48,7 @@ class Sample:
     speculation: Optional[SpeculationSpec] = None
     # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
     # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
-    soft_prompt: Optional[torch.Tensor] = None
+    soft_prompt: Optional["torch.Tensor"] = None
     # Prefix cache (mdi.starter.prefix_cache): whether it may start from positions the nodes hold
     # already (a request's cache_prompt), and how many it did.
     reuse_prefix: bool = True
@@ -63,7 +64,7 @@ class Sample:
     options: Optional[GenerationOptions] = None
 
     @classmethod
-    def for_options(cls, index: int, prompt_ids: List[int], options: GenerationOptions, rng: torch.Generator,
+    def for_options(cls, index: int, prompt_ids: List[int], options: GenerationOptions, rng: Generator,
                     slot: int = -1, constraint: Optional[Any] = None, prompt: str = "") -> "Sample":
         """A sample that runs with `options`: the one place an option's name maps to the
         sample's field (max_tokens -> max_new_tokens, cache_prompt -> reuse_prefix). `rng` is
@@ -128,7 +129,7 @@ class Sample:
         self.fed = 0
 
 
-def draw_next(sample: Sample, logits: torch.Tensor, params: SamplingParams) -> int:
+def draw_next(sample: Sample, logits: Any, params: SamplingParams) -> int:
     """`sample`'s next token from its row of logits (the pipeline's one way to draw). The
     penalties read the tokens it has taken so far: in a speculative verification, also those
     taken from the rows before, so each draw is the plain run's. Its request's logprobs are

@@ -3,11 +3,12 @@ and at the end send the stop frame round and collect each node's counters."""
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from mdi.model.layout import dtype_name
+from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.source import ModelSource
 from mdi.ring.adapter_request import adapter_body
 from mdi.ring.auth import ring_password
@@ -18,6 +19,7 @@ from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.planning.run_plan import RunPlan
+from mdi.system.files import sha256_file
 from mdi.system.parallel import run_all
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: boo
     first, last = node.layers
     return BackendRequest(
         model=source.config, layers=[first, last], asked=cfg.backend_of(node.spec), device=cfg.device_of(node.spec),
-        dtype=dtype_name(plan.dtype), threads=cfg.runtime.threads or None, rows=plan.max_batch,
+        dtype=cfg.model.dtype, threads=cfg.runtime.threads or None, rows=plan.max_batch,
         gguf_types=source.gguf_types(first, last, False, False) if source.gguf_path else {},
         quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
         adapters=bool(cfg.adapters) or adapters)
@@ -71,7 +73,7 @@ class RingSession:
             # what it keeps quantized (pushed weights come that way)
             quant=self.plan.workers[i].quant, quant_kernel=self.cfg.runtime.quant_kernel,
             run_id=self.run_id, model=self.source.config, layers=list(self.plan.workers[i].layers),
-            dtype=dtype_name(self.plan.dtype), device=self.cfg.device_of(node),
+            dtype=self.cfg.model.dtype, device=self.cfg.device_of(node),
             compute_dtype=self.cfg.model.compute_dtype,
             n_slots=self.plan.n_slots, max_len=self.plan.max_len,
             heartbeat_timeout=self.cfg.runtime.heartbeat_timeout,
@@ -100,13 +102,21 @@ class RingSession:
                     chosen.line)
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights), chosen.backend))
+            elif chosen.backend == "ggml":
+                # its GGUF of its tensors, written to a file and streamed from it: the starter's
+                # memory holds none of a worker's layers (a 7B model's would not fit beside its own)
+                path = self.source.gguf_chunk_file(first, last)
+                try:
+                    def send() -> None:
+                        with open(path, "rb") as f:
+                            client.push_weights(f)
+                    self._init_pushed(i, chosen.backend, os.path.getsize(path), sha256_file(path), send)
+                finally:
+                    remove_quietly(path)
             else:
-                blob = self.source.gguf_chunk_bytes(first, last) if chosen.backend == "ggml" else \
-                    self.source.chunk_bytes(first, last, self.plan.dtype, self.plan.workers[i].quant)
-                pushed = PushedWeights(nbytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
-                self.init_replies[i] = client.init(self._init_spec(i, Weights(push=pushed), chosen.backend))
-                if self.init_replies[i].get("need_weights"):
-                    client.push_weights(blob)
+                blob = self.source.chunk_bytes(first, last, self.plan.dtype, self.plan.workers[i].quant)
+                self._init_pushed(i, chosen.backend, len(blob), hashlib.sha256(blob).hexdigest(),
+                                  lambda: client.push_weights(blob))
             # Each adapter's matrices for this worker's layers only (new weights start with none).
             for adapter, body in self.adapters.bodies(first, last) if self.adapters else []:
                 client.post_adapter(adapter, body)
@@ -114,6 +124,14 @@ class RingSession:
             raise
         except Exception as e:  # reported by the caller, naming the node
             raise NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name) from e
+
+    def _init_pushed(self, i: int, backend: str, nbytes: int, sha256: str, send: Callable[[], Any]) -> None:
+        """/init announcing pushed weights of `nbytes` and `sha256`; `send` pushes them when the
+        worker asks (it may hold them from an earlier run)."""
+        pushed = PushedWeights(nbytes=nbytes, sha256=sha256)
+        self.init_replies[i] = self.clients[i].init(self._init_spec(i, Weights(push=pushed), backend))
+        if self.init_replies[i].get("need_weights"):
+            send()
 
     def prefix_positions(self) -> List[int]:
         """Positions each worker's prefix cache holds: its budget over its bytes per position,

@@ -4,7 +4,7 @@ from typing import Any, Optional, Tuple
 
 from mdi.model.ggml.kv_cache import kv_cache_bytes
 from mdi.model.ggml.tensors import typed_bytes
-from mdi.model.layout import CheckpointError, torch_dtype, weight_bytes
+from mdi.model.layout import CheckpointError, torch_dtype, torch_kv_cache_bytes, weight_bytes
 from mdi.ring.init_request import InitRequest, RequestError
 from mdi.worker.weight_intake import LoadedWeights
 
@@ -15,9 +15,8 @@ def run_cache_bytes(request: InitRequest, backend: str, compute: Any) -> Tuple[i
     if backend == "ggml":
         return (kv_cache_bytes(config, last - first, request.n_slots, request.max_len, request.kv_type),
                 kv_cache_bytes(config, last - first, 1, 1, request.kv_type))
-    from mdi.model.kv_cache import KVCache
-    return (KVCache.nbytes_for(config, last - first, request.n_slots, request.max_len, compute),
-            KVCache.nbytes_for(config, last - first, 1, 1, compute))
+    return (torch_kv_cache_bytes(config, last - first, request.n_slots, request.max_len, compute),
+            torch_kv_cache_bytes(config, last - first, 1, 1, compute))
 
 
 def loaded_weights_bytes(request: InitRequest, key: LoadedWeights) -> int:

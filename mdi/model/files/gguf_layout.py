@@ -182,6 +182,15 @@ class GGUFTensor:
         self._data: Any = None
 
     @property
+    def data_offset(self) -> int:
+        """Where its bytes start in the file (gguf's ReaderTensor's name)."""
+        return self._start
+
+    @property
+    def n_bytes(self) -> int:
+        return self._n_bytes
+
+    @property
     def data(self) -> Any:
         if self._data is None:
             import numpy as np

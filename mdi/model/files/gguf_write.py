@@ -8,7 +8,8 @@ architecture's keys llama.cpp reads, so the file is a GGUF llama.cpp can open to
 """
 import logging
 import os
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -56,7 +57,26 @@ def add_model_metadata(writer, config: ModelConfig, arch: str) -> None:
         writer.add_eos_token_id(config.eos_token_id)
 
 
-RawTensor = Tuple[str, Tuple[int, ...], np.ndarray]  # (ggml type name, dims in ggml order, the bytes)
+@dataclass(frozen=True)
+class FileBytes:
+    """A tensor's `nbytes` bytes at `offset` of the file `path`, read when the tensor is written,
+    one tensor at a time, with plain reads: a starter that pushes a worker's layers never maps
+    them, so its memory holds none of them (mapped, every page it wrote stayed resident)."""
+    path: str
+    offset: int
+    nbytes: int
+
+    def read(self) -> np.ndarray:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.nbytes)
+        if len(data) != self.nbytes:
+            raise OSError("%s: %d bytes at offset %d are cut short" % (self.path, self.nbytes, self.offset))
+        return np.frombuffer(data, dtype=np.uint8)
+
+
+# (ggml type name, dims in ggml order, the bytes: in memory, or read from a file when written)
+RawTensor = Tuple[str, Tuple[int, ...], Union[np.ndarray, FileBytes]]
 
 
 def write_gguf(path: str, config: ModelConfig, tensors: Dict[str, RawTensor], arch: Optional[str] = None,
@@ -85,26 +105,35 @@ def _write(writer: Any, config: ModelConfig, tensors: Dict[str, RawTensor], arch
             writer.add_bool(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)
+    # Every tensor's info first, then the data a tensor at a time (read then, where it is a FileBytes)
+    data_of: List[Callable[[], np.ndarray]] = []
     for name, (kind, dims, data) in tensors.items():
-        qtype = GGMLQuantizationType[kind]
-        raw = np.ascontiguousarray(data)
-        if kind in ("F32", "F16") and raw.dtype != np.uint8:
-            writer.add_tensor(name, raw.reshape(tuple(reversed(dims))), raw_dtype=qtype)
+        if isinstance(data, FileBytes):
+            shape: Tuple[int, ...] = _byte_rows(dims, data.nbytes)
+            dtype, nbytes = np.dtype(np.uint8), data.nbytes
+            data_of.append(lambda d=data, s=shape: d.read().reshape(s))
         else:
-            # quantized: the bytes as [outer dims..., bytes per row]; gguf derives the element shape
-            as_bytes = raw.view(np.uint8)
-            rows = tuple(reversed(dims[1:]))
-            per_row = as_bytes.size // max(1, int(np.prod(rows))) if rows else as_bytes.size
-            writer.add_tensor(name, as_bytes.reshape(rows + (per_row,)), raw_dtype=qtype)
+            raw = np.ascontiguousarray(data)
+            if kind in ("F32", "F16") and raw.dtype != np.uint8:
+                raw = raw.reshape(tuple(reversed(dims)))
+            else:
+                raw = raw.view(np.uint8).reshape(_byte_rows(dims, raw.nbytes))
+            shape, dtype, nbytes = raw.shape, raw.dtype, raw.nbytes
+            data_of.append(lambda r=raw: r)
+        writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for read in data_of:
+        writer.write_tensor_data(read())
     writer.close()
 
 
-def file_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _byte_rows(dims: Tuple[int, ...], nbytes: int) -> Tuple[int, ...]:
+    """A tensor's bytes as [outer dims..., bytes per row] (gguf derives the element shape from
+    them and its ggml type)."""
+    rows = tuple(reversed(dims[1:]))
+    return rows + (nbytes // max(1, int(np.prod(rows))) if rows else nbytes,)
 
 
 def remove_quietly(path: str) -> None:

@@ -40,7 +40,8 @@ import torch
 from mdi.model.files import checkpoints, gguf, gguf_export, store
 from mdi.model.files.model_dir import GGUF_FILE
 from mdi.model.layout import QUANT_MODES, CheckpointError, parse_partition, quantizable, split_layers
-from mdi.model.quantization.quant import convert, describe, gather, uniform_layout, weights_layout
+from mdi.model.quantization.layouts import describe, uniform_layout
+from mdi.model.quantization.quant import convert, gather, weights_layout
 from mdi.model.source import check_vocab, gguf_file_of
 from mdi.model.files.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer

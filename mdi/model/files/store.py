@@ -20,16 +20,16 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.files.convert import StateDict, check_state_dict, short
 from mdi.model.layout import (CheckpointError, QuantSpec, expected_keys, expected_shapes, format_layers,
-                              split_layers, stored_layout)
+                              split_layers)
 from mdi.model.quantization.quant import Stored, flatten, gather, weights_layout
 from mdi.system.files import sha256_file, use_umask, write_json
 
 log = logging.getLogger(__name__)
 
-from mdi.model.files.model_dir import MDI_CONFIG, MODEL_FILE  # noqa: E402,F401  (their home; named from here too)
+from mdi.model.files.model_dir import (  # noqa: E402,F401  (their home; named from here too)
+    FORMAT_VERSION, HEADER_DTYPES, MDI_CONFIG, MODEL_FILE, file_layout, read_mdi_config)
 CHUNKS_DIR = "chunks"
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
 
 
 def _save(tensors: Mapping[str, torch.Tensor], path: str, metadata: Dict[str, str]) -> None:
@@ -56,39 +56,6 @@ def save_model_dir(path: str, config: ModelConfig, state_dict: Mapping[str, Stor
     quant = [{"kind": s.kind, "group_size": s.group_size, "weights": n} for s, n in sorted(counts.items(), key=str)]
     write_json(os.path.join(path, MDI_CONFIG), {"format": "mdi-model", "version": FORMAT_VERSION,
                                                  "model": config.to_dict(), "source": str(source), "quant": quant})
-
-
-def read_mdi_config(path: str) -> ModelConfig:
-    fn = os.path.join(path, MDI_CONFIG)
-    try:
-        with open(fn) as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError("%s: cannot read mdi model config (%s)" % (fn, e))
-    if d.get("format") != "mdi-model" or d.get("version") != FORMAT_VERSION:
-        raise CheckpointError("%s: not an mdi-model v%d config" % (fn, FORMAT_VERSION))
-    return ModelConfig.from_dict(d["model"])
-
-
-_HEADER_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                  "I8": torch.int8, "U8": torch.uint8}
-
-
-def file_layout(path: str) -> Dict[str, QuantSpec]:
-    """The quantized weights of a safetensors file (or an mdi dir's model.safetensors), read
-    from its header alone."""
-    from safetensors import safe_open
-
-    fn = os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
-    try:
-        with safe_open(fn, framework="pt") as f:
-            info = {}
-            for k in f.keys():
-                sl = f.get_slice(k)
-                info[k] = (tuple(sl.get_shape()), _HEADER_DTYPES.get(sl.get_dtype()))
-    except Exception as e:  # SafetensorError is no OSError or ValueError
-        raise CheckpointError("%s is not a readable safetensors file: %s" % (fn, e))
-    return stored_layout(info)
 
 
 def write_chunks(path: str, counts: Union[str, Sequence[int]]) -> List[str]:
@@ -261,7 +228,7 @@ class _TensorReader:
         fn, header = self.fn, self.header
         entry = header.get(name, {}) if isinstance(header, dict) else {}  # {}: not there (a KeyError below)
         try:
-            dtype = _HEADER_DTYPES[entry["dtype"]]
+            dtype = getattr(torch, HEADER_DTYPES[entry["dtype"]])
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):

@@ -65,9 +65,9 @@ class GgufWeights:
             info = self.infos[name]
             dims = [int(d) for d in info.shape] + [1] * (4 - len(info.shape))
             t = gg.ggml_new_tensor_4d(ctx.ptr, int(info.tensor_type), dims[0], dims[1], dims[2], dims[3])
-            if gg.ggml_nbytes(t) != info._n_bytes:
+            if gg.ggml_nbytes(t) != info.n_bytes:
                 raise CheckpointError("%s: tensor %s holds %d bytes, its type and shape need %d"
-                                      % (self.path, name, info._n_bytes, gg.ggml_nbytes(t)))
+                                      % (self.path, name, info.n_bytes, gg.ggml_nbytes(t)))
             gg.ggml_set_name(t, name.encode()[:63])
             made[name] = t
         if buffer_type is not None:
@@ -79,8 +79,8 @@ class GgufWeights:
         packed = [n for n in names if n in matmul and repack is not None and self._repacks(made[n], repack)]
         mapped = [n for n in names if n not in packed]
         if mapped:
-            start = min(self.infos[n]._start for n in mapped)
-            end = max(self.infos[n]._start + self.infos[n]._n_bytes for n in mapped)
+            start = min(self.infos[n].data_offset for n in mapped)
+            end = max(self.infos[n].data_offset + self.infos[n].n_bytes for n in mapped)
             page = 4096
             start -= start % page
             buf = gg.ggml_backend_cpu_buffer_from_ptr(self._base + start, end - start)
@@ -89,7 +89,7 @@ class GgufWeights:
             self._buffers.append(buf)
             gg.ggml_backend_buffer_set_usage(buf, gg.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
             for n in mapped:
-                status = gg.ggml_backend_tensor_alloc(buf, made[n], self._base + self.infos[n]._start)
+                status = gg.ggml_backend_tensor_alloc(buf, made[n], self._base + self.infos[n].data_offset)
                 if status != 0:
                     raise RuntimeError("ggml_backend_tensor_alloc failed for %s (status %d)" % (n, status))
         if packed:
@@ -106,7 +106,7 @@ class GgufWeights:
                 t = made[n]
                 gg.ggml_backend_tensor_alloc(buf, t, base + offset)
                 # set_tensor repacks as it copies; the map's pages are read once, then dropped
-                gg.ggml_backend_tensor_set(t, self._base + self.infos[n]._start, 0, self.infos[n]._n_bytes)
+                gg.ggml_backend_tensor_set(t, self._base + self.infos[n].data_offset, 0, self.infos[n].n_bytes)
                 self.reader.drop_pages(self.infos[n])
                 offset += gg.ggml_backend_buft_get_alloc_size(repack, t)
                 offset += (-offset) % align
@@ -122,12 +122,12 @@ class GgufWeights:
         buf = gg.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx.ptr, buffer_type)
         if not buf:
             raise MemoryError("%s: ggml could not allocate %d bytes of weights on its device"
-                              % (self.path, sum(self.infos[n]._n_bytes for n in made)))
+                              % (self.path, sum(self.infos[n].n_bytes for n in made)))
         self._buffers.append(buf)
         gg.ggml_backend_buffer_set_usage(buf, gg.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         for n, t in made.items():
             info = self.infos[n]
-            gg.ggml_backend_tensor_set(t, self._base + info._start, 0, info._n_bytes)
+            gg.ggml_backend_tensor_set(t, self._base + info.data_offset, 0, info.n_bytes)
             self.reader.drop_pages(info)
 
     def _repack_buffer_type(self) -> Optional[int]:
@@ -156,7 +156,7 @@ class GgufWeights:
     @property
     def nbytes(self) -> int:
         """Bytes of the loaded tensors as stored."""
-        return sum(self.infos[n]._n_bytes for n in self.tensors)
+        return sum(self.infos[n].n_bytes for n in self.tensors)
 
     def free(self) -> None:
         gg = self._gg

@@ -2,11 +2,8 @@
 `StatusReply.capacity_bytes`, from its /status), weights counted at their quantized size."""
 from typing import Dict, Optional, Sequence
 
-import torch
-
 from mdi.model.config import ModelConfig
-from mdi.model.kv_cache import KVCache
-from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, format_layers, weight_bytes
+from mdi.model.layout import QuantLayout, QuantSpec, format_layers, torch_kv_cache_bytes, weight_bytes
 from mdi.model.source import ModelSource
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
@@ -20,12 +17,12 @@ def node_quant(cfg: RunConfig, source: ModelSource, node: NodeSpec, layers: Sequ
 
 
 def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int,
-                       dtype: torch.dtype, with_ends: bool = False, quant: Optional[QuantLayout] = None) -> int:
+                       dtype: str, with_ends: bool = False, quant: Optional[QuantLayout] = None) -> int:
     """Weights plus KV cache of a node holding `layers` (half-open range); `with_ends` adds
     the starter's embedding and head."""
     first, last = layers
-    weights = weight_bytes(config, (first, last), dtype_name(dtype), with_ends, quant)
-    return weights + KVCache.nbytes_for(config, last - first, n_slots, max_len, dtype)
+    weights = weight_bytes(config, (first, last), dtype, with_ends, quant)
+    return weights + torch_kv_cache_bytes(config, last - first, n_slots, max_len, dtype)
 
 
 MB = 1024 * 1024

@@ -16,11 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Protocol, Sequence, Tuple
 
-import torch
-
 from mdi.model.config import ModelConfig
-from mdi.model.kv_cache import KVCache
-from mdi.model.layout import QuantSpec, dtype_name, weight_bytes
+from mdi.model.layout import QuantSpec, torch_kv_cache_bytes, weight_bytes
 from mdi.runconfig import RunConfig
 from mdi.starter.adapter_set import StarterTooLarge, adapter_layer_bytes
 from mdi.system.memory import LOAD_HEADROOM_BYTES
@@ -31,7 +28,7 @@ class DraftSizes(Protocol):
     """What a budget reads of a draft model (speculation.draft_model.DraftSource, which imports
     capacity, which imports this module: named by its shape, not imported)."""
 
-    def bytes_needed(self, n_slots: int, max_len: int, dtype: torch.dtype) -> int: ...
+    def bytes_needed(self, n_slots: int, max_len: int, dtype: str) -> int: ...
 
 MB = 1024 * 1024
 
@@ -113,7 +110,7 @@ class RunMemory:
     the planner times anything, which counts the same parts per layer)."""
     config: ModelConfig
     max_len: int
-    dtype: torch.dtype
+    dtype: str  # model.dtype: the weights' and KV cache's (a name: sized without torch)
     adapter_bytes: Tuple[int, ...]  # the adapters' matrices per layer of the model
     prefix_reserve: int = 0
     draft_weights: int = 0
@@ -130,8 +127,8 @@ class RunMemory:
         its embedding and head, and the draft model)."""
         first, last = int(layers[0]), int(layers[1])
         return NodeBudget(
-            node, (first, last), weight_bytes(self.config, (first, last), dtype_name(self.dtype), starter, quant),
-            KVCache.nbytes_for(self.config, last - first, 1, self.max_len, self.dtype), slots,
+            node, (first, last), weight_bytes(self.config, (first, last), self.dtype, starter, quant),
+            torch_kv_cache_bytes(self.config, last - first, 1, self.max_len, self.dtype), slots,
             sum(self.adapter_bytes[first:last]), self.prefix_reserve,
             self.draft_weights if starter else 0, self.draft_per_slot if starter else 0)
 
@@ -156,7 +153,7 @@ def prefix_reserve(cfg: RunConfig) -> int:
     return setting if isinstance(setting, int) and not isinstance(setting, bool) else 0
 
 
-def run_memory(cfg: RunConfig, config: ModelConfig, max_len: int, dtype: torch.dtype,
+def run_memory(cfg: RunConfig, config: ModelConfig, max_len: int, dtype: str,
                draft: Optional[DraftSizes] = None, adapters: Any = None) -> RunMemory:
     """The run's budget parts: the configured adapters' matrices per layer (or those of
     `adapters`, an AdapterSet a rebuilt serving ring keeps: what its nodes will hold), a sized

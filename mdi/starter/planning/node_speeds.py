@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi import __version__
 from mdi.model.backend_select import layer_types, select_backend
-from mdi.model.layout import dtype_name, layout_to_json, torch_dtype, weight_bytes
-from mdi.model.block_timing import PROFILE_LAYERS, profile_blocks
+from mdi.model.layout import layout_to_json, weight_bytes
+from mdi.model.timing_loop import PROFILE_LAYERS
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.system.memory import release_freed_memory
@@ -34,11 +34,9 @@ from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileR
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
-from mdi.timing.node import profile_here, profile_positions
 from mdi.starter.planning.capacity import node_quant, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.speculation.draft_model import open_draft
-from mdi.starter.planning.loop_timing import time_starter_loop
 from mdi.starter.planning.node_budget import RunMemory, run_memory
 from mdi.starter.planning.planner import NodeCost, groups
 from mdi.system.files import write_json
@@ -131,7 +129,7 @@ class Profiler:
         self.params = params or SamplingParams(cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p)
         self.samples, self.refresh, self.say = samples, refresh, say
         self.config = source.config
-        self.dtype = torch_dtype(cfg.model.dtype)
+        self.dtype = cfg.model.dtype  # its name: the profiler sizes without torch
         # The rows per pass timed: given (a spare joining a planned ring is timed as its peers were).
         self.sizes = list(sizes) if sizes else batch_sizes(samples, len(cfg.nodes), cfg.runtime.max_batch)
         self.context = max(0, min(self.config.block_size - 1, max_len // 2))  # a run's average position
@@ -265,7 +263,11 @@ class Profiler:
         node = self.cfg.nodes[0]
         request = self._request(node, True)
 
-        def measure() -> Dict[str, Any]:
+        def measure() -> Dict[str, Any]:  # (the timing modules import torch: here, not at the top)
+            from mdi.model.block_timing import profile_blocks
+            from mdi.starter.planning.loop_timing import time_starter_loop
+            from mdi.timing.node import profile_here, profile_positions
+
             def time_loop(chunk: Any) -> Dict[int, float]:
                 return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
                                          self.cfg.runtime.token)
@@ -316,7 +318,7 @@ class Profiler:
                 fixed[rows] = max(fixed[rows], seconds - reply.blocks * reply.layer_s[rows])
         hop = {}
         for rows in self.sizes:
-            nbytes = payload_nbytes(rows, self.config.n_embd, dtype_name(self.dtype), self.cfg.runtime.wire_codec)
+            nbytes = payload_nbytes(rows, self.config.n_embd, self.dtype, self.cfg.runtime.wire_codec)
             hop[rows] = max([l["rtt_s"] / 2 + nbytes / l["bytes_per_s"] for l in links] or [0.0])
         # The node's budget (mdi.starter.planning.node_budget) split as the planner adds it up: a fixed
         # part (the prefix reserve; the starter's embedding, head and draft model) and each

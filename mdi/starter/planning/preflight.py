@@ -3,7 +3,7 @@ from typing import Any, Optional, Sequence
 
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
-from mdi.model.quantization import kernel_choice, qkernels
+from mdi.model.quantization import kernel_choice, kernel_report, qkernels
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
@@ -182,7 +182,7 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
             if chosen is None or chosen.backend == "torch":
                 info += "; " + kernels_offered_line(policy, chosen.kernels_here if chosen else status.kernels_here)
         if status.kernels:
-            info += " (the layers it holds from an earlier run use %s)" % kernel_choice.summary(status.kernels)
+            info += " (the layers it holds from an earlier run use %s)" % kernel_report.summary(status.kernels)
     fits = need is None or free is None or need <= free
     if need is not None and fits:
         info += "; " + kernel_admits(cfg, need, free)

@@ -10,12 +10,12 @@ an edit of the old one. A feature that changes a run's shape (a draft model, a p
 adds a field here, and to every node's memory budget (`budgets`, mdi.starter.planning.node_budget),
 which `--check`, serving's slots, recovery and the engine's load check all read.
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.layout import QuantSpec, torch_dtype
 from mdi.model.sampling import SamplingParams
@@ -28,6 +28,9 @@ from mdi.starter.speculation.draft_model import DraftSource, open_draft
 from mdi.starter.planning.node_budget import NodeBudget, RunMemory, run_memory
 from mdi.starter.planning.planner import LayerPlan, NodeCost, format_plan
 from mdi.starter.planning.run_shape import RunShape
+
+if TYPE_CHECKING:  # torch is imported where a torch path needs it: a ggml starter never loads it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ class RunPlan:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The weights' and KV cache's dtype on every node (model.dtype)."""
+        """The weights' and KV cache's torch dtype on every node (model.dtype; imports torch)."""
         return torch_dtype(self.cfg.model.dtype)
 
     @property
@@ -88,7 +91,7 @@ class RunPlan:
 
     def draft_bytes(self, n_slots: int) -> int:
         """What the draft model takes on the starter with `n_slots` cache slots (0: its weights)."""
-        return self.draft.bytes_needed(n_slots, self.max_len, self.dtype) if self.draft is not None else 0
+        return self.draft.bytes_needed(n_slots, self.max_len, self.cfg.model.dtype) if self.draft is not None else 0
 
     @property
     def prefix_reserve(self) -> int:
@@ -141,7 +144,7 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
     NodeError or ConfigError (a draft model of another vocabulary) before any weight is sent."""
     draft = open_draft(cfg, source)  # before the planner times any node
     # every node's budget parts, counted per layer by the planner as by the plan's budgets
-    memory = run_memory(cfg, source.config, shape.max_len, torch_dtype(cfg.model.dtype), draft)
+    memory = run_memory(cfg, source.config, shape.max_len, cfg.model.dtype, draft)
     layer_plan: Optional[LayerPlan] = None
     costs: List[NodeCost] = []
     if cfg.auto_layers or measure:

@@ -2,11 +2,12 @@
 starter's chunk at start (measure_pass_costs): the speculation policy's prices."""
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
-import torch
+import numpy as np
 
-from mdi.model.row_batch import RowBatch
+from mdi.model.pass_rows import PassRows
+from mdi.starter.pass_compute import takes_host_arrays
 
 
 @dataclass(frozen=True)
@@ -67,28 +68,21 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
     that fits the period's quota and a longer one that does not differ by the throttling, not
     the work (0.5 core: 2.04 per row by the wall clock, which switched drafting off). A GPU's
     passes are timed by the wall clock, each waited for (its host thread idles meanwhile)."""
-    device = chunk.device
-    width = chunk.config.n_embd
     # a slot shorter than 1 + max_draft (a short prompt and few tokens) never holds a longer pass
     max_rows = max(1, min(max_rows, chunk.cache.max_len))
     sizes = sorted({n for n in TIMED_ROWS if n <= max_rows} | {max_rows})
     timings: Dict[int, List[float]] = {n: [] for n in sizes}
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    make_pass, on_gpu = _verification_pass(chunk)
+    clock = time.perf_counter if on_gpu else time.process_time
     started = time.perf_counter()
-    with torch.inference_mode():
-        for round_ in range(max(2, repeats)):
-            if round_ >= 2 and time.perf_counter() - started > MEASURE_BUDGET_S:
-                break
-            for n in sizes:
-                batch = RowBatch.of([0], [0], [n], device, row_wise=True)
-                x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
-                t0 = clock()
-                y = chunk.forward_rows(x, batch)
-                if chunk.with_head:
-                    chunk.head(y)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                timings[n].append(clock() - t0)
+    for round_ in range(max(2, repeats)):
+        if round_ >= 2 and time.perf_counter() - started > MEASURE_BUDGET_S:
+            break
+        for n in sizes:
+            run = make_pass(n)
+            t0 = clock()
+            run()
+            timings[n].append(clock() - t0)
     one = max(min(timings[1]), 1e-9)
     timed, most = {}, 1.0
     for n in sizes:  # a pass is never cheaper than a shorter one: what says so is noise
@@ -101,3 +95,34 @@ def measure_pass_costs(chunk: Any, max_rows: int, repeats: int = 5) -> PassCosts
         share = (rows - below) / (above - below) if above > below else 0.0
         relative.append(timed[below] + share * (timed[above] - timed[below]))
     return PassCosts(tuple(relative))
+
+
+def _verification_pass(chunk: Any) -> Tuple[Callable[[int], Callable[[], None]], bool]:
+    """(n -> a pass of n zero rows in slot 0 through `chunk` and its head, row by row as a
+    verification runs; whether it runs on a GPU, each pass then waited for). Its rows are what
+    the chunk takes: numpy for ggml's (a ggml starter never loads torch), tensors for torch's."""
+    width = chunk.config.n_embd
+    if takes_host_arrays(chunk):
+        def host_pass(n: int) -> Callable[[], None]:
+            x, rows = np.zeros((n, width), dtype=np.float32), PassRows([0], [0], [n], row_wise=True)
+            return lambda: chunk.head(chunk.forward_rows(x, rows)) if chunk.with_head else chunk.forward_rows(x, rows)
+        return host_pass, False
+    import torch
+
+    from mdi.model.row_batch import RowBatch
+    device = chunk.device
+    on_gpu = device.type == "cuda"
+
+    def torch_pass(n: int) -> Callable[[], None]:
+        batch = RowBatch.of([0], [0], [n], device, row_wise=True)
+        x = torch.zeros(n, width, dtype=chunk.activation_dtype, device=device)
+
+        def run() -> None:
+            with torch.inference_mode():
+                y = chunk.forward_rows(x, batch)
+                if chunk.with_head:
+                    chunk.head(y)
+                if on_gpu:
+                    torch.cuda.synchronize(device)
+        return run
+    return torch_pass, on_gpu

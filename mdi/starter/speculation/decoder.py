@@ -4,10 +4,10 @@ the ring for it), in frames of their own. `verify`: what a verification that cam
 accepts, drawn row by row through the pipeline's own draw and take, and what the sample's
 policy learns from it. The pipeline draws and takes every token; this module decides which
 tokens are guesses and what happens when one fails."""
-import time
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from __future__ import annotations
 
-import torch
+import time
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from mdi.model.sampling import SamplingError
 from mdi.runconfig import SpeculationSpec
@@ -17,6 +17,9 @@ from mdi.starter.speculation.draft_model import DraftModel
 from mdi.starter.speculation.drafters import Drafter, new_drafter
 from mdi.starter.speculation.policy import SpecPolicy
 from mdi.starter.speculation.state import SpecCounters, SpecState
+
+if TYPE_CHECKING:  # torch is imported where a torch path needs it: a ggml starter never loads it
+    import torch
 
 SpecPass = Tuple[Sample, int, List[int]]  # a sample, its pass's first position and its tokens
 SendPass = Callable[[List[Sample], List[int], List[Tuple[int, List[int]]]], None]

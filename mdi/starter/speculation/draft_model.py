@@ -17,25 +17,27 @@ does and accepts a guess when the draw equals it (SpecDecoder.verify, decoder.py
 no draft distribution q; a one-hot guess is accepted with probability p(guess), the most any
 rule can, and the output stays the plain run's token for token.
 """
+from __future__ import annotations
+
 import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout
-from mdi.model.row_batch import RowBatch
 from mdi.model.sampling import greedy
 from mdi.model.source import ModelSource, read_tokenizer
 from mdi.model.tokenizers import Tokenizer, TokenizerError
-from mdi.model.transformer import ModelChunk
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planning.capacity import chunk_bytes_needed
 from mdi.starter.sample import Sample
-from mdi.system.transfers import ints_to_device
+
+if TYPE_CHECKING:  # torch is imported where a draft model runs: a ggml starter without one never loads it
+    import torch
+
+    from mdi.model.transformer import ModelChunk
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class DraftSource:
     def config(self) -> ModelConfig:
         return self.source.config
 
-    def bytes_needed(self, n_slots: int, max_len: int, dtype: torch.dtype) -> int:
+    def bytes_needed(self, n_slots: int, max_len: int, dtype: str) -> int:
         """Its weights (as quantized) and its KV cache: the starter holds both beside its chunk."""
         n = self.config.n_layer
         return chunk_bytes_needed(self.config, (0, n), n_slots, draft_len(self.config, max_len), dtype,
@@ -185,6 +187,8 @@ class DraftModel:
 
     def _feed(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
         """Run `tokens` at positions start.. through the model in `slot`; the last row's logits."""
+        from mdi.model.row_batch import RowBatch
+        from mdi.system.transfers import ints_to_device
         x = None
         for at in range(0, len(tokens), self.prefill_chunk):
             part = list(tokens[at:at + self.prefill_chunk])
@@ -204,6 +208,7 @@ class DraftModel:
         same = min(same, n - 1)  # the last token is fed again: its row's logits draft the first token
         if max(tokens[same:]) >= self.vocab:  # an id past a smaller head's (the target's padding): no draft
             return []
+        import torch
         with torch.inference_mode():
             logits = self._feed(slot, same, tokens[same:])
             now = list(tokens)
@@ -244,6 +249,7 @@ class ModelDrafter:
         # the prompt's prefill, at admission: the first proposal then feeds only its last token
         window = sample.window_tokens(0, sample.window_len)
         if 1 < len(window) <= model.max_len:
+            import torch
             with torch.inference_mode():
                 model._feed(sample.slot, 0, window[:-1])
             model.held[sample.slot], model.owner[sample.slot] = window[:-1], self.owner
