@@ -1,11 +1,11 @@
 """The KV cache a chunk's attention reads and writes: one preallocated slot per in-flight
-sample, so prefill and decode are the same code path and nothing is ever recomputed. Its size
-for a shape, before any is made: mdi.model.layout.torch_kv_cache_bytes (which needs no torch)."""
+sample, so prefill and decode are the same code path and nothing is ever recomputed."""
 from typing import Tuple
 
 import torch
 
 from mdi.model.config import ModelConfig
+from mdi.model.layout import torch_kv_cache_bytes
 
 
 class KVCache:
@@ -22,6 +22,7 @@ class KVCache:
         self.n_slots = n_slots
         self.max_len = max_len
 
+    nbytes_for = staticmethod(torch_kv_cache_bytes)  # (its home is layout's, which needs no torch)
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
 from mdi.system.files import read_json, sha256_file, write_json
+from mdi.system.memory import release_freed_memory
 
 META_FILE = "tokenizer_mdi.json"
 KINDS = ("char", "gpt2", "sentencepiece", "hf")
@@ -339,9 +340,13 @@ def read_tokenizer_json(path: str) -> Any:
     from tokenizers import Tokenizer as HFTok
 
     try:
-        return HFTok.from_file(path)
+        tk = HFTok.from_file(path)
     except Exception as e:  # noqa: BLE001 - the library's only exception type here
         raise TokenizerError("%s: not a valid tokenizer.json (%s)" % (path, str(e).splitlines()[0][:300])) from None
+    # Parsing the file leaves its JSON's memory free but resident: for Gemma 3's (262k tokens,
+    # 515k merges) 290 MB, of which this gives 194 back (the tokenizer itself keeps 96)
+    release_freed_memory()
+    return tk
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from mdi.runconfig import NodeSpec, RunConfig
 from mdi.serving.streaming import FINISH_REASONS
 from mdi.starter.control import ControlClient, NodeError
 from mdi.starter.engine_face import EngineFace, RecoveryEvent, StarterReading
-from mdi.starter.node_report import starter_kernels
 from mdi.starter.sample import FinishReason
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import available_memory_bytes, board_memory, unified_memory_bytes
@@ -363,7 +362,7 @@ class Observer:
             "cache_bytes": starter.cache_bytes,
             "bytes_sent": starter.bytes_sent, "messages_sent": starter.messages_sent,
             "error": None,
-            "kernels": starter_kernels(starter.backend) or {},  # each quantized weight shape -> "kernel: why"
+            "kernels": starter.kernels,  # each quantized weight shape -> "kernel: why"
             "cpu": isa_text(cpu_info()),
             # what its layers compute with, and why (mdi.model.backend)
             "backend": starter.backend, "backend_line": starter.backend_line,

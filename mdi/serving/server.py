@@ -14,7 +14,6 @@ from mdi.serving.api import MAX_BODY_BYTES, create_app
 from mdi.serving.prompts import ChatTemplate
 from mdi.serving.scheduler import Scheduler
 from mdi.serving.validation import ApiError
-from mdi.starter.node_report import starter_kernels
 from mdi.system.http_server import Admit
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         print("mdi-start serving %s on http://%s:%d: %d samples in flight x %d positions, %d nodes, %s admission, "
               "prefix cache %s" % (model_id, host, port, sched.slots, sched.max_len, len(sched.nodes), sched.policy,
                                    "of %d positions" % prefix if prefix is not None else "off"), flush=True)
-        kernels = starter_kernels(engine.starter_reading().backend if engine is not None else None)
+        kernels = engine.starter_reading().kernels if engine is not None else {}
         if kernels:  # as a batch run's summary says it; the workers' are in /metrics and /v1/mdi/state
             print("mdi: quantized kernels (runtime.quant_kernel %s): %s %s; every node's: /metrics, /v1/mdi/state"
                   % (cfg.runtime.quant_kernel, sched.nodes[0].name, summary(kernels)), flush=True)

@@ -135,7 +135,7 @@ class ControlClient:
                 pass
             r = None  # it goes again, stamped by the worker's clock
         if r is None:
-            if hasattr(data, "seek"):
+            if data is not None and hasattr(data, "seek"):
                 data.seek(0)  # a streamed file goes again from its start
             r = self._send(method, route, read_timeout, False, **kwargs)
             assert r is not None  # not retry_dropped: _send answers or raises

@@ -33,7 +33,7 @@ from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
-from mdi.starter.node_report import NodeReport, Recovery
+from mdi.starter.node_report import NodeReport, Recovery, starter_kernels
 from mdi.starter.planning.recovery import RecoveryImpossible, replan
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.session import RingSession
@@ -381,7 +381,8 @@ class Engine(RuntimeAdapters):
             chunk.cache.nbytes if chunk is not None and chunk.cache is not None else 0,
             getattr(transport, "bytes_sent", 0), getattr(transport, "messages_sent", 0),
             store.stats if store is not None else None,
-            pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics())
+            pipeline.batching.metrics() if pipeline is not None else BatchCounter().metrics(),
+            starter_kernels(chunk.backend if chunk is not None else None) or {})
 
     def free_cache(self) -> None:
         """Give the starter's KV cache back (a failed ring's engine, before the next is built)."""

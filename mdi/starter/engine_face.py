@@ -45,6 +45,8 @@ class StarterReading:
     messages_sent: int = 0
     prefix_store: Any = None  # its prefix store's stats (mdi.model.prefix_store), None without one
     batching: Dict[str, Any] = field(default_factory=dict)  # rows and samples per forward (BatchCounter)
+    # each quantized weight shape -> "kernel: why" (a torch starter's; ggml chooses none)
+    kernels: Dict[str, str] = field(default_factory=dict)
 
 
 class EngineFace(Protocol):

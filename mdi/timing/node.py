@@ -2,18 +2,13 @@
 contract): its blocks on random weights, a frame's encoding, and its whole relay loop. The
 worker answers POST /profile with it; the starter measures itself the same way."""
 import time
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Optional
 
-import torch
-
-from mdi.model.block_timing import profile_blocks, profile_chunk, time_chunk
-from mdi.model.layout import torch_dtype
-from mdi.model.quantization import kernel_choice, qkernels
 from mdi.model.sampling import SamplingParams
-from mdi.model.transformer import ModelChunk
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
-from mdi.system.devices import resolve_compute_dtype
-from mdi.timing.relay import frame_seconds, time_relay
+
+if TYPE_CHECKING:  # torch's chunk: its modules are imported where torch's blocks are timed
+    from mdi.model.transformer import ModelChunk
 
 
 def profile_positions(request: ProfileRequest) -> int:
@@ -24,7 +19,7 @@ def profile_positions(request: ProfileRequest) -> int:
 
 def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
                  params: Optional[SamplingParams] = None, token: Optional[str] = None,
-                 time_loop: Optional[Callable[[ModelChunk], Dict[int, float]]] = None,
+                 time_loop: Optional[Callable[["ModelChunk"], Dict[int, float]]] = None,
                  n_blocks: Optional[int] = None) -> ProfileReply:
     """Time the request's passes on `device` with torch's current thread count, then the node's
     whole loop over the same random blocks (`n_blocks`, default `profile_blocks`): what a worker
@@ -34,6 +29,13 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
     if request.backend == "ggml":  # the blocks the run will compute with
         from mdi.timing.ggml_profile import profile_ggml
         return profile_ggml(request, device, with_ends, params, token, time_loop, n_blocks)
+    import torch  # torch's blocks (a node that computes with ggml never imports these)
+
+    from mdi.model.block_timing import profile_blocks, profile_chunk, time_chunk
+    from mdi.model.layout import torch_dtype
+    from mdi.model.quantization import kernel_choice, qkernels
+    from mdi.system.devices import resolve_compute_dtype
+    from mdi.timing.relay import frame_seconds, time_relay
     t0 = time.perf_counter()
     qkernels.set_preference(request.quant_kernel)
     # A profile sizes its blocks by the stored weights (profile_blocks): kernels that hold more

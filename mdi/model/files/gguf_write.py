@@ -9,7 +9,7 @@ architecture's keys llama.cpp reads, so the file is a GGUF llama.cpp can open to
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -79,8 +79,8 @@ class FileBytes:
 RawTensor = Tuple[str, Tuple[int, ...], Union[np.ndarray, FileBytes]]
 
 
-def write_gguf(path: str, config: ModelConfig, tensors: Dict[str, RawTensor], arch: Optional[str] = None,
-               extra: Optional[Dict[str, object]] = None) -> str:
+def write_gguf(path: str, config: ModelConfig, tensors: Mapping[str, RawTensor], arch: Optional[str] = None,
+               extra: Optional[Mapping[str, object]] = None) -> str:
     """A GGUF at `path` holding `tensors` as given, with `config`'s metadata."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -95,8 +95,8 @@ def write_gguf(path: str, config: ModelConfig, tensors: Dict[str, RawTensor], ar
     return path
 
 
-def _write(writer: Any, config: ModelConfig, tensors: Dict[str, RawTensor], arch: str, extra: Dict[str, object],
-           GGMLQuantizationType: Any) -> None:
+def _write(writer: Any, config: ModelConfig, tensors: Mapping[str, RawTensor], arch: str,
+           extra: Mapping[str, object], GGMLQuantizationType: Any) -> None:
     add_model_metadata(writer, config, arch)
     for key, value in extra.items():
         if isinstance(value, str):
@@ -106,26 +106,25 @@ def _write(writer: Any, config: ModelConfig, tensors: Dict[str, RawTensor], arch
         elif isinstance(value, int):
             writer.add_uint32(key, value)
     # Every tensor's info first, then the data a tensor at a time (read then, where it is a FileBytes)
-    data_of: List[Callable[[], np.ndarray]] = []
+    written: List[Tuple[Union[np.ndarray, FileBytes], Tuple[int, ...]]] = []
     for name, (kind, dims, data) in tensors.items():
         if isinstance(data, FileBytes):
             shape: Tuple[int, ...] = _byte_rows(dims, data.nbytes)
             dtype, nbytes = np.dtype(np.uint8), data.nbytes
-            data_of.append(lambda d=data, s=shape: d.read().reshape(s))
         else:
-            raw = np.ascontiguousarray(data)
-            if kind in ("F32", "F16") and raw.dtype != np.uint8:
-                raw = raw.reshape(tuple(reversed(dims)))
+            data = np.ascontiguousarray(data)
+            if kind in ("F32", "F16") and data.dtype != np.uint8:
+                data = data.reshape(tuple(reversed(dims)))
             else:
-                raw = raw.view(np.uint8).reshape(_byte_rows(dims, raw.nbytes))
-            shape, dtype, nbytes = raw.shape, raw.dtype, raw.nbytes
-            data_of.append(lambda r=raw: r)
+                data = data.view(np.uint8).reshape(_byte_rows(dims, data.nbytes))
+            shape, dtype, nbytes = data.shape, data.dtype, data.nbytes
         writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=GGMLQuantizationType[kind])
+        written.append((data, shape))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for read in data_of:
-        writer.write_tensor_data(read())
+    for data, shape in written:
+        writer.write_tensor_data(data.read().reshape(shape) if isinstance(data, FileBytes) else data)
     writer.close()
 
 

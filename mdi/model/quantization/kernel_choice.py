@@ -28,7 +28,7 @@ import torch
 
 from mdi.model.layout import QuantSpec
 from mdi.model.quantization import kernel_memory, qkernels
-from mdi.model.quantization.kernel_report import DOES_NOT_RUN
+from mdi.model.quantization.kernel_report import DOES_NOT_RUN, kernel_counts, summary  # noqa: F401  (named from here too)
 from mdi.model.quantization.kernel_timing import nbytes as _nbytes, time_call as _time
 from mdi.model.quantization.qkernels import DEQUANT, POLICIES, Kernel, Tensors, candidates
 from mdi.system.memory import release_freed_memory

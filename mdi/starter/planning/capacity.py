@@ -1,9 +1,9 @@
 """Memory planning: what a node's layers and KV cache need (what a worker can give is
 `StatusReply.capacity_bytes`, from its /status), weights counted at their quantized size."""
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import QuantLayout, QuantSpec, format_layers, torch_kv_cache_bytes, weight_bytes
+from mdi.model.layout import QuantLayout, QuantSpec, dtype_name, format_layers, torch_kv_cache_bytes, weight_bytes
 from mdi.model.source import ModelSource
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
@@ -17,11 +17,11 @@ def node_quant(cfg: RunConfig, source: ModelSource, node: NodeSpec, layers: Sequ
 
 
 def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int,
-                       dtype: str, with_ends: bool = False, quant: Optional[QuantLayout] = None) -> int:
+                       dtype: Any, with_ends: bool = False, quant: Optional[QuantLayout] = None) -> int:
     """Weights plus KV cache of a node holding `layers` (half-open range); `with_ends` adds
-    the starter's embedding and head."""
+    the starter's embedding and head. `dtype`: model.dtype's name, or a torch or numpy dtype."""
     first, last = layers
-    weights = weight_bytes(config, (first, last), dtype, with_ends, quant)
+    weights = weight_bytes(config, (first, last), dtype_name(dtype), with_ends, quant)
     return weights + torch_kv_cache_bytes(config, last - first, n_slots, max_len, dtype)
 
 

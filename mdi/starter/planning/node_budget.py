@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Protocol, Sequence, Tuple
 
 from mdi.model.config import ModelConfig
-from mdi.model.layout import QuantSpec, torch_kv_cache_bytes, weight_bytes
+from mdi.model.layout import QuantSpec, dtype_name, torch_kv_cache_bytes, weight_bytes
 from mdi.runconfig import RunConfig
 from mdi.starter.adapter_set import StarterTooLarge, adapter_layer_bytes
 from mdi.system.memory import LOAD_HEADROOM_BYTES
@@ -110,7 +110,7 @@ class RunMemory:
     the planner times anything, which counts the same parts per layer)."""
     config: ModelConfig
     max_len: int
-    dtype: str  # model.dtype: the weights' and KV cache's (a name: sized without torch)
+    dtype: Any  # model.dtype: the weights' and KV cache's, by name (a torch dtype is read as its name)
     adapter_bytes: Tuple[int, ...]  # the adapters' matrices per layer of the model
     prefix_reserve: int = 0
     draft_weights: int = 0
@@ -127,7 +127,7 @@ class RunMemory:
         its embedding and head, and the draft model)."""
         first, last = int(layers[0]), int(layers[1])
         return NodeBudget(
-            node, (first, last), weight_bytes(self.config, (first, last), self.dtype, starter, quant),
+            node, (first, last), weight_bytes(self.config, (first, last), dtype_name(self.dtype), starter, quant),
             torch_kv_cache_bytes(self.config, last - first, 1, self.max_len, self.dtype), slots,
             sum(self.adapter_bytes[first:last]), self.prefix_reserve,
             self.draft_weights if starter else 0, self.draft_per_slot if starter else 0)

@@ -12,7 +12,7 @@ Memory is read fresh every time (GET /status): it changes with what else runs th
 import functools
 import gc
 import hashlib
-import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -34,6 +34,7 @@ from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileR
 from mdi.system.memory import LOAD_HEADROOM_BYTES
 from mdi.ring.wire import payload_nbytes
 from mdi.runconfig import NodeSpec, RunConfig
+from mdi.timing.node import profile_here, profile_positions
 from mdi.starter.planning.capacity import node_quant, starter_free_bytes
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.speculation.draft_model import open_draft
@@ -107,7 +108,8 @@ def code_id() -> str:
     if not _code_ids:
         digest = hashlib.sha256()
         for name in _SPEED_CODE:
-            path = importlib.import_module(name).__file__
+            spec = importlib.util.find_spec(name)  # found, not imported: most import torch
+            path = spec.origin if spec is not None else None
             assert path is not None  # each is a module of mdi's own, read from a file
             with open(path, "rb") as f:
                 digest.update(f.read())
@@ -266,7 +268,6 @@ class Profiler:
         def measure() -> Dict[str, Any]:  # (the timing modules import torch: here, not at the top)
             from mdi.model.block_timing import profile_blocks
             from mdi.starter.planning.loop_timing import time_starter_loop
-            from mdi.timing.node import profile_here, profile_positions
 
             def time_loop(chunk: Any) -> Dict[int, float]:
                 return time_starter_loop(chunk, request.batch_sizes, self.params, self.cfg.runtime.wire_codec,
