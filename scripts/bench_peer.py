@@ -88,7 +88,8 @@ CACHE = os.path.join(ROOT, ".llama.cpp-cache")
 # llama-cpp-python 0.3.32 vendors ggml 0.15.3, the ggml that ggml-python 0.0.45 (mdi's pin) vendors
 LLAMA_CPP_PYTHON = "0.3.32"
 GGML_PYTHON = "0.0.45"
-TARGETS = ("llama-bench", "llama-batched-bench", "ggml-rpc-server", "llama-simple", "llama-perplexity")
+TARGETS = ("llama-bench", "llama-batched-bench", "ggml-rpc-server", "llama-simple", "llama-perplexity",
+           "llama-tokenize")
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # as scripts/setup_env.sh builds mdi's ggml
 # the AVX2-only builds (--avx2): the ggml binding and llama-bench with the very same ggml options
 AVX2_GGML_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",

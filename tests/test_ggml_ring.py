@@ -12,6 +12,7 @@ import requests
 
 from conftest import BIN, ROOT, ServeProcess, WorkerProcess, free_ports
 from ringconfigs import write_run_config
+from mdi.model.constraints.constraint import unavailable as constraint_unavailable
 from mdi.model.ggml import lib
 
 pytestmark = [pytest.mark.slow,
@@ -135,7 +136,7 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
         own = source.gguf_bytes(first, last, True, True) + starter["cache_bytes"]
         assert starter["backend"] == "ggml" and starter["cache_bytes"] > 0
         assert starter["peak_memory_bytes"] <= own + 150 * 2 ** 20, (starter["peak_memory_bytes"] >> 20, own >> 20)
-    # Serving too: sampling fields, logprobs, speculation's pass costs, /metrics, /v1/mdi/state
+    # Serving too: sampling fields, logprobs, a JSON schema, speculation's pass costs, /metrics, /v1/mdi/state
     served = write_run_config(tmp_path / "serve.yaml", smollm2_dir, runtime={"threads": 1, "backend": "ggml"},
                               serve={"max_in_flight": 2})
     server = ServeProcess(served, env=dict(os.environ, **env)).wait_ready()
@@ -145,6 +146,18 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
         r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["logprobs"]["content"]) == 8
+        if constraint_unavailable() is None:  # a grammar's masks are numpy too
+            schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                      "additionalProperties": False}
+            body = {"messages": [{"role": "user", "content": "A number?"}], "max_tokens": 12, "temperature": 0,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+            r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["message"]["content"]
+            if r.json()["choices"][0]["finish_reason"] == "stop":
+                assert isinstance(json.loads(text)["n"], int), text
+            else:  # cut at max_tokens: still the schema's start
+                assert text.startswith('{"'), text
         assert server.get("/metrics").ok and server.get("/v1/mdi/state").json()["state"] == "up"
     finally:
         server.stop()

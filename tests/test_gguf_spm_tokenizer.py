@@ -7,6 +7,7 @@ test prepares it from its packages). The llama.cpp comparisons also need llama-t
 $MDI_LLAMA_TOKENIZE, else the build under .llama.cpp-cache/."""
 import glob
 import os
+import random
 import subprocess
 import time
 
@@ -102,7 +103,7 @@ def reference(gemma3_gguf):
 
 
 def test_gemma3_metadata(gemma3):
-    assert (gemma3.kind, gemma3.vocab_size, gemma3.bos_id, gemma3.eos_id, gemma3.add_bos) == ("hf", 262144, 2, 1, True)
+    assert (gemma3.kind, gemma3.vocab_size, gemma3.bos_id, gemma3.eos_id, gemma3.add_bos) == ("spm", 262144, 2, 1, True)
     # llama.cpp's end-of-generation set: <eos>, <end_of_turn> (106) and "</s>" (212) by their text.
     assert gemma3.end_ids == [1, 106, 212]
 
@@ -110,6 +111,29 @@ def test_gemma3_metadata(gemma3):
 def test_gemma3_matches_llama_cpp(gemma3, reference):
     mismatches = [(text, gemma3.encode(text), ids) for text, ids in reference.items() if gemma3.encode(text) != ids]
     assert not mismatches, "%d of %d texts differ from llama.cpp, first: %r" % (len(mismatches), len(TEXTS),
+                                                                                 mismatches[0])
+
+
+def test_gemma3_matches_llama_cpp_on_random_texts(gemma3_gguf, gemma3):
+    # Seeded texts mixing what the merge order and the special-token cut must both get right:
+    # runs of spaces, newlines and tabs (user-defined tokens), control tokens whole and broken,
+    # HTML tags, a literal "\u2581", multi-byte and unknown characters.
+    rnd = random.Random(7)
+    parts = ["a", "b", "the", " ", "  ", "\n", "\n\n", "\t", "<", ">", "</", "<start_of_turn>", "<end_of_turn",
+             "<eos>", "</s>", "<b>", "<td>", "\u2581", "\u00e9", "\u65e5\u672c", "\U0001f600", "\u0378", "0", "12",
+             ".", "ing", " x"]
+    texts = ["".join(rnd.choice(parts) for _ in range(rnd.randint(1, 30))) for _ in range(150)]
+    texts = [t for t in texts if SEP not in t]
+    ids = llama_tokenize(gemma3_gguf, SEP.join(texts))
+    pieces = [[]]
+    for i in ids[1:]:
+        if i == SEP_ID:
+            pieces.append([])
+        else:
+            pieces[-1].append(i)
+    assert len(pieces) == len(texts)
+    mismatches = [(t, gemma3.encode_plain(t), p) for t, p in zip(texts, pieces) if gemma3.encode_plain(t) != p]
+    assert not mismatches, "%d of %d texts differ from llama.cpp, first: %r" % (len(mismatches), len(texts),
                                                                                  mismatches[0])
 
 
@@ -233,3 +257,24 @@ def test_repeated_token_is_an_error(tmp_path):
     with pytest.raises(TokenizerError) as e:
         tokenizer_from_gguf(path)
     assert path in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gemma3_token_bytes_spell_the_text(gemma3):
+    # What logprobs show and grammars match: each token's own bytes, a byte token's byte, so
+    # the bytes of a text's tokens are its UTF-8 bytes even where a character is split.
+    from mdi.model.token_bytes import special_token_ids, token_bytes
+    for text in TEXTS:
+        if "\u2581" in text or "<" in text:
+            continue
+        ids = gemma3.encode_plain(text)
+        assert b"".join(token_bytes(gemma3, i, False) for i in ids) == text.encode("utf-8")
+    special = set(special_token_ids(gemma3))
+    assert {0, 1, 2, 3, 106, 212} <= special  # <pad> <eos> <bos> <unk> <end_of_turn> "</s>"
+    assert not special & set(gemma3.encode_plain("hello   world\n\n\tx"))
+
+
+def test_gemma3_counts_fewest_tokens_without_tokenizing(gemma3):
+    # The bound that refuses a far too long prompt before tokenizing it holds on every text.
+    for text in TEXTS:
+        assert gemma3.fewest_tokens(text) <= len(gemma3.encode_plain(text))
+    assert gemma3.fewest_tokens("x" * 100000) > 1000

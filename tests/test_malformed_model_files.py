@@ -3,7 +3,9 @@
 string, a fraction, a bool, negative, NaN or absurdly large; a tokenizer.json the tokenizers
 library cannot read. ModelConfig checks every value whatever it came from."""
 import json
+import struct
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.files.checkpoints import read_hf_dir
 from mdi.model.files.tokenizer_import import tokenizer_from_hf_dir
 from mdi.model.layout import CheckpointError
-from mdi.model.tokenizers import TokenizerError
+from mdi.model.tokenizers import TokenizerError, load_tokenizer
 from mdi.ring.init_request import RequestError, model_field
 
 LLAMA = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -66,6 +68,39 @@ def test_a_malformed_tokenizer_json_is_one_line_naming_it(tmp_path, text):
         tokenizer_from_hf_dir(str(tmp_path))
     message = str(e.value)
     assert "\n" not in message and "tokenizer.json" in message and "not a valid tokenizer.json" in message
+
+
+SPM_OK = {"tokens": [b"<unk>", b"a", b"b"], "scores": struct.pack("<3f", 0.0, -1.0, -2.0), "types": bytes([2, 1, 1]),
+          "add_space_prefix": False, "unknown_id": 0}
+
+
+@pytest.mark.parametrize("vocab,words", [
+    (b"\xc1", "cannot read"),
+    ([1], "expected a map"),
+    (dict(SPM_OK, tokens=[b"a", 1, b"b"]), "'tokens' must be a list of byte strings"),
+    (dict(SPM_OK, tokens=["<unk>", "a", "b"]), "'tokens' must be a list of byte strings"),
+    (dict(SPM_OK, scores=[0.0, -1.0, -2.0]), "'scores' must be float32 bytes"),
+    (dict(SPM_OK, scores=b"\0" * 7), "'scores' must be float32 bytes"),
+    (dict(SPM_OK, types=[1, 1, 1]), "'types' must be bytes"),
+    (dict(SPM_OK, types=bytes([2, 6, 1])), "byte token 1 is b'a', not <0xXX>"),
+    (dict(SPM_OK, scores=b"\0" * 4), "as many scores and types as tokens"),
+    (dict(SPM_OK, tokens=[b"a", b"a", b"b"]), "repeats a token"),
+    (dict(SPM_OK, tokens=[b"\xff", b"a", b"b"]), "not UTF-8"),
+    (dict(SPM_OK, unknown_id=7), "unknown token id 7 out of range"),
+    (dict(SPM_OK, merges=[]), "unknown keys merges"),
+], ids=["not-msgpack", "list", "token", "str-token", "score-list", "score-bytes", "type-list", "byte-token", "short",
+        "repeat", "not-utf8", "unknown-id", "key"])
+def test_a_malformed_sentencepiece_vocabulary_is_one_line_naming_it(tmp_path, vocab, words):
+    """A prepared directory's tokenizer_spm.msgpack (llama.cpp's SentencePiece for a GGUF vocabulary)."""
+    (tmp_path / "tokenizer_mdi.json").write_text(json.dumps({"kind": "spm", "bos_id": None, "eos_id": None}))
+    path = tmp_path / "tokenizer_spm.msgpack"
+    path.write_bytes(vocab if isinstance(vocab, bytes) else msgpack.packb(vocab, use_bin_type=True))
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message and words in message, message
+    path.write_bytes(msgpack.packb(SPM_OK, use_bin_type=True))
+    assert load_tokenizer(str(tmp_path)).encode("ab") == [1, 2]
 
 
 def test_model_config_takes_numpy_counts_and_refuses_the_rest():

@@ -4,6 +4,7 @@ Log-probabilities show these bytes; the constrained sampler matches grammars aga
 import re
 from typing import Dict, List
 
+from mdi.model.spm_tokenizer import SpmTokenizer
 from mdi.model.tokenizers import GPT2Tokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -33,6 +34,8 @@ def token_bytes(tok: Tokenizer, token: int, byte_level: bool) -> bytes:
     """The bytes `token` stands for (`byte_level`: is_byte_level(tok), asked once by callers)."""
     if isinstance(tok, GPT2Tokenizer):
         return bytes(tok.enc.decode_single_token_bytes(token))
+    if isinstance(tok, SpmTokenizer):
+        return tok.piece_bytes(token)
     piece = tok.tk.id_to_token(token) if isinstance(tok, HFTokenizer) else \
         tok.sp.id_to_piece(token) if isinstance(tok, SentencePieceTokenizer) else None
     if piece is not None:
@@ -55,6 +58,8 @@ def special_token_ids(tok: Tokenizer) -> List[int]:
         ids |= {i for i in range(tok.vocab_size) if tok.sp.IsControl(i) or tok.sp.IsUnknown(i)}
     elif isinstance(tok, GPT2Tokenizer):
         ids |= {tok.enc.encode_single_token(t) for t in tok.enc.special_tokens_set}
+    elif isinstance(tok, SpmTokenizer):
+        ids |= set(tok.special_ids())
     return sorted(i for i in ids if 0 <= i < tok.vocab_size)
 
 

@@ -1,6 +1,7 @@
-"""Tokenizers for mdi models: NanoGPT char-level, GPT-2 BPE (tiktoken), SentencePiece and
-Hugging Face `tokenizers` (tokenizer.json, or built from the vocabulary embedded in a GGUF file:
-see `mdi.model.files.tokenizer_import` for reading a checkpoint's own tokenizer files).
+"""Tokenizers for mdi models: NanoGPT char-level, GPT-2 BPE (tiktoken), SentencePiece, Hugging
+Face `tokenizers` (tokenizer.json, or built from a GGUF "gpt2" vocabulary) and llama.cpp's
+SentencePiece for a GGUF "llama" vocabulary (mdi.model.spm_tokenizer); see
+`mdi.model.files.tokenizer_import` for reading a checkpoint's own tokenizer files.
 
 A prepared mdi model directory holds `tokenizer_mdi.json` (kind, bos/eos ids, add_bos, chat
 template) plus the kind's own file, so `load_tokenizer(dir)` needs nothing from the network.
@@ -11,11 +12,17 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional, Sequence
 
+from mdi.model.spm_tokenizer import VOCAB_FILE as SPM_VOCAB_FILE
+from mdi.model.spm_tokenizer import load_spm_tokenizer
+from mdi.model.tokenizer_base import META_FILE, PromptTooLong, Tokenizer, TokenizerError  # noqa: F401  (re-exported)
 from mdi.system.files import read_json, sha256_file, write_json
 from mdi.system.memory import release_freed_memory
 
-META_FILE = "tokenizer_mdi.json"
-KINDS = ("char", "gpt2", "sentencepiece", "hf")
+# Each kind's own file in a prepared directory ("spm": llama.cpp's SentencePiece, for a GGUF
+# "llama" vocabulary, mdi.model.spm_tokenizer).
+KIND_FILES = {"char": "vocab.json", "gpt2": "vocab.bpe", "sentencepiece": "tokenizer.model", "hf": "tokenizer.json",
+              "spm": SPM_VOCAB_FILE}
+KINDS = tuple(KIND_FILES)
 
 # SHA-256 of OpenAI's GPT-2 vocabulary files (the same hashes tiktoken pins for its "gpt2" encoding).
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -25,118 +32,6 @@ GPT2_FILES = (("vocab.bpe", GPT2_VOCAB_BPE_SHA256), ("encoder.json", GPT2_ENCODE
 # which older tiktoken releases for Python 3.8 cannot compile; both split identically).
 GPT2_PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOT = "<|endoftext|>"
-
-class TokenizerError(ValueError):
-    """A tokenizer could not be built, loaded or applied; the message says why in one line."""
-
-
-class PromptTooLong(TokenizerError):
-    """A text that cannot fit `limit` tokens, known without tokenizing it: it has at least
-    `at_least` tokens."""
-
-    def __init__(self, at_least: int, limit: int) -> None:
-        super().__init__("the prompt has at least %d tokens, more than %d" % (at_least, limit))
-        self.at_least, self.limit = at_least, limit
-
-
-class Tokenizer:
-    kind = ""
-
-    def __init__(self, vocab_size: int, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
-                 add_bos: bool = False, chat_template: Optional[str] = None,
-                 stop_ids: Optional[Sequence[int]] = None) -> None:
-        self.vocab_size = vocab_size
-        self.bos_id = bos_id
-        self.eos_id = eos_id
-        # Other ids that end a generation as EOS does (Llama 3.1 Instruct: <|end_of_text|>,
-        # <|eom_id|> besides <|eot_id|>), as llama.cpp's end-of-generation set.
-        self.stop_ids = sorted({int(i) for i in stop_ids or ()} - {eos_id})
-        for i in self.stop_ids:
-            if not 0 <= i < vocab_size:
-                raise TokenizerError("stop token id %d out of range for a vocabulary of %d" % (i, vocab_size))
-        self.add_bos = bool(add_bos)
-        self.chat_template = chat_template
-        if self.add_bos and bos_id is None:
-            raise TokenizerError("add_bos is set but the %s tokenizer has no BOS token" % self.kind)
-
-    @property
-    def end_ids(self) -> List[int]:
-        """Every id that ends a generation: EOS and the stop ids."""
-        return ([self.eos_id] if self.eos_id is not None else []) + self.stop_ids
-
-    def encode(self, text: str) -> List[int]:
-        ids = self._encode(text)
-        if not self.add_bos:
-            return ids
-        assert self.bos_id is not None  # __init__ refuses add_bos without a BOS token
-        return [self.bos_id] + ids
-
-    def encode_plain(self, text: str) -> List[int]:
-        """The ids of `text` alone, no BOS: a piece of a longer text encoded piece by piece."""
-        return self._encode(text)
-
-    def max_token_bytes(self) -> Optional[int]:
-        """The most UTF-8 bytes of text one token can stand for, where that bounds a text's
-        token count from below (no normalizer that could shrink the text first); else None."""
-        return None
-
-    def fewest_tokens(self, text: str) -> int:
-        """A lower bound on len(encode(text)), without tokenizing (0 where none is known)."""
-        most = self._max_token_bytes_cached()
-        return -(-len(text.encode("utf-8", "surrogatepass")) // most) if most else 0
-
-    def _max_token_bytes_cached(self) -> Optional[int]:
-        if not hasattr(self, "_max_bytes"):
-            self._max_bytes = self.max_token_bytes()
-        return self._max_bytes
-
-    def encode_prompt(self, text: str, max_tokens: Optional[int] = None) -> List[int]:
-        """`encode`, never empty: a model needs a first token, so an empty prompt starts from
-        BOS (else EOS). With `max_tokens`, a text that cannot fit is refused (PromptTooLong)
-        before it is tokenized: tokenizing a 1 MiB prompt only to refuse it took seconds and
-        ~120 MB that glibc kept (16 at once left a server 2 GB larger)."""
-        if max_tokens is not None:
-            at_least = self.fewest_tokens(text) + (1 if self.add_bos else 0)
-            if at_least > max_tokens:
-                raise PromptTooLong(at_least, max_tokens)
-        ids = self.encode(text)
-        if ids:
-            return ids
-        start = self.bos_id if self.bos_id is not None else self.eos_id
-        if start is None:
-            raise TokenizerError("the prompt is empty and the tokenizer has no BOS/EOS token to start from")
-        return [start]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise TokenizerError("token id %d out of range for a %s vocabulary of %d"
-                                     % (i, self.kind, self.vocab_size))
-        return self._decode(ids)
-
-    def save(self, model_dir: str) -> None:
-        os.makedirs(model_dir, exist_ok=True)
-        self._save_files(model_dir)
-        meta: Dict[str, object] = {"kind": self.kind, "bos_id": self.bos_id, "eos_id": self.eos_id,
-                "add_bos": self.add_bos, "chat_template": self.chat_template}
-        if self.stop_ids:
-            meta["stop_ids"] = self.stop_ids
-        write_json(os.path.join(model_dir, META_FILE), meta)
-
-    def __repr__(self) -> str:
-        return "<%s tokenizer vocab=%d bos=%s eos=%s add_bos=%s>" % (
-            self.kind, self.vocab_size, self.bos_id, self.eos_id, self.add_bos)
-
-    def _encode(self, text: str) -> List[int]:
-        raise NotImplementedError
-
-    def _decode(self, ids: List[int]) -> str:
-        raise NotImplementedError
-
-    def _save_files(self, model_dir: str) -> None:
-        raise NotImplementedError
-
 
 class CharTokenizer(Tokenizer):
     kind = "char"
@@ -320,14 +215,15 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     unknown = sorted(set(meta) - {"bos_id", "eos_id", "add_bos", "chat_template", "stop_ids"})
     if unknown:
         raise TokenizerError("unknown keys in %s: %s" % (meta_path, ", ".join(unknown)))
-    files = {"char": "vocab.json", "gpt2": "vocab.bpe", "sentencepiece": "tokenizer.model", "hf": "tokenizer.json"}
-    path = os.path.join(model_dir, files[kind])
+    path = os.path.join(model_dir, KIND_FILES[kind])
     if not os.path.isfile(path):
         raise TokenizerError("%s tokenizer file %s is missing" % (kind, path))
     if kind == "char":
         return CharTokenizer(read_json_if(path), **meta)
     if kind == "gpt2":
         return GPT2Tokenizer(model_dir, **meta)
+    if kind == "spm":
+        return load_spm_tokenizer(path, **meta)
     if kind == "sentencepiece":
         with open(path, "rb") as f:
             return SentencePieceTokenizer(f.read(), **meta)

@@ -14,7 +14,7 @@ import importlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -25,9 +25,6 @@ from mdi.model.constraints.schema_bounds import bounded
 from mdi.model.sampling import SamplingError
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import Tokenizer
-
-if TYPE_CHECKING:  # a mask is a torch tensor, made when a grammar first runs: a server that never
-    import torch  # serves one never loads torch
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +172,7 @@ class GrammarCompiler:
             return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         return self.llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
 
-    def _probe(self, constraint: "Constraint", first: "torch.Tensor") -> float:
+    def _probe(self, constraint: "Constraint", first: np.ndarray) -> float:
         """CPU seconds of one mask past the start, on a copy: the cost every later token pays on the
         scheduler's thread (the first mask also builds the lexer's states, paid once, here).
         The copy then walks on, up to PROBE_TOKENS tokens: a grammar llguidance cannot run past
@@ -186,7 +183,7 @@ class GrammarCompiler:
                            constraint.vocab, constraint.spec, deadline_s=float("inf"))
         allowed, spent = first, 0.0
         for step in range(PROBE_TOKENS):
-            token = next((t for t in allowed.nonzero().flatten().tolist() if t not in ends), None)
+            token = next((t for t in np.flatnonzero(allowed).tolist() if t not in ends), None)
             if token is None:
                 break
             if not probe.take(token):
@@ -225,7 +222,7 @@ class Constraint:
         self.new_matcher, self.matcher = new_matcher, matcher
         self.width, self.vocab, self.spec = width, vocab, spec
         self.deadline_s = deadline_s
-        self._allowed: Optional["torch.Tensor"] = None
+        self._allowed: Optional[np.ndarray] = None
         self._overrun: Optional[str] = None  # why its masks stopped: one was too slow
         self.mask_seconds = 0.0  # time spent computing masks (the benchmark reports it per token)
         self.masks = 0
@@ -234,8 +231,9 @@ class Constraint:
         """The same grammar from its start, for another sample (a request's other choices)."""
         return Constraint(self.new_matcher, self.new_matcher(), self.width, self.vocab, self.spec, self.deadline_s)
 
-    def allowed(self) -> "torch.Tensor":
-        """Bool [width]: the tokens that keep the output valid (the end tokens once it may end).
+    def allowed(self) -> np.ndarray:
+        """Bool [width] (numpy, on either backend: a starter computing with ggml never loads
+        torch for a grammar): the tokens that keep the output valid (the end tokens once it may end).
         SamplingError once a mask took more CPU time than the deadline."""
         if self._overrun is not None:
             raise SamplingError(self._overrun)
@@ -250,8 +248,7 @@ class Constraint:
                 raise SamplingError(self._overrun)
             allowed = np.zeros(self.width, dtype=bool)
             allowed[:self.vocab] = bits[:self.vocab]
-            import torch
-            self._allowed = torch.from_numpy(allowed)
+            self._allowed = allowed
             self.mask_seconds += time.perf_counter() - t0
             self.masks += 1
         return self._allowed
@@ -262,7 +259,7 @@ class Constraint:
         self._allowed = None
         return bool(self.matcher.consume_token(int(token))) and not self.matcher.is_error()
 
-    def dead(self, allowed: "torch.Tensor") -> bool:
+    def dead(self, allowed: np.ndarray) -> bool:
         """True when no text the grammar accepts continues the output so far: the matcher failed
         (llguidance then allows only the end token), or it allows no token and may not end."""
         return bool(self.matcher.is_error()) or (not bool(allowed.any()) and not self.accepting)

@@ -9,6 +9,7 @@ import os
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 from mdi.model.files.gguf_layout import open_reader
+from mdi.model.spm_tokenizer import CONTROL, NORMAL, USER_DEFINED, SpmTokenizer
 from mdi.model.tokenizers import (HFTokenizer, SentencePieceTokenizer, Tokenizer, TokenizerError, bytes_to_unicode,
                                   read_json_if, read_tokenizer_json)
 
@@ -45,8 +46,6 @@ GGUF_PRE_TOKENIZERS: Dict[str, GGUFPre] = {
     "dbrx": GGUFPre(_LLAMA3_SPLIT), "smaug-bpe": GGUFPre(_LLAMA3_SPLIT),
     "qwen2": GGUFPre(_QWEN2_SPLIT, nfc=True), "deepseek-r1-qwen": GGUFPre(_QWEN2_SPLIT),
 }
-_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 2, 3, 4  # llama.cpp token types
-_SPM_SPACE = "\u2581"  # SentencePiece's escaped space
 # Tokens llama.cpp makes end-of-generation by their text (src/llama-vocab.cpp, special_eog_ids),
 # also making them control tokens whatever type the file gives them: Gemma 3's GGUF types "</s>"
 # (id 212) normal, yet llama.cpp parses it as a special token and stops at it.
@@ -108,7 +107,7 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
 
 
 def tokenizer_from_gguf(path: str) -> Tokenizer:
-    """The tokenizer of a GGUF file. "llama" (SentencePiece): llama.cpp's ids (`sentencepiece_bpe`).
+    """The tokenizer of a GGUF file. "llama" (SentencePiece): llama.cpp's tokenizer (mdi.model.spm_tokenizer).
     "gpt2": the byte-level BPE tokenizer, built as the model's own tokenizer.json tokenizes (the
     pre-tokenizer `tokenizer.ggml.pre` names; ids equal transformers'
     `AutoTokenizer.from_pretrained(dir, gguf_file=...)` except where that ignores what the name
@@ -173,15 +172,26 @@ def _spm_tokenizer_from_gguf(path: str, md: Dict[str, Any], tokens: List[str]) -
                                  % (key, i, n, path))
         ids[key] = i
     add_prefix = md.get("tokenizer.ggml.add_space_prefix")
-    tk = sentencepiece_bpe(tokens, scores or [0.0] * n, types or [1] * n,
-                           add_space_prefix=True if add_prefix is None else bool(add_prefix),
-                           unknown_id=ids["unknown"])
     add_bos = md.get("tokenizer.ggml.add_bos_token")
     named = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
-    stops = [i for i in named if isinstance(i, int) and 0 <= i < n] + sorted(_llama_cpp_eog(tokens).values())
-    return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"],
-                       add_bos=(True if add_bos is None else bool(add_bos)) and ids["bos"] is not None,
-                       chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+    eog = _llama_cpp_eog(tokens)
+    stops = [i for i in named if isinstance(i, int) and 0 <= i < n] + sorted(eog.values())
+    return SpmTokenizer(tokens, (scores or [0.0] * n)[:n], _llama_cpp_token_types(tokens, types or [NORMAL] * n, eog),
+                        add_space_prefix=True if add_prefix is None else bool(add_prefix), unknown_id=ids["unknown"],
+                        bos_id=ids["bos"], eos_id=ids["eos"],
+                        add_bos=(True if add_bos is None else bool(add_bos)) and ids["bos"] is not None,
+                        chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+
+
+def _llama_cpp_token_types(tokens: Sequence[str], types: Sequence[int], eog: Dict[str, int]) -> List[int]:
+    """The types llama.cpp acts on: its end-of-generation tokens are control tokens whatever the
+    file says, except for _llama_cpp_eog's exceptions: "<|end|>" is then user-defined and "</s>"
+    normal. A type outside llama.cpp's 0-6 is read as normal, as llama.cpp leaves it unparsed."""
+    out = [ty if isinstance(ty, int) and 0 <= ty <= 6 else NORMAL for ty in types[:len(tokens)]]
+    for i, t in enumerate(tokens):
+        if t in LLAMA_CPP_EOG_TEXTS:
+            out[i] = CONTROL if t in eog else USER_DEFINED if t == "<|end|>" else NORMAL
+    return out
 
 
 def _llama_cpp_eog(tokens: Sequence[str]) -> Dict[str, int]:
@@ -196,77 +206,6 @@ def _llama_cpp_eog(tokens: Sequence[str]) -> Dict[str, int]:
     if "<|end|>" in found and call and ("<|return|>" in found or "<|flush|>" in found):
         del found["<|end|>"]
     return found
-
-
-def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int],
-                      add_space_prefix: bool = False, unknown_id: Optional[int] = None) -> Any:
-    """HF `tokenizers.Tokenizer` for llama.cpp's "llama" vocabulary that tokenizes as llama.cpp's
-    SentencePiece tokenizer (llm_tokenizer_spm) with special tokens parsed:
-
-    - control, unknown-type and user-defined tokens (and `LLAMA_CPP_EOG_TEXTS`) are cut out of the
-      raw text first, as llama.cpp's tokenizer_st_partition does (HF matches leftmost-longest where
-      llama.cpp takes the longest token first: the same split unless two such tokens overlap);
-    - each remaining piece gets "\u2581" prepended if `add_space_prefix`, spaces become "\u2581";
-    - llama.cpp then merges the adjacent pair whose concatenation is the token with the highest
-      score, leftmost first, until none is left. That is BPE with a merge (a, b) for every token
-      a+b whose halves a, b are tokens, ranked by the score of a+b (transformers' SentencePiece
-      merge extraction, same order). Every character of Gemma 3's tokens is itself a token, so the
-      pieces llama.cpp merges are always tokens. Where the two can differ: ties. Of pairs whose
-      tokens score the same llama.cpp merges the leftmost, BPE the earlier merge (for different
-      tokens: the lower id; Gemma 3's and Llama 2's scores are distinct; for one token, overlapping
-      [x][y][z] with x+y == y+z: the longer left half);
-    - what is left unknown is UTF-8 bytes <0xXX> (byte_fallback), as llama.cpp's resegment.
-
-    Decoding is llama.cpp's token_to_piece: "\u2581" back to a space (in a user-defined token too,
-    which llama.cpp leaves as it is; Gemma 3 has none with one), byte tokens to bytes, the
-    prefixed space stripped from the text's start when `add_space_prefix`."""
-    from tokenizers import AddedToken, decoders, normalizers
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers.models import BPE
-
-    vocab = {t: i for i, t in enumerate(tokens)}
-    eog = _llama_cpp_eog(tokens)
-    special: List[str] = []
-    user: List[str] = []
-    for t, ty in zip(tokens, token_types):
-        if t in LLAMA_CPP_EOG_TEXTS and t not in eog:  # an exception of _llama_cpp_eog: llama.cpp
-            if t == "<|end|>":  # sets "<|end|>" user-defined and "</s>" normal, whatever the file says
-                user.append(t)
-        elif t in eog or ty in (_GGUF_CONTROL, _GGUF_UNKNOWN):
-            special.append(t)
-        elif ty == _GGUF_USER_DEFINED:
-            user.append(t)
-    tk = HFTok(BPE(vocab=vocab, merges=_spm_merges(tokens, scores, vocab), dropout=None,
-                   unk_token=tokens[unknown_id] if unknown_id is not None else None,
-                   fuse_unk=False, byte_fallback=True))
-    steps: List[Any] = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
-    steps.append(normalizers.Replace(" ", _SPM_SPACE))
-    tk.normalizer = normalizers.Sequence(steps)
-    # Strip applies to each string it gets: after Fuse that is the whole text.
-    tk.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-                                   + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    if special:
-        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
-    if user:
-        tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    return tk
-
-
-def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: Dict[str, int]) -> List[Tuple[str, str]]:
-    """Every (a, b) with a, b and a+b tokens, highest score of a+b first (ties: lower id first;
-    for one a+b, longer a first, as transformers orders them). Only the tokens are sorted (262k
-    for Gemma 3, not its 515k merges): 1.5-2 s, the bulk of building the tokenizer."""
-    merges: List[Tuple[str, str]] = []
-    add = merges.append
-    for i in sorted(range(len(tokens)), key=scores.__getitem__, reverse=True):  # stable: ties keep id order
-        t = tokens[i]
-        for k in range(len(t) - 1, 0, -1):
-            a = t[:k]
-            if a in vocab:
-                b = t[k:]
-                if b in vocab:
-                    add((a, b))
-    return merges
 
 
 def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
@@ -303,13 +242,13 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     tk.decoder = decoders.ByteLevel()
     typed = list(zip(tokens, token_types))
     # A control token spelled outside the byte alphabet is a llama.cpp mislabel: transformers skips it.
-    special = [t for t, ty in typed if ty == _GGUF_CONTROL and set(t) <= alphabet]
+    special = [t for t, ty in typed if ty == CONTROL and set(t) <= alphabet]
     # transformers also registers its named bos/eos/unk/pad tokens as special.
     special += [tokens[i] for i in named_special_ids
                 if i is not None and 0 <= i < len(tokens) and tokens[i] in vocab and tokens[i] not in special]
     if special:
         tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
-    user = [t for t, ty in typed if ty == _GGUF_USER_DEFINED and t in vocab]
+    user = [t for t, ty in typed if ty == USER_DEFINED and t in vocab]
     if user:
         tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     return tk
