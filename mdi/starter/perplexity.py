@@ -11,6 +11,7 @@ ctx/2 tokens of context and the two tools' figures compare on the same GGUF. One
 node works on a different window at every step; a window that starts at position 0 overwrites
 its slot's cache. Perplexity is exp(mean NLL) over every scored token.
 """
+import contextlib
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-import torch
+import numpy as np
 
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
@@ -33,13 +34,15 @@ from mdi.starter.planning.run_plan import plan_run
 from mdi.starter.planning.run_shape import RunShape
 from mdi.starter.engine import Engine
 from mdi.starter.node_report import NodeReport, ring_reports, starter_report
-from mdi.system.transfers import to_device
+from mdi.starter.pass_compute import takes_host_arrays
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 512  # llama-perplexity's default context; capped at the model's block size
 MIN_CTX = 4
-HEAD_ROWS = 256  # positions per head call: bounds the [rows, vocab] float32 logits in memory
+HEAD_ROWS = 256  # positions per head call at most, and at most HEAD_BYTES of float32 logits
+HEAD_BYTES = 64 << 20  # (Gemma 3's 262k-token vocabulary: 64 rows, where 256 held 268 MB)
+EXP_ROWS = 16  # rows whose exp(logits - max) is held at once while their log-sum-exp is taken
 
 
 def scored_range(window: int, ctx: int) -> Tuple[int, int]:
@@ -105,7 +108,7 @@ PIECE_CHARS = 1 << 18  # characters read and tokenized at a time (8 MB of text: 
 JUNCTION_CHARS = 256  # each side of a cut, encoded together and apart to prove the cut exact
 
 
-def read_tokens(source: ModelSource, path: str) -> torch.Tensor:
+def read_tokens(source: ModelSource, path: str) -> np.ndarray:
     """The file's tokens as plain text (no chat template); BOS first if the tokenizer adds one.
 
     Read and tokenized a piece at a time, the ids kept as int32: tokenizing a whole file at
@@ -121,12 +124,12 @@ def read_tokens(source: ModelSource, path: str) -> torch.Tensor:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # /dev/zero, a pipe: no end to read to
             raise ConfigError("--perplexity %s: cannot read it: not a regular file" % path)
-        parts = [torch.tensor([tok.bos_id] if tok.add_bos else [], dtype=torch.int32)]
+        parts = [np.array([tok.bos_id] if tok.add_bos else [], dtype=np.int32)]
         visible = False
         with open(path, encoding="utf-8", newline="") as f:  # the text as it is: "\r\n" stays
             for piece in _pieces(f, tok):
                 visible = visible or not piece.isspace()
-                parts.append(torch.tensor(tok.encode_plain(piece), dtype=torch.int32))
+                parts.append(np.array(tok.encode_plain(piece), dtype=np.int32))
     except FileNotFoundError:
         raise ConfigError("--perplexity %s: no such file" % path)
     except UnicodeDecodeError as e:
@@ -135,7 +138,7 @@ def read_tokens(source: ModelSource, path: str) -> torch.Tensor:
         raise ConfigError("--perplexity %s: cannot read it: %s" % (path, e.strerror or e))
     if not visible:
         raise ConfigError("--perplexity %s: the file is empty" % path)
-    return torch.cat(parts)
+    return np.concatenate(parts)
 
 
 def _pieces(f: Any, tok: Any) -> Iterator[str]:
@@ -231,7 +234,7 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
 class _Scorer:
     """Keeps one window per cache slot travelling the ring and scores each as it returns."""
 
-    def __init__(self, engine: Engine, ids: torch.Tensor, ctx: int, n_windows: int, path: str,
+    def __init__(self, engine: Engine, ids: np.ndarray, ctx: int, n_windows: int, path: str,
                  on_window: Optional[Callable[[int, int, float, float], None]]) -> None:
         self.engine, self.ids, self.ctx, self.n_windows, self.path = engine, ids, ctx, n_windows, path
         self.on_window = on_window
@@ -247,7 +250,7 @@ class _Scorer:
 
     def run(self) -> None:
         self.t0 = time.perf_counter()
-        with torch.inference_mode():
+        with self._no_grad():
             for slot in range(self.engine.n_slots):
                 self._send_next(slot)
             while self.in_flight:
@@ -258,13 +261,21 @@ class _Scorer:
                     continue
                 self._score(frame)
 
-    def _window_ids(self, window: int) -> torch.Tensor:
+    def _no_grad(self) -> Any:
+        """torch's inference mode around a torch chunk's work; nothing for ggml's (the starter
+        then never imports torch)."""
+        if takes_host_arrays(self.chunk):
+            return contextlib.nullcontext()
+        import torch
+        return torch.inference_mode()
+
+    def _window_ids(self, window: int) -> np.ndarray:
         """The window's tokens; a tokenizer that adds BOS has every window begin with it, as
         llama-perplexity puts it in place of each chunk's first token (never a scored one): a
         model trained with BOS first reads a window without it as text out of context
         (Gemma 3: 1.7x the perplexity)."""
         a = window * self.ctx
-        ids = self.ids[a:a + self.ctx].to(device=self.chunk.device, dtype=torch.long)
+        ids = self.ids[a:a + self.ctx].copy()
         tok = self.engine.source.tokenizer
         if tok is not None and tok.add_bos:
             ids[0] = tok.bos_id
@@ -272,7 +283,11 @@ class _Scorer:
 
     def _send(self, slot: int, window: int) -> None:
         t0 = time.perf_counter()
-        x = self.chunk.forward_blocks(self.chunk.embed(self._window_ids(window), 0), slot, 0)
+        ids: Any = self._window_ids(window)
+        if not takes_host_arrays(self.chunk):
+            import torch
+            ids = torch.from_numpy(ids).to(device=self.chunk.device, dtype=torch.long)
+        x = self.chunk.forward_blocks(self.chunk.embed(ids, 0), slot, 0)
         self.compute_seconds += time.perf_counter() - t0
         pipeline = self.engine.live_pipeline
         pipeline.transport.send(Frame(FrameKind.SCORE, pipeline.run_id, [slot], [0], [self.ctx], x))
@@ -299,7 +314,10 @@ class _Scorer:
     def _score(self, frame: Frame) -> None:
         if frame.kind != FrameKind.SCORE or frame.tensor is None:
             return  # a stray stop/reset: nothing to score
-        hidden = to_device(frame.tensor, self.chunk.device, self.chunk.activation_dtype)
+        hidden = frame.tensor
+        if not takes_host_arrays(self.chunk):
+            from mdi.system.transfers import to_device
+            hidden = to_device(hidden, self.chunk.device, self.chunk.activation_dtype)
         row = 0
         for slot, count in zip(frame.samples, frame.count):
             rows, row = hidden[row:row + count], row + count
@@ -316,15 +334,24 @@ class _Scorer:
                 elapsed = time.perf_counter() - self.t0
                 self.on_window(done, self.n_windows, math.exp(nll), done * self.ctx / max(elapsed, 1e-9))
 
-    def _window_nll(self, window: int, hidden: torch.Tensor) -> Tuple[float, int]:
-        """(sum of NLL, tokens scored): position i's logits predict the token at i + 1."""
+    def _window_nll(self, window: int, hidden: Any) -> Tuple[float, int]:
+        """(sum of NLL, tokens scored): position i's logits predict the token at i + 1. Each
+        NLL is log-sum-exp(logits) - the target's logit, the exponentials summed in float64."""
         a, b = scored_range(window, self.ctx)
         targets = self._window_ids(window)
         total = 0.0
-        for i in range(a - 1, b - 1, HEAD_ROWS):
-            j = min(i + HEAD_ROWS, b - 1)
-            logp = torch.log_softmax(self.chunk.head(hidden[i:j]).float(), dim=-1)
-            total -= logp.gather(1, targets[i + 1:j + 1, None]).double().sum().item()
+        step = max(1, min(HEAD_ROWS, HEAD_BYTES // (4 * self.engine.source.config.vocab_size)))
+        for i in range(a - 1, b - 1, step):
+            j = min(i + step, b - 1)
+            logits = self.chunk.head(hidden[i:j])
+            if not isinstance(logits, np.ndarray):  # a torch chunk's (a GPU's too)
+                logits = logits.detach().float().cpu().numpy()
+            for k in range(0, j - i, EXP_ROWS):
+                rows = logits[k:k + EXP_ROWS]
+                peak = rows.max(axis=1)
+                sums = np.add.reduce(np.exp(rows - peak[:, None]), axis=1, dtype=np.float64)
+                picked = rows[np.arange(rows.shape[0]), targets[i + 1 + k:i + 1 + k + rows.shape[0]]]
+                total += float(np.sum(peak.astype(np.float64) + np.log(sums) - picked.astype(np.float64)))
         return total, b - a
 
     def _recover(self, cause: BaseException) -> None:
