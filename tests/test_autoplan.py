@@ -11,7 +11,7 @@ import requests
 from conftest import BIN, WorkerProcess, free_ports
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.layout import weight_bytes
-from mdi.model.block_timing import profile_blocks, profile_bytes
+from mdi.model.profile_size import profile_blocks, profile_bytes
 from mdi.ring.profile_request import ProfileRequest
 from mdi.timing.node import profile_positions
 from mdi.model.source import ModelSource

@@ -104,6 +104,21 @@ def test_a_ggml_worker_holds_its_layers_its_cache_and_little_else(smollm2_dir, t
                 (node["name"], node["peak_memory_bytes"] >> 20, own >> 20)
             with open("/proc/%d/maps" % worker.proc.pid) as f:
                 assert "libtorch" not in f.read()
+        # layers: auto times every node on ggml first (a profile cache of its own: measured
+        # here, not recalled): neither the workers nor the starter load torch for it.
+        fake = tmp_path / "no-torch" / "torch"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported torch')\n")
+        env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               "MDI_PROFILE_CACHE": str(tmp_path / "profiles")}
+        auto = write_run_config(tmp_path / "auto.yaml", smollm2_dir, workers, layers="auto", n_tokens=8,
+                                runtime={"threads": 1, "backend": "ggml"})
+        record, proc = start(auto, tmp_path, env=env)
+        assert "timing board" in proc.stderr or "timing w1" in proc.stderr, proc.stderr
+        assert all(len(s["token_ids"]) == 8 for s in record["samples"])
+        for worker in workers:
+            with open("/proc/%d/maps" % worker.proc.pid) as f:
+                assert "libtorch" not in f.read()
     finally:
         for w in workers:
             w.stop()

@@ -3,7 +3,7 @@ and time faster than a node holding real layers runs them, so a profile spans tw
 cache (no processes here; the worker's /profile is covered in test_autoplan)."""
 import pytest
 
-import mdi.model.block_timing as profile
+import mdi.model.profile_size as profile
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec, weight_bytes
 from mdi.ring.profile_request import ProfileReply, ProfileRequest

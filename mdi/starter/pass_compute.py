@@ -7,6 +7,7 @@ streamed the weights through the caches), where every torch call costs tens of m
 A ggml chunk holding the whole model (a one-node ring) also computes a decode pass's logits in
 its blocks' graph (GgmlChunk.embed_forward_logits): the rows that come back are logits then.
 """
+import contextlib
 from typing import Any, List, Sequence, Tuple
 
 import numpy as np
@@ -17,6 +18,15 @@ from mdi.model.pass_rows import PassRows
 def takes_host_arrays(chunk: Any) -> bool:
     """Whether `chunk` takes and gives numpy arrays (ggml's) rather than torch tensors."""
     return getattr(chunk, "backend", "torch") == "ggml"
+
+
+def inference_mode(chunk: Any) -> Any:
+    """torch's inference mode around a torch chunk's work; nothing around ggml's (whose
+    starter then never imports torch)."""
+    if takes_host_arrays(chunk):
+        return contextlib.nullcontext()
+    import torch
+    return torch.inference_mode()
 
 
 def computes_logits(chunk: Any) -> bool:

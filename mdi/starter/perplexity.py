@@ -11,7 +11,6 @@ ctx/2 tokens of context and the two tools' figures compare on the same GGUF. One
 node works on a different window at every step; a window that starts at position 0 overwrites
 its slot's cache. Perplexity is exp(mean NLL) over every scored token.
 """
-import contextlib
 import logging
 import math
 import os
@@ -34,7 +33,7 @@ from mdi.starter.planning.run_plan import plan_run
 from mdi.starter.planning.run_shape import RunShape
 from mdi.starter.engine import Engine
 from mdi.starter.node_report import NodeReport, ring_reports, starter_report
-from mdi.starter.pass_compute import takes_host_arrays
+from mdi.starter.pass_compute import inference_mode, takes_host_arrays
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +249,7 @@ class _Scorer:
 
     def run(self) -> None:
         self.t0 = time.perf_counter()
-        with self._no_grad():
+        with inference_mode(self.chunk):
             for slot in range(self.engine.n_slots):
                 self._send_next(slot)
             while self.in_flight:
@@ -260,14 +259,6 @@ class _Scorer:
                     self._recover(e)
                     continue
                 self._score(frame)
-
-    def _no_grad(self) -> Any:
-        """torch's inference mode around a torch chunk's work; nothing for ggml's (the starter
-        then never imports torch)."""
-        if takes_host_arrays(self.chunk):
-            return contextlib.nullcontext()
-        import torch
-        return torch.inference_mode()
 
     def _window_ids(self, window: int) -> np.ndarray:
         """The window's tokens; a tokenizer that adds BOS has every window begin with it, as

@@ -31,7 +31,8 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
         return profile_ggml(request, device, with_ends, params, token, time_loop, n_blocks)
     import torch  # torch's blocks (a node that computes with ggml never imports these)
 
-    from mdi.model.block_timing import profile_blocks, profile_chunk, time_chunk
+    from mdi.model.block_timing import profile_chunk, time_chunk
+    from mdi.model.profile_size import profile_blocks
     from mdi.model.layout import torch_dtype
     from mdi.model.quantization import kernel_choice, qkernels
     from mdi.system.devices import resolve_compute_dtype

@@ -1,5 +1,6 @@
 """What a worker measures when asked between runs: POST /profile (its blocks' timing, within
 the memory it spares) and POST /backend (which backend it would compute given layers with)."""
+import dataclasses
 import gc
 import logging
 import threading
@@ -54,10 +55,12 @@ class Measuring:
             if request.backend == "ggml":  # the run's blocks, on ggml: no torch loaded for it
                 from mdi.timing.ggml_profile import profile_ggml as profile_here
                 n_blocks = None
+                if self.threads_override:  # this worker's --threads, as its runs compute with
+                    request = dataclasses.replace(request, threads=self.threads_override)
             else:
                 from mdi.timing.node import profile_here  # torch's blocks
                 n_blocks = self._profile_blocks(request)
-            self._set_threads(request)
+                self._set_threads(request)
             try:
                 return profile_here(request, self.device_override or request.device, token=self.token,
                                     n_blocks=n_blocks)
@@ -115,7 +118,7 @@ class Measuring:
         measured again, not assumed: a 230 MB board holding its warmup run's layers refused the
         profile and the plan left it out, and one sized on the room the weights would leave,
         before they had gone, was OOM-killed."""
-        from mdi.model.block_timing import profile_blocks, profile_bytes
+        from mdi.model.profile_size import profile_blocks, profile_bytes
         from mdi.timing.node import profile_positions
         config, rows = request.model, max(request.batch_sizes)
         positions = profile_positions(request)

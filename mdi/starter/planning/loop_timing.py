@@ -12,15 +12,13 @@ on loopback (mdi.timing.relay, which times a worker's pass the same way), and ti
 at each batch size.
 """
 import time
-from typing import Dict, Optional, Sequence
-
-import torch
+from typing import Any, Dict, Optional, Sequence
 
 from mdi.model.timing_loop import MIN_WINDOW_S, ROUNDS
 from mdi.model.sampling import SamplingParams, sample_generator
-from mdi.model.transformer import ModelChunk
 from mdi.timing.relay import RUN_ID, WAIT_S, looped_endpoint
 from mdi.ring.transport import RingEndpoint
+from mdi.starter.pass_compute import inference_mode
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
@@ -28,7 +26,7 @@ from mdi.starter.sample import Sample
 MAX_STEPS = 256  # decode passes per timed round (positions 1..MAX_STEPS: a short context)
 
 
-def time_starter_loop(chunk: ModelChunk, batch_sizes: Sequence[int], params: SamplingParams,
+def time_starter_loop(chunk: Any, batch_sizes: Sequence[int], params: SamplingParams,
                       codec: str = "raw", token: Optional[str] = None) -> Dict[int, float]:
     """Seconds per decode pass of the starter's loop over `chunk` (embedding, its blocks and
     head) for each number of samples in `batch_sizes`, the frames looping back to itself."""
@@ -48,7 +46,7 @@ def time_starter_loop(chunk: ModelChunk, batch_sizes: Sequence[int], params: Sam
         chunk.free_cache()
 
 
-def _one_round(chunk: ModelChunk, endpoint: RingEndpoint, run_id: int, rows: int, params: SamplingParams,
+def _one_round(chunk: Any, endpoint: RingEndpoint, run_id: int, rows: int, params: SamplingParams,
                max_len: int) -> float:
     pipe = Pipeline(chunk, endpoint, run_id, params, None, PipelineSettings(max_batch=rows, recv_timeout=WAIT_S))
     for i in range(rows):
@@ -70,6 +68,6 @@ def _one_round(chunk: ModelChunk, endpoint: RingEndpoint, run_id: int, rows: int
 
 
 def _step(pipe: Pipeline) -> None:
-    with torch.inference_mode():
+    with inference_mode(pipe.chunk):
         if not pipe.step(WAIT_S):
             raise RuntimeError("the starter's timing loop got no frame back within %.0f s" % WAIT_S)

@@ -266,7 +266,7 @@ class Profiler:
         request = self._request(node, True)
 
         def measure() -> Dict[str, Any]:  # (the timing modules import torch: here, not at the top)
-            from mdi.model.block_timing import profile_blocks
+            from mdi.model.profile_size import profile_blocks
             from mdi.starter.planning.loop_timing import time_starter_loop
 
             def time_loop(chunk: Any) -> Dict[int, float]:
