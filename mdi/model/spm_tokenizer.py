@@ -1,7 +1,7 @@
 """llama.cpp's SentencePiece tokenizer (`llm_tokenizer_spm`) for a GGUF "llama" vocabulary (Gemma 3,
 Llama 2, TinyLlama), written out here so that its ids are llama.cpp's by construction and its
 memory is the vocabulary's: Gemma 3's 262k tokens as a Hugging Face BPE needed 515k merges, held
-96 MB and peaked at 290 MB while its tokenizer.json parsed; this holds about 35 MB.
+~100 MB and peaked at ~360 MB while its tokenizer.json parsed; this holds 39 MB, 43 at its peak.
 
 Encoding, as src/llama-vocab.cpp does it with special tokens parsed:
 - control, unknown-type and user-defined tokens are cut out of the raw text first, longest
@@ -13,7 +13,7 @@ Encoding, as src/llama-vocab.cpp does it with special tokens parsed:
 - what is left that is not a token becomes its UTF-8 bytes' <0xXX> tokens.
 Decoding is llama.cpp's token_to_piece: a normal token with "\u2581" back to spaces, a byte token
 its byte, a control or user-defined token its text as it is; with `add_space_prefix` the text's
-first space is dropped."""
+first space is dropped. (An unused-type token shows as a normal one, where llama.cpp shows nothing.)"""
 import heapq
 import os
 import re
