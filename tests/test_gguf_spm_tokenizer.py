@@ -278,3 +278,11 @@ def test_gemma3_counts_fewest_tokens_without_tokenizing(gemma3):
     for text in TEXTS:
         assert gemma3.fewest_tokens(text) <= len(gemma3.encode_plain(text))
     assert gemma3.fewest_tokens("x" * 100000) > 1000
+
+
+def test_a_draft_model_vocabulary_is_compared_by_spelling(small):
+    # A draft model must share the target's vocabulary: each id's own spelling is compared, as
+    # Hugging Face's id_to_token gives it (a Gemma 3 directory prepared before holds that one).
+    from mdi.starter.speculation.draft_model import token_text, vocabulary_difference
+    assert [token_text(small, ID[t]) for t in ("\u2581ab", "<0x41>", "<x>", "</s>")] == ["\u2581ab", "<0x41>", "<x>", "</s>"]
+    assert vocabulary_difference(small, small) is None

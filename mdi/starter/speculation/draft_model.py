@@ -29,6 +29,7 @@ from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout
 from mdi.model.sampling import greedy
 from mdi.model.source import ModelSource, read_tokenizer
+from mdi.model.spm_tokenizer import SpmTokenizer
 from mdi.model.tokenizers import Tokenizer, TokenizerError
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planning.capacity import chunk_bytes_needed
@@ -54,6 +55,8 @@ def token_text(tok: Tokenizer, i: int) -> str:
     sp = getattr(tok, "sp", None)
     if sp is not None:
         return str(sp.id_to_piece(i))
+    if isinstance(tok, SpmTokenizer):  # a GGUF vocabulary's own spelling, as HF's id_to_token gives it
+        return tok.tokens[i].decode("utf-8", "replace")
     return tok.decode([i])
 
 
