@@ -151,6 +151,11 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
         own = source.gguf_bytes(first, last, True, True) + starter["cache_bytes"]
         assert starter["backend"] == "ggml" and starter["cache_bytes"] > 0
         assert starter["peak_memory_bytes"] <= own + 150 * 2 ** 20, (starter["peak_memory_bytes"] >> 20, own >> 20)
+    # --check too: its kernel lines say ggml's blocks apply, not torch's kernels
+    check = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", ring, "--check"], capture_output=True,
+                           text=True, timeout=600, cwd=ROOT, env=dict(os.environ, **env))
+    assert check.returncode == 0 and "check: all nodes ready" in check.stdout, check.stdout + check.stderr
+    assert "kernels: ggml's" in check.stdout and "kernel copies" not in check.stdout, check.stdout
     # Serving too: sampling fields, logprobs, a JSON schema, speculation's pass costs, /metrics, /v1/mdi/state
     served = write_run_config(tmp_path / "serve.yaml", smollm2_dir, runtime={"threads": 1, "backend": "ggml"},
                               serve={"max_in_flight": 2})

@@ -3,7 +3,7 @@ from typing import Any, Optional, Sequence
 
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
-from mdi.model.quantization import kernel_choice, kernel_report, qkernels
+from mdi.model.quantization import kernel_report
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
@@ -79,6 +79,9 @@ def kernels_line(cfg: RunConfig) -> str:
     """How the run's quantized layers will multiply, by runtime.quant_kernel (each node's line
     below names the kernels its own torch and CPU offer; which win is measured at load)."""
     policy = cfg.runtime.quant_kernel
+    if all_ggml(cfg):
+        return ("kernels: ggml's, on each GGUF block type as stored (every node's runtime.backend is ggml: "
+                "runtime.quant_kernel does not apply)")
     if cfg.model.quant == "none":
         return "kernels: none (model.quant none: every weight is float)"
     if policy == "exact":
@@ -90,6 +93,11 @@ def kernels_line(cfg: RunConfig) -> str:
     else:
         how = "every quantized layer takes %s where it runs, else dequant" % policy
     return "kernels: runtime.quant_kernel %s: %s; the run's summary line and metrics name the choices" % (policy, how)
+
+
+def all_ggml(cfg: RunConfig) -> bool:
+    """Every node of the run computes with ggml (asked so: `auto` decides on the node)."""
+    return all(cfg.backend_of(n) == "ggml" for n in cfg.nodes)
 
 
 def kernels_offered_line(policy: str, offered: Sequence[str]) -> str:
@@ -116,6 +124,8 @@ def prefix_line(cfg: RunConfig) -> str:
 def kernel_memory_line(cfg: RunConfig) -> str:
     """What quantized kernels may hold beyond the stored weights (runtime.kernel_memory)."""
     setting = cfg.runtime.kernel_memory
+    if all_ggml(cfg):
+        return "kernel memory: none needed (every node computes with ggml, on the GGUF's blocks as stored)"
     if cfg.model.quant == "none" and not any(n.quant for n in cfg.nodes):
         return "kernel memory: none needed (model.quant none: every weight is float)"
     if not setting:
@@ -139,7 +149,8 @@ def kernel_admits(cfg: RunConfig, need: Optional[int], free: Optional[int]) -> s
     if need is not None and free is not None:
         spare = free - need - LOAD_HEADROOM_BYTES
         spare -= prefix_budget(cfg.runtime.prefix_cache, spare) if cfg.runtime.prefix_cache == "auto" else 0
-    allowance = kernel_choice.allowance_for(setting, spare)
+    from mdi.model.quantization.kernel_choice import allowance_for  # torch's kernels: a torch node's line
+    allowance = allowance_for(setting, spare)
     if allowance is None:
         return "kernel copies: no limit (its memory is unknown)"
     return "kernel copies up to %.1f MB" % (allowance / MB)
@@ -161,7 +172,9 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
             print("%s  REFUSED: %s" % (where, e))
             return False
         info = "starter; backend %s; cpu %s" % (backend.describe(), isa_text(cpu_info()))
-        if backend.backend == "torch":
+        on_torch = backend.backend == "torch"
+        if on_torch:
+            from mdi.model.quantization import qkernels  # (imports torch: a ggml starter's check never does)
             info += "; " + kernels_offered_line(policy, qkernels.offered_on(device))
     else:
         try:
@@ -177,14 +190,15 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
         if chosen is not None:
             info += "; backend %s" % chosen.line
+        on_torch = chosen is None or chosen.backend == "torch"
         if status.cpu:  # an older worker does not say
             info += "; cpu %s" % status.cpu
-            if chosen is None or chosen.backend == "torch":
+            if on_torch:
                 info += "; " + kernels_offered_line(policy, chosen.kernels_here if chosen else status.kernels_here)
         if status.kernels:
             info += " (the layers it holds from an earlier run use %s)" % kernel_report.summary(status.kernels)
     fits = need is None or free is None or need <= free
-    if need is not None and fits:
+    if need is not None and fits and on_torch:  # ggml computes with the GGUF's blocks: no kernel copies
         info += "; " + kernel_admits(cfg, need, free)
     print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
                                    info, "fits" if fits else "DOES NOT FIT"))
