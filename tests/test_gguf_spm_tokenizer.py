@@ -86,11 +86,10 @@ def llama_tokenize(gguf_path, text):
     return [int(i) for i in last[1:-1].split(",") if i.strip()]
 
 
-@pytest.fixture(scope="module")
-def reference(gemma3_gguf):
-    """text -> llama.cpp's ids (BOS first), from one llama-tokenize call."""
-    assert not any(SEP in t for t in TEXTS)
-    ids = llama_tokenize(gemma3_gguf, SEP.join(TEXTS))
+def llama_tokenize_each(gguf_path, texts):
+    """llama.cpp's ids of each text (no BOS), from one llama-tokenize call over them joined by SEP."""
+    assert not any(SEP in t for t in texts)
+    ids = llama_tokenize(gguf_path, SEP.join(texts))
     assert ids[0] == 2  # <bos>: Gemma 3 adds it
     pieces = [[]]
     for i in ids[1:]:
@@ -98,8 +97,14 @@ def reference(gemma3_gguf):
             pieces.append([])
         else:
             pieces[-1].append(i)
-    assert len(pieces) == len(TEXTS)
-    return {text: [2] + piece for text, piece in zip(TEXTS, pieces)}
+    assert len(pieces) == len(texts)
+    return pieces
+
+
+@pytest.fixture(scope="module")
+def reference(gemma3_gguf):
+    """text -> llama.cpp's ids (BOS first), from one llama-tokenize call."""
+    return {text: [2] + piece for text, piece in zip(TEXTS, llama_tokenize_each(gemma3_gguf, TEXTS))}
 
 
 def test_gemma3_metadata(gemma3):
@@ -124,14 +129,7 @@ def test_gemma3_matches_llama_cpp_on_random_texts(gemma3_gguf, gemma3):
              ".", "ing", " x"]
     texts = ["".join(rnd.choice(parts) for _ in range(rnd.randint(1, 30))) for _ in range(150)]
     texts = [t for t in texts if SEP not in t]
-    ids = llama_tokenize(gemma3_gguf, SEP.join(texts))
-    pieces = [[]]
-    for i in ids[1:]:
-        if i == SEP_ID:
-            pieces.append([])
-        else:
-            pieces[-1].append(i)
-    assert len(pieces) == len(texts)
+    pieces = llama_tokenize_each(gemma3_gguf, texts)
     mismatches = [(t, gemma3.encode_plain(t), p) for t, p in zip(texts, pieces) if gemma3.encode_plain(t) != p]
     assert not mismatches, "%d of %d texts differ from llama.cpp, first: %r" % (len(mismatches), len(texts),
                                                                                  mismatches[0])
