@@ -254,6 +254,9 @@ class GGUFFile:
             view = (self._order + item, shape) if item is not None else \
                 ("u1", shape[:-1] + (shape[-1] // block * type_size,))  # quantized: rows of blocks, as bytes
             self.tensors.append(GGUFTensor(name, ggml_type, dims, self.bytes, start, n_bytes, view))
+        # The walk read every page of the header (Gemma 3's 262k-token vocabulary: 5 MB), which
+        # would stay resident as long as this map: a value asked for later reads its pages again.
+        self._drop_range(0, header.data_start)
 
     def keys(self) -> List[str]:
         return list(self._values)
@@ -264,11 +267,14 @@ class GGUFFile:
         page of the map that was read counts in RSS until the map closes: reading a whole GGUF
         model held the file (98 MB for SmolLM2) on top of the weights copied from it, the peak
         of loading one. Nothing where madvise is missing (not Linux / BSD)."""
+        self._drop_range(tensor._start, tensor._start + tensor._n_bytes)
+
+    def _drop_range(self, start: int, end: int) -> None:
         advise = getattr(self._map, "madvise", None)
         if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = tensor._start - tensor._start % mmap.PAGESIZE
-        end = min(len(self._map), tensor._start + tensor._n_bytes)
+        start -= start % mmap.PAGESIZE
+        end = min(len(self._map), end)
         if end > start:
             advise(mmap.MADV_DONTNEED, start, end - start)
 
