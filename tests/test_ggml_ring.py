@@ -42,6 +42,15 @@ def start(config, tmp_path, *extra, env=None, prompts=PROMPTS):
         return json.load(f), proc
 
 
+def no_torch_env(tmp_path):
+    """Environment for a process whose `import torch` fails: a `torch` that raises comes first
+    on its path."""
+    fake = tmp_path / "no-torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported torch')\n")
+    return {"PYTHONPATH": os.pathsep.join([str(fake.parent), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+
+
 def ids(record):
     return [s["token_ids"] for s in record["samples"]]
 
@@ -106,11 +115,7 @@ def test_a_ggml_worker_holds_its_layers_its_cache_and_little_else(smollm2_dir, t
                 assert "libtorch" not in f.read()
         # layers: auto times every node on ggml first (a profile cache of its own: measured
         # here, not recalled): neither the workers nor the starter load torch for it.
-        fake = tmp_path / "no-torch" / "torch"
-        fake.mkdir(parents=True)
-        (fake / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported torch')\n")
-        env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               "MDI_PROFILE_CACHE": str(tmp_path / "profiles")}
+        env = dict(no_torch_env(tmp_path), MDI_PROFILE_CACHE=str(tmp_path / "profiles"))
         auto = write_run_config(tmp_path / "auto.yaml", smollm2_dir, workers, layers="auto", n_tokens=8,
                                 runtime={"threads": 1, "backend": "ggml"})
         record, proc = start(auto, tmp_path, env=env)
@@ -132,10 +137,7 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
     none of them in its memory (they were read through its map of the file, all resident).
     Standalone and as a ring of 3's starter, with a prompt long enough to need a real cache."""
     from mdi.model.source import ModelSource
-    fake = tmp_path / "no-torch" / "torch"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported torch')\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    env = no_torch_env(tmp_path)
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 50)
     sampled = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
     source = ModelSource(smollm2_dir)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from mdi.model.sampling import SamplingParams
+from mdi.model.sampling import SamplingParams, host_array
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
 from mdi.ring.wire import Frame, FrameKind
@@ -334,9 +334,7 @@ class _Scorer:
         step = max(1, min(HEAD_ROWS, HEAD_BYTES // (4 * self.engine.source.config.vocab_size)))
         for i in range(a - 1, b - 1, step):
             j = min(i + step, b - 1)
-            logits = self.chunk.head(hidden[i:j])
-            if not isinstance(logits, np.ndarray):  # a torch chunk's (a GPU's too)
-                logits = logits.detach().float().cpu().numpy()
+            logits = host_array(self.chunk.head(hidden[i:j]))  # a torch chunk's (a GPU's too) on the host
             for k in range(0, j - i, EXP_ROWS):
                 rows = logits[k:k + EXP_ROWS]
                 peak = rows.max(axis=1)
