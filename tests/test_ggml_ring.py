@@ -42,13 +42,14 @@ def start(config, tmp_path, *extra, env=None, prompts=PROMPTS):
         return json.load(f), proc
 
 
-def no_torch_env(tmp_path):
-    """Environment for a process whose `import torch` fails: a `torch` that raises comes first
-    on its path."""
-    fake = tmp_path / "no-torch" / "torch"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported torch')\n")
-    return {"PYTHONPATH": os.pathsep.join([str(fake.parent), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+def no_torch_env(tmp_path, *also):
+    """Environment for a process whose `import torch` fails, and the import of each module
+    `also` names: a package of that name that raises comes first on its path."""
+    root = tmp_path / "-".join(("no-torch",) + also)
+    for name in ("torch",) + also:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "__init__.py").write_text("raise ImportError('a starter computing with ggml imported %s')\n" % name)
+    return {"PYTHONPATH": os.pathsep.join([str(root), ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
 
 def ids(record):
@@ -135,7 +136,8 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
     first on its path): its peak memory is its own layers' GGUF bytes (embedding, blocks and
     head), its KV cache and the Python runtime, within 150 MB. Pushing a worker's layers leaves
     none of them in its memory (they were read through its map of the file, all resident).
-    Standalone and as a ring of 3's starter, with a prompt long enough to need a real cache."""
+    Standalone and as a ring of 3's starter, with a prompt long enough to need a real cache.
+    Alone it never imports requests either (12 MB resident for a client it has no use for)."""
     from mdi.model.source import ModelSource
     env = no_torch_env(tmp_path)
     prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 50)
@@ -145,8 +147,8 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
                              runtime={"threads": 1, "backend": "ggml"})
     ring = write_run_config(tmp_path / "ring.yaml", smollm2_dir, two_workers, n_tokens=24, generation=sampled,
                             runtime={"threads": 1, "backend": "ggml"})
-    for config in (alone, ring):
-        record, _ = start(config, tmp_path, env=env, prompts=[prompt, "Once upon a time"])
+    for config, run_env in ((alone, no_torch_env(tmp_path, "requests")), (ring, env)):
+        record, _ = start(config, tmp_path, env=run_env, prompts=[prompt, "Once upon a time"])
         assert all(len(s["token_ids"]) == 24 for s in record["samples"])
         starter = record["nodes"][0]
         first, last = starter["layers"]

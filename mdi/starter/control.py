@@ -11,11 +11,8 @@ With a shared secret every request is signed (`HmacAuth`); the secret itself is 
 import socket
 import threading
 import time
-from typing import Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
 from urllib.parse import unquote
-
-import requests
-import urllib3
 
 from mdi.ring.auth import CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, body_sha256, sign_request
 from mdi.ring.init_request import InitRequest
@@ -23,6 +20,11 @@ from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
+
+# requests (with urllib3 and ssl) is imported where a node is first called, not here: a starter
+# with no workers never makes a call, and the import alone holds 12 MB resident.
+if TYPE_CHECKING:
+    import requests
 
 
 class NodeError(RuntimeError):
@@ -47,6 +49,8 @@ class NodeTimeout(NodeError):
 def _causes(error: BaseException) -> Iterator[BaseException]:
     """`error` and every exception under it (args, __cause__, __context__), once each. A failed
     connection (NewConnectionError) is yielded but not looked into: nothing was sent on it."""
+    import urllib3
+
     todo, seen = [error], set()
     while todo:
         e = todo.pop()
@@ -63,6 +67,8 @@ def _timed_out(error: BaseException) -> bool:
     """Whether a timeout lies under `error`. requests reports a peer that stops reading our
     request body, or stops mid-reply, as a ConnectionError wrapping the socket timeout.
     urllib3 derives "connection refused" (NewConnectionError) from its connect timeout: not one."""
+    import urllib3
+
     # socket.timeout is TimeoutError only from Python 3.10 on: name both.
     return any(isinstance(e, (socket.timeout, TimeoutError, urllib3.exceptions.ReadTimeoutError))
                and not isinstance(e, urllib3.exceptions.NewConnectionError) for e in _causes(error))
@@ -71,6 +77,8 @@ def _timed_out(error: BaseException) -> bool:
 def _dropped(error: BaseException) -> bool:
     """Whether `error` is a kept-alive connection the worker closed (it closes idle ones) just
     as a request went out on it: nothing was processed, so asking again is safe."""
+    import urllib3
+
     causes = list(_causes(error))
     if any(isinstance(e, urllib3.exceptions.NewConnectionError) for e in causes):
         return False
@@ -78,19 +86,19 @@ def _dropped(error: BaseException) -> bool:
                for e in causes)
 
 
-class HmacAuth(requests.auth.AuthBase):
+class HmacAuth:
     """Signs each request with the shared secret (mdi/ring/auth.py: method, path and query,
     the body's sha256, time, nonce), which never leaves this process. A body that is not
     bytes (a file or a stream), or one whose request says so in its X-MDI-Content-SHA256
     header, goes unsigned, which only POST /weights may do: its sha256 is announced in the
     signed /init. `offset`: seconds added to our clock, learnt from a worker whose clock
-    disagrees with ours (see ControlClient._call)."""
+    disagrees with ours (see ControlClient._call). requests takes any such callable as `auth`."""
 
     def __init__(self, token: str) -> None:
         self.token = token
         self.offset = 0.0
 
-    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+    def __call__(self, r: "requests.PreparedRequest") -> "requests.PreparedRequest":
         body = r.body
         if r.headers.get(CONTENT_HEADER) == UNSIGNED_PAYLOAD:
             content = UNSIGNED_PAYLOAD
@@ -110,6 +118,8 @@ class ControlClient:
     def __init__(self, node: NodeSpec, connect_timeout: float = 5.0, init_timeout: float = 600.0,
                  token: Optional[str] = None) -> None:
         self.node = node
+        import requests
+
         self.base = "http://%s:%d" % (node.host, node.port)
         self.connect_timeout = connect_timeout
         self.init_timeout = init_timeout
@@ -151,9 +161,11 @@ class ControlClient:
         return body
 
     def _send(self, method: str, route: str, read_timeout: float, retry_dropped: bool,
-              **kwargs: Any) -> Optional[requests.Response]:
+              **kwargs: Any) -> Optional["requests.Response"]:
         """The worker's answer; None when it closed the connection under a request that may go
         again (`retry_dropped`); a NodeError subclass saying what happened otherwise."""
+        import requests
+
         what = "%s %s" % (method, route)
         where = "node %s (%s)" % (self.node.name, self.node.address)
         try:

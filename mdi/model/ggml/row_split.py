@@ -26,7 +26,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 import numpy as np
 
 from mdi.model.ggml import lib
-from mdi.model.ggml.graph import Built, multiply
+from mdi.model.ggml.graph import Built, multiply, split_nodes
 from mdi.system.machine_cache import MachineCache, digest, machine_key
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _products(probe: List[Any], n: int, by_row: bool, buffer_type: Optional[int]
     """A graph multiplying n rows by every matrix of `probe` in turn (an input per row length),
     as one product each or row by row."""
     gg = lib.require()
-    b = Built(len(probe) * (3 * n + 2) + 8, buffer_type)
+    b = Built(len(probe) * (split_nodes(n) + 2) + 8, buffer_type)  # and a sum and an add each
     ctx = b.ctx.ptr
     total = None
     for w in probe:
