@@ -186,3 +186,19 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
     finally:
         server.stop()
     assert "imported torch" not in server.output(), server.output()
+
+
+def test_a_ggml_starter_drafts_on_ggml_without_torch(smollm2_dir, tmp_path):
+    """A draft model with a GGUF computes on ggml beside a ggml starter, torch never imported
+    (its import fails here), and the greedy ids are the plain run's."""
+    env = no_torch_env(tmp_path)
+    runtime = {"threads": 1, "backend": "ggml"}
+    prompts = ["def add(a, b):\n    return a + b\n\nHere is the same code again:\n"]
+    plain = write_run_config(tmp_path / "plain.yaml", smollm2_dir, n_tokens=24, runtime=runtime)
+    drafted = write_run_config(tmp_path / "draft.yaml", smollm2_dir, n_tokens=24, runtime=runtime,
+                               generation={"speculation": {"draft": smollm2_dir}})
+    want, _ = start(plain, tmp_path, env=env, prompts=prompts)
+    got, _ = start(drafted, tmp_path, env=env, prompts=prompts)
+    assert ids(got) == ids(want)
+    record = got["nodes"][0]["speculation"]
+    assert record["draft_backend"] == "ggml" and record["drafted"] > 0, record

@@ -9,7 +9,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.backend import BackendChoice
 from mdi.model.backend_select import device_unusable, select_backend
@@ -170,8 +170,7 @@ class Engine(RuntimeAdapters):
             return chunk
         # torch's chunk: its kernels are chosen here (a ggml starter never imports torch)
         from mdi.model.quantization import kernel_choice, qkernels
-        asked = self.cfg.model.compute_dtype
-        compute, note = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
+        compute, note = self._compute_dtype()
         if note:
             log.warning("mdi: starter: %s", note)
         quant = self.plan.nodes[0].quant
@@ -242,13 +241,17 @@ class Engine(RuntimeAdapters):
         """The run's draft model (generation.speculation's draft), loaded beside the starter's chunk."""
         if self.plan.draft is None:
             return None
-        asked = self.cfg.model.compute_dtype
-        compute, _ = resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
         chunk = self.live_chunk
         ggml = GgmlDraft(chunk.threads, self.cfg.runtime.kv_type, self.cfg.runtime.repack, self.device) \
             if chunk.backend == "ggml" else None
-        return DraftModel.load(self.plan.draft, self.n_slots, self.max_len, self.dtype, self.device, compute,
+        return DraftModel.load(self.plan.draft, self.n_slots, self.max_len,
+                               lambda: (self.dtype, self._compute_dtype()[0]), self.device,
                                self.plan.prefill_chunk, self.cfg.runtime.fused_decode, ggml)
+
+    def _compute_dtype(self) -> Tuple[Any, Optional[str]]:
+        """The torch dtype a torch chunk computes in, and a note when the device decided it."""
+        asked = self.cfg.model.compute_dtype
+        return resolve_compute_dtype(self.device, self.dtype, torch_dtype(asked) if asked else None)
 
     def _enable_prefix_cache(self) -> None:
         """The pipeline keeps earlier prompts' KV within what every node gives it: as many

@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantLayout
@@ -32,10 +32,11 @@ from mdi.model.source import ModelSource, read_tokenizer
 from mdi.model.spm_tokenizer import SpmTokenizer
 from mdi.model.tokenizers import Tokenizer, TokenizerError
 from mdi.runconfig import ConfigError, RunConfig
+from mdi.starter.pass_compute import inference_mode, pass_inputs, takes_host_arrays
 from mdi.starter.planning.capacity import chunk_bytes_needed
 from mdi.starter.sample import Sample
 
-if TYPE_CHECKING:  # torch is imported where a draft model runs: a ggml starter without one never loads it
+if TYPE_CHECKING:  # torch is imported where a draft model computes on torch: a ggml draft never loads it
     import torch
 
     from mdi.model.transformer import ModelChunk
@@ -152,12 +153,13 @@ class DraftModel:
         self.max_len = chunk.cache.max_len  # positions per slot
 
     @classmethod
-    def load(cls, draft: DraftSource, n_slots: int, max_len: int, dtype: torch.dtype, device: str,
-             compute_dtype: Optional[torch.dtype], prefill_chunk: int, fused_decode: bool = True,
-             ggml: Optional["GgmlDraft"] = None) -> "DraftModel":
+    def load(cls, draft: DraftSource, n_slots: int, max_len: int,
+             torch_dtypes: Callable[[], Tuple[torch.dtype, Optional[torch.dtype]]], device: str,
+             prefill_chunk: int, fused_decode: bool = True, ggml: Optional["GgmlDraft"] = None) -> "DraftModel":
         """The draft computes as the starter does: on ggml (`ggml`: the starter's chunk does)
         where the draft has a GGUF, its tensors as stored; else on torch, quantized as its
-        `quant` says."""
+        `quant` says, in the (weights, compute) dtypes `torch_dtypes` gives (asked for only
+        then: a ggml draft never imports torch)."""
         n = draft.config.n_layer
         if ggml is not None and draft.source.gguf_path is not None:
             chunk = draft.source.ggml_chunk(0, n, True, True, ggml.threads, ggml.kv_type, ggml.repack, ggml.device)
@@ -167,6 +169,7 @@ class DraftModel:
         else:
             if ggml is not None:
                 log.info("mdi: starter: the draft model %s has no GGUF: it computes on torch", draft.path)
+            dtype, compute_dtype = torch_dtypes()
             chunk = draft.source.load_chunk(0, n, True, True, dtype, device, compute_dtype, draft.quant, consume=True)
             chunk.fused_decode = fused_decode
         chunk.allocate_cache(n_slots, draft_len(draft.config, max_len))
@@ -188,15 +191,14 @@ class DraftModel:
             del self.owner[slot]
             self.held.pop(slot, None)
 
-    def _feed(self, slot: int, start: int, tokens: Sequence[int]) -> torch.Tensor:
+    def _feed(self, slot: int, start: int, tokens: Sequence[int]) -> Any:
         """Run `tokens` at positions start.. through the model in `slot`; the last row's logits."""
-        from mdi.model.row_batch import RowBatch
-        from mdi.system.transfers import ints_to_device
+        host = takes_host_arrays(self.chunk)
         x = None
         for at in range(0, len(tokens), self.prefill_chunk):
             part = list(tokens[at:at + self.prefill_chunk])
-            batch = RowBatch.of([slot], [start + at], [len(part)], self.device)
-            x = self.chunk.embed_forward_rows(ints_to_device(part, self.device), batch)
+            batch, ids = pass_inputs(host, [slot], [start + at], [len(part)], [0], False, part, self.device)
+            x = self.chunk.embed_forward_rows(ids, batch)
         assert x is not None, "nothing to feed"
         return self.chunk.head(x[-1:])[0]
 
@@ -211,8 +213,7 @@ class DraftModel:
         same = min(same, n - 1)  # the last token is fed again: its row's logits draft the first token
         if max(tokens[same:]) >= self.vocab:  # an id past a smaller head's (the target's padding): no draft
             return []
-        import torch
-        with torch.inference_mode():
+        with inference_mode(self.chunk):
             logits = self._feed(slot, same, tokens[same:])
             now = list(tokens)
             out: List[int] = []
@@ -252,8 +253,7 @@ class ModelDrafter:
         # the prompt's prefill, at admission: the first proposal then feeds only its last token
         window = sample.window_tokens(0, sample.window_len)
         if 1 < len(window) <= model.max_len:
-            import torch
-            with torch.inference_mode():
+            with inference_mode(model.chunk):
                 model._feed(sample.slot, 0, window[:-1])
             model.held[sample.slot], model.owner[sample.slot] = window[:-1], self.owner
 
