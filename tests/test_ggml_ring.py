@@ -202,3 +202,43 @@ def test_a_ggml_starter_drafts_on_ggml_without_torch(smollm2_dir, tmp_path):
     assert ids(got) == ids(want)
     record = got["nodes"][0]["speculation"]
     assert record["draft_backend"] == "ggml" and record["drafted"] > 0, record
+
+
+def test_a_ggml_ring_runs_a_lora_and_a_soft_prompt_without_torch(smollm2_dir, two_workers, tmp_path):
+    """Adapter files (a PEFT LoRA and a prompt-tuning adapter) are read, installed on every
+    node's layers and sent to the workers with torch never imported on a ggml ring (its import
+    fails here): each adapter changes the text, and a sample's ids are its ids alone."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mdi.lab.random_lora import write_random_lora
+    from mdi.model.source import ModelSource
+    config = ModelSource(smollm2_dir).config
+    lora = write_random_lora(str(tmp_path / "lora"), config, seed=3, rank=4, std=0.05)
+    soft = tmp_path / "soft"
+    soft.mkdir()
+    embeddings = np.random.default_rng(1).standard_normal((3, config.n_embd)).astype(np.float32) * 0.05
+    save_file({"prompt_embeddings": embeddings}, str(soft / "adapter_model.safetensors"))
+    (soft / "adapter_config.json").write_text(json.dumps({"peft_type": "PROMPT_TUNING", "task_type": "CAUSAL_LM",
+                                                          "num_virtual_tokens": 3, "token_dim": config.n_embd}))
+    cfg = write_run_config(tmp_path / "adapters.yaml", smollm2_dir, two_workers, n_tokens=12,
+                           runtime={"threads": 1, "backend": "ggml"}, adapters={"lora": lora, "soft": str(soft)})
+    env = no_torch_env(tmp_path)
+    names = ["base", "lora", "soft"]
+    together, _ = start(cfg, tmp_path, *[a for n in names for a in ("--adapter", n)], env=env, prompts=[PROMPTS[0]] * 3)
+    assert len({tuple(t) for t in ids(together)}) == 3, ids(together)  # each adapter changes the text
+    for name, want in zip(names, ids(together)):
+        alone, _ = start(cfg, tmp_path, "--adapter", name, env=env, prompts=[PROMPTS[0]])
+        assert ids(alone) == [want], name
+    # served: a scaled LoRA (a mix of one: numpy too) and the soft prompt by name
+    served = write_run_config(tmp_path / "serve-adapters.yaml", smollm2_dir, runtime={"threads": 1, "backend": "ggml"},
+                              serve={"max_in_flight": 2}, adapters={"lora": lora, "soft": str(soft)})
+    server = ServeProcess(served, env=dict(os.environ, **env)).wait_ready()
+    try:
+        for extra in ({"lora": [{"id": 0, "scale": 0.5}]}, {"model": "soft"}):
+            r = requests.post(server.url + "/v1/completions", json=dict({"prompt": PROMPTS[0], "max_tokens": 4,
+                                                                       "temperature": 0}, **extra), timeout=120)
+            assert r.status_code == 200, (extra, r.text)
+    finally:
+        server.stop()
+    assert "imported torch" not in server.output(), server.output()

@@ -55,7 +55,8 @@ def test_soft_prompt_logits_match_peft(make, tmp_path):
         got, start = [], 0
         for count in [N_VIRTUAL + PREFILL] + [1] * DECODE:  # prefill, then one token at a time
             batch_ = RowBatch.of([0], [start], [count])
-            x = chunk.embed_rows(window[start:start + count], batch_.positions, virtual_rows([One], [start], [count]))
+            virtual = virtual_rows([One], [start], [count], False)
+            x = chunk.embed_rows(window[start:start + count], batch_.positions, virtual)
             got.append(chunk.head(chunk.forward_rows(x, batch_)))
             start += count
         got = torch.cat(got)[N_VIRTUAL:]

@@ -113,8 +113,9 @@ def sample_next(logits: Any, params: SamplingParams, gen: Generator,
 
 
 def host_array(values: Any, dtype: Any = np.float32) -> np.ndarray:
-    """A 1-D numpy array of `values`: a numpy array as it is (in `dtype`), a torch tensor (a
-    torch chunk's logits, a GPU's too) read on the host without importing torch here."""
+    """A numpy array of `values`: a numpy array as it is (in `dtype`), a torch tensor (a torch
+    chunk's logits, a GPU's too; an adapter's matrices) read on the host without importing torch
+    here."""
     if isinstance(values, np.ndarray):
         return np.asarray(values, dtype=dtype)
     t = values.detach().cpu()

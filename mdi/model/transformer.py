@@ -37,7 +37,7 @@ from mdi.model.layout import QuantLayout, QuantSpec
 from mdi.model.rope import RotaryEmbedding
 from mdi.model.row_batch import RowBatch, attends_in_one_call, decode_window_key
 from mdi.system.memory import release_freed_memory
-from mdi.system.transfers import to_device
+from mdi.system.transfers import to_device, torch_view
 
 
 class Attention(nn.Module):
@@ -264,11 +264,14 @@ class ModelChunk(nn.Module):
         p = next(self.parameters(), None)
         return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
 
-    def set_adapter(self, adapter: int, weights: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Hold adapter `adapter` (> 0): (A, B) per linear layer name of this chunk's blocks,
-        the scale folded into B. Layers it does not name run as the base."""
+    def set_adapter(self, adapter: int, weights: Mapping[str, Tuple[Any, Any]]) -> None:
+        """Hold adapter `adapter` (> 0): (A, B) per linear layer name of this chunk's blocks
+        (numpy arrays or torch tensors), the scale folded into B. Layers it does not name run
+        as the base."""
         if adapter <= 0:
             raise ValueError("adapter ids start at 1 (0 is the base model)")
+        # numpy pairs (mdi.model.adapters.lora's) are viewed, not copied
+        weights = {k: (torch_view(a), torch_view(b)) for k, (a, b) in weights.items()}
         layers = {m.lora_name: m for m in self.modules() if isinstance(m, (Linear, QuantLinear)) and m.lora is self.lora}
         for name, (a, b) in weights.items():
             layer = layers.get(name)

@@ -14,11 +14,14 @@ MAX_RANK = 4096
 
 
 def adapter_body(weights: Mapping[str, Tuple[Any, Any]]) -> bytes:
-    from safetensors.torch import save as safetensors_save
+    """The body of (A, B) pairs (numpy arrays or torch tensors), in float32."""
+    from safetensors.numpy import save as safetensors_save
+
+    from mdi.model.sampling import host_array
     tensors = {}
     for name, (a, b) in weights.items():
-        tensors[name + ".lora_A"] = a.detach().float().contiguous().cpu()
-        tensors[name + ".lora_B"] = b.detach().float().contiguous().cpu()
+        tensors[name + ".lora_A"] = np.ascontiguousarray(host_array(a))
+        tensors[name + ".lora_B"] = np.ascontiguousarray(host_array(b))
     return safetensors_save(tensors)
 
 

@@ -2,11 +2,14 @@
 tokens, and which samples share a frame so that each adapter's delta is added once."""
 from typing import List
 
+import numpy as np
+
 from mdi.starter.sample import Sample
 
 
-def virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
-    """(rows, embeddings) of the virtual tokens a pass carries (soft prompts), else None."""
+def virtual_rows(group: List[Sample], starts: List[int], counts: List[int], host_arrays: bool):
+    """(rows, embeddings) of the virtual tokens a pass carries (soft prompts), else None: numpy
+    arrays for a chunk that takes them (ggml's), else torch tensors viewing them."""
     rows: List[int]
     rows, values, row = [], [], 0
     for sample, start, count in zip(group, starts, counts):
@@ -18,8 +21,11 @@ def virtual_rows(group: List[Sample], starts: List[int], counts: List[int]):
         row += count
     if not rows:
         return None
-    import torch  # a soft prompt's rows are torch's on either backend (a run without one never gets here)
-    return torch.tensor(rows, dtype=torch.long), torch.cat(values)
+    out = np.array(rows, dtype=np.int64), np.concatenate(values)
+    if host_arrays:
+        return out
+    import torch  # a torch chunk's: torch is loaded already
+    return torch.from_numpy(out[0]), torch.from_numpy(out[1])
 
 
 def adapters_together(ready: List[Sample], max_batch: int) -> List[Sample]:

@@ -223,8 +223,8 @@ class Pipeline:
         ids = [t for _, tokens in inputs for t in tokens]
         slots = [s.slot for s in group]
         adapters = [s.adapter for s in group]
-        virtual = virtual_rows(group, starts, counts)  # a soft prompt's rows: torch's way on either backend
-        batch, ids_in = pass_inputs(self._host_arrays and virtual is None, slots, starts, counts, adapters,
+        virtual = virtual_rows(group, starts, counts, self._host_arrays)  # a soft prompt's rows
+        batch, ids_in = pass_inputs(self._host_arrays, slots, starts, counts, adapters,
                                     kind == FrameKind.VERIFY, ids, self.device)
         ops = self.prefix.take_ops() if self.prefix is not None else []
         if ops:  # this node's copies first, then every node's as the frame reaches it

@@ -1,16 +1,14 @@
 """A sample: one prompt's generation as the starter tracks it (its tokens, its cache slot, what
 every node's cache holds of it), and why it ended."""
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import Any, List, Optional
+
+import numpy as np
 
 from mdi.model.sampling import Generator, Logprobs, SamplingParams, draw, sample_generator
 from mdi.runconfig import SpeculationSpec
 from mdi.starter.generation_options import GenerationOptions
 from mdi.system.str_enum import StrEnum
-
-if TYPE_CHECKING:  # a soft prompt's embeddings; a starter without one never imports torch
-    import torch
-
 
 class FinishReason(StrEnum):
     """Why a sample, or the request it serves, ended: one vocabulary for the pipeline, the
@@ -48,7 +46,7 @@ class Sample:
     speculation: Optional[SpeculationSpec] = None
     # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
     # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
-    soft_prompt: Optional["torch.Tensor"] = None
+    soft_prompt: Optional[np.ndarray] = None  # a prompt-tuning adapter's embeddings [n, n_embd] (lora.SoftPrompt's)
     # Prefix cache (mdi.starter.prefix_cache): whether it may start from positions the nodes hold
     # already (a request's cache_prompt), and how many it did.
     reuse_prefix: bool = True

@@ -13,8 +13,9 @@ Measured on an H200 (tests/test_gpu_transfers.py counts the waits with torch's s
 mode): one per worker frame, one per starter step. Not yet run on a Jetson, whose GPU shares
 the board's RAM. On a CPU node every function here is a plain `.to`: nothing is pinned.
 """
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 
@@ -33,6 +34,11 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype
         return t.to(device=device, dtype=dtype)
     on_gpu = t.pin_memory().to(device, non_blocking=True)
     return on_gpu if dtype is None else on_gpu.to(dtype)
+
+
+def torch_view(t: Any) -> torch.Tensor:
+    """A numpy array as a torch tensor on the same memory (no copy); a tensor as it is."""
+    return torch.from_numpy(t) if isinstance(t, np.ndarray) else t
 
 
 def ints_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:

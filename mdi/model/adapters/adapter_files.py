@@ -9,19 +9,25 @@ against the base model and fused into mdi's layers (`fuse_parts`); prompt tuning
 What changes the computation and is not modelled (DoRA, LoRA biases, modules_to_save, adapters
 on the embedding or the LM head, other PEFT variants) is refused with one line naming the file
 and the key or tensor, never dropped.
+
+Tensors are read as numpy arrays (float32), torch never imported, so a starter computing with
+ggml serves adapters without it; only a safetensors file holding bfloat16 (which numpy lacks)
+is read through torch.
 """
 import json
 import math
 import os
 import re
-from typing import Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-import torch
+import numpy as np
 
 from mdi.model.adapters.lora import Adapter, AdapterError, LoraPart, SoftPrompt, fuse_parts, layer_shapes, part_rows
 from mdi.model.adapters.peft_targets import PatternError, resolve_bounded
 from mdi.model.config import ModelConfig
+from mdi.model.files.gguf_config import ARCHITECTURES, GGUF_NAMES, PERMUTED_QK, gguf_value, unpermuted_rows
 from mdi.model.files.gguf_layout import open_reader
+from mdi.model.sampling import host_array
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -42,7 +48,7 @@ HF_BLOCKS = {"gpt2": "h", "llama": "layers"}
 EMBEDDING_OR_HEAD = ("embed_tokens", "lm_head", "wte", "wpe", "score", "embed_out")
 
 
-def _check_pair(where: str, a_name: str, b_name: str, a: torch.Tensor, b: torch.Tensor,
+def _check_pair(where: str, a_name: str, b_name: str, a: np.ndarray, b: np.ndarray,
                 r: int, n_out: int, n_in: int, rank_from: str) -> None:
     """A must be [r, n_in] and B [n_out, r]: a wrong in/out is an adapter for another base
     model; a wrong rank disagrees with the adapter's own config."""
@@ -80,7 +86,6 @@ PEFT_UNSUPPORTED = {
 
 def _soft_prompt(cfg: Mapping, path: str, config: ModelConfig, name: str, where: str, cfg_path: str,
                  st_path: str) -> SoftPrompt:
-    from safetensors.torch import load_file
     n, dim, parts = cfg.get("num_virtual_tokens"), cfg.get("token_dim"), cfg.get("num_transformer_submodules", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
         raise AdapterError("%s: %s: num_virtual_tokens must be an integer in [1, 4096], got %r" % (where, cfg_path, n))
@@ -90,17 +95,35 @@ def _soft_prompt(cfg: Mapping, path: str, config: ModelConfig, name: str, where:
     if dim is not None and dim != config.n_embd:
         raise AdapterError("%s: %s: token_dim %r, the base model's embeddings are %d wide"
                            % (where, cfg_path, dim, config.n_embd))
-    try:
-        tensors = load_file(st_path, device="cpu")
-    except Exception as e:  # safetensors' own error type
-        raise AdapterError("%s: %s is not a readable safetensors file (%s)" % (where, st_path, e))
+    tensors = _read_safetensors(st_path, where)
     emb = tensors.get("prompt_embeddings")
     if emb is None or set(tensors) != {"prompt_embeddings"}:
         raise AdapterError("%s: %s: expected one tensor, prompt_embeddings, got %s" % (where, st_path, sorted(tensors)[:3]))
-    if tuple(emb.shape) != (n, config.n_embd) or not emb.dtype.is_floating_point:
+    if tuple(emb.shape) != (n, config.n_embd) or not _floating(emb):
         raise AdapterError("%s: %s: prompt_embeddings has shape %s, the base model needs [%d, %d]"
                            % (where, st_path, list(emb.shape), n, config.n_embd))
-    return SoftPrompt(name, path, emb.float())
+    return SoftPrompt(name, path, host_array(emb))
+
+
+def _floating(t: np.ndarray) -> bool:
+    return bool(np.issubdtype(t.dtype, np.floating))
+
+
+def _read_safetensors(st_path: str, where: str) -> Dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as numpy; AdapterError naming the file if unreadable.
+    bfloat16 (numpy has none) is read through torch and widened to float32."""
+    import safetensors
+    from safetensors import safe_open
+    unreadable = (OSError, ValueError, getattr(safetensors, "SafetensorError", OSError))  # older releases lack the name
+    try:
+        with safe_open(st_path, framework="numpy") as f:
+            names = list(f.keys())
+            if not any(f.get_slice(k).get_dtype() == "BF16" for k in names):
+                return {k: f.get_tensor(k) for k in names}
+        from safetensors.torch import load_file
+        return {k: host_array(t) if t.dtype.is_floating_point else t.numpy() for k, t in load_file(st_path).items()}
+    except unreadable as e:
+        raise AdapterError("%s: %s is not a readable safetensors file (%s)" % (where, st_path, e))
 
 
 def load_any(path: str, config: ModelConfig, name: Optional[str] = None):
@@ -146,13 +169,7 @@ def load_adapter(path: str, config: ModelConfig, name: Optional[str] = None) -> 
         raise AdapterError("%s: %s is not a JSON object" % (where, cfg_path))
     _check_peft_config(cfg, config, where, cfg_path)
 
-    import safetensors
-    from safetensors.torch import load_file
-    try:
-        tensors = load_file(st_path, device="cpu")
-    except (OSError, getattr(safetensors, "SafetensorError", OSError)) as e:  # older releases lack the name
-        raise AdapterError("%s: %s is not a readable safetensors file (%s)" % (where, st_path, e))
-    return _from_peft(cfg, tensors, config, name, path, where, st_path)
+    return _from_peft(cfg, _read_safetensors(st_path, where), config, name, path, where, st_path)
 
 
 def _check_peft_config(cfg: Mapping, config: ModelConfig, where: str, cfg_path: str) -> None:
@@ -198,7 +215,7 @@ def _check_peft_config(cfg: Mapping, config: ModelConfig, where: str, cfg_path: 
                                % (where, cfg_path, json.dumps(i), config.n_layer))
 
 
-def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelConfig, name: str, path: str,
+def _from_peft(cfg: Mapping, tensors: Mapping[str, np.ndarray], config: ModelConfig, name: str, path: str,
                where: str, st_path: str) -> Adapter:
     family = config.family
     block_re = re.compile(r"^(?P<prefix>(?:.*?\.)?)%s\.(?P<layer>\d+)\.(?P<sub>.+)$" % HF_BLOCKS[family])
@@ -265,10 +282,10 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, torch.Tensor], config: ModelC
         # Conv1D (fan_in_fan_out transposes only the merged delta, to Conv1D's [in, out])
         _check_pair(where, pair["A"], pair["B"], a, b, r, end - start, shapes[mdi][1],
                     "adapter_config.json" + (" rank_pattern" if r_key in patterns_r else " r"))
-        if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+        if not (_floating(a) and _floating(b)):
             raise AdapterError("%s: %s holds %s as %s, not floating point" % (where, st_path, pair["A"], a.dtype))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        parts.append(LoraPart(layer, mdi, part, a.float(), b.float() * scale))
+        parts.append(LoraPart(layer, mdi, part, host_array(a), host_array(b) * np.float32(scale)))
         ranks.append(r)
 
     # every module the config targets must be there: a missing one would silently run as the base
@@ -290,8 +307,6 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
     adapter.type lora, adapter.lora.alpha; tensors blk.N.<tensor>.weight.lora_a / .lora_b) for
     the base model `config`. llama.cpp scales by alpha / rank (rank from each lora_b; alpha 0:
     no scaling): rslora and per-module alphas did not survive the conversion."""
-    from mdi.model.files.gguf import ARCHITECTURES, GGUF_NAMES, PERMUTED_QK, _gguf_value, _load_tensor, _unpermute
-
     name = name or os.path.splitext(os.path.basename(path))[0]
     where = "adapter %s" % name
     try:
@@ -301,15 +316,17 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
         raise AdapterError("%s: %s is not a readable GGUF file (%s)" % (where, path, str(e).splitlines()[0] if str(e)
                                                                           else type(e).__name__))
     for key, want in (("general.type", "adapter"), ("adapter.type", "lora")):
-        got = _gguf_value(reader, key)
+        got = gguf_value(reader, key)
         if got != want:
             raise AdapterError("%s: %s has %s = %r, a LoRA adapter GGUF has %r" % (where, path, key, got, want))
-    arch = _gguf_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES or config.family != "llama":
+    arch = gguf_value(reader, "general.architecture")
+    if ARCHITECTURES.get(arch) != "llama" or config.family != "llama":
         raise AdapterError("%s: %s has general.architecture %r; LoRA GGUFs are read for %s bases, and the base "
-                           "model is of family %s" % (where, path, arch, ", ".join(ARCHITECTURES), config.family))
-    alpha = float(_gguf_value(reader, "adapter.lora.alpha", 0.0) or 0.0)
-    if _gguf_value(reader, "adapter.alora.invocation_tokens") is not None:
+                           "model is of family %s" % (where, path, arch,
+                                                      ", ".join(a for a, f in ARCHITECTURES.items() if f == "llama"),
+                                                      config.family))
+    alpha = float(gguf_value(reader, "adapter.lora.alpha", 0.0) or 0.0)
+    if gguf_value(reader, "adapter.alora.invocation_tokens") is not None:
         raise AdapterError("%s: %s has adapter.alora.invocation_tokens: activated LoRA (aLoRA) is not supported"
                            % (where, path))
 
@@ -343,17 +360,27 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
             if ab not in pair:
                 raise AdapterError("%s: %s holds %s but not its lora_%s"
                                    % (where, path, pair.get("a") or pair["b"], ab))
-        a = _load_tensor(path, tensors[pair["a"]], False, None).float()
-        b = _load_tensor(path, tensors[pair["b"]], False, None).float()
+        a, b = _gguf_floats(path, tensors[pair["a"]], where), _gguf_floats(path, tensors[pair["b"]], where)
         mdi, part = hf_to_mdi[GGUF_NAMES[gname]]
         start, end = part_rows(config, mdi, part)
-        r = int(b.shape[-1]) if b.dim() == 2 else 0  # llama.cpp takes the rank from lora_b
+        r = int(b.shape[-1]) if b.ndim == 2 else 0  # llama.cpp takes the rank from lora_b
         _check_pair(where, pair["a"], pair["b"], a, b, r, end - start, shapes[mdi][1], "its lora_b")
         if arch in PERMUTED_QK and part in ("q", "k"):
             # convert_hf_to_gguf permutes q/k rows for llama.cpp's RoPE layout; on a LoRA that
             # reorders B's rows (A's rows are the rank): undone there
-            b = _unpermute(b, config.n_head if part == "q" else config.kv_heads)
+            b = b[unpermuted_rows(b.shape[0], config.n_head if part == "q" else config.kv_heads)]
         scale = alpha / r if alpha else 1.0
-        parts.append(LoraPart(layer, mdi, part, a, b * scale))
+        parts.append(LoraPart(layer, mdi, part, a, b * np.float32(scale)))
         ranks.append(r)
     return Adapter(name=name, path=path, kind="lora", rank=max(ranks), alpha=alpha, weights=fuse_parts(parts, config))
+
+
+def _gguf_floats(path: str, t: Any, where: str) -> np.ndarray:
+    """A LoRA GGUF tensor as float32 [rows, cols] (gguf's own dequantizer for a quantized one)."""
+    from gguf.quants import dequantize
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF dims are innermost-first
+    try:
+        return dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+    except (NotImplementedError, ValueError, KeyError) as e:
+        raise AdapterError("%s: %s: tensor %s has type %s, which cannot be read (%s)"
+                           % (where, path, t.name, t.tensor_type.name, e))

@@ -2,8 +2,10 @@
 merges them (`mdi.model.adapters.adapter_files` reads them from the files users already have).
 
 An `Adapter` holds, per linear layer of mdi's blocks (e.g. "blocks.3.attn.qkv"), a pair
-(A [r, in], B [out, r]) in float32 with the LoRA scale folded into B, which
+(A [r, in], B [out, r]) of float32 numpy arrays with the LoRA scale folded into B, which
 `ModelChunk.set_adapter` takes without a copy and `merge_adapter` adds into float weights (W += B @ A).
+numpy, not torch: a starter computing with ggml reads, mixes and sends adapters without
+loading torch (193 MB resident); a torch chunk views the same memory (torch.from_numpy).
 
 mdi fuses some layers the checkpoints keep apart (q/k/v into attn.qkv, gate/up into
 mlp.gate_up). The LoRA of a fused layer is the parts' LoRAs side by side: A stacks the parts'
@@ -16,14 +18,14 @@ questions (layers, for_layers, nbytes) so the starter holds either kind in one l
 """
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-import torch
+import numpy as np
 
 from mdi.model.config import ModelConfig
-from mdi.model.quantization.quant import QParts
+from mdi.model.sampling import host_array
 
-Pair = Tuple[torch.Tensor, torch.Tensor]  # (A [r, in], B [out, r]), the scale folded into B
+Pair = Tuple[np.ndarray, np.ndarray]  # (A [r, in], B [out, r]) float32, the scale folded into B
 
 
 class AdapterError(ValueError):
@@ -40,10 +42,11 @@ class Adapter:
     weights: Dict[str, Pair] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # A and B are held as views of contiguous A.T and B.T, the layout ModelChunk.set_adapter
-        # computes with: the starter's chunk then shares these tensors for its own layers
-        # instead of keeping a transposed second copy beside them.
-        self.weights = {k: (a.t().contiguous().t(), b.t().contiguous().t()) for k, (a, b) in self.weights.items()}
+        # A and B (numpy, or torch tensors as training makes them) are held as float32 views of
+        # contiguous A.T and B.T, the layout ModelChunk.set_adapter computes with: the starter's
+        # torch chunk then shares this memory for its own layers instead of keeping a
+        # transposed second copy beside it.
+        self.weights = {k: (_transposed_layout(a), _transposed_layout(b)) for k, (a, b) in self.weights.items()}
 
     def layers(self) -> Set[int]:
         """The block indices the adapter changes."""
@@ -56,7 +59,12 @@ class Adapter:
     def nbytes(self, weights: Optional[Mapping[str, Pair]] = None) -> int:
         """Bytes of the float32 A / B pairs (all of them, or of `weights`, e.g. for_layers's)."""
         pairs = self.weights if weights is None else weights
-        return sum(t.numel() * t.element_size() for ab in pairs.values() for t in ab)
+        return sum(int(t.nbytes) for ab in pairs.values() for t in ab)
+
+
+def _transposed_layout(t: Any) -> np.ndarray:
+    """`t` as float32 numpy whose transpose is C-contiguous (a no-op when it already is)."""
+    return np.ascontiguousarray(host_array(t).T).T
 
 
 def block_index(name: str) -> int:
@@ -92,8 +100,8 @@ class LoraPart:
     layer: int
     mdi: str  # "attn.qkv"
     part: Optional[str]  # "q" or None
-    a: torch.Tensor  # [r, in] float32
-    b: torch.Tensor  # [out, r] float32, the scale folded in
+    a: np.ndarray  # [r, in] float32
+    b: np.ndarray  # [out, r] float32, the scale folded in
 
 
 def fuse_parts(parts: Sequence[LoraPart], config: ModelConfig) -> Dict[str, Pair]:
@@ -107,17 +115,17 @@ def fuse_parts(parts: Sequence[LoraPart], config: ModelConfig) -> Dict[str, Pair
         group = sorted(by_layer[name], key=lambda p: PART_ORDER.index(p.part) if p.part else 0)
         mdi = group[0].mdi
         if len(group) == 1 and group[0].part is None:
-            out[name] = (group[0].a.contiguous(), group[0].b.contiguous())
+            out[name] = (group[0].a, group[0].b)
             continue
-        a = torch.cat([p.a for p in group], dim=0)
-        b = torch.zeros(shapes[mdi][0], a.shape[0], dtype=torch.float32)
+        a = np.concatenate([p.a for p in group], axis=0)
+        b = np.zeros((shapes[mdi][0], a.shape[0]), dtype=np.float32)
         col = 0
         for p in group:
             start, end = part_rows(config, mdi, p.part)
             r = p.a.shape[0]
             b[start:end, col:col + r] = p.b
             col += r
-        out[name] = (a.contiguous(), b)
+        out[name] = (a, b)
     return out
 
 
@@ -129,9 +137,12 @@ class SoftPrompt:
     prompt (positions 0..n-1). It changes no layer: only the starter, which embeds, holds it."""
     name: str
     path: str
-    embeddings: torch.Tensor  # [n, n_embd]
+    embeddings: np.ndarray  # [n, n_embd] float32
     kind: str = "prompt"
     rank: int = 0
+
+    def __post_init__(self) -> None:
+        self.embeddings = np.ascontiguousarray(host_array(self.embeddings))
 
     @property
     def n_virtual(self) -> int:
@@ -144,7 +155,7 @@ class SoftPrompt:
         return {}
 
     def nbytes(self, weights: Optional[Mapping[str, Pair]] = None) -> int:
-        return 0 if weights is not None else self.embeddings.numel() * self.embeddings.element_size()
+        return 0 if weights is not None else int(self.embeddings.nbytes)
 
 
 # ----------------------------------------------------------------------------- mixing and merging
@@ -164,16 +175,19 @@ def mix_adapters(parts: Sequence[Tuple[Adapter, float]], name: str) -> Adapter:
     weights: Dict[str, Pair] = {}
     for layer in sorted(set().union(*(a.weights for a, _ in parts))):
         pairs = [(a.weights[layer][0], scale * a.weights[layer][1]) for a, scale in parts if layer in a.weights]
-        weights[layer] = (torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], dim=1))
+        weights[layer] = (np.concatenate([a for a, _ in pairs]), np.concatenate([b for _, b in pairs], axis=1))
     return Adapter(name=name, path=", ".join(a.path for a, _ in parts), kind="lora",
                    rank=sum(a.rank for a, _ in parts), alpha=0.0, weights=weights)  # alphas folded into B
 
 
-def merge_adapter(state_dict: Mapping[str, torch.Tensor], adapter: Adapter) -> Dict[str, torch.Tensor]:
+def merge_adapter(state_dict: Mapping[str, Any], adapter: Adapter) -> Dict[str, Any]:
     """A new state dict (mdi names) with W += B @ A for each layer of `adapter` whose block the
     state dict holds (a chunk's state dict: the other blocks are another node's). Computed in
     float32, stored back in each weight's dtype. Quantized weights are refused: merge into the
-    float weights, then quantize."""
+    float weights, then quantize. (torch: mdi-prepare's state dicts are torch's.)"""
+    import torch
+
+    from mdi.model.quantization.quant import QParts
     out = dict(state_dict)
     blocks = {int(k.split(".")[1]) for k in state_dict if k.startswith("blocks.")}
     merged = 0
@@ -191,7 +205,7 @@ def merge_adapter(state_dict: Mapping[str, torch.Tensor], adapter: Adapter) -> D
         if tuple(w.shape) != (b.shape[0], a.shape[1]):
             raise AdapterError("adapter %s: %s has shape %s, the adapter's delta %s"
                                % (adapter.name, key, list(w.shape), [b.shape[0], a.shape[1]]))
-        out[key] = (w.float() + b.float() @ a.float()).to(w.dtype)
+        out[key] = (w.float() + torch.from_numpy(b @ a)).to(w.dtype)
         merged += 1
     if adapter.weights and not merged:
         raise AdapterError("adapter %s: the state dict holds none of its layers (%s)"

@@ -171,7 +171,7 @@ def read_prompt_adapter(path: str, config: ModelConfig) -> torch.Tensor:
     if getattr(adapter, "kind", None) != "prompt":
         raise AdapterError("--init-adapter %s: a LoRA, not a prompt-tuning adapter (peft_type PROMPT_TUNING), "
                            "which --method prompt trains" % path)
-    return adapter.embeddings.float()
+    return torch.from_numpy(adapter.embeddings)
 
 
 def is_prompt_adapter(path: str) -> bool:

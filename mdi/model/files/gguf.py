@@ -23,8 +23,7 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.files.convert import (StateDict, check_state_dict, check_unused, convert_gemma3, convert_llama,
                                      make_getter)
-from mdi.model.files.gguf_config import (PERMUTED_QK, gguf_value as _gguf_value,  # noqa: F401  (adapter_files)
-                                         read_gguf_model)
+from mdi.model.files.gguf_config import GGUF_NAMES, PERMUTED_QK, read_gguf_model, unpermuted_rows
 from mdi.model.files.gguf_layout import open_reader
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.layout import CheckpointError, QuantSpec, first_line
@@ -43,14 +42,6 @@ PACKAGED_GGUF = {
 TORCH_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 ARCHITECTURES = TORCH_ARCHITECTURES
 
-GGUF_NAMES = {  # llama.cpp tensor name -> HF Llama / Qwen name (prefix-stripped)
-    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
 # Gemma 3's block (llama.cpp's names -> HF Gemma3's): ffn_norm is its pre-feed-forward norm, and
 # two norms more, on attention's and the MLP's outputs
 GEMMA3_NAMES = dict(GGUF_NAMES, ffn_norm="pre_feedforward_layernorm", post_attention_norm="post_attention_layernorm",
@@ -58,13 +49,8 @@ GEMMA3_NAMES = dict(GGUF_NAMES, ffn_norm="pre_feedforward_layernorm", post_atten
 
 
 def _unpermute(w, n_head: int):
-    """Invert convert_hf_to_gguf's ``LlamaModel.permute`` of q/k rows (same as transformers'
-    ``LlamaTensorProcessor._reverse_permute_weights``): llama.cpp interleaves the two
-    rotate-half halves of each head; this restores HF's [first half, second half]. Each head
-    is rows / n_head rows (head_dim, whatever n_embd / n_head is); biases are rows too."""
-    n = w.shape[0]
-    half = n // n_head // 2
-    order = torch.arange(n).reshape(n_head, half, 2).transpose(1, 2).reshape(n)
+    """`w` with convert_hf_to_gguf's permutation of q/k rows undone (gguf_config.unpermuted_rows)."""
+    order = torch.from_numpy(unpermuted_rows(w.shape[0], n_head))
     return w.rows(order) if isinstance(w, QParts) else w[order]
 
 

@@ -21,7 +21,24 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "llama", "qwen3": "llama", "gemma3":
 # Only llama's converter permutes q/k rows (LlamaModel.permute): RoPE then rotates adjacent
 # pairs (ggml's normal mode); every other architecture keeps HF's halves (ggml's neox mode).
 PERMUTED_QK = ("llama",)
+GGUF_NAMES = {  # llama.cpp tensor name -> HF Llama / Qwen name (prefix-stripped)
+    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa default
+
+
+def unpermuted_rows(n: int, n_head: int) -> Any:
+    """The row order that inverts convert_hf_to_gguf's ``LlamaModel.permute`` of q/k rows (as
+    transformers' ``_reverse_permute_weights``): llama.cpp interleaves the two rotate-half
+    halves of each head; this restores HF's [first half, second half]. Each head is n / n_head
+    rows (head_dim, whatever n_embd / n_head is); biases are rows too."""
+    import numpy as np
+    return np.arange(n).reshape(n_head, n // n_head // 2, 2).transpose(0, 2, 1).reshape(n)
 
 
 @dataclass
