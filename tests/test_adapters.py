@@ -281,6 +281,26 @@ def test_torch_save_only_adapter_is_refused(tmp_path, llama_adapter):
         load_adapter(adapter_dir, base_config(base_dir))
 
 
+def test_a_bfloat16_adapter_reads_as_its_float32_values(llama_adapter):
+    """numpy has no bfloat16: such a file's values are widened from its own bytes, exactly, and a
+    mixed file's other tensors read as they are."""
+    base_dir, adapter_dir = llama_adapter
+    config = base_config(base_dir)
+
+    def to_bf16(tensors):
+        for i, k in enumerate(sorted(tensors)):
+            tensors[k] = tensors[k].to(torch.bfloat16 if i % 2 else torch.float16)
+    edit_tensors(adapter_dir, to_bf16)
+    adapter = load_adapter(adapter_dir, config)
+    from safetensors.torch import load_file
+    rounded = {k: t.float() for k, t in load_file(os.path.join(adapter_dir, "adapter_model.safetensors")).items()}
+    edit_tensors(adapter_dir, lambda t: t.update(rounded))
+    want = load_adapter(adapter_dir, config)
+    assert adapter.weights.keys() == want.weights.keys()
+    for k, (a, b) in want.weights.items():
+        assert np.array_equal(adapter.weights[k][0], a) and np.array_equal(adapter.weights[k][1], b), k
+
+
 def test_dora_is_refused(tmp_path):
     base_dir, adapter_dir = make_adapter(tmp_path, hf_llama, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(AdapterError, match=r"adapter_config\.json sets use_dora = true: DoRA is not supported"):

@@ -11,8 +11,7 @@ on the embedding or the LM head, other PEFT variants) is refused with one line n
 and the key or tensor, never dropped.
 
 Tensors are read as numpy arrays (float32), torch never imported, so a starter computing with
-ggml serves adapters without it; only a safetensors file holding bfloat16 (which numpy lacks)
-is read through torch.
+ggml serves adapters without it.
 """
 import json
 import math
@@ -111,17 +110,25 @@ def _floating(t: np.ndarray) -> bool:
 
 def _read_safetensors(st_path: str, where: str) -> Dict[str, np.ndarray]:
     """Every tensor of a safetensors file as numpy; AdapterError naming the file if unreadable.
-    bfloat16 (numpy has none) is read through torch and widened to float32."""
+    bfloat16, which numpy lacks, is widened to float32 from the file's own bytes (exactly)."""
     import safetensors
     from safetensors import safe_open
     unreadable = (OSError, ValueError, getattr(safetensors, "SafetensorError", OSError))  # older releases lack the name
     try:
+        out, bf16 = {}, []
         with safe_open(st_path, framework="numpy") as f:
-            names = list(f.keys())
-            if not any(f.get_slice(k).get_dtype() == "BF16" for k in names):
-                return {k: f.get_tensor(k) for k in names}
-        from safetensors.torch import load_file
-        return {k: host_array(t) if t.dtype.is_floating_point else t.numpy() for k, t in load_file(st_path).items()}
+            for k in f.keys():
+                if f.get_slice(k).get_dtype() == "BF16":
+                    bf16.append(k)
+                else:
+                    out[k] = f.get_tensor(k)
+        if bf16:
+            with open(st_path, "rb") as fh:
+                raw = dict(safetensors.deserialize(fh.read()))  # each tensor's bytes, the header checked
+            for k in bf16:
+                halves = np.frombuffer(raw[k]["data"], dtype="<u2")
+                out[k] = (halves.astype(np.uint32) << 16).view(np.float32).reshape(raw[k]["shape"])
+        return out
     except unreadable as e:
         raise AdapterError("%s: %s is not a readable safetensors file (%s)" % (where, st_path, e))
 
