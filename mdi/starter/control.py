@@ -117,9 +117,9 @@ class HmacAuth:
 class ControlClient:
     def __init__(self, node: NodeSpec, connect_timeout: float = 5.0, init_timeout: float = 600.0,
                  token: Optional[str] = None) -> None:
-        self.node = node
         import requests
 
+        self.node = node
         self.base = "http://%s:%d" % (node.host, node.port)
         self.connect_timeout = connect_timeout
         self.init_timeout = init_timeout
