@@ -266,6 +266,8 @@ def test_a_sample_past_the_mask_deadline_ends_and_the_others_go_on(tmp_path):
         srv.wait_ready()
         free = {"prompt": "abc", "max_tokens": 12, "temperature": 0}
         alone = requests.post(srv.url + "/v1/completions", json=free, timeout=120).json()["choices"][0]["text"]
+        # the grammar tables (memory in proportion to the vocabulary) are built at the first grammar only
+        assert "constrained decoding ready" not in srv.output()
         results = {}
 
         def run(name, body):
@@ -282,6 +284,7 @@ def test_a_sample_past_the_mask_deadline_ends_and_the_others_go_on(tmp_path):
         for name in ("regex", "schema"):
             r = results[name]
             assert r.status_code != 200 and "mask_deadline_ms" in r.json()["error"]["message"], r.text
+        assert srv.output().count("constrained decoding ready") == 1  # two grammars at once, built once
         with requests.post(srv.url + "/v1/completions", json=dict(bodies["regex"], stream=True), stream=True,
                            timeout=120) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines()

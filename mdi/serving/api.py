@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mdi.model.constraints.constraint import Constraint, ConstraintError, GrammarCompiler
+from mdi.model.constraints.constraint import Constraint, ConstraintError, server_grammars
 from mdi.model.constraints.constraint import unavailable as constraint_unavailable
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
@@ -96,7 +96,9 @@ class Routes:
     def __init__(self, sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> None:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
         self.token_texts = TokenTexts(sched.tokenizer)  # the tokens' texts and bytes that logprobs show
-        self.grammars = grammar_compiler(sched)  # None: response_format, grammar and regex answer 400
+        # None: response_format, grammar and regex answer 400
+        self.grammars = server_grammars(sched.tokenizer, sched.source.config.vocab_size,
+                                        sched.cfg.serve.mask_deadline_ms / 1e3)
         # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters';
         # training writes there too, never over what is served (`served_files`).
         cfg = sched.cfg
@@ -466,15 +468,3 @@ def create_app(sched: Scheduler, model_id: str, token: Optional[str], template: 
     app = Flask("mdi-serve")
     Routes(sched, model_id, token, template).register(app)
     return app
-
-
-# --------------------------------------------------------------------------- mdi-start --serve
-
-def grammar_compiler(sched: Scheduler) -> Optional[GrammarCompiler]:
-    """The server's grammar compiler, or None (said once, at start) where llguidance is missing."""
-    missing = constraint_unavailable()
-    if missing is not None:
-        log.warning("mdi: serve: structured outputs (response_format, json_schema, grammar, regex) are off: %s",
-                    missing)
-        return None
-    return GrammarCompiler(sched.tokenizer, sched.source.config.vocab_size, sched.cfg.serve.mask_deadline_ms / 1e3)

@@ -13,6 +13,7 @@ answers these fields with a 400 instead of generating unconstrained text.
 import importlib
 import json
 import logging
+import threading
 import time
 from typing import Any, Callable, List, Optional
 
@@ -199,6 +200,35 @@ class GrammarCompiler:
         if probe.matcher.is_error() and probe.matcher.get_error().strip():
             raise ConstraintError(constraint.spec.field, "llguidance cannot run it: %s" % probe.error)
         return spent
+
+
+class LazyGrammars:
+    """The server's GrammarCompiler, built at the first grammar it compiles and not before: its
+    token tables cost memory in proportion to the vocabulary (Gemma 3's 262k tokens: ~110 MB
+    and over a second to build; SmolLM2's 49k: ~22 MB), which a server that never constrains
+    an answer should not hold. `make` builds it."""
+
+    def __init__(self, make: Callable[[], GrammarCompiler]) -> None:
+        self._make = make
+        self._compiler: Optional[GrammarCompiler] = None
+        self._lock = threading.Lock()  # request threads compile at once
+
+    def compile(self, spec: GrammarSpec) -> "Constraint":
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._make()
+        return self._compiler.compile(spec)
+
+
+def server_grammars(tok: Tokenizer, width: int, mask_deadline_s: float) -> Optional[LazyGrammars]:
+    """A server's grammars (GrammarCompiler's arguments), or None, said once in the log, where
+    llguidance is missing."""
+    missing = unavailable()
+    if missing is not None:
+        log.warning("mdi: serve: structured outputs (response_format, json_schema, grammar, regex) are off: %s",
+                    missing)
+        return None
+    return LazyGrammars(lambda: GrammarCompiler(tok, width, mask_deadline_s))
 
 
 def _limits(llguidance: Any) -> Any:
