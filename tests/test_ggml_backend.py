@@ -355,3 +355,18 @@ def test_gemma3_split_where_a_node_holds_sliding_window_layers_alone(gemma3_gguf
         one = whole.head(whole.embed_forward_rows(step, batch))
         two = rest.head(rest.forward_rows(first.embed_forward_rows(step, batch), batch))
         assert np.array_equal(one, two)
+
+
+def test_timing_verification_passes_leaves_no_graphs_behind(source):
+    """The starter times passes of 1..9 rows with the head at start (speculation's cost table):
+    those graphs are a measurement's, dropped after it (Gemma 3's head alone held 28 MB of
+    them), and the table is still measured."""
+    from mdi.starter.speculation.costs import measure_pass_costs
+    fresh = source.ggml_chunk(0, source.config.n_layer, True, True, threads=1)
+    try:
+        fresh.allocate_cache(1, 64)
+        costs = measure_pass_costs(fresh, 6, repeats=2)
+        assert len(costs.relative) == 6 and costs.relative[0] == 1.0
+        assert not fresh._graphs
+    finally:
+        fresh.close()
