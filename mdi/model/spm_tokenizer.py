@@ -1,7 +1,7 @@
 """llama.cpp's SentencePiece tokenizer (`llm_tokenizer_spm`) for a GGUF "llama" vocabulary (Gemma 3,
 Llama 2, TinyLlama), written out here so that its ids are llama.cpp's by construction and its
 memory is the vocabulary's: Gemma 3's 262k tokens as a Hugging Face BPE needed 515k merges, held
-~100 MB and peaked at ~360 MB while its tokenizer.json parsed; this holds 39 MB, 43 at its peak.
+~100 MB and peaked at ~360 MB while its tokenizer.json parsed; this holds 22 MB.
 
 Encoding, as src/llama-vocab.cpp does it with special tokens parsed:
 - control, unknown-type and user-defined tokens are cut out of the raw text first, longest
