@@ -183,6 +183,12 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
             else:  # cut at max_tokens: still the schema's start
                 assert text.startswith('{"'), text
         assert server.get("/metrics").ok and server.get("/v1/mdi/state").json()["state"] == "up"
+        # served, within the bound too (grammar tables, built at the first grammar, counted)
+        node = server.get("/v1/mdi/state").json()["nodes"][0]
+        with open("/proc/%d/status" % server.proc.pid) as f:
+            peak = [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")][0]
+        own = source.gguf_bytes(node["layers"][0], node["layers"][1], True, True) + node["cache_bytes"]
+        assert peak <= own + 150 * 2 ** 20, (peak >> 20, own >> 20)
     finally:
         server.stop()
     assert "imported torch" not in server.output(), server.output()
