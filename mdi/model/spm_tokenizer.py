@@ -16,10 +16,10 @@ its byte, a control or user-defined token its text as it is; with `add_space_pre
 first space is dropped. (An unused-type token shows as a normal one, where llama.cpp shows nothing.)"""
 import heapq
 import os
-from bisect import bisect_left
 import re
 import sys
 from array import array
+from bisect import bisect_left
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgpack
