@@ -45,6 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def prompt(args: argparse.Namespace) -> str:
+    words = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_words // 9 + 1)).split()
+    return " ".join(words[:args.prompt_words])
+
+
 def run(args: argparse.Namespace, nodes: List[Dict[str, Any]], tmp: str) -> Dict[str, Any]:
     cfg = benchlib.run_config_dict(args.model, nodes, args.n_tokens, 1, temperature=0.8)
     cfg["generation"].update(top_k=40, top_p=0.9)
@@ -52,9 +57,8 @@ def run(args: argparse.Namespace, nodes: List[Dict[str, Any]], tmp: str) -> Dict
     path, metrics = os.path.join(tmp, "run.yaml"), os.path.join(tmp, "metrics.json")
     with open(path, "w") as f:
         json.dump(cfg, f)  # JSON is YAML
-    words = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_words // 9 + 1)).split()
     proc = subprocess.run([os.path.join(benchlib.BIN, "mdi-start"), "--config", path, "--n-samples",
-                           str(args.n_samples), "--prompt", " ".join(words[:args.prompt_words]),
+                           str(args.n_samples), "--prompt", prompt(args),
                            "--metrics-out", metrics], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError("mdi-start failed: %s" % proc.stderr[-1500:])
@@ -87,8 +91,7 @@ def serve(args: argparse.Namespace, source: Any, tmp: str) -> List[Dict[str, Any
         else:
             log.seek(0)
             raise RuntimeError("the server did not come up: %s" % log.read()[-1500:])
-        words = ("The quick brown fox jumps over the lazy dog. " * (args.prompt_words // 9 + 1)).split()
-        bodies = [("/v1/completions", {"prompt": " ".join(words[:args.prompt_words]), "max_tokens": args.n_tokens,
+        bodies = [("/v1/completions", {"prompt": prompt(args), "max_tokens": args.n_tokens,
                                        "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1}),
                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}],
                                             "max_tokens": args.n_tokens, "logprobs": True, "top_logprobs": 3})]
