@@ -370,3 +370,21 @@ def test_timing_verification_passes_leaves_no_graphs_behind(source):
         assert not fresh._graphs
     finally:
         fresh.close()
+
+
+def test_a_graph_no_pass_asked_for_lately_goes_before_another_is_built(source):
+    """A finished prompt's prefill shapes leave the graph cache once IDLE_LOOKUPS lookups have
+    passed without them (a long served session kept 24 graphs, 50 MB of Gemma 3's); a shape
+    asked for every step stays."""
+    from mdi.model.ggml import chunk as ggml_chunk
+    from mdi.model.ggml.graph import Built
+    fresh = source.ggml_chunk(0, 1, True, False, threads=1)
+    try:
+        fresh._graph("old prefill", lambda: Built(8))
+        for _ in range(ggml_chunk.IDLE_LOOKUPS + 1):
+            fresh._graph("decode", lambda: Built(8))
+        assert list(fresh._graphs) == ["old prefill", "decode"]  # nothing built since: nothing dropped
+        fresh._graph("new prefill", lambda: Built(8))
+        assert list(fresh._graphs) == ["decode", "new prefill"]
+    finally:
+        fresh.close()

@@ -98,6 +98,7 @@ class Built:
         self.lora: Optional[lora_ops.LoraOps] = None  # a pass's adapter ops (mdi.model.ggml.adapters)
         self.galloc: Optional[int] = None
         self.buffer_bytes = 0
+        self.last_lookup = 0  # the owner's count of graph lookups when this one was last asked for
         self._views: Dict[str, Any] = {}  # input name (or "" for the output) -> host view, or False
 
     def _view(self, name: str, tensor: Any) -> Any:
