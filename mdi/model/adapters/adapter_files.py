@@ -384,10 +384,8 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
 
 def _gguf_floats(path: str, t: Any, where: str) -> np.ndarray:
     """A LoRA GGUF tensor as float32 [rows, cols] (gguf's own dequantizer for a quantized one)."""
-    from gguf.quants import dequantize
-    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF dims are innermost-first
     try:
-        return dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        return t.values().astype(np.float32)
     except (NotImplementedError, ValueError, KeyError) as e:
         raise AdapterError("%s: %s: tensor %s has type %s, which cannot be read (%s)"
                            % (where, path, t.name, t.tensor_type.name, e))

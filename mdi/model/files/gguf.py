@@ -40,7 +40,6 @@ PACKAGED_GGUF = {
 # convert_hf_to_gguf: LlamaModel, Qwen2Model, Qwen3Model) and Gemma 3's (Gemma3Model, text only);
 # mdi.model.files.gguf_config reads more.
 TORCH_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-ARCHITECTURES = TORCH_ARCHITECTURES
 
 # Gemma 3's block (llama.cpp's names -> HF Gemma3's): ffn_norm is its pre-feed-forward norm, and
 # two norms more, on attention's and the MLP's outputs
@@ -106,10 +105,9 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
 
 def _load_tensor(path: str, t, keep_quant: bool, requantized: Optional[List[str]]):
     import numpy as np
-    from gguf.quants import dequantize
 
     kind = t.tensor_type.name
-    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF dims are innermost-first: reversed, torch's [out, in]
+    shape = t.dims
     matrix = len(shape) == 2 and shape[1] % 32 == 0
     if keep_quant and matrix and kind in GGUF_DIRECT:
         return from_gguf_blocks(t.data, kind, shape[0], shape[1])
@@ -117,7 +115,7 @@ def _load_tensor(path: str, t, keep_quant: bool, requantized: Optional[List[str]
         raise CheckpointError("%s: tensor %s has quant type %s, which mdi cannot map (it maps %s; and re-quantizes %s)"
                               % (path, t.name, kind, ", ".join(sorted(GGUF_DIRECT)), ", ".join(sorted(GGUF_NEAREST))))
     try:
-        a = dequantize(t.data, t.tensor_type).reshape(shape)
+        a = t.values()
     except (NotImplementedError, ValueError, KeyError) as e:
         raise CheckpointError("%s: tensor %s has quant type %s, which cannot be read (%s)" % (path, t.name, kind, e))
     if not a.flags.writeable:  # F32/F16 come back as views of the read-only mmap

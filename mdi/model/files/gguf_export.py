@@ -419,14 +419,13 @@ def read_back(path: str, config: ModelConfig, requantized: Optional[List[str]] =
 
 
 def _load(path: str, t: Any, requantized: Optional[List[str]]) -> Stored:
-    from gguf.quants import dequantize
     from mdi.model.quantization.quant import from_gguf_blocks
     kind = t.tensor_type.name
-    shape = tuple(int(x) for x in reversed(t.shape))
+    shape = t.dims
     matrix = len(shape) == 2 and shape[1] % 32 == 0
     if matrix and kind in GGUF_DIRECT:
         return from_gguf_blocks(t.data, kind, shape[0], shape[1])
-    a = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    a = np.array(t.values(), dtype=np.float32)
     w = torch.from_numpy(a)
     if matrix and kind in READ_NEAREST:
         spec = QuantSpec(READ_NEAREST[kind], 32)

@@ -191,6 +191,18 @@ class GGUFTensor:
         return self._n_bytes
 
     @property
+    def dims(self) -> Tuple[int, ...]:
+        """Its shape outermost first, as torch and numpy order it ([out, in] for a matrix)."""
+        return tuple(int(x) for x in reversed(self.shape))
+
+    def values(self) -> Any:
+        """Its values as a numpy array of `dims`, gguf's own dequantizer undoing a quantized
+        type's blocks (float types come back as a read-only view of the file). gguf raises
+        NotImplementedError, ValueError or KeyError for a type it cannot read."""
+        from gguf.quants import dequantize
+        return dequantize(self.data, self.tensor_type).reshape(self.dims)
+
+    @property
     def data(self) -> Any:
         if self._data is None:
             import numpy as np
