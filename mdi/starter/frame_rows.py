@@ -24,8 +24,8 @@ def virtual_rows(group: List[Sample], starts: List[int], counts: List[int], host
     out = np.array(rows, dtype=np.int64), np.concatenate(values)
     if host_arrays:
         return out
-    import torch  # a torch chunk's: torch is loaded already
-    return torch.from_numpy(out[0]), torch.from_numpy(out[1])
+    from mdi.system.transfers import torch_view  # a torch chunk's: torch is loaded already
+    return torch_view(out[0]), torch_view(out[1])
 
 
 def adapters_together(ready: List[Sample], max_batch: int) -> List[Sample]:
