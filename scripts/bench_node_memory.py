@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import Any, Dict, List
 
 import benchlib  # noqa: E402  (adds the repo root to sys.path)
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace, nodes: List[Dict[str, Any]], tmp: str) -> Dict
 def serve(args: argparse.Namespace, source: Any, tmp: str) -> List[Dict[str, Any]]:
     """The starter alone as `mdi-start --serve`: its peak after the requests (see the doc)."""
     import requests
+
+    from mdi.lab.cgroups import peak_rss_bytes
     port = benchlib.free_ports(2)
     cfg = benchlib.run_config_dict(args.model, [{"name": "starter", "port": port[0]}], args.n_tokens, 1)
     cfg["runtime"]["backend"] = args.backend
@@ -76,21 +77,10 @@ def serve(args: argparse.Namespace, source: Any, tmp: str) -> List[Dict[str, Any
     path, url = os.path.join(tmp, "serve.yaml"), "http://127.0.0.1:%d" % port[1]
     with open(path, "w") as f:
         json.dump(cfg, f)
-    log = open(os.path.join(tmp, "serve.log"), "w+")
-    proc = subprocess.Popen([os.path.join(benchlib.BIN, "mdi-start"), "--config", path, "--serve"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    server = benchlib.NodeProcess("server", [os.path.join(benchlib.BIN, "mdi-start"), "--config", path, "--serve"],
+                                  os.path.join(tmp, "serve.log"), dict(os.environ))
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if requests.get(url + "/v1/mdi/state", timeout=2).json().get("state") == "up":
-                    break
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(0.5)
-        else:
-            log.seek(0)
-            raise RuntimeError("the server did not come up: %s" % log.read()[-1500:])
+        benchlib.wait_healthy(url, None, server, 600)
         bodies = [("/v1/completions", {"prompt": prompt(args), "max_tokens": args.n_tokens,
                                        "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 1}),
                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}],
@@ -110,12 +100,9 @@ def serve(args: argparse.Namespace, source: Any, tmp: str) -> List[Dict[str, Any
         if failed:
             raise RuntimeError("a request failed: %s" % failed[0])
         node = requests.get(url + "/v1/mdi/state", timeout=10).json()["nodes"][0]
-        with open("/proc/%d/status" % proc.pid) as f:
-            peak = [int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")][0]
+        peak = peak_rss_bytes(server.pid)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
+        benchlib.stop_serving(server, [])
     return node_rows({"nodes": [dict(node, peak_memory_bytes=peak)]}, source, "served alone")
 
 
