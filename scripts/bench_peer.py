@@ -99,6 +99,9 @@ SHORT_PROMPT = benchlib.DEFAULT_PROMPT  # "Once upon a time": > 128 greedy token
 RING_PROMPT = "Once upon a time, in a small village, there lived an old fisherman who"  # 16 tokens
 ONE_PASS_CHUNK = 512  # runtime.prefill_chunk for the prefill runs: a ~512-token prompt in one pass
 MDI_BACKENDS = ("ggml", "torch", "auto")
+# also measurable: ggml with runtime.prefill_weights dequantized (a prompt's long passes multiply
+# weights dequantized in the graph where this CPU measured it faster)
+GGML_DEQUANT = "ggml_dequant"
 CHILD_MARK = "BENCH_PEER_CHILD "
 
 
@@ -118,7 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="standalone repeats (alternating)")
     p.add_argument("--ring-repeats", type=int, default=2, help="repeats of the 3-process sweep")
     p.add_argument("--backends", default=",".join(MDI_BACKENDS),
-                   help="mdi backends in the standalone rotation (ggml, torch, auto); the ring runs ggml and torch")
+                   help="mdi backends in the standalone rotation (ggml, torch, auto, and ggml_dequant: ggml with "
+                        "runtime.prefill_weights dequantized); the ring runs ggml and torch")
     p.add_argument("--no-llama", action="store_true", help="measure mdi alone")
     p.add_argument("--no-ring", action="store_true", help="skip the 3-process sweep")
     p.add_argument("--no-big", action="store_true", help="skip the 1.1B-shape comparison")
@@ -159,9 +163,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.threads = [int(t) for t in str(args.threads).split(",") if t]
     args.samples = [int(s) for s in str(args.samples).split(",") if s]
     args.backends = [b for b in str(args.backends).split(",") if b]
-    bad = [b for b in args.backends if b not in MDI_BACKENDS]
+    bad = [b for b in args.backends if b not in MDI_BACKENDS + (GGML_DEQUANT,)]
     if bad:
-        p.error("--backends: unknown %s (choose from %s)" % (", ".join(bad), ", ".join(MDI_BACKENDS)))
+        p.error("--backends: unknown %s (choose from %s)" % (", ".join(bad), ", ".join(MDI_BACKENDS + (GGML_DEQUANT,))))
     if args.n_tokens < 3 or args.repeats < 1 or args.ring_repeats < 0:
         p.error("need --n-tokens >= 3, --repeats >= 1, --ring-repeats >= 0")
     return args
@@ -510,6 +514,8 @@ def mdi_config(model: str, nodes: List[Dict[str, Any]], n_tokens: int, threads: 
     d["runtime"]["quant_kernel"] = kernel
     d["runtime"]["max_batch"] = "auto"
     d["runtime"]["fused_decode"] = fused
+    if backend == GGML_DEQUANT:
+        backend, d["runtime"]["prefill_weights"] = "ggml", "dequantized"
     if backend is not None:  # the benchmark's rows name it: $MDI_BACKEND must not change what a row measures
         d["runtime"]["backend"] = backend
     if prefill_chunk:
@@ -902,9 +908,15 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
             key = k + "_tokens_per_s"
             if "mdi_ggml" in runs and "mdi_torch" in runs:
                 entry["ratio_ggml_over_torch_" + k] = _ratios(runs["mdi_ggml"], runs["mdi_torch"], key)
+            dequant = "mdi_" + GGML_DEQUANT
+            if dequant in runs:
+                for name in ("mdi_ggml", "mdi_torch"):
+                    if name in runs:
+                        entry["ratio_%s_over_%s_%s" % (GGML_DEQUANT, name[len("mdi_"):], k)] = \
+                            _ratios(runs[dequant], runs[name], key)
             if "llama.cpp" in runs:
                 for name in runs:
-                    if name in ("mdi", "mdi_ggml", "mdi_torch"):
+                    if name in ("mdi", "mdi_ggml", "mdi_torch", "mdi_" + GGML_DEQUANT):
                         entry["ratio_%s_over_llama_%s" % (name, k)] = _ratios(runs[name], runs["llama.cpp"], key)
         if args.torch_variants and "mdi_torch" in runs:
             entry["ratio_mdi_torch_over_no_integer_decode"] = _ratios(runs["mdi_torch"], runs["mdi_no_integer"],

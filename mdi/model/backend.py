@@ -25,6 +25,9 @@ AUTO = "auto"
 # The ggml KV cache's types (runtime.kv_type, llama.cpp's -ctk / -ctv) -> ggml's type names
 KV_GGML_TYPES = {"f16": "F16", "q8_0": "Q8_0"}
 KV_TYPES = tuple(KV_GGML_TYPES)
+# runtime.prefill_weights (ggml): a prompt's passes multiply the weights as stored, or dequantized
+# where measured faster (mdi.model.ggml.dequant_rows)
+PREFILL_WEIGHTS = ("quantized", "dequantized")
 CACHE = MachineCache("backends.json", 2)  # what auto measured, by machine and shapes
 # How long a node waits for another's measurement on the same machine (each probe is bounded by
 # backend_probe.PROBE_TIMEOUT_S): together within the starter's /backend call (runtime.init_timeout).

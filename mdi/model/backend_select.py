@@ -77,7 +77,8 @@ def probe_layout(quant: Optional[Dict[str, Any]], first: int) -> Dict[str, Any]:
 def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_types: Optional[Dict[str, str]],
                    device: str, threads: Optional[int], rows: int, adapters: bool = False, dtype: str = "float32",
                    quant: Optional[Dict[str, Any]] = None, quant_kernel: Optional[str] = None, kv_type: str = "f16",
-                   refresh: bool = False, busy: Optional[str] = None) -> BackendChoice:
+                   refresh: bool = False, busy: Optional[str] = None,
+                   prefill_weights: str = "quantized") -> BackendChoice:
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
     serve), or for auto the measured faster of those that can (`busy`: see backend.choose)."""
     cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(device)}
@@ -92,7 +93,7 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
     def measure(backend: str) -> BackendTiming:
         req = ProbeRequest(backend=backend, model=config.to_dict(), threads=threads, rows=max(1, rows),
                            prefill_tokens=PROBE_PREFILL_TOKENS, layer_types=ltypes, kv_type=kv_type, dtype=dtype,
-                           device=device, quant=tquant, quant_kernel=quant_kernel)
+                           device=device, quant=tquant, quant_kernel=quant_kernel, prefill_weights=prefill_weights)
         return run_probe(req)
 
     key: Optional[Dict[str, object]] = None
@@ -100,4 +101,6 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
         shape = {k: v for k, v in config.to_dict().items() if k not in ("name", "bos_token_id", "eos_token_id")}
         key = {"machine": machine_key(), "model": shape, "types": ltypes, "quant": tquant, "kernel": quant_kernel,
                "dtype": dtype, "device": device, "threads": threads, "rows": max(1, rows), "kv_type": kv_type}
+        if prefill_weights != "quantized":  # (the default leaves the keys remembered before it as they were)
+            key["prefill_weights"] = prefill_weights
     return choose(asked, cannot, measure, key, refresh, busy)

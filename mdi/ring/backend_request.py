@@ -13,8 +13,8 @@ from mdi.model.backend import BACKENDS
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec, layout_to_json
 from mdi.ring.init_request import (RequestError, check_device, dtype_fields, gguf_types_field, int_field,
-                                   kv_type_field, layers_field, model_field, object_fields, quant_field,
-                                   quant_kernel_field, str_field, threads_field)
+                                   kv_type_field, layers_field, model_field, object_fields, prefill_weights_field,
+                                   quant_field, quant_kernel_field, str_field, threads_field)
 
 
 @dataclass
@@ -31,11 +31,13 @@ class BackendRequest:
     quant_kernel: Optional[str] = None
     kv_type: str = "f16"
     adapters: bool = False  # the run serves adapters or soft prompts
+    prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights, as the run will compute
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "layers": list(self.layers), "asked": self.asked,
                                "device": self.device, "dtype": self.dtype, "rows": self.rows,
-                               "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters}
+                               "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters,
+                               "prefill_weights": self.prefill_weights}
         for key in ("threads", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -46,7 +48,8 @@ class BackendRequest:
 
 def validate_backend(body: Any) -> BackendRequest:
     spec = object_fields("backend", body, ("model", "layers", "asked", "device", "dtype"),
-                         ("threads", "rows", "gguf_types", "quant", "quant_kernel", "kv_type", "adapters"))
+                         ("threads", "rows", "gguf_types", "quant", "quant_kernel", "kv_type", "adapters",
+                          "prefill_weights"))
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
     if spec["asked"] not in BACKENDS:
@@ -62,7 +65,8 @@ def validate_backend(body: Any) -> BackendRequest:
         raise RequestError("adapters must be true or false")
     return BackendRequest(config, layers, spec["asked"], device, spec["dtype"], spec.get("threads"),
                           rows, gguf_types_field(spec.get("gguf_types"), config, layers),
-                          quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters)
+                          quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters,
+                          prefill_weights_field(spec))
 
 
 @dataclass

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from mdi.model.backend import BACKENDS, KV_TYPES
+from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS
 from mdi.model.config import ModelConfig
 from mdi.model.ggml.tensors import typed_bytes
 from mdi.model.layout import DTYPE_NAMES, QuantSpec, layout_from_json, layout_to_json, quantizable, weight_bytes
@@ -106,6 +106,7 @@ class InitRequest:
     kv_type: str = "f16"  # ggml's KV cache type
     gguf_types: Dict[str, str] = field(default_factory=dict)  # ggml: the node's GGUF tensors and their types
     repack: bool = True  # ggml: runtime.repack (matrices re-laid for ggml's faster kernels)
+    prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights (mdi.model.ggml.dequant_rows)
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
@@ -113,7 +114,7 @@ class InitRequest:
                                "data": self.data.to_json(), "weights": self.weights.to_json(),
                                "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
                                "fused_decode": self.fused_decode, "backend": self.backend, "kv_type": self.kv_type,
-                               "repack": self.repack}
+                               "repack": self.repack, "prefill_weights": self.prefill_weights}
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel",
                     "prefix_cache", "kernel_memory"):
@@ -231,6 +232,14 @@ def quant_kernel_field(spec: Dict[str, Any]) -> Optional[str]:
     return kernel
 
 
+def prefill_weights_field(spec: Dict[str, Any]) -> str:
+    """runtime.prefill_weights as a request carries it (default quantized)."""
+    value = spec.get("prefill_weights", "quantized")
+    if value not in PREFILL_WEIGHTS:
+        raise RequestError("prefill_weights must be one of %s" % ", ".join(PREFILL_WEIGHTS))
+    return value
+
+
 def kv_type_field(spec: Dict[str, Any]) -> str:
     """runtime.kv_type as a request carries it (default f16)."""
     kv_type = spec.get("kv_type", "f16")
@@ -254,7 +263,7 @@ def validate_init(body: Any) -> InitRequest:
                                         "data", "weights"),
                          ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant",
                           "quant_kernel", "max_batch", "max_rows", "wire_codec", "fused_decode", "prefix_cache",
-                          "backend", "kv_type", "gguf_types", "repack", "kernel_memory"))
+                          "backend", "kv_type", "gguf_types", "repack", "kernel_memory", "prefill_weights"))
     int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1)
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
@@ -289,6 +298,7 @@ def validate_init(body: Any) -> InitRequest:
     kv_type = kv_type_field(spec)
     gguf_types = gguf_types_field(spec.get("gguf_types"), config, layers)
     repack = bool_field("repack", spec["repack"]) if "repack" in spec else True
+    prefill_weights = prefill_weights_field(spec)
     if backend == "ggml" and not gguf_types:
         raise RequestError("backend ggml needs gguf_types (the node's GGUF tensors and their types)")
     weights = spec["weights"]
@@ -314,7 +324,7 @@ def validate_init(body: Any) -> InitRequest:
         threads=spec.get("threads"), quant=quant, quant_kernel=kernel, max_batch=max_batch, max_rows=max_rows,
         wire_codec=codec, fused_decode=fused, prefix_cache=spec.get("prefix_cache"), backend=backend, kv_type=kv_type,
         kernel_memory=spec.get("kernel_memory"),
-        gguf_types=gguf_types, repack=repack)
+        gguf_types=gguf_types, repack=repack, prefill_weights=prefill_weights)
 
 
 def quant_field(data: Any, config: ModelConfig, layers: List[int]) -> Dict[str, QuantSpec]:

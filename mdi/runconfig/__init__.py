@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from mdi.model.backend import BACKENDS, KV_TYPES, default_backend
+from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend
 from mdi.model.constraints.grammar_cost import MASK_DEADLINE_S
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, layer_ranges
 from mdi.model.torch_settings import fused_decode_default
@@ -98,6 +98,11 @@ class RuntimeSpec:
     # default): prefill runs up to 2.6x faster, but a pass of 4 rows or more then rounds them
     # differently from a one-row pass, so greedy ids may depend on batching. false: never.
     repack: bool = True
+    # ggml: a prompt's passes multiply the weights as stored ("quantized": a row's bits never
+    # depend on its pass) or, where this CPU measured it faster, dequantized in the graph
+    # ("dequantized": up to 3x faster prefill where the CPU has bfloat16 arithmetic; a prompt's
+    # greedy ids then depend on its chunking and the prefix cache: mdi.model.ggml.dequant_rows).
+    prefill_weights: str = "quantized"
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -209,7 +214,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
                      "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,),
                      "prefix_cache": (int, str, bool), "backend": (str,), "kv_type": (str,),
-                     "repack": (bool,), "kernel_memory": (int, str, bool)})
+                     "repack": (bool,), "kernel_memory": (int, str, bool), "prefill_weights": (str,)})
     if "prefix_cache" in r:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     if "kernel_memory" in r:
@@ -233,6 +238,9 @@ def parse_config(data: Any, source: str) -> RunConfig:
         raise ConfigError("%s: runtime.backend: expected one of %s, got %r" % (source, ", ".join(BACKENDS), runtime.backend))
     if runtime.kv_type not in KV_TYPES:
         raise ConfigError("%s: runtime.kv_type: expected one of %s, got %r" % (source, ", ".join(KV_TYPES), runtime.kv_type))
+    if runtime.prefill_weights not in PREFILL_WEIGHTS:
+        raise ConfigError("%s: runtime.prefill_weights: expected one of %s, got %r"
+                          % (source, ", ".join(PREFILL_WEIGHTS), runtime.prefill_weights))
     if runtime.recovery_attempts is not None and runtime.recovery_attempts < 0:
         raise ConfigError("%s: runtime.recovery_attempts: expected an integer >= 0" % source)
     for key in ("connect_timeout", "init_timeout", "ring_timeout", "heartbeat_interval", "heartbeat_timeout"):

@@ -211,7 +211,7 @@ class Engine(RuntimeAdapters):
                 cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else None, self.plan.max_batch,
                 adapters=bool(self.adapters) or bool(cfg.adapters), dtype=cfg.model.dtype,
                 quant=layout_to_json(self.plan.nodes[0].quant), quant_kernel=cfg.runtime.quant_kernel,
-                kv_type=cfg.runtime.kv_type)
+                kv_type=cfg.runtime.kv_type, prefill_weights=cfg.runtime.prefill_weights)
         except (ValueError, RuntimeError) as e:
             raise ConfigError("starter: %s" % e)
 
@@ -228,6 +228,12 @@ class Engine(RuntimeAdapters):
         if cfg.runtime.threads == AUTO:
             chosen = choose_threads(chunk, self.plan.max_batch)
             log.info("mdi: starter: threads: auto chose %s", chosen.describe())
+        chunk.set_prefill_weights(cfg.runtime.prefill_weights)  # after the threads: what it measures is theirs
+        rows = chunk.dequantized_from
+        if rows is not None and cfg.runtime.prefill_chunk < rows:
+            log.warning("mdi: starter: prefill weights are dequantized here from %d rows a pass, but runtime.prefill_chunk "
+                        "is %d: prompts stay quantized unless prefill_chunk is %d or more", rows,
+                        cfg.runtime.prefill_chunk, rows)
         return chunk
 
     def _set_prefix_bytes(self, spare: Optional[int]) -> None:

@@ -78,7 +78,15 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
                       speculation=pipeline.speculation_metrics() if pipeline is not None else {},
                       prefix_cache=pipeline.prefix_metrics() if pipeline is not None else {},
                       backend=chunk.backend if chunk is not None else None,
-                      backend_line=engine.backend_choice.describe() if engine.backend_choice is not None else None)
+                      backend_line=_backend_line(engine))
+
+
+def _backend_line(engine: Any) -> Optional[str]:
+    chunk, choice = engine.chunk, engine.backend_choice
+    if choice is None:
+        return None
+    line = choice.describe()
+    return chunk.with_prefill_rule(line) if chunk is not None and chunk.backend == "ggml" else line
 
 
 def ring_reports(engine: Any, starter: NodeReport, workers: Sequence[NodeReport]) -> List[NodeReport]:

@@ -85,6 +85,18 @@ class MachineCache:
         except OSError as e:
             log.debug("mdi: cannot write %s: %s", self.path, e)
 
+    def recall(self, key: str) -> Any:
+        """What this machine (machine_key) remembered under `key`, or None."""
+        return self.read().get(digest(machine_key()), {}).get(key)
+
+    def remember(self, key: str, value: Any, wait_s: float) -> None:
+        """Keep `value` under `key` for this machine, beside what other processes kept (a
+        RuntimeError from `locked` where another holds the file too long: measured again next time)."""
+        with self.locked(wait_s):
+            machines = self.read()
+            machines.setdefault(digest(machine_key()), {})[key] = value
+            self.write(machines)
+
     @contextlib.contextmanager
     def locked(self, wait_s: float) -> Iterator[None]:
         """This file's exclusive lock (none where the folder cannot be written); RuntimeError

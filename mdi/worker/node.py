@@ -232,7 +232,8 @@ class Worker(Measuring):
         if backend == "auto":  # a starter that did not ask POST /backend first
             choice = self._select_backend("auto", config, request.layers, request.gguf_types, device, request.threads,
                                           request.max_batch, False, request.dtype, layout_to_json(request.quant),
-                                          request.quant_kernel, request.kv_type)
+                                          request.quant_kernel, request.kv_type,
+                                          prefill_weights=request.prefill_weights)
             backend, line = choice.backend, choice.describe()
             if request.weights.push is not None and backend != "torch":
                 raise RequestError("backend auto chose %s here, but the push announced is torch's weights: ask POST "
@@ -377,6 +378,9 @@ class Worker(Measuring):
             raise RequestError(str(e))
         endpoint.connect(data.next_host, data.next_port)
         threads = self._set_threads(request, chunk)
+        if chunk.backend == "ggml":  # per run, after the threads: what it measures is theirs
+            chunk.set_prefill_weights(request.prefill_weights)
+            self.backend_line = chunk.with_prefill_rule(setup.backend_line)
         self.run = Run(request, chunk, endpoint, setup.peer, threads, setup.prefix_bytes)
         self.touch()
         self.run.thread.start()

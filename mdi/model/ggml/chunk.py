@@ -16,9 +16,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from mdi.model.backend import PREFILL_WEIGHTS
 from mdi.model.config import ModelConfig
 from mdi.model.ggml import lib
 from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
+from mdi.model.ggml.dequant_rows import dequantizable, measure_rule
 from mdi.model.ggml.graph import (Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks,
                                   head_name)
 from mdi.model.ggml.kv_cache import GgmlKVCache
@@ -104,6 +106,9 @@ class GgmlChunk:
         # (row by row is a way round the CPU's tiled kernel: a GPU multiplies a pass as one product)
         self._split_groups = [blocks, alike([head]) if with_head else []] if on.on_cpu else []
         self.builder.split = split_sizes(self.compute_backend, self.tensors, self._split_groups)
+        # what runtime.prefill_weights may dequantize: block matrices stored quantized, not repacked
+        self._dequantizable = [n for n in matmul if n != head and n not in packed and dequantizable(self.tensors[n])]
+        self.prefill_weights = "quantized"
         self.cache: Optional[GgmlKVCache] = None
         self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
         self._lookups = 0  # graph lookups so far (IDLE_LOOKUPS)
@@ -140,6 +145,43 @@ class GgmlChunk:
             if self.compute_backend.threads != before:  # which way a pass's rows multiply faster is the threads' too
                 self.builder.split = split_sizes(self.compute_backend, self.tensors, self._split_groups)
                 self._drop_graphs(lambda key: key[0] in ("blocks", "head"))
+                self.set_prefill_weights(self.prefill_weights)  # measured again for these threads
+
+    def set_prefill_weights(self, mode: str) -> None:
+        """runtime.prefill_weights: "quantized" (every pass multiplies the weights as stored:
+        a row's bits never depend on its pass) or "dequantized" (a sample bringing enough rows
+        to a pass multiplies them by its block matrices dequantized in the graph, where this CPU
+        measured that faster: mdi.model.ggml.dequant_rows)."""
+        if mode not in PREFILL_WEIGHTS:
+            raise ValueError("prefill_weights must be one of %s, got %r" % (", ".join(PREFILL_WEIGHTS), mode))
+        with self._lock:
+            rule = None
+            if mode == "dequantized" and self.compute_backend.on_cpu and self._dequantizable:
+                rule = measure_rule(self.compute_backend, self.tensors, self._dequantizable)
+            if rule != self.builder.dequant:
+                self.builder.dequant = rule
+                self.builder.dequant_names = frozenset(self._dequantizable) if rule else frozenset()
+                self._drop_graphs(lambda key: key[0] == "blocks")
+            self.prefill_weights = mode
+
+    @property
+    def prefill_rule(self) -> str:
+        """What runtime.prefill_weights does on this chunk, in words (its --check and /status line)."""
+        rule = self.builder.dequant
+        if rule is not None:
+            return "dequantized to " + rule.describe()
+        return "quantized" + (" (dequantized measured no faster here)" if self.prefill_weights == "dequantized" else "")
+
+    @property
+    def dequantized_from(self) -> Optional[int]:
+        """The fewest rows a sample brings to a pass to multiply them dequantized (None: never)."""
+        rule = self.builder.dequant
+        return rule.min_rows if rule is not None else None
+
+    def with_prefill_rule(self, line: str) -> str:
+        """A node's backend line (what it computes with, and why), and what runtime.prefill_weights
+        does on it where the run asked for dequantized."""
+        return line if self.prefill_weights == "quantized" else "%s; prefill weights %s" % (line, self.prefill_rule)
 
     @property
     def weight_bytes(self) -> int:

@@ -172,6 +172,11 @@ class GraphBuilder:
         self.w = weights  # GGUF name -> tensor
         # GGUF name -> pass sizes at which it is multiplied row by row (mdi.model.ggml.row_split)
         self.split: Dict[str, FrozenSet[int]] = {}
+        # runtime.prefill_weights dequantized: the rule (mdi.model.ggml.dequant_rows) and the
+        # block matrices it applies to (None / empty: every product as stored)
+        self.dequant: Any = None  # a DequantRule (its module builds on this one)
+        self.dequant_names: FrozenSet[str] = frozenset()
+        self._runs: Optional[List[Tuple[int, int, bool]]] = None  # the pass being built: its rows' runs
         self._lora: Optional[lora_ops.LoraOps] = None  # the adapter ops of the blocks graph being built
 
     # --- small pieces ------------------------------------------------------------------
@@ -196,7 +201,37 @@ class GraphBuilder:
 
     def _product(self, ctx: Any, name: str, x: Any) -> Any:
         rows = int(x.contents.ne[1])
+        if self._runs is not None and name in self.dequant_names:
+            w = self.w[name]
+            return multiply_runs(self.gg, ctx, w, x, self._runs, dequant_slices(self.gg, ctx, w, self.dequant.type_id))
         return multiply(self.gg, ctx, self.w[name], x, rows, rows in self.split.get(name, ()))
+
+    def _dequant_runs(self, shape: PassShape) -> Optional[List[Tuple[int, int, bool]]]:
+        """The pass's rows as runs (first row, rows, dequantized): a sample brings its rows
+        dequantized where it brings at least the rule's rows, each such sample a run of its own
+        (the float kernels' sums may depend on a product's rows); the others share runs (the
+        quantized product rounds a row alike in a pass of any size). None where none does."""
+        rule = self.dequant
+        if rule is None or not any(s.rows >= rule.min_rows for s in shape.samples):
+            return None
+        runs: List[Tuple[int, int, bool]] = []
+        first = 0
+        for s in shape.samples:
+            wide = s.rows >= rule.min_rows
+            if runs and not wide and not runs[-1][2]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + s.rows, wide)
+            else:
+                runs.append((first, s.rows, wide))
+            first += s.rows
+        return runs
+
+    def _dequant_nodes(self, runs: Optional[List[Tuple[int, int, bool]]]) -> int:
+        """Graph nodes dequantized products add per block: per slice a view, two casts, a product
+        and a copy into place; per run a view, a product and a copy."""
+        if runs is None:
+            return 0
+        slices = max(dequant_slice_count(self.w[n]) for n in self.dequant_names)
+        return LINEARS_PER_BLOCK * (5 * slices * len(runs) + 3 * len(runs) + 2)
 
     def _split_nodes(self, rows: int) -> int:
         """Graph nodes that multiplying row by row adds per block at a pass of `rows` rows."""
@@ -222,7 +257,9 @@ class GraphBuilder:
         c = t.config
         E, R = c.n_embd, shape.rows
         more = len(self.layers) * (lora_ops.NODES_PER_LAYER + lora_ops.NODES_PER_GROUP * len(lora.groups)) if lora else 0
-        per_layer = NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples) + self._split_nodes(R)
+        runs = self._dequant_runs(shape)
+        per_layer = NODES_PER_LAYER + NODES_PER_SAMPLE * len(shape.samples) + self._split_nodes(R) + \
+            self._dequant_nodes(runs)
         head = NODES_MORE + self._split_nodes(head_rows) if head_rows else 0
         b = Built(len(self.layers) * per_layer + NODES_MORE + more + head, self.buffer_type)
         pos = self._input(b, "pos", lib.I32, R)
@@ -232,11 +269,11 @@ class GraphBuilder:
             widest = max((c.n_head + 2 * c.kv_heads) * c.head_dim, c.ffn_width, E)
             b.lora = lora_ops.LoraOps(gg, lambda name, kind, n: self._input(b, name, kind, n), lora, held or {}, widest)
             b.lora.inputs(R)
-        self._lora = b.lora
+        self._lora, self._runs = b.lora, runs
         try:
             x = self._blocks(b, x, shape, cache, pos, kv_rows)
         finally:
-            self._lora = None
+            self._lora, self._runs = None, None
         if head_rows:
             x = self._head(b.ctx.ptr, gg.ggml_get_rows(b.ctx.ptr, x, self._input(b, "head_rows", lib.I32, head_rows)))
         b.finish(x)
@@ -393,6 +430,80 @@ def multiply(gg: Any, ctx: Any, w: Any, x: Any, rows: int, by_row: bool) -> Any:
         part = gg.ggml_mul_mat(ctx, w, gg.ggml_view_2d(ctx, x, x.contents.ne[0], 1, stride, r * stride))
         y = gg.ggml_set_2d_inplace(ctx, y, part, out_stride, r * out_stride)
     return y
+
+
+DEQUANT_SLICE_BYTES = 32 << 20  # a matrix is dequantized in slices of output rows of at most this many float32 bytes
+
+
+def dequantized(gg: Any, ctx: Any, w: Any, type_id: int) -> Any:
+    """The quantized matrix w dequantized to float type `type_id` in the graph (ggml dequantizes
+    to float32 only; float16 and bfloat16 are a second cast from there)."""
+    y = gg.ggml_cast(ctx, w, lib.F32)
+    return y if type_id == lib.F32 else gg.ggml_cast(ctx, y, type_id)
+
+
+def dequant_slices(gg: Any, ctx: Any, w: Any, type_id: int) -> List[Tuple[int, Any]]:
+    """w dequantized as (first output row, slice) pairs of at most DEQUANT_SLICE_BYTES of float32
+    each: a graph holds one slice's float copy at a time, not the whole matrix's."""
+    k, out = int(w.contents.ne[0]), int(w.contents.ne[1])
+    per = max(1, min(out, DEQUANT_SLICE_BYTES // (4 * k)))
+    return [(o, dequantized(gg, ctx, gg.ggml_view_2d(ctx, w, k, min(per, out - o), w.contents.nb[1], o * w.contents.nb[1]),
+                            type_id)) for o in range(0, out, per)]
+
+
+def dequant_slice_count(w: Any) -> int:
+    k, out = int(w.contents.ne[0]), int(w.contents.ne[1])
+    return -(-out // max(1, min(out, DEQUANT_SLICE_BYTES // (4 * k))))
+
+
+def multiply_slices(gg: Any, ctx: Any, slices: List[Tuple[int, Any]], x: Any, out_rows: int) -> Any:
+    """The product of the whole matrix `slices` came from with x's rows: [out_rows, x's rows]."""
+    if len(slices) == 1:
+        return gg.ggml_mul_mat(ctx, slices[0][1], x)
+    y = gg.ggml_new_tensor_2d(ctx, lib.F32, out_rows, x.contents.ne[1])
+    for first, w in slices:
+        y = gg.ggml_set_2d_inplace(ctx, y, gg.ggml_mul_mat(ctx, w, x), y.contents.nb[1], first * 4)
+    return y
+
+
+def multiply_runs(gg: Any, ctx: Any, w: Any, x: Any, runs: List[Tuple[int, int, bool]],
+                  slices: List[Tuple[int, Any]]) -> Any:
+    """w times x, whose rows come in runs (first row, rows, dequantized): a dequantized run
+    multiplies `slices` (w dequantized), the others w as stored; each run's product is written
+    into place, so a run's bits are those it would get in a pass of its own."""
+    if len(runs) == 1:
+        return multiply_slices(gg, ctx, slices, x, int(w.contents.ne[1])) if runs[0][2] else gg.ggml_mul_mat(ctx, w, x)
+    if not gg.ggml_is_contiguous(x):
+        x = gg.ggml_cont(ctx, x)
+    stride = x.contents.nb[1]
+    y = gg.ggml_new_tensor_2d(ctx, lib.F32, w.contents.ne[1], x.contents.ne[1])
+    for first, rows, wide in runs:
+        part = gg.ggml_view_2d(ctx, x, x.contents.ne[0], rows, stride, first * stride)
+        part = multiply_slices(gg, ctx, slices, part, int(w.contents.ne[1])) if wide else gg.ggml_mul_mat(ctx, w, part)
+        y = gg.ggml_set_2d_inplace(ctx, y, part, y.contents.nb[1], first * y.contents.nb[1])
+    return y
+
+
+def products_graph(matrices: List[Any], rows: int, product: Any, nodes_each: int,
+                   buffer_type: Optional[int] = None) -> Built:
+    """A graph multiplying `rows` rows (an input per row length, "x<k>") by each of `matrices`
+    in turn, `product(gg, ctx, w, x)` each (taking up to `nodes_each` nodes), every product
+    summed into the output so none is left out: what a measurement times."""
+    gg = lib.require()
+    b = Built(len(matrices) * (nodes_each + 2) + 8, buffer_type)  # and a sum and an add each
+    ctx = b.ctx.ptr
+    total = None
+    for w in matrices:
+        k = int(w.contents.ne[0])
+        x = b.inputs.get("x%d" % k)
+        if x is None:
+            x = gg.ggml_new_tensor_2d(ctx, lib.F32, k, rows)
+            gg.ggml_set_input(x)
+            b.inputs["x%d" % k] = x
+        s = gg.ggml_sum(ctx, product(gg, ctx, w, x))
+        total = s if total is None else gg.ggml_add(ctx, total, s)
+    b.finish(total)
+    return b
 
 
 def head_name(weights: Dict[str, Any]) -> str:

@@ -279,6 +279,18 @@ def cpu_device() -> int:
     return gg.ggml_backend_reg_dev_get(gg.ggml_backend_cpu_reg(), 0)
 
 
+def leading_tensors(tensors: Dict[str, Any], names: List[str], max_bytes: int) -> List[Any]:
+    """The tensors `names` names, in order, up to `max_bytes` of their data (at least one where
+    any): what a measurement times of a node's matrices, past the caches but not all of them."""
+    out, total = [], 0
+    for name in names:
+        out.append(tensors[name])
+        total += int(gg.ggml_nbytes(tensors[name]))
+        if total >= max_bytes:
+            break
+    return out
+
+
 def shape(t: Any) -> Tuple[int, ...]:
     """A tensor's ne (ggml order: fastest first), all four."""
     return tuple(t.contents.ne)

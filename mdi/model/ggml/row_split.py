@@ -26,8 +26,8 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 import numpy as np
 
 from mdi.model.ggml import lib
-from mdi.model.ggml.graph import Built, multiply, split_nodes
-from mdi.system.machine_cache import MachineCache, digest, machine_key
+from mdi.model.ggml.graph import Built, multiply, products_graph, split_nodes
+from mdi.system.machine_cache import MachineCache, digest
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def split_sizes(backend: lib.ComputeBackend, weights: Dict[str, Any],
     for names in groups:
         if not names:
             continue
-        probe = _probe(weights, names)
+        probe = lib.leading_tensors(weights, names, PROBE_BYTES)
         key = _group_key(probe, backend.threads)
         sizes = _measured.get(key)
         if sizes is None:
@@ -68,18 +68,6 @@ def split_sizes(backend: lib.ComputeBackend, weights: Dict[str, Any],
         for name in names:
             out[name] = sizes
     return out
-
-
-def _probe(weights: Dict[str, Any], names: List[str]) -> List[Any]:
-    """The group's first matrices, in order, up to PROBE_BYTES (at least one)."""
-    gg = lib.require()
-    probe, total = [], 0
-    for name in names:
-        probe.append(weights[name])
-        total += int(gg.ggml_nbytes(weights[name]))
-        if total >= PROBE_BYTES:
-            break
-    return probe
 
 
 def _type_name(w: Any) -> str:
@@ -98,7 +86,7 @@ def _group_key(probe: List[Any], threads: int) -> str:
 
 
 def _recall(key: str) -> Optional[FrozenSet[int]]:
-    sizes = CACHE.read().get(digest(machine_key()), {}).get(key)
+    sizes = CACHE.recall(key)
     if not isinstance(sizes, list) or not all(isinstance(n, int) for n in sizes):
         return None  # never measured here (or a hand-edited file: measured again)
     return frozenset(sizes)
@@ -106,10 +94,7 @@ def _recall(key: str) -> Optional[FrozenSet[int]]:
 
 def _remember(key: str, sizes: FrozenSet[int]) -> None:
     try:
-        with CACHE.locked(LOCK_WAIT_S):
-            machines = CACHE.read()
-            machines.setdefault(digest(machine_key()), {})[key] = sorted(sizes)
-            CACHE.write(machines)
+        CACHE.remember(key, sorted(sizes), LOCK_WAIT_S)
     except RuntimeError as e:  # measured again next time
         log.warning("mdi: ggml row-split measurements not remembered: %s", e)
 
@@ -143,20 +128,6 @@ def _measure(backend: lib.ComputeBackend, probe: List[Any]) -> FrozenSet[int]:
 
 
 def _products(probe: List[Any], n: int, by_row: bool, buffer_type: Optional[int]) -> Built:
-    """A graph multiplying n rows by every matrix of `probe` in turn (an input per row length),
-    as one product each or row by row."""
-    gg = lib.require()
-    b = Built(len(probe) * (split_nodes(n) + 2) + 8, buffer_type)  # and a sum and an add each
-    ctx = b.ctx.ptr
-    total = None
-    for w in probe:
-        k = int(w.contents.ne[0])
-        x = b.inputs.get("x%d" % k)
-        if x is None:
-            x = gg.ggml_new_tensor_2d(ctx, lib.F32, k, n)
-            gg.ggml_set_input(x)
-            b.inputs["x%d" % k] = x
-        s = gg.ggml_sum(ctx, multiply(gg, ctx, w, x, n, by_row))  # every product feeds the output
-        total = s if total is None else gg.ggml_add(ctx, total, s)
-    b.finish(total)
-    return b
+    """A graph multiplying n rows by every matrix of `probe` in turn, as one product each or row by row."""
+    return products_graph(probe, n, lambda gg, ctx, w, x: multiply(gg, ctx, w, x, n, by_row), split_nodes(n),
+                          buffer_type)

@@ -38,9 +38,6 @@ def remember(key: Tuple, entry: Dict[str, Any]) -> None:
     starting side by side each add theirs)."""
     _loaded[key_text(key)] = entry
     try:
-        with CACHE.locked(LOCK_WAIT_S):
-            machines = CACHE.read()
-            machines.setdefault(digest(machine_key()), {})[key_text(key)] = entry
-            CACHE.write(machines)
+        CACHE.remember(key_text(key), entry, LOCK_WAIT_S)
     except RuntimeError as e:  # measured again next time
         log.warning("mdi: kernel measurements not remembered: %s", e)

@@ -1,0 +1,162 @@
+"""Where a prompt's rows multiply dequantized weights (`runtime.prefill_weights: dequantized`):
+the float type and the fewest rows at which that is measured faster than ggml's quantized
+product on this CPU.
+
+ggml multiplies a quantized matrix by rounding each activation row to 8-bit blocks and taking
+integer dot products, one weight row against one activation row: on one core of an AMD EPYC
+(Zen 5, AVX-512 BF16) a Q4_1 pass of 512 rows of SmolLM2's ffn_up shape ran at ~35 GFLOPS. The
+same matrix dequantized inside the graph (`ggml_cast` to float32, then to bfloat16) and
+multiplied by ggml's tiled float kernels ran at ~160 GFLOPS, dequantizing included; at 8 rows
+the dequantizing alone cost 4x the quantized product. So long passes (a prompt's chunks) win
+and short ones (decode, verification) lose, and where the two cross depends on the CPU, its
+threads and the type: it is measured, not listed. Which float type: bfloat16 where the CPU
+multiplies it natively, else float16 or float32, whichever ran fastest.
+
+A sample's rows take this way only when it brings at least `min_rows` rows to a pass (the rule
+is the sample's own, so other samples in the pass never change its bits); its results differ
+from the quantized product's in the last bits, so a prompt's greedy ids then depend on how it
+is chunked and on what the prefix cache held (the README's "Determinism"). Measured once per
+machine, type shapes and threads (mdi.system.machine_cache).
+"""
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from mdi.model.ggml import lib
+from mdi.model.ggml.graph import Built, dequantized, products_graph
+from mdi.system.machine_cache import MachineCache, digest
+
+log = logging.getLogger(__name__)
+
+TYPE_ROWS = 256  # the pass size the float types race at (larger passes win by more: the dequantizing is per pass)
+PROBE_ROWS = (16, 32, 64, 128)  # smaller sizes timed against the quantized product, down to the first that loses
+PROBE_BYTES = 2 << 20  # block matrices timed, in layer order, up to this many bytes of weights (a layer or two)
+FLOAT_TYPES = ("BF16", "F16", "F32")
+MARGIN = 0.8  # dequantized must be this much cheaper: a near tie keeps the exact product
+ROUNDS = 2  # interleaved timing rounds; each way's least disturbed one counts
+# Wall time, not CPU time: with 2+ threads ggml's pool spins at each op's barrier, and the
+# dequantizing adds ops (Gemma 3 at 2 threads: 0.83x the quantized product's wall time, 1.2x its
+# CPU time). Each way's least disturbed round is what counts against other tenants' work.
+
+CACHE = MachineCache("ggml_dequant.json", 1)  # machine digest -> probe key -> [type name, min rows] or []
+LOCK_WAIT_S = 60.0
+
+_measured: Dict[str, Optional["DequantRule"]] = {}
+
+
+@dataclass(frozen=True)
+class DequantRule:
+    """A sample bringing `min_rows` rows or more to a pass multiplies them by weights dequantized
+    to `type_id` in the graph."""
+    type_id: int
+    min_rows: int
+
+    def describe(self) -> str:
+        return "%s from %d rows" % (lib.TYPE_NAMES.get(self.type_id, self.type_id), self.min_rows)
+
+
+def dequantizable(w: Any) -> bool:
+    """A quantized matrix ggml can dequantize in a graph (not F32/F16/BF16, not repacked: the
+    caller leaves those out)."""
+    return lib.TYPE_NAMES.get(int(w.contents.type), "F32") not in ("F32", "F16", "BF16")
+
+
+def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str]) -> Optional[DequantRule]:
+    """The rule for the block matrices `names` (quantized, none repacked), or None where no
+    probed pass size multiplies faster dequantized (nothing changes then)."""
+    key = probe_key(backend, weights, names)
+    if key is None:
+        return None
+    if key not in _measured:
+        rule = _recall(key)
+        if rule is None:
+            t0 = time.perf_counter()
+            rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
+            remember(key, rule)
+            log.info("ggml: prefill weights: %s (measured in %.1f s)",
+                     "dequantized to " + rule.describe() if rule else "quantized at every pass size probed (no faster way)",
+                     time.perf_counter() - t0)
+        _measured[key] = rule or None
+    return _measured[key]
+
+
+def probe_key(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str]) -> Optional[str]:
+    """What a measurement over `names` is remembered by: the probed matrices' types and shapes,
+    and the threads (None: nothing to probe)."""
+    probe = lib.leading_tensors(weights, names, PROBE_BYTES)
+    if not probe:
+        return None
+    return digest({"shapes": ["%d:%d:%d" % (int(w.contents.type), int(w.contents.ne[0]), int(w.contents.ne[1]))
+                              for w in probe], "threads": backend.threads})
+
+
+def _recall(key: str) -> Any:
+    """The remembered rule; False where it was measured that none wins; None: never measured."""
+    got = CACHE.recall(key)
+    if got == []:
+        return False
+    if isinstance(got, list) and len(got) == 2 and got[0] in lib.TYPE_IDS and isinstance(got[1], int):
+        return DequantRule(lib.TYPE_IDS[got[0]], got[1])
+    return None
+
+
+def remember(key: str, rule: Optional[DequantRule]) -> None:
+    try:
+        CACHE.remember(key, [lib.TYPE_NAMES[rule.type_id], rule.min_rows] if rule else [], LOCK_WAIT_S)
+    except RuntimeError as e:  # measured again next time
+        log.warning("mdi: ggml prefill-weight measurements not remembered: %s", e)
+
+
+def _measure(backend: lib.ComputeBackend, probe: List[Any]) -> Optional[DequantRule]:
+    raced = _race(backend, probe, TYPE_ROWS, [lib.TYPE_IDS[name] for name in FLOAT_TYPES])
+    exact = raced.pop(None)
+    if not raced or min(raced.values()) > MARGIN * exact:
+        return None
+    type_id = min(raced, key=lambda t: raced[t])
+    # the fewest rows from which every larger size probed wins
+    min_rows = TYPE_ROWS
+    for rows in sorted((n for n in PROBE_ROWS if n < TYPE_ROWS), reverse=True):
+        times = _race(backend, probe, rows, [type_id])
+        if times.get(type_id, float("inf")) > MARGIN * times[None]:
+            break
+        min_rows = rows
+    return DequantRule(type_id, min_rows)
+
+
+def _race(backend: lib.ComputeBackend, probe: List[Any], rows: int, type_ids: List[int]) -> Dict[Any, float]:
+    """Seconds of a pass of `rows` rows through every matrix of the probe, quantized (key None)
+    and dequantized to each of `type_ids` (left out where this build cannot dequantize to it):
+    each way's least disturbed of ROUNDS interleaved rounds."""
+    ways: Dict[Any, Built] = {}
+    try:
+        ways[None] = _products(probe, rows, None, backend.buffer_type)
+        for type_id in type_ids:
+            try:
+                ways[type_id] = _products(probe, rows, type_id, backend.buffer_type)
+            except (RuntimeError, MemoryError) as e:
+                log.debug("ggml: dequantizing to %s not measured: %s", lib.TYPE_NAMES.get(type_id), e)
+        rng = np.random.default_rng(0)
+        for b in ways.values():
+            for x in b.inputs.values():
+                lib.set_data(x, rng.standard_normal((rows, int(x.contents.ne[0]))).astype(np.float32))
+        best = {way: float("inf") for way in ways}
+        for _ in range(ROUNDS + 1):  # the first round warms
+            for way, b in ways.items():
+                t0 = time.perf_counter()
+                backend.compute(b.graph)
+                best[way] = min(best[way], time.perf_counter() - t0)
+        return best
+    finally:
+        for b in ways.values():
+            b.free()
+
+
+def _products(probe: List[Any], rows: int, type_id: Optional[int], buffer_type: Optional[int]) -> Built:
+    """A graph multiplying `rows` rows by every matrix of the probe, quantized (type_id None) or
+    dequantized to type_id."""
+    def product(gg: Any, ctx: Any, w: Any, x: Any) -> Any:
+        return gg.ggml_mul_mat(ctx, w if type_id is None else dequantized(gg, ctx, w, type_id), x)
+    return products_graph(probe, rows, product, 4, buffer_type)
