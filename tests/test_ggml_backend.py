@@ -377,7 +377,7 @@ def test_a_graph_no_pass_asked_for_lately_goes_before_another_is_built(source):
     passed without them (a long served session kept 24 graphs, 50 MB of Gemma 3's); a shape
     asked for every step stays."""
     from mdi.model.ggml import chunk as ggml_chunk
-    from mdi.model.ggml.graph import Built
+    from mdi.model.ggml.built import Built
     fresh = source.ggml_chunk(0, 1, True, False, threads=1)
     try:
         fresh._graph("old prefill", lambda: Built(8))

@@ -40,10 +40,9 @@ def chunk(source):
 def forced(chunk, monkeypatch):
     """The chunk dequantizing to bfloat16 from MIN_ROWS rows (the measurement bypassed), back to
     quantized afterwards."""
-    from mdi.model.ggml import chunk as chunk_module
-    from mdi.model.ggml.dequant_rows import DequantRule
+    from mdi.model.ggml import dequant_rows
 
-    monkeypatch.setattr(chunk_module, "measure_rule", lambda *a: DequantRule(lib.TYPE_IDS["BF16"], MIN_ROWS))
+    monkeypatch.setattr(dequant_rows, "measure_rule", lambda *a: dequant_rows.DequantRule(lib.TYPE_IDS["BF16"], MIN_ROWS))
     chunk.set_prefill_weights("dequantized")
     assert chunk.prefill_rule == "dequantized to BF16 from %d rows" % MIN_ROWS
     yield chunk
@@ -85,13 +84,13 @@ def test_only_a_sample_bringing_enough_rows_multiplies_dequantized(source, chunk
 
 
 def test_a_matrix_dequantized_in_slices_gives_the_bits_of_the_whole(source, chunk, forced, monkeypatch):
-    from mdi.model.ggml import graph
+    from mdi.model.ggml import products
 
     whole = forced.embed_forward_rows(rows(source, LONG, 4), PassRows([3], [0], [LONG]))
     # slices of a third of ffn_up's output rows (576 x 1536 float32 is 3.4 MB); graphs rebuilt
-    monkeypatch.setattr(graph, "DEQUANT_SLICE_BYTES", 576 * 4 * 512)
+    monkeypatch.setattr(products, "DEQUANT_SLICE_BYTES", 576 * 4 * 512)
     forced._drop_graphs(lambda key: True)
-    assert graph.dequant_slice_count(forced.tensors["blk.0.ffn_up.weight"]) == 3
+    assert products.dequant_slice_count(forced.tensors["blk.0.ffn_up.weight"]) == 3
     sliced = forced.embed_forward_rows(rows(source, LONG, 4), PassRows([3], [0], [LONG]))
     forced._drop_graphs(lambda key: True)
     assert np.array_equal(sliced, whole)

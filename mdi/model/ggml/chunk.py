@@ -16,13 +16,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mdi.model.backend import PREFILL_WEIGHTS
 from mdi.model.config import ModelConfig
 from mdi.model.ggml import lib
 from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
-from mdi.model.ggml.dequant_rows import dequantizable, measure_rule
-from mdi.model.ggml.graph import (Built, GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks,
-                                  head_name)
+from mdi.model.ggml.dequant_rows import dequantizable, rule_for, rule_text
+from mdi.model.ggml.built import Built
+from mdi.model.ggml.graph import GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks, head_name
 from mdi.model.ggml.kv_cache import GgmlKVCache
 from mdi.model.ggml.min_rows import fewest_rows
 from mdi.model.ggml.row_split import split_sizes
@@ -148,16 +147,9 @@ class GgmlChunk:
                 self.set_prefill_weights(self.prefill_weights)  # measured again for these threads
 
     def set_prefill_weights(self, mode: str) -> None:
-        """runtime.prefill_weights: "quantized" (every pass multiplies the weights as stored:
-        a row's bits never depend on its pass) or "dequantized" (a sample bringing enough rows
-        to a pass multiplies them by its block matrices dequantized in the graph, where this CPU
-        measured that faster: mdi.model.ggml.dequant_rows)."""
-        if mode not in PREFILL_WEIGHTS:
-            raise ValueError("prefill_weights must be one of %s, got %r" % (", ".join(PREFILL_WEIGHTS), mode))
+        """runtime.prefill_weights: "quantized", or "dequantized" where measured faster (dequant_rows)."""
         with self._lock:
-            rule = None
-            if mode == "dequantized" and self.compute_backend.on_cpu and self._dequantizable:
-                rule = measure_rule(self.compute_backend, self.tensors, self._dequantizable)
+            rule = rule_for(mode, self.compute_backend, self.tensors, self._dequantizable)
             if rule != self.builder.dequant:
                 self.builder.dequant = rule
                 self.builder.dequant_names = frozenset(self._dequantizable) if rule else frozenset()
@@ -166,21 +158,16 @@ class GgmlChunk:
 
     @property
     def prefill_rule(self) -> str:
-        """What runtime.prefill_weights does on this chunk, in words (its --check and /status line)."""
-        rule = self.builder.dequant
-        if rule is not None:
-            return "dequantized to " + rule.describe()
-        return "quantized" + (" (dequantized measured no faster here)" if self.prefill_weights == "dequantized" else "")
+        """What runtime.prefill_weights does here, in words (its backend line: with_prefill_rule)."""
+        return rule_text(self.builder.dequant, self.prefill_weights)
 
     @property
     def dequantized_from(self) -> Optional[int]:
         """The fewest rows a sample brings to a pass to multiply them dequantized (None: never)."""
-        rule = self.builder.dequant
-        return rule.min_rows if rule is not None else None
+        return self.builder.dequant.min_rows if self.builder.dequant is not None else None
 
     def with_prefill_rule(self, line: str) -> str:
-        """A node's backend line (what it computes with, and why), and what runtime.prefill_weights
-        does on it where the run asked for dequantized."""
+        """A node's backend line, and what runtime.prefill_weights does on it where asked for dequantized."""
         return line if self.prefill_weights == "quantized" else "%s; prefill weights %s" % (line, self.prefill_rule)
 
     @property

@@ -25,8 +25,10 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from mdi.model.backend import PREFILL_WEIGHTS
 from mdi.model.ggml import lib
-from mdi.model.ggml.graph import Built, dequantized, products_graph
+from mdi.model.ggml.built import Built
+from mdi.model.ggml.products import dequantized, products_graph
 from mdi.system.machine_cache import MachineCache, digest
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,24 @@ def dequantizable(w: Any) -> bool:
     """A quantized matrix ggml can dequantize in a graph (not F32/F16/BF16, not repacked: the
     caller leaves those out)."""
     return lib.TYPE_NAMES.get(int(w.contents.type), "F32") not in ("F32", "F16", "BF16")
+
+
+def rule_for(mode: str, backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str]) -> Optional[DequantRule]:
+    """The rule runtime.prefill_weights `mode` gives a chunk computing with `backend` whose
+    dequantizable matrices are `names`: None for "quantized", on a GPU (ggml-cuda multiplies a
+    long pass its own way), or where nothing measured faster."""
+    if mode not in PREFILL_WEIGHTS:
+        raise ValueError("prefill_weights must be one of %s, got %r" % (", ".join(PREFILL_WEIGHTS), mode))
+    if mode == "quantized" or not backend.on_cpu or not names:
+        return None
+    return measure_rule(backend, weights, names)
+
+
+def rule_text(rule: Optional[DequantRule], mode: str) -> str:
+    """What runtime.prefill_weights `mode` does on a node with `rule`, in words."""
+    if rule is not None:
+        return "dequantized to " + rule.describe()
+    return "quantized" + (" (dequantized measured no faster here)" if mode == "dequantized" else "")
 
 
 def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str]) -> Optional[DequantRule]:

@@ -25,7 +25,9 @@ from mdi.model.config import ModelConfig
 from mdi.model.families import Family, family_of
 from mdi.model.ggml import adapters as lora_ops
 from mdi.model.ggml import lib
+from mdi.model.ggml.built import Built
 from mdi.model.ggml.kv_cache import GgmlKVCache
+from mdi.model.ggml.products import dequant_slice_count, dequant_slices, multiply, multiply_runs, split_nodes
 
 ATTEND_BUCKET = 256  # attended positions are padded to a multiple of this (llama.cpp pads its KV view to 256)
 # Nodes a block's graph holds: about 40 per layer, and 10 more per sample that attends in it
@@ -82,82 +84,6 @@ class ModelTraits:
     def attn_scale(self) -> float:
         c = self.config
         return c.attn_scale if c.attn_scale else 1.0 / math.sqrt(c.head_dim)
-
-
-class Built:
-    """One graph, its inputs and output, and the compute buffer its intermediates live in (a
-    buffer of `buffer_type`: the device's the graph computes on; None: the CPU's)."""
-
-    def __init__(self, nodes: int, buffer_type: Optional[int] = None) -> None:
-        gg = lib.require()
-        self.buffer_type = buffer_type
-        self.ctx = lib.Context(nodes, nodes)  # a tensor per node at most, and the graph's own lists
-        self.graph = gg.ggml_new_graph_custom(self.ctx.ptr, nodes, False)
-        self.inputs: Dict[str, Any] = {}
-        self.output: Any = None
-        self.lora: Optional[lora_ops.LoraOps] = None  # a pass's adapter ops (mdi.model.ggml.adapters)
-        self.galloc: Optional[int] = None
-        self.buffer_bytes = 0
-        self.last_lookup = 0  # the owner's count of graph lookups when this one was last asked for
-        self._views: Dict[str, Any] = {}  # input name (or "" for the output) -> host view, or False
-
-    def _view(self, name: str, tensor: Any) -> Any:
-        view = self._views.get(name)
-        if view is None:  # made once: a graph's tensors keep their place in its buffer
-            view = lib.host_view(tensor)
-            view = self._views[name] = False if view is None else view
-        return view
-
-    def set(self, name: str, values: np.ndarray) -> None:
-        """Write input `name`'s values (as many as it holds; converted to its type): straight
-        into its memory where the buffer is the host's, else through ggml's copy."""
-        view = self._view(name, self.inputs[name])
-        if view is False:
-            lib.set_data(self.inputs[name], values)
-            return
-        if values.size != view.size:
-            raise ValueError("%d values for input %s of %d" % (values.size, name, view.size))
-        view[:] = values.reshape(-1)
-
-    def rows_out(self, rows: int) -> np.ndarray:
-        """The first `rows` rows of the float32 output [rows, width], copied out (the next
-        compute reuses its memory)."""
-        out = self.output
-        width = int(out.contents.ne[0])
-        view = self._view("", out)
-        if view is False:
-            full = lib.get_data(out, np.empty((int(out.contents.ne[1]), width), dtype=np.float32))
-            return full[:rows]
-        return view[:rows * width].reshape(rows, width).copy()
-
-    def finish(self, output: Any) -> None:
-        """`output` is what the graph computes: mark it, build the graph up to it, allocate."""
-        gg = lib.require()
-        gg.ggml_set_output(output)
-        gg.ggml_build_forward_expand(self.graph, output)
-        self.output = output
-        self.allocate()
-
-    def allocate(self) -> None:
-        gg = lib.require()
-        self.galloc = gg.ggml_gallocr_new(lib.cpu_buffer_type() if self.buffer_type is None else self.buffer_type)
-        if not gg.ggml_gallocr_alloc_graph(self.galloc, self.graph):
-            raise MemoryError("ggml could not allocate a graph's compute buffer")
-        self.buffer_bytes = gg.ggml_gallocr_get_buffer_size(self.galloc, 0)
-        self._views.clear()
-
-    def free(self) -> None:
-        gg = lib.gg
-        if self.galloc is not None and gg is not None:
-            gg.ggml_gallocr_free(self.galloc)
-            self.galloc = None
-        self.ctx.free()
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
 
 
 class GraphBuilder:
@@ -407,103 +333,6 @@ class GraphBuilder:
 
     def _head(self, ctx: Any, x: Any) -> Any:
         return self._product(ctx, head_name(self.w), self._norm(ctx, x, "output_norm", self.t.config.norm_eps))
-
-
-def split_nodes(rows: int) -> int:
-    """Graph objects one product multiplied row by row takes: per row a view, a product and a
-    copy into place, and the result they are copied into."""
-    return 3 * rows + 1
-
-
-def multiply(gg: Any, ctx: Any, w: Any, x: Any, rows: int, by_row: bool) -> Any:
-    """w times the `rows` rows of x: one product, or one per row written into place in one
-    result (each row's product lives only until it is copied: joining them pairwise kept every
-    partial join too, 7 MB against 4 for a 3-row head of a 262k vocabulary)."""
-    if not by_row or rows < 2:
-        return gg.ggml_mul_mat(ctx, w, x)
-    if not gg.ggml_is_contiguous(x):
-        x = gg.ggml_cont(ctx, x)
-    stride = x.contents.nb[1]
-    y = gg.ggml_new_tensor_2d(ctx, lib.F32, w.contents.ne[1], rows)
-    out_stride = y.contents.nb[1]
-    for r in range(rows):
-        part = gg.ggml_mul_mat(ctx, w, gg.ggml_view_2d(ctx, x, x.contents.ne[0], 1, stride, r * stride))
-        y = gg.ggml_set_2d_inplace(ctx, y, part, out_stride, r * out_stride)
-    return y
-
-
-DEQUANT_SLICE_BYTES = 32 << 20  # a matrix is dequantized in slices of output rows of at most this many float32 bytes
-
-
-def dequantized(gg: Any, ctx: Any, w: Any, type_id: int) -> Any:
-    """The quantized matrix w dequantized to float type `type_id` in the graph (ggml dequantizes
-    to float32 only; float16 and bfloat16 are a second cast from there)."""
-    y = gg.ggml_cast(ctx, w, lib.F32)
-    return y if type_id == lib.F32 else gg.ggml_cast(ctx, y, type_id)
-
-
-def dequant_slices(gg: Any, ctx: Any, w: Any, type_id: int) -> List[Tuple[int, Any]]:
-    """w dequantized as (first output row, slice) pairs of at most DEQUANT_SLICE_BYTES of float32
-    each: a graph holds one slice's float copy at a time, not the whole matrix's."""
-    k, out = int(w.contents.ne[0]), int(w.contents.ne[1])
-    per = max(1, min(out, DEQUANT_SLICE_BYTES // (4 * k)))
-    return [(o, dequantized(gg, ctx, gg.ggml_view_2d(ctx, w, k, min(per, out - o), w.contents.nb[1], o * w.contents.nb[1]),
-                            type_id)) for o in range(0, out, per)]
-
-
-def dequant_slice_count(w: Any) -> int:
-    k, out = int(w.contents.ne[0]), int(w.contents.ne[1])
-    return -(-out // max(1, min(out, DEQUANT_SLICE_BYTES // (4 * k))))
-
-
-def multiply_slices(gg: Any, ctx: Any, slices: List[Tuple[int, Any]], x: Any, out_rows: int) -> Any:
-    """The product of the whole matrix `slices` came from with x's rows: [out_rows, x's rows]."""
-    if len(slices) == 1:
-        return gg.ggml_mul_mat(ctx, slices[0][1], x)
-    y = gg.ggml_new_tensor_2d(ctx, lib.F32, out_rows, x.contents.ne[1])
-    for first, w in slices:
-        y = gg.ggml_set_2d_inplace(ctx, y, gg.ggml_mul_mat(ctx, w, x), y.contents.nb[1], first * 4)
-    return y
-
-
-def multiply_runs(gg: Any, ctx: Any, w: Any, x: Any, runs: List[Tuple[int, int, bool]],
-                  slices: List[Tuple[int, Any]]) -> Any:
-    """w times x, whose rows come in runs (first row, rows, dequantized): a dequantized run
-    multiplies `slices` (w dequantized), the others w as stored; each run's product is written
-    into place, so a run's bits are those it would get in a pass of its own."""
-    if len(runs) == 1:
-        return multiply_slices(gg, ctx, slices, x, int(w.contents.ne[1])) if runs[0][2] else gg.ggml_mul_mat(ctx, w, x)
-    if not gg.ggml_is_contiguous(x):
-        x = gg.ggml_cont(ctx, x)
-    stride = x.contents.nb[1]
-    y = gg.ggml_new_tensor_2d(ctx, lib.F32, w.contents.ne[1], x.contents.ne[1])
-    for first, rows, wide in runs:
-        part = gg.ggml_view_2d(ctx, x, x.contents.ne[0], rows, stride, first * stride)
-        part = multiply_slices(gg, ctx, slices, part, int(w.contents.ne[1])) if wide else gg.ggml_mul_mat(ctx, w, part)
-        y = gg.ggml_set_2d_inplace(ctx, y, part, y.contents.nb[1], first * y.contents.nb[1])
-    return y
-
-
-def products_graph(matrices: List[Any], rows: int, product: Any, nodes_each: int,
-                   buffer_type: Optional[int] = None) -> Built:
-    """A graph multiplying `rows` rows (an input per row length, "x<k>") by each of `matrices`
-    in turn, `product(gg, ctx, w, x)` each (taking up to `nodes_each` nodes), every product
-    summed into the output so none is left out: what a measurement times."""
-    gg = lib.require()
-    b = Built(len(matrices) * (nodes_each + 2) + 8, buffer_type)  # and a sum and an add each
-    ctx = b.ctx.ptr
-    total = None
-    for w in matrices:
-        k = int(w.contents.ne[0])
-        x = b.inputs.get("x%d" % k)
-        if x is None:
-            x = gg.ggml_new_tensor_2d(ctx, lib.F32, k, rows)
-            gg.ggml_set_input(x)
-            b.inputs["x%d" % k] = x
-        s = gg.ggml_sum(ctx, product(gg, ctx, w, x))
-        total = s if total is None else gg.ggml_add(ctx, total, s)
-    b.finish(total)
-    return b
 
 
 def head_name(weights: Dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, Tuple
 import numpy as np
 
 from mdi.model.ggml import lib
-from mdi.model.ggml.graph import Built
+from mdi.model.ggml.built import Built
 
 log = logging.getLogger(__name__)
 

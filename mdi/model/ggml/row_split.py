@@ -26,7 +26,8 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Optional
 import numpy as np
 
 from mdi.model.ggml import lib
-from mdi.model.ggml.graph import Built, multiply, products_graph, split_nodes
+from mdi.model.ggml.built import Built
+from mdi.model.ggml.products import multiply, products_graph, split_nodes
 from mdi.system.machine_cache import MachineCache, digest
 
 log = logging.getLogger(__name__)
