@@ -13,9 +13,11 @@ threads and the type: it is measured, not listed. Which float type: bfloat16 whe
 multiplies it natively, else float16 or float32, whichever ran fastest.
 
 A sample's rows take this way only when it brings at least `min_rows` rows to a pass (the rule
-is the sample's own, so other samples in the pass never change its bits); its results differ
-from the quantized product's in the last bits, so a prompt's greedy ids then depend on how it
-is chunked and on what the prefix cache held (the README's "Determinism"). Measured once per
+is the sample's own, so other samples in the pass never change its bits). Its rows round
+otherwise than the quantized product's (bfloat16 weights and activations against 8-bit
+activations), enough to change a small 4-bit model's greedy text often: a prompt's ids then
+depend on how it is chunked and on what the prefix cache held (the README's "Determinism"),
+which is why it is asked for, never the default. Measured once per
 machine, type shapes and threads (mdi.system.machine_cache).
 """
 import logging
