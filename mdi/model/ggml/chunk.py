@@ -159,7 +159,7 @@ class GgmlChunk:
     @property
     def prefill_rule(self) -> str:
         """What runtime.prefill_weights does here, in words (its backend line: with_prefill_rule)."""
-        return rule_text(self.builder.dequant, self.prefill_weights)
+        return rule_text(self.builder.dequant, self.prefill_weights, bool(self._dequantizable))
 
     @property
     def dequantized_from(self) -> Optional[int]:

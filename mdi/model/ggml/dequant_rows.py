@@ -79,11 +79,14 @@ def rule_for(mode: str, backend: lib.ComputeBackend, weights: Dict[str, Any], na
     return measure_rule(backend, weights, names)
 
 
-def rule_text(rule: Optional[DequantRule], mode: str) -> str:
-    """What runtime.prefill_weights `mode` does on a node with `rule`, in words."""
+def rule_text(rule: Optional[DequantRule], mode: str, quantized: bool = True) -> str:
+    """What runtime.prefill_weights `mode` does on a node with `rule`, in words (`quantized`:
+    whether the node has quantized matrices to dequantize at all)."""
     if rule is not None:
         return "dequantized to " + rule.describe()
-    return "quantized" + (" (dequantized measured no faster here)" if mode == "dequantized" else "")
+    if mode != "dequantized":
+        return "quantized"
+    return "quantized (dequantized measured no faster here)" if quantized else "as stored (no quantized matrices)"
 
 
 def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str]) -> Optional[DequantRule]:
