@@ -36,8 +36,9 @@ class BackendRequest:
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "layers": list(self.layers), "asked": self.asked,
                                "device": self.device, "dtype": self.dtype, "rows": self.rows,
-                               "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters,
-                               "prefill_weights": self.prefill_weights}
+                               "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters}
+        if self.prefill_weights != "quantized":  # (a worker from before the setting takes the default's body)
+            out["prefill_weights"] = self.prefill_weights
         for key in ("threads", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

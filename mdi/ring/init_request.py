@@ -114,7 +114,9 @@ class InitRequest:
                                "data": self.data.to_json(), "weights": self.weights.to_json(),
                                "max_batch": self.max_batch, "max_rows": self.max_rows, "wire_codec": self.wire_codec,
                                "fused_decode": self.fused_decode, "backend": self.backend, "kv_type": self.kv_type,
-                               "repack": self.repack, "prefill_weights": self.prefill_weights}
+                               "repack": self.repack}
+        if self.prefill_weights != "quantized":  # (a worker from before the setting takes the default's body)
+            out["prefill_weights"] = self.prefill_weights
         # Optional fields are left out rather than sent as null: the validator accepts both.
         for key in ("cache_budget_bytes", "heartbeat_timeout", "compute_dtype", "threads", "quant_kernel",
                     "prefix_cache", "kernel_memory"):
