@@ -118,6 +118,19 @@ def test_the_rule_is_measured_once_and_remembered(source, tmp_path, monkeypatch)
         c.close()
 
 
+def test_a_draft_model_on_ggml_prefills_as_the_target_does(smollm2_dir, source):
+    """A draft model beside a ggml starter takes the run's setting (its prompts are the target's);
+    its drafts are only proposals, which the target verifies in passes of a few rows."""
+    from mdi.starter.speculation.draft_model import DraftModel, DraftSource, GgmlDraft
+
+    draft = DraftModel.load(DraftSource(smollm2_dir, source, None), 1, 128, lambda: pytest.fail("torch asked"), "cpu",
+                            64, ggml=GgmlDraft(1, "f16", True, prefill_weights="dequantized"))
+    try:
+        assert draft.chunk.backend == "ggml" and draft.chunk.prefill_weights == "dequantized"
+    finally:
+        draft.chunk.close()
+
+
 def test_a_bad_setting_is_refused_in_one_line(smollm2_dir, source):
     from mdi.ring.backend_request import BackendRequest, validate_backend
     from mdi.ring.init_request import DataPlane, InitRequest, RequestError, Weights, validate_init

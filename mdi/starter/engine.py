@@ -248,7 +248,8 @@ class Engine(RuntimeAdapters):
         if self.plan.draft is None:
             return None
         chunk = self.live_chunk
-        ggml = GgmlDraft(chunk.threads, self.cfg.runtime.kv_type, self.cfg.runtime.repack, self.device) \
+        runtime = self.cfg.runtime
+        ggml = GgmlDraft(chunk.threads, runtime.kv_type, runtime.repack, self.device, runtime.prefill_weights) \
             if chunk.backend == "ggml" else None
         return DraftModel.load(self.plan.draft, self.n_slots, self.max_len,
                                lambda: (self.dtype, self._compute_dtype()[0]), self.device,

@@ -132,11 +132,12 @@ def open_draft(cfg: RunConfig, target: ModelSource, where: str = "generation.spe
 @dataclass(frozen=True)
 class GgmlDraft:
     """How a draft model computes on ggml: as the starter's chunk does (its threads and device,
-    and the run's runtime.kv_type and runtime.repack)."""
+    and the run's runtime.kv_type, runtime.repack and runtime.prefill_weights)."""
     threads: int
     kv_type: str
     repack: bool
     device: str = "cpu"
+    prefill_weights: str = "quantized"
 
 
 class DraftModel:
@@ -163,6 +164,7 @@ class DraftModel:
         n = draft.config.n_layer
         if ggml is not None and draft.source.gguf_path is not None:
             chunk = draft.source.ggml_chunk(0, n, True, True, ggml.threads, ggml.kv_type, ggml.repack, ggml.device)
+            chunk.set_prefill_weights(ggml.prefill_weights)  # its prompts are prefilled as the target's are
             if draft.quant is not None:
                 log.info("mdi: starter: the draft model computes on ggml, its GGUF as stored: quant %s does not apply",
                          draft.quant)
