@@ -101,8 +101,7 @@ def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: Li
             t0 = time.perf_counter()
             rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
             remember(key, rule)
-            log.info("ggml: prefill weights: %s (measured in %.1f s)",
-                     "dequantized to " + rule.describe() if rule else "quantized at every pass size probed (no faster way)",
+            log.info("ggml: prefill weights: %s (measured in %.1f s)", rule_text(rule, "dequantized"),
                      time.perf_counter() - t0)
         _measured[key] = rule or None
     return _measured[key]
@@ -157,16 +156,13 @@ def _race(backend: lib.ComputeBackend, probe: List[Any], rows: int, type_ids: Li
     each way's least disturbed of ROUNDS interleaved rounds."""
     ways: Dict[Any, Built] = {}
     try:
-        ways[None] = _products(probe, rows, None, backend.buffer_type)
+        rng = np.random.default_rng(0)
+        ways[None] = _products(probe, rows, None, backend.buffer_type, rng)
         for type_id in type_ids:
             try:
-                ways[type_id] = _products(probe, rows, type_id, backend.buffer_type)
+                ways[type_id] = _products(probe, rows, type_id, backend.buffer_type, rng)
             except (RuntimeError, MemoryError) as e:
                 log.debug("ggml: dequantizing to %s not measured: %s", lib.TYPE_NAMES.get(type_id), e)
-        rng = np.random.default_rng(0)
-        for b in ways.values():
-            for x in b.inputs.values():
-                lib.set_data(x, rng.standard_normal((rows, int(x.contents.ne[0]))).astype(np.float32))
         best = {way: float("inf") for way in ways}
         for _ in range(ROUNDS + 1):  # the first round warms
             for way, b in ways.items():
@@ -179,9 +175,10 @@ def _race(backend: lib.ComputeBackend, probe: List[Any], rows: int, type_ids: Li
             b.free()
 
 
-def _products(probe: List[Any], rows: int, type_id: Optional[int], buffer_type: Optional[int]) -> Built:
+def _products(probe: List[Any], rows: int, type_id: Optional[int], buffer_type: Optional[int],
+              rng: np.random.Generator) -> Built:
     """A graph multiplying `rows` rows by every matrix of the probe, quantized (type_id None) or
     dequantized to type_id."""
     def product(gg: Any, ctx: Any, w: Any, x: Any) -> Any:
         return gg.ggml_mul_mat(ctx, w if type_id is None else dequantized(gg, ctx, w, type_id), x)
-    return products_graph(probe, rows, product, 4, buffer_type)
+    return products_graph(probe, rows, product, 4, buffer_type, rng)

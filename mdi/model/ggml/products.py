@@ -4,6 +4,8 @@ dequantizes (mdi.model.ggml.dequant_rows), by the weights dequantized in the gra
 bounded size; and the graph of products a measurement times."""
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
+
 from mdi.model.ggml import lib
 from mdi.model.ggml.built import Built
 
@@ -84,10 +86,11 @@ def multiply_runs(gg: Any, ctx: Any, w: Any, x: Any, runs: List[Tuple[int, int, 
 
 
 def products_graph(matrices: List[Any], rows: int, product: Any, nodes_each: int,
-                   buffer_type: Optional[int] = None) -> Built:
-    """A graph multiplying `rows` rows (an input per row length, "x<k>") by each of `matrices`
-    in turn, `product(gg, ctx, w, x)` each (taking up to `nodes_each` nodes), every product
-    summed into the output so none is left out: what a measurement times."""
+                   buffer_type: Optional[int], rng: np.random.Generator) -> Built:
+    """A graph multiplying `rows` rows (an input per row length, "x<k>", filled with normal
+    values from `rng`) by each of `matrices` in turn, `product(gg, ctx, w, x)` each (taking up to
+    `nodes_each` nodes), every product summed into the output so none is left out: what a
+    measurement times."""
     gg = lib.require()
     b = Built(len(matrices) * (nodes_each + 2) + 8, buffer_type)  # and a sum and an add each
     ctx = b.ctx.ptr
@@ -102,4 +105,6 @@ def products_graph(matrices: List[Any], rows: int, product: Any, nodes_each: int
         s = gg.ggml_sum(ctx, product(gg, ctx, w, x))
         total = s if total is None else gg.ggml_add(ctx, total, s)
     b.finish(total)
+    for x in b.inputs.values():
+        lib.set_data(x, rng.standard_normal((rows, int(x.contents.ne[0]))).astype(np.float32))
     return b

@@ -104,11 +104,8 @@ def _measure(backend: lib.ComputeBackend, probe: List[Any]) -> FrozenSet[int]:
     split = set()
     rng = np.random.default_rng(0)
     for n in range(2, MAX_SPLIT_ROWS + 1):
-        ways = {by_row: _products(probe, n, by_row, backend.buffer_type) for by_row in (False, True)}
+        ways = {by_row: _products(probe, n, by_row, backend.buffer_type, rng) for by_row in (False, True)}
         try:
-            for b in ways.values():
-                for x in b.inputs.values():
-                    lib.set_data(x, rng.standard_normal((n, int(x.contents.ne[0]))).astype(np.float32))
             backend.compute(ways[False].graph)  # warm, and a first guess of the time
             t0 = time.process_time()
             backend.compute(ways[False].graph)
@@ -128,7 +125,8 @@ def _measure(backend: lib.ComputeBackend, probe: List[Any]) -> FrozenSet[int]:
     return frozenset(split)
 
 
-def _products(probe: List[Any], n: int, by_row: bool, buffer_type: Optional[int]) -> Built:
+def _products(probe: List[Any], n: int, by_row: bool, buffer_type: Optional[int],
+              rng: np.random.Generator) -> Built:
     """A graph multiplying n rows by every matrix of `probe` in turn, as one product each or row by row."""
     return products_graph(probe, n, lambda gg, ctx, w, x: multiply(gg, ctx, w, x, n, by_row), split_nodes(n),
-                          buffer_type)
+                          buffer_type, rng)
