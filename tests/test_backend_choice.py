@@ -119,3 +119,55 @@ def test_auto_keeps_a_gguf_torch_would_re_round_on_ggml(cache):
     assert got.describe() == ("ggml (auto: torch cannot: it would re-round the GGUF's Q4_K, Q6_K "
                               "(ggml computes them as stored))")
     assert select_backend("torch", config, 0, 1, types, "cpu", 1, 1).backend == "torch"  # asked: as asked
+
+
+def test_auto_times_the_prefill_pass_the_run_makes(cache, monkeypatch):
+    """auto's prefill pass is the run's own (runtime.prefill_chunk, up to the 256-token prompt it
+    weighs) where the pass's length decides the product (prefill_weights dequantized), and at
+    least 128 tokens where a token costs about the same in any pass (as stored): default runs
+    time and remember what they did before. Each length is remembered apart."""
+    from conftest import tiny_config
+    from mdi.model import backend_select
+    from mdi.model.ggml import lib
+    if lib.unavailable_reason() is not None:
+        pytest.skip(lib.unavailable_reason())
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+    timed = []
+
+    def probe(req):
+        timed.append((req.backend, req.prefill_tokens))
+        return BackendTiming(0.001 if req.backend == "ggml" else 0.002, 0.0002, req.rows, req.prefill_tokens)
+    monkeypatch.setattr(backend_select, "run_probe", probe)
+    config = tiny_config("llama")
+    types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}
+
+    def passes(chunk, weights="quantized"):
+        del timed[:]
+        choice = backend_select.select_backend("auto", config, 0, 1, types, "cpu", 1, 1, prefill_weights=weights,
+                                               prefill_chunk=chunk)
+        return sorted(set(n for _, n in timed)), choice
+    assert passes(None)[0] == [128]
+    assert passes(64)[0] == []  # the same key as before the setting: recalled
+    assert passes(500)[0] == [256]
+    assert passes(512)[0] == []  # both time 256 tokens: one key
+    got, choice = passes(64, "dequantized")
+    assert got == [64] and "in 64-token passes" in choice.describe()
+    assert passes(32, "dequantized")[0] == [32]
+
+
+def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_is_timed():
+    from conftest import tiny_config
+    from mdi.ring.backend_request import BackendRequest, validate_backend
+    from mdi.ring.init_request import RequestError
+    config = tiny_config("llama")
+
+    def body(**kw):
+        return BackendRequest(config, [0, 1], "auto", "cpu", "float32", **kw).to_json()
+    assert "prefill_chunk" not in body(prefill_chunk=64)  # a worker from before it takes a default run's body
+    assert "prefill_chunk" not in body()
+    assert body(prefill_chunk=512)["prefill_chunk"] == 512
+    assert validate_backend(body(prefill_chunk=32, prefill_weights="dequantized")).prefill_chunk == 32
+    assert validate_backend(body(prefill_chunk=64)).prefill_chunk is None
+    for bad in (0, "64", 1.5, True):
+        with pytest.raises(RequestError, match="prefill_chunk must be an integer"):
+            validate_backend(dict(body(), prefill_chunk=bad))

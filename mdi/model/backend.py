@@ -77,9 +77,10 @@ class BackendChoice:
         how = "recalled" if self.cached else "measured in %.1f s" % self.seconds
         if self.load is not None and self.load >= BUSY_LOAD:
             how += " while the machine was busy (load %.1f per core)" % self.load
-        return ("%s (auto, %s: decode %.2f ms vs %.2f ms per block, prefill %.3f vs %.3f ms per token and block "
+        passes = " in %d-token passes," % g.prefill_tokens if g.prefill_tokens else ""
+        return ("%s (auto, %s: decode %.2f ms vs %.2f ms per block, prefill %.3f vs %.3f ms per token and block%s "
                 "for ggml vs torch)" % (self.backend, how, 1e3 * g.decode_s, 1e3 * t.decode_s,
-                                        1e3 * g.prefill_token_s, 1e3 * t.prefill_token_s))
+                                        1e3 * g.prefill_token_s, 1e3 * t.prefill_token_s, passes))
 
     def to_json(self) -> Dict[str, object]:
         return {"backend": self.backend, "asked": self.asked, "reason": self.reason, "cached": self.cached,

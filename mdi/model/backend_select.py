@@ -5,7 +5,7 @@ import collections
 import logging
 from typing import Any, Dict, Optional
 
-from mdi.model.backend import AUTO, BackendChoice, BackendTiming, choose
+from mdi.model.backend import AUTO, WORKLOAD_PROMPT, BackendChoice, BackendTiming, choose
 from mdi.model.backend_probe import PROBE_BLOCKS, ProbeRequest, run_probe
 from mdi.model.config import ModelConfig
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT
@@ -16,6 +16,20 @@ from mdi.system.machine_cache import machine_key
 log = logging.getLogger(__name__)
 
 PROBE_PREFILL_TOKENS = 128
+
+
+def probe_prefill_tokens(prefill_chunk: Optional[int], prefill_weights: str = "quantized") -> int:
+    """How long a prefill pass auto times for a run that prefills `prefill_chunk` tokens a pass
+    (None: not said, a starter from before it): the run's own pass, up to the prompt auto weighs.
+    Multiplied as stored, a token costs about the same in any pass of 32 to 256 rows (ggml's
+    8-bit dot products and torch's kernels alike), so a shorter pass is timed at 128 tokens, as
+    before, and default runs keep their remembered choices. Dequantized, the pass's rows decide
+    which product runs (mdi.model.ggml.dequant_rows) and a token's cost falls 2.5x from 32 rows
+    to 256: the run's own pass is timed."""
+    if prefill_chunk is None:
+        return PROBE_PREFILL_TOKENS
+    tokens = max(1, min(int(prefill_chunk), WORKLOAD_PROMPT))
+    return tokens if prefill_weights != "quantized" else max(tokens, PROBE_PREFILL_TOKENS)
 
 
 def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: bool) -> Optional[str]:
@@ -78,9 +92,10 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
                    device: str, threads: Optional[int], rows: int, adapters: bool = False, dtype: str = "float32",
                    quant: Optional[Dict[str, Any]] = None, quant_kernel: Optional[str] = None, kv_type: str = "f16",
                    refresh: bool = False, busy: Optional[str] = None,
-                   prefill_weights: str = "quantized") -> BackendChoice:
+                   prefill_weights: str = "quantized", prefill_chunk: Optional[int] = None) -> BackendChoice:
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
-    serve), or for auto the measured faster of those that can (`busy`: see backend.choose)."""
+    serve), or for auto the measured faster of those that can (`busy`: see backend.choose).
+    `prefill_chunk`: the run's tokens per prefill pass (probe_prefill_tokens)."""
     cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(device)}
     if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
         rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
@@ -89,10 +104,11 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
     threads = int(threads) if isinstance(threads, int) and threads > 0 else usable_cpus()  # as the run will
     ltypes = layer_types(gguf_types or {}, first, last)
     tquant = probe_layout(quant, first)
+    prefill_tokens = probe_prefill_tokens(prefill_chunk, prefill_weights)
 
     def measure(backend: str) -> BackendTiming:
         req = ProbeRequest(backend=backend, model=config.to_dict(), threads=threads, rows=max(1, rows),
-                           prefill_tokens=PROBE_PREFILL_TOKENS, layer_types=ltypes, kv_type=kv_type, dtype=dtype,
+                           prefill_tokens=prefill_tokens, layer_types=ltypes, kv_type=kv_type, dtype=dtype,
                            device=device, quant=tquant, quant_kernel=quant_kernel, prefill_weights=prefill_weights)
         return run_probe(req)
 
@@ -101,6 +117,9 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
         shape = {k: v for k, v in config.to_dict().items() if k not in ("name", "bos_token_id", "eos_token_id")}
         key = {"machine": machine_key(), "model": shape, "types": ltypes, "quant": tquant, "kernel": quant_kernel,
                "dtype": dtype, "device": device, "threads": threads, "rows": max(1, rows), "kv_type": kv_type}
-        if prefill_weights != "quantized":  # (the default leaves the keys remembered before it as they were)
+        # (the defaults leave the keys remembered before them as they were)
+        if prefill_weights != "quantized":
             key["prefill_weights"] = prefill_weights
+        if prefill_tokens != PROBE_PREFILL_TOKENS:
+            key["prefill_tokens"] = prefill_tokens
     return choose(asked, cannot, measure, key, refresh, busy)

@@ -147,7 +147,8 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError("unknown model config keys: %s" % ", ".join(unknown))
+            # repr: a key comes from a request body or a file, and a one-line error stays one line
+            raise ValueError("unknown model config keys: %s" % ", ".join(repr(k) for k in unknown))
         return cls(**d)
 
     @classmethod

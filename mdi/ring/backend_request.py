@@ -10,11 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from mdi.model.backend import BACKENDS
+from mdi.model.backend_select import PROBE_PREFILL_TOKENS, probe_prefill_tokens
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec, layout_to_json
 from mdi.ring.init_request import (RequestError, check_device, dtype_fields, gguf_types_field, int_field,
                                    kv_type_field, layers_field, model_field, object_fields, prefill_weights_field,
                                    quant_field, quant_kernel_field, str_field, threads_field)
+
+
+MAX_PREFILL_CHUNK = 1 << 20
 
 
 @dataclass
@@ -32,6 +36,7 @@ class BackendRequest:
     kv_type: str = "f16"
     adapters: bool = False  # the run serves adapters or soft prompts
     prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights, as the run will compute
+    prefill_chunk: Optional[int] = None  # runtime.prefill_chunk: the prefill pass auto times (None: 128 tokens)
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "layers": list(self.layers), "asked": self.asked,
@@ -39,6 +44,8 @@ class BackendRequest:
                                "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters}
         if self.prefill_weights != "quantized":  # (a worker from before the setting takes the default's body)
             out["prefill_weights"] = self.prefill_weights
+        if probe_prefill_tokens(self.prefill_chunk, self.prefill_weights) != PROBE_PREFILL_TOKENS:
+            out["prefill_chunk"] = self.prefill_chunk  # (likewise: only where it changes what is timed)
         for key in ("threads", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -50,7 +57,7 @@ class BackendRequest:
 def validate_backend(body: Any) -> BackendRequest:
     spec = object_fields("backend", body, ("model", "layers", "asked", "device", "dtype"),
                          ("threads", "rows", "gguf_types", "quant", "quant_kernel", "kv_type", "adapters",
-                          "prefill_weights"))
+                          "prefill_weights", "prefill_chunk"))
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
     if spec["asked"] not in BACKENDS:
@@ -61,13 +68,16 @@ def validate_backend(body: Any) -> BackendRequest:
     rows = int_field("rows", spec.get("rows", 1), 1, 4096)
     kernel = quant_kernel_field(spec)
     kv_type = kv_type_field(spec)
+    chunk = spec.get("prefill_chunk")
+    if chunk is not None:
+        int_field("prefill_chunk", chunk, 1, MAX_PREFILL_CHUNK)
     adapters = spec.get("adapters", False)
     if not isinstance(adapters, bool):
         raise RequestError("adapters must be true or false")
     return BackendRequest(config, layers, spec["asked"], device, spec["dtype"], spec.get("threads"),
                           rows, gguf_types_field(spec.get("gguf_types"), config, layers),
                           quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters,
-                          prefill_weights_field(spec))
+                          prefill_weights_field(spec), chunk)
 
 
 @dataclass

@@ -211,7 +211,8 @@ class Engine(RuntimeAdapters):
                 cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else None, self.plan.max_batch,
                 adapters=bool(self.adapters) or bool(cfg.adapters), dtype=cfg.model.dtype,
                 quant=layout_to_json(self.plan.nodes[0].quant), quant_kernel=cfg.runtime.quant_kernel,
-                kv_type=cfg.runtime.kv_type, prefill_weights=cfg.runtime.prefill_weights)
+                kv_type=cfg.runtime.kv_type, prefill_weights=cfg.runtime.prefill_weights,
+                prefill_chunk=cfg.runtime.prefill_chunk)
         except (ValueError, RuntimeError) as e:
             raise ConfigError("starter: %s" % e)
 

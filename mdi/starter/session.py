@@ -37,7 +37,8 @@ def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: boo
         dtype=cfg.model.dtype, threads=cfg.runtime.threads or None, rows=plan.max_batch,
         gguf_types=source.gguf_types(first, last, False, False) if source.gguf_path else {},
         quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
-        adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.runtime.prefill_weights)
+        adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.runtime.prefill_weights,
+        prefill_chunk=cfg.runtime.prefill_chunk)
 
 
 class RingSession:

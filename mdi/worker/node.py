@@ -233,7 +233,9 @@ class Worker(Measuring):
             choice = self._select_backend("auto", config, request.layers, request.gguf_types, device, request.threads,
                                           request.max_batch, False, request.dtype, layout_to_json(request.quant),
                                           request.quant_kernel, request.kv_type,
-                                          prefill_weights=request.prefill_weights)
+                                          prefill_weights=request.prefill_weights,
+                                          # max_rows: a batch of decode rows plus the run's prefill chunk
+                                          prefill_chunk=max(1, request.max_rows - request.max_batch))
             backend, line = choice.backend, choice.describe()
             if request.weights.push is not None and backend != "torch":
                 raise RequestError("backend auto chose %s here, but the push announced is torch's weights: ask POST "
