@@ -145,7 +145,7 @@ def _message(m: Any, where: str) -> Dict[str, Any]:
         raise ApiError(400, "'%s': expected an object with 'role' and 'content'" % where, where)
     unknown = sorted(set(m) - set(MESSAGE_KEYS))
     if unknown:
-        raise ApiError(400, "'%s': unknown key '%s'" % (where, unknown[0]), where)
+        raise ApiError(400, "'%s': unknown key %r" % (where, unknown[0]), where)
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise ApiError(400, "'%s.role': expected one of %s" % (where, ", ".join(CHAT_ROLES)), where + ".role")

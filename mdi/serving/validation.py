@@ -122,7 +122,7 @@ def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str,
     # include_obfuscation pads OpenAI's chunks against a side channel; mdi's have no padding to drop
     unknown = sorted(set(value) - {"include_usage", "include_obfuscation"})
     if unknown:
-        raise bad_field("stream_options", "unknown key '%s'" % unknown[0])
+        raise bad_field("stream_options", "unknown key %r" % unknown[0])
     for key in ("include_usage", "include_obfuscation"):
         if not isinstance(value.get(key, False), bool):
             raise ApiError(400, "'stream_options.%s': expected true or false" % key, "stream_options")
