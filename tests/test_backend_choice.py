@@ -168,6 +168,8 @@ def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_i
     assert body(prefill_chunk=512)["prefill_chunk"] == 512
     assert validate_backend(body(prefill_chunk=32, prefill_weights="dequantized")).prefill_chunk == 32
     assert validate_backend(body(prefill_chunk=64)).prefill_chunk is None
+    # a config may name any chunk; no pass is longer than a forward's rows, so a worker takes it
+    assert validate_backend(body(prefill_chunk=5_000_000)).prefill_chunk == body(prefill_chunk=1 << 16)["prefill_chunk"]
     for bad in (0, "64", 1.5, True):
         with pytest.raises(RequestError, match="prefill_chunk must be an integer"):
             validate_backend(dict(body(), prefill_chunk=bad))

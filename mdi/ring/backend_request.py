@@ -13,12 +13,9 @@ from mdi.model.backend import BACKENDS
 from mdi.model.backend_select import PROBE_PREFILL_TOKENS, probe_prefill_tokens
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec, layout_to_json
-from mdi.ring.init_request import (RequestError, check_device, dtype_fields, gguf_types_field, int_field,
+from mdi.ring.init_request import (MAX_ROWS, RequestError, check_device, dtype_fields, gguf_types_field, int_field,
                                    kv_type_field, layers_field, model_field, object_fields, prefill_weights_field,
                                    quant_field, quant_kernel_field, str_field, threads_field)
-
-
-MAX_PREFILL_CHUNK = 1 << 20
 
 
 @dataclass
@@ -44,8 +41,10 @@ class BackendRequest:
                                "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters}
         if self.prefill_weights != "quantized":  # (a worker from before the setting takes the default's body)
             out["prefill_weights"] = self.prefill_weights
-        if probe_prefill_tokens(self.prefill_chunk, self.prefill_weights) != PROBE_PREFILL_TOKENS:
-            out["prefill_chunk"] = self.prefill_chunk  # (likewise: only where it changes what is timed)
+        chunk = self.prefill_chunk
+        if chunk is not None and probe_prefill_tokens(chunk, self.prefill_weights) != PROBE_PREFILL_TOKENS:
+            # (likewise: only where it changes what is timed); no pass of the run is longer than MAX_ROWS
+            out["prefill_chunk"] = min(chunk, MAX_ROWS)
         for key in ("threads", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -70,7 +69,7 @@ def validate_backend(body: Any) -> BackendRequest:
     kv_type = kv_type_field(spec)
     chunk = spec.get("prefill_chunk")
     if chunk is not None:
-        int_field("prefill_chunk", chunk, 1, MAX_PREFILL_CHUNK)
+        int_field("prefill_chunk", chunk, 1, MAX_ROWS)
     adapters = spec.get("adapters", False)
     if not isinstance(adapters, bool):
         raise RequestError("adapters must be true or false")
