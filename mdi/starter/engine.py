@@ -126,7 +126,8 @@ class Engine(RuntimeAdapters):
         draft_model = self._draft_model()
         transport, run_id = self._connect()
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
-                                 PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating),
+                                 PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating,
+                                                            ggml_cuts=bool(self.ggml_nodes())),
                                  self.on_token, self._check, drafter_factory=self.drafter_factory,
                                  draft_model=draft_model, on_train=self._train_frame)
         self._enable_prefix_cache()
@@ -325,7 +326,8 @@ class Engine(RuntimeAdapters):
             if chunk is None:
                 old.free_cache()
                 self.chunk = chunk = self._starter_chunk(self.ranges[0])
-            lost = pipeline.reconnect(transport, run_id, chunk, n_stages=len(self.nodes))
+            lost = pipeline.reconnect(transport, run_id, chunk, n_stages=len(self.nodes),
+                                      ggml_cuts=bool(self.ggml_nodes()))
             self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
             for sample in lost:
                 pipeline.admit(sample)

@@ -29,6 +29,7 @@ from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.starter.frame_rows import adapters_together, virtual_rows
 from mdi.starter.pass_compute import computes_logits, logits_of, pass_inputs, takes_host_arrays
 from mdi.starter.pipeline_settings import PipelineSettings
+from mdi.starter import prompt_passes
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.sample import FinishReason, Sample, draw_next
 from mdi.starter.speculation.costs import PassCosts
@@ -105,12 +106,13 @@ class Pipeline:
         self.reconnect(transport, run_id)
 
     def reconnect(self, transport: Transport, run_id: int, chunk: Optional["ModelChunk"] = None,
-                  n_stages: Optional[int] = None) -> List[Sample]:
-        """Continue on a new ring (after a node failed; `n_stages`: its boards): the passes in
-        flight are lost, so the samples that had one are returned for the caller to `admit` again."""
+                  n_stages: Optional[int] = None, ggml_cuts: bool = False) -> List[Sample]:
+        """Continue on a new ring (after a node failed; `n_stages`: its boards; `ggml_cuts`:
+        whether one of them computes on ggml): the passes in flight are lost, so the samples
+        that had one are returned for the caller to `admit` again."""
         self.transport, self.run_id = transport, run_id
         if n_stages is not None:
-            self.settings, self.n_stages = self.settings.for_ring(n_stages), n_stages
+            self.settings, self.n_stages = self.settings.for_ring(n_stages, ggml_cuts), n_stages
         self.last_progress = time.monotonic()
         if chunk is not None:
             self.chunk = chunk
@@ -169,8 +171,10 @@ class Pipeline:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
                              % (sample.index, sample.window_len, self.cache.max_len))
         if self.prefix is not None:  # start after what the nodes hold of its window already
+            window = sample.window_len
+            usable = functools.partial(prompt_passes.reusable_positions, window) if self.settings.ggml_cuts else None
             sample.fed = sample.cached_tokens = self.prefix.admit(
-                sample.slot, sample.window_tokens(0, sample.window_len), sample.adapter, sample.reuse_prefix)
+                sample.slot, sample.window_tokens(0, window), sample.adapter, sample.reuse_prefix, usable)
         self.active[sample.slot] = sample
         self.ready.append(sample)
 
@@ -189,8 +193,7 @@ class Pipeline:
             group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
             for sample in adapters_together(ready, self.max_batch):
-                want = sample.unsent
-                take = 1 if want == 1 else min(want, self.prefill_chunk, budget)
+                take = self._pass_rows(sample, budget)
                 if len(group) >= self.max_batch or take < 1:
                     rest.append(sample)
                     continue
@@ -199,6 +202,18 @@ class Pipeline:
                 budget -= take
             self._send_pass(group, counts)
             ready = sorted(rest, key=lambda s: s.unsent)
+
+    def _pass_rows(self, sample: Sample, budget: int) -> int:
+        """Rows of `sample`'s next pass in a frame with `budget` prompt rows left (0: not this
+        frame). On ggml a prompt's cuts are the sample's own (mdi.starter.prompt_passes): a
+        pass longer than the budget leads a frame of its own rather than being cut shorter."""
+        want = sample.unsent
+        if want == 1:
+            return 1
+        if not self.settings.ggml_cuts:
+            return min(want, self.prefill_chunk, budget)
+        rows = prompt_passes.next_pass_rows(sample.window_len, sample.fed, self.prefill_chunk)
+        return rows if rows <= budget or budget == self.prefill_chunk else 0
 
     def _send_pass(self, group: List[Sample], counts: List[int],
                    inputs: Optional[List[Tuple[int, List[int]]]] = None) -> None:

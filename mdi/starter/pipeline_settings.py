@@ -20,19 +20,22 @@ class PipelineSettings:
     # Frames carry each sample's pass epoch once any sample may speculate (a served request may)
     tag_epochs: bool = False
     recv_timeout: float = 30.0  # seconds a step waits for a frame before the ring is deemed stuck
+    # A ring with a node on ggml: prompts go in the passes mdi.starter.prompt_passes cuts, so
+    # that a prompt row's bits do not depend on its pass (ggml's attention kernel does)
+    ggml_cuts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
 
     @classmethod
-    def from_plan(cls, plan: Any, tag_epochs: bool = False) -> "PipelineSettings":
+    def from_plan(cls, plan: Any, tag_epochs: bool = False, ggml_cuts: bool = False) -> "PipelineSettings":
         """The settings of a run plan's ring (mdi.starter.planning.run_plan.RunPlan)."""
         gen = plan.cfg.generation
         return cls(max_batch=plan.max_batch, prefill_chunk=plan.prefill_chunk, context_shift=gen.context_shift,
                    speculation=gen.speculation, n_stages=len(plan.nodes), tag_epochs=tag_epochs,
-                   recv_timeout=plan.cfg.runtime.ring_timeout)
+                   recv_timeout=plan.cfg.runtime.ring_timeout, ggml_cuts=ggml_cuts)
 
-    def for_ring(self, n_stages: int) -> "PipelineSettings":
+    def for_ring(self, n_stages: int, ggml_cuts: bool) -> "PipelineSettings":
         """The same settings on a ring of `n_stages` boards (after a recovery)."""
-        return replace(self, n_stages=n_stages)
+        return replace(self, n_stages=n_stages, ggml_cuts=ggml_cuts)

@@ -23,7 +23,7 @@ Every decision is made here, without I/O (vLLM's scheduler style); the pipeline 
 """
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -99,11 +99,13 @@ class PrefixIndex:
             return empty[0]
         return min(free, key=lambda s: self.slots[s].used)
 
-    def admit(self, slot: int, tokens: Sequence[int], key: int, reuse: bool = True) -> int:
+    def admit(self, slot: int, tokens: Sequence[int], key: int, reuse: bool = True,
+              usable: Optional[Callable[[int], int]] = None) -> int:
         """A sample of `tokens` (its window) takes `slot`: returns the positions it starts
         with (0..n-2: its last token always goes through the ring, for the logits that choose
-        the next). The slot's old sequence is saved as an entry first when the sample would
-        overwrite part of it; `reuse` False (a request's cache_prompt: false) reuses nothing."""
+        the next; `usable` may take fewer of those it shares, where its first pass must start).
+        The slot's old sequence is saved as an entry first when the sample would overwrite part
+        of it; `reuse` False (a request's cache_prompt: false) reuses nothing."""
         want = _ids(tokens)
         old = self.slots.pop(slot, None)
         limit = len(want) - 1
@@ -116,6 +118,8 @@ class PrefixIndex:
                     if n > from_entry:
                         entry, from_entry = eid, n
         use = max(0, min(limit, max(own, from_entry)))
+        if usable is not None:
+            use = usable(use)
         load = entry if from_entry > own and use > 0 else None
         stays = 0 if load is not None else use  # positions of the old sequence the sample keeps
         if old is not None and len(old.tokens) > stays:

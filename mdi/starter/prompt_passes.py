@@ -1,0 +1,51 @@
+"""How a prompt is cut into passes on a ring that computes with ggml, so that each prompt row
+computes the same bits however the prompt is chunked, batched or partly taken from the prefix
+cache, and the bits llama.cpp's own run of the same prompt gives.
+
+ggml's CPU flash attention computes a sample's query rows with one kernel below TILED_ROWS rows
+(each query rounded to float16 against the float16 keys) and with a tiled kernel (float32
+queries) from TILED_ROWS rows up: a prompt row's hidden state, and from there a greedy id at a
+near tie, depended on the size of the pass that carried it (a 137-token prompt in passes of
+64 + 64 + 9 parted from the same prompt in one pass). llama.cpp cuts a prompt into ubatches of
+UBATCH tokens, so its rows take the tiled kernel wherever their ubatch holds TILED_ROWS rows or
+more. So the passes follow that: within a ubatch of TILED_ROWS rows or more every pass carries
+at least TILED_ROWS of its rows (about `chunk` a pass, the last pass of the ubatch taking what
+is left), and a shorter ubatch goes in passes of at most `chunk` (all below TILED_ROWS). Pass
+lengths stay multiples of REPACK_ROWS from the ubatch's start, as weights ggml re-lays
+(`runtime.repack`) multiply rows in groups of that many from a pass's start. A sample's cuts
+depend on its window's length and its position alone, never on what else a frame carries.
+"""
+UBATCH = 512  # llama.cpp's default n_ubatch: the passes it cuts a prompt into
+TILED_ROWS = 64  # ggml-cpu's GGML_FA_TILE_Q: from this many query rows its flash attention is the tiled kernel
+REPACK_ROWS = 4  # re-laid weights multiply a pass's rows in groups of 4 (the rest one by one)
+
+
+def _ubatch(position: int, window: int):
+    """(start, end) of the ubatch holding `position` in a window of `window` tokens."""
+    start = position // UBATCH * UBATCH
+    return start, min(window, start + UBATCH)
+
+
+def next_pass_rows(window: int, fed: int, chunk: int) -> int:
+    """Rows of the next pass of a sample whose window holds `window` tokens, `fed` of them sent
+    already, in passes of about `chunk` tokens (runtime.prefill_chunk)."""
+    start, end = _ubatch(fed, window)
+    left = end - fed
+    if end - start < TILED_ROWS:  # a short ubatch: its rows take the one-row kernel in any pass below TILED_ROWS
+        return min(left, chunk)
+    step = max(TILED_ROWS, chunk - chunk % REPACK_ROWS)
+    return left if left - step < TILED_ROWS else step
+
+
+def reusable_positions(window: int, cached: int) -> int:
+    """The most of `cached` positions (a prefix-cache hit) a sample may start from so that its
+    passes compute its rows as a cold prompt's passes do: in a tiled ubatch the first pass
+    needs TILED_ROWS rows of it (the hit moves back, a few rows computed again) and starts a
+    multiple of REPACK_ROWS from the ubatch's start."""
+    if cached <= 0:
+        return 0
+    start, end = _ubatch(cached, window)
+    if end - start < TILED_ROWS:
+        return cached
+    at = min(cached, end - TILED_ROWS)
+    return start + (at - start) // REPACK_ROWS * REPACK_ROWS

@@ -1,0 +1,135 @@
+"""The passes a ring with a ggml node cuts a prompt into (mdi.starter.prompt_passes): ggml's
+flash attention computes a sample's rows with another kernel from TILED_ROWS rows a pass, so a
+prompt row keeps its bits only if every pass that carries it falls on the side llama.cpp's
+ubatch would. The rules, for every window, position and chunk; then on ggml itself: the rows
+and greedy ids of a long prompt, however it is chunked, batched or taken from the prefix cache,
+are those of the prompt in one pass (and llama.cpp's, scripts/compare_llama_text.py)."""
+import numpy as np
+import pytest
+
+from mdi.model.ggml import lib
+from mdi.model.pass_rows import PassRows
+from mdi.starter.prompt_passes import REPACK_ROWS, TILED_ROWS, UBATCH, next_pass_rows, reusable_positions
+
+CHUNKS = (1, 7, 16, 63, 64, 66, 100, 130, 512, 4096)
+WINDOWS = list(range(1, 200)) + [511, 512, 513, 530, 575, 576, 577, 600, 1023, 1024, 1025, 1100, 1600]
+
+
+def cuts(window, fed, chunk):
+    out = []
+    while fed < window:
+        rows = next_pass_rows(window, fed, chunk)
+        out.append((fed, rows))
+        fed += rows
+    return out
+
+
+def check_cuts(window, passes, chunk):
+    for start, rows in passes:
+        ub = start // UBATCH * UBATCH
+        ub_rows = min(window, ub + UBATCH) - ub
+        assert rows >= 1 and start + rows <= ub + ub_rows, "a pass never crosses a ubatch: %r" % (passes,)
+        if ub_rows >= TILED_ROWS:  # llama.cpp's tiled kernel: every pass must carry TILED_ROWS rows
+            assert rows >= TILED_ROWS and (start - ub) % REPACK_ROWS == 0, (window, chunk, passes)
+            assert rows < max(TILED_ROWS, chunk) + TILED_ROWS, (window, chunk, passes)
+        else:  # llama.cpp's one-row kernel
+            assert rows <= chunk, (window, chunk, passes)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_a_prompt_is_cut_as_llama_cpp_s_ubatches_compute_its_rows(chunk):
+    for window in WINDOWS:
+        passes = cuts(window, 0, chunk)
+        assert sum(r for _, r in passes) == window
+        check_cuts(window, passes, chunk)
+
+
+@pytest.mark.parametrize("chunk", (16, 64, 100))
+def test_a_prefix_cache_hit_moves_back_to_where_a_cold_prompt_s_passes_could_start(chunk):
+    for window in WINDOWS:
+        for cached in range(0, window):
+            start = reusable_positions(window, cached)
+            assert 0 <= start <= cached
+            assert cached - start < TILED_ROWS + REPACK_ROWS  # a few rows computed again, never the prompt
+            check_cuts(window, cuts(window, start, chunk), chunk)
+        if 2 * TILED_ROWS <= window <= UBATCH:
+            assert reusable_positions(window, TILED_ROWS) == TILED_ROWS  # a hit that leaves a pass's worth stays
+
+
+# --- on ggml --------------------------------------------------------------------------------
+
+ggml_only = pytest.mark.skipif(lib.unavailable_reason() is not None, reason=str(lib.unavailable_reason()))
+TEXT = ("The history of the lighthouse begins in antiquity. In the harbour of Alexandria stood the Pharos, one of "
+        "the seven wonders of the ancient world, whose fire guided sailors for centuries. Later, the Romans built "
+        "towers along the coasts of their empire, from Dover to Ostia. In the middle ages monks kept lights burning "
+        "on dangerous headlands, and by the eighteenth century engineers such as John Smeaton had learned to build "
+        "towers that could stand against the fiercest storms of the Atlantic. Smeaton's tower on the Eddystone rocks "
+        "used interlocking granite blocks and a lime mortar that set under water. The next great change came with "
+        "the lens invented by Augustin Fresnel, which")
+
+
+@pytest.fixture(scope="module")
+def source(smollm2_dir):
+    from mdi.model.source import ModelSource
+    return ModelSource(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def chunk(source):
+    c = source.ggml_chunk(0, source.config.n_layer, True, True, threads=1)
+    c.allocate_cache(4, 256)
+    return c
+
+
+def rows_in_passes(chunk, ids, passes, slot=0):
+    out = []
+    for start, rows in passes:
+        x = chunk.embed_rows(np.array(ids[start:start + rows], np.int32), None)
+        out.append(np.array(chunk.forward_rows(x, PassRows([slot], [start], [rows]))))
+    return np.concatenate(out)
+
+
+@ggml_only
+def test_a_prompt_s_rows_keep_their_bits_in_the_passes_cut_for_ggml(source, chunk):
+    ids = source.tokenizer.encode(TEXT)
+    n = len(ids)
+    assert TILED_ROWS * 2 < n < 256
+    whole = rows_in_passes(chunk, ids, [(0, n)])
+    for c in (1, 16, 64, 100):
+        assert np.array_equal(rows_in_passes(chunk, ids, cuts(n, 0, c)), whole), c
+    # What the cuts avoid: a pass of fewer than TILED_ROWS rows of this prompt computes other bits
+    naive = rows_in_passes(chunk, ids, [(0, n - 9), (n - 9, 9)])
+    assert np.array_equal(naive[:n - 9], whole[:n - 9]) and not np.array_equal(naive[n - 9:], whole[n - 9:])
+    # A prefix-cache hit of all but the last token (slot 1 holds the prompt's rows from a pass of its own)
+    start = reusable_positions(n, n - 1)
+    rows_in_passes(chunk, ids, [(0, n)], slot=1)
+    again = rows_in_passes(chunk, ids, cuts(n, start, 64), slot=1)
+    assert np.array_equal(again, whole[start:])
+
+
+@ggml_only
+def test_greedy_ids_of_a_long_prompt_do_not_depend_on_chunks_batching_or_the_prefix_cache(source, chunk):
+    from mdi.model.sampling import SamplingParams, sample_generator
+    from mdi.ring.transport import LocalLoop
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
+    from mdi.starter.sample import Sample
+    long = source.tokenizer.encode(TEXT)
+    short = [source.tokenizer.encode(p) for p in ("Once upon a time", "def fibonacci(n):")]
+
+    def run(prefill_chunk, others=(), prefix=False, repeat=1):
+        pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None,
+                        PipelineSettings(max_batch=3, prefill_chunk=prefill_chunk, ggml_cuts=True))
+        if prefix:
+            pipe.enable_prefix_cache(10 ** 4, 10 ** 9)
+        for r in range(repeat):
+            samples = [Sample(i, "", p, 10, sample_generator(0, i)) for i, p in enumerate([long] + list(others))]
+            pipe.run(samples)
+        return samples[0].token_ids, samples[0].cached_tokens
+
+    want, _ = run(len(long))
+    assert run(16)[0] == want
+    assert run(64)[0] == want
+    assert run(64, others=short)[0] == want  # two short prompts share the long one's frames
+    ids, cached = run(64, prefix=True, repeat=2)  # the second run starts from the first one's positions
+    assert cached > 0 and ids == want
