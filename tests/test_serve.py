@@ -20,7 +20,8 @@ from ringconfigs import parse_run_config, write_run_config
 from mdi.starter import batch
 from mdi.model.transformer import full_model
 from mdi.serving.streaming import TextStream, held_back
-from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, parse_options
+from mdi.serving.openai_fields import ignored_names
+from mdi.serving.validation import CHAT, COMPLETIONS, FIELDS, NEUTRAL, ApiError, parse_options
 from mdi.model.sampling import SamplingParams
 from mdi.model.tokenizers import char_tokenizer
 
@@ -417,6 +418,23 @@ def test_the_field_table_names_the_field_and_what_was_expected(route, body, mess
     with pytest.raises(ApiError) as err:
         parse_options(body, route, SamplingParams(0.8, None, None))
     assert err.value.status == 400 and err.value.message == message
+
+
+@pytest.mark.parametrize("route, body", [(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+                                         (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2})])
+def test_fields_sent_as_null_count_as_absent_the_ignored_ones_too(route, body):
+    """The ignored fields were a 400 "unrecognized request argument" as null ("user": null)."""
+    names = ignored_names(route) + [f.name for f in FIELDS if route in f.routes and f.name not in body] + \
+        [n.name for n in NEUTRAL if route in n.routes]
+    assert "user" in names and ("store" in names) == (route == CHAT)
+    for name in names:  # each alone, as a client sets one
+        opts, _ = parse_options(dict(body, **{name: None}), route, SamplingParams(0.8, None, None))
+        assert list(opts.ignored) == [], name
+    opts, _ = parse_options(dict(body, **dict((n, None) for n in names)), route, SamplingParams(0.8, None, None))
+    assert list(opts.ignored) == [] and opts.max_tokens == 2
+    if route == COMPLETIONS:  # a field that is not the route's stays refused, null or not
+        with pytest.raises(ApiError, match="unrecognized request argument: 'store'"):
+            parse_options(dict(body, store=None), route, SamplingParams(0.8, None, None))
 
 
 def test_the_field_table_fills_defaults():

@@ -25,7 +25,9 @@ def test_a_conversation_with_calls_and_results_continues(server):
                                                max_tokens=12, temperature=0)
     choice = r.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert choice.message.content or choice.message.tool_calls
+    # calls, text, or nothing where max_tokens cut the first call (never the reply's JSON, half written)
+    assert choice.message.content or choice.message.tool_calls or choice.finish_reason == "length"
+    assert not (choice.message.content or "").lstrip().startswith('{"tool_call'), choice.message
     # tool_choice "none": the tools are not offered and the answer is text
     r = client(server).chat.completions.create(model="tiny", messages=CONVERSATION, tools=[WEATHER, ADD],
                                                tool_choice="none", max_tokens=12, temperature=0)
@@ -68,6 +70,46 @@ def test_bad_tool_values_are_a_400_naming_the_field_and_leave_others_running(ser
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # the stream in flight ran to its end
     finally:
         stream.close()
+
+
+def test_an_answer_cut_inside_its_call_shows_no_half_call_and_stop_strings_leave_a_required_call(server):
+    """tool_choice "required": the tiny model's answer is the generic {"tool_calls": [...]}
+    reply, cut by max_tokens long before its call completes. It came back as that JSON in
+    `content`; now nothing of it shows, whole or streamed. A stop string that the call's JSON
+    holds ("name") does not end it: a required answer is all calls, no text to stop."""
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER, ADD], "tool_choice": "required",
+            "max_tokens": 12, "temperature": 0}
+    r = requests.post(server.url + CHAT, json=body, timeout=120).json()
+    choice = r["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": None} and choice["finish_reason"] == "length", r
+    with requests.post(server.url + CHAT, json=dict(body, stream=True), stream=True, timeout=120) as s:
+        chunks = [json.loads(d) for d in sse_events(s) if d != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") or d.get("tool_calls") for d in deltas), deltas
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    r = requests.post(server.url + CHAT, json=dict(body, max_tokens=40, stop=["name"]), timeout=120).json()
+    choice = r["choices"][0]  # stopped, it would end after '{"tool_calls": [{"name' (22 characters)
+    assert choice["finish_reason"] == "tool_calls" or (choice["finish_reason"], r["usage"]["completion_tokens"]) == (
+        "length", 40), r
+
+
+def test_an_answer_sent_back_as_the_sdk_dumps_it_continues_the_conversation(server):
+    """The agent loop: `messages.append(resp.choices[0].message.model_dump())` (refusal,
+    annotations and audio included, null) was a 400 "unknown key 'annotations'"."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Hi"}]
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    messages += [r.choices[0].message.model_dump(), {"role": "user", "content": "Bye"}]
+    assert {"annotations", "audio"} <= set(messages[1])
+    r = c.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert r.http_response.status_code == 200 and "X-MDI-Ignored-Fields" not in r.headers
+    # a call's answer, and an earlier audio reply's id: ignored, and named
+    chat = pytest.importorskip("openai.types.chat")
+    answer = chat.ChatCompletionMessage(role="assistant", content=None,
+                                        tool_calls=CONVERSATION[1]["tool_calls"]).model_dump()
+    messages = [CONVERSATION[0], dict(answer, audio={"id": "audio_abc"}), CONVERSATION[2]]
+    r = c.chat.completions.with_raw_response.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=4)
+    assert r.http_response.status_code == 200 and r.headers["X-MDI-Ignored-Fields"] == "messages[].audio"
 
 
 # --------------------------------------------------------------------------- SmolLM2, constrained
@@ -157,6 +199,16 @@ def test_every_openai_chat_field_is_accepted_and_the_ignored_ones_are_named(serv
     r = requests.post(server.url + CHAT, json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1},
                       timeout=60)
     assert r.status_code == 200 and "X-MDI-Ignored-Fields" not in r.headers
+
+
+def test_ignored_fields_sent_as_null_are_accepted_and_not_named(server):
+    """Null counts as absent: `"user": null` was a 400 "unrecognized request argument"."""
+    for route, body in ((CHAT, {"messages": [{"role": "user", "content": "Hi"}]}),
+                        ("/v1/completions", {"prompt": "Hi"})):
+        names = IGNORED_FIELDS if route == CHAT else {"user": "u1"}
+        r = requests.post(server.url + route, json=dict(body, max_tokens=2, **dict((n, None) for n in names)),
+                          timeout=60)
+        assert r.status_code == 200 and "X-MDI-Ignored-Fields" not in r.headers, r.text
 
 
 @pytest.mark.parametrize("fields, param", [

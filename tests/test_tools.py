@@ -92,8 +92,7 @@ PARIS, ONE_TWO = ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 
     (LLAMA3, '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [ONE_TWO]),
     (LLAMA3, 'Sure: {"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
              '{"name": "add", "parameters": {"a": 1, "b": 2}}', "Sure:", [PARIS, ONE_TWO]),
-    (LLAMA3, 'A set {"a": 1} and {"name": "add", "parameters": {"a": 1', 'A set {"a": 1} and {"name": "add", '
-             '"parameters": {"a": 1', []),
+    (LLAMA3, 'A set {"a": 1} and {"name": "Bob", "age": 3', 'A set {"a": 1} and {"name": "Bob", "age": 3', []),
     (GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
               '{"name": "add", "arguments": {"a": 1, "b": 2}}]}', "", [PARIS, ONE_TWO]),
     (GENERIC, 'Calling.\n{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}', "Calling.", [ONE_TWO]),
@@ -172,6 +171,46 @@ def test_bad_tool_messages_are_a_400_naming_the_field(message, param):
     with pytest.raises(ApiError) as e:
         chat_messages([message])
     assert e.value.param == param and e.value.status == 400
+
+
+def test_an_answer_sent_back_as_the_openai_sdk_dumps_it_continues_the_conversation():
+    """The agent loop's `messages.append(resp.choices[0].message.model_dump())`: the SDK's
+    message carries refusal, annotations and audio (null here); they render nothing."""
+    chat = pytest.importorskip("openai.types.chat")
+    call = CONVERSATION[1]["tool_calls"][0]
+    answer = chat.ChatCompletionMessage(role="assistant", content=None, tool_calls=[call]).model_dump()
+    assert {"refusal", "annotations", "audio"} <= set(answer)  # the SDK's shape
+    assert chat_messages([CONVERSATION[0], answer, CONVERSATION[2]]) == chat_messages(CONVERSATION)
+    text = chat.ChatCompletionMessage(role="assistant", content="Hello").model_dump()
+    assert chat_messages([text])[0] == {"role": "assistant", "content": "Hello"}
+    # an earlier answer's citations and audio reply (by id, as OpenAI returns it) are ignored
+    cited = dict(text, annotations=[{"type": "url_citation", "url_citation": {"url": "https://example.com"}}],
+                 audio={"id": "audio_abc", "data": "", "expires_at": 0, "transcript": "Hello"})
+    assert chat_messages([cited])[0] == {"role": "assistant", "content": "Hello"}
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "assistant", "content": "x", "annotations": "cite"}, "messages[0].annotations"),
+    ({"role": "assistant", "content": "x", "annotations": ["cite"]}, "messages[0].annotations"),
+    ({"role": "assistant", "content": "x", "audio": {"voice": "alloy"}}, "messages[0].audio"),
+    ({"role": "user", "content": "x", "audio": {"id": "audio_abc"}}, "messages[0].audio"),
+    ({"role": "user", "content": "x", "annotations": []}, "messages[0].annotations"),
+    ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal"),
+])
+def test_an_answer_s_keys_are_checked_by_openai_s_shape(message, param):
+    with pytest.raises(ApiError) as e:
+        chat_messages([message])
+    assert e.value.param == param and e.value.status == 400 and "'%s'" % param in e.value.message
+
+
+def test_an_answer_s_audio_is_named_as_ignored():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "audio": None},
+                {"role": "user", "content": "Bye"}]
+    opts, _ = parse_options({"messages": messages}, CHAT, SamplingParams())
+    assert list(opts.ignored) == []
+    messages[1]["audio"] = {"id": "audio_abc"}
+    opts, _ = parse_options({"messages": messages, "user": "u1"}, CHAT, SamplingParams())
+    assert list(opts.ignored) == ["messages[].audio", "user"]
 
 
 def llg_tokenizer(model_dir):
@@ -280,6 +319,81 @@ def test_a_schema_llguidance_cannot_compile_is_a_400_naming_tools():
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_answer_cut_inside_its_calls_keeps_the_complete_ones(family, text, stream):
     assert parse(family, text, stream=stream) == ("", [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})])
+
+
+@pytest.mark.parametrize("family, text, content, calls", [
+    # cut (max_tokens, a stop string) before its first call completed: nothing of the call shows
+    (GENERIC, '{"tool_calls": [{"name": "', "", []),
+    (GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa', "", []),
+    (GENERIC, '{"tool_call": {"name": "add", "argu', "", []),
+    (GENERIC, '{"tool_ca', "", []),
+    (GENERIC, '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ONE_TWO]),  # before its "}"
+    (HERMES, 'Let me look.\n<tool_call>\n{"name": "ad', "Let me look.", []),
+    (HERMES, 'Let me look.\n<tool_c', "Let me look.", []),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_ca', "", [ONE_TWO]),
+    (LLAMA3, '<|python_tag|>{"name": "add", "parameters": {"a": 1', "", []),
+    (LLAMA3, 'Sure: {"name": "add", "parameters": {"a": 1', "Sure:", []),
+    (LLAMA3, 'Sure: {"name": "ad', "Sure:", []),
+    # a generic text reply cut: its text so far, unwrapped (a cut escape left out)
+    (GENERIC, '{"response": "2 + 2 =', "2 + 2 =", []),
+    (GENERIC, '{"response": "caf\\u00e9 au lait\\nou th\\u00', "caf\u00e9 au lait\nou th", []),
+    (GENERIC, '{"response": {"city": "Pa', '{"city": "Pa', []),  # response_format's JSON, as written so far
+    # not a cut call: malformed JSON, or JSON naming no tool, stays content
+    (GENERIC, '{"tool_calls": [{"name": "add",}', '{"tool_calls": [{"name": "add",}', []),
+    (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1,}',
+     '<tool_call>\n{"name": "add", "arguments": {"a": 1,}', []),
+    (LLAMA3, 'Sure: {"name": "Bob", "age": 3', 'Sure: {"name": "Bob", "age": 3', []),
+    (GENERIC, 'Use a dict: {', "Use a dict: {", []),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_before_a_call_completed_shows_no_half_call(family, text, content, calls, stream):
+    assert parse(family, text, stream=stream) == (content, calls)
+
+
+@pytest.mark.parametrize("family, text", [
+    (HERMES, HERMES_TWO),
+    (GENERIC, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"ris\\u00e9", "unit": "c"}}, '
+              '{"name": "add", "arguments": {"a": 1, "b": 2}}]}'),
+    (GENERIC, '{"response": "It is \\"sunny\\" \\ud83d\\ude00 today."}'),
+    (LLAMA3, 'Sure: {"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
+             '{"name": "add", "parameters": {"a": 1, "b": 2}}'),
+])
+def test_every_cut_of_an_answer_parses_whole_and_streamed_alike_and_shows_no_call(family, text):
+    for k in range(len(text) + 1):
+        whole = parse(family, text[:k])
+        assert whole == parse(family, text[:k], stream=True), text[:k]
+        assert not any(mark in whole[0] for mark in ('"name"', "tool_call", "<|", '"response"', "\\")), text[:k]
+
+
+@pytest.mark.parametrize("text", ['{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa',
+                                  '{"response": "2 + 2 ='])
+def test_a_cut_call_leaves_a_reply_without_calls_or_wrapper_whole_and_streamed(text):
+    fmt = ToolFormat(GENERIC, False, False)
+    req = Request([1, 2], 10, SamplingParams())
+    choice = ToolChoice(TOOLS, "auto", None, False)
+    whole = Reply([req], "m", True, None, ToolReplies(choice, fmt)).whole([text], ["length"], [[]])["choices"][0]
+    content = "2 + 2 =" if "response" in text else None  # null: all it said was the cut call
+    assert whole["message"] == {"role": "assistant", "content": content} and whole["finish_reason"] == "length"
+    reply = Reply([req], "m", True, None, ToolReplies(choice, fmt))
+    bodies = [b for i in range(0, len(text), 3) for b in reply.chunks(text[i:i + 3], 0, [])]
+    bodies += reply.last_chunks("length", False)
+    deltas = [b["choices"][0]["delta"] for b in bodies]
+    assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    assert not any("tool_calls" in d for d in deltas) and bodies[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("fields, stops", [
+    ({"tools": [ADD], "tool_choice": "required"}, []),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}}, []),
+    ({"functions": [ADD["function"]], "function_call": {"name": "add"}}, []),
+    ({"tools": [ADD]}, ["Paris"]),  # auto: the answer may be text, which the stop string ends
+    ({"tools": [ADD], "tool_choice": "none"}, ["Paris"]),
+    ({"functions": [ADD["function"]]}, ["Paris"]),
+])
+def test_stop_strings_end_text_and_do_not_apply_to_an_answer_that_must_be_calls(fields, stops):
+    body = dict({"messages": [{"role": "user", "content": "Weather in Paris?"}], "stop": ["Paris"]}, **fields)
+    opts, _ = parse_options(body, CHAT, SamplingParams())
+    assert list(opts.stop) == stops
 
 
 def test_parallel_calls_default_to_what_the_template_supports(smollm2_dir):

@@ -79,6 +79,13 @@ IGNORED = (
 )
 
 
+# Keys of chat messages that are set aside and named ("messages[].audio"; `prompts` checks
+# them): an earlier answer's audio, by its id as OpenAI's SDK returns the message, cannot be
+# replayed to a text model. (Its `refusal` and `annotations` are accepted unnamed: the text
+# they go with is all there is.)
+MESSAGE_IGNORED = ("audio",)
+
+
 def set_aside(body: Dict[str, Any], route: str) -> Tuple[List[str], Optional[Tuple[str, str]]]:
     """(the ignored fields `body` sets, sorted; (field, what was expected) for the first whose
     value is wrong, or None). JSON null counts as absent, as everywhere."""
@@ -91,7 +98,17 @@ def set_aside(body: Dict[str, Any], route: str) -> Tuple[List[str], Optional[Tup
         if wrong is not None:
             return names, (field.name, wrong)
         names.append(field.name)
+    if route == CHAT_ROUTE:
+        names += _set_in_messages(body.get("messages"))
     return sorted(names), None
+
+
+def _set_in_messages(messages: Any) -> List[str]:
+    """The MESSAGE_IGNORED keys some message sets (not null), as "messages[].key"."""
+    if not isinstance(messages, list):
+        return []
+    return ["messages[].%s" % key for key in MESSAGE_IGNORED
+            if any(isinstance(m, dict) and m.get(key) is not None for m in messages)]
 
 
 def ignored_names(route: str) -> List[str]:

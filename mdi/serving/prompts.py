@@ -25,9 +25,17 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: legacy results
-# tool_calls, tool_call_id: `tools`; function_call: legacy calls; refusal: an earlier answer's,
-# sent back as the SDK returned it (OpenAI's assistant messages carry it; nothing to render)
-MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal")
+# tool_calls, tool_call_id: `tools`; function_call: legacy calls; the rest ANSWER_KEYS
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
+                "annotations", "audio")
+# An earlier answer's keys, sent back as OpenAI's SDK returns its message (`model_dump()`):
+# its refusal, its content's url citations, an audio reply's id (and transcript...). Nothing
+# to render: checked by OpenAI's shape and ignored (`openai_fields` names a set audio).
+ANSWER_KEYS = (
+    ("refusal", lambda v: isinstance(v, str), "a string"),
+    ("annotations", lambda v: isinstance(v, list) and all(isinstance(a, dict) for a in v), "a list of objects"),
+    ("audio", lambda v: isinstance(v, dict) and isinstance(v.get("id"), str), '{"id": string}'),
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +157,7 @@ def _message(m: Any, where: str) -> Dict[str, Any]:
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise ApiError(400, "'%s.role': expected one of %s" % (where, ", ".join(CHAT_ROLES)), where + ".role")
-    if m.get("refusal") is not None and not (role == "assistant" and isinstance(m["refusal"], str)):
-        raise ApiError(400, "'%s.refusal': expected a string in an assistant message" % where, where + ".refusal")
+    _check_answer_keys(m, role, where)
     if role == "function" or m.get("function_call") is not None:
         try:
             m = legacy_message(m, where)
@@ -175,6 +182,14 @@ def _message(m: Any, where: str) -> Dict[str, Any]:
     if not isinstance(content, str):
         raise ApiError(400, "'%s.content': expected a string" % where, where + ".content")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _check_answer_keys(m: Dict[str, Any], role: str, where: str) -> None:
+    """ANSWER_KEYS: null in any message, their shape in an assistant message only."""
+    for key, fits, expected in ANSWER_KEYS:
+        if m.get(key) is not None and not (role == "assistant" and fits(m[key])):
+            raise ApiError(400, "'%s.%s': expected %s in an assistant message" % (where, key, expected),
+                           "%s.%s" % (where, key))
 
 
 def prompt_ids(prompt: Any, tokenizer: Tokenizer, max_len: int) -> List[int]:

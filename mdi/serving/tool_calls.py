@@ -2,13 +2,16 @@
 `message.tool_calls`, or as it streams, into `delta.tool_calls` chunks. One parser does both,
 so a streamed answer reassembles to the whole one: text that may be the start of a call is
 held back until it is a call or cannot be one; text that does not parse as a call (malformed
-JSON, an unknown function) stays content; content is trimmed of the space around calls."""
+JSON, an unknown function) stays content; content is trimmed of the space around calls. An
+answer cut short (max_tokens, a stop string) inside a call drops that call, never shows it as
+text: its complete calls are kept, and a generic {"response": ...} reply gives its text so far."""
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from mdi.serving import json_cut
 from mdi.serving.legacy_functions import function_call_body
 from mdi.serving.streaming import held_back
 from mdi.serving.tools import GENERIC, HERMES, LLAMA3, ToolChoice, ToolFormat
@@ -23,6 +26,10 @@ STARTS = {
 KEYS = {HERMES: (), LLAMA3: ("name",), GENERIC: ("tool_calls", "tool_call", "response")}
 LITERALS = {HERMES: (HERMES_OPEN,), LLAMA3: (PYTHON_TAG,), GENERIC: ()}
 JSON = json.JSONDecoder()
+# a generic reply of calls, from its opening to its first call (the list's "[" for tool_calls)
+CUT_CALLS = re.compile(r'\{\s*"(tool_calls?)"\s*(?::\s*(\[\s*)?)?')
+CUT_REPLY = re.compile(r'\{\s*"response"\s*(:\s*)?')
+LLAMA3_NAME = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)("?)')
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,34 @@ def _may_start(tail: str, family: str) -> int:
     return keep
 
 
+def _cut_opening(tail: str, family: str) -> int:
+    """At the end of an answer: the length of its end that is a call's opening cut short
+    ('{"tool_ca', '<tool_c'), dropped with the rest of a cut call; a lone "<" or "{", which
+    text may end with as well, stays."""
+    keep = _may_start(tail, family)
+    end = tail[len(tail) - keep:]
+    return keep if len(end) > 1 and (not end.startswith("{") or '"' in end) else 0
+
+
+def _reply_so_far(buf: str) -> Optional[str]:
+    """The text of a generic {"response": ...} reply cut before it closed: a string's
+    characters so far, other JSON (response_format's) as written so far; None where `buf`
+    is no such reply."""
+    m = CUT_REPLY.match(buf)
+    if m is None:
+        return None
+    if m.group(1) is None:
+        return ""  # cut before its value
+    value = buf[m.end():]
+    if value.startswith('"'):
+        return json_cut.string_so_far(value)
+    try:
+        decoded, end = JSON.raw_decode(value)
+    except ValueError:
+        return value.rstrip()  # cut inside it
+    return json.dumps(decoded, ensure_ascii=False) if not value[end:].strip() else None  # as a whole reply's
+
+
 class CallParser:
     """One choice's answer, fed as it arrives (`feed`, then `finish`): the content to show
     now and the calls completed, each once."""
@@ -57,6 +92,7 @@ class CallParser:
         self.shown = False  # some content handed out
         self.space = ""  # whitespace held: shown only if content follows it
         self.after_call = False  # the last thing read was a call
+        self.dropped = False  # a call cut short (max_tokens, a stop string) was left out
 
     def feed(self, text: str) -> Tuple[str, List[Call]]:
         self.buf += text
@@ -78,9 +114,10 @@ class CallParser:
                 continue
             m = STARTS[self.family].search(self.buf)
             if m is None:
-                keep = 0 if final else _may_start(self.buf, self.family)
+                keep = _cut_opening(self.buf, self.family) if final else _may_start(self.buf, self.family)
                 content.append(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+                self.buf = "" if final else self.buf[len(self.buf) - keep:]  # the end: a cut opening is dropped
+                self.dropped = self.dropped or final and keep > 0
                 break
             content.append(self.buf[:m.start()])
             self.buf = self.buf[m.start():]
@@ -115,9 +152,12 @@ class CallParser:
             if end < 0 and not final:
                 return None
             body = buf[len(HERMES_OPEN):] if end < 0 else buf[len(HERMES_OPEN):end]
+            if end < 0:  # the end: cut inside the closing tag, or before it
+                body = body[:len(body) - held_back(body, (HERMES_CLOSE,))]
             used = len(buf) if end < 0 else end + len(HERMES_CLOSE)
             call = self._call(_loads(body.strip()), "arguments")
-            if call is None and end < 0 and self.found:  # the last of several calls, cut: dropped
+            if call is None and end < 0 and (self.found or json_cut.cut_short(body, 0)):  # a cut call: dropped
+                self.dropped = True
                 return len(buf), [], ""
             return (used, [call], "") if call is not None else (len(HERMES_OPEN), [], HERMES_OPEN)
         start = len(PYTHON_TAG) if buf.startswith(PYTHON_TAG) else 0
@@ -129,10 +169,7 @@ class CallParser:
         except ValueError:
             if not final:
                 return None  # incomplete, or malformed: known at the end
-            whole = self._cut_list(buf) if self.family == GENERIC else []
-            if whole:  # cut inside its list of calls (max_tokens): the calls it completed
-                return len(buf), whole, ""
-            return (start or 1, [], buf[:start or 1])
+            return self._cut(buf, start, brace)
         read = self._calls(value)
         if read is None:  # JSON, but not a call: all of it stays content
             return (end, [], buf[:end]) if not start else (start, [], buf[:start])
@@ -140,12 +177,44 @@ class CallParser:
             return end, [], read
         return end, read, ""
 
-    def _cut_list(self, buf: str) -> List[Call]:
-        """The complete calls at the head of a generic reply cut before its list closed
-        ('{"tool_calls": [{call}, {call}, {"na'), or [] where one of them is not a call."""
-        m = re.match(r'\{\s*"tool_calls"\s*:\s*\[\s*', buf)
+    def _cut(self, buf: str, start: int, brace: int) -> Tuple[int, List[Call], str]:
+        """At the end, a call whose JSON does not decode. Cut short (max_tokens, a stop
+        string): the calls it completed, or a generic reply's text so far; the cut call is
+        dropped, never shown as text. Malformed, or not naming a tool: it stays content."""
+        as_text: Tuple[int, List[Call], str] = (start or 1, [], buf[:start or 1])
+        if not json_cut.cut_short(buf, brace):
+            return as_text
+        if self.family == GENERIC:
+            reply = _reply_so_far(buf)
+            if reply is not None:
+                return len(buf), [], reply
+            calls = self._cut_calls(buf)
+            if calls is None:
+                return as_text
+        elif not start and not self._may_name_a_tool(buf):  # Llama 3's '{"name"' in text: JSON of its own
+            return as_text
+        else:
+            calls = []
+        self.dropped = True
+        return len(buf), calls, ""
+
+    def _may_name_a_tool(self, buf: str) -> bool:
+        """Whether a cut '{"name": ...' names one of the tools, or may still (not written yet)."""
+        m = LLAMA3_NAME.match(buf)
+        if m is None:
+            return True
+        name, closed = m.groups()
+        return name in self.names if closed else any(n.startswith(name) for n in self.names)
+
+    def _cut_calls(self, buf: str) -> Optional[List[Call]]:
+        """The complete calls at the head of a generic reply cut before it closed
+        ('{"tool_calls": [{call}, {call}, {"na', '{"tool_call": {"na'), or None where it is
+        not a reply of calls (another opening, or an entry that is not a call)."""
+        m = CUT_CALLS.match(buf)
+        if m is None or m.end() < len(buf) and m.group(1) == "tool_calls" and m.group(2) is None:
+            return None
         calls: List[Call] = []
-        pos = m.end() if m else len(buf)
+        pos = m.end()
         while pos < len(buf):
             try:
                 value, pos = JSON.raw_decode(buf, pos)
@@ -153,10 +222,10 @@ class CallParser:
                 break  # the call the answer was cut in
             call = self._call(value, "arguments")
             if call is None:
-                return []
+                return None
             calls.append(call)
             sep = re.match(r"\s*,\s*", buf[pos:])
-            if sep is None:
+            if sep is None or m.group(1) == "tool_call":  # the singular form holds one
                 break
             pos += sep.end()
         return calls
@@ -232,7 +301,7 @@ class ToolReplies:
             message["function_call"] = function_call_body(call_entries(calls + more)[0])
         elif calls + more:
             message["tool_calls"] = call_entries(calls + more)
-        else:
+        elif not parser.dropped:  # null where all it said was a call cut short
             message["content"] = content
         return message
 

@@ -18,7 +18,7 @@ from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.sampling import MAX_REPEAT_PENALTY, SamplingParams
 from mdi.runconfig import ConfigError, SpeculationSpec, parse_speculation
 from mdi.serving import legacy_functions, tools
-from mdi.serving.openai_fields import set_aside
+from mdi.serving.openai_fields import ignored_names, set_aside
 from mdi.serving.strict_schema import strict_violation
 
 COMPLETIONS, CHAT = "completions", "chat"  # the two generation routes
@@ -283,11 +283,12 @@ def validate(body: Dict[str, Any], route: str) -> Dict[str, Any]:
     """Every field of `route` by name: the checked value, or its default when absent."""
     fields = dict((f.name, f) for f in FIELDS if route in f.routes)
     neutral = dict((n.name, n) for n in NEUTRAL if route in n.routes)
+    ignorable = set(ignored_names(route))  # all of them: one sent as null is accepted, and not named
     ignored, wrong = set_aside(body, route)
     if wrong is not None:
         raise bad_field(*wrong)
     for key in sorted(body):
-        if key not in fields and key not in neutral and key not in ignored:
+        if key not in fields and key not in neutral and key not in ignorable:
             raise ApiError(400, "unrecognized request argument: '%s'" % key, key)
         if key in neutral and body[key] is not None and not neutral[key].accepts(body[key]):
             raise bad_field(key, "only %s is supported" % neutral[key].only)
@@ -339,10 +340,22 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
         top = (v["top_logprobs"] or 0) if v["logprobs"] else None
     else:
         top = v["logprobs"]
-    options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], v["stop"],
+    options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], _stops(v),
                       v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
                       v["cache_prompt"], _one_shape(v), v["ignored"])
     return options, v
+
+
+def _stops(checked: Dict[str, Any]) -> Sequence[str]:
+    """The stop strings; none where the answer must be calls (tool_choice "required" or a
+    named function, the legacy function_call {"name": ...}): the constrained answer is then
+    all calls, with no text for a stop string to end, and one matching inside a call's
+    arguments (stop: ["Paris"] and a city) would only cut the call the client asked for."""
+    legacy = bool(checked.get("functions"))  # as tools.tool_choice_of reads the two shapes
+    offered = checked.get("functions") if legacy else checked.get("tools")
+    choice = checked.get("function_call") if legacy else checked.get("tool_choice")
+    forced = bool(offered) and (choice == "required" or isinstance(choice, dict))
+    return () if forced else checked["stop"]
 
 
 def _one_shape(checked: Dict[str, Any]) -> Optional[GrammarSpec]:
