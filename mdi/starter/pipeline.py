@@ -191,6 +191,7 @@ class Pipeline:
                                   self.prefill_chunk, self._send_pass)
         while ready:
             group: List[Sample]
+            counts: List[int]
             group, counts, budget, rest = [], [], self.prefill_chunk, []
             for sample in adapters_together(ready, self.max_batch):
                 take = self._pass_rows(sample, budget, first_prompt=all(c == 1 for c in counts))
@@ -205,14 +206,10 @@ class Pipeline:
 
     def _pass_rows(self, sample: Sample, budget: int, first_prompt: bool) -> int:
         """Rows of `sample`'s next pass in a frame with `budget` rows left (0: not this frame).
-        On ggml a prompt's cuts are the sample's own (mdi.starter.prompt_passes), never cut
-        shorter to fit: one longer than the budget goes as the frame's `first_prompt` pass (its
-        other rows decode rows) or in a later frame."""
-        want = sample.unsent
-        if want == 1:
-            return 1
-        if not self.settings.ggml_cuts:
-            return min(want, self.prefill_chunk, budget)
+        On ggml a prompt's cuts (mdi.starter.prompt_passes) are never shortened to fit: one
+        over the budget goes as the frame's `first_prompt` pass, or in a later frame."""
+        if sample.unsent == 1 or not self.settings.ggml_cuts:
+            return 1 if sample.unsent == 1 else min(sample.unsent, self.prefill_chunk, budget)
         rows = prompt_passes.next_pass_rows(sample.window_len, sample.fed, self.prefill_chunk)
         return rows if rows <= budget or first_prompt else 0
 
