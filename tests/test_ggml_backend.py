@@ -388,3 +388,29 @@ def test_a_graph_no_pass_asked_for_lately_goes_before_another_is_built(source):
         assert list(fresh._graphs) == ["decode", "new prefill"]
     finally:
         fresh.close()
+
+
+def test_a_q8_0_cache_on_heads_of_partial_blocks_is_one_line_before_the_weights_load(tiny_models, monkeypatch):
+    """runtime.kv_type q8_0 needs each head's row to be whole blocks of 32 (the tiny llama's
+    head_dim is 8): the starter says so as a ConfigError (mdi-start: `mdi: error:`, exit 2)
+    before it loads its weights, as a worker answers a 400, not a traceback from its cache."""
+    import subprocess
+
+    from conftest import BIN
+    from mdi.model.ggml import kv_cache
+    assert kv_cache.head_dim_unfit("q8_0", 64) is None and kv_cache.head_dim_unfit("f16", 8) is None
+    proc = subprocess.run([BIN + "/mdi-start", "--model", tiny_models["llama"], "--prompt", "ab", "--n-tokens", "2",
+                           "--backend", "ggml", "--kv-type", "q8_0"], capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and errors[0].startswith("mdi: error:"), proc.stderr
+    assert "kv_type q8_0" in errors[0] and "head_dim (8)" in errors[0], errors
+    # the check comes first: neither the budget's GGUF sizes nor the weights are read
+    from types import SimpleNamespace
+
+    from mdi.runconfig import ConfigError
+    from mdi.starter.engine import Engine
+    untouched = SimpleNamespace(config=SimpleNamespace(head_dim=8), gguf_bytes=None, ggml_chunk=None)
+    engine = SimpleNamespace(cfg=SimpleNamespace(runtime=SimpleNamespace(kv_type="q8_0")), source=untouched)
+    with pytest.raises(ConfigError, match=r"runtime\.kv_type q8_0 needs head_dim \(8\)"):
+        Engine._ggml_chunk(engine, 0, 4)

@@ -230,13 +230,33 @@ def test_every_type_is_written_read_back_and_computed_by_ggml(kind, tmp_path):
     assert got.shape == (4, config.vocab_size) and np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("name, needle", [("iq2_xxs", "importance matrix"), ("q9_k", "not a GGUF type")])
+@pytest.mark.parametrize("name, needle", [("iq2_xxs", "importance matrix"), ("q9_k", "not a GGUF type"),
+                                          ("iq3_s", "not a type mdi-prepare writes"),
+                                          ("mxfp4", "not a type mdi-prepare writes")])
 def test_types_ggml_cannot_write_are_refused_in_one_line(name, needle, tmp_path):
     config = family_config("llama")
     with pytest.raises(CheckpointError, match=needle) as e:
         gguf_export.export_gguf(str(tmp_path / "m.gguf"), config, random_state(config), name)
     assert "\n" not in str(e.value)
     assert not os.listdir(str(tmp_path))
+
+
+def test_only_the_types_ggml_says_need_an_importance_matrix_are_refused_for_it():
+    """ggml_quantize_requires_imatrix names IQ2_XXS, IQ2_XS and IQ1_S only: IQ3_S, IQ3_XXS, IQ2_S,
+    IQ1_M, TQ1_0, TQ2_0 and MXFP4 are refused for what is true of them (mdi-prepare does not
+    write them), with the types it does write."""
+    from mdi.model.ggml.tensors import MATRIX_TYPES
+    gg = lib.require()
+    needs = {k for k in MATRIX_TYPES if gg.ggml_quantize_requires_imatrix(lib.TYPE_IDS[k])}
+    assert needs == set(gguf_export.IMATRIX_TYPES)
+    for kind in MATRIX_TYPES:
+        if kind.lower() in gguf_export.EXPORT_TYPES:
+            assert gguf_export.gguf_type(kind.lower()) == kind
+            continue
+        with pytest.raises(CheckpointError) as e:
+            gguf_export.gguf_type(kind.lower())
+        assert ("importance matrix" in str(e.value)) == (kind in needs), str(e.value)
+        assert "q4_k" in str(e.value) and "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- (b) logits
@@ -377,7 +397,8 @@ def test_prepare_int4_writes_q4_1_blocks_equal_to_the_int4_weights(hf_dir, tmp_p
 
 
 def test_prepare_refuses_gguf_types_it_cannot_write(hf_dir, tmp_path):
-    for quant, needle in (("iq2_xxs", "importance matrix"), ("q7", "--quant must be one of")):
+    for quant, needle in (("iq2_xxs", "importance matrix"), ("iq3_s", "not a type mdi-prepare writes"),
+                          ("q7", "--quant must be one of")):
         proc = subprocess.run([PREPARE, hf_dir, "--out", str(tmp_path / "x"), "--quant", quant],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

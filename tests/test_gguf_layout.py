@@ -80,6 +80,17 @@ def test_a_header_claiming_more_than_its_file_is_refused_at_once(tmp_path, case)
     assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("version", [1, 4, 99])
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_an_unread_version_is_named_as_the_file_holds_it(tmp_path, version, order):
+    """Not the value of the other byte order's reading (version 4 byte-swapped is 67108864)."""
+    path = tmp_path / "v.gguf"
+    path.write_bytes(b"GGUF" + struct.pack(order + "IQQ", version, 0, 0))
+    with pytest.raises(GGUFLayoutError) as e:
+        open_reader(str(path))
+    assert "GGUF version %d is not read (2 and 3 are" % version in str(e.value), str(e.value)
+
+
 def test_every_door_refuses_it_in_one_line(tmp_path):
     path = tmp_path / "lora.gguf"
     path.write_bytes(HOSTILE["array of 2^40 strings"][0])

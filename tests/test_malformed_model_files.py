@@ -103,6 +103,38 @@ def test_a_malformed_sentencepiece_vocabulary_is_one_line_naming_it(tmp_path, vo
     assert load_tokenizer(str(tmp_path)).encode("ab") == [1, 2]
 
 
+def _bpe_gguf(path, tokens, merges):
+    """A GGUF holding only a "gpt2" (byte-level BPE) vocabulary, as llama.cpp writes it."""
+    import gguf
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("tokens,merges,words", [
+    (["a", "b", "ab"], ["a b", "ab c"], "tokenizer.ggml.merges do not fit the 3 tokenizer.ggml.tokens"),
+    (["a", "b", "ab"], ["a b", "ab"], "tokenizer.ggml.merges entry 1 ('ab') is not two tokens"),
+    (["a", "b", "ab"], ["a b c"], "tokenizer.ggml.merges entry 0 ('a b c') is not two tokens"),
+], ids=["token-outside-the-list", "no-space", "three-parts"])
+def test_gguf_bpe_merges_that_do_not_fit_the_tokens_are_one_line_naming_the_key(tmp_path, tokens, merges, words):
+    """The tokenizers library raises a bare Exception (a merge naming a token outside the list: a
+    tokens list cut short) or a TypeError (a merge without a space) with neither file nor key."""
+    from mdi.model.files.tokenizer_import import tokenizer_from_gguf
+    path = _bpe_gguf(str(tmp_path / "bpe.gguf"), tokens, merges)
+    with pytest.raises(TokenizerError) as e:
+        tokenizer_from_gguf(path)
+    message = str(e.value)
+    assert "\n" not in message and path in message and words in message, message
+    assert tokenizer_from_gguf(_bpe_gguf(str(tmp_path / "ok.gguf"), tokens, ["a b"])).encode("ab") == [2]
+
+
 def test_model_config_takes_numpy_counts_and_refuses_the_rest():
     """A GGUF's metadata comes as numpy integers: counts, converted to int; a request's model
     goes through the same checks (a 400 naming the key)."""

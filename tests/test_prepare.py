@@ -62,3 +62,64 @@ def test_a_folder_without_tokenizer_files_says_what_is_missing(tmp_path):
     for needle in ("tokenizer.json", "tokenizer.model", "--vocab", str(hf)):
         assert needle in proc.stderr, (needle, proc.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def _hf_char_tokenizer(chars):
+    """A tokenizer.json tokenizer over single characters (ids in list order), as the HF kind saves it."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.models import BPE
+    return HFTok(BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+
+
+@pytest.fixture(scope="module")
+def prepared_with_hf_tokenizer(tmp_path_factory):
+    """A prepared tiny llama directory whose tokenizer is the "hf" kind (tokenizer.json beside
+    tokenizer_mdi.json) with BOS, EOS, add_bos, a chat template and stop ids: what only
+    tokenizer_mdi.json says, as in models/smollm2-135m."""
+    from conftest import CHARS, save_test_model, tiny_model
+    from mdi.model.tokenizers import HFTokenizer
+    path = str(tmp_path_factory.mktemp("hfprepared") / "src")
+    model = tiny_model("llama")
+    save_test_model(path, model.config, model.state_dict(), "tests/test_prepare.py")
+    HFTokenizer(_hf_char_tokenizer(CHARS), bos_id=1, eos_id=2, add_bos=True, chat_template="{{ messages }}",
+                stop_ids=[3]).save(path)
+    return path
+
+
+TOKENIZER_META = {"kind": "hf", "bos_id": 1, "eos_id": 2, "add_bos": True, "chat_template": "{{ messages }}",
+                  "stop_ids": [3]}
+
+
+@pytest.mark.parametrize("quant", ["auto", "int8", "q8_0"])
+def test_a_prepared_directory_keeps_its_tokenizer_meta(tmp_path, prepared_with_hf_tokenizer, quant):
+    """Re-preparing a prepared directory carries its tokenizer_mdi.json over (BOS, EOS, template,
+    stop ids), in every --quant mode: its tokenizer.json alone has none of them."""
+    if quant == "q8_0":
+        from mdi.model.ggml.lib import unavailable_reason
+        if unavailable_reason() is not None:
+            pytest.skip(unavailable_reason())
+    out = tmp_path / "out"
+    proc = prepare(prepared_with_hf_tokenizer, "--quant", quant, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "tokenizer_mdi.json").read_text()) == TOKENIZER_META
+
+
+def test_a_directory_prepared_in_place_keeps_its_tokenizer_meta(tmp_path, prepared_with_hf_tokenizer):
+    import shutil
+    here = tmp_path / "here"
+    shutil.copytree(prepared_with_hf_tokenizer, str(here))
+    proc = prepare(str(here), "--quant", "int8", "--out", str(here))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((here / "tokenizer_mdi.json").read_text()) == TOKENIZER_META
+
+
+def test_an_hf_directory_still_reads_its_own_tokenizer_files(tmp_path):
+    """A Hugging Face directory (no mdi_config.json) takes BOS / EOS from tokenizer_config.json
+    and stop ids from generation_config.json, as before."""
+    from conftest import CHARS
+    from mdi.model.files.prepare import source_tokenizer
+    _hf_char_tokenizer(CHARS).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": CHARS[5], "eos_token": CHARS[6]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 7]}))
+    tok = source_tokenizer(str(tmp_path), None, "llama")
+    assert (tok.kind, tok.bos_id, tok.eos_id, tok.stop_ids) == ("hf", 5, 6, [7])  # EOS itself is no extra stop id

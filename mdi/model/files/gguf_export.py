@@ -26,7 +26,8 @@ as its canonical form holds it (below). Whatever the type:
 With `weight_type` None (mdi-prepare's --quant auto / none / int8 / int4): int8 -> Q8_0, int4 ->
 Q4_1 (Q4_0 where it is Q4_0's numbers; exact in groups of 32, re-rounded from other group sizes),
 float -> `float_type` (F32 for a matrix with values past float16's range).
-Types that need an importance matrix (IQ1 / IQ2 / IQ3_XXS) are refused.
+Other types are refused: IQ1_S / IQ2_XXS / IQ2_XS need an importance matrix; the rest ggml computes
+(IQ1_M, IQ2_S, IQ3_*, TQ*, MXFP4) are not written, as the torch weights are read back from the file.
 
 Metadata: general.architecture and the architecture's keys (gguf_write.add_model_metadata),
 general.file_type, general.quantization_version, and the tokenizer.* keys of a source GGUF when
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 # --quant values that name a GGUF type (ggml quantizes every one of them without an importance matrix)
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
                 "q6_k", "iq4_nl", "iq4_xs")
+# the types ggml quantizes only with an importance matrix (ggml_quantize_requires_imatrix)
+IMATRIX_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ1_S")
 FLOAT_TYPES = GGUF_FLOAT
 WIDE_TYPES = ("F32", "F16", "BF16", "Q8_0")  # 8 bits or more: the head keeps the named type
 HEAD_TYPE = "Q8_0"
@@ -82,15 +85,19 @@ def is_gguf_type(name: str) -> bool:
 
 
 def gguf_type(name: str, flag: str = "--quant") -> str:
-    """'q4_k' -> 'Q4_K', or a one-line error naming the flag: not a type, or one ggml cannot
-    quantize without an importance matrix."""
+    """'q4_k' -> 'Q4_K', or a one-line error naming the flag: not a type, one ggml cannot
+    quantize without an importance matrix, or one mdi-prepare does not write."""
     from mdi.model.ggml.tensors import MATRIX_TYPES
     kind = name.upper()
     if name.lower() in EXPORT_TYPES:
         return kind
-    if kind in MATRIX_TYPES:
+    if kind in IMATRIX_TYPES:
         raise CheckpointError("%s %s: ggml quantizes %s only with an importance matrix (llama-imatrix), which "
                               "mdi-prepare does not compute; use one of %s"
+                              % (flag, name, kind, ", ".join(EXPORT_TYPES)))
+    if kind in MATRIX_TYPES:  # ggml computes it (a GGUF holding it runs), but mdi-prepare does not write it
+        raise CheckpointError("%s %s: %s is not a type mdi-prepare writes (the torch weights are read back from "
+                              "model.gguf, in these types only): choose one of %s"
                               % (flag, name, kind, ", ".join(EXPORT_TYPES)))
     raise CheckpointError("%s %s is not a GGUF type mdi writes (%s)" % (flag, name, ", ".join(EXPORT_TYPES)))
 

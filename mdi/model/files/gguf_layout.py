@@ -119,9 +119,11 @@ def _walk_header(buf: Any, size: int, path: str, max_tensors: Optional[int] = No
     if version not in (2, 3):
         walk.order = ">"  # a big-endian file reads its version byte-swapped
         walk.pos = 4
-        version = walk.read("I", "the version")
-        if version not in (2, 3):
-            raise GGUFLayoutError("%s: GGUF version %d is not read (2 and 3 are)" % (path, version))
+        swapped = walk.read("I", "the version")
+        if swapped not in (2, 3):
+            # a version is small: the smaller reading is the file's (4, not 67108864 byte-swapped)
+            raise GGUFLayoutError("%s: GGUF version %d is not read (2 and 3 are, either byte order)"
+                                  % (path, min(version, swapped)))
     n_tensors = walk.read("Q", "the tensor count")
     if max_tensors is not None and n_tensors > max_tensors:
         raise GGUFLayoutError("%s: %d tensors, more than the %d such a file can hold" % (path, n_tensors, max_tensors))

@@ -42,9 +42,10 @@ from mdi.model.files.model_dir import GGUF_FILE
 from mdi.model.layout import QUANT_MODES, CheckpointError, parse_partition, quantizable, split_layers
 from mdi.model.quantization.layouts import describe, uniform_layout
 from mdi.model.quantization.quant import convert, gather, weights_layout
-from mdi.model.source import check_vocab, gguf_file_of
+from mdi.model.source import check_vocab, gguf_file_of, is_mdi_dir
 from mdi.model.files.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
-from mdi.model.tokenizers import Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer, load_tokenizer
+from mdi.model.tokenizers import (META_FILE, Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer,
+                                  load_tokenizer)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
         return tokenizer_from_gguf(path)
     if os.path.isdir(path):
         files = os.listdir(path)
+        if META_FILE in files and is_mdi_dir(path):
+            # a prepared directory's own tokenizer (as mdi-start reads it): its tokenizer.json
+            # has no BOS / EOS / template / stop ids beside it, tokenizer_mdi.json holds them
+            return load_tokenizer(path)
         if "tokenizer.json" in files or "tokenizer.model" in files:
             return tokenizer_from_hf_dir(path)
         if "tokenizer_mdi.json" in files:

@@ -133,8 +133,11 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
             raise TokenizerError("GGUF tokenizer.ggml.%s_token_id %d is outside the %d-token vocabulary of %s"
                                  % (key, i, len(tokens), path))
         ids[key] = i
-    tk = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges") or [], md.get("tokenizer.ggml.token_type") or [],
-                        md.get("tokenizer.ggml.pre"), [ids[k] for k in ("bos", "eos", "unknown", "padding")])
+    try:
+        tk = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges") or [], md.get("tokenizer.ggml.token_type") or [],
+                            md.get("tokenizer.ggml.pre"), [ids[k] for k in ("bos", "eos", "unknown", "padding")])
+    except TokenizerError as e:
+        raise TokenizerError("%s in %s" % (e, path)) from None
     add_bos = md.get("tokenizer.ggml.add_bos_token")
     if add_bos is None:  # llama.cpp's default for this pre-tokenizer (Llama 3: yes), when there is a BOS
         add_bos = pre.add_bos and ids["bos"] is not None
@@ -225,9 +228,14 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
     options: Dict[str, Any] = {"ignore_merges": True} if spec.ignore_merges else {}
-    pairs = cast(List[Tuple[str, str]], [tuple(m.split(" ")) for m in merges])  # each merge is "a b"
-    tk = HFTok(BPE(vocab=vocab, merges=pairs, dropout=None,
-                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, **options))
+    pairs = _merge_pairs(merges)
+    try:
+        tk = HFTok(BPE(vocab=vocab, merges=pairs, dropout=None,
+                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, **options))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a merge it cannot build
+        why = str(e).splitlines()[0].replace("Error while initializing BPE: ", "")[:300]
+        raise TokenizerError("GGUF tokenizer.ggml.merges do not fit the %d tokenizer.ggml.tokens (%s)"
+                             % (len(tokens), why)) from None
     if spec.nfc:
         tk.normalizer = normalizers.NFC()
     steps: List[Any] = []
@@ -252,6 +260,17 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     if user:
         tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     return tk
+
+
+def _merge_pairs(merges: Sequence[Any]) -> List[Tuple[str, str]]:
+    """tokenizer.ggml.merges as the (left, right) pairs BPE takes: each entry is "left right"
+    (the library answers another shape with a TypeError that names neither key nor entry)."""
+    pairs = [tuple(m.split(" ")) if isinstance(m, str) else () for m in merges]
+    bad = next((i for i, pair in enumerate(pairs) if len(pair) != 2), None)
+    if bad is not None:
+        raise TokenizerError("GGUF tokenizer.ggml.merges entry %d (%r) is not two tokens separated by one space"
+                             % (bad, merges[bad]))
+    return cast(List[Tuple[str, str]], pairs)
 
 
 def _gguf_metadata(path: str) -> Dict[str, Any]:

@@ -25,6 +25,16 @@ def row_bytes(kv_width: int, kv_type: str) -> int:
     return kv_width // block * size
 
 
+def head_dim_unfit(kv_type: str, head_dim: int) -> Optional[str]:
+    """Why a cache of `kv_type` cannot hold heads of `head_dim` (None: it can): attention views
+    each head's row, so it must be whole blocks of the type. Asked before any weight is loaded."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[KV_GGML_TYPES[kv_type]]][0]
+    if head_dim % block:
+        return "kv_type %s needs head_dim (%d) to be whole blocks of %d; use kv_type f16" % (kv_type, head_dim, block)
+    return None
+
+
 def kv_cache_bytes(config: Any, n_layers: int, n_slots: int, max_len: int, kv_type: str = "f16") -> int:
     """The cache of `n_layers` layers of `config` with `n_slots` slots of `max_len` positions."""
     return 2 * n_layers * n_slots * max_len * row_bytes(config.kv_heads * config.head_dim, kv_type)
@@ -40,10 +50,9 @@ class GgmlKVCache:
         self.n_layers, self.n_slots, self.max_len, self.kv_width = n_layers, n_slots, max_len, kv_width
         self.kv_type = kv_type
         self.type_id = lib.TYPE_IDS[KV_GGML_TYPES[kv_type]]
-        block = gg.ggml_blck_size(self.type_id)
-        if head_dim % block:  # attention views each head's row: it must be whole blocks
-            raise ValueError("kv_type %s needs head_dim (%d) to be whole blocks of %d; use kv_type f16"
-                             % (kv_type, head_dim, block))
+        unfit = head_dim_unfit(kv_type, head_dim)
+        if unfit is not None:
+            raise ValueError(unfit)
         self.row_bytes = gg.ggml_row_size(self.type_id, kv_width)
         self._ctx = lib.Context(2 * max(n_layers, 1) + 2)
         self.k: List[Any] = []
