@@ -10,6 +10,7 @@ import pytest
 from mdi.model.ggml import lib
 from mdi.model.pass_rows import PassRows
 from mdi.starter.prompt_passes import REPACK_ROWS, TILED_ROWS, UBATCH, next_pass_rows, reusable_positions
+from test_ggml_backend import chunk, source  # noqa: F401  (its fixtures: SmolLM2 whole on ggml, 4 slots)
 
 CHUNKS = (1, 7, 16, 63, 64, 66, 100, 130, 512, 4096)
 WINDOWS = list(range(1, 200)) + [511, 512, 513, 530, 575, 576, 577, 600, 1023, 1024, 1025, 1100, 1600]
@@ -66,19 +67,6 @@ TEXT = ("The history of the lighthouse begins in antiquity. In the harbour of Al
         "towers that could stand against the fiercest storms of the Atlantic. Smeaton's tower on the Eddystone rocks "
         "used interlocking granite blocks and a lime mortar that set under water. The next great change came with "
         "the lens invented by Augustin Fresnel, which")
-
-
-@pytest.fixture(scope="module")
-def source(smollm2_dir):
-    from mdi.model.source import ModelSource
-    return ModelSource(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def chunk(source):
-    c = source.ggml_chunk(0, source.config.n_layer, True, True, threads=1)
-    c.allocate_cache(4, 256)
-    return c
 
 
 def rows_in_passes(chunk, ids, passes, slot=0):
