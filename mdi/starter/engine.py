@@ -26,6 +26,7 @@ from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pass_compute import takes_host_arrays
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
+from mdi.starter.prompt_passes import TILED_ROWS
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import AdapterSet
 from mdi.model.ggml.kv_cache import head_dim_unfit, kv_cache_bytes as ggml_kv_bytes
@@ -125,9 +126,13 @@ class Engine(RuntimeAdapters):
         self.chunk = self._starter_chunk(self.ranges[0])
         draft_model = self._draft_model()
         transport, run_id = self._connect()
+        ggml_cuts = bool(self.ggml_nodes())
+        if ggml_cuts and self.plan.prefill_chunk < TILED_ROWS:
+            log.info("mdi: starter: prompts of %d tokens or more go in passes of at least %d (runtime.prefill_chunk "
+                     "%d): ggml computes shorter passes of them with another attention kernel", TILED_ROWS, TILED_ROWS,
+                     self.plan.prefill_chunk)
         self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
-                                 PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating,
-                                                            ggml_cuts=bool(self.ggml_nodes())),
+                                 PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating, ggml_cuts=ggml_cuts),
                                  self.on_token, self._check, drafter_factory=self.drafter_factory,
                                  draft_model=draft_model, on_train=self._train_frame)
         self._enable_prefix_cache()
