@@ -414,3 +414,9 @@ def test_a_q8_0_cache_on_heads_of_partial_blocks_is_one_line_before_the_weights_
     engine = SimpleNamespace(cfg=SimpleNamespace(runtime=SimpleNamespace(kv_type="q8_0")), source=untouched)
     with pytest.raises(ConfigError, match=r"runtime\.kv_type q8_0 needs head_dim \(8\)"):
         Engine._ggml_chunk(engine, 0, 4)
+    # a draft model on ggml (speculation's method draft) too, named, before its weights load
+    from mdi.starter.speculation.draft_model import DraftModel
+    draft = SimpleNamespace(config=SimpleNamespace(n_layer=4, head_dim=8), path="drafts/tiny", quant=None,
+                            source=SimpleNamespace(gguf_path="drafts/tiny/model.gguf", ggml_chunk=None))
+    with pytest.raises(ConfigError, match=r"draft model drafts/tiny: runtime\.kv_type q8_0 needs head_dim \(8\)"):
+        DraftModel.load(draft, 1, 64, None, "cpu", 64, ggml=SimpleNamespace(kv_type="q8_0"))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mdi.model.config import ModelConfig
+from mdi.model.ggml.kv_cache import head_dim_unfit
 from mdi.model.layout import QuantLayout
 from mdi.model.sampling import greedy
 from mdi.model.source import ModelSource, read_tokenizer
@@ -163,6 +164,9 @@ class DraftModel:
         then: a ggml draft never imports torch)."""
         n = draft.config.n_layer
         if ggml is not None and draft.source.gguf_path is not None:
+            unfit = head_dim_unfit(ggml.kv_type, draft.config.head_dim)
+            if unfit is not None:  # said before its weights load, as the target's is
+                raise ConfigError("starter: the draft model %s: runtime.%s" % (draft.path, unfit))
             chunk = draft.source.ggml_chunk(0, n, True, True, ggml.threads, ggml.kv_type, ggml.repack, ggml.device)
             chunk.set_prefill_weights(ggml.prefill_weights)  # its prompts are prefilled as the target's are
             if draft.quant is not None:
