@@ -145,12 +145,19 @@ def parallel_default(fmt: "ToolFormat") -> bool:
     return fmt.native and fmt.family == HERMES
 
 
-def tool_choice_of(fields: Dict[str, Any], fmt: "ToolFormat") -> Optional[ToolChoice]:
-    """The checked chat fields' tool request (the legacy `functions` and `function_call` as
-    tools); None when there are no tools or the choice is "none"."""
+def asked_tools(fields: Dict[str, Any]) -> Tuple[Any, Any, bool]:
+    """(the tools offered, the choice asked, whether in the legacy shape) of the checked chat
+    fields: the legacy `functions` and `function_call` read as tools and tool_choice."""
     legacy = bool(fields.get("functions"))
     tools = fields["functions"] if legacy else fields.get("tools")
     choice = (fields.get("function_call") if legacy else fields.get("tool_choice")) or "auto"
+    return tools, choice, legacy
+
+
+def tool_choice_of(fields: Dict[str, Any], fmt: "ToolFormat") -> Optional[ToolChoice]:
+    """The checked chat fields' tool request (the legacy `functions` and `function_call` as
+    tools); None when there are no tools or the choice is "none"."""
+    tools, choice, legacy = asked_tools(fields)
     if not tools or choice == "none":
         return None
     parallel = fields.get("parallel_tool_calls")

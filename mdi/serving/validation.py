@@ -351,9 +351,7 @@ def _stops(checked: Dict[str, Any]) -> Sequence[str]:
     named function, the legacy function_call {"name": ...}): the constrained answer is then
     all calls, with no text for a stop string to end, and one matching inside a call's
     arguments (stop: ["Paris"] and a city) would only cut the call the client asked for."""
-    legacy = bool(checked.get("functions"))  # as tools.tool_choice_of reads the two shapes
-    offered = checked.get("functions") if legacy else checked.get("tools")
-    choice = checked.get("function_call") if legacy else checked.get("tool_choice")
+    offered, choice, _ = tools.asked_tools(checked)
     forced = bool(offered) and (choice == "required" or isinstance(choice, dict))
     return () if forced else checked["stop"]
 

@@ -208,8 +208,10 @@ class Pipeline:
         """Rows of `sample`'s next pass in a frame with `budget` rows left (0: not this frame).
         On ggml a prompt's cuts (mdi.starter.prompt_passes) are never shortened to fit: one
         over the budget goes as the frame's `first_prompt` pass, or in a later frame."""
-        if sample.unsent == 1 or not self.settings.ggml_cuts:
-            return 1 if sample.unsent == 1 else min(sample.unsent, self.prefill_chunk, budget)
+        if sample.unsent == 1:
+            return 1
+        if not self.settings.ggml_cuts:
+            return min(sample.unsent, self.prefill_chunk, budget)
         rows = prompt_passes.next_pass_rows(sample.window_len, sample.fed, self.prefill_chunk)
         return rows if rows <= budget or first_prompt else 0
 
