@@ -135,7 +135,7 @@ def test_a_bad_setting_is_refused_in_one_line(smollm2_dir, source):
     from mdi.ring.backend_request import BackendRequest, validate_backend
     from mdi.ring.init_request import DataPlane, InitRequest, RequestError, Weights, validate_init
 
-    with pytest.raises(ConfigError, match="runtime.prefill_weights: expected one of quantized, dequantized"):
+    with pytest.raises(ConfigError, match="runtime.prefill_weights: expected one of auto, quantized, dequantized"):
         parse_config({"model": {"path": smollm2_dir}, "nodes": [{"name": "s"}],
                       "runtime": {"prefill_weights": "fast"}}, "x.yaml")
     request = InitRequest(run_id=1, model=source.config, layers=[0, 2], dtype="float32", device="cpu", n_slots=1,
@@ -201,3 +201,37 @@ def test_a_ring_of_three_dequantizes_as_one_process_does(smollm2_dir, source, tm
     finally:
         for w in workers:
             w.stop()
+
+
+@pytest.mark.parametrize("measured, want", [(16, 64), (64, 64), (128, None), (None, None)])
+def test_auto_dequantizes_from_where_the_cuts_start_or_not_at_all(source, chunk, monkeypatch, measured, want):
+    """auto takes the measured float type from TILED_ROWS rows exactly (where the starter's cuts
+    and ggml's attention start), and nothing where only longer passes were measured faster."""
+    from mdi.model.ggml import dequant_rows
+    rule = dequant_rows.DequantRule(lib.TYPE_IDS["BF16"], measured) if measured else None
+    monkeypatch.setattr(dequant_rows, "measure_rule", lambda *a: rule)
+    try:
+        chunk.set_prefill_weights("auto")
+        assert chunk.dequantized_from == want
+        assert chunk.prefill_rule == ("dequantized to BF16 from 64 rows" if want else
+                                      "quantized (auto: dequantized measured no faster here from 64 rows)")
+        chunk.set_prefill_weights("dequantized")  # asked for: from the fewest rows measured faster
+        assert chunk.dequantized_from == measured
+    finally:
+        chunk.set_prefill_weights("quantized")
+
+
+def test_auto_is_quantized_on_a_node_whose_backend_is_asked_for_by_name(smollm2_dir, source, tmp_path):
+    """runtime.prefill_weights auto (the default) reaches a node whose backend auto chooses as
+    auto, and a node asked to compute with ggml (or torch) by name as quantized: its prompt's
+    bits are llama.cpp's. An explicit setting reaches every node as it is."""
+    nodes = [{"name": "starter", "data_port": 1}, {"name": "w1", "host": "127.0.0.1", "port": 2, "data_port": 3,
+                                                    "backend": "ggml"}, {"name": "w2", "host": "127.0.0.1", "port": 4,
+                                                                         "data_port": 5}]
+    cfg = parse_config({"model": {"path": str(smollm2_dir)}, "nodes": nodes, "runtime": {"backend": "auto"}}, "x.yaml")
+    assert cfg.runtime.prefill_weights == "auto"
+    assert [cfg.prefill_weights_of(n) for n in cfg.nodes] == ["auto", "quantized", "auto"]
+    cfg.runtime.backend = "ggml"
+    assert [cfg.prefill_weights_of(n) for n in cfg.nodes] == ["quantized", "quantized", "quantized"]
+    cfg.runtime.prefill_weights = "dequantized"
+    assert [cfg.prefill_weights_of(n) for n in cfg.nodes] == ["dequantized"] * 3

@@ -3,7 +3,9 @@ flash attention computes a sample's rows with another kernel from TILED_ROWS row
 prompt row keeps its bits only if every pass that carries it falls on the side llama.cpp's
 ubatch would. The rules, for every window, position and chunk; then on ggml itself: the rows
 and greedy ids of a long prompt, however it is chunked, batched or taken from the prefix cache,
-are those of the prompt in one pass (and llama.cpp's, scripts/compare_llama_text.py)."""
+are those of the prompt in one pass (and llama.cpp's, scripts/compare_llama_text.py), with the
+weights as stored and with runtime.prefill_weights auto's dequantized product (which starts
+at TILED_ROWS rows, as the cuts do)."""
 import numpy as np
 import pytest
 
@@ -69,6 +71,19 @@ TEXT = ("The history of the lighthouse begins in antiquity. In the harbour of Al
         "the lens invented by Augustin Fresnel, which")
 
 
+@pytest.fixture(params=["quantized", "auto"])
+def prefill(request, chunk, monkeypatch):  # noqa: F811
+    """The chunk's runtime.prefill_weights: as stored, or auto with a measured rule forced (BF16
+    from 16 rows, whatever this CPU measures), which auto takes from TILED_ROWS rows."""
+    from mdi.model.ggml import dequant_rows
+    if request.param == "auto":
+        monkeypatch.setattr(dequant_rows, "measure_rule", lambda *a: dequant_rows.DequantRule(lib.TYPE_IDS["BF16"], 16))
+    chunk.set_prefill_weights(request.param)
+    assert chunk.dequantized_from == (TILED_ROWS if request.param == "auto" else None)
+    yield request.param
+    chunk.set_prefill_weights("quantized")
+
+
 def rows_in_passes(chunk, ids, passes, slot=0):
     out = []
     for start, rows in passes:
@@ -78,13 +93,22 @@ def rows_in_passes(chunk, ids, passes, slot=0):
 
 
 @ggml_only
-def test_a_prompt_s_rows_keep_their_bits_in_the_passes_cut_for_ggml(source, chunk):
+def test_a_prompt_s_rows_keep_their_bits_in_the_passes_cut_for_ggml(source, chunk, prefill):  # noqa: F811
     ids = source.tokenizer.encode(TEXT)
     n = len(ids)
     assert TILED_ROWS * 2 < n < 256
     whole = rows_in_passes(chunk, ids, [(0, n)])
+    if prefill == "auto":  # the dequantized product ran: its rows are not the quantized one's
+        chunk.set_prefill_weights("quantized")
+        assert not np.array_equal(rows_in_passes(chunk, ids, [(0, n)]), whole)
+        chunk.set_prefill_weights("auto")
     for c in (1, 16, 64, 100):
         assert np.array_equal(rows_in_passes(chunk, ids, cuts(n, 0, c)), whole), c
+    # A prompt shorter than TILED_ROWS: its passes of any size keep the one-row kernel and the
+    # weights as stored (auto's product starts at TILED_ROWS rows, where the cuts do)
+    short = rows_in_passes(chunk, ids[:40], [(0, 40)], slot=2)
+    for c in (7, 16):
+        assert np.array_equal(rows_in_passes(chunk, ids[:40], cuts(40, 0, c), slot=2), short), c
     # What the cuts avoid: a pass of fewer than TILED_ROWS rows of this prompt computes other bits
     naive = rows_in_passes(chunk, ids, [(0, n - 9), (n - 9, 9)])
     assert np.array_equal(naive[:n - 9], whole[:n - 9]) and not np.array_equal(naive[n - 9:], whole[n - 9:])
@@ -96,7 +120,8 @@ def test_a_prompt_s_rows_keep_their_bits_in_the_passes_cut_for_ggml(source, chun
 
 
 @ggml_only
-def test_greedy_ids_of_a_long_prompt_do_not_depend_on_chunks_batching_or_the_prefix_cache(source, chunk):
+def test_greedy_ids_of_a_long_prompt_do_not_depend_on_chunks_batching_or_the_prefix_cache(source, chunk,  # noqa: F811
+                                                                                          prefill):
     from mdi.model.sampling import SamplingParams, sample_generator
     from mdi.ring.transport import LocalLoop
     from mdi.starter.pipeline import Pipeline

@@ -72,10 +72,12 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-type", choices=KV_TYPES,
                    help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it)")
     p.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS,
-                   help="ggml: how a prompt's passes multiply (runtime.prefill_weights): quantized (default: the "
-                        "weights as stored, a row's bits never depend on its pass) or dequantized (in the graph, "
-                        "from the pass size this CPU measured faster: up to 3x faster prefill on CPUs with "
-                        "bfloat16; greedy ids then depend on how a prompt is chunked)")
+                   help="ggml: how a prompt's passes multiply (runtime.prefill_weights): quantized (the weights "
+                        "as stored: a prompt's bits are llama.cpp's), dequantized (in the graph, from the pass size "
+                        "this CPU measured faster: up to 3x faster prefill on CPUs with bfloat16; greedy ids may then "
+                        "depend on how a prompt is chunked) or auto (default: dequantized from 64 rows where measured "
+                        "faster there, ids independent of chunking, on nodes whose backend auto chose; quantized on "
+                        "a backend asked for by name)")
     p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
     p.add_argument("--threads", type=int, help="torch threads on the starter")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")

@@ -26,8 +26,10 @@ AUTO = "auto"
 KV_GGML_TYPES = {"f16": "F16", "q8_0": "Q8_0"}
 KV_TYPES = tuple(KV_GGML_TYPES)
 # runtime.prefill_weights (ggml): a prompt's passes multiply the weights as stored, or dequantized
-# where measured faster (mdi.model.ggml.dequant_rows)
-PREFILL_WEIGHTS = ("quantized", "dequantized")
+# where measured faster (mdi.model.ggml.dequant_rows); auto, the default, dequantizes on a node
+# whose backend auto chose (from as many rows as keep a row's bits its window's alone) and keeps
+# the weights as stored where ggml was asked for by name (a prompt's bits are then llama.cpp's)
+PREFILL_WEIGHTS = ("auto", "quantized", "dequantized")
 CACHE = MachineCache("backends.json", 2)  # what auto measured, by machine and shapes
 # How long a node waits for another's measurement on the same machine (each probe is bounded by
 # backend_probe.PROBE_TIMEOUT_S): together within the starter's /backend call (runtime.init_timeout).
@@ -85,6 +87,13 @@ class BackendChoice:
     def to_json(self) -> Dict[str, object]:
         return {"backend": self.backend, "asked": self.asked, "reason": self.reason, "cached": self.cached,
                 "timings": {k: asdict(v) for k, v in self.timings.items()}, "line": self.describe()}
+
+
+def prefill_weights_for(mode: str, asked: str) -> str:
+    """runtime.prefill_weights `mode` on a node that asked for backend `asked`: auto stays auto
+    (dequantized where measured faster) where the backend is auto's choice, and is quantized on
+    a backend asked for by name."""
+    return "quantized" if mode == AUTO and asked != AUTO else mode
 
 
 BACKEND_ENV = "MDI_BACKEND"  # the default of runtime.backend where a config names none (e.g. a whole test suite on ggml)

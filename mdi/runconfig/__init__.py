@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend
+from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend, prefill_weights_for
 from mdi.model.constraints.grammar_cost import MASK_DEADLINE_S
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, layer_ranges
 from mdi.model.torch_settings import fused_decode_default
@@ -98,11 +98,13 @@ class RuntimeSpec:
     # default): prefill runs up to 2.6x faster, but a pass of 4 rows or more then rounds them
     # differently from a one-row pass, so greedy ids may depend on batching. false: never.
     repack: bool = True
-    # ggml: a prompt's passes multiply the weights as stored ("quantized": a row's bits never
-    # depend on its pass) or, where this CPU measured it faster, dequantized in the graph
-    # ("dequantized": up to 3x faster prefill where the CPU has bfloat16 arithmetic; a prompt's
-    # greedy ids then depend on its chunking and the prefix cache: mdi.model.ggml.dequant_rows).
-    prefill_weights: str = "quantized"
+    # ggml: a prompt's passes multiply the weights as stored ("quantized": a prompt's bits are
+    # llama.cpp's) or, where this CPU measured it faster, dequantized in the graph (up to 3x
+    # faster prefill where the CPU has bfloat16 arithmetic; mdi.model.ggml.dequant_rows).
+    # "dequantized": from the fewest rows measured faster (greedy ids may then depend on a
+    # prompt's chunking and the prefix cache); "auto": from the rows where ggml's attention
+    # changes kernel too, so ids keep to the window, on nodes whose backend auto chose only.
+    prefill_weights: str = "auto"
 
 
 ADMISSION_POLICIES = ("iteration", "static")
@@ -150,6 +152,11 @@ class RunConfig:
     def backend_of(self, node: NodeSpec) -> str:
         """What `node` asks to compute with: its own `backend`, else runtime.backend."""
         return node.backend or self.runtime.backend
+
+    def prefill_weights_of(self, node: NodeSpec) -> str:
+        """runtime.prefill_weights on `node`: auto is quantized where the node's backend is asked
+        for by name (mdi.model.backend.prefill_weights_for)."""
+        return prefill_weights_for(self.runtime.prefill_weights, self.backend_of(node))
 
     def device_of(self, node: NodeSpec) -> str:
         """Where `node` computes: its own `device`, else model.device."""

@@ -217,7 +217,7 @@ class Engine(RuntimeAdapters):
                 cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else None, self.plan.max_batch,
                 adapters=bool(self.adapters) or bool(cfg.adapters), dtype=cfg.model.dtype,
                 quant=layout_to_json(self.plan.nodes[0].quant), quant_kernel=cfg.runtime.quant_kernel,
-                kv_type=cfg.runtime.kv_type, prefill_weights=cfg.runtime.prefill_weights,
+                kv_type=cfg.runtime.kv_type, prefill_weights=cfg.prefill_weights_of(cfg.starter),
                 prefill_chunk=cfg.runtime.prefill_chunk)
         except (ValueError, RuntimeError) as e:
             raise ConfigError("starter: %s" % e)
@@ -238,9 +238,9 @@ class Engine(RuntimeAdapters):
         if cfg.runtime.threads == AUTO:
             chosen = choose_threads(chunk, self.plan.max_batch)
             log.info("mdi: starter: threads: auto chose %s", chosen.describe())
-        chunk.set_prefill_weights(cfg.runtime.prefill_weights)  # after the threads: what it measures is theirs
-        rows = chunk.dequantized_from
-        if rows is not None and cfg.runtime.prefill_chunk < rows:
+        chunk.set_prefill_weights(cfg.prefill_weights_of(cfg.starter))  # after the threads: what it measures is theirs
+        rows = chunk.dequantized_from  # (prompts on ggml go in passes of TILED_ROWS rows or more anyway)
+        if rows is not None and cfg.runtime.prefill_chunk < rows and rows > TILED_ROWS:
             log.warning("mdi: starter: prefill weights are dequantized here from %d rows a pass, but runtime.prefill_chunk "
                         "is %d: prompts stay quantized unless prefill_chunk is %d or more", rows,
                         cfg.runtime.prefill_chunk, rows)
@@ -259,7 +259,8 @@ class Engine(RuntimeAdapters):
             return None
         chunk = self.live_chunk
         runtime = self.cfg.runtime
-        ggml = GgmlDraft(chunk.threads, runtime.kv_type, runtime.repack, self.device, runtime.prefill_weights) \
+        ggml = GgmlDraft(chunk.threads, runtime.kv_type, runtime.repack, self.device,
+                         self.cfg.prefill_weights_of(self.cfg.starter)) \
             if chunk.backend == "ggml" else None
         return DraftModel.load(self.plan.draft, self.n_slots, self.max_len,
                                lambda: (self.dtype, self._compute_dtype()[0]), self.device,

@@ -15,9 +15,9 @@ lengths stay multiples of REPACK_ROWS from the ubatch's start, as weights ggml r
 (`runtime.repack`) multiply rows in groups of that many from a pass's start. A sample's cuts
 depend on its window's length and its position alone, never on what else a frame carries.
 """
+from mdi.model.ggml.kernel_rows import REPACK_ROWS, TILED_ROWS
+
 UBATCH = 512  # llama.cpp's default n_ubatch: the passes it cuts a prompt into
-TILED_ROWS = 64  # ggml-cpu's GGML_FA_TILE_Q: from this many query rows its flash attention is the tiled kernel
-REPACK_ROWS = 4  # re-laid weights multiply a pass's rows in groups of 4 (the rest one by one)
 
 
 def _ubatch(position: int, window: int):

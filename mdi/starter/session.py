@@ -37,7 +37,7 @@ def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: boo
         dtype=cfg.model.dtype, threads=cfg.runtime.threads or None, rows=plan.max_batch,
         gguf_types=source.gguf_types(first, last, False, False) if source.gguf_path else {},
         quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
-        adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.runtime.prefill_weights,
+        adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.prefill_weights_of(node.spec),
         prefill_chunk=cfg.runtime.prefill_chunk)
 
 
@@ -86,7 +86,7 @@ class RingSession:
             prefix_cache=self.cfg.runtime.prefix_cache or None, kernel_memory=self.cfg.runtime.kernel_memory or None,
             backend=backend, kv_type=self.cfg.runtime.kv_type,
             gguf_types=self.source.gguf_types(first, last, False, False) if backend == "ggml" else {},
-            repack=self.cfg.runtime.repack, prefill_weights=self.cfg.runtime.prefill_weights)
+            repack=self.cfg.runtime.repack, prefill_weights=self.cfg.prefill_weights_of(node))
 
     def _configure(self, i: int) -> None:
         client, node = self.clients[i], self.workers[i]

@@ -147,7 +147,8 @@ class GgmlChunk:
                 self.set_prefill_weights(self.prefill_weights)  # measured again for these threads
 
     def set_prefill_weights(self, mode: str) -> None:
-        """runtime.prefill_weights: "quantized", or "dequantized" where measured faster (dequant_rows)."""
+        """runtime.prefill_weights as this node takes it: "quantized", or "dequantized" / "auto"
+        where measured faster (dequant_rows.rule_for)."""
         with self._lock:
             rule = rule_for(mode, self.compute_backend, self.tensors, self._dequantizable)
             if rule != self.builder.dequant:

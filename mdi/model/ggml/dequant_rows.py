@@ -15,10 +15,13 @@ multiplies it natively, else float16 or float32, whichever ran fastest.
 A sample's rows take this way only when it brings at least `min_rows` rows to a pass (the rule
 is the sample's own, so other samples in the pass never change its bits). Its rows round
 otherwise than the quantized product's (bfloat16 weights and activations against 8-bit
-activations), enough to change a small 4-bit model's greedy text often: a prompt's ids then
-depend on how it is chunked and on what the prefix cache held (the README's "Determinism"),
-which is why it is asked for, never the default. Measured once per
-machine, type shapes and threads (mdi.system.machine_cache).
+activations), enough to change a small 4-bit model's greedy text often. `dequantized` starts
+at the fewest rows measured faster, so a prompt's ids may depend on how it is chunked and on
+what the prefix cache held; `auto` (the default, on a node whose backend auto chose) starts at
+TILED_ROWS exactly, as the starter's prompt cuts do, so they do not (the README's
+"Determinism"); its text then differs from llama.cpp's, whose products are the quantized ones,
+so a node asked for ggml by name keeps those. Measured once per machine, type shapes and
+threads (mdi.system.machine_cache).
 """
 import logging
 import time
@@ -30,6 +33,7 @@ import numpy as np
 from mdi.model.backend import PREFILL_WEIGHTS
 from mdi.model.ggml import lib
 from mdi.model.ggml.built import Built
+from mdi.model.ggml.kernel_rows import TILED_ROWS
 from mdi.model.ggml.products import dequantized, products_graph
 from mdi.system.machine_cache import MachineCache, digest
 
@@ -40,12 +44,12 @@ PROBE_ROWS = (16, 32, 64, 128)  # smaller sizes timed against the quantized prod
 PROBE_BYTES = 2 << 20  # block matrices timed, in layer order, up to this many bytes of weights (a layer or two)
 FLOAT_TYPES = ("BF16", "F16", "F32")
 MARGIN = 0.8  # dequantized must be this much cheaper: a near tie keeps the exact product
-ROUNDS = 2  # interleaved timing rounds; each way's least disturbed one counts
+ROUNDS = 4  # interleaved timing rounds; each way's least disturbed one counts
 # Wall time, not CPU time: with 2+ threads ggml's pool spins at each op's barrier, and the
 # dequantizing adds ops (Gemma 3 at 2 threads: 0.83x the quantized product's wall time, 1.2x its
 # CPU time). Each way's least disturbed round is what counts against other tenants' work.
 
-CACHE = MachineCache("ggml_dequant.json", 1)  # machine digest -> probe key -> [type name, min rows] or []
+CACHE = MachineCache("ggml_dequant.json", 2)  # machine digest -> probe key -> [type name, min rows] or []
 LOCK_WAIT_S = 60.0
 
 _measured: Dict[str, Optional["DequantRule"]] = {}
@@ -76,7 +80,15 @@ def rule_for(mode: str, backend: lib.ComputeBackend, weights: Dict[str, Any], na
         raise ValueError("prefill_weights must be one of %s, got %r" % (", ".join(PREFILL_WEIGHTS), mode))
     if mode == "quantized" or not backend.on_cpu or not names:
         return None
-    return measure_rule(backend, weights, names)
+    rule = measure_rule(backend, weights, names)
+    if mode == "dequantized" or rule is None:
+        return rule
+    # auto: from TILED_ROWS rows exactly, where ggml's attention changes kernel too. The
+    # starter's cuts give every row of a tiled ubatch a pass of TILED_ROWS rows or more and no
+    # other row one (mdi.starter.prompt_passes), so which product a row takes follows from its
+    # window alone, never from its chunking or the prefix cache. Where only longer passes win,
+    # nothing is dequantized.
+    return DequantRule(rule.type_id, TILED_ROWS) if rule.min_rows <= TILED_ROWS else None
 
 
 def rule_text(rule: Optional[DequantRule], mode: str, quantized: bool = True) -> str:
@@ -84,8 +96,10 @@ def rule_text(rule: Optional[DequantRule], mode: str, quantized: bool = True) ->
     whether the node has quantized matrices to dequantize at all)."""
     if rule is not None:
         return "dequantized to " + rule.describe()
-    if mode != "dequantized":
+    if mode == "quantized":
         return "quantized"
+    if mode == "auto" and quantized:
+        return "quantized (auto: dequantized measured no faster here from %d rows)" % TILED_ROWS
     return "quantized (dequantized measured no faster here)" if quantized else "as stored (no quantized matrices)"
 
 
