@@ -173,3 +173,20 @@ def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_i
     for bad in (0, "64", 1.5, True):
         with pytest.raises(RequestError, match="prefill_chunk must be an integer"):
             validate_backend(dict(body(), prefill_chunk=bad))
+
+
+def test_auto_takes_torch_without_timing_ggml_where_a_q8_0_cache_cannot_hold_the_heads(cache, monkeypatch):
+    """kv_type q8_0 needs whole 32-value blocks per head: auto says so and takes torch, and
+    ggml asked for by name is one line naming the setting, neither after a failed measurement."""
+    from conftest import tiny_config
+    from mdi.model import backend_select
+    timed = []
+    monkeypatch.setattr(backend_select, "run_probe", lambda req: timed.append(req.backend))
+    config = tiny_config("llama")
+    assert config.head_dim % 32, "the tiny model's heads must be partial q8_0 blocks for this test"
+    types = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}
+    got = backend_select.select_backend("auto", config, 0, 1, types, "cpu", 1, 1, kv_type="q8_0")
+    assert got.backend == "torch" and timed == []
+    assert "ggml cannot: kv_type q8_0 needs head_dim" in got.describe()
+    with pytest.raises(ValueError, match="backend ggml cannot run here: kv_type q8_0 needs head_dim"):
+        backend_select.select_backend("ggml", config, 0, 1, types, "cpu", 1, 1, kv_type="q8_0")

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional
 from mdi.model.backend import AUTO, WORKLOAD_PROMPT, BackendChoice, BackendTiming, choose
 from mdi.model.backend_probe import PROBE_BLOCKS, ProbeRequest, run_probe
 from mdi.model.config import ModelConfig
+from mdi.model.ggml.kv_cache import head_dim_unfit
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT
 from mdi.model.threads import usable_cpus
 from mdi.system.devices import unusable_reason
@@ -96,7 +97,9 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
     serve), or for auto the measured faster of those that can (`busy`: see backend.choose).
     `prefill_chunk`: the run's tokens per prefill pass (probe_prefill_tokens)."""
-    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters), "torch": torch_cannot(device)}
+    # (a q8_0 cache that cannot hold the heads is said here, not found by a failing measurement)
+    cannot = {"ggml": ggml_cannot(gguf_types, device, adapters) or head_dim_unfit(kv_type, config.head_dim),
+              "torch": torch_cannot(device)}
     if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
         rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
         if rounded:  # auto never trades the GGUF's own numbers for speed
