@@ -44,6 +44,7 @@ from mdi.serving.node_refusal import node_api_error
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
 from mdi.serving.choices import Choices
+from mdi.serving.control_tokens import ControlTokens
 from mdi.serving.logprob_bodies import TokenTexts
 from mdi.serving.openai_bodies import Reply
 from mdi.serving.openai_fields import IGNORED_HEADER
@@ -96,6 +97,7 @@ class Routes:
     def __init__(self, sched: Scheduler, model_id: str, token: Optional[str], template: ChatTemplate) -> None:
         self.sched, self.model_id, self.token, self.template = sched, model_id, token, template
         self.token_texts = TokenTexts(sched.tokenizer)  # the tokens' texts and bytes that logprobs show
+        self.control = ControlTokens(sched.tokenizer, template.tool_format)  # what answers' text leaves out
         # None: response_format, grammar and regex answer 400
         self.grammars = server_grammars(sched.tokenizer, sched.source.config.vocab_size,
                                         sched.cfg.serve.mask_deadline_ms / 1e3)
@@ -180,11 +182,11 @@ class Routes:
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         # the calls' grammar wins; an auto answer's text inside it follows response_format
-        choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar)
+        choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar, tools is not None)
         return self._generate(choices, opts, chat=True, tools=tools)
 
     def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int,
-                 grammar: Optional[GrammarSpec]) -> Choices:
+                 grammar: Optional[GrammarSpec], tools: bool = False) -> Choices:
         """The request's choices, once the fields that depend on the server are checked;
         `grammar`: what their output must obey (compiled here: a bad one is this request's 400)."""
         vocab = self.sched.tokenizer.vocab_size
@@ -203,6 +205,7 @@ class Routes:
                                                      opts.speculation, opts.top_logprobs, opts.cache_prompt, grammar))
         if req.grammar is not None:
             req.constraint = self._compile(req.grammar)
+        req.hidden_ids = self.control.hidden(opts.skip_special_tokens, tools)
         return Choices(req, opts.n)
 
     def _compile(self, spec: GrammarSpec) -> Constraint:
@@ -339,8 +342,9 @@ class Routes:
             except SchedulerError as e:
                 self._cancel(choices.requests[:submitted])
                 raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
+        hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
         reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
-                      ToolReplies(tools, self.template.tool_format) if tools is not None else None)
+                      ToolReplies(tools, self.template.tool_format, hide_tag) if tools is not None else None)
         if not opts.stream:
             resp = self._whole(choices, reply, request.environ)
         else:

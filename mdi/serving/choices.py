@@ -36,4 +36,5 @@ def _copy(req: Request, i: int) -> Request:
     choice = Request(req.prompt_ids, options=req.options.with_seed(None if req.seed is None else req.seed + i))
     if req.constraint is not None:
         choice.constraint = req.constraint.fresh()  # each choice's grammar state is its own
+    choice.hidden_ids = req.hidden_ids
     return choice

@@ -1,6 +1,13 @@
 """Log-probabilities in OpenAI's shapes: chat's `logprobs.content` (token, logprob, bytes,
 top_logprobs) and the completions' legacy `logprobs` (tokens, token_logprobs, top_logprobs
-dicts, text_offset), with each token's text and bytes read from the tokenizer once."""
+dicts, text_offset), with each token's text and bytes read from the tokenizer once.
+
+The alternatives are those that could have been drawn: a grammar's mask (response_format,
+forced tool calls) gives every token it refuses probability 0 in the distribution the token is
+drawn from, so where it allows fewer tokens than asked for, fewer are listed (only the token
+drawn, at 0.0, where it allows no other), never masked tokens at FLOOR that would read as real,
+very unlikely choices. A control token is named by its own text ("<|im_end|>"), though the answer's
+text leaves it out (`control_tokens`)."""
 import math
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -26,8 +33,14 @@ class TokenTexts:
             self.cache[token] = (raw.decode("utf-8", "replace"), list(raw))
         return self.cache[token]
 
+
 def _value(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else FLOOR
+
+
+def _drawable(top: Sequence[Tuple[int, float]]) -> List[Tuple[int, float]]:
+    """The alternatives with a chance to be drawn (a masked token's logprob is -inf)."""
+    return [(t, lp) for t, lp in top if lp > -math.inf]
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> Dict[str, Any]:
@@ -39,7 +52,7 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> Dict[st
     content = []
     for e in entries:
         item = one(e.logprobs.token, e.logprobs.logprob)
-        item["top_logprobs"] = [one(t, lp) for t, lp in e.logprobs.top]
+        item["top_logprobs"] = [one(t, lp) for t, lp in _drawable(e.logprobs.top)]
         content.append(item)
     return {"content": content, "refusal": None}
 
@@ -50,8 +63,8 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> D
     top: List[Dict[str, float]] = []
     for e in entries:
         best: Dict[str, float] = {}
-        for t, lp in e.logprobs.top:
-            best.setdefault(texts.of(t)[0], _value(lp))
+        for t, lp in _drawable(e.logprobs.top):
+            best.setdefault(texts.of(t)[0], lp)
         top.append(best)
     return {"tokens": [texts.of(e.logprobs.token)[0] for e in entries],
             "token_logprobs": [_value(e.logprobs.logprob) for e in entries],

@@ -6,7 +6,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.sampling import SamplingParams
@@ -68,6 +68,7 @@ class Request:
         self.id = uuid.uuid4().hex[:24]
         self.options = options
         self.constraint: Any = None  # options.grammar compiled (an mdi.model.constraints.constraint.Constraint)
+        self.hidden_ids: FrozenSet[int] = frozenset()  # tokens its text leaves out (control_tokens)
         self.prompt_ids = [int(i) for i in prompt_ids]
         self.created = int(time.time())
         self.arrived_at = time.monotonic()

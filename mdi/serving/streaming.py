@@ -1,8 +1,9 @@
-"""A sample's tokens as the text its client sees: detokenized as they arrive, cut before the
-first stop string, and never showing the start of a stop string that may still complete; each
-token's log-probabilities go out with the text that shows the token's first character."""
+"""A sample's tokens as the text its client sees: detokenized as they arrive, control tokens
+left out (`control_tokens`), cut before the first stop string, and never showing the start of a
+stop string that may still complete; each token's log-probabilities go out with the text that
+shows the token's first character."""
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import AbstractSet, List, Optional, Sequence
 
 from mdi.model.sampling import Logprobs
 from mdi.model.tokenizers import StreamDecoder, Tokenizer
@@ -44,10 +45,14 @@ class TextUpdate:
 
 
 class TextStream:
-    """One request's text, fed one token at a time (scheduler thread only)."""
+    """One request's text, fed one token at a time (scheduler thread only). `hidden`: the ids
+    that show no text (control tokens); the text is then the tokenizer's decode of the others,
+    as vLLM's skip_special_tokens gives it. A stop string still ends the text at a hidden token
+    whose own text holds it (a client's stop "<|im_end|>"), as it did when that text showed."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], hidden: AbstractSet[int] = frozenset()) -> None:
         self.decoder = StreamDecoder(tokenizer)
+        self.hidden = hidden
         self.stops = [s for s in stops if s]
         self.pending = ""  # decoded text held back: it may be the start of a stop string
         self.sent = 0  # characters handed out
@@ -69,7 +74,14 @@ class TextStream:
         return update
 
     def _text(self, token: int, sample_finish: Optional[str]) -> TextUpdate:
-        piece = "" if sample_finish == "eos" else self.decoder.push(token)  # EOS shows no text
+        eos = sample_finish == "eos"  # EOS shows no text
+        hidden = not eos and token in self.hidden
+        if hidden and self.stops:
+            cut = self._stop_at_hidden(token)
+            if cut is not None:
+                text, self.pending = self.pending[:cut], ""
+                return TextUpdate(text, True)
+        piece = "" if eos or hidden else self.decoder.push(token)
         if sample_finish is not None:
             piece += self.decoder.flush()
         text, self.pending = self.pending + piece, ""
@@ -82,3 +94,10 @@ class TextStream:
                 if keep:
                     text, self.pending = text[:len(text) - keep], text[len(text) - keep:]
         return TextUpdate(text, False)
+
+    def _stop_at_hidden(self, token: int) -> Optional[int]:
+        """Where in the held-back text a stop string that reaches into hidden `token`'s own
+        text starts (cut there, at most before the token); None where none does."""
+        spelled = self.pending + self.decoder.tok.decode([token])
+        cuts = [i for i in (spelled.find(s) for s in self.stops) if i >= 0]
+        return min(min(cuts), len(self.pending)) if cuts else None

@@ -4,7 +4,10 @@ so a streamed answer reassembles to the whole one: text that may be the start of
 held back until it is a call or cannot be one; text that does not parse as a call (malformed
 JSON, an unknown function) stays content; content is trimmed of the space around calls. An
 answer cut short (max_tokens, a stop string) inside a call drops that call, never shows it as
-text: its complete calls are kept, and a generic {"response": ...} reply gives its text so far."""
+text: its complete calls are kept, and a generic {"response": ...} reply gives its text so far.
+The markers the parser reads stay in its text when they are control tokens (`control_tokens`);
+a <|python_tag|> that opens no call is then left out of the content, as the other control
+tokens are."""
 import json
 import re
 import uuid
@@ -25,6 +28,7 @@ STARTS = {
 }
 KEYS = {HERMES: (), LLAMA3: ("name",), GENERIC: ("tool_calls", "tool_call", "response")}
 LITERALS = {HERMES: (HERMES_OPEN,), LLAMA3: (PYTHON_TAG,), GENERIC: ()}
+MARKERS = {HERMES: (HERMES_OPEN, HERMES_CLOSE), LLAMA3: (PYTHON_TAG,), GENERIC: ()}  # all the parser reads
 JSON = json.JSONDecoder()
 # a generic reply of calls, from its opening to its first call (the list's "[" for tool_calls)
 CUT_CALLS = re.compile(r'\{\s*"(tool_calls?)"\s*(?::\s*(\[\s*)?)?')
@@ -85,8 +89,9 @@ class CallParser:
     """One choice's answer, fed as it arrives (`feed`, then `finish`): the content to show
     now and the calls completed, each once."""
 
-    def __init__(self, family: str, names: Sequence[str], parallel: bool) -> None:
+    def __init__(self, family: str, names: Sequence[str], parallel: bool, hide_tag: bool = False) -> None:
         self.family, self.names, self.parallel = family, set(names), parallel
+        self.hide_tag = hide_tag  # a <|python_tag|> that opens no call shows no text
         self.buf = ""  # text not decided yet
         self.found = 0  # calls handed out
         self.shown = False  # some content handed out
@@ -172,7 +177,7 @@ class CallParser:
             return self._cut(buf, start, brace)
         read = self._calls(value)
         if read is None:  # JSON, but not a call: all of it stays content
-            return (end, [], buf[:end]) if not start else (start, [], buf[:start])
+            return (end, [], buf[:end]) if not start else (start, [], self._tag(buf, start))
         if isinstance(read, str):  # the generic format's {"response": text}
             return end, [], read
         return end, read, ""
@@ -181,7 +186,7 @@ class CallParser:
         """At the end, a call whose JSON does not decode. Cut short (max_tokens, a stop
         string): the calls it completed, or a generic reply's text so far; the cut call is
         dropped, never shown as text. Malformed, or not naming a tool: it stays content."""
-        as_text: Tuple[int, List[Call], str] = (start or 1, [], buf[:start or 1])
+        as_text: Tuple[int, List[Call], str] = (start, [], self._tag(buf, start)) if start else (1, [], buf[:1])
         if not json_cut.cut_short(buf, brace):
             return as_text
         if self.family == GENERIC:
@@ -197,6 +202,10 @@ class CallParser:
             calls = []
         self.dropped = True
         return len(buf), calls, ""
+
+    def _tag(self, buf: str, start: int) -> str:
+        """The content a <|python_tag|> (buf[:start]) that opens no call shows."""
+        return "" if self.hide_tag else buf[:start]
 
     def _may_name_a_tool(self, buf: str) -> bool:
         """Whether a cut '{"name": ...' names one of the tools, or may still (not written yet)."""
@@ -273,16 +282,19 @@ def call_entries(calls: Sequence[Call]) -> List[Dict[str, Any]]:
 class ToolReplies:
     """The tool calls of one request's choices, for its Reply: a parser per choice."""
 
-    def __init__(self, choice: ToolChoice, fmt: ToolFormat) -> None:
-        self.choice, self.fmt = choice, fmt
+    def __init__(self, choice: ToolChoice, fmt: ToolFormat, hide_tag: bool = False) -> None:
+        self.choice, self.fmt, self.hide_tag = choice, fmt, hide_tag  # hide_tag: CallParser's
         self.parsers: Dict[int, CallParser] = {}
         self.counts: Dict[int, int] = {}  # calls streamed per choice
 
     def _parser(self, index: int) -> CallParser:
         if index not in self.parsers:
-            self.parsers[index] = CallParser(self.fmt.family, [f["name"] for f in self.choice.functions],
-                                             self.choice.parallel)
+            self.parsers[index] = self._new_parser()
         return self.parsers[index]
+
+    def _new_parser(self) -> CallParser:
+        return CallParser(self.fmt.family, [f["name"] for f in self.choice.functions], self.choice.parallel,
+                          self.hide_tag)
 
     @property
     def finish_reason(self) -> str:
@@ -292,7 +304,7 @@ class ToolReplies:
     def message(self, text: str) -> Dict[str, Any]:
         """The whole answer's message: content null when only calls, and its tool_calls (the
         legacy `function_call` for a request with `functions`)."""
-        parser = CallParser(self.fmt.family, [f["name"] for f in self.choice.functions], self.choice.parallel)
+        parser = self._new_parser()
         shown, calls = parser.feed(text)
         rest, more = parser.finish()
         content = shown + rest

@@ -218,8 +218,8 @@ class ToolFormat:
 
 
 def _one_token(tokenizer: Tokenizer, text: str) -> bool:
-    try:
-        return len(tokenizer.encode(text)) == 1
+    try:  # without BOS: a tokenizer that adds one (Llama 3's) would make it two
+        return len(tokenizer.encode_plain(text)) == 1
     except Exception:  # a vocabulary without those characters
         return False
 

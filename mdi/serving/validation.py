@@ -242,6 +242,8 @@ FIELDS = (  # in checking order: a check may read the fields above it
           check=_speculation),  # None: the server's generation.speculation
     # llama.cpp's: false computes the whole prompt again, reusing nothing the prefix cache holds
     Field("cache_prompt", (bool,), "true or false", default=True),
+    # vLLM's: false shows control tokens (<|im_end|>, <start_of_image>) in the text (`control_tokens`)
+    Field("skip_special_tokens", (bool,), "true or false", default=True),
     # What the output must obey (mdi.model.constraints.constraint): OpenAI's response_format, llama.cpp's
     # json_schema and GBNF grammar, and mdi's regex.
     Field("response_format", (dict,), "an object", check=_response_format),
@@ -323,6 +325,7 @@ class Options:
     cache_prompt: bool = True  # may start from what the prefix cache holds
     grammar: Optional[GrammarSpec] = None  # what the output must obey (None: free text)
     ignored: Sequence[str] = ()  # OpenAI fields the request set that mdi does not act on
+    skip_special_tokens: bool = True  # the text leaves out control tokens
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -342,7 +345,7 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
         top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], _stops(v),
                       v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
-                      v["cache_prompt"], _one_shape(v), v["ignored"])
+                      v["cache_prompt"], _one_shape(v), v["ignored"], v["skip_special_tokens"])
     return options, v
 
 
