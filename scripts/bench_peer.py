@@ -127,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ring", action="store_true", help="skip the 3-process sweep")
     p.add_argument("--no-big", action="store_true", help="skip the 1.1B-shape comparison")
     p.add_argument("--no-breakdown", action="store_true", help="skip the torch decode breakdown and profile")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="also each mdi backend's prefill of the prompt in runtime.prefill_chunk's default passes "
+                        "(a served or ring run's), beside the one-pass figure llama-bench's pp compares with")
     p.add_argument("--torch-variants", action="store_true",
                    help="also the torch-only before/after runs (eager blocks, no integer kernels, chunked prefill)")
     p.add_argument("--avx2", action="store_true",
@@ -887,7 +890,7 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
                     b = _backend_of(name)
                     d = run_child(None, {"model": args.model, "threads": T, "backend": b, "n_tokens": args.n_tokens,
                                          "prompt": prefill_prompt, "n_prompt": n_prefill,
-                                         "chunked": args.torch_variants and b == "torch"})
+                                         "chunked": args.chunked_prefill or (args.torch_variants and b == "torch")})
                 else:
                     d = llama_bench(bins, gguf, T, args.prefill_tokens, args.n_tokens)
                 d.pop("token_ids", None)
@@ -896,11 +899,13 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
                 "%s%s decode %.1f%s" % (n, "(%s)" % runs[n][-1]["backends"][0] if n == "mdi" else "",
                                         runs[n][-1]["decode_tokens_per_s"],
                                         " prefill %.1f" % runs[n][-1]["prefill_tokens_per_s"]
-                                        if "prefill_tokens_per_s" in runs[n][-1] else "") for n in names)))
+                                        if "prefill_tokens_per_s" in runs[n][-1] else "")
+                + (" (in default passes %.1f)" % runs[n][-1]["prefill_chunked_tokens_per_s"]
+                   if "prefill_chunked_tokens_per_s" in runs[n][-1] else "") for n in names)))
         entry = {"runs": runs}  # type: Dict[str, Any]
         for name, rs in runs.items():
-            entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s")
-                           if k in rs[0]}
+            entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s",
+                                                                      "prefill_chunked_tokens_per_s") if k in rs[0]}
         if "mdi" in runs:
             entry["auto_chose"] = [x["backends"][0] for x in runs["mdi"]]
             entry["auto_backend_line"] = runs["mdi"][-1]["backend_lines"][0]
@@ -918,6 +923,11 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
                 for name in runs:
                     if name in ("mdi", "mdi_ggml", "mdi_torch", "mdi_" + GGML_DEQUANT):
                         entry["ratio_%s_over_llama_%s" % (name, k)] = _ratios(runs[name], runs["llama.cpp"], key)
+        if args.chunked_prefill and "mdi_torch" in runs:
+            for name in runs:
+                if name.startswith("mdi") and name != "mdi_torch":
+                    entry["ratio_%s_over_torch_prefill_chunked" % name] = _ratios(runs[name], runs["mdi_torch"],
+                                                                               "prefill_chunked_tokens_per_s")
         if args.torch_variants and "mdi_torch" in runs:
             entry["ratio_mdi_torch_over_no_integer_decode"] = _ratios(runs["mdi_torch"], runs["mdi_no_integer"],
                                                                       "decode_tokens_per_s")

@@ -5,7 +5,7 @@ product on this CPU.
 ggml multiplies a quantized matrix by rounding each activation row to 8-bit blocks and taking
 integer dot products, one weight row against one activation row: on one core of an AMD EPYC
 (Zen 5, AVX-512 BF16) a Q4_1 pass of 512 rows of SmolLM2's ffn_up shape ran at ~35 GFLOPS. The
-same matrix dequantized inside the graph (`ggml_cast` to float32, then to bfloat16) and
+same matrix dequantized inside the graph (its rows taken as float32, then cast to bfloat16) and
 multiplied by ggml's tiled float kernels ran at ~160 GFLOPS, dequantizing included; at 8 rows
 the dequantizing alone cost 4x the quantized product. So long passes (a prompt's chunks) win
 and short ones (decode, verification) lose, and where the two cross depends on the CPU, its
@@ -34,7 +34,7 @@ from mdi.model.backend import PREFILL_WEIGHTS
 from mdi.model.ggml import lib
 from mdi.model.ggml.built import Built
 from mdi.model.ggml.kernel_rows import TILED_ROWS
-from mdi.model.ggml.products import dequantized, products_graph
+from mdi.model.ggml.products import DEQUANT_NODES, dequantized, products_graph
 from mdi.system.machine_cache import MachineCache, digest
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ ROUNDS = 4  # interleaved timing rounds; each way's least disturbed one counts
 # dequantizing adds ops (Gemma 3 at 2 threads: 0.83x the quantized product's wall time, 1.2x its
 # CPU time). Each way's least disturbed round is what counts against other tenants' work.
 
-CACHE = MachineCache("ggml_dequant.json", 2)  # machine digest -> probe key -> [type name, min rows] or []
+CACHE = MachineCache("ggml_dequant.json", 3)  # machine digest -> probe key -> [type name, min rows] or []
 LOCK_WAIT_S = 60.0
 
 _measured: Dict[str, Optional["DequantRule"]] = {}
@@ -195,4 +195,4 @@ def _products(probe: List[Any], rows: int, type_id: Optional[int], buffer_type: 
     dequantized to type_id."""
     def product(gg: Any, ctx: Any, w: Any, x: Any) -> Any:
         return gg.ggml_mul_mat(ctx, w if type_id is None else dequantized(gg, ctx, w, type_id), x)
-    return products_graph(probe, rows, product, 4, buffer_type, rng)
+    return products_graph(probe, rows, product, DEQUANT_NODES + 1, buffer_type, rng)

@@ -27,7 +27,8 @@ from mdi.model.ggml import adapters as lora_ops
 from mdi.model.ggml import lib
 from mdi.model.ggml.built import Built
 from mdi.model.ggml.kv_cache import GgmlKVCache
-from mdi.model.ggml.products import dequant_slice_count, dequant_slices, multiply, multiply_runs, split_nodes
+from mdi.model.ggml.products import (DEQUANT_NODES, dequant_slice_count, dequant_slices, multiply, multiply_runs,
+                                     split_nodes)
 
 ATTEND_BUCKET = 256  # attended positions are padded to a multiple of this (llama.cpp pads its KV view to 256)
 # Nodes a block's graph holds: about 40 per layer, and 10 more per sample that attends in it
@@ -152,12 +153,12 @@ class GraphBuilder:
         return runs
 
     def _dequant_nodes(self, runs: Optional[List[Tuple[int, int, bool]]]) -> int:
-        """Graph nodes dequantized products add per block: per slice a view, two casts, a product
+        """Graph nodes dequantized products add per block: per slice its dequantizing, a product
         and a copy into place; per run a view, a product and a copy."""
         if runs is None:
             return 0
         slices = max(dequant_slice_count(self.w[n]) for n in self.dequant_names)
-        return LINEARS_PER_BLOCK * (5 * slices * len(runs) + 3 * len(runs) + 2)
+        return LINEARS_PER_BLOCK * ((DEQUANT_NODES + 2) * slices * len(runs) + 3 * len(runs) + 2)
 
     def _split_nodes(self, rows: int) -> int:
         """Graph nodes that multiplying row by row adds per block at a pass of `rows` rows."""
