@@ -913,6 +913,8 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
             key = k + "_tokens_per_s"
             if "mdi_ggml" in runs and "mdi_torch" in runs:
                 entry["ratio_ggml_over_torch_" + k] = _ratios(runs["mdi_ggml"], runs["mdi_torch"], key)
+            if "mdi" in runs and "mdi_torch" in runs:  # the defaults (auto) against torch asked for
+                entry["ratio_mdi_over_torch_" + k] = _ratios(runs["mdi"], runs["mdi_torch"], key)
             dequant = "mdi_" + GGML_DEQUANT
             if dequant in runs:
                 for name in ("mdi_ggml", "mdi_torch"):
