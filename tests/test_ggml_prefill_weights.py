@@ -87,13 +87,18 @@ def test_a_matrix_dequantized_in_slices_gives_the_bits_of_the_whole(source, chun
     from mdi.model.ggml import products
 
     whole = forced.embed_forward_rows(rows(source, LONG, 4), PassRows([3], [0], [LONG]))
+    shared = passes(forced, source)  # with a short sample, and two dequantized ones, in one pass
     # slices of a third of ffn_up's output rows (576 x 1536 float32 is 3.4 MB); graphs rebuilt
     monkeypatch.setattr(products, "DEQUANT_SLICE_BYTES", 576 * 4 * 512)
     forced._drop_graphs(lambda key: True)
     assert products.dequant_slice_count(forced.tensors["blk.0.ffn_up.weight"]) == 3
     sliced = forced.embed_forward_rows(rows(source, LONG, 4), PassRows([3], [0], [LONG]))
+    # each dequantized sample of a pass takes every slice in turn from the one scratch
+    sliced_shared = passes(forced, source)
     forced._drop_graphs(lambda key: True)
     assert np.array_equal(sliced, whole)
+    for name, got in sliced_shared.items():
+        assert np.array_equal(got, shared[name]), name
 
 
 def test_the_rule_is_measured_once_and_remembered(source, tmp_path, monkeypatch):

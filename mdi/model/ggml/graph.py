@@ -27,7 +27,7 @@ from mdi.model.ggml import adapters as lora_ops
 from mdi.model.ggml import lib
 from mdi.model.ggml.built import Built
 from mdi.model.ggml.kv_cache import GgmlKVCache
-from mdi.model.ggml.products import (DEQUANT_NODES, dequant_slice_count, dequant_slices, multiply, multiply_runs,
+from mdi.model.ggml.products import (DEQUANT_NODES, DequantScratch, dequant_slice_count, multiply, multiply_runs,
                                      split_nodes)
 
 ATTEND_BUCKET = 256  # attended positions are padded to a multiple of this (llama.cpp pads its KV view to 256)
@@ -103,8 +103,10 @@ class GraphBuilder:
         # block matrices it applies to (None / empty: every product as stored)
         self.dequant: Any = None  # a DequantRule (its module builds on this one)
         self.dequant_names: FrozenSet[str] = frozenset()
+        self.dequant_scratch: Optional[DequantScratch] = None  # where their dequantized slices live
         self._runs: Optional[List[Tuple[int, int, bool]]] = None  # the pass being built: its rows' runs
         self._lora: Optional[lora_ops.LoraOps] = None  # the adapter ops of the blocks graph being built
+        self._graph: Any = None  # the blocks graph being built (its order: see _product)
 
     # --- small pieces ------------------------------------------------------------------
     def _input(self, b: Built, name: str, type_id: int, *ne: int) -> Any:
@@ -129,8 +131,15 @@ class GraphBuilder:
     def _product(self, ctx: Any, name: str, x: Any) -> Any:
         rows = int(x.contents.ne[1])
         if self._runs is not None and name in self.dequant_names:
-            w = self.w[name]
-            return multiply_runs(self.gg, ctx, w, x, self._runs, dequant_slices(self.gg, ctx, w, self.dequant.type_id))
+            # The graph computes its ops in the order they were added, and a dequantized matrix
+            # depends on no activation: added where the output is, every layer's would be
+            # computed first and all be held at once (10 SmolLM2 layers: 92 MB). Its input,
+            # then it and its product, go in here: one matrix's float copy at a time.
+            gg, w = self.gg, self.w[name]
+            gg.ggml_build_forward_expand(self._graph, x)
+            y = multiply_runs(gg, ctx, w, x, self._runs, self.dequant.type_id, self.dequant_scratch)
+            gg.ggml_build_forward_expand(self._graph, y)
+            return y
         return multiply(self.gg, ctx, self.w[name], x, rows, rows in self.split.get(name, ()))
 
     def _dequant_runs(self, shape: PassShape) -> Optional[List[Tuple[int, int, bool]]]:
@@ -153,12 +162,12 @@ class GraphBuilder:
         return runs
 
     def _dequant_nodes(self, runs: Optional[List[Tuple[int, int, bool]]]) -> int:
-        """Graph nodes dequantized products add per block: per slice its dequantizing, a product
-        and a copy into place; per run a view, a product and a copy."""
+        """Graph nodes dequantized products add per block: per run and slice a view, its
+        dequantizing, a product and a join; per run a view, a product and a join."""
         if runs is None:
             return 0
         slices = max(dequant_slice_count(self.w[n]) for n in self.dequant_names)
-        return LINEARS_PER_BLOCK * ((DEQUANT_NODES + 2) * slices * len(runs) + 3 * len(runs) + 2)
+        return LINEARS_PER_BLOCK * (len(runs) * (slices * (DEQUANT_NODES + 3) + 3) + 2)
 
     def _split_nodes(self, rows: int) -> int:
         """Graph nodes that multiplying row by row adds per block at a pass of `rows` rows."""
@@ -196,11 +205,11 @@ class GraphBuilder:
             widest = max((c.n_head + 2 * c.kv_heads) * c.head_dim, c.ffn_width, E)
             b.lora = lora_ops.LoraOps(gg, lambda name, kind, n: self._input(b, name, kind, n), lora, held or {}, widest)
             b.lora.inputs(R)
-        self._lora, self._runs = b.lora, runs
+        self._lora, self._runs, self._graph = b.lora, runs, b.graph
         try:
             x = self._blocks(b, x, shape, cache, pos, kv_rows)
         finally:
-            self._lora, self._runs = None, None
+            self._lora, self._runs, self._graph = None, None, None
         if head_rows:
             x = self._head(b.ctx.ptr, gg.ggml_get_rows(b.ctx.ptr, x, self._input(b, "head_rows", lib.I32, head_rows)))
         b.finish(x)
