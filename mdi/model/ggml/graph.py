@@ -133,8 +133,9 @@ class GraphBuilder:
         if self._runs is not None and name in self.dequant_names:
             # The graph computes its ops in the order they were added, and a dequantized matrix
             # depends on no activation: added where the output is, every layer's would be
-            # computed first and all be held at once (10 SmolLM2 layers: 92 MB). Its input,
-            # then it and its product, go in here: one matrix's float copy at a time.
+            # computed first, all at once (10 SmolLM2 layers: 92 MB in the graph's buffer) or
+            # over each other in the node's one scratch (products.DequantScratch). Its input,
+            # then it and its product, go in here: each matrix is used before the next is made.
             gg, w = self.gg, self.w[name]
             gg.ggml_build_forward_expand(self._graph, x)
             y = multiply_runs(gg, ctx, w, x, self._runs, self.dequant.type_id, self.dequant_scratch)
