@@ -24,7 +24,6 @@ from mdi.model.ggml.built import Built
 from mdi.model.ggml.graph import GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks, head_name
 from mdi.model.ggml.kv_cache import GgmlKVCache
 from mdi.model.ggml.min_rows import fewest_rows
-from mdi.model.ggml.products import DequantScratch
 from mdi.model.ggml.row_split import split_sizes
 from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
 from mdi.model.ggml.weights import GgufWeights
@@ -154,17 +153,8 @@ class GgmlChunk:
             rule = rule_for(mode, self.compute_backend, self.tensors, self._dequantizable)
             if rule != self.builder.dequant:
                 self._drop_graphs(lambda key: key[0] == "blocks")  # before their scratch goes
-                self._set_dequant(rule)
+                self.builder.set_dequant(rule, {n: self.tensors[n] for n in self._dequantizable})
             self.prefill_weights = mode
-
-    def _set_dequant(self, rule: Any) -> None:
-        b = self.builder
-        if b.dequant_scratch is not None:
-            b.dequant_scratch.free()
-        b.dequant, b.dequant_names, b.dequant_scratch = rule, frozenset(), None
-        if rule is not None:
-            b.dequant_scratch = DequantScratch([self.tensors[n] for n in self._dequantizable], rule.type_id)
-            b.dequant_names = frozenset(self._dequantizable)
 
     @property
     def prefill_rule(self) -> str:
@@ -450,7 +440,7 @@ class GgmlChunk:
     def close(self) -> None:
         self.clear_adapters()
         self._drop_graphs(lambda key: True)
-        self._set_dequant(None)
+        self.builder.set_dequant(None, {})
         self.free_cache()
         self.weights.free()
         self.compute_backend.free()

@@ -108,6 +108,16 @@ class GraphBuilder:
         self._lora: Optional[lora_ops.LoraOps] = None  # the adapter ops of the blocks graph being built
         self._graph: Any = None  # the blocks graph being built (its order: see _product)
 
+    def set_dequant(self, rule: Any, matrices: Dict[str, Any]) -> None:
+        """Dequantize `matrices` (name -> tensor) by `rule` in the blocks graphs built from now
+        on (None: none), their slices in one scratch (the graphs built before must be gone)."""
+        if self.dequant_scratch is not None:
+            self.dequant_scratch.free()
+        self.dequant, self.dequant_names, self.dequant_scratch = rule, frozenset(), None
+        if rule is not None:
+            self.dequant_scratch = DequantScratch(list(matrices.values()), rule.type_id)
+            self.dequant_names = frozenset(matrices)
+
     # --- small pieces ------------------------------------------------------------------
     def _input(self, b: Built, name: str, type_id: int, *ne: int) -> Any:
         gg = self.gg
