@@ -112,7 +112,7 @@ def run_together(url: str, markers: List[str], doc: str, args, cache: bool) -> L
 def node_cache(url: str) -> List[Dict[str, Any]]:
     nodes = requests.get(url + "/v1/mdi/state", timeout=30).json().get("nodes", [])
     return [{k: n.get(k) for k in ("name", "prefix_cache_bytes", "prefix_cache_budget_bytes", "prefix_cache_entries",
-                                   "memory_used_bytes", "cache_bytes")}
+                                   "memory_used_bytes", "cache_bytes", "backend", "backend_line")}
             for n in nodes if n.get("role") in ("starter", "worker")]
 
 

@@ -240,3 +240,14 @@ def test_auto_is_quantized_on_a_node_whose_backend_is_asked_for_by_name(smollm2_
     assert [cfg.prefill_weights_of(n) for n in cfg.nodes] == ["quantized", "quantized", "quantized"]
     cfg.runtime.prefill_weights = "dequantized"
     assert [cfg.prefill_weights_of(n) for n in cfg.nodes] == ["dequantized"] * 3
+
+
+def test_the_served_state_names_the_starter_s_prefill_weights(forced):
+    """/v1/mdi/state and the dashboard read the starter's line from Engine.starter_reading: it
+    says what runtime.prefill_weights does there, as the metrics record's does."""
+    from types import SimpleNamespace
+    from mdi.model.backend import BackendChoice
+    from mdi.starter.engine import Engine
+    engine = SimpleNamespace(chunk=forced, backend_choice=BackendChoice("ggml", "ggml", ""), pipeline=None)
+    line = Engine.starter_reading(engine).backend_line  # type: ignore[arg-type]
+    assert line == "ggml (asked); prefill weights dequantized to BF16 from %d rows" % MIN_ROWS

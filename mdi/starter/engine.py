@@ -34,7 +34,7 @@ from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
-from mdi.starter.node_report import NodeReport, Recovery, starter_kernels
+from mdi.starter.node_report import NodeReport, Recovery, backend_line, starter_kernels
 from mdi.starter.planning.recovery import RecoveryImpossible, replan
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.session import RingSession
@@ -399,7 +399,7 @@ class Engine(RuntimeAdapters):
         store = pipeline.prefix_store if pipeline is not None else None
         return StarterReading(
             chunk.backend if chunk is not None else None,
-            self.backend_choice.describe() if self.backend_choice is not None else None,
+            backend_line(self),
             chunk.cache.nbytes if chunk is not None and chunk.cache is not None else 0,
             getattr(transport, "bytes_sent", 0), getattr(transport, "messages_sent", 0),
             store.stats if store is not None else None,

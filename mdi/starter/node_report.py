@@ -78,10 +78,11 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
                       speculation=pipeline.speculation_metrics() if pipeline is not None else {},
                       prefix_cache=pipeline.prefix_metrics() if pipeline is not None else {},
                       backend=chunk.backend if chunk is not None else None,
-                      backend_line=_backend_line(engine))
+                      backend_line=backend_line(engine))
 
 
-def _backend_line(engine: Any) -> Optional[str]:
+def backend_line(engine: Any) -> Optional[str]:
+    """The starter's backend and why, and on ggml what runtime.prefill_weights does there."""
     chunk, choice = engine.chunk, engine.backend_choice
     if choice is None:
         return None
