@@ -18,7 +18,7 @@ from typing import FrozenSet
 from mdi.model.token_bytes import special_token_ids
 from mdi.model.tokenizers import Tokenizer
 from mdi.serving.tool_calls import MARKERS, PYTHON_TAG
-from mdi.serving.tools import ToolFormat
+from mdi.serving.tools import ToolFormat, single_token
 
 # Gemma 3's (and 3n's) extra_special_tokens: markers of images and audio, never text of an answer
 MEDIA_MARKERS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_audio>", "<end_of_audio>",
@@ -29,10 +29,10 @@ class ControlTokens:
     """The server's control token ids, worked out once (Gemma 3's 262k types take ~20 ms)."""
 
     def __init__(self, tok: Tokenizer, fmt: ToolFormat) -> None:
-        media = {_single_token(tok, text) for text in MEDIA_MARKERS} - {-1}
-        self.ids = frozenset(special_token_ids(tok)) | media
-        markers = {text: _single_token(tok, text) for text in MARKERS[fmt.family]}
-        self.markers = frozenset(i for i in markers.values() if i in self.ids)
+        media = (single_token(tok, text) for text in MEDIA_MARKERS)
+        self.ids = frozenset(special_token_ids(tok)) | {i for i in media if i is not None}
+        markers = {text: single_token(tok, text) for text in MARKERS[fmt.family]}
+        self.markers = frozenset(i for i in markers.values() if i is not None and i in self.ids)
         self.python_tag_is_control = markers.get(PYTHON_TAG) in self.ids
 
     def hidden(self, skip_special_tokens: bool, tools: bool) -> FrozenSet[int]:
@@ -42,11 +42,3 @@ class ControlTokens:
             return frozenset()
         return self.ids - self.markers if tools else self.ids
 
-
-def _single_token(tok: Tokenizer, text: str) -> int:
-    """The id of the one token `text` encodes to; -1 where it is not one token."""
-    try:
-        ids = tok.encode_plain(text)
-    except Exception:  # a vocabulary without those characters (a char tokenizer)
-        return -1
-    return ids[0] if len(ids) == 1 else -1

@@ -217,11 +217,13 @@ class ToolFormat:
     python_tag: bool  # Llama 3.x: the tokenizer has <|python_tag|>, which may open a call
 
 
-def _one_token(tokenizer: Tokenizer, text: str) -> bool:
+def single_token(tokenizer: Tokenizer, text: str) -> Optional[int]:
+    """The id of the one token `text` encodes to; None where it is not one token."""
     try:  # without BOS: a tokenizer that adds one (Llama 3's) would make it two
-        return len(tokenizer.encode_plain(text)) == 1
-    except Exception:  # a vocabulary without those characters
-        return False
+        ids = tokenizer.encode_plain(text)
+    except Exception:  # a vocabulary without those characters (a char tokenizer)
+        return None
+    return ids[0] if len(ids) == 1 else None
 
 
 def tool_format(template: Optional[str], tokenizer: Tokenizer) -> ToolFormat:
@@ -229,8 +231,8 @@ def tool_format(template: Optional[str], tokenizer: Tokenizer) -> ToolFormat:
     that decides it): Hermes/Qwen2.5/Qwen3 write <tool_call> blocks, Llama 3.x a bare JSON
     object, any other model the generic JSON reply the fallback rendering asks for."""
     text = template or ""
-    python_tag = _one_token(tokenizer, "<|python_tag|>")
-    if "<tool_call>" in text or _one_token(tokenizer, "<tool_call>"):
+    python_tag = single_token(tokenizer, "<|python_tag|>") is not None
+    if "<tool_call>" in text or single_token(tokenizer, "<tool_call>") is not None:
         family = HERMES
     elif "<|start_header_id|>" in text or python_tag:
         family = LLAMA3

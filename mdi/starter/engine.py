@@ -26,9 +26,9 @@ from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pass_compute import takes_host_arrays
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
-from mdi.starter.prompt_passes import TILED_ROWS
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import AdapterSet
+from mdi.model.ggml.kernel_rows import TILED_ROWS
 from mdi.model.ggml.kv_cache import head_dim_unfit, kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
@@ -240,7 +240,7 @@ class Engine(RuntimeAdapters):
             log.info("mdi: starter: threads: auto chose %s", chosen.describe())
         chunk.set_prefill_weights(cfg.prefill_weights_of(cfg.starter))  # after the threads: what it measures is theirs
         rows = chunk.dequantized_from  # (prompts on ggml go in passes of TILED_ROWS rows or more anyway)
-        if rows is not None and cfg.runtime.prefill_chunk < rows and rows > TILED_ROWS:
+        if rows is not None and rows > max(cfg.runtime.prefill_chunk, TILED_ROWS):
             log.warning("mdi: starter: prefill weights are dequantized here from %d rows a pass, but runtime.prefill_chunk "
                         "is %d: prompts stay quantized unless prefill_chunk is %d or more", rows,
                         cfg.runtime.prefill_chunk, rows)

@@ -153,7 +153,7 @@ class GgmlChunk:
             rule = rule_for(mode, self.compute_backend, self.tensors, self._dequantizable)
             if rule != self.builder.dequant:
                 self._drop_graphs(lambda key: key[0] == "blocks")  # before their scratch goes
-                self.builder.set_dequant(rule, {n: self.tensors[n] for n in self._dequantizable})
+                self.builder.set_dequant(rule, self._dequantizable)
             self.prefill_weights = mode
 
     @property
@@ -440,7 +440,7 @@ class GgmlChunk:
     def close(self) -> None:
         self.clear_adapters()
         self._drop_graphs(lambda key: True)
-        self.builder.set_dequant(None, {})
+        self.builder.set_dequant(None, ())
         self.free_cache()
         self.weights.free()
         self.compute_backend.free()

@@ -108,15 +108,15 @@ class GraphBuilder:
         self._lora: Optional[lora_ops.LoraOps] = None  # the adapter ops of the blocks graph being built
         self._graph: Any = None  # the blocks graph being built (its order: see _product)
 
-    def set_dequant(self, rule: Any, matrices: Dict[str, Any]) -> None:
-        """Dequantize `matrices` (name -> tensor) by `rule` in the blocks graphs built from now
-        on (None: none), their slices in one scratch (the graphs built before must be gone)."""
+    def set_dequant(self, rule: Any, names: Sequence[str]) -> None:
+        """Dequantize the matrices `names` by `rule` in the blocks graphs built from now on
+        (None: none), their slices in one scratch (the graphs built before must be gone)."""
         if self.dequant_scratch is not None:
             self.dequant_scratch.free()
         self.dequant, self.dequant_names, self.dequant_scratch = rule, frozenset(), None
         if rule is not None:
-            self.dequant_scratch = DequantScratch(list(matrices.values()), rule.type_id)
-            self.dequant_names = frozenset(matrices)
+            self.dequant_scratch = DequantScratch([self.w[n] for n in names], rule.type_id)
+            self.dequant_names = frozenset(names)
 
     # --- small pieces ------------------------------------------------------------------
     def _input(self, b: Built, name: str, type_id: int, *ne: int) -> Any:

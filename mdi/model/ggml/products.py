@@ -47,12 +47,11 @@ class DequantScratch:
 
     def __init__(self, matrices: List[Any], type_id: int) -> None:
         gg = lib.require()
-        self.type_id = type_id
         most = max(_slice_rows(w) * int(w.contents.ne[0]) for w in matrices)
         self._ctx = lib.Context(2)
         self.f32 = gg.ggml_new_tensor_1d(self._ctx.ptr, lib.F32, most)
         self.floats = gg.ggml_new_tensor_1d(self._ctx.ptr, type_id, most) if type_id != lib.F32 else None
-        self.nbytes = self._ctx.allocate("a dequantizing scratch of %d values" % most)
+        self._ctx.allocate("a dequantizing scratch of %d values" % most)
 
     def place(self, gg: Any, t: Any, region: Any) -> Any:
         """Tensor t (an op's result) computed into `region`'s memory: the graph's allocator
