@@ -213,6 +213,23 @@ def test_bad_files_and_flags_are_config_errors(tiny_models, tmp_path, text_file,
         assert code == EXIT_CONFIG and words in line, (argv, line)
 
 
+def test_auto_prefill_weights_score_as_stored(tiny_models, text_file, monkeypatch):
+    """Perplexity is the figure set beside llama-perplexity's: runtime.prefill_weights auto (the
+    default) multiplies a GGUF's weights as stored there, where a window's rows would take the
+    dequantized product; dequantized asked for by name stays so."""
+    planned = []
+
+    def plan_run(cfg, *args, **kwargs):
+        planned.append(cfg.runtime.prefill_weights)
+        raise RuntimeError("planned")
+
+    monkeypatch.setattr(perplexity, "plan_run", plan_run)
+    for asked in ("auto", "dequantized", "quantized"):
+        with pytest.raises(RuntimeError, match="planned"):
+            perplexity.run(config(tiny_models["llama"], prefill_weights=asked), text_file, ctx=CTX, max_windows=1)
+    assert planned == ["quantized", "dequantized", "quantized"]
+
+
 def test_score_frames_come_back_whole():
     """The wire: a score frame must carry every position (rows == sum(count)); generation
     frames may still carry each sample's last position only."""
