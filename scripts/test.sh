@@ -17,4 +17,6 @@ echo "--- the same features on the ggml backend ---"
 MDI_BACKEND=ggml exec python -m pytest -q tests/test_ring.py tests/test_batching.py tests/test_context.py \
     tests/test_recovery.py tests/test_prefix_cache.py tests/test_speculation.py tests/test_perplexity.py \
     tests/test_serve.py tests/test_serve_sampling.py tests/test_structured_outputs.py tests/test_adapter_ring.py \
-    tests/test_serve_adapters.py tests/test_soft_prompt.py
+    tests/test_serve_adapters.py tests/test_soft_prompt.py tests/test_serve_tools.py tests/test_tools.py \
+    tests/test_sampling_fields.py tests/test_serve_control_tokens.py tests/test_serve_big_prompts.py \
+    tests/test_speculation_draft.py

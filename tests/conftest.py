@@ -41,6 +41,23 @@ os.environ.setdefault("MDI_BACKEND", "torch")
 # to compute on ggml refuses it, so its tests skip there. Adapters and soft prompts run on both.
 ON_TORCH = os.environ["MDI_BACKEND"] != "ggml"
 torch_only = pytest.mark.skipif(not ON_TORCH, reason="training computes on torch only")
+
+
+@pytest.fixture
+def on_torch(monkeypatch):
+    """This test's runs compute on torch whatever $MDI_BACKEND asks for: what it checks is
+    torch's own (training, torch's kernels and threads, a float checkpoint without a GGUF,
+    parity with transformers' float model)."""
+    monkeypatch.setenv("MDI_BACKEND", "torch")
+
+
+@pytest.fixture(scope="module")
+def module_on_torch():
+    """on_torch for a whole module (`pytestmark = pytest.mark.usefixtures("module_on_torch")`),
+    its module-scoped fixtures' runs included."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MDI_BACKEND", "torch")
+        yield
 # How close a run's log-probabilities (absolute) and perplexities (relative) come to torch's
 # float32 reference: ggml keeps K and V in float16 and multiplies Q by K in float16 (measured up
 # to 0.015 and 0.1% on the tiny random models, whose logits are large).

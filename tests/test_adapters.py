@@ -215,6 +215,7 @@ def test_split_chunks_take_their_layers(case):
     assert (got - want).abs().max() <= 1e-4
 
 
+@pytest.mark.usefixtures("on_torch")  # a float checkpoint without a GGUF, against peft's float model
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_ring_logits_match_peft(family, workers, tmp_path, monkeypatch):
     """Over a real 3-node ring (starter + 2 worker processes, each holding only its layers'

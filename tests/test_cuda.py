@@ -646,6 +646,7 @@ def make_half_model(path, family):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("on_torch")  # float16 checkpoints without a GGUF
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_float16_ring_matches_standalone_float16(device, family, workers, data_ports, tmp_path):
     model = make_half_model(str(tmp_path / family), family)

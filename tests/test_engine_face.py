@@ -111,7 +111,7 @@ def test_the_pipeline_is_built_complete_from_the_plan(tiny_models):
     engine = Engine(plan, source, SamplingParams(0.0))
     engine.open()
     try:
-        settings = PipelineSettings.from_plan(plan, tag_epochs=engine.speculating)
+        settings = PipelineSettings.from_plan(plan, tag_epochs=engine.speculating, ggml_cuts=bool(engine.ggml_nodes()))
         assert engine.pipeline.settings == settings and settings.max_batch == 2 and settings.n_stages == 1
         with pytest.raises(dataclasses.FrozenInstanceError):
             settings.max_batch = 3  # type: ignore[misc]

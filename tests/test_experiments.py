@@ -476,6 +476,7 @@ def test_throughput_plot_file_with_two_max_batch_values(tmp_path):
 @pytest.mark.ring  # mdi-bench starts the workers
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("on_torch")  # its models are float checkpoints without a GGUF
 def test_smoke_sweep_writes_csv_and_plots(tmp_path):
     with open(SMOKE) as f:
         data = yaml.safe_load(f)
@@ -528,6 +529,7 @@ def test_smoke_sweep_writes_csv_and_plots(tmp_path):
 @pytest.mark.ring  # mdi-bench starts the workers
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("on_torch")  # its models are float checkpoints without a GGUF
 def test_back_to_back_authenticated_runs_on_emulated_boards(tmp_path):
     """Many short runs with the shared secret through the emulated network: each new run's
     nodes may first reach the previous run's sockets (or a proxy's dead connection); the
@@ -572,6 +574,7 @@ def test_run_quant_schema_errors(model, needle):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("on_torch")  # mdi's own int4 layout, built without a GGUF
 def test_quantized_random_model_is_built_without_its_float_twin_and_runs(tmp_path, monkeypatch):
     """`random: {quant: int4}`: every quantizable weight stored as int4 (the sizes that
     layout.weight_bytes plans with), made one block of rows at a time (no float model), the
@@ -636,7 +639,7 @@ def test_quantized_random_model_is_built_without_its_float_twin_and_runs(tmp_pat
     metrics = tmp_path / "m.json"
     monkeypatch.undo()
     r = subprocess.run([os.path.join(BIN, "mdi-start"), "--model", path, "--quant", "auto", "--prompt", "Hi",
-                        "--n-tokens", "5", "--temperature", "0", "--metrics-out", str(metrics), "--quiet"],
+                        "--backend", "torch", "--n-tokens", "5", "--temperature", "0", "--metrics-out", str(metrics), "--quiet"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=100, cwd=ROOT)
     assert r.returncode == 0, r.stderr.decode()
     import json

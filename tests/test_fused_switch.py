@@ -19,6 +19,8 @@ from mdi.timing.node import profile_here
 from mdi.runconfig import ConfigError, parse_config
 from test_layering import cycles, import_graph
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # fused decode is torch's TorchScript path
+
 PROMPTS = ["The quick brown fox", "Hi", "To be, or not to be"]
 covered = pytest.mark.skipif(not hasattr(torch, "rms_norm"), reason="this torch has no torch.rms_norm: decode stays eager")
 

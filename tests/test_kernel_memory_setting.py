@@ -11,6 +11,8 @@ from mdi.cli.start import start_main
 from mdi.ring.init_request import RequestError, prefix_cache_field
 from mdi.runconfig import ConfigError, RuntimeSpec, load_config, parse_kernel_memory
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # runtime.kernel_memory is torch's kernels' allowance
+
 
 def test_the_default_is_none():
     assert RuntimeSpec().kernel_memory == 0

@@ -12,6 +12,8 @@ from mdi.model.quantization import kernel_report, qkernels
 from mdi.model.source import ModelSource, build_chunk
 from mdi.starter import batch
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # mdi's own int8 / int4 layouts compute on torch
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
 

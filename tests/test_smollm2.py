@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow  # the 135M model in new processes, each test
 PROMPT = "The capital of France is"
 
 
+@pytest.mark.usefixtures("on_torch")  # transformers computes the GGUF dequantized, as torch does
 def test_greedy_tokens_match_transformers_on_the_gguf(smollm2_gguf, smollm2_dir):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")

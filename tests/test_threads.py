@@ -66,6 +66,7 @@ def test_wire_requests_take_an_integer_or_auto():
         assert str(e.value).startswith("threads must be an integer in [1, ")
 
 
+@pytest.mark.usefixtures("on_torch")  # torch's own thread count
 def test_an_engine_built_in_python_runs_the_threads_its_config_names(tiny_models):
     # mdi-start sets torch's threads from runtime.threads; an Engine built by a script (the
     # benchmarks, the Python API) did not, and ran torch's default: on a 2-core box a second

@@ -24,6 +24,8 @@ from mdi.ring.wire import Frame, FrameError, FrameKind, TrainTag, decode, encode
 from mdi.starter.train import training
 from mdi.starter.train.train_data import step_windows, text_windows
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 TEXT = "".join(CHARS[(i * 7 + i // 5) % (len(CHARS) - 1)] for i in range(700)) + "\n"
 STEPS, BATCH, SEQ = 3, 4, 16
 TOL = 1e-5  # losses, relative

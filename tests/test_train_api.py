@@ -14,6 +14,8 @@ from mdi.model.adapters.lora_train import key_layer
 from mdi.ring.train_request import TrainSetup
 from mdi.starter.remote_blocks import RemoteBlocks
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 SEQ = 12
 TOL = 1e-5
 

@@ -10,6 +10,8 @@ from test_train import BATCH, SEQ, TEXT, _options, _setup
 from mdi.runconfig import ConfigError
 from mdi.starter.train import training
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 STEPS = 5
 LOSS_TOL = 3e-2  # relative, per step: bfloat16 rounds every activation to ~3 significant digits
 

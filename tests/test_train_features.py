@@ -19,6 +19,8 @@ from mdi.starter.train import training
 from mdi.starter.train.train_checkpoint import checkpoint_path, load_checkpoint
 from mdi.starter.train.train_data import load_windows, step_index
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 SEQ, BATCH = 16, 4
 EXAMPLES = [{"prompt": "Q: 2+2? ", "completion": "A: 4"},
             {"prompt": "Say hi. ", "completion": "hi there"},

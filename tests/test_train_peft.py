@@ -25,6 +25,8 @@ from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
 from mdi.model.files.store import save_model_dir  # noqa: E402
 from mdi.model.tokenizers import char_tokenizer  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 MAKERS = {"llama": hf_llama, "gpt2": hf_gpt2}
 TEXT = "".join(CHARS[(i * 11 + i // 3) % (len(CHARS) - 1)] for i in range(600)) + "\n"
 

@@ -20,6 +20,8 @@ from mdi.ring.train_request import TrainSetup, read_train_body, train_body
 from mdi.starter.train import training
 from mdi.starter.train.train_data import step_windows, text_windows
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 STEPS, BATCH, SEQ, N_VIRTUAL, LR = 5, 4, 16, 4, 1e-2
 TOL = 1e-4  # losses and the final prompt, relative (the bound)
 

@@ -15,6 +15,8 @@ from test_train import SEQ, TEXT, _close, _setup
 from test_train_features import _worst
 from mdi.starter.train import ring_trainer, training
 
+pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
+
 STEPS, BATCH, KILL_STEP = 6, 4, 2  # the third step (0-based 2)
 TOL = 1e-5
 

@@ -204,8 +204,9 @@ def scoring_config(cfg: RunConfig) -> RunConfig:
     llama.cpp's (SmolLM2 Q4_1: 43.97 against 44.18). `dequantized`, asked for by name, still is."""
     if cfg.runtime.prefill_weights != AUTO:
         return cfg
-    log.info("mdi: perplexity multiplies the weights as stored, as llama-perplexity does "
-             "(runtime.prefill_weights: dequantized scores faster where measured so)")
+    if any(cfg.backend_of(node) != "torch" for node in cfg.nodes):  # (the setting is ggml's)
+        log.info("mdi: perplexity multiplies the weights as stored, as llama-perplexity does "
+                 "(runtime.prefill_weights: dequantized scores faster where measured so)")
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, prefill_weights="quantized"))
 
 
@@ -215,11 +216,11 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
     after each window is scored (a progress line)."""
     if max_windows is not None and max_windows < 1:
         raise ConfigError("--ppl-max-windows must be at least 1")
-    cfg = scoring_config(cfg)
     source = ModelSource(cfg.model.path)
     ids = read_tokens(source, path)
     ctx = resolve_ctx(source, ctx)
     n_windows = plan_windows(len(ids), ctx, max_windows, path)
+    cfg = scoring_config(cfg)
     n_slots = min(len(cfg.nodes), n_windows)
     log.info("mdi: perplexity of %s: %d tokens, %d windows of %d, %d in flight",
              path, len(ids), n_windows, ctx, n_slots)
