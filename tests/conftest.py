@@ -58,6 +58,8 @@ def module_on_torch():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MDI_BACKEND", "torch")
         yield
+
+
 # How close a run's log-probabilities (absolute) and perplexities (relative) come to torch's
 # float32 reference: ggml keeps K and V in float16 and multiplies Q by K in float16 (measured up
 # to 0.015 and 0.1% on the tiny random models, whose logits are large).

@@ -11,13 +11,13 @@ ctx/2 tokens of context and the two tools' figures compare on the same GGUF. One
 node works on a different window at every step; a window that starts at position 0 overwrites
 its slot's cache. Perplexity is exp(mean NLL) over every scored token.
 """
+import dataclasses
 import logging
 import math
 import os
 import signal
 import stat
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
