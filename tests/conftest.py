@@ -37,10 +37,10 @@ torch.set_num_threads(1)
 # The tests name the backend they test; the rest run on torch, the exact reference, unless the
 # whole suite is asked to run on another ($MDI_BACKEND=ggml ./scripts/test.sh).
 os.environ.setdefault("MDI_BACKEND", "torch")
-# What computes on torch only in this version (training: ggml has no backward pass): a run asked
-# to compute on ggml refuses it, so its tests skip there. Adapters and soft prompts run on both.
+# What computes on torch only in this version (training: ggml has no backward pass; torch's own
+# kernels): a run asked to compute on ggml refuses it, so its tests name torch (on_torch below).
+# Adapters and soft prompts run on both.
 ON_TORCH = os.environ["MDI_BACKEND"] != "ggml"
-torch_only = pytest.mark.skipif(not ON_TORCH, reason="training computes on torch only")
 
 
 @pytest.fixture

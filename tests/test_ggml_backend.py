@@ -405,15 +405,16 @@ def test_a_q8_0_cache_on_heads_of_partial_blocks_is_one_line_before_the_weights_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(errors) == 1 and errors[0].startswith("mdi: error:"), proc.stderr
     assert "kv_type q8_0" in errors[0] and "head_dim (8)" in errors[0], errors
-    # the check comes first: neither the budget's GGUF sizes nor the weights are read
+    # the check comes first: it refuses the backend (select_backend, which the starter and each
+    # worker ask before their budget's GGUF sizes or weights are read), with nothing measured
     from types import SimpleNamespace
 
+    from mdi.model import backend_select
     from mdi.runconfig import ConfigError
-    from mdi.starter.engine import Engine
-    untouched = SimpleNamespace(config=SimpleNamespace(head_dim=8), gguf_bytes=None, ggml_chunk=None)
-    engine = SimpleNamespace(cfg=SimpleNamespace(runtime=SimpleNamespace(kv_type="q8_0")), source=untouched)
-    with pytest.raises(ConfigError, match=r"runtime\.kv_type q8_0 needs head_dim \(8\)"):
-        Engine._ggml_chunk(engine, 0, 4)
+    untouched = SimpleNamespace(head_dim=8, to_dict=None)
+    with pytest.raises(ValueError, match=r"kv_type q8_0 needs head_dim \(8\)"):
+        backend_select.select_backend("ggml", untouched, 0, 4, {"blk.0.attn_q.weight": "Q8_0"}, "cpu", 1, 1,
+                                      kv_type="q8_0")
     # a draft model on ggml (speculation's method draft) too, named, before its weights load
     from mdi.starter.speculation.draft_model import DraftModel
     draft = SimpleNamespace(config=SimpleNamespace(n_layer=4, head_dim=8), path="drafts/tiny", quant=None,

@@ -13,7 +13,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHARS, ServeProcess, torch_only
+from conftest import CHARS, ServeProcess
 from ringconfigs import parse_run_config, write_run_config
 from mdi.lab.random_lora import write_random_lora
 from mdi.model.adapters.lora_train import peft_tensor_name
@@ -22,8 +22,8 @@ from mdi.ring.train_request import TrainSetup
 from mdi.starter import batch
 from mdi.starter.train import training
 
-# A ring serving on ggml refuses a training job in one line (tests/test_ggml_adapters.py)
-pytestmark = torch_only
+# Training computes on torch; a ring serving on ggml refuses a job in one line (tests/test_serve.py)
+pytestmark = pytest.mark.usefixtures("module_on_torch")
 
 TEXT = "".join(CHARS[(i * 7 + i // 5) % (len(CHARS) - 1)] for i in range(900)) + "\n"
 PROMPTS = ["The quick brown fox", "Once upon a time", "abc def"]
