@@ -285,13 +285,18 @@ def test_ring_ids_do_not_depend_on_batching(family, tiny_models, workers, data_p
     for n in (1, 3, 8):
         prompts = PROMPTS[:n]
         reference = batch.run(ring_config(model, workers, data_ports, 1), prompts)
-        for max_batch, prefill_chunk in (("auto", 256), (n, 4)):
+        for max_batch, prefill_chunk in (("auto", 256), (n, 4), (n, 27)):
             cfg = ring_config(model, workers, data_ports, max_batch, prefill_chunk)
             result = batch.run(cfg, prompts)
             assert [s.token_ids for s in result.samples] == [s.token_ids for s in reference.samples], \
                 (n, max_batch, prefill_chunk)
-            if cfg.max_batch(n, 3) > 1:  # auto: about one group per node
-                assert max(node["samples_per_forward_max"] for node in result.metrics()["nodes"]) > 1
+            # The first frame shares forwards whatever the timing: "Hi" and then 25 tokens of
+            # "The quick..." fit in 27 rows (and every prompt in 256). In frames of 4 rows a
+            # ggml ring never shortens a prompt's cut to fit beside another sample, so there
+            # samples meet only when their passes happen to come back together.
+            if cfg.max_batch(n, 3) > 1 and prefill_chunk > 4:  # auto: about one group per node
+                assert max(node["samples_per_forward_max"] for node in result.metrics()["nodes"]) > 1, \
+                    (n, max_batch, prefill_chunk)
         assert all(node["samples_per_forward_max"] == 1 for node in reference.metrics()["nodes"])
         assert all(node["forwards"] > 0 for node in reference.metrics()["nodes"])
 
