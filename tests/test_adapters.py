@@ -513,7 +513,9 @@ def test_a_backtracking_target_pattern_is_stopped_and_named(tmp_path, monkeypatc
         with pytest.raises(AdapterError) as e:
             load_adapter(path, config, "evil")
         assert time.monotonic() - t0 < 30 and needle in str(e.value), str(e.value)
-    # a regex that matches every block's linears still loads, through the child process
+    # a regex that matches every block's linears still loads, through the child process (given
+    # the default time: a busy machine may take 2 s to start the child)
+    monkeypatch.undo()
     json.dump(dict(cfg, target_modules=r".*\.(qkv|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|"
                                         r"c_attn|c_proj|c_fc)"), open(cfg_path, "w"))
     assert load_adapter(path, config, "ok").rank == 4

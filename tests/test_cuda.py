@@ -670,12 +670,14 @@ def test_float16_ring_matches_standalone_float16(device, family, workers, data_p
 
 # ------------------------------------------------------------ 8. speculative decoding
 
-def test_drafts_verified_on_the_device_give_the_plain_greedy_ids(device, quick_ways, tiny_models):
+def test_drafts_verified_on_the_device_give_the_plain_greedy_ids(device, quick_ways, tiny_models, monkeypatch):
     """One process, passes of drafted rows in flight as on a ring of three (stale ones dropped
     when a guess fails): drafts that are always right, never right, or right 60% of the time
     give the plain run's ids on the device."""
-    from test_speculation import CPU_ROWS, oracle, run_local
+    from test_speculation import CPU_ROWS, TickClock, oracle, run_local
     from mdi.runconfig import SpeculationSpec
+    from mdi.starter import speculation
+    monkeypatch.setattr(speculation.decoder, "time", TickClock())  # the ways taken, whatever the timing
     for family in ("gpt2", "llama"):
         chunk = ModelSource(tiny_models[family]).load_chunk(0, 4, True, True, torch.float32, device)
         chunk.allocate_cache(4, 128)

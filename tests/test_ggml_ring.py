@@ -92,8 +92,13 @@ def test_auto_decides_on_each_node_once_per_machine(smollm2_dir, two_workers, tm
     assert all(line.startswith(("ggml (auto", "torch (auto")) for line in lines), lines
     assert all("ms per block" in line for line in lines), lines
     second, _ = start(config, tmp_path)
-    assert all("recalled" in n["backend_line"] for n in second["nodes"]), [n["backend_line"] for n in second["nodes"]]
-    assert [n["backend"] for n in second["nodes"]] == [n["backend"] for n in first["nodes"]]
+    for before, now in zip(first["nodes"], second["nodes"]):
+        # A measurement taken while the machine was busy is taken again once it is quiet (the
+        # load average moves on its own between the two runs); any other is recalled as it was.
+        if "busy" in before["backend_line"] and "measured" in now["backend_line"]:
+            continue
+        assert "recalled" in now["backend_line"], (before["backend_line"], now["backend_line"])
+        assert now["backend"] == before["backend"]
 
 
 def test_a_ggml_worker_holds_its_layers_its_cache_and_little_else(smollm2_dir, tmp_path):

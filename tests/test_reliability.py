@@ -171,7 +171,7 @@ def test_port_is_free_again_right_after_a_killed_worker(tiny_models, tmp_path):
     first.proc.wait()
     second = WorkerProcess(port)
     try:
-        second.wait_ready(timeout=10)
+        second.wait_ready()
         proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -207,15 +207,16 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
     from types import SimpleNamespace
     from mdi.runconfig import NodeSpec
     from mdi.starter.control import NodeError, NodeTimeout, NodeUnreachable
-    from mdi.starter.session import RingSession
+    from mdi.starter.session import STATUS_TIMEOUT_MIN_S, RingSession
     from mdi.ring.status import StatusReply
 
     class Stub:
         def __init__(self, name, errors):
-            self.node, self.errors, self.calls = NodeSpec(name), list(errors), 0
+            self.node, self.errors, self.calls, self.timeouts = NodeSpec(name), list(errors), 0, set()
 
         def status(self, timeout=None, run_id=None):
             self.calls += 1
+            self.timeouts.add(timeout)
             if self.errors:
                 error = self.errors.pop(0)
                 if error is not None:
@@ -230,6 +231,8 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
         session._watching = __import__("threading").Event()
         session._watching.set()
         session._watch()  # returns once it has named a failure
+        # A poll waits seconds however short the interval: a loaded board answers late.
+        assert session.clients[0].timeouts == {STATUS_TIMEOUT_MIN_S}
         return session.failure, session.clients[0].calls
 
     # A message mentioning "cannot connect" is no longer taken for an unreachable node.

@@ -1,6 +1,8 @@
 """The scheduler's inbox carries typed messages only (mdi.serving.inbox), and its ring state is a
 StrEnum whose members serialize as the strings /health, /metrics and the dashboard always showed."""
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 from mdi.model.sampling import SamplingParams
@@ -53,7 +55,7 @@ def _scheduler():
     sched._open = open_stub
     sent = []
     put = sched._inbox.put
-    sched._inbox.put = lambda message: (sent.append(message), put(message))[1]
+    sched._inbox.put = lambda message: (put(message), sent.append(message))[0]  # in the inbox once in `sent`
     return sched, engine, sent
 
 
@@ -64,10 +66,24 @@ def test_submit_cancel_call_and_stop_go_through_the_inbox_as_typed_messages():
     assert sched.ready.wait(10) and sched.open_error is None
     assert sched.state is RingState.UP and sched.serving
     req = Request([1, 2, 3], options=GenerationOptions(4, SamplingParams(0.0, None, 1.0)))
-    sched.submit(req)
     def queues():
         return [r.id for r in sched._waiting], [r.id for r in sched._running.values()]
-    assert sched.between_steps(queues, 10) == ([req.id], [])  # taken in order, before the next admission
+    # The scheduler thread held in a call while the Submit and a second call queue up behind it,
+    # so that one drain takes both, in order, before the next admission (however the threads run).
+    holding, gate, first = threading.Event(), threading.Event(), []
+    held = threading.Thread(target=sched.between_steps, args=(lambda: (holding.set(), gate.wait(10)), 10))
+    held.start()
+    assert holding.wait(10)
+    sched.submit(req)
+    asker = threading.Thread(target=lambda: first.append(sched.between_steps(queues, 10)))
+    asker.start()
+    deadline = time.monotonic() + 10
+    while len(sent) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    held.join(10)
+    asker.join(10)
+    assert first == [([req.id], [])]  # taken in order, before the next admission
     assert sched.between_steps(queues, 10) == ([], [req.id]) and engine.admitted[0] is req.sample
     sched.cancel(req)
     event = req.next_event(10)
@@ -75,8 +91,8 @@ def test_submit_cancel_call_and_stop_go_through_the_inbox_as_typed_messages():
     sched.stop(10)
     assert not sched.alive and sched.state is RingState.STOPPED and engine.closed
     kinds = [type(m) for m in sent]
-    assert kinds == [Submit, Call, Call, Cancel, Wake]
-    assert sent[0] == Submit(req) and sent[3] == Cancel(req)
+    assert kinds == [Call, Submit, Call, Call, Cancel, Wake]
+    assert sent[1] == Submit(req) and sent[4] == Cancel(req)
     assert sched.queue_length == 0
 
 

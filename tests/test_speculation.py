@@ -223,8 +223,22 @@ def oracle(reference, agree, seed=0):
                                    seed=seed + s.index, vocab=len(CHARS))
 
 
+class TickClock:
+    """time for speculation's decoder: one second a reading, so that the way a sample takes
+    (filling the ring or verifying alone, chosen by measured token rates) is the same on every
+    machine, however busy."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_every_drafter_gives_the_plain_greedy_tokens(family, quick_ways):
+def test_every_drafter_gives_the_plain_greedy_tokens(family, quick_ways, monkeypatch):
+    monkeypatch.setattr(speculation.decoder, "time", TickClock())
     chunk = tiny_model(family)
     chunk.allocate_cache(4, 128)
     plain, _ = run_local(chunk, PROMPTS[:2], 40)

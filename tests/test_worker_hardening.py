@@ -131,7 +131,7 @@ def test_aborted_push_leaves_the_worker_idle_and_able_to_run(tiny_models, pair):
     worker = pair[0]
     # A server that hands a request over only once all of it is in never shows the worker an
     # aborted push: its starter's silence (heartbeat_timeout) frees the worker then.
-    request, blob = push_request(model, 101, heartbeat_timeout=1.0)
+    request, blob = push_request(model, 101, heartbeat_timeout=5.0)  # long enough to see it loading on a busy box
     assert client(worker).init(request)["need_weights"] is True
     assert status(worker)["state"] == "loading"
     # Half the body, then the starter is gone (its connection closes).

@@ -24,7 +24,14 @@ from mdi.system.parallel import run_all
 
 log = logging.getLogger(__name__)
 
+STATUS_TIMEOUT_MIN_S = 5.0  # a /status poll's least wait: a loaded board answers late, and two late answers end its run
 STOP_TIMEOUT_S = 5.0  # an aborting start-up's stop to each worker (its heartbeat timeout ends the run otherwise)
+
+
+def status_timeout(heartbeat_interval: float) -> float:
+    """How long one /status poll waits: two heartbeat intervals, and never less than
+    STATUS_TIMEOUT_MIN_S, so that a busy board is not taken for a hung one."""
+    return max(STATUS_TIMEOUT_MIN_S, 2 * heartbeat_interval)
 
 
 def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: bool = False) -> BackendRequest:
@@ -202,7 +209,7 @@ class RingSession:
             while not configured.wait(interval):
                 for client in clients:
                     try:
-                        client.status(timeout=interval * 2, run_id=self.run_id)
+                        client.status(timeout=status_timeout(interval), run_id=self.run_id)
                     except NodeError:
                         pass  # the configuring thread reports what is wrong with this node
         finally:
@@ -257,7 +264,8 @@ class RingSession:
     def _probe(self, client: ControlClient) -> Optional[NodeError]:
         where = "node %s (%s)" % (client.node.name, client.node.address)
         try:
-            status = client.status(timeout=self.cfg.runtime.heartbeat_interval * 2, run_id=self.run_id)
+            status = client.status(timeout=status_timeout(self.cfg.runtime.heartbeat_interval),
+                                   run_id=self.run_id)
         except NodeError as e:
             return e
         if not self._watching.is_set():
