@@ -58,6 +58,11 @@ HOSTILE = {
     "1000 dimensions": (gguf(tensors=string("w") + struct.pack("<I", 1000) + b"\0" * 64, n_tensors=1), "1000 dimensions"),
     "arrays 100 deep": (gguf(nested(100), 1), "nests arrays"),
     "unknown value type": (gguf(string("k") + struct.pack("<I", 77) + b"\0" * 8, 1), "unknown value type 77"),
+    "a token runs past the file": (gguf(string("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 2)
+                                        + string("a") + struct.pack("<Q", 1 << 40) + b"x" * 8, 1),
+                                   "runs past the end of the file"),
+    "the file ends in a token's length": (gguf(string("tokenizer.ggml.tokens") + struct.pack("<IIQ", ARRAY, STRING, 2)
+                                               + string("x" * 10), 1), "the file ends inside"),
     "truncated string": (gguf(string("general.name") + struct.pack("<IQ", STRING, 5) + b"ab", 1), "claims 5 items"),
     "version 99": (gguf(version=99), "version"),
     # a tensor whose data offset breaks the alignment every GGUF reader relies on

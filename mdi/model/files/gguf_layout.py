@@ -75,6 +75,26 @@ class _Walk:
         self.pos += n
         return text
 
+    def strings(self, n: int, what: str, keep: bool) -> List[bytes]:
+        """`n` strings in a row (an array's items: a vocabulary's 50k-250k tokens and merges),
+        in one tight loop; their bytes when `keep`, else [] and the walk past them."""
+        buf, pos, size = self.buf, self.pos, self.size
+        length_at = struct.Struct(self.order + "Q").unpack_from
+        out = []
+        for _ in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail("the file ends inside %s" % what)
+            (length,) = length_at(buf, pos)
+            pos += 8
+            if keep:
+                out.append(bytes(buf[pos:pos + length]))
+            pos += length
+        if pos > size:
+            raise self.fail("%s: a string runs past the end of the file" % what)
+        self.pos = pos
+        return out
+
     def skip_value(self, vtype: int, what: str, depth: int = 0) -> None:
         if vtype in FIXED_SIZES:
             if FIXED_SIZES[vtype] > self.left():
@@ -89,8 +109,10 @@ class _Walk:
             if item in FIXED_SIZES:
                 n = self.count(what, FIXED_SIZES[item])
                 self.pos += n * FIXED_SIZES[item]
-            elif item in (STRING, ARRAY):
-                for _ in range(self.count(what, 8)):  # every string or array starts with 8+ bytes
+            elif item == STRING:
+                self.strings(self.count(what, 8), what, keep=False)
+            elif item == ARRAY:
+                for _ in range(self.count(what, 8)):  # every array starts with 8+ bytes
                     self.skip_value(item, what, depth + 1)
             else:
                 raise self.fail("%s has unknown item type %d" % (what, item))
@@ -324,6 +346,11 @@ def _read_value(walk: _Walk, vtype: int, what: str) -> Any:
             values = np.frombuffer(walk.buf, dtype=dtype, count=n, offset=walk.pos).tolist()
             walk.pos += n * FIXED_SIZES[item]
             return [bool(v) for v in values] if fmt == "?" else values
+        if item == STRING:
+            try:
+                return [t.decode("utf-8") for t in walk.strings(walk.count(what, 8), what, keep=True)]
+            except UnicodeDecodeError:
+                raise walk.fail("%s is not UTF-8 text" % what) from None
         return [_read_value(walk, item, what) for _ in range(walk.count(what, 8))]
     raise walk.fail("%s has unknown value type %d" % (what, vtype))
 
