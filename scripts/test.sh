@@ -12,7 +12,7 @@ source scripts/setup_env.sh test
 if [ "$#" -gt 0 ]; then
     exec python -m pytest -q "$@"  # pytest.ini: tests/ when no file is named
 fi
-python -m pytest -q
+python -m pytest -q --durations=20  # the slowest tests, named in CI's log: where the suite's minutes go
 echo "--- the same features on the ggml backend ---"
 MDI_BACKEND=ggml exec python -m pytest -q tests/test_ring.py tests/test_batching.py tests/test_context.py \
     tests/test_recovery.py tests/test_prefix_cache.py tests/test_speculation.py tests/test_perplexity.py \
