@@ -60,9 +60,11 @@ def test_the_optional_exemptions_only_shrink():
 
 @pytest.mark.slow  # one mypy run with the Optional check everywhere (its own cache: a few seconds warm)
 def test_every_exempt_module_still_fails_the_optional_check(tmp_path):
-    _need_mypy()
     parser = _config()
     listed = exempt_modules(parser)
+    if not listed:  # a second whole mypy run (a minute in CI) would have nothing to look for
+        pytest.skip("no module is exempt from the Optional check: test_runtime_passes_mypy checks them all")
+    _need_mypy()
     for section in parser.sections():
         if section.startswith("mypy-") and parser.has_option(section, "strict_optional"):
             parser.remove_option(section, "strict_optional")
