@@ -42,8 +42,8 @@ def template(name, model_dir):
     return ChatTemplate(tok)
 
 
-def parse(family, text, parallel=True, stream=False):
-    parser = CallParser(family, NAMES, parallel)
+def parse(family, text, parallel=True, stream=False, stream_reply=False):
+    parser = CallParser(family, NAMES, parallel, stream_reply=stream_reply)
     shown, calls = [], []
     for piece in (list(text) if stream else [text]):
         s, c = parser.feed(piece)
@@ -362,7 +362,38 @@ def test_every_cut_of_an_answer_parses_whole_and_streamed_alike_and_shows_no_cal
     for k in range(len(text) + 1):
         whole = parse(family, text[:k])
         assert whole == parse(family, text[:k], stream=True), text[:k]
+        assert whole == parse(family, text[:k], stream=True, stream_reply=True), text[:k]
         assert not any(mark in whole[0] for mark in ('"name"', "tool_call", "<|", '"response"', "\\")), text[:k]
+
+
+@pytest.mark.parametrize("text", ['{"response": "It is \\"sunny\\" \\ud83d\\ude00 today,\\n  caf\\u00e9 open. "}',
+                                  '{ "response" :"  Two words "}', '{"response": ""}'])
+def test_a_constrained_generic_reply_streams_its_text_as_it_is_written(text):
+    """Under the tool grammar a generic {"response": "..."} reply is text as it comes (the
+    grammar closes the reply after its string), not one chunk at its end; the pieces make the
+    whole answer's text, and no piece holds a cut escape or half a surrogate pair."""
+    parser = CallParser(GENERIC, NAMES, True, stream_reply=True)
+    pieces = [parser.feed(c)[0] for c in text] + [parser.finish()[0]]
+    assert "".join(pieces) == parse(GENERIC, text)[0]
+    words = parse(GENERIC, text)[0]
+    if len(words) > 4:  # its text came before the reply closed
+        assert sum(1 for p in pieces[:text.rindex('"')] if p) >= 2, pieces  # in pieces, before it closed
+        assert all("\\" not in p and not any("\ud800" <= ch <= "\udfff" for ch in p) for p in pieces), pieces
+    unconstrained = CallParser(GENERIC, NAMES, True)  # a reply that may still become other JSON: held whole
+    assert not "".join(unconstrained.feed(c)[0] for c in text[:-2])
+
+
+def test_a_served_reply_under_the_tool_grammar_streams_content_deltas_as_tokens_come():
+    text = '{"response": "Paris is the capital of France."}'
+    req = Request([1, 2], 10, SamplingParams())
+    choice, fmt = ToolChoice(TOOLS, "auto", None, False), ToolFormat(GENERIC, False, False)
+    for constrained in (True, False):
+        reply = Reply([req], "m", True, None, ToolReplies(choice, fmt, constrained=constrained))
+        bodies = [b for i in range(0, len(text), 4) for b in reply.chunks(text[i:i + 4], 0, [])]
+        bodies += reply.last_chunks("stop", False)
+        contents = [b["choices"][0]["delta"].get("content") for b in bodies]
+        assert "".join(c or "" for c in contents) == "Paris is the capital of France."
+        assert (sum(1 for c in contents if c) > 3) == constrained, contents  # else one chunk at the end
 
 
 @pytest.mark.parametrize("text", ['{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa',

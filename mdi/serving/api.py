@@ -183,7 +183,7 @@ class Routes:
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         # the calls' grammar wins; an auto answer's text inside it follows response_format
         choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar, tools is not None)
-        return self._generate(choices, opts, chat=True, tools=tools)
+        return self._generate(choices, opts, chat=True, tools=tools, tools_constrained=grammar is not None)
 
     def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int,
                  grammar: Optional[GrammarSpec], tools: bool = False) -> Choices:
@@ -335,7 +335,8 @@ class Routes:
         return _json(self.training.report())
 
     # --- one generation ----------------------------------------------------------------
-    def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None) -> Response:
+    def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None,
+                  tools_constrained: bool = False) -> Response:
         for submitted, req in enumerate(choices.requests):
             try:
                 self.sched.submit(req)
@@ -344,7 +345,8 @@ class Routes:
                 raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
         hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
         reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
-                      ToolReplies(tools, self.template.tool_format, hide_tag) if tools is not None else None)
+                      ToolReplies(tools, self.template.tool_format, hide_tag, tools_constrained)
+                      if tools is not None else None)
         if not opts.stream:
             resp = self._whole(choices, reply, request.environ)
         else:

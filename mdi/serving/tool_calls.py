@@ -5,6 +5,9 @@ held back until it is a call or cannot be one; text that does not parse as a cal
 JSON, an unknown function) stays content; content is trimmed of the space around calls. An
 answer cut short (max_tokens, a stop string) inside a call drops that call, never shows it as
 text: its complete calls are kept, and a generic {"response": ...} reply gives its text so far.
+Where the tool grammar shapes the answer (`stream_reply`), a generic reply's text streams as it is
+written: that grammar closes the reply right after its string, so the text cannot turn out to be
+anything else.
 The markers the parser reads stay in its text when they are control tokens (`control_tokens`);
 a <|python_tag|> that opens no call is then left out of the content, as the other control
 tokens are."""
@@ -89,9 +92,12 @@ class CallParser:
     """One choice's answer, fed as it arrives (`feed`, then `finish`): the content to show
     now and the calls completed, each once."""
 
-    def __init__(self, family: str, names: Sequence[str], parallel: bool, hide_tag: bool = False) -> None:
+    def __init__(self, family: str, names: Sequence[str], parallel: bool, hide_tag: bool = False,
+                 stream_reply: bool = False) -> None:
         self.family, self.names, self.parallel = family, set(names), parallel
         self.hide_tag = hide_tag  # a <|python_tag|> that opens no call shows no text
+        self.stream_reply = stream_reply and family == GENERIC  # a {"response": "..."}'s text as it comes
+        self.reply_shown = 0  # characters of the open reply's text handed out
         self.buf = ""  # text not decided yet
         self.found = 0  # calls handed out
         self.shown = False  # some content handed out
@@ -132,6 +138,8 @@ class CallParser:
             used, read, text = got
             self.buf = self.buf[used:]
             content.append(text)
+            if not used:  # an open reply's text so far: the rest when more comes
+                break
             self.after_call = bool(read)
             for call in read:
                 if self.parallel or self.found == 0:  # parallel_tool_calls false: the first only
@@ -173,14 +181,32 @@ class CallParser:
             value, end = JSON.raw_decode(buf, brace)
         except ValueError:
             if not final:
-                return None  # incomplete, or malformed: known at the end
+                return self._open_reply(buf)  # incomplete, or malformed: known at the end
             return self._cut(buf, start, brace)
         read = self._calls(value)
         if read is None:  # JSON, but not a call: all of it stays content
             return (end, [], buf[:end]) if not start else (start, [], self._tag(buf, start))
         if isinstance(read, str):  # the generic format's {"response": text}
-            return end, [], read
+            return end, [], self._reply_rest(read)
         return end, read, ""
+
+    def _open_reply(self, buf: str) -> Optional[Tuple[int, List[Call], str]]:
+        """While a streamed generic reply's string is being written: its new text (nothing of
+        `buf` used), or None (wait for more)."""
+        m = CUT_REPLY.match(buf) if self.stream_reply else None
+        if m is None or not buf[m.end():].startswith('"'):  # response_format's JSON comes whole
+            return None
+        so_far = json_cut.string_so_far(buf[m.end():])
+        if so_far is None or len(so_far) <= self.reply_shown:
+            return None
+        new = so_far[self.reply_shown:]
+        self.reply_shown = len(so_far)
+        return 0, [], new
+
+    def _reply_rest(self, text: str) -> str:
+        """A generic reply's text less what was streamed of it already."""
+        shown, self.reply_shown = self.reply_shown, 0
+        return text[shown:]
 
     def _cut(self, buf: str, start: int, brace: int) -> Tuple[int, List[Call], str]:
         """At the end, a call whose JSON does not decode. Cut short (max_tokens, a stop
@@ -192,7 +218,7 @@ class CallParser:
         if self.family == GENERIC:
             reply = _reply_so_far(buf)
             if reply is not None:
-                return len(buf), [], reply
+                return len(buf), [], self._reply_rest(reply)
             calls = self._cut_calls(buf)
             if calls is None:
                 return as_text
@@ -282,8 +308,9 @@ def call_entries(calls: Sequence[Call]) -> List[Dict[str, Any]]:
 class ToolReplies:
     """The tool calls of one request's choices, for its Reply: a parser per choice."""
 
-    def __init__(self, choice: ToolChoice, fmt: ToolFormat, hide_tag: bool = False) -> None:
+    def __init__(self, choice: ToolChoice, fmt: ToolFormat, hide_tag: bool = False, constrained: bool = False) -> None:
         self.choice, self.fmt, self.hide_tag = choice, fmt, hide_tag  # hide_tag: CallParser's
+        self.constrained = constrained  # the tool grammar shapes the answer (CallParser's stream_reply)
         self.parsers: Dict[int, CallParser] = {}
         self.counts: Dict[int, int] = {}  # calls streamed per choice
 
@@ -294,7 +321,7 @@ class ToolReplies:
 
     def _new_parser(self) -> CallParser:
         return CallParser(self.fmt.family, [f["name"] for f in self.choice.functions], self.choice.parallel,
-                          self.hide_tag)
+                          self.hide_tag, self.constrained)
 
     @property
     def finish_reason(self) -> str:
