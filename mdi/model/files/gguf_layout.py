@@ -87,11 +87,12 @@ class _Walk:
                 raise self.fail("the file ends inside %s" % what)
             (length,) = length_at(buf, pos)
             pos += 8
+            if pos + length > size:  # before its bytes are copied: a hostile length would copy the file
+                self.pos = pos
+                raise self.fail("%s: a string runs past the end of the file" % what)
             if keep:
                 out.append(bytes(buf[pos:pos + length]))
             pos += length
-        if pos > size:
-            raise self.fail("%s: a string runs past the end of the file" % what)
         self.pos = pos
         return out
 
