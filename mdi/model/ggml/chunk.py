@@ -90,7 +90,7 @@ class GgmlChunk:
         self.tensors = weights.load(names, matmul if repack and on.maps_weights else (),
                                     None if on.maps_weights else on.buffer_type)
         self.load_seconds = time.perf_counter() - t0
-        self.builder = GraphBuilder(self.traits, range(first, last), self.tensors, on.buffer_type)
+        self.builder = GraphBuilder(self.traits, range(first, last), self.tensors, on.buffer_type, on.on_cpu)
         # passes shorter than this are padded, so a row rounds as in a pass of any size (min_rows)
         packed = set(weights.repacked)
         head = head_name(self.tensors)

@@ -91,9 +91,10 @@ class GraphBuilder:
     """Builds the graphs of one chunk: its blocks over a pass, its embedding, its head."""
 
     def __init__(self, traits: ModelTraits, layers: Sequence[int], weights: Dict[str, Any],
-                 buffer_type: Optional[int] = None) -> None:
+                 buffer_type: Optional[int] = None, on_cpu: bool = True) -> None:
         self.gg = lib.require()
         self.buffer_type = buffer_type  # where the graphs' intermediates live: the chunk's device (None: the CPU)
+        self.on_cpu = on_cpu  # whether ggml's CPU kernels compute the graphs (_attention_views)
         self.t = traits
         self.layers = list(layers)
         self.w = weights  # GGUF name -> tensor
@@ -236,12 +237,51 @@ class GraphBuilder:
         any_global = not all(t.is_local(i) for i in self.layers)
         masks: List[Tuple[Optional[Any], Optional[Any]]] = []
         for i, s in enumerate(shape.samples):
-            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, s.rows) if any_global else None
-            win = self._input(b, "mask_local_%d" % i, lib.F16, s.attend, s.rows) if local else None
+            rows = self.query_rows(s)
+            full = self._input(b, "mask_%d" % i, lib.F16, s.attend, rows) if any_global else None
+            win = self._input(b, "mask_local_%d" % i, lib.F16, s.attend, rows) if local else None
             masks.append((full, win))
         for li, layer in enumerate(self.layers):
             x = self._block(ctx, b, x, layer, li, shape, cache, pos, kv_rows, masks)
         return x
+
+    def query_rows(self, s: SampleShape) -> int:
+        """Query rows sample `s` attends with, so its mask's rows: its own, or, for a one-row
+        sample whose heads attend as rows (_attention_views), one per head."""
+        c = self.t.config
+        return c.n_head if s.rows == 1 and self.on_cpu and c.kv_heads == 1 and 1 < c.n_head < 64 else s.rows
+
+    def _attention_views(self, ctx: Any, q: Any, kc: Any, vc: Any, s: SampleShape, q_offset: int, offset: int,
+                         row_d: int, row_bytes: int) -> Tuple[Any, Any, Any]:
+        """Sample `s`'s queries and its slot's keys and values as flash attention reads them:
+        [D, rows, H, 1] against [D, attend, KV, 1], except a one-row sample's on a CPU. ggml's
+        CPU kernel splits the positions of a query of one row in one group (from 512) across
+        the node's threads and merges their partial sums, so a decode step's bits would depend
+        on the thread count and the attended span, and part from the same row in a pass of
+        several rows (a verification, a prompt's short tail): up to 0.6 in SmolLM2's logits and
+        2.3 in Gemma 3's at 2 threads. So such a row's heads go in ggml's fourth dimension, as
+        KV groups ([D, 1, H/KV, KV] against [D, attend, 1, KV]), or with one KV head, whose keys
+        every head shares, they attend as H rows of one head ([D, H, 1, 1]; query_rows). Then
+        every row attends in the kernel that takes each (row, head) whole on one thread: the
+        same bits at any thread count, span and pass size, and at one thread the split
+        kernel's (one chunk, merged with nothing: llama.cpp's). A one-head model keeps the split."""
+        gg = self.gg
+        D, H, KV = self.t.config.head_dim, self.t.config.n_head, self.t.config.kv_heads
+        qnb = q.contents.nb
+        if s.rows == 1 and KV > 1 and self.on_cpu:
+            per = H // KV  # query heads per KV head, one after another (llama.cpp's GQA order)
+            qs = gg.ggml_view_4d(ctx, q, D, 1, per, KV, qnb[2], qnb[1], qnb[1] * per, q_offset)
+            ks = gg.ggml_view_4d(ctx, kc, D, s.attend, 1, KV, row_bytes, row_bytes * s.attend, row_d, offset)
+            vs = gg.ggml_view_4d(ctx, vc, D, s.attend, 1, KV, row_bytes, row_bytes * s.attend, row_d, offset)
+            return qs, ks, vs
+        rows = self.query_rows(s)
+        if rows != s.rows:
+            qs = gg.ggml_view_3d(ctx, q, D, H, 1, qnb[1], qnb[2], q_offset)  # [D, H(as rows), 1 head]
+        else:
+            qs = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, q, D, H, s.rows, qnb[1], qnb[2], q_offset), 0, 2, 1, 3)
+        ks = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, kc, D, KV, s.attend, row_d, row_bytes, offset), 0, 2, 1, 3)
+        vs = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, vc, D, KV, s.attend, row_d, row_bytes, offset), 0, 2, 1, 3)
+        return qs, ks, vs
 
     def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
                pos: Any, kv_rows: Any, masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
@@ -283,11 +323,8 @@ class GraphBuilder:
         outs = []
         first = 0
         for (full, win), s in zip(masks, shape.samples):
-            qs = gg.ggml_view_3d(ctx, q, D, H, s.rows, q.contents.nb[1], q.contents.nb[2], first * q.contents.nb[2])
-            qs = gg.ggml_permute(ctx, qs, 0, 2, 1, 3)
             offset = cache.row(s.slot, 0) * cache.row_bytes
-            ks = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, kc, D, KV, s.attend, row_d, cache.row_bytes, offset), 0, 2, 1, 3)
-            vs = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, vc, D, KV, s.attend, row_d, cache.row_bytes, offset), 0, 2, 1, 3)
+            qs, ks, vs = self._attention_views(ctx, q, kc, vc, s, first * q.contents.nb[2], offset, row_d, cache.row_bytes)
             o = gg.ggml_flash_attn_ext(ctx, qs, ks, vs, win if local else full, kq_scale, 0.0, 0.0)
             gg.ggml_flash_attn_ext_set_prec(o, lib.PREC_F32)
             outs.append(gg.ggml_reshape_2d(ctx, o, D * H, s.rows))
@@ -369,9 +406,12 @@ def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], 
         cols = np.arange(s.attend)[None, :]
         rows = np.asarray(positions)[:, None]
         seen = cols <= rows
-        full, local = "mask_%d" % i, "mask_local_%d" % i
-        if full in b.inputs:
-            b.set(full, np.where(seen, np.float16(0), NEG_INF))  # float16 already: no copy to convert
-        if local in b.inputs:
-            b.set(local, np.where(seen & (rows - cols < window), np.float16(0), NEG_INF))
+        for name, windowed in (("mask_%d" % i, False), ("mask_local_%d" % i, True)):
+            if name not in b.inputs:
+                continue
+            mask = np.where(seen & (rows - cols < window) if windowed else seen, np.float16(0), NEG_INF)
+            query_rows = int(b.inputs[name].contents.ne[1])
+            if query_rows != s.rows:  # a one-row sample's heads attending as rows: its row for each
+                mask = np.broadcast_to(mask, (query_rows, s.attend))
+            b.set(name, mask)  # float16 already: no copy to convert
 
