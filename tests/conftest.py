@@ -115,6 +115,10 @@ def tiny_config(family: str) -> ModelConfig:
     if family == "gpt2":
         return ModelConfig(name="tiny-gpt2", family="gpt2", vocab_size=len(CHARS), n_layer=4, n_embd=64,
                            n_head=4, block_size=128, bias=True, tied_head=True, gelu_approximate="tanh")
+    if family == "gemma3":  # heads 24 wide, layers 0 and 2 see their last 4 positions, tied head
+        return ModelConfig(name="tiny-gemma3", family="gemma3", vocab_size=len(CHARS), n_layer=4, n_embd=64,
+                           n_head=4, n_kv_head=2, intermediate_size=96, head_size=24, qk_norm=True, block_size=128,
+                           sliding_window=4, sliding_pattern=2, rope_local_theta=100.0, tied_head=True)
     return ModelConfig(name="tiny-llama", family="llama", vocab_size=len(CHARS), n_layer=4, n_embd=64,
                        n_head=8, n_kv_head=2, intermediate_size=128, block_size=128, tied_head=False)
 

@@ -26,6 +26,22 @@ from test_model_parity import hf_gpt2, hf_llama, hf_qwen3  # noqa: E402
 PREFILL, DECODE, VOCAB = 20, 20, 500
 LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
+
+def hf_gemma3(path):
+    """A tiny Gemma3ForCausalLM (its modules named as Llama's; sliding window 4 on every other
+    layer, norms that matter)."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, sliding_window=4, sliding_window_pattern=2, max_position_embeddings=64,
+        query_pre_attn_scalar=20, rope_local_base_freq=100.0, initializer_range=0.1)
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.5)
+    return cfg, model
+
+
 CASES = {  # name -> (HF model maker, LoraConfig keywords)
     "gpt2": (hf_gpt2, dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)),
     "llama": (hf_llama, dict(target_modules=LLAMA_ALL)),
@@ -34,6 +50,7 @@ CASES = {  # name -> (HF model maker, LoraConfig keywords)
                                           alpha_pattern={"v_proj": 40})),
     "llama-some-layers": (hf_llama, dict(target_modules=["q_proj", "v_proj", "up_proj"], layers_to_transform=[1, 3])),
     "qwen3": (hf_qwen3, dict(target_modules=LLAMA_ALL)),
+    "gemma3": (hf_gemma3, dict(target_modules=LLAMA_ALL)),
 }
 
 

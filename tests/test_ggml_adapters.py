@@ -54,7 +54,7 @@ def random_adapter(config, seed, parts=None, rank=4, scale=0.3, b_scale=0.1):
     return Adapter("a%d" % seed, "-", "lora", rank, 1.0, weights)
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "gpt2", "gemma3"])
 def models(request, tmp_path_factory):
     """(torch chunk, ggml chunk) of one tiny random model (its GGUF: float32, q/k permuted)."""
     from mdi.model.files.gguf_export import export_gguf

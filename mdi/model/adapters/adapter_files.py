@@ -41,8 +41,10 @@ HF_MODULES: Dict[str, Dict[str, Tuple[str, Optional[str]]]] = {
               "mlp.gate_proj": ("mlp.gate_up", "gate"), "mlp.up_proj": ("mlp.gate_up", "up"),
               "mlp.down_proj": ("mlp.down", None)},
 }
-# the container of the blocks in Hugging Face names (GPT2LMHeadModel: transformer.h.N)
-HF_BLOCKS = {"gpt2": "h", "llama": "layers"}
+HF_MODULES["gemma3"] = HF_MODULES["llama"]  # Gemma 3 names its blocks' modules as Llama does
+# the container of the blocks in Hugging Face names (GPT2LMHeadModel: transformer.h.N; Gemma 3's
+# multimodal model: model.language_model.layers.N, its text model: model.layers.N)
+HF_BLOCKS = {"gpt2": "h", "llama": "layers", "gemma3": "layers"}
 # modules outside the blocks that adapters may target: refused as not supported yet
 EMBEDDING_OR_HEAD = ("embed_tokens", "lm_head", "wte", "wpe", "score", "embed_out")
 

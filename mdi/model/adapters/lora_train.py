@@ -44,7 +44,9 @@ MODULES: Dict[str, Dict[str, Tuple[str, str, Optional[str]]]] = {
              "gate": ("mlp.c_fc", "mlp.fc", None), "up": ("mlp.c_fc", "mlp.fc", None),
              "down": ("mlp.c_proj", "mlp.proj", None)},
 }
-HF_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}  # where PEFT names the blocks
+MODULES["gemma3"] = MODULES["llama"]  # Gemma 3 names its blocks' modules as Llama does
+# where PEFT names the blocks (Gemma 3: Gemma3ForCausalLM's, the text model's)
+HF_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "gemma3": "model.layers"}
 
 
 @dataclass(frozen=True)
