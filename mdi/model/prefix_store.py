@@ -13,7 +13,7 @@ dropped, so the budget bounds what is held, not what is reserved. The cache make
 them (`read_range` / `write_range`: torch's mdi.model.kv_cache or ggml's), whatever its layout.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 OP_KINDS = ("save", "load", "drop")
 
@@ -125,3 +125,29 @@ def budget_bytes(setting: Any, spare: Optional[int]) -> int:
         raise ValueError("a prefix cache of %.1f MB does not fit: %.1f MB spare beside the weights and KV cache"
                          % (setting / 2 ** 20, max(0, spare) / 2 ** 20))
     return int(setting)
+
+
+@dataclass(frozen=True)
+class NodePrefixRoom:
+    """What one node gives the prefix cache: its budget, its bytes per position (its layers'
+    K and V), and the memory it draws on (mdi.system.memory.memory_pool; None: unknown)."""
+    budget_bytes: int
+    position_bytes: int
+    pool: Optional[str] = None
+
+
+def shared_positions(nodes: Sequence[NodePrefixRoom], auto: bool) -> int:
+    """Positions the prefix cache may hold, each entry on every node: what the tightest node
+    holds. An "auto" budget is half of what a node's memory spares, so nodes that draw on one
+    memory (several on one machine: a ring tried on a laptop, a test) would each count that
+    memory as their own; `auto` makes them share it, as one budget (the least any of them
+    measured) over their bytes per position together."""
+    groups: Dict[Any, List[NodePrefixRoom]] = {}
+    for i, node in enumerate(nodes):
+        groups.setdefault(node.pool if auto and node.pool is not None else i, []).append(node)
+    fits = []
+    for group in groups.values():
+        per = sum(n.position_bytes for n in group)
+        fits.append(min(n.budget_bytes for n in group) // per if per else 0)
+    return min(fits) if fits else 0
+

@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from mdi.model.files.gguf_write import remove_quietly
+from mdi.model.prefix_store import NodePrefixRoom
 from mdi.model.source import ModelSource
 from mdi.ring.adapter_request import adapter_body
 from mdi.ring.auth import ring_password
@@ -141,16 +142,20 @@ class RingSession:
         if self.init_replies[i].get("need_weights"):
             send()
 
-    def prefix_positions(self) -> List[int]:
-        """Positions each worker's prefix cache holds: its budget over its bytes per position,
-        as its /init reply says (0 from a worker that keeps none, or predates it)."""
+    def prefix_rooms(self) -> List[NodePrefixRoom]:
+        """What each worker gives the prefix cache, as its /init reply says (a budget of 0 from
+        a worker that keeps none, or predates it)."""
         out = []
         for node, reply in zip(self.workers, self.init_replies):
-            budget, per = reply.get("prefix_cache_bytes", 0), reply.get("prefix_token_bytes", 0)
+            budget, per, pool = (reply.get("prefix_cache_bytes", 0), reply.get("prefix_token_bytes", 0),
+                                 reply.get("memory_pool"))
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (budget, per)):
                 raise NodeError("node %s (%s): its /init reply's prefix_cache_bytes and prefix_token_bytes are not "
                                 "byte counts" % (node.name, node.address), node.name)
-            out.append(budget // per if per else 0)
+            if pool is not None and not (isinstance(pool, str) and 0 < len(pool) <= 64):
+                raise NodeError("node %s (%s): its /init reply's memory_pool is not a name of 1-64 characters"
+                                % (node.name, node.address), node.name)
+            out.append(NodePrefixRoom(budget, per, pool))
         return out
 
     def send_adapter(self, adapter: int, adapters: Any) -> None:

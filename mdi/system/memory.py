@@ -7,6 +7,7 @@ Unified memory: a Jetson has one pool of RAM shared by the CPU and the GPU. What
 (torch's caching allocator, cuDNN workspaces) comes out of the same MemTotal as ordinary pages,
 but it is not in the process's RSS: see `unified_memory_bytes`.
 """
+import hashlib
 import os
 import resource
 import sys
@@ -134,6 +135,22 @@ def cgroup_memory_free(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
                 break
             path = os.path.dirname(path)
     return max(best, 0) if best is not None else None
+
+
+def memory_pool(boot_id: str = "/proc/sys/kernel/random/boot_id", proc_cgroup: str = "/proc/self/cgroup") -> Optional[str]:
+    """Which memory this process draws on, as a name equal for processes that share it (a
+    digest, so no path leaves the board): this boot of this machine (its kernel's boot id, the
+    same in a container), and the process's cgroups where one limits its memory (an emulated
+    board's own). None where it cannot be told."""
+    try:
+        with open(boot_id) as f:
+            pool = f.read().strip()
+        if cgroup_memory_free(proc_cgroup) is not None:
+            with open(proc_cgroup) as f:
+                pool += "\n" + "".join(sorted(f))
+    except OSError:
+        return None
+    return hashlib.sha256(pool.encode()).hexdigest()[:32]
 
 
 def _cgroup_free(path: str, limit_file: str, usage_file: str, cache_key: str) -> Optional[int]:

@@ -24,7 +24,7 @@ from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype
-from mdi.system.memory import release_freed_memory
+from mdi.system.memory import memory_pool, release_freed_memory
 from mdi.worker.chunk_loading import load_ggml_chunk, load_torch_chunk, loaded_weights_bytes, run_cache_bytes
 from mdi.worker.measuring import Measuring
 from mdi.worker.memory_budget import check_cache_fits, held_bytes, memory_limit
@@ -262,7 +262,8 @@ class Worker(Measuring):
         except ValueError as e:
             raise TooLarge("runtime.prefix_cache: %s" % e)
         reply = {"ok": True, "need_weights": False, "cache_bytes": cache_bytes, "prefix_cache_bytes": setup.prefix_bytes,
-                 "prefix_token_bytes": token_bytes, "backend": backend, "backend_line": setup.backend_line}
+                 "prefix_token_bytes": token_bytes, "memory_pool": memory_pool(), "backend": backend,
+                 "backend_line": setup.backend_line}
         if self.chunk is not None and self.loaded == setup.key:
             self.backend_line = setup.backend_line  # the same weights, chosen again (and why)
             self._start_run_locked(setup)
