@@ -411,9 +411,11 @@ class Routes:
                 for i in range(left):
                     yield _sse(reply.chunk("", first=True, index=i))
             got: Optional[Tuple[int, RequestEvent]] = None
+            heard = time.monotonic()  # when the client last got a byte: text held back (a tool call being written) sends none
             while left:
                 got = got or self._next_event(choices, KEEPALIVE)
-                if got is None:
+                if got is None or time.monotonic() - heard >= KEEPALIVE:
+                    heard = time.monotonic()
                     yield ": keep-alive\n\n"
                     continue
                 (i, event), got = got, None
@@ -425,6 +427,7 @@ class Routes:
                         entries += got[1].logprobs
                         got = choices.next_event(0)
                     for body in reply.chunks(text, i, entries):
+                        heard = time.monotonic()
                         yield _sse(body)
                     continue
                 if isinstance(event, ErrorEvent):
