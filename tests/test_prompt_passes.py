@@ -176,3 +176,62 @@ def test_a_prompt_s_longer_pass_still_shares_its_frame_with_decode_rows():
     # its prompt; then its decode row leads (shortest first) and each prompt goes in one cut
     # of its own (64 + 6 and 64 + 36 merged)
     assert sent[:3] == [[3], [1, 70], [100]]
+
+
+def test_a_hit_reuses_only_positions_computed_as_the_cold_prompt_computes_them():
+    """A prompt row keeps the bits of the pass that computed it: the start of a prompt under
+    TILED_ROWS tokens (passes below TILED_ROWS rows, the one-row kernel) is not reused by a
+    longer prompt (tiled passes), nor the start of a long prompt by a short one; an answer's
+    rows are, as a conversation's (the exception "Determinism" states); without ggml's cuts
+    every shared position is."""
+    from mdi.starter.prefix_cache import PrefixIndex
+    from mdi.starter.prompt_passes import ANSWER, ONE_ROW, TILED, cold_kinds
+    assert list(cold_kinds(5)) == [ONE_ROW] * 5 and set(cold_kinds(TILED_ROWS)) == {TILED}
+    assert list(cold_kinds(UBATCH + 3)) == [TILED] * UBATCH + [ONE_ROW] * 3
+    short, long = list(range(1, 21)), list(range(1, 11)) + list(range(100, 200))
+    for cuts, want in ((True, 0), (False, 10)):
+        for first, then in ((short, long), (long, short)):
+            index = PrefixIndex(10 ** 4)
+            index.admit(0, first, 0, ggml_cuts=cuts)
+            index.release(0, first + [7, 8], 0)
+            assert index.admit(0, then, 0, ggml_cuts=cuts) == want  # the slot's own sequence
+            index.release(0, then, 0)
+            # a short prompt of the first one's start: its entry's positions where they were
+            # computed as short ones (else what the slot holds: `then`'s first 10)
+            assert index.admit(0, first[:15] + [5], 0, ggml_cuts=cuts) == (10 if cuts and first is long else 15)
+    index = PrefixIndex(10 ** 4)  # a slot holding more of a prompt is no better where its rows differ
+    for slot, prompt in ((0, long), (1, long[:20])):
+        index.admit(slot, prompt, 0, ggml_cuts=True)
+        index.release(slot, prompt, 0)
+    assert index.choose_slot([0, 1], long[:25], 0, ggml_cuts=True) == 1
+    assert index.choose_slot([0, 1], long[:25], 0) == 0
+    index = PrefixIndex(10 ** 4)
+    index.admit(0, long, 0, ggml_cuts=True)
+    index.release(0, long + [9] * 40, 0)  # the answer: 40 rows a decode step each
+    turn = long + [9] * 40 + list(range(300, 400))
+    assert index.admit(0, turn, 0, ggml_cuts=True) == reusable_positions(len(turn), len(long) + 40)
+    assert index.slots == {} and list(index._running[0][:len(long)]) == [TILED] * len(long)
+    index.release(0, turn, 0, False)  # a context shift computed it again: nothing said of how
+    assert index.slots[0].kinds is None and ANSWER == 2
+
+
+@ggml_only
+def test_a_long_prompt_after_a_short_one_with_its_start_gives_its_cold_ids(source, chunk):  # noqa: F811
+    """Served, a short prompt then a long one that starts like it (a chat's template, a
+    nonce): the long one's greedy ids are those of its cold run, and it reused nothing."""
+    from mdi.model.sampling import SamplingParams, sample_generator
+    from mdi.ring.transport import LocalLoop
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
+    from mdi.starter.sample import Sample
+    start = source.tokenizer.encode("[3f9a1c] Notes on the ring:")
+    long = start + source.tokenizer.encode(TEXT)
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None,
+                    PipelineSettings(max_batch=1, prefill_chunk=64, ggml_cuts=True))
+    cold = Sample(0, "", long, 12, sample_generator(0, 0))
+    pipe.run([cold])
+    pipe.enable_prefix_cache(10 ** 4, 10 ** 9)
+    pipe.run([Sample(1, "", start + source.tokenizer.encode(" x"), 4, sample_generator(0, 1))])
+    again = Sample(1, "", long, 12, sample_generator(0, 2))  # into the short one's slot
+    pipe.run([again])
+    assert again.cached_tokens == 0 and again.token_ids == cold.token_ids

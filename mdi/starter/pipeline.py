@@ -142,7 +142,7 @@ class Pipeline:
         if self.prefix is None:
             return free[0]
         tokens = sample.window_tokens(0, sample.window_len) if sample.reuse_prefix else []
-        return self.prefix.choose_slot(free, tokens, sample.adapter)
+        return self.prefix.choose_slot(free, tokens, sample.adapter, self.settings.ggml_cuts)
 
     @property
     def cache(self) -> "KVCache":
@@ -171,10 +171,9 @@ class Pipeline:
             raise ValueError("sample %d: %d tokens do not fit a cache slot of %d positions"
                              % (sample.index, sample.window_len, self.cache.max_len))
         if self.prefix is not None:  # start after what the nodes hold of its window already
-            window = sample.window_len
-            usable = functools.partial(prompt_passes.reusable_positions, window) if self.settings.ggml_cuts else None
             sample.fed = sample.cached_tokens = self.prefix.admit(
-                sample.slot, sample.window_tokens(0, window), sample.adapter, sample.reuse_prefix, usable)
+                sample.slot, sample.window_tokens(0, sample.window_len), sample.adapter, sample.reuse_prefix,
+                self.settings.ggml_cuts)
         self.active[sample.slot] = sample
         self.ready.append(sample)
 
@@ -416,7 +415,8 @@ class Pipeline:
             if sample.done:
                 self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)
                 if self.prefix is not None:  # what its slot holds is cache now
-                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter)
+                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter,
+                                        not sample.shifts)
             elif not sample.verifying:
                 self.ready.append(sample)  # its next token, or the next chunk of its prompt
         self._dispatch()

@@ -3,7 +3,10 @@ ops that keep every node's prefix store (mdi.model.prefix_store) in step with it
 
 A sample's KV at position p depends only on its tokens 0..p (and its adapter, which changes the
 keys and values, and a soft prompt, whose placeholder ids an adapter id names), so a new prompt
-may start from any held sequence it shares a prefix with, for as many positions as they share.
+may start from any held sequence it shares a prefix with, for as many positions as they share;
+on a ring that computes with ggml, its bits also depend on the size of the passes that computed
+it, so there only as many as were computed as the new prompt's cold passes would
+(shared_positions).
 Places that hold sequences:
 - a free slot: what its last sample left there (a finished request's slot is cache, not
   garbage). A new sample put in that slot reuses the shared prefix with no copy at all: a chat's
@@ -23,11 +26,13 @@ Every decision is made here, without I/O (vLLM's scheduler style); the pipeline 
 """
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from mdi.model.prefix_store import CacheOp
+from mdi.starter import prompt_passes
+from mdi.starter.prompt_passes import ANSWER
 
 
 @dataclass
@@ -36,6 +41,23 @@ class Held:
     tokens: np.ndarray  # int64
     key: int  # the adapter id the KV was computed with (0: the base)
     used: int  # the index's clock when last written or reused: least recently used goes first
+    # how each position was computed (prompt_passes.ONE_ROW / TILED / ANSWER), where a ring
+    # cuts prompts as ggml computes them; None: not told (any position may be reused)
+    kinds: Optional[np.ndarray] = None
+
+
+def shared_positions(held: Held, want: np.ndarray, kinds: Optional[np.ndarray]) -> int:
+    """Positions of `want` that `held` holds, computed as a cold prompt of `want` computes
+    them (`kinds`, its cold passes' prompt_passes.cold_kinds; None: any): a prompt row keeps
+    the bits of the pass that computed it, and a pass below TILED_ROWS rows takes another
+    attention kernel than a longer one, so the start of a short prompt is no start of a long
+    one (an answer's rows are, as a conversation's)."""
+    n = common_prefix(held.tokens, want)
+    if kinds is None or held.kinds is None or n == 0:
+        return n
+    have = held.kinds[:n]
+    differ = np.flatnonzero((have != kinds[:n]) & (have != ANSWER))
+    return int(differ[0]) if len(differ) else n
 
 
 @dataclass
@@ -72,6 +94,7 @@ class PrefixIndex:
         # kept, not summed on demand: /metrics reads it from an HTTP thread while entries change
         self.tokens_held = 0
         self._ops: List[CacheOp] = []
+        self._running: Dict[int, Optional[np.ndarray]] = {}  # busy slot -> its window's kinds (Held.kinds)
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
 
@@ -81,15 +104,17 @@ class PrefixIndex:
         return ops
 
     # --- placing a sample ------------------------------------------------------------
-    def choose_slot(self, free: Sequence[int], tokens: Sequence[int], key: int) -> int:
-        """The free slot for a sample of `tokens`: the one holding the longest shared prefix
-        (no copy), else an empty one, else the one used least recently (its sequence is saved)."""
+    def choose_slot(self, free: Sequence[int], tokens: Sequence[int], key: int, ggml_cuts: bool = False) -> int:
+        """The free slot for a sample of `tokens`: the one holding the longest prefix it may
+        reuse (no copy; `ggml_cuts` as admit's), else an empty one, else the one used least
+        recently (its sequence is saved)."""
         want = _ids(tokens)
+        kinds = prompt_passes.cold_kinds(len(want)) if ggml_cuts else None
         best, best_len = None, 0
         for slot in free:
             held = self.slots.get(slot)
             if held is not None and held.key == key:
-                n = common_prefix(held.tokens, want)
+                n = shared_positions(held, want, kinds)
                 if n > best_len:
                     best, best_len = slot, n
         if best is not None:
@@ -99,27 +124,29 @@ class PrefixIndex:
             return empty[0]
         return min(free, key=lambda s: self.slots[s].used)
 
-    def admit(self, slot: int, tokens: Sequence[int], key: int, reuse: bool = True,
-              usable: Optional[Callable[[int], int]] = None) -> int:
+    def admit(self, slot: int, tokens: Sequence[int], key: int, reuse: bool = True, ggml_cuts: bool = False) -> int:
         """A sample of `tokens` (its window) takes `slot`: returns the positions it starts
         with (0..n-2: its last token always goes through the ring, for the logits that choose
-        the next; `usable` may take fewer of those it shares, where its first pass must start).
-        The slot's old sequence is saved as an entry first when the sample would overwrite part
-        of it; `reuse` False (a request's cache_prompt: false) reuses nothing."""
+        the next). With `ggml_cuts` (a ring that cuts prompts as ggml computes them,
+        mdi.starter.prompt_passes) only positions computed as its cold passes would compute them
+        (shared_positions), and fewer where its first pass must start. The slot's old sequence
+        is saved as an entry first when the sample would overwrite part of it; `reuse` False (a
+        request's cache_prompt: false) reuses nothing."""
         want = _ids(tokens)
+        kinds = prompt_passes.cold_kinds(len(want)) if ggml_cuts else None
         old = self.slots.pop(slot, None)
         limit = len(want) - 1
-        own = common_prefix(old.tokens, want) if reuse and old is not None and old.key == key else 0
+        own = shared_positions(old, want, kinds) if reuse and old is not None and old.key == key else 0
         entry, from_entry = None, 0
         if reuse:
             for eid, held in self.entries.items():
                 if held.key == key:
-                    n = common_prefix(held.tokens, want)
+                    n = shared_positions(held, want, kinds)
                     if n > from_entry:
                         entry, from_entry = eid, n
         use = max(0, min(limit, max(own, from_entry)))
-        if usable is not None:
-            use = usable(use)
+        if ggml_cuts:
+            use = prompt_passes.reusable_positions(len(want), use)
         load = entry if from_entry > own and use > 0 else None
         stays = 0 if load is not None else use  # positions of the old sequence the sample keeps
         if old is not None and len(old.tokens) > stays:
@@ -127,6 +154,10 @@ class PrefixIndex:
         if load is not None:
             self._ops.append(CacheOp("load", load, slot, use))
             self.entries[load].used = next(self._clock)
+        source = self.entries[load] if load is not None else old
+        reused = source.kinds[:use] if use and source is not None and source.kinds is not None else None
+        self._running[slot] = None if kinds is None or (use and reused is None) else (
+            np.concatenate([reused, kinds[use:]]) if use else kinds)
         if reuse:
             self.counters.lookups += 1
             self.counters.prompt_tokens += len(want)
@@ -134,12 +165,19 @@ class PrefixIndex:
             self.counters.tokens_reused += use
         return use
 
-    def release(self, slot: int, tokens: Sequence[int], key: int) -> None:
-        """A sample left `slot` holding the KV of `tokens` (what every node computed for it)."""
-        if len(tokens):
-            self.slots[slot] = Held(_ids(tokens), key, next(self._clock))
-        else:
+    def release(self, slot: int, tokens: Sequence[int], key: int, as_admitted: bool = True) -> None:
+        """A sample left `slot` holding the KV of `tokens` (what every node computed for it):
+        its window as admitted, then its answer's rows (`as_admitted` False: a context shift
+        computed its window again, how is not told)."""
+        admitted = self._running.pop(slot, None)
+        if not len(tokens):
             self.slots.pop(slot, None)
+            return
+        kinds = None
+        if admitted is not None and as_admitted:
+            kinds = np.full(len(tokens), ANSWER, dtype=np.uint8)
+            kinds[:len(admitted)] = admitted[:len(tokens)]
+        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds)
 
     # --- entries ---------------------------------------------------------------------
     def _keep(self, slot: int, held: Held, protect: Optional[int]) -> None:
@@ -172,7 +210,7 @@ class PrefixIndex:
                 self.counters.evictions += 1
         eid = next(self._ids)
         self._ops.append(CacheOp("save", eid, slot, n))
-        self.entries[eid] = Held(held.tokens, held.key, next(self._clock))
+        self.entries[eid] = Held(held.tokens, held.key, next(self._clock), held.kinds)
         self.tokens_held += n
         self.counters.saves += 1
 
@@ -192,6 +230,7 @@ class PrefixIndex:
         """A new ring: its nodes hold nothing (ops not yet sent are void)."""
         self.entries.clear()
         self.slots.clear()
+        self._running.clear()
         self.tokens_held = 0
         self._ops = []
 

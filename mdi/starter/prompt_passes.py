@@ -15,9 +15,16 @@ lengths stay multiples of REPACK_ROWS from the ubatch's start, as weights ggml r
 (`runtime.repack`) multiply rows in groups of that many from a pass's start. A sample's cuts
 depend on its window's length and its position alone, never on what else a frame carries.
 """
+import numpy as np
+
 from mdi.model.ggml.kernel_rows import REPACK_ROWS, TILED_ROWS
 
 UBATCH = 512  # llama.cpp's default n_ubatch: the passes it cuts a prompt into
+# How a held position's row was computed (mdi.starter.prefix_cache.Held.kinds): in a prompt's
+# pass below TILED_ROWS rows, in one of TILED_ROWS or more, or as an answer's (a decode step's,
+# a verification's: below TILED_ROWS rows too, but reused where a cold prompt would tile it, as
+# llama.cpp's server reuses a conversation: the one exception "Determinism" states).
+ONE_ROW, TILED, ANSWER = 0, 1, 2
 
 
 def _ubatch(position: int, window: int):
@@ -49,3 +56,15 @@ def reusable_positions(window: int, cached: int) -> int:
         return cached
     at = min(cached, end - TILED_ROWS)
     return start + (at - start) // REPACK_ROWS * REPACK_ROWS
+
+
+def cold_kinds(window: int) -> np.ndarray:
+    """Per position of a window of `window` tokens, how its cold passes compute it: TILED
+    where its ubatch holds TILED_ROWS rows or more (every ubatch but a short last one), else
+    ONE_ROW. A prefix-cache hit reuses only positions computed that way (or answers)."""
+    kinds = np.full(window, TILED, dtype=np.uint8)
+    tail = window % UBATCH
+    if 0 < tail < TILED_ROWS:
+        kinds[window - tail:] = ONE_ROW
+    return kinds
+
