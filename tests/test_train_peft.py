@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 
 from conftest import CHARS  # noqa: E402
 from ringconfigs import write_run_config  # noqa: E402
-from test_adapters import base_chunk, hf_model, run  # noqa: E402
+from test_adapters import base_chunk, hf_gemma3, hf_model, run  # noqa: E402
 from test_model_parity import hf_gpt2, hf_llama  # noqa: E402
 from mdi.cli import train_main  # noqa: E402
 from mdi.model.adapters.adapter_files import load_adapter  # noqa: E402
@@ -27,7 +27,7 @@ from mdi.model.tokenizers import char_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("module_on_torch")  # training computes on torch (ggml has no backward pass)
 
-MAKERS = {"llama": hf_llama, "gpt2": hf_gpt2}
+MAKERS = {"llama": hf_llama, "gpt2": hf_gpt2, "gemma3": hf_gemma3}
 TEXT = "".join(CHARS[(i * 11 + i // 3) % (len(CHARS) - 1)] for i in range(600)) + "\n"
 
 
@@ -43,7 +43,7 @@ def bases(tmp_path, family):
     return hf_dir, mdi_dir
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", sorted(MAKERS))
 def test_mdi_train_adapter_loads_in_peft_with_mdi_s_logits(tmp_path, family):
     hf_dir, mdi_dir = bases(tmp_path, family)
     data = tmp_path / "text.txt"
