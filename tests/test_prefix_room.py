@@ -8,18 +8,18 @@ import subprocess
 
 from conftest import BIN
 from ringconfigs import write_run_config
-from mdi.model.prefix_store import NodePrefixRoom, shared_positions
+from mdi.model.prefix_store import NodePrefixRoom, budget_positions
 from mdi.system.memory import memory_pool
 
 
 def test_nodes_on_one_memory_share_an_auto_budget_and_others_keep_their_own():
     a, b, c = NodePrefixRoom(1000, 10, "m1"), NodePrefixRoom(900, 20, "m1"), NodePrefixRoom(600, 10, "m2")
-    assert shared_positions([a, b, c], auto=True) == min(900 // 30, 600 // 10) == 30
-    assert shared_positions([a, b, c], auto=False) == min(100, 45, 60) == 45  # sizes the user gave, per node
+    assert budget_positions([a, b, c], auto=True) == min(900 // 30, 600 // 10) == 30
+    assert budget_positions([a, b, c], auto=False) == min(100, 45, 60) == 45  # sizes the user gave, per node
     unknown = [NodePrefixRoom(1000, 10, None), NodePrefixRoom(1000, 10, None)]
-    assert shared_positions(unknown, auto=True) == 100  # nothing says they share
-    assert shared_positions([a, NodePrefixRoom(1000, 0, "m3")], auto=True) == 0  # a node that keeps none
-    assert shared_positions([], auto=True) == 0
+    assert budget_positions(unknown, auto=True) == 100  # nothing says they share
+    assert budget_positions([a, NodePrefixRoom(1000, 0, "m3")], auto=True) == 0  # a node that keeps none
+    assert budget_positions([], auto=True) == 0
 
 
 def test_a_memory_pool_is_this_boot_of_this_machine(tmp_path):

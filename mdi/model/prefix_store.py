@@ -136,7 +136,7 @@ class NodePrefixRoom:
     pool: Optional[str] = None
 
 
-def shared_positions(nodes: Sequence[NodePrefixRoom], auto: bool) -> int:
+def budget_positions(nodes: Sequence[NodePrefixRoom], auto: bool) -> int:
     """Positions the prefix cache may hold, each entry on every node: what the tightest node
     holds. An "auto" budget is half of what a node's memory spares, so nodes that draw on one
     memory (several on one machine: a ring tried on a laptop, a test) would each count that
@@ -150,4 +150,3 @@ def shared_positions(nodes: Sequence[NodePrefixRoom], auto: bool) -> int:
         per = sum(n.position_bytes for n in group)
         fits.append(min(n.budget_bytes for n in group) // per if per else 0)
     return min(fits) if fits else 0
-

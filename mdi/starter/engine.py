@@ -20,7 +20,7 @@ from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import memory_pool
 from mdi.system.parallel import run_all
 from mdi.model.source import ModelSource
-from mdi.model.prefix_store import AUTO as PREFIX_AUTO, NodePrefixRoom, budget_bytes as prefix_budget, shared_positions
+from mdi.model.prefix_store import AUTO as PREFIX_AUTO, NodePrefixRoom, budget_bytes as prefix_budget, budget_positions
 from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout
@@ -272,13 +272,13 @@ class Engine(RuntimeAdapters):
     def _enable_prefix_cache(self) -> None:
         """The pipeline keeps earlier prompts' KV within what every node gives it: as many
         positions as the tightest node's budget holds (each node's bytes per position differ;
-        nodes on one memory share an "auto" budget: prefix_store.shared_positions)."""
+        nodes on one memory share an "auto" budget: prefix_store.budget_positions)."""
         chunk = self.live_chunk
         cache = chunk.cache
         here = NodePrefixRoom(self.prefix_bytes, cache.range_bytes(1) if cache is not None and chunk.n_layers else 0,
                               memory_pool())
         rooms = [here] + (self.ring.prefix_rooms() if self.ring is not None else [])
-        positions = shared_positions(rooms, self.cfg.runtime.prefix_cache == PREFIX_AUTO)
+        positions = budget_positions(rooms, self.cfg.runtime.prefix_cache == PREFIX_AUTO)
         self.live_pipeline.enable_prefix_cache(positions, self.prefix_bytes)
         if self.cfg.runtime.prefix_cache:  # --serve's start line says it too
             log.debug("mdi: prefix cache: %d positions on every node%s", positions,

@@ -67,4 +67,3 @@ def cold_kinds(window: int) -> np.ndarray:
     if 0 < tail < TILED_ROWS:
         kinds[window - tail:] = ONE_ROW
     return kinds
-
