@@ -243,7 +243,8 @@ def test_system_probe_modules_are_stdlib_only(module):
     # Importable by the probe on a board without torch: no third-party import at module level.
     code = open(os.path.join(ROOT, "mdi", "system", module), encoding="utf-8").read()
     imports = re.findall(r"^(?:import|from) (\w+)", code, re.M)
-    assert set(imports) <= {"os", "re", "resource", "shutil", "subprocess", "sys", "threading", "time", "typing"}, \
+    assert set(imports) <= {"hashlib", "os", "re", "resource", "shutil", "subprocess", "sys", "threading", "time",
+                            "typing"}, \
         imports
 
 

@@ -139,6 +139,7 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
     import copy
     from mdi.model.config import ModelConfig
     from mdi.ring.init_request import DataPlane, InitRequest, RequestError, Weights, validate_init
+    from mdi.system.memory import memory_pool
     from mdi.worker.node import Worker
     with open(os.path.join(tiny_models["gpt2"], "mdi_config.json")) as f:
         model = ModelConfig.from_dict(json.load(f)["model"])
@@ -154,7 +155,7 @@ def test_worker_keeps_its_state_out_of_the_typed_init_request(tiny_models):
         per_position = 2 * 2 * model.n_kv_head * model.head_dim * 4  # 2 layers, K and V, float32
         assert reply == {"ok": True, "need_weights": False, "cache_bytes": worker.chunk.cache.nbytes,
                          "prefix_cache_bytes": 0, "prefix_token_bytes": per_position,  # no prefix_cache asked
-                         "backend": "torch", "backend_line": "torch (asked)"}
+                         "memory_pool": memory_pool(), "backend": "torch", "backend_line": "torch (asked)"}
         assert request == sent and worker.run.request is request and worker.run.heartbeat_timeout == 30.0
         status = worker.status()
         assert status.state == "running" and status.layers == [1, 3] and status.run_id == 4
