@@ -32,7 +32,6 @@ import numpy as np
 
 from mdi.model.prefix_store import CacheOp
 from mdi.starter import prompt_passes
-from mdi.starter.prompt_passes import ANSWER
 
 
 @dataclass
@@ -56,7 +55,7 @@ def shared_positions(held: Held, want: np.ndarray, kinds: Optional[np.ndarray]) 
     if kinds is None or held.kinds is None or n == 0:
         return n
     have = held.kinds[:n]
-    differ = np.flatnonzero((have != kinds[:n]) & (have != ANSWER))
+    differ = np.flatnonzero((have != kinds[:n]) & (have != prompt_passes.ANSWER))
     return int(differ[0]) if len(differ) else n
 
 
@@ -175,7 +174,7 @@ class PrefixIndex:
             return
         kinds = None
         if admitted is not None and as_admitted:
-            kinds = np.full(len(tokens), ANSWER, dtype=np.uint8)
+            kinds = np.full(len(tokens), prompt_passes.ANSWER, dtype=np.uint8)
             kinds[:len(admitted)] = admitted[:len(tokens)]
         self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds)
 

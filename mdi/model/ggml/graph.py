@@ -245,11 +245,21 @@ class GraphBuilder:
             x = self._block(ctx, b, x, layer, li, shape, cache, pos, kv_rows, masks)
         return x
 
-    def query_rows(self, s: SampleShape) -> int:
-        """Query rows sample `s` attends with, so its mask's rows: its own, or, for a one-row
-        sample whose heads attend as rows (_attention_views), one per head."""
+    def _lone_row_layout(self, s: SampleShape) -> Optional[str]:
+        """How sample `s`'s heads are laid out where it is one row on a CPU (_attention_views):
+        "groups" (its KV heads in ggml's fourth dimension), "rows" (one KV head: its heads as
+        rows of one head), or None (as in any pass)."""
         c = self.t.config
-        return c.n_head if s.rows == 1 and self.on_cpu and c.kv_heads == 1 and 1 < c.n_head < 64 else s.rows
+        if s.rows != 1 or not self.on_cpu:
+            return None
+        if c.kv_heads > 1:
+            return "groups"
+        return "rows" if 1 < c.n_head < 64 else None
+
+    def query_rows(self, s: SampleShape) -> int:
+        """Query rows sample `s` attends with, so its mask's rows: its own, or one per head
+        where its heads attend as rows."""
+        return self.t.config.n_head if self._lone_row_layout(s) == "rows" else s.rows
 
     def _attention_views(self, ctx: Any, q: Any, kc: Any, vc: Any, s: SampleShape, q_offset: int, offset: int,
                          row_d: int, row_bytes: int) -> Tuple[Any, Any, Any]:
@@ -268,14 +278,14 @@ class GraphBuilder:
         gg = self.gg
         D, H, KV = self.t.config.head_dim, self.t.config.n_head, self.t.config.kv_heads
         qnb = q.contents.nb
-        if s.rows == 1 and KV > 1 and self.on_cpu:
+        layout = self._lone_row_layout(s)
+        if layout == "groups":
             per = H // KV  # query heads per KV head, one after another (llama.cpp's GQA order)
             qs = gg.ggml_view_4d(ctx, q, D, 1, per, KV, qnb[2], qnb[1], qnb[1] * per, q_offset)
             ks = gg.ggml_view_4d(ctx, kc, D, s.attend, 1, KV, row_bytes, row_bytes * s.attend, row_d, offset)
             vs = gg.ggml_view_4d(ctx, vc, D, s.attend, 1, KV, row_bytes, row_bytes * s.attend, row_d, offset)
             return qs, ks, vs
-        rows = self.query_rows(s)
-        if rows != s.rows:
+        if layout == "rows":
             qs = gg.ggml_view_3d(ctx, q, D, H, 1, qnb[1], qnb[2], q_offset)  # [D, H(as rows), 1 head]
         else:
             qs = gg.ggml_permute(ctx, gg.ggml_view_3d(ctx, q, D, H, s.rows, qnb[1], qnb[2], q_offset), 0, 2, 1, 3)
