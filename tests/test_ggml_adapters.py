@@ -212,13 +212,14 @@ def test_a_soft_prompt_s_rows_embed_as_on_torch(models):
 
 def test_a_training_job_beside_a_ggml_ring_is_refused_in_one_line():
     """POST /v1/mdi/train where nodes compute with ggml (no backward pass): a 400 that says what
-    to run instead, before any node is touched."""
+    to run instead, before any node is touched; on a quantized model too, where torch's
+    quant_kernel (not what a ggml node computes with) is no part of the answer."""
     from types import SimpleNamespace
     from mdi.serving.train_routes import TrainControl
     from mdi.serving.validation import ApiError
     engine = SimpleNamespace(ggml_nodes=lambda: ["starter", "board2"],
-                             cfg=SimpleNamespace(runtime=SimpleNamespace(quant_kernel="exact")),
-                             plan=SimpleNamespace(nodes=[]))
+                             cfg=SimpleNamespace(runtime=SimpleNamespace(quant_kernel="fast")),
+                             plan=SimpleNamespace(nodes=[SimpleNamespace(quant={"mode": "int4"})] * 2))
     control = TrainControl(SimpleNamespace(job=None, engine=engine), None, "tiny", lambda: None)
     with pytest.raises(ApiError) as e:
         control.start({"data": "x.txt", "out": "y"})

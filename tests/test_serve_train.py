@@ -190,22 +190,34 @@ def test_out_never_overwrites_served_files_nor_any_files(setup):
         assert not os.path.exists(os.path.join(path, "new"))
 
 
-def test_second_job_is_409_and_delete_stops_it(setup):
+def test_second_job_is_409_and_delete_stops_it(setup, workers):
+    """A second job is a 409 while one runs, and so is an adapter loaded under the name the
+    running job is to be served as; each worker counts the job's pairs and optimizer state in
+    what it holds (/status, and what adapters loaded meanwhile are checked against); DELETE
+    stops the job, which writes nothing."""
     server, model, base, data, alone = setup
-    body = dict(JOB, steps=100000, data=data, out=os.path.join(base, "stopped"))
+
+    def training_bytes():
+        return [requests.get(w.url + "/status", timeout=10).json()["memory"]["training_bytes"] for w in workers[:2]]
+    body = dict(JOB, steps=100000, data=data, out=os.path.join(base, "stopped"), name="pending")
     assert train(server, **body).status_code == 200
     r = train(server, **body)
     assert r.status_code == 409 and "running" in r.json()["error"]["message"]
+    lora = write_random_lora(os.path.join(base, "other-lora"), ModelSource(model).config, seed=4, rank=2)
+    r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "pending", "path": lora}, timeout=120)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
     wait_state(server, ("running",))
     while train(server, "GET").json()["step"] < 2:
         time.sleep(0.05)
+    assert all(b > 0 for b in training_bytes())
     r = train(server, "DELETE")
     assert r.status_code == 200 and r.json()["state"] == "stopped", r.text
+    assert training_bytes() == [0, 0]
     assert train(server, "DELETE").status_code == 404
     assert not os.path.exists(os.path.join(base, "stopped"))  # a stopped job writes no adapter
     assert stream(server, PROMPTS[1]) == stream(server, PROMPTS[1])  # serving goes on
     # every worker dropped its training state: a new job starts on the same run
-    r = train(server, **dict(body, steps=2, out=os.path.join(base, "again")))
+    r = train(server, **dict(body, steps=2, out=os.path.join(base, "again"), name=None))
     assert r.status_code == 200, r.text
     assert wait_state(server, ("done", "failed"))["state"] == "done"
 

@@ -292,6 +292,30 @@ def test_a_lapsed_heartbeat_lets_another_run_take_over(tiny_models):
         worker.end_run()
 
 
+def test_a_next_host_that_cannot_be_reached_frees_the_data_port_and_the_cache(tiny_models):
+    """A next host the worker's sockets cannot connect to (a name no syntax allows) is a 400
+    naming it, and the run it would have started leaves nothing bound: the next /init on the
+    same data port starts its run. Over HTTP the field is checked before any of that."""
+    from mdi.ring.init_request import RequestError, validate_init
+    from mdi.worker.node import Worker
+    model = tiny_models["gpt2"]
+    worker = Worker("127.0.0.1", free_ports(1)[0], models_dir=os.path.dirname(model))
+    worker.shutdown_requested.set()
+    try:
+        bad = init_request(model, 1, Weights(path=model))
+        good = copy.deepcopy(bad)
+        bad.data.next_host = "a b"
+        with pytest.raises(RequestError, match="cannot connect to the next node at a b:"):
+            worker.init(bad, "127.0.0.1")
+        assert worker.run is None and worker.chunk is not None and worker.chunk.cache is None
+        assert worker.init(good, "127.0.0.1")["ok"] and worker.run.id == 1  # the same data port
+        for host in ("a b", "tcp://x", "x:80", "::1", "-x", "a/b"):
+            with pytest.raises(RequestError, match="data.next_host must be a host name or IPv4 address"):
+                validate_init(dict(bad.to_json(), data=dict(bad.data.to_json(), next_host=host)))
+    finally:
+        worker.end_run()
+
+
 # --- 6: weights.path stays inside --models-dir -----------------------------------------------
 
 def test_weights_path_outside_the_models_dir_is_refused_alike(tiny_models, pair, tmp_path):

@@ -70,7 +70,8 @@ def start_parser() -> argparse.ArgumentParser:
                         "model's GGUF tensors as stored), torch, or auto (default: each node measures both on its "
                         "own shapes once and keeps the faster)")
     p.add_argument("--kv-type", choices=KV_TYPES,
-                   help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it)")
+                   help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it, "
+                        "f32 doubles it and agrees with torch's float32 reference)")
     p.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS,
                    help="ggml: how a prompt's passes multiply (runtime.prefill_weights): quantized (the weights "
                         "as stored: a prompt's bits are llama.cpp's), dequantized (in the graph, from the pass size "

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "ggml", "torch")
 AUTO = "auto"
-# The ggml KV cache's types (runtime.kv_type, llama.cpp's -ctk / -ctv) -> ggml's type names
-KV_GGML_TYPES = {"f16": "F16", "q8_0": "Q8_0"}
+# The ggml KV cache's types (runtime.kv_type, llama.cpp's -ctk / -ctv) -> ggml's type names. f32
+# doubles f16's bytes for torch's float32 bits (ggml's CPU attention sums an f16 V in f16).
+KV_GGML_TYPES = {"f16": "F16", "q8_0": "Q8_0", "f32": "F32"}
 KV_TYPES = tuple(KV_GGML_TYPES)
 # runtime.prefill_weights (ggml): a prompt's passes multiply the weights as stored, or dequantized
 # where measured faster (mdi.model.ggml.dequant_rows); auto, the default, dequantizes on a node

@@ -13,6 +13,8 @@ from mdi.model.torch_settings import POLICY_NAMES, fused_decode_default
 from mdi.ring.wire import CODECS
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# A host the data plane can connect to (zmq's tcp://HOST:PORT): a DNS name or an IPv4 address
+HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 MAX_WEIGHTS_BYTES = 64 * 1024 ** 3
 
 
@@ -292,7 +294,8 @@ def validate_init(body: Any) -> InitRequest:
     data = object_fields("data", spec["data"], ("bind_port", "next_host", "next_port", "is_last"))
     int_field("data.bind_port", data["bind_port"], 1, 65535)
     int_field("data.next_port", data["next_port"], 1, 65535)
-    str_field("data.next_host", data["next_host"], 255)
+    if not HOST_NAME.match(str_field("data.next_host", data["next_host"], 255)):
+        raise RequestError("data.next_host must be a host name or IPv4 address, got %r" % data["next_host"][:64])
     bool_field("data.is_last", data["is_last"])
     backend = spec.get("backend", "torch")
     if backend not in BACKENDS:

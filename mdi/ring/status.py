@@ -32,6 +32,7 @@ class NodeMemory:
     max_memory_bytes: Optional[int] = None  # the worker's --max-memory
     chunk_bytes: int = 0  # the weights it holds now
     adapter_bytes: int = 0  # the low-rank adapters' A/B matrices for its layers
+    training_bytes: int = 0  # a training job's LoRA pairs and optimizer state (POST /train)
     unified_bytes: Optional[int] = None  # RSS + CUDA allocations now (a Jetson's GPU memory is its RAM)
     board_used_bytes: Optional[int] = None  # the board's RAM in use (mdi.system.memory.board_memory)
     board_total_bytes: Optional[int] = None

@@ -162,7 +162,11 @@ class RingEndpoint:
             push.curve_secretkey = self.keys.client_secret
             push.curve_publickey = self.keys.client_public
             push.curve_serverkey = self.keys.server_public
-        push.connect("tcp://%s:%d" % (host, port))
+        try:
+            push.connect("tcp://%s:%d" % (host, port))
+        except zmq.ZMQError as e:
+            push.close(linger=0)
+            raise RuntimeError("%s: cannot connect to the next node at %s:%d: %s" % (self.name, host, port, e))
         self._push = push
         self._sender.start()
 

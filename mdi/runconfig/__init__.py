@@ -93,7 +93,7 @@ class RuntimeSpec:
     # own tensors), torch, or auto: each node measures both on its own shapes and keeps the
     # faster (remembered per machine). A node's own `backend:` wins.
     backend: str = field(default_factory=default_backend)  # $MDI_BACKEND, else auto
-    kv_type: str = "f16"  # the ggml backend's KV cache: f16 | q8_0 (llama.cpp's -ctk / -ctv)
+    kv_type: str = "f16"  # the ggml backend's KV cache: f16 | q8_0 | f32 (llama.cpp's -ctk / -ctv)
     # ggml re-lays the matrices of some GGUF types for its faster matrix kernels (llama.cpp's
     # default): prefill runs up to 2.6x faster, but a pass of 4 rows or more then rounds them
     # differently from a one-row pass, so greedy ids may depend on batching. false: never.

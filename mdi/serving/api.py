@@ -286,6 +286,8 @@ class Routes:
         if not ADAPTER_NAME.fullmatch(name) or name in (self.model_id, BASE_ADAPTER):
             raise ApiError(400, "name: letters, digits, '_', '.' or '-' (at most 64), not %r or 'base'"
                            % self.model_id, "name")
+        if self.training.reserves(name):
+            raise ApiError(409, "name: the training job running now is served as %r when done" % name, "name")
         engine = self.sched.engine
         if engine is None:
             raise ApiError(503, "the ring is %s" % self.sched.state, kind="server_error")
@@ -294,10 +296,8 @@ class Routes:
             raise ApiError(400, "path: adapters load only from %s" % where(self.files.roots), "path")
         try:
             adapter = engine.add_adapter(name, real)
-        except StarterTooLarge as e:  # no memory for it on the starter: 413
-            raise node_api_error(e, "path")
-        except ConfigError as e:
-            raise ApiError(400, str(e), "path")
+        except ConfigError as e:  # a bad file: 400; no memory for it on the starter: 413
+            raise node_api_error(e, "path") if isinstance(e, StarterTooLarge) else ApiError(400, str(e), "path")
         except RuntimeError as e:  # a worker refused it (NodeError, naming it): 413 too large, 429 busy
             raise node_api_error(e, "path")
         self.adapters_served = True

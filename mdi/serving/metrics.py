@@ -46,7 +46,7 @@ class Stats:
         self.starter_steps: Deque[float] = collections.deque(maxlen=RECENT)
         self.starter_frames = 0
         self.starter_seconds = 0.0
-        self.intervals: Deque[float] = collections.deque(maxlen=RECENT)
+        self.intervals: Deque[Tuple[float, float]] = collections.deque(maxlen=RECENT)  # (when, interval)
         self.first_tokens: Deque[Tuple[float, float]] = collections.deque(maxlen=RECENT)  # (when, ttft)
         self.latency_sum = 0.0
         self.ttft_sum = 0.0
@@ -58,7 +58,7 @@ class Stats:
             self.tokens_total += 1
             self.token_times.append(now)
             if interval is not None:
-                self.intervals.append(interval)
+                self.intervals.append((now, interval))
             self._trim(now)
 
     def _trim(self, now: float) -> None:
@@ -103,14 +103,16 @@ class Stats:
         with self.lock:
             self._trim(now)
             span = min(RATE_WINDOW, max(now - self.started, 1e-6))
+            # An idle server reports no recent interval or TTFT rather than its last busy values.
             recent_ttft = [t for at, t in self.first_tokens if at >= now - RATE_WINDOW]
+            recent_intervals = [t for at, t in self.intervals if at >= now - RATE_WINDOW]
             return {
                 "tokens_per_second": len(self.token_times) / span,
                 "tokens_total": self.tokens_total, "prompt_tokens_total": self.prompt_tokens_total,
                 "requests": dict((r, self.requests.get(r, 0)) for r in FINISH_REASONS),
                 "starter_step_seconds": _mean(self.starter_steps),
                 "starter_frames": self.starter_frames, "starter_seconds": self.starter_seconds,
-                "token_interval_seconds": _mean(self.intervals),
+                "token_interval_seconds": _mean(recent_intervals),
                 "ttft_recent_seconds": _mean(recent_ttft),
                 "latency_sum": self.latency_sum, "latency_count": sum(self.requests.values()),
                 "ttft_sum": self.ttft_sum, "ttft_count": self.ttft_count,

@@ -61,7 +61,7 @@ def metrics_text(snap: Dict[str, Any]) -> str:
     out.add("mdi_time_to_first_token_recent_seconds", "gauge",
             "Mean time to first token of the requests whose first token came in the last 10 s.",
             [("", snap["ttft_recent_seconds"])])
-    out.add("mdi_token_interval_seconds", "gauge", "Mean time between two tokens of one sample (recent).",
+    out.add("mdi_token_interval_seconds", "gauge", "Mean time between two tokens of one sample, over the last 10 s.",
             [("", snap["token_interval_seconds"])])
     out.add("mdi_recoveries_total", "counter", "Times the ring was re-planned after a node failure.",
             [("", len(snap["recoveries"]))])

@@ -32,6 +32,7 @@ from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.sample import FinishReason, Sample
 from mdi.starter.planning.run_shape import serving_max_len
 from mdi.starter.planning.serving_plan import open_serving_ring
+from mdi.system.memory import collect_freed_memory
 
 STEP_TIMEOUT = 0.05  # seconds an engine step waits for a frame before the scheduler looks again
 IDLE_WAIT = 0.5  # seconds the idle scheduler sleeps on its inbox
@@ -426,6 +427,8 @@ class Scheduler:
         except (RuntimeError, OSError) as e:  # NodeError included; the ring is broken anyway
             log.warning("mdi: serve: aborting the failed ring: %s", e)
         engine.free_cache()
+        del engine  # its weights go now, before the next ring loads its own
+        collect_freed_memory()
 
     def _shutdown(self) -> None:
         self.state = RingState.STOPPED

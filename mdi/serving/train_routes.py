@@ -36,6 +36,10 @@ class TrainControl:
         job = self.sched.job
         return job is not None and job.active
 
+    def reserves(self, name: str) -> bool:
+        """Whether the running job's adapter is to be served as `name`: no other may take it."""
+        return self._running() and self.sched.job.spec.name == name
+
     def _conflict(self) -> ApiError:
         job = self.sched.job
         return ApiError(409, "a training job is running (step %d of %d); DELETE /v1/mdi/train stops it"
@@ -49,15 +53,15 @@ class TrainControl:
         if engine is None:
             raise ApiError(503, "the ring is %s" % sched.state, kind="server_error")
         cfg = engine.cfg
-        if cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes):
-            raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
-                           "have no backward: serve with runtime.quant_kernel: exact to train beside it"
-                           % cfg.runtime.quant_kernel)
         on_ggml = engine.ggml_nodes()
         if on_ggml:  # ggml has no backward pass; a torch copy beside it would double a board's weights
             raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch to "
                            "train beside serving, or train with mdi-train" % (", ".join(on_ggml),
                                                                              "s" if len(on_ggml) == 1 else ""))
+        if cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes):  # torch's kernels
+            raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
+                           "have no backward: serve with runtime.quant_kernel: exact to train beside it"
+                           % cfg.runtime.quant_kernel)
         # training's modules import torch: here, once a ring that can train is asked to
         from mdi.serving.train_body import parse_train_body
         from mdi.serving.train_job import TrainJob

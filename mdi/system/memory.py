@@ -298,6 +298,15 @@ def board_memory() -> Dict[str, Any]:
 _malloc_trim: list = []  # [glibc's malloc_trim or None], looked up once
 
 
+def collect_freed_memory() -> None:
+    """Free what was let go of with reference cycles (a chunk, a ring: their closures hold
+    tensors and ggml buffers until Python's cycle collector runs, which counts none of their
+    bytes), then hand the heap's free pages back (release_freed_memory)."""
+    import gc
+    gc.collect()
+    release_freed_memory()
+
+
 def release_freed_memory() -> None:
     """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
     Picking a quantized layer's kernel allocates and frees temporaries of tens of MB between

@@ -1,7 +1,6 @@
 """What a worker measures when asked between runs: POST /profile (its blocks' timing, within
 the memory it spares) and POST /backend (which backend it would compute given layers with)."""
 import dataclasses
-import gc
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -12,7 +11,7 @@ from mdi.model.layout import layout_to_json
 from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.init_request import NodeBusy, RequestError, TooLarge
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
-from mdi.system.memory import release_freed_memory
+from mdi.system.memory import collect_freed_memory
 from mdi.worker.memory_budget import chunk_nbytes
 
 log = logging.getLogger(__name__)
@@ -67,8 +66,7 @@ class Measuring:
             except (RuntimeError, ValueError) as e:  # e.g. no CUDA here, or out of memory
                 raise RequestError("cannot profile on %s: %s" % (self.device_override or request.device, e))
             finally:
-                gc.collect()
-                release_freed_memory()  # the random blocks' memory goes back before the weights come
+                collect_freed_memory()  # the random blocks' memory goes back before the weights come
         finally:
             self.lock.release()
 

@@ -19,6 +19,12 @@ def held_bytes(chunk: Optional[Any]) -> int:
     return chunk_nbytes(chunk) + chunk.adapter_bytes + (chunk.cache.nbytes if chunk.cache is not None else 0)
 
 
+def training_bytes(run: Optional[Any]) -> int:
+    """What a run's training job holds (its LoRA pairs and their optimizer state); 0 when none."""
+    training = run.training if run is not None else None
+    return training.nbytes if training is not None else 0
+
+
 def memory_limit(max_memory: Optional[int], device: str, held: int) -> Tuple[Optional[int], str]:
     """(bytes, what): the most memory a worker gives a run's weights and KV cache on `device`:
     its --max-memory, else the memory free there (a discrete GPU's own) plus what it holds now

@@ -5,7 +5,6 @@ the ring's data plane: a `RingEndpoint`; the compute loop pops a frame, selects 
 KV cache slot, runs this node's blocks and pushes the result to the next node. A worker serves
 run after run without restarting; weights already loaded for the same layers are reused.
 """
-import gc
 import logging
 import os
 import threading
@@ -24,10 +23,10 @@ from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype
-from mdi.system.memory import memory_pool, release_freed_memory
+from mdi.system.memory import collect_freed_memory, memory_pool, release_freed_memory
 from mdi.worker.chunk_loading import load_ggml_chunk, load_torch_chunk, loaded_weights_bytes, run_cache_bytes
 from mdi.worker.measuring import Measuring
-from mdi.worker.memory_budget import check_cache_fits, held_bytes, memory_limit
+from mdi.worker.memory_budget import check_cache_fits, held_bytes, memory_limit, training_bytes
 from mdi.worker.run import DEFAULT_HEARTBEAT_TIMEOUT, Run
 from mdi.worker.status_report import status_reply
 from mdi.worker.weight_intake import LoadedWeights, check_push_fits, models_dir_default, receive_push, weights_file
@@ -292,15 +291,15 @@ class Worker(Measuring):
         but kept in this one is not reused there, and a board near its limit was OOM-killed
         loading a new split beside the last one (seen under a memory cgroup)."""
         self.chunk, self.loaded = None, None
-        gc.collect()
-        release_freed_memory()
+        collect_freed_memory()
 
     def _memory_limit(self, device: str) -> Tuple[Optional[int], str]:
         """(bytes, what) this worker may give a run on `device` (memory_budget.memory_limit)."""
         return memory_limit(self.max_memory, device, self._held_bytes())
 
     def _held_bytes(self) -> int:
-        return held_bytes(self.chunk)
+        """Weights, adapters, KV cache, and a training job's pairs and optimizer state."""
+        return held_bytes(self.chunk) + training_bytes(self.run)
 
     def _spare_bytes(self, setup: Setup) -> Optional[int]:
         """What this worker's memory spares beside the weights and KV cache its run was planned
@@ -379,12 +378,17 @@ class Worker(Measuring):
         except RuntimeError as e:
             chunk.free_cache()
             raise RequestError(str(e))
-        endpoint.connect(data.next_host, data.next_port)
-        threads = self._set_threads(request, chunk)
-        if chunk.backend == "ggml":  # per run, after the threads: what it measures is theirs
-            chunk.set_prefill_weights(request.prefill_weights)
-            self.backend_line = chunk.with_prefill_rule(setup.backend_line)
-        self.run = Run(request, chunk, endpoint, setup.peer, threads, setup.prefix_bytes)
+        try:
+            endpoint.connect(data.next_host, data.next_port)
+            threads = self._set_threads(request, chunk)
+            if chunk.backend == "ggml":  # per run, after the threads: what it measures is theirs
+                chunk.set_prefill_weights(request.prefill_weights)
+                self.backend_line = chunk.with_prefill_rule(setup.backend_line)
+            self.run = Run(request, chunk, endpoint, setup.peer, threads, setup.prefix_bytes)
+        except BaseException as e:  # no run holds them: free the data port and the cache now
+            endpoint.close()
+            chunk.free_cache()
+            raise RequestError(str(e)) if isinstance(e, RuntimeError) else e
         self.touch()
         self.run.thread.start()
         self.runs_served += 1

@@ -5,7 +5,7 @@ from mdi import __version__
 from mdi.ring.status import NodeCache, NodeCounters, NodeMemory, StatusReply, WorkerState
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.system.memory import board_memory, free_bytes_on, rss_bytes, unified_memory_bytes
-from mdi.worker.memory_budget import chunk_nbytes
+from mdi.worker.memory_budget import chunk_nbytes, training_bytes
 from mdi.worker.run import Run
 
 
@@ -23,6 +23,7 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
         memory=NodeMemory(rss_bytes(), unified_memory_bytes(peak=True), available_bytes=free_bytes_on(device),
                           max_memory_bytes=max_memory, chunk_bytes=chunk_nbytes(chunk),
                           adapter_bytes=chunk.adapter_bytes if chunk is not None else 0,
+                          training_bytes=training_bytes(run),
                           unified_bytes=unified_memory_bytes(), board_used_bytes=board["used_bytes"],
                           board_total_bytes=board["total_bytes"], board_source=board["source"],
                           capacity_bytes=capacity),

@@ -32,9 +32,10 @@ OPTIMIZER_COPIES = 4  # parameters, their gradients and AdamW's two moments, all
 
 
 class WorkerTraining:
-    def __init__(self, name: str, stage: StageTrainer) -> None:
+    def __init__(self, name: str, stage: StageTrainer, nbytes: int) -> None:
         self.name = name
         self.stage = stage
+        self.nbytes = nbytes  # its LoRA pairs and their optimizer state: held beside the run's weights
         self.seconds = 0.0
 
     def handle(self, frame: Frame) -> List[Frame]:
@@ -120,7 +121,7 @@ def start_training(worker: Any, body: bytes) -> Dict[str, Any]:
                                  setup.recompute, state)
         except ValueError as e:
             raise RequestError(str(e))
-        run.training = WorkerTraining(run.endpoint.name, stage)
+        run.training = WorkerTraining(run.endpoint.name, stage, need)
         return {"ok": True, "parameters": sum(t.numel() for t in stage.lora.parameters()), "bytes": need}
 
 

@@ -3,7 +3,7 @@
 Per layer, K and V are one ggml tensor each of [n_kv_head * head_dim, n_slots * max_len]: a row
 per (slot, position), written by the graph with `ggml_set_rows` at the rows the pass names
 (llama.cpp's layout, so flash attention reads a slot's positions as a plain view). The type is
-float16 by default; q8_0 halves it again (`runtime.kv_type`, llama.cpp's -ctk / -ctv).
+float16 by default; q8_0 halves it again, f32 doubles it (`runtime.kv_type`, llama.cpp's -ctk / -ctv).
 
 A slot's range of positions is also reachable as numpy bytes (`read_range` / `write_range`),
 which is all the prefix cache needs: it keeps and restores a prompt's rows, whatever their type.

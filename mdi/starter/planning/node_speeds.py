@@ -10,7 +10,6 @@ so a second plan is instant; `refresh` measures again (a board was changed or is
 Memory is read fresh every time (GET /status): it changes with what else runs there.
 """
 import functools
-import gc
 import hashlib
 import importlib.util
 import json
@@ -26,7 +25,7 @@ from mdi.model.layout import layout_to_json, weight_bytes
 from mdi.model.timing_loop import PROFILE_LAYERS
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
-from mdi.system.memory import release_freed_memory
+from mdi.system.memory import collect_freed_memory
 from mdi.system.parallel import run_all
 from mdi.ring.auth import is_loopback
 from mdi.ring.backend_request import BackendRequest
@@ -286,8 +285,7 @@ class Profiler:
                 return profile_here(request, request.device, with_ends=True, params=self.params,
                                     time_loop=time_loop, n_blocks=n_blocks).to_json()
             finally:
-                gc.collect()
-                release_freed_memory()  # the random blocks' memory goes back before the weights come
+                collect_freed_memory()  # the random blocks' memory goes back before the weights come
         sampling = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         return self._cached("starter", dict(request.to_json(), node=node.name, sampling=sampling,
                                             alongside=list(alongside)), measure)
