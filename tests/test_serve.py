@@ -103,20 +103,25 @@ class Stream(threading.Thread):
 
     def run(self):
         try:
-            body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True}
+            body = {"model": "tiny", "prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}}
             with requests.post(self.url + "/v1/completions", json=body, stream=True, timeout=(5, 120)) as r:
                 assert r.status_code == 200, r.text
                 for data in sse_events(r):
                     if data == "[DONE]":
                         break
-                    choice = json.loads(data)["choices"][0]
+                    event = json.loads(data)
+                    if not event["choices"]:  # the usage, in a chunk of its own after the last choice's
+                        self.usage = event["usage"]
+                        continue
+                    choice = event["choices"][0]
                     if choice["text"]:
                         if not self.text:
                             self.note("first")
                             self.started.set()
                         self.text += choice["text"]
                     if choice["finish_reason"]:
-                        self.finish_reason, self.usage = choice["finish_reason"], json.loads(data).get("usage")
+                        self.finish_reason = choice["finish_reason"]
                         self.note("done")
                     if self.close is not None and self.close.is_set():
                         self.note("closed")
@@ -298,6 +303,7 @@ def test_openai_client(server, model):
     chunks = list(client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0,
                                             stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert all(c.choices and c.usage is None for c in chunks)  # usage only where asked for, as OpenAI's
 
     # Chat: the model has no chat template, so the documented fallback is used.
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -62,7 +62,7 @@ def test_models_lists_the_adapters_and_requests_pick_them(setup):
     assert complete(server, model="chat").json()["choices"][0]["text"] == want["chat"]
     assert complete(server, lora=[{"id": 1, "scale": 1}]).json()["choices"][0]["text"] == want["tools"]
     bad = complete(server, model="nope")
-    assert bad.status_code == 400 and "tiny, chat, tools" in bad.json()["error"]["message"]
+    assert bad.status_code == 404 and "tiny, chat, tools" in bad.json()["error"]["message"]
     assert complete(server, lora=[{"id": 7}]).status_code == 400
     for bad_lora in ([{"id": 0, "scale": "x"}], [{"id": 0, "scale": 1e9}], [{"id": 0}, {"id": 0, "scale": 2}]):
         assert complete(server, lora=bad_lora).status_code == 400, bad_lora
@@ -161,13 +161,13 @@ def test_loading_an_adapter_while_requests_stream(setup, workers):
     with_mix = adapter_bytes(workers)
     assert all(m > w for m, w in zip(with_mix, with_late))
     assert requests.delete(server.url + "/v1/mdi/adapters/late", timeout=30).status_code == 200
-    assert complete(server, model="late").status_code == 400
+    assert complete(server, model="late").status_code == 404
     assert all(a < w for a, w in zip(adapter_bytes(workers), with_late))  # late and its mix both gone
 
 
 def test_unloading_an_adapter_while_requests_name_it_fails_no_other_request(setup):
     # DELETE while clients keep asking for the adapter: from then on requests naming it are
-    # refused (503: being unloaded, then 400: unknown model), those running finish, and it
+    # refused (503: being unloaded, then 404: unknown model), those running finish, and it
     # leaves the nodes between two steps of the ring. The base model's requests, in flight all
     # along, never notice, and the ring is never rebuilt.
     server, model, dirs = setup
@@ -204,9 +204,9 @@ def test_unloading_an_adapter_while_requests_name_it_fails_no_other_request(setu
     assert got["tiny"] and all(g == (200, base_want, "length") for g in got["tiny"]), got["tiny"][:5]
     assert (200, tools_want, "length") in got["tools"]
     for status, text, detail in got["tools"]:
-        assert (status, text) == (200, tools_want) or status == 400 and "unknown model" in detail \
+        assert (status, text) == (200, tools_want) or status == 404 and "unknown model" in detail \
             or status == 503 and "being unloaded" in detail, (status, text, detail)
-    assert got["tools"][-1][0] == 400  # once unloaded, an unknown model
+    assert got["tools"][-1][0] == 404  # once unloaded, an unknown model (OpenAI's model_not_found)
     assert "the ring failed" not in server.output()
     # loaded again, it answers as before
     r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "tools", "path": dirs["tools"]}, timeout=120)
@@ -228,8 +228,11 @@ def test_after_the_last_adapter_is_unloaded_unknown_names_are_still_refused(setu
         assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["tiny"]
         for name in (loaded[0], "gpt-4o"):  # a name it served, and one it never knew
             r = complete(server, model=name)
-            assert r.status_code == 400 and "unknown model" in r.json()["error"]["message"], r.text
+            assert r.status_code == 404 and "unknown model" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["code"] == "model_not_found"
+            assert server.get("/v1/models/" + name).status_code == 404  # OpenAI's retrieve: not listed
         assert complete(server, model="tiny").status_code == 200
+        assert server.get("/v1/models/tiny").json() == server.get("/v1/models").json()["data"][0]
     finally:
         for name in loaded:
             requests.post(server.url + "/v1/mdi/adapters", json={"name": name, "path": dirs[name]}, timeout=120)

@@ -66,6 +66,16 @@ def test_completion_logprobs_are_the_log_softmax_of_the_logits_that_drew_each_to
     assert joined == lp
 
 
+def test_completion_top_logprobs_always_hold_the_drawn_token(server):
+    """OpenAI's legacy completions list the drawn token's logprob among the top ones even when
+    sampling drew one outside them: up to `logprobs` + 1 entries."""
+    body = {"prompt": "Seeded", "max_tokens": 24, "temperature": 2.0, "seed": 3, "logprobs": 1, "cache_prompt": False}
+    lp = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # drawn outside the top 1 (temperature 2)
+
+
 def test_chat_logprobs_streamed_equal_whole_with_sampling_and_bytes(server, model):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "temperature": 0.9, "seed": 7,
             "logprobs": True, "top_logprobs": 3, "cache_prompt": False}  # computed whole both times (above)

@@ -16,7 +16,7 @@ class HeldBack:
     def chunks(self, text, index, logprobs):
         return []
 
-    def last_chunks(self, reason, include_usage, index=0, final=True):
+    def last_chunks(self, reason, include_usage, index=0):
         return [{"finish_reason": reason}]
 
 

@@ -3,9 +3,9 @@
 Routes (JSON only; bodies up to 1 MiB; errors in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`):
   POST /v1/completions, POST /v1/chat/completions   (`stream: true` answers server-sent events)
-  GET  /v1/models (the model and its LoRA adapters), GET /health, GET /metrics (Prometheus text format)
+  GET  /v1/models (the model and its LoRA adapters), /v1/models/<id>, GET /health, GET /metrics (Prometheus)
   POST /v1/mdi/adapters {"name", "path"}, DELETE /v1/mdi/adapters/<name>: load or unload a LoRA
-       adapter while the ring serves (a request picks one by "model" or llama.cpp's "lora")
+       adapter while the ring serves (a request picks one by "model" or llama.cpp's "lora": `adapter_routes`)
   POST / GET / DELETE /v1/mdi/train: start, report and stop a LoRA training job on the serving
        ring, beside the requests (`train_routes`, `train_job`)
   GET  /v1/mdi/state (the dashboard's JSON: the same snapshot as /metrics); GET /, /ui/<file> and
@@ -35,12 +35,8 @@ from werkzeug.exceptions import HTTPException
 from mdi.model.constraints.constraint import Constraint, ConstraintError, server_grammars
 from mdi.model.constraints.constraint import unavailable as constraint_unavailable
 from mdi.model.constraints.grammar_spec import GrammarSpec
-from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.dashboard import register_dashboard
-from mdi.starter.adapter_set import MixTableFull, StarterTooLarge
-from mdi.starter.engine_face import EngineFace
 from mdi.serving.metrics import Observer
-from mdi.serving.node_refusal import node_api_error
 from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
                                  token_budget)
 from mdi.serving.choices import Choices
@@ -55,14 +51,13 @@ from mdi.serving.request import ErrorEvent, FinishEvent, GenerationOptions, Requ
 from mdi.serving.streaming import TokenLogprob
 from mdi.serving.scheduler import Scheduler, SchedulerError
 from mdi.serving.train_routes import TrainControl
-from mdi.serving.served_files import ServedFiles, where
+from mdi.serving.adapter_routes import AdapterControl
+from mdi.serving.served_files import ServedFiles
 from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_options
 
 MAX_BODY_BYTES = 1 << 20
 KEEPALIVE = 1.0  # seconds between SSE comments while a stream waits (they also reveal a gone client)
 POLL = 0.5  # seconds between checks of a waiting non-streaming request
-UNLOAD_WAIT_S = 60.0  # for the scheduler to finish the step in hand before an adapter is unloaded
-MIX_WAIT_S, MIX_POLL_S = 60.0, 0.25  # a request's wait for a mix to be free when all are in use
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +101,9 @@ class Routes:
         cfg = sched.cfg
         self.files = ServedFiles(cfg.model.path, cfg.adapters)
         self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
-        # A server that never had adapters takes any model name for its model (OpenAI clients
-        # send their own); once it has had some, a name it does not know is refused, also
-        # after the last adapter was unloaded (a client must not get the base model silently).
-        self.adapters_served = bool(cfg.adapters)
-        self.training = TrainControl(sched, self.files, model_id, self._adapter_made)
+        self.adapters = AdapterControl(sched, self.files, model_id, bool(cfg.adapters),
+                                       lambda name: self.training.reserves(name))
+        self.training = TrainControl(sched, self.files, model_id, self.adapters.made)
         self.ignored_said: Set[str] = set()  # ignored OpenAI fields the log has named
 
     def register(self, app: Flask) -> None:
@@ -120,10 +113,13 @@ class Routes:
         app.register_error_handler(Exception, self.internal_error)
         app.add_url_rule("/health", "health", self.health, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self.models, methods=["GET"])
+        app.add_url_rule("/v1/models/<path:model_id>", "model", self.model, methods=["GET"])
         app.add_url_rule("/v1/completions", "completions", self.completions, methods=["POST"])
         app.add_url_rule("/v1/chat/completions", "chat_completions", self.chat_completions, methods=["POST"])
-        app.add_url_rule("/v1/mdi/adapters", "load_adapter", self.load_adapter, methods=["POST"])
-        app.add_url_rule("/v1/mdi/adapters/<name>", "unload_adapter", self.unload_adapter, methods=["DELETE"])
+        app.add_url_rule("/v1/mdi/adapters", "load_adapter", lambda: _json(self.adapters.load(_json_body())),
+                         methods=["POST"])
+        app.add_url_rule("/v1/mdi/adapters/<name>", "unload_adapter", lambda name: _json(self.adapters.unload(name)),
+                         methods=["DELETE"])
         app.add_url_rule("/v1/mdi/train", "train", self.train, methods=["POST", "GET", "DELETE"])
 
     # --- errors ----------------------------------------------------------------------
@@ -155,16 +151,25 @@ class Routes:
         return _json(body, 200 if sched.serving else 503)
 
     def models(self) -> Response:
+        return _json({"object": "list", "data": self._model_cards()})
+
+    def model(self, model_id: str) -> Response:
+        """GET /v1/models/<id>: one card of the list (OpenAI's "retrieve model"), else a 404."""
+        for card in self._model_cards():
+            if card["id"] == model_id:
+                return _json(card)
+        raise ApiError(404, "the model %r does not exist" % model_id[:80], "model", code="model_not_found")
+
+    def _model_cards(self) -> List[Dict[str, Any]]:
         base = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mdi",
                 "max_model_len": self.sched.max_len}
-        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "mdi", "parent": self.model_id,
-                     "max_model_len": self.sched.max_len, "lora_id": i}
-                    for i, (_, name) in enumerate(self._adapters())]
-        return _json({"object": "list", "data": [base] + adapters})
+        return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "mdi", "parent": self.model_id,
+                          "max_model_len": self.sched.max_len, "lora_id": i}
+                         for i, (_, name) in enumerate(self.adapters.loaded())]
 
     def completions(self) -> Response:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)
-        adapter = self._adapter_of(fields)
+        adapter = self.adapters.adapter_of(fields)
         ids = prompt_ids(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
                                   self.sched.max_len)
@@ -172,7 +177,7 @@ class Routes:
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
-        adapter = self._adapter_of(fields)
+        adapter = self.adapters.adapter_of(fields)
         tools = tool_choice_of(fields, self.template.tool_format)  # None: no tools, or tool_choice "none"
         grammar = tool_grammar(tools, self.template.tool_format, opts.grammar)  # None: the calls are free
         if grammar is not None and self.grammars is None and tools is not None and tools.mode == "auto" \
@@ -218,113 +223,9 @@ class Routes:
             raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
 
     # --- adapters ------------------------------------------------------------------------
-    def _adapters(self) -> List[Tuple[int, str]]:
-        """(id, name) of the adapters requests may name (on the current engine)."""
-        engine = self.sched.engine
-        return engine.loaded_adapters() if engine is not None else []
-
     def _virtual(self, adapter: int) -> int:
         engine = self.sched.engine
         return engine.virtual_tokens(adapter) if engine is not None else 0
-
-    def _adapter_of(self, fields: Dict[str, Any]) -> int:
-        """The request's adapter id: llama.cpp's `lora: [{"id": i, "scale": s}, ...]` (i indexes
-        the adapters of GET /v1/models; several, or a scale other than 1, run as a mix loaded
-        on every node once), else `model` naming an adapter; the served model's own name (or
-        any name, on a server that never had an adapter) is the base."""
-        engine = self.sched.engine  # once: a rebuilt ring replaces it
-        loaded = engine.loaded_adapters() if engine is not None else []  # of that engine: none without one
-        if fields["lora"]:
-            entries = []
-            for entry in fields["lora"]:
-                index = entry["id"]
-                if not 0 <= index < len(loaded):
-                    raise ApiError(400, "lora id %d: %d adapters are loaded (ids 0 to %d)"
-                                   % (index, len(loaded), len(loaded) - 1), "lora")
-                entries.append((loaded[index][0], entry["scale"]))
-            assert engine is not None  # every id indexed `loaded`, which is [] without an engine
-            try:
-                return self._mix(engine, entries)
-            except StarterTooLarge as e:  # no memory for the mix on the starter: 413
-                raise node_api_error(e, "lora")
-            except ConfigError as e:
-                raise ApiError(400, str(e), "lora")
-            except SchedulerError as e:  # busy for too long to make room
-                raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "invalid_request_error")
-            except RuntimeError as e:  # a worker refused the mix (NodeError, naming it): 413 too large, 429 busy
-                raise node_api_error(e, "lora")
-        name = fields["model"]
-        if name is None or name in (self.model_id, BASE_ADAPTER) or not (loaded or self.adapters_served):
-            return 0
-        for adapter, known in loaded:
-            if known == name:
-                return adapter
-        raise ApiError(400, "unknown model %r: this server has %s" % (name[:80], ", ".join(
-            [self.model_id] + [n for _, n in loaded])), "model", code="model_not_found")
-
-    def _mix(self, engine: EngineFace, entries: List[Tuple[int, float]]) -> int:
-        """The mix's adapter id. With every mix in use, this request waits (up to MIX_WAIT_S) for
-        one to end rather than being refused: one client's mixes must not lock the others out."""
-        deadline = time.monotonic() + MIX_WAIT_S
-        while True:
-            try:
-                return engine.mix_adapters(entries, lambda held: self.sched.evict_idle(
-                    held, lambda mix: self.sched.engine_up().drop_mix(mix), UNLOAD_WAIT_S))
-            except MixTableFull as e:
-                if time.monotonic() > deadline:
-                    raise ApiError(429, "%s for the last %.0f s; try again" % (e, MIX_WAIT_S), "lora",
-                                   kind="rate_limit_error") from None
-            time.sleep(MIX_POLL_S)
-
-    def load_adapter(self) -> Response:
-        body = _json_body()
-        name, path = body.get("name"), body.get("path")
-        if set(body) - {"name", "path"} or not isinstance(name, str) or not isinstance(path, str):
-            raise ApiError(400, 'expected {"name": string, "path": string}')
-        if "\0" in path:  # os.path.realpath raises on it
-            raise ApiError(400, "path: must not hold a NUL character", "path")
-        if not ADAPTER_NAME.fullmatch(name) or name in (self.model_id, BASE_ADAPTER):
-            raise ApiError(400, "name: letters, digits, '_', '.' or '-' (at most 64), not %r or 'base'"
-                           % self.model_id, "name")
-        if self.training.reserves(name):
-            raise ApiError(409, "name: the training job running now is served as %r when done" % name, "name")
-        engine = self.sched.engine
-        if engine is None:
-            raise ApiError(503, "the ring is %s" % self.sched.state, kind="server_error")
-        real = self.files.under(path)
-        if real is None:
-            raise ApiError(400, "path: adapters load only from %s" % where(self.files.roots), "path")
-        try:
-            adapter = engine.add_adapter(name, real)
-        except ConfigError as e:  # a bad file: 400; no memory for it on the starter: 413
-            raise node_api_error(e, "path") if isinstance(e, StarterTooLarge) else ApiError(400, str(e), "path")
-        except RuntimeError as e:  # a worker refused it (NodeError, naming it): 413 too large, 429 busy
-            raise node_api_error(e, "path")
-        self.adapters_served = True
-        self.files.add(name, real)
-        log.info("mdi: serve: adapter %s loaded from %s (id %d)", name, real, adapter)
-        return _json({"ok": True, "name": name, "id": adapter})
-
-    def unload_adapter(self, name: str) -> Response:
-        engine = self.sched.engine
-        ids = engine.adapter_and_mixes(name) if engine is not None else []  # the adapter, then its mixes
-        if not ids:
-            raise ApiError(404, "no adapter %r is loaded" % name[:80], code="model_not_found")
-        try:
-            # Requests naming it are refused from now on, those running finish, then it leaves
-            # every node between two steps of the ring (Scheduler.unload_adapter).
-            self.sched.unload_adapter(ids, lambda: self.sched.engine_up().remove_adapter(name), UNLOAD_WAIT_S)
-        except SchedulerError as e:  # busy for too long: it stays loaded
-            raise ApiError(e.status, "adapter %r: %s" % (name, e), kind="server_error" if e.status >= 500
-                           else "invalid_request_error")
-        except ConfigError as e:  # unloaded meanwhile by another DELETE
-            raise ApiError(404, str(e), code="model_not_found")
-        except RuntimeError as e:  # a worker refused (NodeError, naming it): 429 busy, else 502
-            raise node_api_error(e)
-        return _json({"ok": True, "name": name})
-
-    def _adapter_made(self) -> None:
-        self.adapters_served = True  # a trained adapter is served now: unknown model names are refused
 
     # --- training beside serving ---------------------------------------------------------------
     def train(self) -> Response:
@@ -437,7 +338,7 @@ class Routes:
                     return
                 left -= 1
                 over = not left
-                for body in reply.last_chunks(event.reason, include_usage, index=i, final=not left):
+                for body in reply.last_chunks(event.reason, include_usage, index=i):
                     yield _sse(body)
             if include_usage:
                 yield _sse(reply.usage_chunk())

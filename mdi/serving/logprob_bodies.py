@@ -59,12 +59,14 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> Dict[st
 
 def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> Dict[str, Any]:
     """The legacy completions shape; top_logprobs maps token text to logprob (tokens that
-    share a text keep the likelier one's)."""
+    share a text keep the likelier one's) and always holds the drawn token, so up to
+    `logprobs` + 1 entries, as OpenAI's (and vLLM's) legacy completions."""
     top: List[Dict[str, float]] = []
     for e in entries:
         best: Dict[str, float] = {}
         for t, lp in _drawable(e.logprobs.top):
             best.setdefault(texts.of(t)[0], lp)
+        best.setdefault(texts.of(e.logprobs.token)[0], _value(e.logprobs.logprob))
         top.append(best)
     return {"tokens": [texts.of(e.logprobs.token)[0] for e in entries],
             "token_logprobs": [_value(e.logprobs.logprob) for e in entries],

@@ -84,26 +84,25 @@ class Reply:
             bodies.append(body)
         return bodies
 
-    def last_chunks(self, reason: FinishReason, include_usage: bool, index: int = 0,
-                    final: bool = True) -> List[Dict[str, Any]]:
+    def last_chunks(self, reason: FinishReason, include_usage: bool, index: int = 0) -> List[Dict[str, Any]]:
         """A choice's last chunks: with tools, what was held back, then the finish reason
         ("tool_calls", or legacy "function_call", where it called one)."""
         if self.tools is None:
-            return [self.last_chunk(reason, include_usage, index, final)]
+            return [self.last_chunk(reason, include_usage, index)]
         bodies: List[Dict[str, Any]] = []
         for delta in self.tools.deltas(index, None):
             body = self.chunk(None, index=index)
             body["choices"][0]["delta"] = delta
             bodies.append(body)
         called = self.tools.called(index) and reason in (FinishReason.STOP, FinishReason.LENGTH)
-        return bodies + [self.last_chunk(self.tools.finish_reason if called else reason, include_usage, index, final)]
+        return bodies + [self.last_chunk(self.tools.finish_reason if called else reason, include_usage, index)]
 
-    def last_chunk(self, reason: str, include_usage: bool, index: int = 0,
-                   final: bool = True) -> Dict[str, Any]:
-        """A choice's last chunk; the `final` one of all carries the usage unless a chunk of
-        its own does (include_usage)."""
+    def last_chunk(self, reason: str, include_usage: bool, index: int = 0) -> Dict[str, Any]:
+        """A choice's last chunk. The usage comes only where asked for (include_usage), in a
+        chunk of its own after every choice's last, as OpenAI's; `usage: null` here then."""
         body = self.chunk(None if self.chat else "", reason, index=index)
-        body["usage"] = None if include_usage or not final else self.usage
+        if include_usage:
+            body["usage"] = None
         return body
 
     def usage_chunk(self) -> Dict[str, Any]:
