@@ -19,4 +19,4 @@ MDI_BACKEND=ggml exec python -m pytest -q tests/test_ring.py tests/test_batching
     tests/test_serve.py tests/test_serve_sampling.py tests/test_structured_outputs.py tests/test_adapter_ring.py \
     tests/test_serve_adapters.py tests/test_soft_prompt.py tests/test_serve_tools.py tests/test_tools.py \
     tests/test_sampling_fields.py tests/test_serve_control_tokens.py tests/test_serve_big_prompts.py \
-    tests/test_speculation_draft.py
+    tests/test_speculation_draft.py tests/test_serve_vllm_fields.py

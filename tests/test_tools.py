@@ -470,3 +470,24 @@ def test_a_tool_s_references_resolve_inside_its_call(family, smollm2_dir):
         ids = tok.tokenize_str(text)
         assert (matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids)
                 and matcher.is_accepting()) is ok, text
+
+
+def test_chat_template_kwargs_and_an_answer_s_reasoning_reach_the_template(smollm2_dir):
+    """vLLM's chat_template_kwargs are more names for the template (Qwen3's enable_thinking
+    writes an empty thinking block); an assistant message's reasoning_content (or vLLM's newer
+    `reasoning`) reaches it as reasoning_content, which Qwen3's template shows in the turns
+    after the last user message; both are refused by name where they cannot mean anything."""
+    qwen3 = template("qwen3", smollm2_dir)
+    hi = chat_messages([{"role": "user", "content": "hi"}])
+    assert qwen3.render(hi).endswith("<|im_start|>assistant\n")
+    assert qwen3.render(hi, None, {"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for key in ("reasoning_content", "reasoning"):
+        answered = chat_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "A", key: "R"}])
+        assert "<think>\nR\n</think>\n\nA<|im_end|>" in qwen3.render(answered)
+    with pytest.raises(ApiError, match=r"messages\[0\]\.reasoning_content': expected a string in an assistant"):
+        chat_messages([{"role": "user", "content": "q", "reasoning_content": "R"}])
+    for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}):
+        with pytest.raises(ApiError, match="chat_template_kwargs") as e:
+            parse_options({"messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": kwargs}, CHAT,
+                          SamplingParams())
+        assert e.value.param == "chat_template_kwargs"

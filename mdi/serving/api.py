@@ -183,7 +183,8 @@ class Routes:
         if grammar is not None and self.grammars is None and tools is not None and tools.mode == "auto" \
                 and opts.grammar is None and not any(f.get("strict") for f in tools.functions):
             grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
-        prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None)
+        prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None,
+                                      fields["chat_template_kwargs"])
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         # the calls' grammar wins; an auto answer's text inside it follows response_format
@@ -206,8 +207,14 @@ class Routes:
         if opts.n > self.sched.slots:
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
+        outside = [t for t in opts.stop_token_ids if t >= vocab]
+        if outside:
+            raise ApiError(400, "'stop_token_ids': token id %d is outside the vocabulary (0 to %d)"
+                           % (min(outside), vocab - 1), "stop_token_ids")
         req = Request(ids, options=GenerationOptions(max_tokens, opts.params, opts.seed, tuple(opts.stop), adapter,
-                                                     opts.speculation, opts.top_logprobs, opts.cache_prompt, grammar))
+                                                     opts.speculation, opts.top_logprobs, opts.cache_prompt, grammar,
+                                                     opts.stop_token_ids, opts.min_tokens, opts.ignore_eos,
+                                                     opts.include_stop_str))
         if req.grammar is not None:
             req.constraint = self._compile(req.grammar)
         req.hidden_ids = self.control.hidden(opts.skip_special_tokens, tools)

@@ -27,7 +27,11 @@ FALLBACK_CHAT_TEMPLATE = (
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: legacy results
 # tool_calls, tool_call_id: `tools`; function_call: legacy calls; the rest ANSWER_KEYS
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
-                "annotations", "audio")
+                "annotations", "audio") + ("reasoning_content", "reasoning")
+# An assistant message's reasoning as vLLM's servers return it and clients send it back
+# (reasoning_content; vLLM >= 0.10: reasoning): the template gets it as reasoning_content, the
+# name Qwen3's and DeepSeek's templates read (and most leave out of earlier turns).
+REASONING_KEYS = ("reasoning_content", "reasoning")
 # An earlier answer's keys, sent back as OpenAI's SDK returns its message (`model_dump()`):
 # its refusal, its content's url citations, an audio reply's id (and transcript...). Nothing
 # to render: checked by OpenAI's shape and ignored (`openai_fields` names a set audio).
@@ -78,12 +82,14 @@ class ChatTemplate:
         except TokenizerError:
             return ""
 
-    def render(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None) -> str:
+    def render(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None,
+               kwargs: Optional[Dict[str, Any]] = None) -> str:
         """The prompt; `tools` (OpenAI tool dicts) rendered by the template as transformers
-        passes them, or by the fallback of `tools` where the template knows no tools."""
+        passes them, or by the fallback of `tools` where the template knows no tools; `kwargs`:
+        more names for the template (a request's chat_template_kwargs, e.g. enable_thinking)."""
         from jinja2 import TemplateError
         parts, size = [], 0
-        extra: Dict[str, Any] = {}
+        extra: Dict[str, Any] = dict(kwargs or {})
         if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             messages, tools = template_inputs(messages, tools, self.tool_format)
             if tools:
@@ -149,6 +155,18 @@ def chat_messages(raw: List[Any]) -> List[Dict[str, Any]]:
 
 
 def _message(m: Any, where: str) -> Dict[str, Any]:
+    out = _message_of(m, where)
+    for key in REASONING_KEYS:
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str) or out["role"] != "assistant":
+                raise ApiError(400, "'%s.%s': expected a string in an assistant message" % (where, key),
+                               "%s.%s" % (where, key))
+            out["reasoning_content"] = value
+    return out
+
+
+def _message_of(m: Any, where: str) -> Dict[str, Any]:
     if not isinstance(m, dict):
         raise ApiError(400, "'%s': expected an object with 'role' and 'content'" % where, where)
     unknown = sorted(set(m) - set(MESSAGE_KEYS))

@@ -332,7 +332,8 @@ class Scheduler:
             sample.slot = engine.choose_slot(sample, free)  # a prefix cache's: the slot its history is in
             free.remove(sample.slot)
             self._next_index += 1
-            req.sample, req.text = sample, TextStream(self.tokenizer, req.stop, req.hidden_ids)
+            req.sample, req.text = sample, TextStream(self.tokenizer, req.stop, req.hidden_ids,
+                                                      req.options.include_stop_str)
             self._running[sample.index] = req
             busy = engine.busy_seconds
             engine.admit(sample)  # prefills the prompt on the starter's layers

@@ -50,10 +50,12 @@ class TextStream:
     as vLLM's skip_special_tokens gives it. A stop string still ends the text at a hidden token
     whose own text holds it (a client's stop "<|im_end|>"), as it did when that text showed."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], hidden: AbstractSet[int] = frozenset()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], hidden: AbstractSet[int] = frozenset(),
+                 include_stop: bool = False) -> None:
         self.decoder = StreamDecoder(tokenizer)
         self.hidden = hidden
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text ends with the stop string
         self.pending = ""  # decoded text held back: it may be the start of a stop string
         self.sent = 0  # characters handed out
         self.waiting: List[TokenLogprob] = []  # logprobs of tokens whose text is not out yet
@@ -86,9 +88,10 @@ class TextStream:
             piece += self.decoder.flush()
         text, self.pending = self.pending + piece, ""
         if self.stops:
-            cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            cuts = [(i, -len(s) if self.include_stop else 0) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
             if cuts:
-                return TextUpdate(text[:min(cuts)], True)
+                at, minus_length = min(cuts)  # the first stop string, the longest of those starting there
+                return TextUpdate(text[:at - minus_length], True)
             if sample_finish is None:
                 keep = held_back(text, self.stops)
                 if keep:

@@ -67,6 +67,28 @@ def _stop_strings(value: Any, _: Dict[str, Any]) -> List[str]:
     return [s for s in stops if s]
 
 
+def _stop_token_ids(value: Any, _: Dict[str, Any]) -> Tuple[int, ...]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise bad_field("stop_token_ids", "expected a list of token ids (integers >= 0)")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise bad_field("stop_token_ids", "at most %d token ids" % MAX_STOP_TOKEN_IDS)
+    return tuple(value)  # each below the vocabulary's size: checked by the server (api)
+
+
+# Set by the server where it renders a chat template: a request's chat_template_kwargs may not
+RENDER_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+TEMPLATE_KWARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _template_kwargs(value: Dict[str, Any], _: Dict[str, Any]) -> Dict[str, Any]:
+    for key in value:
+        if not TEMPLATE_KWARG.fullmatch(key) or key in RENDER_NAMES:
+            raise bad_field("chat_template_kwargs", "%r is not a name the request may set (a Python name, "
+                            "none of %s)" % (key[:64], ", ".join(RENDER_NAMES)))
+    return value
+
+
+MAX_STOP_TOKEN_IDS = 64
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits
 MAX_TOP_LOGPROBS = 20
 MAX_LORA_ENTRIES = 8
@@ -116,14 +138,18 @@ def _top_logprobs(value: int, checked: Dict[str, Any]) -> int:
     return value
 
 
+STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stats")
+
+
 def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str, Any]:
     if not checked["stream"]:
         raise bad_field("stream_options", "only allowed with stream: true")
-    # include_obfuscation pads OpenAI's chunks against a side channel; mdi's have no padding to drop
-    unknown = sorted(set(value) - {"include_usage", "include_obfuscation"})
+    # include_obfuscation pads OpenAI's chunks against a side channel; mdi's have no padding to drop;
+    # vLLM's continuous_usage_stats (usage in every chunk) is accepted and not acted on
+    unknown = sorted(set(value) - set(STREAM_OPTIONS))
     if unknown:
         raise bad_field("stream_options", "unknown key %r" % unknown[0])
-    for key in ("include_usage", "include_obfuscation"):
+    for key in STREAM_OPTIONS:
         if not isinstance(value.get(key, False), bool):
             raise ApiError(400, "'stream_options.%s': expected true or false" % key, "stream_options")
     return value
@@ -230,12 +256,22 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("frequency_penalty", (int, float), "a number", low=-2, high=2),
     Field("repeat_penalty", (int, float), "a number", low=0, high=MAX_REPEAT_PENALTY, low_open=True),  # llama.cpp's
     Field("repeat_last_n", (int,), "an integer", low=-1),  # llama.cpp's: -1 every token, 0 off
+    # vLLM's: repeat_penalty over every prompt and generated token (repeat_last_n -1)
+    Field("repetition_penalty", (int, float), "a number", low=0, high=MAX_REPEAT_PENALTY, low_open=True),
     Field("logit_bias", (dict,), "an object", default={}, check=_logit_bias),
     # Completions: logprobs N gives each token's and N alternatives'; chat: logprobs true, top_logprobs N.
     Field("logprobs", (int,), "an integer", low=0, high=MAX_COMPLETION_LOGPROBS, routes=(COMPLETIONS,)),
     Field("logprobs", (bool,), "true or false", default=False, routes=(CHAT,)),
     Field("top_logprobs", (int,), "an integer", low=0, high=MAX_TOP_LOGPROBS, routes=(CHAT,), check=_top_logprobs),
     Field("stop", (str, list), "a string or a list of strings", default=(), check=_stop_strings),
+    # vLLM's: the text keeps the stop string it ends at; ids that end the answer as the end token
+    # does; end tokens left out of the first min_tokens; generating on past the end token
+    Field("include_stop_str_in_output", (bool,), "true or false", default=False),
+    Field("stop_token_ids", (list,), "a list of token ids", default=(), check=_stop_token_ids),
+    Field("min_tokens", (int,), "an integer", low=0, default=0),
+    Field("ignore_eos", (bool,), "true or false", default=False),
+    # vLLM's: more names for the chat template (Qwen3's enable_thinking...)
+    Field("chat_template_kwargs", (dict,), "an object", default={}, routes=(CHAT,), check=_template_kwargs),
     Field("stream", (bool,), "true or false", default=False),
     Field("stream_options", (dict,), "an object", default={}, check=_stream_options),
     Field("speculation", (str, dict, bool), "off, ngram or an object like generation.speculation",
@@ -326,6 +362,10 @@ class Options:
     grammar: Optional[GrammarSpec] = None  # what the output must obey (None: free text)
     ignored: Sequence[str] = ()  # OpenAI fields the request set that mdi does not act on
     skip_special_tokens: bool = True  # the text leaves out control tokens
+    include_stop_str: bool = False  # the text keeps the stop string it ends at
+    stop_token_ids: Tuple[int, ...] = ()  # ids that end the answer as the end token does
+    min_tokens: int = 0  # the end tokens (and stop_token_ids) may not be drawn before this many tokens
+    ignore_eos: bool = False  # the model's end tokens do not end the answer
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -338,6 +378,8 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
     max_tokens = v.get("max_completion_tokens")
     given: Dict[str, Any] = dict((name, v[name] if name in ("top_k", "repeat_last_n") else float(v[name]))
                  for name in SAMPLING_FIELDS if v[name] is not None)
+    if v["repetition_penalty"] is not None and v["repeat_penalty"] is None:
+        given.update(repeat_penalty=float(v["repetition_penalty"]), repeat_last_n=-1 if v["repeat_last_n"] is None else v["repeat_last_n"])
     params = dataclasses.replace(defaults, logit_bias=v["logit_bias"] or defaults.logit_bias, **given)
     if route == CHAT:
         top = (v["top_logprobs"] or 0) if v["logprobs"] else None
@@ -345,7 +387,8 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
         top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], _stops(v),
                       v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
-                      v["cache_prompt"], _one_shape(v), v["ignored"], v["skip_special_tokens"])
+                      v["cache_prompt"], _one_shape(v), v["ignored"], v["skip_special_tokens"],
+                      v["include_stop_str_in_output"], v["stop_token_ids"], v["min_tokens"], v["ignore_eos"])
     return options, v
 
 

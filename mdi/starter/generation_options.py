@@ -22,6 +22,10 @@ class GenerationOptions:
     top_logprobs: Optional[int] = None  # None: no logprobs; else each token's and this many alternatives'
     cache_prompt: bool = True  # may start from what the prefix cache holds (the sample's reuse_prefix)
     grammar: Optional[GrammarSpec] = None  # None: free text; else what every token drawn must keep valid
+    stop_token_ids: Tuple[int, ...] = ()  # ids that end it as the model's end tokens do (vLLM's)
+    min_tokens: int = 0  # no end token (nor stop_token_ids) drawn before this many tokens
+    ignore_eos: bool = False  # the model's end tokens do not end it (a grammar's end still does)
+    include_stop_str: bool = False  # its text keeps the stop string it ends at
 
     def __post_init__(self) -> None:
         # Normalised once here, so every holder reads the same value (a frozen dataclass sets

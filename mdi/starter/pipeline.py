@@ -264,15 +264,15 @@ class Pipeline:
         (or, at the end of its cache slot, shifts its window)."""
         sample.token_ids.append(token)
         sample.token_times.append(time.perf_counter() - self.t0)
-        grammar = sample.constraint
-        if grammar is not None and token not in self.end_ids and not grammar.take(token):
+        grammar, end = sample.constraint, sample.is_end(token, self.end_ids)
+        if grammar is not None and not end and not grammar.take(token):
             self._fail(sample, SamplingError("token %d breaks its grammar: %s" % (token, grammar.error)))
-        elif token in self.end_ids and grammar is not None and not grammar.accepting:
+        elif end and grammar is not None and not grammar.accepting:
             # llguidance allows only the end once nothing valid can follow: the output is not one
             # the grammar accepts, so the sample fails rather than report a "stop".
             self._fail(sample, SamplingError("no text its grammar accepts continues this output: %s"
                                              % grammar.error))
-        elif token in self.end_ids:
+        elif end:
             sample.finish_reason = FinishReason.EOS
         elif grammar is not None and grammar.complete:
             sample.finish_reason = FinishReason.STOP  # its grammar allows only an end token: spare that pass
@@ -303,13 +303,13 @@ class Pipeline:
         row = 0
         for sample, epoch, rows in pending:
             mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]
-            params = self.params if sample.params is None else sample.params
+            draw = functools.partial(draw_next, sample, params=self.params if sample.params is None else sample.params,
+                                     end_ids=self.end_ids)
             if epoch is not None:
-                self.decoder.verify(sample, epoch, mine, functools.partial(draw_next, sample, params=params),
-                                    self._take, self._fail, len(self.active))
+                self.decoder.verify(sample, epoch, mine, draw, self._take, self._fail, len(self.active))
                 continue
             try:
-                token = draw_next(sample, mine[-1], params)
+                token = draw(mine[-1])
             except SamplingError as e:
                 self._fail(sample, e)
                 continue

@@ -1,11 +1,11 @@
 """A sample: one prompt's generation as the starter tracks it (its tokens, its cache slot, what
 every node's cache holds of it), and why it ended."""
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import AbstractSet, Any, List, Optional
 
 import numpy as np
 
-from mdi.model.sampling import Generator, Logprobs, SamplingParams, draw, sample_generator
+from mdi.model.sampling import Generator, Logprobs, SamplingParams, draw, host_array, sample_generator
 from mdi.runconfig import SpeculationSpec
 from mdi.starter.generation_options import GenerationOptions
 from mdi.system.str_enum import StrEnum
@@ -74,6 +74,16 @@ class Sample:
                    speculation=options.speculation, top_logprobs=options.top_logprobs,
                    reuse_prefix=options.cache_prompt, constraint=constraint, options=options)
 
+    def is_end(self, token: int, end_ids: AbstractSet[int]) -> bool:
+        """Whether `token` ends this sample: one of the model's end tokens (unless its request
+        ignores them; a grammar's end always counts), or one of its request's stop_token_ids."""
+        options = self.options
+        if options is None:
+            return token in end_ids
+        if token in end_ids:
+            return not options.ignore_eos or self.constraint is not None
+        return token in options.stop_token_ids
+
     @property
     def virtual(self) -> int:
         return 0 if self.soft_prompt is None else int(self.soft_prompt.shape[0])
@@ -127,12 +137,18 @@ class Sample:
         self.fed = 0
 
 
-def draw_next(sample: Sample, logits: Any, params: SamplingParams) -> int:
+def draw_next(sample: Sample, logits: Any, params: SamplingParams, end_ids: AbstractSet[int] = frozenset()) -> int:
     """`sample`'s next token from its row of logits (the pipeline's one way to draw). The
     penalties read the tokens it has taken so far: in a speculative verification, also those
     taken from the rows before, so each draw is the plain run's. Its request's logprobs are
-    kept in `sample.logprobs`, one entry per draw (the scheduler's on_token reads the last)."""
+    kept in `sample.logprobs`, one entry per draw (the scheduler's on_token reads the last).
+    Before its request's min_tokens, no token that would end it (`end_ids`, its stop ids) is drawn."""
     allowed = sample.constraint.allowed() if sample.constraint is not None else None
+    options = sample.options
+    if options is not None and len(sample.token_ids) < options.min_tokens:
+        allowed = np.ones(len(logits), bool) if allowed is None else host_array(allowed, bool).copy()
+        ends = [t for t in set(end_ids) | set(options.stop_token_ids) if t < len(allowed)]
+        allowed[ends] = False
     drawn = draw(logits, params, sample.rng, sample.token_ids, sample.prompt_ids, sample.top_logprobs, allowed)
     if drawn.logprobs is not None:
         sample.logprobs.append(drawn.logprobs)
