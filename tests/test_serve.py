@@ -336,7 +336,9 @@ def test_openai_client(server, model):
     ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "expected a string or a list of token ids"),
+    ("/v1/completions", {"prompt": []}, 400, "expected a string or a list of token ids"),
+    ("/v1/completions", {"prompt": ["a", [1, 100000]]}, 400, "'prompt[1]': token ids"),
     ("/v1/completions", {"prompt": [1, 100000]}, 400, "token ids"),
     ("/v1/completions", {"prompt": "\u00e9t\u00e9"}, 400, "tokenize"),
     ("/v1/completions", {"prompt": "a", "max_tokens": BLOCK}, 400, "context length"),
@@ -419,7 +421,7 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_their_starts():
     (CHAT, {"messages": "hi"}, "'messages': expected a non-empty list of messages, got \"hi\""),
     (CHAT, {"messages": [], "stream": True, "stream_options": {"x": 1}}, "'stream_options': unknown key 'x'"),
     (CHAT, {"messages": [], "stop": ["a", 1]}, "'stop': expected a string or a list of strings"),
-    (COMPLETIONS, {}, "'prompt': expected a string or a list of token ids"),
+    (COMPLETIONS, {}, "'prompt': expected a string, token ids, or a list of either"),
 ])
 def test_the_field_table_names_the_field_and_what_was_expected(route, body, message):
     with pytest.raises(ApiError) as err:

@@ -76,6 +76,30 @@ def test_completion_top_logprobs_always_hold_the_drawn_token(server):
     assert any(len(top) == 2 for top in lp["top_logprobs"])  # drawn outside the top 1 (temperature 2)
 
 
+def test_several_prompts_give_each_its_choices_in_prompt_order(server):
+    """OpenAI's completions take a list of prompts (LangChain's OpenAI LLM batches that way):
+    n choices each, index prompt * n + choice, each the single request's (its seed + choice),
+    whole and streamed; the usage counts each prompt once."""
+    prompts = ["Seeded", "Once upon", [5, 6, 7]]
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 1.0, "seed": 4, "n": 2, "cache_prompt": False}
+    r = post(server, "/v1/completions", body)
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    singles = [post(server, "/v1/completions", dict(body, prompt=p, n=1, seed=4 + j))["choices"][0]["text"]
+               for p in prompts for j in range(2)]
+    assert [c["text"] for c in r["choices"]] == singles
+    assert r["usage"]["prompt_tokens"] == len("Seeded") + len("Once upon") + 3
+    assert r["usage"]["completion_tokens"] == 36
+    chunks = post(server, "/v1/completions", dict(body, stream=True), stream=True)
+    assert ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+            for i in range(6)] == singles
+    langchain_openai = pytest.importorskip("langchain_openai")  # its completions LLM batches prompts so
+    llm = langchain_openai.OpenAI(base_url=server.url + "/v1", api_key="unused", model="tiny", temperature=0,
+                                  max_tokens=5, max_retries=0)
+    greedy = [post(server, "/v1/completions", {"prompt": p, "max_tokens": 5, "temperature": 0})["choices"][0]["text"]
+              for p in prompts[:2]]
+    assert [g[0].text for g in llm.generate(prompts[:2]).generations] == greedy
+
+
 def test_chat_logprobs_streamed_equal_whole_with_sampling_and_bytes(server, model):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "temperature": 0.9, "seed": 7,
             "logprobs": True, "top_logprobs": 3, "cache_prompt": False}  # computed whole both times (above)

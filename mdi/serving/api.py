@@ -37,7 +37,7 @@ from mdi.model.constraints.constraint import unavailable as constraint_unavailab
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.serving.dashboard import register_dashboard
 from mdi.serving.metrics import Observer
-from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_ids,
+from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_list,
                                  token_budget)
 from mdi.serving.choices import Choices
 from mdi.serving.control_tokens import ControlTokens
@@ -170,10 +170,12 @@ class Routes:
     def completions(self) -> Response:
         opts, fields = parse_options(_json_body(), COMPLETIONS, self.sched.params)
         adapter = self.adapters.adapter_of(fields)
-        ids = prompt_ids(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
-        max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
-                                  self.sched.max_len)
-        return self._generate(self._request(ids, max_tokens, opts, adapter, opts.grammar), opts, chat=False)
+        prompts = prompt_list(fields["prompt"], self.sched.tokenizer, self.sched.max_len)
+        budgets = [token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, DEFAULT_COMPLETION_TOKENS,
+                                self.sched.max_len) for ids in prompts]
+        choices = self._request(prompts[0], budgets[0], opts, adapter, opts.grammar,
+                                more_prompts=list(zip(prompts[1:], budgets[1:])))
+        return self._generate(choices, opts, chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
@@ -191,8 +193,8 @@ class Routes:
         choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar, tools is not None)
         return self._generate(choices, opts, chat=True, tools=tools, tools_constrained=grammar is not None)
 
-    def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int,
-                 grammar: Optional[GrammarSpec], tools: bool = False) -> Choices:
+    def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int, grammar: Optional[GrammarSpec],
+                 tools: bool = False, more_prompts: Sequence[Tuple[List[int], int]] = ()) -> Choices:
         """The request's choices, once the fields that depend on the server are checked;
         `grammar`: what their output must obey (compiled here: a bad one is this request's 400)."""
         vocab = self.sched.tokenizer.vocab_size
@@ -218,7 +220,7 @@ class Routes:
         if req.grammar is not None:
             req.constraint = self._compile(req.grammar)
         req.hidden_ids = self.control.hidden(opts.skip_special_tokens, tools)
-        return Choices(req, opts.n)
+        return Choices(req, opts.n, more_prompts)
 
     def _compile(self, spec: GrammarSpec) -> Constraint:
         if self.grammars is None:
@@ -254,7 +256,7 @@ class Routes:
         hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
         reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
                       ToolReplies(tools, self.template.tool_format, hide_tag, tools_constrained)
-                      if tools is not None else None)
+                      if tools is not None else None, choices.n)
         if not opts.stream:
             resp = self._whole(choices, reply, request.environ)
         else:

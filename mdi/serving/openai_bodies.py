@@ -14,8 +14,9 @@ class Reply:
     """The OpenAI bodies answering one request (its `n` choices: `reqs`, choice i is reqs[i])."""
 
     def __init__(self, reqs: Sequence[Request], model_id: str, chat: bool, texts: TokenTexts,
-                 tools: Optional[ToolReplies] = None) -> None:
+                 tools: Optional[ToolReplies] = None, n: int = 0) -> None:
         self.reqs, self.model_id, self.chat, self.texts = list(reqs), model_id, chat, texts
+        self.n = n or len(self.reqs)  # choices per prompt (several prompts: completions)
         self.tools = tools  # chat with tools: the answers' calls are parsed out of their text
         self.req = self.reqs[0]
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.req.id
@@ -23,11 +24,12 @@ class Reply:
 
     @property
     def usage(self) -> Dict[str, Any]:
-        """The prompt once (the choices share it), every choice's completion tokens, and (as
-        OpenAI reports it) the prompt tokens the first choice took from the prefix cache."""
-        prompt, completion = len(self.req.prompt_ids), sum(r.completion_tokens for r in self.reqs)
+        """Each prompt once (its choices share it), every choice's completion tokens, and (as
+        OpenAI reports it) the prompt tokens each prompt's first choice took from the prefix cache."""
+        firsts = self.reqs[::self.n]
+        prompt, completion = sum(len(r.prompt_ids) for r in firsts), sum(r.completion_tokens for r in self.reqs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
     def _body(self, kind: str, choices: Any) -> Dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.req.created, "model": self.model_id,

@@ -210,20 +210,28 @@ def _check_answer_keys(m: Dict[str, Any], role: str, where: str) -> None:
                            "%s.%s" % (where, key))
 
 
-def prompt_ids(prompt: Any, tokenizer: Tokenizer, max_len: int) -> List[int]:
-    """The completion prompt as token ids: a string, [string] or token ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+MAX_PROMPTS = 256  # prompts in one completions request (each waits for a slot as a request would)
+
+
+def prompt_list(prompt: Any, tokenizer: Tokenizer, max_len: int) -> List[List[int]]:
+    """The completion prompts as token ids, as OpenAI takes them: a string, token ids, or a list
+    of strings or of token-id lists (several prompts: their choices come in prompt order)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, "'prompt': at most %d prompts in one request" % MAX_PROMPTS, "prompt")
+        return [prompt_ids(p, tokenizer, max_len, "prompt[%d]" % i) for i, p in enumerate(prompt)]
+    return [prompt_ids(prompt, tokenizer, max_len)]
+
+
+def prompt_ids(prompt: Any, tokenizer: Tokenizer, max_len: int, where: str = "prompt") -> List[int]:
+    """One completion prompt as token ids: a string or token ids."""
     if isinstance(prompt, str):
         return encode(tokenizer, prompt, max_len, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < tokenizer.vocab_size for t in prompt):
-            raise ApiError(400, "'prompt': token ids must be in [0, %d)" % tokenizer.vocab_size, "prompt")
+            raise ApiError(400, "'%s': token ids must be in [0, %d)" % (where, tokenizer.vocab_size), "prompt")
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, "'prompt': one prompt per request (send several requests: they run concurrently)",
-                       "prompt")
-    raise ApiError(400, "'prompt': expected a string or a list of token ids", "prompt")
+    raise ApiError(400, "'%s': expected a string or a list of token ids" % where, "prompt")
 
 
 def encode(tokenizer: Tokenizer, text: str, max_len: int, param: str) -> List[int]:

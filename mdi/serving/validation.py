@@ -242,7 +242,7 @@ class Field:
 FIELDS = (  # in checking order: a check may read the fields above it
     Field("model", (str,), "a string"),  # the served model or one of its adapters (any name without adapters)
     Field("lora", (list,), "a list", default=[], check=_lora),
-    Field("prompt", (str, list), "a string or a list of token ids", routes=(COMPLETIONS,), required=True),
+    Field("prompt", (str, list), "a string, token ids, or a list of either", routes=(COMPLETIONS,), required=True),
     Field("messages", (list,), "a non-empty list of messages", routes=(CHAT,), required=True),
     Field("max_tokens", (int,), "an integer", low=1),  # default: 16 for completions, the slot for chat
     Field("max_completion_tokens", (int,), "an integer", low=1, routes=(CHAT,)),  # wins over max_tokens
