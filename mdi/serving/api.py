@@ -198,10 +198,11 @@ class Routes:
         """The request's choices, once the fields that depend on the server are checked;
         `grammar`: what their output must obey (compiled here: a bad one is this request's 400)."""
         vocab = self.sched.tokenizer.vocab_size
-        outside = [t for t in opts.params.logit_bias if t >= vocab]
-        if outside:
-            raise ApiError(400, "'logit_bias': token id %d is outside the vocabulary (0 to %d)"
-                           % (min(outside), vocab - 1), "logit_bias")
+        for field, ids_named in (("logit_bias", opts.params.logit_bias), ("stop_token_ids", opts.stop_token_ids)):
+            outside = [t for t in ids_named if t >= vocab]
+            if outside:
+                raise ApiError(400, "'%s': token id %d is outside the vocabulary (0 to %d)"
+                               % (field, min(outside), vocab - 1), field)
         spec = opts.speculation
         if spec is not None and spec.method == "draft" and self.sched.cfg.generation.speculation.method != "draft":
             raise ApiError(400, "'speculation': this server has no draft model (generation.speculation: "
@@ -209,10 +210,6 @@ class Routes:
         if opts.n > self.sched.slots:
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
-        outside = [t for t in opts.stop_token_ids if t >= vocab]
-        if outside:
-            raise ApiError(400, "'stop_token_ids': token id %d is outside the vocabulary (0 to %d)"
-                           % (min(outside), vocab - 1), "stop_token_ids")
         req = Request(ids, options=GenerationOptions(max_tokens, opts.params, opts.seed, tuple(opts.stop), adapter,
                                                      opts.speculation, opts.top_logprobs, opts.cache_prompt, grammar,
                                                      opts.stop_token_ids, opts.min_tokens, opts.ignore_eos,

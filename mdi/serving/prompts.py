@@ -25,13 +25,13 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: legacy results
-# tool_calls, tool_call_id: `tools`; function_call: legacy calls; the rest ANSWER_KEYS
-MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
-                "annotations", "audio") + ("reasoning_content", "reasoning")
 # An assistant message's reasoning as vLLM's servers return it and clients send it back
 # (reasoning_content; vLLM >= 0.10: reasoning): the template gets it as reasoning_content, the
 # name Qwen3's and DeepSeek's templates read (and most leave out of earlier turns).
 REASONING_KEYS = ("reasoning_content", "reasoning")
+# tool_calls, tool_call_id: `tools`; function_call: legacy calls; the rest ANSWER_KEYS
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
+                "annotations", "audio") + REASONING_KEYS
 # An earlier answer's keys, sent back as OpenAI's SDK returns its message (`model_dump()`):
 # its refusal, its content's url citations, an audio reply's id (and transcript...). Nothing
 # to render: checked by OpenAI's shape and ignored (`openai_fields` names a set audio).

@@ -88,10 +88,11 @@ class TextStream:
             piece += self.decoder.flush()
         text, self.pending = self.pending + piece, ""
         if self.stops:
-            cuts = [(i, -len(s) if self.include_stop else 0) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+            found = [(text.find(s), -len(s)) for s in self.stops]  # -len: the longest first where two start alike
+            cuts = [(at, minus_length) for at, minus_length in found if at >= 0]
             if cuts:
-                at, minus_length = min(cuts)  # the first stop string, the longest of those starting there
-                return TextUpdate(text[:at - minus_length], True)
+                at, minus_length = min(cuts)  # the first stop string
+                return TextUpdate(text[:at - minus_length] if self.include_stop else text[:at], True)
             if sample_finish is None:
                 keep = held_back(text, self.stops)
                 if keep:
