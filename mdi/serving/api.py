@@ -22,6 +22,7 @@ Chat prompts use the tokenizer's chat template rendered in a sandbox, else a fal
 (`prompts`). Like llama.cpp's server: HTTP threads -> one scheduler thread (`scheduler`) ->
 each request's event queue, read back here as one answer or as a stream.
 """
+import dataclasses
 import json
 import logging
 import select
@@ -37,8 +38,8 @@ from mdi.model.constraints.constraint import unavailable as constraint_unavailab
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.serving.dashboard import register_dashboard
 from mdi.serving.metrics import Observer
-from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, ChatTemplate, chat_messages, encode, prompt_list,
-                                 token_budget)
+from mdi.serving.prompts import (DEFAULT_COMPLETION_TOKENS, FALLBACK_STOPS, ChatTemplate, chat_messages, encode,
+                                 prompt_list, token_budget)
 from mdi.serving.choices import Choices
 from mdi.serving.control_tokens import ControlTokens
 from mdi.serving.logprob_bodies import TokenTexts
@@ -187,6 +188,8 @@ class Routes:
             grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None,
                                       fields["chat_template_kwargs"])
+        if self.template.source == "fallback" and tools is None:
+            opts = dataclasses.replace(opts, stop=tuple(opts.stop) + FALLBACK_STOPS)
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         # the calls' grammar wins; an auto answer's text inside it follows response_format

@@ -25,6 +25,9 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: legacy results
+# Where an answer in the fallback's format would start the next turn: it ends there (a model
+# without a template of its own would otherwise write the user's next line, and the next...)
+FALLBACK_STOPS = tuple("\n%s:" % role for role in ("user", "assistant", "system", "tool"))
 # An assistant message's reasoning as vLLM's servers return it and clients send it back
 # (reasoning_content; vLLM >= 0.10: reasoning): the template gets it as reasoning_content, the
 # name Qwen3's and DeepSeek's templates read (and most leave out of earlier turns).
