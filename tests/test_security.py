@@ -28,8 +28,8 @@ from zmq.utils import z85
 from conftest import BIN, free_ports
 from ringconfigs import write_run_config
 from mdi.lab import processes
-from mdi.ring.auth import (CONTENT_HEADER, UNSIGNED_PAYLOAD, AuthError, RequestVerifier, body_sha256, ring_keys,
-                           ring_password, sign_request)
+from mdi.ring.auth import (CONTENT_HEADER, INSTANCE, INSTANCE_HEADER, UNKNOWN_INSTANCE, UNSIGNED_PAYLOAD, AuthError,
+                           RequestVerifier, body_sha256, ring_keys, ring_password, sign_request)
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import Frame, decode
 from mdi.runconfig import NodeSpec
@@ -42,9 +42,9 @@ T0 = 1700000000.0
 
 # --- signed control requests ---------------------------------------------------------------
 
-def signed(method="GET", path="/status", body=b"", now=T0, nonce=None, token=SECRET):
+def signed(method="GET", path="/status", body=b"", now=T0, nonce=None, token=SECRET, instance=UNKNOWN_INSTANCE):
     content = body_sha256(body)
-    return sign_request(token, method, path, content, now=now, nonce=nonce), content
+    return sign_request(token, method, path, content, now=now, nonce=nonce, instance=instance), content
 
 
 def test_a_signed_request_is_accepted_once():
@@ -120,20 +120,46 @@ def test_worker_takes_signed_requests_only(secret_worker):
     url = secret_worker.url
     r = requests.get(url + "/status", headers={"Authorization": "Bearer " + SECRET}, timeout=10)
     assert r.status_code == 401 and "token" in r.json()["error"]  # the secret in clear is refused
-    assert requests.get(url + "/status", auth=HmacAuth(SECRET), timeout=10).status_code == 200
+    auth = HmacAuth(SECRET)
+    assert requests.get(url + "/status", auth=auth, timeout=10).status_code == 200
+    instance = auth.instance  # the worker's id, learnt from its 401 to a request signed for none
+    assert INSTANCE.match(instance) and instance != UNKNOWN_INSTANCE
     assert requests.get(url + "/status", auth=HmacAuth("not it"), timeout=10).status_code == 401
     # A captured request cannot be played again.
     sent = requests.get(url + "/status?run=1", auth=HmacAuth(SECRET), timeout=10).request
     again = requests.get(url + "/status?run=1", headers=dict(sent.headers), timeout=10)
     assert again.status_code == 401 and "replayed" in again.json()["error"]
     # A signed body cannot be swapped, nor left unsigned outside /weights.
-    h, _ = signed("PUT", "/stop", b"", now=time.time())
+    h, _ = signed("PUT", "/stop", b"", now=time.time(), instance=instance)
     r = requests.put(url + "/stop", data=b"x", headers={"Authorization": h, CONTENT_HEADER: body_sha256(b"")},
                      timeout=10)
     assert r.status_code == 401 and "body" in r.json()["error"]
-    h = sign_request(SECRET, "PUT", "/stop", UNSIGNED_PAYLOAD, now=time.time())
+    h = sign_request(SECRET, "PUT", "/stop", UNSIGNED_PAYLOAD, now=time.time(), instance=instance)
     r = requests.put(url + "/stop", headers={"Authorization": h, CONTENT_HEADER: UNSIGNED_PAYLOAD}, timeout=10)
     assert r.status_code == 401 and "unsigned" in r.json()["error"]
+
+
+def test_a_request_signed_for_one_worker_process_is_refused_by_any_other(secret_worker, tmp_path):
+    """A signed request names the worker process it is for (its random instance id): captured
+    on its way to one worker, it is refused by any other process with the same secret (another
+    board, or the same board restarted: a 401 naming why, before it acts). A starter learns each worker's id
+    from that 401 and signs again, so its own requests go through."""
+    auth = HmacAuth(SECRET)
+    assert requests.get(secret_worker.url + "/status", auth=auth, timeout=10).status_code == 200
+    captured = requests.put(secret_worker.url + "/stop", auth=auth, timeout=10).request
+    path = tmp_path / "secret2"
+    path.write_text(SECRET + "\n")
+    other = processes.WorkerProcess(free_ports(1)[0], str(tmp_path / "other.log"),
+                                    env=dict(os.environ, MDI_TOKEN_FILE=str(path)), token=SECRET,
+                                    new_session=False).wait_ready()
+    try:
+        r = requests.put(other.url + "/stop", headers=dict(captured.headers), timeout=10)
+        assert r.status_code == 401 and "another worker process" in r.json()["error"]
+        assert INSTANCE.match(r.headers[INSTANCE_HEADER]) and r.headers[INSTANCE_HEADER] != auth.instance
+        client = ControlClient(NodeSpec("other", port=other.port), token=SECRET)
+        assert client.health()["ok"] and client.auth.instance == r.headers[INSTANCE_HEADER]
+    finally:
+        other.stop(5)
 
 
 def test_a_starter_whose_clock_is_off_corrects_it_from_the_worker(secret_worker):

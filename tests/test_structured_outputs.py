@@ -630,6 +630,23 @@ def test_a_grammar_too_wide_to_run_is_a_400_naming_grammar(smol_server):
         assert "\n" not in error["message"] and "<state>" not in error["message"], error
 
 
+# Rules chained one into the next (r_i ::= "x.." r_{i+1}?), 4,000 of them in 125 KB: llguidance
+# follows the chain recursively while it builds the grammar, past a thread's default 8 MB stack,
+# which killed the whole server (SIGSEGV); built on a deep stack (mdi.system.deep_stack) it is a 400.
+CHAINED = ("root ::= " + " | ".join("r%d" % i for i in range(4000)) + "\n"
+           + "\n".join('r%d ::= "%s" r%d?' % (i, "x" * (i % 7 + 1), (i + 1) % 4000) for i in range(4000)))
+
+
+def test_a_grammar_of_thousands_of_chained_rules_is_a_400_and_the_server_lives(smol_server):
+    r = requests.post(smol_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "grammar": CHAINED},
+                      timeout=300)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+    assert requests.get(smol_server.url + "/health", timeout=30).json()["ok"] is True
+    r = requests.post(smol_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "grammar":
+                                                                'root ::= "ab" | "cd"'}, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("ab", "cd"), r.text
+
+
 # A tree: each node's children are nodes (a recursive $ref), and a list through a nullable "#".
 TREE = {"$defs": {"node": _obj({"name": {"type": "string", "maxLength": 8},
                                 "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}})},

@@ -3,9 +3,13 @@ line, where other users could see it in the process list). The secret itself nev
 the network:
 
 - control plane (HTTP): every request carries an HMAC-SHA256 signature over its method, path,
-  body hash, a timestamp and a nonce (`sign_request`, checked by `RequestVerifier`), in
-  `Authorization: MDI-HMAC t=<unix time>, n=<nonce>, s=<hex signature>`; a request is accepted
-  once, within `REPLAY_WINDOW` seconds of the worker's clock;
+  body hash, a timestamp, a nonce and the worker it is for (`sign_request`, checked by
+  `RequestVerifier`), in `Authorization: MDI-HMAC t=<unix time>, n=<nonce>, i=<instance>,
+  s=<hex signature>`; a request is accepted once, within `REPLAY_WINDOW` seconds of the worker's
+  clock, and only by the worker process it names (its random instance id: a request captured on
+  the way to one worker is refused by every other, and by the same one once it restarted). A
+  worker answers a request signed with the secret but for another time or instance with a 401
+  that carries its clock and instance id (TIME_HEADER, INSTANCE_HEADER): the starter signs again;
 - data plane (zmq): each run's CURVE key pairs derive from the secret and the run id
   (`ring_password` -> `ring_keys`), so only nodes that know both can connect, every frame is
   encrypted, and what a neighbour sends cannot be read or altered on the way.
@@ -29,10 +33,13 @@ SCHEME = "MDI-HMAC"
 CONTENT_HEADER = "X-MDI-Content-SHA256"  # the body's sha256 (hex), signed; or UNSIGNED_PAYLOAD
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"  # only for POST /weights: its sha256 was announced in /init
 TIME_HEADER = "X-MDI-Time"  # a worker's clock, sent back with a signed but stale request
+INSTANCE_HEADER = "X-MDI-Instance"  # a worker process's instance id, sent back likewise
+UNKNOWN_INSTANCE = "0" * 16  # what a starter signs for before it has heard a worker's id
 REPLAY_WINDOW = 60.0  # seconds either side of the worker's clock
 MAX_NONCES = 1 << 16  # nonces remembered at most (requests within one window)
 
-_HEADER = re.compile(r"^MDI-HMAC t=(\d{1,12}), n=([0-9a-f]{16,64}), s=([0-9a-f]{64})$")
+_HEADER = re.compile(r"^MDI-HMAC t=(\d{1,12}), n=([0-9a-f]{16,64}), i=([0-9a-f]{16}), s=([0-9a-f]{64})$")
+INSTANCE = re.compile(r"^[0-9a-f]{16}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -74,24 +81,34 @@ def body_sha256(body: Optional[bytes]) -> str:
     return hashlib.sha256(body or b"").hexdigest()
 
 
-def _message(method: str, path: str, content_sha256: str, t: str, nonce: str) -> bytes:
-    return "\n".join((SCHEME, method.upper(), path, content_sha256, t, nonce)).encode("utf-8")
+def _message(method: str, path: str, content_sha256: str, t: str, nonce: str, instance: str) -> bytes:
+    return "\n".join((SCHEME, method.upper(), path, content_sha256, t, nonce, instance)).encode("utf-8")
+
+
+def new_instance() -> str:
+    """A worker process's random instance id (never UNKNOWN_INSTANCE)."""
+    while True:
+        instance = secrets.token_hex(8)
+        if instance != UNKNOWN_INSTANCE:
+            return instance
 
 
 def sign_request(token: str, method: str, path: str, content_sha256: str, now: Optional[float] = None,
-                 nonce: Optional[str] = None) -> str:
-    """The Authorization header of one request. `path` includes the query (`/status?run=3`);
-    `content_sha256` is `body_sha256(body)` or UNSIGNED_PAYLOAD (also sent in CONTENT_HEADER)."""
+                 nonce: Optional[str] = None, instance: str = UNKNOWN_INSTANCE) -> str:
+    """The Authorization header of one request to the worker process `instance`. `path`
+    includes the query (`/status?run=3`); `content_sha256` is `body_sha256(body)` or
+    UNSIGNED_PAYLOAD (also sent in CONTENT_HEADER)."""
     t = "%d" % int(time.time() if now is None else now)
     n = nonce or secrets.token_hex(16)
-    s = hmac.new(_derive(token, b"mdi-control-v1"), _message(method, path, content_sha256, t, n),
+    s = hmac.new(_derive(token, b"mdi-control-v1"), _message(method, path, content_sha256, t, n, instance),
                  hashlib.sha256).hexdigest()
-    return "%s t=%s, n=%s, s=%s" % (SCHEME, t, n, s)
+    return "%s t=%s, n=%s, i=%s, s=%s" % (SCHEME, t, n, instance, s)
 
 
 class AuthError(ValueError):
     """A control request that is not signed with the shared secret (or is a replay). `stale`:
-    the signature is right but its time is outside the window (the clocks disagree)."""
+    the signature is right but its time is outside the window (the clocks disagree), or it
+    names another worker process (its starter has not heard this one's instance id yet)."""
 
     def __init__(self, message: str, stale: bool = False) -> None:
         super().__init__(message)
@@ -103,8 +120,10 @@ class RequestVerifier:
     nonce is accepted twice. Memory is bounded: a nonce is kept only until its timestamp
     leaves the window, and at most `max_nonces` at a time."""
 
-    def __init__(self, token: str, window: float = REPLAY_WINDOW, max_nonces: int = MAX_NONCES) -> None:
+    def __init__(self, token: str, instance: Optional[str] = None, window: float = REPLAY_WINDOW,
+                 max_nonces: int = MAX_NONCES) -> None:
         self._key = _derive(token, b"mdi-control-v1")
+        self.instance = instance  # this worker process's id, which a request must name (None: any)
         self.window, self.max_nonces = window, max_nonces
         self._lock = threading.Lock()
         self._seen: set = set()
@@ -135,8 +154,8 @@ class RequestVerifier:
             raise AuthError("no %s signature" % SCHEME)
         if content_sha256 != UNSIGNED_PAYLOAD and not _HEX64.match(content_sha256 or ""):
             raise AuthError("missing or malformed %s header" % CONTENT_HEADER)
-        t, nonce, sig = m.groups()
-        expected = hmac.new(self._key, _message(method, path, content_sha256 or "", t, nonce),
+        t, nonce, instance, sig = m.groups()
+        expected = hmac.new(self._key, _message(method, path, content_sha256 or "", t, nonce, instance),
                             hashlib.sha256).hexdigest()
         if not hmac.compare_digest(expected.encode(), sig.encode()):
             raise AuthError("bad signature")
@@ -144,6 +163,8 @@ class RequestVerifier:
         if abs(now - int(t)) > self.window:
             raise AuthError("signed %+.0f s from this node's clock (window %.0f s)" % (int(t) - now, self.window),
                             stale=True)
+        if self.instance is not None and instance != self.instance:
+            raise AuthError("signed for another worker process (or for this one before it restarted)", stale=True)
         return t, nonce
 
 

@@ -32,6 +32,7 @@ from mdi.starter.engine_face import EngineFace, RecoveryEvent
 from mdi.starter.sample import FinishReason, Sample
 from mdi.starter.planning.run_shape import serving_max_len
 from mdi.starter.planning.serving_plan import open_serving_ring
+from mdi.system.deep_stack import start_deep_stack_thread
 from mdi.system.memory import collect_freed_memory
 
 STEP_TIMEOUT = 0.05  # seconds an engine step waits for a frame before the scheduler looks again
@@ -95,8 +96,8 @@ class Scheduler:
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._main, name="mdi-scheduler", daemon=True)
-        self._thread.start()
+        # deep: it computes grammars' token masks, native code that may recurse per rule (deep_stack)
+        self._thread = start_deep_stack_thread(self._main, "mdi-scheduler")
 
     def submit(self, req: Request) -> None:
         if self.state != RingState.UP:

@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Iterator, Optional, Tuple, Union
 from urllib.parse import unquote
 
-from mdi.ring.auth import CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, body_sha256, sign_request
+from mdi.ring.auth import (CONTENT_HEADER, INSTANCE, INSTANCE_HEADER, TIME_HEADER, UNKNOWN_INSTANCE, UNSIGNED_PAYLOAD,
+                           body_sha256, sign_request)
 from mdi.ring.init_request import InitRequest
 from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
@@ -88,17 +89,55 @@ def _dropped(error: BaseException) -> bool:
 
 class HmacAuth:
     """Signs each request with the shared secret (mdi/ring/auth.py: method, path and query,
-    the body's sha256, time, nonce), which never leaves this process. A body that is not
-    bytes (a file or a stream), or one whose request says so in its X-MDI-Content-SHA256
-    header, goes unsigned, which only POST /weights may do: its sha256 is announced in the
-    signed /init. `offset`: seconds added to our clock, learnt from a worker whose clock
-    disagrees with ours (see ControlClient._call). requests takes any such callable as `auth`."""
+    the body's sha256, time, nonce, the worker process it is for), which never leaves this
+    process. A body that is not bytes (a file or a stream), or one whose request says so in
+    its X-MDI-Content-SHA256 header, goes unsigned, which only POST /weights may do: its sha256
+    is announced in the signed /init. `offset` (seconds added to our clock) and `instance` are
+    learnt from a worker's 401 to a request signed for another time or process: a request
+    with its body in hand goes again at once, signed anew (a streamed one: ControlClient._call).
+    One per worker; requests takes any such callable as `auth`."""
 
     def __init__(self, token: str) -> None:
         self.token = token
         self.offset = 0.0
+        self.instance = UNKNOWN_INSTANCE  # the worker process's id, once it has said it
+
+    def learn(self, r: "requests.Response") -> bool:
+        """Take the worker's clock and instance id from its 401 (True: the request may go again)."""
+        stamp, instance = r.headers.get(TIME_HEADER), r.headers.get(INSTANCE_HEADER, "")
+        if r.status_code != 401 or not stamp:
+            return False
+        try:
+            self.offset = float(stamp) - time.time()
+        except ValueError:
+            return False
+        if INSTANCE.match(instance):
+            self.instance = instance
+        return True
 
     def __call__(self, r: "requests.PreparedRequest") -> "requests.PreparedRequest":
+        self._sign(r)
+        r.register_hook("response", self._again)
+        return r
+
+    def _again(self, r: "requests.Response", **kwargs: Any) -> "requests.Response":
+        """requests' response hook (as its digest auth answers a challenge): a request whose
+        body is in hand goes again, once, signed with what the worker's 401 said."""
+        sent = r.request
+        if getattr(sent, "mdi_again", False) or not (sent.body is None or isinstance(sent.body, (bytes, str))) \
+                or not self.learn(r):
+            return r
+        r.content  # read, so that the connection can carry the next request
+        r.close()
+        again = sent.copy()
+        again.mdi_again = True  # type: ignore[attr-defined]
+        self._sign(again)
+        answer = r.connection.send(again, **kwargs)
+        answer.history.append(r)
+        answer.request = again
+        return answer
+
+    def _sign(self, r: "requests.PreparedRequest") -> None:
         body = r.body
         if r.headers.get(CONTENT_HEADER) == UNSIGNED_PAYLOAD:
             content = UNSIGNED_PAYLOAD
@@ -110,8 +149,7 @@ class HmacAuth:
         signed_path = unquote(path) + ("?" + query if query else "")
         r.headers[CONTENT_HEADER] = content
         r.headers["Authorization"] = sign_request(self.token, r.method or "GET", signed_path, content,
-                                                  now=time.time() + self.offset)
-        return r
+                                                  now=time.time() + self.offset, instance=self.instance)
 
 
 class ControlClient:
@@ -133,17 +171,13 @@ class ControlClient:
         read_timeout = read_timeout or self.connect_timeout
         # A request goes out a second time only where the worker cannot have acted on the
         # first: it closed the kept-alive connection as the request went out (GET and PUT
-        # only), or it refused the request's time stamp (then stamped by the worker's clock).
+        # only), or it refused the request's time stamp or instance id (then signed with the
+        # worker's: HmacAuth sends a body in hand again itself, a streamed file goes again here).
         r = self._send(method, route, read_timeout, method in ("GET", "PUT"), **kwargs)
-        stamp = r.headers.get(TIME_HEADER) if r is not None else None
         auth, data = self.auth, kwargs.get("data")
-        if r is not None and r.status_code == 401 and stamp and auth is not None \
-                and (data is None or isinstance(data, bytes) or hasattr(data, "seek")):
-            try:
-                auth.offset = float(stamp) - time.time()
-            except ValueError:
-                pass
-            r = None  # it goes again, stamped by the worker's clock
+        if r is not None and auth is not None and (data is None or isinstance(data, bytes) or hasattr(data, "seek")) \
+                and auth.learn(r):
+            r = None  # it goes again, signed as the worker said
         if r is None:
             if data is not None and hasattr(data, "seek"):
                 data.seek(0)  # a streamed file goes again from its start

@@ -20,8 +20,8 @@ from typing import Any, Callable, Dict, Optional
 from flask import Flask, jsonify, request
 
 from mdi import __version__
-from mdi.ring.auth import (CONTENT_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthError, RequestVerifier,
-                           body_sha256)
+from mdi.ring.auth import (CONTENT_HEADER, INSTANCE_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthError,
+                           RequestVerifier, body_sha256)
 from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
 from mdi.ring.backend_request import validate_backend
@@ -43,7 +43,7 @@ def admit_headers(worker: Worker) -> Optional[Callable[[str, str, Dict[str, str]
     The application still checks everything once the body is there."""
     if not worker.token:
         return None
-    verifier = RequestVerifier(worker.token)
+    verifier = RequestVerifier(worker.token, worker.instance)
     content_key = CONTENT_HEADER.upper().replace("-", "_")  # as waitress keys its headers
 
     def admit(method: str, path: str, headers: Dict[str, str]) -> Optional[str]:
@@ -53,7 +53,7 @@ def admit_headers(worker: Worker) -> Optional[Callable[[str, str, Dict[str, str]
             verifier.check_signed(method, path, headers.get("AUTHORIZATION"), headers.get(content_key))
         except AuthError as e:
             # A stale signature is the secret's: the application answers it with this node's
-            # clock (TIME_HEADER), which lets the starter correct its own.
+            # clock and instance id, with which the starter signs again.
             return None if e.stale else "missing or wrong token (%s)" % e
         return None
     return admit
@@ -76,7 +76,7 @@ def create_app(worker: Worker) -> Flask:
             raise RequestError("body is not valid JSON")
         return data
 
-    verifier = RequestVerifier(worker.token) if worker.token else None
+    verifier = RequestVerifier(worker.token, worker.instance) if worker.token else None
 
     def check_signature(verifier: RequestVerifier) -> None:
         content = request.headers.get(CONTENT_HEADER)
@@ -105,8 +105,9 @@ def create_app(worker: Worker) -> Flask:
             check_signature(verifier)
         except AuthError as e:
             reply = jsonify({"ok": False, "error": "missing or wrong token (%s)" % e})
-            if e.stale:  # signed with the secret, but our clocks disagree: say what ours reads
+            if e.stale:  # signed with the secret, but for another time or process: say ours
                 reply.headers[TIME_HEADER] = "%.3f" % time.time()
+                reply.headers[INSTANCE_HEADER] = worker.instance
             return reply, 401
         return None
 

@@ -17,7 +17,7 @@ from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.model.files.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
-from mdi.ring.auth import ring_password
+from mdi.ring.auth import new_instance, ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
 from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
@@ -55,6 +55,7 @@ class Worker(Measuring):
                  models_dir: Optional[str] = None, threads: Optional[int] = None) -> None:
         self.host, self.port = host, port
         self.token = token
+        self.instance = new_instance()  # signed control requests must name it (mdi.ring.auth)
         self.last_contact = time.monotonic()
         self.device_override = device
         self.max_memory = max_memory

@@ -26,6 +26,7 @@ from mdi.model.constraints.schema_bounds import bounded
 from mdi.model.sampling import SamplingError
 from mdi.model.token_bytes import all_token_bytes, special_token_ids
 from mdi.model.tokenizers import Tokenizer
+from mdi.system.deep_stack import on_deep_stack
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,10 @@ class LazyGrammars:
         with self._lock:
             if self._compiler is None:
                 self._compiler = self._make()
-        return self._compiler.compile(spec)
+        compiler = self._compiler
+        # llguidance recurses once per rule it follows: a long chain of rules overflowed an HTTP
+        # thread's stack and killed the server (mdi.system.deep_stack)
+        return on_deep_stack(lambda: compiler.compile(spec))
 
 
 def server_grammars(tok: Tokenizer, width: int, mask_deadline_s: float) -> Optional[LazyGrammars]:
@@ -259,7 +263,8 @@ class Constraint:
 
     def fresh(self) -> "Constraint":
         """The same grammar from its start, for another sample (a request's other choices)."""
-        return Constraint(self.new_matcher, self.new_matcher(), self.width, self.vocab, self.spec, self.deadline_s)
+        return Constraint(self.new_matcher, on_deep_stack(self.new_matcher), self.width, self.vocab, self.spec,
+                          self.deadline_s)
 
     def allowed(self) -> np.ndarray:
         """Bool [width] (numpy, on either backend: a starter computing with ggml never loads
