@@ -58,6 +58,17 @@ def _assert_matches(result, losses, final):
 
 # --- data --------------------------------------------------------------------------------------
 
+def test_text_the_tokenizer_cannot_encode_is_a_config_error_naming_the_file(files):
+    """(POST /v1/mdi/train answers it as a 400 naming `data`, not a 500.)"""
+    from mdi.runconfig import ConfigError
+    tok = CharTokenizer(CHARS, eos_id=CHARS.index("\n"))
+    for name, text in (("odd.txt", "abc \u2603 def" * 10), ("odd.jsonl", json.dumps({"prompt": "\u2603", "completion": "a"}))):
+        path = files["dir"] / name
+        path.write_text(text)
+        with pytest.raises(ConfigError, match="--data %s: " % path):
+            load_windows(tok, str(path), SEQ)
+
+
 def test_prompt_completion_windows_score_the_completion_and_eos_only(files, caplog):
     tok = CharTokenizer(CHARS, eos_id=CHARS.index("\n"))
     w = load_windows(tok, files["jsonl"], SEQ)

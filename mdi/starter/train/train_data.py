@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from mdi.model.tokenizer_base import TokenizerError
 from mdi.runconfig import ConfigError
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,16 @@ def text_windows(ids: torch.Tensor, seq_len: int, path: str) -> torch.Tensor:
 
 def load_windows(tokenizer: Any, path: str, seq_len: int, render_chat: Optional[ChatRenderer] = None,
                  what: str = "--data") -> Windows:
-    """A text file's windows, or a .jsonl file's examples as windows (see the module docstring)."""
+    """A text file's windows, or a .jsonl file's examples as windows (see the module docstring);
+    ConfigError naming the file for text the tokenizer cannot encode."""
+    try:
+        return _load_windows(tokenizer, path, seq_len, render_chat, what)
+    except TokenizerError as e:
+        raise ConfigError("%s %s: %s" % (what, path, e))
+
+
+def _load_windows(tokenizer: Any, path: str, seq_len: int, render_chat: Optional[ChatRenderer],
+                  what: str) -> Windows:
     _need_tokenizer(tokenizer, path)
     if not path.endswith(".jsonl"):
         ids = text_windows(read_text_ids(tokenizer, path), seq_len, path)
