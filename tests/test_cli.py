@@ -105,6 +105,17 @@ def test_bad_flags_get_one_line_not_the_usage_block(args, needle):
     assert_one_line_error(mdi_start("--model", "m", "--prompt", "a", *args), needle, "mdi-start --help")
 
 
+def test_a_prompt_that_is_not_utf8_is_one_line(tiny_models):
+    """Bytes that are not UTF-8 on the command line (Python keeps them as lone surrogates) are
+    refused by name before anything loads: they had given a tokenizer's traceback, or wrong
+    byte tokens and then a crash writing the metrics."""
+    proc = subprocess.run([STARTER.encode(), b"--model", tiny_models["llama"].encode(), b"--prompt", b"ab",
+                           b"--prompt", b"abc\xff\xfedef", b"--n-tokens", b"2"], capture_output=True, timeout=60)
+    lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0] == "mdi: error: --prompt 2 is not UTF-8 text (byte 0xff at character 3)"
+
+
 def test_help_explains_flags():
     proc = subprocess.run([STARTER, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--n-samples" in proc.stdout and "--metrics-out" in proc.stdout

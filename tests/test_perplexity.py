@@ -295,8 +295,34 @@ def test_a_file_read_in_pieces_has_the_ids_of_the_whole_text(all_toks, tmp_path,
     for name, tok in all_toks.items():
         source = type("Source", (), {"tokenizer": tok, "path": name})()
         got = perplexity.read_tokens(source, str(path))
-        assert got.dtype == np.int32 and got.tolist() == tok.encode(text), name
+        assert got.dtype == np.int32 and got.tolist() == ([tok.bos_id] if tok.add_bos else []) + tok.encode_text(text), name
     assert pieces_seen["gpt2"] > 10 and pieces_seen["char"] > 10  # it did read in pieces
+
+
+CONTROL_SPELLINGS = "a <|endoftext|> b <|im_start|>user <|im_end|> c <eos> d <start_of_turn>model <end_of_turn>\n"
+
+
+def test_a_control_token_s_spelling_in_the_file_is_text(all_toks, tmp_path):
+    """llama-perplexity tokenizes its file with parse_special false: "<|im_end|>" written in the
+    text is that text, not SmolLM2's end token (mdi's score had parted from llama.cpp's on such a
+    file: 53.09 vs 43.22; now equal). The ids spell the text back and hold no control token."""
+    from conftest import gemma3_gguf_path
+    from mdi.model.files.tokenizer_import import tokenizer_from_gguf
+    path = tmp_path / "markers.txt"
+    path.write_text(CONTROL_SPELLINGS * 3, encoding="utf-8")
+    toks = dict(all_toks)
+    if gemma3_gguf_path() is not None:
+        toks["gemma3"] = tokenizer_from_gguf(gemma3_gguf_path())
+    for name, tok in toks.items():
+        if name == "char":
+            continue  # its vocabulary has no "<" to spell a marker with
+        source = type("Source", (), {"tokenizer": tok, "path": name})()
+        ids = perplexity.read_tokens(source, str(path)).tolist()[1 if tok.add_bos else 0:]
+        controls = set(tok.end_ids) | ({tok.bos_id} if tok.bos_id is not None else set())
+        assert not controls.intersection(ids) and tok.decode(ids) == CONTROL_SPELLINGS * 3, name
+        assert ids == tok.encode_text(CONTROL_SPELLINGS * 3), name
+    if "smollm2" in toks:
+        assert toks["smollm2"].eos_id in toks["smollm2"].encode_plain(CONTROL_SPELLINGS)  # prompts still mean them
 
 
 def test_a_device_or_pipe_is_refused_not_read_forever(tiny_models, capsys):

@@ -169,6 +169,16 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+def _check_utf8(text: str, what: str) -> None:
+    """ConfigError where `text` came from bytes that are not UTF-8 (Python hands such command-line
+    bytes on as lone surrogates, which a tokenizer refuses with a traceback or encodes wrongly)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError("%s is not UTF-8 text (byte 0x%02x at character %d)"
+                          % (what, ord(text[e.start]) & 0xFF, e.start))
+
+
 def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
     from mdi.starter import batch
@@ -183,6 +193,8 @@ def start_main(argv: Optional[List[str]] = None) -> int:
 def _start(args: argparse.Namespace, batch) -> int:
     from mdi.ring.auth import TokenError, load_token
     try:
+        for i, prompt in enumerate(args.prompt, 1):
+            _check_utf8(prompt, "--prompt %d" % i)
         cfg = _config_from_args(args)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)

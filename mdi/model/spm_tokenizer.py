@@ -103,10 +103,10 @@ class SpmTokenizer(Tokenizer):
 
     # -- encoding ------------------------------------------------------------------------------
 
-    def _encode(self, text: str) -> List[int]:
+    def _encode(self, text: str, parse_special: bool = True) -> List[int]:
         out: List[int] = []
         prev_special = True
-        for piece in self._partition(text):
+        for piece in self._partition(text, parse_special):
             if isinstance(piece, int):
                 out.append(piece)
                 prev_special = True
@@ -117,11 +117,15 @@ class SpmTokenizer(Tokenizer):
             prev_special = False
         return out
 
-    def _partition(self, text: str) -> List[Any]:
-        """The text cut into raw strings and special token ids, as tokenizer_st_partition."""
+    def _encode_text(self, text: str) -> List[int]:
+        return self._encode(text, parse_special=False)
+
+    def _partition(self, text: str, parse_special: bool = True) -> List[Any]:
+        """The text cut into raw strings and special token ids, as tokenizer_st_partition
+        (without `parse_special`, control and unknown tokens' spellings stay text, as there)."""
         if not text:
             return []
-        present = self._special_tokens_in(text)
+        present = [i for i in self._special_tokens_in(text) if parse_special or self.types[i] == USER_DEFINED]
         pieces: List[Any] = [text]
         for token in present:
             t = self._partition_text[token]

@@ -58,6 +58,12 @@ class Tokenizer:
         """The ids of `text` alone, no BOS: a piece of a longer text encoded piece by piece."""
         return self._encode(text)
 
+    def encode_text(self, text: str) -> List[int]:
+        """`encode_plain`, where the spelling of a control token ("<|im_end|>", "<eos>") is
+        text, not that token: llama.cpp's tokenizing with parse_special false, as
+        llama-perplexity reads its file (user-defined tokens are still cut out, as there)."""
+        return self._encode_text(text)
+
     def max_token_bytes(self) -> Optional[int]:
         """The most UTF-8 bytes of text one token can stand for, where that bounds a text's
         token count from below (no normalizer that could shrink the text first); else None."""
@@ -113,6 +119,9 @@ class Tokenizer:
 
     def _encode(self, text: str) -> List[int]:
         raise NotImplementedError
+
+    def _encode_text(self, text: str) -> List[int]:
+        return self._encode(text)  # a tokenizer whose control tokens no text spells
 
     def _decode(self, ids: List[int]) -> str:
         raise NotImplementedError

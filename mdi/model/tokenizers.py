@@ -80,6 +80,9 @@ class GPT2Tokenizer(Tokenizer):
         # "<|endoftext|>" in the text is the document separator token, as in HF's GPT-2 tokenizer.
         return self.enc.encode(text, allowed_special="all")
 
+    def _encode_text(self, text: str) -> List[int]:
+        return self.enc.encode(text, allowed_special=set(), disallowed_special=())
+
     def _decode(self, ids: List[int]) -> str:
         return self.enc.decode(ids)
 
@@ -127,11 +130,20 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tk: Any, **meta: Any) -> None:
         self.tk = tk
+        self._text_tk: Any = None  # a copy that spells special tokens as text (encode_text), made once asked
         super().__init__(tk.get_vocab_size(with_added_tokens=True), **meta)
 
     def _encode(self, text: str) -> List[int]:
         # BOS is ours to add (add_bos), so the tokenizer.json post-processor is bypassed.
         return self.tk.encode(text, add_special_tokens=False).ids
+
+    def _encode_text(self, text: str) -> List[int]:
+        if self._text_tk is None:
+            # a copy of its own: the setting is the tokenizer's, and others may be encoding with it
+            text_tk = type(self.tk).from_str(self.tk.to_str())
+            text_tk.encode_special_tokens = True  # special added tokens as text; other added ones still cut
+            self._text_tk = text_tk
+        return self._text_tk.encode(text, add_special_tokens=False).ids
 
     def _decode(self, ids: List[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=False)

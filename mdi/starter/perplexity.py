@@ -110,7 +110,8 @@ JUNCTION_CHARS = 256  # each side of a cut, encoded together and apart to prove 
 
 
 def read_tokens(source: ModelSource, path: str) -> np.ndarray:
-    """The file's tokens as plain text (no chat template); BOS first if the tokenizer adds one.
+    """The file's tokens as plain text (no chat template; a control token's spelling in it is
+    text, as llama-perplexity reads it: Tokenizer.encode_text); BOS first if the tokenizer adds one.
 
     Read and tokenized a piece at a time, the ids kept as int32: tokenizing a whole file at
     once took ~170 MB of RAM per MB of text (a 50 MB file aborted under a 4 GB limit), the
@@ -130,7 +131,7 @@ def read_tokens(source: ModelSource, path: str) -> np.ndarray:
         with open(path, encoding="utf-8", newline="") as f:  # the text as it is: "\r\n" stays
             for piece in _pieces(f, tok):
                 visible = visible or not piece.isspace()
-                parts.append(np.array(tok.encode_plain(piece), dtype=np.int32))
+                parts.append(np.array(tok.encode_text(piece), dtype=np.int32))
     except FileNotFoundError:
         raise ConfigError("--perplexity %s: no such file" % path)
     except UnicodeDecodeError as e:
@@ -176,7 +177,7 @@ def _last_cut(text: str) -> Optional[int]:
 
 def _cut_is_exact(tok: Any, text: str, cut: int) -> bool:
     before, after = text[max(0, cut - JUNCTION_CHARS):cut], text[cut:cut + JUNCTION_CHARS]
-    return tok.encode_plain(before + after) == tok.encode_plain(before) + tok.encode_plain(after)
+    return tok.encode_text(before + after) == tok.encode_text(before) + tok.encode_text(after)
 
 
 def resolve_ctx(source: ModelSource, ctx: Optional[int]) -> int:
