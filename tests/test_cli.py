@@ -116,6 +116,37 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tiny_models):
     assert lines[0] == "mdi: error: --prompt 2 is not UTF-8 text (byte 0xff at character 3)"
 
 
+@pytest.mark.parametrize("yaml_text, needle", [
+    ("model: {path: m}\nruntime: {ring_timeout: .nan}\n", "runtime.ring_timeout: expected a finite number"),
+    ("model: {path: m}\nruntime: {connect_timeout: .inf}\n", "runtime.connect_timeout: expected a finite number"),
+    ("model: {path: m}\ngeneration: {temperature: 0}\ngeneration: {n_tokens: 3}\n",
+     "key 'generation' appears twice"),
+    (b"model: {path: m}\n# caf\xe9\n", "not UTF-8 text (byte 0xe9"),
+    ("model: {path: m}\nnodes:\n  - {name: s, port: 8080}\n  - {name: w, port: 9001, data_port: 9001}\n",
+     "nodes[1]: data port 9001 on 127.0.0.1 is also nodes[1]'s HTTP port"),
+])
+def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, needle):
+    """NaN and infinite timeouts passed every `<= 0` check (a ring timeout of NaN waited for
+    ever); a key given twice kept its last value silently (temperature 0 dropped); a file that
+    is not UTF-8 was a traceback."""
+    path = tmp_path / "c.yaml"
+    (path.write_bytes if isinstance(yaml_text, bytes) else path.write_text)(yaml_text)
+    assert_one_line_error(mdi_start("--config", str(path), "--prompt", "a"), str(path), needle)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--threads", "0"], "argument --threads: expected an integer >= 1"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N"),
+    (["--check", "--serve"], "--serve does not go with --check"),
+    (["--check", "--metrics-out", "m.json"], "--metrics-out does not go with --check"),
+    (["--metrics-out", "/dev/null/m.json"], "--metrics-out /dev/null/m.json: /dev/null is a file, not a directory"),
+    (["--metrics-out", "/"], "--metrics-out /: is a directory"),
+])
+def test_flags_that_cannot_work_are_refused_before_the_run(tiny_models, args, needle):
+    """(An unwritable --metrics-out had been a traceback after the whole run, its record lost.)"""
+    assert_one_line_error(mdi_start("--model", tiny_models["llama"], "--prompt", "a", "--n-tokens", "2", *args), needle)
+
+
 def test_help_explains_flags():
     proc = subprocess.run([STARTER, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--n-samples" in proc.stdout and "--metrics-out" in proc.stdout

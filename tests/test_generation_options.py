@@ -17,14 +17,16 @@ from mdi.starter.generation_options import GenerationOptions
 from mdi.starter.sample import Sample
 from ringconfigs import parse_run_config
 
-NAMES = ("max_tokens", "params", "seed", "stop", "adapter", "speculation", "top_logprobs", "cache_prompt", "grammar")
+NAMES = ("max_tokens", "params", "seed", "stop", "adapter", "speculation", "top_logprobs", "cache_prompt", "grammar",
+         "stop_token_ids", "min_tokens", "ignore_eos", "include_stop_str")
 
 
 def _options(**changes):
     """Options with every field away from its default, so a mapping that drops one shows."""
     given = dict(max_tokens=7, params=SamplingParams(0.5, 3, 0.9), seed=11, stop=("END", "", "\n\n"), adapter=2,
                  speculation=SpeculationSpec(method="ngram"), top_logprobs=3, cache_prompt=False,
-                 grammar=GrammarSpec("regex", "[ab]+", "response_format"))
+                 grammar=GrammarSpec("regex", "[ab]+", "response_format"), stop_token_ids=(5,), min_tokens=2,
+                 ignore_eos=True, include_stop_str=True)
     given.update(changes)
     return GenerationOptions(**given)
 

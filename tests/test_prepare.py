@@ -123,3 +123,26 @@ def test_an_hf_directory_still_reads_its_own_tokenizer_files(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 7]}))
     tok = source_tokenizer(str(tmp_path), None, "llama")
     assert (tok.kind, tok.bos_id, tok.eos_id, tok.stop_ids) == ("hf", 5, 6, [7])  # EOS itself is no extra stop id
+
+
+def test_the_default_out_is_never_the_source_and_a_failure_leaves_no_half_model(tmp_path):
+    """`mdi-prepare models/x --quant int8` with no --out would have written over models/x (its
+    float weights lost); a source whose weights are cut short fails in one line naming the file
+    and leaves no folder behind that mdi-start would load."""
+    import shutil
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copytree(NANOGPT, str(models / "nano"))
+    before = sorted(os.listdir(str(models / "nano")))
+    proc = subprocess.run([PREPARE, "models/nano", "--quant", "int8"], capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 2 and "is the source itself" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(os.listdir(str(models / "nano"))) == before
+    weights = models / "nano" / "model.safetensors"
+    with open(str(weights), "r+b") as f:
+        f.truncate(os.path.getsize(str(weights)) // 2)
+    out = tmp_path / "out"
+    proc = prepare(str(models / "nano"), "--out", str(out), "--quant", "int8")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("mdi-prepare: error: ") and "Traceback" not in proc.stderr
+    assert "model.safetensors" in lines[-1] and not out.exists()

@@ -30,6 +30,14 @@ positive_int = arg_type(int, lambda v: v >= 1, "an integer >= 1")
 positive_float = arg_type(float, lambda v: 0 < v < float("inf"), "a number > 0")  # NaN fails too
 
 
+def device_name(value: str) -> str:
+    """cpu, cuda or cuda:N (argparse's type: a wrong one is a one-line usage error)."""
+    from mdi.runconfig.nodes import is_device_name
+    if is_device_name(value):
+        return value
+    raise argparse.ArgumentTypeError("expected cpu, cuda or cuda:N, got %r" % value)
+
+
 def add_quant_arguments(p: argparse.ArgumentParser, gguf_types: bool = False) -> None:
     """`gguf_types`: --quant also takes a GGUF type (mdi-prepare; checked there, in one line)."""
     from mdi.model.layout import INT4_GROUPS, QUANT_MODES

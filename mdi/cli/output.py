@@ -4,10 +4,31 @@ import argparse
 import sys
 from typing import Optional
 
-from mdi.system.files import write_json
+from mdi.cli.process import EXIT_CONFIG, fail
+from mdi.runconfig import ConfigError
+from mdi.system.files import output_problem, write_json
 
 
-def report(result, args: argparse.Namespace) -> None:
+def write_metrics(result, args: argparse.Namespace) -> int:
+    """--metrics-out written (0), or its one error line (EXIT_CONFIG): checked before the run
+    (`check_output`), a disk can still fill or a folder go away meanwhile."""
+    if not args.metrics_out:
+        return 0
+    try:
+        write_json(args.metrics_out, result.metrics())
+    except OSError as e:
+        return fail("--metrics-out %s: cannot write it: %s" % (args.metrics_out, e.strerror or e), EXIT_CONFIG)
+    return 0
+
+
+def check_output(path: Optional[str], flag: str, folder: bool = False) -> None:
+    """ConfigError, before any work, where `path` (a flag's file or folder) cannot be written."""
+    problem = output_problem(path, folder) if path else None
+    if problem is not None:
+        raise ConfigError("%s %s: %s" % (flag, path, problem))
+
+
+def report(result, args: argparse.Namespace) -> int:
     if not args.quiet:
         for i, (sample, text) in enumerate(zip(result.samples, result.texts)):
             print("--- sample %d (%d tokens, %s) ---" % (i, len(sample.token_ids), sample.finish_reason or "unfinished"))
@@ -17,8 +38,7 @@ def report(result, args: argparse.Namespace) -> None:
     for note in (speculation_line(result), context_note(result)):
         if note:
             print(note, file=sys.stderr)
-    if args.metrics_out:
-        write_json(args.metrics_out, result.metrics())
+    return write_metrics(result, args)
 
 
 def node_lines(result, args: argparse.Namespace) -> None:
@@ -81,12 +101,11 @@ def summary_line(result) -> str:
             % (result.n_tokens, result.elapsed, result.tokens_per_s, len(result.samples), len(result.nodes)))
 
 
-def report_perplexity(result, args: argparse.Namespace) -> None:
+def report_perplexity(result, args: argparse.Namespace) -> int:
     if result.n_windows:
         print("mdi: perplexity %.4f over %d windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, %d nodes%s"
               % (result.perplexity, result.n_windows, result.ctx, result.n_scored, result.elapsed,
                  result.tokens_per_s, len(result.nodes), ", partial" if "error" in result.extra else ""),
               flush=True)
     node_lines(result, args)
-    if args.metrics_out:
-        write_json(args.metrics_out, result.metrics())
+    return write_metrics(result, args)

@@ -4,6 +4,7 @@ import sys
 from typing import TYPE_CHECKING, List, Optional
 
 from mdi.cli.arguments import ArgumentParser, positive_int
+from mdi.cli.output import check_output
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
@@ -48,6 +49,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     from mdi.starter.planning.run_plan import plan_run
     from mdi.starter.planning.run_shape import planning_shape
     try:
+        check_output(args.write, "--write")  # before every node is measured, not after
         cfg = load_config(args.config)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
@@ -72,8 +74,11 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
             print("%s: %s" % (name, why))
         print("\n" + text)
     if args.write:
-        with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            with open(args.write, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            return fail("--write %s: cannot write it: %s" % (args.write, e.strerror or e), EXIT_CONFIG)
         print("mdi-plan: wrote %s" % args.write, file=sys.stderr)
     return 0
 

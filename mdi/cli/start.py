@@ -5,8 +5,8 @@ import signal
 import sys
 from typing import List, Optional
 
-from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, positive_int
-from mdi.cli.output import report, report_perplexity
+from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int
+from mdi.cli.output import check_output, report, report_perplexity
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
@@ -79,8 +79,10 @@ def start_parser() -> argparse.ArgumentParser:
                         "depend on how a prompt is chunked) or auto (default: dequantized from 64 rows where measured "
                         "faster there, ids independent of chunking, on nodes whose backend auto chose; quantized on "
                         "a backend asked for by name)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N for the starter")
-    p.add_argument("--threads", type=int, help="torch threads on the starter")
+    p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N for the starter (default: the config's, "
+                   "else cpu)")
+    p.add_argument("--threads", type=positive_int, help="compute threads on the starter (runtime.threads; default: "
+                   "the config's)")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     p.add_argument("--check", action="store_true",
@@ -162,7 +164,7 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.runtime.prefill_weights = args.prefill_weights
     if args.device:
         cfg.starter.device = args.device
-    if args.threads:
+    if args.threads is not None:
         cfg.runtime.threads = args.threads
     from mdi.runconfig import _check_generation
     _check_generation("command line", g)
@@ -181,7 +183,10 @@ def _check_utf8(text: str, what: str) -> None:
 
 def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
-    from mdi.starter import batch
+    try:
+        from mdi.starter import batch  # (torch, numpy...: Ctrl-C meanwhile is one line too)
+    except KeyboardInterrupt:
+        return fail("interrupted", 128 + signal.SIGINT)
 
     previous = interrupt_on_sigterm(batch.Interrupted)  # the ring stops as on Ctrl-C: workers are told at once
     try:
@@ -195,6 +200,7 @@ def _start(args: argparse.Namespace, batch) -> int:
     try:
         for i, prompt in enumerate(args.prompt, 1):
             _check_utf8(prompt, "--prompt %d" % i)
+        check_output(args.metrics_out, "--metrics-out")  # before the run, not after it
         cfg = _config_from_args(args)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
@@ -203,6 +209,10 @@ def _start(args: argparse.Namespace, batch) -> int:
         if args.ppl_ctx is not None or args.ppl_max_windows is not None:
             raise ConfigError("--ppl-ctx and --ppl-max-windows go with --perplexity FILE")
         if args.check:  # the samples the run would hold, --n-samples and --adapter counted
+            for flag, given in (("--serve", args.serve), ("--metrics-out", args.metrics_out),
+                                ("--dashboard", args.dashboard is not None)):
+                if given:
+                    raise ConfigError("%s does not go with --check (it checks the nodes and generates nothing)" % flag)
             from mdi.starter.planning.preflight import preflight
             return preflight(cfg, args.prompt, args.n_samples, args.adapter)
         if args.serve:
@@ -231,7 +241,7 @@ def _start(args: argparse.Namespace, batch) -> int:
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return fail(str(e), EXIT_CONFIG)
     except batch.RunFailed as e:
-        report(e.result, args)  # the partial texts and metrics are not lost
+        report(e.result, args)  # the partial texts and metrics are not lost (a write's failure: said too)
         return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
     except KeyboardInterrupt:
         return fail("interrupted", 128 + signal.SIGINT)
@@ -239,8 +249,7 @@ def _start(args: argparse.Namespace, batch) -> int:
         return fail("interrupted by %s" % signal.Signals(e.signum).name, 128 + e.signum)
     except RuntimeError as e:
         return fail(str(e), EXIT_RUN)
-    report(result, args)
-    return 0
+    return report(result, args)
 
 
 def _dashboard(cfg: RunConfig, args: argparse.Namespace, n_samples: int):
@@ -302,6 +311,5 @@ def _perplexity(cfg: RunConfig, args: argparse.Namespace) -> int:
         return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
     if progress is not None:
         progress.close()
-    report_perplexity(result, args)
-    return 0
+    return report_perplexity(result, args)
 

@@ -2,16 +2,17 @@
 config (the workers and config inference uses), write it as a PEFT adapter directory that
 `mdi-start --adapter` / `adapters:` serve."""
 import argparse
-import json
 import signal
 import sys
 from typing import List, Optional
 
 from mdi.cli.arguments import ArgumentParser, positive_float, positive_int
+from mdi.cli.output import check_output
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
+from mdi.system.files import write_json
 
 def train_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
@@ -95,6 +96,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         prompt_method = args.method == "prompt"
         if (args.prompt_init == "text") != bool(args.prompt_init_text) or (args.prompt_init_text and not prompt_method):
             raise ConfigError("--prompt-init-text goes with --method prompt --prompt-init text, and they need it")
+        check_output(args.out, "--out", folder=True)  # before training, whose result would be lost
+        check_output(args.metrics_out, "--metrics-out")
         cfg = load_config(args.config)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
@@ -137,8 +140,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         elif args.out:
             save_peft_adapter(args.out, source.config, setup.spec, result.pairs, cfg.model.path)
         if args.metrics_out:
-            with open(args.metrics_out, "w") as f:
-                json.dump(result.metrics(), f, indent=1)
+            write_json(args.metrics_out, result.metrics())
     except (ConfigError, CheckpointError, TokenizerError, TokenError, AdapterError) as e:
         return fail(str(e), EXIT_CONFIG)
     except KeyboardInterrupt:

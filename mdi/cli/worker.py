@@ -3,7 +3,7 @@ import argparse
 import os
 from typing import List, Optional
 
-from mdi.cli.arguments import ArgumentParser, positive_float, positive_int, tcp_port
+from mdi.cli.arguments import ArgumentParser, device_name, positive_float, positive_int, tcp_port
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -17,7 +17,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=tcp_port, default=8081, help="HTTP control port (default 8081); the "
                    "data-plane port is chosen by the starter's config (default port + 1000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N; overrides what the starter asks for")
+    p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N; overrides what the starter asks for")
     p.add_argument("--threads", type=positive_int,
                    help="torch threads for this node; wins over the run's runtime.threads (default: that, "
                         "else torch's default)")

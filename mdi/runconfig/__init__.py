@@ -357,13 +357,30 @@ def _check_generation(where: str, gen: GenerationSpec) -> None:
         raise ConfigError("%s.prompts: expected a list of strings" % where)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a mapping that names a key twice (PyYAML keeps the last:
+    a second `generation:` block silently dropped the first one's temperature: 0)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, "key %r appears twice in one mapping" % (key,),
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str, error: type = ConfigError, what: str = "config") -> Any:
     """A YAML file's data (safe_load only), or one `error` line naming the file and the line."""
     if not os.path.isfile(path):
         raise error("%s: %s file not found" % (path, what))
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise error("%s: not UTF-8 text (byte 0x%02x at offset %d)" % (path, e.object[e.start], e.start))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = " at line %d" % (mark.line + 1) if mark is not None else ""

@@ -1,5 +1,6 @@
 """The run YAML's one error type and its mapping check (key names and value types), shared by
 every section's parser and by mdi-bench's experiment files."""
+import math
 from typing import Any, Dict, Literal, Mapping, Union
 
 # A setting that is a number or "auto" (a node, the planner or the ring works it out): the parsed
@@ -32,6 +33,8 @@ def check_keys(where: str, data: Any, allowed: Mapping[str, Any], required=(),
             raise error("%s.%s: expected %s, got a boolean" % (where, key, _names(kinds)))
         if not isinstance(value, kinds):
             raise error("%s.%s: expected %s, got %r" % (where, key, _names(kinds), value))
+        if isinstance(value, float) and not math.isfinite(value):  # YAML's .nan / .inf pass any comparison's test
+            raise error("%s.%s: expected a finite number, got %r" % (where, key, value))
         out[key] = value
     return out
 

@@ -58,12 +58,13 @@ def parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
     return node
 
 
+def is_device_name(device: str) -> bool:
+    return device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+
+
 def check_device(where: str, device: str) -> None:
-    if device == "cpu" or device == "cuda":
-        return
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return
-    raise ConfigError("%s: expected cpu, cuda or cuda:N, got %r" % (where, device))
+    if not is_device_name(device):
+        raise ConfigError("%s: expected cpu, cuda or cuda:N, got %r" % (where, device))
 
 
 def check_nodes(source: str, nodes: List[NodeSpec], spares: List[NodeSpec]) -> None:
@@ -80,6 +81,13 @@ def check_nodes(source: str, nodes: List[NodeSpec], spares: List[NodeSpec]) -> N
         names.add(node.name)
         addresses.add(node.address)
         data.add((node.host, node.ring_port))
+    # A worker's HTTP port and any node's data port are both bound on their host: one port, one use
+    http = {(n.host, n.port): label for i, (label, n) in enumerate(listed) if i > 0}
+    for label, node in listed:
+        other = http.get((node.host, node.ring_port))
+        if other is not None:
+            raise ConfigError("%s: %s: data port %d on %s is also %s's HTTP port" % (source, label, node.ring_port,
+                                                                                    node.host, other))
     given = [n.layers is not None for n in nodes]
     if any(given) and not all(given):
         raise ConfigError("%s: nodes: give 'layers' for every node or for none (balanced split)" % source)

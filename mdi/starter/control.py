@@ -188,10 +188,11 @@ class ControlClient:
         except ValueError:
             body = {}
         if r.status_code != 200 or not isinstance(body, dict) or not body.get("ok", True):
+            # the worker's error, else the body's start on one line (another server's HTML page spans many)
             reason = body.get("error") if isinstance(body, dict) else None
             raise NodeError("node %s (%s): %s %s failed with HTTP %d: %s"
                             % (self.node.name, self.node.address, method, route, r.status_code,
-                               reason or r.text[:200].strip()), self.node.name, r.status_code)
+                               reason or " ".join(r.text[:200].split())), self.node.name, r.status_code)
         return body
 
     def _send(self, method: str, route: str, read_timeout: float, retry_dropped: bool,

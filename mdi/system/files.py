@@ -2,7 +2,7 @@
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 
 def sha256_file(path: str) -> str:
@@ -36,14 +36,38 @@ def use_umask(path: str) -> None:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write `obj` as UTF-8 JSON: to a temporary file first, then renamed into place."""
+    """Write `obj` as UTF-8 JSON: to a temporary file first, then renamed into place (none left
+    where that fails)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.isfile(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def output_problem(path: str, folder: bool = False) -> Optional[str]:
+    """Why `path` cannot be written (a file; with `folder`, a folder to create or fill), asked
+    before a run whose result goes there: None where it can."""
+    real = os.path.abspath(path)
+    if os.path.isdir(real) and not folder:
+        return "is a directory"
+    if os.path.exists(real) and not os.path.isdir(real) and folder:
+        return "exists and is not a directory"
+    up = os.path.dirname(real) if not os.path.isdir(real) else real
+    while not os.path.exists(up):  # the nearest existing folder: makedirs creates the rest
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        return "%s is a file, not a directory" % up
+    if not os.access(up, os.W_OK | os.X_OK):
+        return "%s is not writable" % up
+    return None
 
 
 def read_json(path: str, error: type = ValueError) -> Any:

@@ -112,6 +112,7 @@ def load_weights(path: str, layer_range: Tuple[int, int], with_embedding: bool, 
     fn = os.path.join(path, MODEL_FILE) if os.path.isdir(path) else path
     if not os.path.isfile(fn):
         raise CheckpointError("weights file %s does not exist" % fn)
+    _checked_keys(fn)  # a truncated or bad file: one line naming it
     with safe_open(fn, framework="pt") as f:
         if config is None:
             meta = f.metadata() or {}
