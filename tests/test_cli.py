@@ -147,6 +147,25 @@ def test_flags_that_cannot_work_are_refused_before_the_run(tiny_models, args, ne
     assert_one_line_error(mdi_start("--model", tiny_models["llama"], "--prompt", "a", "--n-tokens", "2", *args), needle)
 
 
+def test_check_says_a_worker_held_by_another_run_is_busy(tmp_path, tiny_models):
+    """A serving starter holds its workers: --check of another ring on one of them says BUSY (its
+    /init would be refused with a 409) and exits 1, where it had said "all nodes ready"."""
+    from conftest import ServeProcess
+    from ringconfigs import write_run_config
+    worker = WorkerProcess(free_ports(1)[0]).wait_ready()
+    server = None
+    try:
+        server = ServeProcess(write_run_config(tmp_path / "serve.yaml", tiny_models["llama"], [worker])).wait_ready()
+        proc = mdi_start("--config", write_run_config(tmp_path / "check.yaml", tiny_models["llama"], [worker]),
+                         "--check")
+        assert proc.returncode == 1 and "problems found" in proc.stdout, proc.stdout + proc.stderr
+        assert any("BUSY: run" in line for line in proc.stdout.splitlines()), proc.stdout
+    finally:
+        if server is not None:
+            server.stop()
+        worker.stop()
+
+
 def test_help_explains_flags():
     proc = subprocess.run([STARTER, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--n-samples" in proc.stdout and "--metrics-out" in proc.stdout

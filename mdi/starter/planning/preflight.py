@@ -1,6 +1,7 @@
 """`mdi-start --check`: contact every node and say whether the run would fit, generating nothing."""
 from typing import Any, Optional, Sequence
 
+from mdi.ring.status import WorkerState
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.model.quantization import kernel_report
@@ -200,9 +201,13 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
     fits = need is None or free is None or need <= free
     if need is not None and fits and on_torch:  # ggml computes with the GGUF's blocks: no kernel copies
         info += "; " + kernel_admits(cfg, need, free)
-    print("%s  free %s  %s  %s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
-                                   info, "fits" if fits else "DOES NOT FIT"))
-    return fits
+    # another starter's run holds it (a check starts none): a new run's /init is refused (409)
+    busy = node is not None and status.state in (WorkerState.RUNNING, WorkerState.LOADING)
+    print("%s  free %s  %s  %s%s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
+                                     info, "fits" if fits else "DOES NOT FIT",
+                                     "; BUSY: run %s holds it until it ends or its starter falls silent"
+                                     % status.run_id if busy else ""))
+    return fits and not busy
 
 
 def _starter_backend(cfg: RunConfig, plan: Any, source: ModelSource, node_plan: Any) -> Any:
