@@ -316,6 +316,45 @@ def test_a_next_host_that_cannot_be_reached_frees_the_data_port_and_the_cache(ti
         worker.end_run()
 
 
+def test_a_start_up_that_fails_on_one_node_leaves_the_others_free_at_once(tiny_models, pair, tmp_path):
+    """w2 is another HTTP server (its /health answers, nothing else): the start-up fails naming
+    it while w1 is still being configured. w1 is free the moment mdi-start has exited, and the
+    next run takes it: the failed run's /init, arriving after the abort's /stop, had held it
+    (a 409 for the next run) until its heartbeat lapsed."""
+    import http.server
+    import threading
+
+    class HealthOnly(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"ok": true}' if self.path == "/health" else b"<html>\n<body>no</body>\n</html>"
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_PUT = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", free_ports(1)[0]), HealthOnly)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    model = tiny_models["llama"]
+    try:
+        for attempt in range(3):  # the race it closes was met 3 times in 3
+            bad = tmp_path / ("bad%d.yaml" % attempt)
+            bad.write_text(json.dumps(ring_cfg(model, [pair[0], fake.server_address[1]])))
+            proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", str(bad), "--prompt", "x"],
+                                  capture_output=True, text=True, timeout=120)
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert proc.returncode == 1 and len(lines) == 1 and "w2" in lines[0], proc.stderr
+            assert status(pair[0])["state"] != "running", status(pair[0])
+            cfg = parse_config(ring_cfg(model, [pair[0]]), "after-failed-start")
+            assert batch.run(cfg, ["Once upon"]).samples[0].token_ids == reference_ids(model, "Once upon", 8)
+    finally:
+        fake.shutdown()
+
+
 # --- 6: weights.path stays inside --models-dir -----------------------------------------------
 
 def test_weights_path_outside_the_models_dir_is_refused_alike(tiny_models, pair, tmp_path):

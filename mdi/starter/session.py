@@ -69,6 +69,9 @@ class RingSession:
         self.backends: List[Optional[str]] = [None for _ in self.workers]  # "ggml" or "torch" once chosen
         self.failure: Optional[NodeError] = None
         self._watching = threading.Event()
+        self._aborted = threading.Event()  # set before abort's stops: a configure still running stops its own worker
+        self._configuring = threading.Condition()  # counts the configure calls in flight (abort waits for them)
+        self._in_flight = 0
         self._watcher: Optional[threading.Thread] = None
 
     def _backend_request(self, i: int) -> BackendRequest:
@@ -98,6 +101,10 @@ class RingSession:
 
     def _configure(self, i: int) -> None:
         client, node = self.clients[i], self.workers[i]
+        with self._configuring:
+            if self._aborted.is_set():  # the start-up failed before this one began
+                return
+            self._in_flight += 1
         try:
             client.health()
             first, last = self.plan.workers[i].layers
@@ -133,6 +140,14 @@ class RingSession:
             raise
         except Exception as e:  # reported by the caller, naming the node
             raise NodeError("node %s (%s): configuring failed: %s" % (node.name, node.address, e), node.name) from e
+        finally:
+            # Another node failed the start-up while this /init was on its way: abort's stop may
+            # have reached this worker first, and the run would hold it until its heartbeat lapsed.
+            if self._aborted.is_set():
+                self._stop_quietly(client)
+            with self._configuring:
+                self._in_flight -= 1
+                self._configuring.notify_all()
 
     def _init_pushed(self, i: int, backend: str, nbytes: int, sha256: str, send: Callable[[], Any]) -> None:
         """/init announcing pushed weights of `nbytes` and `sha256`; `send` pushes them when the
@@ -303,17 +318,21 @@ class RingSession:
         ep.close()
         return reports
 
+    def _stop_quietly(self, client: ControlClient) -> None:
+        try:
+            client.stop(self.run_id, timeout=STOP_TIMEOUT_S)
+        except NodeError:
+            pass  # a worker that does not hear it ends the run when our heartbeat stops
+
     def abort(self) -> None:
         """Best effort: end the run on every worker and close our endpoint. Only this run: a
         worker that refused it (409, busy with another starter's run) keeps that run."""
         self._watching.clear()
-
-        def stop(client: ControlClient) -> None:
-            try:
-                client.stop(self.run_id, timeout=STOP_TIMEOUT_S)
-            except NodeError:
-                pass  # a worker that does not hear it ends the run when our heartbeat stops
+        with self._configuring:
+            self._aborted.set()
         # at once, each bounded: a hung node must not hold the others' stop (or our exit)
-        run_all([functools.partial(stop, c) for c in self.clients], "mdi-abort")
+        run_all([functools.partial(self._stop_quietly, c) for c in self.clients], "mdi-abort")
+        with self._configuring:  # those still configuring stop their own worker as they end (bounded)
+            self._configuring.wait_for(lambda: self._in_flight == 0, timeout=STOP_TIMEOUT_S)
         if self.endpoint is not None:
             self.endpoint.close()
