@@ -355,6 +355,25 @@ def test_a_start_up_that_fails_on_one_node_leaves_the_others_free_at_once(tiny_m
         fake.shutdown()
 
 
+def test_chunk_files_of_a_prepared_model_run_under_backend_auto(tiny_models, pair, tmp_path):
+    """mdi-prepare --chunks writes safetensors chunks for the nodes' `weights:`; with backend
+    auto (the default) each worker computes its chunk with torch (ggml computes GGUF tensors),
+    where ggml had been chosen from the model's GGUF and the chunk then refused as "not a GGUF"."""
+    from ringconfigs import run_config_dict
+    model = tiny_models["llama"]
+    out = os.path.join(os.path.dirname(model), "llama-chunked")  # inside the workers' --models-dir
+    proc = subprocess.run([os.path.join(BIN, "mdi-prepare"), model, "--out", out, "--chunks", "2-1-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    chunks = os.path.join(out, "chunks", "2-1-1")
+    cfg = run_config_dict(out, pair, layers=[2, 1, 1], n_tokens=8, runtime={"backend": "auto"},
+                          node_options={1: {"weights": os.path.join(chunks, "node1.safetensors")},
+                                        2: {"weights": os.path.join(chunks, "node2.safetensors")}})
+    result = batch.run(parse_config(cfg, "chunks"), ["Once upon"])
+    assert result.samples[0].token_ids == reference_ids(model, "Once upon", 8)
+    assert [n.backend for n in result.nodes[1:]] == ["torch", "torch"]
+
+
 # --- 6: weights.path stays inside --models-dir -----------------------------------------------
 
 def test_weights_path_outside_the_models_dir_is_refused_alike(tiny_models, pair, tmp_path):

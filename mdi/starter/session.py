@@ -40,10 +40,14 @@ def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: boo
     with, auto measured there (the ring session and --check ask it alike)."""
     cfg = plan.cfg
     first, last = node.layers
+    # a node that reads its own weights file (`weights:`) computes what that file holds: a
+    # safetensors chunk (mdi-prepare --chunks) is torch's alone, whatever the model's GGUF
+    own = node.spec.weights
+    gguf = source.gguf_path is not None and not (own and own.lower().endswith(".safetensors"))
     return BackendRequest(
         model=source.config, layers=[first, last], asked=cfg.backend_of(node.spec), device=cfg.device_of(node.spec),
         dtype=cfg.model.dtype, threads=cfg.runtime.threads or None, rows=plan.max_batch,
-        gguf_types=source.gguf_types(first, last, False, False) if source.gguf_path else {},
+        gguf_types=source.gguf_types(first, last, False, False) if gguf else {},
         quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
         adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.prefill_weights_of(node.spec),
         prefill_chunk=cfg.runtime.prefill_chunk)
