@@ -54,7 +54,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", action="store_true",
                    help="nodes keep only each micro-batch's input and run its forward again for backward "
                         "(less memory, one more forward)")
-    p.add_argument("--out", metavar="DIR", help="write the trained adapter here (PEFT format)")
+    p.add_argument("--out", metavar="DIR",
+                   help="write the trained adapter here (PEFT format; without it the adapter is not kept)")
     p.add_argument("--metrics-out", metavar="FILE.json", help='write {"steps": [{"step", "loss", "tokens_per_s"}], ...}')
     p.add_argument("--init-adapter", metavar="DIR",
                    help="start from this PEFT LoRA (its rank, alpha and modules replace --rank, --alpha, --targets); "
@@ -155,6 +156,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     print("mdi-train: %d steps, final loss %.4f, %.1f tokens/s, %d nodes%s"
           % (len(result.steps), last.loss, last.tokens_per_s, result.n_nodes,
              ", adapter in %s" % args.out if args.out else ""))
+    if not args.out:
+        print("mdi-train: no --out given: the trained adapter was not written", file=sys.stderr)
     return 0
 
 
