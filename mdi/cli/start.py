@@ -24,7 +24,8 @@ def start_parser() -> argparse.ArgumentParser:
                     "standalone). Flags override the file.",
         epilog="Example: mdi-start --config configs/ring3.yaml --prompt 'The capital of France is' "
                "--n-tokens 16 --temperature 0")
-    p.add_argument("--config", help="run configuration (YAML); see README 'Configuration'")
+    p.add_argument("--config", help="run configuration (YAML); see README 'Configuration' (this or --model is "
+                   "needed)")
     p.add_argument("--model", help="model path (prepared mdi dir, HF dir, .gguf or nanoGPT ckpt.pt); "
                                    "overrides model.path")
     p.add_argument("--prompt", action="append", default=[],
@@ -32,12 +33,13 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME",
                    help="the LoRA adapter (a name under the config's adapters:) of the prompt at the same "
                         "position; give it once per --prompt, 'base' for none; later prompts run on the base")
-    p.add_argument("--n-samples", type=int, help="samples in flight; prompts are repeated to fill them")
+    p.add_argument("--n-samples", type=int, help="samples in flight; prompts are repeated to fill them (default: "
+                   "one per prompt)")
     p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default 100)")
     p.add_argument("--temperature", type=float, help="0 for greedy decoding (default 0.8)")
-    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it (default 1)")
     p.add_argument("--context-shift", action="store_true",
                    help="a sample that reaches the model's context drops the oldest half of its generated "
                         "tokens and goes on (generation.context_shift); without it, it stops there")
@@ -59,7 +61,8 @@ def start_parser() -> argparse.ArgumentParser:
                         "(runtime.kernel_memory): off (default: a node holds its stored weights and no more), "
                         "auto (whatever its memory spares) or a size per node such as 64MB; faster kernels "
                         "(fbgemm's int8, second copies for prefill passes) only within it")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations dtype (default float32)")
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
                         "float32 compute on GPUs without fast half arithmetic such as the TX2)")
