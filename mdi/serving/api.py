@@ -188,7 +188,7 @@ class Routes:
             grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None,
                                       fields["chat_template_kwargs"])
-        if self.template.source == "fallback" and tools is None:
+        if self.template.source == "fallback" and tools is None and opts.grammar is None:  # (a grammar ends it)
             opts = dataclasses.replace(opts, stop=tuple(opts.stop) + FALLBACK_STOPS)
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
