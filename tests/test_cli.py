@@ -136,6 +136,8 @@ def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, ne
 
 @pytest.mark.parametrize("args, needle", [
     (["--threads", "0"], "argument --threads: expected an integer >= 1"),
+    (["--n-tokens", "0"], "mdi: error: --n-tokens: expected a positive integer"),  # the flag, not a YAML key
+    (["--top-p", "2"], "mdi: error: --top-p: expected a number in (0, 1]"),
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N"),
     (["--check", "--serve"], "--serve does not go with --check"),
     (["--check", "--metrics-out", "m.json"], "--metrics-out does not go with --check"),

@@ -170,7 +170,7 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.threads is not None:
         cfg.runtime.threads = args.threads
     from mdi.runconfig import _check_generation
-    _check_generation("command line", g)
+    _check_generation("command line", g, flags=True)
     return cfg
 
 

@@ -342,19 +342,23 @@ def check_quant(where: str, model: ModelSpec) -> None:
                           % (where, model.group_size))
 
 
-def _check_generation(where: str, gen: GenerationSpec) -> None:
+def _check_generation(where: str, gen: GenerationSpec, flags: bool = False) -> None:
+    """`flags`: the values came from the command line (the file's were checked as it was read):
+    errors name the flag (--n-tokens), else `where` and the key (config.yaml: generation.n_tokens)."""
+    def name(key: str) -> str:
+        return "--" + key.replace("_", "-") if flags else "%s.%s" % (where, key)
     if gen.n_samples is not None and gen.n_samples < 1:
-        raise ConfigError("%s.n_samples: expected a positive integer" % where)
+        raise ConfigError("%s: expected a positive integer" % name("n_samples"))
     if gen.n_tokens < 1:
-        raise ConfigError("%s.n_tokens: expected a positive integer" % where)
+        raise ConfigError("%s: expected a positive integer" % name("n_tokens"))
     if not (math.isfinite(gen.temperature) and gen.temperature >= 0):  # YAML's .nan passes `< 0`
-        raise ConfigError("%s.temperature: expected a finite number >= 0" % where)
+        raise ConfigError("%s: expected a finite number >= 0" % name("temperature"))
     if gen.top_k is not None and gen.top_k < 1:
-        raise ConfigError("%s.top_k: expected a positive integer" % where)
+        raise ConfigError("%s: expected a positive integer" % name("top_k"))
     if gen.top_p is not None and not (math.isfinite(gen.top_p) and 0 < gen.top_p <= 1):
-        raise ConfigError("%s.top_p: expected a number in (0, 1]" % where)
+        raise ConfigError("%s: expected a number in (0, 1]" % name("top_p"))
     if not all(isinstance(p, str) for p in gen.prompts):
-        raise ConfigError("%s.prompts: expected a list of strings" % where)
+        raise ConfigError("%s: expected a list of strings" % name("prompts"))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
