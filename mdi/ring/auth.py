@@ -38,8 +38,9 @@ UNKNOWN_INSTANCE = "0" * 16  # what a starter signs for before it has heard a wo
 REPLAY_WINDOW = 60.0  # seconds either side of the worker's clock
 MAX_NONCES = 1 << 16  # nonces remembered at most (requests within one window)
 
-_HEADER = re.compile(r"^MDI-HMAC t=(\d{1,12}), n=([0-9a-f]{16,64}), i=([0-9a-f]{16}), s=([0-9a-f]{64})$")
-INSTANCE = re.compile(r"^[0-9a-f]{16}$")
+_INSTANCE_HEX = r"[0-9a-f]{16}"  # a worker process's instance id: 8 random bytes
+_HEADER = re.compile(r"^MDI-HMAC t=(\d{1,12}), n=([0-9a-f]{16,64}), i=(%s), s=([0-9a-f]{64})$" % _INSTANCE_HEX)
+INSTANCE = re.compile(r"^%s$" % _INSTANCE_HEX)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -36,13 +36,14 @@ REASONING_KEYS = ("reasoning_content", "reasoning")
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
                 "annotations", "audio") + REASONING_KEYS
 # An earlier answer's keys, sent back as OpenAI's SDK returns its message (`model_dump()`):
-# its refusal, its content's url citations, an audio reply's id (and transcript...). Nothing
-# to render: checked by OpenAI's shape and ignored (`openai_fields` names a set audio).
+# its refusal, its content's url citations, an audio reply's id (and transcript...), checked by
+# OpenAI's shape. Nothing to render but its reasoning (`_message`); the others are ignored
+# (`openai_fields` names a set audio).
 ANSWER_KEYS = (
     ("refusal", lambda v: isinstance(v, str), "a string"),
     ("annotations", lambda v: isinstance(v, list) and all(isinstance(a, dict) for a in v), "a list of objects"),
     ("audio", lambda v: isinstance(v, dict) and isinstance(v.get("id"), str), '{"id": string}'),
-)
+) + tuple((key, lambda v: isinstance(v, str), "a string") for key in REASONING_KEYS)
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +159,10 @@ def chat_messages(raw: List[Any]) -> List[Dict[str, Any]]:
 
 
 def _message(m: Any, where: str) -> Dict[str, Any]:
-    out = _message_of(m, where)
+    out = _message_of(m, where)  # (an assistant's reasoning checked there, with the other ANSWER_KEYS)
     for key in REASONING_KEYS:
-        value = m.get(key)
-        if value is not None:
-            if not isinstance(value, str) or out["role"] != "assistant":
-                raise ApiError(400, "'%s.%s': expected a string in an assistant message" % (where, key),
-                               "%s.%s" % (where, key))
-            out["reasoning_content"] = value
+        if m.get(key) is not None:
+            out["reasoning_content"] = m[key]
     return out
 
 

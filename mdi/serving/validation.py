@@ -379,7 +379,8 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
     given: Dict[str, Any] = dict((name, v[name] if name in ("top_k", "repeat_last_n") else float(v[name]))
                  for name in SAMPLING_FIELDS if v[name] is not None)
     if v["repetition_penalty"] is not None and v["repeat_penalty"] is None:
-        given.update(repeat_penalty=float(v["repetition_penalty"]), repeat_last_n=-1 if v["repeat_last_n"] is None else v["repeat_last_n"])
+        given.update(repeat_penalty=float(v["repetition_penalty"]),
+                     repeat_last_n=-1 if v["repeat_last_n"] is None else v["repeat_last_n"])
     params = dataclasses.replace(defaults, logit_bias=v["logit_bias"] or defaults.logit_bias, **given)
     if route == CHAT:
         top = (v["top_logprobs"] or 0) if v["logprobs"] else None

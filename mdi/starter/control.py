@@ -172,11 +172,10 @@ class ControlClient:
         # A request goes out a second time only where the worker cannot have acted on the
         # first: it closed the kept-alive connection as the request went out (GET and PUT
         # only), or it refused the request's time stamp or instance id (then signed with the
-        # worker's: HmacAuth sends a body in hand again itself, a streamed file goes again here).
+        # worker's: HmacAuth's hook sends a body in hand again itself, a streamed file goes again here).
         r = self._send(method, route, read_timeout, method in ("GET", "PUT"), **kwargs)
         auth, data = self.auth, kwargs.get("data")
-        if r is not None and auth is not None and (data is None or isinstance(data, bytes) or hasattr(data, "seek")) \
-                and auth.learn(r):
+        if r is not None and auth is not None and hasattr(data, "seek") and auth.learn(r):
             r = None  # it goes again, signed as the worker said
         if r is None:
             if data is not None and hasattr(data, "seek"):
