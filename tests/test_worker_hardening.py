@@ -29,7 +29,7 @@ from mdi.model.tokenizers import char_tokenizer
 from mdi.model.threads import candidates, usable_cpus
 from mdi.model.transformer import full_model
 from mdi.ring.init_request import (MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK, DataPlane, InitRequest, NodeBusy,
-                                   PushedWeights, Weights)
+                                   PushedWeights, RequestError, Weights)
 from mdi.runconfig import NodeSpec, parse_config
 from mdi.starter import batch
 from mdi.starter.control import ControlClient, NodeError
@@ -283,11 +283,17 @@ def test_a_lapsed_heartbeat_lets_another_run_take_over(tiny_models):
             worker.init(second, "10.0.0.8")
         assert err.value.status == 409 and worker.run.id == 1
         assert worker.init(first, "10.0.0.7")["ok"]  # its own starter may configure it again
-        assert worker.stop_run(2) is False and worker.run.id == 1  # another run's stop ends nothing
+        assert worker.stop_run(3) is False and worker.run.id == 1  # another run's stop ends nothing
         worker.last_contact -= 61  # run 1's starter silent past its heartbeat_timeout of 60 s
         worker.init(second, "10.0.0.8")
         assert worker.run.id == 2 and worker.run.peer == "10.0.0.8"
         assert worker.stop_run(2) is True and worker.run is None
+        # run 3's starter stopped it (an aborted start-up) before its /init came: refused
+        third = copy.deepcopy(first)
+        third.run_id = 3
+        with pytest.raises(RequestError, match="run 3 was stopped by its starter before this /init came"):
+            worker.init(third, "10.0.0.9")
+        assert worker.run is None and worker.init(first, "10.0.0.7")["ok"]
     finally:
         worker.end_run()
 
@@ -296,7 +302,7 @@ def test_a_next_host_that_cannot_be_reached_frees_the_data_port_and_the_cache(ti
     """A next host the worker's sockets cannot connect to (a name no syntax allows) is a 400
     naming it, and the run it would have started leaves nothing bound: the next /init on the
     same data port starts its run. Over HTTP the field is checked before any of that."""
-    from mdi.ring.init_request import RequestError, validate_init
+    from mdi.ring.init_request import validate_init
     from mdi.worker.node import Worker
     model = tiny_models["gpt2"]
     worker = Worker("127.0.0.1", free_ports(1)[0], models_dir=os.path.dirname(model))
@@ -320,7 +326,8 @@ def test_a_start_up_that_fails_on_one_node_leaves_the_others_free_at_once(tiny_m
     """w2 is another HTTP server (its /health answers, nothing else): the start-up fails naming
     it while w1 is still being configured. w1 is free the moment mdi-start has exited, and the
     next run takes it: the failed run's /init, arriving after the abort's /stop, had held it
-    (a 409 for the next run) until its heartbeat lapsed."""
+    (a 409 for the next run) until its heartbeat lapsed. An /init that reaches w1 after the
+    stop (a loaded machine) is refused: the worker remembers the runs stopped before they began."""
     import http.server
     import threading
 
@@ -348,6 +355,11 @@ def test_a_start_up_that_fails_on_one_node_leaves_the_others_free_at_once(tiny_m
                                   capture_output=True, text=True, timeout=120)
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
             assert proc.returncode == 1 and len(lines) == 1 and "w2" in lines[0], proc.stderr
+            # Free well before the run's 30 s heartbeat would lapse: at once on an idle machine; on
+            # a loaded one the worker's stop may wait for the /init loading under its lock.
+            deadline = time.monotonic() + 15
+            while status(pair[0])["state"] == "running" and time.monotonic() < deadline:
+                time.sleep(0.2)
             assert status(pair[0])["state"] != "running", status(pair[0])
             cfg = parse_config(ring_cfg(model, [pair[0]]), "after-failed-start")
             assert batch.run(cfg, ["Once upon"]).samples[0].token_ids == reference_ids(model, "Once upon", 8)

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -68,6 +69,9 @@ class Worker(Measuring):
         self.lock = threading.Lock()
         self.run: Optional[Run] = None
         self.pending: Optional[Setup] = None  # /init waiting for pushed weights
+        # Runs their starter stopped before their /init came (it aborted a failed start-up while
+        # the /init was on its way): that /init is refused, not held until its heartbeat lapses.
+        self.stopped_runs: deque = deque(maxlen=64)
         self.loaded: Optional[LoadedWeights] = None  # what `chunk` holds
         self.chunk: Optional[Any] = None  # ModelChunk (torch) or GgmlChunk
         self.backend_line: Optional[str] = None  # what the chunk computes with, and why
@@ -144,6 +148,7 @@ class Worker(Measuring):
                 current = [s.id for s in (self.run,) if s is not None]
                 current += [p.request.run_id for p in (self.pending,) if p is not None]
                 if run_id not in current:
+                    self.stopped_runs.append(run_id)
                     return False
             self._end_run_locked()
             return True
@@ -157,6 +162,8 @@ class Worker(Measuring):
     def init(self, request: InitRequest, peer: str = "?") -> Dict[str, Any]:
         self._check_device(request.device)
         with self.lock:
+            if request.run_id in self.stopped_runs:
+                raise RequestError("run %d was stopped by its starter before this /init came" % request.run_id)
             self._check_holder_locked(request, peer)
             self.loading = True
             try:
