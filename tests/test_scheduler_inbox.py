@@ -74,7 +74,7 @@ def test_submit_cancel_call_and_stop_go_through_the_inbox_as_typed_messages():
     held = threading.Thread(target=sched.between_steps, args=(lambda: (holding.set(), gate.wait(10)), 10))
     held.start()
     assert holding.wait(10)
-    sched.submit(req)
+    sched.submit([req])
     asker = threading.Thread(target=lambda: first.append(sched.between_steps(queues, 10)))
     asker.start()
     deadline = time.monotonic() + 10

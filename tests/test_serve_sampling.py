@@ -100,6 +100,46 @@ def test_several_prompts_give_each_its_choices_in_prompt_order(server):
     assert [g[0].text for g in llm.generate(prompts[:2]).generations] == greedy
 
 
+def test_one_call_of_many_prompts_shares_the_slots_with_a_later_call(server):
+    """A free slot goes to the call holding the fewest: a short request sent while a call of 16
+    prompts holds every slot starts at the next free one, not after all 16 (first come, first
+    served by sample). Counted in finished choices, not seconds: it holds on any machine."""
+    import threading
+    big = {"prompt": ["Once upon %d" % i for i in range(16)], "max_tokens": 24, "temperature": 0,
+           "stream": True, "cache_prompt": False}
+    resp = requests.post(server.url + "/v1/completions", json=big, timeout=300, stream=True)
+    assert resp.status_code == 200, resp.text
+    finished, small_done_at = set(), []
+    events = sse_events(resp)
+    for data in events:  # the first token: the call now holds the slots, 12 of its prompts wait
+        if data != "[DONE]" and json.loads(data)["choices"]:
+            break
+
+    def small():
+        post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        small_done_at.append(len(finished))
+    asker = threading.Thread(target=small)
+    asker.start()
+    for data in events:
+        if data != "[DONE]":
+            choice = (json.loads(data)["choices"] or [{}])[0]
+            if choice.get("finish_reason"):
+                finished.add(choice["index"])
+    asker.join(120)
+    assert len(finished) == 16 and small_done_at and small_done_at[0] < 8, (small_done_at, len(finished))
+
+
+def test_more_samples_than_may_wait_is_a_400_naming_the_field(server):
+    """prompts x n beyond serve.max_queue could never be queued: a 400 (a 429 would be retried
+    by every client, forever), and nothing of it is queued."""
+    body = {"prompt": ["x"] * 200, "max_tokens": 1, "n": 2}
+    r = requests.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "400 samples (prompts x n) in one request, more than the 256" in r.json()["error"]["message"]
+    state = requests.get(server.url + "/v1/mdi/state", timeout=30).json()
+    assert state["queue_length"] == 0 and state["in_flight"] == 0, state
+
+
 def test_chat_logprobs_streamed_equal_whole_with_sampling_and_bytes(server, model):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "temperature": 0.9, "seed": 7,
             "logprobs": True, "top_logprobs": 3, "cache_prompt": False}  # computed whole both times (above)

@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.node_refusal import node_api_error
-from mdi.serving.scheduler import Scheduler, SchedulerError
+from mdi.serving.admission import SchedulerError
+from mdi.serving.scheduler import Scheduler
 from mdi.serving.served_files import ServedFiles, where
 from mdi.serving.validation import ApiError
 from mdi.starter.adapter_set import MixTableFull, StarterTooLarge

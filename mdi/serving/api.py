@@ -50,7 +50,8 @@ from mdi.serving.tool_grammar import tool_grammar
 from mdi.serving.tools import ToolChoice, tool_choice_of
 from mdi.serving.request import ErrorEvent, FinishEvent, GenerationOptions, Request, RequestEvent, TextEvent
 from mdi.serving.streaming import TokenLogprob
-from mdi.serving.scheduler import Scheduler, SchedulerError
+from mdi.serving.admission import SchedulerError
+from mdi.serving.scheduler import Scheduler
 from mdi.serving.train_routes import TrainControl
 from mdi.serving.adapter_routes import AdapterControl
 from mdi.serving.served_files import ServedFiles
@@ -247,12 +248,12 @@ class Routes:
     # --- one generation ----------------------------------------------------------------
     def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None,
                   tools_constrained: bool = False) -> Response:
-        for submitted, req in enumerate(choices.requests):
-            try:
-                self.sched.submit(req)
-            except SchedulerError as e:
-                self._cancel(choices.requests[:submitted])
-                raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "rate_limit_error")
+        try:
+            self.sched.submit(choices.requests)
+        except SchedulerError as e:
+            kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(e.status, "server_error")
+            param = None if e.status != 400 else "prompt" if len(choices) > choices.n else "n"
+            raise ApiError(e.status, str(e), param=param, kind=kind)
         hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
         reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
                       ToolReplies(tools, self.template.tool_format, hide_tag, tools_constrained)

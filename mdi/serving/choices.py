@@ -23,6 +23,7 @@ class Choices:
             self.events = queue.Queue()
             for i, req in enumerate(self.requests):
                 req.events = ChoiceQueue(self.events, i)
+                req.group = first.id
 
     def __len__(self) -> int:
         return len(self.requests)

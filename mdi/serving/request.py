@@ -66,6 +66,7 @@ class Request:
               grammar) != (None, None, None, (), 0, None, None, True, None):
             raise TypeError("Request takes options or the separate option arguments, not both")
         self.id = uuid.uuid4().hex[:24]
+        self.group = self.id  # the HTTP call it is a choice of (Choices): slots are shared out by call
         self.options = options
         self.constraint: Any = None  # options.grammar compiled (an mdi.model.constraints.constraint.Constraint)
         self.hidden_ids: FrozenSet[int] = frozenset()  # tokens its text leaves out (control_tokens)

@@ -1,8 +1,8 @@
 """Iteration-level scheduling of requests on the ring (ORCA's idea, on a recurrent pipeline).
 
-The starter is the scheduler. Requests wait first-come-first-served; one is admitted as soon
-as a KV cache slot is free on every node and its token budget (prompt + max_tokens) fits the
-slot's positions. A sample that finishes or is cancelled gives its slot back when its last
+The starter is the scheduler. A free KV cache slot goes to the waiting request whose HTTP call
+holds the fewest slots, first come first served among equals (`admission`), once its token
+budget (prompt + max_tokens) fits the slot's positions on every node. A sample that finishes or is cancelled gives its slot back when its last
 pass returns, and the next request in the queue is admitted at the very next step, so the ring
 stays full without waiting for the slowest sample of a batch. `admission: static` keeps the
 old behaviour (a new batch only once the whole previous batch is done) as a baseline.
@@ -24,6 +24,8 @@ from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
 from mdi.model.tokenizers import Tokenizer
 from mdi.runconfig import ConfigError, RunConfig
+from mdi.serving.admission import (AdapterBusy, QueueFull, SchedulerError, TooManySamples, Unavailable,
+                                    next_waiting)
 from mdi.serving.metrics import Stats
 from mdi.serving.request import ErrorEvent, FinishEvent, Request, TextEvent
 from mdi.serving.inbox import Call, Cancel, Inbox, RingState, SchedulerCall, Submit, Wake
@@ -40,23 +42,6 @@ IDLE_WAIT = 0.5  # seconds the idle scheduler sleeps on its inbox
 REOPEN_DELAY = 5.0  # seconds between attempts to rebuild a failed ring
 
 log = logging.getLogger(__name__)
-
-
-class SchedulerError(RuntimeError):
-    """A request was refused; `status` is the HTTP status to answer with."""
-    status = 503
-
-
-class QueueFull(SchedulerError):
-    status = 429
-
-
-class Unavailable(SchedulerError):
-    status = 503
-
-
-class AdapterBusy(SchedulerError):
-    status = 409
 
 
 ADAPTER_CLOSING = "its adapter is being unloaded"
@@ -99,14 +84,19 @@ class Scheduler:
         # deep: it computes grammars' token masks, native code that may recurse per rule (deep_stack)
         self._thread = start_deep_stack_thread(self._main, "mdi-scheduler")
 
-    def submit(self, req: Request) -> None:
+    def submit(self, reqs: Sequence[Request]) -> None:
+        """Queue one call's requests (its choices and prompts), all or none."""
         if self.state != RingState.UP:
             raise self._unavailable()
         with self._lock:
-            if self._queued >= self.max_queue:
+            if len(reqs) > self.max_queue:
+                raise TooManySamples("%d samples (prompts x n) in one request, more than the %d that may wait "
+                                     "(serve.max_queue)" % (len(reqs), self.max_queue))
+            if self._queued + len(reqs) > self.max_queue:
                 raise QueueFull("%d requests are already waiting; try again later" % self._queued)
-            self._queued += 1
-        self._inbox.put(Submit(req))
+            self._queued += len(reqs)
+        for req in reqs:
+            self._inbox.put(Submit(req))
 
     def unload_adapter(self, ids: Sequence[int], remove: Callable[[], Any], timeout: float) -> None:
         """Unload an adapter (and its mixes: `ids`) without failing anyone else's request: from
@@ -314,7 +304,7 @@ class Scheduler:
         free = engine.free_slots()
         room = self.slots - engine.in_flight
         while self._waiting and free and room > 0:
-            req = self._waiting.popleft()
+            req = next_waiting(self._waiting, self._running.values())
             self._dequeued()
             if req.cancelled:
                 self._finish(req, FinishReason.CANCELLED)

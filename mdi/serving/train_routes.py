@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict
 
 from mdi.runconfig import ConfigError
-from mdi.serving.scheduler import Scheduler, SchedulerError
+from mdi.serving.admission import SchedulerError
+from mdi.serving.scheduler import Scheduler
 from mdi.serving.served_files import ServedFiles
 from mdi.serving.validation import ApiError
 
