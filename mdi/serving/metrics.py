@@ -284,8 +284,8 @@ class Observer:
         with self._lock:
             for i, node in enumerate(ring):
                 self._seen[node.name] = (node, ranges[i] if i < len(ranges) else None)
-            gone = [(spec, layers) for name, (spec, layers) in self._seen.items()
-                    if name not in {n.name for n in ring}]
+            listed = {n.name for n in ring} | {n.name for n in spares}  # a rebuilt ring's spare was replaced before
+            gone = [(spec, layers) for name, (spec, layers) in self._seen.items() if name not in listed]
         scraped = self.scraper.scrape(ring[1:] + [spec for spec, _ in gone] + spares)
         now = time.monotonic()
 

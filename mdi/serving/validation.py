@@ -200,7 +200,7 @@ def _grammar(value: str, _: Dict[str, Any]) -> Optional[GrammarSpec]:
 
 
 def _regex(value: str, _: Dict[str, Any]) -> Optional[GrammarSpec]:
-    return GrammarSpec("regex", value, "regex") if value else None
+    return GrammarSpec("regex", value, "regex") if value else None  # as grammar: "" is none (README)
 
 
 OUTPUT_SHAPES = ("response_format", "json_schema", "grammar", "regex")  # at most one per request
