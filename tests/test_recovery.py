@@ -34,7 +34,7 @@ def reference(model, sampling=None):
     return [s.token_ids for s in batch.run(cfg, PROMPTS).samples]
 
 
-def run_killing(cfg, kills):
+def run_killing(cfg, kills, prompts=PROMPTS):
     """Run, SIGKILLing kills[i][1] once kills[i][0] tokens in total have been generated."""
     pending = sorted(kills, key=lambda k: k[0])
     count = [0]
@@ -49,7 +49,7 @@ def run_killing(cfg, kills):
     logger.addHandler(logs)
     level, logger.level = logger.level, logging.INFO
     try:
-        result = batch.run(cfg, PROMPTS, on_token=on_token)
+        result = batch.run(cfg, prompts, on_token=on_token)
     finally:
         logger.removeHandler(logs)
         logger.setLevel(level)
@@ -83,6 +83,22 @@ def test_spare_replaces_killed_worker(tiny_models, four_workers, sampling):
     assert "board1" in rec["cause"] and "spare1" in rec["action"]
     assert [n["name"] for n in result.metrics()["nodes"]] == ["starter", "spare1", "board2"]
     assert any("recovered" in line for line in logs)
+
+
+def test_a_replay_of_more_than_64_generated_tokens_is_exact_on_ggml(smollm2_dir, four_workers):
+    """SmolLM2 on ggml, killed once each sample holds about 120 tokens: the replay re-prefills
+    them, and a pass of 64 rows or more takes another attention kernel than the one-row steps
+    that computed them first (sample 2 parted from the uninterrupted run at token 131); they
+    now go in passes below 64 rows, the prompt cut as when it came."""
+    prompts = ["The capital of France is", "Once upon a time in a small village"]
+    board1, board2, spare, _ = four_workers
+    runtime = {"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 30, "backend": "ggml"}
+    cfg = parse_run_config(smollm2_dir, [board1, board2], "replay-test", worker_name="board%d", spares=[spare],
+                           n_tokens=160, runtime=runtime)
+    result, _ = run_killing(cfg, [(120 * len(prompts), board1)], prompts)
+    ref = parse_run_config(smollm2_dir, label="ref", n_tokens=160, runtime={"threads": 1, "backend": "ggml"})
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in batch.run(ref, prompts).samples]
+    assert len(result.extra["recoveries"]) == 1 and [n.backend for n in result.nodes] == ["ggml"] * 3
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

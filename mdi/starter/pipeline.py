@@ -211,7 +211,7 @@ class Pipeline:
             return 1
         if not self.settings.ggml_cuts:
             return min(sample.unsent, self.prefill_chunk, budget)
-        rows = prompt_passes.next_pass_rows(sample.window_len, sample.fed, self.prefill_chunk)
+        rows = prompt_passes.replay_pass_rows(len(sample.prompt_ids), sample.window_len, sample.fed, self.prefill_chunk)
         return rows if rows <= budget or first_prompt else 0
 
     def _send_pass(self, group: List[Sample], counts: List[int],

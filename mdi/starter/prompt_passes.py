@@ -44,6 +44,17 @@ def next_pass_rows(window: int, fed: int, chunk: int) -> int:
     return left if left - step < TILED_ROWS else step
 
 
+def replay_pass_rows(prompt: int, window: int, fed: int, chunk: int) -> int:
+    """`next_pass_rows` of a window that may hold generated tokens after its `prompt` ones (a
+    replay after a node failure, a context shift): the prompt cut as when it came, the
+    generated tokens, computed a row a pass at first, in passes below TILED_ROWS rows, whose
+    rows compute as one-row passes' do. A replay past 64 tokens had parted from the run
+    that never failed."""
+    if fed < prompt:
+        return next_pass_rows(prompt, fed, chunk)
+    return min(window - fed, chunk, TILED_ROWS - 1)
+
+
 def reusable_positions(window: int, cached: int) -> int:
     """The most of `cached` positions (a prefix-cache hit) a sample may start from so that its
     passes compute its rows as a cold prompt's passes do: in a tiled ubatch the first pass
