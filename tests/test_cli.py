@@ -162,6 +162,11 @@ def test_check_says_a_worker_held_by_another_run_is_busy(tmp_path, tiny_models):
                          "--check")
         assert proc.returncode == 1 and "problems found" in proc.stdout, proc.stdout + proc.stderr
         assert any("BUSY: run" in line for line in proc.stdout.splitlines()), proc.stdout
+        # a run on it is refused by its /backend, before the starter builds the node's weights
+        proc = mdi_start("--config", str(tmp_path / "check.yaml"), "--prompt", "x")
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert "/backend" in lines[0] and "busy with run" in lines[0], lines[0]
     finally:
         if server is not None:
             server.stop()

@@ -34,6 +34,7 @@ class BackendRequest:
     adapters: bool = False  # the run serves adapters or soft prompts
     prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights, as the run will compute
     prefill_chunk: Optional[int] = None  # runtime.prefill_chunk: the prefill pass auto times (None: 128 tokens)
+    run_id: Optional[int] = None  # the run whose /init follows: 409 at once where another run holds the worker
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "layers": list(self.layers), "asked": self.asked,
@@ -45,7 +46,7 @@ class BackendRequest:
         if chunk is not None and probe_prefill_tokens(chunk, self.prefill_weights) != PROBE_PREFILL_TOKENS:
             # (likewise: only where it changes what is timed); no pass of the run is longer than MAX_ROWS
             out["prefill_chunk"] = min(chunk, MAX_ROWS)
-        for key in ("threads", "quant_kernel"):
+        for key in ("threads", "quant_kernel", "run_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.quant:
@@ -56,7 +57,7 @@ class BackendRequest:
 def validate_backend(body: Any) -> BackendRequest:
     spec = object_fields("backend", body, ("model", "layers", "asked", "device", "dtype"),
                          ("threads", "rows", "gguf_types", "quant", "quant_kernel", "kv_type", "adapters",
-                          "prefill_weights", "prefill_chunk"))
+                          "prefill_weights", "prefill_chunk", "run_id"))
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
     if spec["asked"] not in BACKENDS:
@@ -76,7 +77,8 @@ def validate_backend(body: Any) -> BackendRequest:
     return BackendRequest(config, layers, spec["asked"], device, spec["dtype"], spec.get("threads"),
                           rows, gguf_types_field(spec.get("gguf_types"), config, layers),
                           quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters,
-                          prefill_weights_field(spec), chunk)
+                          prefill_weights_field(spec), chunk,
+                          None if spec.get("run_id") is None else int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The starter's view of the ring: configure every worker over HTTP, connect the data plane,
 and at the end send the stop frame round and collect each node's counters."""
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -79,7 +80,8 @@ class RingSession:
         self._watcher: Optional[threading.Thread] = None
 
     def _backend_request(self, i: int) -> BackendRequest:
-        return backend_request(self.plan, self.source, self.plan.workers[i], bool(self.adapters))
+        asked = backend_request(self.plan, self.source, self.plan.workers[i], bool(self.adapters))
+        return dataclasses.replace(asked, run_id=self.run_id)  # another run's worker: a 409 before weights are built
 
     def _init_spec(self, i: int, weights: Weights, backend: str = "torch") -> InitRequest:
         node = self.workers[i]

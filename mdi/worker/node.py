@@ -164,7 +164,7 @@ class Worker(Measuring):
         with self.lock:
             if request.run_id in self.stopped_runs:
                 raise RequestError("run %d was stopped by its starter before this /init came" % request.run_id)
-            self._check_holder_locked(request, peer)
+            self.check_holder(request.run_id, peer)
             self.loading = True
             try:
                 return self._init_locked(request, peer)
@@ -208,9 +208,10 @@ class Worker(Measuring):
             release_freed_memory()  # an adapter's matrices are many small tensors: back to the OS
             return {"ok": True, "adapter": adapter}
 
-    def _check_holder_locked(self, request: InitRequest, peer: str) -> None:
+    def check_holder(self, run_id: int, peer: str, taking_over: bool = True) -> None:
         """Refuse (409) an /init of another run while a live run, or an /init waiting for its
-        weights, holds this worker; its starter's heartbeat lapsing releases it."""
+        weights, holds this worker; its starter's heartbeat lapsing releases it. It only reads:
+        /backend asks without the lock (a starter learns at once, before it builds weights)."""
         run, pending = self.run, self.pending
         if run is not None and run.holds_worker():
             holder, by, timeout = run.id, run.peer, run.heartbeat_timeout
@@ -219,14 +220,15 @@ class Worker(Measuring):
             holder, by, timeout = pending.request.run_id, pending.peer, DEFAULT_HEARTBEAT_TIMEOUT if hb is None else hb
         else:
             return
-        if holder == request.run_id:
+        if holder == run_id:
             return  # its own starter configuring it again
         silent = time.monotonic() - self.last_contact
         if silent <= timeout:
             raise NodeBusy("busy with run %d of the starter at %s (heard from %.1f s ago); it is free once that "
                            "run ends, or after %g s without a sign of its starter" % (holder, by, silent, timeout))
-        log.warning("run %d (from %s) takes over from run %d of %s, silent for %.1f s",
-                    request.run_id, peer, holder, by, silent)
+        if taking_over:
+            log.warning("run %d (from %s) takes over from run %d of %s, silent for %.1f s", run_id, peer, holder, by,
+                        silent)
 
     def _init_locked(self, request: InitRequest, peer: str) -> Dict[str, Any]:
         self._end_run_locked()
