@@ -188,6 +188,9 @@ def test_smol_metadata(smol):
     assert smol.chat_template.startswith("{% for message in messages %}")
     assert smol.encode("Hello world") == [19556, 905]
     assert smol.encode("<|im_start|>user") == [1, 4093]
+    # llama.cpp's end-of-generation set (llama-simple stops on each): EOS <|im_end|>, then
+    # <|endoftext|> by its text and <reponame> as the FIM repo token by its text
+    assert smol.end_ids == [2, 0, 4]
 
 
 @needs_smol
@@ -401,12 +404,12 @@ def test_save_load_round_trip(all_toks, kind, tmp_path):
     tok = all_toks[kind]
     tok.save(str(tmp_path))
     meta = json.loads((tmp_path / "tokenizer_mdi.json").read_text())
-    assert meta == {"kind": tok.kind, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-                    "add_bos": tok.add_bos, "chat_template": tok.chat_template}
+    assert meta == dict({"kind": tok.kind, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos,
+                         "chat_template": tok.chat_template}, **({"stop_ids": tok.stop_ids} if tok.stop_ids else {}))
     loaded = load_tokenizer(str(tmp_path))
     assert type(loaded) is type(tok)
-    assert (loaded.vocab_size, loaded.bos_id, loaded.eos_id, loaded.add_bos, loaded.chat_template) == \
-        (tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, tok.chat_template)
+    assert (loaded.vocab_size, loaded.bos_id, loaded.eos_id, loaded.add_bos, loaded.chat_template, loaded.end_ids) == \
+        (tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, tok.chat_template, tok.end_ids)
     for text in SMOL_TEXTS:
         ids = tok.encode(text)
         assert loaded.encode(text) == ids and loaded.decode(ids) == tok.decode(ids)

@@ -57,6 +57,14 @@ LLAMA_CPP_EOG_TEXTS = frozenset([
 ])
 
 
+# The FIM tokens llama.cpp finds by text where the file names none; each ends generation.
+LLAMA_CPP_FIM_TEXTS = {
+    "fim_pad": frozenset(["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"]),
+    "fim_rep": frozenset(["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"]),
+    "fim_sep": frozenset(["<|file_sep|>"]),
+}
+
+
 def gguf_pre_tokenizer(pre: Optional[str]) -> GGUFPre:
     """The pre-tokenizer for a `tokenizer.ggml.pre` value (None, a file without the key: GPT-2's,
     as llama.cpp's "default" and transformers do); an unknown name is an error, not a guess."""
@@ -144,10 +152,25 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     # EOS is the file's tokenizer.ggml.eos_token_id: llama.cpp's converter takes it from the
     # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
     # llama.cpp's end-of-generation set: EOS plus the end-of-turn / end-of-message ids it names.
-    stops = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
-    stops = [i for i in stops if isinstance(i, int) and 0 <= i < len(tokens)]
     return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"], add_bos=bool(add_bos),
-                       chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
+                       chat_template=md.get("tokenizer.chat_template"),
+                       stop_ids=_llama_cpp_stops(md, tokens, _llama_cpp_eog(tokens)))
+
+
+def _llama_cpp_stops(md: Dict[str, Any], tokens: Sequence[str], eog: Dict[str, int]) -> List[int]:
+    """llama.cpp's end-of-generation set beyond EOS, for every vocabulary type: the eot / eom /
+    fim_pad / fim_rep / fim_sep ids the file names, a FIM id it does not name found by its text
+    (`LLAMA_CPP_FIM_TEXTS`), and the tokens `_llama_cpp_eog` finds by text. A BPE GGUF had
+    stopped at EOS and the named ids alone: SmolLM2's ran on past "<|endoftext|>", where
+    llama.cpp stops."""
+    stops = []
+    for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
+        i = md.get("tokenizer.ggml.%s_token_id" % key)
+        if i is None and key in LLAMA_CPP_FIM_TEXTS:
+            i = next((j for j, t in enumerate(tokens) if t in LLAMA_CPP_FIM_TEXTS[key]), None)
+        if isinstance(i, int) and 0 <= i < len(tokens):
+            stops.append(i)
+    return stops + sorted(eog.values())
 
 
 def _spm_tokenizer_from_gguf(path: str, md: Dict[str, Any], tokens: List[str]) -> Tokenizer:
@@ -176,9 +199,8 @@ def _spm_tokenizer_from_gguf(path: str, md: Dict[str, Any], tokens: List[str]) -
         ids[key] = i
     add_prefix = md.get("tokenizer.ggml.add_space_prefix")
     add_bos = md.get("tokenizer.ggml.add_bos_token")
-    named = [md.get("tokenizer.ggml.%s_token_id" % k) for k in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")]
     eog = _llama_cpp_eog(tokens)
-    stops = [i for i in named if isinstance(i, int) and 0 <= i < n] + sorted(eog.values())
+    stops = _llama_cpp_stops(md, tokens, eog)
     return SpmTokenizer(tokens, (scores or [0.0] * n)[:n], _llama_cpp_token_types(tokens, types or [NORMAL] * n, eog),
                         add_space_prefix=True if add_prefix is None else bool(add_prefix), unknown_id=ids["unknown"],
                         bos_id=ids["bos"], eos_id=ids["eos"],
