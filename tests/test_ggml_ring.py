@@ -153,7 +153,9 @@ def test_a_ggml_starter_never_loads_torch_and_holds_its_layers_and_little_else(s
                              runtime={"threads": 1, "backend": "ggml"})
     ring = write_run_config(tmp_path / "ring.yaml", smollm2_dir, two_workers, n_tokens=24, generation=sampled,
                             runtime={"threads": 1, "backend": "ggml"})
-    for config, run_env in ((alone, no_torch_env(tmp_path, "requests")), (ring, env)):
+    raw = write_run_config(tmp_path / "raw.yaml", os.path.join(smollm2_dir, "model.gguf"), n_tokens=24,
+                           generation=sampled, runtime={"threads": 1, "backend": "ggml"})  # the GGUF as model.path
+    for config, run_env in ((alone, no_torch_env(tmp_path, "requests")), (raw, env), (ring, env)):
         record, _ = start(config, tmp_path, env=run_env, prompts=[prompt, "Once upon a time"])
         assert all(len(s["token_ids"]) == 24 for s in record["samples"])
         starter = record["nodes"][0]

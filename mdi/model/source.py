@@ -79,10 +79,11 @@ class ModelSource:
     def stored_quant(self) -> Dict[str, QuantSpec]:
         """The weights the source holds quantized, and how: a raw GGUF's from its tensor types
         (what the torch reader will make of them), nothing read; another checkpoint's read."""
-        if self._stored_quant is None:
+        if self._stored_quant is None and self.gguf_path is not None and self._raw:
+            self._stored_quant = _gguf_torch_layout(self)  # no torch: a ggml starter never loads it
+        elif self._stored_quant is None:
             from mdi.model.quantization.quant import weights_layout
-            self._stored_quant = _gguf_torch_layout(self) if self.gguf_path is not None and self._raw \
-                else weights_layout(self._held(()))
+            self._stored_quant = weights_layout(self._held(()))
         return self._stored_quant
 
     def gguf(self) -> GgufModel:
