@@ -296,6 +296,9 @@ class Engine(RuntimeAdapters):
         if self.ring is not None:
             self.ring.check()
 
+    def named_failure(self, e: BaseException) -> BaseException:  # a silent ring's dead node, where found
+        return self.ring.named_failure(e) if isinstance(e, RingTimeout) and self.ring is not None else e
+
     # --- generation ------------------------------------------------------------------
     def admit(self, sample: Sample) -> None:
         self.live_pipeline.admit(sample)
@@ -305,7 +308,7 @@ class Engine(RuntimeAdapters):
         try:
             return self.live_pipeline.step(timeout)
         except (NodeError, RingTimeout) as e:
-            self._recover(e)
+            self._recover(self.named_failure(e))
             return []
 
     def run(self, samples: List[Sample]) -> None:

@@ -308,6 +308,22 @@ class RingSession:
         if self.failure is not None:
             raise self.failure
 
+    def named_failure(self, silent: BaseException) -> BaseException:
+        """The ring went `silent`: the node the watchdog found, or one found dead or failed now
+        (each asked once, on a client of its own), else `silent`. On a loaded machine the ring's
+        timeout had come before the watchdog's next poll, and the failure named no node."""
+        for node in self.workers:
+            if self.failure is not None:
+                return self.failure
+            client = self.registry.fresh(node)
+            try:
+                problem = self._probe(client)
+            finally:
+                client.close()
+            if problem is not None:
+                return problem
+        return self.failure or silent
+
     def finish(self) -> List[NodeReport]:
         """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
         self._watching.clear()

@@ -46,6 +46,8 @@ class RingOwner(Protocol):
 
     def _check(self) -> None: ...
 
+    def named_failure(self, e: BaseException) -> BaseException: ...
+
 
 class RingTrainer:
     def __init__(self, engine: RingOwner, options: TrainOptions, pairs: Pairs,
@@ -259,7 +261,8 @@ class RingTrainer:
             except RingTimeout:
                 self.engine._check()
                 if time.monotonic() >= deadline:
-                    raise RingTimeout("no training frame came back round the ring for %.0f s" % timeout)
+                    raise self.engine.named_failure(
+                        RingTimeout("no training frame came back round the ring for %.0f s" % timeout))
 
     def prompt_embeddings(self) -> Optional[torch.Tensor]:
         return self.prompt.embeddings() if self.prompt is not None else None
