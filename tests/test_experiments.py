@@ -182,6 +182,18 @@ def test_bad_experiment_is_one_line(tmp_path):
     assert err.count("\n") == 0 and err.startswith("mdi-bench: error: ") and "models[0].nodes[0]" in err
 
 
+def test_an_out_that_cannot_be_written_is_one_line_before_any_run(tmp_path):
+    config = tmp_path / "exp.yaml"
+    config.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(tmp_path / "no-such-model")}]}))
+    (tmp_path / "afile").write_text("")
+    for out, problem in ((tmp_path / "afile", "exists and is not a directory"),
+                         (tmp_path / "afile" / "sub", "is a file, not a directory")):
+        r = _bench("--experiment", str(config), "--out", str(out))
+        err = r.stderr.decode().strip()
+        assert r.returncode == 2 and err.count("\n") == 0 and err == "mdi-bench: error: --out %s: %s" % (
+            out, problem if out.name == "afile" else "%s %s" % (tmp_path / "afile", problem)), err
+
+
 def test_a_bench_that_stopped_early_fails_with_its_own_error(tmp_path):
     config = tmp_path / "gone.yaml"
     config.write_text(yaml.safe_dump({"models": [{"name": "m", "path": str(tmp_path / "no-such-model")}],
@@ -471,6 +483,27 @@ def test_throughput_plot_file_with_two_max_batch_values(tmp_path):
     paths = plots.plot_all(str(tmp_path), rows, summarize(rows))  # the memory and time figures take them too
     assert [os.path.basename(p) for p in paths] == ["time_vs_tokens.png", "throughput_vs_samples.png",
                                                     "memory_per_node.png"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("on_torch")  # its models are float checkpoints without a GGUF
+def test_a_run_past_its_timeout_fails_alone(tmp_path):
+    """The warm starter of a run that timed out is ended: its late reply had answered the next
+    run (recorded "failed: exit code 0" though it completed). 10 ms: no run finishes in time."""
+    with open(SMOKE) as f:
+        data = yaml.safe_load(f)
+    model = [m for m in data["models"] if m["name"] == "tiny-llama"][0]
+    model.pop("partitions")
+    model.update(path=str(tmp_path / "models" / "tiny-llama"), nodes=[1], samples=[1, 2])
+    data.update(models=[model], output=str(tmp_path / "out"), run_timeout=0.01, repeats=1, warmup=False)
+    config = tmp_path / "late.yaml"
+    config.write_text(yaml.safe_dump(data))
+    r = _bench("--experiment", str(config), "--emulation", "off", timeout=280)
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        statuses = [row["status"] for row in csv.DictReader(f)]
+    assert statuses == ["failed: starter did not answer within 0.01 s"] * 2, (statuses, r.stderr.decode()[-2000:])
+    assert r.stderr.decode().count("starting a new one") == 1  # the second run's own starter
 
 
 @pytest.mark.ring  # mdi-bench starts the workers

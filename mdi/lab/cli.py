@@ -22,6 +22,7 @@ from mdi.cli.arguments import ArgumentParser
 from mdi.cli.process import EXIT_CONFIG  # mdi-bench exits like mdi-start
 from mdi.lab.spec import Experiment, ExperimentError, load_experiment
 from mdi.lab.sweep import cleanup_stale, dry_run, finish_outputs, run_experiment
+from mdi.system.files import output_problem
 
 
 # --------------------------------------------------------------------------- CLI
@@ -70,6 +71,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.out and len(args.experiment) > 1:
             raise ExperimentError("--out: give it with a single --experiment (each file names its 'output')")
         experiments = [_with_overrides(load_experiment(path), args) for path in args.experiment]
+        for exp in experiments if not (args.plot_only or args.dry_run) else []:
+            problem = output_problem(args.out or exp.output, folder=True)
+            if problem is not None:  # before any run: a traceback after the first one had lost it
+                raise ExperimentError("%s %s: %s" % ("--out" if args.out else "%s: output" % exp.source,
+                                                     args.out or exp.output, problem))
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _interrupt)
         code = 0

@@ -50,7 +50,7 @@ class StarterService:
         try:
             reply = self.replies.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError("starter did not answer within %.0f s" % timeout)
+            raise RuntimeError("starter did not answer within %g s" % timeout)
         if reply is None:
             raise RuntimeError("starter process exited (%s)" % self.proc.tail())
         return reply
@@ -262,13 +262,16 @@ class Ring:
             try:
                 reply = self.service.run(argv, timeout)
             except RuntimeError as e:
+                # ended: its late reply would answer the next run (a run that completed was then
+                # recorded as failed, and runs overlapped); the next run starts a new starter
+                self.service.stop()
                 return EXIT_RUN, str(e)
             return int(reply.get("code", EXIT_RUN)), reply.get("error")
         cmd = self.emu.command([tool("mdi-start")] + argv, self.keys[0], 0)
         try:
             r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return EXIT_RUN, "mdi-start did not finish within %.0f s" % timeout
+            return EXIT_RUN, "mdi-start did not finish within %g s" % timeout
         return r.returncode, _error_line(r.stderr.decode(errors="replace")) if r.returncode else None
 
 
