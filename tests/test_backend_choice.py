@@ -190,3 +190,28 @@ def test_auto_takes_torch_without_timing_ggml_where_a_q8_0_cache_cannot_hold_the
     assert "ggml cannot: kv_type q8_0 needs head_dim" in got.describe()
     with pytest.raises(ValueError, match="backend ggml cannot run here: kv_type q8_0 needs head_dim"):
         backend_select.select_backend("ggml", config, 0, 1, types, "cpu", 1, 1, kv_type="q8_0")
+
+
+@pytest.mark.parametrize("entry", [None, [1, 2], "torch", 3])
+def test_a_cache_entry_of_another_shape_is_measured_again_never_a_traceback(cache, monkeypatch, entry):
+    """A per-machine cache file whose entry is valid JSON of another shape (a hand edit, a
+    truncated rewrite by another program) had crashed every later start."""
+    import json
+    import os
+    from mdi.system.machine_cache import MachineCache
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+    measure, calls = measuring({"ggml": SLOW, "torch": FAST})
+    choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    for path in [p for p in os.listdir(str(cache)) if p.endswith(".json")]:
+        with open(os.path.join(str(cache), path)) as f:
+            data = json.load(f)
+        data["entries"] = {name: entry for name in data["entries"]}
+        with open(os.path.join(str(cache), path), "w") as f:
+            json.dump(data, f)
+    again = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+    assert again.backend == "torch" and not again.cached and len(calls) == 4
+    machines = MachineCache("test.json", 1)
+    machines.write({"x": entry})
+    assert machines.recall("k") is None
+    machines.remember("k", 5, 5.0)
+    assert machines.recall("k") == 5

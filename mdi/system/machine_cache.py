@@ -68,7 +68,8 @@ class MachineCache:
             with open(self.path) as f:
                 data = json.load(f)
             if isinstance(data, dict) and data.get("version") == self.version and isinstance(data.get("entries"), dict):
-                return data["entries"]
+                # an entry of another shape (a hand edit, another program) is measured again, never a traceback
+                return {k: v for k, v in data["entries"].items() if isinstance(v, dict)}
         except (OSError, ValueError):
             pass
         return {}
