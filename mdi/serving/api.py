@@ -211,7 +211,7 @@ class Routes:
         if spec is not None and spec.method == "draft" and self.sched.cfg.generation.speculation.method != "draft":
             raise ApiError(400, "'speculation': this server has no draft model (generation.speculation: "
                            "{draft: PATH} in its config)", "speculation")
-        if opts.n > self.sched.slots:
+        if opts.n > self.sched.slots > 0:  # 0 while the ring starts: the submit's 503 says so
             raise ApiError(400, "'n': at most %d choices (the samples this server runs at once)" % self.sched.slots,
                            "n")
         req = Request(ids, options=GenerationOptions(max_tokens, opts.params, opts.seed, tuple(opts.stop), adapter,
