@@ -2,6 +2,7 @@
 run, and a smoke sweep of tiny random models end to end (CSV columns, summary, PNGs). Needs
 no root: emulation is off (one test runs on emulated boards when root)."""
 import csv
+import json
 import os
 import socket
 import subprocess
@@ -536,6 +537,7 @@ def test_smoke_sweep_writes_csv_and_plots(tmp_path):
         assert float(r["tokens_per_s"]) > 0 and float(r["ttft_s"]) > 0
         assert int(r["generated_tokens"]) == 6 * int(r["samples"])
         assert len(r["peak_memory_mb"].split(";")) == int(r["nodes"])
+        assert r["backends"].split(";") == ["torch"] * int(r["nodes"])  # what computed, beside what was asked
         busy = [float(x) for x in r["node_busy"].split(";")]  # each node's compute time / run time
         assert len(busy) == int(r["nodes"]) and all(0 < b <= 1.05 for b in busy), r["node_busy"]
         assert (out / r["metrics_file"]).is_file()
@@ -548,6 +550,7 @@ def test_smoke_sweep_writes_csv_and_plots(tmp_path):
             assert f.read(8) == PNG_MAGIC, name
     for name in ("summary.csv", "report.md", "machine.json", "experiment.yaml"):
         assert (out / name).is_file(), name
+    assert json.loads((out / "machine.json").read_text())["ggml"].startswith("ggml ")
 
     os.remove(out / "memory_per_node.png")
     r = _bench("--experiment", str(config), "--plot-only")
@@ -675,7 +678,6 @@ def test_quantized_random_model_is_built_without_its_float_twin_and_runs(tmp_pat
                         "--backend", "torch", "--n-tokens", "5", "--temperature", "0", "--metrics-out", str(metrics), "--quiet"],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=100, cwd=ROOT)
     assert r.returncode == 0, r.stderr.decode()
-    import json
     record = json.loads(metrics.read_text())
     assert record["n_tokens"] == 5 and len(record["samples"][0]["token_ids"]) == 5
 

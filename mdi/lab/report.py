@@ -26,6 +26,7 @@ CSV_COLUMNS = [
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
     "decode_tokens_per_s", "generated_tokens", "seconds", "ttft_max_s", "partition_kind", "dtype",
     "quant", "quant_kernel", "wire_codec", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy",
+    "backends",  # what each node computed with (ggml or torch; ';' per node): quant/dtype are what was asked
 ] + FORWARD_COLUMNS + [
     "emulation", "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
@@ -174,7 +175,7 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
                decode_bytes_per_hop=_num(decode_bytes_per_hop(nodes), "%.1f"),
                bytes_sent=_joined(n.get("bytes_sent", "") for n in nodes),
                node_busy=_joined(_busy(n, m.get("seconds")) for n in nodes),
-               status="ok", metrics_file=metrics_file)
+               backends=_joined(n.get("backend") or "" for n in nodes), status="ok", metrics_file=metrics_file)
     for key in FORWARD_COLUMNS:
         row[key] = _per_node(nodes, key, "%.2f" if key.endswith("_mean") else "%g")
     row.update(speculation_cells(nodes))
@@ -348,6 +349,11 @@ def machine_record(source: str) -> Dict[str, Any]:
         rec["torch"] = torch.__version__
     except ImportError:
         pass
+    try:  # the nodes' other compute library (a results file names what computed: results.csv's backends)
+        from mdi.model.ggml import lib
+        rec["ggml"] = lib.version()
+    except Exception as e:  # not installed, or its library does not load here
+        rec["ggml"] = "unavailable (%s)" % str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     return rec
 
 
