@@ -85,6 +85,20 @@ def test_spare_replaces_killed_worker(tiny_models, four_workers, sampling):
     assert any("recovered" in line for line in logs)
 
 
+def test_a_worker_down_when_the_ring_starts_is_replaced_by_a_spare(tiny_models, four_workers):
+    """Spares cover the start too: a worker that is down (or dies during its /init) is
+    replaced as one lost mid-run is, where the run had ended at once naming it."""
+    model = tiny_models["llama"]
+    board1, board2, spare, _ = four_workers
+    board1.proc.kill()
+    board1.proc.wait(30)
+    result = batch.run(ring_config(model, [board1, board2], [spare]), PROMPTS)
+    assert [s.token_ids for s in result.samples] == reference(model)
+    (rec,) = result.extra["recoveries"]
+    assert "board1" in rec["cause"] and "spare1" in rec["action"]
+    assert [n["name"] for n in result.metrics()["nodes"]] == ["starter", "spare1", "board2"]
+
+
 def test_a_replay_of_more_than_64_generated_tokens_is_exact_on_ggml(smollm2_dir, four_workers):
     """SmolLM2 on ggml, killed once each sample holds about 120 tokens: the replay re-prefills
     them, and a pass of 64 rows or more takes another attention kernel than the one-row steps

@@ -35,16 +35,17 @@ from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
-from mdi.starter.node_report import NodeReport, Recovery, backend_line, starter_kernels
-from mdi.starter.planning.recovery import RecoveryImpossible, replan
+from mdi.starter.node_report import NodeReport, backend_line, starter_kernels
+from mdi.starter.planning.recovery import RecoveryImpossible, named_worker_lost, replan
 from mdi.starter.planning.run_plan import RunPlan
+from mdi.starter.recovery_log import RecoveryLog
 from mdi.starter.session import RingSession
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class Engine(RuntimeAdapters):
+class Engine(RuntimeAdapters, RecoveryLog):
     """The starter's engine; serving sees it through its face (mdi.starter.engine_face.EngineFace)."""
 
     def __init__(self, plan: RunPlan, source: ModelSource, params: SamplingParams,
@@ -62,11 +63,7 @@ class Engine(RuntimeAdapters):
         tok = source.tokenizer
         # EOS and the tokenizer's other end-of-generation ids (end of turn, end of message)
         self.end_ids = tok.end_ids if tok is not None else source.config.eos_token_id
-        self.recoveries: List[Recovery] = []  # the run's record (batch runs, perplexity)
-        # each recovery as a typed event, to every listener once (on_recovery)
-        self._events: List[RecoveryEvent] = []
-        self._listeners: List[Callable[[RecoveryEvent], None]] = []
-        self._events_lock = threading.Lock()
+        RecoveryLog.__init__(self)
         self._on_train: Optional[Callable[[Any], None]] = None  # a training job's frames (set_training_hook)
         self.prefix_bytes = 0  # the starter's prefix cache budget (runtime.prefix_cache resolved here)
         self.starter_spare: Optional[int] = None  # its memory beside its budget at load (check_fits_here)
@@ -122,11 +119,24 @@ class Engine(RuntimeAdapters):
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
-        # fail fast, before spending time on our own weights (all at once: the first to fail is named)
-        run_all([self.registry.client(node).health for node in self.nodes[1:]], "mdi-health")
+        lost: Optional[NodeError] = None
+        try:  # fail fast, before spending time on our own weights (all at once: the first to fail is named)
+            run_all([self.registry.client(node).health for node in self.nodes[1:]], "mdi-health")
+        except NodeError as e:
+            if not self.cfg.recovery_attempts:
+                raise
+            lost = e
         self.chunk = self._starter_chunk(self.ranges[0])
         draft_model = self._draft_model()
-        transport, run_id = self._connect()
+        try:
+            if lost is not None:
+                raise lost
+            transport, run_id = self._connect()
+        except NodeError as e:  # a worker down as the ring starts, or lost meanwhile: a spare or its neighbours serve
+            if not named_worker_lost(self.plan, self.registry, e):
+                raise
+            transport, run_id, how, started = self._rebuild(e, [])
+            self._record(e, how, started, recovered=True)
         ggml_cuts = bool(self.ggml_nodes())
         if ggml_cuts and self.plan.prefill_chunk < TILED_ROWS:
             log.info("mdi: starter: prompts of %d tokens or more go in passes of at least %d (runtime.prefill_chunk "
@@ -316,10 +326,9 @@ class Engine(RuntimeAdapters):
         self.live_pipeline.run(samples, self.step, t0=self.t0)
 
     # --- recovery --------------------------------------------------------------------
-    def _recover(self, cause: BaseException) -> List[RecoveryEvent]:
-        """Re-plan the ring and go on (or raise once the attempts are spent); the events of
-        its attempts, failed ones first."""
-        events: List[RecoveryEvent] = []
+    def _rebuild(self, cause: BaseException, events: List[RecoveryEvent]) -> Tuple[Any, int, str, float]:
+        """The ring re-planned without the node `cause` names and connected (`cause` raised once
+        the attempts are spent, each failed one in `events`): transport, run id, how, start."""
         while True:
             if len(self.recoveries) >= self.cfg.recovery_attempts:
                 raise cause
@@ -330,44 +339,33 @@ class Engine(RuntimeAdapters):
             try:
                 self.plan, how = replan(self.plan, self.source, self.registry, cause, self.params)
                 transport, run_id = self._connect()
+                old = self.live_chunk  # the starter's chunk, anew where the plan moved its layers
+                if [old.first, old.last] != list(self.ranges[0]):
+                    old.free_cache()
+                    self.chunk = self._starter_chunk(self.ranges[0])
+                return transport, run_id, how, started
             except (NodeError, RecoveryImpossible) as e:
                 events.append(self._record(cause, "failed: %s" % e, started))
                 cause = e
-                continue
-            old, pipeline = self.live_chunk, self.live_pipeline
-            chunk = old if old.first == self.ranges[0][0] and old.last == self.ranges[0][1] else None
-            if chunk is None:
-                old.free_cache()
-                self.chunk = chunk = self._starter_chunk(self.ranges[0])
-            lost = pipeline.reconnect(transport, run_id, chunk, n_stages=len(self.nodes),
-                                      ggml_cuts=bool(self.ggml_nodes()))
-            self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
-            for sample in lost:
-                pipeline.admit(sample)
-            events.append(self._record(cause, how, started))
+
+    def _recover(self, cause: BaseException) -> List[RecoveryEvent]:
+        """Re-plan the ring and go on (or raise once the attempts are spent); the events of
+        its attempts, failed ones first."""
+        events: List[RecoveryEvent] = []
+        transport, run_id, how, started = self._rebuild(cause, events)
+        pipeline = self.live_pipeline
+        lost = pipeline.reconnect(transport, run_id, self.live_chunk, n_stages=len(self.nodes),
+                                  ggml_cuts=bool(self.ggml_nodes()))
+        self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
+        for sample in lost:
+            pipeline.admit(sample)
+        events.append(self._record(cause, how, started, recovered=True))
+        return events
+
+    def _record(self, cause: BaseException, how: str, started: float, recovered: bool = False) -> RecoveryEvent:
+        if recovered:
             log.warning("mdi: recovered in %.2f s: %s", time.perf_counter() - started, how)
-            return events
-
-    def _record(self, cause: BaseException, how: str, started: float) -> RecoveryEvent:
-        rec = Recovery(str(cause), how, round(started - self.t0, 6), round(time.perf_counter() - started, 6))
-        self.recoveries.append(rec)
-        event = RecoveryEvent(rec.cause, rec.action, rec.at_s, rec.seconds, getattr(cause, "node", None),
-                              tuple(self.nodes), tuple((r[0], r[1]) for r in self.ranges))
-        with self._events_lock:
-            self._events.append(event)
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(event)
-        return event
-
-    def on_recovery(self, listener: Callable[[RecoveryEvent], None]) -> None:
-        """Hand `listener` every recovery of this engine as a RecoveryEvent, each once: those
-        before this call at once, later ones as they happen (on the thread that steps)."""
-        with self._events_lock:
-            past = list(self._events)
-            self._listeners.append(listener)
-        for event in past:
-            listener(event)
+        return self.add_recovery(cause, how, started - self.t0, time.perf_counter() - started, self.nodes, self.ranges)
 
     # --- the rest of serving's face (mdi.starter.engine_face) --------------------------
     @property

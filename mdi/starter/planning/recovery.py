@@ -141,13 +141,16 @@ def _replan_measured(plan: RunPlan, source: ModelSource, registry: NodeRegistry,
     return plan.with_ring(source, kept, ranges, left, list(costs.values())), how
 
 
+def named_worker_lost(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> bool:
+    """Whether the worker `cause` names is gone (its /health unanswered): a refusal is no loss."""
+    node = next((n for n in plan.specs[1:] if n.name == getattr(cause, "node", None)), None)
+    return node is not None and not _alive(registry, node)
+
+
 def _dead_worker(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> Optional[str]:
-    workers = plan.specs[1:]
-    named = getattr(cause, "node", None)
-    node = next((n for n in workers if n.name == named), None)
-    if node is not None and not _alive(registry, node):
-        return node.name
-    return next((n.name for n in workers if not _alive(registry, n)), None)
+    if named_worker_lost(plan, registry, cause):
+        return getattr(cause, "node")
+    return next((n.name for n in plan.specs[1:] if not _alive(registry, n)), None)
 
 
 def _alive(registry: NodeRegistry, node: NodeSpec) -> bool:
