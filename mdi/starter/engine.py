@@ -30,7 +30,6 @@ from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import AdapterSet
 from mdi.model.ggml.kernel_rows import TILED_ROWS
-from mdi.model.ggml.kv_cache import kv_cache_bytes as ggml_kv_bytes
 from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
@@ -236,9 +235,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
     def _ggml_chunk(self, first: int, last: int) -> Any:
         """The starter's chunk on ggml: its GGUF tensors as stored, a ggml KV cache."""
         cfg = self.cfg  # (a kv_type that cannot hold the heads was refused with the backend: select_backend)
-        budget = self.plan.budgets[0].on_ggml(self.source.gguf_bytes(first, last, True, True), ggml_kv_bytes(
-            self.source.config, last - first, 1, self.max_len, cfg.runtime.kv_type))
-        self._set_prefix_bytes(check_fits_here(budget, self.device, True, " on ggml"))
+        self._set_prefix_bytes(check_fits_here(self.plan.ggml_budget(0, self.source), self.device, True, " on ggml"))
         threads = cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else usable_cpus()
         chunk = self.source.ggml_chunk(first, last, True, True, threads, cfg.runtime.kv_type, cfg.runtime.repack,
                                        self.device)

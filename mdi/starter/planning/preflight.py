@@ -1,5 +1,5 @@
 """`mdi-start --check`: contact every node and say whether the run would fit, generating nothing."""
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from mdi.ring.status import WorkerState
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
@@ -62,13 +62,14 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     try:
         for i, (node, budget) in enumerate(zip(plan.nodes, plan.budgets)):
             # the plan's budget, as serving's slots, recovery and the engine's load check read it
-            first, last = node.layers
-            need = budget.total
-            where = "%-10s %-21s %-17s needs %7.1f MB" % (
-                node.name, node.spec.address if i else "(this machine)", format_layers(first, last), need / MB)
-            ok = _report(cfg, registry, node.spec if i else None, where, need, plan, source, node) and ok
+            def where(need: int, node: Any = node, i: int = i) -> str:
+                return "%-10s %-21s %-17s needs %7.1f MB" % (
+                    node.name, node.spec.address if i else "(this machine)", format_layers(*node.layers), need / MB)
+            ok = _report(cfg, registry, node.spec if i else None, where, budget, plan, source, node) and ok
         for spare in plan.spares:
-            ok = _report(cfg, registry, spare, "%-10s %-21s spare" % (spare.name, spare.address), None) and ok
+            def spare_line(_: int, spare: NodeSpec = spare) -> str:
+                return "%-10s %-21s spare" % (spare.name, spare.address)
+            ok = _report(cfg, registry, spare, spare_line, None) and ok
     finally:
         registry.close()
     ok = ok and unusable is None
@@ -157,12 +158,15 @@ def kernel_admits(cfg: RunConfig, need: Optional[int], free: Optional[int]) -> s
     return "kernel copies up to %.1f MB" % (allowance / MB)
 
 
-def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], where: str,
-            need: Optional[int], plan: Any = None, source: Optional[ModelSource] = None, node_plan: Any = None) -> bool:
+def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], where_for: Callable[[int], str],
+            budget: Any, plan: Any = None, source: Optional[ModelSource] = None, node_plan: Any = None) -> bool:
     """Print one node's line; False if it is unreachable, its layers do not fit, or its backend
     cannot serve the run. A node of the ring says what it would compute with (its backend, as
-    the run would choose it: auto measures there once per machine)."""
+    the run would choose it: auto measures there once per machine), and needs what that backend
+    holds: on ggml its GGUF tensors as stored and ggml's cache, as its own load check counts."""
     policy = cfg.runtime.quant_kernel
+    need = None if budget is None else budget.total
+    where = where_for(need or 0)
     if node is None:
         device = cfg.device_of(cfg.starter)
         free = starter_free_bytes(device)
@@ -198,6 +202,9 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
                 info += "; " + kernels_offered_line(policy, chosen.kernels_here if chosen else status.kernels_here)
         if status.kernels:
             info += " (the layers it holds from an earlier run use %s)" % kernel_report.summary(status.kernels)
+    if budget is not None and not on_torch:
+        need = plan.ggml_budget(plan.nodes.index(node_plan), source).total
+        where = where_for(need)
     fits = need is None or free is None or need <= free
     if need is not None and fits and on_torch:  # ggml computes with the GGUF's blocks: no kernel copies
         info += "; " + kernel_admits(cfg, need, free)

@@ -104,6 +104,14 @@ class RunPlan:
         assert self.memory is not None, "a plan made by plan_run has its budget parts"
         return self.memory.budget(node.name, layers, quant, self.n_slots, False)
 
+    def ggml_budget(self, i: int, source: ModelSource) -> NodeBudget:
+        """Node i's budget where it computes with ggml: its GGUF tensors as stored and ggml's KV
+        cache (as its load check counts them), where the plan counted torch's."""
+        from mdi.model.ggml.kv_cache import kv_cache_bytes  # (loads ggml: only asked of a ggml node)
+        first, last = self.nodes[i].layers
+        return self.budgets[i].on_ggml(source.gguf_bytes(first, last, i == 0, i == 0), kv_cache_bytes(
+            source.config, last - first, 1, self.max_len, self.cfg.runtime.kv_type))
+
     def with_slots(self, n_slots: int) -> "RunPlan":
         """This ring with `n_slots` slots (serving lowers them to what every node's memory holds)."""
         return dataclasses.replace(self, n_slots=n_slots, budgets=tuple(b.with_slots(n_slots) for b in self.budgets),
