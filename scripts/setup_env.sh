@@ -2,7 +2,8 @@
 # Create (or reuse) the project's virtual environment and install mdi into it.
 # Sourced by demo.sh and test.sh. Usage: source scripts/setup_env.sh [test]
 # MDI_VENV picks the environment's folder (default .venv); MDI_TORCH the torch requirement
-# (default torch==2.13.0, the CPU build: an unpinned torch would pull a multi-GB CUDA build).
+# (default torch==2.13.0, the CPU build: an unpinned torch would pull a multi-GB CUDA build, and so
+# would the pin from PyPI itself, so the CPU build's index is used where pip would take that one).
 # The ggml binding (ggml-python, pinned in setup.py) is built from its source for this machine's
 # CPU (about a minute on 2 cores): llama.cpp's defaults (-march=native, llamafile's matrix
 # kernels), less AMX on x86, whose tile instructions die with SIGILL on VMs that do not grant
@@ -32,7 +33,20 @@ WANT="$(cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "mdi: installing dependencies into $VENV"
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q "$TORCH_SPEC"
+    # PyPI's Linux torch is the CUDA build (GBs of nvidia-* wheels): where that is what pip would
+    # take, the CPU build's index instead. MDI_TORCH_INDEX names an index, or "" for pip's own.
+    TORCH_INDEX="${MDI_TORCH_INDEX-auto}"
+    if [ "$TORCH_INDEX" = auto ]; then
+        TORCH_INDEX=""
+        if "$PY" -m pip install -q --dry-run --ignore-installed --report "$VENV/torch-report.json" "$TORCH_SPEC" \
+                >/dev/null 2>&1 && "$PY" -c "import json, sys; sys.exit(not any(i['metadata']['name'].startswith(
+                'nvidia-') for i in json.load(open(sys.argv[1]))['install']))" "$VENV/torch-report.json"; then
+            TORCH_INDEX="https://download.pytorch.org/whl/cpu"
+            echo "mdi: pip would take torch's CUDA build: the CPU build from $TORCH_INDEX"
+        fi
+        rm -f "$VENV/torch-report.json"
+    fi
+    "$PY" -m pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
     echo "mdi: building the ggml binding for this CPU ($GGML_SPEC; about a minute)"
     # no cache: a wheel built before with other flags (or for another CPU) must not be reused
     CMAKE_ARGS="$GGML_CMAKE_ARGS" "$PY" -m pip install -q --no-cache-dir --force-reinstall --no-deps "$GGML_SPEC"
