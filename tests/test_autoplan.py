@@ -72,7 +72,7 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
 def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp_path, cache_dir):
     model = tiny_models["gpt2"]
     config = write_config(tmp_path / "auto.yaml", model, workers[:2])
-    out = tmp_path / "planned.yaml"
+    out = tmp_path / "plans" / "planned.yaml"  # a folder that does not exist yet: made
     r = subprocess.run([os.path.join(BIN, "mdi-plan"), "--config", config, "--samples", "3", "--write", str(out)],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, r.stderr

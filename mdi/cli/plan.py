@@ -9,6 +9,7 @@ from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, load_config
+from mdi.system.files import write_text
 
 if TYPE_CHECKING:  # the starter is imported when mdi-plan runs, not when the CLI loads
     from mdi.starter.planning.planner import LayerPlan
@@ -75,8 +76,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
         print("\n" + text)
     if args.write:
         try:
-            with open(args.write, "w", encoding="utf-8") as f:
-                f.write(text)
+            write_text(args.write, text)  # its folder made, whole or not at all
         except OSError as e:
             return fail("--write %s: cannot write it: %s" % (args.write, e.strerror or e), EXIT_CONFIG)
         print("mdi-plan: wrote %s" % args.write, file=sys.stderr)

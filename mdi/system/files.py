@@ -36,15 +36,19 @@ def use_umask(path: str) -> None:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write `obj` as UTF-8 JSON: to a temporary file first, then renamed into place (none left
-    where that fails)."""
+    """Write `obj` as UTF-8 JSON, whole or not at all (write_text)."""
+    write_text(path, json.dumps(obj, ensure_ascii=False, indent=1) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write `text` as UTF-8, its folders made: to a temporary file first, then renamed into
+    place (none left where that fails)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, ensure_ascii=False, indent=1)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         if os.path.isfile(tmp):
