@@ -11,8 +11,10 @@ import requests
 from test_serve import sse_events
 from test_serve_tools import smollm2_server  # noqa: F401 (fixture)
 
-ENDOFTEXT = "<|endoftext|>"  # SmolLM2's id 0: a control token, not its EOS (<|im_end|>)
-FORCE_IT = {"0": 100}  # logit_bias: every token drawn is <|endoftext|>
+# SmolLM2's id 1: a control token that ends nothing (<|endoftext|>, id 0, ends generation as in
+# llama.cpp, beside its EOS <|im_end|>)
+IM_START = "<|im_start|>"
+FORCE_IT = {"1": 100}  # logit_bias: every token drawn is <|im_start|>
 HI = [{"role": "user", "content": "Say hi"}]
 
 
@@ -33,25 +35,25 @@ def test_a_generated_control_token_shows_no_text_and_its_logprobs_name_it(smollm
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logit_bias": FORCE_IT, "logprobs": 2}
     choice = post(srv, "/v1/completions", body)["choices"][0]
     assert choice["text"] == "" and choice["finish_reason"] == "length"
-    assert choice["logprobs"]["tokens"] == [ENDOFTEXT] * 3 and choice["logprobs"]["text_offset"] == [0, 0, 0]
+    assert choice["logprobs"]["tokens"] == [IM_START] * 3 and choice["logprobs"]["text_offset"] == [0, 0, 0]
     chunks = streamed(srv, "/v1/completions", body)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ""
     assert [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-            for t in c["choices"][0]["logprobs"]["tokens"]] == [ENDOFTEXT] * 3
+            for t in c["choices"][0]["logprobs"]["tokens"]] == [IM_START] * 3
     # vLLM's skip_special_tokens false: spelled out, as before
-    assert post(srv, "/v1/completions", dict(body, skip_special_tokens=False))["choices"][0]["text"] == ENDOFTEXT * 3
+    assert post(srv, "/v1/completions", dict(body, skip_special_tokens=False))["choices"][0]["text"] == IM_START * 3
     chat = {"messages": HI, "max_tokens": 3, "temperature": 0, "logit_bias": FORCE_IT, "logprobs": True,
             "top_logprobs": 1}
     answer = post(srv, "/v1/chat/completions", chat)["choices"][0]
-    assert answer["message"]["content"] == "" and [c["token"] for c in answer["logprobs"]["content"]] == [ENDOFTEXT] * 3
+    assert answer["message"]["content"] == "" and [c["token"] for c in answer["logprobs"]["content"]] == [IM_START] * 3
     chunks = streamed(srv, "/v1/chat/completions", chat)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == ""
     answer = post(srv, "/v1/chat/completions", dict(chat, skip_special_tokens=False))["choices"][0]
-    assert answer["message"]["content"] == ENDOFTEXT * 3
+    assert answer["message"]["content"] == IM_START * 3
 
 
 def test_a_stop_string_that_is_a_control_token_s_text_still_ends_the_answer(smollm2_server):
-    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logit_bias": FORCE_IT, "stop": [ENDOFTEXT]}
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logit_bias": FORCE_IT, "stop": [IM_START]}
     r = post(smollm2_server, "/v1/completions", body)
     assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("", "stop")
     assert r["usage"]["completion_tokens"] == 1

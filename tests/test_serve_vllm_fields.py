@@ -13,7 +13,7 @@ from test_serve import sse_events
 from test_serve_tools import smollm2_server  # noqa: F401 (fixture)
 
 HI = [{"role": "user", "content": "Say hi"}]
-ENDOFTEXT_ID = 0  # <|endoftext|>: a control token, not SmolLM2's EOS (<|im_end|>)
+IM_START_ID = 1  # <|im_start|>: a control token that ends nothing (SmolLM2's end tokens are 0, 2 and 4)
 
 
 def post(server, route, body, status=200):
@@ -47,13 +47,13 @@ def test_ignore_eos_and_min_tokens_generate_past_the_end_token(smollm2_server):
 
 
 def test_stop_token_ids_end_the_answer_as_its_end_token_does(smollm2_server):
-    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(ENDOFTEXT_ID): 100}}
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "logit_bias": {str(IM_START_ID): 100}}
     assert post(smollm2_server, "/v1/completions", body)["usage"]["completion_tokens"] == 5
-    r = post(smollm2_server, "/v1/completions", dict(body, stop_token_ids=[ENDOFTEXT_ID]))
+    r = post(smollm2_server, "/v1/completions", dict(body, stop_token_ids=[IM_START_ID]))
     assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == \
         ("", "stop", 1)
     # before min_tokens it is not drawn (the next best is), after it it ends the answer
-    r = post(smollm2_server, "/v1/completions", dict(body, stop_token_ids=[ENDOFTEXT_ID], min_tokens=3))
+    r = post(smollm2_server, "/v1/completions", dict(body, stop_token_ids=[IM_START_ID], min_tokens=3))
     assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "stop"
     error = post(smollm2_server, "/v1/completions", dict(body, stop_token_ids=[10 ** 6]), status=400)["error"]
     assert error["param"] == "stop_token_ids" and "outside the vocabulary" in error["message"]
