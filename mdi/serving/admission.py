@@ -1,9 +1,9 @@
 """Who enters the ring: the refusals of a call (`SchedulerError` and its kinds, each with its
 HTTP status), and which waiting request a free KV cache slot goes to: the one whose HTTP call
 (its group: the choices and prompts of one call, `Choices`) holds the fewest slots now, the
-earliest among equals. A call of 200 prompts, or of n = 64, then fills the slots only while nobody else waits:
-a short request arriving behind it starts at the next free slot (first come, first served by
-sample had kept a 4-token request waiting 192 s behind one call of 200 prompts)."""
+earliest among equals. A call of 200 prompts, or of n = 16, then fills the slots only while
+nobody else waits: a short request arriving behind it starts at the next free slot (first
+come, first served by sample had kept a 4-token request waiting 192 s behind such a call)."""
 import collections
 from typing import Deque, Iterable
 

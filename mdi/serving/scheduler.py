@@ -2,9 +2,10 @@
 
 The starter is the scheduler. A free KV cache slot goes to the waiting request whose HTTP call
 holds the fewest slots, first come first served among equals (`admission`), once its token
-budget (prompt + max_tokens) fits the slot's positions on every node. A sample that finishes or is cancelled gives its slot back when its last
-pass returns, and the next request in the queue is admitted at the very next step, so the ring
-stays full without waiting for the slowest sample of a batch. `admission: static` keeps the
+budget (prompt + max_tokens) fits the slot's positions on every node. A sample that finishes
+or is cancelled gives its slot back when its last pass returns, and the next request in the
+queue is admitted at the very next step, so the ring stays full without waiting for the
+slowest sample of a batch. `admission: static` keeps the
 old behaviour (a new batch only once the whole previous batch is done) as a baseline.
 
 Every engine call happens on the scheduler's own thread. HTTP handler threads talk to it only
