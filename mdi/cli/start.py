@@ -71,7 +71,8 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS,
                    help="what every node computes with (runtime.backend): ggml (llama.cpp's kernels on the "
                         "model's GGUF tensors as stored), torch, or auto (default: each node measures both on its "
-                        "own shapes once and keeps the faster)")
+                        "own shapes once and keeps the faster, so the choice, and the greedy text, can change with "
+                        "--n-samples; name ggml for ids that do not)")
     p.add_argument("--kv-type", choices=KV_TYPES,
                    help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it, "
                         "f32 doubles it and agrees with torch's float32 reference)")
