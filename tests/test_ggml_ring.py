@@ -75,9 +75,12 @@ def test_a_ring_of_three_on_ggml_gives_one_ggml_process_s_greedy_ids(smollm2_dir
 def test_a_ring_may_mix_ggml_and_torch_nodes(smollm2_dir, two_workers, tmp_path):
     config = write_run_config(tmp_path / "mixed.yaml", smollm2_dir, two_workers, n_tokens=12,
                               runtime={"threads": 1},
-                              node_options={0: {"backend": "ggml"}, 1: {"backend": "torch"}, 2: {"backend": "ggml"}})
+                              node_options={0: {"backend": "ggml"}, 1: {"backend": "torch"},
+                                            2: {"backend": "ggml", "quant": "int8"}})
     record, proc = start(config, tmp_path)
     assert [n["backend"] for n in record["nodes"]] == ["ggml", "torch", "ggml"]
+    # a ggml node's quant is torch's: said, not silently dropped
+    assert "w2: quant int8 is torch's: ggml computes the GGUF's tensors as stored" in proc.stderr, proc.stderr
     assert "Paris" in record["samples"][0]["text"]
     assert all(len(s["token_ids"]) == 12 for s in record["samples"])
 

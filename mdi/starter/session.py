@@ -122,6 +122,9 @@ class RingSession:
             self.backends[i] = chosen.backend
             log.log(logging.INFO if asked.asked == "auto" else logging.DEBUG, "mdi: %s: backend %s", node.name,
                     chosen.line)
+            if chosen.backend == "ggml" and node.quant not in (None, "auto"):
+                log.warning("mdi: %s: quant %s is torch's: ggml computes the GGUF's tensors as stored (mdi-prepare "
+                            "--quant writes other types)", node.name, node.quant)
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights), chosen.backend))
             elif chosen.backend == "ggml":
