@@ -146,3 +146,16 @@ def test_model_config_takes_numpy_counts_and_refuses_the_rest():
             ModelConfig(**dict({"n_embd": 64, "n_head": 4}, **bad))
         with pytest.raises(RequestError, match="model: "):
             model_field(dict(ModelConfig(n_embd=64, n_head=4).to_dict(), **bad))
+
+
+def test_a_gguf_where_safetensors_are_read_is_named_a_gguf(tmp_path):
+    """A torch node given a GGUF as its weights (valid for a ggml node) says what the file is
+    and what reads it, not "header too large"; other bytes stay "not a valid safetensors file"."""
+    from mdi.model.files.store import read_tensors
+    gguf, junk = tmp_path / "model.gguf", tmp_path / "junk.safetensors"
+    gguf.write_bytes(b"GGUF" + struct.pack("<I", 3) + bytes(64))
+    junk.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=r"model\.gguf is a GGUF: ggml computes it \(backend: ggml\)"):
+        read_tensors(str(gguf), ["x"])
+    with pytest.raises(CheckpointError, match="junk.safetensors is not a valid safetensors file"):
+        read_tensors(str(junk), ["x"])

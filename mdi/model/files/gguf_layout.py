@@ -133,9 +133,21 @@ class Header:
     data_start: int
 
 
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first 4 bytes
+
+
+def is_gguf(path: str) -> bool:
+    """Whether `path` starts as a GGUF does (for an error that names what a file is)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def _walk_header(buf: Any, size: int, path: str, max_tensors: Optional[int] = None) -> Header:
     walk = _Walk(buf, size, path)
-    if bytes(buf[:4]) != b"GGUF":
+    if bytes(buf[:4]) != GGUF_MAGIC:
         raise GGUFLayoutError("%s: not a GGUF file (no GGUF magic)" % path)
     walk.pos = 4
     version = walk.read("I", "the version")

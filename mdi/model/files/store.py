@@ -19,6 +19,7 @@ import torch
 
 from mdi.model.config import ModelConfig
 from mdi.model.files.convert import StateDict, check_state_dict, short
+from mdi.model.files.gguf_layout import is_gguf
 from mdi.model.layout import (CheckpointError, QuantSpec, expected_keys, expected_shapes, format_layers,
                               split_layers)
 from mdi.model.quantization.quant import Stored, flatten, gather, weights_layout
@@ -178,7 +179,11 @@ def _checked_keys(fn: str) -> set:
         with safe_open(fn, framework="pt") as f:
             return set(f.keys())
     except Exception as e:  # SafetensorError is no OSError or ValueError
+        if is_gguf(fn):
+            raise CheckpointError("%s is a GGUF: ggml computes it (backend: ggml); torch reads a prepared model "
+                                  "directory or a safetensors chunk (mdi-prepare --chunks)" % fn)
         raise CheckpointError("%s is not a valid safetensors file: %s" % (fn, e))
+
 
 
 BOUNCE_BYTES = 16 << 20  # what read_tensors_into converts (dtype, device) at a time
