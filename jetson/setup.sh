@@ -43,7 +43,8 @@ Options:
   --dry-run          print every command instead of running it (works on any machine)
   --force            go on even though this is not a Jetson
   --ggml-cuda        build the ggml binding with CUDA too (nvcc from JetPack; a long build):
-                     mdi's ggml backend computes on the CPU in this version
+                     a node with device cuda and backend ggml then computes on the GPU
+                     through ggml-cuda (not yet measured on a GPU: see jetson/README.md)
   -h, --help         this help
 
 Examples:

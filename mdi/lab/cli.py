@@ -41,13 +41,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="output folder (default: the file's 'output', else results/NAME); "
                                                 "only with a single --experiment")
     p.add_argument("--emulation", choices=["auto", "on", "off"],
-                   help="override emulation.enabled: auto uses what works, on fails if a part cannot be set up, "
-                        "off runs plain loopback")
-    p.add_argument("--repeats", type=int, help="override the number of repeats")
+                   help="override emulation.enabled (default: the file's, else auto): auto uses what works, on "
+                        "fails if a part cannot be set up, off runs plain loopback")
+    p.add_argument("--repeats", type=int, help="override the number of repeats (default: the file's, else 3)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the file and list the runs; writes nothing (random models are built by the real run)")
     p.add_argument("--plot-only", action="store_true",
-                   help="no runs: rebuild summary.csv, report.md and the PNGs from DIR/results.csv")
+                   help="no runs: rebuild summary.csv, report.md and the PNGs from the results.csv in the "
+                        "experiment's output folder (--out DIR overrides it; --experiment is still needed)")
     p.add_argument("--cleanup", action="store_true",
                    help="remove processes, namespaces and cgroups left by a killed mdi-bench, then exit")
     p.add_argument("--serve-starter", action="store_true", help=argparse.SUPPRESS)

@@ -103,10 +103,14 @@ def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
             if r is None:
                 cells.append("")
                 continue
-            cell = "%s [%s-%s]" % (r["decode_tokens_per_s_median"][:-1], r["decode_tokens_per_s_min"][:-1],
-                                   r["decode_tokens_per_s_max"][:-1])
+            cell = "%s [%s-%s]" % tuple(_rounded(r["decode_tokens_per_s_%s" % k]) for k in ("median", "min", "max"))
             if r["efficiency_median"] and n > 1:
                 cell += " eff %.2f" % float(r["efficiency_median"])
             cells.append(cell)
         out.append("| %d | %s | %s | %s |" % (n, part, mb or "-", " | ".join(cells)))
     return out + [""]
+
+
+def _rounded(cell: str) -> str:
+    """A CSV number to 2 decimals, rounded (its last digit had been cut: 39.086 read 39.08)."""
+    return "%.2f" % float(cell) if cell else ""
