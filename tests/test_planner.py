@@ -98,6 +98,18 @@ def test_a_slow_board_is_left_out_and_the_plan_says_why():
     assert solve(costs, 12, keep_all=True).bottleneck_s == pytest.approx(0.020)
 
 
+def test_a_left_out_node_is_told_the_real_reason_not_memory():
+    """With no memory limit at all, a node left out because the ring has more nodes than layers,
+    or because another node cannot be used, had been told no split "fits in memory"."""
+    many = make_plan([node("n%d" % i, 1.0, n_layer=2) for i in range(5)], 2, samples=5)
+    assert many.dropped["n1"].endswith("5 nodes for 2 layers"), many.dropped
+    broken = node("broken", float("inf"))  # as the profiler leaves a node it could not time
+    broken.note = "its /profile failed"
+    plan = make_plan([node("starter", 1.0), broken, node("slow", 50.0)], 12, samples=2, max_batch=1)
+    assert plan.dropped["broken"] == "left out: its /profile failed"
+    assert plan.dropped["slow"].endswith("broken cannot be used"), plan.dropped
+
+
 def test_a_board_that_helps_is_kept():
     costs = [node("starter", 1.0), node("b", 1.0), node("c", 1.5)]
     plan = make_plan(costs, 12, samples=3, max_batch=1)

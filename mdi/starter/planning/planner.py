@@ -285,8 +285,11 @@ def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="
             why = ("the ring makes %.1f tokens/s with every node, %.1f without" % (
                 predict_tokens_per_s(costs, everyone.counts, samples, max_batch),
                 predict_tokens_per_s(costs, split.counts, samples, max_batch)))
-        except PlanError:
-            why = "no split that gives every node a layer fits in memory"
+        except PlanError:  # say which: a node unusable, more nodes than layers, or memory
+            unusable = [c.name for c in costs if c.note]
+            why = ("%s cannot be used" % ", ".join(unusable) if unusable
+                   else "%d nodes for %d layers" % (len(costs), n_layer) if len(costs) > n_layer
+                   else "no split that gives every node a layer fits in memory")
         for c, k in zip(costs, split.counts):
             if k == 0 and c.note:
                 dropped[c.name] = "left out: %s" % c.note
