@@ -179,7 +179,8 @@ class ModelSource:
         with self._reread:
             full = self._full
             if full is None or any(k not in full for k in keys):
-                log.info("mdi: %s: reading the checkpoint again for weights a chunk took", self.path)
+                if full is not None:  # (the first read says nothing: a refusal stays one line)
+                    log.info("mdi: %s: reading the checkpoint again for weights a chunk took", self.path)
                 _, full = checkpoints.read_checkpoint(self.path, keep_quant=True)
                 self._full = full
             return full
