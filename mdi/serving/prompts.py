@@ -253,8 +253,9 @@ def encode(tokenizer: Tokenizer, text: str, max_len: int, param: str) -> List[in
 
 
 def context_exceeded(max_len: int, n_prompt: str, param: str) -> ApiError:
-    return ApiError(400, "this server's maximum context length is %d tokens, but the prompt has %s tokens"
-                    % (max_len, n_prompt), param, "context_length_exceeded")
+    return ApiError(400, "this server's maximum context length is %d tokens, but the prompt has %s tokens "
+                    "(a prompt leaves at least 1 for the answer)" % (max_len, n_prompt), param,
+                    "context_length_exceeded")
 
 
 def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int], max_len: int) -> int:
