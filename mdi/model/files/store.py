@@ -185,7 +185,6 @@ def _checked_keys(fn: str) -> set:
         raise CheckpointError("%s is not a valid safetensors file: %s" % (fn, e))
 
 
-
 BOUNCE_BYTES = 16 << 20  # what read_tensors_into converts (dtype, device) at a time
 
 
