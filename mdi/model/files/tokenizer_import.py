@@ -163,11 +163,17 @@ def _llama_cpp_stops(md: Dict[str, Any], tokens: Sequence[str], eog: Dict[str, i
     (`LLAMA_CPP_FIM_TEXTS`), and the tokens `_llama_cpp_eog` finds by text. A BPE GGUF had
     stopped at EOS and the named ids alone: SmolLM2's ran on past "<|endoftext|>", where
     llama.cpp stops."""
+    found: Dict[str, int] = {}  # each FIM text's first id, in one pass over the vocabulary
+    if any(md.get("tokenizer.ggml.%s_token_id" % key) is None for key in LLAMA_CPP_FIM_TEXTS):
+        wanted = frozenset().union(*LLAMA_CPP_FIM_TEXTS.values())
+        for j, t in enumerate(tokens):
+            if t in wanted:
+                found.setdefault(t, j)
     stops = []
     for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
         i = md.get("tokenizer.ggml.%s_token_id" % key)
         if i is None and key in LLAMA_CPP_FIM_TEXTS:
-            i = next((j for j, t in enumerate(tokens) if t in LLAMA_CPP_FIM_TEXTS[key]), None)
+            i = min((found[t] for t in LLAMA_CPP_FIM_TEXTS[key] if t in found), default=None)
         if isinstance(i, int) and 0 <= i < len(tokens):
             stops.append(i)
     return stops + sorted(eog.values())
