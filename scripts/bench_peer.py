@@ -1333,18 +1333,15 @@ def main(argv=None) -> int:
     if args.child_mdi:
         return child_mdi(json.loads(args.child_mdi))
     import logging
-    import signal
+    from mdi.cli.process import interrupt_on_sigterm
     from mdi.system.files import output_problem
     logging.basicConfig(level=logging.WARNING)
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         problem = output_problem(path) if path else None
         if problem is not None:  # before the measurement (25 minutes), not after it
             sys.exit("bench_peer: %s %s: %s" % (flag, path, problem))
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt  # SIGTERM/SIGHUP (timeout, a CI cancel) end the workers as Ctrl-C does
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
+    # SIGTERM/SIGHUP (timeout, a CI cancel) end the workers as Ctrl-C does
+    interrupt_on_sigterm(lambda signum: KeyboardInterrupt(), also_sighup=True)
     gguf = args.gguf or default_gguf(args.model)
     if not os.path.isdir(args.model):
         sys.exit("bench_peer: %s missing: run `mdi-prepare smollm2-135m` first" % args.model)

@@ -29,11 +29,14 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-def interrupt_on_sigterm(interrupted: Callable[[int], BaseException]) -> Any:
-    """Make SIGTERM (systemd, kill) raise `interrupted(signum)` in the main thread, as Ctrl-C
-    raises KeyboardInterrupt, so a run stops its ring at once; returns the handler it replaced
-    (for signal.signal(signal.SIGTERM, it) when the run is over)."""
+def interrupt_on_sigterm(interrupted: Callable[[int], BaseException], also_sighup: bool = False) -> Any:
+    """Make SIGTERM (systemd, kill, timeout; with `also_sighup` SIGHUP too) raise
+    `interrupted(signum)` in the main thread, as Ctrl-C raises KeyboardInterrupt, so a run
+    stops its ring at once; returns the SIGTERM handler it replaced (for
+    signal.signal(signal.SIGTERM, it) when the run is over)."""
     def terminate(signum: int, frame: Any) -> None:
         raise interrupted(signum)
 
+    if also_sighup:
+        signal.signal(signal.SIGHUP, terminate)
     return signal.signal(signal.SIGTERM, terminate)

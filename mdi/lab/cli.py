@@ -12,14 +12,13 @@ report.md) and plots.
 """
 import argparse
 import os
-import signal
 import sys
 from typing import Callable, List, Optional
 
 from mdi.lab.emulation import EmulationError
 from mdi.lab.nodes import read_json, serve_starter
 from mdi.cli.arguments import ArgumentParser
-from mdi.cli.process import EXIT_CONFIG  # mdi-bench exits like mdi-start
+from mdi.cli.process import EXIT_CONFIG, interrupt_on_sigterm  # mdi-bench exits like mdi-start
 from mdi.lab.spec import Experiment, ExperimentError, load_experiment
 from mdi.lab.sweep import cleanup_stale, dry_run, finish_outputs, run_experiment
 from mdi.system.files import output_problem
@@ -55,10 +54,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM/SIGHUP tear down like Ctrl-C
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     if args.serve_starter:
@@ -77,8 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if problem is not None:  # before any run: a traceback after the first one had lost it
                 raise ExperimentError("%s %s: %s" % ("--out" if args.out else "%s: output" % exp.source,
                                                      args.out or exp.output, problem))
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _interrupt)
+        interrupt_on_sigterm(lambda signum: KeyboardInterrupt(), also_sighup=True)  # torn down as on Ctrl-C
         code = 0
         for exp in experiments:  # all files are checked before the first one runs
             code = max(code, _one_experiment(exp, args.out or exp.output, args, log))
