@@ -3,7 +3,7 @@
 past the end token, min_tokens keeps it from being drawn before then, stop_token_ids end the
 answer as the end token does, include_stop_str_in_output keeps the stop string, whole and
 streamed, repetition_penalty is llama.cpp's repeat_penalty over every token, and
-stream_options.continuous_usage_stats is accepted. chat_template_kwargs and an answer's
+stream_options.continuous_usage_stats puts the usage so far in every chunk. chat_template_kwargs and an answer's
 reasoning_content, which only the template reads, are tests/test_tools.py's."""
 import json
 
@@ -86,9 +86,28 @@ def test_repetition_penalty_is_repeat_penalty_over_every_token(smollm2_server):
     assert error["param"] == "repetition_penalty"
 
 
-def test_continuous_usage_stats_is_accepted(smollm2_server):
-    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    assert streamed_text(smollm2_server, "/v1/completions", body) == \
-        post(smollm2_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})[
-            "choices"][0]["text"]
+def streamed_chunks(server, route, body):
+    with requests.post(server.url + route, json=dict(body, stream=True), stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        return [json.loads(d) for d in sse_events(r) if d != "[DONE]"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(smollm2_server):
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = post(smollm2_server, "/v1/completions", body)
+    for route, sent in (("/v1/completions", body),
+                        ("/v1/chat/completions", {"messages": HI, "max_tokens": 6, "temperature": 0, "ignore_eos": True})):
+        chunks = streamed_chunks(smollm2_server, route, dict(sent, stream_options={
+            "include_usage": True, "continuous_usage_stats": True}))
+        usages = [c["usage"] for c in chunks]  # every chunk has one, none null
+        assert all(u is not None for u in usages), usages
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(counts) and counts[-1] == 6, counts  # grows to the whole answer's
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+        assert len(set(u["prompt_tokens"] for u in usages)) == 1
+        if route == "/v1/completions":
+            assert usages[-1] == whole["usage"]
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["choices"][0]["text"]
+    plain = streamed_chunks(smollm2_server, "/v1/completions", dict(body, stream_options={
+        "continuous_usage_stats": True}))  # without include_usage: no usage at all, as vLLM
+    assert all("usage" not in c for c in plain)

@@ -257,7 +257,7 @@ class Routes:
         hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
         reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
                       ToolReplies(tools, self.template.tool_format, hide_tag, tools_constrained)
-                      if tools is not None else None, choices.n)
+                      if tools is not None else None, choices.n, opts.continuous_usage)
         if not opts.stream:
             resp = self._whole(choices, reply, request.environ)
         else:

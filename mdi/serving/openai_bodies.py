@@ -14,13 +14,15 @@ class Reply:
     """The OpenAI bodies answering one request (its `n` choices: `reqs`, choice i is reqs[i])."""
 
     def __init__(self, reqs: Sequence[Request], model_id: str, chat: bool, texts: TokenTexts,
-                 tools: Optional[ToolReplies] = None, n: int = 0) -> None:
+                 tools: Optional[ToolReplies] = None, n: int = 0, continuous_usage: bool = False) -> None:
         self.reqs, self.model_id, self.chat, self.texts = list(reqs), model_id, chat, texts
         self.n = n or len(self.reqs)  # choices per prompt (several prompts: completions)
         self.tools = tools  # chat with tools: the answers' calls are parsed out of their text
         self.req = self.reqs[0]
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.req.id
         self.with_logprobs = self.req.top_logprobs is not None
+        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+        self.continuous_usage = continuous_usage
 
     @property
     def usage(self) -> Dict[str, Any]:
@@ -72,7 +74,10 @@ class Reply:
         else:
             choice = {"index": index, "text": text or "", "logprobs": self._logprobs(logprobs),
                       "finish_reason": reason}
-        return self._body("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        body = self._body("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        if self.continuous_usage:
+            body["usage"] = self.usage
+        return body
 
     def chunks(self, text: str, index: int, logprobs: Sequence[TokenLogprob]) -> List[Dict[str, Any]]:
         """The chunks for this much more of choice `index`: one, or with tools the deltas of
@@ -101,9 +106,10 @@ class Reply:
 
     def last_chunk(self, reason: str, include_usage: bool, index: int = 0) -> Dict[str, Any]:
         """A choice's last chunk. The usage comes only where asked for (include_usage), in a
-        chunk of its own after every choice's last, as OpenAI's; `usage: null` here then."""
+        chunk of its own after every choice's last, as OpenAI's; `usage: null` here then (the
+        usage so far with continuous_usage)."""
         body = self.chunk(None if self.chat else "", reason, index=index)
-        if include_usage:
+        if include_usage and not self.continuous_usage:
             body["usage"] = None
         return body
 

@@ -144,8 +144,7 @@ STREAM_OPTIONS = ("include_usage", "include_obfuscation", "continuous_usage_stat
 def _stream_options(value: Dict[str, Any], checked: Dict[str, Any]) -> Dict[str, Any]:
     if not checked["stream"]:
         raise bad_field("stream_options", "only allowed with stream: true")
-    # include_obfuscation pads OpenAI's chunks against a side channel; mdi's have no padding to drop;
-    # vLLM's continuous_usage_stats (usage in every chunk) is accepted and not acted on
+    # include_obfuscation pads OpenAI's chunks against a side channel; mdi's have no padding to drop
     unknown = sorted(set(value) - set(STREAM_OPTIONS))
     if unknown:
         raise bad_field("stream_options", "unknown key %r" % unknown[0])
@@ -355,6 +354,7 @@ class Options:
     stop: Sequence[str]
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's continuous_usage_stats (with include_usage): the usage in every chunk
     speculation: Optional[SpeculationSpec] = None  # None: the server's
     n: int = 1  # choices
     top_logprobs: Optional[int] = None  # None: no logprobs; else each token's and this many alternatives'
@@ -387,7 +387,9 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
     else:
         top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], _stops(v),
-                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
+                      v["stream"], v["stream_options"].get("include_usage") is True,
+                      v["stream_options"].get("include_usage") is True and
+                      v["stream_options"].get("continuous_usage_stats") is True, v["speculation"], v["n"], top,
                       v["cache_prompt"], _one_shape(v), v["ignored"], v["skip_special_tokens"],
                       v["include_stop_str_in_output"], v["stop_token_ids"], v["min_tokens"], v["ignore_eos"])
     return options, v
