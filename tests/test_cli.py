@@ -81,8 +81,13 @@ def test_worker_not_running_is_reported_quickly(tmp_path, tiny_models):
     # torch alone took 10 s to start on a loaded 2-core box, so a wall-clock bound would flake).
     path = write(tmp_path, "model: {path: %s}\nnodes:\n  - {name: s, data_port: %d}\n  - {name: board9, port: %d}\n"
                  "runtime: {connect_timeout: 3600, init_timeout: 3600}\n" % (tiny_models["gpt2"], data, port))
-    proc = mdi_start("--config", path, "--prompt", "x", timeout=300)
+    metrics = tmp_path / "m.json"
+    proc = mdi_start("--config", path, "--prompt", "x", "--metrics-out", str(metrics), timeout=300)
     assert_one_line_error(proc, "board9", "127.0.0.1:%d" % port, code=1)
+    import json
+    record = json.loads(metrics.read_text())  # a run that never started still leaves its record, saying why
+    assert record["stage"] == "start-up" and "board9" in record["error"]
+    assert [s["prompt"] for s in record["samples"]] == ["x"] and record["n_tokens"] == 0
 
 
 def test_n_samples_repeats_prompts_and_standalone_metrics(tmp_path, tiny_models):

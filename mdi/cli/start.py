@@ -6,7 +6,7 @@ import sys
 from typing import List, Optional
 
 from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int
-from mdi.cli.output import check_output, report, report_perplexity
+from mdi.cli.output import check_output, report, report_perplexity, write_metrics
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
@@ -244,6 +244,9 @@ def _start(args: argparse.Namespace, batch) -> int:
                 dashboard.close()
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return fail(str(e), EXIT_CONFIG)
+    except batch.StartFailed as e:
+        write_metrics(e.result, args)  # nothing to print but the error; the record says it too
+        return fail(str(e), EXIT_RUN)
     except batch.RunFailed as e:
         report(e.result, args)  # the partial texts and metrics are not lost (a write's failure: said too)
         return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)

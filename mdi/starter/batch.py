@@ -58,16 +58,23 @@ def run(cfg: RunConfig, prompts: List[str],
     shape = batch_shape(source.config, samples, gen.n_tokens)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
-    plan = plan_run(cfg, source, shape, params)  # layers: auto measures the nodes here
-    engine = Engine(plan, source, params, on_token, adapters=adapter_set)
-    plan_record = plan.metrics()
-    if on_engine is not None:
-        on_engine(engine)
+    plan_record: Dict[str, Any] = {}
+    engine: Optional[Engine] = None
     try:
+        plan = plan_run(cfg, source, shape, params)  # layers: auto measures the nodes here
+        engine = Engine(plan, source, params, on_token, adapters=adapter_set)
+        plan_record = plan.metrics()
+        if on_engine is not None:
+            on_engine(engine)
         engine.open()
     except (KeyboardInterrupt, Interrupted):
-        engine.abort()  # workers configured so far drop the run now
+        if engine is not None:
+            engine.abort()  # workers configured so far drop the run now
         raise
+    except RuntimeError as e:  # a node down or refusing as the ring starts: --metrics-out still says why
+        error = str(e) or type(e).__name__
+        raise StartFailed(error, RunResult(samples, [""] * len(samples), 0.0, [],
+                                           dict(plan_record, error=error, stage="start-up")))
     try:
         engine.run(samples)
         elapsed = time.perf_counter() - engine.t0
@@ -105,6 +112,11 @@ class RunFailed(RuntimeError):
         super().__init__(message)
         self.result = result
         self.signum = signum
+
+
+class StartFailed(RunFailed):
+    """The ring never started (a node down or refusing at start-up): nothing was generated;
+    `result` holds the prompts, the plan and the error, for --metrics-out."""
 
 
 def _result(engine: Engine, samples: List[Sample], elapsed: float, workers: List[NodeReport]) -> RunResult:
