@@ -85,6 +85,10 @@ def test_partitions_per_node_count():
         plan_rings(bad, "x.yaml: models[0]", 30)
     with pytest.raises(ExperimentError, match=r"models\[0\]\.nodes: 3 nodes but m has only 2 layers"):
         plan_rings(parse(model={"nodes": [3]}).models[0], "x.yaml: models[0]", 2)
+    # a partition for a node count the sweep does not run would be left out without a word
+    unused = parse(model={"nodes": [2, 3], "partitions": [[15, 15], [6, 6, 6, 12]]}).models[0]
+    with pytest.raises(ExperimentError, match=r"partitions\[1\]: 6\+6\+6\+12 is for 4 nodes, but nodes is \[2, 3\]"):
+        plan_rings(unused, "x.yaml: models[0]", 30)
 
 
 def test_steady_rate_and_efficiency():
@@ -229,6 +233,15 @@ def _ok_row(nodes, partition, samples, rate, metrics_file="", peak=""):
     return {"model": "m", "nodes": str(nodes), "partition": partition, "samples": str(samples), "tokens": "4",
             "repeat": "1", "status": "ok", "decode_tokens_per_s": rate, "tokens_per_s": rate, "ttft_s": "0.1",
             "peak_memory_mb": peak, "weights_mb": "", "cache_mb": "", "metrics_file": metrics_file}
+
+
+def test_a_sweep_with_no_good_run_leaves_no_figures_of_an_earlier_one(tmp_path):
+    from mdi.lab import plots
+    for name in plots.FIGURES:
+        (tmp_path / name).write_bytes(b"an earlier sweep's figure")
+    failed = dict(_ok_row(2, "1+1", 1, ""), status="failed")
+    assert plots.plot_all(str(tmp_path), [failed], summarize([failed])) == []
+    assert not any((tmp_path / name).exists() for name in plots.FIGURES)
 
 
 @pytest.fixture

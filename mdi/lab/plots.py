@@ -24,11 +24,17 @@ def _pyplot():
     return plt
 
 
+FIGURES = ("time_vs_tokens.png", "throughput_vs_samples.png", "memory_per_node.png")  # what plot_all writes
+
+
 def plot_all(out: str, rows: List[Row], summary: List[Row]) -> List[str]:
     """Write the three figures into `out`; returns their paths."""
     plt = _pyplot()
     good = ok_rows(rows)
-    if not good:
+    if not good:  # no run succeeded: figures an earlier sweep left here would pass for this one's
+        for name in FIGURES:
+            if os.path.exists(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
         return []
     models = _ordered(r["model"] for r in good)
     paths = [time_vs_tokens(plt, out, good, models),
@@ -110,7 +116,7 @@ def time_vs_tokens(plt, out: str, rows: List[Row], models: List[str]) -> str:
             ax.set_ylabel("time since start (s)")
             ax.grid(alpha=0.3)
             _finish_panel(ax, lines > 0)
-    return _save(fig, plt, out, "time_vs_tokens.png")
+    return _save(fig, plt, out, FIGURES[0])
 
 
 def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) -> str:
@@ -148,7 +154,7 @@ def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) 
             if xs:
                 _samples_axis(a, xs)
             _finish_panel(a, bool(xs))
-    return _save(fig, plt, out, "throughput_vs_samples.png")
+    return _save(fig, plt, out, FIGURES[1])
 
 
 def _samples_axis(ax: Any, xs: Sequence[int]) -> None:
@@ -217,7 +223,7 @@ def memory_per_node(plt, out: str, rows: List[Row], models: List[str]) -> str:
             ax.set_xticklabels(labels, fontsize=8)
             ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the value labels
         _finish_panel(ax, bars > 0, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, plt, out, "memory_per_node.png")
+    return _save(fig, plt, out, FIGURES[2])
 
 
 def _save(fig: Any, plt: Any, out: str, name: str) -> str:

@@ -383,6 +383,9 @@ def plan_rings(entry: ModelEntry, where: str, n_layer: int) -> List[Tuple[int, L
         if isinstance(p, list) and sum(p) != n_layer:
             raise ExperimentError("%s.partitions[%d]: %s sums to %d, but %s has %d layers"
                                   % (where, i, partition_label(p), sum(p), entry.name, n_layer))
+        if isinstance(p, list) and len(p) not in entry.nodes:  # it would be left out without a word
+            raise ExperimentError("%s.partitions[%d]: %s is for %d nodes, but nodes is %s"
+                                  % (where, i, partition_label(p), len(p), entry.nodes))
         if p == "all":
             _check_all(entry, where, n_layer, i)
     for n in entry.nodes:
