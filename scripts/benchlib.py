@@ -4,6 +4,7 @@ Statistics (median + spread of repeats), per-token timing from `token_times`, pl
 tables, the JSON record, machine context, cgroup v1 CPU quotas and worker processes.
 Python 3.8 compatible; imports only the standard library at module level.
 """
+import argparse
 import os
 import platform
 import statistics
@@ -18,6 +19,19 @@ BIN = os.path.dirname(sys.executable)
 
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+# --------------------------------------------------------------------------- arguments
+
+def positive_ints(text: str) -> List[int]:
+    """An argparse type: "1,2,6" -> [1, 2, 6]; anything else one line from argparse."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("expected positive integers separated by commas (e.g. 1,2), got %r" % text)
+    return values
 
 
 # --------------------------------------------------------------------------- statistics
