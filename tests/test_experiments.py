@@ -721,3 +721,30 @@ def test_unquantized_random_spec_is_unchanged():
     config = random_model_config("m", spec)
     assert config.vocab_size == len(CHARS) and config.block_size == 256 and config.tied_head
     assert random_quant_layout(config, spec, "x") == {}
+
+
+def test_cleanup_kills_a_leftover_node_only_if_its_pid_was_not_given_to_another_process(tmp_path, monkeypatch):
+    import signal
+    import tempfile
+    from mdi.lab.sweep import cleanup_stale, process_started
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "mdi-worker"]) for _ in range(2)]
+    try:
+        ours, reused = procs
+        dead = 4194303  # above any pid_max in use: the killed mdi-bench's PID, gone
+        while os.path.exists("/proc/%d" % dead):
+            dead -= 1
+        (tmp_path / ("mdi-bench-state-%d.json" % dead)).write_text(json.dumps(
+            {"pid": dead, "children": [[ours.pid, process_started(ours.pid)],
+                                       [reused.pid, process_started(reused.pid) - 1]]}))  # started at another time
+        logged = []
+        assert cleanup_stale(logged.append) == 0
+        assert ours.wait(timeout=60) == -signal.SIGKILL
+        assert reused.poll() is None, "a process that took a recorded PID later was killed"
+        assert logged[-1] == "mdi-bench: cleaned up after 1 stale run(s)"
+        assert not list(tmp_path.glob("mdi-bench-state-*.json"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -232,7 +232,8 @@ class Sweep:
     # --- state file and teardown -----------------------------------------------------
     def _save_state(self) -> None:
         """What exists, so `mdi-bench --cleanup` can remove it if this process is killed."""
-        pids = [p.pid for r in self.rings for p in r.processes() if p is not None]
+        # each with its start time: a PID the system gave to another process since is not ours
+        pids = [[p.pid, process_started(p.pid)] for r in self.rings for p in r.processes() if p is not None]
         state = {"pid": os.getpid(), "children": pids, "work": self.work}
         state.update(self.emu.resources())
         with open(self.state_path, "w") as f:
@@ -317,8 +318,9 @@ def cleanup_stale(log: Callable[[str], None]) -> int:
             continue
         found += 1
         state = read_json(os.path.join(base, name)) or {}
-        for pid in state.get("children") or []:
-            if _is_mdi_process(pid):
+        for child in state.get("children") or []:
+            pid, started = child if isinstance(child, list) else (child, None)  # [pid, start] since 2026-12
+            if _is_mdi_process(pid) and (started is None or process_started(pid) == started):
                 os.kill(pid, signal.SIGKILL)
                 log("mdi-bench: killed leftover node process %d" % pid)
         time.sleep(0.5)
@@ -329,6 +331,15 @@ def cleanup_stale(log: Callable[[str], None]) -> int:
         os.remove(os.path.join(base, name))
     log("mdi-bench: cleaned up after %d stale run(s)" % found)
     return 0
+
+
+def process_started(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat's 22nd field); None if gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # after the command's name, which may hold spaces
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _is_mdi_process(pid: int) -> bool:
