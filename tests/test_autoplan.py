@@ -77,6 +77,7 @@ def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp
                        capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert "slowest stage" in r.stdout and "predicted tokens/s" in r.stdout and "memory use / limit" in r.stdout
+    assert out.read_text().startswith("# planned by mdi-plan from %s (its comments are there)" % config)
     planned = load_config(str(out))
     assert not planned.auto_layers
     assert sum(n.layers for n in planned.nodes) == ModelSource(model).config.n_layer

@@ -85,7 +85,8 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
 
 def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan") -> str:
     """The user's config file with each kept node's planned layer count and the left-out nodes
-    removed (their names in a comment); everything else as they wrote it."""
+    removed (their names in a comment); every other key and value as they wrote it, but not
+    their comments (YAML's loader drops them: the header names the file that has them)."""
     import yaml
     from mdi.runconfig import read_yaml
     data = read_yaml(config_path)
@@ -96,8 +97,9 @@ def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan") -> str:
         if name in counts:
             nodes.append(dict(raw, layers=counts[name]))
     data["nodes"] = nodes
-    head = "# planned by mdi-plan for %d samples in flight: slowest stage %.2f ms, %.1f tokens/s predicted\n" % (
-        plan.samples, plan.bottleneck_ms, plan.predicted_tokens_per_s)
+    head = ("# planned by mdi-plan from %s (its comments are there) for %d samples in flight: slowest stage "
+            "%.2f ms, %.1f tokens/s predicted\n" % (config_path, plan.samples, plan.bottleneck_ms,
+                                                     plan.predicted_tokens_per_s))
     if plan.dropped:
         head += "# left out: %s\n" % ", ".join(sorted(plan.dropped))
     return head + yaml.safe_dump(data, sort_keys=False)
