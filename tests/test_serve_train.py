@@ -192,7 +192,7 @@ def test_out_never_overwrites_served_files_nor_any_files(setup):
 
 def test_second_job_is_409_and_delete_stops_it(setup, workers):
     """A second job is a 409 while one runs, and so is an adapter loaded under the name the
-    running job is to be served as; each worker counts the job's pairs and optimizer state in
+    running job is to be served as, or from where it writes; each worker counts the job's pairs and optimizer state in
     what it holds (/status, and what adapters loaded meanwhile are checked against); DELETE
     stops the job, which writes nothing."""
     server, model, base, data, alone = setup
@@ -206,6 +206,9 @@ def test_second_job_is_409_and_delete_stops_it(setup, workers):
     lora = write_random_lora(os.path.join(base, "other-lora"), ModelSource(model).config, seed=4, rank=2)
     r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "pending", "path": lora}, timeout=120)
     assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
+    for path in (body["out"], os.path.join(body["out"], "sub")):  # the job writes there when done: not served
+        r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "early", "path": path}, timeout=120)
+        assert r.status_code == 409 and r.json()["error"]["param"] == "path", r.text
     wait_state(server, ("running",))
     while train(server, "GET").json()["step"] < 2:
         time.sleep(0.05)

@@ -22,13 +22,14 @@ log = logging.getLogger(__name__)
 
 class AdapterControl:
     def __init__(self, sched: Scheduler, files: ServedFiles, model_id: str, served: bool,
-                 reserved: Callable[[str], bool]) -> None:
+                 reserved: Callable[[str], bool], written: Callable[[str], bool]) -> None:
         self.sched, self.files, self.model_id = sched, files, model_id
         # A server that never had adapters takes any model name for its model (OpenAI clients
         # send their own); once it has had some, a name it does not know is refused, also
         # after the last adapter was unloaded (a client must not get the base model silently).
         self.served = served
         self.reserved = reserved  # names a running training job is to be served as
+        self.written = written  # real paths a running training job writes (its `out`, what holds or is in it)
 
     def loaded(self) -> List[Tuple[int, str]]:
         """(id, name) of the adapters requests may name (on the current engine)."""
@@ -101,6 +102,8 @@ class AdapterControl:
         real = self.files.under(path)
         if real is None:
             raise ApiError(400, "path: adapters load only from %s" % where(self.files.roots), "path")
+        if self.written(real):  # served now, its files would be overwritten when the job ends
+            raise ApiError(409, "path: the training job running now writes its adapter there", "path")
         try:
             adapter = engine.add_adapter(name, real)
         except ConfigError as e:  # a bad file: 400; no memory for it on the starter: 413

@@ -104,7 +104,8 @@ class Routes:
         self.files = ServedFiles(cfg.model.path, cfg.adapters)
         self.observer = Observer(sched, model_id, sched.cfg.runtime.token)  # /metrics and /v1/mdi/state
         self.adapters = AdapterControl(sched, self.files, model_id, bool(cfg.adapters),
-                                       lambda name: self.training.reserves(name))
+                                       lambda name: self.training.reserves(name),
+                                       lambda real: self.training.writes(real))
         self.training = TrainControl(sched, self.files, model_id, self.adapters.made)
         self.ignored_said: Set[str] = set()  # ignored OpenAI fields the log has named
 

@@ -10,6 +10,7 @@ stops and runs on the scheduler's thread (Scheduler.between_steps), never on an 
           its report once stopped; 404 when none runs
 """
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict
 
@@ -40,6 +41,14 @@ class TrainControl:
     def reserves(self, name: str) -> bool:
         """Whether the running job's adapter is to be served as `name`: no other may take it."""
         return self._running() and self.sched.job.spec.name == name
+
+    def writes(self, real: str) -> bool:
+        """Whether the running job's `out` is `real`, lies in it or holds it: an adapter loaded
+        from there would be overwritten, while served, when the job ends."""
+        if not self._running():
+            return False
+        out = self.sched.job.spec.out
+        return os.path.commonpath([out, real]) in (out, real)
 
     def _conflict(self) -> ApiError:
         job = self.sched.job
