@@ -186,16 +186,18 @@ def test_help_explains_flags():
 
 
 def test_check_reports_every_node_without_generating(tmp_path, tiny_models, workers):
-    dead, limited = free_ports(2)
+    dead, limited, modest = free_ports(3)
     small = WorkerProcess(limited, extra=("--max-memory", "0.00001")).wait_ready()  # ~10 kB
+    board = WorkerProcess(modest, extra=("--max-memory", "0.2")).wait_ready()  # 200 MB
     try:
         nodes = "\n".join("  - {name: %s, port: %d}" % (n, p) for n, p in
-                          [("starter", 8080), ("ok1", workers[0].port), ("tiny", limited)])
+                          [("starter", 8080), ("ok1", workers[0].port), ("tiny", limited), ("board", modest)])
         path = write(tmp_path, "model: {path: %s}\nnodes:\n%s\nspares:\n  - {name: gone, port: %d}\n"
                      % (tiny_models["llama"], nodes, dead))
         proc = mdi_start("--config", path, "--check", "--prompt", "hello")
     finally:
         small.stop()
+        board.stop()
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fits" in lines["ok1"] and "v" in lines["ok1"] and "cpu" in lines["ok1"]
@@ -211,6 +213,9 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
         else:
             assert here in lines[name], lines[name]
     assert "DOES NOT FIT" in lines["tiny"]
+    # layers that fit a 200 MB budget, and torch's own memory beside them does not: said, as TIGHT
+    assert "fits" in lines["board"] and ("TIGHT" in lines["board"]) == ("backend torch" in lines["board"])
+    assert "TIGHT" not in lines["ok1"]
     assert "UNREACHABLE" in lines["gone"] and str(dead) in lines["gone"]
     assert "problems found" in proc.stdout
     assert requests.get(workers[0].url + "/status", timeout=5).json()["state"] in ("idle", "stopped")

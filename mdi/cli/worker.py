@@ -23,7 +23,9 @@ def worker_parser() -> argparse.ArgumentParser:
                         "else torch's default)")
     p.add_argument("--max-memory", type=positive_float, metavar="GB",
                    help="refuse runs whose KV cache, or pushed weights plus KV cache, would exceed this many "
-                        "GB (default: available RAM)")
+                        "GB: a budget for those, not a cap on the process, which needs about 100 MB more on "
+                        "ggml and 450 MB more on torch (Python, the library, working memory). Default: "
+                        "available RAM less what a run needs beside them")
     p.add_argument("--models-dir", metavar="DIR",
                    help="the only directory whose files a run's weights.path may name (symlinks resolved; "
                         "relative paths are taken from the working directory); default: ./models")

@@ -26,6 +26,13 @@ def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int,
 
 
 MB = 1024 * 1024
+# What a torch node holds beyond its budget (weights, KV cache), which no budget counts: torch
+# itself, its quantized kernels measured and packed at load, its first passes' allocations.
+# SmolLM2 and Gemma 3 nodes held 325-705 MB beyond their weights and KV cache on torch, 68-129 MB
+# on ggml (VmHWM, December 2026), and a torch starter that --check found fitting in 240 MB and
+# 320 MB was killed out of memory. --check says TIGHT where less than this is left beside a torch
+# node's budget.
+TORCH_BESIDE_BUDGET_BYTES = 450 * MB
 
 
 def starter_free_bytes(device: str) -> Optional[int]:

@@ -8,7 +8,7 @@ from mdi.model.quantization import kernel_report
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
-from mdi.starter.planning.capacity import MB, starter_free_bytes
+from mdi.starter.planning.capacity import MB, TORCH_BESIDE_BUDGET_BYTES, starter_free_bytes
 from mdi.starter.planning.planner import format_plan
 from mdi.starter.planning.run_plan import plan_run
 from mdi.starter.planning.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -169,7 +169,6 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
     where = where_for(need or 0)
     if node is None:
         device = cfg.device_of(cfg.starter)
-        free = starter_free_bytes(device)
         assert source is not None and plan is not None
         try:
             backend = _starter_backend(cfg, plan, source, node_plan)
@@ -181,6 +180,9 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
         if on_torch:
             from mdi.model.quantization import qkernels  # (imports torch: a ggml starter's check never does)
             info += "; " + kernels_offered_line(policy, qkernels.offered_on(device))
+        # read once what the run's backend imports is here, as the run's own load check reads it:
+        # torch took 127 MB of a 240 MB board's free memory after a check that had not counted it
+        free = starter_free_bytes(device)
     else:
         try:
             client = registry.client(node)
@@ -208,6 +210,10 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
     fits = need is None or free is None or need <= free
     if need is not None and fits and on_torch:  # ggml computes with the GGUF's blocks: no kernel copies
         info += "; " + kernel_admits(cfg, need, free)
+        if free is not None and free - need < TORCH_BESIDE_BUDGET_BYTES:
+            info += ("; TIGHT: %.0f MB left beside it, and torch holds about %.0f MB more than its weights and KV "
+                     "cache (runtime.backend: ggml about 100 MB)" % ((free - need) / MB,
+                                                                      TORCH_BESIDE_BUDGET_BYTES / MB))
     # another starter's run holds it (a check starts none): a new run's /init is refused (409)
     busy = node is not None and status.state in (WorkerState.RUNNING, WorkerState.LOADING)
     print("%s  free %s  %s  %s%s" % (where, "%.0f MB" % (free / MB) if free is not None else "unknown",
