@@ -215,3 +215,27 @@ def test_a_cache_entry_of_another_shape_is_measured_again_never_a_traceback(cach
     assert machines.recall("k") is None
     machines.remember("k", 5, 5.0)
     assert machines.recall("k") == 5
+
+
+def test_a_damaged_cache_file_is_said_once_and_measured_again(cache, caplog):
+    import logging
+    from mdi.system.machine_cache import MachineCache
+    machines = MachineCache("damaged.json", 1)
+    machines.remember("k", 5, 5.0)
+    with open(machines.path, "r+") as f:  # a disk that filled as it was written, a hand edit
+        f.truncate(len(f.read()) // 2)
+    with caplog.at_level(logging.WARNING, logger="mdi.system.machine_cache"):
+        assert machines.recall("k") is None and machines.recall("k") is None
+    said = [r.getMessage() for r in caplog.records if "damaged.json" in r.getMessage()]
+    assert len(said) == 1 and "measured again" in said[0], said
+    machines.remember("k", 6, 5.0)  # written anew, whole
+    assert machines.recall("k") == 6
+
+
+@pytest.mark.parametrize("entry", [[["BF16"], 32], ["BF16", "32"], [{"a": 1}, 2], "F16"])
+def test_a_hand_edited_prefill_rule_is_measured_again_never_a_traceback(cache, entry):
+    from mdi.model.ggml import dequant_rows
+    dequant_rows.CACHE.remember("key", entry, 5.0)
+    assert dequant_rows._recall("key") is None
+    dequant_rows.CACHE.remember("key", ["F16", 64], 5.0)
+    assert dequant_rows._recall("key") == dequant_rows.DequantRule(dequant_rows.lib.TYPE_IDS["F16"], 64)

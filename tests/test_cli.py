@@ -101,6 +101,7 @@ def test_n_samples_repeats_prompts_and_standalone_metrics(tmp_path, tiny_models)
     assert [s["prompt"] for s in record["samples"]] == ["ab", "cd", "ab"]
     assert record["samples"][0]["token_ids"] == record["samples"][2]["token_ids"]
     assert record["n_nodes"] == 1 and record["nodes"][0]["layers"] == [0, 4]
+    assert record["startup_seconds"] > 0  # reading, planning and loading, before the first token's time
     assert "mdi: 15 tokens" in proc.stdout
 
 

@@ -52,6 +52,7 @@ def run(cfg: RunConfig, prompts: List[str],
     """Generate every prompt's sample; `on_token` is called after each token, `on_engine` with
     the engine before it opens the ring (a dashboard watches the run through it). `adapters`:
     the adapter name of each prompt in turn (the rest run on the base)."""
+    begun = time.perf_counter()
     source = ModelSource(cfg.model.path)
     gen = cfg.generation
     samples, adapter_set = batch_samples(cfg, source, prompts, adapters)
@@ -74,7 +75,9 @@ def run(cfg: RunConfig, prompts: List[str],
     except RuntimeError as e:  # a node down or refusing as the ring starts: --metrics-out still says why
         error = str(e) or type(e).__name__
         raise StartFailed(error, RunResult(samples, [""] * len(samples), 0.0, [],
-                                           dict(plan_record, error=error, stage="start-up")))
+                                           dict(plan_record, error=error, stage="start-up",
+                                                startup_seconds=round(time.perf_counter() - begun, 3))))
+    plan_record["startup_seconds"] = round(time.perf_counter() - begun, 3)  # reading, planning, loading, the ring
     try:
         engine.run(samples)
         elapsed = time.perf_counter() - engine.t0

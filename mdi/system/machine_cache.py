@@ -16,9 +16,10 @@ import logging
 import os
 import platform
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Set
 
 log = logging.getLogger(__name__)
+_SAID_DAMAGED: Set[str] = set()  # cache files whose damage was said (MachineCache._damaged)
 
 
 def cache_dir() -> str:
@@ -67,12 +68,24 @@ class MachineCache:
         try:
             with open(self.path) as f:
                 data = json.load(f)
-            if isinstance(data, dict) and data.get("version") == self.version and isinstance(data.get("entries"), dict):
-                # an entry of another shape (a hand edit, another program) is measured again, never a traceback
-                return {k: v for k, v in data["entries"].items() if isinstance(v, dict)}
-        except (OSError, ValueError):
-            pass
-        return {}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            self._damaged(str(e))
+            return {}
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            self._damaged("not {\"version\": N, \"entries\": {...}}")
+            return {}
+        if data.get("version") != self.version:  # another mdi's file: measured again, quietly
+            return {}
+        # an entry of another shape (a hand edit, another program) is measured again, never a traceback
+        return {k: v for k, v in data["entries"].items() if isinstance(v, dict)}
+
+    def _damaged(self, why: str) -> None:
+        """One line, once per process and file: what it held is measured again (and written anew)."""
+        if self.path not in _SAID_DAMAGED:
+            _SAID_DAMAGED.add(self.path)
+            log.warning("mdi: %s cannot be read (%s): what it held is measured again", self.path, why)
 
     def write(self, entries: Dict[str, Any]) -> None:
         """Replace the file's entries (a read-only folder: measured again next time)."""

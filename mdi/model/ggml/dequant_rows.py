@@ -112,6 +112,8 @@ def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: Li
     if key not in _measured:
         rule = _recall(key)
         if rule is None:
+            log.info("ggml: timing %d matrices quantized and dequantized for prefill passes (once per machine)",
+                     len(names))
             t0 = time.perf_counter()
             rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
             remember(key, rule)
@@ -136,7 +138,8 @@ def _recall(key: str) -> Any:
     got = CACHE.recall(key)
     if got == []:
         return False
-    if isinstance(got, list) and len(got) == 2 and got[0] in lib.TYPE_IDS and isinstance(got[1], int):
+    if isinstance(got, list) and len(got) == 2 and isinstance(got[0], str) and got[0] in lib.TYPE_IDS and \
+            isinstance(got[1], int):  # anything else (a hand edit) is measured again, never a traceback
         return DequantRule(lib.TYPE_IDS[got[0]], got[1])
     return None
 

@@ -60,6 +60,8 @@ def split_sizes(backend: lib.ComputeBackend, weights: Dict[str, Any],
         if sizes is None:
             sizes = _recall(key)
         if sizes is None:
+            log.info("ggml: timing %d matrices (%s) row by row and whole for passes of 2-%d rows (once per machine)",
+                     len(names), _types(probe), MAX_SPLIT_ROWS)
             sizes = _measure(backend, probe)
             _remember(key, sizes)
             if sizes:
