@@ -412,3 +412,28 @@ def test_langchain_tools_with_nested_models_call_validly(smollm2_server):
         Team, method="function_calling", include_raw=True).invoke("The Falcons are led by Ann, who is 34.")
     assert out["parsing_error"] is None and isinstance(out["parsed"].lead, Person), out
     jsonschema.validate(out["raw"].tool_calls[0]["args"], Team.model_json_schema())
+
+
+def test_langchain_function_calling_with_an_optional_field_and_a_function_without_parameters(smollm2_server):
+    """Arguments hold the listed properties only, as llama.cpp's grammar (the schemas here say
+    nothing of others): left open, SmolLM2 wrote key after key past an optional field until
+    max_tokens, and gave a function without parameters arguments it does not take."""
+    from typing import Optional
+    from pydantic import BaseModel, Field
+
+    class Town(BaseModel):
+        """Information about a city."""
+        name: str = Field(description="the city's name")
+        country: str
+        population: Optional[int] = None
+    out = chat_model(smollm2_server, max_tokens=300).with_structured_output(
+        Town, method="function_calling", include_raw=True).invoke("Tell me about Paris. Answer in JSON.")
+    assert out["parsing_error"] is None and isinstance(out["parsed"], Town), out
+    assert set(out["raw"].tool_calls[0]["args"]) <= {"name", "country", "population"}, out
+    now = {"type": "function", "function": {"name": "now", "description": "The time now."}}  # no parameters
+    r = requests.post(smollm2_server.url + "/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "What time is it?"}], "tools": [now], "tool_choice": "required",
+        "temperature": 0, "max_tokens": 60})
+    assert r.status_code == 200, r.text
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and all(json.loads(c["function"]["arguments"]) == {} for c in calls), calls

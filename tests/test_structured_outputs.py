@@ -696,3 +696,26 @@ def test_a_recursive_schema_s_answers_end_valid(smol_server):
         assert status == 200 and choice["finish_reason"] == "stop", body
         jsonschema.validate(json.loads(choice["message"]["content"]), TREE)
 
+
+
+def test_objects_that_list_their_properties_are_closed_unless_they_say_otherwise(smol_compiler):
+    """As llama.cpp's converter: an object schema with `properties` and nothing said of other
+    keys takes none (left open, SmolLM2 wrote a call's arguments past its properties, one key
+    again and again, until max_tokens); `additionalProperties: true` keeps it open, and allOf's
+    parts, each some of one object's properties, stay as they are."""
+    from mdi.model.constraints.schema_bounds import bounded
+    tok, compiler = smol_compiler
+    loose = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                              "pop": {"type": "integer"}}, "required": ["name"]}
+    assert bounded(loose)["additionalProperties"] is False and "additionalProperties" not in loose  # a copy
+    assert _takes(compiler, tok, loose, '{"name": "Paris", "pop": 2}')
+    assert not _takes(compiler, tok, loose, '{"name": "Paris", "country": "FR"}')
+    opened = dict(loose, additionalProperties=True)
+    assert _takes(compiler, tok, opened, '{"name": "Paris", "country": "FR"}')
+    nested = {"type": "object", "properties": {"city": loose}, "required": ["city"]}
+    assert not _takes(compiler, tok, nested, '{"city": {"name": "Paris", "x": 1}}')
+    parts = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                       {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert _takes(compiler, tok, parts, '{"a": 1, "b": 2}')
+    free = {"type": "object"}  # no properties listed: any object, as llama.cpp's
+    assert bounded(free) == free and _takes(compiler, tok, free, '{"x": 1}')

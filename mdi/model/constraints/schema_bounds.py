@@ -18,6 +18,13 @@ cycles run through references other than `#`, `#/$defs/...` and `#/definitions/.
 keywords other than properties, items, additionalProperties, anyOf, oneOf and allOf, is left as
 it is.
 
+An object schema that lists its `properties` and says nothing of others
+(`additionalProperties`, `patternProperties`, `unevaluatedProperties`) gets `"additionalProperties":
+false`, as llama.cpp's converter defaults it: left open, SmolLM2 wrote a tool call's arguments
+past its declared properties, the same key again and again, until max_tokens (LangChain's
+function_calling with an optional field). `"additionalProperties": true` keeps an object open;
+allOf's parts, each one part of an object's properties, are left as they are.
+
 A schema overrides the defaults at its root: `"x-mdi-bounds": {"integer_digits": 18,
 "fraction_digits": 6, "time_fraction_digits": 9, "ref_depth": 12}` (0 for a kind: leave it
 unbounded).
@@ -79,14 +86,17 @@ def _types(schema: Dict[str, Any]) -> set:
     return set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else set()
 
 
-def _walk(schema: Any, b: Bounds) -> None:
+def _walk(schema: Any, b: Bounds, closable: bool = True) -> None:
     if isinstance(schema, list):
         for item in schema:
-            _walk(item, b)
+            _walk(item, b, closable)
         return
     if not isinstance(schema, dict):
         return
     types = _types(schema)
+    if closable and isinstance(schema.get("properties"), dict) and not (
+            {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(schema)):
+        schema["additionalProperties"] = False
     if types & {"integer", "number"}:
         _bound_numbers(schema, types, b)
     if "string" in types and "pattern" not in schema and schema.get("format") in _FORMATS:
@@ -101,7 +111,8 @@ def _walk(schema: Any, b: Bounds) -> None:
             for sub in value.values():
                 _walk(sub, b)
         elif isinstance(value, (dict, list)):
-            _walk(value, b)
+            # allOf's parts each list some of one object's properties: closed, they would refuse each other's
+            _walk(value, b, key != "allOf")
 
 
 def _bound_numbers(schema: Dict[str, Any], types: set, b: Bounds) -> None:
