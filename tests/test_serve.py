@@ -478,8 +478,11 @@ def test_shared_secret_and_public_bind(model, tmp_path):
         r = requests.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
                           headers=srv.headers, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(model, "Hi", 4)
-        assert re.search(r"^mdi_slots 2$", requests.get(srv.url + "/metrics", headers=srv.headers, timeout=10).text,
-                         re.M)
+        scraped = requests.get(srv.url + "/metrics", headers=srv.headers, timeout=10)
+        assert re.search(r"^mdi_slots 2$", scraped.text, re.M)
+        assert scraped.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"  # charset once
+        card = requests.get(srv.url + "/v1/models", headers=srv.headers, timeout=10).json()["data"][0]
+        assert abs(card["created"] - time.time()) < 3600  # when it began serving, as OpenAI's Unix seconds
         # Issue 58 (5): the token is checked before a byte of the body is read, on every route
         # that takes one: a client announcing 8 MiB it never sends gets its 401 at once.
         for route in ("/v1/mdi/train", "/v1/mdi/adapters", "/v1/completions", "/v1/chat/completions"):

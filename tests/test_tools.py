@@ -203,6 +203,18 @@ def test_an_answer_s_keys_are_checked_by_openai_s_shape(message, param):
     assert e.value.param == param and e.value.status == 400 and "'%s'" % param in e.value.message
 
 
+def test_content_parts_are_text_and_an_assistant_s_refusal():
+    said = [{"role": "user", "content": [{"type": "text", "text": "Do "}, {"type": "text", "text": "it"}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}]
+    assert chat_messages(said) == [{"role": "user", "content": "Do it"}, {"role": "assistant", "content": "I cannot."}]
+    for bad in ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},  # only an answer refuses
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                {"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}):
+        with pytest.raises(ApiError) as e:
+            chat_messages([bad])
+        assert e.value.param == "messages[0].content" and e.value.status == 400
+
+
 def test_an_answer_s_audio_is_named_as_ignored():
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "audio": None},
                 {"role": "user", "content": "Bye"}]

@@ -108,6 +108,7 @@ class Routes:
                                        lambda real: self.training.writes(real))
         self.training = TrainControl(sched, self.files, model_id, self.adapters.made)
         self.ignored_said: Set[str] = set()  # ignored OpenAI fields the log has named
+        self.started = int(time.time())  # the models' "created": when this server began serving them
 
     def register(self, app: Flask) -> None:
         register_dashboard(app, self.observer, self.token, "serve")  # also the token rule for every route
@@ -164,9 +165,9 @@ class Routes:
         raise ApiError(404, "the model %r does not exist" % model_id[:80], "model", code="model_not_found")
 
     def _model_cards(self) -> List[Dict[str, Any]]:
-        base = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "mdi",
+        base = {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "mdi",
                 "max_model_len": self.sched.max_len}
-        return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "mdi", "parent": self.model_id,
+        return [base] + [{"id": name, "object": "model", "created": self.started, "owned_by": "mdi", "parent": self.model_id,
                           "max_model_len": self.sched.max_len, "lora_id": i}
                          for i, (_, name) in enumerate(self.adapters.loaded())]
 

@@ -95,7 +95,8 @@ def state_response(observer: Observer) -> Response:
 
 def metrics_response(observer: Observer) -> Response:
     """GET /metrics: the snapshot in Prometheus' text format."""
-    return Response(metrics_text(observer.snapshot()), mimetype="text/plain; version=0.0.4; charset=utf-8")
+    # content_type, not mimetype: werkzeug adds a second "; charset=utf-8" to a text mimetype
+    return Response(metrics_text(observer.snapshot()), content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def error_response(e: ApiError) -> Response:

@@ -186,9 +186,13 @@ def _message_of(m: Any, where: str) -> Dict[str, Any]:
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, "'%s.content': only text parts are supported" % where, where + ".content")
-            parts.append(part["text"])
+            # an assistant's refusal sent back (OpenAI's content part) is what it said
+            kind = "refusal" if role == "assistant" and isinstance(part, dict) and part.get("type") == "refusal" \
+                else "text"
+            if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get(kind), str):
+                raise ApiError(400, "'%s.content': only text parts (and an assistant's refusal parts) are supported"
+                               % where, where + ".content")
+            parts.append(part[kind])
         content = "".join(parts)
     if role == "tool" or m.get("tool_calls") is not None:
         try:

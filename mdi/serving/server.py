@@ -79,7 +79,9 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         sched.start()
         deadline = time.monotonic() + cfg.runtime.init_timeout + 60
         while not sched.ready.wait(0.5):
-            if stop or time.monotonic() > deadline:
+            if stop:
+                raise RuntimeError("interrupted by SIGTERM while the ring was opening")
+            if time.monotonic() > deadline:
                 raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
         if sched.open_error is not None:
             raise sched.open_error
