@@ -167,8 +167,8 @@ class Routes:
     def _model_cards(self) -> List[Dict[str, Any]]:
         base = {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "mdi",
                 "max_model_len": self.sched.max_len}
-        return [base] + [{"id": name, "object": "model", "created": self.started, "owned_by": "mdi", "parent": self.model_id,
-                          "max_model_len": self.sched.max_len, "lora_id": i}
+        return [base] + [{"id": name, "object": "model", "created": self.started, "owned_by": "mdi",
+                          "parent": self.model_id, "max_model_len": self.sched.max_len, "lora_id": i}
                          for i, (_, name) in enumerate(self.adapters.loaded())]
 
     def completions(self) -> Response:
