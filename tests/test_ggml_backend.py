@@ -255,6 +255,17 @@ def test_a_gguf_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, sou
     assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
 
 
+def test_a_gguf_with_more_blocks_than_its_block_count_is_refused(source):
+    """llama.cpp refuses such a file; run, ggml would have left its last blocks out without a word."""
+    import dataclasses
+    from mdi.model.ggml.chunk import GgmlChunk
+    from mdi.model.ggml.weights import GgufWeights
+    fewer = dataclasses.replace(source.config, n_layer=source.config.n_layer - 1)  # what block_count said
+    with pytest.raises(CheckpointError, match=r"tensor blk\.29\.\S+ is past the model's 29 layers") as e:
+        GgmlChunk(fewer, 0, fewer.n_layer, True, True, GgufWeights(source.gguf_path), lib.ROPE_NORMAL)
+    assert "\n" not in str(e.value)
+
+
 def test_gemma3_greedy_ids_do_not_depend_on_batching_without_repack(gemma3_gguf):
     """Gemma 3's Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0 matrices, and ggml re-lays its Q4_K ones
     for a matrix kernel whose rounding on passes of 4+ rows differs from its one-row kernel's

@@ -245,9 +245,13 @@ def _write_llama_gguf(path, types, seed=0):
         t = types.get(kind, "F32")
         if t == "F32" or len(shape) == 1:
             w.add_tensor(name, data)
-        elif t == "RAW_IQ4_NL":  # a type mdi cannot map: random blocks of 18 bytes per 32 values
-            raw = rng.integers(0, 255, size=(shape[0], shape[1] // 32 * 18), dtype=np.uint8)
-            w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType.IQ4_NL)
+        elif t == "RAW_MXFP4":  # a type mdi cannot map: random blocks of 17 bytes per 32 values
+            raw = rng.integers(0, 255, size=(shape[0], shape[1] // 32 * 17), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType.MXFP4)
+        elif t == "IQ4_NL":  # gguf's numpy quants only read it: quantized by ggml, as mdi-prepare does
+            from mdi.model.files.gguf_encode import encode
+            w.add_tensor(name, encode(torch.from_numpy(data), t).reshape(shape[0], -1),
+                         raw_dtype=GGMLQuantizationType.IQ4_NL)
         else:
             qt = GGMLQuantizationType[t]
             w.add_tensor(name, gguf_quantize(data, qt), raw_dtype=qt)
@@ -306,6 +310,25 @@ def test_gguf_keeps_its_quantization_and_computes_the_same(tmp_path):
 def test_gguf_with_a_type_mdi_cannot_map_names_tensor_and_type(tmp_path):
     pytest.importorskip("gguf")
     from mdi.model.files.gguf import read_gguf
-    path = _write_llama_gguf(tmp_path / "odd.gguf", {"ffn_up": "RAW_IQ4_NL", "attn_q": "Q4_0"})
-    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight has quant type IQ4_NL"):
+    path = _write_llama_gguf(tmp_path / "odd.gguf", {"ffn_up": "RAW_MXFP4", "attn_q": "Q4_0"})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_up\.weight has quant type MXFP4"):
         read_gguf(path, keep_quant=True)
+
+
+def test_iq4_gguf_is_read_for_torch_at_its_nearest_format(tmp_path):
+    """What llama-quantize (and mdi-prepare --quant iq4_nl) writes, torch holds as int4 (IQ4_XS,
+    the same 4-bit grid in blocks of 256, likewise)."""
+    pytest.importorskip("gguf")
+    kind = "IQ4_NL"
+    from mdi.model.files.gguf import read_gguf
+    path = _write_llama_gguf(tmp_path / "iq4.gguf", {"ffn_gate": kind, "ffn_up": kind, "ffn_down": kind})
+    requantized = []
+    _, stored = read_gguf(path, keep_quant=True, requantized=requantized)
+    _, floats = read_gguf(path)
+    assert stored["blocks.0.mlp.down.weight"].spec == QuantSpec("int4", 32)
+    assert any(kind in r for r in requantized), requantized
+    down = stored["blocks.0.mlp.down.weight"]
+    from mdi.model.quantization.quant import dequantize
+    exact = floats["blocks.0.mlp.down.weight"].float()
+    error = (dequantize(down.tensors, down.spec, down.n_in, torch.float32) - exact).abs().max()
+    assert error <= exact.abs().max() / 7  # one int4 step of its group at most

@@ -74,8 +74,6 @@ VECTOR_TYPE = "F32"
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
               "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
-# what the torch backend makes of types mdi.model.quantization.quant does not list (4 bits: int4)
-READ_NEAREST = dict(GGUF_NEAREST, IQ4_NL="int4", IQ4_XS="int4")
 
 
 def is_gguf_type(name: str) -> bool:
@@ -434,8 +432,8 @@ def _load(path: str, t: Any, requantized: Optional[List[str]]) -> Stored:
         return from_gguf_blocks(t.data, kind, shape[0], shape[1])
     a = np.array(t.values(), dtype=np.float32)
     w = torch.from_numpy(a)
-    if matrix and kind in READ_NEAREST:
-        spec = QuantSpec(READ_NEAREST[kind], 32)
+    if matrix and kind in GGUF_NEAREST:
+        spec = QuantSpec(GGUF_NEAREST[kind], 32)
         if requantized is not None:
             requantized.append("%s %s -> %s" % (t.name, kind, spec.label()))
         return QParts(spec, quantize(w, spec), shape[1])

@@ -125,7 +125,7 @@ class GgmlChunk:
         want = node_tensors(self.config, self.first, self.last, self.with_embedding, self.with_head,
                             rope_freqs=weights.has("rope_freqs.weight"))
         have = {n: (weights.type_name(n), weights.dims(n)) for n in weights.infos}
-        check_tensors(weights.path, want, have, (self.first, self.last))
+        check_tensors(weights.path, want, have, (self.first, self.last), self.config.n_layer)
         matmul = [n for n, dims in want.items() if len(dims) == 2 and n not in ENDS_IN]
         return list(want), matmul
 

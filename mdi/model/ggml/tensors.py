@@ -23,7 +23,7 @@ VECTOR_TYPES = ("F32",)
 GGUF_DIRECT = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 # ... types dequantized then re-rounded to their nearest mdi format (as many bits or more) ...
 GGUF_NEAREST = {"Q4_K": "int4", "Q5_K": "int8", "Q6_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
-                "Q8_1": "int8", "Q8_K": "int8", "Q2_K": "int4", "Q3_K": "int4"}
+                "Q8_1": "int8", "Q8_K": "int8", "Q2_K": "int4", "Q3_K": "int4", "IQ4_NL": "int4", "IQ4_XS": "int4"}
 # ... and floats, as they are. ggml computes every one of them as stored.
 GGUF_FLOAT = ("F32", "F16", "BF16")
 ENDS_IN = ("token_embd.weight", "position_embd.weight")  # the starter's embedding side
@@ -90,12 +90,19 @@ def node_tensors(config: ModelConfig, first: int, last: int, with_embedding: boo
 
 
 def check_tensors(where: str, want: Dict[str, Tuple[int, ...]], have: Dict[str, Tuple[str, Tuple[int, ...]]],
-                  layers: Tuple[int, int]) -> None:
+                  layers: Tuple[int, int], n_layer: int) -> None:
     """Refuse a file whose tensors for these layers are missing, extra (a block tensor mdi does
-    not compute with), mis-shaped or of a type they cannot have. `have`: name -> (type, dims)."""
+    not compute with), mis-shaped or of a type they cannot have, or that holds blocks past the
+    model's `n_layer` (its block_count says fewer layers than it has: run, it would leave some
+    out without a word). `have`: name -> (type, dims)."""
     missing = [n for n in want if n not in have]
     if missing:
         raise CheckpointError("%s: GGUF has no tensor %s" % (where, ", ".join(missing[:4])))
+    beyond = sorted((n for n in have if n.startswith("blk.") and n.split(".")[1].isdigit()
+                     and int(n.split(".")[1]) >= n_layer), key=lambda n: (int(n.split(".")[1]), n))
+    if beyond:
+        raise CheckpointError("%s: GGUF tensor %s is past the model's %d layers (its block_count)"
+                              % (where, beyond[0], n_layer))
     first, last = layers
     prefixes = tuple("blk.%d." % i for i in range(first, last))
     extra = sorted(n for n in have if n.startswith(prefixes) and n not in want)
