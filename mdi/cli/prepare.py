@@ -19,7 +19,8 @@ def prepare_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(doc.split("\n")[2:]))
-    p.add_argument("source", help="packaged model name (%s), HF dir, .gguf or nanoGPT ckpt.pt"
+    p.add_argument("source", help="packaged model name (%s), HF dir, .gguf (llama, qwen2, qwen3, gemma3: "
+                   "a GPT-2 GGUF runs as it is, mdi-start --model FILE.gguf, on ggml) or nanoGPT ckpt.pt"
                    % ", ".join(prepare.PACKAGED))
     p.add_argument("--out", help="output directory (default models/<name>)")
     p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
