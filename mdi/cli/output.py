@@ -2,7 +2,7 @@
 (--metrics-out)."""
 import argparse
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from mdi.cli.process import EXIT_CONFIG, fail
 from mdi.runconfig import ConfigError
@@ -19,6 +19,21 @@ def write_metrics(result, args: argparse.Namespace) -> int:
     except OSError as e:
         return fail("--metrics-out %s: cannot write it: %s" % (args.metrics_out, e.strerror or e), EXIT_CONFIG)
     return 0
+
+
+def write_start_failure(args: argparse.Namespace, prompts: Sequence[str], error: BaseException, seconds: float) -> None:
+    """--metrics-out of a run whose ring never started (a node down or refusing): its prompts, the
+    error and the stage, as the record of a run that failed later says them (best effort: the
+    error line that follows is what counts)."""
+    if not args.metrics_out:
+        return
+    record = {"samples": [{"prompt": p, "token_ids": [], "text": "", "finish_reason": None} for p in prompts],
+              "n_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0, "n_nodes": 0, "nodes": [],
+              "error": str(error) or type(error).__name__, "stage": "start-up", "startup_seconds": round(seconds, 3)}
+    try:
+        write_json(args.metrics_out, record)
+    except OSError as e:
+        print("mdi: --metrics-out %s: cannot write it: %s" % (args.metrics_out, e.strerror or e), file=sys.stderr)
 
 
 def check_output(path: Optional[str], flag: str, folder: bool = False) -> None:

@@ -3,10 +3,11 @@
 import argparse
 import signal
 import sys
+import time
 from typing import List, Optional
 
 from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int
-from mdi.cli.output import check_output, report, report_perplexity, write_metrics
+from mdi.cli.output import check_output, report, report_perplexity, write_start_failure
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
@@ -230,12 +231,15 @@ def _start(args: argparse.Namespace, batch) -> int:
         progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None
         dashboard = _dashboard(cfg, args, len(prompts)) if args.dashboard is not None else None
         monitor = dashboard.monitor if dashboard is not None else None
+        begun = time.perf_counter()
         try:
             result = batch.run(cfg, prompts, on_token=_each(progress, monitor.on_token if monitor else None),
                                on_engine=monitor.attach if monitor else None, adapters=args.adapter)
         except BaseException as e:
             if monitor is not None:
                 monitor.finished(str(e) or type(e).__name__)
+            if isinstance(e, RuntimeError) and not isinstance(e, batch.RunFailed):  # the ring never started
+                write_start_failure(args, prompts, e, time.perf_counter() - begun)
             raise
         finally:
             if progress is not None:
@@ -244,9 +248,6 @@ def _start(args: argparse.Namespace, batch) -> int:
                 dashboard.close()
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return fail(str(e), EXIT_CONFIG)
-    except batch.StartFailed as e:
-        write_metrics(e.result, args)  # nothing to print but the error; the record says it too
-        return fail(str(e), EXIT_RUN)
     except batch.RunFailed as e:
         report(e.result, args)  # the partial texts and metrics are not lost (a write's failure: said too)
         return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)

@@ -59,24 +59,16 @@ def run(cfg: RunConfig, prompts: List[str],
     shape = batch_shape(source.config, samples, gen.n_tokens)
     params = SamplingParams(gen.temperature, gen.top_k, gen.top_p)
 
-    plan_record: Dict[str, Any] = {}
-    engine: Optional[Engine] = None
+    plan = plan_run(cfg, source, shape, params)  # layers: auto measures the nodes here
+    engine = Engine(plan, source, params, on_token, adapters=adapter_set)
+    plan_record = plan.metrics()
+    if on_engine is not None:
+        on_engine(engine)
     try:
-        plan = plan_run(cfg, source, shape, params)  # layers: auto measures the nodes here
-        engine = Engine(plan, source, params, on_token, adapters=adapter_set)
-        plan_record = plan.metrics()
-        if on_engine is not None:
-            on_engine(engine)
         engine.open()
     except (KeyboardInterrupt, Interrupted):
-        if engine is not None:
-            engine.abort()  # workers configured so far drop the run now
+        engine.abort()  # workers configured so far drop the run now
         raise
-    except RuntimeError as e:  # a node down or refusing as the ring starts: --metrics-out still says why
-        error = str(e) or type(e).__name__
-        raise StartFailed(error, RunResult(samples, [""] * len(samples), 0.0, [],
-                                           dict(plan_record, error=error, stage="start-up",
-                                                startup_seconds=round(time.perf_counter() - begun, 3))))
     plan_record["startup_seconds"] = round(time.perf_counter() - begun, 3)  # reading, planning, loading, the ring
     try:
         engine.run(samples)
@@ -115,11 +107,6 @@ class RunFailed(RuntimeError):
         super().__init__(message)
         self.result = result
         self.signum = signum
-
-
-class StartFailed(RunFailed):
-    """The ring never started (a node down or refusing at start-up): nothing was generated;
-    `result` holds the prompts, the plan and the error, for --metrics-out."""
 
 
 def _result(engine: Engine, samples: List[Sample], elapsed: float, workers: List[NodeReport]) -> RunResult:
