@@ -354,7 +354,6 @@ class Options:
     stop: Sequence[str]
     stream: bool
     include_usage: bool
-    continuous_usage: bool  # vLLM's continuous_usage_stats (with include_usage): the usage in every chunk
     speculation: Optional[SpeculationSpec] = None  # None: the server's
     n: int = 1  # choices
     top_logprobs: Optional[int] = None  # None: no logprobs; else each token's and this many alternatives'
@@ -366,6 +365,7 @@ class Options:
     stop_token_ids: Tuple[int, ...] = ()  # ids that end the answer as the end token does
     min_tokens: int = 0  # the end tokens (and stop_token_ids) may not be drawn before this many tokens
     ignore_eos: bool = False  # the model's end tokens do not end the answer
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats (with include_usage): the usage in every chunk
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -387,11 +387,11 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
     else:
         top = v["logprobs"]
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], _stops(v),
-                      v["stream"], v["stream_options"].get("include_usage") is True,
-                      v["stream_options"].get("include_usage") is True and
-                      v["stream_options"].get("continuous_usage_stats") is True, v["speculation"], v["n"], top,
+                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
                       v["cache_prompt"], _one_shape(v), v["ignored"], v["skip_special_tokens"],
-                      v["include_stop_str_in_output"], v["stop_token_ids"], v["min_tokens"], v["ignore_eos"])
+                      v["include_stop_str_in_output"], v["stop_token_ids"], v["min_tokens"], v["ignore_eos"],
+                      continuous_usage=v["stream_options"].get("include_usage") is True and
+                      v["stream_options"].get("continuous_usage_stats") is True)
     return options, v
 
 
