@@ -255,6 +255,18 @@ def test_a_gguf_that_does_not_fit_the_model_is_refused_in_one_line(tmp_path, sou
     assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
 
 
+@pytest.mark.parametrize("damage, message", [
+    ({"drop": ("blk.3.ffn_up.weight",)}, "no tensor blk.3.ffn_up.weight"),
+    ({"reshape": {"blk.1.attn_norm.weight": (288,)}}, "blk.1.attn_norm.weight has dims"),
+])
+def test_the_torch_backend_names_a_gguf_s_faults_as_the_file_names_its_tensors(tmp_path, source, damage, message):
+    from mdi.model.files.gguf import read_gguf
+    source.gguf()
+    with pytest.raises(CheckpointError, match=message) as e:  # as ggml says it, not by mdi's own names
+        read_gguf(_copy_gguf(tmp_path, source, **damage))
+    assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+
+
 def test_a_gguf_with_more_blocks_than_its_block_count_is_refused(source):
     """llama.cpp refuses such a file; run, ggml would have left its last blocks out without a word."""
     import dataclasses

@@ -25,7 +25,7 @@ from mdi.model.files.convert import (StateDict, check_state_dict, check_unused, 
                                      make_getter)
 from mdi.model.files.gguf_config import GGUF_NAMES, PERMUTED_QK, read_gguf_model, unpermuted_rows
 from mdi.model.files.gguf_layout import open_reader
-from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
+from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, check_present, node_tensors
 from mdi.model.layout import CheckpointError, QuantSpec, first_line
 from mdi.model.quantization.quant import QParts, from_gguf_blocks, quantize
 from mdi.system.memory import release_freed_memory
@@ -69,6 +69,8 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
         raise CheckpointError("%s: GGUF general.architecture %r is not supported by the torch backend (only %s)"
                               % (path, arch, ", ".join(TORCH_ARCHITECTURES)))
     tensors = {t.name: t for t in reader.tensors}
+    check_present(path, node_tensors(config, 0, config.n_layer, True, True, rope_freqs="rope_freqs.weight" in tensors),
+                  {n: (t.tensor_type.name, tuple(int(d) for d in t.shape)) for n, t in tensors.items()})
     names = GEMMA3_NAMES if arch == "gemma3" else GGUF_NAMES
 
     loaders: Dict[str, Callable[[], torch.Tensor]] = {}

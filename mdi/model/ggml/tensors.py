@@ -89,15 +89,25 @@ def node_tensors(config: ModelConfig, first: int, last: int, with_embedding: boo
     return out
 
 
-def check_tensors(where: str, want: Dict[str, Tuple[int, ...]], have: Dict[str, Tuple[str, Tuple[int, ...]]],
-                  layers: Tuple[int, int], n_layer: int) -> None:
-    """Refuse a file whose tensors for these layers are missing, extra (a block tensor mdi does
-    not compute with), mis-shaped or of a type they cannot have, or that holds blocks past the
-    model's `n_layer` (its block_count says fewer layers than it has: run, it would leave some
-    out without a word). `have`: name -> (type, dims)."""
+def check_present(where: str, want: Dict[str, Tuple[int, ...]], have: Dict[str, Tuple[str, Tuple[int, ...]]]) -> None:
+    """Refuse a file missing a tensor of `want` or holding one of other dims, named as the file
+    names it (both backends' GGUF readers check with it). `have`: name -> (type, dims)."""
     missing = [n for n in want if n not in have]
     if missing:
         raise CheckpointError("%s: GGUF has no tensor %s" % (where, ", ".join(missing[:4])))
+    for name, dims in want.items():
+        if _trimmed(have[name][1]) != _trimmed(dims):
+            raise CheckpointError("%s: GGUF tensor %s has dims %s, the model needs %s"
+                                  % (where, name, list(have[name][1]), list(dims)))
+
+
+def check_tensors(where: str, want: Dict[str, Tuple[int, ...]], have: Dict[str, Tuple[str, Tuple[int, ...]]],
+                  layers: Tuple[int, int], n_layer: int) -> None:
+    """ggml's check of a file for these layers: `check_present`, then refused where it holds
+    blocks past the model's `n_layer` (its block_count says fewer layers than it has: run, it
+    would leave some out without a word), a block tensor mdi does not compute with, or a tensor
+    of a type it cannot have."""
+    check_present(where, want, have)
     beyond = sorted((n for n in have if n.startswith("blk.") and n.split(".")[1].isdigit()
                      and int(n.split(".")[1]) >= n_layer), key=lambda n: (int(n.split(".")[1]), n))
     if beyond:
@@ -110,10 +120,7 @@ def check_tensors(where: str, want: Dict[str, Tuple[int, ...]], have: Dict[str, 
         raise CheckpointError("%s: GGUF tensor %s is not part of this model's block (mdi does not compute it)"
                               % (where, extra[0]))
     for name, dims in want.items():
-        kind, got = have[name]
-        if _trimmed(got) != _trimmed(dims):
-            raise CheckpointError("%s: GGUF tensor %s has dims %s, the model needs %s"
-                                  % (where, name, list(have[name][1]), list(dims)))
+        kind = have[name][0]
         allowed = MATRIX_TYPES if len(dims) == 2 else VECTOR_TYPES
         if kind not in allowed:
             raise CheckpointError("%s: GGUF tensor %s is %s; mdi computes %s with %s" % (
