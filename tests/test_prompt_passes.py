@@ -197,8 +197,9 @@ def test_a_hit_reuses_only_positions_computed_as_the_cold_prompt_computes_them()
             assert index.admit(0, then, 0, ggml_cuts=cuts) == want  # the slot's own sequence
             index.release(0, then, 0)
             # a short prompt of the first one's start: its entry's positions where they were
-            # computed as short ones (else what the slot holds: `then`'s first 10)
-            assert index.admit(0, first[:15] + [5], 0, ggml_cuts=cuts) == (10 if cuts and first is long else 15)
+            # computed as short ones (else what the slot holds: `then`'s first 10), from a
+            # multiple of REPACK_ROWS on ggml (its re-laid weights multiply rows in groups of 4)
+            assert index.admit(0, first[:15] + [5], 0, ggml_cuts=cuts) == ((8 if first is long else 12) if cuts else 15)
     index = PrefixIndex(10 ** 4)  # a slot holding more of a prompt is no better where its rows differ
     for slot, prompt in ((0, long), (1, long[:20])):
         index.admit(slot, prompt, 0, ggml_cuts=True)
@@ -235,3 +236,29 @@ def test_a_long_prompt_after_a_short_one_with_its_start_gives_its_cold_ids(sourc
     again = Sample(1, "", long, 12, sample_generator(0, 2))  # into the short one's slot
     pipe.run([again])
     assert again.cached_tokens == 0 and again.token_ids == cold.token_ids
+
+
+@ggml_only
+def test_a_short_prompt_resumed_from_a_hit_keeps_its_rows_on_re_laid_weights(gemma3_gguf):
+    """Gemma 3's Q4_K matrices, re-laid by ggml (runtime.repack, the default), multiply a pass's
+    rows in groups of REPACK_ROWS from its start: a 16-token prompt's last row computed alone
+    (15 positions from the prefix cache) parted from its cold text; resumed where
+    reusable_positions says, a multiple of REPACK_ROWS in, its rows keep their bits."""
+    from mdi.model.source import ModelSource
+    source = ModelSource(gemma3_gguf)
+    chunk = source.ggml_chunk(0, source.config.n_layer, True, True, threads=1)
+    if not chunk.weights.repacked:
+        pytest.skip("ggml re-lays no matrix of this GGUF on this CPU")
+    chunk.allocate_cache(3, 64)
+    ids = source.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")[:16]
+    n = len(ids)
+    assert n == 16
+    whole = rows_in_passes(chunk, ids, [(0, n)], slot=0)
+    start = reusable_positions(n, n - 1)
+    assert start % REPACK_ROWS == 0 and start < n - 1
+    rows_in_passes(chunk, ids, [(0, n)], slot=1)  # the cached rows, as the cold prompt computed them
+    assert np.array_equal(rows_in_passes(chunk, ids, [(start, n - start)], slot=1), whole[start:])
+    rows_in_passes(chunk, ids, [(0, n)], slot=2)
+    alone = rows_in_passes(chunk, ids, [(n - 1, 1)], slot=2)  # what a hit of 15 had computed
+    assert not np.array_equal(alone, whole[n - 1:])
+    chunk.close()

@@ -57,15 +57,15 @@ def replay_pass_rows(prompt: int, window: int, fed: int, chunk: int) -> int:
 
 def reusable_positions(window: int, cached: int) -> int:
     """The most of `cached` positions (a prefix-cache hit) a sample may start from so that its
-    passes compute its rows as a cold prompt's passes do: in a tiled ubatch the first pass
-    needs TILED_ROWS rows of it (the hit moves back, a few rows computed again) and starts a
-    multiple of REPACK_ROWS from the ubatch's start."""
+    passes compute its rows as a cold prompt's passes do: its first pass starts a multiple of
+    REPACK_ROWS from the ubatch's start, short ubatch or not (re-laid weights multiply rows in
+    groups of that many from a pass's start: a Gemma 3 Q4_K_M prompt of 16 tokens, 15 of them
+    cached, computed its last row alone and parted from its cold text), and in a tiled ubatch
+    it needs TILED_ROWS rows of it (the hit moves back, a few rows computed again)."""
     if cached <= 0:
         return 0
     start, end = _ubatch(cached, window)
-    if end - start < TILED_ROWS:
-        return cached
-    at = min(cached, end - TILED_ROWS)
+    at = cached if end - start < TILED_ROWS else min(cached, end - TILED_ROWS)
     return start + (at - start) // REPACK_ROWS * REPACK_ROWS
 
 
