@@ -10,7 +10,7 @@ import pytest
 import requests
 import torch
 
-from conftest import CHARS, ServeProcess, WorkerProcess, free_ports, tiny_model, worker_pool
+from conftest import CHARS, ON_TORCH, ServeProcess, WorkerProcess, free_ports, tiny_model, worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.prefix_store import CacheOp, PrefixCacheError, PrefixStore, budget_bytes
 from mdi.model.sampling import SamplingParams, sample_generator
@@ -23,6 +23,7 @@ from mdi.starter.control import NodeError
 from mdi.starter.pipeline import Pipeline
 from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.prefix_cache import PrefixIndex
+from mdi.starter.prompt_passes import reusable_positions
 from mdi.starter.sample import Sample
 from test_adapter_ring import write_peft_lora
 
@@ -338,7 +339,9 @@ def test_an_adapter_never_reuses_the_base_s_positions(served):
     first = complete(served, prompt, model="chat")
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     again = complete(served, prompt, model="chat")
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+    # a ggml ring resumes a multiple of 4 rows into a prompt's pass
+    reused = len(prompt) - 1 if ON_TORCH else reusable_positions(len(prompt), len(prompt) - 1)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == reused > 0
     assert again["choices"][0]["text"] == first["choices"][0]["text"] == \
         complete(served, prompt, model="chat", cache_prompt=False)["choices"][0]["text"]
 
