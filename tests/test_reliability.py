@@ -244,6 +244,20 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
     assert failure is gone and calls == 1
     failure, _ = watch([NodeError("node a: HTTP 500", "a")] * 2)
     assert isinstance(failure, NodeError) and failure.node == "a"
+    # a node that did not answer is lost for certain: recovery asks it nothing more (a hung
+    # node had cost a stop and a health check of 5 s each after it was named); one that
+    # answered with an error is asked whether it lives
+    assert slow.silent and gone.silent and not failure.silent
+    from mdi.starter.planning.recovery import named_worker_lost
+
+    class Registry:
+        asked = []
+
+        def client(self, node):
+            Registry.asked.append(node.name)
+            raise AssertionError("a silent node was asked again")
+    plan = SimpleNamespace(specs=[NodeSpec("s"), NodeSpec("a")])
+    assert named_worker_lost(plan, Registry(), slow) and Registry.asked == []
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.1", True), ("127.0.1", True),

@@ -210,8 +210,7 @@ def test_second_job_is_409_and_delete_stops_it(setup, workers):
         r = requests.post(server.url + "/v1/mdi/adapters", json={"name": "early", "path": path}, timeout=120)
         assert r.status_code == 409 and r.json()["error"]["param"] == "path", r.text
     wait_state(server, ("running",))
-    while train(server, "GET").json()["step"] < 2:
-        time.sleep(0.05)
+    wait_step(server, 2)
     assert all(b > 0 for b in training_bytes())
     r = train(server, "DELETE")
     assert r.status_code == 200 and r.json()["state"] == "stopped", r.text
@@ -274,8 +273,10 @@ def own_server(tiny_models, tmp_path, data_name, n_spares=0, **runtime):
         f.write(TEXT)
     pool = worker_pool(2 + n_spares)
     workers = next(pool)
+    # ring_timeout 30: under two CPU-bound jobs a first training step's frames had not come back
+    # within 10 s (a dead worker is named by the starter's /status polling, not by this timeout)
     path = write_run_config(tmp_path / "ring3.yaml", tiny_models["llama"], workers[:2], layers=LAYERS,
-                            worker_name="board%d", spares=workers[2:], runtime=dict(RUNTIME, ring_timeout=10, **runtime),
+                            worker_name="board%d", spares=workers[2:], runtime=dict(RUNTIME, ring_timeout=30, **runtime),
                             serve={"max_in_flight": 2, "model_name": "tiny"})
     server = ServeProcess(path).wait_ready()
     try:
@@ -295,8 +296,7 @@ def test_a_dead_worker_fails_the_job_naming_it(own_ring):
     import signal
     server, workers, base, data = own_ring
     assert train(server, **dict(JOB, steps=100000, data=data, out=os.path.join(base, "dead"))).status_code == 200
-    while train(server, "GET").json()["step"] < 1:
-        time.sleep(0.05)
+    wait_step(server, 1)
     os.kill(workers[1].proc.pid, signal.SIGKILL)
     report = wait_state(server, ("failed",), timeout=60)
     assert "board2" in report["error"] and "\n" not in report["error"], report

@@ -37,6 +37,7 @@ class NodeError(RuntimeError):
         super().__init__(message)
         self.node = node
         self.status = status
+        self.silent = False  # found silent by a ring's watchdog: lost (`silenced`)
 
 
 class NodeUnreachable(NodeError):
@@ -45,6 +46,15 @@ class NodeUnreachable(NodeError):
 
 class NodeTimeout(NodeError):
     """The node took the connection but did not answer in time: it may only be slow."""
+
+
+def silenced(problem: NodeError) -> NodeError:
+    """`problem`, marked `silent` where its node did not answer (unreachable, or unanswered
+    twice by the watchdog, or once after the ring itself fell silent): a certain loss, which
+    recovery asks nothing more (a hung node had cost a stop and a health check of 5 s each
+    after it was named)."""
+    problem.silent = isinstance(problem, (NodeTimeout, NodeUnreachable))
+    return problem
 
 
 def _causes(error: BaseException) -> Iterator[BaseException]:

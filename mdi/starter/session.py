@@ -18,7 +18,7 @@ from mdi.ring.backend_request import BackendRequest
 from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
-from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable
+from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable, silenced
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.system.files import sha256_file
@@ -286,7 +286,7 @@ class RingSession:
                 # An unreachable node is certain; anything else (a timeout above all) gets one
                 # more chance.
                 if problem is not None and (misses[i] >= 2 or isinstance(problem, NodeUnreachable)):
-                    self.failure = problem
+                    self.failure = silenced(problem)
                     return
             time.sleep(interval)
 
@@ -324,7 +324,7 @@ class RingSession:
             finally:
                 client.close()
             if problem is not None:
-                return problem
+                return silenced(problem)  # unanswered after the ring itself fell silent: lost
         return self.failure or silent
 
     def finish(self) -> List[NodeReport]:
@@ -355,8 +355,10 @@ class RingSession:
         self._watching.clear()
         with self._configuring:
             self._aborted.set()
-        # at once, each bounded: a hung node must not hold the others' stop (or our exit)
-        run_all([functools.partial(self._stop_quietly, c) for c in self.clients], "mdi-abort")
+        # at once, each bounded: a hung node must not hold the others' stop (or our exit); a node
+        # found silent is told nothing (its heartbeat timeout ends its run)
+        lost = self.failure.node if self.failure is not None and self.failure.silent else None
+        run_all([functools.partial(self._stop_quietly, c) for c in self.clients if c.node.name != lost], "mdi-abort")
         with self._configuring:  # those still configuring stop their own worker as they end (bounded)
             self._configuring.wait_for(lambda: self._in_flight == 0, timeout=STOP_TIMEOUT_S)
         if self.endpoint is not None:

@@ -142,9 +142,10 @@ def _replan_measured(plan: RunPlan, source: ModelSource, registry: NodeRegistry,
 
 
 def named_worker_lost(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> bool:
-    """Whether the worker `cause` names is gone (its /health unanswered): a refusal is no loss."""
+    """Whether the worker `cause` names is gone (its /health unanswered; found silent already:
+    not asked again): a refusal is no loss."""
     node = next((n for n in plan.specs[1:] if n.name == getattr(cause, "node", None)), None)
-    return node is not None and not _alive(registry, node)
+    return node is not None and (getattr(cause, "silent", False) or not _alive(registry, node))
 
 
 def _dead_worker(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> Optional[str]:
