@@ -49,10 +49,9 @@ class NodeTimeout(NodeError):
 
 
 def silenced(problem: NodeError) -> NodeError:
-    """`problem`, marked `silent` where its node did not answer (unreachable, or unanswered
-    twice by the watchdog, or once after the ring itself fell silent): a certain loss, which
-    recovery asks nothing more (a hung node had cost a stop and a health check of 5 s each
-    after it was named)."""
+    """`problem`, as a ring's watchdog names it, marked `silent` where its node did not answer
+    (unreachable, or unanswered twice): a certain loss, which recovery asks nothing more (a
+    hung node had cost a stop and a health check of 5 s each after it was named)."""
     problem.silent = isinstance(problem, (NodeTimeout, NodeUnreachable))
     return problem
 

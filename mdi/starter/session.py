@@ -324,7 +324,7 @@ class RingSession:
             finally:
                 client.close()
             if problem is not None:
-                return silenced(problem)  # unanswered after the ring itself fell silent: lost
+                return problem
         return self.failure or silent
 
     def finish(self) -> List[NodeReport]:
