@@ -99,6 +99,19 @@ def test_a_worker_down_when_the_ring_starts_is_replaced_by_a_spare(tiny_models, 
     assert [n["name"] for n in result.metrics()["nodes"]] == ["starter", "spare1", "board2"]
 
 
+def test_a_spare_that_does_not_answer_is_said_when_the_ring_starts(tiny_models, four_workers, caplog):
+    """Not found only when a node is lost (h20): the run goes on without it, said in one line."""
+    model = tiny_models["llama"]
+    board1, board2, spare, _ = four_workers
+    spare.proc.kill()
+    spare.proc.wait(30)
+    with caplog.at_level(logging.WARNING, logger="mdi.starter.planning.recovery"):
+        result = batch.run(ring_config(model, [board1, board2], [spare]), PROMPTS)
+    assert [s.token_ids for s in result.samples] == reference(model)
+    said = [r.getMessage() for r in caplog.records if "spare" in r.getMessage()]
+    assert len(said) == 1 and "spare1" in said[0] and "cannot stand in" in said[0] and "\n" not in said[0], said
+
+
 def test_a_replay_of_more_than_64_generated_tokens_is_exact_on_ggml(smollm2_dir, four_workers):
     """SmolLM2 on ggml, killed once each sample holds about 120 tokens: the replay re-prefills
     them, and a pass of 64 rows or more takes another attention kernel than the one-row steps

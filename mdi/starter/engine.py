@@ -18,7 +18,6 @@ from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
 from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import memory_pool
-from mdi.system.parallel import run_all
 from mdi.model.source import ModelSource
 from mdi.model.prefix_store import AUTO as PREFIX_AUTO, NodePrefixRoom, budget_bytes as prefix_budget, budget_positions
 from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
@@ -35,7 +34,7 @@ from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
 from mdi.starter.node_report import NodeReport, backend_line, starter_kernels
-from mdi.starter.planning.recovery import RecoveryImpossible, named_worker_lost, replan
+from mdi.starter.planning.recovery import RecoveryImpossible, check_health, named_worker_lost, replan
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.recovery_log import RecoveryLog
 from mdi.starter.session import RingSession
@@ -120,7 +119,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
     def open(self) -> None:
         lost: Optional[NodeError] = None
         try:  # fail fast, before spending time on our own weights (all at once: the first to fail is named)
-            run_all([self.registry.client(node).health for node in self.nodes[1:]], "mdi-health")
+            check_health(self.plan, self.registry)
         except NodeError as e:
             if not self.cfg.recovery_attempts:
                 raise

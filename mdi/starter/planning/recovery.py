@@ -6,6 +6,8 @@ module decides the new ring, as a new RunPlan: a listed spare takes the dead nod
 layers, or, without one, the dead node's layers go to its ring neighbours if their memory
 allows (with measured costs, `layers: auto`, the planner splits them again).
 """
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -18,6 +20,9 @@ from mdi.starter.control import NodeError, NodeRegistry
 from mdi.starter.planning.planner import PlanError, make_plan
 from mdi.starter.planning.node_speeds import Profiler
 from mdi.starter.planning.run_plan import RunPlan
+from mdi.system.parallel import run_all
+
+log = logging.getLogger(__name__)
 
 
 class RecoveryImpossible(RuntimeError):
@@ -139,6 +144,26 @@ def _replan_measured(plan: RunPlan, source: ModelSource, registry: NodeRegistry,
     how = "re-planned without %s%s: %s" % (dead, " with spare %s" % spare.name if spare else "",
                                            "+".join(str(k) for k in split.counts if k > 0))
     return plan.with_ring(source, kept, ranges, left, list(costs.values())), how
+
+
+def check_health(plan: RunPlan, registry: NodeRegistry) -> None:
+    """Every worker of the ring answers /health (the first NodeError otherwise, naming its node),
+    asked at once, with the spares: a spare that does not answer is said now, in one line each,
+    not found only when a node is lost (the run goes on without it)."""
+    workers, spares = plan.specs[1:], plan.spares
+    answers = run_all([registry.client(node).health for node in workers] +
+                      [functools.partial(_problem, registry, spare) for spare in spares], "mdi-health")
+    for spare, problem in zip(spares, answers[len(workers):]):
+        if problem is not None:
+            log.warning("mdi: spare %s does not answer (%s): it cannot stand in for a lost node", spare.name, problem)
+
+
+def _problem(registry: NodeRegistry, node: NodeSpec) -> Optional[NodeError]:
+    try:
+        registry.client(node).health()
+        return None
+    except NodeError as e:
+        return e
 
 
 def named_worker_lost(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> bool:
