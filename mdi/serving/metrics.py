@@ -333,7 +333,11 @@ class Observer:
         engine.on_recovery(self._recovered)
 
     def _recovered(self, event: RecoveryEvent) -> None:
+        cfg = self.view.cfg
+        lost = next((n for n in list(cfg.nodes) + list(cfg.spares) if n.name == event.node), None)
         with self._lock:
+            if lost is not None and lost.name not in self._seen:  # lost before any snapshot listed it
+                self._seen[lost.name] = (lost, None)
             self._recoveries.append(event.to_json())
             self._note_error(event.cause, "recovery")
             del self._recoveries[:-self.MAX_RECOVERIES]
