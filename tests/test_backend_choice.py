@@ -239,3 +239,21 @@ def test_a_hand_edited_prefill_rule_is_measured_again_never_a_traceback(cache, e
     assert dequant_rows._recall("key") is None
     dequant_rows.CACHE.remember("key", ["F16", 64], 5.0)
     assert dequant_rows._recall("key") == dequant_rows.DequantRule(dequant_rows.lib.TYPE_IDS["F16"], 64)
+
+
+def test_a_wait_for_another_process_s_measurement_is_said(cache, caplog):
+    """A second starter on the machine waited 7 s for the first one's measurement, silent."""
+    import fcntl
+    import logging
+    import threading
+    from mdi.system.machine_cache import MachineCache
+    machines = MachineCache("held.json", 1)
+    machines.remember("k", 1, 5.0)  # the folder and the lock file exist
+    with open(machines.path + ".lock", "w") as held:  # another process's hold, as flock sees one
+        fcntl.flock(held, fcntl.LOCK_EX)
+        threading.Timer(0.3, lambda: fcntl.flock(held, fcntl.LOCK_UN)).start()
+        with caplog.at_level(logging.INFO, logger="mdi.system.machine_cache"):
+            machines.remember("k", 2, 60.0)
+    assert machines.recall("k") == 2
+    assert any("waiting for another process" in r.getMessage() and "held.json" in r.getMessage()
+               for r in caplog.records), caplog.records

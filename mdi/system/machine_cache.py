@@ -123,11 +123,16 @@ class MachineCache:
             return
         with lock:
             deadline = time.monotonic() + wait_s
+            said = False
             while True:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if not said:  # a second starter on this machine waited 7 s here without a word
+                        said = True
+                        log.info("mdi: waiting for another process on this machine to finish measuring (%s, up to "
+                                 "%.0f s)", self.name, wait_s)
                     if time.monotonic() > deadline:
                         raise RuntimeError("another process on this machine has held %s for over %.0f s"
                                            % (lock.name, wait_s))
