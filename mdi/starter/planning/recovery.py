@@ -159,6 +159,7 @@ def check_health(plan: RunPlan, registry: NodeRegistry) -> None:
 
 
 def _problem(registry: NodeRegistry, node: NodeSpec) -> Optional[NodeError]:
+    """Why `node` does not answer /health (None: it does)."""
     try:
         registry.client(node).health()
         return None
@@ -180,8 +181,4 @@ def _dead_worker(plan: RunPlan, registry: NodeRegistry, cause: BaseException) ->
 
 
 def _alive(registry: NodeRegistry, node: NodeSpec) -> bool:
-    try:
-        registry.client(node).health()
-        return True
-    except NodeError:
-        return False
+    return _problem(registry, node) is None
