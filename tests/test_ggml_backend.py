@@ -267,6 +267,15 @@ def test_the_torch_backend_names_a_gguf_s_faults_as_the_file_names_its_tensors(t
     assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
 
 
+def test_a_tokenizer_larger_than_the_model_s_vocabulary_is_refused_naming_the_model(source):
+    import dataclasses
+    from mdi.model.source import check_vocab
+    from mdi.model.tokenizer_base import TokenizerError
+    small = dataclasses.replace(source.config, vocab_size=1000)
+    with pytest.raises(TokenizerError, match=r"^m\.gguf: tokenizer has 49152 tokens but the model only 1000$"):
+        check_vocab(source.tokenizer, small, "m.gguf")
+
+
 def test_a_gguf_with_more_blocks_than_its_block_count_is_refused(source):
     """llama.cpp refuses such a file; run, ggml would have left its last blocks out without a word."""
     import dataclasses

@@ -73,7 +73,7 @@ class ModelSource:
             self.config, self._full = checkpoints.read_checkpoint(path, keep_quant=True)
         self.tokenizer: Optional[Tokenizer] = read_tokenizer(path)
         if self.tokenizer is not None:
-            check_vocab(self.tokenizer, self.config)
+            check_vocab(self.tokenizer, self.config, path)
 
     @property
     def stored_quant(self) -> Dict[str, QuantSpec]:
@@ -302,11 +302,12 @@ def _log_requantize(key: str, have: QuantSpec, want: QuantSpec) -> None:
     log.info("re-quantizing %s from %s to %s", key, have.label(), want.label())
 
 
-def check_vocab(tokenizer: Tokenizer, config: ModelConfig) -> None:
+def check_vocab(tokenizer: Tokenizer, config: ModelConfig, where: str) -> None:
     """Every id the tokenizer can produce must have an embedding row (a request's token ids
-    are bounded by the tokenizer's vocabulary)."""
+    are bounded by the tokenizer's vocabulary); `where`: the model's path, for the message."""
     if tokenizer.vocab_size > config.vocab_size:
-        raise TokenizerError("tokenizer has %d tokens but the model only %d" % (tokenizer.vocab_size, config.vocab_size))
+        raise TokenizerError("%s: tokenizer has %d tokens but the model only %d"
+                             % (where, tokenizer.vocab_size, config.vocab_size))
 
 
 def read_tokenizer(path: str) -> Optional[Tokenizer]:

@@ -218,7 +218,7 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     if merge:
         state = _merged(state, merge, config)
     tokenizer = source_tokenizer(path, vocab, config.family)
-    check_vocab(tokenizer, config)
+    check_vocab(tokenizer, config, path)
     gguf_source = path if path.lower().endswith(".gguf") else None
     tokenizer_gguf = gguf_file_of(path)  # whose tokenizer.* keys model.gguf gets (a prepared dir's model.gguf too)
     gguf_out = os.path.join(out, GGUF_FILE)
