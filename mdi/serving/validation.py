@@ -386,12 +386,12 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
         top = (v["top_logprobs"] or 0) if v["logprobs"] else None
     else:
         top = v["logprobs"]
+    usage = v["stream_options"].get("include_usage") is True
     options = Options(max_tokens if max_tokens is not None else v["max_tokens"], params, v["seed"], _stops(v),
-                      v["stream"], v["stream_options"].get("include_usage") is True, v["speculation"], v["n"], top,
+                      v["stream"], usage, v["speculation"], v["n"], top,
                       v["cache_prompt"], _one_shape(v), v["ignored"], v["skip_special_tokens"],
                       v["include_stop_str_in_output"], v["stop_token_ids"], v["min_tokens"], v["ignore_eos"],
-                      continuous_usage=v["stream_options"].get("include_usage") is True and
-                      v["stream_options"].get("continuous_usage_stats") is True)
+                      continuous_usage=usage and v["stream_options"].get("continuous_usage_stats") is True)
     return options, v
 
 

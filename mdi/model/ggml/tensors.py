@@ -6,6 +6,7 @@ checked here against the shape the config gives it, before a graph is built: ggm
 operands with asserts that end the process, so a malformed or hostile file must be refused
 first, in one line naming the file and the tensor.
 """
+import re
 from typing import Dict, Tuple
 
 from mdi.model.config import ModelConfig
@@ -27,6 +28,7 @@ GGUF_NEAREST = {"Q4_K": "int4", "Q5_K": "int8", "Q6_K": "int8", "Q5_0": "int8", 
 # ... and floats, as they are. ggml computes every one of them as stored.
 GGUF_FLOAT = ("F32", "F16", "BF16")
 ENDS_IN = ("token_embd.weight", "position_embd.weight")  # the starter's embedding side
+BLOCK_NAME = re.compile(r"blk\.(\d+)\.")  # a block tensor's name, its layer
 
 
 def block_tensors(config: ModelConfig, layer: int) -> Dict[str, Tuple[int, ...]]:
@@ -108,11 +110,11 @@ def check_tensors(where: str, want: Dict[str, Tuple[int, ...]], have: Dict[str, 
     would leave some out without a word), a block tensor mdi does not compute with, or a tensor
     of a type it cannot have."""
     check_present(where, want, have)
-    beyond = sorted((n for n in have if n.startswith("blk.") and n.split(".")[1].isdigit()
-                     and int(n.split(".")[1]) >= n_layer), key=lambda n: (int(n.split(".")[1]), n))
+    blocks = {n: int(m.group(1)) for n, m in ((n, BLOCK_NAME.match(n)) for n in have) if m}
+    beyond = sorted((layer, n) for n, layer in blocks.items() if layer >= n_layer)
     if beyond:
         raise CheckpointError("%s: GGUF tensor %s is past the model's %d layers (its block_count)"
-                              % (where, beyond[0], n_layer))
+                              % (where, beyond[0][1], n_layer))
     first, last = layers
     prefixes = tuple("blk.%d." % i for i in range(first, last))
     extra = sorted(n for n in have if n.startswith(prefixes) and n not in want)
