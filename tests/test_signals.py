@@ -81,3 +81,23 @@ def test_a_signal_ends_the_ring_at_once_and_keeps_the_partial_run(tmp_path, slow
     assert record["error"].startswith("interrupted") and record["n_tokens"] > 0
     # The worker was told to stop (its heartbeat timeout is 120 s).
     assert _state(worker) in ("stopped", "idle")
+
+
+@pytest.mark.slow
+def test_a_server_whose_workers_died_exits_at_once_on_sigterm(tmp_path, tiny_models):
+    """The stop frame cannot come back round a ring with dead nodes: the server names the
+    node and exits instead of waiting out ring_timeout (it waited 30 s, the default)."""
+    from conftest import ServeProcess, worker_pool
+    pool = worker_pool(2)
+    workers = next(pool)
+    try:
+        path = write_run_config(tmp_path / "ring3.yaml", tiny_models["llama"], workers, layers=[1, 1, 2],
+                                worker_name="board%d", runtime={"threads": 1, "ring_timeout": 600})
+        server = ServeProcess(path).wait_ready()
+        for worker in workers:
+            worker.proc.kill()
+            worker.proc.wait(timeout=30)
+        assert server.stop() == 0, server.output()  # stop() kills it past 60 s
+        assert "closing the ring: node board" in server.output()
+    finally:
+        next(pool, None)

@@ -73,6 +73,7 @@ class RingSession:
         self.backend_lines: List[Optional[str]] = [None for _ in self.workers]  # each worker's backend and why
         self.backends: List[Optional[str]] = [None for _ in self.workers]  # "ggml" or "torch" once chosen
         self.failure: Optional[NodeError] = None
+        self._stopping = False  # finish() sent the stop frame
         self._watching = threading.Event()
         self._aborted = threading.Event()  # set before abort's stops: a configure still running stops its own worker
         self._configuring = threading.Condition()  # counts the configure calls in flight (abort waits for them)
@@ -301,7 +302,7 @@ class RingSession:
             return None
         if status.error:
             return NodeError("%s: compute failed: %s" % (where, status.error), client.node.name)
-        if status.run_id != self.run_id or status.state != "running":
+        if not self._stopping and (status.run_id != self.run_id or status.state != "running"):
             return NodeError("%s: is no longer serving this run (restarted, or its heartbeat timeout passed?)"
                              % where, client.node.name)
         return None
@@ -328,16 +329,28 @@ class RingSession:
         return self.failure or silent
 
     def finish(self) -> List[NodeReport]:
-        """Send the stop frame round the ring, wait for it, and gather each worker's counters."""
-        self._watching.clear()
+        """Send the stop frame round the ring, wait for it, and gather each worker's counters.
+        A node the watchdog finds dead or silent, before or meanwhile, is raised at once: the
+        frame could never come back (a serving ring whose workers had died waited 30 s)."""
+        self.check()
+        self._stopping = True  # a worker that ended the run on the stop frame is not a failure
         ep = self._started_endpoint
         ep.send(Frame(FrameKind.STOP, self.run_id))
+        deadline = time.monotonic() + self.cfg.runtime.ring_timeout
         try:
-            while ep.recv(self.cfg.runtime.ring_timeout).kind != FrameKind.STOP:
-                pass
-        except RingTimeout:
-            raise NodeError("the stop frame did not come back round the ring within %.0f s"
-                            % self.cfg.runtime.ring_timeout)
+            while True:
+                self.check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NodeError("the stop frame did not come back round the ring within %.0f s"
+                                    % self.cfg.runtime.ring_timeout)
+                try:
+                    if ep.recv(min(0.25, left)).kind == FrameKind.STOP:
+                        break
+                except RingTimeout:
+                    pass
+        finally:
+            self._watching.clear()
         reports = [worker_report(node.name, node.layers, client.status(), reply.get("cache_bytes", 0))
                    for node, client, reply in zip(self.plan.workers, self.clients, self.init_replies)]
         ep.close()
