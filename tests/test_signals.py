@@ -101,3 +101,30 @@ def test_a_server_whose_workers_died_exits_at_once_on_sigterm(tmp_path, tiny_mod
         assert "closing the ring: node board" in server.output()
     finally:
         next(pool, None)
+
+
+def test_a_starter_paused_past_the_heartbeat_timeout_says_it_was_the_silent_one(tmp_path, slow_model, workers):
+    """The workers rightly end a run whose starter went silent; the starter, resumed, knows how
+    long it did not poll them and says so, instead of only suspecting the worker."""
+    worker = workers[0]
+    cfg = write_run_config(tmp_path / "ring2.yaml", slow_model, [worker], layers=2, worker_name="board%d",
+                           n_tokens=900, runtime={"threads": 1, "heartbeat_timeout": 4})
+    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", cfg, "--prompt", "a"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _generating(worker):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while _state(worker) == "running":  # the worker's heartbeat timeout passes
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, (out, err)
+    assert "node board1" in err and "this starter did not poll it for" in err, err

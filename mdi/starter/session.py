@@ -74,6 +74,7 @@ class RingSession:
         self.backends: List[Optional[str]] = [None for _ in self.workers]  # "ggml" or "torch" once chosen
         self.failure: Optional[NodeError] = None
         self._stopping = False  # finish() sent the stop frame
+        self._answered: Dict[str, float] = {}  # node name -> when it last said it runs this run
         self._watching = threading.Event()
         self._aborted = threading.Event()  # set before abort's stops: a configure still running stops its own worker
         self._configuring = threading.Condition()  # counts the configure calls in flight (abort waits for them)
@@ -302,9 +303,18 @@ class RingSession:
             return None
         if status.error:
             return NodeError("%s: compute failed: %s" % (where, status.error), client.node.name)
-        if not self._stopping and (status.run_id != self.run_id or status.state != "running"):
-            return NodeError("%s: is no longer serving this run (restarted, or its heartbeat timeout passed?)"
-                             % where, client.node.name)
+        now = time.monotonic()
+        if status.run_id == self.run_id and status.state == "running":
+            self._answered[client.node.name] = now
+        elif not self._stopping:
+            # The workers time our polls: a starter paused (SIGSTOP, a stalled VM) or starved past
+            # their heartbeat timeout was itself the silent one.
+            silent = now - self._answered.get(client.node.name, now)
+            timeout = self.cfg.runtime.heartbeat_timeout
+            why = ("this starter did not poll it for %.0f s, past runtime.heartbeat_timeout %.0f s (was the starter "
+                   "paused or starved?), so it ended the run" % (silent, timeout) if silent > timeout
+                   else "restarted, or its heartbeat timeout passed?")
+            return NodeError("%s: is no longer serving this run (%s)" % (where, why), client.node.name)
         return None
 
     def check(self) -> None:
