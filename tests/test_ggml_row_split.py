@@ -1,5 +1,7 @@
 """Passes of a few rows multiplied row by row where that is measured cheaper (mdi.model.ggml.
 row_split): the results keep every bit, and what was measured is remembered per machine."""
+import logging
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,46 @@ def test_the_measured_choice_is_remembered_per_machine(smollm2_dir, monkeypatch)
     monkeypatch.setattr(row_split, "_measure", never)
     assert row_split.split_sizes(c.compute_backend, c.tensors, groups) == first
     c.close()
+
+
+def test_a_second_node_waits_for_the_first_nodes_measurement_and_recalls_it(smollm2_dir, monkeypatch, tmp_path,
+                                                                             caplog):
+    """Nodes starting side by side on one machine: the second does not time the same matrices
+    beside the first (each would time the other's load); it waits and recalls the result."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path))  # nothing measured here yet
+    monkeypatch.setattr(row_split, "_measured", {})
+    source = ModelSource(smollm2_dir)
+    c = source.ggml_chunk(0, 1, False, False, threads=1)
+    groups = [["blk.0.attn_q.weight", "blk.0.ffn_up.weight"]]
+    inside, decided, release, measured = threading.Event(), threading.Event(), threading.Event(), []
+
+    def slow_measure(backend, probe):
+        measured.append(threading.current_thread().name)
+        (decided if inside.is_set() else inside).set()
+        assert release.wait(60)
+        return frozenset([2])
+
+    class Waiting(logging.Handler):  # the second node is waiting for the lock (it says so once)
+        def emit(self, record):
+            if "waiting for another process" in record.getMessage():
+                decided.set()
+
+    monkeypatch.setattr(row_split, "_measure", slow_measure)
+    handler, logger = Waiting(), logging.getLogger("mdi")
+    caplog.set_level(logging.INFO, logger="mdi")
+    logger.addHandler(handler)
+    try:
+        with ThreadPoolExecutor(2) as pool:  # a thread holds the file's lock as a process would
+            first = pool.submit(row_split.split_sizes, c.compute_backend, c.tensors, groups)
+            assert inside.wait(60)
+            second = pool.submit(row_split.split_sizes, c.compute_backend, c.tensors, groups)
+            assert decided.wait(60)  # measuring beside the first, or waiting for it
+            release.set()
+            assert first.result(60) == second.result(60) == {n: frozenset([2]) for n in groups[0]}
+        assert len(measured) == 1, measured
+    finally:
+        release.set()
+        logger.removeHandler(handler)
+        c.close()

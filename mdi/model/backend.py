@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, Optional
 
-from mdi.system.machine_cache import MachineCache, digest
+from mdi.system.machine_cache import MEASURE_WAIT_S, MachineCache, digest
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,6 @@ KV_TYPES = tuple(KV_GGML_TYPES)
 # the weights as stored where ggml was asked for by name (a prompt's bits are then llama.cpp's)
 PREFILL_WEIGHTS = ("auto", "quantized", "dequantized")
 CACHE = MachineCache("backends.json", 2)  # what auto measured, by machine and shapes
-# How long a node waits for another's measurement on the same machine (each probe is bounded by
-# backend_probe.PROBE_TIMEOUT_S): together within the starter's /backend call (runtime.init_timeout).
-LOCK_WAIT_S = 300.0
 # The work auto weighs: a sample's prompt and its answer, in tokens. Serving's requests and the
 # demo's runs are both of about this shape; the measured costs are per prompt token and per
 # decode step, so the choice is the backend with the smaller P * prefill + N * decode.
@@ -131,7 +128,9 @@ def choose(asked: str, cannot: Dict[str, Optional[str]], measure: Callable[[str]
     name = digest(key) if key is not None else None
     # One measurement at a time per machine: the nodes of a ring started on one machine would
     # time each other's load, and the second finds the first's result.
-    with CACHE.locked(LOCK_WAIT_S):
+    # (each probe is bounded by backend_probe.PROBE_TIMEOUT_S; the wait and a probe fit within the
+    # starter's /backend call, runtime.init_timeout)
+    with CACHE.locked(MEASURE_WAIT_S):
         held = CACHE.read().get(name) if name is not None and not refresh else None
         now = machine_load()
         if held is not None:

@@ -15,11 +15,15 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from typing import Any, Dict, Iterator, Optional, Set
 
 log = logging.getLogger(__name__)
 _SAID_DAMAGED: Set[str] = set()  # cache files whose damage was said (MachineCache._damaged)
+MERGE_WAIT_S = 60.0  # for another process's merge into a file: milliseconds
+MEASURE_WAIT_S = 300.0  # for another process's measurement: seconds (a minute on a busy board)
+_HELD = threading.local()  # .paths: the cache files whose lock this thread holds
 
 
 def cache_dir() -> str:
@@ -103,7 +107,7 @@ class MachineCache:
         """What this machine (machine_key) remembered under `key`, or None."""
         return self.read().get(digest(machine_key()), {}).get(key)
 
-    def remember(self, key: str, value: Any, wait_s: float) -> None:
+    def remember(self, key: str, value: Any, wait_s: float = MERGE_WAIT_S) -> None:
         """Keep `value` under `key` for this machine, beside what other processes kept (a
         RuntimeError from `locked` where another holds the file too long: measured again next time)."""
         with self.locked(wait_s):
@@ -112,9 +116,37 @@ class MachineCache:
             self.write(machines)
 
     @contextlib.contextmanager
+    def turn(self, wait_s: float = MEASURE_WAIT_S) -> Iterator[None]:
+        """This file's lock while the body measures what it will keep here, so a second process
+        waits and then recalls the first's result instead of timing beside it (each timing the
+        other's load); past `wait_s` it measures anyway, and says so."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.locked(wait_s))
+            except RuntimeError as e:
+                log.warning("mdi: %s: measuring beside it", e)
+            yield
+
+    @contextlib.contextmanager
     def locked(self, wait_s: float) -> Iterator[None]:
         """This file's exclusive lock (none where the folder cannot be written); RuntimeError
-        after `wait_s` seconds held by another process."""
+        after `wait_s` seconds held by another process. Re-entrant in one thread (a `turn`'s
+        body keeps its result with `remember`)."""
+        held = getattr(_HELD, "paths", None)
+        if held is None:
+            held = _HELD.paths = set()
+        if self.path in held:
+            yield
+            return
+        held.add(self.path)
+        try:
+            with self._flocked(wait_s):
+                yield
+        finally:
+            held.discard(self.path)
+
+    @contextlib.contextmanager
+    def _flocked(self, wait_s: float) -> Iterator[None]:
         try:
             os.makedirs(cache_dir(), exist_ok=True)
             lock = open(self.path + ".lock", "w")

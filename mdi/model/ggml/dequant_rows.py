@@ -50,7 +50,6 @@ ROUNDS = 4  # interleaved timing rounds; each way's least disturbed one counts
 # CPU time). Each way's least disturbed round is what counts against other tenants' work.
 
 CACHE = MachineCache("ggml_dequant.json", 3)  # machine digest -> probe key -> [type name, min rows] or []
-LOCK_WAIT_S = 60.0
 
 _measured: Dict[str, Optional["DequantRule"]] = {}
 
@@ -112,13 +111,16 @@ def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: Li
     if key not in _measured:
         rule = _recall(key)
         if rule is None:
-            log.info("ggml: timing %d matrices quantized and dequantized for prefill passes (once per machine)",
-                     len(names))
-            t0 = time.perf_counter()
-            rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
-            remember(key, rule)
-            log.info("ggml: prefill weights: %s (measured in %.1f s)", rule_text(rule, "dequantized"),
-                     time.perf_counter() - t0)
+            with CACHE.turn():
+                rule = _recall(key)  # measured by another process while this one waited
+                if rule is None:
+                    log.info("ggml: timing %d matrices quantized and dequantized for prefill passes (once per "
+                             "machine)", len(names))
+                    t0 = time.perf_counter()
+                    rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
+                    remember(key, rule)
+                    log.info("ggml: prefill weights: %s (measured in %.1f s)", rule_text(rule, "dequantized"),
+                             time.perf_counter() - t0)
         _measured[key] = rule or None
     return _measured[key]
 
@@ -146,7 +148,7 @@ def _recall(key: str) -> Any:
 
 def remember(key: str, rule: Optional[DequantRule]) -> None:
     try:
-        CACHE.remember(key, [lib.TYPE_NAMES[rule.type_id], rule.min_rows] if rule else [], LOCK_WAIT_S)
+        CACHE.remember(key, [lib.TYPE_NAMES[rule.type_id], rule.min_rows] if rule else [])
     except RuntimeError as e:  # measured again next time
         log.warning("mdi: ggml prefill-weight measurements not remembered: %s", e)
 

@@ -39,7 +39,6 @@ MIN_TIMED_S = 0.002  # a timing repeats a small product until it lasts this long
 MARGIN = 0.85  # row by row must be this much cheaper: a tie (Q4_1's kernels) keeps the one product
 
 CACHE = MachineCache("ggml_rows.json", 2)  # entries: machine digest -> group key -> pass sizes split
-LOCK_WAIT_S = 60.0  # another node's merge takes milliseconds
 
 _measured: Dict[str, FrozenSet[int]] = {}  # group key -> pass sizes multiplied row by row
 
@@ -60,13 +59,16 @@ def split_sizes(backend: lib.ComputeBackend, weights: Dict[str, Any],
         if sizes is None:
             sizes = _recall(key)
         if sizes is None:
-            log.info("ggml: timing %d matrices (%s) row by row and whole for passes of 2-%d rows (once per machine)",
-                     len(names), _types(probe), MAX_SPLIT_ROWS)
-            sizes = _measure(backend, probe)
-            _remember(key, sizes)
-            if sizes:
-                log.info("ggml: %d matrices (%s) are multiplied row by row in passes of %s rows (measured faster than "
-                         "one product)", len(names), _types(probe), ",".join(map(str, sorted(sizes))))
+            with CACHE.turn():
+                sizes = _recall(key)  # measured by another process while this one waited
+                if sizes is None:
+                    log.info("ggml: timing %d matrices (%s) row by row and whole for passes of 2-%d rows (once per "
+                             "machine)", len(names), _types(probe), MAX_SPLIT_ROWS)
+                    sizes = _measure(backend, probe)
+                    _remember(key, sizes)
+                    if sizes:
+                        log.info("ggml: %d matrices (%s) are multiplied row by row in passes of %s rows (measured "
+                                 "faster than one product)", len(names), _types(probe), ",".join(map(str, sorted(sizes))))
         _measured[key] = sizes
         for name in names:
             out[name] = sizes
@@ -97,7 +99,7 @@ def _recall(key: str) -> Optional[FrozenSet[int]]:
 
 def _remember(key: str, sizes: FrozenSet[int]) -> None:
     try:
-        CACHE.remember(key, sorted(sizes), LOCK_WAIT_S)
+        CACHE.remember(key, sorted(sizes))
     except RuntimeError as e:  # measured again next time
         log.warning("mdi: ggml row-split measurements not remembered: %s", e)
 

@@ -15,7 +15,6 @@ from mdi.system.machine_cache import MachineCache, digest, machine_key
 log = logging.getLogger(__name__)
 
 CACHE = MachineCache("kernels.json", 2)  # entries: machine digest -> shape key -> measurements
-LOCK_WAIT_S = 60.0  # another node's merge takes milliseconds
 _loaded: Dict[str, Any] = {}  # this machine's entries, read once per process
 
 
@@ -38,6 +37,6 @@ def remember(key: Tuple, entry: Dict[str, Any]) -> None:
     starting side by side each add theirs)."""
     _loaded[key_text(key)] = entry
     try:
-        CACHE.remember(key_text(key), entry, LOCK_WAIT_S)
+        CACHE.remember(key_text(key), entry)
     except RuntimeError as e:  # measured again next time
         log.warning("mdi: kernel measurements not remembered: %s", e)
