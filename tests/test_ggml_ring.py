@@ -121,6 +121,10 @@ def test_a_ggml_worker_holds_its_layers_its_cache_and_little_else(smollm2_dir, t
             own = source.gguf_bytes(node["layers"][0], node["layers"][1], False, False) + node["cache_bytes"]
             assert node["peak_memory_bytes"] <= own + 150 * 2 ** 20, \
                 (node["name"], node["peak_memory_bytes"] >> 20, own >> 20)
+            # a stray training request, whatever its body, is refused before torch is imported
+            for method in ("POST", "GET", "DELETE"):
+                reply = requests.request(method, "http://127.0.0.1:%d/train" % worker.port, data=b"x" * 64, timeout=60)
+                assert reply.status_code == 400 and "training" in reply.json()["error"], reply.text
             with open("/proc/%d/maps" % worker.proc.pid) as f:
                 assert "libtorch" not in f.read()
         # layers: auto times every node on ggml first (a profile cache of its own: measured

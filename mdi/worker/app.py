@@ -164,12 +164,19 @@ def create_app(worker: Worker) -> Flask:
     def train():
         # mdi-train: the run in progress trains a LoRA (mdi.worker.training); GET: its pairs now;
         # DELETE: it stops training and goes on serving (a job beside --serve, mdi.serving.train_job)
-        if request.method == "GET":
-            from mdi.worker.training import training_pairs  # torch: imported by a job's first call
-            return jsonify(training_pairs(worker))
-        if request.method == "DELETE":
-            from mdi.worker.training import stop_training
-            return jsonify(stop_training(worker))
+        # Refused before anything is read or imported: torch (about 190 MB resident, kept) is
+        # imported only for a run that can train, never by a stray request to a ggml worker.
+        run = worker.run
+        if request.method in ("GET", "DELETE"):
+            if run is None or run.training is None:
+                raise RequestError("this worker's run is not training")
+            from mdi.worker.training import stop_training, training_pairs
+            return jsonify(training_pairs(worker) if request.method == "GET" else stop_training(worker))
+        if run is None or not run.holds_worker() or run.chunk is None:
+            raise RequestError("no run in progress: training comes after /init")
+        if run.chunk.backend != "torch":
+            raise RequestError("this worker computes with %s, which cannot train (training computes on torch)"
+                               % run.chunk.backend)
         n = request.content_length
         if n is None or not 0 < n <= MAX_TRAIN_BYTES:
             raise RequestError("a training body is 1 to %d bytes of safetensors with its Content-Length"
