@@ -112,6 +112,26 @@ def test_an_answer_sent_back_as_the_sdk_dumps_it_continues_the_conversation(serv
     assert r.http_response.status_code == 200 and r.headers["X-MDI-Ignored-Fields"] == "messages[].audio"
 
 
+def test_answers_of_the_sdk_helpers_and_answers_without_content_continue_the_conversation(server):
+    """What the openai SDK's parse() and stream() helpers return and agents send back (`parsed`,
+    a call's `parsed_arguments` and `index`), an answer cut before its first call (content null,
+    no calls) and OpenAI's refusal shape: each was a 400."""
+    call = dict(CONVERSATION[1]["tool_calls"][0], index=0)
+    call["function"] = dict(call["function"], parsed_arguments={"city": "Paris"})
+    parsed = dict(CONVERSATION[1], parsed=None, tool_calls=[call])
+    for answer in (parsed, {"role": "assistant", "content": '{"a": 1}', "parsed": {"a": 1}},
+                   {"role": "assistant", "content": None},
+                   {"role": "assistant", "content": None, "refusal": "I cannot help with that."}):
+        messages = [CONVERSATION[0], answer] + ([CONVERSATION[2]] if answer.get("tool_calls") else
+                                                [{"role": "user", "content": "Go on"}])
+        body = {"messages": messages, "tools": [WEATHER], "max_tokens": 4, "temperature": 0}
+        r = requests.post(server.url + CHAT, json=body, timeout=120)
+        assert r.status_code == 200, (answer, r.text)
+    wrong = dict(CONVERSATION[1], tool_calls=[dict(call, index="0")])
+    body = {"messages": [CONVERSATION[0], wrong, CONVERSATION[2]], "tools": [WEATHER], "max_tokens": 4}
+    assert requests.post(server.url + CHAT, json=body, timeout=120).status_code == 400
+
+
 # --------------------------------------------------------------------------- SmolLM2, constrained
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,14 @@ FALLBACK_STOPS = tuple("\n%s:" % role for role in ("user", "assistant", "system"
 REASONING_KEYS = ("reasoning_content", "reasoning")
 # tool_calls, tool_call_id: `tools`; function_call: legacy calls; the rest ANSWER_KEYS
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal",
-                "annotations", "audio") + REASONING_KEYS
+                "annotations", "audio", "parsed") + REASONING_KEYS
 # An earlier answer's keys, sent back as OpenAI's SDK returns its message (`model_dump()`):
-# its refusal, its content's url citations, an audio reply's id (and transcript...), checked by
-# OpenAI's shape. Nothing to render but its reasoning (`_message`); the others are ignored
-# (`openai_fields` names a set audio).
+# its refusal, its content's url citations, an audio reply's id (and transcript...), what the
+# SDK's parse() helpers parsed from its content, checked by OpenAI's shape. Nothing to render
+# but its reasoning (`_message`); the others are ignored (`openai_fields` names a set audio).
 ANSWER_KEYS = (
     ("refusal", lambda v: isinstance(v, str), "a string"),
+    ("parsed", lambda v: True, "any value"),
     ("annotations", lambda v: isinstance(v, list) and all(isinstance(a, dict) for a in v), "a list of objects"),
     ("audio", lambda v: isinstance(v, dict) and isinstance(v.get("id"), str), '{"id": string}'),
 ) + tuple((key, lambda v: isinstance(v, str), "a string") for key in REASONING_KEYS)
@@ -201,6 +202,8 @@ def _message_of(m: Any, where: str) -> Dict[str, Any]:
             raise ApiError(400, str(e), e.param)
     if m.get("tool_call_id") is not None:
         raise ApiError(400, "'%s.tool_call_id': only tool messages answer a call" % where, where + ".tool_call_id")
+    if content is None and role == "assistant":  # a refusal, or an answer cut before its first call
+        content = m.get("refusal") or ""
     if not isinstance(content, str):
         raise ApiError(400, "'%s.content': expected a string" % where, where + ".content")
     return {"role": "system" if role == "developer" else role, "content": content}

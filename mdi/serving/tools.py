@@ -195,10 +195,12 @@ def tool_message(m: Dict[str, Any], role: str, content: Any, where: str) -> Dict
 
 
 def _call(c: Any, where: str) -> Dict[str, Any]:
+    # index (the SDK's stream helper) and parsed_arguments (its parse helpers) come back too: ignored
     fn = c.get("function") if isinstance(c, dict) else None
-    if not isinstance(fn, dict) or c.get("type", "function") != "function" or set(c) - {"id", "type", "function"} \
+    if not isinstance(fn, dict) or c.get("type", "function") != "function" \
+            or set(c) - {"id", "type", "function", "index"} or not isinstance(c.get("index", 0), int) \
             or not isinstance(c.get("id", ""), str) or not isinstance(fn.get("name"), str) \
-            or not isinstance(fn.get("arguments"), str) or set(fn) - {"name", "arguments"}:
+            or not isinstance(fn.get("arguments"), str) or set(fn) - {"name", "arguments", "parsed_arguments"}:
         raise _bad(where, 'expected {"id": string, "type": "function", "function": {"name": string, '
                           '"arguments": JSON text}}')
     try:  # templates write the arguments with `tojson`: an object, as transformers expects
