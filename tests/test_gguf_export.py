@@ -472,3 +472,29 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
     source = ModelSource(out)
     assert (source.config.name, source.config.family) == ("gemma3-270m", "gemma3")
     shutil.rmtree(out)
+
+
+# ----------------------------------------------------------------------------- the query scale
+
+@pytest.mark.parametrize("head", [24, 72, 96, 112, 128, 256])
+def test_queries_are_scaled_as_llama_cpp_scales_them(head, tmp_path):
+    """llama.cpp multiplies queries by 1.0f / sqrtf(head size), in float32. A Gemma 3 GGUF's
+    scale, once rounded to 7 digits, was a float32 step away at 128 and parted a text from
+    llama-simple's at a near tie; 1 / sqrt(d) in double is a step away at 72, 96 and 112."""
+    from mdi.model.files.gguf_config import read_gguf_model
+    from mdi.model.ggml.graph import ModelTraits
+    from mdi.model.transformer import Attention
+    want = float(np.float32(1) / np.sqrt(np.float32(head)))
+    for family in ("gemma3", "llama"):
+        config = ModelConfig(name="scale", family=family, vocab_size=len(CHARS), n_layer=1, n_embd=2 * head, n_head=2,
+                             n_kv_head=1, intermediate_size=32, head_size=head, block_size=64, tied_head=True)
+        path = str(tmp_path / ("%s.gguf" % family))
+        gguf_export.export_gguf(path, config, random_state(config), "f32")
+        read = read_gguf_model(open_reader(path), path).config
+        assert ModelTraits.of(read, lib.ROPE_NEOX).attn_scale == want, family
+        if family == "gemma3":  # torch: its scale where the file names one, SDPA's own otherwise
+            assert Attention(read, {}).scale == want
+    rounded = ModelConfig(name="scale", family="gemma3", vocab_size=8, n_layer=1, n_embd=2 * head, n_head=2,
+                          n_kv_head=1, intermediate_size=32, head_size=head, block_size=64,
+                          attn_scale=float("%.7g" % head ** -0.5))  # as prepared folders' mdi_config.json keep it
+    assert rounded.query_scale == want

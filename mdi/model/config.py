@@ -14,6 +14,8 @@ import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional
 
+import numpy as np
+
 from mdi.model.families import FAMILIES as _FAMILY_TABLE
 
 FAMILIES = tuple(_FAMILY_TABLE)  # mdi.model.families holds what each one's block is made of
@@ -131,6 +133,20 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size if self.head_size is not None else self.n_embd // self.n_head
+
+    @property
+    def query_scale(self) -> float:
+        """What queries are multiplied by, as llama.cpp computes it: 1.0f / sqrtf(d) in float32, d
+        the head size or the whole number an attn_scale is 1 / sqrt of. A file's rounded scale (7
+        digits) or one computed in double lands a float32 step away for some d (Gemma 3's 128: its
+        texts parted from llama.cpp's at near ties)."""
+        d = float(self.head_dim)
+        if self.attn_scale is not None:
+            d = self.attn_scale ** -2
+            if abs(d - round(d)) > 1e-4 * d:  # not 1 / sqrt of a whole number: used as given
+                return float(np.float32(self.attn_scale))
+            d = round(d)
+        return float(np.float32(1.0) / np.sqrt(np.float32(d)))
 
     def layer_window(self, layer: int) -> int:
         """How many positions layer `layer` attends to, its own included: sliding_window on a

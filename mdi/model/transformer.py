@@ -53,7 +53,8 @@ class Attention(nn.Module):
             self.q_norm = make_norm(config, config.head_dim)
             self.k_norm = make_norm(config, config.head_dim)
         self.window = window  # > 0: a sliding-window layer (ModelConfig.layer_window)
-        self.scale = config.attn_scale  # None: SDPA's 1 / sqrt(head_dim)
+        # None: SDPA's 1 / sqrt(head_dim) (torch 2.0 takes no scale)
+        self.scale = config.query_scale if config.attn_scale is not None else None
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: RowBatch,
                 rope: Optional[RotaryEmbedding]) -> torch.Tensor:

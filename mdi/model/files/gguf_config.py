@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from mdi.model.config import GEMMA3_SWA_PATTERN, ModelConfig
 from mdi.model.files.gguf_layout import GGUFFile, GGUFLayoutError
 from mdi.model.layout import CheckpointError, first_line
@@ -127,8 +129,8 @@ def read_gguf_model(reader: GGUFFile, path: str, read_floats: Optional[Any] = No
         values = read_floats(t) if read_floats is not None else [float(x) for x in t.data.reshape(-1).tolist()]
         rope_factors = None if all(x == 1.0 for x in values) else [float(x) for x in values]
 
-    # float32 metadata -> shortest decimal (9.999999747e-06 -> 1e-05)
-    f32 = lambda x: float("%.7g" % x)  # noqa: E731
+    # float32 metadata -> the shortest decimal that reads back as the same float32 (9.999999747e-06 -> 1e-05)
+    f32 = lambda x: float(str(np.float32(x)))  # noqa: E731
     family = ARCHITECTURES[arch]
     extra = {}  # type: dict
     if arch == "gemma3":

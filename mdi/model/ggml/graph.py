@@ -84,7 +84,7 @@ class ModelTraits:
     @property
     def attn_scale(self) -> float:
         c = self.config
-        return c.attn_scale if c.attn_scale else 1.0 / math.sqrt(c.head_dim)
+        return c.query_scale
 
 
 class GraphBuilder:
