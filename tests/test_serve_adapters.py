@@ -306,3 +306,37 @@ def test_adapter_errors_name_paths_relative_to_the_models_folder(setup, tmp_path
         assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text
         message = r.json()["error"]["message"]
         assert os.path.basename(path) in message and base not in message, message
+
+
+def test_soft_prompts_never_share_cached_positions_with_each_other_or_the_base(setup):
+    """A soft prompt's placeholder ids are real token ids: cached as the base's, one soft
+    prompt's positions were reused for another's (its text then the other's) and for a base
+    prompt that starts with those ids."""
+    import json
+    from safetensors.torch import save_file
+    server, model, dirs = setup
+    config = ModelSource(model).config
+    names = []
+    try:
+        for seed, name in enumerate(["soft-a", "soft-b"]):
+            folder = os.path.join(os.path.dirname(model), name)
+            os.makedirs(folder, exist_ok=True)
+            torch.manual_seed(seed)
+            save_file({"prompt_embeddings": torch.randn(3, config.n_embd)},
+                      os.path.join(folder, "adapter_model.safetensors"))
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump({"peft_type": "PROMPT_TUNING", "task_type": "CAUSAL_LM", "num_virtual_tokens": 3}, f)
+            r = requests.post(server.url + "/v1/mdi/adapters", json={"name": name, "path": folder}, timeout=120)
+            assert r.status_code == 200, r.text
+            names.append(name)
+        text = {}
+        for name in names + ["tiny"]:  # each after the other: the one before is in the cache
+            prompt = PROMPT if name != "tiny" else [0, 0, 0] + ModelSource(model).tokenizer.encode(PROMPT)
+            warm, cold = (complete(server, model=name, prompt=prompt, cache_prompt=c) for c in (True, False))
+            assert warm.status_code == cold.status_code == 200, (warm.text, cold.text)
+            text[name] = warm.json()["choices"][0]["text"]
+            assert text[name] == cold.json()["choices"][0]["text"], name
+        assert text["soft-a"] != text["soft-b"]
+    finally:
+        for name in names:
+            requests.delete(server.url + "/v1/mdi/adapters/" + name, timeout=90)

@@ -125,7 +125,7 @@ class AdapterSet:
             sample.adapter = adapter
             return
         # No layer changes: the sample travels as the base (id 0) once its virtual tokens are embedded.
-        sample.soft_prompt = soft
+        sample.soft_prompt, sample.soft_adapter = soft, adapter
         sample.prompt_ids = [0] * soft.shape[0] + list(sample.prompt_ids)
 
     def install(self, chunk: "ModelChunk") -> None:

@@ -142,7 +142,7 @@ class Pipeline:
         if self.prefix is None:
             return free[0]
         tokens = sample.window_tokens(0, sample.window_len) if sample.reuse_prefix else []
-        return self.prefix.choose_slot(free, tokens, sample.adapter, self.settings.ggml_cuts)
+        return self.prefix.choose_slot(free, tokens, sample.cache_key, self.settings.ggml_cuts)
 
     @property
     def cache(self) -> "KVCache":
@@ -172,7 +172,7 @@ class Pipeline:
                              % (sample.index, sample.window_len, self.cache.max_len))
         if self.prefix is not None:  # start after what the nodes hold of its window already
             sample.fed = sample.cached_tokens = self.prefix.admit(
-                sample.slot, sample.window_tokens(0, sample.window_len), sample.adapter, sample.reuse_prefix,
+                sample.slot, sample.window_tokens(0, sample.window_len), sample.cache_key, sample.reuse_prefix,
                 self.settings.ggml_cuts)
         self.active[sample.slot] = sample
         self.ready.append(sample)
@@ -415,7 +415,7 @@ class Pipeline:
             if sample.done:
                 self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)
                 if self.prefix is not None:  # what its slot holds is cache now
-                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.adapter,
+                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.cache_key,
                                         not sample.shifts)
             elif not sample.verifying:
                 self.ready.append(sample)  # its next token, or the next chunk of its prompt

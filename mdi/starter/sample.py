@@ -47,6 +47,7 @@ class Sample:
     # A prompt-tuning adapter's virtual tokens [n, n_embd]: prompt_ids starts with n placeholder
     # ids whose embeddings these replace (positions 0..n-1), on every pass that covers them.
     soft_prompt: Optional[np.ndarray] = None  # a prompt-tuning adapter's embeddings [n, n_embd] (lora.SoftPrompt's)
+    soft_adapter: int = 0  # the prompt-tuning adapter they are (0: none)
     # Prefix cache (mdi.starter.prefix_cache): whether it may start from positions the nodes hold
     # already (a request's cache_prompt), and how many it did.
     reuse_prefix: bool = True
@@ -87,6 +88,14 @@ class Sample:
     @property
     def virtual(self) -> int:
         return 0 if self.soft_prompt is None else int(self.soft_prompt.shape[0])
+
+    @property
+    def cache_key(self) -> int:
+        """What the prefix cache keeps its positions under: its adapter, or its prompt-tuning
+        adapter, whose placeholder ids are real token ids (0) that stand for its own embeddings
+        (keyed as the base, one soft prompt's positions were reused for another's, and for a
+        base prompt starting with those ids)."""
+        return self.soft_adapter or self.adapter
 
     def __post_init__(self) -> None:
         if self.slot < 0:
