@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from mdi.model.adapters.adapter_files import load_adapter, load_gguf_lora  # noqa: E402
+from mdi.model.adapters.adapter_files import load_adapter, load_any, load_gguf_lora  # noqa: E402
 from mdi.model.adapters.lora import AdapterError, merge_adapter  # noqa: E402
 from mdi.model.adapters.peft_targets import get_pattern_key  # noqa: E402
 from mdi.model.files.checkpoints import read_hf_dir  # noqa: E402
@@ -553,3 +553,28 @@ def test_a_zero_or_fractional_rank_is_one_line(tmp_path, key, value):
     with pytest.raises(AdapterError) as e:
         load_adapter(path, config, "a")
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_non_finite_adapter_values_are_refused_naming_the_file_and_tensor(tmp_path, llama_adapter):
+    """A NaN in a LoRA the starter holds loaded, and then failed every request naming it; a
+    worker's refusal named only its own layer. A soft prompt's got through too."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    base_dir, adapter_dir = llama_adapter
+    st = os.path.join(adapter_dir, "adapter_model.safetensors")
+    tensors = load_file(st)
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, st)
+    with pytest.raises(AdapterError) as e:
+        load_adapter(adapter_dir, base_config(base_dir))
+    assert "\n" not in str(e.value) and "%s: %s holds NaN or infinite values" % (st, name) in str(e.value)
+    soft = tmp_path / "soft"
+    soft.mkdir()
+    config = base_config(base_dir)
+    embeddings = np.ones((2, config.n_embd), np.float32)
+    embeddings[1, 3] = np.inf
+    save_file({"prompt_embeddings": embeddings}, str(soft / "adapter_model.safetensors"))
+    (soft / "adapter_config.json").write_text(json.dumps({"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 2}))
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors: prompt_embeddings holds NaN or infinite"):
+        load_any(str(soft), config)

@@ -103,11 +103,20 @@ def _soft_prompt(cfg: Mapping, path: str, config: ModelConfig, name: str, where:
     if tuple(emb.shape) != (n, config.n_embd) or not _floating(emb):
         raise AdapterError("%s: %s: prompt_embeddings has shape %s, the base model needs [%d, %d]"
                            % (where, st_path, list(emb.shape), n, config.n_embd))
+    _check_finite(where, st_path, ("prompt_embeddings", emb))
     return SoftPrompt(name, path, host_array(emb))
 
 
 def _floating(t: np.ndarray) -> bool:
     return bool(np.issubdtype(t.dtype, np.floating))
+
+
+def _check_finite(where: str, path: str, *named: Tuple[str, np.ndarray]) -> None:
+    """Refused at load, naming the file and tensor: a NaN loaded on the starter failed every
+    request naming the adapter, and a worker's refusal named only its own layer."""
+    for tname, t in named:
+        if _floating(t) and not np.isfinite(t).all():
+            raise AdapterError("%s: %s: %s holds NaN or infinite values" % (where, path, tname))
 
 
 def _read_safetensors(st_path: str, where: str) -> Dict[str, np.ndarray]:
@@ -293,6 +302,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, np.ndarray], config: ModelCon
                     "adapter_config.json" + (" rank_pattern" if r_key in patterns_r else " r"))
         if not (_floating(a) and _floating(b)):
             raise AdapterError("%s: %s holds %s as %s, not floating point" % (where, st_path, pair["A"], a.dtype))
+        _check_finite(where, st_path, (pair["A"], a), (pair["B"], b))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         parts.append(LoraPart(layer, mdi, part, host_array(a), host_array(b) * np.float32(scale)))
         ranks.append(r)
@@ -374,6 +384,7 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
         start, end = part_rows(config, mdi, part)
         r = int(b.shape[-1]) if b.ndim == 2 else 0  # llama.cpp takes the rank from lora_b
         _check_pair(where, pair["a"], pair["b"], a, b, r, end - start, shapes[mdi][1], "its lora_b")
+        _check_finite(where, path, (pair["a"], a), (pair["b"], b))
         if arch in PERMUTED_QK and part in ("q", "k"):
             # convert_hf_to_gguf permutes q/k rows for llama.cpp's RoPE layout; on a LoRA that
             # reorders B's rows (A's rows are the rank): undone there
