@@ -3,6 +3,7 @@ examples (scored-token masks), --shuffle, --clip, --eval, --init-adapter and
 --checkpoint-every / --resume, each against the plain PyTorch reference of tests/test_train.py."""
 import dataclasses
 import json
+import os
 import re
 
 import pytest
@@ -243,11 +244,22 @@ def test_mdi_train_cli_checkpoints_and_refuses_an_adapter_of_another_base(tiny_m
     gpt2 = tmp_path / "gpt2-lora"
     write_random_lora(str(gpt2), tiny_model("gpt2").config, seed=1, rank=2)
     capsys.readouterr()
-    assert train_main(base + ["--init-adapter", str(gpt2)]) == 2
+    fresh = [a if a != str(out) else str(tmp_path / "fresh") for a in base]
+    assert train_main(fresh + ["--init-adapter", str(gpt2)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gpt2-lora" in err[0]
     assert train_main(base + ["--steps", "4", "--lr", "0.5", "--resume", str(out / "checkpoint-2")]) == 2
     assert "another run" in capsys.readouterr().err
+    # an adapter already there, the model's folder: never written over
+    assert train_main(base + ["--steps", "1"]) == 2
+    assert "already holds an adapter (adapter_config.json)" in capsys.readouterr().err
+    before = {f: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    model_dir = tiny_models["llama"]
+    for bad in (model_dir, os.path.join(model_dir, "lora"), os.path.dirname(model_dir)):
+        assert train_main([a if a != str(out) else str(bad) for a in base] + ["--steps", "1"]) == 2, bad
+        assert "training must not write over the files runs read" in capsys.readouterr().err
+    assert {f: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+    assert not os.path.exists(os.path.join(model_dir, "adapter_config.json"))
 
 
 @pytest.mark.parametrize("quant,within", [("int8", 0.02), ("int4", 0.1)])
@@ -298,3 +310,12 @@ def test_optimizer_state_travels_in_the_train_body():
     half = OptimizerState(7, {"1.self_attn.q_proj.lora_A": state.moments["1.self_attn.q_proj.lora_A"]})
     with pytest.raises(RequestError, match="AdamW moments"):
         read_train_body(train_body(setup, pairs, half))
+
+
+def test_a_ring_on_ggml_is_refused_saying_where_its_backend_came_from(tiny_models, monkeypatch):
+    monkeypatch.setenv("MDI_BACKEND", "ggml")  # the config names no backend: the environment's default
+    with pytest.raises(ConfigError, match="runtime.backend to auto or torch \\(MDI_BACKEND=ggml in the environment"):
+        training.training_config(parse_run_config(tiny_models["llama"]))
+    monkeypatch.delenv("MDI_BACKEND")
+    with pytest.raises(ConfigError, match="to auto or torch$"):
+        training.training_config(parse_run_config(tiny_models["llama"], runtime={"backend": "ggml"}))

@@ -2,6 +2,7 @@
 config (the workers and config inference uses), write it as a PEFT adapter directory that
 `mdi-start --adapter` / `adapters:` serve."""
 import argparse
+import os
 import signal
 import sys
 from typing import List, Optional
@@ -11,7 +12,7 @@ from mdi.cli.output import check_output
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
-from mdi.runconfig import ConfigError, load_config
+from mdi.runconfig import ConfigError, RunConfig, load_config
 from mdi.system.files import write_json
 
 def train_parser() -> argparse.ArgumentParser:
@@ -100,6 +101,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         check_output(args.out, "--out", folder=True)  # before training, whose result would be lost
         check_output(args.metrics_out, "--metrics-out")
         cfg = load_config(args.config)
+        if args.out:
+            _check_out(args.out, cfg, args.resume)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
         try:
@@ -159,6 +162,24 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     if not args.out:
         print("mdi-train: no --out given: the trained adapter was not written", file=sys.stderr)
     return 0
+
+
+def _check_out(out: str, cfg: RunConfig, resume: Optional[str]) -> None:
+    """--out must not overwrite what a run reads or serves: the model's folder, a configured
+    adapter's, or an adapter already there (it was replaced without a word), unless that is
+    this run's own, resumed from one of its checkpoints there."""
+    from mdi.model.adapters.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+    from mdi.serving.served_files import ServedFiles
+    clash = ServedFiles(cfg.model.path, cfg.adapters).clash(os.path.realpath(out))
+    if clash is not None:
+        raise ConfigError("--out %s %s: training must not write over the files runs read" % (out, clash))
+    real = os.path.realpath(out)
+    if resume is not None and os.path.commonpath([os.path.realpath(resume), real]) == real:
+        return
+    held = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if os.path.exists(os.path.join(out, f))]
+    if held:
+        raise ConfigError("--out %s already holds an adapter (%s): name a new folder, or move it away first"
+                          % (out, held[0]))
 
 
 def _print_step(record, total: int) -> None:

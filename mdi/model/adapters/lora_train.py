@@ -236,11 +236,13 @@ def save_peft_adapter(path: str, config: ModelConfig, spec: LoraSpec,
     import os
 
     from safetensors.torch import save_file
+
+    from mdi.model.adapters.adapter_files import CONFIG_FILE, WEIGHTS_FILE
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for key, (a, b) in pairs.items():
         tensors[peft_tensor_name(config, key, "A")] = a.detach().float().contiguous().cpu()
         tensors[peft_tensor_name(config, key, "B")] = b.detach().float().contiguous().cpu()
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(peft_config(config, spec, base), f, indent=2, sort_keys=True)
