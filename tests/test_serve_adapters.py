@@ -59,8 +59,11 @@ def test_models_lists_the_adapters_and_requests_pick_them(setup):
             for name in ("base", "chat", "tools")}
     assert len(set(want.values())) == 3
     assert complete(server, model="tiny").json()["choices"][0]["text"] == want["base"]
-    assert complete(server, model="chat").json()["choices"][0]["text"] == want["chat"]
-    assert complete(server, lora=[{"id": 1, "scale": 1}]).json()["choices"][0]["text"] == want["tools"]
+    chat = complete(server, model="chat").json()
+    assert chat["choices"][0]["text"] == want["chat"]
+    assert chat["model"] == "chat"  # the model asked for, as OpenAI echoes it (it said "tiny")
+    tools = complete(server, lora=[{"id": 1, "scale": 1}]).json()
+    assert tools["choices"][0]["text"] == want["tools"] and tools["model"] == "tiny"
     bad = complete(server, model="nope")
     assert bad.status_code == 404 and "tiny, chat, tools" in bad.json()["error"]["message"]
     assert complete(server, lora=[{"id": 7}]).status_code == 400

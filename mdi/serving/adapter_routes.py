@@ -71,6 +71,11 @@ class AdapterControl:
         raise ApiError(404, "unknown model %r: this server has %s" % (name[:80], ", ".join(
             [self.model_id] + [n for _, n in loaded])), "model", code="model_not_found")
 
+    def answered_as(self, fields: Dict[str, Any], adapter: int) -> str:
+        """The `model` an answer names: the adapter a request named by `model` (OpenAI echoes the
+        model asked for, vLLM a LoRA's name), else the served model."""
+        return fields["model"] if adapter and not fields["lora"] else self.model_id
+
     def _mix(self, engine: EngineFace, entries: List[Tuple[int, float]]) -> int:
         """The mix's adapter id. With every mix in use, this request waits (up to MIX_WAIT_S) for
         one to end rather than being refused: one client's mixes must not lock the others out."""

@@ -179,7 +179,7 @@ class Routes:
                                 self.sched.max_len) for ids in prompts]
         choices = self._request(prompts[0], budgets[0], opts, adapter, opts.grammar,
                                 more_prompts=list(zip(prompts[1:], budgets[1:])))
-        return self._generate(choices, opts, chat=False)
+        return self._generate(choices, opts, self.adapters.answered_as(fields, adapter), chat=False)
 
     def chat_completions(self) -> Response:
         opts, fields = parse_options(_json_body(), CHAT, self.sched.params)
@@ -197,7 +197,8 @@ class Routes:
         max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
         # the calls' grammar wins; an auto answer's text inside it follows response_format
         choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar, tools is not None)
-        return self._generate(choices, opts, chat=True, tools=tools, tools_constrained=grammar is not None)
+        return self._generate(choices, opts, self.adapters.answered_as(fields, adapter), chat=True, tools=tools,
+                              tools_constrained=grammar is not None)
 
     def _request(self, ids: List[int], max_tokens: int, opts: Options, adapter: int, grammar: Optional[GrammarSpec],
                  tools: bool = False, more_prompts: Sequence[Tuple[List[int], int]] = ()) -> Choices:
@@ -248,7 +249,7 @@ class Routes:
         return _json(self.training.report())
 
     # --- one generation ----------------------------------------------------------------
-    def _generate(self, choices: Choices, opts: Options, chat: bool, tools: Optional[ToolChoice] = None,
+    def _generate(self, choices: Choices, opts: Options, model: str, chat: bool, tools: Optional[ToolChoice] = None,
                   tools_constrained: bool = False) -> Response:
         try:
             self.sched.submit(choices.requests)
@@ -257,7 +258,7 @@ class Routes:
             param = None if e.status != 400 else "prompt" if len(choices) > choices.n else "n"
             raise ApiError(e.status, str(e), param=param, kind=kind)
         hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
-        reply = Reply(choices.requests, self.model_id, chat, self.token_texts,
+        reply = Reply(choices.requests, model, chat, self.token_texts,
                       ToolReplies(tools, self.template.tool_format, hide_tag, tools_constrained)
                       if tools is not None else None, choices.n, opts.continuous_usage)
         if not opts.stream:
