@@ -288,7 +288,8 @@ def test_adapter_of_another_base_is_refused(tmp_path, llama_adapter):
     with pytest.raises(AdapterError) as e:
         load_adapter(wide, base_config(base_dir))
     msg = str(e.value)
-    assert "\n" not in msg and "adapter adapter: base_model.model.model.layers.0." in msg
+    assert "\n" not in msg and "adapter adapter: %s: base_model.model.model.layers.0." \
+        % os.path.join(wide, "adapter_model.safetensors") in msg  # the file, then the tensor
     assert "mlp.down_proj.lora_B.weight has shape [96, 8], the base model needs [64, 8]" in msg
 
 

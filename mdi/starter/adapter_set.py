@@ -15,13 +15,14 @@ if TYPE_CHECKING:  # torch's chunk; a ggml starter never imports torch
 
 log = logging.getLogger(__name__)
 
-def read_adapter(name: str, path: str, config: ModelConfig) -> Any:
-    """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.adapters.lora.Adapter (ConfigError naming it)."""
+def read_adapter(name: str, path: str, config: ModelConfig, key: Optional[str] = None) -> Any:
+    """A PEFT LoRA directory or a LoRA GGUF as an mdi.model.adapters.lora.Adapter (ConfigError
+    naming it, after the config `key` it came from, if any)."""
     from mdi.model.adapters.adapter_files import load_any
     try:
         return load_any(path, config, name)
     except (OSError, ValueError) as e:
-        raise ConfigError("adapters.%s: %s" % (name, e))
+        raise ConfigError("%s%s" % ("%s: " % key if key else "", e))
 
 
 class AdapterSet:
@@ -40,7 +41,7 @@ class AdapterSet:
         self.mix_used: Dict[int, float] = {}  # a mix's id -> when a request was last given it
         self.lock = threading.Lock()  # adds and removes from HTTP threads
         for name, path in paths.items():
-            self.add(name, read_adapter(name, path, config))
+            self.add(name, read_adapter(name, path, config, "adapters." + name))
 
     def __bool__(self) -> bool:
         return any(a is not None for a in self.adapters)

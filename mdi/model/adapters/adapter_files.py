@@ -298,7 +298,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, np.ndarray], config: ModelCon
         a, b = tensors[pair["A"]], tensors[pair["B"]]
         # PEFT's lora_A / lora_B are nn.Linear weights, [r, in] / [out, r], even on GPT-2's
         # Conv1D (fan_in_fan_out transposes only the merged delta, to Conv1D's [in, out])
-        _check_pair(where, pair["A"], pair["B"], a, b, r, end - start, shapes[mdi][1],
+        _check_pair("%s: %s" % (where, st_path), pair["A"], pair["B"], a, b, r, end - start, shapes[mdi][1],
                     "adapter_config.json" + (" rank_pattern" if r_key in patterns_r else " r"))
         if not (_floating(a) and _floating(b)):
             raise AdapterError("%s: %s holds %s as %s, not floating point" % (where, st_path, pair["A"], a.dtype))
@@ -383,7 +383,7 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
         mdi, part = hf_to_mdi[GGUF_NAMES[gname]]
         start, end = part_rows(config, mdi, part)
         r = int(b.shape[-1]) if b.ndim == 2 else 0  # llama.cpp takes the rank from lora_b
-        _check_pair(where, pair["a"], pair["b"], a, b, r, end - start, shapes[mdi][1], "its lora_b")
+        _check_pair("%s: %s" % (where, path), pair["a"], pair["b"], a, b, r, end - start, shapes[mdi][1], "its lora_b")
         _check_finite(where, path, (pair["a"], a), (pair["b"], b))
         if arch in PERMUTED_QK and part in ("q", "k"):
             # convert_hf_to_gguf permutes q/k rows for llama.cpp's RoPE layout; on a LoRA that
