@@ -66,8 +66,8 @@ class TrainControl:
         on_ggml = engine.ggml_nodes()
         if on_ggml:  # ggml has no backward pass; a torch copy beside it would double a board's weights
             raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch to "
-                           "train beside serving, or train with mdi-train" % (", ".join(on_ggml),
-                                                                             "s" if len(on_ggml) == 1 else ""))
+                           "train beside serving, or train with mdi-train (runtime.backend: auto or torch) while "
+                           "the ring is not serving" % (", ".join(on_ggml), "s" if len(on_ggml) == 1 else ""))
         if cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes):  # torch's kernels
             raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
                            "have no backward: serve with runtime.quant_kernel: exact to train beside it"
