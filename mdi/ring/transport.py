@@ -33,6 +33,10 @@ from mdi.ring.wire import CODECS, DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, 
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+# Dropped frames are logged one by one this many times, then summed up at most once per
+# DROP_SUMMARY_S: a flood of garbage on a data port wrote 104 MB of log in 11 s, one line per frame.
+DROP_LINES = 5
+DROP_SUMMARY_S = 10.0
 MAX_MESSAGE_BYTES = DEFAULT_MAX_PAYLOAD + MAX_HEADER_BYTES
 _endpoint_ids = itertools.count()
 
@@ -117,6 +121,8 @@ class RingEndpoint:
         self.frames_received = 0
         self.bad_frames = 0
         self.last_error: Optional[str] = None
+        self._unsaid_drops = 0  # dropped since the last line about them
+        self._drops_said_at = 0.0
         self._stop = threading.Event()
         # Receiving: the PULL socket belongs to whoever holds _pull_lock. The compute loop
         # lends it (sets _lent) when it finds frames queued up behind the one it took, so the
@@ -284,12 +290,28 @@ class RingEndpoint:
         try:
             frame = self.validate(parts)
         except FrameError as e:
-            self.bad_frames += 1
-            self.last_error = str(e)
-            log.warning("%s: dropped a frame: %s", self.name, e)
+            self._dropped(parts, e)
             return None
         self.frames_received += 1
         return frame
+
+    def _dropped(self, parts: List[zmq.Frame], e: FrameError) -> None:
+        self.bad_frames += 1
+        self.last_error = str(e)
+        try:  # the sender's address, as zmq saw the connection
+            peer = parts[0].get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, IndexError):
+            peer = "an unknown peer"
+        now = time.monotonic()
+        if self.bad_frames <= DROP_LINES:
+            log.warning("%s: dropped a frame from %s: %s", self.name, peer, e)
+            self._drops_said_at = now
+            return
+        self._unsaid_drops += 1
+        if now - self._drops_said_at >= DROP_SUMMARY_S:
+            log.warning("%s: dropped %d more frames in %.0f s (%d in all; the last from %s: %s)", self.name,
+                        self._unsaid_drops, now - self._drops_said_at, self.bad_frames, peer, e)
+            self._unsaid_drops, self._drops_said_at = 0, now
 
     # --- threads ---------------------------------------------------------------------
     def _receive_loop(self) -> None:
