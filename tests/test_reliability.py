@@ -203,6 +203,45 @@ def test_control_client_says_what_happened_by_type():
         hung.close()
 
 
+def test_a_silent_ring_names_the_node_that_reads_garbage_between_its_frames():
+    """A ring slowed past ring_timeout by garbage sent to a worker's data port named no node,
+    though every poll of it showed its dropped frames growing."""
+    import threading
+    from types import SimpleNamespace
+    from mdi.ring.status import NodeCounters, StatusReply
+    from mdi.ring.transport import RingTimeout
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.session import RingSession
+
+    class Stub:
+        def __init__(self, node, bad):
+            self.node, self.bad = node, bad
+
+        def status(self, timeout=None, run_id=None):
+            self.bad = self.bad * 2 if self.bad else 0
+            return StatusReply("running", "0", 1, "cpu", run_id=1,
+                               counters=NodeCounters(bad_frames=self.bad, last_bad_frame="not msgpack"))
+
+        def close(self):
+            pass
+    nodes = [NodeSpec("board1", port=1), NodeSpec("board2", port=2)]
+    stubs = {"board1": Stub(nodes[0], 0), "board2": Stub(nodes[1], 1000)}
+    session = RingSession.__new__(RingSession)  # only what naming a failure uses
+    session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=1.0, heartbeat_timeout=8.0))
+    session.run_id, session.failure, session._stopping = 1, None, False
+    session._answered, session._bad_frames = {}, {}
+    session._watching = threading.Event()
+    session._watching.set()
+    session.workers = nodes
+    session.registry = SimpleNamespace(fresh=lambda node: stubs[node.name])
+    for node in nodes:  # the watchdog's last polls
+        session._probe(stubs[node.name])
+    named = session.named_failure(RingTimeout("no activations came back round the ring for 30 s"))
+    assert isinstance(named, RingTimeout) and "board1" not in str(named), named
+    assert "node board2 (127.0.0.1:2) dropped 2000 frames it could not read since its last poll (the last: " \
+           "not msgpack)" in str(named), named
+
+
 def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chance():
     from types import SimpleNamespace
     from mdi.runconfig import NodeSpec
@@ -226,7 +265,8 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
     def watch(errors):
         session = RingSession.__new__(RingSession)  # only what the watchdog uses
         session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
-        session.run_id, session.failure = 1, None
+        session.run_id, session.failure, session._stopping = 1, None, False
+        session._answered, session._bad_frames = {}, {}
         session.clients = [Stub("a", errors)]
         session._watching = __import__("threading").Event()
         session._watching.set()

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.prefix_store import NodePrefixRoom
@@ -75,6 +75,7 @@ class RingSession:
         self.failure: Optional[NodeError] = None
         self._stopping = False  # finish() sent the stop frame
         self._answered: Dict[str, float] = {}  # node name -> when it last said it runs this run
+        self._bad_frames: Dict[str, Tuple[int, Optional[str]]] = {}  # node name -> frames dropped, the last's why
         self._watching = threading.Event()
         self._aborted = threading.Event()  # set before abort's stops: a configure still running stops its own worker
         self._configuring = threading.Condition()  # counts the configure calls in flight (abort waits for them)
@@ -303,6 +304,7 @@ class RingSession:
             return None
         if status.error:
             return NodeError("%s: compute failed: %s" % (where, status.error), client.node.name)
+        self._bad_frames[client.node.name] = (status.counters.bad_frames, status.counters.last_bad_frame)
         now = time.monotonic()
         if status.run_id == self.run_id and status.state == "running":
             self._answered[client.node.name] = now
@@ -326,9 +328,11 @@ class RingSession:
         """The ring went `silent`: the node the watchdog found, or one found dead or failed now
         (each asked once, on a client of its own), else `silent`. On a loaded machine the ring's
         timeout had come before the watchdog's next poll, and the failure named no node."""
+        flooded = []
         for node in self.workers:
             if self.failure is not None:
                 return self.failure
+            before = self._bad_frames.get(node.name)
             client = self.registry.fresh(node)
             try:
                 problem = self._probe(client)
@@ -336,6 +340,14 @@ class RingSession:
                 client.close()
             if problem is not None:
                 return problem
+            after = self._bad_frames.get(node.name)
+            if before is not None and after is not None and after[0] > before[0]:
+                flooded.append("node %s (%s) dropped %d frames it could not read since its last poll (the last: %s)"
+                               % (node.name, node.address, after[0] - before[0], after[1]))
+        if self.failure is None and flooded and isinstance(silent, RingTimeout):
+            # alive and answering, but reading garbage between its frames: say so (the ring may be
+            # slowed by another process sending to that data port, or by a stale peer)
+            return RingTimeout("%s; %s" % (silent, "; ".join(flooded)))
         return self.failure or silent
 
     def finish(self) -> List[NodeReport]:
