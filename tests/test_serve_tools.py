@@ -457,3 +457,16 @@ def test_langchain_function_calling_with_an_optional_field_and_a_function_withou
     assert r.status_code == 200, r.text
     calls = r.json()["choices"][0]["message"]["tool_calls"]
     assert calls and all(json.loads(c["function"]["arguments"]) == {} for c in calls), calls
+
+
+def test_a_function_whose_parameters_no_text_satisfies_is_a_400(smollm2_server):
+    """Inside the call's grammar such parameters were found only once a sample reached them: a
+    503 after seconds of holding a slot, where the same schema as json_schema was a 400."""
+    loop = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
+    for choice in ("required", "auto"):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER, loop], "tool_choice": choice,
+                "max_tokens": 8}
+        r = requests.post(smollm2_server.url + CHAT, json=body, timeout=120)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools" and "function 'loop''s parameters: no text satisfies it" in error["message"]

@@ -46,7 +46,7 @@ from mdi.serving.logprob_bodies import TokenTexts
 from mdi.serving.openai_bodies import Reply
 from mdi.serving.openai_fields import IGNORED_HEADER
 from mdi.serving.tool_calls import ToolReplies
-from mdi.serving.tool_grammar import tool_grammar
+from mdi.serving.tool_grammar import parameter_specs, tool_grammar
 from mdi.serving.tools import ToolChoice, tool_choice_of
 from mdi.serving.request import ErrorEvent, FinishEvent, GenerationOptions, Request, RequestEvent, TextEvent
 from mdi.serving.streaming import TokenLogprob
@@ -60,6 +60,7 @@ from mdi.serving.validation import CHAT, COMPLETIONS, ApiError, Options, parse_o
 MAX_BODY_BYTES = 1 << 20
 KEEPALIVE = 1.0  # seconds between SSE comments while a stream waits (they also reveal a gone client)
 POLL = 0.5  # seconds between checks of a waiting non-streaming request
+MAX_SOUND_PARAMETERS = 256  # tools' parameter schemas remembered as compiling (then forgotten at once)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class Routes:
         # None: response_format, grammar and regex answer 400
         self.grammars = server_grammars(sched.tokenizer, sched.source.config.vocab_size,
                                         sched.cfg.serve.mask_deadline_ms / 1e3)
+        self._sound_parameters: Set[GrammarSpec] = set()  # tools' parameters that compiled (_check_parameters)
         # POST /v1/mdi/adapters reads only under the model's folder and the configured adapters';
         # training writes there too, never over what is served (`served_files`).
         cfg = sched.cfg
@@ -189,6 +191,8 @@ class Routes:
         if grammar is not None and self.grammars is None and tools is not None and tools.mode == "auto" \
                 and opts.grammar is None and not any(f.get("strict") for f in tools.functions):
             grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
+        if grammar is not None and tools is not None:
+            self._check_parameters(tools)
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None,
                                       fields["chat_template_kwargs"])
         if self.template.source == "fallback" and tools is None and opts.grammar is None:  # (a grammar ends it)
@@ -234,6 +238,21 @@ class Routes:
             return self.grammars.compile(spec)
         except ConstraintError as e:
             raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
+
+    def _check_parameters(self, tools: ToolChoice) -> None:
+        """Each function's parameters compiled alone, once per schema (agents send the same tools
+        with every request): a 400 naming the function where no text satisfies them."""
+        for name, spec in parameter_specs(tools):
+            if spec in self._sound_parameters:
+                continue
+            try:
+                self._compile(spec)
+            except ApiError as e:
+                raise ApiError(400, "'tools': function %r's parameters: %s" % (name[:64], e.message.split(": ", 1)[-1]),
+                               "tools") from None
+            if len(self._sound_parameters) >= MAX_SOUND_PARAMETERS:
+                self._sound_parameters.clear()
+            self._sound_parameters.add(spec)
 
     # --- adapters ------------------------------------------------------------------------
     def _virtual(self, adapter: int) -> int:

@@ -17,7 +17,7 @@ A strict function's arguments obey its schema wholly (keywords llguidance cannot
 refused); a non-strict one's as plain JSON Schema (strict: false: those keywords are ignored).
 """
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mdi.model.constraints.constraint import json_options
 from mdi.model.constraints.grammar_spec import GrammarSpec
@@ -79,6 +79,17 @@ def _text(spec: Optional[GrammarSpec]) -> Optional[str]:
 
 def _lit(text: str) -> str:
     return json.dumps(text)
+
+
+def parameter_specs(choice: ToolChoice) -> List[Tuple[str, GrammarSpec]]:
+    """Each function's name and its parameters as a grammar of their own, for the server to
+    compile alone: one no text satisfies shows at once there, where inside the call's grammar it
+    showed only once a sample reached it (a 503 after seconds of holding a slot)."""
+    try:
+        return [(f["name"], GrammarSpec("json_schema", json.dumps(bounded(f["parameters"])), "tools",
+                                        bool(f.get("strict")))) for f in choice.functions]
+    except BoundsError as e:
+        raise ApiError(400, "'tools': %s" % e, "tools") from None
 
 
 def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat,
