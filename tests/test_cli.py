@@ -1,4 +1,5 @@
 """Bad input gets one clear line and a non-zero exit, never a traceback."""
+import json
 import os
 import subprocess
 
@@ -243,3 +244,31 @@ def test_progress_line_on_a_terminal(capsys, monkeypatch):
     progress.close()
     err = capsys.readouterr().err
     assert "\rmdi: 3/10 tokens" in err and "tokens/s" in err and err.endswith("\r\033[K")
+
+
+def test_an_output_that_is_a_device_a_fifo_or_a_link_is_written_through(tiny_models, tmp_path):
+    """--metrics-out (and every record mdi writes) went to a temporary file renamed over the
+    path: run as root, `--metrics-out /dev/null` replaced the system's /dev/null with a plain
+    file, and a link was replaced by a file instead of its target being written."""
+    import stat
+    import threading
+    from mdi.system.files import output_problem, write_json
+    if os.geteuid() == 0:  # a null device of the test's own (a regression must not clobber the system's)
+        null = str(tmp_path / "null")
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        proc = mdi_start("--model", tiny_models["llama"], "--prompt", "a", "--n-tokens", "2", "--metrics-out", null)
+        assert proc.returncode == 0, proc.stderr
+        assert stat.S_ISCHR(os.stat(null).st_mode)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    assert output_problem(fifo) is None
+    write_json(fifo, {"a": 1})
+    reader.join(30)
+    assert json.loads(got[0]) == {"a": 1} and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(target)
+    write_json(str(link), {"b": 2})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"b": 2}

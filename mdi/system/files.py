@@ -40,10 +40,22 @@ def write_json(path: str, obj: Any) -> None:
     write_text(path, json.dumps(obj, ensure_ascii=False, indent=1) + "\n")
 
 
+def _special(path: str) -> bool:
+    """Whether `path` (its link followed) is there and neither a file nor a folder."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
 def write_text(path: str, text: str) -> None:
     """Write `text` as UTF-8, its folders made: to a temporary file first, then renamed into
-    place (none left where that fails)."""
-    parent = os.path.dirname(os.path.abspath(path))
+    place (none left where that fails). A link is followed (its target written); what is not a
+    file (/dev/null, /dev/stdout, a FIFO) is written to as it is: a rename had replaced the
+    system's /dev/null with a plain file when run as root."""
+    if _special(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    path = os.path.realpath(path)
+    parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = path + ".tmp"
     try:
@@ -59,7 +71,9 @@ def write_text(path: str, text: str) -> None:
 def output_problem(path: str, folder: bool = False) -> Optional[str]:
     """Why `path` cannot be written (a file; with `folder`, a folder to create or fill), asked
     before a run whose result goes there: None where it can."""
-    real = os.path.abspath(path)
+    if _special(path):  # /dev/null, /dev/stdout, a FIFO: written as it is
+        return "is not a file or folder" if folder else None if os.access(path, os.W_OK) else "is not writable"
+    real = os.path.realpath(path)  # a link's target is what is written
     if os.path.isdir(real) and not folder:
         return "is a directory"
     if os.path.exists(real) and not os.path.isdir(real) and folder:
