@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from conftest import BIN, CHARS, save_test_model
+from conftest import BIN, CHARS, free_ports, save_test_model
 from ringconfigs import write_run_config
 from mdi.model.config import ModelConfig
 from mdi.model.tokenizers import char_tokenizer
@@ -128,3 +128,31 @@ def test_a_starter_paused_past_the_heartbeat_timeout_says_it_was_the_silent_one(
             proc.kill()
     assert proc.returncode == 1, (out, err)
     assert "node board1" in err and "this starter did not poll it for" in err, err
+
+
+@pytest.mark.slow
+def test_a_server_interrupted_while_its_ring_opens_exits_at_once_as_interrupted(tmp_path, tiny_models, workers):
+    """Ctrl-C or SIGTERM while `--serve` opened its ring waited for the ring to open (4-16 s)
+    and exited 0 (SIGINT) or 1; a server stopped once serving exits 0."""
+    env = dict(os.environ, MDI_BACKEND="auto", MDI_PROFILE_CACHE=str(tmp_path / "fresh"))  # it measures: seconds
+    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], workers[:1], layers=[2, 2],
+                            worker_name="board%d", runtime={"threads": 1})
+    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", path, "--serve", "--port",
+                             str(free_ports(1)[0])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            universal_newlines=True, env=env, preexec_fn=_sigint_as_at_a_terminal)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "measuring the ggml and torch backends" in line:
+                break
+            if "serving" in line:
+                pytest.skip("the ring opened before a signal could land (auto did not measure here)")
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(seen) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "mdi: error: interrupted by SIGTERM" in out and "Traceback" not in out, out
+    assert _state(workers[0]) in ("idle", "stopped")

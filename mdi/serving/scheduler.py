@@ -68,6 +68,7 @@ class Scheduler:
         self.ready = threading.Event()
         self.open_error: Optional[BaseException] = None
         self.engine: Optional[EngineFace] = None
+        self._opening: Optional[Any] = None  # the engine being opened: stop() aborts it
         self._inbox = Inbox()
         self._waiting: Deque[Request] = collections.deque()
         self._running: Dict[int, Request] = {}  # sample index -> request
@@ -175,6 +176,12 @@ class Scheduler:
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._inbox.put(Wake())
+        opening = self._opening
+        if opening is not None:  # its workers are told now, not once the ring is open (seconds later)
+            try:
+                opening.abort()
+            except Exception as e:  # the opening fails on its own thread, which reports it
+                log.warning("mdi: serve: aborting the ring being opened: %s", e)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -245,7 +252,11 @@ class Scheduler:
     def _open(self) -> None:
         # A rebuilt ring keeps the adapters loaded at run time, under the same ids.
         kept = self._adapters
-        ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token, kept)
+        try:
+            ring = open_serving_ring(self.cfg, self.source, self.max_len, self.params, self._on_token, kept,
+                                     on_engine=lambda engine: setattr(self, "_opening", engine))
+        finally:
+            self._opening = None
         self.slots = ring.slots
         self.engine = ring.engine
         ring.engine.set_training_hook(self._train_frame)

@@ -14,6 +14,7 @@ from mdi.serving.api import MAX_BODY_BYTES, create_app
 from mdi.serving.prompts import ChatTemplate
 from mdi.serving.scheduler import Scheduler
 from mdi.serving.validation import ApiError
+from mdi.starter.batch import Interrupted
 from mdi.system.http_server import Admit
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,13 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
     except ValueError:  # not the main thread (embedded use): stop with KeyboardInterrupt only
         previous = None
     server.start()
-    code = 0
+    code, serving = 0, False
     try:
         sched.start()
         deadline = time.monotonic() + cfg.runtime.init_timeout + 60
         while not sched.ready.wait(0.5):
-            if stop:
-                raise RuntimeError("interrupted by SIGTERM while the ring was opening")
+            if stop:  # (below, stop() aborts the ring being opened: its workers are told at once)
+                raise Interrupted(signal.SIGTERM)
             if time.monotonic() > deadline:
                 raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
         if sched.open_error is not None:
@@ -94,6 +95,7 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         if kernels:  # as a batch run's summary says it; the workers' are in /metrics and /v1/mdi/state
             print("mdi: quantized kernels (runtime.quant_kernel %s): %s %s; every node's: /metrics, /v1/mdi/state"
                   % (cfg.runtime.quant_kernel, sched.nodes[0].name, summary(kernels)), flush=True)
+        serving = True
         while not stop:
             time.sleep(0.5)
             if not stop and not sched.alive:
@@ -101,9 +103,13 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
                 code = 1
                 break
     except KeyboardInterrupt:
-        pass
+        if not serving:  # a start-up cut short is an interruption (130); a server stopped is done (0)
+            raise
     finally:
-        sched.stop()  # requests still waiting or streaming end with an error event
+        # requests still waiting or streaming end with an error event; a start-up cut short waits
+        # little: stop() told the workers of a ring being opened, and a measurement still running
+        # (seconds, on a fresh board) ends with the process
+        sched.stop(timeout=30.0 if serving else 3.0)
         server.close(grace=2.0)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

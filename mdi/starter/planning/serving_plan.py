@@ -6,7 +6,7 @@ each time it (re)builds the ring.
 """
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
@@ -32,10 +32,12 @@ class ServingRing:
 
 
 def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params: SamplingParams,
-                      on_token: Callable[[Sample, int], None], adapters: Any = None) -> ServingRing:
+                      on_token: Callable[[Sample, int], None], adapters: Any = None,
+                      on_engine: Optional[Callable[[Engine], None]] = None) -> ServingRing:
     """Plan the slots from memory, open the engine, and lower the slots to what the workers
     actually allocated. Nothing is left open when this raises. `adapters`: an AdapterSet to
-    keep (a rebuilt ring keeps the adapters loaded at run time)."""
+    keep (a rebuilt ring keeps the adapters loaded at run time); `on_engine`: given the engine
+    before it opens (another thread may abort it meanwhile)."""
     plan = _planned(cfg, source, max_len, params)
     if adapters is not None:  # a rebuilt ring: every budget counts the adapters it will hold
         plan = plan.with_adapters(adapters)
@@ -47,6 +49,8 @@ def open_serving_ring(cfg: RunConfig, source: ModelSource, max_len: int, params:
         raise
     engine = Engine(plan, source, params, on_token, adapters=adapters, registry=registry)
     engine.speculating = True  # a request may ask for speculation (its "speculation" field)
+    if on_engine is not None:
+        on_engine(engine)
     try:
         engine.open()
         reported = reported_slots(engine)
