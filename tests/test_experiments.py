@@ -603,8 +603,8 @@ TINY_Q = {"family": "llama", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head
 
 @pytest.mark.parametrize("random, needle", [
     (dict(TINY_Q, quant="int3"), "models[0].random.quant: expected one of int8, int4"),
-    ({k: v for k, v in TINY_Q.items() if k != "quant"}, "models[0].random.group_size: needs quant"),
-    (dict(TINY_Q, group_size=48), "models[0].random.group_size: expected one of 32, 64, 128"),
+    ({k: v for k, v in TINY_Q.items() if k != "quant"}, "models[0].random.group_size: a group size needs quant int8 or int4"),
+    (dict(TINY_Q, group_size=48), "models[0].random.group_size: int4 groups are 32, 64, 128, not 48"),
 ])
 def test_random_quant_schema_errors(random, needle):
     with pytest.raises(ExperimentError) as e:

@@ -214,10 +214,13 @@ def test_prepare_quantized_dir_and_chunks(tmp_path):
     assert w["blocks.0.mlp.down.qweight"].dtype == torch.int8
     assert source.weights(0, 1, False, False, torch.float32)["blocks.0.mlp.down.weight"].dtype == torch.float32
 
-    bad = subprocess.run([os.path.join(BIN, "mdi-prepare"), src, "--out", str(tmp_path / "bad"), "--quant", "int4",
+    bad = subprocess.run([os.path.join(BIN, "mdi-prepare"), src, "--out", str(tmp_path / "bad"), "--quant", "int8",
                           "--group-size", "48"], capture_output=True, text=True)
     assert bad.returncode != 0
     assert "group size 48 does not divide its width 64" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run([os.path.join(BIN, "mdi-prepare"), src, "--out", str(tmp_path / "bad"), "--quant", "int4",
+                          "--group-size", "48"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "int4 groups are 32, 64, 128, not 48" in bad.stderr, bad.stderr
 
 
 def _write_llama_gguf(path, types, seed=0):

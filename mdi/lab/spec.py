@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from mdi.model.layout import DTYPE_NAMES, INT4_GROUPS, QUANT_KINDS, QUANT_MODES, balanced, partition_label
+from mdi.model.layout import DTYPE_NAMES, QUANT_KINDS, QUANT_MODES, balanced, group_size_problem, partition_label
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
@@ -190,12 +190,9 @@ def _check_random_quant(where: str, spec: Dict[str, Any]) -> None:
     if quant is not None and quant not in QUANT_KINDS:
         raise ExperimentError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_KINDS), quant))
     group = spec.get("group_size")
-    if group is not None:
-        if quant is None:
-            raise ExperimentError("%s.group_size: needs quant int8 or int4" % where)
-        if group < 2 or (quant == "int4" and group not in INT4_GROUPS):
-            raise ExperimentError("%s.group_size: expected %s, got %d" % (
-                where, "one of %s" % ", ".join(map(str, INT4_GROUPS)) if quant == "int4" else "at least 2", group))
+    problem = group_size_problem(quant, group) if group is not None else None
+    if problem is not None:
+        raise ExperimentError("%s.group_size: %s" % (where, problem))
 
 
 def _check_common(where: str, e: ModelEntry) -> None:

@@ -36,6 +36,18 @@ def first_line(e: Exception) -> str:
 QUANT_KINDS = ("int8", "int4")
 QUANT_MODES = ("none", "auto") + QUANT_KINDS  # what model.quant / --quant accept
 INT4_GROUPS = (32, 64, 128)  # int4 group sizes mdi writes (GGUF's Q4 blocks are 32)
+
+
+def group_size_problem(quant: Optional[str], group: int) -> Optional[str]:
+    """Why `group` cannot be `quant`'s group size (None: it can): int4 takes INT4_GROUPS only
+    (another ran every layer on the slow dequantizing kernel, 0.17x), int8 at least 2."""
+    if quant not in QUANT_KINDS:
+        return "a group size needs quant int8 or int4"
+    if quant == "int4" and group not in INT4_GROUPS:
+        return "int4 groups are %s, not %d" % (", ".join(map(str, INT4_GROUPS)), group)
+    if group < 2:
+        return "int8 groups are at least 2, not %d" % group
+    return None
 # One quantized weight `X` ([out, in]) is stored as these tensors instead of `X.weight`:
 #   X.qweight  int8 [out, in]  (int8: w = q * scale)  or  uint8 [out, in/2]  (int4: two values per
 #              byte, the even column in the low nibble; w = q * scale + min, q in 0..15)

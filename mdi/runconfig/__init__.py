@@ -13,7 +13,7 @@ import yaml
 
 from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend, prefill_weights_for
 from mdi.model.constraints.grammar_cost import MASK_DEADLINE_S
-from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, layer_ranges
+from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, group_size_problem, layer_ranges
 from mdi.model.torch_settings import fused_decode_default
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 # ConfigError, check_keys and the speculation setting live in their own modules; callers
@@ -337,9 +337,9 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 def check_quant(where: str, model: ModelSpec) -> None:
     if model.quant not in QUANT_MODES:
         raise ConfigError("%s: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), model.quant))
-    if model.group_size is not None and (model.quant not in ("int8", "int4") or model.group_size < 2):
-        raise ConfigError("%s: group_size %d needs quant int8 or int4 and is at least 2"
-                          % (where, model.group_size))
+    problem = group_size_problem(model.quant, model.group_size) if model.group_size is not None else None
+    if problem is not None:
+        raise ConfigError("%s: group_size %d: %s" % (where, model.group_size, problem))
 
 
 def _check_generation(where: str, gen: GenerationSpec, flags: bool = False) -> None:

@@ -39,7 +39,7 @@ import torch
 
 from mdi.model.files import checkpoints, gguf, gguf_export, store
 from mdi.model.files.model_dir import GGUF_FILE
-from mdi.model.layout import QUANT_MODES, CheckpointError, parse_partition, quantizable, split_layers
+from mdi.model.layout import QUANT_MODES, CheckpointError, group_size_problem, parse_partition, quantizable, split_layers
 from mdi.model.quantization.layouts import describe, uniform_layout
 from mdi.model.quantization.quant import convert, gather, weights_layout
 from mdi.model.source import check_vocab, gguf_file_of, is_mdi_dir
@@ -157,8 +157,9 @@ def _source_path(source: str, out: str) -> str:
 
 def _check_quant(quant: str, group_size: Optional[int]) -> Optional[str]:
     """The GGUF type --quant names (None: one of the torch modes), or a one-line error."""
-    if group_size is not None and quant not in ("int8", "int4"):
-        raise CheckpointError("--group-size needs --quant int8 or int4")
+    problem = group_size_problem(quant, group_size) if group_size is not None else None
+    if problem is not None:
+        raise CheckpointError("--group-size %d: %s" % (group_size, problem))
     if quant in QUANT_MODES:
         return None
     if not gguf_export.is_gguf_type(quant):
