@@ -235,6 +235,19 @@ def test_check_fails_on_a_device_the_starter_cannot_use(tmp_path, tiny_models):
     assert "problems found" in proc.stdout
 
 
+def test_check_says_refused_for_a_worker_that_answers_and_cannot_run_the_config(tmp_path, tiny_models, workers):
+    """A worker whose POST /backend refused `device: cuda` (its torch sees no GPU) was reported
+    UNREACHABLE, which the Jetson README reads as a wrong token, a stopped service or a firewall."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cuda is usable")
+    path = write(tmp_path, "model: {path: %s}\nnodes:\n  - {name: starter, port: 8080}\n"
+                 "  - {name: board1, port: %d, device: cuda}\n" % (tiny_models["llama"], workers[0].port))
+    proc = mdi_start("--config", path, "--check")
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert proc.returncode == 1 and "REFUSED: " in lines["board1"] and "no CUDA GPU" in lines["board1"], proc.stdout
+
+
 def test_progress_line_on_a_terminal(capsys, monkeypatch):
     # A batch run on a terminal shows tokens and tokens/s as it goes (one self-overwriting line).
     from mdi.cli.progress import Progress

@@ -3,7 +3,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mdi.ring.status import WorkerState
 from mdi.runconfig import ConfigError, NodeSpec, RunConfig
-from mdi.starter.control import NodeError, NodeRegistry
+from mdi.starter.control import NodeError, NodeRegistry, NodeTimeout, NodeUnreachable
 from mdi.model.quantization import kernel_report
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
@@ -190,8 +190,11 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
             status = client.status()
             chosen = client.backend(backend_request(plan, source, node_plan)) \
                 if node_plan is not None and source is not None else None
-        except NodeError as e:
+        except (NodeUnreachable, NodeTimeout) as e:
             print("%s  UNREACHABLE: %s" % (where, e))
+            return False
+        except NodeError as e:  # it answered: a wrong token, or it cannot run what the config asks of it
+            print("%s  %s: %s" % (where, "UNREACHABLE" if e.status in (None, 401) else "REFUSED", e))
             return False
         free = status.capacity_bytes()
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
