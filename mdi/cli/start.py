@@ -86,8 +86,8 @@ def start_parser() -> argparse.ArgumentParser:
                         "a backend asked for by name)")
     p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N for the starter (default: the config's, "
                    "else cpu)")
-    p.add_argument("--threads", type=positive_int, help="compute threads on the starter (runtime.threads; default: "
-                   "the config's)")
+    p.add_argument("--threads", type=positive_int, help="compute threads of the starter and of every worker started "
+                   "without its own --threads (runtime.threads; default: the config's)")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     p.add_argument("--check", action="store_true",
@@ -209,6 +209,11 @@ def _start(args: argparse.Namespace, batch) -> int:
         cfg = _config_from_args(args)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
+        if not args.serve:  # (--check and --perplexity serve nothing either: refused there too)
+            if args.port is not None:
+                raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
+            if (args.host or args.insecure) and args.dashboard is None:
+                raise ConfigError("--host and --insecure go with --serve or --dashboard")
         if args.perplexity is not None:
             return _perplexity(cfg, args)
         if args.ppl_ctx is not None or args.ppl_max_windows is not None:
@@ -222,10 +227,6 @@ def _start(args: argparse.Namespace, batch) -> int:
             return preflight(cfg, args.prompt, args.n_samples, args.adapter)
         if args.serve:
             return _serve(cfg, args)
-        if args.port is not None:
-            raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
-        if (args.host or args.insecure) and args.dashboard is None:
-            raise ConfigError("--host and --insecure go with --serve or --dashboard")
         from mdi.starter.planning.run_shape import expand_prompts
         prompts = expand_prompts(cfg, args.prompt, args.n_samples)
         progress = Progress(len(prompts), cfg.generation.n_tokens) if sys.stderr.isatty() else None

@@ -98,6 +98,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         prompt_method = args.method == "prompt"
         if (args.prompt_init == "text") != bool(args.prompt_init_text) or (args.prompt_init_text and not prompt_method):
             raise ConfigError("--prompt-init-text goes with --method prompt --prompt-init text, and they need it")
+        if args.eval_every and not args.eval:
+            raise ConfigError("--eval-every goes with --eval FILE (the held-out data it evaluates)")
         check_output(args.out, "--out", folder=True)  # before training, whose result would be lost
         check_output(args.metrics_out, "--metrics-out")
         cfg = load_config(args.config)

@@ -30,7 +30,7 @@ class NodeReport:
     peak_memory_bytes: Optional[int] = None  # with CUDA allocations (a Jetson's GPU memory is its RAM)
     cache_bytes: Optional[int] = None  # its KV cache
     compute_seconds: Optional[float] = None  # its own work: blocks (and the starter's head, sampling)
-    threads: Optional[int] = None  # torch threads it computed with (workers)
+    threads: Optional[int] = None  # threads it computed with
     kernels: Optional[Dict[str, str]] = None  # each quantized weight shape -> "kernel: why"
     traffic: Dict[str, Any] = field(default_factory=dict)  # bytes and messages sent (RingEndpoint.traffic)
     batching: Dict[str, Any] = field(default_factory=dict)  # rows and samples per forward (BatchCounter)
@@ -78,7 +78,17 @@ def starter_report(engine: Any, compute_seconds: float) -> NodeReport:
                       speculation=pipeline.speculation_metrics() if pipeline is not None else {},
                       prefix_cache=pipeline.prefix_metrics() if pipeline is not None else {},
                       backend=chunk.backend if chunk is not None else None,
-                      backend_line=backend_line(engine))
+                      backend_line=backend_line(engine), threads=_threads(chunk))
+
+
+def _threads(chunk: Any) -> Optional[int]:
+    """The threads the starter's chunk computes with: ggml's own, else torch's (loaded then)."""
+    if chunk is None:
+        return None
+    if chunk.backend == "ggml":
+        return int(chunk.threads)
+    import torch
+    return torch.get_num_threads()
 
 
 def backend_line(engine: Any) -> Optional[str]:
