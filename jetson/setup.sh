@@ -98,6 +98,14 @@ while [ "$#" -gt 0 ]; do
         *) usage >&2; die "unknown argument: $1" ;;
     esac
 done
+# A service without its secret is refused now, a dry run too: not after the long install.
+if [ "$SERVICE" = 1 ]; then
+    if [ -n "$TOKEN_FILE" ]; then
+        [ -s "$TOKEN_FILE" ] || die "token file $TOKEN_FILE is missing or empty"
+    elif [ ! -s /etc/mdi/token ]; then
+        die "--service needs the shared secret: add --token-file FILE (see jetson/README.md)"
+    fi
+fi
 
 # --- what board is this ----------------------------------------------------------------------
 L4T=""
@@ -305,11 +313,8 @@ if [ "$SERVICE" = 1 ]; then
             --user-group --groups video mdi
     fi
     as_root install -d -m 0750 -o root -g mdi /etc/mdi
-    if [ -n "$TOKEN_FILE" ]; then
-        [ -s "$TOKEN_FILE" ] || [ "$DRY_RUN" = 1 ] || die "token file $TOKEN_FILE is missing or empty"
+    if [ -n "$TOKEN_FILE" ]; then  # (checked with the arguments)
         as_root install -m 0640 -o root -g mdi "$TOKEN_FILE" /etc/mdi/token
-    elif [ ! -s /etc/mdi/token ] && [ "$DRY_RUN" = 0 ]; then
-        die "--service needs the shared secret: add --token-file FILE (see jetson/README.md)"
     fi
     if [ ! -f /etc/mdi/mdi-worker.env ] || [ "$DRY_RUN" = 1 ]; then
         as_root install -m 0640 -o root -g mdi "$ROOT/jetson/mdi-worker.env.example" /etc/mdi/mdi-worker.env

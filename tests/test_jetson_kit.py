@@ -367,8 +367,15 @@ def test_setup_dry_run_installs_torch_once_then_mdi_without_deps(tmp_path):
     python38.write_text('#!/bin/sh\ncase "$2" in *version_info*) echo 3.8; exit 0;; esac\nexec %s "$@"\n'
                         % sys.executable)
     python38.chmod(0o755)
-    proc = setup("--dry-run", "--torch-wheel", wheel, "--venv", venv, "--python", str(python38), "--service",
-                 release=release_file(tmp_path, 35, "4.1"))
+    args = ("--dry-run", "--torch-wheel", wheel, "--venv", venv, "--python", str(python38), "--service")
+    # a service without its secret is refused before any step, a dry run too (it was refused last)
+    for token in [("--token-file", str(tmp_path / "missing"))] + ([()] if not os.path.exists("/etc/mdi/token") else []):
+        proc = setup(*(args + token), release=release_file(tmp_path, 35, "4.1"))
+        assert proc.returncode != 0 and "+ " not in proc.stdout, proc.stdout
+        assert "shared secret" in proc.stderr or "missing or empty" in proc.stderr, proc.stderr
+    secret = tmp_path / "token"
+    secret.write_text("s" * 32)
+    proc = setup(*(args + ("--token-file", str(secret))), release=release_file(tmp_path, 35, "4.1"))
     assert proc.returncode == 0, proc.stderr
     # Each step is printed shell-quoted after "+ "; "(...)" lines describe a step in words.
     steps = [shlex.split(l[2:]) for l in proc.stdout.splitlines() if l.startswith("+ ") and l[2] != "("]
