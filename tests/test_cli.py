@@ -275,6 +275,14 @@ def test_an_output_that_is_a_device_a_fifo_or_a_link_is_written_through(tiny_mod
         proc = mdi_start("--model", tiny_models["llama"], "--prompt", "a", "--n-tokens", "2", "--metrics-out", null)
         assert proc.returncode == 0, proc.stderr
         assert stat.S_ISCHR(os.stat(null).st_mode)
+    # /dev/stdout of a run whose output goes to a log file: the log keeps its lines, the record follows
+    log = tmp_path / "runs.log"
+    log.write_text("an earlier run\n")
+    with open(str(log), "a") as out:
+        subprocess.run([STARTER, "--model", tiny_models["llama"], "--prompt", "a", "--n-tokens", "2", "--metrics-out",
+                        "/dev/stdout"], stdout=out, stderr=subprocess.PIPE, timeout=60, check=True)
+    text = log.read_text()
+    assert text.startswith("an earlier run\n") and "tokens/s" in text and '"n_tokens"' in text, text
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
     got = []

@@ -257,6 +257,10 @@ class RingEndpoint:
         return self._left >= self._queued
 
     def close(self) -> None:
+        if self._unsaid_drops:  # a burst's drops past the first lines, never counted in a line yet
+            log.warning("%s: dropped %d more frames (%d in all; the last: %s)", self.name, self._unsaid_drops,
+                        self.bad_frames, self.last_error)
+            self._unsaid_drops = 0
         self._stop.set()
         for t in (self._receiver, self._sender):
             if t.is_alive():

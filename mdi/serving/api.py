@@ -191,7 +191,7 @@ class Routes:
         if grammar is not None and self.grammars is None and tools is not None and tools.mode == "auto" \
                 and opts.grammar is None and not any(f.get("strict") for f in tools.functions):
             grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
-        if grammar is not None and tools is not None:
+        if grammar is not None and tools is not None and self.grammars is not None:
             self._check_parameters(tools)
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None,
                                       fields["chat_template_kwargs"])

@@ -41,8 +41,12 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def _special(path: str) -> bool:
-    """Whether `path` (its link followed) is there and neither a file nor a folder."""
-    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+    """Whether `path` is written through, never renamed over: one there that is neither a file
+    nor a folder (its link followed), or one under /dev or /proc (/dev/stdout of a run whose
+    output goes to a log file leads to that file: renamed over, the log was lost)."""
+    if not os.path.exists(path) or os.path.isdir(path):
+        return False
+    return not os.path.isfile(path) or os.path.abspath(path).startswith(("/dev/", "/proc/"))
 
 
 def write_text(path: str, text: str) -> None:
@@ -50,8 +54,8 @@ def write_text(path: str, text: str) -> None:
     place (none left where that fails). A link is followed (its target written); what is not a
     file (/dev/null, /dev/stdout, a FIFO) is written to as it is: a rename had replaced the
     system's /dev/null with a plain file when run as root."""
-    if _special(path):
-        with open(path, "w", encoding="utf-8") as f:
+    if _special(path):  # appended: a log file behind /dev/stdout keeps what it holds
+        with open(path, "a", encoding="utf-8") as f:
             f.write(text)
         return
     path = os.path.realpath(path)
@@ -72,7 +76,9 @@ def output_problem(path: str, folder: bool = False) -> Optional[str]:
     """Why `path` cannot be written (a file; with `folder`, a folder to create or fill), asked
     before a run whose result goes there: None where it can."""
     if _special(path):  # /dev/null, /dev/stdout, a FIFO: written as it is
-        return "is not a file or folder" if folder else None if os.access(path, os.W_OK) else "is not writable"
+        if folder:
+            return "is not a file or folder"
+        return None if os.access(path, os.W_OK) else "is not writable"
     real = os.path.realpath(path)  # a link's target is what is written
     if os.path.isdir(real) and not folder:
         return "is a directory"

@@ -188,13 +188,15 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
             client = registry.client(node)
             health = client.health()
             status = client.status()
-            chosen = client.backend(backend_request(plan, source, node_plan)) \
-                if node_plan is not None and source is not None else None
-        except (NodeUnreachable, NodeTimeout) as e:
+        except NodeError as e:  # not there, a wrong token, or not an mdi worker
             print("%s  UNREACHABLE: %s" % (where, e))
             return False
-        except NodeError as e:  # it answered: a wrong token, or it cannot run what the config asks of it
-            print("%s  %s: %s" % (where, "UNREACHABLE" if e.status in (None, 401) else "REFUSED", e))
+        try:
+            chosen = client.backend(backend_request(plan, source, node_plan)) \
+                if node_plan is not None and source is not None else None
+        except NodeError as e:  # a worker that answered: it cannot run what the config asks of it
+            print("%s  %s: %s" % (where, "UNREACHABLE" if isinstance(e, (NodeUnreachable, NodeTimeout)) else "REFUSED",
+                                  e))
             return False
         free = status.capacity_bytes()
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)

@@ -78,7 +78,8 @@ def training_config(cfg: RunConfig) -> RunConfig:
     asked_ggml = [n.name for n in cfg.nodes if cfg.backend_of(n) == "ggml"]
     if asked_ggml:
         from mdi.model.backend import BACKEND_ENV, default_backend
-        where = " (%s=ggml in the environment sets its default)" % BACKEND_ENV if default_backend() == "ggml" else ""
+        where = (" (%s=ggml in the environment is the default where the config names none)" % BACKEND_ENV
+                 if default_backend() == "ggml" else "")
         raise ConfigError("%s: backend ggml cannot train (training computes on torch): set runtime.backend "
                           "to auto or torch%s" % (", ".join(asked_ggml), where))
     nodes = [dataclasses.replace(n, backend=None) for n in cfg.nodes]
