@@ -1,6 +1,9 @@
 """How many random blocks a node times, and why: two small blocks stay in the last-level cache
 and time faster than a node holding real layers runs them, so a profile spans twice that
-cache (no processes here; the worker's /profile is covered in test_autoplan)."""
+cache (one subprocess, for a fresh process's import order; the worker's /profile is covered in
+test_autoplan)."""
+import os
+
 import pytest
 
 import mdi.model.profile_size as profile
@@ -84,3 +87,26 @@ def test_a_node_short_of_memory_times_fewer_blocks_but_never_fewer_than_two(monk
     assert profile.profile_blocks(CONFIG, "float32", None, "cpu", five, rows=3, positions=16) == 5
     assert profile.profile_blocks(CONFIG, "float32", None, "cpu", five - 1, rows=3, positions=16) == 4
     assert profile.profile_blocks(CONFIG, "float32", None, "cpu", 0, rows=3, positions=16) == 2
+
+
+def test_a_profile_runs_at_the_runs_threads_where_ggml_loaded_openmp_first():
+    """mdi-plan and mdi-start load ggml (and its OpenMP) before the config's threads are known:
+    OMP_NUM_THREADS set then came too late, and the starter's torch profile ran at every CPU
+    while its run used runtime.threads (a plan from a profile 2x too parallel)."""
+    import subprocess
+    import sys
+    from mdi.model.threads import usable_cpus
+    if usable_cpus() < 2:
+        pytest.skip("one CPU: every thread count is 1")
+    script = "\n".join([
+        "import os; os.environ.pop('OMP_NUM_THREADS', None)",
+        "import mdi.starter.control  # ggml first, as mdi-plan imports it",
+        "from mdi.cli.process import setup_process; setup_process(threads=1)",
+        "from test_profile_blocks import CONFIG",
+        "from mdi.ring.profile_request import ProfileRequest",
+        "from mdi.timing.node import profile_here",
+        "print(profile_here(ProfileRequest(CONFIG, 'float32', 'cpu', [1], 8, 4, threads=1), 'cpu', n_blocks=2).threads)"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", script], cwd=here, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1", out.stdout

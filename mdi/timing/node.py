@@ -21,15 +21,20 @@ def profile_here(request: ProfileRequest, device: str, with_ends: bool = False,
                  params: Optional[SamplingParams] = None, token: Optional[str] = None,
                  time_loop: Optional[Callable[["ModelChunk"], Dict[int, float]]] = None,
                  n_blocks: Optional[int] = None) -> ProfileReply:
-    """Time the request's passes on `device` with torch's current thread count, then the node's
-    whole loop over the same random blocks (`n_blocks`, default `profile_blocks`): what a worker
-    answers POST /profile with (its relay, encrypted as its runs are when it has a `token`), and
-    (`with_ends`: its quant layout then names the embedding and head too; `time_loop`: its
-    pipeline loop) what the starter measures of itself."""
+    """Time the request's passes on `device` with the request's threads (a number; else torch's
+    current count), then the node's whole loop over the same random blocks (`n_blocks`, default
+    `profile_blocks`): what a worker answers POST /profile with (its relay, encrypted as its runs
+    are when it has a `token`), and (`with_ends`: its quant layout then names the embedding and
+    head too; `time_loop`: its pipeline loop) what the starter measures of itself."""
     if request.backend == "ggml":  # the blocks the run will compute with
         from mdi.timing.ggml_profile import profile_ggml
         return profile_ggml(request, device, with_ends, params, token, time_loop, n_blocks)
     import torch  # torch's blocks (a node that computes with ggml never imports these)
+
+    from mdi.model.threads import use_fixed
+    # Set here, torch loaded: OMP_NUM_THREADS set before it came too late where ggml's OpenMP was
+    # loaded first (a starter's profile ran at every CPU while its run used runtime.threads)
+    use_fixed(request.threads)
 
     from mdi.model.block_timing import profile_chunk, time_chunk
     from mdi.model.profile_size import profile_blocks
