@@ -748,3 +748,25 @@ def test_cleanup_kills_a_leftover_node_only_if_its_pid_was_not_given_to_another_
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_runs_that_stopped_early_or_failed_are_counted_and_never_averaged_in(tmp_path):
+    """A run whose samples stopped early was averaged in as an S-sample run (its decode rate
+    that of the samples left), and a ring whose runs all failed vanished from summary.csv and
+    report.md ("one node count only")."""
+    from mdi.lab.report_md import write_report
+    rows = [_ok_row(1, "2", 1, "10"), _ok_row(1, "2", 2, "18"),
+            dict(_ok_row(1, "2", 2, "99"), repeat="2", status="ok (1 samples stopped early: eos)"),
+            dict(_ok_row(2, "1+1", 2, ""), status="failed: node w1 (127.0.0.1:9): cannot connect"),
+            dict(_ok_row(2, "1+1", 2, ""), repeat="2", status="failed: node w1 (127.0.0.1:9): cannot connect")]
+    by = {(r["nodes"], r["samples"]): r for r in summarize(rows)}
+    assert float(by["1", "2"]["decode_tokens_per_s_median"]) == 18  # the short run's 99 left out
+    assert (by["1", "2"]["runs_ok"], by["1", "2"]["runs_short"], by["1", "2"]["runs_failed"]) == ("1", "1", "0")
+    assert (by["2", "2"]["runs_ok"], by["2", "2"]["runs_failed"], by["2", "2"]["decode_tokens_per_s_median"]) == (
+        "0", "2", "")
+    path = tmp_path / "report.md"
+    write_report(str(path), summarize(rows), {"experiment": {"name": "partial"}})
+    text = path.read_text()
+    assert "Runs left out of every number below: 2 failed, 1 stopped early" in text
+    assert "2 nodes: no complete run (2 failed)" in text and "one node count measured" in text
+    assert "no complete run (2 failed)" in text.split("| 2 | 1+1 |")[1].splitlines()[0]

@@ -125,7 +125,7 @@ def throughput_vs_samples(plt, out: str, summary: List[Row], models: List[str]) 
     max_batch when the experiment ran more than one (batched against unbatched)."""
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.6 * len(models)), squeeze=False)
     for i, model in enumerate(models):
-        mrows = [r for r in summary if r["model"] == model]
+        mrows = [r for r in summary if r["model"] == model and r.get("decode_tokens_per_s_median")]  # measured
         ax, ax2 = axes[i]
         xs_all: List[int] = []
         eff_xs: List[int] = []

@@ -41,7 +41,7 @@ CSV_COLUMNS = [
     "spec_passes_cancelled", "spec_wasted_rows",
 ]
 SUMMARY_COLUMNS = [
-    "model", "nodes", "partition", "max_batch", "samples", "tokens", "runs_ok",
+    "model", "nodes", "partition", "max_batch", "samples", "tokens", "runs_ok", "runs_short", "runs_failed",
     "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
     "tokens_per_s_median", "ttft_s_median", "efficiency_median", "efficiency_min", "efficiency_max",
     "speedup_vs_1_node", "speedup_vs_unbatched", "peak_memory_mb_max", "node_busy_median",
@@ -219,7 +219,14 @@ def read_rows(path: str) -> List[Dict[str, str]]:
 
 
 def ok_rows(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
-    return [r for r in rows if r.get("status", "").startswith("ok") and _float(r.get("decode_tokens_per_s")) is not None]
+    """The complete runs: every sample decoded its tokens. A run some of whose samples stopped
+    early ("ok (2 samples stopped early: eos)") is left out: its decode rate is that of the
+    samples still decoding, not of its S (a 4-sample row had been the rate of 2)."""
+    return [r for r in rows if r.get("status") == "ok" and _float(r.get("decode_tokens_per_s")) is not None]
+
+
+def _short(row: Dict[str, str]) -> bool:
+    return row.get("status", "").startswith("ok (")
 
 
 Group = Tuple[str, int, str, str, int]  # model, nodes, partition, max_batch, samples
@@ -250,11 +257,21 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
     (max_batch 1) of the same ring and S."""
     good = ok_rows(rows)
     groups: Dict[Group, List[Dict[str, str]]] = {}
-    for r in good:
+    asked: Dict[Group, List[Dict[str, str]]] = {}  # every run, complete or not: none goes unsaid
+    for r in rows:
         key = (r["model"], int(r["nodes"]), r["partition"], max_batch_of(r), int(r["samples"]))
-        groups.setdefault(key, []).append(r)
+        asked.setdefault(key, []).append(r)
+        if r in good:
+            groups.setdefault(key, []).append(r)
     out = []
-    for (model, n, part, mb, s), rs in sorted(groups.items(), key=lambda kv: _group_order(kv[0])):
+    for (model, n, part, mb, s), every in sorted(asked.items(), key=lambda kv: _group_order(kv[0])):
+        rs = groups.get((model, n, part, mb, s), [])
+        counts = {"runs_ok": str(len(rs)), "runs_short": str(sum(1 for r in every if _short(r))),
+                  "runs_failed": str(sum(1 for r in every if r not in rs and not _short(r)))}
+        if not rs:  # no complete run: the group is listed with its counts and no numbers
+            out.append(dict({c: "" for c in SUMMARY_COLUMNS}, model=model, nodes=str(n), partition=part, max_batch=mb,
+                            samples=str(s), tokens=every[0].get("tokens", ""), **counts))
+            continue
         dec = [float(r["decode_tokens_per_s"]) for r in rs]
         base = {r["repeat"]: float(r["decode_tokens_per_s"]) for r in _baseline(groups, model, n, part, mb)}
         eff = [float(r["decode_tokens_per_s"]) / (n * base[r["repeat"]]) for r in rs if r["repeat"] in base]
@@ -266,8 +283,7 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
         peaks = _max_per_node([r["peak_memory_mb"] for r in rs])
         out.append({
             "model": model, "nodes": str(n), "partition": part, "max_batch": mb, "samples": str(s),
-            "tokens": rs[0]["tokens"],
-            "runs_ok": str(len(rs)), "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
+            "tokens": rs[0]["tokens"], **counts, "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
             "decode_tokens_per_s_min": "%.3f" % min(dec), "decode_tokens_per_s_max": "%.3f" % max(dec),
             "tokens_per_s_median": _num(_median([_float(r["tokens_per_s"]) for r in rs])),
             "ttft_s_median": _num(_median([_float(r["ttft_s"]) for r in rs]), "%.4f"),

@@ -5,13 +5,25 @@ from typing import Any, Dict, List, Tuple
 from mdi.lab.report import UNBATCHED, batch_label, batches_of, max_batch_of, rings_of, series_of
 
 
+def measured(summary: List[Dict[str, str]]) -> List[Dict[str, str]]:
+    """The summary's groups with at least one complete run (the others have no numbers)."""
+    return [r for r in summary if r.get("decode_tokens_per_s_median")]
+
+
+def incomplete(rows: List[Dict[str, str]]) -> str:
+    """How many of the rows' runs failed or stopped early, in words ('' where none did)."""
+    failed, short = (sum(int(r.get(k) or 0) for r in rows) for k in ("runs_failed", "runs_short"))
+    said = ["%d failed" % failed] if failed else []
+    return ", ".join(said + (["%d stopped early" % short] if short else []))
+
+
 def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
     """Per model: the best S >= N throughput for each node count (any max_batch), and whether
-    it rises with N."""
+    it rises with N; a node count asked for with no complete run is said, never dropped."""
     lines = []
     for model in sorted({r["model"] for r in summary}):
         best: Dict[int, Tuple[float, Dict[str, str]]] = {}
-        for r in summary:
+        for r in measured(summary):
             n, s = int(r["nodes"]), int(r["samples"])
             if r["model"] == model and s >= n:
                 v = float(r["decode_tokens_per_s_median"])
@@ -21,8 +33,12 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
         parts = ["%d node%s %.2f tok/s (S=%s, %s%s)" % (n, "s" if n > 1 else "", best[n][0], best[n][1]["samples"],
                                                          best[n][1]["partition"], _batch_note(best[n][1]))
                  for n in ns]
+        missing = sorted({int(r["nodes"]) for r in summary if r["model"] == model} - set(best))
+        parts += ["%d node%s: no complete run (%s)" % (n, "s" if n > 1 else "", incomplete(
+            [r for r in summary if r["model"] == model and int(r["nodes"]) == n]) or "none with S >= N")
+                  for n in missing]
         if len(ns) < 2:
-            verdict = "one node count only"
+            verdict = "one node count only" if not missing else "one node count measured"
         elif all(best[a][0] < best[b][0] for a, b in zip(ns, ns[1:])):
             verdict = "rises with N"
         else:
@@ -45,7 +61,7 @@ def batching_lines(summary: List[Dict[str, str]]) -> List[str]:
     def rate(r: Dict[str, str]) -> float:
         return float(r["decode_tokens_per_s_median"])
     for model in sorted({r["model"] for r in summary}):
-        mrows = [r for r in summary if r["model"] == model]
+        mrows = [r for r in measured(summary) if r["model"] == model]
         for n, part in rings_of(mrows):
             ring = [r for r in mrows if int(r["nodes"]) == n and r["partition"] == part]
             unbatched = {int(r["samples"]): r for r in ring if max_batch_of(r) == UNBATCHED}
@@ -77,6 +93,10 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
     if start and end:
         lines += ["Load average (1/5/15 min) at start %s, at end %s; %s CPUs." % (
             "/".join("%.2f" % x for x in start), "/".join("%.2f" % x for x in end), machine.get("cpu_count")), ""]
+    left_out = incomplete(summary)
+    if left_out:  # never averaged in, never unsaid
+        lines += ["Runs left out of every number below: %s (results.csv says why; a run some of whose samples "
+                  "stopped early did not decode its S samples throughout)." % left_out, ""]
     lines += ["Best decode throughput with S >= N samples in flight (median of repeats):", ""]
     lines += scaling_lines(summary) + [""]
     batching = batching_lines(summary)
@@ -102,6 +122,9 @@ def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
                       and int(r["samples"]) == s), None)
             if r is None:
                 cells.append("")
+                continue
+            if not r.get("decode_tokens_per_s_median"):
+                cells.append("no complete run (%s)" % incomplete([r]))
                 continue
             cell = "%s [%s-%s]" % tuple(_rounded(r["decode_tokens_per_s_%s" % k]) for k in ("median", "min", "max"))
             if r["efficiency_median"] and n > 1:
