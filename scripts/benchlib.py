@@ -98,7 +98,9 @@ def machine_info(threads: int) -> Dict[str, Any]:
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import mdi
+        from mdi.lab.report import code_revision
         info["mdi"] = mdi.__version__
+        info.update(code_revision())  # the commit that measured: a figure holds for this code
     except (ImportError, AttributeError):
         pass
     return info

@@ -770,3 +770,19 @@ def test_runs_that_stopped_early_or_failed_are_counted_and_never_averaged_in(tmp
     assert "Runs left out of every number below: 2 failed, 1 stopped early" in text
     assert "2 nodes: no complete run (2 failed)" in text and "one node count measured" in text
     assert "no complete run (2 failed)" in text.split("| 2 | 1+1 |")[1].splitlines()[0]
+
+
+def test_every_results_record_names_the_commit_that_measured():
+    """mdi-bench's machine.json did; the benchmark scripts' records did not (90 of 105 files)."""
+    import subprocess
+    from mdi.lab.report import code_revision, machine_record
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout")
+    assert code_revision()["git_commit"] == head and machine_record("x.yaml")["git_commit"] == head
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import benchlib
+        assert benchlib.machine_info(1)["git_commit"] == head
+    finally:
+        sys.path.remove(os.path.join(ROOT, "scripts"))

@@ -347,19 +347,25 @@ def write_csv(path: str, columns: List[str], rows: List[Dict[str, str]]) -> None
 
 # --------------------------------------------------------------------------- machine record
 
+def code_revision() -> Dict[str, Any]:
+    """The commit of the mdi that measured, and whether its tracked files differed from it:
+    what ties a results file to its code."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {"git_commit": command_text(["git", "-C", repo, "rev-parse", "HEAD"]),
+            "git_dirty": bool(command_text(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"]))}
+
+
 def machine_record(source: str) -> Dict[str, Any]:
     import platform
     import mdi
     from mdi.system.cpu import cpu_info
     cpu = cpu_info()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rec = {"time_start": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(sys.argv),
            "python": platform.python_version(), "mdi": mdi.__version__, "platform": platform.platform(),
            "machine": platform.machine(), "cpu_model": cpu["model"], "cpu": cpu, "cpu_count": os.cpu_count(),
            "memory_total_mb": _meminfo_mb(), "loadavg_start": list(os.getloadavg()),
            "uptime_start": command_text(["uptime"]), "threads_per_node": 1, "experiment_file": source,
-           "git_commit": command_text(["git", "-C", repo, "rev-parse", "HEAD"]),
-           "git_dirty": bool(command_text(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"]))}
+           **code_revision()}
     try:
         import torch
         rec["torch"] = torch.__version__
