@@ -157,3 +157,31 @@ def test_without_recovery_the_run_fails_naming_the_node(tiny_models, four_worker
     cfg = ring_config(model, [board1, board2])  # no spares: recovery is off by default
     with pytest.raises(batch.RunFailed, match="board2"):
         run_killing(cfg, [(20, board2)])
+
+
+def test_an_idle_server_replaces_a_dead_worker_before_the_next_request(tmp_path, tiny_models, four_workers):
+    """The watchdog named the dead node within a second, but an idle server recovered only at
+    the next request's first step (which then waited for it) and said "up" meanwhile."""
+    import time
+    import requests
+    from conftest import ServeProcess
+    from ringconfigs import write_run_config
+    board1, board2, spare = four_workers[:3]
+    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], [board1, board2], layers=[1, 1, 2],
+                            worker_name="board%d", spares=[spare],
+                            runtime={"threads": 1, "heartbeat_interval": 0.2, "ring_timeout": 30},
+                            serve={"max_in_flight": 2, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        body = {"prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+        before = requests.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        board1.proc.kill()
+        deadline = time.monotonic() + 90
+        while server.metrics().get("mdi_recoveries_total", 0) < 1:  # no request meanwhile
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.3)
+        assert server.get("/health").status_code == 200
+        after = requests.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        assert after == before
+    finally:
+        assert server.stop() == 0, server.output()

@@ -243,7 +243,7 @@ class Scheduler:
             self._drain_inbox(block=not engine.in_flight and not self._waiting and job is None)
             try:
                 self._admit()
-                advanced = self._step() if engine.in_flight or job is not None else 0  # the job's frames come back here
+                advanced = self._step(bool(engine.in_flight) or job is not None)  # the job's frames come back here
                 if job is not None:  # once the next passes have left: training yields (mdi.serving.train_job)
                     job.pump(busy=bool(engine.in_flight), turn=advanced > 0 or not engine.in_flight)
             except Exception as e:  # the engine already tried to recover
@@ -343,11 +343,11 @@ class Scheduler:
             self.stats.starter_busy(engine.busy_seconds - busy)
             room -= 1
 
-    def _step(self) -> int:
-        """One engine step; the number of samples it advanced."""
+    def _step(self, working: bool) -> int:
+        """One engine step (idle: one that waits for nothing, where a node found failed is recovered)."""
         engine = self._live_engine()
         busy = engine.busy_seconds  # the starter's own layers, head and sampling
-        advanced = engine.step(timeout=STEP_TIMEOUT)  # a recovery within it calls _recovered
+        advanced = engine.step(timeout=STEP_TIMEOUT if working else 0.0)  # a recovery within it calls _recovered
         if advanced:
             self.stats.starter_step(engine.busy_seconds - busy, len(advanced))
         for sample in advanced:

@@ -310,8 +310,10 @@ class Engine(RuntimeAdapters, RecoveryLog):
         self.live_pipeline.admit(sample)
 
     def step(self, timeout: Optional[float] = None) -> List[Sample]:
-        """One frame's worth of progress; a node failure is recovered from when allowed."""
+        """One frame's worth of progress; a node failure is recovered from when allowed (one the
+        watchdog found too, with nothing in flight: an idle server had kept a dead node)."""
         try:
+            self._check()
             return self.live_pipeline.step(timeout)
         except (NodeError, RingTimeout) as e:
             self._recover(self.named_failure(e))
