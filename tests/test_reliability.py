@@ -199,6 +199,20 @@ def test_control_client_says_what_happened_by_type():
             client.push_weights(b"x" * (64 << 20))  # more than the socket buffers take
         with pytest.raises(NodeUnreachable, match="gone.*cannot connect"):
             ControlClient(NodeSpec("gone", port=dead), connect_timeout=0.5).health()
+        # an adapter's matrices wait ADAPTER_TIMEOUT_S, not init_timeout (600 s, for weight loads)
+        import mdi.starter.control as control
+        frozen = socket.socket()  # (the first one's backlog is full by now)
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(8)
+        slow_load = ControlClient(NodeSpec("frozen", port=frozen.getsockname()[1]), connect_timeout=5,
+                                  init_timeout=600)
+        old, control.ADAPTER_TIMEOUT_S = control.ADAPTER_TIMEOUT_S, 0.5
+        try:
+            with pytest.raises(NodeTimeout, match="POST /adapters/3 timed out"):
+                slow_load.post_adapter(3, b"x" * 1024)
+        finally:
+            control.ADAPTER_TIMEOUT_S = old
+            frozen.close()
     finally:
         hung.close()
 

@@ -22,6 +22,10 @@ from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
 
+# A worker installs an adapter's matrices in seconds: one that has not answered in this long is hung
+# (an adapter load beside a hung worker had waited runtime.init_timeout, 600 s, meant for weight loads).
+ADAPTER_TIMEOUT_S = 60.0
+
 # requests (with urllib3 and ssl) is imported where a node is first called, not here: a starter
 # with no workers never makes a call, and the import alone holds 12 MB resident.
 if TYPE_CHECKING:
@@ -274,7 +278,7 @@ class ControlClient:
 
     def post_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
         """A LoRA's matrices for this worker's layers (mdi.ring.adapter_request)."""
-        return self._call("POST", "/adapters/%d" % adapter, self.init_timeout, data=body,
+        return self._call("POST", "/adapters/%d" % adapter, min(self.init_timeout, ADAPTER_TIMEOUT_S), data=body,
                           headers={"Content-Type": "application/octet-stream"})
 
     def post_train(self, body: bytes) -> Dict[str, Any]:
