@@ -337,9 +337,10 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 def check_quant(where: str, model: ModelSpec) -> None:
     if model.quant not in QUANT_MODES:
         raise ConfigError("%s: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), model.quant))
-    problem = group_size_problem(model.quant, model.group_size) if model.group_size is not None else None
+    group = model.group_size
+    problem = group_size_problem(model.quant, group) if group is not None else None
     if problem is not None:
-        raise ConfigError("%s: group_size %d: %s" % (where, model.group_size, problem))
+        raise ConfigError("%s: group_size %s: %s" % (where, group, problem))
 
 
 def _check_generation(where: str, gen: GenerationSpec, flags: bool = False) -> None:

@@ -14,8 +14,8 @@ from mdi.serving.api import MAX_BODY_BYTES, create_app
 from mdi.serving.prompts import ChatTemplate
 from mdi.serving.scheduler import Scheduler
 from mdi.serving.validation import ApiError
-from mdi.starter.batch import Interrupted
 from mdi.system.http_server import Admit
+from mdi.system.interrupt import Interrupted
 
 log = logging.getLogger(__name__)
 

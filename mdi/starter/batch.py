@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mdi.runconfig import RunConfig
+from mdi.system.interrupt import Interrupted  # (batch.Interrupted: the name the CLI catches)
 from mdi.starter.engine import Engine
 from mdi.starter.node_report import NodeReport, ring_reports, starter_report
 from mdi.model.source import ModelSource
@@ -87,15 +88,6 @@ def run(cfg: RunConfig, prompts: List[str],
     result = _result(engine, samples, elapsed, workers)
     result.extra.update(plan_record)
     return result
-
-
-class Interrupted(BaseException):
-    """Raised in the main thread by a signal handler (the CLI's, for SIGTERM): stop the run
-    as Ctrl-C does. A BaseException, like KeyboardInterrupt, so no `except Exception` eats it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__("signal %d" % signum)
-        self.signum = signum
 
 
 class RunFailed(RuntimeError):

@@ -1,4 +1,5 @@
-"""A deadline for Python code running in this thread, enforced from another thread.
+"""A deadline for Python code running in this thread, enforced from another thread; and the
+exception a signal raises to stop a run (Interrupted).
 
 Some work cannot check a clock itself: a chat template is the model file's code, and a Jinja
 loop that writes nothing (`{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}` over two
@@ -10,6 +11,16 @@ import ctypes
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Type
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by a signal handler (the CLI's, for SIGTERM; a server's as its
+    ring opens): stop the run as Ctrl-C does. A BaseException, like KeyboardInterrupt, so no
+    `except Exception` eats it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__("signal %d" % signum)
+        self.signum = signum
 
 
 class DeadlinePassed(Exception):

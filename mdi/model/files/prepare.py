@@ -159,7 +159,7 @@ def _check_quant(quant: str, group_size: Optional[int]) -> Optional[str]:
     """The GGUF type --quant names (None: one of the torch modes), or a one-line error."""
     problem = group_size_problem(quant, group_size) if group_size is not None else None
     if problem is not None:
-        raise CheckpointError("--group-size %d: %s" % (group_size, problem))
+        raise CheckpointError("--group-size %s: %s" % (group_size, problem))
     if quant in QUANT_MODES:
         return None
     if not gguf_export.is_gguf_type(quant):
