@@ -175,12 +175,16 @@ def test_an_idle_server_replaces_a_dead_worker_before_the_next_request(tmp_path,
     try:
         body = {"prompt": "Once upon", "max_tokens": 8, "temperature": 0}
         before = requests.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        lookups = server.metrics()["mdi_prefix_cache_lookups_total"]
         board1.proc.kill()
         deadline = time.monotonic() + 90
         while server.metrics().get("mdi_recoveries_total", 0) < 1:  # no request meanwhile
             assert time.monotonic() < deadline, server.output()
             time.sleep(0.3)
         assert server.get("/health").status_code == 200
+        metrics = server.metrics()
+        assert metrics['mdi_node_up{node="board1"}'] == 0 and metrics['mdi_node_up{node="spare1"}'] == 1, metrics
+        assert metrics["mdi_prefix_cache_lookups_total"] == lookups >= 1  # a counter never goes back
         after = requests.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         assert after == before
     finally:

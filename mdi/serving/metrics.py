@@ -282,6 +282,10 @@ class Observer:
         spares = list(engine.spares) if engine is not None else list(cfg.spares)
         self._track_recoveries(engine)
         with self._lock:
+            # every node configured is known from the first snapshot: one lost before any listed
+            # it (a spare dying as it takes over, a second worker lost at once) stays listed, down
+            for node in list(cfg.nodes) + list(cfg.spares):
+                self._seen.setdefault(node.name, (node, None))
             for i, node in enumerate(ring):
                 self._seen[node.name] = (node, ranges[i] if i < len(ranges) else None)
             listed = {n.name for n in ring} | {n.name for n in spares}  # a rebuilt ring's spare was replaced before
@@ -333,11 +337,7 @@ class Observer:
         engine.on_recovery(self._recovered)
 
     def _recovered(self, event: RecoveryEvent) -> None:
-        cfg = self.view.cfg
-        lost = next((n for n in list(cfg.nodes) + list(cfg.spares) if n.name == event.node), None)
-        with self._lock:
-            if lost is not None and lost.name not in self._seen:  # lost before any snapshot listed it
-                self._seen[lost.name] = (lost, None)
+        with self._lock:  # (the node it lost is listed: snapshot knows every node configured)
             self._recoveries.append(event.to_json())
             self._note_error(event.cause, "recovery")
             del self._recoveries[:-self.MAX_RECOVERIES]

@@ -352,9 +352,12 @@ class Engine(RuntimeAdapters, RecoveryLog):
         events: List[RecoveryEvent] = []
         transport, run_id, how, started = self._rebuild(cause, events)
         pipeline = self.live_pipeline
+        counters = pipeline.prefix.counters if pipeline.prefix is not None else None  # they run on (*_total)
         lost = pipeline.reconnect(transport, run_id, self.live_chunk, n_stages=len(self.nodes),
                                   ggml_cuts=bool(self.ggml_nodes()))
         self._enable_prefix_cache()  # empty: the new ring's nodes hold nothing yet
+        if counters is not None and pipeline.prefix is not None:
+            pipeline.prefix.counters = counters
         for sample in lost:
             pipeline.admit(sample)
         events.append(self._record(cause, how, started, recovered=True))
