@@ -250,6 +250,8 @@ def test_mdi_train_cli_checkpoints_and_refuses_an_adapter_of_another_base(tiny_m
     assert len(err) == 1 and "gpt2-lora" in err[0]
     assert train_main(base + ["--steps", "4", "--lr", "0.5", "--resume", str(out / "checkpoint-2")]) == 2
     assert "another run" in capsys.readouterr().err
+    assert train_main(fresh + ["--method", "prompt"]) == 2  # base says --rank 2: a LoRA's, ignored silently before
+    assert "--rank: a LoRA's, and --method prompt trains a soft prompt" in capsys.readouterr().err
     assert train_main(base + ["--eval-every", "2"]) == 2  # without --eval it evaluated nothing, silently
     assert "--eval-every goes with --eval FILE" in capsys.readouterr().err
     # an adapter already there, the model's folder: never written over

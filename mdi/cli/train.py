@@ -15,6 +15,9 @@ from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, RunConfig, load_config
 from mdi.system.files import write_json
 
+LORA_DEFAULTS = {"rank": 8, "alpha": 16.0, "targets": "q,k,v,o,gate,up,down"}  # --method lora's flags
+
+
 def train_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="mdi-train",
@@ -37,9 +40,11 @@ def train_parser() -> argparse.ArgumentParser:
                    help="--method prompt: the virtual tokens start as N(0, 1) drawn from --seed, or as the "
                         "embeddings of --prompt-init-text's tokens, repeated or cut to N (PEFT's PromptTuningInit)")
     p.add_argument("--prompt-init-text", metavar="TEXT", help="the text --prompt-init text starts from")
-    p.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r (default 8)")
-    p.add_argument("--alpha", type=positive_float, default=16.0, help="LoRA alpha; the scale is alpha / r (default 16)")
-    p.add_argument("--targets", default="q,k,v,o,gate,up,down",
+    # (None until resolved: --method prompt refuses them given, where they would change nothing)
+    p.add_argument("--rank", type=positive_int, help="LoRA rank r (default %d)" % LORA_DEFAULTS["rank"])
+    p.add_argument("--alpha", type=positive_float, help="LoRA alpha; the scale is alpha / r (default %g)"
+                   % LORA_DEFAULTS["alpha"])
+    p.add_argument("--targets",
                    help="modules to adapt, of q,k,v,o,gate,up,down (GPT-2: q/k/v are c_attn, gate/up c_fc, "
                         "down the MLP's c_proj; default all)")
     p.add_argument("--steps", type=positive_int, default=10, help="optimizer steps (default 10)")
@@ -98,6 +103,11 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         prompt_method = args.method == "prompt"
         if (args.prompt_init == "text") != bool(args.prompt_init_text) or (args.prompt_init_text and not prompt_method):
             raise ConfigError("--prompt-init-text goes with --method prompt --prompt-init text, and they need it")
+        given = [flag for flag in LORA_DEFAULTS if getattr(args, flag) is not None]
+        if args.method == "prompt" and given:
+            raise ConfigError("--%s: a LoRA's, and --method prompt trains a soft prompt (no LoRA)" % given[0])
+        for flag, default in LORA_DEFAULTS.items():
+            setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
         if args.eval_every and not args.eval:
             raise ConfigError("--eval-every goes with --eval FILE (the held-out data it evaluates)")
         check_output(args.out, "--out", folder=True)  # before training, whose result would be lost
