@@ -41,8 +41,8 @@ def train_parser() -> argparse.ArgumentParser:
                         "embeddings of --prompt-init-text's tokens, repeated or cut to N (PEFT's PromptTuningInit)")
     p.add_argument("--prompt-init-text", metavar="TEXT", help="the text --prompt-init text starts from")
     # (None until resolved: --method prompt refuses them given, where they would change nothing)
-    p.add_argument("--rank", type=positive_int, help="LoRA rank r (default %d)" % LORA_DEFAULTS["rank"])
-    p.add_argument("--alpha", type=positive_float, help="LoRA alpha; the scale is alpha / r (default %g)"
+    p.add_argument("--rank", type=positive_int, help="LoRA rank r (default %s)" % LORA_DEFAULTS["rank"])
+    p.add_argument("--alpha", type=positive_float, help="LoRA alpha; the scale is alpha / r (default %s)"
                    % LORA_DEFAULTS["alpha"])
     p.add_argument("--targets",
                    help="modules to adapt, of q,k,v,o,gate,up,down (GPT-2: q/k/v are c_attn, gate/up c_fc, "
