@@ -17,9 +17,10 @@ import os
 import platform
 import threading
 import time
-from typing import Any, Dict, Iterator, Optional, Set
+from typing import Any, Callable, Dict, Iterator, Optional, Set, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _SAID_DAMAGED: Set[str] = set()  # cache files whose damage was said (MachineCache._damaged)
 MERGE_WAIT_S = 60.0  # for another process's merge into a file: milliseconds
 MEASURE_WAIT_S = 300.0  # for another process's measurement: seconds (a minute on a busy board)
@@ -115,23 +116,28 @@ class MachineCache:
             machines.setdefault(digest(machine_key()), {})[key] = value
             self.write(machines)
 
-    @contextlib.contextmanager
-    def turn(self, wait_s: float = MEASURE_WAIT_S) -> Iterator[None]:
-        """This file's lock while the body measures what it will keep here, so a second process
-        waits and then recalls the first's result instead of timing beside it (each timing the
-        other's load); past `wait_s` it measures anyway, and says so."""
+    def recall_or_measure(self, recall: Callable[[], Optional[T]], measure: Callable[[], T],
+                          wait_s: float = MEASURE_WAIT_S) -> T:
+        """`recall()`, else `measure()` (which keeps its result here with `remember`) under this
+        file's lock, so a second process waits and then recalls the first's result instead of
+        timing beside it (each timing the other's load); past `wait_s` it measures anyway, and
+        says so."""
+        got = recall()
+        if got is not None:
+            return got
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(self.locked(wait_s))
             except RuntimeError as e:
                 log.warning("mdi: %s: measuring beside it", e)
-            yield
+            got = recall()  # measured by another process while this one waited
+            return got if got is not None else measure()
 
     @contextlib.contextmanager
     def locked(self, wait_s: float) -> Iterator[None]:
         """This file's exclusive lock (none where the folder cannot be written); RuntimeError
-        after `wait_s` seconds held by another process. Re-entrant in one thread (a `turn`'s
-        body keeps its result with `remember`)."""
+        after `wait_s` seconds held by another process. Re-entrant in one thread (recall_or_measure's
+        `measure` keeps its result with `remember`)."""
         held = getattr(_HELD, "paths", None)
         if held is None:
             held = _HELD.paths = set()

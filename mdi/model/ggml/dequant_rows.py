@@ -109,20 +109,19 @@ def measure_rule(backend: lib.ComputeBackend, weights: Dict[str, Any], names: Li
     if key is None:
         return None
     if key not in _measured:
-        rule = _recall(key)
-        if rule is None:
-            with CACHE.turn():
-                rule = _recall(key)  # measured by another process while this one waited
-                if rule is None:
-                    log.info("ggml: timing %d matrices quantized and dequantized for prefill passes (once per "
-                             "machine)", len(names))
-                    t0 = time.perf_counter()
-                    rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
-                    remember(key, rule)
-                    log.info("ggml: prefill weights: %s (measured in %.1f s)", rule_text(rule, "dequantized"),
-                             time.perf_counter() - t0)
+        rule = CACHE.recall_or_measure(lambda: _recall(key), lambda: _timed(backend, weights, names, key))
         _measured[key] = rule or None
     return _measured[key]
+
+
+def _timed(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str], key: str) -> Optional[DequantRule]:
+    """The rule for `names` measured here, said and kept for the machine."""
+    log.info("ggml: timing %d matrices quantized and dequantized for prefill passes (once per machine)", len(names))
+    t0 = time.perf_counter()
+    rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
+    remember(key, rule)
+    log.info("ggml: prefill weights: %s (measured in %.1f s)", rule_text(rule, "dequantized"), time.perf_counter() - t0)
+    return rule
 
 
 def probe_key(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str]) -> Optional[str]:

@@ -57,22 +57,23 @@ def split_sizes(backend: lib.ComputeBackend, weights: Dict[str, Any],
         key = _group_key(probe, backend.threads)
         sizes = _measured.get(key)
         if sizes is None:
-            sizes = _recall(key)
-        if sizes is None:
-            with CACHE.turn():
-                sizes = _recall(key)  # measured by another process while this one waited
-                if sizes is None:
-                    log.info("ggml: timing %d matrices (%s) row by row and whole for passes of 2-%d rows (once per "
-                             "machine)", len(names), _types(probe), MAX_SPLIT_ROWS)
-                    sizes = _measure(backend, probe)
-                    _remember(key, sizes)
-                    if sizes:
-                        log.info("ggml: %d matrices (%s) are multiplied row by row in passes of %s rows (measured "
-                                 "faster than one product)", len(names), _types(probe), ",".join(map(str, sorted(sizes))))
+            sizes = CACHE.recall_or_measure(lambda: _recall(key), lambda: _timed(backend, probe, key, len(names)))
         _measured[key] = sizes
         for name in names:
             out[name] = sizes
     return out
+
+
+def _timed(backend: lib.ComputeBackend, probe: List[Any], key: str, n: int) -> FrozenSet[int]:
+    """The `n` matrices' split sizes measured here (on `probe`), said and kept for the machine."""
+    log.info("ggml: timing %d matrices (%s) row by row and whole for passes of 2-%d rows (once per machine)",
+             n, _types(probe), MAX_SPLIT_ROWS)
+    sizes = _measure(backend, probe)
+    _remember(key, sizes)
+    if sizes:
+        log.info("ggml: %d matrices (%s) are multiplied row by row in passes of %s rows (measured faster than "
+                 "one product)", n, _types(probe), ",".join(map(str, sorted(sizes))))
+    return sizes
 
 
 def _type_name(w: Any) -> str:
