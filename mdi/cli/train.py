@@ -182,10 +182,10 @@ def _check_out(out: str, cfg: RunConfig, resume: Optional[str]) -> None:
     this run's own, resumed from one of its checkpoints there."""
     from mdi.model.adapters.adapter_files import CONFIG_FILE, WEIGHTS_FILE
     from mdi.serving.served_files import ServedFiles
-    clash = ServedFiles(cfg.model.path, cfg.adapters).clash(os.path.realpath(out))
+    real = os.path.realpath(out)
+    clash = ServedFiles(cfg.model.path, cfg.adapters).clash(real)
     if clash is not None:
         raise ConfigError("--out %s %s: training must not write over the files runs read" % (out, clash))
-    real = os.path.realpath(out)
     if resume is not None and os.path.commonpath([os.path.realpath(resume), real]) == real:
         return
     held = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if os.path.exists(os.path.join(out, f))]

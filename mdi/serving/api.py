@@ -242,14 +242,14 @@ class Routes:
     def _check_parameters(self, tools: ToolChoice) -> None:
         """Each function's parameters compiled alone, once per schema (agents send the same tools
         with every request): a 400 naming the function where no text satisfies them."""
+        assert self.grammars is not None  # (the caller asks only where a constrained sampler exists)
         for name, spec in parameter_specs(tools):
             if spec in self._sound_parameters:
                 continue
             try:
-                self._compile(spec)
-            except ApiError as e:
-                raise ApiError(400, "'tools': function %r's parameters: %s" % (name[:64], e.message.split(": ", 1)[-1]),
-                               "tools") from None
+                self.grammars.compile(spec)
+            except ConstraintError as e:
+                raise ApiError(400, "'tools': function %r's parameters: %s" % (name[:64], e), "tools") from None
             if len(self._sound_parameters) >= MAX_SOUND_PARAMETERS:
                 self._sound_parameters.clear()
             self._sound_parameters.add(spec)
