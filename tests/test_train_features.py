@@ -251,7 +251,9 @@ def test_mdi_train_cli_checkpoints_and_refuses_an_adapter_of_another_base(tiny_m
     assert train_main(base + ["--steps", "4", "--lr", "0.5", "--resume", str(out / "checkpoint-2")]) == 2
     assert "another run" in capsys.readouterr().err
     assert train_main(fresh + ["--method", "prompt"]) == 2  # base says --rank 2: a LoRA's, ignored silently before
-    assert "--rank: a LoRA's, and --method prompt trains a soft prompt" in capsys.readouterr().err
+    assert "--rank goes with --method lora, and --method prompt trains a soft prompt" in capsys.readouterr().err
+    assert train_main(fresh + ["--num-virtual-tokens", "4"]) == 2  # a soft prompt's, ignored silently before
+    assert "--num-virtual-tokens goes with --method prompt, and --method lora trains a LoRA" in capsys.readouterr().err
     assert train_main(base + ["--eval-every", "2"]) == 2  # without --eval it evaluated nothing, silently
     assert "--eval-every goes with --eval FILE" in capsys.readouterr().err
     # an adapter already there, the model's folder: never written over

@@ -16,6 +16,7 @@ from mdi.runconfig import ConfigError, RunConfig, load_config
 from mdi.system.files import write_json
 
 LORA_DEFAULTS = {"rank": 8, "alpha": 16.0, "targets": "q,k,v,o,gate,up,down"}  # --method lora's flags
+PROMPT_DEFAULTS = {"num_virtual_tokens": 8, "prompt_init": "random"}  # --method prompt's flags
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -34,13 +35,16 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="lora", choices=["lora", "prompt"],
                    help="lora: every node trains a LoRA of its layers; prompt: prompt tuning, virtual tokens "
                         "trained on the starter, the whole base frozen (default lora)")
-    p.add_argument("--num-virtual-tokens", type=positive_int, default=8, metavar="N",
-                   help="--method prompt: virtual tokens put before every window (default 8)")
-    p.add_argument("--prompt-init", default="random", choices=["random", "text"],
+    # (the two methods' flags are None until resolved: the other method refuses them given, where they would
+    # change nothing)
+    p.add_argument("--num-virtual-tokens", type=positive_int, metavar="N",
+                   help="--method prompt: virtual tokens put before every window (default %s)"
+                   % PROMPT_DEFAULTS["num_virtual_tokens"])
+    p.add_argument("--prompt-init", choices=["random", "text"],
                    help="--method prompt: the virtual tokens start as N(0, 1) drawn from --seed, or as the "
-                        "embeddings of --prompt-init-text's tokens, repeated or cut to N (PEFT's PromptTuningInit)")
+                        "embeddings of --prompt-init-text's tokens, repeated or cut to N (PEFT's PromptTuningInit; "
+                        "default %s)" % PROMPT_DEFAULTS["prompt_init"])
     p.add_argument("--prompt-init-text", metavar="TEXT", help="the text --prompt-init text starts from")
-    # (None until resolved: --method prompt refuses them given, where they would change nothing)
     p.add_argument("--rank", type=positive_int, help="LoRA rank r (default %s)" % LORA_DEFAULTS["rank"])
     p.add_argument("--alpha", type=positive_float, help="LoRA alpha; the scale is alpha / r (default %s)"
                    % LORA_DEFAULTS["alpha"])
@@ -103,11 +107,7 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         prompt_method = args.method == "prompt"
         if (args.prompt_init == "text") != bool(args.prompt_init_text) or (args.prompt_init_text and not prompt_method):
             raise ConfigError("--prompt-init-text goes with --method prompt --prompt-init text, and they need it")
-        given = [flag for flag in LORA_DEFAULTS if getattr(args, flag) is not None]
-        if args.method == "prompt" and given:
-            raise ConfigError("--%s: a LoRA's, and --method prompt trains a soft prompt (no LoRA)" % given[0])
-        for flag, default in LORA_DEFAULTS.items():
-            setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
+        _resolve_method_flags(args, prompt_method)
         if args.eval_every and not args.eval:
             raise ConfigError("--eval-every goes with --eval FILE (the held-out data it evaluates)")
         check_output(args.out, "--out", folder=True)  # before training, whose result would be lost
@@ -174,6 +174,19 @@ def train_main(argv: Optional[List[str]] = None) -> int:
     if not args.out:
         print("mdi-train: no --out given: the trained adapter was not written", file=sys.stderr)
     return 0
+
+
+def _resolve_method_flags(args: argparse.Namespace, prompt_method: bool) -> None:
+    """Refuse the other method's flags (they would change nothing), then fill this method's defaults."""
+    own, other = (PROMPT_DEFAULTS, LORA_DEFAULTS) if prompt_method else (LORA_DEFAULTS, PROMPT_DEFAULTS)
+    given = [flag for flag in other if getattr(args, flag) is not None]
+    if given:
+        raise ConfigError("--%s goes with --method %s, and --method %s trains %s" % (
+            given[0].replace("_", "-"), "lora" if prompt_method else "prompt", args.method,
+            "a soft prompt (no LoRA)" if prompt_method else "a LoRA (no soft prompt)"))
+    for flag, default in {**LORA_DEFAULTS, **PROMPT_DEFAULTS}.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
 
 
 def _check_out(out: str, cfg: RunConfig, resume: Optional[str]) -> None:
