@@ -47,10 +47,10 @@ def test_a_patch_through_an_old_name_reaches_the_new_module():
     with mock.patch("mdi.starter.run_plan.plan_run", "patched"):
         assert run_plan.plan_run == "patched"
     assert run_plan.plan_run != "patched"
-    with mock.patch("mdi.model.grammar_cost.largest_repeat", return_value=7) as seen:
+    with mock.patch("mdi.model.grammar_cost.repeat_cost", return_value=7) as seen:
         assert grammar_cost.spec_repeat("regex", "a{2}") == 7  # the new module's code calls the patch
     seen.assert_called_once_with("a{2}")
-    assert grammar_cost.spec_repeat("regex", "a{2}") == 2
+    assert grammar_cost.spec_repeat("regex", "a{2}") == grammar_cost.RepeatCost(largest=2, added=1)
 
 
 def test_the_old_names_are_no_files():

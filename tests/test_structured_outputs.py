@@ -187,7 +187,12 @@ def test_an_output_nothing_valid_continues_is_neither_accepting_nor_complete(smo
 @pytest.mark.parametrize("kind,text", [("regex", "a{100000}"), ("regex", "((a{100}){100}){10}"), ("regex", "x{1001,}"),
                                        ("json_schema", json.dumps({"items": {"pattern": "^(ab){5000}$"}})),
                                        ("json_schema", json.dumps({"patternProperties": {"^k{9999}$": {}}})),
-                                       ("gbnf", 'root ::= [a-z]{1,5000}'), ("lark", 'start: ("a" "b"){2000}')])
+                                       ("gbnf", 'root ::= [a-z]{1,5000}'), ("lark", 'start: ("a" "b"){2000}'),
+                                       # each count under the cap, the copies they add over it (h34: 60 such
+                                       # counts made every user's token 20x slower)
+                                       ("regex", "x{999}y" * 11), ("regex", "(x{999}y){11}"),
+                                       ("json_schema", json.dumps({"properties": {"a": {"pattern": "a{999}" * 6},
+                                                                                  "b": {"pattern": "b{999}" * 6}}}))])
 def test_counted_repetitions_past_the_cap_are_refused_naming_the_field(smol_compiler, kind, text):
     _, compiler = smol_compiler
     with pytest.raises(ConstraintError) as e:
@@ -198,6 +203,7 @@ def test_counted_repetitions_past_the_cap_are_refused_naming_the_field(smol_comp
 def test_counted_repetitions_within_the_cap_and_braces_in_data_compile(smol_compiler):
     _, compiler = smol_compiler
     for kind, text in [("regex", "[0-9]{3}-[0-9]{4}"), ("regex", "(a|b){1000}"), ("regex", r"\{5000\}"),
+                       ("regex", "x{999}y" * 9), ("regex", "(%s){3}" % "|".join("w%d" % i for i in range(5000))),
                        ("json_schema", json.dumps({"enum": ["a{5000}"], "description": "x{9999}"})),
                        ("gbnf", 'root ::= "{9999}" [a-z]{1,10}')]:
         compiler.compile(GrammarSpec(kind, text, "f"))
@@ -214,6 +220,20 @@ def test_a_mask_over_the_budget_is_refused_naming_the_field(smol_compiler):
         strict.compile(GrammarSpec("regex", "[a-z]+", "regex"))
     assert e.value.field == "regex" and "token mask takes" in str(e.value) and "\n" not in str(e.value)
     compiler.compile(GrammarSpec("regex", "[a-z]+", "regex"))  # the default budget: typical masks take < 1 ms
+
+
+def test_a_request_s_choices_are_charged_together_against_the_mask_budget(smol_compiler, monkeypatch):
+    """Every choice computes its own mask each step, so n of them cost n probed masks (h34: four
+    masks of 15 ms, each under the budget, slowed every user's token 20x). The probe's time is
+    fixed here: the charge is tested, not a timing."""
+    import copy
+    _, compiler = smol_compiler
+    priced = copy.copy(compiler)
+    monkeypatch.setattr(priced, "_probe", lambda constraint, first: priced.mask_budget_s / 3.5)
+    priced.compile(GrammarSpec("regex", "[a-z]+", "regex"), choices=3)
+    with pytest.raises(ConstraintError) as e:
+        priced.compile(GrammarSpec("regex", "[a-z]+", "regex"), choices=4)
+    assert e.value.field == "regex" and "(4 choices: " in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_mask_past_the_deadline_ends_its_sample_in_one_line(smol_compiler):
@@ -415,6 +435,12 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
     ("json_schema", {"type": "string", "pattern": "^a{100000}$"}, "counted repetition"),
     ("response_format", _format(_obj({"a": {"type": "string", "pattern": "b{2000}"}})), "counted repetition"),
     ("grammar", 'root ::= ("a"{100}){100}', "counted repetition"),
+    ("regex", "x{999}y" * 11, "copies in all"),
+    # bounds llguidance reads as doubles: past 2^53 - 1 an answer it allowed broke the schema (h34)
+    ("response_format", _format(_obj({"id": {"type": "integer", "minimum": 2 ** 53 + 1}})), "2^53 - 1"),
+    ("json_schema", {"type": "integer", "minimum": 1e300, "maximum": 1e301}, "2^53 - 1"),
+    ("tools", [{"type": "function", "function": {"name": "get", "parameters": _obj(
+        {"id": {"type": "integer", "exclusiveMinimum": 2 ** 53}})}}], "function 'get''s parameters: exclusiveMin"),
     # strict as OpenAI means it: every object closed, every property required (strict_schema)
     ("response_format", _format({"allOf": [{"type": "object", "properties": {"emp_id": {"type": "integer"}},
                                             "required": ["emp_id"]}]}),
@@ -589,6 +615,15 @@ def test_number_and_format_runs_are_bounded_by_default(smol_compiler, key, fine,
     assert _takes(compiler, tok, opened, '{"%s": %s}' % (key, too_long)) is (key != "took")
 
 
+def test_integer_bounds_up_to_2_53_are_enforced_exactly(smol_compiler):
+    tok, compiler = smol_compiler
+    top = 2 ** 53 - 1
+    schema = _obj({"id": {"type": "integer", "exclusiveMinimum": top - 2, "maximum": top}})
+    assert _takes(compiler, tok, schema, '{"id": %d}' % top)
+    assert not _takes(compiler, tok, schema, '{"id": %d}' % (top - 2))
+    assert not _takes(compiler, tok, schema, '{"id": %d}' % (top + 1))
+
+
 def test_time_and_duration_answers_end_valid(smol_server):
     schema = _obj({"time": {"type": "string", "format": "time"}, "took": {"type": "string", "format": "duration"},
                    "count": {"type": "integer"}})
@@ -635,6 +670,21 @@ def test_a_grammar_too_wide_to_run_is_a_400_naming_grammar(smol_server):
 # which killed the whole server (SIGSEGV); built on a deep stack (mdi.system.deep_stack) it is a 400.
 CHAINED = ("root ::= " + " | ".join("r%d" % i for i in range(4000)) + "\n"
            + "\n".join('r%d ::= "%s" r%d?' % (i, "x" * (i % 7 + 1), (i + 1) % 4000) for i in range(4000)))
+
+
+def test_the_emptiness_check_judges_a_long_chain_of_rules_once_per_rule(monkeypatch):
+    """A rule is judged again only when a rule it names turns productive: a chain of 8,300 rules,
+    all judged again each round, took 43 s of a server thread (h34)."""
+    from mdi.model.constraints import grammar_empty
+    judged = []
+    real = grammar_empty._derives
+    monkeypatch.setattr(grammar_empty, "_derives", lambda body, productive: judged.append(1) or real(body, productive))
+    n = 3000
+    chain = "start: r0\n" + "".join("r%d: r%d\n" % (i, i + 1) for i in range(n)) + 'r%d: "z"\n' % n
+    # (every call counts: a rule's body is 3 nested parts here, and _derives recurses into each)
+    assert grammar_empty.derives_text(chain) is True
+    assert len(judged) <= 3 * 3 * (n + 2), len(judged)
+    assert grammar_empty.derives_text(chain.replace('"z"', 'r0 "z"')) is False  # a cycle with no way out
 
 
 def test_a_grammar_of_thousands_of_chained_rules_is_a_400_and_the_server_lives(smol_server):

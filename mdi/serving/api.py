@@ -226,16 +226,16 @@ class Routes:
                                                      opts.stop_token_ids, opts.min_tokens, opts.ignore_eos,
                                                      opts.include_stop_str))
         if req.grammar is not None:
-            req.constraint = self._compile(req.grammar)
+            req.constraint = self._compile(req.grammar, opts.n)
         req.hidden_ids = self.control.hidden(opts.skip_special_tokens, tools)
         return Choices(req, opts.n, more_prompts)
 
-    def _compile(self, spec: GrammarSpec) -> Constraint:
+    def _compile(self, spec: GrammarSpec, choices: int) -> Constraint:
         if self.grammars is None:
             raise ApiError(400, "'%s': structured outputs are off on this server: %s"
                            % (spec.field, constraint_unavailable()), spec.field)
         try:
-            return self.grammars.compile(spec)
+            return self.grammars.compile(spec, choices)
         except ConstraintError as e:
             raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
 

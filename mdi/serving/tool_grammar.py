@@ -85,11 +85,18 @@ def parameter_specs(choice: ToolChoice) -> List[Tuple[str, GrammarSpec]]:
     """Each function's name and its parameters as a grammar of their own, for the server to
     compile alone: one no text satisfies shows at once there, where inside the call's grammar it
     showed only once a sample reached it (a 503 after seconds of holding a slot)."""
-    try:
-        return [(f["name"], GrammarSpec("json_schema", json.dumps(bounded(f["parameters"])), "tools",
-                                        bool(f.get("strict")))) for f in choice.functions]
-    except BoundsError as e:
-        raise ApiError(400, "'tools': %s" % e, "tools") from None
+    specs = []
+    for f in choice.functions:
+        try:
+            specs.append((f["name"], GrammarSpec("json_schema", json.dumps(bounded(f["parameters"])), "tools",
+                                                 bool(f.get("strict")))))
+        except BoundsError as e:
+            raise _refused(f, e) from None
+    return specs
+
+
+def _refused(function: Dict[str, Any], error: BoundsError) -> ApiError:
+    return ApiError(400, "'tools': function %r's parameters: %s" % (function["name"][:64], error), "tools")
 
 
 def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat,
@@ -103,10 +110,12 @@ def tool_grammar(choice: Optional[ToolChoice], fmt: ToolFormat,
     if not required and output is not None and output.kind not in ("json_schema", "json_object"):
         return None
     args_key = "parameters" if fmt.family == LLAMA3 else "arguments"
-    try:
-        calls = [_call(f, args_key) for f in choice.functions]
-    except BoundsError as e:
-        raise ApiError(400, "'tools': %s" % e, "tools") from None
+    calls = []
+    for f in choice.functions:
+        try:
+            calls.append(_call(f, args_key))
+        except BoundsError as e:
+            raise _refused(f, e) from None
     text = None if required else _text(output)
     lines = ["%llguidance {}"] + ["call%d: %s" % (i, c) for i, c in enumerate(calls)]
     lines.append("body: " + " | ".join("call%d" % i for i in range(len(calls))))

@@ -19,7 +19,8 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 
-from mdi.model.constraints.grammar_cost import MASK_BUDGET_S, MASK_DEADLINE_S, MAX_REPEAT, spec_repeat
+from mdi.model.constraints.grammar_cost import (MASK_BUDGET_S, MASK_DEADLINE_S, MAX_REPEAT, MAX_REPEAT_ADDED,
+                                               spec_repeat)
 from mdi.model.constraints.grammar_empty import derives_text
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.constraints.schema_bounds import bounded
@@ -114,9 +115,12 @@ class GrammarCompiler:
         if len(spec.text) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(spec.field, "longer than %d characters" % MAX_GRAMMAR_CHARS)
         repeat = spec_repeat(spec.kind, spec.text)
-        if repeat > MAX_REPEAT:
+        if repeat.largest > MAX_REPEAT:
             raise ConstraintError(spec.field, "a counted repetition of %d (nested counts multiplied) is more than %d: "
-                                  "its token masks would slow every request" % (repeat, MAX_REPEAT))
+                                  "its token masks would slow every request" % (repeat.largest, MAX_REPEAT))
+        if repeat.added > MAX_REPEAT_ADDED:
+            raise ConstraintError(spec.field, "its counted repetitions add %d copies in all, more than %d: its token "
+                                  "masks would slow every request" % (repeat.added, MAX_REPEAT_ADDED))
         try:
             if spec.kind == "json_object":
                 return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -140,8 +144,9 @@ class GrammarCompiler:
             return gbnf_to_lark(spec.text)
         return spec.text
 
-    def compile(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh matcher for `spec`; ConstraintError (naming spec.field) if it does not compile."""
+    def compile(self, spec: GrammarSpec, choices: int = 1) -> "Constraint":
+        """A fresh matcher for `spec`; ConstraintError (naming spec.field) if it does not compile,
+        or if `choices` masks a step (a request's n) would cost more than the mask budget."""
         grammar = self.grammar_text(spec)
         matcher = self._matcher(grammar)
         if matcher.is_error():
@@ -159,9 +164,11 @@ class GrammarCompiler:
         if constraint.dead(first):
             raise ConstraintError(spec.field, "no text satisfies it (nothing it accepts can even start)")
         spent = self._probe(constraint, first)
-        if spent > self.mask_budget_s:
-            raise ConstraintError(spec.field, "one token mask takes %.0f ms, more than the %.0f ms this server allows "
-                                  "(a long counted repetition?)" % (spent * 1e3, self.mask_budget_s * 1e3))
+        if spent * choices > self.mask_budget_s:
+            per_step = "" if choices == 1 else " (%d choices: %.0f ms a step)" % (choices, spent * choices * 1e3)
+            raise ConstraintError(spec.field, "one token mask takes %.0f ms%s, more than the %.0f ms this server "
+                                  "allows (a long counted repetition?)"
+                                  % (spent * 1e3, per_step, self.mask_budget_s * 1e3))
         # Copies (a request's other choices) start from this warm start state: a new matcher
         # would build its lexer again, on the scheduler's thread.
         start = matcher.deep_copy()
@@ -214,14 +221,14 @@ class LazyGrammars:
         self._compiler: Optional[GrammarCompiler] = None
         self._lock = threading.Lock()  # request threads compile at once
 
-    def compile(self, spec: GrammarSpec) -> "Constraint":
+    def compile(self, spec: GrammarSpec, choices: int = 1) -> "Constraint":
         with self._lock:
             if self._compiler is None:
                 self._compiler = self._make()
         compiler = self._compiler
         # llguidance recurses once per rule it follows: a long chain of rules overflowed an HTTP
         # thread's stack and killed the server (mdi.system.deep_stack)
-        return on_deep_stack(lambda: compiler.compile(spec))
+        return on_deep_stack(lambda: compiler.compile(spec, choices))
 
 
 def server_grammars(tok: Tokenizer, width: int, mask_deadline_s: float) -> Optional[LazyGrammars]:

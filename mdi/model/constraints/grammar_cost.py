@@ -3,13 +3,14 @@
 A request's token masks are computed on the scheduler's one thread, between every user's
 steps: a costly one slows them all. llguidance's mask time grows with counted repetitions
 (`a{100000}` in a regex or a schema's `pattern`: ~75 ms a token, nested counts multiply:
-`(a{1000}){100}` costs as much), so a request whose counts, multiplied along their nesting,
-pass MAX_REPEAT is refused at once. What this count does not see (a grammar's rules that
-repeat each other) the timed probe in GrammarCompiler catches: one mask past the start,
-timed on the request's own thread against MASK_BUDGET_S.
+`(a{1000}){100}` costs as much; sequential ones add up), so a request whose counts, multiplied
+along their nesting, pass MAX_REPEAT, or whose copies added pass MAX_REPEAT_ADDED, is refused at
+once. What this count does not see (a grammar's rules that repeat each other) the timed probe in
+GrammarCompiler catches: one mask past the start, timed on the request's own thread against
+MASK_BUDGET_S, for all of a request's choices (each computes its own mask every step).
 
 Neither sees a grammar that turns costly further on (alternations of counted wildcards build
-new lexer states token after token: `(.{10}a|.{22}b|...){3}` starts at 1 ms and reaches 19).
+new lexer states token after token: `(.{10}a|.{22}b|...){3}` started at 1 ms and reached 19).
 So every mask during generation is timed too, in CPU time (what it costs the scheduler, however
 busy the machine): a sample whose mask takes more than MASK_DEADLINE_S ends with an error naming
 its grammar, and the other samples go on. llguidance holds the GIL while it computes a mask
@@ -17,9 +18,14 @@ its grammar, and the other samples go on. llguidance holds the GIL while it comp
 scheduler; the deadline bounds what one sample can take instead.
 """
 import json
+from dataclasses import dataclass
 from typing import Any, Iterator, List, Tuple
 
 MAX_REPEAT = 1000  # the largest product of nested counted repetitions ({n}, {n,m}, {n,})
+# The copies all counts add, summed: sequential ones add up (60 of `x{999}y` in a row, each count
+# under MAX_REPEAT, cost 13 ms a mask). Measured on SmolLM2's tokens (AVX2, one thread): ~0.2 ms
+# a mask per 1,000 copies, linear from 1,000 to 60,000, so this keeps a mask near 2 ms.
+MAX_REPEAT_ADDED = 10000
 MASK_BUDGET_S = 0.02  # one token mask, measured once before admission (typical ones: < 1 ms)
 MASK_DEADLINE_S = 0.05  # any token mask during generation (`serve.mask_deadline_ms` sets it)
 
@@ -36,43 +42,59 @@ def _count(text: str, i: int) -> Tuple[int, int]:
     return max(int(p) for p in parts if p), end + 1
 
 
-def largest_repeat(text: str, quoted: bool = False) -> int:
-    """The largest product of counted repetitions along their nesting in a regex (or, with
-    `quoted`, in GBNF/Lark text, whose quoted literals hold no syntax)."""
-    depth_max: List[int] = [1]  # per open group: the largest product inside it so far
-    last = 1  # the product inside the atom just read (a group's, or 1)
+@dataclass(frozen=True)
+class RepeatCost:
+    """What a regex's counted repetitions make of it: `largest`, the largest product of counts
+    along their nesting (one atom's copies); `added`, the copies every count adds, nested ones
+    multiplied, summed over the text (what sizes the lexer: sequential counts add up)."""
+    largest: int = 1
+    added: int = 0
+
+    def __add__(self, other: "RepeatCost") -> "RepeatCost":  # two regexes in one grammar
+        return RepeatCost(max(self.largest, other.largest), self.added + other.added)
+
+
+def repeat_cost(text: str, quoted: bool = False) -> RepeatCost:
+    """The counted repetitions of a regex (or, with `quoted`, of GBNF/Lark text, whose quoted
+    literals hold no syntax). An atom's size is 1 plus the copies counts add inside it (a group's
+    plain characters and alternatives are not copies: a 20,000-word alternation costs little)."""
+    groups: List[List[int]] = [[1, 0]]  # per open group: [the largest product inside it, the copies added in it]
+    last, size = 1, 1  # the atom just read: the product inside it, its size
     best, i, n = 1, 0, len(text)
     while i < n:
         ch = text[i]
         if ch == "\\":
-            i, last = i + 2, 1
+            i, last, size = i + 2, 1, 1
         elif ch == "[":  # a character class: one atom
             j = i + 1
             while j < n and text[j] != "]":
                 j += 2 if text[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last, size = j + 1, 1, 1
         elif quoted and ch == '"':
             j = i + 1
             while j < n and text[j] != '"':
                 j += 2 if text[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last, size = j + 1, 1, 1
         elif ch == "(":
-            depth_max.append(1)
+            groups.append([1, 0])
             i += 1
         elif ch == ")":
-            last = depth_max.pop() if len(depth_max) > 1 else 1
-            depth_max[-1] = max(depth_max[-1], last)
+            largest, added = groups.pop() if len(groups) > 1 else (1, 0)
+            last, size = largest, 1 + added
+            groups[-1][0] = max(groups[-1][0], last)
+            groups[-1][1] += added
             i += 1
         elif ch == "{":
             count, i = _count(text, i)
             if count:
                 product = count * last
-                depth_max[-1] = max(depth_max[-1], product)
+                groups[-1][0] = max(groups[-1][0], product)
+                groups[-1][1] += (count - 1) * size
                 best = max(best, product)
-                last = product
+                last, size = product, count * size
         else:
-            i, last = i + 1, 1
-    return max([best] + depth_max)
+            i, last, size = i + 1, 1, 1
+    return RepeatCost(max([best] + [g[0] for g in groups]), sum(g[1] for g in groups))
 
 
 def schema_patterns(schema: Any) -> Iterator[str]:
@@ -91,16 +113,16 @@ def schema_patterns(schema: Any) -> Iterator[str]:
             yield from schema_patterns(item)
 
 
-def spec_repeat(kind: str, text: str) -> int:
-    """The largest nested counted repetition of a GrammarSpec's text (0 where it has none)."""
+def spec_repeat(kind: str, text: str) -> RepeatCost:
+    """The counted repetitions of a GrammarSpec's text (a schema's patterns together: one lexer)."""
     if kind == "regex":
-        return largest_repeat(text)
+        return repeat_cost(text)
     if kind in ("gbnf", "lark"):
-        return largest_repeat(text, quoted=True)
+        return repeat_cost(text, quoted=True)
     if kind == "json_schema":
         try:
             schema = json.loads(text)
         except ValueError:
-            return 0  # the compiler says what is wrong with it
-        return max([0] + [largest_repeat(p) for p in schema_patterns(schema)])
-    return 0
+            return RepeatCost()  # the compiler says what is wrong with it
+        return sum((repeat_cost(p) for p in schema_patterns(schema)), RepeatCost())
+    return RepeatCost()

@@ -5,14 +5,15 @@ first) but not one whose first token is fine and whose rest has none (`root ::= 
 "b"`): a request would then stream "b" and end wherever its budget does. The classic test says
 it up front: a rule is productive when one of its alternatives is made only of productive parts
 (a literal, a terminal, an optional or repeated-zero-times part, a productive rule), computed
-as a fixed point; the grammar is empty when `start` is not productive.
+as a fixed point (a worklist); the grammar is empty when `start` is not
+productive.
 
 Only what it can read is judged: any syntax it does not know (templates, lookarounds, special
 tokens) makes the answer "unknown", so a grammar is never refused on a guess. Terminals are
 taken as non-empty (llguidance's lexer finds an empty one where it is the only way on).
 """
 import re
-from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 _TOKEN = re.compile(r'''
     (?P<ws>\s+|//[^\n]*)
@@ -188,7 +189,7 @@ def _refs(body: Body) -> Iterator[str]:
             yield from _refs(part)
 
 
-def _derives(body: Body, productive: FrozenSet[str]) -> bool:
+def _derives(body: Body, productive: AbstractSet[str]) -> bool:
     kind = body[0]
     if kind == "yes":
         return True
@@ -209,9 +210,17 @@ def derives_text(lark: str, start: str = "start") -> Optional[bool]:
         return None
     if start not in rules or any(ref not in rules for body in rules.values() for ref in _refs(body)):
         return None  # a name defined elsewhere (%import): no verdict
+    users: Dict[str, Set[str]] = {}  # rule -> the rules that name it
+    for name, body in rules.items():
+        for ref in _refs(body):
+            users.setdefault(ref, set()).add(name)
+    # a worklist: a rule is judged again only when a rule it names turns productive (a chain of
+    # 8,300 rules, judged all again per round, took 43 s)
     productive: Set[str] = set()
-    while True:
-        known = frozenset(productive)
-        productive |= {name for name, body in rules.items() if name not in known and _derives(body, known)}
-        if len(productive) == len(known):
-            return start in productive
+    todo = list(rules)
+    while todo:
+        name = todo.pop()
+        if name not in productive and _derives(rules[name], productive):
+            productive.add(name)
+            todo.extend(user for user in users.get(name, ()) if user not in productive)
+    return start in productive

@@ -30,6 +30,7 @@ A schema overrides the defaults at its root: `"x-mdi-bounds": {"integer_digits":
 unbounded).
 """
 import copy
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Optional
 
@@ -39,7 +40,7 @@ SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "depen
 
 
 class BoundsError(ValueError):
-    """A bad `x-mdi-bounds` object."""
+    """A bad `x-mdi-bounds` object, or a numeric keyword no grammar can enforce exactly."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def _walk(schema: Any, b: Bounds, closable: bool = True) -> None:
     if not isinstance(schema, dict):
         return
     types = _types(schema)
+    _check_exact(schema)
     if closable and isinstance(schema.get("properties"), dict) and not (
             {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(schema)):
         schema["additionalProperties"] = False
@@ -128,6 +130,23 @@ def _bound_numbers(schema: Dict[str, Any], types: set, b: Bounds) -> None:
             schema["maximum"] = cap
     if "number" in types and b.fraction_digits and "multipleOf" not in schema:
         schema["multipleOf"] = float("1e-%d" % b.fraction_digits)
+
+
+NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# llguidance reads these keywords as doubles (saturated to int64): exact up to here, and one past it
+# (an exclusive bound's neighbour) too
+EXACT_LIMIT = 2 ** 53 - 1
+
+
+def _check_exact(schema: Dict[str, Any]) -> None:
+    """A numeric keyword llguidance cannot hold exactly is a BoundsError: past 2^53 - 1 it read
+    `minimum` 9007199254740993 as ...992 and allowed that (and ...992 for `exclusiveMinimum`
+    ...992), and 1e300 as int64's largest, so a `"stop"` answer broke the schema."""
+    for key in NUMBER_KEYWORDS:
+        value: Any = schema.get(key)
+        if _number(value) and not (math.isfinite(value) and abs(value) <= EXACT_LIMIT):
+            raise BoundsError("%s %r: numbers past 2^53 - 1 (%d) cannot be enforced exactly"
+                              % (key, value, EXACT_LIMIT))
 
 
 def _number(value: Any) -> bool:
