@@ -1,5 +1,6 @@
 """Quantized weights: formats, GGUF blocks taken over without loss, kernels chosen by
 measurement, quantized chunks computing what their dequantized twins compute, prepare."""
+import json
 import os
 import subprocess
 
@@ -308,6 +309,37 @@ def test_gguf_keeps_its_quantization_and_computes_the_same(tmp_path):
         c.allocate_cache(1, 16)
     assert torch.allclose(q.head(q.forward_blocks(q.embed(ids, 0), 0, 0)),
                           f.head(f.forward_blocks(f.embed(ids, 0), 0, 0)), atol=1e-5, rtol=0)
+
+
+def test_float_and_other_formats_of_a_k_quant_gguf_round_its_values_once(tmp_path, caplog, monkeypatch):
+    """mdi-prepare --quant none (int8, int4) reads a GGUF's re-rounded types (Q5_0 here, as
+    K-quants and IQ4) as the values they hold: it had taken mdi's int8 rounding of them first and
+    written that (h32: 16-46 % more weight error). The torch backend, which keeps that rounding
+    to hold a file's size, says so in one warning."""
+    pytest.importorskip("gguf")
+    import logging
+
+    from mdi.model.files.gguf import read_gguf
+    from mdi.model.files.prepare import prepare
+    from mdi.model.files.store import load_weights
+    types = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "ffn_down": "Q5_0"}
+    path = _write_llama_gguf(tmp_path / "m.gguf", types)
+    _, floats = read_gguf(path)
+    vocab = tmp_path / "vocab.json"  # (the tiny GGUF holds no tokenizer)
+    vocab.write_text(json.dumps([chr(ord("a") + i) for i in range(26)]))
+    out = prepare(path, str(tmp_path / "none"), [], vocab=str(vocab), quant="none")
+    kept = load_weights(out, (0, 2), True, True, torch.float32)
+    assert torch.equal(kept["blocks.1.mlp.down.weight"], floats["blocks.1.mlp.down.weight"])
+    assert torch.equal(kept["blocks.0.attn.qkv.weight"], floats["blocks.0.attn.qkv.weight"])
+    once = load_weights(prepare(path, str(tmp_path / "int4"), [], vocab=str(vocab), quant="int4"), (0, 2), True, True)
+    spec = QuantSpec("int4", 32)
+    assert torch.equal(once["blocks.1.mlp.down.weight"].dequantize(),
+                       QParts(spec, quantize(floats["blocks.1.mlp.down.weight"], spec), 128).dequantize())
+    monkeypatch.setattr("mdi.model.source.read_tokenizer", lambda path: None)  # (no tokenizer in it)
+    with caplog.at_level(logging.WARNING, logger="mdi.model.source"):
+        ModelSource(path).weights(0, 2, True, True, torch.float32)
+    said = [r.getMessage() for r in caplog.records if "rounds" in r.getMessage()]
+    assert len(said) == 1 and "2 Q5_0 tensors to mdi's int4 / int8" in said[0], said
 
 
 def test_gguf_with_a_type_mdi_cannot_map_names_tensor_and_type(tmp_path):

@@ -181,7 +181,10 @@ class ModelSource:
             if full is None or any(k not in full for k in keys):
                 if full is not None:  # (the first read says nothing: a refusal stays one line)
                     log.info("mdi: %s: reading the checkpoint again for weights a chunk took", self.path)
-                _, full = checkpoints.read_checkpoint(self.path, keep_quant=True)
+                requantized: List[str] = []
+                _, full = checkpoints.read_checkpoint(self.path, keep_quant=True, requantized=requantized)
+                if requantized and self._full is None:
+                    _say_rerounded(self.path, requantized)
                 self._full = full
             return full
 
@@ -296,6 +299,15 @@ def _stored_bytes(w: Stored) -> int:
     from mdi.model.quantization.quant import QParts
     tensors = w.tensors.values() if isinstance(w, QParts) else [w]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _say_rerounded(path: str, requantized: List[str]) -> None:
+    """One line: the torch backend computes a GGUF's K-quant (IQ4, Q5) tensors rounded to mdi's
+    int4 / int8, under every --quant (none dequantizes those), so not the file's values."""
+    kinds = sorted({entry.split()[1] for entry in requantized})
+    log.warning("mdi: %s: the torch backend rounds %d %s tensors to mdi's int4 / int8 (under --quant none too): "
+                "not the file's values; the ggml backend computes them as stored, and mdi-prepare %s --quant none "
+                "reads them exactly", path, len(requantized), "/".join(kinds), path)
 
 
 def _log_requantize(key: str, have: QuantSpec, want: QuantSpec) -> None:

@@ -114,7 +114,9 @@ def _load_tensor(path: str, t, keep_quant: bool, requantized: Optional[List[str]
     if keep_quant and matrix and kind in GGUF_DIRECT:
         return from_gguf_blocks(t.data, kind, shape[0], shape[1])
     if keep_quant and matrix and kind not in GGUF_FLOAT and kind not in GGUF_NEAREST:
-        raise CheckpointError("%s: tensor %s has quant type %s, which mdi cannot map (it maps %s; and re-quantizes %s)"
+        raise CheckpointError("%s: tensor %s has quant type %s, which mdi's torch backend cannot map (it maps %s; "
+                              "and re-quantizes %s); the ggml backend computes it (runtime.backend: ggml), and "
+                              "mdi-prepare --quant none reads it as float"
                               % (path, t.name, kind, ", ".join(sorted(GGUF_DIRECT)), ", ".join(sorted(GGUF_NEAREST))))
     try:
         a = t.values()
