@@ -1,6 +1,7 @@
 """Generation past the model's context: a sample stops there and says so (finish_reason
-"context", one line on stderr), or with generation.context_shift drops the oldest half of its
-generated tokens and goes on, each later token being what the model gives on the shorter window."""
+"context", one line on stderr), or with generation.context_shift keeps its prompt (up to half the
+context), drops the older half of the rest and goes on, each later token being what the model
+gives on the shorter window."""
 import os
 import subprocess
 
@@ -51,12 +52,36 @@ def test_context_shift_goes_on_with_the_later_half(tiny_models):
     # After the last shift each token is the model's greedy choice on the window it had.
     source = ModelSource(model)
     full = source.load_chunk(0, source.config.n_layer, True, True, torch.float32, "cpu")
+    _assert_greedy_on_its_window(full, sample, 300)
+    assert sample.keep == len(sample.prompt_ids)  # a short prompt stays whole
+
+
+def _assert_greedy_on_its_window(full, sample, n_tokens):
+    """After the last shift each token is the model's greedy choice on the window it had: the
+    first `keep` tokens of prompt + generated, then those after `dropped` more."""
     last = sample.shifts[-1]
-    for k in range(last, min(last + 4, 300)):
-        window = sample.prompt_ids + sample.token_ids[sample.dropped:k]
-        assert len(window) <= 128
+    for k in range(last, min(last + 4, n_tokens)):
+        history = sample.prompt_ids + sample.token_ids[:k]
+        window = history[:sample.keep] + history[sample.keep + sample.dropped:]
+        assert len(window) <= 128 and window == sample.window_tokens(0, len(window))
         logits = full.forward_batch(torch.tensor([window]))[0, -1]
         assert int(logits.argmax()) == sample.token_ids[k], k
+
+
+@torch.no_grad()
+def test_a_prompt_that_nearly_fills_the_context_is_shifted_too(tiny_models):
+    """A prompt of 120 of the 128 positions: keeping all of it, each shift freed a token or two
+    and prefilled the whole window again (h33: 10 shifts for 12 tokens). Its head (half the
+    context) is kept and the older half of the rest dropped, so each shift frees a quarter."""
+    model = tiny_models["llama"]
+    prompt = (PROMPT + " ") * 6
+    result = batch.run(config(model, 60, True), [prompt])
+    sample = result.samples[0]
+    assert len(sample.prompt_ids) >= 115 and sample.finish_reason == "length" and len(sample.token_ids) == 60
+    assert sample.keep == 64 and 1 <= len(sample.shifts) <= 3, sample.shifts
+    source = ModelSource(model)
+    _assert_greedy_on_its_window(source.load_chunk(0, source.config.n_layer, True, True, torch.float32, "cpu"),
+                                 sample, 60)
 
 
 def test_context_shift_over_a_ring_gives_the_one_node_ids(tiny_models, workers):

@@ -42,8 +42,9 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1: off)")
     p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it (default 1)")
     p.add_argument("--context-shift", action="store_true",
-                   help="a sample that reaches the model's context drops the oldest half of its generated "
-                        "tokens and goes on (generation.context_shift); without it, it stops there")
+                   help="a sample that reaches the model's context keeps its prompt (up to half the context), "
+                        "drops the older half of the rest and goes on (generation.context_shift); without it, "
+                        "it stops there")
     p.add_argument("--speculation", metavar="|".join(SPECULATION_METHODS[:2] + ("draft:PATH",)),
                    help="speculative decoding (generation.speculation): ngram drafts tokens by prompt lookup "
                         "over each sample's own prompt and output, draft:PATH with a smaller model of the same "

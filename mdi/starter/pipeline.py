@@ -280,7 +280,7 @@ class Pipeline:
             sample.finish_reason = FinishReason.LENGTH
         elif sample.window_len > self.cache.max_len:  # its next position is past the slot
             if self.context_shift:
-                sample.shift_context()
+                sample.shift_context(self.cache.max_len)
                 self.context_shifts += 1
             else:
                 sample.finish_reason = FinishReason.CONTEXT

@@ -36,7 +36,10 @@ class Sample:
     error: Optional[str] = None  # why this sample alone failed (finish_reason "error")
     cancelled: bool = False  # set from any thread; takes effect when the sample's pass returns
     fed: int = 0  # tokens of its window already sent through the ring: in every node's cache
-    dropped: int = 0  # generated tokens left out of the window by context shifts
+    # Context shifts: the window is the first `keep` tokens of prompt + generated (set at the
+    # first shift), then those after `dropped` more
+    keep: int = 0
+    dropped: int = 0
     shifts: List[int] = field(default_factory=list)  # len(token_ids) at each context shift
     adapter: int = 0  # the LoRA adapter it runs with on every node (0: the base model alone)
     # Speculation (mdi.starter.speculation): the current epoch of its passes (frames of older
@@ -112,11 +115,19 @@ class Sample:
 
     def window_tokens(self, start: int, count: int) -> List[int]:
         """Tokens [start, start + count) of that window, without building all of it."""
+        if not self.dropped:
+            return self._history(start, count)
+        head = self._history(start, min(count, self.keep - start)) if start < self.keep else []
+        tail = max(start, self.keep)
+        return head + self._history(tail + self.dropped, start + count - tail)
+
+    def _history(self, start: int, count: int) -> List[int]:
+        """Tokens [start, start + count) of its prompt and generated tokens, all of them."""
         prompt = self.prompt_ids[start:start + count]
         rest = count - len(prompt)
         if rest <= 0:
             return prompt
-        first = self.dropped + max(0, start - len(self.prompt_ids))
+        first = max(0, start - len(self.prompt_ids))
         return prompt + self.token_ids[first:first + rest]
 
     @property
@@ -136,12 +147,16 @@ class Sample:
         """Tokens its next pass still has to send: the rest of the prompt, or the last token."""
         return self.window_len - self.fed
 
-    def shift_context(self) -> None:
-        """Drop the oldest half of the generated tokens still in the window (llama.cpp's context
-        shift) and send the rest again from position 0: every node rebuilds this sample's cache
-        from the shorter window, so its positions (RoPE or learned) stay within the context."""
-        kept = len(self.token_ids) - self.dropped
-        self.dropped += max(1, kept // 2)
+    def shift_context(self, context: int) -> None:
+        """Keep the window's head, its prompt up to half the `context`, drop the older half of
+        the rest, and send what is left again from position 0: every node rebuilds this
+        sample's cache from the shorter window, so its positions (RoPE or learned) stay within
+        the context. (llama.cpp keeps n_keep tokens, by default none but BOS, and moves its KV
+        cache; keeping a whole prompt that nearly filled the context, each shift here freed a
+        token or two and cost a prefill of the whole window: now each frees a quarter of it.)"""
+        if not self.shifts:
+            self.keep = min(len(self.prompt_ids), context // 2)
+        self.dropped += max(1, (self.window_len - self.keep) // 2)
         self.shifts.append(len(self.token_ids))
         self.fed = 0
 
