@@ -83,8 +83,7 @@ class Scheduler:
 
     # --- called from other threads ---------------------------------------------------
     def start(self) -> None:
-        # deep: it computes grammars' token masks, native code that may recurse per rule (deep_stack)
-        self._thread = start_deep_stack_thread(self._main, "mdi-scheduler")
+        self._thread = start_deep_stack_thread(self._main, "mdi-scheduler")  # deep: grammar masks recurse per rule
 
     def submit(self, reqs: Sequence[Request]) -> None:
         """Queue one call's requests (its choices and prompts), all or none."""
@@ -95,7 +94,8 @@ class Scheduler:
                 raise TooManySamples("%d samples (prompts x n) in one request, more than the %d that may wait "
                                      "(serve.max_queue)" % (len(reqs), self.max_queue))
             if self._queued + len(reqs) > self.max_queue:
-                raise QueueFull("%d requests are already waiting; try again later" % self._queued)
+                raise QueueFull("%d samples (prompts x n) wait, and this request's %d would pass the %d that may "
+                                "(serve.max_queue); try again later" % (self._queued, len(reqs), self.max_queue))
             self._queued += len(reqs)
         for req in reqs:
             self._inbox.put(Submit(req))
