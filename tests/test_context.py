@@ -82,6 +82,13 @@ def test_a_prompt_that_nearly_fills_the_context_is_shifted_too(tiny_models):
     source = ModelSource(model)
     _assert_greedy_on_its_window(source.load_chunk(0, source.config.n_layer, True, True, torch.float32, "cpu"),
                                  sample, 60)
+    # after a shift that dropped prompt tokens, the window's prompt part is shorter than the prompt:
+    # passes are cut, decode frames told and drafts made by that (ggml had cut a pass past the window)
+    assert sample.window_prompt_len < len(sample.prompt_ids)
+    cfg = parse_run_config(model, [], n_tokens=60, generation={"context_shift": True, "temperature": 0,
+                                                               "speculation": "ngram"})
+    drafted = batch.run(cfg, [prompt])
+    assert drafted.samples[0].token_ids == sample.token_ids
 
 
 def test_context_shift_over_a_ring_gives_the_one_node_ids(tiny_models, workers):

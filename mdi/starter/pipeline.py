@@ -29,8 +29,8 @@ from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.starter.frame_rows import adapters_together, virtual_rows
 from mdi.starter.pass_compute import computes_logits, logits_of, pass_inputs, takes_host_arrays
 from mdi.starter.pipeline_settings import PipelineSettings
-from mdi.starter import prompt_passes
 from mdi.starter.prefix_cache import PrefixIndex
+from mdi.starter.prompt_passes import replay_pass_rows
 from mdi.starter.sample import FinishReason, Sample, draw_next
 from mdi.starter.speculation.costs import PassCosts
 from mdi.starter.speculation.decoder import SpecDecoder
@@ -211,7 +211,7 @@ class Pipeline:
             return 1
         if not self.settings.ggml_cuts:
             return min(sample.unsent, self.prefill_chunk, budget)
-        rows = prompt_passes.replay_pass_rows(len(sample.prompt_ids), sample.window_len, sample.fed, self.prefill_chunk)
+        rows = replay_pass_rows(sample.window_prompt_len, sample.window_len, sample.fed, self.prefill_chunk)
         return rows if rows <= budget or first_prompt else 0
 
     def _send_pass(self, group: List[Sample], counts: List[int],
@@ -231,7 +231,7 @@ class Pipeline:
         if speculative:
             kind = FrameKind.VERIFY if any(c > 1 for c in counts) else FrameKind.DECODE
         else:  # a decode frame carries one generated token per sample; anything else is a prefill
-            decoding = all(c == 1 and start >= len(s.prompt_ids) for s, c, (start, _) in zip(group, counts, inputs))
+            decoding = all(c == 1 and start >= s.window_prompt_len for s, c, (start, _) in zip(group, counts, inputs))
             kind = FrameKind.DECODE if decoding else FrameKind.PREFILL
         starts = [start for start, _ in inputs]
         ids = [t for _, tokens in inputs for t in tokens]

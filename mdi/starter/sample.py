@@ -113,6 +113,13 @@ class Sample:
         """Tokens the caches hold (or will): the prompt and the generated tokens not shifted out."""
         return len(self.prompt_ids) + len(self.token_ids) - self.dropped
 
+    @property
+    def window_prompt_len(self) -> int:
+        """Tokens of its window that are prompt: all of the prompt's, less those a context shift dropped."""
+        if not self.dropped:
+            return len(self.prompt_ids)
+        return self.keep + max(0, len(self.prompt_ids) - self.keep - self.dropped)
+
     def window_tokens(self, start: int, count: int) -> List[int]:
         """Tokens [start, start + count) of that window, without building all of it."""
         if not self.dropped:
@@ -154,8 +161,8 @@ class Sample:
         the context. (llama.cpp keeps n_keep tokens, by default none but BOS, and moves its KV
         cache; keeping a whole prompt that nearly filled the context, each shift here freed a
         token or two and cost a prefill of the whole window: now each frees a quarter of it.)"""
-        if not self.shifts:
-            self.keep = min(len(self.prompt_ids), context // 2)
+        if not self.shifts:  # (a soft prompt's rows stay whole: they are positions 0..N-1)
+            self.keep = min(len(self.prompt_ids), max(context // 2, self.virtual))
         self.dropped += max(1, (self.window_len - self.keep) // 2)
         self.shifts.append(len(self.token_ids))
         self.fed = 0

@@ -57,7 +57,7 @@ class SpecDecoder:
         plain = []
         for sample in ready:
             one = self._spec_pass(sample, self.policy(sample), decoding, True, max_len) \
-                if sample.spec is not None and sample.fed >= len(sample.prompt_ids) and sample.unsent == 1 else None
+                if sample.spec is not None and sample.fed >= sample.window_prompt_len and sample.unsent == 1 else None
             if one is None:
                 plain.append(sample)
             else:
