@@ -233,7 +233,7 @@ def test_a_request_s_choices_are_charged_together_against_the_mask_budget(smol_c
     priced.compile(GrammarSpec("regex", "[a-z]+", "regex"), choices=3)
     with pytest.raises(ConstraintError) as e:
         priced.compile(GrammarSpec("regex", "[a-z]+", "regex"), choices=4)
-    assert e.value.field == "regex" and "(4 choices: " in str(e.value) and "\n" not in str(e.value)
+    assert e.value.field == "regex" and "(4 samples: " in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_mask_past_the_deadline_ends_its_sample_in_one_line(smol_compiler):
@@ -437,8 +437,11 @@ def test_constrained_and_free_requests_share_the_ring_and_free_text_is_unchanged
     ("grammar", 'root ::= ("a"{100}){100}', "counted repetition"),
     ("regex", "x{999}y" * 11, "copies in all"),
     # bounds llguidance reads as doubles: past 2^53 - 1 an answer it allowed broke the schema (h34)
-    ("response_format", _format(_obj({"id": {"type": "integer", "minimum": 2 ** 53 + 1}})), "2^53 - 1"),
-    ("json_schema", {"type": "integer", "minimum": 1e300, "maximum": 1e301}, "2^53 - 1"),
+    ("response_format", _format(_obj({"id": {"type": "integer", "minimum": 2 ** 53 + 1}})), "not a double"),
+    ("json_schema", {"type": "integer", "minimum": 1e300, "maximum": 1e301}, "past int64"),
+    ("json_schema", {"type": "integer", "minimum": 10 ** 17, "multipleOf": 7}, "beside multipleOf"),
+    # counted repetitions where the counts once did not look: a property named like a data keyword
+    ("response_format", _format(_obj({"enum": {"type": "string", "pattern": "x{999}y" * 11}})), "copies in all"),
     ("tools", [{"type": "function", "function": {"name": "get", "parameters": _obj(
         {"id": {"type": "integer", "exclusiveMinimum": 2 ** 53}})}}], "function 'get''s parameters: exclusiveMin"),
     # strict as OpenAI means it: every object closed, every property required (strict_schema)
@@ -615,13 +618,36 @@ def test_number_and_format_runs_are_bounded_by_default(smol_compiler, key, fine,
     assert _takes(compiler, tok, opened, '{"%s": %s}' % (key, too_long)) is (key != "took")
 
 
-def test_integer_bounds_up_to_2_53_are_enforced_exactly(smol_compiler):
+def test_integer_bounds_llguidance_holds_as_doubles_are_enforced_exactly(smol_compiler):
     tok, compiler = smol_compiler
     top = 2 ** 53 - 1
     schema = _obj({"id": {"type": "integer", "exclusiveMinimum": top - 2, "maximum": top}})
     assert _takes(compiler, tok, schema, '{"id": %d}' % top)
     assert not _takes(compiler, tok, schema, '{"id": %d}' % (top - 2))
     assert not _takes(compiler, tok, schema, '{"id": %d}' % (top + 1))
+    # past 2^53, bounds that are doubles exactly hold (h35: refusing every one of them refused 1e18)
+    big = _obj({"id": {"type": "integer", "minimum": 2 ** 62, "maximum": 2 ** 62}})
+    assert _takes(compiler, tok, big, '{"id": %d}' % 2 ** 62)
+    assert not _takes(compiler, tok, big, '{"id": %d}' % (2 ** 62 + 1))
+
+
+def test_counted_repetitions_are_counted_in_embedded_schemas_and_keyword_named_properties():
+    from mdi.model.constraints.grammar_cost import spec_repeat
+    heavy = {"type": "string", "pattern": "x{999}y" * 11}
+    lark = 'start: "a" | %json ' + json.dumps(_obj({"q": heavy})) + "\n"
+    assert spec_repeat("lark", lark).added > 10000  # inside quotes, the text alone showed none
+    for name in ("enum", "const", "default", "examples"):
+        assert spec_repeat("json_schema", json.dumps(_obj({name: heavy}))).added > 10000, name
+    assert spec_repeat("json_schema", json.dumps({"enum": ["x{999}y" * 11]})).added == 0  # data, not a pattern
+
+
+def test_a_response_format_inside_the_calls_grammar_is_costed_as_itself(smol_server):
+    heavy = _format(_obj({"q": {"type": "string", "pattern": "x{999}y" * 11}}))
+    tools = [{"type": "function", "function": {"name": "get", "parameters": _obj({"id": {"type": "integer"}})}}]
+    status, body = _chat(smol_server, {"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                       "response_format": heavy})
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    assert "copies in all" in body["error"]["message"], body
 
 
 def test_time_and_duration_answers_end_valid(smol_server):

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mdi.model.constraints.constraint import Constraint, ConstraintError, server_grammars
+from mdi.model.constraints.constraint import Constraint, ConstraintError, check_repeats, server_grammars
 from mdi.model.constraints.constraint import unavailable as constraint_unavailable
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.serving.dashboard import register_dashboard
@@ -193,6 +193,8 @@ class Routes:
             grammar = None  # no constrained sampler (llguidance missing): auto answers are parsed only
         if grammar is not None and tools is not None and self.grammars is not None:
             self._check_parameters(tools)
+            if opts.grammar is not None:  # inside the calls' grammar: its cost is its own field's
+                self._check_repeats(opts.grammar)
         prompt = self.template.render(chat_messages(fields["messages"]), tools.tools if tools else None,
                                       fields["chat_template_kwargs"])
         if self.template.source == "fallback" and tools is None and opts.grammar is None:  # (a grammar ends it)
@@ -225,8 +227,8 @@ class Routes:
                                                      opts.speculation, opts.top_logprobs, opts.cache_prompt, grammar,
                                                      opts.stop_token_ids, opts.min_tokens, opts.ignore_eos,
                                                      opts.include_stop_str))
-        if req.grammar is not None:
-            req.constraint = self._compile(req.grammar, opts.n)
+        if req.grammar is not None:  # every sample (prompts x n) computes its own masks each step
+            req.constraint = self._compile(req.grammar, opts.n * (1 + len(more_prompts)))
         req.hidden_ids = self.control.hidden(opts.skip_special_tokens, tools)
         return Choices(req, opts.n, more_prompts)
 
@@ -237,7 +239,14 @@ class Routes:
         try:
             return self.grammars.compile(spec, choices)
         except ConstraintError as e:
-            raise ApiError(400, "'%s': %s" % (e.field, e), e.field) from None
+            raise _refused(e) from None
+
+    @staticmethod
+    def _check_repeats(spec: GrammarSpec) -> None:
+        try:
+            check_repeats(spec)
+        except ConstraintError as e:
+            raise _refused(e) from None
 
     def _check_parameters(self, tools: ToolChoice) -> None:
         """Each function's parameters compiled alone, once per schema (agents send the same tools
@@ -410,3 +419,8 @@ def create_app(sched: Scheduler, model_id: str, token: Optional[str], template: 
     app = Flask("mdi-serve")
     Routes(sched, model_id, token, template).register(app)
     return app
+
+
+def _refused(e: ConstraintError) -> ApiError:
+    """A grammar's refusal as the request's 400, naming its field."""
+    return ApiError(400, "'%s': %s" % (e.field, e), e.field)

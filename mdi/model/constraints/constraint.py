@@ -66,6 +66,18 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def check_repeats(spec: GrammarSpec) -> None:
+    """ConstraintError, naming spec.field, where its counted repetitions would make every
+    request's steps wait for its token masks (grammar_cost)."""
+    repeat = spec_repeat(spec.kind, spec.text)
+    if repeat.largest > MAX_REPEAT:
+        raise ConstraintError(spec.field, "a counted repetition of %d (nested counts multiplied) is more than %d: "
+                              "its token masks would slow every request" % (repeat.largest, MAX_REPEAT))
+    if repeat.added > MAX_REPEAT_ADDED:
+        raise ConstraintError(spec.field, "its counted repetitions add %d copies in all, more than %d: its token "
+                              "masks would slow every request" % (repeat.added, MAX_REPEAT_ADDED))
+
+
 class _TokenizerView:
     """What llguidance's TokenizerWrapper reads from a tokenizer: each token's bytes, the
     special ids, and a way to tokenize text (strings only: bytes are refused, so it passes str)."""
@@ -114,13 +126,7 @@ class GrammarCompiler:
         m = self.llg.LLMatcher
         if len(spec.text) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(spec.field, "longer than %d characters" % MAX_GRAMMAR_CHARS)
-        repeat = spec_repeat(spec.kind, spec.text)
-        if repeat.largest > MAX_REPEAT:
-            raise ConstraintError(spec.field, "a counted repetition of %d (nested counts multiplied) is more than %d: "
-                                  "its token masks would slow every request" % (repeat.largest, MAX_REPEAT))
-        if repeat.added > MAX_REPEAT_ADDED:
-            raise ConstraintError(spec.field, "its counted repetitions add %d copies in all, more than %d: its token "
-                                  "masks would slow every request" % (repeat.added, MAX_REPEAT_ADDED))
+        check_repeats(spec)
         try:
             if spec.kind == "json_object":
                 return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -146,7 +152,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec, choices: int = 1) -> "Constraint":
         """A fresh matcher for `spec`; ConstraintError (naming spec.field) if it does not compile,
-        or if `choices` masks a step (a request's n) would cost more than the mask budget."""
+        or if `choices` masks a step (a request's samples: prompts x n) would cost more than the mask budget."""
         grammar = self.grammar_text(spec)
         matcher = self._matcher(grammar)
         if matcher.is_error():
@@ -165,7 +171,7 @@ class GrammarCompiler:
             raise ConstraintError(spec.field, "no text satisfies it (nothing it accepts can even start)")
         spent = self._probe(constraint, first)
         if spent * choices > self.mask_budget_s:
-            per_step = "" if choices == 1 else " (%d choices: %.0f ms a step)" % (choices, spent * choices * 1e3)
+            per_step = "" if choices == 1 else " (%d samples: %.0f ms a step)" % (choices, spent * choices * 1e3)
             raise ConstraintError(spec.field, "one token mask takes %.0f ms%s, more than the %.0f ms this server "
                                   "allows (a long counted repetition?)"
                                   % (spent * 1e3, per_step, self.mask_budget_s * 1e3))

@@ -21,6 +21,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Tuple
 
+from mdi.model.constraints.grammar_empty import json_end
+from mdi.model.constraints.schema_bounds import DATA_KEYS, SCHEMA_MAPS
+
 MAX_REPEAT = 1000  # the largest product of nested counted repetitions ({n}, {n,m}, {n,})
 # The copies all counts add, summed: sequential ones add up (60 of `x{999}y` in a row, each count
 # under MAX_REPEAT, cost 13 ms a mask). Measured on SmolLM2's tokens (AVX2, one thread): ~0.2 ms
@@ -98,19 +101,36 @@ def repeat_cost(text: str, quoted: bool = False) -> RepeatCost:
 
 
 def schema_patterns(schema: Any) -> Iterator[str]:
-    """Every regex a JSON schema holds: `pattern` values and `patternProperties` keys."""
+    """Every regex a JSON schema holds: `pattern` values and `patternProperties` keys. Maps of
+    named schemas (`properties`...) are walked whatever their names (a property called `enum`
+    is a schema), data keywords' values (`enum`, `default`...) are not."""
     if isinstance(schema, dict):
         for key, value in schema.items():
             if key == "pattern" and isinstance(value, str):
                 yield value
-            elif key == "patternProperties" and isinstance(value, dict):
-                yield from (k for k in value if isinstance(k, str))
-                yield from schema_patterns(value)
-            elif key not in ("enum", "const", "examples", "default"):  # data, not schemas
+            elif key in SCHEMA_MAPS and isinstance(value, dict):
+                if key == "patternProperties":
+                    yield from (k for k in value if isinstance(k, str))
+                for sub in value.values():
+                    yield from schema_patterns(sub)
+            elif key not in DATA_KEYS:
                 yield from schema_patterns(value)
     elif isinstance(schema, list):
         for item in schema:
             yield from schema_patterns(item)
+
+
+def embedded_schemas(lark: str) -> Iterator[Any]:
+    """The JSON schemas a Lark grammar embeds (`%json {...}`: a tool call's arguments, an
+    answer's response_format inside the calls' grammar), whose patterns its text hides in quotes."""
+    at = lark.find("%json")
+    while at >= 0:
+        try:
+            end = json_end(lark, at + len("%json"))
+            yield json.loads(lark[lark.index("{", at):end])
+        except ValueError:  # unbalanced or not JSON: llguidance says what is wrong with it
+            return
+        at = lark.find("%json", end)
 
 
 def spec_repeat(kind: str, text: str) -> RepeatCost:
@@ -118,7 +138,8 @@ def spec_repeat(kind: str, text: str) -> RepeatCost:
     if kind == "regex":
         return repeat_cost(text)
     if kind in ("gbnf", "lark"):
-        return repeat_cost(text, quoted=True)
+        return sum((repeat_cost(p) for schema in embedded_schemas(text) for p in schema_patterns(schema)),
+                   repeat_cost(text, quoted=True))
     if kind == "json_schema":
         try:
             schema = json.loads(text)

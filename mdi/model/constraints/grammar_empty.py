@@ -40,7 +40,7 @@ def _tokens(text: str) -> List[Tuple[str, str]]:
     out, pos = [], 0
     while pos < len(text):
         if text.startswith("%json", pos):  # an embedded JSON schema: text of its own
-            pos = _skip_braces(text, pos + len("%json"))
+            pos = json_end(text, pos + len("%json"))
             out.append(("string", "%json"))
             continue
         m = _TOKEN.match(text, pos)
@@ -52,7 +52,8 @@ def _tokens(text: str) -> List[Tuple[str, str]]:
     return out
 
 
-def _skip_braces(text: str, pos: int) -> int:
+def json_end(text: str, pos: int) -> int:
+    """Where the JSON object starting at the first "{" from `pos` ends (Unknown, a ValueError, where it does not)."""
     start = text.index("{", pos)
     depth, i, in_string = 0, start, False
     while i < len(text):

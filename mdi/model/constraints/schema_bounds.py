@@ -95,7 +95,7 @@ def _walk(schema: Any, b: Bounds, closable: bool = True) -> None:
     if not isinstance(schema, dict):
         return
     types = _types(schema)
-    _check_exact(schema)
+    _check_exact(schema, types)
     if closable and isinstance(schema.get("properties"), dict) and not (
             {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(schema)):
         schema["additionalProperties"] = False
@@ -133,20 +133,33 @@ def _bound_numbers(schema: Dict[str, Any], types: set, b: Bounds) -> None:
 
 
 NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-# llguidance reads these keywords as doubles (saturated to int64): exact up to here, and one past it
-# (an exclusive bound's neighbour) too
-EXACT_LIMIT = 2 ** 53 - 1
+SAFE_INTEGER = 2 ** 53 - 1  # every integer up to it, and one past it, is a double
+INT64_LIMIT = 2 ** 63  # llguidance saturates an integer's bounds here
 
 
-def _check_exact(schema: Dict[str, Any]) -> None:
-    """A numeric keyword llguidance cannot hold exactly is a BoundsError: past 2^53 - 1 it read
-    `minimum` 9007199254740993 as ...992 and allowed that (and ...992 for `exclusiveMinimum`
-    ...992), and 1e300 as int64's largest, so a `"stop"` answer broke the schema."""
-    for key in NUMBER_KEYWORDS:
-        value: Any = schema.get(key)
-        if _number(value) and not (math.isfinite(value) and abs(value) <= EXACT_LIMIT):
-            raise BoundsError("%s %r: numbers past 2^53 - 1 (%d) cannot be enforced exactly"
-                              % (key, value, EXACT_LIMIT))
+def _check_exact(schema: Dict[str, Any], types: set) -> None:
+    """A numeric keyword llguidance cannot hold exactly is a BoundsError. It reads them as
+    doubles, saturated to int64 for integers: `minimum` 9007199254740993 was read as ...992 and
+    allowed that (and `exclusiveMinimum` ...992 allowed ...992), an integer's `minimum` 1e300 was
+    int64's largest, and a `multipleOf` past 2^53 (or beside bounds past it) counts in doubles
+    too, so a `"stop"` answer broke the schema. Bounds that are doubles exactly (1e18, 2^62) hold."""
+    integer = "integer" in types or not types
+    given = {key: schema[key] for key in NUMBER_KEYWORDS if _number(schema.get(key))}
+    for key, value in given.items():
+        if not math.isfinite(value):
+            problem = "is not a finite number"
+        elif isinstance(value, int) and float(value) != value:
+            problem = "is not a double: llguidance would read it as %r" % float(value)
+        elif isinstance(value, int) and key.startswith("exclusive") and any(
+                float(value + step) != value + step for step in (-1, 1)):
+            problem = "has neighbours that are not doubles"
+        elif integer and abs(value) >= INT64_LIMIT:
+            problem = "is past int64, which llguidance holds an integer's bounds in"
+        elif "multipleOf" in given and abs(value) > SAFE_INTEGER:
+            problem = "is past 2^53 - 1 (%d) beside multipleOf, which counts in doubles" % SAFE_INTEGER
+        else:
+            continue
+        raise BoundsError("%s %r %s: it cannot be enforced exactly" % (key, value, problem))
 
 
 def _number(value: Any) -> bool:
