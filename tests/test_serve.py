@@ -414,6 +414,7 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_their_starts():
     (COMPLETIONS, {"prompt": "a", "top_p": 0}, "'top_p': expected a number in (0, 1]"),
     (COMPLETIONS, {"prompt": "a", "temperature": 2.5}, "'temperature': expected a number in [0, 2]"),
     (COMPLETIONS, {"prompt": "a", "top_k": 1.5}, "'top_k': expected an integer, got 1.5"),
+    (COMPLETIONS, {"prompt": "a", "top_k": -2}, "'top_k': expected an integer >= -1"),
     (COMPLETIONS, {"prompt": "a", "stream": 1}, "'stream': expected true or false, got 1"),
     (COMPLETIONS, {"prompt": "a", "echo": True}, "'echo': only false is supported"),
     (COMPLETIONS, {"prompt": "a", "tools": []}, "unrecognized request argument: 'tools'"),
@@ -558,3 +559,13 @@ def test_a_request_for_the_draft_model_of_a_server_without_one_is_a_400(server):
                       timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculation", r.text
     assert "no draft model" in r.json()["error"]["message"]
+
+
+def test_top_k_0_or_minus_1_turns_it_off_even_where_the_yaml_sets_one():
+    """As llama.cpp and vLLM read them: refused, a client could turn a YAML's top_k off only by
+    sending the vocabulary's size (h37)."""
+    yaml = SamplingParams(0.8, 50, 1.0)
+    for off in (0, -1):
+        assert parse_options({"prompt": "a", "top_k": off}, COMPLETIONS, yaml)[0].params.top_k is None
+    assert parse_options({"prompt": "a", "top_k": 5}, COMPLETIONS, yaml)[0].params.top_k == 5
+    assert parse_options({"prompt": "a"}, COMPLETIONS, yaml)[0].params.top_k == 50

@@ -76,6 +76,36 @@ def test_each_template_renders_tools_calls_and_results(name, family, native, smo
     assert tmpl.render(chat_messages(plain), None) == tmpl.render(chat_messages(plain))
 
 
+# A template that insists on user and assistant taking turns, as Gemma 3's does (written for this test)
+ALTERNATING = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\\n\\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' + (first if loop.first else '')"
+    " + m['content'] + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_parallel_calls_results_and_the_next_words_render_in_one_user_turn(smollm2_dir):
+    """Each result as a user message of its own made two user turns in a row, which a template
+    that insists on turns refused (h37: Gemma 3 answered mdi's own parallel calls with a 400)."""
+    tok = load_tokenizer(smollm2_dir)
+    tok.chat_template = ALTERNATING
+    tmpl = ChatTemplate(tok)
+    calls = [{"id": "call_%d" % i, "type": "function", "function": {"name": "get_weather", "arguments":
+                                                                      '{"city": "%s"}' % city}}
+             for i, city in enumerate(("Paris", "Oslo"))]
+    talk = [{"role": "user", "content": "Weather in Paris and Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 C"},
+            {"role": "user", "content": "And tomorrow?"}]
+    prompt = tmpl.render(chat_messages(talk), [WEATHER])
+    turn = prompt.split("<start_of_turn>user\n")[-1]
+    assert '"call_0", "content": "18 C"' in turn and '"call_1", "content": "4 C"' in turn and "And tomorrow?" in turn
+    assert prompt.count("<start_of_turn>user") == 2 and prompt.endswith("<start_of_turn>model\n")
+
+
 HERMES_TWO = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
 PARIS, ONE_TWO = ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})

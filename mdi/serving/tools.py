@@ -271,13 +271,26 @@ def template_inputs(messages: List[Dict[str, Any]], tools: Optional[List[Dict[st
     with the tools and reply format in the system message and calls and results as text."""
     if fmt.native:
         return messages, tools
-    out = []
+    out: List[Dict[str, Any]] = []
+    results = False  # the last message out holds tool results
     for m in messages:
         if m["role"] == "tool":
             result = ("<tool_response>\n%s\n</tool_response>" % m["content"] if fmt.family == HERMES else
                       json.dumps({"tool_response": {"tool_call_id": m["tool_call_id"], "content": m["content"]}}))
-            out.append({"role": "user", "content": result})
-        elif m.get("tool_calls"):
+            if results:  # a parallel call's results in one user turn, as Qwen's template puts them
+                out[-1] = dict(out[-1], content=out[-1]["content"] + "\n" + result)
+            else:
+                out.append({"role": "user", "content": result})
+            results = True
+            continue
+        if results and m["role"] == "user" and isinstance(m.get("content"), str):
+            # a user's words after the results join their turn: templates that insist on user and
+            # assistant taking turns (Gemma 3's) refused two user turns in a row
+            out[-1] = dict(out[-1], content=out[-1]["content"] + "\n\n" + m["content"])
+            results = False
+            continue
+        results = False
+        if m.get("tool_calls"):
             texts = [call_text(fmt.family, c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + texts)})
         else:

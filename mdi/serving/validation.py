@@ -247,7 +247,7 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("max_completion_tokens", (int,), "an integer", low=1, routes=(CHAT,)),  # wins over max_tokens
     Field("temperature", (int, float), "a number", low=0, high=2),
     Field("top_p", (int, float), "a number", low=0, high=1, low_open=True),
-    Field("top_k", (int,), "an integer", low=1),
+    Field("top_k", (int,), "an integer", low=-1),  # 0 and -1: off, as llama.cpp and vLLM read them
     Field("seed", (int,), "an integer"),
     Field("n", (int,), "an integer", low=1, high=MAX_N, default=1),  # choices; seeds seed, seed + 1, ...
     Field("min_p", (int, float), "a number", low=0, high=1),
@@ -381,6 +381,8 @@ def parse_options(body: Dict[str, Any], route: str, defaults: SamplingParams) ->
     if v["repetition_penalty"] is not None and v["repeat_penalty"] is None:
         given.update(repeat_penalty=float(v["repetition_penalty"]),
                      repeat_last_n=-1 if v["repeat_last_n"] is None else v["repeat_last_n"])
+    if given.get("top_k", 1) < 1:
+        given["top_k"] = None  # off, even where the YAML sets one
     params = dataclasses.replace(defaults, logit_bias=v["logit_bias"] or defaults.logit_bias, **given)
     if route == CHAT:
         top = (v["top_logprobs"] or 0) if v["logprobs"] else None
