@@ -4,10 +4,13 @@ parsing calls whole and streamed for each family, and the calls' grammar, compil
 by llguidance on SmolLM2's vocabulary. The served side is tests/test_serve_tools.py."""
 import json
 import os
+import subprocess
 
 import pytest
 
+from conftest import BIN
 from mdi.model.tokenizers import load_tokenizer
+from mdi.runconfig import ConfigError
 from mdi.serving.openai_bodies import Reply
 from mdi.serving.prompts import ChatTemplate, chat_messages
 from mdi.serving.request import Request
@@ -76,22 +79,15 @@ def test_each_template_renders_tools_calls_and_results(name, family, native, smo
     assert tmpl.render(chat_messages(plain), None) == tmpl.render(chat_messages(plain))
 
 
-# A template that insists on user and assistant taking turns, as Gemma 3's does (written for this test)
-ALTERNATING = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\\n\\n' %}"
-    "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
-    "{% for m in turns %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' + (first if loop.first else '')"
-    " + m['content'] + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# Gemma 3's format, which insists on user and assistant taking turns (shipped for GGUFs without a template)
+GEMMA3 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "chat_templates",
+                      "gemma3.jinja")
 
 
 def test_parallel_calls_results_and_the_next_words_render_in_one_user_turn(smollm2_dir):
     """Each result as a user message of its own made two user turns in a row, which a template
     that insists on turns refused (h37: Gemma 3 answered mdi's own parallel calls with a 400)."""
-    tok = load_tokenizer(smollm2_dir)
-    tok.chat_template = ALTERNATING
-    tmpl = ChatTemplate(tok)
+    tmpl = ChatTemplate.of_config(load_tokenizer(smollm2_dir), GEMMA3)
     calls = [{"id": "call_%d" % i, "type": "function", "function": {"name": "get_weather", "arguments":
                                                                       '{"city": "%s"}' % city}}
              for i, city in enumerate(("Paris", "Oslo"))]
@@ -533,3 +529,33 @@ def test_chat_template_kwargs_and_an_answer_s_reasoning_reach_the_template(smoll
             parse_options({"messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": kwargs}, CHAT,
                           SamplingParams())
         assert e.value.param == "chat_template_kwargs"
+
+
+def test_a_chat_template_file_replaces_the_model_s_and_a_bad_one_is_one_line(smollm2_dir, tmp_path):
+    tok = load_tokenizer(smollm2_dir)
+    gemma = ChatTemplate.of_config(tok, GEMMA3)
+    assert gemma.source == "config" and gemma.tool_format.native is False
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    bos = "" if tok.add_bos else gemma.bos  # (the template writes BOS where the tokenizer does not add it)
+    assert gemma.render(chat_messages(talk)) == bos + (  # the system message heads the first user turn
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nCapital of France?<end_of_turn>\n<start_of_turn>model\n")
+    assert ChatTemplate.of_config(tok, None).source == "model"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    for path, says in ((str(tmp_path / "missing.jinja"), "cannot read"), (str(broken), "not a Jinja chat template")):
+        with pytest.raises(ConfigError) as e:
+            ChatTemplate.of_config(tok, path)
+        assert path in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cli_takes_a_chat_template_with_serve_only(smollm2_dir, tmp_path):
+    start = os.path.join(BIN, "mdi-start")
+    missing = str(tmp_path / "missing.jinja")
+    for extra, says in ((["--prompt", "x"], "--chat-template goes with --serve"),
+                        (["--serve", "--port", "1"], "serve.chat_template: cannot read %s" % missing)):
+        proc = subprocess.run([start, "--model", smollm2_dir, "--chat-template", missing] + extra, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr

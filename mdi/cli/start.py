@@ -106,6 +106,9 @@ def start_parser() -> argparse.ArgumentParser:
                                   "127.0.0.1)")
     p.add_argument("--port", type=int, help="with --serve: HTTP port (default serve.port, else the starter "
                                             "node's port)")
+    p.add_argument("--chat-template", metavar="FILE.jinja",
+                   help="with --serve: render chat requests with this Jinja template instead of the model's own "
+                        "(serve.chat_template; a GGUF without one gets a plain 'role: text' fallback)")
     p.add_argument("--insecure", action="store_true",
                    help="with --serve or --dashboard: allow a non-loopback --host without a shared secret")
     p.add_argument("--perplexity", metavar="FILE.txt",
@@ -213,6 +216,8 @@ def _start(args: argparse.Namespace, batch) -> int:
         if not args.serve:  # (--check and --perplexity serve nothing either: refused there too)
             if args.port is not None:
                 raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")
+            if args.chat_template:
+                raise ConfigError("--chat-template goes with --serve (a batch run's prompts are plain text)")
             if (args.host or args.insecure) and args.dashboard is None:
                 raise ConfigError("--host and --insecure go with --serve or --dashboard")
         if args.perplexity is not None:
@@ -296,6 +301,8 @@ def _serve(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg.serve.host = args.host
     if args.port is not None:
         cfg.serve.port = args.port
+    if args.chat_template:
+        cfg.serve.chat_template = args.chat_template
     check_serve("command line: serve", cfg.serve)
     from mdi.system.memory import limit_malloc_arenas
     limit_malloc_arenas()  # before the HTTP threads: what one request frees, the next reuses (see there)

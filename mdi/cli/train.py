@@ -145,7 +145,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
             eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.out, recovery_every=args.recovery_every,
-            render_chat=chat_renderer(source.tokenizer) if source.tokenizer else None, prompt=prompt_spec)
+            render_chat=chat_renderer(source.tokenizer, cfg.serve.chat_template) if source.tokenizer else None,
+            prompt=prompt_spec)
         resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
             if args.resume else None
         result = training.run(cfg, options, on_step=_print_step, pairs=pairs, resume=resume, prompt=prompt,
@@ -214,15 +215,16 @@ def _print_step(record, total: int) -> None:
                                                                record.tokens_per_s, eta), file=sys.stderr, flush=True)
 
 
-def chat_renderer(tokenizer):
+def chat_renderer(tokenizer, template_path: Optional[str] = None):
     """A chat example's pieces of text, the assistant turns marked scored (mdi.starter.train.train_data):
     the model's chat template (serving's sandboxed one) renders the conversation up to each
     assistant turn with the generation prompt, and through it without; the turn is what the
     second adds to the first. A template whose renderings are not each other's prefixes (one that
-    rewrites earlier turns) is refused for that example."""
+    rewrites earlier turns) is refused for that example. `template_path`: serve.chat_template, as
+    the server renders with it."""
     from mdi.serving.prompts import MAX_TEMPLATE_SECONDS, ChatTemplate
     from mdi.system.interrupt import thread_deadline
-    chat = ChatTemplate(tokenizer)
+    chat = ChatTemplate.of_config(tokenizer, template_path)
 
     def render(messages, generation_prompt):
         try:  # bounded in time as serving bounds it (the template is the model file's code)

@@ -119,6 +119,7 @@ class ServeSpec:
     max_len: Optional[int] = None  # positions per slot (prompt + max_tokens); None: min(context, 2048)
     max_queue: int = 256  # requests waiting for a slot beyond this are refused (HTTP 429)
     model_name: Optional[str] = None  # id in /v1/models; None: the model folder's name
+    chat_template: Optional[str] = None  # a Jinja chat template file, used instead of the model's own
     admission: str = "iteration"  # iteration: a freed slot is refilled at the next step;
     #                               static: whole batches (a baseline for benchmarks)
     # CPU time one grammar token mask may take; over it its sample ends (mdi/model/constraints/grammar_cost.py)
@@ -307,7 +308,7 @@ def _parse_serve(source: str, raw: Any) -> ServeSpec:
     s = check_keys(source + ": serve", raw,
                     {"host": (str,), "port": (int,), "max_in_flight": (int,), "max_len": (int,),
                      "max_queue": (int,), "model_name": (str,), "admission": (str,),
-                     "mask_deadline_ms": (int, float)})
+                     "mask_deadline_ms": (int, float), "chat_template": (str,)})
     serve = ServeSpec(**s)
     check_serve(source + ": serve", serve)
     return serve
@@ -396,6 +397,8 @@ def load_config(path: str) -> RunConfig:
     cfg = parse_config(read_yaml(path), path)
     cfg.model.path = resolve_model_path(cfg.model.path, path)
     cfg.adapters = {name: resolve_model_path(p, path) for name, p in cfg.adapters.items()}
+    if cfg.serve.chat_template:
+        cfg.serve.chat_template = resolve_model_path(cfg.serve.chat_template, path)
     return cfg
 
 

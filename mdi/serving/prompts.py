@@ -5,6 +5,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from mdi.model.tokenizers import PromptTooLong, Tokenizer, TokenizerError
+from mdi.runconfig import ConfigError
 from mdi.serving.legacy_functions import legacy_message
 from mdi.serving.tools import ToolError, ToolFormat, template_inputs, tool_format, tool_message
 from mdi.serving.validation import ApiError
@@ -20,6 +21,7 @@ MAX_MESSAGES = 1024
 MAX_TEMPLATE_VALUE = 1 << 20
 MAX_TEMPLATE_CHARS = 1 << 22
 MAX_TEMPLATE_SECONDS = 2.0
+MAX_TEMPLATE_FILE = 1 << 20  # serve.chat_template: a template, not a file read by mistake
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -52,7 +54,9 @@ log = logging.getLogger(__name__)
 class ChatTemplate:
     """The model's chat template (Jinja, sandboxed as transformers renders it) or the fallback."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, text: Optional[str] = None, where: str = "") -> None:
+        """`text`: a template given instead of the model's own (`where`: its file), refused
+        (ConfigError) where it does not compile rather than left for the fallback."""
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
 
@@ -66,7 +70,13 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.source = "fallback"
         template = None
-        if tokenizer.chat_template:
+        if text is not None:
+            try:
+                template = env.from_string(text)
+            except TemplateError as e:
+                raise ConfigError("%s: not a Jinja chat template (%s)" % (where, " ".join(str(e).split())))
+            self.source = "config"
+        elif tokenizer.chat_template:
             try:
                 template = env.from_string(tokenizer.chat_template)
                 self.source = "model"
@@ -74,10 +84,24 @@ class ChatTemplate:
                 log.warning("mdi: serve: the model's chat template does not compile (%s); using the fallback", e)
         self.template = template if template is not None else env.from_string(FALLBACK_CHAT_TEMPLATE)
         # how the model writes tool calls, and whether the template renders tools (`tools`)
-        self.tool_format: ToolFormat = tool_format(tokenizer.chat_template if self.source == "model" else None,
-                                                   tokenizer)
+        own = {"config": text, "model": tokenizer.chat_template}.get(self.source)
+        self.tool_format: ToolFormat = tool_format(own, tokenizer)
         self.bos = self._token_text(tokenizer.bos_id)
         self.eos = self._token_text(tokenizer.eos_id)
+
+    @classmethod
+    def of_config(cls, tokenizer: Tokenizer, path: Optional[str]) -> "ChatTemplate":
+        """The model's template, or where `path` (serve.chat_template) names a file, that file's."""
+        if not path:
+            return cls(tokenizer)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(MAX_TEMPLATE_FILE + 1)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("serve.chat_template: cannot read %s (%s)" % (path, getattr(e, "strerror", None) or e))
+        if len(text) > MAX_TEMPLATE_FILE:
+            raise ConfigError("serve.chat_template: %s is longer than %d characters" % (path, MAX_TEMPLATE_FILE))
+        return cls(tokenizer, text, "serve.chat_template: %s" % path)
 
     def _token_text(self, token_id: Optional[int]) -> str:
         if token_id is None:

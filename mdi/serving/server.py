@@ -55,7 +55,8 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
     source = ModelSource(cfg.model.path)
     sched = Scheduler(cfg, source)
     model_id = cfg.serve.model_name or default_model_id(cfg.model.path)
-    app = create_app(sched, model_id, cfg.runtime.token, ChatTemplate(sched.tokenizer))
+    template = ChatTemplate.of_config(sched.tokenizer, cfg.serve.chat_template)  # a bad file: refused before the ring
+    app = create_app(sched, model_id, cfg.runtime.token, template)
     # A request holds a thread while it waits for a slot and while it streams: enough for
     # every slot and every queued request, plus a few for /health, /metrics and the dashboard.
     threads = (cfg.serve.max_in_flight or 16) + cfg.serve.max_queue + 8
