@@ -319,5 +319,5 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
                                             ("192.168.1.10", False), ("10.1", False), ("example.com", False)])
 def test_loopback_addresses_in_every_form(host, loopback):
     # `--host 127.1` (the OS binds it as 127.0.0.1) was refused as non-loopback.
-    from mdi.ring.auth import is_loopback
+    from mdi.system.loopback import is_loopback
     assert is_loopback(host) is loopback

@@ -162,6 +162,42 @@ def test_a_request_signed_for_one_worker_process_is_refused_by_any_other(secret_
         other.stop(5)
 
 
+def test_a_worker_refuses_web_pages_and_foreign_hosts_with_or_without_a_secret(secret_worker, tmp_path):
+    """Without a secret, a page in a browser on the same machine stopped a worker with a no-cors
+    POST, and through DNS rebinding read its /status (h38). A browser marks a page's requests
+    (Origin, Sec-Fetch-Site) and names the page's host in Host: a worker refuses both, before
+    any body is read; a path no starter sends is refused before its body too."""
+    plain = processes.WorkerProcess(free_ports(1)[0], str(tmp_path / "plain.log"), new_session=False).wait_ready()
+    try:
+        for url, auth in ((plain.url, None), (secret_worker.url, HmacAuth(SECRET))):
+            for headers in ({"Origin": "http://evil.test"}, {"Sec-Fetch-Site": "cross-site"}):
+                r = requests.post(url + "/shutdown", headers=headers, auth=auth, timeout=10)
+                assert r.status_code == 403 and "web pages" in r.json()["error"], r.text
+            assert requests.get(url + "/status", auth=auth, headers={"Host": "localhost"}, timeout=10).ok
+        rebound = {"Host": "rebind.evil.test:%d" % plain.port}
+        r = requests.post(plain.url + "/shutdown", headers=rebound, timeout=10)
+        assert r.status_code == 403 and "rebinding" in r.json()["error"] and "MDI_TOKEN" in r.json()["error"]
+        # with a secret a page cannot sign, a proxy's own Host is served
+        assert requests.get(secret_worker.url + "/status", auth=HmacAuth(SECRET), headers=rebound, timeout=10).ok
+        assert requests.get(plain.url + "/health", timeout=10).ok  # it stayed up
+        big = b"x" * (8 << 20)
+        r = requests.post(secret_worker.url + "/%C3%A9", data=big, timeout=30)
+        assert r.status_code == 401 and "path" in r.json()["error"]
+    finally:
+        plain.stop(5)
+
+
+@pytest.mark.parametrize("host, refused", [("127.0.0.1:80", False), ("[::1]:8080", False), ("localhost", False),
+                                           ("LOCALHOST.", False), ("app.localhost:3000", False), ("127.1", False),
+                                           ("evil.test", True), ("evil.test:8080", True), ("10.0.0.5", True),
+                                           ("", False)])
+def test_a_loopback_server_names_which_hosts_are_its_own(host, refused):
+    from mdi.system.loopback import foreign_host, from_page
+    assert (foreign_host(host) is not None) is refused
+    assert from_page({"ORIGIN": "null"}) and from_page({"SEC_FETCH_SITE": "same-site"})
+    assert from_page({"SEC_FETCH_SITE": "none"}) is None and from_page({}) is None
+
+
 def test_a_starter_whose_clock_is_off_corrects_it_from_the_worker(secret_worker):
     client = ControlClient(NodeSpec("w", port=secret_worker.port), token=SECRET)
     client.auth.offset = -3600.0  # our clock is an hour behind the worker's
@@ -422,7 +458,7 @@ def test_a_chunk_size_line_that_never_ends_is_refused():
     server = HttpServer(_hello_app, "127.0.0.1", 0, threads=2).start()
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n")
             s.sendall(b"1" * (MAX_CHUNK_LINE + 1))  # all read by the server: it closes, not resets
             reply = _reply(s)
         assert reply.startswith(b"HTTP/1.1 400") and b"chunk-size line" in reply, reply[:200]
@@ -509,7 +545,7 @@ def test_an_unsigned_upload_is_refused_before_its_body_is_read(secret_worker):
     # A peer without the secret announces a 1 GiB body: the worker answers 401 from the headers
     # and closes, instead of storing the body (in $TMPDIR, past 1 MB) before checking them.
     with socket.create_connection(("127.0.0.1", secret_worker.port), timeout=10) as s:
-        s.sendall(b"POST /weights HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n"
+        s.sendall(b"POST /weights HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1073741824\r\n"
                   b"Authorization: MDI-HMAC t=1, n=0123456789abcdef, s=" + b"0" * 64 + b"\r\n"
                   b"X-MDI-Content-SHA256: UNSIGNED-PAYLOAD\r\n\r\n")  # the answer comes before any body
         reply = _reply(s)

@@ -266,12 +266,25 @@ def test_a_request_that_speculates_gets_the_plain_text(server, model):
     assert drafted > 0 and "mdi_node_passes_cancelled_total{node=" in metrics
 
 
+def test_a_page_rebinding_its_name_to_loopback_is_refused_and_the_dashboard_still_works(server):
+    """Without a secret, a page in a browser here whose name resolved to 127.0.0.1 read
+    /v1/mdi/state and served itself completions (h38): it names its own host in Host."""
+    body = {"prompt": "Hi", "max_tokens": 2}
+    r = requests.post(server.url + "/v1/completions", json=body, headers={"Host": "rebind.evil.test"}, timeout=30)
+    assert r.status_code == 403 and "rebinding" in r.text
+    assert requests.get(server.url + "/v1/mdi/state", headers={"Host": "evil.test:%d" % server.port},
+                        timeout=30).status_code == 403
+    page = {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}  # the dashboard's own fetches
+    assert requests.get(server.url + "/v1/mdi/state", headers=page, timeout=30).ok
+    assert requests.post(server.url + "/v1/completions", json=body, headers={"Host": "localhost"}, timeout=60).ok
+
+
 def test_client_gone_cancels_a_non_streaming_request(server):
     import socket
     before = server.metrics()['mdi_requests_total{finish_reason="cancelled"}']
     body = json.dumps({"prompt": "Hang up", "max_tokens": BLOCK - 64}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + 60
     while server.metrics()["mdi_samples_in_flight"] != 1:
@@ -512,7 +525,7 @@ def _announce_body(port, route, auth, length):
     (status, body) of the answer, which must come without the body."""
     import socket
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(("POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+        sock.sendall(("POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n%s"
                       "Content-Length: %d\r\n\r\n" % (route, auth, length)).encode())
         data = b""
         while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):

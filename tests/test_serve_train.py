@@ -108,7 +108,9 @@ def test_job_beside_streams(setup):
     assert (report["out"], report["data"]) == ("trained-beside", "train-serve.txt"), report  # not the server's paths
     assert report["loss"] == pytest.approx([s.loss for s in alone.steps], rel=TOL)
     assert all(t > 0 for t in report["tokens_per_s"])
-    assert server.get("/v1/mdi/state").json()["training"]["loss"] == report["loss"]  # the dashboard's curve
+    state = server.get("/v1/mdi/state").json()["training"]
+    assert state["loss"] == report["loss"]  # the dashboard's curve
+    assert (state["out"], state["data"]) == ("trained-beside", "train-serve.txt"), state  # no server paths there (h38)
     # the adapter on disk equals mdi-train's (PEFT format, as mdi-train --out writes it)
     config = ModelSource(model).config
     got = load_file(os.path.join(out, "adapter_model.safetensors"))

@@ -135,7 +135,7 @@ def test_aborted_push_leaves_the_worker_idle_and_able_to_run(tiny_models, pair):
     assert client(worker).init(request)["need_weights"] is True
     assert status(worker)["state"] == "loading"
     # Half the body, then the starter is gone (its connection closes).
-    head = ("POST /weights HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+    head = ("POST /weights HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
             "Content-Length: %d\r\n\r\n" % len(blob))
     post_raw(worker.port, head, blob[:len(blob) // 2], read_reply=False)
     wait_state(worker, "idle")
@@ -171,7 +171,7 @@ def test_oversized_push_is_refused_before_any_byte_is_read(tiny_models):
         assert str(len(blob)) in error and str(limit) in error and "--max-memory" in error, error
         assert status(worker)["state"] == "idle"
         # Nothing waits for weights: a push beyond any announcement is answered unread.
-        head = ("POST /weights HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+        head = ("POST /weights HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
                 "Content-Length: %d\r\n\r\n" % (MAX_WEIGHTS_BYTES + SAFETENSORS_SLACK + 1))
         line, body = post_raw(worker.port, head)
         assert re.match(br"HTTP/1\.[01] 4\d\d", line), (line, body)

@@ -47,7 +47,8 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     from mdi.system.memory import limit_malloc_arenas
     limit_malloc_arenas()  # before the HTTP server's threads: a board serving run after run stays its size
     max_memory = int(args.max_memory * 1024 ** 3) if args.max_memory else None
-    from mdi.ring.auth import TokenError, is_loopback, load_token
+    from mdi.ring.auth import TokenError, load_token
+    from mdi.system.loopback import is_loopback
     try:
         token = load_token(args.token_file)
     except TokenError as e:
@@ -60,7 +61,8 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     worker = Worker(args.host, args.port, args.device, max_memory, token, args.models_dir, args.threads)
     try:
         server = HttpServer(create_app(worker), args.host, args.port, "mdi-http", threads=8, max_connections=128,
-                            max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(worker)).start()
+                            max_body_bytes=MAX_BODY_BYTES, admit=admit_headers(worker), pages=False,
+                            secret=token is not None).start()
     except OSError as e:
         return fail("cannot listen on %s:%d: %s" % (args.host, args.port, e.strerror or e), EXIT_RUN)
     print("mdi-worker %s listening on http://%s:%d" % (__import__("mdi").__version__, args.host, args.port),

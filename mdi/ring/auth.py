@@ -17,11 +17,9 @@ the network:
 import hashlib
 import heapq
 import hmac
-import ipaddress
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 from typing import List, NamedTuple, Optional, Tuple
@@ -230,17 +228,3 @@ def allow_client(ctx, domain: str, client_public: Optional[bytes]) -> None:
         auth.credentials_providers.pop(domain, None)
     else:
         auth.configure_curve_callback(domain, _AllowKey(client_public))
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` only reaches this machine: binding anywhere else needs the secret."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:  # the short forms inet_aton accepts and the OS binds: 127.1, 127.0.1
-        return ipaddress.ip_address(socket.inet_aton(host)).is_loopback
-    except OSError:
-        return False

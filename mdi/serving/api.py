@@ -109,6 +109,7 @@ class Routes:
                                        lambda name: self.training.reserves(name),
                                        lambda real: self.training.writes(real))
         self.training = TrainControl(sched, self.files, model_id, self.adapters.made)
+        self.observer.job_report = self.training.shown  # /v1/mdi/state shows no server paths either
         self.ignored_said: Set[str] = set()  # ignored OpenAI fields the log has named
         self.started = int(time.time())  # the models' "created": when this server began serving them
 

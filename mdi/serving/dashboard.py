@@ -20,13 +20,14 @@ from typing import Any, Dict, Optional, Tuple
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from mdi.ring.auth import is_loopback, token_matches
+from mdi.ring.auth import token_matches
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.metrics import Observer, Stats
 from mdi.serving.prometheus import metrics_text
 from mdi.serving.streaming import finish_reason_of
 from mdi.serving.validation import ApiError
 from mdi.starter.engine_face import EngineFace
+from mdi.system.loopback import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,8 @@ class BatchDashboard:
         self.monitor = monitor
         app = batch_dashboard_app(Observer(monitor, model_id, cfg.runtime.token), cfg.runtime.token)
         try:
-            self.server = HttpServer(app, host, port, "mdi-dashboard", threads=8, max_connections=64)
+            self.server = HttpServer(app, host, port, "mdi-dashboard", threads=8, max_connections=64,
+                                     secret=cfg.runtime.token is not None)
         except OSError as e:
             raise RuntimeError("--dashboard: cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
         self.url = "http://%s:%d/" % (host if ":" not in host else "[%s]" % host, port)

@@ -14,7 +14,7 @@ polls it), so both always show the same numbers.
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from mdi.ring.status import BatchCounter, StatusReply
 from mdi.runconfig import NodeSpec, RunConfig
@@ -257,6 +257,8 @@ class Observer:
         self._recoveries: List[Dict[str, Any]] = []
         self._engine_seen: Any = None  # the engine whose recoveries come here (on_recovery)
         self._last_error: Optional[Dict[str, Any]] = None
+        # a training job's report as clients see it (files relative to the models folder: TrainControl.shown)
+        self.job_report: Callable[[Any], Dict[str, Any]] = lambda job: job.report()
 
     def _rate(self, key: Tuple[str, Any], now: float, frames: Optional[int], seconds: Optional[float]) -> _Rates:
         with self._lock:
@@ -325,7 +327,7 @@ class Observer:
             snap["progress"] = progress
         job = getattr(view, "job", None)  # a training job beside serving (mdi.serving.train_job)
         if job is not None:
-            snap["training"] = job.report()
+            snap["training"] = self.job_report(job)
         return snap
 
     def _track_recoveries(self, engine: Optional[EngineFace]) -> None:

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from mdi.model.quantization.kernel_report import summary
 from mdi.model.source import ModelSource
-from mdi.ring.auth import is_loopback, token_matches
+from mdi.ring.auth import token_matches
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.serving.api import MAX_BODY_BYTES, create_app
 from mdi.serving.prompts import ChatTemplate
@@ -16,6 +16,7 @@ from mdi.serving.scheduler import Scheduler
 from mdi.serving.validation import ApiError
 from mdi.system.http_server import Admit
 from mdi.system.interrupt import Interrupted
+from mdi.system.loopback import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
                             max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
                             client_gone=True, admit=admit_bearer(cfg.runtime.token),
-                            refusal=lambda why: ApiError(401, why, code="invalid_api_key").body())
+                            refusal=lambda why: ApiError(401, why, code="invalid_api_key").body(),
+                            secret=cfg.runtime.token is not None)
     except OSError as e:
         raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))
     # A plain flag, polled: a handler that sets a threading.Event deadlocks when the signal lands

@@ -106,7 +106,7 @@ class TrainControl:
             raise ApiError(502, str(e), kind="server_error")
         log.info("mdi: serve: training job started: %d steps of %d windows of %d tokens from %s",
                  spec.steps, spec.batch_size, spec.seq_len, self.files.shown(spec.data))
-        return dict(self._shown(job), ok=True)
+        return dict(self.shown(job), ok=True)
 
     def _register(self, name: str, path: str) -> int:
         """Serve the trained adapter (the scheduler's thread, between two steps)."""
@@ -116,7 +116,7 @@ class TrainControl:
         self.on_adapter()
         return adapter
 
-    def _shown(self, job: "TrainJob") -> Dict[str, Any]:
+    def shown(self, job: "TrainJob") -> Dict[str, Any]:
         """`job`'s report as a client sees it: its files relative to the models folder."""
         report = job.report()
         for key in ("out", "data"):
@@ -130,7 +130,7 @@ class TrainControl:
         job = self.sched.job
         if job is None:
             raise ApiError(404, "no training job has run on this server")
-        return self._shown(job)
+        return self.shown(job)
 
     def stop(self) -> Dict[str, Any]:
         job = self.sched.job
@@ -147,4 +147,4 @@ class TrainControl:
                 raise ApiError(503, "the training job did not stop within %.0f s" % (STOP_WAIT_S + CALL_WAIT_S),
                                kind="server_error")
             time.sleep(STOP_POLL_S)
-        return self._shown(job)
+        return self.shown(job)

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
+from mdi.system.loopback import foreign_host, from_page, is_loopback
+
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 128  # open files kept free for everything but HTTP connections
@@ -47,11 +49,13 @@ def connection_cap(wanted: int, threads: int) -> int:
 # (method, path?query, headers as waitress keys them: "AUTHORIZATION", "X_MDI_CONTENT_SHA256")
 # -> None to read the body, or why the request is refused (401) before a byte of it is read.
 Admit = Callable[[str, str, Dict[str, str]], Optional[str]]
-# why -> the 401's JSON body (default: the worker's {"ok": false, "error": why}).
+# why -> the 401's (or 403's) JSON body (default: the worker's {"ok": false, "error": why}).
 Refusal = Callable[[str], Dict[str, Any]]
+# headers (as Admit's) -> why any request is refused (403) before the application sees it, or None
+Guard = Callable[[Dict[str, str]], Optional[str]]
 
 
-def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = None):
+def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = None, guard: Optional[Guard] = None):
     from waitress.channel import HTTPChannel
     from waitress.parser import HTTPRequestParser
     from waitress.receiver import ChunkedReceiver
@@ -64,7 +68,11 @@ def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = No
 
         def to_response(self, ident=None):  # JSON, as the applications answer their own 401s
             body = json.dumps(refusal(self.body) if refusal is not None else {"ok": False, "error": self.body}).encode()
-            return "401 Unauthorized", [("Content-Type", "application/json")], body
+            return "%d %s" % (self.code, self.reason), [("Content-Type", "application/json")], body
+
+    class Forbidden(Unauthorized):
+        code = 403
+        reason = "Forbidden"
 
     class BoundedChunks(ChunkedReceiver):
         error: Any  # waitress's attribute, declared for mypy (which cannot infer it in a class inside a function)
@@ -88,13 +96,19 @@ def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = No
             super().parse_header(header_plus)
             if self.chunked:
                 self.body_rcv = BoundedChunks(self.body_rcv.buf)
-            if admit is None or not (self.content_length > 0 or self.chunked):
+            forbidden = guard(self.headers) if guard is not None else None  # every request, body or none
+            if forbidden is not None:
+                self._refuse(Forbidden(forbidden))
+            if admit is None or forbidden is not None or not (self.content_length > 0 or self.chunked):
                 return
             why = admit(self.command, self.path + ("?" + self.query if self.query else ""), self.headers)
             if why is not None:
-                self.error = Unauthorized(why)
-                self.completed, self.body_rcv, self.content_length, self.chunked = True, None, 0, False
-                self.connection_close = True  # the body's bytes then go nowhere
+                self._refuse(Unauthorized(why))
+
+        def _refuse(self, error: Error) -> None:
+            self.error = error
+            self.completed, self.body_rcv, self.content_length, self.chunked = True, None, 0, False
+            self.connection_close = True  # the body's bytes then go nowhere
 
     class Channel(HTTPChannel):
         parser_class = Parser
@@ -136,11 +150,15 @@ class HttpServer:
     Every write leaves at once (server-sent events: each token when it is generated).
     client_gone: fill `environ["waitress.client_disconnected"]` (waitress checks for a closed
     connection while a request runs, which needs it to read ahead one request).
+    pages: False for a server no web page has reason to call (a worker's control plane): a
+    request a browser marks as a page's is refused (403); on a loopback address without a
+    shared secret (`secret`), one naming another Host is too (`_guard`).
     """
 
     def __init__(self, app: Callable, host: str, port: int, name: str = "http", threads: int = 8,
                  max_connections: int = 128, idle_timeout: int = 30, max_body_bytes: int = 1 << 30,
-                 client_gone: bool = False, admit: Optional[Admit] = None, refusal: Optional[Refusal] = None) -> None:
+                 client_gone: bool = False, admit: Optional[Admit] = None, refusal: Optional[Refusal] = None,
+                 pages: bool = True, secret: bool = False) -> None:
         from waitress.adjustments import Adjustments
         from waitress.task import ThreadedTaskDispatcher
         self.name = name
@@ -161,7 +179,8 @@ class HttpServer:
         dispatcher.set_thread_count(threads)
         self._map: dict = {}
         try:
-            self.server = _server_class(admit, refusal)(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
+            server_class = _server_class(admit, refusal, _guard(host, pages, secret))
+            self.server = server_class(app, map=self._map, dispatcher=dispatcher, adj=adj, sockinfo=listen)
         except BaseException:
             dispatcher.shutdown(timeout=1)
             raise
@@ -236,3 +255,17 @@ class HttpServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _guard(host: str, pages: bool, secret: bool) -> Optional[Guard]:
+    """What keeps a web page on this machine out (mdi.system.loopback): on a loopback address
+    without a secret (which a page cannot know), requests that name another Host (DNS
+    rebinding); with `pages` False (a server no page calls), any request a browser marks as a page's."""
+    check_host = is_loopback(host) and not secret
+    if not check_host and pages:
+        return None
+
+    def guard(headers: Dict[str, str]) -> Optional[str]:
+        why = foreign_host(headers.get("HOST")) if check_host else None
+        return why if why is not None or pages else from_page(headers)
+    return guard

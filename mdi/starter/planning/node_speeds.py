@@ -27,7 +27,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.system.memory import collect_freed_memory
 from mdi.system.parallel import run_all
-from mdi.ring.auth import is_loopback
+from mdi.system.loopback import is_loopback
 from mdi.ring.backend_request import BackendRequest
 from mdi.ring.profile_request import MAX_BATCH_SIZES, MAX_PROFILE_ROWS, ProfileReply, ProfileRequest
 from mdi.system.memory import LOAD_HEADROOM_BYTES
