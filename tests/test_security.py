@@ -198,6 +198,21 @@ def test_a_loopback_server_names_which_hosts_are_its_own(host, refused):
     assert from_page({"SEC_FETCH_SITE": "none"}) is None and from_page({}) is None
 
 
+def test_names_etc_hosts_gives_loopback_are_this_machine_s(tmp_path):
+    """A ring config may name a worker by an /etc/hosts alias of 127.0.0.1 (Debian's 127.0.1.1
+    line, ip6-localhost, localhost.localdomain): a name no web page can point here (h39)."""
+    from mdi.system.loopback import local_names
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost localhost.localdomain\n127.0.1.1 board.example.org board  # here\n"
+                     "::1 ip6-localhost ip6-loopback\n10.0.0.9 other\n# 127.0.0.1 commented\n")
+    names = local_names(str(hosts))
+    assert {"localhost.localdomain", "board.example.org", "board", "ip6-localhost", "ip6-loopback"} <= names
+    assert "other" not in names and "commented" not in names
+    hosts.write_text("127.0.0.1 renamed\n")
+    os.utime(str(hosts), ns=(1, 1))  # another stamp: read again
+    assert "renamed" in local_names(str(hosts)) and "board" not in local_names(str(hosts))
+
+
 def test_a_starter_whose_clock_is_off_corrects_it_from_the_worker(secret_worker):
     client = ControlClient(NodeSpec("w", port=secret_worker.port), token=SECRET)
     client.auth.offset = -3600.0  # our clock is an hour behind the worker's

@@ -65,7 +65,8 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
                             max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
                             client_gone=True, admit=admit_bearer(cfg.runtime.token),
-                            refusal=lambda why: ApiError(401, why, code="invalid_api_key").body(),
+                            refusal=lambda why, status: ApiError(status, why, code="invalid_api_key" if status == 401
+                                                                 else "forbidden_host").body(),
                             secret=cfg.runtime.token is not None)
     except OSError as e:
         raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))

@@ -49,8 +49,8 @@ def connection_cap(wanted: int, threads: int) -> int:
 # (method, path?query, headers as waitress keys them: "AUTHORIZATION", "X_MDI_CONTENT_SHA256")
 # -> None to read the body, or why the request is refused (401) before a byte of it is read.
 Admit = Callable[[str, str, Dict[str, str]], Optional[str]]
-# why -> the 401's (or 403's) JSON body (default: the worker's {"ok": false, "error": why}).
-Refusal = Callable[[str], Dict[str, Any]]
+# (why, 401 or 403) -> the refusal's JSON body (default: the worker's {"ok": false, "error": why}).
+Refusal = Callable[[str, int], Dict[str, Any]]
 # headers (as Admit's) -> why any request is refused (403) before the application sees it, or None
 Guard = Callable[[Dict[str, str]], Optional[str]]
 
@@ -67,7 +67,8 @@ def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = No
         reason = "Unauthorized"
 
         def to_response(self, ident=None):  # JSON, as the applications answer their own 401s
-            body = json.dumps(refusal(self.body) if refusal is not None else {"ok": False, "error": self.body}).encode()
+            body = json.dumps(refusal(self.body, self.code) if refusal is not None
+                              else {"ok": False, "error": self.body}).encode()
             return "%d %s" % (self.code, self.reason), [("Content-Type", "application/json")], body
 
     class Forbidden(Unauthorized):

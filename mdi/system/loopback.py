@@ -8,11 +8,14 @@ and served itself completions). Such a request names the page's host in `Host`, 
 marks a page's requests (`Origin`, `Sec-Fetch-Site`); mdi's own clients do neither.
 """
 import ipaddress
+import os
 import socket
-from typing import Mapping, Optional
+from typing import Any, Dict, FrozenSet, Mapping, Optional
 
 # what a browser says of a request a page made (`none`: typed in the address bar)
 PAGE_FETCH_SITES = ("cross-site", "same-site", "same-origin")
+HOSTS_FILE = "/etc/hosts"
+_local_names: Dict[str, Any] = {}  # the last read of local_names: its file and stamp, and its names
 
 
 def is_loopback(host: str) -> bool:
@@ -38,15 +41,40 @@ def _host_name(header: str) -> str:
 
 def foreign_host(header: Optional[str]) -> Optional[str]:
     """Why a request to a server bound to loopback that names `header` as its Host is refused
-    (None: a loopback address, localhost or this machine's own name: a name no page can point
-    here). A request without one (HTTP/1.0) is let through: no browser leaves it out."""
+    (None: a loopback address, localhost, this machine's name or a name /etc/hosts gives a
+    loopback address: names no web page can point here). A request without one (HTTP/1.0) is
+    let through: no browser leaves it out."""
     if not header:
         return None
     name = _host_name(header.strip()).lower().rstrip(".")
-    if is_loopback(name) or name == "localhost" or name.endswith(".localhost") or name == socket.gethostname().lower():
+    if is_loopback(name) or name == "localhost" or name.endswith(".localhost") or name in local_names():
         return None
-    return ("Host %r is not this machine's loopback address (a web page's DNS rebinding?); behind a proxy that "
-            "passes its own Host, set a shared secret (MDI_TOKEN)" % header[:100])
+    return ("Host %r is not a name of this machine's loopback address (a web page's DNS rebinding?): name it "
+            "127.0.0.1 or localhost, or, behind a proxy that passes its own Host, set a shared secret (MDI_TOKEN)"
+            % header[:100])
+
+
+def local_names(hosts: str = HOSTS_FILE) -> FrozenSet[str]:
+    """This machine's name and the names `hosts` gives a loopback address (Debian's 127.0.1.1
+    line, ip6-localhost, localhost.localdomain...), read again when the file changes."""
+    try:
+        stamp = os.stat(hosts).st_mtime_ns
+    except OSError:
+        stamp = None
+    key = (hosts, stamp)
+    if _local_names.get("key") != key:
+        names = {socket.gethostname().lower()}
+        try:
+            with open(hosts, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    fields = line.split("#", 1)[0].split()
+                    if len(fields) > 1 and is_loopback(fields[0]):
+                        names.update(n.lower().rstrip(".") for n in fields[1:])
+        except OSError:
+            pass
+        _local_names.update(key=key, names=frozenset(names))
+    return _local_names["names"]
+
 
 
 def from_page(headers: Mapping[str, str]) -> Optional[str]:
