@@ -39,6 +39,7 @@ def test_attention_scales_queries_on_a_torch_without_sdpa_s_scale(monkeypatch):
     q, k, v = (torch.randn(1, 4, 5, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     want = attention.sdpa(q, k, v, mask, 0.0625)
+    torch.jit.script(attention._sdpa_folding_scale)  # the TorchScript decode scripts it: no Python globals
     real = attention.F.scaled_dot_product_attention
 
     def torch_2_0(*args, **kwargs):
@@ -46,5 +47,4 @@ def test_attention_scales_queries_on_a_torch_without_sdpa_s_scale(monkeypatch):
             raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'scale'")
         return real(*args, **kwargs)
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", torch_2_0)
-    monkeypatch.setattr(attention, "SDPA_TAKES_SCALE", False)
-    assert torch.allclose(attention.sdpa(q, k, v, mask, 0.0625), want, atol=1e-6)
+    assert torch.allclose(attention._sdpa_folding_scale(q, k, v, mask, 0.0625), want, atol=1e-6)

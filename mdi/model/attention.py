@@ -37,18 +37,26 @@ def window_mask(mask: torch.Tensor, positions: torch.Tensor, window: int) -> tor
     return mask & (keys[None, None, None, :] > (positions - window)[:, None, None, None])
 
 
-# SDPA's `scale` argument came with torch 2.1: JetPack 5's torch 2.0 refused it (h36: every
-# Gemma 3 run on torch there failed at its first pass)
-SDPA_TAKES_SCALE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 1)
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-         scale: Optional[float]) -> torch.Tensor:
+def _sdpa_with_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                     scale: Optional[float]) -> torch.Tensor:
     if scale is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if not SDPA_TAKES_SCALE:  # the scale folded into the queries (SDPA divides them by sqrt(D))
-        return F.scaled_dot_product_attention(q * (scale * q.shape[-1] ** 0.5), k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _sdpa_folding_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                        scale: Optional[float]) -> torch.Tensor:
+    if scale is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # the scale folded into the queries (SDPA divides them by sqrt(D))
+    return F.scaled_dot_product_attention(q * (scale * q.shape[-1] ** 0.5), k, v, attn_mask=mask)
+
+
+# SDPA's `scale` argument came with torch 2.1: JetPack 5's torch 2.0 refused it (h36: every Gemma 3
+# run on torch there failed at its first pass). Chosen here, not tested in the function: the
+# TorchScript decode (mdi.model.fused_decode) scripts it and reads no Python global.
+SDPA_TAKES_SCALE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 1)
+sdpa = _sdpa_with_scale if SDPA_TAKES_SCALE else _sdpa_folding_scale
 
 
 def attend_sample(qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
