@@ -116,14 +116,10 @@ class Sample:
     @property
     def window_prompt_len(self) -> int:
         """Tokens of its window that are prompt: all of the prompt's, less those a context shift dropped."""
-        if not self.dropped:
-            return len(self.prompt_ids)
         return self.keep + max(0, len(self.prompt_ids) - self.keep - self.dropped)
 
     def window_tokens(self, start: int, count: int) -> List[int]:
         """Tokens [start, start + count) of that window, without building all of it."""
-        if not self.dropped:
-            return self._history(start, count)
         head = self._history(start, min(count, self.keep - start)) if start < self.keep else []
         tail = max(start, self.keep)
         return head + self._history(tail + self.dropped, start + count - tail)
