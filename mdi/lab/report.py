@@ -222,7 +222,11 @@ def ok_rows(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
     """The complete runs: every sample decoded its tokens. A run some of whose samples stopped
     early ("ok (2 samples stopped early: eos)") is left out: its decode rate is that of the
     samples still decoding, not of its S (a 4-sample row had been the rate of 2)."""
-    return [r for r in rows if r.get("status") == "ok" and _float(r.get("decode_tokens_per_s")) is not None]
+    return [r for r in rows if _complete(r)]
+
+
+def _complete(row: Dict[str, str]) -> bool:
+    return row.get("status") == "ok" and _float(row.get("decode_tokens_per_s")) is not None
 
 
 def _short(row: Dict[str, str]) -> bool:
@@ -255,19 +259,18 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
     efficiency (S-sample tokens/s / (N x 1-sample tokens/s) on the same ring at the same
     max_batch, paired by repeat) and, for batched runs, the speedup over the unbatched runs
     (max_batch 1) of the same ring and S."""
-    good = ok_rows(rows)
     groups: Dict[Group, List[Dict[str, str]]] = {}
     asked: Dict[Group, List[Dict[str, str]]] = {}  # every run, complete or not: none goes unsaid
     for r in rows:
         key = (r["model"], int(r["nodes"]), r["partition"], max_batch_of(r), int(r["samples"]))
         asked.setdefault(key, []).append(r)
-        if r in good:
+        if _complete(r):
             groups.setdefault(key, []).append(r)
     out = []
     for (model, n, part, mb, s), every in sorted(asked.items(), key=lambda kv: _group_order(kv[0])):
         rs = groups.get((model, n, part, mb, s), [])
-        counts = {"runs_ok": str(len(rs)), "runs_short": str(sum(1 for r in every if _short(r))),
-                  "runs_failed": str(sum(1 for r in every if r not in rs and not _short(r)))}
+        short = sum(1 for r in every if _short(r))
+        counts = {"runs_ok": str(len(rs)), "runs_short": str(short), "runs_failed": str(len(every) - len(rs) - short)}
         if not rs:  # no complete run: the group is listed with its counts and no numbers
             out.append(dict({c: "" for c in SUMMARY_COLUMNS}, model=model, nodes=str(n), partition=part, max_batch=mb,
                             samples=str(s), tokens=every[0].get("tokens", ""), **counts))
