@@ -5,8 +5,7 @@ first) but not one whose first token is fine and whose rest has none (`root ::= 
 "b"`): a request would then stream "b" and end wherever its budget does. The classic test says
 it up front: a rule is productive when one of its alternatives is made only of productive parts
 (a literal, a terminal, an optional or repeated-zero-times part, a productive rule), computed
-as a fixed point (a worklist); the grammar is empty when `start` is not
-productive.
+as a fixed point (a worklist); the grammar is empty when `start` is not productive.
 
 Only what it can read is judged: any syntax it does not know (templates, lookarounds, special
 tokens) makes the answer "unknown", so a grammar is never refused on a guess. Terminals are

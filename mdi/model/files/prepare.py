@@ -197,9 +197,9 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     path = _source_path(source, out)
     log.info("reading %s" % path)
     requantized: List[str] = []
-    # but for auto (as stored), a GGUF's K-quant (or other non-mdi) blocks are read as the float32
-    # values they hold, so that they are rounded once (to the type or mdi format asked) or not at all
-    # (none), not to mdi's int4 / int8 first (h32: that added 16-46 % to IQ4_NL's and Q3_K's error)
+    # A GGUF's K-quant (or other non-mdi) blocks are read as the float32 values they hold, but for
+    # auto (as stored): rounded once (to the type or mdi format asked) or not at all (none), not to
+    # mdi's int4 / int8 first (h32: that added 16-46 % to IQ4_NL's and Q3_K's error)
     keep_quant = quant == "auto" or not _holds_other_quants(path)
     if not keep_quant:
         log.info("reading %s as float32: its blocks are %s", path,
