@@ -110,6 +110,12 @@ class InitRequest:
     repack: bool = True  # ggml: runtime.repack (matrices re-laid for ggml's faster kernels)
     prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights (mdi.model.ggml.dequant_rows)
 
+    @property
+    def prefill_chunk(self) -> int:
+        """The run's prompt tokens a pass (runtime.prefill_chunk): max_rows is a batch of decode
+        rows plus one such chunk."""
+        return max(1, self.max_rows - self.max_batch)
+
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"run_id": self.run_id, "model": self.model.to_dict(), "layers": list(self.layers),
                                "dtype": self.dtype, "device": self.device, "n_slots": self.n_slots, "max_len": self.max_len,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from mdi.model.backend import AUTO
+from mdi.model.config import ModelConfig
 from mdi.model.sampling import SamplingParams, host_array
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
@@ -198,11 +199,16 @@ def plan_windows(n_tokens: int, ctx: int, max_windows: Optional[int], path: str)
     return min(n, max_windows) if max_windows is not None else n
 
 
-def scoring_config(cfg: RunConfig) -> RunConfig:
-    """`cfg` as perplexity runs it: runtime.prefill_weights auto multiplies the weights as stored.
+def scoring_config(cfg: RunConfig, config: ModelConfig, ctx: int) -> RunConfig:
+    """`cfg` as perplexity runs it, for windows of `ctx` tokens of a model of `config`.
+    A window is one pass of `ctx` rows: with sliding-window layers, runtime.prefill_chunk is at
+    least that, so no node keeps them in a ring too short for such a pass (sliding_cache).
+    runtime.prefill_weights auto multiplies the weights as stored.
     Perplexity is the figure set beside llama-perplexity's on the same GGUF, and a window's
     hundreds of rows would otherwise take auto's dequantized product, whose bits are not
     llama.cpp's (SmolLM2 Q4_1: 43.97 against 44.18). `dequantized`, asked for by name, still is."""
+    if config.sliding_window and cfg.runtime.prefill_chunk < ctx:
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, prefill_chunk=ctx))
     if cfg.runtime.prefill_weights != AUTO:
         return cfg
     if any(cfg.backend_of(node) != "torch" for node in cfg.nodes):  # (the setting is ggml's)
@@ -221,7 +227,7 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
     ids = read_tokens(source, path)
     ctx = resolve_ctx(source, ctx)
     n_windows = plan_windows(len(ids), ctx, max_windows, path)
-    cfg = scoring_config(cfg)
+    cfg = scoring_config(cfg, source.config, ctx)
     n_slots = min(len(cfg.nodes), n_windows)
     log.info("mdi: perplexity of %s: %d tokens, %d windows of %d, %d in flight",
              path, len(ids), n_windows, ctx, n_slots)

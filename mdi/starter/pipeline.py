@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 
 from mdi.model.prefix_store import PrefixStore
 from mdi.model.sampling import SamplingError, SamplingParams
+from mdi.model.sliding_cache import SlidingRing
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
@@ -86,8 +87,7 @@ class Pipeline:
         self.compute_seconds = 0.0  # this node's own work (layers, head, sampling): its busy time
         self.batching = BatchCounter()  # rows and samples per forward of the starter's layers
         self.last_progress = time.monotonic()  # a pass came back, or the ring went from idle to busy
-        # Speculation (mdi.starter.speculation): the pipeline calls its decoder in two places,
-        # to send speculative passes (_dispatch) and to verify one that came back (_sample_all).
+        # Speculation (mdi.starter.speculation): its decoder sends passes (_dispatch) and verifies them (_sample_all)
         self._epochs = itertools.count(1)
         self.decoder = SpecDecoder(settings.speculation, settings.n_stages, self._epochs, drafter_factory)
         if pass_costs is not None:  # measured by the engine (measure_pass_costs); else a linear guess
@@ -96,8 +96,7 @@ class Pipeline:
         # Frames carry each sample's pass epoch once any sample may speculate (tag_epochs: one
         # may later, e.g. a served request): only then can a stale pass be in flight.
         self.tag_epochs = settings.tag_epochs or self.speculation.on
-        # The prefix cache (enable_prefix_cache): the starter's index of what every node holds,
-        # and its own node's store.
+        # The prefix cache (enable_prefix_cache): the starter's index of what every node holds, and its own store
         self.prefix: Optional[PrefixIndex] = None
         self.prefix_store: Optional[PrefixStore] = None
         # A training job beside serving (mdi.serving.train_job) gets its frames back here: the
@@ -128,12 +127,13 @@ class Pipeline:
         return lost
 
     def enable_prefix_cache(self, token_budget: int, store_bytes: int) -> None:
-        """Keep earlier prompts' KV for later ones: entries of `token_budget` positions in all
-        (the smallest node's), this node's store holding `store_bytes`. 0: none (as before)."""
+        """Keep earlier prompts' KV: entries of `token_budget` positions on every node, `store_bytes` here (0: none)."""
         if self.prefix_store is not None:
             self.prefix_store.clear()
         on = token_budget > 0 and self.chunk.cache is not None
-        self.prefix = PrefixIndex(token_budget) if on else None
+        ring = on and self.settings.ggml_cuts and SlidingRing.of(self.chunk.config, self.cache.max_len,
+                                                                  self.prefill_chunk)
+        self.prefix = PrefixIndex(token_budget, ring or None) if on else None
         self.prefix_store = PrefixStore(self.chunk.cache, store_bytes) if on else None
 
     def choose_slot(self, sample: Sample, free: List[int]) -> int:

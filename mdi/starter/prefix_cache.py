@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from mdi.model.prefix_store import CacheOp
+from mdi.model.sliding_cache import SlidingRing
 from mdi.starter import prompt_passes
 
 
@@ -43,20 +44,24 @@ class Held:
     # how each position was computed (prompt_passes.ONE_ROW / TILED / ANSWER), where a ring
     # cuts prompts as ggml computes them; None: not told (any position may be reused)
     kinds: Optional[np.ndarray] = None
+    # the first position the nodes' sliding-window rings still hold (SlidingRing.intact_from)
+    intact_from: int = 0
 
 
-def shared_positions(held: Held, want: np.ndarray, kinds: Optional[np.ndarray]) -> int:
+def shared_positions(held: Held, want: np.ndarray, kinds: Optional[np.ndarray],
+                     ring: Optional[SlidingRing] = None) -> int:
     """Positions of `want` that `held` holds, computed as a cold prompt of `want` computes
     them (`kinds`, its cold passes' prompt_passes.cold_kinds; None: any): a prompt row keeps
     the bits of the pass that computed it, and a pass below TILED_ROWS rows takes another
     attention kernel than a longer one, so the start of a short prompt is no start of a long
-    one (an answer's rows are, as a conversation's)."""
+    one (an answer's rows are, as a conversation's). `ring`: the nodes' sliding-window layers
+    keep rings, which must still hold the window before the first position computed."""
     n = common_prefix(held.tokens, want)
-    if kinds is None or held.kinds is None or n == 0:
-        return n
-    have = held.kinds[:n]
-    differ = np.flatnonzero((have != kinds[:n]) & (have != prompt_passes.ANSWER))
-    return int(differ[0]) if len(differ) else n
+    if kinds is not None and held.kinds is not None and n:
+        have = held.kinds[:n]
+        differ = np.flatnonzero((have != kinds[:n]) & (have != prompt_passes.ANSWER))
+        n = int(differ[0]) if len(differ) else n
+    return ring.reusable(n, held.intact_from) if ring is not None else n
 
 
 @dataclass
@@ -83,10 +88,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class PrefixIndex:
     """What every node's slots and prefix stores hold, for a run whose nodes each give entries
-    `token_budget` positions (the smallest node budget over its bytes per position)."""
+    `token_budget` positions (the smallest node budget over its bytes per position), and keep
+    their sliding-window layers in `ring`s (None: every position)."""
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, ring: Optional[SlidingRing] = None) -> None:
         self.budget = token_budget
+        self.ring = ring
         self.entries: Dict[int, Held] = {}
         self.slots: Dict[int, Held] = {}  # free slots only: a busy slot's sequence changes as it runs
         self.counters = PrefixCounters()
@@ -94,6 +101,7 @@ class PrefixIndex:
         self.tokens_held = 0
         self._ops: List[CacheOp] = []
         self._running: Dict[int, Optional[np.ndarray]] = {}  # busy slot -> its window's kinds (Held.kinds)
+        self._reused_from: Dict[int, int] = {}  # busy slot -> the intact_from of the positions it reused
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
 
@@ -113,7 +121,7 @@ class PrefixIndex:
         for slot in free:
             held = self.slots.get(slot)
             if held is not None and held.key == key:
-                n = shared_positions(held, want, kinds)
+                n = shared_positions(held, want, kinds, self.ring)
                 if n > best_len:
                     best, best_len = slot, n
         if best is not None:
@@ -135,17 +143,20 @@ class PrefixIndex:
         kinds = prompt_passes.cold_kinds(len(want)) if ggml_cuts else None
         old = self.slots.pop(slot, None)
         limit = len(want) - 1
-        own = shared_positions(old, want, kinds) if reuse and old is not None and old.key == key else 0
+        own = shared_positions(old, want, kinds, self.ring) if reuse and old is not None and old.key == key else 0
         entry, from_entry = None, 0
         if reuse:
             for eid, held in self.entries.items():
                 if held.key == key:
-                    n = shared_positions(held, want, kinds)
+                    n = shared_positions(held, want, kinds, self.ring)
                     if n > from_entry:
                         entry, from_entry = eid, n
         use = max(0, min(limit, max(own, from_entry)))
         if ggml_cuts:
             use = prompt_passes.reusable_positions(len(want), use)
+        chosen = self.entries[entry] if entry is not None and from_entry > own else old
+        if use and self.ring is not None and chosen is not None:  # (fewer positions: is their window still held?)
+            use = self.ring.reusable(use, chosen.intact_from)
         load = entry if from_entry > own and use > 0 else None
         stays = 0 if load is not None else use  # positions of the old sequence the sample keeps
         if old is not None and len(old.tokens) > stays:
@@ -157,6 +168,7 @@ class PrefixIndex:
         reused = source.kinds[:use] if use and source is not None and source.kinds is not None else None
         self._running[slot] = None if kinds is None or (use and reused is None) else (
             np.concatenate([reused, kinds[use:]]) if use else kinds)
+        self._reused_from[slot] = source.intact_from if use and source is not None else 0
         if reuse:
             self.counters.lookups += 1
             self.counters.prompt_tokens += len(want)
@@ -169,6 +181,7 @@ class PrefixIndex:
         its window as admitted, then its answer's rows (`as_admitted` False: a context shift
         computed its window again, how is not told)."""
         admitted = self._running.pop(slot, None)
+        reused_from = self._reused_from.pop(slot, 0) if as_admitted else 0  # (a shift computed all again)
         if not len(tokens):
             self.slots.pop(slot, None)
             return
@@ -176,7 +189,8 @@ class PrefixIndex:
         if admitted is not None and as_admitted:
             kinds = np.full(len(tokens), prompt_passes.ANSWER, dtype=np.uint8)
             kinds[:len(admitted)] = admitted[:len(tokens)]
-        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds)
+        intact = self.ring.intact_from(len(tokens), reused_from) if self.ring is not None else 0
+        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds, intact)
 
     # --- entries ---------------------------------------------------------------------
     def _keep(self, slot: int, held: Held, protect: Optional[int]) -> None:
@@ -209,7 +223,7 @@ class PrefixIndex:
                 self.counters.evictions += 1
         eid = next(self._ids)
         self._ops.append(CacheOp("save", eid, slot, n))
-        self.entries[eid] = Held(held.tokens, held.key, next(self._clock), held.kinds)
+        self.entries[eid] = Held(held.tokens, held.key, next(self._clock), held.kinds, held.intact_from)
         self.tokens_held += n
         self.counters.saves += 1
 
@@ -230,6 +244,7 @@ class PrefixIndex:
         self.entries.clear()
         self.slots.clear()
         self._running.clear()
+        self._reused_from.clear()
         self.tokens_held = 0
         self._ops = []
 

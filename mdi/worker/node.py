@@ -18,6 +18,7 @@ from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.model.files.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
+from mdi.model.sliding_cache import pass_rows_bound
 from mdi.ring.auth import new_instance, ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
 from mdi.ring.status import StatusReply, WorkerState
@@ -243,8 +244,7 @@ class Worker(Measuring):
                                           request.max_batch, False, request.dtype, layout_to_json(request.quant),
                                           request.quant_kernel, request.kv_type,
                                           prefill_weights=request.prefill_weights,
-                                          # max_rows: a batch of decode rows plus the run's prefill chunk
-                                          prefill_chunk=max(1, request.max_rows - request.max_batch))
+                                          prefill_chunk=request.prefill_chunk)
             backend, line = choice.backend, choice.describe()
             if request.weights.push is not None and backend != "torch":
                 raise RequestError("backend auto chose %s here, but the push announced is torch's weights: ask POST "
@@ -372,7 +372,10 @@ class Worker(Measuring):
             chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
             chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
         try:
-            chunk.allocate_cache(request.n_slots, request.max_len)
+            if chunk.backend == "ggml":  # its sliding-window layers may keep rings (mdi.model.sliding_cache)
+                chunk.allocate_cache(request.n_slots, request.max_len, pass_rows_bound(request.prefill_chunk))
+            else:
+                chunk.allocate_cache(request.n_slots, request.max_len)
         except (RuntimeError, ValueError, MemoryError) as e:  # ggml says MemoryError
             raise RequestError("cannot allocate the KV cache: %s" % e)
         data = request.data

@@ -22,7 +22,7 @@ from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
 from mdi.model.ggml.dequant_rows import dequantizable, rule_for, rule_text
 from mdi.model.ggml.built import Built
 from mdi.model.ggml.graph import GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks, head_name
-from mdi.model.ggml.kv_cache import GgmlKVCache
+from mdi.model.ggml.kv_cache import GgmlKVCache, layer_lengths
 from mdi.model.ggml.min_rows import fewest_rows
 from mdi.model.ggml.row_split import split_sizes
 from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
@@ -220,12 +220,13 @@ class GgmlChunk:
         return self.lora.nbytes
 
     # --- cache -----------------------------------------------------------------------------
-    def allocate_cache(self, n_slots: int, max_len: int) -> GgmlKVCache:
+    def allocate_cache(self, n_slots: int, max_len: int, pass_rows: Optional[int] = None) -> GgmlKVCache:
+        """`pass_rows` (sliding_cache.pass_rows_bound; None: no rings): ring lengths (layer_lengths)."""
         if max_len > self.config.block_size:
             raise ValueError("cache length %d exceeds the model context %d" % (max_len, self.config.block_size))
         self.free_cache()
-        c = self.config
-        self.cache = GgmlKVCache(self.n_layers, n_slots, max_len, c.kv_heads, c.head_dim, self.kv_type,
+        c, lengths = self.config, layer_lengths(self.config, self.first, self.last, max_len, pass_rows)
+        self.cache = GgmlKVCache(n_slots, max_len, c.kv_heads, c.head_dim, lengths, self.kv_type,
                                  self.compute_backend.buffer_type)
         return self.cache
 
@@ -364,13 +365,16 @@ class GgmlChunk:
         g = self._graph(("blocks", shape, lora, embedded, head_rows),
                         lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded, head_rows))
         kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
+        rings = cache.write_rings(slots, starts, row_positions, self.config.sliding_window or 0)
+        if rings is not None:
+            g.set("kv_rows_ring", rings[0])
         g.set("ids" if embedded else "x", a)
         # (RoPE reads the positions; learned ones are read only where the graph embeds: GPT-2's
         # blocks graph alone leaves them unused, with no buffer)
         if self.traits.family.positions == "rope" or embedded:
             g.set("pos", np.concatenate(row_positions))
         g.set("kv_rows", kv_rows)
-        fill_masks(g, shape, row_positions, self.traits)
+        fill_masks(g, shape, row_positions, self.traits, rings[1] if rings is not None else None)
         if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)

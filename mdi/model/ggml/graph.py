@@ -60,6 +60,12 @@ def attend_bucket(end: int, max_len: int) -> int:
     return min(max_len, -(-end // ATTEND_BUCKET) * ATTEND_BUCKET)
 
 
+def ring_attend(s: "SampleShape", cache: GgmlKVCache) -> int:
+    """Rows of its slot's ring a sample attends in a sliding-window layer that keeps a ring:
+    those its positions reached (every row, once they went round)."""
+    return min(s.attend, cache.ring) if cache.ring else s.attend
+
+
 @dataclass
 class ModelTraits:
     """The per-model numbers a graph needs beyond the family table (from the config and the
@@ -213,13 +219,14 @@ class GraphBuilder:
         pos = self._input(b, "pos", lib.I32, R)
         x = self._embed(b, self._input(b, "ids", lib.I32, R), pos) if embedded else self._input(b, "x", lib.F32, E, R)
         kv_rows = self._input(b, "kv_rows", lib.I64, R)
+        ring_rows = self._input(b, "kv_rows_ring", lib.I64, R) if cache.ring else None
         if lora is not None:
             widest = max((c.n_head + 2 * c.kv_heads) * c.head_dim, c.ffn_width, E)
             b.lora = lora_ops.LoraOps(gg, lambda name, kind, n: self._input(b, name, kind, n), lora, held or {}, widest)
             b.lora.inputs(R)
         self._lora, self._runs, self._graph = b.lora, runs, b.graph
         try:
-            x = self._blocks(b, x, shape, cache, pos, kv_rows)
+            x = self._blocks(b, x, shape, cache, pos, (kv_rows, ring_rows))
         finally:
             self._lora, self._runs, self._graph = None, None, None
         if head_rows:
@@ -227,8 +234,10 @@ class GraphBuilder:
         b.finish(x)
         return b
 
-    def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any, kv_rows: Any) -> Any:
-        """The blocks' ops over rows `x`: their output rows."""
+    def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any,
+                kv_rows: Tuple[Any, Optional[Any]]) -> Any:
+        """The blocks' ops over rows `x`: their output rows (`kv_rows`: the cache rows they are
+        written to, in full-length layers and in rings)."""
         t = self.t
         ctx = b.ctx.ptr
         # Only the masks some layer reads: an input no op reads gets no buffer (Gemma 3's
@@ -239,7 +248,7 @@ class GraphBuilder:
         for i, s in enumerate(shape.samples):
             rows = self.query_rows(s)
             full = self._input(b, "mask_%d" % i, lib.F16, s.attend, rows) if any_global else None
-            win = self._input(b, "mask_local_%d" % i, lib.F16, s.attend, rows) if local else None
+            win = self._input(b, "mask_local_%d" % i, lib.F16, ring_attend(s, cache), rows) if local else None
             masks.append((full, win))
         for li, layer in enumerate(self.layers):
             x = self._block(ctx, b, x, layer, li, shape, cache, pos, kv_rows, masks)
@@ -294,7 +303,7 @@ class GraphBuilder:
         return qs, ks, vs
 
     def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
-               pos: Any, kv_rows: Any, masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
+               pos: Any, kv_rows: Tuple[Any, Optional[Any]], masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
         gg, t, w = self.gg, self.t, self.w
         c, fam = t.config, t.family
         H, KV, D = c.n_head, c.kv_heads, c.head_dim
@@ -326,14 +335,18 @@ class GraphBuilder:
             kq_scale = 1.0
         # keys and values of these rows into their cache rows, before any sample attends
         kc, vc = cache.k[li], cache.v[li]
-        gg.ggml_build_forward_expand(b.graph, gg.ggml_set_rows(ctx, kc, gg.ggml_reshape_2d(ctx, k, KV * D, R), kv_rows))
-        gg.ggml_build_forward_expand(b.graph, gg.ggml_set_rows(ctx, vc, gg.ggml_reshape_2d(ctx, v, KV * D, R), kv_rows))
+        ring = cache.is_ring(li)
+        rows_at = kv_rows[1] if ring else kv_rows[0]
+        gg.ggml_build_forward_expand(b.graph, gg.ggml_set_rows(ctx, kc, gg.ggml_reshape_2d(ctx, k, KV * D, R), rows_at))
+        gg.ggml_build_forward_expand(b.graph, gg.ggml_set_rows(ctx, vc, gg.ggml_reshape_2d(ctx, v, KV * D, R), rows_at))
         local = t.is_local(layer)
         row_d = gg.ggml_row_size(cache.type_id, D)
         outs = []
         first = 0
         for (full, win), s in zip(masks, shape.samples):
-            offset = cache.row(s.slot, 0) * cache.row_bytes
+            if ring:  # the slot's ring: its rows, whichever positions they hold (the mask says)
+                s = s._replace(attend=ring_attend(s, cache))
+            offset = s.slot * cache.lengths[li] * cache.row_bytes
             qs, ks, vs = self._attention_views(ctx, q, kc, vc, s, first * q.contents.nb[2], offset, row_d, cache.row_bytes)
             o = gg.ggml_flash_attn_ext(ctx, qs, ks, vs, win if local else full, kq_scale, 0.0, 0.0)
             gg.ggml_flash_attn_ext_set_prec(o, lib.PREC_F32)
@@ -408,20 +421,24 @@ def head_name(weights: Dict[str, Any]) -> str:
     return "output.weight" if "output.weight" in weights else "token_embd.weight"
 
 
-def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], traits: ModelTraits) -> None:
+def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], traits: ModelTraits,
+               ring_cells: Optional[Sequence[np.ndarray]] = None) -> None:
     """Each sample's masks: a row (at its position in `row_positions`) sees positions <= its
-    own, and, in a sliding-window layer, only the last `sliding_window` of them."""
+    own, and, in a sliding-window layer, only the last `sliding_window` of them. `ring_cells`:
+    where those layers keep a ring, the position each row of each sample's ring holds."""
     window = traits.config.sliding_window or 0
     for i, (s, positions) in enumerate(zip(shape.samples, row_positions)):
-        cols = np.arange(s.attend)[None, :]
         rows = np.asarray(positions)[:, None]
-        seen = cols <= rows
         for name, windowed in (("mask_%d" % i, False), ("mask_local_%d" % i, True)):
             if name not in b.inputs:
                 continue
+            width = int(b.inputs[name].contents.ne[0])
+            ring = windowed and ring_cells is not None
+            cols = (ring_cells[i][:width] if ring else np.arange(width))[None, :]  # type: ignore[index]
+            seen = (cols <= rows) & (cols >= 0)
             mask = np.where(seen & (rows - cols < window) if windowed else seen, np.float16(0), NEG_INF)
             query_rows = int(b.inputs[name].contents.ne[1])
             if query_rows != s.rows:  # a one-row sample's heads attending as rows: its row for each
-                mask = np.broadcast_to(mask, (query_rows, s.attend))
+                mask = np.broadcast_to(mask, (query_rows, width))
             b.set(name, mask)  # float16 already: no copy to convert
 
