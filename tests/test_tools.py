@@ -111,6 +111,8 @@ PARIS, ONE_TWO = ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 
     (HERMES, HERMES_TWO, "Let me look.", [PARIS, ONE_TWO]),
     (HERMES, '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n</tool_call>', "", [ONE_TWO]),
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ONE_TWO]),  # stopped before </tool_call>
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris", "unit": "c"}}\n'
+             '</tool_call>', "", [("get_weather", {"city": "</tool_call> Paris", "unit": "c"})]),  # the tag in a string
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call> ok',  # malformed: content
      '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call> ok', []),
     (HERMES, '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>',  # not a tool of the request
@@ -471,6 +473,10 @@ def test_parallel_calls_default_to_what_the_template_supports(smollm2_dir):
     assert [tool_choice_of(fields, template(name, smollm2_dir).tool_format).parallel
             for name in ("smollm2", "qwen2.5", "llama3.2")] == [False, True, False]
     assert tool_choice_of(dict(fields, parallel_tool_calls=True), ToolFormat(GENERIC, False, False)).parallel
+    named = dict(fields, tool_choice={"type": "function", "function": {"name": "add"}})
+    qwen = template("qwen2.5", smollm2_dir).tool_format
+    assert not tool_choice_of(named, qwen).parallel  # one call of the function named, as OpenAI answers...
+    assert tool_choice_of(dict(named, parallel_tool_calls=True), qwen).parallel  # ... unless asked for several
 
 
 def test_legacy_functions_map_onto_tools_and_their_messages_onto_tool_messages():

@@ -161,6 +161,9 @@ class CallParser:
         content), or None while more text may complete it."""
         buf = self.buf
         if self.family == HERMES:
+            read = self._read_hermes_value(buf, final)
+            if read is not None:
+                return read if read != () else None
             end = buf.find(HERMES_CLOSE)
             if end < 0 and not final:
                 return None
@@ -189,6 +192,23 @@ class CallParser:
         if isinstance(read, str):  # the generic format's {"response": text}
             return end, [], self._reply_rest(read)
         return end, read, ""
+
+    def _read_hermes_value(self, buf: str, final: bool) -> Any:
+        """A Hermes call read as a JSON value, then its closing tag: the JSON may hold the tag
+        in a string (an argument that writes "</tool_call>"), so the first tag is not its end.
+        _read_call's answer; () while more text may complete it; None: not a JSON call then a
+        tag (read as the text up to the first tag)."""
+        at = len(HERMES_OPEN)
+        at += len(buf) - at - len(buf[at:].lstrip())
+        try:
+            value, stop = JSON.raw_decode(buf, at)
+        except ValueError:  # cut short: wait for the rest (a malformed one is read up to its tag)
+            return () if not final and json_cut.cut_short(buf, at) else None
+        rest = buf[stop:].lstrip()
+        if not rest.startswith(HERMES_CLOSE):
+            return () if not final and HERMES_CLOSE.startswith(rest) else None
+        call = self._call(value, "arguments")
+        return (len(buf) - len(rest) + len(HERMES_CLOSE), [call], "") if call is not None else None
 
     def _open_reply(self, buf: str) -> Optional[Tuple[int, List[Call], str]]:
         """While a streamed generic reply's string is being written: its new text (nothing of

@@ -163,8 +163,8 @@ def tool_choice_of(fields: Dict[str, Any], fmt: "ToolFormat") -> Optional[ToolCh
     parallel = fields.get("parallel_tool_calls")
     if legacy:
         parallel = False  # a legacy message holds one function_call
-    elif parallel is None:
-        parallel = parallel_default(fmt)
+    elif parallel is None:  # a named function: one call of it, as OpenAI and vLLM answer (Instructor counts on one)
+        parallel = parallel_default(fmt) and not isinstance(choice, dict)
     if isinstance(choice, dict):
         return ToolChoice(tools, "named", choice["function"]["name"], parallel, legacy)
     return ToolChoice(tools, choice, None, parallel, legacy)
