@@ -786,3 +786,22 @@ def test_every_results_record_names_the_commit_that_measured():
         assert benchlib.machine_info(1)["git_commit"] == head
     finally:
         sys.path.remove(os.path.join(ROOT, "scripts"))
+
+
+def test_a_sweep_into_a_folder_of_an_earlier_one_moves_its_outputs_aside_first(tmp_path):
+    """A second sweep rewrites results.csv from its first run: stopped before its first row, it
+    had left the earlier report.md, summary.csv and plots describing rows that were gone."""
+    from mdi.lab.sweep import keep_earlier_sweep
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    for name in ("results.csv", "summary.csv", "report.md", "machine.json", "tokens_per_s.png"):
+        (out / name).write_text(name)
+    (out / "notes.txt").write_text("mine")
+    lines = []
+    keep_earlier_sweep(str(out), lines.append)
+    aside = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert len(aside) == 1 and sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", aside[0].name])
+    assert (aside[0] / "report.md").read_text() == "report.md" and (aside[0] / "runs").is_dir()
+    assert lines == ["mdi-bench: %s held an earlier sweep's results: moved to %s" % (out, aside[0])]
+    keep_earlier_sweep(str(out), lines.append)  # nothing of a sweep left: nothing moved
+    assert len(lines) == 1

@@ -264,8 +264,30 @@ def finish_outputs(out: str, machine: Dict[str, Any], log: Callable[[str], None]
         log("mdi-bench: " + line[2:])
 
 
+# What a sweep writes in its output folder (and its plots' PNGs): an earlier sweep's are moved aside
+SWEEP_OUTPUTS = ("results.csv", "summary.csv", "report.md", "machine.json", "experiment.yaml", "runs")
+
+
+def keep_earlier_sweep(out: str, log: Callable[[str], None]) -> None:
+    """Move an earlier sweep's outputs in `out` into out/previous-TIME/: a new sweep rewrites
+    results.csv from its first run, and one stopped early had left the old report describing
+    rows that were gone."""
+    names = [n for n in sorted(os.listdir(out)) if n in SWEEP_OUTPUTS or n.endswith(".png")]
+    if not names:
+        return
+    aside = os.path.join(out, "previous-" + time.strftime("%Y%m%d-%H%M%S"))
+    if os.path.exists(aside):  # two sweeps in one second
+        aside = tempfile.mkdtemp(prefix=os.path.basename(aside) + "-", dir=out)
+    else:
+        os.makedirs(aside)
+    for name in names:
+        os.rename(os.path.join(out, name), os.path.join(aside, name))
+    log("mdi-bench: %s held an earlier sweep's results: moved to %s" % (out, aside))
+
+
 def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int:
     os.makedirs(out, exist_ok=True)
+    keep_earlier_sweep(out, log)
     shutil.copyfile(exp.source, os.path.join(out, "experiment.yaml"))
     machine = machine_record(exp.source)
     machine["experiment"] = {"name": exp.name, "description": exp.description, "repeats": exp.repeats,
