@@ -463,7 +463,7 @@ def test_report_table_has_a_max_batch_column(tmp_path):
     path = tmp_path / "report.md"
     write_report(str(path), summarize(_batched_rows(BATCH_RATES)), {"experiment": {"name": "batching"}})
     text = path.read_text()
-    assert "| nodes | partition | max_batch | S=1 | S=3 | S=12 |" in text
+    assert "| nodes | partition | max_batch | backends | S=1 | S=3 | S=12 |" in text
     assert "| 3 | 1+1+1 | 1 | " in text and "| 3 | 1+1+1 | auto | " in text
     assert "Batched against unbatched" in text and "3.00x unbatched at the same S" in text
 
@@ -805,3 +805,39 @@ def test_a_sweep_into_a_folder_of_an_earlier_one_moves_its_outputs_aside_first(t
     assert lines == ["mdi-bench: %s held an earlier sweep's results: moved to %s" % (out, aside[0])]
     keep_earlier_sweep(str(out), lines.append)  # nothing of a sweep left: nothing moved
     assert len(lines) == 1
+
+
+def test_every_result_file_says_where_it_was_measured_and_an_interrupted_sweep_says_so(tmp_path):
+    """report.md (the file people publish) names the CPU, the ISA torch and ggml use on it and
+    the commit; summary.csv and report.md name each ring's backends (both ways where runs of
+    one group differed); a sweep stopped early says so first, with the runs it made."""
+    from mdi.lab.report import machine_record
+    from mdi.lab.report_md import write_report
+    rows = [dict(_ok_row(2, "1+1", 1, "10"), backends="ggml;ggml"),
+            dict(_ok_row(2, "1+1", 1, "12"), backends="ggml;torch", repeat="2")]
+    summary = summarize(rows)
+    assert summary[0]["backends"] == "ggml;ggml / ggml;torch"
+    machine = dict(machine_record("exp.yaml"), experiment={"name": "x"}, interrupted=True, runs=2, runs_planned=9)
+    if not machine["ggml"].startswith("unavailable"):
+        assert machine["ggml_cpu_features"] and all(isinstance(f, str) for f in machine["ggml_cpu_features"])
+    path = tmp_path / "report.md"
+    write_report(str(path), summary, machine)
+    text = path.read_text()
+    assert text.splitlines()[2] == "**Interrupted**: 2 of 9 runs made; every figure below is from those only."
+    line = next(l for l in text.splitlines() if l.startswith("Machine: "))
+    assert machine["cpu_model"] in line and "ISA %s" % machine["cpu"]["isa"] in line
+    assert machine["git_commit"][:12] in line
+    assert "| 2 | 1+1 | - | ggml;ggml / ggml;torch | " in text
+    write_report(str(path), summary, dict(machine, interrupted=False))
+    assert "Interrupted" not in path.read_text()
+
+
+def test_a_sample_range_empty_for_a_node_count_is_refused_naming_the_ring(tmp_path, smollm2_dir):
+    config = tmp_path / "empty.yaml"
+    config.write_text(yaml.safe_dump({"output": str(tmp_path / "out"), "repeats": 1, "emulation": {"enabled": False},
+                                      "models": [{"name": "s", "path": smollm2_dir, "tokens": 4, "nodes": [1, 3],
+                                                  "samples": ["N..2"]}]}))
+    r = _bench("--experiment", str(config), "--dry-run")
+    assert r.returncode != 0
+    assert _bench_error(r) == ("mdi-bench: error: %s: models[0].samples: no sample count for the 3-node ring "
+                               "(N..2 at N=3)" % config)

@@ -41,7 +41,7 @@ CSV_COLUMNS = [
     "spec_passes_cancelled", "spec_wasted_rows",
 ]
 SUMMARY_COLUMNS = [
-    "model", "nodes", "partition", "max_batch", "samples", "tokens", "runs_ok", "runs_short", "runs_failed",
+    "model", "nodes", "partition", "max_batch", "samples", "tokens", "backends", "runs_ok", "runs_short", "runs_failed",
     "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
     "tokens_per_s_median", "ttft_s_median", "efficiency_median", "efficiency_min", "efficiency_max",
     "speedup_vs_1_node", "speedup_vs_unbatched", "peak_memory_mb_max", "node_busy_median",
@@ -286,7 +286,7 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
         peaks = _max_per_node([r["peak_memory_mb"] for r in rs])
         out.append({
             "model": model, "nodes": str(n), "partition": part, "max_batch": mb, "samples": str(s),
-            "tokens": rs[0]["tokens"], **counts, "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
+            "tokens": rs[0]["tokens"], "backends": backends_of(rs), **counts, "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
             "decode_tokens_per_s_min": "%.3f" % min(dec), "decode_tokens_per_s_max": "%.3f" % max(dec),
             "tokens_per_s_median": _num(_median([_float(r["tokens_per_s"]) for r in rs])),
             "ttft_s_median": _num(_median([_float(r["ttft_s"]) for r in rs]), "%.4f"),
@@ -300,6 +300,12 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
                 "%.2f" % b for b in _median_per_node([r.get("samples_per_forward_mean", "") for r in rs])),
         })
     return out
+
+
+def backends_of(rows: List[Dict[str, str]]) -> str:
+    """What the rows' nodes computed with (results.csv's backends, ';' per node), or each of
+    the ways they did, ' / '-joined, where runs of one group differed (backend auto)."""
+    return " / ".join(sorted({r.get("backends", "") for r in rows if r.get("backends")}))
 
 
 def _median(xs: List[Optional[float]]) -> Optional[float]:
@@ -377,6 +383,7 @@ def machine_record(source: str) -> Dict[str, Any]:
     try:  # the nodes' other compute library (a results file names what computed: results.csv's backends)
         from mdi.model.ggml import lib
         rec["ggml"] = lib.version()
+        rec["ggml_cpu_features"] = sorted(lib.cpu_features())  # what ggml's build uses here (torch's: cpu.isa)
     except Exception as e:  # not installed, or its library does not load here
         rec["ggml"] = "unavailable (%s)" % str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     return rec

@@ -2,7 +2,7 @@
 batched against unbatched decode, and one table per model."""
 from typing import Any, Dict, List, Tuple
 
-from mdi.lab.report import UNBATCHED, batch_label, batches_of, max_batch_of, rings_of, series_of
+from mdi.lab.report import UNBATCHED, backends_of, batch_label, batches_of, max_batch_of, rings_of, series_of
 
 
 def measured(summary: List[Dict[str, str]]) -> List[Dict[str, str]]:
@@ -86,6 +86,10 @@ def batching_lines(summary: List[Dict[str, str]]) -> List[str]:
 def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, Any]) -> None:
     """A Markdown digest of summary.csv: scaling check and one table per model."""
     lines = ["# %s" % machine.get("experiment", {}).get("name", "experiment"), ""]
+    if machine.get("interrupted"):
+        lines += ["**Interrupted**: %s of %s runs made; every figure below is from those only." % (
+            machine.get("runs", "?"), machine.get("runs_planned", "?")), ""]
+    lines += [machine_line(machine), ""]
     emu = machine.get("emulation", {}).get("summary")
     if emu:
         lines += [emu, ""]
@@ -108,15 +112,30 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
         f.write("\n".join(lines) + "\n")
 
 
+def machine_line(machine: Dict[str, Any]) -> str:
+    """Where the figures were measured: the CPU, the instruction sets torch and ggml use on it,
+    the libraries' versions and the commit (machine.json has the rest)."""
+    cpu = machine.get("cpu") or {}
+    ggml = machine.get("ggml", "?")
+    features = machine.get("ggml_cpu_features")
+    commit = (machine.get("git_commit") or "?")[:12] + (" (modified)" if machine.get("git_dirty") else "")
+    return "Machine: %s (%s, %s CPUs); torch %s (ISA %s); ggml %s (%s); mdi %s, commit %s." % (
+        machine.get("cpu_model", "?"), machine.get("machine", "?"), machine.get("cpu_count", "?"),
+        machine.get("torch", "not installed"), cpu.get("isa", "?"), ggml,
+        " ".join(features) if features else "no CPU features read", machine.get("mdi", "?"), commit)
+
+
 def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
     samples = sorted({int(r["samples"]) for r in rows})
     out = ["## %s" % model, "",
            "Decode tokens/s, median [min-max] of repeats, and pipeline efficiency "
            "(S-sample rate / (N x 1-sample rate), same ring and max_batch, paired by repeat).", "",
-           "| nodes | partition | max_batch | " + " | ".join("S=%d" % s for s in samples) + " |",
-           "|---|---|---|" + "---|" * len(samples)]
+           "| nodes | partition | max_batch | backends | " + " | ".join("S=%d" % s for s in samples) + " |",
+           "|---|---|---|---|" + "---|" * len(samples)]
     for n, part, mb in series_of(rows):
         cells = []
+        series = [r for r in rows if int(r["nodes"]) == n and r["partition"] == part and max_batch_of(r) == mb]
+        backends = backends_of(series)
         for s in samples:
             r = next((r for r in rows if int(r["nodes"]) == n and r["partition"] == part and max_batch_of(r) == mb
                       and int(r["samples"]) == s), None)
@@ -130,7 +149,7 @@ def _model_table(model: str, rows: List[Dict[str, str]]) -> List[str]:
             if r["efficiency_median"] and n > 1:
                 cell += " eff %.2f" % float(r["efficiency_median"])
             cells.append(cell)
-        out.append("| %d | %s | %s | %s |" % (n, part, mb or "-", " | ".join(cells)))
+        out.append("| %d | %s | %s | %s | %s |" % (n, part, mb or "-", backends or "-", " | ".join(cells)))
     return out + [""]
 
 

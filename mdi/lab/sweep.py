@@ -26,7 +26,8 @@ from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, machine_record, make_r
                             write_csv)
 from mdi.lab.report_md import batching_lines, scaling_lines, write_report
 from mdi.cli.process import EXIT_RUN
-from mdi.lab.spec import Experiment, RingPlan, check_node_lists, max_batches, plan_rings, samples_for
+from mdi.lab.spec import (Experiment, ExperimentError, RingPlan, check_node_lists, max_batches, plan_rings,
+                          samples_for)
 
 
 # --------------------------------------------------------------------------- progress
@@ -84,7 +85,11 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
         def weigh(counts: List[int], config: Any = config, entry: Any = entry, quant: Any = quant) -> List[int]:
             return weight_bytes(config, counts, entry.dtype, quant)
         for n, counts, kind in plan_rings(entry, where, config.n_layer):
-            rings.append(RingPlan(index, entry, path, n, counts, kind, samples_for(entry.samples, n),
+            samples = samples_for(entry.samples, n)
+            if not samples:  # (a ring with nothing to run had been started, then left out of every output)
+                raise ExperimentError("%s.samples: no sample count for the %d-node ring (%s at N=%d)"
+                                      % (where, n, ", ".join(str(s) for s in entry.samples), n))
+            rings.append(RingPlan(index, entry, path, n, counts, kind, samples,
                                   local, weigh(counts), max_batches(entry.max_batch), weigh))
             index += 1
         plans.append(rings)
@@ -127,6 +132,7 @@ class Sweep:
         self.runs_dir = os.path.join(out, "runs")
         self.csv_path = os.path.join(out, "results.csv")
         self.rows: List[Dict[str, str]] = []
+        self.planned = 0  # runs the sweep meant to make (machine.json's runs_planned)
         self.rings: List[Ring] = []
         # No shared secret by default: nodes listen on loopback or on the private namespace
         # network made here. auth: true turns it on (signed control requests, zmq CURVE on every link).
@@ -153,7 +159,9 @@ class Sweep:
                      % (self.emu.max_nodes, "+".join("-" if c is None else "%g" % c for c in cores), total,
                         os.cpu_count() or 1))
         self._warn_over_limit(plans)
-        progress = Progress(run_list(self.exp, plans), self.log)
+        runs = run_list(self.exp, plans)
+        self.planned = len(runs)
+        progress = Progress(runs, self.log)
         write_csv(self.csv_path, CSV_COLUMNS, [])
         for rings in plans:
             self._run_model(rings, progress)
@@ -305,7 +313,7 @@ def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int
         sweep.close(keep_work=interrupted or sweep.failed > 0)
     machine.update(time_end=time.strftime("%Y-%m-%d %H:%M:%S %z"), loadavg_end=list(os.getloadavg()),
                    uptime_end=command_text(["uptime"]), runs=len(sweep.rows), runs_failed=sweep.failed,
-                   interrupted=interrupted)
+                   runs_planned=sweep.planned, interrupted=interrupted)
     write_json(os.path.join(out, "machine.json"), machine)
     if sweep.rows:
         finish_outputs(out, machine, log)
