@@ -474,3 +474,35 @@ def test_the_gpu_bench_s_speculation_part_runs_on_a_cpu_with_the_plain_ids(tmp_p
     assert {"plain ring", "one node", "a=0.7 filling", "a=0.7 verify only"} <= set(modes)
     assert all(all(m["ids_equal_plain"]) for m in modes.values() if "ids_equal_plain" in m)
     assert part["pass_costs"][0] == 1.0 and len(part["pass_costs"]) == part["max_draft"] + 1
+
+
+class _Always:
+    """A drafter that always has `n` more guesses (token 7)."""
+    def commit(self, tokens):
+        pass
+
+    def propose(self, frontier, n):
+        return [7] * n
+
+
+def test_passes_in_flight_write_at_most_rows_ahead_past_the_accepted_tokens():
+    """Filling a ring of 8 boards with passes of 33 rows would write 264 rows past a sample's
+    accepted tokens: more than a sliding-window layer's ring allows for past what it keeps
+    (mdi.model.sliding_cache), whose older positions they overwrite. The passes stop at ROWS_AHEAD."""
+    from mdi.model.sliding_cache import ROWS_AHEAD
+    from mdi.starter.sample import Sample
+    policy = speculation.SpecPolicy(SpeculationSpec("ngram", max_draft=32), n_stages=8,
+                                    costs=speculation.PassCosts.linear(0.001, 33))
+    state = speculation.SpecState(_Always())
+    accepting(state, 0.99)
+    state.filling = True
+    sample = Sample(0, "", list(range(10)), 1000, None)
+    sample.spec = state
+    start, tokens = policy.next_pass(sample, 1, True, 4096)
+    assert len(tokens) == 33
+    while True:
+        more = policy.next_pass(sample, 1, False, 4096)
+        if more is None:
+            break
+        start, tokens = more
+    assert start + len(tokens) - (sample.window_len - 1) == ROWS_AHEAD  # up to it, not past

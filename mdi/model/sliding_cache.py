@@ -17,10 +17,15 @@ from typing import Any, Optional
 from mdi.model.ggml.kernel_rows import TILED_ROWS
 
 
+# The most rows a speculating sample's passes in flight write past its accepted tokens (the
+# speculation policy caps filling the ring at this): what pass_rows_bound leaves for them.
+ROWS_AHEAD = 2 * TILED_ROWS - 1
+
+
 def pass_rows_bound(prefill_chunk: int) -> int:
-    """The most rows one sample brings to one pass in a run of `prefill_chunk` tokens a prompt
-    pass: a prompt's pass (on ggml, up to TILED_ROWS - 1 more: prompt_passes.next_pass_rows), a
-    verification of drafts (at most 33 rows), a replay after a context shift or a failure."""
+    """The most rows one sample writes past what it keeps, in a run of `prefill_chunk` tokens
+    a prompt pass: a prompt's pass (on ggml, up to TILED_ROWS - 1 more: prompt_passes.next_pass_rows),
+    a replay after a context shift or a failure, or its speculative passes in flight (ROWS_AHEAD)."""
     return max(int(prefill_chunk), TILED_ROWS) + TILED_ROWS
 
 

@@ -3,6 +3,7 @@ filling the ring with passes built on guesses in flight): SpecPolicy, by the gai
 (gains.py) fed the sample's measured acceptance and the measured pass costs."""
 from typing import List, Optional, Tuple
 
+from mdi.model.sliding_cache import ROWS_AHEAD
 from mdi.runconfig import SpeculationSpec
 from mdi.starter.sample import Sample
 from mdi.starter.speculation.costs import PassCosts
@@ -119,7 +120,8 @@ class SpecPolicy:
         else:
             last = spec.passes[-1]
             start = last.start + last.count
-            n = min(self.best_draft(spec, True)[0] + 1, room - 1 - len(spec.frontier))
+            n = min(self.best_draft(spec, True)[0] + 1, room - 1 - len(spec.frontier),
+                    ROWS_AHEAD - 1 - len(spec.frontier))  # (what sliding-window rings allow for)
             tokens = spec.drafter.propose(spec.frontier, n) if n > 0 else []
             if not tokens:
                 return None
