@@ -337,7 +337,10 @@ def test_openai_client(server, model):
 
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt="x", max_tokens=BLOCK)
-    assert err.value.code == "context_length_exceeded"
+    assert err.value.code == "context_length_exceeded" and err.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:  # the field the request set is the one named
+        client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=BLOCK)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "max_completion_tokens"
 
 
 @pytest.mark.parametrize("route,body,status,needle", [

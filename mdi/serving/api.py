@@ -201,7 +201,8 @@ class Routes:
         if self.template.source == "fallback" and tools is None and opts.grammar is None:  # (a grammar ends it)
             opts = dataclasses.replace(opts, stop=tuple(opts.stop) + FALLBACK_STOPS)
         ids = encode(self.sched.tokenizer, prompt, self.sched.max_len, "messages")
-        max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len)
+        max_tokens = token_budget(len(ids) + self._virtual(adapter), opts.max_tokens, None, self.sched.max_len,
+                                  "max_completion_tokens" if fields.get("max_completion_tokens") else "max_tokens")
         # the calls' grammar wins; an auto answer's text inside it follows response_format
         choices = self._request(ids, max_tokens, opts, adapter, grammar or opts.grammar, tools is not None)
         return self._generate(choices, opts, self.adapters.answered_as(fields, adapter), chat=True, tools=tools,

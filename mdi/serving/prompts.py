@@ -289,9 +289,11 @@ def context_exceeded(max_len: int, n_prompt: str, param: str) -> ApiError:
                     "context_length_exceeded")
 
 
-def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int], max_len: int) -> int:
+def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int], max_len: int,
+                 field: str = "max_tokens") -> int:
     """max_tokens for this request (`default` when unset; None: the rest of the slot), or a 400
-    when prompt + max_tokens cannot fit a slot of `max_len` positions."""
+    naming `field` (the one the request set) when prompt + max_tokens cannot fit a slot of
+    `max_len` positions."""
     room = max_len - n_prompt
     if room < 1:
         raise context_exceeded(max_len, str(n_prompt), "messages" if default is None else "prompt")
@@ -301,5 +303,5 @@ def token_budget(n_prompt: int, max_tokens: Optional[int], default: Optional[int
         raise ApiError(400, "this server's maximum context length is %d tokens; you requested %d tokens "
                        "(%d in the prompt, %d for the completion)" % (max_len, n_prompt + max_tokens, n_prompt,
                                                                      max_tokens),
-                       "max_tokens", "context_length_exceeded")
+                       field, "context_length_exceeded")
     return max_tokens

@@ -147,9 +147,6 @@ class GgmlKVCache:
         want = np.arange(first, end, dtype=np.int64)
         return len(want) > self.ring or not np.array_equal(self.cells[slot, want % self.ring], want)
 
-    def clear_cells(self, slot: int) -> None:
-        self.cells[slot] = EMPTY
-
     def range_bytes(self, length: int) -> int:
         return 2 * sum(min(length, n) for n in self.lengths) * self.row_bytes + (8 * min(length, self.ring))
 
