@@ -39,6 +39,7 @@ def parse(extra=None, model=None):
     ({"samples": [0]}, None, "x.yaml.samples[0]"),
     ({"nodes": [0]}, None, "x.yaml.nodes[0]"),
     ({"tokens": "many"}, None, "x.yaml.tokens: expected an integer"),
+    (None, {"tokens": 1}, "models[0].tokens: expected an integer >= 2 (a decode rate needs two tokens)"),
     (None, {"partitions": [[1, "a"]]}, "models[0].partitions[0]"),
     (None, {"dtype": "int4"}, "models[0].dtype"),
     (None, {"random": {"family": "gpt2"}}, "models[0].random.n_layer: required key is missing"),
@@ -841,3 +842,10 @@ def test_a_sample_range_empty_for_a_node_count_is_refused_naming_the_ring(tmp_pa
     assert r.returncode != 0
     assert _bench_error(r) == ("mdi-bench: error: %s: models[0].samples: no sample count for the 3-node ring "
                                "(N..2 at N=3)" % config)
+
+
+def test_a_sweep_that_measured_no_node_count_says_so():
+    from mdi.lab.report_md import scaling_lines
+    failed = [dict(_ok_row(n, "auto", n, ""), status="failed") for n in (1, 2)]
+    (line,) = scaling_lines(summarize(failed))
+    assert line.endswith(": no node count measured") and "1 node: no complete run (1 failed)" in line

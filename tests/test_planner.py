@@ -116,6 +116,17 @@ def test_a_board_that_helps_is_kept():
     assert all(plan.counts) and not plan.dropped
 
 
+def test_a_node_left_out_for_a_tie_says_the_fewer_nodes_were_preferred():
+    """Within TIE of the ring with every node, the fewer nodes win; the reason says so rather
+    than show the ring no slower with every node and leave some out anyway."""
+    tie = make_plan([node("a", 1.0, fixed_ms=10.0), node("b", 1.0), node("c", 1.0)], 4, samples=1, max_batch=1)
+    assert tie.counts == [4, 0, 0]
+    assert tie.dropped["c"].endswith("71.4 tokens/s with every node, 71.4 without (within 1%: fewer nodes preferred)")
+    slower = make_plan([node("a", 1.0, fixed_ms=10.0), node("b", 1.0), node("c", 1.0, hop_ms=1.0)], 4, samples=1,
+                       max_batch=1)
+    assert slower.dropped["c"].endswith("66.7 tokens/s with every node, 71.4 without")
+
+
 def test_hops_count_in_the_stage():
     # Two equal nodes, but b's link costs 4 ms a hop: it gets fewer layers.
     costs = [node("a", 1.0), node("b", 1.0, hop_ms=4.0)]

@@ -84,7 +84,8 @@ def steady_rate(token_times: Sequence[Sequence[float]]) -> Optional[float]:
 
 
 def _mb(n: Optional[float]) -> str:
-    return "" if n is None else "%.1f" % (n / 1e6)
+    """Bytes in MB of 2^20 bytes, as memory_limit_mb, the warnings and mdi-plan count them."""
+    return "" if n is None else "%.1f" % (n / 2 ** 20)
 
 
 def _num(x: Optional[float], fmt: str = "%.3f") -> str:

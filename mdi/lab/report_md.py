@@ -37,7 +37,9 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
         parts += ["%d node%s: no complete run (%s)" % (n, "s" if n > 1 else "", incomplete(
             [r for r in summary if r["model"] == model and int(r["nodes"]) == n]) or "none with S >= N")
                   for n in missing]
-        if len(ns) < 2:
+        if not ns:
+            verdict = "no node count measured"
+        elif len(ns) < 2:
             verdict = "one node count only" if not missing else "one node count measured"
         elif all(best[a][0] < best[b][0] for a, b in zip(ns, ns[1:])):
             verdict = "rises with N"

@@ -198,8 +198,8 @@ def _check_random_quant(where: str, spec: Dict[str, Any]) -> None:
 def _check_common(where: str, e: ModelEntry) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", e.name):
         raise ExperimentError("%s.name: expected letters, digits, '-', '_' or '.', got %r" % (where, e.name))
-    if e.tokens < 1:
-        raise ExperimentError("%s.tokens: expected a positive integer" % where)
+    if e.tokens < 2:  # (a run of one token has no decode interval to measure: it counted as failed)
+        raise ExperimentError("%s.tokens: expected an integer >= 2 (a decode rate needs two tokens)" % where)
     if e.dtype not in DTYPE_NAMES:
         raise ExperimentError("%s.dtype: expected one of %s, got %r" % (where, ", ".join(DTYPE_NAMES), e.dtype))
     if e.weights not in ("local", "push"):

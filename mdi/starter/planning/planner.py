@@ -282,9 +282,11 @@ def make_plan(costs: Sequence[NodeCost], n_layer: int, samples: int, max_batch="
     if split.used < len(costs):
         try:
             everyone = solve(costs, n_layer, groups(samples, len(costs), max_batch)[0], keep_all=True)
-            why = ("the ring makes %.1f tokens/s with every node, %.1f without" % (
-                predict_tokens_per_s(costs, everyone.counts, samples, max_batch),
-                predict_tokens_per_s(costs, split.counts, samples, max_batch)))
+            rates = (predict_tokens_per_s(costs, everyone.counts, samples, max_batch),
+                     predict_tokens_per_s(costs, split.counts, samples, max_batch))
+            why = "the ring makes %.1f tokens/s with every node, %.1f without" % rates
+            if rates[0] >= rates[1]:  # (not faster by TIE or more: the fewer nodes are kept)
+                why += " (within %d%%: fewer nodes preferred)" % round(TIE * 100)
         except PlanError:  # say which: a node unusable, more nodes than layers, or memory
             unusable = [c.name for c in costs if c.note]
             why = ("%s cannot be used" % ", ".join(unusable) if unusable
