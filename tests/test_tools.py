@@ -113,6 +113,7 @@ PARIS, ONE_TWO = ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ONE_TWO]),  # stopped before </tool_call>
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris", "unit": "c"}}\n'
              '</tool_call>', "", [("get_weather", {"city": "</tool_call> Paris", "unit": "c"})]),  # the tag in a string
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "}}</tool_call> John is 30', "", []),  # cut
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call> ok',  # malformed: content
      '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call> ok', []),
     (HERMES, '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>',  # not a tool of the request

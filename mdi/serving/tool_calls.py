@@ -202,8 +202,13 @@ class CallParser:
         at += len(buf) - at - len(buf[at:].lstrip())
         try:
             value, stop = JSON.raw_decode(buf, at)
-        except ValueError:  # cut short: wait for the rest (a malformed one is read up to its tag)
-            return () if not final and json_cut.cut_short(buf, at) else None
+        except ValueError:  # cut short: wait for the rest, or at the end a cut call, dropped
+            if not json_cut.cut_short(buf, at):
+                return None  # malformed: read up to its first tag
+            if not final:
+                return ()
+            self.dropped = True
+            return len(buf), [], ""
         rest = buf[stop:].lstrip()
         if not rest.startswith(HERMES_CLOSE):
             return () if not final and HERMES_CLOSE.startswith(rest) else None
