@@ -129,6 +129,24 @@ def test_wrong_token_is_refused_quickly_and_right_token_works(tmp_path, tiny_mod
         worker.stop()
 
 
+def test_a_worker_without_the_ring_s_secret_is_named_at_start_not_found_as_a_broken_ring(tmp_path, tiny_models):
+    """A starter with a secret signs its requests; a worker started without one had accepted
+    them unchecked, and the ring failed 30 s later with "no probe came back round the ring"
+    (CURVE on one side of its links only), as a spare after 65 s of recovery."""
+    worker = WorkerProcess(free_ports(1)[0])  # no secret
+    try:
+        worker.wait_ready()
+        config = write_ring(tmp_path, tiny_models["gpt2"], [worker], free_ports(2), n_tokens=4, n_samples=1,
+                            init_timeout=3600, connect_timeout=3600)
+        proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", config, "--prompt", "x"],
+                              capture_output=True, text=True, env=dict(os.environ, MDI_TOKEN="the-ring-s"), timeout=300)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 1 and "board1" in lines[-1], proc.stderr
+        assert "this worker has no shared secret" in lines[-1] and "--token-file" in lines[-1], proc.stderr
+    finally:
+        worker.stop()
+
+
 def test_a_node_failing_at_start_up_ends_it_at_once_while_another_never_answers(tmp_path, tiny_models):
     """The first node to fail while the others still configure ends the start-up, named: board1
     here never answers (a port that listens and never accepts, under a connect timeout that
@@ -321,3 +339,56 @@ def test_loopback_addresses_in_every_form(host, loopback):
     # `--host 127.1` (the OS binds it as 127.0.0.1) was refused as non-loopback.
     from mdi.system.loopback import is_loopback
     assert is_loopback(host) is loopback
+
+
+def test_a_worker_silent_while_it_is_configured_is_named_at_once():
+    """The start-up's keepalive polls apply the running ring's rule: a node that leaves two
+    polls unanswered (a board stalled in its /init) or cannot be reached is named and ends the
+    start-up (run_all raises it), where it had been left to runtime.init_timeout (600 s)."""
+    import threading
+    from types import SimpleNamespace
+    from mdi.runconfig import NodeSpec
+    from mdi.ring.status import StatusReply
+    from mdi.starter.control import NodeTimeout, NodeUnreachable
+    from mdi.starter.session import RingSession
+
+    class Stub:
+        def __init__(self, name, errors):
+            self.node, self.errors, self.calls = NodeSpec(name), list(errors), 0
+
+        def status(self, timeout=None, run_id=None):
+            self.calls += 1
+            error = self.errors.pop(0) if self.errors else None
+            if error is not None:
+                raise error
+            return StatusReply("loading", "0", 1, "cpu")
+
+        def close(self):
+            pass
+
+    def keepalive(errors, answered_for=None):
+        stubs = {"a": Stub("a", []), "b": Stub("b", errors)}
+        session = RingSession.__new__(RingSession)  # only what the keepalive uses
+        session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
+        session.run_id, session.failure = 1, None
+        session.workers = [stubs["a"].node, stubs["b"].node]
+        session.registry = SimpleNamespace(fresh=lambda node: stubs[node.name])
+        configured = threading.Event()  # the workers configured: after answered_for, else (a hang) 30 s
+        timer = threading.Timer(30 if answered_for is None else answered_for, configured.set)
+        timer.daemon = True
+        timer.start()
+        try:
+            session._keepalive(configured)
+        except NodeTimeout as e:
+            return e, session.failure
+        except NodeUnreachable as e:
+            return e, session.failure
+        return None, session.failure
+
+    late = NodeTimeout("node b: GET /status timed out", "b")
+    raised, failure = keepalive([late, None, late, late])
+    assert raised is late and failure is late and late.silent  # one late answer forgiven, two in a row not
+    gone = NodeUnreachable("node b: cannot connect", "b")
+    raised, failure = keepalive([gone])
+    assert raised is gone and failure is gone and gone.silent
+    assert keepalive([], answered_for=0.1) == (None, None)

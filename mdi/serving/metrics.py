@@ -282,6 +282,7 @@ class Observer:
         ring = list(engine.nodes) if engine is not None else list(view.nodes or cfg.nodes)
         ranges = list(engine.ranges) if engine is not None else []
         spares = list(engine.spares) if engine is not None else list(cfg.spares)
+        spares = [s for s in spares if s.name not in {n.name for n in ring}]  # (a down ring lists the one it took)
         self._track_recoveries(engine)
         with self._lock:
             # every node configured is known from the first snapshot: one lost before any listed

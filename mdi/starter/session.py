@@ -213,10 +213,19 @@ class RingSession:
                                  n_slots=self.plan.n_slots, max_len=self.plan.max_len, host_kinds=self.host_kinds),
             ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
-            configured = threading.Event()
-            threading.Thread(target=self._keepalive, args=(configured,), name="mdi-keepalive", daemon=True).start()
-            try:  # a node that fails ends the start-up at once (abort below), not when the others are done
-                run_all([functools.partial(self._configure, i) for i in range(len(self.clients))], "mdi-configure")
+            configured, left = threading.Event(), [len(self.clients)]
+
+            def configure(i: int) -> None:
+                try:
+                    self._configure(i)
+                finally:
+                    with self._configuring:
+                        left[0] -= 1
+                        if not left[0]:
+                            configured.set()
+            try:  # a node that fails or goes silent ends the start-up at once (abort below), not at the end
+                run_all([functools.partial(configure, i) for i in range(len(self.clients))]
+                        + [functools.partial(self._keepalive, configured)], "mdi-configure")
             finally:
                 configured.set()
             first = self.workers[0]
@@ -234,16 +243,24 @@ class RingSession:
         """While the workers load or receive their weights (minutes on a board), name this run
         in /status polls: the heartbeat that keeps each worker's /init of it alive. The worker
         cannot see a push arrive (its HTTP server hands the request over once all of it is
-        in), and another starter may take over a worker whose starter went silent."""
+        in), and another starter may take over a worker whose starter went silent. A node that
+        leaves two polls unanswered, or cannot be reached, is named at once, as the running
+        ring's watchdog names it (its /init answering /status while it loads): a worker stalled
+        in its /init had held the start-up for all of runtime.init_timeout."""
         clients = [self.registry.fresh(n) for n in self.workers]  # not shared with the pushing threads
         interval = self.cfg.runtime.heartbeat_interval
+        misses = [0] * len(clients)
         try:
             while not configured.wait(interval):
-                for client in clients:
+                for i, client in enumerate(clients):
                     try:
                         client.status(timeout=status_timeout(interval), run_id=self.run_id)
-                    except NodeError:
-                        pass  # the configuring thread reports what is wrong with this node
+                        misses[i] = 0
+                    except NodeError as e:
+                        misses[i] += 1
+                        if (misses[i] >= 2 or isinstance(e, NodeUnreachable)) and not configured.is_set():
+                            self.failure = silenced(e)
+                            raise self.failure
         finally:
             for client in clients:
                 client.close()
@@ -386,9 +403,12 @@ class RingSession:
 
     def abort(self) -> None:
         """Best effort: end the run on every worker and close our endpoint. Only this run: a
-        worker that refused it (409, busy with another starter's run) keeps that run."""
+        worker that refused it (409, busy with another starter's run) keeps that run. Once:
+        a failed start-up aborts, then its caller again (each stop and wait had run twice)."""
         self._watching.clear()
         with self._configuring:
+            if self._aborted.is_set():
+                return
             self._aborted.set()
         # at once, each bounded: a hung node must not hold the others' stop (or our exit); a node
         # found silent is told nothing (its heartbeat timeout ends its run)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 from flask import Flask, jsonify, request
 
 from mdi import __version__
-from mdi.ring.auth import (CONTENT_HEADER, INSTANCE_HEADER, TIME_HEADER, UNSIGNED_PAYLOAD, AuthError,
+from mdi.ring.auth import (CONTENT_HEADER, INSTANCE_HEADER, SCHEME, TIME_HEADER, UNSIGNED_PAYLOAD, AuthError,
                            RequestVerifier, body_sha256)
 from mdi.ring.init_request import MAX_WEIGHTS_BYTES, SAFETENSORS_SLACK
 from mdi.ring.init_request import RequestError, validate_init
@@ -100,6 +100,11 @@ def create_app(worker: Worker) -> Flask:
     @app.before_request
     def authenticate():
         if verifier is None:
+            # A starter that signs has a secret this worker lacks: said now, naming the fix, not
+            # found 30 s later as a ring whose links do not match (CURVE on one side only)
+            if (request.headers.get("Authorization") or "").startswith(SCHEME + " "):
+                return jsonify({"ok": False, "error": "missing or wrong token (this worker has no shared secret, "
+                                "but the starter signs its requests: start it with --token-file or MDI_TOKEN)"}), 401
             return None
         try:
             check_signature(verifier)
