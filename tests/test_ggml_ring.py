@@ -74,25 +74,26 @@ def test_a_ring_of_three_on_ggml_gives_one_ggml_process_s_greedy_ids(smollm2_dir
 
 def test_gemma3_s_sliding_window_layers_keep_rings_on_every_node_and_the_same_text(gemma3_gguf, two_workers,
                                                                                   tmp_path):
-    """A prompt longer than the rings of Gemma 3's sliding-window layers (512 + 2 x 128
-    positions at prefill_chunk 64: mdi.model.sliding_cache): a ring of 3 keeping rings on each
-    node gives the ids one process gives keeping every position (prefill_chunk 512: no ring)."""
+    """A prompt longer than the rings of Gemma 3's sliding-window layers (512 + 512 positions:
+    mdi.model.sliding_cache): a ring of 3 keeping rings on each node, its prompt in passes of 16,
+    gives the ids of one process in passes of 512 (a ring's size is the model's alone), and
+    holds 15 of its 18 layers' caches in rings."""
     text = " ".join("Line %d: the quick brown fox jumps over the lazy dog number %d." % (i, i * 7 % 13)
                     for i in range(70))  # about 1,270 tokens
     alone = write_run_config(tmp_path / "alone.yaml", gemma3_gguf, n_tokens=12,
                              runtime={"threads": 1, "backend": "ggml", "prefill_chunk": 512})
     ring = write_run_config(tmp_path / "ring.yaml", gemma3_gguf, two_workers, n_tokens=12,
-                            runtime={"threads": 1, "backend": "ggml", "prefill_chunk": 64})
+                            runtime={"threads": 1, "backend": "ggml", "prefill_chunk": 16})
     solo, proc = start(alone, tmp_path, prompts=[text])
-    assert "sliding-window layers keep" not in proc.stderr
+    assert "sliding-window layers keep 1024 positions a slot" in proc.stderr
     assert "Line 70" in solo["samples"][0]["text"]
     ringed, proc = start(ring, tmp_path, prompts=[text])
     assert ids(ringed) == ids(solo)
-    assert "sliding-window layers keep 768 positions a slot" in proc.stderr
-    # 15 of the 18 layers keep 768 positions a slot (of 1 slot); the 3 global ones all max_len
+    assert "sliding-window layers keep 1024 positions a slot" in proc.stderr
     position_bytes = 2 * 256 * 2  # K and V of one 256-wide head in float16
-    max_len = solo["nodes"][0]["cache_bytes"] // (18 * position_bytes)
-    assert sum(n["cache_bytes"] for n in ringed["nodes"]) == (15 * 768 + 3 * max_len) * position_bytes
+    max_len = len(solo["samples"][0]["prompt_ids"]) + 12  # a slot's positions: the prompt and its tokens
+    kept = (15 * 1024 + 3 * max_len) * position_bytes  # not 18 * max_len
+    assert sum(n["cache_bytes"] for n in ringed["nodes"]) == solo["nodes"][0]["cache_bytes"] == kept
 
 
 def test_a_ring_may_mix_ggml_and_torch_nodes(smollm2_dir, two_workers, tmp_path):

@@ -20,7 +20,6 @@ from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import memory_pool
 from mdi.model.source import ModelSource
 from mdi.model.prefix_store import AUTO as PREFIX_AUTO, NodePrefixRoom, budget_bytes as prefix_budget, budget_positions
-from mdi.model.sliding_cache import pass_rows_bound
 from mdi.model.threads import AUTO, choose_threads, usable_cpus, use_fixed as use_fixed_threads
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout
@@ -239,7 +238,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
         threads = cfg.runtime.threads if isinstance(cfg.runtime.threads, int) else usable_cpus()
         chunk = self.source.ggml_chunk(first, last, True, True, threads, cfg.runtime.kv_type, cfg.runtime.repack,
                                        self.device)
-        chunk.allocate_cache(self.n_slots, self.max_len, pass_rows_bound(self.plan.prefill_chunk))
+        chunk.allocate_cache(self.n_slots, self.max_len, self.plan.prefill_chunk)
         if cfg.runtime.threads == AUTO:
             chosen = choose_threads(chunk, self.plan.max_batch)
             log.info("mdi: starter: threads: auto chose %s", chosen.describe())

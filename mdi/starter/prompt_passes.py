@@ -17,9 +17,7 @@ depend on its window's length and its position alone, never on what else a frame
 """
 import numpy as np
 
-from mdi.model.ggml.kernel_rows import REPACK_ROWS, TILED_ROWS
-
-UBATCH = 512  # llama.cpp's default n_ubatch: the passes it cuts a prompt into
+from mdi.model.ggml.kernel_rows import REPACK_ROWS, TILED_ROWS, UBATCH
 # How a held position's row was computed (mdi.starter.prefix_cache.Held.kinds): in a prompt's
 # pass below TILED_ROWS rows, in one of TILED_ROWS or more, or as an answer's (a decode step's,
 # a verification's: below TILED_ROWS rows too, but reused where a cold prompt would tile it, as

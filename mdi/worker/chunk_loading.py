@@ -5,7 +5,6 @@ from typing import Any, Optional, Tuple
 from mdi.model.ggml.kv_cache import kv_cache_bytes
 from mdi.model.ggml.tensors import typed_bytes
 from mdi.model.layout import CheckpointError, torch_dtype, torch_kv_cache_bytes, weight_bytes
-from mdi.model.sliding_cache import pass_rows_bound
 from mdi.ring.init_request import InitRequest, RequestError
 from mdi.worker.weight_intake import LoadedWeights
 
@@ -15,7 +14,7 @@ def run_cache_bytes(request: InitRequest, backend: str, compute: Any) -> Tuple[i
     config, (first, last) = request.model, request.layers
     if backend == "ggml":
         return (kv_cache_bytes(config, first, last, request.n_slots, request.max_len, request.kv_type,
-                               pass_rows_bound(request.prefill_chunk)),
+                               request.prefill_chunk),
                 kv_cache_bytes(config, first, last, 1, 1, request.kv_type))
     return (torch_kv_cache_bytes(config, last - first, request.n_slots, request.max_len, compute),
             torch_kv_cache_bytes(config, last - first, 1, 1, compute))

@@ -18,7 +18,6 @@ from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.model.files.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
-from mdi.model.sliding_cache import pass_rows_bound
 from mdi.ring.auth import new_instance, ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
 from mdi.ring.status import StatusReply, WorkerState
@@ -373,7 +372,7 @@ class Worker(Measuring):
             chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
         try:
             if chunk.backend == "ggml":  # its sliding-window layers may keep rings (mdi.model.sliding_cache)
-                chunk.allocate_cache(request.n_slots, request.max_len, pass_rows_bound(request.prefill_chunk))
+                chunk.allocate_cache(request.n_slots, request.max_len, request.prefill_chunk)
             else:
                 chunk.allocate_cache(request.n_slots, request.max_len)
         except (RuntimeError, ValueError, MemoryError) as e:  # ggml says MemoryError

@@ -220,12 +220,12 @@ class GgmlChunk:
         return self.lora.nbytes
 
     # --- cache -----------------------------------------------------------------------------
-    def allocate_cache(self, n_slots: int, max_len: int, pass_rows: Optional[int] = None) -> GgmlKVCache:
-        """`pass_rows` (sliding_cache.pass_rows_bound; None: no rings): ring lengths (layer_lengths)."""
+    def allocate_cache(self, n_slots: int, max_len: int, prefill_chunk: Optional[int] = None) -> GgmlKVCache:
+        """`prefill_chunk`: a run's (its sliding-window layers may keep rings: layer_lengths); None: none."""
         if max_len > self.config.block_size:
             raise ValueError("cache length %d exceeds the model context %d" % (max_len, self.config.block_size))
         self.free_cache()
-        c, lengths = self.config, layer_lengths(self.config, self.first, self.last, max_len, pass_rows)
+        c, lengths = self.config, layer_lengths(self.config, self.first, self.last, max_len, prefill_chunk)
         self.cache = GgmlKVCache(n_slots, max_len, c.kv_heads, c.head_dim, lengths, self.kv_type,
                                  self.compute_backend.buffer_type)
         return self.cache
@@ -364,7 +364,6 @@ class GgmlChunk:
             last_rows = np.concatenate([last_rows, np.repeat(last_rows[-1:], head_rows - len(counts))])
         g = self._graph(("blocks", shape, lora, embedded, head_rows),
                         lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded, head_rows))
-        kv_rows = np.concatenate([cache.row(slot, 0) + p.astype(np.int64) for slot, p in zip(slots, row_positions)])
         rings = cache.write_rings(slots, starts, row_positions, self.config.sliding_window or 0)
         if rings is not None:
             g.set("kv_rows_ring", rings[0])
@@ -373,7 +372,8 @@ class GgmlChunk:
         # blocks graph alone leaves them unused, with no buffer)
         if self.traits.family.positions == "rope" or embedded:
             g.set("pos", np.concatenate(row_positions))
-        g.set("kv_rows", kv_rows)
+        if "kv_rows" in g.inputs:  # (a chunk whose layers all keep rings has none)
+            g.set("kv_rows", cache.full_rows(slots, row_positions))
         fill_masks(g, shape, row_positions, self.traits, rings[1] if rings is not None else None)
         if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):

@@ -218,8 +218,10 @@ class GraphBuilder:
         b = Built(len(self.layers) * per_layer + NODES_MORE + more + head, self.buffer_type)
         pos = self._input(b, "pos", lib.I32, R)
         x = self._embed(b, self._input(b, "ids", lib.I32, R), pos) if embedded else self._input(b, "x", lib.F32, E, R)
-        kv_rows = self._input(b, "kv_rows", lib.I64, R)
-        ring_rows = self._input(b, "kv_rows_ring", lib.I64, R) if cache.ring else None
+        # an input no op reads gets no buffer, and setting it aborts: each only where a layer writes by it
+        rings = [cache.is_ring(li) for li in range(len(self.layers))]
+        kv_rows = self._input(b, "kv_rows", lib.I64, R) if not all(rings) else None
+        ring_rows = self._input(b, "kv_rows_ring", lib.I64, R) if any(rings) else None
         if lora is not None:
             widest = max((c.n_head + 2 * c.kv_heads) * c.head_dim, c.ffn_width, E)
             b.lora = lora_ops.LoraOps(gg, lambda name, kind, n: self._input(b, name, kind, n), lora, held or {}, widest)
@@ -235,7 +237,7 @@ class GraphBuilder:
         return b
 
     def _blocks(self, b: Built, x: Any, shape: PassShape, cache: GgmlKVCache, pos: Any,
-                kv_rows: Tuple[Any, Optional[Any]]) -> Any:
+                kv_rows: Tuple[Optional[Any], Optional[Any]]) -> Any:
         """The blocks' ops over rows `x`: their output rows (`kv_rows`: the cache rows they are
         written to, in full-length layers and in rings)."""
         t = self.t
@@ -303,7 +305,8 @@ class GraphBuilder:
         return qs, ks, vs
 
     def _block(self, ctx: Any, b: Built, x: Any, layer: int, li: int, shape: PassShape, cache: GgmlKVCache,
-               pos: Any, kv_rows: Tuple[Any, Optional[Any]], masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
+               pos: Any, kv_rows: Tuple[Optional[Any], Optional[Any]],
+               masks: List[Tuple[Optional[Any], Optional[Any]]]) -> Any:
         gg, t, w = self.gg, self.t, self.w
         c, fam = t.config, t.family
         H, KV, D = c.n_head, c.kv_heads, c.head_dim

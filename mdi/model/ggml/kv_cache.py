@@ -43,17 +43,19 @@ def head_dim_unfit(kv_type: str, head_dim: int) -> Optional[str]:
     return None
 
 
-def layer_lengths(config: Any, first: int, last: int, max_len: int, pass_rows: Optional[int]) -> List[int]:
+def layer_lengths(config: Any, first: int, last: int, max_len: int, prefill_chunk: Optional[int]) -> List[int]:
     """Positions a slot keeps in each of layers [first, last): `max_len`, or the ring of a
-    sliding-window layer (pass_rows: the most rows a sample brings to a pass; None: no rings)."""
-    ring = ring_length(config, first, last, max_len, pass_rows) if pass_rows else 0
+    sliding-window layer (sliding_cache.ring_length, for a run of `prefill_chunk` tokens a
+    prompt pass; None: no rings, a measurement's cache)."""
+    ring = ring_length(config, first, last, max_len, prefill_chunk) if prefill_chunk is not None else 0
     return [ring if ring and config.layer_window(i) else max_len for i in range(first, last)]
 
 
 def kv_cache_bytes(config: Any, first: int, last: int, n_slots: int, max_len: int, kv_type: str = "f16",
-                   pass_rows: Optional[int] = None) -> int:
-    """The cache of layers [first, last) of `config` with `n_slots` slots of `max_len` positions."""
-    lengths = layer_lengths(config, first, last, max_len, pass_rows)
+                   prefill_chunk: Optional[int] = None) -> int:
+    """The cache of layers [first, last) of `config` with `n_slots` slots of `max_len` positions
+    (its rings: layer_lengths)."""
+    lengths = layer_lengths(config, first, last, max_len, prefill_chunk)
     return 2 * n_slots * sum(lengths) * row_bytes(config.kv_heads * config.head_dim, kv_type)
 
 
@@ -117,6 +119,10 @@ class GgmlKVCache:
 
     def row(self, slot: int, position: int) -> int:
         return slot * self.max_len + position
+
+    def full_rows(self, slots: Sequence[int], row_positions: Sequence[np.ndarray]) -> np.ndarray:
+        """Where a pass's rows go in the layers that keep every position (its samples' slots and rows' positions)."""
+        return np.concatenate([self.row(s, 0) + p.astype(np.int64) for s, p in zip(slots, row_positions)])
 
     def write_rings(self, slots: Sequence[int], starts: Sequence[int], row_positions: Sequence[np.ndarray],
                     window: int) -> Optional[Tuple[np.ndarray, List[np.ndarray]]]:

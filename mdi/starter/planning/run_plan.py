@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from mdi.model.layout import QuantSpec, torch_dtype
 from mdi.model.sampling import SamplingParams
-from mdi.model.sliding_cache import pass_rows_bound
 from mdi.model.source import ModelSource
 from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
@@ -111,7 +110,7 @@ class RunPlan:
         from mdi.model.ggml.kv_cache import kv_cache_bytes  # (loads ggml: only asked of a ggml node)
         first, last = self.nodes[i].layers
         return self.budgets[i].on_ggml(source.gguf_bytes(first, last, i == 0, i == 0), kv_cache_bytes(
-            source.config, first, last, 1, self.max_len, self.cfg.runtime.kv_type, pass_rows_bound(self.prefill_chunk)))
+            source.config, first, last, 1, self.max_len, self.cfg.runtime.kv_type, self.prefill_chunk))
 
     def with_slots(self, n_slots: int) -> "RunPlan":
         """This ring with `n_slots` slots (serving lowers them to what every node's memory holds)."""
