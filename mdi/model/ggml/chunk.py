@@ -32,7 +32,7 @@ from mdi.model.pass_rows import PassRows
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 24  # pass shapes whose graphs are kept (least recently used dropped first)
-MAX_GRAPH_BYTES = 256 << 20  # and their compute buffers together (a prefill graph's are the big ones)
+MAX_GRAPH_BYTES = 32 << 20  # and their buffers together (a long prompt's prefill graphs had kept 42 MB)
 # A graph no pass asked for in this many lookups goes before another is built: a finished
 # prompt's prefill shapes, a mix of slots no frame carries now. A served Gemma 3 grew by ~5 MB a
 # request with them. A steady decode asks for each of its shapes every round.
