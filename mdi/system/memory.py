@@ -179,11 +179,14 @@ def _cgroup_free(path: str, limit_file: str, usage_file: str, cache_key: str) ->
 # RSS 245 MB, running 261 MB plus weights and cache; with nothing kept, 8 layers ran on a 230
 # MiB board and 9 were OOM-killed); SmolLM2's int4 blocks add ~25 MB (with 16 MB kept, a 190
 # MiB board that passed the check for 3 layers was OOM-killed running them). With nothing kept,
-# a 300 MB board told it could hold 149.5 MB took 143 MB and was killed. Loading adds nothing:
+# a 300 MB board told it could hold 149.5 MB took 143 MB and was killed. On ggml a run adds its
+# graphs kept for reuse (up to 32 MB of buffers) and per-pass buffers that grow with the
+# context: a Gemma 3 worker at 4 samples of 7,900 tokens added ~76 MB, and with 32 MB kept a
+# 136 MB board that passed the check thrashed for minutes (h45). Loading adds nothing:
 # tensors are read straight into their parameters (store.read_tensors_into). The worker's
 # checks and the starter's figure of each worker's capacity use it; the starter keeps none for
 # itself, as its own load check (capacity.starter_free_bytes).
-LOAD_HEADROOM_BYTES = 32 * 1024 * 1024
+LOAD_HEADROOM_BYTES = 64 * 1024 * 1024
 
 _M_ARENA_MAX = -8  # glibc's mallopt() parameter number
 
