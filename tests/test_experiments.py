@@ -4,6 +4,7 @@ no root: emulation is off (one test runs on emulated boards when root)."""
 import csv
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -849,3 +850,30 @@ def test_a_sweep_that_measured_no_node_count_says_so():
     failed = [dict(_ok_row(n, "auto", n, ""), status="failed") for n in (1, 2)]
     (line,) = scaling_lines(summarize(failed))
     assert line.endswith(": no node count measured") and "1 node: no complete run (1 failed)" in line
+
+
+def test_a_board_stopped_with_sigterm_stops_its_command_and_removes_its_cgroup(tmp_path):
+    """`python -m mdi.lab.board` forwards SIGTERM to its command: the command had run on,
+    orphaned inside the board's memory limit, and the cgroup stayed behind."""
+    marker = "mdi-board-test-%d" % os.getpid()
+    board = subprocess.Popen([sys.executable, "-m", "mdi.lab.board", "--memory-mb", "256", "--",
+                              sys.executable, "-c", "import time; time.sleep(120)  # " + marker],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        child = None
+        while child is None and board.poll() is None and time.monotonic() < deadline:
+            found = subprocess.run(["pgrep", "-f", marker], stdout=subprocess.PIPE, text=True).stdout.split()
+            child = int(found[0]) if found else None
+            time.sleep(0.2)
+        if child is None:
+            err = board.communicate(timeout=60)[1].decode()
+            pytest.skip("no board here (cgroup v1 and root needed): %s" % err.strip()[-200:])
+        board.send_signal(signal.SIGTERM)
+        assert board.wait(timeout=60) != 0
+        assert not os.path.exists("/proc/%d" % child) or open("/proc/%d/stat" % child).read().split()[2] == "Z"
+        assert "killed by signal 15" in board.stderr.read().decode() + board.stdout.read().decode()
+    finally:
+        if board.poll() is None:
+            board.kill()
+            board.wait()

@@ -9,6 +9,7 @@ group's oom_kill count) are told apart. Needs root.
 """
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -41,7 +42,16 @@ def run_board(cmd: List[str], memory_mb: int, cpu_quota: Optional[float] = None,
     try:
         emu.prepare_process(KEY)
         emu.limit_cpu(KEY, True)
-        code = subprocess.run(emu.command(cmd, KEY, 0)).returncode
+        proc = subprocess.Popen(emu.command(cmd, KEY, 0))
+        # SIGTERM or SIGHUP to the board goes to its command, which ends, then the cgroup goes:
+        # the command had run on, orphaned in its limits, and the cgroup stayed behind
+        forwarded = {s: signal.signal(s, lambda signum, _: proc.send_signal(signum))
+                     for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, handler in forwarded.items():
+                signal.signal(s, handler)
         return {"code": code, "oom_kills": _oom_kills(emu), "peak_bytes": emu.memory_peak(KEY),
                 "limit_bytes": memory_mb * MB}
     finally:
