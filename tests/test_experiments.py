@@ -796,6 +796,7 @@ def test_a_sweep_into_a_folder_of_an_earlier_one_moves_its_outputs_aside_first(t
     from mdi.lab.sweep import keep_earlier_sweep
     out = tmp_path / "out"
     (out / "runs").mkdir(parents=True)
+    (out / "profiles").mkdir()
     for name in ("results.csv", "summary.csv", "report.md", "machine.json", "tokens_per_s.png"):
         (out / name).write_text(name)
     (out / "notes.txt").write_text("mine")
@@ -804,6 +805,7 @@ def test_a_sweep_into_a_folder_of_an_earlier_one_moves_its_outputs_aside_first(t
     aside = [p for p in out.iterdir() if p.name.startswith("previous-")]
     assert len(aside) == 1 and sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", aside[0].name])
     assert (aside[0] / "report.md").read_text() == "report.md" and (aside[0] / "runs").is_dir()
+    assert (aside[0] / "profiles").is_dir()
     assert lines == ["mdi-bench: %s held an earlier sweep's results: moved to %s" % (out, aside[0])]
     keep_earlier_sweep(str(out), lines.append)  # nothing of a sweep left: nothing moved
     assert len(lines) == 1
@@ -852,28 +854,35 @@ def test_a_sweep_that_measured_no_node_count_says_so():
     assert line.endswith(": no node count measured") and "1 node: no complete run (1 failed)" in line
 
 
-def test_a_board_stopped_with_sigterm_stops_its_command_and_removes_its_cgroup(tmp_path):
-    """`python -m mdi.lab.board` forwards SIGTERM to its command: the command had run on,
-    orphaned inside the board's memory limit, and the cgroup stayed behind."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_board_stopped_with_a_signal_stops_its_command_and_removes_its_cgroup(tmp_path, signum):
+    """`python -m mdi.lab.board` forwards SIGTERM to its command and ends it on Ctrl-C (a
+    SIGINT to the board alone): the command had run on, orphaned inside the board's memory
+    limit, and the cgroup stayed behind."""
     marker = "mdi-board-test-%d" % os.getpid()
     board = subprocess.Popen([sys.executable, "-m", "mdi.lab.board", "--memory-mb", "256", "--",
                               sys.executable, "-c", "import time; time.sleep(120)  # " + marker],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    children = []  # the command (and any wrapper of it): every process naming the marker but the board
     try:
         deadline = time.monotonic() + 60
-        child = None
-        while child is None and board.poll() is None and time.monotonic() < deadline:
+        while not children and board.poll() is None and time.monotonic() < deadline:
             found = subprocess.run(["pgrep", "-f", marker], stdout=subprocess.PIPE, text=True).stdout.split()
-            child = int(found[0]) if found else None
+            children = [int(p) for p in found if int(p) != board.pid]
             time.sleep(0.2)
-        if child is None:
+        if not children:
             err = board.communicate(timeout=60)[1].decode()
             pytest.skip("no board here (cgroup v1 and root needed): %s" % err.strip()[-200:])
-        board.send_signal(signal.SIGTERM)
+        board.send_signal(signum)
         assert board.wait(timeout=60) != 0
-        assert not os.path.exists("/proc/%d" % child) or open("/proc/%d/stat" % child).read().split()[2] == "Z"
-        assert "killed by signal 15" in board.stderr.read().decode() + board.stdout.read().decode()
+        for child in children:
+            assert not os.path.exists("/proc/%d" % child) or open("/proc/%d/stat" % child).read().split()[2] == "Z"
+        if signum == signal.SIGTERM:
+            assert "killed by signal 15" in board.stderr.read().decode() + board.stdout.read().decode()
     finally:
         if board.poll() is None:
             board.kill()
             board.wait()
+        for child in children:
+            if os.path.exists("/proc/%d" % child):
+                os.kill(child, signal.SIGKILL)

@@ -49,6 +49,10 @@ def run_board(cmd: List[str], memory_mb: int, cpu_quota: Optional[float] = None,
                      for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
             code = proc.wait()
+        except BaseException:  # Ctrl-C to the board alone, say: its command ends before the cgroup goes
+            proc.kill()
+            proc.wait()
+            raise
         finally:
             for s, handler in forwarded.items():
                 signal.signal(s, handler)

@@ -273,7 +273,7 @@ def finish_outputs(out: str, machine: Dict[str, Any], log: Callable[[str], None]
 
 
 # What a sweep writes in its output folder (and its plots' PNGs): an earlier sweep's are moved aside
-SWEEP_OUTPUTS = ("results.csv", "summary.csv", "report.md", "machine.json", "experiment.yaml", "runs")
+SWEEP_OUTPUTS = ("results.csv", "summary.csv", "report.md", "machine.json", "experiment.yaml", "runs", "profiles")
 
 
 def keep_earlier_sweep(out: str, log: Callable[[str], None]) -> None:
