@@ -214,6 +214,8 @@ class RingSession:
             ring_password(token, self.run_id) if token else None, codec=self.cfg.runtime.wire_codec)
         try:
             configured, left = threading.Event(), [len(self.clients)]
+            if not self.clients:
+                configured.set()
 
             def configure(i: int) -> None:
                 try:
