@@ -108,7 +108,7 @@ def test_a_starter_paused_past_the_heartbeat_timeout_says_it_was_the_silent_one(
     long it did not poll them and says so, instead of only suspecting the worker."""
     worker = workers[0]
     cfg = write_run_config(tmp_path / "ring2.yaml", slow_model, [worker], layers=2, worker_name="board%d",
-                           n_tokens=900, runtime={"threads": 1, "heartbeat_timeout": 8})  # (a busy machine's polls)
+                           n_tokens=900, runtime={"threads": 1, "heartbeat_timeout": 20})  # (a busy machine's polls)
     proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", cfg, "--prompt", "a"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
     try:

@@ -357,7 +357,7 @@ def test_a_start_up_that_fails_on_one_node_leaves_the_others_free_at_once(tiny_m
             assert proc.returncode == 1 and len(lines) == 1 and "w2" in lines[0], proc.stderr
             # Free well before the run's 30 s heartbeat would lapse: at once on an idle machine; on
             # a loaded one the worker's stop may wait for the /init loading under its lock.
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 25
             while status(pair[0])["state"] == "running" and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert status(pair[0])["state"] != "running", status(pair[0])
