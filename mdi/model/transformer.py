@@ -323,7 +323,8 @@ class ModelChunk(nn.Module):
                 release_freed_memory()  # its packing and test products left holes between kept tensors
         self._decode_script.clear()
 
-    def allocate_cache(self, n_slots: int, max_len: int) -> KVCache:
+    def allocate_cache(self, n_slots: int, max_len: int, prefill_chunk: Optional[int] = None) -> KVCache:
+        """`prefill_chunk`: taken as the ggml chunk takes it (rings there); torch keeps every position."""
         p = next(self.parameters(), None)
         dtype = self.activation_dtype
         device = p.device if p is not None else torch.device("cpu")

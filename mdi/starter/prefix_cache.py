@@ -154,17 +154,18 @@ class PrefixIndex:
         use = max(0, min(limit, max(own, from_entry)))
         if ggml_cuts:
             use = prompt_passes.reusable_positions(len(want), use)
-        chosen = self.entries[entry] if entry is not None and from_entry > own else old
-        if use and self.ring is not None and chosen is not None:  # (fewer positions: is their window still held?)
-            use = self.ring.reusable(use, chosen.intact_from)
-        load = entry if from_entry > own and use > 0 else None
+        load = entry if from_entry > own else None
+        source = self.entries[load] if load is not None else old  # where the positions reused come from
+        if use and self.ring is not None and source is not None:  # (fewer positions: is their window still held?)
+            use = self.ring.reusable(use, source.intact_from)
+        if not use:
+            load = None
         stays = 0 if load is not None else use  # positions of the old sequence the sample keeps
         if old is not None and len(old.tokens) > stays:
             self._keep(slot, old, protect=load)
         if load is not None:
             self._ops.append(CacheOp("load", load, slot, use))
             self.entries[load].used = next(self._clock)
-        source = self.entries[load] if load is not None else old
         reused = source.kinds[:use] if use and source is not None and source.kinds is not None else None
         self._running[slot] = None if kinds is None or (use and reused is None) else (
             np.concatenate([reused, kinds[use:]]) if use else kinds)

@@ -371,10 +371,7 @@ class Worker(Measuring):
             chunk.compute_dtype = compute if compute != next(chunk.parameters()).dtype else None
             chunk.fused_decode = request.fused_decode  # per run: a kept chunk may have run the other way
         try:
-            if chunk.backend == "ggml":  # its sliding-window layers may keep rings (mdi.model.sliding_cache)
-                chunk.allocate_cache(request.n_slots, request.max_len, request.prefill_chunk)
-            else:
-                chunk.allocate_cache(request.n_slots, request.max_len)
+            chunk.allocate_cache(request.n_slots, request.max_len, request.prefill_chunk)
         except (RuntimeError, ValueError, MemoryError) as e:  # ggml says MemoryError
             raise RequestError("cannot allocate the KV cache: %s" % e)
         data = request.data
