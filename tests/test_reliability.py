@@ -235,43 +235,68 @@ def test_control_client_says_what_happened_by_type():
         hung.close()
 
 
+class _StubStatus:
+    """A worker's /status as a silent ring's naming reads it: dropped frames doubling at each
+    poll (from `bad`), a pass in hand for `pass_seconds`."""
+    def __init__(self, node, bad=0, pass_seconds=0.0):
+        self.node, self.bad, self.pass_seconds = node, bad, pass_seconds
+
+    def status(self, timeout=None, run_id=None):
+        from mdi.ring.status import NodeCounters, StatusReply
+        self.bad = self.bad * 2 if self.bad else 0
+        return StatusReply("running", "0", 1, "cpu", run_id=1,
+                           counters=NodeCounters(bad_frames=self.bad, last_bad_frame="not msgpack",
+                                                 pass_seconds=self.pass_seconds))
+
+    def close(self):
+        pass
+
+
+def _silent_ring_named(stubs):
+    """What the starter's session says of a ring silent past its 30 s timeout, its workers
+    answering as `stubs` (node name -> _StubStatus) at the watchdog's last poll and again."""
+    import threading
+    from types import SimpleNamespace
+    from mdi.ring.transport import RingTimeout
+    from mdi.starter.session import RingSession
+    session = RingSession.__new__(RingSession)  # only what naming a failure uses
+    session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=1.0, heartbeat_timeout=8.0,
+                                                          ring_timeout=30.0))
+    session.run_id, session.failure, session._stopping = 1, None, False
+    session._answered, session._counters = {}, {}
+    session._watching = threading.Event()
+    session._watching.set()
+    session.workers = [stub.node for stub in stubs.values()]
+    session.registry = SimpleNamespace(fresh=lambda node: stubs[node.name])
+    for stub in stubs.values():  # the watchdog's last polls
+        session._probe(stub)
+    named = session.named_failure(RingTimeout("no activations came back round the ring for 30 s"))
+    assert isinstance(named, RingTimeout), named
+    return str(named)
+
+
 def test_a_silent_ring_names_the_node_that_reads_garbage_between_its_frames():
     """A ring slowed past ring_timeout by garbage sent to a worker's data port named no node,
     though every poll of it showed its dropped frames growing."""
-    import threading
-    from types import SimpleNamespace
-    from mdi.ring.status import NodeCounters, StatusReply
-    from mdi.ring.transport import RingTimeout
     from mdi.runconfig import NodeSpec
-    from mdi.starter.session import RingSession
-
-    class Stub:
-        def __init__(self, node, bad):
-            self.node, self.bad = node, bad
-
-        def status(self, timeout=None, run_id=None):
-            self.bad = self.bad * 2 if self.bad else 0
-            return StatusReply("running", "0", 1, "cpu", run_id=1,
-                               counters=NodeCounters(bad_frames=self.bad, last_bad_frame="not msgpack"))
-
-        def close(self):
-            pass
-    nodes = [NodeSpec("board1", port=1), NodeSpec("board2", port=2)]
-    stubs = {"board1": Stub(nodes[0], 0), "board2": Stub(nodes[1], 1000)}
-    session = RingSession.__new__(RingSession)  # only what naming a failure uses
-    session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=1.0, heartbeat_timeout=8.0))
-    session.run_id, session.failure, session._stopping = 1, None, False
-    session._answered, session._bad_frames = {}, {}
-    session._watching = threading.Event()
-    session._watching.set()
-    session.workers = nodes
-    session.registry = SimpleNamespace(fresh=lambda node: stubs[node.name])
-    for node in nodes:  # the watchdog's last polls
-        session._probe(stubs[node.name])
-    named = session.named_failure(RingTimeout("no activations came back round the ring for 30 s"))
-    assert isinstance(named, RingTimeout) and "board1" not in str(named), named
+    named = _silent_ring_named({"board1": _StubStatus(NodeSpec("board1", port=1)),
+                                "board2": _StubStatus(NodeSpec("board2", port=2), bad=1000)})
+    assert "board1" not in named, named
     assert "node board2 (127.0.0.1:2) dropped 2000 frames it could not read since its last poll (the last: " \
-           "not msgpack)" in str(named), named
+           "not msgpack)" in named, named
+
+
+def test_a_silent_ring_names_the_node_stuck_in_a_pass():
+    """A board short of memory thrashed in one pass until the ring timed out, and the failure
+    named no node (h45): the node whose /status shows a pass in hand for most of the timeout is named."""
+    from mdi.runconfig import NodeSpec
+    named = _silent_ring_named({"board1": _StubStatus(NodeSpec("board1", port=1), pass_seconds=0.2),
+                                "board2": _StubStatus(NodeSpec("board2", port=2), pass_seconds=29.4)})
+    assert "board1" not in named, named
+    assert named == ("no activations came back round the ring for 30 s; node board2 (127.0.0.1:2) is still "
+                     "computing a pass it began 29 s ago (short of memory or CPU?)"), named
+    quiet = _silent_ring_named({"board1": _StubStatus(NodeSpec("board1", port=1), pass_seconds=1.0)})
+    assert quiet == "no activations came back round the ring for 30 s", quiet
 
 
 def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chance():
@@ -298,7 +323,7 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
         session = RingSession.__new__(RingSession)  # only what the watchdog uses
         session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
         session.run_id, session.failure, session._stopping = 1, None, False
-        session._answered, session._bad_frames = {}, {}
+        session._answered, session._counters = {}, {}
         session.clients = [Stub("a", errors)]
         session._watching = __import__("threading").Event()
         session._watching.set()

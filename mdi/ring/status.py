@@ -88,6 +88,7 @@ class NodeCounters:
     batching: BatchCounter = field(default_factory=BatchCounter)
     passes_cancelled: int = 0  # stale speculative passes it dropped unrun (a later epoch came)
     rows_cancelled: int = 0
+    pass_seconds: float = 0.0  # how long the pass it is computing now has run (0: none)
 
 
 @dataclass

@@ -323,7 +323,8 @@ class _Scorer:
             except RingTimeout:
                 self.engine._check()
                 if time.monotonic() >= deadline:
-                    raise RingTimeout("no activations came back round the ring for %.0f s" % timeout)
+                    raise self.engine.named_failure(
+                        RingTimeout("no activations came back round the ring for %.0f s" % timeout))
 
     def _score(self, frame: Frame) -> None:
         if frame.kind != FrameKind.SCORE or frame.tensor is None:

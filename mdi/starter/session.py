@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.prefix_store import NodePrefixRoom
@@ -16,6 +16,7 @@ from mdi.ring.adapter_request import adapter_body
 from mdi.ring.auth import ring_password
 from mdi.ring.backend_request import BackendRequest
 from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
+from mdi.ring.status import NodeCounters
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable, silenced
@@ -75,7 +76,7 @@ class RingSession:
         self.failure: Optional[NodeError] = None
         self._stopping = False  # finish() sent the stop frame
         self._answered: Dict[str, float] = {}  # node name -> when it last said it runs this run
-        self._bad_frames: Dict[str, Tuple[int, Optional[str]]] = {}  # node name -> frames dropped, the last's why
+        self._counters: Dict[str, NodeCounters] = {}  # node name -> its counters at the last poll
         self._watching = threading.Event()
         self._aborted = threading.Event()  # set before abort's stops: a configure still running stops its own worker
         self._configuring = threading.Condition()  # counts the configure calls in flight (abort waits for them)
@@ -323,7 +324,7 @@ class RingSession:
             return None
         if status.error:
             return NodeError("%s: compute failed: %s" % (where, status.error), client.node.name)
-        self._bad_frames[client.node.name] = (status.counters.bad_frames, status.counters.last_bad_frame)
+        self._counters[client.node.name] = status.counters
         now = time.monotonic()
         if status.run_id == self.run_id and status.state == "running":
             self._answered[client.node.name] = now
@@ -351,7 +352,7 @@ class RingSession:
         for node in self.workers:
             if self.failure is not None:
                 return self.failure
-            before = self._bad_frames.get(node.name)
+            before = self._counters.get(node.name)
             client = self.registry.fresh(node)
             try:
                 problem = self._probe(client)
@@ -359,14 +360,20 @@ class RingSession:
                 client.close()
             if problem is not None:
                 return problem
-            after = self._bad_frames.get(node.name)
-            if before is not None and after is not None and after[0] > before[0]:
+            after = self._counters.get(node.name)
+            if before is not None and after is not None and after.bad_frames > before.bad_frames:
                 flooded.append("node %s (%s) dropped %d frames it could not read since its last poll (the last: %s)"
-                               % (node.name, node.address, after[0] - before[0], after[1]))
+                               % (node.name, node.address, after.bad_frames - before.bad_frames, after.last_bad_frame))
         if self.failure is None and flooded and isinstance(silent, RingTimeout):
             # alive and answering, but reading garbage between its frames: say so (the ring may be
             # slowed by another process sending to that data port, or by a stale peer)
             return RingTimeout("%s; %s" % (silent, "; ".join(flooded)))
+        stuck = ["node %s (%s) is still computing a pass it began %.0f s ago (short of memory or CPU?)"
+                 % (node.name, node.address, self._counters[node.name].pass_seconds) for node in self.workers
+                 if node.name in self._counters
+                 and self._counters[node.name].pass_seconds > self.cfg.runtime.ring_timeout / 2]
+        if self.failure is None and stuck and isinstance(silent, RingTimeout):
+            return RingTimeout("%s; %s" % (silent, "; ".join(stuck)))
         return self.failure or silent
 
     def finish(self) -> List[NodeReport]:

@@ -52,6 +52,7 @@ class Run:
         self.ending = threading.Event()
         self.frames_done = 0
         self.compute_seconds = 0.0  # time spent in _forward: per-node step time for /metrics
+        self.pass_started: Optional[float] = None  # monotonic start of the pass in hand (None: none)
         self.batching = BatchCounter()
         self.max_batch = request.max_batch
         self.max_rows = request.max_rows
@@ -104,8 +105,10 @@ class Run:
                     if frame.kind in GENERATION_KINDS:
                         frame = self._gather(frame)
                     t0 = time.perf_counter()
+                    self.pass_started = time.monotonic()
                     self._apply_cache_ops(frame)
                     out = self._forward(frame)
+                    self.pass_started = None
                     self.compute_seconds += time.perf_counter() - t0
                     self.endpoint.send(out)
                     self.frames_done += 1
@@ -130,6 +133,13 @@ class Run:
             # Unbind the data port now, not at the next /init: a neighbour configured for the
             # next run must find nothing there (and retry) rather than this run's socket.
             self.endpoint.close()
+
+    @property
+    def pass_seconds(self) -> float:
+        """How long the pass in hand has been computing (0: none): a ring gone silent names
+        the node stuck in one (short of memory, starved of CPU)."""
+        started = self.pass_started
+        return 0.0 if started is None else round(time.monotonic() - started, 3)
 
     def _next_frame(self) -> Optional[Frame]:
         """The next frame to handle (None after a short wait for one): the oldest in the inbox,
@@ -320,7 +330,9 @@ class Run:
             raise RuntimeError("%s: a %s frame came for run %d, which was not configured for training (POST /train)"
                                % (self.endpoint.name, frame.kind, self.id))
         t0 = time.perf_counter()
+        self.pass_started = time.monotonic()
         out = training.handle(frame)
+        self.pass_started = None
         self.compute_seconds += time.perf_counter() - t0
         self.frames_done += 1
         return out

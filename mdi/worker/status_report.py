@@ -39,7 +39,7 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
                                       bad_frames=ep.bad_frames + run.bad_frames,
                                       last_bad_frame=ep.last_error, batching=run.batching,
                                       passes_cancelled=run.passes_cancelled, rows_cancelled=run.rows_cancelled,
-                                      **ep.traffic())
+                                      pass_seconds=run.pass_seconds, **ep.traffic())
         if run.prefix is not None:
             reply.prefix = run.prefix.stats
     return reply
