@@ -151,6 +151,23 @@ def test_two_failures_one_spare(tiny_models, four_workers):
     assert len(result.extra["recoveries"]) == 2
 
 
+def test_two_nodes_lost_at_once_each_recovery_names_its_own(tiny_models, four_workers):
+    """A second node lost while the ring re-planned for the first was connected: the record said
+    only the second re-plan's action, under the first node's cause."""
+    import re
+    model = tiny_models["llama"]
+    board1, board2, board3, spare = four_workers
+    cfg = ring_config(model, [board1, board2, board3], [spare], attempts=3)
+    result, _ = run_killing(cfg, [(30, board2), (30, board3)])
+    assert [s.token_ids for s in result.samples] == reference(model)
+    first, second = result.extra["recoveries"]
+    lost = re.match(r"node (board[23]) ", first["cause"]).group(1)
+    then = re.match(r"spare spare1 \(127.0.0.1:\d+\) takes layers \[\d, \d\) of %s, then failed: node (board[23]) "
+                    % lost, first["action"])
+    assert then and then.group(1) != lost, first
+    assert second["cause"].startswith("node %s " % then.group(1)) and "failed" not in second["action"], second
+
+
 def test_without_recovery_the_run_fails_naming_the_node(tiny_models, four_workers):
     model = tiny_models["gpt2"]
     board1, board2 = four_workers[:2]

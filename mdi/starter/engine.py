@@ -133,8 +133,8 @@ class Engine(RuntimeAdapters, RecoveryLog):
         except NodeError as e:  # a worker down as the ring starts, or lost meanwhile: a spare or its neighbours serve
             if not named_worker_lost(self.plan, self.registry, e):
                 raise
-            transport, run_id, how, started = self._rebuild(e, [])
-            self._record(e, how, started, recovered=True)
+            transport, run_id, how, started, cause = self._rebuild(e, [])
+            self._record(cause, how, started, recovered=True)
         ggml_cuts = bool(self.ggml_nodes())
         if ggml_cuts and self.plan.prefill_chunk < TILED_ROWS:
             log.info("mdi: starter: prompts of %d tokens or more go in passes of at least %d (runtime.prefill_chunk "
@@ -324,9 +324,10 @@ class Engine(RuntimeAdapters, RecoveryLog):
         self.live_pipeline.run(samples, self.step, t0=self.t0)
 
     # --- recovery --------------------------------------------------------------------
-    def _rebuild(self, cause: BaseException, events: List[RecoveryEvent]) -> Tuple[Any, int, str, float]:
-        """The ring re-planned without the node `cause` names and connected (`cause` raised once
-        the attempts are spent, each failed one in `events`): transport, run id, how, start."""
+    def _rebuild(self, cause: BaseException,
+                 events: List[RecoveryEvent]) -> Tuple[Any, int, str, float, BaseException]:
+        """The ring re-planned without the node `cause` names and connected (`cause` raised once the
+        attempts are spent, each failed one in `events`): transport, run id, how, start, last cause."""
         while True:
             if len(self.recoveries) >= self.cfg.recovery_attempts:
                 raise cause
@@ -334,6 +335,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
             log.warning("mdi: %s; recovering (attempt %d of %d)", cause, len(self.recoveries) + 1,
                         self.cfg.recovery_attempts)
             self.abort()
+            how = ""  # what the re-plan did, said too where connecting then failed (a second node lost)
             try:
                 self.plan, how = replan(self.plan, self.source, self.registry, cause, self.params)
                 transport, run_id = self._connect()
@@ -341,16 +343,16 @@ class Engine(RuntimeAdapters, RecoveryLog):
                 if [old.first, old.last] != list(self.ranges[0]):
                     old.free_cache()
                     self.chunk = self._starter_chunk(self.ranges[0])
-                return transport, run_id, how, started
+                return transport, run_id, how, started, cause
             except (NodeError, RecoveryImpossible) as e:
-                events.append(self._record(cause, "failed: %s" % e, started))
+                events.append(self._record(cause, "%sfailed: %s" % (how and how + ", then ", e), started))
                 cause = e
 
     def _recover(self, cause: BaseException) -> List[RecoveryEvent]:
         """Re-plan the ring and go on (or raise once the attempts are spent); the events of
         its attempts, failed ones first."""
         events: List[RecoveryEvent] = []
-        transport, run_id, how, started = self._rebuild(cause, events)
+        transport, run_id, how, started, cause = self._rebuild(cause, events)
         pipeline = self.live_pipeline
         counters = pipeline.prefix.counters if pipeline.prefix is not None else None  # they run on (*_total)
         lost = pipeline.reconnect(transport, run_id, self.live_chunk, n_stages=len(self.nodes),
@@ -364,9 +366,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
         return events
 
     def _record(self, cause: BaseException, how: str, started: float, recovered: bool = False) -> RecoveryEvent:
-        if recovered:
-            log.warning("mdi: recovered in %.2f s: %s", time.perf_counter() - started, how)
-        return self.add_recovery(cause, how, started - self.t0, time.perf_counter() - started, self.nodes, self.ranges)
+        return self.add_recovery(cause, how, started, started - self.t0, self.nodes, self.ranges, recovered)
 
     # --- the rest of serving's face (mdi.starter.engine_face) --------------------------
     @property
