@@ -59,6 +59,21 @@ def test_missing_checkpoint(tmp_path):
     assert_one_line_error(mdi_start("--config", path, "--prompt", "x"), "does not exist")
 
 
+def test_a_missing_model_is_said_before_a_missing_prompt_and_no_internal_name_shows(tmp_path, tiny_models):
+    assert_one_line_error(mdi_start("--model", str(tmp_path / "nothere.gguf")), "model path", "does not exist")
+    assert_one_line_error(mdi_start("--model", tiny_models["gpt2"]),
+                          "no prompt: give --prompt TEXT (or generation.prompts in a --config file)")
+
+
+def test_quiet_prints_the_summary_line_and_no_start_up_notes(tiny_models):
+    proc = mdi_start("--model", tiny_models["gpt2"], "--prompt", "ab", "--n-tokens", "3", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("mdi: 3 tokens in ") and len(proc.stdout.splitlines()) == 1, proc.stdout
+    assert "backend" not in proc.stderr, proc.stderr  # the start-up notes (info) are not shown
+    loud = mdi_start("--model", tiny_models["gpt2"], "--prompt", "ab", "--n-tokens", "3")
+    assert loud.returncode == 0 and "mdi: backends: starter" in loud.stderr, loud.stderr
+
+
 def test_partition_must_sum_to_layers(tmp_path, tiny_models):
     path = write(tmp_path, "model: {path: %s}\nnodes:\n  - {name: s, layers: 2}\n  - {name: w, port: 9, layers: 3}\n"
                  % tiny_models["gpt2"])

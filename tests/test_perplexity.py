@@ -173,8 +173,10 @@ def test_cli_over_a_ring_prints_and_writes_metrics(tiny_models, workers, text_fi
     assert record["n_windows"] == 6 and record["ctx"] == CTX and record["n_scored"] == n_scored
     assert record["n_tokens"] == 6 * CTX and record["n_nodes"] == 3
     line = proc.stdout.strip()
-    assert line == ("mdi: perplexity %.4f over 6 windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, 3 nodes"
-                    % (record["perplexity"], CTX, n_scored, record["seconds"], record["tokens_per_s"]))
+    assert line == ("mdi: perplexity %.4f over 6 windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, 3 nodes on %s"
+                    % (record["perplexity"], CTX, n_scored, record["seconds"], record["tokens_per_s"],
+                       "+".join(sorted({n["backend"] for n in record["nodes"]}))))
+    assert line.endswith(" on " + os.environ["MDI_BACKEND"]), line  # every node computes with the one asked for
 
 
 def test_a_missing_file_is_one_line_error(tiny_models, tmp_path):

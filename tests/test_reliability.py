@@ -275,6 +275,28 @@ def _silent_ring_named(stubs):
     return str(named)
 
 
+def test_a_node_address_where_another_web_server_answers_says_it_is_not_an_mdi_worker():
+    """A wrong port in the config that reaches some other HTTP server: the error was that
+    server's HTML page on one line, with no word of the likely cause."""
+    import http.server
+    import threading
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.control import ControlClient, NodeError
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        client = ControlClient(NodeSpec("board2", port=other.server_address[1]), connect_timeout=5)
+        with pytest.raises(NodeError) as err:
+            client.health()
+        line = str(err.value)
+        assert line.startswith("node board2 (127.0.0.1:%d): GET /health failed with HTTP 404: the server there is "
+                               "not an mdi-worker (wrong port?): <!DOCTYPE HTML>" % other.server_address[1]), line
+        assert "\n" not in line and len(line) < 260, line
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
 def test_a_silent_ring_names_the_node_that_reads_garbage_between_its_frames():
     """A ring slowed past ring_timeout by garbage sent to a worker's data port named no node,
     though every poll of it showed its dropped frames growing."""

@@ -118,9 +118,11 @@ def summary_line(result) -> str:
 
 def report_perplexity(result, args: argparse.Namespace) -> int:
     if result.n_windows:
-        print("mdi: perplexity %.4f over %d windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, %d nodes%s"
+        # The backend scored too: its bits differ, and `auto` may choose another for a ring than alone.
+        backends = sorted({n.backend for n in result.nodes if getattr(n, "backend", None)})
+        print("mdi: perplexity %.4f over %d windows of %d tokens (%d scored), %.2f s, %.2f tokens/s, %d nodes%s%s"
               % (result.perplexity, result.n_windows, result.ctx, result.n_scored, result.elapsed,
-                 result.tokens_per_s, len(result.nodes), ", partial" if "error" in result.extra else ""),
-              flush=True)
+                 result.tokens_per_s, len(result.nodes), " on " + "+".join(backends) if backends else "",
+                 ", partial" if "error" in result.extra else ""), flush=True)
     node_lines(result, args)
     return write_metrics(result, args)

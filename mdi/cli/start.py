@@ -11,6 +11,7 @@ from mdi.cli.output import check_output, report, report_perplexity, write_start_
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
+from mdi.model.source import check_model_path
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig.speculation import MAX_DRAFT_LIMIT, SPECULATION_METHODS
 from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS
@@ -90,7 +91,9 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="compute threads of the starter and of every worker started "
                    "without its own --threads (runtime.threads; default: the config's)")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
-    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only the summary line (on stdout), and on stderr only warnings and errors (a recovery, "
+                        "a failure), none of the start-up notes")
     p.add_argument("--check", action="store_true",
                    help="pre-flight check: contact every node and report reachability, version, device, "
                         "free memory and whether its layers and KV cache fit; generates nothing")
@@ -211,8 +214,9 @@ def _start(args: argparse.Namespace, batch) -> int:
             _check_utf8(prompt, "--prompt %d" % i)
         check_output(args.metrics_out, "--metrics-out")  # before the run, not after it
         cfg = _config_from_args(args)
+        check_model_path(cfg.model.path)  # before a missing prompt or anything else is said
         cfg.runtime.token = load_token(cfg.runtime.token_file)
-        setup_process(threads=cfg.runtime.threads)
+        setup_process(log_level="WARNING" if args.quiet else "INFO", threads=cfg.runtime.threads)
         if not args.serve:  # (--check and --perplexity serve nothing either: refused there too)
             if args.port is not None:
                 raise ConfigError("--port goes with --serve (a batch run's dashboard: --dashboard PORT)")

@@ -48,12 +48,17 @@ def gguf_file_of(path: str) -> Optional[str]:
 
 
 
+def check_model_path(path: str) -> None:
+    """CheckpointError where nothing is at `path` (said before any other complaint of a run's)."""
+    if not os.path.exists(path):
+        raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
+
+
 class ModelSource:
     """A model's config, tokenizer and a way to fetch any node's weights."""
 
     def __init__(self, path: str) -> None:
-        if not os.path.exists(path):
-            raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
+        check_model_path(path)
         self.path = path
         self._full: Optional[Dict[str, Stored]] = None
         self._reread = threading.Lock()

@@ -126,13 +126,16 @@ class ServeSpec:
     mask_deadline_ms: float = MASK_DEADLINE_S * 1e3
 
 
+FLAGS_SOURCE = "<flags>"  # a RunConfig's source when the command line made it (--model, no --config)
+
+
 @dataclass
 class RunConfig:
     model: ModelSpec
     nodes: List[NodeSpec]
     generation: GenerationSpec
     runtime: RuntimeSpec
-    source: str = "<flags>"
+    source: str = FLAGS_SOURCE
     spares: List[NodeSpec] = field(default_factory=list)  # idle workers that can replace a dead one
     serve: ServeSpec = field(default_factory=ServeSpec)
     # LoRA adapters over the base, name -> PEFT directory or LoRA GGUF; ids 1..K in this order.

@@ -200,11 +200,14 @@ class ControlClient:
         except ValueError:
             body = {}
         if r.status_code != 200 or not isinstance(body, dict) or not body.get("ok", True):
-            # the worker's error, else the body's start on one line (another server's HTML page spans many)
+            # the worker's error (it answers every one in JSON), else another server answered:
+            # say so, with its body's start on one line (an HTML page spans many)
             reason = body.get("error") if isinstance(body, dict) else None
+            if not reason:
+                reason = "the server there is not an mdi-worker (wrong port?): %s" % " ".join(r.text[:120].split())
             raise NodeError("node %s (%s): %s %s failed with HTTP %d: %s"
-                            % (self.node.name, self.node.address, method, route, r.status_code,
-                               reason or " ".join(r.text[:200].split())), self.node.name, r.status_code)
+                            % (self.node.name, self.node.address, method, route, r.status_code, reason),
+                            self.node.name, r.status_code)
         return body
 
     def _send(self, method: str, route: str, read_timeout: float, retry_dropped: bool,

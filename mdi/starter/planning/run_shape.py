@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from mdi.model.config import ModelConfig
 from mdi.model.source import ModelSource
-from mdi.runconfig import ConfigError, RunConfig
+from mdi.runconfig import FLAGS_SOURCE, ConfigError, RunConfig
 from mdi.starter.adapter_set import AdapterSet, adapter_ids
 from mdi.starter.sample import Sample, make_samples
 
@@ -30,7 +30,8 @@ def expand_prompts(cfg: RunConfig, cli_prompts: Sequence[str], cli_n_samples: Op
     turn up to --n-samples (else generation.n_samples)."""
     prompts = list(cli_prompts) or cfg.generation.prompts
     if not prompts:
-        raise ConfigError("no prompt: give --prompt TEXT (or generation.prompts in %s)" % cfg.source)
+        raise ConfigError("no prompt: give --prompt TEXT (or generation.prompts in %s)"
+                          % ("a --config file" if cfg.source == FLAGS_SOURCE else cfg.source))
     if cli_n_samples is not None:
         if cli_n_samples < len(prompts):
             raise ConfigError("--n-samples %d is smaller than the %d prompts given" % (cli_n_samples, len(prompts)))
