@@ -23,7 +23,8 @@ groups of 32), int4 -> Q4_1 (block for block in groups of 32), float -> F16 (aut
 iq4_xs writes model.gguf in that GGUF type (norms and biases F32; under 8 bits the head Q8_0; a
 matrix whose rows are not whole blocks falls back to Q8_0 or F16) and reads the torch weights
 back from it: Q8_0 -> int8 and Q4_0/Q4_1 -> int4 exactly, K-quants and IQ4 re-rounded to the
-nearest, floats float; so both backends compute the same rounded weights where the type is exact.
+nearest, floats float; so both backends hold the same rounded weights where the type is exact
+(their texts can still part at a near tie: ggml rounds activations to 8 bits for quantized types).
 """
 import importlib
 import json
