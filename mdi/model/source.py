@@ -46,8 +46,6 @@ def gguf_file_of(path: str) -> Optional[str]:
     return inside if os.path.isdir(path) and os.path.isfile(inside) else None
 
 
-
-
 def check_model_path(path: str) -> None:
     """CheckpointError where nothing is at `path` (said before any other complaint of a run's)."""
     if not os.path.exists(path):
