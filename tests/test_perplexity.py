@@ -159,6 +159,24 @@ def test_ring_matches_standalone(family, layers, tiny_models, workers, text_file
     assert one.n_windows == 1 and abs(one.perplexity - math.exp(alone.window_nll[0] / (CTX - CTX // 2 - 1))) <= 1e-4 * one.perplexity
 
 
+def test_a_window_longer_than_a_ubatch_goes_in_passes_of_one_and_scores_the_same(tiny_models, workers, text_file,
+                                                                                 monkeypatch):
+    """llama-perplexity runs a window in ubatches of 512 rows, and so does mdi (a model's
+    sliding-window layers then keep their rings, as llama.cpp's SWA cache does: Gemma 3 at a
+    context of 2,048 scored llama-perplexity's 14.4509, where one pass a window had scored its
+    --swa-full 14.5035). Here a ubatch of 12 rows cuts each window of 32 in 3 passes."""
+    model = tiny_models["llama"]
+    whole = perplexity.run(config(model), text_file, ctx=CTX, max_windows=4)
+    monkeypatch.setattr(perplexity, "UBATCH", 12)
+    alone = perplexity.run(config(model), text_file, ctx=CTX, max_windows=4)
+    ring = perplexity.run(config(model, workers[:2], [1, 2, 1]), text_file, ctx=CTX, max_windows=4)
+    assert alone.window_scored == whole.window_scored == ring.window_scored == [CTX - CTX // 2 - 1] * 4
+    for cut in (alone, ring):
+        assert np.allclose(cut.window_nll, whole.window_nll, rtol=1e-5), (cut.window_nll, whole.window_nll)
+    for node in ring.metrics()["nodes"]:
+        assert node["messages_sent_by_kind"]["score"] == 4 * 3
+
+
 def test_cli_over_a_ring_prints_and_writes_metrics(tiny_models, workers, text_file, tmp_path):
     cfg = write_run_config(tmp_path / "ring3.yaml", tiny_models["llama"], workers[:2], layers=[1, 2, 1],
                            worker_name="board%d")

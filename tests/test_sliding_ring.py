@@ -70,7 +70,7 @@ def test_the_ring_length_rule(source):
     assert ring_length(c, 0, c.n_layer, MAX_LEN, CHUNK) == RING == ring_length(c, 0, c.n_layer, MAX_LEN, 512)
     assert ring_length(c, 1, 2, MAX_LEN, CHUNK) == 0  # a global layer alone keeps every position
     assert ring_length(c, 0, c.n_layer, RING, CHUNK) == 0  # a ring would save nothing
-    assert ring_length(c, 0, c.n_layer, MAX_LEN, 1024) == 0  # passes longer than a ubatch (--perplexity's)
+    assert ring_length(c, 0, c.n_layer, MAX_LEN, 1024) == 0  # prompt passes longer than a ubatch
 
 
 def test_rings_compute_what_every_position_computes_in_fewer_bytes(source, ids):
@@ -170,3 +170,20 @@ def test_a_long_run_with_rings_shifts_its_context(path, caplog):
     assert "keep %d positions a slot of %d" % (RING, MAX_LEN) in caplog.text
     assert result.samples[0].finish_reason == "length" and len(result.samples[0].token_ids) == 5000
     assert result.metrics()["context_shifts"] >= 3
+
+
+def test_perplexity_windows_keep_their_rings_and_score_what_every_position_scores(path, tmp_path, caplog):
+    """--perplexity's windows go in passes of a ubatch, as llama-perplexity's do, so a window
+    longer than the ring keeps its sliding-window layers in rings, as llama.cpp's SWA cache
+    does (one pass a window had kept every position: its --swa-full figure)."""
+    from ringconfigs import parse_run_config
+    from mdi.starter import perplexity
+    text = tmp_path / "text.txt"
+    text.write_text("".join(np.random.RandomState(2).choice(list(CHARS), 2400)))
+    caplog.set_level("INFO", logger="mdi.model.ggml.kv_cache")
+    scored = {}
+    for backend in ("ggml", "torch"):  # torch keeps every position
+        cfg = parse_run_config(path, runtime={"backend": backend, "threads": 1, "kv_type": "f32"})
+        scored[backend] = perplexity.run(cfg, str(text), ctx=1100, max_windows=2)
+    assert "keep %d positions a slot of %d" % (RING, 1100) in caplog.text
+    assert np.allclose(scored["ggml"].window_nll, scored["torch"].window_nll, rtol=1e-4), scored

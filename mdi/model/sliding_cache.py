@@ -28,8 +28,7 @@ ROWS_AHEAD = 2 * TILED_ROWS - 1
 def ring_length(config: Any, first: int, last: int, max_len: int, prefill_chunk: int) -> int:
     """Positions a slot keeps in each sliding-window layer of layers [first, last), or 0 where
     they keep all `max_len`: no such layer there, a ring would save nothing, or the run's
-    prompt passes may be longer than a ubatch (`prefill_chunk` over UBATCH: --perplexity's
-    windows, one pass each)."""
+    prompt passes may be longer than a ubatch (`prefill_chunk` over UBATCH)."""
     window = config.sliding_window or 0
     if not window or prefill_chunk > UBATCH or not any(config.layer_window(i) for i in range(first, last)):
         return 0

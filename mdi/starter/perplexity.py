@@ -3,7 +3,9 @@ quantization costs, standalone or over the ring.
 
 The file is tokenized as plain text (BOS first when the tokenizer adds one, as llama.cpp's
 `llama-perplexity` does) and cut into non-overlapping windows of `ctx` tokens. Each window is
-run from position 0 as a "score" pass, whose every position comes back round the ring; the
+run from position 0 in "score" passes of at most 512 rows, as llama-perplexity's ubatches cut it
+(so a model's sliding-window layers keep their rings as llama.cpp's SWA cache does), whose every
+position comes back round the ring; the
 starter's head gives float32 log-probabilities and only the second half of a window's tokens
 is scored, exactly the tokens llama-perplexity scores (positions ctx/2 + 1 .. ctx - 1, each
 predicted from the positions before it, in every window), so a scored token has more than
@@ -24,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from mdi.model.backend import AUTO
-from mdi.model.config import ModelConfig
+from mdi.model.ggml.kernel_rows import UBATCH
 from mdi.model.sampling import SamplingParams, host_array
 from mdi.model.source import ModelSource
 from mdi.ring.transport import RingTimeout
@@ -199,16 +201,11 @@ def plan_windows(n_tokens: int, ctx: int, max_windows: Optional[int], path: str)
     return min(n, max_windows) if max_windows is not None else n
 
 
-def scoring_config(cfg: RunConfig, config: ModelConfig, ctx: int) -> RunConfig:
-    """`cfg` as perplexity runs it, for windows of `ctx` tokens of a model of `config`.
-    A window is one pass of `ctx` rows: with sliding-window layers, runtime.prefill_chunk is at
-    least that, so no node keeps them in a ring too short for such a pass (sliding_cache).
-    runtime.prefill_weights auto multiplies the weights as stored.
+def scoring_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` as perplexity runs it: runtime.prefill_weights auto multiplies the weights as stored.
     Perplexity is the figure set beside llama-perplexity's on the same GGUF, and a window's
     hundreds of rows would otherwise take auto's dequantized product, whose bits are not
     llama.cpp's (SmolLM2 Q4_1: 43.97 against 44.18). `dequantized`, asked for by name, still is."""
-    if config.sliding_window and cfg.runtime.prefill_chunk < ctx:
-        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, prefill_chunk=ctx))
     if cfg.runtime.prefill_weights != AUTO:
         return cfg
     if any(cfg.backend_of(node) != "torch" for node in cfg.nodes):  # (the setting is ggml's)
@@ -227,7 +224,7 @@ def run(cfg: RunConfig, path: str, ctx: Optional[int] = None, max_windows: Optio
     ids = read_tokens(source, path)
     ctx = resolve_ctx(source, ctx)
     n_windows = plan_windows(len(ids), ctx, max_windows, path)
-    cfg = scoring_config(cfg, source.config, ctx)
+    cfg = scoring_config(cfg)
     n_slots = min(len(cfg.nodes), n_windows)
     log.info("mdi: perplexity of %s: %d tokens, %d windows of %d, %d in flight",
              path, len(ids), n_windows, ctx, n_slots)
@@ -262,6 +259,7 @@ class _Scorer:
         self.on_window = on_window
         self.nll: Dict[int, Tuple[float, int]] = {}  # window -> (NLL sum, tokens scored)
         self.in_flight: Dict[int, int] = {}  # cache slot -> window
+        self.partial: Dict[int, Tuple[float, int]] = {}  # cache slot -> (NLL sum, rows back) of its window so far
         self.next_window = 0
         self.compute_seconds = 0.0  # the starter's own work: its layers and the head
         self.t0 = time.perf_counter()
@@ -296,16 +294,19 @@ class _Scorer:
         return ids
 
     def _send(self, slot: int, window: int) -> None:
-        t0 = time.perf_counter()
+        """The window's passes, all sent at once: every node computes a slot's frames in turn."""
         ids: Any = self._window_ids(window)
         if not takes_host_arrays(self.chunk):
             import torch
             ids = torch.from_numpy(ids).to(device=self.chunk.device, dtype=torch.long)
-        x = self.chunk.forward_blocks(self.chunk.embed(ids, 0), slot, 0)
-        self.compute_seconds += time.perf_counter() - t0
         pipeline = self.engine.live_pipeline
-        pipeline.transport.send(Frame(FrameKind.SCORE, pipeline.run_id, [slot], [0], [self.ctx], x))
-        self.in_flight[slot] = window
+        self.in_flight[slot], self.partial[slot] = window, (0.0, 0)
+        for start in range(0, self.ctx, UBATCH):
+            t0 = time.perf_counter()
+            end = min(self.ctx, start + UBATCH)
+            x = self.chunk.forward_blocks(self.chunk.embed(ids[start:end], start), slot, start)
+            self.compute_seconds += time.perf_counter() - t0
+            pipeline.transport.send(Frame(FrameKind.SCORE, pipeline.run_id, [slot], [start], [end - start], x))
 
     def _send_next(self, slot: int) -> None:
         if self.next_window < self.n_windows:
@@ -334,14 +335,20 @@ class _Scorer:
             from mdi.system.transfers import to_device
             hidden = to_device(hidden, self.chunk.device, self.chunk.activation_dtype)
         row = 0
-        for slot, count in zip(frame.samples, frame.count):
+        for slot, start, count in zip(frame.samples, frame.start, frame.count):
             rows, row = hidden[row:row + count], row + count
-            window = self.in_flight.pop(slot, None)
+            window = self.in_flight.get(slot)
             if window is None:
                 continue  # not in flight (validated frames only name our slots)
             t0 = time.perf_counter()
-            self.nll[window] = self._window_nll(window, rows)
+            total, back = self.partial[slot]
+            self.partial[slot] = (total + self._rows_nll(window, rows, start), back + count)
             self.compute_seconds += time.perf_counter() - t0
+            if back + count < self.ctx:
+                continue  # more of the window's passes to come
+            a, b = scored_range(window, self.ctx)
+            self.nll[window] = (self.partial.pop(slot)[0], b - a)
+            del self.in_flight[slot]
             self._send_next(slot)
             if self.on_window is not None:
                 done = len(self.nll)
@@ -349,30 +356,31 @@ class _Scorer:
                 elapsed = time.perf_counter() - self.t0
                 self.on_window(done, self.n_windows, math.exp(nll), done * self.ctx / max(elapsed, 1e-9))
 
-    def _window_nll(self, window: int, hidden: Any) -> Tuple[float, int]:
-        """(sum of NLL, tokens scored): position i's logits predict the token at i + 1. Each
-        NLL is log-sum-exp(logits) - the target's logit, the exponentials summed in float64."""
+    def _rows_nll(self, window: int, hidden: Any, start: int) -> float:
+        """The NLL summed over the scored tokens that the window's positions from `start` (the
+        rows of `hidden`) predict: position i's logits predict the token at i + 1. Each NLL is
+        log-sum-exp(logits) - the target's logit, the exponentials summed in float64."""
         a, b = scored_range(window, self.ctx)
         targets = self._window_ids(window)
         total = 0.0
         step = max(1, min(HEAD_ROWS, HEAD_BYTES // (4 * self.engine.source.config.vocab_size)))
-        for i in range(a - 1, b - 1, step):
-            j = min(i + step, b - 1)
-            logits = host_array(self.chunk.head(hidden[i:j]))  # a torch chunk's (a GPU's too) on the host
+        for i in range(max(a - 1, start), min(b - 1, start + len(hidden)), step):
+            j = min(i + step, b - 1, start + len(hidden))
+            logits = host_array(self.chunk.head(hidden[i - start:j - start]))  # a torch chunk's (a GPU's too) on the host
             for k in range(0, j - i, EXP_ROWS):
                 rows = logits[k:k + EXP_ROWS]
                 peak = rows.max(axis=1)
                 sums = np.add.reduce(np.exp(rows - peak[:, None]), axis=1, dtype=np.float64)
                 picked = rows[np.arange(rows.shape[0]), targets[i + 1 + k:i + 1 + k + rows.shape[0]]]
                 total += float(np.sum(peak.astype(np.float64) + np.log(sums) - picked.astype(np.float64)))
-        return total, b - a
+        return total
 
     def _recover(self, cause: BaseException) -> None:
         """A node failed: the engine re-plans the ring (or re-raises when it may not) and every
         window in flight is sent again from position 0 on the new ring."""
         self.engine._recover(cause)
         lost = sorted(self.in_flight.items())
-        self.in_flight = {}
+        self.in_flight, self.partial = {}, {}
         for slot, window in lost:
             self._send(slot, window)
 
