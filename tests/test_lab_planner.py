@@ -355,6 +355,34 @@ def test_rings_run_one_at_a_time_with_one_repeat(tmp_path, monkeypatch, repeats)
         sorted("%s-ring%d.json" % (p.model.name, p.index) for p in auto)
 
 
+def test_the_run_in_hand_when_a_sweep_is_interrupted_gets_a_row_saying_so(tmp_path, monkeypatch):
+    """Ctrl-C during a run left its metrics file in runs/ with no row in results.csv."""
+    from mdi.lab import sweep
+
+    class Interrupted(FakeRing):
+        def run(self, samples, tokens, path, max_batch="auto"):
+            if sum(e[0] == "run" for e in FakeRing.events) == 1:
+                with open(path, "w") as f:
+                    f.write('{"error": "interrupted by SIGINT"}')  # what the starter wrote of it
+                raise KeyboardInterrupt
+            return FakeRing.run(self, samples, tokens, path, max_batch)
+    monkeypatch.setattr(sweep, "Ring", Interrupted)
+    FakeRing.events = []
+    exp, plans = _auto_plans(tmp_path, samples=[1])
+    exp.repeats, exp.warmup = 1, False
+    s = sweep.Sweep(exp, str(tmp_path / "out"), lambda m: None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.run(plans)
+    finally:
+        s.close(keep_work=False)
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["ok", "interrupted"], rows
+    assert rows[1]["metrics_file"].startswith("runs/") and rows[1]["decode_tokens_per_s"] == "", rows[1]
+    assert [e[0] for e in FakeRing.events] == ["start", "run", "stop", "start", "stop"]
+
+
 # --------------------------------------------------------------------------- scripts/plot_planner.py
 
 def _plot_planner():

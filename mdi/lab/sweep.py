@@ -21,7 +21,7 @@ from mdi.system.files import write_json
 from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
 from mdi.lab.model_setup import sweep_model, weight_bytes
-from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, read_json
+from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, RunOutcome, read_json
 from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
                             write_csv)
 from mdi.lab.report_md import batching_lines, scaling_lines, write_report
@@ -205,11 +205,17 @@ class Sweep:
         progress.begin("%s N=%d %s S=%d%s repeat %d/%d" % (p.model.name, p.n_nodes, p.label, samples, batch, repeat,
                                                           self.exp.repeats))
         name = run_file_name(p, samples, max_batch, repeat)
-        outcome = ring.run(samples, p.model.tokens, os.path.join(self.runs_dir, name), max_batch)
-        row = make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(), os.path.join("runs", name),
-                       max_batch)
-        self.rows.append(row)
-        write_csv(self.csv_path, CSV_COLUMNS, self.rows)  # rewritten each run: an interrupted sweep keeps its rows
+        try:
+            outcome = ring.run(samples, p.model.tokens, os.path.join(self.runs_dir, name), max_batch)
+        except KeyboardInterrupt:  # the run in hand gets its row too, naming what its starter wrote of it
+            row = make_row(self.exp, p, samples, repeat, RunOutcome(130, None, None, [], [], os.getloadavg()[0], 0.0),
+                           self.emu.tag_for_csv(), "", max_batch)
+            if os.path.exists(os.path.join(self.runs_dir, name)):
+                row["metrics_file"] = os.path.join("runs", name)
+            self._add_row(row, "interrupted")
+            raise
+        row = self._add_row(make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(),
+                                     os.path.join("runs", name), max_batch))
         progress.end(p.model.name, p.work(samples), outcome.wall_s)
         if row["status"].startswith("ok"):
             self.log("mdi-bench:     %s tok/s decode, %s tok/s overall, ttft %s s, %.1f s wall"
@@ -217,6 +223,13 @@ class Sweep:
         else:
             self.failed += 1
             self.log("mdi-bench:     %s" % row["status"])
+
+    def _add_row(self, row: Dict[str, str], status: Optional[str] = None) -> Dict[str, str]:
+        if status is not None:
+            row["status"] = status
+        self.rows.append(row)
+        write_csv(self.csv_path, CSV_COLUMNS, self.rows)  # rewritten each run: an interrupted sweep keeps its rows
+        return row
 
     def _stop_rings(self) -> None:
         for ring in self.rings:
