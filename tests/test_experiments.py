@@ -36,10 +36,10 @@ def parse(extra=None, model=None):
 
 @pytest.mark.parametrize("extra, model, needle", [
     ({"repeat": 3}, None, "x.yaml: unknown key 'repeat'"),
-    ({"samples": ["1..2M"]}, None, "x.yaml.samples[0]"),
-    ({"samples": [0]}, None, "x.yaml.samples[0]"),
-    ({"nodes": [0]}, None, "x.yaml.nodes[0]"),
-    ({"tokens": "many"}, None, "x.yaml.tokens: expected an integer"),
+    ({"samples": ["1..2M"]}, None, "x.yaml: samples[0]"),
+    ({"samples": [0]}, None, "x.yaml: samples[0]"),
+    ({"nodes": [0]}, None, "x.yaml: nodes[0]"),
+    ({"tokens": "many"}, None, "x.yaml: tokens: expected an integer"),
     (None, {"tokens": 1}, "models[0].tokens: expected an integer >= 2 (a decode rate needs two tokens)"),
     (None, {"partitions": [[1, "a"]]}, "models[0].partitions[0]"),
     (None, {"dtype": "int4"}, "models[0].dtype"),
@@ -315,15 +315,15 @@ def test_batching_keys_default_and_override():
 
 
 @pytest.mark.parametrize("extra, model, needle", [
-    ({"max_batch": [0]}, None, "x.yaml.max_batch[0]: expected a positive integer (1 = unbatched) or 'auto', got 0"),
-    ({"max_batch": [1, "fast"]}, None, "x.yaml.max_batch[1]: expected a positive integer"),
-    ({"max_batch": [True]}, None, "x.yaml.max_batch[0]"),
-    ({"max_batch": []}, None, "x.yaml.max_batch: expected at least one entry"),
-    ({"max_batch": "auto"}, None, "x.yaml.max_batch: expected a list"),
+    ({"max_batch": [0]}, None, "x.yaml: max_batch[0]: expected a positive integer (1 = unbatched) or 'auto', got 0"),
+    ({"max_batch": [1, "fast"]}, None, "x.yaml: max_batch[1]: expected a positive integer"),
+    ({"max_batch": [True]}, None, "x.yaml: max_batch[0]"),
+    ({"max_batch": []}, None, "x.yaml: max_batch: expected at least one entry"),
+    ({"max_batch": "auto"}, None, "x.yaml: max_batch: expected a list"),
     (None, {"max_batch": [2.5]}, "models[0].max_batch[0]"),
-    ({"prefill_chunk": 0}, None, "x.yaml.prefill_chunk: expected a positive integer"),
+    ({"prefill_chunk": 0}, None, "x.yaml: prefill_chunk: expected a positive integer"),
     (None, {"prefill_chunk": "all"}, "models[0].prefill_chunk: expected an integer"),
-    ({"wire_codec": "zstd"}, None, "x.yaml.wire_codec: expected one of raw"),
+    ({"wire_codec": "zstd"}, None, "x.yaml: wire_codec: expected one of raw"),
     (None, {"wire_codec": "gzip"}, "models[0].wire_codec: expected one of raw"),
 ])
 def test_batching_key_errors_name_the_key(extra, model, needle):

@@ -11,6 +11,7 @@ from mdi.model.layout import DTYPE_NAMES, QUANT_KINDS, QUANT_MODES, balanced, gr
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
+from mdi.runconfig.checks import FileRoot, key_path
 from mdi.lab.emulation import EmulationSettings
 
 
@@ -197,30 +198,35 @@ def _check_random_quant(where: str, spec: Dict[str, Any]) -> None:
 
 def _check_common(where: str, e: ModelEntry) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", e.name):
-        raise ExperimentError("%s.name: expected letters, digits, '-', '_' or '.', got %r" % (where, e.name))
+        raise ExperimentError("%s: expected letters, digits, '-', '_' or '.', got %r"
+                              % (key_path(where, "name"), e.name))
     if e.tokens < 2:  # (a run of one token has no decode interval to measure: it counted as failed)
-        raise ExperimentError("%s.tokens: expected an integer >= 2 (a decode rate needs two tokens)" % where)
+        raise ExperimentError("%s: expected an integer >= 2 (a decode rate needs two tokens)"
+                              % key_path(where, "tokens"))
     if e.dtype not in DTYPE_NAMES:
-        raise ExperimentError("%s.dtype: expected one of %s, got %r" % (where, ", ".join(DTYPE_NAMES), e.dtype))
+        raise ExperimentError("%s: expected one of %s, got %r"
+                              % (key_path(where, "dtype"), ", ".join(DTYPE_NAMES), e.dtype))
     if e.weights not in ("local", "push"):
-        raise ExperimentError("%s.weights: expected 'local' or 'push', got %r" % (where, e.weights))
+        raise ExperimentError("%s: expected 'local' or 'push', got %r" % (key_path(where, "weights"), e.weights))
     if e.quant not in QUANT_MODES:
-        raise ExperimentError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), e.quant))
+        raise ExperimentError("%s: expected one of %s, got %r"
+                              % (key_path(where, "quant"), ", ".join(QUANT_MODES), e.quant))
     if e.quant_kernel not in POLICY_NAMES:
-        raise ExperimentError("%s.quant_kernel: expected one of %s, got %r"
-                              % (where, ", ".join(POLICY_NAMES), e.quant_kernel))
+        raise ExperimentError("%s: expected one of %s, got %r"
+                              % (key_path(where, "quant_kernel"), ", ".join(POLICY_NAMES), e.quant_kernel))
     if e.prefill_chunk is not None and e.prefill_chunk < 1:
-        raise ExperimentError("%s.prefill_chunk: expected a positive integer (tokens per prefill pass), got %r"
-                              % (where, e.prefill_chunk))
+        raise ExperimentError("%s: expected a positive integer (tokens per prefill pass), got %r"
+                              % (key_path(where, "prefill_chunk"), e.prefill_chunk))
     if e.partition_step < 1:
-        raise ExperimentError("%s.partition_step: expected a positive integer (layers), got %r"
-                              % (where, e.partition_step))
+        raise ExperimentError("%s: expected a positive integer (layers), got %r"
+                              % (key_path(where, "partition_step"), e.partition_step))
     if e.wire_codec not in CODECS:
-        raise ExperimentError("%s.wire_codec: expected one of %s, got %r" % (where, ", ".join(CODECS), e.wire_codec))
-    _check_max_batch(where + ".max_batch", e.max_batch)
-    _check_samples(where + ".samples", e.samples)
-    _check_nodes(where + ".nodes", e.nodes)
-    _check_partitions(where + ".partitions", e.partitions)
+        raise ExperimentError("%s: expected one of %s, got %r"
+                              % (key_path(where, "wire_codec"), ", ".join(CODECS), e.wire_codec))
+    _check_max_batch(key_path(where, "max_batch"), e.max_batch)
+    _check_samples(key_path(where, "samples"), e.samples)
+    _check_nodes(key_path(where, "nodes"), e.nodes)
+    _check_partitions(key_path(where, "partitions"), e.partitions)
 
 
 def _parse_emulation(where: str, raw: Any) -> EmulationSettings:
@@ -268,10 +274,10 @@ def check_node_lists(exp: Experiment) -> None:
 
 
 def parse_experiment(data: Any, source: str) -> Experiment:
-    top = _fields(source, data if data is not None else {}, TOP_KEYS, required=("models",))
+    top = _fields(FileRoot(source), data if data is not None else {}, TOP_KEYS, required=("models",))
     defaults = {k: top[k] for k in SHARED_KEYS if k in top}
     template = ModelEntry("defaults", "-", **defaults)
-    _check_common(source, template)  # top-level defaults are checked even if every model overrides them
+    _check_common(FileRoot(source), template)  # top-level defaults are checked even if every model overrides them
     models = [_parse_model("%s: models[%d]" % (source, i), raw, defaults) for i, raw in enumerate(top["models"])]
     if not models:
         raise ExperimentError("%s: models: expected at least one model" % source)

@@ -18,7 +18,7 @@ from mdi.model.torch_settings import fused_decode_default
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 # ConfigError, check_keys and the speculation setting live in their own modules; callers
 # import them from here as they always have.
-from mdi.runconfig.checks import ConfigError, IntOrAuto, check_keys
+from mdi.runconfig.checks import ConfigError, FileRoot, IntOrAuto, check_keys
 from mdi.runconfig.speculation import SpeculationSpec, parse_speculation
 # The nodes' part of the file lives in its own module; NodeSpec is imported from here by many.
 from mdi.runconfig.nodes import AUTO_LAYERS, NodeSpec, check_device, check_nodes, parse_node, partition
@@ -185,7 +185,7 @@ NUM = (int, float)
 
 
 def parse_config(data: Any, source: str) -> RunConfig:
-    top = check_keys(source, data if data is not None else {},
+    top = check_keys(FileRoot(source), data if data is not None else {},
                       {"model": (dict,), "nodes": (list,), "spares": (list,), "generation": (dict,),
                        "runtime": (dict,), "serve": (dict,), "adapters": (dict,)},
                       required=("model",))
