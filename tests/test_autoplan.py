@@ -79,7 +79,7 @@ def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp
     assert "slowest stage" in r.stdout and "predicted tokens/s" in r.stdout and "memory use / limit" in r.stdout
     assert out.read_text().startswith("# planned by mdi-plan from %s (its comments are there)" % config)
     planned = load_config(str(out))
-    assert not planned.auto_layers
+    assert not planned.auto_layers and planned.generation.n_samples == 3  # what it was planned for
     assert sum(n.layers for n in planned.nodes) == ModelSource(model).config.n_layer
     result = batch.run(planned, PROMPTS)
     assert all(len(s.token_ids) == 10 for s in result.samples)
