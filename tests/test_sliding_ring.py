@@ -154,6 +154,11 @@ def test_the_index_reuses_a_held_sequence_only_where_the_rings_hold_the_window_b
     plain.admit(0, seq, key=0)
     plain.release(0, seq, key=0)
     assert plain.admit(0, far, key=0) == lost + 1  # without rings every position is held
+    # A sample that never drafted wrote no rows past its sequence but the next one's: more is held.
+    index.admit(1, seq, key=0, reuse=False)  # (computed whole: no position of an earlier ring's)
+    index.release(1, seq, key=0, drafted=False)
+    assert index.slots[1].intact_from == 400 + 1 - 300
+    assert index.admit(1, far, key=0) == lost + 1
 
 
 def test_a_long_run_with_rings_shifts_its_context(path, caplog):

@@ -44,11 +44,12 @@ class SlidingRing:
     ring: int  # positions a slot keeps (ring_length)
     window: int  # the model's sliding window
 
-    def intact_from(self, held: int, reused_from: int) -> int:
+    def intact_from(self, held: int, reused_from: int, drafted: bool = True) -> int:
         """The first position a slot's sequence of `held` positions still holds in every ring,
         after a sample that reused positions of a place intact from `reused_from` (0: none)
-        wrote the rest, and at most ROWS_AHEAD + 1 rows past them, over older ones."""
-        lost = held + ROWS_AHEAD + 1 - self.ring  # positions below this were overwritten
+        wrote the rest, and at most one row past them, ROWS_AHEAD + 1 if it `drafted`
+        (speculation's passes in flight), over older ones."""
+        lost = held + (ROWS_AHEAD if drafted else 0) + 1 - self.ring  # positions below this were overwritten
         return max(0, lost, reused_from)
 
     def reusable(self, shared: int, intact_from: int) -> int:

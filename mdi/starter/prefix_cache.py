@@ -177,10 +177,12 @@ class PrefixIndex:
             self.counters.tokens_reused += use
         return use
 
-    def release(self, slot: int, tokens: Sequence[int], key: int, as_admitted: bool = True) -> None:
+    def release(self, slot: int, tokens: Sequence[int], key: int, as_admitted: bool = True,
+                drafted: bool = True) -> None:
         """A sample left `slot` holding the KV of `tokens` (what every node computed for it):
         its window as admitted, then its answer's rows (`as_admitted` False: a context shift
-        computed its window again, how is not told)."""
+        computed its window again, how is not told); one that never `drafted` (speculation)
+        wrote no rows past them but the next one's."""
         admitted = self._running.pop(slot, None)
         reused_from = self._reused_from.pop(slot, 0) if as_admitted else 0  # (a shift computed all again)
         if not len(tokens):
@@ -190,7 +192,7 @@ class PrefixIndex:
         if admitted is not None and as_admitted:
             kinds = np.full(len(tokens), prompt_passes.ANSWER, dtype=np.uint8)
             kinds[:len(admitted)] = admitted[:len(tokens)]
-        intact = self.ring.intact_from(len(tokens), reused_from) if self.ring is not None else 0
+        intact = self.ring.intact_from(len(tokens), reused_from, drafted) if self.ring is not None else 0
         self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds, intact)
 
     # --- entries ---------------------------------------------------------------------
