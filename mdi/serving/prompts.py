@@ -218,7 +218,8 @@ def _message_of(m: Any, where: str) -> Dict[str, Any]:
                 raise ApiError(400, "'%s.content': only text parts (and an assistant's refusal parts) are supported"
                                % where, where + ".content")
             parts.append(part[kind])
-        content = "".join(parts)
+        # one line apart, as llama.cpp's server and vLLM join a message's text parts for a template
+        content = "\n".join(parts)
     if role == "tool" or m.get("tool_calls") is not None:
         try:
             return tool_message(m, role, content, where)
