@@ -380,6 +380,8 @@ def test_the_run_in_hand_when_a_sweep_is_interrupted_gets_a_row_saying_so(tmp_pa
         rows = list(csv.DictReader(f))
     assert [r["status"] for r in rows] == ["ok", "interrupted"], rows
     assert rows[1]["metrics_file"].startswith("runs/") and rows[1]["decode_tokens_per_s"] == "", rows[1]
+    summary = sweep.summarize(rows)  # counted nowhere: neither made nor failed
+    assert [(r["runs_ok"], r["runs_failed"]) for r in summary] == [("1", "0")], summary
     assert [e[0] for e in FakeRing.events] == ["start", "run", "stop", "start", "stop"]
 
 

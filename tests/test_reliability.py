@@ -282,19 +282,34 @@ def test_a_node_address_where_another_web_server_answers_says_it_is_not_an_mdi_w
     import threading
     from mdi.runconfig import NodeSpec
     from mdi.starter.control import ControlClient, NodeError
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    try:
-        client = ControlClient(NodeSpec("board2", port=other.server_address[1]), connect_timeout=5)
-        with pytest.raises(NodeError) as err:
-            client.health()
-        line = str(err.value)
-        assert line.startswith("node board2 (127.0.0.1:%d): GET /health failed with HTTP 404: the server there is "
-                               "not an mdi-worker (wrong port?): <!DOCTYPE HTML>" % other.server_address[1]), line
-        assert "\n" not in line and len(line) < 260, line
-    finally:
-        other.shutdown()
-        other.server_close()
+
+    class EveryPathAPage(http.server.BaseHTTPRequestHandler):  # a web app's catch-all route
+        def do_GET(self):
+            page = b"<!DOCTYPE html>\n<html><body>\n<h1>Welcome</h1>\n</body></html>\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+    for handler, status in ((http.server.SimpleHTTPRequestHandler, 404), (EveryPathAPage, 200)):
+        other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        try:
+            client = ControlClient(NodeSpec("board2", port=other.server_address[1]), connect_timeout=5)
+            for ask in (client.health, client.status):
+                with pytest.raises(NodeError) as err:
+                    ask()
+                line = str(err.value)
+                assert line.startswith("node board2 (127.0.0.1:%d): GET /%s failed with HTTP %d: the server there is "
+                                       "not an mdi-worker (wrong port?): <!DOCTYPE" % (other.server_address[1],
+                                                                                      ask.__name__, status)), line
+                assert "\n" not in line and len(line) < 260, line
+        finally:
+            other.shutdown()
+            other.server_close()
 
 
 def test_a_silent_ring_names_the_node_that_reads_garbage_between_its_frames():

@@ -86,6 +86,13 @@ def test_mdi_plan_plans_the_positions_of_the_run(config_file, capsys, tmp_path, 
     assert (planned["samples"], planned["max_len"]) == checked_shape(capsys, ["--config", config_file, "--n-samples", "5"])
 
 
+def test_mdi_plan_refuses_fewer_samples_than_the_config_s_prompts(tiny_models, tmp_path, capsys):
+    """The written config's run would hold every prompt, more than the plan was made for."""
+    path = write_run_config(tmp_path / "two.yaml", tiny_models["llama"], generation={"prompts": ["a", "b", "c"]})
+    assert plan_main(["--config", path, "--samples", "2"]) == 2
+    assert "--samples 2 is smaller than the 3 prompts of %s's generation.prompts" % path in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("setting,in_flight,nodes,expected", [
     ("auto", 12, 3, 4), ("auto", 1, 3, 1), ("auto", 7, 3, 3), (2, 12, 3, 2), (8, 3, 3, 3), (1, 0, 3, 1)])
 def test_samples_per_frame_is_one_rule(setting, in_flight, nodes, expected):

@@ -65,7 +65,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     plan = run_plan.layer_plan
     if plan is None:  # measure=True always plans
         raise AssertionError("mdi-plan: no layer plan")
-    text = _plan_yaml(args.config, run_plan, plan, args.samples)
+    text = _plan_yaml(args.config, run_plan, plan, shape.n_slots)
     if args.json:
         import json
         print(json.dumps(plan.metrics(), indent=1))
@@ -83,11 +83,11 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan", samples: Optional[int] = None) -> str:
+def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan", samples: int) -> str:
     """The user's config file with each kept node's planned layer count and the left-out nodes
-    removed (their names in a comment), and generation.n_samples the `samples` (--samples) it was
-    planned for; every other key and value as they wrote it, but not their comments (YAML's
-    loader drops them: the header names the file that has them)."""
+    removed (their names in a comment), and generation.n_samples the `samples` it was planned
+    for; every other key and value as they wrote it, but not their comments (YAML's loader
+    drops them: the header names the file that has them)."""
     import yaml
     from mdi.runconfig import read_yaml
     data = read_yaml(config_path)
@@ -98,8 +98,8 @@ def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan", samples
         if name in counts:
             nodes.append(dict(raw, layers=counts[name]))
     data["nodes"] = nodes
-    if samples is not None:  # a run of the written file has the samples in flight it was planned for
-        data["generation"] = dict(data.get("generation") or {}, n_samples=samples)
+    # a run of the written file has the samples in flight it was planned for
+    data["generation"] = dict(data.get("generation") or {}, n_samples=samples)
     head = ("# planned by mdi-plan from %s (its comments are there) for %d samples in flight: slowest stage "
             "%.2f ms, %.1f tokens/s predicted\n" % (config_path, plan.samples, plan.bottleneck_ms,
                                                      plan.predicted_tokens_per_s))

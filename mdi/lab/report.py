@@ -21,6 +21,7 @@ FORWARD_COLUMNS = ["rows_per_forward_mean", "rows_per_forward_max", "samples_per
 
 # One row per run. List-valued cells (one value per node, starter first) are joined with ";".
 # A run is identified by (model, nodes, partition, max_batch, samples, repeat).
+INTERRUPTED = "interrupted"  # the status of the run a Ctrl-C cut short (its row is kept, counted nowhere)
 CSV_COLUMNS = [
     "model", "nodes", "partition", "samples", "max_batch", "tokens", "tokens_per_s", "ttft_s",
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
@@ -263,6 +264,8 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
     groups: Dict[Group, List[Dict[str, str]]] = {}
     asked: Dict[Group, List[Dict[str, str]]] = {}  # every run, complete or not: none goes unsaid
     for r in rows:
+        if r.get("status") == INTERRUPTED:
+            continue  # cut short by the user: neither made nor failed
         key = (r["model"], int(r["nodes"]), r["partition"], max_batch_of(r), int(r["samples"]))
         asked.setdefault(key, []).append(r)
         if _complete(r):

@@ -22,7 +22,7 @@ from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
 from mdi.lab.model_setup import sweep_model, weight_bytes
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, RunOutcome, read_json
-from mdi.lab.report import (CSV_COLUMNS, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
+from mdi.lab.report import (CSV_COLUMNS, INTERRUPTED, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
                             write_csv)
 from mdi.lab.report_md import batching_lines, scaling_lines, write_report
 from mdi.cli.process import EXIT_RUN
@@ -212,7 +212,7 @@ class Sweep:
                            self.emu.tag_for_csv(), "", max_batch)
             if os.path.exists(os.path.join(self.runs_dir, name)):
                 row["metrics_file"] = os.path.join("runs", name)
-            self._add_row(row, "interrupted")
+            self._add_row(row, INTERRUPTED)
             raise
         row = self._add_row(make_row(self.exp, p, samples, repeat, outcome, self.emu.tag_for_csv(),
                                      os.path.join("runs", name), max_batch))
@@ -324,11 +324,12 @@ def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int
     finally:
         machine["emulation"] = sweep.emu.record()
         sweep.close(keep_work=interrupted or sweep.failed > 0)
+    made = sum(r["status"] != INTERRUPTED for r in sweep.rows)  # (the run a Ctrl-C cut short was not made)
     machine.update(time_end=time.strftime("%Y-%m-%d %H:%M:%S %z"), loadavg_end=list(os.getloadavg()),
-                   uptime_end=command_text(["uptime"]), runs=len(sweep.rows), runs_failed=sweep.failed,
+                   uptime_end=command_text(["uptime"]), runs=made, runs_failed=sweep.failed,
                    runs_planned=sweep.planned, interrupted=interrupted)
     write_json(os.path.join(out, "machine.json"), machine)
-    if sweep.rows:
+    if made:
         finish_outputs(out, machine, log)
     if interrupted:
         return 130

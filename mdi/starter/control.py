@@ -198,16 +198,16 @@ class ControlClient:
         try:
             body = r.json()
         except ValueError:
-            body = {}
-        if r.status_code != 200 or not isinstance(body, dict) or not body.get("ok", True):
-            # the worker's error (it answers every one in JSON), else another server answered:
-            # say so, with its body's start on one line (an HTML page spans many)
-            reason = body.get("error") if isinstance(body, dict) else None
-            if not reason:
-                reason = "the server there is not an mdi-worker (wrong port?): %s" % " ".join(r.text[:120].split())
+            body = None
+        # A worker answers every request with a JSON object, its errors too: anything else is
+        # another server (a wrong port), said so with its body's start on one line (an HTML page
+        # spans many), whatever its status (one answering every path with 200 and a page, too).
+        reason = None if isinstance(body, dict) else \
+            "the server there is not an mdi-worker (wrong port?): %s" % " ".join(r.text[:120].split())
+        if reason is not None or r.status_code != 200 or not body.get("ok", True):
             raise NodeError("node %s (%s): %s %s failed with HTTP %d: %s"
-                            % (self.node.name, self.node.address, method, route, r.status_code, reason),
-                            self.node.name, r.status_code)
+                            % (self.node.name, self.node.address, method, route, r.status_code,
+                               reason or body.get("error") or "no reason given"), self.node.name, r.status_code)
         return body
 
     def _send(self, method: str, route: str, read_timeout: float, retry_dropped: bool,

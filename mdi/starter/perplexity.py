@@ -202,10 +202,14 @@ def plan_windows(n_tokens: int, ctx: int, max_windows: Optional[int], path: str)
 
 
 def scoring_config(cfg: RunConfig) -> RunConfig:
-    """`cfg` as perplexity runs it: runtime.prefill_weights auto multiplies the weights as stored.
+    """`cfg` as perplexity runs it: runtime.prefill_chunk at most a ubatch, whose passes the
+    windows go in (a larger one would have the nodes keep every position of a sliding-window
+    layer, not llama.cpp's rings); runtime.prefill_weights auto multiplies the weights as stored.
     Perplexity is the figure set beside llama-perplexity's on the same GGUF, and a window's
     hundreds of rows would otherwise take auto's dequantized product, whose bits are not
     llama.cpp's (SmolLM2 Q4_1: 43.97 against 44.18). `dequantized`, asked for by name, still is."""
+    if cfg.runtime.prefill_chunk > UBATCH:
+        cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, prefill_chunk=UBATCH))
     if cfg.runtime.prefill_weights != AUTO:
         return cfg
     if any(cfg.backend_of(node) != "torch" for node in cfg.nodes):  # (the setting is ggml's)

@@ -88,11 +88,14 @@ def batch_shape(config: ModelConfig, samples: Sequence[Sample], n_tokens: int,
 
 def planning_shape(cfg: RunConfig, source: ModelSource, samples: Optional[int],
                    max_len: Optional[int]) -> RunShape:
-    """What `mdi-plan` plans for: `samples` (else generation.n_samples, the config's prompts, or
-    two per node: enough to keep every node busy) slots, as long as the batch run of the
+    """What `mdi-plan` plans for: `samples` (refused below the config's prompts; else the run's,
+    generation.n_samples or its prompts, the more; else two per node: every node busy) slots, as long as the batch run of the
     config's prompts would make them, or `max_len`."""
     gen = cfg.generation
-    n = samples or gen.n_samples or len(gen.prompts) or 2 * len(cfg.nodes)
+    if samples is not None and samples < len(gen.prompts):  # (its run would hold every prompt)
+        raise ConfigError("--samples %d is smaller than the %d prompts of %s's generation.prompts"
+                          % (samples, len(gen.prompts), cfg.source))
+    n = samples or max(gen.n_samples or 0, len(gen.prompts)) or 2 * len(cfg.nodes)
     prompts = [gen.prompts[i % len(gen.prompts)] for i in range(n)] if gen.prompts else []
     planned, _ = batch_samples(cfg, source, prompts) if prompts and source.tokenizer is not None else ([], None)
     return RunShape(n, batch_shape(source.config, planned, gen.n_tokens, max_len).max_len)
