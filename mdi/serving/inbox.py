@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 from mdi.serving.request import Request
+from mdi.system.memory import IdleTrim
 from mdi.system.str_enum import StrEnum
 
 
@@ -83,6 +84,7 @@ class Inbox:
 
     def __init__(self) -> None:
         self._queue: "queue.Queue[Message]" = queue.Queue()
+        self._idle = IdleTrim()  # the scheduler waits here when idle: its heap's free pages go back then
 
     def put(self, message: Message) -> None:
         self._queue.put(message)
@@ -94,7 +96,12 @@ class Inbox:
         try:
             message = self._queue.get(timeout=wait) if wait is not None else self._queue.get_nowait()
         except queue.Empty:
+            if wait is None:  # a busy scheduler looks between its steps
+                self._idle.worked()
+            else:
+                self._idle.idle()
             return
+        self._idle.worked()
         while True:
             yield message
             try:

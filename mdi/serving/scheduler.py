@@ -4,13 +4,12 @@ The starter is the scheduler. A free KV cache slot goes to the waiting request w
 holds the fewest slots, first come first served among equals (`admission`), once its token
 budget (prompt + max_tokens) fits the slot's positions on every node. A sample that finishes
 or is cancelled gives its slot back when its last pass returns, and the next request in the
-queue is admitted at the very next step, so the ring stays full without waiting for the
-slowest sample of a batch. `admission: static` keeps the
-old behaviour (a new batch only once the whole previous batch is done) as a baseline.
+queue is admitted at the very next step, so the ring stays full without waiting for the slowest
+sample of a batch (`admission: static`, a baseline: a new batch once the last is done).
 
 Every engine call happens on the scheduler's own thread. HTTP handler threads talk to it only
-through `submit`/`cancel` (typed messages into its `Inbox`: `inbox`) and each request's event queue (out of
-it): `TextEvent` pieces, then a `FinishEvent` or an `ErrorEvent` (`request`).
+through `submit`/`cancel` (typed messages into its `Inbox`: `inbox`) and each request's event
+queue (out of it): `TextEvent` pieces, then a `FinishEvent` or an `ErrorEvent` (`request`).
 How the ring is sized and opened is `mdi.starter.planning.serving_plan`; the text a token adds (stop
 strings) is `streaming`; what /metrics and the dashboard show is `metrics`.
 """

@@ -20,7 +20,7 @@ from mdi.ring.init_request import InitRequest
 from mdi.ring.status import BatchCounter
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import ALL_ROWS_KINDS, Frame, FrameKind, GENERATION_KINDS, TRAINING_KINDS
-from mdi.system.memory import release_freed_memory
+from mdi.system.memory import IdleTrim, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class Run:
         self.frames_done = 0
         self.compute_seconds = 0.0  # time spent in _forward: per-node step time for /metrics
         self.pass_started: Optional[float] = None  # monotonic start of the pass in hand (None: none)
+        self.idle = IdleTrim()
         self.batching = BatchCounter()
         self.max_batch = request.max_batch
         self.max_rows = request.max_rows
@@ -89,7 +90,9 @@ class Run:
                 while not self.stopped.is_set():
                     frame = self._next_frame()
                     if frame is None:
+                        self.idle.idle()  # its heap's free pages go back once idle a while
                         continue
+                    self.idle.worked()
                     if frame.kind in (FrameKind.STOP, FrameKind.RESET):
                         if frame.kind == FrameKind.STOP:
                             self.ending.set()
