@@ -5,13 +5,13 @@ The file is tokenized as plain text (BOS first when the tokenizer adds one, as l
 `llama-perplexity` does) and cut into non-overlapping windows of `ctx` tokens. Each window is
 run from position 0 in "score" passes of at most 512 rows, as llama-perplexity's ubatches cut it
 (so a model's sliding-window layers keep their rings as llama.cpp's SWA cache does), whose every
-position comes back round the ring; the
-starter's head gives float32 log-probabilities and only the second half of a window's tokens
-is scored, exactly the tokens llama-perplexity scores (positions ctx/2 + 1 .. ctx - 1, each
-predicted from the positions before it, in every window), so a scored token has more than
-ctx/2 tokens of context and the two tools' figures compare on the same GGUF. One window per KV cache slot is in flight, one slot per node, so every
-node works on a different window at every step; a window that starts at position 0 overwrites
-its slot's cache. Perplexity is exp(mean NLL) over every scored token.
+position comes back round the ring; the starter's head gives float32 log-probabilities and only
+the second half of a window's tokens is scored, exactly the tokens llama-perplexity scores
+(positions ctx/2 + 1 .. ctx - 1, each predicted from the positions before it, in every window),
+so a scored token has more than ctx/2 tokens of context and the two tools' figures compare on
+the same GGUF. One window per KV cache slot is in flight, one slot per node, so every node works
+on a different window at every step; a window that starts at position 0 overwrites its slot's
+cache. Perplexity is exp(mean NLL) over every scored token.
 """
 import dataclasses
 import logging
