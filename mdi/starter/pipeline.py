@@ -416,7 +416,7 @@ class Pipeline:
                 self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)
                 if self.prefix is not None:  # what its slot holds is cache now
                     self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.cache_key,
-                                        not sample.shifts, drafted=sample.spec is not None)
+                                        not sample.shifts, drafted=sample.drafted)
             elif not sample.verifying:
                 self.ready.append(sample)  # its next token, or the next chunk of its prompt
         self._dispatch()

@@ -141,6 +141,12 @@ class Sample:
         return max(0, min(self.fed, self.window_len - 1))
 
     @property
+    def drafted(self) -> bool:
+        """Whether it ever drafted (speculation): its passes may have written up to ROWS_AHEAD rows
+        past what its slot keeps (mdi.model.sliding_cache); any other sample's, one row at most."""
+        return self.spec is not None
+
+    @property
     def verifying(self) -> bool:
         """Whether its passes in flight are speculative ones (every row comes back to be verified)."""
         return self.spec is not None and bool(self.spec.passes)
