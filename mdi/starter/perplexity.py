@@ -370,7 +370,8 @@ class _Scorer:
         step = max(1, min(HEAD_ROWS, HEAD_BYTES // (4 * self.engine.source.config.vocab_size)))
         for i in range(max(a - 1, start), min(b - 1, start + len(hidden)), step):
             j = min(i + step, b - 1, start + len(hidden))
-            logits = host_array(self.chunk.head(hidden[i - start:j - start]))  # a torch chunk's (a GPU's too) on the host
+            # a torch chunk's logits (a GPU's too) on the host
+            logits = host_array(self.chunk.head(hidden[i - start:j - start]))
             for k in range(0, j - i, EXP_ROWS):
                 rows = logits[k:k + EXP_ROWS]
                 peak = rows.max(axis=1)

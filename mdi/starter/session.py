@@ -364,17 +364,22 @@ class RingSession:
             if before is not None and after is not None and after.bad_frames > before.bad_frames:
                 flooded.append("node %s (%s) dropped %d frames it could not read since its last poll (the last: %s)"
                                % (node.name, node.address, after.bad_frames - before.bad_frames, after.last_bad_frame))
-        if self.failure is None and flooded and isinstance(silent, RingTimeout):
-            # alive and answering, but reading garbage between its frames: say so (the ring may be
-            # slowed by another process sending to that data port, or by a stale peer)
-            return RingTimeout("%s; %s" % (silent, "; ".join(flooded)))
-        stuck = ["node %s (%s) is still computing a pass it began %.0f s ago (short of memory or CPU?)"
-                 % (node.name, node.address, self._counters[node.name].pass_seconds) for node in self.workers
-                 if node.name in self._counters
-                 and self._counters[node.name].pass_seconds > self.cfg.runtime.ring_timeout / 2]
-        if self.failure is None and stuck and isinstance(silent, RingTimeout):
-            return RingTimeout("%s; %s" % (silent, "; ".join(stuck)))
-        return self.failure or silent
+        if self.failure is not None or not isinstance(silent, RingTimeout):
+            return self.failure or silent
+        # Alive and answering, but reading garbage between its frames (the ring may be slowed by
+        # another process sending to that data port, or by a stale peer); else still in one pass.
+        said = flooded or self._stuck()
+        return RingTimeout("%s; %s" % (silent, "; ".join(said))) if said else silent
+
+    def _stuck(self) -> List[str]:
+        """The nodes whose last poll showed one pass computing for over half the ring's timeout."""
+        out = []
+        for node in self.workers:
+            counters = self._counters.get(node.name)
+            if counters is not None and counters.pass_seconds > self.cfg.runtime.ring_timeout / 2:
+                out.append("node %s (%s) is still computing a pass it began %.0f s ago (short of memory or CPU?)"
+                           % (node.name, node.address, counters.pass_seconds))
+        return out
 
     def finish(self) -> List[NodeReport]:
         """Send the stop frame round the ring, wait for it, and gather each worker's counters.

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -107,12 +107,9 @@ class Run:
                         continue
                     if frame.kind in GENERATION_KINDS:
                         frame = self._gather(frame)
-                    t0 = time.perf_counter()
-                    self.pass_started = time.monotonic()
-                    self._apply_cache_ops(frame)
-                    out = self._forward(frame)
-                    self.pass_started = None
-                    self.compute_seconds += time.perf_counter() - t0
+                    with self._computing():
+                        self._apply_cache_ops(frame)
+                        out = self._forward(frame)
                     self.endpoint.send(out)
                     self.frames_done += 1
                     if frame.kind in GENERATION_KINDS:
@@ -136,6 +133,15 @@ class Run:
             # Unbind the data port now, not at the next /init: a neighbour configured for the
             # next run must find nothing there (and retry) rather than this run's socket.
             self.endpoint.close()
+
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        """A pass in hand: its time counted in compute_seconds, and seen while it runs (pass_seconds)."""
+        t0 = time.perf_counter()
+        self.pass_started = time.monotonic()
+        yield
+        self.pass_started = None
+        self.compute_seconds += time.perf_counter() - t0
 
     @property
     def pass_seconds(self) -> float:
@@ -332,11 +338,8 @@ class Run:
         if training is None:
             raise RuntimeError("%s: a %s frame came for run %d, which was not configured for training (POST /train)"
                                % (self.endpoint.name, frame.kind, self.id))
-        t0 = time.perf_counter()
-        self.pass_started = time.monotonic()
-        out = training.handle(frame)
-        self.pass_started = None
-        self.compute_seconds += time.perf_counter() - t0
+        with self._computing():
+            out = training.handle(frame)
         self.frames_done += 1
         return out
 

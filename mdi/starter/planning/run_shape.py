@@ -89,8 +89,8 @@ def batch_shape(config: ModelConfig, samples: Sequence[Sample], n_tokens: int,
 def planning_shape(cfg: RunConfig, source: ModelSource, samples: Optional[int],
                    max_len: Optional[int]) -> RunShape:
     """What `mdi-plan` plans for: `samples` (refused below the config's prompts; else the run's,
-    generation.n_samples or its prompts, the more; else two per node: every node busy) slots, as long as the batch run of the
-    config's prompts would make them, or `max_len`."""
+    generation.n_samples or its prompts, the more; else two per node: every node busy) slots, as
+    long as the batch run of the config's prompts would make them, or `max_len`."""
     gen = cfg.generation
     if samples is not None and samples < len(gen.prompts):  # (its run would hold every prompt)
         raise ConfigError("--samples %d is smaller than the %d prompts of %s's generation.prompts"
