@@ -1,7 +1,7 @@
 """One compute graph of a chunk: its context, its inputs and output, and the compute buffer
 its intermediates live in; inputs written and the output read through numpy views of their
 memory where it is the host's."""
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -33,27 +33,52 @@ class Built:
             view = self._views[name] = False if view is None else view
         return view
 
-    def set(self, name: str, values: np.ndarray) -> None:
-        """Write input `name`'s values (as many as it holds; converted to its type): straight
-        into its memory where the buffer is the host's, else through ggml's copy."""
-        view = self._view(name, self.inputs[name])
+    def set(self, name: str, values: Union[np.ndarray, Sequence[int]]) -> None:
+        """Write input `name`'s values (as many as it holds; converted to its type; a list of
+        numbers too, a decode step's few): straight into its memory where the buffer is the
+        host's, else through ggml's copy."""
+        tensor = self.inputs[name]
+        view = self._view(name, tensor)
         if view is False:
-            lib.set_data(self.inputs[name], values)
+            lib.set_data(tensor, np.asarray(values, dtype=lib.number_dtype(tensor)))
             return
-        if values.size != view.size:
-            raise ValueError("%d values for input %s of %d" % (values.size, name, view.size))
-        view[:] = values.reshape(-1)
+        n = values.size if isinstance(values, np.ndarray) else len(values)
+        if n != view.size:
+            raise ValueError("%d values for input %s of %d" % (n, name, view.size))
+        if isinstance(values, np.ndarray):
+            view[:] = values.reshape(-1)
+        elif n == 1:  # (a decode step's one number: numpy's item write is the cheapest)
+            view[0] = values[0]
+        else:
+            view[:] = values
+
+    def fill_band(self, name: str, first: int, end: int, outside: Any) -> None:
+        """Input `name`, a mask [rows, width]: 0 in columns [first, end) of every row, `outside`
+        in the others (every time whole: ggml's allocator lends an input's memory to the nodes
+        after its last reader)."""
+        tensor = self.inputs[name]
+        view = self._view(name, tensor)
+        width = int(tensor.contents.ne[0])
+        grid = np.full((int(tensor.contents.ne[1]), width), outside) if view is False else view.reshape(-1, width)
+        if view is not False:
+            grid[:] = outside
+        grid[:, max(0, first):end] = 0
+        if view is False:
+            lib.set_data(tensor, grid)
 
     def rows_out(self, rows: int) -> np.ndarray:
         """The first `rows` rows of the float32 output [rows, width], copied out (the next
         compute reuses its memory)."""
-        out = self.output
-        width = int(out.contents.ne[0])
-        view = self._view("", out)
-        if view is False:
-            full = lib.get_data(out, np.empty((int(out.contents.ne[1]), width), dtype=np.float32))
+        grid: Any = self._views.get("")
+        if grid is None:  # the output's host view as [rows, width] (made once, as _view's)
+            out = self.output
+            view = self._view("", out)
+            grid = self._views[""] = False if view is False else view.reshape(-1, int(out.contents.ne[0]))
+        if grid is False:
+            out = self.output
+            full = lib.get_data(out, np.empty((int(out.contents.ne[1]), int(out.contents.ne[0])), dtype=np.float32))
             return full[:rows]
-        return view[:rows * width].reshape(rows, width).copy()
+        return grid[:rows].copy()
 
     def finish(self, output: Any) -> None:
         """`output` is what the graph computes: mark it, build the graph up to it, allocate."""

@@ -21,7 +21,8 @@ from mdi.model.ggml import lib
 from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
 from mdi.model.ggml.dequant_rows import dequantizable, rule_for, rule_text
 from mdi.model.ggml.built import Built
-from mdi.model.ggml.graph import GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, fill_masks, head_name
+from mdi.model.ggml.graph import GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, head_name
+from mdi.model.ggml.graph_inputs import row_positions, write_inputs
 from mdi.model.ggml.kv_cache import GgmlKVCache, layer_lengths
 from mdi.model.ggml.min_rows import fewest_rows
 from mdi.model.ggml.row_split import split_sizes
@@ -55,11 +56,6 @@ def _host_view(t: Any) -> np.ndarray:
     except (RuntimeError, TypeError):  # on a GPU, needing grad, or a dtype numpy lacks (bfloat16)
         t = t.detach().cpu()
         return t.numpy() if t.dtype != sys.modules["torch"].bfloat16 else t.float().numpy()
-
-
-def _row_positions(starts: Any, counts: Any) -> List[np.ndarray]:
-    """Each sample's row positions (int32), from its start and row count."""
-    return [np.arange(s, s + c, dtype=np.int32) for s, c in zip(starts, counts)]
 
 
 def _back(y: np.ndarray, torch_in: bool) -> Any:
@@ -301,7 +297,7 @@ class GgmlChunk:
         """forward_rows(embed_rows(ids, batch's positions, virtual), batch): a starter's pass,
         embedded in the blocks' own graph where nothing replaces a row (no soft prompt)."""
         if virtual is not None or self.n_layers == 0 or not self.with_embedding:
-            positions = np.concatenate(_row_positions(batch.starts, batch.counts))
+            positions = np.concatenate(row_positions(batch.starts, batch.counts))
             return self.forward_rows(self.embed_rows(ids, positions, virtual), batch)
         with self._lock:
             return self._forward_locked(batch, ids=ids)
@@ -349,37 +345,19 @@ class GgmlChunk:
                 raise ValueError("%d rows of activations for %d tokens" % (a.shape[0], rows))
         shape = PassShape(tuple(SampleShape(slot, count, attend_bucket(start + count, cache.max_len))
                                 for slot, start, count in zip(slots, starts, counts)))
-        row_positions = _row_positions(starts, counts)
         pad = self.min_rows - rows
-        if pad > 0:  # the last row again, at its own position: it computes (and writes) the same bits
+        if pad > 0:  # the last row again, at its own position (write_inputs): it computes the same bits
             last = shape.samples[-1]
             shape = PassShape(shape.samples[:-1] + (SampleShape(last.slot, last.rows + pad, last.attend),))
-            row_positions[-1] = np.concatenate([row_positions[-1], np.repeat(row_positions[-1][-1:], pad)])
-            a = np.concatenate([a, np.repeat(a[-1:], pad, axis=0)])
         plan = self.lora.plan(adapters, [s.rows for s in shape.samples])
         lora = plan.shape if plan is not None else None
         head_rows = max(len(counts), self.min_head_rows) if logits else 0
-        if head_rows:  # each sample's last row, the last again up to the head's fewest rows (as head() pads)
-            last_rows = np.cumsum(counts, dtype=np.int32) - 1
-            last_rows = np.concatenate([last_rows, np.repeat(last_rows[-1:], head_rows - len(counts))])
         g = self._graph(("blocks", shape, lora, embedded, head_rows),
                         lambda: self.builder.blocks(shape, cache, lora, self.lora.adapters, embedded, head_rows))
-        rings = cache.write_rings(slots, starts, row_positions, self.config.sliding_window or 0)
-        if rings is not None:
-            g.set("kv_rows_ring", rings[0])
-        g.set("ids" if embedded else "x", a)
-        # (RoPE reads the positions; learned ones are read only where the graph embeds: GPT-2's
-        # blocks graph alone leaves them unused, with no buffer)
-        if self.traits.family.positions == "rope" or embedded:
-            g.set("pos", np.concatenate(row_positions))
-        if "kv_rows" in g.inputs:  # (a chunk whose layers all keep rings has none)
-            g.set("kv_rows", cache.full_rows(slots, row_positions))
-        fill_masks(g, shape, row_positions, self.traits, rings[1] if rings is not None else None)
+        write_inputs(g, shape, cache, self.traits, starts, counts, a, embedded, head_rows)
         if plan is not None and g.lora is not None:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)
-        if head_rows:
-            g.set("head_rows", last_rows)
         self.compute_backend.compute(g.graph)
         return _back(g.rows_out(len(counts) if head_rows else rows), torch_in)
 
@@ -387,7 +365,9 @@ class GgmlChunk:
         """(int32 ids, whether they came as a torch tensor), checked against the vocabulary."""
         torch_in = not isinstance(ids, np.ndarray)
         a = np.ascontiguousarray(_host_view(ids) if torch_in else ids, dtype=np.int32).reshape(-1)
-        if a.shape[0] and (a.min() < 0 or a.max() >= self.config.vocab_size):
+        few = a.tolist() if a.shape[0] <= 64 else None  # (a decode step's: Python's min and max run warmer)
+        if a.shape[0] and ((min(few) < 0 or max(few) >= self.config.vocab_size) if few is not None else
+                           (np.minimum.reduce(a) < 0 or np.maximum.reduce(a) >= self.config.vocab_size)):
             raise ValueError("token id outside the vocabulary of %d" % self.config.vocab_size)
         return a, torch_in
 

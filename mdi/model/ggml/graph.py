@@ -424,19 +424,22 @@ def head_name(weights: Dict[str, Any]) -> str:
     return "output.weight" if "output.weight" in weights else "token_embd.weight"
 
 
-def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[np.ndarray], traits: ModelTraits,
+def fill_masks(b: Built, shape: PassShape, row_positions: Sequence[Any], traits: ModelTraits,
                ring_cells: Optional[Sequence[np.ndarray]] = None) -> None:
     """Each sample's masks: a row (at its position in `row_positions`) sees positions <= its
     own, and, in a sliding-window layer, only the last `sliding_window` of them. `ring_cells`:
     where those layers keep a ring, the position each row of each sample's ring holds."""
     window = traits.config.sliding_window or 0
     for i, (s, positions) in enumerate(zip(shape.samples, row_positions)):
-        rows = np.asarray(positions)[:, None]
         for name, windowed in (("mask_%d" % i, False), ("mask_local_%d" % i, True)):
             if name not in b.inputs:
                 continue
-            width = int(b.inputs[name].contents.ne[0])
             ring = windowed and ring_cells is not None
+            if len(positions) == 1 and not ring:  # one row, at p: it sees [0, p], or (p - window, p]
+                b.fill_band(name, int(positions[0]) - window + 1 if windowed else 0, int(positions[0]) + 1, NEG_INF)
+                continue
+            rows = np.asarray(positions)[:, None]
+            width = int(b.inputs[name].contents.ne[0])
             cols = (ring_cells[i][:width] if ring else np.arange(width))[None, :]  # type: ignore[index]
             seen = (cols <= rows) & (cols >= 0)
             mask = np.where(seen & (rows - cols < window) if windowed else seen, np.float16(0), NEG_INF)

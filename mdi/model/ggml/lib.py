@@ -305,15 +305,20 @@ def set_data(t: Any, array: np.ndarray) -> None:
     gg.ggml_backend_tensor_set(t, a.ctypes.data, 0, n)
 
 
+def number_dtype(t: Any) -> Optional[np.dtype]:
+    """numpy's dtype of a tensor of plain numbers (F32, F16, I32, I64), else None (a quantized type)."""
+    numbers: Dict[int, Any] = {gg.GGML_TYPE_F32: np.dtype(np.float32), gg.GGML_TYPE_F16: np.dtype(np.float16),
+                               gg.GGML_TYPE_I32: np.dtype(np.int32), gg.GGML_TYPE_I64: np.dtype(np.int64)}
+    return numbers.get(int(t.contents.type))
+
+
 def host_view(t: Any) -> Optional[np.ndarray]:
     """A flat, writable numpy view of a tensor's memory where its buffer is the host's and its
     type a plain number (F32, F16, I32, I64), contiguous, else None (a GPU's buffer: set_data / get_data).
     Writing through it is what set_data does on the CPU, minus ggml's call and numpy's ctypes
     wrapper: a step's Python runs cold after each graph, where each such call costs tens of us."""
     c = t.contents
-    numbers: Dict[int, Any] = {gg.GGML_TYPE_F32: np.dtype(np.float32), gg.GGML_TYPE_F16: np.dtype(np.float16),
-                               gg.GGML_TYPE_I32: np.dtype(np.int32), gg.GGML_TYPE_I64: np.dtype(np.int64)}
-    dtype = numbers.get(int(c.type))
+    dtype = number_dtype(t)
     if dtype is None or not c.buffer or not c.data or not gg.ggml_backend_buffer_is_host(c.buffer) \
             or not gg.ggml_is_contiguous(t):
         return None
