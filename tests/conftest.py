@@ -139,10 +139,12 @@ def tiny_model(family: str, seed: int = 0, half_exact: bool = False, config: Opt
     return model.eval()
 
 
-def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = False) -> str:
-    """tiny_model(family) with a character tokenizer, saved as a prepared mdi directory, its
-    model.gguf in float32 as mdi-prepare writes it (so a ring may compute it with ggml too)."""
-    model = tiny_model(family, seed, half_exact)
+def make_tiny_model(path: str, family: str, seed: int = 0, half_exact: bool = False,
+                    config: Optional[ModelConfig] = None) -> str:
+    """tiny_model(family) (or of `config`) with a character tokenizer, saved as a prepared mdi
+    directory, its model.gguf in float32 as mdi-prepare writes it (so a ring may compute it with
+    ggml too)."""
+    model = tiny_model(family, seed, half_exact, config=config)
     save_test_model(path, model.config, model.state_dict(), "tests/conftest.py")
     char_tokenizer(CHARS).save(path)
     return path

@@ -7,12 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import CHARS, save_test_model, tiny_config, tiny_model
+from conftest import make_tiny_model, tiny_config
 from mdi.model.ggml import lib
 from mdi.model.ggml.graph import NEG_INF
 from mdi.model.pass_rows import PassRows
 from mdi.model.source import ModelSource
-from mdi.model.tokenizers import char_tokenizer
 
 pytestmark = pytest.mark.skipif(lib.unavailable_reason() is not None, reason=str(lib.unavailable_reason()))
 
@@ -23,10 +22,7 @@ MAX_LEN = 96  # no ring: every position kept, so a decode row takes the short wa
 def source(tmp_path_factory):
     """A tiny Gemma 3: layers 0 and 2 see their last 4 positions, 1 and 3 every one."""
     config = dataclasses.replace(tiny_config("gemma3"), block_size=MAX_LEN)
-    model = tiny_model("gemma3", config=config)
-    path = str(tmp_path_factory.mktemp("gemma3") / "short")
-    save_test_model(path, model.config, model.state_dict(), "tests/test_ggml_graph_inputs.py")
-    char_tokenizer(CHARS).save(path)
+    path = make_tiny_model(str(tmp_path_factory.mktemp("gemma3") / "short"), "gemma3", config=config)
     return ModelSource(path)
 
 

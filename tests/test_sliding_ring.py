@@ -10,13 +10,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import CHARS, save_test_model, tiny_config, tiny_model
+from conftest import CHARS, make_tiny_model, tiny_config
 from mdi.model.ggml import lib
 from mdi.model.pass_rows import PassRows
 from mdi.model.prefix_store import CacheOp, PrefixStore
 from mdi.model.sliding_cache import ROWS_AHEAD, SlidingRing, ring_length
 from mdi.model.source import ModelSource
-from mdi.model.tokenizers import char_tokenizer
 from mdi.starter.prefix_cache import PrefixIndex
 
 pytestmark = pytest.mark.skipif(lib.unavailable_reason() is not None, reason=str(lib.unavailable_reason()))
@@ -30,11 +29,7 @@ CHUNK = 64  # runtime.prefill_chunk's default: rings kept
 def path(tmp_path_factory):
     """A tiny Gemma 3 of 2,048 positions."""
     config = dataclasses.replace(tiny_config("gemma3"), block_size=MAX_LEN)
-    model = tiny_model("gemma3", config=config)
-    path = str(tmp_path_factory.mktemp("gemma3") / "long")
-    save_test_model(path, model.config, model.state_dict(), "tests/test_sliding_ring.py")
-    char_tokenizer(CHARS).save(path)
-    return path
+    return make_tiny_model(str(tmp_path_factory.mktemp("gemma3") / "long"), "gemma3", config=config)
 
 
 @pytest.fixture(scope="module")
