@@ -25,6 +25,7 @@ class Built:
         self.buffer_bytes = 0
         self.last_lookup = 0  # the owner's count of graph lookups when this one was last asked for
         self._views: Dict[str, Any] = {}  # input name (or "" for the output) -> host view, or False
+        self._out_grid: Any = None  # the output's host view as [rows, width], or False (rows_out)
 
     def _view(self, name: str, tensor: Any) -> Any:
         view = self._views.get(name)
@@ -45,12 +46,7 @@ class Built:
         n = values.size if isinstance(values, np.ndarray) else len(values)
         if n != view.size:
             raise ValueError("%d values for input %s of %d" % (n, name, view.size))
-        if isinstance(values, np.ndarray):
-            view[:] = values.reshape(-1)
-        elif n == 1:  # (a decode step's one number: numpy's item write is the cheapest)
-            view[0] = values[0]
-        else:
-            view[:] = values
+        view[:] = values.reshape(-1) if isinstance(values, np.ndarray) else values
 
     def fill_band(self, name: str, first: int, end: int, outside: Any) -> None:
         """Input `name`, a mask [rows, width]: 0 in columns [first, end) of every row, `outside`
@@ -59,21 +55,23 @@ class Built:
         tensor = self.inputs[name]
         view = self._view(name, tensor)
         width = int(tensor.contents.ne[0])
-        grid = np.full((int(tensor.contents.ne[1]), width), outside) if view is False else view.reshape(-1, width)
-        if view is not False:
+        if view is False:
+            grid = np.full((int(tensor.contents.ne[1]), width), outside, dtype=lib.number_dtype(tensor))
+        else:
+            grid = view.reshape(-1, width)
             grid[:] = outside
-        grid[:, max(0, first):end] = 0
+        grid[:, max(0, first):max(0, end)] = 0
         if view is False:
             lib.set_data(tensor, grid)
 
     def rows_out(self, rows: int) -> np.ndarray:
         """The first `rows` rows of the float32 output [rows, width], copied out (the next
         compute reuses its memory)."""
-        grid: Any = self._views.get("")
+        grid = self._out_grid
         if grid is None:  # the output's host view as [rows, width] (made once, as _view's)
             out = self.output
             view = self._view("", out)
-            grid = self._views[""] = False if view is False else view.reshape(-1, int(out.contents.ne[0]))
+            grid = self._out_grid = False if view is False else view.reshape(-1, int(out.contents.ne[0]))
         if grid is False:
             out = self.output
             full = lib.get_data(out, np.empty((int(out.contents.ne[1]), int(out.contents.ne[0])), dtype=np.float32))
@@ -95,6 +93,7 @@ class Built:
             raise MemoryError("ggml could not allocate a graph's compute buffer")
         self.buffer_bytes = gg.ggml_gallocr_get_buffer_size(self.galloc, 0)
         self._views.clear()
+        self._out_grid = None
 
     def free(self) -> None:
         gg = lib.gg
