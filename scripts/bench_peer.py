@@ -32,7 +32,9 @@ backend, and llama.cpp's build id.
    tok/s of 128 greedy tokens from a short prompt, (N-1) / (t_last - t_first); prefill tok/s =
    prompt tokens / time to the first token of a ~512-token prompt (prefill_chunk 512: one pass,
    as llama-bench's pp). Ratios mdi / llama.cpp
-   per repeat (median [min, max]), and ggml / torch. --torch-variants adds the torch-only
+   per repeat (median [min, max]), and ggml / torch. Where a node decodes on ggml, a second run
+   in the same process times each graph inside it against the token gaps: ggml's graph a token
+   and the Python around it (the chunk's inputs, sampling, the pipeline). --torch-variants adds the torch-only
    before/after runs this benchmark had (eager blocks, `fast` without the int8 integer kernels,
    prefill in the default chunks).
 3. 3 processes x 1 thread, S samples in flight (1, 3, 6, 12): mdi's ring (this process as the
@@ -572,6 +574,31 @@ def mdi_decode(model: str, threads: int, n_tokens: int, kernel: str = "fast", fu
                  "decode_window_s": s.token_times[-1] - s.token_times[0]}, **_node_backends(res))
 
 
+def ggml_decode_split(model: str, threads: int, n_tokens: int, backend: str) -> Dict[str, float]:
+    """Where a standalone ggml decode token goes, in a run of its own beside the timed one (the
+    timer costs a call a token): each graph's compute timed inside the run against the token
+    gaps. A one-node decode step is one graph (embedding, blocks and head), so the gap less the
+    graph is the Python around it: the chunk's inputs, sampling and the pipeline's bookkeeping,
+    which run cold right after the graph has streamed the weights through the caches."""
+    import statistics
+    from mdi.model.ggml import lib
+    graphs = []  # type: List[float]
+    compute = lib.ComputeBackend.compute
+
+    def timed(self: Any, graph: Any) -> None:
+        t0 = time.perf_counter()
+        compute(self, graph)
+        graphs.append(time.perf_counter() - t0)
+    lib.ComputeBackend.compute = timed  # type: ignore[method-assign]
+    try:
+        s = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, backend=backend).samples[0]
+    finally:
+        lib.ComputeBackend.compute = compute  # type: ignore[method-assign]
+    gaps = [b - a for a, b in zip(s.token_times[1:], s.token_times[2:])]  # one decode graph each
+    graph = statistics.median(graphs[-len(gaps):])
+    return {"decode_graph_ms": 1e3 * graph, "decode_python_us": 1e6 * (statistics.median(gaps) - graph)}
+
+
 def exact_prompt(tokenizer, n: int) -> Tuple[str, int]:
     """A text that encodes to exactly n tokens (or as close as the tokenizer allows)."""
     base = ("The old lighthouse keeper climbed the stairs every evening to light the lamp, and the ships "
@@ -903,8 +930,9 @@ def standalone(args, bins: Optional[str], gguf: str, prefill_prompt: str, n_pref
                    if "prefill_chunked_tokens_per_s" in runs[n][-1] else "") for n in names)))
         entry = {"runs": runs}  # type: Dict[str, Any]
         for name, rs in runs.items():
-            entry[name] = {k: summarize([x[k] for x in rs]) for k in ("decode_tokens_per_s", "prefill_tokens_per_s",
-                                                                      "prefill_chunked_tokens_per_s") if k in rs[0]}
+            entry[name] = {k: summarize([x[k] for x in rs if k in x])  # (the split: ggml's repeats only)
+                           for k in ("decode_tokens_per_s", "prefill_tokens_per_s", "prefill_chunked_tokens_per_s",
+                                     "decode_graph_ms", "decode_python_us") if any(k in x for x in rs)}
         if "mdi" in runs:
             entry["auto_chose"] = [x["backends"][0] for x in runs["mdi"]]
             entry["auto_backend_line"] = runs["mdi"][-1]["backend_lines"][0]
@@ -958,6 +986,8 @@ def child_mdi(spec: Dict[str, Any]) -> int:
         mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b)
         d = mdi_decode(spec["model"], T, spec["n_tokens"], backend=b)
         d.pop("token_ids")
+        if d["backends"] == ["ggml"]:
+            d.update(ggml_decode_split(spec["model"], T, spec["n_tokens"], b))
         d.update(mdi_prefill(spec["model"], T, spec["prompt"], spec["n_prompt"], backend=b,
                              chunked=spec.get("chunked", False)))
         out.update(d)
@@ -1281,6 +1311,13 @@ def report(record: Dict[str, Any]) -> None:
                 % (lc or {}).get("build_id", "llama.cpp (not available)"),
                 ["", "mdi ggml", "mdi torch", "mdi auto", "llama.cpp", "ggml/llama", "torch/llama", "auto/llama",
                  "ggml/torch"], rows)
+    for T, e in sorted(record.get("standalone", {}).items()):
+        for name in ("mdi_ggml", "mdi"):
+            split = e.get(name) or {}
+            if "decode_python_us" in split:
+                print("%s, %s thr, a decode token: ggml's graph %s ms, the Python around it %s us (timed inside a run "
+                      "of its own)" % (name, T, fmt_stat(split["decode_graph_ms"], "%.2f"),
+                                       fmt_stat(split["decode_python_us"], "%.0f")))
     print("CPU: %s" % record["machine"].get("isa_text"))
     g = record.get("ggml") or {}
     print("ggml in mdi: %s" % ("%s, cpu features %s (%s)" % (g["version"], " ".join(sorted(g["cpu_features"])),
