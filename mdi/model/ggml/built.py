@@ -26,6 +26,7 @@ class Built:
         self.last_lookup = 0  # the owner's count of graph lookups when this one was last asked for
         self._views: Dict[str, Any] = {}  # input name (or "" for the output) -> host view, or False
         self._out_grid: Any = None  # the output's host view as [rows, width], or False (rows_out)
+        self._grids: Dict[str, np.ndarray] = {}  # a mask's [rows, width]: its host view, or a device's copy
 
     def _view(self, name: str, tensor: Any) -> Any:
         view = self._views.get(name)
@@ -52,17 +53,17 @@ class Built:
         """Input `name`, a mask [rows, width]: 0 in columns [first, end) of every row, `outside`
         in the others (every time whole: ggml's allocator lends an input's memory to the nodes
         after its last reader)."""
-        tensor = self.inputs[name]
-        view = self._view(name, tensor)
-        width = int(tensor.contents.ne[0])
-        if view is False:
-            grid = np.full((int(tensor.contents.ne[1]), width), outside, dtype=lib.number_dtype(tensor))
-        else:
-            grid = view.reshape(-1, width)
-            grid[:] = outside
+        grid = self._grids.get(name)
+        if grid is None:  # made once, as _view's (a ctypes field read costs microseconds on a cold step)
+            tensor = self.inputs[name]
+            view = self._view(name, tensor)
+            shape = (int(tensor.contents.ne[1]), int(tensor.contents.ne[0]))
+            grid = np.empty(shape, dtype=lib.number_dtype(tensor)) if view is False else view.reshape(shape)
+            self._grids[name] = grid
+        grid[:] = outside
         grid[:, max(0, first):max(0, end)] = 0
-        if view is False:
-            lib.set_data(tensor, grid)
+        if self._views[name] is False:  # (a device's memory: the grid is the host's copy)
+            lib.set_data(self.inputs[name], grid)
 
     def rows_out(self, rows: int) -> np.ndarray:
         """The first `rows` rows of the float32 output [rows, width], copied out (the next
@@ -94,6 +95,7 @@ class Built:
         self.buffer_bytes = gg.ggml_gallocr_get_buffer_size(self.galloc, 0)
         self._views.clear()
         self._out_grid = None
+        self._grids.clear()
 
     def free(self) -> None:
         gg = lib.gg
