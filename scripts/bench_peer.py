@@ -594,9 +594,9 @@ def ggml_decode_split(model: str, threads: int, n_tokens: int, backend: str) -> 
         s = mdi_local(model, [SHORT_PROMPT], n_tokens, threads, backend=backend).samples[0]
     finally:
         lib.ComputeBackend.compute = compute  # type: ignore[method-assign]
-    gaps = [b - a for a, b in zip(s.token_times[1:], s.token_times[2:])]  # one decode graph each
-    graph = statistics.median(graphs[-len(gaps):])
-    return {"decode_graph_ms": 1e3 * graph, "decode_python_us": 1e6 * (statistics.median(gaps) - graph)}
+    t = benchlib.decode_timing(s.token_times)  # its gaps: one decode graph each, the last ones computed
+    graph = statistics.median(graphs[-t["n_gaps"]:])
+    return {"decode_graph_ms": 1e3 * graph, "decode_python_us": 1e6 * (t["median_s"] - graph)}
 
 
 def exact_prompt(tokenizer, n: int) -> Tuple[str, int]:

@@ -9,7 +9,7 @@ after its graph has streamed the weights through the CPU's caches, where each nu
 costs microseconds: on SmolLM2 (1 thread) a chunk's Python before its graph took about 140 us
 a token beside a 6 ms graph the general way, about half that the short way."""
 import itertools
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 import numpy as np
 
@@ -33,28 +33,30 @@ def write_inputs(g: Built, shape: PassShape, cache: GgmlKVCache, traits: ModelTr
     slots = [s.slot for s in shape.samples]
     rows = len(values)
     pad = shape.rows - rows
-    uses_positions = traits.family.positions == "rope" or embedded  # (learned ones only where it embeds)
-    if pad == 0 and rows == len(counts) and not cache.ring:  # a decode step
-        g.set("ids" if embedded else "x", values)
-        if uses_positions:
-            g.set("pos", starts)
-        if "kv_rows" in g.inputs:
-            g.set("kv_rows", [cache.row(slot, start) for slot, start in zip(slots, starts)])
-        fill_masks(g, shape, [(start,) for start in starts], traits)
+    rings, cache_rows = None, None  # type: Any, Any
+    full = "kv_rows" in g.inputs  # (a chunk whose layers all keep rings has none)
+    if pad == 0 and rows == len(counts) and not cache.ring:  # a decode step: one number a sample
+        positions: Sequence[Any] = [(start,) for start in starts]
+        flat: Any = starts
+        if full:
+            cache_rows = [cache.row(slot, start) for slot, start in zip(slots, starts)]
     else:
-        positions = row_positions(starts, counts)
+        positions = arrays = row_positions(starts, counts)
         if pad > 0:
-            positions[-1] = np.concatenate([positions[-1], np.repeat(positions[-1][-1:], pad)])
+            arrays[-1] = np.concatenate([arrays[-1], np.repeat(arrays[-1][-1:], pad)])
             values = np.concatenate([values, np.repeat(values[-1:], pad, axis=0)])
-        rings = cache.write_rings(slots, starts, positions, traits.config.sliding_window or 0)
+        rings = cache.write_rings(slots, starts, arrays, traits.config.sliding_window or 0)
         if rings is not None:
             g.set("kv_rows_ring", rings[0])
-        g.set("ids" if embedded else "x", values)
-        if uses_positions:
-            g.set("pos", np.concatenate(positions))
-        if "kv_rows" in g.inputs:  # (a chunk whose layers all keep rings has none)
-            g.set("kv_rows", cache.full_rows(slots, positions))
-        fill_masks(g, shape, positions, traits, rings[1] if rings is not None else None)
+        flat = np.concatenate(arrays)
+        if full:
+            cache_rows = cache.full_rows(slots, arrays)
+    g.set("ids" if embedded else "x", values)
+    if traits.family.positions == "rope" or embedded:  # (learned ones are read only where it embeds)
+        g.set("pos", flat)
+    if cache_rows is not None:
+        g.set("kv_rows", cache_rows)
+    fill_masks(g, shape, positions, traits, rings[1] if rings is not None else None)
     if head_rows:
         last: List[int] = [end - 1 for end in itertools.accumulate(counts)]
         g.set("head_rows", last + last[-1:] * (head_rows - len(last)))
