@@ -140,6 +140,39 @@ def test_int8_endpoints_pass_frames_within_the_codecs_tolerance():
         b.close()
 
 
+def test_a_compute_loop_reading_ahead_loses_and_reorders_nothing():
+    """A worker's loop: wait for a frame, read ahead what waits behind it (recv_nowait), compute.
+    A read-ahead right after a frame that had nothing behind it skips its poll; what arrives
+    then comes with the next call, in order, whether frames trickle or pile up."""
+    a_port, b_port = free_ports(2)
+    a, b = endpoint("a", a_port, b_port), endpoint("b", b_port, a_port)
+    rng = random.Random(5)
+    try:
+        sent = got = 0
+        total = 1500
+        while got < total:
+            for _ in range(min(rng.choice([1, 1, 2, 8]), total - sent)):
+                a.send(numbered(sent))
+                sent += 1
+            if sent == got:
+                continue
+            frames = [b.recv(timeout=10)]
+            if rng.random() < 0.3:
+                time.sleep(0.001)  # a frame sent meanwhile arrives behind the one taken
+            while len(frames) < 4:
+                more = b.recv_nowait()
+                if more is None:
+                    break
+                frames.append(more)
+            for frame in frames:
+                check(frame, got)
+                got += 1
+        assert b.recv_nowait() is None and b.frames_received == total
+    finally:
+        a.close()
+        b.close()
+
+
 def test_an_unknown_codec_is_refused_before_binding():
     with pytest.raises(ValueError, match="unknown data-plane codec 'int4'"):
         RingEndpoint("a", "127.0.0.1", free_ports(1)[0], lambda parts: decode(parts), codec="int4")

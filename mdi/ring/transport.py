@@ -33,6 +33,10 @@ from mdi.ring.wire import CODECS, DEFAULT_MAX_PAYLOAD, MAX_HEADER_BYTES, Frame, 
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+# Send flags as plain ints: pyzmq's flags are enum.IntFlag, whose | runs enum's Python code,
+# cold on a hop after each graph.
+_SEND_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_SEND_LAST = int(zmq.NOBLOCK)
 # Dropped frames are logged one by one this many times, then summed up at most once per
 # DROP_SUMMARY_S: a flood of garbage on a data port wrote 104 MB of log in 11 s, one line per frame.
 DROP_LINES = 5
@@ -132,6 +136,10 @@ class RingEndpoint:
         self._pull_poller = zmq.Poller()
         self._pull_poller.register(self.pull, zmq.POLLIN)
         self._lent = threading.Event()
+        # Set when recv found the socket empty behind the frame it returned, so the caller's
+        # read-ahead (recv_nowait) skips a poll that would find nothing: one poll costs a decode
+        # hop 13 us of cold Python. Cleared by that recv_nowait and by the next recv.
+        self._drained = False
         wake = "inproc://mdi-wake-%d" % next(_endpoint_ids)
         self._wake_rx = self.ctx.socket(zmq.PAIR)
         self._wake_rx.bind(wake)
@@ -185,8 +193,8 @@ class RingEndpoint:
             try:
                 # send_multipart's loop in two calls: zmq queues a message's later parts
                 # whenever it took its first, so only the first can raise Again
-                self._push.send(header, zmq.NOBLOCK | zmq.SNDMORE, copy=False)
-                self._push.send(payload, zmq.NOBLOCK, copy=False)
+                self._push.send(header, _SEND_MORE, copy=False)
+                self._push.send(payload, _SEND_LAST, copy=False)
                 self._count(frame.kind, len(header) + len(payload))
                 return
             except zmq.Again:  # zmq's queue is full: the neighbour is slow or gone
@@ -196,6 +204,7 @@ class RingEndpoint:
 
     def recv(self, timeout: float) -> Frame:
         """The next valid frame; RingTimeout after `timeout` seconds without one."""
+        self._drained = False
         if not self.inbox.empty():  # the receive thread has been filling it (only this thread takes)
             return self.inbox.get_nowait()
         return self._recv_from_socket(timeout)
@@ -205,6 +214,9 @@ class RingEndpoint:
         the frames queued behind the one it took, to run them in one forward)."""
         if not self.inbox.empty():
             return self.inbox.get_nowait()
+        if self._drained:  # recv found nothing behind the frame it returned just now: no poll again
+            self._drained = False
+            return None
         # Lent: the receive thread reads the socket and puts what comes into the inbox.
         if self._lent.is_set() or not self._pull_lock.acquire(blocking=False):
             return None
@@ -240,6 +252,8 @@ class RingEndpoint:
                         # More frames wait already: the node is saturated, so the receive
                         # thread validates them into the inbox while the caller computes.
                         self._lent.set()
+                    else:  # a recv_nowait right after this (the caller reading ahead) finds nothing
+                        self._drained = True
                     return frame
         finally:
             self._pull_lock.release()
@@ -290,7 +304,13 @@ class RingEndpoint:
 
     def _read_frame(self) -> Optional[Frame]:
         """Receive and validate one message (the caller holds the socket); None if dropped."""
-        parts = self.pull.recv_multipart(copy=False)
+        # recv_multipart's loop, asking each part whether more follow (the frame knows; pyzmq's
+        # recv_multipart asks the socket through Python code, twice a message)
+        part = self.pull.recv(copy=False)
+        parts = [part]
+        while part.more:
+            part = self.pull.recv(copy=False)
+            parts.append(part)
         try:
             frame = self.validate(parts)
         except FrameError as e:

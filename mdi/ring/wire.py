@@ -102,6 +102,7 @@ MAX_ENTRY = (1 << 62) - 1  # prefix cache entry ids (mdi.starter.prefix_cache)
 # last layer + 1 of the node that computes with it; a step frame: 0; a clip frame: its phase),
 # then, on a train or eval frame only, an optional 1: every worker sends a "state" copy of its output.
 _OPTIONAL_KEYS = {"adapter", "epoch", "cache", "train"}
+_ALL_KEYS = _HEADER_KEYS | _OPTIONAL_KEYS
 MAX_STEP = (1 << 62) - 1
 MAX_MICRO = 1 << 16
 MAX_TRAIN_SAMPLES = 1 << 16  # windows of one micro-batch (they name no cache slot)
@@ -258,7 +259,9 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     if len(parts) != 2:
         raise FrameError("expected 2 parts (header, payload), got %d" % len(parts))
     raw_header, payload = parts
-    raw_header = bytes(raw_header.buffer if hasattr(raw_header, "buffer") else raw_header)
+    # zmq frames' buffers as they are: msgpack reads any bytes-like object (a copy costs a
+    # hop's cold Python several microseconds)
+    raw_header = raw_header.buffer if hasattr(raw_header, "buffer") else raw_header
     if len(raw_header) > MAX_HEADER_BYTES:
         raise FrameError("header of %d bytes exceeds %d" % (len(raw_header), MAX_HEADER_BYTES))
     try:
@@ -267,7 +270,7 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
                                  max_array_len=4096, max_map_len=32)
     except Exception as e:  # msgpack raises several unrelated exception types
         raise FrameError("header is not valid msgpack: %s" % type(e).__name__)
-    if not isinstance(header, dict) or set(header) - _OPTIONAL_KEYS != _HEADER_KEYS:
+    if not isinstance(header, dict) or not _HEADER_KEYS <= header.keys() <= _ALL_KEYS:
         raise FrameError("header must be a map with exactly the keys %s (and %s)"
                          % (sorted(_HEADER_KEYS), " and ".join(sorted(_OPTIONAL_KEYS))))
     if header["v"] != PROTOCOL_VERSION:
@@ -293,19 +296,20 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
     slot_hi = (n_slots - 1) if n_slots is not None else (1 << 31)
     # a training frame's samples are windows of its micro-batch, not cache slots
     samples = _int_list(header, "samples", n, 0, MAX_TRAIN_SAMPLES - 1 if training else slot_hi)
-    if len(set(samples)) != n:
+    if n > 1 and len(set(samples)) != n:
         raise FrameError("sample ids repeat")
     start = _int_list(header, "start", n, 0, max_len)
     count = _int_list(header, "count", n, 1, max_len)
     for s, c in zip(start, count):
         if s + c > max_len:
             raise FrameError("positions [%d, %d) exceed the cache length %d" % (s, s + c, max_len))
-    adapter = _int_list(header, "adapter", n, 0, MAX_ADAPTER_ID) if "adapter" in header else [0] * n
+    adapter = _int_list(header, "adapter", n, 0, MAX_ADAPTER_ID) if "adapter" in header else []
     unknown = [a for a in adapter if a and adapters is not None and a not in adapters]
     if unknown:
         raise FrameError("adapter %d is not loaded here" % unknown[0])
-    epoch = _int_list(header, "epoch", n, 0, MAX_EPOCH) if "epoch" in header else [0] * n
-    pbytes = len(payload.buffer if hasattr(payload, "buffer") else payload)
+    epoch = _int_list(header, "epoch", n, 0, MAX_EPOCH) if "epoch" in header else []
+    buf = payload.buffer if hasattr(payload, "buffer") else payload
+    pbytes = len(buf)
     frame = Frame(kind, frame_run, samples, start, count, adapters=adapter if any(adapter) else [],
                   epochs=epoch if any(epoch) else [])
     if "cache" in header:
@@ -352,11 +356,11 @@ def decode(parts: Sequence[Any], run: Optional[int] = None, hidden: Optional[int
         raise FrameError("shape rows %d do not match the token counts %s" % (rows, count))
     expected = payload_nbytes(rows, width, dtype, codec)
     # The decoded tensor can be ~4x the payload (int8 -> float32): bound both.
-    for what, size in (("payload", expected), ("decoded tensor", payload_nbytes(rows, width, dtype, "raw"))):
+    decoded = expected if codec == "raw" else payload_nbytes(rows, width, dtype, "raw")
+    for what, size in (("payload", expected), ("decoded tensor", decoded)):
         if size > max_payload:
             raise FrameError("%s of %d bytes exceeds the %d-byte limit" % (what, size, max_payload))
     if pbytes != expected:
         raise FrameError("payload has %d bytes, shape x dtype x codec %s needs %d" % (pbytes, codec, expected))
-    buf = payload.buffer if hasattr(payload, "buffer") else payload
     frame.tensor = (wire_numpy if kind in host_kinds else _codecs()).decode_payload(buf, rows, width, dtype, codec)
     return frame
