@@ -1204,12 +1204,28 @@ SYSTEMS = (("mdi_ggml", "mdi ggml", "tab:blue"), ("mdi_torch", "mdi torch", "tab
 
 
 def plot(path: str, record: Dict[str, Any]) -> None:
+    """The ring's sweep and the standalone runs side by side: a panel for each the record holds
+    (--ring-only and --no-ring runs hold one)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-    ring = record.get("ring3") or {}
-    ax = axes[0]
+    panels = [draw for draw, key in ((_plot_ring, "ring3"), (_plot_standalone, "standalone")) if record.get(key)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(11.5, 6 * len(panels)), 4.4), squeeze=False)  # (room for the title)
+    for draw, ax in zip(panels, axes[0]):
+        draw(ax, record)
+    fig.suptitle("SmolLM2-135M Q4_1 GGUF: mdi (ggml / torch backends) vs %s\n%s"
+                 % (record.get("llama_cpp", {}).get("build_id", "llama.cpp"), record["machine"].get("isa_text", "")),
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print("plot written to %s" % path)
+
+
+def _plot_ring(ax: Any, record: Dict[str, Any]) -> None:
+    ring = record["ring3"]
     for name, label, color in SYSTEMS:
         xs, ys, lo, hi = [], [], [], []
         for S, e in sorted(((int(k), v) for k, v in ring.get("by_samples", {}).items())):
@@ -1229,8 +1245,10 @@ def plot(path: str, record: Dict[str, Any]) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    ax = axes[1]
-    st = record.get("standalone", {})
+
+
+def _plot_standalone(ax: Any, record: Dict[str, Any]) -> None:
+    st = record["standalone"]
     labels = []
     values = {name: [] for name, _, _ in SYSTEMS}  # type: Dict[str, List[float]]
     for T, e in sorted(st.items()):
@@ -1248,14 +1266,8 @@ def plot(path: str, record: Dict[str, Any]) -> None:
     ax.set_ylabel("tokens/s (log)")
     ax.set_title("one node, standalone (prefill: ~%s-token prompt)" % record.get("prefill_prompt_tokens", "?"))
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M Q4_1 GGUF: mdi (ggml / torch backends) vs %s\n%s"
-                 % (record.get("llama_cpp", {}).get("build_id", "llama.cpp"), record["machine"].get("isa_text", "")),
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print("plot written to %s" % path)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
 
 
 def _stat(e: Dict[str, Any], name: str, key: str, fmt: str = "%.1f") -> str:
