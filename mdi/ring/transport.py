@@ -138,7 +138,7 @@ class RingEndpoint:
         self._lent = threading.Event()
         # Set when recv found the socket empty behind the frame it returned, so the caller's
         # read-ahead (recv_nowait) skips a poll that would find nothing: one poll costs a decode
-        # hop 13 us of cold Python. Cleared by that recv_nowait and by the next recv.
+        # hop 13 us of cold Python. Cleared by that recv_nowait and by the next send or recv.
         self._drained = False
         wake = "inproc://mdi-wake-%d" % next(_endpoint_ids)
         self._wake_rx = self.ctx.socket(zmq.PAIR)
@@ -188,6 +188,7 @@ class RingEndpoint:
     def send(self, frame: Frame) -> None:
         """Queue a frame for the next node; never blocks. With nothing queued before it and
         room in zmq's queue it is handed to zmq here, else to the send thread."""
+        self._drained = False  # (recv_nowait's skip is for the call right after a recv only)
         if self._push is not None and self._queued == self._left:
             header, payload = encode(frame, self.codec)
             try:
@@ -211,7 +212,9 @@ class RingEndpoint:
 
     def recv_nowait(self) -> Optional[Frame]:
         """A valid frame that is already here, else None at once (a compute loop gathering
-        the frames queued behind the one it took, to run them in one forward)."""
+        the frames queued behind the one it took, to run them in one forward). Called right
+        after a recv that found nothing behind its frame, before any send or recv, it returns
+        None without looking: what arrives meanwhile comes with the next call."""
         if not self.inbox.empty():
             return self.inbox.get_nowait()
         if self._drained:  # recv found nothing behind the frame it returned just now: no poll again
