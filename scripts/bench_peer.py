@@ -125,7 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ring-repeats", type=int, default=2, help="repeats of the 3-process sweep")
     p.add_argument("--backends", default=",".join(MDI_BACKENDS),
                    help="mdi backends in the standalone rotation (ggml, torch, auto, and ggml_dequant: ggml with "
-                        "runtime.prefill_weights dequantized); the ring runs ggml and torch")
+                        "runtime.prefill_weights dequantized); the ring runs ggml, torch and auto (the default)")
     p.add_argument("--no-llama", action="store_true", help="measure mdi alone")
     p.add_argument("--no-ring", action="store_true", help="skip the 3-process sweep")
     p.add_argument("--no-big", action="store_true", help="skip the 1.1B-shape comparison")
@@ -887,7 +887,7 @@ def _ratios(a: List[Dict[str, Any]], b: List[Dict[str, Any]], key: str) -> Dict[
 
 
 def _standalone_names(args, bins: Optional[str]) -> List[str]:
-    names = ["mdi" if b == "auto" else "mdi_" + b for b in args.backends]
+    names = [system_name(b) for b in args.backends]
     if args.torch_variants:
         names += ["mdi_no_integer", "mdi_eager"]
     return names + (["llama.cpp"] if bins else [])
@@ -1077,7 +1077,12 @@ def board_groups(cores: float) -> Optional[Any]:
     return groups
 
 
-RING_BACKENDS = ("ggml", "torch")
+RING_BACKENDS = ("ggml", "torch", "auto")  # auto: the default, what a user's ring computes with
+
+
+def system_name(backend: str) -> str:
+    """A backend's name in the records: "mdi" for auto (the default), else "mdi_<backend>"."""
+    return "mdi" if backend == "auto" else "mdi_" + backend
 
 
 def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, Any]:
@@ -1099,7 +1104,8 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
             groups.leave()
     workers = [WorkerProcess("worker%d" % i, 1, log_dir, preexec=preexec("mdi-worker%d" % i)) for i in (1, 2)]
     servers = []  # type: List[RpcServer]
-    mdi_names = ["mdi_" + b for b in RING_BACKENDS]
+    mdi_names = [system_name(b) for b in RING_BACKENDS]
+    backend_of = dict(zip(mdi_names, RING_BACKENDS))
     runs = {n: {str(s): [] for s in args.samples} for n in mdi_names}  # type: Dict[str, Any]
     runs["llama.cpp"] = []
     errors = {}  # type: Dict[str, str]
@@ -1119,17 +1125,17 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
             try:
                 on_board("mdi-starter", lambda: mdi_ring(args.model, workers, 1, 4, b))
             except Exception as e:  # noqa: BLE001 - recorded; the other backend still runs
-                errors["mdi_" + b] = "%s: %s" % (type(e).__name__, e)
-                log("  mdi ring3 %s failed: %s" % (b, errors["mdi_" + b]))
+                errors[system_name(b)] = "%s: %s" % (type(e).__name__, e)
+                log("  mdi ring3 %s failed: %s" % (b, errors[system_name(b)]))
         names = [n for n in mdi_names if n not in errors] + ["llama.cpp"]
         for r in range(args.ring_repeats):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                if name.startswith("mdi_") and name not in errors:
+                if name in backend_of and name not in errors:
                     for S in args.samples:
                         try:
                             m = on_board("mdi-starter", lambda: mdi_ring(args.model, workers, S, args.n_tokens,
-                                                                         name[len("mdi_"):]))
+                                                                         backend_of[name]))
                         except Exception as e:  # noqa: BLE001
                             errors[name] = "S=%d: %s: %s" % (S, type(e).__name__, e)
                             log("  mdi ring3 %s failed: %s" % (name, errors[name]))
@@ -1190,7 +1196,7 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
                     e["ratio_%s_over_llama_%s" % (name, k.replace("_tokens_per_s", ""))] = summarize(
                         [m[k] / (x["speed_tg"] if k == "decode_tokens_per_s" else S * x["tg"] / (x["t_pp"] + x["t_tg"]))
                          for m, x in zip(ms, ls)])
-        if all(n in e for n in mdi_names) and len(mdi_names) == 2:
+        if "mdi_ggml" in e and "mdi_torch" in e:
             e["ratio_ggml_over_torch_decode"] = _ratios(runs["mdi_ggml"][str(S)], runs["mdi_torch"][str(S)],
                                                         "decode_tokens_per_s")
         out["by_samples"][str(S)] = e
@@ -1200,7 +1206,7 @@ def ring_sweep(args, bins: Optional[str], gguf: str, log_dir: str) -> Dict[str, 
 # --------------------------------------------------------------------------- output
 
 SYSTEMS = (("mdi_ggml", "mdi ggml", "tab:blue"), ("mdi_torch", "mdi torch", "tab:green"),
-           ("llama.cpp", "llama.cpp", "tab:orange"))
+           ("mdi", "mdi auto (default)", "tab:purple"), ("llama.cpp", "llama.cpp", "tab:orange"))
 
 
 def plot(path: str, record: Dict[str, Any]) -> None:
@@ -1257,9 +1263,10 @@ def _plot_standalone(ax: Any, record: Dict[str, Any]) -> None:
             for name in values:
                 values[name].append(e[name][k]["median"] if k in e.get(name, {}) else 0)
     x = list(range(len(labels)))
+    width = 0.8 / len(SYSTEMS)
     for i, (name, label, color) in enumerate(SYSTEMS):
         if any(values[name]):
-            ax.bar([j + 0.27 * (i - 1) for j in x], values[name], 0.27, label=label, color=color)
+            ax.bar([j + width * (i - (len(SYSTEMS) - 1) / 2) for j in x], values[name], width, label=label, color=color)
     ax.set_xticks(x)
     ax.set_xticklabels(labels)
     ax.set_yscale("log")
@@ -1280,6 +1287,12 @@ def _ratio(e: Dict[str, Any], key: str) -> str:
     if r is None:
         return ""
     return fmt_stat(r, "%.2f") if isinstance(r, dict) else "%.2f" % r
+
+
+def _chose(entry: Optional[Dict[str, Any]]) -> str:
+    """What auto's nodes computed with, as the report's "mdi auto" cells say it: " (ggml)"."""
+    chose = (entry or {}).get("node_backends")
+    return " (%s)" % "/".join(sorted(set(chose))) if chose else ""
 
 
 def report(record: Dict[str, Any]) -> None:
@@ -1308,9 +1321,11 @@ def report(record: Dict[str, Any]) -> None:
     boards = record.get("ring3", {}).get("board_cores")
     for S, e in sorted(((int(k), v) for k, v in record.get("ring3", {}).get("by_samples", {}).items())):
         rows.append(["3 proc x 1 thr%s, S=%d, aggr. decode tok/s" % (", boards of %g core" % boards if boards else "", S),
-                     _stat(e, "mdi_ggml", "decode_tokens_per_s"), _stat(e, "mdi_torch", "decode_tokens_per_s"), "",
+                     _stat(e, "mdi_ggml", "decode_tokens_per_s"), _stat(e, "mdi_torch", "decode_tokens_per_s"),
+                     _stat(e, "mdi", "decode_tokens_per_s") + _chose(e.get("mdi")),
                      _stat(e, "llama.cpp", "decode_tokens_per_s"), _ratio(e, "ratio_mdi_ggml_over_llama_decode"),
-                     _ratio(e, "ratio_mdi_torch_over_llama_decode"), "", _ratio(e, "ratio_ggml_over_torch_decode")])
+                     _ratio(e, "ratio_mdi_torch_over_llama_decode"), _ratio(e, "ratio_mdi_over_llama_decode"),
+                     _ratio(e, "ratio_ggml_over_torch_decode")])
     big = record.get("big_model") or {}
     for T, e in sorted((k, v) for k, v in big.items() if k.isdigit()):
         rows.append(["1.1B shape (random Q4_1), 1 node, %s thr, decode tok/s" % T,
@@ -1455,9 +1470,10 @@ def main(argv=None) -> int:
                                 "and the embedding local, 10-20 on RPC0, 21-29 + head on RPC1) -npp %d -ntg %d -npl %s; S_TG = pl*ntg/t_tg"
                                 % (args.ring_prompt_tokens, args.n_tokens, args.samples),
                   "ring_mdi": "starter (this process, 1 thread) + 2 mdi-worker --threads 1, balanced layers, "
-                              "max_batch auto, runtime.backend ggml and torch (quant_kernel fast) in turn; S copies "
-                              "of %r (greedy), %d tokens each; aggregate decode = sum(n_i - 1) / (max t_last - "
-                              "min t_first)" % (RING_PROMPT, args.n_tokens),
+                              "max_batch auto, runtime.backend ggml, torch and auto (the default; what its nodes "
+                              "chose: node_backends) in turn, quant_kernel fast; S copies of %r (greedy), %d tokens "
+                              "each; aggregate decode = sum(n_i - 1) / (max t_last - min t_first)"
+                              % (RING_PROMPT, args.n_tokens),
                   "avx2_only": "--avx2: ggml-python %s built with CMAKE_ARGS=%r into %s (pip install --target), "
                                "loaded by a child process with PYTHONPATH=that folder first, mdi forced to ggml, "
                                "against llama-bench built with the same flags (build-avx2/); same measurements "
