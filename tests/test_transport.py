@@ -158,7 +158,7 @@ def test_a_compute_loop_reading_ahead_loses_and_reorders_nothing():
                 continue
             frames = [b.recv(timeout=10)]
             if rng.random() < 0.3:
-                time.sleep(0.001)  # a frame sent meanwhile arrives behind the one taken
+                time.sleep(0.001)  # frames still in flight arrive meanwhile, behind the one taken
             while len(frames) < 4:
                 more = b.recv_nowait()
                 if more is None:
