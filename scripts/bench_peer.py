@@ -1289,10 +1289,10 @@ def _ratio(e: Dict[str, Any], key: str) -> str:
     return fmt_stat(r, "%.2f") if isinstance(r, dict) else "%.2f" % r
 
 
-def _chose(entry: Optional[Dict[str, Any]]) -> str:
-    """What auto's nodes computed with, as the report's "mdi auto" cells say it: " (ggml)"."""
-    chose = (entry or {}).get("node_backends")
-    return " (%s)" % "/".join(sorted(set(chose))) if chose else ""
+def _chose(backends: Optional[List[str]]) -> str:
+    """What auto computed with (each repeat's, or each node's), as the report's "mdi auto" cells
+    say it: " (ggml)"."""
+    return " (%s)" % "/".join(sorted(set(backends))) if backends else ""
 
 
 def report(record: Dict[str, Any]) -> None:
@@ -1301,8 +1301,8 @@ def report(record: Dict[str, Any]) -> None:
         for k in ("decode", "prefill"):
             key = k + "_tokens_per_s"
             auto = _stat(e, "mdi", key)
-            if auto and e.get("auto_chose"):
-                auto += " (%s)" % "/".join(sorted(set(e["auto_chose"])))
+            if auto:
+                auto += _chose(e.get("auto_chose"))
             rows.append(["1 node, %s thr, %s tok/s" % (T, k), _stat(e, "mdi_ggml", key), _stat(e, "mdi_torch", key), auto,
                          _stat(e, "llama.cpp", key), _ratio(e, "ratio_mdi_ggml_over_llama_" + k),
                          _ratio(e, "ratio_mdi_torch_over_llama_" + k), _ratio(e, "ratio_mdi_over_llama_" + k),
@@ -1322,7 +1322,7 @@ def report(record: Dict[str, Any]) -> None:
     for S, e in sorted(((int(k), v) for k, v in record.get("ring3", {}).get("by_samples", {}).items())):
         rows.append(["3 proc x 1 thr%s, S=%d, aggr. decode tok/s" % (", boards of %g core" % boards if boards else "", S),
                      _stat(e, "mdi_ggml", "decode_tokens_per_s"), _stat(e, "mdi_torch", "decode_tokens_per_s"),
-                     _stat(e, "mdi", "decode_tokens_per_s") + _chose(e.get("mdi")),
+                     _stat(e, "mdi", "decode_tokens_per_s") + _chose((e.get("mdi") or {}).get("node_backends")),
                      _stat(e, "llama.cpp", "decode_tokens_per_s"), _ratio(e, "ratio_mdi_ggml_over_llama_decode"),
                      _ratio(e, "ratio_mdi_torch_over_llama_decode"), _ratio(e, "ratio_mdi_over_llama_decode"),
                      _ratio(e, "ratio_ggml_over_torch_decode")])
