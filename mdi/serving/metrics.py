@@ -28,7 +28,7 @@ from mdi.system.memory import available_memory_bytes, board_memory, unified_memo
 RATE_WINDOW = 10.0  # seconds of history behind tokens/s and the recent time to first token
 RECENT = 256  # step times and token intervals averaged in /metrics
 SCRAPE_TIMEOUT = 1.0  # seconds a worker has to answer /status during a scrape
-SCRAPE_TTL = 0.5  # seconds a scrape is reused: many viewers cost the workers one /status each
+SCRAPE_TTL = 0.5  # seconds an answer is reused: many viewers cost the workers one /status each
 NODE_WINDOW = 5.0  # seconds behind each node's busy share, frames/s and step time
 SNAPSHOT_VERSION = 1
 
@@ -125,12 +125,14 @@ def _mean(values: Sequence[float]) -> Optional[float]:
 
 
 class NodeScraper:
-    """Workers' /status replies, fetched in parallel and kept `SCRAPE_TTL` seconds."""
+    """Workers' /status replies, fetched in parallel and kept `SCRAPE_TTL` seconds. A node that
+    did not answer is asked again at the next scrape: one slow moment (a spare loading its
+    layers on a busy board) must not show it down after it answers again."""
 
     def __init__(self, token: Optional[str], timeout: float = SCRAPE_TIMEOUT) -> None:
         self.token, self.timeout = token, timeout
         self._lock = threading.Lock()
-        self._cache: Dict[str, Tuple[float, Optional[StatusReply], Optional[str]]] = {}
+        self._cache: Dict[str, Tuple[float, StatusReply, None]] = {}  # address -> (when, its answer, None)
 
     def scrape(self, nodes: Sequence[NodeSpec]) -> Dict[str, Tuple[Optional[StatusReply], Optional[str]]]:
         """address -> (its /status, or None and why it did not answer)."""
@@ -155,7 +157,10 @@ class NodeScraper:
             with self._lock:
                 for node in todo:
                     result = results.get(node.address, (None, "no answer within %.1f s" % self.timeout))
-                    self._cache[node.address] = (now,) + result
+                    if result[0] is not None:
+                        self._cache[node.address] = (now,) + result
+                    else:
+                        self._cache.pop(node.address, None)
                     out[node.address] = result
         return out
 

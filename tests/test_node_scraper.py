@@ -1,0 +1,28 @@
+"""The dashboard's and /metrics' scrape of the workers' /status (mdi.serving.metrics.NodeScraper)."""
+import os
+import signal
+
+from conftest import WorkerProcess, free_ports
+from mdi.runconfig import NodeSpec
+from mdi.serving.metrics import NodeScraper
+
+
+def test_a_worker_that_stalled_one_scrape_is_shown_up_at_the_next():
+    """A failed scrape was kept as long as an answer: a spare that loaded its layers through one
+    scrape on a busy board stayed "down" after the ring it joined was reported recovered."""
+    worker = WorkerProcess(free_ports(1)[0]).wait_ready()
+    node = NodeSpec("board1", port=worker.port)
+    scraper = NodeScraper(None, timeout=0.5)
+    try:
+        assert scraper.scrape([node])[node.address][0] is not None
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            scraper._cache.clear()  # (an answer is reused for SCRAPE_TTL: ask now)
+            status, problem = scraper.scrape([node])[node.address]
+            assert status is None and "0.5 s" in problem
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        status, problem = scraper.scrape([node])[node.address]  # at once, well inside SCRAPE_TTL
+        assert status is not None and problem is None and status.state == "idle"
+    finally:
+        worker.stop()
