@@ -29,6 +29,15 @@ def fail(message: str, code: int) -> int:
     return code
 
 
+def stopped(e: BaseException) -> int:
+    """The "mdi: error:" line and exit code of a run stopped by Ctrl-C (KeyboardInterrupt) or by
+    a signal (the exception interrupt_on_sigterm raises, which carries its `signum`)."""
+    signum = getattr(e, "signum", None)
+    if isinstance(e, KeyboardInterrupt) or not signum:
+        return fail("interrupted", 128 + signal.SIGINT)
+    return fail("interrupted by %s" % signal.Signals(signum).name, 128 + signum)
+
+
 def interrupt_on_sigterm(interrupted: Callable[[int], BaseException], also_sighup: bool = False) -> Any:
     """Make SIGTERM (systemd, kill, timeout; with `also_sighup` SIGHUP too) raise
     `interrupted(signum)` in the main thread, as Ctrl-C raises KeyboardInterrupt, so a run

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int
 from mdi.cli.output import check_output, report, report_perplexity, write_start_failure
-from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process, stopped
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
 from mdi.model.source import check_model_path
@@ -197,8 +197,8 @@ def start_main(argv: Optional[List[str]] = None) -> int:
     args = start_parser().parse_args(argv)
     try:
         from mdi.starter import batch  # (torch, numpy...: Ctrl-C meanwhile is one line too)
-    except KeyboardInterrupt:
-        return fail("interrupted", 128 + signal.SIGINT)
+    except KeyboardInterrupt as e:
+        return stopped(e)
 
     previous = interrupt_on_sigterm(batch.Interrupted)  # the ring stops as on Ctrl-C: workers are told at once
     try:
@@ -262,10 +262,8 @@ def _start(args: argparse.Namespace, batch) -> int:
     except batch.RunFailed as e:
         report(e.result, args)  # the partial texts and metrics are not lost (a write's failure: said too)
         return fail(str(e), 128 + e.signum if e.signum else EXIT_RUN)
-    except KeyboardInterrupt:
-        return fail("interrupted", 128 + signal.SIGINT)
-    except batch.Interrupted as e:
-        return fail("interrupted by %s" % signal.Signals(e.signum).name, 128 + e.signum)
+    except (KeyboardInterrupt, batch.Interrupted) as e:
+        return stopped(e)
     except RuntimeError as e:
         return fail(str(e), EXIT_RUN)
     return report(result, args)

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from mdi.cli.arguments import ArgumentParser, positive_float, positive_int
 from mdi.cli.output import check_output
-from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process, stopped
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.runconfig import ConfigError, RunConfig, load_config
@@ -160,10 +160,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             write_json(args.metrics_out, result.metrics())
     except (ConfigError, CheckpointError, TokenizerError, TokenError, AdapterError) as e:
         return fail(str(e), EXIT_CONFIG)
-    except KeyboardInterrupt:
-        return fail("interrupted", 128 + signal.SIGINT)
-    except batch.Interrupted as e:
-        return fail("interrupted by %s" % signal.Signals(e.signum).name, 128 + e.signum)
+    except (KeyboardInterrupt, batch.Interrupted) as e:
+        return stopped(e)
     except RuntimeError as e:
         return fail(str(e), EXIT_RUN)
     finally:

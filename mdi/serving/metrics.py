@@ -158,7 +158,7 @@ class NodeScraper:
                 for node in todo:
                     result = results.get(node.address, (None, "no answer within %.1f s" % self.timeout))
                     if result[0] is not None:
-                        self._cache[node.address] = (now,) + result
+                        self._cache[node.address] = (now, result[0], None)
                     else:
                         self._cache.pop(node.address, None)
                     out[node.address] = result
