@@ -12,14 +12,14 @@ def test_a_worker_that_stalled_one_scrape_is_shown_up_at_the_next():
     scrape on a busy board stayed "down" after the ring it joined was reported recovered."""
     worker = WorkerProcess(free_ports(1)[0]).wait_ready()
     node = NodeSpec("board1", port=worker.port)
-    scraper = NodeScraper(None, timeout=0.5)
+    scraper = NodeScraper(None, timeout=3.0)  # (a busy machine: the live answers take their time)
     try:
         assert scraper.scrape([node])[node.address][0] is not None
         os.kill(worker.proc.pid, signal.SIGSTOP)
         try:
             scraper._cache.clear()  # (an answer is reused for SCRAPE_TTL: ask now)
             status, problem = scraper.scrape([node])[node.address]
-            assert status is None and "0.5 s" in problem
+            assert status is None and "no answer within 3 s" in problem
         finally:
             os.kill(worker.proc.pid, signal.SIGCONT)
         status, problem = scraper.scrape([node])[node.address]  # at once, well inside SCRAPE_TTL
