@@ -100,7 +100,7 @@ def gguf_pairs(config: ModelConfig, first: int, last: int, tensors: Mapping[str,
 PAIR_TYPE = lib.F16
 
 
-class HeldAdapter:
+class HeldAdapter(lib.Freed):
     """One adapter's pairs (PAIR_TYPE) in a ggml buffer of their own (freed with `free`)."""
 
     def __init__(self, pairs: Pairs, backend: lib.ComputeBackend, type_id: int = PAIR_TYPE) -> None:
@@ -127,12 +127,6 @@ class HeldAdapter:
     def free(self) -> None:
         self.pairs = {}
         self._ctx.free()
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
 
 
 class GgmlAdapters:

@@ -9,7 +9,7 @@ from mdi.model.ggml import adapters as lora_ops
 from mdi.model.ggml import lib
 
 
-class Built:
+class Built(lib.Freed):
     """One graph, its inputs and output, and the compute buffer its intermediates live in (a
     buffer of `buffer_type`: the device's the graph computes on; None: the CPU's)."""
 
@@ -103,9 +103,3 @@ class Built:
             gg.ggml_gallocr_free(self.galloc)
             self.galloc = None
         self.ctx.free()
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass

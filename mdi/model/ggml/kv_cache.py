@@ -74,7 +74,7 @@ class KeptRows:
         return int(self.full.nbytes + self.ring.nbytes + self.cells.nbytes)
 
 
-class GgmlKVCache:
+class GgmlKVCache(lib.Freed):
     def __init__(self, n_slots: int, max_len: int, kv_heads: int, head_dim: int, lengths: Sequence[int],
                  kv_type: str = "f16", buffer_type: Optional[int] = None) -> None:
         """`lengths`: positions a slot keeps in each layer (layer_lengths): `max_len`, or a ring."""
@@ -212,9 +212,3 @@ class GgmlKVCache:
     def free(self) -> None:
         self.k, self.v = [], []
         self._ctx.free()
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass

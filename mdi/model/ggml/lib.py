@@ -109,7 +109,21 @@ def version() -> str:
     return "ggml %s, ggml-python %s" % (v, getattr(package, "__version__", "?"))
 
 
-class Context:
+class Freed:
+    """Something holding ggml memory that `free()` gives back: collected, it frees itself, quietly
+    (at interpreter shutdown the library may already be gone)."""
+
+    def free(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+class Context(Freed):
     """A ggml context that holds tensor and graph metadata only (no_alloc): data lives in
     backend buffers, or in one CPU buffer of its own (`allocate`). Freed with the object (or
     `free`), its buffer first."""
@@ -144,12 +158,6 @@ class Context:
             gg.ggml_free(self.ptr)
         self.ptr = None
 
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:  # interpreter shutdown
-            pass
-
 
 # ggml's device types that mdi computes on as a GPU: a discrete one, or an integrated one sharing
 # the host's memory (a Jetson's, where ggml reports it so)
@@ -183,7 +191,7 @@ def gpu_unusable_reason(device: str) -> Optional[str]:
     return "%s: ggml has no device %s here (it has %s)" % (device, name, ", ".join(gpus))
 
 
-class ComputeBackend:
+class ComputeBackend(Freed):
     """The ggml backend a chunk computes on: the CPU (`device` "cpu": its threads set here, the
     weights read from the GGUF's map in place) or a device of ggml's registry ("cuda", "cuda:N",
     or a ggml device name: mdi.system.devices.ggml_device_name): every tensor of the chunk
@@ -244,12 +252,6 @@ class ComputeBackend:
         if self.ptr and gg is not None:
             gg.ggml_backend_free(self.ptr)
         self.ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
 
 
 def cpu_buffer_type() -> int:
@@ -334,4 +336,3 @@ def get_data(t: Any, out: np.ndarray) -> np.ndarray:
         raise ValueError("%d bytes for a tensor of %d" % (out.nbytes, n))
     gg.ggml_backend_tensor_get(t, out.ctypes.data, 0, n)
     return out
-

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 MATMUL_ROWS_PROBE = 512  # llama.cpp's weight_buft_supported asks with a batch this big
 
 
-class GgufWeights:
+class GgufWeights(lib.Freed):
     """Tensors of one GGUF file, by GGUF name, loaded on demand (`load`)."""
 
     def __init__(self, path: str, reader: Optional[GGUFFile] = None, repack: bool = True) -> None:
@@ -167,9 +167,3 @@ class GgufWeights:
         if self._ctx is not None:
             self._ctx.free()
             self._ctx = None
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
