@@ -127,6 +127,23 @@ def test_real_gguf_files_pass(tmp_path):
     assert (len(f.tensors), len(f.keys())) == (272, 33)  # SmolLM2-135M Q4_1: 272 tensors, 33 metadata keys
 
 
+@pytest.mark.parametrize("declared, second_offset, needle", [
+    (0, 256, "tensor b has offset 256, expected 128"),  # a gap after a (F32: 128 bytes)
+    (1, 128, "tensor b has offset 128, expected 64"),   # a relabelled F16: its bytes end earlier
+])
+def test_tensors_that_do_not_follow_one_another_are_refused_as_llama_cpp_refuses_them(tmp_path, declared,
+                                                                                       second_offset, needle):
+    """A GGUF whose tensor was relabelled (a Q4_1 read as Q4_0) loaded, computed NaN for every
+    logit and exited 0; gguf_init_from_file refuses a file whose tensors do not sit one after
+    another, each where the ones before it end (padded to the alignment)."""
+    infos = tensor_info(0, name="a", f32=declared) + tensor_info(second_offset, name="b")
+    path = tmp_path / "gap.gguf"
+    path.write_bytes(gguf(tensors=infos, n_tensors=2).ljust(2048, b"\0"))
+    with pytest.raises(GGUFLayoutError) as e:
+        open_reader(str(path))
+    assert needle in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
 def test_values_and_tensors_read_as_ggufs_own_reader_reads_them(tmp_path):
     """mdi reads a GGUF lazily (gguf_layout.GGUFFile: gguf's reader built objects for every
     vocabulary item, ~170 MB and seconds per open); every value and tensor must come back as

@@ -131,6 +131,7 @@ class Header:
     values: Dict[str, Tuple[int, int]]  # key -> (value type, position of the value)
     tensors: List[Tuple[str, Tuple[int, ...], int, int]]  # (name, dims innermost first, ggml type, offset)
     data_start: int
+    alignment: int = 32
 
 
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first 4 bytes
@@ -194,7 +195,7 @@ def _walk_header(buf: Any, size: int, path: str, max_tensors: Optional[int] = No
             raise walk.fail("tensor %d's offset %d is not a multiple of the alignment %d" % (i, offset, alignment))
         if data_start + offset > size:
             raise walk.fail("tensor %d's offset %d is past the end of the file" % (i, offset))
-    return Header(walk.order, values, tensors, data_start)
+    return Header(walk.order, values, tensors, data_start, alignment)
 
 
 def _file_size(f: Any, path: str) -> int:
@@ -276,6 +277,7 @@ class GGUFFile:
         self.tensors: List[GGUFTensor] = []
         seen: set = set()
         types: Dict[int, Tuple[Any, int, int]] = {}
+        expected = 0  # where gguf's reader puts each tensor: right after the one before, padded
         for name, dims, type_id, offset in header.tensors:
             where = "%s: tensor %s" % (path, name)
             if name in seen:
@@ -300,6 +302,10 @@ class GGUFFile:
             start = header.data_start + offset
             if start + n_bytes > size:
                 raise GGUFLayoutError("%s: its %d bytes run past the end of the file" % (where, n_bytes))
+            if offset != expected:  # llama.cpp's gguf_init_from_file refuses such a file too
+                raise GGUFLayoutError("%s has offset %d, expected %d (the tensors before it, by their types and "
+                                      "shapes, end there)" % (where, offset, expected))
+            expected += -(-n_bytes // header.alignment) * header.alignment
             view = (self._order + item, shape) if item is not None else \
                 ("u1", shape[:-1] + (shape[-1] // block * type_size,))  # quantized: rows of blocks, as bytes
             self.tensors.append(GGUFTensor(name, ggml_type, dims, self.bytes, start, n_bytes, view))
