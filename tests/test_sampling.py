@@ -34,7 +34,10 @@ def test_extreme_filters_keep_the_best_token():
     gen = sample_generator(1, 0)
     logits = torch.randn(300, generator=torch.Generator().manual_seed(5))
     best = int(logits.argmax())
-    for params in (SamplingParams(1.0, top_p=1e-45), SamplingParams(1.0, top_k=1), SamplingParams(1e30, top_k=1)):
+    # (a top_p under float32's least value, 1.4e-45, rounded to 0 and kept no token: the draw
+    # raised and a server failed every request on its ring)
+    tiny_p = [SamplingParams(t, top_p=p) for t in (1.0, 1e-40) for p in (1e-45, 1e-46, 1e-300, 5e-324)]
+    for params in tiny_p + [SamplingParams(1.0, top_k=1), SamplingParams(1e30, top_k=1)]:
         assert all(sample_next(logits, params, gen) == best for _ in range(20))
     # a huge temperature is a valid (near uniform) distribution, not NaN
     assert 0 <= sample_next(logits, SamplingParams(1e300), gen) < 300
@@ -134,6 +137,26 @@ def test_a_sample_with_bad_logits_fails_alone():
             assert after.token_ids == before.token_ids[:len(after.token_ids)] and len(after.token_ids) < 12
         else:
             assert after.token_ids == before.token_ids and after.finish_reason == "length"
+
+
+def test_a_fault_in_one_samples_draw_fails_that_sample_alone(monkeypatch):
+    """Only SamplingError was caught around a draw: any other fault for one request's settings
+    (a top_p that kept no token raised numpy's ValueError) failed the ring and every request on it."""
+    import mdi.starter.sample as sample_module
+    clean = _generate()
+    real_draw = sample_module.draw
+
+    def draw_with_fault(logits, params, rng, token_ids, prompt_ids, *rest):
+        if list(prompt_ids) == [6, 7] and len(token_ids) == 4:
+            raise ValueError("zero-size array to reduction operation maximum which has no identity")
+        return real_draw(logits, params, rng, token_ids, prompt_ids, *rest)
+
+    monkeypatch.setattr(sample_module, "draw", draw_with_fault)
+    hurt = _generate()
+    assert [s.finish_reason for s in hurt] == ["length", "error", "length"]
+    assert "could not be drawn (ValueError: zero-size array" in hurt[1].error
+    assert hurt[1].token_ids == clean[1].token_ids[:4]
+    assert [s.token_ids for s in hurt[::2]] == [s.token_ids for s in clean[::2]]
 
 
 def test_batch_run_with_a_tiny_temperature_matches_greedy(tmp_path, tiny_models):

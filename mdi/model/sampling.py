@@ -286,7 +286,9 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         if k == n or float(cum[-1]) >= top_p:  # the (k+1)th token and all after it are dropped
             break
         k = min(4 * k, n)
-    kept = order[(cum - values) < np.float32(top_p)]
+    keep = (cum - values) < np.float32(top_p)
+    keep[0] = True  # (a top_p below float32's least value rounds to 0, which nothing is below)
+    kept = order[keep]
     out = np.zeros_like(probs)
     out[kept] = probs[kept]
     return out

@@ -1,14 +1,18 @@
 """A sample: one prompt's generation as the starter tracks it (its tokens, its cache slot, what
 every node's cache holds of it), and why it ended."""
+import logging
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, List, Optional
 
 import numpy as np
 
-from mdi.model.sampling import Generator, Logprobs, SamplingParams, draw, host_array, sample_generator
+from mdi.model.sampling import Generator, Logprobs, SamplingError, SamplingParams, draw, host_array, sample_generator
 from mdi.runconfig import SpeculationSpec
 from mdi.starter.generation_options import GenerationOptions
 from mdi.system.str_enum import StrEnum
+
+log = logging.getLogger(__name__)
+
 
 class FinishReason(StrEnum):
     """Why a sample, or the request it serves, ended: one vocabulary for the pipeline, the
@@ -175,7 +179,18 @@ def draw_next(sample: Sample, logits: Any, params: SamplingParams, end_ids: Abst
     penalties read the tokens it has taken so far: in a speculative verification, also those
     taken from the rows before, so each draw is the plain run's. Its request's logprobs are
     kept in `sample.logprobs`, one entry per draw (the scheduler's on_token reads the last).
-    Before its request's min_tokens, no token that would end it (`end_ids`, its stop ids) is drawn."""
+    Before its request's min_tokens, no token that would end it (`end_ids`, its stop ids) is drawn.
+    Any fault in drawing it is a SamplingError: it ends this sample, never the ring the others share."""
+    try:
+        return _draw_next(sample, logits, params, end_ids)
+    except SamplingError:
+        raise
+    except Exception as e:  # a fault of ours for some request's settings: logged whole, said in one line
+        log.exception("mdi: sample %s: its next token could not be drawn", sample.index)
+        raise SamplingError("its next token could not be drawn (%s: %s)" % (type(e).__name__, e)) from None
+
+
+def _draw_next(sample: Sample, logits: Any, params: SamplingParams, end_ids: AbstractSet[int]) -> int:
     allowed = sample.constraint.allowed() if sample.constraint is not None else None
     options = sample.options
     if options is not None and len(sample.token_ids) < options.min_tokens:
