@@ -539,6 +539,24 @@ def test_chat_template_kwargs_and_an_answer_s_reasoning_reach_the_template(smoll
         assert e.value.param == "chat_template_kwargs"
 
 
+def test_a_template_that_fails_on_a_request_s_values_is_that_request_s_400(smollm2_dir, tmp_path):
+    """A template doing 'Today: ' + date_string with a number raised TypeError, and a request
+    replacing Jinja's own `namespace` broke the template: both were 500s (only TemplateError
+    was caught)."""
+    path = tmp_path / "dated.jinja"
+    path.write_text("{% set ns = namespace(n=0) %}Today: {{ 'x' + date_string }}"
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    dated = ChatTemplate.of_config(load_tokenizer(smollm2_dir), str(path))
+    hi = chat_messages([{"role": "user", "content": "hi"}])
+    assert dated.render(hi, None, {"date_string": "1 May"}).startswith("Today: x1 May")
+    for kwargs, field, needle in (({"date_string": 5}, "messages", "TypeError"),
+                                  ({"date_string": "1 May", "namespace": 1}, "chat_template_kwargs", "namespace"),
+                                  ({"date_string": "1 May", "strftime_now": "x"}, "chat_template_kwargs", "strftime_now")):
+        with pytest.raises(ApiError) as e:
+            dated.render(hi, None, kwargs)
+        assert e.value.status == 400 and e.value.param == field and needle in e.value.message, e.value.message
+
+
 def test_a_chat_template_file_replaces_the_model_s_and_a_bad_one_is_one_line(smollm2_dir, tmp_path):
     tok = load_tokenizer(smollm2_dir)
     gemma = ChatTemplate.of_config(tok, GEMMA3)

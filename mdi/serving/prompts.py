@@ -119,6 +119,10 @@ class ChatTemplate:
         from jinja2 import TemplateError
         parts, size = [], 0
         extra: Dict[str, Any] = dict(kwargs or {})
+        own = sorted(set(extra) & set(self.template.environment.globals))  # namespace, range, strftime_now...
+        if own:
+            raise ApiError(400, "%s is the chat template's own name: a request may not replace it"
+                           % own[0], "chat_template_kwargs")
         if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             messages, tools = template_inputs(messages, tools, self.tool_format)
             if tools:
@@ -137,6 +141,11 @@ class ChatTemplate:
                            "messages") from None
         except TemplateError as e:  # SecurityError included: a value past MAX_TEMPLATE_VALUE
             raise ApiError(400, "the chat template refused these messages: %s" % e, "messages")
+        except ApiError:
+            raise
+        except Exception as e:  # what the template did with a request's values ('Today: ' + 5): theirs to fix
+            raise ApiError(400, "the chat template failed on these messages%s: %s: %s"
+                           % (" and chat_template_kwargs" if kwargs else "", type(e).__name__, e), "messages")
         text = "".join(parts)
         if self.tokenizer.add_bos and self.bos and text.startswith(self.bos):
             text = text[len(self.bos):]  # the tokenizer adds BOS itself
