@@ -162,6 +162,14 @@ def test_reply_bodies_stream_delta_tool_calls_that_reassemble_to_the_whole_answe
                                                  for c in choice["message"]["tool_calls"]]
 
 
+def _nested_object(depth):
+    """An object schema whose one property is the next, `depth` deep."""
+    schema = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"name": "x"}, "extra": 1}]}, "tools[0]"),
@@ -173,6 +181,8 @@ def test_reply_bodies_stream_delta_tool_calls_that_reassemble_to_the_whole_answe
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 3}}}]},
      "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_object(400)}}]},
+     "tools[0].function.parameters"),  # (jsonschema's RecursionError was a 500)
     ({"tools": [ADD] * 129}, "tools"),
     ({"tools": "add"}, "tools"),
     ({"tools": [ADD], "tool_choice": "always"}, "tool_choice"),

@@ -99,6 +99,8 @@ def _object_schema(schema: Any, where: str) -> Dict[str, Any]:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
         raise _bad(param, "not a valid JSON schema: %s" % e.message[:200])
+    except RecursionError:  # jsonschema walks a schema by recursion; the body's own limit is deeper
+        raise _bad(param, "nested too deeply to check")
     return schema
 
 
