@@ -259,6 +259,48 @@ def test_a_mask_past_the_deadline_ends_its_sample_in_one_line(smol_compiler):
     assert relaxed.take(token) and relaxed.allowed().any()
 
 
+class _Matcher:
+    """llguidance's matcher as a Constraint calls it, each mask costing the CPU seconds listed."""
+
+    def __init__(self, costs):
+        self.costs = list(costs)
+
+    def compute_bitmask(self):
+        import time
+        t0, cost = time.thread_time(), self.costs.pop(0)
+        while time.thread_time() - t0 < cost:  # CPU time, however busy the machine
+            pass
+        return bytes(4)
+
+    def consume_token(self, token):
+        return True
+
+    def is_error(self):
+        return False
+
+
+@pytest.mark.parametrize("costs, ended_at", [
+    ([0.015, 0, 0.015, 0, 0.015, 0], None),  # now and then a mask past the deadline: let go
+    ([0, 0.015, 0.015, 0], 2),               # two in a row: the grammar
+    ([0, 0.045, 0], 1),                      # far past it: at once
+])
+def test_a_mask_past_the_deadline_once_is_let_go_and_again_ends_the_sample(costs, ended_at):
+    """One mask in 4,767 of a plain tool call took 99 ms of CPU (50 allowed) once, on a busy
+    machine, and its request failed with a 503."""
+    from mdi.model.constraints.constraint import Constraint
+    from mdi.model.sampling import SamplingError
+    spec = GrammarSpec("regex", "[a-z]+", "regex")
+    constraint = Constraint(lambda: None, _Matcher(costs), 32, 32, spec, deadline_s=0.01)
+    for i in range(len(costs)):
+        if i == ended_at:
+            with pytest.raises(SamplingError, match="token mask took"):
+                constraint.allowed()
+            return
+        constraint.allowed()
+        assert constraint.take(0)
+    assert ended_at is None
+
+
 @pytest.mark.parametrize("value", [0, -5, "50", float("inf"), True])
 def test_a_mask_deadline_that_is_not_a_positive_time_is_a_config_error(value):
     from mdi.runconfig import ConfigError, parse_config
