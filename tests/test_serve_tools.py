@@ -150,7 +150,9 @@ def smollm2_server(tmp_path_factory, smollm2_dir):
             assert code == 0, srv.output()
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}},
+                                    {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                                        {"type": "function", "function": {"name": "add"}}]}}])
 def test_required_and_named_calls_obey_the_schema(smollm2_server, choice):
     jsonschema = pytest.importorskip("jsonschema")
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -163,8 +165,8 @@ def test_required_and_named_calls_obey_the_schema(smollm2_server, choice):
     assert call.id.startswith("call_") and call.type == "function"
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    if isinstance(choice, dict):
-        assert call.function.name == "get_weather"
+    if isinstance(choice, dict):  # the one named, or allowed (a weather question answered with `add`)
+        assert call.function.name == ("get_weather" if choice["type"] == "function" else "add")
     # streamed: delta.tool_calls reassemble to the whole answer's calls
     calls = {}
     for chunk in c.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, ADD],

@@ -349,9 +349,9 @@ def test_a_sample_past_the_mask_deadline_ends_and_the_others_go_on(tmp_path):
         assert srv.output().count("constrained decoding ready") == 1  # two grammars at once, built once
         with requests.post(srv.url + "/v1/completions", json=dict(bodies["regex"], stream=True), stream=True,
                            timeout=120) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith(b"data: ") and line != b"data: [DONE]"]
-        assert "mask_deadline_ms" in events[-1]["error"]["message"], events
+            lines = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert lines[-1] == b"data: [DONE]" and "mask_deadline_ms" in events[-1]["error"]["message"], events
         assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", [])), events
         again = requests.post(srv.url + "/v1/completions", json=free, timeout=120)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == alone

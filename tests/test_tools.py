@@ -189,6 +189,15 @@ def _nested_object(depth):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": [ADD], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [ADD], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": [ADD]}}},
+     "tool_choice.allowed_tools.mode"),
+    ({"tools": [ADD], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+     "tool_choice.allowed_tools.tools"),
+    ({"tools": [ADD], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}}, "tool_choice.allowed_tools.tools[0]"),
+    ({"tools": [ADD], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": ["add"]}}},
+     "tool_choice.allowed_tools.tools[0]"),
+    ({"tools": [ADD], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [ADD]}}, "tool_choice"),
 ])
 def test_bad_tool_fields_are_a_400_naming_the_field(fields, param):
     with pytest.raises(ApiError) as e:
@@ -291,6 +300,21 @@ def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing
         assert not takes(bad_args) and not takes("Hello, I cannot call.") and not takes(call + call)
     named_add = tool_grammar(ToolChoice(TOOLS, "named", "add", True), ToolFormat(family, False, False))
     assert '"get_weather"' not in named_add.text
+    for mode in ("auto", "required"):  # allowed_tools: every tool in the prompt, some in the answer
+        allowed = tool_grammar(ToolChoice(TOOLS, mode, None, True, allowed=("add",)), ToolFormat(family, False, False))
+        assert '"get_weather"' not in allowed.text and '"add"' in allowed.text
+
+
+def test_allowed_tools_is_read_as_openai_sends_it():
+    """OpenAI's tool_choice {"type": "allowed_tools", ...} was refused as not a function."""
+    from mdi.serving.tools import tool_choice_of
+    ask = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "add"}}]}}
+    opts, fields = parse_options({"messages": [{"role": "user", "content": "a"}], "tools": [WEATHER, ADD],
+                                  "tool_choice": ask, "stop": ["x"]}, CHAT, SamplingParams())
+    choice = tool_choice_of(fields, ToolFormat(HERMES, True, False))
+    assert (choice.mode, [f["name"] for f in choice.functions], len(choice.tools)) == ("required", ["add"], 2)
+    assert opts.stop == ()  # the answer is calls only: no stop string may cut one
 
 
 AUTO_CALLS = {  # a call to the non-strict `add`, valid and with arguments outside its schema

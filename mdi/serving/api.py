@@ -378,6 +378,7 @@ class Routes:
                     self._cancel(choices.requests)  # the other choices with it
                     over = True
                     yield _sse(self._shown(ApiError(503, event.message, kind="server_error")))
+                    yield "data: [DONE]\n\n"  # (as vLLM ends a stream that failed: clients wait for it)
                     return
                 left -= 1
                 over = not left

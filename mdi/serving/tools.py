@@ -105,7 +105,10 @@ def _object_schema(schema: Any, where: str) -> Dict[str, Any]:
 
 
 def check_tool_choice(value: Any, checked: Dict[str, Any]) -> Any:
-    """"auto", "none", "required" or {"type": "function", "function": {"name": one of tools}}."""
+    """"auto", "none", "required", {"type": "function", "function": {"name": one of tools}}, or
+    {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [such
+    functions]}}: OpenAI's way to let the answer call some of the tools only, all of them still
+    in the prompt (which a prefix cache keeps)."""
     names = [t["function"]["name"] for t in checked["tools"]]
     if isinstance(value, str):
         if value not in CHOICES:
@@ -113,13 +116,42 @@ def check_tool_choice(value: Any, checked: Dict[str, Any]) -> Any:
         if value == "required" and not names:
             raise _bad("tool_choice", '"required" needs tools')
         return value
-    fn = value.get("function")
-    if value.get("type") != "function" or set(value) - {"type", "function"} or not isinstance(fn, dict) \
+    if value.get("type") == "allowed_tools":
+        return _allowed_tools(value, names)
+    return {"type": "function", "function": {"name": _function_name(value, names, "tool_choice")}}
+
+
+def _function_name(value: Any, names: List[str], where: str) -> str:
+    """The name in {"type": "function", "function": {"name": one of `names`}}."""
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(fn, dict) or value.get("type") != "function" or set(value) - {"type", "function"} \
             or set(fn) != {"name"} or not isinstance(fn["name"], str):
-        raise _bad("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
+        raise _bad(where, 'expected {"type": "function", "function": {"name": ...}}')
     if fn["name"] not in names:
-        raise _bad("tool_choice", "no tool named %s in tools" % json.dumps(fn["name"])[:70])
-    return {"type": "function", "function": {"name": fn["name"]}}
+        raise _bad(where, "no tool named %s in tools" % json.dumps(fn["name"])[:70])
+    return fn["name"]
+
+
+def _allowed_tools(value: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    inner = value.get("allowed_tools")
+    if set(value) != {"type", "allowed_tools"} or not isinstance(inner, dict) or set(inner) != {"mode", "tools"}:
+        raise _bad("tool_choice", 'expected {"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}')
+    if inner["mode"] not in ("auto", "required"):
+        raise _bad("tool_choice.allowed_tools.mode", 'expected "auto" or "required"')
+    if not isinstance(inner["tools"], list) or not inner["tools"]:
+        raise _bad("tool_choice.allowed_tools.tools", "expected a list of one or more tools")
+    allowed = [_function_name(t, names, "tool_choice.allowed_tools.tools[%d]" % i)
+               for i, t in enumerate(inner["tools"])]
+    tools = [{"type": "function", "function": {"name": n}} for n in dict.fromkeys(allowed)]  # (each once)
+    return {"type": "allowed_tools", "allowed_tools": {"mode": inner["mode"], "tools": tools}}
+
+
+def answer_is_calls(choice: Any) -> bool:
+    """Whether a checked tool_choice leaves the answer no text: "required", a named function, or
+    allowed tools in "required" mode."""
+    if isinstance(choice, dict):
+        return choice["type"] == "function" or choice["allowed_tools"]["mode"] == "required"
+    return choice == "required"
 
 
 @dataclass(frozen=True)
@@ -130,12 +162,14 @@ class ToolChoice:
     name: Optional[str]  # the named function ("named" only)
     parallel: bool  # more than one call allowed
     legacy: bool = False  # asked with the legacy `functions`: answered as one `function_call`
+    allowed: Optional[Tuple[str, ...]] = None  # the only functions the answer may call (allowed_tools)
 
     @property
     def functions(self) -> List[Dict[str, Any]]:
         """The functions the answer may call."""
         fns = [t["function"] for t in self.tools]
-        return [f for f in fns if f["name"] == self.name] if self.mode == "named" else fns
+        may = (self.name,) if self.mode == "named" else self.allowed
+        return fns if may is None else [f for f in fns if f["name"] in may]
 
 
 def parallel_default(fmt: "ToolFormat") -> bool:
@@ -163,12 +197,17 @@ def tool_choice_of(fields: Dict[str, Any], fmt: "ToolFormat") -> Optional[ToolCh
     if not tools or choice == "none":
         return None
     parallel = fields.get("parallel_tool_calls")
+    named = isinstance(choice, dict) and choice["type"] == "function"
     if legacy:
         parallel = False  # a legacy message holds one function_call
     elif parallel is None:  # a named function: one call of it, as OpenAI and vLLM answer (Instructor counts on one)
-        parallel = parallel_default(fmt) and not isinstance(choice, dict)
-    if isinstance(choice, dict):
+        parallel = parallel_default(fmt) and not named
+    if named:
         return ToolChoice(tools, "named", choice["function"]["name"], parallel, legacy)
+    if isinstance(choice, dict):
+        allowed = choice["allowed_tools"]
+        return ToolChoice(tools, allowed["mode"], None, parallel, legacy,
+                          tuple(t["function"]["name"] for t in allowed["tools"]))
     return ToolChoice(tools, choice, None, parallel, legacy)
 
 

@@ -287,7 +287,8 @@ FIELDS = (  # in checking order: a check may read the fields above it
     Field("regex", (str,), "a string (a regular expression)", check=_regex),
     # Function calling (`tools`): the functions, which of them the answer must call, and how many.
     Field("tools", (list,), "a list of tools", default=[], routes=(CHAT,), check=_tool_check(tools.check_tools)),
-    Field("tool_choice", (str, dict), '"auto", "none", "required" or {"type": "function", ...}', routes=(CHAT,),
+    Field("tool_choice", (str, dict), '"auto", "none", "required", {"type": "function", ...} or '
+          '{"type": "allowed_tools", ...}', routes=(CHAT,),
           check=_tool_check(tools.check_tool_choice)),
     # None: what the chat template supports (tools.parallel_default), as llama.cpp decides it
     Field("parallel_tool_calls", (bool,), "true or false", routes=(CHAT,)),
@@ -403,8 +404,7 @@ def _stops(checked: Dict[str, Any]) -> Sequence[str]:
     all calls, with no text for a stop string to end, and one matching inside a call's
     arguments (stop: ["Paris"] and a city) would only cut the call the client asked for."""
     offered, choice, _ = tools.asked_tools(checked)
-    forced = bool(offered) and (choice == "required" or isinstance(choice, dict))
-    return () if forced else checked["stop"]
+    return () if offered and tools.answer_is_calls(choice) else checked["stop"]
 
 
 def _one_shape(checked: Dict[str, Any]) -> Optional[GrammarSpec]:
