@@ -173,6 +173,28 @@ def test_batch_run_with_a_tiny_temperature_matches_greedy(tmp_path, tiny_models)
     assert run("1e-40") == run("0")
 
 
+def test_a_batch_run_whose_samples_failed_says_so_and_exits_1(tmp_path):
+    """Every sample ended in error (non-finite logits) and mdi-start still exited 0: the texts so
+    far and the record are kept, and the run's exit says it failed, in one line."""
+    from conftest import CHARS, save_test_model, tiny_model
+    from mdi.model.tokenizers import char_tokenizer
+    model = tiny_model("llama")
+    state = model.state_dict()
+    state["norm_f.weight"] = torch.full_like(state["norm_f.weight"], float("nan"))  # the final norm: every logit
+    path = str(tmp_path / "nan-model")
+    save_test_model(path, model.config, state, "tests/test_sampling.py")
+    char_tokenizer(CHARS).save(path)
+    out = tmp_path / "m.json"
+    proc = subprocess.run([BIN + "/mdi-start", "--model", path, "--prompt", "Once", "--prompt", "Up", "--n-tokens",
+                           "4", "--metrics-out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mdi: error: 2 of 2 samples failed (sample 0: ") and "non-finite logits" in last, last
+    assert "--- sample 1 (0 tokens, error) ---" in proc.stdout and "mdi: 0 tokens" in proc.stdout, proc.stdout
+    assert [s["finish_reason"] for s in json.loads(out.read_text())["samples"]] == ["error", "error"]
+
+
 def test_yaml_nan_temperature_is_a_config_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: {path: x}\ngeneration: {temperature: .nan}\n")

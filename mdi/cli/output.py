@@ -4,7 +4,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from mdi.cli.process import EXIT_CONFIG, fail
+from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail
 from mdi.runconfig import ConfigError
 from mdi.system.files import output_problem, write_json
 
@@ -53,7 +53,13 @@ def report(result, args: argparse.Namespace) -> int:
     for note in (speculation_line(result), context_note(result)):
         if note:
             print(note, file=sys.stderr)
-    return write_metrics(result, args)
+    written = write_metrics(result, args)
+    failed = [(i, s) for i, s in enumerate(result.samples) if s.finish_reason == "error"]
+    if failed and not written:  # their texts so far are printed and recorded: the run still failed
+        i, first = failed[0]
+        return fail("%d of %d samples failed (sample %d: %s)" % (len(failed), len(result.samples), i, first.error),
+                    EXIT_RUN)
+    return written
 
 
 def node_lines(result, args: argparse.Namespace) -> None:
