@@ -190,7 +190,7 @@ def test_a_batch_run_whose_samples_failed_says_so_and_exits_1(tmp_path):
                           universal_newlines=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("mdi: error: 2 of 2 samples failed (sample 0: ") and "non-finite logits" in last, last
+    assert last.startswith("mdi: error: 2 of 2 samples failed (sample 0: the model produced non-finite logits"), last
     assert "--- sample 1 (0 tokens, error) ---" in proc.stdout and "mdi: 0 tokens" in proc.stdout, proc.stdout
     assert [s["finish_reason"] for s in json.loads(out.read_text())["samples"]] == ["error", "error"]
 

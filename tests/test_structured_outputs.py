@@ -280,9 +280,10 @@ class _Matcher:
 
 
 @pytest.mark.parametrize("costs, ended_at", [
-    ([0.015, 0, 0.015, 0, 0.015, 0], None),  # now and then a mask past the deadline: let go
-    ([0, 0.015, 0.015, 0], 2),               # two in a row: the grammar
-    ([0, 0.045, 0], 1),                      # far past it: at once
+    ([0.015] + [0] * 64 + [0.015, 0], None),  # now and then a mask past the deadline: let go
+    ([0, 0.015, 0.015, 0], 2),                # two in a row: the grammar
+    ([0.015, 0, 0, 0.015, 0], 3),             # two close together (a slow mask every other one...)
+    ([0, 0.045, 0], 1),                       # far past it: at once
 ])
 def test_a_mask_past_the_deadline_once_is_let_go_and_again_ends_the_sample(costs, ended_at):
     """One mask in 4,767 of a plain tool call took 99 ms of CPU (50 allowed) once, on a busy

@@ -308,8 +308,7 @@ def test_required_and_named_grammars_take_calls_in_the_family_format_and_nothing
 def test_allowed_tools_is_read_as_openai_sends_it():
     """OpenAI's tool_choice {"type": "allowed_tools", ...} was refused as not a function."""
     from mdi.serving.tools import tool_choice_of
-    ask = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
-        {"type": "function", "function": {"name": "add"}}]}}
+    ask = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [ADD]}}  # (a whole tool, too)
     opts, fields = parse_options({"messages": [{"role": "user", "content": "a"}], "tools": [WEATHER, ADD],
                                   "tool_choice": ask, "stop": ["x"]}, CHAT, SamplingParams())
     choice = tool_choice_of(fields, ToolFormat(HERMES, True, False))

@@ -53,13 +53,17 @@ def report(result, args: argparse.Namespace) -> int:
     for note in (speculation_line(result), context_note(result)):
         if note:
             print(note, file=sys.stderr)
-    written = write_metrics(result, args)
-    failed = [(i, s) for i, s in enumerate(result.samples) if s.finish_reason == "error"]
-    if failed and not written:  # their texts so far are printed and recorded: the run still failed
-        i, first = failed[0]
-        return fail("%d of %d samples failed (sample %d: %s)" % (len(failed), len(result.samples), i, first.error),
-                    EXIT_RUN)
-    return written
+    return write_metrics(result, args)
+
+
+def judge_samples(result, code: int) -> int:
+    """A finished run's exit: `code` (its report's), else EXIT_RUN with one line where samples
+    failed (their texts so far are printed and recorded: the run still failed)."""
+    failed = [s for s in result.samples if s.finish_reason == "error"]
+    if not failed:
+        return code
+    fail("%d of %d samples failed (%s)" % (len(failed), len(result.samples), failed[0].error), EXIT_RUN)
+    return code or EXIT_RUN  # (a record that could not be written: its own code, said above)
 
 
 def node_lines(result, args: argparse.Namespace) -> None:

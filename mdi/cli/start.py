@@ -7,7 +7,7 @@ import time
 from typing import List, Optional
 
 from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int
-from mdi.cli.output import check_output, report, report_perplexity, write_start_failure
+from mdi.cli.output import check_output, judge_samples, report, report_perplexity, write_start_failure
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process, stopped
 from mdi.cli.progress import PerplexityProgress, Progress
 from mdi.model.layout import CheckpointError
@@ -266,7 +266,7 @@ def _start(args: argparse.Namespace, batch) -> int:
         return stopped(e)
     except RuntimeError as e:
         return fail(str(e), EXIT_RUN)
-    return report(result, args)
+    return judge_samples(result, report(result, args))
 
 
 def _dashboard(cfg: RunConfig, args: argparse.Namespace, n_samples: int):

@@ -141,7 +141,7 @@ class ChatTemplate:
                            "messages") from None
         except TemplateError as e:  # SecurityError included: a value past MAX_TEMPLATE_VALUE
             raise ApiError(400, "the chat template refused these messages: %s" % e, "messages")
-        except ApiError:
+        except (ApiError, MemoryError):
             raise
         except Exception as e:  # what the template did with a request's values ('Today: ' + 5): theirs to fix
             raise ApiError(400, "the chat template failed on these messages%s: %s: %s"

@@ -121,11 +121,12 @@ def check_tool_choice(value: Any, checked: Dict[str, Any]) -> Any:
     return {"type": "function", "function": {"name": _function_name(value, names, "tool_choice")}}
 
 
-def _function_name(value: Any, names: List[str], where: str) -> str:
-    """The name in {"type": "function", "function": {"name": one of `names`}}."""
+def _function_name(value: Any, names: List[str], where: str, exact: bool = True) -> str:
+    """The name in {"type": "function", "function": {"name": one of `names`}}; not `exact`: the
+    function may carry more (a whole tool, as clients send allowed_tools)."""
     fn = value.get("function") if isinstance(value, dict) else None
-    if not isinstance(fn, dict) or value.get("type") != "function" or set(value) - {"type", "function"} \
-            or set(fn) != {"name"} or not isinstance(fn["name"], str):
+    if not isinstance(fn, dict) or value.get("type") != "function" or not isinstance(fn.get("name"), str) \
+            or exact and (set(value) - {"type", "function"} or set(fn) != {"name"}):
         raise _bad(where, 'expected {"type": "function", "function": {"name": ...}}')
     if fn["name"] not in names:
         raise _bad(where, "no tool named %s in tools" % json.dumps(fn["name"])[:70])
@@ -140,7 +141,7 @@ def _allowed_tools(value: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
         raise _bad("tool_choice.allowed_tools.mode", 'expected "auto" or "required"')
     if not isinstance(inner["tools"], list) or not inner["tools"]:
         raise _bad("tool_choice.allowed_tools.tools", "expected a list of one or more tools")
-    allowed = [_function_name(t, names, "tool_choice.allowed_tools.tools[%d]" % i)
+    allowed = [_function_name(t, names, "tool_choice.allowed_tools.tools[%d]" % i, exact=False)
                for i, t in enumerate(inner["tools"])]
     tools = [{"type": "function", "function": {"name": n}} for n in dict.fromkeys(allowed)]  # (each once)
     return {"type": "allowed_tools", "allowed_tools": {"mode": inner["mode"], "tools": tools}}

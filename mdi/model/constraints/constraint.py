@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 
 from mdi.model.constraints.grammar_cost import (FAR_PAST, MASK_BUDGET_S, MASK_DEADLINE_S, MAX_REPEAT, MAX_REPEAT_ADDED,
-                                               SLOW_MASKS, spec_repeat)
+                                               SLOW_WINDOW, spec_repeat)
 from mdi.model.constraints.grammar_empty import derives_text
 from mdi.model.constraints.grammar_spec import GrammarSpec
 from mdi.model.constraints.schema_bounds import bounded
@@ -262,8 +262,8 @@ class Constraint:
     """One sample's grammar state. The mask is computed for the state after the tokens taken
     so far and cached until the next one is taken; tokens are taken one at a time, only once
     accepted (a speculative pass's guesses never reach it), so nothing is ever rolled back.
-    Masks past `deadline_s` of CPU time end the sample (`allowed` raises): SLOW_MASKS of them in
-    a row, or one past FAR_PAST times it."""
+    Masks past `deadline_s` of CPU time end the sample (`allowed` raises): two of them within
+    SLOW_WINDOW masks, or one past FAR_PAST times it."""
 
     def __init__(self, new_matcher: Callable[[], Any], matcher: Any, width: int, vocab: int,
                  spec: GrammarSpec, deadline_s: float = MASK_DEADLINE_S) -> None:
@@ -272,7 +272,7 @@ class Constraint:
         self.deadline_s = deadline_s
         self._allowed: Optional[np.ndarray] = None
         self._overrun: Optional[str] = None  # why its masks stopped: they were too slow
-        self._slow = 0  # masks in a row past the deadline
+        self._last_slow: Optional[int] = None  # the last mask past the deadline (its number)
         self.mask_seconds = 0.0  # time spent computing masks (the benchmark reports it per token)
         self.masks = 0
 
@@ -284,17 +284,21 @@ class Constraint:
     def allowed(self) -> np.ndarray:
         """Bool [width] (numpy, on either backend: a starter computing with ggml never loads
         torch for a grammar): the tokens that keep the output valid (the end tokens once it may end).
-        SamplingError once a mask took more CPU time than the deadline."""
+        SamplingError once its masks took more CPU time than the deadline allows (see the class)."""
         if self._overrun is not None:
             raise SamplingError(self._overrun)
         if self._allowed is None:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             cpu = time.thread_time() - cpu0
-            self._slow = self._slow + 1 if cpu > self.deadline_s else 0
             # One mask a little past it is let go (a rare one costs 100x the grammar's typical mask:
-            # the lexer builds new states): a second in a row, or one far past it, is the grammar.
-            if self._slow >= SLOW_MASKS or cpu > FAR_PAST * self.deadline_s:
+            # the lexer builds new states); a second within SLOW_WINDOW masks, or one far past it,
+            # is the grammar.
+            slow = cpu > self.deadline_s
+            again = slow and self._last_slow is not None and self.masks - self._last_slow < SLOW_WINDOW
+            if slow:
+                self._last_slow = self.masks
+            if again or cpu > FAR_PAST * self.deadline_s:
                 self._overrun = ("its %s's token mask took %.0f ms of CPU, more than the %.0f ms a step allows "
                                  "(serve.mask_deadline_ms): the grammar grew too costly"
                                  % (self.spec.field, cpu * 1e3, self.deadline_s * 1e3))

@@ -12,8 +12,8 @@ MASK_BUDGET_S, for all of a request's choices (each computes its own mask every 
 Neither sees a grammar that turns costly further on (alternations of counted wildcards build
 new lexer states token after token: `(.{10}a|.{22}b|...){3}` started at 1 ms and reached 19).
 So every mask during generation is timed too, in CPU time (what it costs the scheduler, however
-busy the machine): a sample whose masks take more than MASK_DEADLINE_S (SLOW_MASKS in a row, or one
-FAR_PAST times it) ends with an error naming its grammar, and the other samples go on. llguidance holds the GIL while it computes a mask
+busy the machine): a sample whose masks take more than MASK_DEADLINE_S (two within SLOW_WINDOW masks,
+or one FAR_PAST times it) ends with an error naming its grammar, and the other samples go on. llguidance holds the GIL while it computes a mask
 (measured: a thread beside it stalls for the whole mask), so a worker thread would not free the
 scheduler; the deadline bounds what one sample can take instead.
 """
@@ -31,7 +31,7 @@ MAX_REPEAT = 1000  # the largest product of nested counted repetitions ({n}, {n,
 MAX_REPEAT_ADDED = 10000
 MASK_BUDGET_S = 0.02  # one token mask, measured once before admission (typical ones: < 1 ms)
 MASK_DEADLINE_S = 0.05  # any token mask during generation (`serve.mask_deadline_ms` sets it)
-SLOW_MASKS = 2  # masks in a row past the deadline that end a sample
+SLOW_WINDOW = 64  # a second mask past the deadline within this many masks ends a sample
 FAR_PAST = 4  # a mask past this many deadlines ends it at once
 
 
