@@ -12,10 +12,11 @@ MASK_BUDGET_S, for all of a request's choices (each computes its own mask every 
 Neither sees a grammar that turns costly further on (alternations of counted wildcards build
 new lexer states token after token: `(.{10}a|.{22}b|...){3}` started at 1 ms and reached 19).
 So every mask during generation is timed too, in CPU time (what it costs the scheduler, however
-busy the machine): a sample whose masks take more than MASK_DEADLINE_S (two within SLOW_WINDOW masks,
-or one FAR_PAST times it) ends with an error naming its grammar, and the other samples go on. llguidance holds the GIL while it computes a mask
-(measured: a thread beside it stalls for the whole mask), so a worker thread would not free the
-scheduler; the deadline bounds what one sample can take instead.
+busy the machine): a sample whose masks take more than MASK_DEADLINE_S (two within SLOW_WINDOW
+masks, or one FAR_PAST times it) ends with an error naming its grammar, and the other samples go
+on. llguidance holds the GIL while it computes a mask (measured: a thread beside it stalls for
+the whole mask), so a worker thread would not free the scheduler; the deadline bounds what one
+sample can take instead.
 """
 import json
 from dataclasses import dataclass
