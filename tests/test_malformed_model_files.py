@@ -43,8 +43,10 @@ def hf_dir(tmp_path, text):
     (json.dumps(dict(LLAMA, rope_theta=-5.0)), "rope_theta must be a positive finite number"),
     (json.dumps(dict(LLAMA, eos_token_id="</s>")), "eos_token_id must be a token id"),
     (json.dumps({k: v for k, v in LLAMA.items() if k != "vocab_size"}), "vocab_size"),
+    # an odd head size: ggml's RoPE aborted a worker's process (GGML_ASSERT) on its first frame
+    (json.dumps(dict(LLAMA, num_attention_heads=64, num_key_value_heads=16)), "must be even"),  # head size 1
 ], ids=["not-json", "list", "deep", "str", "fraction", "bool", "negative", "huge-context", "zero-vocab", "nan",
-        "negative-theta", "str-token", "missing"])
+        "negative-theta", "str-token", "missing", "odd-head"])
 def test_a_malformed_config_json_is_one_line_naming_it(tmp_path, text, words):
     path = hf_dir(tmp_path, text)
     with pytest.raises(CheckpointError) as e:

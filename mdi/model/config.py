@@ -93,6 +93,11 @@ class ModelConfig:
                 setattr(self, key, int(value))
         if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError("n_embd (%d) must be divisible by n_head (%d)" % (self.n_embd, self.n_head))
+        rotated = _FAMILY_TABLE[self.family].positions == "rope"
+        if self.head_size is None and (self.n_embd // self.n_head) % 2 and rotated:
+            # RoPE turns pairs of a head's values (ggml aborts the process on an odd one)
+            raise ValueError("n_embd / n_head (%d / %d) must be even: RoPE rotates a head's values in pairs"
+                             % (self.n_embd, self.n_head))
         if self.head_size is not None and (not isinstance(self.head_size, int) or not 2 <= self.head_size <= 4096
                                            or self.head_size % 2):
             raise ValueError("head_size must be an even integer in [2, 4096], got %r" % (self.head_size,))
