@@ -556,6 +556,45 @@ def test_idle_connections_starve_neither_a_running_run_nor_a_new_one(tmp_path, t
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def _announce(port, path, authorization, content, length):
+    """A POST's headers announcing `length` body bytes, and the worker's answer to them alone."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(("POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\nAuthorization: %s\r\n"
+                   "%s: %s\r\n\r\n" % (path, length, authorization, CONTENT_HEADER, content)).encode())
+        return _reply(s)
+
+
+def test_a_captured_signed_header_cannot_make_a_worker_store_a_big_body(secret_worker):
+    """A signed header does not sign the body's length: one captured (the secret authenticates,
+    it does not encrypt) and sent again with Content-Length 800 MB had that body spooled to
+    $TMPDIR before its 401, and a stale one (a day old, another worker process) forever."""
+    auth = HmacAuth(SECRET)
+    assert requests.get(secret_worker.url + "/status", auth=auth, timeout=10).status_code == 200  # its instance id
+    body = b"x" * 100
+    content = body_sha256(body)
+    fresh = sign_request(SECRET, "POST", "/probe", content, instance=auth.instance)
+    stale = sign_request(SECRET, "POST", "/probe", content, now=time.time() - 86400, instance=auth.instance)
+    reply = _announce(secret_worker.port, "/probe", fresh, content, 800 << 20)
+    assert reply.startswith(b"HTTP/1.1 401") and b"at most 1048576 bytes" in reply, reply[:300]
+    r = requests.post(secret_worker.url + "/probe", data=body, timeout=10,  # the header, used as signed
+                      headers={"Authorization": fresh, CONTENT_HEADER: content})
+    assert r.status_code == 200, r.text
+    reply = _announce(secret_worker.port, "/probe", fresh, content, 100)  # and replayed
+    assert reply.startswith(b"HTTP/1.1 401") and b"replayed request" in reply, reply[:300]
+    # A stale one is answered with this node's clock and instance (a starter signs again) once a
+    # window: sent again, with any body, it is refused from its headers.
+    stale_small = requests.post(secret_worker.url + "/probe", data=body, timeout=10,
+                                headers={"Authorization": stale, CONTENT_HEADER: content})
+    assert stale_small.status_code == 401 and stale_small.headers.get(INSTANCE_HEADER) == auth.instance
+    for length in (100, 800 << 20):
+        reply = _announce(secret_worker.port, "/probe", stale, content, length)
+        assert reply.startswith(b"HTTP/1.1 401") and b"replayed request" in reply, reply[:300]
+    other = sign_request(SECRET, "POST", "/probe", content, now=time.time() - 86400, instance=auth.instance)
+    reply = _announce(secret_worker.port, "/probe", other, content, 800 << 20)  # a first stale one, big
+    assert reply.startswith(b"HTTP/1.1 401") and b"at most 1048576 bytes" in reply, reply[:300]
+    assert requests.post(secret_worker.url + "/probe", data=body, auth=auth, timeout=10).status_code == 200
+
+
 def test_an_unsigned_upload_is_refused_before_its_body_is_read(secret_worker):
     # A peer without the secret announces a 1 GiB body: the worker answers 401 from the headers
     # and closes, instead of storing the body (in $TMPDIR, past 1 MB) before checking them.

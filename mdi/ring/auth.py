@@ -109,9 +109,9 @@ class AuthError(ValueError):
     the signature is right but its time is outside the window (the clocks disagree), or it
     names another worker process (its starter has not heard this one's instance id yet)."""
 
-    def __init__(self, message: str, stale: bool = False) -> None:
+    def __init__(self, message: str, stale: bool = False, nonce: Optional[str] = None) -> None:
         super().__init__(message)
-        self.stale = stale
+        self.stale, self.nonce = stale, nonce  # (a stale signature's nonce: RequestVerifier.spend)
 
 
 class RequestVerifier:
@@ -132,16 +132,28 @@ class RequestVerifier:
                now: Optional[float] = None) -> None:
         """Returns if the request is authentic and new; raises AuthError otherwise."""
         t, nonce = self.check_signed(method, path, authorization, content_sha256, now)
-        now = time.time() if now is None else now
+        self.spend(nonce, int(t) + self.window, now)
+
+    def seen(self, nonce: str, now: Optional[float] = None) -> bool:
+        """Whether `nonce` was spent (and is still remembered): a replay, refused from its headers."""
         with self._lock:
-            while self._expiry and self._expiry[0][0] < now:
-                self._seen.discard(heapq.heappop(self._expiry)[1])
+            self._forget(time.time() if now is None else now)
+            return nonce in self._seen
+
+    def spend(self, nonce: str, until: float, now: Optional[float] = None) -> None:
+        """Remember `nonce` until `until`; AuthError if it was spent already, or if too many are."""
+        with self._lock:
+            self._forget(time.time() if now is None else now)
             if nonce in self._seen:
                 raise AuthError("replayed request")
             if len(self._seen) >= self.max_nonces:
                 raise AuthError("too many requests within %.0f s" % self.window)
             self._seen.add(nonce)
-            heapq.heappush(self._expiry, (int(t) + self.window, nonce))
+            heapq.heappush(self._expiry, (until, nonce))
+
+    def _forget(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(heapq.heappop(self._expiry)[1])
 
     def check_signed(self, method: str, path: str, authorization: Optional[str], content_sha256: Optional[str],
                      now: Optional[float] = None) -> Tuple[str, str]:
@@ -161,9 +173,10 @@ class RequestVerifier:
         now = time.time() if now is None else now
         if abs(now - int(t)) > self.window:
             raise AuthError("signed %+.0f s from this node's clock (window %.0f s)" % (int(t) - now, self.window),
-                            stale=True)
+                            stale=True, nonce=nonce)
         if self.instance is not None and instance != self.instance:
-            raise AuthError("signed for another worker process (or for this one before it restarted)", stale=True)
+            raise AuthError("signed for another worker process (or for this one before it restarted)", stale=True,
+                            nonce=nonce)
         return t, nonce
 
 

@@ -41,22 +41,48 @@ def admit_headers(worker: Worker) -> Optional[Callable[[str, str, Dict[str, str]
     secret, that the request is signed, from its headers alone. An unauthenticated peer then
     makes the worker store nothing (a 1 GB upload had been written to $TMPDIR before its 401).
     The application still checks everything once the body is there."""
-    if not worker.token:
+    verifier = worker.verifier
+    if verifier is None:
         return None
-    verifier = RequestVerifier(worker.token, worker.instance)
     content_key = CONTENT_HEADER.upper().replace("-", "_")  # as waitress keys its headers
 
     def admit(method: str, path: str, headers: Dict[str, str]) -> Optional[str]:
         if not path.isascii():  # no route has one: refused before its body is stored (h38: 300 MB spooled)
             return "missing or wrong token (no request of a starter has a path like %r)" % path[:64]
+        content = headers.get(content_key)
         try:
-            verifier.check_signed(method, path, headers.get("AUTHORIZATION"), headers.get(content_key))
+            _, nonce = verifier.check_signed(method, path, headers.get("AUTHORIZATION"), content)
+            if verifier.seen(nonce):
+                return "missing or wrong token (replayed request)"
         except AuthError as e:
+            if not e.stale or e.nonce is None:
+                return "missing or wrong token (%s)" % e
             # A stale signature is the secret's: the application answers it with this node's
-            # clock and instance id, with which the starter signs again.
-            return None if e.stale else "missing or wrong token (%s)" % e
+            # clock and instance id, with which the starter signs again. A captured one could
+            # be sent again forever: each is let through once a window (its nonce spent now).
+            try:
+                verifier.spend(e.nonce, time.time() + verifier.window)
+            except AuthError as again:
+                return "missing or wrong token (%s)" % again
+        # A signed header does not sign the body's length: each route's own limit, before the
+        # body is stored (a replayed header had spooled 800 MB to $TMPDIR before its 401).
+        limit = signed_body_limit(method, path.partition("?")[0], content)
+        length = headers.get("CONTENT_LENGTH")
+        if length is None or not length.isdigit() or int(length) > limit:
+            return "missing or wrong token (a body of at most %d bytes, with its Content-Length, on %s %s)" \
+                % (limit, method, path.partition("?")[0])
         return None
     return admit
+
+
+def signed_body_limit(method: str, path: str, content_sha256: Optional[str]) -> int:
+    """The most bytes a signed request's body may hold on this route: the weights push (its body
+    left unsigned, checked against the sha256 its signed /init announced) the most a node holds."""
+    if content_sha256 == UNSIGNED_PAYLOAD:
+        return MAX_BODY_BYTES if (method, path) == ("POST", "/weights") else 0
+    if path.startswith("/adapters/"):
+        return MAX_ADAPTER_BYTES
+    return MAX_TRAIN_BYTES if path == "/train" else MAX_JSON_BYTES
 
 
 def create_app(worker: Worker) -> Flask:
@@ -76,7 +102,7 @@ def create_app(worker: Worker) -> Flask:
             raise RequestError("body is not valid JSON")
         return data
 
-    verifier = RequestVerifier(worker.token, worker.instance) if worker.token else None
+    verifier = worker.verifier
 
     def check_signature(verifier: RequestVerifier) -> None:
         content = request.headers.get(CONTENT_HEADER)
@@ -89,8 +115,7 @@ def create_app(worker: Worker) -> Flask:
             if (request.method, request.path) != ("POST", "/weights"):
                 raise AuthError("only POST /weights may leave its body unsigned")
             return
-        limit = MAX_ADAPTER_BYTES if request.path.startswith("/adapters/") or request.path == "/train" \
-            else MAX_JSON_BYTES
+        limit = signed_body_limit(request.method, request.path, content)
         if request.content_length is not None and request.content_length > limit:
             raise AuthError("a signed body must be at most %d bytes" % limit)
         body = request.get_data(cache=True) if request.content_length else b""

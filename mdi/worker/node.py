@@ -18,7 +18,7 @@ from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.model.files.model_dir import GGUF_FILE, MODEL_FILE
 from mdi.model.threads import AUTO, choose_threads, usable_cpus
 from mdi.model.prefix_store import budget_bytes as prefix_budget
-from mdi.ring.auth import new_instance, ring_password
+from mdi.ring.auth import RequestVerifier, new_instance, ring_password
 from mdi.ring.init_request import InitRequest, NodeBusy, RequestError, TooLarge
 from mdi.ring.status import StatusReply, WorkerState
 from mdi.ring.transport import RingEndpoint
@@ -57,6 +57,8 @@ class Worker(Measuring):
         self.host, self.port = host, port
         self.token = token
         self.instance = new_instance()  # signed control requests must name it (mdi.ring.auth)
+        # one for the HTTP server's header check and the app's: a nonce spent is seen by both
+        self.verifier = RequestVerifier(token, self.instance) if token else None
         self.last_contact = time.monotonic()
         self.device_override = device
         self.max_memory = max_memory
