@@ -104,6 +104,29 @@ def test_a_worker_without_memory_for_a_layer_is_left_out(tiny_models, tmp_path, 
         small.stop()
 
 
+def test_a_ggml_profile_past_a_worker_s_memory_is_refused_and_one_within_it_runs(tiny_models):
+    """ggml's probe ignored --max-memory: a 7B-wide block in F32 took 2.3 GB on a worker given
+    0.3 GB (torch's was refused); a board past its limit is killed, not told."""
+    from mdi.model.ggml.lib import unavailable_reason
+    from mdi.timing.ggml_profile import probe_bytes
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    config = ModelSource(tiny_models["llama"]).config
+    request = ProfileRequest(config, "float32", "cpu", [1, 2], 8, 4, threads=1, backend="ggml",
+                             layer_types={"attn_q.weight": "F32"})
+    need = probe_bytes(request)
+    small = WorkerProcess(free_ports(1)[0], extra=["--max-memory", repr((need - 1) / 1024 ** 3)]).wait_ready()
+    roomy = WorkerProcess(free_ports(1)[0], extra=["--max-memory", repr(4 * need / 1024 ** 3)]).wait_ready()
+    try:
+        r = requests.post("http://127.0.0.1:%d/profile" % small.port, json=request.to_json(), timeout=120)
+        assert r.status_code == 413 and "profiling needs %d bytes" % need in r.json()["error"], r.text
+        r = requests.post("http://127.0.0.1:%d/profile" % roomy.port, json=request.to_json(), timeout=120)
+        assert r.status_code == 200 and r.json()["blocks"] >= 1, r.text
+    finally:
+        small.stop()
+        roomy.stop()
+
+
 def test_an_idle_worker_lets_go_of_its_last_weights_when_a_profile_needs_their_room(tiny_models, tmp_path):
     # A board that holds its last run's layers and has room for the two blocks of a profile
     # only without them: it profiles (the next /init would drop them anyway), it is not left out.

@@ -10,7 +10,8 @@ from mdi.model.config import ModelConfig
 from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.ggml import lib
 from mdi.model.ggml.chunk import GgmlChunk
-from mdi.model.ggml.random_weights import write_probe_gguf
+from mdi.model.ggml.kv_cache import kv_cache_bytes
+from mdi.model.ggml.random_weights import probe_block_bytes, write_probe_gguf
 from mdi.model.ggml.weights import GgufWeights
 from mdi.model.pass_rows import PassRows
 from mdi.model.threads import usable_cpus
@@ -19,12 +20,30 @@ from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.timing.relay import frame_seconds, time_relay
 
 
+def probe_blocks(request: ProfileRequest, n_blocks: Optional[int] = None) -> int:
+    """How many random blocks profile_ggml times."""
+    return max(1, min(n_blocks or PROFILE_LAYERS, request.model.n_layer))
+
+
+def probe_max_len(request: ProfileRequest) -> int:
+    """The positions of the probe's cache: its context and its prefill."""
+    return min(request.model.block_size, max(request.context + 1, request.prefill_tokens))
+
+
+def probe_bytes(request: ProfileRequest) -> int:
+    """What profile_ggml holds at its peak: its blocks twice (built in memory, then the probe
+    GGUF mapped) and the cache of its widest pass (a worker refuses what its memory cannot)."""
+    n = probe_blocks(request)
+    return (2 * n * probe_block_bytes(request.model, request.layer_types)
+            + kv_cache_bytes(request.model, 0, n, max(request.batch_sizes), probe_max_len(request), request.kv_type))
+
+
 def profile_ggml(request: ProfileRequest, device: str, with_ends: bool = False, params: Any = None,
                  token: Optional[str] = None, time_loop: Optional[Callable[[Any], Dict[int, float]]] = None,
                  n_blocks: Optional[int] = None) -> ProfileReply:
     t0 = time.perf_counter()
     config = request.model
-    n = max(1, min(n_blocks or PROFILE_LAYERS, config.n_layer))
+    n = probe_blocks(request, n_blocks)
     threads = request.threads if isinstance(request.threads, int) else usable_cpus()
     path = write_probe_gguf(config, request.layer_types, n, with_ends, request.end_types)
     chunk = None
@@ -45,7 +64,7 @@ def _time_passes(chunk: GgmlChunk, request: ProfileRequest, with_ends: bool, par
     import numpy as np
     config: ModelConfig = chunk.config
     rows_max = max(request.batch_sizes)
-    max_len = min(config.block_size, max(request.context + 1, request.prefill_tokens))
+    max_len = probe_max_len(request)
     context = min(request.context, max_len - 1)
     chunk.allocate_cache(rows_max, max_len)
     layer_s: Dict[int, float] = {}

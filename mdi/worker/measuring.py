@@ -3,7 +3,7 @@ the memory it spares) and POST /backend (which backend it would compute given la
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.backend import BackendChoice, WouldMeasure
 from mdi.model.backend_select import select_backend
@@ -53,8 +53,9 @@ class Measuring:
                                % self.pending.request.run_id)
             self.touch()
             if request.backend == "ggml":  # the run's blocks, on ggml: no torch loaded for it
+                from mdi.timing.ggml_profile import probe_blocks, probe_bytes
                 from mdi.timing.ggml_profile import profile_ggml as profile_here
-                n_blocks = None
+                n_blocks = self._fitting(request, lambda free: (probe_blocks(request), probe_bytes(request)))
                 if self.threads_override:  # this worker's --threads, as its runs compute with
                     request = dataclasses.replace(request, threads=self.threads_override)
             else:
@@ -115,24 +116,33 @@ class Measuring:
             raise RequestError(str(e))
 
     def _profile_blocks(self, request: ProfileRequest) -> int:
-        """How many random blocks to time (profile_blocks), within what fits beside the weights
-        held now; refuse (413) when not even PROFILE_LAYERS do: a board at its limit is killed by
-        the kernel, not told. When they do not fit beside the last run's weights (idle: the
-        caller checked), those go first, as the next /init would drop them, and the room is
-        measured again, not assumed: a 230 MB board holding its warmup run's layers refused the
-        profile and the plan left it out, and one sized on the room the weights would leave,
-        before they had gone, was OOM-killed."""
+        """How many of torch's random blocks to time (profile_blocks): as many as fit (`_fitting`)."""
         from mdi.model.profile_size import profile_blocks, profile_bytes
         from mdi.timing.node import profile_positions
         config, rows = request.model, max(request.batch_sizes)
         positions = profile_positions(request)
         device = self.device_override or request.device
 
+        def size(free: Optional[int]) -> Tuple[int, int]:
+            n = profile_blocks(config, request.dtype, request.quant, device, free, rows, positions)
+            return n, profile_bytes(config, n, request.dtype, request.quant, rows, positions)
+        return self._fitting(request, size)
+
+    def _fitting(self, request: ProfileRequest, size: Callable[[Optional[int]], Tuple[int, int]]) -> int:
+        """The blocks `size` (free bytes -> blocks, bytes they need) says to time, within what is
+        free beside the weights held now; refused (413) when not even PROFILE_LAYERS fit: a board
+        at its limit is killed by the kernel, not told (ggml's probe ignored it: 2.3 GB on a
+        worker given 0.3). When they do not fit beside the last run's weights (idle: the caller
+        checked), those go first, as the next /init would drop them, and the room is measured
+        again, not assumed: a 230 MB board holding its warmup run's layers refused the profile
+        and the plan left it out, and one sized on the room the weights would leave, before they
+        had gone, was OOM-killed."""
+        device = self.device_override or request.device
+
         def fit() -> Tuple[int, int, Optional[int], str]:
             limit, what = self._memory_limit(device)
             free = limit - chunk_nbytes(self.chunk) if limit is not None else None
-            n = profile_blocks(config, request.dtype, request.quant, device, free, rows, positions)
-            return n, profile_bytes(config, n, request.dtype, request.quant, rows, positions), free, what
+            return size(free) + (free, what)
 
         n, need, free, what = fit()
         if free is not None and need > free and self.chunk is not None:

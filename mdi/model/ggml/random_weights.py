@@ -11,7 +11,7 @@ import numpy as np
 from mdi.model.config import ModelConfig
 from mdi.model.files.gguf_write import RawTensor, remove_quietly, write_gguf
 from mdi.model.ggml import lib
-from mdi.model.ggml.tensors import block_tensors, end_tensors
+from mdi.model.ggml.tensors import block_tensors, end_tensors, tensor_bytes
 
 
 def random_tensor(kind: str, dims: Tuple[int, ...], norm: bool, rng: np.random.Generator) -> np.ndarray:
@@ -34,6 +34,17 @@ def random_tensor(kind: str, dims: Tuple[int, ...], norm: bool, rng: np.random.G
     return np.tile(row, n_rows)
 
 
+def probe_type(layer_types: Dict[str, str], suffix: str, dims: Tuple[int, ...]) -> str:
+    """A probe block's tensor's type: the one asked for its name (less "blk.N."), else float."""
+    return layer_types.get(suffix, "F32" if len(dims) == 1 else "F16")
+
+
+def probe_block_bytes(config: ModelConfig, layer_types: Dict[str, str]) -> int:
+    """Bytes of one block of a probe GGUF (write_probe_gguf)."""
+    return sum(tensor_bytes(probe_type(layer_types, name.split(".", 2)[2], dims), dims)
+               for name, dims in block_tensors(config, 0).items())
+
+
 def write_probe_gguf(config: ModelConfig, layer_types: Dict[str, str], n_blocks: int, with_ends: bool,
                      end_types: Dict[str, str], seed: int = 0) -> str:
     """A temporary GGUF of `n_blocks` random blocks (block j's tensors typed as
@@ -44,7 +55,7 @@ def write_probe_gguf(config: ModelConfig, layer_types: Dict[str, str], n_blocks:
     for layer in range(n_blocks):
         for name, dims in block_tensors(config, layer).items():
             suffix = name.split(".", 2)[2]
-            kind = layer_types.get(suffix, "F32" if len(dims) == 1 else "F16")
+            kind = probe_type(layer_types, suffix, dims)
             tensors[name] = (kind, dims, random_tensor(kind, dims, "norm" in suffix, rng))
     if with_ends:
         for name, dims in end_tensors(config, True, True).items():
