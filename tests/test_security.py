@@ -595,6 +595,22 @@ def test_a_captured_signed_header_cannot_make_a_worker_store_a_big_body(secret_w
     assert requests.post(secret_worker.url + "/probe", data=body, auth=auth, timeout=10).status_code == 200
 
 
+def test_the_http_server_s_own_refusals_are_json_too(workers):
+    """waitress answered a body past its limit (and a malformed request) in its own plain text,
+    where every other failure of a worker is {"ok": false, "error": ...}."""
+    import json
+    port = workers[0].port
+    for head in (b"POST /probe HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99999999999\r\n\r\n",
+                 b"POST /probe HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 12x\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head)
+            reply = _reply(s)
+        status, _, body = reply.partition(b"\r\n\r\n")
+        assert status.split()[1] in (b"400", b"413") and b"application/json" in status, reply[:300]
+        answer = json.loads(body)
+        assert answer["ok"] is False and answer["error"], answer
+
+
 def test_an_unsigned_upload_is_refused_before_its_body_is_read(secret_worker):
     # A peer without the secret announces a 1 GiB body: the worker answers 401 from the headers
     # and closes, instead of storing the body (in $TMPDIR, past 1 MB) before checking them.

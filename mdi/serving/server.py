@@ -20,6 +20,10 @@ from mdi.system.loopback import is_loopback
 
 log = logging.getLogger(__name__)
 
+# The error codes of the refusals the HTTP server answers before the app (waitress's 400 and
+# 413 have none)
+REFUSAL_CODES = {401: "invalid_api_key", 403: "forbidden_host"}
+
 
 def default_model_id(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
@@ -65,8 +69,7 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         server = HttpServer(app, host, port, "mdi-http", threads=threads, max_connections=max(256, 2 * threads),
                             max_body_bytes=16 * MAX_BODY_BYTES,  # past 1 MiB the routes answer 413 themselves
                             client_gone=True, admit=admit_bearer(cfg.runtime.token),
-                            refusal=lambda why, status: ApiError(status, why, code="invalid_api_key" if status == 401
-                                                                 else "forbidden_host").body(),
+                            refusal=lambda why, status: ApiError(status, why, code=REFUSAL_CODES.get(status)).body(),
                             secret=cfg.runtime.token is not None)
     except OSError as e:
         raise RuntimeError("cannot listen on %s:%d: %s" % (host, port, e.strerror or e))

@@ -49,7 +49,8 @@ def connection_cap(wanted: int, threads: int) -> int:
 # (method, path?query, headers as waitress keys them: "AUTHORIZATION", "X_MDI_CONTENT_SHA256")
 # -> None to read the body, or why the request is refused (401) before a byte of it is read.
 Admit = Callable[[str, str, Dict[str, str]], Optional[str]]
-# (why, 401 or 403) -> the refusal's JSON body (default: the worker's {"ok": false, "error": why}).
+# (why, its HTTP status: 401 or 403, or waitress's own 400 / 413) -> the refusal's JSON body
+# (default: the worker's {"ok": false, "error": why}).
 Refusal = Callable[[str, int], Dict[str, Any]]
 # headers (as Admit's) -> why any request is refused (403) before the application sees it, or None
 Guard = Callable[[Dict[str, str]], Optional[str]]
@@ -62,18 +63,29 @@ def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = No
     from waitress.server import TcpWSGIServer
     from waitress.utilities import BadRequest, Error
 
-    class Unauthorized(Error):
-        code = 401
-        reason = "Unauthorized"
+    class JsonError(Error):
+        """An error the server answers itself, in JSON as the applications answer theirs."""
 
-        def to_response(self, ident=None):  # JSON, as the applications answer their own 401s
+        def to_response(self, ident=None):
             body = json.dumps(refusal(self.body, self.code) if refusal is not None
                               else {"ok": False, "error": self.body}).encode()
             return "%d %s" % (self.code, self.reason), [("Content-Type", "application/json")], body
 
-    class Forbidden(Unauthorized):
+    class Unauthorized(JsonError):
+        code = 401
+        reason = "Unauthorized"
+
+    class Forbidden(JsonError):
         code = 403
         reason = "Forbidden"
+
+    def as_json(error: Error) -> Error:
+        """waitress's own refusals (a body past max_body: 413, a malformed request: 400) in JSON."""
+        if isinstance(error, JsonError):
+            return error
+        answer = JsonError(str(error.body))
+        answer.code, answer.reason = error.code, error.reason
+        return answer
 
     class BoundedChunks(ChunkedReceiver):
         error: Any  # waitress's attribute, declared for mypy (which cannot infer it in a class inside a function)
@@ -90,6 +102,7 @@ def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = No
         sees its request: a body is read only once `admit` has passed the headers."""
 
         chunked: bool  # waitress's, declared as in BoundedChunks
+        error: Any
         body_rcv: Any
         content_length: int
 
@@ -105,6 +118,12 @@ def _server_class(admit: Optional[Admit] = None, refusal: Optional[Refusal] = No
             why = admit(self.command, self.path + ("?" + self.query if self.query else ""), self.headers)
             if why is not None:
                 self._refuse(Unauthorized(why))
+
+        def received(self, data: bytes) -> int:
+            consumed = super().received(data)
+            if self.error is not None:
+                self.error = as_json(self.error)
+            return consumed
 
         def _refuse(self, error: Error) -> None:
             self.error = error
