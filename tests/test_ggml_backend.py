@@ -232,8 +232,9 @@ def _copy_gguf(tmp_path, source, drop=(), retype=None, reshape=None):
         data = t.data
         if reshape and t.name in reshape:
             dims, data = reshape[t.name], np.ones(reshape[t.name][::-1], np.float32)
-        if retype and t.name in retype:
-            kind, data = retype[t.name], np.zeros(dims[::-1], np.float32)
+        if retype and t.name in retype:  # (a float type's own bytes: the tensors after it stay where they are)
+            kind = retype[t.name]
+            data = np.zeros(dims[::-1], {"F16": np.float16, "F32": np.float32}[kind])
         tensors[t.name] = (kind, dims, data)
     path = str(tmp_path / "bad.gguf")
     write_gguf(path, source.config, tensors, arch="llama")

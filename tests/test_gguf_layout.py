@@ -128,8 +128,8 @@ def test_real_gguf_files_pass(tmp_path):
 
 
 @pytest.mark.parametrize("declared, second_offset, needle", [
-    (0, 256, "tensor b has offset 256, expected 128"),  # a gap after a (F32: 128 bytes)
-    (1, 128, "tensor b has offset 128, expected 64"),   # a relabelled F16: its bytes end earlier
+    (0, 256, "tensor b has offset 256, expected 128: where the tensor before it, a (F32 [32]), ends"),  # a gap
+    (1, 128, "tensor b has offset 128, expected 64: where the tensor before it, a (F16 [32]), ends"),  # relabelled
 ])
 def test_tensors_that_do_not_follow_one_another_are_refused_as_llama_cpp_refuses_them(tmp_path, declared,
                                                                                        second_offset, needle):

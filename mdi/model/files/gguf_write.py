@@ -15,6 +15,7 @@ import numpy as np
 
 from mdi.model.config import ModelConfig
 from mdi.model.families import family_of
+from mdi.model.ggml.tensors import tensor_bytes
 
 # mdi family -> general.architecture written for it (qwen2/qwen3 are "llama" family: their own arch names)
 def arch_of(config: ModelConfig) -> str:
@@ -118,6 +119,9 @@ def _write(writer: Any, config: ModelConfig, tensors: Mapping[str, RawTensor], a
             else:
                 data = data.view(np.uint8).reshape(_byte_rows(dims, data.nbytes))
             shape, dtype, nbytes = data.shape, data.dtype, data.nbytes
+        if nbytes != tensor_bytes(kind, dims):  # what a reader takes for it: the tensors after it would move
+            raise ValueError("GGUF tensor %s: %d bytes of data for %s %s, which hold %d"
+                             % (name, nbytes, kind, list(dims), tensor_bytes(kind, dims)))
         writer.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=GGMLQuantizationType[kind])
         written.append((data, shape))
     writer.write_header_to_file()
