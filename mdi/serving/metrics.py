@@ -132,7 +132,7 @@ class NodeScraper:
     def __init__(self, token: Optional[str], timeout: float = SCRAPE_TIMEOUT) -> None:
         self.token, self.timeout = token, timeout
         self._lock = threading.Lock()
-        self._cache: Dict[str, Tuple[float, StatusReply, None]] = {}  # address -> (when, its answer, None)
+        self._cache: Dict[str, Tuple[float, StatusReply]] = {}  # address -> (when, its answer)
 
     def scrape(self, nodes: Sequence[NodeSpec]) -> Dict[str, Tuple[Optional[StatusReply], Optional[str]]]:
         """address -> (its /status, or None and why it did not answer)."""
@@ -143,7 +143,7 @@ class NodeScraper:
             for node in nodes:
                 hit = self._cache.get(node.address)
                 if hit is not None and now - hit[0] < SCRAPE_TTL:
-                    out[node.address] = hit[1:]
+                    out[node.address] = (hit[1], None)
                 elif node.address not in (n.address for n in todo):
                     todo.append(node)
         if todo:
@@ -158,7 +158,7 @@ class NodeScraper:
                 for node in todo:
                     result = results.get(node.address, (None, "no answer within %.1f s" % self.timeout))
                     if result[0] is not None:
-                        self._cache[node.address] = (now, result[0], None)
+                        self._cache[node.address] = (now, result[0])
                     else:
                         self._cache.pop(node.address, None)
                     out[node.address] = result

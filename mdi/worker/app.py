@@ -66,11 +66,12 @@ def admit_headers(worker: Worker) -> Optional[Callable[[str, str, Dict[str, str]
                 return "missing or wrong token (%s)" % again
         # A signed header does not sign the body's length: each route's own limit, before the
         # body is stored (a replayed header had spooled 800 MB to $TMPDIR before its 401).
-        limit = signed_body_limit(method, path.partition("?")[0], content)
+        route = path.partition("?")[0]
+        limit = signed_body_limit(method, route, content)
         length = headers.get("CONTENT_LENGTH")
         if length is None or not length.isdigit() or int(length) > limit:
             return "missing or wrong token (a body of at most %d bytes, with its Content-Length, on %s %s)" \
-                % (limit, method, path.partition("?")[0])
+                % (limit, method, route)
         return None
     return admit
 

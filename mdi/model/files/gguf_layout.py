@@ -250,6 +250,15 @@ class GGUFTensor:
         return self._data
 
 
+def _expected_at(previous: Optional[Tuple[str, str, Tuple[int, ...]]]) -> str:
+    """Where a tensor should have started: the data's start, or where the one before it ends."""
+    if previous is None:
+        return "the data's start"
+    name, kind, dims = previous
+    return ("where the tensor before it, %s (%s %s), ends: one of them is not the type or shape it says"
+            % (name, kind, list(dims)))
+
+
 class GGUFFile:
     """A GGUF file's metadata and tensors, read lazily from one map of the file.
 
@@ -278,7 +287,7 @@ class GGUFFile:
         seen: set = set()
         types: Dict[int, Tuple[Any, int, int]] = {}
         expected = 0  # where gguf's reader puts each tensor: right after the one before, padded
-        before = "the data's start"
+        previous: Optional[Tuple[str, str, Tuple[int, ...]]] = None  # (name, type, dims): named on a mismatch
         for name, dims, type_id, offset in header.tensors:
             where = "%s: tensor %s" % (path, name)
             if name in seen:
@@ -304,10 +313,10 @@ class GGUFFile:
             if start + n_bytes > size:
                 raise GGUFLayoutError("%s: its %d bytes run past the end of the file" % (where, n_bytes))
             if offset != expected:  # llama.cpp's gguf_init_from_file refuses such a file too
-                raise GGUFLayoutError("%s has offset %d, expected %d: %s" % (where, offset, expected, before))
+                raise GGUFLayoutError("%s has offset %d, expected %d: %s"
+                                      % (where, offset, expected, _expected_at(previous)))
             expected += -(-n_bytes // header.alignment) * header.alignment
-            before = "where the tensor before it, %s (%s %s), ends: one of them is not the type or shape it says" \
-                % (name, ggml_type.name, list(dims))
+            previous = (name, ggml_type.name, dims)
             view = (self._order + item, shape) if item is not None else \
                 ("u1", shape[:-1] + (shape[-1] // block * type_size,))  # quantized: rows of blocks, as bytes
             self.tensors.append(GGUFTensor(name, ggml_type, dims, self.bytes, start, n_bytes, view))
