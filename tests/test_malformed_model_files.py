@@ -33,9 +33,9 @@ def hf_dir(tmp_path, text):
     ("{not json", "not valid JSON"),
     ("[1, 2]", "expected a JSON object"),
     ("[" * 100000 + "]" * 100000, "JSON"),
-    (json.dumps(dict(LLAMA, num_hidden_layers="x")), "n_layer must be an integer"),
-    (json.dumps(dict(LLAMA, hidden_size=64.5)), "n_embd must be an integer"),
-    (json.dumps(dict(LLAMA, num_attention_heads=True)), "n_head must be an integer"),
+    (json.dumps(dict(LLAMA, num_hidden_layers="x")), "num_hidden_layers must be an integer"),  # config.json's name
+    (json.dumps(dict(LLAMA, hidden_size=64.5)), "hidden_size must be an integer"),
+    (json.dumps(dict(LLAMA, num_attention_heads=True)), "num_attention_heads must be an integer"),
     (json.dumps(dict(LLAMA, num_hidden_layers=-2)), "n_layer must be an integer"),
     (json.dumps(dict(LLAMA, max_position_embeddings=2 ** 40)), "block_size must be an integer"),
     (json.dumps(dict(LLAMA, vocab_size=0)), "vocab_size must be an integer"),
@@ -59,7 +59,7 @@ def test_mdi_prepare_says_it_in_one_line(tmp_path, capsys):
     path = hf_dir(tmp_path, json.dumps(dict(LLAMA, num_hidden_layers="x")))
     assert prepare_main([path, "--out", str(tmp_path / "out")]) != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and "n_layer must be an integer" in errors[0], errors
+    assert len(errors) == 1 and "num_hidden_layers must be an integer" in errors[0], errors
 
 
 @pytest.mark.parametrize("text", ["{bad", "[1]", '{"version": "1.0", "model": null}',

@@ -4,10 +4,10 @@ import os
 import shutil
 import signal
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mdi.cli.arguments import ArgumentParser, add_quant_arguments
-from mdi.cli.process import EXIT_CONFIG, setup_process
+from mdi.cli.process import EXIT_CONFIG, interrupt_on_sigterm, setup_process
 from mdi.model.layout import CheckpointError
 from mdi.model.tokenizers import TokenizerError
 from mdi.system.files import output_problem
@@ -35,24 +35,40 @@ def prepare_parser() -> argparse.ArgumentParser:
 
 def prepare_main(argv: Optional[List[str]] = None) -> int:
     from mdi.model.files import prepare
+    from mdi.model.files.store import MDI_CONFIG
     args = prepare_parser().parse_args(argv)
     setup_process()
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
     out = args.out or os.path.join("models", name)
-    if args.out is None and os.path.isdir(args.source) and os.path.realpath(out) == os.path.realpath(args.source):
-        return _error("the default --out %s is the source itself: name the folder to write with --out (the "
-                      "source again rewrites it in place)" % out, EXIT_CONFIG)
+    if os.path.isdir(args.source) and os.path.realpath(out) == os.path.realpath(args.source):
+        ours = os.path.isfile(os.path.join(args.source, MDI_CONFIG))  # only mdi's own folder is rewritten in place
+        if args.out is None or not ours:
+            return _error("%s %s is the source itself: name another folder with --out%s"
+                          % ("the default --out" if args.out is None else "--out", out,
+                             " (naming the source again rewrites it in place)" if ours
+                             else " (its checkpoint would be overwritten)"), EXIT_CONFIG)
     problem = output_problem(out, folder=True)
     if problem is not None:
         return _error("--out %s: %s" % (out, problem), EXIT_CONFIG)
     fresh = not os.path.exists(out)  # everything in it is this run's: removed if the run fails
+    before = None if fresh else _files(out)  # what a failure may have changed in it
+    caught: List[int] = []  # the signal that interrupted it
+
+    def interrupted(signum: int) -> BaseException:
+        caught.append(signum)
+        return KeyboardInterrupt()
+    hangup = signal.getsignal(signal.SIGHUP)
+    terminate = interrupt_on_sigterm(interrupted, also_sighup=True)  # cleaned up as on Ctrl-C
     try:
         prepare.prepare(args.source, out, args.chunks, args.vocab, args.quant or "auto", args.group_size,
                         args.merge_adapter)
     except (CheckpointError, TokenizerError, OSError, ValueError) as e:
-        return _error("%s%s" % (e, _partial(out, fresh)), EXIT_CONFIG)
+        return _error("%s%s" % (e, _partial(out, before)), EXIT_CONFIG)
     except KeyboardInterrupt:
-        return _error("interrupted%s" % _partial(out, fresh), 128 + signal.SIGINT)
+        return _error("interrupted%s" % _partial(out, before), 128 + (caught[-1] if caught else signal.SIGINT))
+    finally:  # (a caller in this process, a test, keeps its own handlers)
+        signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGHUP, hangup)
     return 0
 
 
@@ -61,9 +77,26 @@ def _error(message: str, code: int) -> int:
     return code
 
 
-def _partial(out: str, fresh: bool) -> str:
-    """What became of the output folder of a failed preparation, said after its error."""
-    if fresh:
+def _files(folder: str) -> Dict[str, Tuple[int, int]]:
+    """Each file under `folder`: (size, modification time in ns)."""
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            out[path] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _partial(out: str, before: Optional[Dict[str, Tuple[int, int]]]) -> str:
+    """What became of the output folder of a failed preparation, said after its error
+    (`before`: its files before the run, None where the run made it)."""
+    if before is None:
         shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left to be loaded
+        return ""
+    if _files(out) == before:  # refused before anything was written (a bad --quant, say)
         return ""
     return " (%s held files before: it may now hold a partial result beside them)" % out

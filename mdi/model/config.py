@@ -201,7 +201,7 @@ class ModelConfig:
                 n_head=hf["num_attention_heads"],
                 n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                 intermediate_size=hf["intermediate_size"],
-                block_size=hf.get("max_position_embeddings", 2048),
+                block_size=_llama_context(hf),
                 norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
                 bias=bool(hf.get("attention_bias", False)) and model_type != "qwen3",
                 qkv_bias=model_type == "qwen2",
@@ -224,6 +224,15 @@ class ModelConfig:
         if model_type == "gemma3_text":
             return cls(name=name, **_gemma3_from_hf(hf))
         raise ValueError("unsupported Hugging Face model_type %r" % model_type)
+
+
+def _llama_context(hf: Dict[str, Any]) -> int:
+    """The context a Llama-layout config allows. Mistral's sliding_window (4096 in Mistral-7B
+    v0.1) hides positions further back than it, which mdi's full attention would see: within the
+    window the two are the same function, so the context stops there."""
+    context = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    return min(context, window) if window else context
 
 
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_context")

@@ -3,8 +3,8 @@
 ``mdi-prepare`` then writes an mdi model directory (`mdi.model.files.store`), the only thing the
 runtime loads.
 """
+import functools
 import glob
-import json
 import os
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple, cast
@@ -23,30 +23,49 @@ from mdi.model.quantization.quant import convert
 
 def _hf_tensor_loaders(path: str) -> Dict[str, Callable[[], torch.Tensor]]:
     """name -> loader for every tensor of an HF directory (safetensors read lazily)."""
-    from safetensors import safe_open
-
-    f: Any  # the index file, then each safetensors handle
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, x) for x in files]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError("%s: no \"weight_map\" of tensor names to file names" % index)
+        files = [os.path.join(path, x) for x in sorted(set(weight_map.values()))]
     else:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     loaders: Dict[str, Callable[[], torch.Tensor]] = {}
+    found_in: Dict[str, str] = {}
+    for fn in files:
+        for k, loader in _safetensors_loaders(fn).items():
+            if k in found_in:  # which one transformers would read depends on an index this directory lacks
+                raise CheckpointError("%s: tensor %s is in %s too: keep one file, or give the directory a "
+                                      "model.safetensors.index.json" % (fn, k, os.path.basename(found_in[k])))
+            loaders[k], found_in[k] = loader, fn
     if files:
-        for fn in files:
-            # safe_open handles stay alive through the closures; tensors are read on demand
-            f = safe_open(fn, framework="pt")
-            for k in f.keys():
-                # ignore: mypy cannot match a lambda's default arguments to Callable[[], T]
-                loaders[k] = (lambda f=f, k=k: f.get_tensor(k))  # type: ignore[misc]
         return loaders
     bin_file = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(bin_file):
         sd = load_pickled_weights(bin_file)
-        return {k: (lambda t=t: t) for k, t in sd.items()}  # type: ignore[misc]  # as above
+        # ignore: mypy cannot match a lambda's default arguments to Callable[[], T]
+        return {k: (lambda t=t: t) for k, t in sd.items()}  # type: ignore[misc]
     raise CheckpointError("%s: no *.safetensors or pytorch_model.bin weights found" % path)
+
+
+def _safetensors_loaders(fn: str) -> Dict[str, Callable[[], torch.Tensor]]:
+    """name -> loader for each tensor of one safetensors file; a file that cannot be read is a
+    one-line CheckpointError naming it, whether that shows at its header or at a tensor."""
+    from safetensors import safe_open
+    try:
+        # the handle stays alive through the closures; tensors are read on demand
+        f = safe_open(fn, framework="pt")
+        names = list(f.keys())
+    except Exception as e:  # missing, truncated, not safetensors: the library's own error types
+        raise CheckpointError("%s: cannot read as safetensors (%s)" % (fn, first_line(e)))
+
+    def load(name: str) -> torch.Tensor:
+        try:
+            return f.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError("%s: cannot read tensor %s (%s)" % (fn, name, first_line(e)))
+    return {k: functools.partial(load, k) for k in names}
 
 
 # torch.load(weights_only=True) has known bypasses before 2.6 (CVE-2025-32434): older torch
@@ -79,16 +98,50 @@ def read_json_object(fn: str) -> Dict[str, Any]:
     return data
 
 
+# config.json's sizes, checked before any arithmetic on them (a "256" string named, not a TypeError)
+HF_SIZE_KEYS = ("vocab_size", "n_layer", "n_embd", "n_head", "n_inner", "n_positions", "num_hidden_layers",
+                "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "max_position_embeddings", "head_dim", "sliding_window")
+SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# GPT-2's activation_function values that are the GELU mdi computes ("gelu": erf; the rest: tanh's)
+GPT2_GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+
+
 def _hf_config(path: str, raw: Dict) -> ModelConfig:
-    if raw.get("mlp_bias"):
-        raise CheckpointError("%s: mlp_bias=True is not supported" % path)
+    for key in HF_SIZE_KEYS:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CheckpointError("%s: config.json's %s must be an integer, got %r" % (path, key, value))
+    reason = _unmodelled(raw)
+    if reason:
+        raise CheckpointError("%s: config.json: %s is not supported (mdi would compute another function)"
+                              % (path, reason))
     try:
         config = ModelConfig.from_hf(raw, name=os.path.basename(os.path.normpath(path)))
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError("%s: unsupported config.json (%s)" % (path, first_line(e)))
-    if raw.get("use_sliding_window"):
-        raise CheckpointError("%s: sliding-window attention (use_sliding_window) is not supported" % path)
     return config
+
+
+def _unmodelled(raw: Dict[str, Any]) -> Optional[str]:
+    """A config.json setting that changes the model's maths in a way mdi does not compute, named
+    with its value; None when there is none. Accepted and ignored, each gave other logits than
+    transformers' (a Llama with hidden_act gelu: top-1 agreement 0.67)."""
+    model_type = raw.get("model_type")
+    if raw.get("mlp_bias"):
+        return "mlp_bias=True"
+    if raw.get("use_sliding_window"):
+        return "sliding-window attention (use_sliding_window)"
+    if model_type in SWIGLU_FAMILIES and raw.get("hidden_act", "silu") != "silu":
+        return "hidden_act %r (only silu)" % (raw["hidden_act"],)
+    if model_type == "gpt2":
+        if raw.get("activation_function", "gelu_new") not in GPT2_GELUS:
+            return "activation_function %r (only %s)" % (raw["activation_function"], ", ".join(GPT2_GELUS))
+        if raw.get("scale_attn_weights", True) is not True:
+            return "scale_attn_weights=%r" % (raw["scale_attn_weights"],)
+        if raw.get("scale_attn_by_inverse_layer_idx"):
+            return "scale_attn_by_inverse_layer_idx=True"
+    return None
 
 
 def read_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> Tuple[ModelConfig, StateDict]:

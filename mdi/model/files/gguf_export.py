@@ -212,9 +212,12 @@ def _stored_type(w: Stored, float_type: str) -> str:
         if w.spec.kind == "int8":
             return "Q8_0"
         return "Q4_0" if is_exact(w, "Q4_0") else "Q4_1"  # (read from a Q4_0 GGUF: its own blocks again)
-    if float_type == "F16" and w.numel() and float(w.detach().abs().max()) > FP16_MAX:
-        return "F32"  # float16 would turn these values into infinities
     return float_type
+
+
+def _past_f16(w: Stored) -> bool:
+    """Whether float weights hold a value float16 would turn into an infinity."""
+    return not isinstance(w, QParts) and bool(w.numel()) and float(w.detach().abs().max()) > FP16_MAX
 
 
 def plan_types(config: ModelConfig, state: Mapping[str, Stored], weight_type: Optional[str],
@@ -232,7 +235,8 @@ def plan_types(config: ModelConfig, state: Mapping[str, Stored], weight_type: Op
             kind = _stored_type(w, float_type)
         else:
             kind = HEAD_TYPE if head and weight_type not in WIDE_TYPES else weight_type
-        out[name] = fallback(kind, int(w.shape[1]))
+        kind = fallback(kind, int(w.shape[1]))
+        out[name] = "F32" if kind == "F16" and _past_f16(w) else kind  # asked for, or a row's fallback
     if rope_factors(config) is not None:
         out["rope_freqs.weight"] = VECTOR_TYPE
     return out

@@ -240,6 +240,10 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
                  ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
     state = gather(convert(state, layout, torch.float32))
     log.info("weights: %s", describe(layout, len(quantizable(config, full, True, True))))
+    stale = os.path.join(out, store.CHUNKS_DIR)
+    if os.path.isdir(stale):  # cut from the model written over: a worker given them would run old weights
+        shutil.rmtree(stale)
+        log.info("removed %s: its chunks were cut from the model this one replaces", stale)
     store.save_model_dir(out, config, state, source)
     tokenizer.save(out)
     if weight_type is None:
