@@ -99,6 +99,19 @@ def test_a_worker_down_when_the_ring_starts_is_replaced_by_a_spare(tiny_models, 
     assert [n["name"] for n in result.metrics()["nodes"]] == ["starter", "spare1", "board2"]
 
 
+def test_a_worker_lost_after_the_last_token_leaves_a_complete_run(tiny_models, four_workers):
+    """Every sample was complete: the stop frame that could not go round costs only the
+    workers' counters, not the run (h63: it was a RunFailed, exit 1)."""
+    model = tiny_models["llama"]
+    board1, board2, spare, _ = four_workers
+    expected = reference(model)
+    result, logs = run_killing(ring_config(model, [board1, board2], [spare]),
+                               [(sum(len(ids) for ids in expected), board1)])
+    assert [s.token_ids for s in result.samples] == expected
+    assert "board1" in result.extra["ring_end_error"] and "recoveries" not in result.extra
+    assert any("every sample is complete" in line for line in logs)
+
+
 def test_a_spare_that_does_not_answer_is_said_when_the_ring_starts(tiny_models, four_workers, caplog):
     """Not found only when a node is lost (h20): the run goes on without it, said in one line."""
     model = tiny_models["llama"]

@@ -1,4 +1,5 @@
 """The starter: loads its chunk, configures the workers, drives the ring, gathers metrics."""
+import logging
 import signal
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from mdi.starter.sample import FinishReason, Sample
 from mdi.starter.planning.run_plan import plan_run
 from mdi.starter.planning.run_shape import batch_samples, batch_shape
 from mdi.model.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,7 +77,14 @@ def run(cfg: RunConfig, prompts: List[str],
     try:
         engine.run(samples)
         elapsed = time.perf_counter() - engine.t0
-        workers = engine.close()
+        ended: Optional[str] = None
+        try:
+            workers = engine.close()
+        except RuntimeError as e:  # every sample is complete: a node lost now costs only its counters
+            log.warning("mdi: every sample is complete, but ending the ring failed (the workers' counters are "
+                        "missing): %s", e)
+            engine.abort()
+            workers, ended = [], str(e)
     except (RuntimeError, KeyboardInterrupt, Interrupted) as e:
         # Keep what was generated: the caller still prints it and writes the metrics. Ending
         # the ring tells every worker at once, instead of after its heartbeat timeout.
@@ -87,6 +97,8 @@ def run(cfg: RunConfig, prompts: List[str],
         raise RunFailed(partial.extra["error"], partial, signum)
     result = _result(engine, samples, elapsed, workers)
     result.extra.update(plan_record)
+    if ended is not None:
+        result.extra["ring_end_error"] = ended
     return result
 
 

@@ -358,8 +358,13 @@ class RingSession:
                 problem = self._probe(client)
             finally:
                 client.close()
+            if self.failure is not None:  # the watchdog's verdict, reached while this probe waited
+                return self.failure
             if problem is not None:
-                return problem
+                # unanswered while the ring is silent too: lost, and recovery asks it nothing more
+                # (a node frozen through both that woke for recovery's health check was kept and
+                # then refused the new run, busy with the old one, while a spare stood free: h63)
+                return silenced(problem)
             after = self._counters.get(node.name)
             if before is not None and after is not None and after.bad_frames > before.bad_frames:
                 flooded.append("node %s (%s) dropped %d frames it could not read since its last poll (the last: %s)"
