@@ -27,6 +27,9 @@ def arg_type(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected:
 # The OS would take port 80000 modulo 65536 and bind another port.
 tcp_port = arg_type(int, lambda p: 1 <= p <= 65535, "a TCP port 1-65535")
 positive_int = arg_type(int, lambda v: v >= 1, "an integer >= 1")
+# runtime.threads from the command line: a count, or auto (the node's usable cores, as the config's)
+thread_count = arg_type(lambda t: t if t == "auto" else int(t), lambda v: v == "auto" or v >= 1,
+                        "an integer >= 1 or auto")
 positive_float = arg_type(float, lambda v: 0 < v < float("inf"), "a number > 0")  # NaN fails too
 
 

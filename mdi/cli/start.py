@@ -6,7 +6,8 @@ import sys
 import time
 from typing import List, Optional
 
-from mdi.cli.arguments import ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int
+from mdi.cli.arguments import (ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int,
+                               thread_count)
 from mdi.cli.output import check_output, judge_samples, report, report_perplexity, write_start_failure
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process, stopped
 from mdi.cli.progress import PerplexityProgress, Progress
@@ -35,11 +36,12 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME",
                    help="the LoRA adapter (a name under the config's adapters:) of the prompt at the same "
                         "position; give it once per --prompt, 'base' for none; later prompts run on the base")
-    p.add_argument("--n-samples", type=int, help="samples in flight; prompts are repeated to fill them (default: "
-                   "one per prompt)")
+    p.add_argument("--n-samples", type=positive_int, help="samples in flight; prompts are repeated to fill them "
+                   "(default: the config's generation.n_samples, else one per prompt)")
     p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default 100)")
     p.add_argument("--temperature", type=float, help="0 for greedy decoding (default 0.8)")
-    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens (default: all)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens; 0 or -1: all (default: the "
+                   "config's, else all)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1: off)")
     p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it (default 1)")
     p.add_argument("--context-shift", action="store_true",
@@ -88,8 +90,8 @@ def start_parser() -> argparse.ArgumentParser:
                         "a backend asked for by name)")
     p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N for the starter (default: the config's, "
                    "else cpu)")
-    p.add_argument("--threads", type=positive_int, help="compute threads of the starter and of every worker started "
-                   "without its own --threads (runtime.threads; default: the config's)")
+    p.add_argument("--threads", type=thread_count, help="compute threads of the starter and of every worker started "
+                   "without its own --threads, or auto (runtime.threads; default: the config's)")
     p.add_argument("--metrics-out", metavar="FILE.json", help="write the run's metrics record here")
     p.add_argument("--quiet", action="store_true",
                    help="print only the summary line (on stdout), and on stderr only warnings and errors (a recovery, "
@@ -139,7 +141,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
                       ("top_p", "top_p"), ("seed", "seed")):
         value = getattr(args, flag)
         if value is not None:
-            setattr(g, key, value)
+            # --top-k 0 or -1 turns a config's top_k off, as the HTTP API's and llama.cpp's do
+            setattr(g, key, None if key == "top_k" and value in (0, -1) else value)
     if args.context_shift:
         g.context_shift = True
     if args.speculation or args.draft_max:

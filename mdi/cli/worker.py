@@ -19,8 +19,8 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N; overrides what the starter asks for")
     p.add_argument("--threads", type=positive_int,
-                   help="torch threads for this node; wins over the run's runtime.threads (default: that, "
-                        "else torch's default)")
+                   help="compute threads (ggml's or torch's) for this node; wins over the run's runtime.threads "
+                        "(default: that, else the library's default)")
     p.add_argument("--max-memory", type=positive_float, metavar="GB",
                    help="refuse runs whose KV cache, or pushed weights plus KV cache, would exceed this many "
                         "GB: a budget for those, not a cap on the process, which needs about 100 MB more on "

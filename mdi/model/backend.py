@@ -98,9 +98,12 @@ BACKEND_ENV = "MDI_BACKEND"  # the default of runtime.backend where a config nam
 
 
 def default_backend() -> str:
-    """runtime.backend's default: $MDI_BACKEND when it names a backend, else auto."""
-    value = os.environ.get(BACKEND_ENV, AUTO)
-    return value if value in BACKENDS else AUTO
+    """runtime.backend's default: $MDI_BACKEND where set (ValueError naming it when it names no
+    backend: a typo had quietly run auto), else auto."""
+    value = os.environ.get(BACKEND_ENV) or AUTO
+    if value not in BACKENDS:
+        raise ValueError("$%s must be one of %s, got %r" % (BACKEND_ENV, ", ".join(BACKENDS), value))
+    return value
 
 
 class WouldMeasure(RuntimeError):

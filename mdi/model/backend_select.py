@@ -38,7 +38,8 @@ def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: boo
     prompts run on either backend (mdi.model.ggml.adapters); `adapters` stays for callers."""
     from mdi.model.ggml.lib import gpu_unusable_reason, unavailable_reason
     if not gguf_types:
-        return "the model has no GGUF (mdi-prepare writes model.gguf into a model directory)"
+        return ("its weights hold no GGUF (ggml reads a model directory's model.gguf, which mdi-prepare writes, or a "
+                ".gguf file; a chunk cut into safetensors is torch's only)")
     if device.startswith("cuda"):  # ggml-cuda, where the binding was built with it
         return gpu_unusable_reason(device)
     return unavailable_reason()
@@ -100,10 +101,13 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
     # (a q8_0 cache that cannot hold the heads is said here, not found by a failing measurement)
     cannot = {"ggml": ggml_cannot(gguf_types, device, adapters) or head_dim_unfit(kv_type, config.head_dim),
               "torch": torch_cannot(device)}
-    if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None:
-        rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
-        if rounded:  # auto never trades the GGUF's own numbers for speed
-            cannot["torch"] = "it would re-round the GGUF's %s (ggml computes them as stored)" % ", ".join(rounded)
+    rounded = sorted({k for k in (gguf_types or {}).values() if k not in GGUF_DIRECT and k not in GGUF_FLOAT})
+    if asked == AUTO and cannot["ggml"] is None and cannot["torch"] is None and rounded:
+        # auto never trades the GGUF's own numbers for speed
+        cannot["torch"] = "it would re-round the GGUF's %s (ggml computes them as stored)" % ", ".join(rounded)
+    elif asked == "torch" and rounded and cannot["torch"] is None:  # asked for: said, as a GGUF path's load says it
+        log.warning("mdi: layers [%d, %d) on torch compute the GGUF's %s re-rounded to mdi's int4 / int8, not the "
+                    "file's values (the ggml backend computes them as stored)", first, last, ", ".join(rounded))
     threads = int(threads) if isinstance(threads, int) and threads > 0 else usable_cpus()  # as the run will
     ltypes = layer_types(gguf_types or {}, first, last)
     tquant = probe_layout(quant, first)

@@ -230,7 +230,10 @@ def parse_config(data: Any, source: str) -> RunConfig:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     if "kernel_memory" in r:
         r["kernel_memory"] = parse_kernel_memory(source + ": runtime.kernel_memory", r["kernel_memory"])
-    runtime = RuntimeSpec(**r)
+    try:
+        runtime = RuntimeSpec(**r)
+    except ValueError as e:  # a default read from the environment ($MDI_BACKEND)
+        raise ConfigError("%s: runtime: %s" % (source, e))
     # sent to every worker in /init (check_keys refused booleans already)
     if runtime.threads is not None and runtime.threads != "auto" and not (
             isinstance(runtime.threads, int) and runtime.threads >= 1):
@@ -384,7 +387,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: str, error: type = ConfigError, what: str = "config") -> Any:
     """A YAML file's data (safe_load only), or one `error` line naming the file and the line."""
     if not os.path.isfile(path):
-        raise error("%s: %s file not found" % (path, what))
+        raise error("%s: %s" % (path, "a directory, not a %s file" % what if os.path.isdir(path)
+                                else "%s file not found" % what))
     try:
         with open(path, encoding="utf-8") as f:
             return yaml.load(f, Loader=_UniqueKeyLoader)

@@ -82,6 +82,9 @@ class ChatTemplate:
                 self.source = "model"
             except TemplateError as e:
                 log.warning("mdi: serve: the model's chat template does not compile (%s); using the fallback", e)
+        else:  # a GGUF may carry none (the Gemma 3 270M GGUF does not): its answers are then poor
+            log.warning("mdi: serve: the model has no chat template: chat requests use a plain 'role: text' "
+                        "fallback; give one with --chat-template FILE.jinja (configs/chat_templates/ holds some)")
         self.template = template if template is not None else env.from_string(FALLBACK_CHAT_TEMPLATE)
         # how the model writes tool calls, and whether the template renders tools (`tools`)
         own = {"config": text, "model": tokenizer.chat_template}.get(self.source)

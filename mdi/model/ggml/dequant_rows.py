@@ -120,7 +120,9 @@ def _timed(backend: lib.ComputeBackend, weights: Dict[str, Any], names: List[str
     t0 = time.perf_counter()
     rule = _measure(backend, lib.leading_tensors(weights, names, PROBE_BYTES))
     remember(key, rule)
-    log.info("ggml: prefill weights: %s (measured in %.1f s)", rule_text(rule, "dequantized"), time.perf_counter() - t0)
+    # the measurement, not what the node does: runtime.prefill_weights decides that (rule_for)
+    log.info("ggml: prefill weights measured %s (in %.1f s)", "faster dequantized to " + rule.describe()
+             if rule is not None else "no faster dequantized", time.perf_counter() - t0)
     return rule
 
 
