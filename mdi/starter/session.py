@@ -76,6 +76,7 @@ class RingSession:
         self.failure: Optional[NodeError] = None
         self._stopping = False  # finish() sent the stop frame
         self._answered: Dict[str, float] = {}  # node name -> when it last said it runs this run
+        self._unanswered: Dict[str, float] = {}  # node name -> when a poll of it last went unanswered
         self._counters: Dict[str, NodeCounters] = {}  # node name -> its counters at the last poll
         self._watching = threading.Event()
         self._aborted = threading.Event()  # set before abort's stops: a configure still running stops its own worker
@@ -319,6 +320,7 @@ class RingSession:
             status = client.status(timeout=status_timeout(self.cfg.runtime.heartbeat_interval),
                                    run_id=self.run_id)
         except NodeError as e:
+            self._unanswered[client.node.name] = time.monotonic()
             return e
         if not self._watching.is_set():
             return None
@@ -331,11 +333,17 @@ class RingSession:
         elif not self._stopping:
             # The workers time our polls: a starter paused (SIGSTOP, a stalled VM) or starved past
             # their heartbeat timeout was itself the silent one.
-            silent = now - self._answered.get(client.node.name, now)
-            timeout = self.cfg.runtime.heartbeat_timeout
-            why = ("this starter did not poll it for %.0f s, past runtime.heartbeat_timeout %.0f s (was the starter "
-                   "paused or starved?), so it ended the run" % (silent, timeout) if silent > timeout
-                   else "restarted, or its heartbeat timeout passed?")
+            answered = self._answered.get(client.node.name, now)
+            silent, timeout = now - answered, self.cfg.runtime.heartbeat_timeout
+            if silent > timeout and self._unanswered.get(client.node.name, 0.0) > answered:
+                # polled all along, but it did not answer: it was the one stopped (frozen, starved)
+                why = ("it answered no poll for %.0f s (frozen or starved?) and, past runtime.heartbeat_timeout "
+                       "%.0f s, ended the run" % (silent, timeout))
+            elif silent > timeout:
+                why = ("this starter did not poll it for %.0f s, past runtime.heartbeat_timeout %.0f s (was the "
+                       "starter paused or starved?), so it ended the run" % (silent, timeout))
+            else:
+                why = "restarted, or its heartbeat timeout passed?"
             return NodeError("%s: is no longer serving this run (%s)" % (where, why), client.node.name)
         return None
 
