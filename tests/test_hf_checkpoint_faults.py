@@ -156,3 +156,16 @@ def test_sigterm_during_a_preparation_leaves_no_half_model(smollm2_gguf, tmp_pat
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM and "interrupted" in err and "Traceback" not in err, err
     assert not os.path.exists(out)
+
+
+def test_a_prepared_directorys_gguf_is_a_source_with_the_tokenizer_beside_it(hf_llama, tmp_path):
+    """mdi writes a model directory's GGUF without a vocabulary when its tokenizer is mdi's own."""
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps(list("abcdefgh ")))
+    first = str(tmp_path / "first")
+    proc = _prepare(hf_llama, "--out", first, "--vocab", str(vocab), "--quant", "q8_0")
+    assert proc.returncode == 0, proc.stderr
+    proc = _prepare(os.path.join(first, "model.gguf"), "--out", str(tmp_path / "again"))
+    assert proc.returncode == 0, proc.stderr
+    with open(os.path.join(first, "tokenizer_mdi.json")) as a, open(str(tmp_path / "again" / "tokenizer_mdi.json")) as b:
+        assert json.load(a) == json.load(b)

@@ -44,7 +44,7 @@ from mdi.model.layout import QUANT_MODES, CheckpointError, group_size_problem, p
 from mdi.model.quantization.layouts import describe, uniform_layout
 from mdi.model.quantization.quant import convert, gather, weights_layout
 from mdi.model.source import check_vocab, gguf_file_of, is_mdi_dir
-from mdi.model.files.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.files.tokenizer_import import NoGgufVocabulary, tokenizer_from_gguf, tokenizer_from_hf_dir
 from mdi.model.tokenizers import (META_FILE, Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer,
                                   load_tokenizer)
 
@@ -70,7 +70,11 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
             raise TokenizerError("%s: expected a JSON list of single characters" % vocab)
         return char_tokenizer(chars)
     if path.endswith(".gguf"):
-        return tokenizer_from_gguf(path)
+        try:
+            return tokenizer_from_gguf(path)
+        except NoGgufVocabulary:  # a prepared directory's model.gguf: its tokenizer is beside it
+            if not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(path)), META_FILE)):
+                raise
     if os.path.isdir(path):
         files = os.listdir(path)
         if META_FILE in files and is_mdi_dir(path):

@@ -114,6 +114,10 @@ def tokenizer_from_hf_dir(path: str) -> Tokenizer:
     raise TokenizerError("no tokenizer.json or tokenizer.model in %s" % path)
 
 
+class NoGgufVocabulary(TokenizerError):
+    """A GGUF file without a tokenizer: the files beside it may hold one."""
+
+
 def tokenizer_from_gguf(path: str) -> Tokenizer:
     """The tokenizer of a GGUF file. "llama" (SentencePiece): llama.cpp's tokenizer (mdi.model.spm_tokenizer).
     "gpt2": the byte-level BPE tokenizer, built as the model's own tokenizer.json tokenizes (the
@@ -122,6 +126,9 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     implies: Llama 3's ignore_merges and Qwen2's NFC)."""
     md = _gguf_metadata(path)
     model = md.get("tokenizer.ggml.model")
+    if model in (None, "none", "no_vocab"):  # (mdi writes a model directory's GGUF with no vocabulary of its own)
+        raise NoGgufVocabulary("GGUF file %s carries no vocabulary (tokenizer.ggml.model %r): give the model's "
+                               "tokenizer files beside it" % (path, model))
     if model not in ("gpt2", "llama"):
         raise TokenizerError("unsupported GGUF tokenizer.ggml.model %r in %s (supported: 'gpt2' byte-level "
                              "BPE, 'llama' SentencePiece)" % (model, path))
