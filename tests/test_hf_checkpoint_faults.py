@@ -167,5 +167,6 @@ def test_a_prepared_directorys_gguf_is_a_source_with_the_tokenizer_beside_it(hf_
     assert proc.returncode == 0, proc.stderr
     proc = _prepare(os.path.join(first, "model.gguf"), "--out", str(tmp_path / "again"))
     assert proc.returncode == 0, proc.stderr
-    with open(os.path.join(first, "tokenizer_mdi.json")) as a, open(str(tmp_path / "again" / "tokenizer_mdi.json")) as b:
+    again = str(tmp_path / "again" / "tokenizer_mdi.json")
+    with open(os.path.join(first, "tokenizer_mdi.json")) as a, open(again) as b:
         assert json.load(a) == json.load(b)
