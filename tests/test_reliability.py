@@ -360,7 +360,7 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
         session = RingSession.__new__(RingSession)  # only what the watchdog uses
         session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
         session.run_id, session.failure, session._stopping = 1, None, False
-        session._answered, session._counters = {}, {}
+        session._answered, session._counters, session._unanswered = {}, {}, {}
         session.clients = [Stub("a", errors)]
         session._watching = __import__("threading").Event()
         session._watching.set()
