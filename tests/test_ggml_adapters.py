@@ -135,6 +135,24 @@ def test_an_adapter_s_logits_agree_with_torch(models):
     assert chunk.adapter_bytes == 0
 
 
+def test_an_adapter_past_float16_s_range_is_held_in_float32_and_computes(models):
+    """One B value of 1e5 (torch serves it): float16 pairs made every logit NaN (h66)."""
+    net, chunk = models
+    a = random_adapter(net.config, 6)
+    chunk.set_adapter(6, a.weights)
+    in_float16 = chunk.adapter_bytes
+    chunk.drop_adapter(6)
+    name = sorted(a.weights)[0]
+    a.weights[name][1][0, 0] = 1e5
+    net.set_adapter(6, a.weights)
+    chunk.set_adapter(6, a.weights)
+    assert chunk.adapter_bytes >= 1.9 * in_float16  # float32 pairs
+    got = ggml_run(chunk, [IDS[0]], [6])[0]
+    assert np.isfinite(got).all() and np.isfinite(torch_run(net, IDS[0], 6)).all()
+    net.drop_adapter(6)
+    chunk.drop_adapter(6)
+
+
 def test_a_mix_agrees_with_torch_s_mix(models):
     net, chunk = models
     a, b = random_adapter(net.config, 3), random_adapter(net.config, 4, [("attn.proj", None)])

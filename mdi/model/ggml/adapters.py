@@ -98,13 +98,26 @@ def gguf_pairs(config: ModelConfig, first: int, last: int, tensors: Mapping[str,
 # float16 halves that read. ggml then rounds the activations to float16 for the two small
 # products (as for any F16 matrix): about 1e-3 of the delta, far inside the backend's tolerance.
 PAIR_TYPE = lib.F16
+# An adapter holding a value past this keeps its pairs in float32: float16 would store 1e5 as an
+# infinity, and a delta of such weights makes activations whose float16 rounding for the next
+# product overflows (h66: an adapter torch served made every logit NaN here). LoRA weights are
+# far below it (about 1e-2, scale included).
+F16_PAIR_LIMIT = 1024.0
+
+
+def pair_type(pairs: Pairs) -> int:
+    """PAIR_TYPE, or float32 for an adapter with a value past F16_PAIR_LIMIT."""
+    big = any(float(np.abs(m).max()) > F16_PAIR_LIMIT for ab in pairs.values() for m in ab if m.size)
+    return lib.F32 if big else PAIR_TYPE
 
 
 class HeldAdapter(lib.Freed):
-    """One adapter's pairs (PAIR_TYPE) in a ggml buffer of their own (freed with `free`)."""
+    """One adapter's pairs (`type_id`, by default pair_type's) in a ggml buffer of their own
+    (freed with `free`)."""
 
-    def __init__(self, pairs: Pairs, backend: lib.ComputeBackend, type_id: int = PAIR_TYPE) -> None:
+    def __init__(self, pairs: Pairs, backend: lib.ComputeBackend, type_id: Optional[int] = None) -> None:
         gg = lib.require()
+        type_id = pair_type(pairs) if type_id is None else type_id
         self._ctx = lib.Context(2 * len(pairs) + 1)
         self.pairs: Dict[str, Tuple[Any, Any]] = {}
         for name, (a, b) in pairs.items():
