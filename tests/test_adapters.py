@@ -540,7 +540,7 @@ def test_a_backtracking_target_pattern_is_stopped_and_named(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("key,value", [("rank_pattern", 0.5), ("rank_pattern", 0), ("alpha_pattern", -1.0),
-                                       ("r", 0)])
+                                       ("r", 0), ("lora_alpha", float("inf")), ("alpha_pattern", float("inf"))])
 def test_a_zero_or_fractional_rank_is_one_line(tmp_path, key, value):
     import json
     from test_adapter_ring import write_peft_lora
@@ -554,6 +554,18 @@ def test_a_zero_or_fractional_rank_is_one_line(tmp_path, key, value):
     with pytest.raises(AdapterError) as e:
         load_adapter(path, config, "a")
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_adapter_config_nested_past_the_stack_is_one_line_naming_it(tmp_path):
+    from test_adapter_ring import write_peft_lora
+    from conftest import tiny_config
+    config = tiny_config("llama")
+    path = write_peft_lora(str(tmp_path / "a"), config, seed=1)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write("[" * 200000 + "]" * 200000)
+    with pytest.raises(AdapterError, match=r"adapter_config\.json \(") as e:
+        load_adapter(path, config, "a")
+    assert "cannot read" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_non_finite_adapter_values_are_refused_naming_the_file_and_tensor(tmp_path, llama_adapter):

@@ -268,3 +268,23 @@ def test_a_ggml_worker_reads_an_adapter_body_without_torch(models):
 def test_auto_keeps_ggml_for_a_run_that_serves_adapters():
     from mdi.model.backend_select import ggml_cannot
     assert ggml_cannot({"blk.0.attn_q.weight": "Q4_1"}, "cpu", adapters=True) is None
+
+
+def test_a_ggml_worker_budgets_an_adapter_by_what_it_holds(models):
+    """ggml holds the float32 body's pairs in float16: judged by the body, a board took a third
+    of the adapters it could hold (h66); a guess short of the pairs held is refused after all."""
+    from mdi.ring.adapter_request import adapter_body
+    from mdi.ring.init_request import TooLarge
+    from mdi.worker.adapter_intake import hold_adapter
+    net, chunk = models
+    body = adapter_body(random_adapter(net.config, 7).weights)
+    got = hold_adapter(chunk, 7, body, held=0, limit=int(0.6 * len(body)), what="--max-memory")
+    assert got["bytes"] == chunk.adapter_bytes <= 0.6 * len(body)
+    chunk.drop_adapter(7)
+    with pytest.raises(TooLarge, match="adapter 7 needs"):
+        hold_adapter(chunk, 7, body, held=0, limit=int(0.4 * len(body)), what="--max-memory")
+    big = random_adapter(net.config, 8)
+    big.weights[sorted(big.weights)[0]][1][0, 0] = 1e5  # float32 pairs: twice the guess
+    with pytest.raises(TooLarge, match="adapter 8 needs"):
+        hold_adapter(chunk, 8, adapter_body(big.weights), held=0, limit=int(0.6 * len(body)), what="--max-memory")
+    assert chunk.adapter_bytes == 0

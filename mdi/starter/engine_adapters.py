@@ -7,7 +7,8 @@ import time
 from typing import Any, Callable, List, Optional, Tuple, cast
 
 from mdi.runconfig import ConfigError
-from mdi.starter.adapter_set import MAX_MIXES, AdapterSet, MixTableFull, read_adapter, virtual_tokens
+from mdi.starter.adapter_set import (MAX_MIXES, AdapterSet, MixTableFull, StarterTooLarge, read_adapter,
+                                     virtual_tokens)
 from mdi.starter.control import NodeError
 from mdi.starter.planning.capacity import starter_free_bytes
 from mdi.starter.planning.node_budget import check_starter_adapter
@@ -66,6 +67,9 @@ class RuntimeAdapters:
     def _install_adapter(self, name: str, adapter: Any) -> int:
         if self.adapters is None:
             self.adapters = AdapterSet({}, self.source.config)
+        if adapter.kind == "prompt" and adapter.n_virtual >= self.plan.max_len:  # every request naming it would fail
+            raise ConfigError("adapter %s: its soft prompt's %d virtual tokens leave no room in this run's context "
+                              "of %d tokens" % (name, adapter.n_virtual, self.plan.max_len))
         check_starter_adapter(name, adapter.nbytes(adapter.for_layers(self.chunk.first, self.chunk.last)),
                               self.plan.budgets[0], self.starter_spare, self.prefix_bytes,
                               self.adapters.held_bytes(self.chunk.first, self.chunk.last), starter_free_bytes(self.device))
@@ -92,9 +96,10 @@ class RuntimeAdapters:
         """The adapter id for llama.cpp's `lora: [{id, scale}, ...]` (here as (adapter id,
         scale)): the base, one adapter, or a mix of scaled adapters loaded once on every node
         like any adapter (mdi.model.adapters.lora.mix_adapters) and reused by later requests.
-        With MAX_MIXES held, `evict` (given the held mixes, least recently given out first)
-        drops the first that no request uses and says which (None: every one is in use), so
-        one client asking for mix after mix cannot lock every other client out of the table."""
+        With MAX_MIXES held, or a node without room for it, `evict` (given the held mixes, least
+        recently given out first) drops the first that no request uses and says which (None:
+        every one is in use), so one client asking for mix after mix cannot lock every other
+        client out of the table or of the nodes' memory."""
         if self.adapters is None:
             raise ConfigError("no adapter is loaded")
         with self._mix_lock:  # two requests asking for one new mix load it once
@@ -105,7 +110,16 @@ class RuntimeAdapters:
                     (evict is None or evict(self.adapters.mixes_by_age()) is None):
                 raise MixTableFull("%d adapter mixes are held already (the most at once), each in use by a request"
                                    % MAX_MIXES)
-            adapter_id = self._install_adapter(mix.name, mix)
+            while True:
+                try:
+                    adapter_id = self._install_adapter(mix.name, mix)
+                    break
+                except (NodeError, StarterTooLarge) as e:
+                    # a node short of memory: an idle mix gives its room back, as a full table
+                    # does (idle mixes had locked every new one out for good: h66)
+                    if (isinstance(e, NodeError) and e.status != 413) or evict is None or \
+                            evict(self.adapters.mixes_by_age()) is None:
+                        raise
             self.adapters.mixes[key] = adapter_id
             self.adapters.mix_used[adapter_id] = time.monotonic()
             return adapter_id

@@ -25,6 +25,7 @@ from mdi.ring.transport import RingEndpoint
 from mdi.ring.wire import decode
 from mdi.system.devices import resolve_compute_dtype
 from mdi.system.memory import collect_freed_memory, memory_pool, release_freed_memory
+from mdi.worker.adapter_intake import hold_adapter
 from mdi.worker.chunk_loading import load_ggml_chunk, load_torch_chunk, loaded_weights_bytes, run_cache_bytes
 from mdi.worker.measuring import Measuring
 from mdi.worker.memory_budget import check_cache_fits, held_bytes, memory_limit, training_bytes
@@ -187,21 +188,8 @@ class Worker(Measuring):
             chunk = self.chunk
             if chunk is None:
                 raise RequestError("no weights loaded: an adapter comes after /init")
-            # Adapters (and the mixes any client may ask for) count against this worker's memory
-            # like its weights: a board limited to 0.7 GB held 1.28 GB of them. The body's size
-            # is the matrices' (safetensors), so it is refused before they are unpacked.
-            limit, what = self._memory_limit(self.loaded.device if self.loaded else "cpu")
-            held = self._held_bytes()
-            if limit is not None and held + len(body) > limit:
-                raise TooLarge("adapter %d needs %.1f MB, but this worker holds %.1f MB of the %.1f MB it may use (%s)"
-                               % (adapter, len(body) / 2 ** 20, held / 2 ** 20, limit / 2 ** 20, what))
-            from mdi.ring.adapter_request import read_adapter_tensors  # numpy on ggml: torch stays unloaded
-            tensors = read_adapter_tensors(body, arrays=chunk.backend == "ggml")
-            try:
-                chunk.set_adapter(adapter, tensors)
-            except ValueError as e:
-                raise RequestError(str(e))
-            return {"ok": True, "adapter": adapter, "bytes": chunk.adapter_bytes}
+            return hold_adapter(chunk, adapter, body, self._held_bytes(),
+                                *self._memory_limit(self.loaded.device if self.loaded else "cpu"))
 
     def drop_adapter(self, adapter: int) -> Dict[str, Any]:
         with self.lock:

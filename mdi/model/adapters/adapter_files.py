@@ -181,7 +181,7 @@ def load_adapter(path: str, config: ModelConfig, name: Optional[str] = None) -> 
     try:
         with open(cfg_path) as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: JSON nested past Python's stack)
         raise AdapterError("%s: cannot read %s (%s)" % (where, cfg_path, str(e).splitlines()[0] if str(e) else e))
     if not isinstance(cfg, dict):
         raise AdapterError("%s: %s is not a JSON object" % (where, cfg_path))
@@ -205,12 +205,15 @@ def _check_peft_config(cfg: Mapping, config: ModelConfig, where: str, cfg_path: 
         refuse("bias", "training the base model's biases")
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or (key == "r" and v != int(v)):
-            raise AdapterError("%s: %s: %s must be a positive number, got %s" % (where, cfg_path, key, json.dumps(v)))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf or (
+                key == "r" and v != int(v)):
+            raise AdapterError("%s: %s: %s must be a positive finite number, got %s"
+                               % (where, cfg_path, key, json.dumps(v)))
     for key in ("rank_pattern", "alpha_pattern"):
         v = cfg.get(key) or {}
         # ranks are whole: a rank of 0.5 became int 0, and a division by zero
-        if not isinstance(v, dict) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+        if not isinstance(v, dict) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                              and 0 < x < math.inf
                                               and (key == "alpha_pattern" or x == int(x)) for x in v.values()):
             raise AdapterError("%s: %s: %s must map module patterns to positive %s" % (
                 where, cfg_path, key, "numbers" if key == "alpha_pattern" else "whole numbers"))
@@ -304,7 +307,9 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, np.ndarray], config: ModelCon
             raise AdapterError("%s: %s holds %s as %s, not floating point" % (where, st_path, pair["A"], a.dtype))
         _check_finite(where, st_path, (pair["A"], a), (pair["B"], b))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        parts.append(LoraPart(layer, mdi, part, host_array(a), host_array(b) * np.float32(scale)))
+        folded = host_array(b) * np.float32(scale)
+        _check_finite(where, st_path, (pair["B"] + " scaled by lora_alpha / r", folded))  # (alpha 1e30: inf)
+        parts.append(LoraPart(layer, mdi, part, host_array(a), folded))
         ranks.append(r)
 
     # every module the config targets must be there: a missing one would silently run as the base
@@ -390,7 +395,9 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
             # reorders B's rows (A's rows are the rank): undone there
             b = b[unpermuted_rows(b.shape[0], config.n_head if part == "q" else config.kv_heads)]
         scale = alpha / r if alpha else 1.0
-        parts.append(LoraPart(layer, mdi, part, a, b * np.float32(scale)))
+        folded = b * np.float32(scale)
+        _check_finite(where, path, (pair["b"] + " scaled by alpha / r", folded))
+        parts.append(LoraPart(layer, mdi, part, a, folded))
         ranks.append(r)
     return Adapter(name=name, path=path, kind="lora", rank=max(ranks), alpha=alpha, weights=fuse_parts(parts, config))
 
