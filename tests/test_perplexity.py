@@ -319,6 +319,26 @@ def test_a_file_read_in_pieces_has_the_ids_of_the_whole_text(all_toks, tmp_path,
     assert pieces_seen["gpt2"] > 10 and pieces_seen["char"] > 10  # it did read in pieces
 
 
+@pytest.mark.parametrize("layout", ["paragraphs", "one line"])
+def test_paragraphs_and_one_line_files_are_read_in_pieces_too(all_toks, tmp_path, monkeypatch, layout):
+    """Blank lines between paragraphs (wiki.test.raw's " \\n \\n" too) and a file of one line
+    had no single line break between visible characters: tokenized whole, 150 MB a MB (h68)."""
+    from test_tokenizers import SMOL_TEXTS
+    words = " ".join(SMOL_TEXTS * 4).split()
+    text = (" \n \n".join(" ".join(words[i:i + 9]) for i in range(0, len(words), 9)) if layout == "paragraphs"
+            else " ".join(words))
+    path = tmp_path / "text.txt"
+    path.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(perplexity, "PIECE_CHARS", 97)
+    for name, tok in all_toks.items():  # every tokenizer's ids are the whole text's
+        with open(str(path), encoding="utf-8", newline="") as f:
+            pieces = list(perplexity._pieces(f, tok))
+        assert (len(pieces) > 10 or name not in ("gpt2", "char")) and "".join(pieces) == text, name
+        source = type("Source", (), {"tokenizer": tok, "path": name})()
+        assert perplexity.read_tokens(source, str(path)).tolist() == ([tok.bos_id] if tok.add_bos else []) + \
+            tok.encode_text(text), name
+
+
 CONTROL_SPELLINGS = "a <|endoftext|> b <|im_start|>user <|im_end|> c <eos> d <start_of_turn>model <end_of_turn>\n"
 
 

@@ -115,6 +115,8 @@ def train_main(argv: Optional[List[str]] = None) -> int:
         cfg = load_config(args.config)
         if args.out:
             _check_out(args.out, cfg, args.resume)
+        if args.metrics_out:
+            _check_metrics_out(args, cfg)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)
         try:
@@ -204,6 +206,18 @@ def _check_out(out: str, cfg: RunConfig, resume: Optional[str]) -> None:
     if held:
         raise ConfigError("--out %s already holds an adapter (%s): name a new folder, or move it away first"
                           % (out, held[0]))
+
+
+def _check_metrics_out(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """--metrics-out must not overwrite what the run reads: the model's or an adapter's files,
+    its config, its data or its chat template (each was replaced by the metrics record: h67)."""
+    from mdi.serving.served_files import ServedFiles
+    real = os.path.realpath(args.metrics_out)
+    clash = ServedFiles(cfg.model.path, cfg.adapters).clash(real)
+    read = [p for p in (args.config, args.data, args.eval, cfg.serve.chat_template, args.resume, args.init_adapter)
+            if p and os.path.realpath(p) == real]
+    if clash is not None or read:
+        raise ConfigError("--metrics-out %s %s: name another file" % (args.metrics_out, clash or "is read by this run"))
 
 
 def _print_step(record, total: int) -> None:

@@ -20,6 +20,7 @@ from mdi.ring.train_request import TrainSetup
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER
 from mdi.serving.served_files import ServedFiles, where
 from mdi.serving.validation import bad_field
+from mdi.system.files import output_problem
 
 FIELDS = ("data", "out", "name", "method", "rank", "alpha", "targets", "steps", "batch_size", "micro_batches",
           "seq_len", "lr", "seed")
@@ -69,15 +70,26 @@ def _path(body: Dict[str, Any], field: str, files: ServedFiles) -> str:
 def _out(body: Dict[str, Any], files: ServedFiles) -> str:
     """Where the job may write its adapter: never over served files, never over anything at all."""
     out = _path(body, "out", files)
+    problem = out_problem(out, files)
+    if problem is not None:
+        raise bad_field("out", problem)
+    return out
+
+
+def out_problem(out: str, files: ServedFiles) -> Optional[str]:
+    """Why a job may not write its adapter to `out` (None: it may). Asked when the request
+    comes and again as the job starts and ends: another job may have written there meanwhile
+    (h67: a second job rewrote the adapter the first one served)."""
     shown = files.shown(out)
     clash = files.clash(out)
     if clash is not None:
-        raise bad_field("out", "%s %s: training must not write over served files" % (shown, clash))
+        return "%s %s: training must not write over served files" % (shown, clash)
     if os.path.exists(out) and not os.path.isdir(out):
-        raise bad_field("out", "%s exists and is not a directory" % shown)
+        return "%s exists and is not a directory" % shown
     if os.path.isdir(out) and os.listdir(out):
-        raise bad_field("out", "%s already holds files: name a new or empty folder" % shown)
-    return out
+        return "%s already holds files: name a new or empty folder" % shown
+    problem = output_problem(out, folder=True)  # under a file, too long: found before the job, not after it
+    return None if problem is None else "%s %s" % (shown, problem)
 
 
 def _targets(value: Any) -> List[str]:

@@ -31,6 +31,7 @@ mdi-train --out writes it and loaded for serving by the path POST /v1/mdi/adapte
 import collections
 import functools
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Union
@@ -233,6 +234,8 @@ class TrainJob:
         pairs, _ = trainer.collect()
         self._drop_workers()
         engine, spec = self.engine, self.spec
+        if os.path.exists(spec.out) and (not os.path.isdir(spec.out) or os.listdir(spec.out)):
+            raise RuntimeError("%s was written meanwhile: the trained adapter is not saved over it" % spec.out)
         save_peft_adapter(spec.out, engine.source.config, spec.setup.spec, pairs, engine.cfg.model.path)
         if spec.name is not None:
             self.adapter_id = self.register(spec.name, spec.out)

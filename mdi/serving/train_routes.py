@@ -18,7 +18,7 @@ from mdi.runconfig import ConfigError
 from mdi.serving.admission import SchedulerError
 from mdi.serving.scheduler import Scheduler
 from mdi.serving.served_files import ServedFiles
-from mdi.serving.validation import ApiError
+from mdi.serving.validation import ApiError, bad_field
 
 if TYPE_CHECKING:  # a job trains on torch: imported when one starts, not by a server that never trains
     from mdi.serving.train_job import TrainJob
@@ -65,15 +65,16 @@ class TrainControl:
         cfg = engine.cfg
         on_ggml = engine.ggml_nodes()
         if on_ggml:  # ggml has no backward pass; a torch copy beside it would double a board's weights
-            raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch to "
-                           "train beside serving, or train with mdi-train (runtime.backend: auto or torch) while "
-                           "the ring is not serving" % (", ".join(on_ggml), "s" if len(on_ggml) == 1 else ""))
+            raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch (and "
+                           "no node's own backend: ggml) to train beside serving, or train with mdi-train "
+                           "(runtime.backend: auto or torch) while the ring is not serving"
+                           % (", ".join(on_ggml), "s" if len(on_ggml) == 1 else ""))
         if cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes):  # torch's kernels
             raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
                            "have no backward: serve with runtime.quant_kernel: exact to train beside it"
                            % cfg.runtime.quant_kernel)
         # training's modules import torch: here, once a ring that can train is asked to
-        from mdi.serving.train_body import parse_train_body
+        from mdi.serving.train_body import out_problem, parse_train_body
         from mdi.serving.train_job import TrainJob
         from mdi.starter.train.train_data import load_windows
         taken = [self.model_id] + [n for _, n in engine.loaded_adapters()]
@@ -90,6 +91,12 @@ class TrainControl:
                 raise self._conflict()
             if sched.engine is not engine:
                 raise ApiError(503, "the ring was rebuilt meanwhile; try again", kind="server_error")
+            # again: a job started and ended while this one's data was read may have taken both
+            problem = out_problem(spec.out, self.files)
+            if problem is not None:
+                raise bad_field("out", problem)
+            if spec.name is not None and spec.name in [n for _, n in engine.loaded_adapters()]:
+                raise bad_field("name", "%r is already served (the model or a loaded adapter)" % spec.name)
             sched.job = job
             try:
                 job.start()

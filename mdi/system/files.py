@@ -72,6 +72,10 @@ def write_text(path: str, text: str) -> None:
         raise
 
 
+# Linux's limits: a path past them is refused when written, after the run whose result it holds
+NAME_MAX, PATH_MAX = 255, 4096
+
+
 def output_problem(path: str, folder: bool = False) -> Optional[str]:
     """Why `path` cannot be written (a file; with `folder`, a folder to create or fill), asked
     before a run whose result goes there: None where it can."""
@@ -80,6 +84,8 @@ def output_problem(path: str, folder: bool = False) -> Optional[str]:
             return "is not a file or folder"
         return None if os.access(path, os.W_OK) else "is not writable"
     real = os.path.realpath(path)  # a link's target is what is written
+    if len(os.fsencode(real)) >= PATH_MAX or any(len(os.fsencode(part)) > NAME_MAX for part in real.split(os.sep)):
+        return "is too long a path (at most %d bytes a name, %d a path)" % (NAME_MAX, PATH_MAX - 1)
     if os.path.isdir(real) and not folder:
         return "is a directory"
     if os.path.exists(real) and not os.path.isdir(real) and folder:

@@ -115,7 +115,9 @@ def _load_windows(tokenizer: Any, path: str, seq_len: int, render_chat: Optional
     rows: List[List[int]] = []
     masks: List[List[bool]] = []
     dropped = 0
-    for number, line in enumerate(_read_text(path, what).splitlines(), 1):
+    # JSON Lines end at "\n" alone: splitlines() also cut at U+2028 and the like, which JSON
+    # strings may hold raw (json.dumps(..., ensure_ascii=False) writes them so)
+    for number, line in enumerate(_read_text(path, what).split("\n"), 1):
         if not line.strip():
             continue
         where = "%s %s line %d" % (what, path, number)
@@ -123,10 +125,13 @@ def _load_windows(tokenizer: Any, path: str, seq_len: int, render_chat: Optional
             example = json.loads(line)
         except ValueError as e:
             raise ConfigError("%s: not JSON (%s)" % (where, e))
+        except RecursionError:
+            raise ConfigError("%s: JSON nested too deeply" % where) from None
         tokens, mask = _example(tokenizer, example, where, render_chat)
         tokens, mask = tokens[:seq_len], mask[:seq_len]
-        mask[0] = False  # nothing predicts the first token
-        if not any(mask):
+        if mask:
+            mask[0] = False  # nothing predicts the first token
+        if not any(mask):  # (an empty example too, with a tokenizer that adds no BOS or EOS)
             dropped += 1
             continue
         pad = seq_len - len(tokens)

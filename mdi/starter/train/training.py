@@ -80,8 +80,11 @@ def training_config(cfg: RunConfig) -> RunConfig:
         from mdi.model.backend import BACKEND_ENV, default_backend
         where = (" (%s=ggml in the environment is the default where the config names none)" % BACKEND_ENV
                  if default_backend() == "ggml" else "")
-        raise ConfigError("%s: backend ggml cannot train (training computes on torch): set runtime.backend "
-                          "to auto or torch%s" % (", ".join(asked_ggml), where))
+        own = [n.name for n in cfg.nodes if n.backend == "ggml"]  # a node's own key wins over runtime.backend
+        fix = "remove %s own backend: ggml" % ("its" if len(own) == 1 else "their") if own else \
+            "set runtime.backend to auto or torch"
+        raise ConfigError("%s: backend ggml cannot train (training computes on torch): %s%s"
+                          % (", ".join(asked_ggml), fix, where))
     nodes = [dataclasses.replace(n, backend=None) for n in cfg.nodes]
     runtime = dataclasses.replace(cfg.runtime, backend="torch")
     if cfg.runtime.quant_kernel != "exact":
