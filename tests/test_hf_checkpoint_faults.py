@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import BIN, ROOT
+from test_gemma3_torch import _rewrite_config
 from mdi.model.config import ModelConfig
 from mdi.model.files.checkpoints import read_hf_dir
 from mdi.model.files.gguf_export import plan_types
@@ -36,12 +37,7 @@ def hf_llama(tmp_path_factory):
 
 def _copy_with_config(src, dst, **changes):
     shutil.copytree(src, dst)
-    fn = os.path.join(dst, "config.json")
-    with open(fn) as f:
-        cfg = json.load(f)
-    cfg.update(changes)
-    with open(fn, "w") as f:
-        json.dump(cfg, f)
+    _rewrite_config(dst, **changes)
     return dst
 
 
