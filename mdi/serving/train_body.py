@@ -67,6 +67,9 @@ def _path(body: Dict[str, Any], field: str, files: ServedFiles) -> str:
     return real
 
 
+NAME_TAKEN = "%r is already served (the model or a loaded adapter)"
+
+
 def _out(body: Dict[str, Any], files: ServedFiles) -> str:
     """Where the job may write its adapter: never over served files, never over anything at all."""
     out = _path(body, "out", files)
@@ -117,7 +120,7 @@ def parse_train_body(body: Dict[str, Any], files: ServedFiles, n_nodes: int, max
         if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == BASE_ADAPTER:
             raise bad_field("name", "letters, digits, '_', '.' or '-' (at most 64), not 'base'")
         if name in taken_names:
-            raise bad_field("name", "%r is already served (the model or a loaded adapter)" % name)
+            raise bad_field("name", NAME_TAKEN % name)
     method = body.get("method", "lora")
     if method != "lora":
         raise bad_field("method", "only \"lora\" trains beside serving (prompt tuning: not yet)")

@@ -74,7 +74,7 @@ class TrainControl:
                            "have no backward: serve with runtime.quant_kernel: exact to train beside it"
                            % cfg.runtime.quant_kernel)
         # training's modules import torch: here, once a ring that can train is asked to
-        from mdi.serving.train_body import out_problem, parse_train_body
+        from mdi.serving.train_body import NAME_TAKEN, out_problem, parse_train_body
         from mdi.serving.train_job import TrainJob
         from mdi.starter.train.train_data import load_windows
         taken = [self.model_id] + [n for _, n in engine.loaded_adapters()]
@@ -96,7 +96,7 @@ class TrainControl:
             if problem is not None:
                 raise bad_field("out", problem)
             if spec.name is not None and spec.name in [n for _, n in engine.loaded_adapters()]:
-                raise bad_field("name", "%r is already served (the model or a loaded adapter)" % spec.name)
+                raise bad_field("name", NAME_TAKEN % spec.name)
             sched.job = job
             try:
                 job.start()
