@@ -17,9 +17,10 @@ def test_a_config_that_is_a_directory_is_said_so(tmp_path):
 
 def test_a_typo_in_mdi_backend_is_refused_naming_it(tmp_path):
     path = write(tmp_path, "model: {path: x}\n")
-    proc = subprocess.run([os.path.join(BIN, "mdi-start"), "--config", path, "--prompt", "x"], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, MDI_BACKEND="gmml"))
-    assert_one_line_error(proc, "$MDI_BACKEND", "'gmml'")
+    for args in (["--config", path], ["--model", "x"]):
+        proc = subprocess.run([os.path.join(BIN, "mdi-start")] + args + ["--prompt", "x"], capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, MDI_BACKEND="gmml"))
+        assert_one_line_error(proc, "$MDI_BACKEND", "'gmml'")
 
 
 def test_n_samples_must_be_positive():

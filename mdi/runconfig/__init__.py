@@ -54,6 +54,14 @@ class GenerationSpec:
     speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
 
 
+def _env_backend() -> str:
+    """runtime.backend's default ($MDI_BACKEND, else auto); a typo there is a config error."""
+    try:
+        return default_backend()
+    except ValueError as e:
+        raise ConfigError(str(e))
+
+
 @dataclass
 class RuntimeSpec:
     # torch threads per node: an integer; "auto", each node times passes of its own loaded chunk
@@ -92,7 +100,7 @@ class RuntimeSpec:
     # What each node computes with (mdi.model.backend): ggml (llama.cpp's kernels on the GGUF's
     # own tensors), torch, or auto: each node measures both on its own shapes and keeps the
     # faster (remembered per machine). A node's own `backend:` wins.
-    backend: str = field(default_factory=default_backend)  # $MDI_BACKEND, else auto
+    backend: str = field(default_factory=_env_backend)  # $MDI_BACKEND, else auto
     kv_type: str = "f16"  # the ggml backend's KV cache: f16 | q8_0 | f32 (llama.cpp's -ctk / -ctv)
     # ggml re-lays the matrices of some GGUF types for its faster matrix kernels (llama.cpp's
     # default): prefill runs up to 2.6x faster, but a pass of 4 rows or more then rounds them
@@ -230,10 +238,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     if "kernel_memory" in r:
         r["kernel_memory"] = parse_kernel_memory(source + ": runtime.kernel_memory", r["kernel_memory"])
-    try:
-        runtime = RuntimeSpec(**r)
-    except ValueError as e:  # a default read from the environment ($MDI_BACKEND)
-        raise ConfigError("%s: runtime: %s" % (source, e))
+    runtime = RuntimeSpec(**r)
     # sent to every worker in /init (check_keys refused booleans already)
     if runtime.threads is not None and runtime.threads != "auto" and not (
             isinstance(runtime.threads, int) and runtime.threads >= 1):
