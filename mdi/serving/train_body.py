@@ -81,8 +81,9 @@ def _out(body: Dict[str, Any], files: ServedFiles) -> str:
 
 def out_problem(out: str, files: ServedFiles) -> Optional[str]:
     """Why a job may not write its adapter to `out` (None: it may). Asked when the request
-    comes and again as the job starts and ends: another job may have written there meanwhile
-    (h67: a second job rewrote the adapter the first one served)."""
+    comes, again as the job starts and once more before it writes (TrainJob._finish): another
+    job may have written there meanwhile (h67: a second job rewrote the adapter the first one
+    served)."""
     shown = files.shown(out)
     clash = files.clash(out)
     if clash is not None:

@@ -31,7 +31,6 @@ mdi-train --out writes it and loaded for serving by the path POST /v1/mdi/adapte
 import collections
 import functools
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Union
@@ -55,8 +54,10 @@ Outgoing = Union[Frame, Callable[[], Frame]]  # a frame, or the forward that mak
 
 class TrainJob:
     def __init__(self, spec: TrainJobSpec, engine: EngineFace, windows: Windows,
-                 register: Callable[[str, str], int]) -> None:
+                 register: Callable[[str, str], int], out_problem: Callable[[str], Optional[str]]) -> None:
+        """`out_problem`: why the adapter may not be written to a folder now (train_body.out_problem)."""
         self.spec, self.engine, self.windows, self.register = spec, engine, windows, register
+        self.out_problem = out_problem
         self.state = RUNNING
         self.error: Optional[str] = None
         self.steps: List[StepRecord] = []
@@ -234,8 +235,9 @@ class TrainJob:
         pairs, _ = trainer.collect()
         self._drop_workers()
         engine, spec = self.engine, self.spec
-        if os.path.exists(spec.out) and (not os.path.isdir(spec.out) or os.listdir(spec.out)):
-            raise RuntimeError("%s was written meanwhile: the trained adapter is not saved over it" % spec.out)
+        problem = self.out_problem(spec.out)  # as at the request and the start: another job may have written there
+        if problem is not None:
+            raise RuntimeError("'out' %s: the trained adapter is not saved" % problem)
         save_peft_adapter(spec.out, engine.source.config, spec.setup.spec, pairs, engine.cfg.model.path)
         if spec.name is not None:
             self.adapter_id = self.register(spec.name, spec.out)

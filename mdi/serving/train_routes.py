@@ -9,6 +9,7 @@ stops and runs on the scheduler's thread (Scheduler.between_steps), never on an 
   DELETE  stops the running job cleanly (the workers drop their training state, requests go on);
           its report once stopped; 404 when none runs
 """
+import functools
 import logging
 import os
 import time
@@ -84,7 +85,7 @@ class TrainControl:
             windows = load_windows(sched.tokenizer, spec.data, spec.seq_len)
         except ConfigError as e:
             raise ApiError(400, "'data': %s" % str(e).replace("--data ", ""), "data")
-        job = TrainJob(spec, engine, windows, self._register)
+        job = TrainJob(spec, engine, windows, self._register, functools.partial(out_problem, files=self.files))
 
         def begin() -> None:
             if self._running():
@@ -92,7 +93,7 @@ class TrainControl:
             if sched.engine is not engine:
                 raise ApiError(503, "the ring was rebuilt meanwhile; try again", kind="server_error")
             # again: a job started and ended while this one's data was read may have taken both
-            problem = out_problem(spec.out, self.files)
+            problem = job.out_problem(spec.out)
             if problem is not None:
                 raise bad_field("out", problem)
             if spec.name is not None and spec.name in [n for _, n in engine.loaded_adapters()]:

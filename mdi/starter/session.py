@@ -19,7 +19,7 @@ from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
 from mdi.ring.status import NodeCounters
 from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
-from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeUnreachable, silenced
+from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeTimeout, NodeUnreachable, silenced
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.system.files import sha256_file
@@ -320,7 +320,8 @@ class RingSession:
             status = client.status(timeout=status_timeout(self.cfg.runtime.heartbeat_interval),
                                    run_id=self.run_id)
         except NodeError as e:
-            self._unanswered[client.node.name] = time.monotonic()
+            if isinstance(e, (NodeTimeout, NodeUnreachable)):  # (an HTTP error is an answer)
+                self._unanswered[client.node.name] = time.monotonic()
             return e
         if not self._watching.is_set():
             return None
