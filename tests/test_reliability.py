@@ -312,6 +312,39 @@ def test_a_node_address_where_another_web_server_answers_says_it_is_not_an_mdi_w
             other.server_close()
 
 
+def test_a_worker_ending_mid_answer_is_a_node_error_naming_it():
+    """A worker killed while it wrote a /status answer raised requests' ChunkedEncodingError out of
+    the client: the watchdog thread died, no worker was polled again, and 8 s later the healthy
+    ones ended their run and were blamed for it."""
+    import threading
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.control import ControlClient, NodeError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def answer_half():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1269\r\n\r\n{\"st")
+            conn.close()
+    threading.Thread(target=answer_half, daemon=True).start()
+    try:
+        client = ControlClient(NodeSpec("board3", port=listener.getsockname()[1]), connect_timeout=5)
+        for ask in (client.health, lambda: client.status(timeout=5, run_id=3)):
+            with pytest.raises(NodeError) as err:
+                ask()
+            assert err.value.node == "board3" and "its answer broke off" in str(err.value), err.value
+            assert str(err.value).startswith("node board3 (127.0.0.1:%d): GET /" % listener.getsockname()[1])
+    finally:
+        listener.close()
+
+
 def test_a_silent_ring_names_the_node_that_reads_garbage_between_its_frames():
     """A ring slowed past ring_timeout by garbage sent to a worker's data port named no node,
     though every poll of it showed its dropped frames growing."""

@@ -233,6 +233,11 @@ class ControlClient:
                 return None
             raise NodeUnreachable("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
                                   % (where, what, self.node.port), self.node.name) from e
+        except requests.exceptions.RequestException as e:
+            # The answer began and broke off (the worker ended mid-reply: its body is short or
+            # garbled). Not certain death: the watchdog asks again, recovery asks whether it lives.
+            raise NodeError("%s: %s failed: its answer broke off (%s; did mdi-worker end?)"
+                            % (where, what, type(e).__name__), self.node.name) from e
 
     def health(self) -> Dict[str, Any]:
         return self._call("GET", "/health")
