@@ -165,6 +165,10 @@ class RunConfig:
         """What `node` asks to compute with: its own `backend`, else runtime.backend."""
         return node.backend or self.runtime.backend
 
+    def quant_of(self, node: NodeSpec) -> str:
+        """What `node` keeps its torch weights as: its own `quant:`, else model.quant."""
+        return node.quant or self.model.quant
+
     def prefill_weights_of(self, node: NodeSpec) -> str:
         """runtime.prefill_weights on `node`: auto is quantized where the node's backend is asked
         for by name (mdi.model.backend.prefill_weights_for)."""

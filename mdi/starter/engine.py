@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.backend import BackendChoice
-from mdi.model.backend_select import device_unusable, select_backend
+from mdi.model.backend_select import device_unusable, select_backend, warn_unread_settings
 from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
@@ -178,6 +178,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
         # said where auto decided (a measurement, or a backend unable to serve); asked: debug
         log.log(logging.INFO if choice.asked == "auto" else logging.DEBUG, "mdi: starter: backend %s",
                 choice.describe())
+        warn_unread_settings("starter", choice.backend, self.cfg.quant_of(self.cfg.starter), self.cfg.runtime.kv_type)
         if choice.backend == "ggml":
             chunk = self._ggml_chunk(first, last)
             if self.adapters:

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from mdi.model.backend_select import warn_unread_settings
 from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.prefix_store import NodePrefixRoom
 from mdi.model.source import ModelSource
@@ -127,9 +128,7 @@ class RingSession:
             self.backends[i] = chosen.backend
             log.log(logging.INFO if asked.asked == "auto" else logging.DEBUG, "mdi: %s: backend %s", node.name,
                     chosen.line)
-            if chosen.backend == "ggml" and node.quant not in (None, "auto"):
-                log.warning("mdi: %s: quant %s is torch's: ggml computes the GGUF's tensors as stored (mdi-prepare "
-                            "--quant writes other types)", node.name, node.quant)
+            warn_unread_settings(node.name, chosen.backend, self.cfg.quant_of(node), self.cfg.runtime.kv_type)
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights), chosen.backend))
             elif chosen.backend == "ggml":

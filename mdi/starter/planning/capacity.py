@@ -12,8 +12,8 @@ from mdi.starter.planning.node_budget import NodeBudget
 
 def node_quant(cfg: RunConfig, source: ModelSource, node: NodeSpec, layers: Sequence[int],
                with_ends: bool = False) -> Dict[str, QuantSpec]:
-    """The weights `node` keeps quantized for `layers`: its own `quant:`, else model.quant."""
-    return source.layout(layers[0], layers[1], with_ends, node.quant or cfg.model.quant, cfg.model.group_size)
+    """The weights `node` keeps quantized for `layers` (RunConfig.quant_of)."""
+    return source.layout(layers[0], layers[1], with_ends, cfg.quant_of(node), cfg.model.group_size)
 
 
 def chunk_bytes_needed(config: ModelConfig, layers: Sequence[int], n_slots: int, max_len: int,
