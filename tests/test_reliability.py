@@ -369,11 +369,59 @@ def test_a_silent_ring_names_the_node_stuck_in_a_pass():
     assert quiet == "no activations came back round the ring for 30 s", quiet
 
 
+def _watched(clients):
+    """A ring session over stub `clients` (their status() as ControlClient's), once its watchdog
+    has named a failure."""
+    import threading
+    from types import SimpleNamespace
+    from mdi.starter.session import RingSession
+    session = RingSession.__new__(RingSession)  # only what the watchdog uses
+    session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
+    session.run_id, session.failure, session._stopping = 1, None, False
+    session._answered, session._counters, session._unanswered = {}, {}, {}
+    session.clients = clients
+    session._watching = threading.Event()
+    session._watching.set()
+    session._watch()
+    return session
+
+
+def test_the_watchdog_polls_every_node_while_another_takes_a_poll_s_whole_timeout():
+    """Polled in turn, two frozen boards (5 s a poll each) held the healthy ones' heartbeat past
+    their timeout, and the healthy ones ended the run."""
+    import threading
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.control import NodeTimeout
+    from mdi.ring.status import StatusReply
+    polled = threading.Event()
+
+    class Healthy:
+        node, calls = NodeSpec("board3"), 0
+
+        def status(self, timeout=None, run_id=None):
+            Healthy.calls += 1
+            if Healthy.calls >= 3:
+                polled.set()
+            return StatusReply("running", "0", 1, "cpu", run_id=1)
+
+    class Frozen:
+        def __init__(self, name):
+            self.node, self.others_polled_meanwhile = NodeSpec(name), []
+
+        def status(self, timeout=None, run_id=None):
+            self.others_polled_meanwhile.append(polled.wait(10))  # a poll's whole timeout, at most
+            raise NodeTimeout("node %s: GET /status timed out" % self.node.name, self.node.name)
+    frozen = [Frozen("board1"), Frozen("board2")]
+    session = _watched(frozen + [Healthy()])
+    assert session.failure.node in ("board1", "board2") and session.failure.silent
+    assert all(f.others_polled_meanwhile[0] for f in frozen), [f.others_polled_meanwhile for f in frozen]
+
+
 def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chance():
     from types import SimpleNamespace
     from mdi.runconfig import NodeSpec
     from mdi.starter.control import NodeError, NodeTimeout, NodeUnreachable
-    from mdi.starter.session import STATUS_TIMEOUT_MIN_S, RingSession
+    from mdi.starter.session import STATUS_TIMEOUT_MIN_S
     from mdi.ring.status import StatusReply
 
     class Stub:
@@ -390,14 +438,7 @@ def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chan
             return StatusReply("running", "0", 1, "cpu", run_id=1)
 
     def watch(errors):
-        session = RingSession.__new__(RingSession)  # only what the watchdog uses
-        session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
-        session.run_id, session.failure, session._stopping = 1, None, False
-        session._answered, session._counters, session._unanswered = {}, {}, {}
-        session.clients = [Stub("a", errors)]
-        session._watching = __import__("threading").Event()
-        session._watching.set()
-        session._watch()  # returns once it has named a failure
+        session = _watched([Stub("a", errors)])  # returns once it has named a failure
         # A poll waits seconds however short the interval: a loaded board answers late.
         assert session.clients[0].timeouts == {STATUS_TIMEOUT_MIN_S}
         return session.failure, session.clients[0].calls

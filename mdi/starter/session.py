@@ -243,13 +243,12 @@ class RingSession:
         return self.endpoint
 
     def _keepalive(self, configured: threading.Event) -> None:
-        """While the workers load or receive their weights (minutes on a board), name this run
-        in /status polls: the heartbeat that keeps each worker's /init of it alive. The worker
-        cannot see a push arrive (its HTTP server hands the request over once all of it is
-        in), and another starter may take over a worker whose starter went silent. A node that
-        leaves two polls unanswered, or cannot be reached, is named at once, as the running
-        ring's watchdog names it (its /init answering /status while it loads): a worker stalled
-        in its /init had held the start-up for all of runtime.init_timeout."""
+        """While the workers load or receive their weights (minutes on a board), name this run in
+        /status polls: the heartbeat that keeps each worker's /init of it alive (a worker cannot
+        see a push arrive: its HTTP server hands the request over once all of it is in; and
+        another starter may take over a worker whose starter went silent). A node that leaves two
+        polls unanswered, or cannot be reached, is named at once, as the ring's watchdog names
+        it: a worker stalled in its /init had held the start-up for all of runtime.init_timeout."""
         clients = [self.registry.fresh(n) for n in self.workers]  # not shared with the pushing threads
         interval = self.cfg.runtime.heartbeat_interval
         misses = [0] * len(clients)
@@ -299,19 +298,23 @@ class RingSession:
     # --- failure detection -----------------------------------------------------------
     def _watch(self) -> None:
         """Poll every worker's /status: a dead, hung or failed node is named within seconds
-        (this polling is also the heartbeat that tells workers the starter is alive)."""
-        misses = [0] * len(self.clients)
-        interval = self.cfg.runtime.heartbeat_interval
+        (this polling is also the heartbeat that tells workers the starter is alive). Each node
+        from a thread of its own: polled in turn, two frozen boards (5 s a poll each) had held
+        the healthy ones' heartbeat past their timeout, and they ended the run."""
+        try:
+            run_all([functools.partial(self._watch_node, client) for client in self.clients], "mdi-watch")
+        except NodeError as e:
+            self.failure = e  # the first found; the other pollers end at their next turn
+
+    def _watch_node(self, client: ControlClient) -> None:
+        misses = 0
         while self._watching.is_set() and self.failure is None:
-            for i, client in enumerate(self.clients):
-                problem = self._probe(client)
-                misses[i] = misses[i] + 1 if problem is not None else 0
-                # An unreachable node is certain; anything else (a timeout above all) gets one
-                # more chance.
-                if problem is not None and (misses[i] >= 2 or isinstance(problem, NodeUnreachable)):
-                    self.failure = silenced(problem)
-                    return
-            time.sleep(interval)
+            problem = self._probe(client)
+            misses = misses + 1 if problem is not None else 0
+            # An unreachable node is certain; anything else (a timeout above all) gets one more chance.
+            if problem is not None and (misses >= 2 or isinstance(problem, NodeUnreachable)):
+                raise silenced(problem)
+            time.sleep(self.cfg.runtime.heartbeat_interval)
 
     def _probe(self, client: ControlClient) -> Optional[NodeError]:
         where = "node %s (%s)" % (client.node.name, client.node.address)
