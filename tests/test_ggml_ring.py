@@ -99,13 +99,15 @@ def test_gemma3_s_sliding_window_layers_keep_rings_on_every_node_and_the_same_te
 def test_a_ring_may_mix_ggml_and_torch_nodes(smollm2_dir, two_workers, tmp_path):
     config = write_run_config(tmp_path / "mixed.yaml", smollm2_dir, two_workers, n_tokens=12,
                               runtime={"threads": 1, "kv_type": "q8_0"},
+                              dtype="float16",
                               node_options={0: {"backend": "ggml", "quant": "int4"}, 1: {"backend": "torch"},
                                             2: {"backend": "ggml", "quant": "int8"}})
     record, proc = start(config, tmp_path)
     assert [n["backend"] for n in record["nodes"]] == ["ggml", "torch", "ggml"]
     # a ggml node's quant is torch's, a torch node's KV type ggml's: said, not silently dropped
     assert "w2: quant int8 is torch's: ggml computes the GGUF's tensors as stored" in proc.stderr, proc.stderr
-    assert "starter: quant int4 is torch's" in proc.stderr, proc.stderr
+    assert "starter: quant int4 is torch's: ggml computes the GGUF's tensors as stored (mdi-prepare --quant writes " \
+        "other types); dtype float16 is torch's" in proc.stderr, proc.stderr
     assert "w1: runtime.kv_type q8_0 is ggml's" in proc.stderr and "w2: runtime.kv_type" not in proc.stderr
     assert "Paris" in record["samples"][0]["text"]
     assert all(len(s["token_ids"]) == 12 for s in record["samples"])

@@ -45,20 +45,6 @@ def ggml_cannot(gguf_types: Optional[Dict[str, str]], device: str, adapters: boo
     return unavailable_reason()
 
 
-def warn_unread_settings(node: str, backend: str, quant: Optional[str], kv_type: str) -> None:
-    """Say which of the run's settings `node`'s backend does not read, where its backend is
-    chosen: `--quant int4` on a ggml ring and `--kv-type q8_0` on a torch one had been ignored
-    without a word."""
-    unread = []
-    if backend == "ggml" and quant not in (None, "auto"):
-        unread.append("quant %s is torch's: ggml computes the GGUF's tensors as stored (mdi-prepare --quant writes "
-                      "other types)" % quant)
-    if backend == "torch" and kv_type != "f16":
-        unread.append("runtime.kv_type %s is ggml's: torch keeps its KV cache in the compute dtype" % kv_type)
-    if unread:
-        log.warning("mdi: %s: %s", node, "; ".join(unread))
-
-
 def torch_cannot(device: str = "cpu") -> Optional[str]:
     """Why torch cannot compute on `device` here (None: it can)."""
     import importlib.util

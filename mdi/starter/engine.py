@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.model.backend import BackendChoice
-from mdi.model.backend_select import device_unusable, select_backend, warn_unread_settings
+from mdi.model.backend_select import device_unusable, select_backend
 from mdi.model.layout import layout_to_json, torch_dtype
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.control import NodeError, NodeRegistry
@@ -38,6 +38,7 @@ from mdi.starter.planning.recovery import RecoveryImpossible, check_health, name
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.recovery_log import RecoveryLog
 from mdi.starter.session import RingSession
+from mdi.starter.unread_settings import warn_unread_settings
 from mdi.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -175,10 +176,9 @@ class Engine(RuntimeAdapters, RecoveryLog):
             raise ConfigError("starter: %s" % unusable)
         choice = self._choose_backend(first, last)
         self.backend_choice = choice
-        # said where auto decided (a measurement, or a backend unable to serve); asked: debug
-        log.log(logging.INFO if choice.asked == "auto" else logging.DEBUG, "mdi: starter: backend %s",
-                choice.describe())
-        warn_unread_settings("starter", choice.backend, self.cfg.quant_of(self.cfg.starter), self.cfg.runtime.kv_type)
+        log.log(logging.INFO if choice.asked == "auto" else logging.DEBUG,  # said where auto decided; asked: debug
+                "mdi: starter: backend %s", choice.describe())
+        warn_unread_settings(self.cfg, self.cfg.starter, choice.backend)
         if choice.backend == "ggml":
             chunk = self._ggml_chunk(first, last)
             if self.adapters:

@@ -9,7 +9,6 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from mdi.model.backend_select import warn_unread_settings
 from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.prefix_store import NodePrefixRoom
 from mdi.model.source import ModelSource
@@ -23,6 +22,7 @@ from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeTimeout, NodeUnreachable, silenced
 from mdi.starter.node_report import NodeReport, worker_report
 from mdi.starter.planning.run_plan import RunPlan
+from mdi.starter.unread_settings import warn_unread_settings
 from mdi.system.files import sha256_file
 from mdi.system.parallel import run_all
 
@@ -128,7 +128,7 @@ class RingSession:
             self.backends[i] = chosen.backend
             log.log(logging.INFO if asked.asked == "auto" else logging.DEBUG, "mdi: %s: backend %s", node.name,
                     chosen.line)
-            warn_unread_settings(node.name, chosen.backend, self.cfg.quant_of(node), self.cfg.runtime.kv_type)
+            warn_unread_settings(self.cfg, node, chosen.backend)
             if node.weights:
                 self.init_replies[i] = client.init(self._init_spec(i, Weights(path=node.weights), chosen.backend))
             elif chosen.backend == "ggml":
