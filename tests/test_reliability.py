@@ -477,6 +477,52 @@ def test_loopback_addresses_in_every_form(host, loopback):
     assert is_loopback(host) is loopback
 
 
+def test_the_start_up_s_keepalive_polls_every_node_while_another_takes_a_poll_s_whole_timeout():
+    """As the watchdog (test above): two boards frozen in their /init held the healthy ones'
+    heartbeat past its timeout, and a healthy one's /init ended, named as the failure."""
+    import threading
+    from types import SimpleNamespace
+    from mdi.runconfig import NodeSpec
+    from mdi.ring.status import StatusReply
+    from mdi.starter.control import NodeTimeout
+    from mdi.starter.session import RingSession
+    polled = threading.Event()
+
+    class Healthy:
+        node, calls = NodeSpec("board3"), 0
+
+        def status(self, timeout=None, run_id=None):
+            Healthy.calls += 1
+            if Healthy.calls >= 3:
+                polled.set()
+            return StatusReply("loading", "0", 1, "cpu")
+
+        def close(self):
+            pass
+
+    class Frozen(Healthy):
+        def __init__(self, name):
+            self.node, self.others_polled_meanwhile = NodeSpec(name), []
+
+        def status(self, timeout=None, run_id=None):
+            self.others_polled_meanwhile.append(polled.wait(10))  # a poll's whole timeout, at most
+            raise NodeTimeout("node %s: GET /status timed out" % self.node.name, self.node.name)
+    stubs = {"board1": Frozen("board1"), "board2": Frozen("board2"), "board3": Healthy()}
+    session = RingSession.__new__(RingSession)  # only what the keepalive uses
+    session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
+    session.run_id, session.failure = 1, None
+    session.workers = [stub.node for stub in stubs.values()]
+    session.registry = SimpleNamespace(fresh=lambda node: stubs[node.name])
+    configured = threading.Event()
+    try:
+        with pytest.raises(NodeTimeout) as raised:
+            session._keepalive(configured)
+    finally:
+        configured.set()
+    assert raised.value.node in ("board1", "board2") and session.failure is raised.value
+    assert stubs["board1"].others_polled_meanwhile[0] and stubs["board2"].others_polled_meanwhile[0]
+
+
 def test_a_worker_silent_while_it_is_configured_is_named_at_once():
     """The start-up's keepalive polls apply the running ring's rule: a node that leaves two
     polls unanswered (a board stalled in its /init) or cannot be reached is named and ends the

@@ -1,5 +1,6 @@
 """The starter's view of the ring: configure every worker over HTTP, connect the data plane,
 and at the end send the stop frame round and collect each node's counters."""
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -243,29 +244,28 @@ class RingSession:
         return self.endpoint
 
     def _keepalive(self, configured: threading.Event) -> None:
-        """While the workers load or receive their weights (minutes on a board), name this run in
-        /status polls: the heartbeat that keeps each worker's /init of it alive (a worker cannot
-        see a push arrive: its HTTP server hands the request over once all of it is in; and
-        another starter may take over a worker whose starter went silent). A node that leaves two
-        polls unanswered, or cannot be reached, is named at once, as the ring's watchdog names
-        it: a worker stalled in its /init had held the start-up for all of runtime.init_timeout."""
+        """While the workers load or receive their weights (minutes on a board), poll each one's
+        /status naming this run, a thread each: the heartbeat keeping its /init alive (it cannot see
+        a push arrive; another starter may take over a silent starter's worker). A node is named as
+        _watch names it: one stalled in its /init had held the start-up for all of init_timeout."""
         clients = [self.registry.fresh(n) for n in self.workers]  # not shared with the pushing threads
-        interval = self.cfg.runtime.heartbeat_interval
-        misses = [0] * len(clients)
         try:
+            run_all([functools.partial(self._keep_alive, client, configured) for client in clients], "mdi-keepalive")
+        except NodeError as e:
+            self.failure = e  # the first found (each thread may find one)
+            raise
+
+    def _keep_alive(self, client: ControlClient, configured: threading.Event) -> None:
+        interval, misses = self.cfg.runtime.heartbeat_interval, 0
+        with contextlib.closing(client):  # here: the first failure ends run_all's wait while others poll
             while not configured.wait(interval):
-                for i, client in enumerate(clients):
-                    try:
-                        client.status(timeout=status_timeout(interval), run_id=self.run_id)
-                        misses[i] = 0
-                    except NodeError as e:
-                        misses[i] += 1
-                        if (misses[i] >= 2 or isinstance(e, NodeUnreachable)) and not configured.is_set():
-                            self.failure = silenced(e)
-                            raise self.failure
-        finally:
-            for client in clients:
-                client.close()
+                try:
+                    client.status(timeout=status_timeout(interval), run_id=self.run_id)
+                    misses = 0
+                except NodeError as e:
+                    misses += 1
+                    if (misses >= 2 or isinstance(e, NodeUnreachable)) and not configured.is_set():
+                        raise silenced(e)
 
     def _await_ring(self) -> None:
         """Send a reset frame round until one comes back, before any sample enters the ring.
