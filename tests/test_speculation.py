@@ -407,6 +407,7 @@ def test_a_killed_worker_s_replay_keeps_the_tokens(tiny_models):
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "expected 1 <= ngram_min <= ngram_max <= 16"),
     ({"method": "ngram", "draft": "x"}, "unknown key 'draft'"),
     ({"method": "ngram", "fill": "yes"}, "fill"),
+    ({"max_draft": 4}, "method: needed beside max_draft (off, ngram or draft)"),  # had turned speculation off
 ])
 def test_bad_speculation_settings_are_refused_in_one_line(raw, message):
     with pytest.raises(ConfigError) as e:

@@ -318,7 +318,7 @@ def test_check_reads_the_draft_once_from_the_run_plan(tiny_models, tmp_path, cap
     refused = parse_run_config(model, [], "spec", generation={"speculation": {"draft": other}})
     assert preflight(refused) == 1
     out = capsys.readouterr().out
-    assert "plan: REFUSED: generation.speculation.draft: %s has another vocabulary" % other in out, out
+    assert "plan: REFUSED: spec: generation.speculation.draft: %s has another vocabulary" % other in out, out
     opened = []
     real = draft_model.open_draft
     monkeypatch.setattr(run_plan, "open_draft", lambda *a, **k: opened.append(1) or real(*a, **k))
@@ -327,3 +327,16 @@ def test_check_reads_the_draft_once_from_the_run_plan(tiny_models, tmp_path, cap
     out = capsys.readouterr().out
     assert "draft model %s" % model in out and "counted in the starter's need" in out, out
     assert len(opened) == 1
+
+
+def test_a_config_s_draft_is_found_as_its_model_is_from_any_directory(tmp_path, tiny_models, monkeypatch):
+    """`configs/x.yaml` naming `models/...` found its model from anywhere, but its draft only from
+    the project's folder: "generation.speculation.draft: models/... does not exist"."""
+    from mdi.runconfig import load_config
+    (tmp_path / "proj" / "configs").mkdir(parents=True)
+    (tmp_path / "proj" / "models").symlink_to(os.path.dirname(tiny_models["llama"]))
+    config = tmp_path / "proj" / "configs" / "d.yaml"
+    config.write_text("model: {path: models/llama}\ngeneration: {speculation: {draft: models/llama}}\n")
+    monkeypatch.chdir(tmp_path)  # neither the project's folder nor its configs/
+    cfg = load_config(str(config))
+    assert cfg.generation.speculation.draft == cfg.model.path and os.path.isdir(cfg.model.path), cfg.model.path

@@ -413,6 +413,8 @@ def load_config(path: str) -> RunConfig:
     cfg = parse_config(read_yaml(path), path)
     cfg.model.path = resolve_model_path(cfg.model.path, path)
     cfg.adapters = {name: resolve_model_path(p, path) for name, p in cfg.adapters.items()}
+    if cfg.generation.speculation.draft:  # found as model.path is, from any directory
+        cfg.generation.speculation.draft = resolve_model_path(cfg.generation.speculation.draft, path)
     if cfg.serve.chat_template:
         cfg.serve.chat_template = resolve_model_path(cfg.serve.chat_template, path)
     return cfg

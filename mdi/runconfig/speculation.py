@@ -44,6 +44,8 @@ def parse_speculation(where: str, raw: Any, paths: bool = False) -> SpeculationS
         raw = {"method": method, "draft": path} if colon and method == "draft" else {"method": raw}
     if isinstance(raw, dict) and "method" not in raw and raw.get("draft") is not None:
         raw = dict(raw, method="draft")
+    elif isinstance(raw, dict) and raw and "method" not in raw:  # ({max_draft: 4} had turned speculation off)
+        raise ConfigError("%s.method: needed beside %s (off, ngram or draft)" % (where, ", ".join(sorted(raw))))
     spec = SpeculationSpec(**check_keys(where, raw, {"method": (str,), "max_draft": (int,), "ngram_min": (int,),
                                                      "ngram_max": (int,), "fill": (bool,), "draft": (str,),
                                                      "quant": (str,)}))

@@ -32,7 +32,7 @@ from mdi.model.sampling import greedy
 from mdi.model.source import ModelSource, read_tokenizer
 from mdi.model.spm_tokenizer import SpmTokenizer
 from mdi.model.tokenizers import Tokenizer, TokenizerError
-from mdi.runconfig import ConfigError, RunConfig
+from mdi.runconfig import FLAGS_SOURCE, ConfigError, RunConfig
 from mdi.starter.pass_compute import inference_mode, pass_inputs, takes_host_arrays
 from mdi.starter.planning.capacity import chunk_bytes_needed
 from mdi.starter.sample import Sample
@@ -79,6 +79,7 @@ class DraftSource:
     path: str
     source: ModelSource
     quant: QuantLayout
+    asked_quant: Optional[str] = None  # the quant mode asked for it (its own, else model.quant), not auto
 
     @property
     def config(self) -> ModelConfig:
@@ -97,10 +98,12 @@ def draft_len(config: ModelConfig, max_len: int) -> int:
     return min(max_len, config.block_size)
 
 
-def open_draft(cfg: RunConfig, target: ModelSource, where: str = "generation.speculation") -> Optional[DraftSource]:
+def open_draft(cfg: RunConfig, target: ModelSource) -> Optional[DraftSource]:
     """The run's draft model (method draft), its vocabulary checked against the target's before
-    any of its weights is read; None without one. One ConfigError line naming the difference."""
+    any of its weights is read; None without one. One ConfigError line naming the difference
+    (and the config file, as its other settings' errors do)."""
     spec = cfg.generation.speculation
+    where = "generation.speculation" if cfg.source == FLAGS_SOURCE else "%s: generation.speculation" % cfg.source
     if spec.method != "draft" or not spec.draft:
         return None
     path = spec.draft
@@ -127,7 +130,8 @@ def open_draft(cfg: RunConfig, target: ModelSource, where: str = "generation.spe
         quant = source.layout(0, n, True, spec.quant or cfg.model.quant, cfg.model.group_size)
     except ValueError as e:
         raise ConfigError("%s.quant: %s" % (where, e))
-    return DraftSource(path, source, quant)
+    asked = spec.quant or cfg.model.quant
+    return DraftSource(path, source, quant, None if asked == "auto" else asked)
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,9 @@ class DraftModel:
                 raise ConfigError("starter: the draft model %s: runtime.%s" % (draft.path, unfit))
             chunk = draft.source.ggml_chunk(0, n, True, True, ggml.threads, ggml.kv_type, ggml.repack, ggml.device)
             chunk.set_prefill_weights(ggml.prefill_weights)  # its prompts are prefilled as the target's are
-            if draft.quant is not None:
+            if draft.asked_quant is not None:  # (not its layout: a line of 4.5 KB on Gemma 3)
                 log.info("mdi: starter: the draft model computes on ggml, its GGUF as stored: quant %s does not apply",
-                         draft.quant)
+                         draft.asked_quant)
         else:
             if ggml is not None:
                 log.info("mdi: starter: the draft model %s has no GGUF: it computes on torch", draft.path)
