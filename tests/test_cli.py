@@ -168,7 +168,7 @@ def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, ne
     (["--quant", "int4", "--group-size", "48"], "group_size 48: int4 groups are 32, 64, 128, not 48"),
     (["--check", "--port", "9000"], "--port goes with --serve"),  # --check and --perplexity had ignored them
     (["--perplexity", "x.txt", "--host", "0.0.0.0", "--insecure"], "--host and --insecure go with --serve"),
-    (["--draft-max", "4"], "--draft-max: speculation is off (give --speculation ngram or draft:PATH too)"),  # had run plain
+    (["--draft-max", "4"], "--draft-max: speculation is off (give --speculation ngram or draft:PATH too)"),
 ])
 def test_flags_that_cannot_work_are_refused_before_the_run(tiny_models, args, needle):
     """(An unwritable --metrics-out had been a traceback after the whole run, its record lost.)"""
