@@ -74,6 +74,25 @@ def test_a_slot_overwritten_is_saved_first_then_loaded_back_and_extended_entries
     assert sorted(index.entries) == [2, 3]
 
 
+def test_a_conversation_whose_template_rewrites_answers_keeps_no_entry_a_turn():
+    """Gemma 3's template trims each answer (" I" comes back as "I"), so a turn's prompt parts
+    from the slot inside the last answer: each turn's whole sequence was saved as an entry, and
+    a chat of 8 turns held 7 (answers never reused, memory growing with the square of turns)."""
+    index = PrefixIndex(1000)
+    turns = [[1, 2, 3, 4, 5]]
+    turns.append(turns[0] + [160, 61, 62, 9, 9])  # the answer [60, 61, 62] as the template rewrote it
+    turns.append(turns[1] + [163, 64, 9, 9])
+    for i, (turn, answer) in enumerate(zip(turns, ([60, 61, 62], [63, 64], [65]))):
+        assert index.admit(0, turn, key=0) == (len(turns[i - 1]) if i else 0)  # the last prompt's positions
+        index.release(0, turn + answer, key=0)
+    assert index.take_ops() == [] and index.entries == {}
+    index.admit(0, [7, 7, 7], key=0)  # another conversation: the last turn is saved, once
+    assert index.take_ops() == [CacheOp("save", 1, 0, 15)]
+    index.release(0, [7, 7, 7, 8], key=0)
+    index.admit(0, [7, 7, 5, 5], key=0)  # parting in its prompt: the sequence is saved as before
+    assert index.take_ops() == [CacheOp("save", 2, 0, 4)]
+
+
 def test_eviction_drops_the_least_recently_used_never_the_entry_being_loaded():
     index = PrefixIndex(10)
     index.admit(0, [1, 1, 1, 1, 0], key=0)

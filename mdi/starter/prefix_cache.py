@@ -25,7 +25,7 @@ Every decision is made here, without I/O (vLLM's scheduler style); the pipeline 
 `take_ops` returns in its next frame, which every node carries out, in order, before computing.
 """
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -46,6 +46,7 @@ class Held:
     kinds: Optional[np.ndarray] = None
     # the first position the nodes' sliding-window rings still hold (SlidingRing.intact_from)
     intact_from: int = 0
+    answer_from: int = 0  # where its answer begins (its window's length; 0: not told)
 
 
 def shared_positions(held: Held, want: np.ndarray, kinds: Optional[np.ndarray],
@@ -102,6 +103,7 @@ class PrefixIndex:
         self._ops: List[CacheOp] = []
         self._running: Dict[int, Optional[np.ndarray]] = {}  # busy slot -> its window's kinds (Held.kinds)
         self._reused_from: Dict[int, int] = {}  # busy slot -> the intact_from of the positions it reused
+        self._windows: Dict[int, int] = {}  # busy slot -> its window's length (Held.answer_from)
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
 
@@ -161,7 +163,11 @@ class PrefixIndex:
         if not use:
             load = None
         stays = 0 if load is not None else use  # positions of the old sequence the sample keeps
-        if old is not None and len(old.tokens) > stays:
+        # One that keeps every prompt position the old held goes on with its conversation: the old
+        # answer's rows past where they part are not saved (a chat template that rewrites answers,
+        # Gemma's trim, had left one entry a turn, each a whole conversation).
+        goes_on = old is not None and 0 < old.answer_from <= own
+        if old is not None and len(old.tokens) > stays and not goes_on:
             self._keep(slot, old, protect=load)
         if load is not None:
             self._ops.append(CacheOp("load", load, slot, use))
@@ -170,6 +176,7 @@ class PrefixIndex:
         self._running[slot] = None if kinds is None or (use and reused is None) else (
             np.concatenate([reused, kinds[use:]]) if use else kinds)
         self._reused_from[slot] = source.intact_from if use and source is not None else 0
+        self._windows[slot] = len(want)
         if reuse:
             self.counters.lookups += 1
             self.counters.prompt_tokens += len(want)
@@ -185,6 +192,7 @@ class PrefixIndex:
         wrote no rows past them but the next one's."""
         admitted = self._running.pop(slot, None)
         reused_from = self._reused_from.pop(slot, 0) if as_admitted else 0  # (a shift computed all again)
+        window = self._windows.pop(slot, 0) if as_admitted else 0
         if not len(tokens):
             self.slots.pop(slot, None)
             return
@@ -193,7 +201,7 @@ class PrefixIndex:
             kinds = np.full(len(tokens), prompt_passes.ANSWER, dtype=np.uint8)
             kinds[:len(admitted)] = admitted[:len(tokens)]
         intact = self.ring.intact_from(len(tokens), reused_from, drafted) if self.ring is not None else 0
-        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds, intact)
+        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds, intact, min(window, len(tokens)))
 
     # --- entries ---------------------------------------------------------------------
     def _keep(self, slot: int, held: Held, protect: Optional[int]) -> None:
@@ -226,7 +234,7 @@ class PrefixIndex:
                 self.counters.evictions += 1
         eid = next(self._ids)
         self._ops.append(CacheOp("save", eid, slot, n))
-        self.entries[eid] = Held(held.tokens, held.key, next(self._clock), held.kinds, held.intact_from)
+        self.entries[eid] = replace(held, used=next(self._clock))
         self.tokens_held += n
         self.counters.saves += 1
 
@@ -248,6 +256,7 @@ class PrefixIndex:
         self.slots.clear()
         self._running.clear()
         self._reused_from.clear()
+        self._windows.clear()
         self.tokens_held = 0
         self._ops = []
 
