@@ -54,7 +54,8 @@ def model(tmp_path_factory):
 def server(model, workers, tmp_path_factory):
     path = write_run_config(tmp_path_factory.mktemp("serve-cfg") / "ring3.yaml", model, workers[:2],
                             layers=[2, 1, 1], worker_name="board%d", runtime={"threads": 1, "ring_timeout": 30},
-                            serve={"max_in_flight": SLOTS, "model_name": "tiny"})
+                            serve={"max_in_flight": SLOTS, "model_name": "tiny"},
+                            generation={"context_shift": True})  # said to apply to batch runs only
     srv = Server(path)
     try:
         yield srv.wait_ready()
@@ -586,3 +587,9 @@ def test_top_k_0_or_minus_1_turns_it_off_even_where_the_yaml_sets_one():
         assert parse_options({"prompt": "a", "top_k": off}, COMPLETIONS, yaml)[0].params.top_k is None
     assert parse_options({"prompt": "a", "top_k": 5}, COMPLETIONS, yaml)[0].params.top_k == 5
     assert parse_options({"prompt": "a"}, COMPLETIONS, yaml)[0].params.top_k == 50
+
+
+def test_a_setting_serving_does_not_read_is_said_at_start(server):
+    """generation.context_shift was read and ignored: a served request's max_tokens is held to
+    what its slot has left, so its window never rolls."""
+    assert "mdi: generation.context_shift is for batch runs" in server.output(), server.output()

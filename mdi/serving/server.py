@@ -57,6 +57,9 @@ def serve(cfg: RunConfig, host: Optional[str] = None, port: Optional[int] = None
 
 def _serve(cfg: RunConfig, host: str, port: int) -> int:
     from mdi.system.http_server import HttpServer
+    if cfg.generation.context_shift:  # (read and ignored without a word)
+        log.warning("mdi: generation.context_shift is for batch runs: a served request's max_tokens is held to what "
+                    "its slot has left after the prompt, so its window never rolls")
     source = ModelSource(cfg.model.path)
     sched = Scheduler(cfg, source)
     model_id = cfg.serve.model_name or default_model_id(cfg.model.path)
