@@ -320,6 +320,8 @@ def test_a_served_conversation_reuses_its_history_and_says_so(served):
     assert metrics["mdi_prefix_cache_tokens_reused_total"] > 0
     held = [v for k, v in metrics.items() if k.startswith("mdi_node_prefix_cache_budget_bytes")]
     assert len(held) == 3 and all(v == 8 << 20 for v in held)
+    # the limit the index applies, the same on every node (each node's bytes above did not say it)
+    assert 0 < metrics["mdi_prefix_cache_tokens_held"] <= metrics["mdi_prefix_cache_token_budget"], metrics
 
 
 def chat_turns_off(server, turns, model="tiny"):

@@ -103,9 +103,15 @@ def metrics_text(snap: Dict[str, Any]) -> str:
         ("requests", "Requests whose output a JSON schema, grammar or regex constrained."),
         ("masks", "Token masks those requests' grammars computed (one per token drawn)."),
         ("mask_seconds", "Seconds the starter spent computing those masks.")))
+    prefix = snap.get("prefix_cache") or {}
+    out.add("mdi_prefix_cache_token_budget", "gauge", "Positions the prefix cache may hold on every node (the tightest "
+            "node's budget over its bytes a position).", [("", prefix.get("token_budget"))])
+    out.add("mdi_prefix_cache_tokens_held", "gauge", "Positions its entries hold on every node.",
+            [("", prefix.get("tokens_held"))])
     out.add("mdi_node_prefix_cache_bytes", "gauge", "Bytes each node's prefix cache holds.",
             per_node("prefix_cache_bytes"))
-    out.add("mdi_node_prefix_cache_budget_bytes", "gauge", "Bytes each node may give its prefix cache.",
+    out.add("mdi_node_prefix_cache_budget_bytes", "gauge", "Bytes each node could give its prefix cache alone (nodes "
+            "on one memory share an auto budget: the index holds mdi_prefix_cache_token_budget positions on each).",
             per_node("prefix_cache_budget_bytes"))
     out.add("mdi_node_prefix_cache_entries", "gauge", "Entries each node's prefix cache holds.",
             per_node("prefix_cache_entries"))
