@@ -452,13 +452,19 @@ def test_langchain_function_calling_with_an_optional_field_and_a_function_withou
         Town, method="function_calling", include_raw=True).invoke("Tell me about Paris. Answer in JSON.")
     assert out["parsing_error"] is None and isinstance(out["parsed"], Town), out
     assert set(out["raw"].tool_calls[0]["args"]) <= {"name", "country", "population"}, out
-    now = {"type": "function", "function": {"name": "now", "description": "The time now."}}  # no parameters
-    r = requests.post(smollm2_server.url + "/v1/chat/completions", timeout=300, json={
-        "messages": [{"role": "user", "content": "What time is it?"}], "tools": [now], "tool_choice": "required",
-        "temperature": 0, "max_tokens": 60})
-    assert r.status_code == 200, r.text
-    calls = r.json()["choices"][0]["message"]["tool_calls"]
-    assert calls and all(json.loads(c["function"]["arguments"]) == {} for c in calls), calls
+    # no parameters; {} and {"type": "object"} (MCP tools without input) take none either: SmolLM2
+    # filled them with {"arg1": "some_value"}, and strict mode let {} through
+    for parameters in (None, {}, {"type": "object"}, {"type": "object", "description": "none"}):
+        for strict in (False, True):
+            now = {"type": "function", "function": {"name": "now", "description": "The time now.", "strict": strict}}
+            if parameters is not None:
+                now["function"]["parameters"] = parameters
+            r = requests.post(smollm2_server.url + "/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": "What time is it now?"}], "tools": [now],
+                "tool_choice": "required", "temperature": 0, "max_tokens": 60})
+            assert r.status_code == 200, (parameters, strict, r.text)
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+            assert calls and all(json.loads(c["function"]["arguments"]) == {} for c in calls), (parameters, calls)
 
 
 def test_a_function_whose_parameters_no_text_satisfies_is_a_400(smollm2_server):

@@ -23,6 +23,9 @@ MAX_CALLS_IN_MESSAGE = 128
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_KEYS, FUNCTION_KEYS = ("type", "function"), ("name", "description", "parameters", "strict")
 CHOICES = ("auto", "none", "required")
+# what a schema may say of an object's keys: one saying none of these takes no arguments
+KEY_KEYWORDS = ("properties", "additionalProperties", "patternProperties", "unevaluatedProperties", "propertyNames",
+                "required", "minProperties", "anyOf", "oneOf", "allOf", "$ref", "if", "not", "dependentSchemas")
 # The template families by the calls their models write (tool_calls.FAMILIES parses each).
 HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
 
@@ -68,10 +71,14 @@ def check_tools(value: List[Any], _: Dict[str, Any]) -> List[Dict[str, Any]]:
                 and not isinstance(fn["strict"], bool):  # null: absent, as OpenAI's schema allows
             raise _bad(where + ".function", "description: expected a string; strict: true or false")
         params = fn.get("parameters")
-        params = {"type": "object", "properties": {}} if params is None else _object_schema(params, where)
+        params = {} if params is None else _object_schema(params, where)
+        # No parameters, {} and {"type": "object"} (MCP tools without input, several SDKs) say
+        # nothing of keys: a function taking none, as OpenAI reads them. Left open, SmolLM2 filled
+        # {} with the reply format's example ({"arg1": "some_value"}), and strict mode let it through.
+        takes_none = not any(key in params for key in KEY_KEYWORDS)
+        params = dict(params, type="object", properties={}) if takes_none else params
         if fn.get("strict"):
-            broken = strict_violation(params if fn.get("parameters") is not None else
-                                      dict(params, additionalProperties=False))
+            broken = strict_violation(dict(params, additionalProperties=False) if takes_none else params)
             if broken is not None:
                 raise _bad(where + ".function.parameters", broken)
         entry: Dict[str, Any] = {"name": name}  # in OpenAI's order: templates list them as they are
