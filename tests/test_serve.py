@@ -116,6 +116,7 @@ class Stream(threading.Thread):
                         self.usage = event["usage"]
                         continue
                     choice = event["choices"][0]
+                    assert event.get("usage", "absent") is None, event  # null in every other chunk, as OpenAI's
                     if choice["text"]:
                         if not self.text:
                             self.note("first")

@@ -11,12 +11,12 @@ from mdi.serving.request import FinishEvent, TextEvent
 
 class HeldBack:
     """The Reply of a tools answer whose calls are not whole yet: no chunk until its end."""
-    chat = False
+    chat, include_usage = False, False
 
     def chunks(self, text, index, logprobs):
         return []
 
-    def last_chunks(self, reason, include_usage, index=0):
+    def last_chunks(self, reason, index=0):
         return [{"finish_reason": reason}]
 
 
@@ -40,6 +40,6 @@ def test_held_back_text_still_sends_keep_alives(monkeypatch):
     server = api.Routes.__new__(api.Routes)
     server.sched = SimpleNamespace(alive=True)
     server._cancel = lambda requests: None
-    out = list(server._stream(Events(40), HeldBack(), include_usage=False))
+    out = list(server._stream(Events(40), HeldBack()))
     assert out[-1] == "data: [DONE]\n\n" and '"finish_reason": "stop"' in out[-2]
     assert out.count(": keep-alive\n\n") >= 5  # 40 events over about 10 s of the clock, no byte of text

@@ -290,11 +290,11 @@ class Routes:
         hide_tag = opts.skip_special_tokens and self.control.python_tag_is_control
         reply = Reply(choices.requests, model, chat, self.token_texts,
                       ToolReplies(tools, self.template.tool_format, hide_tag, tools_constrained)
-                      if tools is not None else None, choices.n, opts.continuous_usage)
+                      if tools is not None else None, choices.n, opts.continuous_usage, opts.include_usage)
         if not opts.stream:
             resp = self._whole(choices, reply, request.environ)
         else:
-            resp = Response(self._stream(choices, reply, opts.include_usage), mimetype="text/event-stream")
+            resp = Response(self._stream(choices, reply), mimetype="text/event-stream")
             resp.headers["Cache-Control"] = "no-cache"
             resp.headers["X-Accel-Buffering"] = "no"
         if opts.ignored:
@@ -348,7 +348,7 @@ class Routes:
                 reasons[i] = event.reason
         return _json(reply.whole(["".join(p) for p in parts], reasons, logprobs))
 
-    def _stream(self, choices: Choices, reply: Reply, include_usage: bool) -> Iterator[str]:
+    def _stream(self, choices: Choices, reply: Reply) -> Iterator[str]:
         over, left = False, len(choices)
         try:
             if reply.chat:
@@ -382,9 +382,9 @@ class Routes:
                     return
                 left -= 1
                 over = not left
-                for body in reply.last_chunks(event.reason, include_usage, index=i):
+                for body in reply.last_chunks(event.reason, index=i):
                     yield _sse(body)
-            if include_usage:
+            if reply.include_usage:
                 yield _sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:

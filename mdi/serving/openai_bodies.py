@@ -14,15 +14,18 @@ class Reply:
     """The OpenAI bodies answering one request (its `n` choices: `reqs`, choice i is reqs[i])."""
 
     def __init__(self, reqs: Sequence[Request], model_id: str, chat: bool, texts: TokenTexts,
-                 tools: Optional[ToolReplies] = None, n: int = 0, continuous_usage: bool = False) -> None:
+                 tools: Optional[ToolReplies] = None, n: int = 0, continuous_usage: bool = False,
+                 include_usage: bool = False) -> None:
         self.reqs, self.model_id, self.chat, self.texts = list(reqs), model_id, chat, texts
         self.n = n or len(self.reqs)  # choices per prompt (several prompts: completions)
         self.tools = tools  # chat with tools: the answers' calls are parsed out of their text
         self.req = self.reqs[0]
         self.id = ("chatcmpl-" if chat else "cmpl-") + self.req.id
         self.with_logprobs = self.req.top_logprobs is not None
-        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
-        self.continuous_usage = continuous_usage
+        # stream_options.include_usage: the usage in a chunk of its own after every choice's
+        # last, and `"usage": null` in every other chunk, as OpenAI's (strict clients read it);
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
 
     @property
     def usage(self) -> Dict[str, Any]:
@@ -77,6 +80,8 @@ class Reply:
         body = self._body("chat.completion.chunk" if self.chat else "text_completion", [choice])
         if self.continuous_usage:
             body["usage"] = self.usage
+        elif self.include_usage:
+            body["usage"] = None
         return body
 
     def chunks(self, text: str, index: int, logprobs: Sequence[TokenLogprob]) -> List[Dict[str, Any]]:
@@ -91,27 +96,21 @@ class Reply:
             bodies.append(body)
         return bodies
 
-    def last_chunks(self, reason: FinishReason, include_usage: bool, index: int = 0) -> List[Dict[str, Any]]:
+    def last_chunks(self, reason: FinishReason, index: int = 0) -> List[Dict[str, Any]]:
         """A choice's last chunks: with tools, what was held back, then the finish reason
         ("tool_calls", or legacy "function_call", where it called one)."""
         if self.tools is None:
-            return [self.last_chunk(reason, include_usage, index)]
+            return [self.last_chunk(reason, index)]
         bodies: List[Dict[str, Any]] = []
         for delta in self.tools.deltas(index, None):
             body = self.chunk(None, index=index)
             body["choices"][0]["delta"] = delta
             bodies.append(body)
         called = self.tools.called(index) and reason in (FinishReason.STOP, FinishReason.LENGTH)
-        return bodies + [self.last_chunk(self.tools.finish_reason if called else reason, include_usage, index)]
+        return bodies + [self.last_chunk(self.tools.finish_reason if called else reason, index)]
 
-    def last_chunk(self, reason: str, include_usage: bool, index: int = 0) -> Dict[str, Any]:
-        """A choice's last chunk. The usage comes only where asked for (include_usage), in a
-        chunk of its own after every choice's last, as OpenAI's; `usage: null` here then (the
-        usage so far with continuous_usage)."""
-        body = self.chunk(None if self.chat else "", reason, index=index)
-        if include_usage and not self.continuous_usage:
-            body["usage"] = None
-        return body
+    def last_chunk(self, reason: str, index: int = 0) -> Dict[str, Any]:
+        return self.chunk(None if self.chat else "", reason, index=index)
 
     def usage_chunk(self) -> Dict[str, Any]:
         body = self._body("chat.completion.chunk" if self.chat else "text_completion", [])
