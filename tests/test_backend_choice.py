@@ -257,3 +257,22 @@ def test_a_wait_for_another_process_s_measurement_is_said(cache, caplog):
     assert machines.recall("k") == 2
     assert any("waiting for another process" in r.getMessage() and "held.json" in r.getMessage()
                for r in caplog.records), caplog.records
+
+
+def test_a_remembered_choice_needs_no_lock_and_a_lock_held_too_long_is_measured_beside(cache, monkeypatch, caplog):
+    """A start whose answer was remembered waited up to MEASURE_WAIT_S for another process
+    measuring another model, and failed where that process was stopped (Ctrl-Z) and held it."""
+    import fcntl
+    import logging
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+    measure, calls = measuring({"ggml": FAST, "torch": SLOW})
+    assert choose("auto", {"ggml": None, "torch": None}, measure, KEY).backend == "ggml" and len(calls) == 2
+    monkeypatch.setattr(backend, "MEASURE_WAIT_S", 0.2)
+    with open(backend.CACHE.path + ".lock", "w") as held:  # another process's hold, as flock sees one
+        fcntl.flock(held, fcntl.LOCK_EX)
+        again = choose("auto", {"ggml": None, "torch": None}, measure, KEY)
+        assert again.cached and len(calls) == 2  # recalled at once
+        with caplog.at_level(logging.WARNING, logger="mdi"):
+            other = choose("auto", {"ggml": None, "torch": None}, measure, dict(KEY, threads=2))
+    assert not other.cached and len(calls) == 4  # measured beside the holder, not a failure
+    assert any("measuring beside it" in r.getMessage() for r in caplog.records), caplog.records

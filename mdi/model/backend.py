@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from mdi.system.machine_cache import MEASURE_WAIT_S, MachineCache, digest
 
@@ -129,51 +129,64 @@ def choose(asked: str, cannot: Dict[str, Optional[str]], measure: Callable[[str]
         other = "torch" if able[0] == "ggml" else "ggml"
         return BackendChoice(able[0], AUTO, "%s cannot: %s" % (other, cannot.get(other)))
     name = digest(key) if key is not None else None
-    # One measurement at a time per machine: the nodes of a ring started on one machine would
-    # time each other's load, and the second finds the first's result.
-    # (each probe is bounded by backend_probe.PROBE_TIMEOUT_S; the wait and a probe fit within the
-    # starter's /backend call, runtime.init_timeout)
-    with CACHE.locked(MEASURE_WAIT_S):
+    said: List[bool] = []
+
+    def recall() -> Optional[BackendChoice]:
         held = CACHE.read().get(name) if name is not None and not refresh else None
-        now = machine_load()
-        if held is not None:
-            was = held.get("load")
-            if isinstance(was, (int, float)) and was >= BUSY_LOAD and now is not None and now < QUIET_LOAD:
+        if held is None:
+            return None
+        was, now = held.get("load"), machine_load()
+        if isinstance(was, (int, float)) and was >= BUSY_LOAD and now is not None and now < QUIET_LOAD:
+            if not said:
+                said.append(True)
                 log.info("mdi: measuring the backends again: the last measurement was taken while the machine "
                          "was busy (load %.1f per core, now %.1f)", was, now)
-            else:
-                try:
-                    timings = {b: BackendTiming(**held["timings"][b]) for b in able}
-                    return _decide(timings, cached=True, seconds=0.0,
-                                   load=was if isinstance(was, (int, float)) else None)
-                except (KeyError, TypeError):
-                    pass
-        if busy is not None:
-            raise WouldMeasure(busy)
-        log.info("mdi: measuring the ggml and torch backends on this node's shapes (once per machine) ...")
-        t0 = time.perf_counter()
-        timings, failed = {}, {}
-        for b in able:
-            try:
-                timings[b] = measure(b)
-            except Exception as e:  # a probe that dies or hangs: the other backend serves, said why
-                failed[b] = str(e).splitlines()[0] if str(e) else type(e).__name__
-        seconds = time.perf_counter() - t0
-        if failed:
-            if len(failed) == len(able):
-                raise RuntimeError("measuring the backends failed: %s" % "; ".join(
-                    "%s: %s" % kv for kv in sorted(failed.items())))
-            (bad, why), = failed.items()
-            good = next(b for b in able if b != bad)
-            log.warning("mdi: timing the %s backend failed (%s): computing with %s", bad, why, good)
-            return BackendChoice(good, AUTO, "timing %s failed: %s" % (bad, why), seconds=seconds)
-        load = machine_load()
-        load = max(now, load) if now is not None and load is not None else load
-        if name is not None:
-            cache = CACHE.read()
-            cache[name] = {"timings": {b: asdict(t) for b, t in timings.items()}, "key": key, "at": time.time(),
-                             "load": load}
-            CACHE.write(cache)
+            return None
+        try:
+            timings = {b: BackendTiming(**held["timings"][b]) for b in able}
+        except (KeyError, TypeError):
+            return None
+        return _decide(timings, cached=True, seconds=0.0, load=was if isinstance(was, (int, float)) else None)
+
+    # A remembered answer is read without the lock (a start had waited up to MEASURE_WAIT_S for
+    # a process measuring another model, then failed where that one was stopped). Measuring is
+    # one process at a time per machine: the nodes of a ring started on one machine would time
+    # each other's load, and the second finds the first's result. (Each probe is bounded by
+    # backend_probe.PROBE_TIMEOUT_S; the wait and a probe fit within the starter's /backend
+    # call, runtime.init_timeout.)
+    return CACHE.recall_or_measure(recall, lambda: _measure(able, measure, name, key, busy), MEASURE_WAIT_S)
+
+
+def _measure(able: List[str], measure: Callable[[str], BackendTiming], name: Optional[str],
+             key: Optional[Dict[str, object]], busy: Optional[str]) -> BackendChoice:
+    """Time each backend in `able` (under the cache's lock) and keep the timings under `name`."""
+    if busy is not None:
+        raise WouldMeasure(busy)
+    now = machine_load()
+    log.info("mdi: measuring the ggml and torch backends on this node's shapes (once per machine) ...")
+    t0 = time.perf_counter()
+    timings, failed = {}, {}
+    for b in able:
+        try:
+            timings[b] = measure(b)
+        except Exception as e:  # a probe that dies or hangs: the other backend serves, said why
+            failed[b] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    seconds = time.perf_counter() - t0
+    if failed:
+        if len(failed) == len(able):
+            raise RuntimeError("measuring the backends failed: %s" % "; ".join(
+                "%s: %s" % kv for kv in sorted(failed.items())))
+        (bad, why), = failed.items()
+        good = next(b for b in able if b != bad)
+        log.warning("mdi: timing the %s backend failed (%s): computing with %s", bad, why, good)
+        return BackendChoice(good, AUTO, "timing %s failed: %s" % (bad, why), seconds=seconds)
+    load = machine_load()
+    load = max(now, load) if now is not None and load is not None else load
+    if name is not None:
+        cache = CACHE.read()
+        cache[name] = {"timings": {b: asdict(t) for b, t in timings.items()}, "key": key, "at": time.time(),
+                       "load": load}
+        CACHE.write(cache)
     return _decide(timings, cached=False, seconds=seconds, load=load)
 
 
