@@ -276,3 +276,19 @@ def test_a_remembered_choice_needs_no_lock_and_a_lock_held_too_long_is_measured_
             other = choose("auto", {"ggml": None, "torch": None}, measure, dict(KEY, threads=2))
     assert not other.cached and len(calls) == 4  # measured beside the holder, not a failure
     assert any("measuring beside it" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_cache_that_cannot_be_written_is_said_once_and_leaves_nothing_behind(cache, monkeypatch, caplog):
+    """A read-only cache folder (or a folder where the file should be) made every start measure
+    again with a debug line only, and each start left a backends.json.<pid>.tmp behind."""
+    import logging
+    import os
+    monkeypatch.setattr(backend, "machine_load", lambda: 0.2)
+    os.makedirs(backend.CACHE.path)  # where backends.json should be
+    measure, calls = measuring({"ggml": FAST, "torch": SLOW})
+    with caplog.at_level(logging.WARNING, logger="mdi"):
+        for _ in range(2):
+            assert not choose("auto", {"ggml": None, "torch": None}, measure, KEY).cached
+    said = [r.getMessage() for r in caplog.records if "cannot keep measurements" in r.getMessage()]
+    assert len(said) == 1 and backend.CACHE.path in said[0] and "$MDI_PROFILE_CACHE" in said[0], caplog.records
+    assert sorted(os.listdir(str(cache))) == ["backends.json", "backends.json.lock"], os.listdir(str(cache))

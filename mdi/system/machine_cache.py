@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, TypeVar
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _SAID_DAMAGED: Set[str] = set()  # cache files whose damage was said (MachineCache._damaged)
+_SAID_UNWRITABLE: Set[str] = set()  # cache files found unwritable, said once (MachineCache.write)
 MERGE_WAIT_S = 60.0  # for another process's merge into a file: milliseconds
 MEASURE_WAIT_S = 300.0  # for another process's measurement: seconds (a minute on a busy board)
 _HELD = threading.local()  # .paths: the cache files whose lock this thread holds
@@ -93,16 +94,20 @@ class MachineCache:
             log.warning("mdi: %s cannot be read (%s): what it held is measured again", self.path, why)
 
     def write(self, entries: Dict[str, Any]) -> None:
-        """Replace the file's entries (a read-only folder: measured again next time)."""
-        folder = cache_dir()
+        """Replace the file's entries (a read-only folder: measured again next time, said once)."""
+        tmp = "%s.%d.tmp" % (self.path, os.getpid())
         try:
-            os.makedirs(folder, exist_ok=True)
-            tmp = "%s.%d.tmp" % (self.path, os.getpid())
+            os.makedirs(cache_dir(), exist_ok=True)
             with open(tmp, "w") as f:
                 json.dump({"version": self.version, "entries": entries}, f)
             os.replace(tmp, self.path)
         except OSError as e:
-            log.debug("mdi: cannot write %s: %s", self.path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # none left behind (a folder where the file should be: one a start)
+            if self.path not in _SAID_UNWRITABLE:  # (it had been a debug line: every start measured, unsaid)
+                _SAID_UNWRITABLE.add(self.path)
+                log.warning("mdi: cannot keep measurements in %s (%s): each start measures again; set "
+                            "$MDI_PROFILE_CACHE to a writable folder", self.path, e.strerror or e)
 
     def recall(self, key: str) -> Any:
         """What this machine (machine_key) remembered under `key`, or None."""
