@@ -184,6 +184,7 @@ def test_profile_requests_are_validated(workers, tiny_models):
                       (dict(good, device="tpu"), "device"), (dict(good, dtype="int3"), "dtype"),
                       (dict(good, device="cuda:99"), "cuda:99: this node"),  # no such GPU here: one line, 400
                       (dict(good, quant={"blocks.9.attn.qkv": ["int4", 32]}), "quant"),
+                      (dict(good, repack="no"), "repack must be true or false"),
                       (dict(good, extra=1), "unknown key")):
         r = requests.post(url, json=bad, timeout=30)
         assert r.status_code == 400 and word in r.json()["error"] and "\n" not in r.json()["error"], (bad, r.text)

@@ -153,6 +153,14 @@ def test_auto_times_the_prefill_pass_the_run_makes(cache, monkeypatch):
     got, choice = passes(64, "dequantized")
     assert got == [64] and "in 64-token passes" in choice.describe()
     assert passes(32, "dequantized")[0] == [32]
+    # runtime.repack: false is timed as the run computes (its weights had been timed repacked, and
+    # Q4_0's decode is 1.6x slower without), and remembered apart; true keeps the keys from before it
+    flags = []
+    monkeypatch.setattr(backend_select, "run_probe", lambda req: flags.append(req.repack) or probe(req))
+    for repack, want in ((False, [False, False]), (False, []), (True, [])):
+        del flags[:]
+        backend_select.select_backend("auto", config, 0, 1, types, "cpu", 1, 1, repack=repack)
+        assert flags == want, (repack, flags)
 
 
 def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_is_timed():
@@ -173,6 +181,10 @@ def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_i
     for bad in (0, "64", 1.5, True):
         with pytest.raises(RequestError, match="prefill_chunk must be an integer"):
             validate_backend(dict(body(), prefill_chunk=bad))
+    assert "repack" not in body() and body(repack=False)["repack"] is False  # (likewise)
+    assert validate_backend(body(repack=False)).repack is False and validate_backend(body()).repack is True
+    with pytest.raises(RequestError, match="repack must be true or false"):
+        validate_backend(dict(body(), repack="no"))
 
 
 def test_auto_takes_torch_without_timing_ggml_where_a_q8_0_cache_cannot_hold_the_heads(cache, monkeypatch):

@@ -181,3 +181,14 @@ def test_the_model_package_has_no_import_cycle():
     assert "mdi.model.transformer" not in graph["mdi.model.fused_decode"]
     assert "mdi.model.attention" in graph["mdi.model.transformer"] & graph["mdi.model.fused_decode"]
     assert cycles(graph) == []
+
+
+def test_a_ggml_profile_says_runtime_repack_only_where_it_is_off():
+    """runtime.repack: false was timed repacked (Q4_0's decode 1.6x faster than the run's) and
+    kept under the key of true; true keeps the body, and the cache key, from before the setting."""
+    from conftest import tiny_config
+    common = dict(backend="ggml", layer_types={"attn_q.weight": "Q4_0"})
+    on = ProfileRequest(tiny_config("llama"), "float32", "cpu", [1], 8, 4, **common)
+    off = ProfileRequest(tiny_config("llama"), "float32", "cpu", [1], 8, 4, repack=False, **common)
+    assert "repack" not in on.to_json() and off.to_json()["repack"] is False
+    assert validate_profile(off.to_json()).repack is False and validate_profile(on.to_json()).repack is True

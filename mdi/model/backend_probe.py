@@ -37,6 +37,7 @@ class ProbeRequest:
     quant: Dict[str, Any] = field(default_factory=dict)
     quant_kernel: Optional[str] = None
     prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights (its prefill pass is timed that way)
+    repack: bool = True  # ggml: runtime.repack (Q4_0's decode 1.6x slower without it, on AVX-512)
 
 
 def run_probe(request: ProbeRequest, timeout: float = PROBE_TIMEOUT_S) -> BackendTiming:
@@ -70,7 +71,7 @@ def _time_ggml(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
     try:
         probe = ModelConfig.from_dict(dict(config.to_dict(), n_layer=n))
         chunk = GgmlChunk(probe, 0, n, False, False, GgufWeights(path), lib.ROPE_NEOX, req.threads, req.kv_type,
-                          device=req.device)
+                          req.repack, device=req.device)
         chunk.set_prefill_weights(req.prefill_weights)
         return _time(chunk, req, probe, np.float32, seconds_per_call)
     finally:

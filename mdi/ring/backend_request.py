@@ -35,6 +35,7 @@ class BackendRequest:
     prefill_weights: str = "quantized"  # ggml: runtime.prefill_weights, as the run will compute
     prefill_chunk: Optional[int] = None  # runtime.prefill_chunk: the prefill pass auto times (None: 128 tokens)
     run_id: Optional[int] = None  # the run whose /init follows: 409 at once where another run holds the worker
+    repack: bool = True  # ggml: runtime.repack, as the run will compute
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "layers": list(self.layers), "asked": self.asked,
@@ -42,6 +43,8 @@ class BackendRequest:
                                "gguf_types": dict(self.gguf_types), "kv_type": self.kv_type, "adapters": self.adapters}
         if self.prefill_weights != "quantized":  # (a worker from before the setting takes the default's body)
             out["prefill_weights"] = self.prefill_weights
+        if not self.repack:  # (likewise)
+            out["repack"] = False
         chunk = self.prefill_chunk
         if chunk is not None and probe_prefill_tokens(chunk, self.prefill_weights) != PROBE_PREFILL_TOKENS:
             # (likewise: only where it changes what is timed); no pass of the run is longer than MAX_ROWS
@@ -57,7 +60,7 @@ class BackendRequest:
 def validate_backend(body: Any) -> BackendRequest:
     spec = object_fields("backend", body, ("model", "layers", "asked", "device", "dtype"),
                          ("threads", "rows", "gguf_types", "quant", "quant_kernel", "kv_type", "adapters",
-                          "prefill_weights", "prefill_chunk", "run_id"))
+                          "prefill_weights", "prefill_chunk", "run_id", "repack"))
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
     if spec["asked"] not in BACKENDS:
@@ -72,13 +75,14 @@ def validate_backend(body: Any) -> BackendRequest:
     if chunk is not None:
         int_field("prefill_chunk", chunk, 1, MAX_ROWS)
     adapters = spec.get("adapters", False)
-    if not isinstance(adapters, bool):
-        raise RequestError("adapters must be true or false")
+    if not isinstance(adapters, bool) or not isinstance(spec.get("repack", True), bool):
+        raise RequestError("adapters and repack must be true or false")
     return BackendRequest(config, layers, spec["asked"], device, spec["dtype"], spec.get("threads"),
                           rows, gguf_types_field(spec.get("gguf_types"), config, layers),
                           quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters,
                           prefill_weights_field(spec), chunk,
-                          None if spec.get("run_id") is None else int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1))
+                          None if spec.get("run_id") is None else int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1),
+                          spec.get("repack", True))
 
 
 @dataclass

@@ -48,6 +48,7 @@ class ProfileRequest:
     layer_types: Dict[str, str] = field(default_factory=dict)
     end_types: Dict[str, str] = field(default_factory=dict)
     kv_type: str = "f16"
+    repack: bool = True  # ggml: runtime.repack, as the run will compute
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "dtype": self.dtype, "device": self.device,
@@ -56,6 +57,8 @@ class ProfileRequest:
                                "backend": self.backend, "kv_type": self.kv_type}
         if self.backend == "ggml":
             out.update(layer_types=dict(self.layer_types), end_types=dict(self.end_types))
+            if not self.repack:  # (the default's body and cache key as before the setting)
+                out["repack"] = False
         for key in ("threads", "compute_dtype", "quant_kernel"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -68,7 +71,7 @@ def validate_profile(body: Any) -> ProfileRequest:
     """The /profile JSON body as a `ProfileRequest`, or a `RequestError` naming the first bad field."""
     spec = object_fields("profile", body, ("model", "dtype", "device", "batch_sizes", "context", "prefill_tokens"),
                          ("threads", "compute_dtype", "quant", "quant_kernel", "fused_decode", "backend",
-                          "layer_types", "end_types", "kv_type"))
+                          "layer_types", "end_types", "kv_type", "repack"))
     config = model_field(spec["model"])
     dtype_fields(spec)
     device = check_device(str_field("device", spec["device"], 32))
@@ -91,9 +94,11 @@ def validate_profile(body: Any) -> ProfileRequest:
     end_types = _types_field("end_types", spec.get("end_types"), end_tensors(config, True, True), "")
     if backend == "ggml" and not layer_types:
         raise RequestError("backend ggml needs layer_types (the GGUF types of a block's tensors)")
+    if not isinstance(spec.get("repack", True), bool):
+        raise RequestError("repack must be true or false")
     return ProfileRequest(config, spec["dtype"], device, sorted(set(sizes)), spec["context"], spec["prefill_tokens"],
                           spec.get("threads"), spec.get("compute_dtype"), quant, kernel, fused, backend, layer_types,
-                          end_types, kv_type)
+                          end_types, kv_type, spec.get("repack", True))
 
 
 def _types_field(key: str, data: Any, tensors: Dict[str, Any], prefix: str) -> Dict[str, str]:

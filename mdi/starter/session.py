@@ -54,7 +54,7 @@ def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: boo
         gguf_types=source.gguf_types(first, last, False, False) if gguf else {},
         quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
         adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.prefill_weights_of(node.spec),
-        prefill_chunk=cfg.runtime.prefill_chunk)
+        prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack)
 
 
 class RingSession:

@@ -48,7 +48,8 @@ def profile_ggml(request: ProfileRequest, device: str, with_ends: bool = False, 
     path = write_probe_gguf(config, request.layer_types, n, with_ends, request.end_types)
     chunk = None
     try:
-        chunk = GgmlChunk(config, 0, n, with_ends, with_ends, GgufWeights(path), lib.ROPE_NEOX, threads, request.kv_type)
+        chunk = GgmlChunk(config, 0, n, with_ends, with_ends, GgufWeights(path), lib.ROPE_NEOX, threads,
+                          request.kv_type, request.repack)
         layer_s, prefill_s, ends_s = _time_passes(chunk, request, with_ends, params)
         frames = {b: frame_seconds(b, config.n_embd) for b in request.batch_sizes}
         loop = time_loop(chunk) if time_loop is not None else time_relay(chunk, request.batch_sizes, request.context,

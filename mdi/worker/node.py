@@ -233,7 +233,7 @@ class Worker(Measuring):
                                           request.max_batch, False, request.dtype, layout_to_json(request.quant),
                                           request.quant_kernel, request.kv_type,
                                           prefill_weights=request.prefill_weights,
-                                          prefill_chunk=request.prefill_chunk)
+                                          prefill_chunk=request.prefill_chunk, repack=request.repack)
             backend, line = choice.backend, choice.describe()
             if request.weights.push is not None and backend != "torch":
                 raise RequestError("backend auto chose %s here, but the push announced is torch's weights: ask POST "

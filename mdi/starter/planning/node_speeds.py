@@ -97,7 +97,9 @@ def _key(parts: Dict[str, Any]) -> str:
 _SPEED_CODE = tuple("mdi.model." + m for m in ("transformer", "rope", "row_batch", "kv_cache", "layers", "attention",
                                                  "fused_decode", "quantization.qkernels", "quantization.kernel_choice",
                                                  "quantization.quant", "sampling", "block_timing")) + (
-    "mdi.timing.relay", "mdi.timing.node", "mdi.starter.pipeline", "mdi.starter.planning.loop_timing")
+    "mdi.timing.relay", "mdi.timing.node", "mdi.starter.pipeline", "mdi.starter.planning.loop_timing",
+    "mdi.timing.ggml_profile") + tuple("mdi.model.ggml." + m for m in ("chunk", "graph", "products", "kv_cache",
+                                                                     "row_split", "dequant_rows", "built"))
 _code_ids: List[str] = []  # computed once per process
 
 
@@ -219,7 +221,8 @@ class Profiler:
                               self.prefill_tokens, cfg.runtime.threads, cfg.model.compute_dtype, quant,
                               cfg.runtime.quant_kernel, cfg.runtime.fused_decode, backend,
                               layer_types(types, 0, self.config.n_layer),
-                              {n: t for n, t in types.items() if not n.startswith("blk.")}, cfg.runtime.kv_type)
+                              {n: t for n, t in types.items() if not n.startswith("blk.")}, cfg.runtime.kv_type,
+                              cfg.runtime.repack)
 
     def _backend(self, node: NodeSpec, starter: bool, quant: Dict[str, Any]) -> str:
         """What `node` would compute with (a plan times what runs): asked, or auto's choice on
@@ -235,10 +238,11 @@ class Profiler:
             return select_backend("auto", self.config, 0, n, gguf, cfg.device_of(node), threads, max(self.sizes),
                                   bool(cfg.adapters), cfg.model.dtype, layout_to_json(quant), cfg.runtime.quant_kernel,
                                   cfg.runtime.kv_type, prefill_weights=cfg.prefill_weights_of(node),
-                                  prefill_chunk=cfg.runtime.prefill_chunk).backend
+                                  prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack).backend
         request = BackendRequest(self.config, [0, n], "auto", cfg.device_of(node), cfg.model.dtype, cfg.runtime.threads,
                                  max(self.sizes), gguf or {}, {}, cfg.runtime.quant_kernel, cfg.runtime.kv_type,
-                                 bool(cfg.adapters), cfg.prefill_weights_of(node), cfg.runtime.prefill_chunk)
+                                 bool(cfg.adapters), cfg.prefill_weights_of(node), cfg.runtime.prefill_chunk,
+                                 repack=cfg.runtime.repack)
         return self.registry.client(node).backend(request).backend
 
     def _worker_timing(self, node: NodeSpec, device: str, alongside: Sequence[str]) -> Dict[str, Any]:
