@@ -199,6 +199,11 @@ def test_an_out_that_cannot_be_written_is_one_line_before_any_run(tmp_path):
         err = r.stderr.decode().strip()
         assert r.returncode == 2 and err.count("\n") == 0 and err == "mdi-bench: error: --out %s: %s" % (
             out, problem if out.name == "afile" else "%s %s" % (tmp_path / "afile", problem)), err
+    # a folder the checks pass and the OS refuses to make (as root: /proc) had been a traceback
+    r = _bench("--experiment", str(config), "--out", "/proc/mdi-no-such-folder")
+    last = r.stderr.decode().strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr.decode(), r.stderr
+    assert last.startswith("mdi-bench: error: ") and "/proc/mdi-no-such-folder" in last, last
 
 
 def test_a_bench_that_stopped_early_fails_with_its_own_error(tmp_path):

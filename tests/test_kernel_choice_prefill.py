@@ -293,3 +293,15 @@ def test_the_allowance_a_node_loads_with(setting, spare, expected):
     """runtime.kernel_memory to the allowance: none by default, a size within what the node
     spares, auto all it spares (no limit where its memory is unknown, as before)."""
     assert kernel_choice.allowance_for(setting, spare) == expected
+
+
+def test_a_remembered_entry_where_dequant_failed_is_measured_again(monkeypatch):
+    """A hand-edited kernels.json whose every kernel, dequant too, is null left nothing to choose
+    from: min() of nothing, a ValueError at load."""
+    held = {"decode": {"dequant": None, "int4pack-cpu": None}, "prefill": {}, "notes": {}, "crossovers": {}}
+    monkeypatch.setattr(kernel_memory, "recall", lambda key: held)
+    kernel_choice._recall(("a key",))
+    assert ("a key",) not in kernel_choice._measured
+    held["decode"]["dequant"] = 0.004
+    kernel_choice._recall(("a key",))
+    assert kernel_choice._measured[("a key",)] == {"dequant": 0.004, "int4pack-cpu": None}

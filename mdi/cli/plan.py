@@ -57,7 +57,7 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
         source = ModelSource(cfg.model.path)
         shape = planning_shape(cfg, source, args.samples, args.max_len)
         run_plan = plan_run(cfg, source, shape, measure=True, refresh=args.refresh,
-                            say=lambda line: print(line, file=sys.stderr, flush=True))
+                            say=_say)
     except (ConfigError, CheckpointError, TokenizerError, TokenError) as e:
         return fail(str(e), EXIT_CONFIG)
     except NodeError as e:
@@ -106,3 +106,10 @@ def _plan_yaml(config_path: str, run_plan: "RunPlan", plan: "LayerPlan", samples
     if plan.dropped:
         head += "# left out: %s\n" % ", ".join(sorted(plan.dropped))
     return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def _say(line: str) -> None:
+    """A progress line, whole: the nodes are timed from threads of their own, and two print()s
+    at once had run into each other ("timing board1's blocksmdi: plan: timing board2's ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

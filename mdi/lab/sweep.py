@@ -307,9 +307,12 @@ def keep_earlier_sweep(out: str, log: Callable[[str], None]) -> None:
 
 
 def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int:
-    os.makedirs(out, exist_ok=True)
-    keep_earlier_sweep(out, log)
-    shutil.copyfile(exp.source, os.path.join(out, "experiment.yaml"))
+    try:
+        os.makedirs(out, exist_ok=True)
+        keep_earlier_sweep(out, log)
+        shutil.copyfile(exp.source, os.path.join(out, "experiment.yaml"))
+    except OSError as e:  # (a folder that cannot be made, /proc/x: a traceback)
+        raise ExperimentError("%s: cannot write the results there: %s" % (out, e.strerror or e))
     machine = machine_record(exp.source)
     machine["experiment"] = {"name": exp.name, "description": exp.description, "repeats": exp.repeats,
                              "starter": exp.starter, "temperature": exp.temperature}

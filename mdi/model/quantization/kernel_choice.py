@@ -291,6 +291,8 @@ def _recall(key: Tuple) -> None:
         for pair, (rows, gain) in held["crossovers"].items():
             decode, prefill = pair.split("|")
             _crossovers[(key, decode, prefill)] = (int(rows), float(gain))
+        if DEQUANT.name in _measured[key] and _measured[key][DEQUANT.name] is None:
+            raise ValueError("dequant always runs")  # (a hand edit: nothing left to choose from)
     except (KeyError, TypeError, ValueError, AttributeError):  # a damaged entry: measure again
         for table in (_measured, _measured_prefill, _notes):
             table.pop(key, None)
