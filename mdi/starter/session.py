@@ -123,7 +123,7 @@ class RingSession:
             first, last = self.plan.workers[i].layers
             asked = self._backend_request(i)
             if asked.asked == "auto":  # the first time on a machine it measures (seconds): say so
-                log.info("mdi: %s: choosing its backend (auto: measured once per machine, then recalled) ...", node.name)
+                log.info("mdi: %s: choosing its backend (auto: measured once per machine, then recalled)", node.name)
             chosen = client.backend(asked)
             self.backend_lines[i] = chosen.line
             self.backends[i] = chosen.backend
