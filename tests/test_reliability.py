@@ -386,13 +386,13 @@ def _watched(clients):
     return session
 
 
-def test_the_watchdog_polls_every_node_while_another_takes_a_poll_s_whole_timeout():
-    """Polled in turn, two frozen boards (5 s a poll each) held the healthy ones' heartbeat past
-    their timeout, and the healthy ones ended the run."""
+def _two_frozen_and_a_healthy(state):
+    """Stub clients: board1 and board2 frozen (a poll waits, up to a poll's whole timeout, until
+    board3 was polled thrice, then times out), board3 answering `state` at once."""
     import threading
     from mdi.runconfig import NodeSpec
-    from mdi.starter.control import NodeTimeout
     from mdi.ring.status import StatusReply
+    from mdi.starter.control import NodeTimeout
     polled = threading.Event()
 
     class Healthy:
@@ -402,19 +402,28 @@ def test_the_watchdog_polls_every_node_while_another_takes_a_poll_s_whole_timeou
             Healthy.calls += 1
             if Healthy.calls >= 3:
                 polled.set()
-            return StatusReply("running", "0", 1, "cpu", run_id=1)
+            return StatusReply(state, "0", 1, "cpu", run_id=1 if state == "running" else None)
 
-    class Frozen:
+        def close(self):
+            pass
+
+    class Frozen(Healthy):
         def __init__(self, name):
             self.node, self.others_polled_meanwhile = NodeSpec(name), []
 
         def status(self, timeout=None, run_id=None):
-            self.others_polled_meanwhile.append(polled.wait(10))  # a poll's whole timeout, at most
+            self.others_polled_meanwhile.append(polled.wait(10))
             raise NodeTimeout("node %s: GET /status timed out" % self.node.name, self.node.name)
-    frozen = [Frozen("board1"), Frozen("board2")]
-    session = _watched(frozen + [Healthy()])
+    return [Frozen("board1"), Frozen("board2"), Healthy()]
+
+
+def test_the_watchdog_polls_every_node_while_another_takes_a_poll_s_whole_timeout():
+    """Polled in turn, two frozen boards (5 s a poll each) held the healthy ones' heartbeat past
+    their timeout, and the healthy ones ended the run."""
+    stubs = _two_frozen_and_a_healthy("running")
+    session = _watched(stubs)
     assert session.failure.node in ("board1", "board2") and session.failure.silent
-    assert all(f.others_polled_meanwhile[0] for f in frozen), [f.others_polled_meanwhile for f in frozen]
+    assert all(f.others_polled_meanwhile[0] for f in stubs[:2]), [f.others_polled_meanwhile for f in stubs[:2]]
 
 
 def test_watchdog_fails_at_once_on_unreachable_and_gives_a_timeout_a_second_chance():
@@ -482,32 +491,9 @@ def test_the_start_up_s_keepalive_polls_every_node_while_another_takes_a_poll_s_
     heartbeat past its timeout, and a healthy one's /init ended, named as the failure."""
     import threading
     from types import SimpleNamespace
-    from mdi.runconfig import NodeSpec
-    from mdi.ring.status import StatusReply
     from mdi.starter.control import NodeTimeout
     from mdi.starter.session import RingSession
-    polled = threading.Event()
-
-    class Healthy:
-        node, calls = NodeSpec("board3"), 0
-
-        def status(self, timeout=None, run_id=None):
-            Healthy.calls += 1
-            if Healthy.calls >= 3:
-                polled.set()
-            return StatusReply("loading", "0", 1, "cpu")
-
-        def close(self):
-            pass
-
-    class Frozen(Healthy):
-        def __init__(self, name):
-            self.node, self.others_polled_meanwhile = NodeSpec(name), []
-
-        def status(self, timeout=None, run_id=None):
-            self.others_polled_meanwhile.append(polled.wait(10))  # a poll's whole timeout, at most
-            raise NodeTimeout("node %s: GET /status timed out" % self.node.name, self.node.name)
-    stubs = {"board1": Frozen("board1"), "board2": Frozen("board2"), "board3": Healthy()}
+    stubs = {stub.node.name: stub for stub in _two_frozen_and_a_healthy("loading")}
     session = RingSession.__new__(RingSession)  # only what the keepalive uses
     session.cfg = SimpleNamespace(runtime=SimpleNamespace(heartbeat_interval=0.01))
     session.run_id, session.failure = 1, None
