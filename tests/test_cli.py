@@ -312,3 +312,13 @@ def test_an_output_that_is_a_device_a_fifo_or_a_link_is_written_through(tiny_mod
     link.symlink_to(target)
     write_json(str(link), {"b": 2})
     assert link.is_symlink() and json.loads(target.read_text()) == {"b": 2}
+
+
+def test_speculation_off_on_the_command_line_turns_a_config_s_off(tmp_path):
+    """--speculation off had been refused as "--draft-max: speculation is off" (h73)."""
+    from mdi.cli.start import _config_from_args, start_parser
+    config = write(tmp_path, "model: {path: m}\ngeneration: {speculation: ngram}\n")
+    cfg = _config_from_args(start_parser().parse_args(["--config", config, "--speculation", "off"]))
+    assert cfg.generation.speculation.method == "off"
+    cfg = _config_from_args(start_parser().parse_args(["--config", config, "--draft-max", "3"]))
+    assert (cfg.generation.speculation.method, cfg.generation.speculation.max_draft) == ("ngram", 3)

@@ -13,6 +13,7 @@ import torch
 from conftest import CHARS, ON_TORCH, ServeProcess, WorkerProcess, free_ports, tiny_model, worker_pool
 from ringconfigs import parse_run_config, write_run_config
 from mdi.model.prefix_store import CacheOp, PrefixCacheError, PrefixStore, budget_bytes
+from mdi.model.sliding_cache import SlidingRing
 from mdi.model.sampling import SamplingParams, sample_generator
 from mdi.model.source import ModelSource
 from mdi.ring import wire
@@ -91,6 +92,16 @@ def test_a_conversation_whose_template_rewrites_answers_keeps_no_entry_a_turn():
     index.release(0, [7, 7, 7, 8], key=0)
     index.admit(0, [7, 7, 5, 5], key=0)  # parting in its prompt: the sequence is saved as before
     assert index.take_ops() == [CacheOp("save", 2, 0, 4)]
+    # Gemma 3's sliding-window layers: past a long answer the ring no longer holds the window
+    # before the parting (nothing reused), and each turn's sequence was still saved (h73)
+    ringed = PrefixIndex(1000, SlidingRing(16, 4))
+    turn = list(range(1, 6))
+    for i in range(4):
+        ringed.admit(0, turn, key=0)
+        answer = [100 + 40 * i + j for j in range(30)]
+        ringed.release(0, turn + answer, key=0)
+        turn = turn + [answer[0] + 1000] + answer[1:] + [9, 9]  # its first token as the template rewrote it
+    assert ringed.take_ops() == [] and ringed.entries == {}
 
 
 def test_eviction_drops_the_least_recently_used_never_the_entry_being_loaded():

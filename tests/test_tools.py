@@ -147,7 +147,7 @@ def test_reply_bodies_stream_delta_tool_calls_that_reassemble_to_the_whole_answe
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in choice["message"]["tool_calls"])
     reply = Reply([req], "m", True, None, ToolReplies(ToolChoice(TOOLS, "auto", None, True), fmt))
     bodies = [b for i in range(0, len(HERMES_TWO), 7) for b in reply.chunks(HERMES_TWO[i:i + 7], 0, [])]
-    bodies += reply.last_chunks("stop", False)
+    bodies += reply.last_chunks("stop")
     calls, content = {}, ""
     for body in bodies:
         delta = body["choices"][0]["delta"]
@@ -465,7 +465,7 @@ def test_a_served_reply_under_the_tool_grammar_streams_content_deltas_as_tokens_
     for constrained in (True, False):
         reply = Reply([req], "m", True, None, ToolReplies(choice, fmt, constrained=constrained))
         bodies = [b for i in range(0, len(text), 4) for b in reply.chunks(text[i:i + 4], 0, [])]
-        bodies += reply.last_chunks("stop", False)
+        bodies += reply.last_chunks("stop")
         contents = [b["choices"][0]["delta"].get("content") for b in bodies]
         assert "".join(c or "" for c in contents) == "Paris is the capital of France."
         assert (sum(1 for c in contents if c) > 3) == constrained, contents  # else one chunk at the end
@@ -482,7 +482,7 @@ def test_a_cut_call_leaves_a_reply_without_calls_or_wrapper_whole_and_streamed(t
     assert whole["message"] == {"role": "assistant", "content": content} and whole["finish_reason"] == "length"
     reply = Reply([req], "m", True, None, ToolReplies(choice, fmt))
     bodies = [b for i in range(0, len(text), 3) for b in reply.chunks(text[i:i + 3], 0, [])]
-    bodies += reply.last_chunks("length", False)
+    bodies += reply.last_chunks("length")
     deltas = [b["choices"][0]["delta"] for b in bodies]
     assert "".join(d.get("content") or "" for d in deltas) == (content or "")
     assert not any("tool_calls" in d for d in deltas) and bodies[-1]["choices"][0]["finish_reason"] == "length"
@@ -618,3 +618,20 @@ def test_the_cli_takes_a_chat_template_with_serve_only(smollm2_dir, tmp_path):
                               text=True, timeout=120)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             proc.stderr
+
+
+def test_parameters_that_say_nothing_of_keys_take_none_and_others_stay_as_given():
+    """{} and {"type": "object"} (MCP tools without input) had been left open, and the model
+    filled them; a schema that constrains its keys any other way (const, enum, $dynamicRef...)
+    keeps them: closing it to {} would break the client's own schema."""
+    def params(schema, strict=False):
+        fn = {"name": "f", "strict": strict}
+        if schema is not None:
+            fn["parameters"] = schema
+        return check_tools([{"type": "function", "function": fn}], {})[0]["function"]["parameters"]
+    for schema in (None, {}, {"type": "object"}, {"type": "object", "description": "no input"}):
+        for strict in (False, True):
+            assert params(schema, strict)["properties"] == {}, (schema, strict)
+    for kept in ({"type": "object", "const": {"a": 1}}, {"type": "object", "enum": [{"a": 1}]},
+                 {"type": "object", "maxProperties": 1}, {"type": "object", "dependentRequired": {"a": ["b"]}}):
+        assert params(kept) == kept, kept

@@ -151,7 +151,7 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
                "ngram_min": g.speculation.ngram_min, "ngram_max": g.speculation.ngram_max, "fill": g.speculation.fill}
         if given.method == "draft":
             raw.update(draft=given.draft, quant=g.speculation.quant)
-        elif given.method == "off":
+        elif given.method == "off" and args.draft_max:
             raise ConfigError("--draft-max: speculation is off (give --speculation ngram or draft:PATH too)")
         g.speculation = parse_speculation("--speculation/--draft-max", raw, paths=True)
     if args.dtype:

@@ -25,7 +25,8 @@ TOOL_KEYS, FUNCTION_KEYS = ("type", "function"), ("name", "description", "parame
 CHOICES = ("auto", "none", "required")
 # what a schema may say of an object's keys: one saying none of these takes no arguments
 KEY_KEYWORDS = ("properties", "additionalProperties", "patternProperties", "unevaluatedProperties", "propertyNames",
-                "required", "minProperties", "anyOf", "oneOf", "allOf", "$ref", "if", "not", "dependentSchemas")
+                "required", "minProperties", "maxProperties", "anyOf", "oneOf", "allOf", "$ref", "$dynamicRef",
+                "$recursiveRef", "if", "not", "dependentSchemas", "dependentRequired", "dependencies", "enum", "const")
 # The template families by the calls their models write (tool_calls.FAMILIES parses each).
 HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
 

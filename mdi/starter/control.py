@@ -233,7 +233,7 @@ class ControlClient:
                 return None
             raise NodeUnreachable("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
                                   % (where, what, self.node.port), self.node.name) from e
-        except requests.exceptions.RequestException as e:
+        except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError) as e:
             # The answer began and broke off (the worker ended mid-reply: its body is short or
             # garbled). Not certain death: the watchdog asks again, recovery asks whether it lives.
             raise NodeError("%s: %s failed: its answer broke off (%s; did mdi-worker end?)"

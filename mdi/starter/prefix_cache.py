@@ -163,10 +163,11 @@ class PrefixIndex:
         if not use:
             load = None
         stays = 0 if load is not None else use  # positions of the old sequence the sample keeps
-        # One that keeps every prompt position the old held goes on with its conversation: the old
-        # answer's rows past where they part are not saved (a chat template that rewrites answers,
-        # Gemma's trim, had left one entry a turn, each a whole conversation).
-        goes_on = old is not None and 0 < old.answer_from <= own
+        # One whose tokens hold every prompt position the old held goes on with its conversation:
+        # the old answer's rows past where they part are not saved (a chat template that rewrites
+        # answers, Gemma's trim, had left one entry a turn, each a whole conversation). By tokens,
+        # not `own`: a sliding ring that lost the window before the parting leaves `own` 0.
+        goes_on = old is not None and old.key == key and 0 < old.answer_from <= common_prefix(old.tokens, want)
         if old is not None and len(old.tokens) > stays and not goes_on:
             self._keep(slot, old, protect=load)
         if load is not None:
@@ -191,8 +192,9 @@ class PrefixIndex:
         computed its window again, how is not told); one that never `drafted` (speculation)
         wrote no rows past them but the next one's."""
         admitted = self._running.pop(slot, None)
-        reused_from = self._reused_from.pop(slot, 0) if as_admitted else 0  # (a shift computed all again)
-        window = self._windows.pop(slot, 0) if as_admitted else 0
+        reused_from, window = self._reused_from.pop(slot, 0), self._windows.pop(slot, 0)
+        if not as_admitted:  # a shift computed all again
+            reused_from = window = 0
         if not len(tokens):
             self.slots.pop(slot, None)
             return

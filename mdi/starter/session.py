@@ -303,8 +303,8 @@ class RingSession:
         the healthy ones' heartbeat past their timeout, and they ended the run."""
         try:
             run_all([functools.partial(self._watch_node, client) for client in self.clients], "mdi-watch")
-        except NodeError as e:
-            self.failure = e  # the first found; the other pollers end at their next turn
+        except Exception as e:  # the first found; the other pollers end at their next turn
+            self.failure = e if isinstance(e, NodeError) else NodeError("the starter's watchdog failed: %r" % e)
 
     def _watch_node(self, client: ControlClient) -> None:
         misses = 0
