@@ -192,3 +192,17 @@ def test_a_ggml_profile_says_runtime_repack_only_where_it_is_off():
     off = ProfileRequest(tiny_config("llama"), "float32", "cpu", [1], 8, 4, repack=False, **common)
     assert "repack" not in on.to_json() and off.to_json()["repack"] is False
     assert validate_profile(off.to_json()).repack is False and validate_profile(on.to_json()).repack is True
+
+
+def test_a_damaged_profile_cache_is_said_and_timed_again(tmp_path, monkeypatch, caplog):
+    """A truncated profiles.json had every node timed again without a word (h72)."""
+    import logging
+    from mdi.starter.planning import node_speeds
+    monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path))
+    (tmp_path / "profiles.json").write_text('{"abc": {"layer_s"')
+    with caplog.at_level(logging.WARNING, logger="mdi"):
+        assert node_speeds._read_cache() == {}
+    assert any("profiles.json cannot be read" in r.getMessage() and "timed again" in r.getMessage()
+               for r in caplog.records), caplog.records
+    (tmp_path / "profiles.json").unlink()
+    assert node_speeds._read_cache() == {}  # none yet: nothing said

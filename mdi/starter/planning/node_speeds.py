@@ -50,12 +50,16 @@ CACHE_FILE = "profiles.json"
 
 
 def _read_cache() -> Dict[str, Any]:
+    path = os.path.join(cache_dir(), CACHE_FILE)
     try:
-        with open(os.path.join(cache_dir(), CACHE_FILE), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # none yet, or damaged: measured again and rewritten
+    except FileNotFoundError:
+        return {}  # none yet
+    except (OSError, ValueError) as e:  # damaged: said (every node had been timed again, unsaid), rewritten
+        log.warning("mdi: plan: %s cannot be read (%s): its profiles are timed again", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _write_cache(entries: Dict[str, Any]) -> None:
