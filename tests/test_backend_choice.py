@@ -304,3 +304,22 @@ def test_a_cache_that_cannot_be_written_is_said_once_and_leaves_nothing_behind(c
     said = [r.getMessage() for r in caplog.records if "cannot keep measurements" in r.getMessage()]
     assert len(said) == 1 and backend.CACHE.path in said[0] and "$MDI_PROFILE_CACHE" in said[0], caplog.records
     assert sorted(os.listdir(str(cache))) == ["backends.json", "backends.json.lock"], os.listdir(str(cache))
+
+
+def test_another_build_of_the_binding_is_another_machine(tmp_path, monkeypatch):
+    """One ggml-python version rebuilt for another ISA (an AVX2 build beside AVX-512, ggml-cuda)
+    had kept the choices the other build measured: the libraries' sizes and times are keyed."""
+    import importlib.util
+    from types import SimpleNamespace
+    from mdi.system.machine_cache import machine_key
+    lib = tmp_path / "ggml" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libggml-cpu.so").write_bytes(b"x" * 10)
+    binding = SimpleNamespace(origin=str(tmp_path / "ggml" / "__init__.py"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: binding)
+    first = machine_key()
+    assert first["ggml_build"] and machine_key() == first
+    (lib / "libggml-cpu.so").write_bytes(b"y" * 12)  # rebuilt
+    assert machine_key()["ggml_build"] != first["ggml_build"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no binding: the keys from before
+    assert "ggml_build" not in machine_key()

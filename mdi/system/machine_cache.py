@@ -52,7 +52,29 @@ def machine_key() -> Dict[str, object]:
             versions[dist] = importlib_metadata.version(dist)
         except Exception:
             versions[dist] = None
-    return {"cpu": cpu, "flags": flags, "cores": os.cpu_count(), "machine": platform.machine(), "versions": versions}
+    key: Dict[str, object] = {"cpu": cpu, "flags": flags, "cores": os.cpu_count(), "machine": platform.machine(),
+                              "versions": versions}
+    build = _ggml_build()
+    if build:  # (absent where ggml is not installed: the keys from before stay valid there)
+        key["ggml_build"] = build
+    return key
+
+
+def _ggml_build() -> Optional[str]:
+    """Which build of the binding's libraries is installed (their sizes and times): one version
+    rebuilt for another ISA (an AVX2 build beside AVX-512, ggml-cuda) had kept the choices the
+    other build measured."""
+    import importlib.util
+    spec = importlib.util.find_spec("ggml")  # found, not imported
+    if spec is None or not spec.origin:
+        return None
+    lib = os.path.join(os.path.dirname(spec.origin), "lib")
+    try:
+        stats = [(name, os.stat(os.path.join(lib, name))) for name in sorted(os.listdir(lib)) if ".so" in name
+                 or name.endswith((".dylib", ".dll"))]
+    except OSError:
+        return None
+    return digest([(name, st.st_size, int(st.st_mtime)) for name, st in stats])[:16] if stats else None
 
 
 def digest(key: Any) -> str:
