@@ -211,7 +211,7 @@ def test_a_hit_reuses_only_positions_computed_as_the_cold_prompt_computes_them()
     index.release(0, long + [9] * 40, 0)  # the answer: 40 rows a decode step each
     turn = long + [9] * 40 + list(range(300, 400))
     assert index.admit(0, turn, 0, ggml_cuts=True) == reusable_positions(len(turn), len(long) + 40)
-    assert index.slots == {} and list(index._running[0][:len(long)]) == [TILED] * len(long)
+    assert index.slots == {} and list(index._running[0].kinds[:len(long)]) == [TILED] * len(long)
     index.release(0, turn, 0, False)  # a context shift computed it again: nothing said of how
     assert index.slots[0].kinds is None and ANSWER == 2
 

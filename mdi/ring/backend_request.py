@@ -13,9 +13,9 @@ from mdi.model.backend import BACKENDS
 from mdi.model.backend_select import PROBE_PREFILL_TOKENS, probe_prefill_tokens
 from mdi.model.config import ModelConfig
 from mdi.model.layout import QuantSpec, layout_to_json
-from mdi.ring.init_request import (MAX_ROWS, RequestError, check_device, dtype_fields, gguf_types_field, int_field,
-                                   kv_type_field, layers_field, model_field, object_fields, prefill_weights_field,
-                                   quant_field, quant_kernel_field, str_field, threads_field)
+from mdi.ring.init_request import (MAX_ROWS, RequestError, bool_field, check_device, dtype_fields, gguf_types_field,
+                                   int_field, kv_type_field, layers_field, model_field, object_fields,
+                                   prefill_weights_field, quant_field, quant_kernel_field, str_field, threads_field)
 
 
 @dataclass
@@ -75,14 +75,14 @@ def validate_backend(body: Any) -> BackendRequest:
     if chunk is not None:
         int_field("prefill_chunk", chunk, 1, MAX_ROWS)
     adapters = spec.get("adapters", False)
-    if not isinstance(adapters, bool) or not isinstance(spec.get("repack", True), bool):
-        raise RequestError("adapters and repack must be true or false")
+    if not isinstance(adapters, bool):
+        raise RequestError("adapters must be true or false")
     return BackendRequest(config, layers, spec["asked"], device, spec["dtype"], spec.get("threads"),
                           rows, gguf_types_field(spec.get("gguf_types"), config, layers),
                           quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters,
                           prefill_weights_field(spec), chunk,
                           None if spec.get("run_id") is None else int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1),
-                          spec.get("repack", True))
+                          bool_field("repack", spec["repack"]) if "repack" in spec else True)
 
 
 @dataclass

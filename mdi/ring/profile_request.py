@@ -16,9 +16,9 @@ from mdi.model.ggml.tensors import MATRIX_TYPES, VECTOR_TYPES, block_tensors, en
 from mdi.model.layout import QuantSpec, layout_to_json
 from mdi.model.timing_loop import PROFILE_LAYERS
 from mdi.model.torch_settings import fused_decode_default
-from mdi.ring.init_request import (MAX_THREADS, RequestError, check_device, dtype_fields, fused_decode_field,
-                                   int_field, kv_type_field, model_field, object_fields, quant_field,
-                                   quant_kernel_field, str_field, threads_field)
+from mdi.ring.init_request import (MAX_THREADS, RequestError, bool_field, check_device, dtype_fields,
+                                   fused_decode_field, int_field, kv_type_field, model_field, object_fields,
+                                   quant_field, quant_kernel_field, str_field, threads_field)
 
 MAX_BATCH_SIZES = 8  # distinct decode batch sizes one profile times
 MAX_PROFILE_ROWS = 256  # rows of one timed pass (a decode batch or the prefill pass)
@@ -94,11 +94,9 @@ def validate_profile(body: Any) -> ProfileRequest:
     end_types = _types_field("end_types", spec.get("end_types"), end_tensors(config, True, True), "")
     if backend == "ggml" and not layer_types:
         raise RequestError("backend ggml needs layer_types (the GGUF types of a block's tensors)")
-    if not isinstance(spec.get("repack", True), bool):
-        raise RequestError("repack must be true or false")
     return ProfileRequest(config, spec["dtype"], device, sorted(set(sizes)), spec["context"], spec["prefill_tokens"],
                           spec.get("threads"), spec.get("compute_dtype"), quant, kernel, fused, backend, layer_types,
-                          end_types, kv_type, spec.get("repack", True))
+                          end_types, kv_type, bool_field("repack", spec["repack"]) if "repack" in spec else True)
 
 
 def _types_field(key: str, data: Any, tensors: Dict[str, Any], prefix: str) -> Dict[str, str]:

@@ -49,6 +49,14 @@ class Held:
     answer_from: int = 0  # where its answer begins (its window's length; 0: not told)
 
 
+@dataclass
+class Admitted:
+    """What admit decided for a busy slot, which its release makes a Held of."""
+    kinds: Optional[np.ndarray]  # its window's kinds (Held.kinds); None: not told
+    reused_from: int  # the intact_from of the positions it reused (0: none)
+    window: int  # its window's length (Held.answer_from)
+
+
 def shared_positions(held: Held, want: np.ndarray, kinds: Optional[np.ndarray],
                      ring: Optional[SlidingRing] = None) -> int:
     """Positions of `want` that `held` holds, computed as a cold prompt of `want` computes
@@ -101,9 +109,7 @@ class PrefixIndex:
         # kept, not summed on demand: /metrics reads it from an HTTP thread while entries change
         self.tokens_held = 0
         self._ops: List[CacheOp] = []
-        self._running: Dict[int, Optional[np.ndarray]] = {}  # busy slot -> its window's kinds (Held.kinds)
-        self._reused_from: Dict[int, int] = {}  # busy slot -> the intact_from of the positions it reused
-        self._windows: Dict[int, int] = {}  # busy slot -> its window's length (Held.answer_from)
+        self._running: Dict[int, Admitted] = {}  # busy slot -> what admit decided for it
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
 
@@ -174,10 +180,9 @@ class PrefixIndex:
             self._ops.append(CacheOp("load", load, slot, use))
             self.entries[load].used = next(self._clock)
         reused = source.kinds[:use] if use and source is not None and source.kinds is not None else None
-        self._running[slot] = None if kinds is None or (use and reused is None) else (
-            np.concatenate([reused, kinds[use:]]) if use else kinds)
-        self._reused_from[slot] = source.intact_from if use and source is not None else 0
-        self._windows[slot] = len(want)
+        self._running[slot] = Admitted(None if kinds is None or (use and reused is None) else (
+            np.concatenate([reused, kinds[use:]]) if use else kinds),
+            source.intact_from if use and source is not None else 0, len(want))
         if reuse:
             self.counters.lookups += 1
             self.counters.prompt_tokens += len(want)
@@ -192,18 +197,17 @@ class PrefixIndex:
         computed its window again, how is not told); one that never `drafted` (speculation)
         wrote no rows past them but the next one's."""
         admitted = self._running.pop(slot, None)
-        reused_from, window = self._reused_from.pop(slot, 0), self._windows.pop(slot, 0)
-        if not as_admitted:  # a shift computed all again
-            reused_from = window = 0
+        if admitted is None or not as_admitted:  # (a shift computed all again)
+            admitted = Admitted(None, 0, 0)
         if not len(tokens):
             self.slots.pop(slot, None)
             return
         kinds = None
-        if admitted is not None and as_admitted:
+        if admitted.kinds is not None:
             kinds = np.full(len(tokens), prompt_passes.ANSWER, dtype=np.uint8)
-            kinds[:len(admitted)] = admitted[:len(tokens)]
-        intact = self.ring.intact_from(len(tokens), reused_from, drafted) if self.ring is not None else 0
-        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds, intact, min(window, len(tokens)))
+            kinds[:len(admitted.kinds)] = admitted.kinds[:len(tokens)]
+        intact = self.ring.intact_from(len(tokens), admitted.reused_from, drafted) if self.ring is not None else 0
+        self.slots[slot] = Held(_ids(tokens), key, next(self._clock), kinds, intact, min(admitted.window, len(tokens)))
 
     # --- entries ---------------------------------------------------------------------
     def _keep(self, slot: int, held: Held, protect: Optional[int]) -> None:
@@ -257,8 +261,6 @@ class PrefixIndex:
         self.entries.clear()
         self.slots.clear()
         self._running.clear()
-        self._reused_from.clear()
-        self._windows.clear()
         self.tokens_held = 0
         self._ops = []
 

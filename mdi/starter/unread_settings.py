@@ -13,7 +13,7 @@ def unread_settings(cfg: RunConfig, node: NodeSpec, backend: str) -> List[str]:
     """What `node` computing with `backend` ignores of `cfg`, one clause each."""
     unread = []
     quant = cfg.quant_of(node)
-    if backend == "ggml" and quant not in (None, "auto"):
+    if backend == "ggml" and quant != "auto":
         unread.append("quant %s is torch's: ggml computes the GGUF's tensors as stored (mdi-prepare --quant writes "
                       "other types)" % quant)
     if backend == "ggml" and cfg.model.dtype != "float32":
