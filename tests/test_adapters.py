@@ -556,6 +556,27 @@ def test_a_zero_or_fractional_rank_is_one_line(tmp_path, key, value):
     assert key in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_finite_but_absurd_lora_alpha_is_refused_at_load_not_at_each_request(tmp_path):
+    """lora_alpha 1e30 kept the scaled B finite, so it loaded, and then every request using it
+    failed with non-finite logits; a usual alpha (the test's 16, or 1000) still loads."""
+    import json
+    from test_adapter_ring import write_peft_lora
+    from conftest import tiny_config
+    config = tiny_config("llama")
+    path = write_peft_lora(str(tmp_path / "a"), config, seed=1)
+    cfg_path = os.path.join(path, "adapter_config.json")
+    cfg = json.load(open(cfg_path))
+    for alpha in (1000.0, 1e30):
+        json.dump(dict(cfg, lora_alpha=alpha), open(cfg_path, "w"))
+        if alpha < 1e6:
+            assert load_adapter(path, config, "a").rank == cfg["r"]
+            continue
+        with pytest.raises(AdapterError) as e:
+            load_adapter(path, config, "a")
+        assert "lora_alpha" in str(e.value) and "adapter_model.safetensors" in str(e.value), str(e.value)
+        assert "\n" not in str(e.value)
+
+
 def test_an_adapter_config_nested_past_the_stack_is_one_line_naming_it(tmp_path):
     from test_adapter_ring import write_peft_lora
     from conftest import tiny_config

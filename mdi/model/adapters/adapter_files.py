@@ -31,6 +31,10 @@ from mdi.model.sampling import host_array
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 UNSAFE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")  # torch.save: reading runs code
+# The largest entry an adapter's weight change (scale * B @ A) may reach. A trained LoRA's stay
+# well under 1, as the base weights do; lora_alpha 1e30 kept B finite and then overflowed every
+# request's activations ("non-finite logits") instead of being refused at load.
+MAX_DELTA = 1e4
 
 # Hugging Face module name inside a block -> (mdi layer, fused part or None)
 HF_MODULES: Dict[str, Dict[str, Tuple[str, Optional[str]]]] = {
@@ -117,6 +121,15 @@ def _check_finite(where: str, path: str, *named: Tuple[str, np.ndarray]) -> None
     for tname, t in named:
         if _floating(t) and not np.isfinite(t).all():
             raise AdapterError("%s: %s: %s holds NaN or infinite values" % (where, path, tname))
+
+
+def _check_delta(where: str, path: str, name: str, a: np.ndarray, folded: np.ndarray) -> None:
+    """Refused at load when the weight change scale * B @ A may pass MAX_DELTA (bounded by the
+    largest |B| entry times the largest column sum of |A|), naming the file and tensor."""
+    bound = float(np.abs(folded).max(initial=0.0)) * float(np.abs(a).sum(axis=0).max(initial=0.0))
+    if not bound <= MAX_DELTA:
+        raise AdapterError("%s: %s: %s scaled by its alpha / r changes weights by up to %.3g, past the %.0e an "
+                           "adapter can take (is lora_alpha right?)" % (where, path, name, bound, MAX_DELTA))
 
 
 def _read_safetensors(st_path: str, where: str) -> Dict[str, np.ndarray]:
@@ -309,6 +322,7 @@ def _from_peft(cfg: Mapping, tensors: Mapping[str, np.ndarray], config: ModelCon
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         folded = host_array(b) * np.float32(scale)
         _check_finite(where, st_path, (pair["B"] + " scaled by lora_alpha / r", folded))  # (alpha 1e30: inf)
+        _check_delta(where, st_path, pair["B"], host_array(a), folded)
         parts.append(LoraPart(layer, mdi, part, host_array(a), folded))
         ranks.append(r)
 
@@ -397,6 +411,7 @@ def load_gguf_lora(path: str, config: ModelConfig, name: Optional[str] = None) -
         scale = alpha / r if alpha else 1.0
         folded = b * np.float32(scale)
         _check_finite(where, path, (pair["b"] + " scaled by alpha / r", folded))
+        _check_delta(where, path, pair["b"], a, folded)
         parts.append(LoraPart(layer, mdi, part, a, folded))
         ranks.append(r)
     return Adapter(name=name, path=path, kind="lora", rank=max(ranks), alpha=alpha, weights=fuse_parts(parts, config))

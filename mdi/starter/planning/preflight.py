@@ -94,7 +94,15 @@ def kernels_line(cfg: RunConfig) -> str:
                "runtime.kernel_memory)")
     else:
         how = "every quantized layer takes %s where it runs, else dequant" % policy
-    return "kernels: runtime.quant_kernel %s: %s; the run's summary line and metrics name the choices" % (policy, how)
+    return "kernels%s: runtime.quant_kernel %s: %s; the run's summary line and metrics name the choices" % (
+        _on_torch(cfg), policy, how)
+
+
+def _on_torch(cfg: RunConfig) -> str:
+    """The scope of a torch-only line when some node's backend is chosen there (auto)."""
+    if any(cfg.backend_of(n) == "auto" for n in cfg.nodes):
+        return " (for nodes that runtime.backend auto puts on torch; each node's line names its backend)"
+    return ""
 
 
 def all_ggml(cfg: RunConfig) -> bool:
@@ -131,14 +139,14 @@ def kernel_memory_line(cfg: RunConfig) -> str:
     if cfg.model.quant == "none" and not any(n.quant for n in cfg.nodes):
         return "kernel memory: none needed (model.quant none: every weight is float)"
     if not setting:
-        return ("kernel memory: 0 (runtime.kernel_memory): each node holds its stored weights, KV cache and prefix "
+        return ("kernel memory%s: 0 (runtime.kernel_memory): each node holds its stored weights, KV cache and prefix "
                 "cache and no kernel copies; faster kernels that hold more (int8dyn-fbgemm/qnnpack, second copies "
-                "for prefill passes) need runtime.kernel_memory: auto or a size")
+                "for prefill passes) need runtime.kernel_memory: auto or a size" % _on_torch(cfg))
     if setting == "auto":
-        return ("kernel memory: auto (runtime.kernel_memory): kernels may hold whatever each node's memory spares "
-                "beside its plan and prefix cache (per node below)")
-    return ("kernel memory: %.1f MB per node (runtime.kernel_memory), within what each node spares beside its plan "
-            "and prefix cache (per node below)" % (setting / MB))
+        return ("kernel memory%s: auto (runtime.kernel_memory): kernels may hold whatever each node's memory spares "
+                "beside its plan and prefix cache (per node below)" % _on_torch(cfg))
+    return ("kernel memory%s: %.1f MB per node (runtime.kernel_memory), within what each node spares beside its plan "
+            "and prefix cache (per node below)" % (_on_torch(cfg), setting / MB))
 
 
 def kernel_admits(cfg: RunConfig, need: Optional[int], free: Optional[int]) -> str:
