@@ -205,12 +205,23 @@ def test_smol_matches_transformers(smol, smol_transformers, text):
 @SETTINGS
 @given(text=TEXT)
 def test_smol_matches_transformers_any_text(smol, smol_transformers, text):
-    assert smol.encode(text) == smol_transformers(text, add_special_tokens=False)["input_ids"]
     # SmolLM2's vocabulary lacks 21 single-byte tokens (e.g. 0x04, 0xF1: U+40000..U+BFFFF), and
-    # byte-level BPE silently drops bytes it cannot spell, in transformers too.
+    # byte-level BPE drops bytes it cannot spell: transformers before merging, mdi as llama.cpp
+    # does, after (test_smol_spells_no_merge_across_a_byte_it_lacks)
     vocab = smol.tk.get_vocab()
     if all(_BYTE_SPELLING[b] in vocab for b in text.encode("utf-8")):
+        assert smol.encode(text) == smol_transformers(text, add_special_tokens=False)["input_ids"]
         assert smol.decode(smol.encode(text)) == text
+
+
+@needs_smol
+def test_smol_spells_no_merge_across_a_byte_it_lacks(smol):
+    """llama.cpp keeps a byte SmolLM2 cannot spell in place while merging, then drops it: the
+    bytes on either side never merge across it (transformers' BPE drops it first, and merged
+    "!\x04!" into "!!"). The ids are llama-tokenize's on the same GGUF."""
+    assert smol.encode("!\x04!") == [17, 17]
+    assert smol.encode("a \x13's") == [81, 216, 23, 99]
+    assert smol.encode("!!") == [10095]
 
 
 @needs_smol

@@ -129,6 +129,7 @@ class HFTokenizer(Tokenizer):
     kind = "hf"
 
     def __init__(self, tk: Any, **meta: Any) -> None:
+        _isolate_unspelled_bytes(tk)
         self.tk = tk
         self._text_tk: Any = None  # a copy that spells special tokens as text (encode_text), made once asked
         super().__init__(tk.get_vocab_size(with_added_tokens=True), **meta)
@@ -284,6 +285,25 @@ def bytes_to_unicode() -> Dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _isolate_unspelled_bytes(tk: Any) -> None:
+    """A byte-level BPE whose vocabulary lacks some bytes (SmolLM2: 0x04 0x06 0x13 0x14 0x16 0x1D
+    0xF1 0xF2) tokenizes them as llama.cpp does: its llm_tokenizer_bpe_session keeps such a byte as
+    a symbol while merging (no pair across it merges) and drops it after, where HF's BPE drops it
+    before merging, so its neighbours merge ("!\\x04!": llama.cpp [17, 17], HF [10095]). Cutting
+    each such byte into a pre-token of its own, after ByteLevel spelled the text, gives llama.cpp's ids."""
+    from tokenizers import Regex, pre_tokenizers
+
+    model = tk.model
+    if (type(model).__name__ != "BPE" or type(tk.decoder).__name__ != "ByteLevel" or tk.pre_tokenizer is None
+            or model.unk_token or model.byte_fallback):
+        return
+    vocab = tk.get_vocab(with_added_tokens=False)
+    missing = [c for c in bytes_to_unicode().values() if c not in vocab]
+    if missing:
+        cut = pre_tokenizers.Split(Regex("[%s]" % "".join("\\x{%X}" % ord(c) for c in missing)), behavior="isolated")
+        tk.pre_tokenizer = pre_tokenizers.Sequence([tk.pre_tokenizer, cut])
 
 
 def _check_sha256(path: str, expected: str) -> str:
