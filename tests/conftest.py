@@ -31,6 +31,12 @@ from mdi.lab.processes import free_ports  # noqa: E402,F401  (tests import it fr
 
 # One thread per process: several node processes share this machine's cores.
 torch.set_num_threads(1)
+# Under pytest-xdist (scripts/test.sh runs the suite in two processes) each test process walks
+# its own part of the port range: free_ports checks that a port is free now, and two processes
+# walking the same ports could each hand one out before either's worker binds it.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    processes.spread_ports(int(os.environ["PYTEST_XDIST_WORKER"].lstrip("gw") or 0),
+                           int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 # Measurements remembered per machine (kernels, backends: mdi.model.quantization.kernel_memory, mdi.model.backend)
 # go to a folder of this session's own, shared by the nodes it starts: none from the user's
 # runs steers a test, and no test's fake timings reach the user's cache. $MDI_PROFILE_CACHE wins.

@@ -46,6 +46,14 @@ def _bindable(port: int) -> bool:
         s.close()
 
 
+def spread_ports(index: int, count: int) -> None:
+    """This process walks the index-th of `count` equal parts of the port range (processes of one
+    test session side by side: each hands out ports the others never probe)."""
+    span = _ephemeral_floor() - 1 - DATA_PORT_OFFSET - _LOWEST
+    if span >= 100 * count:
+        _cursor[0] = 1 + index * (span // count) + os.getpid() % 97
+
+
 def free_ports(n: int) -> List[int]:
     """n distinct TCP ports free on loopback now, each with its data port (port + 1000) free too.
 
