@@ -325,3 +325,18 @@ def test_a_ring_on_ggml_is_refused_saying_where_its_backend_came_from(tiny_model
     monkeypatch.delenv("MDI_BACKEND")
     with pytest.raises(ConfigError, match="to auto or torch$"):
         training.training_config(parse_run_config(tiny_models["llama"], runtime={"backend": "ggml"}))
+
+
+def test_a_spare_is_held_to_training_s_backend_as_the_nodes_are(tiny_models, monkeypatch):
+    """A spare that takes a lost node's layers trains too: its own backend: ggml is refused before
+    the run (it had been, mid-run, as the recovery's POST /train), and one without trains on torch."""
+    from ringconfigs import run_config_dict
+    from mdi.runconfig import parse_config
+    monkeypatch.delenv("MDI_BACKEND", raising=False)
+    data = run_config_dict(tiny_models["llama"], [9001, 9002], spares=[9003])
+    data["spares"][0]["backend"] = "ggml"
+    with pytest.raises(ConfigError, match="^spare1: backend ggml cannot train .*remove its own backend: ggml"):
+        training.training_config(parse_config(data, "test"))
+    del data["spares"][0]["backend"]
+    cfg = training.training_config(parse_config(dict(data, runtime={"backend": "auto"}), "test"))
+    assert [cfg.backend_of(n) for n in cfg.nodes + cfg.spares] == ["torch"] * 4

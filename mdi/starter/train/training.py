@@ -75,17 +75,19 @@ def fingerprint(cfg: RunConfig, options: TrainOptions) -> Dict[str, Any]:
 def training_config(cfg: RunConfig) -> RunConfig:
     """`cfg` computing on torch with kernels that have a backward (mdi-train's and
     mdi.starter.remote_blocks'): ggml has no backward pass here."""
-    asked_ggml = [n.name for n in cfg.nodes if cfg.backend_of(n) == "ggml"]
+    everyone = list(cfg.nodes) + list(cfg.spares)  # a spare trains too once it takes a lost node's layers
+    asked_ggml = [n.name for n in everyone if cfg.backend_of(n) == "ggml"]
     if asked_ggml:
         from mdi.model.backend import BACKEND_ENV, default_backend
         where = (" (%s=ggml in the environment is the default where the config names none)" % BACKEND_ENV
                  if default_backend() == "ggml" else "")
-        own = [n.name for n in cfg.nodes if n.backend == "ggml"]  # a node's own key wins over runtime.backend
+        own = [n.name for n in everyone if n.backend == "ggml"]  # a node's own key wins over runtime.backend
         fix = "remove %s own backend: ggml" % ("its" if len(own) == 1 else "their") if own else \
             "set runtime.backend to auto or torch"
         raise ConfigError("%s: backend ggml cannot train (training computes on torch): %s%s"
                           % (", ".join(asked_ggml), fix, where))
     nodes = [dataclasses.replace(n, backend=None) for n in cfg.nodes]
+    spares = [dataclasses.replace(n, backend=None) for n in cfg.spares]
     runtime = dataclasses.replace(cfg.runtime, backend="torch")
     if cfg.runtime.quant_kernel != "exact":
         # a quantized base's fast kernels (integer products, in-place rescaling) have no
@@ -93,7 +95,7 @@ def training_config(cfg: RunConfig) -> RunConfig:
         log.info("mdi-train: runtime.quant_kernel %s -> exact (training needs kernels with a backward)",
                  cfg.runtime.quant_kernel)
         runtime = dataclasses.replace(runtime, quant_kernel="exact")
-    return dataclasses.replace(cfg, nodes=nodes, runtime=runtime)
+    return dataclasses.replace(cfg, nodes=nodes, spares=spares, runtime=runtime)
 
 
 def check_train_dtype(cfg: RunConfig) -> None:
