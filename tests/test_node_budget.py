@@ -40,15 +40,15 @@ def everything(tiny_models, tmp_path_factory):
 class FakeRegistry:
     """Workers answering /status with a capacity each; `dead` ones answer nothing."""
 
-    def __init__(self, capacity, dead=()):
-        self.capacity, self.dead = capacity, set(dead)
+    def __init__(self, capacity, dead=(), backend=None):
+        self.capacity, self.dead, self.backend = capacity, set(dead), backend
 
     def client(self, node):
         if node.name in self.dead:
             def fail(*a, **k):
                 raise NodeError("node %s is down" % node.name, node.name)
             return SimpleNamespace(health=fail, status=fail)
-        status = SimpleNamespace(capacity_bytes=lambda: self.capacity.get(node.name))
+        status = SimpleNamespace(capacity_bytes=lambda: self.capacity.get(node.name), backend=self.backend)
         return SimpleNamespace(health=lambda: {}, status=lambda: status)
 
 
@@ -111,6 +111,33 @@ def test_check_serving_recovery_the_engine_and_the_planner_agree(everything, cap
         cost = profiler._cost(i, cfg.nodes[i], timing, [], budget.total)
         assert cost.bytes_for(*budget.layers) == budget.total and cost.fits(*budget.layers), budget.node
         assert not cost.fits(budget.layers[0], budget.layers[1] + 1) or budget.layers[1] == 4
+
+
+def test_serving_and_recovery_count_a_ggml_node_on_ggml(tiny_models, monkeypatch):
+    """A node computing with ggml holds its GGUF's tensors and a float16 cache: serving's slots
+    and recovery's fit check had counted torch's float32 cache there (h75: a recovery that fitted
+    was refused, and a serving ring got half the slots its ggml worker held)."""
+    from mdi.model.ggml.lib import unavailable_reason
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    model = tiny_models["llama"]
+    source = ModelSource(model)
+    cfg = parse_run_config(model, [10, 11], layers=[1, 1, 2], node_options={1: {"backend": "ggml"}},
+                           generation={"n_samples": 4})
+    plan = plan_run(cfg, source, RunShape(4, 64))
+    w1 = plan.ggml_budget(1, source)
+    assert w1.per_slot < plan.budgets[1].per_slot  # (float16 against float32)
+    monkeypatch.setattr(serving_plan, "starter_free_bytes", lambda device: 1 << 40)
+    capacities = {"w1": w1.with_slots(3).total, "w2": 1 << 40}
+    assert serving_plan.plan_slots(plan, source, FakeRegistry(capacities)) == 3
+
+    # w2 dies: w1, computing with ggml (its status says), takes layers [1, 4) if ggml's budget fits
+    need = plan.with_ring(source, plan.specs[:2], [[0, 1], [1, 4]], []).ggml_budget(1, source).total
+    dead = NodeError("node w2 is down", "w2")
+    new, how = replan(plan, source, FakeRegistry({"w1": need}, dead={"w2"}, backend="ggml"), dead, None)
+    assert new.ranges == [[0, 1], [1, 4]], how
+    with pytest.raises(RecoveryImpossible):
+        replan(plan, source, FakeRegistry({"w1": need - 1}, dead={"w2"}, backend="ggml"), dead, None)
 
 
 def test_slots_that_fit():

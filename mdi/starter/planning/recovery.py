@@ -101,11 +101,15 @@ def replan(plan: RunPlan, source: ModelSource, registry: NodeRegistry, cause: Ba
         if i == 0:
             return True  # the starter: its memory is ours to spend
         try:
-            capacity = registry.client(node).status().capacity_bytes()
+            status = registry.client(node).status()
         except NodeError:
             return False
-        # the plan's budget (weights, KV cache, adapters, prefix reserve), as --check and serving count it
-        return plan.budget_for(node, layers, node_quant(plan.cfg, source, node, layers)).fits(capacity)
+        # the plan's budget (weights, KV cache, adapters, prefix reserve), as --check and serving count it,
+        # on the backend the node computes with: a ring node's own, a spare's asked (its status
+        # names the backend of the last run it served)
+        backend = plan.cfg.backend_of(node) if node in plan.spares else status.backend
+        return plan.budget_on(backend, node, layers, node_quant(plan.cfg, source, node, layers),
+                              source).fits(status.capacity_bytes())
     change = plan_recovery(plan.specs, plan.ranges, dead, spares, fits)
     left = [s for s in plan.spares if s is not change.spare]
     return plan.with_ring(source, change.nodes, change.ranges, left), change.how

@@ -104,12 +104,22 @@ class RunPlan:
         assert self.memory is not None, "a plan made by plan_run has its budget parts"
         return self.memory.budget(node.name, layers, quant, self.n_slots, False)
 
+    def budget_on(self, backend: Optional[str], node: NodeSpec, layers: Sequence[int],
+                  quant: Dict[str, QuantSpec], source: ModelSource) -> NodeBudget:
+        """budget_for on the backend worker `node` computes with: ggml's as ggml_budget counts it;
+        torch's (the plan's) for torch or a backend not chosen yet (auto)."""
+        budget = self.budget_for(node, layers, quant)
+        return self._on_ggml(budget, layers, False, source) if backend == "ggml" else budget
+
     def ggml_budget(self, i: int, source: ModelSource) -> NodeBudget:
         """Node i's budget where it computes with ggml: its GGUF tensors as stored and ggml's KV
         cache (as its load check counts them), where the plan counted torch's."""
+        return self._on_ggml(self.budgets[i], self.nodes[i].layers, i == 0, source)
+
+    def _on_ggml(self, budget: NodeBudget, layers: Sequence[int], ends: bool, source: ModelSource) -> NodeBudget:
         from mdi.model.ggml.kv_cache import kv_cache_bytes  # (loads ggml: only asked of a ggml node)
-        first, last = self.nodes[i].layers
-        return self.budgets[i].on_ggml(source.gguf_bytes(first, last, i == 0, i == 0), kv_cache_bytes(
+        first, last = layers
+        return budget.on_ggml(source.gguf_bytes(first, last, ends, ends), kv_cache_bytes(
             source.config, first, last, 1, self.max_len, self.cfg.runtime.kv_type, self.prefill_chunk))
 
     def with_slots(self, n_slots: int) -> "RunPlan":

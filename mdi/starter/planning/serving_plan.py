@@ -83,6 +83,8 @@ def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> in
     asked = cfg.serve.max_in_flight
     limit = asked or DEFAULT_MAX_IN_FLIGHT
     for i, (node, budget) in enumerate(zip(plan.nodes, plan.budgets)):
+        if cfg.backend_of(node.spec) == "ggml":  # (auto: torch's, until the node has chosen)
+            budget = plan.ggml_budget(i, source)
         if i == 0:
             capacity = starter_free_bytes(cfg.device_of(node.spec))
         else:
