@@ -214,7 +214,8 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
         nodes = "\n".join("  - {name: %s, port: %d}" % (n, p) for n, p in
                           [("starter", 8080), ("ok1", workers[0].port), ("tiny", limited), ("board", modest)])
         path = write(tmp_path, "model: {path: %s}\nnodes:\n%s\nspares:\n  - {name: gone, port: %d}\n"
-                     % (tiny_models["llama"], nodes, dead))
+                     "  - {name: extra, port: %d, backend: ggml}\n"
+                     % (tiny_models["llama"], nodes, dead, workers[1].port))
         proc = mdi_start("--config", path, "--check", "--prompt", "hello")
     finally:
         small.stop()
@@ -238,6 +239,8 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
     assert "fits" in lines["board"] and ("TIGHT" in lines["board"]) == ("backend torch" in lines["board"])
     assert "TIGHT" not in lines["ok1"]
     assert "UNREACHABLE" in lines["gone"] and str(dead) in lines["gone"]
+    # a spare's line names the backend it is asked for, and torch's kernels only where it may use them
+    assert "backend ggml (asked)" in lines["extra"] and "kernels to measure" not in lines["extra"], lines["extra"]
     assert "problems found" in proc.stdout
     assert requests.get(workers[0].url + "/status", timeout=5).json()["state"] in ("idle", "stopped")
 

@@ -304,8 +304,9 @@ def test_page_routes_and_one_source_of_numbers(ring):
         assert m['mdi_node_sent_bytes_total{node="%s"}' % n["name"]] == n["bytes_sent"] > 0
         assert n["memory_used_bytes"] > 0 and n["memory_limit_bytes"] >= n["memory_used_bytes"]
         assert n["device"] == "cpu" and n["dtype"] == "float32" and n["state"] == "up"
-    assert [(n["name"], n["state"], n["reachable"]) for n in state["nodes"] if n["role"] == "spare"] == [
-        ("board3", "spare", True)]
+    # a spare's backend is the one it is asked for (its status names its last run's, if any)
+    assert [(n["name"], n["state"], n["reachable"], n["backend"]) for n in state["nodes"] if n["role"] == "spare"] == [
+        ("board3", "spare", True, os.environ["MDI_BACKEND"])]
 
 
 def test_without_the_token_the_page_shows_no_data(ring, browser):

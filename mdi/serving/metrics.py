@@ -421,7 +421,9 @@ class Observer:
             "cache_bytes": status.cache.bytes, "bytes_sent": c.bytes_sent, "messages_sent": c.messages_sent,
             "passes_cancelled": c.passes_cancelled, "rows_cancelled": c.rows_cancelled,
             "kernels": status.kernels, "cpu": status.cpu,
-            "backend": status.backend, "backend_line": status.backend_line,
+            # a spare's status names the backend of the last run it served: what it is asked for instead
+            **({"backend": status.backend, "backend_line": status.backend_line} if role == "worker" else
+               {"backend": self.view.cfg.backend_of(node), "backend_line": None}),
             **c.batching.metrics(),
             **_prefix_fields(status.prefix if in_this_ring else None),
         })

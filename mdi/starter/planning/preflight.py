@@ -210,7 +210,9 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
         info = "v%s %s %s" % (health.get("version"), status.device, status.state)
         if chosen is not None:
             info += "; backend %s" % chosen.line
-        on_torch = chosen is None or chosen.backend == "torch"
+        elif node_plan is None:  # a spare: it is asked for its backend once it takes a lost node's layers
+            info += "; backend %s (asked)" % cfg.backend_of(node)
+        on_torch = chosen.backend == "torch" if chosen is not None else cfg.backend_of(node) != "ggml"
         if status.cpu:  # an older worker does not say
             info += "; cpu %s" % status.cpu
             if on_torch:
