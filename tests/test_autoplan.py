@@ -69,6 +69,29 @@ def test_layers_auto_plans_measures_once_and_generates_the_same_tokens(tiny_mode
     assert len(json.load(open(os.path.join(cache_dir, "profiles.json")))) == len(cached) + 5 + sum(len(r) for r in stale["retimed"])
 
 
+def test_a_worker_down_when_the_planner_times_it_is_replaced_by_a_spare(tiny_models, workers, tmp_path, cache_dir,
+                                                                        caplog):
+    """layers: auto with a worker that does not answer: the planner had failed the run naming it
+    (as a fixed split's recovery does not), a spare standing by; now the spare takes its place,
+    and without a spare the others share its layers."""
+    import logging
+    model = tiny_models["llama"]
+    alone = batch.run(parse_run_config(model, label="alone", n_tokens=10), PROMPTS)
+    dead = free_ports(1)[0]
+    path = write_run_config(tmp_path / "auto.yaml", model, [workers[0].port, dead], layers="auto", n_tokens=10,
+                            spares=[workers[1]], runtime={"threads": 1, "ring_timeout": 30, "recovery_attempts": 1})
+    with caplog.at_level(logging.WARNING):
+        result = batch.run(load_config(path), PROMPTS)
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in alone.samples]
+    assert "w2" not in result.metrics()["plan"]["nodes"] and "spare1" in result.metrics()["plan"]["nodes"]
+    assert "node w2 is lost" in caplog.text and "spare spare1 takes its place" in caplog.text
+    without = write_run_config(tmp_path / "alone.yaml", model, [workers[0].port, dead], layers="auto", n_tokens=10,
+                               runtime={"threads": 1, "ring_timeout": 30, "recovery_attempts": 1})
+    result = batch.run(load_config(without), PROMPTS)
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in alone.samples]
+    assert result.metrics()["plan"]["nodes"] == ["starter", "w1"]
+
+
 def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp_path, cache_dir):
     model = tiny_models["gpt2"]
     config = write_config(tmp_path / "auto.yaml", model, workers[:2])

@@ -2,14 +2,14 @@
 quant or backend), each node checked, the list checked (names, addresses and data ports once
 each), and the layers split over the nodes."""
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Final, List, Optional
 
 from mdi.model.backend import BACKENDS
 from mdi.model.layout import QUANT_MODES, balanced
 from mdi.runconfig.checks import ConfigError, IntOrAuto, check_keys
 
 DEFAULT_HTTP_PORT = 8080
-AUTO_LAYERS = "auto"  # nodes[].layers: split by the planner (mdi.starter.planning.planner) from measured speeds
+AUTO_LAYERS: Final = "auto"  # nodes[].layers: split by the planner (mdi.starter.planning.planner) from measured speeds
 DATA_PORT_OFFSET = 1000  # a node's data-plane port defaults to its HTTP port + this
 
 

@@ -22,6 +22,8 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
+from mdi.runconfig.nodes import AUTO_LAYERS
+from mdi.starter.control import NodeError, NodeRegistry, NodeTimeout, NodeUnreachable
 from mdi.starter.planning.autoplan import apply_plan, plan_ring
 from mdi.starter.planning.capacity import node_quant
 from mdi.starter.speculation.draft_model import DraftSource, open_draft
@@ -165,19 +167,58 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
     memory = run_memory(cfg, source.config, shape.max_len, cfg.model.dtype, draft)
     layer_plan: Optional[LayerPlan] = None
     costs: List[NodeCost] = []
-    if cfg.auto_layers or measure:
-        layer_plan, costs = plan_ring(cfg, source, shape.n_slots, shape.max_len, passes_in_flight(cfg, shape), params,
-                                      refresh, say or log.info, memory)
+    attempts = cfg.recovery_attempts if not measure else 0  # (mdi-plan plans the nodes it is given)
+    while cfg.auto_layers or measure:
+        try:
+            layer_plan, costs = plan_ring(cfg, source, shape.n_slots, shape.max_len, passes_in_flight(cfg, shape),
+                                          params, refresh, say or log.info, memory)
+        except NodeError as e:
+            if attempts <= 0 or not _lost_worker(cfg, e):
+                raise
+            attempts -= 1
+            cfg = _without_worker(cfg, e)
+            continue
         if say is None:
             for line in format_plan(layer_plan).splitlines():
                 log.info("mdi: plan: %s", line)
             for name, why in layer_plan.dropped.items():
                 log.warning("mdi: plan: %s %s", name, why)
         cfg = apply_plan(cfg, layer_plan)
+        break
     nodes = _node_plans(cfg, source, cfg.nodes, cfg.layer_ranges(source.config.n_layer))
     return RunPlan(cfg, nodes, tuple(cfg.spares), shape.n_slots, shape.max_len,
                    cfg.max_batch(shape.n_slots, len(nodes)), cfg.runtime.prefill_chunk, tuple(costs), layer_plan, draft,
                    memory, _budgets(memory, nodes, shape.n_slots))
+
+
+def _lost_worker(cfg: RunConfig, e: NodeError) -> bool:
+    """Whether `e` names a worker of cfg's ring that is gone: unreachable, or not answering /health
+    now (a worker killed while the planner timed it); a worker's refusal is no loss."""
+    node = next((n for n in cfg.nodes[1:] if n.name == getattr(e, "node", None)), None)
+    if node is None:
+        return False
+    if isinstance(e, (NodeUnreachable, NodeTimeout)):
+        return True
+    registry = NodeRegistry.for_run(cfg)
+    try:
+        registry.client(node).health()
+        return False
+    except NodeError:
+        return True
+    finally:
+        registry.close()
+
+
+def _without_worker(cfg: RunConfig, e: NodeError) -> RunConfig:
+    """cfg with the lost worker `e` names replaced by its first spare (planned with the others), or
+    left out: what recovery does once the ring runs, before any layer is placed."""
+    lost = getattr(e, "node")
+    spare = cfg.spares[0] if cfg.spares else None
+    log.warning("mdi: plan: node %s is lost (%s): %s", lost, e, "spare %s takes its place" % spare.name
+                if spare is not None else "the layers are planned without it")
+    nodes = [n for n in cfg.nodes if n.name != lost] if spare is None else \
+        [dataclasses.replace(spare, layers=AUTO_LAYERS) if n.name == lost else n for n in cfg.nodes]
+    return dataclasses.replace(cfg, nodes=nodes, spares=cfg.spares[1:])
 
 
 def passes_in_flight(cfg: RunConfig, shape: RunShape) -> int:
