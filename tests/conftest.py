@@ -74,6 +74,8 @@ PERPLEXITY_VS_TORCH = 1e-4 if ON_TORCH else 3e-3
 if "MDI_PROFILE_CACHE" not in os.environ:
     import tempfile
     os.environ["MDI_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="mdi-test-cache-")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a folder of each test process's own (the controller made one for both)
+    os.environ["MDI_PROFILE_CACHE"] = os.path.join(os.environ["MDI_PROFILE_CACHE"], os.environ["PYTEST_XDIST_WORKER"])
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 BIN = os.path.dirname(sys.executable)
 SMOLLM2_DIR = os.path.join(ROOT, "models", "smollm2-135m")  # the embedded default model, prepared

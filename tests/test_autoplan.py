@@ -85,6 +85,9 @@ def test_a_worker_down_when_the_planner_times_it_is_replaced_by_a_spare(tiny_mod
     assert [s.token_ids for s in result.samples] == [s.token_ids for s in alone.samples]
     assert "w2" not in result.metrics()["plan"]["nodes"] and "spare1" in result.metrics()["plan"]["nodes"]
     assert "node w2 is lost" in caplog.text and "spare spare1 takes its place" in caplog.text
+    # --check says the lost worker instead (and fails)
+    from mdi.cli.start import start_main
+    assert start_main(["--config", path, "--check"]) == 1
     without = write_run_config(tmp_path / "alone.yaml", model, [workers[0].port, dead], layers="auto", n_tokens=10,
                                runtime={"threads": 1, "ring_timeout": 30, "recovery_attempts": 1})
     result = batch.run(load_config(without), PROMPTS)

@@ -235,14 +235,20 @@ def test_a_training_job_beside_a_ggml_ring_is_refused_in_one_line():
     from types import SimpleNamespace
     from mdi.serving.train_routes import TrainControl
     from mdi.serving.validation import ApiError
-    engine = SimpleNamespace(ggml_nodes=lambda: ["starter", "board2"],
-                             cfg=SimpleNamespace(runtime=SimpleNamespace(quant_kernel="fast")),
-                             plan=SimpleNamespace(nodes=[SimpleNamespace(quant={"mode": "int4"})] * 2))
+    spare = SimpleNamespace(name="board3", backend="ggml")
+    cfg = SimpleNamespace(runtime=SimpleNamespace(quant_kernel="fast"), backend_of=lambda node: node.backend)
+    engine = SimpleNamespace(ggml_nodes=lambda: ["starter", "board2"], cfg=cfg,
+                             plan=SimpleNamespace(nodes=[SimpleNamespace(quant={"mode": "int4"})] * 2, spares=[]))
     control = TrainControl(SimpleNamespace(job=None, engine=engine), None, "tiny", lambda: None)
     with pytest.raises(ApiError) as e:
         control.start({"data": "x.txt", "out": "y"})
     assert e.value.status == 400 and "\n" not in e.value.message
     assert "starter, board2 compute with ggml" in e.value.message and "runtime.backend: torch" in e.value.message
+    # a spare asked for ggml would fail the job mid-way once it replaced a lost node: refused too
+    engine.ggml_nodes, engine.plan.spares = (lambda: []), [spare]
+    with pytest.raises(ApiError) as e:
+        control.start({"data": "x.txt", "out": "y"})
+    assert e.value.status == 400 and "board3 computes with ggml" in e.value.message
 
 
 def test_a_ggml_worker_reads_an_adapter_body_without_torch(models):

@@ -46,12 +46,29 @@ def _bindable(port: int) -> bool:
         s.close()
 
 
+PORT_PART_ENV = "MDI_PORT_PART"  # "i/n": free_ports walks the i-th of n parts of the range
+
+
 def spread_ports(index: int, count: int) -> None:
-    """This process walks the index-th of `count` equal parts of the port range (processes of one
-    test session side by side: each hands out ports the others never probe)."""
-    span = _ephemeral_floor() - 1 - DATA_PORT_OFFSET - _LOWEST
-    if span >= 100 * count:
-        _cursor[0] = 1 + index * (span // count) + os.getpid() % 97
+    """This process and those it starts walk the index-th of `count` equal parts of the port
+    range (processes of one test session side by side: each hands out ports the others never
+    probe; mdi-bench started by one walks its part too)."""
+    os.environ[PORT_PART_ENV] = "%d/%d" % (index, count)
+    _cursor[0] = 0
+
+
+def _first_cursor(span: int) -> int:
+    """Where this process's walk starts: a place drawn from the PID (and the time), within its
+    part of the range where $MDI_PORT_PART gives one."""
+    drawn = os.getpid() * 7919 + int(time.time())
+    try:
+        index, count = (int(x) for x in os.environ.get(PORT_PART_ENV, "").split("/"))
+    except ValueError:
+        return drawn % span
+    part = span // max(1, count)
+    if not 0 <= index < count or part < 100:
+        return drawn % span
+    return index * part + drawn % (part // 2)  # (the rest of the part: room to walk on)
 
 
 def free_ports(n: int) -> List[int]:
@@ -67,7 +84,7 @@ def free_ports(n: int) -> List[int]:
     if span < 100:  # an unusual ip_local_port_range: fall back to the OS's choice
         return _os_picked(n)
     if not _cursor[0]:
-        _cursor[0] = (os.getpid() * 7919 + int(time.time())) % span
+        _cursor[0] = _first_cursor(span) or 1
     ports: List[int] = []
     for _ in range(span):
         port = _LOWEST + _cursor[0] % span

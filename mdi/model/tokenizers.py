@@ -303,7 +303,9 @@ def _isolate_unspelled_bytes(tk: Any) -> None:
     missing = [c for c in bytes_to_unicode().values() if c not in vocab]
     if missing:
         cut = pre_tokenizers.Split(Regex("[%s]" % "".join("\\x{%X}" % ord(c) for c in missing)), behavior="isolated")
-        tk.pre_tokenizer = pre_tokenizers.Sequence([tk.pre_tokenizer, cut])
+        steps = json.loads(tk.pre_tokenizer.__getstate__()).get("pretokenizers") or [None]
+        if steps[-1] != json.loads(cut.__getstate__()):  # (a tokenizer.json saved from one that has it)
+            tk.pre_tokenizer = pre_tokenizers.Sequence([tk.pre_tokenizer, cut])
 
 
 def _check_sha256(path: str, expected: str) -> str:

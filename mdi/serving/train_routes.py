@@ -64,7 +64,8 @@ class TrainControl:
         if engine is None:
             raise ApiError(503, "the ring is %s" % sched.state, kind="server_error")
         cfg = engine.cfg
-        on_ggml = engine.ggml_nodes()
+        # (a spare asked for ggml takes part once it replaces a lost node: training there would fail mid-job)
+        on_ggml = engine.ggml_nodes() + [s.name for s in engine.plan.spares if cfg.backend_of(s) == "ggml"]
         if on_ggml:  # ggml has no backward pass; a torch copy beside it would double a board's weights
             raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch (and "
                            "no node's own backend: ggml) to train beside serving, or train with mdi-train "

@@ -31,7 +31,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
     shape = batch_shape(config, samples, gen.n_tokens)
     shape = RunShape(shape.n_slots or n_samples or gen.n_samples or 1, shape.max_len)
     try:  # the plan the run would make (`layers: auto`: measured, or from the profile cache)
-        plan = plan_run(cfg, source, shape)
+        plan = plan_run(cfg, source, shape, recover=False)  # a lost worker is said, not replaced
     except NodeError as e:
         print("plan: UNREACHABLE: %s" % e)
         print("check: problems found")

@@ -106,8 +106,8 @@ def replan(plan: RunPlan, source: ModelSource, registry: NodeRegistry, cause: Ba
             return False
         # the plan's budget (weights, KV cache, adapters, prefix reserve), as --check and serving count it,
         # on the backend the node computes with: a ring node's own, a spare's asked (its status
-        # names the backend of the last run it served)
-        backend = plan.cfg.backend_of(node) if node in plan.spares else status.backend
+        # names the backend of the last run it served), a restarted node's asked
+        backend = status.backend if node not in plan.spares and status.backend else plan.cfg.backend_of(node)
         return plan.budget_on(backend, node, layers, node_quant(plan.cfg, source, node, layers),
                               source).fits(status.capacity_bytes())
     change = plan_recovery(plan.specs, plan.ranges, dead, spares, fits)

@@ -23,7 +23,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.runconfig.nodes import AUTO_LAYERS
-from mdi.starter.control import NodeError, NodeRegistry, NodeTimeout, NodeUnreachable
+from mdi.starter.control import NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.planning.autoplan import apply_plan, plan_ring
 from mdi.starter.planning.capacity import node_quant
 from mdi.starter.speculation.draft_model import DraftSource, open_draft
@@ -157,26 +157,29 @@ class RunPlan:
 
 
 def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optional[SamplingParams] = None,
-             measure: bool = False, refresh: bool = False, say: Optional[Callable[[str], None]] = None) -> RunPlan:
+             measure: bool = False, refresh: bool = False, say: Optional[Callable[[str], None]] = None,
+             recover: bool = True) -> RunPlan:
     """The plan of a run of `shape` on `cfg`'s nodes. With `layers: auto` (or `measure`, as
     mdi-plan asks) every node is timed (or recalled from the profile cache) and the planner
-    splits the layers; the nodes it leaves out are not in the ring. Raises PlanError,
-    NodeError or ConfigError (a draft model of another vocabulary) before any weight is sent."""
+    splits the layers; the nodes it leaves out are not in the ring. A run's plan (`recover`)
+    replaces a worker lost meanwhile as recovery would. Raises PlanError, NodeError or
+    ConfigError (a draft model of another vocabulary) before any weight is sent."""
     draft = open_draft(cfg, source)  # before the planner times any node
     # every node's budget parts, counted per layer by the planner as by the plan's budgets
     memory = run_memory(cfg, source.config, shape.max_len, cfg.model.dtype, draft)
     layer_plan: Optional[LayerPlan] = None
     costs: List[NodeCost] = []
-    attempts = cfg.recovery_attempts if not measure else 0  # (mdi-plan plans the nodes it is given)
+    attempts = cfg.recovery_attempts if recover and not measure else 0  # (mdi-plan, --check: the nodes given)
     while cfg.auto_layers or measure:
         try:
             layer_plan, costs = plan_ring(cfg, source, shape.n_slots, shape.max_len, passes_in_flight(cfg, shape),
                                           params, refresh, say or log.info, memory)
         except NodeError as e:
-            if attempts <= 0 or not _lost_worker(cfg, e):
+            changed = _without_lost_worker(cfg, e) if attempts > 0 else None
+            if changed is None:
                 raise
             attempts -= 1
-            cfg = _without_worker(cfg, e)
+            cfg = changed
             continue
         if say is None:
             for line in format_plan(layer_plan).splitlines():
@@ -191,34 +194,35 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
                    memory, _budgets(memory, nodes, shape.n_slots))
 
 
-def _lost_worker(cfg: RunConfig, e: NodeError) -> bool:
-    """Whether `e` names a worker of cfg's ring that is gone: unreachable, or not answering /health
-    now (a worker killed while the planner timed it); a worker's refusal is no loss."""
-    node = next((n for n in cfg.nodes[1:] if n.name == getattr(e, "node", None)), None)
-    if node is None:
-        return False
-    if isinstance(e, (NodeUnreachable, NodeTimeout)):
-        return True
+def _without_lost_worker(cfg: RunConfig, e: NodeError) -> Optional[RunConfig]:
+    """cfg with the worker `e` names replaced by the first spare that answers, or left out, where
+    that worker is gone (unreachable, or not answering /health now: killed while the planner
+    timed it): what recovery does once the ring runs, before any layer is placed. None where
+    `e` is no loss (a refusal, a slow answer from a worker still there)."""
+    lost = next((n for n in cfg.nodes[1:] if n.name == getattr(e, "node", None)), None)
+    if lost is None:
+        return None
     registry = NodeRegistry.for_run(cfg)
     try:
-        registry.client(node).health()
-        return False
-    except NodeError:
-        return True
+        if not isinstance(e, NodeUnreachable) and _answers(registry, lost):
+            return None
+        spares = [s for s in cfg.spares if _answers(registry, s)]
     finally:
         registry.close()
-
-
-def _without_worker(cfg: RunConfig, e: NodeError) -> RunConfig:
-    """cfg with the lost worker `e` names replaced by its first spare (planned with the others), or
-    left out: what recovery does once the ring runs, before any layer is placed."""
-    lost = getattr(e, "node")
-    spare = cfg.spares[0] if cfg.spares else None
-    log.warning("mdi: plan: node %s is lost (%s): %s", lost, e, "spare %s takes its place" % spare.name
+    spare = spares[0] if spares else None
+    log.warning("mdi: plan: node %s is lost (%s): %s", lost.name, e, "spare %s takes its place" % spare.name
                 if spare is not None else "the layers are planned without it")
-    nodes = [n for n in cfg.nodes if n.name != lost] if spare is None else \
-        [dataclasses.replace(spare, layers=AUTO_LAYERS) if n.name == lost else n for n in cfg.nodes]
-    return dataclasses.replace(cfg, nodes=nodes, spares=cfg.spares[1:])
+    nodes = [n for n in cfg.nodes if n is not lost] if spare is None else \
+        [dataclasses.replace(spare, layers=AUTO_LAYERS) if n is lost else n for n in cfg.nodes]
+    return dataclasses.replace(cfg, nodes=nodes, spares=[s for s in cfg.spares if s is not spare])
+
+
+def _answers(registry: NodeRegistry, node: NodeSpec) -> bool:
+    try:
+        registry.client(node).health()
+        return True
+    except NodeError:
+        return False
 
 
 def passes_in_flight(cfg: RunConfig, shape: RunShape) -> int:
