@@ -18,8 +18,12 @@ def test_a_deadline_stops_a_loop_that_never_checks():
 
 def test_deadlines_that_do_not_run_out_leave_no_exception_behind():
     for _ in range(200):
-        with thread_deadline(0.05):
-            sum(range(100))
+        t0 = time.monotonic()
+        try:
+            with thread_deadline(0.05):
+                sum(range(100))
+        except DeadlinePassed:  # only where the block really overran it (a busy machine's stall)
+            assert time.monotonic() - t0 >= 0.05
     # any exception still pending would surface in this loop
     t0 = time.monotonic()
     while time.monotonic() - t0 < 0.3:
