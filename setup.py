@@ -25,7 +25,8 @@ setup(
         "ggml-python==0.0.45",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "transformers", "accelerate", "peft", "protobuf", "vermin",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "transformers", "accelerate", "peft",
+                 "protobuf", "vermin",
                  "mypy==2.4.1; python_version >= '3.10'", "matplotlib", "openai", "selenium>=4.11", "jsonschema",
                  # LangChain's ChatOpenAI against a served ring (tests/test_serve_tools.py); pinned: its
                  # requests are what the tests check, and it needs Python 3.10 (older skip those tests)

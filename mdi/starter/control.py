@@ -355,3 +355,16 @@ class NodeRegistry:
         for client in clients:
             client.close()
 
+
+def health_problem(registry: NodeRegistry, node: NodeSpec) -> Optional[NodeError]:
+    """Why `node` does not answer /health (None: it does)."""
+    try:
+        registry.client(node).health()
+        return None
+    except NodeError as e:
+        return e
+
+
+def answers(registry: NodeRegistry, node: NodeSpec) -> bool:
+    """Whether `node` answers /health now."""
+    return health_problem(registry, node) is None

@@ -16,7 +16,7 @@ from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, NodeSpec
 from mdi.starter.planning.capacity import node_quant
-from mdi.starter.control import NodeError, NodeRegistry
+from mdi.starter.control import NodeError, NodeRegistry, answers, health_problem
 from mdi.starter.planning.planner import PlanError, make_plan
 from mdi.starter.planning.node_speeds import Profiler
 from mdi.starter.planning.run_plan import RunPlan
@@ -93,7 +93,7 @@ def replan(plan: RunPlan, source: ModelSource, registry: NodeRegistry, cause: Ba
     dead = _dead_worker(plan, registry, cause)
     if dead is None:
         return plan, "every node answers: the ring is rebuilt as it was"
-    spares = [s for s in plan.spares if _alive(registry, s)]
+    spares = [s for s in plan.spares if answers(registry, s)]
     if plan.costs:
         return _replan_measured(plan, source, registry, params, dead, spares)
 
@@ -156,33 +156,20 @@ def check_health(plan: RunPlan, registry: NodeRegistry) -> None:
     not found only when a node is lost (the run goes on without it)."""
     workers, spares = plan.specs[1:], plan.spares
     answers = run_all([registry.client(node).health for node in workers] +
-                      [functools.partial(_problem, registry, spare) for spare in spares], "mdi-health")
+                      [functools.partial(health_problem, registry, spare) for spare in spares], "mdi-health")
     for spare, problem in zip(spares, answers[len(workers):]):
         if problem is not None:
             log.warning("mdi: spare %s does not answer (%s): it cannot stand in for a lost node", spare.name, problem)
-
-
-def _problem(registry: NodeRegistry, node: NodeSpec) -> Optional[NodeError]:
-    """Why `node` does not answer /health (None: it does)."""
-    try:
-        registry.client(node).health()
-        return None
-    except NodeError as e:
-        return e
 
 
 def named_worker_lost(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> bool:
     """Whether the worker `cause` names is gone (its /health unanswered; found silent already:
     not asked again): a refusal is no loss."""
     node = next((n for n in plan.specs[1:] if n.name == getattr(cause, "node", None)), None)
-    return node is not None and (getattr(cause, "silent", False) or not _alive(registry, node))
+    return node is not None and (getattr(cause, "silent", False) or not answers(registry, node))
 
 
 def _dead_worker(plan: RunPlan, registry: NodeRegistry, cause: BaseException) -> Optional[str]:
     if named_worker_lost(plan, registry, cause):
         return getattr(cause, "node")
-    return next((n.name for n in plan.specs[1:] if not _alive(registry, n)), None)
-
-
-def _alive(registry: NodeRegistry, node: NodeSpec) -> bool:
-    return _problem(registry, node) is None
+    return next((n.name for n in plan.specs[1:] if not answers(registry, n)), None)

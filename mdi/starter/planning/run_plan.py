@@ -23,7 +23,7 @@ from mdi.model.source import ModelSource
 from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.runconfig.nodes import AUTO_LAYERS
-from mdi.starter.control import NodeError, NodeRegistry, NodeUnreachable
+from mdi.starter.control import NodeError, NodeRegistry, NodeUnreachable, answers
 from mdi.starter.planning.autoplan import apply_plan, plan_ring
 from mdi.starter.planning.capacity import node_quant
 from mdi.starter.speculation.draft_model import DraftSource, open_draft
@@ -204,9 +204,9 @@ def _without_lost_worker(cfg: RunConfig, e: NodeError) -> Optional[RunConfig]:
         return None
     registry = NodeRegistry.for_run(cfg)
     try:
-        if not isinstance(e, NodeUnreachable) and _answers(registry, lost):
+        if not isinstance(e, NodeUnreachable) and answers(registry, lost):
             return None
-        spares = [s for s in cfg.spares if _answers(registry, s)]
+        spares = [s for s in cfg.spares if answers(registry, s)]
     finally:
         registry.close()
     spare = spares[0] if spares else None
@@ -215,14 +215,6 @@ def _without_lost_worker(cfg: RunConfig, e: NodeError) -> Optional[RunConfig]:
     nodes = [n for n in cfg.nodes if n is not lost] if spare is None else \
         [dataclasses.replace(spare, layers=AUTO_LAYERS) if n is lost else n for n in cfg.nodes]
     return dataclasses.replace(cfg, nodes=nodes, spares=[s for s in cfg.spares if s is not spare])
-
-
-def _answers(registry: NodeRegistry, node: NodeSpec) -> bool:
-    try:
-        registry.client(node).health()
-        return True
-    except NodeError:
-        return False
 
 
 def passes_in_flight(cfg: RunConfig, shape: RunShape) -> int:
