@@ -2,6 +2,7 @@
 asked backend that cannot serve is one line saying why; auto measures the backends that can
 serve, keeps the cheaper for the run's work, remembers it per machine, and measures again a
 choice it made while the machine was busy once the machine is quiet."""
+import os
 import pytest
 
 from mdi.model import backend
@@ -323,3 +324,15 @@ def test_another_build_of_the_binding_is_another_machine(tmp_path, monkeypatch):
     assert machine_key()["ggml_build"] != first["ggml_build"]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no binding: the keys from before
     assert "ggml_build" not in machine_key()
+
+
+def test_a_linked_cache_file_keeps_its_link(cache, tmp_path):
+    """A cache file linked elsewhere (a shared folder) had been replaced by a plain file."""
+    from mdi.system.machine_cache import MachineCache, cache_dir
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    link = os.path.join(cache_dir(), "linked.json")
+    os.makedirs(cache_dir(), exist_ok=True)
+    os.symlink(str(target), link)
+    MachineCache("linked.json", 1).remember("k", {"v": 1})
+    assert os.path.islink(link) and MachineCache("linked.json", 1).recall("k") == {"v": 1}

@@ -612,6 +612,9 @@ TINY_Q = {"family": "llama", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head
     (dict(TINY_Q, quant="int3"), "models[0].random.quant: expected one of int8, int4"),
     ({k: v for k, v in TINY_Q.items() if k != "quant"}, "models[0].random.group_size: a group size needs quant int8 or int4"),
     (dict(TINY_Q, group_size=48), "models[0].random.group_size: int4 groups are 32, 64, 128, not 48"),
+    (dict(TINY_Q, gguf="q4_k"), "models[0].random: give quant (torch's int8/int4) or gguf (a GGUF type), not both"),
+    (dict({k: v for k, v in TINY_Q.items() if k not in ("quant", "group_size")}, gguf="q3"),
+     "models[0].random.gguf: expected one of f32, f16"),
 ])
 def test_random_quant_schema_errors(random, needle):
     with pytest.raises(ExperimentError) as e:
@@ -627,6 +630,39 @@ def test_run_quant_schema_errors(model, needle):
     with pytest.raises(ExperimentError) as e:
         parse(model=model)
     assert needle in str(e.value)
+
+
+def test_a_backend_is_asked_per_model_and_a_wrong_one_is_named():
+    assert parse().models[0].backend == "auto"
+    assert [m.backend for m in parse({"backend": "torch"}, {"backend": "ggml"}).models] == ["ggml"]
+    with pytest.raises(ExperimentError, match=r"x.yaml: backend: expected one of auto, ggml, torch, got 'cuda'"):
+        parse({"backend": "cuda"})
+
+
+@pytest.mark.ring  # mdi-bench starts the workers
+@pytest.mark.timeout(300)
+def test_a_random_gguf_model_runs_on_the_backend_asked(tmp_path):
+    """`random: {gguf: q8_0}` writes a model.gguf by ggml's quantizer beside the weights, so big
+    random shapes run on ggml too; `--backend` overrides the file's, the run config carries it, and
+    the CSV says what was asked and what each node computed with. A rebuild with another type is
+    refused, naming both."""
+    model = {"name": "tiny-g", "path": str(tmp_path / "tiny-g"), "nodes": [2], "samples": [2],
+             "random": {"family": "llama", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2,
+                        "intermediate_size": 128, "block_size": 64, "seed": 0, "gguf": "q8_0"}}
+    data = {"name": "g", "output": str(tmp_path / "out"), "models": [model], "tokens": 4, "repeats": 1,
+            "warmup": False, "backend": "torch"}
+    config = tmp_path / "g.yaml"
+    config.write_text(yaml.safe_dump(data))
+    r = _bench("--experiment", str(config), "--emulation", "off", "--backend", "ggml", timeout=240)
+    assert r.returncode == 0, r.stderr.decode()
+    assert (tmp_path / "tiny-g" / "model.gguf").is_file()
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["status"], row["backend"], row["backends"]) == ("ok", "ggml", "ggml;ggml")
+    model["random"]["gguf"] = "q4_0"
+    config.write_text(yaml.safe_dump(data))
+    r = _bench("--experiment", str(config), "--emulation", "off", "--dry-run")
+    assert r.returncode != 0 and "its model.gguf is q8_0, this spec gives q4_0" in _bench_error(r)
 
 
 @pytest.mark.timeout(120)

@@ -206,3 +206,13 @@ def test_a_damaged_profile_cache_is_said_and_timed_again(tmp_path, monkeypatch, 
                for r in caplog.records), caplog.records
     (tmp_path / "profiles.json").unlink()
     assert node_speeds._read_cache() == {}  # none yet: nothing said
+
+
+def test_two_planners_writing_the_profile_cache_keep_both_entries(tmp_path, monkeypatch):
+    """Each starter writes the profiles it timed: a plain rewrite from its own copy had dropped
+    what another starter on the machine wrote since (both read the file before timing)."""
+    from mdi.starter.planning import node_speeds
+    monkeypatch.setenv("MDI_PROFILE_CACHE", str(tmp_path))
+    node_speeds._write_cache({"first": {"layer_s": 1.0}})
+    node_speeds._write_cache({"second": {"layer_s": 2.0}})  # read before "first" was written
+    assert node_speeds._read_cache() == {"first": {"layer_s": 1.0}, "second": {"layer_s": 2.0}}

@@ -16,6 +16,7 @@ import sys
 from typing import Callable, List, Optional
 
 from mdi.lab.emulation import EmulationError
+from mdi.model.backend import BACKENDS
 from mdi.lab.nodes import read_json, serve_starter
 from mdi.cli.arguments import ArgumentParser
 from mdi.cli.process import EXIT_CONFIG, interrupt_on_sigterm  # mdi-bench exits like mdi-start
@@ -43,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                    help="override emulation.enabled (default: the file's, else auto): auto uses what works, on "
                         "fails if a part cannot be set up, off runs plain loopback")
     p.add_argument("--repeats", type=int, help="override the number of repeats (default: the file's, else 3)")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="override every model's backend (runtime.backend; default: the file's, else auto, which "
+                        "measures both where both can serve); the `backends` column says what each node used")
     p.add_argument("--dry-run", action="store_true",
                    help="check the file and list the runs; writes nothing (random models are built by the real run)")
     p.add_argument("--plot-only", action="store_true",
@@ -94,6 +98,9 @@ def _with_overrides(exp: Experiment, args: argparse.Namespace) -> Experiment:
         exp.repeats = args.repeats
     if args.emulation:
         exp.emulation.mode = args.emulation
+    if args.backend:
+        for model in exp.models:
+            model.backend = args.backend
     return exp
 
 

@@ -3,6 +3,7 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from mdi.lab.nodes import read_json
 from mdi.lab.spec import ExperimentError, ModelEntry
 from mdi.model import layout
 
@@ -23,7 +24,8 @@ def resolve_path(path: str, source: str) -> str:
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 PAD_CHARS_FROM = 0x4E00  # a random model's vocabulary beyond CHARS: one CJK (then Yi, Hangul...) character per id
-RANDOM_BUILD_KEYS = ("seed", "std", "quant", "group_size")  # how the weights are made, not the model's shape
+RANDOM_BUILD_KEYS = ("seed", "std", "quant", "group_size", "gguf")  # how the weights are made, not the model's shape
+RANDOM_SPEC_FILE = "mdi_bench_random.json"  # the `random:` spec a model with a model.gguf was built from
 ROWS_PER_BLOCK = 2048  # rows of one matrix generated (and quantized) at a time in a quantized build
 
 
@@ -95,6 +97,11 @@ def build_random_model(path: str, name: str, spec: Dict[str, Any], where: str) -
         weights = model.state_dict()
     save_model_dir(path, config, weights, "mdi-bench random: %s" % json.dumps(spec, sort_keys=True))
     char_tokenizer(random_vocabulary(config.vocab_size)).save(path)
+    if spec.get("gguf"):  # model.gguf in that type by ggml's quantizer, the torch weights read back from it
+        from mdi.model.files import prepare
+        from mdi.system.files import write_json
+        prepare.prepare(path, path, [], None, spec["gguf"], None, None)
+        write_json(os.path.join(path, RANDOM_SPEC_FILE), spec)
 
 
 def random_quantized_weights(config, layout: Dict[str, Any], seed: int, std: float,
@@ -172,8 +179,16 @@ def _check_random_matches(path: str, name: str, spec: Dict[str, Any], where: str
     config = _checked_random_config(name, spec, where)
     want_quant = random_quant_layout(config, spec, where)
     stored = _stored_quant(path)
+    built_from = read_json(os.path.join(path, RANDOM_SPEC_FILE))
+    built_from = built_from if isinstance(built_from, dict) else None
     if have != config.to_dict():
         differs = "its model config differs"
+    elif spec.get("gguf") or built_from is not None:  # its torch weights are what the GGUF's types read back as
+        if built_from is None or built_from.get("gguf") != spec.get("gguf"):
+            differs = "its model.gguf is %s, this spec gives %s" % (
+                (built_from or {}).get("gguf") or "absent", spec.get("gguf") or "none")
+        else:
+            return
     elif stored is not None and stored != _quant_labels(want_quant):
         # e.g. built before mdi's int4 layout changed (quant.uniform_layout)
         differs = "its weights are stored as %s, this spec gives %s" % (

@@ -27,6 +27,7 @@ CSV_COLUMNS = [
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
     "decode_tokens_per_s", "generated_tokens", "seconds", "ttft_max_s", "partition_kind", "dtype",
     "quant", "quant_kernel", "wire_codec", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy",
+    "backend",  # runtime.backend as asked (auto, ggml, torch)
     "backends",  # what each node computed with (ggml or torch; ';' per node): quant/dtype are what was asked
 ] + FORWARD_COLUMNS + [
     "emulation", "starter_mode",
@@ -155,7 +156,7 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
     row.update(model=plan.model.name, nodes=str(plan.n_nodes), partition=plan.label, samples=str(samples),
                max_batch=str(max_batch), tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind,
                dtype=plan.model.dtype, quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
-               wire_codec=plan.model.wire_codec,
+               wire_codec=plan.model.wire_codec, backend=plan.model.backend,
                weights_mb=_weights_cell(plan, chosen), emulation=emu_tag, starter_mode=exp.starter,
                load_1min="%.2f" % outcome.load_1min, experiment=exp.name,
                plan="+".join(str(c) for c in counts) if counts else "",

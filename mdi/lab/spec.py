@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
+from mdi.model.backend import BACKENDS
 from mdi.model.layout import DTYPE_NAMES, QUANT_KINDS, QUANT_MODES, balanced, group_size_problem, partition_label
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
@@ -43,6 +44,7 @@ class ModelEntry:
     max_batch: List[Any] = field(default_factory=lambda: ["auto"])
     prefill_chunk: Optional[int] = None  # the runs' runtime.prefill_chunk; None: mdi's default
     wire_codec: str = "raw"  # the runs' runtime.wire_codec (mdi.ring.wire.CODECS)
+    backend: str = "auto"  # the runs' runtime.backend (auto | ggml | torch): each node's choice is in `backends`
 
 
 @dataclass
@@ -67,9 +69,9 @@ NUM = (int, float)
 MODEL_KEYS = {"name": (str,), "path": (str,), "random": (dict,), "prompt": (str,), "tokens": (int,),
               "samples": (list,), "nodes": (list,), "partitions": (list,), "dtype": (str,), "weights": (str,),
               "quant": (str,), "quant_kernel": (str,), "max_batch": (list,), "prefill_chunk": (int,),
-              "wire_codec": (str,), "partition_step": (int,)}
+              "wire_codec": (str,), "partition_step": (int,), "backend": (str,)}
 SHARED_KEYS = ("prompt", "tokens", "samples", "nodes", "partitions", "dtype", "weights", "quant", "quant_kernel",
-               "max_batch", "prefill_chunk", "wire_codec", "partition_step")
+               "max_batch", "prefill_chunk", "wire_codec", "partition_step", "backend")
 TOP_KEYS = {"name": (str,), "description": (str,), "output": (str,), "models": (list,), "repeats": (int,),
             "temperature": NUM, "warmup": (bool,), "starter": (str,), "run_timeout": NUM,
             "start_timeout": NUM, "emulation": (dict,), "auth": (bool,), "speculation": (str, dict, bool)}
@@ -84,7 +86,9 @@ RANDOM_KEYS = {"family": (str,), "n_layer": (int,), "n_embd": (int,), "n_head": 
                # the family variants (mdi.model.config): Qwen2 q/k/v biases, Qwen3 q/k norms and
                # wide heads, Llama 3 RoPE scaling
                "qkv_bias": (bool,), "qk_norm": (bool,), "head_size": (int,), "rope_theta": NUM,
-               "rope_scaling": (dict,), "tied_head": (bool,)}
+               "rope_scaling": (dict,), "tied_head": (bool,),
+               # a model.gguf beside the weights, in this GGUF type (f16, q8_0, q4_k...): what ggml nodes compute
+               "gguf": (str,)}
 def _fields(where: str, data: Any, allowed: Mapping[str, Tuple[type, ...]],
             required: Sequence[str] = ()) -> Dict[str, Any]:
     return check_keys(where, data, allowed, required, error=ExperimentError)
@@ -187,6 +191,13 @@ def _parse_model(where: str, raw: Any, defaults: Dict[str, Any]) -> ModelEntry:
 def _check_random_quant(where: str, spec: Dict[str, Any]) -> None:
     """`quant: int8 | int4` (+ `group_size`) builds the random model quantized, one weight at a
     time: the float model never exists (a 7B float32 one would need 27 GB)."""
+    gguf = spec.get("gguf")
+    if gguf is not None:
+        from mdi.model.files.gguf_export import EXPORT_TYPES
+        if gguf not in EXPORT_TYPES:
+            raise ExperimentError("%s.gguf: expected one of %s, got %r" % (where, ", ".join(EXPORT_TYPES), gguf))
+        if spec.get("quant") is not None:  # (the GGUF is made from float weights: int8/int4 ones re-rounded)
+            raise ExperimentError("%s: give quant (torch's int8/int4) or gguf (a GGUF type), not both" % where)
     quant = spec.get("quant")
     if quant is not None and quant not in QUANT_KINDS:
         raise ExperimentError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_KINDS), quant))
@@ -223,6 +234,9 @@ def _check_common(where: str, e: ModelEntry) -> None:
     if e.wire_codec not in CODECS:
         raise ExperimentError("%s: expected one of %s, got %r"
                               % (key_path(where, "wire_codec"), ", ".join(CODECS), e.wire_codec))
+    if e.backend not in BACKENDS:
+        raise ExperimentError("%s: expected one of %s, got %r"
+                              % (key_path(where, "backend"), ", ".join(BACKENDS), e.backend))
     _check_max_batch(key_path(where, "max_batch"), e.max_batch)
     _check_samples(key_path(where, "samples"), e.samples)
     _check_nodes(key_path(where, "nodes"), e.nodes)

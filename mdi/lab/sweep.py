@@ -344,9 +344,9 @@ def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
     plans = plan_sweep(exp, log, build=False)
     for rings in plans:
         for p in rings:
-            log("%s: %d node(s), partition %s (%s), samples %s, max_batch %s, %d tokens, %d repeats"
+            log("%s: %d node(s), partition %s (%s), samples %s, max_batch %s, %d tokens, %d repeats, backend %s"
                 % (p.model.name, p.n_nodes, p.label, p.kind, p.samples,
-                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats))
+                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats, p.model.backend))
     on = exp.emulation.mode != "off"
     for line in over_limit(plans, lambda k: exp.emulation.memory_limit_of(k) if on else None):
         log("warning: " + line)

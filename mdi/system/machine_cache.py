@@ -117,12 +117,13 @@ class MachineCache:
 
     def write(self, entries: Dict[str, Any]) -> None:
         """Replace the file's entries (a read-only folder: measured again next time, said once)."""
-        tmp = "%s.%d.tmp" % (self.path, os.getpid())
+        path = os.path.realpath(self.path)  # a linked cache file keeps its link (its target is written)
+        tmp = "%s.%d.tmp" % (path, os.getpid())
         try:
-            os.makedirs(cache_dir(), exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "w") as f:
                 json.dump({"version": self.version, "entries": entries}, f)
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)  # none left behind (a folder where the file should be: one a start)

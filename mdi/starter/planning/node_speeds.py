@@ -40,7 +40,7 @@ from mdi.starter.speculation.draft_model import open_draft
 from mdi.starter.planning.node_budget import RunMemory, run_memory
 from mdi.starter.planning.planner import NodeCost, groups
 from mdi.system.files import write_json
-from mdi.system.machine_cache import cache_dir
+from mdi.system.machine_cache import MERGE_WAIT_S, MachineCache, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,18 @@ def _read_cache() -> Dict[str, Any]:
 
 
 def _write_cache(entries: Dict[str, Any]) -> None:
+    """Merge `entries` into the file under its lock: two starters planning at once on one machine
+    each keep what they timed (a plain rewrite had dropped the other's)."""
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        write_json(os.path.join(cache_dir(), CACHE_FILE), entries)
+        with MachineCache(CACHE_FILE, 0).locked(MERGE_WAIT_S):
+            merged = _read_cache()
+            merged.update(entries)
+            write_json(os.path.join(cache_dir(), CACHE_FILE), merged)
     except OSError as e:  # a read-only home is no reason to fail the run
         log.warning("mdi: plan: cannot write the profile cache in %s: %s", cache_dir(), e)
+    except RuntimeError as e:  # another process held it too long: timed again next time
+        log.warning("mdi: plan: %s", e)
 
 
 def batch_sizes(samples: int, n_nodes: int, max_batch: Any = "auto") -> List[int]:
