@@ -84,6 +84,7 @@ def test_a_worker_down_when_the_planner_times_it_is_replaced_by_a_spare(tiny_mod
         result = batch.run(load_config(path), PROMPTS)
     assert [s.token_ids for s in result.samples] == [s.token_ids for s in alone.samples]
     assert "w2" not in result.metrics()["plan"]["nodes"] and "spare1" in result.metrics()["plan"]["nodes"]
+    assert "w2" in result.metrics()["plan"]["dropped"]  # the record says where it went
     assert "node w2 is lost" in caplog.text and "spare spare1 takes its place" in caplog.text
     # --check says the lost worker instead (and fails)
     from mdi.cli.start import start_main
@@ -92,7 +93,7 @@ def test_a_worker_down_when_the_planner_times_it_is_replaced_by_a_spare(tiny_mod
                                runtime={"threads": 1, "ring_timeout": 30, "recovery_attempts": 1})
     result = batch.run(load_config(without), PROMPTS)
     assert [s.token_ids for s in result.samples] == [s.token_ids for s in alone.samples]
-    assert result.metrics()["plan"]["nodes"] == ["starter", "w1"]
+    assert result.metrics()["plan"]["nodes"] == ["starter", "w1"] and "w2" in result.metrics()["plan"]["dropped"]
 
 
 def test_mdi_plan_prints_and_writes_a_config_that_runs(tiny_models, workers, tmp_path, cache_dir):

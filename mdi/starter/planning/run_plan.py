@@ -170,6 +170,7 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
     layer_plan: Optional[LayerPlan] = None
     costs: List[NodeCost] = []
     attempts = cfg.recovery_attempts if recover and not measure else 0  # (mdi-plan, --check: the nodes given)
+    lost: Dict[str, str] = {}  # workers lost while the planner timed them -> why (said when lost)
     while cfg.auto_layers or measure:
         try:
             layer_plan, costs = plan_ring(cfg, source, shape.n_slots, shape.max_len, passes_in_flight(cfg, shape),
@@ -179,6 +180,8 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
             if changed is None:
                 raise
             attempts -= 1
+            lost.update({n.name: "was lost while the planner timed it: %s" % e
+                         for n in cfg.nodes if n.name not in {m.name for m in changed.nodes}})
             cfg = changed
             continue
         if say is None:
@@ -186,6 +189,8 @@ def plan_run(cfg: RunConfig, source: ModelSource, shape: RunShape, params: Optio
                 log.info("mdi: plan: %s", line)
             for name, why in layer_plan.dropped.items():
                 log.warning("mdi: plan: %s %s", name, why)
+        # the run's record lists a lost worker among the nodes left out (its nodes had just lacked it)
+        layer_plan = dataclasses.replace(layer_plan, dropped=dict(lost, **layer_plan.dropped))
         cfg = apply_plan(cfg, layer_plan)
         break
     nodes = _node_plans(cfg, source, cfg.nodes, cfg.layer_ranges(source.config.n_layer))
