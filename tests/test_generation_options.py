@@ -124,3 +124,24 @@ def test_a_served_request_and_its_choices_hand_their_options_to_their_samples():
     assert all(s.options is r.options and r.sample is s for s, r in zip(samples, choices.requests))
     assert samples[0].max_new_tokens == 7 and samples[0].reuse_prefix is False and samples[0].adapter == 2
     assert choices.requests[0].text.stops == ["END", "\n\n"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "ggml"])
+def test_a_head_wider_than_the_tokenizer_never_draws_an_id_past_it(tiny_models, tmp_path, backend):
+    """A head padded past its tokenizer (Qwen2.5's 151936 rows for 151665 ids) is allowed; an id
+    drawn past the tokenizer had failed the decode of every sample of the run (h77)."""
+    import shutil
+    from conftest import CHARS
+    from mdi.model.source import ModelSource
+    from mdi.model.tokenizers import char_tokenizer
+    from mdi.starter import batch
+    model = str(tmp_path / "narrow")
+    shutil.copytree(tiny_models["llama"], model)
+    char_tokenizer(CHARS[:40]).save(model)  # 40 of the head's ids
+    assert ModelSource(model).config.vocab_size > 40
+    for temperature in (0.0, 1.5):
+        cfg = parse_run_config(model, n_tokens=24, generation={"temperature": temperature, "seed": 3},
+                               runtime={"backend": backend})
+        result = batch.run(cfg, ["#+", "()"])
+        for s in result.samples:
+            assert len(s.token_ids) == 24 and max(s.token_ids) < 40, s.token_ids

@@ -178,7 +178,10 @@ def test_q4_0_where_the_weights_are_q4_0_and_fallbacks_for_short_rows(tmp_path):
     state = random_state(config)
     path = str(tmp_path / "m.gguf")
     done = gguf_export.export_gguf(path, config, state, "q4_k")
-    assert set(done.types[n] for n in done.types if n.endswith(("ffn_up.weight", "attn_output.weight"))) == {"Q8_0"}
+    # llama.cpp's fallbacks: Q4_K's 32-value stand-in is Q5_0 (Q8_0 had made the file bigger than int4's)
+    assert set(done.types[n] for n in done.types if n.endswith(("ffn_up.weight", "attn_output.weight"))) == {"Q5_0"}
+    assert {gguf_export.fallback(k, 96) for k in ("Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")} == {
+        "Q5_1", "Q8_0", "Q4_0", "IQ4_NL"}
     assert open_reader(path).value("general.file_type") == 14  # MOSTLY_Q4_K_S
     odd = ModelConfig(name="odd", family="llama", vocab_size=40, n_layer=1, n_embd=48, n_head=2,
                       intermediate_size=80, block_size=32)
@@ -498,3 +501,36 @@ def test_queries_are_scaled_as_llama_cpp_scales_them(head, tmp_path):
                           n_kv_head=1, intermediate_size=32, head_size=head, block_size=64,
                           attn_scale=float("%.7g" % head ** -0.5))  # as prepared folders' mdi_config.json keep it
     assert rounded.query_scale == want
+
+
+def test_a_gemma3_query_scale_the_sizes_do_not_give_is_kept_in_the_file(tmp_path, caplog):
+    """query_pre_attn_scalar 64 on heads of 80 (h77): the file had no key for it, so the GGUF
+    read alone computed 1/sqrt(80). The scale travels as attention.scale; writing it warns
+    that llama.cpp, which derives its gemma3 scale from the sizes, computes the file otherwise."""
+    import dataclasses
+    import logging
+    config = tiny_config("gemma3")
+    odd = dataclasses.replace(config, attn_scale=config.head_dim ** -0.5 / 1.5)
+    path = str(tmp_path / "m.gguf")
+    with caplog.at_level(logging.WARNING):
+        gguf_export.export_gguf(path, odd, random_state(odd), "f32")
+    assert "not the" in caplog.text and "llama.cpp" in caplog.text
+    assert read_gguf(path)[0].query_scale == pytest.approx(odd.query_scale, rel=1e-6)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the sizes' own scale: nothing said, the same read back
+        gguf_export.export_gguf(path, config, random_state(config), "f32")
+    assert "llama.cpp" not in caplog.text
+    assert read_gguf(path)[0].query_scale == pytest.approx(config.query_scale, rel=1e-6)
+
+
+def test_a_prepared_directory_s_gguf_given_alone_reads_the_tokenizer_beside_it(tiny_models):
+    """mdi-start --model DIR/model.gguf: the file carries no vocabulary (a character tokenizer
+    has none in GGUF), and the refusal had asked for the tokenizer files already beside it (h77)."""
+    from mdi.model.source import read_tokenizer
+    from mdi.model.tokenizers import load_tokenizer
+    path = os.path.join(tiny_models["llama"], "model.gguf")
+    tok = read_tokenizer(path)
+    assert tok is not None and tok.encode("Hi") == load_tokenizer(tiny_models["llama"]).encode("Hi")
+    r = subprocess.run([os.path.join(BIN, "mdi-start"), "--model", path, "--prompt", "Hi", "--n-tokens", "3",
+                        "--temperature", "0", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr

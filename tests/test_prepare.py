@@ -146,3 +146,26 @@ def test_the_default_out_is_never_the_source_and_a_failure_leaves_no_half_model(
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1].startswith("mdi-prepare: error: ") and "Traceback" not in proc.stderr
     assert "model.safetensors" in lines[-1] and not out.exists()
+
+
+@pytest.mark.parametrize("quant, stop_in", [("q4_0", "save_model_dir"), ("int8", "_torch_mode_gguf")])
+def test_a_re_preparation_cut_short_leaves_no_folder_mdi_start_would_load(tmp_path, monkeypatch, quant, stop_in):
+    """Over a folder prepared before, an interrupted preparation had left the new model.gguf beside
+    the old weights and mdi_config.json, which mdi-start loaded (h79): the config goes first and
+    comes back last."""
+    from mdi.model.files import prepare as prep
+    from mdi.model.source import is_mdi_dir
+    out = str(tmp_path / "m")
+    prep.prepare(NANOGPT, out, [], None, "auto", None, None)
+    assert is_mdi_dir(out)
+    target = prep.store if stop_in == "save_model_dir" else prep
+
+    def cut_short(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(target, stop_in, cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(NANOGPT, out, [], None, quant, None, None)
+    assert not is_mdi_dir(out)
+    monkeypatch.undo()
+    prep.prepare(NANOGPT, out, [], None, quant, None, None)
+    assert is_mdi_dir(out)

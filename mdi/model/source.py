@@ -17,8 +17,8 @@ from mdi.model.files.gguf_layout import open_reader
 from mdi.model.layout import (QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, first_line,
                               quantizable)
 from mdi.model.quantization.layouts import restrict, uniform_layout
-from mdi.model.files.tokenizer_import import tokenizer_from_gguf, tokenizer_from_hf_dir
-from mdi.model.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from mdi.model.files.tokenizer_import import NoGgufVocabulary, tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.tokenizers import META_FILE, Tokenizer, TokenizerError, load_tokenizer
 from mdi.system.devices import use_shape_agnostic_attention
 from mdi.system.memory import release_freed_memory
 
@@ -330,9 +330,21 @@ def read_tokenizer(path: str) -> Optional[Tokenizer]:
     return load_tokenizer(path) if is_mdi_dir(path) else _raw_tokenizer(path)
 
 
+def gguf_tokenizer(path: str) -> Tokenizer:
+    """A GGUF's tokenizer: from its metadata, else (a prepared directory's model.gguf, written
+    without one) the directory's beside it (NoGgufVocabulary where neither is)."""
+    try:
+        return tokenizer_from_gguf(path)
+    except NoGgufVocabulary:
+        here = os.path.dirname(os.path.abspath(path))
+        if not os.path.isfile(os.path.join(here, META_FILE)):
+            raise
+        return load_tokenizer(here)
+
+
 def _raw_tokenizer(path: str) -> Optional[Tokenizer]:
     if path.endswith(".gguf"):
-        return tokenizer_from_gguf(path)
+        return gguf_tokenizer(path)
     if os.path.isdir(path):
         return tokenizer_from_hf_dir(path)
     # nanoGPT ckpt.pt: a prepared vocabulary may sit beside it

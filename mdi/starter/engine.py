@@ -25,7 +25,7 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import LocalLoop, RingTimeout
 from mdi.starter.pass_compute import takes_host_arrays
 from mdi.starter.pipeline import Pipeline
-from mdi.starter.pipeline_settings import PipelineSettings
+from mdi.starter.pipeline_settings import PipelineSettings, drawable_ids
 from mdi.starter.sample import Sample
 from mdi.starter.adapter_set import AdapterSet
 from mdi.model.ggml.kernel_rows import TILED_ROWS
@@ -141,8 +141,8 @@ class Engine(RuntimeAdapters, RecoveryLog):
             log.info("mdi: starter: prompts of %d tokens or more go in passes of at least %d (runtime.prefill_chunk "
                      "%d): ggml computes shorter passes of them with another attention kernel", TILED_ROWS, TILED_ROWS,
                      self.plan.prefill_chunk)
-        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids,
-                                 PipelineSettings.from_plan(self.plan, tag_epochs=self.speculating, ggml_cuts=ggml_cuts),
+        settings = PipelineSettings.from_plan(self.plan, self.speculating, ggml_cuts, drawable_ids(self.source))
+        self.pipeline = Pipeline(self.chunk, transport, run_id, self.params, self.end_ids, settings,
                                  self.on_token, self._check, drafter_factory=self.drafter_factory,
                                  draft_model=draft_model, on_train=self._train_frame)
         self._enable_prefix_cache()

@@ -302,7 +302,7 @@ class Pipeline:
         logits = logits_of(self.chunk, [rows for _, _, rows in pending], self.device, scored)
         row = 0
         for sample, epoch, rows in pending:
-            mine, row = logits[row:row + rows.shape[0]], row + rows.shape[0]
+            mine, row = logits[row:row + rows.shape[0], :self.settings.drawable], row + rows.shape[0]
             draw = functools.partial(draw_next, sample, params=self.params if sample.params is None else sample.params,
                                      end_ids=self.end_ids)
             if epoch is not None:

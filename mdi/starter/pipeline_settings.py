@@ -5,7 +5,7 @@ the engine; `PipelineSettings.from_plan` makes them once, and a test or benchmar
 pipeline by hand gives only those it changes.
 """
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Optional
 
 from mdi.runconfig import DEFAULT_PREFILL_CHUNK, SpeculationSpec
 
@@ -23,19 +23,30 @@ class PipelineSettings:
     # A ring with a node on ggml: prompts go in the passes mdi.starter.prompt_passes cuts, so
     # that a prompt row's bits do not depend on its pass (ggml's attention kernel does)
     ggml_cuts: bool = False
+    # The ids a sample may draw: the tokenizer's, where the head is wider (Qwen2.5's pads 151665
+    # ids to 151936; an id past the tokenizer had failed the decode of every sample); None: all
+    drawable: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
 
     @classmethod
-    def from_plan(cls, plan: Any, tag_epochs: bool = False, ggml_cuts: bool = False) -> "PipelineSettings":
+    def from_plan(cls, plan: Any, tag_epochs: bool = False, ggml_cuts: bool = False,
+                  drawable: Optional[int] = None) -> "PipelineSettings":
         """The settings of a run plan's ring (mdi.starter.planning.run_plan.RunPlan)."""
         gen = plan.cfg.generation
         return cls(max_batch=plan.max_batch, prefill_chunk=plan.prefill_chunk, context_shift=gen.context_shift,
                    speculation=gen.speculation, n_stages=len(plan.nodes), tag_epochs=tag_epochs,
-                   recv_timeout=plan.cfg.runtime.ring_timeout, ggml_cuts=ggml_cuts)
+                   recv_timeout=plan.cfg.runtime.ring_timeout, ggml_cuts=ggml_cuts, drawable=drawable)
 
     def for_ring(self, n_stages: int, ggml_cuts: bool) -> "PipelineSettings":
         """The same settings on a ring of `n_stages` boards (after a recovery)."""
         return replace(self, n_stages=n_stages, ggml_cuts=ggml_cuts)
+
+
+def drawable_ids(source: Any) -> Optional[int]:
+    """PipelineSettings.drawable for a model (mdi.model.source.ModelSource): its tokenizer's
+    size where that is smaller than its head (check_vocab refuses a larger one), else None."""
+    tok = source.tokenizer
+    return tok.vocab_size if tok is not None and tok.vocab_size < source.config.vocab_size else None

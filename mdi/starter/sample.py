@@ -192,6 +192,8 @@ def draw_next(sample: Sample, logits: Any, params: SamplingParams, end_ids: Abst
 
 def _draw_next(sample: Sample, logits: Any, params: SamplingParams, end_ids: AbstractSet[int]) -> int:
     allowed = sample.constraint.allowed() if sample.constraint is not None else None
+    if allowed is not None and len(allowed) > len(logits):  # the head's padding, cut from the logits (drawable)
+        allowed = allowed[:len(logits)]
     options = sample.options
     if options is not None and len(sample.token_ids) < options.min_tokens:
         allowed = np.ones(len(logits), bool) if allowed is None else host_array(allowed, bool).copy()

@@ -57,6 +57,12 @@ def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
         raise CheckpointError(str(e)) from None
 
 
+def gemma3_attn_scale(n_embd: int, n_head: int, head_dim: int, n_layer: int) -> float:
+    """llama.cpp's gemma3 queries' scale, from the sizes: 1/sqrt(head_dim), 1/sqrt(n_embd / n_head)
+    for the 27B (62 layers)."""
+    return (n_embd / n_head if n_layer == 62 else head_dim) ** -0.5
+
+
 def read_gguf_model(reader: GGUFFile, path: str, read_floats: Optional[Any] = None) -> GgufModel:
     """The model a GGUF's metadata and tensor list describe. `read_floats(tensor)`: a float
     tensor's values as a flat list (Llama 3's rope_freqs); None reads them with numpy."""
@@ -142,9 +148,9 @@ def read_gguf_model(reader: GGUFFile, path: str, read_floats: Optional[Any] = No
             extra.update(sliding_window=count("attention.sliding_window"),
                          sliding_pattern=count("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN),
                          rope_local_theta=f32(opt("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)))
-        n_layer = count("block_count")
-        # llama.cpp: queries scaled by 1/sqrt(head_dim), by 1/sqrt(n_embd / n_head) for the 27B
-        extra["attn_scale"] = f32((n_embd / n_head if n_layer == 62 else head_dim) ** -0.5)
+        scale = opt("attention.scale")  # mdi writes it (gguf_write); llama.cpp's own files do not
+        extra["attn_scale"] = f32(scale if scale else gemma3_attn_scale(n_embd, n_head, head_dim,
+                                                                        count("block_count")))
     try:
         config = ModelConfig(
             name=os.path.splitext(os.path.basename(path))[0], family=family, vocab_size=vocab,

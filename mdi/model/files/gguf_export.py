@@ -17,8 +17,9 @@ as its canonical form holds it (below). Whatever the type:
   - a type under 8 bits stores the head (output.weight, or token_embd.weight when the head is
     tied) as Q8_0, as mdi's int4 keeps its head int8 (llama.cpp's quantize keeps it at Q6_K for
     the same reason; Q8_0 is what the torch backend reads back exactly);
-  - a matrix whose rows are not whole blocks of the type falls back: a 256-value type (K-quants,
-    IQ4_XS) to Q8_0 where rows are multiples of 32, else (and any 32-value type) to F16;
+  - a matrix whose rows are not whole blocks of the type falls back as llama.cpp's quantize does
+    (FALLBACKS: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, Q2_K/Q3_K to Q4_0, IQ4_XS to IQ4_NL),
+    and to F16 where rows are not whole blocks of that either; the count is said in one line;
   - a quantized canonical weight (quant.QParts) is dequantized and quantized to the type, except
     where the type is its own exact form: mdi int8 in groups of 32 IS Q8_0 (a float16 scale and
     32 int8 a block), int4 in groups of 32 (float16 scale and min) IS Q4_1, and IS Q4_0 where each
@@ -49,9 +50,8 @@ import numpy as np
 import torch
 
 from mdi.model.config import ModelConfig
-from mdi.model.families import family_of
-from mdi.model.files.gguf_config import PERMUTED_QK
 from mdi.model.files.gguf_encode import Job, encoder, is_exact, rows_of
+from mdi.model.files.gguf_parts import permutation, rope_factors, take_part, tensor_parts
 from mdi.model.files.gguf_write import add_model_metadata, arch_of
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
 from mdi.model.layout import FP16_MAX, CheckpointError, QuantSpec
@@ -100,98 +100,6 @@ def gguf_type(name: str, flag: str = "--quant") -> str:
     raise CheckpointError("%s %s is not a GGUF type mdi writes (%s)" % (flag, name, ", ".join(EXPORT_TYPES)))
 
 
-# ----------------------------------------------------------------------------- names
-
-@dataclass(frozen=True)
-class Part:
-    """A GGUF tensor as a part of a canonical one: rows [start, stop) of `key`, q/k rows
-    permuted for llama.cpp's RoPE layout over `heads` heads (0: not permuted)."""
-    key: str
-    start: int = 0
-    stop: Optional[int] = None
-    heads: int = 0
-
-
-def tensor_parts(config: ModelConfig) -> Dict[str, Part]:
-    """Every GGUF tensor of the model (llama.cpp's names) -> the canonical tensor it is made
-    of (RoPE factors aside: they come from the config)."""
-    fam = family_of(config.family)
-    permuted = arch_of(config) in PERMUTED_QK
-    H, KV, D, I = config.n_head, config.kv_heads, config.head_dim, config.ffn_width
-    out: Dict[str, Part] = {"token_embd.weight": Part("tok_emb.weight")}
-    if fam.positions == "learned":
-        out["position_embd.weight"] = Part("pos_emb.weight")
-    norm_parts = ("weight", "bias") if fam.norm == "layer" else ("weight",)
-
-    def norm(gguf: str, canonical: str) -> None:
-        for part in norm_parts:
-            out["%s.%s" % (gguf, part)] = Part("%s.%s" % (canonical, part))
-
-    for i in range(config.n_layer):
-        p, c = "blk.%d." % i, "blocks.%d." % i
-        norm(p + "attn_norm", c + "norm1")
-        if fam.linear_bias:  # GPT-2: q, k, v stay fused, every linear layer has a bias
-            out[p + "attn_qkv.weight"] = Part(c + "attn.qkv.weight")
-            out[p + "attn_qkv.bias"] = Part(c + "attn.qkv.bias")
-        else:
-            q, k = H * D, KV * D
-            for part in ("weight", "bias") if config.bias or config.qkv_bias else ("weight",):
-                key = c + "attn.qkv." + part
-                out[p + "attn_q." + part] = Part(key, 0, q, H if permuted else 0)
-                out[p + "attn_k." + part] = Part(key, q, q + k, KV if permuted else 0)
-                out[p + "attn_v." + part] = Part(key, q + k, q + 2 * k)
-        out[p + "attn_output.weight"] = Part(c + "attn.proj.weight")
-        if config.bias or fam.linear_bias:
-            out[p + "attn_output.bias"] = Part(c + "attn.proj.bias")
-        if config.qk_norm or fam.always_qk_norm:
-            out[p + "attn_q_norm.weight"] = Part(c + "attn.q_norm.weight")
-            out[p + "attn_k_norm.weight"] = Part(c + "attn.k_norm.weight")
-        if fam.post_norms:
-            norm(p + "post_attention_norm", c + "post_attn_norm")
-            norm(p + "post_ffw_norm", c + "post_mlp_norm")
-        norm(p + "ffn_norm", c + "norm2")
-        if fam.mlp == "gelu":
-            for part in ("weight", "bias"):
-                out[p + "ffn_up." + part] = Part(c + "mlp.fc." + part)
-                out[p + "ffn_down." + part] = Part(c + "mlp.proj." + part)
-        else:
-            out[p + "ffn_gate.weight"] = Part(c + "mlp.gate_up.weight", 0, I)
-            out[p + "ffn_up.weight"] = Part(c + "mlp.gate_up.weight", I, 2 * I)
-            out[p + "ffn_down.weight"] = Part(c + "mlp.down.weight")
-    norm("output_norm", "norm_f")
-    if not config.tied_head:
-        out["output.weight"] = Part("lm_head.weight")
-    return out
-
-
-def _permutation(n: int, heads: int) -> torch.Tensor:
-    """convert_hf_to_gguf's LlamaModel.permute as a row order: within each head, HF's halves
-    [x0..x(h-1), y0..y(h-1)] become llama.cpp's pairs [x0, y0, x1, y1, ...]."""
-    return torch.arange(n).reshape(heads, 2, n // heads // 2).transpose(1, 2).reshape(n)
-
-
-def take_part(state: Mapping[str, Stored], part: Part) -> Stored:
-    w = state[part.key]
-    if part.start or part.stop is not None:
-        w = rows_of(w, slice(part.start, part.stop))
-    if part.heads:
-        w = rows_of(w, _permutation(int(w.shape[0]), part.heads))
-    return w
-
-
-def rope_factors(config: ModelConfig) -> Optional[np.ndarray]:
-    """The rope_freqs tensor (divisors of RoPE's inverse frequencies), from either form the
-    config may hold Llama 3's scaling in; None without scaling."""
-    if config.rope_factors is not None:
-        return np.asarray(config.rope_factors, np.float32)
-    if config.rope_scaling is None:
-        return None
-    from mdi.model.rope import llama3_scaled
-    dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    return (inv / llama3_scaled(inv, config.rope_scaling)).numpy().astype(np.float32)
-
-
 # ----------------------------------------------------------------------------- types
 
 def _block(kind: str) -> int:
@@ -199,12 +107,18 @@ def _block(kind: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
 
 
+# llama.cpp's tensor_type_fallback (llama-quant.cpp): a 256-value type's 32-value stand-in of
+# about its size (Q8_0 had stood in for all of them: SmolLM2's rows of 576 made --quant q4_k
+# 131 MB, over its int4 file's 98)
+FALLBACKS = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+
+
 def fallback(kind: str, n_per_row: int) -> str:
     """`kind`, or what a row of `n_per_row` values is stored as instead (module docstring)."""
-    block = _block(kind)
-    if n_per_row % block == 0:
+    if n_per_row % _block(kind) == 0:
         return kind
-    return "Q8_0" if block > 32 and n_per_row % 32 == 0 else "F16"
+    stand_in = FALLBACKS.get(kind, "F16")
+    return stand_in if n_per_row % _block(stand_in) == 0 else "F16"
 
 
 def _stored_type(w: Stored, float_type: str) -> str:
@@ -225,6 +139,7 @@ def plan_types(config: ModelConfig, state: Mapping[str, Stored], weight_type: Op
     """GGUF name -> the ggml type it is written as (module docstring)."""
     out: Dict[str, str] = {}
     parts = tensor_parts(config)
+    fell: Dict[str, int] = {}  # "Q4_K -> Q5_0" -> matrices
     for name, part in parts.items():
         w = state[part.key]
         if len(w.shape) == 1 or name == "position_embd.weight":
@@ -235,8 +150,15 @@ def plan_types(config: ModelConfig, state: Mapping[str, Stored], weight_type: Op
             kind = _stored_type(w, float_type)
         else:
             kind = HEAD_TYPE if head and weight_type not in WIDE_TYPES else weight_type
-        kind = fallback(kind, int(w.shape[1]))
-        out[name] = "F32" if kind == "F16" and _past_f16(w) else kind  # asked for, or a row's fallback
+        stored = fallback(kind, int(w.shape[1]))
+        if stored != kind:
+            key = "%s -> %s (rows of %d values)" % (kind, stored, int(w.shape[1]))
+            fell[key] = fell.get(key, 0) + 1
+        out[name] = "F32" if stored == "F16" and _past_f16(w) else stored  # asked for, or a row's fallback
+    if fell and weight_type is not None:  # (as llama.cpp's quantize says "N tensor(s) required fallback")
+        log.warning("mdi: %d of %d matrices are stored in another type, their rows not whole blocks of %s: %s",
+                    sum(fell.values()), sum(1 for n in out if out[n] != VECTOR_TYPE), weight_type,
+                    ", ".join("%s x %d" % kv for kv in sorted(fell.items())))
     if rope_factors(config) is not None:
         out["rope_freqs.weight"] = VECTOR_TYPE
     return out
@@ -417,7 +339,7 @@ def read_back(path: str, config: ModelConfig, requantized: Optional[List[str]] =
         w = _load(path, infos[name], requantized)
         reader.drop_pages(infos[name])
         if part.heads:
-            w = rows_of(w, torch.argsort(_permutation(int(w.shape[0]), part.heads)))
+            w = rows_of(w, torch.argsort(permutation(int(w.shape[0]), part.heads)))
         pieces.setdefault(part.key, []).append((part.start, w))
     out: Dict[str, Stored] = {}
     for key, found in pieces.items():

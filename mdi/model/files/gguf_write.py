@@ -15,7 +15,10 @@ import numpy as np
 
 from mdi.model.config import ModelConfig
 from mdi.model.families import family_of
+from mdi.model.files.gguf_config import gemma3_attn_scale
 from mdi.model.ggml.tensors import tensor_bytes
+
+log = logging.getLogger(__name__)
 
 # mdi family -> general.architecture written for it (qwen2/qwen3 are "llama" family: their own arch names)
 def arch_of(config: ModelConfig) -> str:
@@ -51,6 +54,15 @@ def add_model_metadata(writer, config: ModelConfig, arch: str) -> None:
         writer.add_uint32("%s.attention.sliding_window_pattern" % arch, config.sliding_pattern)
         if config.rope_local_theta:
             writer.add_float32("%s.rope.freq_base_swa" % arch, config.rope_local_theta)
+    if config.attn_scale is not None:
+        # llama.cpp's attention.scale key: mdi reads it back; llama.cpp's gemma3 derives its scale from the
+        # sizes instead (gguf_config), which a query_pre_attn_scalar of another value does not give
+        writer.add_float32("%s.attention.scale" % arch, config.attn_scale)
+        derived = gemma3_attn_scale(config.n_embd, config.n_head, config.head_dim, config.n_layer)
+        if config.family == "gemma3" and abs(derived - config.attn_scale) > 1e-6 * derived:
+            log.warning("mdi: the queries' scale %.6g is not the %.6g llama.cpp derives for %s: llama.cpp "
+                        "computes this GGUF otherwise (mdi reads the scale it holds)",
+                        config.attn_scale, derived, config.family)
     writer.add_vocab_size(config.vocab_size)
     if config.bos_token_id is not None:
         writer.add_bos_token_id(config.bos_token_id)

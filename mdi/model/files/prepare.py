@@ -39,12 +39,12 @@ from typing import List, Optional
 import torch
 
 from mdi.model.files import checkpoints, gguf, gguf_export, store
-from mdi.model.files.model_dir import GGUF_FILE
+from mdi.model.files.model_dir import GGUF_FILE, MDI_CONFIG
 from mdi.model.layout import QUANT_MODES, CheckpointError, group_size_problem, parse_partition, quantizable, split_layers
 from mdi.model.quantization.layouts import describe, uniform_layout
 from mdi.model.quantization.quant import convert, gather, weights_layout
-from mdi.model.source import check_vocab, gguf_file_of, is_mdi_dir
-from mdi.model.files.tokenizer_import import NoGgufVocabulary, tokenizer_from_gguf, tokenizer_from_hf_dir
+from mdi.model.source import check_vocab, gguf_file_of, gguf_tokenizer, is_mdi_dir
+from mdi.model.files.tokenizer_import import tokenizer_from_hf_dir
 from mdi.model.tokenizers import (META_FILE, Tokenizer, TokenizerError, char_tokenizer, gpt2_tokenizer,
                                   load_tokenizer)
 
@@ -70,11 +70,7 @@ def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
             raise TokenizerError("%s: expected a JSON list of single characters" % vocab)
         return char_tokenizer(chars)
     if path.endswith(".gguf"):
-        try:
-            return tokenizer_from_gguf(path)
-        except NoGgufVocabulary:  # a prepared directory's model.gguf: its tokenizer is beside it
-            if not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(path)), META_FILE)):
-                raise
+        return gguf_tokenizer(path)  # (a prepared directory's model.gguf: its tokenizer is beside it)
     if os.path.isdir(path):
         files = os.listdir(path)
         if META_FILE in files and is_mdi_dir(path):
@@ -230,6 +226,10 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     gguf_source = path if path.lower().endswith(".gguf") else None
     tokenizer_gguf = gguf_file_of(path)  # whose tokenizer.* keys model.gguf gets (a prepared dir's model.gguf too)
     gguf_out = os.path.join(out, GGUF_FILE)
+    # The folder is a model again only once mdi_config.json, written last, is: one interrupted
+    # while it replaced another had held the new model.gguf beside the old weights, and loaded
+    if os.path.isfile(os.path.join(out, MDI_CONFIG)):
+        os.unlink(os.path.join(out, MDI_CONFIG))
     if weight_type is not None:
         # model.gguf first, in the type asked; the torch weights are what the torch reader makes of it
         os.makedirs(out, exist_ok=True)
@@ -248,10 +248,10 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     if os.path.isdir(stale):  # cut from the model written over: a worker given them would run old weights
         shutil.rmtree(stale)
         log.info("removed %s: its chunks were cut from the model this one replaces", stale)
-    store.save_model_dir(out, config, state, source)
     tokenizer.save(out)
     if weight_type is None:
         _torch_mode_gguf(path, gguf_out, config, state, quant, merge, gguf_source, tokenizer_gguf)
+    store.save_model_dir(out, config, state, source)  # mdi_config.json last (above)
     log.info("wrote %s (%s, %d layers, %.1f MB)" % (out, config.family, config.n_layer,
                                                    os.path.getsize(os.path.join(out, store.MODEL_FILE)) / 1e6))
     for partition in chunks:

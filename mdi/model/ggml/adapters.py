@@ -35,7 +35,7 @@ def _floats(t: Any) -> np.ndarray:
 
 
 def _rope_order(n: int, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order for its RoPE layout (gguf_export._permutation, in numpy)."""
+    """llama.cpp's q/k row order for its RoPE layout (gguf_parts.permutation, in numpy)."""
     return np.arange(n).reshape(heads, 2, n // heads // 2).transpose(0, 2, 1).reshape(n)
 
 
