@@ -562,3 +562,16 @@ def test_a_worker_silent_while_it_is_configured_is_named_at_once():
     raised, failure = keepalive([gone])
     assert raised is gone and failure is gone and gone.silent
     assert keepalive([], answered_for=0.1) == (None, None)
+
+
+def test_a_host_name_that_does_not_resolve_is_named_as_such(monkeypatch):
+    """A typo in a node's host (127.0.0.l) was said as a worker not running on its port (h79).
+    (getaddrinfo fails here without asking any resolver: no query leaves this machine.)"""
+    from mdi.runconfig import NodeSpec
+    from mdi.starter.control import ControlClient, NodeUnreachable
+
+    def no_such_host(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    with pytest.raises(NodeUnreachable, match=r"board1 .*cannot resolve the host name 'boardl' \(a typo"):
+        ControlClient(NodeSpec("board1", host="boardl", port=8081), connect_timeout=0.5).health()

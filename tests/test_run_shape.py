@@ -100,3 +100,15 @@ def test_samples_per_frame_is_one_rule(setting, in_flight, nodes, expected):
     assert samples_per_frame(setting, in_flight, nodes) == expected
     if in_flight:
         assert groups(in_flight, nodes, setting)[0] == expected
+
+
+def test_mdi_plan_refuses_to_write_over_the_config_it_plans(tiny_models, tmp_path, capsys):
+    """--write naming --config had replaced the user's file (comments, layers: auto) with the plan (h79)."""
+    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"])
+    before = open(path).read()
+    link = tmp_path / "same.yaml"
+    link.symlink_to(path)
+    for target in (path, str(link)):
+        assert plan_main(["--config", path, "--write", target]) == 2
+        assert "is the --config being planned" in capsys.readouterr().err
+    assert open(path).read() == before

@@ -34,8 +34,10 @@ def slow_model(tmp_path_factory):
 def _sigint_as_at_a_terminal():
     # A suite started in the background (`cmd &` in a script, nohup) hands its children SIGINT
     # ignored, and Python then installs no KeyboardInterrupt handler: mdi-start rightly runs to
-    # the end, as a nohup'ed run should. The user this test stands for is at a terminal.
+    # the end, as a nohup'ed run should (nohup ignores SIGHUP too, which mdi-start then leaves
+    # ignored). The user this test stands for is at a terminal.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _status(worker):
@@ -53,7 +55,7 @@ def _generating(worker):
     return status["state"] == "running" and (status.get("counters") or {}).get("frames_done", 0) >= 10
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the ssh session gone
 def test_a_signal_ends_the_ring_at_once_and_keeps_the_partial_run(tmp_path, slow_model, workers, signum):
     worker = workers[0]
     cfg = write_run_config(tmp_path / "ring2.yaml", slow_model, [worker], layers=2, worker_name="board%d",
@@ -156,3 +158,20 @@ def test_a_server_interrupted_while_its_ring_opens_exits_at_once_as_interrupted(
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "mdi: error: interrupted by SIGTERM" in out and "Traceback" not in out, out
     assert _state(workers[0]) in ("idle", "stopped")
+
+
+def test_a_hangup_ignored_by_nohup_stays_ignored():
+    """`nohup mdi-prepare ...` (or mdi-start, mdi-bench): a closed terminal must not end the run,
+    so the SIGHUP handler is installed only where SIGHUP is not ignored already."""
+    from mdi.cli.process import interrupt_on_sigterm
+    hangup, term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        interrupt_on_sigterm(KeyboardInterrupt, also_sighup=True)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        interrupt_on_sigterm(KeyboardInterrupt, also_sighup=True)
+        assert callable(signal.getsignal(signal.SIGHUP))
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
+        signal.signal(signal.SIGTERM, term)

@@ -1,5 +1,6 @@
 """mdi-plan: split a model's layers over a config's nodes by their measured speed, memory and links."""
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, List, Optional
 
@@ -51,6 +52,10 @@ def plan_main(argv: Optional[List[str]] = None) -> int:
     from mdi.starter.planning.run_shape import planning_shape
     try:
         check_output(args.write, "--write")  # before every node is measured, not after
+        if args.write and os.path.exists(args.write) and os.path.exists(args.config) and \
+                os.path.samefile(args.write, args.config):
+            raise ConfigError("--write %s is the --config being planned: its comments and its layers: auto would "
+                              "be lost; write the plan to another file" % args.write)
         cfg = load_config(args.config)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(threads=cfg.runtime.threads)

@@ -42,10 +42,11 @@ def interrupt_on_sigterm(interrupted: Callable[[int], BaseException], also_sighu
     """Make SIGTERM (systemd, kill, timeout; with `also_sighup` SIGHUP too) raise
     `interrupted(signum)` in the main thread, as Ctrl-C raises KeyboardInterrupt, so a run
     stops its ring at once; returns the SIGTERM handler it replaced (for
-    signal.signal(signal.SIGTERM, it) when the run is over)."""
+    signal.signal(signal.SIGTERM, it) when the run is over). SIGHUP is left alone where it is
+    ignored (`nohup mdi-start ...`: a closed terminal must not end that run)."""
     def terminate(signum: int, frame: Any) -> None:
         raise interrupted(signum)
 
-    if also_sighup:
+    if also_sighup and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
         signal.signal(signal.SIGHUP, terminate)
     return signal.signal(signal.SIGTERM, terminate)

@@ -38,12 +38,12 @@ def start_parser() -> argparse.ArgumentParser:
                         "position; give it once per --prompt, 'base' for none; later prompts run on the base")
     p.add_argument("--n-samples", type=positive_int, help="samples in flight; prompts are repeated to fill them "
                    "(default: the config's generation.n_samples, else one per prompt)")
-    p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default 100)")
-    p.add_argument("--temperature", type=float, help="0 for greedy decoding (default 0.8)")
+    p.add_argument("--n-tokens", type=int, help="tokens to generate per sample (default: the config's, else 100)")
+    p.add_argument("--temperature", type=float, help="0 for greedy decoding (default: the config's, else 0.8)")
     p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens; 0 or -1: all (default: the "
                    "config's, else all)")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1: off)")
-    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it (default 1)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: the config's, else 1: off)")
+    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it (default: the config's, else 1)")
     p.add_argument("--context-shift", action="store_true",
                    help="a sample that reaches the model's context keeps its prompt (up to half the context), "
                         "drops the older half of the rest and goes on (generation.context_shift); without it, "
@@ -67,7 +67,7 @@ def start_parser() -> argparse.ArgumentParser:
                         "auto (whatever its memory spares) or a size per node such as 64MB; faster kernels "
                         "(fbgemm's int8, second copies for prefill passes) only within it")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                   help="weights and activations dtype (default float32)")
+                   help="weights and activations dtype (default: the config's model.dtype, else float32)")
     p.add_argument("--compute-dtype", choices=["float32", "float16", "bfloat16"],
                    help="compute in this dtype while storing weights in --dtype (e.g. float16 weights, "
                         "float32 compute on GPUs without fast half arithmetic such as the TX2)")
@@ -75,7 +75,8 @@ def start_parser() -> argparse.ArgumentParser:
     add_kernel_argument(p)
     p.add_argument("--backend", choices=BACKENDS,
                    help="what every node computes with (runtime.backend): ggml (llama.cpp's kernels on the "
-                        "model's GGUF tensors as stored), torch, or auto (default: each node measures both on its "
+                        "model's GGUF tensors as stored), torch, or auto (default: the config's, else "
+                        "$MDI_BACKEND, else auto: each node measures both on its "
                         "own shapes once and keeps the faster, so the choice, and the greedy text, can change with "
                         "--n-samples; name ggml for ids that do not)")
     p.add_argument("--kv-type", choices=KV_TYPES,
@@ -205,11 +206,13 @@ def start_main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as e:
         return stopped(e)
 
-    previous = interrupt_on_sigterm(batch.Interrupted)  # the ring stops as on Ctrl-C: workers are told at once
+    hangup = signal.getsignal(signal.SIGHUP)  # a closed terminal (ssh gone) stops it as SIGTERM does
+    previous = interrupt_on_sigterm(batch.Interrupted, also_sighup=True)  # the ring stops as on Ctrl-C: workers are told
     try:
         return _start(args, batch)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, hangup)
 
 
 def _start(args: argparse.Namespace, batch) -> int:

@@ -147,7 +147,9 @@ def train_main(argv: Optional[List[str]] = None) -> int:
             seed=args.seed, shuffle=args.shuffle, clip=args.clip, eval_data=args.eval,
             eval_every=args.eval_every or args.checkpoint_every, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.out, recovery_every=args.recovery_every,
-            render_chat=chat_renderer(source.tokenizer, cfg.serve.chat_template) if source.tokenizer else None,
+            # only chat JSONL reads the template (plain text had said serving's warning of a model without one)
+            render_chat=chat_renderer(source.tokenizer, cfg.serve.chat_template) if source.tokenizer and any(
+                (path or "").endswith(".jsonl") for path in (args.data, args.eval)) else None,
             prompt=prompt_spec)
         resume = load_checkpoint(args.resume, source.config, training.fingerprint(cfg, options)) \
             if args.resume else None

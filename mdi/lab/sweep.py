@@ -45,9 +45,9 @@ class Progress:
 
     def begin(self, text: str) -> None:
         left = len(self.plan) - self.done
-        self.log("mdi-bench: [%d/%d] %s  (%s elapsed, %d runs left%s)"
+        self.log("mdi-bench: [%d/%d] %s  (%s elapsed, %d run%s left%s)"
                  % (self.done + 1, len(self.plan), text, _duration(time.monotonic() - self.t0), left,
-                    self._eta()))
+                    "" if left == 1 else "s", self._eta()))
 
     def end(self, model: str, work: int, seconds: float) -> None:
         s = self.spent.setdefault(model, [0.0, 0.0])

@@ -8,6 +8,8 @@ happened, so callers decide without reading the message:
 
 With a shared secret every request is signed (`HmacAuth`); the secret itself is never sent.
 """
+import logging
+import os
 import socket
 import threading
 import time
@@ -21,6 +23,8 @@ from mdi.ring.backend_request import BackendReply, BackendRequest
 from mdi.ring.profile_request import ProfileReply, ProfileRequest
 from mdi.ring.status import StatusError, StatusReply
 from mdi.runconfig import NodeSpec
+
+log = logging.getLogger(__name__)
 
 # A worker installs an adapter's matrices in seconds: one that has not answered in this long is hung
 # (an adapter load beside a hung worker had waited runtime.init_timeout, 600 s, meant for weight loads).
@@ -231,6 +235,9 @@ class ControlClient:
                                   self.node.name) from e
             if retry_dropped and _dropped(e):
                 return None
+            if any(isinstance(c, socket.gaierror) or type(c).__name__ == "NameResolutionError" for c in _causes(e)):
+                raise NodeUnreachable("%s: %s failed: cannot resolve the host name %r (a typo in its address?)"
+                                      % (where, what, self.node.host), self.node.name) from e
             raise NodeUnreachable("%s: %s failed: cannot connect (is mdi-worker running on port %d?)"
                                   % (where, what, self.node.port), self.node.name) from e
         except (requests.exceptions.ChunkedEncodingError, requests.exceptions.ContentDecodingError) as e:
@@ -270,9 +277,15 @@ class ControlClient:
 
     def push_weights(self, payload: Union[bytes, BinaryIO]) -> Dict[str, Any]:
         """The weights announced in /init: bytes, or a file opened to read, streamed from it.
-        Unsigned: the worker checks the bytes against the sha256 announced in /init."""
-        return self._call("POST", "/weights", self.init_timeout, data=payload,
-                          headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
+        Unsigned: the worker checks the bytes against the sha256 announced in /init. Said before
+        and after: a board's GB over its link is minutes of a start-up that was silent."""
+        nbytes = len(payload) if isinstance(payload, bytes) else os.fstat(payload.fileno()).st_size
+        log.info("mdi: %s: sending its weights, %.1f MB", self.node.name, nbytes / 1e6)
+        t0 = time.perf_counter()
+        reply = self._call("POST", "/weights", self.init_timeout, data=payload,
+                           headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
+        log.info("mdi: %s: weights sent in %.1f s", self.node.name, time.perf_counter() - t0)
+        return reply
 
     def profile(self, request: ProfileRequest) -> ProfileReply:
         """How fast the worker runs the model's blocks (a few seconds of timing there; a slow
