@@ -659,6 +659,9 @@ def test_a_random_gguf_model_runs_on_the_backend_asked(tmp_path):
     with open(tmp_path / "out" / "results.csv", newline="") as f:
         (row,) = list(csv.DictReader(f))
     assert (row["status"], row["backend"], row["backends"]) == ("ok", "ggml", "ggml;ggml")
+    # what the weights were stored as, beside what was asked (`quant: auto`)
+    assert row["weight_types"].startswith("ggml: ") and "Q8_0 x " in row["weight_types"]
+    assert "; torch: int8/g32 x " in row["weight_types"], row["weight_types"]
     model["random"]["gguf"] = "q4_0"
     config.write_text(yaml.safe_dump(data))
     r = _bench("--experiment", str(config), "--emulation", "off", "--dry-run")

@@ -246,3 +246,25 @@ def weight_bytes(config, counts: List[int], dtype: str, quant: Optional[Dict[str
     the weights named in `quant` at their quantized size."""
     return [layout.weight_bytes(config, r, dtype, with_ends=k == 0, quant=quant)
             for k, r in enumerate(layout.layer_ranges(counts))]
+
+
+def weight_types(path: str, quant: Dict[str, Any], config) -> str:
+    """What the runs' weights are stored as, for the CSV (`quant` says what was asked):
+    "ggml: Q4_1 x 210, Q8_0 x 1, F32 x 61; torch: int4/g32 x 210, ..." (the GGUF ggml nodes
+    compute, counted by type, most first; the layout torch nodes hold, quantized as the run asks)."""
+    from mdi.model.files.gguf_layout import open_reader
+    from mdi.model.quantization.layouts import describe
+    from mdi.model.source import gguf_file_of
+    torch_part = "torch: " + describe(quant, len(layout.quantizable(config, (0, config.n_layer), True, True)))
+    gguf = gguf_file_of(path)
+    if gguf is None:
+        return torch_part
+    counts: Dict[str, int] = {}
+    try:
+        for t in open_reader(gguf).tensors:
+            name = getattr(t.tensor_type, "name", str(t.tensor_type))
+            counts[name] = counts.get(name, 0) + 1
+    except (OSError, ValueError):  # (a damaged file fails its runs, which say why)
+        return torch_part
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return "ggml: %s; %s" % (", ".join("%s x %d" % kv for kv in ranked), torch_part)

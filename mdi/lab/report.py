@@ -29,6 +29,7 @@ CSV_COLUMNS = [
     "quant", "quant_kernel", "wire_codec", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy",
     "backend",  # runtime.backend as asked (auto, ggml, torch)
     "backends",  # what each node computed with (ggml or torch; ';' per node): quant/dtype are what was asked
+    "weight_types",  # what the weights are stored as: the GGUF's types (ggml nodes), torch's layout (torch nodes)
 ] + FORWARD_COLUMNS + [
     "emulation", "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
@@ -156,7 +157,7 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
     row.update(model=plan.model.name, nodes=str(plan.n_nodes), partition=plan.label, samples=str(samples),
                max_batch=str(max_batch), tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind,
                dtype=plan.model.dtype, quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
-               wire_codec=plan.model.wire_codec, backend=plan.model.backend,
+               wire_codec=plan.model.wire_codec, backend=plan.model.backend, weight_types=plan.weight_types,
                weights_mb=_weights_cell(plan, chosen), emulation=emu_tag, starter_mode=exp.starter,
                load_1min="%.2f" % outcome.load_1min, experiment=exp.name,
                plan="+".join(str(c) for c in counts) if counts else "",

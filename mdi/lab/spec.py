@@ -350,6 +350,7 @@ class RingPlan:
     max_batch: List[Any] = field(default_factory=lambda: ["auto"])  # runs at every S with each of these
     # bytes of each node's weights for given layer counts (an auto ring's, once its planner chose)
     weigh: Optional[Callable[[List[int]], List[int]]] = field(default=None, repr=False, compare=False)
+    weight_types: str = ""  # what the weights are stored as, per backend (model_setup.weight_types)
 
     def runs(self) -> List[Tuple[Any, int]]:
         """(max_batch, samples) of every run on this ring, in run order: samples ascending, and

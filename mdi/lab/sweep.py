@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from mdi.system.files import write_json
 from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
-from mdi.lab.model_setup import sweep_model, weight_bytes
+from mdi.lab.model_setup import sweep_model, weight_bytes, weight_types
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, RunOutcome, read_json
 from mdi.lab.report import (CSV_COLUMNS, INTERRUPTED, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
                             write_csv)
@@ -81,6 +81,7 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
     for i, entry in enumerate(exp.models):
         where = "%s: models[%d]" % (exp.source, i)
         path, config, local, quant = sweep_model(entry, where, exp.source, log, build)
+        stored = weight_types(path, quant, config)
         rings = []
         def weigh(counts: List[int], config: Any = config, entry: Any = entry, quant: Any = quant) -> List[int]:
             return weight_bytes(config, counts, entry.dtype, quant)
@@ -90,7 +91,7 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
                 raise ExperimentError("%s.samples: no sample count for the %d-node ring (%s at N=%d)"
                                       % (where, n, ", ".join(str(s) for s in entry.samples), n))
             rings.append(RingPlan(index, entry, path, n, counts, kind, samples,
-                                  local, weigh(counts), max_batches(entry.max_batch), weigh))
+                                  local, weigh(counts), max_batches(entry.max_batch), weigh, stored))
             index += 1
         plans.append(rings)
     return plans
