@@ -930,3 +930,18 @@ def test_a_board_stopped_with_a_signal_stops_its_command_and_removes_its_cgroup(
         for child in children:
             if os.path.exists("/proc/%d" % child):
                 os.kill(child, signal.SIGKILL)
+
+
+def test_a_report_on_one_repeat_or_a_loaded_machine_says_to_read_it_with_caution(tmp_path):
+    """A verdict such as "does NOT rise with N" from one repeat at a load of 4 on 2 CPUs had been
+    printed as a result (h79); report.md now says why it is only an indication."""
+    from mdi.lab.report_md import write_report
+    summary = summarize([_ok_row(2, "1+1", 1, "10")])
+    path = tmp_path / "report.md"
+    quiet = {"experiment": {"name": "x", "repeats": 3}, "cpu_count": 2, "loadavg_start": [0.5, 0.5, 0.5],
+             "loadavg_end": [1.0, 1.0, 1.0]}
+    write_report(str(path), summary, quiet)
+    assert "Caution" not in path.read_text()
+    write_report(str(path), summary, dict(quiet, experiment={"name": "x", "repeats": 1}, loadavg_end=[4.0, 2, 1]))
+    line = next(l for l in path.read_text().splitlines() if l.startswith("**Caution**"))
+    assert "1 repeat a run" in line and "load of 4.0 on 2 CPUs" in line

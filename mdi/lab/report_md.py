@@ -99,6 +99,9 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
     if start and end:
         lines += ["Load average (1/5/15 min) at start %s, at end %s; %s CPUs." % (
             "/".join("%.2f" % x for x in start), "/".join("%.2f" % x for x in end), machine.get("cpu_count")), ""]
+    caution = caution_line(machine)
+    if caution:
+        lines += [caution, ""]
     left_out = incomplete(summary)
     if left_out:  # never averaged in, never unsaid
         lines += ["Runs left out of every number below: %s (results.csv says why; a run some of whose samples "
@@ -112,6 +115,21 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
         lines += _model_table(model, [r for r in summary if r["model"] == model])
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def caution_line(machine: Dict[str, Any]) -> str:
+    """A warning above the verdicts where they rest on little: fewer than 3 repeats (no spread to
+    see), or a machine busier than its cores (a 1-minute load average past the CPU count at the
+    start or the end: others' work in every figure). '' where neither."""
+    repeats = (machine.get("experiment") or {}).get("repeats")
+    cpus = machine.get("cpu_count") or 0
+    loads = [x[0] for x in (machine.get("loadavg_start"), machine.get("loadavg_end")) if x]
+    why = []
+    if isinstance(repeats, int) and repeats < 3:
+        why.append("%d repeat%s a run (no spread to judge noise by)" % (repeats, "" if repeats == 1 else "s"))
+    if cpus and loads and max(loads) > cpus:
+        why.append("a 1-minute load of %.1f on %d CPUs (other work shared them)" % (max(loads), cpus))
+    return "**Caution**: %s; read the figures below as indications, not results." % " and ".join(why) if why else ""
 
 
 def machine_line(machine: Dict[str, Any]) -> str:
