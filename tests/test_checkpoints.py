@@ -281,3 +281,16 @@ def test_gguf_matches_transformers(smollm2_mdi, smollm2_hf):
         assert torch.equal(sd["blocks.%d.norm1.weight" % i], hf[h + "input_layernorm.weight"])
     assert torch.equal(sd["tok_emb.weight"], hf["model.embed_tokens.weight"])  # Q8_0
     assert torch.equal(sd["norm_f.weight"], hf["model.norm.weight"])
+
+
+def test_a_character_level_checkpoint_without_its_vocab_is_told_to_give_it(tmp_path):
+    """nanoGPT's shakespeare_char read with GPT-2's BPE had said only "tokenizer has 50257 tokens
+    but the model only 65" (h79): the fix, --vocab, is named."""
+    from mdi.model.files import prepare
+    from mdi.model.tokenizers import TokenizerError
+    sd = _nanogpt_state_dict(1, 16, 65, 8, True, compiled=False)
+    path = str(tmp_path / "ckpt.pt")
+    torch.save({"model": sd, "model_args": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, bias=True,
+                                                vocab_size=65)}, path)
+    with pytest.raises(TokenizerError, match=r"50257 tokens but the model only 65: .*--vocab vocab\.json"):
+        prepare.prepare(path, str(tmp_path / "out"), [], None, "auto", None, None)

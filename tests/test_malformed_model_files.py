@@ -161,3 +161,20 @@ def test_a_gguf_where_safetensors_are_read_is_named_a_gguf(tmp_path):
         read_tensors(str(gguf), ["x"])
     with pytest.raises(CheckpointError, match="junk.safetensors is not a valid safetensors file"):
         read_tensors(str(junk), ["x"])
+
+
+@pytest.mark.parametrize("content", [b"GGUF" + b"x" * 24, b"not a gguf at all", b""])
+def test_a_file_that_is_no_gguf_is_one_line_naming_it_once(tmp_path, content):
+    """The reader's own message named the file again: "X: not a readable GGUF file (X: ...)" (h79)."""
+    from mdi.model.files.gguf import read_gguf
+    from mdi.model.layout import CheckpointError
+    from mdi.model.source import ModelSource
+    path = str(tmp_path / "m.gguf")
+    with open(path, "wb") as f:
+        f.write(content)
+    for read in (read_gguf, lambda p: ModelSource(p).config):
+        with pytest.raises(CheckpointError) as e:
+            read(path)
+        message = str(e.value)
+        assert message.startswith(path + ": not a readable GGUF file (") and message.count(path) == 1, message
+        assert "\n" not in message

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from mdi.model.files.model_dir import GGUF_FILE, MDI_CONFIG, MODEL_FILE, file_layout, read_mdi_config
 from mdi.model.config import ModelConfig
-from mdi.model.files.gguf_config import GgufModel, read_gguf_model, rope_mode_of
-from mdi.model.files.gguf_layout import open_reader
-from mdi.model.layout import (QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys, first_line,
+from mdi.model.files.gguf_config import GgufModel, open_gguf, read_gguf_model, rope_mode_of
+from mdi.model.layout import (QUANT_SUFFIXES, CheckpointError, QuantLayout, QuantSpec, expected_keys,
                               quantizable)
 from mdi.model.quantization.layouts import restrict, uniform_layout
 from mdi.model.files.tokenizer_import import NoGgufVocabulary, tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -94,10 +93,7 @@ class ModelSource:
         if self.gguf_path is None:
             raise CheckpointError("%s has no GGUF (mdi-prepare writes %s into a model directory)" % (self.path, GGUF_FILE))
         if self._gguf is None:
-            try:
-                reader = open_reader(self.gguf_path)
-            except Exception as e:  # the reader raises assorted errors for non-GGUF input
-                raise CheckpointError("%s: not a readable GGUF file (%s)" % (self.gguf_path, first_line(e)))
+            reader = open_gguf(self.gguf_path)
             self._gguf = read_gguf_model(reader, self.gguf_path)
             self._gguf_reader = reader
         return self._gguf

@@ -23,10 +23,9 @@ import torch
 from mdi.model.config import ModelConfig
 from mdi.model.files.convert import (StateDict, check_state_dict, check_unused, convert_gemma3, convert_llama,
                                      make_getter)
-from mdi.model.files.gguf_config import GGUF_NAMES, PERMUTED_QK, read_gguf_model, unpermuted_rows
-from mdi.model.files.gguf_layout import open_reader
+from mdi.model.files.gguf_config import GGUF_NAMES, PERMUTED_QK, open_gguf, read_gguf_model, unpermuted_rows
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST, check_present, node_tensors
-from mdi.model.layout import CheckpointError, QuantSpec, first_line
+from mdi.model.layout import CheckpointError, QuantSpec
 from mdi.model.quantization.quant import QParts, from_gguf_blocks, quantize
 from mdi.system.memory import release_freed_memory
 
@@ -59,10 +58,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
     Qwen2 / 2.5, Qwen3, Gemma 3's text model). Float tensors come back as ``dtype``; quantized ones are dequantised,
     or with `keep_quant` kept quantized (a `QParts`: peak memory is then about the file's
     size). `requantized` collects 'tensor TYPE -> spec' for K-quants re-quantized."""
-    try:
-        reader = open_reader(path)
-    except Exception as e:  # the reader raises assorted errors for non-GGUF input
-        raise CheckpointError("%s: not a readable GGUF file (%s)" % (path, first_line(e)))
+    reader = open_gguf(path)
     model = read_gguf_model(reader, path, lambda t: _load_tensor(path, t, False, None).reshape(-1).tolist())
     config, arch = model.config, model.arch
     if arch not in TORCH_ARCHITECTURES:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from mdi.model.config import GEMMA3_SWA_PATTERN, ModelConfig
-from mdi.model.files.gguf_layout import GGUFFile, GGUFLayoutError
+from mdi.model.files.gguf_layout import GGUFFile, GGUFLayoutError, open_reader
 from mdi.model.layout import CheckpointError, first_line
 
 # general.architecture -> the mdi family its block is (mdi.model.families)
@@ -55,6 +55,16 @@ def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
         return reader.value(key, default)
     except GGUFLayoutError as e:  # e.g. a string that is not UTF-8: names the file and key
         raise CheckpointError(str(e)) from None
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """open_reader, its failures one CheckpointError naming the file once."""
+    try:
+        return open_reader(path)
+    except Exception as e:  # the reader raises assorted errors for non-GGUF input
+        why = first_line(e)
+        why = why[len(path) + 2:] if why.startswith(path + ": ") else why  # (it had named the file twice)
+        raise CheckpointError("%s: not a readable GGUF file (%s)" % (path, why)) from None
 
 
 def gemma3_attn_scale(n_embd: int, n_head: int, head_dim: int, n_layer: int) -> float:

@@ -222,7 +222,12 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     if merge:
         state = _merged(state, merge, config)
     tokenizer = source_tokenizer(path, vocab, config.family)
-    check_vocab(tokenizer, config, path)
+    try:
+        check_vocab(tokenizer, config, path)
+    except TokenizerError as e:
+        if vocab is None and config.vocab_size < 1000:  # a character-level model read with GPT-2's BPE
+            raise TokenizerError("%s: a character-level model's characters go in with --vocab vocab.json" % e)
+        raise
     gguf_source = path if path.lower().endswith(".gguf") else None
     tokenizer_gguf = gguf_file_of(path)  # whose tokenizer.* keys model.gguf gets (a prepared dir's model.gguf too)
     gguf_out = os.path.join(out, GGUF_FILE)
