@@ -57,6 +57,10 @@ def test_missing_config_file(tmp_path):
 def test_missing_checkpoint(tmp_path):
     path = write(tmp_path, "model: {path: %s}\n" % (tmp_path / "no-model"))
     assert_one_line_error(mdi_start("--config", path, "--prompt", "x"), "does not exist")
+    # a relative one: the config file is named, with where it was looked for (h79)
+    path = write(tmp_path, "model: {path: models/no-model}\n")
+    assert_one_line_error(mdi_start("--config", path, "--prompt", "x"), "%s: model.path: model path models/no-model "
+                          "does not exist (looked from the current folder, %s and " % (path, tmp_path))
 
 
 def test_a_missing_model_is_said_before_a_missing_prompt_and_no_internal_name_shows(tmp_path, tiny_models):

@@ -222,7 +222,8 @@ def _start(args: argparse.Namespace, batch) -> int:
             _check_utf8(prompt, "--prompt %d" % i)
         check_output(args.metrics_out, "--metrics-out")  # before the run, not after it
         cfg = _config_from_args(args)
-        check_model_path(cfg.model.path)  # before a missing prompt or anything else is said
+        # before a missing prompt or anything else is said; a config's relative path names where it looked
+        check_model_path(cfg.model.path, args.config if args.config and not args.model else None)
         cfg.runtime.token = load_token(cfg.runtime.token_file)
         setup_process(log_level="WARNING" if args.quiet else "INFO", threads=cfg.runtime.threads)
         if not args.serve:  # (--check and --perplexity serve nothing either: refused there too)

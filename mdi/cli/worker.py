@@ -72,6 +72,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
             pass
     except KeyboardInterrupt:
         pass
-    worker.end_run()
+    worker.end_run()  # (a run it served ends: its starter names this node, which stopped)
     server.close()
+    print("mdi-worker: stopped", flush=True)  # (it had ended without a word, mid-run too)
     return 0

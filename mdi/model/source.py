@@ -45,10 +45,17 @@ def gguf_file_of(path: str) -> Optional[str]:
     return inside if os.path.isdir(path) and os.path.isfile(inside) else None
 
 
-def check_model_path(path: str) -> None:
-    """CheckpointError where nothing is at `path` (said before any other complaint of a run's)."""
-    if not os.path.exists(path):
-        raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
+def check_model_path(path: str, config: Optional[str] = None) -> None:
+    """CheckpointError where nothing is at `path` (said before any other complaint of a run's);
+    `config`: the file whose model.path it is (a relative one was looked for from the current
+    folder, the file's and its parent: runconfig.resolve_model_path)."""
+    if os.path.exists(path):
+        return
+    if config is not None and not os.path.isabs(path):
+        here = os.path.dirname(os.path.abspath(config))
+        raise CheckpointError("%s: model.path: model path %s does not exist (looked from the current folder, %s and "
+                              "%s; prepare it with mdi-prepare)" % (config, path, here, os.path.dirname(here)))
+    raise CheckpointError("model path %s does not exist (prepare it with mdi-prepare)" % path)
 
 
 class ModelSource:
