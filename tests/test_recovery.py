@@ -219,3 +219,26 @@ def test_an_idle_server_replaces_a_dead_worker_before_the_next_request(tmp_path,
         assert after == before
     finally:
         assert server.stop() == 0, server.output()
+
+
+def test_a_server_whose_worker_is_down_at_start_serves_on_its_spare(tmp_path, tiny_models, four_workers):
+    """A batch run of that config recovered with the spare; `--serve` had read every configured
+    worker's memory first and exited naming the dead one (h78)."""
+    import requests
+    from conftest import ServeProcess
+    from ringconfigs import write_run_config
+    board1, board2, spare = four_workers[:3]
+    board1.proc.kill()
+    board1.proc.wait(30)
+    path = write_run_config(tmp_path / "ring.yaml", tiny_models["llama"], [board1, board2], layers=[1, 1, 2],
+                            worker_name="board%d", spares=[spare], runtime={"threads": 1, "ring_timeout": 30},
+                            serve={"max_in_flight": 2, "model_name": "tiny"})
+    server = ServeProcess(path).wait_ready()
+    try:
+        body = {"prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+        got = requests.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        alone = batch.run(parse_run_config(tiny_models["llama"], label="alone", n_tokens=8), ["Once upon"])
+        assert got == alone.texts[0]  # (the generated text alone, as the completion's)
+        assert server.metrics()['mdi_node_up{node="spare1"}'] == 1
+    finally:
+        assert server.stop() == 0, server.output()

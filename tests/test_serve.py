@@ -594,3 +594,27 @@ def test_a_setting_serving_does_not_read_is_said_at_start(server):
     """generation.context_shift was read and ignored: a served request's max_tokens is held to
     what its slot has left, so its window never rolls."""
     assert "mdi: generation.context_shift is for batch runs" in server.output(), server.output()
+
+
+def test_a_burst_on_free_slots_is_served_and_only_what_must_wait_counts_against_max_queue(tmp_path, tiny_models):
+    """Samples about to take a free slot do not wait: 20 requests at once on 8 idle slots and a
+    queue of 4 had got 15 refusals (each counted as waiting until the scheduler admitted it, h78).
+    Requests still running hold their slots, so however fast the ring is, every one of 6 sent at
+    once on 4 slots and a queue of 2 is taken."""
+    path = write_run_config(tmp_path / "q.yaml", tiny_models["llama"], runtime={"threads": 1},
+                            serve={"max_in_flight": 4, "max_queue": 2, "model_name": "tiny"})
+    server = Server(path).wait_ready()
+    try:
+        codes = []
+
+        def ask(i):
+            body = {"prompt": "Once upon %d" % i, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+            codes.append(requests.post(server.url + "/v1/completions", json=body, timeout=120).status_code)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert sorted(codes) == [200] * 6, codes
+    finally:
+        assert server.stop() == 0, server.output()

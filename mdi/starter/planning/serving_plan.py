@@ -13,7 +13,7 @@ from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, RunConfig
 from mdi.starter.planning.planner import PlanError
 from mdi.starter.planning.capacity import starter_free_bytes
-from mdi.starter.control import NodeError, NodeRegistry
+from mdi.starter.control import NodeError, NodeRegistry, NodeUnreachable
 from mdi.starter.engine import Engine
 from mdi.starter.sample import Sample
 from mdi.starter.planning.run_plan import RunPlan, plan_run
@@ -88,7 +88,12 @@ def plan_slots(plan: RunPlan, source: ModelSource, registry: NodeRegistry) -> in
         if i == 0:
             capacity = starter_free_bytes(cfg.device_of(node.spec))
         else:
-            capacity = registry.client(node.spec).status().capacity_bytes()
+            try:
+                capacity = registry.client(node.spec).status().capacity_bytes()
+            except NodeUnreachable:
+                if cfg.recovery_attempts > 0:  # engine.open replaces it (a spare, or its neighbours), as a batch
+                    continue  # run does (a server had refused to start); reported_slots bounds what was allocated
+                raise
         fit = budget.slots_that_fit(capacity, limit)
         if fit < 1:
             raise ConfigError("node %s: %.0f MB of memory cannot hold its budget with one KV cache slot of %d positions "
