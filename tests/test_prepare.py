@@ -151,8 +151,8 @@ def test_the_default_out_is_never_the_source_and_a_failure_leaves_no_half_model(
 @pytest.mark.parametrize("quant, stop_in", [("q4_0", "save_model_dir"), ("int8", "_torch_mode_gguf")])
 def test_a_re_preparation_cut_short_leaves_no_folder_mdi_start_would_load(tmp_path, monkeypatch, quant, stop_in):
     """Over a folder prepared before, an interrupted preparation had left the new model.gguf beside
-    the old weights and mdi_config.json, which mdi-start loaded (h79): the config goes first and
-    comes back last."""
+    the old weights and mdi_config.json, which mdi-start loaded (h79): the config is set aside
+    first and written last, or put back where no weight file was replaced yet."""
     from mdi.model.files import prepare as prep
     from mdi.model.source import is_mdi_dir
     out = str(tmp_path / "m")
@@ -165,7 +165,35 @@ def test_a_re_preparation_cut_short_leaves_no_folder_mdi_start_would_load(tmp_pa
     monkeypatch.setattr(target, stop_in, cut_short)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(NANOGPT, out, [], None, quant, None, None)
-    assert not is_mdi_dir(out)
+    # q4_0's model.gguf was replaced before it stopped: not loadable; int8 stopped before any
+    # weight file was: the old model, whole again
+    assert is_mdi_dir(out) == (stop_in == "_torch_mode_gguf")
     monkeypatch.undo()
     prep.prepare(NANOGPT, out, [], None, quant, None, None)
     assert is_mdi_dir(out)
+
+
+@pytest.mark.parametrize("stop_in", ["export_gguf", "save_model_dir"])
+def test_a_folder_prepared_in_place_that_fails_before_its_weights_are_replaced_is_whole_again(tmp_path, monkeypatch,
+                                                                                            stop_in):
+    """Prepared in place, the folder is its only copy: a disk full (or Ctrl-C) before any of
+    its weight files was replaced had left it without its mdi_config.json, unloadable, and
+    mdi-prepare refused to redo it (h80). The old model is whole again; once a weight file is
+    replaced, it is not loadable (never half old, half new)."""
+    import shutil
+    from mdi.model.files import gguf_export, prepare as prep
+    from mdi.model.source import ModelSource, is_mdi_dir
+    out = str(tmp_path / "m")
+    shutil.copytree(NANOGPT, out)
+    before = ModelSource(out).config
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    target = gguf_export if stop_in == "export_gguf" else prep.store
+    monkeypatch.setattr(target, stop_in, disk_full)
+    with pytest.raises(OSError):
+        prep.prepare(out, out, [], None, "q8_0" if stop_in == "export_gguf" else "int8", None, None)
+    replaced = stop_in == "save_model_dir"  # (int8: the torch-mode model.gguf was written before it)
+    assert is_mdi_dir(out) != replaced
+    if not replaced:
+        assert ModelSource(out).config == before and not os.path.exists(os.path.join(out, "mdi_config.json.replaced"))

@@ -34,11 +34,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from mdi.model.files import checkpoints, gguf, gguf_export, store
+from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.files.model_dir import GGUF_FILE, MDI_CONFIG
 from mdi.model.layout import QUANT_MODES, CheckpointError, group_size_problem, parse_partition, quantizable, split_layers
 from mdi.model.quantization.layouts import describe, uniform_layout
@@ -232,37 +233,58 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     tokenizer_gguf = gguf_file_of(path)  # whose tokenizer.* keys model.gguf gets (a prepared dir's model.gguf too)
     gguf_out = os.path.join(out, GGUF_FILE)
     # The folder is a model again only once mdi_config.json, written last, is: one interrupted
-    # while it replaced another had held the new model.gguf beside the old weights, and loaded
-    if os.path.isfile(os.path.join(out, MDI_CONFIG)):
-        os.unlink(os.path.join(out, MDI_CONFIG))
-    if weight_type is not None:
-        # model.gguf first, in the type asked; the torch weights are what the torch reader makes of it
-        os.makedirs(out, exist_ok=True)
-        _export(gguf_out, config, state, weight_type, "F16", tokenizer_gguf)
-        del state
-        requantized = []
-        state = gguf_export.read_back(gguf_out, config, requantized)
-        layout = weights_layout(state)
-    if requantized and (quant == "auto" or weight_type is not None):
-        log.info("re-quantized %d %s tensors to the nearest mdi format for the torch backend (not lossless): %s",
-                 len(requantized), "K-quant" if weight_type is None else weight_type,
-                 ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
-    state = gather(convert(state, layout, torch.float32))
-    log.info("weights: %s", describe(layout, len(quantizable(config, full, True, True))))
-    stale = os.path.join(out, store.CHUNKS_DIR)
-    if os.path.isdir(stale):  # cut from the model written over: a worker given them would run old weights
-        shutil.rmtree(stale)
-        log.info("removed %s: its chunks were cut from the model this one replaces", stale)
-    tokenizer.save(out)
-    if weight_type is None:
-        _torch_mode_gguf(path, gguf_out, config, state, quant, merge, gguf_source, tokenizer_gguf)
-    store.save_model_dir(out, config, state, source)  # mdi_config.json last (above)
+    # while it replaced another had held the new model.gguf beside the old weights, and loaded.
+    # The old config is set aside, and put back where the run ends before any old weight file
+    # was replaced (the old model whole again: a folder prepared in place was its only copy).
+    config_file = os.path.join(out, MDI_CONFIG)
+    aside = config_file + ".replaced"
+    if os.path.isfile(config_file):
+        os.replace(config_file, aside)
+    weight_files = [gguf_out, os.path.join(out, store.MODEL_FILE)]
+    before = [_stamp(f) for f in weight_files]
+    try:
+        if weight_type is not None:
+            # model.gguf first, in the type asked; the torch weights are what the torch reader makes of it
+            os.makedirs(out, exist_ok=True)
+            _export(gguf_out, config, state, weight_type, "F16", tokenizer_gguf)
+            del state
+            requantized = []
+            state = gguf_export.read_back(gguf_out, config, requantized)
+            layout = weights_layout(state)
+        if requantized and (quant == "auto" or weight_type is not None):
+            log.info("re-quantized %d %s tensors to the nearest mdi format for the torch backend (not lossless): %s",
+                     len(requantized), "K-quant" if weight_type is None else weight_type,
+                     ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
+        state = gather(convert(state, layout, torch.float32))
+        log.info("weights: %s", describe(layout, len(quantizable(config, full, True, True))))
+        stale = os.path.join(out, store.CHUNKS_DIR)
+        if os.path.isdir(stale):  # cut from the model written over: a worker given them would run old weights
+            shutil.rmtree(stale)
+            log.info("removed %s: its chunks were cut from the model this one replaces", stale)
+        tokenizer.save(out)
+        if weight_type is None:
+            _torch_mode_gguf(path, gguf_out, config, state, quant, merge, gguf_source, tokenizer_gguf)
+        store.save_model_dir(out, config, state, source)  # mdi_config.json last (above)
+    except BaseException:
+        if os.path.isfile(aside) and [_stamp(f) for f in weight_files] == before:
+            os.replace(aside, config_file)
+        raise
+    remove_quietly(aside)
     log.info("wrote %s (%s, %d layers, %.1f MB)" % (out, config.family, config.n_layer,
                                                    os.path.getsize(os.path.join(out, store.MODEL_FILE)) / 1e6))
     for partition in chunks:
         files = store.write_chunks(out, partition)
         log.info("cut %s into %s" % (partition, ", ".join(os.path.relpath(f) for f in files)))
     return out
+
+
+def _stamp(path: str) -> Optional[Tuple[int, int, int]]:
+    """Which file is at `path` (its inode, time and size; None: none): a replaced one differs."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _export(gguf_out: str, config, state, weight_type: Optional[str], float_type: str,
