@@ -79,9 +79,12 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
     # A plain flag, polled: a handler that sets a threading.Event deadlocks when the signal lands
     # while the main thread holds that Event's lock inside its own wait (seen: a server that
     # ignored SIGTERM for good, its main thread blocked in Event.set under Event.wait).
-    stop: List[bool] = []
+    stop: List[int] = []  # the signal that asked: SIGTERM, or SIGHUP (a closed terminal) where not ignored (nohup)
+    hangup = signal.getsignal(signal.SIGHUP)
     try:
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+        previous = signal.signal(signal.SIGTERM, lambda signum, _: stop.append(signum))
+        if hangup is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, lambda signum, _: stop.append(signum))
     except ValueError:  # not the main thread (embedded use): stop with KeyboardInterrupt only
         previous = None
     server.start()
@@ -91,7 +94,7 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         deadline = time.monotonic() + cfg.runtime.init_timeout + 60
         while not sched.ready.wait(0.5):
             if stop:  # (below, stop() aborts the ring being opened: its workers are told at once)
-                raise Interrupted(signal.SIGTERM)
+                raise Interrupted(stop[0])
             if time.monotonic() > deadline:
                 raise RuntimeError("the ring did not open within %.0f s" % (cfg.runtime.init_timeout + 60))
         if sched.open_error is not None:
@@ -123,4 +126,5 @@ def _serve(cfg: RunConfig, host: str, port: int) -> int:
         server.close(grace=2.0)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGHUP, hangup)
     return code
