@@ -633,10 +633,25 @@ def test_run_quant_schema_errors(model, needle):
 
 
 def test_a_backend_is_asked_per_model_and_a_wrong_one_is_named():
-    assert parse().models[0].backend == "auto"
+    assert parse().models[0].backend is None  # mdi's default: $MDI_BACKEND, else auto (the tests' own)
     assert [m.backend for m in parse({"backend": "torch"}, {"backend": "ggml"}).models] == ["ggml"]
     with pytest.raises(ExperimentError, match=r"x.yaml: backend: expected one of auto, ggml, torch, got 'cuda'"):
         parse({"backend": "cuda"})
+
+
+def test_a_model_that_names_no_backend_runs_on_mdi_s_default(tmp_path, monkeypatch):
+    """$MDI_BACKEND (the suite's torch, a user's ggml) had been overridden by an explicit auto in
+    every run config (h80): a model naming none leaves runtime.backend to the starter's default,
+    and the CSV says what that was."""
+    from mdi.lab.nodes import Ring
+    exp, plans = _batching_plan(tmp_path)
+    ring = Ring(plans[0][0], exp, Emulation(EmulationSettings(mode="off"), 3), None, str(tmp_path), print)
+    assert "backend" not in ring.run_config("auto")["runtime"]
+    monkeypatch.setenv("MDI_BACKEND", "ggml")
+    assert plans[0][0].backend == "ggml"
+    monkeypatch.setenv("MDI_BACKEND", "ggm")
+    r = _bench("--experiment", SMOKE, "--dry-run", env=dict(os.environ))
+    assert r.returncode == 2 and "$MDI_BACKEND must be one of auto, ggml, torch, got 'ggm'" in _bench_error(r)
 
 
 @pytest.mark.ring  # mdi-bench starts the workers
@@ -945,3 +960,22 @@ def test_a_report_on_one_repeat_or_a_loaded_machine_says_to_read_it_with_caution
     write_report(str(path), summary, dict(quiet, experiment={"name": "x", "repeats": 1}, loadavg_end=[4.0, 2, 1]))
     line = next(l for l in path.read_text().splitlines() if l.startswith("**Caution**"))
     assert "1 repeat a run" in line and "load of 4.0 on 2 CPUs" in line
+
+
+def test_a_random_model_whose_build_fails_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A random.gguf build that failed (no ggml, a full disk) had been a traceback, and its half-built
+    folder was refused by every later sweep (h80)."""
+    from mdi.lab import model_setup
+    from mdi.lab.spec import ModelEntry
+    from mdi.model.files import prepare
+    from mdi.model.layout import CheckpointError
+
+    def no_ggml(*args, **kwargs):
+        raise CheckpointError("--quant q8_0: ggml writes that type and its binding is not installed")
+    monkeypatch.setattr(prepare, "prepare", no_ggml)
+    path = tmp_path / "tiny"
+    entry = ModelEntry("tiny", str(path), random={"family": "llama", "n_layer": 1, "n_embd": 32, "n_head": 4,
+                                                  "gguf": "q8_0"})
+    with pytest.raises(ExperimentError, match=r"^m\.random: building .*tiny failed: --quant q8_0: ggml writes"):
+        model_setup.ensure_model(entry, "m", str(tmp_path / "x.yaml"), print)
+    assert sorted(os.listdir(str(tmp_path))) == []

@@ -39,7 +39,7 @@ def prepare_main(argv: Optional[List[str]] = None) -> int:
     args = prepare_parser().parse_args(argv)
     setup_process()
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
-    if args.source.endswith(".pt"):  # nanoGPT's out_dir/ckpt.pt: the folder names the model (as its config does)
+    if os.path.basename(args.source) == "ckpt.pt":  # nanoGPT's out_dir/ckpt.pt: the folder names the model
         name = os.path.basename(os.path.dirname(os.path.abspath(args.source))) or name
     out = args.out or os.path.join("models", name)
     if os.path.isdir(args.source) and os.path.realpath(out) == os.path.realpath(args.source):

@@ -16,7 +16,7 @@ import sys
 from typing import Callable, List, Optional
 
 from mdi.lab.emulation import EmulationError
-from mdi.model.backend import BACKENDS
+from mdi.model.backend import BACKENDS, default_backend
 from mdi.lab.nodes import read_json, serve_starter
 from mdi.cli.arguments import ArgumentParser
 from mdi.cli.process import EXIT_CONFIG, interrupt_on_sigterm  # mdi-bench exits like mdi-start
@@ -101,6 +101,10 @@ def _with_overrides(exp: Experiment, args: argparse.Namespace) -> Experiment:
     if args.backend:
         for model in exp.models:
             model.backend = args.backend
+    try:
+        default_backend()  # the runs' default where a model names none: a typo in $MDI_BACKEND said now
+    except ValueError as e:
+        raise ExperimentError(str(e))
     return exp
 
 

@@ -1,6 +1,7 @@
 """The models a sweep runs: found on disk, or built with random weights from a `random:` spec."""
 import json
 import os
+import shutil
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mdi.lab.nodes import read_json
@@ -147,7 +148,18 @@ def ensure_model(entry: ModelEntry, where: str, source: str, log: Callable[[str]
         raise ExperimentError("%s.path: %s does not exist (prepare it with mdi-prepare, or give 'random:' to "
                               "build a random-initialised model there)" % (where, path))
     log("mdi-bench: building random model %s at %s" % (entry.name, path))
-    build_random_model(path, entry.name, entry.random, where)
+    # built beside it and renamed into place: one cut short (a failed GGUF write, Ctrl-C) had left
+    # a half-built folder that every later sweep refused
+    partial = path + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        build_random_model(partial, entry.name, entry.random, where)
+        os.replace(partial, path)
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, (ValueError, OSError)) and not isinstance(e, ExperimentError):  # CheckpointError too
+            raise ExperimentError("%s.random: building %s failed: %s" % (where, path, e)) from None
+        raise
     return path
 
 

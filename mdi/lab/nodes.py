@@ -127,7 +127,9 @@ class Ring:
         p = self.plan
         runtime = {"threads": 1, "connect_timeout": 10, "init_timeout": self.exp.start_timeout, "ring_timeout": 120,
                    "heartbeat_timeout": 60, "quant_kernel": p.model.quant_kernel, "max_batch": max_batch,
-                   "wire_codec": p.model.wire_codec, "backend": p.model.backend}
+                   "wire_codec": p.model.wire_codec}
+        if p.model.backend is not None:  # (else the starter's default: $MDI_BACKEND, else auto)
+            runtime["backend"] = p.model.backend
         if p.model.prefill_chunk is not None:
             runtime["prefill_chunk"] = p.model.prefill_chunk
         nodes = []

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-from mdi.model.backend import BACKENDS
+from mdi.model.backend import BACKENDS, default_backend
 from mdi.model.layout import DTYPE_NAMES, QUANT_KINDS, QUANT_MODES, balanced, group_size_problem, partition_label
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
@@ -44,7 +44,9 @@ class ModelEntry:
     max_batch: List[Any] = field(default_factory=lambda: ["auto"])
     prefill_chunk: Optional[int] = None  # the runs' runtime.prefill_chunk; None: mdi's default
     wire_codec: str = "raw"  # the runs' runtime.wire_codec (mdi.ring.wire.CODECS)
-    backend: str = "auto"  # the runs' runtime.backend (auto | ggml | torch): each node's choice is in `backends`
+    # the runs' runtime.backend (auto | ggml | torch; None: mdi's default, $MDI_BACKEND else auto):
+    # each node's choice is in the CSV's `backends`
+    backend: Optional[str] = None
 
 
 @dataclass
@@ -234,7 +236,7 @@ def _check_common(where: str, e: ModelEntry) -> None:
     if e.wire_codec not in CODECS:
         raise ExperimentError("%s: expected one of %s, got %r"
                               % (key_path(where, "wire_codec"), ", ".join(CODECS), e.wire_codec))
-    if e.backend not in BACKENDS:
+    if e.backend is not None and e.backend not in BACKENDS:
         raise ExperimentError("%s: expected one of %s, got %r"
                               % (key_path(where, "backend"), ", ".join(BACKENDS), e.backend))
     _check_max_batch(key_path(where, "max_batch"), e.max_batch)
@@ -356,6 +358,11 @@ class RingPlan:
         """(max_batch, samples) of every run on this ring, in run order: samples ascending, and
         at each S every max_batch one after the other (so the runs compared run close in time)."""
         return [(b, s) for s in self.samples for b in self.max_batch]
+
+    @property
+    def backend(self) -> str:
+        """runtime.backend as its runs ask it: the model's, else mdi's default ($MDI_BACKEND, else auto)."""
+        return self.model.backend or default_backend()
 
     @property
     def label(self) -> str:

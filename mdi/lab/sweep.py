@@ -347,11 +347,12 @@ def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
         for p in rings:
             log("%s: %d node(s), partition %s (%s), samples %s, max_batch %s, %d tokens, %d repeats, backend %s"
                 % (p.model.name, p.n_nodes, p.label, p.kind, p.samples,
-                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats, p.model.backend))
+                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats, p.backend))
     on = exp.emulation.mode != "off"
     for line in over_limit(plans, lambda k: exp.emulation.memory_limit_of(k) if on else None):
         log("warning: " + line)
-    log("%d runs in all" % len(run_list(exp, plans)))
+    n = len(run_list(exp, plans))
+    log("%d run%s in all" % (n, "" if n == 1 else "s"))
     return 0
 
 

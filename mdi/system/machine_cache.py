@@ -183,7 +183,7 @@ class MachineCache:
     def _flocked(self, wait_s: float) -> Iterator[None]:
         try:
             os.makedirs(cache_dir(), exist_ok=True)
-            lock = open(self.path + ".lock", "w")
+            lock = open(os.path.realpath(self.path) + ".lock", "w")  # beside what is written (a link's target)
         except OSError:
             yield
             return

@@ -253,7 +253,7 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
             layout = weights_layout(state)
         if requantized and (quant == "auto" or weight_type is not None):
             log.info("re-quantized %d %s tensors to the nearest mdi format for the torch backend (not lossless): %s",
-                     len(requantized), "K-quant" if weight_type is None else weight_type,
+                     len(requantized), "K-quant" if weight_type is None else "GGUF",  # (each says its type)
                      ", ".join(requantized[:4]) + (" ..." if len(requantized) > 4 else ""))
         state = gather(convert(state, layout, torch.float32))
         log.info("weights: %s", describe(layout, len(quantizable(config, full, True, True))))
