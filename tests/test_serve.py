@@ -385,6 +385,15 @@ def test_bad_requests_get_openai_shaped_errors(server, route, body, status, need
     assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.skipif(not hasattr(__import__("sys"), "set_int_max_str_digits"), reason="no integer digit limit here")
+def test_a_number_past_python_s_digit_limit_is_said_plainly(server):
+    """CPython's refusal had reached the client naming its own setting, sys.set_int_max_str_digits (h78)."""
+    body = b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"
+    r = requests.post(server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"},
+                      timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the body holds a number of more than 4300 digits"
+
+
 def test_a_chunked_body_over_the_limit_is_413(server):
     # No Content-Length: the limit must still be enforced on what arrives, not by truncation.
     def body():

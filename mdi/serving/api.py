@@ -410,6 +410,8 @@ def _json_body() -> Dict[str, Any]:
     except UnicodeEncodeError:
         raise ApiError(400, "the body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not text")
     except (UnicodeDecodeError, ValueError) as e:
+        if "integer string conversion" in str(e):  # CPython's limit, its message naming its own setting
+            raise ApiError(400, "the body holds a number of more than 4300 digits")
         raise ApiError(400, "the body is not valid JSON: %s" % e)
     except RecursionError:
         raise ApiError(400, "the body is nested too deeply")
