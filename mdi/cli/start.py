@@ -43,7 +43,8 @@ def start_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens; 0 or -1: all (default: the "
                    "config's, else all)")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: the config's, else 1: off)")
-    p.add_argument("--seed", type=int, help="run seed; each sample's generator derives from it (default: the config's, else 1)")
+    p.add_argument("--seed", type=int,
+                   help="run seed; each sample's generator derives from it (default: the config's, else 1)")
     p.add_argument("--context-shift", action="store_true",
                    help="a sample that reaches the model's context keeps its prompt (up to half the context), "
                         "drops the older half of the rest and goes on (generation.context_shift); without it, "
@@ -207,7 +208,7 @@ def start_main(argv: Optional[List[str]] = None) -> int:
         return stopped(e)
 
     hangup = signal.getsignal(signal.SIGHUP)  # a closed terminal (ssh gone) stops it as SIGTERM does
-    previous = interrupt_on_sigterm(batch.Interrupted, also_sighup=True)  # the ring stops as on Ctrl-C: workers are told
+    previous = interrupt_on_sigterm(batch.Interrupted, also_sighup=True)  # the ring stops as on Ctrl-C
     try:
         return _start(args, batch)
     finally:

@@ -279,8 +279,11 @@ class ControlClient:
         """The weights announced in /init: bytes, or a file opened to read, streamed from it.
         Unsigned: the worker checks the bytes against the sha256 announced in /init. Said before
         and after: a board's GB over its link is minutes of a start-up that was silent."""
-        nbytes = len(payload) if isinstance(payload, bytes) else os.fstat(payload.fileno()).st_size
-        log.info("mdi: %s: sending its weights, %.1f MB", self.node.name, nbytes / 1e6)
+        try:
+            nbytes = len(payload) if isinstance(payload, (bytes, bytearray)) else os.fstat(payload.fileno()).st_size
+            log.info("mdi: %s: sending its weights, %.1f MB", self.node.name, nbytes / 1e6)
+        except (OSError, ValueError, AttributeError):  # (a stream with no file under it: its size unsaid)
+            log.info("mdi: %s: sending its weights", self.node.name)
         t0 = time.perf_counter()
         reply = self._call("POST", "/weights", self.init_timeout, data=payload,
                            headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
