@@ -294,14 +294,15 @@ class ServeProcess:
     """`mdi-start --config C --serve --port P` as a subprocess (a free port unless given); its
     output in $TMPDIR/mdi-serve-P.log (see output()); `token` goes on this client's requests."""
 
-    def __init__(self, config: str, env=None, token=None, port=None) -> None:
+    def __init__(self, config: str, env=None, token=None, port=None, preexec_fn=None) -> None:
         self.port = port or free_ports(1)[0]
         self.url = "http://127.0.0.1:%d" % self.port
         self.headers = {"Authorization": "Bearer " + token} if token else {}
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "mdi-serve-%d.log" % self.port)
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", config, "--serve",
-                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+                                      "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=preexec_fn)
 
     def wait_ready(self, timeout: float = 180.0) -> "ServeProcess":
         deadline = time.monotonic() + timeout

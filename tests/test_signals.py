@@ -180,25 +180,13 @@ def test_a_hangup_ignored_by_nohup_stays_ignored():
 def test_a_server_stopped_by_sighup_is_a_clean_stop(tmp_path, tiny_models):
     """A closed terminal stops a server as SIGTERM does, exit 0; it had raised past serve() and
     exited 129 "interrupted by SIGHUP" (h80)."""
-    from conftest import free_ports
-    port = free_ports(1)[0]
+    from conftest import ServeProcess
     path = write_run_config(tmp_path / "serve.yaml", tiny_models["llama"], runtime={"threads": 1})
-    proc = subprocess.Popen([os.path.join(BIN, "mdi-start"), "--config", path, "--serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                            preexec_fn=_sigint_as_at_a_terminal)
+    server = ServeProcess(path, preexec_fn=_sigint_as_at_a_terminal).wait_ready()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            try:
-                if requests.get("http://127.0.0.1:%d/health" % port, timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGHUP)
-        out, _ = proc.communicate(timeout=60)
+        server.proc.send_signal(signal.SIGHUP)
+        code = server.proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0 and "Traceback" not in out and "interrupted" not in out, (proc.returncode, out)
+        server.stop()
+    out = server.output()
+    assert code == 0 and "Traceback" not in out and "interrupted" not in out, (code, out)
