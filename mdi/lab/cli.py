@@ -45,8 +45,9 @@ def parser() -> argparse.ArgumentParser:
                         "fails if a part cannot be set up, off runs plain loopback")
     p.add_argument("--repeats", type=int, help="override the number of repeats (default: the file's, else 3)")
     p.add_argument("--backend", choices=BACKENDS,
-                   help="override every model's backend (runtime.backend; default: the file's, else auto, which "
-                        "measures both where both can serve); the `backends` column says what each node used")
+                   help="override every model's backend (runtime.backend; default: the file's, else $MDI_BACKEND, "
+                        "else auto, which measures both where both can serve); the `backends` column says what each "
+                        "node used")
     p.add_argument("--dry-run", action="store_true",
                    help="check the file and list the runs; writes nothing (random models are built by the real run)")
     p.add_argument("--plot-only", action="store_true",
