@@ -677,6 +677,12 @@ def test_a_random_gguf_model_runs_on_the_backend_asked(tmp_path):
     # what the weights were stored as, beside what was asked (`quant: auto`)
     assert row["weight_types"].startswith("ggml: ") and "Q8_0 x " in row["weight_types"]
     assert "; torch: int8/g32 x " in row["weight_types"], row["weight_types"]
+    # a ggml node's weights are its GGUF tensors as stored (torch's sizes had overstated them)
+    from mdi.lab.report import _mb
+    from mdi.model.source import ModelSource
+    source = ModelSource(str(tmp_path / "tiny-g"))
+    starter, worker = source.gguf_bytes(0, 1, True, True), source.gguf_bytes(1, 2, False, False)
+    assert row["weights_mb"] == "%s;%s" % (_mb(starter), _mb(worker))
     model["random"]["gguf"] = "q4_0"
     config.write_text(yaml.safe_dump(data))
     r = _bench("--experiment", str(config), "--emulation", "off", "--dry-run")
@@ -955,11 +961,15 @@ def test_a_report_on_one_repeat_or_a_loaded_machine_says_to_read_it_with_caution
     path = tmp_path / "report.md"
     quiet = {"experiment": {"name": "x", "repeats": 3}, "cpu_count": 2, "loadavg_start": [0.5, 0.5, 0.5],
              "loadavg_end": [1.0, 1.0, 1.0]}
-    write_report(str(path), summary, quiet)
+    three = summarize([dict(_ok_row(2, "1+1", 1, "10"), repeat=str(k)) for k in (1, 2, 3)])
+    write_report(str(path), three, quiet)
     assert "Caution" not in path.read_text()
     write_report(str(path), summary, dict(quiet, experiment={"name": "x", "repeats": 1}, loadavg_end=[4.0, 2, 1]))
     line = next(l for l in path.read_text().splitlines() if l.startswith("**Caution**"))
-    assert "1 repeat a run" in line and "load of 4.0 on 2 CPUs" in line
+    assert "1 complete run of a figure" in line and "load of 4.0 on 2 CPUs" in line
+    # 3 repeats planned, but a sweep cut short (or runs that failed) left one run of a figure
+    write_report(str(path), summary, quiet)
+    assert "Caution**: 1 complete run of a figure" in path.read_text()
 
 
 def test_a_random_model_whose_build_fails_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
@@ -979,3 +989,25 @@ def test_a_random_model_whose_build_fails_is_one_line_and_leaves_nothing(tmp_pat
     with pytest.raises(ExperimentError, match=r"^m\.random: building .*tiny failed: --quant q8_0: ggml writes"):
         model_setup.ensure_model(entry, "m", str(tmp_path / "x.yaml"), print)
     assert sorted(os.listdir(str(tmp_path))) == []
+
+
+def test_random_models_are_checked_by_their_spec_not_their_name_and_ggml_needs_a_gguf(tmp_path):
+    """h81: one random model listed twice under two names (to run it on two backends) had been
+    refused as "not this random model"; a new seed on a model with a GGUF was silently ignored;
+    `backend: ggml` on a model without a GGUF started every run's ring, then failed them all."""
+    from mdi.lab import model_setup
+    from mdi.lab.spec import ModelEntry
+    from mdi.lab.sweep import plan_sweep
+    spec = {"family": "llama", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_kv_head": 2, "intermediate_size": 64,
+            "block_size": 64, "seed": 0, "gguf": "q8_0"}
+    path = str(tmp_path / "tiny")
+    model_setup.ensure_model(ModelEntry("first", path, random=spec), "m", str(tmp_path / "x.yaml"), print)
+    model_setup.ensure_model(ModelEntry("second", path, random=spec), "m", str(tmp_path / "x.yaml"), print)
+    with pytest.raises(ExperimentError, match=r"not this random model \(it was built with seed 0\)"):
+        model_setup.ensure_model(ModelEntry("first", path, random=dict(spec, seed=7)), "m", str(tmp_path / "x.yaml"),
+                                 print)
+    plain = {k: v for k, v in spec.items() if k != "gguf"}
+    exp = parse_experiment({"models": [{"name": "p", "path": str(tmp_path / "plain"), "random": plain,
+                                        "backend": "ggml"}]}, "x.yaml")
+    with pytest.raises(ExperimentError, match=r"models\[0\].backend: ggml computes the model's GGUF and .* has none"):
+        plan_sweep(exp, print, build=False)

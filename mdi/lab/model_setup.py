@@ -193,12 +193,17 @@ def _check_random_matches(path: str, name: str, spec: Dict[str, Any], where: str
     stored = _stored_quant(path)
     built_from = read_json(os.path.join(path, RANDOM_SPEC_FILE))
     built_from = built_from if isinstance(built_from, dict) else None
-    if have != config.to_dict():
+    def unnamed(d: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:  # (one model listed twice, two names)
+        return None if d is None else {k: v for k, v in d.items() if k != "name"}
+    if unnamed(have) != unnamed(config.to_dict()):
         differs = "its model config differs"
     elif spec.get("gguf") or built_from is not None:  # its torch weights are what the GGUF's types read back as
         if built_from is None or built_from.get("gguf") != spec.get("gguf"):
             differs = "its model.gguf is %s, this spec gives %s" % (
                 (built_from or {}).get("gguf") or "absent", spec.get("gguf") or "none")
+        elif any(built_from.get(k) != spec.get(k) for k in RANDOM_BUILD_KEYS):  # (a new seed had been ignored)
+            differs = "it was built with %s" % ", ".join("%s %r" % (k, built_from.get(k)) for k in RANDOM_BUILD_KEYS
+                                                         if built_from.get(k) != spec.get(k))
         else:
             return
     elif stored is not None and stored != _quant_labels(want_quant):
@@ -280,3 +285,14 @@ def weight_types(path: str, quant: Dict[str, Any], config) -> str:
         return torch_part
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     return "ggml: %s; %s" % (", ".join("%s x %d" % kv for kv in ranked), torch_part)
+
+
+def gguf_weigher(path: str) -> Optional[Callable[[List[int]], List[int]]]:
+    """Bytes of each node's GGUF tensors for given layer counts (what a node computing with ggml
+    holds; the starter's with the embedding and head), None for a model without a GGUF."""
+    from mdi.model.source import ModelSource, gguf_file_of
+    if not os.path.exists(path) or gguf_file_of(path) is None:
+        return None
+    source = ModelSource(path)
+    return lambda counts: [source.gguf_bytes(a, b, k == 0, k == 0)
+                           for k, (a, b) in enumerate(layout.layer_ranges(counts))]

@@ -137,15 +137,26 @@ def plan_counts(plan: Optional[Dict[str, Any]]) -> Optional[List[int]]:
     return None
 
 
-def _weights_cell(plan: RingPlan, chosen: Optional[Dict[str, Any]]) -> str:
+def _weights_cell(plan: RingPlan, chosen: Optional[Dict[str, Any]], backends: Sequence[str] = ()) -> str:
     """Each node's weights; an auto ring's from the counts its planner chose (the plan's
-    own balanced estimate would be wrong), empty until a run says them."""
+    own balanced estimate would be wrong), empty until a run says them. A node that computed
+    with ggml (`backends`: the run's nodes', in ring order) holds its GGUF tensors as stored
+    (torch's sizes had overstated a float16 GGUF's two to three times)."""
     if plan.kind != "auto":
-        return _joined(_mb(b) for b in plan.weights)
-    counts = plan_counts(chosen)
-    if counts is None or plan.weigh is None or len(counts) != plan.n_nodes or sum(counts) != sum(plan.counts):
-        return ""
-    return _joined(_mb(b) for b in plan.weigh(counts))
+        counts, weights = plan.counts, list(plan.weights)
+    else:
+        counts = plan_counts(chosen) or []
+        if plan.weigh is None or len(counts) != plan.n_nodes or sum(counts) != sum(plan.counts):
+            return ""
+        weights = plan.weigh(counts)
+    if "ggml" in backends and plan.weigh_gguf is not None:
+        # the run's nodes are those the planner kept (a node left out is in no record)
+        kept = [k for k, c in enumerate(counts) if c > 0 or k == 0]
+        on_gguf = plan.weigh_gguf(list(counts))
+        for k, backend in zip(kept, backends):
+            if backend == "ggml":
+                weights[k] = on_gguf[k]
+    return _joined(_mb(b) for b in weights)
 
 
 def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome: RunOutcome, emu_tag: str,
@@ -179,7 +190,8 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
                decode_bytes_per_hop=_num(decode_bytes_per_hop(nodes), "%.1f"),
                bytes_sent=_joined(n.get("bytes_sent", "") for n in nodes),
                node_busy=_joined(_busy(n, m.get("seconds")) for n in nodes),
-               backends=_joined(n.get("backend") or "" for n in nodes), status="ok", metrics_file=metrics_file)
+               backends=_joined(n.get("backend") or "" for n in nodes), status="ok", metrics_file=metrics_file,
+               weights_mb=_weights_cell(plan, chosen, [n.get("backend") or "" for n in nodes]))
     for key in FORWARD_COLUMNS:
         row[key] = _per_node(nodes, key, "%.2f" if key.endswith("_mean") else "%g")
     row.update(speculation_cells(nodes))

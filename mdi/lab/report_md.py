@@ -1,6 +1,6 @@
 """report.md: a sweep's summary.csv as Markdown: whether throughput rises with the node count,
 batched against unbatched decode, and one table per model."""
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from mdi.lab.report import UNBATCHED, backends_of, batch_label, batches_of, max_batch_of, rings_of, series_of
 
@@ -99,7 +99,7 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
     if start and end:
         lines += ["Load average (1/5/15 min) at start %s, at end %s; %s CPUs." % (
             "/".join("%.2f" % x for x in start), "/".join("%.2f" % x for x in end), machine.get("cpu_count")), ""]
-    caution = caution_line(machine)
+    caution = caution_line(machine, summary)
     if caution:
         lines += [caution, ""]
     left_out = incomplete(summary)
@@ -117,16 +117,18 @@ def write_report(path: str, summary: List[Dict[str, str]], machine: Dict[str, An
         f.write("\n".join(lines) + "\n")
 
 
-def caution_line(machine: Dict[str, Any]) -> str:
-    """A warning above the verdicts where they rest on little: fewer than 3 repeats (no spread to
-    see), or a machine busier than its cores (a 1-minute load average past the CPU count at the
-    start or the end: others' work in every figure). '' where neither."""
-    repeats = (machine.get("experiment") or {}).get("repeats")
+def caution_line(machine: Dict[str, Any], summary: Sequence[Dict[str, str]] = ()) -> str:
+    """A warning above the verdicts where they rest on little: fewer than 3 complete runs of a
+    figure (no spread to see: few repeats, or a sweep cut short, or runs that failed), or a
+    machine busier than its cores (a 1-minute load average past the CPU count at the start or
+    the end: others' work in every figure). '' where neither."""
+    made = [int(r["runs_ok"]) for r in measured(summary) if (r.get("runs_ok") or "").isdigit()]
+    repeats = min(made) if made else (machine.get("experiment") or {}).get("repeats")
     cpus = machine.get("cpu_count") or 0
     loads = [x[0] for x in (machine.get("loadavg_start"), machine.get("loadavg_end")) if x]
     why = []
     if isinstance(repeats, int) and repeats < 3:
-        why.append("%d repeat%s a run (no spread to judge noise by)" % (repeats, "" if repeats == 1 else "s"))
+        why.append("%d complete run%s of a figure (no spread to judge noise by)" % (repeats, "" if repeats == 1 else "s"))
     if cpus and loads and max(loads) > cpus:
         why.append("a 1-minute load of %.1f on %d CPUs (other work shared them)" % (max(loads), cpus))
     return "**Caution**: %s; read the figures below as indications, not results." % " and ".join(why) if why else ""

@@ -353,6 +353,8 @@ class RingPlan:
     # bytes of each node's weights for given layer counts (an auto ring's, once its planner chose)
     weigh: Optional[Callable[[List[int]], List[int]]] = field(default=None, repr=False, compare=False)
     weight_types: str = ""  # what the weights are stored as, per backend (model_setup.weight_types)
+    # bytes of each node's GGUF tensors for given layer counts: a ggml node's weights (None: no GGUF)
+    weigh_gguf: Optional[Callable[[List[int]], List[int]]] = field(default=None, repr=False, compare=False)
 
     def runs(self) -> List[Tuple[Any, int]]:
         """(max_batch, samples) of every run on this ring, in run order: samples ascending, and

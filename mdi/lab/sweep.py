@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from mdi.system.files import write_json
 from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
-from mdi.lab.model_setup import sweep_model, weight_bytes, weight_types
+from mdi.model.backend import default_backend
+from mdi.lab.model_setup import gguf_weigher, sweep_model, weight_bytes, weight_types
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, RunOutcome, read_json
 from mdi.lab.report import (CSV_COLUMNS, INTERRUPTED, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
                             write_csv)
@@ -81,7 +82,12 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
     for i, entry in enumerate(exp.models):
         where = "%s: models[%d]" % (exp.source, i)
         path, config, local, quant = sweep_model(entry, where, exp.source, log, build)
-        stored = weight_types(path, quant, config)
+        stored, weigh_gguf = weight_types(path, quant, config), gguf_weigher(path)
+        on_ggml = (entry.backend or default_backend()) == "ggml"
+        if on_ggml and weigh_gguf is None and not (entry.random or {}).get("gguf"):
+            # (every run had started its ring, then failed: said before any runs)
+            raise ExperimentError("%s.backend: ggml computes the model's GGUF and %s has none (give random.gguf: TYPE, "
+                                  "or prepare it with mdi-prepare)" % (where, path))
         rings = []
         def weigh(counts: List[int], config: Any = config, entry: Any = entry, quant: Any = quant) -> List[int]:
             return weight_bytes(config, counts, entry.dtype, quant)
@@ -91,7 +97,7 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
                 raise ExperimentError("%s.samples: no sample count for the %d-node ring (%s at N=%d)"
                                       % (where, n, ", ".join(str(s) for s in entry.samples), n))
             rings.append(RingPlan(index, entry, path, n, counts, kind, samples,
-                                  local, weigh(counts), max_batches(entry.max_batch), weigh, stored))
+                                  local, weigh(counts), max_batches(entry.max_batch), weigh, stored, weigh_gguf))
             index += 1
         plans.append(rings)
     return plans
@@ -316,7 +322,9 @@ def run_experiment(exp: Experiment, out: str, log: Callable[[str], None]) -> int
         raise ExperimentError("%s: cannot write the results there: %s" % (out, e.strerror or e))
     machine = machine_record(exp.source)
     machine["experiment"] = {"name": exp.name, "description": exp.description, "repeats": exp.repeats,
-                             "starter": exp.starter, "temperature": exp.temperature}
+                             "starter": exp.starter, "temperature": exp.temperature,
+                             # as run: experiment.yaml is the file as written (--backend overrides it)
+                             "backends": sorted({m.backend or "default (%s)" % default_backend() for m in exp.models})}
     sweep = Sweep(exp, out, log)
     interrupted = False
     try:
