@@ -122,7 +122,7 @@ def caution_line(machine: Dict[str, Any], summary: Sequence[Dict[str, str]] = ()
     figure (no spread to see: few repeats, or a sweep cut short, or runs that failed), or a
     machine busier than its cores (a 1-minute load average past the CPU count at the start or
     the end: others' work in every figure). '' where neither."""
-    made = [int(r["runs_ok"]) for r in measured(summary) if (r.get("runs_ok") or "").isdigit()]
+    made = [int(r["runs_ok"]) for r in measured(list(summary)) if (r.get("runs_ok") or "").isdigit()]
     repeats = min(made) if made else (machine.get("experiment") or {}).get("repeats")
     cpus = machine.get("cpu_count") or 0
     loads = [x[0] for x in (machine.get("loadavg_start"), machine.get("loadavg_end")) if x]
