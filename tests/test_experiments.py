@@ -1011,3 +1011,15 @@ def test_random_models_are_checked_by_their_spec_not_their_name_and_ggml_needs_a
                                         "backend": "ggml"}]}, "x.yaml")
     with pytest.raises(ExperimentError, match=r"models\[0\].backend: ggml computes the model's GGUF and .* has none"):
         plan_sweep(exp, print, build=False)
+
+
+def test_an_auto_ring_the_planner_shrank_says_on_how_many_nodes_its_figure_was_measured():
+    """An auto ring of 2 whose planner left a node out had been reported as "2 nodes ... rises
+    with N" from one node's runs (h81): the CSV's active_nodes and the report say so."""
+    from mdi.lab.report_md import scaling_lines
+    rows = [dict(_ok_row(1, "4", 1, "10")), dict(_ok_row(2, "auto", 2, "12"), active_nodes="1")]
+    summary = summarize(rows)
+    assert [r["active_nodes"] for r in summary] == ["1", "1"]
+    (line,) = scaling_lines(summary)
+    assert "2 nodes 12.00 tok/s (S=2, auto, computed on 1 of the 2 nodes: the planner left the others out)" in line
+    assert "computed on" not in line.split(";")[0]  # the 1-node figure is as asked

@@ -36,6 +36,9 @@ CSV_COLUMNS = [
     # Rings with `layers: auto` (partition "auto"): the counts mdi-start's planner chose, '+'-joined
     # in ring order (0: a node left out), and the tokens/s it predicted; empty for other rings.
     "plan", "predicted_tokens_per_s",
+    # the nodes the run computed on: fewer than `nodes` where an auto ring's planner left some out
+    # (its per-node cells then list those it kept)
+    "active_nodes",
 ] + [
     # Speculative decoding (generation.speculation): the starter's drafting counters, and per node
     # (starter first) the passes cancelled (the starter: stale ones that came back; a worker: stale
@@ -44,7 +47,8 @@ CSV_COLUMNS = [
     "spec_passes_cancelled", "spec_wasted_rows",
 ]
 SUMMARY_COLUMNS = [
-    "model", "nodes", "partition", "max_batch", "samples", "tokens", "backends", "runs_ok", "runs_short", "runs_failed",
+    "model", "nodes", "partition", "max_batch", "samples", "tokens", "backends", "active_nodes", "runs_ok",
+    "runs_short", "runs_failed",
     "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
     "tokens_per_s_median", "ttft_s_median", "efficiency_median", "efficiency_min", "efficiency_max",
     "speedup_vs_1_node", "speedup_vs_unbatched", "peak_memory_mb_max", "node_busy_median",
@@ -191,7 +195,8 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
                bytes_sent=_joined(n.get("bytes_sent", "") for n in nodes),
                node_busy=_joined(_busy(n, m.get("seconds")) for n in nodes),
                backends=_joined(n.get("backend") or "" for n in nodes), status="ok", metrics_file=metrics_file,
-               weights_mb=_weights_cell(plan, chosen, [n.get("backend") or "" for n in nodes]))
+               weights_mb=_weights_cell(plan, chosen, [n.get("backend") or "" for n in nodes]),
+               active_nodes=str(len(nodes)))
     for key in FORWARD_COLUMNS:
         row[key] = _per_node(nodes, key, "%.2f" if key.endswith("_mean") else "%g")
     row.update(speculation_cells(nodes))
@@ -304,7 +309,9 @@ def summarize(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
         peaks = _max_per_node([r["peak_memory_mb"] for r in rs])
         out.append({
             "model": model, "nodes": str(n), "partition": part, "max_batch": mb, "samples": str(s),
-            "tokens": rs[0]["tokens"], "backends": backends_of(rs), **counts, "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
+            "tokens": rs[0]["tokens"], "backends": backends_of(rs),
+            "active_nodes": " / ".join(sorted({r.get("active_nodes") or str(n) for r in rs})), **counts,
+            "decode_tokens_per_s_median": "%.3f" % statistics.median(dec),
             "decode_tokens_per_s_min": "%.3f" % min(dec), "decode_tokens_per_s_max": "%.3f" % max(dec),
             "tokens_per_s_median": _num(_median([_float(r["tokens_per_s"]) for r in rs])),
             "ttft_s_median": _num(_median([_float(r["ttft_s"]) for r in rs]), "%.4f"),

@@ -30,8 +30,9 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
                 if n not in best or v > best[n][0]:
                     best[n] = (v, r)
         ns = sorted(best)
-        parts = ["%d node%s %.2f tok/s (S=%s, %s%s)" % (n, "s" if n > 1 else "", best[n][0], best[n][1]["samples"],
-                                                         best[n][1]["partition"], _batch_note(best[n][1]))
+        parts = ["%d node%s %.2f tok/s (S=%s, %s%s%s)" % (n, "s" if n > 1 else "", best[n][0], best[n][1]["samples"],
+                                                           best[n][1]["partition"], _batch_note(best[n][1]),
+                                                           _active_note(best[n][1], n))
                  for n in ns]
         missing = sorted({int(r["nodes"]) for r in summary if r["model"] == model} - set(best))
         parts += ["%d node%s: no complete run (%s)" % (n, "s" if n > 1 else "", incomplete(
@@ -47,6 +48,14 @@ def scaling_lines(summary: List[Dict[str, str]]) -> List[str]:
             verdict = "does NOT rise with N"
         lines.append("- %s: %s: %s" % (model, "; ".join(parts), verdict))
     return lines
+
+
+def _active_note(row: Dict[str, str], n: int) -> str:
+    """Where an auto ring's planner left nodes out: on how many the figure was measured (an
+    N-node figure from fewer nodes had read as N nodes' scaling)."""
+    active = row.get("active_nodes") or ""
+    return "" if active in ("", str(n)) else ", computed on %s of the %d nodes: the planner left the others out" % (
+        active, n)
 
 
 def _batch_note(row: Dict[str, str]) -> str:
@@ -128,7 +137,8 @@ def caution_line(machine: Dict[str, Any], summary: Sequence[Dict[str, str]] = ()
     loads = [x[0] for x in (machine.get("loadavg_start"), machine.get("loadavg_end")) if x]
     why = []
     if isinstance(repeats, int) and repeats < 3:
-        why.append("%d complete run%s of a figure (no spread to judge noise by)" % (repeats, "" if repeats == 1 else "s"))
+        why.append("%d complete run%s of a figure (no spread to judge noise by)"
+                   % (repeats, "" if repeats == 1 else "s"))
     if cpus and loads and max(loads) > cpus:
         why.append("a 1-minute load of %.1f on %d CPUs (other work shared them)" % (max(loads), cpus))
     return "**Caution**: %s; read the figures below as indications, not results." % " and ".join(why) if why else ""
