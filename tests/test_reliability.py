@@ -575,3 +575,20 @@ def test_a_host_name_that_does_not_resolve_is_named_as_such(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
     with pytest.raises(NodeUnreachable, match=r"board1 .*cannot resolve the host name 'boardl' \(a typo"):
         ControlClient(NodeSpec("board1", host="boardl", port=8081), connect_timeout=0.5).health()
+
+
+def test_a_large_weight_push_is_said_before_and_after_and_a_small_one_is_not(monkeypatch, caplog):
+    """A board's GB over its link had been minutes of silence (h79); a small model's start-up
+    stays quiet (its failure is one line)."""
+    import logging
+    from mdi.runconfig import NodeSpec
+    from mdi.starter import control
+    client = control.ControlClient(NodeSpec("board1", port=1))
+    monkeypatch.setattr(client, "_call", lambda *args, **kwargs: {})
+    monkeypatch.setattr(control, "SAY_PUSH_BYTES", 1000)
+    with caplog.at_level(logging.INFO, logger="mdi"):
+        client.push_weights(b"x" * 999)
+        assert not caplog.records
+        client.push_weights(b"x" * 2000)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == "mdi: board1: sending its weights, 0.0 MB" and said[1].startswith("mdi: board1: weights sent in")

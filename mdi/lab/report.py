@@ -27,32 +27,34 @@ CSV_COLUMNS = [
     "peak_memory_mb", "decode_bytes_per_hop", "repeat",
     "decode_tokens_per_s", "generated_tokens", "seconds", "ttft_max_s", "partition_kind", "dtype",
     "quant", "quant_kernel", "wire_codec", "weights_mb", "cache_mb", "cgroup_memory_mb", "bytes_sent", "node_busy",
-    "backend",  # runtime.backend as asked (auto, ggml, torch)
     "backends",  # what each node computed with (ggml or torch; ';' per node): quant/dtype are what was asked
-    "weight_types",  # what the weights are stored as: the GGUF's types (ggml nodes), torch's layout (torch nodes)
 ] + FORWARD_COLUMNS + [
     "emulation", "starter_mode",
     "load_1min", "experiment", "status", "metrics_file",
     # Rings with `layers: auto` (partition "auto"): the counts mdi-start's planner chose, '+'-joined
     # in ring order (0: a node left out), and the tokens/s it predicted; empty for other rings.
     "plan", "predicted_tokens_per_s",
-    # the nodes the run computed on: fewer than `nodes` where an auto ring's planner left some out
-    # (its per-node cells then list those it kept)
-    "active_nodes",
 ] + [
     # Speculative decoding (generation.speculation): the starter's drafting counters, and per node
     # (starter first) the passes cancelled (the starter: stale ones that came back; a worker: stale
     # ones it dropped unrun) and the rows it computed for nothing. Empty when speculation is off.
     "spec_drafted", "spec_accepted", "spec_acceptance_rate", "spec_accepted_per_pass",
     "spec_passes_cancelled", "spec_wasted_rows",
+] + [
+    # (new columns go last: the places of those before them stay)
+    "backend",  # runtime.backend as asked (auto, ggml, torch)
+    "weight_types",  # what the weights are stored as: the GGUF's types (ggml nodes), torch's layout (torch nodes)
+    # the nodes the run computed on: fewer than `nodes` where an auto ring's planner left some out
+    # (its per-node cells then list those it kept)
+    "active_nodes",
 ]
 SUMMARY_COLUMNS = [
-    "model", "nodes", "partition", "max_batch", "samples", "tokens", "backends", "active_nodes", "runs_ok",
-    "runs_short", "runs_failed",
+    "model", "nodes", "partition", "max_batch", "samples", "tokens", "backends", "runs_ok", "runs_short", "runs_failed",
     "decode_tokens_per_s_median", "decode_tokens_per_s_min", "decode_tokens_per_s_max",
     "tokens_per_s_median", "ttft_s_median", "efficiency_median", "efficiency_min", "efficiency_max",
     "speedup_vs_1_node", "speedup_vs_unbatched", "peak_memory_mb_max", "node_busy_median",
     "samples_per_forward_median",
+    "active_nodes",  # (last: the places of the columns before it stay)
 ]
 UNBATCHED = "1"
 

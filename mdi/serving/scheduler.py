@@ -89,16 +89,13 @@ class Scheduler:
         if self.state != RingState.UP:
             raise self._unavailable()
         with self._lock:
-            # Samples about to take a free slot do not wait: a burst of 20 on 8 idle slots and a
-            # queue of 4 had got 15 refusals, counted as waiting until the scheduler admitted them
-            free = max(0, self.slots - len(self._running))  # (len: one atomic read of the scheduler's dict)
+            free = max(0, self.slots - len(self._running))  # a sample that takes a free slot at once waits not (h78)
             if len(reqs) > self.max_queue:
                 raise TooManySamples("%d samples (prompts x n) in one request, more than the %d that may wait "
                                      "(serve.max_queue)" % (len(reqs), self.max_queue))
             if self._queued + len(reqs) > self.max_queue + free:
                 raise QueueFull("%d samples (prompts x n) wait, and this request's %d would pass the %d that may "
-                                "(serve.max_queue) beside the %d free slots; try again later"
-                                % (self._queued, len(reqs), self.max_queue, free))
+                                "(serve.max_queue); try again later" % (self._queued, len(reqs), self.max_queue))
             self._queued += len(reqs)
         for req in reqs:
             self._inbox.put(Submit(req))

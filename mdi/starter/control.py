@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # A worker installs an adapter's matrices in seconds: one that has not answered in this long is hung
 # (an adapter load beside a hung worker had waited runtime.init_timeout, 600 s, meant for weight loads).
 ADAPTER_TIMEOUT_S = 60.0
+SAY_PUSH_BYTES = 256 * 2 ** 20  # weights pushed to a worker are said from this size (seconds to minutes on a board)
 
 # requests (with urllib3 and ssl) is imported where a node is first called, not here: a starter
 # with no workers never makes a call, and the import alone holds 12 MB resident.
@@ -281,13 +282,14 @@ class ControlClient:
         and after: a board's GB over its link is minutes of a start-up that was silent."""
         try:
             nbytes = len(payload) if isinstance(payload, (bytes, bytearray)) else os.fstat(payload.fileno()).st_size
-            log.info("mdi: %s: sending its weights, %.1f MB", self.node.name, nbytes / 1e6)
-        except (OSError, ValueError, AttributeError):  # (a stream with no file under it: its size unsaid)
-            log.info("mdi: %s: sending its weights", self.node.name)
+        except (OSError, ValueError, AttributeError):  # (a stream with no file under it: not said)
+            nbytes = 0
+        say = log.info if nbytes >= SAY_PUSH_BYTES else log.debug  # (a small model's start-up stays quiet)
+        say("mdi: %s: sending its weights, %.1f MB", self.node.name, nbytes / 1e6)
         t0 = time.perf_counter()
         reply = self._call("POST", "/weights", self.init_timeout, data=payload,
                            headers={"Content-Type": "application/octet-stream", CONTENT_HEADER: UNSIGNED_PAYLOAD})
-        log.info("mdi: %s: weights sent in %.1f s", self.node.name, time.perf_counter() - t0)
+        say("mdi: %s: weights sent in %.1f s", self.node.name, time.perf_counter() - t0)
         return reply
 
     def profile(self, request: ProfileRequest) -> ProfileReply:
