@@ -648,7 +648,7 @@ def test_a_model_that_names_no_backend_runs_on_mdi_s_default(tmp_path, monkeypat
     ring = Ring(plans[0][0], exp, Emulation(EmulationSettings(mode="off"), 3), None, str(tmp_path), print)
     assert "backend" not in ring.run_config("auto")["runtime"]
     monkeypatch.setenv("MDI_BACKEND", "ggml")
-    assert plans[0][0].backend == "ggml"
+    assert plans[0][0].model.asked_backend == "ggml"
     monkeypatch.setenv("MDI_BACKEND", "ggm")
     r = _bench("--experiment", SMOKE, "--dry-run", env=dict(os.environ))
     assert r.returncode == 2 and "$MDI_BACKEND must be one of auto, ggml, torch, got 'ggm'" in _bench_error(r)

@@ -265,34 +265,37 @@ def weight_bytes(config, counts: List[int], dtype: str, quant: Optional[Dict[str
             for k, r in enumerate(layout.layer_ranges(counts))]
 
 
-def weight_types(path: str, quant: Dict[str, Any], config) -> str:
-    """What the runs' weights are stored as, for the CSV (`quant` says what was asked):
-    "ggml: Q4_1 x 210, Q8_0 x 1, F32 x 61; torch: int4/g32 x 210, ..." (the GGUF ggml nodes
-    compute, counted by type, most first; the layout torch nodes hold, quantized as the run asks)."""
-    from mdi.model.files.gguf_layout import open_reader
-    from mdi.model.quantization.layouts import describe
-    from mdi.model.source import gguf_file_of
-    torch_part = "torch: " + describe(quant, len(layout.quantizable(config, (0, config.n_layer), True, True)))
-    gguf = gguf_file_of(path)
-    if gguf is None:
-        return torch_part
-    counts: Dict[str, int] = {}
-    try:
-        for t in open_reader(gguf).tensors:
-            name = getattr(t.tensor_type, "name", str(t.tensor_type))
-            counts[name] = counts.get(name, 0) + 1
-    except (OSError, ValueError):  # (a damaged file fails its runs, which say why)
-        return torch_part
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    return "ggml: %s; %s" % (", ".join("%s x %d" % kv for kv in ranked), torch_part)
-
-
-def gguf_weigher(path: str) -> Optional[Callable[[List[int]], List[int]]]:
-    """Bytes of each node's GGUF tensors for given layer counts (what a node computing with ggml
-    holds; the starter's with the embedding and head), None for a model without a GGUF."""
+def gguf_model(path: str, where: str) -> Any:
+    """The model at `path` as a ModelSource whose GGUF is read (what ggml nodes compute), None
+    where it has none; ExperimentError naming `where` for a GGUF that cannot be read."""
     from mdi.model.source import ModelSource, gguf_file_of
     if not os.path.exists(path) or gguf_file_of(path) is None:
         return None
     source = ModelSource(path)
+    try:
+        source.gguf()
+    except ValueError as e:  # CheckpointError: named, not a traceback
+        raise ExperimentError("%s.path: %s" % (where, e))
+    return source
+
+
+def weight_types(source: Any, quant: Dict[str, Any], config) -> str:
+    """What the runs' weights are stored as, for the CSV (`quant` says what was asked):
+    "ggml: Q4_1 x 210, Q8_0 x 1, F32 x 61; torch: int4/g32 x 210, ..." (`source`'s GGUF, which
+    ggml nodes compute, counted by type, most first (gguf_model; None: none); the layout torch
+    nodes hold, quantized as the run asks)."""
+    from mdi.model.files.gguf_export import describe_types
+    from mdi.model.quantization.layouts import describe
+    torch_part = "torch: " + describe(quant, len(layout.quantizable(config, (0, config.n_layer), True, True)))
+    if source is None:
+        return torch_part
+    return "ggml: %s; %s" % (describe_types(source.gguf_types(0, config.n_layer, True, True)), torch_part)
+
+
+def gguf_weigher(source: Any) -> Optional[Callable[[List[int]], List[int]]]:
+    """Bytes of each node's GGUF tensors for given layer counts (what a node computing with ggml
+    holds; the starter's with the embedding and head), for `source` (gguf_model; None: none)."""
+    if source is None:
+        return None
     return lambda counts: [source.gguf_bytes(a, b, k == 0, k == 0)
                            for k, (a, b) in enumerate(layout.layer_ranges(counts))]

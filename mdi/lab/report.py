@@ -174,7 +174,7 @@ def make_row(exp: Experiment, plan: RingPlan, samples: int, repeat: int, outcome
     row.update(model=plan.model.name, nodes=str(plan.n_nodes), partition=plan.label, samples=str(samples),
                max_batch=str(max_batch), tokens=str(plan.model.tokens), repeat=str(repeat), partition_kind=plan.kind,
                dtype=plan.model.dtype, quant=plan.model.quant, quant_kernel=plan.model.quant_kernel,
-               wire_codec=plan.model.wire_codec, backend=plan.backend, weight_types=plan.weight_types,
+               wire_codec=plan.model.wire_codec, backend=plan.model.asked_backend, weight_types=plan.weight_types,
                weights_mb=_weights_cell(plan, chosen), emulation=emu_tag, starter_mode=exp.starter,
                load_1min="%.2f" % outcome.load_1min, experiment=exp.name,
                plan="+".join(str(c) for c in counts) if counts else "",

@@ -48,6 +48,11 @@ class ModelEntry:
     # each node's choice is in the CSV's `backends`
     backend: Optional[str] = None
 
+    @property
+    def asked_backend(self) -> str:
+        """runtime.backend as its runs ask it: its own, else mdi's default ($MDI_BACKEND, else auto)."""
+        return self.backend or default_backend()
+
 
 @dataclass
 class Experiment:
@@ -360,11 +365,6 @@ class RingPlan:
         """(max_batch, samples) of every run on this ring, in run order: samples ascending, and
         at each S every max_batch one after the other (so the runs compared run close in time)."""
         return [(b, s) for s in self.samples for b in self.max_batch]
-
-    @property
-    def backend(self) -> str:
-        """runtime.backend as its runs ask it: the model's, else mdi's default ($MDI_BACKEND, else auto)."""
-        return self.model.backend or default_backend()
 
     @property
     def label(self) -> str:

@@ -21,7 +21,7 @@ from mdi.system.files import write_json
 from mdi.lab.commands import command_text
 from mdi.lab.emulation import Emulation, remove_leftovers
 from mdi.model.backend import default_backend
-from mdi.lab.model_setup import gguf_weigher, sweep_model, weight_bytes, weight_types
+from mdi.lab.model_setup import gguf_model, gguf_weigher, sweep_model, weight_bytes, weight_types
 from mdi.lab.nodes import STARTER_SERVICE_MODULE, Ring, RunOutcome, read_json
 from mdi.lab.report import (CSV_COLUMNS, INTERRUPTED, SUMMARY_COLUMNS, machine_record, make_row, read_rows, summarize,
                             write_csv)
@@ -82,9 +82,9 @@ def plan_sweep(exp: Experiment, log: Callable[[str], None], build: bool = True) 
     for i, entry in enumerate(exp.models):
         where = "%s: models[%d]" % (exp.source, i)
         path, config, local, quant = sweep_model(entry, where, exp.source, log, build)
-        stored, weigh_gguf = weight_types(path, quant, config), gguf_weigher(path)
-        on_ggml = (entry.backend or default_backend()) == "ggml"
-        if on_ggml and weigh_gguf is None and not (entry.random or {}).get("gguf"):
+        source = gguf_model(path, where)  # (one read of its GGUF: the types and each node's bytes)
+        stored, weigh_gguf = weight_types(source, quant, config), gguf_weigher(source)
+        if entry.asked_backend == "ggml" and source is None and not (entry.random or {}).get("gguf"):
             # (every run had started its ring, then failed: said before any runs)
             raise ExperimentError("%s.backend: ggml computes the model's GGUF and %s has none (give random.gguf: TYPE, "
                                   "or prepare it with mdi-prepare)" % (where, path))
@@ -355,7 +355,7 @@ def dry_run(exp: Experiment, log: Callable[[str], None]) -> int:
         for p in rings:
             log("%s: %d node(s), partition %s (%s), samples %s, max_batch %s, %d tokens, %d repeats, backend %s"
                 % (p.model.name, p.n_nodes, p.label, p.kind, p.samples,
-                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats, p.backend))
+                   ", ".join(str(b) for b in p.max_batch), p.model.tokens, exp.repeats, p.model.asked_backend))
     on = exp.emulation.mode != "off"
     for line in over_limit(plans, lambda k: exp.emulation.memory_limit_of(k) if on else None):
         log("warning: " + line)

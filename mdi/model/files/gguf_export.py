@@ -185,11 +185,15 @@ class Exported:
     seconds: float
 
     def describe(self) -> str:
-        """'Q4_K x 180, Q8_0 x 31, F32 x 61' (most first)."""
-        counts: Dict[str, int] = {}
-        for kind in self.types.values():
-            counts[kind] = counts.get(kind, 0) + 1
-        return ", ".join("%s x %d" % (k, n) for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        return describe_types(self.types)
+
+
+def describe_types(types: Mapping[str, str]) -> str:
+    """GGUF name -> type as 'Q4_K x 180, Q8_0 x 31, F32 x 61' (most first)."""
+    counts: Dict[str, int] = {}
+    for kind in types.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join("%s x %d" % (k, n) for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def tokenizer_metadata(gguf_path: str) -> List[Tuple[str, Any, int, Optional[int]]]:
