@@ -147,7 +147,9 @@ def queued_run(frames, max_batch=4, max_rows=20):
     run = Run.__new__(Run)
     run.max_batch, run.max_rows = max_batch, max_rows
     run.inbox, run.latest_epoch = collections.deque(frames), {}
-    run.bad_frames = run.passes_cancelled = run.rows_cancelled = 0
+    run.passes_cancelled = run.rows_cancelled = 0
+    run.endpoint = types.SimpleNamespace(drops=[])  # the drops it counts and says (RingEndpoint.dropped_after_decode)
+    run.endpoint.dropped_after_decode = run.endpoint.drops.append
     for f in frames:
         for slot, epoch in zip(f.samples, f.epochs):
             run.latest_epoch[slot] = max(epoch, run.latest_epoch.get(slot, 0))
@@ -166,7 +168,7 @@ def test_a_worker_merges_queued_frames_up_to_its_limits():
     cut = Frame("prefill", 1, [6], [0], [4], torch.zeros(1, 64))
     run = queued_run([cut, frame("decode", [5], [1])])
     merged = run._gather(frame("decode", [0], [1]))
-    assert merged.samples == [0, 5] and not run.inbox and run.bad_frames == 1
+    assert merged.samples == [0, 5] and not run.inbox and len(run.endpoint.drops) == 1
     for blocker in (Frame("stop", 1), frame("decode", [0], [1]), frame("prefill", [7], [30])):
         run = queued_run([blocker, frame("decode", [5], [1])])
         merged = run._gather(frame("decode", [0], [1]))

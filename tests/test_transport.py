@@ -209,3 +209,30 @@ def test_a_flood_of_garbage_is_refused_in_a_few_lines_naming_its_sender(caplog):
         junk.close(0)
         a.close()
         b.close()
+
+
+def test_a_message_of_many_parts_is_dropped_unkept_and_recv_0_takes_what_waits():
+    a_port, b_port = free_ports(2)
+    a, b = endpoint("a", a_port, b_port), endpoint("b", b_port, a_port)
+    intruder = zmq.Context.instance().socket(zmq.PUSH)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.connect("tcp://127.0.0.1:%d" % b_port)
+    try:
+        header, payload = encode(numbered(0))
+        # A valid frame's two parts followed by 20,000 empty ones: dropped as one bad frame
+        # (its extra parts drained, not held), and the ring's next frame still comes through.
+        intruder.send_multipart([header, payload] + [b""] * 20000)
+        a.send(numbered(1))
+        check(b.recv(timeout=10), 1)
+        assert b.bad_frames == 1 and "got 20002" in b.last_error
+        # recv(0) looks at the socket once: a frame waiting there is taken, not a timeout.
+        a.send(numbered(2))
+        deadline = time.monotonic() + 10
+        while not b._readable(10) and time.monotonic() < deadline:
+            pass
+        check(b.recv(0.0), 2)
+        assert b.recv_nowait() is None
+    finally:
+        intruder.close(linger=0)
+        a.close()
+        b.close()

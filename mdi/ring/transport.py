@@ -20,6 +20,7 @@ the PUSH socket only talks to a server holding the run's server key, and frames 
 import collections
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -56,6 +57,8 @@ class Transport(Protocol):
 
     def recv(self, timeout: float) -> Frame: ...
 
+    def recv_nowait(self) -> Optional[Frame]: ...
+
     def traffic(self) -> Dict[str, Any]: ...
 
 
@@ -72,6 +75,9 @@ class LocalLoop:
         if not self.queue:
             raise RingTimeout("local loop is empty")
         return self.queue.popleft()
+
+    def recv_nowait(self) -> Optional[Frame]:
+        return self.queue.popleft() if self.queue else None
 
     def traffic(self) -> Dict[str, Any]:
         return {"bytes_sent": 0, "messages_sent": 0}
@@ -95,7 +101,9 @@ class RingEndpoint:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops larger messages itself
+        # zmq drops larger message *parts* itself; a message of many parts is buffered whole by libzmq
+        # before any is read (only CURVE, with a token, keeps strangers from sending one)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.keys = None
         self._zap_domain = "mdi-ring-%d" % next(_endpoint_ids)
         if password is not None:
@@ -245,10 +253,13 @@ class RingEndpoint:
         try:
             if not self.inbox.empty():
                 return self.inbox.get_nowait()  # taken by the receive thread before it let go
+            polled = False
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._readable(max(1, int(remaining * 1000))):
+                # recv(0) still looks once: a frame waiting on the socket is taken, not a RingTimeout
+                if (remaining <= 0 and polled) or not self._readable(max(0, math.ceil(remaining * 1000))):
                     raise RingTimeout("%s: no frame received for %.1f s" % (self.name, timeout))
+                polled = True
                 frame = self._read_frame()
                 if frame is not None:
                     if self._readable(0):
@@ -311,16 +322,26 @@ class RingEndpoint:
         # recv_multipart asks the socket through Python code, twice a message)
         part = self.pull.recv(copy=False)
         parts = [part]
+        extra = 0
         while part.more:
             part = self.pull.recv(copy=False)
-            parts.append(part)
+            if len(parts) < 2:
+                parts.append(part)
+            else:  # a frame has 2 parts: the rest are drained unkept (a million empty parts had held 245 MB)
+                extra += 1
         try:
+            if extra:
+                raise FrameError("expected 2 parts (header, payload), got %d" % (2 + extra))
             frame = self.validate(parts)
         except FrameError as e:
             self._dropped(parts, e)
             return None
         self.frames_received += 1
         return frame
+
+    def dropped_after_decode(self, why: str) -> None:
+        """A frame the wire admitted but this node's compute loop cannot use: logged as a drop."""
+        self._dropped([], FrameError(why))
 
     def _dropped(self, parts: List[zmq.Frame], e: FrameError) -> None:
         self.bad_frames += 1

@@ -334,9 +334,8 @@ class Pipeline:
         passes then share one forward here and one frame round the ring."""
         n = sum(len(f.samples) for f in frames)
         while n < self.max_batch:
-            try:
-                frame = self.transport.recv(0.0)
-            except RingTimeout:
+            frame = self.transport.recv_nowait()  # (those on the socket too: recv(0)'s had taken the inbox's only)
+            if frame is None:
                 return
             frames.append(frame)
             n += len(frame.samples)

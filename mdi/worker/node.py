@@ -179,16 +179,20 @@ class Worker(Measuring):
         if why is not None:
             raise RequestError(why)
 
+    def require_weights(self) -> None:
+        """RequestError where no weights are loaded: an adapter joins a node's layers (asked
+        before its body is read too: bodies of hundreds of MB had been read only to be refused)."""
+        if self.chunk is None:
+            raise RequestError("no weights loaded: an adapter comes after /init")
+
     def load_adapter(self, adapter: int, body: bytes) -> Dict[str, Any]:
         """POST /adapters/<id>: a low-rank adapter's A/B matrices for this worker's layers, as
         safetensors ("<layer>.lora_A" [r, in], "<layer>.lora_B" [out, r], scale folded in).
         It joins the weights held now, run in progress or not (a sample names it per frame),
         and goes with them: new weights (another /init) start with no adapter."""
         with self.lock:
-            chunk = self.chunk
-            if chunk is None:
-                raise RequestError("no weights loaded: an adapter comes after /init")
-            return hold_adapter(chunk, adapter, body, self._held_bytes(),
+            self.require_weights()
+            return hold_adapter(self.chunk, adapter, body, self._held_bytes(),
                                 *self._memory_limit(self.loaded.device if self.loaded else "cpu"))
 
     def drop_adapter(self, adapter: int) -> Dict[str, Any]:

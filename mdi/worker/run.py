@@ -58,7 +58,6 @@ class Run:
         self.batching = BatchCounter()
         self.max_batch = request.max_batch
         self.max_rows = request.max_rows
-        self.bad_frames = 0  # frames that passed the wire checks but not this node's (rows vs counts)
         self.inbox: Deque[Frame] = deque()  # frames read ahead of the one in hand, in arrival order
         self.latest_epoch: Dict[int, int] = {}  # slot -> the latest pass epoch seen for it
         self.passes_cancelled = 0  # stale speculative passes dropped here unrun
@@ -282,9 +281,9 @@ class Run:
         """Only the last node cuts rows: a frame cut before it cannot be computed on. Checked
         before merging, so a bad frame is dropped alone, never with the frames merged with it."""
         if frame.tensor is not None and frame.tensor.shape[0] != sum(frame.count):
-            self.bad_frames += 1
-            log.warning("dropped a %s frame of %d rows for %d tokens", frame.kind, frame.tensor.shape[0],
-                        sum(frame.count))
+            # counted and said as the transport's drops are: its node named, a flood summed up
+            self.endpoint.dropped_after_decode("a %s frame of %d rows for %d tokens (only the last node cuts rows)"
+                                               % (frame.kind, frame.tensor.shape[0], sum(frame.count)))
             return False
         return True
 

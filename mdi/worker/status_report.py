@@ -36,7 +36,7 @@ def status_reply(state: WorkerState, port: int, runs_served: int, threads: int, 
         ep = run.endpoint
         reply.counters = NodeCounters(frames_received=ep.frames_received, frames_done=run.frames_done,
                                       compute_seconds=round(run.compute_seconds, 6),
-                                      bad_frames=ep.bad_frames + run.bad_frames,
+                                      bad_frames=ep.bad_frames,
                                       last_bad_frame=ep.last_error, batching=run.batching,
                                       passes_cancelled=run.passes_cancelled, rows_cancelled=run.rows_cancelled,
                                       pass_seconds=run.pass_seconds, **ep.traffic())
