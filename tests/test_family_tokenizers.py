@@ -191,7 +191,7 @@ def _write_hf_dir(path, family, tk):
     return path
 
 
-def _write_gguf(path, tk, pre, bos, eos, add_bos=None, pad_to=None, padding=None, template=None):
+def _write_gguf(path, tk, pre, bos, eos, add_bos=None, pad_to=None, padding=None, template=None, add_eos=None):
     """The tokenizer as llama.cpp's convert_hf_to_gguf.py writes a "gpt2" vocabulary: tokens in id
     order (byte-level spelling), added special tokens CONTROL (3), other added tokens USER_DEFINED
     (4), the vocabulary padded to the embedding size with [PADn] UNUSED (5) tokens."""
@@ -205,7 +205,7 @@ def _write_gguf(path, tk, pre, bos, eos, add_bos=None, pad_to=None, padding=None
         types.append(5)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     write_tokenizer_gguf(path, "gpt2", tokens, merges, types, pre=pre, bos=bos, eos=eos, template=template,
-                         add_bos=add_bos, padding=padding)
+                         add_bos=add_bos, padding=padding, add_eos=add_eos)
     return path
 
 
@@ -360,9 +360,10 @@ def test_gguf_matches_tokenizer_json(family):
     name, _, hf_dir, gguf_path = family
     ours, hf = tokenizer_from_gguf(gguf_path), tokenizer_from_hf_dir(hf_dir)
     for text in TEXTS + ["Cafe\u0301 n\u0303"]:
-        assert ours.encode(text) == hf.encode(text), text
-        want = unicodedata.normalize("NFC", text) if name == "qwen2" else text
-        assert ours.decode(_body(ours, ours.encode(text))) == want
+        # but for Qwen2's NFC normalizer: llama.cpp reads a GGUF's text as it is
+        want = ours.encode(unicodedata.normalize("NFC", text)) if name == "qwen2" else ours.encode(text)
+        assert want == hf.encode(text), text
+        assert ours.decode(_body(ours, ours.encode(text))) == text
 
 
 def test_gguf_metadata(family):
@@ -418,3 +419,30 @@ def test_gguf_unknown_pre_is_an_error(pre, tmp_path):
 def test_gguf_pre_names():
     for name in ("llama-bpe", "llama3", "qwen2", "smollm", "gpt-2", "default"):
         assert name in GGUF_PRE_TOKENIZERS
+
+
+def test_gguf_default_pre_tokenizer_is_llama_cpps(tmp_path):
+    """"default", or no tokenizer.ggml.pre (a GGUF converted before the key): llama.cpp's four
+    regexes, punctuation runs split off first, not GPT-2's one (whose "'t" had parted the ids)."""
+    tk = _build("llama3")
+    text = "Hello, world!! I don't 12345"
+    want = ["Hello", ",", " world", "!!", " I", " don", "'", "t", " ", "123", "45"]
+    for pre in ("default", None):
+        path = _write_gguf(str(tmp_path / ("%s.gguf" % pre)), tk, pre, None, tk.token_to_id("<|eot_id|>"),
+                           add_bos=False)
+        pieces = tokenizer_from_gguf(path).tk.pre_tokenizer.pre_tokenize_str(text)
+        assert [p for p, _ in pieces] == [w.replace(" ", "\u0120") for w in want], pre
+    gpt2 = _write_gguf(str(tmp_path / "gpt2.gguf"), tk, "gpt-2", None, tk.token_to_id("<|eot_id|>"), add_bos=False)
+    assert "'t" in [p for p, _ in tokenizer_from_gguf(gpt2).tk.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_gguf_add_eos_token_ends_a_prompt_with_eos(tmp_path):
+    tk = _build("llama3")
+    eot = tk.token_to_id("<|eot_id|>")
+    path = _write_gguf(str(tmp_path / "eos.gguf"), tk, "llama-bpe", tk.token_to_id("<|begin_of_text|>"), eot,
+                       add_eos=True)
+    tok = tokenizer_from_gguf(path)
+    ids = tok.encode("hi there")
+    assert ids[0] == tok.bos_id and ids[-1] == eot and tok.encode_plain("hi there") == ids[1:-1]
+    tok.save(str(tmp_path / "saved"))
+    assert load_tokenizer(str(tmp_path / "saved")).encode("hi there") == ids

@@ -296,6 +296,22 @@ def test_gguf_of_another_architecture_is_refused_naming_it(tmp_path):
         read_gguf(str(tmp_path / "g.gguf"))
 
 
+def test_one_part_of_a_split_gguf_is_refused_saying_how_to_merge_it(tmp_path):
+    # llama-gguf-split's first part holds the metadata and some tensors: read as a whole model it
+    # had failed on a missing tensor (and its later parts as "architecture None")
+    w = gguf.GGUFWriter(str(tmp_path / "m-00001-of-00003.gguf"), "llama")
+    w.add_uint16("split.no", 0)
+    w.add_uint16("split.count", 3)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"split into 3 files .*llama-gguf-split --merge"):
+        read_gguf(str(tmp_path / "m-00001-of-00003.gguf"))
+
+
 @pytest.mark.parametrize("extra, match", [
     (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0),
                 w.add_rope_scaling_orig_ctx_len(32)),

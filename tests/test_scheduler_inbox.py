@@ -105,3 +105,32 @@ def test_ring_states_serialize_as_the_strings_they_were():
         assert s == s.value and str(s) == s.value and "%s" % s == s.value and f"{s}" == s.value
         assert json.dumps({"state": s}) == json.dumps({"state": s.value})
     assert "the ring is %s" % RingState.DOWN == "the ring is down"
+
+
+def test_an_unloading_adapter_also_waits_for_a_mix_made_with_it_while_it_drained():
+    # DELETE of adapter 1 while a client asks for a new mix of it (id 7): the mix's request was
+    # admitted after the unload had listed its ids, ran on, and the removal (which drops every
+    # mix with it) then failed the whole ring. Every look now asks for the ids again.
+    sched = Scheduler.__new__(Scheduler)
+    sched._waiting, sched._closing = [], set()
+    sched._running = {"x": SimpleNamespace(adapter=1)}  # a long request on the adapter, ending at look 2
+    sched._inbox = SimpleNamespace(put=lambda message: message.call.fn() if isinstance(message, Call) else None)
+    sched._dequeued = lambda: None
+    sched._finish = lambda req, reason, error=None: None
+    mix_made, looks, removed_at = [False], [], []
+
+    def between_steps(fn, timeout):
+        looks.append(len(looks) + 1)
+        value = fn()
+        if len(looks) == 1:  # the mix is made and its request admitted between two looks
+            mix_made[0] = True
+            sched._running["mix"] = SimpleNamespace(adapter=7)
+        elif len(looks) == 2:
+            del sched._running["x"]
+        elif len(looks) == 3:
+            del sched._running["mix"]  # it ends
+        return value
+    sched.between_steps = between_steps
+    sched.unload_adapter(lambda: [1] + ([7] if mix_made[0] else []), lambda: removed_at.append(len(looks)), 5.0)
+    assert removed_at == [4]  # not while the mix's request ran
+    assert sched._closing == set()  # served again (here: unknown) once gone

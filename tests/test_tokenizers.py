@@ -235,7 +235,7 @@ def test_smol_transformers_adds_no_bos(smol, smol_transformers):
 
 
 def write_tokenizer_gguf(path, model, tokens, merges=None, types=None, pre=None, bos=None, eos=None, template=None,
-                         add_bos=False, padding=None):
+                         add_bos=False, padding=None, add_eos=None):
     """A GGUF holding only tokenizer metadata, as llama.cpp writes it (add_bos None: no key)."""
     import gguf
 
@@ -255,6 +255,8 @@ def write_tokenizer_gguf(path, model, tokens, merges=None, types=None, pre=None,
         w.add_pad_token_id(padding)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     if template:
         w.add_chat_template(template)
     w.write_header_to_file()

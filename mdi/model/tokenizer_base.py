@@ -27,7 +27,7 @@ class Tokenizer:
 
     def __init__(self, vocab_size: int, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
                  add_bos: bool = False, chat_template: Optional[str] = None,
-                 stop_ids: Optional[Sequence[int]] = None) -> None:
+                 stop_ids: Optional[Sequence[int]] = None, add_eos: bool = False) -> None:
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -41,6 +41,11 @@ class Tokenizer:
         self.chat_template = chat_template
         if self.add_bos and bos_id is None:
             raise TokenizerError("add_bos is set but the %s tokenizer has no BOS token" % self.kind)
+        # EOS after a prompt (a GGUF's tokenizer.ggml.add_eos_token, as llama.cpp's tokenizing
+        # with add_special: llama-simple's prompt ends with it)
+        self.add_eos = bool(add_eos)
+        if self.add_eos and eos_id is None:
+            raise TokenizerError("add_eos is set but the %s tokenizer has no EOS token" % self.kind)
 
     @property
     def end_ids(self) -> List[int]:
@@ -49,10 +54,13 @@ class Tokenizer:
 
     def encode(self, text: str) -> List[int]:
         ids = self._encode(text)
-        if not self.add_bos:
-            return ids
-        assert self.bos_id is not None  # __init__ refuses add_bos without a BOS token
-        return [self.bos_id] + ids
+        if self.add_bos:
+            assert self.bos_id is not None  # __init__ refuses add_bos without a BOS token
+            ids = [self.bos_id] + ids
+        if self.add_eos:
+            assert self.eos_id is not None  # and add_eos without EOS
+            ids = ids + [self.eos_id]
+        return ids
 
     def encode_plain(self, text: str) -> List[int]:
         """The ids of `text` alone, no BOS: a piece of a longer text encoded piece by piece."""
@@ -85,7 +93,7 @@ class Tokenizer:
         before it is tokenized: tokenizing a 1 MiB prompt only to refuse it took seconds and
         ~120 MB that glibc kept (16 at once left a server 2 GB larger)."""
         if max_tokens is not None:
-            at_least = self.fewest_tokens(text) + (1 if self.add_bos else 0)
+            at_least = self.fewest_tokens(text) + self.add_bos + self.add_eos
             if at_least > max_tokens:
                 raise PromptTooLong(at_least, max_tokens)
         ids = self.encode(text)
@@ -111,6 +119,8 @@ class Tokenizer:
                 "add_bos": self.add_bos, "chat_template": self.chat_template}
         if self.stop_ids:
             meta["stop_ids"] = self.stop_ids
+        if self.add_eos:  # (absent, as in files written before it)
+            meta["add_eos"] = True
         write_json(os.path.join(model_dir, META_FILE), meta)
 
     def __repr__(self) -> str:

@@ -225,7 +225,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     kind = meta.pop("kind", None)
     if kind not in KINDS:
         raise TokenizerError("unknown tokenizer kind %r in %s" % (kind, meta_path))
-    unknown = sorted(set(meta) - {"bos_id", "eos_id", "add_bos", "chat_template", "stop_ids"})
+    unknown = sorted(set(meta) - {"bos_id", "eos_id", "add_bos", "add_eos", "chat_template", "stop_ids"})
     if unknown:
         raise TokenizerError("unknown keys in %s: %s" % (meta_path, ", ".join(unknown)))
     path = os.path.join(model_dir, KIND_FILES[kind])

@@ -13,8 +13,14 @@ from mdi.ring.body_limits import MAX_ADAPTER_BYTES  # noqa: E402,F401  (named fr
 MAX_RANK = 4096
 
 
+class AdapterTooLarge(ValueError):
+    """Matrices a worker would refuse by their size alone (MAX_ADAPTER_BYTES)."""
+
+
 def adapter_body(weights: Mapping[str, Tuple[Any, Any]]) -> bytes:
-    """The body of (A, B) pairs (numpy arrays or torch tensors), in float32."""
+    """The body of (A, B) pairs (numpy arrays or torch tensors), in float32; AdapterTooLarge
+    past what a worker takes (a mix of two rank-256 adapters had been read, fused and sent
+    only to be refused by the worker, as a 502)."""
     from safetensors.numpy import save as safetensors_save
 
     from mdi.model.sampling import host_array
@@ -22,6 +28,11 @@ def adapter_body(weights: Mapping[str, Tuple[Any, Any]]) -> bytes:
     for name, (a, b) in weights.items():
         tensors[name + ".lora_A"] = np.ascontiguousarray(host_array(a))
         tensors[name + ".lora_B"] = np.ascontiguousarray(host_array(b))
+    nbytes = sum(t.nbytes for t in tensors.values())
+    if nbytes > MAX_ADAPTER_BYTES:
+        raise AdapterTooLarge("its matrices for these layers are %.1f MB, over the %d MB an adapter body may take "
+                              "(a lower rank, fewer adapters in a mix, or more workers)"
+                              % (nbytes / 2 ** 20, MAX_ADAPTER_BYTES >> 20))
     return safetensors_save(tensors)
 
 

@@ -128,7 +128,8 @@ class AdapterControl:
         try:
             # Requests naming it are refused from now on, those running finish, then it leaves
             # every node between two steps of the ring (Scheduler.unload_adapter).
-            self.sched.unload_adapter(ids, lambda: self.sched.engine_up().remove_adapter(name), UNLOAD_WAIT_S)
+            self.sched.unload_adapter(lambda: self.sched.engine_up().adapter_and_mixes(name),
+                                      lambda: self.sched.engine_up().remove_adapter(name), UNLOAD_WAIT_S)
         except SchedulerError as e:  # busy for too long: it stays loaded
             raise ApiError(e.status, "adapter %r: %s" % (name, e), kind="server_error" if e.status >= 500
                            else "invalid_request_error")

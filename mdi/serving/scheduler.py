@@ -43,7 +43,6 @@ REOPEN_DELAY = 5.0  # seconds between attempts to rebuild a failed ring
 
 log = logging.getLogger(__name__)
 
-
 ADAPTER_CLOSING = "its adapter is being unloaded"
 DRAIN_POLL_S = 0.05  # between looks at the requests an unloading adapter still runs
 
@@ -100,35 +99,39 @@ class Scheduler:
         for req in reqs:
             self._inbox.put(Submit(req))
 
-    def unload_adapter(self, ids: Sequence[int], remove: Callable[[], Any], timeout: float) -> None:
-        """Unload an adapter (and its mixes: `ids`) without failing anyone else's request: from
-        now on requests naming them are refused (waiting ones at once), those running finish,
-        then `remove` runs between two steps, so no request can start on a half-removed adapter
-        (a ring that met one failed every user's request). AdapterBusy when the requests running
-        with it outlast `timeout`; the adapter is then served again."""
-        closing = set(ids)
-        self.between_steps(lambda: self._close(closing), timeout)
+    def unload_adapter(self, ids: Callable[[], Sequence[int]], remove: Callable[[], Any], timeout: float) -> None:
+        """Unload an adapter (and its mixes: `ids()`, asked at every look: a mix made while it drained
+        had run on, and its removal failed the ring) failing no other request: requests naming them are
+        refused, those running finish, then `remove` runs between two steps. AdapterBusy when those
+        outlast `timeout`; the adapter is then served again."""
+        closing: Set[int] = set()
+
+        def remove_if_idle() -> bool:  # between two steps
+            new = set(ids()) - closing
+            closing.update(new)
+            self._close(new)
+            if any(r.adapter in closing for r in self._running.values()):
+                return False
+            remove()
+            return True
         try:
             deadline = time.monotonic() + timeout
-            while self.between_steps(lambda: any(r.adapter in closing for r in self._running.values()), timeout):
+            while not self.between_steps(remove_if_idle, timeout):
                 if time.monotonic() > deadline:
                     raise AdapterBusy("requests using it ran for more than %.0f s; try again" % timeout)
                 time.sleep(DRAIN_POLL_S)
-            self.between_steps(remove, timeout)
         finally:
             self._inbox.put(Call(SchedulerCall(lambda: self._closing.difference_update(closing))))
 
     def evict_idle(self, candidates: Sequence[int], remove: Callable[[int], Any], timeout: float) -> Optional[int]:
-        """Between two steps, `remove` the first of `candidates` (adapter ids) that no waiting
-        or running request names, and return it; None when each is in use. A request given the
-        id just before is refused at admission ("its adapter was unloaded"), never run on it."""
+        """Between two steps, `remove` the first of `candidates` (adapter ids) no waiting or running request
+        names, and return it (None: each is in use); one given it just before is refused at admission."""
         def pick() -> Optional[int]:
             busy = {r.adapter for r in self._waiting} | {r.adapter for r in self._running.values()}
-            for adapter in candidates:
-                if adapter not in busy:
-                    remove(adapter)
-                    return adapter
-            return None
+            adapter = next((a for a in candidates if a not in busy), None)
+            if adapter is not None:
+                remove(adapter)
+            return adapter
         return self.between_steps(pick, timeout)
 
     def _unavailable(self) -> Unavailable:
@@ -149,10 +152,9 @@ class Scheduler:
             self._finish(req, FinishReason.ERROR, ADAPTER_CLOSING)
 
     def between_steps(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run `fn` on the scheduler thread between two steps, where no request is admitted
-        meanwhile and the waiting and running requests are exactly known; its result, or its
-        exception raised here. SchedulerError (503) when it did not start within `timeout`
-        (it then never runs) or did not end within `timeout` more."""
+        """Run `fn` on the scheduler thread between two steps (no request admitted meanwhile, the waiting
+        and running ones exactly known); its result, or its exception raised here. SchedulerError (503)
+        when it did not start within `timeout` (it then never runs) or did not end within `timeout` more."""
         if not self.alive:
             raise Unavailable("the scheduler has stopped")
         call = SchedulerCall(fn)
@@ -201,9 +203,7 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        """Requests admitted to the ring and not finished: counted from admission, so a first
-        token already streamed is always counted (a pass is briefly out of the pipeline's
-        table while its token is handled)."""
+        """Requests admitted and not finished (from admission: a pass briefly leaves the pipeline's table)."""
         return len(self._running)
 
     # --- the scheduler thread --------------------------------------------------------

@@ -70,9 +70,13 @@ class RuntimeAdapters:
         if adapter.kind == "prompt" and adapter.n_virtual >= self.plan.max_len:  # every request naming it would fail
             raise ConfigError("adapter %s: its soft prompt's %d virtual tokens leave no room in this run's context "
                               "of %d tokens" % (name, adapter.n_virtual, self.plan.max_len))
-        check_starter_adapter(name, adapter.nbytes(adapter.for_layers(self.chunk.first, self.chunk.last)),
-                              self.plan.budgets[0], self.starter_spare, self.prefix_bytes,
-                              self.adapters.held_bytes(self.chunk.first, self.chunk.last), starter_free_bytes(self.device))
+        # The starter holds every layer's matrices (AdapterSet: sent again after a re-plan or a
+        # recovery) and its own layers' copy in its chunk: both count (one had been counted).
+        first, last = self.chunk.first, self.chunk.last
+        held = self.adapters.held_bytes(0, self.source.config.n_layer) + self.adapters.held_bytes(first, last)
+        check_starter_adapter(name, adapter.nbytes() + adapter.nbytes(adapter.for_layers(first, last)),
+                              self.plan.budgets[0], self.starter_spare, self.prefix_bytes, held,
+                              starter_free_bytes(self.device))
         adapter_id = self.adapters.add(name, adapter, pending=True)
         try:
             if adapter.kind != "prompt":  # a soft prompt lives in the samples, on the starter alone

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 from mdi.model.files.gguf_write import remove_quietly
 from mdi.model.prefix_store import NodePrefixRoom
 from mdi.model.source import ModelSource
-from mdi.ring.adapter_request import adapter_body
+from mdi.ring.adapter_request import AdapterTooLarge, adapter_body
 from mdi.ring.auth import ring_password
 from mdi.ring.backend_request import BackendRequest
 from mdi.ring.init_request import DataPlane, InitRequest, PushedWeights, Weights
@@ -22,7 +22,7 @@ from mdi.ring.transport import RingEndpoint, RingTimeout
 from mdi.ring.wire import GENERATION_KINDS, Frame, FrameKind, decode
 from mdi.starter.control import ControlClient, NodeError, NodeRegistry, NodeTimeout, NodeUnreachable, silenced
 from mdi.starter.node_report import NodeReport, worker_report
-from mdi.starter.planning.run_plan import RunPlan
+from mdi.starter.planning.run_plan import RunPlan, backend_request
 from mdi.starter.unread_settings import warn_unread_settings
 from mdi.system.files import sha256_file
 from mdi.system.parallel import run_all
@@ -37,24 +37,6 @@ def status_timeout(heartbeat_interval: float) -> float:
     """How long one /status poll waits: two heartbeat intervals, and never less than
     STATUS_TIMEOUT_MIN_S, so that a busy board is not taken for a hung one."""
     return max(STATUS_TIMEOUT_MIN_S, 2 * heartbeat_interval)
-
-
-def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: bool = False) -> BackendRequest:
-    """POST /backend for a worker of `plan` (its NodePlan `node`): what it may compute its layers
-    with, auto measured there (the ring session and --check ask it alike)."""
-    cfg = plan.cfg
-    first, last = node.layers
-    # a node that reads its own weights file (`weights:`) computes what that file holds: a
-    # safetensors chunk (mdi-prepare --chunks) is torch's alone, whatever the model's GGUF
-    own = node.spec.weights
-    gguf = source.gguf_path is not None and not (own and own.lower().endswith(".safetensors"))
-    return BackendRequest(
-        model=source.config, layers=[first, last], asked=cfg.backend_of(node.spec), device=cfg.device_of(node.spec),
-        dtype=cfg.model.dtype, threads=cfg.runtime.threads or None, rows=plan.max_batch,
-        gguf_types=source.gguf_types(first, last, False, False) if gguf else {},
-        quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
-        adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.prefill_weights_of(node.spec),
-        prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack)
 
 
 class RingSession:
@@ -190,8 +172,14 @@ class RingSession:
     def send_adapter(self, adapter: int, adapters: Any) -> None:
         """One adapter, loaded while the ring runs, to every worker: its layers' matrices, or
         none where it leaves them alone (the id must still be known there)."""
-        for client, (first, last) in zip(self.clients, (n.layers for n in self.plan.workers)):
-            client.post_adapter(adapter, adapter_body(adapters.one_for_layers(adapter, first, last)))
+        bodies = []
+        for node in self.plan.workers:  # every body made before any worker takes one
+            try:
+                bodies.append(adapter_body(adapters.one_for_layers(adapter, *node.layers)))
+            except AdapterTooLarge as e:
+                raise NodeError("node %s: adapter %d: %s" % (node.name, adapter, e), node.name, 413) from None
+        for client, body in zip(self.clients, bodies):
+            client.post_adapter(adapter, body)
 
     def drop_adapter(self, adapter: int) -> None:
         for client in self.clients:

@@ -192,7 +192,9 @@ class Worker(Measuring):
         and goes with them: new weights (another /init) start with no adapter."""
         with self.lock:
             self.require_weights()
-            return hold_adapter(self.chunk, adapter, body, self._held_bytes(),
+            # the prefix cache's budget is half the spare, "so kernels and adapters keep the other half"
+            prefix = self.run.prefix.stats.budget_bytes if self.run is not None and self.run.prefix is not None else 0
+            return hold_adapter(self.chunk, adapter, body, self._held_bytes() + prefix,
                                 *self._memory_limit(self.loaded.device if self.loaded else "cpu"))
 
     def drop_adapter(self, adapter: int) -> Dict[str, Any]:

@@ -19,6 +19,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -239,10 +241,16 @@ def save_peft_adapter(path: str, config: ModelConfig, spec: LoraSpec,
 
     from mdi.model.adapters.adapter_files import CONFIG_FILE, WEIGHTS_FILE
     os.makedirs(path, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".partial-", dir=path)  # renamed into place once whole
     tensors = {}
     for key, (a, b) in pairs.items():
         tensors[peft_tensor_name(config, key, "A")] = a.detach().float().contiguous().cpu()
         tensors[peft_tensor_name(config, key, "B")] = b.detach().float().contiguous().cpu()
-    save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(peft_config(config, spec, base), f, indent=2, sort_keys=True)
+    try:
+        save_file(tensors, os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(staging, CONFIG_FILE), "w") as f:
+            json.dump(peft_config(config, spec, base), f, indent=2, sort_keys=True)
+        os.replace(os.path.join(staging, WEIGHTS_FILE), os.path.join(path, WEIGHTS_FILE))
+        os.replace(os.path.join(staging, CONFIG_FILE), os.path.join(path, CONFIG_FILE))  # last: a reader's marker
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

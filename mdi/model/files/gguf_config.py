@@ -76,6 +76,10 @@ def gemma3_attn_scale(n_embd: int, n_head: int, head_dim: int, n_layer: int) -> 
 def read_gguf_model(reader: GGUFFile, path: str, read_floats: Optional[Any] = None) -> GgufModel:
     """The model a GGUF's metadata and tensor list describe. `read_floats(tensor)`: a float
     tensor's values as a flat list (Llama 3's rope_freqs); None reads them with numpy."""
+    parts = gguf_value(reader, "split.count")
+    if parts not in (None, 0, 1):  # (its other parts lack the metadata: named as no architecture)
+        raise CheckpointError("%s: one part of a GGUF split into %s files (llama-gguf-split): mdi reads one file; "
+                              "merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf" % (path, parts))
     arch = gguf_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError("%s: GGUF general.architecture %r is not supported (only %s)"
@@ -187,6 +191,10 @@ def rope_permuted(reader: GGUFFile, path: str) -> bool:
     """Whether a GGUF's q/k rows are in llama.cpp's interleaved RoPE layout (its architecture's
     converter permuted them), read off general.architecture alone: a node's part of a model
     pushed to it has no embedding to read a whole config from."""
+    parts = gguf_value(reader, "split.count")
+    if parts not in (None, 0, 1):  # (its other parts lack the metadata: named as no architecture)
+        raise CheckpointError("%s: one part of a GGUF split into %s files (llama-gguf-split): mdi reads one file; "
+                              "merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf" % (path, parts))
     arch = gguf_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError("%s: GGUF general.architecture %r is not supported (only %s)"

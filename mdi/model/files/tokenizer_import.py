@@ -2,7 +2,8 @@
 tokenizer.model with tokenizer_config.json) or the vocabulary embedded in a GGUF file, the way
 transformers builds it, so both give the same ids. A GGUF "gpt2" (byte-level BPE) vocabulary gets
 the pre-tokenizer its `tokenizer.ggml.pre` names (Llama 3: "llama-bpe", Qwen2/2.5/3: "qwen2", SmolLM:
-"smollm", ...), so it tokenizes as the model's tokenizer.json does; an unknown name is an error. A
+"smollm", ...), so it tokenizes as llama.cpp does (the model's tokenizer.json's ids, less its
+normalizer); an unknown name is an error. A
 GGUF "llama" (SentencePiece) vocabulary (Gemma 3, Llama 2, TinyLlama) tokenizes as llama.cpp's
 `llm_tokenizer_spm` does."""
 import os
@@ -30,21 +31,29 @@ _QWEN2_SPLIT = (
 
 class GGUFPre(NamedTuple):
     """How one `tokenizer.ggml.pre` value tokenizes."""
-    split: Optional[str] = None  # regex split before ByteLevel(use_regex=False); None: GPT-2's regex
+    # regex splits before ByteLevel(use_regex=False), each splitting the last one's pieces (several:
+    # llama.cpp's "default"); none: GPT-2's regex
+    splits: Tuple[str, ...] = ()
     digits: bool = False  # every digit its own pre-token first (SmolLM's tokenizer.json: Digits + ByteLevel)
-    nfc: bool = False  # NFC normalizer (Qwen2/2.5/3 tokenizer.json; llama.cpp does not normalize)
     ignore_merges: bool = False  # a pre-token that is a whole vocabulary entry is that token (tiktoken, Llama 3)
     add_bos: bool = False  # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
 
 
 _GPT2_PRE = GGUFPre()
-_LLAMA3_PRE = GGUFPre(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)  # llama.cpp's LLAMA3 pre type
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT (src/llama-vocab.cpp), for "default" and a file without
+# the key (converted before it existed): punctuation runs split off first, then GPT-2-like words
+# (GPT-2's one regex had given "!!" where llama.cpp gives "!", "!")
+_DEFAULT_PRE = GGUFPre(splits=(r"[\p{P}\$\+<=>\^~\|]+",
+                               r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                               r"\p{N}+", r"[0-9][0-9][0-9]"))
+_LLAMA3_PRE = GGUFPre((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)  # llama.cpp's LLAMA3 pre type
 GGUF_PRE_TOKENIZERS: Dict[str, GGUFPre] = {
-    "default": _GPT2_PRE, "gpt-2": _GPT2_PRE, "phi-2": _GPT2_PRE,
+    "default": _DEFAULT_PRE, "gpt-2": _GPT2_PRE, "phi-2": _GPT2_PRE,
     "smollm": GGUFPre(digits=True),
     "llama3": _LLAMA3_PRE, "llama-v3": _LLAMA3_PRE, "llama-bpe": _LLAMA3_PRE, "falcon3": _LLAMA3_PRE,
-    "dbrx": GGUFPre(_LLAMA3_SPLIT), "smaug-bpe": GGUFPre(_LLAMA3_SPLIT),
-    "qwen2": GGUFPre(_QWEN2_SPLIT, nfc=True), "deepseek-r1-qwen": GGUFPre(_QWEN2_SPLIT),
+    "dbrx": GGUFPre((_LLAMA3_SPLIT,)), "smaug-bpe": GGUFPre((_LLAMA3_SPLIT,)),
+    # no NFC for Qwen2 here, though its tokenizer.json has one: llama.cpp normalizes nothing
+    "qwen2": GGUFPre((_QWEN2_SPLIT,)), "deepseek-r1-qwen": GGUFPre((_QWEN2_SPLIT,)),
 }
 # Tokens llama.cpp makes end-of-generation by their text (src/llama-vocab.cpp, special_eog_ids),
 # also making them control tokens whatever type the file gives them: Gemma 3's GGUF types "</s>"
@@ -66,10 +75,10 @@ LLAMA_CPP_FIM_TEXTS = {
 
 
 def gguf_pre_tokenizer(pre: Optional[str]) -> GGUFPre:
-    """The pre-tokenizer for a `tokenizer.ggml.pre` value (None, a file without the key: GPT-2's,
-    as llama.cpp's "default" and transformers do); an unknown name is an error, not a guess."""
+    """The pre-tokenizer for a `tokenizer.ggml.pre` value (None, a file without the key: llama.cpp's
+    "default", as llama.cpp reads it); an unknown name is an error, not a guess."""
     if pre is None:
-        return _GPT2_PRE
+        return _DEFAULT_PRE
     spec = GGUF_PRE_TOKENIZERS.get(pre)
     if spec is None:
         raise TokenizerError("unsupported GGUF pre-tokenizer tokenizer.ggml.pre %r (supported: %s)"
@@ -120,10 +129,10 @@ class NoGgufVocabulary(TokenizerError):
 
 def tokenizer_from_gguf(path: str) -> Tokenizer:
     """The tokenizer of a GGUF file. "llama" (SentencePiece): llama.cpp's tokenizer (mdi.model.spm_tokenizer).
-    "gpt2": the byte-level BPE tokenizer, built as the model's own tokenizer.json tokenizes (the
-    pre-tokenizer `tokenizer.ggml.pre` names; ids equal transformers'
-    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` except where that ignores what the name
-    implies: Llama 3's ignore_merges and Qwen2's NFC)."""
+    "gpt2": the byte-level BPE tokenizer, built as llama.cpp tokenizes it (the pre-tokenizer
+    `tokenizer.ggml.pre` names; ids equal the model's tokenizer.json's but for its normalizer, as
+    Qwen2's NFC, which llama.cpp does not apply; transformers' `gguf_file=` loader also drops
+    Llama 3's ignore_merges and reads a missing name as GPT-2's)."""
     md = _gguf_metadata(path)
     model = md.get("tokenizer.ggml.model")
     if model in (None, "none", "no_vocab"):  # (mdi writes a model directory's GGUF with no vocabulary of its own)
@@ -160,6 +169,7 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
     # llama.cpp's end-of-generation set: EOS plus the end-of-turn / end-of-message ids it names.
     return HFTokenizer(tk, bos_id=ids["bos"], eos_id=ids["eos"], add_bos=bool(add_bos),
+                       add_eos=bool(md.get("tokenizer.ggml.add_eos_token")),
                        chat_template=md.get("tokenizer.chat_template"),
                        stop_ids=_llama_cpp_stops(md, tokens, _llama_cpp_eog(tokens)))
 
@@ -218,6 +228,7 @@ def _spm_tokenizer_from_gguf(path: str, md: Dict[str, Any], tokens: List[str]) -
                         add_space_prefix=True if add_prefix is None else bool(add_prefix), unknown_id=ids["unknown"],
                         bos_id=ids["bos"], eos_id=ids["eos"],
                         add_bos=(True if add_bos is None else bool(add_bos)) and ids["bos"] is not None,
+                        add_eos=bool(md.get("tokenizer.ggml.add_eos_token")) and ids["eos"] is not None,
                         chat_template=md.get("tokenizer.chat_template"), stop_ids=stops)
 
 
@@ -252,7 +263,7 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
     GGUF conversion: GPT2Tokenizer's BPE + ByteLevel pre-tokenizer/decoder, control tokens as
     special added tokens, user-defined ones as plain added tokens; the pre-tokenizer, normalizer
     and ignore_merges are those `pre` (tokenizer.ggml.pre) names (`gguf_pre_tokenizer`)."""
-    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
     from tokenizers import Tokenizer as HFTok
     from tokenizers.models import BPE
 
@@ -271,14 +282,12 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], token_types: Se
         why = str(e).splitlines()[0].replace("Error while initializing BPE: ", "")[:300]
         raise TokenizerError("GGUF tokenizer.ggml.merges do not fit the %d tokenizer.ggml.tokens (%s)"
                              % (len(tokens), why)) from None
-    if spec.nfc:
-        tk.normalizer = normalizers.NFC()
     steps: List[Any] = []
     if spec.digits:
         steps.append(pre_tokenizers.Digits(individual_digits=True))
-    if spec.split is not None:
-        steps += [pre_tokenizers.Split(Regex(spec.split), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    if spec.splits:
+        steps += [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.splits]
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     else:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False))
     tk.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)

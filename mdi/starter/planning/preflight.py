@@ -10,9 +10,8 @@ from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
 from mdi.starter.planning.capacity import MB, TORCH_BESIDE_BUDGET_BYTES, starter_free_bytes
 from mdi.starter.planning.planner import format_plan
-from mdi.starter.planning.run_plan import plan_run
+from mdi.starter.planning.run_plan import backend_request, plan_run
 from mdi.starter.planning.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
-from mdi.starter.session import backend_request
 from mdi.system.cpu import cpu_info, isa_text
 from mdi.model.backend_select import device_unusable
 from mdi.system.memory import LOAD_HEADROOM_BYTES

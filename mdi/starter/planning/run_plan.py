@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 from mdi.model.layout import QuantSpec, torch_dtype
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
+from mdi.ring.backend_request import BackendRequest
 from mdi.ring.init_request import MAX_ROWS
 from mdi.runconfig import NodeSpec, RunConfig
 from mdi.runconfig.nodes import AUTO_LAYERS
@@ -243,3 +244,21 @@ def _node_plans(cfg: RunConfig, source: ModelSource, nodes: Sequence[NodeSpec],
 def _budgets(memory: RunMemory, nodes: Sequence[NodePlan], n_slots: int) -> Tuple[NodeBudget, ...]:
     """Every node's budget, ring order; the starter's (first) with its ends and the draft model."""
     return tuple(memory.budget(n.name, n.layers, n.quant, n_slots, i == 0) for i, n in enumerate(nodes))
+
+
+def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: bool = False) -> BackendRequest:
+    """POST /backend for a worker of `plan` (its NodePlan `node`): what it may compute its layers
+    with, auto measured there (the ring session and --check ask it alike)."""
+    cfg = plan.cfg
+    first, last = node.layers
+    # a node that reads its own weights file (`weights:`) computes what that file holds: a
+    # safetensors chunk (mdi-prepare --chunks) is torch's alone, whatever the model's GGUF
+    own = node.spec.weights
+    gguf = source.gguf_path is not None and not (own and own.lower().endswith(".safetensors"))
+    return BackendRequest(
+        model=source.config, layers=[first, last], asked=cfg.backend_of(node.spec), device=cfg.device_of(node.spec),
+        dtype=cfg.model.dtype, threads=cfg.runtime.threads or None, rows=plan.max_batch,
+        gguf_types=source.gguf_types(first, last, False, False) if gguf else {},
+        quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
+        adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.prefill_weights_of(node.spec),
+        prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack)
