@@ -62,7 +62,8 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quant: bool = 
     model = read_gguf_model(reader, path, lambda t: _load_tensor(path, t, False, None).reshape(-1).tolist())
     config, arch = model.config, model.arch
     if arch not in TORCH_ARCHITECTURES:
-        raise CheckpointError("%s: GGUF general.architecture %r is not supported by the torch backend (only %s)"
+        raise CheckpointError("%s: GGUF general.architecture %r is not supported by the torch backend (only %s); "
+                              "run the file itself with the ggml backend (--backend ggml), which computes it"
                               % (path, arch, ", ".join(TORCH_ARCHITECTURES)))
     tensors = {t.name: t for t in reader.tensors}
     check_present(path, node_tensors(config, 0, config.n_layer, True, True, rope_freqs="rope_freqs.weight" in tensors),

@@ -165,6 +165,10 @@ def tokenizer_from_gguf(path: str) -> Tokenizer:
     add_bos = md.get("tokenizer.ggml.add_bos_token")
     if add_bos is None:  # llama.cpp's default for this pre-tokenizer (Llama 3: yes), when there is a BOS
         add_bos = pre.add_bos and ids["bos"] is not None
+    for key, on in (("bos", add_bos), ("eos", md.get("tokenizer.ggml.add_eos_token"))):
+        if on and ids[key] is None:
+            raise TokenizerError("GGUF tokenizer.ggml.add_%s_token is set but %s names no tokenizer.ggml.%s_token_id"
+                                 % (key, path, key))
     # EOS is the file's tokenizer.ggml.eos_token_id: llama.cpp's converter takes it from the
     # model's tokenizer_config.json, so an instruct model's is its end of turn (<|eot_id|>, <|im_end|>).
     # llama.cpp's end-of-generation set: EOS plus the end-of-turn / end-of-message ids it names.
