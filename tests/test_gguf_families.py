@@ -284,32 +284,25 @@ def llama_dir(tmp_path_factory):
     return saved(tmp_path_factory.mktemp("llama"), hf_llama_wide)
 
 
-def test_gguf_of_another_architecture_is_refused_naming_it(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(CheckpointError, match=r"g\.gguf: GGUF general\.architecture 'gemma2' is not supported"):
-        read_gguf(str(tmp_path / "g.gguf"))
-
-
-def test_one_part_of_a_split_gguf_is_refused_saying_how_to_merge_it(tmp_path):
+@pytest.mark.parametrize("arch, split, match", [
+    ("gemma2", None, r"g\.gguf: GGUF general\.architecture 'gemma2' is not supported"),
     # llama-gguf-split's first part holds the metadata and some tensors: read as a whole model it
     # had failed on a missing tensor (and its later parts as "architecture None")
-    w = gguf.GGUFWriter(str(tmp_path / "m-00001-of-00003.gguf"), "llama")
-    w.add_uint16("split.no", 0)
-    w.add_uint16("split.count", 3)
+    ("llama", 3, r"g\.gguf: one part of a GGUF split into 3 files .*llama-gguf-split --merge"),
+])
+def test_a_gguf_mdi_cannot_read_is_refused_saying_why(tmp_path, arch, split, match):
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
+    if split:
+        w.add_uint16("split.no", 0)
+        w.add_uint16("split.count", split)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CheckpointError, match=r"split into 3 files .*llama-gguf-split --merge"):
-        read_gguf(str(tmp_path / "m-00001-of-00003.gguf"))
+    with pytest.raises(CheckpointError, match=match):
+        read_gguf(str(tmp_path / "g.gguf"))
 
 
 @pytest.mark.parametrize("extra, match", [

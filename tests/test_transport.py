@@ -22,6 +22,14 @@ def endpoint(name, bind_port, next_port):
     return ep
 
 
+def pusher(port):
+    """A third party's socket sending to an endpoint's port."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect("tcp://127.0.0.1:%d" % port)
+    return sock
+
+
 def numbered(i):
     """A decode frame whose position is its sequence number and whose tensor repeats it."""
     return Frame("decode", 7, [i % 4], [i], [1], torch.full((1, HIDDEN), float(i)))
@@ -36,9 +44,7 @@ def test_frames_arrive_in_order_whether_the_receiver_waits_or_computes():
     a_port, b_port = free_ports(2)
     a, b = endpoint("a", a_port, b_port), endpoint("b", b_port, a_port)
     # A third party sends malformed messages to b in between: dropped and counted, never delivered.
-    intruder = zmq.Context.instance().socket(zmq.PUSH)
-    intruder.setsockopt(zmq.LINGER, 0)
-    intruder.connect("tcp://127.0.0.1:%d" % b_port)
+    intruder = pusher(b_port)
     rng = random.Random(3)
     try:
         sent = got = bad = 0
@@ -185,9 +191,7 @@ def test_a_flood_of_garbage_is_refused_in_a_few_lines_naming_its_sender(caplog):
     a_port, b_port = free_ports(2)
     a = endpoint("board1", a_port, b_port)
     b = endpoint("board2", b_port, a_port)
-    junk = zmq.Context.instance().socket(zmq.PUSH)
-    junk.setsockopt(zmq.LINGER, 0)
-    junk.connect("tcp://127.0.0.1:%d" % b_port)
+    junk = pusher(b_port)
     try:
         for _ in range(200):
             junk.send_multipart([b"not msgpack", b""])
@@ -214,9 +218,7 @@ def test_a_flood_of_garbage_is_refused_in_a_few_lines_naming_its_sender(caplog):
 def test_a_message_of_many_parts_is_dropped_unkept_and_recv_0_takes_what_waits():
     a_port, b_port = free_ports(2)
     a, b = endpoint("a", a_port, b_port), endpoint("b", b_port, a_port)
-    intruder = zmq.Context.instance().socket(zmq.PUSH)
-    intruder.setsockopt(zmq.LINGER, 0)
-    intruder.connect("tcp://127.0.0.1:%d" % b_port)
+    intruder = pusher(b_port)
     try:
         header, payload = encode(numbered(0))
         # A valid frame's two parts followed by 20,000 empty ones: dropped as one bad frame
