@@ -112,7 +112,7 @@ def test_an_unloading_adapter_also_waits_for_a_mix_made_with_it_while_it_drained
     # admitted after the unload had listed its ids, ran on, and the removal (which drops every
     # mix with it) then failed the whole ring. Every look now asks for the ids again.
     sched = Scheduler.__new__(Scheduler)
-    sched._waiting, sched._closing = [], set()
+    sched._waiting, sched.closing = [], set()
     sched._running = {"x": SimpleNamespace(adapter=1)}  # a long request on the adapter, ending at look 2
     sched._inbox = SimpleNamespace(put=lambda message: message.call.fn() if isinstance(message, Call) else None)
     sched._dequeued = lambda: None
@@ -133,4 +133,4 @@ def test_an_unloading_adapter_also_waits_for_a_mix_made_with_it_while_it_drained
     sched.between_steps = between_steps
     sched.unload_adapter(lambda: [1] + ([7] if mix_made[0] else []), lambda: removed_at.append(len(looks)), 5.0)
     assert removed_at == [4]  # not while the mix's request ran
-    assert sched._closing == set()  # served again (here: unknown) once gone
+    assert sched.closing == set()  # served again (here: unknown) once gone

@@ -28,12 +28,12 @@ def adapter_body(weights: Mapping[str, Tuple[Any, Any]]) -> bytes:
     for name, (a, b) in weights.items():
         tensors[name + ".lora_A"] = np.ascontiguousarray(host_array(a))
         tensors[name + ".lora_B"] = np.ascontiguousarray(host_array(b))
-    nbytes = sum(t.nbytes for t in tensors.values())
-    if nbytes > MAX_ADAPTER_BYTES:
+    body: bytes = safetensors_save(tensors)
+    if len(body) > MAX_ADAPTER_BYTES:  # (the whole body, as the worker counts it: its header too)
         raise AdapterTooLarge("its matrices for these layers are %.1f MB, over the %d MB an adapter body may take "
                               "(a lower rank, fewer adapters in a mix, or more workers)"
-                              % (nbytes / 2 ** 20, MAX_ADAPTER_BYTES >> 20))
-    return safetensors_save(tensors)
+                              % (len(body) / 2 ** 20, MAX_ADAPTER_BYTES >> 20))
+    return body
 
 
 def read_adapter_tensors(body: bytes, arrays: bool = False) -> Dict[str, Tuple[Any, Any]]:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Tuple
 from mdi.runconfig import ADAPTER_NAME, BASE_ADAPTER, ConfigError
 from mdi.serving.node_refusal import node_api_error
 from mdi.serving.admission import SchedulerError
-from mdi.serving.scheduler import Scheduler
+from mdi.serving.scheduler import ADAPTER_CLOSING, Scheduler
 from mdi.serving.served_files import ServedFiles, where
 from mdi.serving.validation import ApiError
 from mdi.starter.adapter_set import MixTableFull, StarterTooLarge
@@ -53,7 +53,10 @@ class AdapterControl:
                 entries.append((loaded[index][0], entry["scale"]))
             assert engine is not None  # every id indexed `loaded`, which is [] without an engine
             try:
-                return self._mix(engine, entries)
+                self._refuse_closing(entries)
+                mix = self._mix(engine, entries)
+                self._refuse_closing(entries)  # (a mix made as an unload began had run on, holding it up)
+                return mix
             except StarterTooLarge as e:  # no memory for the mix on the starter: 413
                 raise node_api_error(e, "lora")
             except ConfigError as e:
@@ -75,6 +78,10 @@ class AdapterControl:
         """The `model` an answer names: the adapter a request named by `model` (OpenAI echoes the
         model asked for, vLLM a LoRA's name), else the served model."""
         return fields["model"] if adapter and not fields["lora"] else self.model_id
+
+    def _refuse_closing(self, entries: List[Tuple[int, float]]) -> None:
+        if not frozenset(self.sched.closing).isdisjoint(a for a, _ in entries):
+            raise ApiError(503, ADAPTER_CLOSING, "lora", kind="server_error")
 
     def _mix(self, engine: EngineFace, entries: List[Tuple[int, float]]) -> int:
         """The mix's adapter id. With every mix in use, this request waits (up to MIX_WAIT_S) for

@@ -76,7 +76,7 @@ class Scheduler:
         self._next_index = 0
         self._thread: Optional[threading.Thread] = None
         self._adapters: Any = None  # the last engine's AdapterSet (kept across rebuilds)
-        self._closing: Set[int] = set()  # adapter ids being unloaded: their requests are refused
+        self.closing: Set[int] = set()  # adapter ids being unloaded: requests naming them are refused
         self.job: Any = None  # the training job beside serving (mdi.serving.train_job), its last one once ended
 
     # --- called from other threads ---------------------------------------------------
@@ -121,7 +121,7 @@ class Scheduler:
                     raise AdapterBusy("requests using it ran for more than %.0f s; try again" % timeout)
                 time.sleep(DRAIN_POLL_S)
         finally:
-            self._inbox.put(Call(SchedulerCall(lambda: self._closing.difference_update(closing))))
+            self._inbox.put(Call(SchedulerCall(lambda: self.closing.difference_update(closing))))
 
     def evict_idle(self, candidates: Sequence[int], remove: Callable[[int], Any], timeout: float) -> Optional[int]:
         """Between two steps, `remove` the first of `candidates` (adapter ids) no waiting or running request
@@ -145,7 +145,7 @@ class Scheduler:
         return engine
 
     def _close(self, ids: Set[int]) -> None:
-        self._closing |= ids
+        self.closing |= ids
         for req in [r for r in self._waiting if r.adapter in ids]:
             self._waiting.remove(req)
             self._dequeued()
@@ -283,7 +283,7 @@ class Scheduler:
         elif self.engine is None:
             self._finish(req, FinishReason.ERROR, self.error or "the ring is down")
             self._dequeued()
-        elif req.adapter in self._closing:
+        elif req.adapter in self.closing:
             self._finish(req, FinishReason.ERROR, ADAPTER_CLOSING)
             self._dequeued()
         else:

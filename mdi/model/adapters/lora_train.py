@@ -19,8 +19,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -234,23 +232,9 @@ def save_peft_adapter(path: str, config: ModelConfig, spec: LoraSpec,
                       pairs: Mapping[str, Tuple[torch.Tensor, torch.Tensor]], base: str) -> None:
     """Write `pairs` as a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors),
     which `peft` and mdi's `--adapter` / adapters: read (mdi.model.adapters.adapter_files)."""
-    import json
-    import os
-
-    from safetensors.torch import save_file
-
-    from mdi.model.adapters.adapter_files import CONFIG_FILE, WEIGHTS_FILE
-    os.makedirs(path, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".partial-", dir=path)  # renamed into place once whole
+    from mdi.model.adapters.adapter_files import write_adapter_files
     tensors = {}
     for key, (a, b) in pairs.items():
         tensors[peft_tensor_name(config, key, "A")] = a.detach().float().contiguous().cpu()
         tensors[peft_tensor_name(config, key, "B")] = b.detach().float().contiguous().cpu()
-    try:
-        save_file(tensors, os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
-        with open(os.path.join(staging, CONFIG_FILE), "w") as f:
-            json.dump(peft_config(config, spec, base), f, indent=2, sort_keys=True)
-        os.replace(os.path.join(staging, WEIGHTS_FILE), os.path.join(path, WEIGHTS_FILE))
-        os.replace(os.path.join(staging, CONFIG_FILE), os.path.join(path, CONFIG_FILE))  # last: a reader's marker
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    write_adapter_files(path, tensors, peft_config(config, spec, base))

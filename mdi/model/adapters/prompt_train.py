@@ -154,14 +154,9 @@ def prompt_config(config: ModelConfig, spec: PromptSpec, base: str) -> Dict:
 
 def save_prompt_adapter(path: str, config: ModelConfig, spec: PromptSpec, embeddings: torch.Tensor, base: str) -> None:
     """Write a PEFT prompt-tuning directory that `peft` and mdi's --adapter / adapters: read."""
-    from safetensors.torch import save_file
-
-    from mdi.model.adapters.adapter_files import CONFIG_FILE, WEIGHTS_FILE
-    os.makedirs(path, exist_ok=True)
-    save_file({PROMPT_KEY: embeddings.detach().float().contiguous().cpu()},
-              os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(prompt_config(config, spec, base), f, indent=2, sort_keys=True)
+    from mdi.model.adapters.adapter_files import write_adapter_files
+    write_adapter_files(path, {PROMPT_KEY: embeddings.detach().float().contiguous().cpu()},
+                        prompt_config(config, spec, base))
 
 
 def read_prompt_adapter(path: str, config: ModelConfig) -> torch.Tensor:
