@@ -1,5 +1,5 @@
 """Sliding-window layers keep a ring of positions on the ggml backend (mdi.model.sliding_cache):
-a tiny random Gemma 3 (windows of 4 positions in layers 0 and 2, rings of 4 + 512) computes
+a tiny random Gemma 3 (windows of 4 positions in layers 0 and 2, rings of 4 + 512 padded to 768) computes
 with rings what it computes with every position kept, in fewer bytes, with the same bits
 however its passes are cut; a pass or a slot the ring cannot serve is refused in one line; a
 node whose layers all keep rings computes; the prefix cache copies a ring with the positions
@@ -21,7 +21,7 @@ from mdi.starter.prefix_cache import PrefixIndex
 pytestmark = pytest.mark.skipif(lib.unavailable_reason() is not None, reason=str(lib.unavailable_reason()))
 
 MAX_LEN = 2048
-RING = 4 + 512
+RING = 768  # 4 + 512, padded to 256 as llama.cpp's SWA cache
 CHUNK = 64  # runtime.prefill_chunk's default: rings kept
 
 
@@ -80,11 +80,11 @@ def test_rings_compute_what_every_position_computes_in_fewer_bytes(source, ids):
 
 def test_with_rings_a_row_has_the_same_bits_however_the_passes_are_cut(source, ids):
     ring = chunk_of(source, CHUNK)
-    one, cut = feed(ring, 0, ids[:700], cut=1), feed(ring, 1, ids[:700], cut=48)
+    one, cut = feed(ring, 0, ids[:1000], cut=1), feed(ring, 1, ids[:1000], cut=48)  # past the ring's 768
     assert np.array_equal(one, cut)
     # two samples in one pass, each against its own ring
     x = ring.embed_rows(np.array(ids[:3] + ids[:1], np.int32), None)
-    y = ring.head(ring.forward_rows(x, PassRows([2, 0], [0, 700], [3, 1])))
+    y = ring.head(ring.forward_rows(x, PassRows([2, 0], [0, 1000], [3, 1])))
     assert np.array_equal(y[:3], one[:3])
 
 
@@ -101,10 +101,11 @@ def test_a_node_whose_layers_all_keep_rings_computes(source, ids):
 def test_a_pass_or_a_slot_the_ring_cannot_serve_is_refused_in_one_line(source, ids):
     ring = chunk_of(source, CHUNK)
     feed(ring, 0, ids[:RING], cut=RING)  # from position 0 a pass may fill the ring (nothing is overwritten yet)...
-    feed(ring, 0, ids[RING:700], start=RING, cut=64)
-    x = ring.embed_rows(np.array(ids[:514], np.int32), None)
-    with pytest.raises(ValueError, match="a pass of 514 rows at position 700: .* ring of 516 positions takes at most 513"):
-        ring.forward_rows(x, PassRows([0], [700], [514]))  # ... not once it went round
+    feed(ring, 0, ids[RING:1000], start=RING, cut=64)
+    x = ring.embed_rows(np.array(ids[:766], np.int32), None)
+    with pytest.raises(ValueError, match="a pass of 766 rows at position 1000: .* ring of 768 positions takes at most "
+                                         "765"):
+        ring.forward_rows(x, PassRows([0], [1000], [766]))  # ... not once it went round
     with pytest.raises(ValueError, match=r"slot 0 no longer holds positions \[97, 100\) in its sliding-window"):
         ring.forward_rows(x[:1], PassRows([0], [100], [1]))  # what it held there is overwritten
 
@@ -112,13 +113,13 @@ def test_a_pass_or_a_slot_the_ring_cannot_serve_is_refused_in_one_line(source, i
 def test_the_prefix_cache_copies_a_ring_with_the_positions_it_holds(source, ids):
     ring = chunk_of(source, CHUNK)
     cache = ring.cache
-    want = feed(ring, 0, ids[:900], cut=64)
-    store = PrefixStore(cache, budget_bytes=10 * cache.range_bytes(900))
-    store.apply([CacheOp("save", 1, slot=0, length=900)])
-    assert store.stats.bytes == cache.range_bytes(900) < 2 * 4 * 900 * cache.row_bytes
-    store.apply([CacheOp("load", 1, slot=2, length=898)])  # the last two are fed again
-    assert np.array_equal(feed(ring, 2, ids[898:900], start=898), want[898:])
-    store.apply([CacheOp("load", 1, slot=1, length=300)])  # the ring holds 384..899 only
+    want = feed(ring, 0, ids[:1100], cut=64)
+    store = PrefixStore(cache, budget_bytes=10 * cache.range_bytes(1100))
+    store.apply([CacheOp("save", 1, slot=0, length=1100)])
+    assert store.stats.bytes == cache.range_bytes(1100) < 2 * 4 * 1100 * cache.row_bytes
+    store.apply([CacheOp("load", 1, slot=2, length=1098)])  # the last two are fed again
+    assert np.array_equal(feed(ring, 2, ids[1098:1100], start=1098), want[1098:])
+    store.apply([CacheOp("load", 1, slot=1, length=300)])  # the ring holds 332..1099 only
     with pytest.raises(ValueError, match=r"slot 1 no longer holds positions \[297, 300\)"):
         feed(ring, 1, ids[300:301], start=300)
     short = chunk_of(source, CHUNK)  # a sequence that never went round: every position kept

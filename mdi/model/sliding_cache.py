@@ -26,13 +26,16 @@ ROWS_AHEAD = 2 * TILED_ROWS - 1
 
 
 def ring_length(config: Any, first: int, last: int, max_len: int, prefill_chunk: int) -> int:
-    """Positions a slot keeps in each sliding-window layer of layers [first, last), or 0 where
+    """Positions a slot keeps in each sliding-window layer of layers [first, last) (window + a
+    ubatch, padded to 256 as llama.cpp pads it), or 0 where
     they keep all `max_len`: no such layer there, a ring would save nothing, or the run's
     prompt passes may be longer than a ubatch (`prefill_chunk` over UBATCH)."""
     window = config.sliding_window or 0
     if not window or prefill_chunk > UBATCH or not any(config.layer_window(i) for i in range(first, last)):
         return 0
-    ring = window + UBATCH
+    # llama.cpp's SWA cache: n_swa + n_ubatch cells padded to 256 (llama-kv-cache-iswa.cpp); an
+    # unpadded ring of a 48-token window had parted its perplexity from llama-perplexity's
+    ring = -(-(window + UBATCH) // 256) * 256
     return ring if ring < max_len else 0
 
 
