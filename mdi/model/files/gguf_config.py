@@ -73,17 +73,24 @@ def gemma3_attn_scale(n_embd: int, n_head: int, head_dim: int, n_layer: int) -> 
     return (n_embd / n_head if n_layer == 62 else head_dim) ** -0.5
 
 
-def read_gguf_model(reader: GGUFFile, path: str, read_floats: Optional[Any] = None) -> GgufModel:
-    """The model a GGUF's metadata and tensor list describe. `read_floats(tensor)`: a float
-    tensor's values as a flat list (Llama 3's rope_freqs); None reads them with numpy."""
+def gguf_architecture(reader: GGUFFile, path: str) -> str:
+    """A GGUF's general.architecture, one mdi reads; CheckpointError naming the file otherwise,
+    and for one part of a split file (its other parts lack the metadata: named as no architecture)."""
     parts = gguf_value(reader, "split.count")
-    if parts not in (None, 0, 1):  # (its other parts lack the metadata: named as no architecture)
+    if parts not in (None, 0, 1):
         raise CheckpointError("%s: one part of a GGUF split into %s files (llama-gguf-split): mdi reads one file; "
                               "merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf" % (path, parts))
     arch = gguf_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError("%s: GGUF general.architecture %r is not supported (only %s)"
                               % (path, arch, ", ".join(ARCHITECTURES)))
+    return str(arch)
+
+
+def read_gguf_model(reader: GGUFFile, path: str, read_floats: Optional[Any] = None) -> GgufModel:
+    """The model a GGUF's metadata and tensor list describe. `read_floats(tensor)`: a float
+    tensor's values as a flat list (Llama 3's rope_freqs); None reads them with numpy."""
+    arch = gguf_architecture(reader, path)
 
     def opt(key: str, default: Any = None) -> Any:
         return gguf_value(reader, "%s.%s" % (arch, key), default)
@@ -191,14 +198,7 @@ def rope_permuted(reader: GGUFFile, path: str) -> bool:
     """Whether a GGUF's q/k rows are in llama.cpp's interleaved RoPE layout (its architecture's
     converter permuted them), read off general.architecture alone: a node's part of a model
     pushed to it has no embedding to read a whole config from."""
-    parts = gguf_value(reader, "split.count")
-    if parts not in (None, 0, 1):  # (its other parts lack the metadata: named as no architecture)
-        raise CheckpointError("%s: one part of a GGUF split into %s files (llama-gguf-split): mdi reads one file; "
-                              "merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf" % (path, parts))
-    arch = gguf_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError("%s: GGUF general.architecture %r is not supported (only %s)"
-                              % (path, arch, ", ".join(ARCHITECTURES)))
+    arch = gguf_architecture(reader, path)
     return arch in PERMUTED_QK
 
 
