@@ -341,13 +341,13 @@ class RingEndpoint:
 
     def dropped_after_decode(self, why: str) -> None:
         """A frame the wire admitted but this node's compute loop cannot use: logged as a drop."""
-        self._dropped([], FrameError(why))
+        self._dropped([], FrameError(why), "the ring")  # (its message parts are gone: no address to name)
 
-    def _dropped(self, parts: List[zmq.Frame], e: FrameError) -> None:
+    def _dropped(self, parts: List[zmq.Frame], e: FrameError, sender: Optional[str] = None) -> None:
         self.bad_frames += 1
         self.last_error = str(e)
         try:  # the sender's address, as zmq saw the connection
-            peer = parts[0].get("Peer-Address")
+            peer = sender or str(parts[0].get("Peer-Address"))
         except (zmq.ZMQError, AttributeError, IndexError):
             peer = "an unknown peer"
         now = time.monotonic()

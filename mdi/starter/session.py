@@ -172,14 +172,15 @@ class RingSession:
     def send_adapter(self, adapter: int, adapters: Any) -> None:
         """One adapter, loaded while the ring runs, to every worker: its layers' matrices, or
         none where it leaves them alone (the id must still be known there)."""
-        bodies = []
-        for node in self.plan.workers:  # every body made before any worker takes one
+        # Every body checked before any worker takes one, and made again to send: one body held at
+        # a time (up to 256 MB each), not one per worker.
+        for node in self.plan.workers:
             try:
-                bodies.append(adapter_body(adapters.one_for_layers(adapter, *node.layers)))
+                adapter_body(adapters.one_for_layers(adapter, *node.layers))
             except AdapterTooLarge as e:
                 raise NodeError("node %s: adapter %d: %s" % (node.name, adapter, e), node.name, 413) from None
-        for client, body in zip(self.clients, bodies):
-            client.post_adapter(adapter, body)
+        for client, node in zip(self.clients, self.plan.workers):
+            client.post_adapter(adapter, adapter_body(adapters.one_for_layers(adapter, *node.layers)))
 
     def drop_adapter(self, adapter: int) -> None:
         for client in self.clients:

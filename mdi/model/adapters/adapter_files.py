@@ -32,26 +32,6 @@ from mdi.model.sampling import host_array
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-def write_adapter_files(path: str, tensors: Mapping[str, Any], config: Dict[str, Any]) -> None:
-    """A PEFT adapter folder's weights (torch tensors) and config, written in a staging folder
-    inside it and renamed into place, the config last (what marks a folder as an adapter): a
-    full disk had left a traceback and half the files. RuntimeError, naming the folder, when a
-    write fails."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".partial-", dir=path)
-    try:
-        save_file(dict(tensors), os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
-        with open(os.path.join(staging, CONFIG_FILE), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        os.replace(os.path.join(staging, WEIGHTS_FILE), os.path.join(path, WEIGHTS_FILE))
-        os.replace(os.path.join(staging, CONFIG_FILE), os.path.join(path, CONFIG_FILE))
-    except Exception as e:  # OSError, or safetensors' own error for the same full disk
-        raise RuntimeError("writing the adapter in %s failed: %s" % (path, str(e).splitlines()[0])) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 UNSAFE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")  # torch.save: reading runs code
 # The largest entry an adapter's weight change (scale * B @ A) may reach. A trained LoRA's stay
 # well under 1, as the base weights do; lora_alpha 1e30 kept B finite and then overflowed every
@@ -73,6 +53,26 @@ HF_MODULES["gemma3"] = HF_MODULES["llama"]  # Gemma 3 names its blocks' modules 
 HF_BLOCKS = {"gpt2": "h", "llama": "layers", "gemma3": "layers"}
 # modules outside the blocks that adapters may target: refused as not supported yet
 EMBEDDING_OR_HEAD = ("embed_tokens", "lm_head", "wte", "wpe", "score", "embed_out")
+
+
+def write_adapter_files(path: str, tensors: Mapping[str, Any], config: Dict[str, Any]) -> None:
+    """A PEFT adapter folder's weights (torch tensors) and config, written in a staging folder
+    inside it and renamed into place, the config last (what marks a folder as an adapter): a
+    full disk had left a traceback and half the files. RuntimeError, naming the folder, when a
+    write fails."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".partial-", dir=path)
+    try:
+        save_file(dict(tensors), os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(staging, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        os.replace(os.path.join(staging, WEIGHTS_FILE), os.path.join(path, WEIGHTS_FILE))
+        os.replace(os.path.join(staging, CONFIG_FILE), os.path.join(path, CONFIG_FILE))
+    except Exception as e:  # OSError, or safetensors' own error for the same full disk
+        raise RuntimeError("writing the adapter in %s failed: %s" % (path, str(e).splitlines()[0])) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _check_pair(where: str, a_name: str, b_name: str, a: np.ndarray, b: np.ndarray,
