@@ -62,6 +62,18 @@ def test_a_device_this_node_lacks_is_one_line_naming_it():
             batch.run(parse_run_config(SHIPPED, label="t", device="cuda", n_tokens=2), ["To be"])
 
 
+def test_runtime_device_names_the_runs_device_as_model_device_does():
+    from mdi.runconfig import ConfigError, parse_config
+    cfg = parse_config({"model": {"path": "m"}, "runtime": {"device": "cuda:1"}}, "run.yaml")
+    assert cfg.model.device == "cuda:1" and cfg.device_of(cfg.nodes[0]) == "cuda:1"
+    same = parse_config({"model": {"path": "m", "device": "cuda"}, "runtime": {"device": "cuda"}}, "run.yaml")
+    assert same.model.device == "cuda"
+    with pytest.raises(ConfigError, match=r"^run.yaml: runtime.device 'cuda' and model.device 'cpu' differ"):
+        parse_config({"model": {"path": "m", "device": "cpu"}, "runtime": {"device": "cuda"}}, "run.yaml")
+    with pytest.raises(ConfigError, match=r"^run.yaml: runtime.device: expected cpu, cuda or cuda:N, got 'gpu'$"):
+        parse_config({"model": {"path": "m"}, "runtime": {"device": "gpu"}}, "run.yaml")
+
+
 class _FakeCuda:
     """torch.cuda as a GPU of `free` free bytes, with this process's allocator holding
     `reserved` bytes of which `allocated` are in use; `integrated`: it shares the host's RAM."""

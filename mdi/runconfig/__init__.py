@@ -237,7 +237,10 @@ def parse_config(data: Any, source: str) -> RunConfig:
                      "recovery_attempts": (int,), "quant_kernel": (str,), "max_batch": (int, str),
                      "prefill_chunk": (int,), "wire_codec": (str,), "fused_decode": (bool,),
                      "prefix_cache": (int, str, bool), "backend": (str,), "kv_type": (str,),
-                     "repack": (bool,), "kernel_memory": (int, str, bool), "prefill_weights": (str,)})
+                     "repack": (bool,), "kernel_memory": (int, str, bool), "prefill_weights": (str,),
+                     "device": (str,)})
+    if "device" in r:
+        _runtime_device(source, model, m, r.pop("device"))
     if "prefix_cache" in r:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     if "kernel_memory" in r:
@@ -272,6 +275,16 @@ def parse_config(data: Any, source: str) -> RunConfig:
     serve = _parse_serve(source, top.get("serve") or {})
     adapters = _parse_adapters(source, top.get("adapters") or {})
     return RunConfig(model, nodes, gen, runtime, source, spares, serve, adapters)
+
+
+def _runtime_device(source: str, model: ModelSpec, given: Dict[str, Any], device: str) -> None:
+    """runtime.device: the run's device spelt where the other run-wide settings are; it is
+    model.device's value (its one home), so naming both differently is an error."""
+    check_device("%s: runtime.device" % source, device)
+    if "device" in given and given["device"] != device:
+        raise ConfigError("%s: runtime.device %r and model.device %r differ: name the run's device once"
+                          % (source, device, given["device"]))
+    model.device = device
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", re.IGNORECASE)
