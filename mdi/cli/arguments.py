@@ -41,6 +41,15 @@ def device_name(value: str) -> str:
     raise argparse.ArgumentTypeError("expected cpu, cuda or cuda:N, got %r" % value)
 
 
+def kv_type(value: str) -> str:
+    """--kv-type: f16, q8_0 or f32 (float16 and float32 as model.dtype spells them)."""
+    from mdi.model.backend import KV_TYPES, kv_type_name
+    name = kv_type_name(value)
+    if name is None:
+        raise argparse.ArgumentTypeError("expected one of %s, got %r" % (", ".join(KV_TYPES), value))
+    return name
+
+
 def add_quant_arguments(p: argparse.ArgumentParser, gguf_types: bool = False) -> None:
     """`gguf_types`: --quant also takes a GGUF type (mdi-prepare; checked there, in one line)."""
     from mdi.model.layout import INT4_GROUPS, QUANT_MODES

@@ -6,8 +6,8 @@ import sys
 import time
 from typing import List, Optional
 
-from mdi.cli.arguments import (ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, positive_int,
-                               thread_count)
+from mdi.cli.arguments import (ArgumentParser, add_kernel_argument, add_quant_arguments, device_name, kv_type,
+                               positive_int, thread_count)
 from mdi.cli.output import check_output, judge_samples, report, report_perplexity, write_start_failure
 from mdi.cli.process import EXIT_CONFIG, EXIT_RUN, fail, interrupt_on_sigterm, setup_process, stopped
 from mdi.cli.progress import PerplexityProgress, Progress
@@ -80,7 +80,7 @@ def start_parser() -> argparse.ArgumentParser:
                         "$MDI_BACKEND, else auto: each node measures both on its "
                         "own shapes once and keeps the faster, so the choice, and the greedy text, can change with "
                         "--n-samples; name ggml for ids that do not)")
-    p.add_argument("--kv-type", choices=KV_TYPES,
+    p.add_argument("--kv-type", type=kv_type, metavar="{%s}" % ",".join(KV_TYPES),
                    help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it, "
                         "f32 doubles it and agrees with torch's float32 reference)")
     p.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS,

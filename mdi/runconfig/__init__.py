@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from mdi.model.backend import BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend, prefill_weights_for
+from mdi.model.backend import (BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend, kv_type_name,
+                               prefill_weights_for)
 from mdi.model.constraints.grammar_cost import MASK_DEADLINE_S
 from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, group_size_problem, layer_ranges
 from mdi.model.torch_settings import fused_decode_default
@@ -262,8 +263,10 @@ def parse_config(data: Any, source: str) -> RunConfig:
                           % (source, ", ".join(WIRE_CODECS), runtime.wire_codec))
     if runtime.backend not in BACKENDS:
         raise ConfigError("%s: runtime.backend: expected one of %s, got %r" % (source, ", ".join(BACKENDS), runtime.backend))
-    if runtime.kv_type not in KV_TYPES:
+    kv_type = kv_type_name(runtime.kv_type)
+    if kv_type is None:
         raise ConfigError("%s: runtime.kv_type: expected one of %s, got %r" % (source, ", ".join(KV_TYPES), runtime.kv_type))
+    runtime.kv_type = kv_type
     if runtime.prefill_weights not in PREFILL_WEIGHTS:
         raise ConfigError("%s: runtime.prefill_weights: expected one of %s, got %r"
                           % (source, ", ".join(PREFILL_WEIGHTS), runtime.prefill_weights))
