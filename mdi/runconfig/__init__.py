@@ -22,7 +22,8 @@ from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.runconfig.checks import ConfigError, FileRoot, IntOrAuto, check_keys
 from mdi.runconfig.speculation import SpeculationSpec, parse_speculation
 # The nodes' part of the file lives in its own module; NodeSpec is imported from here by many.
-from mdi.runconfig.nodes import AUTO_LAYERS, NodeSpec, check_device, check_nodes, parse_node, partition
+from mdi.runconfig.nodes import (AUTO_LAYERS, NodeSpec, check_device, check_nodes, parse_node, partition,
+                                 runtime_device)
 
 # Tokens per prefill pass. A short request arriving during a long prefill waits about one chunk
 # at each node: on this 2-core machine (SmolLM2, 3 nodes) 64 keeps its time to first token at
@@ -241,7 +242,7 @@ def parse_config(data: Any, source: str) -> RunConfig:
                      "repack": (bool,), "kernel_memory": (int, str, bool), "prefill_weights": (str,),
                      "device": (str,)})
     if "device" in r:
-        _runtime_device(source, model, m, r.pop("device"))
+        model.device = runtime_device(source, m.get("device"), r.pop("device"))
     if "prefix_cache" in r:
         r["prefix_cache"] = parse_prefix_cache(source + ": runtime.prefix_cache", r["prefix_cache"])
     if "kernel_memory" in r:
@@ -278,16 +279,6 @@ def parse_config(data: Any, source: str) -> RunConfig:
     serve = _parse_serve(source, top.get("serve") or {})
     adapters = _parse_adapters(source, top.get("adapters") or {})
     return RunConfig(model, nodes, gen, runtime, source, spares, serve, adapters)
-
-
-def _runtime_device(source: str, model: ModelSpec, given: Dict[str, Any], device: str) -> None:
-    """runtime.device: the run's device spelt where the other run-wide settings are; it is
-    model.device's value (its one home), so naming both differently is an error."""
-    check_device("%s: runtime.device" % source, device)
-    if "device" in given and given["device"] != device:
-        raise ConfigError("%s: runtime.device %r and model.device %r differ: name the run's device once"
-                          % (source, device, given["device"]))
-    model.device = device
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", re.IGNORECASE)

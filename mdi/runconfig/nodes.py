@@ -62,6 +62,16 @@ def is_device_name(device: str) -> bool:
     return device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
 
 
+def runtime_device(source: str, model_device: Optional[str], device: str) -> str:
+    """runtime.device: the run's device spelt where the other run-wide settings are; it is
+    model.device's value (its one home), so naming both differently is an error."""
+    check_device("%s: runtime.device" % source, device)
+    if model_device is not None and model_device != device:
+        raise ConfigError("%s: runtime.device %r and model.device %r differ: name the run's device once"
+                          % (source, device, model_device))
+    return device
+
+
 def check_device(where: str, device: str) -> None:
     if not is_device_name(device):
         raise ConfigError("%s: expected cpu, cuda or cuda:N, got %r" % (where, device))
