@@ -150,6 +150,9 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tiny_models):
     (b"model: {path: m}\n# caf\xe9\n", "not UTF-8 text (byte 0xe9"),
     ("model: {path: m}\nnodes:\n  - {name: s, port: 8080}\n  - {name: w, port: 9001, data_port: 9001}\n",
      "nodes[1]: data port 9001 on 127.0.0.1 is also nodes[1]'s HTTP port"),
+    ("model: {path: m, quant: Q8_0}\n",
+     "model.quant: expected one of none, auto, int8, int4, got 'Q8_0' (a GGUF type is chosen when the model is "
+     "prepared: mdi-prepare PATH --quant Q8_0"),
 ])
 def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, needle):
     """NaN and infinite timeouts passed every `<= 0` check (a ring timeout of NaN waited for
@@ -165,6 +168,9 @@ def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, ne
     (["--n-tokens", "0"], "mdi: error: --n-tokens: expected a positive integer"),  # the flag, not a YAML key
     (["--top-p", "2"], "mdi: error: --top-p: expected a number in (0, 1]"),
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N"),
+    (["--quant", "q4_k"], "got 'q4_k' (a GGUF type is chosen when the model is prepared: mdi-prepare PATH "
+                          "--quant q4_k"),
+    (["--kv-type", "float8"], "argument --kv-type: expected one of f16, q8_0, f32, got 'float8'"),
     (["--check", "--serve"], "--serve does not go with --check"),
     (["--check", "--metrics-out", "m.json"], "--metrics-out does not go with --check"),
     (["--metrics-out", "/dev/null/m.json"], "--metrics-out /dev/null/m.json: /dev/null is a file, not a directory"),

@@ -50,6 +50,15 @@ def kv_type(value: str) -> str:
     return name
 
 
+def quant_mode(value: str) -> str:
+    """--quant of a run: none, auto, int8 or int4 (a GGUF type: the message says where it goes)."""
+    from mdi.model.layout import quant_mode_problem
+    problem = quant_mode_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
 def add_quant_arguments(p: argparse.ArgumentParser, gguf_types: bool = False) -> None:
     """`gguf_types`: --quant also takes a GGUF type (mdi-prepare; checked there, in one line)."""
     from mdi.model.layout import INT4_GROUPS, QUANT_MODES
@@ -60,7 +69,7 @@ def add_quant_arguments(p: argparse.ArgumentParser, gguf_types: bool = False) ->
         p.add_argument("--quant", metavar="MODE", help=text + "; or a GGUF type for model.gguf (%s), the torch "
                        "weights then read back from it" % ", ".join(EXPORT_TYPES))
     else:
-        p.add_argument("--quant", choices=QUANT_MODES, help=text)
+        p.add_argument("--quant", type=quant_mode, metavar="{%s}" % ",".join(QUANT_MODES), help=text)
     p.add_argument("--group-size", type=arg_type(int, lambda v: v >= 2, "an integer >= 2"), metavar="G",
                    help="with --quant int8/int4: values sharing one scale (int4: %s, default 32; int8: default "
                         "one scale per output channel)" % "/".join(str(g) for g in INT4_GROUPS))

@@ -4,6 +4,7 @@ how layers are cut into per-node ranges.
 Everything that needs one of these (the run YAML, the wire format, the /init check, memory
 planning, recovery, mdi-bench) asks here, so no table or split rule is written twice.
 """
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -36,6 +37,18 @@ def first_line(e: Exception) -> str:
 QUANT_KINDS = ("int8", "int4")
 QUANT_MODES = ("none", "auto") + QUANT_KINDS  # what model.quant / --quant accept
 INT4_GROUPS = (32, 64, 128)  # int4 group sizes mdi writes (GGUF's Q4 blocks are 32)
+
+
+def quant_mode_problem(value: str) -> Optional[str]:
+    """Why `value` is no model.quant / --quant (None: it is one). A GGUF type (q4_k, q8_0, f16...)
+    is named once, where the model is prepared: the message says so."""
+    if value in QUANT_MODES:
+        return None
+    problem = "expected one of %s, got %r" % (", ".join(QUANT_MODES), value)
+    if re.fullmatch(r"(?i)(f16|f32|bf16|i?q[1-8](_[0-9a-z]+)*)", value or ""):
+        problem += (" (a GGUF type is chosen when the model is prepared: mdi-prepare PATH --quant %s; "
+                    "a run's auto then computes its tensors as stored)" % value)
+    return problem
 
 
 def group_size_problem(quant: Optional[str], group: int) -> Optional[str]:

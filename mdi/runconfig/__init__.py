@@ -14,7 +14,7 @@ import yaml
 from mdi.model.backend import (BACKENDS, KV_TYPES, PREFILL_WEIGHTS, default_backend, kv_type_name,
                                prefill_weights_for)
 from mdi.model.constraints.grammar_cost import MASK_DEADLINE_S
-from mdi.model.layout import DTYPE_NAMES, QUANT_MODES, WIRE_CODECS, group_size_problem, layer_ranges
+from mdi.model.layout import DTYPE_NAMES, WIRE_CODECS, group_size_problem, layer_ranges, quant_mode_problem
 from mdi.model.torch_settings import fused_decode_default
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 # ConfigError, check_keys and the speculation setting live in their own modules; callers
@@ -358,8 +358,9 @@ def check_serve(where: str, serve: ServeSpec) -> None:
 
 
 def check_quant(where: str, model: ModelSpec) -> None:
-    if model.quant not in QUANT_MODES:
-        raise ConfigError("%s: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), model.quant))
+    problem = quant_mode_problem(model.quant)
+    if problem is not None:
+        raise ConfigError("%s: %s" % (where, problem))
     group = model.group_size
     problem = group_size_problem(model.quant, group) if group is not None else None
     if problem is not None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Final, List, Optional
 
 from mdi.model.backend import BACKENDS
-from mdi.model.layout import QUANT_MODES, balanced
+from mdi.model.layout import balanced, quant_mode_problem
 from mdi.runconfig.checks import ConfigError, IntOrAuto, check_keys
 
 DEFAULT_HTTP_PORT = 8080
@@ -53,8 +53,9 @@ def parse_node(where: str, raw: Any, default_name: str) -> NodeSpec:
         check_device(where + ".device", node.device)
     if node.backend is not None and node.backend not in BACKENDS:
         raise ConfigError("%s.backend: expected one of %s, got %r" % (where, ", ".join(BACKENDS), node.backend))
-    if node.quant is not None and node.quant not in QUANT_MODES:
-        raise ConfigError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), node.quant))
+    problem = quant_mode_problem(node.quant) if node.quant is not None else None
+    if problem is not None:
+        raise ConfigError("%s.quant: %s" % (where, problem))
     return node
 
 

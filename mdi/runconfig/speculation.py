@@ -3,7 +3,7 @@ drafter, its sizes, and the one parser every place that takes the setting uses."
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mdi.model.layout import QUANT_MODES
+from mdi.model.layout import quant_mode_problem
 from mdi.runconfig.checks import ConfigError, check_keys
 
 SPECULATION_METHODS = ("off", "ngram", "draft")
@@ -63,8 +63,9 @@ def parse_speculation(where: str, raw: Any, paths: bool = False) -> SpeculationS
                                   "\"draft\" for the server's own draft model" % (where, key))
     elif not spec.draft:
         raise ConfigError("%s.draft: method draft needs the draft model's path (draft: PATH)" % where)
-    if spec.quant is not None and spec.quant not in QUANT_MODES:
-        raise ConfigError("%s.quant: expected one of %s, got %r" % (where, ", ".join(QUANT_MODES), spec.quant))
+    problem = quant_mode_problem(spec.quant) if spec.quant is not None else None
+    if problem is not None:
+        raise ConfigError("%s.quant: %s" % (where, problem))
     if not 1 <= spec.max_draft <= MAX_DRAFT_LIMIT:
         raise ConfigError("%s.max_draft: expected an integer in [1, %d], got %d" % (where, MAX_DRAFT_LIMIT, spec.max_draft))
     if not 1 <= spec.ngram_min <= spec.ngram_max <= 16:
