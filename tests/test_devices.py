@@ -50,6 +50,20 @@ def test_compute_dtype_choice_per_gpu_generation():
     assert resolve_compute_dtype("cuda", torch.float16, None, xavier) == (torch.float16, None)
 
 
+def test_a_half_type_this_torch_cannot_compute_on_the_cpu_is_computed_in_float32(monkeypatch):
+    """torch 2.0 (JetPack 5's) has no float16 linear nor layer norm on the CPU: a float16 model
+    had failed at its first token ("addmm_impl_cpu_" not implemented for 'Half')."""
+    from mdi.system import devices
+    assert devices.cpu_computes(torch.float32)
+    assert devices.resolve_compute_dtype("cpu", torch.float16, None) == (torch.float16, None)  # this torch has it
+    monkeypatch.setitem(devices._CPU_ARITHMETIC, torch.float16, False)
+    for compute in (None, torch.float16):
+        dtype, note = devices.resolve_compute_dtype("cpu", torch.float16, compute)
+        assert dtype == torch.float32 and "no float16 arithmetic on the CPU: weights stay float16" in note
+    assert devices.resolve_compute_dtype("cpu", torch.float16, torch.float32) == (torch.float32, None)
+    assert devices.resolve_compute_dtype("cuda", torch.float16, None, (8, 7)) == (torch.float16, None)
+
+
 def test_a_device_this_node_lacks_is_one_line_naming_it():
     from mdi.runconfig import ConfigError
     from mdi.system.devices import unusable_reason

@@ -84,13 +84,16 @@ def _time_torch(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
     from mdi.model.layout import layout_from_json, torch_dtype
     from mdi.model.quantization import qkernels
     from mdi.model.timing_loop import seconds_per_call
+    from mdi.system.devices import resolve_compute_dtype
 
     torch.set_num_threads(req.threads)
     if req.quant_kernel:
         qkernels.set_preference(req.quant_kernel)
     n = min(req.n_blocks, config.n_layer)
     quant = layout_from_json(req.quant) if req.quant else None
-    chunk = profile_chunk(config, torch_dtype(req.dtype), req.device, quant, n_blocks=n)
+    dtype = torch_dtype(req.dtype)
+    compute, _ = resolve_compute_dtype(req.device, dtype, None)  # float16 weights on a torch without CPU half maths
+    chunk = profile_chunk(config, dtype, req.device, quant, compute, n_blocks=n)
     with torch.inference_mode():
         return _time(chunk, req, config, None, seconds_per_call)
 

@@ -5,7 +5,7 @@ Below compute capability 7.0 (Pascal: Jetson TX2 is 6.2) torch's float16 kernels
 lets a node keep half-precision weights (half the memory) while computing in float32.
 """
 import os
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -77,14 +77,39 @@ def cuda_capability(device: str) -> Optional[Tuple[int, int]]:
     return torch.cuda.get_device_capability(torch.device(device))
 
 
+_CPU_ARITHMETIC: "Dict[torch.dtype, bool]" = {}  # what this process's torch computes on the CPU
+
+
+def cpu_computes(dtype: "torch.dtype") -> bool:
+    """Whether this torch runs a linear layer and a layer norm in `dtype` on the CPU: torch 2.0
+    (JetPack 5's) has neither in float16, which fails at the first token otherwise."""
+    if dtype not in _CPU_ARITHMETIC:
+        import torch
+        try:
+            x = torch.ones(2, 8, dtype=dtype)
+            torch.nn.functional.layer_norm(torch.nn.functional.linear(x, x), (2,))
+            _CPU_ARITHMETIC[dtype] = True
+        except RuntimeError:
+            _CPU_ARITHMETIC[dtype] = False
+    return _CPU_ARITHMETIC[dtype]
+
+
 def resolve_compute_dtype(device: str, dtype: "torch.dtype", compute_dtype: "Optional[torch.dtype]",
                           capability: Optional[Tuple[int, int]] = None) -> "Tuple[torch.dtype, Optional[str]]":
     """The dtype to compute in, and a message for the log when the choice needs explaining.
 
-    An explicit compute_dtype is honoured. Without one, bfloat16 weights on a GPU older than
-    8.0 are computed in float32 (it has no bfloat16 arithmetic at all); float16 on one older
-    than 7.0 works but slowly, so the message suggests compute_dtype: float32.
+    An explicit compute_dtype is honoured where torch computes in it. Without one, bfloat16
+    weights on a GPU older than 8.0 are computed in float32 (it has no bfloat16 arithmetic at
+    all); float16 on one older than 7.0 works but slowly, so the message suggests compute_dtype:
+    float32. On the CPU, a half type this torch cannot compute in is computed in float32.
     """
+    if not device.startswith("cuda"):
+        import torch
+        wanted = compute_dtype or dtype
+        if wanted in (torch.float16, torch.bfloat16) and not cpu_computes(wanted):
+            name = str(wanted).replace("torch.", "")
+            return torch.float32, ("torch %s has no %s arithmetic on the CPU: weights stay %s, computing in "
+                                   "float32" % (torch.__version__, name, str(dtype).replace("torch.", "")))
     if capability is None:
         capability = cuda_capability(device)
     if compute_dtype is not None:
