@@ -124,6 +124,9 @@ def test_a_half_precision_chunk_with_a_quantized_embedding_computes_in_that_dtyp
     # A quantized embedding looks its rows up in float32; a float16 chunk (a GPU's usual dtype)
     # then met float16 keys in attention and failed. The rows join the chunk's dtype.
     from mdi.model.quantization.quant import uniform_layout
+    from mdi.system.devices import cpu_computes
+    if not cpu_computes(dtype):  # torch 2.0 (.ci/py38 with MDI_PY38_TORCH): its nodes compute in float32
+        pytest.skip("this torch has no %s arithmetic on the CPU" % dtype)
     config = tiny_config("llama")
     layout = uniform_layout(config, (0, config.n_layer), True, True, "int8", 32)
     torch.manual_seed(3)
