@@ -27,12 +27,6 @@ AUTO = "auto"
 KV_GGML_TYPES = {"f16": "F16", "q8_0": "Q8_0", "f32": "F32"}
 KV_TYPES = tuple(KV_GGML_TYPES)
 KV_TYPE_ALIASES = {"float16": "f16", "float32": "f32"}  # model.dtype's spelling of the same types
-
-
-def kv_type_name(value: str) -> Optional[str]:
-    """runtime.kv_type / --kv-type as KV_TYPES spells it (float16 -> f16), or None where it is none."""
-    name = KV_TYPE_ALIASES.get(value, value)
-    return name if name in KV_TYPES else None
 # runtime.prefill_weights (ggml): a prompt's passes multiply the weights as stored, or dequantized
 # where measured faster (mdi.model.ggml.dequant_rows); auto, the default, dequantizes on a node
 # whose backend auto chose (from as many rows as keep a row's bits its window's alone) and keeps
@@ -48,6 +42,12 @@ WORKLOAD_TOKENS = 256
 # timed that work: it is said so, and taken again once the machine is quiet.
 BUSY_LOAD = 1.0
 QUIET_LOAD = 0.5
+
+
+def kv_type_name(value: str) -> Optional[str]:
+    """runtime.kv_type / --kv-type as KV_TYPES spells it (float16 -> f16), or None where it is none."""
+    name = KV_TYPE_ALIASES.get(value, value)
+    return name if name in KV_TYPES else None
 
 
 @dataclass(frozen=True)
