@@ -97,7 +97,8 @@ def test_a_ggml_ring_on_a_float32_cache_gives_torch_s_greedy_ids(tiny, tmp_path)
 
 def test_kv_type_takes_model_dtypes_spelling_and_refuses_others_in_one_line():
     from mdi.runconfig import ConfigError, parse_config
-    for given, kept in (("float16", "f16"), ("f16", "f16"), ("float32", "f32"), ("q8_0", "q8_0")):
+    for given, kept in (("float16", "f16"), ("f16", "f16"), ("float32", "f32"), ("q8_0", "q8_0"), ("Q8_0", "q8_0"),
+                        ("F16", "f16")):
         assert parse_config({"model": {"path": "m"}, "runtime": {"kv_type": given}}, "r.yaml").runtime.kv_type == kept
     with pytest.raises(ConfigError, match=r"^r.yaml: runtime.kv_type: expected one of f16, q8_0, f32, got 'q4_0'$"):
         parse_config({"model": {"path": "m"}, "runtime": {"kv_type": "q4_0"}}, "r.yaml")

@@ -45,8 +45,9 @@ QUIET_LOAD = 0.5
 
 
 def kv_type_name(value: str) -> Optional[str]:
-    """runtime.kv_type / --kv-type as KV_TYPES spells it (float16 -> f16), or None where it is none."""
-    name = KV_TYPE_ALIASES.get(value, value)
+    """runtime.kv_type / --kv-type as KV_TYPES spells it (float16 -> f16, Q8_0 -> q8_0, as ggml's
+    type names go), or None where it is none."""
+    name = KV_TYPE_ALIASES.get(value.lower(), value.lower())
     return name if name in KV_TYPES else None
 
 
