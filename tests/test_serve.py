@@ -158,6 +158,9 @@ def test_eight_concurrent_streams_match_standalone(server, model):
     assert m["mdi_generated_tokens_total"] >= sum(LENGTHS)
     assert m['mdi_node_step_seconds{node="starter"}'] > 0
     assert all(m['mdi_node_up{node="%s"}' % n] == 1 for n in ("board1", "board2"))
+    backends = sorted(k for k in m if k.startswith("mdi_node_backend{"))  # what each node computes with, named
+    assert [k.split('node="')[1].split('"')[0] for k in backends] == ["board1", "board2", "starter"], backends
+    assert all(m[k] == 1 and k.split('backend="')[1].split('"')[0] in ("ggml", "torch") for k in backends), backends
     assert all(m['mdi_node_frames_total{node="%s"}' % n] > 0 for n in ("board1", "board2"))
     assert all(m['mdi_node_step_seconds{node="%s"}' % n] > 0 for n in ("board1", "board2"))
     assert "mdi_tokens_per_second" in m
