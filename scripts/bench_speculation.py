@@ -37,6 +37,7 @@ from benchlib import (DEFAULT_MODEL, ROOT, WorkerProcess, cgroup_unavailable_rea
                       finish_machine_info, fmt_stat, machine_info, node_cgroups, note_load, print_table, save_record,
                       stop_workers, summarize)
 from mdi.lab.cgroups import quota_and_period  # noqa: E402
+from mdi.model.backend import default_backend  # noqa: E402
 
 PROMPTS_FILE = os.path.join(ROOT, "scripts", "speculation_prompts.json")
 
@@ -63,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts per sweep point (default 3)")
     p.add_argument("--batch", type=int, default=12, help="samples of the batch comparison (0: skip)")
     p.add_argument("--kernel", default="fast", help="runtime.quant_kernel (default fast)")
+    p.add_argument("--backend", choices=["auto", "ggml", "torch"], default=None,
+                   help="runtime.backend of every node (default: $MDI_BACKEND, else auto); the record names what "
+                        "each node chose")
     p.add_argument("--draft-model", default="", help="a draft model's path: the draft comparison (empty: skip)")
     p.add_argument("--draft-quant", default="int4", help="the draft model's quantization (default int4)")
     p.add_argument("--draft-target-quant", default="none", help="the target's quantization there (default none)")
@@ -125,6 +129,10 @@ class Ring:
                    for i, ids in enumerate(prompts)]
         self.engine.run(samples)
         return samples
+
+    def node_backends(self) -> Dict[str, Optional[str]]:
+        from mdi.starter.node_report import node_backends
+        return node_backends(self.engine)
 
     def close(self) -> None:
         self.engine.close()
@@ -224,7 +232,8 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
     record: Dict[str, Any] = {"board_cores": args.board_cores if cgroups else None,
                               "board_period_us": quota_and_period(args.board_cores, args.board_period_us)[1] if cgroups else None}
     try:
-        alone = Ring(args.model, [], args.kernel, n_slots, max_len)
+        alone = Ring(args.model, [], args.kernel, n_slots, max_len, backend=args.backend)
+        record["one_board_backends"] = alone.node_backends()
         record["one_board"] = {name: summarize([decode_timing(alone.generate([ids], args.tokens,
                                                                               modes()["plain"])[0].token_times)
                                                 ["tokens_per_s"] for ids in prompts])
@@ -235,7 +244,8 @@ def setup_run(args, setup: str, sets: Dict[str, List[List[int]]], log_dir: str) 
                                          cgroups.preexec("board%d" % (i + 1)) if cgroups else None))
         for w in workers:
             w.wait_healthy(90)
-        ring = Ring(args.model, workers, args.kernel, n_slots, max_len, layers=args.layers)
+        ring = Ring(args.model, workers, args.kernel, n_slots, max_len, layers=args.layers, backend=args.backend)
+        record["node_backends"] = ring.node_backends()
         costs = ring.engine.pipeline.pass_costs
         record["pass_costs"] = costs.to_json()
         record["ranges"] = ring.engine.ranges
@@ -280,11 +290,12 @@ def draft_run(args, sets: Dict[str, List[List[int]]], log_dir: str) -> Dict[str,
             while len(workers) < n_workers:
                 workers.append(WorkerProcess("board%d" % (len(workers) + 1), 1, log_dir, None))
                 workers[-1].wait_healthy(90)
-            ring = Ring(args.model, workers, args.kernel, 1, max_len, args.draft_target_quant, spec)
+            ring = Ring(args.model, workers, args.kernel, 1, max_len, args.draft_target_quant, spec,
+                        backend=args.backend)
             costs = ring.engine.pipeline.pass_costs.to_json()
             print("\n== draft model, %s: target %s, draft %s %s; passes of 1, 2, .. rows cost %s one-row passes"
                   % (setup, args.draft_target_quant, args.draft_model, args.draft_quant, costs))
-            record[setup] = {"pass_costs": costs,
+            record[setup] = {"pass_costs": costs, "node_backends": ring.node_backends(),
                              "prompts": run_prompts(ring, sets, args.tokens, draft_modes())}
             ring.close()
     finally:
@@ -334,11 +345,13 @@ def main(argv=None) -> int:
     info = machine_info(1)
     sets = encode_sets(args.model, args.prompts, args.n_prompts)
     record: Dict[str, Any] = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
+                              "backend": args.backend or default_backend(),
                               "prompts": {k: len(v) for k, v in sets.items()}, "setups": {}}
     log_dir = tempfile.mkdtemp(prefix="mdi-bench-spec-")
     if args.draft_model:
         small = {k: v[:args.draft_prompts] for k, v in sets.items()}
         draft_record = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
+                        "backend": args.backend or default_backend(),
                         "prompts": {k: len(v) for k, v in small.items()}, **draft_run(args, small, log_dir)}
         finish_machine_info(info)
         print(note_load(info))

@@ -33,7 +33,7 @@ from mdi.starter.planning.capacity import check_fits_here
 from mdi.starter.engine_adapters import RuntimeAdapters
 from mdi.starter.engine_face import RecoveryEvent, StarterReading
 from mdi.starter.speculation.draft_model import DraftModel, GgmlDraft
-from mdi.starter.node_report import NodeReport, backend_line, starter_kernels
+from mdi.starter.node_report import NodeReport, backend_line, node_backends, starter_kernels
 from mdi.starter.planning.recovery import RecoveryImpossible, check_health, named_worker_lost, replan
 from mdi.starter.planning.run_plan import RunPlan
 from mdi.starter.recovery_log import RecoveryLog
@@ -212,10 +212,7 @@ class Engine(RuntimeAdapters, RecoveryLog):
 
     def ggml_nodes(self) -> List[str]:
         """The nodes of the open ring that compute with ggml (which has no backward pass)."""
-        out = [self.nodes[0].name] if self.chunk is not None and self.chunk.backend == "ggml" else []
-        if self.ring is not None:
-            out += [n.name for n, b in zip(self.ring.workers, self.ring.backends) if b == "ggml"]
-        return out
+        return [name for name, backend in node_backends(self).items() if backend == "ggml"]
 
     def _choose_backend(self, first: int, last: int) -> BackendChoice:
         """The starter's backend (runtime.backend, or its node's own), auto measured here."""

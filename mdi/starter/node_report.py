@@ -100,6 +100,14 @@ def backend_line(engine: Any) -> Optional[str]:
     return chunk.with_prefill_rule(line) if chunk is not None and chunk.backend == "ggml" else line
 
 
+def node_backends(engine: Any) -> Dict[str, Optional[str]]:
+    """What each node of the engine's open ring computes with ("ggml", "torch"; None: not yet chosen)."""
+    out = {engine.nodes[0].name: engine.chunk.backend if engine.chunk is not None else None}
+    if engine.ring is not None:
+        out.update((n.name, b) for n, b in zip(engine.ring.workers, engine.ring.backends))
+    return out
+
+
 def ring_reports(engine: Any, starter: NodeReport, workers: Sequence[NodeReport]) -> List[NodeReport]:
     """Every node of the engine's ring in order: a worker the run got no counters from is listed
     with its layers alone."""
