@@ -37,7 +37,7 @@ from benchlib import (DEFAULT_MODEL, ROOT, WorkerProcess, cgroup_unavailable_rea
                       finish_machine_info, fmt_stat, machine_info, node_cgroups, note_load, print_table, save_record,
                       stop_workers, summarize)
 from mdi.lab.cgroups import quota_and_period  # noqa: E402
-from mdi.model.backend import default_backend  # noqa: E402
+from mdi.model.backend import BACKENDS, default_backend  # noqa: E402
 
 PROMPTS_FILE = os.path.join(ROOT, "scripts", "speculation_prompts.json")
 
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts per sweep point (default 3)")
     p.add_argument("--batch", type=int, default=12, help="samples of the batch comparison (0: skip)")
     p.add_argument("--kernel", default="fast", help="runtime.quant_kernel (default fast)")
-    p.add_argument("--backend", choices=["auto", "ggml", "torch"], default=None,
+    p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="runtime.backend of every node (default: $MDI_BACKEND, else auto); the record names what "
                         "each node chose")
     p.add_argument("--draft-model", default="", help="a draft model's path: the draft comparison (empty: skip)")

@@ -152,7 +152,7 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tiny_models):
      "nodes[1]: data port 9001 on 127.0.0.1 is also nodes[1]'s HTTP port"),
     ("model: {path: m, quant: Q8_0}\n",
      "model.quant: expected one of none, auto, int8, int4, got 'Q8_0' (a GGUF type is chosen when the model is "
-     "prepared: mdi-prepare PATH --quant Q8_0"),
+     "prepared: mdi-prepare PATH --quant q8_0"),
 ])
 def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, needle):
     """NaN and infinite timeouts passed every `<= 0` check (a ring timeout of NaN waited for
@@ -170,6 +170,8 @@ def test_a_config_that_would_hang_or_mislead_is_one_line(tmp_path, yaml_text, ne
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N"),
     (["--quant", "q4_k"], "got 'q4_k' (a GGUF type is chosen when the model is prepared: mdi-prepare PATH "
                           "--quant q4_k"),
+    (["--quant", "Q4_K_M"], "got 'Q4_K_M' (a GGUF type is chosen when the model is prepared: mdi-prepare PATH "
+                            "--quant q4_k"),  # llama.cpp's mix: its base type, which mdi-prepare writes
     (["--kv-type", "float8"], "argument --kv-type: expected one of f16, q8_0, f32, got 'float8'"),
     (["--check", "--serve"], "--serve does not go with --check"),
     (["--check", "--metrics-out", "m.json"], "--metrics-out does not go with --check"),

@@ -55,7 +55,8 @@ def test_a_half_type_this_torch_cannot_compute_on_the_cpu_is_computed_in_float32
     had failed at its first token ("addmm_impl_cpu_" not implemented for 'Half')."""
     from mdi.system import devices
     assert devices.cpu_computes(torch.float32)
-    assert devices.resolve_compute_dtype("cpu", torch.float16, None) == (torch.float16, None)  # this torch has it
+    monkeypatch.setitem(devices._CPU_ARITHMETIC, torch.float16, True)
+    assert devices.resolve_compute_dtype("cpu", torch.float16, None) == (torch.float16, None)
     monkeypatch.setitem(devices._CPU_ARITHMETIC, torch.float16, False)
     for compute in (None, torch.float16):
         dtype, note = devices.resolve_compute_dtype("cpu", torch.float16, compute)

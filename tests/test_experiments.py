@@ -624,6 +624,8 @@ def test_random_quant_schema_errors(random, needle):
 
 @pytest.mark.parametrize("model, needle", [
     ({"quant": "int2"}, "models[0].quant: expected one of none, auto, int8, int4"),
+    ({"quant": "q4_k"}, "models[0].quant: expected one of none, auto, int8, int4, got 'q4_k' (a GGUF type is chosen "
+                        "when the model is prepared"),
     ({"quant_kernel": "fastest"}, "models[0].quant_kernel: expected one of exact, fast"),
 ])
 def test_run_quant_schema_errors(model, needle):

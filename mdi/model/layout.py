@@ -37,6 +37,10 @@ def first_line(e: Exception) -> str:
 QUANT_KINDS = ("int8", "int4")
 QUANT_MODES = ("none", "auto") + QUANT_KINDS  # what model.quant / --quant accept
 INT4_GROUPS = (32, 64, 128)  # int4 group sizes mdi writes (GGUF's Q4 blocks are 32)
+# mdi-prepare's --quant values that name a GGUF type (ggml quantizes every one of them without an
+# importance matrix; mdi.model.files.gguf_export writes them)
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
+                "q6_k", "iq4_nl", "iq4_xs")
 
 
 def quant_mode_problem(value: str) -> Optional[str]:
@@ -45,9 +49,12 @@ def quant_mode_problem(value: str) -> Optional[str]:
     if value in QUANT_MODES:
         return None
     problem = "expected one of %s, got %r" % (", ".join(QUANT_MODES), value)
-    if re.fullmatch(r"(?i)(f16|f32|bf16|i?q[1-8](_[0-9a-z]+)*)", value or ""):
+    gguf = value.lower()
+    if gguf not in EXPORT_TYPES:  # llama.cpp's mixes (Q4_K_M): mdi-prepare writes their base type
+        gguf = re.sub(r"_[sml]$", "", gguf)
+    if gguf in EXPORT_TYPES:
         problem += (" (a GGUF type is chosen when the model is prepared: mdi-prepare PATH --quant %s; "
-                    "a run's auto then computes its tensors as stored)" % value)
+                    "a run's auto then computes its tensors as stored)" % gguf)
     return problem
 
 

@@ -131,7 +131,7 @@ def metrics_text(snap: Dict[str, Any]) -> str:
             "(chosen at load by runtime.quant_kernel; /v1/mdi/state says why).",
             [('{node="%s",kernel="%s"}' % (_label(n["name"]), _label(kernel)), count)
              for n in ring for kernel, count in sorted(kernel_counts(n.get("kernels") or {}).items())])
-    out.add("mdi_node_backend", "gauge", "1 for what each node computes with (ggml or torch; auto until it chose).",
+    out.add("mdi_node_backend", "gauge", "1 for what each node computes with (ggml or torch; absent until it chose).",
             [('{node="%s",backend="%s"}' % (_label(n["name"]), _label(n["backend"])), 1)
              for n in ring if n.get("backend")])
     out.add("mdi_node_up", "gauge", "1 when the node answered /status (workers, replaced nodes and spares).",

@@ -81,13 +81,15 @@ _CPU_ARITHMETIC: "Dict[torch.dtype, bool]" = {}  # what this process's torch com
 
 
 def cpu_computes(dtype: "torch.dtype") -> bool:
-    """Whether this torch runs a linear layer and a layer norm in `dtype` on the CPU: torch 2.0
-    (JetPack 5's) has neither in float16, which fails at the first token otherwise."""
+    """Whether this torch runs a linear layer, a layer norm and attention in `dtype` on the CPU:
+    torch 2.0 (JetPack 5's) has no float16 linear, which fails at the first token otherwise."""
     if dtype not in _CPU_ARITHMETIC:
         import torch
         try:
             x = torch.ones(2, 8, dtype=dtype)
             torch.nn.functional.layer_norm(torch.nn.functional.linear(x, x), (2,))
+            q = x.view(1, 1, 2, 8)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
             _CPU_ARITHMETIC[dtype] = True
         except RuntimeError:
             _CPU_ARITHMETIC[dtype] = False
@@ -109,7 +111,8 @@ def resolve_compute_dtype(device: str, dtype: "torch.dtype", compute_dtype: "Opt
         if wanted in (torch.float16, torch.bfloat16) and not cpu_computes(wanted):
             name = str(wanted).replace("torch.", "")
             return torch.float32, ("torch %s has no %s arithmetic on the CPU: weights stay %s, computing in "
-                                   "float32" % (torch.__version__, name, str(dtype).replace("torch.", "")))
+                                   "float32 (the KV cache too: twice its bytes)"
+                                   % (torch.__version__, name, str(dtype).replace("torch.", "")))
     if capability is None:
         capability = cuda_capability(device)
     if compute_dtype is not None:

@@ -54,15 +54,12 @@ from mdi.model.files.gguf_encode import Job, encoder, is_exact, rows_of
 from mdi.model.files.gguf_parts import permutation, rope_factors, take_part, tensor_parts
 from mdi.model.files.gguf_write import add_model_metadata, arch_of
 from mdi.model.ggml.tensors import GGUF_DIRECT, GGUF_FLOAT, GGUF_NEAREST
-from mdi.model.layout import FP16_MAX, CheckpointError, QuantSpec
+from mdi.model.layout import EXPORT_TYPES, FP16_MAX, CheckpointError, QuantSpec
 from mdi.model.quantization.quant import QParts, Stored, cat_rows, quantize
 from mdi.model.threads import usable_cpus
 
 log = logging.getLogger(__name__)
 
-# --quant values that name a GGUF type (ggml quantizes every one of them without an importance matrix)
-EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
-                "q6_k", "iq4_nl", "iq4_xs")
 # the types ggml quantizes only with an importance matrix (ggml_quantize_requires_imatrix)
 IMATRIX_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ1_S")
 FLOAT_TYPES = GGUF_FLOAT

