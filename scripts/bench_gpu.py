@@ -741,7 +741,7 @@ def one_run(ctx: "Context", model: str, workers: List[Any], n_samples: int, max_
     out = {"n_samples": n_samples, "max_batch": max_batch, "nodes": len(nodes), "aggregate_tokens_per_s": rate,
            "decode_tokens_per_s": sum(len(t) - 1 for t in times) / (max(lasts) - min(firsts)),
            "first_token_ms": [round(1000 * f, 2) for f in firsts],
-           "node_metrics": [{k: v for k, v in n.items() if k != "kernels"} for n in res.nodes]}
+           "node_metrics": [{k: v for k, v in n.to_json().items() if k != "kernels"} for n in res.nodes]}
     if n_samples == 1:
         t = benchlib.decode_timing(times[0])
         out.update(per_token_s=t["median_s"], per_token_mean_s=t["mean_s"])

@@ -102,7 +102,9 @@ def load_hf(path: str, source):
         rope_theta=c.rope_theta, tie_word_embeddings=c.tied_head, attention_bias=False, mlp_bias=False,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
     model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
-    sd = hf_state_dict(c, load_weights(path, (0, c.n_layer), True, True, torch.float32))
+    from mdi.model.quantization.quant import QParts
+    weights = load_weights(path, (0, c.n_layer), True, True, torch.float32)  # a GGUF's Q4/Q8 blocks as they are
+    sd = hf_state_dict(c, {k: v.dequantize(torch.float32) if isinstance(v, QParts) else v for k, v in weights.items()})
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not (c.tied_head and k == "lm_head.weight")]
     if missing or unexpected:

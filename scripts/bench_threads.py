@@ -47,7 +47,7 @@ def per_token(args: argparse.Namespace, workers: List[WorkerProcess], tokens: in
     d["runtime"]["quant_kernel"] = args.kernel
     result = batch.run(parse_config(d, "bench_threads"), [PROMPT] * args.samples)
     return {"per_token_s": statistics.median(decode_timing(s.token_times)["median_s"] for s in result.samples),
-            "worker_threads": [n.get("threads") for n in result.nodes[1:]]}
+            "worker_threads": [n.threads for n in result.nodes[1:]]}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

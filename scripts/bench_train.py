@@ -157,11 +157,13 @@ def main(argv=None) -> int:
         cmd = [os.path.join(BIN, "mdi-train"), "--config", train_cfg, "--data", train_path, "--eval", held_path,
                "--eval-every", str(args.eval_every), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--out", adapter, "--metrics-out", metrics,
-               "--method", args.method, "--num-virtual-tokens", str(args.num_virtual_tokens)]
-        if args.method == "lora":  # (a LoRA's flags: --method prompt refuses them)
+               "--method", args.method]
+        if args.method == "lora":  # (a LoRA's flags: --method prompt refuses them, and the other way round)
             cmd += ["--rank", str(args.rank), "--alpha", str(2 * args.rank)]
-        if args.method == "prompt" and args.prompt_init_text:
-            cmd += ["--prompt-init", "text", "--prompt-init-text", args.prompt_init_text]
+        if args.method == "prompt":
+            cmd += ["--num-virtual-tokens", str(args.num_virtual_tokens)]
+            if args.prompt_init_text:
+                cmd += ["--prompt-init", "text", "--prompt-init-text", args.prompt_init_text]
         t0 = time.monotonic()
         trainer = subprocess.Popen(emu.command(cmd, "starter", 0), env=dict(os.environ))
         stop = threading.Event()

@@ -53,10 +53,11 @@ def write_config(path: str, model: str, workers: List[WorkerProcess], port: int,
     nodes = ["  - {name: starter, host: 127.0.0.1, port: %d, data_port: %d}" % (port, data_port)]
     nodes += ["  - {name: %s, host: 127.0.0.1, port: %d, data_port: %d}" % (w.name, w.port, w.data_port)
               for w in workers]
-    # the random adapter's folder is where POST /v1/mdi/train may read data and write its adapter
+    # the random adapter's folder is where POST /v1/mdi/train may read data and write its adapter;
+    # backend torch: a ring computing with ggml refuses training (auto had chosen ggml here)
     with open(path, "w") as f:
         f.write("model: {path: %s}\nadapters:\n  seed: %s\nnodes:\n%s\ngeneration: {temperature: 0}\n"
-                "runtime: {threads: 1, quant_kernel: exact}\nserve: {max_in_flight: 2, max_len: 256}\n"
+                "runtime: {threads: 1, quant_kernel: exact, backend: torch}\nserve: {max_in_flight: 2, max_len: 256}\n"
                 % (model, adapter, "\n".join(nodes)))
 
 

@@ -64,8 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     record = {"model": args.model, "tokens": args.tokens, "prompts": PROMPTS, "machine": info, "codecs": {}}
     raw_hop = None
     for codec, result in results.items():
-        sent = sum(n["bytes_sent_by_kind"].get("decode", 0) for n in result.nodes)
-        messages = sum(n["messages_sent_by_kind"].get("decode", 0) for n in result.nodes)
+        sent = sum(n.traffic.get("bytes_sent_by_kind", {}).get("decode", 0) for n in result.nodes)
+        messages = sum(n.traffic.get("messages_sent_by_kind", {}).get("decode", 0) for n in result.nodes)
         hop = sent / messages
         payload = payload_nbytes(1, hidden, torch.float32, codec)
         raw_hop = raw_hop or hop
