@@ -52,8 +52,8 @@ def start_workers(n: int, env: Dict[str, str], log_dir: str) -> List[Any]:
 
 def one_start(model: str, workers: List[Any], backend: str, env: Dict[str, str], tmp: str) -> Dict[str, Any]:
     ports = benchlib.ports_besides(workers, 2)
-    nodes = [{"name": "starter", "port": ports[0], "data_port": ports[1], "layers": 10}] + \
-        [{"name": "board%d" % (i + 1), "port": w.port, "layers": 10} for i, w in enumerate(workers)]
+    nodes = [{"name": "starter", "port": ports[0], "data_port": ports[1]}] + \
+        [{"name": "board%d" % (i + 1), "port": w.port} for i, w in enumerate(workers)]  # layers split evenly
     cfg = benchlib.run_config_dict(model, nodes, 1, 1)
     cfg["runtime"]["backend"] = backend
     path = os.path.join(tmp, "ring3.yaml")

@@ -35,9 +35,11 @@ from benchlib import DEFAULT_MODEL, WorkerProcess, ports_besides, print_table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from mdi.cli.arguments import arg_type
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=arg_type(int, lambda v: v >= 3, "an integer >= 3"), default=6,
+                   help="training steps per run (at least 3: a board is killed after step 2; default 6)")
     p.add_argument("--repeats", type=int, default=2, help="rounds of off, spare, on (default 2)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)

@@ -235,6 +235,10 @@ def main(argv=None) -> int:
     info["isa_text"] = isa_text(info["cpu"])
     chosen = models()
     if args.models:
+        unknown = sorted(set(args.models.split(",")) - {m["name"] for m in chosen})
+        if unknown:
+            sys.exit("compare_llama_text: --models: no model named %s here (present: %s)"
+                     % (", ".join(unknown), ", ".join(m["name"] for m in chosen) or "none"))
         chosen = [m for m in chosen if m["name"] in args.models.split(",")]
     chosen += typed_models([t for t in args.types.split(",") if t], args.cache)
     record = {"benchmark": "llama_text_parity", "machine": info, "llama_cpp": llama, "ggml": bench_peer.ggml_info(),
