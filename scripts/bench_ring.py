@@ -186,7 +186,8 @@ def hop_overhead(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any
             "ring_per_token_s": summarize([r["per_token_s"] for r in ring]),
             "per_hop_overhead_s": summarize(per_hop),
             "compute_slowdown_per_hop_s": summarize(slower), "between_compute_per_hop_s": summarize(between),
-            "idle_control_per_hop_s": summarize(control)}
+            "idle_control_per_hop_s": summarize(control),
+            "node_backends": ring[-1]["node_backends"], "standalone_backends": alone[-1]["node_backends"]}
 
 
 def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
@@ -202,7 +203,7 @@ def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
     workers = []
     try:
         workers = start_workers(n - 1, log_dir, cgroups)
-        one_run(args.model, workers, counts, 1, 4)  # warm-up: weights loaded on every worker
+        backends = one_run(args.model, workers, counts, 1, 4)["node_backends"]  # warm-up: weights loaded everywhere
         sweep = {}  # type: Dict[int, List[float]]
         for _ in range(args.repeats):
             for s in range(1, 2 * n + 1):
@@ -210,7 +211,7 @@ def efficiency(args, n: int, counts: List[int], log_dir: str) -> Dict[str, Any]:
     finally:
         stop_workers(workers, cgroups)
     ratios = [sn / (n * s1) for sn, s1 in zip(sweep[n], sweep[1])]
-    return {"nodes": n, "partition": counts, "quota_cores_per_node": quota,
+    return {"nodes": n, "partition": counts, "quota_cores_per_node": quota, "node_backends": backends,
             "tokens_per_s_by_samples": {str(s): summarize(v) for s, v in sweep.items()},
             "efficiency": summarize(ratios)}
 
