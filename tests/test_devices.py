@@ -38,8 +38,10 @@ def test_fp16_storage_fp32_compute_equals_fp32_on_a_ring(tmp_path, workers, fami
     assert decode_bytes >= 64 * 4
 
 
-def test_compute_dtype_choice_per_gpu_generation():
+def test_compute_dtype_choice_per_gpu_generation(monkeypatch):
+    from mdi.system import devices
     tx2, xavier, orin = (6, 2), (7, 2), (8, 7)
+    monkeypatch.setitem(devices._CPU_ARITHMETIC, torch.float16, True)  # (torch 2.0 has none: the test below)
     assert resolve_compute_dtype("cpu", torch.float16, None, None) == (torch.float16, None)
     assert resolve_compute_dtype("cuda", torch.float16, torch.float32, tx2) == (torch.float32, None)
     dtype, note = resolve_compute_dtype("cuda", torch.float16, None, tx2)
@@ -172,8 +174,9 @@ def test_cudnn_attention_is_switched_off_for_a_gpu_chunk_only(monkeypatch):
     a chunk on a GPU turns it off, once; a CPU chunk leaves torch's switches alone."""
     from mdi.system.devices import use_shape_agnostic_attention
     state = {"on": True}
-    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: state["on"])
-    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: state.update(on=on))
+    # (raising=False: torch before 2.4 has no such switch, as the function itself allows for)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: state["on"], raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: state.update(on=on), raising=False)
     assert not use_shape_agnostic_attention("cpu") and state["on"]
     assert use_shape_agnostic_attention("cuda:0") and not state["on"]
     assert not use_shape_agnostic_attention("cuda")  # already off: nothing to do
