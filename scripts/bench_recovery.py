@@ -70,7 +70,8 @@ def timed_run(cfg, prompts: List[str], victim: Optional[WorkerProcess], kill_aft
     result = batch.run(cfg, prompts, on_token=on_token)
     # From the first token to the last: loading and configuring the ring are not generation.
     out = {"ids": [s.token_ids for s in result.samples], "tokens": len(stamps),
-           "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+           "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+           "node_backends": {n.name: n.backend for n in result.nodes}}
     if killed:
         # Tokens whose pass was already back still come right after the kill; the re-planned
         # ring's first token is the one that ends the longest silence after it.
@@ -87,6 +88,7 @@ def one_way(args, way: str, log_dir: str) -> Dict[str, Any]:
     prompts = (PROMPTS * args.samples)[:args.samples]
     kill_after = max(1, int(args.kill_at * args.samples * args.tokens))
     recovery, replan, ratio, identical = [], [], [], []
+    backends = {}  # type: Dict[str, Any]
     for r in range(args.repeats):
         names = ["board1", "board2"] + (["spare1"] if way == "spare" else [])
         procs = [WorkerProcess("%s-%s-%d" % (n, way, r), 1, log_dir) for n in names]
@@ -101,6 +103,7 @@ def one_way(args, way: str, log_dir: str) -> Dict[str, Any]:
             for w in procs:
                 w.stop()
         identical.append(failed["ids"] == clean["ids"])
+        backends = {"clean": clean["node_backends"], "after_failure": failed["node_backends"]}
         recovery.append(failed["recovery_s"])
         replan.append(failed["replan_s"])
         ratio.append(failed["tokens_per_s"] / clean["tokens_per_s"])
@@ -108,7 +111,7 @@ def one_way(args, way: str, log_dir: str) -> Dict[str, Any]:
             way, r + 1, failed["recovery_s"], failed["replan_s"], failed["tokens_per_s"], clean["tokens_per_s"],
             "identical" if identical[-1] else "DIFFERENT"), flush=True)
     return {"way": way, "recovery_s": summarize(recovery), "replan_s": summarize(replan),
-            "tokens_per_s_ratio": summarize(ratio), "identical": identical}
+            "tokens_per_s_ratio": summarize(ratio), "identical": identical, "node_backends": backends}
 
 
 def main(argv=None) -> int:

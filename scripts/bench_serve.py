@@ -264,7 +264,7 @@ class Server:
             nodes = requests.get(self.url + "/v1/mdi/state", timeout=30).json().get("nodes", [])
         except (requests.RequestException, ValueError):
             return []
-        keys = ("name", "role", "frames", "compute_seconds", "forwards", "rows_per_forward_mean",
+        keys = ("name", "role", "backend", "frames", "compute_seconds", "forwards", "rows_per_forward_mean",
                 "rows_per_forward_max", "samples_per_forward_mean", "samples_per_forward_max")
         return [{k: n.get(k) for k in keys} for n in nodes if n.get("role") in ("starter", "worker")]
 
