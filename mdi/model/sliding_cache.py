@@ -17,7 +17,7 @@ The torch backend keeps every position: it is the reference, and training reads 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mdi.model.ggml.kernel_rows import TILED_ROWS, UBATCH
+from mdi.model.ggml.kernel_rows import KV_PAD, TILED_ROWS, UBATCH
 
 # The most rows a speculating sample's passes in flight write past its accepted tokens (the
 # speculation policy caps filling the ring at this). A sample's prompt passes go one at a time,
@@ -35,7 +35,7 @@ def ring_length(config: Any, first: int, last: int, max_len: int, prefill_chunk:
         return 0
     # llama.cpp's SWA cache: n_swa + n_ubatch cells padded to 256 (llama-kv-cache-iswa.cpp); an
     # unpadded ring of a 48-token window had parted its perplexity from llama-perplexity's
-    ring = -(-(window + UBATCH) // 256) * 256
+    ring = -(-(window + UBATCH) // KV_PAD) * KV_PAD
     return ring if ring < max_len else 0
 
 

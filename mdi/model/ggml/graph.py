@@ -27,10 +27,10 @@ from mdi.model.ggml import adapters as lora_ops
 from mdi.model.ggml import lib
 from mdi.model.ggml.built import Built
 from mdi.model.ggml.kv_cache import GgmlKVCache
+from mdi.model.ggml.kernel_rows import KV_PAD as ATTEND_BUCKET  # attended positions: padded as llama.cpp's KV view
 from mdi.model.ggml.products import (DEQUANT_NODES, DequantScratch, dequant_slice_count, multiply, multiply_runs,
                                      split_nodes)
 
-ATTEND_BUCKET = 256  # attended positions are padded to a multiple of this (llama.cpp pads its KV view to 256)
 # Nodes a block's graph holds: about 40 per layer, and 10 more per sample that attends in it
 # (its own view of q, of its cache slot, its flash attention, its rows back in place), with room.
 NODES_PER_LAYER, NODES_PER_SAMPLE, NODES_MORE = 48, 12, 64
