@@ -71,7 +71,7 @@ def timed_run(cfg, prompts: List[str], victim: Optional[WorkerProcess], kill_aft
     # From the first token to the last: loading and configuring the ring are not generation.
     out = {"ids": [s.token_ids for s in result.samples], "tokens": len(stamps),
            "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-           "node_backends": {n.name: n.backend for n in result.nodes}}
+           "node_backends": benchlib.node_backends(result)}
     if killed:
         # Tokens whose pass was already back still come right after the kill; the re-planned
         # ring's first token is the one that ends the longest silence after it.

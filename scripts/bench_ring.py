@@ -95,7 +95,7 @@ def one_run(model: str, workers: List[WorkerProcess], counts: Optional[List[int]
     if rate is None:
         raise RuntimeError("the samples never decoded at the same time")
     out = {"n_samples": n_samples, "token_times": times, "tokens_per_s": rate,
-           "node_backends": {n.name: n.backend for n in result.nodes}}
+           "node_backends": benchlib.node_backends(result)}
     if n_samples == 1:
         out["per_token_s"] = decode_timing(times[0])["median_s"]  # robust to a neighbour's burst
         # Every node's own compute (layers, head, sampling) per token, from the metrics.

@@ -344,14 +344,15 @@ def main(argv=None) -> int:
     import tempfile
     info = machine_info(1)
     sets = encode_sets(args.model, args.prompts, args.n_prompts)
+    backend = args.backend or default_backend()  # what the runs asked for; node_backends: what each chose
     record: Dict[str, Any] = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
-                              "backend": args.backend or default_backend(),
+                              "backend": backend,
                               "prompts": {k: len(v) for k, v in sets.items()}, "setups": {}}
     log_dir = tempfile.mkdtemp(prefix="mdi-bench-spec-")
     if args.draft_model:
         small = {k: v[:args.draft_prompts] for k, v in sets.items()}
         draft_record = {"machine": info, "model": args.model, "tokens": args.tokens, "kernel": args.kernel,
-                        "backend": args.backend or default_backend(),
+                        "backend": backend,
                         "prompts": {k: len(v) for k, v in small.items()}, **draft_run(args, small, log_dir)}
         finish_machine_info(info)
         print(note_load(info))

@@ -67,6 +67,11 @@ def decode_timing(token_times: Sequence[float]) -> Dict[str, float]:
             "tokens_per_s": 1.0 / mean, "n_gaps": len(gaps)}
 
 
+def node_backends(result: Any) -> Dict[str, Optional[str]]:
+    """What each node of a finished run (mdi.starter.batch's RunResult) computed with, by name."""
+    return {n.name: n.backend for n in result.nodes}
+
+
 # --------------------------------------------------------------------------- output
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
