@@ -85,6 +85,10 @@ def test_runtime_device_names_the_runs_device_as_model_device_does():
     assert cfg.model.device == "cuda:1" and cfg.device_of(cfg.nodes[0]) == "cuda:1"
     same = parse_config({"model": {"path": "m", "device": "cuda"}, "runtime": {"device": "cuda"}}, "run.yaml")
     assert same.model.device == "cuda"
+    first = parse_config({"model": {"path": "m", "device": "cuda:0"}, "runtime": {"device": "cuda"}}, "run.yaml")
+    assert first.model.device in ("cuda", "cuda:0")  # one GPU, two spellings
+    with pytest.raises(ConfigError, match=r"runtime.device 'cuda' and model.device 'cuda:1' differ"):
+        parse_config({"model": {"path": "m", "device": "cuda:1"}, "runtime": {"device": "cuda"}}, "run.yaml")
     with pytest.raises(ConfigError, match=r"^run.yaml: runtime.device 'cuda' and model.device 'cpu' differ"):
         parse_config({"model": {"path": "m", "device": "cpu"}, "runtime": {"device": "cuda"}}, "run.yaml")
     with pytest.raises(ConfigError, match=r"^run.yaml: runtime.device: expected cpu, cuda or cuda:N, got 'gpu'$"):

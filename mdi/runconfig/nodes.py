@@ -67,10 +67,14 @@ def runtime_device(source: str, model_device: Optional[str], device: str) -> str
     """runtime.device: the run's device spelt where the other run-wide settings are; it is
     model.device's value (its one home), so naming both differently is an error."""
     check_device("%s: runtime.device" % source, device)
-    if model_device is not None and model_device != device:
+    if model_device is not None and _canonical(model_device) != _canonical(device):
         raise ConfigError("%s: runtime.device %r and model.device %r differ: name the run's device once"
                           % (source, device, model_device))
     return device
+
+
+def _canonical(device: str) -> str:
+    return "cuda:0" if device == "cuda" else device  # (torch's and ggml's "cuda" is the first GPU)
 
 
 def check_device(where: str, device: str) -> None:
