@@ -503,3 +503,29 @@ def test_a_worker_process_limits_its_malloc_arenas_unless_the_user_set_them():
     theirs = subprocess.run([sys.executable, "-c", code], env=dict(env, MALLOC_ARENA_MAX="4"), capture_output=True,
                             text=True, timeout=60)
     assert (ours.stdout.strip(), theirs.stdout.strip()) == ("True", "False"), ours.stderr + theirs.stderr
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_node_process_fixes_mallocs_thresholds_unless_the_user_set_them():
+    # Left to itself glibc serves large blocks from the heap once one was freed, and the heap's
+    # holes stay resident (mdi.system.memory.fix_malloc_thresholds says how much that cost).
+    code = ("import ctypes, sys, numpy as np\n"
+            "from mdi.cli.process import setup_process\n"
+            "if sys.argv[1] == 'set-up':\n"
+            "    setup_process()\n"
+            "class M(ctypes.Structure):\n"
+            "    _fields_ = [(n, ctypes.c_size_t) for n in 'arena ord smb hblks hblkhd usm fsm uord ford keep'.split()]\n"
+            "f = ctypes.CDLL(None).mallinfo2\n"
+            "f.restype = M\n"
+            "b = np.ones(8 << 20, np.uint8)\n"
+            "del b  # freed: glibc raises its threshold past 6 MB\n"
+            "a = np.ones(6 << 20, np.uint8)\n"
+            "print(f().hblkhd >= 6 << 20)")  # a mapping of its own, unmapped when freed
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    runs = [subprocess.run([sys.executable, "-c", code, how], env=env, capture_output=True, text=True, timeout=60)
+            for how in ("set-up", "plain")]
+    assert [r.stdout.strip() for r in runs] == ["True", "False"], runs[0].stderr + runs[1].stderr
+    code = "from mdi.system.memory import fix_malloc_thresholds; print(fix_malloc_thresholds())"
+    theirs = subprocess.run([sys.executable, "-c", code], env=dict(env, MALLOC_MMAP_THRESHOLD_="131072"),
+                            capture_output=True, text=True, timeout=60)
+    assert theirs.stdout.strip() == "False", theirs.stderr

@@ -10,9 +10,12 @@ EXIT_RUN = 1
 
 def setup_process(log_level: str = "INFO", log_format: str = "%(message)s", threads: Any = None) -> None:
     """What only an entry point may decide for the whole process: where log messages go,
-    which warnings are noise, and how many threads torch uses."""
+    which warnings are noise, how many threads torch uses, and malloc's thresholds."""
     import logging
     import warnings
+
+    from mdi.system.memory import fix_malloc_thresholds
+    fix_malloc_thresholds()  # before the first large block (mdi.system.memory says why)
     logging.basicConfig(level=log_level.upper(), format=log_format, stream=sys.stderr)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     # Received frames wrap zmq's read-only buffers (mdi/ring/wire.py says why): nothing writes

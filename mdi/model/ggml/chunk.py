@@ -29,6 +29,7 @@ from mdi.model.ggml.row_split import split_sizes
 from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
 from mdi.model.ggml.weights import GgufWeights
 from mdi.model.pass_rows import PassRows
+from mdi.system.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +249,10 @@ class GgmlChunk:
             self._graphs.move_to_end(key)
             g.last_lookup = self._lookups
             return g
+        freed = False
         while self._graphs and next(iter(self._graphs.values())).last_lookup < self._lookups - IDLE_LOOKUPS:
             self._graphs.popitem(last=False)[1].free()
+            freed = True
         t0 = time.perf_counter()
         g = build()
         try:
@@ -265,6 +268,9 @@ class GgmlChunk:
                 len(self._graphs) > 1 and sum(b.buffer_bytes for b in self._graphs.values()) > MAX_GRAPH_BYTES):
             _, old = self._graphs.popitem(last=False)
             old.free()
+            freed = True
+        if freed:  # their buffers' pages, which glibc keeps resident in the heap's holes
+            release_freed_memory()
         return g
 
     def _drop_graphs(self, which: Any) -> None:
