@@ -45,15 +45,14 @@ def pass_inputs(host_arrays: bool, slots: List[int], starts: List[int], counts: 
     return RowBatch.of(slots, starts, counts, device, adapters, row_wise=verify), ints_to_device(ids, device)
 
 
-def logits_of(chunk: Any, rows: List[Any], device: Any, scored: bool) -> Any:
+def logits_of(chunk: Any, rows: List[Any], device: Any) -> Any:
     """The logits of the stacked `rows` (torch tensors or numpy arrays), on the host in one
-    copy (one wait on a GPU); `scored`: the rows are logits already (their graph ran the head)."""
+    copy (one wait on a GPU)."""
     if all(isinstance(r, np.ndarray) for r in rows):  # a ggml chunk's, back through the local loop
-        x = rows[0] if len(rows) == 1 else np.concatenate(rows)
-        return x if scored else chunk.head(x)
+        return chunk.head(rows[0] if len(rows) == 1 else np.concatenate(rows))
     import torch
 
     from mdi.system.transfers import to_device, to_host
     tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rows]
     x = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-    return x if scored else to_host(chunk.head(to_device(x, device)))
+    return to_host(chunk.head(to_device(x, device)))

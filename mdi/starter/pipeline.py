@@ -299,10 +299,14 @@ class Pipeline:
         if not pending:
             return
         t0 = time.perf_counter()
-        logits = logits_of(self.chunk, [rows for _, _, rows in pending], self.device, scored)
+        # (logits already: each frame's own, not stacked into a copy of vocabulary x samples floats)
+        logits = None if scored else logits_of(self.chunk, [rows for _, _, rows in pending], self.device)
         row = 0
         for sample, epoch, rows in pending:
-            mine, row = logits[row:row + rows.shape[0], :self.settings.drawable], row + rows.shape[0]
+            if logits is None:
+                mine = rows[:, :self.settings.drawable]
+            else:
+                mine, row = logits[row:row + rows.shape[0], :self.settings.drawable], row + rows.shape[0]
             draw = functools.partial(draw_next, sample, params=self.params if sample.params is None else sample.params,
                                      end_ids=self.end_ids)
             if epoch is not None:
