@@ -162,6 +162,15 @@ def test_auto_times_the_prefill_pass_the_run_makes(cache, monkeypatch):
         del flags[:]
         backend_select.select_backend("auto", config, 0, 1, types, "cpu", 1, 1, repack=repack)
         assert flags == want, (repack, flags)
+    # model.compute_dtype: torch is timed computing in it (float32 over bfloat16 weights is
+    # another speed), and remembered apart; none keeps the keys from before it
+    asked = []
+    monkeypatch.setattr(backend_select, "run_probe", lambda req: asked.append(req.compute_dtype) or probe(req))
+    for compute, want in ((None, [None, None]), ("float32", ["float32", "float32"]), ("float32", []), (None, [])):
+        del asked[:]
+        backend_select.select_backend("auto", config, 0, 1, types, "cpu", 1, 1, dtype="bfloat16",
+                                      compute_dtype=compute)
+        assert asked == want, (compute, asked)
 
 
 def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_is_timed():
@@ -186,6 +195,9 @@ def test_the_backend_request_says_the_prefill_chunk_only_where_it_changes_what_i
     assert validate_backend(body(repack=False)).repack is False and validate_backend(body()).repack is True
     with pytest.raises(RequestError, match="repack must be true or false"):
         validate_backend(dict(body(), repack="no"))
+    assert "compute_dtype" not in body() and validate_backend(body(compute_dtype="float32")).compute_dtype == "float32"
+    with pytest.raises(RequestError, match="compute_dtype"):
+        validate_backend(dict(body(), compute_dtype="float8"))
 
 
 def test_auto_takes_torch_without_timing_ggml_where_a_q8_0_cache_cannot_hold_the_heads(cache, monkeypatch):

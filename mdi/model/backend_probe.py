@@ -33,6 +33,7 @@ class ProbeRequest:
     kv_type: str = "f16"
     # torch: weights' dtype, device and quantization (mdi.model.layout's JSON form, blocks 0 and 1)
     dtype: str = "float32"
+    compute_dtype: Optional[str] = None  # model.compute_dtype (None: the weights' dtype, as resolve_compute_dtype says)
     device: str = "cpu"
     quant: Dict[str, Any] = field(default_factory=dict)
     quant_kernel: Optional[str] = None
@@ -92,7 +93,8 @@ def _time_torch(req: ProbeRequest, config: ModelConfig) -> BackendTiming:
     n = min(req.n_blocks, config.n_layer)
     quant = layout_from_json(req.quant) if req.quant else None
     dtype = torch_dtype(req.dtype)
-    compute, _ = resolve_compute_dtype(req.device, dtype, None)  # float16 weights on a torch without CPU half maths
+    asked = torch_dtype(req.compute_dtype) if req.compute_dtype else None
+    compute, _ = resolve_compute_dtype(req.device, dtype, asked)  # as the run will compute
     chunk = profile_chunk(config, dtype, req.device, quant, compute, n_blocks=n)
     with torch.inference_mode():
         return _time(chunk, req, config, None, seconds_per_call)

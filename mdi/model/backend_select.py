@@ -95,11 +95,12 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
                    quant: Optional[Dict[str, Any]] = None, quant_kernel: Optional[str] = None, kv_type: str = "f16",
                    refresh: bool = False, busy: Optional[str] = None,
                    prefill_weights: str = "quantized", prefill_chunk: Optional[int] = None,
-                   repack: bool = True) -> BackendChoice:
+                   repack: bool = True, compute_dtype: Optional[str] = None) -> BackendChoice:
     """The backend of a node holding layers [first, last): `asked` (ValueError when it cannot
     serve), or for auto the measured faster of those that can (`busy`: see backend.choose).
     `prefill_chunk`: the run's tokens per prefill pass (probe_prefill_tokens); `repack`:
-    runtime.repack, as ggml will compute (its weights had been timed repacked whatever it said)."""
+    runtime.repack, as ggml will compute (its weights had been timed repacked whatever it said);
+    `compute_dtype`: model.compute_dtype, as torch will compute."""
     # (a q8_0 cache that cannot hold the heads is said here, not found by a failing measurement)
     cannot = {"ggml": ggml_cannot(gguf_types, device, adapters) or head_dim_unfit(kv_type, config.head_dim),
               "torch": torch_cannot(device)}
@@ -119,7 +120,7 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
         req = ProbeRequest(backend=backend, model=config.to_dict(), threads=threads, rows=max(1, rows),
                            prefill_tokens=prefill_tokens, layer_types=ltypes, kv_type=kv_type, dtype=dtype,
                            device=device, quant=tquant, quant_kernel=quant_kernel, prefill_weights=prefill_weights,
-                           repack=repack)
+                           repack=repack, compute_dtype=compute_dtype)
         return run_probe(req)
 
     key: Optional[Dict[str, object]] = None
@@ -132,6 +133,8 @@ def select_backend(asked: str, config: ModelConfig, first: int, last: int, gguf_
             key["prefill_weights"] = prefill_weights
         if not repack:
             key["repack"] = False
+        if compute_dtype is not None:
+            key["compute_dtype"] = compute_dtype
         if prefill_tokens != PROBE_PREFILL_TOKENS:
             key["prefill_tokens"] = prefill_tokens
     return choose(asked, cannot, measure, key, refresh, busy)

@@ -36,6 +36,7 @@ class BackendRequest:
     prefill_chunk: Optional[int] = None  # runtime.prefill_chunk: the prefill pass auto times (None: 128 tokens)
     run_id: Optional[int] = None  # the run whose /init follows: 409 at once where another run holds the worker
     repack: bool = True  # ggml: runtime.repack, as the run will compute
+    compute_dtype: Optional[str] = None  # torch: model.compute_dtype, as the run will compute (None: from dtype)
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"model": self.model.to_dict(), "layers": list(self.layers), "asked": self.asked,
@@ -49,7 +50,7 @@ class BackendRequest:
         if chunk is not None and probe_prefill_tokens(chunk, self.prefill_weights) != PROBE_PREFILL_TOKENS:
             # (likewise: only where it changes what is timed); no pass of the run is longer than MAX_ROWS
             out["prefill_chunk"] = min(chunk, MAX_ROWS)
-        for key in ("threads", "quant_kernel", "run_id"):
+        for key in ("threads", "quant_kernel", "run_id", "compute_dtype"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.quant:
@@ -60,7 +61,7 @@ class BackendRequest:
 def validate_backend(body: Any) -> BackendRequest:
     spec = object_fields("backend", body, ("model", "layers", "asked", "device", "dtype"),
                          ("threads", "rows", "gguf_types", "quant", "quant_kernel", "kv_type", "adapters",
-                          "prefill_weights", "prefill_chunk", "run_id", "repack"))
+                          "prefill_weights", "prefill_chunk", "run_id", "repack", "compute_dtype"))
     config = model_field(spec["model"])
     layers = layers_field(spec["layers"], config)
     if spec["asked"] not in BACKENDS:
@@ -82,7 +83,7 @@ def validate_backend(body: Any) -> BackendRequest:
                           quant_field(spec.get("quant"), config, layers), kernel, kv_type, adapters,
                           prefill_weights_field(spec), chunk,
                           None if spec.get("run_id") is None else int_field("run_id", spec["run_id"], 0, 2 ** 63 - 1),
-                          bool_field("repack", spec["repack"]) if "repack" in spec else True)
+                          bool_field("repack", spec["repack"]) if "repack" in spec else True, spec.get("compute_dtype"))
 
 
 @dataclass

@@ -225,7 +225,8 @@ class Engine(RuntimeAdapters, RecoveryLog):
                 adapters=bool(self.adapters) or bool(cfg.adapters), dtype=cfg.model.dtype,
                 quant=layout_to_json(self.plan.nodes[0].quant), quant_kernel=cfg.runtime.quant_kernel,
                 kv_type=cfg.runtime.kv_type, prefill_weights=cfg.prefill_weights_of(cfg.starter),
-                prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack)
+                prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack,
+                compute_dtype=cfg.model.compute_dtype)
         except (ValueError, RuntimeError) as e:
             raise ConfigError("starter: %s" % e)
 

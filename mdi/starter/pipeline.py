@@ -295,18 +295,15 @@ class Pipeline:
     def _sample_all(self, pending: List[Tuple[Sample, Optional[int], Any]], scored: bool = False) -> None:
         """The head over every row that samples, at once, then each sample's tokens: one from
         its last row (`epoch` None), or a verification's (`epoch`: the sample's when it came).
-        `scored`: the rows are logits already (a frame whose graph ran the head)."""
+        `scored`: the rows are logits already (a frame whose graph ran the head), each frame's
+        drawn from where it is, not stacked into a copy of vocabulary x samples floats."""
         if not pending:
             return
         t0 = time.perf_counter()
-        # (logits already: each frame's own, not stacked into a copy of vocabulary x samples floats)
-        logits = None if scored else logits_of(self.chunk, [rows for _, _, rows in pending], self.device)
-        row = 0
+        logits, row = None if scored else logits_of(self.chunk, [rows for _, _, rows in pending], self.device), 0
         for sample, epoch, rows in pending:
-            if logits is None:
-                mine = rows[:, :self.settings.drawable]
-            else:
-                mine, row = logits[row:row + rows.shape[0], :self.settings.drawable], row + rows.shape[0]
+            mine = (rows if logits is None else logits[row:row + rows.shape[0]])[:, :self.settings.drawable]
+            row += rows.shape[0]
             draw = functools.partial(draw_next, sample, params=self.params if sample.params is None else sample.params,
                                      end_ids=self.end_ids)
             if epoch is not None:

@@ -88,7 +88,7 @@ class Measuring:
                                           self.device_override or request.device, request.threads, request.rows,
                                           request.adapters, request.dtype, layout_to_json(request.quant),
                                           request.quant_kernel, request.kv_type, busy, request.prefill_weights,
-                                          request.prefill_chunk, request.repack)
+                                          request.prefill_chunk, request.repack, request.compute_dtype)
         except WouldMeasure as e:
             raise NodeBusy("%s: measuring its backends now would slow that run; ask between runs, or name "
                            "runtime.backend" % e)
@@ -104,13 +104,13 @@ class Measuring:
                         threads: Any, rows: int, adapters: bool, dtype: str, quant: Dict[str, Any],
                         quant_kernel: Optional[str], kv_type: str, busy: Optional[str] = None,
                         prefill_weights: str = "quantized", prefill_chunk: Optional[int] = None,
-                        repack: bool = True) -> BackendChoice:
+                        repack: bool = True, compute_dtype: Optional[str] = None) -> BackendChoice:
         threads = self.threads_override or threads
         try:
             return select_backend(asked, config, layers[0], layers[1], gguf_types, device,
                                   threads if isinstance(threads, int) else None, rows, adapters, dtype, quant,
                                   quant_kernel, kv_type, busy=busy, prefill_weights=prefill_weights,
-                                  prefill_chunk=prefill_chunk, repack=repack)
+                                  prefill_chunk=prefill_chunk, repack=repack, compute_dtype=compute_dtype)
         except WouldMeasure:
             raise
         except (ValueError, RuntimeError) as e:

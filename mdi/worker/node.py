@@ -239,7 +239,8 @@ class Worker(Measuring):
                                           request.max_batch, False, request.dtype, layout_to_json(request.quant),
                                           request.quant_kernel, request.kv_type,
                                           prefill_weights=request.prefill_weights,
-                                          prefill_chunk=request.prefill_chunk, repack=request.repack)
+                                          prefill_chunk=request.prefill_chunk, repack=request.repack,
+                                          compute_dtype=request.compute_dtype)
             backend, line = choice.backend, choice.describe()
             if request.weights.push is not None and backend != "torch":
                 raise RequestError("backend auto chose %s here, but the push announced is torch's weights: ask POST "

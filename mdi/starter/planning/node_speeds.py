@@ -249,11 +249,12 @@ class Profiler:
             return select_backend("auto", self.config, 0, n, gguf, cfg.device_of(node), threads, max(self.sizes),
                                   bool(cfg.adapters), cfg.model.dtype, layout_to_json(quant), cfg.runtime.quant_kernel,
                                   cfg.runtime.kv_type, prefill_weights=cfg.prefill_weights_of(node),
-                                  prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack).backend
+                                  prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack,
+                                  compute_dtype=cfg.model.compute_dtype).backend
         request = BackendRequest(self.config, [0, n], "auto", cfg.device_of(node), cfg.model.dtype, cfg.runtime.threads,
                                  max(self.sizes), gguf or {}, {}, cfg.runtime.quant_kernel, cfg.runtime.kv_type,
                                  bool(cfg.adapters), cfg.prefill_weights_of(node), cfg.runtime.prefill_chunk,
-                                 repack=cfg.runtime.repack)
+                                 repack=cfg.runtime.repack, compute_dtype=cfg.model.compute_dtype)
         return self.registry.client(node).backend(request).backend
 
     def _worker_timing(self, node: NodeSpec, device: str, alongside: Sequence[str]) -> Dict[str, Any]:

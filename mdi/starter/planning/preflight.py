@@ -249,6 +249,7 @@ def _starter_backend(cfg: RunConfig, plan: Any, source: ModelSource, node_plan: 
                               else None, plan.max_batch, adapters=bool(cfg.adapters), dtype=cfg.model.dtype,
                               quant=layout_to_json(node_plan.quant), quant_kernel=cfg.runtime.quant_kernel,
                               kv_type=cfg.runtime.kv_type, prefill_weights=cfg.prefill_weights_of(cfg.starter),
-                              prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack)
+                              prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack,
+                              compute_dtype=cfg.model.compute_dtype)
     except (ValueError, RuntimeError) as e:
         raise ConfigError("backend: %s" % e)

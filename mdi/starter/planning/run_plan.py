@@ -261,4 +261,4 @@ def backend_request(plan: RunPlan, source: ModelSource, node: Any, adapters: boo
         gguf_types=source.gguf_types(first, last, False, False) if gguf else {},
         quant=node.quant, quant_kernel=cfg.runtime.quant_kernel, kv_type=cfg.runtime.kv_type,
         adapters=bool(cfg.adapters) or adapters, prefill_weights=cfg.prefill_weights_of(node.spec),
-        prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack)
+        prefill_chunk=cfg.runtime.prefill_chunk, repack=cfg.runtime.repack, compute_dtype=cfg.model.compute_dtype)
