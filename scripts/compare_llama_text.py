@@ -47,6 +47,8 @@ import benchlib  # noqa: E402  (adds the repo root to sys.path)
 import bench_peer  # noqa: E402
 
 ROOT = benchlib.ROOT
+# Each prompt and its tokens stay under 256 positions: llama-simple decodes at 4 threads (no option), and
+# past 256 its split attention moves its own text (README, "sliding-window layer").
 PROMPTS = ("The capital of France is", "Once upon a time", "The three most important inventions in history are",
            # over 128 tokens: passes of 64 + 64 + a short tail parted from llama.cpp's one ubatch before
            # mdi.starter.prompt_passes (ggml's attention takes another kernel from 64 rows a pass)
