@@ -12,7 +12,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 
 def meminfo(path: str = "/proc/meminfo") -> Dict[str, int]:
@@ -189,7 +189,22 @@ def _cgroup_free(path: str, limit_file: str, usage_file: str, cache_key: str) ->
 # itself, as its own load check (capacity.starter_free_bytes).
 LOAD_HEADROOM_BYTES = 64 * 1024 * 1024
 
-_M_ARENA_MAX = -8  # glibc's mallopt() parameter number
+_M_ARENA_MAX, _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -8, -1, -3  # glibc's mallopt() parameter numbers
+MMAP_THRESHOLD_BYTES = 4 << 20  # blocks this large get mappings of their own, unmapped when freed
+TRIM_THRESHOLD_BYTES = 64 << 20  # free bytes the heap's top keeps (below it, every free would shrink it)
+
+
+def _mallopt(settings: Dict[int, int], user_settings: Sequence[str]) -> bool:
+    """glibc's mallopt(parameter, value) for each of `settings`, unless the user set one of the
+    environment variables `user_settings` (theirs win); False where it cannot (not glibc)."""
+    if any(os.environ.get(name) for name in user_settings):
+        return False
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+        return all([bool(mallopt(parameter, value)) for parameter, value in settings.items()])
+    except (AttributeError, OSError, TypeError):
+        return False
 
 
 def limit_malloc_arenas(arenas: int = 1) -> bool:
@@ -200,18 +215,7 @@ def limit_malloc_arenas(arenas: int = 1) -> bool:
     GPT-2 worker's RSS grew 33 MB over 12 runs, ~3 MB (a KV cache) a run; with one arena (and
     malloc_trim at a run's end) 1.5 MB over 10, at the same tokens/s (medians 211 vs 212 over
     12 interleaved runs). Called by an entry point before it starts threads."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return False
-    import ctypes
-    try:
-        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, arenas))
-    except (AttributeError, OSError, TypeError):
-        return False
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt() parameter numbers
-MMAP_THRESHOLD_BYTES = 4 << 20  # blocks this large get mappings of their own, unmapped when freed
-TRIM_THRESHOLD_BYTES = 64 << 20  # free bytes the heap's top keeps (below it, every free would shrink it)
+    return _mallopt({_M_ARENA_MAX: arenas}, ("MALLOC_ARENA_MAX",))
 
 
 def fix_malloc_thresholds() -> bool:
@@ -222,15 +226,8 @@ def fix_malloc_thresholds() -> bool:
     resident. A Gemma 3 node alone at 16 samples of 500 words peaked at 592 MB, 567 with the heap
     trimmed when graphs are dropped, 536 with these too (the issue's bound is 546 there), at the
     same one-sample decode speed (15.4 against 15.1 tokens/s, medians of 3 alternations)."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
-        return False
-    import ctypes
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-        return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
-            bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-    except (AttributeError, OSError, TypeError):
-        return False
+    return _mallopt({_M_MMAP_THRESHOLD: MMAP_THRESHOLD_BYTES, _M_TRIM_THRESHOLD: TRIM_THRESHOLD_BYTES},
+                    ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
 
 
 def rss_bytes() -> int:
