@@ -108,7 +108,7 @@ def test_a_one_node_run_decodes_in_one_graph_a_token_with_the_same_ids(source, c
     want = greedy(chunk, prompts, [[0], [1], [2]], 12)
     heads = []
     head = chunk.head
-    monkeypatch.setattr(chunk, "head", lambda x: heads.append(x.shape[0]) or head(x))
+    monkeypatch.setattr(chunk, "head", lambda x, **kw: heads.append(x.shape[0]) or head(x, **kw))
     for max_batch in (1, 3):
         heads.clear()
         samples = [Sample(i, PROMPTS[i], p, 12, sample_generator(0, i)) for i, p in enumerate(prompts)]

@@ -18,6 +18,7 @@ the PUSH socket only talks to a server holding the run's server key, and frames 
 (scripts/bench_transport.py measures what that costs per hop).
 """
 import collections
+from dataclasses import dataclass
 import itertools
 import logging
 import math
@@ -62,8 +63,17 @@ class Transport(Protocol):
     def traffic(self) -> Dict[str, Any]: ...
 
 
+@dataclass
+class Deferred:
+    """A frame's rows that a one-node ring computes when it takes the frame back (LocalLoop):
+    frames waiting in the loop then hold no activations, only the ones being read do (a head's
+    logits are 1 MB a sample on a 262k vocabulary). Taken in the order sent, so every pass and
+    its cache ops run in that order, as on a ring."""
+    compute: Callable[[], Any]
+
+
 class LocalLoop:
-    """Transport of a one-node ring: what the starter sends comes straight back."""
+    """Transport of a one-node ring: what the starter sends comes straight back (Deferred rows computed then)."""
 
     def __init__(self) -> None:
         self.queue: Deque[Frame] = collections.deque()
@@ -74,10 +84,16 @@ class LocalLoop:
     def recv(self, timeout: float) -> Frame:
         if not self.queue:
             raise RingTimeout("local loop is empty")
-        return self.queue.popleft()
+        return self._take()
 
     def recv_nowait(self) -> Optional[Frame]:
-        return self.queue.popleft() if self.queue else None
+        return self._take() if self.queue else None
+
+    def _take(self) -> Frame:
+        frame = self.queue.popleft()
+        if isinstance(frame.tensor, Deferred):
+            frame.tensor = frame.tensor.compute()
+        return frame
 
     def traffic(self) -> Dict[str, Any]:
         return {"bytes_sent": 0, "messages_sent": 0}

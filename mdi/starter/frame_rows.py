@@ -1,9 +1,11 @@
 """How the samples of one frame lay out their rows: which of them carry a soft prompt's virtual
-tokens, and which samples share a frame so that each adapter's delta is added once."""
-from typing import List
+tokens, which samples share a frame so that each adapter's delta is added once, and which rows
+of a frame that came back are whose."""
+from typing import Any, Iterator, List, Tuple
 
 import numpy as np
 
+from mdi.ring.wire import Frame
 from mdi.starter.sample import Sample
 
 
@@ -47,3 +49,15 @@ def adapters_together(ready: List[Sample], max_batch: int) -> List[Sample]:
         taken = set(id(s) for s in same)  # by identity: a Sample's == compares its tensors
         rest = [s for s in rest if id(s) not in taken]
     return chosen + rest
+
+
+def returned_rows(frame: Frame) -> Iterator[Tuple[int, int, int, Any]]:
+    """(slot, count, epoch, rows) of each sample in a frame back from the ring, whose rows are
+    either every position of every sample or only each one's last."""
+    tensor = frame.tensor
+    assert tensor is not None, "a frame without rows carries no sample's"
+    all_rows, row = tensor.shape[0] == sum(frame.count), 0
+    for slot, count, epoch in zip(frame.samples, frame.count, frame.epoch_ids()):
+        rows = tensor[row:row + (count if all_rows else 1)]
+        row += rows.shape[0]
+        yield slot, count, epoch, rows

@@ -47,9 +47,11 @@ def pass_inputs(host_arrays: bool, slots: List[int], starts: List[int], counts: 
 
 def logits_of(chunk: Any, rows: List[Any], device: Any) -> Any:
     """The logits of the stacked `rows` (torch tensors or numpy arrays), on the host in one
-    copy (one wait on a GPU)."""
+    copy (one wait on a GPU); a ggml chunk's read where its head wrote them, valid until its next
+    pass (the pipeline draws from them first)."""
     if all(isinstance(r, np.ndarray) for r in rows):  # a ggml chunk's, back through the local loop
-        return chunk.head(rows[0] if len(rows) == 1 else np.concatenate(rows))
+        x = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        return chunk.head(x, lend=True) if takes_host_arrays(chunk) else chunk.head(x)
     import torch
 
     from mdi.system.transfers import to_device, to_host

@@ -19,15 +19,15 @@ import functools
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
 from mdi.model.prefix_store import PrefixStore
 from mdi.model.sampling import SamplingError, SamplingParams
 from mdi.model.sliding_cache import SlidingRing
 from mdi.ring.status import BatchCounter
-from mdi.ring.transport import LocalLoop, RingTimeout, Transport
+from mdi.ring.transport import Deferred, LocalLoop, RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
-from mdi.starter.frame_rows import adapters_together, virtual_rows
+from mdi.starter.frame_rows import adapters_together, returned_rows, virtual_rows
 from mdi.starter.pass_compute import computes_logits, logits_of, pass_inputs, takes_host_arrays
 from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.prefix_cache import PrefixIndex
@@ -241,17 +241,24 @@ class Pipeline:
         batch, ids_in = pass_inputs(self._host_arrays, slots, starts, counts, adapters,
                                     kind == FrameKind.VERIFY, ids, self.device)
         ops = self.prefix.take_ops() if self.prefix is not None else []
-        if ops:  # this node's copies first, then every node's as the frame reaches it
-            assert self.prefix_store is not None  # set with self.prefix (enable_prefix_cache)
-            self.prefix_store.apply(ops)
+        store, chunk = self.prefix_store, cast(Any, self.chunk)  # torch's ModelChunk, or ggml's, which has more
         logits = self._logits_in_graph and kind == FrameKind.DECODE and virtual is None
-        chunk: Any = self.chunk  # torch's ModelChunk, or ggml's chunk (mdi.model.ggml.chunk), which has more
-        if logits:  # every sample draws from its one row: the head in the same graph
-            x = chunk.embed_forward_logits(ids_in, batch)
-        else:
-            x = chunk.embed_forward_rows(ids_in, batch, virtual)
         self.batching.add(batch.rows, len(group))
+
+        def compute() -> Any:
+            t1 = time.perf_counter()
+            if ops:  # this node's copies first, then every node's as the frame reaches it
+                assert store is not None  # set with self.prefix (enable_prefix_cache)
+                store.apply(ops)
+            if logits:  # every sample draws from its one row: the head in the same graph (lent: _step)
+                x = chunk.embed_forward_logits(ids_in, batch, lend=True)
+            else:
+                x = chunk.embed_forward_rows(ids_in, batch, virtual)
+            self.compute_seconds += time.perf_counter() - t1
+            return x
         self.compute_seconds += time.perf_counter() - t0
+        # one node: computed as it comes back (LocalLoop), in order
+        x = Deferred(compute) if isinstance(self.transport, LocalLoop) else compute()
         frame = Frame(kind, self.run_id, slots, starts, counts, x, adapters if any(adapters) else [],
                       [s.epoch for s in group] if self.tag_epochs else [], ops)
         if logits:
@@ -260,30 +267,12 @@ class Pipeline:
 
     # --- receiving -----------------------------------------------------------------
     def _take(self, sample: Sample, token: int) -> None:
-        """A token the target chose for `sample`: keep it and see whether the sample ends
-        (or, at the end of its cache slot, shifts its window)."""
-        sample.token_ids.append(token)
-        sample.token_times.append(time.perf_counter() - self.t0)
-        grammar, end = sample.constraint, sample.is_end(token, self.end_ids)
-        if grammar is not None and not end and not grammar.take(token):
-            self._fail(sample, SamplingError("token %d breaks its grammar: %s" % (token, grammar.error)))
-        elif end and grammar is not None and not grammar.accepting:
-            # llguidance allows only the end once nothing valid can follow: the output is not one
-            # the grammar accepts, so the sample fails rather than report a "stop".
-            self._fail(sample, SamplingError("no text its grammar accepts continues this output: %s"
-                                             % grammar.error))
-        elif end:
-            sample.finish_reason = FinishReason.EOS
-        elif grammar is not None and grammar.complete:
-            sample.finish_reason = FinishReason.STOP  # its grammar allows only an end token: spare that pass
-        elif len(sample.token_ids) >= sample.max_new_tokens:
-            sample.finish_reason = FinishReason.LENGTH
-        elif sample.window_len > self.cache.max_len:  # its next position is past the slot
-            if self.context_shift:
-                sample.shift_context(self.cache.max_len)
-                self.context_shifts += 1
-            else:
-                sample.finish_reason = FinishReason.CONTEXT
+        """A token the target chose for `sample` (Sample.take: it may end, or shift its window)."""
+        shifts = len(sample.shifts)
+        error = sample.take(token, time.perf_counter() - self.t0, self.end_ids, self.cache.max_len, self.context_shift)
+        if error is not None:
+            self._fail(sample, error)
+        self.context_shifts += len(sample.shifts) - shifts
         if self.on_token is not None:
             self.on_token(sample, token)
 
@@ -375,13 +364,35 @@ class Pipeline:
             if self.active and time.monotonic() - self.last_progress >= self.recv_timeout:
                 raise RingTimeout("no activations came back round the ring for %.0f s" % self.recv_timeout)
             return []
-        frames = [frame]
-        self._more_frames(frames)
-        frames = self._generation_frames(frames)
-        if not frames:
-            return []
-        self.last_progress = time.monotonic()
         advanced: Dict[int, Sample] = {}  # by identity, in order: two passes of one sample may come back
+        # A one-node ring's frames are computed as they are taken (Deferred rows), and each is
+        # drawn from before the next is: its logits are read where the head wrote them (lent).
+        one_by_one, frames, taken, drawn = isinstance(self.transport, LocalLoop), [frame], 0, False
+        if not one_by_one:
+            self._more_frames(frames)
+        while frames:
+            frames = self._generation_frames(frames)
+            if frames:
+                drawn, self.last_progress = True, time.monotonic()
+                self._draw_frames(frames, advanced)
+                taken += sum(len(f.samples) for f in frames)
+            more = self.transport.recv_nowait() if one_by_one and taken < self.max_batch else None
+            frames = [more] if more is not None else []
+        if not drawn:
+            return []
+        for sample in advanced.values():
+            if sample.done:
+                self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)
+                if self.prefix is not None:  # what its slot holds is cache now
+                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.cache_key,
+                                        not sample.shifts, drafted=sample.drafted)
+            elif not sample.verifying:
+                self.ready.append(sample)  # its next token, or the next chunk of its prompt
+        self._dispatch()
+        return list(advanced.values())
+
+    def _draw_frames(self, frames: List[Frame], advanced: Dict[int, Sample]) -> None:
+        """Each returning sample's next tokens from its rows in `frames` (the samples into `advanced`)."""
         pending: List[Tuple[Sample, Optional[int], Any]] = []
         scored: List[Tuple[Sample, Optional[int], Any]] = []  # their rows are logits
         for frame in frames:
@@ -389,12 +400,7 @@ class Pipeline:
                 continue  # a stray stop/reset: nothing to finish
             into = scored if id(frame) in self._logit_frames else pending
             self._logit_frames.discard(id(frame))
-            # Rows are either every position of every sample or only each one's last.
-            all_rows = frame.tensor.shape[0] == sum(frame.count)
-            row = 0
-            for slot, count, epoch in zip(frame.samples, frame.count, frame.epoch_ids()):
-                rows = frame.tensor[row:row + (count if all_rows else 1)]
-                row += rows.shape[0]
+            for slot, count, epoch, rows in returned_rows(frame):
                 sample = self.active.get(slot)
                 if sample is None:
                     continue  # not ours to finish (validated frames only name our slots)
@@ -409,18 +415,8 @@ class Pipeline:
                 elif not sample.done and sample.unsent == 0:
                     into.append((sample, None, rows[-1:]))
                 advanced[id(sample)] = sample
+        self._sample_all(scored, scored=True)  # first: the head below would end their logits' lend
         self._sample_all(pending)
-        self._sample_all(scored, scored=True)
-        for sample in advanced.values():
-            if sample.done:
-                self.active.pop(sample.slot, None)  # with its drafter, if any (SpecDecoder.send lets it go)
-                if self.prefix is not None:  # what its slot holds is cache now
-                    self.prefix.release(sample.slot, sample.window_tokens(0, sample.cached_len), sample.cache_key,
-                                        not sample.shifts, drafted=sample.drafted)
-            elif not sample.verifying:
-                self.ready.append(sample)  # its next token, or the next chunk of its prompt
-        self._dispatch()
-        return list(advanced.values())
 
     def prefix_metrics(self) -> Dict[str, Any]:
         """The prefix cache's index counters and this node's store, or {} without one."""

@@ -82,6 +82,33 @@ class Sample:
                    speculation=options.speculation, top_logprobs=options.top_logprobs,
                    reuse_prefix=options.cache_prompt, constraint=constraint, options=options)
 
+    def take(self, token: int, at: float, end_ids: AbstractSet[int], max_len: int,
+             context_shift: bool) -> Optional[SamplingError]:
+        """Keep `token`, drawn `at` seconds into the run, and see whether this sample ends: at an
+        end id, a complete grammar or its token limit; past its cache slot of `max_len`
+        positions it shifts its window (`context_shift`) or ends. The error that ends it, if any."""
+        self.token_ids.append(token)
+        self.token_times.append(at)
+        grammar, end = self.constraint, self.is_end(token, end_ids)
+        if grammar is not None and not end and not grammar.take(token):
+            return SamplingError("token %d breaks its grammar: %s" % (token, grammar.error))
+        if end and grammar is not None and not grammar.accepting:
+            # llguidance allows only the end once nothing valid can follow: the output is not one
+            # the grammar accepts, so the sample fails rather than report a "stop".
+            return SamplingError("no text its grammar accepts continues this output: %s" % grammar.error)
+        if end:
+            self.finish_reason = FinishReason.EOS
+        elif grammar is not None and grammar.complete:
+            self.finish_reason = FinishReason.STOP  # its grammar allows only an end token: spare that pass
+        elif len(self.token_ids) >= self.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        elif self.window_len > max_len:  # its next position is past the slot
+            if context_shift:
+                self.shift_context(max_len)
+            else:
+                self.finish_reason = FinishReason.CONTEXT
+        return None
+
     def is_end(self, token: int, end_ids: AbstractSet[int]) -> bool:
         """Whether `token` ends this sample: one of the model's end tokens (unless its request
         ignores them; a grammar's end always counts), or one of its request's stop_token_ids."""

@@ -65,9 +65,9 @@ class Built(lib.Freed):
         if self._views[name] is False:  # (a device's memory: the grid is the host's copy)
             lib.set_data(self.inputs[name], grid)
 
-    def rows_out(self, rows: int) -> np.ndarray:
+    def rows_out(self, rows: int, copy: bool = True) -> np.ndarray:
         """The first `rows` rows of the float32 output [rows, width], copied out (the next
-        compute reuses its memory)."""
+        compute reuses its memory), or, `copy` False, a view of it where it is the host's."""
         grid = self._out_grid
         if grid is None:  # the output's host view as [rows, width] (made once, as _view's)
             out = self.output
@@ -77,7 +77,7 @@ class Built(lib.Freed):
             out = self.output
             full = lib.get_data(out, np.empty((int(out.contents.ne[1]), int(out.contents.ne[0])), dtype=np.float32))
             return full[:rows]
-        return grid[:rows].copy()
+        return grid[:rows].copy() if copy else grid[:rows]
 
     def finish(self, output: Any) -> None:
         """`output` is what the graph computes: mark it, build the graph up to it, allocate."""

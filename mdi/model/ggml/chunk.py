@@ -11,7 +11,6 @@ import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -22,6 +21,7 @@ from mdi.model.ggml.adapters import GgmlAdapters, HeldAdapter, gguf_pairs
 from mdi.model.ggml.dequant_rows import dequantizable, rule_for, rule_text
 from mdi.model.ggml.built import Built
 from mdi.model.ggml.graph import GraphBuilder, ModelTraits, PassShape, SampleShape, attend_bucket, head_name
+from mdi.model.ggml.graph_cache import IDLE_LOOKUPS, GraphCache  # noqa: F401 (IDLE_LOOKUPS: named here too)
 from mdi.model.ggml.graph_inputs import row_positions, write_inputs
 from mdi.model.ggml.kv_cache import GgmlKVCache, layer_lengths
 from mdi.model.ggml.min_rows import fewest_rows
@@ -29,16 +29,8 @@ from mdi.model.ggml.row_split import split_sizes
 from mdi.model.ggml.tensors import ENDS_IN, check_tensors, node_tensors
 from mdi.model.ggml.weights import GgufWeights
 from mdi.model.pass_rows import PassRows
-from mdi.system.memory import release_freed_memory
 
 log = logging.getLogger(__name__)
-
-MAX_GRAPHS = 24  # pass shapes whose graphs are kept (least recently used dropped first)
-MAX_GRAPH_BYTES = 32 << 20  # and their buffers together (a long prompt's prefill graphs had kept 42 MB)
-# A graph no pass asked for in this many lookups goes before another is built: a finished
-# prompt's prefill shapes, a mix of slots no frame carries now. A served Gemma 3 grew by ~5 MB a
-# request with them. A steady decode asks for each of its shapes every round.
-IDLE_LOOKUPS = 32
 
 
 def _to_numpy(x: Any) -> Tuple[np.ndarray, bool]:
@@ -106,10 +98,7 @@ class GgmlChunk:
         self._dequantizable = [n for n in matmul if n != head and n not in packed and dequantizable(self.tensors[n])]
         self.prefill_weights = "quantized"
         self.cache: Optional[GgmlKVCache] = None
-        self._graphs: "OrderedDict[Any, Built]" = OrderedDict()
-        self._lookups = 0  # graph lookups so far (IDLE_LOOKUPS)
-        self.graphs_built = 0
-        self.build_seconds = 0.0
+        self._graphs = GraphCache()
         # LoRA adapters (mdi.model.ggml.adapters); the frame decoder checks ids against lora.adapters
         self.lora = GgmlAdapters()
         # a pass and an adapter loaded or dropped while serving take turns (a graph reads its pairs)
@@ -243,39 +232,10 @@ class GgmlChunk:
             return self._graph_locked(key, build)
 
     def _graph_locked(self, key: Any, build: Any) -> Built:
-        self._lookups += 1
-        g = self._graphs.get(key)
-        if g is not None:
-            self._graphs.move_to_end(key)
-            g.last_lookup = self._lookups
-            return g
-        freed = False
-        while self._graphs and next(iter(self._graphs.values())).last_lookup < self._lookups - IDLE_LOOKUPS:
-            self._graphs.popitem(last=False)[1].free()
-            freed = True
-        t0 = time.perf_counter()
-        g = build()
-        try:
-            self.compute_backend.check_supported(g.graph)
-        except RuntimeError:
-            g.free()
-            raise
-        self.build_seconds += time.perf_counter() - t0
-        self.graphs_built += 1
-        g.last_lookup = self._lookups
-        self._graphs[key] = g
-        while len(self._graphs) > MAX_GRAPHS or (
-                len(self._graphs) > 1 and sum(b.buffer_bytes for b in self._graphs.values()) > MAX_GRAPH_BYTES):
-            _, old = self._graphs.popitem(last=False)
-            old.free()
-            freed = True
-        if freed:  # their buffers' pages, which glibc keeps resident in the heap's holes
-            release_freed_memory()
-        return g
+        return self._graphs.lookup(key, build, self.compute_backend.check_supported)
 
     def _drop_graphs(self, which: Any) -> None:
-        for key in [k for k in self._graphs if which(k)]:
-            self._graphs.pop(key).free()
+        self._graphs.drop(which)
 
     @contextlib.contextmanager
     def scratch_graphs(self) -> Any:
@@ -308,19 +268,21 @@ class GgmlChunk:
         with self._lock:
             return self._forward_locked(batch, ids=ids)
 
-    def embed_forward_logits(self, ids: Any, batch: Any) -> Any:
+    def embed_forward_logits(self, ids: Any, batch: Any, lend: bool = False) -> Any:
         """The logits [samples, vocab] of each sample's last row after the embedding, the blocks
         and the head over token `ids` (stacked as `batch` says), all in one graph: a one-node
         ring's decode step (this chunk the whole model) then computes once a token, and its
         Python, which runs cold after each graph has streamed the weights through the caches,
-        runs once instead of twice. Each row's bits are those of embed_forward_rows then head."""
+        runs once instead of twice. Each row's bits are those of embed_forward_rows then head.
+        `lend`: the logits are read in place, as `head`'s."""
         if not (self.with_embedding and self.with_head and self.n_layers):
             raise ValueError("layers [%d, %d) hold no embedding, blocks and head to compute logits in one graph"
                              % (self.first, self.last))
         with self._lock:
-            return self._forward_locked(batch, ids=ids, logits=True)
+            return self._forward_locked(batch, ids=ids, logits=True, lend=lend)
 
-    def _forward_locked(self, batch: Any, x: Any = None, ids: Any = None, logits: bool = False) -> Any:
+    def _forward_locked(self, batch: Any, x: Any = None, ids: Any = None, logits: bool = False,
+                        lend: bool = False) -> Any:
         """The blocks over `batch`'s rows: activations `x`, or token `ids` embedded in the graph;
         `logits`: the head over each sample's last row too, whose logits are the output."""
         cache = self.cache
@@ -365,7 +327,7 @@ class GgmlChunk:
             for tensor, values in g.lora.fill(plan):
                 lib.set_data(tensor, values)
         self.compute_backend.compute(g.graph)
-        return _back(g.rows_out(len(counts) if head_rows else rows), torch_in)
+        return _back(self._graphs.output(g, len(counts) if head_rows else rows, lend), torch_in)
 
     def _token_ids(self, ids: Any) -> Tuple[np.ndarray, bool]:
         """(int32 ids, whether they came as a torch tensor), checked against the vocabulary."""
@@ -415,8 +377,10 @@ class GgmlChunk:
                 out = p.rows_out(n)
         return _back(out, torch_in)
 
-    def head(self, x: Any) -> Any:
-        """Final norm and LM head over rows [rows, n_embd] -> logits [rows, vocab] (float32)."""
+    def head(self, x: Any, lend: bool = False) -> Any:
+        """Final norm and LM head over rows [rows, n_embd] -> logits [rows, vocab] (float32).
+        `lend`: read in place, not copied, valid until this chunk's next pass: a caller that
+        draws from them first saves a copy of vocabulary x rows floats."""
         a, torch_in = _to_numpy(x)
         rows = a.shape[0]
         if rows < self.min_head_rows:  # padded as the blocks' passes are
@@ -425,11 +389,13 @@ class GgmlChunk:
         g = self._graph(("head", n), lambda: self.builder.head(n))
         g.set("x", a)
         self.compute_backend.compute(g.graph)
-        return _back(g.rows_out(rows), torch_in)
+        with self._lock:
+            out = self._graphs.output(g, rows, lend)
+        return _back(out, torch_in)
 
     def close(self) -> None:
         self.clear_adapters()
-        self._drop_graphs(lambda key: True)
+        self._graphs.clear()
         self.builder.set_dequant(None, ())
         self.free_cache()
         self.weights.free()
