@@ -119,6 +119,45 @@ def test_a_one_node_run_decodes_in_one_graph_a_token_with_the_same_ids(source, c
         assert not pipe._logit_frames  # every frame that left with logits came back
 
 
+def test_lent_logits_stay_readable_until_the_next_pass_even_if_their_graph_is_dropped(source, chunk):
+    """`head(lend=True)` gives the logits where the graph wrote them: the same values as a copy;
+    a graph dropped while lent (an adapter loaded on another thread drops graphs) is freed only
+    at the chunk's next lookup, so the rows being drawn from never point into freed memory."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, source.config.n_embd)).astype(np.float32)
+    want = chunk.head(x)
+    lent = chunk.head(x, lend=True)
+    assert not lent.flags.owndata and np.array_equal(lent, want)
+    held = chunk._graphs[("head", 3)]
+    chunk._drop_graphs(lambda key: key[0] == "head")
+    assert held.galloc is not None and np.array_equal(lent, want)  # retired, not freed
+    chunk.head(x[:1])  # the next lookup ends the lend
+    assert held.galloc is None
+    assert np.array_equal(chunk.head(x), want)  # and a copy is a copy: the next pass leaves it
+    assert np.array_equal(want, chunk.head(x, lend=True))
+
+
+def test_frames_waiting_in_a_one_node_loop_hold_no_rows(source, chunk):
+    """A one-node ring computes a pass when it takes the frame back (Deferred rows), so frames
+    queued in its loop hold no activations or logits (1 MB a sample on a 262k vocabulary), and
+    its samples' greedy ids are those of the chunk's own passes, with one sample a frame too."""
+    from mdi.model.sampling import SamplingParams, sample_generator
+    from mdi.ring.transport import Deferred, LocalLoop
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
+    from mdi.starter.sample import Sample
+    prompts = [source.tokenizer.encode(p) for p in PROMPTS]
+    want = greedy(chunk, prompts, [[i] for i in range(4)], 8)
+    loop = LocalLoop()
+    queued = []
+    send = loop.send
+    loop.send = lambda frame: (queued.append(isinstance(frame.tensor, Deferred)), send(frame))
+    samples = [Sample(i, PROMPTS[i], p, 8, sample_generator(0, i)) for i, p in enumerate(prompts)]
+    Pipeline(chunk, loop, 1, SamplingParams(0.0), None, PipelineSettings(max_batch=1)).run(samples)
+    assert [s.token_ids for s in samples] == [want[i] for i in range(4)]
+    assert queued and all(queued)
+
+
 @pytest.mark.parametrize("float_type", ["F32", "F16"])
 def test_float_weights_give_every_row_the_same_bits_in_a_pass_of_any_size(tmp_path, float_type):
     """ggml multiplies float matrices with one kernel for a one-row pass and llamafile's tiled
