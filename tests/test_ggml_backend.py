@@ -158,6 +158,29 @@ def test_frames_waiting_in_a_one_node_loop_hold_no_rows(source, chunk):
     assert queued and all(queued)
 
 
+def test_more_samples_than_the_logits_budget_are_scored_in_groups_with_the_same_ids(source, chunk, monkeypatch):
+    """A head computes at most LOGITS_BUDGET_BYTES of logits at once (1 MB a row on a 262k
+    vocabulary): a one-node ring's decode frame of more samples computes its rows in one graph
+    and scores them in groups, each drawn from before the next, with the ids of one graph a token."""
+    from mdi.model.sampling import SamplingParams, sample_generator
+    from mdi.ring.transport import LocalLoop
+    from mdi.starter import pass_compute
+    from mdi.starter.pipeline import Pipeline
+    from mdi.starter.pipeline_settings import PipelineSettings
+    from mdi.starter.sample import Sample
+    prompts = [source.tokenizer.encode(p) for p in PROMPTS]
+    want = greedy(chunk, prompts, [[i] for i in range(4)], 10)
+    monkeypatch.setattr(pass_compute, "LOGITS_BUDGET_BYTES", 2 * 4 * source.config.vocab_size)  # 2 rows
+    heads = []
+    head = chunk.head
+    monkeypatch.setattr(chunk, "head", lambda x, **kw: heads.append(x.shape[0]) or head(x, **kw))
+    samples = [Sample(i, PROMPTS[i], p, 10, sample_generator(0, i)) for i, p in enumerate(prompts)]
+    pipe = Pipeline(chunk, LocalLoop(), 1, SamplingParams(0.0), None, PipelineSettings(max_batch=4))
+    pipe.run(samples)
+    assert [s.token_ids for s in samples] == [want[i] for i in range(4)]
+    assert heads and max(heads) <= 2 and sum(heads) >= 4 * 9  # every decode step's rows, two at a time
+
+
 @pytest.mark.parametrize("float_type", ["F32", "F16"])
 def test_float_weights_give_every_row_the_same_bits_in_a_pass_of_any_size(tmp_path, float_type):
     """ggml multiplies float matrices with one kernel for a one-row pass and llamafile's tiled

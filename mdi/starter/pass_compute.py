@@ -8,11 +8,39 @@ A ggml chunk holding the whole model (a one-node ring) also computes a decode pa
 its blocks' graph (GgmlChunk.embed_forward_logits): the rows that come back are logits then.
 """
 import contextlib
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
 from mdi.model.pass_rows import PassRows
+
+
+# The most logits a ggml starter's head computes at once (4 bytes x vocabulary a row; 1 MB on
+# Gemma 3's 262k): more samples are scored in groups, each drawn from before the next is
+# computed, so a node's memory stays within its bound however many samples it serves (Gemma 3
+# alone at 64 samples held 64 MB of them).
+LOGITS_BUDGET_BYTES = 32 << 20
+
+
+def head_rows(chunk: Any) -> int:
+    """Rows whose logits `chunk`'s head computes at once (LOGITS_BUDGET_BYTES; torch's: no cap)."""
+    if not takes_host_arrays(chunk):
+        return 1 << 30
+    return max(1, LOGITS_BUDGET_BYTES // (4 * int(chunk.config.vocab_size)))
+
+
+def head_groups(pending: List[Tuple[Any, Any, Any]], rows: int) -> Iterator[List[Tuple[Any, Any, Any]]]:
+    """`pending` (sample, epoch, rows) in runs of at most `rows` rows (a sample's own rows never split)."""
+    group: List[Tuple[Any, Any, Any]] = []
+    n = 0
+    for item in pending:
+        if group and n + item[2].shape[0] > rows:
+            yield group
+            group, n = [], 0
+        group.append(item)
+        n += item[2].shape[0]
+    if group:
+        yield group
 
 
 def takes_host_arrays(chunk: Any) -> bool:

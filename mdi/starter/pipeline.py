@@ -28,7 +28,7 @@ from mdi.ring.status import BatchCounter
 from mdi.ring.transport import Deferred, LocalLoop, RingTimeout, Transport
 from mdi.ring.wire import TRAINING_KINDS, Frame, FrameKind
 from mdi.starter.frame_rows import adapters_together, returned_rows, virtual_rows
-from mdi.starter.pass_compute import computes_logits, logits_of, pass_inputs, takes_host_arrays
+from mdi.starter.pass_compute import computes_logits, head_groups, head_rows, logits_of, pass_inputs, takes_host_arrays
 from mdi.starter.pipeline_settings import PipelineSettings
 from mdi.starter.prefix_cache import PrefixIndex
 from mdi.starter.prompt_passes import replay_pass_rows
@@ -117,9 +117,10 @@ class Pipeline:
             self.chunk = chunk
         self._host_arrays = takes_host_arrays(self.chunk)
         # A one-node ring whose chunk computes logits in its blocks' graph (ggml's): a decode
-        # frame then carries each sample's logits back, not its rows (`_logit_frames`: by id,
-        # while they wait in the loop), and the head is not run again.
-        self._logits_in_graph = isinstance(transport, LocalLoop) and computes_logits(self.chunk)
+        # frame of up to `_graph_logits` samples then carries each one's logits back, not its rows
+        # (`_logit_frames`: by id, while they wait in the loop), and the head is not run again.
+        self._head_rows = head_rows(self.chunk)  # logits computed at once (pass_compute.LOGITS_BUDGET_BYTES)
+        self._graph_logits = self._head_rows if isinstance(transport, LocalLoop) and computes_logits(self.chunk) else 0
         self._logit_frames: Set[int] = set()
         lost = sorted(self.active.values(), key=lambda s: s.index)
         self.active, self.ready = {}, []
@@ -242,7 +243,7 @@ class Pipeline:
                                     kind == FrameKind.VERIFY, ids, self.device)
         ops = self.prefix.take_ops() if self.prefix is not None else []
         store, chunk = self.prefix_store, cast(Any, self.chunk)  # torch's ModelChunk, or ggml's, which has more
-        logits = self._logits_in_graph and kind == FrameKind.DECODE and virtual is None
+        logits = kind == FrameKind.DECODE and virtual is None and len(group) <= self._graph_logits
         self.batching.add(batch.rows, len(group))
 
         def compute() -> Any:
@@ -282,15 +283,18 @@ class Pipeline:
         log.warning("mdi: %s", sample.error)
 
     def _sample_all(self, pending: List[Tuple[Sample, Optional[int], Any]], scored: bool = False) -> None:
-        """The head over every row that samples, at once, then each sample's tokens: one from
-        its last row (`epoch` None), or a verification's (`epoch`: the sample's when it came).
-        `scored`: the rows are logits already (a frame whose graph ran the head), each frame's
-        drawn from where it is, not stacked into a copy of vocabulary x samples floats."""
-        if not pending:
-            return
+        """The head over the rows that sample, in groups of up to `_head_rows`, then each sample's
+        tokens: one from its last row (`epoch` None), or a verification's (`epoch`: the sample's
+        when it came). `scored`: the rows are logits already (a frame whose graph ran the head),
+        each frame's drawn from where it is, not stacked into a copy of vocabulary x samples floats."""
         t0 = time.perf_counter()
-        logits, row = None if scored else logits_of(self.chunk, [rows for _, _, rows in pending], self.device), 0
-        for sample, epoch, rows in pending:
+        for group in [pending] if scored else head_groups(pending, self._head_rows):
+            self._draw_group(group, None if scored else logits_of(self.chunk, [r for _, _, r in group], self.device))
+        self.compute_seconds += time.perf_counter() - t0
+
+    def _draw_group(self, group: List[Tuple[Sample, Optional[int], Any]], logits: Any) -> None:
+        row = 0
+        for sample, epoch, rows in group:
             mine = (rows if logits is None else logits[row:row + rows.shape[0]])[:, :self.settings.drawable]
             row += rows.shape[0]
             draw = functools.partial(draw_next, sample, params=self.params if sample.params is None else sample.params,
@@ -304,7 +308,6 @@ class Pipeline:
                 self._fail(sample, e)
                 continue
             self._take(sample, token)
-        self.compute_seconds += time.perf_counter() - t0
 
     def _next_frame(self, timeout: float) -> Optional[Frame]:
         """Wait for the next frame in short slices, asking the watchdog in between, so a dead
