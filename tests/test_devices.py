@@ -184,3 +184,30 @@ def test_cudnn_attention_is_switched_off_for_a_gpu_chunk_only(monkeypatch):
     assert not use_shape_agnostic_attention("cpu") and state["on"]
     assert use_shape_agnostic_attention("cuda:0") and not state["on"]
     assert not use_shape_agnostic_attention("cuda")  # already off: nothing to do
+
+
+def test_the_plan_counts_a_torch_kv_cache_in_the_dtype_it_computes_in(monkeypatch):
+    """A worker keeps its KV cache in the dtype it computes in (ModelChunk.activation_dtype) and
+    checks its load with that size (chunk_loading.run_cache_bytes): model.compute_dtype float32
+    over bfloat16 weights, or a CPU torch without float16 arithmetic (torch 2.0), double the
+    cache. The plan's budgets count the same bytes, so the planner never places layers a worker
+    then refuses at /init."""
+    from mdi.model.config import ModelConfig
+    from mdi.model.layout import torch_kv_cache_bytes
+    from mdi.runconfig import parse_config
+    from mdi.starter.planning.node_budget import run_memory
+    from mdi.system import devices
+    config = ModelConfig(vocab_size=1000, n_layer=4, n_head=4, n_embd=256, block_size=512)
+
+    def kv_of(model: dict) -> int:
+        cfg = parse_config({"model": dict({"path": "m", "device": "cpu"}, **model),
+                            "nodes": [{"name": "starter", "layers": 4}]}, "test")
+        return run_memory(cfg, config, 512, cfg.model.dtype).budget("starter", (0, 4), {}, 1, True).kv_per_slot
+
+    def expect(dtype: torch.dtype) -> int:
+        return torch_kv_cache_bytes(config, 4, 1, 512, dtype)
+    assert kv_of({"dtype": "bfloat16"}) == expect(torch.bfloat16)
+    assert kv_of({"dtype": "bfloat16", "compute_dtype": "float32"}) == expect(torch.float32)
+    monkeypatch.setitem(devices._CPU_ARITHMETIC, torch.float16, False)  # as torch 2.0 on a CPU
+    assert kv_of({"dtype": "float16"}) == expect(torch.float32)
+    assert resolve_compute_dtype("cpu", torch.float16, None)[0] == torch.float32  # what its worker computes in

@@ -13,6 +13,7 @@ What a node can give (its limit) is read where it is checked, when it is checked
 /status capacity, the starter's free memory (capacity.starter_free_bytes).
 """
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Protocol, Sequence, Tuple
 
@@ -110,11 +111,12 @@ class RunMemory:
     the planner times anything, which counts the same parts per layer)."""
     config: ModelConfig
     max_len: int
-    dtype: Any  # model.dtype: the weights' and KV cache's, by name (a torch dtype is read as its name)
+    dtype: Any  # model.dtype: the weights', by name (a torch dtype is read as its name)
     adapter_bytes: Tuple[int, ...]  # the adapters' matrices per layer of the model
     prefix_reserve: int = 0
     draft_weights: int = 0
     draft_per_slot: int = 0
+    kv_dtype: Any = None  # the KV cache's (torch keeps it in the dtype it computes in: kv_cache_dtype); None: dtype
 
     def __post_init__(self) -> None:
         if len(self.adapter_bytes) != self.config.n_layer:
@@ -128,7 +130,7 @@ class RunMemory:
         first, last = int(layers[0]), int(layers[1])
         return NodeBudget(
             node, (first, last), weight_bytes(self.config, (first, last), dtype_name(self.dtype), starter, quant),
-            torch_kv_cache_bytes(self.config, last - first, 1, self.max_len, self.dtype), slots,
+            torch_kv_cache_bytes(self.config, last - first, 1, self.max_len, self.kv_dtype or self.dtype), slots,
             sum(self.adapter_bytes[first:last]), self.prefix_reserve,
             self.draft_weights if starter else 0, self.draft_per_slot if starter else 0)
 
@@ -161,7 +163,23 @@ def run_memory(cfg: RunConfig, config: ModelConfig, max_len: int, dtype: str,
     per_layer = adapters.layer_bytes() if adapters is not None else adapter_layer_bytes(cfg.adapters, config)
     weights = draft.bytes_needed(0, max_len, dtype) if draft is not None else 0
     per_slot = draft.bytes_needed(1, max_len, dtype) - weights if draft is not None else 0
-    return RunMemory(config, max_len, dtype, tuple(per_layer), prefix_reserve(cfg), weights, per_slot)
+    return RunMemory(config, max_len, dtype, tuple(per_layer), prefix_reserve(cfg), weights, per_slot,
+                     kv_cache_dtype(dtype, cfg.model.compute_dtype, cfg.model.device))
+
+
+def kv_cache_dtype(dtype: Any, compute_dtype: Optional[str], device: str) -> str:
+    """The dtype a torch node keeps its KV cache in, by name: the one it computes in
+    (ModelChunk.activation_dtype), model.compute_dtype where set (float32 for float16 weights:
+    twice the cache), and float32 on a CPU whose torch has no arithmetic in the half type
+    (torch 2.0's float16: mdi.system.devices.resolve_compute_dtype), as this process's torch
+    says; where torch is not loaded here (a ggml starter) the weights' type is taken."""
+    name = compute_dtype or dtype_name(dtype)
+    if name in ("float16", "bfloat16") and not device.startswith("cuda") and "torch" in sys.modules:
+        import torch
+        from mdi.system.devices import cpu_computes
+        if not cpu_computes(getattr(torch, name)):
+            return "float32"
+    return name
 
 
 def check_starter_adapter(name: str, nbytes: int, budget: NodeBudget, spare: Optional[int], prefix_bytes: int,
