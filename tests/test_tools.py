@@ -221,6 +221,31 @@ def test_bad_tool_messages_are_a_400_naming_the_field(message, param):
     assert e.value.param == param and e.value.status == 400
 
 
+@pytest.mark.parametrize("talk, param", [
+    ([CONVERSATION[0], {"role": "tool", "tool_call_id": "zzz", "content": "22 C"}], "messages[1]"),
+    (CONVERSATION[:2] + [dict(CONVERSATION[2], tool_call_id="call_2")], "messages[2].tool_call_id"),
+    (CONVERSATION[:2] + [{"role": "user", "content": "and?"}, CONVERSATION[2]], "messages[3]"),
+    ([{"role": "user", "content": "hi", "name": 5}], "messages[0].name"),
+    ([{"role": "user", "content": "hi", "name": "x" * 65}], "messages[0].name"),
+])
+def test_a_tool_result_that_answers_no_call_and_a_bad_name_are_a_400(talk, param):
+    """As OpenAI answers them: a tool message answers a call of the assistant message before it
+    (an agent that lost its ids hears so, not a reply to a history the model cannot follow), and
+    a participant's name is a short string."""
+    with pytest.raises(ApiError) as e:
+        chat_messages(talk)
+    assert e.value.param == param and e.value.status == 400 and "'%s'" % param in e.value.message
+
+
+def test_tool_results_after_calls_without_ids_and_named_participants_pass():
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # no id: any answers
+    talk = [{"role": "user", "content": "1 + 2?", "name": "alice"}, {"role": "assistant", "content": None,
+            "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_9", "content": "3", "name": "add"}]
+    out = chat_messages(talk)
+    assert out[0] == {"role": "user", "content": "1 + 2?", "name": "alice"} and out[2]["name"] == "add"
+    assert chat_messages(CONVERSATION)[2]["tool_call_id"] == "call_1"
+
+
 def test_an_answer_sent_back_as_the_openai_sdk_dumps_it_continues_the_conversation():
     """The agent loop's `messages.append(resp.choices[0].message.model_dump())`: the SDK's
     message carries refusal, annotations and audio (null here); they render nothing."""

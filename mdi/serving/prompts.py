@@ -7,12 +7,13 @@ from typing import Any, Dict, List, Optional
 from mdi.model.tokenizers import PromptTooLong, Tokenizer, TokenizerError
 from mdi.runconfig import ConfigError
 from mdi.serving.legacy_functions import legacy_message
-from mdi.serving.tools import ToolError, ToolFormat, template_inputs, tool_format, tool_message
+from mdi.serving.tools import ToolError, ToolFormat, check_answered_calls, template_inputs, tool_format, tool_message
 from mdi.serving.validation import ApiError
 from mdi.system.interrupt import DeadlinePassed, thread_deadline
 from mdi.system.memory import release_freed_memory
 
 MAX_MESSAGES = 1024
+MAX_NAME_CHARS = 64  # a message's `name` (OpenAI's limit)
 # A chat template is the model file's code, run for every chat request. Jinja's sandbox bounds
 # `range` only: 'x' * 10**8 built 100 MB and a list repeat 1.5 GB per request. Bounded here: a
 # `*` or `**` whose result would pass MAX_TEMPLATE_VALUE items (or bits), and a rendering that
@@ -192,7 +193,12 @@ def chat_messages(raw: List[Any]) -> List[Dict[str, Any]]:
         raise ApiError(400, "'messages': expected a non-empty list of messages", "messages")
     if len(raw) > MAX_MESSAGES:
         raise ApiError(400, "'messages': at most %d messages" % MAX_MESSAGES, "messages")
-    return [_message(m, "messages[%d]" % i) for i, m in enumerate(raw)]
+    messages = [_message(m, "messages[%d]" % i) for i, m in enumerate(raw)]
+    try:
+        check_answered_calls(messages)
+    except ToolError as e:
+        raise ApiError(400, str(e), e.param)
+    return messages
 
 
 def _message(m: Any, where: str) -> Dict[str, Any]:
@@ -200,6 +206,12 @@ def _message(m: Any, where: str) -> Dict[str, Any]:
     for key in REASONING_KEYS:
         if m.get(key) is not None:
             out["reasoning_content"] = m[key]
+    name = m.get("name")
+    if name is not None and m.get("role") != "function":  # (a legacy function result's name is its call's id)
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            raise ApiError(400, "'%s.name': expected a participant's name, a string of 1 to %d characters"
+                           % (where, MAX_NAME_CHARS), where + ".name")
+        out["name"] = name  # for templates that read it (as transformers passes it on)
     return out
 
 

@@ -244,6 +244,24 @@ def tool_message(m: Dict[str, Any], role: str, content: Any, where: str) -> Dict
             "tool_calls": [_call(c, "%s.tool_calls[%d]" % (where, j)) for j, c in enumerate(calls)]}
 
 
+def check_answered_calls(messages: List[Dict[str, Any]]) -> None:
+    """ToolError where a tool message (as tool_message made it) answers no call of the
+    assistant message before it (only other tool messages between), as OpenAI refuses it: an
+    agent that lost its call ids gets a 400 naming the message, not an answer to a history the
+    model cannot follow. Calls sent without an id (clients that never had them) match any."""
+    calls = None  # type: Optional[List[str]]
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            if calls is None:
+                raise _bad("messages[%d]" % i, "a tool message must answer a call of the assistant message before it "
+                                              "(that message has no tool_calls)")
+            if m["tool_call_id"] not in calls and "" not in calls:
+                raise _bad("messages[%d].tool_call_id" % i, "%r is not the id of a call in the assistant message before "
+                                                            "it" % m["tool_call_id"][:64])
+            continue
+        calls = [c["id"] for c in m["tool_calls"]] if m["role"] == "assistant" and m.get("tool_calls") else None
+
+
 def _call(c: Any, where: str) -> Dict[str, Any]:
     # index (the SDK's stream helper) and parsed_arguments (its parse helpers) come back too: ignored
     fn = c.get("function") if isinstance(c, dict) else None
