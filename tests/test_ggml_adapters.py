@@ -230,8 +230,9 @@ def test_a_soft_prompt_s_rows_embed_as_on_torch(models):
 
 def test_a_training_job_beside_a_ggml_ring_is_refused_in_one_line():
     """POST /v1/mdi/train where nodes compute with ggml (no backward pass): a 400 that says what
-    to run instead, before any node is touched; on a quantized model too, where torch's
-    quant_kernel (not what a ggml node computes with) is no part of the answer."""
+    to run instead, before any node is touched; on a quantized base served with torch's fast
+    kernels (no backward either) the answer names runtime.quant_kernel: exact too, so that
+    following it does not meet a second refusal (h97)."""
     from types import SimpleNamespace
     from mdi.serving.train_routes import TrainControl
     from mdi.serving.validation import ApiError
@@ -244,6 +245,12 @@ def test_a_training_job_beside_a_ggml_ring_is_refused_in_one_line():
         control.start({"data": "x.txt", "out": "y"})
     assert e.value.status == 400 and "\n" not in e.value.message
     assert "starter, board2 compute with ggml" in e.value.message and "runtime.backend: torch" in e.value.message
+    assert "runtime.quant_kernel: exact" in e.value.message
+    cfg.runtime.quant_kernel = "exact"
+    with pytest.raises(ApiError) as e:
+        control.start({"data": "x.txt", "out": "y"})
+    assert "runtime.backend: torch" in e.value.message and "quant_kernel" not in e.value.message
+    cfg.runtime.quant_kernel = "fast"
     # a spare asked for ggml would fail the job mid-way once it replaced a lost node: refused too
     engine.ggml_nodes, engine.plan.spares = (lambda: []), [spare]
     with pytest.raises(ApiError) as e:

@@ -343,3 +343,23 @@ def test_soft_prompts_never_share_cached_positions_with_each_other_or_the_base(s
     finally:
         for name in names:
             requests.delete(server.url + "/v1/mdi/adapters/" + name, timeout=90)
+
+
+def test_a_server_with_adapters_answers_503_for_them_while_its_ring_is_not_up():
+    """Before the ring is up (or while it is rebuilt) no engine holds the adapters: GET
+    /v1/models and a request naming one (by `model` or `lora`) get a 503 saying so, not a list
+    without them or a 404 "unknown model" (h97); the base model is still served by name, and a
+    server that never had adapters lists its model."""
+    from types import SimpleNamespace
+    from mdi.serving.adapter_routes import AdapterControl
+    from mdi.serving.validation import ApiError
+    sched = SimpleNamespace(engine=None, state="starting")
+    control = AdapterControl(sched, None, "tiny", True, lambda name: False, lambda path: False)
+    for call in (control.loaded, lambda: control.adapter_of({"model": "chat", "lora": []}),
+                 lambda: control.adapter_of({"model": None, "lora": [{"id": 0, "scale": 1.0}]})):
+        with pytest.raises(ApiError) as e:
+            call()
+        assert e.value.status == 503 and "the ring is starting" in e.value.message
+    assert control.adapter_of({"model": "tiny", "lora": []}) == 0
+    plain = AdapterControl(sched, None, "tiny", False, lambda name: False, lambda path: False)
+    assert plain.loaded() == [] and plain.adapter_of({"model": "anything", "lora": []}) == 0

@@ -32,9 +32,17 @@ class AdapterControl:
         self.written = written  # real paths a running training job writes (its `out`, what holds or is in it)
 
     def loaded(self) -> List[Tuple[int, str]]:
-        """(id, name) of the adapters requests may name (on the current engine)."""
+        """(id, name) of the adapters requests may name (on the current engine). While a server
+        that has adapters has no ring (starting, rebuilt), a 503: a list without them would tell
+        a client they do not exist."""
         engine = self.sched.engine
+        if engine is None and self.served:
+            raise self._no_ring()
         return engine.loaded_adapters() if engine is not None else []
+
+    def _no_ring(self) -> ApiError:
+        return ApiError(503, "the ring is %s: its adapters are known once it is up" % self.sched.state,
+                        kind="server_error")
 
     def adapter_of(self, fields: Dict[str, Any]) -> int:
         """The request's adapter id: llama.cpp's `lora: [{"id": i, "scale": s}, ...]` (i indexes
@@ -44,6 +52,8 @@ class AdapterControl:
         engine = self.sched.engine  # once: a rebuilt ring replaces it
         loaded = engine.loaded_adapters() if engine is not None else []  # of that engine: none without one
         if fields["lora"]:
+            if engine is None and self.served:
+                raise self._no_ring()
             entries = []
             for entry in fields["lora"]:
                 index = entry["id"]
@@ -68,6 +78,8 @@ class AdapterControl:
         name = fields["model"]
         if name is None or name in (self.model_id, BASE_ADAPTER) or not (loaded or self.served):
             return 0
+        if engine is None:  # (a server with adapters, its ring starting or rebuilt: not an unknown name)
+            raise self._no_ring()
         for adapter, known in loaded:
             if known == name:
                 return adapter

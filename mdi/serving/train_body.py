@@ -93,7 +93,7 @@ def out_problem(out: str, files: ServedFiles) -> Optional[str]:
     if os.path.isdir(out) and os.listdir(out):
         return "%s already holds files: name a new or empty folder" % shown
     problem = output_problem(out, folder=True)  # under a file, too long: found before the job, not after it
-    return None if problem is None else "%s %s" % (shown, problem)
+    return None if problem is None else "%s: %s" % (shown, files.scrub(problem))  # (it may name a path itself)
 
 
 def _targets(value: Any) -> List[str]:

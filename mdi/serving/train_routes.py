@@ -66,12 +66,14 @@ class TrainControl:
         cfg = engine.cfg
         # (a spare asked for ggml takes part once it replaces a lost node: training there would fail mid-job)
         on_ggml = engine.ggml_nodes() + [s.name for s in engine.plan.spares if cfg.backend_of(s) == "ggml"]
+        fast_quantized = cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes)
         if on_ggml:  # ggml has no backward pass; a torch copy beside it would double a board's weights
             raise ApiError(400, "%s compute%s with ggml, which cannot train: serve with runtime.backend: torch (and "
-                           "no node's own backend: ggml) to train beside serving, or train with mdi-train "
+                           "no node's own backend: ggml)%s to train beside serving, or train with mdi-train "
                            "(runtime.backend: auto or torch) while the ring is not serving"
-                           % (", ".join(on_ggml), "s" if len(on_ggml) == 1 else ""))
-        if cfg.runtime.quant_kernel != "exact" and any(n.quant for n in engine.plan.nodes):  # torch's kernels
+                           % (", ".join(on_ggml), "s" if len(on_ggml) == 1 else "",
+                              " and runtime.quant_kernel: exact" if fast_quantized else ""))
+        if fast_quantized:  # torch's kernels
             raise ApiError(400, "this server keeps its base quantized with runtime.quant_kernel %s, whose kernels "
                            "have no backward: serve with runtime.quant_kernel: exact to train beside it"
                            % cfg.runtime.quant_kernel)
