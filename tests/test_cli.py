@@ -219,19 +219,21 @@ def test_help_explains_flags():
 
 
 def test_check_reports_every_node_without_generating(tmp_path, tiny_models, workers):
-    dead, limited, modest = free_ports(3)
+    dead, limited, modest, cramped = free_ports(4)
     small = WorkerProcess(limited, extra=("--max-memory", "0.00001")).wait_ready()  # ~10 kB
     board = WorkerProcess(modest, extra=("--max-memory", "0.2")).wait_ready()  # 200 MB
+    too_small = WorkerProcess(cramped, extra=("--max-memory", "0.00001")).wait_ready()  # a spare of ~10 kB
     try:
         nodes = "\n".join("  - {name: %s, port: %d}" % (n, p) for n, p in
                           [("starter", 8080), ("ok1", workers[0].port), ("tiny", limited), ("board", modest)])
         path = write(tmp_path, "model: {path: %s}\nnodes:\n%s\nspares:\n  - {name: gone, port: %d}\n"
-                     "  - {name: extra, port: %d, backend: ggml}\n"
-                     % (tiny_models["llama"], nodes, dead, workers[1].port))
+                     "  - {name: extra, port: %d, backend: ggml}\n  - {name: cramped, port: %d}\n"
+                     % (tiny_models["llama"], nodes, dead, workers[1].port, cramped))
         proc = mdi_start("--config", path, "--check", "--prompt", "hello")
     finally:
         small.stop()
         board.stop()
+        too_small.stop()
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "fits" in lines["ok1"] and "v" in lines["ok1"] and "cpu" in lines["ok1"]
@@ -253,6 +255,10 @@ def test_check_reports_every_node_without_generating(tmp_path, tiny_models, work
     assert "UNREACHABLE" in lines["gone"] and str(dead) in lines["gone"]
     # a spare's line names the backend it is asked for, and torch's kernels only where it may use them
     assert "backend ggml (asked)" in lines["extra"] and "kernels to measure" not in lines["extra"], lines["extra"]
+    # a spare is checked against the smallest worker's layers, as recovery asks it (h96: one that
+    # could hold none was said to fit, and recovery then took it)
+    assert "the smallest worker's layers need" in lines["extra"] and "fits" in lines["extra"], lines["extra"]
+    assert "DOES NOT FIT" in lines["cramped"], lines["cramped"]
     assert "problems found" in proc.stdout
     assert requests.get(workers[0].url + "/status", timeout=5).json()["state"] in ("idle", "stopped")
 

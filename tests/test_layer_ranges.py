@@ -3,6 +3,7 @@ they appear. Data holds the pair [first, last] (a worker's /status, the metrics 
 dashboard's JSON); text shows it through mdi.model.layout.layer_span / format_layers."""
 import json
 
+import pytest
 import requests
 
 from conftest import free_ports
@@ -44,6 +45,27 @@ def test_recovery_messages_show_the_range_the_node_held():
         assert format_layers(20, 30) in str(e)
     else:
         raise AssertionError("the neighbour cannot hold board2's layers: no plan expected")
+
+
+def test_recovery_takes_the_first_spare_that_can_hold_the_layers():
+    """A spare too small for the lost node's layers is passed over (h96: it was taken, refused
+    them at /init, and the run that its neighbours could have carried on failed): the next
+    spare that fits takes them, else the neighbours share them, else one line names both."""
+    ranges = [[0, 10], [10, 20], [20, 30]]
+    small, big = NodeSpec("small", port=8083), NodeSpec("big", port=8084)
+    asked = []
+
+    def fits(i, node, layers):
+        asked.append((i, node.name, list(layers)))
+        return node.name != "small"
+    taken = plan_recovery(_ring(), ranges, "board2", [small, big], fits)
+    assert taken.spare is big and [n.name for n in taken.nodes] == ["starter", "board1", "big"]
+    assert asked == [(2, "small", [20, 30]), (2, "big", [20, 30])]
+    merged = plan_recovery(_ring(), ranges, "board2", [small], fits)
+    assert merged.spare is None and merged.ranges == [[0, 10], [10, 30]]
+    with pytest.raises(RecoveryImpossible, match=r"spare small cannot hold them and board2's neighbours cannot "
+                                                 r"hold its layers \[20, 30\)"):
+        plan_recovery(_ring(), ranges, "board2", [small], lambda i, node, layers: False)
 
 
 def test_the_plan_table_shows_each_node_range():

@@ -119,3 +119,17 @@ def test_a_worker_s_memory_refusal_reaches_an_api_client_as_413_naming_it(worker
     error = node_api_error(e.value, "lora")
     assert error.status == 413 and error.param == "lora" and error.kind == "invalid_request_error"
     assert "board7" in error.message and "adapter 1 needs" in error.message, error.message
+
+
+def test_a_kv_cache_over_the_limit_is_refused_as_too_large():
+    """A KV cache over the worker's limit (or the run's cache budget) is a 413 naming both sizes,
+    as weights over the limit are: one status for "too large" (h96: it was a 400 here)."""
+    from mdi.ring.init_request import TooLarge
+    from mdi.worker.memory_budget import check_cache_fits
+    model = ModelConfig(vocab_size=1000, n_layer=4, n_head=4, n_embd=256, block_size=512)
+    request = InitRequest(run_id=1, model=model, layers=[1, 3], dtype="float32", device="cpu", n_slots=2,
+                          max_len=32, data=DataPlane(9, "127.0.0.1", 10, True), weights=Weights(path="m"))
+    check_cache_fits(request, 1000, 1000, "--max-memory")
+    with pytest.raises(TooLarge, match="KV cache of 1001 bytes does not fit") as e:
+        check_cache_fits(request, 1001, 1000, "--max-memory")
+    assert e.value.status == 413

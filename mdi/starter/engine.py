@@ -328,8 +328,8 @@ class Engine(RuntimeAdapters, RecoveryLog):
         """The ring re-planned without the node `cause` names and connected (`cause` raised once the
         attempts are spent, each failed one in `events`): transport, run id, how, start, last cause."""
         while True:
-            if len(self.recoveries) >= self.cfg.recovery_attempts:
-                raise cause
+            if len(self.recoveries) >= self.cfg.recovery_attempts or isinstance(cause, RecoveryImpossible):
+                raise cause  # (a ring that cannot be made now: the same check again would say the same)
             started = time.perf_counter()
             log.warning("mdi: %s; recovering (attempt %d of %d)", cause, len(self.recoveries) + 1,
                         self.cfg.recovery_attempts)

@@ -2,7 +2,7 @@
 the adapters it takes and the capacity its /status reports to planners; and what it holds now."""
 from typing import Any, Optional, Tuple
 
-from mdi.ring.init_request import InitRequest, RequestError
+from mdi.ring.init_request import InitRequest, TooLarge
 from mdi.system.memory import LOAD_HEADROOM_BYTES, free_bytes_on
 
 
@@ -43,7 +43,7 @@ def check_cache_fits(request: InitRequest, cache_bytes: int, limit: Optional[int
     """Refuse an /init whose KV cache is over its own budget or the worker's limit."""
     budget = request.cache_budget_bytes
     if budget is not None and cache_bytes > budget:
-        raise RequestError("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
+        raise TooLarge("KV cache needs %d bytes, over the budget of %d" % (cache_bytes, budget))
     if limit is not None and cache_bytes > limit:
-        raise RequestError("KV cache of %d bytes does not fit in this worker's limit of %d bytes (%s)"
+        raise TooLarge("KV cache of %d bytes does not fit in this worker's limit of %d bytes (%s)"
                            % (cache_bytes, limit, what))

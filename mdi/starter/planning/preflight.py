@@ -8,7 +8,7 @@ from mdi.model.quantization import kernel_report
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
-from mdi.starter.planning.capacity import MB, TORCH_BESIDE_BUDGET_BYTES, starter_free_bytes
+from mdi.starter.planning.capacity import MB, TORCH_BESIDE_BUDGET_BYTES, node_quant, starter_free_bytes
 from mdi.starter.planning.planner import format_plan
 from mdi.starter.planning.run_plan import backend_request, plan_run
 from mdi.starter.planning.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -66,9 +66,15 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
                     node.name, node.spec.address if i else "(this machine)", format_layers(*node.layers), need / MB)
             ok = _report(cfg, registry, node.spec if i else None, where, budget, plan, source, node) and ok
         for spare in plan.spares:
-            def spare_line(_: int, spare: NodeSpec = spare) -> str:
-                return "%-10s %-21s spare" % (spare.name, spare.address)
-            ok = _report(cfg, registry, spare, spare_line, None) and ok
+            # the least a spare takes: the smallest worker's layers, counted as recovery counts them
+            smallest = min((plan.budget_on(cfg.backend_of(spare), spare, w.layers,
+                                           node_quant(cfg, source, spare, w.layers), source) for w in plan.nodes[1:]),
+                           key=lambda b: b.total, default=None)
+
+            def spare_line(need: int, spare: NodeSpec = spare) -> str:
+                return "%-10s %-21s spare%s" % (spare.name, spare.address, ", the smallest worker's layers need "
+                                                "%.1f MB" % (need / MB) if need else "")
+            ok = _report(cfg, registry, spare, spare_line, smallest) and ok
     finally:
         registry.close()
     ok = ok and unusable is None
@@ -218,7 +224,7 @@ def _report(cfg: RunConfig, registry: NodeRegistry, node: Optional[NodeSpec], wh
                 info += "; " + kernels_offered_line(policy, chosen.kernels_here if chosen else status.kernels_here)
         if status.kernels:
             info += " (the layers it holds from an earlier run use %s)" % kernel_report.summary(status.kernels)
-    if budget is not None and not on_torch:
+    if budget is not None and not on_torch and node_plan is not None:  # (a spare's: budget_on counted its backend)
         need = plan.ggml_budget(plan.nodes.index(node_plan), source).total
         where = where_for(need)
     fits = need is None or free is None or need <= free

@@ -40,20 +40,22 @@ class RingChange:
 
 def plan_recovery(nodes: List[NodeSpec], ranges: List[List[int]], dead: str, spares: List[NodeSpec],
                   fits: Callable[[int, NodeSpec, List[int]], bool]) -> RingChange:
-    """Replace the dead worker by the first spare, else merge its layers into its neighbours.
+    """Replace the dead worker by the first spare that can hold its layers, else merge them
+    into its neighbours.
 
-    `fits(i, node, layers)` says whether node i of the current ring can hold `layers`; it is
-    asked only about nodes whose range grows.
+    `fits(i, node, layers)` says whether `node`, at place i of the ring, can hold `layers`; it
+    is asked about the spares and about the nodes whose range grows (a spare too small for the
+    dead node's layers had been taken, and the run failed on its /init: h96).
     """
     i = next((k for k, n in enumerate(nodes) if n.name == dead), None)
     if i is None or i == 0:
         raise RecoveryImpossible("node %s is not a worker of this ring" % dead)
-    if spares:
-        spare = spares[0]
+    first, last = ranges[i]
+    spare = next((s for s in spares if fits(i, s, [first, last])), None)
+    if spare is not None:
         new_nodes = nodes[:i] + [spare] + nodes[i + 1:]
         return RingChange(new_nodes, [list(r) for r in ranges], "spare %s (%s) takes %s of %s"
-                    % (spare.name, spare.address, format_layers(*ranges[i]), dead), spare)
-    first, last = ranges[i]
+                    % (spare.name, spare.address, format_layers(first, last), dead), spare)
     options = []  # (layers to predecessor) candidates, most balanced first
     if i + 1 < len(nodes):
         half = first + (last - first + 1) // 2
@@ -72,8 +74,10 @@ def plan_recovery(nodes: List[NodeSpec], ranges: List[List[int]], dead: str, spa
             new_ranges += [grown_next] + [list(r) for r in ranges[i + 2:]]
         return RingChange(nodes[:i] + nodes[i + 1:], new_ranges, "%s's %s go to %s"
                     % (dead, format_layers(first, last), _names(nodes, i, cut, first, last)))
-    raise RecoveryImpossible("no spare left and %s's neighbours cannot hold its %s"
-                             % (dead, format_layers(first, last)))
+    raise RecoveryImpossible("%s and %s's neighbours cannot hold its %s" % (
+        "no spare left" if not spares else "spare%s %s cannot hold them" % ("s" if len(spares) > 1 else "",
+                                                                            ", ".join(s.name for s in spares)),
+        dead, format_layers(first, last)))
 
 
 def _names(nodes: List[NodeSpec], i: int, cut: int, first: int, last: int) -> str:
