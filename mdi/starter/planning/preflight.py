@@ -8,7 +8,7 @@ from mdi.model.quantization import kernel_report
 from mdi.model.layout import format_layers
 from mdi.model.prefix_store import budget_bytes as prefix_budget
 from mdi.model.source import ModelSource
-from mdi.starter.planning.capacity import MB, TORCH_BESIDE_BUDGET_BYTES, node_quant, starter_free_bytes
+from mdi.starter.planning.capacity import MB, TORCH_BESIDE_BUDGET_BYTES, starter_free_bytes
 from mdi.starter.planning.planner import format_plan
 from mdi.starter.planning.run_plan import backend_request, plan_run
 from mdi.starter.planning.run_shape import RunShape, batch_samples, batch_shape, expand_prompts
@@ -67,8 +67,7 @@ def preflight(cfg: RunConfig, cli_prompts: Sequence[str] = (), n_samples: Option
             ok = _report(cfg, registry, node.spec if i else None, where, budget, plan, source, node) and ok
         for spare in plan.spares:
             # the least a spare takes: the smallest worker's layers, counted as recovery counts them
-            smallest = min((plan.budget_on(cfg.backend_of(spare), spare, w.layers,
-                                           node_quant(cfg, source, spare, w.layers), source) for w in plan.nodes[1:]),
+            smallest = min((plan.budget_on(cfg.backend_of(spare), spare, w.layers, source) for w in plan.nodes[1:]),
                            key=lambda b: b.total, default=None)
 
             def spare_line(need: int, spare: NodeSpec = spare) -> str:

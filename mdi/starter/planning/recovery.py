@@ -15,7 +15,6 @@ from mdi.model.layout import format_layers
 from mdi.model.sampling import SamplingParams
 from mdi.model.source import ModelSource
 from mdi.runconfig import ConfigError, NodeSpec
-from mdi.starter.planning.capacity import node_quant
 from mdi.starter.control import NodeError, NodeRegistry, answers, health_problem
 from mdi.starter.planning.planner import PlanError, make_plan
 from mdi.starter.planning.node_speeds import Profiler
@@ -112,8 +111,7 @@ def replan(plan: RunPlan, source: ModelSource, registry: NodeRegistry, cause: Ba
         # on the backend the node computes with: a ring node's own, a spare's asked (its status
         # names the backend of the last run it served), a restarted node's asked
         backend = status.backend if node not in plan.spares and status.backend else plan.cfg.backend_of(node)
-        return plan.budget_on(backend, node, layers, node_quant(plan.cfg, source, node, layers),
-                              source).fits(status.capacity_bytes())
+        return plan.budget_on(backend, node, layers, source).fits(status.capacity_bytes())
     change = plan_recovery(plan.specs, plan.ranges, dead, spares, fits)
     left = [s for s in plan.spares if s is not change.spare]
     return plan.with_ring(source, change.nodes, change.ranges, left), change.how

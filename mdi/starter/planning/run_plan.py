@@ -108,10 +108,11 @@ class RunPlan:
         return self.memory.budget(node.name, layers, quant, self.n_slots, False)
 
     def budget_on(self, backend: Optional[str], node: NodeSpec, layers: Sequence[int],
-                  quant: Dict[str, QuantSpec], source: ModelSource) -> NodeBudget:
-        """budget_for on the backend worker `node` computes with: ggml's as ggml_budget counts it;
-        torch's (the plan's) for torch or a backend not chosen yet (auto)."""
-        budget = self.budget_for(node, layers, quant)
+                  source: ModelSource) -> NodeBudget:
+        """budget_for `layers` kept as `node`'s quant keeps them, on the backend worker `node`
+        computes with: ggml's as ggml_budget counts it; torch's (the plan's) for torch or a
+        backend not chosen yet (auto)."""
+        budget = self.budget_for(node, layers, node_quant(self.cfg, source, node, layers))
         return self._on_ggml(budget, layers, False, source) if backend == "ggml" else budget
 
     def ggml_budget(self, i: int, source: ModelSource) -> NodeBudget:
